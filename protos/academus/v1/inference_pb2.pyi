@@ -1,0 +1,107 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Output(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OUTPUT_UNSPECIFIED: _ClassVar[Output]
+    OUTPUT_LABEL: _ClassVar[Output]
+    OUTPUT_SCORE: _ClassVar[Output]
+    OUTPUT_EMBEDDING: _ClassVar[Output]
+OUTPUT_UNSPECIFIED: Output
+OUTPUT_LABEL: Output
+OUTPUT_SCORE: Output
+OUTPUT_EMBEDDING: Output
+
+class TextInput(_message.Message):
+    __slots__ = ("text", "text_pair")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TEXT_PAIR_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    text_pair: str
+    def __init__(self, text: _Optional[str] = ..., text_pair: _Optional[str] = ...) -> None: ...
+
+class InferRequest(_message.Message):
+    __slots__ = ("model", "inputs", "output", "truncate", "request_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    inputs: _containers.RepeatedCompositeFieldContainer[TextInput]
+    output: Output
+    truncate: bool
+    request_id: str
+    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TextInput, _Mapping]]] = ..., output: _Optional[_Union[Output, str]] = ..., truncate: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class Prediction(_message.Message):
+    __slots__ = ("label", "probs", "score", "embedding", "num_tokens", "truncated", "input_index", "exit_layer", "final")
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    INPUT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    EXIT_LAYER_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    label: str
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    score: float
+    embedding: _containers.RepeatedScalarFieldContainer[float]
+    num_tokens: int
+    truncated: bool
+    input_index: int
+    exit_layer: int
+    final: bool
+    def __init__(self, label: _Optional[str] = ..., probs: _Optional[_Iterable[float]] = ..., score: _Optional[float] = ..., embedding: _Optional[_Iterable[float]] = ..., num_tokens: _Optional[int] = ..., truncated: _Optional[bool] = ..., input_index: _Optional[int] = ..., exit_layer: _Optional[int] = ..., final: _Optional[bool] = ...) -> None: ...
+
+class InferMetadata(_message.Message):
+    __slots__ = ("policy", "batch_size", "student_count", "worker_id", "gateway_ms", "tokenize_ms", "scheduler_ms", "queue_ms", "worker_ms", "compute_ms", "padded_tokens", "real_tokens", "attempts")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STUDENT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_MS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZE_MS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_MS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    PADDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    batch_size: int
+    student_count: int
+    worker_id: str
+    gateway_ms: float
+    tokenize_ms: float
+    scheduler_ms: float
+    queue_ms: float
+    worker_ms: float
+    compute_ms: float
+    padded_tokens: int
+    real_tokens: int
+    attempts: int
+    def __init__(self, policy: _Optional[str] = ..., batch_size: _Optional[int] = ..., student_count: _Optional[int] = ..., worker_id: _Optional[str] = ..., gateway_ms: _Optional[float] = ..., tokenize_ms: _Optional[float] = ..., scheduler_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., worker_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., padded_tokens: _Optional[int] = ..., real_tokens: _Optional[int] = ..., attempts: _Optional[int] = ...) -> None: ...
+
+class InferResponse(_message.Message):
+    __slots__ = ("model", "request_id", "labels", "predictions", "metadata")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTIONS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    request_id: str
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    predictions: _containers.RepeatedCompositeFieldContainer[Prediction]
+    metadata: InferMetadata
+    def __init__(self, model: _Optional[str] = ..., request_id: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., predictions: _Optional[_Iterable[_Union[Prediction, _Mapping]]] = ..., metadata: _Optional[_Union[InferMetadata, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,20 @@
+from academus.v1 import inference_pb2 as _inference_pb2
+from academus.v1 import tensors_pb2 as _tensors_pb2
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RunRequest(_message.Message):
+    __slots__ = ("batch_id", "model", "output", "tokens")
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    batch_id: str
+    model: str
+    output: _inference_pb2.Output
+    tokens: _tensors_pb2.TokenBatch
+    def __init__(self, batch_id: _Optional[str] = ..., model: _Optional[str] = ..., output: _Optional[_Union[_inference_pb2.Output, str]] = ..., tokens: _Optional[_Union[_tensors_pb2.TokenBatch, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,3 @@
+from academus.services.gateway.server import main
+
+main()

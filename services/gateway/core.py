@@ -1,0 +1,158 @@
+"""Gateway core: authentication, the model catalogue, input limits and tokenization. No gRPC here."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
+from academus.shared.config import GatewayConfig
+from academus.shared.errors import InvalidArgument, NotFound, Unauthenticated, Unavailable
+from academus.shared.keys import Keys
+from academus.shared.tokenization import Encoded, TeacherTokenizer, TextTooLong
+
+# What the caller asked for, as the core names it (the edge maps the proto enum).
+LABEL, SCORE, EMBED = "label", "score", "embedding"
+
+
+@dataclass(frozen=True)
+class Principal:
+    tenant: str
+    role: str
+
+
+@dataclass(frozen=True)
+class InferCall:
+    model: str
+    texts: Sequence[str]
+    pairs: Sequence[str]           # empty strings where there is no pair
+    output: str                    # "" (the model's natural output), LABEL, SCORE or EMBED
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
+class Admitted:
+    principal: Principal
+    spec: ModelSpec
+    output: str
+    encoded: list[Encoded]
+    truncated: list[bool]
+    tokenize_ms: float
+
+
+class Authenticator:
+    """API key -> principal via Redis (SHA-256 of the key); verified keys are cached briefly."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, cache_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.redis, self.keys, self.cache_s, self.clock = redis, keys, cache_s, clock
+        self._cache: dict[str, tuple[float, Principal]] = {}
+
+    async def authenticate(self, api_key: str | None) -> Principal:
+        if not api_key:
+            raise Unauthenticated("missing API key: send it as `x-api-key` (or `authorization: Bearer`) metadata")
+        hit = self._cache.get(api_key)
+        if hit and hit[0] > self.clock():
+            return hit[1]
+        record = await self.redis.hgetall(self.keys.api_key(api_key))
+        if not record:
+            raise Unauthenticated("invalid API key")
+        principal = Principal(record["tenant"], record.get("role", "tenant"))
+        self._cache[api_key] = (self.clock() + self.cache_s, principal)
+        return principal
+
+
+class Catalogue:
+    """Model name -> ModelSpec as registered by workers; re-read on a miss, at most every 100 ms."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, clock: Callable[[], float] = time.monotonic) -> None:
+        self.redis, self.keys, self.clock = redis, keys, clock
+        self.models: dict[str, ModelSpec] = {}
+        self._read_at = float("-inf")
+
+    async def refresh(self) -> None:
+        raw = await self.redis.hgetall(self.keys.models())
+        self.models = {name: ModelSpec.from_json(spec) for name, spec in raw.items()}
+        self._read_at = self.clock()
+
+    async def get(self, name: str) -> ModelSpec:
+        if name not in self.models and self.clock() - self._read_at > 0.1:
+            await self.refresh()
+        spec = self.models.get(name)
+        if spec is None:
+            known = ", ".join(sorted(self.models)) or "none"
+            raise NotFound(f"model {name!r} not found; served models: {known}")
+        return spec
+
+
+def resolve_output(spec: ModelSpec, wanted: str) -> str:
+    if not wanted:
+        return LABEL if spec.kind == CLASSIFICATION else EMBED
+    if wanted in (LABEL, SCORE) and spec.kind == EMBEDDING:
+        raise InvalidArgument(f"output={wanted}: model {spec.name!r} is an embedding model; use output=embedding")
+    return wanted
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, tokenizer: TeacherTokenizer, auth: Authenticator,
+                 catalogue: Catalogue) -> None:
+        self.config, self.tokenizer, self.auth, self.catalogue = config, tokenizer, auth, catalogue
+
+    async def admit(self, api_key: str | None, call: InferCall) -> Admitted:
+        """Authenticates, checks limits and tokenizes: everything before the scheduler."""
+        principal = await self.auth.authenticate(api_key)
+        self.check_inputs(call)
+        spec = await self.catalogue.get(call.model)
+        output = resolve_output(spec, call.output)
+        start = time.perf_counter()
+        encoded = self.tokenize(call)
+        truncated = [call.truncate and len(e.input_ids) >= self.tokenizer.max_tokens for e in encoded]
+        return Admitted(principal, spec, output, encoded, truncated, (time.perf_counter() - start) * 1e3)
+
+    def check_inputs(self, call: InferCall) -> None:
+        limit = self.config.max_inputs
+        if not call.texts:
+            raise InvalidArgument("inputs is empty: send at least one text")
+        if len(call.texts) > limit:
+            raise InvalidArgument(f"inputs has {len(call.texts)} entries; the limit is {limit} per request")
+        for i, (text, pair) in enumerate(itertools.zip_longest(call.texts, call.pairs, fillvalue="")):
+            if not text.strip():
+                raise InvalidArgument(f"inputs[{i}].text is empty")
+            for field, value in (("text", text), ("text_pair", pair)):
+                if len(value) > self.config.max_text_chars:
+                    raise InvalidArgument(f"inputs[{i}].{field} has {len(value)} characters; "
+                                          f"the limit is {self.config.max_text_chars}")
+
+    def tokenize(self, call: InferCall) -> list[Encoded]:
+        pairs = list(call.pairs) if any(call.pairs) else None
+        try:
+            return self.tokenizer.encode(call.texts, pairs, truncate=call.truncate)
+        except TextTooLong as e:
+            raise InvalidArgument(f"inputs[{e.index}].text has {e.num_tokens} tokens; the limit is {e.limit} "
+                                  "tokens (truncate=false)") from e
+
+
+class SchedulerDirectory:
+    """Live schedulers from Redis, used round-robin (the paper's global dispatcher)."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
+        self.redis, self.keys = redis, keys
+        self.addresses: list[str] = []
+        self._next = itertools.count()
+
+    async def refresh(self) -> None:
+        ids = sorted(await self.redis.smembers(self.keys.schedulers()))
+        found = [await self.redis.get(self.keys.scheduler(i)) for i in ids]
+        self.addresses = [a for a in found if a]
+
+    async def pick(self, exclude: frozenset[str] = frozenset()) -> str:
+        if not self.addresses:
+            await self.refresh()
+        candidates = [a for a in self.addresses if a not in exclude]
+        if not candidates:
+            raise Unavailable("no live scheduler")
+        return candidates[next(self._next) % len(candidates)]

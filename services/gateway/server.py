@@ -1,0 +1,168 @@
+"""gRPC edge of the gateway: the public Inference service over the Gateway core."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from academus.shared import config as cfg
+from academus.shared.errors import ServingError, Unavailable, abort_with, from_rpc_error
+from academus.shared.keys import Keys
+from academus.shared.logs import log_event
+from academus.shared.model import teacher_dir
+from academus.shared.redis_conn import connect
+from academus.shared.serving import ServiceSpec, channel, run
+from academus.shared.tokenization import TeacherTokenizer
+from academus.shared.tracing import annotate
+from academus.v1 import inference_pb2 as pb
+from academus.v1 import inference_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, tensors_pb2
+from academus.services.gateway.core import (
+    EMBED,
+    LABEL,
+    SCORE,
+    Admitted,
+    Authenticator,
+    Catalogue,
+    Gateway,
+    InferCall,
+    SchedulerDirectory,
+)
+
+OUTPUT_NAMES = {pb.OUTPUT_UNSPECIFIED: "", pb.OUTPUT_LABEL: LABEL, pb.OUTPUT_SCORE: SCORE, pb.OUTPUT_EMBEDDING: EMBED}
+OUTPUT_ENUMS = {LABEL: pb.OUTPUT_LABEL, SCORE: pb.OUTPUT_SCORE, EMBED: pb.OUTPUT_EMBEDDING}
+
+
+def api_key_from(metadata) -> str | None:
+    for key, value in metadata or ():
+        if key == "x-api-key":
+            return value
+        if key == "authorization" and value.lower().startswith("bearer "):
+            return value[7:].strip()
+    return None
+
+
+def from_pb(request: pb.InferRequest) -> InferCall:
+    return InferCall(
+        model=request.model,
+        texts=[i.text for i in request.inputs],
+        pairs=[i.text_pair for i in request.inputs],
+        output=OUTPUT_NAMES.get(request.output, ""),
+        truncate=request.truncate if request.HasField("truncate") else True,
+    )
+
+
+def schedule_request(admitted: Admitted, request_id: str) -> scheduler_pb2.ScheduleRequest:
+    tokens = tensors_pb2.TokenBatch(lengths=[len(e.input_ids) for e in admitted.encoded])
+    for e in admitted.encoded:
+        tokens.input_ids.extend(e.input_ids)
+    if any(any(e.token_type_ids) for e in admitted.encoded):
+        for e in admitted.encoded:
+            tokens.token_type_ids.extend(e.token_type_ids)
+    return scheduler_pb2.ScheduleRequest(request_id=request_id, model=admitted.spec.name,
+                                         tenant=admitted.principal.tenant,
+                                         output=OUTPUT_ENUMS[admitted.output], tokens=tokens)
+
+
+def to_pb(admitted: Admitted, result: tensors_pb2.ModelOutput, request_id: str) -> pb.InferResponse:
+    matrix = result.values
+    dim, values = matrix.dim, matrix.values
+    response = pb.InferResponse(model=admitted.spec.name, request_id=request_id, labels=result.labels)
+    response.metadata.CopyFrom(result.metadata)
+    for i, e in enumerate(admitted.encoded):
+        row = values[i * dim : (i + 1) * dim]
+        p = response.predictions.add(num_tokens=len(e.input_ids), truncated=admitted.truncated[i],
+                                     input_index=i, final=True)
+        if admitted.output == EMBED:
+            p.embedding.extend(row)
+        else:
+            p.probs.extend(row)
+            p.label = result.labels[max(range(dim), key=row.__getitem__)]
+            p.score = row[-1]
+    return response
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+    def __init__(self, gateway: Gateway, schedulers: SchedulerDirectory, default_deadline_s: float) -> None:
+        self.gateway = gateway
+        self.schedulers = schedulers
+        self.default_deadline_s = default_deadline_s
+        self._stubs: dict[str, scheduler_pb2_grpc.SchedulerStub] = {}
+
+    async def Infer(self, request: pb.InferRequest, context: grpc.aio.ServicerContext):
+        entered = time.perf_counter()
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + (remaining if remaining is not None else self.default_deadline_s)
+        try:
+            admitted = await self.gateway.admit(api_key_from(context.invocation_metadata()), from_pb(request))
+            annotate(model=admitted.spec.name, tenant=admitted.principal.tenant, texts=len(admitted.encoded))
+            result = await self._schedule(schedule_request(admitted, request.request_id), deadline)
+        except ServingError as e:
+            await abort_with(context, e)
+        response = to_pb(admitted, result, request.request_id)
+        response.metadata.tokenize_ms = admitted.tokenize_ms
+        response.metadata.gateway_ms = (time.perf_counter() - entered) * 1e3
+        return response
+
+    async def _schedule(self, request: scheduler_pb2.ScheduleRequest, deadline: float) -> tensors_pb2.ModelOutput:
+        """Sends to a scheduler; a scheduler that is gone is skipped for another while time remains."""
+        tried: set[str] = set()
+        while True:
+            address = await self.schedulers.pick(frozenset(tried))
+            try:
+                return await self._stub(address).Schedule(request, timeout=max(deadline - time.monotonic(), 0.001))
+            except grpc.aio.AioRpcError as e:
+                error = from_rpc_error(e, f"scheduler {address}")
+                if not (isinstance(error, Unavailable) and _connection_failed(e)):
+                    raise error from e
+                tried.add(address)
+                await self.schedulers.refresh()
+
+    def _stub(self, address: str) -> scheduler_pb2_grpc.SchedulerStub:
+        if address not in self._stubs:
+            self._stubs[address] = scheduler_pb2_grpc.SchedulerStub(channel(address))
+        return self._stubs[address]
+
+
+def _connection_failed(error: grpc.aio.AioRpcError) -> bool:
+    """UNAVAILABLE raised by the transport (not by the scheduler's own abort)."""
+    details = (error.details() or "").lower()
+    return any(s in details for s in ("connect", "socket", "unreachable", "connection"))
+
+
+async def build() -> ServiceSpec:
+    config = cfg.load(cfg.GatewayConfig)
+    redis = connect(config.redis_url)
+    keys = Keys(config.key_prefix)
+    catalogue = Catalogue(redis, keys)
+    schedulers = SchedulerDirectory(redis, keys)
+    gateway = Gateway(config, TeacherTokenizer(teacher_dir(), config.max_tokens),
+                      Authenticator(redis, keys, config.auth_cache_s), catalogue)
+
+    async def refresher() -> None:
+        while True:
+            try:
+                await catalogue.refresh()
+                await schedulers.refresh()
+            except Exception as e:
+                log_event("refresh_failed", error=repr(e))
+            await asyncio.sleep(config.catalogue_refresh_s)
+
+    return ServiceSpec(
+        name="gateway",
+        config=config,
+        add_servicers=lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(
+            InferenceServicer(gateway, schedulers, config.default_deadline_s), s),
+        service_names=["academus.v1.Inference"],
+        on_stopped=redis.aclose,
+        extra_tasks=[refresher],
+    )
+
+
+def main() -> None:
+    run(build)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,3 @@
+from academus.services.resource_manager.server import main
+
+main()

@@ -1,0 +1,3 @@
+from academus.services.scheduler.server import main
+
+main()

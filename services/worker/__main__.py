@@ -1,0 +1,3 @@
+from academus.services.worker.server import main
+
+main()

@@ -1,0 +1,178 @@
+"""The `academus` command: up, down, status, infer, prepare, keys, trace (DESIGN.md §9)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from academus.shared.config import artifacts_dir, run_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = parser().parse_args(argv)
+    return args.func(args)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="academus", description="Serve BERT-like encoders at the lowest latency.")
+    p.add_argument("--run-dir", type=Path, default=None, help="mesh state, logs and admin key (ACADEMUS_RUN_DIR)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("up", help="start Redis (unless REDIS_URL is set) and every service")
+    s.add_argument("--detach", action="store_true", help="return once the mesh is ready")
+    s.add_argument("--port", type=int, default=50051, help="gateway port (0: any free port)")
+    s.add_argument("--workers", type=int, default=1)
+    s.add_argument("--worker-threads", type=int, default=0, help="torch threads per worker (0: default)")
+    s.add_argument("--artifacts", type=Path, default=None)
+    s.set_defaults(func=cmd_up)
+
+    s = sub.add_parser("down", help="stop the mesh started from this run directory")
+    s.set_defaults(func=cmd_down)
+
+    s = sub.add_parser("status", help="every service, its address and health, and Redis")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_status)
+
+    s = sub.add_parser("infer", help="classify or embed texts through the gateway")
+    s.add_argument("--model", required=True)
+    s.add_argument("--output", choices=["label", "score", "embedding"], default="")
+    s.add_argument("--key", default=None, help="API key (default: the local admin key)")
+    s.add_argument("--gateway", default=None, help="host:port (default: the local mesh's gateway)")
+    s.add_argument("--timeout", type=float, default=10.0)
+    s.add_argument("--no-truncate", action="store_true", help="refuse texts over the token limit")
+    s.add_argument("texts", nargs="+")
+    s.set_defaults(func=cmd_infer)
+
+    s = sub.add_parser("prepare", help="train the teacher's task heads and write the artifacts")
+    s.add_argument("rest", nargs=argparse.REMAINDER)
+    s.set_defaults(func=cmd_prepare)
+
+    s = sub.add_parser("keys", help="API keys")
+    ks = s.add_subparsers(dest="keys_command", required=True)
+    k = ks.add_parser("create", help="create a key for a tenant; prints it once")
+    k.add_argument("tenant")
+    k.set_defaults(func=cmd_keys_create)
+
+    s = sub.add_parser("trace", help="print a recorded trace of the local mesh (the latest by default)")
+    s.add_argument("trace_id", nargs="?")
+    s.set_defaults(func=cmd_trace)
+    return p
+
+
+def _run_dir(args: argparse.Namespace) -> Path:
+    return args.run_dir or run_dir()
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from academus.shared.mesh import MeshOptions, down, status, up
+
+    options = MeshOptions(run_dir=_run_dir(args), artifacts=args.artifacts or artifacts_dir(),
+                          gateway_port=args.port, workers=args.workers, worker_threads=args.worker_threads)
+    up(options)
+    print(json.dumps(status(options.run_dir)))
+    if args.detach:
+        return 0
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print("mesh is up; Ctrl-C stops it", file=sys.stderr)
+    stop.wait()
+    down(options.run_dir)
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from academus.shared.mesh import MeshError, down
+
+    try:
+        print(json.dumps({"stopped": down(_run_dir(args))}))
+    except MeshError as e:
+        print(str(e), file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from academus.shared.mesh import MeshError, status
+
+    try:
+        report = status(_run_dir(args))
+    except MeshError as e:
+        print(json.dumps({"error": str(e)}) if args.json else str(e))
+        return 1
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"redis    {report['redis']['url']:<28} {report['redis']['health']}")
+        for s in report["services"]:
+            print(f"{s['name']:<16} {s['address']:<22} {s['health']}")
+    healthy = report["redis"]["health"] == "SERVING" and all(s["health"] == "SERVING" for s in report["services"])
+    return 0 if healthy else 1
+
+
+def cmd_infer(args: argparse.Namespace) -> int:
+    from academus.client import AcademusError, Client
+    from academus.shared.mesh import ADMIN_KEY_FILE, MeshError, MeshState
+
+    key, gateway = args.key, args.gateway
+    try:
+        if gateway is None:
+            gateway = MeshState.load(_run_dir(args)).gateway
+        if key is None and (_run_dir(args) / ADMIN_KEY_FILE).exists():
+            key = (_run_dir(args) / ADMIN_KEY_FILE).read_text().strip()
+    except MeshError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    try:
+        with Client(gateway, api_key=key, timeout=args.timeout) as client:
+            result = client.infer(args.model, args.texts, args.output,
+                                  truncate=False if args.no_truncate else None)
+    except AcademusError as e:
+        print(e.code, file=sys.stdout)
+        print(f"{e.code}: {e.details}", file=sys.stderr)
+        return 1
+    for text, p in zip(args.texts, result.predictions, strict=True):
+        if p.embedding:
+            print(json.dumps({"text": text, "embedding": p.embedding}))
+        else:
+            print(json.dumps({"text": text, "label": p.label, "probs": p.probs}))
+    return 0
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from academus.shared.training.prepare import main as prepare_main
+
+    return prepare_main(args.rest)
+
+
+def cmd_keys_create(args: argparse.Namespace) -> int:
+    from academus.shared.mesh import MeshState, create_key
+
+    key = create_key(MeshState.load(_run_dir(args)), args.tenant)
+    print(json.dumps({"tenant": args.tenant, "key": key}))
+    return 0
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from academus.shared.tracing import format_trace, read_traces
+
+    traces = read_traces([Path(os.environ.get("ACADEMUS_TRACE_FILE", _run_dir(args) / "traces.jsonl"))])
+    if not traces:
+        print("no traces recorded", file=sys.stderr)
+        return 1
+    trace_id = args.trace_id or max(traces, key=lambda t: max(s["end_ns"] for s in traces[t]))
+    if trace_id not in traces:
+        print(f"trace {trace_id} not found", file=sys.stderr)
+        return 1
+    print(format_trace(traces[trace_id]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

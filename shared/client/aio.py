@@ -1,0 +1,48 @@
+"""The asyncio client (grpc.aio); traced when OpenTelemetry is set up in the process."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+
+from academus.client.types import (
+    CHANNEL_OPTIONS,
+    DEFAULT_TIMEOUT_S,
+    AcademusError,
+    InferResult,
+    build_request,
+    call_metadata,
+    from_response,
+)
+from academus.shared.tracing import client_interceptors
+from academus.v1 import inference_pb2_grpc
+
+
+class AsyncClient:
+    def __init__(self, target: str, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        self.api_key = api_key
+        self.timeout = timeout
+        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS,
+                                                  interceptors=client_interceptors())
+        self._stub = inference_pb2_grpc.InferenceStub(self._channel)
+
+    async def infer(self, model: str, texts: Sequence[str], output: str = "", *,
+                    pairs: Sequence[str] | None = None, truncate: bool | None = None,
+                    timeout: float | None = None, request_id: str = "") -> InferResult:
+        request = build_request(model, texts, output, pairs, truncate, request_id)
+        try:
+            response = await self._stub.Infer(request, timeout=timeout or self.timeout,
+                                              metadata=call_metadata(self.api_key))
+        except grpc.aio.AioRpcError as e:
+            raise AcademusError.from_rpc(e) from None
+        return from_response(response)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

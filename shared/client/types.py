@@ -1,0 +1,106 @@
+"""Typed results and the request builder shared by the sync and asyncio clients."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from academus.v1 import inference_pb2 as pb
+
+OUTPUTS = {"": pb.OUTPUT_UNSPECIFIED, "label": pb.OUTPUT_LABEL, "score": pb.OUTPUT_SCORE,
+           "embedding": pb.OUTPUT_EMBEDDING}
+DEFAULT_TIMEOUT_S = 10.0
+
+# Retries only UNAVAILABLE, the one status that says nothing ran; inference is idempotent anyway.
+SERVICE_CONFIG = json.dumps({
+    "methodConfig": [{
+        "name": [{"service": "academus.v1.Inference"}],
+        "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.05s", "maxBackoff": "0.5s",
+                        "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
+    }]
+})
+CHANNEL_OPTIONS = [("grpc.service_config", json.dumps(json.loads(SERVICE_CONFIG))),
+                   ("grpc.enable_retries", 1),
+                   ("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+
+
+class AcademusError(Exception):
+    """A call that ended with a non-OK gRPC status; `code` is its name, e.g. 'UNAUTHENTICATED'."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.status = code
+        self.code = code.name
+        self.details = details
+
+    @classmethod
+    def from_rpc(cls, error: grpc.RpcError) -> AcademusError:
+        return cls(error.code(), error.details() or "")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    label: str = ""
+    probs: dict[str, float] = field(default_factory=dict)
+    score: float = 0.0
+    embedding: list[float] = field(default_factory=list)
+    num_tokens: int = 0
+    truncated: bool = False
+
+
+@dataclass(frozen=True)
+class Metadata:
+    policy: str
+    batch_size: int
+    student_count: int
+    worker_id: str
+    gateway_ms: float
+    tokenize_ms: float
+    scheduler_ms: float
+    queue_ms: float
+    worker_ms: float
+    compute_ms: float
+    attempts: int
+
+
+@dataclass(frozen=True)
+class InferResult:
+    model: str
+    request_id: str
+    predictions: list[Prediction]
+    metadata: Metadata
+
+
+def build_request(model: str, texts: Sequence[str], output: str = "", pairs: Sequence[str] | None = None,
+                  truncate: bool | None = None, request_id: str = "") -> pb.InferRequest:
+    if output not in OUTPUTS:
+        raise ValueError(f"output must be one of {sorted(o for o in OUTPUTS if o)}, not {output!r}")
+    if isinstance(texts, str):
+        raise TypeError("texts must be a sequence of strings, not one string")
+    pairs = list(pairs) if pairs is not None else [""] * len(texts)
+    request = pb.InferRequest(model=model, output=OUTPUTS[output], request_id=request_id,
+                              inputs=[pb.TextInput(text=t, text_pair=p) for t, p in zip(texts, pairs, strict=True)])
+    if truncate is not None:
+        request.truncate = truncate
+    return request
+
+
+def from_response(response: pb.InferResponse) -> InferResult:
+    labels = list(response.labels)
+    m = response.metadata
+    return InferResult(
+        model=response.model,
+        request_id=response.request_id,
+        predictions=[Prediction(label=p.label, probs=dict(zip(labels, p.probs, strict=False)), score=p.score,
+                                embedding=list(p.embedding), num_tokens=p.num_tokens, truncated=p.truncated)
+                     for p in response.predictions],
+        metadata=Metadata(m.policy, m.batch_size, m.student_count, m.worker_id, m.gateway_ms, m.tokenize_ms,
+                          m.scheduler_ms, m.queue_ms, m.worker_ms, m.compute_ms, m.attempts),
+    )
+
+
+def call_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    return (("x-api-key", api_key),) if api_key else ()

@@ -1,0 +1,65 @@
+"""Domain errors raised by core classes; each gRPC edge maps them to a status (DESIGN.md §8)."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class ServingError(Exception):
+    """An error with the gRPC status it must reach the client with."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str, *, pushback_ms: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.pushback_ms = pushback_ms
+
+
+class InvalidArgument(ServingError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class Unauthenticated(ServingError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(ServingError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class NotFound(ServingError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class ResourceExhausted(ServingError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class DeadlineExceeded(ServingError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Unavailable(ServingError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+async def abort_with(context: grpc.aio.ServicerContext, error: ServingError) -> None:
+    """Aborts the RPC with the error's status, adding the retry pushback hint when it has one."""
+    if error.pushback_ms is not None:
+        context.set_trailing_metadata((("grpc-retry-pushback-ms", str(error.pushback_ms)),))
+    await context.abort(error.code, error.message)
+
+
+def from_rpc_error(error: grpc.aio.AioRpcError, hop: str) -> ServingError:
+    """Re-raises a downstream status unchanged in code, with the hop named for the operator."""
+    cls = next((c for c in _ALL if c.code == error.code()), ServingError)
+    pushback = dict(error.trailing_metadata() or ()).get("grpc-retry-pushback-ms")
+    err = cls(error.details() or f"{hop} failed with {error.code().name}",
+              pushback_ms=int(pushback) if pushback else None)
+    if cls is ServingError:
+        err.code = error.code()
+    return err
+
+
+_ALL = (InvalidArgument, Unauthenticated, PermissionDenied, NotFound, ResourceExhausted, DeadlineExceeded, Unavailable)

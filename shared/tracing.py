@@ -1,0 +1,130 @@
+"""OpenTelemetry set-up: one trace per request across gateway, scheduler and worker.
+
+Export goes over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set, to a JSON-lines file when
+ACADEMUS_TRACE_FILE is set (the local mesh uses this so `academus trace` can print a trace),
+and nowhere otherwise (spans are still created so the context propagates).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from opentelemetry import trace
+from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+_provider: TracerProvider | None = None
+
+
+class JsonlSpanExporter(SpanExporter):
+    """Appends one JSON object a span; small appends from several processes do not interleave."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        lines = "".join(json.dumps(span_record(s)) + "\n" for s in spans)
+        with self._lock, open(self.path, "a", encoding="utf-8") as f:
+            f.write(lines)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        return None
+
+
+def span_record(span: ReadableSpan) -> dict:
+    ctx = span.get_span_context()
+    return {
+        "trace_id": f"{ctx.trace_id:032x}",
+        "span_id": f"{ctx.span_id:016x}",
+        "parent_id": f"{span.parent.span_id:016x}" if span.parent else None,
+        "name": span.name,
+        "service": span.resource.attributes.get("service.name"),
+        "kind": span.kind.name,
+        "start_ns": span.start_time,
+        "end_ns": span.end_time,
+        "status": span.status.status_code.name,
+        "attributes": {k: _plain(v) for k, v in (span.attributes or {}).items()},
+    }
+
+
+def _plain(value: object) -> object:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def setup_tracing(service_name: str) -> TracerProvider:
+    """Installs the process's tracer provider once; later calls return it."""
+    global _provider
+    if _provider is not None:
+        return _provider
+    provider = TracerProvider(resource=Resource.create({"service.name": f"academus-{service_name}"}))
+    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    if os.environ.get("ACADEMUS_TRACE_FILE"):
+        provider.add_span_processor(BatchSpanProcessor(JsonlSpanExporter(Path(os.environ["ACADEMUS_TRACE_FILE"]))))
+    trace.set_tracer_provider(provider)
+    _provider = provider
+    return provider
+
+
+def server_interceptors(provider: TracerProvider) -> list:
+    return [aio_server_interceptor(tracer_provider=provider)]
+
+
+def client_interceptors(provider: TracerProvider | None = None) -> list:
+    return list(aio_client_interceptors(tracer_provider=provider or trace.get_tracer_provider()))
+
+
+def shutdown_tracing() -> None:
+    if _provider is not None:
+        _provider.shutdown()
+
+
+def annotate(**attributes: object) -> None:
+    """Adds attributes (model, tenant, policy, batch size...) to the current hop's span."""
+    span = trace.get_current_span()
+    for key, value in attributes.items():
+        if value is not None:
+            span.set_attribute(f"academus.{key}", value)
+
+
+def read_traces(paths: Sequence[Path]) -> dict[str, list[dict]]:
+    """Groups the spans of JSON-lines trace files by trace id."""
+    traces: dict[str, list[dict]] = {}
+    for path in paths:
+        if not Path(path).exists():
+            continue
+        for line in Path(path).read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                record = json.loads(line)
+                traces.setdefault(record["trace_id"], []).append(record)
+    return traces
+
+
+def format_trace(spans: list[dict]) -> str:
+    """An indented tree: one line a span with its service and duration."""
+    by_parent: dict[str | None, list[dict]] = {}
+    ids = {s["span_id"] for s in spans}
+    for s in sorted(spans, key=lambda s: s["start_ns"]):
+        by_parent.setdefault(s["parent_id"] if s["parent_id"] in ids else None, []).append(s)
+    t0 = min(s["start_ns"] for s in spans)
+    lines: list[str] = []
+
+    def walk(parent: str | None, depth: int) -> None:
+        for s in by_parent.get(parent, []):
+            ms = (s["end_ns"] - s["start_ns"]) / 1e6
+            at = (s["start_ns"] - t0) / 1e6
+            lines.append(f"{'  ' * depth}{s['service']:<28} {s['kind']:<7} {s['name']:<48} +{at:7.2f} ms {ms:7.2f} ms")
+            walk(s["span_id"], depth + 1)
+
+    walk(None, 0)
+    return f"trace {spans[0]['trace_id']}\n" + "\n".join(lines)

@@ -1,0 +1,124 @@
+"""Gateway core with a real Redis: auth, catalogue, limits, tokenization."""
+
+from __future__ import annotations
+
+import pytest
+
+from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
+from academus.shared.config import GatewayConfig
+from academus.shared.errors import InvalidArgument, NotFound, Unauthenticated
+from academus.shared.keys import Keys
+from academus.shared.model import teacher_dir
+from academus.shared.redis_conn import connect
+from academus.shared.tokenization import TeacherTokenizer
+from academus.services.gateway.core import (
+    EMBED,
+    LABEL,
+    Authenticator,
+    Catalogue,
+    Gateway,
+    InferCall,
+    resolve_output,
+)
+
+KEYS = Keys("acd")
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> TeacherTokenizer:
+    return TeacherTokenizer(teacher_dir(), max_tokens=32)
+
+
+@pytest.fixture
+async def gateway(redis_url, tokenizer):
+    redis = connect(redis_url)
+    await redis.hset(KEYS.api_key("good-key"), mapping={"tenant": "acme", "role": "tenant"})
+    await redis.hset(KEYS.models(), "spam", ModelSpec("spam", CLASSIFICATION, ["ham", "spam"]).to_json())
+    await redis.hset(KEYS.models(), "minilm", ModelSpec("minilm", EMBEDDING).to_json())
+    config = GatewayConfig(max_inputs=4, max_tokens=32, max_text_chars=500)
+    yield Gateway(config, tokenizer, Authenticator(redis, KEYS, 5.0), Catalogue(redis, KEYS))
+    await redis.aclose()
+
+
+def call(texts, model="spam", truncate=True, output=""):
+    return InferCall(model=model, texts=texts, pairs=[""] * len(texts), output=output, truncate=truncate)
+
+
+async def test_admits_and_tokenizes(gateway):
+    admitted = await gateway.admit("good-key", call(["free money now", "see you at lunch"]))
+    assert admitted.principal.tenant == "acme"
+    assert admitted.output == LABEL
+    assert [e.input_ids[0] for e in admitted.encoded] == [101, 101]
+    assert all(e.input_ids[-1] == 102 for e in admitted.encoded)
+
+
+@pytest.mark.parametrize("key", [None, "", "wrong-key"])
+async def test_missing_or_wrong_key_is_unauthenticated(gateway, key):
+    with pytest.raises(Unauthenticated):
+        await gateway.admit(key, call(["hi"]))
+
+
+async def test_empty_text_names_the_field(gateway):
+    with pytest.raises(InvalidArgument, match=r"inputs\[1\]\.text is empty"):
+        await gateway.admit("good-key", call(["ok", "   "]))
+
+
+async def test_no_inputs_is_invalid(gateway):
+    with pytest.raises(InvalidArgument, match="inputs is empty"):
+        await gateway.admit("good-key", call([]))
+
+
+async def test_too_many_texts_names_the_limit(gateway):
+    with pytest.raises(InvalidArgument, match="inputs has 5 entries; the limit is 4"):
+        await gateway.admit("good-key", call(["a"] * 5))
+
+
+async def test_too_many_characters_names_the_limit(gateway):
+    with pytest.raises(InvalidArgument, match="the limit is 500"):
+        await gateway.admit("good-key", call(["x" * 501]))
+
+
+async def test_long_text_without_truncation_names_the_token_limit(gateway):
+    text = "word " * 60
+    with pytest.raises(InvalidArgument, match=r"inputs\[0\]\.text has 62 tokens; the limit is 32 tokens"):
+        await gateway.admit("good-key", call([text], truncate=False))
+    admitted = await gateway.admit("good-key", call([text], truncate=True))
+    assert len(admitted.encoded[0].input_ids) == 32 and admitted.truncated == [True]
+
+
+async def test_unknown_model_is_not_found_and_lists_served(gateway):
+    with pytest.raises(NotFound, match="'nope' not found; served models: minilm, spam"):
+        await gateway.admit("good-key", call(["hi"], model="nope"))
+
+
+async def test_label_from_embedding_model_is_invalid(gateway):
+    with pytest.raises(InvalidArgument, match="embedding model"):
+        await gateway.admit("good-key", call(["hi"], model="minilm", output=LABEL))
+
+
+def test_natural_output():
+    assert resolve_output(ModelSpec("m", EMBEDDING), "") == EMBED
+    assert resolve_output(ModelSpec("m", CLASSIFICATION, ["a", "b"]), "") == LABEL
+    assert resolve_output(ModelSpec("m", CLASSIFICATION, ["a", "b"]), EMBED) == EMBED
+
+
+async def test_auth_cache_expires_with_the_clock(redis_url):
+    redis = connect(redis_url)
+    now = [0.0]
+    auth = Authenticator(redis, KEYS, cache_s=5.0, clock=lambda: now[0])
+    await redis.hset(KEYS.api_key("k"), mapping={"tenant": "t"})
+    assert (await auth.authenticate("k")).tenant == "t"
+    await redis.delete(KEYS.api_key("k"))
+    assert (await auth.authenticate("k")).tenant == "t"  # cached
+    now[0] = 6.0
+    with pytest.raises(Unauthenticated):
+        await auth.authenticate("k")
+    await redis.aclose()
+
+
+async def test_only_the_key_hash_is_stored(redis_url):
+    redis = connect(redis_url)
+    await redis.hset(KEYS.api_key("secret-value"), mapping={"tenant": "t"})
+    stored = [k async for k in redis.scan_iter("*")]
+    assert stored and not any("secret-value" in k for k in stored)
+    await redis.aclose()

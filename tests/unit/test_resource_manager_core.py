@@ -1,0 +1,51 @@
+"""Placement table against a real Redis: register, deregister, heartbeat expiry, reaping."""
+
+from __future__ import annotations
+
+import asyncio
+
+from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
+from academus.shared.keys import Keys
+from academus.shared.redis_conn import connect
+from academus.services.resource_manager.core import PlacementTable, WorkerInfo
+
+KEYS = Keys("acd")
+SPECS = [ModelSpec("minilm", EMBEDDING), ModelSpec("spam", CLASSIFICATION, ["ham", "spam"])]
+
+
+def info(worker_id: str) -> WorkerInfo:
+    return WorkerInfo(worker_id, f"127.0.0.1:{len(worker_id)}", "cpu", 1, [s.name for s in SPECS])
+
+
+async def test_register_places_worker_and_publishes_catalogue(redis_url):
+    redis = connect(redis_url)
+    table = PlacementTable(redis, KEYS, heartbeat_ttl_s=5)
+    await table.register(info("w1"), SPECS)
+    await table.register(info("w1"), SPECS)  # idempotent: a retried call changes nothing
+    assert await table.placements() == {"minilm": ["w1"], "spam": ["w1"]}
+    assert ModelSpec.from_json(await redis.hget(KEYS.models(), "spam")).labels == ["ham", "spam"]
+    assert 0 < await redis.ttl(KEYS.worker("w1")) <= 5
+    await redis.aclose()
+
+
+async def test_deregister_removes_from_every_placement(redis_url):
+    redis = connect(redis_url)
+    table = PlacementTable(redis, KEYS, heartbeat_ttl_s=5)
+    await table.register(info("w1"), SPECS)
+    await table.register(info("w2"), SPECS[:1])
+    assert await table.deregister("w1") is True
+    assert await table.placements() == {"minilm": ["w2"], "spam": []}
+    assert await table.deregister("w1") is False
+    await redis.aclose()
+
+
+async def test_reap_drops_workers_whose_heartbeat_expired(redis_url):
+    redis = connect(redis_url)
+    table = PlacementTable(redis, KEYS, heartbeat_ttl_s=1)
+    await table.register(info("w1"), SPECS)
+    await table.register(info("w2"), SPECS)
+    await redis.persist(KEYS.worker("w2"))  # w2 keeps beating, w1 stops
+    await asyncio.sleep(1.2)
+    assert await table.reap() == ["w1"]
+    assert await table.placements() == {"minilm": ["w2"], "spam": ["w2"]}
+    await redis.aclose()

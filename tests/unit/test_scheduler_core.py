@@ -1,0 +1,182 @@
+"""The dispatcher without gRPC: immediate dispatch, queueing, deadlines, lost workers, admission."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from academus.shared.errors import DeadlineExceeded, ResourceExhausted, Unavailable
+from academus.services.scheduler.core import Dispatcher, Job, WorkerLost
+from academus.services.scheduler.policies import FifoPolicy, make_policy
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeWorkers:
+    """A controllable `send`: each call waits until the test releases or fails it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Job, asyncio.Future]] = []
+
+    async def send(self, worker, job):
+        fut = asyncio.get_running_loop().create_future()
+        self.calls.append((worker.worker_id, job, fut))
+        return await fut
+
+
+def make_job(clock: Clock, model: str = "spam", deadline_in: float = 5.0, payload: object = None) -> Job:
+    return Job(model=model, payload=payload, num_texts=1, num_tokens=8,
+               deadline=clock() + deadline_in, enqueued_at=clock())
+
+
+def make_dispatcher(workers: dict[str, set[str]], capacity: int = 8):
+    clock, fake = Clock(), FakeWorkers()
+    d = Dispatcher(FifoPolicy(), fake.send, capacity, 25, clock)
+    d.update_workers({w: (f"127.0.0.1:{i}", frozenset(m)) for i, (w, m) in enumerate(workers.items())})
+    return d, clock, fake
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_idle_worker_takes_job_at_once_and_result_returns():
+    d, clock, fake = make_dispatcher({"w0": {"spam"}})
+    task = asyncio.create_task(d.submit(make_job(clock, payload="x")))
+    await settle()
+    assert [c[0] for c in fake.calls] == ["w0"]
+    fake.calls[0][2].set_result("done")
+    assert await task == "done"
+    assert d.load() == {"queued": 0, "idle": 1, "workers": 1}
+
+
+async def test_busy_worker_queues_fifo_and_drains_in_order():
+    d, clock, fake = make_dispatcher({"w0": {"spam"}})
+    tasks = [asyncio.create_task(d.submit(make_job(clock, payload=i))) for i in range(3)]
+    await settle()
+    assert len(fake.calls) == 1 and len(d.policy) == 2
+    for expected in range(3):
+        assert fake.calls[expected][1].payload == expected
+        fake.calls[expected][2].set_result(expected)
+        await settle()
+    assert await asyncio.gather(*tasks) == [0, 1, 2]
+
+
+async def test_job_goes_only_to_a_worker_serving_its_model():
+    d, clock, fake = make_dispatcher({"w0": {"minilm"}, "w1": {"spam"}})
+    task = asyncio.create_task(d.submit(make_job(clock, model="spam")))
+    await settle()
+    assert fake.calls[0][0] == "w1"
+    fake.calls[0][2].set_result(1)
+    await task
+
+
+async def test_unknown_model_is_unavailable_at_once():
+    d, clock, _ = make_dispatcher({"w0": {"minilm"}})
+    with pytest.raises(Unavailable, match="no live worker serves model 'spam'"):
+        await d.submit(make_job(clock, model="spam"))
+
+
+async def test_full_queue_is_resource_exhausted_with_pushback():
+    d, clock, _fake = make_dispatcher({"w0": {"spam"}}, capacity=1)
+    first = asyncio.create_task(d.submit(make_job(clock)))
+    second = asyncio.create_task(d.submit(make_job(clock)))
+    await settle()
+    with pytest.raises(ResourceExhausted) as info:
+        await d.submit(make_job(clock))
+    assert info.value.pushback_ms == 25 and d.stats.rejected == 1
+    first.cancel()
+    second.cancel()
+    await asyncio.gather(first, second, return_exceptions=True)
+
+
+async def test_expired_job_is_answered_and_never_sent():
+    d, clock, fake = make_dispatcher({"w0": {"spam"}})
+    running = asyncio.create_task(d.submit(make_job(clock, deadline_in=10)))
+    late = asyncio.create_task(d.submit(make_job(clock, deadline_in=1, payload="late")))
+    await settle()
+    clock.now += 2
+    fake.calls[0][2].set_result("ok")
+    await settle()
+    with pytest.raises(DeadlineExceeded, match="not computed"):
+        await late
+    assert await running == "ok"
+    assert [c[1].payload for c in fake.calls] == [None]
+    assert d.stats.expired == 1
+
+
+async def test_expire_waiting_answers_queued_jobs_without_a_free_worker():
+    d, clock, fake = make_dispatcher({"w0": {"spam"}})
+    running = asyncio.create_task(d.submit(make_job(clock, deadline_in=10)))
+    late = asyncio.create_task(d.submit(make_job(clock, deadline_in=1)))
+    await settle()
+    clock.now += 2
+    assert d.expire_waiting() == 1
+    with pytest.raises(DeadlineExceeded):
+        await late
+    fake.calls[0][2].set_result("ok")
+    await running
+
+
+async def test_cancelled_caller_is_skipped_and_cancels_downstream():
+    d, clock, fake = make_dispatcher({"w0": {"spam"}})
+    running = asyncio.create_task(d.submit(make_job(clock)))
+    waiting = asyncio.create_task(d.submit(make_job(clock, payload="gone")))
+    await settle()
+    waiting.cancel()
+    running.cancel()
+    await settle()
+    assert fake.calls[0][2].cancelled()  # the in-flight downstream call was cancelled too
+    await settle()
+    assert all(c[1].payload != "gone" for c in fake.calls)
+    assert d.stats.cancelled == 1
+
+
+async def test_lost_worker_is_retried_on_another_group():
+    d, clock, fake = make_dispatcher({"w0": {"spam"}, "w1": {"spam"}})
+    task = asyncio.create_task(d.submit(make_job(clock)))
+    await settle()
+    first = fake.calls[0][0]
+    fake.calls[0][2].set_exception(WorkerLost("connection refused"))
+    await settle()
+    assert len(fake.calls) == 2 and fake.calls[1][0] != first
+    fake.calls[1][2].set_result("second")
+    assert await task == "second"
+    assert d.stats.retried == 1
+
+
+async def test_lost_last_worker_is_unavailable_not_a_hang():
+    d, clock, fake = make_dispatcher({"w0": {"spam"}})
+    running = asyncio.create_task(d.submit(make_job(clock)))
+    queued = asyncio.create_task(d.submit(make_job(clock)))
+    await settle()
+    fake.calls[0][2].set_exception(WorkerLost("connection reset"))
+    await settle()
+    for task in (running, queued):
+        with pytest.raises(Unavailable):
+            await task
+
+
+async def test_workers_leaving_placements_fail_their_waiting_jobs():
+    d, clock, _fake = make_dispatcher({"w0": {"spam"}})
+    running = asyncio.create_task(d.submit(make_job(clock)))
+    queued = asyncio.create_task(d.submit(make_job(clock)))
+    await settle()
+    d.update_workers({})
+    with pytest.raises(Unavailable):
+        await queued
+    running.cancel()
+    await asyncio.gather(running, return_exceptions=True)
+
+
+def test_unknown_policy_names_the_known_ones():
+    with pytest.raises(ValueError, match="fifo"):
+        make_policy("nope")
