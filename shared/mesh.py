@@ -3,6 +3,7 @@ process, `academus down` stops them. State lives in the run directory (mesh.json
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -15,11 +16,10 @@ from pathlib import Path
 
 import grpc
 import redis
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from academus.shared.config import artifacts_dir, redis_url_from_env
 from academus.shared.keys import Keys
 from academus.shared.redis_server import RedisServer, free_port
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 SERVICES = ("resource_manager", "worker", "scheduler", "gateway")
 DEFAULT_GATEWAY_PORT = 50051
@@ -191,10 +191,8 @@ def down(run_dir: Path, timeout_s: float = 30.0) -> list[str]:
         _terminate(proc.pid, timeout_s)
         stopped.append(proc.name)
     if state.redis_pid:
-        try:
+        with contextlib.suppress(redis.exceptions.ConnectionError):
             redis.Redis.from_url(state.redis_url).shutdown()
-        except redis.exceptions.ConnectionError:
-            pass
         _wait_exit(state.redis_pid, timeout_s)
         stopped.append("redis")
     (Path(run_dir) / STATE_FILE).unlink(missing_ok=True)

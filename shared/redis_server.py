@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import subprocess
@@ -62,10 +63,8 @@ class RedisServer:
 
     def stop(self) -> None:
         if self.process and self.process.poll() is None:
-            try:
+            with contextlib.suppress(redis.exceptions.ConnectionError):  # shutdown drops the connection
                 redis.Redis.from_url(self.url).shutdown(nosave=False)
-            except redis.exceptions.ConnectionError:
-                pass  # shutdown closes the connection as it exits
             try:
                 self.process.wait(timeout=10)
             except subprocess.TimeoutExpired:

@@ -10,14 +10,13 @@ from dataclasses import dataclass, field
 
 import grpc
 import uvloop
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
-
 from academus.shared.config import CommonConfig
 from academus.shared.logs import log_event, setup_logging
 from academus.shared.metrics import MetricsInterceptor, start_metrics
 from academus.shared.tracing import server_interceptors, setup_tracing, shutdown_tracing
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS = [
@@ -42,46 +41,65 @@ class ServiceSpec:
     extra_tasks: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
 
+class RunningService:
+    """A started server with health, reflection, tracing and metrics; `stop()` drains it."""
+
+    def __init__(self, spec: ServiceSpec) -> None:
+        self.spec = spec
+        self.address = ""
+        self.metrics_port = -1
+        self._tasks: list[asyncio.Task] = []
+        provider = setup_tracing(spec.name)
+        self.server = grpc.aio.server(
+            interceptors=[MetricsInterceptor(spec.name), *server_interceptors(provider)], options=CHANNEL_OPTIONS
+        )
+        self.health = HealthServicer()
+
+    async def start(self) -> str:
+        spec, cfg = self.spec, self.spec.config
+        spec.add_servicers(self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+        reflection.enable_server_reflection([*spec.service_names, health_name, reflection.SERVICE_NAME], self.server)
+        port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        self.metrics_port = start_metrics(cfg.metrics_port)
+        await self.server.start()
+        self.address = f"{cfg.advertised}:{port}"
+        if spec.on_started:
+            await spec.on_started(self.address)
+        self._tasks = [asyncio.create_task(t()) for t in spec.extra_tasks]
+        for name in ["", *spec.service_names]:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log_event("serving", service=spec.name, address=self.address, metrics_port=self.metrics_port)
+        return self.address
+
+    async def stop(self) -> None:
+        """NOT_SERVING, background tasks end (no heartbeat re-registers), deregister, drain, close."""
+        log_event("stopping", service=self.spec.name)
+        await self.health.enter_graceful_shutdown()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.spec.on_stopping:
+            await self.spec.on_stopping()
+        await self.server.stop(self.spec.config.grace_s)
+        if self.spec.on_stopped:
+            await self.spec.on_stopped()
+        log_event("stopped", service=self.spec.name)
+
+
 async def serve(spec: ServiceSpec) -> None:
     """Runs until SIGTERM/SIGINT, then stops accepting, lets in-flight RPCs finish, and exits."""
     setup_logging(spec.name)
-    provider = setup_tracing(spec.name)
-    server = grpc.aio.server(
-        interceptors=[MetricsInterceptor(spec.name), *server_interceptors(provider)], options=CHANNEL_OPTIONS
-    )
-    spec.add_servicers(server)
-    health = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    names = [*spec.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
-    reflection.enable_server_reflection(names, server)
-    cfg = spec.config
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
-    metrics_port = start_metrics(cfg.metrics_port)
-    await server.start()
-    address = f"{cfg.advertised}:{port}"
+    service = RunningService(spec)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    if spec.on_started:
-        await spec.on_started(address)
-    tasks = [asyncio.create_task(t()) for t in spec.extra_tasks]
-    for name in ["", *spec.service_names]:
-        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log_event("serving", service=spec.name, address=address, metrics_port=metrics_port)
+    await service.start()
     await stop.wait()
-    log_event("stopping", service=spec.name)
-    await health.enter_graceful_shutdown()
-    for task in tasks:  # heartbeats end first, so nothing re-registers what on_stopping removes
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    if spec.on_stopping:
-        await spec.on_stopping()
-    await server.stop(cfg.grace_s)
-    if spec.on_stopped:
-        await spec.on_stopped()
+    await service.stop()
     shutdown_tracing()
-    log_event("stopped", service=spec.name)
 
 
 def run(spec_factory: Callable[[], Awaitable[ServiceSpec]]) -> None:

@@ -6,18 +6,6 @@ import asyncio
 import time
 
 import grpc
-
-from academus.shared import config as cfg
-from academus.shared.errors import ServingError, Unavailable, abort_with, from_rpc_error
-from academus.shared.keys import Keys
-from academus.shared.logs import log_event
-from academus.shared.model import teacher_dir
-from academus.shared.redis_conn import connect
-from academus.shared.serving import ServiceSpec, channel, run
-from academus.shared.tokenization import TeacherTokenizer
-from academus.shared.tracing import annotate
-from academus.v1 import inference_pb2 as pb
-from academus.v1 import inference_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, tensors_pb2
 from academus.services.gateway.core import (
     EMBED,
     LABEL,
@@ -29,6 +17,17 @@ from academus.services.gateway.core import (
     InferCall,
     SchedulerDirectory,
 )
+from academus.shared import config as cfg
+from academus.shared.errors import ServingError, Unavailable, abort_with, from_rpc_error
+from academus.shared.keys import Keys
+from academus.shared.logs import log_event
+from academus.shared.model import teacher_dir
+from academus.shared.redis_conn import connect
+from academus.shared.serving import ServiceSpec, channel, run
+from academus.shared.tokenization import TeacherTokenizer
+from academus.shared.tracing import annotate
+from academus.v1 import inference_pb2 as pb
+from academus.v1 import inference_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, tensors_pb2
 
 OUTPUT_NAMES = {pb.OUTPUT_UNSPECIFIED: "", pb.OUTPUT_LABEL: LABEL, pb.OUTPUT_SCORE: SCORE, pb.OUTPUT_EMBEDDING: EMBED}
 OUTPUT_ENUMS = {LABEL: pb.OUTPUT_LABEL, SCORE: pb.OUTPUT_SCORE, EMBED: pb.OUTPUT_EMBEDDING}

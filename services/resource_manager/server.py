@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+from academus.services.resource_manager.core import PlacementTable, WorkerInfo
 from academus.shared import config as cfg
 from academus.shared.catalogue import ModelSpec
 from academus.shared.keys import Keys
@@ -12,7 +13,6 @@ from academus.shared.redis_conn import connect
 from academus.shared.serving import ServiceSpec, run
 from academus.v1 import resource_manager_pb2 as pb
 from academus.v1 import resource_manager_pb2_grpc
-from academus.services.resource_manager.core import PlacementTable, WorkerInfo
 
 
 class ResourceManagerServicer(resource_manager_pb2_grpc.ResourceManagerServicer):

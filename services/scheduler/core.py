@@ -13,8 +13,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from academus.shared.errors import DeadlineExceeded, ResourceExhausted, ServingError, Unavailable
 from academus.services.scheduler.policies import DispatchPolicy
+from academus.shared.errors import DeadlineExceeded, ResourceExhausted, ServingError, Unavailable
 
 
 @dataclass

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import grpc
-from prometheus_client import Gauge
-
+from academus.services.scheduler.core import Dispatcher, Job, WorkerLost, WorkerRef
+from academus.services.scheduler.policies import make_policy
 from academus.shared import config as cfg
 from academus.shared.errors import DeadlineExceeded, ServingError, abort_with, from_rpc_error
 from academus.shared.keys import Keys
@@ -16,8 +17,7 @@ from academus.shared.redis_conn import connect
 from academus.shared.serving import ServiceSpec, channel, run
 from academus.shared.tracing import annotate
 from academus.v1 import scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
-from academus.services.scheduler.core import Dispatcher, Job, WorkerLost, WorkerRef
-from academus.services.scheduler.policies import make_policy
+from prometheus_client import Gauge
 
 QUEUE_DEPTH = Gauge("academus_scheduler_queue_depth", "Jobs waiting for a worker")
 DROPPED = Gauge("academus_scheduler_dropped", "Jobs dropped unrun", ["reason"])
@@ -114,10 +114,8 @@ class PlacementWatcher:
                 DROPPED.labels("cancelled").set(self.dispatcher.stats.cancelled)
             except Exception as e:  # Redis away: keep the last known workers
                 log_event("placement_refresh_failed", error=repr(e))
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.changed.wait(), self.refresh_s)
-            except TimeoutError:
-                pass
             self.changed.clear()
 
 

@@ -14,11 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
 from academus.shared.errors import DeadlineExceeded, InvalidArgument, NotFound
 from academus.shared.model import HIDDEN_SIZE, ClassifierHead, TeacherEncoder, pad_batch
-from academus.shared.training.prepare import load_head
 
 OUTPUT_EMBEDDING = "embedding"
 OUTPUT_PROBS = "probs"
@@ -62,15 +60,29 @@ class ModelRunner:
         if unknown:
             raise NotFound(f"models {unknown} are not in {artifacts}/models.json (run `academus prepare`)")
         self.encoder = TeacherEncoder.load(device=self.device)
+        self._deadline: float | None = None
+        for index, layer in enumerate(self.encoder.bert.encoder.layer):
+            layer.register_forward_pre_hook(self._deadline_check(index))
         self.specs: dict[str, ModelSpec] = {}
         self.heads: dict[str, ClassifierHead] = {}
         for name in models:
             entry = catalogue[name]
             if entry["kind"] == CLASSIFICATION:
+                from academus.shared.training.prepare import load_head  # training code only when needed
+
                 self.heads[name] = load_head(Path(artifacts), entry.get("task", name)).to(self.device).eval()
                 self.specs[name] = ModelSpec(name, CLASSIFICATION, list(self.heads[name].labels), HIDDEN_SIZE)
             else:
                 self.specs[name] = ModelSpec(name, EMBEDDING, [], HIDDEN_SIZE)
+
+    def _deadline_check(self, index: int):
+        """Stops a forward pass between layers once its deadline passed: expired work is not run on."""
+
+        def hook(_module, _args) -> None:
+            if self._deadline is not None and self.clock() >= self._deadline:
+                raise DeadlineExceeded(f"deadline passed before encoder layer {index}; the rest was not computed")
+
+        return hook
 
     def run(self, model: str, output: str, input_ids: Sequence[int], lengths: Sequence[int],
             token_type_ids: Sequence[int] = (), deadline: float | None = None) -> BatchResult:
@@ -86,12 +98,10 @@ class ModelRunner:
         types = split_lengths(token_type_ids, lengths) if token_type_ids else None
         start = time.perf_counter()
         ids, mask, type_ids = pad_batch(seqs, types)
+        self._deadline = deadline  # runs on the worker's single compute thread
         with torch.inference_mode():
             pooled = self.encoder(ids.to(self.device), mask.to(self.device), type_ids.to(self.device))
-            if output == OUTPUT_PROBS:
-                values = torch.softmax(self.heads[model](pooled), dim=-1)
-            else:
-                values = pooled
+            values = torch.softmax(self.heads[model](pooled), dim=-1) if output == OUTPUT_PROBS else pooled
             values_np = values.float().cpu().numpy()
         return BatchResult(
             values=values_np,

@@ -11,17 +11,22 @@ from pathlib import Path
 
 import grpc
 import torch
-from prometheus_client import Counter
-
+from academus.services.worker.core import OUTPUT_EMBEDDING, OUTPUT_PROBS, ModelRunner
 from academus.shared import config as cfg
-from academus.shared.errors import ServingError, abort_with
+from academus.shared.errors import DeadlineExceeded, ServingError, abort_with
 from academus.shared.keys import Keys
 from academus.shared.logs import log_event
 from academus.shared.redis_conn import connect
 from academus.shared.serving import ServiceSpec, channel, run
 from academus.shared.tracing import annotate
-from academus.v1 import inference_pb2, resource_manager_pb2, resource_manager_pb2_grpc, tensors_pb2, worker_pb2_grpc
-from academus.services.worker.core import OUTPUT_EMBEDDING, OUTPUT_PROBS, ModelRunner
+from academus.v1 import (
+    inference_pb2,
+    resource_manager_pb2,
+    resource_manager_pb2_grpc,
+    tensors_pb2,
+    worker_pb2_grpc,
+)
+from prometheus_client import Counter
 
 BATCHES = Counter("academus_worker_batches_total", "Batches computed", ["model"])
 EXPIRED = Counter("academus_worker_expired_total", "Batches dropped because their deadline passed first")
@@ -38,18 +43,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         entered = time.perf_counter()
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
-        output = OUTPUT_PROBS if request.output in (inference_pb2.OUTPUT_LABEL, inference_pb2.OUTPUT_SCORE) else OUTPUT_EMBEDDING
+        wants_probs = request.output in (inference_pb2.OUTPUT_LABEL, inference_pb2.OUTPUT_SCORE)
+        output = OUTPUT_PROBS if wants_probs else OUTPUT_EMBEDDING
         tokens = request.tokens
         try:
             result = await asyncio.get_running_loop().run_in_executor(
-                self.executor, self.runner.run, request.model, output, tokens.input_ids, tokens.lengths,
+                self.executor, self._run, request.model, output, tokens.input_ids, tokens.lengths,
                 tokens.token_type_ids, deadline,
             )
         except ServingError as e:
-            if e.code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                EXPIRED.inc()
             await abort_with(context, e)
-        BATCHES.labels(request.model).inc()
         annotate(model=request.model, batch_size=len(tokens.lengths), worker=self.worker_id,
                  padding_ratio=1 - result.real_tokens / max(result.padded_tokens, 1))
         rows, dim = result.values.shape
@@ -63,6 +66,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 real_tokens=result.real_tokens,
             ),
         )
+
+
+    def _run(self, model: str, *args):
+        """On the compute thread, so batches stopped after their caller left are counted too."""
+        try:
+            result = self.runner.run(model, *args)
+        except DeadlineExceeded:
+            EXPIRED.inc()
+            raise
+        BATCHES.labels(model).inc()
+        return result
 
 
 class Registration:
@@ -106,7 +120,8 @@ class Registration:
     async def deregister(self) -> None:
         try:
             stub = await asyncio.wait_for(self._rm_stub(), 2)
-            await stub.DeregisterWorker(resource_manager_pb2.DeregisterWorkerRequest(worker_id=self.worker_id), timeout=3)
+            request = resource_manager_pb2.DeregisterWorkerRequest(worker_id=self.worker_id)
+            await stub.DeregisterWorker(request, timeout=3)
         except Exception as e:  # the TTL removes us anyway
             log_event("deregister_failed", error=repr(e))
         await self.redis.aclose()

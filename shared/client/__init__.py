@@ -12,8 +12,8 @@ server's `grpc-retry-pushback-ms`; nothing else is retried.
 
 from __future__ import annotations
 
+from academus.client.aio import AsyncClient
 from academus.client.sync import Client
 from academus.client.types import AcademusError, InferResult, Metadata, Prediction
-from academus.client.aio import AsyncClient
 
 __all__ = ["AcademusError", "AsyncClient", "Client", "InferResult", "Metadata", "Prediction"]

@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import grpc
-from opentelemetry.instrumentation.grpc import client_interceptor
-
 from academus.client.types import (
     CHANNEL_OPTIONS,
     DEFAULT_TIMEOUT_S,
@@ -17,6 +15,8 @@ from academus.client.types import (
     from_response,
 )
 from academus.v1 import inference_pb2_grpc
+from opentelemetry.instrumentation.grpc import client_interceptor
+from opentelemetry.instrumentation.grpc.grpcext import intercept_channel
 
 
 class Client:
@@ -24,7 +24,7 @@ class Client:
         self.api_key = api_key
         self.timeout = timeout
         self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
-        traced = grpc.intercept_channel(self._channel, client_interceptor())
+        traced = intercept_channel(self._channel, client_interceptor())
         self._stub = inference_pb2_grpc.InferenceStub(traced)
 
     def infer(self, model: str, texts: Sequence[str], output: str = "", *, pairs: Sequence[str] | None = None,

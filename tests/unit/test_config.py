@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import pytest
-
 from academus.shared.config import ConfigError, GatewayConfig, SchedulerConfig, WorkerConfig, load
 
 

@@ -3,14 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
-from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
-from academus.shared.config import GatewayConfig
-from academus.shared.errors import InvalidArgument, NotFound, Unauthenticated
-from academus.shared.keys import Keys
-from academus.shared.model import teacher_dir
-from academus.shared.redis_conn import connect
-from academus.shared.tokenization import TeacherTokenizer
 from academus.services.gateway.core import (
     EMBED,
     LABEL,
@@ -20,6 +12,13 @@ from academus.services.gateway.core import (
     InferCall,
     resolve_output,
 )
+from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
+from academus.shared.config import GatewayConfig
+from academus.shared.errors import InvalidArgument, NotFound, Unauthenticated
+from academus.shared.keys import Keys
+from academus.shared.model import teacher_dir
+from academus.shared.redis_conn import connect
+from academus.shared.tokenization import TeacherTokenizer
 
 KEYS = Keys("acd")
 

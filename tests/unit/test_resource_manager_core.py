@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+from academus.services.resource_manager.core import PlacementTable, WorkerInfo
 from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
 from academus.shared.keys import Keys
 from academus.shared.redis_conn import connect
-from academus.services.resource_manager.core import PlacementTable, WorkerInfo
 
 KEYS = Keys("acd")
 SPECS = [ModelSpec("minilm", EMBEDDING), ModelSpec("spam", CLASSIFICATION, ["ham", "spam"])]

@@ -5,10 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
-from academus.shared.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from academus.services.scheduler.core import Dispatcher, Job, WorkerLost
 from academus.services.scheduler.policies import FifoPolicy, make_policy
+from academus.shared.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 
 
 class Clock:

@@ -1,0 +1,158 @@
+"""Artifact directories: safetensors weights plus a `manifest.json` that checks them.
+
+A directory holds `weights.safetensors` and `manifest.json` (format_version, kind, teacher, task,
+created, shapes, files -> sha256, labels, metrics, extra). It is written to a temporary sibling
+and renamed into place, so a crash never leaves a half-written artifact under the final name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from dataclasses import asdict, dataclass, field, fields
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+FORMAT_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+MANIFEST = "manifest.json"
+WEIGHTS = "weights.safetensors"
+
+
+class ArtifactError(Exception):
+    """An artifact is missing, of an unsupported format, or does not match its manifest."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    kind: str
+    teacher: str
+    task: str
+    created: str                              # ISO 8601, UTC
+    shapes: dict[str, list[int]]
+    files: dict[str, str]                     # file name -> sha256 hex
+    labels: list[str] = field(default_factory=list)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, raw: str, source: str = "manifest") -> Manifest:
+        try:
+            data = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ArtifactError(f"{source} is not valid JSON: {e}") from e
+        if not isinstance(data, dict):
+            raise ArtifactError(f"{source} is not a JSON object")
+        version = data.get("format_version")
+        if version not in SUPPORTED_VERSIONS:
+            raise ArtifactError(f"{source} has format_version {version!r}; this build reads "
+                                f"{list(SUPPORTED_VERSIONS)} (re-run `academus prepare --force`)")
+        known = {f.name for f in fields(cls)}
+        try:
+            return cls(**{k: v for k, v in data.items() if k in known})
+        except TypeError as e:                # a required field is missing
+            raise ArtifactError(f"{source} is incomplete: {e}") from e
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_artifact(
+    directory: Path,
+    kind: str,
+    tensors: dict[str, torch.Tensor],
+    *,
+    teacher: str,
+    task: str,
+    labels: list[str],
+    metrics: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+) -> Manifest:
+    """Writes weights + manifest atomically, replacing any artifact already at `directory`."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        staging.mkdir()
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(staging / WEIGHTS))
+        os.chmod(staging / WEIGHTS, 0o644)   # safetensors writes 0600; workers may run as another user
+        manifest = Manifest(
+            kind=kind, teacher=teacher, task=task, created=datetime.now(UTC).isoformat(timespec="seconds"),
+            shapes={k: list(v.shape) for k, v in tensors.items()},
+            files={WEIGHTS: sha256_file(staging / WEIGHTS)},
+            labels=list(labels), metrics=metrics, extra=dict(extra or {}),
+        )
+        (staging / MANIFEST).write_text(manifest.to_json() + "\n")
+        _swap_in(staging, directory)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return manifest
+
+
+def _swap_in(staging: Path, directory: Path) -> None:
+    """Renames `staging` to `directory`; an old artifact is moved aside first, then removed."""
+    old = directory.parent / f".{directory.name}.old-{uuid.uuid4().hex[:8]}"
+    if directory.exists():
+        os.replace(directory, old)
+    try:
+        os.replace(staging, directory)
+    except OSError:
+        if old.exists():
+            os.replace(old, directory)       # put the previous artifact back
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def read_manifest(directory: Path) -> Manifest:
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise ArtifactError(f"no {MANIFEST} in {directory} (run `academus prepare`)")
+    return Manifest.from_json(path.read_text(), source=str(path))
+
+
+def load_artifact(
+    directory: Path, device: str | torch.device = "cpu"
+) -> tuple[Manifest, dict[str, torch.Tensor]]:
+    """The manifest and tensors, after checking every file's sha256 and every tensor's shape."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    for name, expected in manifest.files.items():
+        path = directory / name
+        if not path.is_file():
+            raise ArtifactError(f"{path} is listed in the manifest but missing")
+        if sha256_file(path) != expected:
+            raise ArtifactError(f"{path} does not match its sha256 in {MANIFEST} (corrupt or modified)")
+    if WEIGHTS not in manifest.files:
+        raise ArtifactError(f"{directory}/{MANIFEST} lists no {WEIGHTS}")
+    try:
+        tensors = load_file(str(directory / WEIGHTS), device=str(device))
+    except (SafetensorError, OSError) as e:
+        raise ArtifactError(f"{directory / WEIGHTS} cannot be read: {e}") from e
+    _check_shapes(directory / WEIGHTS, manifest.shapes, tensors)
+    return manifest, tensors
+
+
+def _check_shapes(path: Path, shapes: dict[str, list[int]], tensors: dict[str, torch.Tensor]) -> None:
+    if set(shapes) != set(tensors):
+        raise ArtifactError(f"{path} holds tensors {sorted(tensors)}; the manifest lists {sorted(shapes)}")
+    for name, shape in shapes.items():
+        if list(tensors[name].shape) != list(shape):
+            raise ArtifactError(f"{path}: tensor {name} has shape {list(tensors[name].shape)}, "
+                                f"the manifest says {list(shape)}")

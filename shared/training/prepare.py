@@ -1,0 +1,362 @@
+"""`academus prepare`: embeds each task with the frozen teacher, trains its linear head, writes artifacts.
+
+Layout under the artifacts directory:
+  heads/<task>/      weights.safetensors (linear.weight, linear.bias) + manifest.json (labels, metrics)
+  models.json        the served catalogue: `minilm` (embedding) and one classification model per head
+
+Texts are tokenized exactly as serving does (max 256 tokens, truncated). Teacher embeddings are
+cached under <data dir>/cache, keyed by the texts and the teacher, so retraining (--force) skips
+the slow encoder pass. The head is a softmax regression fitted full-batch with L-BFGS; its L2
+weight decay is picked on the validation split (macro F1), and the test split is scored once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from academus.shared.artifacts import ArtifactError, load_artifact, write_artifact
+from academus.shared.config import artifacts_dir as default_artifacts_dir
+from academus.shared.data import TASKS, DataMissing, Example, TaskData, fetch, load_task
+from academus.shared.model import (
+    HIDDEN_SIZE,
+    TEACHER_NAME,
+    ClassifierHead,
+    TeacherEncoder,
+    pad_batch,
+    teacher_dir,
+)
+from academus.shared.tokenization import TeacherTokenizer
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+from tqdm import tqdm
+
+HEAD_KIND = "teacher-head"
+MAX_TOKENS = 256                          # the serving limit: heads see what the workers will see
+DEFAULT_BATCH_SIZE = 64                   # sequences per batch at full length; shorter texts pack more
+WEIGHT_DECAYS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2)  # L2 on the weight matrix, chosen on validation
+SEED = 0
+SPLITS = ("train", "validation", "test")
+
+
+def _log(message: str) -> None:
+    print(f"[prepare] {message}", file=sys.stderr, flush=True)
+
+
+def head_dir(artifacts_dir: Path, task: str) -> Path:
+    return Path(artifacts_dir) / "heads" / task
+
+
+# --- embedding ---------------------------------------------------------------------------------
+
+def length_batches(
+    lengths: Sequence[int], batch_size: int, max_tokens: int = MAX_TOKENS
+) -> Iterator[list[int]]:
+    """Indices longest first, cut so each padded batch stays within batch_size * max_tokens tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    budget, batch = batch_size * max_tokens, []
+    for i in order:
+        if batch and (len(batch) + 1) * lengths[batch[0]] > budget:
+            yield batch
+            batch = []
+        batch.append(i)
+    if batch:
+        yield batch
+
+
+def embed_texts(
+    texts: Sequence[str],
+    encoder: TeacherEncoder,
+    tokenizer: TeacherTokenizer,
+    *,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    device: str | torch.device = "cpu",
+    desc: str = "embed",
+) -> torch.Tensor:
+    """Pooled teacher embeddings (len(texts) x 384, float32, CPU) in the order of `texts`."""
+    encoded = tokenizer.encode(list(texts), truncate=True)
+    out = torch.empty(len(encoded), HIDDEN_SIZE)
+    with tqdm(total=len(encoded), desc=desc, unit="text", file=sys.stderr, leave=False) as bar:
+        for batch in length_batches([len(e.input_ids) for e in encoded], batch_size, tokenizer.max_tokens):
+            ids, mask, types = pad_batch([encoded[i].input_ids for i in batch],
+                                         [encoded[i].token_type_ids for i in batch])
+            with torch.inference_mode():
+                pooled = encoder(ids.to(device), mask.to(device), types.to(device))
+            out[batch] = pooled.float().cpu()
+            bar.update(len(batch))
+    return out
+
+
+def _cache_key(task: str, splits: dict[str, list[Example]], max_tokens: int) -> str:
+    digest = hashlib.sha256(f"{TEACHER_NAME}|{max_tokens}|{task}".encode())
+    for name in SPLITS:
+        for ex in splits[name]:
+            digest.update(b"\0" + name.encode() + b"\0" + ex.text.encode("utf-8"))
+    return digest.hexdigest()
+
+
+def cached_embeddings(
+    cache_dir: Path | None, task: str, splits: dict[str, list[Example]],
+    embed: Callable[[list[str], str], torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """Each split's embeddings, from <cache_dir>/<task>.safetensors when its key matches."""
+    key = _cache_key(task, splits, MAX_TOKENS)
+    path = cache_dir / f"{task}.safetensors" if cache_dir else None
+    if path and path.is_file():
+        try:
+            with safe_open(str(path), framework="pt") as cached:
+                if (cached.metadata() or {}).get("key") == key:
+                    _log(f"{task}: teacher embeddings from cache {path}")
+                    return {name: cached.get_tensor(name) for name in SPLITS}
+        except (SafetensorError, OSError):
+            pass                          # a broken cache is recomputed
+    result = {name: embed([ex.text for ex in splits[name]], f"{task}/{name}") for name in SPLITS}
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        save_file(result, str(tmp), metadata={"key": key})
+        os.replace(tmp, path)
+    return result
+
+
+# --- head training -----------------------------------------------------------------------------
+
+def classification_metrics(pred: torch.Tensor, gold: torch.Tensor, num_classes: int) -> dict[str, float]:
+    """Accuracy and macro F1 (a class never predicted nor present counts as F1 0)."""
+    accuracy = (pred == gold).float().mean().item() if len(gold) else 0.0
+    f1s = []
+    for c in range(num_classes):
+        tp = ((pred == c) & (gold == c)).sum().item()
+        denominator = (pred == c).sum().item() + (gold == c).sum().item()
+        f1s.append(2 * tp / denominator if denominator else 0.0)
+    return {"accuracy": round(accuracy, 4), "f1": round(sum(f1s) / num_classes, 4)}
+
+
+def fit_head(x: torch.Tensor, y: torch.Tensor, labels: Sequence[str], weight_decay: float,
+             max_iter: int = 500) -> ClassifierHead:
+    """Softmax regression, full batch L-BFGS: convex, so the result does not depend on the start."""
+    torch.manual_seed(SEED)
+    head = ClassifierHead(labels, x.shape[1])
+    nn.init.zeros_(head.linear.weight)
+    nn.init.zeros_(head.linear.bias)
+    optimizer = torch.optim.LBFGS(head.parameters(), lr=1.0, max_iter=max_iter, history_size=20,
+                                  tolerance_grad=1e-7, tolerance_change=1e-10, line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(head(x), y) + weight_decay * head.linear.weight.square().sum()
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        optimizer.step(closure)
+    return head.eval()
+
+
+def predict(head: ClassifierHead, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return head(x).argmax(dim=1)
+
+
+def train_head(
+    data: dict[str, tuple[torch.Tensor, torch.Tensor]], labels: Sequence[str],
+    weight_decays: Sequence[float] = WEIGHT_DECAYS,
+) -> tuple[ClassifierHead, float, dict[str, Any]]:
+    """Fits one head per weight decay on train, keeps the best on validation, scores it on test."""
+    (x, y), (vx, vy) = data["train"], data["validation"]
+    best: tuple[float, float, ClassifierHead] | None = None
+    search = {}
+    for wd in weight_decays:
+        head = fit_head(x, y, labels, wd)
+        scores = classification_metrics(predict(head, vx), vy, len(labels))
+        search[str(wd)] = scores
+        if best is None or scores["f1"] > best[0]:    # ties keep the smaller decay
+            best = (scores["f1"], wd, head)
+    assert best is not None, "weight_decays is empty"
+    _, wd, head = best
+    metrics = {name: classification_metrics(predict(head, data[name][0]), data[name][1], len(labels))
+               for name in ("train", "validation", "test")}
+    return head, wd, {**metrics, "weight_decay_search": search}
+
+
+# --- one task ----------------------------------------------------------------------------------
+
+def subsample(examples: list[Example], limit: int | None) -> list[Example]:
+    """A fixed pseudo-random subset (ordered by text hash, so both classes appear)."""
+    if limit is None or len(examples) <= limit:
+        return examples
+    return sorted(examples, key=lambda e: hashlib.sha1(e.text.encode()).hexdigest())[:limit]
+
+
+def existing_head(artifacts_dir: Path, task: str) -> dict[str, Any] | None:
+    """The metrics of a head that is already there and verifies, else None."""
+    try:
+        manifest, _ = load_artifact(head_dir(artifacts_dir, task))
+    except ArtifactError:
+        return None
+    return manifest.metrics if manifest.kind == HEAD_KIND and manifest.task == task else None
+
+
+def prepare_task(
+    task: TaskData, artifacts_dir: Path, embed: Callable[[list[str], str], torch.Tensor], *,
+    cache_dir: Path | None = None, limit: int | None = None,
+) -> dict[str, Any]:
+    """Embeds, trains and writes one task's head; returns its summary (metrics + phase seconds)."""
+    splits = {name: subsample(task.splits()[name], limit) for name in SPLITS}
+    counts = {name: len(splits[name]) for name in SPLITS}
+    t0 = time.perf_counter()
+    embeddings = cached_embeddings(cache_dir, task.name, splits, embed)
+    t1 = time.perf_counter()
+    data = {name: (embeddings[name].clone(), torch.tensor([ex.label for ex in splits[name]]))
+            for name in SPLITS}
+    head, wd, metrics = train_head(data, task.labels)
+    t2 = time.perf_counter()
+    metrics = {**metrics, "counts": counts, "weight_decay": wd}
+    write_artifact(head_dir(artifacts_dir, task.name), HEAD_KIND,
+                   dict(head.state_dict()), teacher=TEACHER_NAME, task=task.name,
+                   labels=task.labels, metrics=metrics,
+                   extra={"max_tokens": MAX_TOKENS, "pooling": "mean, L2-normalised", "limit": limit})
+    seconds = {"embed": t1 - t0, "train": t2 - t1, "write": time.perf_counter() - t2}
+    _log(f"{task.name}: test accuracy {metrics['test']['accuracy']:.4f} f1 {metrics['test']['f1']:.4f} "
+         f"(weight decay {wd}; embed {seconds['embed']:.1f}s, train {seconds['train']:.1f}s)")
+    return {"status": "trained", **metrics, "seconds": {k: round(v, 2) for k, v in seconds.items()}}
+
+
+# --- catalogue and the whole run -----------------------------------------------------------------
+
+def write_catalogue(artifacts_dir: Path) -> dict[str, Any]:
+    """models.json from every head that verifies; `minilm` (the bare embedding) is always served."""
+    catalogue: dict[str, Any] = {"minilm": {"kind": "embedding", "teacher": TEACHER_NAME,
+                                            "dim": HIDDEN_SIZE, "max_tokens": MAX_TOKENS}}
+    for task in TASKS:
+        try:
+            manifest, _ = load_artifact(head_dir(artifacts_dir, task))
+        except ArtifactError:
+            continue
+        catalogue[task] = {"kind": "classification", "task": task, "head": f"heads/{task}",
+                           "labels": manifest.labels, "teacher": manifest.teacher}
+    path = Path(artifacts_dir) / "models.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(catalogue, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return catalogue
+
+
+def _device(wanted: str) -> torch.device:
+    if wanted.startswith("cuda") and not torch.cuda.is_available():
+        _log(f"{wanted} is not available; using cpu")
+        return torch.device("cpu")
+    return torch.device(wanted)
+
+
+def prepare(
+    artifacts_dir: Path,
+    data_dir: Path | None = None,
+    tasks: Sequence[str] = TASKS,
+    force: bool = False,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    device: str = "cpu",
+    limit: int | None = None,
+) -> dict[str, Any]:
+    """Trains and writes the heads of `tasks` (skipping verified ones unless force), then models.json."""
+    started = time.perf_counter()
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise ValueError(f"unknown tasks {unknown}; known tasks: {', '.join(TASKS)}")
+    artifacts_dir = Path(artifacts_dir)
+    summary: dict[str, Any] = {"artifacts": str(artifacts_dir), "tasks": {}, "seconds": {}}
+    todo = []
+    for t in tasks:
+        metrics = None if force else existing_head(artifacts_dir, t)
+        if metrics is None:
+            todo.append(t)
+        else:
+            _log(f"{t}: {head_dir(artifacts_dir, t)} exists and verifies; skipped (--force retrains)")
+            summary["tasks"][t] = {"status": "skipped", **metrics}
+    if todo:
+        _run_tasks(todo, artifacts_dir, data_dir, batch_size, _device(device), limit, summary)
+    write_catalogue(artifacts_dir)
+    summary["seconds"]["total"] = round(time.perf_counter() - started, 2)
+    return summary
+
+
+def _run_tasks(tasks: Sequence[str], artifacts_dir: Path, data_dir: Path | None, batch_size: int,
+               device: torch.device, limit: int | None, summary: dict[str, Any]) -> None:
+    clock = time.perf_counter()
+    directory = fetch(data_dir)
+    summary["seconds"]["fetch"] = round(time.perf_counter() - clock, 2)
+    if device.type == "cpu":
+        torch.set_num_threads(os.cpu_count() or 1)
+    clock = time.perf_counter()
+    encoder = TeacherEncoder.load(device=device)
+    tokenizer = TeacherTokenizer(teacher_dir(), max_tokens=MAX_TOKENS)
+    summary["seconds"]["load_teacher"] = round(time.perf_counter() - clock, 2)
+
+    def embed(texts: list[str], desc: str) -> torch.Tensor:
+        return embed_texts(texts, encoder, tokenizer, batch_size=batch_size, device=device, desc=desc)
+
+    for t in tasks:
+        clock = time.perf_counter()
+        task = load_task(t, directory)
+        load_s = round(time.perf_counter() - clock, 2)
+        _log(f"{t}: {sum(len(v) for v in task.splits().values())} examples loaded in {load_s}s")
+        cache = directory / "cache" if limit is None else None   # a quick run must not evict the full cache
+        result = prepare_task(task, artifacts_dir, embed, cache_dir=cache, limit=limit)
+        result["seconds"] = {"load_data": load_s, **result["seconds"]}
+        summary["tasks"][t] = result
+
+
+def load_head(artifacts_dir: Path, task: str, device: str | torch.device = "cpu") -> ClassifierHead:
+    """A task's trained head, weights verified and loaded, in eval mode."""
+    directory = head_dir(artifacts_dir, task)
+    manifest, tensors = load_artifact(directory)
+    if manifest.kind != HEAD_KIND:
+        raise ArtifactError(f"{directory} holds a {manifest.kind!r} artifact, not a {HEAD_KIND!r}")
+    head = ClassifierHead(manifest.labels, hidden_size=manifest.shapes["linear.weight"][1])
+    try:
+        head.load_state_dict(tensors, strict=True)
+    except RuntimeError as e:
+        raise ArtifactError(f"{directory}: weights do not fit a ClassifierHead: {e}") from e
+    return head.to(device).eval()
+
+
+# --- command line ------------------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="academus prepare", description=__doc__.split("\n")[0])
+    p.add_argument("--artifacts", type=Path, default=None,
+                   help=f"output directory (ACADEMUS_ARTIFACTS; default {default_artifacts_dir()})")
+    p.add_argument("--data", type=Path, default=None, help="dataset packages (ACADEMUS_DATA_DIR)")
+    p.add_argument("--task", action="append", choices=TASKS, help="repeatable; default: all")
+    p.add_argument("--force", action="store_true", help="retrain heads that already exist")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
+    p.add_argument("--limit", type=int, default=None, help="at most N examples a split (quick runs)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs prepare; progress on stderr, the JSON summary as the last line of stdout."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = _parser().parse_args(argv)
+    try:
+        summary = prepare(args.artifacts or default_artifacts_dir(), args.data, tuple(args.task or TASKS),
+                          force=args.force, batch_size=args.batch_size, device=args.device, limit=args.limit)
+    except (DataMissing, ArtifactError) as e:
+        _log(f"error: {e}")
+        return 1
+    print(json.dumps(summary, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,48 @@
+"""End-to-end fixtures: the mesh as real processes (Redis, resource manager, workers, scheduler,
+gateway) with the real teacher and the prepared artifacts."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from academus.shared.config import artifacts_dir
+from academus.shared.mesh import ADMIN_KEY_FILE, MeshOptions, MeshState, down, up
+
+
+def start_mesh(run_dir: Path, workers: int = 1) -> MeshState:
+    if not (artifacts_dir() / "models.json").exists():
+        pytest.fail(f"no artifacts in {artifacts_dir()}: `make test` runs `academus prepare` first")
+    return up(MeshOptions(run_dir=run_dir, gateway_port=0, workers=workers, worker_threads=1,
+                          env={"OTEL_BSP_SCHEDULE_DELAY": "100", "ACADEMUS_GRACE_S": "20"}))
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshState]:
+    run_dir = tmp_path_factory.mktemp("run")
+    state = start_mesh(run_dir)
+    yield state
+    down(run_dir)
+
+
+@pytest.fixture(scope="module")
+def admin_key(mesh: MeshState) -> str:
+    return (Path(mesh.run_dir) / ADMIN_KEY_FILE).read_text().strip()
+
+
+def metric(port: int, name: str, **labels: str) -> float:
+    """Reads one sample from a service's Prometheus endpoint (0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+def service(mesh: MeshState, name: str):
+    return next(s for s in mesh.services if s.name == name)

@@ -1,0 +1,84 @@
+"""Start, stop and failure: graceful SIGTERM of a busy worker, a lost worker, `academus down`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import redis
+from academus.client import AcademusError, Client
+from academus.shared.keys import Keys
+from academus.shared.mesh import ADMIN_KEY_FILE, STATE_FILE, down
+
+from tests.e2e.conftest import metric, start_mesh
+
+pytestmark = pytest.mark.e2e
+LONG = [f"{i} " + "a long sentence that keeps the worker busy for a while " * 30 for i in range(64)]
+
+
+def busy_worker(state) -> object:
+    """The worker currently running a batch, from its in-flight gauge."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for s in state.services:
+            if s.name.startswith("worker") and metric(s.metrics_port, "academus_rpc_in_flight",
+                                                        service="worker", method="Run") >= 1:
+                return s
+        time.sleep(0.05)
+    raise AssertionError("no worker became busy")
+
+
+def wait_exit(pid: int, timeout_s: float = 30) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, 0)
+            if Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] == "Z":
+                return True
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_sigterm_finishes_in_flight_work_then_deregisters_and_lost_worker_is_unavailable(tmp_path):
+    state = start_mesh(tmp_path / "run", workers=2)
+    key = (tmp_path / "run" / ADMIN_KEY_FILE).read_text().strip()
+    keys, r = Keys(state.key_prefix), redis.Redis.from_url(state.redis_url, decode_responses=True)
+    try:
+        results: list = []
+        thread = threading.Thread(target=lambda: results.append(
+            Client(state.gateway, api_key=key, timeout=60).infer("spam", LONG)))
+        thread.start()
+        victim = busy_worker(state)
+        os.kill(victim.pid, signal.SIGTERM)
+        thread.join()
+        # in-flight work finished on the terminated worker, which then left placements and exited
+        assert len(results[0].predictions) == 64 and results[0].metadata.worker_id == victim.name
+        assert wait_exit(victim.pid)
+        assert victim.name not in r.smembers(keys.placement("spam"))
+        survivor = next(s for s in state.services if s.name.startswith("worker") and s is not victim)
+        with Client(state.gateway, api_key=key) as client:
+            assert client.infer("spam", ["still served"]).metadata.worker_id == survivor.name
+            # the last worker dies without deregistering: UNAVAILABLE at once, not a hang
+            os.kill(survivor.pid, signal.SIGKILL)
+            assert wait_exit(survivor.pid)
+            start = time.monotonic()
+            with pytest.raises(AcademusError) as info:
+                client.infer("spam", ["nobody home"], timeout=10)
+            assert info.value.code == "UNAVAILABLE" and time.monotonic() - start < 5
+        # the heartbeat TTL then removes it from placements
+        end = time.monotonic() + 15
+        while r.smembers(keys.placement("spam")) and time.monotonic() < end:
+            time.sleep(0.2)
+        assert r.smembers(keys.placement("spam")) == set()
+    finally:
+        down(tmp_path / "run")
+    assert not (tmp_path / "run" / STATE_FILE).exists()
+    assert all(wait_exit(s.pid, 5) for s in state.services)
+    with pytest.raises(redis.exceptions.ConnectionError):
+        r.ping()  # the mesh's own redis-server stopped too

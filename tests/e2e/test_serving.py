@@ -1,0 +1,182 @@
+"""One served path, client SDK -> gateway -> scheduler -> worker, over real gRPC with the real model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from academus.client import AcademusError, AsyncClient, Client
+from academus.shared.model import teacher_dir
+from academus.shared.tracing import read_traces
+
+from tests.e2e.conftest import metric, service
+
+pytestmark = pytest.mark.e2e
+
+TEXTS = ["Congratulations! You have won a free cruise, click here to claim your prize now!!!",
+         "Hi Tom, the meeting moved to 3pm tomorrow, see you in room 204.",
+         "A moving, beautifully acted film that stays with you.",
+         "A tedious, lifeless mess with a script that makes no sense."]
+
+
+def cli(mesh, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "academus.shared.cli", "--run-dir", mesh.run_dir, *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_status_json_lists_every_service_healthy(mesh):
+    out = cli(mesh, "status", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["redis"]["health"] == "SERVING"
+    assert sorted(s["name"] for s in report["services"]) == ["gateway", "resource_manager", "scheduler", "worker-0"]
+    assert all(s["health"] == "SERVING" and s["address"] for s in report["services"])
+
+
+def test_cli_infer_prints_one_json_object_per_text(mesh):
+    out = cli(mesh, "infer", "--model", "spam", TEXTS[0], TEXTS[1])
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["label"] for r in rows] == ["spam", "ham"]
+    assert all(abs(sum(r["probs"].values()) - 1) < 1e-4 for r in rows)
+
+
+def test_cli_embedding_output(mesh):
+    out = cli(mesh, "infer", "--model", "minilm", "--output", "embedding", "hello world")
+    assert out.returncode == 0, out.stderr
+    assert len(json.loads(out.stdout)["embedding"]) == 384
+
+
+def test_sentiment_head_separates_fresh_and_rotten(mesh, admin_key):
+    with Client(mesh.gateway, api_key=admin_key) as client:
+        result = client.infer("sentiment", TEXTS[2:])
+    assert [p.label for p in result.predictions] == ["fresh", "rotten"]
+    assert result.metadata.policy == "fifo" and result.metadata.batch_size == 2
+    assert result.metadata.compute_ms > 0 and result.metadata.student_count == 1
+
+
+def test_served_embeddings_match_sentence_transformers(mesh, admin_key):
+    from sentence_transformers import SentenceTransformer
+
+    texts = [*TEXTS, "short", "word " * 400]  # the last one is truncated at 256 tokens, as ST does
+    with Client(mesh.gateway, api_key=admin_key) as client:
+        served = client.infer("minilm", texts, "embedding").predictions
+    reference = SentenceTransformer(str(teacher_dir()), device="cpu").encode(texts, normalize_embeddings=True)
+    for got, want in zip(served, reference, strict=True):
+        cosine = sum(a * b for a, b in zip(got.embedding, want, strict=True))
+        assert cosine >= 0.9999
+    assert served[-1].truncated and served[-1].num_tokens == 256
+
+
+async def test_async_client_concurrent_requests(mesh, admin_key):
+    import asyncio
+
+    async with AsyncClient(mesh.gateway, api_key=admin_key) as client:
+        results = await asyncio.gather(*(client.infer("spam", [t]) for t in TEXTS))
+    assert [len(r.predictions) for r in results] == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize(("key", "texts", "kwargs", "code", "detail"), [
+    (None, ["hi"], {}, "UNAUTHENTICATED", "missing API key"),
+    ("wrong", ["hi"], {}, "UNAUTHENTICATED", "invalid API key"),
+    ("admin", [""], {}, "INVALID_ARGUMENT", "inputs[0].text is empty"),
+    ("admin", ["hi"] * 65, {}, "INVALID_ARGUMENT", "the limit is 64"),
+    ("admin", ["word " * 300], {"truncate": False}, "INVALID_ARGUMENT", "the limit is 256 tokens"),
+    ("admin", ["hi"], {"model": "nope"}, "NOT_FOUND", "model 'nope' not found"),
+    ("admin", ["hi"], {"model": "minilm", "output": "label"}, "INVALID_ARGUMENT", "embedding model"),
+])
+def test_bad_input_gets_a_clear_status(mesh, admin_key, key, texts, kwargs, code, detail):
+    kwargs = {"model": "spam", **kwargs}
+    model = kwargs.pop("model")
+    with Client(mesh.gateway, api_key=admin_key if key == "admin" else key) as client, \
+            pytest.raises(AcademusError) as info:
+        client.infer(model, texts, **kwargs)
+    assert info.value.code == code and detail in info.value.details
+
+
+def test_cli_failure_exits_non_zero_with_status_name(mesh):
+    out = cli(mesh, "infer", "--model", "spam", "--key", "wrong", "hi")
+    assert out.returncode != 0 and out.stdout.strip() == "UNAUTHENTICATED"
+    out = cli(mesh, "infer", "--model", "nope", "hi")
+    assert out.returncode != 0 and out.stdout.strip() == "NOT_FOUND"
+
+
+def test_invalid_utf8_is_refused_by_grpc_and_the_gateway_survives(mesh, admin_key):
+    import grpc
+    from academus.v1 import inference_pb2
+
+    raw = inference_pb2.InferRequest(model="spam").SerializeToString() + b"\x12\x04\x0a\x02\xff\xfe"
+    with grpc.insecure_channel(mesh.gateway) as ch:
+        call = ch.unary_unary("/academus.v1.Inference/Infer", request_serializer=None, response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as info:
+            call(raw, timeout=5, metadata=(("x-api-key", admin_key),))
+    # refused by grpc's own parser (DESIGN.md §8), naming the reason; the gateway keeps serving
+    assert info.value.code() == grpc.StatusCode.UNKNOWN and "bad UTF-8" in info.value.details()
+    with Client(mesh.gateway, api_key=admin_key) as client:
+        assert client.infer("spam", ["still serving"]).predictions
+
+
+def test_expired_request_is_answered_and_never_computed(mesh, admin_key):
+    worker = service(mesh, "worker-0")
+    scheduler = service(mesh, "scheduler")
+    long_batch = [f"{i} " + "the quick brown fox jumps over the lazy dog " * 40 for i in range(64)]
+    before = metric(worker.metrics_port, "academus_worker_batches_total", model="spam")
+    results: list = []
+
+    def occupy() -> None:
+        with Client(mesh.gateway, api_key=admin_key, timeout=60) as c:
+            results.append(c.infer("spam", long_batch))
+
+    thread = threading.Thread(target=occupy)
+    thread.start()
+    time.sleep(0.5)  # the long batch is now running on the only worker
+    with Client(mesh.gateway, api_key=admin_key) as client:
+        start = time.monotonic()
+        with pytest.raises(AcademusError) as info:
+            client.infer("spam", ["queued behind the long batch"], timeout=0.3)
+        waited = time.monotonic() - start
+    thread.join()
+    assert info.value.code == "DEADLINE_EXCEEDED" and waited < 2.0
+    assert results and len(results[0].predictions) == 64
+    time.sleep(1.0)
+    after = metric(worker.metrics_port, "academus_worker_batches_total", model="spam")
+    assert after - before == 1, "the expired request must not be computed"
+    dropped = metric(scheduler.metrics_port, "academus_scheduler_dropped", reason="cancelled") + metric(
+        scheduler.metrics_port, "academus_scheduler_dropped", reason="expired")
+    assert dropped >= 1
+
+
+def test_deadline_shorter_than_the_work_stops_the_forward_pass(mesh, admin_key):
+    worker = service(mesh, "worker-0")
+    long_batch = [f"{i} " + "every layer of this batch takes a while on a small CPU " * 40 for i in range(64)]
+    batches = metric(worker.metrics_port, "academus_worker_batches_total", model="spam")
+    expired = metric(worker.metrics_port, "academus_worker_expired_total")
+    with Client(mesh.gateway, api_key=admin_key) as client, pytest.raises(AcademusError) as info:
+        client.infer("spam", long_batch, timeout=0.4)
+    assert info.value.code == "DEADLINE_EXCEEDED"
+    end = time.monotonic() + 10
+    while metric(worker.metrics_port, "academus_worker_expired_total") == expired and time.monotonic() < end:
+        time.sleep(0.1)
+    assert metric(worker.metrics_port, "academus_worker_expired_total") == expired + 1
+    assert metric(worker.metrics_port, "academus_worker_batches_total", model="spam") == batches
+
+
+def test_one_trace_spans_gateway_scheduler_and_worker(mesh, admin_key):
+    import grpc  # noqa: F401 - the sync client is instrumented too
+
+    with Client(mesh.gateway, api_key=admin_key) as client:
+        client.infer("spam", ["trace me"], request_id="trace-probe")
+    deadline = time.monotonic() + 10
+    services: set[str] = set()
+    while time.monotonic() < deadline and not {"gateway", "scheduler", "worker"} <= services:
+        time.sleep(0.3)
+        traces = read_traces([f"{mesh.run_dir}/traces.jsonl"])
+        for spans in traces.values():
+            names = {s["service"].removeprefix("academus-") for s in spans}
+            if any(s["name"].endswith("Inference/Infer") for s in spans) and "worker" in names:
+                services = names
+    assert {"gateway", "scheduler", "worker"} <= services

@@ -1,0 +1,115 @@
+"""Artifact directories: round trip, checksum and shape checks, format versions, atomic writes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from academus.shared import artifacts
+from academus.shared.artifacts import (
+    MANIFEST,
+    WEIGHTS,
+    ArtifactError,
+    Manifest,
+    load_artifact,
+    read_manifest,
+    write_artifact,
+)
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return {"linear.weight": torch.randn(2, 384, generator=generator),
+            "linear.bias": torch.randn(2, generator=generator)}
+
+
+def _write(directory: Path, **overrides: object) -> Manifest:
+    kwargs = {"teacher": "all-MiniLM-L6-v2", "task": "spam", "labels": ["ham", "spam"],
+              "metrics": {"test": {"accuracy": 0.9}}, "extra": {"max_tokens": 256}, **overrides}
+    return write_artifact(directory, "teacher-head", _tensors(), **kwargs)
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    written = _write(tmp_path / "head")
+    manifest, tensors = load_artifact(tmp_path / "head")
+    assert manifest == written == read_manifest(tmp_path / "head")
+    assert manifest.format_version == 1 and manifest.kind == "teacher-head" and manifest.task == "spam"
+    assert manifest.shapes == {"linear.weight": [2, 384], "linear.bias": [2]}
+    assert manifest.labels == ["ham", "spam"] and manifest.extra == {"max_tokens": 256}
+    assert set(manifest.files) == {WEIGHTS} and len(manifest.files[WEIGHTS]) == 64
+    for name, tensor in _tensors().items():
+        assert torch.allclose(tensors[name], tensor)
+    assert Manifest.from_json(manifest.to_json()) == manifest
+    assert (tmp_path / "head" / WEIGHTS).stat().st_mode & 0o044 == 0o044   # readable by a worker user
+
+
+def test_tampered_weights_are_refused(tmp_path: Path) -> None:
+    _write(tmp_path / "head")
+    weights = tmp_path / "head" / WEIGHTS
+    blob = bytearray(weights.read_bytes())
+    blob[-1] ^= 0xFF                                  # flip one byte of tensor data
+    weights.write_bytes(bytes(blob))
+    with pytest.raises(ArtifactError, match=rf"{WEIGHTS}.*sha256"):
+        load_artifact(tmp_path / "head")
+
+
+def test_missing_weights_are_refused(tmp_path: Path) -> None:
+    _write(tmp_path / "head")
+    (tmp_path / "head" / WEIGHTS).unlink()
+    with pytest.raises(ArtifactError, match="missing"):
+        load_artifact(tmp_path / "head")
+
+
+def _edit_manifest(directory: Path, **changes: object) -> None:
+    path = directory / MANIFEST
+    raw = json.loads(path.read_text())
+    raw.update(changes)
+    path.write_text(json.dumps(raw))
+
+
+def test_shape_mismatch_is_refused(tmp_path: Path) -> None:
+    _write(tmp_path / "head")
+    _edit_manifest(tmp_path / "head", shapes={"linear.weight": [3, 384], "linear.bias": [2]})
+    with pytest.raises(ArtifactError, match=r"linear\.weight has shape \[2, 384\]"):
+        load_artifact(tmp_path / "head")
+
+
+@pytest.mark.parametrize("version", [2, 0, "1", None])
+def test_unsupported_format_version_is_refused(tmp_path: Path, version: object) -> None:
+    _write(tmp_path / "head")
+    _edit_manifest(tmp_path / "head", format_version=version)
+    with pytest.raises(ArtifactError, match="format_version"):
+        read_manifest(tmp_path / "head")
+
+
+def test_missing_manifest_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ArtifactError, match="academus prepare"):
+        read_manifest(tmp_path)
+
+
+def test_failed_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def crash(path: Path) -> str:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(artifacts, "sha256_file", crash)
+    with pytest.raises(OSError, match="disk full"):
+        _write(tmp_path / "head")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failed_rewrite_keeps_the_old_artifact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = _write(tmp_path / "head", metrics={"run": 1})
+    monkeypatch.setattr(artifacts, "save_file", lambda *a, **k: (_ for _ in ()).throw(OSError("crash")))
+    with pytest.raises(OSError, match="crash"):
+        _write(tmp_path / "head", metrics={"run": 2})
+    assert load_artifact(tmp_path / "head")[0] == first
+    assert [p.name for p in tmp_path.iterdir()] == ["head"]
+
+
+def test_rewrite_replaces(tmp_path: Path) -> None:
+    _write(tmp_path / "head", metrics={"run": 1})
+    _write(tmp_path / "head", metrics={"run": 2})
+    assert load_artifact(tmp_path / "head")[0].metrics == {"run": 2}
+    assert [p.name for p in tmp_path.iterdir()] == ["head"]

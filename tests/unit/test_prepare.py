@@ -1,0 +1,107 @@
+"""`academus prepare`: helpers on synthetic data, then one small real run (the real teacher)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from academus.shared.artifacts import WEIGHTS, ArtifactError
+from academus.shared.training.prepare import (
+    classification_metrics,
+    fit_head,
+    head_dir,
+    length_batches,
+    load_head,
+    main,
+    prepare,
+)
+
+LIMIT = 120   # examples a split: the whole module runs in well under a minute on 2 cores
+
+
+def test_length_batches_cover_everything_within_budget() -> None:
+    lengths = [5, 256, 17, 3, 256, 40, 90, 1] * 20
+    batches = list(length_batches(lengths, batch_size=4, max_tokens=256))
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for batch in batches:
+        longest = max(lengths[i] for i in batch)
+        assert longest * len(batch) <= 4 * 256
+        assert [lengths[i] for i in batch] == sorted((lengths[i] for i in batch), reverse=True)
+
+
+def test_metrics_match_hand_computation() -> None:
+    gold = torch.tensor([0, 0, 0, 1, 1, 1])
+    pred = torch.tensor([0, 0, 1, 1, 1, 0])
+    # class 0: tp 2, fp 1, fn 1 -> f1 2/3; class 1 the same
+    assert classification_metrics(pred, gold, 2) == {"accuracy": round(4 / 6, 4), "f1": round(2 / 3, 4)}
+    constant = classification_metrics(torch.zeros(6, dtype=torch.long), gold, 2)
+    assert constant == {"accuracy": 0.5, "f1": round((2 * 3 / 9) / 2, 4)}
+
+
+def test_fit_head_separates_separable_data() -> None:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.nn.functional.normalize(torch.randn(200, 384, generator=generator), dim=1)
+    y = (x[:, 0] > 0).long()
+    head = fit_head(x, y, ["neg", "pos"], weight_decay=1e-6)
+    assert (head(x).argmax(1) == y).float().mean().item() > 0.97
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory: pytest.TempPathFactory, dataset_dir: Path) -> tuple[Path, dict[str, Any]]:
+    artifacts = tmp_path_factory.mktemp("artifacts")
+    return artifacts, prepare(artifacts, dataset_dir, limit=LIMIT)
+
+
+def test_small_run_beats_chance(small_run: tuple[Path, dict[str, Any]]) -> None:
+    _, summary = small_run
+    sentiment, spam = summary["tasks"]["sentiment"], summary["tasks"]["spam"]
+    assert sentiment["status"] == spam["status"] == "trained"
+    assert sentiment["counts"] == spam["counts"] == {"train": LIMIT, "validation": LIMIT, "test": LIMIT}
+    # A constant guess has macro F1 <= 0.5 (and spam is ~70% ham, sentiment ~58% fresh).
+    assert sentiment["test"]["f1"] > 0.55 and sentiment["test"]["accuracy"] > 0.6
+    assert spam["test"]["f1"] > 0.8 and spam["test"]["accuracy"] > 0.85
+    for task in (sentiment, spam):
+        assert task["seconds"]["embed"] > 0 and task["weight_decay"] > 0
+
+
+def test_small_run_artifacts_load(small_run: tuple[Path, dict[str, Any]]) -> None:
+    artifacts, _ = small_run
+    head = load_head(artifacts, "spam")
+    assert head.labels == ["ham", "spam"] and not head.training
+    assert head.linear.weight.shape == (2, 384) and head.linear.weight.abs().sum() > 0
+    catalogue = json.loads((artifacts / "models.json").read_text())
+    assert catalogue["minilm"]["kind"] == "embedding"
+    assert catalogue["sentiment"] == {
+        "kind": "classification", "task": "sentiment", "head": "heads/sentiment",
+        "labels": ["rotten", "fresh"], "teacher": "all-MiniLM-L6-v2",
+    }
+    assert catalogue["spam"]["labels"] == ["ham", "spam"]
+
+
+def test_second_run_skips_and_prints_json_last(small_run: tuple[Path, dict[str, Any]],
+                                               dataset_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    artifacts, first = small_run
+    assert main(["--artifacts", str(artifacts), "--data", str(dataset_dir)]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for name in ("sentiment", "spam"):
+        assert last["tasks"][name]["status"] == "skipped"
+        assert last["tasks"][name]["test"] == first["tasks"][name]["test"]
+
+
+def test_tampered_head_is_refused(small_run: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    artifacts, _ = small_run
+    copy = tmp_path / "heads" / "sentiment"
+    copy.mkdir(parents=True)
+    for f in head_dir(artifacts, "sentiment").iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    (copy / WEIGHTS).write_bytes((copy / WEIGHTS).read_bytes()[:-4] + b"\0\0\0\0")
+    with pytest.raises(ArtifactError, match="sha256"):
+        load_head(tmp_path, "sentiment")
+
+
+def test_unknown_task_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="known tasks"):
+        prepare(tmp_path, tasks=("imdb",))
