@@ -84,6 +84,7 @@ class SchedulerConfig(CommonConfig):
     retry_pushback_ms: int = 50
     heartbeat_ttl_s: float = 5.0
     refresh_s: float = 1.0           # placement re-read interval (pub/sub makes it quicker)
+    expire_interval_s: float = 0.05  # how often waiting jobs are checked against their deadlines
 
     def check(self) -> None:
         super().check()

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import grpc
 import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from academus.shared.config import artifacts_dir, redis_url_from_env
 from academus.shared.keys import Keys
 from academus.shared.redis_server import RedisServer, free_port
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 SERVICES = ("resource_manager", "worker", "scheduler", "gateway")
 DEFAULT_GATEWAY_PORT = 50051

@@ -10,13 +10,14 @@ from dataclasses import dataclass, field
 
 import grpc
 import uvloop
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
 from academus.shared.config import CommonConfig
 from academus.shared.logs import log_event, setup_logging
 from academus.shared.metrics import MetricsInterceptor, start_metrics
 from academus.shared.tracing import server_interceptors, setup_tracing, shutdown_tracing
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS = [

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from academus.shared.redis_server import RedisServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import grpc
+
 from academus.services.gateway.core import (
     EMBED,
     LABEL,
@@ -113,21 +114,19 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 return await self._stub(address).Schedule(request, timeout=max(deadline - time.monotonic(), 0.001))
             except grpc.aio.AioRpcError as e:
                 error = from_rpc_error(e, f"scheduler {address}")
-                if not (isinstance(error, Unavailable) and _connection_failed(e)):
+                # UNAVAILABLE means nothing ran there (node gone, or no live worker on it): another
+                # node may serve the request while the deadline allows.
+                if not isinstance(error, Unavailable) or time.monotonic() >= deadline:
                     raise error from e
                 tried.add(address)
                 await self.schedulers.refresh()
+                if not [a for a in self.schedulers.addresses if a not in tried]:
+                    raise error from e
 
     def _stub(self, address: str) -> scheduler_pb2_grpc.SchedulerStub:
         if address not in self._stubs:
             self._stubs[address] = scheduler_pb2_grpc.SchedulerStub(channel(address))
         return self._stubs[address]
-
-
-def _connection_failed(error: grpc.aio.AioRpcError) -> bool:
-    """UNAVAILABLE raised by the transport (not by the scheduler's own abort)."""
-    details = (error.details() or "").lower()
-    return any(s in details for s in ("connect", "socket", "unreachable", "connection"))
 
 
 async def build() -> ServiceSpec:

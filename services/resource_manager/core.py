@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+
 from academus.shared.catalogue import ModelSpec
 from academus.shared.keys import Keys
 

@@ -80,6 +80,7 @@ class Dispatcher:
             else:
                 ref.models = models
         self._drain()
+        self._fail_orphans()
 
     def serves(self, model: str) -> bool:
         return any(model in w.models and not w.lost for w in self.workers.values())
@@ -124,6 +125,7 @@ class Dispatcher:
         except WorkerLost as e:
             worker.lost = True
             self._retry_or_fail(job, e)
+            self._fail_orphans()
         except asyncio.CancelledError:
             self._settle(job, exc=Unavailable("dispatch cancelled"))
         except ServingError as e:
@@ -168,7 +170,6 @@ class Dispatcher:
                     break
                 if self._still_wanted(job):
                     self._start(worker, job)
-        self._fail_orphans()
 
     def _still_wanted(self, job: Job) -> bool:
         if job.future.done():  # the caller went away (cancelled)

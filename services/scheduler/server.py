@@ -7,6 +7,8 @@ import contextlib
 import time
 
 import grpc
+from prometheus_client import Gauge
+
 from academus.services.scheduler.core import Dispatcher, Job, WorkerLost, WorkerRef
 from academus.services.scheduler.policies import make_policy
 from academus.shared import config as cfg
@@ -17,7 +19,6 @@ from academus.shared.redis_conn import connect
 from academus.shared.serving import ServiceSpec, channel, run
 from academus.shared.tracing import annotate
 from academus.v1 import scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
-from prometheus_client import Gauge
 
 QUEUE_DEPTH = Gauge("academus_scheduler_queue_depth", "Jobs waiting for a worker")
 DROPPED = Gauge("academus_scheduler_dropped", "Jobs dropped unrun", ["reason"])
@@ -146,10 +147,15 @@ async def build() -> ServiceSpec:
         pipe.expire(keys.load(state["id"]), ttl)
         await pipe.execute()
 
+    async def expire() -> None:
+        """Answers waiting jobs whose deadline passed and frees their queue slots promptly."""
+        while True:
+            await asyncio.sleep(config.expire_interval_s)
+            dispatcher.expire_waiting()
+
     async def heartbeat() -> None:
         while True:
             await asyncio.sleep(ttl / 3)
-            dispatcher.expire_waiting()
             try:
                 await beat()
             except Exception as e:
@@ -168,7 +174,7 @@ async def build() -> ServiceSpec:
         on_started=announce,
         on_stopping=deregister,
         on_stopped=redis.aclose,
-        extra_tasks=[watcher.loop, watcher.watch_events, heartbeat],
+        extra_tasks=[watcher.loop, watcher.watch_events, heartbeat, expire],
     )
 
 

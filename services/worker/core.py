@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
 from academus.shared.errors import DeadlineExceeded, InvalidArgument, NotFound
 from academus.shared.model import HIDDEN_SIZE, ClassifierHead, TeacherEncoder, pad_batch

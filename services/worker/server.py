@@ -11,6 +11,8 @@ from pathlib import Path
 
 import grpc
 import torch
+from prometheus_client import Counter
+
 from academus.services.worker.core import OUTPUT_EMBEDDING, OUTPUT_PROBS, ModelRunner
 from academus.shared import config as cfg
 from academus.shared.errors import DeadlineExceeded, ServingError, abort_with
@@ -26,7 +28,6 @@ from academus.v1 import (
     tensors_pb2,
     worker_pb2_grpc,
 )
-from prometheus_client import Counter
 
 BATCHES = Counter("academus_worker_batches_total", "Batches computed", ["model"])
 EXPIRED = Counter("academus_worker_expired_total", "Batches dropped because their deadline passed first")

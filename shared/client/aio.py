@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import grpc
+
 from academus.client.types import (
     CHANNEL_OPTIONS,
     DEFAULT_TIMEOUT_S,

@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import grpc
+from opentelemetry.instrumentation.grpc import client_interceptor
+from opentelemetry.instrumentation.grpc.grpcext import intercept_channel
+
 from academus.client.types import (
     CHANNEL_OPTIONS,
     DEFAULT_TIMEOUT_S,
@@ -15,8 +18,6 @@ from academus.client.types import (
     from_response,
 )
 from academus.v1 import inference_pb2_grpc
-from opentelemetry.instrumentation.grpc import client_interceptor
-from opentelemetry.instrumentation.grpc.grpcext import intercept_channel
 
 
 class Client:

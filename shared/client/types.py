@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
+
 from academus.v1 import inference_pb2 as pb
 
 OUTPUTS = {"": pb.OUTPUT_UNSPECIFIED, "label": pb.OUTPUT_LABEL, "score": pb.OUTPUT_SCORE,

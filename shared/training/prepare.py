@@ -23,6 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+from tqdm import tqdm
+
 from academus.shared.artifacts import ArtifactError, load_artifact, write_artifact
 from academus.shared.config import artifacts_dir as default_artifacts_dir
 from academus.shared.data import TASKS, DataMissing, Example, TaskData, fetch, load_task
@@ -35,10 +40,6 @@ from academus.shared.model import (
     teacher_dir,
 )
 from academus.shared.tokenization import TeacherTokenizer
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
-from torch import nn
-from tqdm import tqdm
 
 HEAD_KIND = "teacher-head"
 MAX_TOKENS = 256                          # the serving limit: heads see what the workers will see

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from academus.shared.config import artifacts_dir
 from academus.shared.mesh import ADMIN_KEY_FILE, MeshOptions, MeshState, down, up
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import redis
+
 from academus.client import AcademusError, Client
 from academus.shared.keys import Keys
 from academus.shared.mesh import ADMIN_KEY_FILE, STATE_FILE, down
-
 from tests.e2e.conftest import metric, start_mesh
 
 pytestmark = pytest.mark.e2e

@@ -9,10 +9,10 @@ import threading
 import time
 
 import pytest
+
 from academus.client import AcademusError, AsyncClient, Client
 from academus.shared.model import teacher_dir
 from academus.shared.tracing import read_traces
-
 from tests.e2e.conftest import metric, service
 
 pytestmark = pytest.mark.e2e
@@ -107,6 +107,7 @@ def test_cli_failure_exits_non_zero_with_status_name(mesh):
 
 def test_invalid_utf8_is_refused_by_grpc_and_the_gateway_survives(mesh, admin_key):
     import grpc
+
     from academus.v1 import inference_pb2
 
     raw = inference_pb2.InferRequest(model="spam").SerializeToString() + b"\x12\x04\x0a\x02\xff\xfe"

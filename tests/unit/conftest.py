@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from academus.shared.data import data_dir, fetch
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from academus.shared import artifacts
 from academus.shared.artifacts import (
     MANIFEST,

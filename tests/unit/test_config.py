@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+
 from academus.shared.config import ConfigError, GatewayConfig, SchedulerConfig, WorkerConfig, load
 
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from academus.shared import data
 from academus.shared.data import (
     TASKS,

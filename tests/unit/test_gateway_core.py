@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from academus.services.gateway.core import (
     EMBED,
     LABEL,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from academus.services.scheduler.core import Dispatcher, Job, WorkerLost
 from academus.services.scheduler.policies import FifoPolicy, make_policy
 from academus.shared.errors import DeadlineExceeded, ResourceExhausted, Unavailable

@@ -1,0 +1,106 @@
+"""The transport floor on this machine: bare grpc.aio (uvloop) chains of 1-3 loopback hops with
+no Academus code, the leaf answering a 384-float matrix after `--work-ms` spent in a thread (as a
+worker's model would). Compare with `academus.loadgen.overhead` to see what the mesh itself adds.
+
+    python -m academus.loadgen.grpc_floor [--requests 1500] [--work-ms 0 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import grpc
+import uvloop
+
+from academus.loadgen.stats import summary
+from academus.shared.redis_server import free_port
+from academus.v1 import tensors_pb2, worker_pb2, worker_pb2_grpc
+
+REPLY = tensors_pb2.ModelOutput(values=tensors_pb2.Matrix(values=[0.1] * 384, rows=1, dim=384))
+
+
+class Leaf(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, work_s: float) -> None:
+        self.work_s = work_s
+
+    async def Run(self, request, context):
+        if self.work_s:
+            await asyncio.get_running_loop().run_in_executor(None, time.sleep, self.work_s)
+        return REPLY
+
+
+class Forward(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.stub: worker_pb2_grpc.WorkerStub | None = None
+
+    async def Run(self, request, context):
+        if self.stub is None:  # the channel must belong to the serving loop
+            self.stub = worker_pb2_grpc.WorkerStub(grpc.aio.insecure_channel(self.target))
+        return await self.stub.Run(request, timeout=5)
+
+
+async def serve(port: int, servicer: worker_pb2_grpc.WorkerServicer) -> None:
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+async def measure(port: int, requests: int) -> dict:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        await channel.channel_ready()
+        tokens = tensors_pb2.TokenBatch(input_ids=list(range(16)), lengths=[16])
+        request = worker_pb2.RunRequest(model="m", tokens=tokens)
+        times = []
+        for _ in range(requests + 100):
+            start = time.perf_counter()
+            await stub.Run(request, timeout=5)
+            times.append((time.perf_counter() - start) * 1e3)
+    return summary(times[100:])
+
+
+def chain(hops: int, work_ms: float, requests: int) -> dict:
+    ports = [free_port() for _ in range(hops)]
+    me = [sys.executable, "-m", "academus.loadgen.grpc_floor"]
+    procs = [subprocess.Popen([*me, "--serve-leaf", str(ports[-1]), "--work-ms", str(work_ms)])]
+    procs += [subprocess.Popen([*me, "--serve-forward", str(ports[i]), str(ports[i + 1])]) for i in range(hops - 1)]
+    try:
+        time.sleep(2.0)
+        return uvloop.run(measure(ports[0], requests))
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=1500)
+    p.add_argument("--work-ms", type=float, nargs="+", default=[0.0, 10.0])
+    p.add_argument("--serve-leaf", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--serve-forward", type=int, nargs=2, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.serve_leaf:
+        uvloop.run(serve(args.serve_leaf, Leaf(args.work_ms[0] / 1e3)))
+        return 0
+    if args.serve_forward:
+        uvloop.run(serve(args.serve_forward[0], Forward(f"127.0.0.1:{args.serve_forward[1]}")))
+        return 0
+    rows = [{"hops": h, "work_ms": w, "latency_ms": chain(h, w, args.requests)}
+            for w in args.work_ms for h in (1, 3)]
+    for row in rows:
+        row["overhead_p50_ms"] = round(row["latency_ms"]["p50"] - row["work_ms"], 3)
+    print(json.dumps({"results": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
