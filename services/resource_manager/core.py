@@ -51,7 +51,7 @@ class PlacementTable:
         for model in models:
             pipe.srem(self.keys.placement(model), worker_id)
         pipe.delete(self.keys.worker(worker_id))
-        removed = any((await pipe.execute())[:-1] or [False])
+        removed = any(await pipe.execute())  # SREM / DEL counts: anything there to remove
         await self.redis.publish(self.keys.events(), f"deregister {worker_id}")
         return removed
 

@@ -5,25 +5,54 @@ from __future__ import annotations
 
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from academus.shared.config import artifacts_dir
 from academus.shared.mesh import ADMIN_KEY_FILE, MeshOptions, MeshState, down, up
 
 
-def start_mesh(run_dir: Path, workers: int = 1) -> MeshState:
+def start_mesh(run_dir: Path, workers: int = 1, env: dict[str, str] | None = None) -> MeshState:
     if not (artifacts_dir() / "models.json").exists():
         pytest.fail(f"no artifacts in {artifacts_dir()}: `make test` runs `academus prepare` first")
     return up(MeshOptions(run_dir=run_dir, gateway_port=0, workers=workers, worker_threads=1,
-                          env={"OTEL_BSP_SCHEDULE_DELAY": "100", "ACADEMUS_GRACE_S": "20"}))
+                          env={"OTEL_BSP_SCHEDULE_DELAY": "100", "ACADEMUS_GRACE_S": "20", **(env or {})}))
+
+
+class OtlpCollector(trace_service_pb2_grpc.TraceServiceServicer):
+    """A real OTLP/gRPC trace receiver on loopback: what the services export lands here."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, str, str]] = []  # (trace id, service, span name)
+        self.server = grpc.server(ThreadPoolExecutor(max_workers=2))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    def Export(self, request, context):
+        for resource_spans in request.resource_spans:
+            attrs = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+            for scope in resource_spans.scope_spans:
+                self.spans += [(s.trace_id.hex(), attrs.get("service.name", ""), s.name) for s in scope.spans]
+        return trace_service_pb2.ExportTraceServiceResponse()
 
 
 @pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshState]:
+def otlp() -> Iterator[OtlpCollector]:
+    collector = OtlpCollector()
+    yield collector
+    collector.server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory, otlp: OtlpCollector) -> Iterator[MeshState]:
     run_dir = tmp_path_factory.mktemp("run")
-    state = start_mesh(run_dir)
+    state = start_mesh(run_dir, env={"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{otlp.port}",
+                                     "OTEL_EXPORTER_OTLP_INSECURE": "true"})
     yield state
     down(run_dir)
 

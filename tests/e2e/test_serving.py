@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 
+import grpc
 import pytest
 
 from academus.client import AcademusError, AsyncClient, Client
@@ -166,18 +167,36 @@ def test_deadline_shorter_than_the_work_stops_the_forward_pass(mesh, admin_key):
     assert metric(worker.metrics_port, "academus_worker_batches_total", model="spam") == batches
 
 
-def test_one_trace_spans_gateway_scheduler_and_worker(mesh, admin_key):
-    import grpc  # noqa: F401 - the sync client is instrumented too
-
+def test_one_trace_spans_gateway_scheduler_and_worker(mesh, admin_key, otlp):
+    """Exported both over OTLP (a real receiver) and to the run directory's JSON-lines file."""
     with Client(mesh.gateway, api_key=admin_key) as client:
         client.infer("spam", ["trace me"], request_id="trace-probe")
-    deadline = time.monotonic() + 10
-    services: set[str] = set()
-    while time.monotonic() < deadline and not {"gateway", "scheduler", "worker"} <= services:
+    wanted = {"academus-gateway", "academus-scheduler", "academus-worker"}
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        by_trace: dict[str, set[str]] = {}
+        for trace_id, service_name, _ in otlp.spans:
+            by_trace.setdefault(trace_id, set()).add(service_name)
+        in_file = read_traces([f"{mesh.run_dir}/traces.jsonl"])
+        complete = [t for t, names in by_trace.items() if wanted <= names]
+        if complete and any(wanted <= {s["service"] for s in in_file.get(t, [])} for t in complete):
+            break
         time.sleep(0.3)
-        traces = read_traces([f"{mesh.run_dir}/traces.jsonl"])
-        for spans in traces.values():
-            names = {s["service"].removeprefix("academus-") for s in spans}
-            if any(s["name"].endswith("Inference/Infer") for s in spans) and "worker" in names:
-                services = names
-    assert {"gateway", "scheduler", "worker"} <= services
+    else:
+        raise AssertionError(f"no trace with spans from all three services; OTLP got {by_trace}")
+    spans = [name for t, _, name in otlp.spans if t == complete[-1]]
+    assert "/academus.v1.Inference/Infer" in spans and "/academus.v1.Worker/Run" in spans
+
+
+def test_every_server_offers_reflection_and_health(mesh):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    expected = {"gateway": "academus.v1.Inference", "scheduler": "academus.v1.Scheduler",
+                "worker-0": "academus.v1.Worker", "resource_manager": "academus.v1.ResourceManager"}
+    for name, service_name in expected.items():
+        with grpc.insecure_channel(service(mesh, name).address) as ch:
+            stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+            replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                                timeout=5)
+            listed = {s.name for r in replies for s in r.list_services_response.service}
+        assert {service_name, "grpc.health.v1.Health"} <= listed, (name, listed)

@@ -1,0 +1,46 @@
+"""Local mesh bits that need no processes: Redis selection, state file, key storage."""
+
+from __future__ import annotations
+
+import pytest
+
+from academus.shared import mesh
+from academus.shared.keys import Keys
+
+
+def test_redis_url_from_env_is_used_and_not_owned(tmp_path, monkeypatch):
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:6390/2")
+    assert mesh._redis(tmp_path) == ("redis://127.0.0.1:6390/2", None)
+    assert not (tmp_path / "redis").exists()
+
+
+def test_without_redis_url_the_mesh_starts_its_own_with_aof(tmp_path, monkeypatch):
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    monkeypatch.delenv("ACADEMUS_REDIS_URL", raising=False)
+    url, pid = mesh._redis(tmp_path)
+    try:
+        import redis
+
+        client = redis.Redis.from_url(url, decode_responses=True)
+        assert client.config_get("appendonly") == {"appendonly": "yes"}
+        assert client.config_get("dir")["dir"] == str(tmp_path / "redis")
+    finally:
+        redis.Redis.from_url(url).shutdown()
+    assert pid
+
+
+def test_status_without_a_mesh_says_how_to_start_one(tmp_path):
+    with pytest.raises(mesh.MeshError, match="academus up"):
+        mesh.status(tmp_path)
+
+
+def test_admin_key_is_stable_private_and_stored_hashed(tmp_path, redis_url):
+    state = mesh.MeshState(str(tmp_path), redis_url, None, "", "acd")
+    key = mesh.ensure_admin_key(state)
+    assert mesh.ensure_admin_key(state) == key
+    assert (tmp_path / mesh.ADMIN_KEY_FILE).stat().st_mode & 0o077 == 0
+    import redis
+
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    assert client.hgetall(Keys().api_key(key)) == {"tenant": "admin", "role": "admin"}
+    assert not any(key in k for k in client.keys("*"))

@@ -1,0 +1,89 @@
+"""The worker's ModelRunner directly: outputs, deadlines checked between layers, bad batches."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from academus.services.worker.core import OUTPUT_EMBEDDING, OUTPUT_PROBS, ModelRunner, split_lengths
+from academus.shared.config import artifacts_dir
+from academus.shared.errors import DeadlineExceeded, InvalidArgument, NotFound
+from academus.shared.model import teacher_dir
+from academus.shared.tokenization import TeacherTokenizer
+
+
+class SteppingClock:
+    """Advances one second per reading: lets a test expire a deadline mid forward pass."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def runner() -> ModelRunner:
+    if not (artifacts_dir() / "models.json").exists():
+        pytest.fail(f"no artifacts in {artifacts_dir()}: `make test` runs `academus prepare` first")
+    return ModelRunner(artifacts_dir(), ["minilm", "spam"])
+
+
+def flat(texts: list[str]) -> tuple[list[int], list[int]]:
+    encoded = TeacherTokenizer(teacher_dir()).encode(texts)
+    return [i for e in encoded for i in e.input_ids], [len(e.input_ids) for e in encoded]
+
+
+def test_batch_equals_one_by_one(runner):
+    ids, lengths = flat(["a short one", "a noticeably longer sentence with more tokens in it"])
+    together = runner.run("minilm", OUTPUT_EMBEDDING, ids, lengths).values
+    first = runner.run("minilm", OUTPUT_EMBEDDING, ids[: lengths[0]], lengths[:1]).values
+    assert together.shape == (2, 384)
+    assert torch.allclose(torch.from_numpy(together[:1]), torch.from_numpy(first), atol=1e-5)
+
+
+def test_probs_sum_to_one_with_labels(runner):
+    ids, lengths = flat(["free money!!! click here", "see you at the standup"])
+    result = runner.run("spam", OUTPUT_PROBS, ids, lengths)
+    assert result.labels == ["ham", "spam"] and result.values.shape == (2, 2)
+    assert abs(result.values.sum(1) - 1).max() < 1e-5
+    assert result.real_tokens == sum(lengths) and result.padded_tokens == 2 * max(lengths)
+
+
+def test_expired_deadline_is_not_computed(runner):
+    ids, lengths = flat(["late"])
+    runner.clock = lambda: 10.0
+    try:
+        with pytest.raises(DeadlineExceeded, match="before the batch started"):
+            runner.run("minilm", OUTPUT_EMBEDDING, ids, lengths, deadline=5.0)
+    finally:
+        runner.clock = time.monotonic
+
+
+def test_deadline_passing_mid_forward_stops_between_layers(runner):
+    ids, lengths = flat(["expires while the encoder runs"])
+    runner.clock = SteppingClock()  # 1 s per reading: the check before the batch passes, layer 2 does not
+    try:
+        with pytest.raises(DeadlineExceeded, match="before encoder layer 1"):
+            runner.run("minilm", OUTPUT_EMBEDDING, ids, lengths, deadline=2.5)
+    finally:
+        runner.clock = time.monotonic
+    assert runner.run("minilm", OUTPUT_EMBEDDING, ids, lengths).values.shape == (1, 384)
+
+
+def test_bad_batches_are_refused(runner):
+    with pytest.raises(InvalidArgument, match="lengths sum to 5"):
+        split_lengths([1, 2, 3], [5])
+    with pytest.raises(NotFound):
+        runner.run("sentiment", OUTPUT_PROBS, [101, 102], [2])
+    with pytest.raises(InvalidArgument, match="no labels"):
+        runner.run("minilm", OUTPUT_PROBS, [101, 102], [2])
+
+
+def test_unknown_model_in_catalogue_names_prepare(tmp_path):
+    (tmp_path / "models.json").write_text("{}")
+    with pytest.raises(NotFound, match="academus prepare"):
+        ModelRunner(tmp_path, ["spam"])
