@@ -15,8 +15,16 @@ from academus.shared.config import artifacts_dir, run_dir
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    args = parser().parse_args(argv)
+    p = parser()
+    args, extra = p.parse_known_args(argv)
+    if args.command in PASS_THROUGH:  # their own parsers own their options (and --help)
+        args.rest = extra
+    elif extra:
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
     return args.func(args)
+
+
+PASS_THROUGH = {"prepare"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -49,8 +57,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("texts", nargs="+")
     s.set_defaults(func=cmd_infer)
 
-    s = sub.add_parser("prepare", help="train the teacher's task heads and write the artifacts")
-    s.add_argument("rest", nargs=argparse.REMAINDER)
+    s = sub.add_parser("prepare", help="train the teacher's task heads and write the artifacts", add_help=False)
     s.set_defaults(func=cmd_prepare)
 
     s = sub.add_parser("keys", help="API keys")

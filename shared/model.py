@@ -53,8 +53,18 @@ class TeacherEncoder(nn.Module):
     @classmethod
     def load(cls, model_dir: Path | None = None, device: str | torch.device = "cpu") -> TeacherEncoder:
         from transformers import BertModel
+        from transformers.utils import logging as hf_logging
 
-        bert = BertModel.from_pretrained(str(model_dir or teacher_dir()), add_pooling_layer=False)
+        # The checkpoint's unused pooler weights make transformers print a load report on every start.
+        verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        try:
+            bert = BertModel.from_pretrained(str(model_dir or teacher_dir()), add_pooling_layer=False)
+        finally:
+            hf_logging.set_verbosity(verbosity)
+            if bars:
+                hf_logging.enable_progress_bar()
         return cls(bert).to(device).eval()
 
     def forward(

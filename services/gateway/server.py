@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import grpc
+from redis.exceptions import RedisError
 
 from academus.services.gateway.core import (
     EMBED,
@@ -100,6 +101,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             result = await self._schedule(schedule_request(admitted, request.request_id), deadline)
         except ServingError as e:
             await abort_with(context, e)
+        except RedisError as e:  # keys and catalogue unreachable: nothing ran, a retry may succeed
+            await abort_with(context, Unavailable(f"credential and model store unreachable: {e}"))
         response = to_pb(admitted, result, request.request_id)
         response.metadata.tokenize_ms = admitted.tokenize_ms
         response.metadata.gateway_ms = (time.perf_counter() - entered) * 1e3
