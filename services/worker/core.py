@@ -7,6 +7,7 @@ embedding, `sentiment` and `spam` apply their linear heads to the same embedding
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
 from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
 from academus.shared.errors import DeadlineExceeded, InvalidArgument, NotFound
@@ -21,6 +23,7 @@ from academus.shared.model import HIDDEN_SIZE, ClassifierHead, TeacherEncoder, p
 
 OUTPUT_EMBEDDING = "embedding"
 OUTPUT_PROBS = "probs"
+LAYER_NAME = re.compile(r"encoder\.layer\.\d+$")  # HF BERT layers, in the teacher and in students
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class BatchResult:
     compute_ms: float
     padded_tokens: int
     real_tokens: int
+    student_count: int = 1
 
 
 def resolve_device(wanted: str) -> torch.device:
@@ -49,50 +53,90 @@ def split_lengths(flat: Sequence[int], lengths: Sequence[int]) -> list[Sequence[
     return out
 
 
+@dataclass
+class ServedModel:
+    """One served name: an encoder that pools (the teacher, or a student group) and an optional head."""
+
+    spec: ModelSpec
+    encoder: nn.Module
+    head: ClassifierHead | None = None
+    max_students: int = 0          # 0: the teacher, not a student group
+    default_students: int = 0      # the artifact's best-pruned k
+
+    def students(self, wanted: int) -> int:
+        """The student count to run: the default for 0, refused beyond what the group holds."""
+        if not self.max_students:
+            return 1
+        if wanted > self.max_students:
+            raise InvalidArgument(f"num_students={wanted} exceeds the {self.max_students} students of "
+                                  f"{self.spec.name!r}")
+        return wanted or self.default_students
+
+    def pool(self, ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor, students: int) -> torch.Tensor:
+        if self.max_students:
+            return self.encoder(ids, mask, types, num_students=students)
+        return self.encoder(ids, mask, types)
+
+
 class ModelRunner:
-    """Loads the teacher once and the heads of the configured models; runs batches synchronously."""
+    """Loads the configured models once (the teacher shared by all teacher-backed names) and runs
+    batches synchronously, one at a time, on the worker's compute thread."""
 
     def __init__(self, artifacts: Path, models: Sequence[str], device: str = "cpu",
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.device = resolve_device(device)
         self.clock = clock
-        catalogue = json.loads((Path(artifacts) / "models.json").read_text())
+        self.artifacts = Path(artifacts)
+        catalogue = json.loads((self.artifacts / "models.json").read_text())
         unknown = [m for m in models if m not in catalogue]
         if unknown:
             raise NotFound(f"models {unknown} are not in {artifacts}/models.json (run `academus prepare`)")
-        self.encoder = TeacherEncoder.load(device=self.device)
         self._deadline: float | None = None
-        for index, layer in enumerate(self.encoder.bert.encoder.layer):
-            layer.register_forward_pre_hook(self._deadline_check(index))
-        self.specs: dict[str, ModelSpec] = {}
-        self.heads: dict[str, ClassifierHead] = {}
-        for name in models:
-            entry = catalogue[name]
-            if entry["kind"] == CLASSIFICATION:
-                from academus.shared.training.prepare import load_head  # training code only when needed
+        self._teacher: TeacherEncoder | None = None
+        self.models = {name: self._load(name, catalogue[name]) for name in models}
+        self.specs = {name: served.spec for name, served in self.models.items()}
 
-                self.heads[name] = load_head(Path(artifacts), entry.get("task", name)).to(self.device).eval()
-                self.specs[name] = ModelSpec(name, CLASSIFICATION, list(self.heads[name].labels), HIDDEN_SIZE)
-            else:
-                self.specs[name] = ModelSpec(name, EMBEDDING, [], HIDDEN_SIZE)
+    def _load(self, name: str, entry: dict) -> ServedModel:
+        if "students" in entry:
+            from academus.shared.training.distill import load_student_group  # training code only when needed
 
-    def _deadline_check(self, index: int):
-        """Stops a forward pass between layers once its deadline passed: expired work is not run on."""
+            group = load_student_group(self.artifacts, entry.get("task", name), device=self.device)
+            self._watch_deadline(group)
+            kind = CLASSIFICATION if group.head is not None else EMBEDDING
+            spec = ModelSpec(name, kind, list(group.labels) if group.head is not None else [], HIDDEN_SIZE)
+            return ServedModel(spec, group, group.head, group.max_students, group.best_k)
+        if self._teacher is None:
+            self._teacher = TeacherEncoder.load(device=self.device)
+            self._watch_deadline(self._teacher)
+        if entry["kind"] != CLASSIFICATION:
+            return ServedModel(ModelSpec(name, EMBEDDING, [], HIDDEN_SIZE), self._teacher)
+        from academus.shared.training.prepare import load_head
 
+        head = load_head(self.artifacts, entry.get("task", name)).to(self.device).eval()
+        return ServedModel(ModelSpec(name, CLASSIFICATION, list(head.labels), HIDDEN_SIZE), self._teacher, head)
+
+    def _watch_deadline(self, encoder: nn.Module) -> None:
+        """Hooks every transformer layer so an expired batch stops between layers."""
+        for name, module in encoder.named_modules():
+            if LAYER_NAME.search(name):
+                module.register_forward_pre_hook(self._deadline_check(name))
+
+    def _deadline_check(self, layer: str):
         def hook(_module, _args) -> None:
             if self._deadline is not None and self.clock() >= self._deadline:
-                raise DeadlineExceeded(f"deadline passed before encoder layer {index}; the rest was not computed")
+                raise DeadlineExceeded(f"deadline passed before {layer}; the rest was not computed")
 
         return hook
 
     def run(self, model: str, output: str, input_ids: Sequence[int], lengths: Sequence[int],
-            token_type_ids: Sequence[int] = (), deadline: float | None = None) -> BatchResult:
+            token_type_ids: Sequence[int] = (), deadline: float | None = None, num_students: int = 0) -> BatchResult:
         """Runs one batch; refuses to start when `deadline` (clock time) has passed."""
-        spec = self.specs.get(model)
-        if spec is None:
+        served = self.models.get(model)
+        if served is None:
             raise NotFound(f"model {model!r} is not served by this worker")
-        if output == OUTPUT_PROBS and spec.kind != CLASSIFICATION:
+        if output == OUTPUT_PROBS and served.head is None:
             raise InvalidArgument(f"model {model!r} is an embedding model: it has no labels")
+        students = served.students(num_students)
         if deadline is not None and self.clock() >= deadline:
             raise DeadlineExceeded("deadline passed before the batch started; not computed")
         seqs = split_lengths(input_ids, lengths)
@@ -101,13 +145,14 @@ class ModelRunner:
         ids, mask, type_ids = pad_batch(seqs, types)
         self._deadline = deadline  # runs on the worker's single compute thread
         with torch.inference_mode():
-            pooled = self.encoder(ids.to(self.device), mask.to(self.device), type_ids.to(self.device))
-            values = torch.softmax(self.heads[model](pooled), dim=-1) if output == OUTPUT_PROBS else pooled
+            pooled = served.pool(ids.to(self.device), mask.to(self.device), type_ids.to(self.device), students)
+            values = torch.softmax(served.head(pooled), dim=-1) if output == OUTPUT_PROBS else pooled
             values_np = values.float().cpu().numpy()
         return BatchResult(
             values=values_np,
-            labels=spec.labels if output == OUTPUT_PROBS else [],
+            labels=served.spec.labels if output == OUTPUT_PROBS else [],
             compute_ms=(time.perf_counter() - start) * 1e3,
             padded_tokens=int(ids.numel()),
             real_tokens=int(mask.sum()),
+            student_count=students,
         )

@@ -50,7 +50,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             result = await asyncio.get_running_loop().run_in_executor(
                 self.executor, self._run, request.model, output, tokens.input_ids, tokens.lengths,
-                tokens.token_type_ids, deadline,
+                tokens.token_type_ids, deadline, request.num_students,
             )
         except ServingError as e:
             await abort_with(context, e)
@@ -62,8 +62,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             values=tensors_pb2.Matrix(values=result.values.ravel().tolist(), rows=rows, dim=dim),
             labels=result.labels,
             metadata=inference_pb2.InferMetadata(
-                batch_size=rows, student_count=1, worker_id=self.worker_id, compute_ms=result.compute_ms,
-                worker_ms=(time.perf_counter() - entered) * 1e3, padded_tokens=result.padded_tokens,
+                batch_size=rows, student_count=result.student_count, worker_id=self.worker_id,
+                compute_ms=result.compute_ms, worker_ms=(time.perf_counter() - entered) * 1e3, padded_tokens=result.padded_tokens,
                 real_tokens=result.real_tokens,
             ),
         )

@@ -67,7 +67,7 @@ def test_deadline_passing_mid_forward_stops_between_layers(runner):
     ids, lengths = flat(["expires while the encoder runs"])
     runner.clock = SteppingClock()  # 1 s per reading: the check before the batch passes, layer 2 does not
     try:
-        with pytest.raises(DeadlineExceeded, match="before encoder layer 1"):
+        with pytest.raises(DeadlineExceeded, match=r"before bert\.encoder\.layer\.1"):
             runner.run("minilm", OUTPUT_EMBEDDING, ids, lengths, deadline=2.5)
     finally:
         runner.clock = time.monotonic

@@ -8,13 +8,15 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RunRequest(_message.Message):
-    __slots__ = ("batch_id", "model", "output", "tokens")
+    __slots__ = ("batch_id", "model", "output", "tokens", "num_students")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STUDENTS_FIELD_NUMBER: _ClassVar[int]
     batch_id: str
     model: str
     output: _inference_pb2.Output
     tokens: _tensors_pb2.TokenBatch
-    def __init__(self, batch_id: _Optional[str] = ..., model: _Optional[str] = ..., output: _Optional[_Union[_inference_pb2.Output, str]] = ..., tokens: _Optional[_Union[_tensors_pb2.TokenBatch, _Mapping]] = ...) -> None: ...
+    num_students: int
+    def __init__(self, batch_id: _Optional[str] = ..., model: _Optional[str] = ..., output: _Optional[_Union[_inference_pb2.Output, str]] = ..., tokens: _Optional[_Union[_tensors_pb2.TokenBatch, _Mapping]] = ..., num_students: _Optional[int] = ...) -> None: ...
