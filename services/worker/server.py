@@ -63,8 +63,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             labels=result.labels,
             metadata=inference_pb2.InferMetadata(
                 batch_size=rows, student_count=result.student_count, worker_id=self.worker_id,
-                compute_ms=result.compute_ms, worker_ms=(time.perf_counter() - entered) * 1e3, padded_tokens=result.padded_tokens,
-                real_tokens=result.real_tokens,
+                compute_ms=result.compute_ms, worker_ms=(time.perf_counter() - entered) * 1e3,
+                padded_tokens=result.padded_tokens, real_tokens=result.real_tokens,
             ),
         )
 
