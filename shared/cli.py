@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     return args.func(args)
 
 
-PASS_THROUGH = {"prepare"}
+PASS_THROUGH = {"prepare", "loadgen"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -59,6 +59,10 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("prepare", help="train the teacher's task heads and write the artifacts", add_help=False)
     s.set_defaults(func=cmd_prepare)
+
+    s = sub.add_parser("loadgen", help="open-loop load: Poisson, bursts or trace replay; report.json + plots",
+                       add_help=False)
+    s.set_defaults(func=cmd_loadgen)
 
     s = sub.add_parser("keys", help="API keys")
     ks = s.add_subparsers(dest="keys_command", required=True)
@@ -156,6 +160,15 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from academus.shared.training.prepare import main as prepare_main
 
     return prepare_main(args.rest)
+
+
+def cmd_loadgen(args: argparse.Namespace) -> int:
+    from academus.loadgen.cli import main as loadgen_main
+
+    rest = list(args.rest)
+    if args.run_dir and "--run-dir" not in rest and rest[:1] in (["run"], ["compare"]):
+        rest += ["--run-dir", str(args.run_dir)]
+    return loadgen_main(rest)
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:

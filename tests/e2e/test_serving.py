@@ -188,6 +188,21 @@ def test_one_trace_spans_gateway_scheduler_and_worker(mesh, admin_key, otlp):
     assert "/academus.v1.Inference/Infer" in spans and "/academus.v1.Worker/Run" in spans
 
 
+def test_loadgen_compare_writes_report_and_plots(mesh, tmp_path):
+    out = tmp_path / "lg"
+    proc = cli(mesh, "loadgen", "compare", "--runs", "spam,minilm", "--schedule", "poisson:8", "--duration", "3",
+               "--texts", "task:spam", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert json.loads((out / "report.json").read_text()) == report
+    spam, minilm = report["runs"]
+    assert spam["sent"] == minilm["sent"] > 5 and spam["completed"] == spam["sent"] and not spam["errors"]
+    assert spam["accuracy"] is not None and spam["accuracy"] > 0.5 and minilm["accuracy"] is None
+    assert spam["policy"] == "fifo" and spam["latency_ms"]["p50"] > 0
+    assert report["ratios_vs_first"][0]["vs"] == "spam:fifo"
+    assert (out / "latency_cdf.png").stat().st_size > 1000 and (out / "timeline_0_spam.png").exists()
+
+
 def test_every_server_offers_reflection_and_health(mesh):
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 

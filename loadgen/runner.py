@@ -1,0 +1,85 @@
+"""One open-loop run against a gateway: send on schedule, record every answer, summarise."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from hdrh.histogram import HdrHistogram
+
+from academus.client import AcademusError, AsyncClient
+from academus.loadgen.texts import Sample
+
+MAX_LATENCY_US = 120_000_000
+
+
+@dataclass
+class Record:
+    sent_at: float           # seconds from the start
+    latency_ms: float
+    code: str                # "OK" or the gRPC status name
+    students: int = 0
+    correct: bool | None = None
+
+
+@dataclass
+class RunResult:
+    model: str
+    policy: str
+    offered_rps: float
+    duration_s: float
+    records: list[Record] = field(default_factory=list)
+
+    def report(self) -> dict:
+        ok = [r for r in self.records if r.code == "OK"]
+        histogram = HdrHistogram(1, MAX_LATENCY_US, 3)
+        for r in ok:
+            histogram.record_value(max(1, round(r.latency_ms * 1000)))
+        labelled = [r for r in ok if r.correct is not None]
+        return {
+            "policy": self.policy,
+            "model": self.model,
+            "offered_rps": round(self.offered_rps, 3),
+            "sent": len(self.records),
+            "completed": len(ok),
+            "errors": dict(Counter(r.code for r in self.records if r.code != "OK")),
+            "latency_ms": latency_summary(histogram) if ok else {},
+            "throughput_rps": round(len(ok) / self.duration_s, 3) if self.duration_s else 0.0,
+            "accuracy": round(sum(r.correct for r in labelled) / len(labelled), 4) if labelled else None,
+            "student_number": sorted(Counter(r.students for r in ok).items()),
+        }
+
+
+def latency_summary(histogram: HdrHistogram) -> dict[str, float]:
+    return {f"p{q}": histogram.get_value_at_percentile(q) / 1000 for q in (50, 95, 99)} | {
+        "mean": round(histogram.get_mean_value() / 1000, 3), "max": histogram.get_max_value() / 1000}
+
+
+async def run(client: AsyncClient, model: str, arrivals: list[float], samples: list[Sample],
+              timeout_s: float, duration_s: float) -> RunResult:
+    """Sends request i at arrivals[i] with samples[i % n]; waits for every answer."""
+    result = RunResult(model, "", len(arrivals) / duration_s if duration_s else 0.0, duration_s)
+    start = time.perf_counter()
+
+    async def one(i: int, at: float) -> None:
+        sample = samples[i % len(samples)]
+        delay = at - (time.perf_counter() - start)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        sent = time.perf_counter()
+        try:
+            answer = await client.infer(model, [sample.text], timeout=timeout_s)
+        except AcademusError as e:
+            result.records.append(Record(sent - start, (time.perf_counter() - sent) * 1e3, e.code))
+            return
+        latency = (time.perf_counter() - sent) * 1e3
+        result.policy = result.policy or answer.metadata.policy
+        label = answer.predictions[0].label
+        correct = (label == sample.label) if sample.label is not None and label else None
+        result.records.append(Record(sent - start, latency, "OK", answer.metadata.student_count, correct))
+
+    await asyncio.gather(*(one(i, at) for i, at in enumerate(arrivals)))
+    result.duration_s = max(duration_s, time.perf_counter() - start)
+    return result
