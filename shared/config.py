@@ -79,7 +79,9 @@ class GatewayConfig(CommonConfig):
 @dataclass(frozen=True)
 class SchedulerConfig(CommonConfig):
     scheduler_id: str = ""           # defaults to host:port
-    policy: str = "fifo"
+    policy: str = "fifo"             # fifo | padded (student and concat come with their issues)
+    max_batch: int = 32              # padded: texts per batch
+    max_delay_ms: float = 10.0       # padded: how long the oldest request may wait for the batch to fill
     queue_capacity: int = 1024       # admission bound: beyond it, RESOURCE_EXHAUSTED at once
     retry_pushback_ms: int = 50
     heartbeat_ttl_s: float = 5.0
@@ -90,6 +92,11 @@ class SchedulerConfig(CommonConfig):
         super().check()
         if self.queue_capacity < 1:
             raise ConfigError(f"ACADEMUS_QUEUE_CAPACITY={self.queue_capacity} must be >= 1")
+        if self.policy not in ("fifo", "padded"):
+            raise ConfigError(f"ACADEMUS_POLICY={self.policy!r} is not a policy (fifo, padded)")
+        if self.max_batch < 1 or self.max_delay_ms < 0:
+            raise ConfigError(f"ACADEMUS_MAX_BATCH={self.max_batch} must be >= 1 and "
+                              f"ACADEMUS_MAX_DELAY_MS={self.max_delay_ms} >= 0")
 
 
 @dataclass(frozen=True)

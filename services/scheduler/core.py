@@ -1,15 +1,19 @@
-"""The scheduler core: admission, immediate dispatch to an idle worker, the waiting policy, retries.
+"""The scheduler core: admission, dispatch of batches to idle workers, the waiting policy, retries.
 
 State (workers, busy flags, the policy's queue) is changed only by plain methods called on the
 event loop thread, never across an `await`, so each change is atomic without locks — the same
 single-owner discipline as TEI's queue task, without a channel hop on the hot path.
+
+A policy decides which waiting jobs form the next batch for a freed worker (one job for `fifo`,
+several same-model jobs for `padded`); the edge's `send` merges their payloads into one worker call
+and splits the answer back, one result a job.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +38,7 @@ class Job:
     num_tokens: int
     deadline: float                # clock time
     enqueued_at: float
+    batch_key: tuple = ()          # jobs batch together only with equal keys (model, output, ...)
     future: asyncio.Future = field(repr=False, default=None)  # type: ignore[assignment]
     attempts: int = 0
     tried: set[str] = field(default_factory=set)
@@ -41,15 +46,15 @@ class Job:
 
 
 class WorkerLost(Exception):
-    """The worker did not answer (connection refused or dropped): the job may run elsewhere."""
+    """The worker did not answer (connection refused or dropped): the jobs may run elsewhere."""
 
 
-Send = Callable[[WorkerRef, Job], Awaitable[Any]]
+Send = Callable[[WorkerRef, Sequence[Job]], Awaitable[Sequence[Any]]]
 
 
 @dataclass
 class DispatchStats:
-    dispatched: int = 0
+    dispatched: int = 0            # batches sent
     expired: int = 0
     cancelled: int = 0
     retried: int = 0
@@ -66,6 +71,7 @@ class Dispatcher:
         self.clock = clock
         self.workers: dict[str, WorkerRef] = {}
         self.stats = DispatchStats()
+        self._timer: asyncio.TimerHandle | None = None
 
     # -- membership -------------------------------------------------------------------------
     def update_workers(self, live: dict[str, tuple[str, frozenset[str]]]) -> None:
@@ -87,7 +93,7 @@ class Dispatcher:
 
     # -- the request path -------------------------------------------------------------------
     async def submit(self, job: Job) -> Any:
-        """Runs the job on an idle worker now, or queues it; returns the worker's result."""
+        """Queues the job with the policy and dispatches what is ready; returns the job's result."""
         if not self.serves(job.model):
             raise Unavailable(f"no live worker serves model {job.model!r}")
         if len(self.policy) >= self.queue_capacity:
@@ -95,48 +101,74 @@ class Dispatcher:
             raise ResourceExhausted(f"scheduler queue is full ({self.queue_capacity} requests waiting)",
                                     pushback_ms=self.retry_pushback_ms)
         job.future = asyncio.get_running_loop().create_future()
-        worker = self._idle_worker(job)
-        if worker is not None:
-            self._start(worker, job)
-        else:
-            self.policy.push(job)
+        self.policy.push(job, self.clock())
+        self._drain()
         return await job.future
 
-    def _idle_worker(self, job: Job) -> WorkerRef | None:
-        candidates = [w for w in self.workers.values()
-                      if not w.busy and not w.lost and job.model in w.models]
-        fresh = [w for w in candidates if w.worker_id not in job.tried]
-        pool = fresh or candidates
-        return pool[0] if pool else None
+    def _drain(self) -> None:
+        """Every idle worker takes the next ready batch it can run; dead jobs are dropped unrun."""
+        now = self.clock()
+        for worker in self._idle_workers():
+            while not worker.busy:
+                batch = self.policy.next_batch(lambda j, w=worker: j.model in w.models, now)
+                if not batch:
+                    break
+                batch = [j for j in batch if self._still_wanted(j, now)]
+                if batch:
+                    self._start(worker, batch)
+        self._arm_timer()
 
-    def _start(self, worker: WorkerRef, job: Job) -> None:
+    def _idle_workers(self) -> list[WorkerRef]:
+        idle = [w for w in self.workers.values() if not w.busy and not w.lost]
+        return sorted(idle, key=lambda w: w.worker_id)
+
+    def _arm_timer(self) -> None:
+        """Policies that hold jobs back (a batching delay) say when to look again."""
+        wake = self.policy.wake_at()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if wake is not None and any(not w.busy and not w.lost for w in self.workers.values()):
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(max(0.0, wake - self.clock()), self._drain)
+
+    def _start(self, worker: WorkerRef, batch: list[Job]) -> None:
         worker.busy = True
-        job.attempts += 1
-        job.tried.add(worker.worker_id)
-        job.started_at = self.clock()
+        now = self.clock()
+        for job in batch:
+            job.attempts += 1
+            job.tried.add(worker.worker_id)
+            job.started_at = now
         self.stats.dispatched += 1
-        task = asyncio.get_running_loop().create_task(self._run(worker, job))
-        # A caller that goes away cancels the downstream call too: its work stops there.
-        job.future.add_done_callback(lambda f: task.cancel() if f.cancelled() else None)
+        task = asyncio.get_running_loop().create_task(self._run(worker, batch))
+        if len(batch) == 1:  # a caller that goes away cancels its downstream call: the work stops there
+            batch[0].future.add_done_callback(lambda f: task.cancel() if f.cancelled() else None)
 
-    async def _run(self, worker: WorkerRef, job: Job) -> None:
+    async def _run(self, worker: WorkerRef, batch: list[Job]) -> None:
         try:
-            result = await self.send(worker, job)
+            results = await self.send(worker, batch)
         except WorkerLost as e:
             worker.lost = True
-            self._retry_or_fail(job, e)
+            for job in batch:
+                self._retry_or_fail(job, e)
             self._fail_orphans()
         except asyncio.CancelledError:
-            self._settle(job, exc=Unavailable("dispatch cancelled"))
-        except ServingError as e:
-            self._settle(job, exc=e)
-        except Exception as e:
-            self._settle(job, exc=e)
+            for job in batch:
+                self._settle(job, exc=Unavailable("dispatch cancelled"))
+        except Exception as e:  # a ServingError, or a bug: every caller gets an answer
+            for job in batch:
+                self._settle(job, exc=e)
         else:
-            self._settle(job, result=result)
+            if len(results) != len(batch):
+                error = ServingError(f"worker returned {len(results)} results for {len(batch)} requests")
+                for job in batch:
+                    self._settle(job, exc=error)
+            for job, result in zip(batch, results, strict=False):
+                self._settle(job, result=result)
         finally:
             worker.busy = False
-            self._drain()
+            if _loop_running():  # not when a never-finished task is closed by the garbage collector
+                self._drain()
 
     def _retry_or_fail(self, job: Job, error: Exception) -> None:
         if job.future.done():
@@ -147,11 +179,7 @@ class Dispatcher:
             self._settle(job, exc=Unavailable(f"worker lost and no other worker serves {job.model!r}: {error}"))
         else:
             self.stats.retried += 1
-            worker = self._idle_worker(job)
-            if worker is not None:
-                self._start(worker, job)
-            else:
-                self.policy.push(job)
+            self.policy.push(job, self.clock(), front=True)
 
     def _settle(self, job: Job, result: Any = None, exc: BaseException | None = None) -> None:
         if job.future.done():
@@ -161,21 +189,11 @@ class Dispatcher:
         else:
             job.future.set_result(result)
 
-    def _drain(self) -> None:
-        """Every idle worker takes the next waiting job it can run; dead jobs are dropped unrun."""
-        for worker in self.workers.values():
-            while not worker.busy and not worker.lost:
-                job = self.policy.pop(lambda j, w=worker: j.model in w.models)
-                if job is None:
-                    break
-                if self._still_wanted(job):
-                    self._start(worker, job)
-
-    def _still_wanted(self, job: Job) -> bool:
+    def _still_wanted(self, job: Job, now: float) -> bool:
         if job.future.done():  # the caller went away (cancelled)
             self.stats.cancelled += 1
             return False
-        if self.clock() >= job.deadline:
+        if now >= job.deadline:
             self.stats.expired += 1
             self._settle(job, exc=DeadlineExceeded("deadline passed while queued; not computed"))
             return False
@@ -183,19 +201,24 @@ class Dispatcher:
 
     def _fail_orphans(self) -> None:
         """Waiting jobs whose model lost its last worker get UNAVAILABLE instead of hanging."""
-        orphans = [j for j in self.policy if not self.serves(j.model)]
-        for job in orphans:
-            self.policy.pop(lambda j, o=job: j is o)
+        for job in self.policy.remove(lambda j: not self.serves(j.model)):
             self._settle(job, exc=Unavailable(f"no live worker serves model {job.model!r}"))
 
     def expire_waiting(self) -> int:
-        """Answers queued jobs whose deadline passed (called periodically): never left hanging."""
-        expired = [j for j in self.policy if self.clock() >= j.deadline or j.future.done()]
-        for job in expired:
-            self.policy.pop(lambda j, e=job: j is e)
-            self._still_wanted(job)
-        return len(expired)
+        """Answers queued jobs whose deadline passed or whose caller left (called periodically)."""
+        now = self.clock()
+        dead = self.policy.remove(lambda j: now >= j.deadline or j.future.done())
+        for job in dead:
+            self._still_wanted(job, now)
+        return len(dead)
 
     def load(self) -> dict[str, int]:
-        return {"queued": len(self.policy), "idle": sum(not w.busy and not w.lost for w in self.workers.values()),
-                "workers": len(self.workers)}
+        return {"queued": len(self.policy), "idle": len(self._idle_workers()), "workers": len(self.workers)}
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Sequence
 
 import grpc
 from prometheus_client import Gauge
@@ -18,7 +19,7 @@ from academus.shared.logs import log_event
 from academus.shared.redis_conn import connect
 from academus.shared.serving import ServiceSpec, channel, run
 from academus.shared.tracing import annotate
-from academus.v1 import scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from academus.v1 import scheduler_pb2_grpc, tensors_pb2, worker_pb2, worker_pb2_grpc
 
 QUEUE_DEPTH = Gauge("academus_scheduler_queue_depth", "Jobs waiting for a worker")
 DROPPED = Gauge("academus_scheduler_dropped", "Jobs dropped unrun", ["reason"])
@@ -37,16 +38,41 @@ class WorkerChannels:
         return self._stubs[address]
 
 
-async def send_to_worker(channels: WorkerChannels, clock, worker: WorkerRef, job: Job):
-    remaining = job.deadline - clock()
+async def send_to_worker(channels: WorkerChannels, clock, worker: WorkerRef, batch: Sequence[Job]) -> list:
+    """One worker call for the whole batch: payloads merged, the answer split back a job each."""
+    remaining = max(j.deadline for j in batch) - clock()
     if remaining <= 0:
         raise DeadlineExceeded("deadline passed before dispatch; not computed")
+    request = batch[0].payload if len(batch) == 1 else merge_requests([j.payload for j in batch])
     try:
-        return await channels.stub(worker.address).Run(job.payload, timeout=remaining)
+        output = await channels.stub(worker.address).Run(request, timeout=remaining)
     except grpc.aio.AioRpcError as e:
         if e.code() in LOST_CODES:
             raise WorkerLost(f"{worker.worker_id} at {worker.address}: {e.details()}") from e
         raise from_rpc_error(e, f"worker {worker.worker_id}") from e
+    return [output] if len(batch) == 1 else split_output(output, [j.num_texts for j in batch])
+
+
+def merge_requests(requests: Sequence[worker_pb2.RunRequest]) -> worker_pb2.RunRequest:
+    merged = worker_pb2.RunRequest(batch_id=",".join(r.batch_id for r in requests), model=requests[0].model,
+                                   output=requests[0].output, num_students=requests[0].num_students)
+    typed = any(r.tokens.token_type_ids for r in requests)
+    for r in requests:
+        merged.tokens.input_ids.extend(r.tokens.input_ids)
+        merged.tokens.lengths.extend(r.tokens.lengths)
+        if typed:
+            merged.tokens.token_type_ids.extend(r.tokens.token_type_ids or [0] * len(r.tokens.input_ids))
+    return merged
+
+
+def split_output(output: tensors_pb2.ModelOutput, rows: Sequence[int]) -> list[tensors_pb2.ModelOutput]:
+    dim, values, parts, start = output.values.dim, output.values.values, [], 0
+    for n in rows:
+        part = tensors_pb2.ModelOutput(output=output.output, labels=output.labels, metadata=output.metadata)
+        part.values.CopyFrom(tensors_pb2.Matrix(values=values[start * dim : (start + n) * dim], rows=n, dim=dim))
+        parts.append(part)
+        start += n
+    return parts
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -65,6 +91,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                                           output=request.output, tokens=tokens),
             num_texts=len(tokens.lengths), num_tokens=len(tokens.input_ids),
             deadline=now + (remaining if remaining is not None else 30.0), enqueued_at=now,
+            batch_key=(request.model, request.output),
         )
         annotate(model=request.model, tenant=request.tenant, policy=self.policy, batch_size=job.num_texts)
         try:
@@ -126,7 +153,8 @@ async def build() -> ServiceSpec:
     keys = Keys(config.key_prefix)
     channels = WorkerChannels()
     clock = time.monotonic
-    dispatcher = Dispatcher(make_policy(config.policy),
+    policy = make_policy(config.policy, max_batch=config.max_batch, max_delay_s=config.max_delay_ms / 1e3)
+    dispatcher = Dispatcher(policy,
                             lambda w, j: send_to_worker(channels, clock, w, j),
                             config.queue_capacity, config.retry_pushback_ms, clock)
     watcher = PlacementWatcher(redis, keys, dispatcher, config.refresh_s)

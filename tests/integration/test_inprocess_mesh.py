@@ -36,36 +36,50 @@ def env(**values: str):
                 os.environ[k] = v
 
 
-@pytest.fixture(scope="module")
-async def mesh(redis_server):
+async def start_services(redis_url: str, prefix: str, **settings: str) -> list[RunningService]:
     from academus.services.gateway.server import build as gateway
     from academus.services.resource_manager.server import build as resource_manager
     from academus.services.scheduler.server import build as scheduler
     from academus.services.worker.server import build as worker
 
-    redis = connect(redis_server.url)
-    await redis.flushall()
-    await redis.hset(Keys().api_key(KEY), mapping={"tenant": "it", "role": "tenant"})
+    redis = connect(redis_url)
+    await redis.hset(Keys(prefix).api_key(KEY), mapping={"tenant": "it", "role": "tenant"})
+    await redis.aclose()
     running = []
-    common = {"ACADEMUS_REDIS_URL": redis_server.url, "ACADEMUS_PORT": "0", "ACADEMUS_METRICS_PORT": "-1",
-              "ACADEMUS_ARTIFACTS": str(artifacts_dir()), "ACADEMUS_QUEUE_CAPACITY": "1",
-              "ACADEMUS_WORKER_ID": "it-worker", "ACADEMUS_MODELS": "spam", "ACADEMUS_GRACE_S": "5"}
+    common = {"ACADEMUS_REDIS_URL": redis_url, "ACADEMUS_KEY_PREFIX": prefix, "ACADEMUS_PORT": "0",
+              "ACADEMUS_METRICS_PORT": "-1", "ACADEMUS_ARTIFACTS": str(artifacts_dir()),
+              "ACADEMUS_WORKER_ID": f"{prefix}-worker", "ACADEMUS_MODELS": "spam", "ACADEMUS_GRACE_S": "5",
+              **settings}
     with env(**common):
         for build in (resource_manager, worker, scheduler, gateway):
             service = RunningService(await build())
             await service.start()
             running.append(service)
+    return running
+
+
+@pytest.fixture(scope="module")
+async def mesh(redis_server):
+    running = await start_services(redis_server.url, "it-fifo", ACADEMUS_QUEUE_CAPACITY="1")
     yield running[-1].address
     for service in reversed(running):
         await service.stop()
-    await redis.aclose()
+
+
+@pytest.fixture(scope="module")
+async def padded_mesh(redis_server):
+    running = await start_services(redis_server.url, "it-padded", ACADEMUS_POLICY="padded",
+                                   ACADEMUS_MAX_BATCH="8", ACADEMUS_MAX_DELAY_MS="200")
+    yield running[-1].address
+    for service in reversed(running):
+        await service.stop()
 
 
 async def test_request_path_in_process(mesh):
     async with AsyncClient(mesh, api_key=KEY) as client:
         result = await client.infer("spam", ["WIN a FREE iPhone, click now!!!", "lunch at noon?"])
     assert [p.label for p in result.predictions] == ["spam", "ham"]
-    assert result.metadata.worker_id == "it-worker" and result.metadata.attempts == 1
+    assert result.metadata.worker_id == "it-fifo-worker" and result.metadata.attempts == 1
 
 
 async def test_full_queue_is_refused_at_once_with_pushback(mesh):
@@ -90,3 +104,14 @@ async def test_wrong_key_in_process(mesh):
     async with AsyncClient(mesh, api_key="nope") as client:
         with pytest.raises(AcademusError, match="UNAUTHENTICATED"):
             await client.infer("spam", ["hi"])
+
+
+async def test_padded_policy_merges_concurrent_requests_and_splits_answers(padded_mesh):
+    texts = ["URGENT: claim your FREE prize money now!!!", "Are we still on for lunch tomorrow?"] * 3
+    async with AsyncClient(padded_mesh, api_key=KEY) as client:
+        results = await asyncio.gather(*(client.infer("spam", [t]) for t in texts))
+    assert [r.predictions[0].label for r in results] == ["spam", "ham"] * 3
+    assert {r.metadata.policy for r in results} == {"padded"}
+    assert max(r.metadata.batch_size for r in results) > 1  # merged into one worker call
+    alone = await AsyncClient(padded_mesh, api_key=KEY).infer("spam", [texts[0]])
+    assert alone.predictions[0].probs == pytest.approx(results[0].predictions[0].probs, abs=1e-4)

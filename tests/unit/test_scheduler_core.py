@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from academus.services.scheduler.core import Dispatcher, Job, WorkerLost
-from academus.services.scheduler.policies import FifoPolicy, make_policy
+from academus.services.scheduler.policies import FifoPolicy, PaddedPolicy, make_policy
 from academus.shared.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 
 
@@ -20,25 +20,30 @@ class Clock:
 
 
 class FakeWorkers:
-    """A controllable `send`: each call waits until the test releases or fails it."""
+    """A controllable `send`: each call waits until the test releases or fails it. A batch of one is
+    answered with the value given; a larger batch with that value once per job."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, Job, asyncio.Future]] = []
+        self.batches: list[list[Job]] = []
 
-    async def send(self, worker, job):
+    async def send(self, worker, batch):
         fut = asyncio.get_running_loop().create_future()
-        self.calls.append((worker.worker_id, job, fut))
-        return await fut
+        self.calls.append((worker.worker_id, batch[0], fut))
+        self.batches.append(list(batch))
+        value = await fut
+        return [value] * len(batch)
 
 
-def make_job(clock: Clock, model: str = "spam", deadline_in: float = 5.0, payload: object = None) -> Job:
-    return Job(model=model, payload=payload, num_texts=1, num_tokens=8,
-               deadline=clock() + deadline_in, enqueued_at=clock())
+def make_job(clock: Clock, model: str = "spam", deadline_in: float = 5.0, payload: object = None,
+             texts: int = 1) -> Job:
+    return Job(model=model, payload=payload, num_texts=texts, num_tokens=8 * texts,
+               deadline=clock() + deadline_in, enqueued_at=clock(), batch_key=(model,))
 
 
-def make_dispatcher(workers: dict[str, set[str]], capacity: int = 8):
+def make_dispatcher(workers: dict[str, set[str]], capacity: int = 8, policy=None):
     clock, fake = Clock(), FakeWorkers()
-    d = Dispatcher(FifoPolicy(), fake.send, capacity, 25, clock)
+    d = Dispatcher(policy if policy is not None else FifoPolicy(), fake.send, capacity, 25, clock)
     d.update_workers({w: (f"127.0.0.1:{i}", frozenset(m)) for i, (w, m) in enumerate(workers.items())})
     return d, clock, fake
 
@@ -180,3 +185,48 @@ async def test_workers_leaving_placements_fail_their_waiting_jobs():
 def test_unknown_policy_names_the_known_ones():
     with pytest.raises(ValueError, match="fifo"):
         make_policy("nope")
+
+
+async def test_padded_waits_for_the_batch_to_fill_then_sends_one_merged_call():
+    d, clock, fake = make_dispatcher({"w0": {"spam"}}, policy=PaddedPolicy(max_batch=4, max_delay_s=0.5))
+    tasks = [asyncio.create_task(d.submit(make_job(clock, payload=i))) for i in range(3)]
+    await settle()
+    assert fake.calls == []  # 3 texts < 4 and the head has waited 0 s of its 0.5 s
+    tasks.append(asyncio.create_task(d.submit(make_job(clock, payload=3))))
+    await settle()
+    assert [[j.payload for j in b] for b in fake.batches] == [[0, 1, 2, 3]]
+    fake.calls[0][2].set_result("r")
+    assert await asyncio.gather(*tasks) == ["r"] * 4
+
+
+async def test_padded_sends_a_partial_batch_when_the_delay_expires():
+    d, clock, fake = make_dispatcher({"w0": {"spam"}}, policy=PaddedPolicy(max_batch=8, max_delay_s=0.02))
+    tasks = [asyncio.create_task(d.submit(make_job(clock, payload=i))) for i in range(2)]
+    await settle()
+    assert fake.calls == []
+    clock.now += 0.05  # the dispatcher's timer fires on the real loop; the fake clock says it is due
+    await asyncio.sleep(0.05)
+    assert [[j.payload for j in b] for b in fake.batches] == [[0, 1]]
+    fake.calls[0][2].set_result("r")
+    await asyncio.gather(*tasks)
+
+
+async def test_padded_batches_only_same_key_and_caps_at_max_batch():
+    d, clock, fake = make_dispatcher({"w0": {"spam", "minilm"}}, policy=PaddedPolicy(max_batch=4, max_delay_s=0))
+    jobs = [make_job(clock, "spam", payload="s3", texts=3), make_job(clock, "minilm", payload="m1"),
+            make_job(clock, "spam", payload="s2", texts=2)]
+    tasks = [asyncio.create_task(d.submit(j)) for j in jobs]
+    await settle()
+    assert [[j.payload for j in b] for b in fake.batches] == [["s3"]]  # s2 would overflow 4 texts
+    fake.calls[0][2].set_result("a")
+    await settle()
+    assert [[j.payload for j in b] for b in fake.batches][1] == ["m1"]
+    fake.calls[1][2].set_result("b")
+    await settle()
+    fake.calls[2][2].set_result("c")
+    assert await asyncio.gather(*tasks) == ["a", "b", "c"]
+
+
+def test_padded_rejects_bad_settings():
+    with pytest.raises(ValueError, match="max_batch"):
+        make_policy("padded", max_batch=0, max_delay_s=0.01)
