@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     return args.func(args)
 
 
-PASS_THROUGH = {"prepare", "loadgen"}
+PASS_THROUGH = {"prepare", "loadgen", "distill"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -59,6 +59,9 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("prepare", help="train the teacher's task heads and write the artifacts", add_help=False)
     s.set_defaults(func=cmd_prepare)
+
+    s = sub.add_parser("distill", help="distil the teacher into a student group (run | report)", add_help=False)
+    s.set_defaults(func=cmd_distill)
 
     s = sub.add_parser("loadgen", help="open-loop load: Poisson, bursts or trace replay; report.json + plots",
                        add_help=False)
@@ -160,6 +163,12 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from academus.shared.training.prepare import main as prepare_main
 
     return prepare_main(args.rest)
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    from academus.shared.training.distill import main as distill_main
+
+    return distill_main(args.rest)
 
 
 def cmd_loadgen(args: argparse.Namespace) -> int:

@@ -76,9 +76,10 @@ def split_output(output: tensors_pb2.ModelOutput, rows: Sequence[int]) -> list[t
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, dispatcher: Dispatcher, policy: str) -> None:
+    def __init__(self, dispatcher: Dispatcher, policy: str, student_numbers: dict[str, int]) -> None:
         self.dispatcher = dispatcher
         self.policy = policy
+        self.student_numbers = student_numbers  # model -> students to run (0: the group's best k)
 
     async def Schedule(self, request, context: grpc.aio.ServicerContext):
         entered = time.perf_counter()
@@ -88,10 +89,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         job = Job(
             model=request.model,
             payload=worker_pb2.RunRequest(batch_id=request.request_id, model=request.model,
-                                          output=request.output, tokens=tokens),
+                                          output=request.output, tokens=tokens,
+                                          num_students=self.student_numbers.get(request.model, 0)),
             num_texts=len(tokens.lengths), num_tokens=len(tokens.input_ids),
             deadline=now + (remaining if remaining is not None else 30.0), enqueued_at=now,
-            batch_key=(request.model, request.output),
+            batch_key=(request.model, request.output, self.student_numbers.get(request.model, 0)),
         )
         annotate(model=request.model, tenant=request.tenant, policy=self.policy, batch_size=job.num_texts)
         try:
@@ -114,6 +116,7 @@ class PlacementWatcher:
     def __init__(self, redis, keys: Keys, dispatcher: Dispatcher, refresh_s: float) -> None:
         self.redis, self.keys, self.dispatcher, self.refresh_s = redis, keys, dispatcher, refresh_s
         self.changed = asyncio.Event()
+        self.student_numbers: dict[str, int] = {}
 
     async def refresh(self) -> None:
         live: dict[str, tuple[str, set[str]]] = {}
@@ -126,6 +129,14 @@ class PlacementWatcher:
                     live[worker_id] = (address, set())
                 live[worker_id][1].add(model)
         self.dispatcher.update_workers({w: (a, frozenset(m)) for w, (a, m) in live.items()})
+        await self.refresh_student_numbers()
+
+    async def refresh_student_numbers(self) -> None:
+        """`students:<model>` in Redis (set by the resource manager, issue 4) picks the prefix to run."""
+        models = sorted({m for w in self.dispatcher.workers.values() for m in w.models})
+        values = await self.redis.mget([self.keys.students(m) for m in models]) if models else []
+        self.student_numbers.clear()
+        self.student_numbers.update({m: int(v) for m, v in zip(models, values, strict=True) if v})
 
     async def watch_events(self) -> None:
         pubsub = self.redis.pubsub()
@@ -197,7 +208,7 @@ async def build() -> ServiceSpec:
         name="scheduler",
         config=config,
         add_servicers=lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(
-            SchedulerServicer(dispatcher, config.policy), s),
+            SchedulerServicer(dispatcher, config.policy, watcher.student_numbers), s),
         service_names=["academus.v1.Scheduler"],
         on_started=announce,
         on_stopping=deregister,
