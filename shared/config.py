@@ -104,7 +104,7 @@ class WorkerConfig(CommonConfig):
     worker_id: str = ""
     device: str = "cpu"              # "cuda", "cuda:1", or "cpu"; GPU paths fall back to CPU
     torch_threads: int = 0           # 0: torch's default
-    models: str = "minilm,sentiment,spam"
+    models: str = ""                 # comma-separated; empty: every model in the artifacts' models.json
     artifacts: str = field(default_factory=lambda: str(artifacts_dir()))
     resource_manager: str = ""       # host:port; empty: looked up in Redis
     heartbeat_ttl_s: float = 5.0

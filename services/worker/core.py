@@ -88,6 +88,7 @@ class ModelRunner:
         self.clock = clock
         self.artifacts = Path(artifacts)
         catalogue = json.loads((self.artifacts / "models.json").read_text())
+        models = list(models) or sorted(catalogue)
         unknown = [m for m in models if m not in catalogue]
         if unknown:
             raise NotFound(f"models {unknown} are not in {artifacts}/models.json (run `academus prepare`)")
