@@ -194,7 +194,7 @@ def down(run_dir: Path, timeout_s: float = 30.0) -> list[str]:
     if state.redis_pid:
         with contextlib.suppress(redis.exceptions.ConnectionError):
             redis.Redis.from_url(state.redis_url).shutdown()
-        _wait_exit(state.redis_pid, timeout_s)
+        wait_exit(state.redis_pid, timeout_s)
         stopped.append("redis")
     (Path(run_dir) / STATE_FILE).unlink(missing_ok=True)
     return stopped
@@ -242,12 +242,12 @@ def _terminate(pid: int, timeout_s: float) -> None:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         return
-    if not _wait_exit(pid, timeout_s):
+    if not wait_exit(pid, timeout_s):
         os.kill(pid, signal.SIGKILL)
-        _wait_exit(pid, 5)
+        wait_exit(pid, 5)
 
 
-def _wait_exit(pid: int, timeout_s: float) -> bool:
+def wait_exit(pid: int, timeout_s: float) -> bool:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         if not _pid_alive(pid):

@@ -120,3 +120,17 @@ def channel(target: str) -> grpc.aio.Channel:
     from academus.shared.tracing import client_interceptors
 
     return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS, interceptors=client_interceptors())
+
+
+class Stubs:
+    """One traced channel and stub per peer address, reused for every call (channels are costly)."""
+
+    def __init__(self, stub_class: type) -> None:
+        self.stub_class = stub_class
+        self._stubs: dict[str, object] = {}
+
+    def __call__(self, address: str):
+        stub = self._stubs.get(address)
+        if stub is None:
+            stub = self._stubs[address] = self.stub_class(channel(address))
+        return stub

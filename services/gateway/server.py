@@ -25,7 +25,7 @@ from academus.shared.keys import Keys
 from academus.shared.logs import log_event
 from academus.shared.model import teacher_dir
 from academus.shared.redis_conn import connect
-from academus.shared.serving import ServiceSpec, channel, run
+from academus.shared.serving import ServiceSpec, Stubs, run
 from academus.shared.tokenization import TeacherTokenizer
 from academus.shared.tracing import annotate
 from academus.v1 import inference_pb2 as pb
@@ -89,7 +89,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.gateway = gateway
         self.schedulers = schedulers
         self.default_deadline_s = default_deadline_s
-        self._stubs: dict[str, scheduler_pb2_grpc.SchedulerStub] = {}
+        self._stub = Stubs(scheduler_pb2_grpc.SchedulerStub)
 
     async def Infer(self, request: pb.InferRequest, context: grpc.aio.ServicerContext):
         entered = time.perf_counter()
@@ -125,11 +125,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 await self.schedulers.refresh()
                 if not [a for a in self.schedulers.addresses if a not in tried]:
                     raise error from e
-
-    def _stub(self, address: str) -> scheduler_pb2_grpc.SchedulerStub:
-        if address not in self._stubs:
-            self._stubs[address] = scheduler_pb2_grpc.SchedulerStub(channel(address))
-        return self._stubs[address]
 
 
 async def build() -> ServiceSpec:

@@ -17,7 +17,7 @@ from academus.shared.errors import DeadlineExceeded, ServingError, abort_with, f
 from academus.shared.keys import Keys
 from academus.shared.logs import log_event
 from academus.shared.redis_conn import connect
-from academus.shared.serving import ServiceSpec, channel, run
+from academus.shared.serving import ServiceSpec, Stubs, run
 from academus.shared.tracing import annotate
 from academus.v1 import scheduler_pb2_grpc, tensors_pb2, worker_pb2, worker_pb2_grpc
 
@@ -26,26 +26,14 @@ DROPPED = Gauge("academus_scheduler_dropped", "Jobs dropped unrun", ["reason"])
 LOST_CODES = (grpc.StatusCode.UNAVAILABLE,)
 
 
-class WorkerChannels:
-    """One channel and stub per worker address, reused across calls."""
-
-    def __init__(self) -> None:
-        self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
-
-    def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
-        if address not in self._stubs:
-            self._stubs[address] = worker_pb2_grpc.WorkerStub(channel(address))
-        return self._stubs[address]
-
-
-async def send_to_worker(channels: WorkerChannels, clock, worker: WorkerRef, batch: Sequence[Job]) -> list:
+async def send_to_worker(stubs: Stubs, clock, worker: WorkerRef, batch: Sequence[Job]) -> list:
     """One worker call for the whole batch: payloads merged, the answer split back a job each."""
     remaining = max(j.deadline for j in batch) - clock()
     if remaining <= 0:
         raise DeadlineExceeded("deadline passed before dispatch; not computed")
     request = batch[0].payload if len(batch) == 1 else merge_requests([j.payload for j in batch])
     try:
-        output = await channels.stub(worker.address).Run(request, timeout=remaining)
+        output = await stubs(worker.address).Run(request, timeout=remaining)
     except grpc.aio.AioRpcError as e:
         if e.code() in LOST_CODES:
             raise WorkerLost(f"{worker.worker_id} at {worker.address}: {e.details()}") from e
@@ -162,11 +150,11 @@ async def build() -> ServiceSpec:
     config = cfg.load(cfg.SchedulerConfig)
     redis = connect(config.redis_url)
     keys = Keys(config.key_prefix)
-    channels = WorkerChannels()
+    worker_stubs = Stubs(worker_pb2_grpc.WorkerStub)
     clock = time.monotonic
     policy = make_policy(config.policy, max_batch=config.max_batch, max_delay_s=config.max_delay_ms / 1e3)
     dispatcher = Dispatcher(policy,
-                            lambda w, j: send_to_worker(channels, clock, w, j),
+                            lambda w, j: send_to_worker(worker_stubs, clock, w, j),
                             config.queue_capacity, config.retry_pushback_ms, clock)
     watcher = PlacementWatcher(redis, keys, dispatcher, config.refresh_s)
     state = {"id": config.scheduler_id, "address": ""}

@@ -19,7 +19,7 @@ from academus.shared.errors import DeadlineExceeded, ServingError, abort_with
 from academus.shared.keys import Keys
 from academus.shared.logs import log_event
 from academus.shared.redis_conn import connect
-from academus.shared.serving import ServiceSpec, channel, run
+from academus.shared.serving import ServiceSpec, Stubs, run
 from academus.shared.tracing import annotate
 from academus.v1 import (
     inference_pb2,
@@ -88,14 +88,16 @@ class Registration:
         self.keys = Keys(config.key_prefix)
         self.redis = connect(config.redis_url)
         self.address = ""
+        self._stubs = Stubs(resource_manager_pb2_grpc.ResourceManagerStub)
 
     async def _rm_stub(self) -> resource_manager_pb2_grpc.ResourceManagerStub:
+        """The resource manager's stub, its address from config or Redis; one channel per address."""
         target = self.config.resource_manager
         while not target:
             target = await self.redis.get(self.keys.resource_manager()) or ""
             if not target:
                 await asyncio.sleep(0.2)
-        return resource_manager_pb2_grpc.ResourceManagerStub(channel(target))
+        return self._stubs(target)
 
     async def register(self, address: str) -> None:
         self.address = address

@@ -380,13 +380,19 @@ def train_student(group: StudentGroup, split: Split, previous: torch.Tensor, ind
             loss = boost_loss(split.target[batch], prev, group.alphas()[i] * final)
             if i > 0:                             # B⁽⁰⁾ = 0: the first student has nothing to stack on
                 loss = loss + cfg.lam * stack_loss(prev, mid_scale * middle)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-            loss_value = loss.item()
-            bar.set_postfix(loss=f"{loss_value:.4f}")
+            loss_value = _step(loss, optimizer, schedule, bar)
     return loss_value
+
+
+def _step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, schedule, bar) -> float:
+    """One optimizer and LR-schedule step; shows and returns the loss."""
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    schedule.step()
+    value = loss.item()
+    bar.set_postfix(loss=f"{value:.4f}")
+    return value
 
 
 def sequential_training(group: StudentGroup, data: DistillData, cfg: DistillConfig,
@@ -462,12 +468,7 @@ def adaptive_pruning(group: StudentGroup, data: DistillData, cfg: DistillConfig,
     with tqdm(batches, desc="pruning (all prefixes)", unit="batch", file=sys.stderr, leave=False) as bar:
         for batch in bar:
             loss = prefix_loss(group, data, train, batch, soft)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-            loss_value = loss.item()
-            bar.set_postfix(loss=f"{loss_value:.4f}")
+            loss_value = _step(loss, optimizer, schedule, bar)
     return loss_value
 
 

@@ -6,14 +6,13 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import redis
 
 from academus.client import AcademusError, Client
 from academus.shared.keys import Keys
-from academus.shared.mesh import ADMIN_KEY_FILE, STATE_FILE, down
+from academus.shared.mesh import ADMIN_KEY_FILE, STATE_FILE, down, wait_exit
 from tests.e2e.conftest import metric, start_mesh
 
 pytestmark = pytest.mark.e2e
@@ -32,19 +31,6 @@ def busy_worker(state) -> object:
     raise AssertionError("no worker became busy")
 
 
-def wait_exit(pid: int, timeout_s: float = 30) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        try:
-            os.kill(pid, 0)
-            if Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] == "Z":
-                return True
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_sigterm_finishes_in_flight_work_then_deregisters_and_lost_worker_is_unavailable(tmp_path):
     state = start_mesh(tmp_path / "run", workers=2)
     key = (tmp_path / "run" / ADMIN_KEY_FILE).read_text().strip()
@@ -59,14 +45,14 @@ def test_sigterm_finishes_in_flight_work_then_deregisters_and_lost_worker_is_una
         thread.join()
         # in-flight work finished on the terminated worker, which then left placements and exited
         assert len(results[0].predictions) == 64 and results[0].metadata.worker_id == victim.name
-        assert wait_exit(victim.pid)
+        assert wait_exit(victim.pid, 30)
         assert victim.name not in r.smembers(keys.placement("spam"))
         survivor = next(s for s in state.services if s.name.startswith("worker") and s is not victim)
         with Client(state.gateway, api_key=key) as client:
             assert client.infer("spam", ["still served"]).metadata.worker_id == survivor.name
             # the last worker dies without deregistering: UNAVAILABLE at once, not a hang
             os.kill(survivor.pid, signal.SIGKILL)
-            assert wait_exit(survivor.pid)
+            assert wait_exit(survivor.pid, 30)
             start = time.monotonic()
             with pytest.raises(AcademusError) as info:
                 client.infer("spam", ["nobody home"], timeout=10)
