@@ -29,8 +29,8 @@ class AsyncClient:
 
     async def infer(self, model: str, texts: Sequence[str], output: str = "", *,
                     pairs: Sequence[str] | None = None, truncate: bool | None = None,
-                    timeout: float | None = None, request_id: str = "") -> InferResult:
-        request = build_request(model, texts, output, pairs, truncate, request_id)
+                    timeout: float | None = None, request_id: str = "", policy: str = "") -> InferResult:
+        request = build_request(model, texts, output, pairs, truncate, request_id, policy)
         try:
             response = await self._stub.Infer(request, timeout=timeout or self.timeout,
                                               metadata=call_metadata(self.api_key))

@@ -29,8 +29,9 @@ class Client:
         self._stub = inference_pb2_grpc.InferenceStub(traced)
 
     def infer(self, model: str, texts: Sequence[str], output: str = "", *, pairs: Sequence[str] | None = None,
-              truncate: bool | None = None, timeout: float | None = None, request_id: str = "") -> InferResult:
-        request = build_request(model, texts, output, pairs, truncate, request_id)
+              truncate: bool | None = None, timeout: float | None = None, request_id: str = "",
+              policy: str = "") -> InferResult:
+        request = build_request(model, texts, output, pairs, truncate, request_id, policy)
         try:
             response = self._stub.Infer(request, timeout=timeout or self.timeout,
                                         metadata=call_metadata(self.api_key))

@@ -75,13 +75,13 @@ class InferResult:
 
 
 def build_request(model: str, texts: Sequence[str], output: str = "", pairs: Sequence[str] | None = None,
-                  truncate: bool | None = None, request_id: str = "") -> pb.InferRequest:
+                  truncate: bool | None = None, request_id: str = "", policy: str = "") -> pb.InferRequest:
     if output not in OUTPUTS:
         raise ValueError(f"output must be one of {sorted(o for o in OUTPUTS if o)}, not {output!r}")
     if isinstance(texts, str):
         raise TypeError("texts must be a sequence of strings, not one string")
     pairs = list(pairs) if pairs is not None else [""] * len(texts)
-    request = pb.InferRequest(model=model, output=OUTPUTS[output], request_id=request_id,
+    request = pb.InferRequest(model=model, output=OUTPUTS[output], request_id=request_id, policy=policy,
                               inputs=[pb.TextInput(text=t, text_pair=p) for t, p in zip(texts, pairs, strict=True)])
     if truncate is not None:
         request.truncate = truncate

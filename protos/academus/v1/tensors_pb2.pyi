@@ -1,11 +1,23 @@
 from academus.v1 import inference_pb2 as _inference_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class Finish(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_NONE: _ClassVar[Finish]
+    FINISH_SOFTMAX: _ClassVar[Finish]
+    FINISH_L2: _ClassVar[Finish]
+    FINISH_SUM: _ClassVar[Finish]
+FINISH_NONE: Finish
+FINISH_SOFTMAX: Finish
+FINISH_L2: Finish
+FINISH_SUM: Finish
 
 class TokenBatch(_message.Message):
     __slots__ = ("input_ids", "token_type_ids", "lengths")
@@ -28,13 +40,15 @@ class Matrix(_message.Message):
     def __init__(self, values: _Optional[_Iterable[float]] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ...) -> None: ...
 
 class ModelOutput(_message.Message):
-    __slots__ = ("output", "values", "labels", "metadata")
+    __slots__ = ("output", "values", "labels", "metadata", "finish")
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    FINISH_FIELD_NUMBER: _ClassVar[int]
     output: _inference_pb2.Output
     values: Matrix
     labels: _containers.RepeatedScalarFieldContainer[str]
     metadata: _inference_pb2.InferMetadata
-    def __init__(self, output: _Optional[_Union[_inference_pb2.Output, str]] = ..., values: _Optional[_Union[Matrix, _Mapping]] = ..., labels: _Optional[_Iterable[str]] = ..., metadata: _Optional[_Union[_inference_pb2.InferMetadata, _Mapping]] = ...) -> None: ...
+    finish: Finish
+    def __init__(self, output: _Optional[_Union[_inference_pb2.Output, str]] = ..., values: _Optional[_Union[Matrix, _Mapping]] = ..., labels: _Optional[_Iterable[str]] = ..., metadata: _Optional[_Union[_inference_pb2.InferMetadata, _Mapping]] = ..., finish: _Optional[_Union[Finish, str]] = ...) -> None: ...

@@ -1,22 +1,25 @@
 from academus.v1 import inference_pb2 as _inference_pb2
 from academus.v1 import tensors_pb2 as _tensors_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RunRequest(_message.Message):
-    __slots__ = ("batch_id", "model", "output", "tokens", "num_students")
+    __slots__ = ("batch_id", "model", "output", "tokens", "num_students", "student_indices")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_STUDENTS_FIELD_NUMBER: _ClassVar[int]
+    STUDENT_INDICES_FIELD_NUMBER: _ClassVar[int]
     batch_id: str
     model: str
     output: _inference_pb2.Output
     tokens: _tensors_pb2.TokenBatch
     num_students: int
-    def __init__(self, batch_id: _Optional[str] = ..., model: _Optional[str] = ..., output: _Optional[_Union[_inference_pb2.Output, str]] = ..., tokens: _Optional[_Union[_tensors_pb2.TokenBatch, _Mapping]] = ..., num_students: _Optional[int] = ...) -> None: ...
+    student_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, batch_id: _Optional[str] = ..., model: _Optional[str] = ..., output: _Optional[_Union[_inference_pb2.Output, str]] = ..., tokens: _Optional[_Union[_tensors_pb2.TokenBatch, _Mapping]] = ..., num_students: _Optional[int] = ..., student_indices: _Optional[_Iterable[int]] = ...) -> None: ...
