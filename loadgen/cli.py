@@ -1,10 +1,15 @@
 """`academus loadgen` / `python -m loadgen`: open-loop stress runs against a running mesh.
 
-    academus loadgen run --model sentiment --schedule poisson:20 --duration 30 --texts task:sentiment
-    academus loadgen compare --runs sentiment,spam --schedule bursts:5,40,10,2 --duration 60
+    academus loadgen run --model sentiment --policy fifo --schedule poisson:20 --duration 30 --texts task:sentiment
+    academus loadgen compare --runs spam:student,spam:fifo --schedule tweet:20 --duration 60 --texts task:spam
+    academus loadgen trace --kind tweet --duration 300 --mean-rps 20 --seed 1 --out tweet.trace
+    academus loadgen breakdown --traces .academus/run/traces.jsonl
 
-Writes report.json (one entry a run) and PNG plots to --out; the last line printed is the report JSON.
-`compare` sends the same arrival schedule and texts to each model in turn and prints the ratios.
+`run` and `compare` write report.json (one entry a run) and PNG plots to --out; the last line printed
+is the report JSON. `compare` sends the same arrival schedule and texts to each MODEL[:POLICY] in turn
+(the policy picks the deployment running it) and prints ratios against the first. `trace` writes a
+replayable tweet-like trace (`--schedule trace:FILE[,SPEED]`); `breakdown` prints per-hop span
+durations from the JSON-lines trace file.
 """
 
 from __future__ import annotations
@@ -12,56 +17,105 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import sys
 from pathlib import Path
 
 from academus.client import AsyncClient
-from academus.loadgen import plots, schedule, texts
+from academus.loadgen import analysis, plots, schedule, texts
+from academus.loadgen.analysis import parse_runs, ratios, run_label
 from academus.loadgen.runner import RunResult, run
 from academus.shared.config import run_dir
 from academus.shared.mesh import ADMIN_KEY_FILE, MeshState
+
+__all__ = ["main", "parser", "ratios"]
+
+SCHEDULES = "poisson:RATE | bursts:BASE,BURST,PERIOD,BURST_S | tweet:MEAN_RATE | trace:FILE[,SPEED]"
+
+
+def add_load_options(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--schedule", default="poisson:10", help=SCHEDULES)
+    s.add_argument("--duration", type=float, default=20.0, help="seconds")
+    s.add_argument("--texts", default="task:sentiment", help="task:NAME or normal,mean=M,var=V,min=A,max=B")
+    s.add_argument("--length-dist", help="normal,mean=M,var=V,min=A,max=B: synthetic token lengths "
+                                         "(overrides --texts)")
+    s.add_argument("--timeout", type=float, default=5.0, help="each request's deadline (s)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--out", type=Path, default=Path("loadgen-out"))
+    s.add_argument("--gateway", help="host:port (default: the local mesh's)")
+    s.add_argument("--key", help="API key (default: the local admin key)")
+    s.add_argument("--run-dir", type=Path, default=None)
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="academus loadgen", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    for name in ("run", "compare"):
-        s = sub.add_parser(name)
-        if name == "run":
-            s.add_argument("--model", required=True)
-        else:
-            s.add_argument("--runs", required=True, help="comma-separated models, the first is the baseline")
-        s.add_argument("--schedule", default="poisson:10", help="poisson:RATE | bursts:BASE,BURST,PERIOD,BURST_S "
-                                                                 "| trace:FILE[,SPEED]")
-        s.add_argument("--duration", type=float, default=20.0, help="seconds")
-        s.add_argument("--texts", default="task:sentiment", help="task:NAME or normal,mean=M,var=V,min=A,max=B")
-        s.add_argument("--timeout", type=float, default=5.0, help="each request's deadline (s)")
-        s.add_argument("--seed", type=int, default=0)
-        s.add_argument("--out", type=Path, default=Path("loadgen-out"))
-        s.add_argument("--gateway", help="host:port (default: the local mesh's)")
-        s.add_argument("--key", help="API key (default: the local admin key)")
-        s.add_argument("--run-dir", type=Path, default=None)
+    s = sub.add_parser("run", help="one open-loop run")
+    s.add_argument("--model", required=True)
+    s.add_argument("--policy", default="", help="route to the deployment running this policy (default: any)")
+    add_load_options(s)
+    s = sub.add_parser("compare", help="the same load to several MODEL[:POLICY], one after the other")
+    s.add_argument("--runs", required=True, help="comma-separated MODEL[:POLICY], the first is the baseline")
+    add_load_options(s)
+    s = sub.add_parser("trace", help="write a synthetic arrival trace, one timestamp a line")
+    s.add_argument("--kind", choices=["tweet"], default="tweet")
+    s.add_argument("--duration", type=float, required=True, help="seconds")
+    s.add_argument("--mean-rps", type=float, required=True)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--out", type=Path, required=True)
+    s = sub.add_parser("breakdown", help="per-hop median span durations from a JSON-lines trace file")
+    s.add_argument("--traces", type=Path, nargs="+", help="default: $ACADEMUS_TRACE_FILE or RUN_DIR/traces.jsonl")
+    s.add_argument("--run-dir", type=Path, default=None)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    models = [args.model] if args.command == "run" else args.runs.split(",")
+    if args.command == "trace":
+        return cmd_trace(args)
+    if args.command == "breakdown":
+        return cmd_breakdown(args)
+    return cmd_load(args)
+
+
+def cmd_load(args: argparse.Namespace) -> int:
+    runs = [(args.model, args.policy)] if args.command == "run" else parse_runs(args.runs)
     arrivals = schedule.parse(args.schedule, args.duration, args.seed)
-    samples = texts.parse(args.texts, max(1, len(arrivals)), args.seed)
+    text_spec = args.length_dist or args.texts
+    samples = texts.parse(text_spec, max(1, len(arrivals)), args.seed)
     gateway, key = target(args)
-    results = asyncio.run(run_all(gateway, key, models, arrivals, samples, args))
+    results = asyncio.run(run_all(gateway, key, runs, arrivals, samples, args))
     args.out.mkdir(parents=True, exist_ok=True)
-    report = {"schedule": args.schedule, "duration_s": args.duration, "texts": args.texts,
-              "runs": [r.report() for r in results]}
+    report = {"schedule": args.schedule, "duration_s": args.duration, "texts": text_spec,
+              "timeout_s": args.timeout, "runs": [r.report() for r in results]}
     if len(results) > 1:
         report["ratios_vs_first"] = ratios(report["runs"])
-    plots.latency_cdf(results, args.out / "latency_cdf.png")
-    for i, r in enumerate(results):
-        plots.timeline(r, args.out / f"timeline_{i}_{r.model}.png")
+    write_plots(results, args.out)
     (args.out / "report.json").write_text(json.dumps(report, indent=2))
+    for line in summary_lines(report):
+        print(line)
     print(json.dumps(report))
     return 0
+
+
+def write_plots(results: list[RunResult], out: Path) -> None:
+    plots.latency_cdf(results, out / "latency_cdf.png")
+    for i, r in enumerate(results):
+        plots.timeline(r, out / f"timeline_{i}_{run_label(r.model, r.requested_policy).replace(':', '_')}.png")
+
+
+def summary_lines(report: dict) -> list[str]:
+    lines = []
+    for r in report["runs"]:
+        lat = r["latency_ms"]
+        lines.append(f"{r['model'] + ':' + r['policy']:<24} sent {r['sent']} completed {r['completed']} "
+                     f"errors {r['errors'] or 0}  p50 {lat.get('p50')} p95 {lat.get('p95')} p99 {lat.get('p99')} ms  "
+                     f"{r['throughput_rps']} req/s  utility {r['utility']} ({r['utility_per_s']}/s)")
+    for ratio in report.get("ratios_vs_first", []):
+        parts = "  ".join(f"{k.removesuffix('_ratio')} x{v}" for k, v in ratio.items() if k.endswith("_ratio"))
+        lines.append(f"{ratio['run']} vs {ratio['vs']}: {parts}")
+    return lines
 
 
 def target(args: argparse.Namespace) -> tuple[str, str | None]:
@@ -73,27 +127,47 @@ def target(args: argparse.Namespace) -> tuple[str, str | None]:
     return gateway, key
 
 
-async def run_all(gateway: str, key: str | None, models: list[str], arrivals: list[float],
+async def run_all(gateway: str, key: str | None, runs: list[tuple[str, str]], arrivals: list[float],
                   samples: list[texts.Sample], args: argparse.Namespace) -> list[RunResult]:
     results = []
     async with AsyncClient(gateway, api_key=key, timeout=args.timeout) as client:
-        for model in models:  # one after the other: runs must not share the machine
-            results.append(await run(client, model, arrivals, samples, args.timeout, args.duration))
+        for model, policy in runs:  # one after the other: runs must not share the machine
+            results.append(await run(client, model, arrivals, samples, args.timeout, args.duration, policy))
     return results
 
 
-def ratios(runs: list[dict]) -> list[dict]:
-    base = runs[0]
-    out = []
-    for r in runs[1:]:
-        entry = {"run": f"{r['model']}:{r['policy']}", "vs": f"{base['model']}:{base['policy']}"}
-        for q in ("p50", "p95", "p99"):
-            if base["latency_ms"].get(q) and r["latency_ms"].get(q):
-                entry[f"{q}_ratio"] = round(r["latency_ms"][q] / base["latency_ms"][q], 3)
-        if base["throughput_rps"]:
-            entry["throughput_ratio"] = round(r["throughput_rps"] / base["throughput_rps"], 3)
-        out.append(entry)
-    return out
+def cmd_trace(args: argparse.Namespace) -> int:
+    shape = schedule.tweet_shape(args.mean_rps, args.duration, args.seed)
+    times = schedule.tweet(args.mean_rps, args.duration, args.seed)
+    bursts = [{"start_s": round(b.start_s, 3), "length_s": round(b.length_s, 3), "factor": round(b.factor, 2)}
+              for b in shape.bursts]
+    header = (f"tweet trace: duration {args.duration} s, mean {args.mean_rps} req/s, seed {args.seed}\n"
+              f"bursts: {json.dumps(bursts)}")
+    schedule.write_trace(times, args.out, header)
+    trough, peak = shape.diurnal_range()
+    print(json.dumps({"path": str(args.out), "kind": args.kind, "requests": len(times),
+                      "mean_rps": round(len(times) / args.duration, 3), "trough_rps": round(trough, 3),
+                      "peak_rps": round(peak, 3), "bursts": bursts}))
+    return 0
+
+
+def cmd_breakdown(args: argparse.Namespace) -> int:
+    from academus.shared.tracing import read_traces
+
+    default = os.environ.get("ACADEMUS_TRACE_FILE") or (args.run_dir or run_dir()) / "traces.jsonl"
+    paths = args.traces or [Path(default)]
+    spans = [s for trace in read_traces(paths).values() for s in trace]
+    if not spans:
+        print(f"no spans in {', '.join(map(str, paths))}", file=sys.stderr)
+        return 1
+    result = analysis.span_breakdown(spans)
+    for row in result["spans"]:
+        print(f"{row['service']:<28} {row['kind']:<7} {row['name']:<44} n={row['count']:<6} "
+              f"p50 {row['p50_ms']:8.3f} ms  p95 {row['p95_ms']:8.3f} ms")
+    for row in result["hops"]:
+        print(f"hop {row['from']} -> {row['to']} {row['name']}: wire p50 {row['p50_ms']:.3f} ms (n={row['count']})")
+    print(json.dumps(result))
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""PNG plots of a run: latency CDF, and latency / offered load / student number over time."""
+"""PNG plots of a run: latency CDF, and latency / offered vs completed load / student number over time."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from academus.loadgen import analysis
 from academus.loadgen.runner import RunResult
 
 
@@ -28,19 +29,33 @@ def latency_cdf(runs: list[RunResult], path: Path) -> Path:
     return path
 
 
+def _series(bins: list[dict], key: str, bin_s: float) -> tuple[list[float], list[float]]:
+    """(bin middle, value) of the bins that have a value: empty bins have no latency or student number."""
+    points = [(b["t"] + bin_s / 2, b[key]) for b in bins if b[key] is not None]
+    return [t for t, _ in points], [v for _, v in points]
+
+
+def _steps(bins: list[dict], key: str, bin_s: float) -> tuple[list[float], list[float]]:
+    """Per-second rates as a post-step line, closed at the end of the last bin."""
+    times = [b["t"] for b in bins] + [bins[-1]["t"] + bin_s]
+    rates = [b[key] / bin_s for b in bins]
+    return times, rates + rates[-1:]
+
+
 def timeline(run: RunResult, path: Path, bin_s: float = 1.0) -> Path:
+    """Three panels on one time axis, from the report's per-bin timeline."""
+    bins = analysis.timeline(run.records, run.duration_s, bin_s)
     fig, (lat, load, students) = plt.subplots(3, 1, figsize=(7, 7), sharex=True)
-    ok = [r for r in run.records if r.code == "OK"]
-    lat.scatter([r.sent_at for r in ok], [r.latency_ms for r in ok], s=3)
+    for key, label in (("p50_ms", "p50"), ("p95_ms", "p95")):
+        lat.plot(*_series(bins, key, bin_s), marker=".", label=label)
     lat.set(ylabel="latency (ms)", yscale="log", title=f"{run.model}:{run.policy}")
-    bins = int(run.duration_s / bin_s) + 1
-    counts = [0] * bins
-    for r in run.records:
-        counts[min(bins - 1, int(r.sent_at / bin_s))] += 1
-    load.step([i * bin_s for i in range(bins)], [c / bin_s for c in counts], where="post")
-    load.set(ylabel="offered (req/s)")
-    students.scatter([r.sent_at for r in ok], [r.students for r in ok], s=3)
-    students.set(ylabel="students", xlabel="time (s)")
+    lat.legend()
+    load.step(*_steps(bins, "offered", bin_s), where="post", label="offered")
+    load.step(*_steps(bins, "completed", bin_s), where="post", label="completed")
+    load.set(ylabel="load (req/s)")
+    load.legend()
+    students.plot(*_series(bins, "students_mean", bin_s), marker=".")
+    students.set(ylabel="students (mean)", xlabel="time (s)")
     for ax in (lat, load, students):
         ax.grid(True, alpha=0.3)
     fig.tight_layout()

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 from hdrh.histogram import HdrHistogram
 
-from academus.client import AcademusError, AsyncClient
+from academus.client import AcademusError, AsyncClient, InferResult, Metadata
+from academus.loadgen import analysis
 from academus.loadgen.texts import Sample
 
 MAX_LATENCY_US = 120_000_000
@@ -22,15 +23,23 @@ class Record:
     code: str                # "OK" or the gRPC status name
     students: int = 0
     correct: bool | None = None
+    tokens: int = 0          # the text's token count, [CLS] and [SEP] included
+    meta: Metadata | None = None
+
+    @property
+    def done_at(self) -> float:
+        return self.sent_at + self.latency_ms / 1e3
 
 
 @dataclass
 class RunResult:
     model: str
-    policy: str
+    policy: str               # the one asked for, else the one the answers name
     offered_rps: float
     duration_s: float
     records: list[Record] = field(default_factory=list)
+    deadline_ms: float | None = None
+    requested_policy: str = ""
 
     def report(self) -> dict:
         ok = [r for r in self.records if r.code == "OK"]
@@ -38,9 +47,12 @@ class RunResult:
         for r in ok:
             histogram.record_value(max(1, round(r.latency_ms * 1000)))
         labelled = [r for r in ok if r.correct is not None]
+        utility = analysis.utility(self.records, self.deadline_ms)
         return {
             "policy": self.policy,
             "model": self.model,
+            "requested_policy": self.requested_policy,
+            "served_by": dict(Counter(r.meta.policy for r in ok if r.meta is not None)),
             "offered_rps": round(self.offered_rps, 3),
             "sent": len(self.records),
             "completed": len(ok),
@@ -48,7 +60,11 @@ class RunResult:
             "latency_ms": latency_summary(histogram) if ok else {},
             "throughput_rps": round(len(ok) / self.duration_s, 3) if self.duration_s else 0.0,
             "accuracy": round(sum(r.correct for r in labelled) / len(labelled), 4) if labelled else None,
+            "utility": round(float(utility), 6),
+            "utility_per_s": round(utility / self.duration_s, 6) if self.duration_s else 0.0,
+            "breakdown_ms": analysis.breakdown(self.records),
             "student_number": sorted(Counter(r.students for r in ok).items()),
+            "timeline": analysis.timeline(self.records, self.duration_s),
         }
 
 
@@ -57,10 +73,19 @@ def latency_summary(histogram: HdrHistogram) -> dict[str, float]:
         "mean": round(histogram.get_mean_value() / 1000, 3), "max": histogram.get_max_value() / 1000}
 
 
+def answered(sample: Sample, sent_at: float, latency_ms: float, answer: InferResult) -> Record:
+    prediction = answer.predictions[0]
+    correct = (prediction.label == sample.label) if sample.label is not None and prediction.label else None
+    return Record(sent_at, latency_ms, "OK", answer.metadata.student_count, correct, prediction.num_tokens,
+                  answer.metadata)
+
+
 async def run(client: AsyncClient, model: str, arrivals: list[float], samples: list[Sample],
-              timeout_s: float, duration_s: float) -> RunResult:
-    """Sends request i at arrivals[i] with samples[i % n]; waits for every answer."""
-    result = RunResult(model, "", len(arrivals) / duration_s if duration_s else 0.0, duration_s)
+              timeout_s: float, duration_s: float, policy: str = "") -> RunResult:
+    """Sends request i at arrivals[i] with samples[i % n], asking for deployment `policy` ("" = any);
+    waits for every answer."""
+    result = RunResult(model, policy, len(arrivals) / duration_s if duration_s else 0.0, duration_s,
+                       deadline_ms=timeout_s * 1e3, requested_policy=policy)
     start = time.perf_counter()
 
     async def one(i: int, at: float) -> None:
@@ -70,15 +95,12 @@ async def run(client: AsyncClient, model: str, arrivals: list[float], samples: l
             await asyncio.sleep(delay)
         sent = time.perf_counter()
         try:
-            answer = await client.infer(model, [sample.text], timeout=timeout_s)
+            answer = await client.infer(model, [sample.text], timeout=timeout_s, policy=policy)
         except AcademusError as e:
             result.records.append(Record(sent - start, (time.perf_counter() - sent) * 1e3, e.code))
             return
-        latency = (time.perf_counter() - sent) * 1e3
         result.policy = result.policy or answer.metadata.policy
-        label = answer.predictions[0].label
-        correct = (label == sample.label) if sample.label is not None and label else None
-        result.records.append(Record(sent - start, latency, "OK", answer.metadata.student_count, correct))
+        result.records.append(answered(sample, sent - start, (time.perf_counter() - sent) * 1e3, answer))
 
     await asyncio.gather(*(one(i, at) for i, at in enumerate(arrivals)))
     result.duration_s = max(duration_s, time.perf_counter() - start)

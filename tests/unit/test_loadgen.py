@@ -1,14 +1,24 @@
-"""Arrival schedules, synthetic lengths and the run report, without a server."""
+"""Arrival schedules (tweet-like traces included), synthetic lengths, the run report, timeline, utility,
+latency breakdowns and ratios, without a server."""
 
 from __future__ import annotations
 
-import pytest
+import json
 
-from academus.loadgen import schedule, texts
-from academus.loadgen.cli import ratios
+import pytest
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.trace import SpanKind, set_span_in_context
+
+from academus.client import Metadata
+from academus.loadgen import analysis, plots, schedule, texts
+from academus.loadgen.analysis import ratios
+from academus.loadgen.cli import main
 from academus.loadgen.runner import Record, RunResult
 from academus.shared.model import teacher_dir
 from academus.shared.tokenization import TeacherTokenizer
+from academus.shared.tracing import JsonlSpanExporter, read_traces
 
 
 def test_poisson_rate_and_order():
@@ -61,7 +71,176 @@ def test_report_counts_errors_accuracy_and_percentiles():
 
 
 def test_ratios_against_the_first_run():
-    base = {"model": "a", "policy": "fifo", "latency_ms": {"p50": 10, "p95": 20, "p99": 40}, "throughput_rps": 5}
-    other = {"model": "b", "policy": "fifo", "latency_ms": {"p50": 5, "p95": 10, "p99": 10}, "throughput_rps": 10}
+    base = {"model": "a", "policy": "fifo", "latency_ms": {"p50": 10, "p95": 20, "p99": 40}, "throughput_rps": 5,
+            "utility": 2.0}
+    other = {"model": "b", "policy": "fifo", "latency_ms": {"p50": 5, "p95": 10, "p99": 10}, "throughput_rps": 10,
+             "utility": 3.0}
     assert ratios([base, other]) == [{"run": "b:fifo", "vs": "a:fifo", "p50_ratio": 0.5, "p95_ratio": 0.5,
-                                      "p99_ratio": 0.25, "throughput_ratio": 2.0}]
+                                      "p99_ratio": 0.25, "throughput_ratio": 2.0, "utility_ratio": 1.5}]
+
+
+# --- tweet-like trace -------------------------------------------------------------------------------
+
+def outside_bursts(times: list[float], shape: schedule.TweetShape) -> list[float]:
+    return [t for t in times if not any(b.covers(t) for b in shape.bursts)]
+
+
+def test_tweet_trace_follows_the_diurnal_shape():
+    shape = schedule.tweet_shape(40, 200, seed=5)
+    times = outside_bursts(schedule.tweet(40, 200, seed=5), shape)
+    trough = sum(1 for t in times if t < 20 or t >= 180)     # the "night" at both ends
+    peak = sum(1 for t in times if 80 <= t < 120)            # midday, as long a window
+    assert peak > 2 * trough
+    assert not any(b.covers(0) or b.covers(100) for b in shape.bursts)  # this seed's bursts are elsewhere
+    assert shape.rate(0) == pytest.approx(0.3 * shape.rate(100))
+    assert shape.diurnal_range() == pytest.approx((shape.rate(0), shape.rate(100)))
+
+
+def test_tweet_trace_keeps_its_mean_rate_and_order():
+    times = schedule.tweet(40, 200, seed=5)
+    assert times == sorted(times) and times[0] > 0 and times[-1] < 200
+    assert 0.9 * 40 < len(times) / 200 < 1.1 * 40
+
+
+def test_tweet_trace_has_bursts_well_above_the_diurnal_rate():
+    shape = schedule.tweet_shape(40, 200, seed=5)
+    times = schedule.tweet(40, 200, seed=5)
+    assert 2 <= len(shape.bursts) <= 4
+    for burst in shape.bursts:
+        assert 3 <= burst.factor <= 5 and 0 < burst.length_s <= 5
+        inside = sum(1 for t in times if burst.covers(t))
+        without_burst = shape.rate(burst.start_s + burst.length_s / 2) / burst.factor * burst.length_s
+        assert inside > 2 * without_burst
+
+
+def test_tweet_trace_is_deterministic_per_seed():
+    assert schedule.tweet(20, 60, seed=3) == schedule.tweet(20, 60, seed=3)
+    assert schedule.tweet(20, 60, seed=3) != schedule.tweet(20, 60, seed=4)
+    assert schedule.parse("tweet:20", 60, seed=3) == schedule.tweet(20, 60, seed=3)
+
+
+def test_trace_command_writes_a_replayable_file(tmp_path, capsys):
+    path = tmp_path / "tweet.trace"
+    assert main(["trace", "--kind", "tweet", "--duration", "60", "--mean-rps", "20", "--seed", "2",
+                 "--out", str(path)]) == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+    replayed = schedule.parse(f"trace:{path}", 60)
+    expected = schedule.tweet(20, 60, seed=2)
+    assert summary["requests"] == len(replayed) == len(expected)
+    # replay shifts the first arrival to 0
+    assert replayed == pytest.approx([t - expected[0] for t in expected], abs=1e-5)
+    assert len(summary["bursts"]) >= 2 and summary["peak_rps"] > 3 * summary["trough_rps"]
+
+
+# --- runs, timeline, utility, breakdown --------------------------------------------------------------
+
+def test_runs_parse_model_and_optional_policy():
+    assert analysis.parse_runs("spam:student, spam:fifo,minilm") == [
+        ("spam", "student"), ("spam", "fifo"), ("minilm", "")]
+    with pytest.raises(ValueError, match="bad run"):
+        analysis.parse_runs("spam,:fifo")
+
+
+def test_timeline_bins_sends_and_answers_by_second():
+    records = [Record(0.1, 100.0, "OK", 2), Record(0.5, 700.0, "OK", 4), Record(0.9, 200.0, "OK", 3),
+               Record(1.2, 50.0, "UNAVAILABLE"), Record(1.5, 1000.0, "OK", 1)]
+    bins = analysis.timeline(records, duration_s=2.0)
+    assert [b["t"] for b in bins] == [0.0, 1.0, 2.0]       # the 2.5 s answer gets a tail bin
+    assert [b["offered"] for b in bins] == [3, 2, 0]
+    assert [b["completed"] for b in bins] == [1, 2, 1]      # answers at 0.2 | 1.2, 1.1 | 2.5
+    assert [b["errors"] for b in bins] == [0, 1, 0]
+    assert bins[0]["p50_ms"] == 100.0 and bins[1]["students_mean"] == 3.5 and bins[2]["p50_ms"] == 1000.0
+
+
+def test_timeline_leaves_empty_bins_without_latency():
+    bins = analysis.timeline([Record(0.1, 10.0, "OK", 1)], duration_s=3.0)
+    assert [b["completed"] for b in bins] == [1, 0, 0]
+    assert bins[1]["p50_ms"] is None and bins[1]["students_mean"] is None
+
+
+def test_utility_counts_answers_within_their_deadline():
+    records = [Record(0.0, 10.0, "OK", tokens=10), Record(0.0, 90.0, "OK", tokens=4),
+               Record(0.0, 150.0, "OK", tokens=2),           # late
+               Record(0.0, 10.0, "DEADLINE_EXCEEDED", tokens=0)]
+    assert analysis.utility(records, deadline_ms=100) == pytest.approx(1 / 10 + 1 / 4)
+    assert analysis.utility(records, deadline_ms=None) == pytest.approx(1 / 10 + 1 / 4 + 1 / 2)
+
+
+def meta(**ms: float) -> Metadata:
+    fields = {"gateway_ms": 0.0, "tokenize_ms": 0.0, "scheduler_ms": 0.0, "queue_ms": 0.0, "worker_ms": 0.0,
+              "compute_ms": 0.0} | ms
+    return Metadata(policy="fifo", batch_size=1, student_count=0, worker_id="w0", attempts=1, **fields)
+
+
+def test_breakdown_takes_the_median_of_each_hop():
+    records = [
+        Record(0.0, 12.0, "OK", meta=meta(gateway_ms=10, tokenize_ms=1, scheduler_ms=8, queue_ms=2, worker_ms=5,
+                                          compute_ms=4)),
+        Record(0.0, 30.0, "OK", meta=meta(gateway_ms=25, tokenize_ms=2, scheduler_ms=20, queue_ms=10, worker_ms=8,
+                                          compute_ms=6)),
+        Record(0.0, 20.0, "OK", meta=meta(gateway_ms=16, tokenize_ms=3, scheduler_ms=14, queue_ms=4, worker_ms=7,
+                                          compute_ms=5)),
+        Record(0.0, 99.0, "UNAVAILABLE"),
+    ]
+    assert analysis.breakdown(records) == {"gateway": 2.0, "tokenize": 2.0, "queue": 4.0, "compute": 5.0,
+                                           "worker_overhead": 2.0, "scheduler_overhead": 2.0, "network": 4.0}
+    assert analysis.breakdown(records[3:]) == {}
+
+
+def write_spans(path, durations_ms: list[tuple[float, float, float]]) -> None:
+    """One trace per (gateway server, gateway->worker client, worker server) durations, through the real
+    JSON-lines exporter of shared/tracing.py."""
+    exporter = JsonlSpanExporter(path)
+    tracers = {name: TracerProvider(resource=Resource.create({"service.name": f"academus-{name}"}))
+               for name in ("gateway", "worker")}
+    for provider in tracers.values():
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    gateway, worker = (tracers[n].get_tracer("test") for n in ("gateway", "worker"))
+    t0 = 1_000_000_000
+    for root_ms, client_ms, server_ms in durations_ms:
+        root = gateway.start_span("/academus.v1.Inference/Infer", kind=SpanKind.SERVER, start_time=t0)
+        call = gateway.start_span("/academus.v1.Worker/Run", context=set_span_in_context(root),
+                                  kind=SpanKind.CLIENT, start_time=t0 + 1_000_000)
+        served = worker.start_span("/academus.v1.Worker/Run", context=set_span_in_context(call),
+                                   kind=SpanKind.SERVER, start_time=t0 + 1_500_000)
+        for span, ms, start in ((served, server_ms, 1_500_000), (call, client_ms, 1_000_000), (root, root_ms, 0)):
+            span.end(end_time=t0 + start + int(ms * 1e6))
+        t0 += 100_000_000
+
+
+def test_span_breakdown_from_the_exporters_json_lines(tmp_path):
+    path = tmp_path / "traces.jsonl"
+    write_spans(path, [(10, 6, 4), (20, 9, 6), (30, 12, 7)])
+    spans = [s for trace in read_traces([path]).values() for s in trace]
+    result = analysis.span_breakdown(spans)
+    assert result["traces"] == 3
+    rows = {(r["service"], r["kind"], r["name"]): (r["count"], r["p50_ms"]) for r in result["spans"]}
+    assert rows == {("academus-gateway", "SERVER", "/academus.v1.Inference/Infer"): (3, 20.0),
+                    ("academus-gateway", "CLIENT", "/academus.v1.Worker/Run"): (3, 9.0),
+                    ("academus-worker", "SERVER", "/academus.v1.Worker/Run"): (3, 6.0)}
+    assert result["hops"] == [{"from": "academus-gateway", "to": "academus-worker", "name": "/academus.v1.Worker/Run",
+                               "count": 3, "p50_ms": 3.0, "p95_ms": 5.0}]
+
+
+def test_breakdown_command_prints_json_last(tmp_path, capsys):
+    path = tmp_path / "traces.jsonl"
+    write_spans(path, [(10, 6, 4)])
+    assert main(["breakdown", "--traces", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["traces"] == 1
+    assert main(["breakdown", "--traces", str(tmp_path / "missing.jsonl")]) == 1
+
+
+def test_report_holds_utility_breakdown_and_timeline():
+    run = RunResult("spam", "student", offered_rps=2.0, duration_s=2.0, deadline_ms=100.0, records=[
+        Record(0.2, 20.0, "OK", 3, tokens=5, meta=meta(gateway_ms=15, scheduler_ms=10, worker_ms=8, compute_ms=6)),
+        Record(1.2, 500.0, "OK", 2, tokens=5)])
+    report = run.report()
+    assert report["utility"] == pytest.approx(0.2) and report["utility_per_s"] == pytest.approx(0.1)
+    assert report["breakdown_ms"]["network"] == 5.0 and report["breakdown_ms"]["compute"] == 6.0
+    assert [b["completed"] for b in report["timeline"]] == [1, 1]
+    assert [b["students_mean"] for b in report["timeline"]] == [3.0, 2.0]
+
+
+def test_timeline_plot_is_written(tmp_path):
+    run = RunResult("spam", "fifo", 2.0, 2.0, records=[Record(0.2, 20.0, "OK", 3), Record(1.2, 30.0, "OK", 2)])
+    assert plots.timeline(run, tmp_path / "t.png").stat().st_size > 1000
