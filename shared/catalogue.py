@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 EMBEDDING = "embedding"
 CLASSIFICATION = "classification"
@@ -16,10 +16,13 @@ class ModelSpec:
     labels: list[str] = field(default_factory=list)
     dim: int = 384
     max_tokens: int = 256
+    max_students: int = 0          # student groups: students trained (0: not a student group)
+    default_students: int = 0      # student groups: the best-pruned k
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
     def from_json(cls, raw: str) -> ModelSpec:
-        return cls(**json.loads(raw))
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in json.loads(raw).items() if k in known})

@@ -76,12 +76,20 @@ class GatewayConfig(CommonConfig):
             raise ConfigError(f"ACADEMUS_MAX_TOKENS={self.max_tokens} exceeds the model's 512 positions")
 
 
+POLICY_NAMES = ("fifo", "padded", "student")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig(CommonConfig):
     scheduler_id: str = ""           # defaults to host:port
-    policy: str = "fifo"             # fifo | padded (student and concat come with their issues)
+    policy: str = "fifo"             # fifo | padded | student: this deployment's dispatch policy
+    models: str = ""                 # comma-separated models this deployment serves; empty: every placed model
     max_batch: int = 32              # padded: texts per batch
     max_delay_ms: float = 10.0       # padded: how long the oldest request may wait for the batch to fill
+    max_merge: int = 0               # student: samples per buffer element; 0: the profiled value, else 4
+    bin_width: int = 8               # student: tokens per length bin (App. B.4.2)
+    max_length: int = 128            # student: the binned length range; longer samples share the last bin
+    load_report_s: float = 0.1       # how often the load signals the resource manager adapts on are written
     queue_capacity: int = 1024       # admission bound: beyond it, RESOURCE_EXHAUSTED at once
     retry_pushback_ms: int = 50
     heartbeat_ttl_s: float = 5.0
@@ -92,8 +100,11 @@ class SchedulerConfig(CommonConfig):
         super().check()
         if self.queue_capacity < 1:
             raise ConfigError(f"ACADEMUS_QUEUE_CAPACITY={self.queue_capacity} must be >= 1")
-        if self.policy not in ("fifo", "padded"):
-            raise ConfigError(f"ACADEMUS_POLICY={self.policy!r} is not a policy (fifo, padded)")
+        if self.policy not in POLICY_NAMES:
+            raise ConfigError(f"ACADEMUS_POLICY={self.policy!r} is not a policy ({', '.join(POLICY_NAMES)})")
+        if self.max_merge < 0 or self.bin_width < 1 or self.max_length < self.bin_width:
+            raise ConfigError(f"ACADEMUS_MAX_MERGE={self.max_merge} must be >= 0, ACADEMUS_BIN_WIDTH="
+                              f"{self.bin_width} >= 1 and ACADEMUS_MAX_LENGTH={self.max_length} >= the bin width")
         if self.max_batch < 1 or self.max_delay_ms < 0:
             raise ConfigError(f"ACADEMUS_MAX_BATCH={self.max_batch} must be >= 1 and "
                               f"ACADEMUS_MAX_DELAY_MS={self.max_delay_ms} >= 0")
@@ -104,6 +115,8 @@ class WorkerConfig(CommonConfig):
     worker_id: str = ""
     device: str = "cpu"              # "cuda", "cuda:1", or "cpu"; GPU paths fall back to CPU
     torch_threads: int = 0           # 0: torch's default
+    instances: int = 0               # student instances run at once on this device; 0: profiled (1 without)
+    profile: bool = False            # grid-search instances and max_merge at start (App. B.4.1)
     models: str = ""                 # comma-separated; empty: every model in the artifacts' models.json
     artifacts: str = field(default_factory=lambda: str(artifacts_dir()))
     resource_manager: str = ""       # host:port; empty: looked up in Redis
@@ -113,14 +126,61 @@ class WorkerConfig(CommonConfig):
         super().check()
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"ACADEMUS_DEVICE={self.device!r} must be 'cpu' or 'cuda[:N]'")
-        if self.torch_threads < 0:
-            raise ConfigError(f"ACADEMUS_TORCH_THREADS={self.torch_threads} must be >= 0")
+        if self.torch_threads < 0 or self.instances < 0:
+            raise ConfigError(f"ACADEMUS_TORCH_THREADS={self.torch_threads} and ACADEMUS_INSTANCES="
+                              f"{self.instances} must be >= 0")
 
 
 @dataclass(frozen=True)
 class ResourceManagerConfig(CommonConfig):
     reap_interval_s: float = 1.0     # how often dead workers are dropped from placements
     heartbeat_ttl_s: float = 5.0
+    adapt_interval_s: float = 0.2    # how often the schedulers' load signals are read
+    adapt_window_s: float = 120.0    # quiet time before one student is added back (App. B.4.1: 2 minutes)
+    adapt_cooldown_s: float = 1.0    # after a change, let the schedulers re-form groups before judging again
+    student_ceiling: str = "max"     # max: up to every trained student; best: up to the best-pruned k
+    mps: str = "auto"                # auto: start the MPS control daemon when GPUs exist; off: never
+
+    def check(self) -> None:
+        super().check()
+        if self.student_ceiling not in ("max", "best") or self.mps not in ("auto", "off"):
+            raise ConfigError(f"ACADEMUS_STUDENT_CEILING={self.student_ceiling!r} must be max|best and "
+                              f"ACADEMUS_MPS={self.mps!r} auto|off")
+        if self.adapt_interval_s <= 0 or self.adapt_window_s < 0 or self.adapt_cooldown_s < 0:
+            raise ConfigError("ACADEMUS_ADAPT_INTERVAL_S must be > 0, ACADEMUS_ADAPT_WINDOW_S and "
+                              "ACADEMUS_ADAPT_COOLDOWN_S >= 0")
+
+
+@dataclass(frozen=True)
+class PlotConfig(CommonConfig):
+    plot_dir: str = ""               # root/ + domains/<name>/; empty: <artifacts>/plot/<model>-k<lower_layers>
+    model: str = "minilm"            # the table must have been built for this model ...
+    lower_layers: int = 3            # ... and this K, or the service refuses to start
+    domains: str = "*"               # comma-separated overlays to load; "*": every one built; "": none
+    verify: int = 1                  # 1: check every file's sha256 at start (reads the whole table); 0: shapes only
+    max_tokens: int = 32768          # tokens per Lookup (all sequences); the reply is 2·hidden bytes a token
+
+    def check(self) -> None:
+        super().check()
+        if self.lower_layers < 1:
+            raise ConfigError(f"ACADEMUS_LOWER_LAYERS={self.lower_layers} must be >= 1")
+        if self.verify not in (0, 1):
+            raise ConfigError(f"ACADEMUS_VERIFY={self.verify} must be 0 or 1")
+        if not 1 <= self.max_tokens <= 65536:
+            raise ConfigError(f"ACADEMUS_MAX_TOKENS={self.max_tokens} must be in 1..65536 (replies stay under "
+                              f"the 64 MiB message limit)")
+
+    @property
+    def table_dir(self) -> Path:
+        default = artifacts_dir() / "plot" / f"{self.model}-k{self.lower_layers}"
+        return Path(self.plot_dir) if self.plot_dir else default
+
+    @property
+    def domain_list(self) -> list[str] | None:
+        """None: every overlay found on disk."""
+        if self.domains.strip() == "*":
+            return None
+        return [d.strip() for d in self.domains.split(",") if d.strip()]
 
 
 def load(cls: type[T], env: dict[str, str] | None = None, **overrides) -> T:
@@ -140,6 +200,10 @@ def load(cls: type[T], env: dict[str, str] | None = None, **overrides) -> T:
 
 
 def _parse(raw: str, kind: object, name: str) -> object:
+    if kind in (bool, "bool"):
+        if raw.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+            raise ConfigError(f"ACADEMUS_{name.upper()}={raw!r} is not a boolean (true/false)")
+        return raw.lower() in ("1", "true", "yes", "on")
     try:
         if kind in (int, "int"):
             return int(raw)

@@ -27,7 +27,16 @@ class Keys:
         return f"{self.prefix}:models"
 
     def students(self, model: str) -> str:
+        """String: the student number S the resource manager chose for a student model."""
         return f"{self.prefix}:students:{model}"
+
+    def groups(self, model: str) -> str:
+        """String (JSON): the student groups of a student model, eq. 6 (see resource_manager.core)."""
+        return f"{self.prefix}:groups:{model}"
+
+    def profile(self, model: str) -> str:
+        """Hash: the start-up profile's choice for a model (instances per device, max_merge)."""
+        return f"{self.prefix}:profile:{model}"
 
     def tenant(self, tenant_id: str) -> str:
         return f"{self.prefix}:tenant:{tenant_id}"
@@ -45,6 +54,7 @@ class Keys:
         return f"{self.prefix}:schedulers"
 
     def load(self, scheduler_id: str) -> str:
+        """Hash: queue depth, idle groups, and `models` (JSON: per-model buffer/groups/idle/busy)."""
         return f"{self.prefix}:load:{scheduler_id}"
 
     def resource_manager(self) -> str:

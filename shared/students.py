@@ -115,6 +115,18 @@ class StudentGroup(nn.Module):
         hidden, mask4d = self.prepare_inputs(input_ids, attention_mask, token_type_ids)
         return [student(hidden, mask4d, attention_mask) for student in self.students[:count]]
 
+    def partial(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None,
+                indices: Sequence[int]) -> torch.Tensor:
+        """Σ_{m in indices} α_m·S_m(x), unnormalised: this worker's share of a group placed across
+        workers; the shares of all members add up to the combined representation."""
+        bad = [i for i in indices if not 0 <= i < self.max_students]
+        if bad or not indices:
+            raise ValueError(f"student indices {list(indices)} must be non-empty and within "
+                             f"0..{self.max_students - 1}: this student group holds {self.max_students} students")
+        hidden, mask4d = self.prepare_inputs(input_ids, attention_mask, token_type_ids)
+        alphas = self.alphas()
+        return sum(alphas[i] * self.students[i](hidden, mask4d, attention_mask)[0] for i in indices)
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None, num_students: int | None = None) -> torch.Tensor:
         """The combined pooled representation Σ_{m<k} α_m·S_m(x) (L2-normalised for the embedding task)."""

@@ -136,23 +136,43 @@ class Gateway:
                                   "tokens (truncate=false)") from e
 
 
+@dataclass(frozen=True)
+class Deployment:
+    """A live scheduler: its address, dispatch policy and models (empty: every model)."""
+
+    address: str
+    policy: str = ""
+    models: frozenset[str] = frozenset()
+
+    def serves(self, model: str, policy: str = "") -> bool:
+        return (not self.models or model in self.models) and (not policy or policy == self.policy)
+
+
 class SchedulerDirectory:
-    """Live schedulers from Redis, used round-robin (the paper's global dispatcher)."""
+    """Live schedulers (deployments) from Redis, used round-robin among those that serve the model
+    (and the policy, when the request names one): the paper's global dispatcher."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
         self.redis, self.keys = redis, keys
-        self.addresses: list[str] = []
+        self.deployments: list[Deployment] = []
         self._next = itertools.count()
+
+    @property
+    def addresses(self) -> list[str]:
+        return [d.address for d in self.deployments]
 
     async def refresh(self) -> None:
         ids = sorted(await self.redis.smembers(self.keys.schedulers()))
-        found = [await self.redis.get(self.keys.scheduler(i)) for i in ids]
-        self.addresses = [a for a in found if a]
+        found = [await self.redis.hgetall(self.keys.scheduler(i)) for i in ids]
+        self.deployments = [Deployment(f["address"], f.get("policy", ""),
+                                       frozenset(m for m in f.get("models", "").split(",") if m))
+                            for f in found if f.get("address")]
 
-    async def pick(self, exclude: frozenset[str] = frozenset()) -> str:
-        if not self.addresses:
+    async def pick(self, exclude: frozenset[str] = frozenset(), model: str = "", policy: str = "") -> str:
+        if not self.deployments:
             await self.refresh()
-        candidates = [a for a in self.addresses if a not in exclude]
+        candidates = [d.address for d in self.deployments if d.address not in exclude and d.serves(model, policy)]
         if not candidates:
-            raise Unavailable("no live scheduler")
+            wanted = f" with policy {policy!r}" if policy else ""
+            raise Unavailable(f"no live scheduler serves model {model!r}{wanted}")
         return candidates[next(self._next) % len(candidates)]

@@ -98,7 +98,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         try:
             admitted = await self.gateway.admit(api_key_from(context.invocation_metadata()), from_pb(request))
             annotate(model=admitted.spec.name, tenant=admitted.principal.tenant, texts=len(admitted.encoded))
-            result = await self._schedule(schedule_request(admitted, request.request_id), deadline)
+            result = await self._schedule(schedule_request(admitted, request.request_id), deadline, request.policy)
         except ServingError as e:
             await abort_with(context, e)
         except RedisError as e:  # keys and catalogue unreachable: nothing ran, a retry may succeed
@@ -108,11 +108,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         response.metadata.gateway_ms = (time.perf_counter() - entered) * 1e3
         return response
 
-    async def _schedule(self, request: scheduler_pb2.ScheduleRequest, deadline: float) -> tensors_pb2.ModelOutput:
-        """Sends to a scheduler; a scheduler that is gone is skipped for another while time remains."""
+    async def _schedule(self, request: scheduler_pb2.ScheduleRequest, deadline: float,
+                        policy: str = "") -> tensors_pb2.ModelOutput:
+        """Sends to a deployment serving the model (and the policy asked for); a scheduler that is
+        gone is skipped for another while time remains."""
         tried: set[str] = set()
         while True:
-            address = await self.schedulers.pick(frozenset(tried))
+            address = await self.schedulers.pick(frozenset(tried), request.model, policy)
             try:
                 return await self._stub(address).Schedule(request, timeout=max(deadline - time.monotonic(), 0.001))
             except grpc.aio.AioRpcError as e:
@@ -123,7 +125,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     raise error from e
                 tried.add(address)
                 await self.schedulers.refresh()
-                if not [a for a in self.schedulers.addresses if a not in tried]:
+                if not [d for d in self.schedulers.deployments
+                        if d.address not in tried and d.serves(request.model, policy)]:
                     raise error from e
 
 

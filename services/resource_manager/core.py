@@ -1,15 +1,19 @@
-"""Resource manager core: the placement table in Redis (workers, the models they serve, heartbeats).
+"""Resource manager core: the placement table in Redis (workers, the models they serve, heartbeats),
+and the group planner (student groups by eq. 6, the student number adapted to load).
 
 Every write is idempotent (SADD/SREM/HSET on ids), so a Redis client retry cannot apply twice.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from academus.services.resource_manager.allocation import Device, GroupLoad, StudentNumber, allocate_groups
 from academus.shared.catalogue import ModelSpec
 from academus.shared.keys import Keys
 
@@ -70,3 +74,83 @@ class PlacementTable:
         if dead:
             await self.redis.publish(self.keys.events(), "reap " + ",".join(sorted(dead)))
         return sorted(dead)
+
+
+class GroupPlanner:
+    """Writes each student model's groups (eq. 6) and student number to Redis, and adapts the student
+    number to the schedulers' load signals. One task owns it; writes are SETs of whole values."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, ceiling: str = "max", window_s: float = 120.0,
+                 cooldown_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.redis, self.keys, self.ceiling = redis, keys, ceiling
+        self.window_s, self.cooldown_s, self.clock = window_s, cooldown_s, clock
+        self.numbers: dict[str, StudentNumber] = {}
+
+    async def student_models(self) -> dict[str, ModelSpec]:
+        specs = await self.redis.hgetall(self.keys.models())
+        parsed = {name: ModelSpec.from_json(raw) for name, raw in specs.items()}
+        return {name: spec for name, spec in parsed.items() if spec.max_students}
+
+    async def devices(self, model: str) -> list[Device]:
+        """The live workers serving `model`, grouped by device (a GPU, or a CPU worker process)."""
+        by_device: dict[str, list[tuple[str, int]]] = {}
+        for worker_id in sorted(await self.redis.smembers(self.keys.placement(model))):
+            info = await self.redis.hgetall(self.keys.worker(worker_id))
+            if not info:
+                continue
+            device = info.get("device", "cpu")
+            name = worker_id if device.startswith("cpu") else f"{info['address'].rsplit(':', 1)[0]}/{device}"
+            by_device.setdefault(name, []).append((worker_id, max(1, int(info.get("capacity", 1)))))
+        return [Device(name, tuple(workers)) for name, workers in sorted(by_device.items())]
+
+    def number(self, spec: ModelSpec, stored: str | None) -> StudentNumber:
+        ceiling = spec.max_students if self.ceiling == "max" else max(1, spec.default_students)
+        entry = self.numbers.get(spec.name)
+        if entry is None:
+            start = int(stored) if stored else (spec.default_students or spec.max_students)
+            entry = StudentNumber(min(max(1, start), ceiling), ceiling, self.window_s, self.cooldown_s, self.clock)
+            self.numbers[spec.name] = entry
+        return entry
+
+    async def replan(self) -> dict[str, int]:
+        """Re-forms every student model's groups for the live workers and current student numbers."""
+        out = {}
+        for name, spec in (await self.student_models()).items():
+            number = self.number(spec, await self.redis.get(self.keys.students(name)))
+            groups = allocate_groups(number.current, await self.devices(name))
+            table = {"students": number.current, "groups": groups}
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.set(self.keys.students(name), number.current)
+            pipe.set(self.keys.groups(name), json.dumps(table))
+            await pipe.execute()
+            out[name] = len(groups)
+        await self.redis.publish(self.keys.events(), "groups")
+        return out
+
+    async def load(self) -> dict[str, GroupLoad]:
+        """Every live scheduler's per-model signals, summed."""
+        total: dict[str, list[int]] = {}
+        for scheduler_id in await self.redis.smembers(self.keys.schedulers()):
+            raw = await self.redis.hget(self.keys.load(scheduler_id), "models")
+            for model, signals in (json.loads(raw) if raw else {}).items():
+                entry = total.setdefault(model, [0, 0, 0, 0])
+                for k, name in enumerate(("buffer", "groups", "idle", "busy")):
+                    entry[k] += int(signals.get(name, 0))
+        return {m: GroupLoad(*v) for m, v in total.items()}
+
+    async def adapt(self) -> dict[str, int]:
+        """One adaptation step: the models whose student number changed, with the new number. A
+        number an operator wrote to `students:<model>` is adopted (within 1..ceiling) first."""
+        specs = await self.student_models()
+        changed = {}
+        loads = await self.load()
+        for model, spec in specs.items():
+            stored = await self.redis.get(self.keys.students(model))
+            number = self.number(spec, stored)
+            if stored and int(stored) != number.current:
+                changed[model] = number.current = min(max(1, int(stored)), number.ceiling)
+            elif model in loads and (new := number.observe(loads[model])) is not None:
+                changed[model] = new
+        if changed:
+            await self.replan()
+        return changed

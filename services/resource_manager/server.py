@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
+import subprocess
 
-from academus.services.resource_manager.core import PlacementTable, WorkerInfo
+import torch
+
+from academus.services.resource_manager.allocation import ProfilePoint, choose_profile, mps_action
+from academus.services.resource_manager.core import GroupPlanner, PlacementTable, WorkerInfo
 from academus.shared import config as cfg
 from academus.shared.catalogue import ModelSpec
 from academus.shared.keys import Keys
@@ -16,19 +21,40 @@ from academus.v1 import resource_manager_pb2_grpc
 
 
 class ResourceManagerServicer(resource_manager_pb2_grpc.ResourceManagerServicer):
-    def __init__(self, table: PlacementTable) -> None:
+    def __init__(self, table: PlacementTable, planner: GroupPlanner) -> None:
         self.table = table
+        self.planner = planner
 
     async def RegisterWorker(self, request, context):
-        specs = [ModelSpec(m.name, m.kind, list(m.labels), m.dim, m.max_tokens) for m in request.models]
-        info = WorkerInfo(request.worker_id, request.address, request.device, request.capacity or 1,
-                          [s.name for s in specs])
+        specs = [ModelSpec(m.name, m.kind, list(m.labels), m.dim, m.max_tokens, m.max_students, m.default_students)
+                 for m in request.models]
+        capacity = request.capacity or 1
+        if request.profile:
+            capacity = await self.choose(request.profile, request.capacity)
+        info = WorkerInfo(request.worker_id, request.address, request.device, capacity, [s.name for s in specs])
         await self.table.register(info, specs)
-        log_event("worker_registered", worker_id=info.worker_id, address=info.address, models=info.models)
-        return pb.RegisterWorkerResponse(heartbeat_ttl_s=self.table.ttl)
+        groups = await self.planner.replan()
+        log_event("worker_registered", worker_id=info.worker_id, address=info.address, models=info.models,
+                  capacity=capacity, groups=groups)
+        return pb.RegisterWorkerResponse(heartbeat_ttl_s=self.table.ttl, capacity=capacity)
+
+    async def choose(self, profile, fixed: int) -> int:
+        """The grid search's pick per model (App. B.4.1), stored for the schedulers' max_merge."""
+        chosen = {}
+        for model in sorted({p.model for p in profile}):
+            points = [ProfilePoint(p.instances, p.merge, p.throughput, p.latency_ms) for p in profile
+                      if p.model == model]
+            best = choose_profile(points)
+            chosen[model] = best
+            await self.table.redis.hset(self.table.keys.profile(model), mapping={
+                "instances": best.instances, "max_merge": best.merge, "throughput": best.throughput,
+                "latency_ms": best.latency_ms})
+        log_event("profile_chosen", **{m: f"{p.instances}x{p.merge}" for m, p in chosen.items()})
+        return fixed or max(p.instances for p in chosen.values())
 
     async def DeregisterWorker(self, request, context):
         removed = await self.table.deregister(request.worker_id)
+        await self.planner.replan()
         log_event("worker_deregistered", worker_id=request.worker_id, removed=removed)
         return pb.DeregisterWorkerResponse(removed=removed)
 
@@ -44,9 +70,23 @@ async def build() -> ServiceSpec:
     redis = connect(config.redis_url)
     keys = Keys(config.key_prefix)
     table = PlacementTable(redis, keys, config.heartbeat_ttl_s)
+    planner = GroupPlanner(redis, keys, config.student_ceiling, config.adapt_window_s, config.adapt_cooldown_s)
 
     async def announce(address: str) -> None:
+        log_event("mps", action=start_mps(config.mps))
         await redis.set(keys.resource_manager(), address)
+        await planner.replan()
+
+    async def adapter() -> None:
+        """Student number adaptation (App. B.4.1) on the schedulers' buffer and group signals."""
+        while True:
+            await asyncio.sleep(config.adapt_interval_s)
+            try:
+                changed = await planner.adapt()
+                if changed:
+                    log_event("student_number_changed", **changed)
+            except Exception as e:  # Redis restarting: try again next round
+                log_event("adapt_failed", error=repr(e))
 
     async def reaper() -> None:
         while True:
@@ -54,6 +94,7 @@ async def build() -> ServiceSpec:
             try:
                 dead = await table.reap()
                 if dead:
+                    await planner.replan()
                     log_event("workers_reaped", workers=dead)
             except Exception as e:  # Redis restarting: try again next round
                 log_event("reap_failed", error=repr(e))
@@ -62,12 +103,25 @@ async def build() -> ServiceSpec:
         name="resource_manager",
         config=config,
         add_servicers=lambda s: resource_manager_pb2_grpc.add_ResourceManagerServicer_to_server(
-            ResourceManagerServicer(table), s),
+            ResourceManagerServicer(table, planner), s),
         service_names=["academus.v1.ResourceManager"],
         on_started=announce,
         on_stopped=redis.aclose,
-        extra_tasks=[reaper],
+        extra_tasks=[reaper, adapter],
     )
+
+
+def start_mps(mode: str) -> str:
+    """Starts the MPS control daemon on a GPU node when it is not running (App. B.4: students of
+    different groups share each GPU through MPS). Without GPUs nothing happens."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    binary = shutil.which("nvidia-cuda-mps-control")
+    running = subprocess.run(["pgrep", "-x", "nvidia-cuda-mps"], capture_output=True).returncode == 0 \
+        if gpus and shutil.which("pgrep") else False
+    action = mps_action(gpus, mode, running, binary is not None)
+    if action == "start":
+        subprocess.run([binary, "-d"], check=True, timeout=30)
+    return action
 
 
 def main() -> None:

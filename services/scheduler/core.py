@@ -26,8 +26,50 @@ class WorkerRef:
     worker_id: str
     address: str
     models: frozenset[str]
-    busy: bool = False
+    capacity: int = 1              # student instances (compute slots) it runs at once
+    running: int = 0
     lost: bool = False
+
+    @property
+    def busy(self) -> bool:
+        return self.running >= self.capacity
+
+
+@dataclass(frozen=True)
+class Member:
+    """One worker's part of a group: the students it runs (() = the whole model, e.g. the teacher).
+    It is one call on one compute slot; students co-located on a worker run in that call."""
+
+    worker_id: str
+    students: tuple[int, ...] = ()
+
+    slots = 1
+
+
+@dataclass(eq=False)
+class Group:
+    """A dispatch target. For a teacher model: one compute slot of one worker. For a student model:
+    the S student instances of group j, placed by the resource manager (eq. 6) on several workers,
+    whose partial outputs the scheduler adds up (the group's combiner)."""
+
+    name: str
+    models: frozenset[str]
+    members: tuple[Member, ...]
+    students: int = 1              # S: the student number this group was formed with
+    busy: bool = False
+
+    @property
+    def worker_id(self) -> str:
+        return "+".join(m.worker_id for m in self.members)
+
+
+@dataclass(frozen=True)
+class GroupTable:
+    """The resource manager's allocation for one student model (`groups:<model>` in Redis)."""
+
+    model: str
+    students: int
+    groups: tuple[tuple[Member, ...], ...]
 
 
 @dataclass
@@ -43,13 +85,18 @@ class Job:
     attempts: int = 0
     tried: set[str] = field(default_factory=set)
     started_at: float = 0.0
+    max_length: int = 0            # the longest text, in tokens (the length-aware buffer's bin)
 
 
 class WorkerLost(Exception):
-    """The worker did not answer (connection refused or dropped): the jobs may run elsewhere."""
+    """A worker did not answer (connection refused or dropped): the jobs may run on another group."""
+
+    def __init__(self, message: str, worker_id: str = "") -> None:
+        super().__init__(message)
+        self.worker_id = worker_id
 
 
-Send = Callable[[WorkerRef, Sequence[Job]], Awaitable[Sequence[Any]]]
+Send = Callable[[Group, Sequence[Job]], Awaitable[Sequence[Any]]]
 
 
 @dataclass
@@ -70,26 +117,58 @@ class Dispatcher:
         self.retry_pushback_ms = retry_pushback_ms
         self.clock = clock
         self.workers: dict[str, WorkerRef] = {}
+        self.tables: dict[str, GroupTable] = {}
+        self.groups: list[Group] = []
         self.stats = DispatchStats()
+        self.service_s: dict[str, float] = {}  # model -> smoothed batch time: can a deadline still be met?
         self._timer: asyncio.TimerHandle | None = None
 
     # -- membership -------------------------------------------------------------------------
-    def update_workers(self, live: dict[str, tuple[str, frozenset[str]]]) -> None:
-        """Replaces the worker set with the placements read from Redis, keeping busy flags."""
+    def update_workers(self, live: dict[str, tuple], tables: dict[str, GroupTable] | None = None) -> None:
+        """Replaces the worker set (id -> (address, models[, capacity])) and the student group tables
+        with what Redis says, keeping the running counts of workers that stay."""
         for worker_id in list(self.workers):
             if worker_id not in live:
                 del self.workers[worker_id]
-        for worker_id, (address, models) in live.items():
+        for worker_id, (address, models, *rest) in live.items():
+            capacity = rest[0] if rest else 1
             ref = self.workers.get(worker_id)
             if ref is None or ref.address != address or ref.lost:
-                self.workers[worker_id] = WorkerRef(worker_id, address, models)
+                self.workers[worker_id] = WorkerRef(worker_id, address, models, capacity)
             else:
-                ref.models = models
+                ref.models, ref.capacity = models, capacity
+        if tables is not None:
+            self.tables = tables
+        self.groups = self._form_groups()
+        self.policy.resize(len(self.groups))
         self._drain()
         self._fail_orphans()
 
+    def _form_groups(self) -> list[Group]:
+        """Student models: the published groups. Every other model: one group a worker slot."""
+        groups = []
+        for table in self.tables.values():
+            for j, members in enumerate(table.groups):
+                if all(m.worker_id in self.workers for m in members):
+                    groups.append(Group(f"{table.model}/g{j}", frozenset({table.model}), members, table.students))
+        for worker in sorted(self.workers.values(), key=lambda w: w.worker_id):
+            models = worker.models - self.tables.keys()
+            for slot in range(worker.capacity if models else 0):
+                groups.append(Group(f"{worker.worker_id}#{slot}", models, (Member(worker.worker_id),)))
+        return groups
+
     def serves(self, model: str) -> bool:
-        return any(model in w.models and not w.lost for w in self.workers.values())
+        return any(model in g.models and self._live(g) for g in self.groups)
+
+    def _live(self, group: Group) -> bool:
+        return all(m.worker_id in self.workers and not self.workers[m.worker_id].lost for m in group.members)
+
+    def _free(self, group: Group) -> bool:
+        """Idle, alive, and every member worker has the compute slots its students need."""
+        if group.busy or not self._live(group):
+            return False
+        return all(self.workers[m.worker_id].running + m.slots <= self.workers[m.worker_id].capacity
+                   for m in group.members)
 
     # -- the request path -------------------------------------------------------------------
     async def submit(self, job: Job) -> Any:
@@ -100,27 +179,36 @@ class Dispatcher:
             self.stats.rejected += 1
             raise ResourceExhausted(f"scheduler queue is full ({self.queue_capacity} requests waiting)",
                                     pushback_ms=self.retry_pushback_ms)
+        self._check_deadline(job)
         job.future = asyncio.get_running_loop().create_future()
         self.policy.push(job, self.clock())
         self._drain()
         return await job.future
 
+    def _check_deadline(self, job: Job) -> None:
+        """Refuses at once what cannot finish in time: the waits ahead of it plus one batch time."""
+        service = self.service_s.get(job.model)
+        if service is None:
+            return
+        groups = max(1, sum(1 for g in self.groups if job.model in g.models))
+        expected = service * (1 + self.policy.depth() / groups)
+        if self.clock() + expected > job.deadline:
+            self.stats.rejected += 1
+            raise DeadlineExceeded(f"the deadline cannot be met: about {expected * 1e3:.0f} ms of queue and "
+                                   f"compute ahead, {max(0.0, job.deadline - self.clock()) * 1e3:.0f} ms left")
+
     def _drain(self) -> None:
-        """Every idle worker takes the next ready batch it can run; dead jobs are dropped unrun."""
+        """Every free group takes the next ready batch it can run; dead jobs are dropped unrun."""
         now = self.clock()
-        for worker in self._idle_workers():
-            while not worker.busy:
-                batch = self.policy.next_batch(lambda j, w=worker: j.model in w.models, now)
+        for group in self.groups:
+            while self._free(group):
+                batch = self.policy.next_batch(lambda j, g=group: j.model in g.models, now)
                 if not batch:
                     break
                 batch = [j for j in batch if self._still_wanted(j, now)]
                 if batch:
-                    self._start(worker, batch)
+                    self._start(group, batch)
         self._arm_timer()
-
-    def _idle_workers(self) -> list[WorkerRef]:
-        idle = [w for w in self.workers.values() if not w.busy and not w.lost]
-        return sorted(idle, key=lambda w: w.worker_id)
 
     def _arm_timer(self) -> None:
         """Policies that hold jobs back (a batching delay) say when to look again."""
@@ -128,27 +216,33 @@ class Dispatcher:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if wake is not None and any(not w.busy and not w.lost for w in self.workers.values()):
+        if wake is not None and any(self._free(g) for g in self.groups):
             loop = asyncio.get_running_loop()
             self._timer = loop.call_later(max(0.0, wake - self.clock()), self._drain)
 
-    def _start(self, worker: WorkerRef, batch: list[Job]) -> None:
-        worker.busy = True
+    def _start(self, group: Group, batch: list[Job]) -> None:
+        group.busy = True
+        refs = [self.workers[m.worker_id] for m in group.members]
+        for ref, member in zip(refs, group.members, strict=True):
+            ref.running += member.slots
         now = self.clock()
         for job in batch:
             job.attempts += 1
-            job.tried.add(worker.worker_id)
+            job.tried.add(group.name)
             job.started_at = now
         self.stats.dispatched += 1
-        task = asyncio.get_running_loop().create_task(self._run(worker, batch))
+        task = asyncio.get_running_loop().create_task(self._run(group, refs, batch))
         if len(batch) == 1:  # a caller that goes away cancels its downstream call: the work stops there
             batch[0].future.add_done_callback(lambda f: task.cancel() if f.cancelled() else None)
 
-    async def _run(self, worker: WorkerRef, batch: list[Job]) -> None:
+    async def _run(self, group: Group, refs: list[WorkerRef], batch: list[Job]) -> None:
+        started = self.clock()
         try:
-            results = await self.send(worker, batch)
+            results = await self.send(group, batch)
         except WorkerLost as e:
-            worker.lost = True
+            for ref in refs:
+                if ref.worker_id == e.worker_id or len(refs) == 1:
+                    ref.lost = True
             for job in batch:
                 self._retry_or_fail(job, e)
             self._fail_orphans()
@@ -159,6 +253,7 @@ class Dispatcher:
             for job in batch:
                 self._settle(job, exc=e)
         else:
+            self._observe(batch[0].model, self.clock() - started)
             if len(results) != len(batch):
                 error = ServingError(f"worker returned {len(results)} results for {len(batch)} requests")
                 for job in batch:
@@ -166,9 +261,15 @@ class Dispatcher:
             for job, result in zip(batch, results, strict=False):
                 self._settle(job, result=result)
         finally:
-            worker.busy = False
+            group.busy = False
+            for ref, member in zip(refs, group.members, strict=True):
+                ref.running = max(0, ref.running - member.slots)
             if _loop_running():  # not when a never-finished task is closed by the garbage collector
                 self._drain()
+
+    def _observe(self, model: str, seconds: float) -> None:
+        previous = self.service_s.get(model)
+        self.service_s[model] = seconds if previous is None else 0.8 * previous + 0.2 * seconds
 
     def _retry_or_fail(self, job: Job, error: Exception) -> None:
         if job.future.done():
@@ -176,7 +277,7 @@ class Dispatcher:
         if self.clock() >= job.deadline:
             self._settle(job, exc=DeadlineExceeded("deadline passed while retrying after a lost worker"))
         elif not self.serves(job.model):
-            self._settle(job, exc=Unavailable(f"worker lost and no other worker serves {job.model!r}: {error}"))
+            self._settle(job, exc=Unavailable(f"worker lost and no other group serves {job.model!r}: {error}"))
         else:
             self.stats.retried += 1
             self.policy.push(job, self.clock(), front=True)
@@ -200,7 +301,7 @@ class Dispatcher:
         return True
 
     def _fail_orphans(self) -> None:
-        """Waiting jobs whose model lost its last worker get UNAVAILABLE instead of hanging."""
+        """Waiting jobs whose model lost its last group get UNAVAILABLE instead of hanging."""
         for job in self.policy.remove(lambda j: not self.serves(j.model)):
             self._settle(job, exc=Unavailable(f"no live worker serves model {job.model!r}"))
 
@@ -213,7 +314,26 @@ class Dispatcher:
         return len(dead)
 
     def load(self) -> dict[str, int]:
-        return {"queued": len(self.policy), "idle": len(self._idle_workers()), "workers": len(self.workers)}
+        idle = sum(1 for g in self.groups if self._free(g))
+        return {"queued": len(self.policy), "idle": idle, "groups": len(self.groups), "workers": len(self.workers),
+                "buffer": self.policy.depth()}
+
+    def model_load(self) -> dict[str, dict[str, int]]:
+        """Per model: the resource manager's adaptation signals (App. B.4.1)."""
+        out: dict[str, dict[str, int]] = {}
+        waiting: dict[str, int] = {}
+        for job in self.policy:
+            waiting[job.model] = waiting.get(job.model, 0) + 1
+        for group in self.groups:
+            for model in group.models:
+                entry = out.setdefault(model, {"groups": 0, "idle": 0, "busy": 0, "students": group.students,
+                                               "buffer": 0})
+                entry["groups"] += 1
+                entry["busy" if group.busy else "idle"] += 1
+        depth = self.policy.depth()
+        for model, entry in out.items():
+            entry["buffer"] = min(depth, waiting.get(model, 0))
+        return out
 
 
 def _loop_running() -> bool:

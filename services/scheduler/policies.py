@@ -1,8 +1,8 @@
 """Dispatch policies behind one interface (DESIGN.md §5); chosen by name through `make_policy`.
 
-A policy only holds waiting jobs and forms batches; the Dispatcher owns workers, deadlines and
-admission. `fifo` (one request a dispatch, no waiting) and `padded` (the classic dynamic batcher,
-Triton-style) live here; the `student` length-aware buffer and `concat` (DAS) plug in the same way.
+A policy only holds waiting jobs and forms batches; the Dispatcher owns groups, deadlines and
+admission. `fifo` (one request a dispatch, no waiting), `padded` (the classic dynamic batcher,
+Triton-style) and `student` (Student Parallelism's immediate dispatch + length-aware buffer).
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
+
+from academus.services.scheduler.buffer import LengthAwareBuffer
 
 if TYPE_CHECKING:
     from academus.services.scheduler.core import Job
@@ -40,6 +42,14 @@ class DispatchPolicy(ABC):
     def wake_at(self) -> float | None:
         """When a held-back batch becomes ready on its own (None: only new jobs or a freed worker change it)."""
         return None
+
+    def resize(self, groups: int) -> None:
+        """The dispatcher's group count changed (the student buffer's capacity follows it)."""
+        return None
+
+    def depth(self) -> int:
+        """Waiting dispatch units (buffer elements for `student`, jobs otherwise): the load signal."""
+        return len(self)
 
     def remove(self, predicate: Callable[[Job], bool]) -> list[Job]:
         """Takes out every waiting job matching `predicate` (expired, orphaned)."""
@@ -105,12 +115,75 @@ class PaddedPolicy(DispatchPolicy):
         return min((j.enqueued_at + self.max_delay_s for j in self._jobs), default=None)
 
 
-POLICIES: dict[str, Callable[..., DispatchPolicy]] = {"fifo": FifoPolicy, "padded": PaddedPolicy}
+class StudentPolicy(DispatchPolicy):
+    """Student Parallelism's dispatch (§3.3.2, App. B.4.2): a sample goes at once to an idle group;
+    only while every group is busy does it wait in the length-aware buffer, merging with samples of
+    its length bin, and a freed group takes the head element at once, never waiting to fill a batch.
+
+    The buffer holds at most one element per group (its capacity follows `resize`); beyond it jobs
+    wait in arrival order in the admission queue, whose bound the Dispatcher enforces.
+    """
+
+    name = "student"
+
+    def __init__(self, max_merge: int = 4, bin_width: int = 8, max_length: int = 128) -> None:
+        super().__init__()
+        self.buffer = LengthAwareBuffer(max_merge, bin_width, max_length)
+        self.capacity = 1
+        self.merged = 0                # samples that joined an existing element (a metric)
+
+    def resize(self, groups: int) -> None:
+        self.capacity = max(1, groups)
+        self._refill()
+
+    def push(self, job: Job, now: float, front: bool = False) -> None:
+        if front:
+            self.buffer.push_front(job)
+        elif self._jobs or len(self.buffer) >= self.capacity:
+            self._jobs.append(job)
+            self._refill()
+        else:
+            self.merged += self.buffer.push(job)
+
+    def next_batch(self, accepts: Accepts, now: float) -> list[Job]:
+        element = self.buffer.pop(accepts)
+        if element is None and self._jobs:  # the head of the admission queue may suit this group
+            job = next((j for j in self._jobs if accepts(j)), None)
+            return [self._take(job)] if job is not None else []
+        self._refill()
+        return element.jobs if element is not None else []
+
+    def _refill(self) -> None:
+        """Moves queued jobs into the buffer while it has room (merging as they enter)."""
+        while self._jobs and (len(self.buffer) < self.capacity or self.buffer.merges(self._jobs[0])):
+            self.merged += self.buffer.push(self._jobs.popleft())
+
+    def remove(self, predicate: Callable[[Job], bool]) -> list[Job]:
+        removed = self.buffer.remove(predicate) + super().remove(predicate)
+        self._refill()
+        return removed
+
+    def depth(self) -> int:
+        return len(self.buffer) + len(self._jobs)
+
+    def __len__(self) -> int:
+        return self.buffer.samples + len(self._jobs)
+
+    def __iter__(self) -> Iterator[Job]:
+        yield from self.buffer.jobs()
+        yield from self._jobs
 
 
-def make_policy(name: str, **options: float) -> DispatchPolicy:
-    try:
-        factory = POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown policy {name!r}; known: {sorted(POLICIES)}") from None
-    return factory(**options) if name == "padded" else factory()
+POLICIES: dict[str, Callable[..., DispatchPolicy]] = {
+    "fifo": FifoPolicy, "padded": PaddedPolicy, "student": StudentPolicy}
+
+
+def make_policy(name: str, max_batch: int = 32, max_delay_s: float = 0.010, max_merge: int = 4,
+                max_length: int = 128) -> DispatchPolicy:
+    if name == "padded":
+        return PaddedPolicy(max_batch, max_delay_s)
+    if name == "student":
+        return StudentPolicy(max_merge, max_length=max_length)
+    if name in POLICIES:
+        return POLICIES[name]()
+    raise ValueError(f"unknown policy {name!r}; known: {sorted(POLICIES)}")

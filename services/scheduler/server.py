@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import Sequence
 
 import grpc
+import numpy as np
 from prometheus_client import Gauge
 
-from academus.services.scheduler.core import Dispatcher, Job, WorkerLost, WorkerRef
-from academus.services.scheduler.policies import make_policy
+from academus.services.scheduler.core import Dispatcher, Group, GroupTable, Job, Member, WorkerLost, WorkerRef
+from academus.services.scheduler.policies import StudentPolicy, make_policy
 from academus.shared import config as cfg
 from academus.shared.errors import DeadlineExceeded, ServingError, abort_with, from_rpc_error
 from academus.shared.keys import Keys
@@ -19,26 +21,82 @@ from academus.shared.logs import log_event
 from academus.shared.redis_conn import connect
 from academus.shared.serving import ServiceSpec, Stubs, run
 from academus.shared.tracing import annotate
-from academus.v1 import scheduler_pb2_grpc, tensors_pb2, worker_pb2, worker_pb2_grpc
+from academus.v1 import inference_pb2, scheduler_pb2_grpc, tensors_pb2, worker_pb2, worker_pb2_grpc
 
 QUEUE_DEPTH = Gauge("academus_scheduler_queue_depth", "Jobs waiting for a worker")
+BUFFER_DEPTH = Gauge("academus_scheduler_buffer_depth", "Waiting dispatch units (length-aware buffer elements)")
 DROPPED = Gauge("academus_scheduler_dropped", "Jobs dropped unrun", ["reason"])
 LOST_CODES = (grpc.StatusCode.UNAVAILABLE,)
 
 
-async def send_to_worker(stubs: Stubs, clock, worker: WorkerRef, batch: Sequence[Job]) -> list:
-    """One worker call for the whole batch: payloads merged, the answer split back a job each."""
-    remaining = max(j.deadline for j in batch) - clock()
-    if remaining <= 0:
-        raise DeadlineExceeded("deadline passed before dispatch; not computed")
-    request = batch[0].payload if len(batch) == 1 else merge_requests([j.payload for j in batch])
-    try:
-        output = await stubs(worker.address).Run(request, timeout=remaining)
-    except grpc.aio.AioRpcError as e:
-        if e.code() in LOST_CODES:
-            raise WorkerLost(f"{worker.worker_id} at {worker.address}: {e.details()}") from e
-        raise from_rpc_error(e, f"worker {worker.worker_id}") from e
-    return [output] if len(batch) == 1 else split_output(output, [j.num_texts for j in batch])
+class GroupSender:
+    """Runs a batch on a group: one worker call for a single-member group; for a student group, one
+    call per member in parallel, then the combiner adds the partial outputs (Σ α_m·S_m through the
+    linear head) and applies the final softmax or normalisation."""
+
+    def __init__(self, stubs: Stubs, clock, workers: dict[str, WorkerRef]) -> None:
+        self.stubs, self.clock, self.workers = stubs, clock, workers
+
+    async def __call__(self, group: Group, batch: Sequence[Job]) -> list:
+        remaining = max(j.deadline for j in batch) - self.clock()
+        if remaining <= 0:
+            raise DeadlineExceeded("deadline passed before dispatch; not computed")
+        request = batch[0].payload if len(batch) == 1 else merge_requests([j.payload for j in batch])
+        if len(group.members) == 1 and not group.members[0].students:
+            output = await self._call(group.members[0].worker_id, request, remaining)
+        else:
+            output = await self._fan_out(group, request, remaining)
+        return [output] if len(batch) == 1 else split_output(output, [j.num_texts for j in batch])
+
+    async def _fan_out(self, group: Group, request: worker_pb2.RunRequest, remaining: float):
+        calls = []
+        for member in group.members:
+            part = worker_pb2.RunRequest()
+            part.CopyFrom(request)
+            part.num_students = group.students
+            part.student_indices[:] = member.students
+            calls.append(asyncio.ensure_future(self._call(member.worker_id, part, remaining)))
+        try:
+            outputs = await asyncio.gather(*calls)
+        except BaseException:
+            for call in calls:  # one student failed: the others' work is no longer wanted
+                call.cancel()
+            raise
+        return combine(outputs, group)
+
+    async def _call(self, worker_id: str, request: worker_pb2.RunRequest, remaining: float):
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            raise WorkerLost(f"{worker_id} left the placement", worker_id)
+        try:
+            return await self.stubs(worker.address).Run(request, timeout=remaining)
+        except grpc.aio.AioRpcError as e:
+            if e.code() in LOST_CODES:
+                raise WorkerLost(f"{worker_id} at {worker.address}: {e.details()}", worker_id) from e
+            raise from_rpc_error(e, f"worker {worker_id}") from e
+
+
+def combine(outputs: Sequence[tensors_pb2.ModelOutput], group: Group) -> tensors_pb2.ModelOutput:
+    """The group's combiner: adds the members' partial sums, then finishes (softmax / L2 / none)."""
+    first = outputs[0]
+    rows, dim = first.values.rows, first.values.dim
+    total = np.zeros((rows, dim), dtype=np.float64)
+    for out in outputs:
+        total += np.asarray(out.values.values, dtype=np.float64).reshape(rows, dim)
+    if first.finish == tensors_pb2.FINISH_SOFTMAX:
+        total = np.exp(total - total.max(axis=1, keepdims=True))
+        total /= total.sum(axis=1, keepdims=True)
+    elif first.finish == tensors_pb2.FINISH_L2:
+        total /= np.maximum(np.linalg.norm(total, axis=1, keepdims=True), 1e-12)
+    meta = inference_pb2.InferMetadata()
+    meta.CopyFrom(first.metadata)
+    meta.student_count = group.students
+    meta.worker_id = group.worker_id
+    meta.compute_ms = max(o.metadata.compute_ms for o in outputs)
+    meta.worker_ms = max(o.metadata.worker_ms for o in outputs)
+    return tensors_pb2.ModelOutput(output=first.output, labels=first.labels, metadata=meta,
+                                   values=tensors_pb2.Matrix(values=total.astype(np.float32).ravel().tolist(),
+                                                             rows=rows, dim=dim))
 
 
 def merge_requests(requests: Sequence[worker_pb2.RunRequest]) -> worker_pb2.RunRequest:
@@ -82,14 +140,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             num_texts=len(tokens.lengths), num_tokens=len(tokens.input_ids),
             deadline=now + (remaining if remaining is not None else 30.0), enqueued_at=now,
             batch_key=(request.model, request.output, self.student_numbers.get(request.model, 0)),
+            max_length=max(tokens.lengths, default=0),
         )
         annotate(model=request.model, tenant=request.tenant, policy=self.policy, batch_size=job.num_texts)
         try:
             result = await self.dispatcher.submit(job)
         except ServingError as e:
             await abort_with(context, e)
-        finally:
-            QUEUE_DEPTH.set(len(self.dispatcher.policy))
         meta = result.metadata
         meta.policy = self.policy
         meta.queue_ms = (job.started_at - job.enqueued_at) * 1e3
@@ -99,32 +156,50 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
 
 class PlacementWatcher:
-    """Keeps the dispatcher's worker set equal to the live placements in Redis."""
+    """Keeps the dispatcher's workers and student groups equal to the live placements in Redis."""
 
-    def __init__(self, redis, keys: Keys, dispatcher: Dispatcher, refresh_s: float) -> None:
+    def __init__(self, redis, keys: Keys, dispatcher: Dispatcher, refresh_s: float,
+                 models: frozenset[str] = frozenset()) -> None:
         self.redis, self.keys, self.dispatcher, self.refresh_s = redis, keys, dispatcher, refresh_s
+        self.models = models  # this deployment's models (empty: all)
         self.changed = asyncio.Event()
         self.student_numbers: dict[str, int] = {}
+        self.max_merge: int | None = None
 
     async def refresh(self) -> None:
-        live: dict[str, tuple[str, set[str]]] = {}
+        live: dict[str, tuple[str, set[str], int]] = {}
         for model in await self.redis.smembers(self.keys.placements()):
+            if self.models and model not in self.models:
+                continue
             for worker_id in await self.redis.smembers(self.keys.placement(model)):
                 if worker_id not in live:
-                    address = await self.redis.hget(self.keys.worker(worker_id), "address")
+                    address, capacity = await self.redis.hmget(self.keys.worker(worker_id), "address", "capacity")
                     if not address:
                         continue  # heartbeat expired: not live
-                    live[worker_id] = (address, set())
+                    live[worker_id] = (address, set(), max(1, int(capacity or 1)))
                 live[worker_id][1].add(model)
-        self.dispatcher.update_workers({w: (a, frozenset(m)) for w, (a, m) in live.items()})
-        await self.refresh_student_numbers()
+        models = sorted({m for _, served, _ in live.values() for m in served})
+        tables = await self.read_tables(models)
+        self.dispatcher.update_workers({w: (a, frozenset(m), c) for w, (a, m, c) in live.items()}, tables)
+        await self.refresh_student_numbers(models)
+        await self.refresh_profile(models)
 
-    async def refresh_student_numbers(self) -> None:
-        """`students:<model>` in Redis (set by the resource manager, issue 4) picks the prefix to run."""
-        models = sorted({m for w in self.dispatcher.workers.values() for m in w.models})
+    async def read_tables(self, models: list[str]) -> dict[str, GroupTable]:
+        """The resource manager's student groups (eq. 6) for the student models among `models`."""
+        raw = await self.redis.mget([self.keys.groups(m) for m in models]) if models else []
+        return {m: parse_table(m, v) for m, v in zip(models, raw, strict=True) if v}
+
+    async def refresh_student_numbers(self, models: list[str]) -> None:
+        """`students:<model>` (set by the resource manager) picks the prefix a whole-group worker runs."""
         values = await self.redis.mget([self.keys.students(m) for m in models]) if models else []
         self.student_numbers.clear()
         self.student_numbers.update({m: int(v) for m, v in zip(models, values, strict=True) if v})
+
+    async def refresh_profile(self, models: list[str]) -> None:
+        """max_merge from the start-up profile (App. B.4.1), unless the config fixed it."""
+        merges = [await self.redis.hget(self.keys.profile(m), "max_merge") for m in models]
+        known = [int(v) for v in merges if v]
+        self.max_merge = max(known) if known else None
 
     async def watch_events(self) -> None:
         pubsub = self.redis.pubsub()
@@ -146,17 +221,27 @@ class PlacementWatcher:
             self.changed.clear()
 
 
+def parse_table(model: str, raw: str) -> GroupTable:
+    """`{"students": S, "groups": [[[worker_id, [student, ...]], ...], ...]}` as the RM writes it."""
+    data = json.loads(raw)
+    groups = tuple(tuple(Member(w, tuple(students)) for w, students in members) for members in data["groups"])
+    return GroupTable(model, int(data["students"]), groups)
+
+
 async def build() -> ServiceSpec:
     config = cfg.load(cfg.SchedulerConfig)
     redis = connect(config.redis_url)
     keys = Keys(config.key_prefix)
     worker_stubs = Stubs(worker_pb2_grpc.WorkerStub)
     clock = time.monotonic
-    policy = make_policy(config.policy, max_batch=config.max_batch, max_delay_s=config.max_delay_ms / 1e3)
-    dispatcher = Dispatcher(policy,
-                            lambda w, j: send_to_worker(worker_stubs, clock, w, j),
+    policy = make_policy(config.policy, max_batch=config.max_batch, max_delay_s=config.max_delay_ms / 1e3,
+                         max_merge=config.max_merge or 4, max_length=config.max_length)
+    workers: dict[str, WorkerRef] = {}
+    dispatcher = Dispatcher(policy, GroupSender(worker_stubs, clock, workers),
                             config.queue_capacity, config.retry_pushback_ms, clock)
-    watcher = PlacementWatcher(redis, keys, dispatcher, config.refresh_s)
+    dispatcher.workers = workers  # the sender resolves member addresses from the same live table
+    models = frozenset(m for m in config.models.split(",") if m)
+    watcher = PlacementWatcher(redis, keys, dispatcher, config.refresh_s, models)
     state = {"id": config.scheduler_id, "address": ""}
     ttl = max(1, round(config.heartbeat_ttl_s))
 
@@ -168,11 +253,32 @@ async def build() -> ServiceSpec:
 
     async def beat() -> None:
         pipe = redis.pipeline(transaction=True)
-        pipe.set(keys.scheduler(state["id"]), state["address"], ex=ttl)
+        pipe.hset(keys.scheduler(state["id"]), mapping={"address": state["address"], "policy": config.policy,
+                                                          "models": config.models})
+        pipe.expire(keys.scheduler(state["id"]), ttl)
         pipe.sadd(keys.schedulers(), state["id"])
-        pipe.hset(keys.load(state["id"]), mapping=dispatcher.load())
+        await pipe.execute()
+        await report_load()
+
+    async def report_load() -> None:
+        """The signals the resource manager adapts the student number on (buffer depth, idle groups)."""
+        if watcher.max_merge and not config.max_merge and isinstance(policy, StudentPolicy):
+            policy.buffer.max_merge = watcher.max_merge
+        load = dispatcher.load() | {"merged": getattr(policy, "merged", 0), "policy": config.policy,
+                                    "models": json.dumps(dispatcher.model_load())}
+        pipe = redis.pipeline(transaction=True)
+        pipe.hset(keys.load(state["id"]), mapping=load)
         pipe.expire(keys.load(state["id"]), ttl)
         await pipe.execute()
+        QUEUE_DEPTH.set(load["queued"])
+        BUFFER_DEPTH.set(load["buffer"])
+
+    async def load_reporter() -> None:
+        while True:
+            await asyncio.sleep(config.load_report_s)
+            if state["address"]:
+                with contextlib.suppress(Exception):  # Redis away: the heartbeat logs it
+                    await report_load()
 
     async def expire() -> None:
         """Answers waiting jobs whose deadline passed and frees their queue slots promptly."""
@@ -201,7 +307,7 @@ async def build() -> ServiceSpec:
         on_started=announce,
         on_stopping=deregister,
         on_stopped=redis.aclose,
-        extra_tasks=[watcher.loop, watcher.watch_events, heartbeat, expire],
+        extra_tasks=[watcher.loop, watcher.watch_events, heartbeat, expire, load_reporter],
     )
 
 

@@ -7,7 +7,9 @@ embedding, `sentiment` and `spam` apply their linear heads to the same embedding
 from __future__ import annotations
 
 import json
+import os
 import re
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,6 +36,10 @@ class BatchResult:
     padded_tokens: int
     real_tokens: int
     student_count: int = 1
+    finish: str = ""         # group-member answers: what the combiner applies after summing (FINISHES)
+
+
+FINISH_SOFTMAX, FINISH_L2, FINISH_SUM = "softmax", "l2", "sum"
 
 
 def resolve_device(wanted: str) -> torch.device:
@@ -41,6 +47,15 @@ def resolve_device(wanted: str) -> torch.device:
     if wanted.startswith("cuda") and torch.cuda.is_available():
         return torch.device(wanted)
     return torch.device("cpu")
+
+
+def device_label(device: torch.device) -> str:
+    """The device as placement sees it: a GPU by its physical index (CUDA_VISIBLE_DEVICES pins a
+    worker to one GPU, which it then calls cuda:0), else "cpu"."""
+    if device.type != "cuda":
+        return "cpu"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    return f"cuda:{visible}" if visible and "," not in visible else str(device)
 
 
 def split_lengths(flat: Sequence[int], lengths: Sequence[int]) -> list[Sequence[int]]:
@@ -77,6 +92,22 @@ class ServedModel:
             return self.encoder(ids, mask, types, num_students=students)
         return self.encoder(ids, mask, types)
 
+    def member_share(self, ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor, indices: Sequence[int],
+                     probs: bool) -> tuple[torch.Tensor, str]:
+        """This worker's additive share of a student group's output, and how the combiner finishes it.
+        The head is linear, so Σ_members W·(Σ α·S) + b = head(Σ α·S): each member applies W, the
+        member holding student 0 adds the bias, and the combiner only sums and applies softmax."""
+        if not self.max_students:
+            raise InvalidArgument(f"student_indices set for {self.spec.name!r}, which is not a student group")
+        try:
+            share = self.encoder.partial(ids, mask, types, indices)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from e
+        if probs:
+            logits = share @ self.head.linear.weight.T
+            return (logits + self.head.linear.bias if 0 in indices else logits), FINISH_SOFTMAX
+        return share, FINISH_L2 if getattr(self.encoder, "normalize", False) else FINISH_SUM
+
 
 class ModelRunner:
     """Loads the configured models once (the teacher shared by all teacher-backed names) and runs
@@ -92,7 +123,7 @@ class ModelRunner:
         unknown = [m for m in models if m not in catalogue]
         if unknown:
             raise NotFound(f"models {unknown} are not in {artifacts}/models.json (run `academus prepare`)")
-        self._deadline: float | None = None
+        self._local = threading.local()  # each compute thread (student instance) has its own deadline
         self._teacher: TeacherEncoder | None = None
         self.models = {name: self._load(name, catalogue[name]) for name in models}
         self.specs = {name: served.spec for name, served in self.models.items()}
@@ -104,7 +135,8 @@ class ModelRunner:
             group = load_student_group(self.artifacts, entry.get("task", name), device=self.device)
             self._watch_deadline(group)
             kind = CLASSIFICATION if group.head is not None else EMBEDDING
-            spec = ModelSpec(name, kind, list(group.labels) if group.head is not None else [], HIDDEN_SIZE)
+            spec = ModelSpec(name, kind, list(group.labels) if group.head is not None else [], HIDDEN_SIZE,
+                             max_students=group.max_students, default_students=group.best_k)
             return ServedModel(spec, group, group.head, group.max_students, group.best_k)
         if self._teacher is None:
             self._teacher = TeacherEncoder.load(device=self.device)
@@ -124,14 +156,17 @@ class ModelRunner:
 
     def _deadline_check(self, layer: str):
         def hook(_module, _args) -> None:
-            if self._deadline is not None and self.clock() >= self._deadline:
+            deadline = getattr(self._local, "deadline", None)
+            if deadline is not None and self.clock() >= deadline:
                 raise DeadlineExceeded(f"deadline passed before {layer}; the rest was not computed")
 
         return hook
 
     def run(self, model: str, output: str, input_ids: Sequence[int], lengths: Sequence[int],
-            token_type_ids: Sequence[int] = (), deadline: float | None = None, num_students: int = 0) -> BatchResult:
-        """Runs one batch; refuses to start when `deadline` (clock time) has passed."""
+            token_type_ids: Sequence[int] = (), deadline: float | None = None, num_students: int = 0,
+            student_indices: Sequence[int] = ()) -> BatchResult:
+        """Runs one batch; refuses to start when `deadline` (clock time) has passed. With
+        `student_indices`, runs only those students of a group and returns their additive share."""
         served = self.models.get(model)
         if served is None:
             raise NotFound(f"model {model!r} is not served by this worker")
@@ -144,10 +179,15 @@ class ModelRunner:
         types = split_lengths(token_type_ids, lengths) if token_type_ids else None
         start = time.perf_counter()
         ids, mask, type_ids = pad_batch(seqs, types)
-        self._deadline = deadline  # runs on the worker's single compute thread
+        self._local.deadline = deadline
+        ids, mask, type_ids = ids.to(self.device), mask.to(self.device), type_ids.to(self.device)
+        finish = ""
         with torch.inference_mode():
-            pooled = served.pool(ids.to(self.device), mask.to(self.device), type_ids.to(self.device), students)
-            values = torch.softmax(served.head(pooled), dim=-1) if output == OUTPUT_PROBS else pooled
+            if student_indices:
+                values, finish = served.member_share(ids, mask, type_ids, student_indices, output == OUTPUT_PROBS)
+            else:
+                pooled = served.pool(ids, mask, type_ids, students)
+                values = torch.softmax(served.head(pooled), dim=-1) if output == OUTPUT_PROBS else pooled
             values_np = values.float().cpu().numpy()
         return BatchResult(
             values=values_np,
@@ -155,5 +195,6 @@ class ModelRunner:
             compute_ms=(time.perf_counter() - start) * 1e3,
             padded_tokens=int(ids.numel()),
             real_tokens=int(mask.sum()),
-            student_count=students,
+            student_count=len(student_indices) or students,
+            finish=finish,
         )

@@ -13,7 +13,16 @@ import grpc
 import torch
 from prometheus_client import Counter
 
-from academus.services.worker.core import OUTPUT_EMBEDDING, OUTPUT_PROBS, ModelRunner
+from academus.services.worker.core import (
+    FINISH_L2,
+    FINISH_SOFTMAX,
+    FINISH_SUM,
+    OUTPUT_EMBEDDING,
+    OUTPUT_PROBS,
+    ModelRunner,
+    device_label,
+)
+from academus.services.worker.profiling import profile_model
 from academus.shared import config as cfg
 from academus.shared.errors import DeadlineExceeded, ServingError, abort_with
 from academus.shared.keys import Keys
@@ -33,12 +42,21 @@ BATCHES = Counter("academus_worker_batches_total", "Batches computed", ["model"]
 EXPIRED = Counter("academus_worker_expired_total", "Batches dropped because their deadline passed first")
 
 
+FINISHES = {"": tensors_pb2.FINISH_NONE, FINISH_SOFTMAX: tensors_pb2.FINISH_SOFTMAX, FINISH_L2: tensors_pb2.FINISH_L2,
+            FINISH_SUM: tensors_pb2.FINISH_SUM}
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, runner: ModelRunner, worker_id: str) -> None:
+    def __init__(self, runner: ModelRunner, worker_id: str, instances: int = 1) -> None:
         self.runner = runner
         self.worker_id = worker_id
-        # One compute thread: the worker runs one batch at a time; the event loop stays free for RPCs.
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self.resize(instances)
+
+    def resize(self, instances: int) -> None:
+        """One compute thread a student instance: that many batches run at once (on a GPU, each in its
+        own thread and CUDA stream; under MPS, separate worker processes share the GPU instead)."""
+        self.instances = max(1, instances)
+        self.executor = ThreadPoolExecutor(max_workers=self.instances, thread_name_prefix="compute")
 
     async def Run(self, request, context: grpc.aio.ServicerContext):
         entered = time.perf_counter()
@@ -50,7 +68,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             result = await asyncio.get_running_loop().run_in_executor(
                 self.executor, self._run, request.model, output, tokens.input_ids, tokens.lengths,
-                tokens.token_type_ids, deadline, request.num_students,
+                tokens.token_type_ids, deadline, request.num_students, list(request.student_indices),
             )
         except ServingError as e:
             await abort_with(context, e)
@@ -66,6 +84,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 compute_ms=result.compute_ms, worker_ms=(time.perf_counter() - entered) * 1e3,
                 padded_tokens=result.padded_tokens, real_tokens=result.real_tokens,
             ),
+            finish=FINISHES[result.finish],
         )
 
 
@@ -83,11 +102,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 class Registration:
     """Registers with the resource manager, keeps the heartbeat key alive, deregisters on stop."""
 
-    def __init__(self, config: cfg.WorkerConfig, runner: ModelRunner, worker_id: str) -> None:
-        self.config, self.runner, self.worker_id = config, runner, worker_id
+    def __init__(self, config: cfg.WorkerConfig, runner: ModelRunner, worker_id: str,
+                 servicer: WorkerServicer) -> None:
+        self.config, self.runner, self.worker_id, self.servicer = config, runner, worker_id, servicer
         self.keys = Keys(config.key_prefix)
         self.redis = connect(config.redis_url)
         self.address = ""
+        self.profile: list[resource_manager_pb2.ProfilePoint] = []
         self._stubs = Stubs(resource_manager_pb2_grpc.ResourceManagerStub)
 
     async def _rm_stub(self) -> resource_manager_pb2_grpc.ResourceManagerStub:
@@ -103,11 +124,26 @@ class Registration:
         self.address = address
         stub = await self._rm_stub()
         models = [resource_manager_pb2.ModelSpec(name=s.name, kind=s.kind, labels=s.labels, dim=s.dim,
-                                                 max_tokens=s.max_tokens) for s in self.runner.specs.values()]
-        await stub.RegisterWorker(resource_manager_pb2.RegisterWorkerRequest(
-            worker_id=self.worker_id, address=address, models=models, device=str(self.runner.device), capacity=1,
+                                                 max_tokens=s.max_tokens, max_students=s.max_students,
+                                                 default_students=s.default_students)
+                  for s in self.runner.specs.values()]
+        if self.config.profile and not self.profile:
+            self.profile = await asyncio.get_running_loop().run_in_executor(None, self._profile)
+        reply = await stub.RegisterWorker(resource_manager_pb2.RegisterWorkerRequest(
+            worker_id=self.worker_id, address=address, models=models, device=device_label(self.runner.device),
+            capacity=self.config.instances, profile=self.profile,
         ), timeout=10, wait_for_ready=True)
-        log_event("registered", worker_id=self.worker_id, address=address, models=list(self.runner.specs))
+        if reply.capacity and reply.capacity != self.servicer.instances:
+            self.servicer.resize(reply.capacity)
+        log_event("registered", worker_id=self.worker_id, address=address, models=list(self.runner.specs),
+                  instances=self.servicer.instances)
+
+    def _profile(self) -> list[resource_manager_pb2.ProfilePoint]:
+        """The start-up grid search's measurements for every student model (the teacher when none)."""
+        models = [n for n, s in self.runner.specs.items() if s.max_students] or list(self.runner.specs)[:1]
+        return [resource_manager_pb2.ProfilePoint(model=m, instances=p.instances, merge=p.merge,
+                                                  throughput=p.throughput, latency_ms=p.latency_ms)
+                for m in models for p in profile_model(self.runner, m)]
 
     async def heartbeat(self) -> None:
         """Refreshes the TTL; re-registers when the key is gone (reaped, or Redis lost its data)."""
@@ -136,8 +172,8 @@ async def build() -> ServiceSpec:
         torch.set_num_threads(config.torch_threads)
     worker_id = config.worker_id or f"worker-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     runner = ModelRunner(Path(config.artifacts), [m for m in config.models.split(",") if m], config.device)
-    servicer = WorkerServicer(runner, worker_id)
-    registration = Registration(config, runner, worker_id)
+    servicer = WorkerServicer(runner, worker_id, config.instances or 1)
+    registration = Registration(config, runner, worker_id, servicer)
     return ServiceSpec(
         name="worker",
         config=config,

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from academus.services.scheduler.core import Dispatcher, Job, WorkerLost
-from academus.services.scheduler.policies import FifoPolicy, PaddedPolicy, make_policy
+from academus.services.scheduler.policies import FifoPolicy, PaddedPolicy, StudentPolicy, make_policy
 from academus.shared.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 
 
@@ -60,7 +60,7 @@ async def test_idle_worker_takes_job_at_once_and_result_returns():
     assert [c[0] for c in fake.calls] == ["w0"]
     fake.calls[0][2].set_result("done")
     assert await task == "done"
-    assert d.load() == {"queued": 0, "idle": 1, "workers": 1}
+    assert d.load() == {"queued": 0, "idle": 1, "groups": 1, "workers": 1, "buffer": 0}
 
 
 async def test_busy_worker_queues_fifo_and_drains_in_order():
@@ -230,3 +230,95 @@ async def test_padded_batches_only_same_key_and_caps_at_max_batch():
 def test_padded_rejects_bad_settings():
     with pytest.raises(ValueError, match="max_batch"):
         make_policy("padded", max_batch=0, max_delay_s=0.01)
+
+
+# -- student groups across workers (eq. 6) and the `student` policy ------------------------------
+
+def student_dispatcher(groups: list[list[tuple[str, tuple[int, ...]]]], capacity: int = 2, students: int = 2):
+    from academus.services.scheduler.core import GroupTable, Member
+
+    clock, fake = Clock(), FakeWorkers()
+    d = Dispatcher(StudentPolicy(max_merge=4), fake.send, 8, 25, clock)
+    workers = sorted({w for g in groups for w, _ in g})
+    table = GroupTable("ss", students, tuple(tuple(Member(w, s) for w, s in g) for g in groups))
+    d.update_workers({w: (f"127.0.0.1:{i}", frozenset({"ss"}), capacity) for i, w in enumerate(workers)},
+                     {"ss": table})
+    return d, clock, fake
+
+
+def ss_job(clock: Clock, length: int = 10) -> Job:
+    return Job(model="ss", payload=length, num_texts=1, num_tokens=length, deadline=clock() + 5,
+               enqueued_at=clock(), batch_key=("ss",), max_length=length)
+
+
+async def test_a_student_group_spans_its_members_and_runs_one_sample_at_once():
+    d, clock, fake = student_dispatcher([[("w0", (0,)), ("w1", (1,))], [("w1", (0,)), ("w0", (1,))]])
+    assert [g.name for g in d.groups] == ["ss/g0", "ss/g1"] and d.policy.capacity == 2
+    task = asyncio.create_task(d.submit(ss_job(clock)))
+    await settle()
+    assert [c[0] for c in fake.calls] == ["w0+w1"] and len(fake.batches[0]) == 1  # the immediate path
+    fake.calls[0][2].set_result("ok")
+    assert await task == "ok"
+
+
+async def test_when_every_group_is_busy_same_bin_samples_merge_in_the_buffer():
+    d, clock, fake = student_dispatcher([[("w0", (0,)), ("w1", (1,))]], capacity=1)
+    tasks = [asyncio.create_task(d.submit(ss_job(clock, n))) for n in (10, 11, 12, 40)]
+    await settle()
+    assert len(fake.calls) == 1  # one group: the first sample runs, the rest wait
+    fake.calls[0][2].set_result("a")
+    await settle()
+    assert [j.payload for j in fake.batches[1]] == [11, 12]  # merged: one bin, one element
+    fake.calls[1][2].set_result("b")
+    await settle()
+    assert [j.payload for j in fake.batches[2]] == [40]
+    fake.calls[2][2].set_result("c")
+    assert await asyncio.gather(*tasks) == ["a", "b", "b", "c"]
+
+
+async def test_a_member_worker_without_free_slots_keeps_the_group_waiting():
+    # both groups need w0; with capacity 1 on w0 only one group can run at a time
+    d, clock, fake = student_dispatcher([[("w0", (0,)), ("w1", (1,))], [("w0", (1,)), ("w2", (0,))]], capacity=1)
+    tasks = [asyncio.create_task(d.submit(ss_job(clock))) for _ in range(2)]
+    await settle()
+    assert len(fake.calls) == 1
+    fake.calls[0][2].set_result("x")
+    await settle()
+    assert len(fake.calls) == 2
+    fake.calls[1][2].set_result("y")
+    assert await asyncio.gather(*tasks) == ["x", "y"]
+
+
+async def test_a_lost_student_instance_retries_the_request_on_another_group():
+    d, clock, fake = student_dispatcher([[("w0", (0, 1))], [("w1", (0, 1))]], capacity=2)
+    busy = asyncio.create_task(d.submit(ss_job(clock)))
+    retried = asyncio.create_task(d.submit(ss_job(clock)))
+    await settle()
+    assert [c[0] for c in fake.calls] == ["w0", "w1"]
+    fake.calls[1][2].set_exception(WorkerLost("gone", "w1"))
+    await settle()
+    assert d.workers["w1"].lost and d.stats.retried == 1
+    fake.calls[0][2].set_result("first")
+    await settle()
+    assert fake.calls[2][0] == "w0"
+    fake.calls[2][2].set_result("second")
+    assert await asyncio.gather(busy, retried) == ["first", "second"]
+
+
+async def test_a_request_that_cannot_meet_its_deadline_is_refused_at_once():
+    d, clock, fake = make_dispatcher({"w0": {"spam"}})
+    d.service_s["spam"] = 0.5  # a batch takes about half a second here
+    with pytest.raises(DeadlineExceeded, match="cannot be met"):
+        await d.submit(make_job(clock, deadline_in=0.2))
+    assert fake.calls == []
+
+
+async def test_model_load_reports_the_adaptation_signals():
+    d, clock, fake = student_dispatcher([[("w0", (0,)), ("w1", (1,))]], capacity=1)
+    tasks = [asyncio.create_task(d.submit(ss_job(clock, n))) for n in (10, 40)]
+    await settle()
+    assert d.model_load()["ss"] == {"groups": 1, "idle": 0, "busy": 1, "students": 2, "buffer": 1}
+    fake.calls[0][2].set_result("a")
+    await settle()
+    fake.calls[1][2].set_result("b")
+    await asyncio.gather(*tasks)

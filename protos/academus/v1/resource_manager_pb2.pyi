@@ -7,38 +7,60 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ModelSpec(_message.Message):
-    __slots__ = ("name", "kind", "labels", "dim", "max_tokens")
+    __slots__ = ("name", "kind", "labels", "dim", "max_tokens", "max_students", "default_students")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STUDENTS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_STUDENTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     labels: _containers.RepeatedScalarFieldContainer[str]
     dim: int
     max_tokens: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., dim: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    max_students: int
+    default_students: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., dim: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_students: _Optional[int] = ..., default_students: _Optional[int] = ...) -> None: ...
+
+class ProfilePoint(_message.Message):
+    __slots__ = ("model", "instances", "merge", "throughput", "latency_ms")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    MERGE_FIELD_NUMBER: _ClassVar[int]
+    THROUGHPUT_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    instances: int
+    merge: int
+    throughput: float
+    latency_ms: float
+    def __init__(self, model: _Optional[str] = ..., instances: _Optional[int] = ..., merge: _Optional[int] = ..., throughput: _Optional[float] = ..., latency_ms: _Optional[float] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("worker_id", "address", "models", "device", "capacity")
+    __slots__ = ("worker_id", "address", "models", "device", "capacity", "profile")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     models: _containers.RepeatedCompositeFieldContainer[ModelSpec]
     device: str
     capacity: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelSpec, _Mapping]]] = ..., device: _Optional[str] = ..., capacity: _Optional[int] = ...) -> None: ...
+    profile: _containers.RepeatedCompositeFieldContainer[ProfilePoint]
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelSpec, _Mapping]]] = ..., device: _Optional[str] = ..., capacity: _Optional[int] = ..., profile: _Optional[_Iterable[_Union[ProfilePoint, _Mapping]]] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
-    __slots__ = ("heartbeat_ttl_s",)
+    __slots__ = ("heartbeat_ttl_s", "capacity")
     HEARTBEAT_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
     heartbeat_ttl_s: int
-    def __init__(self, heartbeat_ttl_s: _Optional[int] = ...) -> None: ...
+    capacity: int
+    def __init__(self, heartbeat_ttl_s: _Optional[int] = ..., capacity: _Optional[int] = ...) -> None: ...
 
 class DeregisterWorkerRequest(_message.Message):
     __slots__ = ("worker_id",)

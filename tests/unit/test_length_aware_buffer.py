@@ -1,0 +1,140 @@
+"""The length-aware buffer (App. B.4.2) and the `student` policy: unit and property-based tests."""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from academus.services.scheduler.buffer import LengthAwareBuffer
+from academus.services.scheduler.core import Job
+from academus.services.scheduler.policies import StudentPolicy, make_policy
+
+_ids = itertools.count()
+
+
+def job(length: int, model: str = "sentiment-students", texts: int = 1) -> Job:
+    return Job(model=model, payload=next(_ids), num_texts=texts, num_tokens=length * texts, deadline=1e9,
+               enqueued_at=0.0, batch_key=(model,), max_length=length)
+
+
+def test_sixteen_bins_of_eight_tokens_up_to_128():
+    buffer = LengthAwareBuffer(max_merge=4, bin_width=8, max_length=128)
+    assert buffer.num_bins == 16
+    assert [buffer.bin_of(n) for n in (1, 8, 9, 16, 17, 128, 500)] == [0, 0, 1, 1, 2, 15, 15]
+
+
+def test_same_bin_merges_up_to_max_merge_then_starts_a_new_element():
+    buffer = LengthAwareBuffer(max_merge=2)
+    assert [buffer.push(job(n)) for n in (10, 12, 14)] == [False, True, False]
+    assert [len(e.jobs) for e in buffer] == [2, 1]
+
+
+def test_other_bins_and_other_models_do_not_merge():
+    buffer = LengthAwareBuffer(max_merge=4)
+    merged = [buffer.push(j) for j in (job(10), job(30), job(11, model="spam-students"))]
+    assert merged == [False, False, False] and len(buffer) == 3
+
+
+def test_a_sample_merges_into_its_bins_tail_even_when_it_is_not_the_queue_tail():
+    buffer = LengthAwareBuffer(max_merge=4)
+    first, other, late = job(10), job(40), job(12)
+    for j in (first, other, late):
+        buffer.push(j)
+    assert [[x.payload for x in e.jobs] for e in buffer] == [[first.payload, late.payload], [other.payload]]
+
+
+def test_pop_takes_the_head_and_drops_its_bin_pointer():
+    buffer = LengthAwareBuffer(max_merge=4)
+    buffer.push(job(10))
+    head = buffer.pop()
+    assert head is not None and not buffer.merges(job(10))
+    assert buffer.push(job(10)) is False  # a new element, not a merge into the dispatched one
+
+
+def test_pop_with_a_filter_takes_the_first_element_the_group_serves():
+    buffer = LengthAwareBuffer()
+    buffer.push(job(10, model="a"))
+    buffer.push(job(10, model="b"))
+    element = buffer.pop(lambda j: j.model == "b")
+    assert element is not None and element.jobs[0].model == "b" and len(buffer) == 1
+
+
+def test_multi_text_requests_count_each_text_towards_max_merge():
+    buffer = LengthAwareBuffer(max_merge=4)
+    buffer.push(job(10, texts=3))
+    assert buffer.push(job(10, texts=2)) is False
+    assert buffer.push(job(10, texts=1)) is True
+
+
+def test_student_policy_buffers_only_up_to_the_group_count_then_queues():
+    policy = StudentPolicy(max_merge=4)
+    policy.resize(2)
+    for n in (10, 30, 50, 70):  # four bins: two buffer elements, two queued
+        policy.push(job(n), 0.0)
+    assert policy.buffer.__len__() == 2 and len(policy) == 4 and policy.depth() == 4
+    first = policy.next_batch(lambda j: True, 0.0)
+    assert [j.max_length for j in first] == [10]
+    assert len(policy.buffer) == 2  # the queue's head moved into the freed buffer place
+
+
+def test_queued_samples_merge_into_a_buffered_element_of_their_bin():
+    policy = StudentPolicy(max_merge=4)
+    policy.resize(1)
+    for n in (10, 11, 12):
+        policy.push(job(n), 0.0)
+    assert [len(e.jobs) for e in policy.buffer] == [3] and policy.merged == 2
+
+
+def test_make_policy_knows_student():
+    assert isinstance(make_policy("student", max_merge=3), StudentPolicy)
+
+
+operations = st.lists(st.one_of(st.tuples(st.just("push"), st.integers(1, 200), st.integers(1, 3)),
+                                st.tuples(st.just("pop"), st.just(0), st.just(0))), max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(operations, st.integers(1, 6))
+def test_buffer_invariants_hold_for_any_operation_sequence(ops, max_merge):
+    buffer = LengthAwareBuffer(max_merge=max_merge)
+    pushed, popped = [], []
+    for op, length, texts in ops:
+        if op == "push":
+            j = job(length, texts=texts)
+            pushed.append(j)
+            buffer.push(j)
+        else:
+            element = buffer.pop()
+            if element is not None:
+                popped += element.jobs
+        elements = list(buffer)
+        # every element is one bin of one batch key, within max_merge (a lone oversized request aside)
+        for e in elements:
+            assert len({(j.batch_key, buffer.bin_of(j.max_length)) for j in e.jobs}) == 1
+            assert e.samples == sum(j.num_texts for j in e.jobs)
+            assert e.samples <= max_merge or len(e.jobs) == 1
+        # a bin's pointer names the newest element of that bin still buffered
+        for key, tail in buffer._tails.items():
+            assert tail in elements and tail is [e for e in elements if e.key == key][-1]
+        assert buffer.samples == sum(e.samples for e in elements)
+    # nothing lost, nothing twice, FIFO by element
+    remaining = list(buffer.jobs())
+    assert sorted(j.payload for j in popped + remaining) == sorted(j.payload for j in pushed)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 200), max_size=40), st.integers(1, 5), st.integers(1, 4))
+def test_student_policy_never_exceeds_its_buffer_capacity_and_loses_nothing(lengths, groups, max_merge):
+    policy = StudentPolicy(max_merge=max_merge)
+    policy.resize(groups)
+    jobs = [job(n) for n in lengths]
+    for j in jobs:
+        policy.push(j, 0.0)
+        assert len(policy.buffer) <= groups
+    out = []
+    while batch := policy.next_batch(lambda j: True, 0.0):
+        assert len(policy.buffer) <= groups
+        out += batch
+    assert sorted(j.payload for j in out) == sorted(j.payload for j in jobs) and len(policy) == 0
