@@ -1,0 +1,3 @@
+from academus.services.plot.server import main
+
+main()

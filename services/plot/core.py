@@ -1,0 +1,36 @@
+"""Plot service core: batch lookups over one PlotStore, with the request limits; no gRPC here."""
+
+from __future__ import annotations
+
+import numpy as np
+from prometheus_client import Counter
+
+from academus.shared.config import PlotConfig
+from academus.shared.plot.store import InvalidTokens, Lookup, PlotStore
+
+WINDOWS = Counter("academus_plot_windows_total", "Trigram windows looked up, by the level that answered",
+                  ["level"])
+
+
+class PlotLookup:
+    """Answers lookups from the version tree loaded at start (the tables are memory-mapped, read-only)."""
+
+    def __init__(self, store: PlotStore, max_tokens: int) -> None:
+        self.store = store
+        self.max_tokens = max_tokens
+
+    @classmethod
+    def open(cls, config: PlotConfig) -> PlotLookup:
+        store = PlotStore.open(config.table_dir, model=config.model, lower_layers=config.lower_layers,
+                               domains=config.domain_list, verify=bool(config.verify))
+        return cls(store, config.max_tokens)
+
+    def lookup(self, ids: np.ndarray, lengths: np.ndarray, domain: str = "") -> Lookup:
+        if len(ids) > self.max_tokens:
+            raise InvalidTokens(f"batch.input_ids holds {len(ids)} tokens; the limit is {self.max_tokens}")
+        if not len(lengths):
+            raise InvalidTokens("batch.lengths is empty: no sequence to look up")
+        result = self.store.lookup(ids, lengths, domain)
+        for level in ("domain", "root", "backoff"):
+            WINDOWS.labels(level).inc(getattr(result.counts, level))
+        return result

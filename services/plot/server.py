@@ -1,0 +1,57 @@
+"""gRPC edge of the plot service: LookupRequest -> PlotLookup -> packed fp16 states."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from academus.services.plot.core import PlotLookup
+from academus.shared import config as cfg
+from academus.shared.logs import log_event
+from academus.shared.plot.store import InvalidTokens, UnknownDomain
+from academus.shared.plot.wire import lookup_to_pb, request_from_pb
+from academus.shared.serving import ServiceSpec, run
+from academus.v1 import plot_pb2, plot_pb2_grpc
+
+STATUS = {InvalidTokens: grpc.StatusCode.INVALID_ARGUMENT, UnknownDomain: grpc.StatusCode.NOT_FOUND}
+
+
+class PlotServicer(plot_pb2_grpc.PlotServicer):
+    def __init__(self, core: PlotLookup) -> None:
+        self.core = core
+
+    async def Lookup(self, request, context):
+        ids, lengths, domain = request_from_pb(request)
+        try:
+            # numpy gathers release the GIL: a big batch must not stall the event loop's other RPCs
+            result = await asyncio.to_thread(self.core.lookup, ids, lengths, domain)
+        except (InvalidTokens, UnknownDomain) as e:
+            await context.abort(STATUS[type(e)], str(e))
+        store = self.core.store
+        return lookup_to_pb(result, store.model, store.lower_layers)
+
+    async def Info(self, request, context):
+        store = self.core.store
+        return plot_pb2.InfoResponse(model=store.model, lower_layers=store.lower_layers, hidden=store.hidden,
+                                     domains=sorted(store.domains), root_entries=len(store.root.tables["trigram"]))
+
+
+async def build() -> ServiceSpec:
+    config = cfg.load(cfg.PlotConfig)
+    core = PlotLookup.open(config)
+    log_event("plot_loaded", **core.store.info())
+    return ServiceSpec(
+        name="plot",
+        config=config,
+        add_servicers=lambda s: plot_pb2_grpc.add_PlotServicer_to_server(PlotServicer(core), s),
+        service_names=["academus.v1.Plot"],
+    )
+
+
+def main() -> None:
+    run(build)
+
+
+if __name__ == "__main__":
+    main()

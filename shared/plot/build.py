@@ -1,0 +1,293 @@
+"""`academus plot build`: run the teacher's lower K layers on every n-gram of a corpus into a PLOT table.
+
+Framing. A fragment is run as the shortest input the model was trained on that contains it:
+[CLS] is put in front unless the fragment starts with [CLS], [SEP] behind unless it ends with [SEP],
+and the fragment's own tokens are stored (positions 1..n, or 0..n-1 for a leading [CLS]). Served
+token ids are always [CLS] ... [SEP] framed by the tokenizer, so the first and last windows of a
+text are run exactly where they sit in the text, a text of one word-piece ([CLS] w [SEP]) is run
+exactly as the full model runs it (the table is exact there), and the attention of every inner
+fragment still has the [CLS] / [SEP] tokens that BERT's heads lean on (a bare three-token input,
+never seen in pre-training, gives states further from the in-context ones). The framing tokens'
+own states are dropped: they belong to the fragment's context, not to the text.
+
+Root version: every distinct trigram of the corpus (or the `--max-entries` most frequent), every
+distinct bigram, and unigrams for the whole vocabulary (`--unigrams vocab`, the default: no valid id
+is ever out of the table) or only the corpus' tokens plus the specials (`corpus`, for small tests).
+Domain overlay (`--domain D`, HMI §5.1): the top `--top-percent` of the domain corpus' distinct
+trigrams by frequency; ties are broken by key so a rebuild gives the same table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+from tqdm import tqdm
+
+from academus.shared.config import artifacts_dir
+from academus.shared.data import TASKS, DataMissing, data_dir, load_task
+from academus.shared.model import TEACHER_NAME, TeacherEncoder, teacher_dir
+from academus.shared.plot.layers import SplitBert
+from academus.shared.plot.ngrams import pack, unpack, window_starts, windows
+from academus.shared.plot.store import DOMAINS_DIR
+from academus.shared.plot.table import GRAMS, ROOT, PlotError, PlotManifest, VersionWriter, read_manifest
+from academus.shared.tokenization import TeacherTokenizer
+
+MODELS = {"minilm": TEACHER_NAME}   # served name -> teacher checkpoint whose lower layers are tabled
+GENERAL_CORPORA = ("general", "sotu", "wordnet")
+MAX_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class Specials:
+    cls: int
+    sep: int
+    unk: int
+    pad: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {"cls": self.cls, "sep": self.sep, "unk": self.unk, "pad": self.pad}
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    ids: np.ndarray                # every text's [CLS] ... [SEP] ids, back to back
+    lengths: np.ndarray
+    vocab_size: int
+    specials: Specials
+
+
+def default_out(model: str, lower_layers: int) -> Path:
+    return artifacts_dir() / "plot" / f"{model}-k{lower_layers}"
+
+
+def corpus_texts(spec: str, data: Path | None = None, limit: int | None = None) -> list[str]:
+    """A text file (one text a line; .jsonl: its "text" fields), a task's train split, or general English."""
+    path = Path(spec)
+    if path.is_file():
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        texts = [json.loads(line)["text"] for line in lines] if path.suffix == ".jsonl" else lines
+    elif spec in TASKS:
+        texts = [e.text for e in load_task(spec, data).train]
+    elif spec in GENERAL_CORPORA:
+        texts = _general(spec, Path(data or data_dir()))
+    else:
+        raise PlotError(f"--corpus {spec!r} is neither a file nor one of {', '.join((*TASKS, *GENERAL_CORPORA))}")
+    return texts[:limit] if limit else texts
+
+
+def _general(spec: str, directory: Path) -> list[str]:
+    from academus.shared.training.corpus import fetch_general, sotu_sentences, wordnet_texts
+
+    sotu_pkg, wordnet_pkg = fetch_general(directory)
+    sotu = sotu_sentences(sotu_pkg) if spec != "wordnet" else []
+    wordnet = wordnet_texts(wordnet_pkg) if spec != "sotu" else []
+    return sotu + wordnet
+
+
+def tokenize(texts: list[str], chunk: int = 2048) -> Tokenized:
+    tokenizer = TeacherTokenizer(teacher_dir(), max_tokens=MAX_TOKENS)
+    ids: list[int] = []
+    lengths: list[int] = []
+    for start in tqdm(range(0, len(texts), chunk), desc="tokenizing", unit="chunk", file=sys.stderr, leave=False):
+        for encoded in tokenizer.encode(texts[start:start + chunk]):
+            ids.extend(encoded.input_ids)
+            lengths.append(len(encoded.input_ids))
+    vocab = Tokenizer.from_file(str(teacher_dir() / "tokenizer.json"))
+    specials = Specials(*(vocab.token_to_id(t) for t in ("[CLS]", "[SEP]", "[UNK]", "[PAD]")))
+    return Tokenized(np.asarray(ids, np.int64), np.asarray(lengths, np.int64), vocab.get_vocab_size(), specials)
+
+
+def count_ngrams(tokens: Tokenized, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted distinct keys of the corpus' n-grams and how often each occurs."""
+    keys = pack(windows(tokens.ids, window_starts(tokens.lengths, n), n))
+    return np.unique(keys, return_counts=True)
+
+
+def most_frequent(keys: np.ndarray, counts: np.ndarray, keep: int) -> tuple[np.ndarray, float]:
+    """The `keep` most frequent keys (sorted again for the index) and the share of occurrences they cover."""
+    order = np.lexsort((keys, -counts))[:keep]
+    coverage = float(counts[order].sum() / max(int(counts.sum()), 1))
+    return np.sort(keys[order]), coverage
+
+
+def encode_ngrams(layers: SplitBert, grams: np.ndarray, specials: Specials, out: np.ndarray,
+                  batch_size: int = 256, desc: str = "") -> None:
+    """Fills `out[i]` (n, hidden) with the layer-K states of fragment `grams[i]`, framed as documented above."""
+    n = grams.shape[1]
+    need_cls, need_sep = grams[:, 0] != specials.cls, grams[:, -1] != specials.sep
+    groups = [np.flatnonzero((need_cls == c) & (need_sep == s)) for c in (False, True) for s in (False, True)]
+    with tqdm(total=len(grams), desc=desc, unit="gram", file=sys.stderr, leave=False) as bar:
+        for rows in groups:
+            if not len(rows):
+                continue
+            front, back = bool(need_cls[rows[0]]), bool(need_sep[rows[0]])
+            for start in range(0, len(rows), batch_size):
+                batch = rows[start:start + batch_size]
+                framed = _frame(grams[batch], specials, front, back)
+                states = layers.lower(torch.from_numpy(framed))[:, int(front):int(front) + n]
+                out[batch] = states.to(torch.float16).numpy()
+                bar.update(len(batch))
+
+
+def _frame(grams: np.ndarray, specials: Specials, front: bool, back: bool) -> np.ndarray:
+    columns = [np.full((len(grams), 1), specials.cls)] if front else []
+    columns.append(grams)
+    if back:
+        columns.append(np.full((len(grams), 1), specials.sep))
+    return np.concatenate(columns, axis=1).astype(np.int64)
+
+
+def unigram_keys(tokens: Tokenized, mode: str) -> np.ndarray:
+    if mode == "vocab":
+        return np.arange(tokens.vocab_size, dtype=np.uint64)
+    if mode != "corpus":
+        raise PlotError(f"--unigrams {mode!r} must be 'vocab' or 'corpus'")
+    specials = np.asarray(list(tokens.specials.as_dict().values()), np.int64)
+    return np.unique(np.concatenate([tokens.ids, specials])).astype(np.uint64)
+
+
+def _write_table(writer: VersionWriter, name: str, keys: np.ndarray, layers: SplitBert,
+                 tokens: Tokenized, batch_size: int) -> None:
+    states = writer.table(name, keys, layers.hidden)
+    encode_ngrams(layers, unpack(keys, GRAMS[name]), tokens.specials, states, batch_size, desc=name)
+    states.flush()
+    del states
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    model: str = "minilm"
+    lower_layers: int = 3
+    domain: str = ""               # empty: the root version
+    top_percent: float = 10.0      # overlays only
+    max_entries: int = 0           # root trigrams; 0: all
+    unigrams: str = "vocab"
+    batch_size: int = 256
+
+
+def build(texts: list[str], out: Path, options: BuildOptions, layers: SplitBert | None = None,
+          corpus: dict | None = None) -> dict:
+    """Builds the root version (or a domain overlay) under `out`; returns the JSON summary."""
+    started = time.perf_counter()
+    if options.model not in MODELS:
+        raise PlotError(f"--model {options.model!r} is not one of {sorted(MODELS)}")
+    if options.domain:
+        _check_root_for_overlay(Path(out), options)
+    layers = layers or SplitBert(TeacherEncoder.load().bert, options.lower_layers)
+    if layers.lower_layers != options.lower_layers:
+        raise PlotError(f"the encoder runs {layers.lower_layers} lower layers, the options say {options.lower_layers}")
+    tokens = tokenize(texts)
+    target = Path(out) / (DOMAINS_DIR + "/" + options.domain if options.domain else ROOT)
+    writer = VersionWriter(target)
+    try:
+        coverage = _fill(writer, tokens, layers, options)
+        manifest = writer.publish(
+            model=options.model, teacher=MODELS[options.model], lower_layers=options.lower_layers,
+            hidden=layers.hidden, vocab_size=tokens.vocab_size, special_ids=tokens.specials.as_dict(),
+            version=options.domain or ROOT, created=datetime.now(UTC).isoformat(timespec="seconds"),
+            build_s=round(time.perf_counter() - started, 2),
+            top_percent=options.top_percent if options.domain else 100.0,
+            corpus={**(corpus or {}), "texts": len(texts), "tokens": len(tokens.ids)},
+        )
+    except BaseException:
+        writer.discard()
+        raise
+    return _summary(target, manifest, coverage)
+
+
+def _fill(writer: VersionWriter, tokens: Tokenized, layers: SplitBert, options: BuildOptions) -> float:
+    """Writes the version's tables; returns the share of the corpus' trigram occurrences they hold."""
+    keys, counts = count_ngrams(tokens, 3)
+    top_share = math.ceil(len(keys) * options.top_percent / 100)
+    keep = top_share if options.domain else options.max_entries or len(keys)
+    trigrams, coverage = most_frequent(keys, counts, min(keep, len(keys)))
+    _write_table(writer, "trigram", trigrams, layers, tokens, options.batch_size)
+    if not options.domain:
+        _write_table(writer, "bigram", count_ngrams(tokens, 2)[0], layers, tokens, options.batch_size)
+        _write_table(writer, "unigram", unigram_keys(tokens, options.unigrams), layers, tokens, options.batch_size)
+    return coverage
+
+
+def _check_root_for_overlay(out: Path, options: BuildOptions) -> None:
+    root = read_manifest(out / ROOT)
+    if (root.model, root.lower_layers) != (options.model, options.lower_layers):
+        raise PlotError(f"the root at {out / ROOT} is {root.model} K={root.lower_layers}; an overlay for "
+                        f"{options.model} K={options.lower_layers} cannot extend it")
+
+
+def _summary(target: Path, manifest: PlotManifest, coverage: float) -> dict:
+    size = sum((target / name).stat().st_size for name in manifest.files)
+    return {"version": manifest.version, "out": str(target), "model": manifest.model,
+            "lower_layers": manifest.lower_layers, "entries": manifest.counts, "bytes": size,
+            "build_s": manifest.build_s, "trigram_coverage": round(coverage, 4), **manifest.corpus}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="academus plot", description="PLOT tables: precomputed lower-layer states")
+    sub = p.add_subparsers(dest="action", required=True)
+    b = sub.add_parser("build", help="build the root table or a domain overlay")
+    b.add_argument("--model", default="minilm", choices=sorted(MODELS))
+    b.add_argument("--lower-layers", type=int, default=3, help="K: layers replaced by the table (default 3 of 6)")
+    b.add_argument("--corpus", required=True, help="a text file (one text a line, or .jsonl), "
+                   f"a task ({', '.join(TASKS)}: its train split) or {', '.join(GENERAL_CORPORA)}")
+    b.add_argument("--limit", type=int, default=0, help="use only the first N texts")
+    b.add_argument("--domain", default="", help="build this domain's overlay instead of the root")
+    b.add_argument("--top-percent", type=float, default=10.0, help="overlay: share of distinct trigrams kept")
+    b.add_argument("--max-entries", type=int, default=0, help="root: keep the N most frequent trigrams (0: all)")
+    b.add_argument("--unigrams", choices=["vocab", "corpus"], default="vocab")
+    b.add_argument("--batch-size", type=int, default=256)
+    b.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
+    b.add_argument("--data", type=Path, default=None, help="data directory (ACADEMUS_DATA_DIR)")
+    b.add_argument("--out", type=Path, default=None, help="table directory (default artifacts/plot/<model>-k<K>)")
+    i = sub.add_parser("info", help="print the manifests of a table directory")
+    i.add_argument("--out", type=Path, required=True)
+    return p
+
+
+def _options(args: argparse.Namespace) -> BuildOptions:
+    if not 0 < args.top_percent <= 100:
+        raise PlotError(f"--top-percent {args.top_percent} must be in (0, 100]")
+    return BuildOptions(args.model, args.lower_layers, args.domain, args.top_percent, args.max_entries,
+                        args.unigrams, args.batch_size)
+
+
+def _info(out: Path) -> dict:
+    from academus.shared.plot.store import available_domains
+
+    versions = [out / ROOT, *(out / DOMAINS_DIR / d for d in available_domains(out))]
+    return {str(v.relative_to(out)): json.loads(read_manifest(v).to_json()) for v in versions}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Progress bars on stderr; the JSON summary is the last line of stdout."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = _parser().parse_args(argv)
+    try:
+        if args.action == "info":
+            summary = _info(args.out)
+        else:
+            torch.set_num_threads(args.threads or os.cpu_count() or 1)
+            options = _options(args)
+            texts = corpus_texts(args.corpus, args.data, args.limit or None)
+            out = args.out or default_out(options.model, options.lower_layers)
+            summary = build(texts, out, options, corpus={"source": args.corpus})
+    except (PlotError, DataMissing, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,70 @@
+"""`minilm-plot`: the hierarchical model of HMI §3.3 — PLOT lookups for layers 1..K, the teacher's
+own layers K+1..N on the looked-up states, then mean pooling and L2 normalisation (+ an optional head).
+
+Use it in-process (`HierarchicalEncoder(store, teacher).pool(input_ids, domain)`) or over the plot
+service (`.pool_states(states, lengths)` with the states a Lookup RPC returned).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from academus.shared.model import TeacherEncoder, mean_pool
+from academus.shared.plot.layers import SplitBert
+from academus.shared.plot.store import PlotStore
+from academus.shared.plot.table import TableError
+
+
+class HierarchicalEncoder:
+    """Upper layers of the teacher over PLOT states; `pool` gives the sentence embedding."""
+
+    def __init__(self, store: PlotStore, teacher: TeacherEncoder, head: nn.Module | None = None) -> None:
+        hidden = int(teacher.bert.config.hidden_size)
+        if store.hidden != hidden:
+            raise TableError(f"the PLOT table holds {store.hidden}-wide states; the model is {hidden} wide")
+        self.store = store
+        self.split = SplitBert(teacher.bert, store.lower_layers)
+        self.head = head
+        self.device = next(teacher.parameters()).device
+
+    @property
+    def lower_layers(self) -> int:
+        return self.store.lower_layers
+
+    def pool(self, input_ids: Sequence[Sequence[int]], domain: str = "") -> torch.Tensor:
+        """(B, hidden) L2-normalised embeddings of [CLS] ... [SEP] framed token id lists."""
+        lengths = np.fromiter((len(s) for s in input_ids), dtype=np.int64, count=len(input_ids))
+        flat = np.fromiter((t for s in input_ids for t in s), dtype=np.int64, count=int(lengths.sum()))
+        lookup = self.store.lookup(flat, lengths, domain)
+        return self.pool_states(lookup.states, lookup.lengths)
+
+    def logits(self, input_ids: Sequence[Sequence[int]], domain: str = "") -> torch.Tensor:
+        if self.head is None:
+            raise ValueError("this hierarchical encoder has no head")
+        with torch.inference_mode():
+            return self.head(self.pool(input_ids, domain))
+
+    @torch.inference_mode()
+    def pool_states(self, states: np.ndarray, lengths: np.ndarray) -> torch.Tensor:
+        """Layer-K states of sequences back to back -> pooled, L2-normalised embeddings."""
+        hidden, mask = pad_states(states, lengths, self.device)
+        upper = self.split.run_upper(hidden, mask)
+        return nn.functional.normalize(mean_pool(upper, mask), p=2, dim=1)
+
+
+def pad_states(states: np.ndarray, lengths: np.ndarray, device: torch.device | str = "cpu"
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, hidden) flat states -> (B, longest, hidden) right-padded, and the (B, longest) attention mask."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    rows = np.repeat(np.arange(len(lengths)), lengths)
+    cols = np.arange(len(rows)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    longest = int(lengths.max()) if len(lengths) else 0
+    padded = torch.zeros(len(lengths), longest, states.shape[1], dtype=torch.float32)
+    mask = torch.zeros(len(lengths), longest, dtype=torch.long)
+    padded[rows, cols] = torch.as_tensor(np.asarray(states, dtype=np.float32))
+    mask[rows, cols] = 1
+    return padded.to(device), mask.to(device)

@@ -1,0 +1,216 @@
+"""The PLOT version tree and its batch lookup (HMI §3.3.1 eq. 2, §5.1 eq. 3).
+
+Lookup order for a trigram window: the domain overlay, then the root table; a window found in
+neither is rebuilt slot by slot from the root's bigrams (x_a, x_b) and (x_b, x_c), and a slot no
+bigram covers takes its token's unigram state. A token without even a unigram entry (a table built
+with corpus-only unigrams) is given the state of [UNK], as the tokenizer does for an unknown word.
+
+Aggregation (eq. 2, "a normalized sum of overlapping token representations"): every token's
+layer-K state is the sum of its states in all windows that contain it, divided by the number of
+those windows (1 at a sequence's first and last token, 2 next to them, 3 inside). The divisor keeps
+the scale of a single window's states, which the upper layers were trained on (they follow a
+LayerNorm), and makes the lookup exact for a sequence of up to three tokens: one window, one term.
+Sequences shorter than a trigram are one window of their own length (bigram or unigram).
+Everything is vectorized over the batch: one searchsorted per table, one gather per level.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from academus.shared.plot.ngrams import pack, window_starts, windows
+from academus.shared.plot.table import ROOT, PlotError, PlotVersion, TableError, check_compatible, load_version
+
+DOMAINS_DIR = "domains"
+
+
+class InvalidTokens(PlotError):
+    """Token ids or lengths that do not describe sequences of the table's vocabulary."""
+
+
+class UnknownDomain(PlotError):
+    """No overlay is loaded for the requested domain."""
+
+
+@dataclass
+class LookupCounts:
+    """Where the windows of one lookup came from (for metrics and the response)."""
+
+    domain: int = 0                # trigram windows found in the domain overlay
+    root: int = 0                  # ... in the root table
+    backoff: int = 0               # trigram windows rebuilt from bigrams / unigrams
+    short: int = 0                 # sequences under three tokens (one bigram or unigram window)
+    unknown_tokens: int = 0        # tokens with no unigram entry, given [UNK]'s state
+
+
+@dataclass
+class Lookup:
+    states: np.ndarray             # (total tokens, hidden) float32, sequences back to back
+    lengths: np.ndarray            # (sequences,) int64
+    counts: LookupCounts = field(default_factory=LookupCounts)
+
+
+class PlotStore:
+    """A root version and its domain overlays, checked against each other when opened."""
+
+    def __init__(self, root: PlotVersion, domains: dict[str, PlotVersion] | None = None) -> None:
+        self.root = root
+        self.domains = dict(domains or {})
+        for name, overlay in self.domains.items():
+            self._check_overlay(name, overlay)
+        self._unk = self._unk_row()
+
+    @classmethod
+    def open(cls, directory: Path, *, model: str | None = None, lower_layers: int | None = None,
+             domains: Iterable[str] | None = None, verify: bool = True) -> PlotStore:
+        """`directory/root` plus `directory/domains/<name>` (all overlays found when `domains` is None)."""
+        directory = Path(directory)
+        root = load_version(directory / ROOT, model=model, lower_layers=lower_layers, verify=verify)
+        names = available_domains(directory) if domains is None else list(domains)
+        overlays = {name: load_version(directory / DOMAINS_DIR / name, model=root.manifest.model,
+                                       lower_layers=root.manifest.lower_layers, verify=verify) for name in names}
+        return cls(root, overlays)
+
+    @property
+    def hidden(self) -> int:
+        return self.root.manifest.hidden
+
+    @property
+    def lower_layers(self) -> int:
+        return self.root.manifest.lower_layers
+
+    @property
+    def model(self) -> str:
+        return self.root.manifest.model
+
+    def _check_overlay(self, name: str, overlay: PlotVersion) -> None:
+        root, m = self.root.manifest, overlay.manifest
+        check_compatible(m, f"overlay {name!r}", root.model, root.lower_layers)
+        if (m.hidden, m.vocab_size) != (root.hidden, root.vocab_size):
+            raise TableError(f"overlay {name!r} (hidden {m.hidden}, vocab {m.vocab_size}) does not match the "
+                             f"root (hidden {root.hidden}, vocab {root.vocab_size})")
+        if "trigram" not in overlay.tables:
+            raise TableError(f"overlay {name!r} holds no trigram table")
+
+    def _unk_row(self) -> int:
+        missing = [name for name in ("trigram", "bigram", "unigram") if name not in self.root.tables]
+        if missing:
+            raise TableError(f"root table at {self.root.path} lacks the {', '.join(missing)} table(s)")
+        unk = self.root.manifest.special_ids["unk"]
+        row = int(self.root.tables["unigram"].find(pack(np.array([[unk]])))[0])
+        if row < 0:
+            raise TableError(f"root table at {self.root.path} has no unigram entry for [UNK] ({unk})")
+        return row
+
+    def lookup(self, ids: np.ndarray, lengths: np.ndarray, domain: str = "") -> Lookup:
+        """Aggregated layer-K states of sequences given back to back as `ids` with `lengths`."""
+        ids, lengths = self._checked(ids, lengths)
+        overlay = self._overlay(domain)
+        total = np.zeros((len(ids), self.hidden), dtype=np.float32)
+        terms = np.zeros(len(ids), dtype=np.int64)
+        counts = LookupCounts(short=int((lengths < 3).sum()))
+        for n, only in ((3, lengths >= 3), (2, lengths == 2), (1, lengths == 1)):
+            starts = window_starts(lengths, n, only)
+            if not len(starts):
+                continue
+            grams = windows(ids, starts, n)
+            states = self._trigrams(grams, overlay, counts) if n == 3 else self._short(grams)
+            for j in range(n):             # starts are distinct, so starts + j has no repeats
+                total[starts + j] += states[:, j]
+                terms[starts + j] += 1
+        counts.unknown_tokens = int((self.root.tables["unigram"].find(pack(ids[:, None])) < 0).sum())
+        return Lookup(total / terms[:, None], lengths, counts)
+
+    def _checked(self, ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        ids, lengths = np.asarray(ids, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+        if ids.ndim != 1 or lengths.ndim != 1:
+            raise InvalidTokens("input_ids and lengths must be flat lists")
+        if len(lengths) and lengths.min() < 1:
+            raise InvalidTokens(f"lengths[{int(np.argmin(lengths))}] is {int(lengths.min())}; every sequence "
+                                f"needs at least one token")
+        if int(lengths.sum()) != len(ids):
+            raise InvalidTokens(f"lengths sum to {int(lengths.sum())} but {len(ids)} input_ids were given")
+        vocab = self.root.manifest.vocab_size
+        bad = np.flatnonzero((ids < 0) | (ids >= vocab))
+        if len(bad):
+            first = int(bad[0])
+            raise InvalidTokens(f"input_ids[{first}]={int(ids[first])} is outside the vocabulary (0..{vocab - 1})")
+        return ids, lengths
+
+    def _overlay(self, domain: str) -> PlotVersion | None:
+        if not domain:
+            return None
+        if domain not in self.domains:
+            raise UnknownDomain(f"no PLOT overlay for domain {domain!r} (loaded: {sorted(self.domains) or 'none'})")
+        return self.domains[domain]
+
+    def _trigrams(self, grams: np.ndarray, overlay: PlotVersion | None, counts: LookupCounts) -> np.ndarray:
+        """(W, 3, hidden): domain -> root -> bigram/unigram back-off, each level asked only for the rest."""
+        keys = pack(grams)
+        out = np.empty((len(grams), 3, self.hidden), dtype=np.float32)
+        todo = np.arange(len(grams))
+        for version, level in ((overlay, "domain"), (self.root, "root")):
+            if version is None or not len(todo):
+                continue
+            table = version.tables["trigram"]
+            rows = table.find(keys[todo])
+            hit = rows >= 0
+            out[todo[hit]] = table.gather(rows[hit])
+            setattr(counts, level, getattr(counts, level) + int(hit.sum()))
+            todo = todo[~hit]
+        if len(todo):
+            out[todo] = self._backoff(grams[todo])
+            counts.backoff += len(todo)
+        return out
+
+    def _backoff(self, grams: np.ndarray) -> np.ndarray:
+        """Missing trigrams (a, b, c): slots from bigrams (a, b) and (b, c), else from unigrams."""
+        out = self._unigrams(grams)
+        left, right = self._bigram_states(grams[:, :2]), self._bigram_states(grams[:, 1:])
+        (lhit, lstates), (rhit, rstates) = left, right
+        out[rhit, 1] = rstates[rhit, 0]
+        out[rhit, 2] = rstates[rhit, 1]
+        out[lhit, 0] = lstates[lhit, 0]
+        out[lhit, 1] = lstates[lhit, 1]        # the left bigram's b wins: it saw a, as the trigram does first
+        return out
+
+    def _short(self, grams: np.ndarray) -> np.ndarray:
+        """A whole sequence of one or two tokens: its bigram, else its unigrams."""
+        out = self._unigrams(grams)
+        if grams.shape[1] == 2:
+            hit, states = self._bigram_states(grams)
+            out[hit] = states[hit]
+        return out
+
+    def _bigram_states(self, pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        table = self.root.tables["bigram"]
+        rows = table.find(pack(pairs))
+        hit = rows >= 0
+        states = np.zeros((len(pairs), 2, self.hidden), dtype=np.float32)
+        states[hit] = table.gather(rows[hit])
+        return hit, states
+
+    def _unigrams(self, grams: np.ndarray) -> np.ndarray:
+        """(W, n, hidden) from each token's unigram entry ([UNK]'s when it has none)."""
+        table = self.root.tables["unigram"]
+        rows = table.find(pack(grams.reshape(-1, 1)))
+        rows = np.where(rows >= 0, rows, self._unk)
+        return table.gather(rows)[:, 0].reshape(*grams.shape, self.hidden)
+
+    def info(self) -> dict[str, object]:
+        def version(v: PlotVersion) -> dict[str, object]:
+            return {"counts": v.manifest.counts, "bytes": v.nbytes, "top_percent": v.manifest.top_percent}
+
+        return {"model": self.model, "lower_layers": self.lower_layers, "hidden": self.hidden,
+                "root": version(self.root), "domains": {n: version(v) for n, v in sorted(self.domains.items())}}
+
+
+def available_domains(directory: Path) -> list[str]:
+    base = Path(directory) / DOMAINS_DIR
+    if not base.is_dir():
+        return []
+    return sorted(p.name for p in base.iterdir() if p.is_dir() and not p.name.startswith("."))

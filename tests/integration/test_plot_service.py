@@ -1,0 +1,137 @@
+"""The plot service's real build() on an in-process grpc.aio server (port 0) over a table the real
+teacher built: the wire returns the core's states, errors map to their status codes."""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from academus.services.plot.core import PlotLookup
+from academus.shared.model import TeacherEncoder, teacher_dir
+from academus.shared.plot import PlotStore, TableError
+from academus.shared.plot.build import BuildOptions, build
+from academus.shared.plot.hierarchical import HierarchicalEncoder
+from academus.shared.plot.layers import SplitBert
+from academus.shared.plot.wire import WIRE_DTYPE, lookup_from_pb, request_to_pb
+from academus.shared.serving import CHANNEL_OPTIONS, RunningService
+from academus.shared.tokenization import TeacherTokenizer
+from academus.v1 import plot_pb2, plot_pb2_grpc
+
+pytestmark = pytest.mark.integration
+K = 2
+ROOT = ["the cat sat on the mat", "hello", "a red apple fell from the tree", "markets fell sharply today"]
+DOMAIN = ["win a free cruise now", "win a free prize", "the cat sat on the mat"]
+TEXTS = ["the cat sat on the mat", "win a free cruise today", "hello", "zebra"]
+
+
+@contextmanager
+def env(**values: str):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def teacher() -> TeacherEncoder:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield TeacherEncoder.load()
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def table_dir(tmp_path_factory, teacher) -> Path:
+    out = tmp_path_factory.mktemp("plot-service")
+    layers = SplitBert(teacher.bert, K)
+    build(ROOT, out, BuildOptions(lower_layers=K, unigrams="corpus"), layers=layers)
+    build(DOMAIN, out, BuildOptions(lower_layers=K, domain="spam", top_percent=50), layers=layers)
+    return out
+
+
+def settings(table_dir: Path, **extra: str) -> dict[str, str]:
+    return {"ACADEMUS_PLOT_DIR": str(table_dir), "ACADEMUS_LOWER_LAYERS": str(K), "ACADEMUS_PORT": "0",
+            "ACADEMUS_METRICS_PORT": "-1", "ACADEMUS_MAX_TOKENS": "64", "ACADEMUS_GRACE_S": "1", **extra}
+
+
+@pytest.fixture(scope="module")
+async def plot_service(table_dir):
+    from academus.services.plot.server import build as plot_build
+
+    with env(**settings(table_dir)):
+        service = RunningService(await plot_build())
+        await service.start()
+    yield service.address
+    await service.stop()
+
+
+@pytest.fixture(scope="module")
+async def stub(plot_service):
+    async with grpc.aio.insecure_channel(plot_service, options=CHANNEL_OPTIONS) as channel:
+        yield plot_pb2_grpc.PlotStub(channel)
+
+
+@pytest.fixture(scope="module")
+def batch() -> tuple[np.ndarray, np.ndarray]:
+    seqs = [e.input_ids for e in TeacherTokenizer(teacher_dir()).encode(TEXTS)]
+    return np.concatenate(seqs), np.array([len(s) for s in seqs])
+
+
+@pytest.mark.parametrize("domain", ["", "spam"])
+async def test_lookup_over_grpc_equals_the_core(stub, table_dir, batch, domain):
+    ids, lengths = batch
+    response = await stub.Lookup(request_to_pb(ids, lengths, domain), timeout=10)
+    core = PlotLookup(PlotStore.open(table_dir, lower_layers=K), max_tokens=64).lookup(ids, lengths, domain)
+    assert (response.hidden, response.lower_layers, response.model, response.dtype) == (384, K, "minilm", "float16")
+    assert response.states == core.states.astype(WIRE_DTYPE).tobytes()
+    received = lookup_from_pb(response)
+    np.testing.assert_array_equal(received.lengths, lengths)
+    assert received.counts == core.counts
+    assert (received.counts.domain > 0) == bool(domain)
+
+
+async def test_hierarchical_over_the_wire_matches_in_process(stub, table_dir, teacher, batch):
+    ids, lengths = batch
+    encoder = HierarchicalEncoder(PlotStore.open(table_dir, lower_layers=K), teacher)
+    received = lookup_from_pb(await stub.Lookup(request_to_pb(ids, lengths, "spam"), timeout=10))
+    seqs = np.split(ids, np.cumsum(lengths)[:-1])
+    torch.testing.assert_close(encoder.pool_states(received.states, received.lengths),
+                               encoder.pool([s.tolist() for s in seqs], "spam"), rtol=0, atol=2e-3)
+
+
+async def test_info_names_the_table(stub):
+    info = await stub.Info(plot_pb2.InfoRequest(), timeout=5)
+    assert (info.model, info.lower_layers, info.hidden, list(info.domains)) == ("minilm", K, 384, ["spam"])
+    assert info.root_entries > 0
+
+
+@pytest.mark.parametrize(("ids", "lengths", "domain", "code", "message"), [
+    ([101, 30522, 102], [3], "", grpc.StatusCode.INVALID_ARGUMENT, "outside the vocabulary"),
+    ([101, 102], [3], "", grpc.StatusCode.INVALID_ARGUMENT, "lengths sum"),
+    ([101] * 65, [65], "", grpc.StatusCode.INVALID_ARGUMENT, "limit is 64"),
+    ([], [], "", grpc.StatusCode.INVALID_ARGUMENT, "no sequence"),
+    ([101, 102], [2], "legal", grpc.StatusCode.NOT_FOUND, "legal"),
+])
+async def test_bad_requests_get_their_status(stub, ids, lengths, domain, code, message):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Lookup(request_to_pb(np.array(ids, np.int64), np.array(lengths, np.int64), domain), timeout=5)
+    assert err.value.code() == code and message in err.value.details()
+
+
+async def test_service_refuses_a_table_of_another_k(table_dir):
+    from academus.services.plot.server import build as plot_build
+
+    with env(**settings(table_dir, ACADEMUS_LOWER_LAYERS="3")), pytest.raises(TableError, match="not layer-3"):
+        await plot_build()

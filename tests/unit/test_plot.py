@@ -1,0 +1,336 @@
+"""PLOT tables with the real teacher on a tiny corpus: exactness, fallback order, index, integrity.
+
+Expected states are computed by running the teacher's lower layers on the framed fragments directly
+(SplitBert.lower), never read back through the lookup code under test.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from academus.shared.config import ConfigError, PlotConfig, load
+from academus.shared.model import TeacherEncoder, pad_batch, teacher_dir
+from academus.shared.plot import InvalidTokens, PlotStore, TableError, UnknownDomain, load_version
+from academus.shared.plot.build import BuildOptions, build, count_ngrams, most_frequent, tokenize
+from academus.shared.plot.hierarchical import HierarchicalEncoder
+from academus.shared.plot.layers import SplitBert
+from academus.shared.plot.ngrams import MISSING, NgramIndex, pack, unpack, window_starts
+from academus.shared.tokenization import TeacherTokenizer
+
+K = 3
+CLS, SEP, UNK = 101, 102, 100
+ROOT_TEXTS = [
+    "hello", "", "the cat sat on the mat", "a red apple fell from the tree", "she baked an apple pie",
+    "the design of this phone is great", "i really like the style", "markets fell sharply today",
+    "the committee approved the budget", "we need more time to finish the report",
+]
+DOMAIN_TEXTS = ["the cat sat on the mat", "the cat sat on the mat", "i really like the style",
+                "win a free cruise now", "click here to claim your prize"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def teacher() -> TeacherEncoder:
+    return TeacherEncoder.load()
+
+
+@pytest.fixture(scope="module")
+def lower(teacher) -> SplitBert:
+    return SplitBert(teacher.bert, K)
+
+
+@pytest.fixture(scope="module")
+def domain_lower(teacher) -> SplitBert:
+    """A stand-in for a further-pretrained domain model (HMI §5.1): the teacher with shifted lower layers."""
+    bert = copy.deepcopy(teacher.bert)
+    noise = torch.randn(bert.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        bert.encoder.layer[0].output.dense.bias.add_(noise)
+    return SplitBert(bert, K)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> TeacherTokenizer:
+    return TeacherTokenizer(teacher_dir())
+
+
+def ids_of(tokenizer: TeacherTokenizer, text: str) -> list[int]:
+    return tokenizer.encode([text])[0].input_ids
+
+
+def words(tokenizer: TeacherTokenizer, text: str) -> list[int]:
+    return ids_of(tokenizer, text)[1:-1]
+
+
+@pytest.fixture(scope="module")
+def table_dir(tmp_path_factory, lower, domain_lower) -> Path:
+    out = tmp_path_factory.mktemp("plot")
+    build(ROOT_TEXTS, out, BuildOptions(lower_layers=K, unigrams="corpus"), layers=lower)
+    build(DOMAIN_TEXTS, out, BuildOptions(lower_layers=K, domain="spamlike", top_percent=50), layers=domain_lower)
+    return out
+
+
+@pytest.fixture(scope="module")
+def store(table_dir) -> PlotStore:
+    return PlotStore.open(table_dir, model="minilm", lower_layers=K)
+
+
+def framed_states(layers: SplitBert, fragment: list[int]) -> np.ndarray:
+    """The fragment's own states when run as the builder frames it ([CLS]/[SEP] unless present)."""
+    fragment = [int(t) for t in fragment]
+    front, back = fragment[0] != CLS, fragment[-1] != SEP
+    framed = [CLS] * front + fragment + [SEP] * back
+    out = layers.lower(torch.tensor([framed]))[0].numpy()
+    return out[int(front):int(front) + len(fragment)]
+
+
+def one_window(store: PlotStore, fragment: list[int], domain: str = "") -> np.ndarray:
+    return store.lookup(np.array(fragment), np.array([len(fragment)]), domain).states
+
+
+def close(actual: np.ndarray, expected: np.ndarray) -> None:
+    np.testing.assert_allclose(actual, expected, rtol=2e-3, atol=2e-3)   # the table stores fp16
+
+
+# --- index ---------------------------------------------------------------------------------------
+
+@given(st.lists(st.lists(st.integers(0, (1 << 21) - 1), min_size=3, max_size=3), min_size=1, max_size=50))
+def test_pack_unpack_round_trip(grams):
+    grams = np.array(grams, dtype=np.int64)
+    np.testing.assert_array_equal(unpack(pack(grams), 3), grams)
+
+
+def test_pack_keeps_order_of_ids_apart():
+    assert pack(np.array([[1, 2, 3]]))[0] != pack(np.array([[3, 2, 1]]))[0]
+    with pytest.raises(ValueError):
+        pack(np.array([[1 << 21, 0, 0]]))
+
+
+def test_index_finds_present_keys_and_misses_absent_ones():
+    keys = np.sort(pack(np.array([[5, 6, 7], [1, 2, 3], [9, 9, 9]])))
+    index = NgramIndex(keys)
+    queries = pack(np.array([[1, 2, 3], [9, 9, 9], [1, 2, 4], [0, 0, 0], [9, 9, 10]]))
+    rows = index.find(queries)
+    np.testing.assert_array_equal(keys[rows[:2]], queries[:2])
+    assert list(rows[2:]) == [MISSING] * 3
+    assert index.is_valid() and not NgramIndex(keys[::-1]).is_valid()
+    assert list(NgramIndex(np.zeros(0, np.uint64)).find(queries)) == [MISSING] * 5
+
+
+def test_window_starts_match_a_loop():
+    lengths = np.array([5, 1, 3, 2, 4])
+    expected, offset = [], 0
+    for n in lengths:
+        expected += [offset + i for i in range(max(n - 2, 0))]
+        offset += n
+    assert list(window_starts(lengths, 3)) == expected
+    assert list(window_starts(lengths, 2, only=lengths == 2)) == [9]
+
+
+# --- build and table -------------------------------------------------------------------------------
+
+def test_round_trip_stores_every_fragment_as_the_teacher_computes_it(store, lower):
+    for name, n in (("trigram", 3), ("bigram", 2), ("unigram", 1)):
+        table = store.root.tables[name]
+        assert table.index.is_valid() and table.states.shape[1:] == (n, 384)
+        grams = unpack(table.index.keys, n)
+        for row in (0, len(table) // 2, len(table) - 1):
+            close(table.states[row].astype(np.float32), framed_states(lower, list(grams[row])))
+
+
+def test_root_holds_every_corpus_ngram(store):
+    tokens = tokenize(ROOT_TEXTS)
+    for name, n in (("trigram", 3), ("bigram", 2)):
+        keys, _ = count_ngrams(tokens, n)
+        assert (store.root.tables[name].find(keys) >= 0).all()
+        assert len(store.root.tables[name]) == len(keys)
+
+
+def test_overlay_keeps_the_most_frequent_trigrams(store):
+    keys, counts = count_ngrams(tokenize(DOMAIN_TEXTS), 3)
+    overlay = store.domains["spamlike"].tables["trigram"]
+    assert len(overlay) == math.ceil(len(keys) * 0.5)
+    kept = overlay.find(keys) >= 0
+    assert counts[kept].min() >= counts[~kept].max()
+    chosen, coverage = most_frequent(keys, counts, len(overlay))
+    np.testing.assert_array_equal(chosen, overlay.index.keys)
+    assert coverage == pytest.approx(counts[kept].sum() / counts.sum())
+
+
+# --- lookup ------------------------------------------------------------------------------------------
+
+def test_lookup_is_exact_for_inputs_of_up_to_three_tokens(store, lower, tokenizer):
+    for text in ("hello", ""):
+        ids = ids_of(tokenizer, text)
+        assert len(ids) <= 3
+        computed = lower.lower(torch.tensor([ids]))[0].numpy()
+        close(one_window(store, ids), computed)
+
+
+def test_aggregation_is_the_mean_over_the_windows_holding_each_token(store, lower, tokenizer):
+    texts = ["the cat sat on the mat", "hello", "i really like the style"]
+    seqs = [ids_of(tokenizer, t) for t in texts]
+    result = store.lookup(np.concatenate(seqs), np.array([len(s) for s in seqs]))
+    expected = []
+    for seq in seqs:                       # the reference path: one window at a time
+        total, terms = np.zeros((len(seq), 384)), np.zeros(len(seq))
+        for i in range(max(len(seq) - 2, 1)):
+            fragment = seq[i:i + 3]
+            total[i:i + len(fragment)] += framed_states(lower, fragment)
+            terms[i:i + len(fragment)] += 1
+        expected.append(total / terms[:, None])
+    close(result.states, np.concatenate(expected))
+    assert result.counts.root == sum(len(s) - 2 for s in seqs) and result.counts.backoff == 0
+
+
+def test_fallback_order_domain_root_bigram_unigram(store, lower, domain_lower, tokenizer):
+    both = words(tokenizer, "the cat sat")                 # in the overlay and the root
+    assert not np.allclose(framed_states(domain_lower, both), framed_states(lower, both), atol=0.1)
+    close(one_window(store, both, "spamlike"), framed_states(domain_lower, both))
+    close(one_window(store, both), framed_states(lower, both))
+    root_only = words(tokenizer, "committee approved the")
+    assert (store.domains["spamlike"].tables["trigram"].find(pack(np.array([root_only]))) < 0).all()
+    close(one_window(store, root_only, "spamlike"), framed_states(lower, root_only))
+
+    red, apple, pie = words(tokenizer, "red apple pie")    # bigrams (red apple), (apple pie); no trigram
+    bigrams = one_window(store, [red, apple, pie], "spamlike")
+    close(bigrams[:2], framed_states(lower, [red, apple]))
+    close(bigrams[2], framed_states(lower, [apple, pie])[1])
+
+    cat, budget, tree = words(tokenizer, "cat budget tree")   # no bigram either: unigrams
+    unigrams = one_window(store, [cat, budget, tree])
+    for slot, token in enumerate((cat, budget, tree)):
+        close(unigrams[slot], framed_states(lower, [token])[0])
+
+
+def test_counts_say_which_level_answered(store, tokenizer):
+    seqs = [words(tokenizer, "the cat sat"), words(tokenizer, "committee approved the"),
+            words(tokenizer, "red apple pie"), [CLS, SEP]]
+    counts = store.lookup(np.concatenate(seqs), np.array([3, 3, 3, 2]), "spamlike").counts
+    assert (counts.domain, counts.root, counts.backoff, counts.short) == (1, 1, 1, 1)
+
+
+def test_oov_tokens_take_unk_and_invalid_ids_are_refused(store, lower, tokenizer):
+    zebra = words(tokenizer, "zebra")[0]                   # a vocabulary word the corpus never had
+    result = store.lookup(np.array([CLS, zebra, SEP]), np.array([3]))
+    assert result.counts.unknown_tokens == 1 and result.counts.backoff == 1
+    close(result.states[1], framed_states(lower, [UNK])[0])
+    with pytest.raises(InvalidTokens, match="outside the vocabulary"):
+        store.lookup(np.array([CLS, 30522, SEP]), np.array([3]))
+    with pytest.raises(InvalidTokens, match="lengths sum"):
+        store.lookup(np.array([CLS, SEP]), np.array([3]))
+    with pytest.raises(InvalidTokens, match="at least one token"):
+        store.lookup(np.array([CLS, SEP]), np.array([2, 0]))
+    with pytest.raises(UnknownDomain, match="nosuch"):
+        store.lookup(np.array([CLS, SEP]), np.array([2]), "nosuch")
+
+
+# --- integrity -----------------------------------------------------------------------------------------
+
+@pytest.fixture
+def table_copy(table_dir, tmp_path) -> Path:
+    return Path(shutil.copytree(table_dir, tmp_path / "copy"))
+
+
+def test_corrupt_table_is_refused(table_copy):
+    states = table_copy / "root" / "trigram.states.npy"
+    raw = bytearray(states.read_bytes())
+    raw[-1] ^= 0xFF
+    states.write_bytes(bytes(raw))
+    with pytest.raises(TableError, match="sha256"):
+        PlotStore.open(table_copy)
+
+
+def test_truncated_table_is_refused_without_checksums(table_copy):
+    keys = table_copy / "root" / "bigram.keys.npy"
+    keys.write_bytes(keys.read_bytes()[:-16])
+    with pytest.raises(TableError, match="bigram"):
+        load_version(table_copy / "root", verify=False)
+
+
+def test_table_of_another_model_or_k_is_refused(table_dir, table_copy):
+    with pytest.raises(TableError, match="layer-3 states, not layer-2"):
+        PlotStore.open(table_dir, lower_layers=2)
+    with pytest.raises(TableError, match="built for model 'minilm', not 'bert-base'"):
+        PlotStore.open(table_dir, model="bert-base")
+    manifest = table_copy / "domains" / "spamlike" / "manifest.json"
+    data = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**data, "lower_layers": 2}))
+    with pytest.raises(TableError, match="not layer-3"):
+        PlotStore.open(table_copy)
+    manifest.write_text(json.dumps({**data, "format_version": 99}))
+    with pytest.raises(TableError, match="format_version 99"):
+        PlotStore.open(table_copy)
+
+
+def test_missing_table_names_the_build_command(tmp_path):
+    with pytest.raises(TableError, match="academus plot build"):
+        PlotStore.open(tmp_path)
+
+
+# --- hierarchical model ------------------------------------------------------------------------------------
+
+def test_hierarchical_equals_the_teacher_where_the_table_is_exact(store, teacher, tokenizer):
+    ids = [ids_of(tokenizer, "hello")]
+    emb = HierarchicalEncoder(store, teacher).pool(ids)
+    with torch.no_grad():
+        reference = teacher(*pad_batch(ids)[:2])
+    torch.testing.assert_close(emb, reference, rtol=0, atol=2e-3)
+
+
+def test_hierarchical_embeddings_keep_each_text_nearest_its_teacher_embedding(store, teacher, tokenizer):
+    texts = ROOT_TEXTS[2:]
+    ids = [ids_of(tokenizer, t) for t in texts]
+    emb = HierarchicalEncoder(store, teacher).pool(ids)
+    with torch.no_grad():
+        reference = teacher(*pad_batch(ids)[:2])
+    assert emb.shape == (len(texts), 384)
+    torch.testing.assert_close(emb.norm(dim=1), torch.ones(len(texts)))
+    assert (emb @ reference.T).argmax(dim=1).tolist() == list(range(len(texts)))
+
+
+# --- config and command line -------------------------------------------------------------------------------
+
+def test_plot_config_reads_env_and_checks_ranges(tmp_path):
+    config = load(PlotConfig, env={"ACADEMUS_PLOT_DIR": str(tmp_path), "ACADEMUS_DOMAINS": "a, b",
+                                   "ACADEMUS_LOWER_LAYERS": "2"})
+    assert config.table_dir == tmp_path and config.domain_list == ["a", "b"] and config.lower_layers == 2
+    assert load(PlotConfig, env={}).domain_list is None
+    assert load(PlotConfig, env={"ACADEMUS_DOMAINS": ""}).domain_list == []
+    with pytest.raises(ConfigError, match="ACADEMUS_MAX_TOKENS"):
+        load(PlotConfig, env={"ACADEMUS_MAX_TOKENS": "0"})
+    with pytest.raises(ConfigError, match="ACADEMUS_LOWER_LAYERS"):
+        load(PlotConfig, env={"ACADEMUS_LOWER_LAYERS": "0"})
+
+
+def test_cli_build_prints_the_summary_last(tmp_path, capsys):
+    from academus.shared.cli import main
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the cat sat on the mat\nhello world\n")
+    out = tmp_path / "table"
+    assert main(["plot", "build", "--lower-layers", "1", "--corpus", str(corpus), "--unigrams", "corpus",
+                 "--threads", "1", "--out", str(out)]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["entries"]["trigram"] == 8 and summary["lower_layers"] == 1
+    assert summary["bytes"] == sum(p.stat().st_size for p in (out / "root").glob("*.npy"))
+    assert PlotStore.open(out, lower_layers=1).root.manifest.counts == summary["entries"]
+    assert main(["plot", "build", "--corpus", "no-such-corpus", "--out", str(out)]) == 1
+    assert "neither a file" in capsys.readouterr().err
