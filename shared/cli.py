@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     return args.func(args)
 
 
-PASS_THROUGH = {"prepare", "loadgen", "distill"}
+PASS_THROUGH = {"prepare", "loadgen", "distill", "plot"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -62,6 +62,9 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("distill", help="distil the teacher into a student group (run | report)", add_help=False)
     s.set_defaults(func=cmd_distill)
+
+    s = sub.add_parser("plot", help="PLOT tables of lower-layer states (build | info)", add_help=False)
+    s.set_defaults(func=cmd_plot)
 
     s = sub.add_parser("loadgen", help="open-loop load: Poisson, bursts or trace replay; report.json + plots",
                        add_help=False)
@@ -169,6 +172,12 @@ def cmd_distill(args: argparse.Namespace) -> int:
     from academus.shared.training.distill import main as distill_main
 
     return distill_main(args.rest)
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from academus.shared.plot.build import main as plot_main
+
+    return plot_main(args.rest)
 
 
 def cmd_loadgen(args: argparse.Namespace) -> int:
