@@ -37,6 +37,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=50051, help="gateway port (0: any free port)")
     s.add_argument("--workers", type=int, default=1)
     s.add_argument("--worker-threads", type=int, default=0, help="torch threads per worker (0: default)")
+    s.add_argument("--instances", type=int, default=0,
+                   help="student instances each worker runs at once (0: 1, or the profile's choice)")
+    s.add_argument("--deployment", action="append", default=[], metavar="POLICY[=MODELS]",
+                   help="a scheduler with this policy (fifo|padded|student) for these comma-separated models; "
+                        "repeat for side-by-side deployments (default: one, ACADEMUS_POLICY or fifo, every model)")
     s.add_argument("--artifacts", type=Path, default=None)
     s.set_defaults(func=cmd_up)
 
@@ -87,10 +92,16 @@ def _run_dir(args: argparse.Namespace) -> Path:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from academus.shared.mesh import MeshOptions, down, status, up
+    from academus.shared.mesh import Deployment, MeshError, MeshOptions, down, status, up
 
+    try:
+        deployments = [Deployment.parse(d) for d in args.deployment] or [Deployment()]
+    except MeshError as e:
+        print(str(e), file=sys.stderr)
+        return 2
     options = MeshOptions(run_dir=_run_dir(args), artifacts=args.artifacts or artifacts_dir(),
-                          gateway_port=args.port, workers=args.workers, worker_threads=args.worker_threads)
+                          gateway_port=args.port, workers=args.workers, worker_threads=args.worker_threads,
+                          instances=args.instances, deployments=deployments)
     up(options)
     print(json.dumps(status(options.run_dir)))
     if args.detach:

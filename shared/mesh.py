@@ -18,7 +18,7 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from academus.shared.config import artifacts_dir, redis_url_from_env
+from academus.shared.config import POLICY_NAMES, artifacts_dir, redis_url_from_env
 from academus.shared.keys import Keys
 from academus.shared.redis_server import RedisServer, free_port
 
@@ -63,6 +63,23 @@ class MeshState:
         return cls(**raw)
 
 
+@dataclass(frozen=True)
+class Deployment:
+    """One scheduler: its dispatch policy and the models it serves (empty: all). Several deployments
+    run side by side over the same workers; requests pick one by model and, optionally, policy."""
+
+    policy: str = ""               # empty: ACADEMUS_POLICY, else the scheduler's default
+    models: str = ""
+
+    @classmethod
+    def parse(cls, spec: str) -> Deployment:
+        """`POLICY` or `POLICY=MODEL,MODEL`."""
+        policy, _, models = spec.partition("=")
+        if policy not in POLICY_NAMES:
+            raise MeshError(f"deployment {spec!r}: policy must be one of {', '.join(POLICY_NAMES)}")
+        return cls(policy, models)
+
+
 @dataclass
 class MeshOptions:
     run_dir: Path
@@ -70,6 +87,8 @@ class MeshOptions:
     gateway_port: int = DEFAULT_GATEWAY_PORT    # 0: any free port
     workers: int = 1
     worker_threads: int = 0
+    instances: int = 0                          # student instances per worker (0: its default / profile)
+    deployments: list[Deployment] = field(default_factory=lambda: [Deployment()])
     key_prefix: str = "acd"
     env: dict[str, str] = field(default_factory=dict)   # extra ACADEMUS_* settings for every service
     ready_timeout_s: float = 120.0
@@ -87,7 +106,8 @@ def up(options: MeshOptions) -> MeshState:
     state.save()
     try:
         for name in SERVICES:
-            for i in range(options.workers if name == "worker" else 1):
+            copies = {"worker": options.workers, "scheduler": len(options.deployments)}.get(name, 1)
+            for i in range(copies):
                 state.services.append(_spawn(name, i, options, state))
                 state.save()
                 if name == "resource_manager":
@@ -124,7 +144,15 @@ def _spawn(name: str, index: int, options: MeshOptions, state: MeshState) -> Ser
         env["ACADEMUS_WORKER_ID"] = f"worker-{index}"
         if options.worker_threads:
             env["ACADEMUS_TORCH_THREADS"] = str(options.worker_threads)
-    label = f"{name}-{index}" if name == "worker" else name
+        if options.instances:
+            env["ACADEMUS_INSTANCES"] = str(options.instances)
+    if name == "scheduler":
+        deployment = options.deployments[index]
+        env["ACADEMUS_SCHEDULER_ID"] = f"scheduler-{index}"
+        env["ACADEMUS_MODELS"] = deployment.models
+        if deployment.policy:
+            env["ACADEMUS_POLICY"] = deployment.policy
+    label = f"{name}-{index}" if name == "worker" or (name == "scheduler" and index) else name
     log = Path(state.run_dir) / "logs" / f"{label}.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", f"academus.services.{name}"], env=env,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
-from academus.shared.config import GatewayConfig
+from academus.shared.config import POLICY_NAMES, GatewayConfig
 from academus.shared.errors import InvalidArgument, NotFound, Unauthenticated, Unavailable
 from academus.shared.keys import Keys
 from academus.shared.tokenization import Encoded, TeacherTokenizer, TextTooLong
@@ -134,6 +134,13 @@ class Gateway:
         except TextTooLong as e:
             raise InvalidArgument(f"inputs[{e.index}].text has {e.num_tokens} tokens; the limit is {e.limit} "
                                   "tokens (truncate=false)") from e
+
+
+def check_policy(policy: str) -> str:
+    """A request may name the deployment's policy; an unknown name is the caller's mistake."""
+    if policy and policy not in POLICY_NAMES:
+        raise InvalidArgument(f"policy {policy!r} is not a policy; known: {', '.join(POLICY_NAMES)} (or empty: any)")
+    return policy
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from academus.services.gateway.core import (
     Gateway,
     InferCall,
     SchedulerDirectory,
+    check_policy,
 )
 from academus.shared import config as cfg
 from academus.shared.errors import ServingError, Unavailable, abort_with, from_rpc_error
@@ -96,9 +97,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         remaining = context.time_remaining()
         deadline = time.monotonic() + (remaining if remaining is not None else self.default_deadline_s)
         try:
+            policy = check_policy(request.policy)
             admitted = await self.gateway.admit(api_key_from(context.invocation_metadata()), from_pb(request))
             annotate(model=admitted.spec.name, tenant=admitted.principal.tenant, texts=len(admitted.encoded))
-            result = await self._schedule(schedule_request(admitted, request.request_id), deadline, request.policy)
+            result = await self._schedule(schedule_request(admitted, request.request_id), deadline, policy)
         except ServingError as e:
             await abort_with(context, e)
         except RedisError as e:  # keys and catalogue unreachable: nothing ran, a retry may succeed

@@ -122,3 +122,31 @@ async def test_only_the_key_hash_is_stored(redis_url):
     stored = [k async for k in redis.scan_iter("*")]
     assert stored and not any("secret-value" in k for k in stored)
     await redis.aclose()
+
+
+async def test_directory_routes_by_model_and_policy(redis_url):
+    from academus.services.gateway.core import SchedulerDirectory
+    from academus.shared.errors import Unavailable
+
+    redis = connect(redis_url)
+    await redis.sadd(KEYS.schedulers(), "s0", "s1", "gone")
+    await redis.hset(KEYS.scheduler("s0"), mapping={"address": "a:0", "policy": "student",
+                                                     "models": "sentiment-students"})
+    await redis.hset(KEYS.scheduler("s1"), mapping={"address": "a:1", "policy": "padded", "models": ""})
+    directory = SchedulerDirectory(redis, KEYS)
+    await directory.refresh()
+    assert directory.addresses == ["a:0", "a:1"]  # an expired scheduler key is skipped
+    assert await directory.pick(model="sentiment", policy="") == "a:1"
+    assert await directory.pick(model="sentiment-students", policy="student") == "a:0"
+    assert await directory.pick(model="sentiment-students", policy="padded") == "a:1"
+    with pytest.raises(Unavailable, match="policy 'student'"):
+        await directory.pick(model="sentiment", policy="student")
+    await redis.aclose()
+
+
+def test_an_unknown_policy_is_invalid_and_names_the_known_ones():
+    from academus.services.gateway.core import check_policy
+
+    assert check_policy("") == "" and check_policy("student") == "student"
+    with pytest.raises(InvalidArgument, match="'batchy' is not a policy; known: fifo, padded, student"):
+        check_policy("batchy")

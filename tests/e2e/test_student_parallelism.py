@@ -1,0 +1,169 @@
+"""Online student parallelism on the real mesh (processes, real Redis, real gRPC, the real teacher's
+layers as students): groups across two workers, the immediate path and buffer merges, overload,
+student-number adaptation, and a killed worker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from academus.client import AcademusError, AsyncClient
+from academus.shared.config import artifacts_dir
+from academus.shared.keys import Keys
+from academus.shared.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, down, up, wait_exit
+from academus.shared.model import TeacherEncoder
+from academus.shared.students import from_teacher
+from academus.shared.training.distill import write_student_catalogue, write_student_group
+from tests.e2e.conftest import metric
+
+pytestmark = pytest.mark.e2e
+MODEL = "sentiment-students"
+TEXT = "a warm and funny film whose cast makes every scene feel new, even the slow ones near the end"
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory) -> Path:
+    """The prepared catalogue plus a 2-student sentiment group (the teacher's bottom layers, untrained:
+    serving mechanics, not quality, are under test here)."""
+    root = tmp_path_factory.mktemp("sp-artifacts")
+    shutil.copy(artifacts_dir() / "models.json", root / "models.json")
+    shutil.copytree(artifacts_dir() / "heads", root / "heads")
+    group = from_teacher(TeacherEncoder.load().bert, layers=2, labels=["rotten", "fresh"])
+    group.add_student(alpha=0.5)
+    group.best_k = 2
+    write_student_group(root, "sentiment", group, metrics={})
+    write_student_catalogue(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory, artifacts):
+    run_dir = tmp_path_factory.mktemp("sp-run")
+    state = up(MeshOptions(
+        run_dir=run_dir, artifacts=artifacts, gateway_port=0, workers=2, worker_threads=1, instances=2,
+        deployments=[Deployment("student", MODEL), Deployment("padded", "sentiment")],
+        env={"ACADEMUS_MODELS": f"{MODEL},sentiment", "ACADEMUS_ADAPT_WINDOW_S": "2",
+             "ACADEMUS_ADAPT_COOLDOWN_S": "0.5", "ACADEMUS_ADAPT_INTERVAL_S": "0.1",
+             "ACADEMUS_QUEUE_CAPACITY": "24", "ACADEMUS_GRACE_S": "10"}))
+    state.key = (run_dir / ADMIN_KEY_FILE).read_text().strip()
+    yield state
+    down(run_dir)
+
+
+def table(state) -> dict:
+    r = redis.Redis.from_url(state.redis_url, decode_responses=True)
+    raw = r.get(Keys(state.key_prefix).groups(MODEL))
+    return json.loads(raw) if raw else {}
+
+
+def wait_for(predicate, timeout_s: float = 20.0, what: str = "") -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def burst(state, count: int, text: str = TEXT, timeout: float = 30.0, policy: str = "",
+                rate: float = 0.0) -> list:
+    """`count` requests at once, or open loop at `rate` per second."""
+    async with AsyncClient(state.gateway, api_key=state.key, timeout=timeout) as client:
+        async def one(i: int):
+            if rate:
+                await asyncio.sleep(i / rate)
+            try:
+                return await client.infer(MODEL, [f"{i} {text}"], policy=policy)
+            except AcademusError as e:
+                return e
+        return await asyncio.gather(*(one(i) for i in range(count)))
+
+
+def test_two_groups_across_both_workers_take_samples_at_once_then_merge_in_the_buffer(mesh):
+    wait_for(lambda: table(mesh).get("students") == 2 and len(table(mesh)["groups"]) == 2, what="two groups")
+    groups = table(mesh)["groups"]
+    # eq. 6 with S = 2 on G = 2 devices: student i of every group on device i
+    assert [[w for w, _ in g] for g in groups] == [["worker-0", "worker-1"], ["worker-0", "worker-1"]]
+    answers = asyncio.run(burst(mesh, 16))
+    assert all(not isinstance(a, AcademusError) for a in answers), answers
+    meta = [a.metadata for a in answers]
+    assert {m.policy for m in meta} == {"student"}
+    # S = 2 answers came from groups spanning both workers; the burst may already have dropped S to 1
+    assert {m.worker_id for m in meta if m.student_count == 2} == {"worker-0+worker-1"}
+    assert {m.worker_id for m in meta if m.student_count != 2} <= {"worker-0", "worker-1"}
+    assert any(m.batch_size == 1 for m in meta)   # the immediate path (a group was idle)
+    assert any(m.batch_size > 1 for m in meta)    # samples that met busy groups merged by length bin
+
+
+def test_the_padded_deployment_of_the_teacher_runs_beside_it(mesh):
+    async def call():
+        async with AsyncClient(mesh.gateway, api_key=mesh.key) as client:
+            return await client.infer("sentiment", [TEXT], policy="padded")
+    answer = asyncio.run(call())
+    assert answer.metadata.policy == "padded" and answer.metadata.student_count == 1
+
+
+def test_overload_answers_resource_exhausted_at_once_and_nothing_hangs(mesh):
+    long_text = " ".join([TEXT] * 5)
+    start = time.monotonic()
+    answers = asyncio.run(burst(mesh, 120, long_text, timeout=60))
+    codes = {a.code if isinstance(a, AcademusError) else "OK" for a in answers}
+    assert "RESOURCE_EXHAUSTED" in codes and "OK" in codes
+    assert codes <= {"OK", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}
+    assert time.monotonic() - start < 60
+
+
+def test_a_burst_drops_a_student_and_a_quiet_window_adds_it_back(mesh):
+    r = redis.Redis.from_url(mesh.redis_url, decode_responses=True)
+    key = Keys(mesh.key_prefix).students(MODEL)
+    wait_for(lambda: r.get(key) == "2", what="the student number back at 2")
+    seen: list[str] = []
+
+    async def load_and_watch():
+        watcher = asyncio.create_task(watch(seen, r, key))
+        answers = await burst(mesh, 400, " ".join([TEXT] * 3), timeout=60, rate=200)  # 2 s of overload
+        await asyncio.sleep(0.5)
+        watcher.cancel()
+        return answers
+
+    answers = asyncio.run(load_and_watch())
+    assert "1" in seen  # the buffer reached the group count: S dropped to 1, more groups started
+    served = [a for a in answers if not isinstance(a, AcademusError)]
+    assert any(a.metadata.student_count == 1 for a in served) and any(a.metadata.student_count == 2 for a in served)
+    wait_for(lambda: table(mesh).get("students") == 1 and len(table(mesh)["groups"]) == 4, what="four groups")
+    wait_for(lambda: r.get(key) == "2", timeout_s=20, what="a student added back after the quiet window")
+
+
+async def watch(seen: list[str], r: redis.Redis, key: str) -> None:
+    while True:
+        seen.append(r.get(key))
+        await asyncio.sleep(0.05)
+
+
+def test_a_killed_worker_loses_no_request(mesh):
+    r = redis.Redis.from_url(mesh.redis_url, decode_responses=True)
+    r.set(Keys(mesh.key_prefix).students(MODEL), 1)  # four one-student groups, two on each worker
+    wait_for(lambda: table(mesh).get("students") == 1 and len(table(mesh)["groups"]) == 4, what="S = 1")
+    victim = next(s for s in mesh.services if s.name == "worker-1")
+
+    async def kill_under_load():
+        pending = asyncio.create_task(burst(mesh, 60, " ".join([TEXT] * 4), timeout=60, rate=40))
+        while metric(victim.metrics_port, "academus_rpc_in_flight", service="worker", method="Run") < 1:
+            await asyncio.sleep(0.005)
+        os.kill(victim.pid, signal.SIGKILL)  # while it computes a request
+        return await pending
+
+    answers = asyncio.run(kill_under_load())
+    assert wait_exit(victim.pid, 10)
+    errors = [a for a in answers if isinstance(a, AcademusError)]
+    assert not errors, [e.code for e in errors]
+    assert any(a.metadata.attempts > 1 for a in answers)  # in flight on the dead worker, run again
+    assert {a.metadata.worker_id for a in answers if a.metadata.attempts > 1} == {"worker-0"}
