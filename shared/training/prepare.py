@@ -235,9 +235,13 @@ def prepare_task(
 # --- catalogue and the whole run -----------------------------------------------------------------
 
 def write_catalogue(artifacts_dir: Path) -> dict[str, Any]:
-    """models.json from every head that verifies; `minilm` (the bare embedding) is always served."""
-    catalogue: dict[str, Any] = {"minilm": {"kind": "embedding", "teacher": TEACHER_NAME,
-                                            "dim": HIDDEN_SIZE, "max_tokens": MAX_TOKENS}}
+    """models.json from every head that verifies; `minilm` (the bare embedding) is always served.
+    Entries other commands added (student groups from `academus distill`) are kept."""
+    path = Path(artifacts_dir) / "models.json"
+    previous = json.loads(path.read_text()) if path.is_file() else {}
+    catalogue: dict[str, Any] = {name: entry for name, entry in previous.items() if "head" not in entry
+                                 and name != "minilm"}
+    catalogue["minilm"] = {"kind": "embedding", "teacher": TEACHER_NAME, "dim": HIDDEN_SIZE, "max_tokens": MAX_TOKENS}
     for task in TASKS:
         try:
             manifest, _ = load_artifact(head_dir(artifacts_dir, task))
@@ -245,7 +249,6 @@ def write_catalogue(artifacts_dir: Path) -> dict[str, Any]:
             continue
         catalogue[task] = {"kind": "classification", "task": task, "head": f"heads/{task}",
                            "labels": manifest.labels, "teacher": manifest.teacher}
-    path = Path(artifacts_dir) / "models.json"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(catalogue, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)

@@ -24,7 +24,7 @@ MODEL = "sentiment-students"
 TEXTS = ["a warm, funny and wholly unexpected film", "a dull mess"]
 
 
-async def start(redis_url: str, artifacts_root, workers: int = 2) -> list[RunningService]:
+async def start(redis_url: str, artifacts_root, workers: int = 2, **settings: str) -> list[RunningService]:
     from academus.services.gateway.server import build as gateway
     from academus.services.resource_manager.server import build as resource_manager
     from academus.services.scheduler.server import build as scheduler
@@ -37,7 +37,8 @@ async def start(redis_url: str, artifacts_root, workers: int = 2) -> list[Runnin
     common = {"ACADEMUS_REDIS_URL": redis_url, "ACADEMUS_KEY_PREFIX": PREFIX, "ACADEMUS_PORT": "0",
               "ACADEMUS_METRICS_PORT": "-1", "ACADEMUS_ARTIFACTS": str(artifacts_root), "ACADEMUS_MODELS": MODEL,
               "ACADEMUS_GRACE_S": "5", "ACADEMUS_POLICY": "student", "ACADEMUS_ADAPT_INTERVAL_S": "0.05",
-              "ACADEMUS_ADAPT_COOLDOWN_S": "0", "ACADEMUS_ADAPT_WINDOW_S": "3600", "ACADEMUS_INSTANCES": "1"}
+              "ACADEMUS_ADAPT_COOLDOWN_S": "0", "ACADEMUS_ADAPT_WINDOW_S": "3600", "ACADEMUS_INSTANCES": "1",
+              **settings}
     running = []
     with env(**common):
         running.append(RunningService(await resource_manager()))
@@ -113,3 +114,18 @@ async def test_a_lost_member_worker_moves_requests_to_the_group_that_remains(mes
     async with AsyncClient(mesh[-1].address, api_key=KEY) as client:
         answers = await asyncio.gather(*(client.infer(MODEL, [t]) for t in TEXTS * 2))
     assert {a.metadata.worker_id for a in answers} == {"g-w0"}
+
+
+async def test_the_start_up_profile_sets_instances_and_max_merge(redis_server, artifacts):  # noqa: F811
+    running = await start(redis_server.url, artifacts, workers=1, ACADEMUS_PROFILE="true", ACADEMUS_INSTANCES="0")
+    redis = connect(redis_server.url)
+    try:
+        keys = Keys(PREFIX)
+        chosen = await redis.hgetall(keys.profile(MODEL))
+        capacity = await redis.hget(keys.worker("g-w0"), "capacity")
+    finally:
+        await redis.aclose()
+        for service in reversed(running):
+            await service.stop()
+    assert int(chosen["instances"]) in (1, 2, 4) and int(chosen["max_merge"]) in (1, 2, 4, 8)
+    assert capacity == chosen["instances"]  # the worker runs as many instances as the profile chose

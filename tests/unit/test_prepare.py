@@ -106,3 +106,14 @@ def test_tampered_head_is_refused(small_run: tuple[Path, dict[str, Any]], tmp_pa
 def test_unknown_task_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="known tasks"):
         prepare(tmp_path, tasks=("imdb",))
+
+
+def test_catalogue_rewrite_keeps_student_groups_and_drops_heads_that_no_longer_verify(tmp_path):
+    from academus.shared.training.prepare import write_catalogue
+
+    (tmp_path / "models.json").write_text(json.dumps({
+        "sentiment-students": {"kind": "classification", "students": "students/sentiment"},
+        "spam": {"kind": "classification", "head": "heads/spam"}}))
+    catalogue = write_catalogue(tmp_path)
+    assert set(catalogue) == {"minilm", "sentiment-students"}
+    assert json.loads((tmp_path / "models.json").read_text()) == catalogue
