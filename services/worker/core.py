@@ -133,6 +133,8 @@ class ModelRunner:
             from academus.shared.training.distill import load_student_group  # training code only when needed
 
             group = load_student_group(self.artifacts, entry.get("task", name), device=self.device)
+            while group.max_students > entry.get("limit_students", group.max_students):
+                group.drop_last()  # a catalogue entry serving a prefix only (the single 2-layer baseline)
             self._watch_deadline(group)
             kind = CLASSIFICATION if group.head is not None else EMBEDDING
             spec = ModelSpec(name, kind, list(group.labels) if group.head is not None else [], HIDDEN_SIZE,

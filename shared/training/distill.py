@@ -597,6 +597,7 @@ def write_student_catalogue(artifacts: Path) -> dict[str, Any]:
     catalogue = json.loads(path.read_text()) if path.is_file() else {}
     for task, name in SERVED_NAMES.items():
         catalogue.pop(name, None)
+        catalogue.pop(f"{name.removesuffix('-students')}-2l", None)
         try:
             manifest, _ = load_artifact(students_dir(artifacts, task))
         except ArtifactError:
@@ -607,6 +608,8 @@ def write_student_catalogue(artifacts: Path) -> dict[str, Any]:
                            "students": f"students/{task}", "labels": manifest.labels,
                            "teacher": manifest.teacher, "max_students": manifest.extra.get("num_students"),
                            "best_k": manifest.extra.get("best_k")}
+        # the single 2-layer baseline: the group's first student alone, with the pruned head
+        catalogue[f"{name.removesuffix('-students')}-2l"] = catalogue[name] | {"limit_students": 1}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(catalogue, indent=2, sort_keys=True) + "\n")

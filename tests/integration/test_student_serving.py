@@ -88,3 +88,16 @@ async def test_student_model_served_through_the_grpc_path(artifacts, redis_serve
     assert students.metadata.student_count == 1 and teacher.metadata.student_count == 1
     assert two.metadata.student_count == 2
     assert set(students.predictions[0].probs) == {"rotten", "fresh"}
+
+
+def test_the_single_2_layer_baseline_serves_the_first_student_alone(artifacts):
+    entry = json.loads((artifacts / "models.json").read_text())["sentiment-2l"]
+    assert entry["limit_students"] == 1 and entry["students"] == "students/sentiment"
+    runner = ModelRunner(artifacts, ["sentiment-2l", "sentiment-students"])
+    ids, lengths = tokens(["a warm, funny film"])
+    alone = runner.run("sentiment-2l", OUTPUT_PROBS, ids, lengths)
+    first = runner.run("sentiment-students", OUTPUT_PROBS, ids, lengths, num_students=1)
+    assert runner.specs["sentiment-2l"].max_students == 1 and alone.student_count == 1
+    assert torch.allclose(torch.from_numpy(alone.values), torch.from_numpy(first.values))
+    with pytest.raises(InvalidArgument, match="exceeds the 1 students"):
+        runner.run("sentiment-2l", OUTPUT_PROBS, ids, lengths, num_students=2)
