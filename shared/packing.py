@@ -1,0 +1,307 @@
+"""Packed (ConcatBatching) execution of BERT encoders (TCB §4).
+
+Several requests share one batch row of `row_length` (L) tokens instead of each being padded to the
+longest in the batch. Each request keeps its own position ids (restarting at 0, §4.1.1) and its own
+token-type ids, and attends only to itself: the attention mask is block-diagonal (eq. 5-6). Pooling
+is per request (mean over its own tokens, as `model.mean_pool`), so a packed batch returns exactly
+what running each request alone returns, up to float rounding.
+
+Slotted ConcatBatching (§4.2): a row is cut into slots of `slot_size` (z) tokens and requests sit
+inside slots. Attention is computed per slot, on the row tensor reshaped [R, L, H] → [R·L/z, z, H],
+so its cost is O(z²) per slot instead of O(L²) per row (eq. 8); the token-wise parts (projections,
+FFN) do not care about the shape. Pure ConcatBatching is the special case z = L (one slot a row).
+Empty slots are not computed, and the width is trimmed to the fullest slot.
+
+A plan comes from the scheduler (`services/scheduler/das.py` chooses rows, slots and z):
+
+    plan = PackingPlan.slotted([[[0, 2], [1]], [[3]]], row_length=128, slot_size=64)
+    pooled = encode_packed(model, pack(token_ids, plan, type_ids))   # [n_requests, H], request order
+    logits = head(pooled)                                             # heads are linear: apply after
+
+A request longer than its slot is never truncated: alone in its slot it runs as its own batch of its
+own length (`allow_oversize=True`, the default); shared with others, or with `allow_oversize=False`,
+`pack` raises `ValueError` so the caller can reject it.
+
+Two attention implementations, equal within float rounding, measured by `loadgen/packing_bench.py`:
+`"hf"` runs the HF BertLayer modules on the padded slot tensor with a 4-D additive block-diagonal
+mask; `"sdpa"` is our own layer over the same HF weights: the token-wise parts run on the real tokens
+only (a flat [T, H] layout, padding-free like TEI's `cu_seq_lengths`), and only attention scatters
+them into the slot tensor for `scaled_dot_product_attention` with a boolean block mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from academus.shared.model import TeacherEncoder
+from academus.shared.students import StudentGroup
+
+Attention = Literal["hf", "sdpa"]
+LayerCallback = Callable[[int], None]   # called with the layer index before each layer (deadline checks)
+
+
+@dataclass(frozen=True)
+class PackingPlan:
+    """Where each request sits: row → its slots → request indices, in placement order."""
+
+    rows: tuple[tuple[tuple[int, ...], ...], ...]
+    row_length: int     # L
+    slot_size: int      # z; equal to L for pure ConcatBatching
+
+    @classmethod
+    def concat(cls, rows: Sequence[Sequence[int]], row_length: int) -> PackingPlan:
+        """Pure ConcatBatching: each row is one slot of L tokens."""
+        return cls(tuple((tuple(row),) for row in rows), row_length, row_length)
+
+    @classmethod
+    def slotted(cls, rows: Sequence[Sequence[Sequence[int]]], row_length: int, slot_size: int) -> PackingPlan:
+        """Slotted ConcatBatching: at most L // z slots of z tokens a row."""
+        if not 1 <= slot_size <= row_length:
+            raise ValueError(f"slot_size={slot_size} must be within 1..row_length={row_length}")
+        for k, row in enumerate(rows):
+            if len(row) > row_length // slot_size:
+                raise ValueError(f"row {k} has {len(row)} slots; L={row_length} holds {row_length // slot_size}"
+                                 f" slots of z={slot_size}")
+        return cls(tuple(tuple(tuple(slot) for slot in row) for row in rows), row_length, slot_size)
+
+    def slots(self) -> list[tuple[int, ...]]:
+        """The non-empty slots of every row, in row order: the units attention is computed over."""
+        return [slot for row in self.rows for slot in row if slot]
+
+    def requests(self) -> list[int]:
+        return [i for slot in self.slots() for i in slot]
+
+
+@dataclass(frozen=True)
+class PackedInputs:
+    """One forward pass worth of slots: [S, W] tensors (S slots, W = the fullest slot's tokens)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor     # restart at 0 for every request (§4.1.1)
+    token_type_ids: torch.Tensor
+    segments: torch.Tensor         # per token: index into `requests`; -1 for padding
+    requests: torch.Tensor         # [m] request index of each segment
+    lengths: torch.Tensor          # [m] tokens of each segment
+
+    @property
+    def real_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def to(self, device: torch.device | str) -> PackedInputs:
+        return PackedInputs(*(t.to(device) for t in (self.input_ids, self.position_ids, self.token_type_ids,
+                                                     self.segments, self.requests, self.lengths)))
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """The packed slots, plus one pass per oversize request that runs alone at its own length."""
+
+    num_requests: int
+    passes: tuple[PackedInputs, ...]
+
+    @property
+    def real_tokens(self) -> int:
+        return sum(p.real_tokens for p in self.passes)
+
+    @property
+    def computed_tokens(self) -> int:
+        """Token positions the model computes (real + padding) in the `"hf"` implementation."""
+        return sum(p.input_ids.numel() for p in self.passes)
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        return PackedBatch(self.num_requests, tuple(p.to(device) for p in self.passes))
+
+
+def pack(sequences: Sequence[Sequence[int]], plan: PackingPlan,
+         type_ids: Sequence[Sequence[int]] | None = None, allow_oversize: bool = True) -> PackedBatch:
+    """Builds the packed tensors for `plan` over `sequences` (token id lists, indexed by the plan)."""
+    _check_plan(plan, [len(s) for s in sequences], allow_oversize)
+    packed, alone = [], []
+    for slot in plan.slots():
+        fits = sum(len(sequences[i]) for i in slot) <= plan.slot_size
+        (packed if fits else alone).append(slot)
+    passes = [_build(packed, sequences, type_ids)] if packed else []
+    passes += [_build([slot], sequences, type_ids) for slot in alone]
+    return PackedBatch(len(sequences), tuple(passes))
+
+
+def _check_plan(plan: PackingPlan, lengths: list[int], allow_oversize: bool) -> None:
+    placed = plan.requests()
+    if sorted(placed) != list(range(len(lengths))):
+        raise ValueError(f"the plan must place every one of the {len(lengths)} requests exactly once, "
+                         f"it places {sorted(placed)}")
+    for slot in plan.slots():
+        total = sum(lengths[i] for i in slot)
+        if total <= plan.slot_size:
+            continue
+        if len(slot) > 1:
+            raise ValueError(f"slot {list(slot)} holds {total} tokens, over its size {plan.slot_size}")
+        if not allow_oversize:
+            raise ValueError(f"request {slot[0]} has {total} tokens, over the slot size {plan.slot_size}")
+
+
+def _build(slots: Sequence[Sequence[int]], sequences: Sequence[Sequence[int]],
+           type_ids: Sequence[Sequence[int]] | None) -> PackedInputs:
+    width = max(sum(len(sequences[i]) for i in slot) for slot in slots)
+    shape = (len(slots), width)
+    ids, positions, types = (torch.zeros(shape, dtype=torch.long) for _ in range(3))
+    segments = torch.full(shape, -1, dtype=torch.long)
+    requests, lengths = [], []
+    for s, slot in enumerate(slots):
+        start = 0
+        for i in slot:
+            n = len(sequences[i])
+            ids[s, start:start + n] = torch.as_tensor(sequences[i], dtype=torch.long)
+            positions[s, start:start + n] = torch.arange(n)
+            if type_ids is not None:
+                types[s, start:start + n] = torch.as_tensor(type_ids[i], dtype=torch.long)
+            segments[s, start:start + n] = len(requests)
+            requests.append(i)
+            lengths.append(n)
+            start += n
+    return PackedInputs(ids, positions, types, segments, torch.tensor(requests), torch.tensor(lengths))
+
+
+def block_mask(segments: torch.Tensor) -> torch.Tensor:
+    """[S, 1, W, W] boolean: token q may attend token k iff they belong to the same request (eq. 6).
+
+    Padding (-1) attends to the padding of its own slot only, so no softmax row is empty (no NaN)."""
+    return (segments[:, :, None] == segments[:, None, :]).unsqueeze(1)
+
+
+def additive_mask(segments: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The block mask in HF's 4-D additive form: 0 where attended, the dtype's minimum elsewhere."""
+    allowed = block_mask(segments)
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def segment_mean(hidden: torch.Tensor, segments: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Mean over each request's own tokens: [..., H] hidden, same-shaped segment ids → [m, H]."""
+    flat, seg = hidden.reshape(-1, hidden.shape[-1]), segments.reshape(-1)
+    real = seg >= 0
+    sums = flat.new_zeros(len(lengths), flat.shape[-1]).index_add_(0, seg[real], flat[real])
+    return sums / lengths.to(flat.dtype).unsqueeze(1)
+
+
+@dataclass(frozen=True)
+class _Stacks:
+    """What a packed pass needs from a model: embeddings, layer stacks, their α weights, normalization."""
+
+    embeddings: nn.Module
+    stacks: list[nn.ModuleList]
+    alphas: torch.Tensor | None
+    normalize: bool
+
+
+def _stacks(model: nn.Module, num_students: int | None) -> _Stacks:
+    if isinstance(model, StudentGroup):
+        k = model.check_count(num_students)
+        return _Stacks(model.embeddings, [s.encoder.layer for s in model.students[:k]], model.alphas()[:k],
+                       model.normalize)
+    if isinstance(model, TeacherEncoder):
+        return _Stacks(model.bert.embeddings, [model.bert.encoder.layer], None, True)
+    if hasattr(model, "embeddings") and hasattr(model, "encoder"):   # a bare HF BertModel: pooled, not normalized
+        return _Stacks(model.embeddings, [model.encoder.layer], None, False)
+    raise TypeError(f"cannot run {type(model).__name__} packed: expected TeacherEncoder, BertModel or StudentGroup")
+
+
+def encode_packed(model: nn.Module, batch: PackedBatch, attention: Attention = "sdpa",
+                  num_students: int | None = None, before_layer: LayerCallback | None = None) -> torch.Tensor:
+    """The served pooled representation of every request, [n_requests, H] in request order.
+
+    Equal to the model's own forward on each request alone: `TeacherEncoder` → L2-normalised mean pool;
+    a bare `BertModel` → mean pool; `StudentGroup` → Σ_{m<k} α_m·S_m(x) over its first k students
+    (`num_students`, None = best_k), all on one shared embedding pass, normalised if `group.normalize`.
+    `before_layer(i)` runs before every layer of every student (the worker's deadline check: raising
+    there stops the batch). `"sdpa"` calls the layers' submodules, not the `encoder.layer.<i>` modules
+    themselves, so forward hooks registered on those never fire there: use `before_layer`."""
+    parts = _stacks(model, num_students)
+    run = _encode_hf if attention == "hf" else _encode_sdpa
+    out: torch.Tensor | None = None
+    for inputs in batch.passes:
+        pooled = run(parts, inputs, before_layer)
+        if out is None:
+            out = pooled.new_empty(batch.num_requests, pooled.shape[-1])
+        out[inputs.requests] = pooled
+    if out is None:
+        raise ValueError("an empty batch has nothing to encode")
+    return F.normalize(out, p=2, dim=1) if parts.normalize else out
+
+
+def _combine(parts: _Stacks, pooled: list[torch.Tensor]) -> torch.Tensor:
+    if parts.alphas is None:
+        return pooled[0]
+    return (parts.alphas[:, None, None] * torch.stack(pooled)).sum(0)
+
+
+def _encode_hf(parts: _Stacks, inputs: PackedInputs, before_layer: LayerCallback | None) -> torch.Tensor:
+    """HF modules on the padded slot tensor with a 4-D additive block mask and explicit position ids."""
+    hidden = parts.embeddings(input_ids=inputs.input_ids, token_type_ids=inputs.token_type_ids,
+                              position_ids=inputs.position_ids)
+    mask = additive_mask(inputs.segments, hidden.dtype)
+    pooled = []
+    for stack in parts.stacks:
+        h = hidden
+        for i, layer in enumerate(stack):
+            if before_layer is not None:
+                before_layer(i)
+            h = layer(h, mask)
+        pooled.append(segment_mean(h, inputs.segments, inputs.lengths))
+    return _combine(parts, pooled)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Flat real tokens ↔ padded slot tensor: `index` holds each real token's place in the flat S·W grid."""
+
+    index: torch.Tensor
+    slots: int
+    width: int
+    mask: torch.Tensor      # [S, 1, W, W] boolean block mask
+
+
+def _encode_sdpa(parts: _Stacks, inputs: PackedInputs, before_layer: LayerCallback | None) -> torch.Tensor:
+    """Own layers over the HF weights: token-wise work on real tokens only, SDPA per slot."""
+    real = inputs.segments.reshape(-1) >= 0
+    layout = _Layout(real.nonzero().squeeze(1), *inputs.segments.shape, block_mask(inputs.segments))
+    flat = parts.embeddings(input_ids=inputs.input_ids.reshape(1, -1)[:, real],
+                            token_type_ids=inputs.token_type_ids.reshape(1, -1)[:, real],
+                            position_ids=inputs.position_ids.reshape(1, -1)[:, real]).squeeze(0)
+    token_segments = inputs.segments.reshape(-1)[real]
+    pooled = []
+    for stack in parts.stacks:
+        h = flat
+        for i, layer in enumerate(stack):
+            if before_layer is not None:
+                before_layer(i)
+            h = _sdpa_layer(layer, h, layout)
+        pooled.append(segment_mean(h, token_segments, inputs.lengths))
+    return _combine(parts, pooled)
+
+
+def _sdpa_layer(layer: nn.Module, tokens: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    """One BertLayer (post-LN) on flat tokens [T, H], computed as HF's BertLayer computes it."""
+    attention = layer.attention
+    context = _slot_attention(attention.self, tokens, layout)
+    hidden = attention.output.LayerNorm(attention.output.dense(context) + tokens)
+    return layer.output.LayerNorm(layer.output.dense(layer.intermediate(hidden)) + hidden)
+
+
+def _slot_attention(self_attention: nn.Module, tokens: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    heads, size = self_attention.num_attention_heads, self_attention.attention_head_size
+    hidden = tokens.shape[-1]
+
+    def to_slots(projection: nn.Module) -> torch.Tensor:
+        grid = tokens.new_zeros(layout.slots * layout.width, hidden)
+        grid[layout.index] = projection(tokens)
+        return grid.view(layout.slots, layout.width, heads, size).transpose(1, 2)
+
+    q, k, v = (to_slots(p) for p in (self_attention.query, self_attention.key, self_attention.value))
+    context = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, scale=self_attention.scaling)
+    return context.transpose(1, 2).reshape(layout.slots * layout.width, hidden)[layout.index]
