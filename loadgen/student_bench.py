@@ -1,0 +1,122 @@
+"""Student parallelism benchmarks (issue 4): one local mesh, every run against the same schedules.
+
+    python -m academus.loadgen.student_bench --out bench/student [--duration 30] [--workers 2]
+
+Deployments: `student` for `<task>-students`, `padded` for the teacher `<task>` and the single 2-layer
+baseline `<task>-2l`. Steps, each an `academus loadgen` invocation whose report lands under --out:
+
+0. capacity: the padded teacher under a saturating Poisson load; its completed rate is C.
+1. (a)+(b): Poisson at 0.5·C: `<task>:padded`, `<task>-students:student` (full group), `<task>-2l:padded`.
+2. (c): on/off bursts to 3·C (base 0.5·C): `<task>:padded` vs `<task>-students:student`, the student
+   number adapting (the quiet window is shortened to --window seconds so it shows within the run).
+3. (d): the latency breakdown from the recorded traces and from response metadata.
+
+The last line printed is the summary JSON (ratios and the targets they are held against).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import redis
+
+from academus.shared.keys import Keys
+from academus.shared.mesh import Deployment, MeshOptions, down, up
+
+
+def loadgen(run_dir: Path, out: Path, *args: str) -> dict:
+    """One `academus loadgen` run in a subprocess (its own event loop and CPU accounting)."""
+    command = [sys.executable, "-m", "academus.loadgen", *args, "--run-dir", str(run_dir), "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def set_students(state, model: str, number: int) -> None:
+    redis.Redis.from_url(state.redis_url, decode_responses=True).set(Keys(state.key_prefix).students(model), number)
+
+
+def run(args: argparse.Namespace) -> dict:
+    task, out = args.task, args.out
+    students, single = f"{task}-students", f"{task}-2l"
+    run_dir = out / "run"
+    state = up(MeshOptions(
+        run_dir=run_dir, gateway_port=0, workers=args.workers, worker_threads=args.worker_threads,
+        instances=args.instances,
+        deployments=[Deployment("student", students), Deployment("padded", f"{task},{single}")],
+        env={"ACADEMUS_MODELS": f"{task},{students},{single}", "ACADEMUS_ADAPT_WINDOW_S": str(args.window),
+             "ACADEMUS_QUEUE_CAPACITY": str(args.queue)}))
+    common = ["--duration", str(args.duration), "--texts", f"task:{task}", "--timeout", str(args.timeout)]
+    try:
+        capacity_report = loadgen(run_dir, out / "capacity", "run", "--model", task, "--policy", "padded",
+                                  "--schedule", f"poisson:{args.saturate}", *common)
+        capacity = capacity_report["runs"][0]["throughput_rps"]
+        max_students = int(json.loads(redis.Redis.from_url(state.redis_url, decode_responses=True)
+                                      .hget(Keys(state.key_prefix).models(), students))["max_students"])
+        set_students(state, students, max_students)
+        half = loadgen(run_dir, out / "half_load", "compare", "--runs",
+                       f"{task}:padded,{students}:student,{single}:padded",
+                       "--schedule", f"poisson:{0.5 * capacity:.2f}", *common)
+        set_students(state, students, max_students)
+        period = args.duration / 2
+        bursts = loadgen(run_dir, out / "bursts", "compare", "--runs", f"{task}:padded,{students}:student",
+                         "--schedule", f"bursts:{0.5 * capacity:.2f},{3 * capacity:.2f},{period},{period / 2}",
+                         *common)
+        traces = subprocess.run([sys.executable, "-m", "academus.loadgen", "breakdown", "--run-dir", str(run_dir)],
+                                capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+    finally:
+        down(run_dir)
+    return summarise(capacity, half, bursts, json.loads(traces))
+
+
+def summarise(capacity: float, half: dict, bursts: dict, traces: dict) -> dict:
+    teacher, group, single = half["runs"]
+    b_teacher, b_group = bursts["runs"]
+    return {
+        "teacher_capacity_rps": capacity,
+        "a_p95_students_vs_teacher": _ratio(group, teacher, "p95"), "a_target": "<= 0.25",
+        "a_p50_students_vs_teacher": _ratio(group, teacher, "p50"),
+        "b_p50_students_vs_single_2l": _ratio(group, single, "p50"), "b_target": "<= 0.7",
+        "b_p95_students_vs_single_2l": _ratio(group, single, "p95"),
+        "c_throughput_students_vs_teacher": round(b_group["throughput_rps"] / max(b_teacher["throughput_rps"], 1e-9),
+                                                  3),
+        "c_target": ">= 3",
+        "c_p95_students_vs_teacher": _ratio(b_group, b_teacher, "p95"),
+        "c_student_number": b_group.get("student_number"),
+        "accuracy": {r["model"] + ":" + r["policy"]: r.get("accuracy") for r in half["runs"]},
+        "d_breakdown_ms": {f"{r['model']}:{r['policy']}": r.get("breakdown_ms") for r in half["runs"]},
+        "d_trace_breakdown": traces,
+    }
+
+
+def _ratio(run: dict, base: dict, q: str) -> float | None:
+    a, b = run["latency_ms"].get(q), base["latency_ms"].get(q)
+    return round(a / b, 3) if a and b else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m academus.loadgen.student_bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("bench/student"))
+    p.add_argument("--task", choices=["sentiment", "spam"], default="sentiment")
+    p.add_argument("--duration", type=float, default=30.0)
+    p.add_argument("--saturate", type=float, default=400.0, help="offered rps for the capacity run")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--worker-threads", type=int, default=1)
+    p.add_argument("--instances", type=int, default=1)
+    p.add_argument("--window", type=float, default=5.0, help="quiet window before a student is added back (s)")
+    p.add_argument("--queue", type=int, default=256)
+    p.add_argument("--timeout", type=float, default=5.0)
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary = run(args)
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
