@@ -6,7 +6,8 @@ Deployments: `student` for `<task>-students`, `padded` for the teacher `<task>` 
 baseline `<task>-2l`. Steps, each an `academus loadgen` invocation whose report lands under --out:
 
 0. capacity: the padded teacher under a saturating Poisson load; its completed rate is C.
-1. (a)+(b): Poisson at 0.5·C: `<task>:padded`, `<task>-students:student` (full group), `<task>-2l:padded`.
+1. (a)+(b): Poisson at 0.5·C: `<task>:padded`, `<task>-students:student` (S = --students, default one
+   student a worker), `<task>-2l:padded`.
 2. (c): on/off bursts to 3·C (base 0.5·C): `<task>:padded` vs `<task>-students:student`, the student
    number adapting (the quiet window is shortened to --window seconds so it shows within the run).
 3. (d): the latency breakdown from the recorded traces and from response metadata.
@@ -56,11 +57,12 @@ def run(args: argparse.Namespace) -> dict:
         capacity = capacity_report["runs"][0]["throughput_rps"]
         max_students = int(json.loads(redis.Redis.from_url(state.redis_url, decode_responses=True)
                                       .hget(Keys(state.key_prefix).models(), students))["max_students"])
-        set_students(state, students, max_students)
+        group_size = min(args.students or args.workers, max_students)  # default: one student a device
+        set_students(state, students, group_size)
         half = loadgen(run_dir, out / "half_load", "compare", "--runs",
                        f"{task}:padded,{students}:student,{single}:padded",
                        "--schedule", f"poisson:{0.5 * capacity:.2f}", *common)
-        set_students(state, students, max_students)
+        set_students(state, students, group_size)
         period = args.duration / 2
         bursts = loadgen(run_dir, out / "bursts", "compare", "--runs", f"{task}:padded,{students}:student",
                          "--schedule", f"bursts:{0.5 * capacity:.2f},{3 * capacity:.2f},{period},{period / 2}",
@@ -107,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--worker-threads", type=int, default=1)
     p.add_argument("--instances", type=int, default=1)
+    p.add_argument("--students", type=int, default=0, help="the group size S at the start of each run "
+                                                           "(default: one student a worker, capped at M)")
     p.add_argument("--window", type=float, default=5.0, help="quiet window before a student is added back (s)")
     p.add_argument("--queue", type=int, default=256)
     p.add_argument("--timeout", type=float, default=5.0)
