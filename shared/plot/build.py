@@ -7,8 +7,10 @@ token ids are always [CLS] ... [SEP] framed by the tokenizer, so the first and l
 text are run exactly where they sit in the text, a text of one word-piece ([CLS] w [SEP]) is run
 exactly as the full model runs it (the table is exact there), and the attention of every inner
 fragment still has the [CLS] / [SEP] tokens that BERT's heads lean on (a bare three-token input,
-never seen in pre-training, gives states further from the in-context ones). The framing tokens'
-own states are dropped: they belong to the fragment's context, not to the text.
+never seen in pre-training, gives states further from the in-context ones: on 60 WordNet glosses
+the mean cosine of aggregated to in-context layer-K states is 0.94 / 0.90 / 0.86 for K = 1 / 2 / 3
+framed, 0.85 / 0.82 / 0.77 bare). The framing tokens' own states are dropped: they belong to the
+fragment's context, not to the text.
 
 Root version: every distinct trigram of the corpus (or the `--max-entries` most frequent), every
 distinct bigram, and unigrams for the whole vocabulary (`--unigrams vocab`, the default: no valid id
@@ -198,12 +200,13 @@ def build(texts: list[str], out: Path, options: BuildOptions, layers: SplitBert 
             version=options.domain or ROOT, created=datetime.now(UTC).isoformat(timespec="seconds"),
             build_s=round(time.perf_counter() - started, 2),
             top_percent=options.top_percent if options.domain else 100.0,
-            corpus={**(corpus or {}), "texts": len(texts), "tokens": len(tokens.ids)},
+            corpus={**(corpus or {}), "texts": len(texts), "tokens": len(tokens.ids),
+                    "trigram_coverage": round(coverage, 4)},
         )
     except BaseException:
         writer.discard()
         raise
-    return _summary(target, manifest, coverage)
+    return _summary(target, manifest)
 
 
 def _fill(writer: VersionWriter, tokens: Tokenized, layers: SplitBert, options: BuildOptions) -> float:
@@ -226,11 +229,11 @@ def _check_root_for_overlay(out: Path, options: BuildOptions) -> None:
                         f"{options.model} K={options.lower_layers} cannot extend it")
 
 
-def _summary(target: Path, manifest: PlotManifest, coverage: float) -> dict:
+def _summary(target: Path, manifest: PlotManifest) -> dict:
     size = sum((target / name).stat().st_size for name in manifest.files)
     return {"version": manifest.version, "out": str(target), "model": manifest.model,
             "lower_layers": manifest.lower_layers, "entries": manifest.counts, "bytes": size,
-            "build_s": manifest.build_s, "trigram_coverage": round(coverage, 4), **manifest.corpus}
+            "build_s": manifest.build_s, **manifest.corpus}
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -168,38 +168,35 @@ class PlotStore:
         return out
 
     def _backoff(self, grams: np.ndarray) -> np.ndarray:
-        """Missing trigrams (a, b, c): slots from bigrams (a, b) and (b, c), else from unigrams."""
-        out = self._unigrams(grams)
-        left, right = self._bigram_states(grams[:, :2]), self._bigram_states(grams[:, 1:])
-        (lhit, lstates), (rhit, rstates) = left, right
-        out[rhit, 1] = rstates[rhit, 0]
-        out[rhit, 2] = rstates[rhit, 1]
-        out[lhit, 0] = lstates[lhit, 0]
-        out[lhit, 1] = lstates[lhit, 1]        # the left bigram's b wins: it saw a, as the trigram does first
+        """Missing trigrams (a, b, c): slots from bigrams (a, b) and (b, c), the rest from unigrams."""
+        out = np.empty((len(grams), 3, self.hidden), dtype=np.float32)
+        bigram = self.root.tables["bigram"]
+        left, right = bigram.find(pack(grams[:, :2])), bigram.find(pack(grams[:, 1:]))
+        lhit, rhit = left >= 0, right >= 0
+        right_states = bigram.gather(right[rhit])
+        out[rhit, 1:] = right_states
+        out[lhit, :2] = bigram.gather(left[lhit])  # the left bigram's b wins: it saw a, as the trigram does first
+        uncovered = np.stack([~lhit, ~lhit & ~rhit, ~rhit], axis=1)
+        out[uncovered] = self._unigrams(grams[uncovered])
         return out
 
     def _short(self, grams: np.ndarray) -> np.ndarray:
         """A whole sequence of one or two tokens: its bigram, else its unigrams."""
-        out = self._unigrams(grams)
+        out = np.empty((*grams.shape, self.hidden), dtype=np.float32)
+        hit = np.zeros(len(grams), dtype=bool)
         if grams.shape[1] == 2:
-            hit, states = self._bigram_states(grams)
-            out[hit] = states[hit]
+            table = self.root.tables["bigram"]
+            rows = table.find(pack(grams))
+            hit = rows >= 0
+            out[hit] = table.gather(rows[hit])
+        out[~hit] = self._unigrams(grams[~hit].reshape(-1)).reshape(-1, grams.shape[1], self.hidden)
         return out
 
-    def _bigram_states(self, pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        table = self.root.tables["bigram"]
-        rows = table.find(pack(pairs))
-        hit = rows >= 0
-        states = np.zeros((len(pairs), 2, self.hidden), dtype=np.float32)
-        states[hit] = table.gather(rows[hit])
-        return hit, states
-
-    def _unigrams(self, grams: np.ndarray) -> np.ndarray:
-        """(W, n, hidden) from each token's unigram entry ([UNK]'s when it has none)."""
+    def _unigrams(self, tokens: np.ndarray) -> np.ndarray:
+        """(len(tokens), hidden) from each token's unigram entry ([UNK]'s when it has none)."""
         table = self.root.tables["unigram"]
-        rows = table.find(pack(grams.reshape(-1, 1)))
-        rows = np.where(rows >= 0, rows, self._unk)
-        return table.gather(rows)[:, 0].reshape(*grams.shape, self.hidden)
+        rows = table.find(pack(tokens[:, None]))
+        return table.gather(np.where(rows >= 0, rows, self._unk))[:, 0]
 
     def info(self) -> dict[str, object]:
         def version(v: PlotVersion) -> dict[str, object]:

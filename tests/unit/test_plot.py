@@ -214,7 +214,12 @@ def test_fallback_order_domain_root_bigram_unigram(store, lower, domain_lower, t
     close(bigrams[:2], framed_states(lower, [red, apple]))
     close(bigrams[2], framed_states(lower, [apple, pie])[1])
 
-    cat, budget, tree = words(tokenizer, "cat budget tree")   # no bigram either: unigrams
+    cat = words(tokenizer, "cat")[0]                       # only the right bigram (apple pie)
+    right_only = one_window(store, [cat, apple, pie])
+    close(right_only[0], framed_states(lower, [cat])[0])
+    close(right_only[1:], framed_states(lower, [apple, pie]))
+
+    budget, tree = words(tokenizer, "budget tree")           # no bigram either: unigrams
     unigrams = one_window(store, [cat, budget, tree])
     for slot, token in enumerate((cat, budget, tree)):
         close(unigrams[slot], framed_states(lower, [token])[0])
