@@ -76,19 +76,31 @@ class GatewayConfig(CommonConfig):
             raise ConfigError(f"ACADEMUS_MAX_TOKENS={self.max_tokens} exceeds the model's 512 positions")
 
 
-POLICY_NAMES = ("fifo", "padded", "student")
+# concat-slotted / -fcfs / -sjf / -edf: `concat` with ACADEMUS_CONCAT_SLOTTED / _SELECTION fixed by the name, so
+# that the variants can run as deployments side by side (the gateway routes by policy name).
+POLICY_NAMES = ("fifo", "padded", "student", "concat", "concat-slotted", "concat-fcfs", "concat-sjf", "concat-edf",
+                "bucketed")
+CONCAT_SELECTIONS = ("das", "fcfs", "sjf", "edf")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig(CommonConfig):
     scheduler_id: str = ""           # defaults to host:port
-    policy: str = "fifo"             # fifo | padded | student: this deployment's dispatch policy
+    policy: str = "fifo"             # one of POLICY_NAMES: this deployment's dispatch policy
     models: str = ""                 # comma-separated models this deployment serves; empty: every placed model
     max_batch: int = 32              # padded: texts per batch
     max_delay_ms: float = 10.0       # padded: how long the oldest request may wait for the batch to fill
     max_merge: int = 0               # student: samples per buffer element; 0: the profiled value, else 4
     bin_width: int = 8               # student: tokens per length bin (App. B.4.2)
     max_length: int = 128            # student: the binned length range; longer samples share the last bin
+    concat_row_length: int = 128     # concat: L, tokens a row (TCB §4)
+    concat_rows: int = 8             # concat: rows a batch (B)
+    concat_eta: float = 0.5          # concat: DAS η (utility-dominant share); q = 1 − η (TCB §5.2)
+    concat_selection: str = "das"    # concat: das | fcfs | sjf | edf (the row-fill baselines of TCB §6.2.2)
+    concat_slotted: bool = False     # concat: slotted ConcatBatching (Alg. 2) instead of pure
+    concat_oversize: str = "alone"   # concat: a text over L runs alone in its own row, or is refused (reject)
+    batch_overhead_ms: float = 2.0   # concat/bucketed latency model: fixed cost of one batch
+    token_us: float = 20.0           # concat/bucketed latency model: cost per computed token at start (learned)
     load_report_s: float = 0.1       # how often the load signals the resource manager adapts on are written
     queue_capacity: int = 1024       # admission bound: beyond it, RESOURCE_EXHAUSTED at once
     retry_pushback_ms: int = 50
@@ -108,6 +120,21 @@ class SchedulerConfig(CommonConfig):
         if self.max_batch < 1 or self.max_delay_ms < 0:
             raise ConfigError(f"ACADEMUS_MAX_BATCH={self.max_batch} must be >= 1 and "
                               f"ACADEMUS_MAX_DELAY_MS={self.max_delay_ms} >= 0")
+        self._check_concat()
+
+    def _check_concat(self) -> None:
+        if not 1 <= self.concat_row_length <= 512 or not 1 <= self.concat_rows <= 1024:
+            raise ConfigError(f"ACADEMUS_CONCAT_ROW_LENGTH={self.concat_row_length} must be in 1..512 (the model's "
+                              f"positions) and ACADEMUS_CONCAT_ROWS={self.concat_rows} in 1..1024")
+        if not 0 < self.concat_eta < 1:
+            raise ConfigError(f"ACADEMUS_CONCAT_ETA={self.concat_eta} must be in (0, 1) (q = 1 - eta)")
+        if self.concat_selection not in CONCAT_SELECTIONS or self.concat_oversize not in ("alone", "reject"):
+            raise ConfigError(f"ACADEMUS_CONCAT_SELECTION={self.concat_selection!r} must be one of "
+                              f"{', '.join(CONCAT_SELECTIONS)} and ACADEMUS_CONCAT_OVERSIZE="
+                              f"{self.concat_oversize!r} alone|reject")
+        if self.batch_overhead_ms < 0 or self.token_us <= 0:
+            raise ConfigError(f"ACADEMUS_BATCH_OVERHEAD_MS={self.batch_overhead_ms} must be >= 0 and "
+                              f"ACADEMUS_TOKEN_US={self.token_us} > 0")
 
 
 @dataclass(frozen=True)
@@ -121,9 +148,12 @@ class WorkerConfig(CommonConfig):
     artifacts: str = field(default_factory=lambda: str(artifacts_dir()))
     resource_manager: str = ""       # host:port; empty: looked up in Redis
     heartbeat_ttl_s: float = 5.0
+    packed_attention: str = "sdpa"   # packed batches: sdpa (own layers, real tokens only) | hf (HF layers, 4-D mask)
 
     def check(self) -> None:
         super().check()
+        if self.packed_attention not in ("sdpa", "hf"):
+            raise ConfigError(f"ACADEMUS_PACKED_ATTENTION={self.packed_attention!r} must be sdpa|hf")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"ACADEMUS_DEVICE={self.device!r} must be 'cpu' or 'cuda[:N]'")
         if self.torch_threads < 0 or self.instances < 0:

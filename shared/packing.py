@@ -199,7 +199,9 @@ class _Stacks:
     normalize: bool
 
 
-def _stacks(model: nn.Module, num_students: int | None) -> _Stacks:
+def _stacks(model: nn.Module, num_students: int | None, student_indices: Sequence[int] = ()) -> _Stacks:
+    if isinstance(model, StudentGroup) and student_indices:
+        return _member_stacks(model, student_indices)
     if isinstance(model, StudentGroup):
         k = model.check_count(num_students)
         return _Stacks(model.embeddings, [s.encoder.layer for s in model.students[:k]], model.alphas()[:k],
@@ -211,8 +213,18 @@ def _stacks(model: nn.Module, num_students: int | None) -> _Stacks:
     raise TypeError(f"cannot run {type(model).__name__} packed: expected TeacherEncoder, BertModel or StudentGroup")
 
 
+def _member_stacks(group: StudentGroup, indices: Sequence[int]) -> _Stacks:
+    """A group member's share Σ_{m in indices} α_m·S_m(x), unnormalised (as `StudentGroup.partial`)."""
+    if not indices or any(not 0 <= i < group.max_students for i in indices):
+        raise ValueError(f"student indices {list(indices)} must be non-empty and within "
+                         f"0..{group.max_students - 1}: this student group holds {group.max_students} students")
+    alphas = group.alphas()[list(indices)]
+    return _Stacks(group.embeddings, [group.students[i].encoder.layer for i in indices], alphas, False)
+
+
 def encode_packed(model: nn.Module, batch: PackedBatch, attention: Attention = "sdpa",
-                  num_students: int | None = None, before_layer: LayerCallback | None = None) -> torch.Tensor:
+                  num_students: int | None = None, before_layer: LayerCallback | None = None,
+                  student_indices: Sequence[int] = ()) -> torch.Tensor:
     """The served pooled representation of every request, [n_requests, H] in request order.
 
     Equal to the model's own forward on each request alone: `TeacherEncoder` → L2-normalised mean pool;
@@ -220,8 +232,9 @@ def encode_packed(model: nn.Module, batch: PackedBatch, attention: Attention = "
     (`num_students`, None = best_k), all on one shared embedding pass, normalised if `group.normalize`.
     `before_layer(i)` runs before every layer of every student (the worker's deadline check: raising
     there stops the batch). `"sdpa"` calls the layers' submodules, not the `encoder.layer.<i>` modules
-    themselves, so forward hooks registered on those never fire there: use `before_layer`."""
-    parts = _stacks(model, num_students)
+    themselves, so forward hooks registered on those never fire there: use `before_layer`.
+    `student_indices` (a `StudentGroup` only) returns a group member's unnormalised share instead."""
+    parts = _stacks(model, num_students, student_indices)
     run = _encode_hf if attention == "hf" else _encode_sdpa
     out: torch.Tensor | None = None
     for inputs in batch.passes:

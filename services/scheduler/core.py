@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from academus.services.scheduler.policies import DispatchPolicy
+from academus.services.scheduler.policies import BatchPlan, DispatchPolicy
 from academus.shared.errors import DeadlineExceeded, ResourceExhausted, ServingError, Unavailable
 
 
@@ -86,6 +86,8 @@ class Job:
     tried: set[str] = field(default_factory=set)
     started_at: float = 0.0
     max_length: int = 0            # the longest text, in tokens (the length-aware buffer's bin)
+    lengths: tuple[int, ...] = ()  # each text's tokens (concat places texts; empty: one text of num_tokens)
+    plan: BatchPlan | None = None  # set by the concat policy: where this batch's texts sit (ConcatBatching)
 
 
 class WorkerLost(Exception):
@@ -203,12 +205,20 @@ class Dispatcher:
         for group in self.groups:
             while self._free(group):
                 batch = self.policy.next_batch(lambda j, g=group: j.model in g.models, now)
+                self._settle_dropped()
                 if not batch:
                     break
                 batch = [j for j in batch if self._still_wanted(j, now)]
                 if batch:
                     self._start(group, batch)
         self._arm_timer()
+
+    def _settle_dropped(self) -> None:
+        """Answers the jobs the policy took out unrun (a deadline it found cannot be met)."""
+        for job, error in self.policy.take_dropped():
+            if isinstance(error, DeadlineExceeded) and not job.future.done():
+                self.stats.expired += 1
+            self._settle(job, exc=error)
 
     def _arm_timer(self) -> None:
         """Policies that hold jobs back (a batching delay) say when to look again."""
@@ -254,6 +264,7 @@ class Dispatcher:
                 self._settle(job, exc=e)
         else:
             self._observe(batch[0].model, self.clock() - started)
+            self.policy.observe(batch, self.clock() - started)
             if len(results) != len(batch):
                 error = ServingError(f"worker returned {len(results)} results for {len(batch)} requests")
                 for job in batch:

@@ -2,17 +2,24 @@
 
 A policy only holds waiting jobs and forms batches; the Dispatcher owns groups, deadlines and
 admission. `fifo` (one request a dispatch, no waiting), `padded` (the classic dynamic batcher,
-Triton-style) and `student` (Student Parallelism's immediate dispatch + length-aware buffer).
+Triton-style), `student` (Student Parallelism's immediate dispatch + length-aware buffer), `concat`
+(TCB: DAS row selection + ConcatBatching, pure or slotted, or the FCFS/SJF/EDF row fills) and
+`bucketed` (TurboBatching-like length buckets, padded).
 """
 
 from __future__ import annotations
 
+import math
+import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from academus.services.scheduler import das
 from academus.services.scheduler.buffer import LengthAwareBuffer
+from academus.shared.errors import DeadlineExceeded, InvalidArgument, ServingError
 
 if TYPE_CHECKING:
     from academus.services.scheduler.core import Job
@@ -50,6 +57,19 @@ class DispatchPolicy(ABC):
     def depth(self) -> int:
         """Waiting dispatch units (buffer elements for `student`, jobs otherwise): the load signal."""
         return len(self)
+
+    def take_dropped(self) -> list[tuple[Job, ServingError]]:
+        """Jobs the policy took out unrun since the last call (e.g. DAS found they cannot meet their
+        deadline), each with the error to answer it with; the Dispatcher settles them."""
+        return []
+
+    def observe(self, batch: list[Job], seconds: float) -> None:
+        """A batch this policy formed ran in `seconds` (policies with a latency model learn from it)."""
+        return None
+
+    def stats(self) -> dict[str, float]:
+        """Counters for the scheduler's load report."""
+        return {}
 
     def remove(self, predicate: Callable[[Job], bool]) -> list[Job]:
         """Takes out every waiting job matching `predicate` (expired, orphaned)."""
@@ -174,16 +194,253 @@ class StudentPolicy(DispatchPolicy):
         yield from self._jobs
 
 
+class LatencyModel:
+    """Batch latency as a linear model of computed tokens: t = overhead + per_token · tokens, with
+    tokens = rows · L for a concat batch (TCB §5.1: one cost a batch shape) and size · longest for a
+    padded one. `per_token` starts at the configured value and follows the batches measured by the
+    Dispatcher (send → answer, so the hop costs are in it) as an exponential average; `overhead` stays
+    fixed. Attention's L² term is left out: at L ≤ 128 the token-wise layers dominate on this model."""
+
+    def __init__(self, overhead_s: float = 0.002, per_token_s: float = 20e-6, smoothing: float = 0.2) -> None:
+        if overhead_s < 0 or per_token_s <= 0 or not 0 < smoothing <= 1:
+            raise ValueError(f"latency model needs overhead_s >= 0, per_token_s > 0 and smoothing in (0, 1], got "
+                             f"{overhead_s}, {per_token_s}, {smoothing}")
+        self.overhead_s, self.per_token_s, self.smoothing = overhead_s, per_token_s, smoothing
+
+    def __call__(self, rows: int, length: int) -> float:
+        return self.overhead_s + self.per_token_s * rows * length
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0:
+            return
+        sample = max(seconds - self.overhead_s, 0.0) / tokens
+        self.per_token_s += self.smoothing * (sample - self.per_token_s)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Some texts of one job (indices into its own texts) that sit together in one slot."""
+
+    job: Job
+    texts: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """A concat batch's layout over jobs: row → slots → pieces. The scheduler's edge re-indexes it to
+    the merged request's flat text order (`merge_requests`); jobs dropped before sending are skipped."""
+
+    rows: tuple[tuple[tuple[Piece, ...], ...], ...]
+    row_length: int
+    slot_size: int
+
+    @property
+    def computed_tokens(self) -> int:
+        """The batch shape's tokens, rows · L: what the latency model is fitted on."""
+        return len(self.rows) * self.row_length
+
+
+def text_lengths(job: Job) -> tuple[int, ...]:
+    return tuple(job.lengths) or (job.num_tokens,)
+
+
+def spill(job: Job, row_length: int, slot_size: int) -> list[list[list[Piece]]]:
+    """A job too long for one slot, as rows of its own: its texts in order, next fit, into slots of z
+    tokens, L // z slots a row. A text longer than z takes a slot alone (it runs at its own length)."""
+    slots: list[list[int]] = [[]]
+    free = slot_size
+    for k, n in enumerate(text_lengths(job)):
+        if slots[-1] and n > free:
+            slots.append([])
+            free = slot_size
+        slots[-1].append(k)
+        free -= n
+    per_row = row_length // slot_size
+    pieces = [[Piece(job, tuple(slot))] for slot in slots]
+    return [pieces[i:i + per_row] for i in range(0, len(pieces), per_row)]
+
+
+SELECTIONS: dict[str, Callable[..., das.Batch]] = {
+    "fcfs": das.fcfs_rows, "sjf": das.sjf_rows, "edf": das.edf_rows}
+
+
+class _BatchingPolicy(DispatchPolicy):
+    """Shared by `concat` and `bucketed`: a freed group takes a batch of the oldest job's model and
+    output, chosen over every such job waiting; jobs that cannot meet their deadline are handed back."""
+
+    def __init__(self, latency: LatencyModel | None) -> None:
+        super().__init__()
+        self.latency = latency or LatencyModel()
+        self._dropped: list[tuple[Job, ServingError]] = []
+        self.counters = {"batches": 0, "select_ms": 0.0, "batch_ms": 0.0, "dropped_expired": 0}
+
+    def next_batch(self, accepts: Accepts, now: float) -> list[Job]:
+        head = next((j for j in self._jobs if accepts(j)), None)
+        if head is None:
+            return []
+        started = time.perf_counter()
+        mates = [j for j in self._jobs if j.batch_key == head.batch_key and accepts(j)]
+        chosen, expired = self._select(mates, now)
+        gone = {id(j) for j in chosen} | {id(j) for j in expired}
+        self._jobs = deque(j for j in self._jobs if id(j) not in gone)
+        for job in expired:
+            self._dropped.append((job, DeadlineExceeded(
+                "the deadline cannot be met even in the next batch (DAS); not computed")))
+        self.counters["dropped_expired"] += len(expired)
+        self.counters["select_ms"] += (time.perf_counter() - started) * 1e3
+        self.counters["batches"] += bool(chosen)
+        return chosen
+
+    @abstractmethod
+    def _select(self, mates: list[Job], now: float) -> tuple[list[Job], list[Job]]:
+        """(the batch, the expired) among same-key waiting jobs, oldest first."""
+
+    def take_dropped(self) -> list[tuple[Job, ServingError]]:
+        dropped, self._dropped = self._dropped, []
+        return dropped
+
+    def observe(self, batch: list[Job], seconds: float) -> None:
+        self.counters["batch_ms"] += seconds * 1e3
+        self.latency.observe(self._computed_tokens(batch), seconds)
+
+    @abstractmethod
+    def _computed_tokens(self, batch: list[Job]) -> int:
+        """Tokens of the batch's shape, for the latency model."""
+
+    def stats(self) -> dict[str, float]:
+        return dict(self.counters) | {"token_us": self.latency.per_token_s * 1e6}
+
+
+class ConcatPolicy(_BatchingPolicy):
+    """TCB (§4, §5): each time a group frees, Alg. 1 (DAS) — or Alg. 2, slotted — picks the requests
+    for `rows` rows of L tokens among all waiting, by utility 1/l with the deadline-aware set (η + q = 1);
+    the plan (rows → slots → texts) goes with the batch to the worker, which runs it packed. Requests
+    that cannot finish within one batch time are answered DEADLINE_EXCEEDED and never computed. It does
+    not wait for a batch to fill. `selection` swaps DAS for the FCFS, SJF or EDF row fill (TCB §6.2.2).
+
+    A job is one DAS item of its total tokens (a request's texts stay together in one slot); a job
+    over L (one long text, or many texts) runs alone in rows of its own (`spill`), never truncated —
+    unless `oversize="reject"`, where a text over L is refused at once with INVALID_ARGUMENT."""
+
+    name = "concat"
+
+    def __init__(self, row_length: int = 128, rows: int = 8, eta: float = 0.5, selection: str = "das",
+                 slotted: bool = False, oversize: das.Oversize = "alone", latency: LatencyModel | None = None) -> None:
+        super().__init__(latency)
+        if row_length < 1 or rows < 1 or not 0 < eta < 1:
+            raise ValueError(f"concat needs row_length >= 1, rows >= 1 and 0 < eta < 1, got {row_length}, {rows}, "
+                             f"{eta}")
+        if selection != "das" and (selection not in SELECTIONS or slotted):
+            raise ValueError(f"concat selection {selection!r} must be das|fcfs|sjf|edf; slotted needs das")
+        if oversize not in ("alone", "reject"):
+            raise ValueError(f"concat oversize {oversize!r} must be alone|reject")
+        self.row_length, self.rows, self.eta = row_length, rows, eta
+        self.selection, self.slotted, self.oversize = selection, slotted, oversize
+
+    def push(self, job: Job, now: float, front: bool = False) -> None:
+        job.plan = None   # a retried job is placed afresh
+        if self.oversize == "reject" and job.max_length > self.row_length:
+            raise InvalidArgument(f"a text of {job.max_length} tokens is longer than the row length "
+                                  f"L={self.row_length} (ACADEMUS_CONCAT_ROW_LENGTH); ACADEMUS_CONCAT_OVERSIZE=reject "
+                                  f"refuses it rather than truncate it")
+        super().push(job, now, front)
+
+    def _select(self, mates: list[Job], now: float) -> tuple[list[Job], list[Job]]:
+        items = [das.WaitingItem(k, j.num_tokens, j.deadline, j.enqueued_at) for k, j in enumerate(mates)]
+        decision = self._decide(items, now)
+        plan = self._plan(decision, mates)
+        chosen = [mates[k] for k in decision.scheduled()]
+        for job in chosen:
+            job.plan = plan
+        return chosen, [mates[k] for k in decision.expired]
+
+    def _decide(self, items: list[das.WaitingItem], now: float) -> das.Batch:
+        common = dict(now=now, row_length=self.row_length, rows=self.rows, batch_latency=self.latency)
+        if self.selection != "das":
+            return SELECTIONS[self.selection](items, **common)
+        select = das.slotted_das_rows if self.slotted else das.das_rows
+        return select(items, eta=self.eta, q=1 - self.eta, **common)
+
+    def _plan(self, decision: das.Batch, mates: list[Job]) -> BatchPlan:
+        z = decision.slot_size or self.row_length
+        row_slots = decision.slots or [[row] for row in decision.rows]
+        rows: list[list[list[Piece]]] = []
+        for slots in row_slots:
+            jobs = [mates[k] for slot in slots for k in slot]
+            if len(jobs) == 1 and jobs[0].num_tokens > z:
+                rows.extend(spill(jobs[0], self.row_length, z))   # alone, over its slot: rows of its own
+            else:
+                rows.append([[Piece(mates[k], tuple(range(len(text_lengths(mates[k]))))) for k in slot]
+                             for slot in slots])
+        return BatchPlan(tuple(tuple(tuple(slot) for slot in row) for row in rows), self.row_length, z)
+
+    def _computed_tokens(self, batch: list[Job]) -> int:
+        plan = batch[0].plan if batch else None
+        return plan.computed_tokens if plan is not None else 0
+
+    def depth(self) -> int:
+        """Waiting batches: the queue's tokens over one batch's R·L (what the admission estimate needs)."""
+        tokens = sum(min(j.num_tokens, self.row_length) for j in self._jobs)
+        return math.ceil(tokens / (self.rows * self.row_length))
+
+
+class BucketedPolicy(_BatchingPolicy):
+    """TurboBatching-like baseline (`das.bucketed_batches`): each time a group frees, the waiting jobs
+    sorted by length are cut into the padded batches of least total cost (the latency model), at most
+    `max_batch` jobs each; the most urgent batch runs, padded to its longest. Jobs that cannot finish in
+    the costliest batch are answered DEADLINE_EXCEEDED unrun. No waiting for a batch to fill."""
+
+    name = "bucketed"
+
+    def __init__(self, max_batch: int = 32, latency: LatencyModel | None = None) -> None:
+        super().__init__(latency)
+        if max_batch < 1:
+            raise ValueError(f"bucketed policy needs max_batch >= 1, got {max_batch}")
+        self.max_batch = max_batch
+
+    def _select(self, mates: list[Job], now: float) -> tuple[list[Job], list[Job]]:
+        items = [das.WaitingItem(k, max(j.max_length, 1), j.deadline, j.enqueued_at) for k, j in enumerate(mates)]
+        buckets = das.bucketed_batches(items, now, self.max_batch, self.latency)
+        chosen = [mates[k] for k in buckets.batches[0]] if buckets.batches else []
+        return chosen, [mates[k] for k in buckets.expired]
+
+    def _computed_tokens(self, batch: list[Job]) -> int:
+        return sum(j.num_texts for j in batch) * max((j.max_length for j in batch), default=0)
+
+    def depth(self) -> int:
+        return math.ceil(len(self._jobs) / self.max_batch)
+
+
 POLICIES: dict[str, Callable[..., DispatchPolicy]] = {
-    "fifo": FifoPolicy, "padded": PaddedPolicy, "student": StudentPolicy}
+    "fifo": FifoPolicy, "padded": PaddedPolicy, "student": StudentPolicy, "concat": ConcatPolicy,
+    "bucketed": BucketedPolicy}
+# Named variants of `concat` (deployments side by side are told apart by policy name).
+CONCAT_VARIANTS = {"concat-slotted": {"slotted": True, "selection": "das"},
+                   **{f"concat-{k}": {"selection": k, "slotted": False} for k in SELECTIONS}}
+
+
+@dataclass(frozen=True)
+class ConcatSettings:
+    row_length: int = 128
+    rows: int = 8
+    eta: float = 0.5
+    selection: str = "das"
+    slotted: bool = False
+    oversize: das.Oversize = "alone"
 
 
 def make_policy(name: str, max_batch: int = 32, max_delay_s: float = 0.010, max_merge: int = 4,
-                max_length: int = 128) -> DispatchPolicy:
+                max_length: int = 128, concat: ConcatSettings | None = None,
+                latency: LatencyModel | None = None) -> DispatchPolicy:
     if name == "padded":
         return PaddedPolicy(max_batch, max_delay_s)
     if name == "student":
         return StudentPolicy(max_merge, max_length=max_length)
+    if name == "bucketed":
+        return BucketedPolicy(max_batch, latency)
+    if name == "concat" or name in CONCAT_VARIANTS:
+        settings = vars(concat or ConcatSettings()) | CONCAT_VARIANTS.get(name, {})
+        return ConcatPolicy(**settings, latency=latency)
     if name in POLICIES:
         return POLICIES[name]()
-    raise ValueError(f"unknown policy {name!r}; known: {sorted(POLICIES)}")
+    raise ValueError(f"unknown policy {name!r}; known: {sorted([*POLICIES, *CONCAT_VARIANTS])}")

@@ -13,7 +13,7 @@ import numpy as np
 from prometheus_client import Gauge
 
 from academus.services.scheduler.core import Dispatcher, Group, GroupTable, Job, Member, WorkerLost, WorkerRef
-from academus.services.scheduler.policies import StudentPolicy, make_policy
+from academus.services.scheduler.policies import BatchPlan, ConcatSettings, LatencyModel, StudentPolicy, make_policy
 from academus.shared import config as cfg
 from academus.shared.errors import DeadlineExceeded, ServingError, abort_with, from_rpc_error
 from academus.shared.keys import Keys
@@ -41,7 +41,7 @@ class GroupSender:
         remaining = max(j.deadline for j in batch) - self.clock()
         if remaining <= 0:
             raise DeadlineExceeded("deadline passed before dispatch; not computed")
-        request = batch[0].payload if len(batch) == 1 else merge_requests([j.payload for j in batch])
+        request = build_request(batch)
         if len(group.members) == 1 and not group.members[0].students:
             output = await self._call(group.members[0].worker_id, request, remaining)
         else:
@@ -99,7 +99,33 @@ def combine(outputs: Sequence[tensors_pb2.ModelOutput], group: Group) -> tensors
                                                              rows=rows, dim=dim))
 
 
-def merge_requests(requests: Sequence[worker_pb2.RunRequest]) -> worker_pb2.RunRequest:
+def build_request(batch: Sequence[Job]) -> worker_pb2.RunRequest:
+    """The worker call for a batch: one job's own request, or the merged one; with the concat plan."""
+    plan = batch[0].plan
+    if len(batch) == 1 and plan is None:
+        return batch[0].payload
+    return merge_requests([j.payload for j in batch], packing_proto(plan, batch) if plan is not None else None)
+
+
+def packing_proto(plan: BatchPlan, batch: Sequence[Job]) -> worker_pb2.PackingPlan:
+    """The policy's plan over jobs, re-indexed to the merged flat text order (jobs in batch order, each
+    job's texts in its own order). Jobs of the plan no longer in the batch (dropped unrun) are skipped."""
+    first_text, offset = {}, 0
+    for job in batch:
+        first_text[id(job)] = offset
+        offset += job.num_texts
+    out = worker_pb2.PackingPlan(row_length=plan.row_length, slot_size=plan.slot_size)
+    for row in plan.rows:
+        slots = [[first_text[id(p.job)] + t for p in slot if id(p.job) in first_text for t in p.texts]
+                 for slot in row]
+        slots = [slot for slot in slots if slot]
+        if slots:
+            out.rows.append(worker_pb2.PackedRow(slots=[worker_pb2.PackedSlot(requests=slot) for slot in slots]))
+    return out
+
+
+def merge_requests(requests: Sequence[worker_pb2.RunRequest],
+                   packing: worker_pb2.PackingPlan | None = None) -> worker_pb2.RunRequest:
     merged = worker_pb2.RunRequest(batch_id=",".join(r.batch_id for r in requests), model=requests[0].model,
                                    output=requests[0].output, num_students=requests[0].num_students)
     typed = any(r.tokens.token_type_ids for r in requests)
@@ -108,6 +134,8 @@ def merge_requests(requests: Sequence[worker_pb2.RunRequest]) -> worker_pb2.RunR
         merged.tokens.lengths.extend(r.tokens.lengths)
         if typed:
             merged.tokens.token_type_ids.extend(r.tokens.token_type_ids or [0] * len(r.tokens.input_ids))
+    if packing is not None:
+        merged.packing.CopyFrom(packing)
     return merged
 
 
@@ -140,7 +168,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             num_texts=len(tokens.lengths), num_tokens=len(tokens.input_ids),
             deadline=now + (remaining if remaining is not None else 30.0), enqueued_at=now,
             batch_key=(request.model, request.output, self.student_numbers.get(request.model, 0)),
-            max_length=max(tokens.lengths, default=0),
+            max_length=max(tokens.lengths, default=0), lengths=tuple(tokens.lengths),
         )
         annotate(model=request.model, tenant=request.tenant, policy=self.policy, batch_size=job.num_texts)
         try:
@@ -235,7 +263,11 @@ async def build() -> ServiceSpec:
     worker_stubs = Stubs(worker_pb2_grpc.WorkerStub)
     clock = time.monotonic
     policy = make_policy(config.policy, max_batch=config.max_batch, max_delay_s=config.max_delay_ms / 1e3,
-                         max_merge=config.max_merge or 4, max_length=config.max_length)
+                         max_merge=config.max_merge or 4, max_length=config.max_length,
+                         concat=ConcatSettings(config.concat_row_length, config.concat_rows, config.concat_eta,
+                                               config.concat_selection, config.concat_slotted,
+                                               config.concat_oversize),
+                         latency=LatencyModel(config.batch_overhead_ms / 1e3, config.token_us / 1e6))
     workers: dict[str, WorkerRef] = {}
     dispatcher = Dispatcher(policy, GroupSender(worker_stubs, clock, workers),
                             config.queue_capacity, config.retry_pushback_ms, clock)
@@ -264,8 +296,8 @@ async def build() -> ServiceSpec:
         """The signals the resource manager adapts the student number on (buffer depth, idle groups)."""
         if watcher.max_merge and not config.max_merge and isinstance(policy, StudentPolicy):
             policy.buffer.max_merge = watcher.max_merge
-        load = dispatcher.load() | {"merged": getattr(policy, "merged", 0), "policy": config.policy,
-                                    "models": json.dumps(dispatcher.model_load())}
+        load = dispatcher.load() | policy.stats() | {"merged": getattr(policy, "merged", 0), "policy": config.policy,
+                                                     "models": json.dumps(dispatcher.model_load())}
         pipe = redis.pipeline(transaction=True)
         pipe.hset(keys.load(state["id"]), mapping=load)
         pipe.expire(keys.load(state["id"]), ttl)

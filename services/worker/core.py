@@ -1,4 +1,4 @@
-"""The worker's model runner: teacher encoder + task heads, one padded batch at a time.
+"""The worker's model runner: teacher encoder + task heads, one padded or packed batch at a time.
 
 Knows nothing of gRPC. All three default models share one encoder pass: `minilm` returns the
 embedding, `sentiment` and `spam` apply their linear heads to the same embedding.
@@ -22,6 +22,7 @@ from torch import nn
 from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
 from academus.shared.errors import DeadlineExceeded, InvalidArgument, NotFound
 from academus.shared.model import HIDDEN_SIZE, ClassifierHead, TeacherEncoder, pad_batch
+from academus.shared.packing import Attention, PackedBatch, PackingPlan, encode_packed, pack
 
 OUTPUT_EMBEDDING = "embedding"
 OUTPUT_PROBS = "probs"
@@ -103,6 +104,10 @@ class ServedModel:
             share = self.encoder.partial(ids, mask, types, indices)
         except ValueError as e:
             raise InvalidArgument(str(e)) from e
+        return self.finish_share(share, indices, probs)
+
+    def finish_share(self, share: torch.Tensor, indices: Sequence[int], probs: bool) -> tuple[torch.Tensor, str]:
+        """A member's share through the head's weight (bias on the member holding student 0)."""
         if probs:
             logits = share @ self.head.linear.weight.T
             return (logits + self.head.linear.bias if 0 in indices else logits), FINISH_SOFTMAX
@@ -114,9 +119,10 @@ class ModelRunner:
     batches synchronously, one at a time, on the worker's compute thread."""
 
     def __init__(self, artifacts: Path, models: Sequence[str], device: str = "cpu",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, attention: Attention = "sdpa") -> None:
         self.device = resolve_device(device)
         self.clock = clock
+        self.attention = attention   # packed batches: own SDPA layers or HF layers with a 4-D mask
         self.artifacts = Path(artifacts)
         catalogue = json.loads((self.artifacts / "models.json").read_text())
         models = list(models) or sorted(catalogue)
@@ -158,17 +164,21 @@ class ModelRunner:
 
     def _deadline_check(self, layer: str):
         def hook(_module, _args) -> None:
-            deadline = getattr(self._local, "deadline", None)
-            if deadline is not None and self.clock() >= deadline:
-                raise DeadlineExceeded(f"deadline passed before {layer}; the rest was not computed")
+            self._check_deadline(layer)
 
         return hook
 
+    def _check_deadline(self, layer: str) -> None:
+        deadline = getattr(self._local, "deadline", None)
+        if deadline is not None and self.clock() >= deadline:
+            raise DeadlineExceeded(f"deadline passed before {layer}; the rest was not computed")
+
     def run(self, model: str, output: str, input_ids: Sequence[int], lengths: Sequence[int],
             token_type_ids: Sequence[int] = (), deadline: float | None = None, num_students: int = 0,
-            student_indices: Sequence[int] = ()) -> BatchResult:
+            student_indices: Sequence[int] = (), plan: PackingPlan | None = None) -> BatchResult:
         """Runs one batch; refuses to start when `deadline` (clock time) has passed. With
-        `student_indices`, runs only those students of a group and returns their additive share."""
+        `student_indices`, runs only those students of a group and returns their additive share. With
+        `plan` (one entry a text), runs it packed (ConcatBatching) instead of padded."""
         served = self.models.get(model)
         if served is None:
             raise NotFound(f"model {model!r} is not served by this worker")
@@ -179,6 +189,8 @@ class ModelRunner:
             raise DeadlineExceeded("deadline passed before the batch started; not computed")
         seqs = split_lengths(input_ids, lengths)
         types = split_lengths(token_type_ids, lengths) if token_type_ids else None
+        if plan is not None:
+            return self._run_packed(served, output, seqs, types, plan, deadline, students, student_indices)
         start = time.perf_counter()
         ids, mask, type_ids = pad_batch(seqs, types)
         self._local.deadline = deadline
@@ -200,3 +212,40 @@ class ModelRunner:
             student_count=len(student_indices) or students,
             finish=finish,
         )
+
+    def _run_packed(self, served: ServedModel, output: str, seqs: list[Sequence[int]],
+                    types: list[Sequence[int]] | None, plan: PackingPlan, deadline: float | None, students: int,
+                    student_indices: Sequence[int]) -> BatchResult:
+        """ConcatBatching (TCB §4): the plan's rows, block-diagonal attention, per-text pooling; the
+        answers equal the padded path's. Deadline checked before every layer, as the padded path does."""
+        if student_indices and not served.max_students:
+            raise InvalidArgument(f"student_indices set for {served.spec.name!r}, which is not a student group")
+        start = time.perf_counter()
+        batch = packed_batch(seqs, types, plan).to(self.device)
+        self._local.deadline = deadline
+        wants_probs, finish = output == OUTPUT_PROBS, ""
+        with torch.inference_mode():
+            try:
+                pooled = encode_packed(served.encoder, batch, self.attention,
+                                       num_students=students if served.max_students else None,
+                                       before_layer=lambda i: self._check_deadline(f"layer {i}"),
+                                       student_indices=student_indices)
+            except ValueError as e:  # student indices outside the group
+                raise InvalidArgument(str(e)) from e
+            if student_indices:
+                values, finish = served.finish_share(pooled, student_indices, wants_probs)
+            else:
+                values = torch.softmax(served.head(pooled), dim=-1) if wants_probs else pooled
+            values_np = values.float().cpu().numpy()
+        return BatchResult(values=values_np, labels=served.spec.labels if wants_probs else [],
+                           compute_ms=(time.perf_counter() - start) * 1e3, padded_tokens=batch.computed_tokens,
+                           real_tokens=batch.real_tokens, student_count=len(student_indices) or students,
+                           finish=finish)
+
+
+def packed_batch(seqs: list[Sequence[int]], types: list[Sequence[int]] | None, plan: PackingPlan) -> PackedBatch:
+    """The plan's tensors; a plan that does not place every text exactly once, or crams a slot, is refused."""
+    try:
+        return pack(seqs, plan, types)
+    except ValueError as e:
+        raise InvalidArgument(f"packing: {e}") from e

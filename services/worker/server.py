@@ -24,9 +24,10 @@ from academus.services.worker.core import (
 )
 from academus.services.worker.profiling import profile_model
 from academus.shared import config as cfg
-from academus.shared.errors import DeadlineExceeded, ServingError, abort_with
+from academus.shared.errors import DeadlineExceeded, InvalidArgument, ServingError, abort_with
 from academus.shared.keys import Keys
 from academus.shared.logs import log_event
+from academus.shared.packing import PackingPlan
 from academus.shared.redis_conn import connect
 from academus.shared.serving import ServiceSpec, Stubs, run
 from academus.shared.tracing import annotate
@@ -35,6 +36,7 @@ from academus.v1 import (
     resource_manager_pb2,
     resource_manager_pb2_grpc,
     tensors_pb2,
+    worker_pb2,
     worker_pb2_grpc,
 )
 
@@ -69,6 +71,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             result = await asyncio.get_running_loop().run_in_executor(
                 self.executor, self._run, request.model, output, tokens.input_ids, tokens.lengths,
                 tokens.token_type_ids, deadline, request.num_students, list(request.student_indices),
+                plan_from_proto(request),
             )
         except ServingError as e:
             await abort_with(context, e)
@@ -97,6 +100,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise
         BATCHES.labels(model).inc()
         return result
+
+
+def plan_from_proto(request: worker_pb2.RunRequest) -> PackingPlan | None:
+    """The scheduler's ConcatBatching plan (None: run padded); a malformed one is INVALID_ARGUMENT."""
+    if not request.HasField("packing"):
+        return None
+    plan = request.packing
+    rows = [[list(slot.requests) for slot in row.slots] for row in plan.rows]
+    if plan.row_length < 1:
+        raise InvalidArgument(f"packing.row_length={plan.row_length} must be at least 1")
+    try:
+        return PackingPlan.slotted(rows, plan.row_length, plan.slot_size or plan.row_length)
+    except ValueError as e:
+        raise InvalidArgument(f"packing: {e}") from e
 
 
 class Registration:
@@ -171,7 +188,8 @@ async def build() -> ServiceSpec:
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     worker_id = config.worker_id or f"worker-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    runner = ModelRunner(Path(config.artifacts), [m for m in config.models.split(",") if m], config.device)
+    runner = ModelRunner(Path(config.artifacts), [m for m in config.models.split(",") if m], config.device,
+                         attention=config.packed_attention)
     servicer = WorkerServicer(runner, worker_id, config.instances or 1)
     registration = Registration(config, runner, worker_id, servicer)
     return ServiceSpec(

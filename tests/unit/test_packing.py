@@ -218,3 +218,19 @@ def test_unknown_model_is_refused() -> None:
     batch = pack([[1, 2]], PackingPlan.concat([[0]], 8))
     with pytest.raises(TypeError, match="cannot run Linear packed"):
         encode_packed(torch.nn.Linear(2, 2), batch)
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_member_share_equals_the_padded_partial_and_shares_add_up(group, attention) -> None:
+    """A group member's packed share equals `StudentGroup.partial`; the members' shares sum to the group."""
+    seqs, types = make_requests([9, 33, 17], seed=11)
+    batch = pack(seqs, PackingPlan.concat([[0, 2], [1]], 64), types)
+    with torch.inference_mode():
+        shares = [encode_packed(group, batch, attention, student_indices=[i]) for i in (0, 1)]
+        whole = encode_packed(group, batch, attention, num_students=2)
+        expected = torch.cat([group.partial(torch.tensor([s]), torch.ones(1, len(s), dtype=torch.long),
+                                            torch.tensor([t]), [1]) for s, t in zip(seqs, types, strict=True)])
+    assert (shares[1] - expected).abs().max() <= TOLERANCE
+    assert (shares[0] + shares[1] - whole).abs().max() <= TOLERANCE
+    with pytest.raises(ValueError, match=r"within 0\.\.1"):
+        encode_packed(group, batch, attention, student_indices=[2])

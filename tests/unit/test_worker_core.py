@@ -11,6 +11,7 @@ from academus.services.worker.core import OUTPUT_EMBEDDING, OUTPUT_PROBS, ModelR
 from academus.shared.config import artifacts_dir
 from academus.shared.errors import DeadlineExceeded, InvalidArgument, NotFound
 from academus.shared.model import teacher_dir
+from academus.shared.packing import PackingPlan
 from academus.shared.tokenization import TeacherTokenizer
 
 
@@ -87,3 +88,44 @@ def test_unknown_model_in_catalogue_names_prepare(tmp_path):
     (tmp_path / "models.json").write_text("{}")
     with pytest.raises(NotFound, match="academus prepare"):
         ModelRunner(tmp_path, ["spam"])
+
+
+TEXTS = ["free money!!! click here", "see you at the standup", "ok",
+         "a noticeably longer message about the quarterly report and the meeting agenda for next week"]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "hf"])
+def test_packed_batch_equals_the_padded_batch(runner, attention):
+    ids, lengths = flat(TEXTS)
+    plan = PackingPlan.concat([[3, 1], [0, 2]], 32)
+    runner.attention = attention
+    try:
+        for model, output in (("spam", OUTPUT_PROBS), ("minilm", OUTPUT_EMBEDDING)):
+            padded = runner.run(model, output, ids, lengths)
+            packed = runner.run(model, output, ids, lengths, plan=plan)
+            assert abs(packed.values - padded.values).max() <= 1e-4
+            assert packed.labels == padded.labels and packed.real_tokens == sum(lengths)
+            assert sum(lengths) <= packed.padded_tokens < padded.padded_tokens   # less padding than padded
+    finally:
+        runner.attention = "sdpa"
+
+
+def test_packed_batch_stops_between_layers_when_its_deadline_passes(runner):
+    ids, lengths = flat(TEXTS[:2])
+    runner.clock = SteppingClock()
+    try:
+        with pytest.raises(DeadlineExceeded, match="before layer 1"):
+            runner.run("minilm", OUTPUT_EMBEDDING, ids, lengths, deadline=2.5, plan=PackingPlan.concat([[0, 1]], 64))
+    finally:
+        runner.clock = time.monotonic
+
+
+def test_a_plan_that_misplaces_texts_is_refused(runner):
+    ids, lengths = flat(TEXTS[:2])
+    with pytest.raises(InvalidArgument, match="exactly once"):
+        runner.run("minilm", OUTPUT_EMBEDDING, ids, lengths, plan=PackingPlan.concat([[0]], 64))
+    with pytest.raises(InvalidArgument, match="over its size"):
+        runner.run("minilm", OUTPUT_EMBEDDING, ids, lengths, plan=PackingPlan.concat([[0, 1]], 8))
+    with pytest.raises(InvalidArgument, match="not a student group"):
+        runner.run("minilm", OUTPUT_EMBEDDING, ids, lengths, student_indices=[0],
+                   plan=PackingPlan.concat([[0, 1]], 64))

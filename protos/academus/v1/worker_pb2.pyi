@@ -9,17 +9,41 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RunRequest(_message.Message):
-    __slots__ = ("batch_id", "model", "output", "tokens", "num_students", "student_indices")
+    __slots__ = ("batch_id", "model", "output", "tokens", "num_students", "student_indices", "packing")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_STUDENTS_FIELD_NUMBER: _ClassVar[int]
     STUDENT_INDICES_FIELD_NUMBER: _ClassVar[int]
+    PACKING_FIELD_NUMBER: _ClassVar[int]
     batch_id: str
     model: str
     output: _inference_pb2.Output
     tokens: _tensors_pb2.TokenBatch
     num_students: int
     student_indices: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, batch_id: _Optional[str] = ..., model: _Optional[str] = ..., output: _Optional[_Union[_inference_pb2.Output, str]] = ..., tokens: _Optional[_Union[_tensors_pb2.TokenBatch, _Mapping]] = ..., num_students: _Optional[int] = ..., student_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+    packing: PackingPlan
+    def __init__(self, batch_id: _Optional[str] = ..., model: _Optional[str] = ..., output: _Optional[_Union[_inference_pb2.Output, str]] = ..., tokens: _Optional[_Union[_tensors_pb2.TokenBatch, _Mapping]] = ..., num_students: _Optional[int] = ..., student_indices: _Optional[_Iterable[int]] = ..., packing: _Optional[_Union[PackingPlan, _Mapping]] = ...) -> None: ...
+
+class PackingPlan(_message.Message):
+    __slots__ = ("row_length", "slot_size", "rows")
+    ROW_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SLOT_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    row_length: int
+    slot_size: int
+    rows: _containers.RepeatedCompositeFieldContainer[PackedRow]
+    def __init__(self, row_length: _Optional[int] = ..., slot_size: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[PackedRow, _Mapping]]] = ...) -> None: ...
+
+class PackedRow(_message.Message):
+    __slots__ = ("slots",)
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    slots: _containers.RepeatedCompositeFieldContainer[PackedSlot]
+    def __init__(self, slots: _Optional[_Iterable[_Union[PackedSlot, _Mapping]]] = ...) -> None: ...
+
+class PackedSlot(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, requests: _Optional[_Iterable[int]] = ...) -> None: ...

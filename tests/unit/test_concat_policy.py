@@ -1,0 +1,249 @@
+"""The `concat` (TCB DAS + ConcatBatching) and `bucketed` policies under the Dispatcher, on a fake clock:
+the batch a freed group gets, the plan that goes with it to the worker, expiry, oversize requests."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from academus.services.scheduler.core import Dispatcher, Job
+from academus.services.scheduler.policies import (
+    BucketedPolicy,
+    ConcatPolicy,
+    ConcatSettings,
+    LatencyModel,
+    make_policy,
+)
+from academus.services.scheduler.server import build_request
+from academus.services.worker.server import plan_from_proto
+from academus.shared import config as cfg
+from academus.shared.errors import DeadlineExceeded, InvalidArgument
+from academus.shared.packing import pack
+from academus.v1 import worker_pb2
+
+# 10 ms a batch whatever its shape: expiry is then easy to reason about
+FIXED = LatencyModel(overhead_s=0.010, per_token_s=1e-12)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeWorker:
+    """`send` that records each batch and the worker request built from it, and waits for the test."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[Job]] = []
+        self.requests: list[worker_pb2.RunRequest] = []
+        self.answers: list[asyncio.Future] = []
+
+    async def send(self, group, batch):
+        self.batches.append(list(batch))
+        self.requests.append(build_request(batch))
+        answer = asyncio.get_running_loop().create_future()
+        self.answers.append(answer)
+        await answer
+        return [job.payload.batch_id for job in batch]
+
+
+def job(clock: Clock, lengths: tuple[int, ...], name: str = "", deadline_in: float = 5.0, model: str = "minilm") -> Job:
+    ids = [101 + k for n in lengths for k in range(n)]
+    payload = worker_pb2.RunRequest(batch_id=name, model=model)
+    payload.tokens.input_ids.extend(ids)
+    payload.tokens.lengths.extend(lengths)
+    return Job(model=model, payload=payload, num_texts=len(lengths), num_tokens=sum(lengths),
+               deadline=clock() + deadline_in, enqueued_at=clock(), batch_key=(model,), max_length=max(lengths),
+               lengths=lengths)
+
+
+def dispatcher(policy) -> tuple[Dispatcher, Clock, FakeWorker]:
+    clock, worker = Clock(), FakeWorker()
+    d = Dispatcher(policy, worker.send, 1024, 25, clock)
+    d.update_workers({"w0": ("127.0.0.1:1", frozenset({"minilm", "spam"}))})
+    return d, clock, worker
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def queue_behind_a_running_batch(d: Dispatcher, clock: Clock, worker: FakeWorker,
+                                       jobs: list[Job]) -> list[asyncio.Task]:
+    """Occupies the only worker with a first job, then queues `jobs` so the next dispatch sees them all."""
+    tasks = [asyncio.create_task(d.submit(job(clock, (5,), "busy")))]
+    await settle()
+    for j in jobs:
+        tasks.append(asyncio.create_task(d.submit(j)))
+        clock.now += 0.001
+    await settle()
+    return tasks
+
+
+def placed_texts(request: worker_pb2.RunRequest) -> list[int]:
+    return sorted(t for row in request.packing.rows for slot in row.slots for t in slot.requests)
+
+
+async def release(worker: FakeWorker, k: int) -> None:
+    worker.answers[k].set_result(None)
+    await settle()
+
+
+async def finish(worker: FakeWorker, tasks: list[asyncio.Task]) -> list:
+    """Answers every batch sent until every caller has its result."""
+    while not all(t.done() for t in tasks):
+        pending = [a for a in worker.answers if not a.done()]
+        assert pending, "a caller waits but no batch is running"
+        pending[0].set_result(None)
+        await settle()
+    return await asyncio.gather(*tasks)
+
+
+async def test_das_packs_many_requests_into_rows_and_the_plan_reaches_the_worker():
+    d, clock, worker = dispatcher(ConcatPolicy(row_length=32, rows=2, latency=FIXED))
+    lengths = [10, 20, 6, 12, 30, 9, 8]
+    tasks = await queue_behind_a_running_batch(d, clock, worker, [job(clock, (n,), f"j{n}") for n in lengths])
+    await release(worker, 0)
+    batch, request = worker.batches[1], worker.requests[1]
+    assert len(batch) > 2 and len(request.packing.rows) <= 2
+    assert request.packing.row_length == request.packing.slot_size == 32
+    assert placed_texts(request) == list(range(len(batch)))          # every text of the batch exactly once
+    flat = list(request.tokens.lengths)
+    for row in request.packing.rows:
+        assert sum(flat[t] for t in row.slots[0].requests) <= 32     # no row over L
+    # DAS takes the shortest first (utility 1/l): 6, 8, 9 are all in, the 30-token one waits
+    assert {6, 8, 9} <= {j.num_tokens for j in batch} and 30 not in {j.num_tokens for j in batch}
+    pack([[0] * n for n in flat], plan_from_proto(request))        # the worker accepts the plan as is
+    assert sorted(await finish(worker, tasks)) == sorted(["busy", *(f"j{n}" for n in lengths)])
+
+
+async def test_requests_that_cannot_meet_their_deadline_are_answered_and_never_computed():
+    d, clock, worker = dispatcher(ConcatPolicy(row_length=64, rows=4, latency=FIXED))
+    doomed = job(clock, (10,), "doomed", deadline_in=0.5)
+    fine = job(clock, (12,), "fine", deadline_in=5.0)
+    tasks = await queue_behind_a_running_batch(d, clock, worker, [doomed, fine])
+    clock.now = doomed.deadline - 0.005     # still alive, but one batch (10 ms) would end past it
+    await release(worker, 0)
+    with pytest.raises(DeadlineExceeded, match="not computed"):
+        await tasks[1]
+    assert all(doomed is not j for batch in worker.batches for j in batch)
+    assert [j.payload.batch_id for j in worker.batches[1]] == ["fine"] and d.stats.expired == 1
+    await release(worker, 1)
+    assert await tasks[2] == "fine"
+
+
+async def test_an_oversize_request_runs_alone_in_rows_of_its_own_never_truncated():
+    d, clock, worker = dispatcher(ConcatPolicy(row_length=32, rows=4, latency=FIXED))
+    tasks = await queue_behind_a_running_batch(d, clock, worker, [job(clock, (70,), "long"),
+                                                                  job(clock, (8, 40, 9), "multi")])
+    await release(worker, 0)
+    await release(worker, 1)
+    requests = worker.requests[1:]
+    texts = {r.batch_id: list(r.tokens.lengths) for r in requests}
+    long_request = next(r for r in requests if "long" in r.batch_id)
+    long_index = list(long_request.tokens.lengths).index(70)
+    slots = [list(s.requests) for row in long_request.packing.rows for s in row.slots]
+    assert [long_index] in slots                                   # the 70-token text sits alone in its slot
+    assert sum(sum(v) for v in texts.values()) == 70 + 8 + 40 + 9  # nothing cut off
+    for r in requests:
+        pack([[0] * n for n in r.tokens.lengths], plan_from_proto(r))
+    assert sorted(await asyncio.gather(*tasks[1:])) == ["long", "multi"]
+
+
+async def test_oversize_reject_refuses_at_once_naming_the_limit():
+    d, clock, worker = dispatcher(ConcatPolicy(row_length=32, rows=4, oversize="reject", latency=FIXED))
+    with pytest.raises(InvalidArgument, match=r"33 tokens .* L=32 \(ACADEMUS_CONCAT_ROW_LENGTH\)"):
+        await d.submit(job(clock, (10, 33), "too-long"))
+    assert worker.batches == [] and len(d.policy) == 0
+    task = asyncio.create_task(d.submit(job(clock, (32,), "just-fits")))
+    await settle()
+    await release(worker, 0)
+    assert await task == "just-fits"
+
+
+async def test_slotted_das_cuts_rows_into_slots_of_z():
+    d, clock, worker = dispatcher(make_policy("concat-slotted", concat=ConcatSettings(row_length=64, rows=2),
+                                              latency=FIXED))
+    lengths = [7, 9, 12, 14, 10, 8, 11]
+    tasks = await queue_behind_a_running_batch(d, clock, worker, [job(clock, (n,), f"j{n}") for n in lengths])
+    await release(worker, 0)
+    packing = worker.requests[1].packing
+    z = packing.slot_size
+    assert z < 64 and all(len(row.slots) <= 64 // z for row in packing.rows)
+    flat = list(worker.requests[1].tokens.lengths)
+    assert all(sum(flat[t] for t in slot.requests) <= z for row in packing.rows for slot in row.slots)
+    assert sorted(await finish(worker, tasks)) == sorted(["busy", *(f"j{n}" for n in lengths)])
+
+
+@pytest.mark.parametrize(("name", "expected"), [("concat-fcfs", "first"), ("concat-sjf", "short"),
+                                                ("concat-edf", "urgent"), ("concat", "short")])
+async def test_row_fill_baselines_on_the_same_engine(name, expected):
+    """One row of 20 tokens: each selection takes a different one of three 15-token-or-less requests."""
+    d, clock, worker = dispatcher(make_policy(name, concat=ConcatSettings(row_length=20, rows=1), latency=FIXED))
+    queued = [job(clock, (15,), "first", deadline_in=5), job(clock, (14,), "urgent", deadline_in=1),
+              job(clock, (6,), "short", deadline_in=5)]
+    for k, j in enumerate(queued):
+        j.enqueued_at += k * 0.001                                 # arrival order: first, urgent, short
+    await queue_behind_a_running_batch(d, clock, worker, queued)
+    await release(worker, 0)
+    assert worker.batches[1][0].payload.batch_id == expected
+
+
+def test_plan_is_reindexed_to_the_merged_order_and_skips_jobs_dropped_before_sending():
+    clock = Clock()
+    policy = ConcatPolicy(row_length=40, rows=2, latency=FIXED)
+    jobs = [job(clock, (5, 6), "a"), job(clock, (30,), "b"), job(clock, (4,), "c")]
+    for j in jobs:
+        policy.push(j, clock())
+    batch = policy.next_batch(lambda j: True, clock())
+    assert {j.payload.batch_id for j in batch} == {"a", "b", "c"}
+    kept = [j for j in batch if j.payload.batch_id != "b"]          # "b" was cancelled by its caller
+    request = build_request(kept)
+    assert list(request.tokens.lengths) == [n for j in kept for n in j.lengths]
+    assert placed_texts(request) == [0, 1, 2]
+    pack([[0] * n for n in request.tokens.lengths], plan_from_proto(request))
+
+
+async def test_bucketed_groups_similar_lengths_and_pads_without_a_plan():
+    d, clock, worker = dispatcher(BucketedPolicy(max_batch=3, latency=FIXED))
+    lengths = [60, 8, 61, 9, 62, 10]
+    tasks = await queue_behind_a_running_batch(d, clock, worker, [job(clock, (n,), f"j{n}") for n in lengths])
+    await release(worker, 0)
+    await release(worker, 1)
+    sizes = sorted(sorted(j.num_tokens for j in batch) for batch in worker.batches[1:3])
+    assert sizes == [[8, 9, 10], [60, 61, 62]]
+    assert not any(r.HasField("packing") for r in worker.requests)
+    assert len(await finish(worker, tasks)) == 7
+
+
+def test_latency_model_learns_the_per_token_cost():
+    model = LatencyModel(overhead_s=0.002, per_token_s=1e-6, smoothing=0.5)
+    for _ in range(20):
+        model.observe(1000, 0.002 + 1000 * 40e-6)
+    assert model(2, 500) == pytest.approx(0.002 + 1000 * 40e-6, rel=1e-3)
+
+
+def test_depth_counts_waiting_batches_not_requests():
+    clock, policy = Clock(), ConcatPolicy(row_length=32, rows=2)
+    for _ in range(16):
+        policy.push(job(clock, (8,)), clock())
+    assert len(policy) == 16 and policy.depth() == 2               # 128 tokens = two batches of 2 x 32
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError, match="slotted needs das"):
+        ConcatPolicy(selection="fcfs", slotted=True)
+    with pytest.raises(cfg.ConfigError, match="ACADEMUS_CONCAT_ETA"):
+        cfg.load(cfg.SchedulerConfig, env={"ACADEMUS_CONCAT_ETA": "1.0"})
+    with pytest.raises(cfg.ConfigError, match="ACADEMUS_CONCAT_SELECTION"):
+        cfg.load(cfg.SchedulerConfig, env={"ACADEMUS_CONCAT_SELECTION": "lifo"})
+    with pytest.raises(cfg.ConfigError, match="ACADEMUS_CONCAT_ROW_LENGTH"):
+        cfg.load(cfg.SchedulerConfig, env={"ACADEMUS_CONCAT_ROW_LENGTH": "1000"})
+    config = cfg.load(cfg.SchedulerConfig, env={"ACADEMUS_POLICY": "concat-slotted", "ACADEMUS_CONCAT_SLOTTED": "true"})
+    assert config.concat_slotted and isinstance(make_policy(config.policy), ConcatPolicy)
+    assert make_policy("concat-slotted").slotted and make_policy("concat-edf").selection == "edf"
