@@ -42,6 +42,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--deployment", action="append", default=[], metavar="POLICY[=MODELS]",
                    help="a scheduler with this policy (fifo|padded|student) for these comma-separated models; "
                         "repeat for side-by-side deployments (default: one, ACADEMUS_POLICY or fifo, every model)")
+    s.add_argument("--gpus", type=int, default=None,
+                   help="GPUs to use (default: every visible one; 0: CPU workers). With GPUs, one worker a "
+                        "student instance, pinned with CUDA_VISIBLE_DEVICES and sharing its GPU under MPS")
     s.add_argument("--artifacts", type=Path, default=None)
     s.set_defaults(func=cmd_up)
 
@@ -101,7 +104,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 2
     options = MeshOptions(run_dir=_run_dir(args), artifacts=args.artifacts or artifacts_dir(),
                           gateway_port=args.port, workers=args.workers, worker_threads=args.worker_threads,
-                          instances=args.instances, deployments=deployments)
+                          instances=args.instances, deployments=deployments, gpus=args.gpus)
     up(options)
     print(json.dumps(status(options.run_dir)))
     if args.detach:

@@ -19,6 +19,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from academus.shared.config import POLICY_NAMES, artifacts_dir, redis_url_from_env
+from academus.shared.gpu import gpu_count, mps_plan
 from academus.shared.keys import Keys
 from academus.shared.redis_server import RedisServer, free_port
 
@@ -88,6 +89,7 @@ class MeshOptions:
     workers: int = 1
     worker_threads: int = 0
     instances: int = 0                          # student instances per worker (0: its default / profile)
+    gpus: int | None = None                     # None: every visible GPU; 0: CPU workers only
     deployments: list[Deployment] = field(default_factory=lambda: [Deployment()])
     key_prefix: str = "acd"
     env: dict[str, str] = field(default_factory=dict)   # extra ACADEMUS_* settings for every service
@@ -104,11 +106,13 @@ def up(options: MeshOptions) -> MeshState:
     url, redis_pid = _redis(run_dir)
     state = MeshState(str(run_dir), url, redis_pid, "", options.key_prefix)
     state.save()
+    worker_envs = _worker_envs(options)
     try:
         for name in SERVICES:
-            copies = {"worker": options.workers, "scheduler": len(options.deployments)}.get(name, 1)
+            copies = {"worker": len(worker_envs), "scheduler": len(options.deployments)}.get(name, 1)
             for i in range(copies):
-                state.services.append(_spawn(name, i, options, state))
+                extra = worker_envs[i] if name == "worker" else {}
+                state.services.append(_spawn(name, i, options, state, extra))
                 state.save()
                 if name == "resource_manager":
                     wait_healthy(state.services[-1].address, options.ready_timeout_s, state.services[-1])
@@ -116,7 +120,7 @@ def up(options: MeshOptions) -> MeshState:
         state.save()
         for s in state.services:
             wait_healthy(s.address, options.ready_timeout_s, s)
-        _wait_placed(state, options.workers, options.ready_timeout_s)
+        _wait_placed(state, len(worker_envs), options.ready_timeout_s)
         ensure_admin_key(state)
     except BaseException:
         down(run_dir)
@@ -132,7 +136,16 @@ def _redis(run_dir: Path) -> tuple[str, int | None]:
     return server.url, server.process.pid
 
 
-def _spawn(name: str, index: int, options: MeshOptions, state: MeshState) -> ServiceProcess:
+def _worker_envs(options: MeshOptions) -> list[dict[str, str]]:
+    """On a GPU node, one worker process a student instance, each pinned to its GPU and sharing it
+    under MPS (the resource manager starts the daemon); on CPU, `workers` plain processes."""
+    gpus = gpu_count() if options.gpus is None else options.gpus
+    plan = mps_plan(gpus, options.instances or 1)
+    return [env | {"ACADEMUS_INSTANCES": "1"} for env in plan] if plan else [{}] * options.workers
+
+
+def _spawn(name: str, index: int, options: MeshOptions, state: MeshState,
+           extra: dict[str, str] | None = None) -> ServiceProcess:
     port = options.gateway_port if name == "gateway" and options.gateway_port else free_port()
     metrics_port = free_port()
     env = {**os.environ, **options.env,
@@ -146,6 +159,7 @@ def _spawn(name: str, index: int, options: MeshOptions, state: MeshState) -> Ser
             env["ACADEMUS_TORCH_THREADS"] = str(options.worker_threads)
         if options.instances:
             env["ACADEMUS_INSTANCES"] = str(options.instances)
+        env.update(extra or {})
     if name == "scheduler":
         deployment = options.deployments[index]
         env["ACADEMUS_SCHEDULER_ID"] = f"scheduler-{index}"

@@ -5,7 +5,6 @@
 - `StudentNumber`: drops the last-trained student when the buffer reaches the group count; adds one
   back when the buffer stayed empty and idle students outnumbered busy groups for a whole window.
 - `choose_profile`: the grid search's pick, most throughput without raising latency.
-- `mps_plan`: which environment pins each GPU worker and shares its GPU under MPS.
 """
 
 from __future__ import annotations
@@ -118,25 +117,3 @@ def choose_profile(points: Sequence[ProfilePoint], tolerance: float = 1.5) -> Pr
     base = min(points, key=lambda p: (p.instances, p.merge))
     fitting = [p for p in points if p.latency_ms <= tolerance * base.latency_ms]
     return max(fitting, key=lambda p: (p.throughput, -p.instances, -p.merge))
-
-
-def mps_plan(gpus: int, instances_per_gpu: int) -> list[dict[str, str]]:
-    """The environment of each GPU worker: pinned to its GPU, sharing it under MPS with an equal
-    active-thread percentage. No GPUs: no plan (the CPU path starts plain workers)."""
-    if gpus < 1:
-        return []
-    if instances_per_gpu < 1:
-        raise ValueError(f"instances per GPU must be >= 1, not {instances_per_gpu}")
-    share = str(max(1, 100 // instances_per_gpu))
-    return [{"CUDA_VISIBLE_DEVICES": str(g), "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": share,
-             "ACADEMUS_DEVICE": "cuda:0"}  # the one visible GPU
-            for g in range(gpus) for _ in range(instances_per_gpu)]
-
-
-def mps_action(gpus: int, mode: str, daemon_running: bool, binary_found: bool) -> str:
-    """What the resource manager does about MPS at start: skip | running | start | missing."""
-    if mode == "off" or gpus < 1:
-        return "skip"
-    if daemon_running:
-        return "running"
-    return "start" if binary_found else "missing"

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
-import subprocess
 
-import torch
-
-from academus.services.resource_manager.allocation import ProfilePoint, choose_profile, mps_action
+from academus.services.resource_manager.allocation import ProfilePoint, choose_profile
 from academus.services.resource_manager.core import GroupPlanner, PlacementTable, WorkerInfo
 from academus.shared import config as cfg
 from academus.shared.catalogue import ModelSpec
+from academus.shared.gpu import start_mps
 from academus.shared.keys import Keys
 from academus.shared.logs import log_event
 from academus.shared.redis_conn import connect
@@ -109,19 +106,6 @@ async def build() -> ServiceSpec:
         on_stopped=redis.aclose,
         extra_tasks=[reaper, adapter],
     )
-
-
-def start_mps(mode: str) -> str:
-    """Starts the MPS control daemon on a GPU node when it is not running (App. B.4: students of
-    different groups share each GPU through MPS). Without GPUs nothing happens."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    binary = shutil.which("nvidia-cuda-mps-control")
-    running = subprocess.run(["pgrep", "-x", "nvidia-cuda-mps"], capture_output=True).returncode == 0 \
-        if gpus and shutil.which("pgrep") else False
-    action = mps_action(gpus, mode, running, binary is not None)
-    if action == "start":
-        subprocess.run([binary, "-d"], check=True, timeout=30)
-    return action
 
 
 def main() -> None:

@@ -13,9 +13,8 @@ from academus.services.resource_manager.allocation import (
     StudentNumber,
     allocate_groups,
     choose_profile,
-    mps_action,
-    mps_plan,
 )
+from academus.shared.gpu import mps_action, mps_plan, start_mps
 
 
 def devices(g: int, capacity: int = 1) -> list[Device]:
@@ -150,3 +149,7 @@ def test_mps_plan_pins_each_worker_to_a_gpu_with_an_equal_thread_share():
     assert [p["CUDA_VISIBLE_DEVICES"] for p in plan] == ["0"] * 4 + ["1"] * 4
     assert {p["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] for p in plan} == {"25"}
     assert mps_plan(0, 4) == []
+
+
+def test_start_mps_does_nothing_without_gpus():
+    assert start_mps("auto", gpus=0) == "skip"

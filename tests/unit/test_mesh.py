@@ -44,3 +44,22 @@ def test_admin_key_is_stable_private_and_stored_hashed(tmp_path, redis_url):
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     assert client.hgetall(Keys().api_key(key)) == {"tenant": "admin", "role": "admin"}
     assert not any(key in k for k in client.keys("*"))
+
+
+def test_workers_are_one_a_gpu_instance_under_mps_and_plain_processes_on_cpu(tmp_path):
+    from academus.shared.mesh import MeshOptions, _worker_envs
+
+    gpu = _worker_envs(MeshOptions(run_dir=tmp_path, workers=1, instances=2, gpus=2))
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in gpu] == ["0", "0", "1", "1"]
+    assert {e["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] for e in gpu} == {"50"}
+    assert {e["ACADEMUS_INSTANCES"] for e in gpu} == {"1"}
+    assert _worker_envs(MeshOptions(run_dir=tmp_path, workers=3, gpus=0)) == [{}, {}, {}]
+
+
+def test_a_deployment_names_a_known_policy():
+    from academus.shared.mesh import Deployment, MeshError
+
+    assert Deployment.parse("student=sentiment-students,spam-students") == Deployment(
+        "student", "sentiment-students,spam-students")
+    with pytest.raises(MeshError, match="policy must be one of"):
+        Deployment.parse("fastest=spam")

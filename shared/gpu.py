@@ -1,0 +1,48 @@
+"""GPU placement helpers shared by the resource manager and `academus up`: how many GPUs, how each
+worker is pinned to one and shares it under MPS (Student Parallelism App. B.4), and whether the MPS
+control daemon must be started. Every function has a CPU answer: no GPUs, nothing to do."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+
+def gpu_count() -> int:
+    import torch  # only here: the gateway and scheduler never need torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def mps_plan(gpus: int, instances_per_gpu: int) -> list[dict[str, str]]:
+    """The environment of each GPU worker: pinned to its GPU, sharing it under MPS with an equal
+    active-thread percentage. No GPUs: no plan (the CPU path starts plain workers)."""
+    if gpus < 1:
+        return []
+    if instances_per_gpu < 1:
+        raise ValueError(f"instances per GPU must be >= 1, not {instances_per_gpu}")
+    share = str(max(1, 100 // instances_per_gpu))
+    return [{"CUDA_VISIBLE_DEVICES": str(g), "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": share,
+             "ACADEMUS_DEVICE": "cuda:0"}  # the one visible GPU
+            for g in range(gpus) for _ in range(instances_per_gpu)]
+
+
+def mps_action(gpus: int, mode: str, daemon_running: bool, binary_found: bool) -> str:
+    """What the resource manager does about MPS at start: skip | running | start | missing."""
+    if mode == "off" or gpus < 1:
+        return "skip"
+    if daemon_running:
+        return "running"
+    return "start" if binary_found else "missing"
+
+
+def start_mps(mode: str, gpus: int | None = None) -> str:
+    """Starts `nvidia-cuda-mps-control -d` on a GPU node when it is not running; returns the action."""
+    gpus = gpu_count() if gpus is None else gpus
+    binary = shutil.which("nvidia-cuda-mps-control")
+    running = bool(gpus) and shutil.which("pgrep") is not None and subprocess.run(
+        ["pgrep", "-f", "nvidia-cuda-mps-control"], capture_output=True).returncode == 0
+    action = mps_action(gpus, mode, running, binary is not None)
+    if action == "start":
+        subprocess.run([binary, "-d"], check=True, timeout=30)
+    return action
