@@ -134,6 +134,10 @@ class PaddedPolicy(DispatchPolicy):
     def wake_at(self) -> float | None:
         return min((j.enqueued_at + self.max_delay_s for j in self._jobs), default=None)
 
+    def depth(self) -> int:
+        """Waiting batches, not jobs: the admission check multiplies it by one batch time."""
+        return math.ceil(len(self._jobs) / self.max_batch)
+
 
 class StudentPolicy(DispatchPolicy):
     """Student Parallelism's dispatch (§3.3.2, App. B.4.2): a sample goes at once to an idle group;
@@ -195,26 +199,50 @@ class StudentPolicy(DispatchPolicy):
 
 
 class LatencyModel:
-    """Batch latency as a linear model of computed tokens: t = overhead + per_token · tokens, with
-    tokens = rows · L for a concat batch (TCB §5.1: one cost a batch shape) and size · longest for a
-    padded one. `per_token` starts at the configured value and follows the batches measured by the
-    Dispatcher (send → answer, so the hop costs are in it) as an exponential average; `overhead` stays
-    fixed. Attention's L² term is left out: at L ≤ 128 the token-wise layers dominate on this model."""
+    """Batch latency as a linear model of computed tokens, t = a + b · tokens, with tokens = rows · L for
+    a concat batch (TCB §5.1: one cost a batch shape) and size · longest for a padded one. a and b are a
+    least-squares fit over the batches the Dispatcher measured (send → answer, so the hops are in a),
+    exponentially weighted (`memory` batches), seeded with two points from the configured prior
+    (a = overhead_s, b = per_token_s) so the first estimates are sane. Attention's L² term is left out:
+    at L ≤ 256 the token-wise layers dominate on this model."""
 
-    def __init__(self, overhead_s: float = 0.002, per_token_s: float = 20e-6, smoothing: float = 0.2) -> None:
-        if overhead_s < 0 or per_token_s <= 0 or not 0 < smoothing <= 1:
-            raise ValueError(f"latency model needs overhead_s >= 0, per_token_s > 0 and smoothing in (0, 1], got "
-                             f"{overhead_s}, {per_token_s}, {smoothing}")
-        self.overhead_s, self.per_token_s, self.smoothing = overhead_s, per_token_s, smoothing
+    PRIOR_TOKENS = 1024
+
+    def __init__(self, overhead_s: float = 0.002, per_token_s: float = 20e-6, memory: int = 50) -> None:
+        if overhead_s < 0 or per_token_s <= 0 or memory < 1:
+            raise ValueError(f"latency model needs overhead_s >= 0, per_token_s > 0 and memory >= 1, got "
+                             f"{overhead_s}, {per_token_s}, {memory}")
+        self.overhead_s, self.per_token_s = overhead_s, per_token_s
+        self._keep = 1 - 1 / memory
+        self._sums = [0.0] * 5      # weighted Σ1, Σx, Σy, Σx², Σxy
+        for tokens in (0, self.PRIOR_TOKENS):
+            self._add(tokens, overhead_s + per_token_s * tokens, decay=False)
 
     def __call__(self, rows: int, length: int) -> float:
         return self.overhead_s + self.per_token_s * rows * length
 
     def observe(self, tokens: int, seconds: float) -> None:
-        if tokens <= 0:
+        if tokens > 0:
+            self._add(tokens, seconds, decay=True)
+            self._fit()
+
+    def _add(self, x: float, y: float, decay: bool) -> None:
+        keep = self._keep if decay else 1.0
+        self._sums = [keep * s + v for s, v in zip(self._sums, (1.0, x, y, x * x, x * y), strict=True)]
+
+    def _fit(self) -> None:
+        n, sx, sy, sxx, sxy = self._sums
+        spread = n * sxx - sx * sx
+        if spread <= 1e-9 * n * sxx:     # every recent batch had one shape: keep the slope, move the level
+            self.overhead_s = max(0.0, (sy - self.per_token_s * sx) / n)
             return
-        sample = max(seconds - self.overhead_s, 0.0) / tokens
-        self.per_token_s += self.smoothing * (sample - self.per_token_s)
+        slope = (n * sxy - sx * sy) / spread
+        intercept = (sy - slope * sx) / n
+        if slope <= 0:                   # noise hides the token cost: a flat cost, the mean batch time
+            slope, intercept = 1e-12, sy / n
+        elif intercept < 0:              # a steep line: through the origin instead
+            slope, intercept = sxy / sxx, 0.0
+        self.per_token_s, self.overhead_s = slope, intercept
 
 
 @dataclass(frozen=True)
@@ -308,7 +336,8 @@ class _BatchingPolicy(DispatchPolicy):
         """Tokens of the batch's shape, for the latency model."""
 
     def stats(self) -> dict[str, float]:
-        return dict(self.counters) | {"token_us": self.latency.per_token_s * 1e6}
+        return dict(self.counters) | {"token_us": self.latency.per_token_s * 1e6,
+                                      "overhead_ms": self.latency.overhead_s * 1e3}
 
 
 class ConcatPolicy(_BatchingPolicy):

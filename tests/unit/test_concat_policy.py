@@ -13,6 +13,7 @@ from academus.services.scheduler.policies import (
     ConcatPolicy,
     ConcatSettings,
     LatencyModel,
+    PaddedPolicy,
     make_policy,
 )
 from academus.services.scheduler.server import build_request
@@ -22,8 +23,12 @@ from academus.shared.errors import DeadlineExceeded, InvalidArgument
 from academus.shared.packing import pack
 from academus.v1 import worker_pb2
 
-# 10 ms a batch whatever its shape: expiry is then easy to reason about
-FIXED = LatencyModel(overhead_s=0.010, per_token_s=1e-12)
+BATCH_S = 0.010   # every fake batch takes 10 ms of clock time, whatever its shape
+
+
+def fixed() -> LatencyModel:
+    """A latency model that already knows it: 10 ms a batch."""
+    return LatencyModel(overhead_s=BATCH_S, per_token_s=1e-12)
 
 
 class Clock:
@@ -37,7 +42,8 @@ class Clock:
 class FakeWorker:
     """`send` that records each batch and the worker request built from it, and waits for the test."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
         self.batches: list[list[Job]] = []
         self.requests: list[worker_pb2.RunRequest] = []
         self.answers: list[asyncio.Future] = []
@@ -48,6 +54,7 @@ class FakeWorker:
         answer = asyncio.get_running_loop().create_future()
         self.answers.append(answer)
         await answer
+        self.clock.now += BATCH_S
         return [job.payload.batch_id for job in batch]
 
 
@@ -62,7 +69,8 @@ def job(clock: Clock, lengths: tuple[int, ...], name: str = "", deadline_in: flo
 
 
 def dispatcher(policy) -> tuple[Dispatcher, Clock, FakeWorker]:
-    clock, worker = Clock(), FakeWorker()
+    clock = Clock()
+    worker = FakeWorker(clock)
     d = Dispatcher(policy, worker.send, 1024, 25, clock)
     d.update_workers({"w0": ("127.0.0.1:1", frozenset({"minilm", "spam"}))})
     return d, clock, worker
@@ -105,7 +113,7 @@ async def finish(worker: FakeWorker, tasks: list[asyncio.Task]) -> list:
 
 
 async def test_das_packs_many_requests_into_rows_and_the_plan_reaches_the_worker():
-    d, clock, worker = dispatcher(ConcatPolicy(row_length=32, rows=2, latency=FIXED))
+    d, clock, worker = dispatcher(ConcatPolicy(row_length=32, rows=2, latency=fixed()))
     lengths = [10, 20, 6, 12, 30, 9, 8]
     tasks = await queue_behind_a_running_batch(d, clock, worker, [job(clock, (n,), f"j{n}") for n in lengths])
     await release(worker, 0)
@@ -123,7 +131,7 @@ async def test_das_packs_many_requests_into_rows_and_the_plan_reaches_the_worker
 
 
 async def test_requests_that_cannot_meet_their_deadline_are_answered_and_never_computed():
-    d, clock, worker = dispatcher(ConcatPolicy(row_length=64, rows=4, latency=FIXED))
+    d, clock, worker = dispatcher(ConcatPolicy(row_length=64, rows=4, latency=fixed()))
     doomed = job(clock, (10,), "doomed", deadline_in=0.5)
     fine = job(clock, (12,), "fine", deadline_in=5.0)
     tasks = await queue_behind_a_running_batch(d, clock, worker, [doomed, fine])
@@ -138,7 +146,7 @@ async def test_requests_that_cannot_meet_their_deadline_are_answered_and_never_c
 
 
 async def test_an_oversize_request_runs_alone_in_rows_of_its_own_never_truncated():
-    d, clock, worker = dispatcher(ConcatPolicy(row_length=32, rows=4, latency=FIXED))
+    d, clock, worker = dispatcher(ConcatPolicy(row_length=32, rows=4, latency=fixed()))
     tasks = await queue_behind_a_running_batch(d, clock, worker, [job(clock, (70,), "long"),
                                                                   job(clock, (8, 40, 9), "multi")])
     await release(worker, 0)
@@ -156,7 +164,7 @@ async def test_an_oversize_request_runs_alone_in_rows_of_its_own_never_truncated
 
 
 async def test_oversize_reject_refuses_at_once_naming_the_limit():
-    d, clock, worker = dispatcher(ConcatPolicy(row_length=32, rows=4, oversize="reject", latency=FIXED))
+    d, clock, worker = dispatcher(ConcatPolicy(row_length=32, rows=4, oversize="reject", latency=fixed()))
     with pytest.raises(InvalidArgument, match=r"33 tokens .* L=32 \(ACADEMUS_CONCAT_ROW_LENGTH\)"):
         await d.submit(job(clock, (10, 33), "too-long"))
     assert worker.batches == [] and len(d.policy) == 0
@@ -168,7 +176,7 @@ async def test_oversize_reject_refuses_at_once_naming_the_limit():
 
 async def test_slotted_das_cuts_rows_into_slots_of_z():
     d, clock, worker = dispatcher(make_policy("concat-slotted", concat=ConcatSettings(row_length=64, rows=2),
-                                              latency=FIXED))
+                                              latency=fixed()))
     lengths = [7, 9, 12, 14, 10, 8, 11]
     tasks = await queue_behind_a_running_batch(d, clock, worker, [job(clock, (n,), f"j{n}") for n in lengths])
     await release(worker, 0)
@@ -184,7 +192,7 @@ async def test_slotted_das_cuts_rows_into_slots_of_z():
                                                 ("concat-edf", "urgent"), ("concat", "short")])
 async def test_row_fill_baselines_on_the_same_engine(name, expected):
     """One row of 20 tokens: each selection takes a different one of three 15-token-or-less requests."""
-    d, clock, worker = dispatcher(make_policy(name, concat=ConcatSettings(row_length=20, rows=1), latency=FIXED))
+    d, clock, worker = dispatcher(make_policy(name, concat=ConcatSettings(row_length=20, rows=1), latency=fixed()))
     queued = [job(clock, (15,), "first", deadline_in=5), job(clock, (14,), "urgent", deadline_in=1),
               job(clock, (6,), "short", deadline_in=5)]
     for k, j in enumerate(queued):
@@ -196,7 +204,7 @@ async def test_row_fill_baselines_on_the_same_engine(name, expected):
 
 def test_plan_is_reindexed_to_the_merged_order_and_skips_jobs_dropped_before_sending():
     clock = Clock()
-    policy = ConcatPolicy(row_length=40, rows=2, latency=FIXED)
+    policy = ConcatPolicy(row_length=40, rows=2, latency=fixed())
     jobs = [job(clock, (5, 6), "a"), job(clock, (30,), "b"), job(clock, (4,), "c")]
     for j in jobs:
         policy.push(j, clock())
@@ -210,7 +218,7 @@ def test_plan_is_reindexed_to_the_merged_order_and_skips_jobs_dropped_before_sen
 
 
 async def test_bucketed_groups_similar_lengths_and_pads_without_a_plan():
-    d, clock, worker = dispatcher(BucketedPolicy(max_batch=3, latency=FIXED))
+    d, clock, worker = dispatcher(BucketedPolicy(max_batch=3, latency=fixed()))
     lengths = [60, 8, 61, 9, 62, 10]
     tasks = await queue_behind_a_running_batch(d, clock, worker, [job(clock, (n,), f"j{n}") for n in lengths])
     await release(worker, 0)
@@ -221,11 +229,16 @@ async def test_bucketed_groups_similar_lengths_and_pads_without_a_plan():
     assert len(await finish(worker, tasks)) == 7
 
 
-def test_latency_model_learns_the_per_token_cost():
-    model = LatencyModel(overhead_s=0.002, per_token_s=1e-6, smoothing=0.5)
-    for _ in range(20):
-        model.observe(1000, 0.002 + 1000 * 40e-6)
-    assert model(2, 500) == pytest.approx(0.002 + 1000 * 40e-6, rel=1e-3)
+def test_latency_model_fits_overhead_and_per_token_cost():
+    model = LatencyModel(overhead_s=0.002, per_token_s=1e-6, memory=20)
+    assert model(2, 512) == pytest.approx(0.002 + 1024e-6)         # the prior before any batch
+    for _ in range(200):
+        for tokens in (64, 512, 1024):
+            model.observe(tokens, 0.015 + tokens * 40e-6)
+    assert model.overhead_s == pytest.approx(0.015, rel=1e-3) and model.per_token_s == pytest.approx(40e-6, rel=1e-3)
+    for _ in range(200):                                           # one shape only: its level is followed
+        model.observe(1024, 0.080)
+    assert model(1, 1024) == pytest.approx(0.080, rel=1e-3)
 
 
 def test_depth_counts_waiting_batches_not_requests():
@@ -233,6 +246,14 @@ def test_depth_counts_waiting_batches_not_requests():
     for _ in range(16):
         policy.push(job(clock, (8,)), clock())
     assert len(policy) == 16 and policy.depth() == 2               # 128 tokens = two batches of 2 x 32
+
+
+def test_padded_depth_counts_waiting_batches_too():
+    """The admission check multiplies depth by one batch time: counting jobs refused nearly everything."""
+    clock, policy = Clock(), PaddedPolicy(max_batch=16)
+    for _ in range(40):
+        policy.push(job(clock, (8,)), clock())
+    assert policy.depth() == 3
 
 
 def test_settings_are_checked():
