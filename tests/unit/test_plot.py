@@ -25,6 +25,7 @@ from academus.shared.plot.build import BuildOptions, build, count_ngrams, most_f
 from academus.shared.plot.hierarchical import HierarchicalEncoder
 from academus.shared.plot.layers import SplitBert
 from academus.shared.plot.ngrams import MISSING, NgramIndex, pack, unpack, window_starts
+from academus.shared.plot.store import SLOT_WEIGHTS
 from academus.shared.tokenization import TeacherTokenizer
 
 K = 3
@@ -184,7 +185,7 @@ def test_lookup_is_exact_for_inputs_of_up_to_three_tokens(store, lower, tokenize
         close(one_window(store, ids), computed)
 
 
-def test_aggregation_is_the_mean_over_the_windows_holding_each_token(store, lower, tokenizer):
+def test_aggregation_is_the_slot_weighted_mean_over_the_windows_holding_each_token(store, lower, tokenizer):
     texts = ["the cat sat on the mat", "hello", "i really like the style"]
     seqs = [ids_of(tokenizer, t) for t in texts]
     result = store.lookup(np.concatenate(seqs), np.array([len(s) for s in seqs]))
@@ -193,11 +194,14 @@ def test_aggregation_is_the_mean_over_the_windows_holding_each_token(store, lowe
         total, terms = np.zeros((len(seq), 384)), np.zeros(len(seq))
         for i in range(max(len(seq) - 2, 1)):
             fragment = seq[i:i + 3]
-            total[i:i + len(fragment)] += framed_states(lower, fragment)
-            terms[i:i + len(fragment)] += 1
+            for slot, state in enumerate(framed_states(lower, fragment)):
+                total[i + slot] += SLOT_WEIGHTS[slot] * state
+                terms[i + slot] += SLOT_WEIGHTS[slot]
         expected.append(total / terms[:, None])
     close(result.states, np.concatenate(expected))
     assert result.counts.root == sum(len(s) - 2 for s in seqs) and result.counts.backoff == 0
+    with pytest.raises(ValueError, match="positive"):
+        PlotStore(store.root, slot_weights=(1.0, 0.0, 1.0))
 
 
 def test_fallback_order_domain_root_bigram_unigram(store, lower, domain_lower, tokenizer):
@@ -339,3 +343,14 @@ def test_cli_build_prints_the_summary_last(tmp_path, capsys):
     assert PlotStore.open(out, lower_layers=1).root.manifest.counts == summary["entries"]
     assert main(["plot", "build", "--corpus", "no-such-corpus", "--out", str(out)]) == 1
     assert "neither a file" in capsys.readouterr().err
+
+
+def test_service_core_applies_the_request_limits(store):
+    from academus.services.plot.core import PlotLookup
+
+    core = PlotLookup(store, max_tokens=4)
+    assert core.lookup(np.array([CLS, SEP]), np.array([2])).states.shape == (2, 384)
+    with pytest.raises(InvalidTokens, match="limit is 4"):
+        core.lookup(np.array([CLS] * 5), np.array([5]))
+    with pytest.raises(InvalidTokens, match="no sequence"):
+        core.lookup(np.array([], np.int64), np.array([], np.int64))
