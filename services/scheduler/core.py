@@ -188,16 +188,19 @@ class Dispatcher:
         return await job.future
 
     def _check_deadline(self, job: Job) -> None:
-        """Refuses at once what cannot finish in time: the waits ahead of it plus one batch time."""
+        """Refuses at once what cannot start in time: the batches queued ahead of it, spread over the
+        model's groups, at the smoothed batch time. A lower bound (its own compute is not counted):
+        what passes may still expire, and then stops between layers on the worker."""
         service = self.service_s.get(job.model)
-        if service is None:
+        depth = self.policy.depth()
+        if service is None or not depth:
             return
         groups = max(1, sum(1 for g in self.groups if job.model in g.models))
-        expected = service * (1 + self.policy.depth() / groups)
+        expected = service * depth / groups
         if self.clock() + expected > job.deadline:
             self.stats.rejected += 1
-            raise DeadlineExceeded(f"the deadline cannot be met: about {expected * 1e3:.0f} ms of queue and "
-                                   f"compute ahead, {max(0.0, job.deadline - self.clock()) * 1e3:.0f} ms left")
+            raise DeadlineExceeded(f"the deadline cannot be met: about {expected * 1e3:.0f} ms of queued work "
+                                   f"ahead, {max(0.0, job.deadline - self.clock()) * 1e3:.0f} ms left")
 
     def _drain(self) -> None:
         """Every free group takes the next ready batch it can run; dead jobs are dropped unrun."""

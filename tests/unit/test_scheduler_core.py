@@ -308,9 +308,26 @@ async def test_a_lost_student_instance_retries_the_request_on_another_group():
 async def test_a_request_that_cannot_meet_its_deadline_is_refused_at_once():
     d, clock, fake = make_dispatcher({"w0": {"spam"}})
     d.service_s["spam"] = 0.5  # a batch takes about half a second here
-    with pytest.raises(DeadlineExceeded, match="cannot be met"):
-        await d.submit(make_job(clock, deadline_in=0.2))
-    assert fake.calls == []
+    running = asyncio.create_task(d.submit(make_job(clock, payload="runs")))
+    queued = asyncio.create_task(d.submit(make_job(clock, payload="waits")))
+    await settle()
+    with pytest.raises(DeadlineExceeded, match="cannot be met"):  # one batch (0.5 s) queued ahead of it
+        await d.submit(make_job(clock, deadline_in=0.2, payload="refused"))
+    assert [c[1].payload for c in fake.calls] == ["runs"]
+    fake.calls[0][2].set_result("a")
+    await settle()
+    fake.calls[1][2].set_result("b")
+    assert await asyncio.gather(running, queued) == ["a", "b"]
+
+
+async def test_with_nothing_queued_a_short_deadline_is_admitted_and_left_to_the_worker():
+    d, clock, fake = make_dispatcher({"w0": {"spam"}})
+    d.service_s["spam"] = 0.5
+    task = asyncio.create_task(d.submit(make_job(clock, deadline_in=0.2, payload="tight")))
+    await settle()
+    assert [c[1].payload for c in fake.calls] == ["tight"]
+    fake.calls[0][2].set_result("ok")
+    assert await task == "ok"
 
 
 async def test_model_load_reports_the_adaptation_signals():
