@@ -45,6 +45,7 @@ PORTS = {
     "scheduler": (50052, 9101),
     "worker": (50053, 9102),
     "resource_manager": (50054, 9103),
+    "plot": (50055, 9104),
 }
 BASE_IMAGE = "python:3.11-slim"
 TORCH_PIN = "torch==2.13.0"
