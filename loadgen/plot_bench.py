@@ -111,11 +111,13 @@ async def grpc_latency(table: Path, k: int, stream: np.ndarray, shapes: list[tup
 
     from academus.services.plot.server import build as plot_build
     from academus.shared.plot.wire import lookup_from_pb, request_to_pb
+    from academus.shared.redis_server import RedisServer
     from academus.shared.serving import CHANNEL_OPTIONS, RunningService
     from academus.v1 import plot_pb2_grpc
 
+    redis = RedisServer(Path(tempfile.mkdtemp(prefix="plot-bench-redis-"))).start()  # the service registers there
     os.environ.update({"ACADEMUS_PLOT_DIR": str(table), "ACADEMUS_LOWER_LAYERS": str(k), "ACADEMUS_PORT": "0",
-                       "ACADEMUS_METRICS_PORT": "-1", "ACADEMUS_VERIFY": "0"})
+                       "ACADEMUS_METRICS_PORT": "-1", "ACADEMUS_VERIFY": "0", "ACADEMUS_REDIS_URL": redis.url})
     service = RunningService(await plot_build())
     await service.start()
     rows = []
@@ -134,6 +136,7 @@ async def grpc_latency(table: Path, k: int, stream: np.ndarray, shapes: list[tup
                 rows.append({"tokens": tokens, "batch": batch, "grpc_lookup_ms": round(float(np.median(times)), 3)})
     finally:
         await service.stop()
+        redis.stop()
     return rows
 
 

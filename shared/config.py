@@ -189,6 +189,8 @@ class PlotConfig(CommonConfig):
     domains: str = "*"               # comma-separated overlays to load; "*": every one built; "": none
     verify: int = 1                  # 1: check every file's sha256 at start (reads the whole table); 0: shapes only
     max_tokens: int = 32768          # tokens per Lookup (all sequences); the reply is 2·hidden bytes a token
+    plot_id: str = ""                # its id in Redis (acd:plot:<id>); defaults to host:port
+    heartbeat_ttl_s: float = 5.0
 
     def check(self) -> None:
         super().check()
@@ -199,6 +201,8 @@ class PlotConfig(CommonConfig):
         if not 1 <= self.max_tokens <= 65536:
             raise ConfigError(f"ACADEMUS_MAX_TOKENS={self.max_tokens} must be in 1..65536 (replies stay under "
                               f"the 64 MiB message limit)")
+        if self.heartbeat_ttl_s < 1:
+            raise ConfigError(f"ACADEMUS_HEARTBEAT_TTL_S={self.heartbeat_ttl_s} must be >= 1 (Redis TTLs are seconds)")
 
     @property
     def table_dir(self) -> Path:

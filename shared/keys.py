@@ -57,6 +57,14 @@ class Keys:
         """Hash: queue depth, idle groups, and `models` (JSON: per-model buffer/groups/idle/busy)."""
         return f"{self.prefix}:load:{scheduler_id}"
 
+    def plot(self, plot_id: str) -> str:
+        """Hash: address, model, lower_layers, domains of one plot service. Its TTL is the heartbeat."""
+        return f"{self.prefix}:plot:{plot_id}"
+
+    def plots(self) -> str:
+        """Set of plot service ids (members whose heartbeat expired are skipped and pruned)."""
+        return f"{self.prefix}:plots"
+
     def resource_manager(self) -> str:
         return f"{self.prefix}:resource_manager"
 

@@ -23,7 +23,7 @@ from academus.shared.gpu import gpu_count, mps_plan
 from academus.shared.keys import Keys
 from academus.shared.redis_server import RedisServer, free_port
 
-SERVICES = ("resource_manager", "worker", "scheduler", "gateway")
+SERVICES = ("resource_manager", "plot", "worker", "scheduler", "gateway")
 DEFAULT_GATEWAY_PORT = 50051
 STATE_FILE = "mesh.json"
 ADMIN_KEY_FILE = "admin.key"
@@ -108,10 +108,8 @@ def up(options: MeshOptions) -> MeshState:
     state.save()
     worker_envs = _worker_envs(options)
     try:
-        for name in SERVICES:
-            copies = {"worker": len(worker_envs), "scheduler": len(options.deployments)}.get(name, 1)
-            for i in range(copies):
-                extra = worker_envs[i] if name == "worker" else {}
+        for name, envs in _plan(options, worker_envs):
+            for i, extra in enumerate(envs):
                 state.services.append(_spawn(name, i, options, state, extra))
                 state.save()
                 if name == "resource_manager":
@@ -134,6 +132,35 @@ def _redis(run_dir: Path) -> tuple[str, int | None]:
         return url, None
     server = RedisServer(run_dir / "redis").start()
     return server.url, server.process.pid
+
+
+def _plan(options: MeshOptions, worker_envs: list[dict[str, str]]) -> list[tuple[str, list[dict[str, str]]]]:
+    """Each service to start, in order, with one extra environment a copy. The plot service only
+    when a PLOT table is under the artifacts: without one it could not start, and no model needs it."""
+    table = plot_table(options.artifacts)
+    copies = {"worker": worker_envs, "scheduler": [{}] * len(options.deployments),
+              "plot": [_plot_env(table)] if table else []}
+    return [(name, copies.get(name, [{}])) for name in SERVICES if copies.get(name, [{}])]
+
+
+def plot_table(artifacts: Path) -> Path | None:
+    """The PLOT table the mesh serves: the one the catalogue's first `plot` entry names, else the first
+    built under <artifacts>/plot/ (a directory with root/manifest.json); None when there is none."""
+    catalogue = Path(artifacts) / "models.json"
+    named = []
+    if catalogue.is_file():
+        entries = json.loads(catalogue.read_text()).values()
+        named = [Path(artifacts) / e["plot"] for e in entries if isinstance(e, dict) and e.get("plot")]
+    built = sorted(p.parent.parent for p in (Path(artifacts) / "plot").glob("*/root/manifest.json"))
+    return next((d for d in [*named, *built] if (d / "root" / "manifest.json").is_file()), None)
+
+
+def _plot_env(table: Path) -> dict[str, str]:
+    from academus.shared.plot.table import ROOT, read_manifest
+
+    manifest = read_manifest(table / ROOT)
+    return {"ACADEMUS_PLOT_DIR": str(table), "ACADEMUS_MODEL": manifest.model,
+            "ACADEMUS_LOWER_LAYERS": str(manifest.lower_layers), "ACADEMUS_PLOT_ID": "plot-0"}
 
 
 def _worker_envs(options: MeshOptions) -> list[dict[str, str]]:
@@ -159,6 +186,8 @@ def _spawn(name: str, index: int, options: MeshOptions, state: MeshState,
             env["ACADEMUS_TORCH_THREADS"] = str(options.worker_threads)
         if options.instances:
             env["ACADEMUS_INSTANCES"] = str(options.instances)
+        env.update(extra or {})
+    if name == "plot":
         env.update(extra or {})
     if name == "scheduler":
         deployment = options.deployments[index]

@@ -1,4 +1,4 @@
-"""gRPC edge of the plot service: LookupRequest -> PlotLookup -> packed fp16 states."""
+"""gRPC edge of the plot service: LookupRequest -> PlotLookup -> packed fp16 states; registers in Redis."""
 
 from __future__ import annotations
 
@@ -8,9 +8,12 @@ import grpc
 
 from academus.services.plot.core import PlotLookup
 from academus.shared import config as cfg
+from academus.shared.keys import Keys
 from academus.shared.logs import log_event
+from academus.shared.plot.registry import PlotRegistration
 from academus.shared.plot.store import InvalidTokens, UnknownDomain
 from academus.shared.plot.wire import lookup_to_pb, request_from_pb
+from academus.shared.redis_conn import connect
 from academus.shared.serving import ServiceSpec, run
 from academus.v1 import plot_pb2, plot_pb2_grpc
 
@@ -41,11 +44,19 @@ async def build() -> ServiceSpec:
     config = cfg.load(cfg.PlotConfig)
     core = PlotLookup.open(config)
     log_event("plot_loaded", **core.store.info())
+    redis = connect(config.redis_url)
+    store = core.store
+    registration = PlotRegistration(redis, Keys(config.key_prefix), config.plot_id, store.model, store.lower_layers,
+                                    sorted(store.domains), config.heartbeat_ttl_s)
     return ServiceSpec(
         name="plot",
         config=config,
         add_servicers=lambda s: plot_pb2_grpc.add_PlotServicer_to_server(PlotServicer(core), s),
         service_names=["academus.v1.Plot"],
+        on_started=registration.register,
+        on_stopping=registration.deregister,
+        on_stopped=redis.aclose,
+        extra_tasks=[registration.heartbeat],
     )
 
 

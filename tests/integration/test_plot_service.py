@@ -67,19 +67,20 @@ def settings(table_dir: Path, **extra: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-async def plot_service(table_dir):
+async def plot_service(table_dir, redis_server):
     from academus.services.plot.server import build as plot_build
 
-    with env(**settings(table_dir)):
+    with env(**settings(table_dir, ACADEMUS_REDIS_URL=redis_server.url, ACADEMUS_KEY_PREFIX="plot-test",
+                        ACADEMUS_PLOT_ID="plot-a")):
         service = RunningService(await plot_build())
         await service.start()
-    yield service.address
+    yield service
     await service.stop()
 
 
 @pytest.fixture(scope="module")
 async def stub(plot_service):
-    async with grpc.aio.insecure_channel(plot_service, options=CHANNEL_OPTIONS) as channel:
+    async with grpc.aio.insecure_channel(plot_service.address, options=CHANNEL_OPTIONS) as channel:
         yield plot_pb2_grpc.PlotStub(channel)
 
 
@@ -135,3 +136,40 @@ async def test_service_refuses_a_table_of_another_k(table_dir):
 
     with env(**settings(table_dir, ACADEMUS_LOWER_LAYERS="3")), pytest.raises(TableError, match="not layer-3"):
         await plot_build()
+
+
+async def test_service_registers_in_redis_and_clients_find_it(plot_service, redis_server):
+    import redis.asyncio as aioredis
+
+    from academus.shared.keys import Keys
+    from academus.shared.plot.registry import live_plot_services
+
+    client, keys = aioredis.Redis.from_url(redis_server.url, decode_responses=True), Keys("plot-test")
+    try:
+        assert 0 < await client.ttl(keys.plot("plot-a")) <= 5
+        [found] = await live_plot_services(client, keys, model="minilm", lower_layers=K, domain="spam")
+        assert (found.plot_id, found.address, found.domains) == ("plot-a", plot_service.address, ("spam",))
+        assert await live_plot_services(client, keys, lower_layers=3) == []
+        assert await live_plot_services(client, keys, domain="legal") == []
+        await client.sadd(keys.plots(), "gone")  # a service whose heartbeat expired
+        assert [e.plot_id for e in await live_plot_services(client, keys)] == ["plot-a"]
+        assert await client.smembers(keys.plots()) == {"plot-a"}
+    finally:
+        await client.aclose()
+
+
+async def test_stopping_deregisters(table_dir, redis_server):
+    import redis
+
+    from academus.services.plot.server import build as plot_build
+    from academus.shared.keys import Keys
+
+    keys, client = Keys("plot-stop"), redis.Redis.from_url(redis_server.url, decode_responses=True)
+    with env(**settings(table_dir, ACADEMUS_REDIS_URL=redis_server.url, ACADEMUS_KEY_PREFIX="plot-stop",
+                        ACADEMUS_PLOT_ID="")):
+        service = RunningService(await plot_build())
+        await service.start()
+    assert client.smembers(keys.plots()) == {service.address}  # no id given: the address is the id
+    assert client.hget(keys.plot(service.address), "lower_layers") == str(K)
+    await service.stop()
+    assert client.smembers(keys.plots()) == set() and not client.exists(keys.plot(service.address))

@@ -63,3 +63,39 @@ def test_a_deployment_names_a_known_policy():
         "student", "sentiment-students,spam-students")
     with pytest.raises(MeshError, match="policy must be one of"):
         Deployment.parse("fastest=spam")
+
+
+def _fake_table(directory, lower_layers: int) -> None:
+    """A manifest only: the mesh reads it to configure the plot service, which checks the files."""
+    from academus.shared.plot.table import PlotManifest
+
+    (directory / "root").mkdir(parents=True)
+    manifest = PlotManifest(model="minilm", teacher="t", lower_layers=lower_layers, hidden=384, vocab_size=10,
+                            special_ids={}, version="root", counts={}, files={})
+    (directory / "root" / "manifest.json").write_text(manifest.to_json())
+
+
+def test_the_plot_service_starts_only_when_a_table_is_built(tmp_path):
+    from academus.shared.mesh import MeshOptions, _plan
+
+    options = MeshOptions(run_dir=tmp_path / "run", artifacts=tmp_path, workers=2, gpus=0)
+    assert [name for name, _ in _plan(options, [{}, {}])] == ["resource_manager", "worker", "scheduler", "gateway"]
+    _fake_table(tmp_path / "plot" / "minilm-k2", 2)
+    plan = dict(_plan(options, [{}, {}]))
+    assert list(plan) == ["resource_manager", "plot", "worker", "scheduler", "gateway"]
+    assert plan["plot"] == [{"ACADEMUS_PLOT_DIR": str(tmp_path / "plot" / "minilm-k2"), "ACADEMUS_MODEL": "minilm",
+                             "ACADEMUS_LOWER_LAYERS": "2", "ACADEMUS_PLOT_ID": "plot-0"}]
+    assert len(plan["worker"]) == 2
+
+
+def test_the_mesh_serves_the_table_the_catalogue_names(tmp_path):
+    import json
+
+    from academus.shared.mesh import plot_table
+
+    _fake_table(tmp_path / "plot" / "minilm-k1", 1)
+    _fake_table(tmp_path / "plot" / "minilm-k3", 3)
+    assert plot_table(tmp_path) == tmp_path / "plot" / "minilm-k1"
+    (tmp_path / "models.json").write_text(json.dumps({"minilm": {"kind": "embedding"},
+                                                      "minilm-plot": {"plot": "plot/minilm-k3"}}))
+    assert plot_table(tmp_path) == tmp_path / "plot" / "minilm-k3"
