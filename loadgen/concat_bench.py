@@ -64,7 +64,7 @@ def overheads(state: MeshState) -> dict[str, dict]:
     out = {}
     for index, policy in enumerate(DEPLOYMENTS):
         load = client.hgetall(keys.load(f"scheduler-{index}"))
-        if "select_ms" not in load:
+        if "select_ms" not in load or not float(load["batches"]):
             continue
         select, batch, batches = float(load["select_ms"]), float(load["batch_ms"]), int(float(load["batches"]))
         out[policy] = {"batches": batches, "select_ms_per_batch": round(select / max(batches, 1), 3),
