@@ -71,7 +71,7 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("distill", help="distil the teacher into a student group (run | report)", add_help=False)
     s.set_defaults(func=cmd_distill)
 
-    s = sub.add_parser("plot", help="PLOT tables of lower-layer states (build | info)", add_help=False)
+    s = sub.add_parser("plot", help="PLOT tables of lower-layer states (build | info | head)", add_help=False)
     s.set_defaults(func=cmd_plot)
 
     s = sub.add_parser("loadgen", help="open-loop load: Poisson, bursts or trace replay; report.json + plots",

@@ -78,6 +78,7 @@ class ServedModel:
     head: ClassifierHead | None = None
     max_students: int = 0          # 0: the teacher, not a student group
     default_students: int = 0      # the artifact's best-pruned k
+    packable: bool = True          # False: PLOT models, whose lower layers are lookups, run padded only
 
     def students(self, wanted: int) -> int:
         """The student count to run: the default for 0, refused beyond what the group holds."""
@@ -91,6 +92,11 @@ class ServedModel:
     def pool(self, ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor, students: int) -> torch.Tensor:
         if self.max_students:
             return self.encoder(ids, mask, types, num_students=students)
+        if not self.packable:
+            try:
+                return self.encoder(ids, mask, types)
+            except ValueError as e:  # PLOT: input the table cannot represent
+                raise InvalidArgument(str(e)) from e
         return self.encoder(ids, mask, types)
 
     def member_share(self, ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor, indices: Sequence[int],
@@ -131,6 +137,7 @@ class ModelRunner:
             raise NotFound(f"models {unknown} are not in {artifacts}/models.json (run `academus prepare`)")
         self._local = threading.local()  # each compute thread (student instance) has its own deadline
         self._teacher: TeacherEncoder | None = None
+        self._plot_stores: dict[Path, object] = {}   # one memory-mapped table shared by its plot models
         self.models = {name: self._load(name, catalogue[name]) for name in models}
         self.specs = {name: served.spec for name, served in self.models.items()}
 
@@ -146,15 +153,43 @@ class ModelRunner:
             spec = ModelSpec(name, kind, list(group.labels) if group.head is not None else [], HIDDEN_SIZE,
                              max_students=group.max_students, default_students=group.best_k)
             return ServedModel(spec, group, group.head, group.max_students, group.best_k)
-        if self._teacher is None:
-            self._teacher = TeacherEncoder.load(device=self.device)
-            self._watch_deadline(self._teacher)
+        if "plot" in entry:
+            return self._load_plot(name, entry)
+        teacher = self.teacher()
         if entry["kind"] != CLASSIFICATION:
-            return ServedModel(ModelSpec(name, EMBEDDING, [], HIDDEN_SIZE), self._teacher)
+            return ServedModel(ModelSpec(name, EMBEDDING, [], HIDDEN_SIZE), teacher)
         from academus.shared.training.prepare import load_head
 
         head = load_head(self.artifacts, entry.get("task", name)).to(self.device).eval()
-        return ServedModel(ModelSpec(name, CLASSIFICATION, list(head.labels), HIDDEN_SIZE), self._teacher, head)
+        return ServedModel(ModelSpec(name, CLASSIFICATION, list(head.labels), HIDDEN_SIZE), teacher, head)
+
+    def teacher(self) -> TeacherEncoder:
+        """The one teacher every teacher-backed and PLOT model shares, its layers deadline-hooked once."""
+        if self._teacher is None:
+            self._teacher = TeacherEncoder.load(device=self.device)
+            self._watch_deadline(self._teacher)
+        return self._teacher
+
+    def _load_plot(self, name: str, entry: dict) -> ServedModel:
+        """HMI's hierarchical model in process: PLOT lookups for the lower K layers, the shared
+        teacher's upper layers (already deadline-hooked), and the entry's head if it has one."""
+        from academus.shared.plot import PlotStore
+        from academus.shared.plot.hierarchical import HierarchicalEncoder, PlotEncoder
+
+        table = self.artifacts / entry["plot"]
+        if table not in self._plot_stores:
+            self._plot_stores[table] = PlotStore.open(table, model=entry.get("base", "minilm"),
+                                                      lower_layers=entry.get("lower_layers"))
+        head = None
+        if entry["kind"] == CLASSIFICATION:
+            from academus.shared.training.prepare import load_head_at
+
+            head = load_head_at(self.artifacts / entry["head"]).to(self.device).eval()
+        teacher = self.teacher()
+        encoder = PlotEncoder(HierarchicalEncoder(self._plot_stores[table], teacher), teacher,
+                              entry.get("domain", ""))
+        spec = ModelSpec(name, entry["kind"], list(head.labels) if head else [], HIDDEN_SIZE)
+        return ServedModel(spec, encoder, head, packable=False)
 
     def _watch_deadline(self, encoder: nn.Module) -> None:
         """Hooks every transformer layer so an expired batch stops between layers."""
@@ -189,7 +224,7 @@ class ModelRunner:
             raise DeadlineExceeded("deadline passed before the batch started; not computed")
         seqs = split_lengths(input_ids, lengths)
         types = split_lengths(token_type_ids, lengths) if token_type_ids else None
-        if plan is not None:
+        if plan is not None and served.packable:  # a PLOT model runs the plan's texts padded: same answers
             return self._run_packed(served, output, seqs, types, plan, deadline, students, student_indices)
         start = time.perf_counter()
         ids, mask, type_ids = pad_batch(seqs, types)

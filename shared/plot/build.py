@@ -255,6 +255,16 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--out", type=Path, default=None, help="table directory (default artifacts/plot/<model>-k<K>)")
     i = sub.add_parser("info", help="print the manifests of a table directory")
     i.add_argument("--out", type=Path, required=True)
+    h = sub.add_parser("head", help="train <task>-plot: a linear head on the hierarchical model (PLOT lower "
+                       "layers + teacher upper layers), scored against the teacher's head; registers it")
+    h.add_argument("--task", required=True, choices=TASKS)
+    h.add_argument("--plot", type=Path, default=None, help="table directory (default artifacts/plot/minilm-k3)")
+    h.add_argument("--domain", default="", help="look up in this overlay first (and serve with it)")
+    h.add_argument("--name", default="", help="served name (default <task>-plot)")
+    h.add_argument("--limit", type=int, default=0, help="use only N examples of each split (quick runs)")
+    h.add_argument("--batch-size", type=int, default=64)
+    h.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
+    h.add_argument("--data", type=Path, default=None, help="data directory (ACADEMUS_DATA_DIR)")
     return p
 
 
@@ -272,6 +282,27 @@ def _info(out: Path) -> dict:
     return {str(v.relative_to(out)): json.loads(read_manifest(v).to_json()) for v in versions}
 
 
+def _build(args: argparse.Namespace) -> dict:
+    """Builds; a root table under the artifacts is registered as `minilm-plot` in models.json."""
+    from academus.shared.plot.models import register_embedding
+
+    options = _options(args)
+    texts = corpus_texts(args.corpus, args.data, args.limit or None)
+    out = args.out or default_out(options.model, options.lower_layers)
+    summary = build(texts, out, options, corpus={"source": args.corpus})
+    if not options.domain:
+        summary["registered"] = register_embedding(artifacts_dir(), out)
+    return summary
+
+
+def _head(args: argparse.Namespace) -> dict:
+    from academus.shared.plot.models import train_plot_head
+
+    table = args.plot or default_out("minilm", 3)
+    return train_plot_head(artifacts_dir(), args.task, table, domain=args.domain, name=args.name, data=args.data,
+                           limit=args.limit or None, batch_size=args.batch_size)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Progress bars on stderr; the JSON summary is the last line of stdout."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -281,10 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             summary = _info(args.out)
         else:
             torch.set_num_threads(args.threads or os.cpu_count() or 1)
-            options = _options(args)
-            texts = corpus_texts(args.corpus, args.data, args.limit or None)
-            out = args.out or default_out(options.model, options.lower_layers)
-            summary = build(texts, out, options, corpus={"source": args.corpus})
+            summary = _head(args) if args.action == "head" else _build(args)
     except (PlotError, DataMissing, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

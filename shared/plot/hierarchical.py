@@ -2,7 +2,8 @@
 own layers K+1..N on the looked-up states, then mean pooling and L2 normalisation (+ an optional head).
 
 Use it in-process (`HierarchicalEncoder(store, teacher).pool(input_ids, domain)`) or over the plot
-service (`.pool_states(states, lengths)` with the states a Lookup RPC returned).
+service (`.pool_states(states, lengths)` with the states a Lookup RPC returned). `PlotEncoder` wraps it
+as the module a worker serves: padded (ids, mask, types) in, pooled embeddings out.
 """
 
 from __future__ import annotations
@@ -68,3 +69,28 @@ def pad_states(states: np.ndarray, lengths: np.ndarray, device: torch.device | s
     padded[rows, cols] = torch.as_tensor(np.asarray(states, dtype=np.float32))
     mask[rows, cols] = 1
     return padded.to(device), mask.to(device)
+
+
+class PlotEncoder(nn.Module):
+    """A HierarchicalEncoder with the teacher's calling convention, for the worker's ServedModel.
+
+    The teacher's BertModel is a submodule (`bert.encoder.layer.N`), so the worker's per-layer
+    deadline hooks see the upper layers it runs; the lower ones are never called."""
+
+    normalize = True   # the pooled output is L2-normalised, as the teacher's
+
+    def __init__(self, hierarchical: HierarchicalEncoder, teacher: TeacherEncoder, domain: str = "") -> None:
+        super().__init__()
+        self.bert = teacher.bert
+        self.hierarchical = hierarchical
+        self.domain = domain
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if token_type_ids is not None and bool(token_type_ids.any()):
+            raise ValueError("token_type_ids: a PLOT model takes single texts (its table holds segment-0 states)")
+        mask = attention_mask.bool().cpu()
+        lengths = mask.sum(1).numpy()
+        flat = input_ids.cpu()[mask].numpy()   # row-major: each sequence's real tokens, back to back
+        lookup = self.hierarchical.store.lookup(flat, lengths, self.domain)
+        return self.hierarchical.pool_states(lookup.states, lookup.lengths)

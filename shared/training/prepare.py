@@ -239,8 +239,8 @@ def write_catalogue(artifacts_dir: Path) -> dict[str, Any]:
     Entries other commands added (student groups from `academus distill`) are kept."""
     path = Path(artifacts_dir) / "models.json"
     previous = json.loads(path.read_text()) if path.is_file() else {}
-    catalogue: dict[str, Any] = {name: entry for name, entry in previous.items() if "head" not in entry
-                                 and name != "minilm"}
+    catalogue: dict[str, Any] = {name: entry for name, entry in previous.items()   # PLOT models keep their heads
+                                 if ("head" not in entry or "plot" in entry) and name != "minilm"}
     catalogue["minilm"] = {"kind": "embedding", "teacher": TEACHER_NAME, "dim": HIDDEN_SIZE, "max_tokens": MAX_TOKENS}
     for task in TASKS:
         try:
@@ -321,7 +321,11 @@ def _run_tasks(tasks: Sequence[str], artifacts_dir: Path, data_dir: Path | None,
 
 def load_head(artifacts_dir: Path, task: str, device: str | torch.device = "cpu") -> ClassifierHead:
     """A task's trained head, weights verified and loaded, in eval mode."""
-    directory = head_dir(artifacts_dir, task)
+    return load_head_at(head_dir(artifacts_dir, task), device)
+
+
+def load_head_at(directory: Path, device: str | torch.device = "cpu") -> ClassifierHead:
+    """The head artifact in `directory` (a task's, or a PLOT model's), verified, in eval mode."""
     manifest, tensors = load_artifact(directory)
     if manifest.kind != HEAD_KIND:
         raise ArtifactError(f"{directory} holds a {manifest.kind!r} artifact, not a {HEAD_KIND!r}")

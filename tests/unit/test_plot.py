@@ -345,6 +345,23 @@ def test_cli_build_prints_the_summary_last(tmp_path, capsys):
     assert "neither a file" in capsys.readouterr().err
 
 
+def test_cli_build_registers_minilm_plot_for_a_root_under_the_artifacts(tmp_path, capsys, monkeypatch):
+    from academus.shared.cli import main
+
+    monkeypatch.setenv("ACADEMUS_ARTIFACTS", str(tmp_path / "artifacts"))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the cat sat on the mat\n")
+    assert main(["plot", "build", "--lower-layers", "1", "--corpus", str(corpus), "--unigrams", "corpus",
+                 "--threads", "1", "--out", str(tmp_path / "elsewhere")]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["registered"] is None
+    assert not (tmp_path / "artifacts" / "models.json").exists()
+    assert main(["plot", "build", "--lower-layers", "1", "--corpus", str(corpus), "--unigrams", "corpus",
+                 "--threads", "1"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["registered"] == "minilm-plot"
+    entry = json.loads((tmp_path / "artifacts" / "models.json").read_text())["minilm-plot"]
+    assert (entry["kind"], entry["plot"], entry["lower_layers"]) == ("embedding", "plot/minilm-k1", 1)
+
+
 def test_service_core_applies_the_request_limits(store):
     from academus.services.plot.core import PlotLookup
 

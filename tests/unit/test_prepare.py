@@ -113,7 +113,8 @@ def test_catalogue_rewrite_keeps_student_groups_and_drops_heads_that_no_longer_v
 
     (tmp_path / "models.json").write_text(json.dumps({
         "sentiment-students": {"kind": "classification", "students": "students/sentiment"},
+        "spam-plot": {"kind": "classification", "head": "heads/spam-plot", "plot": "plot/minilm-k3"},
         "spam": {"kind": "classification", "head": "heads/spam"}}))
     catalogue = write_catalogue(tmp_path)
-    assert set(catalogue) == {"minilm", "sentiment-students"}
+    assert set(catalogue) == {"minilm", "sentiment-students", "spam-plot"}   # `academus plot head` owns spam-plot
     assert json.loads((tmp_path / "models.json").read_text()) == catalogue

@@ -1,0 +1,142 @@
+"""PLOT models in the catalogue: `minilm-plot` (registered by `academus plot build` for a root table
+under the artifacts) and `<task>-plot` (`academus plot head --task T`: a linear head retrained on the
+hierarchical model's pooled output, HMI §3.3.2, compared with the teacher's head on the same splits).
+
+A catalogue entry with `"plot": "<table dir, relative to the artifacts>"` is served by a worker as
+the hierarchical model in process (services/worker/core.py `ModelRunner._load_plot`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from academus.shared.data import TASKS, TaskData, fetch, load_task
+from academus.shared.model import HIDDEN_SIZE, TeacherEncoder, teacher_dir
+from academus.shared.plot.hierarchical import HierarchicalEncoder
+from academus.shared.plot.store import PlotStore
+from academus.shared.plot.table import ROOT, PlotError, PlotManifest, read_manifest
+from academus.shared.tokenization import TeacherTokenizer
+
+EMBEDDING_MODEL = "minilm-plot"
+PLOT_HEAD_KIND = "teacher-head"   # the same artifact kind as the teacher's heads: load_head_at reads both
+
+
+def table_ref(artifacts: Path, table: Path) -> str | None:
+    """The table as the catalogue names it (relative to the artifacts), None when it lies outside."""
+    try:
+        return str(Path(table).resolve().relative_to(Path(artifacts).resolve()))
+    except ValueError:
+        return None
+
+
+def register(artifacts: Path, name: str, entry: dict[str, Any]) -> None:
+    """Adds or replaces one models.json entry, keeping the others; written atomically."""
+    path = Path(artifacts) / "models.json"
+    catalogue = json.loads(path.read_text()) if path.is_file() else {}
+    catalogue[name] = entry
+    tmp = path.with_suffix(f".json.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(catalogue, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def embedding_entry(ref: str, manifest: PlotManifest) -> dict[str, Any]:
+    return {"kind": "embedding", "plot": ref, "base": manifest.model, "lower_layers": manifest.lower_layers,
+            "teacher": manifest.teacher, "dim": HIDDEN_SIZE, "max_tokens": 256}
+
+
+def register_embedding(artifacts: Path, table: Path) -> str | None:
+    """Registers `minilm-plot` for a root table under the artifacts; None (nothing written) otherwise."""
+    ref = table_ref(artifacts, table)
+    if ref is None:
+        return None
+    register(artifacts, EMBEDDING_MODEL, embedding_entry(ref, read_manifest(Path(table) / ROOT)))
+    return EMBEDDING_MODEL
+
+
+# --- <task>-plot: the head on the hierarchical model --------------------------------------------
+
+def pool_texts(encoder: HierarchicalEncoder, tokenizer: TeacherTokenizer, texts: list[str], domain: str,
+               batch_size: int, desc: str) -> torch.Tensor:
+    """Pooled hierarchical embeddings (len(texts) x hidden) in the order of `texts`."""
+    from academus.shared.training.prepare import length_batches
+
+    encoded = tokenizer.encode(texts, truncate=True)
+    out = torch.empty(len(encoded), HIDDEN_SIZE)
+    with tqdm(total=len(encoded), desc=desc, unit="text", file=sys.stderr, leave=False) as bar:
+        for batch in length_batches([len(e.input_ids) for e in encoded], batch_size, tokenizer.max_tokens):
+            out[batch] = encoder.pool([encoded[i].input_ids for i in batch], domain).float().cpu()
+            bar.update(len(batch))
+    return out
+
+
+def teacher_reference(task: TaskData, splits: dict, artifacts: Path, teacher: TeacherEncoder,
+                      tokenizer: TeacherTokenizer, cache: Path | None, batch_size: int) -> dict[str, Any]:
+    """The teacher head's validation/test scores on exactly these splits (embeddings from the cache
+    `academus prepare` wrote when the splits are whole)."""
+    from academus.shared.training.prepare import (
+        cached_embeddings,
+        classification_metrics,
+        embed_texts,
+        load_head,
+        predict,
+    )
+
+    def embed(texts: list[str], desc: str) -> torch.Tensor:
+        return embed_texts(texts, teacher, tokenizer, batch_size=batch_size, desc=f"teacher {desc}")
+
+    embeddings = cached_embeddings(cache, task.name, splits, embed)
+    head = load_head(artifacts, task.name)
+    return {name: classification_metrics(predict(head, embeddings[name]),
+                                         torch.tensor([e.label for e in splits[name]]), len(task.labels))
+            for name in ("validation", "test")}
+
+
+def train_plot_head(artifacts: Path, task_name: str, table: Path, *, domain: str = "", name: str = "",
+                    data: Path | None = None, limit: int | None = None, batch_size: int = 64) -> dict[str, Any]:
+    """Trains `<task>-plot`, writes heads/<task>-plot, registers it; returns the JSON summary."""
+    from academus.shared.artifacts import write_artifact
+    from academus.shared.training.prepare import SPLITS, subsample, train_head
+
+    if task_name not in TASKS:
+        raise PlotError(f"--task {task_name!r} is not one of {', '.join(TASKS)}")
+    ref = table_ref(artifacts, table)
+    if ref is None:
+        raise PlotError(f"the table {table} is not under the artifacts {artifacts}: workers could not find it")
+    name = name or f"{task_name}-plot"
+    started = time.perf_counter()
+    directory = fetch(data)
+    task = load_task(task_name, directory)
+    splits = {s: subsample(task.splits()[s], limit) for s in SPLITS}
+    store = PlotStore.open(table, verify=False)
+    if domain and domain not in store.domains:
+        raise PlotError(f"--domain {domain!r}: the table at {table} has overlays {sorted(store.domains) or 'none'}")
+    teacher = TeacherEncoder.load()
+    tokenizer = TeacherTokenizer(teacher_dir(), max_tokens=256)
+    encoder = HierarchicalEncoder(store, teacher)
+    features = {s: (pool_texts(encoder, tokenizer, [e.text for e in splits[s]], domain, batch_size, s),
+                    torch.tensor([e.label for e in splits[s]])) for s in SPLITS}
+    pooled_s = time.perf_counter() - started
+    head, weight_decay, metrics = train_head(features, task.labels)
+    cache = directory / "cache" if limit is None else None
+    reference = teacher_reference(task, splits, artifacts, teacher, tokenizer, cache, batch_size)
+    out = Path(artifacts) / "heads" / name
+    manifest = store.root.manifest
+    write_artifact(out, PLOT_HEAD_KIND, dict(head.state_dict()), teacher=manifest.teacher, task=task_name,
+                   labels=task.labels, metrics={**metrics, "teacher": reference, "weight_decay": weight_decay},
+                   extra={"plot": ref, "domain": domain, "lower_layers": manifest.lower_layers, "limit": limit})
+    register(artifacts, name, {**embedding_entry(ref, manifest), "kind": "classification", "task": task_name,
+                               "head": f"heads/{name}", "labels": task.labels, "domain": domain})
+    return {"model": name, "task": task_name, "plot": ref, "domain": domain, "lower_layers": manifest.lower_layers,
+            "counts": {s: len(v) for s, v in splits.items()},
+            "validation": metrics["validation"], "test": metrics["test"], "teacher": reference,
+            "test_f1_vs_teacher": round(metrics["test"]["f1"] - reference["test"]["f1"], 4),
+            "weight_decay": weight_decay, "pool_s": round(pooled_s, 1),
+            "total_s": round(time.perf_counter() - started, 1)}
