@@ -74,7 +74,10 @@ def default_out(model: str, lower_layers: int) -> Path:
 
 
 def corpus_texts(spec: str, data: Path | None = None, limit: int | None = None) -> list[str]:
-    """A text file (one text a line; .jsonl: its "text" fields), a task's train split, or general English."""
+    """A text file (one text a line; .jsonl: its "text" fields), a task's train split, or general English;
+    several joined by commas (`spam,general`), `limit` texts from each."""
+    if not Path(spec).is_file() and "," in spec:
+        return [t for part in spec.split(",") if part for t in corpus_texts(part, data, limit)]
     path = Path(spec)
     if path.is_file():
         lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -174,6 +177,7 @@ class BuildOptions:
     domain: str = ""               # empty: the root version
     top_percent: float = 10.0      # overlays only
     max_entries: int = 0           # root trigrams; 0: all
+    max_bigrams: int = 0           # root bigrams (the back-off), the most frequent; 0: all
     unigrams: str = "vocab"
     batch_size: int = 256
 
@@ -217,7 +221,10 @@ def _fill(writer: VersionWriter, tokens: Tokenized, layers: SplitBert, options: 
     trigrams, coverage = most_frequent(keys, counts, min(keep, len(keys)))
     _write_table(writer, "trigram", trigrams, layers, tokens, options.batch_size)
     if not options.domain:
-        _write_table(writer, "bigram", count_ngrams(tokens, 2)[0], layers, tokens, options.batch_size)
+        bigrams, bigram_counts = count_ngrams(tokens, 2)
+        keep = min(options.max_bigrams or len(bigrams), len(bigrams))
+        _write_table(writer, "bigram", most_frequent(bigrams, bigram_counts, keep)[0], layers, tokens,
+                     options.batch_size)
         _write_table(writer, "unigram", unigram_keys(tokens, options.unigrams), layers, tokens, options.batch_size)
     return coverage
 
@@ -243,11 +250,13 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--model", default="minilm", choices=sorted(MODELS))
     b.add_argument("--lower-layers", type=int, default=3, help="K: layers replaced by the table (default 3 of 6)")
     b.add_argument("--corpus", required=True, help="a text file (one text a line, or .jsonl), "
-                   f"a task ({', '.join(TASKS)}: its train split) or {', '.join(GENERAL_CORPORA)}")
-    b.add_argument("--limit", type=int, default=0, help="use only the first N texts")
+                   f"a task ({', '.join(TASKS)}: its train split) or {', '.join(GENERAL_CORPORA)}; "
+                   "several joined by commas")
+    b.add_argument("--limit", type=int, default=0, help="use only the first N texts of each corpus")
     b.add_argument("--domain", default="", help="build this domain's overlay instead of the root")
     b.add_argument("--top-percent", type=float, default=10.0, help="overlay: share of distinct trigrams kept")
     b.add_argument("--max-entries", type=int, default=0, help="root: keep the N most frequent trigrams (0: all)")
+    b.add_argument("--max-bigrams", type=int, default=0, help="root: keep the N most frequent bigrams (0: all)")
     b.add_argument("--unigrams", choices=["vocab", "corpus"], default="vocab")
     b.add_argument("--batch-size", type=int, default=256)
     b.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
@@ -272,7 +281,7 @@ def _options(args: argparse.Namespace) -> BuildOptions:
     if not 0 < args.top_percent <= 100:
         raise PlotError(f"--top-percent {args.top_percent} must be in (0, 100]")
     return BuildOptions(args.model, args.lower_layers, args.domain, args.top_percent, args.max_entries,
-                        args.unigrams, args.batch_size)
+                        args.max_bigrams, args.unigrams, args.batch_size)
 
 
 def _info(out: Path) -> dict:

@@ -345,6 +345,23 @@ def test_cli_build_prints_the_summary_last(tmp_path, capsys):
     assert "neither a file" in capsys.readouterr().err
 
 
+def test_corpora_join_with_commas_and_limit_each(tmp_path):
+    from academus.shared.plot.build import corpus_texts
+
+    (tmp_path / "a.txt").write_text("a1\na2\na3\n")
+    (tmp_path / "b.txt").write_text("b1\nb2\n")
+    assert corpus_texts(f"{tmp_path / 'a.txt'},{tmp_path / 'b.txt'}", limit=2) == ["a1", "a2", "b1", "b2"]
+
+
+def test_max_bigrams_keeps_the_most_frequent(tmp_path, lower):
+    texts = ["the cat sat", "the cat ran", "the cat hid", "a dog sat"]
+    build(texts, tmp_path, BuildOptions(lower_layers=K, unigrams="corpus", max_bigrams=2), layers=lower)
+    bigrams = PlotStore.open(tmp_path, lower_layers=K).root.tables["bigram"]
+    keys, counts = count_ngrams(tokenize(texts), 2)
+    assert len(bigrams) == 2
+    np.testing.assert_array_equal(bigrams.index.keys, most_frequent(keys, counts, 2)[0])
+
+
 def test_cli_build_registers_minilm_plot_for_a_root_under_the_artifacts(tmp_path, capsys, monkeypatch):
     from academus.shared.cli import main
 
