@@ -154,7 +154,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc", action="store_true", help="also time the Lookup RPC over loopback")
     p.add_argument("--out", type=Path, default=None, help="where the tables go (default: a temporary directory)")
     p.add_argument("--reuse", action="store_true", help="keep tables already built under --out")
+    p.add_argument("--eval-table", type=Path, default=None,
+                   help="only score this built table (e.g. artifacts/plot/minilm-k3) on the held-out texts")
     return p
+
+
+def eval_table(table: Path, teacher: TeacherEncoder, evals: dict[str, list[list[int]]]) -> dict:
+    """minilm-plot's cosine to the teacher with an existing table (root, then each overlay it has)."""
+    store = PlotStore.open(table, verify=False)
+    encoder = HierarchicalEncoder(store, teacher)
+    result = {"table": str(table), "lower_layers": store.lower_layers, "quality": {}}
+    for name, seqs in evals.items():
+        for domain in ["", *sorted(store.domains)]:
+            label = f"{name} ({domain or 'root'})"
+            result["quality"][label] = cosine_to_teacher(encoder, teacher, seqs, domain)
+    return result
 
 
 def _log(message: str) -> None:
@@ -173,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
                "spam_test": [e.text for e in spam.test[:args.eval_texts]]}
     evals = {name: [e.input_ids for e in tokenizer.encode(texts)] for name, texts in heldout.items()}
     stream = np.concatenate([s[1:-1] for s in evals["wordnet"]])
+    if args.eval_table:
+        print(json.dumps(eval_table(args.eval_table, teacher, evals)))
+        return 0
     out = args.out or Path(tempfile.mkdtemp(prefix="plot-bench-"))
     result: dict = {"threads": args.threads, "root_texts": len(root), "domain_texts": len(domain_texts),
                     "tables": {}, "quality": {}, "latency": {}}

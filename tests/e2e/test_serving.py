@@ -12,6 +12,8 @@ import grpc
 import pytest
 
 from academus.client import AcademusError, AsyncClient, Client
+from academus.shared.config import artifacts_dir
+from academus.shared.mesh import plot_table
 from academus.shared.model import teacher_dir
 from academus.shared.tracing import read_traces
 from tests.e2e.conftest import metric, service
@@ -34,7 +36,9 @@ def test_status_json_lists_every_service_healthy(mesh):
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["redis"]["health"] == "SERVING"
-    assert sorted(s["name"] for s in report["services"]) == ["gateway", "resource_manager", "scheduler", "worker-0"]
+    plot = ["plot"] if plot_table(artifacts_dir()) else []   # started only when a PLOT table is built
+    assert sorted(s["name"] for s in report["services"]) == sorted(
+        ["gateway", "resource_manager", "scheduler", "worker-0", *plot])
     assert all(s["health"] == "SERVING" and s["address"] for s in report["services"])
 
 
@@ -208,6 +212,8 @@ def test_every_server_offers_reflection_and_health(mesh):
 
     expected = {"gateway": "academus.v1.Inference", "scheduler": "academus.v1.Scheduler",
                 "worker-0": "academus.v1.Worker", "resource_manager": "academus.v1.ResourceManager"}
+    if plot_table(artifacts_dir()):
+        expected["plot"] = "academus.v1.Plot"
     for name, service_name in expected.items():
         with grpc.insecure_channel(service(mesh, name).address) as ch:
             stub = reflection_pb2_grpc.ServerReflectionStub(ch)
