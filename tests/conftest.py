@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -35,3 +37,35 @@ def artifacts_path() -> Path:
     from academus.shared.config import artifacts_dir
 
     return artifacts_dir()
+
+
+@contextmanager
+def env(**values: str) -> Iterator[None]:
+    """Environment variables set for a block (services read their config from it at build time)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def small_student_artifacts(root: Path, best_k: int) -> Path:
+    """The prepared catalogue plus an untrained 2-student sentiment group (the teacher's bottom layers):
+    for tests of serving mechanics, not of quality."""
+    from academus.shared.model import TeacherEncoder
+    from academus.shared.students import from_teacher
+    from academus.shared.training.distill import write_student_catalogue, write_student_group
+
+    shutil.copy(artifacts_path() / "models.json", root / "models.json")
+    shutil.copytree(artifacts_path() / "heads", root / "heads")
+    group = from_teacher(TeacherEncoder.load().bert, layers=2, labels=["rotten", "fresh"])
+    group.add_student(alpha=0.5)
+    group.best_k = best_k
+    write_student_group(root, "sentiment", group, metrics={})
+    write_student_catalogue(root)
+    return root

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -16,12 +15,9 @@ import pytest
 import redis
 
 from academus.client import AcademusError, AsyncClient
-from academus.shared.config import artifacts_dir
 from academus.shared.keys import Keys
 from academus.shared.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, down, up, wait_exit
-from academus.shared.model import TeacherEncoder
-from academus.shared.students import from_teacher
-from academus.shared.training.distill import write_student_catalogue, write_student_group
+from tests.conftest import small_student_artifacts
 from tests.e2e.conftest import metric
 
 pytestmark = pytest.mark.e2e
@@ -31,17 +27,9 @@ TEXT = "a warm and funny film whose cast makes every scene feel new, even the sl
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory) -> Path:
-    """The prepared catalogue plus a 2-student sentiment group (the teacher's bottom layers, untrained:
-    serving mechanics, not quality, are under test here)."""
-    root = tmp_path_factory.mktemp("sp-artifacts")
-    shutil.copy(artifacts_dir() / "models.json", root / "models.json")
-    shutil.copytree(artifacts_dir() / "heads", root / "heads")
-    group = from_teacher(TeacherEncoder.load().bert, layers=2, labels=["rotten", "fresh"])
-    group.add_student(alpha=0.5)
-    group.best_k = 2
-    write_student_group(root, "sentiment", group, metrics={})
-    write_student_catalogue(root)
-    return root
+    """A 2-student sentiment group from the teacher's bottom layers, untrained: serving mechanics,
+    not quality, are under test here."""
+    return small_student_artifacts(tmp_path_factory.mktemp("sp-artifacts"), best_k=2)
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,6 @@ real model: the request path and admission control without subprocesses."""
 from __future__ import annotations
 
 import asyncio
-import os
-from contextlib import contextmanager
 
 import grpc
 import pytest
@@ -16,24 +14,12 @@ from academus.shared.keys import Keys
 from academus.shared.redis_conn import connect
 from academus.shared.serving import RunningService
 from academus.v1 import inference_pb2, inference_pb2_grpc
+from tests.conftest import env
 
 pytestmark = pytest.mark.integration
 KEY = "integration-key"
 LONG = ["a sentence that keeps the only worker busy for a good while " * 30] * 48
 
-
-@contextmanager
-def env(**values: str):
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 async def start_services(redis_url: str, prefix: str, **settings: str) -> list[RunningService]:

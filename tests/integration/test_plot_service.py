@@ -3,8 +3,6 @@ teacher built: the wire returns the core's states, errors map to their status co
 
 from __future__ import annotations
 
-import os
-from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -22,6 +20,7 @@ from academus.shared.plot.wire import WIRE_DTYPE, lookup_from_pb, request_to_pb
 from academus.shared.serving import CHANNEL_OPTIONS, RunningService
 from academus.shared.tokenization import TeacherTokenizer
 from academus.v1 import plot_pb2, plot_pb2_grpc
+from tests.conftest import env
 
 pytestmark = pytest.mark.integration
 K = 2
@@ -29,19 +28,6 @@ ROOT = ["the cat sat on the mat", "hello", "a red apple fell from the tree", "ma
 DOMAIN = ["win a free cruise now", "win a free prize", "the cat sat on the mat"]
 TEXTS = ["the cat sat on the mat", "win a free cruise today", "hello", "zebra"]
 
-
-@contextmanager
-def env(**values: str):
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ from academus.services.worker.core import OUTPUT_EMBEDDING, OUTPUT_PROBS, ModelR
 from academus.shared.keys import Keys
 from academus.shared.redis_conn import connect
 from academus.shared.serving import RunningService
-from tests.integration.test_inprocess_mesh import KEY, env
+from tests.conftest import env
+from tests.integration.test_inprocess_mesh import KEY
 from tests.integration.test_student_serving import artifacts, tokens  # noqa: F401  (module fixture)
 
 pytestmark = pytest.mark.integration

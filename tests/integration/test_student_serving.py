@@ -4,34 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 
 import pytest
 import torch
 
 from academus.services.worker.core import OUTPUT_EMBEDDING, OUTPUT_PROBS, ModelRunner
-from academus.shared.config import artifacts_dir
 from academus.shared.errors import InvalidArgument
 from academus.shared.keys import Keys
-from academus.shared.model import TeacherEncoder, teacher_dir
+from academus.shared.model import teacher_dir
 from academus.shared.redis_conn import connect
-from academus.shared.students import from_teacher
 from academus.shared.tokenization import TeacherTokenizer
-from academus.shared.training.distill import write_student_catalogue, write_student_group
+from tests.conftest import small_student_artifacts
 
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory):
-    """The prepared catalogue plus an untrained 2-student sentiment group (teacher's bottom layers)."""
-    root = tmp_path_factory.mktemp("artifacts")
-    shutil.copy(artifacts_dir() / "models.json", root / "models.json")
-    shutil.copytree(artifacts_dir() / "heads", root / "heads")
-    group = from_teacher(TeacherEncoder.load().bert, layers=2, labels=["rotten", "fresh"])
-    group.add_student(alpha=0.5)
-    group.best_k = 1
-    write_student_group(root, "sentiment", group, metrics={})
-    write_student_catalogue(root)
-    return root
+    """The prepared catalogue plus an untrained 2-student sentiment group, best k = 1."""
+    return small_student_artifacts(tmp_path_factory.mktemp("artifacts"), best_k=1)
 
 
 def tokens(texts: list[str]) -> tuple[list[int], list[int]]:
