@@ -11,12 +11,19 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
+from academus.client import AsyncClient
+from academus.services.worker.core import OUTPUT_PROBS, ModelRunner
 from academus.shared.config import artifacts_dir
 from academus.shared.keys import Keys
 from academus.shared.redis_conn import connect
 from academus.shared.serving import RunningService
 from academus.v1 import inference_pb2, inference_pb2_grpc
 from tests.integration.test_inprocess_mesh import KEY, env
+from tests.integration.test_student_groups import MODEL as GROUP_MODEL
+from tests.integration.test_student_groups import TEXTS as GROUP_TEXTS
+from tests.integration.test_student_groups import groups_of
+from tests.integration.test_student_groups import start as start_groups
+from tests.integration.test_student_serving import artifacts, tokens  # noqa: F401  (module fixture)
 
 pytestmark = pytest.mark.integration
 ROW = 64
@@ -135,3 +142,24 @@ async def test_oversize_reject_names_the_limit_and_computes_nothing(strict_mesh)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"L={ROW} (ACADEMUS_CONCAT_ROW_LENGTH)" in info.value.details()
     assert worker_batches("spam") == before
+
+
+async def test_concat_packs_a_student_group_split_across_workers(redis_server, artifacts):  # noqa: F811
+    """Concat applies to any model: the members of a group on two workers each run their packed share,
+    and the scheduler's sum equals the whole group run padded on one worker."""
+    running = await start_groups(redis_server.url, artifacts, ACADEMUS_POLICY="concat")
+    try:
+        await groups_of(redis_server.url, students=2, count=1)
+        texts = [*GROUP_TEXTS, LONG]
+        async with AsyncClient(running[-1].address, api_key=KEY, timeout=60) as client:
+            answers = await asyncio.gather(*(client.infer(GROUP_MODEL, [t]) for t in texts))
+    finally:
+        for service in reversed(running):
+            await service.stop()
+    assert {a.metadata.policy for a in answers} == {"concat"} and {a.metadata.student_count for a in answers} == {2}
+    assert max(a.metadata.batch_size for a in answers) > 1
+    runner = ModelRunner(artifacts, [GROUP_MODEL])
+    ids, lengths = tokens(texts)
+    whole = runner.run(GROUP_MODEL, OUTPUT_PROBS, ids, lengths, num_students=2).values
+    served = np.array([[a.predictions[0].probs["rotten"], a.predictions[0].probs["fresh"]] for a in answers])
+    assert np.abs(served - whole).max() <= 1e-4
