@@ -144,7 +144,9 @@ def test_a_killed_worker_loses_no_request(mesh):
 
     async def kill_under_load():
         pending = asyncio.create_task(burst(mesh, 60, " ".join([TEXT] * 4), timeout=60, rate=40))
-        while metric(victim.metrics_port, "academus_rpc_in_flight", service="worker", method="Run") < 1:
+        end = time.monotonic() + 30
+        while time.monotonic() < end and await asyncio.to_thread(  # off the loop: the burst keeps sending
+                metric, victim.metrics_port, "academus_rpc_in_flight", service="worker", method="Run") < 1:
             await asyncio.sleep(0.005)
         os.kill(victim.pid, signal.SIGKILL)  # while it computes a request
         return await pending
