@@ -18,7 +18,8 @@ from academus.shared.keys import Keys
 from academus.shared.redis_conn import connect
 from academus.shared.serving import RunningService
 from academus.v1 import inference_pb2, inference_pb2_grpc
-from tests.integration.test_inprocess_mesh import KEY, env
+from tests.conftest import env
+from tests.integration.test_inprocess_mesh import KEY
 from tests.integration.test_student_groups import MODEL as GROUP_MODEL
 from tests.integration.test_student_groups import TEXTS as GROUP_TEXTS
 from tests.integration.test_student_groups import groups_of
