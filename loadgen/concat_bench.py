@@ -11,6 +11,7 @@ row-fill baselines concat-fcfs, concat-sjf, concat-edf. Each step is one `academ
 2. `selection`: DAS vs FCFS, SJF, EDF row fill on the same engine, variance 100, --rate.
 3. `email`: SpamAssassin emails (`task:spam`, long-tailed lengths) on a second mesh with L = 256, at
    --email-rate with --email-timeout.
+   With --sweep R1,R2,..., variance 100 at each of those Poisson rates too (`sweep_var100` in the summary).
 4. DAS overhead: each concat scheduler's time in row selection over the time its batches took
    (send → answer), from its load report in Redis (TCB: <= 2 %).
 
@@ -84,6 +85,9 @@ def run(args: argparse.Namespace) -> dict:
             results[f"var{variance}"] = compare(run_dir, out / f"var{variance}", "minilm", SIZE_POLICIES, dist, args,
                                                 args.rate, args.timeout)
         dist = "normal,mean=20,var=100,min=3,max=100"
+        for rate in args.sweep:  # TCB §6.2: Poisson arrivals swept over rates
+            results[f"sweep{rate:g}"] = compare(run_dir, out / f"sweep{rate:g}", "minilm", SIZE_POLICIES, dist, args,
+                                                rate, args.timeout)
         results["selection"] = compare(run_dir, out / "selection", "minilm", SELECTION_POLICIES, dist, args,
                                        args.rate, args.timeout)
         results["overhead"] = overheads(state)
@@ -126,6 +130,8 @@ def summarise(results: dict) -> dict:
                          "throughput_vs_padded": {p: _ratio(r["throughput_rps"], base["throughput_rps"])
                                                   for p, r in runs.items()},
                          "utility_vs_padded": {p: _ratio(r["utility"], base["utility"]) for p, r in runs.items()}}
+    summary["sweep_var100"] = {step.removeprefix("sweep"): _figures(report) for step, report in results.items()
+                               if step.startswith("sweep")}
     runs = _runs(results["selection"])
     das = runs["concat"]
     summary["selection"] = {"figures": _figures(results["selection"]),
@@ -145,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("bench/concat"))
     p.add_argument("--duration", type=float, default=12.0)
     p.add_argument("--rate", type=float, default=200.0, help="offered Poisson rate (req/s), above capacity")
+    p.add_argument("--sweep", type=lambda v: [float(x) for x in v.split(",") if x], default=[],
+                   help="comma-separated Poisson rates for a variance-100 sweep of every size policy")
     p.add_argument("--timeout", type=float, default=2.0, help="each request's deadline (s)")
     p.add_argument("--rows", type=int, default=4, help="concat rows a batch (L = 128; 256 for emails)")
     p.add_argument("--max-batch", type=int, default=16, help="padded / bucketed batch size")
