@@ -21,26 +21,17 @@ The last line printed is the summary JSON.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import redis
 
+from academus.loadgen.bench import loadgen, write_summary
 from academus.shared.keys import Keys
 from academus.shared.mesh import Deployment, MeshOptions, MeshState, down, up
 
 SIZE_POLICIES = ["padded", "concat", "concat-slotted", "bucketed"]
 SELECTION_POLICIES = ["concat", "concat-fcfs", "concat-sjf", "concat-edf"]
 DEPLOYMENTS = [*SIZE_POLICIES, "concat-fcfs", "concat-sjf", "concat-edf"]
-
-
-def loadgen(run_dir: Path, out: Path, *args: str) -> dict:
-    """One `academus loadgen` run in a subprocess (its own event loop and CPU accounting)."""
-    command = [sys.executable, "-m", "academus.loadgen", *args, "--run-dir", str(run_dir), "--out", str(out)]
-    done = subprocess.run(command, capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def start(run_dir: Path, args: argparse.Namespace, models: str, row_length: int) -> MeshState:
@@ -163,10 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-email", dest="email", action="store_false")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    summary = run(args)
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(json.dumps(summary))
-    return 0
+    return write_summary(args.out, run(args))
 
 
 if __name__ == "__main__":

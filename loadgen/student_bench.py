@@ -26,15 +26,9 @@ from pathlib import Path
 
 import redis
 
+from academus.loadgen.bench import loadgen, write_summary
 from academus.shared.keys import Keys
 from academus.shared.mesh import Deployment, MeshOptions, down, up
-
-
-def loadgen(run_dir: Path, out: Path, *args: str) -> dict:
-    """One `academus loadgen` run in a subprocess (its own event loop and CPU accounting)."""
-    command = [sys.executable, "-m", "academus.loadgen", *args, "--run-dir", str(run_dir), "--out", str(out)]
-    done = subprocess.run(command, capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def set_students(state, model: str, number: int) -> None:
@@ -140,10 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=5.0)
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    summary = run(args)
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(json.dumps(summary))
-    return 0
+    return write_summary(args.out, run(args))
 
 
 if __name__ == "__main__":
