@@ -22,6 +22,7 @@ from academus.shared import config as cfg
 from academus.shared.errors import DeadlineExceeded, InvalidArgument
 from academus.shared.packing import pack
 from academus.v1 import worker_pb2
+from tests.unit.test_scheduler_core import Clock
 
 BATCH_S = 0.010   # every fake batch takes 10 ms of clock time, whatever its shape
 
@@ -29,14 +30,6 @@ BATCH_S = 0.010   # every fake batch takes 10 ms of clock time, whatever its sha
 def fixed() -> LatencyModel:
     """A latency model that already knows it: 10 ms a batch."""
     return LatencyModel(overhead_s=BATCH_S, per_token_s=1e-12)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class FakeWorker:
