@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RunRequest(_message.Message):
-    __slots__ = ("batch_id", "model", "output", "tokens", "num_students", "student_indices", "packing")
+    __slots__ = ("batch_id", "model", "output", "tokens", "num_students", "student_indices", "packing", "adapters")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class RunRequest(_message.Message):
     NUM_STUDENTS_FIELD_NUMBER: _ClassVar[int]
     STUDENT_INDICES_FIELD_NUMBER: _ClassVar[int]
     PACKING_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     batch_id: str
     model: str
     output: _inference_pb2.Output
@@ -24,7 +25,8 @@ class RunRequest(_message.Message):
     num_students: int
     student_indices: _containers.RepeatedScalarFieldContainer[int]
     packing: PackingPlan
-    def __init__(self, batch_id: _Optional[str] = ..., model: _Optional[str] = ..., output: _Optional[_Union[_inference_pb2.Output, str]] = ..., tokens: _Optional[_Union[_tensors_pb2.TokenBatch, _Mapping]] = ..., num_students: _Optional[int] = ..., student_indices: _Optional[_Iterable[int]] = ..., packing: _Optional[_Union[PackingPlan, _Mapping]] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[_tensors_pb2.AdapterRef]
+    def __init__(self, batch_id: _Optional[str] = ..., model: _Optional[str] = ..., output: _Optional[_Union[_inference_pb2.Output, str]] = ..., tokens: _Optional[_Union[_tensors_pb2.TokenBatch, _Mapping]] = ..., num_students: _Optional[int] = ..., student_indices: _Optional[_Iterable[int]] = ..., packing: _Optional[_Union[PackingPlan, _Mapping]] = ..., adapters: _Optional[_Iterable[_Union[_tensors_pb2.AdapterRef, _Mapping]]] = ...) -> None: ...
 
 class PackingPlan(_message.Message):
     __slots__ = ("row_length", "slot_size", "rows")
