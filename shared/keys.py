@@ -39,7 +39,48 @@ class Keys:
         return f"{self.prefix}:profile:{model}"
 
     def tenant(self, tenant_id: str) -> str:
+        """Hash: a tenant's record (created, quota rate and burst)."""
         return f"{self.prefix}:tenant:{tenant_id}"
+
+    def tenants(self) -> str:
+        """Set of tenant ids."""
+        return f"{self.prefix}:tenants"
+
+    def tenant_models(self, tenant_id: str) -> str:
+        """Hash: a tenant's model name -> TenantModel JSON (base, adapter version, labels, status)."""
+        return f"{self.prefix}:tenant_models:{tenant_id}"
+
+    def quota(self, tenant_id: str) -> str:
+        """Hash: the tenant's request token bucket (tokens, at), updated atomically by a Lua script."""
+        return f"{self.prefix}:quota:{tenant_id}"
+
+    def adapter(self, tenant_id: str, name: str) -> str:
+        """Hash: one adapter's versions (JSON), latest version, metadata. Weights live in the store's files."""
+        return f"{self.prefix}:adapter:{tenant_id}:{name}"
+
+    def adapters(self, tenant_id: str) -> str:
+        """Set of a tenant's adapter names."""
+        return f"{self.prefix}:adapters:{tenant_id}"
+
+    def adapter_store(self) -> str:
+        """String: the adapter store's address (set with the heartbeat TTL)."""
+        return f"{self.prefix}:adapter_store"
+
+    def job(self, job_id: str) -> str:
+        """Hash: a Manage API job (kind, tenant, status, progress, message, result JSON)."""
+        return f"{self.prefix}:job:{job_id}"
+
+    def jobs(self) -> str:
+        """List: job ids waiting for the trainer (LPUSH by the gateway, BRPOP by the trainer)."""
+        return f"{self.prefix}:jobs"
+
+    def domain(self, name: str) -> str:
+        """Hash: a PLOT domain (status, overlay dir, top percent, job)."""
+        return f"{self.prefix}:domain:{name}"
+
+    def domains(self) -> str:
+        """Set of domain names."""
+        return f"{self.prefix}:domains"
 
     def api_key(self, key: str) -> str:
         """Hash: tenant, role. Only the key's SHA-256 is stored, never the key."""
