@@ -78,15 +78,28 @@ class RunningService:
         """NOT_SERVING, background tasks end (no heartbeat re-registers), deregister, drain, close."""
         log_event("stopping", service=self.spec.name)
         await self.health.enter_graceful_shutdown()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._cancel_tasks()
         if self.spec.on_stopping:
             await self.spec.on_stopping()
         await self.server.stop(self.spec.config.grace_s)
         if self.spec.on_stopped:
             await self.spec.on_stopped()
         log_event("stopped", service=self.spec.name)
+
+    async def _cancel_tasks(self) -> None:
+        """Cancels the background tasks and waits for them at most the grace period: a task that
+        swallows its cancellation (a library's blocking read can) must not hang the shutdown."""
+        for task in self._tasks:
+            task.cancel()
+        if not self._tasks:
+            return
+        done, stuck = await asyncio.wait(self._tasks, timeout=self.spec.config.grace_s)
+        for task in done:  # retrieved, so asyncio does not report it as never retrieved
+            if not task.cancelled() and task.exception():
+                log_event("task_failed", service=self.spec.name, error=repr(task.exception()))
+        if stuck:
+            log_event("tasks_not_stopped", service=self.spec.name,
+                      tasks=[t.get_coro().__qualname__ for t in stuck])
 
 
 async def serve(spec: ServiceSpec) -> None:

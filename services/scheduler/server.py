@@ -230,11 +230,18 @@ class PlacementWatcher:
         self.max_merge = max(known) if known else None
 
     async def watch_events(self) -> None:
+        """Wakes the refresh loop on placement events. Polls with a timeout and checks for a pending
+        cancel itself: redis-py's blocking pub/sub read can swallow the task's cancellation, which
+        left `stop()` waiting on this task forever."""
         pubsub = self.redis.pubsub()
-        await pubsub.subscribe(self.keys.events())
-        async for message in pubsub.listen():
-            if message.get("type") == "message":
-                self.changed.set()
+        try:
+            await pubsub.subscribe(self.keys.events())
+            while not asyncio.current_task().cancelling():
+                if await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0):
+                    self.changed.set()
+            raise asyncio.CancelledError
+        finally:
+            await pubsub.aclose()
 
     async def loop(self) -> None:
         while True:
