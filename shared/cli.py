@@ -1,8 +1,9 @@
-"""The `academus` command: up, down, status, infer, prepare, keys, trace (DESIGN.md §9)."""
+"""The `academus` command: up, down, status, infer, prepare, keys, tenants, adapters, trace (DESIGN.md §9)."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import signal
@@ -83,6 +84,23 @@ def parser() -> argparse.ArgumentParser:
     k = ks.add_parser("create", help="create a key for a tenant; prints it once")
     k.add_argument("tenant")
     k.set_defaults(func=cmd_keys_create)
+
+    s = sub.add_parser("tenants", help="tenant models: a tenant's adapter + head on a shared base (HMI)")
+    ts = s.add_subparsers(dest="tenants_command", required=True)
+    t = ts.add_parser("create", help="train NAME's adapter on labelled JSONL, register it; prints the key once")
+    _training_args(t)
+    t.set_defaults(func=cmd_tenants_create)
+    ts.add_parser("list", help="tenants and their models").set_defaults(func=cmd_tenants_list)
+    t = ts.add_parser("delete", help="a tenant, its key, models and adapters")
+    t.add_argument("name")
+    t.set_defaults(func=cmd_tenants_delete)
+
+    s = sub.add_parser("adapters", help="tenant adapters")
+    ads = s.add_subparsers(dest="adapters_command", required=True)
+    t = ads.add_parser("train", help="train an adapter for an existing tenant and register it as its model")
+    t.add_argument("--tenant", required=True)
+    _training_args(t, positional=False)
+    t.set_defaults(func=cmd_adapters_train)
 
     s = sub.add_parser("trace", help="print a recorded trace of the local mesh (the latest by default)")
     s.add_argument("trace_id", nargs="?")
@@ -209,6 +227,67 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
     key = create_key(MeshState.load(_run_dir(args)), args.tenant)
     print(json.dumps({"tenant": args.tenant, "key": key}))
     return 0
+
+
+def _training_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
+    if positional:
+        p.add_argument("name", help="the tenant, and its model's name")
+    else:
+        p.add_argument("--name", required=True, help="the model's name (a new version if it exists)")
+    p.add_argument("--base", default="minilm", help="the served base model the adapter runs on (minilm)")
+    p.add_argument("--data", type=Path, required=True, help='JSONL lines {"text": ..., "label": ...}')
+    p.add_argument("--rank", type=int, default=16, help="adapter bottleneck size r")
+    p.add_argument("--epochs", type=int, default=8)
+
+
+def _with_mesh_redis(args: argparse.Namespace, work) -> int:
+    """Runs `work(redis, keys)` against the local mesh's Redis; prints its JSON result last."""
+    from academus.shared.errors import ServingError
+    from academus.shared.keys import Keys
+    from academus.shared.mesh import MeshState
+    from academus.shared.redis_conn import connect
+
+    state = MeshState.load(_run_dir(args))
+
+    async def run() -> object:
+        redis = connect(state.redis_url)
+        try:
+            return await work(redis, Keys(state.key_prefix))
+        finally:
+            await redis.aclose()
+
+    try:
+        print(json.dumps(asyncio.run(run())))
+    except ServingError as e:
+        print(f"error: {e.code.name}: {e.message}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_tenants_create(args: argparse.Namespace) -> int:
+    from academus.shared.onboarding import create_tenant_model
+
+    return _with_mesh_redis(args, lambda redis, keys: create_tenant_model(
+        redis, keys, args.name, args.base, args.data, args.rank, args.epochs))
+
+
+def cmd_tenants_list(args: argparse.Namespace) -> int:
+    from academus.shared.onboarding import list_tenants
+
+    return _with_mesh_redis(args, list_tenants)
+
+
+def cmd_tenants_delete(args: argparse.Namespace) -> int:
+    from academus.shared.onboarding import delete_tenant
+
+    return _with_mesh_redis(args, lambda redis, keys: delete_tenant(redis, keys, args.name))
+
+
+def cmd_adapters_train(args: argparse.Namespace) -> int:
+    from academus.shared.onboarding import train_tenant_adapter
+
+    return _with_mesh_redis(args, lambda redis, keys: train_tenant_adapter(
+        redis, keys, args.tenant, args.name, args.base, args.data, args.rank, args.epochs))
 
 
 def cmd_trace(args: argparse.Namespace) -> int:

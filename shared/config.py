@@ -66,9 +66,14 @@ class GatewayConfig(CommonConfig):
     default_deadline_s: float = 30.0 # applied when the client set none (gRPC has no default)
     auth_cache_s: float = 5.0        # how long a verified key is trusted without asking Redis
     catalogue_refresh_s: float = 1.0
+    tenant_rate: float = 100.0       # a new tenant's quota: requests per second (token bucket refill)
+    tenant_burst: int = 200          # ... and bucket size: requests allowed at once after a quiet spell
 
     def check(self) -> None:
         super().check()
+        if self.tenant_rate <= 0 or self.tenant_burst < 1:
+            raise ConfigError(f"ACADEMUS_TENANT_RATE={self.tenant_rate} must be > 0 and "
+                              f"ACADEMUS_TENANT_BURST={self.tenant_burst} >= 1")
         for name in ("max_inputs", "max_tokens", "max_text_chars"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"ACADEMUS_{name.upper()}={getattr(self, name)} must be >= 1")
@@ -149,6 +154,10 @@ class WorkerConfig(CommonConfig):
     resource_manager: str = ""       # host:port; empty: looked up in Redis
     heartbeat_ttl_s: float = 5.0
     packed_attention: str = "sdpa"   # packed batches: sdpa (own layers, real tokens only) | hf (HF layers, 4-D mask)
+    adapter_store: str = ""          # host:port; empty: looked up in Redis
+    adapter_cache_bytes: int = 256 << 20   # tenant adapters kept on the device (LRU, HMI §6.2)
+    adapter_prefetch: bool = True    # later layers stream in while the batch computes (off: the ablation)
+    adapter_batched: bool = True     # one bmm for all tenants of a batch (off: per tenant, the ablation)
 
     def check(self) -> None:
         super().check()
@@ -246,3 +255,25 @@ def _parse(raw: str, kind: object, name: str) -> object:
     except ValueError as e:
         raise ConfigError(f"ACADEMUS_{name.upper()}={raw!r} is not a number") from e
     return raw
+
+
+@dataclass(frozen=True)
+class AdapterStoreConfig(CommonConfig):
+    adapter_dir: str = ""            # weights root (<tenant>/<name>/v<N>.safetensors); empty: <artifacts>/adapters
+    max_adapter_bytes: int = 8 * 1024 * 1024  # one adapter's safetensors file
+    cache_bytes: int = 64 * 1024 * 1024       # LRU of read files, so layer-by-layer gets skip the disk
+    heartbeat_ttl_s: float = 5.0     # TTL of the address at acd:adapter_store
+
+    def check(self) -> None:
+        super().check()
+        if not 1 <= self.max_adapter_bytes <= 60 * 1024 * 1024:
+            raise ConfigError(f"ACADEMUS_MAX_ADAPTER_BYTES={self.max_adapter_bytes} must be in 1..62914560 "
+                              f"(a Put stays under the 64 MiB message limit)")
+        if self.cache_bytes < 0:
+            raise ConfigError(f"ACADEMUS_CACHE_BYTES={self.cache_bytes} must be >= 0 (0: no cache)")
+        if self.heartbeat_ttl_s < 1:
+            raise ConfigError(f"ACADEMUS_HEARTBEAT_TTL_S={self.heartbeat_ttl_s} must be >= 1 (Redis TTLs are seconds)")
+
+    @property
+    def store_dir(self) -> Path:
+        return Path(self.adapter_dir) if self.adapter_dir else artifacts_dir() / "adapters"

@@ -32,6 +32,14 @@ class NotFound(ServingError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class AlreadyExists(ServingError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class FailedPrecondition(ServingError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class ResourceExhausted(ServingError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
@@ -62,4 +70,5 @@ def from_rpc_error(error: grpc.aio.AioRpcError, hop: str) -> ServingError:
     return err
 
 
-_ALL = (InvalidArgument, Unauthenticated, PermissionDenied, NotFound, ResourceExhausted, DeadlineExceeded, Unavailable)
+_ALL = (InvalidArgument, Unauthenticated, PermissionDenied, NotFound, AlreadyExists, FailedPrecondition,
+        ResourceExhausted, DeadlineExceeded, Unavailable)

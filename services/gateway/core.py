@@ -1,4 +1,5 @@
-"""Gateway core: authentication, the model catalogue, input limits and tokenization. No gRPC here."""
+"""Gateway core: authentication, quotas, the model catalogue and tenant models, input limits and tokenization.
+No gRPC here."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import redis.asyncio as aioredis
 
 from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
 from academus.shared.config import POLICY_NAMES, GatewayConfig
-from academus.shared.errors import InvalidArgument, NotFound, Unauthenticated, Unavailable
+from academus.shared.errors import FailedPrecondition, InvalidArgument, NotFound, Unauthenticated, Unavailable
 from academus.shared.keys import Keys
+from academus.shared.tenants import READY, Quotas, TenantModel, TenantRegistry
 from academus.shared.tokenization import Encoded, TeacherTokenizer, TextTooLong
 
 # What the caller asked for, as the core names it (the edge maps the proto enum).
@@ -42,6 +44,7 @@ class Admitted:
     encoded: list[Encoded]
     truncated: list[bool]
     tokenize_ms: float
+    tenant_model: TenantModel | None = None  # set when `spec` is the caller's own model on a served base
 
 
 class Authenticator:
@@ -79,14 +82,39 @@ class Catalogue:
         self.models = {name: ModelSpec.from_json(spec) for name, spec in raw.items()}
         self._read_at = self.clock()
 
-    async def get(self, name: str) -> ModelSpec:
+    async def find(self, name: str) -> ModelSpec | None:
         if name not in self.models and self.clock() - self._read_at > 0.1:
             await self.refresh()
-        spec = self.models.get(name)
+        return self.models.get(name)
+
+    async def get(self, name: str) -> ModelSpec:
+        spec = await self.find(name)
         if spec is None:
-            known = ", ".join(sorted(self.models)) or "none"
-            raise NotFound(f"model {name!r} not found; served models: {known}")
+            raise self.not_found(name)
         return spec
+
+    def not_found(self, name: str) -> NotFound:
+        """The one answer for a name the caller cannot use, whether or not another tenant has a model so named."""
+        known = ", ".join(sorted(self.models)) or "none"
+        return NotFound(f"model {name!r} not found; served models: {known}")
+
+
+class TenantModels:
+    """A tenant's own models by name, cached briefly (as verified keys are): a tenant model's request
+    costs no more Redis reads than a served model's."""
+
+    def __init__(self, registry: TenantRegistry, cache_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.registry, self.cache_s, self.clock = registry, cache_s, clock
+        self._cache: dict[tuple[str, str], tuple[float, TenantModel]] = {}
+
+    async def get(self, tenant: str, name: str) -> TenantModel | None:
+        hit = self._cache.get((tenant, name))
+        if hit and hit[0] > self.clock():
+            return hit[1]
+        model = await self.registry.model(tenant, name)
+        if model is not None:
+            self._cache[(tenant, name)] = (self.clock() + self.cache_s, model)
+        return model
 
 
 def resolve_output(spec: ModelSpec, wanted: str) -> str:
@@ -99,19 +127,40 @@ def resolve_output(spec: ModelSpec, wanted: str) -> str:
 
 class Gateway:
     def __init__(self, config: GatewayConfig, tokenizer: TeacherTokenizer, auth: Authenticator,
-                 catalogue: Catalogue) -> None:
+                 catalogue: Catalogue, tenant_models: TenantModels | None = None,
+                 quotas: Quotas | None = None) -> None:
         self.config, self.tokenizer, self.auth, self.catalogue = config, tokenizer, auth, catalogue
+        redis, keys = catalogue.redis, catalogue.keys
+        self.tenant_models = tenant_models or TenantModels(TenantRegistry(redis, keys), config.auth_cache_s)
+        self.quotas = quotas or Quotas(redis, keys)
 
     async def admit(self, api_key: str | None, call: InferCall) -> Admitted:
-        """Authenticates, checks limits and tokenizes: everything before the scheduler."""
+        """Authenticates, takes a quota token, checks limits and tokenizes: everything before the scheduler."""
         principal = await self.auth.authenticate(api_key)
+        await self.quotas.take(principal.tenant)
         self.check_inputs(call)
-        spec = await self.catalogue.get(call.model)
+        spec, tenant_model = await self.resolve(principal, call.model)
         output = resolve_output(spec, call.output)
         start = time.perf_counter()
         encoded = self.tokenize(call)
         truncated = [call.truncate and len(e.input_ids) >= self.tokenizer.max_tokens for e in encoded]
-        return Admitted(principal, spec, output, encoded, truncated, (time.perf_counter() - start) * 1e3)
+        return Admitted(principal, spec, output, encoded, truncated, (time.perf_counter() - start) * 1e3,
+                        tenant_model)
+
+    async def resolve(self, principal: Principal, name: str) -> tuple[ModelSpec, TenantModel | None]:
+        """A served model by that name, else the caller's own tenant model (never another tenant's)."""
+        spec = await self.catalogue.find(name)
+        if spec is not None:
+            return spec, None
+        model = await self.tenant_models.get(principal.tenant, name)
+        if model is None:
+            raise self.catalogue.not_found(name)
+        if model.status != READY:  # training takes minutes, a failed one never serves: not worth a retry
+            raise FailedPrecondition(f"model {name!r} is {model.status}, not ready to serve")
+        base = await self.catalogue.find(model.base)
+        if base is None:
+            raise Unavailable(f"model {name!r}: its base model {model.base!r} is not served now")
+        return model.spec(base), model
 
     def check_inputs(self, call: InferCall) -> None:
         limit = self.config.max_inputs

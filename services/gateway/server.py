@@ -18,6 +18,7 @@ from academus.services.gateway.core import (
     Gateway,
     InferCall,
     SchedulerDirectory,
+    TenantModels,
     check_policy,
 )
 from academus.shared import config as cfg
@@ -27,6 +28,7 @@ from academus.shared.logs import log_event
 from academus.shared.model import teacher_dir
 from academus.shared.redis_conn import connect
 from academus.shared.serving import ServiceSpec, Stubs, run
+from academus.shared.tenants import Quotas, TenantRegistry
 from academus.shared.tokenization import TeacherTokenizer
 from academus.shared.tracing import annotate
 from academus.v1 import inference_pb2 as pb
@@ -62,25 +64,33 @@ def schedule_request(admitted: Admitted, request_id: str) -> scheduler_pb2.Sched
     if any(any(e.token_type_ids) for e in admitted.encoded):
         for e in admitted.encoded:
             tokens.token_type_ids.extend(e.token_type_ids)
-    return scheduler_pb2.ScheduleRequest(request_id=request_id, model=admitted.spec.name,
-                                         tenant=admitted.principal.tenant,
-                                         output=OUTPUT_ENUMS[admitted.output], tokens=tokens)
+    request = scheduler_pb2.ScheduleRequest(request_id=request_id, model=admitted.spec.name,
+                                            tenant=admitted.principal.tenant,
+                                            output=OUTPUT_ENUMS[admitted.output], tokens=tokens)
+    if (tm := admitted.tenant_model) is not None:  # the base runs it; the worker applies adapter and head
+        request.model = tm.base
+        request.adapter.CopyFrom(tensors_pb2.AdapterRef(tenant=admitted.principal.tenant, name=tm.adapter,
+                                                        version=tm.version))
+    return request
 
 
 def to_pb(admitted: Admitted, result: tensors_pb2.ModelOutput, request_id: str) -> pb.InferResponse:
     matrix = result.values
     dim, values = matrix.dim, matrix.values
-    response = pb.InferResponse(model=admitted.spec.name, request_id=request_id, labels=result.labels)
+    labels = admitted.spec.labels if admitted.tenant_model is not None else list(result.labels)
+    # A tenant head's probs are zero-padded to the widest head in the worker's batch: keep its own classes.
+    width = min(len(labels), dim) if admitted.tenant_model is not None and admitted.output != EMBED else dim
+    response = pb.InferResponse(model=admitted.spec.name, request_id=request_id, labels=labels)
     response.metadata.CopyFrom(result.metadata)
     for i, e in enumerate(admitted.encoded):
-        row = values[i * dim : (i + 1) * dim]
+        row = values[i * dim : i * dim + width]
         p = response.predictions.add(num_tokens=len(e.input_ids), truncated=admitted.truncated[i],
                                      input_index=i, final=True)
         if admitted.output == EMBED:
             p.embedding.extend(row)
         else:
             p.probs.extend(row)
-            p.label = result.labels[max(range(dim), key=row.__getitem__)]
+            p.label = labels[max(range(width), key=row.__getitem__)]
             p.score = row[-1]
     return response
 
@@ -138,8 +148,10 @@ async def build() -> ServiceSpec:
     keys = Keys(config.key_prefix)
     catalogue = Catalogue(redis, keys)
     schedulers = SchedulerDirectory(redis, keys)
+    registry = TenantRegistry(redis, keys, rate=config.tenant_rate, burst=config.tenant_burst)
     gateway = Gateway(config, TeacherTokenizer(teacher_dir(), config.max_tokens),
-                      Authenticator(redis, keys, config.auth_cache_s), catalogue)
+                      Authenticator(redis, keys, config.auth_cache_s), catalogue,
+                      TenantModels(registry, config.auth_cache_s), Quotas(redis, keys))
 
     async def refresher() -> None:
         while True:

@@ -129,7 +129,10 @@ def merge_requests(requests: Sequence[worker_pb2.RunRequest],
     merged = worker_pb2.RunRequest(batch_id=",".join(r.batch_id for r in requests), model=requests[0].model,
                                    output=requests[0].output, num_students=requests[0].num_students)
     typed = any(r.tokens.token_type_ids for r in requests)
+    tenanted = any(r.adapters for r in requests)  # tenants' texts share the batch (HMI §6.3)
     for r in requests:
+        if tenanted:
+            merged.adapters.extend(r.adapters or [tensors_pb2.AdapterRef()] * len(r.tokens.lengths))
         merged.tokens.input_ids.extend(r.tokens.input_ids)
         merged.tokens.lengths.extend(r.tokens.lengths)
         if typed:
@@ -160,11 +163,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         now = self.dispatcher.clock()
         remaining = context.time_remaining()
         tokens = request.tokens
+        payload = worker_pb2.RunRequest(batch_id=request.request_id, model=request.model, output=request.output,
+                                        tokens=tokens, num_students=self.student_numbers.get(request.model, 0))
+        if request.HasField("adapter"):  # a tenant model: every text runs the tenant's adapter + head
+            payload.adapters.extend([request.adapter] * len(tokens.lengths))
         job = Job(
             model=request.model,
-            payload=worker_pb2.RunRequest(batch_id=request.request_id, model=request.model,
-                                          output=request.output, tokens=tokens,
-                                          num_students=self.student_numbers.get(request.model, 0)),
+            payload=payload,
             num_texts=len(tokens.lengths), num_tokens=len(tokens.input_ids),
             deadline=now + (remaining if remaining is not None else 30.0), enqueued_at=now,
             batch_key=(request.model, request.output, self.student_numbers.get(request.model, 0)),

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from academus.services.worker.adapters import TenantBatch
+from academus.shared.adapters import encode_with_adapters
 from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
 from academus.shared.errors import DeadlineExceeded, InvalidArgument, NotFound
 from academus.shared.model import HIDDEN_SIZE, ClassifierHead, TeacherEncoder, pad_batch
@@ -210,13 +212,16 @@ class ModelRunner:
 
     def run(self, model: str, output: str, input_ids: Sequence[int], lengths: Sequence[int],
             token_type_ids: Sequence[int] = (), deadline: float | None = None, num_students: int = 0,
-            student_indices: Sequence[int] = (), plan: PackingPlan | None = None) -> BatchResult:
+            student_indices: Sequence[int] = (), plan: PackingPlan | None = None,
+            tenants: TenantBatch | None = None) -> BatchResult:
         """Runs one batch; refuses to start when `deadline` (clock time) has passed. With
         `student_indices`, runs only those students of a group and returns their additive share. With
         `plan` (one entry a text), runs it packed (ConcatBatching) instead of padded."""
         served = self.models.get(model)
         if served is None:
             raise NotFound(f"model {model!r} is not served by this worker")
+        if tenants is not None:
+            return self._run_tenants(served, output, input_ids, lengths, token_type_ids, deadline, tenants)
         if output == OUTPUT_PROBS and served.head is None:
             raise InvalidArgument(f"model {model!r} is an embedding model: it has no labels")
         students = served.students(num_students)
@@ -247,6 +252,35 @@ class ModelRunner:
             student_count=len(student_indices) or students,
             finish=finish,
         )
+
+    def _run_tenants(self, served: ServedModel, output: str, input_ids: Sequence[int], lengths: Sequence[int],
+                     token_type_ids: Sequence[int], deadline: float | None, tenants: TenantBatch) -> BatchResult:
+        """Texts of many tenants in one padded batch (HMI §6.3): each row's adapter in the base's upper
+        layers, applied as one batched matmul a projection, and each row's own head. Probabilities are
+        zero-padded to the widest head; the gateway keeps its tenant's columns."""
+        if served.max_students or served.head is not None or not served.packable:
+            raise InvalidArgument(f"adapters set for {served.spec.name!r}: tenant adapters run on an embedding "
+                                  "base model (minilm)")
+        if len(tenants.weights) != len(lengths):
+            raise InvalidArgument(f"adapters has {len(tenants.weights)} entries for {len(lengths)} texts")
+        if output == OUTPUT_PROBS and any(w is None for w in tenants.weights):
+            raise InvalidArgument("output=label needs an adapter (and its head) for every text")
+        if deadline is not None and self.clock() >= deadline:
+            raise DeadlineExceeded("deadline passed before the batch started; not computed")
+        seqs = split_lengths(input_ids, lengths)
+        types = split_lengths(token_type_ids, lengths) if token_type_ids else None
+        start = time.perf_counter()
+        ids, mask, type_ids = (t.to(self.device) for t in pad_batch(seqs, types))
+        self._local.deadline = deadline
+        with torch.inference_mode():
+            try:
+                pooled, probs = encode_with_adapters(served.encoder, ids, mask, type_ids, tenants.weights,
+                                                     tenants.batched, tenants.layer_ready)
+            except ValueError as e:  # an adapter for another base
+                raise InvalidArgument(str(e)) from e
+            values = (probs if output == OUTPUT_PROBS else pooled).float().cpu().numpy()
+        return BatchResult(values=values, labels=[], compute_ms=(time.perf_counter() - start) * 1e3,
+                           padded_tokens=int(ids.numel()), real_tokens=int(mask.sum()))
 
     def _run_packed(self, served: ServedModel, output: str, seqs: list[Sequence[int]],
                     types: list[Sequence[int]] | None, plan: PackingPlan, deadline: float | None, students: int,

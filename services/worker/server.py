@@ -13,6 +13,7 @@ import grpc
 import torch
 from prometheus_client import Counter
 
+from academus.services.worker.adapters import AdapterCache, StoreFetcher, TenantBatch
 from academus.services.worker.core import (
     FINISH_L2,
     FINISH_SOFTMAX,
@@ -49,9 +50,11 @@ FINISHES = {"": tensors_pb2.FINISH_NONE, FINISH_SOFTMAX: tensors_pb2.FINISH_SOFT
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, runner: ModelRunner, worker_id: str, instances: int = 1) -> None:
+    def __init__(self, runner: ModelRunner, worker_id: str, instances: int = 1,
+                 adapters: AdapterCache | None = None) -> None:
         self.runner = runner
         self.worker_id = worker_id
+        self.adapters = adapters
         self.resize(instances)
 
     def resize(self, instances: int) -> None:
@@ -68,10 +71,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         output = OUTPUT_PROBS if wants_probs else OUTPUT_EMBEDDING
         tokens = request.tokens
         try:
+            tenants = await self._tenants(request, deadline)
             result = await asyncio.get_running_loop().run_in_executor(
                 self.executor, self._run, request.model, output, tokens.input_ids, tokens.lengths,
                 tokens.token_type_ids, deadline, request.num_students, list(request.student_indices),
-                plan_from_proto(request),
+                plan_from_proto(request), tenants,
             )
         except ServingError as e:
             await abort_with(context, e)
@@ -90,6 +94,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             finish=FINISHES[result.finish],
         )
 
+
+    async def _tenants(self, request: worker_pb2.RunRequest, deadline: float | None) -> TenantBatch | None:
+        """The batch's tenant adapters from the cache (misses fetched from the store); None without."""
+        if not request.adapters:
+            return None
+        if self.adapters is None:
+            raise InvalidArgument("adapters set, but this worker serves no tenant adapters")
+        keys = [(a.tenant, a.name, a.version) if a.tenant else None for a in request.adapters]
+        return await self.adapters.acquire(keys, deadline)
 
     def _run(self, model: str, *args):
         """On the compute thread, so batches stopped after their caller left are counted too."""
@@ -190,7 +203,11 @@ async def build() -> ServiceSpec:
     worker_id = config.worker_id or f"worker-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     runner = ModelRunner(Path(config.artifacts), [m for m in config.models.split(",") if m], config.device,
                          attention=config.packed_attention)
-    servicer = WorkerServicer(runner, worker_id, config.instances or 1)
+    keys = Keys(config.key_prefix)
+    fetcher = StoreFetcher(config.redis_url, keys, config.adapter_store)
+    adapters = AdapterCache(fetcher, config.adapter_cache_bytes, runner.device, config.adapter_prefetch,
+                            config.adapter_batched)
+    servicer = WorkerServicer(runner, worker_id, config.instances or 1, adapters)
     registration = Registration(config, runner, worker_id, servicer)
     return ServiceSpec(
         name="worker",
@@ -199,8 +216,14 @@ async def build() -> ServiceSpec:
         service_names=["academus.v1.Worker"],
         on_started=registration.register,
         on_stopping=registration.deregister,
+        on_stopped=lambda: asyncio.to_thread(close_adapters, adapters, fetcher),
         extra_tasks=[registration.heartbeat],
     )
+
+
+def close_adapters(adapters: AdapterCache, fetcher: StoreFetcher) -> None:
+    adapters.close()
+    fetcher.close()
 
 
 def main() -> None:

@@ -150,3 +150,111 @@ def test_an_unknown_policy_is_invalid_and_names_the_known_ones():
     assert check_policy("") == "" and check_policy("student") == "student"
     with pytest.raises(InvalidArgument, match="'batchy' is not a policy; known: fifo, padded, student"):
         check_policy("batchy")
+
+
+# Tenant models and quotas: the caller's own models on a served base, never another tenant's.
+
+
+@pytest.fixture
+async def tenants(redis_url, tokenizer):
+    from academus.shared.tenants import TenantModel, TenantRegistry
+
+    redis = connect(redis_url)
+    await redis.hset(KEYS.models(), "spam", ModelSpec("spam", CLASSIFICATION, ["ham", "spam"]).to_json())
+    await redis.hset(KEYS.models(), "minilm", ModelSpec("minilm", EMBEDDING).to_json())
+    registry = TenantRegistry(redis, KEYS)
+    keys = {t: await registry.create_tenant(t) for t in ("a", "b")}
+    await registry.register_model("a", TenantModel("reviews", "minilm", "reviews-adapter", 2, ["neg", "neu", "pos"]))
+    await registry.register_model("a", TenantModel("vec", "minilm", "vec-adapter", 1, kind=EMBEDDING))
+    config = GatewayConfig(max_inputs=4, max_tokens=32, max_text_chars=500)
+    gateway = Gateway(config, tokenizer, Authenticator(redis, KEYS, 5.0), Catalogue(redis, KEYS))
+    yield gateway, registry, keys
+    await redis.aclose()
+
+
+async def test_a_tenant_model_resolves_on_its_base(tenants):
+    gateway, _, keys = tenants
+    admitted = await gateway.admit(keys["a"], call(["great film"], model="reviews"))
+    assert admitted.tenant_model.adapter == "reviews-adapter"
+    assert (admitted.spec.name, admitted.spec.kind, admitted.spec.labels) == ("reviews", CLASSIFICATION,
+                                                                             ["neg", "neu", "pos"])
+    assert admitted.output == LABEL
+    served = await gateway.admit(keys["a"], call(["hi"], model="spam"))  # served models as before
+    assert served.tenant_model is None and served.spec.name == "spam"
+
+
+async def test_another_tenants_model_is_indistinguishable_from_an_unknown_name(tenants):
+    gateway, _, keys = tenants
+    with pytest.raises(NotFound) as unknown:
+        await gateway.admit(keys["b"], call(["hi"], model="no-such-model"))
+    with pytest.raises(NotFound) as foreign:
+        await gateway.admit(keys["b"], call(["hi"], model="reviews"))
+    assert foreign.value.message == unknown.value.message.replace("no-such-model", "reviews")
+    assert foreign.value.message == "model 'reviews' not found; served models: minilm, spam"
+
+
+async def test_a_model_not_ready_is_refused(tenants):
+    from academus.shared.errors import FailedPrecondition
+    from academus.shared.tenants import TRAINING, TenantModel
+
+    gateway, registry, keys = tenants
+    await registry.register_model("a", TenantModel("draft", "minilm", "draft", 1, ["x", "y"], status=TRAINING))
+    with pytest.raises(FailedPrecondition, match="model 'draft' is training"):
+        await gateway.admit(keys["a"], call(["hi"], model="draft"))
+
+
+async def test_admit_takes_a_quota_token_per_request(tenants):
+    from academus.shared.errors import ResourceExhausted
+
+    gateway, registry, keys = tenants
+    await registry.set_quota("a", rate=0.5, burst=2)
+    for _ in range(2):
+        await gateway.admit(keys["a"], call(["hi"]))
+    with pytest.raises(ResourceExhausted, match=r"tenant 'a' is over its rate limit of 0\.5 requests/s") as e:
+        await gateway.admit(keys["a"], call(["hi"], model="reviews"))
+    assert e.value.pushback_ms > 0
+    await gateway.admit(keys["b"], call(["hi"]))  # another tenant is not slowed
+    await registry.redis.hset(KEYS.api_key("old-key"), mapping={"tenant": "legacy", "role": "tenant"})
+    for _ in range(10):  # a key without a tenant record (the admin, older keys) is not limited
+        await gateway.admit("old-key", call(["hi"]))
+
+
+async def test_schedule_request_sends_the_base_and_the_adapter(tenants):
+    from academus.services.gateway.server import schedule_request
+
+    gateway, _, keys = tenants
+    request = schedule_request(await gateway.admit(keys["a"], call(["great film"], model="reviews")), "r1")
+    assert (request.model, request.tenant) == ("minilm", "a")
+    assert (request.adapter.tenant, request.adapter.name, request.adapter.version) == ("a", "reviews-adapter", 2)
+    plain = schedule_request(await gateway.admit(keys["a"], call(["hi"], model="spam")), "r2")
+    assert plain.model == "spam" and not plain.HasField("adapter")
+
+
+async def test_to_pb_keeps_the_tenant_heads_labels_and_slices_padded_probs(tenants):
+    from academus.services.gateway.server import to_pb
+    from academus.v1 import tensors_pb2
+
+    gateway, _, keys = tenants
+    admitted = await gateway.admit(keys["a"], call(["good", "bad"], model="reviews"))
+    # The batch's widest head had 5 classes: this head's 3 probs are zero-padded to 5.
+    values = [0.1, 0.2, 0.7, 0.0, 0.0, 0.6, 0.3, 0.1, 0.0, 0.0]
+    result = tensors_pb2.ModelOutput(labels=["w0", "w1", "w2", "w3", "w4"],
+                                     values=tensors_pb2.Matrix(dim=5, values=values))
+    response = to_pb(admitted, result, "r1")
+    assert response.model == "reviews" and list(response.labels) == ["neg", "neu", "pos"]
+    assert [p.label for p in response.predictions] == ["pos", "neg"]
+    assert [x for p in response.predictions for x in p.probs] == pytest.approx([0.1, 0.2, 0.7, 0.6, 0.3, 0.1])
+    assert [len(p.probs) for p in response.predictions] == [3, 3]
+    assert [p.score for p in response.predictions] == pytest.approx([0.7, 0.1])
+
+
+async def test_to_pb_gives_a_tenant_embedding_model_its_whole_row(tenants):
+    from academus.services.gateway.server import to_pb
+    from academus.v1 import tensors_pb2
+
+    gateway, _, keys = tenants
+    admitted = await gateway.admit(keys["a"], call(["good"], model="vec"))
+    result = tensors_pb2.ModelOutput(values=tensors_pb2.Matrix(dim=4, values=[0.5, -0.5, 0.5, -0.5]))
+    response = to_pb(admitted, result, "r1")
+    assert response.model == "vec" and list(response.labels) == []
+    assert list(response.predictions[0].embedding) == pytest.approx([0.5, -0.5, 0.5, -0.5])

@@ -1,0 +1,3 @@
+from academus.services.adapter_store.server import main
+
+main()

@@ -1,0 +1,214 @@
+"""The worker's tenant adapters (HMI §6.2): an LRU cache within a byte budget (GPU memory on a GPU
+worker), misses fetched from the adapter store layer by layer.
+
+A miss costs one blocking fetch of the first piece (the head and the lowest adapted layer, which also
+carries the metadata the batch needs); the remaining layers stream in on the prefetch thread while the
+batch computes the lower, unadapted layers, and the hook of adapted layer i waits only for layer i
+(`TenantBatch.layer_ready`). With prefetch off, a miss waits for every layer before computing: the
+ablation of HMI Table 6."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+import redis
+import torch
+
+from academus.shared.adapters import AdapterWeights
+from academus.shared.errors import DeadlineExceeded, ServingError, Unavailable, from_rpc_error
+from academus.shared.keys import Keys
+from academus.shared.serving import CHANNEL_OPTIONS
+from academus.v1 import adapter_store_pb2, adapter_store_pb2_grpc, tensors_pb2
+
+AdapterKey = tuple[str, str, int]            # tenant, name, version (0: the latest when first fetched)
+# (key, layers, head) -> safetensors bytes of that piece; raises NotFound / Unavailable.
+FetchPiece = Callable[[AdapterKey, Sequence[int], bool], bytes]
+
+
+@dataclass
+class CachedAdapter:
+    """One adapter as it arrives: `weights` exists after the first piece; `ready[i]` is set once layer
+    i is in `weights.layers` (dict assignment is atomic, so the compute thread may read as it fills)."""
+
+    key: AdapterKey
+    first: Future = field(default_factory=Future)
+    complete: Future = field(default_factory=Future)
+    weights: AdapterWeights | None = None
+    ready: dict[int, threading.Event] = field(default_factory=dict)
+    error: ServingError | None = None
+    bytes: int = 0
+
+    def wait_layer(self, i: int, deadline: float | None) -> None:
+        event = self.ready.get(i)
+        if event is None:
+            return  # the adapter has no layer i
+        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        if not event.wait(timeout):
+            raise DeadlineExceeded(f"adapter {self.key[0]}/{self.key[1]} layer {i} did not arrive before the "
+                                   "deadline")
+        if self.error is not None:
+            raise self.error
+
+
+@dataclass(frozen=True)
+class TenantBatch:
+    """A batch's per-row adapters (None: the base model) and the wait the layer hooks run first."""
+
+    weights: list[AdapterWeights | None]
+    entries: list[CachedAdapter]
+    deadline: float | None = None
+    batched: bool = True          # False: each tenant's adapter applied separately (the ablation)
+
+    def layer_ready(self, i: int) -> None:
+        for entry in self.entries:
+            entry.wait_layer(i, self.deadline)
+
+
+class AdapterCache:
+    """LRU of adapters within `budget_bytes`; misses go to the store on one prefetch thread."""
+
+    def __init__(self, fetch: FetchPiece, budget_bytes: int, device: torch.device | str = "cpu",
+                 prefetch: bool = True, batched: bool = True) -> None:
+        self.fetch, self.budget, self.device = fetch, budget_bytes, torch.device(device)
+        self.prefetch, self.batched = prefetch, batched
+        self._entries: OrderedDict[AdapterKey, CachedAdapter] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-prefetch")
+        self.hits = self.misses = 0
+
+    @property
+    def bytes(self) -> int:
+        return sum(e.bytes for e in self._entries.values())
+
+    def stats(self) -> dict[str, float]:
+        total = self.hits + self.misses
+        return {"adapters": len(self._entries), "bytes": self.bytes, "hits": self.hits, "misses": self.misses,
+                "hit_rate": self.hits / total if total else 0.0}
+
+    async def acquire(self, keys: Sequence[AdapterKey | None], deadline: float | None = None) -> TenantBatch:
+        """Each row's adapter, fetched first where missing; returns once every first piece is here
+        (every piece, with prefetch off)."""
+        entries: dict[AdapterKey, CachedAdapter] = {}
+        for key in keys:
+            if key is not None and key not in entries:
+                entries[key] = self._entry(key)
+        waits = [e.first if self.prefetch else e.complete for e in entries.values()]
+        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        try:
+            await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(w) for w in waits)), timeout)
+        except TimeoutError as e:
+            raise DeadlineExceeded("the batch's adapters did not arrive from the adapter store before the "
+                                   "deadline") from e
+        weights = [None if key is None else entries[key].weights for key in keys]
+        return TenantBatch(weights, list(entries.values()), deadline, self.batched)
+
+    def _entry(self, key: AdapterKey) -> CachedAdapter:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry.error is None:
+                self._entries.move_to_end(key)
+                self.hits += 1
+                return entry
+            self.misses += 1
+            entry = CachedAdapter(key)
+            self._entries[key] = entry
+        self._pool.submit(self._load, entry)
+        return entry
+
+    def _load(self, entry: CachedAdapter) -> None:
+        """On the prefetch thread: the first piece (head + lowest layer), then each layer in order."""
+        try:
+            first = self._piece(entry.key, None, True)
+            layers = sorted(first.layer_ids)
+            entry.ready = {i: threading.Event() for i in layers}
+            first_layer = self._piece(entry.key, layers[:1], True) if layers else first
+            entry.weights = AdapterWeights(first.base, first.labels, first.rank, {}, first_layer.head_weight,
+                                           first_layer.head_bias, first.layer_ids)
+            self._arrived(entry, first_layer)
+            entry.first.set_result(entry)
+            for i in layers[1:]:
+                self._arrived(entry, self._piece(entry.key, [i], False))
+            entry.complete.set_result(entry)
+            self._evict()
+        except ServingError as e:
+            self._fail(entry, e)
+        except Exception as e:  # a bad file or a broken connection: this adapter fails, others go on
+            self._fail(entry, Unavailable(f"adapter {entry.key[0]}/{entry.key[1]} could not be loaded: {e}"))
+
+    def _piece(self, key: AdapterKey, layers: Sequence[int] | None, head: bool) -> AdapterWeights:
+        """A piece of the adapter, on this worker's device. `layers=None`: only its metadata (an empty
+        layer list is the whole file in the store's API, so ask for a layer no adapter has)."""
+        data = self.fetch(key, [-1] if layers is None else layers, head and layers is not None)
+        return AdapterWeights.from_bytes(data).to(self.device)
+
+    def _arrived(self, entry: CachedAdapter, piece: AdapterWeights) -> None:
+        for i, tensors in piece.layers.items():
+            entry.weights.layers[i] = tensors
+            entry.bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+            entry.ready[i].set()
+        if piece.head_weight is not None:
+            entry.bytes += sum(t.numel() * t.element_size() for t in (piece.head_weight, piece.head_bias))
+
+    def _fail(self, entry: CachedAdapter, error: ServingError) -> None:
+        entry.error = error
+        with self._lock:
+            if self._entries.get(entry.key) is entry:
+                del self._entries[entry.key]
+        for event in entry.ready.values():
+            event.set()                     # waiting hooks wake up and raise the error
+        for future in (entry.first, entry.complete):
+            if not future.done():
+                future.set_exception(error)
+
+    def _evict(self) -> None:
+        """Least recently used complete adapters go until the cache fits its budget; a batch still
+        holding one keeps its tensors alive until it finishes."""
+        with self._lock:
+            while self.bytes > self.budget and len(self._entries) > 1:
+                key = next(iter(self._entries))
+                if not self._entries[key].complete.done():
+                    break
+                del self._entries[key]
+
+    def forget(self, key: AdapterKey) -> None:
+        with self._lock:
+            self._entries.pop(key, None)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class StoreFetcher:
+    """`FetchPiece` over gRPC to the adapter store, its address from config or from Redis (the store
+    announces it with a heartbeat TTL). Runs on the prefetch thread, so it uses blocking clients."""
+
+    def __init__(self, redis_url: str, keys: Keys, address: str = "", timeout_s: float = 5.0) -> None:
+        self.redis, self.keys, self.fixed, self.timeout_s = redis.Redis.from_url(redis_url), keys, address, timeout_s
+        self._stubs: dict[str, adapter_store_pb2_grpc.AdapterStoreStub] = {}
+
+    def _stub(self) -> adapter_store_pb2_grpc.AdapterStoreStub:
+        address = self.fixed or (self.redis.get(self.keys.adapter_store()) or b"").decode()
+        if not address:
+            raise Unavailable("no adapter store is running (its address is not in Redis)")
+        if address not in self._stubs:
+            self._stubs[address] = adapter_store_pb2_grpc.AdapterStoreStub(
+                grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+        return self._stubs[address]
+
+    def __call__(self, key: AdapterKey, layers: Sequence[int], head: bool) -> bytes:
+        request = adapter_store_pb2.GetAdapterRequest(
+            ref=tensors_pb2.AdapterRef(tenant=key[0], name=key[1], version=key[2]), layers=layers, head=head)
+        try:
+            return self._stub().Get(request, timeout=self.timeout_s).weights
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, "adapter store") from e
+
+    def close(self) -> None:
+        self.redis.close()

@@ -1,0 +1,209 @@
+"""Tenants, their API keys, their models (a base + an adapter + a head) and their request quotas, in Redis.
+
+A tenant record (Keys.tenant) holds its quota (rate, burst) and the id of its API key; the key itself is
+never stored, only its SHA-256 (Keys.api_key). A tenant model is TenantModel JSON in Keys.tenant_models,
+looked up only under the caller's own tenant: no tenant can name, list or learn of another's models.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import time
+from dataclasses import asdict, dataclass, field, fields, replace
+
+import redis.asyncio as aioredis
+
+from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
+from academus.shared.config import GatewayConfig
+from academus.shared.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from academus.shared.keys import Keys
+
+NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+NAME_RULE = "[A-Za-z0-9_.-]{1,64}, not only dots"
+TRAINING, READY, FAILED = "training", "ready", "failed"
+STATUSES = (TRAINING, READY, FAILED)
+KINDS = (CLASSIFICATION, EMBEDDING)
+RESERVED = frozenset({"admin"})  # the mesh's admin key names this tenant; it must never get a record
+
+
+def check_name(field_name: str, value: str) -> None:
+    """Tenant, model and adapter names; the adapter store uses them as path components, so no "." / ".."."""
+    if not NAME.fullmatch(value) or set(value) == {"."}:
+        raise InvalidArgument(f"{field_name}={value[:80]!r} is invalid: it must match {NAME_RULE}")
+
+
+def check_quota(rate: float, burst: int) -> None:
+    if not rate > 0:
+        raise InvalidArgument(f"rate={rate} is invalid: it must be > 0 requests/s")
+    if burst < 1:
+        raise InvalidArgument(f"burst={burst} is invalid: it must be >= 1 request")
+
+
+@dataclass(frozen=True)
+class TenantModel:
+    name: str
+    base: str                      # a served catalogue model (minilm, minilm-plot) that runs the adapter
+    adapter: str                   # the adapter's name in the adapter store (under the same tenant)
+    version: int                   # the adapter version pinned: caches are keyed by it
+    labels: list[str] = field(default_factory=list)  # the head's classes; empty for embedding models
+    kind: str = CLASSIFICATION     # CLASSIFICATION | EMBEDDING
+    status: str = READY            # TRAINING | READY | FAILED: only READY models are served
+    created: float = field(default_factory=time.time)
+
+    def check(self) -> None:
+        for name in ("name", "base", "adapter"):
+            check_name(f"model.{name}", getattr(self, name))
+        if self.version < 1:
+            raise InvalidArgument(f"model.version={self.version} is invalid: it must be >= 1")
+        if self.kind not in KINDS:
+            raise InvalidArgument(f"model.kind={self.kind!r} is invalid: it must be one of {', '.join(KINDS)}")
+        if self.status not in STATUSES:
+            raise InvalidArgument(f"model.status={self.status!r} is invalid: it must be one of {', '.join(STATUSES)}")
+        if (self.kind == CLASSIFICATION) != bool(self.labels):
+            raise InvalidArgument(f"model.labels has {len(self.labels)} entries: a classification model needs "
+                                  "at least one, an embedding model none")
+
+    def spec(self, base: ModelSpec) -> ModelSpec:
+        """The base's spec (dim, limits) under this model's name, kind and labels."""
+        return replace(base, name=self.name, kind=self.kind, labels=list(self.labels))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, raw: str) -> TenantModel:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in json.loads(raw).items() if k in known})
+
+
+# KEYS: tenant record, tenant set, API key hash. ARGV: tenant, created, rate, burst.
+# One script, so that two creations of the same tenant cannot both succeed.
+_CREATE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'created', ARGV[2], 'rate', ARGV[3], 'burst', ARGV[4], 'api_key_id', KEYS[3])
+redis.call('HSET', KEYS[3], 'tenant', ARGV[1], 'role', 'tenant')
+redis.call('SADD', KEYS[2], ARGV[1])
+return 1
+"""
+
+
+class TenantRegistry:
+    """Creates and deletes tenants and registers their models (the Manage API's store)."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, *, rate: float = GatewayConfig.tenant_rate,
+                 burst: int = GatewayConfig.tenant_burst) -> None:
+        self.redis, self.keys, self.rate, self.burst = redis, keys, rate, burst
+        self._create = redis.register_script(_CREATE)
+
+    async def create_tenant(self, tenant: str, rate: float | None = None, burst: int | None = None) -> str:
+        """Returns the tenant's new API key: shown once, only its hash is kept."""
+        check_name("tenant", tenant)
+        if tenant in RESERVED:
+            raise InvalidArgument(f"tenant={tenant!r} is reserved")
+        rate, burst = self.rate if rate is None else rate, self.burst if burst is None else burst
+        check_quota(rate, burst)
+        key = f"acd_{tenant}_" + secrets.token_urlsafe(24)
+        created = await self._create(keys=[self.keys.tenant(tenant), self.keys.tenants(), self.keys.api_key(key)],
+                                     args=[tenant, time.time(), rate, burst])
+        if not created:
+            raise AlreadyExists(f"tenant {tenant!r} already exists")
+        return key
+
+    async def tenants(self) -> list[str]:
+        return sorted(await self.redis.smembers(self.keys.tenants()))
+
+    async def tenant(self, tenant: str) -> dict[str, str]:
+        """The tenant's record (created, rate, burst, api_key_id); NotFound when it has none."""
+        record = await self.redis.hgetall(self.keys.tenant(tenant))
+        if not record:
+            raise NotFound(f"tenant {tenant!r} not found")
+        return record
+
+    async def set_quota(self, tenant: str, rate: float, burst: int) -> None:
+        check_quota(rate, burst)
+        await self.tenant(tenant)
+        await self.redis.hset(self.keys.tenant(tenant), mapping={"rate": rate, "burst": burst})
+
+    async def register_model(self, tenant: str, model: TenantModel) -> None:
+        """Adds or replaces (a retrained version) one of the tenant's models."""
+        model.check()
+        await self.tenant(tenant)
+        # Served models are looked up first: a tenant model of the same name would never be reached.
+        if await self.redis.hexists(self.keys.models(), model.name):
+            raise InvalidArgument(f"model.name={model.name!r} is invalid: a served model has that name")
+        await self.redis.hset(self.keys.tenant_models(tenant), model.name, model.to_json())
+
+    async def model(self, tenant: str, name: str) -> TenantModel | None:
+        raw = await self.redis.hget(self.keys.tenant_models(tenant), name)
+        return TenantModel.from_json(raw) if raw else None
+
+    async def models(self, tenant: str) -> list[TenantModel]:
+        raw = await self.redis.hgetall(self.keys.tenant_models(tenant))
+        return [TenantModel.from_json(raw[name]) for name in sorted(raw)]
+
+    async def delete_model(self, tenant: str, name: str) -> None:
+        if not await self.redis.hdel(self.keys.tenant_models(tenant), name):
+            raise NotFound(f"model {name!r} not found")
+
+    async def delete_tenant(self, tenant: str) -> None:
+        """Removes its API keys, models, quota and record in one transaction. Its adapters' weights belong
+        to the adapter store, which deletes them itself."""
+        record = await self.tenant(tenant)
+        api_keys = {record.get("api_key_id", "")} | set(await self._other_keys(tenant))
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(*(k for k in api_keys if k), self.keys.tenant_models(tenant), self.keys.quota(tenant),
+                        self.keys.tenant(tenant))
+            pipe.srem(self.keys.tenants(), tenant)
+            await pipe.execute()
+
+    async def _other_keys(self, tenant: str) -> list[str]:
+        """Keys made for the tenant outside create_tenant (`academus keys create`): found by a scan,
+        which is fine for a rare admin operation."""
+        found = [k async for k in self.redis.scan_iter(match=f"{self.keys.prefix}:apikey:*", count=1000)]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for k in found:
+                pipe.hget(k, "tenant")
+            owners = await pipe.execute()
+        return [k for k, owner in zip(found, owners, strict=True) if owner == tenant]
+
+
+# KEYS: tenant record, bucket. The bucket refills at `rate` tokens/s up to `burst`; a request takes one.
+# Redis's own clock, so that every gateway sees the same time. Returns {-1} when the tenant has no limits
+# (no record: the admin, keys made by older code), {0} when admitted, else {ms until a token, rate, burst}.
+_TAKE = """
+local limits = redis.call('HMGET', KEYS[1], 'rate', 'burst')
+local rate, burst = tonumber(limits[1]), tonumber(limits[2])
+if not rate or not burst then return {-1} end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local state = redis.call('HMGET', KEYS[2], 'tokens', 'at')
+local tokens = tonumber(state[1]) or burst
+local at = tonumber(state[2]) or now
+tokens = math.min(burst, tokens + math.max(0, now - at) * rate)
+local wait = 0
+if tokens >= 1 then tokens = tokens - 1 else wait = math.ceil((1 - tokens) / rate * 1000) end
+redis.call('HSET', KEYS[2], 'tokens', tostring(tokens), 'at', tostring(now))
+redis.call('PEXPIRE', KEYS[2], math.ceil(burst / rate * 1000) + 1000)
+if wait == 0 then return {0} end
+return {wait, tostring(rate), tostring(burst)}
+"""
+
+
+class Quotas:
+    """Per-tenant request token buckets, each updated atomically by one script (no read-modify-write race
+    between gateways); one tenant over its quota costs the others nothing."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
+        self.keys = keys
+        self._take = redis.register_script(_TAKE)
+
+    async def take(self, tenant: str) -> None:
+        """Takes one request's token, or raises ResourceExhausted with the wait as a pushback hint."""
+        answer = await self._take(keys=[self.keys.tenant(tenant), self.keys.quota(tenant)])
+        wait_ms = int(answer[0])
+        if wait_ms > 0:
+            rate, burst = answer[1], answer[2]
+            raise ResourceExhausted(f"tenant {tenant!r} is over its rate limit of {rate} requests/s "
+                                    f"(burst {burst}); retry in {wait_ms} ms", pushback_ms=wait_ms)

@@ -1,0 +1,280 @@
+"""Training a tenant's bottleneck adapters and head on the frozen teacher (HMI §5.2).
+
+Only the adapters (upper half of the layers) and the head train, with AdamW; the backbone is frozen
+and stays in eval mode. The lower layers are frozen *and* below every adapter, so their output does
+not change during training: it is computed once per text and cached, and each step runs only the
+upper layers (half the encoder's cost, and no backward through the lower half). The forward uses the
+serving code path (`BatchedAdapters` hooks), so what is trained is exactly what is served.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from tqdm import tqdm
+from transformers.masking_utils import create_bidirectional_mask
+
+from academus.shared.adapters import (
+    DEFAULT_RANK,
+    AdapterWeights,
+    BatchedAdapters,
+    check_base,
+    install_adapters,
+)
+from academus.shared.model import TeacherEncoder, mean_pool, pad_batch, teacher_dir
+from academus.shared.tokenization import TeacherTokenizer
+from academus.shared.training.prepare import MAX_TOKENS, classification_metrics, length_batches
+
+UNSUPPORTED_BASES = {"minilm-plot": "adapters on PLOT lower layers are not supported yet; train on base 'minilm'"}
+
+
+def read_labelled_jsonl(path: Path | str) -> tuple[list[str], list[str]]:
+    """(texts, labels) from lines `{"text": str, "label": str|int}`; blank lines are skipped.
+    Raises ValueError naming the line for bad UTF-8, bad JSON or a missing/ill-typed field, and when
+    fewer than 2 distinct labels remain."""
+    texts, labels = [], []
+    for number, raw in enumerate(Path(path).read_bytes().splitlines(), start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}:{number}: not valid UTF-8 ({e.reason} at byte {e.start})") from e
+        if not line.strip():
+            continue
+        text, label = _parse_line(line, f"{path}:{number}")
+        texts.append(text)
+        labels.append(label)
+    distinct = sorted(set(labels))
+    if len(distinct) < 2:
+        raise ValueError(f"{path}: needs at least 2 distinct labels, found {distinct} in {len(texts)} examples")
+    return texts, labels
+
+
+def _parse_line(line: str, where: str) -> tuple[str, str]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from e
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object with \"text\" and \"label\", got {type(record).__name__}")
+    missing = [k for k in ("text", "label") if k not in record]
+    if missing:
+        raise ValueError(f"{where}: missing field {' and '.join(repr(k) for k in missing)}")
+    text, label = record["text"], record["label"]
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"{where}: \"text\" must be a non-empty string")
+    if isinstance(label, bool) or not isinstance(label, str | int) or str(label) == "":
+        raise ValueError(f"{where}: \"label\" must be a non-empty string or an integer, got {label!r}")
+    return text, str(label)
+
+
+# --- cached lower layers -----------------------------------------------------------------------
+
+def _mask(bert: nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor | None:
+    return create_bidirectional_mask(config=bert.config, inputs_embeds=hidden, attention_mask=attention_mask)
+
+
+@torch.no_grad()
+def lower_states(bert: nn.Module, encoded: Sequence[Any], num_lower: int, batch_size: int = 64,
+                 device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """Per text, the output of layers 0..num_lower-1 ([T_i, H], unpadded, on CPU)."""
+    out: list[torch.Tensor] = [torch.empty(0)] * len(encoded)
+    for batch in length_batches([len(e.input_ids) for e in encoded], batch_size, MAX_TOKENS):
+        ids, mask, types = pad_batch([encoded[i].input_ids for i in batch], [encoded[i].token_type_ids for i in batch])
+        ids, mask, types = ids.to(device), mask.to(device), types.to(device)
+        hidden = bert.embeddings(input_ids=ids, token_type_ids=types)
+        extended = _mask(bert, hidden, mask)
+        for layer in bert.encoder.layer[:num_lower]:
+            hidden = layer(hidden, extended)
+        for row, i in enumerate(batch):
+            out[i] = hidden[row, : len(encoded[i].input_ids)].cpu()
+    return out
+
+
+def upper_pooled(bert: nn.Module, states: Sequence[torch.Tensor], num_lower: int,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """The L2-normalised mean-pooled output of the layers from num_lower on, for cached lower states
+    (the active adapters of the calling thread apply through the hooks)."""
+    lengths = [s.shape[0] for s in states]
+    hidden = nn.utils.rnn.pad_sequence(list(states), batch_first=True).to(device)
+    mask = (torch.arange(hidden.shape[1])[None, :] < torch.tensor(lengths)[:, None]).long().to(device)
+    extended = _mask(bert, hidden, mask)
+    for layer in bert.encoder.layer[num_lower:]:
+        hidden = layer(hidden, extended)
+    return F.normalize(mean_pool(hidden, mask), p=2, dim=1)
+
+
+# --- training ----------------------------------------------------------------------------------
+
+def _split(n: int, validation_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    if not 0 < validation_fraction < 1:
+        raise ValueError(f"validation_fraction must be in (0, 1), got {validation_fraction}")
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    n_val = max(1, round(n * validation_fraction))
+    if n - n_val < 2:
+        raise ValueError(f"{n} examples are too few to hold out {n_val} for validation and still train")
+    return order[n_val:], order[:n_val]
+
+
+def _batches(indices: list[int], lengths: Sequence[int], batch_size: int, rng: random.Random) -> list[list[int]]:
+    """Shuffled batches of similar lengths (sorted within pools of 8 batches): far less padding."""
+    order = list(indices)
+    rng.shuffle(order)
+    pool = 8 * batch_size
+    batches = []
+    for start in range(0, len(order), pool):
+        chunk = sorted(order[start:start + pool], key=lambda i: lengths[i])
+        batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def _evaluate(bert: nn.Module, adapter: AdapterWeights, states: list[torch.Tensor], gold: torch.Tensor,
+              num_lower: int, batch_size: int, device: torch.device | str) -> dict[str, float]:
+    order = sorted(range(len(states)), key=lambda i: states[i].shape[0])   # little padding
+    pred = torch.empty(len(states), dtype=torch.long)
+    injector = install_adapters(bert)
+    with torch.no_grad():
+        for start in range(0, len(order), batch_size):
+            rows = order[start:start + batch_size]
+            stack = BatchedAdapters([adapter] * len(rows), batched=False, device=device)
+            with injector.active(stack):
+                logits = stack.logits(upper_pooled(bert, [states[i] for i in rows], num_lower, device))
+            pred[rows] = logits.argmax(1).cpu()
+    return classification_metrics(pred, gold, len(adapter.labels))
+
+
+def _step(bert: nn.Module, adapter: AdapterWeights, states: list[torch.Tensor], gold: torch.Tensor,
+          num_lower: int, optimizer: torch.optim.Optimizer, device: torch.device | str) -> float:
+    stack = BatchedAdapters([adapter] * len(states), batched=False, device=device)
+    with install_adapters(bert).active(stack):
+        logits = stack.logits(upper_pooled(bert, states, num_lower, device))
+    loss = F.cross_entropy(logits, gold.to(logits.device))
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def train_adapter(
+    texts: Sequence[str], labels: Sequence[str], base: str = "minilm", rank: int = DEFAULT_RANK,
+    epochs: int = 8, *, layers: Sequence[int] | None = None, label_names: Sequence[str] | None = None,
+    lr: float = 2e-3, head_lr: float = 2e-2, weight_decay: float = 0.01, batch_size: int = 32,
+    validation_fraction: float = 0.1, seed: int = 0, encoder: TeacherEncoder | None = None,
+    tokenizer: TeacherTokenizer | None = None, device: str | torch.device = "cpu", progress: bool = True,
+) -> tuple[AdapterWeights, dict[str, Any]]:
+    """Trains a tenant adapter + head on (texts, labels) with the backbone frozen.
+
+    A seeded `validation_fraction` of the examples is held out; the summary has its accuracy and
+    macro F1 before (random head) and after training, the per-epoch history and the seconds spent.
+    `label_names` fixes the label order (default: sorted). A shared `encoder` may be passed; its
+    weights are not changed and its requires_grad flags are restored."""
+    started = time.perf_counter()
+    if base in UNSUPPORTED_BASES:
+        raise ValueError(f"base {base!r}: {UNSUPPORTED_BASES[base]}")
+    num_layers, _ = check_base(base)
+    names = list(label_names) if label_names is not None else sorted(set(labels))
+    _check_examples(texts, labels, names)
+    adapter = AdapterWeights.init(names, base, rank, layers, seed)
+    num_lower = min(adapter.layer_ids)
+    encoder = encoder or TeacherEncoder.load(device=device)
+    tokenizer = tokenizer or TeacherTokenizer(teacher_dir(), max_tokens=MAX_TOKENS)
+    bert = encoder.bert
+    if len(bert.encoder.layer) != num_layers:
+        raise ValueError(f"base {base!r} has {num_layers} layers, the encoder {len(bert.encoder.layer)}")
+    loaded = time.perf_counter()
+
+    # Layers below the first adapter are frozen and see no adapter: their outputs are fixed, so computed once.
+    states = lower_states(bert, tokenizer.encode(list(texts), truncate=True), num_lower, device=device)
+    cached = time.perf_counter()
+    gold = torch.tensor([names.index(label) for label in labels])
+    train, val = _split(len(texts), validation_fraction, seed)
+    summary: dict[str, Any] = {"base": base, "rank": rank, "layers": list(adapter.layer_ids), "labels": names,
+                               "counts": {"train": len(train), "validation": len(val)}, "epochs": epochs,
+                               "parameters": sum(t.numel() for t in adapter.tensors())}
+    trained = _fit(bert, adapter, states, gold, train, val, num_lower, summary,
+                   dict(lr=lr, head_lr=head_lr, weight_decay=weight_decay, batch_size=batch_size, seed=seed,
+                        epochs=epochs, device=device, progress=progress))
+    done = time.perf_counter()
+    summary["seconds"] = {"load": round(loaded - started, 2), "cache_lower_layers": round(cached - loaded, 2),
+                          "train": round(done - cached, 2), "total": round(done - started, 2)}
+    return trained, summary
+
+
+def _check_examples(texts: Sequence[str], labels: Sequence[str], names: list[str]) -> None:
+    if len(texts) != len(labels):
+        raise ValueError(f"{len(texts)} texts but {len(labels)} labels")
+    if len(set(names)) < 2 or len(set(names)) != len(names):
+        raise ValueError(f"needs at least 2 distinct labels, got {names}")
+    unknown = sorted(set(labels) - set(names))
+    if unknown:
+        raise ValueError(f"labels {unknown} are not among label_names {names}")
+
+
+def _fit(bert: nn.Module, adapter: AdapterWeights, states: list[torch.Tensor], gold: torch.Tensor,
+         train: list[int], val: list[int], num_lower: int, summary: dict[str, Any], opts: dict[str, Any]
+         ) -> AdapterWeights:
+    """AdamW with a linearly decaying rate; returns the epoch with the best validation macro F1."""
+    device = opts["device"]
+    frozen = {p: p.requires_grad for p in bert.parameters()}
+    for p in frozen:
+        p.requires_grad_(False)
+    adapter = _copy(adapter, lambda t: t.detach().to(device).clone().requires_grad_())
+    head = [adapter.head_weight, adapter.head_bias]
+    body = [t for t in adapter.tensors() if all(t is not h for h in head)]
+    optimizer = torch.optim.AdamW([{"params": body, "lr": opts["lr"]}, {"params": head, "lr": opts["head_lr"]}],
+                                  weight_decay=opts["weight_decay"])
+    steps = max(1, opts["epochs"] * -(-len(train) // opts["batch_size"]))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / steps)
+    val_states, val_gold = [states[i] for i in val], gold[val]
+
+    def evaluate() -> dict[str, float]:
+        return _evaluate(bert, adapter, val_states, val_gold, num_lower, 64, device)
+
+    try:
+        bert.eval()
+        summary["untrained_validation"] = best_scores = evaluate()
+        best, best_epoch, history = _copy(adapter, _plain), 0, []
+        rng, lengths = random.Random(opts["seed"]), [s.shape[0] for s in states]
+        with tqdm(total=steps, desc="adapter", unit="step", file=sys.stderr, leave=False,
+                  disable=not opts["progress"]) as bar:
+            for epoch in range(1, opts["epochs"] + 1):
+                losses = []
+                for batch in _batches(train, lengths, opts["batch_size"], rng):
+                    losses.append(_step(bert, adapter, [states[i] for i in batch], gold[batch], num_lower,
+                                        optimizer, device))
+                    schedule.step()
+                    bar.update(1)
+                    bar.set_postfix(epoch=epoch, loss=f"{losses[-1]:.3f}")
+                scores = evaluate()
+                history.append({"epoch": epoch, "loss": round(sum(losses) / len(losses), 4), **scores})
+                if epoch == 1 or scores["f1"] > best_scores["f1"]:
+                    best, best_scores, best_epoch = _copy(adapter, _plain), scores, epoch
+    finally:
+        for p, flag in frozen.items():
+            p.requires_grad_(flag)
+    summary["history"] = history
+    summary["best_epoch"] = best_epoch
+    summary["validation"] = {k: best_scores[k] for k in ("accuracy", "f1")}
+    best.validate()
+    return best
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().clone()
+
+
+def _copy(adapter: AdapterWeights, convert: Callable[[torch.Tensor], torch.Tensor]) -> AdapterWeights:
+    assert adapter.head_weight is not None and adapter.head_bias is not None
+    return AdapterWeights(adapter.base, list(adapter.labels), adapter.rank,
+                          {i: {k: convert(v) for k, v in w.items()} for i, w in adapter.layers.items()},
+                          convert(adapter.head_weight), convert(adapter.head_bias), adapter.layer_ids)

@@ -1,0 +1,199 @@
+"""Tenant registry and quotas with a real Redis: keys, models, isolation of deletes, token buckets."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from academus.services.gateway.core import Authenticator
+from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
+from academus.shared.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unauthenticated
+from academus.shared.keys import Keys
+from academus.shared.redis_conn import connect
+from academus.shared.tenants import TRAINING, Quotas, TenantModel, TenantRegistry
+
+KEYS = Keys("acd")
+
+
+@pytest.fixture
+async def redis(redis_url):
+    client = connect(redis_url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def registry(redis) -> TenantRegistry:
+    return TenantRegistry(redis, KEYS, rate=50.0, burst=100)
+
+
+def spam_model(name: str = "spam", version: int = 1) -> TenantModel:
+    return TenantModel(name, base="minilm", adapter="spam-adapter", version=version, labels=["ham", "spam"])
+
+
+async def test_a_new_key_authenticates_to_its_tenant(redis, registry):
+    key = await registry.create_tenant("acme")
+    principal = await Authenticator(redis, KEYS, cache_s=0.0).authenticate(key)
+    assert (principal.tenant, principal.role) == ("acme", "tenant")
+    assert await registry.tenants() == ["acme"]
+    record = await registry.tenant("acme")
+    assert (float(record["rate"]), int(record["burst"])) == (50.0, 100)
+
+
+async def test_the_key_is_stored_only_hashed(redis, registry):
+    key = await registry.create_tenant("acme", rate=5, burst=10)
+    secret = key.removeprefix("acd_acme_")
+    names = [k async for k in redis.scan_iter("*")]
+    assert KEYS.api_key(key) in names
+    for name in names:
+        assert secret not in name
+        kind = await redis.type(name)
+        values = (await redis.hgetall(name)).items() if kind == "hash" else await redis.smembers(name)
+        assert not any(secret in str(v) for v in values)
+
+
+async def test_creating_an_existing_tenant_is_refused(registry):
+    await registry.create_tenant("acme")
+    with pytest.raises(AlreadyExists, match="tenant 'acme' already exists"):
+        await registry.create_tenant("acme")
+
+
+@pytest.mark.parametrize("tenant", ["", "a b", "x" * 65, "acme/../b"])
+async def test_a_bad_tenant_name_names_the_field(registry, tenant):
+    with pytest.raises(InvalidArgument, match=r"tenant=.* is invalid: it must match"):
+        await registry.create_tenant(tenant)
+
+
+async def test_bad_quotas_and_the_reserved_admin_are_refused(registry):
+    with pytest.raises(InvalidArgument, match="rate=0 is invalid"):
+        await registry.create_tenant("acme", rate=0)
+    with pytest.raises(InvalidArgument, match="burst=0 is invalid"):
+        await registry.create_tenant("acme", burst=0)
+    with pytest.raises(InvalidArgument, match="reserved"):
+        await registry.create_tenant("admin")
+
+
+async def test_models_register_list_look_up_and_delete(registry):
+    await registry.create_tenant("acme")
+    await registry.register_model("acme", spam_model())
+    await registry.register_model("acme", TenantModel("vec", "minilm", "vec-adapter", 3, kind=EMBEDDING))
+    found = await registry.model("acme", "spam")
+    assert (found.base, found.adapter, found.version, found.labels) == ("minilm", "spam-adapter", 1, ["ham", "spam"])
+    assert [m.name for m in await registry.models("acme")] == ["spam", "vec"]
+    await registry.register_model("acme", spam_model(version=2))  # a retrained version replaces it
+    assert (await registry.model("acme", "spam")).version == 2
+    await registry.delete_model("acme", "spam")
+    assert await registry.model("acme", "spam") is None
+    with pytest.raises(NotFound, match="model 'spam' not found"):
+        await registry.delete_model("acme", "spam")
+
+
+async def test_a_model_json_round_trips():
+    model = TenantModel("m", "minilm", "a", 4, ["x", "y"], CLASSIFICATION, TRAINING, created=12.5)
+    assert TenantModel.from_json(model.to_json()) == model
+
+
+@pytest.mark.parametrize(("model", "field"), [
+    (TenantModel("bad name", "minilm", "a", 1, ["x"]), "model.name"),
+    (TenantModel("m", "mini/lm", "a", 1, ["x"]), "model.base"),
+    (TenantModel("m", "minilm", "", 1, ["x"]), "model.adapter"),
+    (TenantModel("m", "minilm", "a", 0, ["x"]), "model.version"),
+    (TenantModel("m", "minilm", "a", 1, []), "model.labels"),
+    (TenantModel("m", "minilm", "a", 1, ["x"], kind=EMBEDDING), "model.labels"),
+    (TenantModel("m", "minilm", "a", 1, ["x"], kind="regression"), "model.kind"),
+    (TenantModel("m", "minilm", "a", 1, ["x"], status="lost"), "model.status"),
+])
+async def test_an_invalid_model_names_the_field(registry, model, field):
+    await registry.create_tenant("acme")
+    with pytest.raises(InvalidArgument, match=rf"^{field}"):
+        await registry.register_model("acme", model)
+
+
+async def test_a_model_needs_its_tenant_and_must_not_shadow_a_served_model(redis, registry):
+    with pytest.raises(NotFound, match="tenant 'ghost' not found"):
+        await registry.register_model("ghost", spam_model())
+    await registry.create_tenant("acme")
+    await redis.hset(KEYS.models(), "spam", ModelSpec("spam", CLASSIFICATION, ["a", "b"]).to_json())
+    with pytest.raises(InvalidArgument, match="a served model has that name"):
+        await registry.register_model("acme", spam_model())
+
+
+async def test_tenants_do_not_see_each_others_models(registry):
+    await registry.create_tenant("a")
+    await registry.create_tenant("b")
+    await registry.register_model("a", spam_model())
+    assert await registry.model("b", "spam") is None
+    assert await registry.models("b") == []
+    with pytest.raises(NotFound):
+        await registry.delete_model("b", "spam")
+    assert await registry.model("a", "spam") is not None
+
+
+async def test_deleting_a_tenant_removes_keys_models_quota_and_record(redis, registry):
+    key = await registry.create_tenant("acme", rate=1, burst=1)
+    extra = "acd_acme_extra"  # a key made outside create_tenant (`academus keys create`)
+    await redis.hset(KEYS.api_key(extra), mapping={"tenant": "acme", "role": "tenant"})
+    await redis.hset(KEYS.api_key("other"), mapping={"tenant": "other", "role": "tenant"})
+    other = await registry.create_tenant("keep")
+    await registry.register_model("acme", spam_model())
+    await registry.register_model("keep", spam_model())
+    await Quotas(redis, KEYS).take("acme")
+    assert await redis.exists(KEYS.quota("acme"))
+
+    await registry.delete_tenant("acme")
+    auth = Authenticator(redis, KEYS, cache_s=0.0)
+    for gone in (key, extra):
+        with pytest.raises(Unauthenticated):
+            await auth.authenticate(gone)
+    assert not await redis.exists(KEYS.tenant("acme"), KEYS.tenant_models("acme"), KEYS.quota("acme"))
+    assert await registry.tenants() == ["keep"]
+    assert (await auth.authenticate(other)).tenant == "keep"
+    assert (await auth.authenticate("other")).tenant == "other"
+    assert await registry.model("keep", "spam") is not None
+    with pytest.raises(NotFound, match="tenant 'acme' not found"):
+        await registry.delete_tenant("acme")
+    await registry.create_tenant("acme")  # the name is free again
+
+
+async def test_the_bucket_allows_the_burst_then_refuses_then_refills(redis, registry):
+    await registry.create_tenant("acme", rate=5, burst=3)
+    quotas = Quotas(redis, KEYS)
+    for _ in range(3):
+        await quotas.take("acme")
+    with pytest.raises(ResourceExhausted, match="tenant 'acme' is over its rate limit of 5 requests/s") as refused:
+        await quotas.take("acme")
+    assert 1 <= refused.value.pushback_ms <= 200  # one token at 5/s takes at most 200 ms
+    await asyncio.sleep(0.7)  # 3.5 tokens' worth: the bucket is full again (3)
+    for _ in range(3):
+        await quotas.take("acme")
+    with pytest.raises(ResourceExhausted):
+        await quotas.take("acme")
+
+
+async def test_one_tenant_over_quota_does_not_limit_another(redis, registry):
+    await registry.create_tenant("a", rate=0.5, burst=1)
+    await registry.create_tenant("b", rate=0.5, burst=1)
+    quotas = Quotas(redis, KEYS)
+    await quotas.take("a")
+    with pytest.raises(ResourceExhausted):
+        await quotas.take("a")
+    await quotas.take("b")
+
+
+async def test_a_tenant_without_a_record_is_not_limited(redis):
+    quotas = Quotas(redis, KEYS)
+    for _ in range(50):
+        await quotas.take("admin")
+    assert not await redis.exists(KEYS.quota("admin"))
+
+
+async def test_a_changed_quota_applies_at_once(redis, registry):
+    await registry.create_tenant("acme", rate=0.5, burst=1)
+    quotas = Quotas(redis, KEYS)
+    await quotas.take("acme")
+    with pytest.raises(ResourceExhausted):
+        await quotas.take("acme")
+    await registry.set_quota("acme", rate=1000, burst=5)
+    await asyncio.sleep(0.01)
+    await quotas.take("acme")

@@ -1,0 +1,135 @@
+"""The worker's adapter cache (HMI §6.2) and tenant batches on the real teacher: layer-wise fetches,
+LRU within the budget, prefetch on and off give the same answers as applying the adapters directly."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from academus.services.worker.adapters import AdapterCache, AdapterKey
+from academus.services.worker.core import OUTPUT_EMBEDDING, OUTPUT_PROBS, ModelRunner
+from academus.shared.adapters import AdapterWeights, encode_with_adapters
+from academus.shared.errors import InvalidArgument, NotFound
+from academus.shared.model import pad_batch, teacher_dir
+from academus.shared.tokenization import TeacherTokenizer
+from tests.conftest import artifacts_path
+
+TEXTS = ["a warm, funny and wholly unexpected film", "a dull mess", "the plot never quite lands"]
+
+
+def trained_like(seed: int, labels: list[str]) -> AdapterWeights:
+    """A random adapter whose up-projections are not zero, so it changes the output."""
+    adapter = AdapterWeights.init(labels, seed=seed)
+    generator = torch.Generator().manual_seed(seed + 100)
+    for tensors in adapter.layers.values():
+        tensors["up.weight"] = torch.randn(tensors["up.weight"].shape, generator=generator) * 0.05
+    return adapter
+
+
+class Store:
+    """Stands in for the store's Get on the prefetch thread: the real file format, sliced per layer,
+    as the adapter store slices it; records every piece asked for."""
+
+    def __init__(self, adapters: dict[AdapterKey, AdapterWeights], gate: threading.Event | None = None) -> None:
+        self.adapters, self.gate, self.calls = adapters, gate, []
+
+    def __call__(self, key: AdapterKey, layers, head: bool) -> bytes:
+        self.calls.append((key, tuple(layers), head))
+        if key not in self.adapters:
+            raise NotFound(f"adapter {key} not found")
+        if self.gate is not None and tuple(layers) not in ((-1,),) and not head:
+            self.gate.wait(5)  # later layers held back: the batch must wait for them in the hook
+        adapter = self.adapters[key]
+        return adapter.to_bytes([i for i in layers if i in adapter.layers], head=head)
+
+
+@pytest.fixture(scope="module")
+def runner() -> ModelRunner:
+    return ModelRunner(artifacts_path(), ["minilm"])
+
+
+def tokens(texts: list[str]) -> tuple[list[int], list[int]]:
+    encoded = TeacherTokenizer(teacher_dir()).encode(texts)
+    return [i for e in encoded for i in e.input_ids], [len(e.input_ids) for e in encoded]
+
+
+def direct(runner: ModelRunner, adapters: list[AdapterWeights | None]) -> tuple[np.ndarray, np.ndarray | None]:
+    encoded = TeacherTokenizer(teacher_dir()).encode(TEXTS)
+    ids, mask, types = pad_batch([e.input_ids for e in encoded])
+    with torch.inference_mode():
+        pooled, probs = encode_with_adapters(runner.models["minilm"].encoder, ids, mask, types, adapters)
+    return pooled.numpy(), None if probs is None else probs.numpy()
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_a_tenant_batch_through_the_cache_equals_the_adapters_applied_directly(runner, prefetch):
+    a, b = trained_like(1, ["neg", "pos"]), trained_like(2, ["x", "y", "z"])
+    store = Store({("t1", "m", 1): a, ("t2", "m", 3): b})
+    cache = AdapterCache(store, budget_bytes=1 << 30, prefetch=prefetch)
+    keys = [("t1", "m", 1), ("t2", "m", 3), ("t1", "m", 1)]
+    ids, lengths = tokens(TEXTS)
+    tenants = asyncio.run(cache.acquire(keys))
+    served = runner.run("minilm", OUTPUT_PROBS, ids, lengths, tenants=tenants).values
+    _, expected = direct(runner, [a, b, a])
+    assert served.shape == (3, 3) and np.abs(served - expected).max() < 1e-5
+    assert served[0, 2] == 0.0 and abs(served[1].sum() - 1) < 1e-5   # 2-label rows zero-padded
+    layer_calls = [c for c in store.calls if c[0] == ("t1", "m", 1)]
+    assert [c[1] for c in layer_calls] == [(-1,), (3,), (4,), (5,)]   # metadata, then layer by layer
+    assert cache.stats()["misses"] == 2 and cache.stats()["hits"] == 0
+    cache.close()
+
+
+def test_rows_without_an_adapter_get_the_plain_embedding(runner):
+    a = trained_like(3, ["neg", "pos"])
+    cache = AdapterCache(Store({("t1", "m", 1): a}), budget_bytes=1 << 30)
+    ids, lengths = tokens(TEXTS)
+    tenants = asyncio.run(cache.acquire([None, ("t1", "m", 1), None]))
+    served = runner.run("minilm", OUTPUT_EMBEDDING, ids, lengths, tenants=tenants).values
+    plain = runner.run("minilm", OUTPUT_EMBEDDING, ids, lengths).values
+    adapted, _ = direct(runner, [None, a, None])
+    assert np.abs(served[[0, 2]] - plain[[0, 2]]).max() < 1e-6
+    assert np.abs(served[1] - adapted[1]).max() < 1e-5 and np.abs(served[1] - plain[1]).max() > 1e-3
+    with pytest.raises(InvalidArgument, match="output=label needs an adapter"):
+        runner.run("minilm", OUTPUT_PROBS, ids, lengths, tenants=tenants)
+    cache.close()
+
+
+def test_later_layers_stream_in_while_the_batch_computes(runner):
+    """The first piece is fetched before computing; layers 4 and 5 are held back until the batch
+    runs, and the layer hooks wait for them instead of computing without them."""
+    gate = threading.Event()
+    a = trained_like(4, ["neg", "pos"])
+    cache = AdapterCache(Store({("t1", "m", 1): a}, gate), budget_bytes=1 << 30)
+    ids, lengths = tokens(TEXTS)
+    tenants = asyncio.run(cache.acquire([("t1", "m", 1)] * 3))
+    assert not tenants.entries[0].complete.done()       # acquire returned with layers still to come
+    threading.Timer(0.2, gate.set).start()
+    served = runner.run("minilm", OUTPUT_PROBS, ids, lengths, tenants=tenants).values
+    _, expected = direct(runner, [a, a, a])
+    assert np.abs(served - expected).max() < 1e-5
+    cache.close()
+
+
+def test_the_cache_evicts_the_least_recently_used_beyond_its_budget_and_counts_hits(runner):
+    adapters = {("t", f"m{i}", 1): trained_like(i, ["a", "b"]) for i in range(3)}
+    one = sum(t.numel() * 4 for t in adapters[("t", "m0", 1)].tensors())
+    cache = AdapterCache(Store(adapters), budget_bytes=int(2.5 * one))
+    for key in [("t", "m0", 1), ("t", "m1", 1), ("t", "m0", 1), ("t", "m2", 1)]:
+        asyncio.run(cache.acquire([key], None))
+        cache._entries[key].complete.result(5)
+    assert cache.stats()["hits"] == 1 and cache.stats()["misses"] == 3
+    assert set(cache._entries) == {("t", "m0", 1), ("t", "m2", 1)}     # m1 was least recently used
+    assert cache.bytes <= 2.5 * one
+    cache.close()
+
+
+def test_an_adapter_missing_from_the_store_is_not_found_and_not_cached(runner):
+    cache = AdapterCache(Store({}), budget_bytes=1 << 30)
+    with pytest.raises(NotFound):
+        asyncio.run(cache.acquire([("t9", "gone", 1)]))
+    assert cache.stats()["adapters"] == 0
+    cache.close()
