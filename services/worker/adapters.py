@@ -1,7 +1,7 @@
 """The worker's tenant adapters (HMI §6.2): an LRU cache within a byte budget (GPU memory on a GPU
 worker), misses fetched from the adapter store layer by layer.
 
-A miss costs one blocking fetch of the first piece (the head and the lowest adapted layer, which also
+A miss costs one blocking fetch of the first piece (the head and the lowest adapted layer; its header
 carries the metadata the batch needs); the remaining layers stream in on the prefetch thread while the
 batch computes the lower, unadapted layers, and the hook of adapted layer i waits only for layer i
 (`TenantBatch.layer_ready`). With prefetch off, a miss waits for every layer before computing: the
@@ -21,12 +21,13 @@ import grpc
 import redis
 import torch
 
-from academus.shared.adapters import AdapterWeights
+from academus.shared.adapters import BASES, AdapterWeights, upper_layers
 from academus.shared.errors import DeadlineExceeded, ServingError, Unavailable, from_rpc_error
 from academus.shared.keys import Keys
 from academus.shared.serving import CHANNEL_OPTIONS
 from academus.v1 import adapter_store_pb2, adapter_store_pb2_grpc, tensors_pb2
 
+DEFAULT_FIRST_LAYER = upper_layers(BASES["minilm"][0])[0]   # where adapters start by default (layer 3)
 AdapterKey = tuple[str, str, int]            # tenant, name, version (0: the latest when first fetched)
 # (key, layers, head) -> safetensors bytes of that piece; raises NotFound / Unavailable.
 FetchPiece = Callable[[AdapterKey, Sequence[int], bool], bytes]
@@ -75,8 +76,9 @@ class AdapterCache:
     """LRU of adapters within `budget_bytes`; misses go to the store on one prefetch thread."""
 
     def __init__(self, fetch: FetchPiece, budget_bytes: int, device: torch.device | str = "cpu",
-                 prefetch: bool = True, batched: bool = True) -> None:
+                 prefetch: bool = True, batched: bool = True, first_layer: int = DEFAULT_FIRST_LAYER) -> None:
         self.fetch, self.budget, self.device = fetch, budget_bytes, torch.device(device)
+        self.first_layer = first_layer
         self.prefetch, self.batched = prefetch, batched
         self._entries: OrderedDict[AdapterKey, CachedAdapter] = OrderedDict()
         self._lock = threading.Lock()
@@ -123,17 +125,16 @@ class AdapterCache:
         return entry
 
     def _load(self, entry: CachedAdapter) -> None:
-        """On the prefetch thread: the first piece (head + lowest layer), then each layer in order."""
+        """On the prefetch thread: the first piece (head + the lowest adapted layer of the default
+        placement; its header names every layer the adapter has), then each other layer in order."""
         try:
-            first = self._piece(entry.key, None, True)
-            layers = sorted(first.layer_ids)
-            entry.ready = {i: threading.Event() for i in layers}
-            first_layer = self._piece(entry.key, layers[:1], True) if layers else first
-            entry.weights = AdapterWeights(first.base, first.labels, first.rank, {}, first_layer.head_weight,
-                                           first_layer.head_bias, first.layer_ids)
-            self._arrived(entry, first_layer)
+            first = self._piece(entry.key, [self.first_layer], True)
+            entry.ready = {i: threading.Event() for i in first.layer_ids}
+            entry.weights = AdapterWeights(first.base, first.labels, first.rank, {}, first.head_weight,
+                                           first.head_bias, first.layer_ids)
+            self._arrived(entry, first)
             entry.first.set_result(entry)
-            for i in layers[1:]:
+            for i in sorted(set(first.layer_ids) - set(first.layers)):
                 self._arrived(entry, self._piece(entry.key, [i], False))
             entry.complete.set_result(entry)
             self._evict()
@@ -142,11 +143,9 @@ class AdapterCache:
         except Exception as e:  # a bad file or a broken connection: this adapter fails, others go on
             self._fail(entry, Unavailable(f"adapter {entry.key[0]}/{entry.key[1]} could not be loaded: {e}"))
 
-    def _piece(self, key: AdapterKey, layers: Sequence[int] | None, head: bool) -> AdapterWeights:
-        """A piece of the adapter, on this worker's device. `layers=None`: only its metadata (an empty
-        layer list is the whole file in the store's API, so ask for a layer no adapter has)."""
-        data = self.fetch(key, [-1] if layers is None else layers, head and layers is not None)
-        return AdapterWeights.from_bytes(data).to(self.device)
+    def _piece(self, key: AdapterKey, layers: Sequence[int], head: bool) -> AdapterWeights:
+        """Those layers of the adapter (a layer it lacks is simply absent), on this worker's device."""
+        return AdapterWeights.from_bytes(self.fetch(key, layers, head)).to(self.device)
 
     def _arrived(self, entry: CachedAdapter, piece: AdapterWeights) -> None:
         for i, tensors in piece.layers.items():
