@@ -68,9 +68,22 @@ class GatewayConfig(CommonConfig):
     catalogue_refresh_s: float = 1.0
     tenant_rate: float = 100.0       # a new tenant's quota: requests per second (token bucket refill)
     tenant_burst: int = 200          # ... and bucket size: requests allowed at once after a quiet spell
+    max_upload_bytes: int = 8 * 1024 * 1024  # Manage API: one corpus or labelled-data upload
+    min_examples: int = 8            # Manage API: labelled examples a tenant model needs (one is held out)
+    min_corpus_lines: int = 20       # Manage API: a domain corpus this small gives no useful overlay (HMI §4)
+    max_corpus_lines: int = 1_000_000
+    uploads_dir: str = ""            # where accepted uploads wait for the trainer; empty: <artifacts>/uploads
+    plot_dir: str = ""               # the root PLOT table domains extend; empty: the one the mesh serves
 
     def check(self) -> None:
         super().check()
+        if not 1 <= self.max_upload_bytes <= 60 * 1024 * 1024:
+            raise ConfigError(f"ACADEMUS_MAX_UPLOAD_BYTES={self.max_upload_bytes} must be in 1..62914560 "
+                              "(an upload stays under the 64 MiB message limit)")
+        if self.min_examples < 3 or not 1 <= self.min_corpus_lines <= self.max_corpus_lines:
+            raise ConfigError(f"ACADEMUS_MIN_EXAMPLES={self.min_examples} must be >= 3 (two to train, one to "
+                              f"validate) and 1 <= ACADEMUS_MIN_CORPUS_LINES={self.min_corpus_lines} <= "
+                              f"ACADEMUS_MAX_CORPUS_LINES={self.max_corpus_lines}")
         if self.tenant_rate <= 0 or self.tenant_burst < 1:
             raise ConfigError(f"ACADEMUS_TENANT_RATE={self.tenant_rate} must be > 0 and "
                               f"ACADEMUS_TENANT_BURST={self.tenant_burst} >= 1")
@@ -277,3 +290,34 @@ class AdapterStoreConfig(CommonConfig):
     @property
     def store_dir(self) -> Path:
         return Path(self.adapter_dir) if self.adapter_dir else artifacts_dir() / "adapters"
+
+
+@dataclass(frozen=True)
+class TrainerConfig(CommonConfig):
+    trainer_id: str = ""             # its name in job leases; defaults to host:port
+    device: str = "cpu"              # "cuda", "cuda:1", or "cpu"
+    torch_threads: int = 0           # 0: torch's default
+    poll_s: float = 0.5              # how often an idle trainer looks for a queued job
+    lease_s: float = 30.0            # a running job's lease; renewed every third of it
+    max_attempts: int = 3            # claims of one job (trainer crashes) before it is failed
+    done_ttl_s: float = 7 * 86400.0  # how long a finished job's record stays readable
+    adapter_rank: int = 16           # tenant adapters' bottleneck width
+    adapter_epochs: int = 8
+    plot_dir: str = ""               # the root PLOT table overlays extend; empty: the one the mesh serves
+    uploads_dir: str = ""            # where the gateway leaves uploads; empty: <artifacts>/uploads
+
+    def check(self) -> None:
+        super().check()
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ConfigError(f"ACADEMUS_DEVICE={self.device!r} must be 'cpu' or 'cuda[:N]'")
+        if self.poll_s <= 0 or self.lease_s < 3 or self.max_attempts < 1:
+            raise ConfigError(f"ACADEMUS_POLL_S={self.poll_s} must be > 0, ACADEMUS_LEASE_S={self.lease_s} >= 3 "
+                              f"and ACADEMUS_MAX_ATTEMPTS={self.max_attempts} >= 1")
+        if self.adapter_rank < 1 or self.adapter_epochs < 1 or self.torch_threads < 0:
+            raise ConfigError(f"ACADEMUS_ADAPTER_RANK={self.adapter_rank} and ACADEMUS_ADAPTER_EPOCHS="
+                              f"{self.adapter_epochs} must be >= 1, ACADEMUS_TORCH_THREADS >= 0")
+
+
+def uploads_path(uploads_dir: str) -> Path:
+    """Where the gateway leaves Manage API uploads for the trainer (both mount the artifacts volume)."""
+    return Path(uploads_dir) if uploads_dir else artifacts_dir() / "uploads"

@@ -71,8 +71,17 @@ class Keys:
         return f"{self.prefix}:job:{job_id}"
 
     def jobs(self) -> str:
-        """List: job ids waiting for the trainer (LPUSH by the gateway, BRPOP by the trainer)."""
+        """List: job ids waiting for a trainer (LPUSH by the gateway; a trainer moves the oldest to
+        jobs_running, see shared/jobs.py)."""
         return f"{self.prefix}:jobs"
+
+    def jobs_running(self) -> str:
+        """List: job ids a trainer has claimed (moved from Keys.jobs() in one step, so none is lost)."""
+        return f"{self.prefix}:jobs:running"
+
+    def job_lease(self, job_id: str) -> str:
+        """String: the trainer id running the job, with a TTL it renews; gone: the job is re-queued."""
+        return f"{self.prefix}:job_lease:{job_id}"
 
     def domain(self, name: str) -> str:
         """Hash: a PLOT domain (status, overlay dir, top percent, job)."""

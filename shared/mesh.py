@@ -23,7 +23,7 @@ from academus.shared.gpu import gpu_count, mps_plan
 from academus.shared.keys import Keys
 from academus.shared.redis_server import RedisServer, free_port
 
-SERVICES = ("resource_manager", "adapter_store", "plot", "worker", "scheduler", "gateway")
+SERVICES = ("resource_manager", "adapter_store", "trainer", "plot", "worker", "scheduler", "gateway")
 DEFAULT_GATEWAY_PORT = 50051
 STATE_FILE = "mesh.json"
 ADMIN_KEY_FILE = "admin.key"

@@ -62,7 +62,7 @@ async def create_tenant_model(redis: aioredis.Redis, keys: Keys, name: str, base
     adapter, summary = await _train(redis, keys, base, data, rank, epochs, progress)
     key = await registry.create_tenant(name)
     try:
-        registered = await _register(redis, keys, name, name, base, adapter)
+        registered = await publish_adapter(redis, keys, name, name, base, adapter)
     except BaseException:
         await registry.delete_tenant(name)
         raise
@@ -75,7 +75,7 @@ async def train_tenant_adapter(redis: aioredis.Redis, keys: Keys, tenant: str, n
     check_name("name", name)
     await TenantRegistry(redis, keys).tenant(tenant)  # NotFound before any training
     adapter, summary = await _train(redis, keys, base, data, rank, epochs, progress)
-    return {**await _register(redis, keys, tenant, name, base, adapter), **summary}
+    return {**await publish_adapter(redis, keys, tenant, name, base, adapter), **summary}
 
 
 async def _train(redis: aioredis.Redis, keys: Keys, base: str, data: Path, rank: int, epochs: int,
@@ -90,15 +90,22 @@ async def _train(redis: aioredis.Redis, keys: Keys, base: str, data: Path, rank:
                                                    progress=progress)
     except (ValueError, OSError) as e:  # bad data or an unsupported base: nothing was written
         raise InvalidArgument(str(e)) from e
-    return adapter, {"validation": summary["validation"], "untrained_validation": summary["untrained_validation"],
-                     "examples": summary["counts"], "train_seconds": summary["seconds"]}
+    return adapter, training_summary(summary)
 
 
-async def _register(redis: aioredis.Redis, keys: Keys, tenant: str, name: str, base: str,
-                    adapter: Any) -> dict[str, Any]:
+def training_summary(summary: dict[str, Any]) -> dict[str, Any]:
+    """What a caller learns of a training (train_adapter's summary, trimmed)."""
+    return {"validation": summary["validation"], "untrained_validation": summary["untrained_validation"],
+            "examples": summary["counts"], "train_seconds": summary["seconds"]}
+
+
+async def publish_adapter(redis: aioredis.Redis, keys: Keys, tenant: str, name: str, base: str, adapter: Any,
+                          **model_fields: Any) -> dict[str, Any]:
+    """Puts the trained adapter in the store (a new version) and registers the tenant's model `name` as
+    ready on that version; `model_fields` are further TenantModel fields (domain, job)."""
     version = await AdapterStoreClient(redis, keys).put(tenant, name, adapter.to_bytes(), {"base": base})
     await TenantRegistry(redis, keys).register_model(tenant, TenantModel(
-        name=name, base=base, adapter=name, version=version, labels=list(adapter.labels)))
+        name=name, base=base, adapter=name, version=version, labels=list(adapter.labels), **model_fields))
     return {"tenant": tenant, "model": name, "base": base, "version": version, "labels": list(adapter.labels)}
 
 

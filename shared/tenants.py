@@ -51,6 +51,9 @@ class TenantModel:
     kind: str = CLASSIFICATION     # CLASSIFICATION | EMBEDDING
     status: str = READY            # TRAINING | READY | FAILED: only READY models are served
     created: float = field(default_factory=time.time)
+    domain: str = ""               # the PLOT domain chosen at creation (used once adapters run on PLOT bases)
+    job: str = ""                  # the Manage API job that last trained it
+    message: str = ""              # why its training failed (status FAILED)
 
     def check(self) -> None:
         for name in ("name", "base", "adapter"):

@@ -1,8 +1,10 @@
-"""gRPC edge of the gateway: the public Inference service over the Gateway core."""
+"""gRPC edge of the gateway: the public Inference service over the Gateway core, and the Manage service
+over the Manage core (services/gateway/manage.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import grpc
@@ -21,18 +23,21 @@ from academus.services.gateway.core import (
     TenantModels,
     check_policy,
 )
+from academus.services.gateway.manage import Manage
 from academus.shared import config as cfg
+from academus.shared.domains import Domain
 from academus.shared.errors import ServingError, Unavailable, abort_with, from_rpc_error
+from academus.shared.jobs import FAILED, QUEUED, RUNNING, SUCCEEDED, Job
 from academus.shared.keys import Keys
 from academus.shared.logs import log_event
 from academus.shared.model import teacher_dir
 from academus.shared.redis_conn import connect
 from academus.shared.serving import ServiceSpec, Stubs, run
-from academus.shared.tenants import Quotas, TenantRegistry
+from academus.shared.tenants import Quotas, TenantModel, TenantRegistry
 from academus.shared.tokenization import TeacherTokenizer
 from academus.shared.tracing import annotate
 from academus.v1 import inference_pb2 as pb
-from academus.v1 import inference_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, tensors_pb2
+from academus.v1 import inference_pb2_grpc, manage_pb2, manage_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, tensors_pb2
 
 OUTPUT_NAMES = {pb.OUTPUT_UNSPECIFIED: "", pb.OUTPUT_LABEL: LABEL, pb.OUTPUT_SCORE: SCORE, pb.OUTPUT_EMBEDDING: EMBED}
 OUTPUT_ENUMS = {LABEL: pb.OUTPUT_LABEL, SCORE: pb.OUTPUT_SCORE, EMBED: pb.OUTPUT_EMBEDDING}
@@ -142,6 +147,78 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     raise error from e
 
 
+JOB_STATUS = {QUEUED: manage_pb2.JOB_STATUS_QUEUED, RUNNING: manage_pb2.JOB_STATUS_RUNNING,
+              SUCCEEDED: manage_pb2.JOB_STATUS_SUCCEEDED, FAILED: manage_pb2.JOB_STATUS_FAILED}
+
+
+def job_pb(job: Job) -> manage_pb2.Job:
+    return manage_pb2.Job(id=job.id, kind=job.kind, status=JOB_STATUS.get(job.status, 0), progress=job.progress,
+                          message=job.message, result_json=json.dumps(job.result) if job.result else "",
+                          target=job.target, created=job.created, updated=job.updated)
+
+
+def domain_pb(d: Domain) -> manage_pb2.Domain:
+    return manage_pb2.Domain(name=d.name, status=d.status, top_percent=d.top_percent, job_id=d.job,
+                             message=d.message, created=d.created, lines=d.lines)
+
+
+def tenant_model_pb(m: TenantModel) -> manage_pb2.TenantModel:
+    return manage_pb2.TenantModel(name=m.name, base=m.base, domain=m.domain, version=m.version, labels=m.labels,
+                                  status=m.status, job_id=m.job, message=m.message, created=m.created)
+
+
+class ManageServicer(manage_pb2_grpc.ManageServicer):
+    """Authenticates each call, hands it to the Manage core and maps its errors to status codes."""
+
+    def __init__(self, core: Manage) -> None:
+        self.core = core
+
+    async def CreateDomain(self, request, context):
+        job = await self._call(context, lambda p: self.core.create_domain(p, request.name, request.corpus,
+                                                                          request.top_percent))
+        return job_pb(job)
+
+    async def ListDomains(self, request, context):
+        domains = await self._call(context, self.core.list_domains)
+        return manage_pb2.ListDomainsResponse(domains=[domain_pb(d) for d in domains])
+
+    async def DeleteDomain(self, request, context):
+        await self._call(context, lambda p: self.core.delete_domain(p, request.name))
+        return manage_pb2.DeleteDomainResponse(deleted=True)
+
+    async def CreateTenantModel(self, request, context):
+        job = await self._call(context, lambda p: self.core.create_tenant_model(
+            p, request.name, request.base, request.domain, request.data))
+        return job_pb(job)
+
+    async def UpdateTenantModel(self, request, context):
+        job = await self._call(context, lambda p: self.core.update_tenant_model(p, request.name, request.data))
+        return job_pb(job)
+
+    async def ListTenantModels(self, request, context):
+        models = await self._call(context, self.core.list_tenant_models)
+        return manage_pb2.ListTenantModelsResponse(models=[tenant_model_pb(m) for m in models])
+
+    async def DeleteTenantModel(self, request, context):
+        await self._call(context, lambda p: self.core.delete_tenant_model(p, request.name))
+        return manage_pb2.DeleteTenantModelResponse(deleted=True)
+
+    async def GetJob(self, request, context):
+        return job_pb(await self._call(context, lambda p: self.core.get_job(p, request.id)))
+
+    async def _call(self, context: grpc.aio.ServicerContext, work):
+        try:
+            principal = await self.core.authenticate(api_key_from(context.invocation_metadata()))
+            annotate(tenant=principal.tenant)
+            return await work(principal)
+        except ServingError as e:
+            await abort_with(context, e)
+        except RedisError as e:  # nothing was accepted; a retry may succeed
+            await abort_with(context, Unavailable(f"the management store is unreachable: {e}"))
+        except OSError as e:  # the uploads volume (full, not mounted): nothing was queued
+            await abort_with(context, Unavailable(f"the upload could not be stored: {e.strerror or e}"))
+
+
 async def build() -> ServiceSpec:
     config = cfg.load(cfg.GatewayConfig)
     redis = connect(config.redis_url)
@@ -162,12 +239,18 @@ async def build() -> ServiceSpec:
                 log_event("refresh_failed", error=repr(e))
             await asyncio.sleep(config.catalogue_refresh_s)
 
+    manage = ManageServicer(Manage(config, redis, keys, gateway.auth))
+
+    def add_servicers(server: grpc.aio.Server) -> None:
+        inference_pb2_grpc.add_InferenceServicer_to_server(
+            InferenceServicer(gateway, schedulers, config.default_deadline_s), server)
+        manage_pb2_grpc.add_ManageServicer_to_server(manage, server)
+
     return ServiceSpec(
         name="gateway",
         config=config,
-        add_servicers=lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(
-            InferenceServicer(gateway, schedulers, config.default_deadline_s), s),
-        service_names=["academus.v1.Inference"],
+        add_servicers=add_servicers,
+        service_names=["academus.v1.Inference", "academus.v1.Manage"],
         on_stopped=redis.aclose,
         extra_tasks=[refresher],
     )

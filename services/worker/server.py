@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 import uuid
@@ -183,6 +184,9 @@ class Registration:
             try:
                 if not await self.redis.expire(self.keys.worker(self.worker_id), max(1, round(ttl))):
                     await self.register(self.address)
+                elif self.servicer.adapters is not None:  # the cache's hit rate and size, for operators
+                    await self.redis.hset(self.keys.worker(self.worker_id), "adapter_cache",
+                                          json.dumps(self.servicer.adapters.stats()))
             except Exception as e:  # keep beating through Redis or RM restarts
                 log_event("heartbeat_failed", error=repr(e))
 

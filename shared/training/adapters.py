@@ -9,7 +9,6 @@ serving code path (`BatchedAdapters` hooks), so what is trained is exactly what 
 
 from __future__ import annotations
 
-import json
 import random
 import sys
 import time
@@ -29,10 +28,12 @@ from academus.shared.adapters import (
     BatchedAdapters,
     check_base,
     install_adapters,
+    upper_layers,
 )
 from academus.shared.model import TeacherEncoder, mean_pool, pad_batch, teacher_dir
 from academus.shared.tokenization import TeacherTokenizer
 from academus.shared.training.prepare import MAX_TOKENS, classification_metrics, length_batches
+from academus.shared.uploads import parse_labelled_jsonl
 
 UNSUPPORTED_BASES = {"minilm-plot": "adapters on PLOT lower layers are not supported yet; train on base 'minilm'"}
 
@@ -41,39 +42,7 @@ def read_labelled_jsonl(path: Path | str) -> tuple[list[str], list[str]]:
     """(texts, labels) from lines `{"text": str, "label": str|int}`; blank lines are skipped.
     Raises ValueError naming the line for bad UTF-8, bad JSON or a missing/ill-typed field, and when
     fewer than 2 distinct labels remain."""
-    texts, labels = [], []
-    for number, raw in enumerate(Path(path).read_bytes().splitlines(), start=1):
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{path}:{number}: not valid UTF-8 ({e.reason} at byte {e.start})") from e
-        if not line.strip():
-            continue
-        text, label = _parse_line(line, f"{path}:{number}")
-        texts.append(text)
-        labels.append(label)
-    distinct = sorted(set(labels))
-    if len(distinct) < 2:
-        raise ValueError(f"{path}: needs at least 2 distinct labels, found {distinct} in {len(texts)} examples")
-    return texts, labels
-
-
-def _parse_line(line: str, where: str) -> tuple[str, str]:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from e
-    if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object with \"text\" and \"label\", got {type(record).__name__}")
-    missing = [k for k in ("text", "label") if k not in record]
-    if missing:
-        raise ValueError(f"{where}: missing field {' and '.join(repr(k) for k in missing)}")
-    text, label = record["text"], record["label"]
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError(f"{where}: \"text\" must be a non-empty string")
-    if isinstance(label, bool) or not isinstance(label, str | int) or str(label) == "":
-        raise ValueError(f"{where}: \"label\" must be a non-empty string or an integer, got {label!r}")
-    return text, str(label)
+    return parse_labelled_jsonl(Path(path).read_bytes(), str(path))
 
 
 # --- cached lower layers -----------------------------------------------------------------------
@@ -171,13 +140,15 @@ def train_adapter(
     lr: float = 2e-3, head_lr: float = 2e-2, weight_decay: float = 0.01, batch_size: int = 32,
     validation_fraction: float = 0.1, seed: int = 0, encoder: TeacherEncoder | None = None,
     tokenizer: TeacherTokenizer | None = None, device: str | torch.device = "cpu", progress: bool = True,
+    on_step: Callable[[int, int], None] | None = None,
 ) -> tuple[AdapterWeights, dict[str, Any]]:
     """Trains a tenant adapter + head on (texts, labels) with the backbone frozen.
 
     A seeded `validation_fraction` of the examples is held out; the summary has its accuracy and
     macro F1 before (random head) and after training, the per-epoch history and the seconds spent.
     `label_names` fixes the label order (default: sorted). A shared `encoder` may be passed; its
-    weights are not changed and its requires_grad flags are restored."""
+    weights are not changed and its requires_grad flags are restored. `on_step(done, total)` is called after
+    each optimizer step (a job's progress; raising from it stops training)."""
     started = time.perf_counter()
     if base in UNSUPPORTED_BASES:
         raise ValueError(f"base {base!r}: {UNSUPPORTED_BASES[base]}")
@@ -203,7 +174,7 @@ def train_adapter(
                                "parameters": sum(t.numel() for t in adapter.tensors())}
     trained = _fit(bert, adapter, states, gold, train, val, num_lower, summary,
                    dict(lr=lr, head_lr=head_lr, weight_decay=weight_decay, batch_size=batch_size, seed=seed,
-                        epochs=epochs, device=device, progress=progress))
+                        epochs=epochs, device=device, progress=progress, on_step=on_step))
     done = time.perf_counter()
     summary["seconds"] = {"load": round(loaded - started, 2), "cache_lower_layers": round(cached - loaded, 2),
                           "train": round(done - cached, 2), "total": round(done - started, 2)}
@@ -254,6 +225,8 @@ def _fit(bert: nn.Module, adapter: AdapterWeights, states: list[torch.Tensor], g
                                         optimizer, device))
                     schedule.step()
                     bar.update(1)
+                    if opts["on_step"] is not None:
+                        opts["on_step"](bar.n, steps)
                     bar.set_postfix(epoch=epoch, loss=f"{losses[-1]:.3f}")
                 scores = evaluate()
                 history.append({"epoch": epoch, "loss": round(sum(losses) / len(losses), 4), **scores})
@@ -278,3 +251,76 @@ def _copy(adapter: AdapterWeights, convert: Callable[[torch.Tensor], torch.Tenso
     return AdapterWeights(adapter.base, list(adapter.labels), adapter.rank,
                           {i: {k: convert(v) for k, v in w.items()} for i, w in adapter.layers.items()},
                           convert(adapter.head_weight), convert(adapter.head_bias), adapter.layer_ids)
+
+
+# --- many tenants at once (the scale benchmark's bootstrap adapters, HMI §7.1) -------------------
+
+def train_many_adapters(
+    texts: Sequence[str], labels: Sequence[str], subsets: Sequence[Sequence[int]], base: str = "minilm",
+    rank: int = DEFAULT_RANK, epochs: int = 2, *, lr: float = 2e-3, head_lr: float = 2e-2, batch_size: int = 128,
+    seed: int = 0, encoder: TeacherEncoder | None = None, progress: bool = True,
+) -> list[AdapterWeights]:
+    """Adapter k trains on `subsets[k]` (indices into texts/labels, e.g. a bootstrap sample). Batches
+    mix tenants, each row through its own tenant's adapter and head (the serving `BatchedAdapters`),
+    so K adapters cost one pass over Σ|subset| rows, not K trainings; lower layers are computed once
+    per distinct text. Adam skips adapters a batch did not touch (their gradients stay None)."""
+    names = sorted(set(labels))
+    _check_examples(texts, labels, names)
+    encoder = encoder or TeacherEncoder.load()
+    bert = encoder.bert
+    used = sorted({i for subset in subsets for i in subset})
+    tokenizer = TeacherTokenizer(teacher_dir(), max_tokens=MAX_TOKENS)
+    cached = lower_states(bert, tokenizer.encode([texts[i] for i in used], truncate=True),
+                          min(upper_layers(check_base(base)[0])))
+    states = dict(zip(used, cached, strict=True))
+    gold = {i: names.index(labels[i]) for i in used}
+    adapters = [_copy(AdapterWeights.init(names, base, rank, seed=seed + k), lambda t: t.clone().requires_grad_())
+                for k in range(len(subsets))]
+    heads = [t for a in adapters for t in (a.head_weight, a.head_bias)]
+    body = [t for a in adapters for w in a.layers.values() for t in w.values()]
+    optimizer = torch.optim.Adam([{"params": body, "lr": lr}, {"params": heads, "lr": head_lr}])
+    rng = random.Random(seed)
+    frozen = {p: p.requires_grad for p in bert.parameters()}
+    for p in frozen:
+        p.requires_grad_(False)
+    try:
+        bert.eval()
+        with tqdm(total=epochs * len(subsets), desc=f"{len(subsets)} adapters", unit="adapter", file=sys.stderr,
+                  leave=False, disable=not progress) as bar:
+            for _ in range(epochs):
+                for batch in _tenant_batches(subsets, batch_size, rng):
+                    _many_step(bert, adapters, batch, states, gold, optimizer)
+                    bar.update(len({k for k, _ in batch}))
+    finally:
+        for p, flag in frozen.items():
+            p.requires_grad_(flag)
+    return [_copy(a, _plain) for a in adapters]
+
+
+def _tenant_batches(subsets: Sequence[Sequence[int]], batch_size: int,
+                    rng: random.Random) -> list[list[tuple[int, int]]]:
+    """Batches of (tenant, example) rows holding whole tenants' subsets, tenants in a shuffled order:
+    few distinct adapters a batch keeps the per-batch stacking (and Adam's touched set) small."""
+    order = list(range(len(subsets)))
+    rng.shuffle(order)
+    batches, current = [], []
+    for k in order:
+        rows = [(k, i) for i in subsets[k]]
+        rng.shuffle(rows)
+        if current and len(current) + len(rows) > batch_size:
+            batches.append(current)
+            current = []
+        current.extend(rows)
+    return [*batches, current] if current else batches
+
+
+def _many_step(bert: nn.Module, adapters: list[AdapterWeights], rows: list[tuple[int, int]],
+               states: dict[int, torch.Tensor], gold: dict[int, int], optimizer: torch.optim.Optimizer) -> None:
+    stack = BatchedAdapters([adapters[k] for k, _ in rows])
+    num_lower = min(adapters[0].layer_ids)
+    with install_adapters(bert).active(stack):
+        logits = stack.logits(upper_pooled(bert, [states[i] for _, i in rows], num_lower))
+    loss = F.cross_entropy(logits, torch.tensor([gold[i] for _, i in rows]))
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()

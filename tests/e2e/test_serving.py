@@ -38,7 +38,7 @@ def test_status_json_lists_every_service_healthy(mesh):
     assert report["redis"]["health"] == "SERVING"
     plot = ["plot"] if plot_table(artifacts_dir()) else []   # started only when a PLOT table is built
     assert sorted(s["name"] for s in report["services"]) == sorted(
-        ["adapter_store", "gateway", "resource_manager", "scheduler", "worker-0", *plot])
+        ["adapter_store", "gateway", "resource_manager", "scheduler", "trainer", "worker-0", *plot])
     assert all(s["health"] == "SERVING" and s["address"] for s in report["services"])
 
 
@@ -212,7 +212,7 @@ def test_every_server_offers_reflection_and_health(mesh):
 
     expected = {"gateway": "academus.v1.Inference", "scheduler": "academus.v1.Scheduler",
                 "worker-0": "academus.v1.Worker", "resource_manager": "academus.v1.ResourceManager",
-                "adapter_store": "academus.v1.AdapterStore"}
+                "adapter_store": "academus.v1.AdapterStore", "trainer": "grpc.health.v1.Health"}
     if plot_table(artifacts_dir()):
         expected["plot"] = "academus.v1.Plot"
     for name, service_name in expected.items():

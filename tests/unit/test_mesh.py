@@ -79,11 +79,11 @@ def test_the_plot_service_starts_only_when_a_table_is_built(tmp_path):
     from academus.shared.mesh import MeshOptions, _plan
 
     options = MeshOptions(run_dir=tmp_path / "run", artifacts=tmp_path, workers=2, gpus=0)
-    assert [name for name, _ in _plan(options, [{}, {}])] == ["resource_manager", "adapter_store", "worker",
-                                                              "scheduler", "gateway"]
+    assert [name for name, _ in _plan(options, [{}, {}])] == ["resource_manager", "adapter_store", "trainer",
+                                                              "worker", "scheduler", "gateway"]
     _fake_table(tmp_path / "plot" / "minilm-k2", 2)
     plan = dict(_plan(options, [{}, {}]))
-    assert list(plan) == ["resource_manager", "adapter_store", "plot", "worker", "scheduler", "gateway"]
+    assert list(plan) == ["resource_manager", "adapter_store", "trainer", "plot", "worker", "scheduler", "gateway"]
     assert plan["plot"] == [{"ACADEMUS_PLOT_DIR": str(tmp_path / "plot" / "minilm-k2"), "ACADEMUS_MODEL": "minilm",
                              "ACADEMUS_LOWER_LAYERS": "2", "ACADEMUS_PLOT_ID": "plot-0"}]
     assert len(plan["worker"]) == 2

@@ -1,0 +1,284 @@
+"""Ten thousand tenants on one node (HMI §7.3-7.4, Table 6): throughput and p95 of tenant models
+served from one base as the number of tenants grows, each tenant with its own adapter trained on a
+bootstrap subset of the sentiment data (HMI §7.1), requests spread uniformly or Zipf over tenants.
+
+    python -m academus.loadgen.tenants_bench --tenants 1,10,100,1000,10000 --out bench/tenants
+
+For each tenant count: a fresh mesh (`academus up`: real processes, real Redis), N tenants created
+with the registry, their adapters put in the adapter store, then an open-loop Poisson run per
+spread. Also, at the largest count, the ablations: prefetch off, and per-tenant (non-batched)
+adapter application. Reports per run: throughput, latency p50/p95/p99, errors, the worker's adapter
+cache hit rate and the host memory per tenant (the worker's RSS growth per cached adapter, Redis
+bytes per registered tenant, adapter file bytes). The last line printed is the summary JSON."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import redis
+
+from academus.loadgen.bench import write_summary
+from academus.loadgen.runner import MAX_LATENCY_US, latency_summary
+from academus.shared.keys import Keys
+from academus.shared.mesh import Deployment, MeshOptions, MeshState, down, up
+from academus.shared.onboarding import AdapterStoreClient
+from academus.shared.redis_conn import connect
+from academus.shared.tenants import TenantModel, TenantRegistry
+from academus.v1 import inference_pb2, inference_pb2_grpc
+
+MODEL = "support"
+
+
+def bootstrap_adapters(count: int, subset: int, epochs: int, seed: int) -> tuple[list, dict]:
+    """`count` adapters, adapter k trained on a bootstrap sample (with replacement) of `subset`
+    sentiment training examples; batched across tenants. Also their mean validation accuracy on a
+    sample of tenants, so the set is known to be trained, not random."""
+    from academus.shared.data import load_task
+    from academus.shared.training.adapters import train_many_adapters
+
+    data = load_task("sentiment")
+    texts, labels = [e.text for e in data.train], [data.labels[e.label] for e in data.train]
+    rng = random.Random(seed)
+    subsets = [[rng.randrange(len(texts)) for _ in range(subset)] for _ in range(count)]
+    started = time.perf_counter()
+    adapters = train_many_adapters(texts, labels, subsets, epochs=epochs, seed=seed)
+    seconds = time.perf_counter() - started
+    return adapters, {"count": count, "subset": subset, "epochs": epochs, "train_seconds": round(seconds, 1),
+                      "validation_accuracy": sampled_accuracy(adapters, data, rng)}
+
+
+def sampled_accuracy(adapters: list, data, rng: random.Random, tenants: int = 4, texts: int = 200) -> float:
+    """Mean accuracy of a few tenants' adapters on sentiment validation texts."""
+    import torch
+
+    from academus.shared.adapters import encode_with_adapters
+    from academus.shared.model import TeacherEncoder, pad_batch, teacher_dir
+    from academus.shared.tokenization import TeacherTokenizer
+
+    encoder, sample = TeacherEncoder.load(), data.validation[:texts]
+    encoded = TeacherTokenizer(teacher_dir()).encode([e.text for e in sample])
+    ids, mask, types = pad_batch([e.input_ids for e in encoded])
+    gold = torch.tensor([e.label for e in sample])
+    scores = []
+    for adapter in rng.sample(adapters, min(tenants, len(adapters))):
+        with torch.inference_mode():
+            _, probs = encode_with_adapters(encoder, ids, mask, types, [adapter] * len(sample))
+        names = [adapter.labels.index(name) for name in data.labels]
+        scores.append(float((probs[:, names].argmax(1) == gold).float().mean()))
+    return round(sum(scores) / len(scores), 4)
+
+
+async def register(state: MeshState, adapters: list) -> dict[str, str]:
+    """Tenant t<k> with model `support` on adapter k; returns tenant -> API key."""
+    client = connect(state.redis_url)
+    keys = Keys(state.key_prefix)
+    registry, store = TenantRegistry(client, keys, rate=1e6, burst=1_000_000), AdapterStoreClient(client, keys)
+    out = {}
+    try:
+        for k, adapter in enumerate(adapters):
+            tenant = f"t{k}"
+            out[tenant] = await registry.create_tenant(tenant)
+            version = await store.put(tenant, MODEL, adapter.to_bytes(), {"base": "minilm"})
+            await registry.register_model(tenant, TenantModel(MODEL, "minilm", MODEL, version, list(adapter.labels)))
+    finally:
+        await client.aclose()
+    return out
+
+
+def tenant_picker(count: int, spread: str, rng: np.random.Generator, zipf_s: float = 1.1):
+    """Uniform, or Zipf(s) over tenant ranks (a few hot tenants, a long tail)."""
+    if spread == "uniform":
+        return lambda: int(rng.integers(count))
+    weights = 1.0 / np.arange(1, count + 1) ** zipf_s
+    cdf = np.cumsum(weights / weights.sum())
+    return lambda: int(min(np.searchsorted(cdf, rng.random()), count - 1))
+
+
+async def open_loop(gateway: str, keys: dict[str, str], texts: list[str], rate: float, duration_s: float,
+                    spread: str, seed: int, timeout_s: float) -> dict:
+    """Poisson arrivals at `rate`, each to a tenant picked by `spread`; sent on schedule (open loop)."""
+    from hdrh.histogram import HdrHistogram
+
+    rng = np.random.default_rng(seed)
+    tenants = list(keys)
+    pick = tenant_picker(len(tenants), spread, rng)
+    arrivals = np.cumsum(rng.exponential(1 / rate, int(rate * duration_s * 1.5)))
+    arrivals = arrivals[arrivals < duration_s]
+    histogram, errors, used = HdrHistogram(1, MAX_LATENCY_US, 3), {}, set()
+    async with grpc.aio.insecure_channel(gateway) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+
+        async def one(tenant: str, text: str) -> None:
+            sent = time.perf_counter()
+            try:
+                await stub.Infer(inference_pb2.InferRequest(model=MODEL, inputs=[inference_pb2.TextInput(text=text)]),
+                                 timeout=timeout_s, metadata=(("x-api-key", keys[tenant]),))
+                histogram.record_value(max(1, round((time.perf_counter() - sent) * 1e6)))
+            except grpc.aio.AioRpcError as e:
+                errors[e.code().name] = errors.get(e.code().name, 0) + 1
+
+        start, calls = time.perf_counter(), []
+        for i, at in enumerate(arrivals):
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            tenant = tenants[pick()]
+            used.add(tenant)
+            calls.append(asyncio.create_task(one(tenant, texts[i % len(texts)])))
+        await asyncio.gather(*calls)
+        elapsed = time.perf_counter() - start
+    done = histogram.get_total_count()
+    return {"spread": spread, "offered_rps": rate, "sent": len(arrivals), "completed": done, "errors": errors,
+            "tenants_used": len(used), "throughput_rps": round(done / elapsed, 2),
+            "latency_ms": latency_summary(histogram) if done else {}}
+
+
+def worker_facts(state: MeshState) -> dict:
+    client, keys = redis.Redis.from_url(state.redis_url, decode_responses=True), Keys(state.key_prefix)
+    raw = client.hget(keys.worker("worker-0"), "adapter_cache")
+    pid = next(s.pid for s in state.services if s.name.startswith("worker"))
+    return {"cache": json.loads(raw) if raw else {}, "rss_bytes": rss(pid),
+            "redis_used_bytes": int(client.info("memory")["used_memory"])}
+
+
+def rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def measure(count: int, adapters: list, args: argparse.Namespace, env: dict[str, str], label: str) -> dict:
+    """One fresh mesh with `count` tenants: a run per spread, with memory and cache figures."""
+    run_dir = Path(tempfile.mkdtemp(prefix=f"tenants-{count}-"))
+    state = up(MeshOptions(run_dir=run_dir, gateway_port=0, workers=1, worker_threads=args.worker_threads,
+                           deployments=[Deployment("padded")], key_prefix="bench",
+                           env={"ACADEMUS_MODELS": "minilm", "ACADEMUS_MAX_BATCH": str(args.max_batch),
+                                "ACADEMUS_MAX_DELAY_MS": str(args.max_delay_ms),
+                                "ACADEMUS_ADAPTER_DIR": str(run_dir / "adapters"), **env}))
+    try:
+        before = worker_facts(state)
+        keys = asyncio.run(register(state, adapters[:count]))
+        registered = worker_facts(state)
+        texts = sample_texts(args.texts)
+        asyncio.run(open_loop(state.gateway, keys, texts, args.rates[0], min(5.0, args.duration), "uniform", 99,
+                              args.timeout))  # warm-up: first-call allocations, not the steady state
+        runs = [asyncio.run(open_loop(state.gateway, keys, texts, rate, args.duration, spread, args.seed,
+                                      args.timeout)) for spread in args.spreads for rate in args.rates]
+        time.sleep(2.5)  # one worker heartbeat publishes the cache figures
+        after = worker_facts(state)
+    finally:
+        down(run_dir)
+    cache = after["cache"]
+    files = sum(f.stat().st_size for f in (run_dir / "adapters").rglob("*.safetensors"))
+    return {"label": label, "tenants": count, "runs": runs, "cache": cache,
+            "memory": {"worker_rss_growth_per_cached_adapter_bytes":
+                       round((after["rss_bytes"] - before["rss_bytes"]) / max(cache.get("adapters", 0), 1)),
+                       "worker_cache_bytes_per_adapter": round(cache.get("bytes", 0)
+                                                               / max(cache.get("adapters", 1), 1)),
+                       "redis_bytes_per_tenant": round((registered["redis_used_bytes"] - before["redis_used_bytes"])
+                                                       / count),
+                       "adapter_file_bytes_per_tenant": round(files / count)}}
+
+
+def sample_texts(limit: int) -> list[str]:
+    from academus.shared.data import load_task
+
+    return [e.text for e in load_task("sentiment").test[:limit]]
+
+
+def summarise(results: list[dict]) -> dict:
+    """Throughput and p95 of every run against the 1-tenant run of the same spread (the targets'
+    ratios: ≥ 0.9x throughput at 10 000 tenants)."""
+    base = {(r["spread"], r["offered_rps"]): r for r in results[0]["runs"]} if results else {}
+    rows = []
+    for result in results:
+        for run in result["runs"]:
+            ref = base.get((run["spread"], run["offered_rps"]))
+            rows.append({"label": result["label"], "tenants": result["tenants"], "spread": run["spread"],
+                         "offered_rps": run["offered_rps"],
+                         "throughput_rps": run["throughput_rps"], "p95_ms": run["latency_ms"].get("p95"),
+                         "throughput_vs_1": _ratio(run["throughput_rps"], ref["throughput_rps"]) if ref else None,
+                         "p95_vs_1": _ratio(run["latency_ms"].get("p95"), ref["latency_ms"].get("p95"))
+                         if ref else None,
+                         "hit_rate": result["cache"].get("hit_rate"), "errors": run["errors"]})
+    return {"rows": rows}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def plot(results: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    main = [r for r in results if r["label"] == "batched+prefetch"]
+    top = max(run["offered_rps"] for r in results for run in r["runs"])   # the saturating rate: capacity
+    for spread in sorted({run["spread"] for r in main for run in r["runs"]}):
+        points = [(r["tenants"], run["throughput_rps"]) for r in main for run in r["runs"]
+                  if run["spread"] == spread and run["offered_rps"] == top]
+        ax.plot(*zip(*points, strict=True), marker="o", label=spread)
+    for r in results:
+        if r["label"] != "batched+prefetch":
+            for run in r["runs"]:
+                if run["offered_rps"] == top:
+                    ax.scatter([r["tenants"]], [run["throughput_rps"]], marker="x",
+                               label=f"{r['label']} ({run['spread']})")
+    ax.set_xscale("log")
+    ax.set_xlabel("tenant models")
+    ax.set_ylabel("throughput (requests/s)")
+    ax.set_title(f"tenant models on one base, offered {top:g} req/s (CPU)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "throughput_vs_tenants.png", dpi=120)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m academus.loadgen.tenants_bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tenants", default="1,10,100,1000,10000")
+    p.add_argument("--spreads", default="uniform,zipf", type=lambda s: s.split(","))
+    p.add_argument("--rates", default="25,60", type=lambda s: [float(r) for r in s.split(",")],
+                   help="offered requests/s (Poisson): one below capacity (latency), one above (throughput)")
+    p.add_argument("--duration", type=float, default=30.0)
+    p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--subset", type=int, default=16, help="bootstrap examples per tenant adapter")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--texts", type=int, default=500)
+    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--max-delay-ms", type=float, default=10.0)
+    p.add_argument("--worker-threads", type=int, default=0)
+    p.add_argument("--no-ablations", action="store_true", help="skip prefetch-off and non-batched at the top count")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("bench/tenants"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    counts = sorted(int(c) for c in args.tenants.split(","))
+    args.out.mkdir(parents=True, exist_ok=True)
+    adapters, training = bootstrap_adapters(counts[-1], args.subset, args.epochs, args.seed)
+    print(json.dumps({"training": training}), file=sys.stderr)
+    results = [measure(c, adapters, args, {}, "batched+prefetch") for c in counts]
+    if not args.no_ablations:
+        results.append(measure(counts[-1], adapters, args, {"ACADEMUS_ADAPTER_PREFETCH": "false"}, "prefetch off"))
+        results.append(measure(counts[-1], adapters, args, {"ACADEMUS_ADAPTER_BATCHED": "false"}, "per-tenant"))
+    plot(results, args.out)
+    return write_summary(args.out, {"training": training, "results": results, "summary": summarise(results),
+                                    "args": {k: str(v) for k, v in vars(args).items()}})
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,3 @@
+from academus.services.trainer.server import main
+
+main()

@@ -1,0 +1,291 @@
+"""Trainer core: runs the Manage API's background jobs, one at a time. No gRPC here.
+
+JobRunner claims a job from Redis (shared/jobs.py: claim + lease in one step), runs its kind's handler
+with the heavy work in a thread, writes progress as it goes, and finishes it succeeded or failed. A
+handler that raises fails only its job: the runner goes on with the next. On a stop the running job is
+handed back to the queue (and its training thread told to stop at its next step), so a restart loses
+nothing; a trainer that dies without a stop has its jobs re-queued when their lease expires.
+
+Handlers: AdapterJobs trains a tenant model's adapter + head (shared/training/adapters.py) and
+publishes it (adapter store + registration, shared/onboarding.py); OverlayJobs builds a domain's PLOT
+overlay (shared/plot/build.py) into the root table's directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import redis.asyncio as aioredis
+
+from academus.shared.config import TrainerConfig
+from academus.shared.domains import FAILED as DOMAIN_FAILED
+from academus.shared.domains import READY as DOMAIN_READY
+from academus.shared.domains import DomainRegistry, overlay_dir, root_table
+from academus.shared.jobs import FAILED, SUCCEEDED, Job, JobQueue
+from academus.shared.keys import Keys
+from academus.shared.logs import log_event
+from academus.shared.onboarding import publish_adapter, training_summary
+from academus.shared.tenants import FAILED as MODEL_FAILED
+from academus.shared.tenants import TRAINING, TenantRegistry
+from academus.shared.uploads import parse_corpus, parse_labelled_jsonl
+
+
+class JobStopped(Exception):
+    """The trainer is stopping: the job goes back to the queue, not to failed."""
+
+
+class JobError(Exception):
+    """A job that cannot succeed; its message is what the caller reads in GetJob."""
+
+
+class Progress:
+    """Thread-safe progress of one job: the work thread reports fractions, at most one Redis write a
+    `min_interval_s` reaches the loop; reporting after a stop was asked raises JobStopped."""
+
+    def __init__(self, queue: JobQueue, job_id: str, loop: asyncio.AbstractEventLoop, stopping: threading.Event,
+                 min_interval_s: float = 0.5) -> None:
+        self.queue, self.job_id, self.loop, self.stopping = queue, job_id, loop, stopping
+        self.min_interval_s = min_interval_s
+        self._last = float("-inf")
+        self._pending: list[concurrent.futures.Future] = []
+
+    def __call__(self, fraction: float) -> None:
+        if self.stopping.is_set():
+            raise JobStopped("the trainer is stopping")
+        now = time.monotonic()
+        if now - self._last >= self.min_interval_s:
+            self._last = now
+            self._pending = [f for f in self._pending if not f.done()]
+            self._pending.append(asyncio.run_coroutine_threadsafe(self._write(fraction), self.loop))
+
+    async def flush(self) -> None:
+        """Waits for the writes in flight, so none lands after the job's final status."""
+        for future in self._pending:
+            with contextlib.suppress(Exception):
+                await asyncio.wrap_future(future)
+
+    async def _write(self, fraction: float) -> None:
+        with contextlib.suppress(Exception):  # progress is advisory: a lost write costs nothing
+            await self.queue.progress(self.job_id, fraction)
+
+
+class Handler(Protocol):
+    async def run(self, job: Job, progress: Progress) -> dict[str, Any]: ...
+
+    async def failed(self, job: Job, message: str) -> None: ...
+
+
+class Encoders:
+    """The teacher, loaded once per device on first use and shared by every job (one job at a time)."""
+
+    def __init__(self) -> None:
+        self._loaded: dict[str, Any] = {}
+
+    async def get(self, device: str) -> Any:
+        if device not in self._loaded:
+            from academus.shared.model import TeacherEncoder
+
+            self._loaded[device] = await asyncio.to_thread(TeacherEncoder.load, device=device)
+        return self._loaded[device]
+
+
+def _upload(job: Job) -> bytes:
+    path = Path(job.params.get("upload", ""))
+    if not path.is_file():
+        raise JobError(f"the job's upload {path} is gone (the uploads volume must be shared with the gateway)")
+    return path.read_bytes()
+
+
+def _drop_upload(job: Job) -> None:
+    if job.params.get("upload"):
+        Path(job.params["upload"]).unlink(missing_ok=True)
+
+
+class AdapterJobs:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, config: TrainerConfig, encoders: Encoders) -> None:
+        self.redis, self.keys, self.config, self.encoders = redis, keys, config, encoders
+        self.registry = TenantRegistry(redis, keys)
+
+    async def run(self, job: Job, progress: Progress) -> dict[str, Any]:
+        from academus.shared.training.adapters import train_adapter
+
+        params = job.params
+        texts, labels = parse_labelled_jsonl(_upload(job), "data")
+        await self._current(job)
+        encoder = await self.encoders.get(self.config.device)
+        progress(0.05)
+        adapter, summary = await asyncio.to_thread(
+            train_adapter, texts, labels, params["base"], self.config.adapter_rank, self.config.adapter_epochs,
+            encoder=encoder, device=self.config.device, progress=False,
+            on_step=lambda done, total: progress(0.05 + 0.9 * done / total))
+        model = await self._current(job)
+        published = await publish_adapter(self.redis, self.keys, job.tenant, params["model"], params["base"],
+                                          adapter, domain=params.get("domain", ""), job=job.id,
+                                          created=model.created)
+        _drop_upload(job)
+        return {**published, **training_summary(summary)}
+
+    async def _current(self, job: Job) -> Any:
+        """The model this job trains, unless it was deleted or a newer job took it over meanwhile."""
+        model = await self.registry.model(job.tenant, job.params["model"])
+        if model is None or model.job != job.id:
+            raise JobError(f"model {job.params['model']!r} was deleted or is being trained by a newer job: "
+                           "this training was discarded")
+        return model
+
+    async def failed(self, job: Job, message: str) -> None:
+        """A model never served (a new one) becomes failed; a served one keeps serving its version."""
+        _drop_upload(job)
+        model = await self.registry.model(job.tenant, job.params.get("model", ""))
+        if model is not None and model.job == job.id and model.status == TRAINING:
+            await self.registry.register_model(job.tenant, replace(model, status=MODEL_FAILED, message=message))
+
+
+class OverlayJobs:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, config: TrainerConfig, encoders: Encoders,
+                 table: Callable[[], Path | None] | None = None) -> None:
+        self.config, self.encoders = config, encoders
+        self.domains = DomainRegistry(redis, keys)
+        self.table = table or (lambda: root_table(config.plot_dir))
+
+    async def run(self, job: Job, progress: Progress) -> dict[str, Any]:
+        from academus.shared.plot.build import BuildOptions, build
+        from academus.shared.plot.layers import SplitBert
+        from academus.shared.plot.table import ROOT, read_manifest
+
+        name = job.params["domain"]
+        table = self.table()
+        if table is None:
+            raise JobError("no PLOT root table is built, and a domain overlay extends one: build it first "
+                           "(`academus plot build --corpus general`)")
+        texts = parse_corpus(_upload(job), "corpus")
+        await self._current(job)
+        root = read_manifest(table / ROOT)
+        layers = SplitBert((await self.encoders.get("cpu")).bert, root.lower_layers)  # PLOT is built on the CPU
+        progress(0.05)
+        options = BuildOptions(model=root.model, lower_layers=root.lower_layers, domain=name,
+                               top_percent=float(job.params["top_percent"]))
+        summary = await asyncio.to_thread(build, texts, table, options, layers, {"source": "manage-api"})
+        if not await self.domains.set_status(name, DOMAIN_READY):  # deleted while building: drop its files
+            await asyncio.to_thread(_remove, overlay_dir(table, name))
+            raise JobError(f"domain {name!r} was deleted while its overlay was built: the overlay was discarded")
+        _drop_upload(job)
+        return {**summary, "note": "plot services load the overlay when they (re)start"}
+
+    async def _current(self, job: Job) -> None:
+        domain = await self.domains.get(job.params["domain"])
+        if domain is None or domain.job != job.id:
+            raise JobError(f"domain {job.params['domain']!r} was deleted or is rebuilt by a newer job")
+
+    async def failed(self, job: Job, message: str) -> None:
+        _drop_upload(job)
+        domain = await self.domains.get(job.params.get("domain", ""))
+        if domain is not None and domain.job == job.id:
+            await self.domains.set_status(domain.name, DOMAIN_FAILED, message)
+
+
+def _remove(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class JobRunner:
+    def __init__(self, queue: JobQueue, handlers: dict[str, Handler], trainer_id: str = "", lease_s: float = 30.0,
+                 poll_s: float = 0.5, max_attempts: int = 3) -> None:
+        self.queue, self.handlers, self.trainer_id = queue, handlers, trainer_id
+        self.lease_s, self.poll_s, self.max_attempts = lease_s, poll_s, max_attempts
+        self.stopping = threading.Event()
+        self.current: Job | None = None
+        self.done = 0
+
+    async def run_forever(self) -> None:
+        """Claims and runs jobs until cancelled; Redis being away only pauses it."""
+        reaped_at = float("-inf")
+        while True:
+            try:
+                if time.monotonic() - reaped_at >= self.lease_s:
+                    reaped_at = time.monotonic()
+                    if moved := await self.queue.requeue_orphans():
+                        log_event("jobs_requeued", count=moved)
+                if not await self.run_next():
+                    await asyncio.sleep(self.poll_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log_event("job_loop_failed", error=repr(e))
+                await asyncio.sleep(self.poll_s)
+
+    async def run_next(self) -> bool:
+        """Runs one queued job to its end; False when none was waiting."""
+        job = await self.queue.claim(self.trainer_id, self.lease_s)
+        if job is None:
+            return False
+        await self.run(job)
+        return True
+
+    async def run(self, job: Job) -> None:
+        handler = self.handlers.get(job.kind)
+        if handler is None or job.attempts > self.max_attempts:
+            why = (f"unknown job kind {job.kind!r}" if handler is None else
+                   f"gave up after {self.max_attempts} attempts: the trainer stopped during each")
+            await self._fail(job, handler, why)
+            return
+        self.current = job
+        renewer = asyncio.create_task(self._renew(job.id))
+        log_event("job_started", id=job.id, kind=job.kind, tenant=job.tenant, target=job.target)
+        progress = Progress(self.queue, job.id, asyncio.get_running_loop(), self.stopping)
+        try:
+            result = await handler.run(job, progress)
+        except (asyncio.CancelledError, JobStopped):
+            self.stopping.set()   # the work thread stops at its next step
+            await progress.flush()
+            await self.queue.release(job.id)
+            log_event("job_released", id=job.id)
+            raise asyncio.CancelledError() from None
+        except Exception as e:
+            await progress.flush()
+            await self._fail(job, handler, str(e) or repr(e))
+        else:
+            await progress.flush()
+            await self.queue.finish(job.id, SUCCEEDED, "done", result)
+            log_event("job_succeeded", id=job.id, kind=job.kind)
+        finally:
+            renewer.cancel()
+            self.current = None
+            self.done += 1
+
+    async def _fail(self, job: Job, handler: Handler | None, message: str) -> None:
+        log_event("job_failed", id=job.id, kind=job.kind, error=message)
+        if handler is not None:
+            try:
+                await handler.failed(job, message)
+            except Exception as e:  # the job's own status must still be written
+                log_event("job_cleanup_failed", id=job.id, error=repr(e))
+        await self.queue.finish(job.id, FAILED, message)
+
+    async def _renew(self, job_id: str) -> None:
+        while True:
+            await asyncio.sleep(self.lease_s / 3)
+            try:
+                await self.queue.renew(job_id, self.trainer_id, self.lease_s)
+            except Exception as e:  # the next beat tries again; only a long outage loses the lease
+                log_event("lease_renew_failed", id=job_id, error=repr(e))
+
+
+def build_runner(redis: aioredis.Redis, keys: Keys, config: TrainerConfig, trainer_id: str = "") -> JobRunner:
+    from academus.shared.jobs import ADAPTER, OVERLAY
+
+    encoders = Encoders()
+    handlers: dict[str, Handler] = {ADAPTER: AdapterJobs(redis, keys, config, encoders),
+                                    OVERLAY: OverlayJobs(redis, keys, config, encoders)}
+    return JobRunner(JobQueue(redis, keys, config.done_ttl_s), handlers, trainer_id or config.trainer_id,
+                     config.lease_s, config.poll_s, config.max_attempts)
