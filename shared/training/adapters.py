@@ -258,12 +258,14 @@ def _copy(adapter: AdapterWeights, convert: Callable[[torch.Tensor], torch.Tenso
 def train_many_adapters(
     texts: Sequence[str], labels: Sequence[str], subsets: Sequence[Sequence[int]], base: str = "minilm",
     rank: int = DEFAULT_RANK, epochs: int = 2, *, lr: float = 2e-3, head_lr: float = 2e-2, batch_size: int = 128,
-    seed: int = 0, encoder: TeacherEncoder | None = None, progress: bool = True,
+    seed: int = 0, encoder: TeacherEncoder | None = None, progress: bool = True, start: AdapterWeights | None = None,
 ) -> list[AdapterWeights]:
     """Adapter k trains on `subsets[k]` (indices into texts/labels, e.g. a bootstrap sample). Batches
     mix tenants, each row through its own tenant's adapter and head (the serving `BatchedAdapters`),
     so K adapters cost one pass over Σ|subset| rows, not K trainings; lower layers are computed once
-    per distinct text. Adam skips adapters a batch did not touch (their gradients stay None)."""
+    per distinct text. Adam skips adapters a batch did not touch (their gradients stay None). With
+    `start`, every adapter begins as a copy of it (e.g. one trained on all the data) and is fine-tuned
+    on its own subset; without, from a fresh seeded init."""
     names = sorted(set(labels))
     _check_examples(texts, labels, names)
     encoder = encoder or TeacherEncoder.load()
@@ -274,8 +276,10 @@ def train_many_adapters(
                           min(upper_layers(check_base(base)[0])))
     states = dict(zip(used, cached, strict=True))
     gold = {i: names.index(labels[i]) for i in used}
-    adapters = [_copy(AdapterWeights.init(names, base, rank, seed=seed + k), lambda t: t.clone().requires_grad_())
-                for k in range(len(subsets))]
+    if start is not None and list(start.labels) != names:
+        raise ValueError(f"start adapter labels {start.labels} differ from the data's {names}")
+    adapters = [_copy(start or AdapterWeights.init(names, base, rank, seed=seed + k),
+                      lambda t: t.detach().clone().requires_grad_()) for k in range(len(subsets))]
     heads = [t for a in adapters for t in (a.head_weight, a.head_bias)]
     body = [t for a in adapters for w in a.layers.values() for t in w.values()]
     optimizer = torch.optim.Adam([{"params": body, "lr": lr}, {"params": heads, "lr": head_lr}])

@@ -26,9 +26,9 @@ TEXTS = ["Congratulations! You have won a free cruise, click here to claim your 
          "A tedious, lifeless mess with a script that makes no sense."]
 
 
-def cli(mesh, *args: str) -> subprocess.CompletedProcess:
+def cli(mesh, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "academus.shared.cli", "--run-dir", mesh.run_dir, *args],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def test_status_json_lists_every_service_healthy(mesh):

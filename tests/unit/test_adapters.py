@@ -294,3 +294,26 @@ def test_training_beats_the_untrained_adapter(tmp_path, dataset_dir, encoder, to
         _, probs = encode_with_adapters(encoder, ids, mask, types, [adapter, adapter])
     fresh = adapter.labels.index("fresh")
     assert probs[0, fresh] > probs[1, fresh]
+
+
+def test_many_adapters_train_together_each_on_its_own_subset(encoder):
+    """Batched across tenants: every adapter moves away from its start, each differently; whole
+    tenants share a batch; a start adapter with other labels is refused."""
+    import random
+
+    from academus.shared.training.adapters import _tenant_batches, train_many_adapters
+
+    texts = TEXTS * 4
+    labels = ["pos", "neg", "neg", "pos", "neg", "pos", "pos"] * 4
+    subsets = [[0, 1, 2, 3, 4, 5], [7, 8, 9, 10], [14, 15, 16, 17, 18]]
+    start = make_adapter(3, ["neg", "pos"])
+    trained = train_many_adapters(texts, labels, subsets, epochs=2, batch_size=8, encoder=encoder, progress=False,
+                                  start=start)
+    deltas = [(a.layers[3]["up.weight"] - start.layers[3]["up.weight"]).abs().max().item() for a in trained]
+    assert all(d > 0 for d in deltas) and len({round(d, 9) for d in deltas}) == 3
+    assert not any(t.requires_grad for a in trained for t in a.tensors())
+    batches = _tenant_batches(subsets, 8, random.Random(0))
+    assert sorted(r for b in batches for r in b) == sorted((k, i) for k, s in enumerate(subsets) for i in s)
+    assert all(len({k for k, _ in b}) == 1 or len(b) <= 8 for b in batches)
+    with pytest.raises(ValueError, match="start adapter labels"):
+        train_many_adapters(texts, labels, subsets, encoder=encoder, progress=False, start=make_adapter(1, ["x", "y"]))

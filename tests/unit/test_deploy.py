@@ -346,14 +346,26 @@ def test_compose_services() -> None:
             assert source in declared_volumes and source != "artifacts" and mode != ["ro"], (
                 f"adapter_store: {env['ACADEMUS_ADAPTER_DIR']} must be a writable named volume of its own"
             )
-        if module == "trainer":  # reads uploads from and writes PLOT overlays to the artifacts volume
+        if module in ("trainer", "gateway"):  # Manage API uploads: written by the gateway, read by the trainer
             mounts = {str(v).split(":")[1]: str(v).split(":") for v in svc["volumes"]}
             source, _, *mode = mounts[env["ACADEMUS_ARTIFACTS"]]
-            assert source == "artifacts" and mode != ["ro"], "trainer: the artifacts volume, read-write"
+            assert source == "artifacts" and mode != ["ro"], f"{module}: the artifacts volume, read-write"
     assert sorted(deployed.values()) == sorted(PORTS), f"compose runs {sorted(deployed.values())}"
 
 
 # --------------------------------------------------------------------------------------- Kubernetes
+
+def _assert_artifacts_read_write(workload: dict, module: str) -> None:
+    """ACADEMUS_ARTIFACTS is a read-write mount of the shared academus-artifacts claim."""
+    pod = _pod_spec(workload)
+    container = pod["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    mount = {m["mountPath"]: m for m in container.get("volumeMounts", [])}.get(env.get("ACADEMUS_ARTIFACTS"))
+    assert mount is not None, f"{module}: ACADEMUS_ARTIFACTS must be a mounted volume"
+    claim = {v["name"]: v for v in pod["volumes"]}[mount["name"]].get("persistentVolumeClaim", {})
+    assert claim.get("claimName") == "academus-artifacts" and not claim.get("readOnly"), f"{module}: artifacts PVC"
+    assert not mount.get("readOnly"), f"{module}: a read-write mount of the artifacts"
+
 
 
 def _k8s_files() -> list[Path]:
@@ -521,12 +533,8 @@ def test_k8s_services_cross_reference() -> None:
     for kind in ("requests", "limits"):
         assert "nvidia.com/gpu" not in trainer_container["resources"][kind], "trainer: no GPU"
     assert GPU_NODE_SELECTOR not in trainer_pod.get("nodeSelector", {}), "trainer: not tied to GPU nodes"
-    trainer_env = {e["name"]: e.get("value") for e in trainer_container["env"]}
-    trainer_mount = {m["mountPath"]: m for m in trainer_container["volumeMounts"]}[trainer_env["ACADEMUS_ARTIFACTS"]]
-    trainer_volume = {v["name"]: v for v in trainer_pod["volumes"]}[trainer_mount["name"]]
-    claim = trainer_volume.get("persistentVolumeClaim", {})
-    assert claim.get("claimName") == "academus-artifacts" and not claim.get("readOnly"), "trainer: artifacts PVC"
-    assert not trainer_mount.get("readOnly"), "trainer writes PLOT overlays: a read-write mount"
+    for module in ("trainer", "gateway"):  # the gateway writes Manage API uploads, the trainer reads them
+        _assert_artifacts_read_write(deployed[module], module)
     assert "ACADEMUS_REDIS_URL" in config["data"] and config["data"]["ACADEMUS_HOST"] == "0.0.0.0"
 
 
