@@ -39,6 +39,16 @@ def artifacts_path() -> Path:
     return artifacts_dir()
 
 
+@pytest.fixture
+async def redis(redis_url: str):
+    """An asyncio client on the clean database, closed after the test."""
+    from academus.shared.redis_conn import connect
+
+    client = connect(redis_url)
+    yield client
+    await client.aclose()
+
+
 @contextmanager
 def env(**values: str) -> Iterator[None]:
     """Environment variables set for a block (services read their config from it at build time)."""

@@ -27,7 +27,6 @@ from academus.shared.errors import (
 )
 from academus.shared.jobs import ADAPTER, FAILED, OVERLAY, QUEUED, RUNNING, SUCCEEDED, Job, JobQueue
 from academus.shared.keys import Keys
-from academus.shared.redis_conn import connect
 from academus.shared.tenants import READY, TRAINING, TenantModel, TenantRegistry
 
 KEYS = Keys("mg")
@@ -43,13 +42,6 @@ def labelled(n: int = 10, labels: tuple[str, ...] = ("pos", "neg")) -> bytes:
 
 def corpus(n: int = 5) -> bytes:
     return "\n".join(f"sentence {i} about the domain" for i in range(n)).encode()
-
-
-@pytest.fixture
-async def redis(redis_url):
-    client = connect(redis_url)
-    yield client
-    await client.aclose()
 
 
 @pytest.fixture

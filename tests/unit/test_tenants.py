@@ -10,17 +10,9 @@ from academus.services.gateway.core import Authenticator
 from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
 from academus.shared.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unauthenticated
 from academus.shared.keys import Keys
-from academus.shared.redis_conn import connect
 from academus.shared.tenants import TRAINING, Quotas, TenantModel, TenantRegistry
 
 KEYS = Keys("acd")
-
-
-@pytest.fixture
-async def redis(redis_url):
-    client = connect(redis_url)
-    yield client
-    await client.aclose()
 
 
 @pytest.fixture
