@@ -21,16 +21,18 @@ from academus.shared.adapters import AdapterWeights, encode_with_adapters
 from academus.shared.model import TeacherEncoder
 
 
+def perturbed_adapter(labels: list[str], seed: int) -> AdapterWeights:
+    """A fresh adapter with a random (not zero) up-projection, so that it changes the output."""
+    adapter = AdapterWeights.init(labels, seed=seed)
+    generator = torch.Generator().manual_seed(seed + 10_000)
+    for tensors in adapter.layers.values():
+        tensors["up.weight"] = torch.randn(tensors["up.weight"].shape, generator=generator) * 0.05
+    return adapter
+
+
 def random_adapters(count: int, labels: int, seed: int) -> list[AdapterWeights]:
-    """Distinct adapters with non-zero up-projections, so every one changes the output."""
-    out = []
-    for k in range(count):
-        adapter = AdapterWeights.init([f"c{i}" for i in range(labels)], seed=seed + k)
-        generator = torch.Generator().manual_seed(seed + 10_000 + k)
-        for tensors in adapter.layers.values():
-            tensors["up.weight"] = torch.randn(tensors["up.weight"].shape, generator=generator) * 0.05
-        out.append(adapter)
-    return out
+    """Distinct adapters, each changing the output."""
+    return [perturbed_adapter([f"c{i}" for i in range(labels)], seed + k) for k in range(count)]
 
 
 def timed_ms(run, device: torch.device, repeats: int, warmup: int = 3) -> float:

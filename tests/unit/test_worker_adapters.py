@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from academus.loadgen.adapters_bench import perturbed_adapter
 from academus.services.worker.adapters import AdapterCache, AdapterKey
 from academus.services.worker.core import OUTPUT_EMBEDDING, OUTPUT_PROBS, ModelRunner
 from academus.shared.adapters import AdapterWeights, encode_with_adapters
@@ -22,12 +23,7 @@ TEXTS = ["a warm, funny and wholly unexpected film", "a dull mess", "the plot ne
 
 
 def trained_like(seed: int, labels: list[str]) -> AdapterWeights:
-    """A random adapter whose up-projections are not zero, so it changes the output."""
-    adapter = AdapterWeights.init(labels, seed=seed)
-    generator = torch.Generator().manual_seed(seed + 100)
-    for tensors in adapter.layers.values():
-        tensors["up.weight"] = torch.randn(tensors["up.weight"].shape, generator=generator) * 0.05
-    return adapter
+    return perturbed_adapter(labels, seed)
 
 
 class Store:
