@@ -99,6 +99,27 @@ async def register(state: MeshState, adapters: list) -> dict[str, str]:
     return out
 
 
+def trained_set(args: argparse.Namespace, count: int) -> tuple[list, dict]:
+    """The bootstrap adapters, trained, or read back from `--adapters-file` when an earlier run saved
+    them with the same recipe (training 10 000 takes most of half an hour on 2 cores)."""
+    import torch
+
+    from academus.shared.adapters import AdapterWeights
+
+    recipe = {"count": count, "subset": args.subset, "epochs": args.epochs, "seed": args.seed,
+              "parent_texts": args.parent_texts}
+    path = args.adapters_file
+    if path and path.exists():
+        saved = torch.load(path, weights_only=True)
+        if saved["recipe"] == recipe:
+            return [AdapterWeights.from_bytes(b) for b in saved["adapters"]], json.loads(saved["training"])
+    adapters, training = bootstrap_adapters(count, args.subset, args.epochs, args.seed, args.parent_texts)
+    if path:
+        torch.save({"recipe": recipe, "adapters": [a.to_bytes() for a in adapters],
+                    "training": json.dumps(training)}, path)
+    return adapters, training
+
+
 def tenant_picker(count: int, spread: str, rng: np.random.Generator, zipf_s: float = 1.1):
     """Uniform, or Zipf(s) over tenant ranks (a few hot tenants, a long tail)."""
     if spread == "uniform":
@@ -267,6 +288,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-threads", type=int, default=0)
     p.add_argument("--no-ablations", action="store_true", help="skip prefetch-off and non-batched at the top count")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--adapters-file", type=Path, default=None, help="save the trained set here / reuse it")
+    p.add_argument("--train-only", action="store_true", help="train (and save) the adapters, then stop")
     p.add_argument("--out", type=Path, default=Path("bench/tenants"))
     return p
 
@@ -275,8 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     counts = sorted(int(c) for c in args.tenants.split(","))
     args.out.mkdir(parents=True, exist_ok=True)
-    adapters, training = bootstrap_adapters(counts[-1], args.subset, args.epochs, args.seed, args.parent_texts)
+    adapters, training = trained_set(args, counts[-1])
     print(json.dumps({"training": training}), file=sys.stderr)
+    if args.train_only:
+        return 0
     results = [measure(c, adapters, args, {}, "batched+prefetch") for c in counts]
     if not args.no_ablations:
         results.append(measure(counts[-1], adapters, args, {"ACADEMUS_ADAPTER_PREFETCH": "false"}, "prefetch off"))

@@ -2,7 +2,7 @@
 worker), misses fetched from the adapter store layer by layer.
 
 A miss costs one blocking fetch of the first piece (the head and the lowest adapted layer; its header
-carries the metadata the batch needs); the remaining layers stream in on the prefetch thread while the
+carries the metadata the batch needs); the remaining layers stream in on the prefetch threads while the
 batch computes the lower, unadapted layers, and the hook of adapted layer i waits only for layer i
 (`TenantBatch.layer_ready`). With prefetch off, a miss waits for every layer before computing: the
 ablation of HMI Table 6."""
@@ -10,11 +10,13 @@ ablation of HMI Table 6."""
 from __future__ import annotations
 
 import asyncio
+import itertools
+import queue
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import grpc
@@ -28,6 +30,7 @@ from academus.shared.serving import CHANNEL_OPTIONS
 from academus.v1 import adapter_store_pb2, adapter_store_pb2_grpc, tensors_pb2
 
 DEFAULT_FIRST_LAYER = upper_layers(BASES["minilm"][0])[0]   # where adapters start by default (layer 3)
+FIRST_PIECE, LAST = -1, 1 << 30               # fetch queue ranks: first pieces before any layer
 AdapterKey = tuple[str, str, int]            # tenant, name, version (0: the latest when first fetched)
 # (key, layers, head) -> safetensors bytes of that piece; raises NotFound / Unavailable.
 FetchPiece = Callable[[AdapterKey, Sequence[int], bool], bytes]
@@ -73,16 +76,26 @@ class TenantBatch:
 
 
 class AdapterCache:
-    """LRU of adapters within `budget_bytes`; misses go to the store on one prefetch thread."""
+    """LRU of adapters within `budget_bytes`; misses go to the store on the prefetch threads.
+
+    Fetches run in layer order across adapters (a priority queue): every missing adapter's first piece
+    before any later layer, then layer 5 of all of them before layer 6, so the batch's next layer is
+    always the one arriving, as HMI §6.2's layer-wise prefetch."""
 
     def __init__(self, fetch: FetchPiece, budget_bytes: int, device: torch.device | str = "cpu",
-                 prefetch: bool = True, batched: bool = True, first_layer: int = DEFAULT_FIRST_LAYER) -> None:
+                 prefetch: bool = True, batched: bool = True, first_layer: int = DEFAULT_FIRST_LAYER,
+                 fetch_threads: int = 2) -> None:
         self.fetch, self.budget, self.device = fetch, budget_bytes, torch.device(device)
         self.first_layer = first_layer
         self.prefetch, self.batched = prefetch, batched
         self._entries: OrderedDict[AdapterKey, CachedAdapter] = OrderedDict()
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-prefetch")
+        self._queue: queue.PriorityQueue[tuple[int, int, Callable[[], None] | None]] = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._threads = [threading.Thread(target=self._fetcher, name=f"adapter-prefetch-{i}", daemon=True)
+                         for i in range(max(1, fetch_threads))]
+        for thread in self._threads:
+            thread.start()
         self.hits = self.misses = 0
 
     @property
@@ -121,33 +134,61 @@ class AdapterCache:
             self.misses += 1
             entry = CachedAdapter(key)
             self._entries[key] = entry
-        self._pool.submit(self._load, entry)
+        self._submit(FIRST_PIECE, entry, lambda: self._load_first(entry))
         return entry
 
-    def _load(self, entry: CachedAdapter) -> None:
-        """On the prefetch thread: the first piece (head + the lowest adapted layer of the default
-        placement; its header names every layer the adapter has), then each other layer in order."""
-        try:
-            first = self._piece(entry.key, [self.first_layer], True)
-            entry.ready = {i: threading.Event() for i in first.layer_ids}
-            entry.weights = AdapterWeights(first.base, first.labels, first.rank, {}, first.head_weight,
-                                           first.head_bias, first.layer_ids)
-            self._arrived(entry, first)
-            entry.first.set_result(entry)
-            for i in sorted(set(first.layer_ids) - set(first.layers)):
-                self._arrived(entry, self._piece(entry.key, [i], False))
+    def _submit(self, rank: int, entry: CachedAdapter, work: Callable[[], None]) -> None:
+        def guarded() -> None:
+            try:
+                work()
+            except ServingError as e:
+                self._fail(entry, e)
+            except Exception as e:  # a bad file or a broken connection: this adapter fails, others go on
+                self._fail(entry, Unavailable(f"adapter {entry.key[0]}/{entry.key[1]} could not be loaded: {e}"))
+
+        self._queue.put((rank, next(self._order), guarded))
+
+    def _fetcher(self) -> None:
+        while (work := self._queue.get()[2]) is not None:
+            work()
+
+    def _load_first(self, entry: CachedAdapter) -> None:
+        """The head + the lowest adapted layer of the default placement (its header names every layer
+        the adapter has); then each other layer is queued at its layer's rank."""
+        first = self._piece(entry.key, [self.first_layer], True)
+        entry.ready = {i: threading.Event() for i in first.layer_ids}
+        entry.weights = AdapterWeights(first.base, first.labels, first.rank, {}, first.head_weight,
+                                       first.head_bias, first.layer_ids)
+        self._arrived(entry, first)
+        entry.first.set_result(entry)
+        rest = sorted(set(first.layer_ids) - set(first.layers))
+        for i in rest:
+            self._submit(i, entry, lambda i=i: self._load_layer(entry, i))
+        if not rest:
+            self._completed(entry)
+
+    def _load_layer(self, entry: CachedAdapter, i: int) -> None:
+        if entry.error is not None:
+            return
+        self._arrived(entry, self._piece(entry.key, [i], False))
+        if all(event.is_set() for event in entry.ready.values()):
+            self._completed(entry)
+
+    def _completed(self, entry: CachedAdapter) -> None:
+        if not entry.complete.done():
             entry.complete.set_result(entry)
-            self._evict()
-        except ServingError as e:
-            self._fail(entry, e)
-        except Exception as e:  # a bad file or a broken connection: this adapter fails, others go on
-            self._fail(entry, Unavailable(f"adapter {entry.key[0]}/{entry.key[1]} could not be loaded: {e}"))
+        self._evict()
 
     def _piece(self, key: AdapterKey, layers: Sequence[int], head: bool) -> AdapterWeights:
         """Those layers of the adapter (a layer it lacks is simply absent), on this worker's device."""
         return AdapterWeights.from_bytes(self.fetch(key, layers, head)).to(self.device)
 
     def _arrived(self, entry: CachedAdapter, piece: AdapterWeights) -> None:
+        with self._lock:  # two fetch threads may bring layers of one adapter at once
+            self._add(entry, piece)
+
+    @staticmethod
+    def _add(entry: CachedAdapter, piece: AdapterWeights) -> None:
         for i, tensors in piece.layers.items():
             entry.weights.layers[i] = tensors
             entry.bytes += sum(t.numel() * t.element_size() for t in tensors.values())
@@ -181,7 +222,8 @@ class AdapterCache:
             self._entries.pop(key, None)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for _ in self._threads:
+            self._queue.put((LAST, next(self._order), None))
 
 
 class StoreFetcher:

@@ -74,7 +74,8 @@ def test_a_tenant_batch_through_the_cache_equals_the_adapters_applied_directly(r
     assert served.shape == (3, 3) and np.abs(served - expected).max() < 1e-5
     assert served[0, 2] == 0.0 and abs(served[1].sum() - 1) < 1e-5   # 2-label rows zero-padded
     layer_calls = [c for c in store.calls if c[0] == ("t1", "m", 1)]
-    assert [c[1:] for c in layer_calls] == [((3,), True), ((4,), False), ((5,), False)]   # layer by layer
+    assert layer_calls[0][1:] == ((3,), True)                      # head + first layer, then layer by layer
+    assert sorted(c[1:] for c in layer_calls[1:]) == [((4,), False), ((5,), False)]
     assert cache.stats()["misses"] == 2 and cache.stats()["hits"] == 0
     cache.close()
 
@@ -128,4 +129,26 @@ def test_an_adapter_missing_from_the_store_is_not_found_and_not_cached(runner):
     with pytest.raises(NotFound):
         asyncio.run(cache.acquire([("t9", "gone", 1)]))
     assert cache.stats()["adapters"] == 0
+    cache.close()
+
+
+def test_misses_are_fetched_in_layer_order_across_adapters(runner):
+    """Every missing adapter's first piece comes before any later layer, and layer 4 of all before
+    layer 5: the batch's next layer is the one arriving (HMI §6.2)."""
+    adapters = {("t", f"m{i}", 1): trained_like(20 + i, ["a", "b"]) for i in range(3)}
+    hold = threading.Event()
+
+    class Held(Store):
+        def __call__(self, key, layers, head):
+            hold.wait(5)   # the first fetch waits until every miss of the batch is queued
+            return super().__call__(key, layers, head)
+
+    store = Held(adapters)
+    cache = AdapterCache(store, budget_bytes=1 << 30, fetch_threads=1)
+    threading.Timer(0.2, hold.set).start()
+    tenants = asyncio.run(cache.acquire(list(adapters)))
+    for entry in tenants.entries:
+        entry.complete.result(5)
+    order = [(layers, head) for _, layers, head in store.calls]
+    assert order == [((3,), True)] * 3 + [((4,), False)] * 3 + [((5,), False)] * 3
     cache.close()
