@@ -243,29 +243,30 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def plot(results: list[dict], out: Path) -> None:
+    """Throughput at the highest offered rate (capacity) and p95 at the lowest, against tenants (log x)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    main = [r for r in results if r["label"] == "batched+prefetch"]
-    top = max(run["offered_rps"] for r in results for run in r["runs"])   # the saturating rate: capacity
-    for spread in sorted({run["spread"] for r in main for run in r["runs"]}):
-        points = [(r["tenants"], run["throughput_rps"]) for r in main for run in r["runs"]
-                  if run["spread"] == spread and run["offered_rps"] == top]
-        ax.plot(*zip(*points, strict=True), marker="o", label=spread)
-    for r in results:
-        if r["label"] != "batched+prefetch":
-            for run in r["runs"]:
-                if run["offered_rps"] == top:
-                    ax.scatter([r["tenants"]], [run["throughput_rps"]], marker="x",
-                               label=f"{r['label']} ({run['spread']})")
-    ax.set_xscale("log")
-    ax.set_xlabel("tenant models")
-    ax.set_ylabel("throughput (requests/s)")
-    ax.set_title(f"tenant models on one base, offered {top:g} req/s (CPU)")
-    ax.legend(fontsize=7)
+    rates = sorted({run["offered_rps"] for r in results for run in r["runs"]})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, rate, field, name in ((axes[0], rates[-1], "throughput_rps", "throughput (requests/s)"),
+                                  (axes[1], rates[0], "p95", "p95 latency (ms)")):
+        for label in dict.fromkeys(r["label"] for r in results):
+            for spread in sorted({run["spread"] for r in results for run in r["runs"]}):
+                points = [(r["tenants"], run[field] if field in run else run["latency_ms"].get(field))
+                          for r in results if r["label"] == label for run in r["runs"]
+                          if run["spread"] == spread and run["offered_rps"] == rate]
+                style = {"marker": "o"} if label == "batched+prefetch" else {"marker": "x", "linestyle": ""}
+                ax.plot(*zip(*points, strict=True), label=f"{label} ({spread})", **style)
+        ax.set_xscale("log")
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("tenant models")
+        ax.set_ylabel(name)
+        ax.set_title(f"offered {rate:g} req/s")
+        ax.legend(fontsize=7)
+    fig.suptitle("tenant models on one shared base, one CPU worker")
     fig.tight_layout()
     fig.savefig(out / "throughput_vs_tenants.png", dpi=120)
 
