@@ -56,12 +56,14 @@ redis.call('HSET', KEYS[1], 'v' .. ARGV[1], ARGV[2])
 redis.call('SADD', KEYS[2], ARGV[3])
 return refresh(KEYS[1])
 """
+# The `next` counter outlives every version: a number is never given twice, so a worker's cache, keyed
+# by (tenant, name, version), can never serve a deleted adapter's weights for a re-created one.
 # ARGV: version, name. -1: no such version; the adapter goes when its last version does.
 _DROP_ONE = _REFRESH + """
 if redis.call('HDEL', KEYS[1], 'v' .. ARGV[1]) == 0 then return -1 end
 local latest = refresh(KEYS[1])
 if latest == 0 then
-  redis.call('DEL', KEYS[1])
+  redis.call('HDEL', KEYS[1], 'versions', 'latest', 'metadata')
   redis.call('SREM', KEYS[2], ARGV[2])
 end
 return latest
@@ -69,7 +71,8 @@ return latest
 # ARGV: name. Returns the versions removed.
 _DROP_ALL = _REFRESH + """
 local vs = versions(KEYS[1])
-redis.call('DEL', KEYS[1])
+for _, v in ipairs(vs) do redis.call('HDEL', KEYS[1], 'v' .. v) end
+redis.call('HDEL', KEYS[1], 'versions', 'latest', 'metadata')
 redis.call('SREM', KEYS[2], ARGV[1])
 return vs
 """

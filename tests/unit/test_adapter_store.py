@@ -214,10 +214,21 @@ async def test_delete_one_version_then_every_version(store):
     with pytest.raises(NotFound):
         await store.get("acme", "spam")
     assert await store.list("acme") == []
-    assert not await store.redis.exists(KEYS.adapter("acme", "spam"))
+    assert await store.redis.hgetall(KEYS.adapter("acme", "spam")) == {"next": "3"}  # only the counter stays
     assert not (store.data_dir / "acme" / "spam").exists()
     with pytest.raises(NotFound):
         await store.delete("acme", "spam")
+    # A re-created adapter never gets a number a deleted one had: caches keyed by version stay right.
+    assert (await store.put("acme", "spam", blobs[0], {})).version == 4
+
+
+async def test_the_last_single_version_deleted_keeps_the_counter(store):
+    await store.put("acme", "ham", weights(seed=1), {})
+    assert await store.delete("acme", "ham", version=1) == 1
+    assert await store.list("acme") == []
+    with pytest.raises(NotFound):
+        await store.get("acme", "ham")
+    assert (await store.put("acme", "ham", weights(seed=2), {})).version == 2
 
 
 async def test_deleting_the_last_version_removes_the_adapter(store):
