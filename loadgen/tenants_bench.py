@@ -196,8 +196,12 @@ def measure(count: int, adapters: list, args: argparse.Namespace, env: dict[str,
         texts = sample_texts(args.texts)
         asyncio.run(open_loop(state.gateway, keys, texts, args.rates[0], min(5.0, args.duration), "uniform", 99,
                               args.timeout))  # warm-up: first-call allocations, not the steady state
-        runs = [asyncio.run(open_loop(state.gateway, keys, texts, rate, args.duration, spread, args.seed,
-                                      args.timeout)) for spread in args.spreads for rate in args.rates]
+        runs = []
+        for spread in args.spreads:
+            for rate in args.rates:
+                runs.append(asyncio.run(open_loop(state.gateway, keys, texts, rate, args.duration, spread,
+                                                  args.seed, args.timeout)))
+                time.sleep(args.drain)  # work left queued by a saturating run must not spill into the next
         time.sleep(2.5)  # one worker heartbeat publishes the cache figures
         after = worker_facts(state)
     finally:
@@ -280,6 +284,7 @@ def parser() -> argparse.ArgumentParser:
                    help="offered requests/s (Poisson): one below capacity (latency), one above (throughput)")
     p.add_argument("--duration", type=float, default=30.0)
     p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--drain", type=float, default=15.0, help="seconds of quiet between runs")
     p.add_argument("--subset", type=int, default=16, help="bootstrap examples per tenant adapter")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--parent-texts", type=int, default=2000, help="examples the parent adapter trains on")
