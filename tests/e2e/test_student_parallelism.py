@@ -143,13 +143,32 @@ def test_a_killed_worker_loses_no_request(mesh):
     victim = next(s for s in mesh.services if s.name == "worker-1")
 
     async def kill_under_load():
-        pending = asyncio.create_task(burst(mesh, 60, " ".join([TEXT] * 4), timeout=60, rate=40))
-        end = time.monotonic() + 30
-        while time.monotonic() < end and await asyncio.to_thread(  # off the loop: the burst keeps sending
-                metric, victim.metrics_port, "academus_rpc_in_flight", service="worker", method="Run") < 1:
-            await asyncio.sleep(0.005)
-        os.kill(victim.pid, signal.SIGKILL)  # while it computes a request
-        return await pending
+        """Sends at 40/s until the victim has been seen computing and is killed (at most 30 s): a fixed
+        burst could end before the scheduler ever used the victim's groups, and nothing would be retried."""
+        killed, sent = asyncio.Event(), []
+        async with AsyncClient(mesh.gateway, api_key=mesh.key, timeout=60) as client:
+            async def one(i: int):
+                try:
+                    return await client.infer(MODEL, [f"{i} {' '.join([TEXT] * 4)}"])
+                except AcademusError as e:
+                    return e
+
+            async def sender() -> None:
+                for i in range(1200):
+                    if killed.is_set():
+                        return
+                    sent.append(asyncio.create_task(one(i)))
+                    await asyncio.sleep(1 / 40)
+
+            sending = asyncio.create_task(sender())
+            end = time.monotonic() + 30
+            while time.monotonic() < end and await asyncio.to_thread(  # off the loop: the sender keeps sending
+                    metric, victim.metrics_port, "academus_rpc_in_flight", service="worker", method="Run") < 1:
+                await asyncio.sleep(0.005)
+            os.kill(victim.pid, signal.SIGKILL)  # while it computes a request
+            killed.set()
+            await sending
+            return await asyncio.gather(*sent)
 
     answers = asyncio.run(kill_under_load())
     assert wait_exit(victim.pid, 10)
