@@ -11,6 +11,7 @@ import json
 import re
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 
 import redis.asyncio as aioredis
@@ -198,14 +199,22 @@ class Quotas:
     """Per-tenant request token buckets, each updated atomically by one script (no read-modify-write race
     between gateways); one tenant over its quota costs the others nothing."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
-        self.keys = keys
+    def __init__(self, redis: aioredis.Redis, keys: Keys, unlimited_cache_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.keys, self.unlimited_cache_s, self.clock = keys, unlimited_cache_s, clock
         self._take = redis.register_script(_TAKE)
+        self._unlimited: dict[str, float] = {}   # tenant -> until when it is known to have no quota
 
     async def take(self, tenant: str) -> None:
-        """Takes one request's token, or raises ResourceExhausted with the wait as a pushback hint."""
+        """Takes one request's token, or raises ResourceExhausted with the wait as a pushback hint.
+        A tenant without a record (the admin, older keys) is remembered briefly, as verified keys are,
+        so that its requests do not pay a Redis round trip each for a quota they do not have."""
+        if self._unlimited.get(tenant, float("-inf")) > self.clock():
+            return
         answer = await self._take(keys=[self.keys.tenant(tenant), self.keys.quota(tenant)])
         wait_ms = int(answer[0])
+        if wait_ms < 0:
+            self._unlimited[tenant] = self.clock() + self.unlimited_cache_s
         if wait_ms > 0:
             rate, burst = answer[1], answer[2]
             raise ResourceExhausted(f"tenant {tenant!r} is over its rate limit of {rate} requests/s "

@@ -228,7 +228,7 @@ async def build() -> ServiceSpec:
     registry = TenantRegistry(redis, keys, rate=config.tenant_rate, burst=config.tenant_burst)
     gateway = Gateway(config, TeacherTokenizer(teacher_dir(), config.max_tokens),
                       Authenticator(redis, keys, config.auth_cache_s), catalogue,
-                      TenantModels(registry, config.auth_cache_s), Quotas(redis, keys))
+                      TenantModels(registry, config.auth_cache_s), Quotas(redis, keys, config.auth_cache_s))
 
     async def refresher() -> None:
         while True:

@@ -180,6 +180,20 @@ async def test_a_tenant_without_a_record_is_not_limited(redis):
     assert not await redis.exists(KEYS.quota("admin"))
 
 
+async def test_no_quota_is_remembered_briefly_then_read_again(redis, registry):
+    now = [0.0]
+    quotas = Quotas(redis, KEYS, unlimited_cache_s=5.0, clock=lambda: now[0])
+    await quotas.take("acme")                       # no record yet: unlimited, remembered
+    await registry.create_tenant("acme", rate=0.01, burst=1)
+    await quotas.take("acme")
+    await quotas.take("acme")                       # still within the 5 s: no Redis trip, no token taken
+    assert not await redis.exists(KEYS.quota("acme"))
+    now[0] = 6.0
+    await quotas.take("acme")                       # read again: the new quota applies
+    with pytest.raises(ResourceExhausted):
+        await quotas.take("acme")
+
+
 async def test_a_changed_quota_applies_at_once(redis, registry):
     await registry.create_tenant("acme", rate=0.5, burst=1)
     quotas = Quotas(redis, KEYS)
