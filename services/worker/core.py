@@ -221,20 +221,20 @@ class ModelRunner:
         if served is None:
             raise NotFound(f"model {model!r} is not served by this worker")
         if tenants is not None:
-            return self._run_tenants(served, output, input_ids, lengths, token_type_ids, deadline, tenants)
-        if output == OUTPUT_PROBS and served.head is None:
+            check_tenant_batch(served, output, tenants, len(lengths))
+        elif output == OUTPUT_PROBS and served.head is None:
             raise InvalidArgument(f"model {model!r} is an embedding model: it has no labels")
         students = served.students(num_students)
         if deadline is not None and self.clock() >= deadline:
             raise DeadlineExceeded("deadline passed before the batch started; not computed")
         seqs = split_lengths(input_ids, lengths)
         types = split_lengths(token_type_ids, lengths) if token_type_ids else None
+        if tenants is not None:  # tenant batches run padded: a plan's rows would mix adapters within a row
+            return self._run_tenants(served, output, seqs, types, deadline, tenants)
         if plan is not None and served.packable:  # a PLOT model runs the plan's texts padded: same answers
             return self._run_packed(served, output, seqs, types, plan, deadline, students, student_indices)
         start = time.perf_counter()
-        ids, mask, type_ids = pad_batch(seqs, types)
-        self._local.deadline = deadline
-        ids, mask, type_ids = ids.to(self.device), mask.to(self.device), type_ids.to(self.device)
+        ids, mask, type_ids = self._padded(seqs, types, deadline)
         finish = ""
         with torch.inference_mode():
             if student_indices:
@@ -253,25 +253,20 @@ class ModelRunner:
             finish=finish,
         )
 
-    def _run_tenants(self, served: ServedModel, output: str, input_ids: Sequence[int], lengths: Sequence[int],
-                     token_type_ids: Sequence[int], deadline: float | None, tenants: TenantBatch) -> BatchResult:
+    def _padded(self, seqs: list[Sequence[int]], types: list[Sequence[int]] | None,
+                deadline: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The batch padded to its longest text on the device; the layer hooks watch `deadline`."""
+        ids, mask, type_ids = (t.to(self.device) for t in pad_batch(seqs, types))
+        self._local.deadline = deadline
+        return ids, mask, type_ids
+
+    def _run_tenants(self, served: ServedModel, output: str, seqs: list[Sequence[int]],
+                     types: list[Sequence[int]] | None, deadline: float | None, tenants: TenantBatch) -> BatchResult:
         """Texts of many tenants in one padded batch (HMI §6.3): each row's adapter in the base's upper
         layers, applied as one batched matmul a projection, and each row's own head. Probabilities are
         zero-padded to the widest head; the gateway keeps its tenant's columns."""
-        if served.max_students or served.head is not None or not served.packable:
-            raise InvalidArgument(f"adapters set for {served.spec.name!r}: tenant adapters run on an embedding "
-                                  "base model (minilm)")
-        if len(tenants.weights) != len(lengths):
-            raise InvalidArgument(f"adapters has {len(tenants.weights)} entries for {len(lengths)} texts")
-        if output == OUTPUT_PROBS and any(w is None for w in tenants.weights):
-            raise InvalidArgument("output=label needs an adapter (and its head) for every text")
-        if deadline is not None and self.clock() >= deadline:
-            raise DeadlineExceeded("deadline passed before the batch started; not computed")
-        seqs = split_lengths(input_ids, lengths)
-        types = split_lengths(token_type_ids, lengths) if token_type_ids else None
         start = time.perf_counter()
-        ids, mask, type_ids = (t.to(self.device) for t in pad_batch(seqs, types))
-        self._local.deadline = deadline
+        ids, mask, type_ids = self._padded(seqs, types, deadline)
         with torch.inference_mode():
             try:
                 pooled, probs = encode_with_adapters(served.encoder, ids, mask, type_ids, tenants.weights,
@@ -310,6 +305,17 @@ class ModelRunner:
                            compute_ms=(time.perf_counter() - start) * 1e3, padded_tokens=batch.computed_tokens,
                            real_tokens=batch.real_tokens, student_count=len(student_indices) or students,
                            finish=finish)
+
+
+def check_tenant_batch(served: ServedModel, output: str, tenants: TenantBatch, texts: int) -> None:
+    """Tenant adapters run on an embedding base (the teacher), one entry a text; labels need heads."""
+    if served.max_students or served.head is not None or not served.packable:
+        raise InvalidArgument(f"adapters set for {served.spec.name!r}: tenant adapters run on an embedding "
+                              "base model (minilm)")
+    if len(tenants.weights) != texts:
+        raise InvalidArgument(f"adapters has {len(tenants.weights)} entries for {texts} texts")
+    if output == OUTPUT_PROBS and any(w is None for w in tenants.weights):
+        raise InvalidArgument("output=label needs an adapter (and its head) for every text")
 
 
 def packed_batch(seqs: list[Sequence[int]], types: list[Sequence[int]] | None, plan: PackingPlan) -> PackedBatch:
