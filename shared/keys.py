@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import secrets
 from dataclasses import dataclass
 
 
@@ -121,6 +122,11 @@ class Keys:
     def events(self) -> str:
         """Pub/sub channel: placement and catalogue changes."""
         return f"{self.prefix}:events"
+
+
+def new_api_key(tenant: str) -> str:
+    """A fresh API key (shown once; only `hash_key` of it is stored), naming its tenant for operators."""
+    return f"acd_{tenant}_" + secrets.token_urlsafe(24)
 
 
 def hash_key(key: str) -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from academus.shared.config import POLICY_NAMES, artifacts_dir, redis_url_from_env
 from academus.shared.gpu import gpu_count, mps_plan
-from academus.shared.keys import Keys
+from academus.shared.keys import Keys, new_api_key
 from academus.shared.redis_server import RedisServer, free_port
 
 SERVICES = ("resource_manager", "adapter_store", "trainer", "plot", "worker", "scheduler", "gateway")
@@ -239,7 +238,7 @@ def _wait_placed(state: MeshState, workers: int, timeout_s: float) -> None:
 def ensure_admin_key(state: MeshState) -> str:
     """The local admin key: kept in run_dir/admin.key (0600), only its hash goes to Redis."""
     path = Path(state.run_dir) / ADMIN_KEY_FILE
-    key = path.read_text().strip() if path.exists() else "acd_admin_" + secrets.token_urlsafe(24)
+    key = path.read_text().strip() if path.exists() else new_api_key("admin")
     if not path.exists():
         path.touch(mode=0o600)
         path.write_text(key)
@@ -249,7 +248,7 @@ def ensure_admin_key(state: MeshState) -> str:
 
 
 def create_key(state: MeshState, tenant: str, role: str = "tenant") -> str:
-    key = f"acd_{tenant}_" + secrets.token_urlsafe(24)
+    key = new_api_key(tenant)
     client = redis.Redis.from_url(state.redis_url, decode_responses=True)
     client.hset(Keys(state.key_prefix).api_key(key), mapping={"tenant": tenant, "role": role})
     return key

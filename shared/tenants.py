@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -19,7 +18,7 @@ import redis.asyncio as aioredis
 from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
 from academus.shared.config import GatewayConfig
 from academus.shared.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
-from academus.shared.keys import Keys
+from academus.shared.keys import Keys, new_api_key
 
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 NAME_RULE = "[A-Za-z0-9_.-]{1,64}, not only dots"
@@ -108,7 +107,7 @@ class TenantRegistry:
             raise InvalidArgument(f"tenant={tenant!r} is reserved")
         rate, burst = self.rate if rate is None else rate, self.burst if burst is None else burst
         check_quota(rate, burst)
-        key = f"acd_{tenant}_" + secrets.token_urlsafe(24)
+        key = new_api_key(tenant)
         created = await self._create(keys=[self.keys.tenant(tenant), self.keys.tenants(), self.keys.api_key(key)],
                                      args=[tenant, time.time(), rate, burst])
         if not created:
