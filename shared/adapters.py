@@ -20,6 +20,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -33,7 +34,10 @@ from academus.shared.model import HIDDEN_SIZE
 FORMAT = "academus-adapter/1"
 DEFAULT_RANK = 16
 # base name -> (teacher layers, hidden size); adapters go into the upper half by default.
-BASES: dict[str, tuple[int, int]] = {"minilm": (6, HIDDEN_SIZE)}
+# minilm-plot is HMI's hierarchical base: PLOT lookups stand in for the lower layers the adapters never
+# touch, so the same adapters (layers 4-6) train and serve on it; it needs a built table (`plot build`).
+BASES: dict[str, tuple[int, int]] = {"minilm": (6, HIDDEN_SIZE), "minilm-plot": (6, HIDDEN_SIZE)}
+PLOT_BASES = frozenset({"minilm-plot"})
 LAYER_KEYS = ("down.weight", "down.bias", "up.weight", "up.bias")
 _NAME = re.compile(r"^(?:layers\.(\d+)\.(down|up)\.(weight|bias)|head\.(weight|bias))$")
 
@@ -429,10 +433,11 @@ def remove_adapters(encoder: nn.Module) -> None:
 def encode_with_adapters(
     encoder: nn.Module, ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor | None,
     adapters: Sequence[AdapterWeights | None], batched: bool = True,
-    layer_ready: Callable[[int], None] | None = None,
+    layer_ready: Callable[[int], None] | None = None, **forward: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(pooled [B, H], probabilities [B, C_max] or None): the encoder's forward with row b's adapter
-    in its upper layers and its head on the pooled embedding (see `BatchedAdapters.probabilities`)."""
+    in its upper layers and its head on the pooled embedding (see `BatchedAdapters.probabilities`).
+    `forward` goes to the encoder's forward (a PLOT base's per-row `domains`)."""
     if len(adapters) != ids.shape[0]:
         raise ValueError(f"{len(adapters)} adapters for a batch of {ids.shape[0]} rows")
     bert = _bert(encoder)
@@ -444,5 +449,5 @@ def encode_with_adapters(
     stack = BatchedAdapters(adapters, batched=batched, device=param.device, dtype=param.dtype,
                             layer_ready=layer_ready)
     with install_adapters(encoder).active(stack):
-        pooled = encoder(ids, mask, types)
+        pooled = encoder(ids, mask, types, **forward)
     return pooled, stack.probabilities(pooled)

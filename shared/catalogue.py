@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 EMBEDDING = "embedding"
 CLASSIFICATION = "classification"
@@ -18,6 +19,9 @@ class ModelSpec:
     max_tokens: int = 256
     max_students: int = 0          # student groups: students trained (0: not a student group)
     default_students: int = 0      # student groups: the best-pruned k
+    plot: str = ""                 # PLOT models: the model whose lower layers the table holds ("": none)
+    lower_layers: int = 0          # PLOT models: K, the layers the lookups replace
+    domain: str = ""               # PLOT models: the overlay searched before the root
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -26,3 +30,13 @@ class ModelSpec:
     def from_json(cls, raw: str) -> ModelSpec:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in json.loads(raw).items() if k in known})
+
+
+def spec_to_pb(spec: ModelSpec, message: type) -> Any:
+    """The spec as the ModelSpec proto (resource_manager.proto mirrors these fields by name)."""
+    return message(**asdict(spec))
+
+
+def spec_from_pb(message: Any) -> ModelSpec:
+    return ModelSpec(**{f.name: (list(v) if f.name == "labels" else v)
+                        for f in fields(ModelSpec) for v in [getattr(message, f.name)]})

@@ -234,7 +234,10 @@ def _training_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
         p.add_argument("name", help="the tenant, and its model's name")
     else:
         p.add_argument("--name", required=True, help="the model's name (a new version if it exists)")
-    p.add_argument("--base", default="minilm", help="the served base model the adapter runs on (minilm)")
+    p.add_argument("--base", default="minilm", help="the served base model the adapter runs on: minilm, or "
+                   "minilm-plot (PLOT lookups for the lower layers; needs `academus plot build`)")
+    p.add_argument("--domain", default="", help="PLOT overlay the model's texts are looked up in first "
+                   "(a minilm-plot base only)")
     p.add_argument("--data", type=Path, required=True, help='JSONL lines {"text": ..., "label": ...}')
     p.add_argument("--rank", type=int, default=16, help="adapter bottleneck size r")
     p.add_argument("--epochs", type=int, default=8)
@@ -268,7 +271,7 @@ def cmd_tenants_create(args: argparse.Namespace) -> int:
     from academus.shared.onboarding import create_tenant_model
 
     return _with_mesh_redis(args, lambda redis, keys: create_tenant_model(
-        redis, keys, args.name, args.base, args.data, args.rank, args.epochs))
+        redis, keys, args.name, args.base, args.data, args.rank, args.epochs, domain=args.domain))
 
 
 def cmd_tenants_list(args: argparse.Namespace) -> int:
@@ -287,7 +290,7 @@ def cmd_adapters_train(args: argparse.Namespace) -> int:
     from academus.shared.onboarding import train_tenant_adapter
 
     return _with_mesh_redis(args, lambda redis, keys: train_tenant_adapter(
-        redis, keys, args.tenant, args.name, args.base, args.data, args.rank, args.epochs))
+        redis, keys, args.tenant, args.name, args.base, args.data, args.rank, args.epochs, domain=args.domain))
 
 
 def cmd_trace(args: argparse.Namespace) -> int:

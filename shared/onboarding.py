@@ -52,17 +52,18 @@ class AdapterStoreClient:
 
 
 async def create_tenant_model(redis: aioredis.Redis, keys: Keys, name: str, base: str, data: Path,
-                              rank: int = 16, epochs: int = 8, progress: bool = True) -> dict[str, Any]:
+                              rank: int = 16, epochs: int = 8, progress: bool = True,
+                              domain: str = "") -> dict[str, Any]:
     """Tenant `name` with its model `name`: trained first, then the tenant, key and model are written.
     Returns the summary with the tenant's key (shown once)."""
     check_name("name", name)
     registry = TenantRegistry(redis, keys)
     if name in await registry.tenants():
         raise InvalidArgument(f"tenant {name!r} already exists: delete it first or choose another name")
-    adapter, summary = await _train(redis, keys, base, data, rank, epochs, progress)
+    adapter, summary = await _train(redis, keys, base, data, rank, epochs, progress, domain)
     key = await registry.create_tenant(name)
     try:
-        registered = await publish_adapter(redis, keys, name, name, base, adapter)
+        registered = await publish_adapter(redis, keys, name, name, base, adapter, domain=domain)
     except BaseException:
         await registry.delete_tenant(name)
         raise
@@ -70,16 +71,17 @@ async def create_tenant_model(redis: aioredis.Redis, keys: Keys, name: str, base
 
 
 async def train_tenant_adapter(redis: aioredis.Redis, keys: Keys, tenant: str, name: str, base: str, data: Path,
-                               rank: int = 16, epochs: int = 8, progress: bool = True) -> dict[str, Any]:
+                               rank: int = 16, epochs: int = 8, progress: bool = True,
+                               domain: str = "") -> dict[str, Any]:
     """A new adapter (or a new version of it) for an existing tenant, registered as its model `name`."""
     check_name("name", name)
     await TenantRegistry(redis, keys).tenant(tenant)  # NotFound before any training
-    adapter, summary = await _train(redis, keys, base, data, rank, epochs, progress)
-    return {**await publish_adapter(redis, keys, tenant, name, base, adapter), **summary}
+    adapter, summary = await _train(redis, keys, base, data, rank, epochs, progress, domain)
+    return {**await publish_adapter(redis, keys, tenant, name, base, adapter, domain=domain), **summary}
 
 
 async def _train(redis: aioredis.Redis, keys: Keys, base: str, data: Path, rank: int, epochs: int,
-                 progress: bool) -> tuple[Any, dict[str, Any]]:
+                 progress: bool, domain: str = "") -> tuple[Any, dict[str, Any]]:
     from academus.shared.training.adapters import read_labelled_jsonl, train_adapter
 
     if not await redis.get(keys.adapter_store()):
@@ -87,8 +89,8 @@ async def _train(redis: aioredis.Redis, keys: Keys, base: str, data: Path, rank:
     try:
         texts, labels = read_labelled_jsonl(data)
         adapter, summary = await asyncio.to_thread(train_adapter, texts, labels, base, rank, epochs,
-                                                   progress=progress)
-    except (ValueError, OSError) as e:  # bad data or an unsupported base: nothing was written
+                                                   progress=progress, domain=domain)
+    except (ValueError, OSError) as e:  # bad data, an unknown base or domain, no PLOT table: nothing written
         raise InvalidArgument(str(e)) from e
     return adapter, training_summary(summary)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from academus.services.gateway.core import Authenticator, Principal
-from academus.shared.adapters import BASES
+from academus.shared.adapters import BASES, PLOT_BASES
 from academus.shared.config import GatewayConfig, uploads_path
 from academus.shared.domains import READY as DOMAIN_READY
 from academus.shared.domains import Domain, DomainRegistry, root_table
@@ -32,18 +32,13 @@ from academus.shared.tenants import FAILED, TRAINING, Quotas, TenantModel, Tenan
 from academus.shared.uploads import parse_corpus, parse_labelled_jsonl, write_upload
 
 ADMIN = "admin"
-PLOT_SUFFIX = "-plot"        # served PLOT bases (minilm-plot): adapters on PLOT lower layers are not built yet
 DEFAULT_TOP_PERCENT = 10.0
 
 
 def check_base(base: str) -> None:
-    if base in BASES:
-        return
-    if base.endswith(PLOT_SUFFIX) and base.removesuffix(PLOT_SUFFIX) in BASES:
-        raise InvalidArgument(f"base={base!r} is not supported yet: adapters on PLOT lower layers are not "
-                              f"implemented; use base {base.removesuffix(PLOT_SUFFIX)!r}")
-    raise InvalidArgument(f"base={base[:80]!r} is not a base tenant models can be trained on; "
-                          f"supported: {', '.join(sorted(BASES))}")
+    if base not in BASES:
+        raise InvalidArgument(f"base={base[:80]!r} is not a base tenant models can be trained on; "
+                              f"supported: {', '.join(sorted(BASES))}")
 
 
 class Manage:
@@ -116,6 +111,7 @@ class Manage:
         check_base(base)
         if domain:
             await self._ready_domain(domain)
+        self._check_plot(base, domain)
         labels = await self._labels(data)
         await self.registry.tenant(tenant)
         if await self.redis.hexists(self.keys.models(), name):
@@ -185,6 +181,16 @@ class Manage:
         if model is None:
             raise NotFound(f"model {name[:80]!r} not found")
         return model
+
+    def _check_plot(self, base: str, domain: str) -> None:
+        """A domain is a PLOT overlay: it needs a PLOT base, and a PLOT base needs the root table."""
+        if base not in PLOT_BASES:
+            if domain:
+                raise InvalidArgument(f"domain={domain!r} needs a PLOT base ({', '.join(sorted(PLOT_BASES))}); "
+                                      f"base {base!r} computes its lower layers")
+        elif self.table() is None:
+            raise FailedPrecondition(f"base={base!r} looks its lower layers up in a PLOT table, and none is "
+                                     "built: run `academus plot build` first")
 
     async def _ready_domain(self, name: str) -> None:
         domain = await self.domains.get(name)

@@ -75,7 +75,7 @@ def schedule_request(admitted: Admitted, request_id: str) -> scheduler_pb2.Sched
     if (tm := admitted.tenant_model) is not None:  # the base runs it; the worker applies adapter and head
         request.model = tm.base
         request.adapter.CopyFrom(tensors_pb2.AdapterRef(tenant=admitted.principal.tenant, name=tm.adapter,
-                                                        version=tm.version))
+                                                        version=tm.version, domain=tm.domain))
     return request
 
 

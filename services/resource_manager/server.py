@@ -7,7 +7,7 @@ import asyncio
 from academus.services.resource_manager.allocation import ProfilePoint, choose_profile
 from academus.services.resource_manager.core import GroupPlanner, PlacementTable, WorkerInfo
 from academus.shared import config as cfg
-from academus.shared.catalogue import ModelSpec
+from academus.shared.catalogue import spec_from_pb
 from academus.shared.gpu import start_mps
 from academus.shared.keys import Keys
 from academus.shared.logs import log_event
@@ -23,8 +23,7 @@ class ResourceManagerServicer(resource_manager_pb2_grpc.ResourceManagerServicer)
         self.planner = planner
 
     async def RegisterWorker(self, request, context):
-        specs = [ModelSpec(m.name, m.kind, list(m.labels), m.dim, m.max_tokens, m.max_students, m.default_students)
-                 for m in request.models]
+        specs = [spec_from_pb(m) for m in request.models]
         capacity = request.capacity or 1
         if request.profile:
             capacity = await self.choose(request.profile, request.capacity)

@@ -88,6 +88,7 @@ class Job:
     max_length: int = 0            # the longest text, in tokens (the length-aware buffer's bin)
     lengths: tuple[int, ...] = ()  # each text's tokens (concat places texts; empty: one text of num_tokens)
     plan: BatchPlan | None = None  # set by the concat policy: where this batch's texts sit (ConcatBatching)
+    prefetch: asyncio.Task | None = field(repr=False, default=None)  # work done while it waits (PLOT states)
 
 
 class WorkerLost(Exception):
@@ -112,8 +113,10 @@ class DispatchStats:
 
 class Dispatcher:
     def __init__(self, policy: DispatchPolicy, send: Send, queue_capacity: int,
-                 retry_pushback_ms: int = 50, clock: Callable[[], float] = time.monotonic) -> None:
+                 retry_pushback_ms: int = 50, clock: Callable[[], float] = time.monotonic,
+                 on_wait: Callable[[Job], None] | None = None) -> None:
         self.policy = policy
+        self.on_wait = on_wait  # called for a job that found no free group: prefetch for it meanwhile
         self.send = send
         self.queue_capacity = queue_capacity
         self.retry_pushback_ms = retry_pushback_ms
@@ -185,6 +188,8 @@ class Dispatcher:
         job.future = asyncio.get_running_loop().create_future()
         self.policy.push(job, self.clock())
         self._drain()
+        if not job.attempts and self.on_wait is not None:  # it waits: a group is busy or a batch fills
+            self.on_wait(job)
         return await job.future
 
     def _check_deadline(self, job: Job) -> None:
@@ -297,6 +302,9 @@ class Dispatcher:
             self.policy.push(job, self.clock(), front=True)
 
     def _settle(self, job: Job, result: Any = None, exc: BaseException | None = None) -> None:
+        if job.prefetch is not None:  # answered before its prefetch was used (dropped, failed)
+            job.prefetch.cancel()
+            job.prefetch = None
         if job.future.done():
             return
         if exc is not None:

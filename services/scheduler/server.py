@@ -13,15 +13,18 @@ import numpy as np
 from prometheus_client import Gauge
 
 from academus.services.scheduler.core import Dispatcher, Group, GroupTable, Job, Member, WorkerLost, WorkerRef
+from academus.services.scheduler.plot_prefetch import PlotPrefetcher
 from academus.services.scheduler.policies import BatchPlan, ConcatSettings, LatencyModel, StudentPolicy, make_policy
 from academus.shared import config as cfg
+from academus.shared.catalogue import ModelSpec
 from academus.shared.errors import DeadlineExceeded, ServingError, abort_with, from_rpc_error
 from academus.shared.keys import Keys
 from academus.shared.logs import log_event
+from academus.shared.plot.registry import live_plot_services
 from academus.shared.redis_conn import connect
 from academus.shared.serving import ServiceSpec, Stubs, run
 from academus.shared.tracing import annotate
-from academus.v1 import inference_pb2, scheduler_pb2_grpc, tensors_pb2, worker_pb2, worker_pb2_grpc
+from academus.v1 import inference_pb2, plot_pb2_grpc, scheduler_pb2_grpc, tensors_pb2, worker_pb2, worker_pb2_grpc
 
 QUEUE_DEPTH = Gauge("academus_scheduler_queue_depth", "Jobs waiting for a worker")
 BUFFER_DEPTH = Gauge("academus_scheduler_buffer_depth", "Waiting dispatch units (length-aware buffer elements)")
@@ -34,14 +37,17 @@ class GroupSender:
     call per member in parallel, then the combiner adds the partial outputs (Σ α_m·S_m through the
     linear head) and applies the final softmax or normalisation."""
 
-    def __init__(self, stubs: Stubs, clock, workers: dict[str, WorkerRef]) -> None:
-        self.stubs, self.clock, self.workers = stubs, clock, workers
+    def __init__(self, stubs: Stubs, clock, workers: dict[str, WorkerRef],
+                 prefetcher: PlotPrefetcher | None = None) -> None:
+        self.stubs, self.clock, self.workers, self.prefetcher = stubs, clock, workers, prefetcher
 
     async def __call__(self, group: Group, batch: Sequence[Job]) -> list:
         remaining = max(j.deadline for j in batch) - self.clock()
         if remaining <= 0:
             raise DeadlineExceeded("deadline passed before dispatch; not computed")
         request = build_request(batch)
+        if self.prefetcher is not None:
+            self.prefetcher.attach(request, batch)
         if len(group.members) == 1 and not group.members[0].students:
             output = await self._call(group.members[0].worker_id, request, remaining)
         else:
@@ -192,8 +198,9 @@ class PlacementWatcher:
     """Keeps the dispatcher's workers and student groups equal to the live placements in Redis."""
 
     def __init__(self, redis, keys: Keys, dispatcher: Dispatcher, refresh_s: float,
-                 models: frozenset[str] = frozenset()) -> None:
+                 models: frozenset[str] = frozenset(), prefetcher: PlotPrefetcher | None = None) -> None:
         self.redis, self.keys, self.dispatcher, self.refresh_s = redis, keys, dispatcher, refresh_s
+        self.prefetcher = prefetcher
         self.models = models  # this deployment's models (empty: all)
         self.changed = asyncio.Event()
         self.student_numbers: dict[str, int] = {}
@@ -216,6 +223,15 @@ class PlacementWatcher:
         self.dispatcher.update_workers({w: (a, frozenset(m), c) for w, (a, m, c) in live.items()}, tables)
         await self.refresh_student_numbers(models)
         await self.refresh_profile(models)
+        if self.prefetcher is not None:
+            await self.refresh_plot(models)
+
+    async def refresh_plot(self, models: list[str]) -> None:
+        """The PLOT models among `models` (their catalogue specs) and the plot services that can serve them."""
+        raw = await self.redis.hmget(self.keys.models(), models) if models else []
+        specs = {m: ModelSpec.from_json(v) for m, v in zip(models, raw, strict=True) if v}
+        plot = any(spec.plot for spec in specs.values())
+        self.prefetcher.update(specs, await live_plot_services(self.redis, self.keys) if plot else [])
 
     async def read_tables(self, models: list[str]) -> dict[str, GroupTable]:
         """The resource manager's student groups (eq. 6) for the student models among `models`."""
@@ -281,11 +297,13 @@ async def build() -> ServiceSpec:
                                                config.concat_oversize),
                          latency=LatencyModel(config.batch_overhead_ms / 1e3, config.token_us / 1e6))
     workers: dict[str, WorkerRef] = {}
-    dispatcher = Dispatcher(policy, GroupSender(worker_stubs, clock, workers),
-                            config.queue_capacity, config.retry_pushback_ms, clock)
+    prefetcher = PlotPrefetcher(Stubs(plot_pb2_grpc.PlotStub), clock) if config.plot_prefetch else None
+    dispatcher = Dispatcher(policy, GroupSender(worker_stubs, clock, workers, prefetcher),
+                            config.queue_capacity, config.retry_pushback_ms, clock,
+                            on_wait=prefetcher.on_wait if prefetcher is not None else None)
     dispatcher.workers = workers  # the sender resolves member addresses from the same live table
     models = frozenset(m for m in config.models.split(",") if m)
-    watcher = PlacementWatcher(redis, keys, dispatcher, config.refresh_s, models)
+    watcher = PlacementWatcher(redis, keys, dispatcher, config.refresh_s, models, prefetcher)
     state = {"id": config.scheduler_id, "address": ""}
     ttl = max(1, round(config.heartbeat_ttl_s))
 
@@ -310,6 +328,8 @@ async def build() -> ServiceSpec:
             policy.buffer.max_merge = watcher.max_merge
         load = dispatcher.load() | policy.stats() | {"merged": getattr(policy, "merged", 0), "policy": config.policy,
                                                      "models": json.dumps(dispatcher.model_load())}
+        if prefetcher is not None:
+            load |= prefetcher.stats
         pipe = redis.pipeline(transaction=True)
         pipe.hset(keys.load(state["id"]), mapping=load)
         pipe.expire(keys.load(state["id"]), ttl)

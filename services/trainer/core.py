@@ -124,7 +124,7 @@ class AdapterJobs:
         progress(0.05)
         adapter, summary = await asyncio.to_thread(
             train_adapter, texts, labels, params["base"], self.config.adapter_rank, self.config.adapter_epochs,
-            encoder=encoder, device=self.config.device, progress=False,
+            encoder=encoder, device=self.config.device, progress=False, domain=params.get("domain", ""),
             on_step=lambda done, total: progress(0.05 + 0.9 * done / total))
         model = await self._current(job)
         published = await publish_adapter(self.redis, self.keys, job.tenant, params["model"], params["base"],

@@ -69,6 +69,10 @@ class TenantBatch:
     entries: list[CachedAdapter]
     deadline: float | None = None
     batched: bool = True          # False: each tenant's adapter applied separately (the ablation)
+    domains: tuple[str, ...] = ()  # each row's PLOT overlay (a PLOT base); empty: the root for all
+
+    def row_domains(self, rows: int) -> list[str]:
+        return list(self.domains) if self.domains else [""] * rows
 
     def layer_ready(self, i: int) -> None:
         for entry in self.entries:

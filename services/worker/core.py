@@ -25,6 +25,8 @@ from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
 from academus.shared.errors import DeadlineExceeded, InvalidArgument, NotFound
 from academus.shared.model import HIDDEN_SIZE, ClassifierHead, TeacherEncoder, pad_batch
 from academus.shared.packing import Attention, PackedBatch, PackingPlan, encode_packed, pack
+from academus.shared.plot.hierarchical import PlotStates
+from academus.shared.plot.table import PlotError
 
 OUTPUT_EMBEDDING = "embedding"
 OUTPUT_PROBS = "probs"
@@ -91,13 +93,14 @@ class ServedModel:
                                   f"{self.spec.name!r}")
         return wanted or self.default_students
 
-    def pool(self, ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor, students: int) -> torch.Tensor:
+    def pool(self, ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor, students: int,
+             plot_states: PlotStates | None = None) -> torch.Tensor:
         if self.max_students:
             return self.encoder(ids, mask, types, num_students=students)
         if not self.packable:
             try:
-                return self.encoder(ids, mask, types)
-            except ValueError as e:  # PLOT: input the table cannot represent
+                return self.encoder(ids, mask, types, states=plot_states)
+            except (ValueError, PlotError) as e:  # PLOT: input the table cannot represent, states of another
                 raise InvalidArgument(str(e)) from e
         return self.encoder(ids, mask, types)
 
@@ -188,9 +191,10 @@ class ModelRunner:
 
             head = load_head_at(self.artifacts / entry["head"]).to(self.device).eval()
         teacher = self.teacher()
-        encoder = PlotEncoder(HierarchicalEncoder(self._plot_stores[table], teacher), teacher,
-                              entry.get("domain", ""))
-        spec = ModelSpec(name, entry["kind"], list(head.labels) if head else [], HIDDEN_SIZE)
+        store = self._plot_stores[table]
+        encoder = PlotEncoder(HierarchicalEncoder(store, teacher), teacher, entry.get("domain", ""))
+        spec = ModelSpec(name, entry["kind"], list(head.labels) if head else [], HIDDEN_SIZE, plot=store.model,
+                         lower_layers=store.lower_layers, domain=entry.get("domain", ""))
         return ServedModel(spec, encoder, head, packable=False)
 
     def _watch_deadline(self, encoder: nn.Module) -> None:
@@ -213,13 +217,16 @@ class ModelRunner:
     def run(self, model: str, output: str, input_ids: Sequence[int], lengths: Sequence[int],
             token_type_ids: Sequence[int] = (), deadline: float | None = None, num_students: int = 0,
             student_indices: Sequence[int] = (), plan: PackingPlan | None = None,
-            tenants: TenantBatch | None = None) -> BatchResult:
+            tenants: TenantBatch | None = None, plot_states: PlotStates | None = None) -> BatchResult:
         """Runs one batch; refuses to start when `deadline` (clock time) has passed. With
         `student_indices`, runs only those students of a group and returns their additive share. With
-        `plan` (one entry a text), runs it packed (ConcatBatching) instead of padded."""
+        `plan` (one entry a text), runs it packed (ConcatBatching) instead of padded. A PLOT model given
+        `plot_states` (prefetched by the scheduler) runs only its upper layers on them."""
         served = self.models.get(model)
         if served is None:
             raise NotFound(f"model {model!r} is not served by this worker")
+        if plot_states is not None and served.packable:
+            raise InvalidArgument(f"plot_states set for {model!r}, which computes its lower layers (no PLOT)")
         if tenants is not None:
             check_tenant_batch(served, output, tenants, len(lengths))
         elif output == OUTPUT_PROBS and served.head is None:
@@ -230,7 +237,7 @@ class ModelRunner:
         seqs = split_lengths(input_ids, lengths)
         types = split_lengths(token_type_ids, lengths) if token_type_ids else None
         if tenants is not None:  # tenant batches run padded: a plan's rows would mix adapters within a row
-            return self._run_tenants(served, output, seqs, types, deadline, tenants)
+            return self._run_tenants(served, output, seqs, types, deadline, tenants, plot_states)
         if plan is not None and served.packable:  # a PLOT model runs the plan's texts padded: same answers
             return self._run_packed(served, output, seqs, types, plan, deadline, students, student_indices)
         start = time.perf_counter()
@@ -240,7 +247,7 @@ class ModelRunner:
             if student_indices:
                 values, finish = served.member_share(ids, mask, type_ids, student_indices, output == OUTPUT_PROBS)
             else:
-                pooled = served.pool(ids, mask, type_ids, students)
+                pooled = served.pool(ids, mask, type_ids, students, plot_states)
                 values = torch.softmax(served.head(pooled), dim=-1) if output == OUTPUT_PROBS else pooled
             values_np = values.float().cpu().numpy()
         return BatchResult(
@@ -261,17 +268,20 @@ class ModelRunner:
         return ids, mask, type_ids
 
     def _run_tenants(self, served: ServedModel, output: str, seqs: list[Sequence[int]],
-                     types: list[Sequence[int]] | None, deadline: float | None, tenants: TenantBatch) -> BatchResult:
+                     types: list[Sequence[int]] | None, deadline: float | None, tenants: TenantBatch,
+                     plot_states: PlotStates | None = None) -> BatchResult:
         """Texts of many tenants in one padded batch (HMI §6.3): each row's adapter in the base's upper
         layers, applied as one batched matmul a projection, and each row's own head. Probabilities are
         zero-padded to the widest head; the gateway keeps its tenant's columns."""
         start = time.perf_counter()
         ids, mask, type_ids = self._padded(seqs, types, deadline)
         with torch.inference_mode():
+            # A PLOT base looks each row up in its tenant model's domain overlay (HMI §5.1).
+            forward = {} if served.packable else {"domains": tenants.row_domains(len(seqs)), "states": plot_states}
             try:
                 pooled, probs = encode_with_adapters(served.encoder, ids, mask, type_ids, tenants.weights,
-                                                     tenants.batched, tenants.layer_ready)
-            except ValueError as e:  # an adapter for another base
+                                                     tenants.batched, tenants.layer_ready, **forward)
+            except (ValueError, PlotError) as e:  # an adapter for another base, an unknown domain
                 raise InvalidArgument(str(e)) from e
             values = (probs if output == OUTPUT_PROBS else pooled).float().cpu().numpy()
         return BatchResult(values=values, labels=[], compute_ms=(time.perf_counter() - start) * 1e3,
@@ -308,10 +318,11 @@ class ModelRunner:
 
 
 def check_tenant_batch(served: ServedModel, output: str, tenants: TenantBatch, texts: int) -> None:
-    """Tenant adapters run on an embedding base (the teacher), one entry a text; labels need heads."""
-    if served.max_students or served.head is not None or not served.packable:
+    """Tenant adapters run on an embedding base (the teacher, or its PLOT hierarchical model), one entry
+    a text; labels need heads."""
+    if served.max_students or served.head is not None:
         raise InvalidArgument(f"adapters set for {served.spec.name!r}: tenant adapters run on an embedding "
-                              "base model (minilm)")
+                              "base model (minilm, minilm-plot)")
     if len(tenants.weights) != texts:
         raise InvalidArgument(f"adapters has {len(tenants.weights)} entries for {texts} texts")
     if output == OUTPUT_PROBS and any(w is None for w in tenants.weights):

@@ -8,6 +8,7 @@ import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -26,10 +27,13 @@ from academus.services.worker.core import (
 )
 from academus.services.worker.profiling import profile_model
 from academus.shared import config as cfg
+from academus.shared.catalogue import spec_to_pb
 from academus.shared.errors import DeadlineExceeded, InvalidArgument, ServingError, abort_with
 from academus.shared.keys import Keys
 from academus.shared.logs import log_event
 from academus.shared.packing import PackingPlan
+from academus.shared.plot.hierarchical import PlotStates
+from academus.shared.plot.wire import lookup_from_pb
 from academus.shared.redis_conn import connect
 from academus.shared.serving import ServiceSpec, Stubs, run
 from academus.shared.tracing import annotate
@@ -76,7 +80,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             result = await asyncio.get_running_loop().run_in_executor(
                 self.executor, self._run, request.model, output, tokens.input_ids, tokens.lengths,
                 tokens.token_type_ids, deadline, request.num_students, list(request.student_indices),
-                plan_from_proto(request), tenants,
+                plan_from_proto(request), tenants, plot_states_from_proto(request),
             )
         except ServingError as e:
             await abort_with(context, e)
@@ -91,6 +95,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 batch_size=rows, student_count=result.student_count, worker_id=self.worker_id,
                 compute_ms=result.compute_ms, worker_ms=(time.perf_counter() - entered) * 1e3,
                 padded_tokens=result.padded_tokens, real_tokens=result.real_tokens,
+                plot_prefetched=request.HasField("plot_states"),
             ),
             finish=FINISHES[result.finish],
         )
@@ -103,7 +108,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if self.adapters is None:
             raise InvalidArgument("adapters set, but this worker serves no tenant adapters")
         keys = [(a.tenant, a.name, a.version) if a.tenant else None for a in request.adapters]
-        return await self.adapters.acquire(keys, deadline)
+        batch = await self.adapters.acquire(keys, deadline)
+        return replace(batch, domains=tuple(a.domain for a in request.adapters))
 
     def _run(self, model: str, *args):
         """On the compute thread, so batches stopped after their caller left are counted too."""
@@ -114,6 +120,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise
         BATCHES.labels(model).inc()
         return result
+
+
+def plot_states_from_proto(request: worker_pb2.RunRequest) -> PlotStates | None:
+    """The layer-K states the scheduler prefetched (HMI §6.1); None: the worker looks them up itself."""
+    if not request.HasField("plot_states"):
+        return None
+    plot = request.plot_states
+    if list(plot.lengths) != list(request.tokens.lengths):
+        raise InvalidArgument(f"plot_states.lengths {list(plot.lengths)[:8]} do not match tokens.lengths "
+                              f"{list(request.tokens.lengths)[:8]}")
+    try:
+        lookup = lookup_from_pb(plot)
+    except ValueError as e:  # another dtype, or bytes that are not lengths x hidden
+        raise InvalidArgument(f"plot_states: {e}") from e
+    return PlotStates(lookup.states, lookup.lengths, plot.model, plot.lower_layers)
 
 
 def plan_from_proto(request: worker_pb2.RunRequest) -> PackingPlan | None:
@@ -154,10 +175,7 @@ class Registration:
     async def register(self, address: str) -> None:
         self.address = address
         stub = await self._rm_stub()
-        models = [resource_manager_pb2.ModelSpec(name=s.name, kind=s.kind, labels=s.labels, dim=s.dim,
-                                                 max_tokens=s.max_tokens, max_students=s.max_students,
-                                                 default_students=s.default_students)
-                  for s in self.runner.specs.values()]
+        models = [spec_to_pb(s, resource_manager_pb2.ModelSpec) for s in self.runner.specs.values()]
         if self.config.profile and not self.profile:
             self.profile = await asyncio.get_running_loop().run_in_executor(None, self._profile)
         reply = await stub.RegisterWorker(resource_manager_pb2.RegisterWorkerRequest(

@@ -64,6 +64,7 @@ class Metadata:
     worker_ms: float
     compute_ms: float
     attempts: int
+    plot_prefetched: bool = False   # PLOT models: the scheduler looked the texts up while they waited
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ def from_response(response: pb.InferResponse) -> InferResult:
                                 embedding=list(p.embedding), num_tokens=p.num_tokens, truncated=p.truncated)
                      for p in response.predictions],
         metadata=Metadata(m.policy, m.batch_size, m.student_count, m.worker_id, m.gateway_ms, m.tokenize_ms,
-                          m.scheduler_ms, m.queue_ms, m.worker_ms, m.compute_ms, m.attempts),
+                          m.scheduler_ms, m.queue_ms, m.worker_ms, m.compute_ms, m.attempts, m.plot_prefetched),
     )
 
 

@@ -9,6 +9,7 @@ as the module a worker serves: padded (ids, mask, types) in, pooled embeddings o
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -16,8 +17,28 @@ from torch import nn
 
 from academus.shared.model import TeacherEncoder, mean_pool
 from academus.shared.plot.layers import SplitBert
-from academus.shared.plot.store import PlotStore
-from academus.shared.plot.table import TableError
+from academus.shared.plot.store import DOMAINS_DIR, PlotStore
+from academus.shared.plot.table import TableError, load_version
+
+
+@dataclass(frozen=True)
+class PlotStates:
+    """Layer-K states looked up elsewhere (the scheduler's prefetch from a plot service, HMI §6.1),
+    the texts' tokens back to back, with the table they came from."""
+
+    states: np.ndarray             # (sum(lengths), hidden) float32
+    lengths: np.ndarray
+    model: str
+    lower_layers: int
+
+    def check(self, store: PlotStore) -> None:
+        """Refuses states of another table, or that do not fit the lengths (ValueError)."""
+        if (self.model, self.lower_layers) != (store.model, store.lower_layers):
+            raise ValueError(f"plot_states come from a {self.model!r} K={self.lower_layers} table; this model "
+                             f"serves {store.model!r} K={store.lower_layers}")
+        if self.states.shape != (int(np.sum(self.lengths)), store.hidden):
+            raise ValueError(f"plot_states has shape {self.states.shape}; the texts need "
+                             f"({int(np.sum(self.lengths))}, {store.hidden})")
 
 
 class HierarchicalEncoder:
@@ -49,12 +70,49 @@ class HierarchicalEncoder:
         with torch.inference_mode():
             return self.head(self.pool(input_ids, domain))
 
+    def padded_states(self, input_ids: Sequence[Sequence[int]], domains: Sequence[str]
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, longest, hidden) layer-K states and the mask, row b looked up in overlay domains[b]."""
+        return padded_lookup(self.store, input_ids, domains, self.device)
+
     @torch.inference_mode()
     def pool_states(self, states: np.ndarray, lengths: np.ndarray) -> torch.Tensor:
         """Layer-K states of sequences back to back -> pooled, L2-normalised embeddings."""
-        hidden, mask = pad_states(states, lengths, self.device)
+        return self.pool_padded(*pad_states(states, lengths, self.device))
+
+    @torch.inference_mode()
+    def pool_padded(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Padded layer-K states -> the upper layers -> pooled, L2-normalised embeddings."""
         upper = self.split.run_upper(hidden, mask)
         return nn.functional.normalize(mean_pool(upper, mask), p=2, dim=1)
+
+
+def padded_lookup(store: PlotStore, input_ids: Sequence[Sequence[int]], domains: Sequence[str],
+                  device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded layer-K states of token id lists, each row looked up in its own overlay (tenants of many
+    domains share a batch): one vectorised lookup per distinct domain, scattered back in row order."""
+    if len(domains) != len(input_ids):
+        raise ValueError(f"{len(domains)} domains for {len(input_ids)} sequences")
+    lengths = np.fromiter((len(s) for s in input_ids), dtype=np.int64, count=len(input_ids))
+    states = np.empty((int(lengths.sum()), store.hidden), dtype=np.float32)
+    starts = np.cumsum(lengths) - lengths
+    for domain in dict.fromkeys(domains):
+        load_domain(store, domain)
+        rows = [i for i, d in enumerate(domains) if d == domain]
+        flat = np.concatenate([np.asarray(input_ids[i], dtype=np.int64) for i in rows])
+        where = np.concatenate([np.arange(starts[i], starts[i] + lengths[i]) for i in rows])
+        states[where] = store.lookup(flat, lengths[rows], domain).states
+    return pad_states(states, lengths, device)
+
+
+def load_domain(store: PlotStore, domain: str) -> None:
+    """Loads an overlay built after the store was opened (a Manage API domain job), so its tenants'
+    models serve without a restart; a name with no overlay on disk is left to the lookup to refuse."""
+    if not domain or domain in store.domains:
+        return
+    directory = store.root.path.parent / DOMAINS_DIR / domain
+    if (directory / "manifest.json").is_file():
+        store.add_domain(domain, load_version(directory, model=store.model, lower_layers=store.lower_layers))
 
 
 def pad_states(states: np.ndarray, lengths: np.ndarray, device: torch.device | str = "cpu"
@@ -86,11 +144,17 @@ class PlotEncoder(nn.Module):
         self.domain = domain
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+                token_type_ids: torch.Tensor | None = None, domains: Sequence[str] | None = None,
+                states: PlotStates | None = None) -> torch.Tensor:
+        """Pooled embeddings; `domains` (one a row) overrides the entry's overlay: tenant models on
+        this base bring their own domain. `states` were looked up already: only the upper layers run."""
         if token_type_ids is not None and bool(token_type_ids.any()):
             raise ValueError("token_type_ids: a PLOT model takes single texts (its table holds segment-0 states)")
+        if states is not None:
+            states.check(self.hierarchical.store)
+            return self.hierarchical.pool_states(states.states, states.lengths)
         mask = attention_mask.bool().cpu()
-        lengths = mask.sum(1).numpy()
-        flat = input_ids.cpu()[mask].numpy()   # row-major: each sequence's real tokens, back to back
-        lookup = self.hierarchical.store.lookup(flat, lengths, self.domain)
-        return self.hierarchical.pool_states(lookup.states, lookup.lengths)
+        ids = input_ids.cpu()
+        seqs = [ids[b][mask[b]].numpy() for b in range(len(ids))]
+        hidden, padded_mask = self.hierarchical.padded_states(seqs, domains or [self.domain] * len(seqs))
+        return self.hierarchical.pool_padded(hidden, padded_mask)

@@ -61,6 +61,18 @@ def register_embedding(artifacts: Path, table: Path) -> str | None:
     return EMBEDDING_MODEL
 
 
+def open_plot_base(artifacts: Path, base: str) -> PlotStore:
+    """The table a served PLOT base (minilm-plot) looks up, as its catalogue entry names it, with every
+    overlay built so far: tenant adapters train on exactly what the workers serve."""
+    path = Path(artifacts) / "models.json"
+    entry = (json.loads(path.read_text()) if path.is_file() else {}).get(base)
+    if not entry or "plot" not in entry:
+        raise PlotError(f"base {base!r} is not in the catalogue {path}: build its PLOT table first "
+                        "(academus plot build)")
+    return PlotStore.open(Path(artifacts) / entry["plot"], model=entry.get("base", "minilm"),
+                          lower_layers=entry.get("lower_layers"), verify=False)
+
+
 # --- <task>-plot: the head on the hierarchical model --------------------------------------------
 
 def pool_texts(encoder: HierarchicalEncoder, tokenizer: TeacherTokenizer, texts: list[str], domain: str,

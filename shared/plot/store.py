@@ -98,6 +98,11 @@ class PlotStore:
     def model(self) -> str:
         return self.root.manifest.model
 
+    def add_domain(self, name: str, overlay: PlotVersion) -> None:
+        """An overlay built after the store was opened, checked as those opened with it are."""
+        self._check_overlay(name, overlay)
+        self.domains[name] = overlay
+
     def _check_overlay(self, name: str, overlay: PlotVersion) -> None:
         root, m = self.root.manifest, overlay.manifest
         check_compatible(m, f"overlay {name!r}", root.model, root.lower_layers)

@@ -24,6 +24,7 @@ from transformers.masking_utils import create_bidirectional_mask
 
 from academus.shared.adapters import (
     DEFAULT_RANK,
+    PLOT_BASES,
     AdapterWeights,
     BatchedAdapters,
     check_base,
@@ -34,8 +35,6 @@ from academus.shared.model import TeacherEncoder, mean_pool, pad_batch, teacher_
 from academus.shared.tokenization import TeacherTokenizer
 from academus.shared.training.prepare import MAX_TOKENS, classification_metrics, length_batches
 from academus.shared.uploads import parse_labelled_jsonl
-
-UNSUPPORTED_BASES = {"minilm-plot": "adapters on PLOT lower layers are not supported yet; train on base 'minilm'"}
 
 
 def read_labelled_jsonl(path: Path | str) -> tuple[list[str], list[str]]:
@@ -66,6 +65,47 @@ def lower_states(bert: nn.Module, encoded: Sequence[Any], num_lower: int, batch_
         for row, i in enumerate(batch):
             out[i] = hidden[row, : len(encoded[i].input_ids)].cpu()
     return out
+
+
+@torch.no_grad()
+def plot_lower_states(store: Any, bert: nn.Module, encoded: Sequence[Any], num_lower: int, domain: str = "",
+                      batch_size: int = 64, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """`lower_states` on a PLOT base (HMI §5.2): the table's layer-K states (domain overlay first), then
+    the frozen layers K+1..num_lower when the adapters start above K. The serving path looks up the same."""
+    from academus.shared.plot.hierarchical import padded_lookup
+
+    k = store.lower_layers
+    if k > num_lower:
+        raise ValueError(f"the PLOT table replaces layers 1..{k}, but the adapters start at layer {num_lower + 1}")
+    out: list[torch.Tensor] = [torch.empty(0)] * len(encoded)
+    for batch in length_batches([len(e.input_ids) for e in encoded], batch_size, MAX_TOKENS):
+        hidden, mask = padded_lookup(store, [encoded[i].input_ids for i in batch], [domain] * len(batch), device)
+        extended = _mask(bert, hidden, mask)
+        for layer in bert.encoder.layer[k:num_lower]:
+            hidden = layer(hidden, extended)
+        for row, i in enumerate(batch):
+            out[i] = hidden[row, : len(encoded[i].input_ids)].cpu()
+    return out
+
+
+def base_lower_states(bert: nn.Module, encoded: Sequence[Any], base: str, num_lower: int, domain: str = "",
+                      plot_store: Any = None, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """What the base feeds the first adapted layer: computed lower layers, or PLOT lookups on a PLOT
+    base (its catalogue table unless `plot_store` is given). A domain needs a PLOT base."""
+    if base not in PLOT_BASES:
+        if domain:
+            raise ValueError(f"domain {domain!r}: domains are PLOT overlays; base {base!r} has no PLOT "
+                             f"(choose {', '.join(sorted(PLOT_BASES))})")
+        return lower_states(bert, encoded, num_lower, device=device)
+    from academus.shared.config import artifacts_dir
+    from academus.shared.plot.models import open_plot_base
+    from academus.shared.plot.table import PlotError
+
+    try:
+        store = plot_store or open_plot_base(artifacts_dir(), base)
+        return plot_lower_states(store, bert, encoded, num_lower, domain, device=device)
+    except PlotError as e:  # no table, an unknown domain, a text the table cannot represent
+        raise ValueError(str(e)) from e
 
 
 def upper_pooled(bert: nn.Module, states: Sequence[torch.Tensor], num_lower: int,
@@ -140,7 +180,7 @@ def train_adapter(
     lr: float = 2e-3, head_lr: float = 2e-2, weight_decay: float = 0.01, batch_size: int = 32,
     validation_fraction: float = 0.1, seed: int = 0, encoder: TeacherEncoder | None = None,
     tokenizer: TeacherTokenizer | None = None, device: str | torch.device = "cpu", progress: bool = True,
-    on_step: Callable[[int, int], None] | None = None,
+    on_step: Callable[[int, int], None] | None = None, domain: str = "", plot_store: Any = None,
 ) -> tuple[AdapterWeights, dict[str, Any]]:
     """Trains a tenant adapter + head on (texts, labels) with the backbone frozen.
 
@@ -148,10 +188,9 @@ def train_adapter(
     macro F1 before (random head) and after training, the per-epoch history and the seconds spent.
     `label_names` fixes the label order (default: sorted). A shared `encoder` may be passed; its
     weights are not changed and its requires_grad flags are restored. `on_step(done, total)` is called after
-    each optimizer step (a job's progress; raising from it stops training)."""
+    each optimizer step (a job's progress; raising from it stops training). On a PLOT base the texts
+    are looked up in the table (its `domain` overlay first) instead of running the lower layers."""
     started = time.perf_counter()
-    if base in UNSUPPORTED_BASES:
-        raise ValueError(f"base {base!r}: {UNSUPPORTED_BASES[base]}")
     num_layers, _ = check_base(base)
     names = list(label_names) if label_names is not None else sorted(set(labels))
     _check_examples(texts, labels, names)
@@ -165,13 +204,14 @@ def train_adapter(
     loaded = time.perf_counter()
 
     # Layers below the first adapter are frozen and see no adapter: their outputs are fixed, so computed once.
-    states = lower_states(bert, tokenizer.encode(list(texts), truncate=True), num_lower, device=device)
+    states = base_lower_states(bert, tokenizer.encode(list(texts), truncate=True), base, num_lower, domain,
+                               plot_store, device)
     cached = time.perf_counter()
     gold = torch.tensor([names.index(label) for label in labels])
     train, val = _split(len(texts), validation_fraction, seed)
-    summary: dict[str, Any] = {"base": base, "rank": rank, "layers": list(adapter.layer_ids), "labels": names,
-                               "counts": {"train": len(train), "validation": len(val)}, "epochs": epochs,
-                               "parameters": sum(t.numel() for t in adapter.tensors())}
+    summary: dict[str, Any] = {"base": base, "domain": domain, "rank": rank, "layers": list(adapter.layer_ids),
+                               "labels": names, "counts": {"train": len(train), "validation": len(val)},
+                               "epochs": epochs, "parameters": sum(t.numel() for t in adapter.tensors())}
     trained = _fit(bert, adapter, states, gold, train, val, num_lower, summary,
                    dict(lr=lr, head_lr=head_lr, weight_decay=weight_decay, batch_size=batch_size, seed=seed,
                         epochs=epochs, device=device, progress=progress, on_step=on_step))
@@ -272,8 +312,8 @@ def train_many_adapters(
     bert = encoder.bert
     used = sorted({i for subset in subsets for i in subset})
     tokenizer = TeacherTokenizer(teacher_dir(), max_tokens=MAX_TOKENS)
-    cached = lower_states(bert, tokenizer.encode([texts[i] for i in used], truncate=True),
-                          min(upper_layers(check_base(base)[0])))
+    cached = base_lower_states(bert, tokenizer.encode([texts[i] for i in used], truncate=True), base,
+                               min(upper_layers(check_base(base)[0])))
     states = dict(zip(used, cached, strict=True))
     gold = {i: names.index(labels[i]) for i in used}
     if start is not None and list(start.labels) != names:

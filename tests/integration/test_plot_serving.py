@@ -4,8 +4,10 @@ table the real teacher builds, registered by the real commands, served through g
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -18,7 +20,7 @@ from academus.shared.model import TeacherEncoder, teacher_dir
 from academus.shared.packing import PackingPlan
 from academus.shared.plot import PlotStore
 from academus.shared.plot.build import BuildOptions, build
-from academus.shared.plot.hierarchical import HierarchicalEncoder
+from academus.shared.plot.hierarchical import HierarchicalEncoder, PlotStates
 from academus.shared.plot.layers import SplitBert
 from academus.shared.plot.models import register_embedding, train_plot_head
 from academus.shared.tokenization import TeacherTokenizer
@@ -141,3 +143,72 @@ async def test_minilm_plot_through_gateway_scheduler_worker(artifacts, encoder, 
     for p, row in zip(labelled.predictions, probs, strict=True):
         assert p.label == ["ham", "spam"][int(row.argmax())]
         assert p.probs["spam"] == pytest.approx(float(row[1]), abs=1e-5)
+
+
+def fp16_route(encoder: HierarchicalEncoder, texts: list[str]) -> torch.Tensor:
+    """What a prefetched batch computes: the lookup rounded to the wire's float16, then the upper layers."""
+    ids, lengths = flat(texts)
+    lookup = encoder.store.lookup(np.array(ids), np.array(lengths))
+    return encoder.pool_states(lookup.states.astype(np.float16).astype(np.float32), lookup.lengths)
+
+
+def test_prefetched_states_run_only_the_upper_layers_and_foreign_ones_are_refused(artifacts, encoder):
+    runner = ModelRunner(artifacts, ["minilm-plot", "minilm"])
+    ids, lengths = flat(TEXTS)
+    lookup = encoder.store.lookup(np.array(ids), np.array(lengths))
+    states = PlotStates(lookup.states.astype(np.float16).astype(np.float32), lookup.lengths, "minilm", K)
+    served = runner.run("minilm-plot", OUTPUT_EMBEDDING, ids, lengths, plot_states=states)
+    torch.testing.assert_close(torch.from_numpy(served.values), fp16_route(encoder, TEXTS), rtol=0, atol=1e-5)
+    with pytest.raises(InvalidArgument, match=r"plot_states come from a 'minilm' K=2 table; this model serves "
+                                              r"'minilm' K=3"):
+        runner.run("minilm-plot", OUTPUT_EMBEDDING, ids, lengths, plot_states=replace(states, lower_layers=2))
+    with pytest.raises(InvalidArgument, match=r"plot_states has shape \(\d+, 384\); the texts need"):
+        runner.run("minilm-plot", OUTPUT_EMBEDDING, ids, lengths, plot_states=replace(states, states=states.states[1:]))
+    with pytest.raises(InvalidArgument, match="plot_states set for 'minilm', which computes its lower layers"):
+        runner.run("minilm", OUTPUT_EMBEDDING, ids, lengths, plot_states=states)
+
+
+async def test_the_scheduler_prefetches_plot_states_while_requests_wait(artifacts, encoder, redis_server):
+    """HMI §6.1: requests waiting for a padded batch to fill are looked up in the plot service meanwhile;
+    the batch carries the states and the worker runs only the upper layers on them."""
+    from academus.client import AsyncClient
+    from academus.services.plot.server import build as plot_build
+    from academus.shared.keys import Keys
+    from academus.shared.redis_conn import connect
+    from academus.shared.serving import RunningService
+    from tests.conftest import env
+    from tests.integration.test_inprocess_mesh import KEY, start_services
+
+    prefix = "plot-prefetch"
+    with env(ACADEMUS_REDIS_URL=redis_server.url, ACADEMUS_KEY_PREFIX=prefix, ACADEMUS_PORT="0",
+             ACADEMUS_METRICS_PORT="-1", ACADEMUS_PLOT_DIR=str(artifacts / "plot" / "minilm-k3"),
+             ACADEMUS_LOWER_LAYERS=str(K), ACADEMUS_GRACE_S="1"):
+        plot = RunningService(await plot_build())
+        await plot.start()
+    running = [plot, *await start_services(redis_server.url, prefix, ACADEMUS_ARTIFACTS=str(artifacts),
+                                           ACADEMUS_MODELS="minilm-plot,spam-plot", ACADEMUS_POLICY="padded",
+                                           ACADEMUS_MAX_BATCH="64", ACADEMUS_MAX_DELAY_MS="300")]
+    redis = connect(redis_server.url)
+    try:
+        async with AsyncClient(running[-1].address, api_key=KEY) as client:
+            embedded = await asyncio.gather(*(client.infer("minilm-plot", [t], output="embedding") for t in TEXTS))
+            labelled = await client.infer("spam-plot", TEXTS)
+        [scheduler] = await redis.smembers(Keys(prefix).schedulers())
+        for _ in range(50):   # the scheduler writes its load signals every 0.1 s
+            load = await redis.hgetall(Keys(prefix).load(scheduler))
+            if int(load.get("plot_prefetch_used", 0)) + int(load.get("plot_prefetch_missed", 0)) >= len(TEXTS) + 1:
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        await redis.aclose()
+        for service in reversed(running):
+            await service.stop()
+    assert all(a.metadata.plot_prefetched for a in [*embedded, labelled])
+    assert int(load["plot_prefetch_used"]) == len(TEXTS) + 1 and int(load["plot_prefetch_missed"]) == 0
+    assert max(a.metadata.batch_size for a in embedded) > 1   # the waiting requests shared one batch
+    got = torch.tensor([a.predictions[0].embedding for a in embedded])
+    expected = fp16_route(encoder, TEXTS)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    assert torch.nn.functional.cosine_similarity(got, encoder.pool(token_lists(TEXTS))).min() > 0.999
+    probs = head_probs(artifacts, expected)
+    assert [p.probs["spam"] for p in labelled.predictions] == pytest.approx(probs[:, 1].tolist(), abs=1e-5)

@@ -264,11 +264,15 @@ def test_read_labelled_jsonl_needs_two_labels(tmp_path):
         read_labelled_jsonl(path)
 
 
-def test_unsupported_bases():
-    with pytest.raises(ValueError, match=r"'minilm-plot'.*not supported yet"):
-        train_adapter(["a", "b", "c", "d"], ["x", "y", "x", "y"], base="minilm-plot")
+def test_bases_and_domains_are_checked(encoder, tmp_path, monkeypatch):
+    texts, labels = ["a", "b", "c", "d"], ["x", "y", "x", "y"]
     with pytest.raises(ValueError, match="unknown adapter base 'nope'"):
-        train_adapter(["a", "b", "c", "d"], ["x", "y", "x", "y"], base="nope")
+        train_adapter(texts, labels, base="nope", encoder=encoder)
+    with pytest.raises(ValueError, match="domain 'legal': domains are PLOT overlays; base 'minilm' has no PLOT"):
+        train_adapter(texts, labels, encoder=encoder, domain="legal", progress=False)
+    monkeypatch.setenv("ACADEMUS_ARTIFACTS", str(tmp_path))   # no PLOT table built there
+    with pytest.raises(ValueError, match=r"base 'minilm-plot' is not in the catalogue .*academus plot build"):
+        train_adapter(texts, labels, base="minilm-plot", encoder=encoder, progress=False)
 
 
 def test_training_beats_the_untrained_adapter(tmp_path, dataset_dir, encoder, tokenizer):

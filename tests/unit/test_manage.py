@@ -15,7 +15,8 @@ from academus.services.gateway.core import Authenticator, Principal
 from academus.services.gateway.manage import Manage
 from academus.services.trainer.core import AdapterJobs, Encoders, JobRunner, OverlayJobs, Progress
 from academus.shared.config import GatewayConfig, TrainerConfig
-from academus.shared.domains import DomainRegistry
+from academus.shared.domains import READY as DOMAIN_READY
+from academus.shared.domains import Domain, DomainRegistry
 from academus.shared.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -74,7 +75,6 @@ def uploads(manage: Manage) -> list[Path]:
 BAD_MODELS = [
     ({"name": "bad name"}, InvalidArgument, "name='bad name' is invalid"),
     ({"base": "bert-large"}, InvalidArgument, "base='bert-large' is not a base"),
-    ({"base": "minilm-plot"}, InvalidArgument, "not supported yet"),
     ({"domain": "nope"}, NotFound, "domain 'nope' not found"),
     ({"data": b""}, InvalidArgument, "data is empty"),
     ({"data": b"x" * (LIMIT + 1)}, InvalidArgument, f"data has {LIMIT + 1} bytes; the limit is {LIMIT} bytes"),
@@ -106,6 +106,21 @@ async def test_a_served_models_name_and_an_unready_domain_are_refused(manage, re
     await manage.create_domain(ADMIN, "legal", corpus(), 10)
     with pytest.raises(FailedPrecondition, match="domain 'legal' is building, not ready"):
         await manage.create_tenant_model(ACME, "contracts", "minilm", "legal", labelled())
+
+
+async def test_a_domain_needs_a_plot_base_and_a_plot_base_needs_a_table(manage, redis, tmp_path):
+    await DomainRegistry(redis, KEYS).create(Domain("legal", status=DOMAIN_READY))
+    with pytest.raises(InvalidArgument, match=r"domain='legal' needs a PLOT base \(minilm-plot\)"):
+        await manage.create_tenant_model(ACME, "contracts", "minilm", "legal", labelled())
+    assert await queued(redis) == 0 and not uploads(manage)
+    job = await manage.create_tenant_model(ACME, "contracts", "minilm-plot", "legal", labelled())
+    assert (job.params["base"], job.params["domain"]) == ("minilm-plot", "legal") and await queued(redis) == 1
+    [model] = await manage.list_tenant_models(ACME)
+    assert (model.base, model.domain, model.status) == ("minilm-plot", "legal", TRAINING)
+    manage.table = lambda: None   # no PLOT table built on this node
+    with pytest.raises(FailedPrecondition, match=r"base='minilm-plot' .* none is built: run `academus plot build`"):
+        await manage.create_tenant_model(ACME, "memos", "minilm-plot", "", labelled())
+    assert await queued(redis) == 1
 
 
 BAD_DOMAINS = [

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ModelSpec(_message.Message):
-    __slots__ = ("name", "kind", "labels", "dim", "max_tokens", "max_students", "default_students")
+    __slots__ = ("name", "kind", "labels", "dim", "max_tokens", "max_students", "default_students", "plot", "lower_layers", "domain")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,9 @@ class ModelSpec(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_STUDENTS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_STUDENTS_FIELD_NUMBER: _ClassVar[int]
+    PLOT_FIELD_NUMBER: _ClassVar[int]
+    LOWER_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    DOMAIN_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     labels: _containers.RepeatedScalarFieldContainer[str]
@@ -22,7 +25,10 @@ class ModelSpec(_message.Message):
     max_tokens: int
     max_students: int
     default_students: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., dim: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_students: _Optional[int] = ..., default_students: _Optional[int] = ...) -> None: ...
+    plot: str
+    lower_layers: int
+    domain: str
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., dim: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_students: _Optional[int] = ..., default_students: _Optional[int] = ..., plot: _Optional[str] = ..., lower_layers: _Optional[int] = ..., domain: _Optional[str] = ...) -> None: ...
 
 class ProfilePoint(_message.Message):
     __slots__ = ("model", "instances", "merge", "throughput", "latency_ms")

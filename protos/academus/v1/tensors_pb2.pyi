@@ -54,11 +54,13 @@ class ModelOutput(_message.Message):
     def __init__(self, output: _Optional[_Union[_inference_pb2.Output, str]] = ..., values: _Optional[_Union[Matrix, _Mapping]] = ..., labels: _Optional[_Iterable[str]] = ..., metadata: _Optional[_Union[_inference_pb2.InferMetadata, _Mapping]] = ..., finish: _Optional[_Union[Finish, str]] = ...) -> None: ...
 
 class AdapterRef(_message.Message):
-    __slots__ = ("tenant", "name", "version")
+    __slots__ = ("tenant", "name", "version", "domain")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    DOMAIN_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     name: str
     version: int
-    def __init__(self, tenant: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+    domain: str
+    def __init__(self, tenant: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[int] = ..., domain: _Optional[str] = ...) -> None: ...

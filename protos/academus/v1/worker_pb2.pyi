@@ -1,4 +1,5 @@
 from academus.v1 import inference_pb2 as _inference_pb2
+from academus.v1 import plot_pb2 as _plot_pb2
 from academus.v1 import tensors_pb2 as _tensors_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -9,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RunRequest(_message.Message):
-    __slots__ = ("batch_id", "model", "output", "tokens", "num_students", "student_indices", "packing", "adapters")
+    __slots__ = ("batch_id", "model", "output", "tokens", "num_students", "student_indices", "packing", "adapters", "plot_states")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +19,7 @@ class RunRequest(_message.Message):
     STUDENT_INDICES_FIELD_NUMBER: _ClassVar[int]
     PACKING_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    PLOT_STATES_FIELD_NUMBER: _ClassVar[int]
     batch_id: str
     model: str
     output: _inference_pb2.Output
@@ -26,7 +28,8 @@ class RunRequest(_message.Message):
     student_indices: _containers.RepeatedScalarFieldContainer[int]
     packing: PackingPlan
     adapters: _containers.RepeatedCompositeFieldContainer[_tensors_pb2.AdapterRef]
-    def __init__(self, batch_id: _Optional[str] = ..., model: _Optional[str] = ..., output: _Optional[_Union[_inference_pb2.Output, str]] = ..., tokens: _Optional[_Union[_tensors_pb2.TokenBatch, _Mapping]] = ..., num_students: _Optional[int] = ..., student_indices: _Optional[_Iterable[int]] = ..., packing: _Optional[_Union[PackingPlan, _Mapping]] = ..., adapters: _Optional[_Iterable[_Union[_tensors_pb2.AdapterRef, _Mapping]]] = ...) -> None: ...
+    plot_states: _plot_pb2.LookupResponse
+    def __init__(self, batch_id: _Optional[str] = ..., model: _Optional[str] = ..., output: _Optional[_Union[_inference_pb2.Output, str]] = ..., tokens: _Optional[_Union[_tensors_pb2.TokenBatch, _Mapping]] = ..., num_students: _Optional[int] = ..., student_indices: _Optional[_Iterable[int]] = ..., packing: _Optional[_Union[PackingPlan, _Mapping]] = ..., adapters: _Optional[_Iterable[_Union[_tensors_pb2.AdapterRef, _Mapping]]] = ..., plot_states: _Optional[_Union[_plot_pb2.LookupResponse, _Mapping]] = ...) -> None: ...
 
 class PackingPlan(_message.Message):
     __slots__ = ("row_length", "slot_size", "rows")
