@@ -2,14 +2,18 @@
 and the quality of `minilm-plot` against the teacher on held-out text of other domains.
 
     python -m academus.loadgen.plot_bench [--root-texts 2000] [--domain-texts 1000] [--layers 1 2 3]
+                                          [--ngrams 2 3] [--top-percents 0.4 5 100]
                                           [--tokens 16 64 128] [--batches 1 32] [--grpc] [--out DIR]
 
-The root table is built from State of the Union sentences, the `spam` overlay from the spam task's
-train split (top --top-percent of its trigrams); quality is measured on WordNet glosses (a domain
-the root never saw) and on spam test mails with and without the overlay, and, as the ceiling, with
-a table built on the WordNet eval texts themselves (every trigram found: the approximation alone).
-Latency inputs are real held-out token ids cut to exactly N tokens ([CLS] ... [SEP]). Prints one
-JSON object, last.
+For every K in --layers and n in --ngrams (HMI Tables 8 / 10) a root table is built from State of
+the Union sentences (`minilm-k<K>`, `minilm-k<K>-n<n>` for n other than 3) and a `spam` overlay
+from the spam task's train split (top --top-percent of its n-grams); quality is measured on WordNet
+glosses (a domain the root never saw) and on spam test mails with and without the overlay, and, as
+the ceiling, with a table built on the WordNet eval texts themselves (every window found: the
+approximation alone). --top-percents builds further spam overlays (`spam-top<p>`) on the last K's
+tables, one a top-p and n: entries, size, build time, coverage of the domain corpus and the spam
+test cosine with each (HMI §7.7 Table 5). Latency inputs are real held-out token ids cut to exactly
+N tokens ([CLS] ... [SEP]). Prints one JSON object, last; progress on stderr.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch
 
 from academus.shared.data import load_task
 from academus.shared.model import TeacherEncoder, pad_batch, teacher_dir
-from academus.shared.plot.build import BuildOptions, build, corpus_texts
+from academus.shared.plot.build import BuildOptions, build, corpus_texts, coverage_key
 from academus.shared.plot.hierarchical import HierarchicalEncoder
 from academus.shared.plot.layers import SplitBert
 from academus.shared.plot.store import PlotStore
@@ -48,33 +52,48 @@ def p50_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
     return round(float(np.median(times)), 3)
 
 
-def build_tables(out: Path, k: int, root: list[str], domain: list[str], layers: SplitBert, top: float,
+def table_name(k: int, n: int) -> str:
+    """minilm-k<K> for trigram windows (the name earlier runs used), minilm-k<K>-n<n> otherwise."""
+    return f"minilm-k{k}" if n == 3 else f"minilm-k{k}-n{n}"
+
+
+def _built(table: Path, version: str = "root") -> bool:
+    return (table / version / "manifest.json").exists()
+
+
+def build_tables(out: Path, k: int, n: int, root: list[str], domain: list[str], layers: SplitBert, top: float,
                  reuse: bool) -> dict:
-    table = out / f"minilm-k{k}"
-    if not (reuse and (table / "root" / "manifest.json").exists()):
-        build(root, table, BuildOptions(lower_layers=k), layers=layers, corpus={"source": "sotu"})
-        build(domain, table, BuildOptions(lower_layers=k, domain="spam", top_percent=top), layers=layers,
+    table = out / table_name(k, n)
+    if not (reuse and _built(table) and _built(table, "domains/spam")):
+        build(root, table, BuildOptions(lower_layers=k, ngram=n), layers=layers, corpus={"source": "sotu"})
+        build(domain, table, BuildOptions(lower_layers=k, domain="spam", top_percent=top, ngram=n), layers=layers,
               corpus={"source": "spam"})
-    store = PlotStore.open(table, lower_layers=k, verify=False)
+    store = PlotStore.open(table, lower_layers=k, ngram=n, domains=["spam"], verify=False)
     return {"root": _size(store.root), "spam_overlay": _size(store.domains["spam"])}
 
 
 def _size(version: PlotVersion) -> dict:
     m = version.manifest
     return {"entries": m.counts, "mb": round(version.nbytes / 2**20, 2), "build_s": m.build_s,
-            "trigram_coverage": m.corpus.get("trigram_coverage")}
+            coverage_key(m.ngram): m.corpus.get(coverage_key(m.ngram))}
 
 
-def cosine_to_teacher(encoder: HierarchicalEncoder, teacher: TeacherEncoder, seqs: list[list[int]],
+def teacher_embeddings(teacher: TeacherEncoder, seqs: list[list[int]], batch: int = 64) -> torch.Tensor:
+    """The teacher's pooled embeddings: the reference every table's cosine is taken against."""
+    with torch.inference_mode():
+        return torch.cat([teacher(*pad_batch(seqs[i:i + batch])[:2]) for i in range(0, len(seqs), batch)])
+
+
+def cosine_to_teacher(encoder: HierarchicalEncoder, reference: torch.Tensor, seqs: list[list[int]],
                       domain: str = "", batch: int = 64) -> dict:
+    """minilm-plot's cosine to the teacher's embeddings `reference` (one row a sequence)."""
     cosines, counts = [], np.zeros(3)
     for start in range(0, len(seqs), batch):
         chunk = seqs[start:start + batch]
-        with torch.inference_mode():
-            reference = teacher(*pad_batch(chunk)[:2])
-        cosines.append((encoder.pool(chunk, domain) * reference).sum(1))
         flat, lengths = np.concatenate(chunk), np.array([len(s) for s in chunk])
-        c = encoder.store.lookup(flat, lengths, domain).counts
+        lookup = encoder.store.lookup(flat, lengths, domain)
+        cosines.append((encoder.pool_states(lookup.states, lookup.lengths) * reference[start:start + batch]).sum(1))
+        c = lookup.counts
         counts += (c.domain, c.root, c.backoff)
     cos = torch.cat(cosines)
     hit = counts / max(counts.sum(), 1)
@@ -90,19 +109,45 @@ def inputs_of(stream: np.ndarray, tokens: int, batch: int, cls: int = 101, sep: 
 
 
 def latency(store: PlotStore, layers: SplitBert, encoder: HierarchicalEncoder, teacher: TeacherEncoder,
-            stream: np.ndarray, tokens: int, batch: int, repeats: int) -> dict:
+            stream: np.ndarray, tokens: int, batch: int, repeats: int, teacher_ms: dict | None = None) -> dict:
+    """p50s of one shape; `teacher_ms` caches the teacher's (it depends on neither K nor n) by shape."""
     seqs = inputs_of(stream, tokens, batch)
     flat, lengths = np.concatenate(seqs), np.full(batch, tokens)
     ids = torch.as_tensor(np.stack(seqs))
     mask = torch.ones_like(ids)
+    cache = {} if teacher_ms is None else teacher_ms
     with torch.inference_mode():
-        return {
+        row = {
             "tokens": tokens, "batch": batch,
             "lookup_ms": p50_ms(lambda: store.lookup(flat, lengths), repeats),
             "lower_layers_ms": p50_ms(lambda: layers.lower(ids, mask), repeats),
             "minilm_plot_ms": p50_ms(lambda: encoder.pool([s.tolist() for s in seqs]), repeats),
-            "teacher_ms": p50_ms(lambda: teacher(ids, mask), repeats),
         }
+        if (tokens, batch) not in cache:
+            cache[(tokens, batch)] = p50_ms(lambda: teacher(ids, mask), repeats)
+    row["teacher_ms"] = cache[(tokens, batch)]
+    row["lower_speedup"] = round(row["lower_layers_ms"] / max(row["lookup_ms"], 1e-9), 1)
+    return row
+
+
+def top_percent_sweep(out: Path, k: int, n: int, domain: list[str], layers: SplitBert, teacher: TeacherEncoder,
+                      reference: torch.Tensor, seqs: list[list[int]], percents: list[float], reuse: bool) -> dict:
+    """A spam overlay of the top p % of the domain's n-grams for each p, on the K, n table: its size,
+    build time, coverage of the domain corpus, and minilm-plot's spam test cosine with it."""
+    table = out / table_name(k, n)
+    rows = {}
+    for percent in percents:
+        name = f"spam-top{percent:g}"
+        if not (reuse and _built(table, f"domains/{name}")):
+            build(domain, table, BuildOptions(lower_layers=k, domain=name, top_percent=percent, ngram=n),
+                  layers=layers, corpus={"source": "spam"})
+        store = PlotStore.open(table, lower_layers=k, ngram=n, domains=[name], verify=False)
+        overlay = store.domains[name]
+        rows[f"{percent:g}"] = {
+            "domain": name, **_size(overlay), "windows": overlay.manifest.counts[store.window_table],
+            "spam_test": cosine_to_teacher(HierarchicalEncoder(store, teacher), reference, seqs, name)}
+        _log(json.dumps({f"top-p K={k} n={n}": {f"{percent:g}": rows[f"{percent:g}"]}}))
+    return rows
 
 
 async def grpc_latency(table: Path, k: int, stream: np.ndarray, shapes: list[tuple[int, int]], repeats: int) -> list:
@@ -144,9 +189,12 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--root-texts", type=int, default=2000, help="SOTU sentences in the root table")
     p.add_argument("--domain-texts", type=int, default=1000, help="spam train mails for the overlay")
-    p.add_argument("--top-percent", type=float, default=10.0)
+    p.add_argument("--top-percent", type=float, default=10.0, help="the `spam` overlay's share of the domain's n-grams")
+    p.add_argument("--top-percents", type=float, nargs="*", default=[],
+                   help="also build spam overlays of these top-p %% on the last K's tables (every n): size vs coverage")
     p.add_argument("--eval-texts", type=int, default=300)
     p.add_argument("--layers", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--ngrams", type=int, nargs="+", default=[3], choices=[2, 3], help="window sizes n to sweep")
     p.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 128])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     p.add_argument("--repeats", type=int, default=30)
@@ -163,16 +211,20 @@ def eval_table(table: Path, teacher: TeacherEncoder, evals: dict[str, list[list[
     """minilm-plot's cosine to the teacher with an existing table (root, then each overlay it has)."""
     store = PlotStore.open(table, verify=False)
     encoder = HierarchicalEncoder(store, teacher)
-    result = {"table": str(table), "lower_layers": store.lower_layers, "quality": {}}
+    result = {"table": str(table), "lower_layers": store.lower_layers, "ngram": store.ngram, "quality": {}}
     for name, seqs in evals.items():
+        reference = teacher_embeddings(teacher, seqs)
         for domain in ["", *sorted(store.domains)]:
             label = f"{name} ({domain or 'root'})"
-            result["quality"][label] = cosine_to_teacher(encoder, teacher, seqs, domain)
+            result["quality"][label] = cosine_to_teacher(encoder, reference, seqs, domain)
     return result
 
 
+_STARTED = time.perf_counter()
+
+
 def _log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    print(f"[{time.perf_counter() - _STARTED:7.1f}s] {message}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,31 +244,50 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out = args.out or Path(tempfile.mkdtemp(prefix="plot-bench-"))
     result: dict = {"threads": args.threads, "root_texts": len(root), "domain_texts": len(domain_texts),
+                    "eval_texts": {name: len(seqs) for name, seqs in evals.items()}, "top_percent": args.top_percent,
                     "tables": {}, "quality": {}, "latency": {}}
+    references = {name: teacher_embeddings(teacher, seqs) for name, seqs in evals.items()}
+    _log("teacher reference embeddings done")
+    teacher_ms: dict = {}
     for k in args.layers:
         layers = SplitBert(teacher.bert, k)
-        result["tables"][f"K={k}"] = build_tables(out, k, root, domain_texts, layers, args.top_percent,
-                                                    args.reuse)
-        store = PlotStore.open(out / f"minilm-k{k}", lower_layers=k, verify=False)
-        encoder = HierarchicalEncoder(store, teacher)
-        result["quality"][f"K={k}"] = {
-            "wordnet (root only)": cosine_to_teacher(encoder, teacher, evals["wordnet"]),
-            "spam_test (root only)": cosine_to_teacher(encoder, teacher, evals["spam_test"]),
-            "spam_test (spam overlay)": cosine_to_teacher(encoder, teacher, evals["spam_test"], "spam"),
-        }
-        oracle = out / f"oracle-k{k}"          # every eval trigram present: the approximation error alone
-        build(heldout["wordnet"], oracle, BuildOptions(lower_layers=k, unigrams="corpus"), layers=layers)
-        result["quality"][f"K={k}"]["wordnet (oracle: table of the eval texts)"] = cosine_to_teacher(
-            HierarchicalEncoder(PlotStore.open(oracle, lower_layers=k, verify=False), teacher), teacher,
-            evals["wordnet"])
-        result["latency"][f"K={k}"] = [latency(store, layers, encoder, teacher, stream, t, b, args.repeats)
-                                       for t in args.tokens for b in args.batches]
-        _log(json.dumps({f"K={k}": [result["tables"][f"K={k}"], result["quality"][f"K={k}"]]}))
+        for n in args.ngrams:
+            key = f"K={k} n={n}"
+            result["tables"][key] = build_tables(out, k, n, root, domain_texts, layers, args.top_percent, args.reuse)
+            _log(json.dumps({key: result["tables"][key]}))
+            store = PlotStore.open(out / table_name(k, n), lower_layers=k, ngram=n, domains=["spam"], verify=False)
+            encoder = HierarchicalEncoder(store, teacher)
+            result["quality"][key] = {
+                "wordnet (root only)": cosine_to_teacher(encoder, references["wordnet"], evals["wordnet"]),
+                "spam_test (root only)": cosine_to_teacher(encoder, references["spam_test"], evals["spam_test"]),
+                "spam_test (spam overlay)": cosine_to_teacher(encoder, references["spam_test"], evals["spam_test"],
+                                                              "spam"),
+            }
+            oracle = out / (f"oracle-k{k}" + ("" if n == 3 else f"-n{n}"))   # every eval window present
+            if not (args.reuse and _built(oracle)):
+                build(heldout["wordnet"], oracle, BuildOptions(lower_layers=k, unigrams="corpus", ngram=n),
+                      layers=layers)
+            result["quality"][key]["wordnet (oracle: table of the eval texts)"] = cosine_to_teacher(
+                HierarchicalEncoder(PlotStore.open(oracle, lower_layers=k, ngram=n, verify=False), teacher),
+                references["wordnet"], evals["wordnet"])
+            _log(json.dumps({key: result["quality"][key]}))
+            result["latency"][key] = [latency(store, layers, encoder, teacher, stream, t, b, args.repeats, teacher_ms)
+                                      for t in args.tokens for b in args.batches]
+            _log(json.dumps({key: result["latency"][key]}))
+    if args.top_percents:
+        k = args.layers[-1]
+        layers = SplitBert(teacher.bert, k)
+        result["top_percents"] = {
+            f"K={k} n={n}": top_percent_sweep(out, k, n, domain_texts, layers, teacher, references["spam_test"],
+                                              evals["spam_test"], args.top_percents, args.reuse)
+            for n in args.ngrams}
     if args.grpc:
         k = args.layers[-1]
         shapes = [(t, b) for t in args.tokens for b in args.batches]
-        result["grpc"] = asyncio.run(grpc_latency(out / f"minilm-k{k}", k, stream, shapes, args.repeats))
+        result["grpc"] = asyncio.run(grpc_latency(out / table_name(k, args.ngrams[-1]), k, stream, shapes,
+                                                  args.repeats))
     result["tables_dir"] = str(out)
+    result["wall_s"] = round(time.perf_counter() - _STARTED, 1)
     print(json.dumps(result))
     return 0
 

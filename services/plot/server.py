@@ -37,7 +37,7 @@ class PlotServicer(plot_pb2_grpc.PlotServicer):
     async def Info(self, request, context):
         store = self.core.store
         return plot_pb2.InfoResponse(model=store.model, lower_layers=store.lower_layers, hidden=store.hidden,
-                                     domains=sorted(store.domains), root_entries=len(store.root.tables["trigram"]))
+                                     domains=sorted(store.domains), root_entries=store.root_entries)
 
 
 async def build() -> ServiceSpec:

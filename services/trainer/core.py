@@ -172,7 +172,7 @@ class OverlayJobs:
         layers = SplitBert((await self.encoders.get("cpu")).bert, root.lower_layers)  # PLOT is built on the CPU
         progress(0.05)
         options = BuildOptions(model=root.model, lower_layers=root.lower_layers, domain=name,
-                               top_percent=float(job.params["top_percent"]))
+                               top_percent=float(job.params["top_percent"]), ngram=root.ngram)
         summary = await asyncio.to_thread(build, texts, table, options, layers, {"source": "manage-api"})
         if not await self.domains.set_status(name, DOMAIN_READY):  # deleted while building: drop its files
             await asyncio.to_thread(_remove, overlay_dir(table, name))

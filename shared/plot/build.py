@@ -17,6 +17,11 @@ distinct bigram, and unigrams for the whole vocabulary (`--unigrams vocab`, the 
 is ever out of the table) or only the corpus' tokens plus the specials (`corpus`, for small tests).
 Domain overlay (`--domain D`, HMI §5.1): the top `--top-percent` of the domain corpus' distinct
 trigrams by frequency; ties are broken by key so a rebuild gives the same table.
+
+Window size (`--ngram`, HMI §7.10 Table 8; recorded as the manifest's `ngram`): 3 as above, or 2:
+the windows are bigrams, so a root holds every distinct bigram (or the `--max-entries` most frequent)
+and the unigrams, no trigram is run, and an overlay holds the domain's top bigrams. An overlay must
+have its root's n (`--ngram` defaults to it for an overlay, to 3 for a root).
 """
 
 from __future__ import annotations
@@ -42,7 +47,16 @@ from academus.shared.model import TEACHER_NAME, TeacherEncoder, teacher_dir
 from academus.shared.plot.layers import SplitBert
 from academus.shared.plot.ngrams import pack, unpack, window_starts, windows
 from academus.shared.plot.store import DOMAINS_DIR
-from academus.shared.plot.table import GRAMS, ROOT, PlotError, PlotManifest, VersionWriter, read_manifest
+from academus.shared.plot.table import (
+    GRAMS,
+    ROOT,
+    WINDOW_TABLES,
+    PlotError,
+    PlotManifest,
+    TableError,
+    VersionWriter,
+    read_manifest,
+)
 from academus.shared.tokenization import TeacherTokenizer
 
 MODELS = {"minilm": TEACHER_NAME}   # served name -> teacher checkpoint whose lower layers are tabled
@@ -69,8 +83,9 @@ class Tokenized:
     specials: Specials
 
 
-def default_out(model: str, lower_layers: int) -> Path:
-    return artifacts_dir() / "plot" / f"{model}-k{lower_layers}"
+def default_out(model: str, lower_layers: int, ngram: int = 3) -> Path:
+    """<artifacts>/plot/<model>-k<K> (trigram windows) or <model>-k<K>-n<n>."""
+    return artifacts_dir() / "plot" / (f"{model}-k{lower_layers}" + (f"-n{ngram}" if ngram != 3 else ""))
 
 
 def corpus_texts(spec: str, data: Path | None = None, limit: int | None = None) -> list[str]:
@@ -176,10 +191,11 @@ class BuildOptions:
     lower_layers: int = 3
     domain: str = ""               # empty: the root version
     top_percent: float = 10.0      # overlays only
-    max_entries: int = 0           # root trigrams; 0: all
-    max_bigrams: int = 0           # root bigrams (the back-off), the most frequent; 0: all
+    max_entries: int = 0           # root windows (trigrams, or bigrams for ngram=2); 0: all
+    max_bigrams: int = 0           # root bigrams (the back-off of ngram=3), the most frequent; 0: all
     unigrams: str = "vocab"
     batch_size: int = 256
+    ngram: int = 3                 # window size n: 3 (trigrams) or 2 (bigrams); an overlay's must be its root's
 
 
 def build(texts: list[str], out: Path, options: BuildOptions, layers: SplitBert | None = None,
@@ -188,6 +204,11 @@ def build(texts: list[str], out: Path, options: BuildOptions, layers: SplitBert 
     started = time.perf_counter()
     if options.model not in MODELS:
         raise PlotError(f"--model {options.model!r} is not one of {sorted(MODELS)}")
+    if options.ngram not in WINDOW_TABLES:
+        raise PlotError(f"--ngram {options.ngram!r} must be one of {sorted(WINDOW_TABLES)}")
+    if options.ngram == 2 and options.max_bigrams:
+        raise PlotError("--max-bigrams limits the back-off of trigram tables; with --ngram 2 the bigrams are "
+                        "the windows: use --max-entries")
     if options.domain:
         _check_root_for_overlay(Path(out), options)
     layers = layers or SplitBert(TeacherEncoder.load().bert, options.lower_layers)
@@ -203,9 +224,9 @@ def build(texts: list[str], out: Path, options: BuildOptions, layers: SplitBert 
             hidden=layers.hidden, vocab_size=tokens.vocab_size, special_ids=tokens.specials.as_dict(),
             version=options.domain or ROOT, created=datetime.now(UTC).isoformat(timespec="seconds"),
             build_s=round(time.perf_counter() - started, 2),
-            top_percent=options.top_percent if options.domain else 100.0,
+            top_percent=options.top_percent if options.domain else 100.0, ngram=options.ngram,
             corpus={**(corpus or {}), "texts": len(texts), "tokens": len(tokens.ids),
-                    "trigram_coverage": round(coverage, 4)},
+                    coverage_key(options.ngram): round(coverage, 4)},
         )
     except BaseException:
         writer.discard()
@@ -213,18 +234,24 @@ def build(texts: list[str], out: Path, options: BuildOptions, layers: SplitBert 
     return _summary(target, manifest)
 
 
+def coverage_key(ngram: int) -> str:
+    """The manifest's corpus field with the share of the corpus' n-gram occurrences the windows' table holds."""
+    return f"{WINDOW_TABLES[ngram]}_coverage"
+
+
 def _fill(writer: VersionWriter, tokens: Tokenized, layers: SplitBert, options: BuildOptions) -> float:
-    """Writes the version's tables; returns the share of the corpus' trigram occurrences they hold."""
-    keys, counts = count_ngrams(tokens, 3)
+    """Writes the version's tables; returns the share of the corpus' n-gram occurrences the windows hold."""
+    keys, counts = count_ngrams(tokens, options.ngram)
     top_share = math.ceil(len(keys) * options.top_percent / 100)
     keep = top_share if options.domain else options.max_entries or len(keys)
-    trigrams, coverage = most_frequent(keys, counts, min(keep, len(keys)))
-    _write_table(writer, "trigram", trigrams, layers, tokens, options.batch_size)
-    if not options.domain:
+    grams, coverage = most_frequent(keys, counts, min(keep, len(keys)))
+    _write_table(writer, WINDOW_TABLES[options.ngram], grams, layers, tokens, options.batch_size)
+    if not options.domain and options.ngram == 3:
         bigrams, bigram_counts = count_ngrams(tokens, 2)
         keep = min(options.max_bigrams or len(bigrams), len(bigrams))
         _write_table(writer, "bigram", most_frequent(bigrams, bigram_counts, keep)[0], layers, tokens,
                      options.batch_size)
+    if not options.domain:
         _write_table(writer, "unigram", unigram_keys(tokens, options.unigrams), layers, tokens, options.batch_size)
     return coverage
 
@@ -234,12 +261,15 @@ def _check_root_for_overlay(out: Path, options: BuildOptions) -> None:
     if (root.model, root.lower_layers) != (options.model, options.lower_layers):
         raise PlotError(f"the root at {out / ROOT} is {root.model} K={root.lower_layers}; an overlay for "
                         f"{options.model} K={options.lower_layers} cannot extend it")
+    if root.ngram != options.ngram:
+        raise TableError(f"the root at {out / ROOT} holds {root.ngram}-gram windows; an overlay of "
+                         f"{options.ngram}-grams cannot extend it (build it with --ngram {root.ngram})")
 
 
 def _summary(target: Path, manifest: PlotManifest) -> dict:
     size = sum((target / name).stat().st_size for name in manifest.files)
     return {"version": manifest.version, "out": str(target), "model": manifest.model,
-            "lower_layers": manifest.lower_layers, "entries": manifest.counts, "bytes": size,
+            "lower_layers": manifest.lower_layers, "ngram": manifest.ngram, "entries": manifest.counts, "bytes": size,
             "build_s": manifest.build_s, **manifest.corpus}
 
 
@@ -254,14 +284,20 @@ def _parser() -> argparse.ArgumentParser:
                    "several joined by commas")
     b.add_argument("--limit", type=int, default=0, help="use only the first N texts of each corpus")
     b.add_argument("--domain", default="", help="build this domain's overlay instead of the root")
-    b.add_argument("--top-percent", type=float, default=10.0, help="overlay: share of distinct trigrams kept")
-    b.add_argument("--max-entries", type=int, default=0, help="root: keep the N most frequent trigrams (0: all)")
-    b.add_argument("--max-bigrams", type=int, default=0, help="root: keep the N most frequent bigrams (0: all)")
+    b.add_argument("--ngram", type=int, choices=sorted(WINDOW_TABLES), default=None,
+                   help="n: window size, 3 (trigrams, bigram/unigram back-off) or 2 (bigrams, unigram back-off); "
+                   "default 3 for a root, the root's n for an overlay")
+    b.add_argument("--top-percent", type=float, default=10.0, help="overlay: share of distinct n-grams kept")
+    b.add_argument("--max-entries", type=int, default=0,
+                   help="root: keep the N most frequent windows (trigrams; bigrams with --ngram 2) (0: all)")
+    b.add_argument("--max-bigrams", type=int, default=0,
+                   help="root, --ngram 3: keep the N most frequent back-off bigrams (0: all)")
     b.add_argument("--unigrams", choices=["vocab", "corpus"], default="vocab")
     b.add_argument("--batch-size", type=int, default=256)
     b.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
     b.add_argument("--data", type=Path, default=None, help="data directory (ACADEMUS_DATA_DIR)")
-    b.add_argument("--out", type=Path, default=None, help="table directory (default artifacts/plot/<model>-k<K>)")
+    b.add_argument("--out", type=Path, default=None,
+                   help="table directory (default artifacts/plot/<model>-k<K>, <model>-k<K>-n2 for --ngram 2)")
     i = sub.add_parser("info", help="print the manifests of a table directory")
     i.add_argument("--out", type=Path, required=True)
     h = sub.add_parser("head", help="train <task>-plot: a linear head on the hierarchical model (PLOT lower "
@@ -277,11 +313,12 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _options(args: argparse.Namespace) -> BuildOptions:
+def _options(args: argparse.Namespace, out: Path) -> BuildOptions:
     if not 0 < args.top_percent <= 100:
         raise PlotError(f"--top-percent {args.top_percent} must be in (0, 100]")
+    ngram = args.ngram or (read_manifest(out / ROOT).ngram if args.domain else 3)
     return BuildOptions(args.model, args.lower_layers, args.domain, args.top_percent, args.max_entries,
-                        args.max_bigrams, args.unigrams, args.batch_size)
+                        args.max_bigrams, args.unigrams, args.batch_size, ngram)
 
 
 def _info(out: Path) -> dict:
@@ -295,9 +332,9 @@ def _build(args: argparse.Namespace) -> dict:
     """Builds; a root table under the artifacts is registered as `minilm-plot` in models.json."""
     from academus.shared.plot.models import register_embedding
 
-    options = _options(args)
+    out = args.out or default_out(args.model, args.lower_layers, args.ngram or 3)
+    options = _options(args, out)
     texts = corpus_texts(args.corpus, args.data, args.limit or None)
-    out = args.out or default_out(options.model, options.lower_layers)
     summary = build(texts, out, options, corpus={"source": args.corpus})
     if not options.domain:
         summary["registered"] = register_embedding(artifacts_dir(), out)

@@ -1,9 +1,12 @@
 """The PLOT version tree and its batch lookup (HMI §3.3.1 eq. 2, §5.1 eq. 3).
 
-Lookup order for a trigram window: the domain overlay, then the root table; a window found in
-neither is rebuilt slot by slot from the root's bigrams (x_a, x_b) and (x_b, x_c), and a slot no
-bigram covers takes its token's unigram state. A token without even a unigram entry (a table built
-with corpus-only unigrams) is given the state of [UNK], as the tokenizer does for an unknown word.
+Windows are n tokens, n the root manifest's `ngram` (3 by default, HMI's trigrams; 2 for the
+bigram tables of the n sweep, HMI Table 8). Lookup order for a trigram window: the domain overlay,
+then the root table; a window found in neither is rebuilt slot by slot from the root's bigrams
+(x_a, x_b) and (x_b, x_c), and a slot no bigram covers takes its token's unigram state. With n=2 a
+bigram window is looked up in the overlay, then the root's bigrams, and a miss takes both tokens'
+unigram states. A token without even a unigram entry (a table built with corpus-only unigrams) is
+given the state of [UNK], as the tokenizer does for an unknown word.
 
 Aggregation (eq. 2, "a normalized sum of overlapping token representations ... considering the
 token's position within the tri-grams"): every token's layer-K state is the weighted sum of its
@@ -15,7 +18,9 @@ to the teacher 0.8938 / 0.6031 with the plain mean, 0.8979 / 0.6136 with (1, 2, 
 with the centre alone; (1, 4, 1) keeps the edges a share of the sum). Dividing by the weights keeps the
 scale of one window's states, which the upper layers expect (they follow a LayerNorm), and makes the
 lookup exact for a sequence of up to three tokens: one window, one term a token.
-Sequences shorter than a trigram are one window of their own length (bigram or unigram).
+With n=2 every token is in the two bigrams around it (the first and last in one), slot weights
+(1, 1): neither slot of a bigram saw both sides, so neither is favoured; exact up to two tokens.
+Sequences shorter than a window are one window of their own length (bigram or unigram).
 Everything is vectorized over the batch: one searchsorted per table, one gather per level.
 """
 
@@ -28,10 +33,19 @@ from pathlib import Path
 import numpy as np
 
 from academus.shared.plot.ngrams import pack, window_starts, windows
-from academus.shared.plot.table import ROOT, PlotError, PlotVersion, TableError, check_compatible, load_version
+from academus.shared.plot.table import (
+    ROOT,
+    PlotError,
+    PlotVersion,
+    TableError,
+    check_compatible,
+    load_version,
+    window_table,
+)
 
 DOMAINS_DIR = "domains"
 SLOT_WEIGHTS = (1.0, 4.0, 1.0)      # left, centre, right slot of a trigram window (see above)
+DEFAULT_SLOT_WEIGHTS = {3: SLOT_WEIGHTS, 2: (1.0, 1.0)}   # n -> the slot weights of an n-gram window
 
 
 class InvalidTokens(PlotError):
@@ -46,10 +60,10 @@ class UnknownDomain(PlotError):
 class LookupCounts:
     """Where the windows of one lookup came from (for metrics and the response)."""
 
-    domain: int = 0                # trigram windows found in the domain overlay
+    domain: int = 0                # n-gram windows found in the domain overlay
     root: int = 0                  # ... in the root table
-    backoff: int = 0               # trigram windows rebuilt from bigrams / unigrams
-    short: int = 0                 # sequences under three tokens (one bigram or unigram window)
+    backoff: int = 0               # n-gram windows rebuilt from bigrams / unigrams (n=3) or unigrams (n=2)
+    short: int = 0                 # sequences under n tokens (one bigram or unigram window)
     unknown_tokens: int = 0        # tokens with no unigram entry, given [UNK]'s state
 
 
@@ -64,10 +78,15 @@ class PlotStore:
     """A root version and its domain overlays, checked against each other when opened."""
 
     def __init__(self, root: PlotVersion, domains: dict[str, PlotVersion] | None = None,
-                 slot_weights: tuple[float, float, float] = SLOT_WEIGHTS) -> None:
-        if len(slot_weights) != 3 or min(slot_weights) <= 0:
-            raise ValueError(f"slot_weights {slot_weights} must be three positive numbers")
+                 slot_weights: tuple[float, ...] | None = None) -> None:
+        """`slot_weights`: one per slot of an n-gram window (default DEFAULT_SLOT_WEIGHTS[n])."""
         self.root = root
+        self.ngram = root.manifest.ngram
+        self.window_table = window_table(self.ngram, f"root table at {root.path}")
+        slot_weights = DEFAULT_SLOT_WEIGHTS[self.ngram] if slot_weights is None else slot_weights
+        if len(slot_weights) != self.ngram or min(slot_weights) <= 0:
+            raise ValueError(f"slot_weights {slot_weights} must be {self.ngram} positive numbers "
+                             f"(one per slot of the table's {self.ngram}-gram windows)")
         self.domains = dict(domains or {})
         self.slot_weights = tuple(float(w) for w in slot_weights)
         for name, overlay in self.domains.items():
@@ -76,14 +95,16 @@ class PlotStore:
 
     @classmethod
     def open(cls, directory: Path, *, model: str | None = None, lower_layers: int | None = None,
-             domains: Iterable[str] | None = None, verify: bool = True,
-             slot_weights: tuple[float, float, float] = SLOT_WEIGHTS) -> PlotStore:
-        """`directory/root` plus `directory/domains/<name>` (all overlays found when `domains` is None)."""
+             domains: Iterable[str] | None = None, verify: bool = True, ngram: int | None = None,
+             slot_weights: tuple[float, ...] | None = None) -> PlotStore:
+        """`directory/root` plus `directory/domains/<name>` (all overlays found when `domains` is None);
+        `model`, `lower_layers`, `ngram`: refuse a root built otherwise (None: any)."""
         directory = Path(directory)
-        root = load_version(directory / ROOT, model=model, lower_layers=lower_layers, verify=verify)
+        root = load_version(directory / ROOT, model=model, lower_layers=lower_layers, ngram=ngram, verify=verify)
         names = available_domains(directory) if domains is None else list(domains)
         overlays = {name: load_version(directory / DOMAINS_DIR / name, model=root.manifest.model,
-                                       lower_layers=root.manifest.lower_layers, verify=verify) for name in names}
+                                       lower_layers=root.manifest.lower_layers, ngram=root.manifest.ngram,
+                                       verify=verify) for name in names}
         return cls(root, overlays, slot_weights)
 
     @property
@@ -103,17 +124,23 @@ class PlotStore:
         self._check_overlay(name, overlay)
         self.domains[name] = overlay
 
+    @property
+    def root_entries(self) -> int:
+        """Windows in the root table (trigrams, or bigrams for n=2)."""
+        return len(self.root.tables[self.window_table])
+
     def _check_overlay(self, name: str, overlay: PlotVersion) -> None:
         root, m = self.root.manifest, overlay.manifest
-        check_compatible(m, f"overlay {name!r}", root.model, root.lower_layers)
+        check_compatible(m, f"overlay {name!r}", root.model, root.lower_layers, root.ngram)
         if (m.hidden, m.vocab_size) != (root.hidden, root.vocab_size):
             raise TableError(f"overlay {name!r} (hidden {m.hidden}, vocab {m.vocab_size}) does not match the "
                              f"root (hidden {root.hidden}, vocab {root.vocab_size})")
-        if "trigram" not in overlay.tables:
-            raise TableError(f"overlay {name!r} holds no trigram table")
+        if self.window_table not in overlay.tables:
+            raise TableError(f"overlay {name!r} holds no {self.window_table} table")
 
     def _unk_row(self) -> int:
-        missing = [name for name in ("trigram", "bigram", "unigram") if name not in self.root.tables]
+        needed = ("trigram", "bigram", "unigram") if self.ngram == 3 else ("bigram", "unigram")
+        missing = [name for name in needed if name not in self.root.tables]
         if missing:
             raise TableError(f"root table at {self.root.path} lacks the {', '.join(missing)} table(s)")
         unk = self.root.manifest.special_ids["unk"]
@@ -128,14 +155,16 @@ class PlotStore:
         overlay = self._overlay(domain)
         total = np.zeros((len(ids), self.hidden), dtype=np.float32)
         weights = np.zeros(len(ids), dtype=np.float32)
-        counts = LookupCounts(short=int((lengths < 3).sum()))
-        for n, only in ((3, lengths >= 3), (2, lengths == 2), (1, lengths == 1)):
+        size = self.ngram
+        counts = LookupCounts(short=int((lengths < size).sum()))
+        sweeps = [(size, lengths >= size), *((n, lengths == n) for n in range(size - 1, 0, -1))]
+        for n, only in sweeps:             # full windows, then each shorter sequence as one window
             starts = window_starts(lengths, n, only)
             if not len(starts):
                 continue
             grams = windows(ids, starts, n)
-            states = self._trigrams(grams, overlay, counts) if n == 3 else self._short(grams)
-            slot_weights = self.slot_weights if n == 3 else (1.0,) * n
+            states = self._windows(grams, overlay, counts) if n == size else self._short(grams)
+            slot_weights = self.slot_weights if n == size else (1.0,) * n
             for j, weight in enumerate(slot_weights):   # starts are distinct: starts + j has no repeats
                 total[starts + j] += weight * states[:, j]
                 weights[starts + j] += weight
@@ -166,22 +195,22 @@ class PlotStore:
             raise UnknownDomain(f"no PLOT overlay for domain {domain!r} (loaded: {sorted(self.domains) or 'none'})")
         return self.domains[domain]
 
-    def _trigrams(self, grams: np.ndarray, overlay: PlotVersion | None, counts: LookupCounts) -> np.ndarray:
-        """(W, 3, hidden): domain -> root -> bigram/unigram back-off, each level asked only for the rest."""
+    def _windows(self, grams: np.ndarray, overlay: PlotVersion | None, counts: LookupCounts) -> np.ndarray:
+        """(W, n, hidden): domain -> root -> back-off, each level asked only for the rest."""
         keys = pack(grams)
-        out = np.empty((len(grams), 3, self.hidden), dtype=np.float32)
+        out = np.empty((*grams.shape, self.hidden), dtype=np.float32)
         todo = np.arange(len(grams))
         for version, level in ((overlay, "domain"), (self.root, "root")):
             if version is None or not len(todo):
                 continue
-            table = version.tables["trigram"]
+            table = version.tables[self.window_table]
             rows = table.find(keys[todo])
             hit = rows >= 0
             out[todo[hit]] = table.gather(rows[hit])
             setattr(counts, level, getattr(counts, level) + int(hit.sum()))
             todo = todo[~hit]
         if len(todo):
-            out[todo] = self._backoff(grams[todo])
+            out[todo] = self._backoff(grams[todo]) if self.ngram == 3 else self._short(grams[todo], bigrams=False)
             counts.backoff += len(todo)
         return out
 
@@ -198,11 +227,11 @@ class PlotStore:
         out[uncovered] = self._unigrams(grams[uncovered])
         return out
 
-    def _short(self, grams: np.ndarray) -> np.ndarray:
-        """A whole sequence of one or two tokens: its bigram, else its unigrams."""
+    def _short(self, grams: np.ndarray, bigrams: bool = True) -> np.ndarray:
+        """A whole sequence of one or two tokens: its bigram, else (or with `bigrams` off) its unigrams."""
         out = np.empty((*grams.shape, self.hidden), dtype=np.float32)
         hit = np.zeros(len(grams), dtype=bool)
-        if grams.shape[1] == 2:
+        if bigrams and grams.shape[1] == 2:
             table = self.root.tables["bigram"]
             rows = table.find(pack(grams))
             hit = rows >= 0
@@ -220,7 +249,7 @@ class PlotStore:
         def version(v: PlotVersion) -> dict[str, object]:
             return {"counts": v.manifest.counts, "bytes": v.nbytes, "top_percent": v.manifest.top_percent}
 
-        return {"model": self.model, "lower_layers": self.lower_layers, "hidden": self.hidden,
+        return {"model": self.model, "lower_layers": self.lower_layers, "ngram": self.ngram, "hidden": self.hidden,
                 "root": version(self.root), "domains": {n: version(v) for n, v in sorted(self.domains.items())}}
 
 

@@ -4,9 +4,11 @@ A version is a directory (HMI §5.1: one root table, one overlay a domain):
 
     <name>.keys.npy     (entries,) uint64, sorted: the packed n-grams (see ngrams.py)
     <name>.states.npy   (entries, n, hidden) float16: layer-K states of the fragment's n tokens
-    manifest.json       format version, model, K, hidden, dtype, counts, sha256 of every file
+    manifest.json       format version, model, K, n, hidden, dtype, counts, sha256 of every file
 
-`name` is trigram, bigram or unigram; the root holds all three, a domain overlay only trigrams.
+`name` is trigram, bigram or unigram. The manifest's `ngram` (n, 3 when absent: tables written before
+it was recorded) is the window size a lookup sweeps: an n=3 root holds all three tables, an n=2 root
+only bigrams and unigrams; a domain overlay holds only the windows' table (trigram or bigram).
 States are opened with `mmap_mode="r"`: a lookup reads only the rows it gathers, so a table far
 larger than memory still serves. Versions are written to a staging sibling and renamed into place.
 """
@@ -30,6 +32,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 DTYPE = "float16"
 GRAMS = {"trigram": 3, "bigram": 2, "unigram": 1}
+WINDOW_TABLES = {3: "trigram", 2: "bigram"}    # n -> the table a lookup's windows are searched in
 ROOT = "root"
 
 
@@ -55,7 +58,8 @@ class PlotManifest:
     created: str = ""
     build_s: float = 0.0
     framing: str = "cls-sep"       # see build.py: [CLS] / [SEP] added unless the fragment has them
-    top_percent: float = 100.0     # overlays: the share of the domain's distinct trigrams kept
+    top_percent: float = 100.0     # overlays: the share of the domain's distinct n-grams kept
+    ngram: int = 3                 # n: window size (3: trigrams, bigram/unigram back-off; 2: bigrams, unigrams)
     corpus: dict[str, Any] = field(default_factory=dict)
     dtype: str = DTYPE
     kind: str = "plot"
@@ -127,13 +131,27 @@ def read_manifest(directory: Path) -> PlotManifest:
     return PlotManifest.from_json(path.read_text(), str(path))
 
 
-def check_compatible(manifest: PlotManifest, source: str, model: str | None, lower_layers: int | None) -> None:
-    """Refuses a table of another model or K: its states would be silently wrong, not missing."""
+def window_table(ngram: int, source: str = "") -> str:
+    """The table holding windows of `ngram` tokens (TableError for an n no lookup sweeps)."""
+    if ngram not in WINDOW_TABLES:
+        where = f"{source} has " if source else ""
+        raise TableError(f"{where}ngram {ngram!r}; PLOT windows are {' or '.join(map(str, sorted(WINDOW_TABLES)))} "
+                         f"tokens")
+    return WINDOW_TABLES[ngram]
+
+
+def check_compatible(manifest: PlotManifest, source: str, model: str | None, lower_layers: int | None,
+                     ngram: int | None = None) -> None:
+    """Refuses a table of another model, K or n: its states would be silently wrong, not missing."""
     if model is not None and manifest.model != model:
         raise TableError(f"{source} was built for model {manifest.model!r}, not {model!r}")
     if lower_layers is not None and manifest.lower_layers != lower_layers:
         raise TableError(f"{source} holds layer-{manifest.lower_layers} states, not layer-{lower_layers} "
                          f"(rebuild with --lower-layers {lower_layers})")
+    window_table(manifest.ngram, source)
+    if ngram is not None and manifest.ngram != ngram:
+        raise TableError(f"{source} holds {manifest.ngram}-gram windows, not {ngram}-grams "
+                         f"(rebuild with --ngram {ngram})")
     if manifest.dtype != DTYPE:
         raise TableError(f"{source} stores {manifest.dtype}; this build reads {DTYPE}")
 
@@ -167,11 +185,11 @@ def _open_table(directory: Path, manifest: PlotManifest, name: str) -> NgramTabl
 
 
 def load_version(directory: Path, *, model: str | None = None, lower_layers: int | None = None,
-                 verify: bool = True) -> PlotVersion:
+                 ngram: int | None = None, verify: bool = True) -> PlotVersion:
     """Opens a version after checking its manifest (and, with `verify`, every file's sha256)."""
     directory = Path(directory)
     manifest = read_manifest(directory)
-    check_compatible(manifest, str(directory), model, lower_layers)
+    check_compatible(manifest, str(directory), model, lower_layers, ngram)
     if verify:
         _verify_files(directory, manifest)
     unknown = set(manifest.counts) - set(GRAMS)

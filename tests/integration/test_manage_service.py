@@ -159,7 +159,7 @@ async def test_an_admin_builds_a_domain_overlay_through_the_api(mesh, table):
     ("CreateTenantModel", "admin", grpc.StatusCode.PERMISSION_DENIED, "tenant's API key"),
     ("CreateTenantModel", "nobody", grpc.StatusCode.UNAUTHENTICATED, "invalid API key"),
     ("BadUtf8", "acme", grpc.StatusCode.INVALID_ARGUMENT, "data:2: not valid UTF-8"),
-    ("PlotBase", "acme", grpc.StatusCode.INVALID_ARGUMENT, "not supported yet"),
+    ("UnknownBase", "acme", grpc.StatusCode.INVALID_ARGUMENT, "base='bert-large' is not a base"),
     ("GetJob", "acme", grpc.StatusCode.NOT_FOUND, "job 'missing' not found"),
 ])
 async def test_errors_reach_the_wire_with_their_codes(mesh, call, who, code, message):
@@ -171,8 +171,8 @@ async def test_errors_reach_the_wire_with_their_codes(mesh, call, who, code, mes
             name="m", base="minilm", data=good)),
         "BadUtf8": (manage.CreateTenantModel, manage_pb2.CreateTenantModelRequest(
             name="m", base="minilm", data=good.split(b"\n")[0] + b"\n\xff\xfe" + good)),
-        "PlotBase": (manage.CreateTenantModel, manage_pb2.CreateTenantModelRequest(
-            name="m", base="minilm-plot", data=good)),
+        "UnknownBase": (manage.CreateTenantModel, manage_pb2.CreateTenantModelRequest(
+            name="m", base="bert-large", data=good)),
         "GetJob": (manage.GetJob, manage_pb2.GetJobRequest(id="missing")),
     }
     method, request = requests[call]

@@ -20,12 +20,13 @@ from hypothesis import strategies as st
 
 from academus.shared.config import ConfigError, PlotConfig, load
 from academus.shared.model import TeacherEncoder, pad_batch, teacher_dir
-from academus.shared.plot import InvalidTokens, PlotStore, TableError, UnknownDomain, load_version
+from academus.shared.plot import InvalidTokens, PlotManifest, PlotStore, TableError, UnknownDomain, load_version
 from academus.shared.plot.build import BuildOptions, build, count_ngrams, most_frequent, tokenize
 from academus.shared.plot.hierarchical import HierarchicalEncoder
 from academus.shared.plot.layers import SplitBert
 from academus.shared.plot.ngrams import MISSING, NgramIndex, pack, unpack, window_starts
 from academus.shared.plot.store import SLOT_WEIGHTS
+from academus.shared.plot.table import read_manifest
 from academus.shared.tokenization import TeacherTokenizer
 
 K = 3
@@ -388,3 +389,137 @@ def test_service_core_applies_the_request_limits(store):
         core.lookup(np.array([CLS] * 5), np.array([5]))
     with pytest.raises(InvalidTokens, match="no sequence"):
         core.lookup(np.array([], np.int64), np.array([], np.int64))
+
+
+# --- bigram windows (n=2, HMI Table 8) -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def lower1(teacher) -> SplitBert:
+    return SplitBert(teacher.bert, 1)
+
+
+@pytest.fixture(scope="module")
+def domain_lower1(teacher) -> SplitBert:
+    """A domain model for K=1: the teacher with its first layer shifted (as domain_lower)."""
+    bert = copy.deepcopy(teacher.bert)
+    noise = torch.randn(bert.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        bert.encoder.layer[0].output.dense.bias.add_(noise)
+    return SplitBert(bert, 1)
+
+
+@pytest.fixture(scope="module")
+def bigram_dir(tmp_path_factory, lower1, domain_lower1) -> Path:
+    out = tmp_path_factory.mktemp("plot-n2")
+    build(ROOT_TEXTS, out, BuildOptions(lower_layers=1, unigrams="corpus", ngram=2), layers=lower1)
+    build(DOMAIN_TEXTS, out, BuildOptions(lower_layers=1, domain="spamlike", top_percent=50, ngram=2),
+          layers=domain_lower1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def bigram_store(bigram_dir) -> PlotStore:
+    return PlotStore.open(bigram_dir, model="minilm", lower_layers=1, ngram=2)
+
+
+def test_bigram_build_records_n_and_runs_no_trigrams(bigram_store, bigram_dir, table_dir, tmp_path):
+    root, overlay = bigram_store.root.manifest, bigram_store.domains["spamlike"].manifest
+    assert (root.ngram, overlay.ngram, bigram_store.ngram, bigram_store.slot_weights) == (2, 2, 2, (1.0, 1.0))
+    assert set(root.counts) == {"bigram", "unigram"} and set(overlay.counts) == {"bigram"}
+    assert "bigram_coverage" in root.corpus and "trigram_coverage" not in root.corpus
+    keys, _ = count_ngrams(tokenize(ROOT_TEXTS), 2)
+    assert bigram_store.root_entries == len(keys) and (bigram_store.root.tables["bigram"].find(keys) >= 0).all()
+    domain_keys, _ = count_ngrams(tokenize(DOMAIN_TEXTS), 2)
+    assert overlay.counts["bigram"] == math.ceil(len(domain_keys) * 0.5)
+    # the manifest round trip keeps n; a manifest written before the field existed reads as n=3
+    assert PlotManifest.from_json(root.to_json(), "test") == root
+    assert read_manifest(bigram_dir / "root").ngram == 2
+    old = Path(shutil.copytree(table_dir, tmp_path / "old"))
+    data = json.loads((old / "root" / "manifest.json").read_text())
+    del data["ngram"]
+    (old / "root" / "manifest.json").write_text(json.dumps(data))
+    assert read_manifest(old / "root").ngram == 3
+    assert PlotStore.open(old, domains=[]).ngram == 3
+
+
+def test_bigram_lookup_is_exact_for_inputs_of_up_to_two_tokens(bigram_store, lower1, tokenizer):
+    ids = ids_of(tokenizer, "")                            # [CLS] [SEP]: one bigram window
+    assert len(ids) == 2
+    close(one_window(bigram_store, ids), lower1.lower(torch.tensor([ids]))[0].numpy())
+    cat = words(tokenizer, "cat")[0]                       # one token: its unigram
+    close(one_window(bigram_store, [cat]), framed_states(lower1, [cat]))
+    counts = bigram_store.lookup(np.array([*ids, cat]), np.array([2, 1])).counts
+    assert (counts.root, counts.backoff, counts.short) == (1, 0, 1)
+
+
+def test_bigram_aggregation_is_the_mean_over_the_two_windows_holding_each_token(bigram_store, lower1, tokenizer):
+    texts = ["the cat sat on the mat", "hello", "i really like the style"]
+    seqs = [ids_of(tokenizer, t) for t in texts]
+    result = bigram_store.lookup(np.concatenate(seqs), np.array([len(s) for s in seqs]))
+    expected = []
+    for seq in seqs:                       # the reference path: one bigram at a time, slot weights (1, 1)
+        total, terms = np.zeros((len(seq), 384)), np.zeros(len(seq))
+        for i in range(len(seq) - 1):
+            total[i:i + 2] += framed_states(lower1, seq[i:i + 2])
+            terms[i:i + 2] += 1
+        expected.append(total / terms[:, None])
+    close(result.states, np.concatenate(expected))
+    assert result.counts.root == sum(len(s) - 1 for s in seqs) and result.counts.backoff == 0
+    with pytest.raises(ValueError, match="2 positive numbers"):
+        PlotStore(bigram_store.root, slot_weights=SLOT_WEIGHTS)
+
+
+def test_bigram_fallback_order_domain_root_unigram(bigram_store, lower1, domain_lower1, tokenizer):
+    the_cat = words(tokenizer, "the cat")                  # in the overlay and the root
+    assert not np.allclose(framed_states(domain_lower1, the_cat), framed_states(lower1, the_cat), atol=0.1)
+    close(one_window(bigram_store, the_cat, "spamlike"), framed_states(domain_lower1, the_cat))
+    close(one_window(bigram_store, the_cat), framed_states(lower1, the_cat))
+    budget, tree = words(tokenizer, "budget tree")         # no such bigram anywhere: both unigrams
+    result = bigram_store.lookup(np.array([budget, tree]), np.array([2]), "spamlike")
+    assert (result.counts.domain, result.counts.root, result.counts.backoff) == (0, 0, 1)
+    for slot, token in enumerate((budget, tree)):
+        close(result.states[slot], framed_states(lower1, [token])[0])
+    zebra = words(tokenizer, "zebra")[0]                   # not even a unigram: [UNK]'s state
+    result = bigram_store.lookup(np.array([CLS, zebra]), np.array([2]))
+    assert result.counts.unknown_tokens == 1 and result.counts.backoff == 1
+    close(result.states[1], framed_states(lower1, [UNK])[0])
+
+
+def test_overlay_of_another_n_is_refused(bigram_dir, tmp_path, lower1):
+    with pytest.raises(TableError, match="2-gram windows; an overlay of 3-grams"):
+        build(DOMAIN_TEXTS, bigram_dir, BuildOptions(lower_layers=1, domain="tri", ngram=3), layers=lower1)
+    assert not (bigram_dir / "domains" / "tri").exists()
+    with pytest.raises(TableError, match="2-gram windows, not 3-grams"):
+        PlotStore.open(bigram_dir, ngram=3)
+    copy_dir = Path(shutil.copytree(bigram_dir, tmp_path / "copy"))
+    manifest = copy_dir / "domains" / "spamlike" / "manifest.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "ngram": 3}))
+    with pytest.raises(TableError, match="spamlike holds 3-gram windows, not 2-grams"):
+        PlotStore.open(copy_dir)
+    root = load_version(copy_dir / "root")
+    with pytest.raises(TableError, match="overlay 'spamlike' holds 3-gram windows, not 2-grams"):
+        PlotStore(root, {"spamlike": load_version(copy_dir / "domains" / "spamlike")})
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "ngram": 4}))
+    with pytest.raises(TableError, match="ngram 4"):
+        PlotStore.open(copy_dir)
+
+
+def test_cli_build_ngram_2_and_its_overlay_follows_the_root(tmp_path, capsys):
+    from academus.shared.cli import main
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the cat sat on the mat\nhello world\n")
+    out = tmp_path / "table"
+    base = ["plot", "build", "--lower-layers", "1", "--corpus", str(corpus), "--unigrams", "corpus",
+            "--threads", "1", "--out", str(out)]
+    assert main([*base, "--ngram", "2"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["ngram"] == 2 and set(summary["entries"]) == {"bigram", "unigram"}
+    assert summary["entries"]["bigram"] == 10           # 7 + 3 windows, all distinct
+    assert main([*base, "--domain", "d", "--top-percent", "100"]) == 0
+    overlay = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert overlay["ngram"] == 2 and set(overlay["entries"]) == {"bigram"}
+    assert main([*base, "--domain", "e", "--ngram", "3"]) == 1
+    assert "2-gram windows; an overlay of 3-grams" in capsys.readouterr().err
+    assert main([*base, "--ngram", "2", "--max-bigrams", "3"]) == 1
+    assert "use --max-entries" in capsys.readouterr().err
