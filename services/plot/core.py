@@ -15,21 +15,31 @@ WINDOWS = Counter("academus_plot_windows_total", "Trigram windows looked up, by 
 class PlotLookup:
     """Answers lookups from the version tree loaded at start (the tables are memory-mapped, read-only)."""
 
-    def __init__(self, store: PlotStore, max_tokens: int) -> None:
+    def __init__(self, store: PlotStore, max_tokens: int, load_new: bool = True) -> None:
         self.store = store
         self.max_tokens = max_tokens
+        self.load_new = load_new   # overlays built after the start serve without a restart
 
     @classmethod
     def open(cls, config: PlotConfig) -> PlotLookup:
         store = PlotStore.open(config.table_dir, model=config.model, lower_layers=config.lower_layers,
                                domains=config.domain_list, verify=bool(config.verify))
-        return cls(store, config.max_tokens)
+        return cls(store, config.max_tokens, load_new=config.domain_list is None)
+
+    def refresh_domains(self) -> list[str]:
+        """Loads overlays built beside the root since the last call (unless ACADEMUS_DOMAINS fixed the set);
+        returns every loaded domain."""
+        if self.load_new:
+            self.store.load_new_domains()
+        return sorted(self.store.domains)
 
     def lookup(self, ids: np.ndarray, lengths: np.ndarray, domain: str = "") -> Lookup:
         if len(ids) > self.max_tokens:
             raise InvalidTokens(f"batch.input_ids holds {len(ids)} tokens; the limit is {self.max_tokens}")
         if not len(lengths):
             raise InvalidTokens("batch.lengths is empty: no sequence to look up")
+        if self.load_new:
+            self.store.load_domain(domain)
         result = self.store.lookup(ids, lengths, domain)
         for level in ("domain", "root", "backoff"):
             WINDOWS.labels(level).inc(getattr(result.counts, level))

@@ -47,7 +47,7 @@ async def build() -> ServiceSpec:
     redis = connect(config.redis_url)
     store = core.store
     registration = PlotRegistration(redis, Keys(config.key_prefix), config.plot_id, store.model, store.lower_layers,
-                                    sorted(store.domains), config.heartbeat_ttl_s)
+                                    sorted(store.domains), config.heartbeat_ttl_s, core.refresh_domains)
     return ServiceSpec(
         name="plot",
         config=config,

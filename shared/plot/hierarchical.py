@@ -17,8 +17,8 @@ from torch import nn
 
 from academus.shared.model import TeacherEncoder, mean_pool
 from academus.shared.plot.layers import SplitBert
-from academus.shared.plot.store import DOMAINS_DIR, PlotStore
-from academus.shared.plot.table import TableError, load_version
+from academus.shared.plot.store import PlotStore
+from academus.shared.plot.table import TableError
 
 
 @dataclass(frozen=True)
@@ -97,22 +97,12 @@ def padded_lookup(store: PlotStore, input_ids: Sequence[Sequence[int]], domains:
     states = np.empty((int(lengths.sum()), store.hidden), dtype=np.float32)
     starts = np.cumsum(lengths) - lengths
     for domain in dict.fromkeys(domains):
-        load_domain(store, domain)
+        store.load_domain(domain)   # an overlay built since the table was opened serves at once
         rows = [i for i, d in enumerate(domains) if d == domain]
         flat = np.concatenate([np.asarray(input_ids[i], dtype=np.int64) for i in rows])
         where = np.concatenate([np.arange(starts[i], starts[i] + lengths[i]) for i in rows])
         states[where] = store.lookup(flat, lengths[rows], domain).states
     return pad_states(states, lengths, device)
-
-
-def load_domain(store: PlotStore, domain: str) -> None:
-    """Loads an overlay built after the store was opened (a Manage API domain job), so its tenants'
-    models serve without a restart; a name with no overlay on disk is left to the lookup to refuse."""
-    if not domain or domain in store.domains:
-        return
-    directory = store.root.path.parent / DOMAINS_DIR / domain
-    if (directory / "manifest.json").is_file():
-        store.add_domain(domain, load_version(directory, model=store.model, lower_layers=store.lower_layers))
 
 
 def pad_states(states: np.ndarray, lengths: np.ndarray, device: torch.device | str = "cpu"

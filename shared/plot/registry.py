@@ -4,6 +4,7 @@ joins the acd:plots set; clients (the scheduler's prefetch, plot_bench) list the
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -30,16 +31,19 @@ class PlotRegistration:
     Every write is a SET/HSET/SADD of the same values, so a retried command cannot apply twice."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, plot_id: str, model: str, lower_layers: int,
-                 domains: list[str], ttl_s: float) -> None:
+                 domains: list[str], ttl_s: float, refresh_domains: Callable[[], list[str]] | None = None) -> None:
         self.redis, self.keys = redis, keys
         self.plot_id = plot_id
         self.fields = {"model": model, "lower_layers": str(lower_layers), "domains": ",".join(sorted(domains))}
         self.ttl = max(1, round(ttl_s))
         self.address = ""
+        self.refresh_domains = refresh_domains   # each beat: the overlays loaded now (new ones announced)
 
     async def register(self, address: str) -> None:
         self.address = address
         self.plot_id = self.plot_id or address
+        if self.refresh_domains is not None:
+            self.fields["domains"] = ",".join(sorted(await asyncio.to_thread(self.refresh_domains)))
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(self.keys.plot(self.plot_id), mapping={"address": address, **self.fields})
         pipe.expire(self.keys.plot(self.plot_id), self.ttl)

@@ -124,6 +124,24 @@ class PlotStore:
         self._check_overlay(name, overlay)
         self.domains[name] = overlay
 
+    def load_domain(self, name: str, verify: bool = True) -> bool:
+        """Loads overlay `name` from beside the root when it was built after the store opened (a Manage API
+        domain job), so it serves without a restart; False when there is none on disk."""
+        if not name or name in self.domains:
+            return bool(name)
+        directory = self.root.path.parent / DOMAINS_DIR / name
+        if not (directory / "manifest.json").is_file():
+            return False
+        m = self.root.manifest
+        self.add_domain(name, load_version(directory, model=m.model, lower_layers=m.lower_layers, ngram=m.ngram,
+                                           verify=verify))
+        return True
+
+    def load_new_domains(self) -> list[str]:
+        """Every overlay built beside the root since the store opened; their names."""
+        return [name for name in available_domains(self.root.path.parent)
+                if name not in self.domains and self.load_domain(name)]
+
     @property
     def root_entries(self) -> int:
         """Windows in the root table (trigrams, or bigrams for n=2)."""

@@ -3,6 +3,7 @@ teacher built: the wire returns the core's states, errors map to their status co
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import grpc
@@ -159,3 +160,41 @@ async def test_stopping_deregisters(table_dir, redis_server):
     assert client.hget(keys.plot(service.address), "lower_layers") == str(K)
     await service.stop()
     assert client.smembers(keys.plots()) == set() and not client.exists(keys.plot(service.address))
+
+
+async def test_an_overlay_built_while_the_service_runs_serves_and_is_announced(table_dir, teacher, redis_server,
+                                                                             tmp_path):
+    """A Manage API domain job builds an overlay beside the served root: the running service answers for it
+    at once and its next heartbeat lists it, so the schedulers' prefetch can use it without a restart."""
+    import shutil
+
+    import redis.asyncio as aioredis
+
+    from academus.services.plot.server import build as plot_build
+    from academus.shared.keys import Keys
+    from academus.shared.plot.registry import live_plot_services
+
+    table = tmp_path / "table"
+    shutil.copytree(table_dir, table)
+    with env(**settings(table, ACADEMUS_REDIS_URL=redis_server.url, ACADEMUS_KEY_PREFIX="plot-late",
+                        ACADEMUS_PLOT_ID="plot-late", ACADEMUS_HEARTBEAT_TTL_S="1")):
+        service = RunningService(await plot_build())
+        await service.start()
+    client, keys = aioredis.Redis.from_url(redis_server.url, decode_responses=True), Keys("plot-late")
+    try:
+        build(DOMAIN[:2], table, BuildOptions(lower_layers=K, domain="legal", top_percent=100),
+              layers=SplitBert(teacher.bert, K))
+        [seq] = [e.input_ids for e in TeacherTokenizer(teacher_dir()).encode(TEXTS[1:2])]
+        ids, lengths = np.array(seq, np.int64), np.array([len(seq)], np.int64)
+        async with grpc.aio.insecure_channel(service.address, options=CHANNEL_OPTIONS) as channel:
+            reply = await plot_pb2_grpc.PlotStub(channel).Lookup(request_to_pb(ids, lengths, "legal"), timeout=5)
+        assert reply.counts.domain > 0
+        for _ in range(40):   # the heartbeat (TTL/3) re-announces the loaded overlays
+            if await live_plot_services(client, keys, domain="legal"):
+                break
+            await asyncio.sleep(0.1)
+        [found] = await live_plot_services(client, keys, domain="legal")
+        assert found.domains == ("legal", "spam")
+    finally:
+        await client.aclose()
+        await service.stop()
