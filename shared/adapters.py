@@ -99,10 +99,16 @@ class AdapterWeights:
     def complete(self) -> bool:
         return set(self.layers) == set(self.layer_ids) and self.head_weight is not None
 
-    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> AdapterWeights:
-        """A copy on `device` (e.g. a worker's GPU cache, so batches do not copy weights each time)."""
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None,
+           non_blocking: bool = False) -> AdapterWeights:
+        """A copy on `device` (e.g. a worker's GPU cache, so batches do not copy weights each time).
+        `non_blocking`: from pinned host memory, asynchronous on the current CUDA stream."""
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device=device, dtype=dtype or t.dtype)
+            if t is None:
+                return None
+            if non_blocking:
+                t = t.pin_memory()
+            return t.to(device=device, dtype=dtype or t.dtype, non_blocking=non_blocking)
 
         return AdapterWeights(self.base, list(self.labels), self.rank,
                               {i: {k: move(v) for k, v in w.items()} for i, w in self.layers.items()},

@@ -5,7 +5,9 @@ A miss costs one blocking fetch of the first piece (the head and the lowest adap
 carries the metadata the batch needs); the remaining layers stream in on the prefetch threads while the
 batch computes the lower, unadapted layers, and the hook of adapted layer i waits only for layer i
 (`TenantBatch.layer_ready`). With prefetch off, a miss waits for every layer before computing: the
-ablation of HMI Table 6."""
+ablation of HMI Table 6. On a GPU worker the pieces are copied from pinned memory on a CUDA stream of their
+own, and a layer's hook makes the compute stream wait for that layer's copy event (the GPU waits, not the
+CPU); on CPU the prefetch threads alone overlap the fetches with compute."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import redis
@@ -46,6 +49,7 @@ class CachedAdapter:
     complete: Future = field(default_factory=Future)
     weights: AdapterWeights | None = None
     ready: dict[int, threading.Event] = field(default_factory=dict)
+    copies: dict[int, tuple[Any, list[torch.Tensor]]] = field(default_factory=dict)  # GPU: layer -> copy event
     error: ServingError | None = None
     bytes: int = 0
 
@@ -59,6 +63,12 @@ class CachedAdapter:
                                    "deadline")
         if self.error is not None:
             raise self.error
+        if i in self.copies:  # GPU: the compute stream waits for the copy stream, not the CPU
+            copied, tensors = self.copies[i]
+            stream = torch.cuda.current_stream()
+            stream.wait_event(copied)
+            for t in tensors:  # the allocator must not reuse them while this stream still reads them
+                t.record_stream(stream)
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,8 @@ class AdapterCache:
         self.fetch, self.budget, self.device = fetch, budget_bytes, torch.device(device)
         self.first_layer = first_layer
         self.prefetch, self.batched = prefetch, batched
+        # HMI §6.2: on a GPU the pieces are copied on their own CUDA stream, overlapping the batch's compute.
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._entries: OrderedDict[AdapterKey, CachedAdapter] = OrderedDict()
         self._lock = threading.Lock()
         self._queue: queue.PriorityQueue[tuple[int, int, Callable[[], None] | None]] = queue.PriorityQueue()
@@ -159,7 +171,9 @@ class AdapterCache:
     def _load_first(self, entry: CachedAdapter) -> None:
         """The head + the lowest adapted layer of the default placement (its header names every layer
         the adapter has); then each other layer is queued at its layer's rank."""
-        first = self._piece(entry.key, [self.first_layer], True)
+        first, copied = self._piece(entry.key, [self.first_layer], True)
+        if copied is not None:  # the batch waits for the first piece anyway: finish its copy on this thread
+            copied.synchronize()
         entry.ready = {i: threading.Event() for i in first.layer_ids}
         entry.weights = AdapterWeights(first.base, first.labels, first.rank, {}, first.head_weight,
                                        first.head_bias, first.layer_ids)
@@ -174,7 +188,7 @@ class AdapterCache:
     def _load_layer(self, entry: CachedAdapter, i: int) -> None:
         if entry.error is not None:
             return
-        self._arrived(entry, self._piece(entry.key, [i], False))
+        self._arrived(entry, *self._piece(entry.key, [i], False))
         if all(event.is_set() for event in entry.ready.values()):
             self._completed(entry)
 
@@ -183,16 +197,27 @@ class AdapterCache:
             entry.complete.set_result(entry)
         self._evict()
 
-    def _piece(self, key: AdapterKey, layers: Sequence[int], head: bool) -> AdapterWeights:
-        """Those layers of the adapter (a layer it lacks is simply absent), on this worker's device."""
-        return AdapterWeights.from_bytes(self.fetch(key, layers, head)).to(self.device)
+    def _piece(self, key: AdapterKey, layers: Sequence[int], head: bool) -> tuple[AdapterWeights, Any]:
+        """Those layers of the adapter (a layer it lacks is simply absent), on this worker's device, and
+        on a GPU the event that marks the end of their copy on the copy stream (None on CPU)."""
+        piece = AdapterWeights.from_bytes(self.fetch(key, layers, head))
+        if self.copy_stream is None:
+            return piece.to(self.device), None
+        with torch.cuda.stream(self.copy_stream):
+            moved = piece.to(self.device, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self.copy_stream)
+        return moved, copied
 
-    def _arrived(self, entry: CachedAdapter, piece: AdapterWeights) -> None:
+    def _arrived(self, entry: CachedAdapter, piece: AdapterWeights, copied: Any = None) -> None:
         with self._lock:  # two fetch threads may bring layers of one adapter at once
-            self._add(entry, piece)
+            self._add(entry, piece, copied)
 
     @staticmethod
-    def _add(entry: CachedAdapter, piece: AdapterWeights) -> None:
+    def _add(entry: CachedAdapter, piece: AdapterWeights, copied: Any = None) -> None:
+        if copied is not None:  # a later layer, still copying: its hook makes the compute stream wait
+            for i, tensors in piece.layers.items():
+                entry.copies[i] = (copied, list(tensors.values()))
         for i, tensors in piece.layers.items():
             entry.weights.layers[i] = tensors
             entry.bytes += sum(t.numel() * t.element_size() for t in tensors.values())
@@ -237,15 +262,17 @@ class StoreFetcher:
     def __init__(self, redis_url: str, keys: Keys, address: str = "", timeout_s: float = 5.0) -> None:
         self.redis, self.keys, self.fixed, self.timeout_s = redis.Redis.from_url(redis_url), keys, address, timeout_s
         self._stubs: dict[str, adapter_store_pb2_grpc.AdapterStoreStub] = {}
+        self._address = address   # the store's address as last read from Redis: one read, not one a fetch
 
     def _stub(self) -> adapter_store_pb2_grpc.AdapterStoreStub:
-        address = self.fixed or (self.redis.get(self.keys.adapter_store()) or b"").decode()
-        if not address:
+        if not self._address:
+            self._address = (self.redis.get(self.keys.adapter_store()) or b"").decode()
+        if not self._address:
             raise Unavailable("no adapter store is running (its address is not in Redis)")
-        if address not in self._stubs:
-            self._stubs[address] = adapter_store_pb2_grpc.AdapterStoreStub(
-                grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
-        return self._stubs[address]
+        if self._address not in self._stubs:
+            self._stubs[self._address] = adapter_store_pb2_grpc.AdapterStoreStub(
+                grpc.insecure_channel(self._address, options=CHANNEL_OPTIONS))
+        return self._stubs[self._address]
 
     def __call__(self, key: AdapterKey, layers: Sequence[int], head: bool) -> bytes:
         request = adapter_store_pb2.GetAdapterRequest(
@@ -253,6 +280,8 @@ class StoreFetcher:
         try:
             return self._stub().Get(request, timeout=self.timeout_s).weights
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:  # the store moved or restarted: read its address again
+                self._address = self.fixed
             raise from_rpc_error(e, "adapter store") from e
 
     def close(self) -> None:

@@ -161,3 +161,44 @@ async def test_stopping_withdraws_the_address(redis_server, tmp_path):
     assert client.get(keys.adapter_store()) == running.address
     await running.stop()
     assert not client.exists(keys.adapter_store())
+
+
+async def test_the_workers_fetcher_reads_the_address_once_and_again_after_the_store_moves(redis_server, tmp_path):
+    """The worker's blocking fetcher keeps the announced address (no Redis read a fetch); when the store
+    restarts on another port the next fetch fails UNAVAILABLE (retried by the cache's caller) and the one
+    after reads the new address."""
+    import asyncio
+
+    from academus.services.adapter_store.server import build
+    from academus.services.worker.adapters import StoreFetcher
+    from academus.shared.errors import Unavailable
+
+    prefix, data = "as-move", str(tmp_path / "adapters")
+
+    async def start() -> RunningService:
+        with env(**settings(redis_server.url, data, prefix)):
+            running = RunningService(await build())
+            await running.start()
+        return running
+
+    first = await start()
+    async with grpc.aio.insecure_channel(first.address, options=CHANNEL_OPTIONS) as channel:
+        await adapter_store_pb2_grpc.AdapterStoreStub(channel).Put(
+            pb.PutAdapterRequest(ref=ref(), weights=st_save(tensors())), timeout=5)
+    fetcher = StoreFetcher(redis_server.url, Keys(prefix))
+    try:
+        fetch = lambda: st_load(fetcher(("acme", "spam", 0), [0], True))  # noqa: E731
+        assert set(await asyncio.to_thread(fetch)) == {"head.weight", "head.bias", "layers.0.down.weight",
+                                                       "layers.0.up.weight"}
+        assert fetcher._address == first.address
+        await first.stop()
+        second = await start()
+        try:
+            with pytest.raises(Unavailable):
+                await asyncio.to_thread(fetch)
+            assert "head.weight" in await asyncio.to_thread(fetch)
+            assert fetcher._address == second.address != first.address
+        finally:
+            await second.stop()
+    finally:
+        fetcher.close()
