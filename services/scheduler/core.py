@@ -188,7 +188,7 @@ class Dispatcher:
         job.future = asyncio.get_running_loop().create_future()
         self.policy.push(job, self.clock())
         self._drain()
-        if not job.attempts and self.on_wait is not None:  # it waits: a group is busy or a batch fills
+        if self.on_wait is not None and not job.attempts and not job.future.done():  # it waits for a group
             self.on_wait(job)
         return await job.future
 
