@@ -70,11 +70,6 @@ class HierarchicalEncoder:
         with torch.inference_mode():
             return self.head(self.pool(input_ids, domain))
 
-    def padded_states(self, input_ids: Sequence[Sequence[int]], domains: Sequence[str]
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, longest, hidden) layer-K states and the mask, row b looked up in overlay domains[b]."""
-        return padded_lookup(self.store, input_ids, domains, self.device)
-
     @torch.inference_mode()
     def pool_states(self, states: np.ndarray, lengths: np.ndarray) -> torch.Tensor:
         """Layer-K states of sequences back to back -> pooled, L2-normalised embeddings."""
@@ -87,21 +82,25 @@ class HierarchicalEncoder:
         return nn.functional.normalize(mean_pool(upper, mask), p=2, dim=1)
 
 
-def padded_lookup(store: PlotStore, input_ids: Sequence[Sequence[int]], domains: Sequence[str],
+def padded_lookup(store: PlotStore, ids: np.ndarray, lengths: np.ndarray, domains: Sequence[str],
                   device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Padded layer-K states of token id lists, each row looked up in its own overlay (tenants of many
-    domains share a batch): one vectorised lookup per distinct domain, scattered back in row order."""
-    if len(domains) != len(input_ids):
-        raise ValueError(f"{len(domains)} domains for {len(input_ids)} sequences")
-    lengths = np.fromiter((len(s) for s in input_ids), dtype=np.int64, count=len(input_ids))
-    states = np.empty((int(lengths.sum()), store.hidden), dtype=np.float32)
-    starts = np.cumsum(lengths) - lengths
-    for domain in dict.fromkeys(domains):
+    """Padded layer-K states of sequences given back to back, row b looked up in overlay domains[b]
+    (tenants of many domains share a batch): one vectorised lookup per distinct domain."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if len(domains) != len(lengths):
+        raise ValueError(f"{len(domains)} domains for {len(lengths)} sequences")
+    distinct = list(dict.fromkeys(domains))
+    for domain in distinct:
         store.load_domain(domain)   # an overlay built since the table was opened serves at once
-        rows = [i for i, d in enumerate(domains) if d == domain]
-        flat = np.concatenate([np.asarray(input_ids[i], dtype=np.int64) for i in rows])
-        where = np.concatenate([np.arange(starts[i], starts[i] + lengths[i]) for i in rows])
-        states[where] = store.lookup(flat, lengths[rows], domain).states
+    if len(distinct) == 1:
+        return pad_states(store.lookup(ids, lengths, distinct[0]).states, lengths, device)
+    states = np.empty((int(lengths.sum()), store.hidden), dtype=np.float32)
+    token_row = np.repeat(np.arange(len(lengths)), lengths)
+    row_domain = np.asarray(domains, dtype=object)
+    for domain in distinct:
+        rows = row_domain == domain
+        tokens = rows[token_row]
+        states[tokens] = store.lookup(np.asarray(ids)[tokens], lengths[rows], domain).states
     return pad_states(states, lengths, device)
 
 
@@ -144,7 +143,8 @@ class PlotEncoder(nn.Module):
             states.check(self.hierarchical.store)
             return self.hierarchical.pool_states(states.states, states.lengths)
         mask = attention_mask.bool().cpu()
-        ids = input_ids.cpu()
-        seqs = [ids[b][mask[b]].numpy() for b in range(len(ids))]
-        hidden, padded_mask = self.hierarchical.padded_states(seqs, domains or [self.domain] * len(seqs))
+        lengths = mask.sum(1).numpy()
+        flat = input_ids.cpu()[mask].numpy()   # row-major: each sequence's real tokens, back to back
+        hidden, padded_mask = padded_lookup(self.hierarchical.store, flat, lengths,
+                                            domains or [self.domain] * len(lengths), self.hierarchical.device)
         return self.hierarchical.pool_padded(hidden, padded_mask)

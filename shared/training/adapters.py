@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -79,7 +80,9 @@ def plot_lower_states(store: Any, bert: nn.Module, encoded: Sequence[Any], num_l
         raise ValueError(f"the PLOT table replaces layers 1..{k}, but the adapters start at layer {num_lower + 1}")
     out: list[torch.Tensor] = [torch.empty(0)] * len(encoded)
     for batch in length_batches([len(e.input_ids) for e in encoded], batch_size, MAX_TOKENS):
-        hidden, mask = padded_lookup(store, [encoded[i].input_ids for i in batch], [domain] * len(batch), device)
+        ids = np.concatenate([encoded[i].input_ids for i in batch])
+        hidden, mask = padded_lookup(store, ids, [len(encoded[i].input_ids) for i in batch], [domain] * len(batch),
+                                     device)
         extended = _mask(bert, hidden, mask)
         for layer in bert.encoder.layer[k:num_lower]:
             hidden = layer(hidden, extended)

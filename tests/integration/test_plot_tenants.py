@@ -136,8 +136,12 @@ def test_an_overlay_built_after_the_store_opened_is_loaded_on_first_use(artifact
     build(texts, table, BuildOptions(lower_layers=K, domain="late", top_percent=100),
           layers=SplitBert(teacher.bert, K))
     seqs = [e.input_ids for e in encode(texts[:3])]
-    late, _ = padded_lookup(opened, seqs, ["late", "", "late"])
-    fresh, _ = padded_lookup(PlotStore.open(table, lower_layers=K), seqs, ["late", "", "late"])
+    ids, lengths = np.concatenate(seqs), [len(s) for s in seqs]
+    late, _ = padded_lookup(opened, ids, lengths, ["late", "", "late"])
+    fresh, _ = padded_lookup(PlotStore.open(table, lower_layers=K), ids, lengths, ["late", "", "late"])
+    for row, (seq, domain) in enumerate(zip(seqs, ["late", "", "late"], strict=True)):  # row by row, alone
+        alone, _ = padded_lookup(opened, np.array(seq), [len(seq)], [domain])
+        assert torch.equal(late[row, : len(seq)], alone[0])
     assert "late" in opened.domains and torch.equal(late, fresh)
 
 
