@@ -15,6 +15,20 @@ from academus.shared.redis_server import RedisServer
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+@pytest.fixture(scope="module")
+def teacher() -> Iterator:
+    """The real teacher, one torch thread while the module runs (tables built beside other work stay
+    deterministic and do not oversubscribe the cores)."""
+    import torch
+
+    from academus.shared.model import TeacherEncoder
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield TeacherEncoder.load()
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from academus.services.plot.core import PlotLookup
-from academus.shared.model import TeacherEncoder, teacher_dir
+from academus.shared.model import teacher_dir
 from academus.shared.plot import PlotStore, TableError
 from academus.shared.plot.build import BuildOptions, build
 from academus.shared.plot.hierarchical import HierarchicalEncoder
@@ -29,14 +29,6 @@ ROOT = ["the cat sat on the mat", "hello", "a red apple fell from the tree", "ma
 DOMAIN = ["win a free cruise now", "win a free prize", "the cat sat on the mat"]
 TEXTS = ["the cat sat on the mat", "win a free cruise today", "hello", "zebra"]
 
-
-
-@pytest.fixture(scope="module")
-def teacher() -> TeacherEncoder:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield TeacherEncoder.load()
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

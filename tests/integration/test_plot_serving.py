@@ -16,7 +16,7 @@ import torch
 from academus.services.worker.core import OUTPUT_EMBEDDING, OUTPUT_PROBS, ModelRunner
 from academus.shared.config import artifacts_dir
 from academus.shared.errors import DeadlineExceeded, InvalidArgument
-from academus.shared.model import TeacherEncoder, teacher_dir
+from academus.shared.model import teacher_dir
 from academus.shared.packing import PackingPlan
 from academus.shared.plot import PlotStore
 from academus.shared.plot.build import BuildOptions, build
@@ -31,14 +31,6 @@ K = 3
 CORPUS = ["the cat sat on the mat", "win a free cruise now", "click here to claim your prize",
           "lunch at noon tomorrow?", "the meeting moved to friday"]
 TEXTS = ["the cat sat on the mat", "win a free cruise today", "hello", "zebra crossings at noon"]
-
-
-@pytest.fixture(scope="module")
-def teacher() -> TeacherEncoder:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield TeacherEncoder.load()
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

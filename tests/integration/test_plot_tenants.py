@@ -22,7 +22,7 @@ from academus.shared.config import artifacts_dir
 from academus.shared.data import load_task
 from academus.shared.errors import InvalidArgument
 from academus.shared.keys import Keys
-from academus.shared.model import TeacherEncoder, teacher_dir
+from academus.shared.model import teacher_dir
 from academus.shared.onboarding import AdapterStoreClient, create_tenant_model
 from academus.shared.plot import PlotStore
 from academus.shared.plot.build import BuildOptions, build
@@ -40,14 +40,6 @@ from tests.integration.test_tenant_serving import start
 pytestmark = pytest.mark.integration
 K = 3
 PREFIX = "plot-tenants"
-
-
-@pytest.fixture(scope="module")
-def teacher() -> TeacherEncoder:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield TeacherEncoder.load()
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

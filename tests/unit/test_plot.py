@@ -58,14 +58,18 @@ def lower(teacher) -> SplitBert:
     return SplitBert(teacher.bert, K)
 
 
-@pytest.fixture(scope="module")
-def domain_lower(teacher) -> SplitBert:
-    """A stand-in for a further-pretrained domain model (HMI §5.1): the teacher with shifted lower layers."""
+def shifted(teacher, k: int) -> SplitBert:
+    """A stand-in for a further-pretrained domain model (HMI §5.1): the teacher with its first layer shifted."""
     bert = copy.deepcopy(teacher.bert)
     noise = torch.randn(bert.config.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         bert.encoder.layer[0].output.dense.bias.add_(noise)
-    return SplitBert(bert, K)
+    return SplitBert(bert, k)
+
+
+@pytest.fixture(scope="module")
+def domain_lower(teacher) -> SplitBert:
+    return shifted(teacher, K)
 
 
 @pytest.fixture(scope="module")
@@ -400,12 +404,7 @@ def lower1(teacher) -> SplitBert:
 
 @pytest.fixture(scope="module")
 def domain_lower1(teacher) -> SplitBert:
-    """A domain model for K=1: the teacher with its first layer shifted (as domain_lower)."""
-    bert = copy.deepcopy(teacher.bert)
-    noise = torch.randn(bert.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        bert.encoder.layer[0].output.dense.bias.add_(noise)
-    return SplitBert(bert, 1)
+    return shifted(teacher, 1)
 
 
 @pytest.fixture(scope="module")
