@@ -1,0 +1,103 @@
+"""What one worker adapter-cache miss costs on the CPU (why many tenants slow a CPU node, HMI §6.2): a real
+adapter store (in this process, on its own event loop thread) over loopback gRPC and a real Redis, N distinct
+adapters put, then fetched through the worker's StoreFetcher and AdapterCache one after the other.
+
+    python -m academus.loadgen.adapter_miss_bench [--adapters 300]
+
+Reports per miss (wall and process CPU, store side included) and per piece: the first Get (head + layer 4),
+a later layer's Get, one Get of the whole file, and parsing a piece. The last line printed is the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from academus.loadgen.adapters_bench import perturbed_adapter
+from academus.services.worker.adapters import AdapterCache, StoreFetcher
+from academus.shared.adapters import AdapterWeights
+from academus.shared.keys import Keys
+from academus.shared.onboarding import AdapterStoreClient
+from academus.shared.redis_conn import connect
+from academus.shared.redis_server import RedisServer
+from academus.shared.serving import RunningService
+
+PREFIX = "miss-bench"
+
+
+def per_call_ms(count: int, fn: Callable[[int], object]) -> dict[str, float]:
+    wall, cpu = time.perf_counter(), time.process_time()
+    for k in range(count):
+        fn(k)
+    return {"wall_ms": round((time.perf_counter() - wall) / count * 1e3, 3),
+            "cpu_ms": round((time.process_time() - cpu) / count * 1e3, 3)}
+
+
+async def start_store(redis_url: str, data_dir: Path) -> RunningService:
+    import os
+
+    from academus.services.adapter_store.server import build
+
+    os.environ.update({"ACADEMUS_REDIS_URL": redis_url, "ACADEMUS_KEY_PREFIX": PREFIX, "ACADEMUS_PORT": "0",
+                       "ACADEMUS_METRICS_PORT": "-1", "ACADEMUS_ADAPTER_DIR": str(data_dir), "ACADEMUS_GRACE_S": "1"})
+    service = RunningService(await build())
+    await service.start()
+    return service
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--adapters", type=int, default=300)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    count, tmp = args.adapters, Path(tempfile.mkdtemp(prefix="miss-bench-"))
+    redis = RedisServer(tmp / "redis").start()
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    def on_loop(coro):  # the store's own event loop, as a separate process would have
+        return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+    service = on_loop(start_store(redis.url, tmp / "adapters"))
+
+    async def put_all() -> None:
+        client = AdapterStoreClient(connect(redis.url), Keys(PREFIX))
+        for k in range(count):
+            await client.put(f"t{k}", "m", perturbed_adapter(["a", "b"], k).to_bytes(), {"base": "minilm"})
+
+    on_loop(put_all())
+    fetcher = StoreFetcher(redis.url, Keys(PREFIX))
+    cache = AdapterCache(fetcher, 1 << 30)
+
+    async def misses() -> None:  # one at a time: every piece of adapter k arrives before k + 1 is asked
+        for k in range(count):
+            batch = await cache.acquire([(f"t{k}", "m", 0)])
+            await asyncio.gather(*(asyncio.wrap_future(e.complete) for e in batch.entries))
+
+    try:
+        result = {"adapters": count, "miss": per_call_ms(1, lambda _: asyncio.run(misses()))}
+        result["miss"] = {name: round(ms / count, 3) for name, ms in result["miss"].items()}
+        pieces: list[bytes] = []
+        result["get_first_piece"] = per_call_ms(count, lambda k: pieces.append(fetcher((f"t{k}", "m", 0), [3], True)))
+        result["get_one_layer"] = per_call_ms(count, lambda k: fetcher((f"t{k}", "m", 0), [4], False))
+        result["get_whole_file"] = per_call_ms(count, lambda k: fetcher((f"t{k}", "m", 0), [], False))
+        result["parse_first_piece"] = per_call_ms(count, lambda k: AdapterWeights.from_bytes(pieces[k]))
+    finally:
+        cache.close()
+        fetcher.close()
+        on_loop(service.stop())
+        redis.stop()
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
