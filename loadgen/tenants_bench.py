@@ -6,10 +6,11 @@ bootstrap subset of the sentiment data (HMI §7.1), requests spread uniformly or
 
 For each tenant count: a fresh mesh (`academus up`: real processes, real Redis), N tenants created
 with the registry, their adapters put in the adapter store, then an open-loop Poisson run per
-spread. Also, at the largest count, the ablations: prefetch off, and per-tenant (non-batched)
-adapter application. Reports per run: throughput, latency p50/p95/p99, errors, the worker's adapter
-cache hit rate and the host memory per tenant (the worker's RSS growth per cached adapter, Redis
-bytes per registered tenant, adapter file bytes). The last line printed is the summary JSON."""
+spread. Also, at the largest count, the ablations (--ablations): prefetch off, per-tenant (non-batched)
+adapter application, and misses fetched one Get a piece instead of one GetMany a layer. Reports per
+run: throughput, latency p50/p95/p99, errors, the worker's adapter cache hit rate and the host memory
+per tenant (the worker's RSS growth per cached adapter, Redis bytes per registered tenant, adapter file
+bytes). The last line printed is the summary JSON."""
 
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ from academus.shared.tenants import TenantModel, TenantRegistry
 from academus.v1 import inference_pb2, inference_pb2_grpc
 
 MODEL = "support"
+ABLATIONS = {"prefetch-off": ({"ACADEMUS_ADAPTER_PREFETCH": "false"}, "prefetch off"),
+             "per-tenant": ({"ACADEMUS_ADAPTER_BATCHED": "false"}, "per-tenant"),
+             "one-get": ({"ACADEMUS_ADAPTER_FETCH_BATCH": "1"}, "one Get a piece")}
 
 
 def bootstrap_adapters(count: int, subset: int, epochs: int, seed: int, parent_texts: int) -> tuple[list, dict]:
@@ -292,7 +296,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--max-delay-ms", type=float, default=10.0)
     p.add_argument("--worker-threads", type=int, default=0)
-    p.add_argument("--no-ablations", action="store_true", help="skip prefetch-off and non-batched at the top count")
+    p.add_argument("--no-ablations", action="store_true", help="skip the ablations at the top count")
+    p.add_argument("--ablations", default=",".join(ABLATIONS), type=lambda s: [a for a in s.split(",") if a],
+                   help=f"which, at the top count: {', '.join(ABLATIONS)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--adapters-file", type=Path, default=None, help="save the trained set here / reuse it")
     p.add_argument("--train-only", action="store_true", help="train (and save) the adapters, then stop")
@@ -309,9 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.train_only:
         return 0
     results = [measure(c, adapters, args, {}, "batched+prefetch") for c in counts]
-    if not args.no_ablations:
-        results.append(measure(counts[-1], adapters, args, {"ACADEMUS_ADAPTER_PREFETCH": "false"}, "prefetch off"))
-        results.append(measure(counts[-1], adapters, args, {"ACADEMUS_ADAPTER_BATCHED": "false"}, "per-tenant"))
+    for name in [] if args.no_ablations else args.ablations:
+        setting, label = ABLATIONS[name]
+        results.append(measure(counts[-1], adapters, args, setting, label))
     plot(results, args.out)
     return write_summary(args.out, {"training": training, "results": results, "summary": summarise(results),
                                     "args": {k: str(v) for k, v in vars(args).items()}})

@@ -172,9 +172,13 @@ class WorkerConfig(CommonConfig):
     adapter_cache_bytes: int = 256 << 20   # tenant adapters kept on the device (LRU, HMI §6.2)
     adapter_prefetch: bool = True    # later layers stream in while the batch computes (off: the ablation)
     adapter_batched: bool = True     # one bmm for all tenants of a batch (off: per tenant, the ablation)
+    adapter_fetch_batch: int = 32    # misses' pieces of one layer fetched in one GetMany (1: one Get a piece)
 
     def check(self) -> None:
         super().check()
+        if not 1 <= self.adapter_fetch_batch <= 256:
+            raise ConfigError(f"ACADEMUS_ADAPTER_FETCH_BATCH={self.adapter_fetch_batch} must be in 1..256 (and within "
+                              "the adapter store's ACADEMUS_MAX_GET_MANY)")
         if self.packed_attention not in ("sdpa", "hf"):
             raise ConfigError(f"ACADEMUS_PACKED_ATTENTION={self.packed_attention!r} must be sdpa|hf")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -277,9 +281,12 @@ class AdapterStoreConfig(CommonConfig):
     max_adapter_bytes: int = 8 * 1024 * 1024  # one adapter's safetensors file
     cache_bytes: int = 64 * 1024 * 1024       # LRU of read files, so layer-by-layer gets skip the disk
     heartbeat_ttl_s: float = 5.0     # TTL of the address at acd:adapter_store
+    max_get_many: int = 64           # pieces one GetMany may ask for
 
     def check(self) -> None:
         super().check()
+        if not 1 <= self.max_get_many <= 256:
+            raise ConfigError(f"ACADEMUS_MAX_GET_MANY={self.max_get_many} must be in 1..256 (pieces a GetMany)")
         if not 1 <= self.max_adapter_bytes <= 60 * 1024 * 1024:
             raise ConfigError(f"ACADEMUS_MAX_ADAPTER_BYTES={self.max_adapter_bytes} must be in 1..62914560 "
                               f"(a Put stays under the 64 MiB message limit)")

@@ -61,12 +61,17 @@ async def abort_with(context: grpc.aio.ServicerContext, error: ServingError) -> 
 
 def from_rpc_error(error: grpc.aio.AioRpcError, hop: str) -> ServingError:
     """Re-raises a downstream status unchanged in code, with the hop named for the operator."""
-    cls = next((c for c in _ALL if c.code == error.code()), ServingError)
     pushback = dict(error.trailing_metadata() or ()).get("grpc-retry-pushback-ms")
-    err = cls(error.details() or f"{hop} failed with {error.code().name}",
-              pushback_ms=int(pushback) if pushback else None)
+    return from_status(error.code(), error.details() or f"{hop} failed with {error.code().name}",
+                       int(pushback) if pushback else None)
+
+
+def from_status(code: grpc.StatusCode, message: str, pushback_ms: int | None = None) -> ServingError:
+    """The ServingError of a status code (one carried in a message rather than on the call)."""
+    cls = next((c for c in _ALL if c.code == code), ServingError)
+    err = cls(message, pushback_ms=pushback_ms)
     if cls is ServingError:
-        err.code = error.code()
+        err.code = code
     return err
 
 

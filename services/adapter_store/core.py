@@ -94,6 +94,9 @@ class AdapterInfo:
     versions: list[int]
 
 
+GetPiece = tuple[str, str, int, Sequence[int], bool]   # tenant, name, version, layers, head: one `get`
+
+
 @dataclass(frozen=True)
 class Fetched:
     stored: StoredVersion
@@ -224,18 +227,20 @@ class AdapterStore:
     removed after Redis forgets it, so a version Redis lists always has its file."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, data_dir: Path, max_bytes: int,
-                 cache_bytes: int = 64 * 1024 * 1024) -> None:
+                 cache_bytes: int = 64 * 1024 * 1024, max_get_many: int = 64) -> None:
         self.redis, self.keys = redis, keys
         self.data_dir = Path(data_dir)
         self.max_bytes = max_bytes
         self.cache = FileCache(cache_bytes)
+        self.max_get_many = max_get_many
         self._record = redis.register_script(_RECORD)
         self._drop_one = redis.register_script(_DROP_ONE)
         self._drop_all = redis.register_script(_DROP_ALL)
 
     @classmethod
     def from_config(cls, config: AdapterStoreConfig, redis: aioredis.Redis) -> AdapterStore:
-        return cls(redis, Keys(config.key_prefix), config.store_dir, config.max_adapter_bytes, config.cache_bytes)
+        return cls(redis, Keys(config.key_prefix), config.store_dir, config.max_adapter_bytes, config.cache_bytes,
+                   config.max_get_many)
 
     def path(self, tenant: str, name: str, version: int) -> Path:
         return self.data_dir / tenant / name / f"v{version}.safetensors"
@@ -267,6 +272,16 @@ class AdapterStore:
         stored = await self.version(tenant, name, version)
         file = await self._file(stored)
         return Fetched(stored, file.select(layers, head) if layers else file.raw)
+
+    async def get_many(self, gets: Sequence[GetPiece]) -> list[Fetched | ServingError]:
+        """Several `get`s at once, answered in order; an item's error is its answer, not the call's."""
+        if len(gets) > self.max_get_many:
+            raise InvalidArgument(f"gets has {len(gets)} items; the limit is {self.max_get_many} a call")
+        results = await asyncio.gather(*(self.get(*g) for g in gets), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, ServingError):
+                raise result  # Redis away or a bug: the whole call fails, as one get would
+        return results
 
     async def version(self, tenant: str, name: str, version: int = 0) -> StoredVersion:
         check_name("ref.tenant", tenant)

@@ -8,7 +8,7 @@ import grpc
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from academus.services.adapter_store.core import AdapterInfo, AdapterStore, StoredVersion
+from academus.services.adapter_store.core import AdapterInfo, AdapterStore, Fetched, StoredVersion
 from academus.shared import config as cfg
 from academus.shared.errors import ServingError, Unavailable, abort_with
 from academus.shared.keys import Keys
@@ -45,6 +45,11 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
         return pb.GetAdapterResponse(ref=ref_pb(fetched.stored), weights=fetched.weights,
                                      metadata=fetched.stored.metadata)
 
+    async def GetMany(self, request: pb.GetManyRequest, context: grpc.aio.ServicerContext):
+        gets = [(g.ref.tenant, g.ref.name, g.ref.version, list(g.layers), g.head) for g in request.gets]
+        results = await self._call(context, self.core.get_many(gets))
+        return pb.GetManyResponse(items=[item_pb(r) for r in results])
+
     async def List(self, request: pb.ListAdaptersRequest, context: grpc.aio.ServicerContext):
         infos = await self._call(context, self.core.list(request.tenant))
         return pb.ListAdaptersResponse(adapters=[info_pb(i) for i in infos])
@@ -62,6 +67,13 @@ class AdapterStoreServicer(adapter_store_pb2_grpc.AdapterStoreServicer):
             await abort_with(context, e)
         except RedisError as e:  # versions unreachable: nothing was recorded, a retry may succeed
             await abort_with(context, Unavailable(f"adapter metadata store unreachable: {e}"))
+
+
+def item_pb(result: Fetched | ServingError) -> pb.GetManyItem:
+    if isinstance(result, ServingError):
+        return pb.GetManyItem(code=result.code.value[0], error=result.message)
+    return pb.GetManyItem(adapter=pb.GetAdapterResponse(ref=ref_pb(result.stored), weights=result.weights,
+                                                        metadata=result.stored.metadata))
 
 
 class Announcement:

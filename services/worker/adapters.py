@@ -27,7 +27,7 @@ import redis
 import torch
 
 from academus.shared.adapters import BASES, AdapterWeights, upper_layers
-from academus.shared.errors import DeadlineExceeded, ServingError, Unavailable, from_rpc_error
+from academus.shared.errors import DeadlineExceeded, ServingError, Unavailable, from_rpc_error, from_status
 from academus.shared.keys import Keys
 from academus.shared.serving import CHANNEL_OPTIONS
 from academus.v1 import adapter_store_pb2, adapter_store_pb2_grpc, tensors_pb2
@@ -37,6 +37,17 @@ FIRST_PIECE, LAST = -1, 1 << 30               # fetch queue ranks: first pieces 
 AdapterKey = tuple[str, str, int]            # tenant, name, version (0: the latest when first fetched)
 # (key, layers, head) -> safetensors bytes of that piece; raises NotFound / Unavailable.
 FetchPiece = Callable[[AdapterKey, Sequence[int], bool], bytes]
+
+
+FetchMany = Callable[[Sequence[tuple[AdapterKey, Sequence[int], bool]]], list]  # -> bytes or the error, each
+
+
+def _one(fetch: FetchPiece, piece: tuple[AdapterKey, Sequence[int], bool]) -> bytes | Exception:
+    """A fetcher without `many`: one call a piece, its error as its answer."""
+    try:
+        return fetch(*piece)
+    except Exception as e:
+        return e
 
 
 @dataclass
@@ -72,6 +83,15 @@ class CachedAdapter:
 
 
 @dataclass(frozen=True)
+class Piece:
+    """One queued fetch: layer `layer` of an adapter, with its head and header when `first`."""
+
+    entry: CachedAdapter
+    layer: int
+    first: bool
+
+
+@dataclass(frozen=True)
 class TenantBatch:
     """A batch's per-row adapters (None: the base model) and the wait the layer hooks run first."""
 
@@ -98,15 +118,20 @@ class AdapterCache:
 
     def __init__(self, fetch: FetchPiece, budget_bytes: int, device: torch.device | str = "cpu",
                  prefetch: bool = True, batched: bool = True, first_layer: int = DEFAULT_FIRST_LAYER,
-                 fetch_threads: int = 2) -> None:
+                 fetch_threads: int = 2, fetch_batch: int = 32) -> None:
         self.fetch, self.budget, self.device = fetch, budget_bytes, torch.device(device)
+        # Pieces of one rank (the batch's misses at one layer) travel together: one store call for all;
+        # fetch_batch=1 is one Get a piece, as before GetMany (the ablation).
+        many = getattr(fetch, "many", None) if fetch_batch > 1 else None
+        self.fetch_many: FetchMany = many or (lambda pieces: [_one(fetch, p) for p in pieces])
+        self.fetch_batch = max(1, fetch_batch)
         self.first_layer = first_layer
         self.prefetch, self.batched = prefetch, batched
         # HMI §6.2: on a GPU the pieces are copied on their own CUDA stream, overlapping the batch's compute.
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._entries: OrderedDict[AdapterKey, CachedAdapter] = OrderedDict()
         self._lock = threading.Lock()
-        self._queue: queue.PriorityQueue[tuple[int, int, Callable[[], None] | None]] = queue.PriorityQueue()
+        self._queue: queue.PriorityQueue[tuple[int, int, tuple[Piece, ...] | None]] = queue.PriorityQueue()
         self._order = itertools.count()
         self._threads = [threading.Thread(target=self._fetcher, name=f"adapter-prefetch-{i}", daemon=True)
                          for i in range(max(1, fetch_threads))]
@@ -127,9 +152,13 @@ class AdapterCache:
         """Each row's adapter, fetched first where missing; returns once every first piece is here
         (every piece, with prefetch off)."""
         entries: dict[AdapterKey, CachedAdapter] = {}
+        missed: list[CachedAdapter] = []
         for key in keys:
             if key is not None and key not in entries:
-                entries[key] = self._entry(key)
+                entries[key] = self._entry(key, missed)
+        if missed:  # one queue item: their first pieces come in one store call
+            self._queue.put((FIRST_PIECE, next(self._order),
+                             tuple(Piece(entry, self.first_layer, first=True) for entry in missed)))
         waits = [e.first if self.prefetch else e.complete for e in entries.values()]
         timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         try:
@@ -140,7 +169,8 @@ class AdapterCache:
         weights = [None if key is None else entries[key].weights for key in keys]
         return TenantBatch(weights, list(entries.values()), deadline, self.batched)
 
-    def _entry(self, key: AdapterKey) -> CachedAdapter:
+    def _entry(self, key: AdapterKey, missed: list[CachedAdapter]) -> CachedAdapter:
+        """The cached adapter, or a new entry appended to `missed` (the caller queues its first piece)."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None and entry.error is None:
@@ -150,28 +180,53 @@ class AdapterCache:
             self.misses += 1
             entry = CachedAdapter(key)
             self._entries[key] = entry
-        self._submit(FIRST_PIECE, entry, lambda: self._load_first(entry))
+        missed.append(entry)
         return entry
 
-    def _submit(self, rank: int, entry: CachedAdapter, work: Callable[[], None]) -> None:
-        def guarded() -> None:
+    def _fetcher(self) -> None:
+        while (item := self._queue.get())[2] is not None:
+            pieces = self._same_rank(item)
+            for start in range(0, len(pieces), self.fetch_batch):  # a call stays within the store's limit
+                self._fetch(pieces[start:start + self.fetch_batch])
+
+    def _same_rank(self, item: tuple[int, int, tuple[Piece, ...] | None]) -> list[Piece]:
+        """The popped pieces and those queued behind them at their rank (other adapters' same layer)."""
+        pieces = list(item[2])
+        while len(pieces) < self.fetch_batch:
             try:
-                work()
+                following = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if following[2] is None or following[0] != item[0]:
+                self._queue.put(following)  # a later layer, or the stop mark: back where it was
+                break
+            pieces.extend(following[2])
+        return pieces
+
+    def _fetch(self, pieces: list[Piece]) -> None:
+        """One store call for the pieces; each adapter whose piece failed fails alone."""
+        pieces = [p for p in pieces if p.entry.error is None]
+        if not pieces:
+            return
+        try:
+            results = self.fetch_many([(p.entry.key, [p.layer], p.first) for p in pieces])
+        except Exception as e:  # the store is unreachable: every one of them failed
+            results = [e] * len(pieces)
+        for piece, result in zip(pieces, results, strict=True):
+            entry = piece.entry
+            try:
+                if isinstance(result, Exception):
+                    raise result
+                weights, copied = self._on_device(AdapterWeights.from_bytes(result))
+                (self._first_arrived if piece.first else self._layer_arrived)(entry, weights, copied)
             except ServingError as e:
                 self._fail(entry, e)
             except Exception as e:  # a bad file or a broken connection: this adapter fails, others go on
                 self._fail(entry, Unavailable(f"adapter {entry.key[0]}/{entry.key[1]} could not be loaded: {e}"))
 
-        self._queue.put((rank, next(self._order), guarded))
-
-    def _fetcher(self) -> None:
-        while (work := self._queue.get()[2]) is not None:
-            work()
-
-    def _load_first(self, entry: CachedAdapter) -> None:
+    def _first_arrived(self, entry: CachedAdapter, first: AdapterWeights, copied: Any) -> None:
         """The head + the lowest adapted layer of the default placement (its header names every layer
         the adapter has); then each other layer is queued at its layer's rank."""
-        first, copied = self._piece(entry.key, [self.first_layer], True)
         if copied is not None:  # the batch waits for the first piece anyway: finish its copy on this thread
             copied.synchronize()
         entry.ready = {i: threading.Event() for i in first.layer_ids}
@@ -181,14 +236,12 @@ class AdapterCache:
         entry.first.set_result(entry)
         rest = sorted(set(first.layer_ids) - set(first.layers))
         for i in rest:
-            self._submit(i, entry, lambda i=i: self._load_layer(entry, i))
+            self._queue.put((i, next(self._order), (Piece(entry, i, first=False),)))
         if not rest:
             self._completed(entry)
 
-    def _load_layer(self, entry: CachedAdapter, i: int) -> None:
-        if entry.error is not None:
-            return
-        self._arrived(entry, *self._piece(entry.key, [i], False))
+    def _layer_arrived(self, entry: CachedAdapter, piece: AdapterWeights, copied: Any) -> None:
+        self._arrived(entry, piece, copied)
         if all(event.is_set() for event in entry.ready.values()):
             self._completed(entry)
 
@@ -197,10 +250,9 @@ class AdapterCache:
             entry.complete.set_result(entry)
         self._evict()
 
-    def _piece(self, key: AdapterKey, layers: Sequence[int], head: bool) -> tuple[AdapterWeights, Any]:
-        """Those layers of the adapter (a layer it lacks is simply absent), on this worker's device, and
-        on a GPU the event that marks the end of their copy on the copy stream (None on CPU)."""
-        piece = AdapterWeights.from_bytes(self.fetch(key, layers, head))
+    def _on_device(self, piece: AdapterWeights) -> tuple[AdapterWeights, Any]:
+        """A piece (a layer it lacks is simply absent) on this worker's device, and on a GPU the event
+        that marks the end of its copy on the copy stream (None on CPU)."""
         if self.copy_stream is None:
             return piece.to(self.device), None
         with torch.cuda.stream(self.copy_stream):
@@ -255,6 +307,14 @@ class AdapterCache:
             self._queue.put((LAST, next(self._order), None))
 
 
+STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def get_request(key: AdapterKey, layers: Sequence[int], head: bool) -> adapter_store_pb2.GetAdapterRequest:
+    return adapter_store_pb2.GetAdapterRequest(
+        ref=tensors_pb2.AdapterRef(tenant=key[0], name=key[1], version=key[2]), layers=layers, head=head)
+
+
 class StoreFetcher:
     """`FetchPiece` over gRPC to the adapter store, its address from config or from Redis (the store
     announces it with a heartbeat TTL). Runs on the prefetch thread, so it uses blocking clients."""
@@ -275,10 +335,17 @@ class StoreFetcher:
         return self._stubs[self._address]
 
     def __call__(self, key: AdapterKey, layers: Sequence[int], head: bool) -> bytes:
-        request = adapter_store_pb2.GetAdapterRequest(
-            ref=tensors_pb2.AdapterRef(tenant=key[0], name=key[1], version=key[2]), layers=layers, head=head)
+        return self._rpc("Get", get_request(key, layers, head)).weights
+
+    def many(self, pieces: Sequence[tuple[AdapterKey, Sequence[int], bool]]) -> list[bytes | ServingError]:
+        """Several pieces in one GetMany; each answers its bytes or its own error."""
+        reply = self._rpc("GetMany", adapter_store_pb2.GetManyRequest(gets=[get_request(*p) for p in pieces]))
+        return [item.adapter.weights if not item.code else from_status(STATUS_CODES[item.code], item.error)
+                for item in reply.items]
+
+    def _rpc(self, method: str, request):
         try:
-            return self._stub().Get(request, timeout=self.timeout_s).weights
+            return getattr(self._stub(), method)(request, timeout=self.timeout_s)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE:  # the store moved or restarted: read its address again
                 self._address = self.fixed

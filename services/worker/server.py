@@ -228,7 +228,7 @@ async def build() -> ServiceSpec:
     keys = Keys(config.key_prefix)
     fetcher = StoreFetcher(config.redis_url, keys, config.adapter_store)
     adapters = AdapterCache(fetcher, config.adapter_cache_bytes, runner.device, config.adapter_prefetch,
-                            config.adapter_batched)
+                            config.adapter_batched, fetch_batch=config.adapter_fetch_batch)
     servicer = WorkerServicer(runner, worker_id, config.instances or 1, adapters)
     registration = Registration(config, runner, worker_id, servicer)
     return ServiceSpec(

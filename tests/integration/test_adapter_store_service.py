@@ -202,3 +202,28 @@ async def test_the_workers_fetcher_reads_the_address_once_and_again_after_the_st
             await second.stop()
     finally:
         fetcher.close()
+
+
+async def test_get_many_over_grpc_and_through_the_workers_fetcher(stub, redis_server):
+    import asyncio
+
+    from academus.services.worker.adapters import StoreFetcher
+    from academus.shared.errors import NotFound
+
+    await stub.Put(pb.PutAdapterRequest(ref=ref("many", "m"), weights=st_save(tensors(3))), timeout=5)
+    reply = await stub.GetMany(pb.GetManyRequest(gets=[
+        pb.GetAdapterRequest(ref=ref("many", "m", 1), layers=[0], head=True),
+        pb.GetAdapterRequest(ref=ref("many", "absent", 1), layers=[0])]), timeout=5)
+    first, missing = reply.items
+    assert first.code == 0 and first.adapter.ref.version == 1 and "head.weight" in st_load(first.adapter.weights)
+    assert missing.code == grpc.StatusCode.NOT_FOUND.value[0] and "many/absent" in missing.error
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.GetMany(pb.GetManyRequest(gets=[pb.GetAdapterRequest(ref=ref("many", "m", 1))] * 65), timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "limit is 64" in err.value.details()
+    fetcher = StoreFetcher(redis_server.url, Keys(PREFIX))
+    try:
+        got, gone = await asyncio.to_thread(fetcher.many, [(("many", "m", 1), [1], False),
+                                                           (("many", "absent", 1), [1], False)])
+    finally:
+        fetcher.close()
+    assert set(st_load(got)) == {"layers.1.down.weight", "layers.1.up.weight"} and isinstance(gone, NotFound)

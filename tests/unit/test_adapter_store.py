@@ -276,3 +276,22 @@ def test_config_reads_its_variables_and_defaults_under_artifacts(tmp_path, monke
         cfg.load(cfg.AdapterStoreConfig, env={"ACADEMUS_MAX_ADAPTER_BYTES": "0"})
     with pytest.raises(cfg.ConfigError, match="ACADEMUS_HEARTBEAT_TTL_S"):
         cfg.load(cfg.AdapterStoreConfig, env={"ACADEMUS_HEARTBEAT_TTL_S": "0.5"})
+    assert cfg.load(cfg.AdapterStoreConfig, env={"ACADEMUS_MAX_GET_MANY": "8"}).max_get_many == 8
+    with pytest.raises(cfg.ConfigError, match=r"ACADEMUS_MAX_GET_MANY=0 must be in 1\.\.256"):
+        cfg.load(cfg.AdapterStoreConfig, env={"ACADEMUS_MAX_GET_MANY": "0"})
+    assert cfg.load(cfg.WorkerConfig, env={"ACADEMUS_ADAPTER_FETCH_BATCH": "1"}).adapter_fetch_batch == 1
+    with pytest.raises(cfg.ConfigError, match=r"ACADEMUS_ADAPTER_FETCH_BATCH=0 must be in 1\.\.256"):
+        cfg.load(cfg.WorkerConfig, env={"ACADEMUS_ADAPTER_FETCH_BATCH": "0"})
+
+
+async def test_get_many_answers_each_piece_in_order_and_a_missing_one_alone(store):
+    await store.put("acme", "spam", weights(seed=1), {})
+    await store.put("globex", "news", weights(seed=2), {})
+    results = await store.get_many([("acme", "spam", 1, [0], True), ("nobody", "x", 1, [0], True),
+                                    ("globex", "news", 0, [1], False)])
+    assert set(st_load(results[0].weights)) == {"head.weight", "head.bias", "layers.0.down.weight",
+                                                "layers.0.down.bias", "layers.0.up.weight", "layers.0.up.bias"}
+    assert isinstance(results[1], NotFound) and "nobody/x" in results[1].message
+    assert results[2].weights == (await store.get("globex", "news", 1, [1])).weights
+    with pytest.raises(InvalidArgument, match="gets has 65 items; the limit is 64 a call"):
+        await store.get_many([("acme", "spam", 1, [0], True)] * 65)

@@ -152,3 +152,45 @@ def test_misses_are_fetched_in_layer_order_across_adapters(runner):
     order = [(layers, head) for _, layers, head in store.calls]
     assert order == [((3,), True)] * 3 + [((4,), False)] * 3 + [((5,), False)] * 3
     cache.close()
+
+
+def test_the_misses_of_a_batch_come_in_one_store_call_a_layer_and_a_missing_one_fails_alone(runner):
+    """With a store that answers many pieces at once, a batch's first pieces travel in one call, then
+    each later layer of all of them in one call; an adapter the store lacks fails alone."""
+    adapters = {("t", f"m{i}", 1): trained_like(30 + i, ["a", "b"]) for i in range(3)}
+
+    class Many(Store):
+        def __init__(self, *args) -> None:
+            super().__init__(*args)
+            self.batches: list[list[tuple]] = []
+
+        def many(self, pieces):
+            self.batches.append([(key, tuple(layers), head) for key, layers, head in pieces])
+            out = []
+            for piece in pieces:
+                try:
+                    out.append(self(*piece))
+                except NotFound as e:
+                    out.append(e)
+            return out
+
+    store = Many(adapters)
+    cache = AdapterCache(store, budget_bytes=1 << 30, fetch_threads=1)
+    gone = ("t", "gone", 1)
+    with pytest.raises(NotFound):
+        asyncio.run(cache.acquire([*adapters, gone]))
+    tenants = asyncio.run(cache.acquire(list(adapters)))   # the three that exist are cached or arriving
+    for entry in tenants.entries:
+        entry.complete.result(5)
+    shapes = [[(layers, head) for _, layers, head in batch] for batch in store.batches]
+    assert shapes == [[((3,), True)] * 4, [((4,), False)] * 3, [((5,), False)] * 3]
+    assert [key for key, _, _ in store.batches[0]] == [*adapters, gone]
+    assert cache.stats()["adapters"] == 3
+    cache.close()
+    many = {("t", f"n{i}", 1): trained_like(40 + i, ["a", "b"]) for i in range(5)}
+    store = Many(many)
+    cache = AdapterCache(store, budget_bytes=1 << 30, fetch_threads=1, fetch_batch=2)   # calls stay within 2
+    for entry in asyncio.run(cache.acquire(list(many))).entries:
+        entry.complete.result(5)
+    assert [len(batch) for batch in store.batches[:3]] == [2, 2, 1] and max(map(len, store.batches)) == 2
+    cache.close()

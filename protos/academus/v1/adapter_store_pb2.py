@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from academus.v1 import tensors_pb2 as academus_dot_v1_dot_tensors__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x61\x63\x61\x64\x65mus/v1/adapter_store.proto\x12\x0b\x61\x63\x61\x64\x65mus.v1\x1a\x19\x61\x63\x61\x64\x65mus/v1/tensors.proto\"\xbb\x01\n\x11PutAdapterRequest\x12$\n\x03ref\x18\x01 \x01(\x0b\x32\x17.academus.v1.AdapterRef\x12\x0f\n\x07weights\x18\x02 \x01(\x0c\x12>\n\x08metadata\x18\x03 \x03(\x0b\x32,.academus.v1.PutAdapterRequest.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"I\n\x12PutAdapterResponse\x12$\n\x03ref\x18\x01 \x01(\x0b\x32\x17.academus.v1.AdapterRef\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\"W\n\x11GetAdapterRequest\x12$\n\x03ref\x18\x01 \x01(\x0b\x32\x17.academus.v1.AdapterRef\x12\x0e\n\x06layers\x18\x02 \x03(\x05\x12\x0c\n\x04head\x18\x03 \x01(\x08\"\xbd\x01\n\x12GetAdapterResponse\x12$\n\x03ref\x18\x01 \x01(\x0b\x32\x17.academus.v1.AdapterRef\x12\x0f\n\x07weights\x18\x02 \x01(\x0c\x12?\n\x08metadata\x18\x03 \x03(\x0b\x32-.academus.v1.GetAdapterResponse.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"%\n\x13ListAdaptersRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\"\xbf\x01\n\x0b\x41\x64\x61pterInfo\x12$\n\x03ref\x18\x01 \x01(\x0b\x32\x17.academus.v1.AdapterRef\x12\x10\n\x08versions\x18\x02 \x03(\x03\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x38\n\x08metadata\x18\x04 \x03(\x0b\x32&.academus.v1.AdapterInfo.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"B\n\x14ListAdaptersResponse\x12*\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x18.academus.v1.AdapterInfo\"<\n\x14\x44\x65leteAdapterRequest\x12$\n\x03ref\x18\x01 \x01(\x0b\x32\x17.academus.v1.AdapterRef\"(\n\x15\x44\x65leteAdapterResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x05\x32\xbc\x02\n\x0c\x41\x64\x61pterStore\x12\x46\n\x03Put\x12\x1e.academus.v1.PutAdapterRequest\x1a\x1f.academus.v1.PutAdapterResponse\x12\x46\n\x03Get\x12\x1e.academus.v1.GetAdapterRequest\x1a\x1f.academus.v1.GetAdapterResponse\x12K\n\x04List\x12 .academus.v1.ListAdaptersRequest\x1a!.academus.v1.ListAdaptersResponse\x12O\n\x06\x44\x65lete\x12!.academus.v1.DeleteAdapterRequest\x1a\".academus.v1.DeleteAdapterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x61\x63\x61\x64\x65mus/v1/adapter_store.proto\x12\x0b\x61\x63\x61\x64\x65mus.v1\x1a\x19\x61\x63\x61\x64\x65mus/v1/tensors.proto\"\xbb\x01\n\x11PutAdapterRequest\x12$\n\x03ref\x18\x01 \x01(\x0b\x32\x17.academus.v1.AdapterRef\x12\x0f\n\x07weights\x18\x02 \x01(\x0c\x12>\n\x08metadata\x18\x03 \x03(\x0b\x32,.academus.v1.PutAdapterRequest.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"I\n\x12PutAdapterResponse\x12$\n\x03ref\x18\x01 \x01(\x0b\x32\x17.academus.v1.AdapterRef\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\"W\n\x11GetAdapterRequest\x12$\n\x03ref\x18\x01 \x01(\x0b\x32\x17.academus.v1.AdapterRef\x12\x0e\n\x06layers\x18\x02 \x03(\x05\x12\x0c\n\x04head\x18\x03 \x01(\x08\"\xbd\x01\n\x12GetAdapterResponse\x12$\n\x03ref\x18\x01 \x01(\x0b\x32\x17.academus.v1.AdapterRef\x12\x0f\n\x07weights\x18\x02 \x01(\x0c\x12?\n\x08metadata\x18\x03 \x03(\x0b\x32-.academus.v1.GetAdapterResponse.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\">\n\x0eGetManyRequest\x12,\n\x04gets\x18\x01 \x03(\x0b\x32\x1e.academus.v1.GetAdapterRequest\"\\\n\x0bGetManyItem\x12\x30\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x1f.academus.v1.GetAdapterResponse\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\r\n\x05\x65rror\x18\x03 \x01(\t\":\n\x0fGetManyResponse\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.academus.v1.GetManyItem\"%\n\x13ListAdaptersRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\"\xbf\x01\n\x0b\x41\x64\x61pterInfo\x12$\n\x03ref\x18\x01 \x01(\x0b\x32\x17.academus.v1.AdapterRef\x12\x10\n\x08versions\x18\x02 \x03(\x03\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x38\n\x08metadata\x18\x04 \x03(\x0b\x32&.academus.v1.AdapterInfo.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"B\n\x14ListAdaptersResponse\x12*\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x18.academus.v1.AdapterInfo\"<\n\x14\x44\x65leteAdapterRequest\x12$\n\x03ref\x18\x01 \x01(\x0b\x32\x17.academus.v1.AdapterRef\"(\n\x15\x44\x65leteAdapterResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x05\x32\x82\x03\n\x0c\x41\x64\x61pterStore\x12\x46\n\x03Put\x12\x1e.academus.v1.PutAdapterRequest\x1a\x1f.academus.v1.PutAdapterResponse\x12\x46\n\x03Get\x12\x1e.academus.v1.GetAdapterRequest\x1a\x1f.academus.v1.GetAdapterResponse\x12\x44\n\x07GetMany\x12\x1b.academus.v1.GetManyRequest\x1a\x1c.academus.v1.GetManyResponse\x12K\n\x04List\x12 .academus.v1.ListAdaptersRequest\x1a!.academus.v1.ListAdaptersResponse\x12O\n\x06\x44\x65lete\x12!.academus.v1.DeleteAdapterRequest\x1a\".academus.v1.DeleteAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -50,18 +50,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETADAPTERRESPONSE']._serialized_end=619
   _globals['_GETADAPTERRESPONSE_METADATAENTRY']._serialized_start=216
   _globals['_GETADAPTERRESPONSE_METADATAENTRY']._serialized_end=263
-  _globals['_LISTADAPTERSREQUEST']._serialized_start=621
-  _globals['_LISTADAPTERSREQUEST']._serialized_end=658
-  _globals['_ADAPTERINFO']._serialized_start=661
-  _globals['_ADAPTERINFO']._serialized_end=852
+  _globals['_GETMANYREQUEST']._serialized_start=621
+  _globals['_GETMANYREQUEST']._serialized_end=683
+  _globals['_GETMANYITEM']._serialized_start=685
+  _globals['_GETMANYITEM']._serialized_end=777
+  _globals['_GETMANYRESPONSE']._serialized_start=779
+  _globals['_GETMANYRESPONSE']._serialized_end=837
+  _globals['_LISTADAPTERSREQUEST']._serialized_start=839
+  _globals['_LISTADAPTERSREQUEST']._serialized_end=876
+  _globals['_ADAPTERINFO']._serialized_start=879
+  _globals['_ADAPTERINFO']._serialized_end=1070
   _globals['_ADAPTERINFO_METADATAENTRY']._serialized_start=216
   _globals['_ADAPTERINFO_METADATAENTRY']._serialized_end=263
-  _globals['_LISTADAPTERSRESPONSE']._serialized_start=854
-  _globals['_LISTADAPTERSRESPONSE']._serialized_end=920
-  _globals['_DELETEADAPTERREQUEST']._serialized_start=922
-  _globals['_DELETEADAPTERREQUEST']._serialized_end=982
-  _globals['_DELETEADAPTERRESPONSE']._serialized_start=984
-  _globals['_DELETEADAPTERRESPONSE']._serialized_end=1024
-  _globals['_ADAPTERSTORE']._serialized_start=1027
-  _globals['_ADAPTERSTORE']._serialized_end=1343
+  _globals['_LISTADAPTERSRESPONSE']._serialized_start=1072
+  _globals['_LISTADAPTERSRESPONSE']._serialized_end=1138
+  _globals['_DELETEADAPTERREQUEST']._serialized_start=1140
+  _globals['_DELETEADAPTERREQUEST']._serialized_end=1200
+  _globals['_DELETEADAPTERRESPONSE']._serialized_start=1202
+  _globals['_DELETEADAPTERRESPONSE']._serialized_end=1242
+  _globals['_ADAPTERSTORE']._serialized_start=1245
+  _globals['_ADAPTERSTORE']._serialized_end=1631
 # @@protoc_insertion_point(module_scope)

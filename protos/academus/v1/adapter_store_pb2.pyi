@@ -59,6 +59,28 @@ class GetAdapterResponse(_message.Message):
     metadata: _containers.ScalarMap[str, str]
     def __init__(self, ref: _Optional[_Union[_tensors_pb2.AdapterRef, _Mapping]] = ..., weights: _Optional[bytes] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
+class GetManyRequest(_message.Message):
+    __slots__ = ("gets",)
+    GETS_FIELD_NUMBER: _ClassVar[int]
+    gets: _containers.RepeatedCompositeFieldContainer[GetAdapterRequest]
+    def __init__(self, gets: _Optional[_Iterable[_Union[GetAdapterRequest, _Mapping]]] = ...) -> None: ...
+
+class GetManyItem(_message.Message):
+    __slots__ = ("adapter", "code", "error")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    adapter: GetAdapterResponse
+    code: int
+    error: str
+    def __init__(self, adapter: _Optional[_Union[GetAdapterResponse, _Mapping]] = ..., code: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class GetManyResponse(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[GetManyItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[GetManyItem, _Mapping]]] = ...) -> None: ...
+
 class ListAdaptersRequest(_message.Message):
     __slots__ = ("tenant",)
     TENANT_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,11 @@ class AdapterStoreStub:
                 request_serializer=academus_dot_v1_dot_adapter__store__pb2.GetAdapterRequest.SerializeToString,
                 response_deserializer=academus_dot_v1_dot_adapter__store__pb2.GetAdapterResponse.FromString,
                 _registered_method=True)
+        self.GetMany = channel.unary_unary(
+                '/academus.v1.AdapterStore/GetMany',
+                request_serializer=academus_dot_v1_dot_adapter__store__pb2.GetManyRequest.SerializeToString,
+                response_deserializer=academus_dot_v1_dot_adapter__store__pb2.GetManyResponse.FromString,
+                _registered_method=True)
         self.List = channel.unary_unary(
                 '/academus.v1.AdapterStore/List',
                 request_serializer=academus_dot_v1_dot_adapter__store__pb2.ListAdaptersRequest.SerializeToString,
@@ -66,6 +71,12 @@ class AdapterStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Get(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetMany(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -95,6 +106,11 @@ def add_AdapterStoreServicer_to_server(servicer, server):
                     servicer.Get,
                     request_deserializer=academus_dot_v1_dot_adapter__store__pb2.GetAdapterRequest.FromString,
                     response_serializer=academus_dot_v1_dot_adapter__store__pb2.GetAdapterResponse.SerializeToString,
+            ),
+            'GetMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetMany,
+                    request_deserializer=academus_dot_v1_dot_adapter__store__pb2.GetManyRequest.FromString,
+                    response_serializer=academus_dot_v1_dot_adapter__store__pb2.GetManyResponse.SerializeToString,
             ),
             'List': grpc.unary_unary_rpc_method_handler(
                     servicer.List,
@@ -161,6 +177,33 @@ class AdapterStore:
             '/academus.v1.AdapterStore/Get',
             academus_dot_v1_dot_adapter__store__pb2.GetAdapterRequest.SerializeToString,
             academus_dot_v1_dot_adapter__store__pb2.GetAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/academus.v1.AdapterStore/GetMany',
+            academus_dot_v1_dot_adapter__store__pb2.GetManyRequest.SerializeToString,
+            academus_dot_v1_dot_adapter__store__pb2.GetManyResponse.FromString,
             options,
             channel_credentials,
             insecure,
