@@ -4,8 +4,9 @@ adapters put, then fetched through the worker's StoreFetcher and AdapterCache on
 
     python -m academus.loadgen.adapter_miss_bench [--adapters 300]
 
-Reports per miss (wall and process CPU, store side included) and per piece: the first Get (head + layer 4),
-a later layer's Get, one Get of the whole file, and parsing a piece. The last line printed is the JSON.
+Reports per miss (wall and process CPU, store side included): one miss at a time, and misses in batches
+of 16 fetched one Get a piece or one GetMany a layer; and per piece: the first Get (head + layer 4), a
+later layer's Get, one Get of the whole file, and parsing a piece. The last line printed is the JSON.
 """
 
 from __future__ import annotations
@@ -75,23 +76,32 @@ def main(argv: list[str] | None = None) -> int:
 
     on_loop(put_all())
     fetcher = StoreFetcher(redis.url, Keys(PREFIX))
-    cache = AdapterCache(fetcher, 1 << 30)
 
-    async def misses() -> None:  # one at a time: every piece of adapter k arrives before k + 1 is asked
-        for k in range(count):
-            batch = await cache.acquire([(f"t{k}", "m", 0)])
-            await asyncio.gather(*(asyncio.wrap_future(e.complete) for e in batch.entries))
+    def misses(batch: int, fetch_batch: int) -> dict[str, float]:
+        """Every adapter missed once, `batch` of them a request batch (each batch's misses together)."""
+        cache = AdapterCache(fetcher, 1 << 30, fetch_batch=fetch_batch)
+
+        async def run() -> None:
+            for start in range(0, count, batch):
+                acquired = await cache.acquire([(f"t{k}", "m", 0) for k in range(start, min(start + batch, count))])
+                await asyncio.gather(*(asyncio.wrap_future(e.complete) for e in acquired.entries))
+
+        try:
+            spent = per_call_ms(1, lambda _: asyncio.run(run()))
+        finally:
+            cache.close()
+        return {name: round(ms / count, 3) for name, ms in spent.items()}
 
     try:
-        result = {"adapters": count, "miss": per_call_ms(1, lambda _: asyncio.run(misses()))}
-        result["miss"] = {name: round(ms / count, 3) for name, ms in result["miss"].items()}
+        misses(16, 32)   # warm-up: every file read once into the store's file cache, as in steady serving
+        result = {"adapters": count, "miss": misses(1, 1),
+                  "miss_in_batches_of_16": {"one_get_a_piece": misses(16, 1), "get_many": misses(16, 32)}}
         pieces: list[bytes] = []
         result["get_first_piece"] = per_call_ms(count, lambda k: pieces.append(fetcher((f"t{k}", "m", 0), [3], True)))
         result["get_one_layer"] = per_call_ms(count, lambda k: fetcher((f"t{k}", "m", 0), [4], False))
         result["get_whole_file"] = per_call_ms(count, lambda k: fetcher((f"t{k}", "m", 0), [], False))
         result["parse_first_piece"] = per_call_ms(count, lambda k: AdapterWeights.from_bytes(pieces[k]))
     finally:
-        cache.close()
         fetcher.close()
         on_loop(service.stop())
         redis.stop()

@@ -3,7 +3,8 @@ worker), misses fetched from the adapter store layer by layer.
 
 A miss costs one blocking fetch of the first piece (the head and the lowest adapted layer; its header
 carries the metadata the batch needs); the remaining layers stream in on the prefetch threads while the
-batch computes the lower, unadapted layers, and the hook of adapted layer i waits only for layer i
+batch computes the lower, unadapted layers (the pieces of one rank, e.g. layer 5 of every miss of a
+batch, in one GetMany), and the hook of adapted layer i waits only for layer i
 (`TenantBatch.layer_ready`). With prefetch off, a miss waits for every layer before computing: the
 ablation of HMI Table 6. On a GPU worker the pieces are copied from pinned memory on a CUDA stream of their
 own, and a layer's hook makes the compute stream wait for that layer's copy event (the GPU waits, not the
