@@ -15,7 +15,6 @@ line printed is the summary JSON with the on/off ratios.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 from pathlib import Path
 
@@ -63,7 +62,7 @@ def run_setting(args: argparse.Namespace, artifacts: Path, prefetch: bool) -> li
     state = up(MeshOptions(run_dir=run_dir, artifacts=artifacts, gateway_port=0, workers=1,
                            worker_threads=args.worker_threads, deployments=[Deployment("padded", "minilm-plot")],
                            env={"ACADEMUS_MODELS": "minilm-plot", "ACADEMUS_PLOT_PREFETCH": str(prefetch).lower(),
-                                "ACADEMUS_MAX_BATCH": str(args.max_batch), "ACADEMUS_ARTIFACTS": str(artifacts)}))
+                                "ACADEMUS_MAX_BATCH": str(args.max_batch)}))
     rows = []
     try:
         for rate in args.rates:
@@ -98,8 +97,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    artifacts = bench_artifacts(args.out, args.corpus, args.limit, args.lower_layers)
-    os.environ["ACADEMUS_ARTIFACTS"] = str(artifacts)   # the mesh's services and the plot service read it
+    artifacts = bench_artifacts(args.out, args.corpus, args.limit, args.lower_layers)   # up() passes it on
     off, on = run_setting(args, artifacts, False), run_setting(args, artifacts, True)
     ratios = [{"offered_rps": a["offered_rps"],
                "throughput_on_vs_off": round(b["throughput_rps"] / max(a["throughput_rps"], 1e-9), 3),
