@@ -5,18 +5,21 @@ bootstrap subset of the sentiment data (HMI §7.1), requests spread uniformly or
     python -m academus.loadgen.tenants_bench --tenants 1,10,100,1000,10000 --out bench/tenants
 
 For each tenant count: a fresh mesh (`academus up`: real processes, real Redis), N tenants created
-with the registry, their adapters put in the adapter store, then an open-loop Poisson run per
-spread. Also, at the largest count, the ablations (--ablations): prefetch off, per-tenant (non-batched)
-adapter application, and misses fetched one Get a piece instead of one GetMany a layer. Reports per
-run: throughput, latency p50/p95/p99, errors, the worker's adapter cache hit rate and the host memory
-per tenant (the worker's RSS growth per cached adapter, Redis bytes per registered tenant, adapter file
-bytes). The last line printed is the summary JSON."""
+with the registry, their adapters put in the adapter store, a wait until the worker's host tier has
+loaded them all (reported as host_warm_s), then an open-loop Poisson run per spread. Also, at the
+largest count, the ablations (--ablations): prefetch off, per-tenant (non-batched) adapter application,
+no host tier (device-cache misses fetched from the store, one GetMany a layer), and no host tier with
+one Get a piece. Reports per run: throughput, latency p50/p95/p99, errors, the worker's adapter cache
+and host tier hit rates and the host memory per tenant (the worker's RSS growth per tenant and per
+cached adapter, host tier bytes, Redis bytes per registered tenant, adapter file bytes). The last line
+printed is the summary JSON."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import tempfile
@@ -39,7 +42,9 @@ from academus.v1 import inference_pb2, inference_pb2_grpc
 MODEL = "support"
 ABLATIONS = {"prefetch-off": ({"ACADEMUS_ADAPTER_PREFETCH": "false"}, "prefetch off"),
              "per-tenant": ({"ACADEMUS_ADAPTER_BATCHED": "false"}, "per-tenant"),
-             "one-get": ({"ACADEMUS_ADAPTER_FETCH_BATCH": "1"}, "one Get a piece")}
+             "one-get": ({"ACADEMUS_ADAPTER_FETCH_BATCH": "1", "ACADEMUS_ADAPTER_HOST_BYTES": "0"},
+                         "no host tier, one Get a piece"),
+             "host-off": ({"ACADEMUS_ADAPTER_HOST_BYTES": "0"}, "no host tier")}
 
 
 def bootstrap_adapters(count: int, subset: int, epochs: int, seed: int, parent_texts: int) -> tuple[list, dict]:
@@ -178,6 +183,31 @@ def worker_facts(state: MeshState) -> dict:
             "redis_used_bytes": int(client.info("memory")["used_memory"])}
 
 
+def wait_warm(state: MeshState, count: int, timeout_s: float) -> float | None:
+    """Seconds until the worker's host tier holds every registered adapter (its warmer loads them,
+    HMI §6.2's adapters in host memory); None without a host tier or past the timeout."""
+    started = time.perf_counter()
+    while time.perf_counter() - started < timeout_s:
+        cache = worker_facts(state)["cache"]
+        if "host_adapters" not in cache and cache:
+            return None
+        if cache.get("host_adapters", 0) >= count:
+            return round(time.perf_counter() - started, 1)
+        time.sleep(0.5)
+    return None
+
+
+def service_cpu_s(state: MeshState) -> dict[str, float]:
+    """CPU seconds (user + system) each mesh process has used so far, Redis included."""
+    tick = os.sysconf("SC_CLK_TCK")
+    pids = {s.name: s.pid for s in state.services} | ({"redis": state.redis_pid} if state.redis_pid else {})
+    out = {}
+    for name, pid in pids.items():
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        out[name] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def rss(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -197,14 +227,19 @@ def measure(count: int, adapters: list, args: argparse.Namespace, env: dict[str,
         before = worker_facts(state)
         keys = asyncio.run(register(state, adapters[:count]))
         registered = worker_facts(state)
+        warm_s = wait_warm(state, count, args.warm_timeout)
         texts = sample_texts(args.texts)
         asyncio.run(open_loop(state.gateway, keys, texts, args.rates[0], min(5.0, args.duration), "uniform", 99,
                               args.timeout))  # warm-up: first-call allocations, not the steady state
         runs = []
         for spread in args.spreads:
             for rate in args.rates:
+                cpu = service_cpu_s(state)
                 runs.append(asyncio.run(open_loop(state.gateway, keys, texts, rate, args.duration, spread,
                                                   args.seed, args.timeout)))
+                spent = service_cpu_s(state)  # where the CPU went: ms a completed request, per service
+                runs[-1]["cpu_ms_per_request"] = {name: round((spent[name] - cpu[name]) * 1e3
+                                                              / max(runs[-1]["completed"], 1), 2) for name in cpu}
                 time.sleep(args.drain)  # work left queued by a saturating run must not spill into the next
         time.sleep(2.5)  # one worker heartbeat publishes the cache figures
         after = worker_facts(state)
@@ -212,8 +247,10 @@ def measure(count: int, adapters: list, args: argparse.Namespace, env: dict[str,
         down(run_dir)
     cache = after["cache"]
     files = sum(f.stat().st_size for f in (run_dir / "adapters").rglob("*.safetensors"))
-    return {"label": label, "tenants": count, "runs": runs, "cache": cache,
-            "memory": {"worker_rss_growth_per_cached_adapter_bytes":
+    return {"label": label, "tenants": count, "runs": runs, "cache": cache, "host_warm_s": warm_s,
+            "memory": {"worker_rss_growth_per_tenant_bytes": round((after["rss_bytes"] - before["rss_bytes"]) / count),
+                       "host_tier_bytes_per_tenant": round(cache.get("host_bytes", 0) / count),
+                       "worker_rss_growth_per_cached_adapter_bytes":
                        round((after["rss_bytes"] - before["rss_bytes"]) / max(cache.get("adapters", 0), 1)),
                        "worker_cache_bytes_per_adapter": round(cache.get("bytes", 0)
                                                                / max(cache.get("adapters", 1), 1)),
@@ -300,6 +337,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ablations", default=",".join(ABLATIONS), type=lambda s: [a for a in s.split(",") if a],
                    help=f"which, at the top count: {', '.join(ABLATIONS)}")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warm-timeout", type=float, default=300.0,
+                   help="seconds to wait for the worker's host tier to load every adapter before the runs")
     p.add_argument("--adapters-file", type=Path, default=None, help="save the trained set here / reuse it")
     p.add_argument("--train-only", action="store_true", help="train (and save) the adapters, then stop")
     p.add_argument("--out", type=Path, default=Path("bench/tenants"))
@@ -314,10 +353,12 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"training": training}), file=sys.stderr)
     if args.train_only:
         return 0
-    results = [measure(c, adapters, args, {}, "batched+prefetch") for c in counts]
-    for name in [] if args.no_ablations else args.ablations:
-        setting, label = ABLATIONS[name]
-        results.append(measure(counts[-1], adapters, args, setting, label))
+    setups = [(c, {}, "batched+prefetch") for c in counts]
+    setups += [(counts[-1], *ABLATIONS[name]) for name in ([] if args.no_ablations else args.ablations)]
+    results = []
+    for count, setting, label in setups:
+        results.append(measure(count, adapters, args, setting, label))
+        print(json.dumps(results[-1]), file=sys.stderr, flush=True)  # progress: a long sweep's results so far
     plot(results, args.out)
     return write_summary(args.out, {"training": training, "results": results, "summary": summarise(results),
                                     "args": {k: str(v) for k, v in vars(args).items()}})

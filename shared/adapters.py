@@ -114,6 +114,22 @@ class AdapterWeights:
                               {i: {k: move(v) for k, v in w.items()} for i, w in self.layers.items()},
                               move(self.head_weight), move(self.head_bias), self.layer_ids)
 
+    def piece(self, layers: Sequence[int], head: bool) -> AdapterWeights:
+        """The same tensors (no copy) of some layers (none: all), with the head or without: what the store's
+        Get of those layers answers."""
+        wanted = set(layers) if layers else set(self.layers)
+        return AdapterWeights(self.base, self.labels, self.rank, {i: t for i, t in self.layers.items() if i in wanted},
+                              self.head_weight if head else None, self.head_bias if head else None, self.layer_ids)
+
+    def pinned(self) -> AdapterWeights:
+        """A copy in pinned (page-locked) host memory, which a GPU copies from asynchronously."""
+        def pin(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.pin_memory()
+
+        return AdapterWeights(self.base, self.labels, self.rank,
+                              {i: {k: pin(v) for k, v in w.items()} for i, w in self.layers.items()},
+                              pin(self.head_weight), pin(self.head_bias), self.layer_ids)
+
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor (e.g. for an optimizer, or `.requires_grad_()`)."""
         out = [t for i in sorted(self.layers) for t in (self.layers[i][k] for k in LAYER_KEYS)]

@@ -173,12 +173,17 @@ class WorkerConfig(CommonConfig):
     adapter_prefetch: bool = True    # later layers stream in while the batch computes (off: the ablation)
     adapter_batched: bool = True     # one bmm for all tenants of a batch (off: per tenant, the ablation)
     adapter_fetch_batch: int = 32    # misses' pieces of one layer fetched in one GetMany (1: one Get a piece)
+    adapter_host_bytes: int = 2 << 30  # whole adapters kept in host memory (HMI §6.2); 0: misses go to the store
+    adapter_warm_s: float = 10.0     # how often served tenant models are loaded into host memory; 0: on first use
 
     def check(self) -> None:
         super().check()
         if not 1 <= self.adapter_fetch_batch <= 256:
             raise ConfigError(f"ACADEMUS_ADAPTER_FETCH_BATCH={self.adapter_fetch_batch} must be in 1..256 (and within "
                               "the adapter store's ACADEMUS_MAX_GET_MANY)")
+        if self.adapter_host_bytes < 0 or self.adapter_warm_s < 0:
+            raise ConfigError(f"ACADEMUS_ADAPTER_HOST_BYTES={self.adapter_host_bytes} and ACADEMUS_ADAPTER_WARM_S="
+                              f"{self.adapter_warm_s} must be >= 0")
         if self.packed_attention not in ("sdpa", "hf"):
             raise ConfigError(f"ACADEMUS_PACKED_ATTENTION={self.packed_attention!r} must be sdpa|hf")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

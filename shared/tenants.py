@@ -218,3 +218,24 @@ class Quotas:
             rate, burst = answer[1], answer[2]
             raise ResourceExhausted(f"tenant {tenant!r} is over its rate limit of {rate} requests/s "
                                     f"(burst {burst}); retry in {wait_ms} ms", pushback_ms=wait_ms)
+
+
+async def served_adapters(redis: aioredis.Redis, keys: Keys, bases: set[str]) -> list[tuple[str, str, int]]:
+    """(tenant, adapter, version) of every READY tenant model on one of `bases`: what a worker running
+    those bases will be asked for (one pipelined read of every tenant's models)."""
+    tenants = sorted(await redis.smembers(keys.tenants()))
+    async with redis.pipeline(transaction=False) as pipe:
+        for tenant in tenants:
+            pipe.hgetall(keys.tenant_models(tenant))
+        records = await pipe.execute()
+    out = []
+    for tenant, models in zip(tenants, records, strict=True):
+        for raw in models.values():
+            model = TenantModel.from_json(raw)
+            if model.status == READY and model.base in bases:
+                out.append((_text(tenant), model.adapter, model.version))
+    return out
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value

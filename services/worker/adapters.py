@@ -8,7 +8,11 @@ batch, in one GetMany), and the hook of adapted layer i waits only for layer i
 (`TenantBatch.layer_ready`). With prefetch off, a miss waits for every layer before computing: the
 ablation of HMI Table 6. On a GPU worker the pieces are copied from pinned memory on a CUDA stream of their
 own, and a layer's hook makes the compute stream wait for that layer's copy event (the GPU waits, not the
-CPU); on CPU the prefetch threads alone overlap the fetches with compute."""
+CPU); on CPU the prefetch threads alone overlap the fetches with compute.
+
+The fetch source is the worker's host tier (`host_tier.HostAdapters`: every served adapter in host
+memory) or, without one, the store itself; on a CPU worker a miss resident in the host tier is taken at
+once, with no fetch."""
 
 from __future__ import annotations
 
@@ -36,14 +40,13 @@ from academus.v1 import adapter_store_pb2, adapter_store_pb2_grpc, tensors_pb2
 DEFAULT_FIRST_LAYER = upper_layers(BASES["minilm"][0])[0]   # where adapters start by default (layer 3)
 FIRST_PIECE, LAST = -1, 1 << 30               # fetch queue ranks: first pieces before any layer
 AdapterKey = tuple[str, str, int]            # tenant, name, version (0: the latest when first fetched)
-# (key, layers, head) -> safetensors bytes of that piece; raises NotFound / Unavailable.
-FetchPiece = Callable[[AdapterKey, Sequence[int], bool], bytes]
+# (key, layers, head) -> that piece: safetensors bytes (the store) or parsed (the host tier); raises
+# NotFound / Unavailable.
+FetchPiece = Callable[[AdapterKey, Sequence[int], bool], "bytes | AdapterWeights"]
+FetchMany = Callable[[Sequence[tuple[AdapterKey, Sequence[int], bool]]], list]  # -> a piece or the error, each
 
 
-FetchMany = Callable[[Sequence[tuple[AdapterKey, Sequence[int], bool]]], list]  # -> bytes or the error, each
-
-
-def _one(fetch: FetchPiece, piece: tuple[AdapterKey, Sequence[int], bool]) -> bytes | Exception:
+def _one(fetch: FetchPiece, piece: tuple[AdapterKey, Sequence[int], bool]) -> bytes | AdapterWeights | Exception:
     """A fetcher without `many`: one call a piece, its error as its answer."""
     try:
         return fetch(*piece)
@@ -130,6 +133,9 @@ class AdapterCache:
         self.prefetch, self.batched = prefetch, batched
         # HMI §6.2: on a GPU the pieces are copied on their own CUDA stream, overlapping the batch's compute.
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # On a CPU worker an adapter in the host tier is already where compute reads it: a miss takes it
+        # at once, with no fetch thread (on a GPU it must still be copied, layer by layer).
+        self._resident = getattr(fetch, "resident", None) if self.copy_stream is None else None
         self._entries: OrderedDict[AdapterKey, CachedAdapter] = OrderedDict()
         self._lock = threading.Lock()
         self._queue: queue.PriorityQueue[tuple[int, int, tuple[Piece, ...] | None]] = queue.PriorityQueue()
@@ -138,16 +144,18 @@ class AdapterCache:
                          for i in range(max(1, fetch_threads))]
         for thread in self._threads:
             thread.start()
-        self.hits = self.misses = 0
+        self.hits = self.misses = self._bytes = 0   # _bytes: the entries' total, kept as pieces come and go
 
     @property
     def bytes(self) -> int:
-        return sum(e.bytes for e in self._entries.values())
+        return self._bytes
 
     def stats(self) -> dict[str, float]:
+        """This cache's figures, and its source's (the host tier's) where it has any."""
         total = self.hits + self.misses
+        source = getattr(self.fetch, "stats", None)
         return {"adapters": len(self._entries), "bytes": self.bytes, "hits": self.hits, "misses": self.misses,
-                "hit_rate": self.hits / total if total else 0.0}
+                "hit_rate": self.hits / total if total else 0.0, **(source() if source else {})}
 
     async def acquire(self, keys: Sequence[AdapterKey | None], deadline: float | None = None) -> TenantBatch:
         """Each row's adapter, fetched first where missing; returns once every first piece is here
@@ -157,6 +165,7 @@ class AdapterCache:
         for key in keys:
             if key is not None and key not in entries:
                 entries[key] = self._entry(key, missed)
+        missed = [entry for entry in missed if not self._from_host(entry)]
         if missed:  # one queue item: their first pieces come in one store call
             self._queue.put((FIRST_PIECE, next(self._order),
                              tuple(Piece(entry, self.first_layer, first=True) for entry in missed)))
@@ -179,10 +188,25 @@ class AdapterCache:
                 self.hits += 1
                 return entry
             self.misses += 1
+            if entry is not None:  # failed, not yet dropped by its fetch thread
+                self._drop(key)
             entry = CachedAdapter(key)
             self._entries[key] = entry
         missed.append(entry)
         return entry
+
+    def _from_host(self, entry: CachedAdapter) -> bool:
+        """Completes a CPU miss from the host tier when the adapter is resident there."""
+        whole = self._resident(entry.key) if self._resident else None
+        if whole is None:
+            return False
+        entry.ready = {i: threading.Event() for i in whole.layer_ids}
+        entry.weights = AdapterWeights(whole.base, whole.labels, whole.rank, {}, whole.head_weight, whole.head_bias,
+                                       whole.layer_ids)
+        self._arrived(entry, whole)
+        entry.first.set_result(entry)
+        self._completed(entry)
+        return True
 
     def _fetcher(self) -> None:
         while (item := self._queue.get())[2] is not None:
@@ -218,7 +242,8 @@ class AdapterCache:
             try:
                 if isinstance(result, Exception):
                     raise result
-                weights, copied = self._on_device(AdapterWeights.from_bytes(result))
+                parsed = result if isinstance(result, AdapterWeights) else AdapterWeights.from_bytes(result)
+                weights, copied = self._on_device(parsed)
                 (self._first_arrived if piece.first else self._layer_arrived)(entry, weights, copied)
             except ServingError as e:
                 self._fail(entry, e)
@@ -264,7 +289,10 @@ class AdapterCache:
 
     def _arrived(self, entry: CachedAdapter, piece: AdapterWeights, copied: Any = None) -> None:
         with self._lock:  # two fetch threads may bring layers of one adapter at once
+            before = entry.bytes
             self._add(entry, piece, copied)
+            if self._entries.get(entry.key) is entry:  # one forgotten meanwhile no longer counts
+                self._bytes += entry.bytes - before
 
     @staticmethod
     def _add(entry: CachedAdapter, piece: AdapterWeights, copied: Any = None) -> None:
@@ -282,7 +310,7 @@ class AdapterCache:
         entry.error = error
         with self._lock:
             if self._entries.get(entry.key) is entry:
-                del self._entries[entry.key]
+                self._drop(entry.key)
         for event in entry.ready.values():
             event.set()                     # waiting hooks wake up and raise the error
         for future in (entry.first, entry.complete):
@@ -297,11 +325,16 @@ class AdapterCache:
                 key = next(iter(self._entries))
                 if not self._entries[key].complete.done():
                     break
-                del self._entries[key]
+                self._drop(key)
 
     def forget(self, key: AdapterKey) -> None:
         with self._lock:
-            self._entries.pop(key, None)
+            if key in self._entries:
+                self._drop(key)
+
+    def _drop(self, key: AdapterKey) -> None:
+        """Removes an entry (the caller holds the lock)."""
+        self._bytes -= self._entries.pop(key).bytes
 
     def close(self) -> None:
         for _ in self._threads:

@@ -25,6 +25,7 @@ from academus.services.worker.core import (
     ModelRunner,
     device_label,
 )
+from academus.services.worker.host_tier import HostAdapters, HostWarmer
 from academus.services.worker.profiling import profile_model
 from academus.shared import config as cfg
 from academus.shared.catalogue import spec_to_pb
@@ -227,10 +228,13 @@ async def build() -> ServiceSpec:
                          attention=config.packed_attention)
     keys = Keys(config.key_prefix)
     fetcher = StoreFetcher(config.redis_url, keys, config.adapter_store)
-    adapters = AdapterCache(fetcher, config.adapter_cache_bytes, runner.device, config.adapter_prefetch,
+    host = HostAdapters(fetcher.many, config.adapter_host_bytes, pin=runner.device.type == "cuda",
+                        batch=config.adapter_fetch_batch) if config.adapter_host_bytes else None
+    adapters = AdapterCache(host or fetcher, config.adapter_cache_bytes, runner.device, config.adapter_prefetch,
                             config.adapter_batched, fetch_batch=config.adapter_fetch_batch)
     servicer = WorkerServicer(runner, worker_id, config.instances or 1, adapters)
     registration = Registration(config, runner, worker_id, servicer)
+    warmer = HostWarmer(host, registration.redis, keys, list(runner.models), config.adapter_warm_s) if host else None
     return ServiceSpec(
         name="worker",
         config=config,
@@ -239,7 +243,7 @@ async def build() -> ServiceSpec:
         on_started=registration.register,
         on_stopping=registration.deregister,
         on_stopped=lambda: asyncio.to_thread(close_adapters, adapters, fetcher),
-        extra_tasks=[registration.heartbeat],
+        extra_tasks=[registration.heartbeat, *([warmer.run] if warmer else [])],
     )
 
 

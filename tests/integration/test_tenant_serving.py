@@ -6,6 +6,7 @@ worker; a tenant never reaches another's model; quotas answer RESOURCE_EXHAUSTED
 from __future__ import annotations
 
 import asyncio
+import json
 
 import grpc
 import numpy as np
@@ -135,3 +136,32 @@ async def test_a_tenant_model_whose_adapter_is_gone_fails_not_found_and_plain_re
         plain = await client.infer("minilm", TEXTS[:1])
     assert gone.value.status == grpc.StatusCode.NOT_FOUND
     assert len(plain.predictions[0].embedding) == 384
+
+
+async def test_a_registered_adapter_is_in_host_memory_before_its_first_request(redis_server, tmp_path):
+    """The worker's warmer loads a new tenant model into host memory (HMI §6.2): its first request is
+    answered even with the adapter store gone, equal to applying the adapter directly."""
+    settings = {"ACADEMUS_KEY_PREFIX": "warm", "ACADEMUS_WORKER_ID": "warm-worker", "ACADEMUS_ADAPTER_WARM_S": "0.2"}
+    running = await start(redis_server.url, tmp_path, **settings)
+    redis, keys = connect(redis_server.url), Keys("warm")
+    try:
+        registry, adapter = TenantRegistry(redis, keys), trained_like(30, LABELS["acme"])
+        key = await registry.create_tenant("acme", rate=1000, burst=1000)
+        version = await AdapterStoreClient(redis, keys).put("acme", "support", adapter.to_bytes(), {})
+        await registry.register_model("acme", TenantModel("support", "minilm", "support", version, LABELS["acme"]))
+        for _ in range(100):  # the worker's heartbeat publishes its host tier's figures
+            cache = await redis.hget(keys.worker("warm-worker"), "adapter_cache")
+            if cache and json.loads(cache).get("host_adapters") == 1:
+                break
+            await asyncio.sleep(0.1)
+        await running.pop(1).stop()                                    # the adapter store is gone
+        async with AsyncClient(running[-1].address, api_key=key) as client:
+            answer = await client.infer("support", TEXTS)
+        served = np.array([[p.probs[label] for label in LABELS["acme"]] for p in answer.predictions])
+        assert np.abs(served - expected([adapter] * 3)).max() < 1e-4
+        stats = json.loads(await redis.hget(keys.worker("warm-worker"), "adapter_cache"))
+        assert stats["host_warmed"] == 1 and stats["host_misses"] == 0
+    finally:
+        await redis.aclose()
+        for service in reversed(running):
+            await service.stop()
