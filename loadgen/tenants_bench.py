@@ -175,6 +175,44 @@ async def open_loop(gateway: str, keys: dict[str, str], texts: list[str], rate: 
             "latency_ms": latency_summary(histogram) if done else {}}
 
 
+async def closed_loop(gateway: str, keys: dict[str, str], texts: list[str], concurrency: int, duration_s: float,
+                      spread: str, seed: int, timeout_s: float) -> dict:
+    """Capacity, as perf_analyzer's concurrency mode measures it: `concurrency` callers, each sending its
+    next request (to a tenant picked by `spread`) when its last is answered, for `duration_s`. The
+    queue stays bounded, so no request expires and the rate is what the node sustains."""
+    from hdrh.histogram import HdrHistogram
+
+    rng = np.random.default_rng(seed)
+    tenants = list(keys)
+    pick = tenant_picker(len(tenants), spread, rng)
+    histogram, errors, used = HdrHistogram(1, MAX_LATENCY_US, 3), {}, set()
+    async with grpc.aio.insecure_channel(gateway) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        start = time.perf_counter()
+
+        async def caller(k: int) -> None:
+            i = k
+            while time.perf_counter() - start < duration_s:
+                tenant = tenants[pick()]
+                used.add(tenant)
+                sent = time.perf_counter()
+                try:
+                    await stub.Infer(inference_pb2.InferRequest(
+                        model=MODEL, inputs=[inference_pb2.TextInput(text=texts[i % len(texts)])]),
+                        timeout=timeout_s, metadata=(("x-api-key", keys[tenant]),))
+                    histogram.record_value(max(1, round((time.perf_counter() - sent) * 1e6)))
+                except grpc.aio.AioRpcError as e:
+                    errors[e.code().name] = errors.get(e.code().name, 0) + 1
+                i += concurrency
+
+        await asyncio.gather(*(caller(k) for k in range(concurrency)))
+        elapsed = time.perf_counter() - start
+    done = histogram.get_total_count()
+    return {"spread": spread, "concurrency": concurrency, "offered_rps": None, "completed": done, "errors": errors,
+            "tenants_used": len(used), "throughput_rps": round(done / elapsed, 2),
+            "latency_ms": latency_summary(histogram) if done else {}}
+
+
 def worker_facts(state: MeshState) -> dict:
     client, keys = redis.Redis.from_url(state.redis_url, decode_responses=True), Keys(state.key_prefix)
     raw = client.hget(keys.worker("worker-0"), "adapter_cache")
@@ -195,6 +233,16 @@ def wait_warm(state: MeshState, count: int, timeout_s: float) -> float | None:
             return round(time.perf_counter() - started, 1)
         time.sleep(0.5)
     return None
+
+
+def with_cpu(state: MeshState, run) -> dict:
+    """Runs one load coroutine; adds where the CPU went: ms a completed request, per mesh process."""
+    before = service_cpu_s(state)
+    out = asyncio.run(run)
+    after = service_cpu_s(state)
+    out["cpu_ms_per_request"] = {name: round((after[name] - before[name]) * 1e3 / max(out["completed"], 1), 2)
+                                 for name in before}
+    return out
 
 
 def service_cpu_s(state: MeshState) -> dict[str, float]:
@@ -234,13 +282,12 @@ def measure(count: int, adapters: list, args: argparse.Namespace, env: dict[str,
         runs = []
         for spread in args.spreads:
             for rate in args.rates:
-                cpu = service_cpu_s(state)
-                runs.append(asyncio.run(open_loop(state.gateway, keys, texts, rate, args.duration, spread,
-                                                  args.seed, args.timeout)))
-                spent = service_cpu_s(state)  # where the CPU went: ms a completed request, per service
-                runs[-1]["cpu_ms_per_request"] = {name: round((spent[name] - cpu[name]) * 1e3
-                                                              / max(runs[-1]["completed"], 1), 2) for name in cpu}
+                runs.append(with_cpu(state, open_loop(state.gateway, keys, texts, rate, args.duration, spread,
+                                                      args.seed, args.timeout)))
                 time.sleep(args.drain)  # work left queued by a saturating run must not spill into the next
+            if args.concurrency:
+                runs.append(with_cpu(state, closed_loop(state.gateway, keys, texts, args.concurrency,
+                                                        args.duration, spread, args.seed, args.timeout)))
         time.sleep(2.5)  # one worker heartbeat publishes the cache figures
         after = worker_facts(state)
     finally:
@@ -274,7 +321,7 @@ def summarise(results: list[dict]) -> dict:
         for run in result["runs"]:
             ref = base.get((run["spread"], run["offered_rps"]))
             rows.append({"label": result["label"], "tenants": result["tenants"], "spread": run["spread"],
-                         "offered_rps": run["offered_rps"],
+                         "offered_rps": run["offered_rps"], "concurrency": run.get("concurrency"),
                          "throughput_rps": run["throughput_rps"], "p95_ms": run["latency_ms"].get("p95"),
                          "throughput_vs_1": _ratio(run["throughput_rps"], ref["throughput_rps"]) if ref else None,
                          "p95_vs_1": _ratio(run["latency_ms"].get("p95"), ref["latency_ms"].get("p95"))
@@ -288,15 +335,17 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def plot(results: list[dict], out: Path) -> None:
-    """Throughput at the highest offered rate (capacity) and p95 at the lowest, against tenants (log x)."""
+    """Capacity (closed loop, else the highest offered rate) and p95 at the lowest rate, against tenants (log x)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rates = sorted({run["offered_rps"] for r in results for run in r["runs"]})
+    rates = sorted({run["offered_rps"] for r in results for run in r["runs"] if run["offered_rps"] is not None})
+    closed = any(run["offered_rps"] is None for r in results for run in r["runs"])
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, rate, field, name in ((axes[0], rates[-1], "throughput_rps", "throughput (requests/s)"),
+    # capacity: the closed-loop run where there is one, else the highest offered rate
+    for ax, rate, field, name in ((axes[0], None if closed else rates[-1], "throughput_rps", "throughput (requests/s)"),
                                   (axes[1], rates[0], "p95", "p95 latency (ms)")):
         for label in dict.fromkeys(r["label"] for r in results):
             for spread in sorted({run["spread"] for r in results for run in r["runs"]}):
@@ -309,7 +358,7 @@ def plot(results: list[dict], out: Path) -> None:
         ax.set_ylim(bottom=0)
         ax.set_xlabel("tenant models")
         ax.set_ylabel(name)
-        ax.set_title(f"offered {rate:g} req/s")
+        ax.set_title("closed loop (capacity)" if rate is None else f"offered {rate:g} req/s")
         ax.legend(fontsize=7)
     fig.suptitle("tenant models on one shared base, one CPU worker")
     fig.tight_layout()
@@ -324,6 +373,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rates", default="25,60", type=lambda s: [float(r) for r in s.split(",")],
                    help="offered requests/s (Poisson): one below capacity (latency), one above (throughput)")
     p.add_argument("--duration", type=float, default=30.0)
+    p.add_argument("--concurrency", type=int, default=64,
+                   help="callers of the closed-loop capacity run per spread (0: none)")
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--drain", type=float, default=15.0, help="seconds of quiet between runs")
     p.add_argument("--subset", type=int, default=16, help="bootstrap examples per tenant adapter")

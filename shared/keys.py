@@ -51,6 +51,10 @@ class Keys:
         """Hash: a tenant's model name -> TenantModel JSON (base, adapter version, labels, status)."""
         return f"{self.prefix}:tenant_models:{tenant_id}"
 
+    def tenant_models_changed(self) -> str:
+        """Counter: bumped on every change to any tenant's models (workers re-read them only then)."""
+        return f"{self.prefix}:tenant_models_changed"
+
     def quota(self, tenant_id: str) -> str:
         """Hash: the tenant's request token bucket (tokens, at), updated atomically by a Lua script."""
         return f"{self.prefix}:quota:{tenant_id}"

@@ -136,7 +136,10 @@ class TenantRegistry:
         # Served models are looked up first: a tenant model of the same name would never be reached.
         if await self.redis.hexists(self.keys.models(), model.name):
             raise InvalidArgument(f"model.name={model.name!r} is invalid: a served model has that name")
-        await self.redis.hset(self.keys.tenant_models(tenant), model.name, model.to_json())
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(self.keys.tenant_models(tenant), model.name, model.to_json())
+            pipe.incr(self.keys.tenant_models_changed())
+            await pipe.execute()
 
     async def model(self, tenant: str, name: str) -> TenantModel | None:
         raw = await self.redis.hget(self.keys.tenant_models(tenant), name)
@@ -149,6 +152,7 @@ class TenantRegistry:
     async def delete_model(self, tenant: str, name: str) -> None:
         if not await self.redis.hdel(self.keys.tenant_models(tenant), name):
             raise NotFound(f"model {name!r} not found")
+        await self.redis.incr(self.keys.tenant_models_changed())
 
     async def delete_tenant(self, tenant: str) -> None:
         """Removes its API keys, models, quota and record in one transaction. Its adapters' weights belong
@@ -159,6 +163,7 @@ class TenantRegistry:
             pipe.delete(*(k for k in api_keys if k), self.keys.tenant_models(tenant), self.keys.quota(tenant),
                         self.keys.tenant(tenant))
             pipe.srem(self.keys.tenants(), tenant)
+            pipe.incr(self.keys.tenant_models_changed())
             await pipe.execute()
 
     async def _other_keys(self, tenant: str) -> list[str]:
@@ -220,9 +225,15 @@ class Quotas:
                                     f"(burst {burst}); retry in {wait_ms} ms", pushback_ms=wait_ms)
 
 
+async def tenant_models_changed(redis: aioredis.Redis, keys: Keys) -> int:
+    """How many times any tenant's models have changed: unchanged, `served_adapters` is too."""
+    return int(await redis.get(keys.tenant_models_changed()) or 0)
+
+
 async def served_adapters(redis: aioredis.Redis, keys: Keys, bases: set[str]) -> list[tuple[str, str, int]]:
     """(tenant, adapter, version) of every READY tenant model on one of `bases`: what a worker running
-    those bases will be asked for (one pipelined read of every tenant's models)."""
+    those bases will be asked for (one pipelined read of every tenant's models; read it again only
+    when `tenant_models_changed` moved)."""
     tenants = sorted(await redis.smembers(keys.tenants()))
     async with redis.pipeline(transaction=False) as pipe:
         for tenant in tenants:

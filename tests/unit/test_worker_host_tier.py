@@ -123,15 +123,20 @@ async def test_served_adapters_are_the_ready_models_of_the_workers_bases(redis):
         ("acme", "support-ad", 2), ("globex", "spam", 1)]
 
 
-async def test_the_warmer_loads_served_models_not_yet_resident(redis):
+async def test_the_warmer_loads_served_models_not_yet_resident_and_rereads_only_after_a_change(redis):
     keys = Keys("warmer")
     registry = TenantRegistry(redis, keys)
-    stored = adapters(3)
-    for tenant, name, version in stored:
+    stored = adapters(4)
+    for tenant, name, version in list(stored)[:3]:
         await registry.create_tenant(tenant)
         await registry.register_model(tenant, TenantModel(name, "minilm", name, version, LABELS))
-    store = WholeStore(stored)
+    store = WholeStore({})                                          # the store lost its files: nothing loads
     host = HostAdapters(store, budget_bytes=1 << 30)
     warmer = HostWarmer(host, redis, keys, ["minilm"], interval_s=0.05)
-    assert await warmer.once() == 3 and all(k in host for k in stored)
-    assert await warmer.once() == 0 and len(store.calls) == 1       # nothing fetched twice
+    assert await warmer.once() == 0 and len(store.calls) == 1
+    store.adapters = stored                                         # back: the next round tries again
+    assert await warmer.once() == 3 and all(k in host for k in list(stored)[:3])
+    assert await warmer.once() == 0 and len(store.calls) == 2       # nothing changed: nothing fetched
+    await registry.create_tenant("t3")
+    await registry.register_model("t3", TenantModel("m", "minilm", "m", 1, LABELS))
+    assert await warmer.once() == 1 and ("t3", "m", 1) in host
