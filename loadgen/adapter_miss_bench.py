@@ -5,8 +5,9 @@ adapters put, then fetched through the worker's StoreFetcher and AdapterCache on
     python -m academus.loadgen.adapter_miss_bench [--adapters 300]
 
 Reports per miss (wall and process CPU, store side included): one miss at a time, and misses in batches
-of 16 fetched one Get a piece or one GetMany a layer; and per piece: the first Get (head + layer 4), a
-later layer's Get, one Get of the whole file, and parsing a piece. The last line printed is the JSON.
+of 16 fetched one Get a piece or one GetMany a layer, or taken from a warmed host tier; and per piece:
+the first Get (head + layer 4), a later layer's Get, one Get of the whole file, and parsing a piece. The
+last line printed is the JSON.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from academus.loadgen.adapters_bench import perturbed_adapter
 from academus.services.worker.adapters import AdapterCache, StoreFetcher
+from academus.services.worker.host_tier import HostAdapters
 from academus.shared.adapters import AdapterWeights
 from academus.shared.keys import Keys
 from academus.shared.onboarding import AdapterStoreClient
@@ -77,13 +79,16 @@ def main(argv: list[str] | None = None) -> int:
     on_loop(put_all())
     fetcher = StoreFetcher(redis.url, Keys(PREFIX))
 
-    def misses(batch: int, fetch_batch: int) -> dict[str, float]:
-        """Every adapter missed once, `batch` of them a request batch (each batch's misses together)."""
-        cache = AdapterCache(fetcher, 1 << 30, fetch_batch=fetch_batch)
+    def misses(batch: int, fetch_batch: int, host: HostAdapters | None = None) -> dict[str, float]:
+        """Every adapter missed once, `batch` of them a request batch (each batch's misses together);
+        with `host`, the device cache's misses go to that host tier instead of the store."""
+        cache = AdapterCache(host or fetcher, 1 << 30, fetch_batch=fetch_batch)
 
         async def run() -> None:
             for start in range(0, count, batch):
-                acquired = await cache.acquire([(f"t{k}", "m", 0) for k in range(start, min(start + batch, count))])
+                version = 1 if host else 0  # the host tier keeps only pinned versions
+                keys = [(f"t{k}", "m", version) for k in range(start, min(start + batch, count))]
+                acquired = await cache.acquire(keys)
                 await asyncio.gather(*(asyncio.wrap_future(e.complete) for e in acquired.entries))
 
         try:
@@ -96,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         misses(16, 32)   # warm-up: every file read once into the store's file cache, as in steady serving
         result = {"adapters": count, "miss": misses(1, 1),
                   "miss_in_batches_of_16": {"one_get_a_piece": misses(16, 1), "get_many": misses(16, 32)}}
+        host = HostAdapters(fetcher.many, 1 << 32)
+        host.warm([(f"t{k}", "m", 1) for k in range(count)])
+        result["miss_in_batches_of_16"]["host_tier_resident"] = misses(16, 32, host)
         pieces: list[bytes] = []
         result["get_first_piece"] = per_call_ms(count, lambda k: pieces.append(fetcher((f"t{k}", "m", 0), [3], True)))
         result["get_one_layer"] = per_call_ms(count, lambda k: fetcher((f"t{k}", "m", 0), [4], False))
