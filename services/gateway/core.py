@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import redis.asyncio as aioredis
 
@@ -16,6 +18,8 @@ from academus.shared.errors import FailedPrecondition, InvalidArgument, NotFound
 from academus.shared.keys import Keys
 from academus.shared.tenants import READY, Quotas, TenantModel, TenantRegistry
 from academus.shared.tokenization import Encoded, TeacherTokenizer, TextTooLong
+
+K, V = TypeVar("K"), TypeVar("V")
 
 # What the caller asked for, as the core names it (the edge maps the proto enum).
 LABEL, SCORE, EMBED = "label", "score", "embedding"
@@ -47,25 +51,47 @@ class Admitted:
     tenant_model: TenantModel | None = None  # set when `spec` is the caller's own model on a served base
 
 
+class ExpiringCache(Generic[K, V]):
+    """Entries trusted for `ttl_s`, at most `max_entries` of them (the least recently stored go first):
+    memory stays bounded however many tenants call."""
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float], max_entries: int = 100_000) -> None:
+        self.ttl_s, self.clock, self.max_entries = ttl_s, clock, max_entries
+        self._entries: OrderedDict[K, tuple[float, V]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: K) -> V | None:
+        hit = self._entries.get(key)
+        return hit[1] if hit and hit[0] > self.clock() else None
+
+    def put(self, key: K, value: V) -> None:
+        self._entries[key] = (self.clock() + self.ttl_s, value)
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+
 class Authenticator:
     """API key -> principal via Redis (SHA-256 of the key); verified keys are cached briefly."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, cache_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.redis, self.keys, self.cache_s, self.clock = redis, keys, cache_s, clock
-        self._cache: dict[str, tuple[float, Principal]] = {}
+        self.redis, self.keys = redis, keys
+        self._cache: ExpiringCache[str, Principal] = ExpiringCache(cache_s, clock)
 
     async def authenticate(self, api_key: str | None) -> Principal:
         if not api_key:
             raise Unauthenticated("missing API key: send it as `x-api-key` (or `authorization: Bearer`) metadata")
-        hit = self._cache.get(api_key)
-        if hit and hit[0] > self.clock():
-            return hit[1]
+        principal = self._cache.get(api_key)
+        if principal is not None:
+            return principal
         record = await self.redis.hgetall(self.keys.api_key(api_key))
         if not record:
             raise Unauthenticated("invalid API key")
         principal = Principal(record["tenant"], record.get("role", "tenant"))
-        self._cache[api_key] = (self.clock() + self.cache_s, principal)
+        self._cache.put(api_key, principal)
         return principal
 
 
@@ -104,16 +130,16 @@ class TenantModels:
     costs no more Redis reads than a served model's."""
 
     def __init__(self, registry: TenantRegistry, cache_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.registry, self.cache_s, self.clock = registry, cache_s, clock
-        self._cache: dict[tuple[str, str], tuple[float, TenantModel]] = {}
+        self.registry = registry
+        self._cache: ExpiringCache[tuple[str, str], TenantModel] = ExpiringCache(cache_s, clock)
 
     async def get(self, tenant: str, name: str) -> TenantModel | None:
-        hit = self._cache.get((tenant, name))
-        if hit and hit[0] > self.clock():
-            return hit[1]
+        model = self._cache.get((tenant, name))
+        if model is not None:
+            return model
         model = await self.registry.model(tenant, name)
         if model is not None:
-            self._cache[(tenant, name)] = (self.clock() + self.cache_s, model)
+            self._cache.put((tenant, name), model)
         return model
 
 

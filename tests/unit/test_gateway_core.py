@@ -116,6 +116,21 @@ async def test_auth_cache_expires_with_the_clock(redis_url):
     await redis.aclose()
 
 
+def test_the_gateways_caches_stay_within_their_bound_dropping_the_least_recently_stored():
+    from academus.services.gateway.core import ExpiringCache
+
+    now = [0.0]
+    cache: ExpiringCache[str, int] = ExpiringCache(5.0, lambda: now[0], max_entries=3)
+    for i in range(5):
+        cache.put(f"tenant{i}", i)
+    assert len(cache) == 3 and cache.get("tenant0") is None and cache.get("tenant4") == 4
+    cache.put("tenant2", 22)                       # stored again: now the most recent
+    cache.put("tenant5", 5)
+    assert cache.get("tenant3") is None and cache.get("tenant2") == 22
+    now[0] = 5.0
+    assert cache.get("tenant5") is None            # expired with the clock
+
+
 async def test_only_the_key_hash_is_stored(redis_url):
     redis = connect(redis_url)
     await redis.hset(KEYS.api_key("secret-value"), mapping={"tenant": "t"})
