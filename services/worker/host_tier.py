@@ -101,13 +101,19 @@ class HostAdapters:
         out: dict[AdapterKey, AdapterWeights | Exception] = {}
         for start in range(0, len(keys), self.batch):
             chunk = keys[start:start + self.batch]
-            try:
-                results = self.store_many([(key, (), True) for key in chunk])
-            except Exception as e:  # the store is unreachable: each of them failed
-                results = [e] * len(chunk)
+            results = self._fetch(chunk)
+            if len(chunk) > 1 and all(isinstance(r, Exception) for r in results):
+                results = [self._fetch([key])[0] for key in chunk]  # e.g. large files past one message's limit
             for key, result in zip(chunk, results, strict=True):
                 out[key] = result if isinstance(result, Exception) else self._parse(key, result, evict)
         return out
+
+    def _fetch(self, keys: Sequence[AdapterKey]) -> list:
+        """Whole files (layers=()) in one store call; a failed call is each key's error."""
+        try:
+            return self.store_many([(key, (), True) for key in keys])
+        except Exception as e:
+            return [e] * len(keys)
 
     def _parse(self, key: AdapterKey, data: bytes, evict: bool) -> AdapterWeights | Exception:
         try:
