@@ -84,9 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         with `host`, the device cache's misses go to that host tier instead of the store."""
         cache = AdapterCache(host or fetcher, 1 << 30, fetch_batch=fetch_batch)
 
+        version = 1 if host else 0  # the host tier keeps only pinned versions
+
         async def run() -> None:
             for start in range(0, count, batch):
-                version = 1 if host else 0  # the host tier keeps only pinned versions
                 keys = [(f"t{k}", "m", version) for k in range(start, min(start + batch, count))]
                 acquired = await cache.acquire(keys)
                 await asyncio.gather(*(asyncio.wrap_future(e.complete) for e in acquired.entries))

@@ -130,6 +130,11 @@ class AdapterWeights:
                               {i: {k: pin(v) for k, v in w.items()} for i, w in self.layers.items()},
                               pin(self.head_weight), pin(self.head_bias), self.layer_ids)
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes of every tensor this adapter (or piece) holds."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor (e.g. for an optimizer, or `.requires_grad_()`)."""
         out = [t for i in sorted(self.layers) for t in (self.layers[i][k] for k in LAYER_KEYS)]

@@ -149,6 +149,23 @@ class TenantRegistry:
         raw = await self.redis.hgetall(self.keys.tenant_models(tenant))
         return [TenantModel.from_json(raw[name]) for name in sorted(raw)]
 
+    async def models_changed(self) -> int:
+        """How many times any tenant's models have changed: unchanged, `served_adapters` is too."""
+        return int(await self.redis.get(self.keys.tenant_models_changed()) or 0)
+
+    async def served_adapters(self, bases: set[str]) -> list[tuple[str, str, int]]:
+        """(tenant, adapter, version) of every READY tenant model on one of `bases`: what a worker running
+        those bases will be asked for (one pipelined read of every tenant's models)."""
+        tenants = await self.tenants()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for tenant in tenants:
+                pipe.hgetall(self.keys.tenant_models(tenant))
+            records = await pipe.execute()
+        return [(tenant, model.adapter, model.version)
+                for tenant, models in zip(tenants, records, strict=True)
+                for model in map(TenantModel.from_json, models.values())
+                if model.status == READY and model.base in bases]
+
     async def delete_model(self, tenant: str, name: str) -> None:
         if not await self.redis.hdel(self.keys.tenant_models(tenant), name):
             raise NotFound(f"model {name!r} not found")
@@ -224,29 +241,3 @@ class Quotas:
             raise ResourceExhausted(f"tenant {tenant!r} is over its rate limit of {rate} requests/s "
                                     f"(burst {burst}); retry in {wait_ms} ms", pushback_ms=wait_ms)
 
-
-async def tenant_models_changed(redis: aioredis.Redis, keys: Keys) -> int:
-    """How many times any tenant's models have changed: unchanged, `served_adapters` is too."""
-    return int(await redis.get(keys.tenant_models_changed()) or 0)
-
-
-async def served_adapters(redis: aioredis.Redis, keys: Keys, bases: set[str]) -> list[tuple[str, str, int]]:
-    """(tenant, adapter, version) of every READY tenant model on one of `bases`: what a worker running
-    those bases will be asked for (one pipelined read of every tenant's models; read it again only
-    when `tenant_models_changed` moved)."""
-    tenants = sorted(await redis.smembers(keys.tenants()))
-    async with redis.pipeline(transaction=False) as pipe:
-        for tenant in tenants:
-            pipe.hgetall(keys.tenant_models(tenant))
-        records = await pipe.execute()
-    out = []
-    for tenant, models in zip(tenants, records, strict=True):
-        for raw in models.values():
-            model = TenantModel.from_json(raw)
-            if model.status == READY and model.base in bases:
-                out.append((_text(tenant), model.adapter, model.version))
-    return out
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -196,17 +196,12 @@ class AdapterCache:
         return entry
 
     def _from_host(self, entry: CachedAdapter) -> bool:
-        """Completes a CPU miss from the host tier when the adapter is resident there."""
+        """Completes a CPU miss from the host tier when the adapter is resident there: its first piece
+        is the whole adapter, so nothing is left to queue."""
         whole = self._resident(entry.key) if self._resident else None
-        if whole is None:
-            return False
-        entry.ready = {i: threading.Event() for i in whole.layer_ids}
-        entry.weights = AdapterWeights(whole.base, whole.labels, whole.rank, {}, whole.head_weight, whole.head_bias,
-                                       whole.layer_ids)
-        self._arrived(entry, whole)
-        entry.first.set_result(entry)
-        self._completed(entry)
-        return True
+        if whole is not None:
+            self._first_arrived(entry, whole, None)
+        return whole is not None
 
     def _fetcher(self) -> None:
         while (item := self._queue.get())[2] is not None:
@@ -301,10 +296,8 @@ class AdapterCache:
                 entry.copies[i] = (copied, list(tensors.values()))
         for i, tensors in piece.layers.items():
             entry.weights.layers[i] = tensors
-            entry.bytes += sum(t.numel() * t.element_size() for t in tensors.values())
             entry.ready[i].set()
-        if piece.head_weight is not None:
-            entry.bytes += sum(t.numel() * t.element_size() for t in (piece.head_weight, piece.head_bias))
+        entry.bytes += piece.nbytes
 
     def _fail(self, entry: CachedAdapter, error: ServingError) -> None:
         entry.error = error

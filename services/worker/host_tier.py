@@ -13,25 +13,19 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
-import redis.asyncio as aioredis
-
+from academus.services.worker.adapters import AdapterKey, FetchMany
 from academus.shared.adapters import AdapterWeights
-from academus.shared.keys import Keys
 from academus.shared.logs import log_event
-from academus.shared.tenants import served_adapters, tenant_models_changed
-
-AdapterKey = tuple[str, str, int]
-Piece = tuple[AdapterKey, Sequence[int], bool]
-StoreMany = Callable[[Sequence[Piece]], list]   # the store's GetMany: bytes or the error, each
+from academus.shared.tenants import TenantRegistry
 
 
 class HostAdapters:
     """Whole adapters in host memory within `budget_bytes` (LRU); a `FetchPiece` with `many` for the
     device cache. Version 0 ("the latest") is never kept: the latest may change under it."""
 
-    def __init__(self, store_many: StoreMany, budget_bytes: int, pin: bool = False, batch: int = 16) -> None:
+    def __init__(self, store_many: FetchMany, budget_bytes: int, pin: bool = False, batch: int = 16) -> None:
         self.store_many, self.budget, self.pin, self.batch = store_many, budget_bytes, pin, max(1, batch)
         self._resident: OrderedDict[AdapterKey, tuple[AdapterWeights, int]] = OrderedDict()
         self._lock = threading.Lock()
@@ -62,7 +56,7 @@ class HostAdapters:
             raise result
         return result
 
-    def many(self, pieces: Sequence[Piece]) -> list[AdapterWeights | Exception]:
+    def many(self, pieces: Sequence[tuple[AdapterKey, Sequence[int], bool]]) -> list[AdapterWeights | Exception]:
         """Each piece sliced from its resident adapter; the missing ones fetched whole first, together."""
         found = self._lookup({key for key, _, _ in pieces})
         missing = [key for key in dict.fromkeys(key for key, _, _ in pieces) if key not in found]
@@ -122,9 +116,8 @@ class HostAdapters:
             return e
         if self.pin:  # pinned: the device cache's copies run asynchronously on its copy stream
             weights = weights.pinned()
-        size = sum(t.numel() * t.element_size() for t in weights.tensors())
         if key[2] > 0:
-            self._keep(key, weights, size, evict)
+            self._keep(key, weights, weights.nbytes, evict)
         return weights
 
     def _keep(self, key: AdapterKey, weights: AdapterWeights, size: int, evict: bool) -> None:
@@ -142,9 +135,8 @@ class HostWarmer:
     """Every `interval_s`, loads the served tenant models of this worker's bases into the host tier
     (on a thread: the store calls block), so a tenant's first request finds its adapter in host memory."""
 
-    def __init__(self, host: HostAdapters, redis: aioredis.Redis, keys: Keys, bases: Sequence[str],
-                 interval_s: float) -> None:
-        self.host, self.redis, self.keys, self.bases, self.interval_s = host, redis, keys, set(bases), interval_s
+    def __init__(self, host: HostAdapters, registry: TenantRegistry, bases: Sequence[str], interval_s: float) -> None:
+        self.host, self.registry, self.bases, self.interval_s = host, registry, set(bases), interval_s
         self._loaded_at: int | None = None   # tenant_models_changed when everything served was last loaded
 
     async def run(self) -> None:
@@ -158,10 +150,10 @@ class HostWarmer:
     async def once(self) -> int:
         """Loads what is missing; a round is one GET while no tenant model changed since the last full
         load (reading 10,000 tenants' models costs the event loop ~0.1 s)."""
-        changed = await tenant_models_changed(self.redis, self.keys)
+        changed = await self.registry.models_changed()
         if changed == self._loaded_at:
             return 0
-        served = await served_adapters(self.redis, self.keys, self.bases)
+        served = await self.registry.served_adapters(self.bases)
         keys = [key for key in served if key not in self.host]
         loaded = await asyncio.to_thread(self.host.warm, keys) if keys else 0
         if loaded == len(keys) or self.host.bytes >= self.host.budget:  # else (store away) try again next round

@@ -37,6 +37,7 @@ from academus.shared.plot.hierarchical import PlotStates
 from academus.shared.plot.wire import lookup_from_pb
 from academus.shared.redis_conn import connect
 from academus.shared.serving import ServiceSpec, Stubs, run
+from academus.shared.tenants import TenantRegistry
 from academus.shared.tracing import annotate
 from academus.v1 import (
     inference_pb2,
@@ -234,7 +235,8 @@ async def build() -> ServiceSpec:
                             config.adapter_batched, fetch_batch=config.adapter_fetch_batch)
     servicer = WorkerServicer(runner, worker_id, config.instances or 1, adapters)
     registration = Registration(config, runner, worker_id, servicer)
-    warmer = HostWarmer(host, registration.redis, keys, list(runner.models), config.adapter_warm_s) if host else None
+    warmer = HostWarmer(host, TenantRegistry(registration.redis, keys), list(runner.models),
+                        config.adapter_warm_s) if host else None
     return ServiceSpec(
         name="worker",
         config=config,

@@ -16,7 +16,7 @@ from academus.services.worker.host_tier import HostAdapters, HostWarmer
 from academus.shared.adapters import AdapterWeights
 from academus.shared.errors import NotFound, ResourceExhausted
 from academus.shared.keys import Keys
-from academus.shared.tenants import FAILED, TenantModel, TenantRegistry, served_adapters
+from academus.shared.tenants import FAILED, TenantModel, TenantRegistry
 from tests.unit.test_worker_adapters import TEXTS, direct, runner, tokens, trained_like  # noqa: F401
 
 LABELS = ["neg", "pos"]
@@ -37,10 +37,6 @@ class WholeStore:
 
 def adapters(count: int) -> dict[AdapterKey, AdapterWeights]:
     return {(f"t{k}", "m", 1): trained_like(k, LABELS) for k in range(count)}
-
-
-def size(adapter: AdapterWeights) -> int:
-    return sum(t.numel() * t.element_size() for t in adapter.tensors())
 
 
 def test_pieces_come_from_host_memory_once_the_whole_adapter_is_there():
@@ -92,7 +88,7 @@ def test_version_zero_is_fetched_each_time_never_kept():
 
 def test_use_evicts_the_least_recently_used_past_the_budget_but_warming_never_evicts():
     stored = adapters(4)
-    one = size(next(iter(stored.values())))
+    one = next(iter(stored.values())).nbytes
     host = HostAdapters(WholeStore(stored), budget_bytes=int(2.5 * one))
     assert host.warm(stored) == 2                                   # room for two; the others are not loaded
     assert ("t0", "m", 1) in host and ("t2", "m", 1) not in host
@@ -121,7 +117,7 @@ def test_the_device_cache_over_the_host_tier_serves_exactly_the_direct_applicati
     assert store.calls[1:] == [[(keys[2], (), True)]]               # after the warm-up: the third, whole, once
     stats = cache.stats()
     assert stats["misses"] == 3 and stats["host_hits"] == 2 + 2 and stats["host_misses"] == 1
-    assert stats["bytes"] == sum(size(a) for a in stored.values()) and keys[2] in host
+    assert stats["bytes"] == sum(a.nbytes for a in stored.values()) and keys[2] in host
     cache.close()
 
 
@@ -133,8 +129,8 @@ async def test_served_adapters_are_the_ready_models_of_the_workers_bases(redis):
     await registry.register_model("acme", TenantModel("support", "minilm", "support-ad", 2, LABELS))
     await registry.register_model("globex", TenantModel("spam", "minilm-plot", "spam", 1, LABELS))
     await registry.register_model("initech", TenantModel("x", "minilm", "x", 1, LABELS, status=FAILED))
-    assert await served_adapters(redis, keys, {"minilm"}) == [("acme", "support-ad", 2)]
-    assert sorted(await served_adapters(redis, keys, {"minilm", "minilm-plot"})) == [
+    assert await registry.served_adapters({"minilm"}) == [("acme", "support-ad", 2)]
+    assert sorted(await registry.served_adapters({"minilm", "minilm-plot"})) == [
         ("acme", "support-ad", 2), ("globex", "spam", 1)]
 
 
@@ -147,7 +143,7 @@ async def test_the_warmer_loads_served_models_not_yet_resident_and_rereads_only_
         await registry.register_model(tenant, TenantModel(name, "minilm", name, version, LABELS))
     store = WholeStore({})                                          # the store lost its files: nothing loads
     host = HostAdapters(store, budget_bytes=1 << 30)
-    warmer = HostWarmer(host, redis, keys, ["minilm"], interval_s=0.05)
+    warmer = HostWarmer(host, registry, ["minilm"], interval_s=0.05)
     assert await warmer.once() == 0 and store.calls
     store.adapters = stored                                         # back: the next round tries again
     assert await warmer.once() == 3 and all(k in host for k in list(stored)[:3])
