@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
 from academus.shared.config import GatewayConfig
 from academus.shared.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from academus.shared.expiring import ExpiringCache
 from academus.shared.keys import Keys, new_api_key
 
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -222,20 +223,20 @@ class Quotas:
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, unlimited_cache_s: float = 0.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.keys, self.unlimited_cache_s, self.clock = keys, unlimited_cache_s, clock
+        self.keys = keys
         self._take = redis.register_script(_TAKE)
-        self._unlimited: dict[str, float] = {}   # tenant -> until when it is known to have no quota
+        self._unlimited: ExpiringCache[str, bool] = ExpiringCache(unlimited_cache_s, clock)  # known to have none
 
     async def take(self, tenant: str) -> None:
         """Takes one request's token, or raises ResourceExhausted with the wait as a pushback hint.
         A tenant without a record (the admin, older keys) is remembered briefly, as verified keys are,
         so that its requests do not pay a Redis round trip each for a quota they do not have."""
-        if self._unlimited.get(tenant, float("-inf")) > self.clock():
+        if self._unlimited.get(tenant):
             return
         answer = await self._take(keys=[self.keys.tenant(tenant), self.keys.quota(tenant)])
         wait_ms = int(answer[0])
         if wait_ms < 0:
-            self._unlimited[tenant] = self.clock() + self.unlimited_cache_s
+            self._unlimited.put(tenant, True)
         if wait_ms > 0:
             rate, burst = answer[1], answer[2]
             raise ResourceExhausted(f"tenant {tenant!r} is over its rate limit of {rate} requests/s "

@@ -5,21 +5,18 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
 
 import redis.asyncio as aioredis
 
 from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
 from academus.shared.config import POLICY_NAMES, GatewayConfig
 from academus.shared.errors import FailedPrecondition, InvalidArgument, NotFound, Unauthenticated, Unavailable
+from academus.shared.expiring import ExpiringCache
 from academus.shared.keys import Keys
 from academus.shared.tenants import READY, Quotas, TenantModel, TenantRegistry
 from academus.shared.tokenization import Encoded, TeacherTokenizer, TextTooLong
-
-K, V = TypeVar("K"), TypeVar("V")
 
 # What the caller asked for, as the core names it (the edge maps the proto enum).
 LABEL, SCORE, EMBED = "label", "score", "embedding"
@@ -49,28 +46,6 @@ class Admitted:
     truncated: list[bool]
     tokenize_ms: float
     tenant_model: TenantModel | None = None  # set when `spec` is the caller's own model on a served base
-
-
-class ExpiringCache(Generic[K, V]):
-    """Entries trusted for `ttl_s`, at most `max_entries` of them (the least recently stored go first):
-    memory stays bounded however many tenants call."""
-
-    def __init__(self, ttl_s: float, clock: Callable[[], float], max_entries: int = 100_000) -> None:
-        self.ttl_s, self.clock, self.max_entries = ttl_s, clock, max_entries
-        self._entries: OrderedDict[K, tuple[float, V]] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def get(self, key: K) -> V | None:
-        hit = self._entries.get(key)
-        return hit[1] if hit and hit[0] > self.clock() else None
-
-    def put(self, key: K, value: V) -> None:
-        self._entries[key] = (self.clock() + self.ttl_s, value)
-        self._entries.move_to_end(key)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
 
 
 class Authenticator:

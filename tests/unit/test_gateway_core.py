@@ -117,7 +117,7 @@ async def test_auth_cache_expires_with_the_clock(redis_url):
 
 
 def test_the_gateways_caches_stay_within_their_bound_dropping_the_least_recently_stored():
-    from academus.services.gateway.core import ExpiringCache
+    from academus.shared.expiring import ExpiringCache
 
     now = [0.0]
     cache: ExpiringCache[str, int] = ExpiringCache(5.0, lambda: now[0], max_entries=3)
