@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -138,41 +139,51 @@ def tenant_picker(count: int, spread: str, rng: np.random.Generator, zipf_s: flo
     return lambda: int(min(np.searchsorted(cdf, rng.random()), count - 1))
 
 
+class TenantCalls:
+    """Infer calls to tenants picked by `spread` over one channel, recorded in one histogram: what the
+    open and the closed loop share."""
+
+    def __init__(self, stub, keys: dict[str, str], spread: str, seed: int, timeout_s: float) -> None:
+        from hdrh.histogram import HdrHistogram
+
+        self.stub, self.keys, self.timeout_s = stub, keys, timeout_s
+        self.tenants = list(keys)
+        self.pick = tenant_picker(len(self.tenants), spread, np.random.default_rng(seed))
+        self.histogram, self.errors, self.used = HdrHistogram(1, MAX_LATENCY_US, 3), {}, set()
+
+    async def send(self, text: str) -> None:
+        tenant = self.tenants[self.pick()]
+        self.used.add(tenant)
+        sent = time.perf_counter()
+        try:
+            await self.stub.Infer(inference_pb2.InferRequest(model=MODEL, inputs=[inference_pb2.TextInput(text=text)]),
+                                  timeout=self.timeout_s, metadata=(("x-api-key", self.keys[tenant]),))
+            self.histogram.record_value(max(1, round((time.perf_counter() - sent) * 1e6)))
+        except grpc.aio.AioRpcError as e:
+            self.errors[e.code().name] = self.errors.get(e.code().name, 0) + 1
+
+    def result(self, elapsed_s: float, **run: object) -> dict:
+        done = self.histogram.get_total_count()
+        return {**run, "completed": done, "errors": self.errors, "tenants_used": len(self.used),
+                "throughput_rps": round(done / elapsed_s, 2),
+                "latency_ms": latency_summary(self.histogram) if done else {}}
+
+
 async def open_loop(gateway: str, keys: dict[str, str], texts: list[str], rate: float, duration_s: float,
                     spread: str, seed: int, timeout_s: float) -> dict:
     """Poisson arrivals at `rate`, each to a tenant picked by `spread`; sent on schedule (open loop)."""
-    from hdrh.histogram import HdrHistogram
-
     rng = np.random.default_rng(seed)
-    tenants = list(keys)
-    pick = tenant_picker(len(tenants), spread, rng)
     arrivals = np.cumsum(rng.exponential(1 / rate, int(rate * duration_s * 1.5)))
     arrivals = arrivals[arrivals < duration_s]
-    histogram, errors, used = HdrHistogram(1, MAX_LATENCY_US, 3), {}, set()
     async with grpc.aio.insecure_channel(gateway) as channel:
-        stub = inference_pb2_grpc.InferenceStub(channel)
-
-        async def one(tenant: str, text: str) -> None:
-            sent = time.perf_counter()
-            try:
-                await stub.Infer(inference_pb2.InferRequest(model=MODEL, inputs=[inference_pb2.TextInput(text=text)]),
-                                 timeout=timeout_s, metadata=(("x-api-key", keys[tenant]),))
-                histogram.record_value(max(1, round((time.perf_counter() - sent) * 1e6)))
-            except grpc.aio.AioRpcError as e:
-                errors[e.code().name] = errors.get(e.code().name, 0) + 1
-
-        start, calls = time.perf_counter(), []
+        calls = TenantCalls(inference_pb2_grpc.InferenceStub(channel), keys, spread, seed, timeout_s)
+        start, sent = time.perf_counter(), []
         for i, at in enumerate(arrivals):
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-            tenant = tenants[pick()]
-            used.add(tenant)
-            calls.append(asyncio.create_task(one(tenant, texts[i % len(texts)])))
-        await asyncio.gather(*calls)
+            sent.append(asyncio.create_task(calls.send(texts[i % len(texts)])))
+        await asyncio.gather(*sent)
         elapsed = time.perf_counter() - start
-    done = histogram.get_total_count()
-    return {"spread": spread, "offered_rps": rate, "sent": len(arrivals), "completed": done, "errors": errors,
-            "tenants_used": len(used), "throughput_rps": round(done / elapsed, 2),
-            "latency_ms": latency_summary(histogram) if done else {}}
+    return calls.result(elapsed, spread=spread, offered_rps=rate, sent=len(arrivals))
 
 
 async def closed_loop(gateway: str, keys: dict[str, str], texts: list[str], concurrency: int, duration_s: float,
@@ -180,37 +191,19 @@ async def closed_loop(gateway: str, keys: dict[str, str], texts: list[str], conc
     """Capacity, as perf_analyzer's concurrency mode measures it: `concurrency` callers, each sending its
     next request (to a tenant picked by `spread`) when its last is answered, for `duration_s`. The
     queue stays bounded, so no request expires and the rate is what the node sustains."""
-    from hdrh.histogram import HdrHistogram
-
-    rng = np.random.default_rng(seed)
-    tenants = list(keys)
-    pick = tenant_picker(len(tenants), spread, rng)
-    histogram, errors, used = HdrHistogram(1, MAX_LATENCY_US, 3), {}, set()
     async with grpc.aio.insecure_channel(gateway) as channel:
-        stub = inference_pb2_grpc.InferenceStub(channel)
+        calls = TenantCalls(inference_pb2_grpc.InferenceStub(channel), keys, spread, seed, timeout_s)
         start = time.perf_counter()
 
         async def caller(k: int) -> None:
-            i = k
-            while time.perf_counter() - start < duration_s:
-                tenant = tenants[pick()]
-                used.add(tenant)
-                sent = time.perf_counter()
-                try:
-                    await stub.Infer(inference_pb2.InferRequest(
-                        model=MODEL, inputs=[inference_pb2.TextInput(text=texts[i % len(texts)])]),
-                        timeout=timeout_s, metadata=(("x-api-key", keys[tenant]),))
-                    histogram.record_value(max(1, round((time.perf_counter() - sent) * 1e6)))
-                except grpc.aio.AioRpcError as e:
-                    errors[e.code().name] = errors.get(e.code().name, 0) + 1
-                i += concurrency
+            for i in itertools.count(k, concurrency):
+                if time.perf_counter() - start >= duration_s:
+                    return
+                await calls.send(texts[i % len(texts)])
 
         await asyncio.gather(*(caller(k) for k in range(concurrency)))
         elapsed = time.perf_counter() - start
-    done = histogram.get_total_count()
-    return {"spread": spread, "concurrency": concurrency, "offered_rps": None, "completed": done, "errors": errors,
-            "tenants_used": len(used), "throughput_rps": round(done / elapsed, 2),
-            "latency_ms": latency_summary(histogram) if done else {}}
+    return calls.result(elapsed, spread=spread, concurrency=concurrency, offered_rps=None)
 
 
 def worker_facts(state: MeshState) -> dict:
