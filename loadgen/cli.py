@@ -1,4 +1,4 @@
-"""`academus loadgen` / `python -m loadgen`: open-loop stress runs against a running mesh.
+"""`academus loadgen` / `python -m loadgen`: open-loop stress runs (or a closed-loop capacity run) against a mesh.
 
     academus loadgen run --model sentiment --policy fifo --schedule poisson:20 --duration 30 --texts task:sentiment
     academus loadgen compare --runs spam:student,spam:fifo --schedule tweet:20 --duration 60 --texts task:spam
@@ -24,13 +24,15 @@ from pathlib import Path
 from academus.client import AsyncClient
 from academus.loadgen import analysis, plots, schedule, texts
 from academus.loadgen.analysis import parse_runs, ratios, run_label
-from academus.loadgen.runner import RunResult, run
+from academus.loadgen.runner import RunResult, run, run_closed
 from academus.shared.config import run_dir
 from academus.shared.mesh import ADMIN_KEY_FILE, MeshState
 
 __all__ = ["main", "parser", "ratios"]
 
-SCHEDULES = "poisson:RATE | bursts:BASE,BURST,PERIOD,BURST_S | tweet:MEAN_RATE | trace:FILE[,SPEED]"
+SCHEDULES = ("poisson:RATE | bursts:BASE,BURST,PERIOD,BURST_S | tweet:MEAN_RATE | trace:FILE[,SPEED] | "
+             "closed:N (N callers, each sending when its last is answered: capacity)")
+CLOSED_LOOP_TEXTS = 4096  # texts cycled by a closed loop, which has no schedule to size them
 
 
 def add_load_options(s: argparse.ArgumentParser) -> None:
@@ -81,11 +83,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def cmd_load(args: argparse.Namespace) -> int:
     runs = [(args.model, args.policy)] if args.command == "run" else parse_runs(args.runs)
-    arrivals = schedule.parse(args.schedule, args.duration, args.seed)
+    concurrency = schedule.closed_concurrency(args.schedule)
+    arrivals = [] if concurrency else schedule.parse(args.schedule, args.duration, args.seed)
     text_spec = args.length_dist or args.texts
-    samples = texts.parse(text_spec, max(1, len(arrivals)), args.seed)
+    samples = texts.parse(text_spec, CLOSED_LOOP_TEXTS if concurrency else max(1, len(arrivals)), args.seed)
     gateway, key = target(args)
-    results = asyncio.run(run_all(gateway, key, runs, arrivals, samples, args))
+    results = asyncio.run(run_all(gateway, key, runs, arrivals, samples, args, concurrency))
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"schedule": args.schedule, "duration_s": args.duration, "texts": text_spec,
               "timeout_s": args.timeout, "runs": [r.report() for r in results]}
@@ -128,11 +131,18 @@ def target(args: argparse.Namespace) -> tuple[str, str | None]:
 
 
 async def run_all(gateway: str, key: str | None, runs: list[tuple[str, str]], arrivals: list[float],
-                  samples: list[texts.Sample], args: argparse.Namespace) -> list[RunResult]:
+                  samples: list[texts.Sample], args: argparse.Namespace,
+                  concurrency: int | None = None) -> list[RunResult]:
+    """Each run in turn (runs must not share the machine): open loop on `arrivals`, or a closed loop
+    of `concurrency` callers."""
     results = []
     async with AsyncClient(gateway, api_key=key, timeout=args.timeout) as client:
-        for model, policy in runs:  # one after the other: runs must not share the machine
-            results.append(await run(client, model, arrivals, samples, args.timeout, args.duration, policy))
+        for model, policy in runs:
+            if concurrency:
+                results.append(await run_closed(client, model, concurrency, samples, args.timeout, args.duration,
+                                                policy))
+            else:
+                results.append(await run(client, model, arrivals, samples, args.timeout, args.duration, policy))
     return results
 
 

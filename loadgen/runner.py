@@ -1,8 +1,10 @@
-"""One open-loop run against a gateway: send on schedule, record every answer, summarise."""
+"""One run against a gateway: open loop (send on schedule) or closed loop (N callers, each sending its
+next request when its last is answered); record every answer, summarise."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -35,11 +37,12 @@ class Record:
 class RunResult:
     model: str
     policy: str               # the one asked for, else the one the answers name
-    offered_rps: float
+    offered_rps: float | None  # None for a closed loop: the load is `concurrency` callers
     duration_s: float
     records: list[Record] = field(default_factory=list)
     deadline_ms: float | None = None
     requested_policy: str = ""
+    concurrency: int | None = None
 
     def report(self) -> dict:
         ok = [r for r in self.records if r.code == "OK"]
@@ -53,7 +56,8 @@ class RunResult:
             "model": self.model,
             "requested_policy": self.requested_policy,
             "served_by": dict(Counter(r.meta.policy for r in ok if r.meta is not None)),
-            "offered_rps": round(self.offered_rps, 3),
+            "offered_rps": None if self.offered_rps is None else round(self.offered_rps, 3),
+            "concurrency": self.concurrency,
             "sent": len(self.records),
             "completed": len(ok),
             "errors": dict(Counter(r.code for r in self.records if r.code != "OK")),
@@ -80,6 +84,18 @@ def answered(sample: Sample, sent_at: float, latency_ms: float, answer: InferRes
                   answer.metadata)
 
 
+async def call(client: AsyncClient, result: RunResult, sample: Sample, start: float, timeout_s: float) -> None:
+    """One request, recorded in `result` (times from `start`)."""
+    sent = time.perf_counter()
+    try:
+        answer = await client.infer(result.model, [sample.text], timeout=timeout_s, policy=result.requested_policy)
+    except AcademusError as e:
+        result.records.append(Record(sent - start, (time.perf_counter() - sent) * 1e3, e.code))
+        return
+    result.policy = result.policy or answer.metadata.policy
+    result.records.append(answered(sample, sent - start, (time.perf_counter() - sent) * 1e3, answer))
+
+
 async def run(client: AsyncClient, model: str, arrivals: list[float], samples: list[Sample],
               timeout_s: float, duration_s: float, policy: str = "") -> RunResult:
     """Sends request i at arrivals[i] with samples[i % n], asking for deployment `policy` ("" = any);
@@ -89,19 +105,32 @@ async def run(client: AsyncClient, model: str, arrivals: list[float], samples: l
     start = time.perf_counter()
 
     async def one(i: int, at: float) -> None:
-        sample = samples[i % len(samples)]
         delay = at - (time.perf_counter() - start)
         if delay > 0:
             await asyncio.sleep(delay)
-        sent = time.perf_counter()
-        try:
-            answer = await client.infer(model, [sample.text], timeout=timeout_s, policy=policy)
-        except AcademusError as e:
-            result.records.append(Record(sent - start, (time.perf_counter() - sent) * 1e3, e.code))
-            return
-        result.policy = result.policy or answer.metadata.policy
-        result.records.append(answered(sample, sent - start, (time.perf_counter() - sent) * 1e3, answer))
+        await call(client, result, samples[i % len(samples)], start, timeout_s)
 
     await asyncio.gather(*(one(i, at) for i, at in enumerate(arrivals)))
     result.duration_s = max(duration_s, time.perf_counter() - start)
+    return result
+
+
+async def run_closed(client: AsyncClient, model: str, concurrency: int, samples: list[Sample],
+                     timeout_s: float, duration_s: float, policy: str = "") -> RunResult:
+    """Capacity, as perf_analyzer's concurrency mode measures it: `concurrency` callers, each sending its
+    next text when its last is answered, until `duration_s`. The queue stays bounded, so no request
+    expires in it and the throughput is what the deployment sustains (an open loop past capacity
+    measures its backlog instead)."""
+    result = RunResult(model, policy, None, duration_s, deadline_ms=timeout_s * 1e3, requested_policy=policy,
+                       concurrency=concurrency)
+    start = time.perf_counter()
+
+    async def caller(k: int) -> None:
+        for i in itertools.count(k, concurrency):
+            if time.perf_counter() - start >= duration_s:
+                return
+            await call(client, result, samples[i % len(samples)], start, timeout_s)
+
+    await asyncio.gather(*(caller(k) for k in range(concurrency)))
+    result.duration_s = time.perf_counter() - start
     return result

@@ -131,6 +131,16 @@ def write_trace(times: list[float], path: Path, header: str = "") -> Path:
     return Path(path)
 
 
+def closed_concurrency(spec: str) -> int | None:
+    """N for `closed:N` (a closed loop of N callers, no schedule), else None."""
+    kind, _, args = spec.partition(":")
+    if kind != "closed":
+        return None
+    if not args.isdigit() or int(args) < 1:
+        raise ValueError(f"bad schedule {spec!r}: closed:N needs a whole number of callers N >= 1")
+    return int(args)
+
+
 def parse(spec: str, duration_s: float, seed: int = 0) -> list[float]:
     """`poisson:RATE`, `bursts:BASE,BURST,PERIOD,BURST_S`, `tweet:MEAN_RATE` or `trace:FILE[,SPEED]`."""
     kind, _, args = spec.partition(":")
@@ -148,4 +158,4 @@ def parse(spec: str, duration_s: float, seed: int = 0) -> list[float]:
     except ValueError as e:
         raise ValueError(f"bad schedule {spec!r}: {e}") from e
     raise ValueError(f"bad schedule {spec!r}: use poisson:RATE, bursts:BASE,BURST,PERIOD,BURST_S, "
-                     "tweet:MEAN_RATE or trace:FILE[,SPEED]")
+                     "tweet:MEAN_RATE, trace:FILE[,SPEED] or closed:N")

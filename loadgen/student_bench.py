@@ -5,8 +5,11 @@
 Deployments: `student` for `<task>-students`, `padded` for the teacher `<task>` and the single 2-layer
 baseline `<task>-2l`. Steps, each an `academus loadgen` invocation whose report lands under --out:
 
-0. capacity: the padded teacher under a saturating Poisson load (60 s deadlines, so the bounded queue
-   drains at the service rate); its completed rate is C.
+0. capacity: the padded teacher, then the student group (its number adapting), each under a closed loop
+   of --concurrency callers (`closed:N`: perf_analyzer's concurrency mode). The teacher's completed
+   rate is C. (An open loop past capacity measured the backlog, not the teacher: requests expiring in
+   the queue and the load generator's own growing CPU gave 53.9 req/s, while the same teacher then
+   completed 91.4 req/s inside the bursts.)
 1. (a)+(b): Poisson at 0.5·C: `<task>:padded`, `<task>-students:student` (S = --students, default one
    student a worker), `<task>-2l:padded`.
 2. (c): on/off bursts to 3·C (base 0.5·C): `<task>:padded` vs `<task>-students:student`, the student
@@ -59,10 +62,10 @@ def run(args: argparse.Namespace) -> dict:
     common = ["--duration", str(args.duration), "--texts", f"task:{task}"]
     state = start(args, out / "run", 120.0)
     try:
-        # a long deadline: the saturated queue drains at the service rate instead of expiring mid-batch
-        capacity = loadgen(out / "run", out / "capacity", "run", "--model", task, "--policy", "padded",
-                           "--schedule", f"poisson:{args.saturate}", *common, "--timeout", "60"
-                           )["runs"][0]["throughput_rps"]
+        set_students(state, students, group_size(state, args))
+        capacities = loadgen(out / "run", out / "capacity", "compare", "--runs", f"{task}:padded,{students}:student",
+                             "--schedule", f"closed:{args.concurrency}", *common, "--timeout", "60")["runs"]
+        capacity = capacities[0]["throughput_rps"]
         set_students(state, students, group_size(state, args))
         half = loadgen(out / "run", out / "half_load", "compare", "--runs",
                        f"{task}:padded,{students}:student,{single}:padded",
@@ -80,7 +83,7 @@ def run(args: argparse.Namespace) -> dict:
                          *common, "--timeout", str(args.timeout))
     finally:
         down(out / "run-bursts")
-    return summarise(capacity, half, bursts, json.loads(traces.stdout.strip().splitlines()[-1]), period)
+    return summarise(capacities, half, bursts, json.loads(traces.stdout.strip().splitlines()[-1]), period)
 
 
 def in_burst_rps(run: dict, period: float) -> float:
@@ -89,11 +92,14 @@ def in_burst_rps(run: dict, period: float) -> float:
     return round(sum(b["completed"] for b in bins) / len(bins), 3) if bins else 0.0
 
 
-def summarise(capacity: float, half: dict, bursts: dict, traces: dict, period: float) -> dict:
+def summarise(capacities: list[dict], half: dict, bursts: dict, traces: dict, period: float) -> dict:
     teacher, group, single = half["runs"]
     b_teacher, b_group = bursts["runs"]
+    c_teacher, c_group = (r["throughput_rps"] for r in capacities)
     return {
-        "teacher_capacity_rps": capacity,
+        "teacher_capacity_rps": c_teacher, "students_capacity_rps": c_group,
+        "capacity_students_vs_teacher": round(c_group / max(c_teacher, 1e-9), 3),
+        "capacity_student_number": capacities[1].get("student_number"),
         "a_p95_students_vs_teacher": _ratio(group, teacher, "p95"), "a_target": "<= 0.25",
         "a_p50_students_vs_teacher": _ratio(group, teacher, "p50"),
         "b_p50_students_vs_single_2l": _ratio(group, single, "p50"), "b_target": "<= 0.7",
@@ -123,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("bench/student"))
     p.add_argument("--task", choices=["sentiment", "spam"], default="sentiment")
     p.add_argument("--duration", type=float, default=30.0)
-    p.add_argument("--saturate", type=float, default=400.0, help="offered rps for the capacity run")
+    p.add_argument("--concurrency", type=int, default=64, help="callers of the closed-loop capacity runs")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--worker-threads", type=int, default=1)
     p.add_argument("--instances", type=int, default=1)

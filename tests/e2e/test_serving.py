@@ -207,6 +207,19 @@ def test_loadgen_compare_writes_report_and_plots(mesh, tmp_path):
     assert (out / "latency_cdf.png").stat().st_size > 1000 and (out / "timeline_0_spam.png").exists()
 
 
+def test_loadgen_closed_loop_keeps_n_callers_busy(mesh, tmp_path):
+    """`closed:N` (capacity): N callers each send their next text when the last is answered, so every
+    request is answered and none expires."""
+    out = tmp_path / "closed"
+    proc = cli(mesh, "loadgen", "run", "--model", "spam", "--schedule", "closed:3", "--duration", "2",
+               "--texts", "task:spam", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    run = json.loads(proc.stdout.splitlines()[-1])["runs"][0]
+    assert run["concurrency"] == 3 and run["offered_rps"] is None
+    assert run["completed"] == run["sent"] > 3 and not run["errors"]
+    assert run["throughput_rps"] > 0 and run["accuracy"] > 0.5
+
+
 def test_every_server_offers_reflection_and_health(mesh):
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 

@@ -40,6 +40,14 @@ def test_trace_replay_shifts_and_scales(tmp_path):
     assert schedule.replay(path, speed=2) == [0.0, 0.25, 0.5]
 
 
+def test_closed_loop_schedule_names_its_callers():
+    assert schedule.closed_concurrency("closed:64") == 64
+    assert schedule.closed_concurrency("poisson:5") is None
+    for bad in ("closed:0", "closed:x", "closed:"):
+        with pytest.raises(ValueError, match="closed:N needs a whole number"):
+            schedule.closed_concurrency(bad)
+
+
 @pytest.mark.parametrize("spec", ["poisson:-1", "bursts:1,2", "nope:1", "bursts:1,5,2,3"])
 def test_bad_schedules_are_named(spec):
     with pytest.raises(ValueError, match="bad schedule"):
