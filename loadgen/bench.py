@@ -1,11 +1,16 @@
-"""What the benchmark scripts share: one `academus loadgen` run in a subprocess, and the summary file."""
+"""What the benchmark scripts share: one `academus loadgen` run in a subprocess, the CPU the mesh spends,
+and the summary file."""
 
 from __future__ import annotations
 
 import json
+import os
+import resource
 import subprocess
 import sys
 from pathlib import Path
+
+from academus.shared.mesh import MeshState
 
 
 def loadgen(run_dir: Path, out: Path, *args: str) -> dict:
@@ -20,3 +25,35 @@ def write_summary(out: Path, summary: dict) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary))
     return 0
+
+
+def service_cpu_s(state: MeshState) -> dict[str, float]:
+    """CPU seconds (user + system) each mesh process has used so far, Redis included."""
+    tick = os.sysconf("SC_CLK_TCK")
+    pids = {s.name: s.pid for s in state.services} | ({"redis": state.redis_pid} if state.redis_pid else {})
+    out = {}
+    for name, pid in pids.items():
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        out[name] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def loadgen_with_cpu(state: MeshState, run_dir: Path, out: Path, *args: str) -> dict:
+    """`loadgen` for a single run, its report's run entry with the CPU ms a completed request cost in
+    each mesh process and in the load generator itself (`loadgen`)."""
+    before, client_before = service_cpu_s(state), _children_cpu_s()
+    run = loadgen(run_dir, out, *args)["runs"][0]
+    after, client_after = service_cpu_s(state), _children_cpu_s()
+    run["cpu_ms_per_request"] = cpu_ms_per_request(before | {"loadgen": client_before},
+                                                   after | {"loadgen": client_after}, run["completed"])
+    return run
+
+
+def cpu_ms_per_request(before: dict[str, float], after: dict[str, float], completed: int) -> dict[str, float]:
+    """CPU ms each process spent a completed request between two `service_cpu_s` readings."""
+    return {name: round((after[name] - before[name]) * 1e3 / max(completed, 1), 2) for name in before}
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime

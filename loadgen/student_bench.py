@@ -7,9 +7,10 @@ baseline `<task>-2l`. Steps, each an `academus loadgen` invocation whose report 
 
 0. capacity: the padded teacher, then the student group (its number adapting), each under a closed loop
    of --concurrency callers (`closed:N`: perf_analyzer's concurrency mode). The teacher's completed
-   rate is C. (An open loop past capacity measured the backlog, not the teacher: requests expiring in
-   the queue and the load generator's own growing CPU gave 53.9 req/s, while the same teacher then
-   completed 91.4 req/s inside the bursts.)
+   rate is C; the CPU ms a completed request costs in each process (workers: model compute; the rest:
+   serving) says what bounds a capacity ratio. (An open loop past capacity measured the backlog, not
+   the teacher: requests expiring in the queue and the load generator's own growing CPU gave 53.9 req/s,
+   while the same teacher then completed 91.4 req/s inside the bursts.)
 1. (a)+(b): Poisson at 0.5·C: `<task>:padded`, `<task>-students:student` (S = --students, default one
    student a worker), `<task>-2l:padded`.
 2. (c): on/off bursts to 3·C (base 0.5·C): `<task>:padded` vs `<task>-students:student`, the student
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import redis
 
-from academus.loadgen.bench import loadgen, write_summary
+from academus.loadgen.bench import loadgen, loadgen_with_cpu, write_summary
 from academus.shared.keys import Keys
 from academus.shared.mesh import Deployment, MeshOptions, down, up
 
@@ -63,8 +64,10 @@ def run(args: argparse.Namespace) -> dict:
     state = start(args, out / "run", 120.0)
     try:
         set_students(state, students, group_size(state, args))
-        capacities = loadgen(out / "run", out / "capacity", "compare", "--runs", f"{task}:padded,{students}:student",
-                             "--schedule", f"closed:{args.concurrency}", *common, "--timeout", "60")["runs"]
+        capacities = [loadgen_with_cpu(state, out / "run", out / f"capacity_{policy}", "run", "--model", model,
+                                       "--policy", policy, "--schedule", f"closed:{args.concurrency}", *common,
+                                       "--timeout", "60")
+                      for model, policy in ((task, "padded"), (students, "student"))]
         capacity = capacities[0]["throughput_rps"]
         set_students(state, students, group_size(state, args))
         half = loadgen(out / "run", out / "half_load", "compare", "--runs",
@@ -100,6 +103,7 @@ def summarise(capacities: list[dict], half: dict, bursts: dict, traces: dict, pe
         "teacher_capacity_rps": c_teacher, "students_capacity_rps": c_group,
         "capacity_students_vs_teacher": round(c_group / max(c_teacher, 1e-9), 3),
         "capacity_student_number": capacities[1].get("student_number"),
+        "capacity_cpu_ms_per_request": {r["model"]: r["cpu_ms_per_request"] for r in capacities},
         "a_p95_students_vs_teacher": _ratio(group, teacher, "p95"), "a_target": "<= 0.25",
         "a_p50_students_vs_teacher": _ratio(group, teacher, "p50"),
         "b_p50_students_vs_single_2l": _ratio(group, single, "p50"), "b_target": "<= 0.7",

@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import itertools
 import json
-import os
 import random
 import sys
 import tempfile
@@ -31,7 +30,7 @@ import grpc
 import numpy as np
 import redis
 
-from academus.loadgen.bench import write_summary
+from academus.loadgen.bench import cpu_ms_per_request, service_cpu_s, write_summary
 from academus.loadgen.runner import MAX_LATENCY_US, latency_summary
 from academus.shared.keys import Keys
 from academus.shared.mesh import Deployment, MeshOptions, MeshState, down, up
@@ -233,19 +232,7 @@ def with_cpu(state: MeshState, run) -> dict:
     before = service_cpu_s(state)
     out = asyncio.run(run)
     after = service_cpu_s(state)
-    out["cpu_ms_per_request"] = {name: round((after[name] - before[name]) * 1e3 / max(out["completed"], 1), 2)
-                                 for name in before}
-    return out
-
-
-def service_cpu_s(state: MeshState) -> dict[str, float]:
-    """CPU seconds (user + system) each mesh process has used so far, Redis included."""
-    tick = os.sysconf("SC_CLK_TCK")
-    pids = {s.name: s.pid for s in state.services} | ({"redis": state.redis_pid} if state.redis_pid else {})
-    out = {}
-    for name, pid in pids.items():
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        out[name] = (int(fields[11]) + int(fields[12])) / tick
+    out["cpu_ms_per_request"] = cpu_ms_per_request(before, after, out["completed"])
     return out
 
 
