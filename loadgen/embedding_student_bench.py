@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from dataclasses import replace
 
 import torch
 
@@ -26,12 +28,17 @@ VARIANTS = {"base": ({}, {}), "more": ({"sotu_train": 34500}, {"boost_epochs": 0
             "layers3": ({}, {"layers": 3})}
 
 
+def variant_config(variant: str) -> distill.DistillConfig:
+    """One student, one pass, with the variant's change."""
+    return replace(distill.DistillConfig(max_students=1, boost_epochs=1.0), **VARIANTS[variant][1])
+
+
 def first_student(variant: str) -> dict:
-    sizes, changes = VARIANTS[variant]
+    sizes = VARIANTS[variant][0]
+    cfg = variant_config(variant)
     saved = dict(distill.EMBEDDING_SIZES)
     distill.EMBEDDING_SIZES.update(sizes)
     try:
-        cfg = distill.DistillConfig(max_students=1, boost_epochs=1.0, **changes)
         torch.manual_seed(cfg.seed)
         teacher, data = distill.load_data(distill.EMBEDDING_TASK, artifacts_dir(), None, cfg)
     finally:
@@ -52,7 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", default=",".join(VARIANTS))
     args = p.parse_args(argv)
-    summary = {v: first_student(v) for v in args.variants.split(",")}
+    summary = {}
+    for variant in args.variants.split(","):
+        summary[variant] = first_student(variant)
+        print(f"{variant}: {json.dumps(summary[variant])}", file=sys.stderr, flush=True)
     print(json.dumps(summary))
     return 0
 

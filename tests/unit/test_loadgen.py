@@ -252,3 +252,13 @@ def test_report_holds_utility_breakdown_and_timeline():
 def test_timeline_plot_is_written(tmp_path):
     run = RunResult("spam", "fifo", 2.0, 2.0, records=[Record(0.2, 20.0, "OK", 3), Record(1.2, 30.0, "OK", 2)])
     assert plots.timeline(run, tmp_path / "t.png").stat().st_size > 1000
+
+
+def test_embedding_student_variants_change_one_thing_each():
+    from academus.loadgen.embedding_student_bench import VARIANTS, variant_config
+
+    base = variant_config("base")
+    assert base.max_students == 1 and base.boost_epochs == 1.0 and base.layers == 2
+    assert variant_config("layers3").layers == 3
+    more = variant_config("more")   # twice the texts, half a pass: the same number of steps
+    assert more.boost_epochs == 0.5 and VARIANTS["more"][0]["sotu_train"] > 2 * 12000
