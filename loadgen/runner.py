@@ -7,6 +7,7 @@ import asyncio
 import itertools
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from hdrh.histogram import HdrHistogram
@@ -124,13 +125,21 @@ async def run_closed(client: AsyncClient, model: str, concurrency: int, samples:
     result = RunResult(model, policy, None, duration_s, deadline_ms=timeout_s * 1e3, requested_policy=policy,
                        concurrency=concurrency)
     start = time.perf_counter()
+    result.duration_s = await closed_callers(
+        concurrency, duration_s, lambda i: call(client, result, samples[i % len(samples)], start, timeout_s))
+    return result
+
+
+async def closed_callers(concurrency: int, duration_s: float, send: Callable[[int], Awaitable[None]]) -> float:
+    """`concurrency` callers; caller k awaits send(k), send(k + concurrency), ... one after the other
+    until `duration_s` has passed. Returns the seconds it took (the last answers included)."""
+    start = time.perf_counter()
 
     async def caller(k: int) -> None:
         for i in itertools.count(k, concurrency):
             if time.perf_counter() - start >= duration_s:
                 return
-            await call(client, result, samples[i % len(samples)], start, timeout_s)
+            await send(i)
 
     await asyncio.gather(*(caller(k) for k in range(concurrency)))
-    result.duration_s = time.perf_counter() - start
-    return result
+    return time.perf_counter() - start

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import random
 import sys
@@ -31,7 +30,7 @@ import numpy as np
 import redis
 
 from academus.loadgen.bench import cpu_ms_per_request, service_cpu_s, write_summary
-from academus.loadgen.runner import MAX_LATENCY_US, latency_summary
+from academus.loadgen.runner import MAX_LATENCY_US, closed_callers, latency_summary
 from academus.shared.keys import Keys
 from academus.shared.mesh import Deployment, MeshOptions, MeshState, down, up
 from academus.shared.onboarding import AdapterStoreClient
@@ -192,16 +191,7 @@ async def closed_loop(gateway: str, keys: dict[str, str], texts: list[str], conc
     queue stays bounded, so no request expires and the rate is what the node sustains."""
     async with grpc.aio.insecure_channel(gateway) as channel:
         calls = TenantCalls(inference_pb2_grpc.InferenceStub(channel), keys, spread, seed, timeout_s)
-        start = time.perf_counter()
-
-        async def caller(k: int) -> None:
-            for i in itertools.count(k, concurrency):
-                if time.perf_counter() - start >= duration_s:
-                    return
-                await calls.send(texts[i % len(texts)])
-
-        await asyncio.gather(*(caller(k) for k in range(concurrency)))
-        elapsed = time.perf_counter() - start
+        elapsed = await closed_callers(concurrency, duration_s, lambda i: calls.send(texts[i % len(texts)]))
     return calls.result(elapsed, spread=spread, concurrency=concurrency, offered_rps=None)
 
 

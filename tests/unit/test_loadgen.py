@@ -262,3 +262,26 @@ def test_embedding_student_variants_change_one_thing_each():
     assert variant_config("layers3").layers == 3
     more = variant_config("more")   # twice the texts, half a pass: the same number of steps
     assert more.boost_epochs == 0.5 and VARIANTS["more"][0]["sotu_train"] > 2 * 12000
+
+
+def test_closed_callers_keep_at_most_n_in_flight_and_send_each_index_once():
+    import asyncio
+
+    from academus.loadgen.runner import closed_callers
+
+    sent: list[int] = []
+    in_flight, peak = 0, 0
+
+    async def send(i: int) -> None:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        sent.append(i)
+        await asyncio.sleep(0.005)
+        in_flight -= 1
+
+    elapsed = asyncio.run(closed_callers(3, 0.1, send))
+    assert peak == 3 and elapsed >= 0.1
+    assert len(sent) == len(set(sent)) > 6
+    assert sorted(sent)[:3] == [0, 1, 2]   # caller k sends k, k + 3, k + 6, ...
+    assert all(i - 3 in sent for i in sent if i >= 3)
