@@ -90,6 +90,8 @@ class DistillConfig:
     limits: dict[str, int] = field(default_factory=dict)   # split -> at most N examples (quick runs)
     seed: int = 0
     init: str = "teacher"               # first student: the teacher's bottom layers, or "minilm-l3" (ONNX)
+    extra_sotu: int = 0                 # embedding task: SOTU training sentences added past the fixed
+                                        # validation and test slices (the default splits stay as they are)
 
 
 QUICK = DistillConfig(max_students=2, boost_epochs=2.0, prune_epochs=1.0, lr=3e-4, train_max_tokens=64,
@@ -191,7 +193,8 @@ def _general_texts(data_dir: Path, cfg: DistillConfig) -> dict[str, list[str]]:
                         cfg.limits.get("validation", v)) for k, v in sizes.items()}
     sotu = sotu_sentences(sotu_pkg)
     a, b = sizes["sotu_train"], sizes["sotu_train"] + sizes["sotu_validation"]
-    return {"train": sotu[:a], "validation": sotu[a:b], "test": sotu[b:b + sizes["sotu_test"]],
+    c = b + sizes["sotu_test"]
+    return {"train": sotu[:a] + sotu[c:c + cfg.extra_sotu], "validation": sotu[a:b], "test": sotu[b:c],
             "heldout": wordnet_texts(wordnet_pkg)[:sizes["heldout"]], "spam_train": sizes["spam_train"]}
 
 

@@ -191,3 +191,15 @@ def test_round_trip_catalogue_and_bad_manifests(tmp_path: Path) -> None:
         load_student_group(tmp_path, "sentiment")
     with pytest.raises(ArtifactError, match=r"no manifest\.json"):
         load_student_group(tmp_path, "spam")
+
+
+def test_extra_sotu_grows_the_training_text_and_leaves_validation_and_test_alone(dataset_dir: Path) -> None:
+    from academus.shared.training.distill import DistillConfig, _general_texts
+
+    default = _general_texts(dataset_dir, DistillConfig())
+    more = _general_texts(dataset_dir, DistillConfig(extra_sotu=500))
+    for split in ("validation", "test", "heldout"):
+        assert more[split] == default[split]
+    n = len(default["train"])
+    assert more["train"][:n] == default["train"] and len(more["train"]) == n + 500
+    assert not set(more["train"]) & set(default["validation"] + default["test"])

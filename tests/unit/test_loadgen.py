@@ -261,7 +261,7 @@ def test_embedding_student_variants_change_one_thing_each():
     assert base.max_students == 1 and base.boost_epochs == 1.0 and base.layers == 2
     assert variant_config("layers3").layers == 3
     more = variant_config("more")   # twice the texts, half a pass: the same number of steps
-    assert more.boost_epochs == 0.5 and VARIANTS["more"][0]["sotu_train"] > 2 * 12000
+    assert more.boost_epochs == 0.5 and more.extra_sotu == VARIANTS["more"]["extra_sotu"] > 12000
 
 
 def test_closed_callers_keep_at_most_n_in_flight_and_send_each_index_once():
