@@ -7,8 +7,8 @@ number of samples under one change at a time, scored by mean cosine to the teach
 - more: twice as many distinct texts (22,500 more SOTU sentences past the fixed validation and test
   slices), half a pass: the same steps;
 - layers3: the default data, one pass, 3 layers (1.5× the compute).
-A changed training set re-embeds its texts and replaces the cached teacher embeddings (the next default
-run re-embeds in turn). The last line printed is the JSON summary (validation, in-domain test and held-out
+A changed training set embeds its texts once into a cache of its own (the default run's cache is kept).
+The last line printed is the JSON summary (validation, in-domain test and held-out
 WordNet cosine per variant).
 """
 

@@ -11,8 +11,8 @@ baseline `<task>-2l`. Steps, each an `academus loadgen` invocation whose report 
    serving) says what bounds a capacity ratio. (An open loop past capacity measured the backlog, not
    the teacher: requests expiring in the queue and the load generator's own growing CPU gave 53.9 req/s,
    while the same teacher then completed 91.4 req/s inside the bursts.)
-1. (a)+(b): Poisson at 0.5·C: `<task>:padded`, `<task>-students:student` (S = --students, default one
-   student a worker), `<task>-2l:padded`.
+1. (a)+(b): Poisson at 0.5·C: `<task>:padded`, `<task>-students:student` (S = --students, default the
+   best-pruned k the resource manager starts from), `<task>-2l:padded`.
 2. (c): on/off bursts to 3·C (base 0.5·C): `<task>:padded` vs `<task>-students:student`, the student
    number adapting (the quiet window is shortened to --window seconds so it shows within the run).
 3. (d): the latency breakdown from the recorded traces and from response metadata.
@@ -52,7 +52,13 @@ def start(args: argparse.Namespace, run_dir: Path, window_s: float):
 def group_size(state, args: argparse.Namespace) -> int:
     spec = redis.Redis.from_url(state.redis_url, decode_responses=True).hget(Keys(state.key_prefix).models(),
                                                                               f"{args.task}-students")
-    return min(args.students or args.workers, int(json.loads(spec)["max_students"]))  # default: one a device
+    return start_students(json.loads(spec), args.students)
+
+
+def start_students(spec: dict, wanted: int) -> int:
+    """`wanted`, capped at the group's M; 0: the deployment's own start, the best-pruned k (where the
+    resource manager starts a student model)."""
+    return min(wanted or spec.get("default_students") or spec["max_students"], spec["max_students"])
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -137,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--worker-threads", type=int, default=1)
     p.add_argument("--instances", type=int, default=1)
-    p.add_argument("--students", type=int, default=0, help="the group size S at the start of each run "
-                                                           "(default: one student a worker, capped at M)")
+    p.add_argument("--students", type=int, default=0, help="the group size S at the start of each run, capped "
+                                                           "at M (default: the best-pruned k, where the "
+                                                           "resource manager starts)")
     p.add_argument("--window", type=float, default=5.0, help="quiet window before a student is added back (s)")
     p.add_argument("--queue", type=int, default=256)
     p.add_argument("--timeout", type=float, default=5.0)

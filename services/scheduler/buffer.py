@@ -110,6 +110,10 @@ class LengthAwareBuffer:
         self.samples -= sum(j.num_texts for j in removed)
         return removed
 
+    def tail_keys(self) -> list[Hashable]:
+        """The keys that have a tail element (where a sample of that key would merge)."""
+        return list(self._tails)
+
     def __len__(self) -> int:
         """Elements, not samples: the buffer's capacity is counted in elements (one a group)."""
         return len(self._elements)

@@ -13,7 +13,7 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -145,7 +145,12 @@ class StudentPolicy(DispatchPolicy):
     its length bin, and a freed group takes the head element at once, never waiting to fill a batch.
 
     The buffer holds at most one element per group (its capacity follows `resize`); beyond it jobs
-    wait in arrival order in the admission queue, whose bound the Dispatcher enforces.
+    wait in arrival order in the admission queue, whose bound the Dispatcher enforces. Merging takes no
+    buffer place, so a sample whose bin has a buffered element with room joins it at once even while
+    others queue, and an element that enters the buffer takes the queued samples of its bin (up to
+    max_merge, in arrival order): under load elements fill instead of running one sample each. Queued
+    jobs are indexed by bin as well, so both stay O(1) per job (a job taken through one index is
+    skipped lazily in the other).
     """
 
     name = "student"
@@ -155,6 +160,8 @@ class StudentPolicy(DispatchPolicy):
         self.buffer = LengthAwareBuffer(max_merge, bin_width, max_length)
         self.capacity = 1
         self.merged = 0                # samples that joined an existing element (a metric)
+        self._queued: dict[int, Job] = {}            # the admission queue's live jobs, by id
+        self._by_key: dict[Hashable, deque[Job]] = {}  # the same jobs per buffer key, in arrival order
 
     def resize(self, groups: int) -> None:
         self.capacity = max(1, groups)
@@ -163,39 +170,81 @@ class StudentPolicy(DispatchPolicy):
     def push(self, job: Job, now: float, front: bool = False) -> None:
         if front:
             self.buffer.push_front(job)
-        elif self._jobs or len(self.buffer) >= self.capacity:
-            self._jobs.append(job)
-            self._refill()
-        else:
+        elif self.buffer.merges(job):
             self.merged += self.buffer.push(job)
+        elif self._queued or len(self.buffer) >= self.capacity:
+            self._queued[id(job)] = job
+            self._jobs.append(job)
+            self._by_key.setdefault(self.buffer.key_of(job), deque()).append(job)
+        else:
+            self.buffer.push(job)
 
     def next_batch(self, accepts: Accepts, now: float) -> list[Job]:
         element = self.buffer.pop(accepts)
-        if element is None and self._jobs:  # the head of the admission queue may suit this group
-            job = next((j for j in self._jobs if accepts(j)), None)
-            return [self._take(job)] if job is not None else []
+        if element is None and self._queued:  # the head of the admission queue may suit this group
+            job = next((j for j in self._waiting() if accepts(j)), None)
+            if job is None:
+                return []
+            del self._queued[id(job)]
+            self._refill()
+            return [job]
         self._refill()
         return element.jobs if element is not None else []
 
     def _refill(self) -> None:
-        """Moves queued jobs into the buffer while it has room (merging as they enter)."""
-        while self._jobs and (len(self.buffer) < self.capacity or self.buffer.merges(self._jobs[0])):
-            self.merged += self.buffer.push(self._jobs.popleft())
+        """Queued jobs enter the buffer in arrival order while it has room; each then draws its bin's
+        queued jobs into its element."""
+        while self._queued:
+            job = self._head()
+            if len(self.buffer) >= self.capacity and not self.buffer.merges(job):
+                return
+            self._jobs.popleft()
+            del self._queued[id(job)]
+            self.merged += self.buffer.push(job)
+            self._merge_waiting(self.buffer.key_of(job))
+
+    def _head(self) -> Job:
+        """The oldest queued job (entries already taken through their bin are dropped on the way)."""
+        while id(self._jobs[0]) not in self._queued:
+            self._jobs.popleft()
+        return self._jobs[0]
+
+    def _merge_waiting(self, key: Hashable) -> None:
+        """Queued jobs of `key` join its tail element while they fit, oldest first."""
+        waiting = self._by_key.get(key)
+        while waiting:
+            job = waiting[0]
+            if id(job) in self._queued:
+                if not self.buffer.merges(job):
+                    return
+                del self._queued[id(job)]
+                self.merged += self.buffer.push(job)
+            waiting.popleft()
+        self._by_key.pop(key, None)
+
+    def _waiting(self) -> Iterator[Job]:
+        return (j for j in self._jobs if id(j) in self._queued)
 
     def remove(self, predicate: Callable[[Job], bool]) -> list[Job]:
-        removed = self.buffer.remove(predicate) + super().remove(predicate)
+        removed = self.buffer.remove(predicate)
+        for job in [j for j in self._waiting() if predicate(j)]:
+            del self._queued[id(job)]
+            removed.append(job)
+        self._jobs = deque(self._waiting())
+        for key in self.buffer.tail_keys():   # elements that lost jobs have room again
+            self._merge_waiting(key)
         self._refill()
         return removed
 
     def depth(self) -> int:
-        return len(self.buffer) + len(self._jobs)
+        return len(self.buffer) + len(self._queued)
 
     def __len__(self) -> int:
-        return self.buffer.samples + len(self._jobs)
+        return self.buffer.samples + len(self._queued)
 
     def __iter__(self) -> Iterator[Job]:
         yield from self.buffer.jobs()
-        yield from self._jobs
+        yield from self._waiting()
 
 
 class LatencyModel:

@@ -198,6 +198,12 @@ def _general_texts(data_dir: Path, cfg: DistillConfig) -> dict[str, list[str]]:
             "heldout": wordnet_texts(wordnet_pkg)[:sizes["heldout"]], "spam_train": sizes["spam_train"]}
 
 
+def general_cache_name(cfg: DistillConfig) -> str:
+    """The cache of the general texts' teacher embeddings: one per training set, so a quick run or one
+    with extra SOTU sentences never evicts the default run's cache."""
+    return "embedding-general" + ("-quick" if cfg.limits else "") + (f"-sotu{cfg.extra_sotu}" if cfg.extra_sotu else "")
+
+
 def load_embedding(data_dir: Path, teacher: Teacher, cfg: DistillConfig) -> DistillData:
     """Task texts (sentiment + part of spam) and SOTU sentences; WordNet glosses are held out (other domain)."""
     general = _general_texts(data_dir, cfg)
@@ -213,7 +219,7 @@ def load_embedding(data_dir: Path, teacher: Teacher, cfg: DistillConfig) -> Dist
             texts.extend(e.text for e in exs)
             tensors.append(emb[name])
     general_splits = {name: [Example(t, 0) for t in general[name]] for name in ("train", "validation", "test")}
-    cache_name = "embedding-general" + ("-quick" if cfg.limits else "")
+    cache_name = general_cache_name(cfg)
     emb = cached_embeddings(data_dir / "cache", cache_name, general_splits, teacher.embed)
     emb["heldout"] = teacher.embed(general["heldout"], "embedding/heldout")
     general_splits["heldout"] = [Example(t, 0) for t in general["heldout"]]

@@ -203,3 +203,12 @@ def test_extra_sotu_grows_the_training_text_and_leaves_validation_and_test_alone
     n = len(default["train"])
     assert more["train"][:n] == default["train"] and len(more["train"]) == n + 500
     assert not set(more["train"]) & set(default["validation"] + default["test"])
+
+
+def test_each_general_training_set_has_its_own_embedding_cache() -> None:
+    from academus.shared.training.distill import DistillConfig, general_cache_name
+
+    names = {general_cache_name(DistillConfig()), general_cache_name(DistillConfig(extra_sotu=500)),
+             general_cache_name(DistillConfig(extra_sotu=900)),
+             general_cache_name(DistillConfig(limits={"train": 10}))}
+    assert len(names) == 4 and general_cache_name(DistillConfig()) == "embedding-general"

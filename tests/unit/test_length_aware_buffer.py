@@ -138,3 +138,69 @@ def test_student_policy_never_exceeds_its_buffer_capacity_and_loses_nothing(leng
         assert len(policy.buffer) <= groups
         out += batch
     assert sorted(j.payload for j in out) == sorted(j.payload for j in jobs) and len(policy) == 0
+
+
+def test_an_arrival_joins_its_bins_element_even_while_others_queue():
+    policy = StudentPolicy(max_merge=4)
+    policy.resize(1)
+    for n in (10, 50, 12):  # 50 queues (the one buffer place is taken); 12 fits the element of 10
+        policy.push(job(n), 0.0)
+    assert [[j.max_length for j in e.jobs] for e in policy.buffer] == [[10, 12]]
+    assert [j.max_length for j in policy] == [10, 12, 50] and policy.merged == 1
+
+
+def test_an_element_entering_the_buffer_takes_the_queued_samples_of_its_bin():
+    policy = StudentPolicy(max_merge=3)
+    policy.resize(1)
+    for n in (10, 50, 70, 52, 53, 54):  # 50, 52, 53, 54 share a bin; 70 is another
+        policy.push(job(n), 0.0)
+    assert [j.max_length for j in policy.next_batch(lambda j: True, 0.0)] == [10]
+    assert [[j.max_length for j in e.jobs] for e in policy.buffer] == [[50, 52, 53]]  # max_merge 3
+    assert [j.max_length for j in policy.next_batch(lambda j: True, 0.0)] == [50, 52, 53]
+    assert [[j.max_length for j in e.jobs] for e in policy.buffer] == [[70]]  # arrival order between bins
+    assert [j.max_length for j in policy.next_batch(lambda j: True, 0.0)] == [70]
+    assert [j.max_length for j in policy.next_batch(lambda j: True, 0.0)] == [54] and len(policy) == 0
+
+
+def test_removing_queued_and_buffered_jobs_keeps_the_rest_in_order():
+    policy = StudentPolicy(max_merge=2)
+    policy.resize(1)
+    jobs = [job(n) for n in (10, 11, 12, 50, 13)]  # element [10, 11]; queued 12, 50, 13
+    for j in jobs:
+        policy.push(j, 0.0)
+    gone = {jobs[1].payload, jobs[3].payload}
+    removed = policy.remove(lambda j: j.payload in gone)
+    assert sorted(j.payload for j in removed) == sorted(gone)
+    assert [[j.max_length for j in e.jobs] for e in policy.buffer] == [[10, 12]]  # the freed room refilled
+    assert [j.max_length for j in policy] == [10, 12, 13] and policy.depth() == 2
+
+
+student_ops = st.lists(st.one_of(st.tuples(st.just("push"), st.integers(1, 200), st.integers(1, 3)),
+                                 st.tuples(st.just("pop"), st.just(0), st.just(0)),
+                                 st.tuples(st.just("expire"), st.integers(0, 6), st.just(0))), max_size=80)
+
+
+@settings(max_examples=150, deadline=None)
+@given(student_ops, st.integers(1, 4), st.integers(1, 5))
+def test_student_policy_merges_every_queued_sample_that_fits_and_loses_nothing(ops, groups, max_merge):
+    policy = StudentPolicy(max_merge=max_merge)
+    policy.resize(groups)
+    pushed, out = [], []
+    for op, value, texts in ops:
+        if op == "push":
+            pushed.append(job(value, texts=texts))
+            policy.push(pushed[-1], 0.0)
+        elif op == "pop":
+            out += policy.next_batch(lambda j: True, 0.0)
+        else:  # expiry takes out every job whose id ends in `value` (buffered or queued)
+            out += policy.remove(lambda j, v=value: j.payload % 7 == v)
+        queued = list(policy._waiting())
+        assert len(policy.buffer) <= groups and (not queued or len(policy.buffer) == groups)
+        first_of_key = {}
+        for j in queued:
+            first_of_key.setdefault(policy.buffer.key_of(j), j)
+        assert not any(policy.buffer.merges(j) for j in first_of_key.values())  # none left that would fit
+        assert len(policy) == policy.buffer.samples + len(queued)
+    while batch := policy.next_batch(lambda j: True, 0.0):
+        out += batch
+    assert sorted(j.payload for j in out) == sorted(j.payload for j in pushed) and len(policy) == 0

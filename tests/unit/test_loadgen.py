@@ -285,3 +285,12 @@ def test_closed_callers_keep_at_most_n_in_flight_and_send_each_index_once():
     assert len(sent) == len(set(sent)) > 6
     assert sorted(sent)[:3] == [0, 1, 2]   # caller k sends k, k + 3, k + 6, ...
     assert all(i - 3 in sent for i in sent if i >= 3)
+
+
+def test_student_bench_starts_at_the_best_pruned_k_unless_told():
+    from academus.loadgen.student_bench import start_students
+
+    spec = {"max_students": 4, "default_students": 1}
+    assert start_students(spec, 0) == 1            # where the resource manager starts the group
+    assert start_students(spec, 2) == 2 and start_students(spec, 9) == 4
+    assert start_students({"max_students": 3, "default_students": 0}, 0) == 3
