@@ -202,6 +202,8 @@ class StudentPolicy(DispatchPolicy):
             del self._queued[id(job)]
             self.merged += self.buffer.push(job)
             self._merge_waiting(self.buffer.key_of(job))
+        self._jobs.clear()     # only entries already taken through the other index are left: let them go
+        self._by_key.clear()
 
     def _head(self) -> Job:
         """The oldest queued job (entries already taken through their bin are dropped on the way)."""

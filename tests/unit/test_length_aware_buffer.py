@@ -204,3 +204,13 @@ def test_student_policy_merges_every_queued_sample_that_fits_and_loses_nothing(o
     while batch := policy.next_batch(lambda j: True, 0.0):
         out += batch
     assert sorted(j.payload for j in out) == sorted(j.payload for j in pushed) and len(policy) == 0
+
+
+def test_an_emptied_queue_keeps_no_references_to_jobs_taken_through_their_bin():
+    policy = StudentPolicy(max_merge=4)
+    policy.resize(1)
+    for n in (10, 50, 70, 52):  # 52 leaves the queue through its bin when 50's element enters
+        policy.push(job(n), 0.0)
+    while policy.next_batch(lambda j: True, 0.0):
+        pass
+    assert len(policy) == 0 and not policy._jobs and not policy._by_key
