@@ -126,6 +126,7 @@ class SchedulerConfig(CommonConfig):
     refresh_s: float = 1.0           # placement re-read interval (pub/sub makes it quicker)
     expire_interval_s: float = 0.05  # how often waiting jobs are checked against their deadlines
     plot_prefetch: bool = True       # PLOT models: look waiting requests up in a plot service (HMI §6.1)
+    drop_doomed: bool = True         # a job that waited is not started when its batch cannot finish in time
 
     def check(self) -> None:
         super().check()

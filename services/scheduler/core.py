@@ -109,13 +109,15 @@ class DispatchStats:
     cancelled: int = 0
     retried: int = 0
     rejected: int = 0
+    doomed: int = 0                # not started: the batch could not finish before the job's deadline
 
 
 class Dispatcher:
     def __init__(self, policy: DispatchPolicy, send: Send, queue_capacity: int,
                  retry_pushback_ms: int = 50, clock: Callable[[], float] = time.monotonic,
-                 on_wait: Callable[[Job], None] | None = None) -> None:
+                 on_wait: Callable[[Job], None] | None = None, drop_doomed: bool = True) -> None:
         self.policy = policy
+        self.drop_doomed = drop_doomed  # off: every job is started (the ablation; the worker stops it late)
         self.on_wait = on_wait  # called for a job that found no free group: prefetch for it meanwhile
         self.send = send
         self.queue_capacity = queue_capacity
@@ -126,7 +128,9 @@ class Dispatcher:
         self.groups: list[Group] = []
         self.stats = DispatchStats()
         self.service_s: dict[str, float] = {}  # model -> smoothed batch time: can a deadline still be met?
+        self.batch_texts: dict[str, float] = {}  # model -> smoothed texts a batch (what service_s was measured at)
         self._timer: asyncio.TimerHandle | None = None
+        self._arriving: Job | None = None  # a job that finds a free group on arrival is left to the worker
 
     # -- membership -------------------------------------------------------------------------
     def update_workers(self, live: dict[str, tuple], tables: dict[str, GroupTable] | None = None) -> None:
@@ -187,7 +191,11 @@ class Dispatcher:
         self._check_deadline(job)
         job.future = asyncio.get_running_loop().create_future()
         self.policy.push(job, self.clock())
-        self._drain()
+        self._arriving = job
+        try:
+            self._drain()
+        finally:
+            self._arriving = None
         if self.on_wait is not None and not job.attempts and not job.future.done():  # it waits for a group
             self.on_wait(job)
         return await job.future
@@ -217,6 +225,8 @@ class Dispatcher:
                 if not batch:
                     break
                 batch = [j for j in batch if self._still_wanted(j, now)]
+                expected = self._batch_estimate(batch)
+                batch = [j for j in batch if self._can_finish(j, now, expected)]
                 if batch:
                     self._start(group, batch)
         self._arm_timer()
@@ -271,7 +281,7 @@ class Dispatcher:
             for job in batch:
                 self._settle(job, exc=e)
         else:
-            self._observe(batch[0].model, self.clock() - started)
+            self._observe(batch[0].model, self.clock() - started, sum(j.num_texts for j in batch))
             self.policy.observe(batch, self.clock() - started)
             if len(results) != len(batch):
                 error = ServingError(f"worker returned {len(results)} results for {len(batch)} requests")
@@ -286,9 +296,32 @@ class Dispatcher:
             if _loop_running():  # not when a never-finished task is closed by the garbage collector
                 self._drain()
 
-    def _observe(self, model: str, seconds: float) -> None:
-        previous = self.service_s.get(model)
+    def _observe(self, model: str, seconds: float, texts: int) -> None:
+        previous, mean = self.service_s.get(model), self.batch_texts.get(model)
         self.service_s[model] = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+        self.batch_texts[model] = texts if mean is None else 0.8 * mean + 0.2 * texts
+
+    def _batch_estimate(self, batch: list[Job]) -> float:
+        """What the batch will take: the smoothed batch time, scaled down for a batch smaller than the
+        average (never up: a job is refused only when its batch clearly cannot finish); 0 unmeasured."""
+        service = self.service_s.get(batch[0].model) if batch else None
+        if service is None:
+            return 0.0
+        texts = sum(j.num_texts for j in batch)
+        return service * min(1.0, texts / max(self.batch_texts.get(batch[0].model, texts), 1.0))
+
+    def _can_finish(self, job: Job, now: float, expected: float) -> bool:
+        """A job that waited is not started when its batch cannot finish before its deadline: under
+        overload the oldest jobs are the nearest their deadline, and starting them computes answers
+        nobody waits for (the worker stops a batch only once its last deadline has passed). One that
+        found a free group on arrival is left to the worker, as admission's lower bound let it in."""
+        if not self.drop_doomed or job is self._arriving or now + expected <= job.deadline:
+            return True
+        self.stats.doomed += 1
+        self._settle(job, exc=DeadlineExceeded(
+            f"cannot finish in time: a batch takes about {expected * 1e3:.0f} ms, "
+            f"{max(0.0, job.deadline - now) * 1e3:.0f} ms left; not computed"))
+        return False
 
     def _retry_or_fail(self, job: Job, error: Exception) -> None:
         if job.future.done():

@@ -270,6 +270,7 @@ class PlacementWatcher:
                 await self.refresh()
                 DROPPED.labels("expired").set(self.dispatcher.stats.expired)
                 DROPPED.labels("cancelled").set(self.dispatcher.stats.cancelled)
+                DROPPED.labels("doomed").set(self.dispatcher.stats.doomed)
             except Exception as e:  # Redis away: keep the last known workers
                 log_event("placement_refresh_failed", error=repr(e))
             with contextlib.suppress(TimeoutError):
@@ -300,7 +301,8 @@ async def build() -> ServiceSpec:
     prefetcher = PlotPrefetcher(Stubs(plot_pb2_grpc.PlotStub), clock) if config.plot_prefetch else None
     dispatcher = Dispatcher(policy, GroupSender(worker_stubs, clock, workers, prefetcher),
                             config.queue_capacity, config.retry_pushback_ms, clock,
-                            on_wait=prefetcher.on_wait if prefetcher is not None else None)
+                            on_wait=prefetcher.on_wait if prefetcher is not None else None,
+                            drop_doomed=config.drop_doomed)
     dispatcher.workers = workers  # the sender resolves member addresses from the same live table
     models = frozenset(m for m in config.models.split(",") if m)
     watcher = PlacementWatcher(redis, keys, dispatcher, config.refresh_s, models, prefetcher)

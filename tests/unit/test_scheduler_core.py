@@ -339,3 +339,50 @@ async def test_model_load_reports_the_adaptation_signals():
     await settle()
     fake.calls[1][2].set_result("b")
     await asyncio.gather(*tasks)
+
+
+async def test_a_waiting_job_whose_batch_cannot_finish_in_time_is_not_started():
+    d, clock, fake = make_dispatcher({"w0": {"spam"}})
+    d.service_s["spam"], d.batch_texts["spam"] = 0.5, 1.0  # a one-text batch takes about 0.5 s
+    running = asyncio.create_task(d.submit(make_job(clock, payload="runs")))
+    doomed = asyncio.create_task(d.submit(make_job(clock, deadline_in=0.7, payload="doomed")))
+    later = asyncio.create_task(d.submit(make_job(clock, deadline_in=5.0, payload="later")))
+    await settle()
+    clock.now += 0.4                 # "doomed" has waited: 0.3 s left for a 0.5 s batch
+    fake.calls[0][2].set_result("a")
+    await settle()
+    with pytest.raises(DeadlineExceeded, match=r"cannot finish in time.*not computed"):
+        await doomed
+    assert [c[1].payload for c in fake.calls] == ["runs", "later"] and d.stats.doomed == 1
+    fake.calls[1][2].set_result("b")
+    assert await asyncio.gather(running, later) == ["a", "b"]
+
+
+async def test_the_finish_estimate_scales_down_for_a_batch_smaller_than_the_average():
+    d, clock, fake = make_dispatcher({"w0": {"spam"}})
+    d.service_s["spam"], d.batch_texts["spam"] = 0.8, 8.0   # full batches of 8 texts take 0.8 s
+    first = asyncio.create_task(d.submit(make_job(clock, payload="runs")))
+    small = asyncio.create_task(d.submit(make_job(clock, deadline_in=0.5, payload="small")))
+    await settle()
+    clock.now += 0.2                 # 0.3 s left; one text of an 8-text batch: about 0.1 s
+    fake.calls[0][2].set_result("a")
+    await settle()
+    assert [c[1].payload for c in fake.calls] == ["runs", "small"] and d.stats.doomed == 0
+    fake.calls[1][2].set_result("b")
+    assert await asyncio.gather(first, small) == ["a", "b"]
+
+
+async def test_without_drop_doomed_a_waiting_job_is_started_whatever_its_time_left():
+    clock, fake = Clock(), FakeWorkers()
+    d = Dispatcher(FifoPolicy(), fake.send, 8, 25, clock, drop_doomed=False)
+    d.update_workers({"w0": ("127.0.0.1:0", frozenset({"spam"}))})
+    d.service_s["spam"], d.batch_texts["spam"] = 0.5, 1.0
+    running = asyncio.create_task(d.submit(make_job(clock, payload="runs")))
+    late = asyncio.create_task(d.submit(make_job(clock, deadline_in=0.7, payload="late")))
+    await settle()
+    clock.now += 0.4
+    fake.calls[0][2].set_result("a")
+    await settle()
+    assert [c[1].payload for c in fake.calls] == ["runs", "late"] and d.stats.doomed == 0
+    fake.calls[1][2].set_result("b")
+    assert await asyncio.gather(running, late) == ["a", "b"]

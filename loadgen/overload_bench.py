@@ -1,0 +1,84 @@
+"""Where the work goes under overload (issue 4 (c)): one deployment alone, an open loop past its capacity.
+
+    python -m academus.loadgen.overload_bench --rate 210 [--model sentiment --policy padded] [--out bench/overload]
+
+Runs twice on the same schedule, each on a fresh mesh: with the scheduler's doomed-job drop
+(ACADEMUS_DROP_DOOMED=true, the default) and without it (the ablation).
+
+Reports the load generator's summary, the CPU ms a completed request cost in each process, and the
+workers' and scheduler's counters over the run: batches computed, batches stopped between layers once
+their last deadline passed (`expired`: compute spent on answers nobody waits for), and jobs the scheduler
+dropped unrun, by reason (`doomed`: waited too long for their batch to finish in time). The last line
+printed is the summary JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from academus.loadgen.bench import loadgen_with_cpu, write_summary
+from academus.shared.mesh import Deployment, MeshOptions, down, up
+
+COUNTERS = ("academus_worker_batches_total", "academus_worker_expired_total", "academus_scheduler_dropped")
+
+
+def counters(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {f"{s.name}{json.dumps(s.labels, sort_keys=True)}": s.value
+            for family in text_string_to_metric_families(text) for s in family.samples if s.name.startswith(COUNTERS)}
+
+
+def snapshot(state) -> dict[str, dict[str, float]]:
+    return {s.name: counters(s.metrics_port) for s in state.services if s.name.startswith(("worker", "scheduler"))}
+
+
+def run(args: argparse.Namespace) -> dict:
+    runs = {name: overload(args, name, drop) for name, drop in (("drop_doomed", True), ("keep_doomed", False))}
+    goodput = runs["drop_doomed"]["throughput_rps"] / max(runs["keep_doomed"]["throughput_rps"], 1e-9)
+    return runs | {"goodput_drop_vs_keep": round(goodput, 3)}
+
+
+def overload(args: argparse.Namespace, name: str, drop_doomed: bool) -> dict:
+    run_dir = args.out / f"run-{name}"
+    state = up(MeshOptions(run_dir=run_dir, gateway_port=0, workers=args.workers, worker_threads=1,
+                           deployments=[Deployment(args.policy, args.model)],
+                           env={"ACADEMUS_MODELS": args.model, "ACADEMUS_QUEUE_CAPACITY": str(args.queue),
+                                "ACADEMUS_DROP_DOOMED": str(drop_doomed).lower()}))
+    try:
+        before = snapshot(state)
+        report = loadgen_with_cpu(state, run_dir, args.out / name, "run", "--model", args.model,
+                                  "--policy", args.policy, "--schedule", f"poisson:{args.rate}", "--duration",
+                                  str(args.duration), "--texts", f"task:{args.task}", "--timeout", str(args.timeout))
+        after = snapshot(state)
+    finally:
+        down(run_dir)
+    counted = {name: {k: v - before[name].get(k, 0.0) for k, v in values.items() if v != before[name].get(k, 0.0)}
+               for name, values in after.items()}
+    keep = ("sent", "completed", "errors", "throughput_rps", "latency_ms", "cpu_ms_per_request")
+    return {k: report[k] for k in keep} | {"counters": counted}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m academus.loadgen.overload_bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rate", type=float, required=True, help="offered requests/s (Poisson)")
+    p.add_argument("--model", default="sentiment")
+    p.add_argument("--policy", default="padded")
+    p.add_argument("--task", choices=["sentiment", "spam"], default="sentiment", help="where the texts come from")
+    p.add_argument("--duration", type=float, default=20.0)
+    p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--queue", type=int, default=256)
+    p.add_argument("--out", type=Path, default=Path("bench/overload"))
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    return write_summary(args.out, run(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
