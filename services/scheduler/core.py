@@ -225,8 +225,9 @@ class Dispatcher:
                 if not batch:
                     break
                 batch = [j for j in batch if self._still_wanted(j, now)]
-                expected = self._batch_estimate(batch)
-                batch = [j for j in batch if self._can_finish(j, now, expected)]
+                if self.drop_doomed and batch:  # the ablation skips the estimate altogether
+                    expected = self._batch_estimate(batch)
+                    batch = [j for j in batch if self._can_finish(j, now, expected)]
                 if batch:
                     self._start(group, batch)
         self._arm_timer()
@@ -304,7 +305,7 @@ class Dispatcher:
     def _batch_estimate(self, batch: list[Job]) -> float:
         """What the batch will take: the smoothed batch time, scaled down for a batch smaller than the
         average (never up: a job is refused only when its batch clearly cannot finish); 0 unmeasured."""
-        service = self.service_s.get(batch[0].model) if batch else None
+        service = self.service_s.get(batch[0].model)
         if service is None:
             return 0.0
         texts = sum(j.num_texts for j in batch)
@@ -315,7 +316,7 @@ class Dispatcher:
         overload the oldest jobs are the nearest their deadline, and starting them computes answers
         nobody waits for (the worker stops a batch only once its last deadline has passed). One that
         found a free group on arrival is left to the worker, as admission's lower bound let it in."""
-        if not self.drop_doomed or job is self._arriving or now + expected <= job.deadline:
+        if job is self._arriving or now + expected <= job.deadline:
             return True
         self.stats.doomed += 1
         self._settle(job, exc=DeadlineExceeded(
