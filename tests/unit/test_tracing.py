@@ -1,12 +1,16 @@
-"""The JSON-lines span exporter and the trace printer used by `academus trace`."""
+"""The JSON-lines span exporter, the trace printer used by `academus trace`, and the server span interceptor."""
 
 from __future__ import annotations
 
+import grpc
+import pytest
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
 
-from academus.shared.tracing import JsonlSpanExporter, format_trace, read_traces
+from academus.shared.tracing import JsonlSpanExporter, ServerSpans, client_interceptors, format_trace, read_traces
 
 
 def test_spans_of_two_services_form_one_tree(tmp_path):
@@ -24,3 +28,78 @@ def test_spans_of_two_services_form_one_tree(tmp_path):
     lines = text.splitlines()
     assert lines[1].startswith("academus-gateway") and "Infer" in lines[1]
     assert lines[2].startswith("  academus-worker") and "Run" in lines[2]
+
+
+# ServerSpans over real gRPC on loopback: the caller's context propagates, an abort is an answer (its code
+# on the span, no traceback recorded), an unmapped exception is a fault (recorded, status ERROR).
+
+METHOD = "/t.Probe/Answer"
+
+
+async def answer(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    if request == b"refuse":
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+    if request == b"gone":
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker")
+    if request == b"fail":
+        raise ValueError("a bug")
+    return b"ok"
+
+
+@pytest.fixture
+async def probe():
+    server_spans, client_spans = InMemorySpanExporter(), InMemorySpanExporter()
+    server_provider, client_provider = TracerProvider(), TracerProvider()
+    server_provider.add_span_processor(SimpleSpanProcessor(server_spans))
+    client_provider.add_span_processor(SimpleSpanProcessor(client_spans))
+    server = grpc.aio.server(interceptors=[ServerSpans(server_provider)])
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "t.Probe", {"Answer": grpc.unary_unary_rpc_method_handler(answer)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", interceptors=client_interceptors(client_provider))
+    call = channel.unary_unary(METHOD)
+    yield call, server_spans, client_spans
+    await channel.close()
+    await server.stop(None)
+
+
+async def served_span(call, spans: InMemorySpanExporter, request: bytes):
+    spans.clear()
+    try:
+        reply = await call(request, timeout=5)
+    except grpc.aio.AioRpcError as e:
+        reply = e.code()
+    (span,) = spans.get_finished_spans()
+    return reply, span
+
+
+async def test_server_span_is_the_callers_child_and_names_the_method(probe):
+    call, server_spans, client_spans = probe
+    reply, span = await served_span(call, server_spans, b"hello")
+    (client,) = client_spans.get_finished_spans()
+    assert reply == b"ok"
+    assert span.kind == SpanKind.SERVER and span.name == METHOD
+    assert span.parent.span_id == client.context.span_id and span.context.trace_id == client.context.trace_id
+    assert span.attributes["rpc.service"] == "t.Probe" and span.attributes["rpc.method"] == "Answer"
+    assert span.attributes["rpc.grpc.status_code"] == 0 and span.status.status_code == StatusCode.UNSET
+
+
+async def test_an_abort_is_an_answer_with_its_code_and_no_traceback(probe):
+    call, server_spans, _ = probe
+    reply, span = await served_span(call, server_spans, b"refuse")
+    assert reply == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert span.status.status_code == StatusCode.UNSET and not span.events
+    reply, span = await served_span(call, server_spans, b"gone")
+    assert reply == grpc.StatusCode.UNAVAILABLE
+    assert span.status.status_code == StatusCode.ERROR and "no worker" in span.status.description
+    assert not span.events
+
+
+async def test_an_unmapped_exception_is_recorded_as_a_fault(probe):
+    call, server_spans, _ = probe
+    reply, span = await served_span(call, server_spans, b"fail")
+    assert reply == grpc.StatusCode.UNKNOWN
+    assert span.status.status_code == StatusCode.ERROR and "ValueError" in span.status.description
+    assert [e.name for e in span.events] == ["exception"]
