@@ -7,15 +7,17 @@ and nowhere otherwise (spans are still created so the context propagates).
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import os
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
 from opentelemetry import propagate, trace
-from opentelemetry.instrumentation.grpc import aio_client_interceptors
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
@@ -115,13 +117,10 @@ class ServerSpans(grpc.aio.ServerInterceptor):
         )
 
     def _traced(self, behavior, method: str):
-        service, name = method.lstrip("/").split("/", 1)
-        attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name}
-
         async def wrapped(request, context: grpc.aio.ServicerContext):
             parent = propagate.extract(dict(context.invocation_metadata() or ()))
             with self.tracer.start_as_current_span(method, context=parent, kind=SpanKind.SERVER,
-                                                   attributes=attributes, record_exception=False,
+                                                   attributes=rpc_attributes(method), record_exception=False,
                                                    set_status_on_exception=False) as span:
                 try:
                     response = await behavior(request, context)
@@ -138,11 +137,68 @@ class ServerSpans(grpc.aio.ServerInterceptor):
         return wrapped
 
 
-def _end_status(span: trace.Span, context: grpc.aio.ServicerContext) -> None:
-    code = context.code() or grpc.StatusCode.OK
+class ClientSpans(grpc.aio.UnaryUnaryClientInterceptor):
+    """One CLIENT span a unary call, its context injected into the call's metadata. The call is returned
+    unawaited, so cancelling the caller's task cancels the call and, through it, the work downstream.
+    OTel's aio interceptor awaits the call's status inside the interceptor, where a cancellation stops only
+    that wait: the server never learns the caller left (open-telemetry-python-contrib#3271)."""
+
+    def __init__(self, provider: TracerProvider) -> None:
+        self.tracer = provider.get_tracer("academus.grpc")
+
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        if not _not_plumbing(client_call_details):
+            return await continuation(client_call_details, request)
+        method = client_call_details.method
+        method = method.decode() if isinstance(method, bytes) else method
+        span = self.tracer.start_span(method, kind=SpanKind.CLIENT, attributes=rpc_attributes(method))
+        metadata = grpc.aio.Metadata(*tuple(client_call_details.metadata or ()))
+        propagate.inject(metadata, context=trace.set_span_in_context(span))
+        details = client_call_details._replace(metadata=metadata)
+        try:
+            call = await continuation(details, request)
+        except BaseException as e:
+            span.record_exception(e)
+            span.end()
+            raise
+        call.add_done_callback(functools.partial(_end_client_span, span))
+        return call
+
+
+def _end_client_span(span: trace.Span, call: grpc.aio.Call) -> None:
+    ended = time.time_ns()
+    if call.cancelled():
+        _set_code(span, grpc.StatusCode.CANCELLED, "cancelled by the caller")
+        span.end(ended)
+        return
+
+    async def finish() -> None:  # the call is done: its status is at hand
+        _set_code(span, await call.code(), await call.details())
+        span.end(ended)
+
+    task = asyncio.ensure_future(finish())
+    _finishing.add(task)  # held until done: the loop keeps only a weak reference
+    task.add_done_callback(_finishing.discard)
+
+
+_finishing: set[asyncio.Future] = set()
+
+
+def rpc_attributes(method: str) -> dict[str, str]:
+    service, name = method.lstrip("/").split("/", 1)
+    return {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name}
+
+
+def _set_code(span: trace.Span, code: grpc.StatusCode, details: str | None,
+              faults: frozenset[grpc.StatusCode] | None = None) -> None:
+    """The call's code on the span; ERROR status for a fault (for a client, any code but OK)."""
     span.set_attribute("rpc.grpc.status_code", code.value[0])
-    if code in SERVER_FAULTS:
-        span.set_status(Status(StatusCode.ERROR, f"{code.name}: {context.details() or ''}"))
+    if code != grpc.StatusCode.OK and (faults is None or code in faults):
+        span.set_status(Status(StatusCode.ERROR, f"{code.name}: {details or ''}"))
+
+
+def _end_status(span: trace.Span, context: grpc.aio.ServicerContext) -> None:
+    _set_code(span, context.code() or grpc.StatusCode.OK, context.details(), SERVER_FAULTS)
 
 
 def server_interceptors(provider: TracerProvider) -> list:
@@ -154,8 +210,7 @@ def server_interceptors(provider: TracerProvider) -> list:
 def client_interceptors(provider: TracerProvider | None = None) -> list:
     if not tracing_enabled():
         return []
-    return list(aio_client_interceptors(tracer_provider=provider or trace.get_tracer_provider(),
-                                        filter_=_not_plumbing))
+    return [ClientSpans(provider or trace.get_tracer_provider())]
 
 
 def shutdown_tracing() -> None:

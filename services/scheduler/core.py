@@ -261,8 +261,7 @@ class Dispatcher:
             job.started_at = now
         self.stats.dispatched += 1
         task = asyncio.get_running_loop().create_task(self._run(group, refs, batch))
-        if len(batch) == 1:  # a caller that goes away cancels its downstream call: the work stops there
-            batch[0].future.add_done_callback(lambda f: task.cancel() if f.cancelled() else None)
+        cancel_when_every_caller_left(batch, task)
 
     async def _run(self, group: Group, refs: list[WorkerRef], batch: list[Job]) -> None:
         started = self.clock()
@@ -390,6 +389,22 @@ class Dispatcher:
         for model, entry in out.items():
             entry["buffer"] = min(depth, waiting.get(model, 0))
         return out
+
+
+def cancel_when_every_caller_left(batch: list[Job], task: asyncio.Task) -> None:
+    """A caller that goes away cancels its job; once every job of a batch is cancelled, so is the batch's
+    downstream call, and the worker stops between layers: nobody waits for the answer."""
+    waiting = len(batch)
+
+    def left(future: asyncio.Future) -> None:
+        nonlocal waiting
+        if future.cancelled():
+            waiting -= 1
+            if waiting == 0:
+                task.cancel()
+
+    for job in batch:
+        job.future.add_done_callback(left)
 
 
 def _loop_running() -> bool:

@@ -33,6 +33,10 @@ OUTPUT_PROBS = "probs"
 LAYER_NAME = re.compile(r"encoder\.layer\.\d+$")  # HF BERT layers, in the teacher and in students
 
 
+class CallerLeft(Exception):
+    """The batch's call was cancelled (every caller went away): the rest of its forward pass is skipped."""
+
+
 @dataclass(frozen=True)
 class BatchResult:
     values: np.ndarray       # rows x dim, float32
@@ -213,12 +217,17 @@ class ModelRunner:
         deadline = getattr(self._local, "deadline", None)
         if deadline is not None and self.clock() >= deadline:
             raise DeadlineExceeded(f"deadline passed before {layer}; the rest was not computed")
+        left = getattr(self._local, "left", None)
+        if left is not None and left.is_set():
+            raise CallerLeft(f"the caller left before {layer}; the rest was not computed")
 
     def run(self, model: str, output: str, input_ids: Sequence[int], lengths: Sequence[int],
             token_type_ids: Sequence[int] = (), deadline: float | None = None, num_students: int = 0,
             student_indices: Sequence[int] = (), plan: PackingPlan | None = None,
-            tenants: TenantBatch | None = None, plot_states: PlotStates | None = None) -> BatchResult:
-        """Runs one batch; refuses to start when `deadline` (clock time) has passed. With
+            tenants: TenantBatch | None = None, plot_states: PlotStates | None = None,
+            left: threading.Event | None = None) -> BatchResult:
+        """Runs one batch; refuses to start when `deadline` (clock time) has passed, and stops between
+        layers once it passes or `left` is set (the caller went away). With
         `student_indices`, runs only those students of a group and returns their additive share. With
         `plan` (one entry a text), runs it packed (ConcatBatching) instead of padded. A PLOT model given
         `plot_states` (prefetched by the scheduler) runs only its upper layers on them."""
@@ -232,6 +241,7 @@ class ModelRunner:
         elif output == OUTPUT_PROBS and served.head is None:
             raise InvalidArgument(f"model {model!r} is an embedding model: it has no labels")
         students = served.students(num_students)
+        self._local.left = left
         if deadline is not None and self.clock() >= deadline:
             raise DeadlineExceeded("deadline passed before the batch started; not computed")
         seqs = split_lengths(input_ids, lengths)

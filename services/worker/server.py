@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +23,7 @@ from academus.services.worker.core import (
     FINISH_SUM,
     OUTPUT_EMBEDDING,
     OUTPUT_PROBS,
+    CallerLeft,
     ModelRunner,
     device_label,
 )
@@ -50,6 +52,7 @@ from academus.v1 import (
 
 BATCHES = Counter("academus_worker_batches_total", "Batches computed", ["model"])
 EXPIRED = Counter("academus_worker_expired_total", "Batches dropped because their deadline passed first")
+ABANDONED = Counter("academus_worker_abandoned_total", "Batches stopped between layers because their caller left")
 
 
 FINISHES = {"": tensors_pb2.FINISH_NONE, FINISH_SOFTMAX: tensors_pb2.FINISH_SOFTMAX, FINISH_L2: tensors_pb2.FINISH_L2,
@@ -77,15 +80,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         wants_probs = request.output in (inference_pb2.OUTPUT_LABEL, inference_pb2.OUTPUT_SCORE)
         output = OUTPUT_PROBS if wants_probs else OUTPUT_EMBEDDING
         tokens = request.tokens
+        left = threading.Event()
         try:
             tenants = await self._tenants(request, deadline)
             result = await asyncio.get_running_loop().run_in_executor(
                 self.executor, self._run, request.model, output, tokens.input_ids, tokens.lengths,
                 tokens.token_type_ids, deadline, request.num_students, list(request.student_indices),
-                plan_from_proto(request), tenants, plot_states_from_proto(request),
+                plan_from_proto(request), tenants, plot_states_from_proto(request), left,
             )
         except ServingError as e:
             await abort_with(context, e)
+        except asyncio.CancelledError:  # the scheduler cancelled the call: the compute thread stops too
+            left.set()
+            raise
         annotate(model=request.model, batch_size=len(tokens.lengths), worker=self.worker_id,
                  padding_ratio=1 - result.real_tokens / max(result.padded_tokens, 1))
         rows, dim = result.values.shape
@@ -119,6 +126,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             result = self.runner.run(model, *args)
         except DeadlineExceeded:
             EXPIRED.inc()
+            raise
+        except CallerLeft:
+            ABANDONED.inc()
             raise
         BATCHES.labels(model).inc()
         return result

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -168,6 +169,29 @@ def test_deadline_shorter_than_the_work_stops_the_forward_pass(mesh, admin_key):
     while metric(worker.metrics_port, "academus_worker_expired_total") == expired and time.monotonic() < end:
         time.sleep(0.1)
     assert metric(worker.metrics_port, "academus_worker_expired_total") == expired + 1
+    assert metric(worker.metrics_port, "academus_worker_batches_total", model="spam") == batches
+
+
+async def test_a_caller_that_leaves_stops_the_forward_pass_downstream(mesh, admin_key):
+    """Cancelled at the client while the worker computes: gateway, scheduler and worker calls are cancelled
+    in turn, and the worker stops the batch between layers rather than finishing it for nobody."""
+    worker = service(mesh, "worker-0")
+    long_batch = [f"{i} " + "every layer of this batch takes a while on a small CPU " * 40 for i in range(64)]
+    batches = metric(worker.metrics_port, "academus_worker_batches_total", model="spam")
+    abandoned = metric(worker.metrics_port, "academus_worker_abandoned_total")
+    async with AsyncClient(mesh.gateway, api_key=admin_key) as client:
+        call = asyncio.create_task(client.infer("spam", long_batch, timeout=60))
+        end = time.monotonic() + 30
+        while metric(worker.metrics_port, "academus_rpc_in_flight", service="worker", method="Run") < 1:
+            assert time.monotonic() < end and not call.done(), "the batch never reached the worker"
+            await asyncio.sleep(0.02)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+    end = time.monotonic() + 20
+    while metric(worker.metrics_port, "academus_worker_abandoned_total") == abandoned and time.monotonic() < end:
+        await asyncio.sleep(0.1)
+    assert metric(worker.metrics_port, "academus_worker_abandoned_total") == abandoned + 1
     assert metric(worker.metrics_port, "academus_worker_batches_total", model="spam") == batches
 
 

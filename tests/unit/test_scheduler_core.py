@@ -145,6 +145,20 @@ async def test_cancelled_caller_is_skipped_and_cancels_downstream():
     assert d.stats.cancelled == 1
 
 
+async def test_a_batch_is_cancelled_downstream_only_once_every_caller_left():
+    d, clock, fake = make_dispatcher({"w0": {"spam"}}, policy=PaddedPolicy(max_batch=2, max_delay_s=0.5))
+    callers = [asyncio.create_task(d.submit(make_job(clock, payload=i))) for i in range(2)]
+    await settle()
+    assert [[j.payload for j in b] for b in fake.batches] == [[0, 1]]
+    callers[0].cancel()
+    await settle()
+    assert not fake.calls[0][2].cancelled()  # caller 1 still waits for the batch
+    callers[1].cancel()
+    await settle()
+    assert fake.calls[0][2].cancelled()      # nobody waits: the worker's call is cancelled
+    assert d.load()["idle"] == 1
+
+
 async def test_lost_worker_is_retried_on_another_group():
     d, clock, fake = make_dispatcher({"w0": {"spam"}, "w1": {"spam"}})
     task = asyncio.create_task(d.submit(make_job(clock)))

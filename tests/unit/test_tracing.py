@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 from opentelemetry.sdk.resources import Resource
@@ -36,7 +38,17 @@ def test_spans_of_two_services_form_one_tree(tmp_path):
 METHOD = "/t.Probe/Answer"
 
 
+SERVER_ENTERED, SERVER_SAW_CANCEL = asyncio.Event(), asyncio.Event()
+
+
 async def answer(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    if request == b"wait":  # until the caller leaves
+        SERVER_ENTERED.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            SERVER_SAW_CANCEL.set()
+            raise
     if request == b"refuse":
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
     if request == b"gone":
@@ -74,11 +86,21 @@ async def served_span(call, spans: InMemorySpanExporter, request: bytes):
     return reply, span
 
 
+async def finished(spans: InMemorySpanExporter, count: int = 1) -> tuple:
+    """A client span ends once the call's status is read, a loop turn or two after the reply."""
+    for _ in range(100):
+        if len(spans.get_finished_spans()) >= count:
+            break
+        await asyncio.sleep(0.01)
+    return spans.get_finished_spans()
+
+
 async def test_server_span_is_the_callers_child_and_names_the_method(probe):
     call, server_spans, client_spans = probe
+    client_spans.clear()
     reply, span = await served_span(call, server_spans, b"hello")
-    (client,) = client_spans.get_finished_spans()
-    assert reply == b"ok"
+    (client,) = await finished(client_spans)
+    assert reply == b"ok" and client.kind == SpanKind.CLIENT and client.attributes["rpc.grpc.status_code"] == 0
     assert span.kind == SpanKind.SERVER and span.name == METHOD
     assert span.parent.span_id == client.context.span_id and span.context.trace_id == client.context.trace_id
     assert span.attributes["rpc.service"] == "t.Probe" and span.attributes["rpc.method"] == "Answer"
@@ -103,3 +125,23 @@ async def test_an_unmapped_exception_is_recorded_as_a_fault(probe):
     assert reply == grpc.StatusCode.UNKNOWN
     assert span.status.status_code == StatusCode.ERROR and "ValueError" in span.status.description
     assert [e.name for e in span.events] == ["exception"]
+
+
+async def test_cancelling_the_caller_cancels_the_call_at_the_server(probe):
+    """The work downstream stops when the caller leaves (OTel's aio client interceptor swallowed the cancel)."""
+    call, _, client_spans = probe
+    client_spans.clear()
+    SERVER_ENTERED.clear()
+    SERVER_SAW_CANCEL.clear()
+    async def wait() -> bytes:
+        return await call(b"wait", timeout=30)
+
+    caller = asyncio.create_task(wait())
+    await asyncio.wait_for(SERVER_ENTERED.wait(), 5)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    await asyncio.wait_for(SERVER_SAW_CANCEL.wait(), 5)
+    (client,) = await finished(client_spans)
+    assert client.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
+    assert client.status.status_code == StatusCode.ERROR

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 import torch
 
-from academus.services.worker.core import OUTPUT_EMBEDDING, OUTPUT_PROBS, ModelRunner, split_lengths
+from academus.services.worker.core import OUTPUT_EMBEDDING, OUTPUT_PROBS, CallerLeft, ModelRunner, split_lengths
 from academus.shared.config import artifacts_dir
 from academus.shared.errors import DeadlineExceeded, InvalidArgument, NotFound
 from academus.shared.model import teacher_dir
@@ -73,6 +74,28 @@ def test_deadline_passing_mid_forward_stops_between_layers(runner):
     finally:
         runner.clock = time.monotonic
     assert runner.run("minilm", OUTPUT_EMBEDDING, ids, lengths).values.shape == (1, 384)
+
+
+class LeavesAtSecondLayer(threading.Event):
+    """Reads unset at the first layer and set from the second: the caller leaves mid forward pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.readings = 0
+
+    def is_set(self) -> bool:
+        self.readings += 1
+        return self.readings > 1
+
+
+@pytest.mark.parametrize("plan", [None, PackingPlan.concat([[0]], 64)], ids=["padded", "packed"])
+def test_a_caller_that_leaves_stops_the_batch_between_layers(runner, plan):
+    ids, lengths = flat(["the caller goes away while the encoder runs"])
+    with pytest.raises(CallerLeft, match=r"before (bert\.encoder\.layer\.1|layer 1);"):
+        runner.run("minilm", OUTPUT_EMBEDDING, ids, lengths, deadline=time.monotonic() + 60, plan=plan,
+                   left=LeavesAtSecondLayer())
+    stayed = threading.Event()
+    assert runner.run("minilm", OUTPUT_EMBEDDING, ids, lengths, left=stayed).values.shape == (1, 384)
 
 
 def test_bad_batches_are_refused(runner):
