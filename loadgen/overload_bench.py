@@ -2,14 +2,17 @@
 
     python -m academus.loadgen.overload_bench --rate 210 [--model sentiment --policy padded] [--out bench/overload]
 
-Runs twice on the same schedule, each on a fresh mesh: with the scheduler's doomed-job drop
-(ACADEMUS_DROP_DOOMED=true, the default) and without it (the ablation).
+Runs twice on the same schedule, each on a fresh mesh: with a setting on (the default) and off (the
+ablation). `--ablate drop_doomed` (the default): the scheduler's doomed-job drop, ACADEMUS_DROP_DOOMED.
+`--ablate honour_pushback`: the gateway refusing at once, while the scheduler's pushback hint lasts, the
+requests for a scheduler that refused for a full queue, ACADEMUS_HONOUR_PUSHBACK.
 
 Reports the load generator's summary, the CPU ms a completed request cost in each process, and the
 workers' and scheduler's counters over the run: batches computed, batches stopped between layers once
 their last deadline passed (`expired`: compute spent on answers nobody waits for), and jobs the scheduler
-dropped unrun, by reason (`doomed`: waited too long for their batch to finish in time). The last line
-printed is the summary JSON.
+dropped unrun, by reason (`doomed`: waited too long for their batch to finish in time), and the RPCs each
+of gateway, scheduler and workers answered with an error, by code (a RESOURCE_EXHAUSTED the gateway counts
+and the scheduler does not was refused at the edge). The last line printed is the summary JSON.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from academus.loadgen.bench import loadgen_with_cpu, write_summary
 from academus.shared.mesh import Deployment, MeshOptions, down, up
 
-COUNTERS = ("academus_worker_batches_total", "academus_worker_expired_total", "academus_scheduler_dropped")
+COUNTERS = ("academus_worker_batches_total", "academus_worker_expired_total", "academus_scheduler_dropped",
+            "academus_rpc_errors_total")
 
 
 def counters(port: int) -> dict[str, float]:
@@ -34,21 +38,28 @@ def counters(port: int) -> dict[str, float]:
 
 
 def snapshot(state) -> dict[str, dict[str, float]]:
-    return {s.name: counters(s.metrics_port) for s in state.services if s.name.startswith(("worker", "scheduler"))}
+    return {s.name: counters(s.metrics_port) for s in state.services
+            if s.name.startswith(("worker", "scheduler", "gateway"))}
+
+
+# --ablate: the setting switched off in the second run, and the names of the two runs (on, off).
+ABLATIONS = {"drop_doomed": ("ACADEMUS_DROP_DOOMED", "drop_doomed", "keep_doomed"),
+             "honour_pushback": ("ACADEMUS_HONOUR_PUSHBACK", "honour_pushback", "ignore_pushback")}
 
 
 def run(args: argparse.Namespace) -> dict:
-    runs = {name: overload(args, name, drop) for name, drop in (("drop_doomed", True), ("keep_doomed", False))}
-    goodput = runs["drop_doomed"]["throughput_rps"] / max(runs["keep_doomed"]["throughput_rps"], 1e-9)
-    return runs | {"goodput_drop_vs_keep": round(goodput, 3)}
+    setting, on, off = ABLATIONS[args.ablate]
+    runs = {name: overload(args, name, {setting: value}) for name, value in ((on, "true"), (off, "false"))}
+    goodput = runs[on]["throughput_rps"] / max(runs[off]["throughput_rps"], 1e-9)
+    return runs | {f"goodput_{on.split('_')[0]}_vs_{off.split('_')[0]}": round(goodput, 3)}
 
 
-def overload(args: argparse.Namespace, name: str, drop_doomed: bool) -> dict:
+def overload(args: argparse.Namespace, name: str, ablation: dict[str, str]) -> dict:
     run_dir = args.out / f"run-{name}"
     state = up(MeshOptions(run_dir=run_dir, gateway_port=0, workers=args.workers, worker_threads=1,
                            deployments=[Deployment(args.policy, args.model)],
-                           env={"ACADEMUS_MODELS": args.model, "ACADEMUS_QUEUE_CAPACITY": str(args.queue),
-                                "ACADEMUS_DROP_DOOMED": str(drop_doomed).lower()}))
+                           env={"ACADEMUS_MODELS": args.model, "ACADEMUS_QUEUE_CAPACITY": str(args.queue)}
+                           | ablation))
     try:
         before = snapshot(state)
         report = loadgen_with_cpu(state, run_dir, args.out / name, "run", "--model", args.model,
@@ -74,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=5.0)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--queue", type=int, default=256)
+    p.add_argument("--ablate", choices=sorted(ABLATIONS), default="drop_doomed",
+                   help="the setting the second run switches off (default: drop_doomed)")
     p.add_argument("--out", type=Path, default=Path("bench/overload"))
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -66,6 +66,7 @@ class GatewayConfig(CommonConfig):
     default_deadline_s: float = 30.0 # applied when the client set none (gRPC has no default)
     auth_cache_s: float = 5.0        # how long a verified key is trusted without asking Redis
     catalogue_refresh_s: float = 1.0
+    honour_pushback: bool = True     # a scheduler that refused for a full queue is sent nothing until its hint passes
     tenant_rate: float = 100.0       # a new tenant's quota: requests per second (token bucket refill)
     tenant_burst: int = 200          # ... and bucket size: requests allowed at once after a quiet spell
     max_upload_bytes: int = 8 * 1024 * 1024  # Manage API: one corpus or labelled-data upload

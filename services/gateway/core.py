@@ -12,7 +12,14 @@ import redis.asyncio as aioredis
 
 from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
 from academus.shared.config import POLICY_NAMES, GatewayConfig
-from academus.shared.errors import FailedPrecondition, InvalidArgument, NotFound, Unauthenticated, Unavailable
+from academus.shared.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+)
 from academus.shared.expiring import ExpiringCache
 from academus.shared.keys import Keys
 from academus.shared.tenants import READY, Quotas, TenantModel, TenantRegistry
@@ -207,12 +214,16 @@ class Deployment:
 
 class SchedulerDirectory:
     """Live schedulers (deployments) from Redis, used round-robin among those that serve the model
-    (and the policy, when the request names one): the paper's global dispatcher."""
+    (and the policy, when the request names one): the paper's global dispatcher. A scheduler that refused
+    for a full queue is sent nothing until its pushback hint has passed (when `honour_pushback`): a full
+    queue holds seconds of work, and refusing here spares the hop and the scheduler's loop."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
-        self.redis, self.keys = redis, keys
+    def __init__(self, redis: aioredis.Redis, keys: Keys, honour_pushback: bool = True,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.redis, self.keys, self.honour_pushback, self.clock = redis, keys, honour_pushback, clock
         self.deployments: list[Deployment] = []
         self._next = itertools.count()
+        self._full_until: dict[str, float] = {}   # address -> clock time its pushback hint ends
 
     @property
     def addresses(self) -> list[str]:
@@ -232,4 +243,15 @@ class SchedulerDirectory:
         if not candidates:
             wanted = f" with policy {policy!r}" if policy else ""
             raise Unavailable(f"no live scheduler serves model {model!r}{wanted}")
-        return candidates[next(self._next) % len(candidates)]
+        now = self.clock()
+        open_ = [a for a in candidates if self._full_until.get(a, now) <= now]
+        if not open_:
+            wait_ms = max(1, round((min(self._full_until[a] for a in candidates) - now) * 1e3))
+            raise ResourceExhausted(f"every scheduler serving model {model!r} has a full queue; retry in "
+                                    f"{wait_ms} ms", pushback_ms=wait_ms)
+        return open_[next(self._next) % len(open_)]
+
+    def push_back(self, address: str, pushback_ms: int | None) -> None:
+        """The scheduler refused for a full queue and asked for `pushback_ms` before the next request."""
+        if self.honour_pushback and pushback_ms:
+            self._full_until[address] = self.clock() + pushback_ms / 1e3

@@ -26,7 +26,7 @@ from academus.services.gateway.core import (
 from academus.services.gateway.manage import Manage
 from academus.shared import config as cfg
 from academus.shared.domains import Domain
-from academus.shared.errors import ServingError, Unavailable, abort_with, from_rpc_error
+from academus.shared.errors import ResourceExhausted, ServingError, Unavailable, abort_with, from_rpc_error
 from academus.shared.jobs import FAILED, QUEUED, RUNNING, SUCCEEDED, Job
 from academus.shared.keys import Keys
 from academus.shared.logs import log_event
@@ -136,6 +136,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 return await self._stub(address).Schedule(request, timeout=max(deadline - time.monotonic(), 0.001))
             except grpc.aio.AioRpcError as e:
                 error = from_rpc_error(e, f"scheduler {address}")
+                if isinstance(error, ResourceExhausted):
+                    self.schedulers.push_back(address, error.pushback_ms)
                 # UNAVAILABLE means nothing ran there (node gone, or no live worker on it): another
                 # node may serve the request while the deadline allows.
                 if not isinstance(error, Unavailable) or time.monotonic() >= deadline:
@@ -224,7 +226,7 @@ async def build() -> ServiceSpec:
     redis = connect(config.redis_url)
     keys = Keys(config.key_prefix)
     catalogue = Catalogue(redis, keys)
-    schedulers = SchedulerDirectory(redis, keys)
+    schedulers = SchedulerDirectory(redis, keys, config.honour_pushback)
     registry = TenantRegistry(redis, keys, rate=config.tenant_rate, burst=config.tenant_burst)
     gateway = Gateway(config, TeacherTokenizer(teacher_dir(), config.max_tokens),
                       Authenticator(redis, keys, config.auth_cache_s), catalogue,

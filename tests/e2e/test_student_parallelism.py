@@ -107,6 +107,11 @@ def test_overload_answers_resource_exhausted_at_once_and_nothing_hangs(mesh):
     assert "RESOURCE_EXHAUSTED" in codes and "OK" in codes
     assert codes <= {"OK", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}
     assert time.monotonic() - start < 60
+    # Once the scheduler refused for its full queue, the gateway honours its pushback hint: the requests
+    # that follow within it are refused at the edge, never sent on.
+    refused = [a.details for a in answers if isinstance(a, AcademusError) and a.code == "RESOURCE_EXHAUSTED"]
+    at_edge = [d for d in refused if d.startswith(f"every scheduler serving model {MODEL!r} has a full queue")]
+    assert at_edge and len(at_edge) < len(refused), refused
 
 
 def test_a_burst_drops_a_student_and_a_quiet_window_adds_it_back(mesh):

@@ -159,6 +159,34 @@ async def test_directory_routes_by_model_and_policy(redis_url):
     await redis.aclose()
 
 
+async def test_a_full_scheduler_gets_nothing_until_its_pushback_passes(redis_url):
+    from academus.services.gateway.core import SchedulerDirectory
+    from academus.shared.errors import ResourceExhausted
+
+    redis = connect(redis_url)
+    await redis.sadd(KEYS.schedulers(), "p0", "p1")
+    for name, address in (("p0", "b:0"), ("p1", "b:1")):
+        await redis.hset(KEYS.scheduler(name), mapping={"address": address, "policy": "padded", "models": "spam"})
+    now = [10.0]
+    directory = SchedulerDirectory(redis, KEYS, clock=lambda: now[0])
+    await directory.refresh()
+    directory.push_back("b:0", 50)
+    assert {await directory.pick(model="spam") for _ in range(4)} == {"b:1"}  # the other deployment serves
+    directory.push_back("b:1", 80)
+    now[0] += 0.030
+    with pytest.raises(ResourceExhausted, match="full queue; retry in 20 ms") as refused:
+        await directory.pick(model="spam")
+    assert refused.value.pushback_ms == 20                                     # the soonest hint to end
+    now[0] += 0.021
+    assert {await directory.pick(model="spam") for _ in range(4)} == {"b:0"}
+    ignoring = SchedulerDirectory(redis, KEYS, honour_pushback=False, clock=lambda: now[0])
+    await ignoring.refresh()
+    ignoring.push_back("b:0", 50)
+    ignoring.push_back("b:1", 50)
+    assert {await ignoring.pick(model="spam") for _ in range(4)} == {"b:0", "b:1"}  # the ablation
+    await redis.aclose()
+
+
 def test_an_unknown_policy_is_invalid_and_names_the_known_ones():
     from academus.services.gateway.core import check_policy
 
