@@ -101,7 +101,7 @@ class ServerSpans(grpc.aio.ServerInterceptor):
     """One SERVER span a unary RPC, the child of the caller's propagated context, named and attributed as
     OTel's gRPC interceptor names them. Unlike it, an abort is taken as an answer: its code goes on the span
     and its traceback is not formatted. OTel's formats it twice, a third of the gateway's and the scheduler's
-    CPU under overload, where most calls are refused (py-spy at 3x capacity; README, "Tracing cost")."""
+    CPU under overload, where most calls are refused (py-spy at 3x capacity; README, "What tracing costs")."""
 
     def __init__(self, provider: TracerProvider) -> None:
         self.tracer = provider.get_tracer("academus.grpc")
@@ -126,6 +126,9 @@ class ServerSpans(grpc.aio.ServerInterceptor):
                     response = await behavior(request, context)
                 except grpc.aio.AbortError:
                     _end_status(span, context)
+                    raise
+                except asyncio.CancelledError:  # the caller left (or the server is stopping)
+                    _set_code(span, grpc.StatusCode.CANCELLED, "the call was cancelled")
                     raise
                 except Exception as e:  # a fault the handler did not map to a status
                     span.record_exception(e)

@@ -129,8 +129,9 @@ async def test_an_unmapped_exception_is_recorded_as_a_fault(probe):
 
 async def test_cancelling_the_caller_cancels_the_call_at_the_server(probe):
     """The work downstream stops when the caller leaves (OTel's aio client interceptor swallowed the cancel)."""
-    call, _, client_spans = probe
+    call, server_spans, client_spans = probe
     client_spans.clear()
+    server_spans.clear()
     SERVER_ENTERED.clear()
     SERVER_SAW_CANCEL.clear()
     async def wait() -> bytes:
@@ -143,5 +144,7 @@ async def test_cancelling_the_caller_cancels_the_call_at_the_server(probe):
         await caller
     await asyncio.wait_for(SERVER_SAW_CANCEL.wait(), 5)
     (client,) = await finished(client_spans)
+    (served,) = await finished(server_spans)
+    assert served.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
     assert client.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
     assert client.status.status_code == StatusCode.ERROR
