@@ -19,22 +19,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import urllib.request
 from pathlib import Path
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from academus.loadgen.bench import loadgen_with_cpu, write_summary
 from academus.shared.mesh import Deployment, MeshOptions, down, up
+from academus.shared.metrics import scrape
 
 COUNTERS = ("academus_worker_batches_total", "academus_worker_expired_total", "academus_scheduler_dropped",
             "academus_rpc_errors_total")
 
 
 def counters(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     return {f"{s.name}{json.dumps(s.labels, sort_keys=True)}": s.value
-            for family in text_string_to_metric_families(text) for s in family.samples if s.name.startswith(COUNTERS)}
+            for s in scrape(port) if s.name.startswith(COUNTERS)}
 
 
 def snapshot(state) -> dict[str, dict[str, float]]:

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.request
+from collections.abc import Iterator
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from academus.shared.interceptors import UnaryBehavior, UnaryServerInterceptor
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 
@@ -25,24 +31,22 @@ def start_metrics(port: int) -> int:
     return server.server_address[1]
 
 
-class MetricsInterceptor(grpc.aio.ServerInterceptor):
+def scrape(port: int, host: str = "127.0.0.1") -> Iterator[Sample]:
+    """Every sample a service's /metrics endpoint serves now (benchmarks and tests read counters so)."""
+    text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5).read().decode()
+    for family in text_string_to_metric_families(text):
+        yield from family.samples
+
+
+class MetricsInterceptor(UnaryServerInterceptor):
     """Times every unary RPC of the service (health and reflection excluded)."""
 
     def __init__(self, service: str) -> None:
         self.service = service
 
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or handler.unary_unary is None or method.startswith("/grpc."):
-            return handler
-        return grpc.unary_unary_rpc_method_handler(
-            self._timed(handler.unary_unary, method.rsplit("/", 1)[-1]),
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+    def wrap(self, behavior: UnaryBehavior, method: str) -> UnaryBehavior:
+        method = method.rsplit("/", 1)[-1]
 
-    def _timed(self, behavior, method: str):
         async def wrapped(request, context: grpc.aio.ServicerContext):
             in_flight = RPC_IN_FLIGHT.labels(self.service, method)
             in_flight.inc()

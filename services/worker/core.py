@@ -144,7 +144,7 @@ class ModelRunner:
         unknown = [m for m in models if m not in catalogue]
         if unknown:
             raise NotFound(f"models {unknown} are not in {artifacts}/models.json (run `academus prepare`)")
-        self._local = threading.local()  # each compute thread (student instance) has its own deadline
+        self._local = threading.local()  # each compute thread (student instance) has its own stop conditions
         self._teacher: TeacherEncoder | None = None
         self._plot_stores: dict[Path, object] = {}   # one memory-mapped table shared by its plot models
         self.models = {name: self._load(name, catalogue[name]) for name in models}
@@ -241,17 +241,17 @@ class ModelRunner:
         elif output == OUTPUT_PROBS and served.head is None:
             raise InvalidArgument(f"model {model!r} is an embedding model: it has no labels")
         students = served.students(num_students)
-        self._local.left = left
         if deadline is not None and self.clock() >= deadline:
             raise DeadlineExceeded("deadline passed before the batch started; not computed")
+        self._local.deadline, self._local.left = deadline, left  # what the layer checks stop on, every path
         seqs = split_lengths(input_ids, lengths)
         types = split_lengths(token_type_ids, lengths) if token_type_ids else None
         if tenants is not None:  # tenant batches run padded: a plan's rows would mix adapters within a row
-            return self._run_tenants(served, output, seqs, types, deadline, tenants, plot_states)
+            return self._run_tenants(served, output, seqs, types, tenants, plot_states)
         if plan is not None and served.packable:  # a PLOT model runs the plan's texts padded: same answers
-            return self._run_packed(served, output, seqs, types, plan, deadline, students, student_indices)
+            return self._run_packed(served, output, seqs, types, plan, students, student_indices)
         start = time.perf_counter()
-        ids, mask, type_ids = self._padded(seqs, types, deadline)
+        ids, mask, type_ids = self._padded(seqs, types)
         finish = ""
         with torch.inference_mode():
             if student_indices:
@@ -270,21 +270,20 @@ class ModelRunner:
             finish=finish,
         )
 
-    def _padded(self, seqs: list[Sequence[int]], types: list[Sequence[int]] | None,
-                deadline: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The batch padded to its longest text on the device; the layer hooks watch `deadline`."""
+    def _padded(self, seqs: list[Sequence[int]],
+                types: list[Sequence[int]] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The batch padded to its longest text, on the device."""
         ids, mask, type_ids = (t.to(self.device) for t in pad_batch(seqs, types))
-        self._local.deadline = deadline
         return ids, mask, type_ids
 
     def _run_tenants(self, served: ServedModel, output: str, seqs: list[Sequence[int]],
-                     types: list[Sequence[int]] | None, deadline: float | None, tenants: TenantBatch,
+                     types: list[Sequence[int]] | None, tenants: TenantBatch,
                      plot_states: PlotStates | None = None) -> BatchResult:
         """Texts of many tenants in one padded batch (HMI §6.3): each row's adapter in the base's upper
         layers, applied as one batched matmul a projection, and each row's own head. Probabilities are
         zero-padded to the widest head; the gateway keeps its tenant's columns."""
         start = time.perf_counter()
-        ids, mask, type_ids = self._padded(seqs, types, deadline)
+        ids, mask, type_ids = self._padded(seqs, types)
         with torch.inference_mode():
             # A PLOT base looks each row up in its tenant model's domain overlay (HMI §5.1).
             forward = {} if served.packable else {"domains": tenants.row_domains(len(seqs)), "states": plot_states}
@@ -298,7 +297,7 @@ class ModelRunner:
                            padded_tokens=int(ids.numel()), real_tokens=int(mask.sum()))
 
     def _run_packed(self, served: ServedModel, output: str, seqs: list[Sequence[int]],
-                    types: list[Sequence[int]] | None, plan: PackingPlan, deadline: float | None, students: int,
+                    types: list[Sequence[int]] | None, plan: PackingPlan, students: int,
                     student_indices: Sequence[int]) -> BatchResult:
         """ConcatBatching (TCB §4): the plan's rows, block-diagonal attention, per-text pooling; the
         answers equal the padded path's. Deadline checked before every layer, as the padded path does."""
@@ -306,7 +305,6 @@ class ModelRunner:
             raise InvalidArgument(f"student_indices set for {served.spec.name!r}, which is not a student group")
         start = time.perf_counter()
         batch = packed_batch(seqs, types, plan).to(self.device)
-        self._local.deadline = deadline
         wants_probs, finish = output == OUTPUT_PROBS, ""
         with torch.inference_mode():
             try:

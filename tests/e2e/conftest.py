@@ -3,7 +3,6 @@ gateway) with the real teacher and the prepared artifacts."""
 
 from __future__ import annotations
 
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,6 +13,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 from academus.shared.config import artifacts_dir
 from academus.shared.mesh import ADMIN_KEY_FILE, MeshOptions, MeshState, down, up
+from academus.shared.metrics import scrape
 
 
 def start_mesh(run_dir: Path, workers: int = 1, env: dict[str, str] | None = None) -> MeshState:
@@ -64,14 +64,8 @@ def admin_key(mesh: MeshState) -> str:
 
 def metric(port: int, name: str, **labels: str) -> float:
     """Reads one sample from a service's Prometheus endpoint (0 when absent)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    return 0.0
+    return next((s.value for s in scrape(port)
+                 if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())), 0.0)
 
 
 def service(mesh: MeshState, name: str):
