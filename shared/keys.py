@@ -59,6 +59,10 @@ class Keys:
         """Hash: the tenant's request token bucket (tokens, at), updated atomically by a Lua script."""
         return f"{self.prefix}:quota:{tenant_id}"
 
+    def quota_refund(self, refund_id: str) -> str:
+        """String with a short TTL: marks one token given back, so that a retried refund gives nothing."""
+        return f"{self.prefix}:quota-refund:{refund_id}"
+
     def adapter(self, tenant_id: str, name: str) -> str:
         """Hash: one adapter's versions (JSON), latest version, metadata. Weights live in the store's files."""
         return f"{self.prefix}:adapter:{tenant_id}:{name}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 
@@ -216,6 +217,17 @@ if wait == 0 then return {0} end
 return {wait, tostring(rate), tostring(burst)}
 """
 
+# One token back into the bucket (never above the burst), once per refund id: a command the client
+# retries after a lost reply finds the marker and gives nothing more.
+_GIVE_BACK = """
+if not redis.call('SET', KEYS[3], '1', 'NX', 'PX', 10000) then return 0 end
+local burst = tonumber(redis.call('HGET', KEYS[1], 'burst'))
+local tokens = tonumber(redis.call('HGET', KEYS[2], 'tokens'))
+if not burst or not tokens then return 0 end
+redis.call('HSET', KEYS[2], 'tokens', tostring(math.min(burst, tokens + 1)))
+return 1
+"""
+
 
 class Quotas:
     """Per-tenant request token buckets, each updated atomically by one script (no read-modify-write race
@@ -225,20 +237,31 @@ class Quotas:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.keys = keys
         self._take = redis.register_script(_TAKE)
+        self._give_back = redis.register_script(_GIVE_BACK)
         self._unlimited: ExpiringCache[str, bool] = ExpiringCache(unlimited_cache_s, clock)  # known to have none
 
-    async def take(self, tenant: str) -> None:
-        """Takes one request's token, or raises ResourceExhausted with the wait as a pushback hint.
-        A tenant without a record (the admin, older keys) is remembered briefly, as verified keys are,
-        so that its requests do not pay a Redis round trip each for a quota they do not have."""
+    async def take(self, tenant: str) -> bool:
+        """Takes one request's token (True), or raises ResourceExhausted with the wait as a pushback hint.
+        A tenant without a record (the admin, older keys) has no token to take (False); it is remembered
+        briefly, as verified keys are, so that its requests do not pay a Redis round trip each for a
+        quota they do not have."""
         if self._unlimited.get(tenant):
-            return
+            return False
         answer = await self._take(keys=[self.keys.tenant(tenant), self.keys.quota(tenant)])
         wait_ms = int(answer[0])
         if wait_ms < 0:
             self._unlimited.put(tenant, True)
+            return False
         if wait_ms > 0:
             rate, burst = answer[1], answer[2]
             raise ResourceExhausted(f"tenant {tenant!r} is over its rate limit of {rate} requests/s "
                                     f"(burst {burst}); retry in {wait_ms} ms", pushback_ms=wait_ms)
+        return True
+
+    async def give_back(self, tenant: str, refund_id: str = "") -> bool:
+        """Returns one taken token: the request was refused for the node's lack of capacity, not the
+        tenant's rate, and the tenant should not pay for it. True when a token went back; a refund id
+        already used (a retried command) gives nothing."""
+        marker = self.keys.quota_refund(refund_id or uuid.uuid4().hex)
+        return bool(await self._give_back(keys=[self.keys.tenant(tenant), self.keys.quota(tenant), marker]))
 

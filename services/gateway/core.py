@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import redis.asyncio as aioredis
 
@@ -17,6 +18,7 @@ from academus.shared.errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    ServingError,
     Unauthenticated,
     Unavailable,
 )
@@ -27,6 +29,7 @@ from academus.shared.tokenization import Encoded, TeacherTokenizer, TextTooLong
 
 # What the caller asked for, as the core names it (the edge maps the proto enum).
 LABEL, SCORE, EMBED = "label", "score", "embedding"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class Admitted:
     truncated: list[bool]
     tokenize_ms: float
     tenant_model: TenantModel | None = None  # set when `spec` is the caller's own model on a served base
+    charged: bool = False                    # a quota token was taken for it
 
 
 class Authenticator:
@@ -136,24 +140,35 @@ def resolve_output(spec: ModelSpec, wanted: str) -> str:
 class Gateway:
     def __init__(self, config: GatewayConfig, tokenizer: TeacherTokenizer, auth: Authenticator,
                  catalogue: Catalogue, tenant_models: TenantModels | None = None,
-                 quotas: Quotas | None = None) -> None:
+                 quotas: Quotas | None = None, schedulers: SchedulerDirectory | None = None) -> None:
         self.config, self.tokenizer, self.auth, self.catalogue = config, tokenizer, auth, catalogue
         redis, keys = catalogue.redis, catalogue.keys
         self.tenant_models = tenant_models or TenantModels(TenantRegistry(redis, keys), config.auth_cache_s)
         self.quotas = quotas or Quotas(redis, keys)
+        self.schedulers = schedulers
 
-    async def admit(self, api_key: str | None, call: InferCall) -> Admitted:
-        """Authenticates, takes a quota token, checks limits and tokenizes: everything before the scheduler."""
+    async def admit(self, api_key: str | None, call: InferCall, policy: str = "") -> Admitted:
+        """Everything before the scheduler: authenticates, checks limits, resolves the model, refuses at
+        the edge while every deployment serving it is full (before the quota token is taken: the tenant
+        does not pay for the node's lack of room), takes the token and tokenizes."""
         principal = await self.auth.authenticate(api_key)
-        await self.quotas.take(principal.tenant)
         self.check_inputs(call)
         spec, tenant_model = await self.resolve(principal, call.model)
         output = resolve_output(spec, call.output)
+        if self.schedulers is not None:
+            self.schedulers.refuse_if_full(tenant_model.base if tenant_model else spec.name, policy)
+        charged = await self.quotas.take(principal.tenant)
         start = time.perf_counter()
         encoded = self.tokenize(call)
         truncated = [call.truncate and len(e.input_ids) >= self.tokenizer.max_tokens for e in encoded]
         return Admitted(principal, spec, output, encoded, truncated, (time.perf_counter() - start) * 1e3,
-                        tenant_model)
+                        tenant_model, charged)
+
+    async def give_back(self, admitted: Admitted) -> None:
+        """The request was refused downstream for want of capacity (a full queue, no live scheduler):
+        its quota token goes back."""
+        if admitted.charged:
+            await self.quotas.give_back(admitted.principal.tenant)
 
     async def resolve(self, principal: Principal, name: str) -> tuple[ModelSpec, TenantModel | None]:
         """A served model by that name, else the caller's own tenant model (never another tenant's)."""
@@ -239,19 +254,53 @@ class SchedulerDirectory:
     async def pick(self, exclude: frozenset[str] = frozenset(), model: str = "", policy: str = "") -> str:
         if not self.deployments:
             await self.refresh()
-        candidates = [d.address for d in self.deployments if d.address not in exclude and d.serves(model, policy)]
+        candidates = self.serving(model, policy, exclude)
         if not candidates:
             wanted = f" with policy {policy!r}" if policy else ""
             raise Unavailable(f"no live scheduler serves model {model!r}{wanted}")
+        open_ = self._open(candidates, model)
+        return open_[next(self._next) % len(open_)]
+
+    def serving(self, model: str, policy: str = "", exclude: frozenset[str] | set[str] = frozenset()) -> list[str]:
+        """Addresses of the live deployments that serve the model (and policy), less `exclude`."""
+        return [d.address for d in self.deployments if d.address not in exclude and d.serves(model, policy)]
+
+    def refuse_if_full(self, model: str, policy: str = "") -> None:
+        """The edge refusal, before anything is spent on the request (its quota token included): every
+        deployment serving the model is within its pushback hint. No deployment at all is left to pick()."""
+        if candidates := self.serving(model, policy):
+            self._open(candidates, model)
+
+    def _open(self, candidates: list[str], model: str) -> list[str]:
+        """The candidates whose pushback hint has passed; none: ResourceExhausted with the soonest end."""
         now = self.clock()
         open_ = [a for a in candidates if self._full_until.get(a, now) <= now]
         if not open_:
             wait_ms = max(1, round((min(self._full_until[a] for a in candidates) - now) * 1e3))
             raise ResourceExhausted(f"every scheduler serving model {model!r} has a full queue; retry in "
                                     f"{wait_ms} ms", pushback_ms=wait_ms)
-        return open_[next(self._next) % len(open_)]
+        return open_
 
     def push_back(self, address: str, pushback_ms: int | None) -> None:
         """The scheduler refused for a full queue and asked for `pushback_ms` before the next request."""
         if self.honour_pushback and pushback_ms:
             self._full_until[address] = self.clock() + pushback_ms / 1e3
+
+    async def route(self, model: str, policy: str, deadline: float, send: Callable[[str], Awaitable[T]]) -> T:
+        """Sends to a deployment serving the model, and to another while the deadline allows when it
+        refused for a full queue (its pushback noted) or is gone (UNAVAILABLE: nothing ran there).
+        `send` raises the ServingError of the scheduler's status; `deadline` is on this directory's clock."""
+        tried: set[str] = set()
+        while True:
+            address = await self.pick(frozenset(tried), model, policy)
+            try:
+                return await send(address)
+            except ResourceExhausted as e:
+                self.push_back(address, e.pushback_ms)
+                error: ServingError = e
+            except Unavailable as e:
+                await self.refresh()
+                error = e
+            tried.add(address)
+            if self.clock() >= deadline or not self.serving(model, policy, tried):
+                raise error

@@ -113,9 +113,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         deadline = time.monotonic() + (remaining if remaining is not None else self.default_deadline_s)
         try:
             policy = check_policy(request.policy)
-            admitted = await self.gateway.admit(api_key_from(context.invocation_metadata()), from_pb(request))
+            admitted = await self.gateway.admit(api_key_from(context.invocation_metadata()), from_pb(request), policy)
             annotate(model=admitted.spec.name, tenant=admitted.principal.tenant, texts=len(admitted.encoded))
-            result = await self._schedule(schedule_request(admitted, request.request_id), deadline, policy)
+            result = await self._schedule(admitted, schedule_request(admitted, request.request_id), deadline, policy)
         except ServingError as e:
             await abort_with(context, e)
         except RedisError as e:  # keys and catalogue unreachable: nothing ran, a retry may succeed
@@ -125,28 +125,24 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         response.metadata.gateway_ms = (time.perf_counter() - entered) * 1e3
         return response
 
-    async def _schedule(self, request: scheduler_pb2.ScheduleRequest, deadline: float,
+    async def _schedule(self, admitted: Admitted, request: scheduler_pb2.ScheduleRequest, deadline: float,
                         policy: str = "") -> tensors_pb2.ModelOutput:
-        """Sends to a deployment serving the model (and the policy asked for); a scheduler that is
-        gone is skipped for another while time remains."""
-        tried: set[str] = set()
-        while True:
-            address = await self.schedulers.pick(frozenset(tried), request.model, policy)
+        """Routes to the deployments serving the model (SchedulerDirectory.route). A refusal for want of
+        room anywhere gives the request's quota token back: nothing ran, and the caller will retry."""
+        async def send(address: str) -> tensors_pb2.ModelOutput:
             try:
                 return await self._stub(address).Schedule(request, timeout=max(deadline - time.monotonic(), 0.001))
             except grpc.aio.AioRpcError as e:
-                error = from_rpc_error(e, f"scheduler {address}")
-                if isinstance(error, ResourceExhausted):
-                    self.schedulers.push_back(address, error.pushback_ms)
-                # UNAVAILABLE means nothing ran there (node gone, or no live worker on it): another
-                # node may serve the request while the deadline allows.
-                if not isinstance(error, Unavailable) or time.monotonic() >= deadline:
-                    raise error from e
-                tried.add(address)
-                await self.schedulers.refresh()
-                if not [d for d in self.schedulers.deployments
-                        if d.address not in tried and d.serves(request.model, policy)]:
-                    raise error from e
+                raise from_rpc_error(e, f"scheduler {address}") from e
+
+        try:
+            return await self.schedulers.route(request.model, policy, deadline, send)
+        except (ResourceExhausted, Unavailable):
+            try:
+                await self.gateway.give_back(admitted)
+            except RedisError as e:  # the refusal is still the answer; the tenant loses one token
+                log_event("quota_give_back_failed", tenant=admitted.principal.tenant, error=repr(e))
+            raise
 
 
 JOB_STATUS = {QUEUED: manage_pb2.JOB_STATUS_QUEUED, RUNNING: manage_pb2.JOB_STATUS_RUNNING,
@@ -230,7 +226,8 @@ async def build() -> ServiceSpec:
     registry = TenantRegistry(redis, keys, rate=config.tenant_rate, burst=config.tenant_burst)
     gateway = Gateway(config, TeacherTokenizer(teacher_dir(), config.max_tokens),
                       Authenticator(redis, keys, config.auth_cache_s), catalogue,
-                      TenantModels(registry, config.auth_cache_s), Quotas(redis, keys, config.auth_cache_s))
+                      TenantModels(registry, config.auth_cache_s), Quotas(redis, keys, config.auth_cache_s),
+                      schedulers)
 
     async def refresher() -> None:
         while True:

@@ -12,7 +12,7 @@ from academus.client import AcademusError, AsyncClient
 from academus.shared.config import artifacts_dir
 from academus.shared.keys import Keys
 from academus.shared.redis_conn import connect
-from academus.shared.serving import RunningService
+from academus.shared.serving import RunningService, ServiceSpec
 from academus.v1 import inference_pb2, inference_pb2_grpc
 from tests.conftest import env
 
@@ -22,11 +22,18 @@ LONG = ["a sentence that keeps the only worker busy for a good while " * 30] * 4
 
 
 
-async def start_services(redis_url: str, prefix: str, **settings: str) -> list[RunningService]:
+async def start_services(redis_url: str, prefix: str, second_scheduler: dict[str, str] | None = None,
+                         **settings: str) -> list[RunningService]:
+    """Resource manager, worker, scheduler (and a second scheduler with `second_scheduler`'s settings
+    when given), gateway last; the gateway is the last service of the list."""
     from academus.services.gateway.server import build as gateway
     from academus.services.resource_manager.server import build as resource_manager
     from academus.services.scheduler.server import build as scheduler
     from academus.services.worker.server import build as worker
+
+    async def second() -> ServiceSpec:
+        with env(**second_scheduler):
+            return await scheduler()
 
     redis = connect(redis_url)
     await redis.hset(Keys(prefix).api_key(KEY), mapping={"tenant": "it", "role": "tenant"})
@@ -37,7 +44,7 @@ async def start_services(redis_url: str, prefix: str, **settings: str) -> list[R
               "ACADEMUS_WORKER_ID": f"{prefix}-worker", "ACADEMUS_MODELS": "spam", "ACADEMUS_GRACE_S": "5",
               **settings}
     with env(**common):
-        for build in (resource_manager, worker, scheduler, gateway):
+        for build in (resource_manager, worker, scheduler, *([second] if second_scheduler else []), gateway):
             service = RunningService(await build())
             await service.start()
             running.append(service)
@@ -59,6 +66,45 @@ async def padded_mesh(redis_server):
     yield running[-1].address
     for service in reversed(running):
         await service.stop()
+
+
+@pytest.fixture(scope="module")
+async def two_deployments(redis_server):
+    """Two deployments of spam on one worker: fifo, and padded holding one request for 5 s (queue of 1)."""
+    running = await start_services(redis_server.url, "it-two", {"ACADEMUS_POLICY": "padded",
+                                   "ACADEMUS_MAX_DELAY_MS": "5000", "ACADEMUS_MAX_BATCH": "8"},
+                                   ACADEMUS_QUEUE_CAPACITY="1")
+    yield running[-1].address, redis_server.url
+    for service in reversed(running):
+        await service.stop()
+
+
+async def test_a_full_deployment_passes_its_requests_to_another_and_costs_no_quota(two_deployments):
+    from academus.shared.tenants import TenantRegistry
+
+    address, redis_url = two_deployments
+    redis = connect(redis_url)
+    tenant_key = await TenantRegistry(redis, Keys("it-two")).create_tenant("one-token", rate=0.01, burst=1)
+    async with AsyncClient(address, api_key=KEY, timeout=60) as client, \
+            AsyncClient(address, api_key=tenant_key, timeout=60) as tenant:
+        held = asyncio.create_task(client.infer("spam", ["waits 5 s for its batch"], policy="padded"))
+        await asyncio.sleep(0.3)
+        # The padded queue is full: a request sent there is refused and goes to the fifo deployment.
+        spread = [await client.infer("spam", ["lunch at noon?"]) for _ in range(4)]
+        assert {r.metadata.policy for r in spread} == {"fifo"}
+        # Both full (fifo: one running, one waiting): refused, and the tenant's one token goes back.
+        running = asyncio.create_task(client.infer("spam", LONG, policy="fifo"))
+        await asyncio.sleep(0.3)
+        queued = asyncio.create_task(client.infer("spam", ["waits in the fifo queue"], policy="fifo"))
+        await asyncio.sleep(0.3)
+        with pytest.raises(AcademusError, match=r"RESOURCE_EXHAUSTED.*(queue is full|full queue)"):
+            await tenant.infer("spam", ["no room anywhere"])
+        assert len((await running).predictions) == 48 and len((await queued).predictions) == 1
+        assert (await tenant.infer("spam", ["the token given back pays for this"])).predictions
+        with pytest.raises(AcademusError, match="over its rate limit"):
+            await tenant.infer("spam", ["and this one has none"])
+        assert (await held).metadata.policy == "padded"
+    await redis.aclose()
 
 
 async def test_request_path_in_process(mesh):

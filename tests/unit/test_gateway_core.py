@@ -301,3 +301,81 @@ async def test_to_pb_gives_a_tenant_embedding_model_its_whole_row(tenants):
     response = to_pb(admitted, result, "r1")
     assert response.model == "vec" and list(response.labels) == []
     assert list(response.predictions[0].embedding) == pytest.approx([0.5, -0.5, 0.5, -0.5])
+
+
+async def deployments(redis_url, clock, honour_pushback=True):
+    from academus.services.gateway.core import SchedulerDirectory
+
+    redis = connect(redis_url)
+    await redis.sadd(KEYS.schedulers(), "p0", "p1")
+    for name, address in (("p0", "b:0"), ("p1", "b:1")):
+        await redis.hset(KEYS.scheduler(name), mapping={"address": address, "policy": "padded", "models": "spam"})
+    directory = SchedulerDirectory(redis, KEYS, honour_pushback, clock=clock)
+    await directory.refresh()
+    return redis, directory
+
+
+@pytest.mark.parametrize("honour_pushback", [True, False])
+async def test_a_request_refused_for_a_full_queue_goes_to_another_deployment(redis_url, honour_pushback):
+    from academus.shared.errors import ResourceExhausted, Unavailable
+
+    now = [10.0]
+    redis, directory = await deployments(redis_url, lambda: now[0], honour_pushback)
+    sent = []
+
+    async def send(address):
+        sent.append(address)
+        if address == "b:0":
+            raise ResourceExhausted("scheduler queue is full (1 requests waiting)", pushback_ms=50)
+        return f"answer from {address}"
+
+    answers = [await directory.route("spam", "", deadline=11.0, send=send) for _ in range(4)]
+    assert answers == ["answer from b:1"] * 4                   # no request refused while b:1 has room
+    # A full one is skipped while its hint lasts; ignoring hints, round-robin sends every request there first.
+    assert sent.count("b:0") == (1 if honour_pushback else 4)
+
+    async def all_full(address):
+        sent.append(address)
+        raise ResourceExhausted(f"{address} queue is full", pushback_ms=50)
+
+    now[0] += 0.1
+    with pytest.raises(ResourceExhausted, match=r"b:\d queue is full"):  # every one tried: the last refusal
+        await directory.route("spam", "", deadline=11.0, send=all_full)
+    assert sent[-2:] in (["b:0", "b:1"], ["b:1", "b:0"])
+
+    async def gone(address):
+        sent.append(address)
+        raise Unavailable(f"{address} is gone")
+
+    now[0] += 0.1
+    before = len(sent)
+    with pytest.raises(Unavailable, match=r"b:\d is gone"):
+        await directory.route("spam", "", deadline=now[0], send=gone)
+    assert len(sent) == before + 1                                      # past the deadline: no other try
+    await redis.aclose()
+
+
+async def test_a_request_refused_at_the_edge_costs_no_quota_token(redis_url, tokenizer):
+    from academus.shared.errors import ResourceExhausted
+    from academus.shared.tenants import TenantRegistry
+
+    now = [10.0]
+    redis, directory = await deployments(redis_url, lambda: now[0])
+    await redis.hset(KEYS.models(), "spam", ModelSpec("spam", CLASSIFICATION, ["ham", "spam"]).to_json())
+    registry = TenantRegistry(redis, KEYS)
+    key = await registry.create_tenant("t", rate=0.01, burst=1)    # one token, no refill within the test
+    gateway = Gateway(GatewayConfig(max_inputs=4, max_tokens=32, max_text_chars=500), tokenizer,
+                      Authenticator(redis, KEYS, 5.0), Catalogue(redis, KEYS), schedulers=directory)
+    directory.push_back("b:0", 50)
+    directory.push_back("b:1", 50)
+    for _ in range(3):
+        with pytest.raises(ResourceExhausted, match="every scheduler serving model 'spam' has a full queue"):
+            await gateway.admit(key, call(["hi"]))
+    now[0] += 0.06
+    admitted = await gateway.admit(key, call(["hi"]))             # the one token is still there
+    assert admitted.charged
+    await gateway.give_back(admitted)                             # refused downstream: the token returns
+    await gateway.admit(key, call(["hi"]))
+    with pytest.raises(ResourceExhausted, match="over its rate limit"):
+        await gateway.admit(key, call(["hi"]))
+    await redis.aclose()

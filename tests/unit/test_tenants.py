@@ -203,3 +203,23 @@ async def test_a_changed_quota_applies_at_once(redis, registry):
     await registry.set_quota("acme", rate=1000, burst=5)
     await asyncio.sleep(0.01)
     await quotas.take("acme")
+
+
+async def test_a_token_given_back_is_taken_again_once_and_never_beyond_the_burst(redis, registry):
+    await registry.create_tenant("acme", rate=0.01, burst=2)   # no refill within the test
+    quotas = Quotas(redis, KEYS)
+    assert await quotas.take("acme") and await quotas.take("acme")
+    with pytest.raises(ResourceExhausted):
+        await quotas.take("acme")
+    assert await quotas.give_back("acme", "r1")
+    assert not await quotas.give_back("acme", "r1")            # the same refund, retried: nothing more
+    assert await quotas.take("acme")                            # the one token given back
+    with pytest.raises(ResourceExhausted):
+        await quotas.take("acme")
+    for i in range(5):
+        await quotas.give_back("acme", f"many-{i}")
+    assert await quotas.take("acme") and await quotas.take("acme")
+    with pytest.raises(ResourceExhausted):                      # five refunds filled the bucket to its burst only
+        await quotas.take("acme")
+    assert not await quotas.take("no-record")                   # no quota: nothing taken, nothing to give back
+    assert not await quotas.give_back("no-record")
