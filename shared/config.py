@@ -170,6 +170,7 @@ class WorkerConfig(CommonConfig):
     resource_manager: str = ""       # host:port; empty: looked up in Redis
     heartbeat_ttl_s: float = 5.0
     packed_attention: str = "sdpa"   # packed batches: sdpa (own layers, real tokens only) | hf (HF layers, 4-D mask)
+    traced_layers: bool = True       # transformer layers as TorchScript graphs (off: eager forwards, the ablation)
     adapter_store: str = ""          # host:port; empty: looked up in Redis
     adapter_cache_bytes: int = 256 << 20   # tenant adapters kept on the device (LRU, HMI §6.2)
     adapter_prefetch: bool = True    # later layers stream in while the batch computes (off: the ablation)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from academus.services.worker.adapters import TenantBatch
+from academus.services.worker.traced import trace_layers
 from academus.shared.adapters import encode_with_adapters
 from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
 from academus.shared.errors import DeadlineExceeded, InvalidArgument, NotFound
@@ -30,6 +31,7 @@ from academus.shared.plot.table import PlotError
 
 OUTPUT_EMBEDDING = "embedding"
 OUTPUT_PROBS = "probs"
+WARM_UP_TOKEN = 1996   # any id of the shared vocabulary ("the"): tracing needs inputs, not meaning
 LAYER_NAME = re.compile(r"encoder\.layer\.\d+$")  # HF BERT layers, in the teacher and in students
 
 
@@ -134,8 +136,10 @@ class ModelRunner:
     batches synchronously, one at a time, on the worker's compute thread."""
 
     def __init__(self, artifacts: Path, models: Sequence[str], device: str = "cpu",
-                 clock: Callable[[], float] = time.monotonic, attention: Attention = "sdpa") -> None:
+                 clock: Callable[[], float] = time.monotonic, attention: Attention = "sdpa",
+                 traced: bool = True) -> None:
         self.device = resolve_device(device)
+        self.traced = traced         # layers run as traced graphs (services/worker/traced.py)
         self.clock = clock
         self.attention = attention   # packed batches: own SDPA layers or HF layers with a 4-D mask
         self.artifacts = Path(artifacts)
@@ -157,7 +161,7 @@ class ModelRunner:
             group = load_student_group(self.artifacts, entry.get("task", name), device=self.device)
             while group.max_students > entry.get("limit_students", group.max_students):
                 group.drop_last()  # a catalogue entry serving a prefix only (the single 2-layer baseline)
-            self._watch_deadline(group)
+            self._prepare_layers(group, num_students=group.max_students)
             kind = CLASSIFICATION if group.head is not None else EMBEDDING
             spec = ModelSpec(name, kind, list(group.labels) if group.head is not None else [], HIDDEN_SIZE,
                              max_students=group.max_students, default_students=group.best_k)
@@ -176,7 +180,7 @@ class ModelRunner:
         """The one teacher every teacher-backed and PLOT model shares, its layers deadline-hooked once."""
         if self._teacher is None:
             self._teacher = TeacherEncoder.load(device=self.device)
-            self._watch_deadline(self._teacher)
+            self._prepare_layers(self._teacher)
         return self._teacher
 
     def _load_plot(self, name: str, entry: dict) -> ServedModel:
@@ -200,6 +204,19 @@ class ModelRunner:
         spec = ModelSpec(name, entry["kind"], list(head.labels) if head else [], HIDDEN_SIZE, plot=store.model,
                          lower_layers=store.lower_layers, domain=entry.get("domain", ""))
         return ServedModel(spec, encoder, head, packable=False)
+
+    def _prepare_layers(self, encoder: nn.Module, **forward: int) -> None:
+        """Deadline hooks on every layer and, when `traced`, traced graphs for their forwards, made now
+        from an unpadded and a padded batch: tracing holds the GIL for a while, which a serving process
+        should not pay on its first requests. `forward`: what the encoder needs to run every layer."""
+        self._watch_deadline(encoder)
+        if not self.traced:
+            return
+        trace_layers(encoder, LAYER_NAME)
+        for lengths in ((8,), (8, 5)):
+            ids, mask, types = self._padded([[WARM_UP_TOKEN] * n for n in lengths], None)
+            with torch.inference_mode():
+                encoder(ids, mask, types, **forward)
 
     def _watch_deadline(self, encoder: nn.Module) -> None:
         """Hooks every transformer layer so an expired batch stops between layers."""

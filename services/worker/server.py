@@ -236,7 +236,7 @@ async def build() -> ServiceSpec:
         torch.set_num_threads(config.torch_threads)
     worker_id = config.worker_id or f"worker-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     runner = ModelRunner(Path(config.artifacts), [m for m in config.models.split(",") if m], config.device,
-                         attention=config.packed_attention)
+                         attention=config.packed_attention, traced=config.traced_layers)
     keys = Keys(config.key_prefix)
     fetcher = StoreFetcher(config.redis_url, keys, config.adapter_store)
     host = HostAdapters(fetcher.many, config.adapter_host_bytes, pin=runner.device.type == "cuda",

@@ -1,0 +1,64 @@
+"""Traced layers (services/worker/traced.py) with the real teacher and a student group: the answers of
+the layers' own forwards on every padded path, and the layers' own forwards wherever a graph would not
+see what the call needs (hooks inside a layer, gradients)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from academus.services.worker.core import OUTPUT_EMBEDDING, OUTPUT_PROBS, ModelRunner
+from academus.services.worker.traced import TracedLayer
+from tests.integration.test_student_serving import artifacts  # noqa: F401  (module fixture)
+
+pytestmark = pytest.mark.integration
+MODELS = ["sentiment", "minilm", "sentiment-students"]
+
+
+@pytest.fixture(scope="module")
+def runners(artifacts):  # noqa: F811
+    return ModelRunner(artifacts, MODELS, traced=False), ModelRunner(artifacts, MODELS, traced=True)
+
+
+def random_batch(rng: random.Random) -> tuple[list[int], list[int]]:
+    lengths = [rng.randint(2, 60) for _ in range(rng.choice([1, 2, 5]))]  # rows of unequal length: padding
+    return [rng.randint(1000, 20000) for _ in range(sum(lengths))], lengths
+
+
+def test_traced_layers_answer_as_the_layers_own_forwards(runners):
+    eager, traced = runners
+    rng = random.Random(7)
+    for _ in range(12):
+        ids, lengths = random_batch(rng)
+        for model in MODELS:
+            output = OUTPUT_EMBEDDING if model == "minilm" else OUTPUT_PROBS
+            k = rng.choice([1, 2]) if model.endswith("students") else 0
+            want = eager.run(model, output, ids, lengths, num_students=k).values
+            got = traced.run(model, output, ids, lengths, num_students=k).values
+            np.testing.assert_allclose(got, want, atol=1e-5)
+    first = traced.teacher().bert.encoder.layer[0]
+    assert isinstance(first.forward, TracedLayer) and not isinstance(eager.teacher().bert.encoder.layer[0].forward,
+                                                                     TracedLayer)
+    # One graph for unpadded batches (no mask) and one for padded ones; each reused for every shape.
+    assert None in first.forward.graphs and len(first.forward.graphs) == 2
+
+
+def test_a_layer_runs_its_own_forward_where_a_graph_would_miss_a_hook_or_a_gradient(runners):
+    _, traced = runners
+    layer = traced.models["sentiment-students"].encoder.students[0].encoder.layer[0]
+    hidden = torch.randn(1, 9, 384)
+    with torch.no_grad():
+        plain = layer(hidden)
+    seen = []
+    handle = layer.attention.output.dense.register_forward_hook(lambda m, i, o: seen.append(o.shape) or o * 0)
+    try:
+        with torch.no_grad():
+            hooked = layer(hidden)
+    finally:
+        handle.remove()
+    assert seen == [torch.Size([1, 9, 384])] and not torch.allclose(hooked, plain)  # the hook ran and mattered
+    with torch.enable_grad():
+        assert layer(hidden.requires_grad_()).requires_grad                        # training sees the graph
