@@ -1,8 +1,9 @@
 """The transport floor on this machine: bare grpc.aio (uvloop) chains of 1-3 loopback hops with
 no Academus code, the leaf answering a 384-float matrix after `--work-ms` spent in a thread (as a
-worker's model would). Compare with `academus.loadgen.overhead` to see what the mesh itself adds.
+worker's model would), or with `--spin` busy on its own loop (no thread, no timer: what a hop costs after
+the chain sat idle that long). Compare with `academus.loadgen.overhead` to see what the mesh itself adds.
 
-    python -m academus.loadgen.grpc_floor [--requests 1500] [--work-ms 0 10]
+    python -m academus.loadgen.grpc_floor [--requests 1500] [--work-ms 0 10] [--spin]
 """
 
 from __future__ import annotations
@@ -25,11 +26,15 @@ REPLY = tensors_pb2.ModelOutput(values=tensors_pb2.Matrix(values=[0.1] * 384, ro
 
 
 class Leaf(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, work_s: float) -> None:
-        self.work_s = work_s
+    def __init__(self, work_s: float, spin: bool = False) -> None:
+        self.work_s, self.spin = work_s, spin
 
     async def Run(self, request, context):
-        if self.work_s:
+        if self.work_s and self.spin:
+            end = time.perf_counter() + self.work_s
+            while time.perf_counter() < end:
+                pass
+        elif self.work_s:
             await asyncio.get_running_loop().run_in_executor(None, time.sleep, self.work_s)
         return REPLY
 
@@ -67,10 +72,11 @@ async def measure(port: int, requests: int) -> dict:
     return summary(times[100:])
 
 
-def chain(hops: int, work_ms: float, requests: int) -> dict:
+def chain(hops: int, work_ms: float, requests: int, spin: bool = False) -> dict:
     ports = [free_port() for _ in range(hops)]
     me = [sys.executable, "-m", "academus.loadgen.grpc_floor"]
-    procs = [subprocess.Popen([*me, "--serve-leaf", str(ports[-1]), "--work-ms", str(work_ms)])]
+    procs = [subprocess.Popen([*me, "--serve-leaf", str(ports[-1]), "--work-ms", str(work_ms),
+                               *(["--spin"] if spin else [])])]
     procs += [subprocess.Popen([*me, "--serve-forward", str(ports[i]), str(ports[i + 1])]) for i in range(hops - 1)]
     try:
         time.sleep(2.0)
@@ -85,16 +91,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=1500)
     p.add_argument("--work-ms", type=float, nargs="+", default=[0.0, 10.0])
+    p.add_argument("--spin", action="store_true", help="the leaf's work is a busy loop on its own event loop")
     p.add_argument("--serve-leaf", type=int, help=argparse.SUPPRESS)
     p.add_argument("--serve-forward", type=int, nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve_leaf:
-        uvloop.run(serve(args.serve_leaf, Leaf(args.work_ms[0] / 1e3)))
+        uvloop.run(serve(args.serve_leaf, Leaf(args.work_ms[0] / 1e3, args.spin)))
         return 0
     if args.serve_forward:
         uvloop.run(serve(args.serve_forward[0], Forward(f"127.0.0.1:{args.serve_forward[1]}")))
         return 0
-    rows = [{"hops": h, "work_ms": w, "latency_ms": chain(h, w, args.requests)}
+    rows = [{"hops": h, "work_ms": w, "spin": args.spin, "latency_ms": chain(h, w, args.requests, args.spin)}
             for w in args.work_ms for h in (1, 3)]
     for row in rows:
         row["overhead_p50_ms"] = round(row["latency_ms"]["p50"] - row["work_ms"], 3)
