@@ -42,7 +42,12 @@ def test_traced_layers_answer_as_the_layers_own_forwards(runners):
     first = traced.teacher().bert.encoder.layer[0]
     assert isinstance(first.forward, TracedLayer) and not isinstance(eager.teacher().bert.encoder.layer[0].forward,
                                                                      TracedLayer)
-    # One graph for unpadded batches (no mask) and one for padded ones; each reused for every shape.
+    # One graph for unpadded batches (no mask) and one for padded ones, traced at load and reused for every
+    # shape; a serving call goes through them (cleared, they are traced again by the next batches).
+    assert None in first.forward.graphs and len(first.forward.graphs) == 2
+    first.forward.graphs.clear()
+    traced.run("sentiment", OUTPUT_PROBS, [2023, 2003, 2307, 2143, 2023, 2003], [4, 2])  # padded
+    traced.run("sentiment", OUTPUT_PROBS, [2023, 2003, 2307], [3])                        # unpadded
     assert None in first.forward.graphs and len(first.forward.graphs) == 2
 
 
