@@ -10,10 +10,14 @@ class ServingError(Exception):
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
 
-    def __init__(self, message: str, *, pushback_ms: int | None = None) -> None:
+    def __init__(self, message: str, *, pushback_ms: int | None = None, nothing_ran: bool = False) -> None:
         super().__init__(message)
         self.message = message
         self.pushback_ms = pushback_ms
+        self.nothing_ran = nothing_ran   # refused on arrival: another deployment may take the request
+
+
+NOTHING_RAN = "academus-nothing-ran"   # trailer of a refusal on arrival whose code does not say so itself
 
 
 class InvalidArgument(ServingError):
@@ -54,22 +58,27 @@ class Unavailable(ServingError):
 
 async def abort_with(context: grpc.aio.ServicerContext, error: ServingError) -> None:
     """Aborts the RPC with the error's status, adding the retry pushback hint when it has one."""
-    if error.pushback_ms is not None:
-        context.set_trailing_metadata((("grpc-retry-pushback-ms", str(error.pushback_ms)),))
+    trailers = [("grpc-retry-pushback-ms", str(error.pushback_ms))] if error.pushback_ms is not None else []
+    if error.nothing_ran:
+        trailers.append((NOTHING_RAN, "true"))
+    if trailers:
+        context.set_trailing_metadata(tuple(trailers))
     await context.abort(error.code, error.message)
 
 
 def from_rpc_error(error: grpc.aio.AioRpcError, hop: str) -> ServingError:
     """Re-raises a downstream status unchanged in code, with the hop named for the operator."""
-    pushback = dict(error.trailing_metadata() or ()).get("grpc-retry-pushback-ms")
+    trailers = dict(error.trailing_metadata() or ())
+    pushback = trailers.get("grpc-retry-pushback-ms")
     return from_status(error.code(), error.details() or f"{hop} failed with {error.code().name}",
-                       int(pushback) if pushback else None)
+                       int(pushback) if pushback else None, trailers.get(NOTHING_RAN) == "true")
 
 
-def from_status(code: grpc.StatusCode, message: str, pushback_ms: int | None = None) -> ServingError:
+def from_status(code: grpc.StatusCode, message: str, pushback_ms: int | None = None,
+                nothing_ran: bool = False) -> ServingError:
     """The ServingError of a status code (one carried in a message rather than on the call)."""
     cls = next((c for c in _ALL if c.code == code), ServingError)
-    err = cls(message, pushback_ms=pushback_ms)
+    err = cls(message, pushback_ms=pushback_ms, nothing_ran=nothing_ran)
     if cls is ServingError:
         err.code = code
     return err

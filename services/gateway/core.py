@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
 from academus.shared.config import POLICY_NAMES, GatewayConfig
 from academus.shared.errors import (
+    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -165,8 +166,8 @@ class Gateway:
                         tenant_model, charged)
 
     async def give_back(self, admitted: Admitted) -> None:
-        """The request was refused downstream for want of capacity (a full queue, no live scheduler):
-        its quota token goes back."""
+        """The request was refused downstream for want of capacity (see `for_want_of_room`): its quota
+        token goes back."""
         if admitted.charged:
             await self.quotas.give_back(admitted.principal.tenant)
 
@@ -206,6 +207,12 @@ class Gateway:
         except TextTooLong as e:
             raise InvalidArgument(f"inputs[{e.index}].text has {e.num_tokens} tokens; the limit is {e.limit} "
                                   "tokens (truncate=false)") from e
+
+
+def for_want_of_room(error: ServingError) -> bool:
+    """A refusal the tenant should not pay for: full queues, no live scheduler, or a queue too long for
+    the deadline on arrival (nothing ran)."""
+    return isinstance(error, (ResourceExhausted, Unavailable)) or error.nothing_ran
 
 
 def check_policy(policy: str) -> str:
@@ -288,7 +295,8 @@ class SchedulerDirectory:
 
     async def route(self, model: str, policy: str, deadline: float, send: Callable[[str], Awaitable[T]]) -> T:
         """Sends to a deployment serving the model, and to another while the deadline allows when it
-        refused for a full queue (its pushback noted) or is gone (UNAVAILABLE: nothing ran there).
+        refused for a full queue (its pushback noted), is gone (UNAVAILABLE: nothing ran there), or
+        refused on arrival for a queue too long for the deadline (`nothing_ran`).
         `send` raises the ServingError of the scheduler's status; `deadline` is on this directory's clock."""
         tried: set[str] = set()
         while True:
@@ -300,6 +308,10 @@ class SchedulerDirectory:
                 error: ServingError = e
             except Unavailable as e:
                 await self.refresh()
+                error = e
+            except DeadlineExceeded as e:
+                if not e.nothing_ran:   # it ran out of time there: so would a second try
+                    raise
                 error = e
             tried.add(address)
             if self.clock() >= deadline or not self.serving(model, policy, tried):

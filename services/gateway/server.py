@@ -22,11 +22,12 @@ from academus.services.gateway.core import (
     SchedulerDirectory,
     TenantModels,
     check_policy,
+    for_want_of_room,
 )
 from academus.services.gateway.manage import Manage
 from academus.shared import config as cfg
 from academus.shared.domains import Domain
-from academus.shared.errors import ResourceExhausted, ServingError, Unavailable, abort_with, from_rpc_error
+from academus.shared.errors import ServingError, Unavailable, abort_with, from_rpc_error
 from academus.shared.jobs import FAILED, QUEUED, RUNNING, SUCCEEDED, Job
 from academus.shared.keys import Keys
 from academus.shared.logs import log_event
@@ -137,12 +138,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
         try:
             return await self.schedulers.route(request.model, policy, deadline, send)
-        except (ResourceExhausted, Unavailable):
-            try:
-                await self.gateway.give_back(admitted)
-            except RedisError as e:  # the refusal is still the answer; the tenant loses one token
-                log_event("quota_give_back_failed", tenant=admitted.principal.tenant, error=repr(e))
+        except ServingError as e:
+            if for_want_of_room(e):
+                await self._give_back(admitted)
             raise
+
+    async def _give_back(self, admitted: Admitted) -> None:
+        try:
+            await self.gateway.give_back(admitted)
+        except RedisError as e:  # the refusal is still the answer; the tenant loses one token
+            log_event("quota_give_back_failed", tenant=admitted.principal.tenant, error=repr(e))
 
 
 JOB_STATUS = {QUEUED: manage_pb2.JOB_STATUS_QUEUED, RUNNING: manage_pb2.JOB_STATUS_RUNNING,

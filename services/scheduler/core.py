@@ -213,7 +213,8 @@ class Dispatcher:
         if self.clock() + expected > job.deadline:
             self.stats.rejected += 1
             raise DeadlineExceeded(f"the deadline cannot be met: about {expected * 1e3:.0f} ms of queued work "
-                                   f"ahead, {max(0.0, job.deadline - self.clock()) * 1e3:.0f} ms left")
+                                   f"ahead, {max(0.0, job.deadline - self.clock()) * 1e3:.0f} ms left",
+                                   nothing_ran=True)
 
     def _drain(self) -> None:
         """Every free group takes the next ready batch it can run; dead jobs are dropped unrun."""

@@ -379,3 +379,28 @@ async def test_a_request_refused_at_the_edge_costs_no_quota_token(redis_url, tok
     with pytest.raises(ResourceExhausted, match="over its rate limit"):
         await gateway.admit(key, call(["hi"]))
     await redis.aclose()
+
+
+async def test_a_request_refused_on_arrival_for_its_deadline_goes_to_another_deployment(redis_url):
+    from academus.services.gateway.core import for_want_of_room
+    from academus.shared.errors import DeadlineExceeded
+
+    now = [10.0]
+    redis, directory = await deployments(redis_url, lambda: now[0])
+    ran_out = DeadlineExceeded("deadline passed before layer 3")
+
+    async def send(address):
+        if address == "b:0":
+            raise DeadlineExceeded("the deadline cannot be met: about 900 ms of queued work ahead", nothing_ran=True)
+        return f"answer from {address}"
+
+    assert {await directory.route("spam", "", deadline=11.0, send=send) for _ in range(4)} == {"answer from b:1"}
+
+    async def late(address):
+        raise ran_out
+
+    with pytest.raises(DeadlineExceeded) as info:  # it ran and ran out of time: not sent again
+        await directory.route("spam", "", deadline=11.0, send=late)
+    assert info.value is ran_out and not for_want_of_room(ran_out)
+    assert for_want_of_room(DeadlineExceeded("cannot be met", nothing_ran=True))
+    await redis.aclose()
