@@ -412,6 +412,8 @@ class AdapterInjector:
         def hook(_module: nn.Module, _inputs: tuple, out: torch.Tensor) -> torch.Tensor | None:
             stack: BatchedAdapters | None = getattr(self._local, "stack", None)
             return None if stack is None else stack.apply(i, out)
+        # No stack in this thread: the hook changes nothing, and a traced layer may run without it.
+        hook.inactive = lambda: getattr(self._local, "stack", None) is None
         return hook
 
     @contextmanager

@@ -7,8 +7,8 @@ GIL: about 12 % less compute alone and 20 % beside a thread busy in Python 30 % 
 student, one 25-token sample, one thread; `README.md`, "Traced layers"). The graphs compute exactly what the
 layer's own forward does; the module tree is untouched, so the worker's deadline hooks on the layers
 still fire between layers. A call the graph does not cover runs the layer's own forward: gradients on,
-arguments besides the hidden states and the attention mask, or hooks on a layer's submodules (tenant
-adapters hook the teacher's attention output).
+arguments besides the hidden states and the attention mask, or a hook on a layer's submodules that would
+act (tenant adapters hook the teacher's attention output, and act only in a thread running a tenant batch).
 """
 
 from __future__ import annotations
@@ -23,6 +23,10 @@ import torch
 from torch import nn
 
 LayerForward = Callable[..., torch.Tensor]
+
+
+def _never() -> bool:
+    return False
 
 
 class _Layer(nn.Module):
@@ -60,7 +64,10 @@ class TracedLayer:
         return graph(hidden) if attention_mask is None else graph(hidden, attention_mask)
 
     def _hooked(self) -> bool:
-        return any(m._forward_hooks or m._forward_pre_hooks for m in self._inner)
+        """A hook inside the layer would act on this call. A hook may say it is idle now with an
+        `inactive()` attribute (the tenant adapters' hooks, when this thread runs no tenant batch)."""
+        return any(not getattr(hook, "inactive", _never)()
+                   for m in self._inner for hook in (*m._forward_hooks.values(), *m._forward_pre_hooks.values()))
 
     def _trace(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.jit.ScriptModule:
         example = (hidden.clone(),) if mask is None else (hidden.clone(), mask.clone())

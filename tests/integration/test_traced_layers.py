@@ -67,3 +67,25 @@ def test_a_layer_runs_its_own_forward_where_a_graph_would_miss_a_hook_or_a_gradi
     assert seen == [torch.Size([1, 9, 384])] and not torch.allclose(hooked, plain)  # the hook ran and mattered
     with torch.enable_grad():
         assert layer(hidden.requires_grad_()).requires_grad                        # training sees the graph
+
+
+def test_a_plain_batch_stays_traced_beside_the_tenant_adapters_hooks(runners):
+    from academus.shared.adapters import encode_with_adapters, install_adapters, remove_adapters
+    from tests.unit.test_adapters import make_adapter
+
+    eager, traced = runners
+    teacher = traced.teacher()
+    first = teacher.bert.encoder.layer[0].forward
+    ids, lengths = [2023, 2003, 2307, 2143, 2023, 2003], [4, 2]
+    install_adapters(teacher)   # what a worker's first tenant batch leaves behind: hooks in every layer
+    try:
+        first.graphs.clear()
+        plain = traced.run("minilm", OUTPUT_EMBEDDING, ids, lengths).values
+        assert len(first.graphs) == 1                       # no tenant batch in this thread: still traced
+        np.testing.assert_allclose(plain, eager.run("minilm", OUTPUT_EMBEDDING, ids, lengths).values, atol=1e-5)
+        padded = [torch.tensor([ids[:4], [*ids[4:], 0, 0]]), torch.tensor([[1] * 4, [1, 1, 0, 0]])]
+        with torch.inference_mode():
+            adapted, _ = encode_with_adapters(teacher, *padded, None, [make_adapter(1, ["no", "yes"])] * 2)
+        assert np.abs(adapted.numpy() - plain).max() > 1e-3  # a tenant batch runs the hooks (eager)
+    finally:
+        remove_adapters(teacher)
