@@ -14,7 +14,6 @@ import redis.asyncio as aioredis
 from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
 from academus.shared.config import POLICY_NAMES, GatewayConfig
 from academus.shared.errors import (
-    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -210,8 +209,9 @@ class Gateway:
 
 
 def for_want_of_room(error: ServingError) -> bool:
-    """A refusal the tenant should not pay for: full queues, no live scheduler, or a queue too long for
-    the deadline on arrival (nothing ran)."""
+    """A refusal for the node's lack of room, where nothing ran: a full queue, no live scheduler, or a
+    queue too long for the deadline on arrival. Another deployment may take the request (route), and
+    the tenant does not pay for it (Gateway.give_back)."""
     return isinstance(error, (ResourceExhausted, Unavailable)) or error.nothing_ran
 
 
@@ -303,16 +303,14 @@ class SchedulerDirectory:
             address = await self.pick(frozenset(tried), model, policy)
             try:
                 return await send(address)
-            except ResourceExhausted as e:
-                self.push_back(address, e.pushback_ms)
-                error: ServingError = e
-            except Unavailable as e:
-                await self.refresh()
-                error = e
-            except DeadlineExceeded as e:
-                if not e.nothing_ran:   # it ran out of time there: so would a second try
+            except ServingError as e:
+                if not for_want_of_room(e):   # e.g. it ran out of time there: so would a second try
                     raise
                 error = e
+            if isinstance(error, ResourceExhausted):
+                self.push_back(address, error.pushback_ms)
+            elif isinstance(error, Unavailable):
+                await self.refresh()
             tried.add(address)
             if self.clock() >= deadline or not self.serving(model, policy, tried):
                 raise error
