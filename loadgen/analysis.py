@@ -91,6 +91,17 @@ def breakdown(records: Iterable[Record]) -> dict[str, float]:
     return {name: round(statistics.median(p[name] for p in parts), 3) for name in parts[0]}
 
 
+def tail_breakdown(records: Iterable[Record], q: float = 95) -> dict[str, float]:
+    """The mean of each component over the answers at or past the q-th latency percentile: what the slow
+    requests spent their time on (medians say what the typical one did)."""
+    parts = [(r.latency_ms, components(r.latency_ms, r.meta)) for r in records if r.code == "OK" and r.meta is not None]
+    if not parts:
+        return {}
+    cut = percentile([latency for latency, _ in parts], q)
+    tail = [p for latency, p in parts if latency >= cut]
+    return {name: round(statistics.fmean(p[name] for p in tail), 3) for name in tail[0]} | {"answers": len(tail)}
+
+
 def _ms(span: dict) -> float:
     return (span["end_ns"] - span["start_ns"]) / 1e6
 

@@ -12,6 +12,15 @@ from pathlib import Path
 
 from academus.shared.mesh import MeshState
 
+# The settings a benchmark can switch off in one of its two arms (`--ablate NAME`): the variable, then
+# (arm name, value) with the setting on (the default, but for compute_sched) and off.
+ABLATIONS = {
+    "drop_doomed": ("ACADEMUS_DROP_DOOMED", ("drop_doomed", "true"), ("keep_doomed", "false")),
+    "honour_pushback": ("ACADEMUS_HONOUR_PUSHBACK", ("honour_pushback", "true"), ("ignore_pushback", "false")),
+    "gc_freeze": ("ACADEMUS_GC_FREEZE", ("frozen", "true"), ("unfrozen", "false")),
+    "compute_sched": ("ACADEMUS_COMPUTE_SCHED", ("idle", "idle"), ("normal", "normal")),  # idle: opt-in
+}
+
 
 def loadgen(run_dir: Path, out: Path, *args: str) -> dict:
     """One `academus loadgen` run in a subprocess (its own event loop and CPU accounting); its report."""

@@ -26,6 +26,7 @@ from academus.loadgen import analysis, plots, schedule, texts
 from academus.loadgen.analysis import parse_runs, ratios, run_label
 from academus.loadgen.runner import RunResult, run, run_closed
 from academus.shared.config import run_dir
+from academus.shared.heap import freeze_start_up_heap
 from academus.shared.mesh import ADMIN_KEY_FILE, MeshState
 
 __all__ = ["main", "parser", "ratios"]
@@ -88,6 +89,7 @@ def cmd_load(args: argparse.Namespace) -> int:
     text_spec = args.length_dist or args.texts
     samples = texts.parse(text_spec, CLOSED_LOOP_TEXTS if concurrency else max(1, len(arrivals)), args.seed)
     gateway, key = target(args)
+    freeze_start_up_heap("loadgen")   # the client's own GC pauses would count as server latency
     results = asyncio.run(run_all(gateway, key, runs, arrivals, samples, args, concurrency))
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"schedule": args.schedule, "duration_s": args.duration, "texts": text_spec,

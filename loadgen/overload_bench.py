@@ -5,7 +5,8 @@
 Runs twice on the same schedule, each on a fresh mesh: with a setting on (the default) and off (the
 ablation). `--ablate drop_doomed` (the default): the scheduler's doomed-job drop, ACADEMUS_DROP_DOOMED.
 `--ablate honour_pushback`: the gateway refusing at once, while the scheduler's pushback hint lasts, the
-requests for a scheduler that refused for a full queue, ACADEMUS_HONOUR_PUSHBACK.
+requests for a scheduler that refused for a full queue, ACADEMUS_HONOUR_PUSHBACK. `--ablate gc_freeze`,
+`--ablate compute_sched`: see half_load_bench.
 
 Reports the load generator's summary, the CPU ms a completed request cost in each process, and the
 workers' and scheduler's counters over the run: batches computed, batches stopped between layers once
@@ -21,7 +22,7 @@ import argparse
 import json
 from pathlib import Path
 
-from academus.loadgen.bench import loadgen_with_cpu, write_summary
+from academus.loadgen.bench import ABLATIONS, loadgen_with_cpu, write_summary
 from academus.shared.mesh import Deployment, MeshOptions, down, up
 from academus.shared.metrics import scrape
 
@@ -39,14 +40,9 @@ def snapshot(state) -> dict[str, dict[str, float]]:
             if s.name.startswith(("worker", "scheduler", "gateway"))}
 
 
-# --ablate: the setting switched off in the second run, and the names of the two runs (on, off).
-ABLATIONS = {"drop_doomed": ("ACADEMUS_DROP_DOOMED", "drop_doomed", "keep_doomed"),
-             "honour_pushback": ("ACADEMUS_HONOUR_PUSHBACK", "honour_pushback", "ignore_pushback")}
-
-
 def run(args: argparse.Namespace) -> dict:
-    setting, on, off = ABLATIONS[args.ablate]
-    runs = {name: overload(args, name, {setting: value}) for name, value in ((on, "true"), (off, "false"))}
+    setting, (on, on_value), (off, off_value) = ABLATIONS[args.ablate]
+    runs = {name: overload(args, name, {setting: value}) for name, value in ((on, on_value), (off, off_value))}
     goodput = runs[on]["throughput_rps"] / max(runs[off]["throughput_rps"], 1e-9)
     return runs | {f"goodput_{on.split('_')[0]}_vs_{off.split('_')[0]}": round(goodput, 3)}
 

@@ -68,6 +68,7 @@ class RunResult:
             "utility": round(float(utility), 6),
             "utility_per_s": round(utility / self.duration_s, 6) if self.duration_s else 0.0,
             "breakdown_ms": analysis.breakdown(self.records),
+            "tail_breakdown_ms": analysis.tail_breakdown(self.records),
             "student_number": sorted(Counter(r.students for r in ok).items()),
             "timeline": analysis.timeline(self.records, self.duration_s),
         }

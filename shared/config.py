@@ -41,6 +41,7 @@ class CommonConfig:
     advertise_host: str = ""         # address others dial; defaults to host
     metrics_port: int = 0            # Prometheus endpoint; 0: the OS picks one, -1: off
     grace_s: float = 10.0            # SIGTERM: how long in-flight work may take to finish
+    gc_freeze: bool = True           # start-up's objects leave the cyclic GC once serving (off: the ablation)
 
     def check(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -100,6 +101,7 @@ class GatewayConfig(CommonConfig):
 POLICY_NAMES = ("fifo", "padded", "student", "concat", "concat-slotted", "concat-fcfs", "concat-sjf", "concat-edf",
                 "bucketed")
 CONCAT_SELECTIONS = ("das", "fcfs", "sjf", "edf")
+COMPUTE_SCHEDS = ("idle", "batch", "normal")
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,8 @@ class WorkerConfig(CommonConfig):
     heartbeat_ttl_s: float = 5.0
     packed_attention: str = "sdpa"   # packed batches: sdpa (own layers, real tokens only) | hf (HF layers, 4-D mask)
     traced_layers: bool = True       # transformer layers as TorchScript graphs (off: eager forwards, the ablation)
+    compute_sched: str = "normal"    # Linux policy of the compute threads: normal, idle (any serving thread
+                                     # preempts them at once), or batch
     adapter_store: str = ""          # host:port; empty: looked up in Redis
     adapter_cache_bytes: int = 256 << 20   # tenant adapters kept on the device (LRU, HMI §6.2)
     adapter_prefetch: bool = True    # later layers stream in while the batch computes (off: the ablation)
@@ -189,6 +193,8 @@ class WorkerConfig(CommonConfig):
                               f"{self.adapter_warm_s} must be >= 0")
         if self.packed_attention not in ("sdpa", "hf"):
             raise ConfigError(f"ACADEMUS_PACKED_ATTENTION={self.packed_attention!r} must be sdpa|hf")
+        if self.compute_sched not in COMPUTE_SCHEDS:
+            raise ConfigError(f"ACADEMUS_COMPUTE_SCHED={self.compute_sched!r} must be {'|'.join(COMPUTE_SCHEDS)}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"ACADEMUS_DEVICE={self.device!r} must be 'cpu' or 'cuda[:N]'")
         if self.torch_threads < 0 or self.instances < 0:

@@ -15,6 +15,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from academus.shared.config import CommonConfig
+from academus.shared.heap import freeze_start_up_heap, watch_pauses
 from academus.shared.logs import log_event, setup_logging
 from academus.shared.metrics import MetricsInterceptor, start_metrics
 from academus.shared.tracing import server_interceptors, setup_tracing, shutdown_tracing
@@ -111,6 +112,9 @@ async def serve(spec: ServiceSpec) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await service.start()
+    if spec.config.gc_freeze:
+        log_event("heap_frozen", service=spec.name, objects=freeze_start_up_heap(spec.name))
+    watch_pauses(spec.name)   # from here on: the pauses serving meets, not start-up's
     await stop.wait()
     await service.stop()
     shutdown_tracing()

@@ -17,6 +17,7 @@ import torch
 from prometheus_client import Counter
 
 from academus.services.worker.adapters import AdapterCache, StoreFetcher, TenantBatch
+from academus.services.worker.compute_threads import apply_compute_policy
 from academus.services.worker.core import (
     FINISH_L2,
     FINISH_SOFTMAX,
@@ -61,17 +62,19 @@ FINISHES = {"": tensors_pb2.FINISH_NONE, FINISH_SOFTMAX: tensors_pb2.FINISH_SOFT
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, runner: ModelRunner, worker_id: str, instances: int = 1,
-                 adapters: AdapterCache | None = None) -> None:
+                 adapters: AdapterCache | None = None, compute_sched: str = "normal") -> None:
         self.runner = runner
         self.worker_id = worker_id
         self.adapters = adapters
+        self.compute_sched = compute_sched
         self.resize(instances)
 
     def resize(self, instances: int) -> None:
         """One compute thread a student instance: that many batches run at once (on a GPU, each in its
         own thread and CUDA stream; under MPS, separate worker processes share the GPU instead)."""
         self.instances = max(1, instances)
-        self.executor = ThreadPoolExecutor(max_workers=self.instances, thread_name_prefix="compute")
+        self.executor = ThreadPoolExecutor(max_workers=self.instances, thread_name_prefix="compute",
+                                           initializer=apply_compute_policy, initargs=(self.compute_sched,))
 
     async def Run(self, request, context: grpc.aio.ServicerContext):
         entered = time.perf_counter()
@@ -243,7 +246,7 @@ async def build() -> ServiceSpec:
                         batch=config.adapter_fetch_batch) if config.adapter_host_bytes else None
     adapters = AdapterCache(host or fetcher, config.adapter_cache_bytes, runner.device, config.adapter_prefetch,
                             config.adapter_batched, fetch_batch=config.adapter_fetch_batch)
-    servicer = WorkerServicer(runner, worker_id, config.instances or 1, adapters)
+    servicer = WorkerServicer(runner, worker_id, config.instances or 1, adapters, config.compute_sched)
     registration = Registration(config, runner, worker_id, servicer)
     warmer = HostWarmer(host, TenantRegistry(registration.redis, keys), list(runner.models),
                         config.adapter_warm_s) if host else None

@@ -127,6 +127,21 @@ def test_invalid_utf8_is_refused_by_grpc_and_the_gateway_survives(mesh, admin_ke
         assert client.infer("spam", ["still serving"]).predictions
 
 
+def test_every_service_froze_its_start_up_heap_and_times_its_collections(mesh, admin_key):
+    """A full collection walking the worker's loaded models stalled every request it held; frozen at
+    start, they are out of the collector's walk, and the pauses that remain are on /metrics."""
+    with Client(mesh.gateway, api_key=admin_key) as client:
+        for text in TEXTS * 5:
+            client.infer("sentiment", [text])
+    frozen = {s.name: metric(s.metrics_port, "academus_gc_frozen_objects_total", service=s.name.split("-")[0])
+              for s in mesh.services if s.metrics_port > 0}
+    assert all(count > 10_000 for count in frozen.values()), frozen
+    assert frozen["worker-0"] > frozen["gateway"], "the worker holds the models: the most objects to freeze"
+    collections = sum(metric(service(mesh, "worker-0").metrics_port, "academus_gc_pause_seconds_count",
+                             service="worker", generation=str(g)) for g in range(3))
+    assert collections > 0, "serving 20 requests allocates enough for the collector to run, and be timed"
+
+
 def test_expired_request_is_answered_and_never_computed(mesh, admin_key):
     worker = service(mesh, "worker-0")
     scheduler = service(mesh, "scheduler")

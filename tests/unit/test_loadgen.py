@@ -195,6 +195,18 @@ def test_breakdown_takes_the_median_of_each_hop():
     assert analysis.breakdown(records[3:]) == {}
 
 
+def test_tail_breakdown_averages_the_slowest_answers_only():
+    fast = [Record(0.0, 10.0, "OK", meta=meta(gateway_ms=9, scheduler_ms=8, worker_ms=6, compute_ms=5))
+            for _ in range(19)]
+    slow = Record(0.0, 50.0, "OK", meta=meta(gateway_ms=48, scheduler_ms=47, queue_ms=30, worker_ms=7,
+                                             compute_ms=6))
+    tail = analysis.tail_breakdown([*fast, slow, Record(0.0, 99.0, "UNAVAILABLE")])
+    assert tail == {"gateway": 1.0, "tokenize": 0.0, "queue": 30.0, "compute": 6.0, "worker_overhead": 1.0,
+                    "scheduler_overhead": 10.0, "network": 2.0, "answers": 1}
+    assert analysis.tail_breakdown(fast)["answers"] == 19, "equal latencies: all are at the 95th percentile"
+    assert analysis.tail_breakdown([]) == {}
+
+
 def write_spans(path, durations_ms: list[tuple[float, float, float]]) -> None:
     """One trace per (gateway server, gateway->worker client, worker server) durations, through the real
     JSON-lines exporter of shared/tracing.py."""
@@ -294,3 +306,19 @@ def test_student_bench_starts_at_the_best_pruned_k_unless_told():
     assert start_students(spec, 0) == 1            # where the resource manager starts the group
     assert start_students(spec, 2) == 2 and start_students(spec, 9) == 4
     assert start_students({"max_students": 3, "default_students": 0}, 0) == 3
+
+
+def test_student_bench_takes_the_median_of_the_half_load_rounds():
+    from academus.loadgen.student_bench import summarise
+
+    def run(model: str, p50: float, p95: float) -> dict:
+        return {"model": model, "policy": "p", "latency_ms": {"p50": p50, "p95": p95}, "throughput_rps": 10.0,
+                "timeline": [], "accuracy": 0.5, "breakdown_ms": {}, "tail_breakdown_ms": {}}
+
+    halves = [{"runs": [run("t", 50, t95), run("s", 15, s95), run("2l", 25, 40)]}
+              for t95, s95 in ((100, 30), (160, 32), (80, 28))]   # (a) per round: 0.3, 0.2, 0.35
+    capacities = [run("t", 1, 1) | {"cpu_ms_per_request": {}}, run("s", 1, 1) | {"cpu_ms_per_request": {}}]
+    summary = summarise(capacities, halves, {"runs": [run("t", 1, 1), run("s", 1, 1)]}, {}, 10.0)
+    assert summary["a_p95_students_vs_teacher"] == 0.3
+    assert [r["a_p95"] for r in summary["half_load_rounds"]] == [0.3, 0.2, 0.35]
+    assert summary["b_p95_students_vs_single_2l"] == 0.75 and summary["a_p50_students_vs_teacher"] == 0.3

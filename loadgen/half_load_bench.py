@@ -1,0 +1,117 @@
+"""Issue 4 (a) with one serving setting on and off: the half-load comparison, interleaved on fresh meshes.
+
+    python -m academus.loadgen.half_load_bench --rate 35 --ablate NAME [--rounds 3]
+                                               [--duration 30] [--out bench/half_load]
+
+`--ablate gc_freeze`: the services' start-up heap frozen out of the cyclic collector (ACADEMUS_GC_FREEZE
+true / false). `compute_sched`: the workers' compute threads under SCHED_IDLE or the default policy
+(ACADEMUS_COMPUTE_SCHED idle / normal). `drop_doomed`, `honour_pushback`: see overload_bench.
+
+Each round starts two fresh meshes in turn, one a setting (the order alternates between rounds, so
+drift of the machine does not favour one), each serving the padded teacher and the student group as
+student_bench does, and sends both the same Poisson schedule: `<task>:padded`, then
+`<task>-students:student` (`academus loadgen compare`). --rate is half the padded teacher's capacity, as
+in (a) (student_bench measures it). Per round and setting: the (a) ratios (students / teacher at p50,
+p95, p99), both runs' latencies and tail breakdowns, and the collections each serving process made
+during the runs, by generation: how many, their seconds, and the bucket bound of the longest.
+The last line printed is the summary JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+from academus.loadgen.bench import ABLATIONS, loadgen, write_summary
+from academus.loadgen.student_bench import group_size, set_students, start
+from academus.shared.mesh import down
+from academus.shared.metrics import scrape
+
+Pauses = dict[tuple[str, str, str], float]   # (sample name, generation, bucket bound or "") -> value
+
+
+def pauses(state) -> dict[str, Pauses]:
+    """Per serving process, its pause histogram's samples."""
+    return {s.name: {(p.name, p.labels["generation"], p.labels.get("le", "")): p.value
+                     for p in scrape(s.metrics_port) if p.name.startswith("academus_gc_pause_seconds")}
+            for s in state.services if s.name.startswith(("worker", "scheduler", "gateway"))}
+
+
+def collections(before: Pauses, after: Pauses) -> dict[str, dict[str, float]]:
+    """By generation, what happened between two readings: collections, their total ms, and the bound
+    (ms) of the lowest bucket that holds every one of them (the longest pause is at most that)."""
+    def delta(name: str, gen: str, le: str = "") -> float:
+        return after.get((name, gen, le), 0.0) - before.get((name, gen, le), 0.0)
+
+    out = {}
+    for gen in sorted({g for _, g, _ in after}):
+        count = delta("academus_gc_pause_seconds_count", gen)
+        if not count:
+            continue
+        bounds = sorted((le for name, g, le in after if g == gen and le not in ("", "+Inf")), key=float)
+        longest = next((float(le) for le in bounds if delta("academus_gc_pause_seconds_bucket", gen, le) == count),
+                       float("inf"))
+        out[gen] = {"count": count, "total_ms": round(delta("academus_gc_pause_seconds_sum", gen) * 1e3, 2),
+                    "longest_le_ms": longest * 1e3}
+    return out
+
+
+def one_arm(args: argparse.Namespace, round_: int, name: str, env: dict[str, str]) -> dict:
+    run_dir = args.out / f"run-{round_}-{name}"
+    state = start(args, run_dir, 120.0, env)
+    try:
+        students = f"{args.task}-students"
+        set_students(state, students, group_size(state, args))
+        before = pauses(state)
+        report = loadgen(run_dir, args.out / f"{round_}-{name}", "compare", "--runs",
+                         f"{args.task}:padded,{students}:student", "--schedule", f"poisson:{args.rate}",
+                         "--duration", str(args.duration), "--texts", f"task:{args.task}", "--timeout",
+                         str(args.timeout), "--seed", str(round_))
+        after = pauses(state)
+    finally:
+        down(run_dir)
+    teacher, group = report["runs"]
+    ratios = {q: round(group["latency_ms"][q] / teacher["latency_ms"][q], 3) for q in ("p50", "p95", "p99")}
+    return {"a_ratios": ratios,
+            "teacher_ms": teacher["latency_ms"], "students_ms": group["latency_ms"],
+            "tail_breakdown_ms": {"teacher": teacher["tail_breakdown_ms"], "students": group["tail_breakdown_ms"]},
+            "completed": {"teacher": teacher["completed"], "students": group["completed"]},
+            "collections": {proc: collections(before.get(proc, {}), after[proc]) for proc in after}}
+
+
+def run(args: argparse.Namespace) -> dict:
+    variable, *arms = ABLATIONS[args.ablate]
+    rounds = []
+    for r in range(args.rounds):
+        order = arms if r % 2 == 0 else arms[::-1]
+        rounds.append({name: one_arm(args, r, name, {variable: value}) for name, value in order})
+    quantiles = ("p50", "p95", "p99")
+    mean = {name: {q: round(statistics.mean(rd[name]["a_ratios"][q] for rd in rounds), 3) for q in quantiles}
+            for name, _ in arms}
+    return {"ablate": args.ablate, "rate": args.rate, "duration_s": args.duration, "rounds": rounds,
+            "mean_a_ratios": mean}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m academus.loadgen.half_load_bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rate", type=float, required=True, help="offered requests/s: half the teacher's capacity")
+    p.add_argument("--ablate", choices=sorted(ABLATIONS), required=True, help="the setting switched off in one arm")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--task", choices=["sentiment", "spam"], default="sentiment")
+    p.add_argument("--duration", type=float, default=30.0)
+    p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--worker-threads", type=int, default=1)
+    p.add_argument("--instances", type=int, default=1)
+    p.add_argument("--students", type=int, default=0, help="group size S (default: the best-pruned k)")
+    p.add_argument("--queue", type=int, default=256)
+    p.add_argument("--out", type=Path, default=Path("bench/half_load"))
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    return write_summary(args.out, run(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

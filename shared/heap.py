@@ -1,0 +1,60 @@
+"""The cyclic garbage collector in a serving process: its pauses measured, start-up's heap frozen.
+
+A worker holds ~400k long-lived objects once torch, transformers and the models are loaded; a full
+(generation 2) collection walks every one of them, which took 130-270 ms on this project's 2-core box,
+and stalls every request the process is handling. Those objects are never garbage, so once the
+service is started they are moved to the permanent generation (`gc.freeze`): later collections walk
+only what was allocated while serving. Collections still run, so reference cycles made while serving
+are still reclaimed.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+from prometheus_client import Counter, Histogram
+
+GC_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+
+GC_PAUSE = Histogram("academus_gc_pause_seconds", "Cyclic garbage collections: how long each stopped the process",
+                     ["service", "generation"], buckets=GC_BUCKETS)
+GC_FROZEN = Counter("academus_gc_frozen_objects_total", "Objects moved out of the collector's reach at start-up",
+                    ["service"])
+
+
+class PauseWatch:
+    """A `gc.callbacks` entry timing each collection into GC_PAUSE (one per process and service)."""
+
+    def __init__(self, service: str, clock=time.perf_counter) -> None:
+        self.clock = clock
+        self._started = 0.0
+        self._pauses = [GC_PAUSE.labels(service, str(g)) for g in range(3)]
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = self.clock()
+        else:
+            self._pauses[info["generation"]].observe(self.clock() - self._started)
+
+
+_watches: dict[str, PauseWatch] = {}
+
+
+def watch_pauses(service: str) -> PauseWatch:
+    """Times this process's collections for `service`; idempotent (in-process tests start many services)."""
+    watch = _watches.get(service)
+    if watch is None:
+        watch = _watches[service] = PauseWatch(service)
+        gc.callbacks.append(watch)
+    return watch
+
+
+def freeze_start_up_heap(service: str) -> int:
+    """Collects once, then moves every surviving object to the permanent generation; returns how many
+    are frozen now. Called when a service is ready to serve: what it loaded stays for its lifetime."""
+    gc.collect()
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    GC_FROZEN.labels(service).inc(frozen)
+    return frozen

@@ -1,0 +1,46 @@
+"""The workers' compute threads run under the configured Linux policy; the serving threads do not."""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+
+import pytest
+
+from academus.services.worker.compute_threads import apply_compute_policy, policy_of_this_thread
+from academus.services.worker.server import WorkerServicer
+from academus.shared import config as cfg
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread policies are Linux's")
+
+
+def in_new_thread(fn, *args):
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(fn(*args)))
+    thread.start()
+    thread.join()
+    return out[0]
+
+
+@linux
+@pytest.mark.parametrize("name", ["idle", "batch", "normal"])
+def test_the_policy_is_set_on_the_calling_thread_only(name: str) -> None:
+    assert in_new_thread(apply_compute_policy, name) == name
+    assert policy_of_this_thread() == "normal", "the rest of the process keeps the default policy"
+
+
+@linux
+def test_the_servicers_compute_threads_take_the_configured_policy() -> None:
+    servicer = WorkerServicer(runner=None, worker_id="w", instances=2, compute_sched="idle")
+    policies = {servicer.executor.submit(policy_of_this_thread).result() for _ in range(4)}
+    assert policies == {"idle"}
+    servicer.resize(1)   # the resource manager's answer: the new threads keep the policy
+    assert servicer.executor.submit(policy_of_this_thread).result() == "idle"
+    assert WorkerServicer(None, "w").executor.submit(policy_of_this_thread).result() == "normal"
+
+
+def test_normal_is_the_default_and_an_unknown_policy_is_refused() -> None:
+    assert cfg.load(cfg.WorkerConfig, env={}).compute_sched == "normal"
+    with pytest.raises(cfg.ConfigError, match=re.escape("ACADEMUS_COMPUTE_SCHED='fifo' must be idle|batch|normal")):
+        cfg.load(cfg.WorkerConfig, env={"ACADEMUS_COMPUTE_SCHED": "fifo"})

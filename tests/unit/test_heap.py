@@ -1,0 +1,67 @@
+"""The serving processes' GC: pauses timed per generation, start-up's heap frozen, cycles still reclaimed."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+
+from academus.shared.heap import GC_FROZEN, GC_PAUSE, PauseWatch, freeze_start_up_heap, watch_pauses
+
+
+def pause_count(service: str, generation: int) -> tuple[float, float]:
+    """(seconds, collections) the histogram holds for one generation."""
+    child = GC_PAUSE.labels(service, str(generation))
+    return child._sum.get(), sum(b.get() for b in child._buckets)
+
+
+class Node:
+    """An object that can sit in a reference cycle and be watched for collection."""
+
+    def __init__(self) -> None:
+        self.other: Node | None = None
+
+
+@pytest.fixture
+def unfrozen():
+    yield
+    gc.unfreeze()   # the rest of the test process collects as usual
+
+
+def test_a_pause_is_timed_into_its_generation() -> None:
+    now = iter([10.0, 10.25])
+    watch = PauseWatch("heap-fake", clock=lambda: next(now))
+    watch("start", {"generation": 2})
+    watch("stop", {"generation": 2, "collected": 0, "uncollectable": 0})
+    total, count = pause_count("heap-fake", 2)
+    assert (total, count) == (0.25, 1)
+    assert pause_count("heap-fake", 0) == (0, 0)
+
+
+def test_real_collections_are_watched_once_per_service() -> None:
+    watch = watch_pauses("heap-real")
+    assert watch_pauses("heap-real") is watch and gc.callbacks.count(watch) == 1
+    try:
+        before = pause_count("heap-real", 1)[1]
+        gc.collect(1)
+        gc.collect(1)
+        assert pause_count("heap-real", 1)[1] == before + 2
+    finally:
+        gc.callbacks.remove(watch)
+
+
+def test_frozen_objects_leave_the_collectors_walk_and_new_cycles_are_still_reclaimed(unfrozen) -> None:
+    kept = [Node() for _ in range(1000)]
+    frozen = freeze_start_up_heap("heap-freeze")
+    assert frozen >= len(kept) and gc.get_freeze_count() == frozen
+    assert GC_FROZEN.labels("heap-freeze")._value.get() == frozen
+    tracked = {id(o) for o in gc.get_objects()}
+    assert not any(id(node) in tracked for node in kept)
+
+    a, b = Node(), Node()          # a cycle made while serving: only the collector can free it
+    a.other, b.other = b, a
+    gone = weakref.ref(a)
+    del a, b
+    gc.collect()
+    assert gone() is None
