@@ -24,7 +24,7 @@ import statistics
 from pathlib import Path
 
 from academus.loadgen.bench import ABLATIONS, loadgen, write_summary
-from academus.loadgen.student_bench import group_size, set_students, start
+from academus.loadgen.student_bench import group_size, latency_ratio, set_students, start
 from academus.shared.mesh import down
 from academus.shared.metrics import scrape
 
@@ -72,8 +72,7 @@ def one_arm(args: argparse.Namespace, round_: int, name: str, env: dict[str, str
     finally:
         down(run_dir)
     teacher, group = report["runs"]
-    ratios = {q: round(group["latency_ms"][q] / teacher["latency_ms"][q], 3) for q in ("p50", "p95", "p99")}
-    return {"a_ratios": ratios,
+    return {"a_ratios": {q: latency_ratio(group, teacher, q) for q in ("p50", "p95", "p99")},
             "teacher_ms": teacher["latency_ms"], "students_ms": group["latency_ms"],
             "tail_breakdown_ms": {"teacher": teacher["tail_breakdown_ms"], "students": group["tail_breakdown_ms"]},
             "completed": {"teacher": teacher["completed"], "students": group["completed"]},
@@ -87,8 +86,8 @@ def run(args: argparse.Namespace) -> dict:
         order = arms if r % 2 == 0 else arms[::-1]
         rounds.append({name: one_arm(args, r, name, {variable: value}) for name, value in order})
     quantiles = ("p50", "p95", "p99")
-    mean = {name: {q: round(statistics.mean(rd[name]["a_ratios"][q] for rd in rounds), 3) for q in quantiles}
-            for name, _ in arms}
+    mean = {name: {q: round(statistics.mean(v for rd in rounds if (v := rd[name]["a_ratios"][q]) is not None), 3)
+                   for q in quantiles} for name, _ in arms}
     return {"ablate": args.ablate, "rate": args.rate, "duration_s": args.duration, "rounds": rounds,
             "mean_a_ratios": mean}
 

@@ -113,7 +113,7 @@ def summarise(capacities: list[dict], halves: list[dict], bursts: dict, traces: 
     rounds = [dict(zip(("teacher", "students", "single"), h["runs"], strict=True)) for h in halves]
 
     def median_ratio(run: str, base: str, q: str) -> float | None:
-        values = [v for v in (_ratio(r[run], r[base], q) for r in rounds) if v is not None]
+        values = [v for v in (latency_ratio(r[run], r[base], q) for r in rounds) if v is not None]
         return round(statistics.median(values), 3) if values else None
 
     b_teacher, b_group = bursts["runs"]
@@ -128,7 +128,7 @@ def summarise(capacities: list[dict], halves: list[dict], bursts: dict, traces: 
         "b_p50_students_vs_single_2l": median_ratio("students", "single", "p50"), "b_target": "<= 0.7",
         "b_p95_students_vs_single_2l": median_ratio("students", "single", "p95"),
         "half_load_rounds": [{name: {"p50": r[name]["latency_ms"].get("p50"), "p95": r[name]["latency_ms"].get("p95")}
-                              for name in r} | {"a_p95": _ratio(r["students"], r["teacher"], "p95")}
+                              for name in r} | {"a_p95": latency_ratio(r["students"], r["teacher"], "p95")}
                              for r in rounds],
         "c_throughput_students_vs_teacher": round(b_group["throughput_rps"] / max(b_teacher["throughput_rps"], 1e-9),
                                                   3),
@@ -136,7 +136,7 @@ def summarise(capacities: list[dict], halves: list[dict], bursts: dict, traces: 
         "c_in_burst_rps": {"teacher": in_burst_rps(b_teacher, period), "students": in_burst_rps(b_group, period)},
         "c_in_burst_throughput_students_vs_teacher": round(
             in_burst_rps(b_group, period) / max(in_burst_rps(b_teacher, period), 1e-9), 3),
-        "c_p95_students_vs_teacher": _ratio(b_group, b_teacher, "p95"),
+        "c_p95_students_vs_teacher": latency_ratio(b_group, b_teacher, "p95"),
         "c_student_number": b_group.get("student_number"),
         "accuracy": {r["model"] + ":" + r["policy"]: r.get("accuracy") for r in half["runs"]},
         "d_breakdown_ms": {f"{r['model']}:{r['policy']}": r.get("breakdown_ms") for r in half["runs"]},
@@ -145,7 +145,7 @@ def summarise(capacities: list[dict], halves: list[dict], bursts: dict, traces: 
     }
 
 
-def _ratio(run: dict, base: dict, q: str) -> float | None:
+def latency_ratio(run: dict, base: dict, q: str) -> float | None:
     a, b = run["latency_ms"].get(q), base["latency_ms"].get(q)
     return round(a / b, 3) if a and b else None
 

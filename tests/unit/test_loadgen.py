@@ -322,3 +322,18 @@ def test_student_bench_takes_the_median_of_the_half_load_rounds():
     assert summary["a_p95_students_vs_teacher"] == 0.3
     assert [r["a_p95"] for r in summary["half_load_rounds"]] == [0.3, 0.2, 0.35]
     assert summary["b_p95_students_vs_single_2l"] == 0.75 and summary["a_p50_students_vs_teacher"] == 0.3
+
+
+def test_half_load_bench_counts_the_collections_between_two_readings():
+    from academus.loadgen.half_load_bench import collections
+
+    def reading(count: float, total_s: float, buckets: dict[str, float], gen: str = "2") -> dict:
+        return {("academus_gc_pause_seconds_count", gen, ""): count,
+                ("academus_gc_pause_seconds_sum", gen, ""): total_s} | {
+            ("academus_gc_pause_seconds_bucket", gen, le): v for le, v in buckets.items()}
+
+    before = reading(1, 0.01, {"0.05": 1, "0.1": 1, "0.2": 1, "+Inf": 1})
+    after = reading(3, 0.25, {"0.05": 1, "0.1": 2, "0.2": 3, "+Inf": 3}) | reading(5, 0.001, {"0.05": 5}, gen="0")
+    assert collections(before, after) == {"0": {"count": 5, "total_ms": 1.0, "longest_le_ms": 50.0},
+                                          "2": {"count": 2, "total_ms": 240.0, "longest_le_ms": 200.0}}
+    assert collections(after, after) == {}
