@@ -52,7 +52,8 @@ def watch_pauses(service: str) -> PauseWatch:
 
 def freeze_start_up_heap(service: str) -> int:
     """Collects once, then moves every surviving object to the permanent generation; returns how many
-    are frozen now. Called when a service is ready to serve: what it loaded stays for its lifetime."""
+    are frozen now. Called once a service has loaded what it serves, before it is announced: what it
+    loaded stays for its lifetime."""
     gc.collect()
     gc.freeze()
     frozen = gc.get_freeze_count()
