@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Callable
 
 from prometheus_client import Counter, Histogram
 
@@ -26,7 +27,7 @@ GC_FROZEN = Counter("academus_gc_frozen_objects_total", "Objects moved out of th
 class PauseWatch:
     """A `gc.callbacks` entry timing each collection into GC_PAUSE (one per process and service)."""
 
-    def __init__(self, service: str, clock=time.perf_counter) -> None:
+    def __init__(self, service: str, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
         self._started = 0.0
         self._pauses = [GC_PAUSE.labels(service, str(g)) for g in range(3)]
