@@ -82,10 +82,15 @@ def components(latency_ms: float, m: Metadata) -> dict[str, float]:
     }
 
 
+def answered_components(records: Iterable[Record]) -> list[tuple[float, dict[str, float]]]:
+    """(latency, components) of each OK answer that carries metadata."""
+    return [(r.latency_ms, components(r.latency_ms, r.meta)) for r in records if r.code == "OK" and r.meta is not None]
+
+
 def breakdown(records: Iterable[Record]) -> dict[str, float]:
     """The median of each component over the OK answers that carry metadata (medians of parts do not
     add up to the median latency exactly)."""
-    parts = [components(r.latency_ms, r.meta) for r in records if r.code == "OK" and r.meta is not None]
+    parts = [p for _, p in answered_components(records)]
     if not parts:
         return {}
     return {name: round(statistics.median(p[name] for p in parts), 3) for name in parts[0]}
@@ -94,7 +99,7 @@ def breakdown(records: Iterable[Record]) -> dict[str, float]:
 def tail_breakdown(records: Iterable[Record], q: float = 95) -> dict[str, float]:
     """The mean of each component over the answers at or past the q-th latency percentile: what the slow
     requests spent their time on (medians say what the typical one did)."""
-    parts = [(r.latency_ms, components(r.latency_ms, r.meta)) for r in records if r.code == "OK" and r.meta is not None]
+    parts = answered_components(records)
     if not parts:
         return {}
     cut = percentile([latency for latency, _ in parts], q)

@@ -10,7 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from prometheus_client.samples import Sample
+
 from academus.shared.mesh import MeshState
+from academus.shared.metrics import scrape
 
 # The settings a benchmark can switch off in one of its two arms (`--ablate NAME`): the variable, then
 # (arm name, value) with the setting on (the default, but for compute_sched) and off.
@@ -27,6 +30,13 @@ def loadgen(run_dir: Path, out: Path, *args: str) -> dict:
     command = [sys.executable, "-m", "academus.loadgen", *args, "--run-dir", str(run_dir), "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def serving_samples(state: MeshState, prefixes: tuple[str, ...]) -> dict[str, list[Sample]]:
+    """The /metrics samples whose names start with one of `prefixes`, per serving process of the mesh
+    (workers, schedulers, gateway)."""
+    return {s.name: [p for p in scrape(s.metrics_port) if p.name.startswith(prefixes)] for s in state.services
+            if s.name.startswith(("worker", "scheduler", "gateway"))}
 
 
 def write_summary(out: Path, summary: dict) -> int:

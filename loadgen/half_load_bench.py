@@ -23,19 +23,17 @@ import argparse
 import statistics
 from pathlib import Path
 
-from academus.loadgen.bench import ABLATIONS, loadgen, write_summary
-from academus.loadgen.student_bench import group_size, latency_ratio, set_students, start
+from academus.loadgen.bench import ABLATIONS, loadgen, serving_samples, write_summary
+from academus.loadgen.student_bench import add_mesh_options, group_size, latency_ratio, set_students, start
 from academus.shared.mesh import down
-from academus.shared.metrics import scrape
 
 Pauses = dict[tuple[str, str, str], float]   # (sample name, generation, bucket bound or "") -> value
 
 
 def pauses(state) -> dict[str, Pauses]:
     """Per serving process, its pause histogram's samples."""
-    return {s.name: {(p.name, p.labels["generation"], p.labels.get("le", "")): p.value
-                     for p in scrape(s.metrics_port) if p.name.startswith("academus_gc_pause_seconds")}
-            for s in state.services if s.name.startswith(("worker", "scheduler", "gateway"))}
+    return {name: {(p.name, p.labels["generation"], p.labels.get("le", "")): p.value for p in samples}
+            for name, samples in serving_samples(state, ("academus_gc_pause_seconds",)).items()}
 
 
 def collections(before: Pauses, after: Pauses) -> dict[str, dict[str, float]]:
@@ -98,14 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, required=True, help="offered requests/s: half the teacher's capacity")
     p.add_argument("--ablate", choices=sorted(ABLATIONS), required=True, help="the setting switched off in one arm")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--task", choices=["sentiment", "spam"], default="sentiment")
-    p.add_argument("--duration", type=float, default=30.0)
-    p.add_argument("--timeout", type=float, default=5.0)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--worker-threads", type=int, default=1)
-    p.add_argument("--instances", type=int, default=1)
-    p.add_argument("--students", type=int, default=0, help="group size S (default: the best-pruned k)")
-    p.add_argument("--queue", type=int, default=256)
+    add_mesh_options(p)
     p.add_argument("--out", type=Path, default=Path("bench/half_load"))
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -22,22 +22,16 @@ import argparse
 import json
 from pathlib import Path
 
-from academus.loadgen.bench import ABLATIONS, loadgen_with_cpu, write_summary
+from academus.loadgen.bench import ABLATIONS, loadgen_with_cpu, serving_samples, write_summary
 from academus.shared.mesh import Deployment, MeshOptions, down, up
-from academus.shared.metrics import scrape
 
 COUNTERS = ("academus_worker_batches_total", "academus_worker_expired_total", "academus_scheduler_dropped",
             "academus_rpc_errors_total")
 
 
-def counters(port: int) -> dict[str, float]:
-    return {f"{s.name}{json.dumps(s.labels, sort_keys=True)}": s.value
-            for s in scrape(port) if s.name.startswith(COUNTERS)}
-
-
 def snapshot(state) -> dict[str, dict[str, float]]:
-    return {s.name: counters(s.metrics_port) for s in state.services
-            if s.name.startswith(("worker", "scheduler", "gateway"))}
+    return {name: {f"{s.name}{json.dumps(s.labels, sort_keys=True)}": s.value for s in samples}
+            for name, samples in serving_samples(state, COUNTERS).items()}
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -150,22 +150,27 @@ def latency_ratio(run: dict, base: dict, q: str) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m academus.loadgen.student_bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("bench/student"))
+def add_mesh_options(p: argparse.ArgumentParser) -> None:
+    """What `start`, `group_size` and the half-load runs read: the mesh, the task, each run's length."""
     p.add_argument("--task", choices=["sentiment", "spam"], default="sentiment")
     p.add_argument("--duration", type=float, default=30.0)
-    p.add_argument("--concurrency", type=int, default=64, help="callers of the closed-loop capacity runs")
+    p.add_argument("--timeout", type=float, default=5.0)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--worker-threads", type=int, default=1)
     p.add_argument("--instances", type=int, default=1)
     p.add_argument("--students", type=int, default=0, help="the group size S at the start of each run, capped "
                                                            "at M (default: the best-pruned k, where the "
                                                            "resource manager starts)")
-    p.add_argument("--window", type=float, default=5.0, help="quiet window before a student is added back (s)")
     p.add_argument("--queue", type=int, default=256)
-    p.add_argument("--timeout", type=float, default=5.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m academus.loadgen.student_bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("bench/student"))
+    add_mesh_options(p)
+    p.add_argument("--concurrency", type=int, default=64, help="callers of the closed-loop capacity runs")
+    p.add_argument("--window", type=float, default=5.0, help="quiet window before a student is added back (s)")
     p.add_argument("--rounds", type=int, default=1, help="half-load comparisons ((a), (b)); ratios: their median")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -6,14 +6,16 @@ import gc
 import weakref
 
 import pytest
+from prometheus_client import REGISTRY
 
-from academus.shared.heap import GC_FROZEN, GC_PAUSE, PauseWatch, freeze_start_up_heap, watch_pauses
+from academus.shared.heap import PauseWatch, freeze_start_up_heap, watch_pauses
 
 
 def pause_count(service: str, generation: int) -> tuple[float, float]:
     """(seconds, collections) the histogram holds for one generation."""
-    child = GC_PAUSE.labels(service, str(generation))
-    return child._sum.get(), sum(b.get() for b in child._buckets)
+    labels = {"service": service, "generation": str(generation)}
+    return tuple(REGISTRY.get_sample_value(f"academus_gc_pause_seconds_{part}", labels) or 0.0
+                 for part in ("sum", "count"))
 
 
 class Node:
@@ -55,7 +57,7 @@ def test_frozen_objects_leave_the_collectors_walk_and_new_cycles_are_still_recla
     kept = [Node() for _ in range(1000)]
     frozen = freeze_start_up_heap("heap-freeze")
     assert frozen >= len(kept) and gc.get_freeze_count() == frozen
-    assert GC_FROZEN.labels("heap-freeze")._value.get() == frozen
+    assert REGISTRY.get_sample_value("academus_gc_frozen_objects_total", {"service": "heap-freeze"}) == frozen
     tracked = {id(o) for o in gc.get_objects()}
     assert not any(id(node) in tracked for node in kept)
 
