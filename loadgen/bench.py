@@ -25,10 +25,13 @@ ABLATIONS = {
 }
 
 
+def loadgen_command(run_dir: Path, out: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "academus.loadgen", *args, "--run-dir", str(run_dir), "--out", str(out)]
+
+
 def loadgen(run_dir: Path, out: Path, *args: str) -> dict:
     """One `academus loadgen` run in a subprocess (its own event loop and CPU accounting); its report."""
-    command = [sys.executable, "-m", "academus.loadgen", *args, "--run-dir", str(run_dir), "--out", str(out)]
-    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    done = subprocess.run(loadgen_command(run_dir, out, *args), capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -6,6 +6,8 @@
 `--ablate gc_freeze`: the services' start-up heap frozen out of the cyclic collector (ACADEMUS_GC_FREEZE
 true / false). `compute_sched`: the workers' compute threads under SCHED_IDLE or the default policy
 (ACADEMUS_COMPUTE_SCHED idle / normal). `drop_doomed`, `honour_pushback`: see overload_bench.
+`workers`, `instances`: mesh options, not switches: three worker processes (student groups, on CPU) against
+student_bench's two; two compute threads a worker against one.
 
 Each round starts two fresh meshes in turn, one a setting (the order alternates between rounds, so
 drift of the machine does not favour one), each serving the padded teacher and the student group as
@@ -26,6 +28,11 @@ from pathlib import Path
 from academus.loadgen.bench import ABLATIONS, loadgen, serving_samples, write_summary
 from academus.loadgen.student_bench import add_mesh_options, group_size, latency_ratio, set_students, start
 from academus.shared.mesh import down
+
+# Mesh options compared as the switches are: the option, then (arm, value) tried and (arm, value) as
+# student_bench runs it.
+MESH_SETTINGS = {"workers": ("workers", ("three_workers", 3), ("two_workers", 2)),
+                 "instances": ("instances", ("two_instances", 2), ("one_instance", 1))}
 
 Pauses = dict[tuple[str, str, str], float]   # (sample name, generation, bucket bound or "") -> value
 
@@ -77,12 +84,23 @@ def one_arm(args: argparse.Namespace, round_: int, name: str, env: dict[str, str
             "collections": {proc: collections(before.get(proc, {}), after[proc]) for proc in after}}
 
 
+def arm_setting(args: argparse.Namespace, value) -> tuple[argparse.Namespace, dict[str, str]]:
+    """One arm's mesh options and environment: the switch's variable set, or the mesh option changed."""
+    if args.ablate in MESH_SETTINGS:
+        return argparse.Namespace(**vars(args) | {MESH_SETTINGS[args.ablate][0]: value}), {}
+    return args, {ABLATIONS[args.ablate][0]: value}
+
+
 def run(args: argparse.Namespace) -> dict:
-    variable, *arms = ABLATIONS[args.ablate]
+    _, *arms = (ABLATIONS | MESH_SETTINGS)[args.ablate]
     rounds = []
     for r in range(args.rounds):
         order = arms if r % 2 == 0 else arms[::-1]
-        rounds.append({name: one_arm(args, r, name, {variable: value}) for name, value in order})
+        row = {}
+        for name, value in order:
+            arm_args, env = arm_setting(args, value)
+            row[name] = one_arm(arm_args, r, name, env)
+        rounds.append(row)
     quantiles = ("p50", "p95", "p99")
     mean = {name: {q: round(statistics.mean(v for rd in rounds if (v := rd[name]["a_ratios"][q]) is not None), 3)
                    for q in quantiles} for name, _ in arms}
@@ -94,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m academus.loadgen.half_load_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rate", type=float, required=True, help="offered requests/s: half the teacher's capacity")
-    p.add_argument("--ablate", choices=sorted(ABLATIONS), required=True, help="the setting switched off in one arm")
+    p.add_argument("--ablate", choices=sorted(ABLATIONS | MESH_SETTINGS), required=True,
+                   help="the setting switched off (or the mesh option changed) in one arm")
     p.add_argument("--rounds", type=int, default=3)
     add_mesh_options(p)
     p.add_argument("--out", type=Path, default=Path("bench/half_load"))

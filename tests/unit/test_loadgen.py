@@ -337,3 +337,52 @@ def test_half_load_bench_counts_the_collections_between_two_readings():
     assert collections(before, after) == {"0": {"count": 5, "total_ms": 1.0, "longest_le_ms": 50.0},
                                           "2": {"count": 2, "total_ms": 240.0, "longest_le_ms": 200.0}}
     assert collections(after, after) == {}
+
+
+def test_half_load_bench_arms_set_a_switch_or_change_a_mesh_option():
+    import argparse
+
+    from academus.loadgen.half_load_bench import arm_setting
+
+    args = argparse.Namespace(ablate="workers", workers=2, instances=1)
+    arm_args, env = arm_setting(args, 3)
+    assert (arm_args.workers, arm_args.instances, env, args.workers) == (3, 1, {}, 2)  # the caller's args untouched
+    args = argparse.Namespace(ablate="gc_freeze", workers=2, instances=1)
+    assert arm_setting(args, "false") == (args, {"ACADEMUS_GC_FREEZE": "false"})
+
+
+def test_serving_profile_classifies_each_sample_by_its_stack():
+    from academus.loadgen.serving_profile import classify, shares
+
+    lib, site = "/py/lib/python3.11", "/py/lib/python3.11/site-packages"
+    loop = f"run ({site}/uvloop/__init__.py:92);Runner.run ({lib}/asyncio/runners.py:118)"
+    lines = [f"{loop} 6",                                                                   # C under the loop
+             f"Thread._bootstrap ({lib}/threading.py:1002);Thread.run ({lib}/threading.py:982) 2",  # the poller
+             f"{loop};UnaryUnaryCall._invoke ({site}/grpc/aio/_call.py:595) 2",
+             f"{loop};Gateway.tokenize (/w/services/gateway/core.py:205) 2",
+             f"{loop};ServerSpans.wrap.<locals>.wrapped (/w/shared/tracing.py:111);"  # the span wraps the handler
+             "Infer (/w/services/gateway/server.py:117) 3",
+             f"{loop};ClientSpans.intercept (/w/shared/tracing.py:142);start_span ({site}/opentelemetry/t.py:1) 2",
+             f"_worker ({lib}/t.py:81);Module._call_impl ({site}/torch/nn/modules/module.py:1789);pool (/w/m.py:53) 3"]
+    assert shares(lines) == {"grpc_and_loop": 0.5, "model": 0.15, "python": 0.25, "tracing": 0.1, "samples": 20}
+    assert classify([f"Thread.run ({lib}/threading.py:982)",
+                     f"BatchProcessor.worker ({site}/opentelemetry/sdk/_shared_internal/__init__.py:162)"]) == "tracing"
+    assert classify([f"Thread.run ({lib}/threading.py:982)", f"select ({lib}/selectors.py:415)"]) == "python"
+    export = [f"Thread.run ({lib}/threading.py:982)", "export (/w/shared/tracing.py:39)", f"dumps ({lib}/json/x.py:2)"]
+    assert classify(export) == "tracing"  # the standard library's frames count for their caller
+
+
+def test_serving_profile_reads_each_threads_cpu_and_switches_a_request():
+    import os
+
+    from academus.loadgen.serving_profile import per_request, threads_reading
+
+    before = {"cpu:python": 1.0, "cpu:event_engine": 0.25, "voluntary_ctxt_switches": 100,
+              "nonvoluntary_ctxt_switches": 10}
+    after = {"cpu:python": 1.5, "cpu:event_engine": 0.35, "cpu:new": 0.05, "voluntary_ctxt_switches": 400,
+             "nonvoluntary_ctxt_switches": 60}
+    assert per_request(before, after, 100) == {
+        "cpu_ms_per_request": {"event_engine": 1.0, "new": 0.5, "python": 5.0},
+        "switches_per_request": {"voluntary": 3.0, "nonvoluntary": 0.5}}
+    reading = threads_reading(os.getpid())  # this process, from /proc: its main thread at least
+    assert reading["voluntary_ctxt_switches"] >= 1 and any(k.startswith("cpu:") for k in reading)
