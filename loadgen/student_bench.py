@@ -65,7 +65,17 @@ def start_students(spec: dict, wanted: int) -> int:
 
 def run(args: argparse.Namespace) -> dict:
     """Phase 1 (capacity, (a), (b), (d)) keeps the paper's 120 s quiet window, so the group size stays
-    as set; phase 2 ((c)) shortens it to --window so the student number visibly adapts within a run."""
+    as set; phase 2 ((c)) shortens it to --window so the student number visibly adapts within a run.
+    With --teacher-capacity, phase 1 is skipped and only (c) is reported."""
+    period = args.duration / 2
+    if args.teacher_capacity:
+        return burst_fields(bursts(args, args.teacher_capacity), period)
+    capacities, halves, traces = half_load(args)
+    return summarise(capacities, halves, bursts(args, capacities[0]["throughput_rps"]), traces, period)
+
+
+def half_load(args: argparse.Namespace) -> tuple[list[dict], list[dict], dict]:
+    """Phase 1: both capacities, then --rounds half-load comparisons, then the traces' breakdown."""
     task, out = args.task, args.out
     students, single = f"{task}-students", f"{task}-2l"
     common = ["--duration", str(args.duration), "--texts", f"task:{task}"]
@@ -88,16 +98,21 @@ def run(args: argparse.Namespace) -> dict:
                                  str(out / "run")], capture_output=True, text=True, check=True)
     finally:
         down(out / "run")
+    return capacities, halves, json.loads(traces.stdout.strip().splitlines()[-1])
+
+
+def bursts(args: argparse.Namespace, capacity: float) -> dict:
+    """Phase 2: on/off bursts to 3 × the teacher's capacity, the teacher, then the student group."""
+    task, out, period = args.task, args.out, args.duration / 2
     state = start(args, out / "run-bursts", args.window)
     try:
-        set_students(state, students, group_size(state, args))
-        period = args.duration / 2
-        bursts = loadgen(out / "run-bursts", out / "bursts", "compare", "--runs", f"{task}:padded,{students}:student",
-                         "--schedule", f"bursts:{0.5 * capacity:.2f},{3 * capacity:.2f},{period},{period / 2}",
-                         *common, "--timeout", str(args.timeout))
+        set_students(state, f"{task}-students", group_size(state, args))
+        schedule = f"bursts:{0.5 * capacity:.2f},{3 * capacity:.2f},{period},{period / 2}"
+        runs = f"{task}:padded,{task}-students:student"
+        return loadgen(out / "run-bursts", out / "bursts", "compare", "--runs", runs, "--schedule", schedule,
+                       "--duration", str(args.duration), "--texts", f"task:{task}", "--timeout", str(args.timeout))
     finally:
         down(out / "run-bursts")
-    return summarise(capacities, halves, bursts, json.loads(traces.stdout.strip().splitlines()[-1]), period)
 
 
 def in_burst_rps(run: dict, period: float) -> float:
@@ -116,7 +131,6 @@ def summarise(capacities: list[dict], halves: list[dict], bursts: dict, traces: 
         values = [v for v in (latency_ratio(r[run], r[base], q) for r in rounds) if v is not None]
         return round(statistics.median(values), 3) if values else None
 
-    b_teacher, b_group = bursts["runs"]
     c_teacher, c_group = (r["throughput_rps"] for r in capacities)
     return {
         "teacher_capacity_rps": c_teacher, "students_capacity_rps": c_group,
@@ -130,18 +144,27 @@ def summarise(capacities: list[dict], halves: list[dict], bursts: dict, traces: 
         "half_load_rounds": [{name: {"p50": r[name]["latency_ms"].get("p50"), "p95": r[name]["latency_ms"].get("p95")}
                               for name in r} | {"a_p95": latency_ratio(r["students"], r["teacher"], "p95")}
                              for r in rounds],
-        "c_throughput_students_vs_teacher": round(b_group["throughput_rps"] / max(b_teacher["throughput_rps"], 1e-9),
-                                                  3),
-        "c_target": ">= 3 (in the bursts)",
-        "c_in_burst_rps": {"teacher": in_burst_rps(b_teacher, period), "students": in_burst_rps(b_group, period)},
-        "c_in_burst_throughput_students_vs_teacher": round(
-            in_burst_rps(b_group, period) / max(in_burst_rps(b_teacher, period), 1e-9), 3),
-        "c_p95_students_vs_teacher": latency_ratio(b_group, b_teacher, "p95"),
-        "c_student_number": b_group.get("student_number"),
+    } | burst_fields(bursts, period) | {
         "accuracy": {r["model"] + ":" + r["policy"]: r.get("accuracy") for r in half["runs"]},
         "d_breakdown_ms": {f"{r['model']}:{r['policy']}": r.get("breakdown_ms") for r in half["runs"]},
         "d_tail_breakdown_ms": {f"{r['model']}:{r['policy']}": r.get("tail_breakdown_ms") for r in half["runs"]},
         "d_trace_breakdown": traces,
+    }
+
+
+def burst_fields(bursts: dict, period: float) -> dict:
+    """(c): throughput students / teacher over the whole run and inside the bursts, the p95 ratio, and the
+    student numbers the answers used."""
+    b_teacher, b_group = bursts["runs"]
+    inside = {"teacher": in_burst_rps(b_teacher, period), "students": in_burst_rps(b_group, period)}
+    return {
+        "c_throughput_students_vs_teacher": round(b_group["throughput_rps"] / max(b_teacher["throughput_rps"], 1e-9),
+                                                  3),
+        "c_target": ">= 3 (in the bursts)",
+        "c_in_burst_rps": inside,
+        "c_in_burst_throughput_students_vs_teacher": round(inside["students"] / max(inside["teacher"], 1e-9), 3),
+        "c_p95_students_vs_teacher": latency_ratio(b_group, b_teacher, "p95"),
+        "c_student_number": b_group.get("student_number"),
     }
 
 
@@ -172,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=64, help="callers of the closed-loop capacity runs")
     p.add_argument("--window", type=float, default=5.0, help="quiet window before a student is added back (s)")
     p.add_argument("--rounds", type=int, default=1, help="half-load comparisons ((a), (b)); ratios: their median")
+    p.add_argument("--teacher-capacity", type=float, default=0.0,
+                   help="req/s: skip phase 1 and run only (c)'s bursts against this capacity")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     return write_summary(args.out, run(args))

@@ -208,7 +208,7 @@ class ResourceManagerConfig(CommonConfig):
     heartbeat_ttl_s: float = 5.0
     adapt_interval_s: float = 0.2    # how often the schedulers' load signals are read
     adapt_window_s: float = 120.0    # quiet time before one student is added back (App. B.4.1: 2 minutes)
-    adapt_cooldown_s: float = 1.0    # after a change, let the schedulers re-form groups before judging again
+    adapt_cooldown_s: float = 0.2    # after a change, at least this long before the next (and the groups re-formed)
     student_ceiling: str = "max"     # max: up to every trained student; best: up to the best-pruned k
     mps: str = "auto"                # auto: start the MPS control daemon when GPUs exist; off: never
 

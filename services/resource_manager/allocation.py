@@ -2,7 +2,8 @@
 
 - `allocate_groups`: eq. 6, student i of group j on device (i + j·S) % G, as many groups as the
   devices' instance slots hold.
-- `StudentNumber`: drops the last-trained student when the buffer reaches the group count; adds one
+- `StudentNumber`: drops the last-trained student when the buffer reaches the group count (again as soon
+  as the schedulers report groups of the new number, while the buffer still reaches their count); adds one
   back when the buffer stayed empty and idle students outnumbered busy groups for a whole window.
 - `choose_profile`: the grid search's pick, most throughput without raising latency.
 """
@@ -66,6 +67,7 @@ class GroupLoad:
     groups: int
     idle: int
     busy: int
+    students: int | None = None  # the number every scheduler's groups run; 0: not the same yet; None: unknown
 
 
 @dataclass
@@ -75,7 +77,7 @@ class StudentNumber:
     current: int
     ceiling: int
     window_s: float = 120.0
-    cooldown_s: float = 1.0
+    cooldown_s: float = 0.2
     clock: Callable[[], float] = field(default=lambda: 0.0)
     _quiet_since: float | None = None
     _changed_at: float = float("-inf")
@@ -83,8 +85,8 @@ class StudentNumber:
     def observe(self, load: GroupLoad) -> int | None:
         """The new student number when it should change now, else None."""
         now = self.clock()
-        if now - self._changed_at < self.cooldown_s:
-            return None  # the schedulers have not re-formed their groups yet
+        if now - self._changed_at < self.cooldown_s or load.students not in (None, self.current):
+            return None  # the schedulers have not re-formed their groups yet: these signals are the old groups'
         if load.groups and load.buffer >= load.groups and self.current > 1:
             return self._set(self.current - 1, now)  # burst: fewer students, more groups
         if load.buffer == 0 and load.idle * self.current > load.busy and self.current < self.ceiling:

@@ -81,7 +81,7 @@ class GroupPlanner:
     number to the schedulers' load signals. One task owns it; writes are SETs of whole values."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, ceiling: str = "max", window_s: float = 120.0,
-                 cooldown_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 cooldown_s: float = 0.2, clock: Callable[[], float] = time.monotonic) -> None:
         self.redis, self.keys, self.ceiling = redis, keys, ceiling
         self.window_s, self.cooldown_s, self.clock = window_s, cooldown_s, clock
         self.numbers: dict[str, StudentNumber] = {}
@@ -128,15 +128,18 @@ class GroupPlanner:
         return out
 
     async def load(self) -> dict[str, GroupLoad]:
-        """Every live scheduler's per-model signals, summed."""
+        """Every live scheduler's per-model signals, summed, with the student number their groups run
+        when they all report the same one (else 0: some have not re-formed their groups yet)."""
         total: dict[str, list[int]] = {}
+        students: dict[str, set[int]] = {}
         for scheduler_id in await self.redis.smembers(self.keys.schedulers()):
             raw = await self.redis.hget(self.keys.load(scheduler_id), "models")
             for model, signals in (json.loads(raw) if raw else {}).items():
                 entry = total.setdefault(model, [0, 0, 0, 0])
                 for k, name in enumerate(("buffer", "groups", "idle", "busy")):
                     entry[k] += int(signals.get(name, 0))
-        return {m: GroupLoad(*v) for m, v in total.items()}
+                students.setdefault(model, set()).add(int(signals.get("students", 0)))
+        return {m: GroupLoad(*v, students=_one(students[m])) for m, v in total.items()}
 
     async def adapt(self) -> dict[str, int]:
         """One adaptation step: the models whose student number changed, with the new number. A
@@ -154,3 +157,8 @@ class GroupPlanner:
         if changed:
             await self.replan()
         return changed
+
+
+def _one(values: set[int]) -> int:
+    """The value when there is exactly one, else 0."""
+    return next(iter(values)) if len(values) == 1 else 0

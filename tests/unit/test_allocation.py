@@ -94,6 +94,20 @@ def test_no_change_within_the_cooldown_and_never_below_one_student():
     assert number.observe(burst) is None and number.current == 1
 
 
+def test_signals_of_groups_not_yet_re_formed_are_not_judged():
+    """After a drop, the next one waits for groups of the new number, not for a fixed time: a burst sheds
+    students as fast as the schedulers re-form (App. B.4.1: the buffer's wait must not exceed a pass)."""
+    clock = Clock()
+    number = StudentNumber(current=4, ceiling=4, window_s=120, cooldown_s=0.2, clock=clock)
+    assert number.observe(GroupLoad(buffer=9, groups=1, idle=0, busy=1, students=4)) == 3
+    clock.now = 0.4
+    assert number.observe(GroupLoad(buffer=9, groups=1, idle=0, busy=1, students=4)) is None  # the old groups
+    assert number.observe(GroupLoad(buffer=9, groups=1, idle=0, busy=1, students=0)) is None  # not all re-formed
+    assert number.observe(GroupLoad(buffer=9, groups=1, idle=0, busy=1, students=3)) == 2
+    clock.now = 0.5
+    assert number.observe(GroupLoad(buffer=9, groups=1, idle=0, busy=1, students=2)) is None  # the cooldown
+
+
 def test_a_student_is_added_back_only_after_a_whole_quiet_window():
     clock = Clock()
     number = StudentNumber(current=1, ceiling=3, window_s=120, cooldown_s=1, clock=clock)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
-from academus.services.resource_manager.core import PlacementTable, WorkerInfo
+from academus.services.resource_manager.allocation import GroupLoad
+from academus.services.resource_manager.core import GroupPlanner, PlacementTable, WorkerInfo
 from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
 from academus.shared.keys import Keys
 from academus.shared.redis_conn import connect
@@ -48,4 +50,23 @@ async def test_reap_drops_workers_whose_heartbeat_expired(redis_url):
     await asyncio.sleep(1.2)
     assert await table.reap() == ["w1"]
     assert await table.placements() == {"minilm": ["w2"], "spam": ["w2"]}
+    await redis.aclose()
+
+
+async def test_planner_sums_the_schedulers_signals_and_names_their_common_student_number(redis_url):
+    redis = connect(redis_url)
+    keys = Keys("acd-load")
+
+    async def report(scheduler_id: str, **models: dict) -> None:
+        await redis.sadd(keys.schedulers(), scheduler_id)
+        await redis.hset(keys.load(scheduler_id), "models", json.dumps(models))
+
+    signals = {"buffer": 3, "groups": 2, "idle": 0, "busy": 2, "students": 2}
+    await report("s0", **{"sentiment-students": signals})
+    await report("s1", **{"sentiment-students": signals | {"buffer": 1}, "spam": signals | {"students": 1}})
+    planner = GroupPlanner(redis, keys)
+    assert await planner.load() == {"sentiment-students": GroupLoad(4, 4, 0, 4, students=2),
+                                    "spam": GroupLoad(3, 2, 0, 2, students=1)}
+    await report("s1", **{"sentiment-students": signals | {"students": 3}})  # s1 re-formed, s0 not yet
+    assert (await planner.load())["sentiment-students"].students == 0
     await redis.aclose()
