@@ -3,11 +3,13 @@ and the summary file."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from prometheus_client.samples import Sample
@@ -49,15 +51,24 @@ def write_summary(out: Path, summary: dict) -> int:
     return 0
 
 
+def run_bench(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], dict],
+              argv: list[str] | None) -> int:
+    """A bench's entry point: parse (the parser has --out), run, write the summary under --out."""
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    return write_summary(args.out, run(args))
+
+
+def stat_cpu_s(stat: str) -> float:
+    """CPU seconds (user + system) in a /proc/<pid>/stat or /proc/<pid>/task/<tid>/stat line."""
+    fields = stat.rsplit(")", 1)[1].split()   # the command name, in parentheses, may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def service_cpu_s(state: MeshState) -> dict[str, float]:
     """CPU seconds (user + system) each mesh process has used so far, Redis included."""
-    tick = os.sysconf("SC_CLK_TCK")
     pids = {s.name: s.pid for s in state.services} | ({"redis": state.redis_pid} if state.redis_pid else {})
-    out = {}
-    for name, pid in pids.items():
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        out[name] = (int(fields[11]) + int(fields[12])) / tick
-    return out
+    return {name: stat_cpu_s(Path(f"/proc/{pid}/stat").read_text()) for name, pid in pids.items()}
 
 
 def loadgen_with_cpu(state: MeshState, run_dir: Path, out: Path, *args: str) -> dict:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import redis
 
-from academus.loadgen.bench import loadgen, write_summary
+from academus.loadgen.bench import loadgen, run_bench
 from academus.shared.keys import Keys
 from academus.shared.mesh import Deployment, MeshOptions, MeshState, down, up
 
@@ -152,9 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--email-rate", type=float, default=30.0, help="offered rate for the email step (longer texts)")
     p.add_argument("--email-timeout", type=float, default=5.0)
     p.add_argument("--no-email", dest="email", action="store_false")
-    args = p.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    return write_summary(args.out, run(args))
+    return run_bench(p, run, argv)
 
 
 if __name__ == "__main__":

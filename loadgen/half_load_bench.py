@@ -25,8 +25,15 @@ import argparse
 import statistics
 from pathlib import Path
 
-from academus.loadgen.bench import ABLATIONS, loadgen, serving_samples, write_summary
-from academus.loadgen.student_bench import add_mesh_options, group_size, latency_ratio, set_students, start
+from academus.loadgen.bench import ABLATIONS, loadgen, run_bench, serving_samples
+from academus.loadgen.student_bench import (
+    add_mesh_options,
+    group_size,
+    latency_ratio,
+    run_options,
+    set_students,
+    start,
+)
 from academus.shared.mesh import down
 
 # Mesh options compared as the switches are: the option, then (arm, value) tried and (arm, value) as
@@ -71,8 +78,7 @@ def one_arm(args: argparse.Namespace, round_: int, name: str, env: dict[str, str
         before = pauses(state)
         report = loadgen(run_dir, args.out / f"{round_}-{name}", "compare", "--runs",
                          f"{args.task}:padded,{students}:student", "--schedule", f"poisson:{args.rate}",
-                         "--duration", str(args.duration), "--texts", f"task:{args.task}", "--timeout",
-                         str(args.timeout), "--seed", str(round_))
+                         *run_options(args), "--seed", str(round_))
         after = pauses(state)
     finally:
         down(run_dir)
@@ -117,9 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     add_mesh_options(p)
     p.add_argument("--out", type=Path, default=Path("bench/half_load"))
-    args = p.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    return write_summary(args.out, run(args))
+    return run_bench(p, run, argv)
 
 
 if __name__ == "__main__":

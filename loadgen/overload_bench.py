@@ -22,7 +22,7 @@ import argparse
 import json
 from pathlib import Path
 
-from academus.loadgen.bench import ABLATIONS, loadgen_with_cpu, serving_samples, write_summary
+from academus.loadgen.bench import ABLATIONS, loadgen_with_cpu, run_bench, serving_samples
 from academus.shared.mesh import Deployment, MeshOptions, down, up
 
 COUNTERS = ("academus_worker_batches_total", "academus_worker_expired_total", "academus_scheduler_dropped",
@@ -75,9 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ablate", choices=sorted(ABLATIONS), default="drop_doomed",
                    help="the setting the second run switches off (default: drop_doomed)")
     p.add_argument("--out", type=Path, default=Path("bench/overload"))
-    args = p.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    return write_summary(args.out, run(args))
+    return run_bench(p, run, argv)
 
 
 if __name__ == "__main__":

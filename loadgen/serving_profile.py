@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -33,7 +32,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from academus.loadgen.bench import loadgen_command, write_summary
+from academus.loadgen.bench import loadgen_command, run_bench, stat_cpu_s
 from academus.loadgen.student_bench import add_mesh_options, group_size, set_students, start
 from academus.shared.mesh import down
 
@@ -79,6 +78,8 @@ def record(pid: int, seconds: float, path: Path) -> subprocess.Popen:
 
 
 def run(args: argparse.Namespace) -> dict:
+    if shutil.which("py-spy") is None:
+        raise SystemExit("py-spy is not on the PATH: `pip install -e '.[dev]'` (or `pip install py-spy`)")
     run_dir = args.out / "run"
     state = start(args, run_dir, 120.0)
     try:
@@ -107,14 +108,13 @@ def run(args: argparse.Namespace) -> dict:
 
 def threads_reading(pid: int) -> dict[str, float]:
     """CPU seconds by thread name (threads of one name summed), and context switches, of a process so far."""
-    tick, out = os.sysconf("SC_CLK_TCK"), collections.Counter()
+    out: collections.Counter[str] = collections.Counter()
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             stat, status = (task / "stat").read_text(), (task / "status").read_text()
         except FileNotFoundError:  # the thread ended meanwhile
             continue
-        fields = stat.rsplit(")", 1)[1].split()
-        out["cpu:" + stat[stat.index("(") + 1:stat.rindex(")")]] += (int(fields[11]) + int(fields[12])) / tick
+        out["cpu:" + stat[stat.index("(") + 1:stat.rindex(")")]] += stat_cpu_s(stat)
         for line in status.splitlines():
             key, _, value = line.partition(":")
             if key in ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"):
@@ -141,11 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, default=4.0, help="seconds of load before sampling starts")
     p.add_argument("--services", default="gateway,scheduler,worker-0", type=lambda s: s.split(","))
     p.add_argument("--out", type=Path, default=Path("bench/profile"))
-    args = p.parse_args(argv)
-    if shutil.which("py-spy") is None:
-        p.error("py-spy is not on the PATH: `pip install -e '.[dev]'` (or `pip install py-spy`)")
-    args.out.mkdir(parents=True, exist_ok=True)
-    return write_summary(args.out, run(args))
+    return run_bench(p, run, argv)
 
 
 if __name__ == "__main__":

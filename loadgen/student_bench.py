@@ -32,7 +32,7 @@ from pathlib import Path
 
 import redis
 
-from academus.loadgen.bench import loadgen, loadgen_with_cpu, write_summary
+from academus.loadgen.bench import loadgen, loadgen_with_cpu, run_bench
 from academus.shared.keys import Keys
 from academus.shared.mesh import Deployment, MeshOptions, down, up
 
@@ -49,6 +49,12 @@ def start(args: argparse.Namespace, run_dir: Path, window_s: float, env: dict[st
         deployments=[Deployment("student", f"{task}-students"), Deployment("padded", f"{task},{task}-2l")],
         env={"ACADEMUS_MODELS": f"{task},{task}-students,{task}-2l", "ACADEMUS_ADAPT_WINDOW_S": str(window_s),
              "ACADEMUS_QUEUE_CAPACITY": str(args.queue)} | (env or {})))
+
+
+def run_options(args: argparse.Namespace, timeout_s: float | None = None) -> list[str]:
+    """The loadgen options every run of these benches shares: its length, the task's texts, the timeout."""
+    return ["--duration", str(args.duration), "--texts", f"task:{args.task}",
+            "--timeout", str(args.timeout if timeout_s is None else timeout_s)]
 
 
 def group_size(state, args: argparse.Namespace) -> int:
@@ -78,13 +84,12 @@ def half_load(args: argparse.Namespace) -> tuple[list[dict], list[dict], dict]:
     """Phase 1: both capacities, then --rounds half-load comparisons, then the traces' breakdown."""
     task, out = args.task, args.out
     students, single = f"{task}-students", f"{task}-2l"
-    common = ["--duration", str(args.duration), "--texts", f"task:{task}"]
     state = start(args, out / "run", 120.0)
     try:
         set_students(state, students, group_size(state, args))
         capacities = [loadgen_with_cpu(state, out / "run", out / f"capacity_{policy}", "run", "--model", model,
-                                       "--policy", policy, "--schedule", f"closed:{args.concurrency}", *common,
-                                       "--timeout", "60")
+                                       "--policy", policy, "--schedule", f"closed:{args.concurrency}",
+                                       *run_options(args, timeout_s=60))
                       for model, policy in ((task, "padded"), (students, "student"))]
         capacity = capacities[0]["throughput_rps"]
         halves = []
@@ -92,8 +97,8 @@ def half_load(args: argparse.Namespace) -> tuple[list[dict], list[dict], dict]:
             set_students(state, students, group_size(state, args))
             halves.append(loadgen(out / "run", out / ("half_load" if r == 0 else f"half_load_{r}"), "compare",
                                   "--runs", f"{task}:padded,{students}:student,{single}:padded",
-                                  "--schedule", f"poisson:{0.5 * capacity:.2f}", *common, "--timeout",
-                                  str(args.timeout), "--seed", str(r)))
+                                  "--schedule", f"poisson:{0.5 * capacity:.2f}", *run_options(args),
+                                  "--seed", str(r)))
         traces = subprocess.run([sys.executable, "-m", "academus.loadgen", "breakdown", "--run-dir",
                                  str(out / "run")], capture_output=True, text=True, check=True)
     finally:
@@ -110,7 +115,7 @@ def bursts(args: argparse.Namespace, capacity: float) -> dict:
         schedule = f"bursts:{0.5 * capacity:.2f},{3 * capacity:.2f},{period},{period / 2}"
         runs = f"{task}:padded,{task}-students:student"
         return loadgen(out / "run-bursts", out / "bursts", "compare", "--runs", runs, "--schedule", schedule,
-                       "--duration", str(args.duration), "--texts", f"task:{task}", "--timeout", str(args.timeout))
+                       *run_options(args))
     finally:
         down(out / "run-bursts")
 
@@ -197,9 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1, help="half-load comparisons ((a), (b)); ratios: their median")
     p.add_argument("--teacher-capacity", type=float, default=0.0,
                    help="req/s: skip phase 1 and run only (c)'s bursts against this capacity")
-    args = p.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    return write_summary(args.out, run(args))
+    return run_bench(p, run, argv)
 
 
 if __name__ == "__main__":

@@ -386,3 +386,15 @@ def test_serving_profile_reads_each_threads_cpu_and_switches_a_request():
         "switches_per_request": {"voluntary": 3.0, "nonvoluntary": 0.5}}
     reading = threads_reading(os.getpid())  # this process, from /proc: its main thread at least
     assert reading["voluntary_ctxt_switches"] >= 1 and any(k.startswith("cpu:") for k in reading)
+
+
+def test_stat_cpu_s_reads_user_plus_system_past_a_command_name_with_spaces():
+    import os
+    from pathlib import Path
+
+    from academus.loadgen.bench import stat_cpu_s
+
+    tick = os.sysconf("SC_CLK_TCK")
+    fields = ["S"] + ["0"] * 10 + [str(3 * tick), str(tick)] + ["0"] * 30   # utime, stime: fields 14, 15
+    assert stat_cpu_s("123 (a) b (c) " + " ".join(fields)) == 4.0
+    assert stat_cpu_s(Path(f"/proc/{os.getpid()}/stat").read_text()) > 0
