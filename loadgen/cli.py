@@ -5,6 +5,8 @@
     academus loadgen trace --kind tweet --duration 300 --mean-rps 20 --seed 1 --out tweet.trace
     academus loadgen breakdown --traces .academus/run/traces.jsonl
 
+`--procs N` sends each run's load from N processes (one Python process sends about 1000 req/s).
+
 `run` and `compare` write report.json (one entry a run) and PNG plots to --out; the last line printed
 is the report JSON. `compare` sends the same arrival schedule and texts to each MODEL[:POLICY] in turn
 (the policy picks the deployment running it) and prints ratios against the first. `trace` writes a
@@ -25,6 +27,7 @@ from academus.client import AsyncClient
 from academus.loadgen import analysis, plots, schedule, texts
 from academus.loadgen.analysis import parse_runs, ratios, run_label
 from academus.loadgen.runner import RunResult, run, run_closed
+from academus.loadgen.shares import run_in_processes
 from academus.shared.config import run_dir
 from academus.shared.heap import freeze_start_up_heap
 from academus.shared.mesh import ADMIN_KEY_FILE, MeshState
@@ -44,6 +47,8 @@ def add_load_options(s: argparse.ArgumentParser) -> None:
                                          "(overrides --texts)")
     s.add_argument("--timeout", type=float, default=5.0, help="each request's deadline (s)")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--procs", type=int, default=1, help="load-generator processes sharing each run's load "
+                                                        "(one sends about 1000 req/s; see loadgen/shares.py)")
     s.add_argument("--out", type=Path, default=Path("loadgen-out"))
     s.add_argument("--gateway", help="host:port (default: the local mesh's)")
     s.add_argument("--key", help="API key (default: the local admin key)")
@@ -90,7 +95,11 @@ def cmd_load(args: argparse.Namespace) -> int:
     samples = texts.parse(text_spec, CLOSED_LOOP_TEXTS if concurrency else max(1, len(arrivals)), args.seed)
     gateway, key = target(args)
     freeze_start_up_heap("loadgen")   # the client's own GC pauses would count as server latency
-    results = asyncio.run(run_all(gateway, key, runs, arrivals, samples, args, concurrency))
+    if args.procs > 1:
+        results = [run_in_processes(gateway, key, model, policy, arrivals, samples, args.procs, args.timeout,
+                                    args.duration, concurrency) for model, policy in runs]
+    else:
+        results = asyncio.run(run_all(gateway, key, runs, arrivals, samples, args, concurrency))
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"schedule": args.schedule, "duration_s": args.duration, "texts": text_spec,
               "timeout_s": args.timeout, "runs": [r.report() for r in results]}

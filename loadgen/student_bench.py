@@ -52,9 +52,10 @@ def start(args: argparse.Namespace, run_dir: Path, window_s: float, env: dict[st
 
 
 def run_options(args: argparse.Namespace, timeout_s: float | None = None) -> list[str]:
-    """The loadgen options every run of these benches shares: its length, the task's texts, the timeout."""
+    """The loadgen options every run of these benches shares: its length, the task's texts, the timeout,
+    the load generator's processes."""
     return ["--duration", str(args.duration), "--texts", f"task:{args.task}",
-            "--timeout", str(args.timeout if timeout_s is None else timeout_s)]
+            "--timeout", str(args.timeout if timeout_s is None else timeout_s), "--procs", str(args.procs)]
 
 
 def group_size(state, args: argparse.Namespace) -> int:
@@ -190,6 +191,7 @@ def add_mesh_options(p: argparse.ArgumentParser) -> None:
                                                            "at M (default: the best-pruned k, where the "
                                                            "resource manager starts)")
     p.add_argument("--queue", type=int, default=256)
+    p.add_argument("--procs", type=int, default=1, help="load-generator processes a run (a GPU node's rates)")
 
 
 def main(argv: list[str] | None = None) -> int:

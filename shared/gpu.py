@@ -36,12 +36,28 @@ def mps_action(gpus: int, mode: str, daemon_running: bool, binary_found: bool) -
     return "start" if binary_found else "missing"
 
 
+MPS_CONTROL = "nvidia-cuda-mps-control"
+
+
+def mps_control(command: str) -> str | None:
+    """One command to the MPS control daemon through its front end; its answer, or None where there is no
+    binary or no daemon (the front end exits non-zero when it cannot reach one)."""
+    binary = shutil.which(MPS_CONTROL)
+    if binary is None:
+        return None
+    try:
+        done = subprocess.run([binary], input=command + "\n", capture_output=True, text=True, timeout=15)
+    except subprocess.TimeoutExpired:
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
 def start_mps(mode: str, gpus: int | None = None) -> str:
-    """Starts `nvidia-cuda-mps-control -d` on a GPU node when it is not running; returns the action."""
+    """Starts `nvidia-cuda-mps-control -d` on a GPU node when no daemon answers; returns the action.
+    Asking the daemon, not the process table, also works where the node has no pgrep."""
     gpus = gpu_count() if gpus is None else gpus
-    binary = shutil.which("nvidia-cuda-mps-control")
-    running = bool(gpus) and shutil.which("pgrep") is not None and subprocess.run(
-        ["pgrep", "-f", "nvidia-cuda-mps-control"], capture_output=True).returncode == 0
+    binary = shutil.which(MPS_CONTROL)
+    running = bool(gpus) and mps_control("get_server_list") is not None
     action = mps_action(gpus, mode, running, binary is not None)
     if action == "start":
         subprocess.run([binary, "-d"], check=True, timeout=30)

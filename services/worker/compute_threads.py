@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 POLICIES = {"idle": "SCHED_IDLE", "batch": "SCHED_BATCH", "normal": "SCHED_OTHER"}
 
 
@@ -39,3 +41,12 @@ def apply_compute_policy(name: str) -> str:
         return "normal"
     os.sched_setscheduler(0, policy, os.sched_param(0))
     return policy_of_this_thread()
+
+
+def start_compute_thread(sched: str, device: torch.device) -> None:
+    """A compute thread's initializer: its scheduling policy and, on a GPU, a CUDA stream of its own.
+    PyTorch's current stream is per thread, so the instances of one worker overlap on the device instead
+    of queueing on the default stream (under MPS, worker processes overlap anyway)."""
+    apply_compute_policy(sched)
+    if device.type == "cuda":
+        torch.cuda.set_stream(torch.cuda.Stream(device))

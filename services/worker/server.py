@@ -17,7 +17,7 @@ import torch
 from prometheus_client import Counter
 
 from academus.services.worker.adapters import AdapterCache, StoreFetcher, TenantBatch
-from academus.services.worker.compute_threads import apply_compute_policy
+from academus.services.worker.compute_threads import start_compute_thread
 from academus.services.worker.core import (
     FINISH_L2,
     FINISH_SOFTMAX,
@@ -74,7 +74,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         own thread and CUDA stream; under MPS, separate worker processes share the GPU instead)."""
         self.instances = max(1, instances)
         self.executor = ThreadPoolExecutor(max_workers=self.instances, thread_name_prefix="compute",
-                                           initializer=apply_compute_policy, initargs=(self.compute_sched,))
+                                           initializer=start_compute_thread,
+                                           initargs=(self.compute_sched, self.runner.device))
 
     async def Run(self, request, context: grpc.aio.ServicerContext):
         entered = time.perf_counter()

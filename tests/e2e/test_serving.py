@@ -259,6 +259,24 @@ def test_loadgen_closed_loop_keeps_n_callers_busy(mesh, tmp_path):
     assert run["throughput_rps"] > 0 and run["accuracy"] > 0.5
 
 
+def test_loadgen_procs_share_one_schedule_and_merge_into_one_run(mesh, tmp_path):
+    """--procs 2: two processes send the schedule's requests between them, each with the text one process
+    would have sent; the report is one run over all of them."""
+    from academus.loadgen import schedule
+
+    proc = cli(mesh, "loadgen", "run", "--model", "spam", "--schedule", "poisson:12", "--duration", "3",
+               "--texts", "task:spam", "--procs", "2", "--out", str(tmp_path / "open"))
+    assert proc.returncode == 0, proc.stderr
+    run = json.loads(proc.stdout.splitlines()[-1])["runs"][0]
+    assert run["sent"] == len(schedule.parse("poisson:12", 3, 0)) == run["completed"] and not run["errors"]
+    assert run["accuracy"] > 0.5 and sum(b["completed"] for b in run["timeline"]) == run["completed"]
+    proc = cli(mesh, "loadgen", "run", "--model", "spam", "--schedule", "closed:3", "--duration", "2",
+               "--texts", "task:spam", "--procs", "2", "--out", str(tmp_path / "closed"))
+    assert proc.returncode == 0, proc.stderr
+    run = json.loads(proc.stdout.splitlines()[-1])["runs"][0]
+    assert run["concurrency"] == 3 and run["completed"] == run["sent"] > 3 and not run["errors"]
+
+
 def test_every_server_offers_reflection_and_health(mesh):
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 

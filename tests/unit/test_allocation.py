@@ -167,3 +167,49 @@ def test_mps_plan_pins_each_worker_to_a_gpu_with_an_equal_thread_share():
 
 def test_start_mps_does_nothing_without_gpus():
     assert start_mps("auto", gpus=0) == "skip"
+
+
+FAKE_MPS_CONTROL = """#!/bin/sh
+# The front end's contract: -d starts the daemon; a command on stdin is answered only while one runs.
+here=$(dirname "$0")
+if [ "$1" = "-d" ]; then echo start >> "$here/calls"; touch "$here/running"; exit 0; fi
+[ -f "$here/running" ] || { echo "Cannot find MPS control daemon process" >&2; exit 1; }
+read cmd
+case "$cmd" in get_server_list) echo 4242;; "get_client_list 4242") printf "101\\n102\\n";; esac
+"""
+
+
+def test_start_mps_asks_the_daemon_and_starts_it_only_when_none_answers(tmp_path, monkeypatch):
+    from academus.loadgen.mps_check import mps_servers
+
+    binary = tmp_path / "nvidia-cuda-mps-control"
+    binary.write_text(FAKE_MPS_CONTROL)
+    binary.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    assert mps_servers() == {}                     # no daemon: nothing to list
+    assert start_mps("auto", gpus=1) == "start"
+    assert start_mps("auto", gpus=1) == "running"  # a second mesh on the node finds it
+    assert start_mps("off", gpus=1) == "skip"
+    assert (tmp_path / "calls").read_text().split() == ["start"]
+    assert mps_servers() == {4242: [101, 102]}
+
+
+def test_mps_check_reads_the_control_daemons_pids_and_each_workers_real_environment(tmp_path):
+    import subprocess
+    import sys
+
+    from academus.loadgen.mps_check import logged_events, pids, process_env
+
+    assert pids("1234\n5678\n") == [1234, 5678]
+    assert pids("") == [] and pids("Server 77 ready") == [77]
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                             env={"CUDA_VISIBLE_DEVICES": "3", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25", "OTHER": "x"})
+    try:
+        assert process_env(child.pid) == {"CUDA_VISIBLE_DEVICES": "3", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25"}
+    finally:
+        child.kill()
+        child.wait()
+    log = tmp_path / "resource_manager.log"
+    log.write_text('not json\n{"event": "mps", "action": "start"}\n{"event": "other"}\n')
+    assert [e["action"] for e in logged_events(log, "mps")] == ["start"]
+    assert logged_events(tmp_path / "absent.log", "mps") == []

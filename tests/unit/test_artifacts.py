@@ -114,3 +114,19 @@ def test_rewrite_replaces(tmp_path: Path) -> None:
     _write(tmp_path / "head", metrics={"run": 2})
     assert load_artifact(tmp_path / "head")[0].metrics == {"run": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["head"]
+
+
+def test_a_node_can_mount_its_own_teacher_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from academus.shared.model import TeacherMissing, teacher_dir
+
+    bundled = teacher_dir()
+    mounted = tmp_path / "teacher"
+    mounted.mkdir()
+    monkeypatch.setenv("ACADEMUS_TEACHER_DIR", str(mounted))
+    with pytest.raises(TeacherMissing, match=r"lacks config.json, tokenizer.json: \$ACADEMUS_TEACHER_DIR"):
+        teacher_dir()
+    for name in ("config.json", "tokenizer.json"):
+        (mounted / name).symlink_to(bundled / name)
+    assert teacher_dir() == mounted
+    monkeypatch.delenv("ACADEMUS_TEACHER_DIR")
+    assert teacher_dir() == bundled

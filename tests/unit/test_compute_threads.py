@@ -5,13 +5,16 @@ from __future__ import annotations
 import re
 import sys
 import threading
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from academus.services.worker.compute_threads import apply_compute_policy, policy_of_this_thread
 from academus.services.worker.server import WorkerServicer
 from academus.shared import config as cfg
 
+CPU_RUNNER = SimpleNamespace(device=torch.device("cpu"))
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread policies are Linux's")
 
 
@@ -32,15 +35,28 @@ def test_the_policy_is_set_on_the_calling_thread_only(name: str) -> None:
 
 @linux
 def test_the_servicers_compute_threads_take_the_configured_policy() -> None:
-    servicer = WorkerServicer(runner=None, worker_id="w", instances=2, compute_sched="idle")
+    servicer = WorkerServicer(runner=CPU_RUNNER, worker_id="w", instances=2, compute_sched="idle")
     policies = {servicer.executor.submit(policy_of_this_thread).result() for _ in range(4)}
     assert policies == {"idle"}
     servicer.resize(1)   # the resource manager's answer: the new threads keep the policy
     assert servicer.executor.submit(policy_of_this_thread).result() == "idle"
-    assert WorkerServicer(None, "w").executor.submit(policy_of_this_thread).result() == "normal"
+    assert WorkerServicer(CPU_RUNNER, "w").executor.submit(policy_of_this_thread).result() == "normal"
 
 
 def test_normal_is_the_default_and_an_unknown_policy_is_refused() -> None:
     assert cfg.load(cfg.WorkerConfig, env={}).compute_sched == "normal"
     with pytest.raises(cfg.ConfigError, match=re.escape("ACADEMUS_COMPUTE_SCHED='fifo' must be idle|batch|normal")):
         cfg.load(cfg.WorkerConfig, env={"ACADEMUS_COMPUTE_SCHED": "fifo"})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_each_compute_thread_has_its_own_stream() -> None:
+    servicer = WorkerServicer(SimpleNamespace(device=torch.device("cuda:0")), "w", instances=2)
+    barrier = threading.Barrier(2)
+
+    def stream_of_this_thread() -> int:
+        barrier.wait(timeout=10)   # both threads alive at once: two distinct executor threads
+        return torch.cuda.current_stream().cuda_stream
+
+    streams = {f.result() for f in [servicer.executor.submit(stream_of_this_thread) for _ in range(2)]}
+    assert len(streams) == 2 and torch.cuda.default_stream().cuda_stream not in streams

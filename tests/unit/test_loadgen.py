@@ -398,3 +398,24 @@ def test_stat_cpu_s_reads_user_plus_system_past_a_command_name_with_spaces():
     fields = ["S"] + ["0"] * 10 + [str(3 * tick), str(tick)] + ["0"] * 30   # utime, stime: fields 14, 15
     assert stat_cpu_s("123 (a) b (c) " + " ".join(fields)) == 4.0
     assert stat_cpu_s(Path(f"/proc/{os.getpid()}/stat").read_text()) > 0
+
+
+def test_shares_interleave_the_schedule_with_the_texts_one_process_would_send():
+    from academus.loadgen.shares import merge, split
+    from academus.loadgen.texts import Sample
+
+    arrivals, samples = [0.1 * i for i in range(7)], [Sample(f"t{i}") for i in range(3)]
+    shares = split(arrivals, samples, 3)
+    assert [s.arrivals for s in shares] == [arrivals[0::3], arrivals[1::3], arrivals[2::3]]
+    sent = {at: s.samples[j % len(s.samples)].text for s in shares for j, at in enumerate(s.arrivals)}
+    assert sent == {at: samples[i % 3].text for i, at in enumerate(arrivals)}
+    assert [s.concurrency for s in split([], samples, 3, concurrency=7)] == [3, 2, 2]
+    assert [s.concurrency for s in split([], samples, 4, concurrency=2)] == [1, 1]   # no idle process
+    assert len(split([0.0], samples, 4)) == 1
+    with pytest.raises(ValueError, match="--procs must be >= 1"):
+        split(arrivals, samples, 0)
+    parts = [RunResult("m", "", None, 3.0, [Record(0.2, 5.0, "OK"), Record(0.9, 6.0, "OK")], 5000.0, "student"),
+             RunResult("m", "student", None, 3.4, [Record(0.5, 7.0, "UNAVAILABLE")], 5000.0, "student")]
+    merged = merge(parts, offered_rps=1.0, concurrency=None)
+    assert [r.sent_at for r in merged.records] == [0.2, 0.5, 0.9] and merged.duration_s == 3.4
+    assert merged.policy == "student" and merged.report()["sent"] == 3 and merged.offered_rps == 1.0
