@@ -28,6 +28,7 @@ class Record:
     correct: bool | None = None
     tokens: int = 0          # the text's token count, [CLS] and [SEP] included
     meta: Metadata | None = None
+    details: str = ""        # an error's message: which hop refused, and why
 
     @property
     def done_at(self) -> float:
@@ -62,6 +63,7 @@ class RunResult:
             "sent": len(self.records),
             "completed": len(ok),
             "errors": dict(Counter(r.code for r in self.records if r.code != "OK")),
+            "error_examples": error_examples(self.records),
             "latency_ms": latency_summary(histogram) if ok else {},
             "throughput_rps": round(len(ok) / self.duration_s, 3) if self.duration_s else 0.0,
             "accuracy": round(sum(r.correct for r in labelled) / len(labelled), 4) if labelled else None,
@@ -72,6 +74,21 @@ class RunResult:
             "student_number": sorted(Counter(r.students for r in ok).items()),
             "timeline": analysis.timeline(self.records, self.duration_s),
         }
+
+
+def error_examples(records: list[Record], per_code: int = 3) -> dict[str, list[dict]]:
+    """For each error code, its most frequent messages (up to `per_code`) with their counts and median
+    latency: where a code comes from (which hop, which limit) and how late it came."""
+    by_message: dict[tuple[str, str], list[float]] = {}
+    for r in records:
+        if r.code != "OK":
+            by_message.setdefault((r.code, r.details), []).append(r.latency_ms)
+    out: dict[str, list[dict]] = {}
+    for (code, message), latencies in sorted(by_message.items(), key=lambda kv: -len(kv[1])):
+        if len(out.setdefault(code, [])) < per_code:
+            out[code].append({"details": message, "count": len(latencies),
+                              "p50_ms": round(sorted(latencies)[len(latencies) // 2], 3)})
+    return out
 
 
 def latency_summary(histogram: HdrHistogram) -> dict[str, float]:
@@ -92,7 +109,7 @@ async def call(client: AsyncClient, result: RunResult, sample: Sample, start: fl
     try:
         answer = await client.infer(result.model, [sample.text], timeout=timeout_s, policy=result.requested_policy)
     except AcademusError as e:
-        result.records.append(Record(sent - start, (time.perf_counter() - sent) * 1e3, e.code))
+        result.records.append(Record(sent - start, (time.perf_counter() - sent) * 1e3, e.code, details=e.details))
         return
     result.policy = result.policy or answer.metadata.policy
     result.records.append(answered(sample, sent - start, (time.perf_counter() - sent) * 1e3, answer))

@@ -78,6 +78,17 @@ def test_report_counts_errors_accuracy_and_percentiles():
     assert report["throughput_rps"] == 1.5 and report["student_number"] == [(1, 3)]
 
 
+def test_report_names_each_error_codes_most_frequent_messages():
+    full, late = "scheduler 127.0.0.1:1: queue full (256)", "deadline passed in the queue"
+    records = [Record(0.1 * i, 5.0 + i, "RESOURCE_EXHAUSTED", details=full) for i in range(3)]
+    records += [Record(0.5, 40.0, "DEADLINE_EXCEEDED", details=late), Record(0.6, 1.0, "OK", 1),
+                *(Record(0.7, 2.0, "CANCELLED", details=f"m{i}") for i in range(5))]
+    examples = RunResult("m", "", 1.0, 1.0, records).report()["error_examples"]
+    assert examples["RESOURCE_EXHAUSTED"] == [{"details": full, "count": 3, "p50_ms": 6.0}]
+    assert examples["DEADLINE_EXCEEDED"] == [{"details": late, "count": 1, "p50_ms": 40.0}]
+    assert len(examples["CANCELLED"]) == 3 and "OK" not in examples
+
+
 def test_ratios_against_the_first_run():
     base = {"model": "a", "policy": "fifo", "latency_ms": {"p50": 10, "p95": 20, "p99": 40}, "throughput_rps": 5,
             "utility": 2.0}
