@@ -430,3 +430,16 @@ def test_shares_interleave_the_schedule_with_the_texts_one_process_would_send():
     merged = merge(parts, offered_rps=1.0, concurrency=None)
     assert [r.sent_at for r in merged.records] == [0.2, 0.5, 0.9] and merged.duration_s == 3.4
     assert merged.policy == "student" and merged.report()["sent"] == 3 and merged.offered_rps == 1.0
+
+
+def test_grpc_core_refuses_calls_past_its_pending_limit_as_cancelled():
+    """What the H200 bursts met at the gateway: calls the server's loop has not yet taken, past grpc-core's
+    pending limit, end CANCELLED with no message of the server's; under the limit, every call is served."""
+    import asyncio
+
+    from academus.loadgen.grpc_backlog import measure
+
+    assert asyncio.run(measure(40, 0.2))["codes"] == {"OK": 40}
+    flooded = asyncio.run(measure(300, 0.5, pending_limit=20))
+    assert flooded["codes"].get("CANCELLED", 0) > 0 and flooded["codes"].get("OK", 0) > 0
+    assert set(flooded["messages"]) == {"CANCELLED: CANCELLED"}
