@@ -37,6 +37,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--detach", action="store_true", help="return once the mesh is ready")
     s.add_argument("--port", type=int, default=50051, help="gateway port (0: any free port)")
     s.add_argument("--workers", type=int, default=1)
+    s.add_argument("--gateways", type=int, default=1,
+                   help="gateway processes sharing the port (the kernel spreads client connections over them)")
     s.add_argument("--worker-threads", type=int, default=0, help="torch threads per worker (0: default)")
     s.add_argument("--instances", type=int, default=0,
                    help="student instances each worker runs at once (0: 1, or the profile's choice)")
@@ -122,7 +124,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 2
     options = MeshOptions(run_dir=_run_dir(args), artifacts=args.artifacts or artifacts_dir(),
                           gateway_port=args.port, workers=args.workers, worker_threads=args.worker_threads,
-                          instances=args.instances, deployments=deployments, gpus=args.gpus)
+                          instances=args.instances, deployments=deployments, gpus=args.gpus,
+                          gateways=args.gateways)
     up(options)
     print(json.dumps(status(options.run_dir)))
     if args.detach:

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -85,6 +85,7 @@ class MeshOptions:
     run_dir: Path
     artifacts: Path = field(default_factory=artifacts_dir)
     gateway_port: int = DEFAULT_GATEWAY_PORT    # 0: any free port
+    gateways: int = 1                           # gateway processes sharing that port (SO_REUSEPORT)
     workers: int = 1
     worker_threads: int = 0
     instances: int = 0                          # student instances per worker (0: its default / profile)
@@ -102,6 +103,9 @@ def up(options: MeshOptions) -> MeshState:
     (run_dir / "logs").mkdir(exist_ok=True)
     if (run_dir / STATE_FILE).exists() and _alive(MeshState.load(run_dir)):
         raise MeshError(f"a mesh is already running from {run_dir}; `academus down` first")
+    if options.gateways < 1:
+        raise MeshError(f"gateways must be >= 1, not {options.gateways}")
+    options = replace(options, gateway_port=options.gateway_port or free_port())  # one port for every gateway
     url, redis_pid = _redis(run_dir)
     state = MeshState(str(run_dir), url, redis_pid, "", options.key_prefix)
     state.save()
@@ -137,7 +141,7 @@ def _plan(options: MeshOptions, worker_envs: list[dict[str, str]]) -> list[tuple
     """Each service to start, in order, with one extra environment a copy. The plot service only
     when a PLOT table is under the artifacts: without one it could not start, and no model needs it."""
     table = plot_table(options.artifacts)
-    copies = {"worker": worker_envs, "scheduler": [{}] * len(options.deployments),
+    copies = {"worker": worker_envs, "scheduler": [{}] * len(options.deployments), "gateway": [{}] * options.gateways,
               "plot": [_plot_env(table)] if table else []}
     return [(name, copies.get(name, [{}])) for name in SERVICES if copies.get(name, [{}])]
 
@@ -194,7 +198,7 @@ def _spawn(name: str, index: int, options: MeshOptions, state: MeshState,
         env["ACADEMUS_MODELS"] = deployment.models
         if deployment.policy:
             env["ACADEMUS_POLICY"] = deployment.policy
-    label = f"{name}-{index}" if name == "worker" or (name == "scheduler" and index) else name
+    label = f"{name}-{index}" if name == "worker" or (name in ("scheduler", "gateway") and index) else name
     log = Path(state.run_dir) / "logs" / f"{label}.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", f"academus.services.{name}"], env=env,

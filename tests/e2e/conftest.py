@@ -16,10 +16,10 @@ from academus.shared.mesh import ADMIN_KEY_FILE, MeshOptions, MeshState, down, u
 from academus.shared.metrics import scrape
 
 
-def start_mesh(run_dir: Path, workers: int = 1, env: dict[str, str] | None = None) -> MeshState:
+def start_mesh(run_dir: Path, workers: int = 1, env: dict[str, str] | None = None, gateways: int = 1) -> MeshState:
     if not (artifacts_dir() / "models.json").exists():
         pytest.fail(f"no artifacts in {artifacts_dir()}: `make test` runs `academus prepare` first")
-    return up(MeshOptions(run_dir=run_dir, gateway_port=0, workers=workers, worker_threads=1,
+    return up(MeshOptions(run_dir=run_dir, gateway_port=0, workers=workers, worker_threads=1, gateways=gateways,
                           env={"OTEL_BSP_SCHEDULE_DELAY": "100", "ACADEMUS_GRACE_S": "20", **(env or {})}))
 
 

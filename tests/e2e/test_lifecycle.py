@@ -68,3 +68,57 @@ def test_sigterm_finishes_in_flight_work_then_deregisters_and_lost_worker_is_una
     assert all(wait_exit(s.pid, 5) for s in state.services)
     with pytest.raises(redis.exceptions.ConnectionError):
         r.ping()  # the mesh's own redis-server stopped too
+
+
+def infer_on_own_connection(address: str, key: str) -> str:
+    """One request on a connection of its own (a local subchannel pool: no connection shared in-process)."""
+    import grpc
+
+    from academus.client.types import build_request, call_metadata, from_response
+    from academus.v1 import inference_pb2_grpc
+
+    with grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+        reply = inference_pb2_grpc.InferenceStub(channel).Infer(
+            build_request("spam", ["win a free prize now"], "", None, None, "", ""), timeout=30,
+            metadata=call_metadata(key))
+    return from_response(reply).predictions[0].label
+
+
+def first_answer_after(call, timeout_s: float) -> None:
+    """Calls until one succeeds: right after a gateway dies, a connection the kernel still routed to its
+    listener is reset."""
+    import grpc
+
+    end = time.monotonic() + timeout_s
+    while True:
+        try:
+            call()
+            return
+        except grpc.RpcError:
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.2)
+
+
+def test_gateways_share_one_port_each_serves_and_one_lost_leaves_the_other(tmp_path):
+    """`academus up --gateways 2`: both bind the mesh's one gateway port (SO_REUSEPORT), the kernel spreads
+    connections over them, and when one dies new connections reach the other."""
+    state = start_mesh(tmp_path / "run", env={"ACADEMUS_MODELS": "spam"}, gateways=2)
+    try:
+        gateways = [s for s in state.services if s.name.startswith("gateway")]
+        assert [g.name for g in gateways] == ["gateway", "gateway-1"]
+        assert {g.address for g in gateways} == {state.gateway}
+        key = (tmp_path / "run" / ADMIN_KEY_FILE).read_text().strip()
+        labels = {infer_on_own_connection(state.gateway, key) for _ in range(24)}
+        assert labels <= {"spam", "ham"} and labels
+        served = [metric(g.metrics_port, "academus_rpc_seconds_count", service="gateway", method="Infer")
+                  for g in gateways]
+        assert sum(served) == 24 and min(served) > 0, served
+        os.kill(gateways[1].pid, signal.SIGKILL)
+        assert wait_exit(gateways[1].pid, 10)
+        first_answer_after(lambda: infer_on_own_connection(state.gateway, key), 10)
+        assert all(infer_on_own_connection(state.gateway, key) for _ in range(6))
+        assert metric(gateways[0].metrics_port, "academus_rpc_seconds_count", service="gateway",
+                      method="Infer") == served[0] + 1 + 6
+    finally:
+        down(tmp_path / "run")

@@ -100,3 +100,9 @@ def test_the_mesh_serves_the_table_the_catalogue_names(tmp_path):
     (tmp_path / "models.json").write_text(json.dumps({"minilm": {"kind": "embedding"},
                                                       "minilm-plot": {"plot": "plot/minilm-k3"}}))
     assert plot_table(tmp_path) == tmp_path / "plot" / "minilm-k3"
+
+
+def test_a_mesh_needs_at_least_one_gateway(tmp_path):
+    with pytest.raises(mesh.MeshError, match="gateways must be >= 1, not 0"):
+        mesh.up(mesh.MeshOptions(run_dir=tmp_path, gateways=0))
+    assert not (tmp_path / mesh.STATE_FILE).exists()   # refused before anything started
