@@ -26,7 +26,7 @@ from pathlib import Path
 from academus.client import AsyncClient
 from academus.loadgen import analysis, plots, schedule, texts
 from academus.loadgen.analysis import parse_runs, ratios, run_label
-from academus.loadgen.runner import RunResult, run, run_closed
+from academus.loadgen.runner import RunResult, send_load
 from academus.loadgen.shares import run_in_processes
 from academus.shared.config import run_dir
 from academus.shared.heap import freeze_start_up_heap
@@ -149,11 +149,8 @@ async def run_all(gateway: str, key: str | None, runs: list[tuple[str, str]], ar
     results = []
     async with AsyncClient(gateway, api_key=key, timeout=args.timeout) as client:
         for model, policy in runs:
-            if concurrency:
-                results.append(await run_closed(client, model, concurrency, samples, args.timeout, args.duration,
-                                                policy))
-            else:
-                results.append(await run(client, model, arrivals, samples, args.timeout, args.duration, policy))
+            results.append(await send_load(client, model, policy, arrivals, samples, args.timeout, args.duration,
+                                           concurrency))
     return results
 
 

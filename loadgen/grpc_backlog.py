@@ -21,6 +21,8 @@ import time
 
 import grpc
 
+from academus.loadgen.stats import percentile
+
 METHOD = "/academus.backlog.Hold/Call"
 
 
@@ -61,10 +63,9 @@ async def measure(calls: int, hold_s: float, pending_limit: int | None = None) -
             await asyncio.gather(*(one() for _ in range(calls)))
     finally:
         await server.stop(0)
-    refused_after.sort()
     return {"calls": calls, "hold_s": hold_s, "pending_limit": pending_limit, "codes": dict(codes),
             "messages": dict(messages),
-            "refused_p50_ms": round(refused_after[len(refused_after) // 2], 3) if refused_after else None}
+            "refused_p50_ms": round(percentile(refused_after, 50), 3) if refused_after else None}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,7 @@ from pathlib import Path
 import redis
 
 from academus.loadgen.bench import loadgen, run_bench
-from academus.loadgen.student_bench import run_options, set_students
+from academus.loadgen.student_bench import add_mesh_options, group_size, run_options, set_students
 from academus.shared.gpu import mps_control
 from academus.shared.keys import Keys
 from academus.shared.mesh import Deployment, MeshOptions, MeshState, down, up
@@ -103,11 +103,12 @@ def run(args: argparse.Namespace) -> dict:
     task, run_dir = args.task, args.out / "run"
     students, single = f"{task}-students", f"{task}-2l"
     state = up(MeshOptions(
-        run_dir=run_dir, gateway_port=0, workers=args.workers, instances=args.instances,
-        deployments=[Deployment("student", students), Deployment("padded", single)],
-        env={"ACADEMUS_MODELS": f"{students},{single}", "ACADEMUS_MPS": args.mps}))
+        run_dir=run_dir, gateway_port=0, workers=args.workers, worker_threads=args.worker_threads,
+        instances=args.instances, deployments=[Deployment("student", students), Deployment("padded", single)],
+        env={"ACADEMUS_MODELS": f"{students},{single}", "ACADEMUS_MPS": args.mps,
+             "ACADEMUS_QUEUE_CAPACITY": str(args.queue)}))
     try:
-        set_students(state, students, args.students)
+        set_students(state, students, group_size(state, args))
         report = mps_report(state, students)
         compared = loadgen(run_dir, args.out / "compare", "compare", "--runs",
                            f"{students}:student,{single}:padded", "--schedule", f"poisson:{args.rate}",
@@ -122,15 +123,10 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="academus.loadgen.mps_check", description=__doc__.split("\n")[0])
-    p.add_argument("--task", choices=["sentiment", "spam"], default="sentiment")
-    p.add_argument("--instances", type=int, default=4, help="worker processes a GPU, sharing it under MPS")
-    p.add_argument("--workers", type=int, default=2, help="CPU worker processes where there is no GPU")
-    p.add_argument("--students", type=int, default=4, help="the group size S (4: every student of the group)")
+    add_mesh_options(p)   # --instances: worker processes a GPU; --workers: CPU workers where there is none
+    p.set_defaults(instances=4, students=4, duration=20.0)   # every student of the group, spread over 4
     p.add_argument("--mps", choices=["auto", "off"], default="auto")
     p.add_argument("--rate", type=float, default=200.0, help="Poisson requests/s of the comparison")
-    p.add_argument("--duration", type=float, default=20.0)
-    p.add_argument("--timeout", type=float, default=5.0)
-    p.add_argument("--procs", type=int, default=1, help="load-generator processes")
     p.add_argument("--out", type=Path, default=Path("bench/mps"))
     return run_bench(p, run, argv)
 

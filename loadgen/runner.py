@@ -14,6 +14,7 @@ from hdrh.histogram import HdrHistogram
 
 from academus.client import AcademusError, AsyncClient, InferResult, Metadata
 from academus.loadgen import analysis
+from academus.loadgen.stats import percentile
 from academus.loadgen.texts import Sample
 
 MAX_LATENCY_US = 120_000_000
@@ -87,7 +88,7 @@ def error_examples(records: list[Record], per_code: int = 3) -> dict[str, list[d
     for (code, message), latencies in sorted(by_message.items(), key=lambda kv: -len(kv[1])):
         if len(out.setdefault(code, [])) < per_code:
             out[code].append({"details": message, "count": len(latencies),
-                              "p50_ms": round(sorted(latencies)[len(latencies) // 2], 3)})
+                              "p50_ms": round(percentile(latencies, 50), 3)})
     return out
 
 
@@ -132,6 +133,14 @@ async def run(client: AsyncClient, model: str, arrivals: list[float], samples: l
     await asyncio.gather(*(one(i, at) for i, at in enumerate(arrivals)))
     result.duration_s = max(duration_s, time.perf_counter() - start)
     return result
+
+
+async def send_load(client: AsyncClient, model: str, policy: str, arrivals: list[float], samples: list[Sample],
+                    timeout_s: float, duration_s: float, concurrency: int | None = None) -> RunResult:
+    """One run: a closed loop of `concurrency` callers, else the open loop on `arrivals`."""
+    if concurrency:
+        return await run_closed(client, model, concurrency, samples, timeout_s, duration_s, policy)
+    return await run(client, model, arrivals, samples, timeout_s, duration_s, policy)
 
 
 async def run_closed(client: AsyncClient, model: str, concurrency: int, samples: list[Sample],

@@ -19,7 +19,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from academus.client import AsyncClient
-from academus.loadgen.runner import RunResult, run, run_closed
+from academus.loadgen.runner import RunResult, send_load
 from academus.loadgen.texts import Sample
 
 START_MARGIN_S = 3.0   # spawning a process and importing the client takes about a second
@@ -66,10 +66,8 @@ def run_share(gateway: str, key: str | None, model: str, policy: str, share: Sha
     async def go() -> RunResult:
         async with AsyncClient(gateway, api_key=key, timeout=timeout_s) as client:
             await asyncio.sleep(max(0.0, start_at - time.time()))
-            if share.concurrency:
-                return await run_closed(client, model, share.concurrency, share.samples, timeout_s, duration_s,
-                                        policy)
-            return await run(client, model, share.arrivals, share.samples, timeout_s, duration_s, policy)
+            return await send_load(client, model, policy, share.arrivals, share.samples, timeout_s, duration_s,
+                                   share.concurrency)
 
     return asyncio.run(go())
 

@@ -176,7 +176,7 @@ def _worker_envs(options: MeshOptions) -> list[dict[str, str]]:
 
 def _spawn(name: str, index: int, options: MeshOptions, state: MeshState,
            extra: dict[str, str] | None = None) -> ServiceProcess:
-    port = options.gateway_port if name == "gateway" and options.gateway_port else free_port()
+    port = options.gateway_port if name == "gateway" else free_port()
     metrics_port = free_port()
     env = {**os.environ, **options.env,
            "ACADEMUS_REDIS_URL": state.redis_url, "ACADEMUS_KEY_PREFIX": options.key_prefix,
