@@ -24,6 +24,7 @@ ABLATIONS = {
     "honour_pushback": ("ACADEMUS_HONOUR_PUSHBACK", ("honour_pushback", "true"), ("ignore_pushback", "false")),
     "gc_freeze": ("ACADEMUS_GC_FREEZE", ("frozen", "true"), ("unfrozen", "false")),
     "compute_sched": ("ACADEMUS_COMPUTE_SCHED", ("idle", "idle"), ("normal", "normal")),  # idle: opt-in
+    "hop_streams": ("ACADEMUS_HOP_STREAMS", ("streams", "true"), ("unary_calls", "false")),
 }
 
 

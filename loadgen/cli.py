@@ -6,6 +6,8 @@
     academus loadgen breakdown --traces .academus/run/traces.jsonl
 
 `--procs N` sends each run's load from N processes (one Python process sends about 1000 req/s).
+`--streams` sends every request of a process as a frame of one multiplexed stream (`AsyncClient(streams=True)`)
+instead of a gRPC call each.
 
 `run` and `compare` write report.json (one entry a run) and PNG plots to --out; the last line printed
 is the report JSON. `compare` sends the same arrival schedule and texts to each MODEL[:POLICY] in turn
@@ -49,6 +51,7 @@ def add_load_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--procs", type=int, default=1, help="load-generator processes sharing each run's load "
                                                         "(one sends about 1000 req/s; see loadgen/shares.py)")
+    s.add_argument("--streams", action="store_true", help="requests ride one multiplexed stream a process")
     s.add_argument("--out", type=Path, default=Path("loadgen-out"))
     s.add_argument("--gateway", help="host:port (default: the local mesh's)")
     s.add_argument("--key", help="API key (default: the local admin key)")
@@ -97,12 +100,12 @@ def cmd_load(args: argparse.Namespace) -> int:
     freeze_start_up_heap("loadgen")   # the client's own GC pauses would count as server latency
     if args.procs > 1:
         results = [run_in_processes(gateway, key, model, policy, arrivals, samples, args.procs, args.timeout,
-                                    args.duration, concurrency) for model, policy in runs]
+                                    args.duration, concurrency, args.streams) for model, policy in runs]
     else:
         results = asyncio.run(run_all(gateway, key, runs, arrivals, samples, args, concurrency))
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"schedule": args.schedule, "duration_s": args.duration, "texts": text_spec,
-              "timeout_s": args.timeout, "runs": [r.report() for r in results]}
+              "timeout_s": args.timeout, "client_streams": args.streams, "runs": [r.report() for r in results]}
     if len(results) > 1:
         report["ratios_vs_first"] = ratios(report["runs"])
     write_plots(results, args.out)
@@ -147,7 +150,7 @@ async def run_all(gateway: str, key: str | None, runs: list[tuple[str, str]], ar
     """Each run in turn (runs must not share the machine): open loop on `arrivals`, or a closed loop
     of `concurrency` callers."""
     results = []
-    async with AsyncClient(gateway, api_key=key, timeout=args.timeout) as client:
+    async with AsyncClient(gateway, api_key=key, timeout=args.timeout, streams=args.streams) as client:
         for model, policy in runs:
             results.append(await send_load(client, model, policy, arrivals, samples, args.timeout, args.duration,
                                            concurrency))

@@ -1,6 +1,6 @@
 """What gRPC itself answers when a Python server's event loop cannot take calls as fast as they come.
 
-    python -m academus.loadgen.grpc_backlog [--calls 3000] [--hold 1.0] [--pending-limit N]
+    python -m academus.loadgen.grpc_backlog [--calls 3000] [--hold 1.0] [--pending-limit N] [--streams]
 
 One grpc.aio server whose handler holds each call for --hold seconds, one client sending --calls calls
 at once on one channel. Calls that reach the server before its loop has asked for them wait in
@@ -8,7 +8,9 @@ grpc-core's pending queue; past `grpc.server.max_pending_requests` (default 1000
 refuse them at random, hard at `..._hard_limit` (default 3000), and a refused call ends CANCELLED
 (message "CANCELLED") long before its deadline, and before any handler, interceptor or metric of the
 server has seen it. This is what the H200 bursts showed at the gateway (README, "On a GPU"). --pending-limit sets
-both limits. The last line printed is the JSON summary: codes, messages, median time to a refusal.
+both limits. With --streams the calls are frames of one multiplexed stream (shared/multiplex.py, as
+`AsyncClient(streams=True)` sends them): one call for grpc-core, so its pending queue never fills. The last
+line printed is the JSON summary: codes, messages, median time to a refusal.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import time
 import grpc
 
 from academus.loadgen.stats import percentile
+from academus.shared.multiplex import MultiplexChannel, MultiplexServicer, UnaryMethod
+from academus.v1 import multiplex_pb2_grpc
 
 METHOD = "/academus.backlog.Hold/Call"
 
@@ -33,7 +37,7 @@ def server_options(pending_limit: int | None) -> list[tuple[str, int]]:
             ("grpc.server.max_pending_requests_hard_limit", pending_limit)]
 
 
-async def measure(calls: int, hold_s: float, pending_limit: int | None = None) -> dict:
+async def measure(calls: int, hold_s: float, pending_limit: int | None = None, streams: bool = False) -> dict:
     async def hold(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         await asyncio.sleep(hold_s)
         return request
@@ -41,6 +45,8 @@ async def measure(calls: int, hold_s: float, pending_limit: int | None = None) -
     server = grpc.aio.server(options=server_options(pending_limit))
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
         "academus.backlog.Hold", {"Call": grpc.unary_unary_rpc_method_handler(hold)})])
+    multiplex_pb2_grpc.add_MultiplexServicer_to_server(MultiplexServicer({METHOD: UnaryMethod(hold, bytes, bytes)}),
+                                                       server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     codes: collections.Counter[str] = collections.Counter()
@@ -48,7 +54,8 @@ async def measure(calls: int, hold_s: float, pending_limit: int | None = None) -
     refused_after: list[float] = []
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            call = channel.unary_unary(METHOD)
+            call = (MultiplexChannel(channel).unary_unary(METHOD, bytes, bytes) if streams
+                    else channel.unary_unary(METHOD))
 
             async def one() -> None:
                 sent = time.perf_counter()
@@ -63,7 +70,7 @@ async def measure(calls: int, hold_s: float, pending_limit: int | None = None) -
             await asyncio.gather(*(one() for _ in range(calls)))
     finally:
         await server.stop(0)
-    return {"calls": calls, "hold_s": hold_s, "pending_limit": pending_limit, "codes": dict(codes),
+    return {"calls": calls, "hold_s": hold_s, "pending_limit": pending_limit, "streams": streams, "codes": dict(codes),
             "messages": dict(messages),
             "refused_p50_ms": round(percentile(refused_after, 50), 3) if refused_after else None}
 
@@ -73,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=3000)
     p.add_argument("--hold", type=float, default=1.0, help="seconds the handler holds each call")
     p.add_argument("--pending-limit", type=int, default=None, help="both of grpc-core's pending-call limits")
+    p.add_argument("--streams", action="store_true", help="the calls ride one multiplexed stream")
     args = p.parse_args(argv)
-    print(json.dumps(asyncio.run(measure(args.calls, args.hold, args.pending_limit))))
+    print(json.dumps(asyncio.run(measure(args.calls, args.hold, args.pending_limit, args.streams))))
     return 0
 
 

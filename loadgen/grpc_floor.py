@@ -2,8 +2,9 @@
 no Academus code, the leaf answering a 384-float matrix after `--work-ms` spent in a thread (as a
 worker's model would), or with `--spin` busy on its own loop (no thread, no timer: what a hop costs after
 the chain sat idle that long). Compare with `academus.loadgen.overhead` to see what the mesh itself adds.
+With `--streams` each hop's calls ride one multiplexed stream (shared/multiplex.py), as the mesh's do.
 
-    python -m academus.loadgen.grpc_floor [--requests 1500] [--work-ms 0 10] [--spin]
+    python -m academus.loadgen.grpc_floor [--requests 1500] [--work-ms 0 10] [--spin] [--streams]
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import grpc
 import uvloop
 
 from academus.loadgen.stats import summary
+from academus.shared.multiplex import MethodCapture, MultiplexChannel, MultiplexServicer
 from academus.shared.redis_server import free_port
-from academus.v1 import tensors_pb2, worker_pb2, worker_pb2_grpc
+from academus.v1 import multiplex_pb2_grpc, tensors_pb2, worker_pb2, worker_pb2_grpc
 
 REPLY = tensors_pb2.ModelOutput(values=tensors_pb2.Matrix(values=[0.1] * 384, rows=1, dim=384))
 
@@ -39,28 +41,35 @@ class Leaf(worker_pb2_grpc.WorkerServicer):
         return REPLY
 
 
+def worker_stub(channel: grpc.aio.Channel, streams: bool) -> worker_pb2_grpc.WorkerStub:
+    return worker_pb2_grpc.WorkerStub(MultiplexChannel(channel) if streams else channel)
+
+
 class Forward(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, target: str) -> None:
-        self.target = target
+    def __init__(self, target: str, streams: bool) -> None:
+        self.target, self.streams = target, streams
         self.stub: worker_pb2_grpc.WorkerStub | None = None
 
     async def Run(self, request, context):
         if self.stub is None:  # the channel must belong to the serving loop
-            self.stub = worker_pb2_grpc.WorkerStub(grpc.aio.insecure_channel(self.target))
+            self.stub = worker_stub(grpc.aio.insecure_channel(self.target), self.streams)
         return await self.stub.Run(request, timeout=5)
 
 
 async def serve(port: int, servicer: worker_pb2_grpc.WorkerServicer) -> None:
+    """The servicer as unary calls and as frames of the Multiplex service, as the mesh's servers are."""
     server = grpc.aio.server()
-    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    capture = MethodCapture(server)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, capture)
+    multiplex_pb2_grpc.add_MultiplexServicer_to_server(MultiplexServicer(capture.methods), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()
 
 
-async def measure(port: int, requests: int) -> dict:
+async def measure(port: int, requests: int, streams: bool) -> dict:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = worker_pb2_grpc.WorkerStub(channel)
+        stub = worker_stub(channel, streams)
         await channel.channel_ready()
         tokens = tensors_pb2.TokenBatch(input_ids=list(range(16)), lengths=[16])
         request = worker_pb2.RunRequest(model="m", tokens=tokens)
@@ -72,15 +81,16 @@ async def measure(port: int, requests: int) -> dict:
     return summary(times[100:])
 
 
-def chain(hops: int, work_ms: float, requests: int, spin: bool = False) -> dict:
+def chain(hops: int, work_ms: float, requests: int, spin: bool = False, streams: bool = False) -> dict:
     ports = [free_port() for _ in range(hops)]
     me = [sys.executable, "-m", "academus.loadgen.grpc_floor"]
     procs = [subprocess.Popen([*me, "--serve-leaf", str(ports[-1]), "--work-ms", str(work_ms),
                                *(["--spin"] if spin else [])])]
-    procs += [subprocess.Popen([*me, "--serve-forward", str(ports[i]), str(ports[i + 1])]) for i in range(hops - 1)]
+    procs += [subprocess.Popen([*me, "--serve-forward", str(ports[i]), str(ports[i + 1]),
+                                *(["--streams"] if streams else [])]) for i in range(hops - 1)]
     try:
         time.sleep(2.0)
-        return uvloop.run(measure(ports[0], requests))
+        return uvloop.run(measure(ports[0], requests, streams))
     finally:
         for p in procs:
             p.terminate()
@@ -92,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=1500)
     p.add_argument("--work-ms", type=float, nargs="+", default=[0.0, 10.0])
     p.add_argument("--spin", action="store_true", help="the leaf's work is a busy loop on its own event loop")
+    p.add_argument("--streams", action="store_true", help="every hop's calls ride one multiplexed stream")
     p.add_argument("--serve-leaf", type=int, help=argparse.SUPPRESS)
     p.add_argument("--serve-forward", type=int, nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -99,9 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.run(serve(args.serve_leaf, Leaf(args.work_ms[0] / 1e3, args.spin)))
         return 0
     if args.serve_forward:
-        uvloop.run(serve(args.serve_forward[0], Forward(f"127.0.0.1:{args.serve_forward[1]}")))
+        uvloop.run(serve(args.serve_forward[0], Forward(f"127.0.0.1:{args.serve_forward[1]}", args.streams)))
         return 0
-    rows = [{"hops": h, "work_ms": w, "spin": args.spin, "latency_ms": chain(h, w, args.requests, args.spin)}
+    rows = [{"hops": h, "work_ms": w, "spin": args.spin, "streams": args.streams,
+             "latency_ms": chain(h, w, args.requests, args.spin, args.streams)}
             for w in args.work_ms for h in (1, 3)]
     for row in rows:
         row["overhead_p50_ms"] = round(row["latency_ms"]["p50"] - row["work_ms"], 3)

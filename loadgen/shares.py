@@ -57,14 +57,14 @@ def merge(parts: Sequence[RunResult], offered_rps: float | None, concurrency: in
 
 
 def run_share(gateway: str, key: str | None, model: str, policy: str, share: Share, timeout_s: float,
-              duration_s: float, start_at: float) -> RunResult:
+              duration_s: float, start_at: float, streams: bool = False) -> RunResult:
     """A child process: wait for the common start, then send this share."""
     from academus.shared.heap import freeze_start_up_heap
 
     freeze_start_up_heap("loadgen")
 
     async def go() -> RunResult:
-        async with AsyncClient(gateway, api_key=key, timeout=timeout_s) as client:
+        async with AsyncClient(gateway, api_key=key, timeout=timeout_s, streams=streams) as client:
             await asyncio.sleep(max(0.0, start_at - time.time()))
             return await send_load(client, model, policy, share.arrivals, share.samples, timeout_s, duration_s,
                                    share.concurrency)
@@ -74,13 +74,13 @@ def run_share(gateway: str, key: str | None, model: str, policy: str, share: Sha
 
 def run_in_processes(gateway: str, key: str | None, model: str, policy: str, arrivals: Sequence[float],
                      samples: Sequence[Sample], procs: int, timeout_s: float, duration_s: float,
-                     concurrency: int | None = None) -> RunResult:
+                     concurrency: int | None = None, streams: bool = False) -> RunResult:
     """One run whose load `procs` processes send together (spawned: no gRPC state is forked)."""
     shares = split(arrivals, samples, procs, concurrency)
     start_at = time.time() + START_MARGIN_S
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(len(shares), mp_context=context) as pool:
-        futures = [pool.submit(run_share, gateway, key, model, policy, s, timeout_s, duration_s, start_at)
+        futures = [pool.submit(run_share, gateway, key, model, policy, s, timeout_s, duration_s, start_at, streams)
                    for s in shares]
         parts = [f.result() for f in futures]
     offered = None if concurrency else (len(arrivals) / duration_s if duration_s else 0.0)

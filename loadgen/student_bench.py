@@ -53,9 +53,10 @@ def start(args: argparse.Namespace, run_dir: Path, window_s: float, env: dict[st
 
 def run_options(args: argparse.Namespace, timeout_s: float | None = None) -> list[str]:
     """The loadgen options every run of these benches shares: its length, the task's texts, the timeout,
-    the load generator's processes."""
+    the load generator's processes and whether their requests ride multiplexed streams."""
     return ["--duration", str(args.duration), "--texts", f"task:{args.task}",
-            "--timeout", str(args.timeout if timeout_s is None else timeout_s), "--procs", str(args.procs)]
+            "--timeout", str(args.timeout if timeout_s is None else timeout_s), "--procs", str(args.procs),
+            *(["--streams"] if args.streams else [])]
 
 
 def group_size(state, args: argparse.Namespace) -> int:
@@ -192,6 +193,8 @@ def add_mesh_options(p: argparse.ArgumentParser) -> None:
                                                            "resource manager starts)")
     p.add_argument("--queue", type=int, default=256)
     p.add_argument("--procs", type=int, default=1, help="load-generator processes a run (a GPU node's rates)")
+    p.add_argument("--streams", action="store_true", help="the load generator's requests ride one multiplexed "
+                                                          "stream a process (`academus loadgen --streams`)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,6 +42,7 @@ class CommonConfig:
     metrics_port: int = 0            # Prometheus endpoint; 0: the OS picks one, -1: off
     grace_s: float = 10.0            # SIGTERM: how long in-flight work may take to finish
     gc_freeze: bool = True           # start-up's objects leave the cyclic GC once serving (off: the ablation)
+    hop_streams: bool = True         # calls to the next hop ride one multiplexed stream a peer (off: a call each)
 
     def check(self) -> None:
         if not 0 <= self.port <= 65535:

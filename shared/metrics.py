@@ -20,6 +20,8 @@ RPC_LATENCY = Histogram(
     "academus_rpc_seconds", "Server-side RPC latency", ["service", "method"], buckets=LATENCY_BUCKETS
 )
 RPC_IN_FLIGHT = Gauge("academus_rpc_in_flight", "RPCs being handled", ["service", "method"])
+MULTIPLEXED = Counter("academus_multiplexed_calls_total", "Unary calls served as frames of a Multiplex stream",
+                      ["method"])
 RPC_ERRORS = Counter("academus_rpc_errors_total", "RPCs that ended with a non-OK status", ["service", "method", "code"])
 
 

@@ -18,7 +18,10 @@ from academus.shared.config import CommonConfig
 from academus.shared.heap import freeze_start_up_heap, watch_pauses
 from academus.shared.logs import log_event, setup_logging
 from academus.shared.metrics import MetricsInterceptor, start_metrics
+from academus.shared.multiplex import SERVICE_NAME as MULTIPLEX_SERVICE
+from academus.shared.multiplex import MethodCapture, MultiplexChannel, MultiplexServicer
 from academus.shared.tracing import server_interceptors, setup_tracing, shutdown_tracing
+from academus.v1 import multiplex_pb2_grpc
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS = [
@@ -52,17 +55,22 @@ class RunningService:
         self.metrics_port = -1
         self._tasks: list[asyncio.Task] = []
         provider = setup_tracing(spec.name)
-        self.server = grpc.aio.server(
-            interceptors=[MetricsInterceptor(spec.name), *server_interceptors(provider)], options=CHANNEL_OPTIONS
-        )
+        self.interceptors = [MetricsInterceptor(spec.name), *server_interceptors(provider)]
+        self.server = grpc.aio.server(interceptors=self.interceptors, options=CHANNEL_OPTIONS)
         self.health = HealthServicer()
+        self.multiplex: MultiplexServicer | None = None
 
     async def start(self) -> str:
         spec, cfg = self.spec, self.spec.config
-        spec.add_servicers(self.server)
+        capture = MethodCapture(self.server)
+        spec.add_servicers(capture)
+        # every unary method is also served as frames of one stream a caller (shared/multiplex.py)
+        self.multiplex = MultiplexServicer(capture.methods, self.interceptors)
+        multiplex_pb2_grpc.add_MultiplexServicer_to_server(self.multiplex, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-        reflection.enable_server_reflection([*spec.service_names, health_name, reflection.SERVICE_NAME], self.server)
+        names = [*spec.service_names, MULTIPLEX_SERVICE, health_name, reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(names, self.server)
         port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
         self.metrics_port = start_metrics(cfg.metrics_port)
         await self.server.start()
@@ -82,6 +90,8 @@ class RunningService:
         await self._cancel_tasks()
         if self.spec.on_stopping:
             await self.spec.on_stopping()
+        if self.multiplex is not None:  # new frames are refused; the streams end once their calls answer
+            self.multiplex.drain()
         await self.server.stop(self.spec.config.grace_s)
         if self.spec.on_stopped:
             await self.spec.on_stopped()
@@ -141,14 +151,17 @@ def channel(target: str) -> grpc.aio.Channel:
 
 
 class Stubs:
-    """One traced channel and stub per peer address, reused for every call (channels are costly)."""
+    """One traced channel and stub per peer address, reused for every call (channels are costly).
+    `multiplexed`: the stub's unary calls ride one stream of that channel (shared/multiplex.py)."""
 
-    def __init__(self, stub_class: type) -> None:
+    def __init__(self, stub_class: type, multiplexed: bool = False) -> None:
         self.stub_class = stub_class
+        self.multiplexed = multiplexed
         self._stubs: dict[str, object] = {}
 
     def __call__(self, address: str):
         stub = self._stubs.get(address)
         if stub is None:
-            stub = self._stubs[address] = self.stub_class(channel(address))
+            peer = channel(address)
+            stub = self._stubs[address] = self.stub_class(MultiplexChannel(peer) if self.multiplexed else peer)
         return stub

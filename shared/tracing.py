@@ -172,6 +172,25 @@ def _end_client_span(span: trace.Span, call: grpc.aio.Call) -> None:
 _finishing: set[asyncio.Future] = set()
 
 
+def start_client_span(method: str, provider: trace.TracerProvider | None = None
+                      ) -> tuple[trace.Span | None, dict[str, str]]:
+    """A CLIENT span for a call that does not go through ClientSpans (a multiplexed one), and the
+    metadata that carries its context; (None, {}) with tracing off."""
+    if not tracing_enabled():
+        return None, {}
+    tracer = (provider or trace.get_tracer_provider()).get_tracer("academus.grpc")
+    span = tracer.start_span(method, kind=SpanKind.CLIENT, attributes=rpc_attributes(method))
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=trace.set_span_in_context(span))
+    return span, carrier
+
+
+def end_client_span(span: trace.Span | None, code: grpc.StatusCode, details: str | None) -> None:
+    if span is not None:
+        _set_code(span, code, details)
+        span.end()
+
+
 @functools.cache  # per method, not per call (OTel copies the attributes into each span)
 def rpc_attributes(method: str) -> dict[str, str]:
     service, name = method.lstrip("/").split("/", 1)

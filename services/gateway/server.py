@@ -102,11 +102,12 @@ def to_pb(admitted: Admitted, result: tensors_pb2.ModelOutput, request_id: str) 
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, gateway: Gateway, schedulers: SchedulerDirectory, default_deadline_s: float) -> None:
+    def __init__(self, gateway: Gateway, schedulers: SchedulerDirectory, default_deadline_s: float,
+                 hop_streams: bool = False) -> None:
         self.gateway = gateway
         self.schedulers = schedulers
         self.default_deadline_s = default_deadline_s
-        self._stub = Stubs(scheduler_pb2_grpc.SchedulerStub)
+        self._stub = Stubs(scheduler_pb2_grpc.SchedulerStub, multiplexed=hop_streams)
 
     async def Infer(self, request: pb.InferRequest, context: grpc.aio.ServicerContext):
         entered = time.perf_counter()
@@ -247,7 +248,7 @@ async def build() -> ServiceSpec:
 
     def add_servicers(server: grpc.aio.Server) -> None:
         inference_pb2_grpc.add_InferenceServicer_to_server(
-            InferenceServicer(gateway, schedulers, config.default_deadline_s), server)
+            InferenceServicer(gateway, schedulers, config.default_deadline_s, config.hop_streams), server)
         manage_pb2_grpc.add_ManageServicer_to_server(manage, server)
 
     return ServiceSpec(

@@ -289,7 +289,7 @@ async def build() -> ServiceSpec:
     config = cfg.load(cfg.SchedulerConfig)
     redis = connect(config.redis_url)
     keys = Keys(config.key_prefix)
-    worker_stubs = Stubs(worker_pb2_grpc.WorkerStub)
+    worker_stubs = Stubs(worker_pb2_grpc.WorkerStub, multiplexed=config.hop_streams)
     clock = time.monotonic
     policy = make_policy(config.policy, max_batch=config.max_batch, max_delay_s=config.max_delay_ms / 1e3,
                          max_merge=config.max_merge or 4, max_length=config.max_length,

@@ -15,17 +15,23 @@ from academus.client.types import (
     call_metadata,
     from_response,
 )
+from academus.shared.multiplex import MultiplexChannel
 from academus.shared.tracing import client_interceptors
 from academus.v1 import inference_pb2_grpc
 
 
 class AsyncClient:
-    def __init__(self, target: str, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """`streams=True`: every call rides one multiplexed stream of the connection (the gateway serves
+    `academus.v1.Multiplex`), half a unary call's cost in latency and CPU on each side; errors, deadlines
+    and cancellation are those of a unary call."""
+
+    def __init__(self, target: str, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT_S,
+                 streams: bool = False) -> None:
         self.api_key = api_key
         self.timeout = timeout
         self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS,
                                                   interceptors=client_interceptors())
-        self._stub = inference_pb2_grpc.InferenceStub(self._channel)
+        self._stub = inference_pb2_grpc.InferenceStub(MultiplexChannel(self._channel) if streams else self._channel)
 
     async def infer(self, model: str, texts: Sequence[str], output: str = "", *,
                     pairs: Sequence[str] | None = None, truncate: bool | None = None,

@@ -102,8 +102,9 @@ def first_answer_after(call, timeout_s: float) -> None:
 
 def test_gateways_share_one_port_each_serves_and_one_lost_leaves_the_other(tmp_path):
     """`academus up --gateways 2`: both bind the mesh's one gateway port (SO_REUSEPORT), the kernel spreads
-    connections over them, and when one dies new connections reach the other."""
-    state = start_mesh(tmp_path / "run", env={"ACADEMUS_MODELS": "spam"}, gateways=2)
+    connections over them, and when one dies new connections reach the other. This mesh's hops are a gRPC
+    call each (ACADEMUS_HOP_STREAMS=false, the ablation), the other meshes' ride multiplexed streams."""
+    state = start_mesh(tmp_path / "run", env={"ACADEMUS_MODELS": "spam", "ACADEMUS_HOP_STREAMS": "false"}, gateways=2)
     try:
         gateways = [s for s in state.services if s.name.startswith("gateway")]
         assert [g.name for g in gateways] == ["gateway", "gateway-1"]
@@ -114,6 +115,9 @@ def test_gateways_share_one_port_each_serves_and_one_lost_leaves_the_other(tmp_p
         served = [metric(g.metrics_port, "academus_rpc_seconds_count", service="gateway", method="Infer")
                   for g in gateways]
         assert sum(served) == 24 and min(served) > 0, served
+        hops = [(s, "/academus.v1.Scheduler/Schedule" if s.name.startswith("scheduler") else "/academus.v1.Worker/Run")
+                for s in state.services if s.name.startswith(("scheduler", "worker"))]
+        assert not any(metric(s.metrics_port, "academus_multiplexed_calls_total", method=m) for s, m in hops)
         os.kill(gateways[1].pid, signal.SIGKILL)
         assert wait_exit(gateways[1].pid, 10)
         first_answer_after(lambda: infer_on_own_connection(state.gateway, key), 10)

@@ -86,6 +86,35 @@ async def test_async_client_concurrent_requests(mesh, admin_key):
     assert [len(r.predictions) for r in results] == [1, 1, 1, 1]
 
 
+async def test_a_streams_client_gets_the_same_answers_and_refusals_as_unary_calls(mesh, admin_key):
+    """AsyncClient(streams=True): every call a frame of one multiplexed stream to the gateway; the mesh's own
+    hops ride such streams too (ACADEMUS_HOP_STREAMS, on by default)."""
+    gateway, scheduler, worker = (service(mesh, n) for n in ("gateway", "scheduler", "worker-0"))
+
+    def framed() -> list[float]:
+        return [metric(gateway.metrics_port, "academus_multiplexed_calls_total", method="/academus.v1.Inference/Infer"),
+                metric(scheduler.metrics_port, "academus_multiplexed_calls_total",
+                       method="/academus.v1.Scheduler/Schedule"),
+                metric(worker.metrics_port, "academus_multiplexed_calls_total", method="/academus.v1.Worker/Run")]
+
+    before = framed()
+    async with AsyncClient(mesh.gateway, api_key=admin_key) as unary, \
+            AsyncClient(mesh.gateway, api_key=admin_key, streams=True) as streams:
+        expected = await asyncio.gather(*(unary.infer("spam", [t]) for t in TEXTS))
+        served = await asyncio.gather(*(streams.infer("spam", [t]) for t in TEXTS))
+        with pytest.raises(AcademusError) as too_many:
+            await streams.infer("spam", ["hi"] * 65)
+    assert [r.predictions[0].label for r in served] == [r.predictions[0].label for r in expected]
+    assert too_many.value.code == "INVALID_ARGUMENT" and "the limit is 64" in too_many.value.details
+    async with AsyncClient(mesh.gateway, api_key="wrong", streams=True) as stranger:
+        with pytest.raises(AcademusError) as refused:
+            await stranger.infer("spam", ["hi"])
+    assert refused.value.code == "UNAUTHENTICATED" and "invalid API key" in refused.value.details
+    gateway_frames, scheduler_frames, worker_frames = (a - b for a, b in zip(framed(), before, strict=True))
+    assert gateway_frames == len(TEXTS) + 2   # the streams client's calls, the refused two among them
+    assert scheduler_frames >= 2 * len(TEXTS) and worker_frames >= 1  # both clients' requests; batches merge
+
+
 @pytest.mark.parametrize(("key", "texts", "kwargs", "code", "detail"), [
     (None, ["hi"], {}, "UNAUTHENTICATED", "missing API key"),
     ("wrong", ["hi"], {}, "UNAUTHENTICATED", "invalid API key"),

@@ -1,0 +1,360 @@
+"""Unary calls multiplexed over one bidirectional stream a peer (`academus.v1.Multiplex/Calls`).
+
+A grpc.aio unary call opens and closes an HTTP/2 stream, and each end pays gRPC core's thread hand-offs
+for it; a message on a stream that is already open costs about half of that, in latency and in CPU
+(`python -m academus.loadgen.grpc_floor --streams`). The hops every request takes (gateway -> scheduler,
+scheduler -> worker) therefore ride one stream a peer, each call a `CallFrame` answered by a
+`ReplyFrame`. Both ends keep the unary call's contract, so the handlers, interceptors and callers are the
+ones a unary call has:
+
+- the caller gets the response or a `grpc.aio.AioRpcError` with the handler's code, details and
+  trailers; DEADLINE_EXCEEDED at its timeout; UNAVAILABLE when the stream breaks (the peer died),
+  for every call then pending;
+- a caller that leaves (its task cancelled, or its timeout) sends a cancel frame: the handler's task is
+  cancelled, as gRPC cancels a unary handler whose client went away;
+- the handler sees a `FrameContext` (deadline, metadata, abort, trailers) wrapped by the service's own
+  interceptors (metrics, the SERVER span), and the caller opens the CLIENT span and sends its context;
+- a stopping server answers new frames UNAVAILABLE (the caller's retry goes elsewhere), lets running
+  ones finish, then ends its streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+from opentelemetry.trace import TracerProvider
+
+from academus.shared.interceptors import UnaryBehavior, UnaryServerInterceptor
+from academus.shared.metrics import MULTIPLEXED
+from academus.shared.tracing import end_client_span, start_client_span
+from academus.v1 import multiplex_pb2, multiplex_pb2_grpc
+
+CALLS_METHOD = "/academus.v1.Multiplex/Calls"
+SERVICE_NAME = "academus.v1.Multiplex"
+CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def rpc_error(code: grpc.StatusCode, details: str, trailers: Sequence[tuple[str, str]] = ()) -> grpc.aio.AioRpcError:
+    """The error a unary call with this status raises, so callers keep their `except AioRpcError`."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailers), details)
+
+
+# ---------------------------------------------------------------- caller side
+
+
+class _Stream:
+    """One open Calls stream: its pending calls by id, the task that writes the frames (callers never
+    await a write, so a caller cancelled mid-write cannot leave the call half-written) and the task that
+    reads the replies."""
+
+    def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
+        self.call = call
+        self.pending: dict[int, asyncio.Future] = {}
+        self.broken: grpc.aio.AioRpcError | None = None
+        self.outbox: asyncio.Queue[multiplex_pb2.CallFrame] = asyncio.Queue()
+        self.writer = asyncio.ensure_future(self._write())
+        self.reader = asyncio.ensure_future(self._read())
+
+    def send(self, frame: multiplex_pb2.CallFrame, reply: asyncio.Future) -> None:
+        if self.broken is not None:
+            raise self.broken
+        self.pending[frame.id] = reply
+        self.outbox.put_nowait(frame)
+
+    def forget(self, call_id: int) -> None:
+        """The caller left call `call_id`: no reply is awaited, and the handler is told to stop."""
+        if self.pending.pop(call_id, None) is not None and self.broken is None:
+            self.outbox.put_nowait(multiplex_pb2.CallFrame(id=call_id, cancel=True))
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                await self.call.write(await self.outbox.get())
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the stream ended under us: the peer is gone or stopping
+            self._break(f"multiplexed stream to the peer broke on write: {type(e).__name__}: {e}")
+
+    async def _read(self) -> None:
+        try:
+            async for reply in self.call:
+                future = self.pending.pop(reply.id, None)
+                if future is not None and not future.done():
+                    future.set_result(reply)
+            self._break("the peer ended the multiplexed stream (stopping)")
+        except grpc.aio.AioRpcError as e:
+            self._break(f"multiplexed stream to the peer failed: {e.code().name}: {e.details()}")
+        except asyncio.CancelledError:
+            self._break("multiplexed stream closed by the caller")
+            raise
+
+    def _break(self, details: str) -> None:
+        """Every pending call fails UNAVAILABLE, as unary calls to a peer that died do; the next call
+        opens a new stream."""
+        if self.broken is None:
+            self.broken = rpc_error(grpc.StatusCode.UNAVAILABLE, details)
+            self.call.cancel()
+            self.writer.cancel()
+        pending, self.pending = self.pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(self.broken)
+
+
+class MultiplexChannel:
+    """Stands in for a grpc.aio.Channel to a generated stub: `WorkerStub(MultiplexChannel(channel))`
+    gives a stub whose unary methods ride one stream of `channel`, reopened after it breaks."""
+
+    def __init__(self, channel: grpc.aio.Channel, tracer_provider: TracerProvider | None = None) -> None:
+        self.channel = channel
+        self.tracer_provider = tracer_provider  # None: the process's
+        self._calls = channel.stream_stream(CALLS_METHOD, request_serializer=multiplex_pb2.CallFrame.SerializeToString,
+                                            response_deserializer=multiplex_pb2.ReplyFrame.FromString)
+        self._stream: _Stream | None = None
+        self._ids = itertools.count(1)
+
+    def unary_unary(self, method: str, request_serializer: Callable, response_deserializer: Callable,
+                    _registered_method: bool = False) -> MultiplexedMethod:
+        return MultiplexedMethod(self, method, request_serializer, response_deserializer)
+
+    def __getattr__(self, name: str):  # a stub's streaming methods are ordinary calls of the channel
+        return getattr(self.channel, name)
+
+    def stream(self) -> _Stream:
+        if self._stream is None or self._stream.broken is not None:
+            self._stream = _Stream(self._calls())
+        return self._stream
+
+    async def close(self) -> None:
+        if self._stream is not None:
+            self._stream.call.cancel()
+        await self.channel.close()
+
+
+@dataclass(frozen=True)
+class MultiplexedMethod:
+    """A unary method of a stub, called as a generated stub's: `await stub.Run(request, timeout=...)`."""
+
+    channel: MultiplexChannel
+    method: str
+    serialize: Callable[[object], bytes]
+    deserialize: Callable[[bytes], object]
+
+    async def __call__(self, request, timeout: float | None = None, metadata: Sequence[tuple[str, str]] = ()):
+        span, carrier = start_client_span(self.method, self.channel.tracer_provider)
+        try:
+            reply = await self._call(request, timeout, [*metadata, *carrier.items()])
+        except grpc.aio.AioRpcError as e:
+            end_client_span(span, e.code(), e.details())
+            raise
+        except asyncio.CancelledError:
+            end_client_span(span, grpc.StatusCode.CANCELLED, "cancelled by the caller")
+            raise
+        end_client_span(span, grpc.StatusCode.OK, None)
+        return reply
+
+    async def _call(self, request, timeout: float | None, metadata: list[tuple[str, str]]):
+        stream = self.channel.stream()
+        call_id = next(self.channel._ids)
+        future = asyncio.get_running_loop().create_future()
+        stream.send(multiplex_pb2.CallFrame(
+            id=call_id, method=self.method, payload=self.serialize(request), timeout_s=timeout or 0.0,
+            metadata=[multiplex_pb2.MetadataEntry(key=k, value=v) for k, v in metadata]), future)
+        try:
+            async with asyncio.timeout(timeout):
+                reply = await future
+        except TimeoutError:
+            stream.forget(call_id)
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        except asyncio.CancelledError:
+            stream.forget(call_id)
+            raise
+        if reply.code:
+            raise rpc_error(CODES.get(reply.code, grpc.StatusCode.UNKNOWN), reply.details,
+                            [(t.key, t.value) for t in reply.trailers])
+        return self.deserialize(reply.payload)
+
+
+# ---------------------------------------------------------------- server side
+
+
+class FrameContext:
+    """What the project's handlers and interceptors ask of a grpc.aio.ServicerContext, for one frame."""
+
+    def __init__(self, frame: multiplex_pb2.CallFrame, peer: str) -> None:
+        loop = asyncio.get_running_loop()
+        self._deadline = loop.time() + frame.timeout_s if frame.timeout_s > 0 else None
+        self._metadata = tuple((m.key, m.value) for m in frame.metadata)
+        self._peer = peer
+        self._code: grpc.StatusCode | None = None
+        self._details: str | None = None
+        self.trailers: tuple[tuple[str, str], ...] = ()
+
+    def time_remaining(self) -> float | None:
+        if self._deadline is None:
+            return None
+        return max(self._deadline - asyncio.get_running_loop().time(), 0.0)
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def peer(self) -> str:
+        return self._peer
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
+        self._code, self._details = code, details
+        if trailing_metadata:
+            self.trailers = tuple(trailing_metadata)
+        raise grpc.aio.AbortError(details)
+
+    def set_trailing_metadata(self, trailing_metadata) -> None:
+        self.trailers = tuple(trailing_metadata)
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def set_details(self, details: str) -> None:
+        self._details = details
+
+    def code(self) -> grpc.StatusCode | None:
+        return self._code
+
+    def details(self) -> str | None:
+        return self._details
+
+
+@dataclass(frozen=True)
+class UnaryMethod:
+    """A unary handler the Multiplex service serves frames of."""
+
+    behavior: UnaryBehavior
+    deserialize: Callable[[bytes], object]
+    serialize: Callable[[object], bytes]
+
+
+class MultiplexServicer(multiplex_pb2_grpc.MultiplexServicer):
+    """Serves each frame of a Calls stream with the unary method it names, wrapped by the same
+    interceptors the server puts around its unary calls; replies go back in the order they finish."""
+
+    def __init__(self, methods: dict[str, UnaryMethod], interceptors: Sequence[UnaryServerInterceptor] = ()) -> None:
+        self.methods = {name: UnaryMethod(wrapped(m.behavior, name, interceptors), m.deserialize, m.serialize)
+                        for name, m in methods.items()}
+        self.draining = False
+        self._streams: set[_ServedStream] = set()
+
+    async def Calls(self, request_iterator, context: grpc.aio.ServicerContext):
+        served = _ServedStream(self, context.peer())
+        self._streams.add(served)
+        reader = asyncio.ensure_future(served.read(request_iterator))
+        try:
+            while (reply := await served.replies.get()) is not None:
+                yield reply
+        finally:
+            self._streams.discard(served)
+            reader.cancel()
+            served.cancel_all()
+
+    def drain(self) -> None:
+        """Stopping: frames from now on are answered UNAVAILABLE; each stream ends once its running
+        calls have answered."""
+        self.draining = True
+        for served in list(self._streams):
+            served.end_when_idle()
+
+
+class _ServedStream:
+    """One client's Calls stream on the server: its running calls by id and the replies to send."""
+
+    def __init__(self, servicer: MultiplexServicer, peer: str) -> None:
+        self.servicer, self.peer = servicer, peer
+        self.running: dict[int, asyncio.Task] = {}
+        self.closing = False   # half-closed by the client, or the server drains: end once idle
+        self.replies: asyncio.Queue[multiplex_pb2.ReplyFrame | None] = asyncio.Queue()
+
+    async def read(self, request_iterator) -> None:
+        try:
+            async for frame in request_iterator:
+                if frame.cancel:
+                    task = self.running.pop(frame.id, None)
+                    if task is not None:
+                        task.cancel()
+                elif self.servicer.draining:
+                    self.replies.put_nowait(multiplex_pb2.ReplyFrame(
+                        id=frame.id, code=grpc.StatusCode.UNAVAILABLE.value[0],
+                        details="the server is stopping; nothing ran"))
+                else:
+                    self.running[frame.id] = asyncio.ensure_future(self.serve(frame))
+        except grpc.aio.AioRpcError:  # the client went away: its running calls are cancelled below
+            pass
+        self.end_when_idle()  # the client half-closed: answer what runs, then end
+
+    async def serve(self, frame: multiplex_pb2.CallFrame) -> None:
+        try:
+            self.replies.put_nowait(await self.answer(frame))
+        except asyncio.CancelledError:
+            pass  # the caller left: nobody waits for an answer
+        finally:
+            self.running.pop(frame.id, None)
+            if self.closing and not self.running:
+                self.replies.put_nowait(None)
+
+    async def answer(self, frame: multiplex_pb2.CallFrame) -> multiplex_pb2.ReplyFrame:
+        method = self.servicer.methods.get(frame.method)
+        if method is None:
+            return multiplex_pb2.ReplyFrame(id=frame.id, code=grpc.StatusCode.UNIMPLEMENTED.value[0],
+                                            details=f"method {frame.method!r} is not multiplexed here")
+        MULTIPLEXED.labels(frame.method).inc()
+        context = FrameContext(frame, self.peer)
+        try:
+            response = await method.behavior(method.deserialize(frame.payload), context)
+        except grpc.aio.AbortError:
+            return self._status(frame.id, context.code() or grpc.StatusCode.UNKNOWN, context.details() or "",
+                                context.trailers)
+        except Exception as e:  # what grpc answers for a handler's unmapped exception
+            return self._status(frame.id, grpc.StatusCode.UNKNOWN, f"Unexpected {type(e).__name__}: {e}", ())
+        return multiplex_pb2.ReplyFrame(id=frame.id, payload=method.serialize(response))
+
+    @staticmethod
+    def _status(call_id: int, code: grpc.StatusCode, details: str, trailers) -> multiplex_pb2.ReplyFrame:
+        return multiplex_pb2.ReplyFrame(id=call_id, code=code.value[0], details=details,
+                                        trailers=[multiplex_pb2.MetadataEntry(key=k, value=v) for k, v in trailers])
+
+    def end_when_idle(self) -> None:
+        self.closing = True
+        if not self.running:
+            self.replies.put_nowait(None)
+
+    def cancel_all(self) -> None:
+        for task in self.running.values():
+            task.cancel()
+        self.running.clear()
+
+
+class MethodCapture:
+    """Stands in for the server to a service's `add_servicers`: registers everything with `server` as
+    before, and keeps the unary handlers by full method name, for the Multiplex service to serve."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self.server = server
+        self.methods: dict[str, UnaryMethod] = {}
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        self.server.add_registered_method_handlers(service, handlers)
+        for name, handler in handlers.items():
+            if handler.unary_unary is not None:
+                self.methods[f"/{service}/{name}"] = UnaryMethod(handler.unary_unary, handler.request_deserializer,
+                                                                 handler.response_serializer)
+
+    def __getattr__(self, name: str):  # add_generic_rpc_handlers and the rest go to the server
+        return getattr(self.server, name)
+
+
+def wrapped(behavior: UnaryBehavior, method: str, interceptors: Sequence[UnaryServerInterceptor]) -> UnaryBehavior:
+    """`behavior` inside `interceptors`, the first outermost, as grpc applies a server's interceptors."""
+    for interceptor in reversed(interceptors):
+        behavior = interceptor.wrap(behavior, method)
+    return behavior

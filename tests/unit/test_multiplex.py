@@ -1,0 +1,213 @@
+"""Unary calls multiplexed over one stream (shared/multiplex.py), over real gRPC on loopback: the caller
+keeps a unary call's contract (response, status, trailers, deadline, cancellation, a broken peer), the
+server keeps its interceptors (the SERVER span is the CLIENT span's child) and drains on stop."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import grpc
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+
+from academus.shared.errors import ResourceExhausted, abort_with, from_rpc_error
+from academus.shared.multiplex import (
+    MethodCapture,
+    MultiplexChannel,
+    MultiplexedMethod,
+    MultiplexServicer,
+    UnaryMethod,
+)
+from academus.shared.serving import Stubs
+from academus.shared.tracing import ServerSpans
+from academus.v1 import multiplex_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, tensors_pb2
+
+METHOD = "/t.Probe/Answer"
+
+
+class Probe:
+    """The handler: its behaviour is the request's text; it records what it saw."""
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+        self.cancelled = asyncio.Event()
+        self.remaining: list[float | None] = []
+
+    async def answer(self, request: bytes, context) -> bytes:
+        self.remaining.append(context.time_remaining())
+        if request.startswith(b"sleep:"):
+            await asyncio.sleep(float(request[6:]))
+        if request in (b"wait", b"hold"):  # until the caller leaves / until released
+            self.entered.set()
+            try:
+                await (asyncio.sleep(30) if request == b"wait" else self.release.wait())
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
+        if request == b"refuse":
+            await abort_with(context, ResourceExhausted("queue full (capacity 4)", pushback_ms=25))
+        if request == b"fail":
+            raise ValueError("a bug")
+        return b"ok:" + request
+
+
+@dataclass
+class Mux:
+    call: MultiplexedMethod
+    probe: Probe
+    servicer: MultiplexServicer
+    server: grpc.aio.Server
+    port: int
+    server_spans: InMemorySpanExporter
+    client_spans: InMemorySpanExporter
+
+
+@pytest.fixture
+async def mux():
+    probe, server_spans, client_spans = Probe(), InMemorySpanExporter(), InMemorySpanExporter()
+    server_provider, client_provider = TracerProvider(), TracerProvider()
+    server_provider.add_span_processor(SimpleSpanProcessor(server_spans))
+    client_provider.add_span_processor(SimpleSpanProcessor(client_spans))
+    servicer = MultiplexServicer({METHOD: UnaryMethod(probe.answer, bytes, bytes)}, [ServerSpans(server_provider)])
+    server = grpc.aio.server()
+    multiplex_pb2_grpc.add_MultiplexServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = MultiplexChannel(grpc.aio.insecure_channel(f"127.0.0.1:{port}"), client_provider)
+    yield Mux(channel.unary_unary(METHOD, bytes, bytes), probe, servicer, server, port, server_spans, client_spans)
+    await channel.close()
+    await server.stop(None)
+
+
+async def test_concurrent_calls_share_one_stream_and_answer_as_they_finish(mux):
+    call, probe, servicer = mux.call, mux.probe, mux.servicer
+    order: list[bytes] = []
+
+    async def one(request: bytes) -> None:
+        order.append(await call(request, timeout=5))
+
+    await asyncio.gather(one(b"sleep:0.3"), one(b"sleep:0.0"), one(b"sleep:0.1"))
+    assert order == [b"ok:sleep:0.0", b"ok:sleep:0.1", b"ok:sleep:0.3"]
+    assert len(servicer._streams) == 1
+    assert all(r is not None and 4.0 < r <= 5.0 for r in probe.remaining)  # the caller's deadline arrived
+
+
+async def test_a_refusal_keeps_its_code_details_and_pushback_trailer(mux):
+    call = mux.call
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await call(b"refuse", timeout=5)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    error = from_rpc_error(refused.value, "scheduler")
+    assert isinstance(error, ResourceExhausted) and error.pushback_ms == 25 and "capacity 4" in error.message
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await call(b"fail", timeout=5)
+    assert failed.value.code() == grpc.StatusCode.UNKNOWN and "ValueError: a bug" in failed.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as unknown:
+        await call.channel.unary_unary("/t.Probe/Nothing", bytes, bytes)(b"x", timeout=5)
+    assert unknown.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert await call(b"after", timeout=5) == b"ok:after"  # the stream outlived the errors
+
+
+async def test_the_deadline_answers_deadline_exceeded_and_stops_the_handler(mux):
+    call, probe, servicer = mux.call, mux.probe, mux.servicer
+    with pytest.raises(grpc.aio.AioRpcError) as late:
+        await call(b"wait", timeout=0.2)
+    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await asyncio.wait_for(probe.cancelled.wait(), 5)
+    (served,) = servicer._streams
+    assert not served.running
+
+
+async def test_a_caller_that_leaves_cancels_the_handler(mux):
+    call, probe = mux.call, mux.probe
+    caller = asyncio.ensure_future(call(b"wait", timeout=30))
+    await asyncio.wait_for(probe.entered.wait(), 5)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    await asyncio.wait_for(probe.cancelled.wait(), 5)
+
+
+async def test_the_server_span_is_the_client_spans_child(mux):
+    call, server_spans, client_spans = mux.call, mux.server_spans, mux.client_spans
+    await call(b"traced", timeout=5)
+    (client,) = client_spans.get_finished_spans()
+    (served,) = server_spans.get_finished_spans()
+    assert client.kind == SpanKind.CLIENT and served.kind == SpanKind.SERVER and served.name == METHOD
+    assert served.parent.span_id == client.context.span_id
+    assert client.attributes["rpc.grpc.status_code"] == served.attributes["rpc.grpc.status_code"] == 0
+
+
+async def test_a_peer_that_dies_fails_pending_calls_unavailable_and_a_new_stream_serves_its_successor(mux):
+    call, probe, servicer, port = mux.call, mux.probe, mux.servicer, mux.port
+    pending = asyncio.ensure_future(call(b"wait", timeout=30))
+    await asyncio.wait_for(probe.entered.wait(), 5)
+    await mux.server.stop(None)  # no grace: the stream is cut, as when the process is killed
+    with pytest.raises(grpc.aio.AioRpcError) as lost:
+        await pending
+    assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await call(b"again", timeout=2)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    successor = grpc.aio.server()
+    multiplex_pb2_grpc.add_MultiplexServicer_to_server(servicer, successor)
+    successor.add_insecure_port(f"127.0.0.1:{port}")
+    await successor.start()
+    try:
+        for _ in range(100):  # the channel reconnects after its back-off
+            try:
+                assert await call(b"back", timeout=2) == b"ok:back"
+                break
+            except grpc.aio.AioRpcError as e:
+                assert e.code() == grpc.StatusCode.UNAVAILABLE
+                await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("no call reached the successor")
+    finally:
+        await successor.stop(None)
+
+
+async def test_draining_refuses_new_frames_and_finishes_running_ones(mux):
+    call, probe, servicer = mux.call, mux.probe, mux.servicer
+    running = asyncio.ensure_future(call(b"hold", timeout=10))
+    await asyncio.wait_for(probe.entered.wait(), 5)
+    servicer.drain()
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await call(b"late", timeout=5)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "stopping" in refused.value.details()
+    probe.release.set()
+    assert await running == b"ok:hold"
+    for _ in range(100):  # the stream ends once its last call answered
+        if not servicer._streams:
+            break
+        await asyncio.sleep(0.01)
+    assert not servicer._streams
+
+
+class Scheduler(scheduler_pb2_grpc.SchedulerServicer):
+    async def Schedule(self, request, context):
+        return tensors_pb2.ModelOutput(labels=[request.model])
+
+
+async def test_a_generated_stub_rides_the_stream_of_a_captured_servicer():
+    """What the services do: `add_servicers` through MethodCapture, callers through Stubs(multiplexed)."""
+    server = grpc.aio.server()
+    capture = MethodCapture(server)
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(Scheduler(), capture)
+    assert list(capture.methods) == ["/academus.v1.Scheduler/Schedule"]
+    multiplex_pb2_grpc.add_MultiplexServicer_to_server(MultiplexServicer(capture.methods), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    stub = Stubs(scheduler_pb2_grpc.SchedulerStub, multiplexed=True)(f"127.0.0.1:{port}")
+    direct = Stubs(scheduler_pb2_grpc.SchedulerStub)(f"127.0.0.1:{port}")
+    try:
+        request = scheduler_pb2.ScheduleRequest(model="sentiment")
+        assert list((await stub.Schedule(request, timeout=5)).labels) == ["sentiment"]
+        assert list((await direct.Schedule(request, timeout=5)).labels) == ["sentiment"]  # still served unary
+    finally:
+        await server.stop(None)
