@@ -308,6 +308,9 @@ async def build() -> ServiceSpec:
     watcher = PlacementWatcher(redis, keys, dispatcher, config.refresh_s, models, prefetcher)
     state = {"id": config.scheduler_id, "address": ""}
     ttl = max(1, round(config.heartbeat_ttl_s))
+    # the load signals outlive a dead scheduler by at most ten reports (>= 1 s), not a heartbeat TTL: a stale
+    # report holding an old student number would pause the resource manager's adaptation until it expired
+    load_ttl_ms = max(1000, round(10_000 * config.load_report_s))
 
     async def announce(address: str) -> None:
         state["address"] = address
@@ -334,7 +337,7 @@ async def build() -> ServiceSpec:
             load |= prefetcher.stats
         pipe = redis.pipeline(transaction=True)
         pipe.hset(keys.load(state["id"]), mapping=load)
-        pipe.expire(keys.load(state["id"]), ttl)
+        pipe.pexpire(keys.load(state["id"]), load_ttl_ms)
         await pipe.execute()
         QUEUE_DEPTH.set(load["queued"])
         BUFFER_DEPTH.set(load["buffer"])

@@ -137,6 +137,25 @@ def test_a_burst_drops_a_student_and_a_quiet_window_adds_it_back(mesh):
     wait_for(lambda: r.get(key) == "2", timeout_s=20, what="a student added back after the quiet window")
 
 
+def test_a_silent_schedulers_load_signals_are_gone_within_a_second(mesh):
+    """A scheduler that stops reporting (frozen here with SIGSTOP, as a dead one) leaves no stale signals, whose
+    old student number would pause the resource manager's adaptation, for longer than ten reports (1 s)."""
+    r = redis.Redis.from_url(mesh.redis_url, decode_responses=True)
+    keys = Keys(mesh.key_prefix)
+    ids = [i for i in r.smembers(keys.schedulers()) if r.hget(keys.scheduler(i), "policy") == "student"]
+    address = r.hget(keys.scheduler(ids[0]), "address")
+    scheduler = next(s for s in mesh.services if s.name.startswith("scheduler") and s.address == address)
+    assert 0 < r.pttl(keys.load(ids[0])) <= 1000
+    os.kill(scheduler.pid, signal.SIGSTOP)
+    try:
+        stopped = time.monotonic()
+        wait_for(lambda: not r.exists(keys.load(ids[0])), timeout_s=5, what="the silent scheduler's signals gone")
+        assert time.monotonic() - stopped < 1.5
+    finally:
+        os.kill(scheduler.pid, signal.SIGCONT)
+    wait_for(lambda: r.exists(keys.load(ids[0])), timeout_s=5, what="the scheduler reporting again")
+
+
 async def watch(seen: list[str], r: redis.Redis, key: str) -> None:
     while True:
         seen.append(r.get(key))
