@@ -20,9 +20,9 @@ import grpc
 import uvloop
 
 from academus.loadgen.stats import summary
-from academus.shared.multiplex import MethodCapture, MultiplexChannel, MultiplexServicer
+from academus.shared.multiplex import over_streams, serve_multiplexed
 from academus.shared.redis_server import free_port
-from academus.v1 import multiplex_pb2_grpc, tensors_pb2, worker_pb2, worker_pb2_grpc
+from academus.v1 import tensors_pb2, worker_pb2, worker_pb2_grpc
 
 REPLY = tensors_pb2.ModelOutput(values=tensors_pb2.Matrix(values=[0.1] * 384, rows=1, dim=384))
 
@@ -41,10 +41,6 @@ class Leaf(worker_pb2_grpc.WorkerServicer):
         return REPLY
 
 
-def worker_stub(channel: grpc.aio.Channel, streams: bool) -> worker_pb2_grpc.WorkerStub:
-    return worker_pb2_grpc.WorkerStub(MultiplexChannel(channel) if streams else channel)
-
-
 class Forward(worker_pb2_grpc.WorkerServicer):
     def __init__(self, target: str, streams: bool) -> None:
         self.target, self.streams = target, streams
@@ -52,16 +48,14 @@ class Forward(worker_pb2_grpc.WorkerServicer):
 
     async def Run(self, request, context):
         if self.stub is None:  # the channel must belong to the serving loop
-            self.stub = worker_stub(grpc.aio.insecure_channel(self.target), self.streams)
+            self.stub = worker_pb2_grpc.WorkerStub(over_streams(grpc.aio.insecure_channel(self.target), self.streams))
         return await self.stub.Run(request, timeout=5)
 
 
 async def serve(port: int, servicer: worker_pb2_grpc.WorkerServicer) -> None:
     """The servicer as unary calls and as frames of the Multiplex service, as the mesh's servers are."""
     server = grpc.aio.server()
-    capture = MethodCapture(server)
-    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, capture)
-    multiplex_pb2_grpc.add_MultiplexServicer_to_server(MultiplexServicer(capture.methods), server)
+    serve_multiplexed(server, lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, s))
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()
@@ -69,7 +63,7 @@ async def serve(port: int, servicer: worker_pb2_grpc.WorkerServicer) -> None:
 
 async def measure(port: int, requests: int, streams: bool) -> dict:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = worker_stub(channel, streams)
+        stub = worker_pb2_grpc.WorkerStub(over_streams(channel, streams))
         await channel.channel_ready()
         tokens = tensors_pb2.TokenBatch(input_ids=list(range(16)), lengths=[16])
         request = worker_pb2.RunRequest(model="m", tokens=tokens)

@@ -27,10 +27,11 @@ from dataclasses import dataclass
 
 import grpc
 from opentelemetry.trace import TracerProvider
+from prometheus_client import Counter
 
 from academus.shared.interceptors import UnaryBehavior, UnaryServerInterceptor
 from academus.shared.metrics import MULTIPLEXED
-from academus.shared.tracing import end_client_span, start_client_span
+from academus.shared.tracing import client_tracer, end_client_span, start_client_span
 from academus.v1 import multiplex_pb2, multiplex_pb2_grpc
 
 CALLS_METHOD = "/academus.v1.Multiplex/Calls"
@@ -111,7 +112,7 @@ class MultiplexChannel:
 
     def __init__(self, channel: grpc.aio.Channel, tracer_provider: TracerProvider | None = None) -> None:
         self.channel = channel
-        self.tracer_provider = tracer_provider  # None: the process's
+        self.tracer = client_tracer(tracer_provider)  # None: tracing off; no provider: the process's
         self._calls = channel.stream_stream(CALLS_METHOD, request_serializer=multiplex_pb2.CallFrame.SerializeToString,
                                             response_deserializer=multiplex_pb2.ReplyFrame.FromString)
         self._stream: _Stream | None = None
@@ -120,9 +121,6 @@ class MultiplexChannel:
     def unary_unary(self, method: str, request_serializer: Callable, response_deserializer: Callable,
                     _registered_method: bool = False) -> MultiplexedMethod:
         return MultiplexedMethod(self, method, request_serializer, response_deserializer)
-
-    def __getattr__(self, name: str):  # a stub's streaming methods are ordinary calls of the channel
-        return getattr(self.channel, name)
 
     def stream(self) -> _Stream:
         if self._stream is None or self._stream.broken is not None:
@@ -145,7 +143,7 @@ class MultiplexedMethod:
     deserialize: Callable[[bytes], object]
 
     async def __call__(self, request, timeout: float | None = None, metadata: Sequence[tuple[str, str]] = ()):
-        span, carrier = start_client_span(self.method, self.channel.tracer_provider)
+        span, carrier = start_client_span(self.channel.tracer, self.method)
         try:
             reply = await self._call(request, timeout, [*metadata, *carrier.items()])
         except grpc.aio.AioRpcError as e:
@@ -185,11 +183,10 @@ class MultiplexedMethod:
 class FrameContext:
     """What the project's handlers and interceptors ask of a grpc.aio.ServicerContext, for one frame."""
 
-    def __init__(self, frame: multiplex_pb2.CallFrame, peer: str) -> None:
+    def __init__(self, frame: multiplex_pb2.CallFrame) -> None:
         loop = asyncio.get_running_loop()
         self._deadline = loop.time() + frame.timeout_s if frame.timeout_s > 0 else None
         self._metadata = tuple((m.key, m.value) for m in frame.metadata)
-        self._peer = peer
         self._code: grpc.StatusCode | None = None
         self._details: str | None = None
         self.trailers: tuple[tuple[str, str], ...] = ()
@@ -202,9 +199,6 @@ class FrameContext:
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._metadata
 
-    def peer(self) -> str:
-        return self._peer
-
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
         self._code, self._details = code, details
         if trailing_metadata:
@@ -213,12 +207,6 @@ class FrameContext:
 
     def set_trailing_metadata(self, trailing_metadata) -> None:
         self.trailers = tuple(trailing_metadata)
-
-    def set_code(self, code: grpc.StatusCode) -> None:
-        self._code = code
-
-    def set_details(self, details: str) -> None:
-        self._details = details
 
     def code(self) -> grpc.StatusCode | None:
         return self._code
@@ -234,6 +222,7 @@ class UnaryMethod:
     behavior: UnaryBehavior
     deserialize: Callable[[bytes], object]
     serialize: Callable[[object], bytes]
+    served: Counter | None = None   # its academus_multiplexed_calls_total child, resolved once
 
 
 class MultiplexServicer(multiplex_pb2_grpc.MultiplexServicer):
@@ -241,13 +230,13 @@ class MultiplexServicer(multiplex_pb2_grpc.MultiplexServicer):
     interceptors the server puts around its unary calls; replies go back in the order they finish."""
 
     def __init__(self, methods: dict[str, UnaryMethod], interceptors: Sequence[UnaryServerInterceptor] = ()) -> None:
-        self.methods = {name: UnaryMethod(wrapped(m.behavior, name, interceptors), m.deserialize, m.serialize)
-                        for name, m in methods.items()}
+        self.methods = {name: UnaryMethod(wrapped(m.behavior, name, interceptors), m.deserialize, m.serialize,
+                                          MULTIPLEXED.labels(name)) for name, m in methods.items()}
         self.draining = False
         self._streams: set[_ServedStream] = set()
 
     async def Calls(self, request_iterator, context: grpc.aio.ServicerContext):
-        served = _ServedStream(self, context.peer())
+        served = _ServedStream(self)
         self._streams.add(served)
         reader = asyncio.ensure_future(served.read(request_iterator))
         try:
@@ -269,8 +258,8 @@ class MultiplexServicer(multiplex_pb2_grpc.MultiplexServicer):
 class _ServedStream:
     """One client's Calls stream on the server: its running calls by id and the replies to send."""
 
-    def __init__(self, servicer: MultiplexServicer, peer: str) -> None:
-        self.servicer, self.peer = servicer, peer
+    def __init__(self, servicer: MultiplexServicer) -> None:
+        self.servicer = servicer
         self.running: dict[int, asyncio.Task] = {}
         self.closing = False   # half-closed by the client, or the server drains: end once idle
         self.replies: asyncio.Queue[multiplex_pb2.ReplyFrame | None] = asyncio.Queue()
@@ -283,9 +272,8 @@ class _ServedStream:
                     if task is not None:
                         task.cancel()
                 elif self.servicer.draining:
-                    self.replies.put_nowait(multiplex_pb2.ReplyFrame(
-                        id=frame.id, code=grpc.StatusCode.UNAVAILABLE.value[0],
-                        details="the server is stopping; nothing ran"))
+                    self.replies.put_nowait(reply_status(frame.id, grpc.StatusCode.UNAVAILABLE,
+                                                         "the server is stopping; nothing ran"))
                 else:
                     self.running[frame.id] = asyncio.ensure_future(self.serve(frame))
         except grpc.aio.AioRpcError:  # the client went away: its running calls are cancelled below
@@ -305,23 +293,18 @@ class _ServedStream:
     async def answer(self, frame: multiplex_pb2.CallFrame) -> multiplex_pb2.ReplyFrame:
         method = self.servicer.methods.get(frame.method)
         if method is None:
-            return multiplex_pb2.ReplyFrame(id=frame.id, code=grpc.StatusCode.UNIMPLEMENTED.value[0],
-                                            details=f"method {frame.method!r} is not multiplexed here")
-        MULTIPLEXED.labels(frame.method).inc()
-        context = FrameContext(frame, self.peer)
+            return reply_status(frame.id, grpc.StatusCode.UNIMPLEMENTED,
+                                f"method {frame.method!r} is not multiplexed here")
+        method.served.inc()
+        context = FrameContext(frame)
         try:
             response = await method.behavior(method.deserialize(frame.payload), context)
         except grpc.aio.AbortError:
-            return self._status(frame.id, context.code() or grpc.StatusCode.UNKNOWN, context.details() or "",
+            return reply_status(frame.id, context.code() or grpc.StatusCode.UNKNOWN, context.details() or "",
                                 context.trailers)
         except Exception as e:  # what grpc answers for a handler's unmapped exception
-            return self._status(frame.id, grpc.StatusCode.UNKNOWN, f"Unexpected {type(e).__name__}: {e}", ())
+            return reply_status(frame.id, grpc.StatusCode.UNKNOWN, f"Unexpected {type(e).__name__}: {e}")
         return multiplex_pb2.ReplyFrame(id=frame.id, payload=method.serialize(response))
-
-    @staticmethod
-    def _status(call_id: int, code: grpc.StatusCode, details: str, trailers) -> multiplex_pb2.ReplyFrame:
-        return multiplex_pb2.ReplyFrame(id=call_id, code=code.value[0], details=details,
-                                        trailers=[multiplex_pb2.MetadataEntry(key=k, value=v) for k, v in trailers])
 
     def end_when_idle(self) -> None:
         self.closing = True
@@ -351,6 +334,28 @@ class MethodCapture:
 
     def __getattr__(self, name: str):  # add_generic_rpc_handlers and the rest go to the server
         return getattr(self.server, name)
+
+
+def reply_status(call_id: int, code: grpc.StatusCode, details: str,
+                 trailers: Sequence[tuple[str, str]] = ()) -> multiplex_pb2.ReplyFrame:
+    return multiplex_pb2.ReplyFrame(id=call_id, code=code.value[0], details=details,
+                                    trailers=[multiplex_pb2.MetadataEntry(key=k, value=v) for k, v in trailers])
+
+
+def serve_multiplexed(server: grpc.aio.Server, add_servicers: Callable[[object], None],
+                      interceptors: Sequence[UnaryServerInterceptor] = ()) -> MultiplexServicer:
+    """Registers `add_servicers`' servicers with `server` as ever, and the Multiplex service that serves
+    their unary methods as frames, inside the same interceptors."""
+    capture = MethodCapture(server)
+    add_servicers(capture)
+    multiplex = MultiplexServicer(capture.methods, interceptors)
+    multiplex_pb2_grpc.add_MultiplexServicer_to_server(multiplex, server)
+    return multiplex
+
+
+def over_streams(channel: grpc.aio.Channel, streams: bool) -> grpc.aio.Channel | MultiplexChannel:
+    """What a generated stub is given: the channel, or its multiplexed stand-in when `streams`."""
+    return MultiplexChannel(channel) if streams else channel
 
 
 def wrapped(behavior: UnaryBehavior, method: str, interceptors: Sequence[UnaryServerInterceptor]) -> UnaryBehavior:

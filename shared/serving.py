@@ -19,9 +19,8 @@ from academus.shared.heap import freeze_start_up_heap, watch_pauses
 from academus.shared.logs import log_event, setup_logging
 from academus.shared.metrics import MetricsInterceptor, start_metrics
 from academus.shared.multiplex import SERVICE_NAME as MULTIPLEX_SERVICE
-from academus.shared.multiplex import MethodCapture, MultiplexChannel, MultiplexServicer
+from academus.shared.multiplex import MultiplexServicer, over_streams, serve_multiplexed
 from academus.shared.tracing import server_interceptors, setup_tracing, shutdown_tracing
-from academus.v1 import multiplex_pb2_grpc
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS = [
@@ -62,11 +61,8 @@ class RunningService:
 
     async def start(self) -> str:
         spec, cfg = self.spec, self.spec.config
-        capture = MethodCapture(self.server)
-        spec.add_servicers(capture)
         # every unary method is also served as frames of one stream a caller (shared/multiplex.py)
-        self.multiplex = MultiplexServicer(capture.methods, self.interceptors)
-        multiplex_pb2_grpc.add_MultiplexServicer_to_server(self.multiplex, self.server)
+        self.multiplex = serve_multiplexed(self.server, spec.add_servicers, self.interceptors)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
         names = [*spec.service_names, MULTIPLEX_SERVICE, health_name, reflection.SERVICE_NAME]
@@ -162,6 +158,5 @@ class Stubs:
     def __call__(self, address: str):
         stub = self._stubs.get(address)
         if stub is None:
-            peer = channel(address)
-            stub = self._stubs[address] = self.stub_class(MultiplexChannel(peer) if self.multiplexed else peer)
+            stub = self._stubs[address] = self.stub_class(over_streams(channel(address), self.multiplexed))
         return stub

@@ -132,16 +132,14 @@ class ClientSpans(grpc.aio.UnaryUnaryClientInterceptor):
     that wait: the server never learns the caller left (open-telemetry-python-contrib#3271)."""
 
     def __init__(self, provider: TracerProvider) -> None:
-        self.tracer = provider.get_tracer("academus.grpc")
+        self.tracer = client_tracer(provider)
 
     async def intercept_unary_unary(self, continuation, client_call_details, request):
         method = client_call_details.method
         if is_plumbing(method):
             return await continuation(client_call_details, request)
-        method = method.decode() if isinstance(method, bytes) else method
-        span = self.tracer.start_span(method, kind=SpanKind.CLIENT, attributes=rpc_attributes(method))
-        metadata = grpc.aio.Metadata(*tuple(client_call_details.metadata or ()))
-        propagate.inject(metadata, context=trace.set_span_in_context(span))
+        span, carrier = start_client_span(self.tracer, method.decode() if isinstance(method, bytes) else method)
+        metadata = grpc.aio.Metadata(*tuple(client_call_details.metadata or ()), *carrier.items())
         details = client_call_details._replace(metadata=metadata)
         try:
             call = await continuation(details, request)
@@ -172,13 +170,16 @@ def _end_client_span(span: trace.Span, call: grpc.aio.Call) -> None:
 _finishing: set[asyncio.Future] = set()
 
 
-def start_client_span(method: str, provider: trace.TracerProvider | None = None
-                      ) -> tuple[trace.Span | None, dict[str, str]]:
-    """A CLIENT span for a call that does not go through ClientSpans (a multiplexed one), and the
-    metadata that carries its context; (None, {}) with tracing off."""
-    if not tracing_enabled():
+def client_tracer(provider: trace.TracerProvider | None = None) -> trace.Tracer | None:
+    """The tracer of CLIENT spans (the process's provider by default); None with tracing off."""
+    return (provider or trace.get_tracer_provider()).get_tracer("academus.grpc") if tracing_enabled() else None
+
+
+def start_client_span(tracer: trace.Tracer | None, method: str) -> tuple[trace.Span | None, dict[str, str]]:
+    """A CLIENT span for a call, and the metadata that carries its context to the server ((None, {})
+    without a tracer). ClientSpans sends it on a unary call, a multiplexed call in its frame."""
+    if tracer is None:
         return None, {}
-    tracer = (provider or trace.get_tracer_provider()).get_tracer("academus.grpc")
     span = tracer.start_span(method, kind=SpanKind.CLIENT, attributes=rpc_attributes(method))
     carrier: dict[str, str] = {}
     propagate.inject(carrier, context=trace.set_span_in_context(span))

@@ -15,7 +15,7 @@ from academus.client.types import (
     call_metadata,
     from_response,
 )
-from academus.shared.multiplex import MultiplexChannel
+from academus.shared.multiplex import over_streams
 from academus.shared.tracing import client_interceptors
 from academus.v1 import inference_pb2_grpc
 
@@ -31,7 +31,7 @@ class AsyncClient:
         self.timeout = timeout
         self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS,
                                                   interceptors=client_interceptors())
-        self._stub = inference_pb2_grpc.InferenceStub(MultiplexChannel(self._channel) if streams else self._channel)
+        self._stub = inference_pb2_grpc.InferenceStub(over_streams(self._channel, streams))
 
     async def infer(self, model: str, texts: Sequence[str], output: str = "", *,
                     pairs: Sequence[str] | None = None, truncate: bool | None = None,

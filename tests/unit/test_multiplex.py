@@ -16,11 +16,11 @@ from opentelemetry.trace import SpanKind
 
 from academus.shared.errors import ResourceExhausted, abort_with, from_rpc_error
 from academus.shared.multiplex import (
-    MethodCapture,
     MultiplexChannel,
     MultiplexedMethod,
     MultiplexServicer,
     UnaryMethod,
+    serve_multiplexed,
 )
 from academus.shared.serving import Stubs
 from academus.shared.tracing import ServerSpans
@@ -195,12 +195,11 @@ class Scheduler(scheduler_pb2_grpc.SchedulerServicer):
 
 
 async def test_a_generated_stub_rides_the_stream_of_a_captured_servicer():
-    """What the services do: `add_servicers` through MethodCapture, callers through Stubs(multiplexed)."""
+    """What the services do: `add_servicers` through serve_multiplexed (MethodCapture), callers through
+    Stubs(multiplexed)."""
     server = grpc.aio.server()
-    capture = MethodCapture(server)
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(Scheduler(), capture)
-    assert list(capture.methods) == ["/academus.v1.Scheduler/Schedule"]
-    multiplex_pb2_grpc.add_MultiplexServicer_to_server(MultiplexServicer(capture.methods), server)
+    multiplex = serve_multiplexed(server, lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(Scheduler(), s))
+    assert list(multiplex.methods) == ["/academus.v1.Scheduler/Schedule"]
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     stub = Stubs(scheduler_pb2_grpc.SchedulerStub, multiplexed=True)(f"127.0.0.1:{port}")
