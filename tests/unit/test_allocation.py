@@ -202,13 +202,16 @@ def test_mps_check_reads_the_control_daemons_pids_and_each_workers_real_environm
 
     assert pids("1234\n5678\n") == [1234, 5678]
     assert pids("") == [] and pids("Server 77 ready") == [77]
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
-                             env={"CUDA_VISIBLE_DEVICES": "3", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25", "OTHER": "x"})
+    child = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(30)"],
+                             env={"CUDA_VISIBLE_DEVICES": "3", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25", "OTHER": "x"},
+                             stdout=subprocess.PIPE, text=True)
     try:
+        child.stdout.readline()  # exec'd: before that, /proc shows the forking parent's environment
         assert process_env(child.pid) == {"CUDA_VISIBLE_DEVICES": "3", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25"}
     finally:
         child.kill()
         child.wait()
+        child.stdout.close()
     log = tmp_path / "resource_manager.log"
     log.write_text('not json\n{"event": "mps", "action": "start"}\n{"event": "other"}\n')
     assert [e["action"] for e in logged_events(log, "mps")] == ["start"]
