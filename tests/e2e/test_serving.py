@@ -16,7 +16,9 @@ from academus.client import AcademusError, AsyncClient, Client
 from academus.shared.config import artifacts_dir
 from academus.shared.mesh import plot_table
 from academus.shared.model import teacher_dir
+from academus.shared.multiplex import MAX_FRAME_BYTES
 from academus.shared.tracing import read_traces
+from academus.v1.inference_pb2 import InferRequest, TextInput
 from tests.e2e.conftest import metric, service
 
 pytestmark = pytest.mark.e2e
@@ -104,6 +106,10 @@ async def test_a_streams_client_gets_the_same_answers_and_refusals_as_unary_call
         served = await asyncio.gather(*(streams.infer("spam", [t]) for t in TEXTS))
         with pytest.raises(AcademusError) as too_many:
             await streams.infer("spam", ["hi"] * 65)
+        long_texts = [f"{t} " * 60 for t in TEXTS] * 9   # past MAX_FRAME_BYTES: a unary call of its own
+        assert len(InferRequest(inputs=[TextInput(text=t) for t in long_texts]).SerializeToString()) > MAX_FRAME_BYTES
+        long_unary, long_streams = await unary.infer("spam", long_texts), await streams.infer("spam", long_texts)
+    assert [p.label for p in long_streams.predictions] == [p.label for p in long_unary.predictions]
     assert [r.predictions[0].label for r in served] == [r.predictions[0].label for r in expected]
     assert too_many.value.code == "INVALID_ARGUMENT" and "the limit is 64" in too_many.value.details
     async with AsyncClient(mesh.gateway, api_key="wrong", streams=True) as stranger:
@@ -111,7 +117,7 @@ async def test_a_streams_client_gets_the_same_answers_and_refusals_as_unary_call
             await stranger.infer("spam", ["hi"])
     assert refused.value.code == "UNAUTHENTICATED" and "invalid API key" in refused.value.details
     gateway_frames, scheduler_frames, worker_frames = (a - b for a, b in zip(framed(), before, strict=True))
-    assert gateway_frames == len(TEXTS) + 2   # the streams client's calls, the refused two among them
+    assert gateway_frames == len(TEXTS) + 2   # the streams client's small calls, the refused two among them
     assert scheduler_frames >= 2 * len(TEXTS) and worker_frames >= 1  # both clients' requests; batches merge
 
 

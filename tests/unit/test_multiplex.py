@@ -16,6 +16,8 @@ from opentelemetry.trace import SpanKind
 
 from academus.shared.errors import ResourceExhausted, abort_with, from_rpc_error
 from academus.shared.multiplex import (
+    MAX_FRAME_BYTES,
+    FrameContext,
     MultiplexChannel,
     MultiplexedMethod,
     MultiplexServicer,
@@ -37,9 +39,12 @@ class Probe:
         self.release = asyncio.Event()
         self.cancelled = asyncio.Event()
         self.remaining: list[float | None] = []
+        self.framed: list[bool] = []   # each call: as a frame of the stream, or a unary call of its own
 
-    async def answer(self, request: bytes, context) -> bytes:
+    async def answer(self, payload: bytes, context) -> bytes:
         self.remaining.append(context.time_remaining())
+        self.framed.append(isinstance(context, FrameContext))
+        request = payload.rstrip(b" ")  # a large request is its behaviour padded with spaces
         if request.startswith(b"sleep:"):
             await asyncio.sleep(float(request[6:]))
         if request in (b"wait", b"hold"):  # until the caller leaves / until released
@@ -53,7 +58,7 @@ class Probe:
             await abort_with(context, ResourceExhausted("queue full (capacity 4)", pushback_ms=25))
         if request == b"fail":
             raise ValueError("a bug")
-        return b"ok:" + request
+        return b"ok:" + payload
 
 
 @dataclass
@@ -76,6 +81,8 @@ async def mux():
     servicer = MultiplexServicer({METHOD: UnaryMethod(probe.answer, bytes, bytes)}, [ServerSpans(server_provider)])
     server = grpc.aio.server()
     multiplex_pb2_grpc.add_MultiplexServicer_to_server(servicer, server)
+    unary = grpc.unary_unary_rpc_method_handler(probe.answer)  # served both ways, as every server is
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("t.Probe", {"Answer": unary})])
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     channel = MultiplexChannel(grpc.aio.insecure_channel(f"127.0.0.1:{port}"), client_provider)
@@ -111,6 +118,23 @@ async def test_a_refusal_keeps_its_code_details_and_pushback_trailer(mux):
         await call.channel.unary_unary("/t.Probe/Nothing", bytes, bytes)(b"x", timeout=5)
     assert unknown.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert await call(b"after", timeout=5) == b"ok:after"  # the stream outlived the errors
+
+
+async def test_a_large_request_rides_a_call_of_its_own_and_keeps_the_contract(mux):
+    call, probe = mux.call, mux.probe
+    pad = b" " * MAX_FRAME_BYTES    # past the limit: a frame this large would hold up the calls behind it
+    assert await call(b"big" + pad, timeout=5) == b"ok:big" + pad
+    assert await call(b"small", timeout=5) == b"ok:small"
+    assert probe.framed == [False, True]
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await call(b"refuse" + pad, timeout=5)
+    error = from_rpc_error(refused.value, "worker")
+    assert isinstance(error, ResourceExhausted) and error.pushback_ms == 25
+    with pytest.raises(grpc.aio.AioRpcError) as late:
+        await call(b"wait" + pad, timeout=0.2)
+    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await asyncio.wait_for(probe.cancelled.wait(), 5)
+    assert probe.framed == [False, True, False, False]
 
 
 async def test_the_deadline_answers_deadline_exceeded_and_stops_the_handler(mux):
