@@ -25,6 +25,7 @@ ABLATIONS = {
     "gc_freeze": ("ACADEMUS_GC_FREEZE", ("frozen", "true"), ("unfrozen", "false")),
     "compute_sched": ("ACADEMUS_COMPUTE_SCHED", ("idle", "idle"), ("normal", "normal")),  # idle: opt-in
     "hop_streams": ("ACADEMUS_HOP_STREAMS", ("streams", "true"), ("unary_calls", "false")),
+    "send_ahead": ("ACADEMUS_SEND_AHEAD", ("ahead", "true"), ("on_free", "false")),
 }
 
 

@@ -6,7 +6,8 @@
 `--ablate gc_freeze`: the services' start-up heap frozen out of the cyclic collector (ACADEMUS_GC_FREEZE
 true / false). `compute_sched`: the workers' compute threads under SCHED_IDLE or the default policy
 (ACADEMUS_COMPUTE_SCHED idle / normal). `hop_streams`: the gateway's and schedulers' calls riding one
-multiplexed stream a peer, or a gRPC call each (ACADEMUS_HOP_STREAMS true / false).
+multiplexed stream a peer, or a gRPC call each (ACADEMUS_HOP_STREAMS true / false). `send_ahead`: a busy
+student group sent its next element at once, or when it frees (ACADEMUS_SEND_AHEAD true / false).
 `drop_doomed`, `honour_pushback`: see overload_bench.
 `workers`, `instances`: mesh options, not switches: three worker processes (student groups, on CPU) against
 student_bench's two; two compute threads a worker against one.

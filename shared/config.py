@@ -131,6 +131,7 @@ class SchedulerConfig(CommonConfig):
     expire_interval_s: float = 0.05  # how often waiting jobs are checked against their deadlines
     plot_prefetch: bool = True       # PLOT models: look waiting requests up in a plot service (HMI §6.1)
     drop_doomed: bool = True         # a job that waited is not started when its batch cannot finish in time
+    send_ahead: bool = False         # student: a busy group is sent its next element while it runs one
 
     def check(self) -> None:
         super().check()

@@ -56,7 +56,12 @@ class Group:
     models: frozenset[str]
     members: tuple[Member, ...]
     students: int = 1              # S: the student number this group was formed with
-    busy: bool = False
+    in_flight: int = 0             # batches sent and not answered: the running one, and one sent ahead
+    started_at: float = 0.0        # when the running batch began (the scheduler's reckoning)
+
+    @property
+    def busy(self) -> bool:
+        return self.in_flight > 0
 
     @property
     def worker_id(self) -> str:
@@ -115,8 +120,12 @@ class DispatchStats:
 class Dispatcher:
     def __init__(self, policy: DispatchPolicy, send: Send, queue_capacity: int,
                  retry_pushback_ms: int = 50, clock: Callable[[], float] = time.monotonic,
-                 on_wait: Callable[[Job], None] | None = None, drop_doomed: bool = True) -> None:
+                 on_wait: Callable[[Job], None] | None = None, drop_doomed: bool = True,
+                 send_ahead: bool = False) -> None:
         self.policy = policy
+        # a busy group is sent its next batch while it runs one, where the policy never holds a batch back
+        # to grow: it starts when the first ends, without the reply's and the dispatch's hops in between
+        self.send_ahead = send_ahead and policy.sends_ahead
         self.drop_doomed = drop_doomed  # off: every job is started (the ablation; the worker stops it late)
         self.on_wait = on_wait  # called for a job that found no free group: prefetch for it meanwhile
         self.send = send
@@ -217,21 +226,46 @@ class Dispatcher:
                                    nothing_ran=True)
 
     def _drain(self) -> None:
-        """Every free group takes the next ready batch it can run; dead jobs are dropped unrun."""
+        """Every free group takes the next ready batch it can run; dead jobs are dropped unrun. Then, with
+        send_ahead, what still waits goes to busy groups, the one whose batch began first first."""
         now = self.clock()
         for group in self.groups:
             while self._free(group):
-                batch = self.policy.next_batch(lambda j, g=group: j.model in g.models, now)
-                self._settle_dropped()
-                if not batch:
+                batch = self._next_batch(group, now)
+                if batch is None:
                     break
-                batch = [j for j in batch if self._still_wanted(j, now)]
-                if self.drop_doomed and batch:  # the ablation skips the estimate altogether
-                    expected = self._batch_estimate(batch)
-                    batch = [j for j in batch if self._can_finish(j, now, expected)]
+                if batch:
+                    self._start(group, batch)
+        if self.send_ahead and len(self.policy):
+            for group in sorted((g for g in self.groups if self._open_ahead(g)), key=lambda g: g.started_at):
+                batch = self._next_batch(group, now, self._remaining(group, now))
+                if batch is None:
+                    break
                 if batch:
                     self._start(group, batch)
         self._arm_timer()
+
+    def _next_batch(self, group: Group, now: float, wait: float = 0.0) -> list[Job] | None:
+        """The policy's next batch for `group` less the jobs no longer wanted or doomed (None: nothing
+        ready). `wait`: how long it would wait for the group's running batch first."""
+        batch = self.policy.next_batch(lambda j: j.model in group.models, now)
+        self._settle_dropped()
+        if not batch:
+            return None
+        batch = [j for j in batch if self._still_wanted(j, now)]
+        if self.drop_doomed and batch:  # the ablation skips the estimate altogether
+            expected = wait + self._batch_estimate(batch)
+            batch = [j for j in batch if self._can_finish(j, now, expected)]
+        return batch
+
+    def _open_ahead(self, group: Group) -> bool:
+        """Running one batch, none sent ahead yet, and alive."""
+        return group.in_flight == 1 and self._live(group)
+
+    def _remaining(self, group: Group, now: float) -> float:
+        """What is left of the group's running batch, at the model's smoothed batch time."""
+        service = max((self.service_s.get(m, 0.0) for m in group.models), default=0.0)
+        return max(0.0, group.started_at + service - now)
 
     def _settle_dropped(self) -> None:
         """Answers the jobs the policy took out unrun (a deadline it found cannot be met)."""
@@ -251,11 +285,13 @@ class Dispatcher:
             self._timer = loop.call_later(max(0.0, wake - self.clock()), self._drain)
 
     def _start(self, group: Group, batch: list[Job]) -> None:
-        group.busy = True
         refs = [self.workers[m.worker_id] for m in group.members]
-        for ref, member in zip(refs, group.members, strict=True):
-            ref.running += member.slots
         now = self.clock()
+        group.in_flight += 1
+        if group.in_flight == 1:  # a batch sent ahead runs on the slots its predecessor holds
+            group.started_at = now
+            for ref, member in zip(refs, group.members, strict=True):
+                ref.running += member.slots
         for job in batch:
             job.attempts += 1
             job.tried.add(group.name)
@@ -282,8 +318,9 @@ class Dispatcher:
             for job in batch:
                 self._settle(job, exc=e)
         else:
-            self._observe(batch[0].model, self.clock() - started, sum(j.num_texts for j in batch))
-            self.policy.observe(batch, self.clock() - started)
+            took = self.clock() - max(started, group.started_at)  # one sent ahead began when its predecessor ended
+            self._observe(batch[0].model, took, sum(j.num_texts for j in batch))
+            self.policy.observe(batch, took)
             if len(results) != len(batch):
                 error = ServingError(f"worker returned {len(results)} results for {len(batch)} requests")
                 for job in batch:
@@ -291,9 +328,12 @@ class Dispatcher:
             for job, result in zip(batch, results, strict=False):
                 self._settle(job, result=result)
         finally:
-            group.busy = False
-            for ref, member in zip(refs, group.members, strict=True):
-                ref.running = max(0, ref.running - member.slots)
+            group.in_flight -= 1
+            if group.in_flight:  # the batch sent ahead runs now
+                group.started_at = self.clock()
+            else:
+                for ref, member in zip(refs, group.members, strict=True):
+                    ref.running = max(0, ref.running - member.slots)
             if _loop_running():  # not when a never-finished task is closed by the garbage collector
                 self._drain()
 
@@ -386,9 +426,10 @@ class Dispatcher:
                                                "buffer": 0})
                 entry["groups"] += 1
                 entry["busy" if group.busy else "idle"] += 1
+                entry["buffer"] += group.in_flight > 1  # a batch sent ahead waits as a buffer element does
         depth = self.policy.depth()
         for model, entry in out.items():
-            entry["buffer"] = min(depth, waiting.get(model, 0))
+            entry["buffer"] += min(depth, waiting.get(model, 0))
         return out
 
 

@@ -31,6 +31,7 @@ class DispatchPolicy(ABC):
     """Holds jobs until a worker frees; hands out the next batch that worker can run."""
 
     name: str
+    sends_ahead = False  # never holds a batch back to grow: a busy group may be sent its next one
 
     def __init__(self) -> None:
         self._jobs: deque[Job] = deque()
@@ -154,6 +155,7 @@ class StudentPolicy(DispatchPolicy):
     """
 
     name = "student"
+    sends_ahead = True
 
     def __init__(self, max_merge: int = 4, bin_width: int = 8, max_length: int = 128) -> None:
         super().__init__()

@@ -302,7 +302,7 @@ async def build() -> ServiceSpec:
     dispatcher = Dispatcher(policy, GroupSender(worker_stubs, clock, workers, prefetcher),
                             config.queue_capacity, config.retry_pushback_ms, clock,
                             on_wait=prefetcher.on_wait if prefetcher is not None else None,
-                            drop_doomed=config.drop_doomed)
+                            drop_doomed=config.drop_doomed, send_ahead=config.send_ahead)
     dispatcher.workers = workers  # the sender resolves member addresses from the same live table
     models = frozenset(m for m in config.models.split(",") if m)
     watcher = PlacementWatcher(redis, keys, dispatcher, config.refresh_s, models, prefetcher)

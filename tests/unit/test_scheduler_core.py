@@ -248,11 +248,12 @@ def test_padded_rejects_bad_settings():
 
 # -- student groups across workers (eq. 6) and the `student` policy ------------------------------
 
-def student_dispatcher(groups: list[list[tuple[str, tuple[int, ...]]]], capacity: int = 2, students: int = 2):
+def student_dispatcher(groups: list[list[tuple[str, tuple[int, ...]]]], capacity: int = 2, students: int = 2,
+                       send_ahead: bool = False):
     from academus.services.scheduler.core import GroupTable, Member
 
     clock, fake = Clock(), FakeWorkers()
-    d = Dispatcher(StudentPolicy(max_merge=4), fake.send, 8, 25, clock)
+    d = Dispatcher(StudentPolicy(max_merge=4), fake.send, 8, 25, clock, send_ahead=send_ahead)
     workers = sorted({w for g in groups for w, _ in g})
     table = GroupTable("ss", students, tuple(tuple(Member(w, s) for w, s in g) for g in groups))
     d.update_workers({w: (f"127.0.0.1:{i}", frozenset({"ss"}), capacity) for i, w in enumerate(workers)},
@@ -401,3 +402,36 @@ async def test_without_drop_doomed_a_waiting_job_is_started_whatever_its_time_le
     assert [c[1].payload for c in fake.calls] == ["runs", "late"] and d.stats.doomed == 0
     fake.calls[1][2].set_result("b")
     assert await asyncio.gather(running, late) == ["a", "b"]
+
+
+async def test_send_ahead_gives_a_busy_group_its_next_element_and_counts_it_as_buffered():
+    d, clock, fake = student_dispatcher([[("w0", (0,))], [("w1", (0,))]], capacity=1, students=1, send_ahead=True)
+    first = [asyncio.create_task(d.submit(ss_job(clock, 10)))]
+    clock.now += 0.001  # the second group's batch begins later: the first is expected to free first
+    first.append(asyncio.create_task(d.submit(ss_job(clock, 20))))
+    await settle()
+    ahead = [asyncio.create_task(d.submit(ss_job(clock, n))) for n in (30, 31, 60, 62, 90)]
+    await settle()
+    # both groups busy: the next sample goes to the group whose batch began first, the one after to the
+    # other; the rest wait in the buffer, merged by bin
+    assert [c[0] for c in fake.calls] == ["w0", "w1", "w0", "w1"]
+    assert [[j.payload for j in b] for b in fake.batches[2:]] == [[30], [31]]
+    assert [g.in_flight for g in d.groups] == [2, 2] and d.load()["idle"] == 0
+    assert d.model_load()["ss"] == {"groups": 2, "idle": 0, "busy": 2, "students": 1, "buffer": 4}
+    clock.now += 0.010
+    fake.calls[0][2].set_result("a")
+    await settle()
+    # the batch sent ahead now runs on w0's slot, and w0 is sent the buffer's head element ahead
+    assert [c[0] for c in fake.calls][4:] == ["w0"] and [j.payload for j in fake.batches[4]] == [60, 62]
+    assert d.groups[0].started_at == clock.now and d.workers["w0"].running == 1
+    for i in range(1, 6):
+        fake.calls[i][2].set_result("r")
+        await settle()
+    assert await asyncio.gather(*first, *ahead) == ["a", "r", "r", "r", "r", "r", "r"]
+    assert [g.in_flight for g in d.groups] == [0, 0] and d.workers["w0"].running == d.workers["w1"].running == 0
+
+
+async def test_send_ahead_leaves_policies_that_hold_batches_back_alone():
+    clock, fake = Clock(), FakeWorkers()
+    d = Dispatcher(PaddedPolicy(max_batch=4, max_delay_s=0.01), fake.send, 8, 25, clock, send_ahead=True)
+    assert not d.send_ahead
