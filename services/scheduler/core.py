@@ -115,6 +115,7 @@ class DispatchStats:
     retried: int = 0
     rejected: int = 0
     doomed: int = 0                # not started: the batch could not finish before the job's deadline
+    sent_ahead: int = 0            # batches sent to a group still running one (send_ahead)
 
 
 class Dispatcher:
@@ -288,10 +289,12 @@ class Dispatcher:
         refs = [self.workers[m.worker_id] for m in group.members]
         now = self.clock()
         group.in_flight += 1
-        if group.in_flight == 1:  # a batch sent ahead runs on the slots its predecessor holds
+        if group.in_flight == 1:
             group.started_at = now
             for ref, member in zip(refs, group.members, strict=True):
                 ref.running += member.slots
+        else:  # sent ahead: it runs on the slots its predecessor holds
+            self.stats.sent_ahead += 1
         for job in batch:
             job.attempts += 1
             job.tried.add(group.name)

@@ -29,6 +29,7 @@ from academus.v1 import inference_pb2, plot_pb2_grpc, scheduler_pb2_grpc, tensor
 QUEUE_DEPTH = Gauge("academus_scheduler_queue_depth", "Jobs waiting for a worker")
 BUFFER_DEPTH = Gauge("academus_scheduler_buffer_depth", "Waiting dispatch units (length-aware buffer elements)")
 DROPPED = Gauge("academus_scheduler_dropped", "Jobs dropped unrun", ["reason"])
+SENT_AHEAD = Gauge("academus_scheduler_sent_ahead", "Batches sent to a group still running one (ACADEMUS_SEND_AHEAD)")
 LOST_CODES = (grpc.StatusCode.UNAVAILABLE,)
 
 
@@ -271,6 +272,7 @@ class PlacementWatcher:
                 DROPPED.labels("expired").set(self.dispatcher.stats.expired)
                 DROPPED.labels("cancelled").set(self.dispatcher.stats.cancelled)
                 DROPPED.labels("doomed").set(self.dispatcher.stats.doomed)
+                SENT_AHEAD.set(self.dispatcher.stats.sent_ahead)
             except Exception as e:  # Redis away: keep the last known workers
                 log_event("placement_refresh_failed", error=repr(e))
             with contextlib.suppress(TimeoutError):

@@ -416,7 +416,7 @@ async def test_send_ahead_gives_a_busy_group_its_next_element_and_counts_it_as_b
     # other; the rest wait in the buffer, merged by bin
     assert [c[0] for c in fake.calls] == ["w0", "w1", "w0", "w1"]
     assert [[j.payload for j in b] for b in fake.batches[2:]] == [[30], [31]]
-    assert [g.in_flight for g in d.groups] == [2, 2] and d.load()["idle"] == 0
+    assert [g.in_flight for g in d.groups] == [2, 2] and d.load()["idle"] == 0 and d.stats.sent_ahead == 2
     assert d.model_load()["ss"] == {"groups": 2, "idle": 0, "busy": 2, "students": 1, "buffer": 4}
     clock.now += 0.010
     fake.calls[0][2].set_result("a")

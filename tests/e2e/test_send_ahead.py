@@ -1,0 +1,77 @@
+"""ACADEMUS_SEND_AHEAD on the real mesh: busy student groups are sent their next element while they run
+one, every request is answered, and a worker killed with an element queued behind its running one loses
+no request."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from academus.client import AcademusError
+from academus.shared.keys import Keys
+from academus.shared.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, down, up, wait_exit
+from tests.conftest import small_student_artifacts
+from tests.e2e.conftest import metric, service
+from tests.e2e.test_student_parallelism import MODEL, TEXT, burst, table, wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    artifacts: Path = small_student_artifacts(tmp_path_factory.mktemp("ahead-artifacts"), best_k=1)
+    run_dir = tmp_path_factory.mktemp("ahead-run")
+    state = up(MeshOptions(
+        run_dir=run_dir, artifacts=artifacts, gateway_port=0, workers=2, worker_threads=1, instances=1,
+        deployments=[Deployment("student", MODEL)],
+        env={"ACADEMUS_MODELS": MODEL, "ACADEMUS_SEND_AHEAD": "true", "ACADEMUS_ADAPT_WINDOW_S": "600",
+             "ACADEMUS_QUEUE_CAPACITY": "200", "ACADEMUS_GRACE_S": "10"}))
+    state.key = (run_dir / ADMIN_KEY_FILE).read_text().strip()
+    r = redis.Redis.from_url(state.redis_url, decode_responses=True)
+    r.set(Keys(state.key_prefix).students(MODEL), 1)  # two one-student groups, one on each worker
+    wait_for(lambda: table(state).get("students") == 1 and len(table(state)["groups"]) == 2, what="S = 1")
+    yield state
+    down(run_dir)
+
+
+def sent_ahead(state) -> float:
+    return metric(service(state, "scheduler").metrics_port, "academus_scheduler_sent_ahead")
+
+
+def test_busy_groups_are_sent_their_next_element_and_every_request_is_answered(mesh):
+    answers = asyncio.run(burst(mesh, 24, " ".join([TEXT] * 3), timeout=60))
+    assert not [a for a in answers if isinstance(a, AcademusError)]
+    assert {a.metadata.worker_id for a in answers} == {"worker-0", "worker-1"}
+    wait_for(lambda: sent_ahead(mesh) >= 1, what="elements sent ahead to busy groups")
+
+
+def test_a_worker_killed_with_an_element_sent_ahead_loses_no_request(mesh):
+    workers = [s for s in mesh.services if s.name.startswith("worker-")]
+    before = sent_ahead(mesh)
+
+    def queued_behind() -> object | None:  # a worker running one call with another waiting behind it
+        return next((w for w in workers if metric(w.metrics_port, "academus_rpc_in_flight", service="worker",
+                                                  method="Run") >= 2), None)
+
+    async def kill_under_load():
+        pending = asyncio.create_task(burst(mesh, 80, " ".join([TEXT] * 4), timeout=60))  # all at once
+        end, victim = time.monotonic() + 30, None
+        while time.monotonic() < end and (victim := await asyncio.to_thread(queued_behind)) is None:
+            await asyncio.sleep(0.005)
+        assert victim is not None, "no worker held an element sent ahead"
+        os.kill(victim.pid, signal.SIGKILL)
+        return victim, await pending
+
+    victim, answers = asyncio.run(kill_under_load())
+    assert wait_exit(victim.pid, 10)
+    assert not [a.code for a in answers if isinstance(a, AcademusError)]
+    survivor = next(w.name for w in workers if w is not victim)
+    assert {a.metadata.worker_id for a in answers if a.metadata.attempts > 1} == {survivor}
+    assert any(a.metadata.attempts > 1 for a in answers)
+    wait_for(lambda: sent_ahead(mesh) > before, what="the gauge to count this burst's elements sent ahead")
