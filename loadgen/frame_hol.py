@@ -27,8 +27,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 import uvloop
 
-from academus.shared.multiplex import MAX_FRAME_BYTES, MultiplexChannel, MultiplexServicer, UnaryMethod
-from academus.v1 import multiplex_pb2_grpc
+from academus.shared.multiplex import MAX_FRAME_BYTES, MultiplexChannel, serve_multiplexed
 
 SERVICE, NAME = "t.Probe", "Answer"
 METHOD = f"/{SERVICE}/{NAME}"
@@ -42,10 +41,8 @@ async def answer(request: bytes, context) -> bytes:
 
 async def serve(ports: multiprocessing.Queue) -> None:
     server = grpc.aio.server(options=LIMITS)
-    unary = grpc.unary_unary_rpc_method_handler(answer, request_deserializer=None, response_serializer=None)
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {NAME: unary})])
-    multiplex_pb2_grpc.add_MultiplexServicer_to_server(
-        MultiplexServicer({METHOD: UnaryMethod(answer, bytes, bytes)}), server)
+    serve_multiplexed(server, lambda s: s.add_registered_method_handlers(
+        SERVICE, {NAME: grpc.unary_unary_rpc_method_handler(answer)}))
     ports.put(server.add_insecure_port("127.0.0.1:0"))
     await server.start()
     await server.wait_for_termination()
@@ -75,8 +72,8 @@ async def measure(port: int, sizes_mib: list[float], repeats: int) -> dict:
     channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=LIMITS) for _ in range(3)]
     arms: dict[str, Call] = {
         "unary": channels[0].unary_unary(METHOD),
-        "frames": MultiplexChannel(channels[1], max_frame_bytes=1 << 40).unary_unary(METHOD, bytes, bytes),
-        "mixed": MultiplexChannel(channels[2]).unary_unary(METHOD, bytes, bytes),
+        "frames": MultiplexChannel(channels[1], max_frame_bytes=1 << 40).unary_unary(METHOD),
+        "mixed": MultiplexChannel(channels[2]).unary_unary(METHOD),
     }
     results: dict[str, dict] = {}
     try:

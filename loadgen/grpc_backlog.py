@@ -24,8 +24,7 @@ import time
 import grpc
 
 from academus.loadgen.stats import percentile
-from academus.shared.multiplex import MultiplexChannel, MultiplexServicer, UnaryMethod
-from academus.v1 import multiplex_pb2_grpc
+from academus.shared.multiplex import over_streams, serve_multiplexed
 
 METHOD = "/academus.backlog.Hold/Call"
 
@@ -43,10 +42,8 @@ async def measure(calls: int, hold_s: float, pending_limit: int | None = None, s
         return request
 
     server = grpc.aio.server(options=server_options(pending_limit))
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-        "academus.backlog.Hold", {"Call": grpc.unary_unary_rpc_method_handler(hold)})])
-    multiplex_pb2_grpc.add_MultiplexServicer_to_server(MultiplexServicer({METHOD: UnaryMethod(hold, bytes, bytes)}),
-                                                       server)
+    serve_multiplexed(server, lambda s: s.add_registered_method_handlers(
+        "academus.backlog.Hold", {"Call": grpc.unary_unary_rpc_method_handler(hold)}))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     codes: collections.Counter[str] = collections.Counter()
@@ -54,8 +51,7 @@ async def measure(calls: int, hold_s: float, pending_limit: int | None = None, s
     refused_after: list[float] = []
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            call = (MultiplexChannel(channel).unary_unary(METHOD, bytes, bytes) if streams
-                    else channel.unary_unary(METHOD))
+            call = over_streams(channel, streams).unary_unary(METHOD)
 
             async def one() -> None:
                 sent = time.perf_counter()

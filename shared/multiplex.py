@@ -127,9 +127,13 @@ class MultiplexChannel:
         self._stream: _Stream | None = None
         self._ids = itertools.count(1)
 
-    def unary_unary(self, method: str, request_serializer: Callable, response_deserializer: Callable,
+    def unary_unary(self, method: str, request_serializer: Callable | None = None,
+                    response_deserializer: Callable | None = None,
                     _registered_method: bool = False) -> MultiplexedMethod:
-        return MultiplexedMethod(self, method, request_serializer, response_deserializer)
+        serialize, deserialize = request_serializer or _same, response_deserializer or _same
+        # a request too large for a frame goes as this call, through the channel's own interceptors
+        alone = self.channel.unary_unary(method, response_deserializer=deserialize)
+        return MultiplexedMethod(self, method, serialize, deserialize, alone)
 
     def stream(self) -> _Stream:
         if self._stream is None or self._stream.broken is not None:
@@ -150,12 +154,12 @@ class MultiplexedMethod:
     method: str
     serialize: Callable[[object], bytes]
     deserialize: Callable[[bytes], object]
+    alone: grpc.aio.UnaryUnaryMultiCallable   # the same method as a unary call of its own (bytes in)
 
     async def __call__(self, request, timeout: float | None = None, metadata: Sequence[tuple[str, str]] = ()):
         payload = self.serialize(request)
-        if len(payload) > self.channel.max_frame_bytes:  # its own call: the channel's interceptors trace it
-            alone = self.channel.channel.unary_unary(self.method, response_deserializer=self.deserialize)
-            return await alone(payload, timeout=timeout, metadata=metadata or None)
+        if len(payload) > self.channel.max_frame_bytes:
+            return await self.alone(payload, timeout=timeout, metadata=metadata or None)
         span, carrier = start_client_span(self.channel.tracer, self.method)
         try:
             reply = await self._call(payload, timeout, [*metadata, *carrier.items()])
@@ -341,9 +345,9 @@ class MethodCapture:
     def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
         self.server.add_registered_method_handlers(service, handlers)
         for name, handler in handlers.items():
-            if handler.unary_unary is not None:
-                self.methods[f"/{service}/{name}"] = UnaryMethod(handler.unary_unary, handler.request_deserializer,
-                                                                 handler.response_serializer)
+            if handler.unary_unary is not None:  # no (de)serializer: bytes as they are, as grpc takes it
+                self.methods[f"/{service}/{name}"] = UnaryMethod(
+                    handler.unary_unary, handler.request_deserializer or _same, handler.response_serializer or _same)
 
     def __getattr__(self, name: str):  # add_generic_rpc_handlers and the rest go to the server
         return getattr(self.server, name)
@@ -376,3 +380,7 @@ def wrapped(behavior: UnaryBehavior, method: str, interceptors: Sequence[UnarySe
     for interceptor in reversed(interceptors):
         behavior = interceptor.wrap(behavior, method)
     return behavior
+
+
+def _same(payload: bytes) -> bytes:
+    return payload

@@ -21,7 +21,6 @@ from academus.shared.multiplex import (
     MultiplexChannel,
     MultiplexedMethod,
     MultiplexServicer,
-    UnaryMethod,
     serve_multiplexed,
 )
 from academus.shared.serving import Stubs
@@ -78,15 +77,13 @@ async def mux():
     server_provider, client_provider = TracerProvider(), TracerProvider()
     server_provider.add_span_processor(SimpleSpanProcessor(server_spans))
     client_provider.add_span_processor(SimpleSpanProcessor(client_spans))
-    servicer = MultiplexServicer({METHOD: UnaryMethod(probe.answer, bytes, bytes)}, [ServerSpans(server_provider)])
     server = grpc.aio.server()
-    multiplex_pb2_grpc.add_MultiplexServicer_to_server(servicer, server)
-    unary = grpc.unary_unary_rpc_method_handler(probe.answer)  # served both ways, as every server is
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("t.Probe", {"Answer": unary})])
+    servicer = serve_multiplexed(server, lambda s: s.add_registered_method_handlers(  # both ways, as every server
+        "t.Probe", {"Answer": grpc.unary_unary_rpc_method_handler(probe.answer)}), [ServerSpans(server_provider)])
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     channel = MultiplexChannel(grpc.aio.insecure_channel(f"127.0.0.1:{port}"), client_provider)
-    yield Mux(channel.unary_unary(METHOD, bytes, bytes), probe, servicer, server, port, server_spans, client_spans)
+    yield Mux(channel.unary_unary(METHOD), probe, servicer, server, port, server_spans, client_spans)
     await channel.close()
     await server.stop(None)
 
