@@ -332,7 +332,7 @@ class Dispatcher:
                 self._settle(job, result=result)
         finally:
             group.in_flight -= 1
-            if group.in_flight:  # the batch sent ahead runs now
+            if group.in_flight:  # the batch sent ahead runs now (a member runs its calls in arrival order)
                 group.started_at = self.clock()
             else:
                 for ref, member in zip(refs, group.members, strict=True):

@@ -62,17 +62,26 @@ def wait_for(predicate, timeout_s: float = 20.0, what: str = "") -> None:
 
 
 async def burst(state, count: int, text: str = TEXT, timeout: float = 30.0, policy: str = "",
-                rate: float = 0.0) -> list:
-    """`count` requests at once, or open loop at `rate` per second."""
+                rate: float = 0.0, follow: int = 0) -> list:
+    """`count` requests at once, or open loop at `rate` per second; then `follow` more, sent the moment
+    the first RESOURCE_EXHAUSTED came back (the gateway has seen that refusal by then)."""
     async with AsyncClient(state.gateway, api_key=state.key, timeout=timeout) as client:
-        async def one(i: int):
-            if rate:
-                await asyncio.sleep(i / rate)
+        refused = asyncio.Event()
+
+        async def one(i: int, delay: float):
+            await asyncio.sleep(delay)
             try:
                 return await client.infer(MODEL, [f"{i} {text}"], policy=policy)
             except AcademusError as e:
+                if e.code == "RESOURCE_EXHAUSTED":
+                    refused.set()
                 return e
-        return await asyncio.gather(*(one(i) for i in range(count)))
+
+        first = [asyncio.create_task(one(i, i / rate if rate else 0)) for i in range(count)]
+        if follow:
+            await asyncio.wait_for(refused.wait(), timeout)
+        then = [asyncio.create_task(one(count + i, 0)) for i in range(follow)]
+        return await asyncio.gather(*first, *then)
 
 
 def test_two_groups_across_both_workers_take_samples_at_once_then_merge_in_the_buffer(mesh):
@@ -99,34 +108,13 @@ def test_the_padded_deployment_of_the_teacher_runs_beside_it(mesh):
     assert answer.metadata.policy == "padded" and answer.metadata.student_count == 1
 
 
-async def overload_then_follow(state, count: int, follow: int, text: str, rate: float) -> list:
-    """`count` requests open loop at `rate`, and `follow` more sent the moment the first refusal came back:
-    the gateway has then seen the scheduler's pushback, however the machine spaced the others out."""
-    async with AsyncClient(state.gateway, api_key=state.key, timeout=60) as client:
-        refused = asyncio.Event()
-
-        async def one(i: int, delay: float):
-            await asyncio.sleep(delay)
-            try:
-                return await client.infer(MODEL, [f"{i} {text}"])
-            except AcademusError as e:
-                if e.code == "RESOURCE_EXHAUSTED":
-                    refused.set()
-                return e
-
-        first = [asyncio.create_task(one(i, i / rate)) for i in range(count)]
-        await asyncio.wait_for(refused.wait(), 60)
-        then = [asyncio.create_task(one(count + i, 0)) for i in range(follow)]
-        return await asyncio.gather(*first, *then)
-
-
 def test_overload_answers_resource_exhausted_at_once_and_nothing_hangs(mesh):
     long_text = " ".join([TEXT] * 5)
     start = time.monotonic()
     # 1,000/s: the queue fills within the first tens of requests, and the rest arrive after its first
     # refusals came back (sent all at once, every request could reach the scheduler before any refusal did);
     # five more follow the first refusal at once, in case a loaded machine bunched the burst anyway
-    answers = asyncio.run(overload_then_follow(mesh, 120, 5, long_text, rate=1000))
+    answers = asyncio.run(burst(mesh, 120, long_text, timeout=60, rate=1000, follow=5))
     codes = {a.code if isinstance(a, AcademusError) else "OK" for a in answers}
     assert "RESOURCE_EXHAUSTED" in codes and "OK" in codes
     assert codes <= {"OK", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}
