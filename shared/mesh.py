@@ -174,10 +174,25 @@ def _worker_envs(options: MeshOptions) -> list[dict[str, str]]:
     return [env | {"ACADEMUS_INSTANCES": "1"} for env in plan] if plan else [{}] * options.workers
 
 
+def unused_port(taken: set[int]) -> int:
+    """A free port none of `taken` is: a port handed out earlier but not bound yet (a process still starting)
+    is free to the OS, which may offer it again."""
+    while (port := free_port()) in taken:
+        pass
+    taken.add(port)
+    return port
+
+
+def _taken_ports(options: MeshOptions, state: MeshState) -> set[int]:
+    return {options.gateway_port, *(int(s.address.rsplit(":", 1)[1]) for s in state.services),
+            *(s.metrics_port for s in state.services)}
+
+
 def _spawn(name: str, index: int, options: MeshOptions, state: MeshState,
            extra: dict[str, str] | None = None) -> ServiceProcess:
-    port = options.gateway_port if name == "gateway" else free_port()
-    metrics_port = free_port()
+    taken = _taken_ports(options, state)
+    port = options.gateway_port if name == "gateway" else unused_port(taken)
+    metrics_port = unused_port(taken)
     env = {**os.environ, **options.env,
            "ACADEMUS_REDIS_URL": state.redis_url, "ACADEMUS_KEY_PREFIX": options.key_prefix,
            "ACADEMUS_PORT": str(port), "ACADEMUS_METRICS_PORT": str(metrics_port),

@@ -106,3 +106,10 @@ def test_a_mesh_needs_at_least_one_gateway(tmp_path):
     with pytest.raises(mesh.MeshError, match="gateways must be >= 1, not 0"):
         mesh.up(mesh.MeshOptions(run_dir=tmp_path, gateways=0))
     assert not (tmp_path / mesh.STATE_FILE).exists()   # refused before anything started
+
+
+def test_a_port_handed_out_but_not_bound_yet_is_not_handed_out_again(monkeypatch):
+    offered = iter([42335, 42335, 42336])   # the OS may offer a port again until someone binds it
+    monkeypatch.setattr(mesh, "free_port", lambda: next(offered))
+    taken = {42335}                          # the gateways' port, which they bind only once started
+    assert mesh.unused_port(taken) == 42336 and taken == {42335, 42336}
