@@ -157,16 +157,19 @@ class TenantRegistry:
 
     async def served_adapters(self, bases: set[str]) -> list[tuple[str, str, int]]:
         """(tenant, adapter, version) of every READY tenant model on one of `bases`: what a worker running
-        those bases will be asked for (one pipelined read of every tenant's models)."""
+        those bases will be asked for."""
+        return [(tenant, model.adapter, model.version) for tenant, model in await self.all_models()
+                if model.status == READY and model.base in bases]
+
+    async def all_models(self) -> list[tuple[str, TenantModel]]:
+        """(tenant, model) of every tenant's models, in one pipelined read."""
         tenants = await self.tenants()
         async with self.redis.pipeline(transaction=False) as pipe:
             for tenant in tenants:
                 pipe.hgetall(self.keys.tenant_models(tenant))
             records = await pipe.execute()
-        return [(tenant, model.adapter, model.version)
-                for tenant, models in zip(tenants, records, strict=True)
-                for model in map(TenantModel.from_json, models.values())
-                if model.status == READY and model.base in bases]
+        return [(tenant, TenantModel.from_json(raw)) for tenant, models in zip(tenants, records, strict=True)
+                for raw in models.values()]
 
     async def delete_model(self, tenant: str, name: str) -> None:
         if not await self.redis.hdel(self.keys.tenant_models(tenant), name):

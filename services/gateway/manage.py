@@ -89,6 +89,12 @@ class Manage:
         if await self._busy(domain.job):
             raise FailedPrecondition(f"domain {name!r} is being built (job {domain.job}); delete it when the job "
                                      "has finished")
+        users = sorted(f"{tenant}/{model.name}" for tenant, model in await self.registry.all_models()
+                       if model.domain == name)
+        if users:  # their adapters were trained on this overlay's states, and their requests look it up
+            raise FailedPrecondition(f"domain {name!r} is used by {len(users)} tenant model(s) "
+                                     f"({', '.join(users[:5])}{', ...' if len(users) > 5 else ''}); "
+                                     "delete them first")
         await self.domains.delete(name, self.table())
 
     async def _corpus_lines(self, corpus: bytes) -> int:

@@ -27,11 +27,9 @@ class PlotLookup:
         return cls(store, config.max_tokens, load_new=config.domain_list is None)
 
     def refresh_domains(self) -> list[str]:
-        """Loads overlays built beside the root since the last call (unless ACADEMUS_DOMAINS fixed the set);
-        returns every loaded domain."""
-        if self.load_new:
-            self.store.load_new_domains()
-        return sorted(self.store.domains)
+        """Serves the overlays beside the root as they are on disk now: built, rebuilt or deleted since the
+        last call (unless ACADEMUS_DOMAINS fixed the set); returns every served domain."""
+        return self.store.sync_domains() if self.load_new else sorted(self.store.domains)
 
     def lookup(self, ids: np.ndarray, lengths: np.ndarray, domain: str = "") -> Lookup:
         if len(ids) > self.max_tokens:

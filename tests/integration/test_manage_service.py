@@ -150,6 +150,19 @@ async def test_an_admin_builds_a_domain_overlay_through_the_api(mesh, table):
     assert (domain.name, domain.status, domain.lines, domain.top_percent) == ("legal", "ready", 30, 50)
     assert "legal" in PlotStore.open(table, lower_layers=K).domains
 
+    # A tenant model on the domain holds it: its adapter was trained on the overlay's states.
+    model = manage_pb2.CreateTenantModelRequest(name="contracts", base="minilm-plot", domain="legal",
+                                                data=sentiment(20))
+    trained = await manage.CreateTenantModel(model, metadata=auth(keys["acme"]), timeout=10)
+    with pytest.raises(grpc.aio.AioRpcError) as held:
+        await manage.DeleteDomain(manage_pb2.DeleteDomainRequest(name="legal"), metadata=auth(keys["admin"]),
+                                  timeout=5)
+    assert held.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "used by 1 tenant model(s) (acme/contracts); delete them first" in held.value.details()
+    await manage.DeleteTenantModel(manage_pb2.DeleteTenantModelRequest(name="contracts"),
+                                   metadata=auth(keys["acme"]), timeout=10)
+    await wait_job(manage, keys["acme"], trained.id)   # the trainer is done with it, whichever way
+
     await manage.DeleteDomain(manage_pb2.DeleteDomainRequest(name="legal"), metadata=auth(keys["admin"]), timeout=5)
     assert not (table / "domains" / "legal").exists()
 

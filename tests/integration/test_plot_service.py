@@ -154,10 +154,12 @@ async def test_stopping_deregisters(table_dir, redis_server):
     assert client.smembers(keys.plots()) == set() and not client.exists(keys.plot(service.address))
 
 
-async def test_an_overlay_built_while_the_service_runs_serves_and_is_announced(table_dir, teacher, redis_server,
-                                                                             tmp_path):
+async def test_an_overlay_built_deleted_or_rebuilt_while_the_service_runs_is_served_as_on_disk(
+        table_dir, teacher, redis_server, tmp_path):
     """A Manage API domain job builds an overlay beside the served root: the running service answers for it
-    at once and its next heartbeat lists it, so the schedulers' prefetch can use it without a restart."""
+    at once and its next heartbeat lists it, so the schedulers' prefetch can use it without a restart.
+    DeleteDomain removes it: the service stops serving and announcing it. Built again under the same name
+    from another corpus, the new overlay is served, not the one mapped before."""
     import shutil
 
     import redis.asyncio as aioredis
@@ -187,6 +189,24 @@ async def test_an_overlay_built_while_the_service_runs_serves_and_is_announced(t
             await asyncio.sleep(0.1)
         [found] = await live_plot_services(client, keys, domain="legal")
         assert found.domains == ("legal", "spam")
+
+        shutil.rmtree(table / "domains" / "legal")          # DomainRegistry.delete
+        async with grpc.aio.insecure_channel(service.address, options=CHANNEL_OPTIONS) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as gone:
+                await plot_pb2_grpc.PlotStub(channel).Lookup(request_to_pb(ids, lengths, "legal"), timeout=5)
+        assert gone.value.code() == grpc.StatusCode.NOT_FOUND and "'legal'" in gone.value.details()
+        for _ in range(40):
+            if not await live_plot_services(client, keys, domain="legal"):
+                break
+            await asyncio.sleep(0.1)
+        assert not await live_plot_services(client, keys, domain="legal")
+
+        build(ROOT[:1], table, BuildOptions(lower_layers=K, domain="legal", top_percent=100),
+              layers=SplitBert(teacher.bert, K))            # built again: none of the text's windows now
+        async with grpc.aio.insecure_channel(service.address, options=CHANNEL_OPTIONS) as channel:
+            again = await plot_pb2_grpc.PlotStub(channel).Lookup(request_to_pb(ids, lengths, "legal"), timeout=5)
+        assert again.counts.domain == 0 and again.counts.root + again.counts.backoff == reply.counts.domain + \
+            reply.counts.root + reply.counts.backoff
     finally:
         await client.aclose()
         await service.stop()

@@ -123,6 +123,22 @@ async def test_a_domain_needs_a_plot_base_and_a_plot_base_needs_a_table(manage, 
     assert await queued(redis) == 1
 
 
+async def test_a_domain_tenant_models_use_is_not_deleted_until_they_are(manage, redis, table):
+    await DomainRegistry(redis, KEYS).create(Domain("legal", status=DOMAIN_READY))
+    (table / "domains" / "legal").mkdir(parents=True)
+    await manage.create_tenant_model(ACME, "contracts", "minilm-plot", "legal", labelled())
+    await manage.create_tenant_model(GLOBEX, "briefs", "minilm-plot", "legal", labelled())
+    await manage.create_tenant_model(GLOBEX, "memos", "minilm-plot", "", labelled())
+    with pytest.raises(FailedPrecondition, match=r"domain 'legal' is used by 2 tenant model\(s\) "
+                                                 r"\(acme/contracts, globex/briefs\); delete them first"):
+        await manage.delete_domain(ADMIN, "legal")
+    assert [d.name for d in await manage.list_domains(ADMIN)] == ["legal"] and (table / "domains" / "legal").exists()
+    await manage.delete_tenant_model(ACME, "contracts")
+    await manage.delete_tenant_model(GLOBEX, "briefs")
+    await manage.delete_domain(ADMIN, "legal")
+    assert await manage.list_domains(ADMIN) == [] and not (table / "domains" / "legal").exists()
+
+
 BAD_DOMAINS = [
     ({"name": "../etc"}, InvalidArgument, "name='../etc' is invalid"),
     ({"top_percent": 150.0}, InvalidArgument, "top_percent=150.0 is invalid: it must be in (0, 100]"),

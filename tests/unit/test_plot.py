@@ -384,6 +384,45 @@ def test_cli_build_registers_minilm_plot_for_a_root_under_the_artifacts(tmp_path
     assert (entry["kind"], entry["plot"], entry["lower_layers"]) == ("embedding", "plot/minilm-k1", 1)
 
 
+def mapped_under(directory: Path) -> list[str]:
+    """This process's memory mappings of files under `directory` (Linux /proc)."""
+    return [line for line in Path("/proc/self/maps").read_text().splitlines() if str(directory) in line]
+
+
+def test_a_rebuilt_overlay_is_served_as_rebuilt_and_a_deleted_one_is_let_go(table_copy, lower, domain_lower,
+                                                                           tokenizer):
+    store = PlotStore.open(table_copy, model="minilm", lower_layers=K)
+    both = words(tokenizer, "the cat sat")
+    close(one_window(store, both, "spamlike"), framed_states(domain_lower, both))
+    overlay = table_copy / "domains" / "spamlike"
+    assert mapped_under(overlay)
+
+    # Deleted and built again under the same name (DeleteDomain, CreateDomain), from the root's own layers.
+    shutil.rmtree(overlay)
+    build(DOMAIN_TEXTS, table_copy, BuildOptions(lower_layers=K, domain="spamlike", top_percent=50), layers=lower)
+    assert store.load_domain("spamlike")
+    close(one_window(store, both, "spamlike"), framed_states(lower, both))
+
+    shutil.rmtree(overlay)
+    assert not store.load_domain("spamlike") and "spamlike" not in store.domains
+    with pytest.raises(UnknownDomain, match="spamlike"):
+        one_window(store, both, "spamlike")
+    assert not mapped_under(overlay)          # its memmaps closed with the last reference
+
+
+def test_the_plot_service_announces_overlays_as_they_are_on_disk(table_copy, lower):
+    from academus.services.plot.core import PlotLookup
+
+    core = PlotLookup(PlotStore.open(table_copy, model="minilm", lower_layers=K), max_tokens=64)
+    assert core.refresh_domains() == ["spamlike"]
+    build(DOMAIN_TEXTS[:2], table_copy, BuildOptions(lower_layers=K, domain="legal", top_percent=100), layers=lower)
+    assert core.refresh_domains() == ["legal", "spamlike"]
+    shutil.rmtree(table_copy / "domains" / "spamlike")
+    assert core.refresh_domains() == ["legal"] and not mapped_under(table_copy / "domains" / "spamlike")
+    fixed = PlotLookup(PlotStore.open(table_copy, model="minilm", lower_layers=K, domains=[]), 64, load_new=False)
+    assert fixed.refresh_domains() == []      # ACADEMUS_DOMAINS fixed the set
+
+
 def test_service_core_applies_the_request_limits(store):
     from academus.services.plot.core import PlotLookup
 
