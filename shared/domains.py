@@ -25,13 +25,14 @@ class Domain:
     message: str = ""
     lines: int = 0
     created: float = field(default_factory=time.time)
+    deleting: int = 0              # 1 while DeleteDomain looks for tenant models using it (see Manage)
 
     def to_hash(self) -> dict[str, str]:
         return {k: str(v) for k, v in asdict(self).items()}
 
     @classmethod
     def from_hash(cls, raw: dict[str, str]) -> Domain:
-        kinds = {"top_percent": float, "created": float, "lines": int}
+        kinds = {"top_percent": float, "created": float, "lines": int, "deleting": int}
         return cls(**{f.name: kinds.get(f.name, str)(raw[f.name]) for f in fields(cls) if f.name in raw})
 
 
@@ -45,11 +46,19 @@ redis.call('SADD', KEYS[2], ARGV[1])
 return 1
 """
 
+# KEYS: domain record. ARGV: the field's new value. Only an existing record is marked.
+_MARK_DELETING = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'deleting', ARGV[1])
+return 1
+"""
+
 
 class DomainRegistry:
     def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
         self.redis, self.keys = redis, keys
         self._create = redis.register_script(_CREATE)
+        self._mark_deleting = redis.register_script(_MARK_DELETING)
 
     async def create(self, domain: Domain) -> None:
         pairs = [x for item in domain.to_hash().items() for x in item]
@@ -71,6 +80,10 @@ class DomainRegistry:
             return False
         await self.redis.hset(self.keys.domain(name), mapping={"status": status, "message": message})
         return True
+
+    async def mark_deleting(self, name: str, deleting: bool = True) -> bool:
+        """Marks (or unmarks) the domain as being deleted; False when there is no such domain."""
+        return bool(await self._mark_deleting(keys=[self.keys.domain(name)], args=[int(deleting)]))
 
     async def delete(self, name: str, table: Path | None) -> None:
         """The record, then the overlay's files (a plot service that loaded them keeps its mapped copy

@@ -89,9 +89,14 @@ class Manage:
         if await self._busy(domain.job):
             raise FailedPrecondition(f"domain {name!r} is being built (job {domain.job}); delete it when the job "
                                      "has finished")
+        # Marked before the users are read, and CreateTenantModel reads the mark after it registers its
+        # model: of a creation and a deletion at once, one always sees the other.
+        if not await self.domains.mark_deleting(name):
+            raise NotFound(f"domain {name!r} not found")
         users = sorted(f"{tenant}/{model.name}" for tenant, model in await self.registry.all_models()
                        if model.domain == name)
         if users:  # their adapters were trained on this overlay's states, and their requests look it up
+            await self.domains.mark_deleting(name, False)
             raise FailedPrecondition(f"domain {name!r} is used by {len(users)} tenant model(s) "
                                      f"({', '.join(users[:5])}{', ...' if len(users) > 5 else ''}); "
                                      "delete them first")
@@ -161,6 +166,8 @@ class Manage:
         job = replace(job, params={**job.params, "upload": str(path)})
         await self.registry.register_model(job.tenant, model)
         try:
+            if before is None and model.domain:  # DeleteDomain may have read the users before the register
+                await self._ready_domain(model.domain)
             return await self.jobs.submit(job)
         except BaseException:
             if before is None:
@@ -204,6 +211,8 @@ class Manage:
             raise NotFound(f"domain {name[:80]!r} not found")
         if domain.status != DOMAIN_READY:
             raise FailedPrecondition(f"domain {name!r} is {domain.status}, not ready")
+        if domain.deleting:
+            raise FailedPrecondition(f"domain {name!r} is being deleted")
 
     # --- jobs and checks -------------------------------------------------------------------------
 

@@ -139,6 +139,35 @@ async def test_a_domain_tenant_models_use_is_not_deleted_until_they_are(manage, 
     assert await manage.list_domains(ADMIN) == [] and not (table / "domains" / "legal").exists()
 
 
+async def test_a_model_created_while_its_domain_is_deleted_is_not_left_on_a_deleted_domain(manage, redis, table):
+    """DeleteDomain marks the domain, then reads its users; a creation registers its model, then reads the
+    mark. Here DeleteDomain's mark lands between the creation's first check and its register."""
+    domains = DomainRegistry(redis, KEYS)
+    await domains.create(Domain("legal", status=DOMAIN_READY))
+    register = manage.registry.register_model
+
+    async def register_then_deletion_marks(tenant, model):
+        await register(tenant, model)
+        assert await domains.mark_deleting("legal")
+
+    manage.registry.register_model = register_then_deletion_marks
+    with pytest.raises(FailedPrecondition, match="domain 'legal' is being deleted"):
+        await manage.create_tenant_model(ACME, "contracts", "minilm-plot", "legal", labelled())
+    assert await manage.list_tenant_models(ACME) == [] and await queued(redis) == 0 and not uploads(manage)
+    manage.registry.register_model = register
+    with pytest.raises(FailedPrecondition, match="being deleted"):   # a creation after the mark
+        await manage.create_tenant_model(ACME, "contracts", "minilm-plot", "legal", labelled())
+    assert not await domains.mark_deleting("nosuch")
+
+    await domains.mark_deleting("legal", False)    # a refused deletion takes its mark back
+    await manage.create_tenant_model(ACME, "contracts", "minilm-plot", "legal", labelled())
+    with pytest.raises(FailedPrecondition, match="used by 1 tenant model"):
+        await manage.delete_domain(ADMIN, "legal")
+    assert not (await domains.get("legal")).deleting
+    await manage.create_tenant_model(GLOBEX, "briefs", "minilm-plot", "legal", labelled())
+    assert [m.name for m in await manage.list_tenant_models(GLOBEX)] == ["briefs"]
+
+
 BAD_DOMAINS = [
     ({"name": "../etc"}, InvalidArgument, "name='../etc' is invalid"),
     ({"top_percent": 150.0}, InvalidArgument, "top_percent=150.0 is invalid: it must be in (0, 100]"),
