@@ -1,6 +1,7 @@
-"""Head-of-line blocking on a multiplexed stream: how long small calls wait behind one large request.
+"""Head-of-line blocking on a multiplexed stream: how long small calls wait behind one large request
+(or, with `--replies`, behind one large reply).
 
-    python -m academus.loadgen.frame_hol [--sizes-mib 0.25 1 4 16] [--repeats 5]
+    python -m academus.loadgen.frame_hol [--sizes-mib 0.25 1 4 16] [--repeats 5] [--replies]
 
 A loopback server in a process of its own answers every call with two bytes, served both ways (unary,
 and as frames of `academus.v1.Multiplex/Calls`, as every Academus server is). For each size, a large request
@@ -9,6 +10,9 @@ is sent and, while it travels, small calls one after another; the arms are:
 - `unary`: every call its own HTTP/2 stream (ACADEMUS_HOP_STREAMS=false);
 - `frames`: every call a frame of the one stream, however large (the stream before MAX_FRAME_BYTES);
 - `mixed`: MultiplexChannel as the services use it: frames, and a request past MAX_FRAME_BYTES alone.
+
+With `--replies` the large call is a small request answered with that many bytes: `frames` then gets every
+reply whole, and `mixed` a reply past MAX_FRAME_BYTES in pieces of that size, the small replies between them.
 
 Reported per arm and size: the small calls' median and worst latency while the large one was in flight,
 and the large call's own time (medians over the repeats). The last line printed is the JSON summary.
@@ -36,7 +40,7 @@ Call = Callable[[bytes], Awaitable[bytes]]
 
 
 async def answer(request: bytes, context) -> bytes:
-    return b"ok"
+    return b"x" * int(request[6:]) if request.startswith(b"reply:") else b"ok"
 
 
 async def serve(ports: multiprocessing.Queue) -> None:
@@ -68,7 +72,7 @@ async def one_round(call: Call, large: bytes) -> tuple[list[float], float]:
     return small, await big
 
 
-async def measure(port: int, sizes_mib: list[float], repeats: int) -> dict:
+async def measure(port: int, sizes_mib: list[float], repeats: int, replies: bool = False) -> dict:
     channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=LIMITS) for _ in range(3)]
     arms: dict[str, Call] = {
         "unary": channels[0].unary_unary(METHOD),
@@ -78,7 +82,7 @@ async def measure(port: int, sizes_mib: list[float], repeats: int) -> dict:
     results: dict[str, dict] = {}
     try:
         for size in sizes_mib:
-            large = b"x" * int(size * (1 << 20))
+            large = b"reply:%d" % int(size * (1 << 20)) if replies else b"x" * int(size * (1 << 20))
             for arm, call in arms.items():
                 for _ in range(20):  # the stream or the call path warm
                     await call(b"s")
@@ -90,7 +94,8 @@ async def measure(port: int, sizes_mib: list[float], repeats: int) -> dict:
     finally:
         for ch in channels:
             await ch.close()
-    return {"max_frame_bytes": MAX_FRAME_BYTES, "repeats": repeats, "arms": results}
+    return {"max_frame_bytes": MAX_FRAME_BYTES, "repeats": repeats, "large": "reply" if replies else "request",
+            "arms": results}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,12 +103,13 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes-mib", type=float, nargs="+", default=[0.25, 1, 4, 16])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--replies", action="store_true", help="the large call is a large reply, not a large request")
     args = p.parse_args(argv)
     ports: multiprocessing.Queue = multiprocessing.Queue()
     server = multiprocessing.Process(target=run_server, args=(ports,), daemon=True)
     server.start()
     try:
-        print(json.dumps(uvloop.run(measure(ports.get(timeout=30), args.sizes_mib, args.repeats))))
+        print(json.dumps(uvloop.run(measure(ports.get(timeout=30), args.sizes_mib, args.repeats, args.replies))))
     finally:
         server.terminate()
     return 0

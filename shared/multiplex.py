@@ -19,13 +19,17 @@ ones a unary call has:
 
 A frame is written whole before the next one, so a large request (a PLOT-state batch is megabytes) would
 hold up every small call behind it: a request past `max_frame_bytes` goes as a unary call of its own,
-which HTTP/2 interleaves with the stream (`python -m academus.loadgen.frame_hol`).
+which HTTP/2 interleaves with the stream (`python -m academus.loadgen.frame_hol`). A reply cannot leave
+the stream (the server answers a frame with frames), so one past the caller's `max_frame_bytes`, which the
+caller sends in the stream's metadata, comes in pieces of that size (`ReplyFrame.more`), and replies that
+wait go between them (`frame_hol --replies`). A caller that sends no size gets every reply whole.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -34,7 +38,7 @@ from opentelemetry.trace import TracerProvider
 from prometheus_client import Counter
 
 from academus.shared.interceptors import UnaryBehavior, UnaryServerInterceptor
-from academus.shared.metrics import MULTIPLEXED
+from academus.shared.metrics import MULTIPLEXED, REPLIES_IN_PIECES
 from academus.shared.tracing import client_tracer, end_client_span, start_client_span
 from academus.v1 import multiplex_pb2, multiplex_pb2_grpc
 
@@ -44,6 +48,7 @@ CODES = {c.value[0]: c for c in grpc.StatusCode}
 # Past this a request rides a unary call of its own: on loopback a frame holds the stream ~4 us a KiB
 # (frame_hol), so 64 KiB holds it ~0.26 ms, about what a frame saves against a unary call (grpc_floor).
 MAX_FRAME_BYTES = 64 * 1024
+FRAME_BYTES_KEY = "academus-frame-bytes"   # Calls metadata: the caller's max_frame_bytes, the replies' piece size
 
 
 def rpc_error(code: grpc.StatusCode, details: str, trailers: Sequence[tuple[str, str]] = ()) -> grpc.aio.AioRpcError:
@@ -62,6 +67,7 @@ class _Stream:
     def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
         self.call = call
         self.pending: dict[int, asyncio.Future] = {}
+        self.pieces: dict[int, list[bytes]] = {}   # the pieces so far of replies that come in pieces
         self.broken: grpc.aio.AioRpcError | None = None
         self.outbox: asyncio.Queue[multiplex_pb2.CallFrame] = asyncio.Queue()
         self.writer = asyncio.ensure_future(self._write())
@@ -90,6 +96,11 @@ class _Stream:
     async def _read(self) -> None:
         try:
             async for reply in self.call:
+                if reply.more:
+                    self.pieces.setdefault(reply.id, []).append(reply.payload)
+                    continue
+                if reply.id in self.pieces:
+                    reply.payload = b"".join([*self.pieces.pop(reply.id), reply.payload])
                 future = self.pending.pop(reply.id, None)
                 if future is not None and not future.done():
                     future.set_result(reply)
@@ -107,7 +118,7 @@ class _Stream:
             self.broken = rpc_error(grpc.StatusCode.UNAVAILABLE, details)
             self.call.cancel()
             self.writer.cancel()
-        pending, self.pending = self.pending, {}
+        pending, self.pending, self.pieces = self.pending, {}, {}
         for future in pending.values():
             if not future.done():
                 future.set_exception(self.broken)
@@ -137,7 +148,7 @@ class MultiplexChannel:
 
     def stream(self) -> _Stream:
         if self._stream is None or self._stream.broken is not None:
-            self._stream = _Stream(self._calls())
+            self._stream = _Stream(self._calls(metadata=((FRAME_BYTES_KEY, str(self.max_frame_bytes)),)))
         return self._stream
 
     async def close(self) -> None:
@@ -253,11 +264,11 @@ class MultiplexServicer(multiplex_pb2_grpc.MultiplexServicer):
         self._streams: set[_ServedStream] = set()
 
     async def Calls(self, request_iterator, context: grpc.aio.ServicerContext):
-        served = _ServedStream(self)
+        served = _ServedStream(self, piece_bytes(context.invocation_metadata()))
         self._streams.add(served)
         reader = asyncio.ensure_future(served.read(request_iterator))
         try:
-            while (reply := await served.replies.get()) is not None:
+            while (reply := await served.next_reply()) is not None:
                 yield reply
         finally:
             self._streams.discard(served)
@@ -275,11 +286,37 @@ class MultiplexServicer(multiplex_pb2_grpc.MultiplexServicer):
 class _ServedStream:
     """One client's Calls stream on the server: its running calls by id and the replies to send."""
 
-    def __init__(self, servicer: MultiplexServicer) -> None:
+    def __init__(self, servicer: MultiplexServicer, piece: int = 0) -> None:
         self.servicer = servicer
         self.running: dict[int, asyncio.Task] = {}
         self.closing = False   # half-closed by the client, or the server drains: end once idle
         self.replies: asyncio.Queue[multiplex_pb2.ReplyFrame | None] = asyncio.Queue()
+        self.piece = piece     # 0: replies go whole
+        self.rest: deque[tuple[int, bytes, int]] = deque()   # large replies still to send: id, payload, offset
+        self.ended = False     # the end was taken from the queue while pieces were left
+
+    async def next_reply(self) -> multiplex_pb2.ReplyFrame | None:
+        """The next frame to send, None to end: a waiting reply before the next piece of a large one, and
+        the large ones' pieces in turn, so no reply waits behind more than one piece."""
+        if self.rest and (self.ended or self.replies.empty()):
+            return self._next_piece()
+        if self.ended:
+            return None
+        reply = await self.replies.get()
+        if reply is None and self.rest:
+            self.ended = True
+            return self._next_piece()
+        if reply is None or not self.piece or len(reply.payload) <= self.piece:
+            return reply
+        self.rest.append((reply.id, reply.payload, 0))
+        return self._next_piece()
+
+    def _next_piece(self) -> multiplex_pb2.ReplyFrame:
+        call_id, payload, offset = self.rest.popleft()
+        end = offset + self.piece
+        if end < len(payload):
+            self.rest.append((call_id, payload, end))
+        return multiplex_pb2.ReplyFrame(id=call_id, payload=payload[offset:end], more=end < len(payload))
 
     async def read(self, request_iterator) -> None:
         try:
@@ -299,7 +336,10 @@ class _ServedStream:
 
     async def serve(self, frame: multiplex_pb2.CallFrame) -> None:
         try:
-            self.replies.put_nowait(await self.answer(frame))
+            reply = await self.answer(frame)
+            if self.piece and len(reply.payload) > self.piece:
+                REPLIES_IN_PIECES.labels(frame.method).inc()
+            self.replies.put_nowait(reply)
         except asyncio.CancelledError:
             pass  # the caller left: nobody waits for an answer
         finally:
@@ -351,6 +391,12 @@ class MethodCapture:
 
     def __getattr__(self, name: str):  # add_generic_rpc_handlers and the rest go to the server
         return getattr(self.server, name)
+
+
+def piece_bytes(metadata: Sequence[tuple[str, str | bytes]] | None) -> int:
+    """The caller's frame size from its Calls metadata; 0 (replies whole) when it sent none."""
+    value = dict(metadata or ()).get(FRAME_BYTES_KEY, "")
+    return int(value) if isinstance(value, str) and value.isdigit() else 0
 
 
 def reply_status(call_id: int, code: grpc.StatusCode, details: str,

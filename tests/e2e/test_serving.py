@@ -10,6 +10,7 @@ import threading
 import time
 
 import grpc
+import numpy as np
 import pytest
 
 from academus.client import AcademusError, AsyncClient, Client
@@ -93,13 +94,19 @@ async def test_a_streams_client_gets_the_same_answers_and_refusals_as_unary_call
     hops ride such streams too (ACADEMUS_HOP_STREAMS, on by default)."""
     gateway, scheduler, worker = (service(mesh, n) for n in ("gateway", "scheduler", "worker-0"))
 
+    def in_pieces() -> list[float]:
+        return [metric(gateway.metrics_port, "academus_multiplexed_replies_in_pieces_total",
+                       method="/academus.v1.Inference/Infer"),
+                metric(scheduler.metrics_port, "academus_multiplexed_replies_in_pieces_total",
+                       method="/academus.v1.Scheduler/Schedule")]
+
     def framed() -> list[float]:
         return [metric(gateway.metrics_port, "academus_multiplexed_calls_total", method="/academus.v1.Inference/Infer"),
                 metric(scheduler.metrics_port, "academus_multiplexed_calls_total",
                        method="/academus.v1.Scheduler/Schedule"),
                 metric(worker.metrics_port, "academus_multiplexed_calls_total", method="/academus.v1.Worker/Run")]
 
-    before = framed()
+    before, pieces_before = framed(), in_pieces()
     async with AsyncClient(mesh.gateway, api_key=admin_key) as unary, \
             AsyncClient(mesh.gateway, api_key=admin_key, streams=True) as streams:
         expected = await asyncio.gather(*(unary.infer("spam", [t]) for t in TEXTS))
@@ -109,15 +116,23 @@ async def test_a_streams_client_gets_the_same_answers_and_refusals_as_unary_call
         long_texts = [f"{t} " * 60 for t in TEXTS] * 9   # past MAX_FRAME_BYTES: a unary call of its own
         assert len(InferRequest(inputs=[TextInput(text=t) for t in long_texts]).SerializeToString()) > MAX_FRAME_BYTES
         long_unary, long_streams = await unary.infer("spam", long_texts), await streams.infer("spam", long_texts)
+        many = [f"{t} {i}" for i, t in enumerate(TEXTS * 16)][:64]   # 64 embeddings: a reply past MAX_FRAME_BYTES
+        embedded_unary, embedded_streams = await unary.infer("minilm", many), await streams.infer("minilm", many)
     assert [p.label for p in long_streams.predictions] == [p.label for p in long_unary.predictions]
     assert [r.predictions[0].label for r in served] == [r.predictions[0].label for r in expected]
+    assert 4 * sum(len(p.embedding) for p in embedded_streams.predictions) > MAX_FRAME_BYTES  # float32 each
+    assert len(embedded_streams.predictions) == 64 and all(
+        np.allclose(a.embedding, b.embedding, atol=1e-5)
+        for a, b in zip(embedded_streams.predictions, embedded_unary.predictions, strict=True))
+    gateway_pieces, scheduler_pieces = (a - b for a, b in zip(in_pieces(), pieces_before, strict=True))
+    assert gateway_pieces == 1 and scheduler_pieces >= 1   # the streams client's reply; one or both of the two
     assert too_many.value.code == "INVALID_ARGUMENT" and "the limit is 64" in too_many.value.details
     async with AsyncClient(mesh.gateway, api_key="wrong", streams=True) as stranger:
         with pytest.raises(AcademusError) as refused:
             await stranger.infer("spam", ["hi"])
     assert refused.value.code == "UNAUTHENTICATED" and "invalid API key" in refused.value.details
     gateway_frames, scheduler_frames, worker_frames = (a - b for a, b in zip(framed(), before, strict=True))
-    assert gateway_frames == len(TEXTS) + 2   # the streams client's small calls, the refused two among them
+    assert gateway_frames == len(TEXTS) + 3   # the streams client's small calls: the refused two, the 64 texts
     assert scheduler_frames >= 2 * len(TEXTS) and worker_frames >= 1  # both clients' requests; batches merge
 
 

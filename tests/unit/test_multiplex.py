@@ -16,6 +16,7 @@ from opentelemetry.trace import SpanKind
 
 from academus.shared.errors import ResourceExhausted, abort_with, from_rpc_error
 from academus.shared.multiplex import (
+    CALLS_METHOD,
     MAX_FRAME_BYTES,
     FrameContext,
     MultiplexChannel,
@@ -25,7 +26,7 @@ from academus.shared.multiplex import (
 )
 from academus.shared.serving import Stubs
 from academus.shared.tracing import ServerSpans
-from academus.v1 import multiplex_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, tensors_pb2
+from academus.v1 import multiplex_pb2, multiplex_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, tensors_pb2
 
 METHOD = "/t.Probe/Answer"
 
@@ -57,6 +58,8 @@ class Probe:
             await abort_with(context, ResourceExhausted("queue full (capacity 4)", pushback_ms=25))
         if request == b"fail":
             raise ValueError("a bug")
+        if request.startswith(b"reply:"):  # a reply of that many bytes
+            return bytes(range(256)) * (int(request[6:]) // 256)
         return b"ok:" + payload
 
 
@@ -132,6 +135,52 @@ async def test_a_large_request_rides_a_call_of_its_own_and_keeps_the_contract(mu
     assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     await asyncio.wait_for(probe.cancelled.wait(), 5)
     assert probe.framed == [False, True, False, False]
+
+
+async def test_a_large_reply_comes_in_pieces_and_a_reply_behind_it_goes_between_them(mux):
+    large = 1 << 20
+    expected = bytes(range(256)) * (large // 256)
+    for piece, small_first in ((1024, True), (1 << 40, False)):   # pieces of 1 KiB; every reply whole
+        channel = MultiplexChannel(grpc.aio.insecure_channel(f"127.0.0.1:{mux.port}"), max_frame_bytes=piece)
+        call = channel.unary_unary(METHOD)
+        try:
+            assert await call(b"warm", timeout=5) == b"ok:warm"
+            big = asyncio.ensure_future(call(b"reply:%d" % large, timeout=10))
+            await asyncio.sleep(0)        # its frame is sent first
+            assert await call(b"small", timeout=10) == b"ok:small"
+            assert big.done() is not small_first, f"piece {piece}: the small reply waited behind the large"
+            assert await big == expected
+            assert await call(b"after", timeout=5) == b"ok:after"
+        finally:
+            await channel.close()
+
+
+async def test_a_caller_that_sends_no_frame_size_gets_every_reply_whole(mux):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{mux.port}") as channel:
+        calls = channel.stream_stream(CALLS_METHOD, request_serializer=multiplex_pb2.CallFrame.SerializeToString,
+                                      response_deserializer=multiplex_pb2.ReplyFrame.FromString)()
+        await calls.write(multiplex_pb2.CallFrame(id=7, method=METHOD, payload=b"reply:%d" % (4 * MAX_FRAME_BYTES)))
+        reply = await asyncio.wait_for(calls.read(), 5)
+        assert (reply.id, reply.code, reply.more, len(reply.payload)) == (7, 0, False, 4 * MAX_FRAME_BYTES)
+        calls.cancel()
+
+
+async def test_a_caller_that_leaves_during_a_replys_pieces_keeps_its_stream(mux):
+    channel = MultiplexChannel(grpc.aio.insecure_channel(f"127.0.0.1:{mux.port}"), max_frame_bytes=256)
+    call = channel.unary_unary(METHOD)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as late:
+            await call(b"reply:%d" % (16 << 20), timeout=0.05)   # 65536 pieces: it cannot all arrive in time
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert await call(b"reply:4096", timeout=30) == bytes(range(256)) * 16
+        stream = channel.stream()
+        for _ in range(300):          # the abandoned reply's pieces are dropped once its last one is in
+            if not stream.pieces:
+                break
+            await asyncio.sleep(0.1)
+        assert not stream.pieces and not stream.pending and stream.broken is None
+    finally:
+        await channel.close()
 
 
 async def test_the_deadline_answers_deadline_exceeded_and_stops_the_handler(mux):

@@ -31,15 +31,17 @@ class CallFrame(_message.Message):
     def __init__(self, id: _Optional[int] = ..., method: _Optional[str] = ..., payload: _Optional[bytes] = ..., timeout_s: _Optional[float] = ..., metadata: _Optional[_Iterable[_Union[MetadataEntry, _Mapping]]] = ..., cancel: _Optional[bool] = ...) -> None: ...
 
 class ReplyFrame(_message.Message):
-    __slots__ = ("id", "code", "details", "payload", "trailers")
+    __slots__ = ("id", "code", "details", "payload", "trailers", "more")
     ID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     DETAILS_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     TRAILERS_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     id: int
     code: int
     details: str
     payload: bytes
     trailers: _containers.RepeatedCompositeFieldContainer[MetadataEntry]
-    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., payload: _Optional[bytes] = ..., trailers: _Optional[_Iterable[_Union[MetadataEntry, _Mapping]]] = ...) -> None: ...
+    more: bool
+    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., payload: _Optional[bytes] = ..., trailers: _Optional[_Iterable[_Union[MetadataEntry, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
