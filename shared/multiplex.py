@@ -49,6 +49,9 @@ CODES = {c.value[0]: c for c in grpc.StatusCode}
 # (frame_hol), so 64 KiB holds it ~0.26 ms, about what a frame saves against a unary call (grpc_floor).
 MAX_FRAME_BYTES = 64 * 1024
 FRAME_BYTES_KEY = "academus-frame-bytes"   # Calls metadata: the caller's max_frame_bytes, the replies' piece size
+# The smallest piece a caller may ask for (HTTP/2's default frame): the gateway serves Calls to the public, and
+# a 1-byte piece would turn one reply into as many frames as it has bytes.
+MIN_PIECE_BYTES = 16 * 1024
 
 
 def rpc_error(code: grpc.StatusCode, details: str, trailers: Sequence[tuple[str, str]] = ()) -> grpc.aio.AioRpcError:
@@ -394,9 +397,12 @@ class MethodCapture:
 
 
 def piece_bytes(metadata: Sequence[tuple[str, str | bytes]] | None) -> int:
-    """The caller's frame size from its Calls metadata; 0 (replies whole) when it sent none."""
+    """The caller's frame size from its Calls metadata, at least MIN_PIECE_BYTES; 0 (replies whole) when it
+    sent none."""
     value = dict(metadata or ()).get(FRAME_BYTES_KEY, "")
-    return int(value) if isinstance(value, str) and value.isdigit() else 0
+    if not (isinstance(value, str) and value.isdigit() and int(value)):
+        return 0
+    return max(int(value), MIN_PIECE_BYTES)
 
 
 def reply_status(call_id: int, code: grpc.StatusCode, details: str,

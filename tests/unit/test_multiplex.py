@@ -17,11 +17,14 @@ from opentelemetry.trace import SpanKind
 from academus.shared.errors import ResourceExhausted, abort_with, from_rpc_error
 from academus.shared.multiplex import (
     CALLS_METHOD,
+    FRAME_BYTES_KEY,
     MAX_FRAME_BYTES,
+    MIN_PIECE_BYTES,
     FrameContext,
     MultiplexChannel,
     MultiplexedMethod,
     MultiplexServicer,
+    piece_bytes,
     serve_multiplexed,
 )
 from academus.shared.serving import Stubs
@@ -138,9 +141,9 @@ async def test_a_large_request_rides_a_call_of_its_own_and_keeps_the_contract(mu
 
 
 async def test_a_large_reply_comes_in_pieces_and_a_reply_behind_it_goes_between_them(mux):
-    large = 1 << 20
+    large = 2 << 20                   # whole, it stays under gRPC's 4 MiB message limit
     expected = bytes(range(256)) * (large // 256)
-    for piece, small_first in ((1024, True), (1 << 40, False)):   # pieces of 1 KiB; every reply whole
+    for piece, small_first in ((1024, True), (1 << 40, False)):   # pieces of 16 KiB (the least); every reply whole
         channel = MultiplexChannel(grpc.aio.insecure_channel(f"127.0.0.1:{mux.port}"), max_frame_bytes=piece)
         call = channel.unary_unary(METHOD)
         try:
@@ -165,12 +168,19 @@ async def test_a_caller_that_sends_no_frame_size_gets_every_reply_whole(mux):
         calls.cancel()
 
 
+def test_a_caller_asks_for_pieces_of_at_least_16_kib():
+    assert piece_bytes([(FRAME_BYTES_KEY, "1")]) == MIN_PIECE_BYTES == 16 * 1024
+    assert piece_bytes([(FRAME_BYTES_KEY, str(1 << 20))]) == 1 << 20
+    assert piece_bytes([]) == piece_bytes(None) == piece_bytes([(FRAME_BYTES_KEY, "0")]) == 0
+    assert piece_bytes([(FRAME_BYTES_KEY, "-5")]) == piece_bytes([(FRAME_BYTES_KEY, b"65536")]) == 0
+
+
 async def test_a_caller_that_leaves_during_a_replys_pieces_keeps_its_stream(mux):
-    channel = MultiplexChannel(grpc.aio.insecure_channel(f"127.0.0.1:{mux.port}"), max_frame_bytes=256)
+    channel = MultiplexChannel(grpc.aio.insecure_channel(f"127.0.0.1:{mux.port}"), max_frame_bytes=1)
     call = channel.unary_unary(METHOD)
     try:
         with pytest.raises(grpc.aio.AioRpcError) as late:
-            await call(b"reply:%d" % (16 << 20), timeout=0.05)   # 65536 pieces: it cannot all arrive in time
+            await call(b"reply:%d" % (32 << 20), timeout=0.02)   # 2048 pieces: it cannot all arrive in time
         assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert await call(b"reply:4096", timeout=30) == bytes(range(256)) * 16
         stream = channel.stream()
