@@ -82,12 +82,13 @@ class DomainRegistry:
         return True
 
     async def mark_deleting(self, name: str, deleting: bool = True) -> bool:
-        """Marks (or unmarks) the domain as being deleted; False when there is no such domain."""
+        """Marks (or unmarks) the domain as being deleted; False when there is no such domain. A mark left
+        by a gateway that died mid-delete refuses new tenant models until DeleteDomain is called again."""
         return bool(await self._mark_deleting(keys=[self.keys.domain(name)], args=[int(deleting)]))
 
     async def delete(self, name: str, table: Path | None) -> None:
-        """The record, then the overlay's files (a plot service that loaded them keeps its mapped copy
-        until it restarts)."""
+        """The record, then the overlay's files (workers and plot services that loaded them drop their
+        mapped copy at their next lookup of the domain)."""
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(self.keys.domain(name))
             pipe.srem(self.keys.domains(), name)
