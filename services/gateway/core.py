@@ -3,6 +3,7 @@ No gRPC here."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -82,28 +83,45 @@ class Authenticator:
 
 
 class Catalogue:
-    """Model name -> ModelSpec as registered by workers; re-read on a miss, at most every 100 ms."""
+    """Model name -> ModelSpec as registered by workers; re-read on a miss, at most every MISS_READ_S."""
+
+    MISS_READ_S = 0.1
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, clock: Callable[[], float] = time.monotonic) -> None:
         self.redis, self.keys, self.clock = redis, keys, clock
         self.models: dict[str, ModelSpec] = {}
-        self._read_at = float("-inf")
+        self._read_at = float("-inf")      # when the last finished read began
+        self._reading: asyncio.Future | None = None
 
     async def refresh(self) -> None:
+        started = self.clock()
         raw = await self.redis.hgetall(self.keys.models())
         self.models = {name: ModelSpec.from_json(spec) for name, spec in raw.items()}
-        self._read_at = self.clock()
+        self._read_at = max(self._read_at, started)
 
     async def find(self, name: str) -> ModelSpec | None:
-        if name not in self.models and self.clock() - self._read_at > 0.1:
+        """The model, from a read at most MISS_READ_S old on a miss (a tenant model's name misses every time:
+        it does not wait)."""
+        if name not in self.models and self.clock() - self._read_at > self.MISS_READ_S:
             await self.refresh()
         return self.models.get(name)
 
-    async def get(self, name: str) -> ModelSpec:
-        spec = await self.find(name)
-        if spec is None:
-            raise self.not_found(name)
-        return spec
+    async def find_registered(self, name: str, missed_at: float) -> ModelSpec | None:
+        """The model from a read begun after `missed_at`: before a name is answered NOT_FOUND, a worker that
+        registered it just before the request must be seen. Waits for the next read (at most MISS_READ_S
+        after the last); the misses meanwhile share it."""
+        while name not in self.models and self._read_at <= missed_at:
+            if self._reading is None:
+                self._reading = asyncio.ensure_future(self._throttled_read())
+            await asyncio.shield(self._reading)
+        return self.models.get(name)
+
+    async def _throttled_read(self) -> None:
+        try:
+            await asyncio.sleep(max(0.0, self._read_at + self.MISS_READ_S - self.clock()))
+            await self.refresh()
+        finally:
+            self._reading = None
 
     def not_found(self, name: str) -> NotFound:
         """The one answer for a name the caller cannot use, whether or not another tenant has a model so named."""
@@ -172,11 +190,15 @@ class Gateway:
 
     async def resolve(self, principal: Principal, name: str) -> tuple[ModelSpec, TenantModel | None]:
         """A served model by that name, else the caller's own tenant model (never another tenant's)."""
+        missed_at = self.catalogue.clock()
         spec = await self.catalogue.find(name)
         if spec is not None:
             return spec, None
         model = await self.tenant_models.get(principal.tenant, name)
         if model is None:
+            spec = await self.catalogue.find_registered(name, missed_at)
+            if spec is not None:
+                return spec, None
             raise self.catalogue.not_found(name)
         if model.status != READY:  # training takes minutes, a failed one never serves: not worth a retry
             raise FailedPrecondition(f"model {name!r} is {model.status}, not ready to serve")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+
 import pytest
 
 from academus.services.gateway.core import (
@@ -89,6 +92,31 @@ async def test_long_text_without_truncation_names_the_token_limit(gateway):
 async def test_unknown_model_is_not_found_and_lists_served(gateway):
     with pytest.raises(NotFound, match="'nope' not found; served models: minilm, spam"):
         await gateway.admit("good-key", call(["hi"], model="nope"))
+
+
+async def test_a_model_registered_just_after_a_catalogue_read_is_served_not_refused(gateway, redis_url, tokenizer):
+    """A worker registers a model within MISS_READ_S of the gateway's last read (`academus up` returns then):
+    the request waits for the next read instead of answering NOT_FOUND, and misses share that read."""
+    ticks = itertools.count()
+    catalogue = Catalogue(gateway.catalogue.redis, KEYS, clock=lambda: next(ticks) * 0.001)  # 1 ms a look
+    gateway = Gateway(gateway.config, tokenizer, gateway.auth, catalogue)
+    await gateway.admit("good-key", call(["hi"]))                 # the catalogue is read now
+    reads = 0
+    refresh = catalogue.refresh
+
+    async def counted() -> None:
+        nonlocal reads
+        reads += 1
+        await refresh()
+
+    catalogue.refresh = counted
+    await catalogue.redis.hset(KEYS.models(), "fresh", ModelSpec("fresh", EMBEDDING).to_json())
+    admitted, *refused = await asyncio.gather(gateway.admit("good-key", call(["hi"], model="fresh")),
+                                              *(gateway.admit("good-key", call(["hi"], model="nope"))
+                                                for _ in range(5)), return_exceptions=True)
+    assert not isinstance(admitted, Exception), admitted
+    assert admitted.spec.name == "fresh" and reads == 1
+    assert all(isinstance(e, NotFound) and "served models: fresh, minilm, spam" in e.message for e in refused)
 
 
 async def test_label_from_embedding_model_is_invalid(gateway):
