@@ -296,23 +296,23 @@ class _ServedStream:
         self.replies: asyncio.Queue[multiplex_pb2.ReplyFrame | None] = asyncio.Queue()
         self.piece = piece     # 0: replies go whole
         self.rest: deque[tuple[int, bytes, int]] = deque()   # large replies still to send: id, payload, offset
-        self.ended = False     # the end was taken from the queue while pieces were left
 
     async def next_reply(self) -> multiplex_pb2.ReplyFrame | None:
         """The next frame to send, None to end: a waiting reply before the next piece of a large one, and
         the large ones' pieces in turn, so no reply waits behind more than one piece."""
-        if self.rest and (self.ended or self.replies.empty()):
+        if self.rest and self.replies.empty():
             return self._next_piece()
-        if self.ended:
-            return None
         reply = await self.replies.get()
         if reply is None and self.rest:
-            self.ended = True
+            self.replies.put_nowait(None)   # the end goes behind the pieces left
             return self._next_piece()
-        if reply is None or not self.piece or len(reply.payload) <= self.piece:
-            return reply
-        self.rest.append((reply.id, reply.payload, 0))
-        return self._next_piece()
+        if reply is not None and self.in_pieces(reply):
+            self.rest.append((reply.id, reply.payload, 0))
+            return self._next_piece()
+        return reply
+
+    def in_pieces(self, reply: multiplex_pb2.ReplyFrame) -> bool:
+        return 0 < self.piece < len(reply.payload)
 
     def _next_piece(self) -> multiplex_pb2.ReplyFrame:
         call_id, payload, offset = self.rest.popleft()
@@ -340,7 +340,7 @@ class _ServedStream:
     async def serve(self, frame: multiplex_pb2.CallFrame) -> None:
         try:
             reply = await self.answer(frame)
-            if self.piece and len(reply.payload) > self.piece:
+            if self.in_pieces(reply):
                 REPLIES_IN_PIECES.labels(frame.method).inc()
             self.replies.put_nowait(reply)
         except asyncio.CancelledError:

@@ -91,7 +91,7 @@ class Catalogue:
         self.redis, self.keys, self.clock = redis, keys, clock
         self.models: dict[str, ModelSpec] = {}
         self._read_at = float("-inf")      # when the last finished read began
-        self._reading: asyncio.Future | None = None
+        self._miss_read = asyncio.Lock()
 
     async def refresh(self) -> None:
         started = self.clock()
@@ -108,20 +108,13 @@ class Catalogue:
 
     async def find_registered(self, name: str, missed_at: float) -> ModelSpec | None:
         """The model from a read begun after `missed_at`: before a name is answered NOT_FOUND, a worker that
-        registered it just before the request must be seen. Waits for the next read (at most MISS_READ_S
-        after the last); the misses meanwhile share it."""
-        while name not in self.models and self._read_at <= missed_at:
-            if self._reading is None:
-                self._reading = asyncio.ensure_future(self._throttled_read())
-            await asyncio.shield(self._reading)
+        registered it just before the request must be seen. One such read at a time, at most one every
+        MISS_READ_S; a miss waiting behind one that began after it uses that one."""
+        async with self._miss_read:
+            if name not in self.models and self._read_at <= missed_at:
+                await asyncio.sleep(max(0.0, self._read_at + self.MISS_READ_S - self.clock()))
+                await self.refresh()
         return self.models.get(name)
-
-    async def _throttled_read(self) -> None:
-        try:
-            await asyncio.sleep(max(0.0, self._read_at + self.MISS_READ_S - self.clock()))
-            await self.refresh()
-        finally:
-            self._reading = None
 
     def not_found(self, name: str) -> NotFound:
         """The one answer for a name the caller cannot use, whether or not another tenant has a model so named."""

@@ -34,11 +34,11 @@ import numpy as np
 
 from academus.shared.plot.ngrams import pack, window_starts, windows
 from academus.shared.plot.table import (
-    MANIFEST,
     ROOT,
     PlotError,
     PlotVersion,
     TableError,
+    build_stamp,
     check_compatible,
     load_version,
     window_table,
@@ -89,7 +89,6 @@ class PlotStore:
             raise ValueError(f"slot_weights {slot_weights} must be {self.ngram} positive numbers "
                              f"(one per slot of the table's {self.ngram}-gram windows)")
         self.domains = dict(domains or {})
-        self._stamps = {name: build_stamp(overlay.path) for name, overlay in self.domains.items()}
         self.slot_weights = tuple(float(w) for w in slot_weights)
         for name, overlay in self.domains.items():
             self._check_overlay(name, overlay)
@@ -124,7 +123,6 @@ class PlotStore:
     def add_domain(self, name: str, overlay: PlotVersion) -> None:
         """An overlay built after the store was opened, checked as those opened with it are."""
         self._check_overlay(name, overlay)
-        self._stamps[name] = build_stamp(overlay.path)
         self.domains[name] = overlay
 
     def load_domain(self, name: str, verify: bool = True) -> bool:
@@ -137,10 +135,10 @@ class PlotStore:
         loaded = self.domains.get(name)
         directory = loaded.path if loaded is not None else self.root.path.parent / DOMAINS_DIR / name
         stamp = build_stamp(directory)
-        if loaded is not None and stamp is not None and stamp == self._stamps.get(name):
+        if loaded is not None and stamp is not None and stamp == loaded.stamp:
             return True
-        if stamp is None:
-            self._drop_domain(name)
+        if stamp is None:  # deleted: a lookup running on it keeps its reference, the memmaps close after it
+            self.domains.pop(name, None)
             return False
         m = self.root.manifest
         self.add_domain(name, load_version(directory, model=m.model, lower_layers=m.lower_layers, ngram=m.ngram,
@@ -153,11 +151,6 @@ class PlotStore:
         for name in sorted(set(self.domains) | set(available_domains(self.root.path.parent))):
             self.load_domain(name)
         return sorted(self.domains)
-
-    def _drop_domain(self, name: str) -> None:
-        """A lookup already running keeps its reference; the memmaps close when the last one goes."""
-        self.domains.pop(name, None)
-        self._stamps.pop(name, None)
 
     @property
     def root_entries(self) -> int:
@@ -286,16 +279,6 @@ class PlotStore:
 
         return {"model": self.model, "lower_layers": self.lower_layers, "ngram": self.ngram, "hidden": self.hidden,
                 "root": version(self.root), "domains": {n: version(v) for n, v in sorted(self.domains.items())}}
-
-
-def build_stamp(version_dir: Path) -> tuple[int, int] | None:
-    """Which build of a version is on disk: its manifest's inode and mtime (a rebuild publishes a new
-    directory, so both change); None when there is none."""
-    try:
-        found = (Path(version_dir) / MANIFEST).stat()
-    except OSError:
-        return None
-    return found.st_ino, found.st_mtime_ns
 
 
 def available_domains(directory: Path) -> list[str]:

@@ -110,6 +110,7 @@ class PlotVersion:
     path: Path
     manifest: PlotManifest
     tables: dict[str, NgramTable]
+    stamp: tuple[int, int] | None = None   # which build of `path` was loaded (build_stamp, taken first)
 
     @property
     def nbytes(self) -> int:
@@ -188,6 +189,7 @@ def load_version(directory: Path, *, model: str | None = None, lower_layers: int
                  ngram: int | None = None, verify: bool = True) -> PlotVersion:
     """Opens a version after checking its manifest (and, with `verify`, every file's sha256)."""
     directory = Path(directory)
+    stamp = build_stamp(directory)   # before the files: a rebuild while they are read shows as a new stamp
     manifest = read_manifest(directory)
     check_compatible(manifest, str(directory), model, lower_layers, ngram)
     if verify:
@@ -196,7 +198,17 @@ def load_version(directory: Path, *, model: str | None = None, lower_layers: int
     if unknown:
         raise TableError(f"{directory}/{MANIFEST} lists unknown tables {sorted(unknown)}")
     tables = {name: _open_table(directory, manifest, name) for name in manifest.counts}
-    return PlotVersion(directory, manifest, tables)
+    return PlotVersion(directory, manifest, tables, stamp)
+
+
+def build_stamp(version_dir: Path) -> tuple[int, int] | None:
+    """Which build of a version is on disk: its manifest's inode and mtime (a rebuild publishes a new
+    directory, so both change); None when there is none."""
+    try:
+        found = (Path(version_dir) / MANIFEST).stat()
+    except OSError:
+        return None
+    return found.st_ino, found.st_mtime_ns
 
 
 class VersionWriter:

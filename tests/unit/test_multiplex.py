@@ -24,6 +24,7 @@ from academus.shared.multiplex import (
     MultiplexChannel,
     MultiplexedMethod,
     MultiplexServicer,
+    _ServedStream,
     piece_bytes,
     serve_multiplexed,
 )
@@ -156,6 +157,17 @@ async def test_a_large_reply_comes_in_pieces_and_a_reply_behind_it_goes_between_
             assert await call(b"after", timeout=5) == b"ok:after"
         finally:
             await channel.close()
+
+
+async def test_the_end_of_a_stream_waits_for_the_pieces_left_and_a_small_reply_cuts_in(mux):
+    served = _ServedStream(mux.servicer, piece=4)
+    for reply in (multiplex_pb2.ReplyFrame(id=1, payload=b"abcdefghij"), multiplex_pb2.ReplyFrame(id=2, payload=b"s"),
+                  None):
+        served.replies.put_nowait(reply)
+    sent = []
+    while (frame := await served.next_reply()) is not None:
+        sent.append((frame.id, frame.payload, frame.more))
+    assert sent == [(1, b"abcd", True), (2, b"s", False), (1, b"efgh", True), (1, b"ij", False)]
 
 
 async def test_a_caller_that_sends_no_frame_size_gets_every_reply_whole(mux):
