@@ -18,7 +18,7 @@ from academus.shared.mesh import MeshState
 from academus.shared.metrics import scrape
 
 # The settings a benchmark can switch off in one of its two arms (`--ablate NAME`): the variable, then
-# (arm name, value) with the setting on (the default, but for compute_sched) and off.
+# (arm name, value) with the setting on (the default, but for compute_sched and hop_slice) and off.
 ABLATIONS = {
     "drop_doomed": ("ACADEMUS_DROP_DOOMED", ("drop_doomed", "true"), ("keep_doomed", "false")),
     "honour_pushback": ("ACADEMUS_HONOUR_PUSHBACK", ("honour_pushback", "true"), ("ignore_pushback", "false")),
@@ -26,6 +26,7 @@ ABLATIONS = {
     "compute_sched": ("ACADEMUS_COMPUTE_SCHED", ("idle", "idle"), ("normal", "normal")),  # idle: opt-in
     "hop_streams": ("ACADEMUS_HOP_STREAMS", ("streams", "true"), ("unary_calls", "false")),
     "send_ahead": ("ACADEMUS_SEND_AHEAD", ("ahead", "true"), ("on_free", "false")),
+    "hop_slice": ("ACADEMUS_HOP_SLICE_US", ("short_slice", "100"), ("kernel_slice", "0")),  # short: opt-in
 }
 
 

@@ -30,9 +30,10 @@ from academus.loadgen import analysis, plots, schedule, texts
 from academus.loadgen.analysis import parse_runs, ratios, run_label
 from academus.loadgen.runner import RunResult, send_load
 from academus.loadgen.shares import run_in_processes
-from academus.shared.config import run_dir
+from academus.shared.config import CommonConfig, load, run_dir
 from academus.shared.heap import freeze_start_up_heap
 from academus.shared.mesh import ADMIN_KEY_FILE, MeshState
+from academus.shared.slices import set_process_slice
 
 __all__ = ["main", "parser", "ratios"]
 
@@ -98,6 +99,8 @@ def cmd_load(args: argparse.Namespace) -> int:
     samples = texts.parse(text_spec, CLOSED_LOOP_TEXTS if concurrency else max(1, len(arrivals)), args.seed)
     gateway, key = target(args)
     freeze_start_up_heap("loadgen")   # the client's own GC pauses would count as server latency
+    if hop_slice_us := load(CommonConfig).hop_slice_us:   # ... and so would its threads' waits behind a forward pass
+        set_process_slice(hop_slice_us)
     if args.procs > 1:
         results = [run_in_processes(gateway, key, model, policy, arrivals, samples, args.procs, args.timeout,
                                     args.duration, concurrency, args.streams) for model, policy in runs]

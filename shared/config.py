@@ -7,6 +7,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TypeVar
 
+from academus.shared.slices import MAX_SLICE_US, MIN_SLICE_US
+
 ENV_PREFIX = "ACADEMUS_"
 
 
@@ -43,6 +45,7 @@ class CommonConfig:
     grace_s: float = 10.0            # SIGTERM: how long in-flight work may take to finish
     gc_freeze: bool = True           # start-up's objects leave the cyclic GC once serving (off: the ablation)
     hop_streams: bool = True         # calls to the next hop ride one multiplexed stream a peer (off: a call each)
+    hop_slice_us: int = 0            # the serving threads' EEVDF slice, 100..100000 (shared/slices.py); 0: the kernel's
 
     def check(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -51,6 +54,9 @@ class CommonConfig:
             raise ConfigError(f"ACADEMUS_METRICS_PORT={self.metrics_port} is not a port (-1..65535)")
         if self.grace_s < 0:
             raise ConfigError(f"ACADEMUS_GRACE_S={self.grace_s} must be >= 0")
+        if self.hop_slice_us and not MIN_SLICE_US <= self.hop_slice_us <= MAX_SLICE_US:
+            raise ConfigError(f"ACADEMUS_HOP_SLICE_US={self.hop_slice_us} must be 0 (the kernel's default) or in "
+                              f"{MIN_SLICE_US}..{MAX_SLICE_US}")
 
     @property
     def advertised(self) -> str:

@@ -14,12 +14,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from academus.shared.config import CommonConfig
+from academus.shared.config import CommonConfig, load
 from academus.shared.heap import freeze_start_up_heap, watch_pauses
 from academus.shared.logs import log_event, setup_logging
 from academus.shared.metrics import MetricsInterceptor, start_metrics
 from academus.shared.multiplex import SERVICE_NAME as MULTIPLEX_SERVICE
 from academus.shared.multiplex import MultiplexServicer, over_streams, serve_multiplexed
+from academus.shared.slices import set_process_slice
 from academus.shared.tracing import server_interceptors, setup_tracing, shutdown_tracing
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -128,7 +129,11 @@ async def serve(spec: ServiceSpec) -> None:
 
 
 def run(spec_factory: Callable[[], Awaitable[ServiceSpec]]) -> None:
-    """Process entry point: build the service on uvloop and serve it."""
+    """Process entry point: build the service on uvloop and serve it. A short slice (ACADEMUS_HOP_SLICE_US)
+    is asked for first, so every thread the service starts inherits it (a worker's compute threads take
+    the kernel's back)."""
+    if hop_slice_us := load(CommonConfig).hop_slice_us:
+        set_process_slice(hop_slice_us)
 
     async def main() -> None:
         await serve(await spec_factory())

@@ -22,6 +22,8 @@ import os
 
 import torch
 
+from academus.shared.slices import reset_slice
+
 POLICIES = {"idle": "SCHED_IDLE", "batch": "SCHED_BATCH", "normal": "SCHED_OTHER"}
 
 
@@ -44,9 +46,11 @@ def apply_compute_policy(name: str) -> str:
 
 
 def start_compute_thread(sched: str, device: torch.device) -> None:
-    """A compute thread's initializer: its scheduling policy and, on a GPU, a CUDA stream of its own.
+    """A compute thread's initializer: the kernel's default slice (it inherited the serving threads'
+    short one, shared/slices.py), its scheduling policy and, on a GPU, a CUDA stream of its own.
     PyTorch's current stream is per thread, so the instances of one worker overlap on the device instead
     of queueing on the default stream (under MPS, worker processes overlap anyway)."""
+    reset_slice()
     apply_compute_policy(sched)
     if device.type == "cuda":
         torch.cuda.set_stream(torch.cuda.Stream(device))

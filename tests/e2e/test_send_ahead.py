@@ -1,6 +1,7 @@
-"""ACADEMUS_SEND_AHEAD on the real mesh: busy student groups are sent their next element while they run
-one, every request is answered, and a worker killed with an element queued behind its running one loses
-no request."""
+"""The opt-in serving settings on the real mesh. ACADEMUS_SEND_AHEAD: busy student groups are sent their
+next element while they run one, every request is answered, and a worker killed with an element queued
+behind its running one loses no request. ACADEMUS_HOP_SLICE_US: every service thread runs on the short
+slice, the workers' compute threads on the kernel's."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import os
 import signal
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -16,9 +18,11 @@ import redis
 from academus.client import AcademusError
 from academus.shared.keys import Keys
 from academus.shared.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, down, up, wait_exit
+from academus.shared.slices import process_slices_ns, thread_slice_ns
 from tests.conftest import small_student_artifacts
 from tests.e2e.conftest import metric, service
 from tests.e2e.test_student_parallelism import MODEL, TEXT, burst, table, wait_for
+from tests.unit.test_slices import kernel_slice_ns
 
 pytestmark = pytest.mark.e2e
 
@@ -31,7 +35,7 @@ def mesh(tmp_path_factory):
         run_dir=run_dir, artifacts=artifacts, gateway_port=0, workers=2, worker_threads=1, instances=1,
         deployments=[Deployment("student", MODEL)],
         env={"ACADEMUS_MODELS": MODEL, "ACADEMUS_SEND_AHEAD": "true", "ACADEMUS_ADAPT_WINDOW_S": "600",
-             "ACADEMUS_QUEUE_CAPACITY": "200", "ACADEMUS_GRACE_S": "10"}))
+             "ACADEMUS_QUEUE_CAPACITY": "200", "ACADEMUS_GRACE_S": "10", "ACADEMUS_HOP_SLICE_US": "100"}))
     state.key = (run_dir / ADMIN_KEY_FILE).read_text().strip()
     r = redis.Redis.from_url(state.redis_url, decode_responses=True)
     r.set(Keys(state.key_prefix).students(MODEL), 1)  # two one-student groups, one on each worker
@@ -49,6 +53,18 @@ def test_busy_groups_are_sent_their_next_element_and_every_request_is_answered(m
     assert not [a for a in answers if isinstance(a, AcademusError)]
     assert {a.metadata.worker_id for a in answers} == {"worker-0", "worker-1"}
     wait_for(lambda: sent_ahead(mesh) >= 1, what="elements sent ahead to busy groups")
+
+
+@pytest.mark.skipif(thread_slice_ns() is None, reason="the kernel shows no se.slice")
+def test_the_services_threads_run_on_the_hop_slice_and_the_compute_threads_on_the_kernels(mesh):
+    """Asked for in each service's main thread before any other starts; a compute thread resets its own."""
+    assert not [a for a in asyncio.run(burst(mesh, 8, TEXT, timeout=60)) if isinstance(a, AcademusError)]
+    kernel = kernel_slice_ns()
+    slices = {s.name: Counter(process_slices_ns(s.pid)) for s in mesh.services}
+    for name, seen in slices.items():
+        if name.startswith("worker"):
+            assert seen.pop(kernel, 0) >= 1, f"{name}: its compute thread on the kernel's slice: {slices}"
+        assert set(seen) == {100_000}, f"{name}: every other thread on 0.1 ms: {slices}"
 
 
 def test_a_worker_killed_with_an_element_sent_ahead_loses_no_request(mesh):

@@ -1,0 +1,86 @@
+"""The serving threads ask for a short EEVDF slice; the compute threads take the kernel's back."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from academus.loadgen import wake_probe
+from academus.services.worker.server import WorkerServicer
+from academus.shared import config as cfg
+from academus.shared.slices import reset_slice, set_thread_slice, thread_slice_ns
+
+# Linux 6.6+ shows a thread's slice in /proc; elsewhere there is nothing to check
+slices_shown = pytest.mark.skipif(thread_slice_ns() is None, reason="the kernel shows no se.slice")
+
+
+def in_new_thread(fn, *args):
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(fn(*args)))
+    thread.start()
+    thread.join()
+    return out[0]
+
+
+def kernel_slice_ns() -> int | None:
+    return in_new_thread(lambda: (reset_slice(), thread_slice_ns())[1])
+
+
+@slices_shown
+def test_a_thread_gets_the_slice_it_asks_for_and_its_threads_inherit_it() -> None:
+    def ask_then_spawn() -> tuple[bool, int | None, int | None]:
+        asked = set_thread_slice(250)
+        return asked, thread_slice_ns(), in_new_thread(thread_slice_ns)
+
+    before = thread_slice_ns()
+    assert in_new_thread(ask_then_spawn) == (True, 250_000, 250_000)
+    assert thread_slice_ns() == before, "only the asking thread (and what it starts) changed"
+
+
+@slices_shown
+def test_reset_gives_the_kernels_slice_back() -> None:
+    def ask_then_reset() -> tuple[int | None, int | None]:
+        set_thread_slice(100)
+        short = thread_slice_ns()
+        reset_slice()
+        return short, thread_slice_ns()
+
+    short, back = in_new_thread(ask_then_reset)
+    assert short == 100_000 and back == kernel_slice_ns() and back != 100_000
+
+
+@slices_shown
+def test_the_workers_compute_threads_run_on_the_kernels_slice() -> None:
+    """A worker's threads inherit the serving threads' short slice; a forward pass must not preempt the
+    hops' threads as if it were one of them."""
+    def servicer_threads() -> tuple[int | None, int | None]:
+        set_thread_slice(100)
+        servicer = WorkerServicer(SimpleNamespace(device=torch.device("cpu")), "w", instances=1)
+        return thread_slice_ns(), servicer.executor.submit(thread_slice_ns).result()
+
+    serving, compute = in_new_thread(servicer_threads)
+    assert serving == 100_000 and compute == kernel_slice_ns()
+
+
+def test_the_hop_slice_is_opt_in_and_checked_against_the_kernels_range() -> None:
+    assert cfg.load(cfg.CommonConfig, env={}).hop_slice_us == 0
+    assert cfg.load(cfg.CommonConfig, env={"ACADEMUS_HOP_SLICE_US": "100"}).hop_slice_us == 100
+    for bad in ("50", "200000"):
+        with pytest.raises(cfg.ConfigError, match=re.escape(f"ACADEMUS_HOP_SLICE_US={bad} must be 0 (the kernel's "
+                                                            "default) or in 100..100000")):
+            cfg.load(cfg.GatewayConfig, env={"ACADEMUS_HOP_SLICE_US": bad})
+
+
+@slices_shown
+def test_the_wake_probe_measures_both_slices(tmp_path, capsys) -> None:
+    """`python -m academus.loadgen.wake_probe`, shortened: a row a slice, each its own wake-up delays."""
+    assert wake_probe.main(["--wakes", "40", "--work-ms", "0.1", "--out", str(tmp_path / "probe.json")]) == 0
+    rows = json.loads((tmp_path / "probe.json").read_text())["rows"]
+    assert [r["slice_us"] for r in rows] == [0, 100]
+    assert all(0 <= r["p50_ms"] <= r["p95_ms"] <= r["max_ms"] for r in rows)
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["rows"] == rows
