@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -14,17 +13,10 @@ from academus.loadgen import wake_probe
 from academus.services.worker.server import WorkerServicer
 from academus.shared import config as cfg
 from academus.shared.slices import reset_slice, set_thread_slice, thread_slice_ns
+from tests.unit.test_compute_threads import in_new_thread
 
 # Linux 6.6+ shows a thread's slice in /proc; elsewhere there is nothing to check
 slices_shown = pytest.mark.skipif(thread_slice_ns() is None, reason="the kernel shows no se.slice")
-
-
-def in_new_thread(fn, *args):
-    out: list = []
-    thread = threading.Thread(target=lambda: out.append(fn(*args)))
-    thread.start()
-    thread.join()
-    return out[0]
 
 
 def kernel_slice_ns() -> int | None:
