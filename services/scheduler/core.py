@@ -260,8 +260,11 @@ class Dispatcher:
         return batch
 
     def _open_ahead(self, group: Group) -> bool:
-        """Running one batch, none sent ahead yet, and alive."""
-        return group.in_flight == 1 and self._live(group)
+        """Running one batch, none sent ahead yet, alive, and on workers of one compute slot each: such a
+        worker runs its calls one after the other, so the element waits behind the running one. On a
+        worker of several slots it would start at once on a slot another group holds."""
+        return (group.in_flight == 1 and self._live(group)
+                and all(self.workers[m.worker_id].capacity == 1 for m in group.members))
 
     def _remaining(self, group: Group, now: float) -> float:
         """What is left of the group's running batch, at the model's smoothed batch time."""

@@ -431,6 +431,21 @@ async def test_send_ahead_gives_a_busy_group_its_next_element_and_counts_it_as_b
     assert [g.in_flight for g in d.groups] == [0, 0] and d.workers["w0"].running == d.workers["w1"].running == 0
 
 
+async def test_send_ahead_skips_groups_on_workers_of_several_slots():
+    """Such a worker would run the element sent ahead at once, on the slot of another group."""
+    d, clock, fake = student_dispatcher([[("w0", (0,))], [("w0", (0,))]], capacity=2, students=1, send_ahead=True)
+    jobs = [asyncio.create_task(d.submit(ss_job(clock, n))) for n in (10, 20, 30)]
+    await settle()
+    assert [c[0] for c in fake.calls] == ["w0", "w0"] and d.stats.sent_ahead == 0
+    assert d.model_load()["ss"]["buffer"] == 1   # the third waits for a group to free
+    fake.calls[0][2].set_result("a")
+    await settle()
+    assert [j.payload for j in fake.batches[2]] == [30] and d.workers["w0"].running == 2
+    for call in fake.calls[1:]:
+        call[2].set_result("r")
+    assert await asyncio.gather(*jobs) == ["a", "r", "r"]
+
+
 async def test_send_ahead_leaves_policies_that_hold_batches_back_alone():
     clock, fake = Clock(), FakeWorkers()
     d = Dispatcher(PaddedPolicy(max_batch=4, max_delay_s=0.01), fake.send, 8, 25, clock, send_ahead=True)
