@@ -44,7 +44,7 @@ def probe(slice_us: int, work_ms: float, wakes: int) -> dict:
     n = len(delays)
     return {"slice_us": slice_us, "work_ms": work_ms, "p50_ms": round(delays[n // 2], 3),
             "p95_ms": round(delays[int(n * 0.95)], 3), "p99_ms": round(delays[int(n * 0.99)], 3),
-            "over_1ms": round(sum(d > 1 for d in delays) / n, 4), "max_ms": round(delays[-1], 2)}
+            "over_1ms": round(sum(d > 1 for d in delays) / n, 4), "max_ms": round(delays[-1], 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
