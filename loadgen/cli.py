@@ -99,8 +99,7 @@ def cmd_load(args: argparse.Namespace) -> int:
     samples = texts.parse(text_spec, CLOSED_LOOP_TEXTS if concurrency else max(1, len(arrivals)), args.seed)
     gateway, key = target(args)
     freeze_start_up_heap("loadgen")   # the client's own GC pauses would count as server latency
-    if hop_slice_us := load(CommonConfig).hop_slice_us:   # ... and so would its threads' waits behind a forward pass
-        set_process_slice(hop_slice_us)
+    set_process_slice(load(CommonConfig).hop_slice_us)   # ... and so would its threads' waits behind a forward pass
     if args.procs > 1:
         results = [run_in_processes(gateway, key, model, policy, arrivals, samples, args.procs, args.timeout,
                                     args.duration, concurrency, args.streams) for model, policy in runs]

@@ -132,8 +132,7 @@ def run(spec_factory: Callable[[], Awaitable[ServiceSpec]]) -> None:
     """Process entry point: build the service on uvloop and serve it. A short slice (ACADEMUS_HOP_SLICE_US)
     is asked for first, so every thread the service starts inherits it (a worker's compute threads take
     the kernel's back)."""
-    if hop_slice_us := load(CommonConfig).hop_slice_us:
-        set_process_slice(hop_slice_us)
+    set_process_slice(load(CommonConfig).hop_slice_us)
 
     async def main() -> None:
         await serve(await spec_factory())

@@ -27,6 +27,7 @@ hops gain the forward passes lose.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import platform
 import struct
@@ -42,8 +43,10 @@ _SYSCALLS = {"x86_64": (314, 315), "aarch64": (274, 275)}
 _ATTR = struct.Struct("IIQiIQQQII")
 _RUNTIME = 5   # sched_runtime's index in the struct: for a fair-class thread, its slice in ns (0: the default)
 MIN_SLICE_US, MAX_SLICE_US = 100, 100_000   # the kernel clamps a slice to 0.1-100 ms
+_asked = False   # whether this process set a slice of its own: only then has a compute thread one to undo
 
 
+@functools.cache
 def _syscalls() -> tuple[ctypes.CDLL, int, int] | None:
     numbers = _SYSCALLS.get(platform.machine())
     if platform.system() != "Linux" or numbers is None:
@@ -65,12 +68,17 @@ def set_thread_slice(slice_us: int, tid: int = 0) -> bool:
     attr[0], attr[2], attr[_RUNTIME] = _ATTR.size, 0, slice_us * 1000
     if libc.syscall(set_nr, tid, ctypes.create_string_buffer(_ATTR.pack(*attr)), 0) != 0:
         return _refused("sched_setattr", slice_us)
+    global _asked
+    _asked = _asked or bool(slice_us)
     return True
 
 
 def set_process_slice(slice_us: int) -> bool:
     """Every thread of this process on that slice, and so every thread started from now on: the native
-    libraries start theirs at import (a BLAS pool), before the service's code runs."""
+    libraries start theirs at import (a BLAS pool), before the service's code runs. 0 (the setting's
+    default) leaves the kernel's slice alone."""
+    if not slice_us or _syscalls() is None:
+        return False
     return all([set_thread_slice(slice_us, int(task.name)) for task in Path("/proc/self/task").iterdir()])
 
 
@@ -81,8 +89,9 @@ def _refused(call: str, slice_us: int) -> bool:
 
 
 def reset_slice() -> bool:
-    """The kernel's default slice for the calling thread: a forward pass is not a hop."""
-    return set_thread_slice(0)
+    """The kernel's default slice for the calling thread: a forward pass is not a hop. Nothing to do (no
+    syscall) in a process that never set a slice, as with the setting off."""
+    return _asked and set_thread_slice(0)
 
 
 def thread_slice_ns(native_id: int | None = None, pid: int | str = "self") -> int | None:
