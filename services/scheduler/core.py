@@ -308,6 +308,7 @@ class Dispatcher:
 
     async def _run(self, group: Group, refs: list[WorkerRef], batch: list[Job]) -> None:
         started = self.clock()
+        released = False
         try:
             results = await self.send(group, batch)
         except WorkerLost as e:
@@ -327,21 +328,36 @@ class Dispatcher:
             took = self.clock() - max(started, group.started_at)  # one sent ahead began when its predecessor ended
             self._observe(batch[0].model, took, sum(j.num_texts for j in batch))
             self.policy.observe(batch, took)
-            if len(results) != len(batch):
-                error = ServingError(f"worker returned {len(results)} results for {len(batch)} requests")
-                for job in batch:
-                    self._settle(job, exc=error)
-            for job, result in zip(batch, results, strict=False):
-                self._settle(job, result=result)
+            # The freed group takes the next element before these answers go back: their callers' code
+            # runs on this loop, and the element waiting for the group should not wait for it too.
+            released = True
+            try:
+                self._release(group, refs)
+            finally:
+                self._answer(batch, results)
         finally:
-            group.in_flight -= 1
-            if group.in_flight:  # the batch sent ahead runs now (a member runs its calls in arrival order)
-                group.started_at = self.clock()
-            else:
-                for ref, member in zip(refs, group.members, strict=True):
-                    ref.running = max(0, ref.running - member.slots)
-            if _loop_running():  # not when a never-finished task is closed by the garbage collector
-                self._drain()
+            if not released:
+                self._release(group, refs)
+
+    def _release(self, group: Group, refs: list[WorkerRef]) -> None:
+        """The group's batch ended: its slots free (or the batch sent ahead runs on them), and what waits
+        is dispatched."""
+        group.in_flight -= 1
+        if group.in_flight:  # the batch sent ahead runs now (a member runs its calls in arrival order)
+            group.started_at = self.clock()
+        else:
+            for ref, member in zip(refs, group.members, strict=True):
+                ref.running = max(0, ref.running - member.slots)
+        if _loop_running():  # not when a never-finished task is closed by the garbage collector
+            self._drain()
+
+    def _answer(self, batch: list[Job], results: Sequence[Any]) -> None:
+        if len(results) != len(batch):
+            error = ServingError(f"worker returned {len(results)} results for {len(batch)} requests")
+            for job in batch:
+                self._settle(job, exc=error)
+        for job, result in zip(batch, results, strict=False):
+            self._settle(job, result=result)
 
     def _observe(self, model: str, seconds: float, texts: int) -> None:
         previous, mean = self.service_s.get(model), self.batch_texts.get(model)

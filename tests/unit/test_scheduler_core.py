@@ -75,6 +75,30 @@ async def test_busy_worker_queues_fifo_and_drains_in_order():
     assert await asyncio.gather(*tasks) == [0, 1, 2]
 
 
+async def test_a_freed_group_takes_the_waiting_job_before_the_finished_one_is_answered():
+    """Answering runs the callers' code on the same loop: the waiting job's call goes out first."""
+    d, clock, fake = make_dispatcher({"w0": {"spam"}})
+    events: list[str] = []
+    send = d.send
+
+    async def recorded_send(group, batch):
+        events.append(f"sent {batch[0].payload}")
+        return await send(group, batch)
+
+    async def caller(i: int) -> None:
+        await d.submit(make_job(clock, payload=i))
+        events.append(f"answered {i}")
+
+    d.send = recorded_send
+    tasks = [asyncio.create_task(caller(i)) for i in range(2)]
+    await settle()
+    fake.calls[0][2].set_result("done")
+    await settle()
+    fake.calls[1][2].set_result("done")
+    await asyncio.gather(*tasks)
+    assert events == ["sent 0", "sent 1", "answered 0", "answered 1"]
+
+
 async def test_job_goes_only_to_a_worker_serving_its_model():
     d, clock, fake = make_dispatcher({"w0": {"minilm"}, "w1": {"spam"}})
     task = asyncio.create_task(d.submit(make_job(clock, model="spam")))
