@@ -308,7 +308,7 @@ class Dispatcher:
 
     async def _run(self, group: Group, refs: list[WorkerRef], batch: list[Job]) -> None:
         started = self.clock()
-        released = False
+        results: Sequence[Any] | None = None
         try:
             results = await self.send(group, batch)
         except WorkerLost as e:
@@ -328,16 +328,14 @@ class Dispatcher:
             took = self.clock() - max(started, group.started_at)  # one sent ahead began when its predecessor ended
             self._observe(batch[0].model, took, sum(j.num_texts for j in batch))
             self.policy.observe(batch, took)
-            # The freed group takes the next element before these answers go back: their callers' code
-            # runs on this loop, and the element waiting for the group should not wait for it too.
-            released = True
+        finally:
+            # The freed group takes the next element before the answers go back: their callers' code runs
+            # on this loop, and the element waiting for the group should not wait for it too.
             try:
                 self._release(group, refs)
             finally:
-                self._answer(batch, results)
-        finally:
-            if not released:
-                self._release(group, refs)
+                if results is not None:
+                    self._answer(batch, results)
 
     def _release(self, group: Group, refs: list[WorkerRef]) -> None:
         """The group's batch ended: its slots free (or the batch sent ahead runs on them), and what waits
