@@ -22,6 +22,9 @@ RPC_LATENCY = Histogram(
 RPC_IN_FLIGHT = Gauge("academus_rpc_in_flight", "RPCs being handled", ["service", "method"])
 MULTIPLEXED = Counter("academus_multiplexed_calls_total", "Unary calls served as frames of a Multiplex stream",
                       ["method"])
+MULTIPLEXED_UNRUN = Counter("academus_multiplexed_unrun_total",
+                            "Frames of a Multiplex stream answered unrun: past their deadline (DEADLINE_EXCEEDED) or "
+                            "after waiting half of it to start (RESOURCE_EXHAUSTED)", ["method", "code"])
 REPLIES_IN_PIECES = Counter("academus_multiplexed_replies_in_pieces_total",
                             "Replies on a Multiplex stream larger than the caller's frame size, sent in pieces",
                             ["method"])

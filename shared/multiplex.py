@@ -17,6 +17,18 @@ ones a unary call has:
 - a stopping server answers new frames UNAVAILABLE (the caller's retry goes elsewhere), lets running
   ones finish, then ends its streams.
 
+A frame's deadline counts from when the caller made the call, as a unary call's does, not from when the
+server got round to reading it. A server that falls behind leaves frames waiting in the stream's buffers
+(HTTP/2 lets megabytes of small frames queue), and a frame read 4 s late with a 5 s timeout has 1 s left,
+not 5: served as if just sent, every late frame would run in full for a caller that has given up, and
+past a backlog of one timeout nothing would complete at all (what an H100's overloaded gateway did). So
+the caller stamps each frame with its clock (`sent_s`), the server measures the wait against the least
+(arrival - sent) seen on the stream lately (`TransitFloor`: the clocks' offset cancels out). A frame
+whose deadline has passed by the time its handler could start is answered DEADLINE_EXCEEDED unrun, and
+one that has waited half of its timeout RESOURCE_EXHAUSTED unrun (`unrun_reply`), before its payload is
+parsed (`academus_multiplexed_unrun_total`). A caller whose call ended before its frame was written (the
+writer waits on HTTP/2 flow control) does not send it at all.
+
 A frame is written whole before the next one, so a large request (a PLOT-state batch is megabytes) would
 hold up every small call behind it: a request past `max_frame_bytes` goes as a unary call of its own,
 which HTTP/2 interleaves with the stream (`python -m academus.loadgen.frame_hol`). A reply cannot leave
@@ -37,8 +49,9 @@ import grpc
 from opentelemetry.trace import TracerProvider
 from prometheus_client import Counter
 
+from academus.shared.errors import NOTHING_RAN
 from academus.shared.interceptors import UnaryBehavior, UnaryServerInterceptor
-from academus.shared.metrics import MULTIPLEXED, REPLIES_IN_PIECES
+from academus.shared.metrics import MULTIPLEXED, MULTIPLEXED_UNRUN, REPLIES_IN_PIECES
 from academus.shared.tracing import client_tracer, end_client_span, start_client_span
 from academus.v1 import multiplex_pb2, multiplex_pb2_grpc
 
@@ -52,6 +65,8 @@ FRAME_BYTES_KEY = "academus-frame-bytes"   # Calls metadata: the caller's max_fr
 # The smallest piece a caller may ask for (HTTP/2's default frame): the gateway serves Calls to the public, and
 # a 1-byte piece would turn one reply into as many frames as it has bytes.
 MIN_PIECE_BYTES = 16 * 1024
+# An overloaded server's refusal asks callers to hold off about as long as its backlog, at most this long.
+MAX_PUSHBACK_MS = 1000
 
 
 def rpc_error(code: grpc.StatusCode, details: str, trailers: Sequence[tuple[str, str]] = ()) -> grpc.aio.AioRpcError:
@@ -71,6 +86,7 @@ class _Stream:
         self.call = call
         self.pending: dict[int, asyncio.Future] = {}
         self.pieces: dict[int, list[bytes]] = {}   # the pieces so far of replies that come in pieces
+        self.unsent: set[int] = set()              # calls whose frame waits in the outbox
         self.broken: grpc.aio.AioRpcError | None = None
         self.outbox: asyncio.Queue[multiplex_pb2.CallFrame] = asyncio.Queue()
         self.writer = asyncio.ensure_future(self._write())
@@ -80,17 +96,28 @@ class _Stream:
         if self.broken is not None:
             raise self.broken
         self.pending[frame.id] = reply
+        self.unsent.add(frame.id)
         self.outbox.put_nowait(frame)
 
     def forget(self, call_id: int) -> None:
-        """The caller left call `call_id`: no reply is awaited, and the handler is told to stop."""
-        if self.pending.pop(call_id, None) is not None and self.broken is None:
+        """The caller left call `call_id`: no reply is awaited; a frame not written yet never is, and the
+        handler of one that was is told to stop."""
+        if self.pending.pop(call_id, None) is None or self.broken is not None:
+            return
+        if call_id in self.unsent:
+            self.unsent.discard(call_id)   # the writer skips it
+        else:
             self.outbox.put_nowait(multiplex_pb2.CallFrame(id=call_id, cancel=True))
 
     async def _write(self) -> None:
         try:
             while True:
-                await self.call.write(await self.outbox.get())
+                frame = await self.outbox.get()
+                if not frame.cancel:
+                    if frame.id not in self.unsent:
+                        continue           # its caller left before it went out
+                    self.unsent.discard(frame.id)
+                await self.call.write(frame)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the stream ended under us: the peer is gone or stopping
@@ -192,6 +219,7 @@ class MultiplexedMethod:
         future = asyncio.get_running_loop().create_future()
         stream.send(multiplex_pb2.CallFrame(
             id=call_id, method=self.method, payload=payload, timeout_s=timeout or 0.0,
+            sent_s=asyncio.get_running_loop().time(),
             metadata=[multiplex_pb2.MetadataEntry(key=k, value=v) for k, v in metadata]), future)
         try:
             async with asyncio.timeout(timeout):
@@ -214,9 +242,11 @@ class MultiplexedMethod:
 class FrameContext:
     """What the project's handlers and interceptors ask of a grpc.aio.ServicerContext, for one frame."""
 
-    def __init__(self, frame: multiplex_pb2.CallFrame) -> None:
-        loop = asyncio.get_running_loop()
-        self._deadline = loop.time() + frame.timeout_s if frame.timeout_s > 0 else None
+    def __init__(self, frame: multiplex_pb2.CallFrame, started: float | None = None) -> None:
+        """`started`: when the caller made the call, on this loop's clock (default: now)."""
+        if started is None:
+            started = asyncio.get_running_loop().time()
+        self._deadline = started + frame.timeout_s if frame.timeout_s > 0 else None
         self._metadata = tuple((m.key, m.value) for m in frame.metadata)
         self._code: grpc.StatusCode | None = None
         self._details: str | None = None
@@ -286,6 +316,49 @@ class MultiplexServicer(multiplex_pb2_grpc.MultiplexServicer):
             served.end_when_idle()
 
 
+def unrun_reply(frame: multiplex_pb2.CallFrame, context: FrameContext) -> multiplex_pb2.ReplyFrame | None:
+    """The answer to a frame not worth running, else None: past its deadline, DEADLINE_EXCEEDED (its
+    caller has given up); or it waited at least half of its timeout before its handler could start,
+    RESOURCE_EXHAUSTED: this server is behind, and what is left must cover the handler and the reply's
+    way back through the same backlog (served, such frames came back late: `loadgen/stream_backlog.py`)."""
+    remaining = context.time_remaining()
+    if remaining is None:
+        return None
+    waited = frame.timeout_s - remaining
+    if remaining <= 0:
+        return reply_status(frame.id, grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"Deadline Exceeded: the call waited past its {frame.timeout_s:g} s timeout before "
+                            f"this server could start it; nothing ran")
+    if waited < remaining:
+        return None
+    return reply_status(frame.id, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"overloaded: the call waited {waited * 1e3:.0f} ms of its {frame.timeout_s:g} s timeout "
+                        f"before this server could start it; nothing ran",
+                        [("grpc-retry-pushback-ms", str(min(round(waited * 1e3), MAX_PUSHBACK_MS))),
+                         (NOTHING_RAN, "true")])
+
+
+class TransitFloor:
+    """How long a frame waited between its caller and this server, from the caller's stamp: (arrival -
+    sent) minus the least such difference over the last `window_s`. The clocks' offset is in both, so it
+    cancels out; what is left is the wait beyond the fastest frame's. The floor is taken afresh after
+    `window_s` so the clocks' drift (ppm) cannot add up over a long-lived stream; a backlog that lasts
+    longer than that is then measured from its own level, which can only under-count a wait."""
+
+    def __init__(self, window_s: float = 300.0) -> None:
+        self.window_s = window_s
+        self.floor: float | None = None
+        self.since = 0.0
+
+    def waited(self, sent_s: float, now: float) -> float:
+        if sent_s <= 0:   # an unstamped caller: its frames count from their arrival
+            return 0.0
+        difference = now - sent_s
+        if self.floor is None or difference <= self.floor or now - self.since > self.window_s:
+            self.floor, self.since = difference, now
+        return difference - self.floor
+
+
 class _ServedStream:
     """One client's Calls stream on the server: its running calls by id and the replies to send."""
 
@@ -296,6 +369,7 @@ class _ServedStream:
         self.replies: asyncio.Queue[multiplex_pb2.ReplyFrame | None] = asyncio.Queue()
         self.piece = piece     # 0: replies go whole
         self.rest: deque[tuple[int, bytes, int]] = deque()   # large replies still to send: id, payload, offset
+        self.transit = TransitFloor()
 
     async def next_reply(self) -> multiplex_pb2.ReplyFrame | None:
         """The next frame to send, None to end: a waiting reply before the next piece of a large one, and
@@ -332,14 +406,16 @@ class _ServedStream:
                     self.replies.put_nowait(reply_status(frame.id, grpc.StatusCode.UNAVAILABLE,
                                                          "the server is stopping; nothing ran"))
                 else:
-                    self.running[frame.id] = asyncio.ensure_future(self.serve(frame))
+                    now = asyncio.get_running_loop().time()
+                    started = now - self.transit.waited(frame.sent_s, now)
+                    self.running[frame.id] = asyncio.ensure_future(self.serve(frame, started))
         except grpc.aio.AioRpcError:  # the client went away: its running calls are cancelled below
             pass
         self.end_when_idle()  # the client half-closed: answer what runs, then end
 
-    async def serve(self, frame: multiplex_pb2.CallFrame) -> None:
+    async def serve(self, frame: multiplex_pb2.CallFrame, started: float | None = None) -> None:
         try:
-            reply = await self.answer(frame)
+            reply = await self.answer(frame, started)
             if self.in_pieces(reply):
                 REPLIES_IN_PIECES.labels(frame.method).inc()
             self.replies.put_nowait(reply)
@@ -350,13 +426,18 @@ class _ServedStream:
             if self.closing and not self.running:
                 self.replies.put_nowait(None)
 
-    async def answer(self, frame: multiplex_pb2.CallFrame) -> multiplex_pb2.ReplyFrame:
+    async def answer(self, frame: multiplex_pb2.CallFrame, started: float | None = None) -> multiplex_pb2.ReplyFrame:
         method = self.servicer.methods.get(frame.method)
         if method is None:
             return reply_status(frame.id, grpc.StatusCode.UNIMPLEMENTED,
                                 f"method {frame.method!r} is not multiplexed here")
+        context = FrameContext(frame, started)
+        context = FrameContext(frame, started)
+        unrun = unrun_reply(frame, context)
+        if unrun is not None:
+            MULTIPLEXED_UNRUN.labels(frame.method, CODES[unrun.code].name).inc()
+            return unrun
         method.served.inc()
-        context = FrameContext(frame)
         try:
             response = await method.behavior(method.deserialize(frame.payload), context)
         except grpc.aio.AbortError:

@@ -445,3 +445,15 @@ def test_grpc_core_refuses_calls_past_its_pending_limit_as_cancelled():
     assert set(flooded["messages"]) == {"CANCELLED: CANCELLED"}
     framed = asyncio.run(measure(300, 0.5, pending_limit=20, streams=True))  # one call: nothing pends in grpc-core
     assert framed["codes"] == {"OK": 300}
+
+
+def test_an_overloaded_stream_server_refuses_stamped_frames_that_waited_half_their_timeout():
+    """stream_backlog's stamped arm at five times the server's capacity: the frames that waited half of
+    their timeout are refused unrun, every other one runs its handler and is answered, none is lost."""
+    from academus.loadgen.stream_backlog import run_arm
+
+    arm = run_arm(True, cost_s=0.005, rate=1000.0, duration_s=1.0, timeout_s=0.2)
+    assert arm["sent"] == 1000 and "unanswered" not in arm
+    assert arm.get("refused_RESOURCE_EXHAUSTED", 0) > 0 and arm.get("in_time", 0) > 0
+    assert arm["handler_runs"] == arm.get("in_time", 0) + arm.get("late", 0)   # every run was answered
+    assert sum(v for k, v in arm.items() if k in ("in_time", "late") or k.startswith("refused_")) == 1000

@@ -13,8 +13,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
+from prometheus_client import REGISTRY
 
-from academus.shared.errors import ResourceExhausted, abort_with, from_rpc_error
+from academus.shared.errors import NOTHING_RAN, ResourceExhausted, abort_with, from_rpc_error
 from academus.shared.multiplex import (
     CALLS_METHOD,
     FRAME_BYTES_KEY,
@@ -24,7 +25,9 @@ from academus.shared.multiplex import (
     MultiplexChannel,
     MultiplexedMethod,
     MultiplexServicer,
+    TransitFloor,
     _ServedStream,
+    _Stream,
     piece_bytes,
     serve_multiplexed,
 )
@@ -213,6 +216,93 @@ async def test_the_deadline_answers_deadline_exceeded_and_stops_the_handler(mux)
     await asyncio.wait_for(probe.cancelled.wait(), 5)
     (served,) = servicer._streams
     assert not served.running
+
+
+def unrun(code: str) -> float:
+    return REGISTRY.get_sample_value("academus_multiplexed_unrun_total", {"method": METHOD, "code": code}) or 0.0
+
+
+async def test_a_frames_wait_on_its_way_counts_against_its_timeout_whatever_the_callers_clock(mux):
+    """Frames stamped on a clock 12345 s off the server's: the first sets the stream's floor; one sent
+    10 s before it is past its 5 s timeout, one sent 3 s before has waited more than half of it (both
+    answered unrun), one sent 1 s before is served with about 4 s left."""
+    probe, base = mux.probe, 12345.0
+    expired_before, behind_before = unrun("DEADLINE_EXCEEDED"), unrun("RESOURCE_EXHAUSTED")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{mux.port}") as channel:
+        calls = channel.stream_stream(CALLS_METHOD, request_serializer=multiplex_pb2.CallFrame.SerializeToString,
+                                      response_deserializer=multiplex_pb2.ReplyFrame.FromString)()
+        await calls.write(multiplex_pb2.CallFrame(id=1, method=METHOD, payload=b"first", timeout_s=5, sent_s=base))
+        assert (await asyncio.wait_for(calls.read(), 5)).payload == b"ok:first"
+        for call_id, ago in ((2, 10.0), (3, 3.0), (4, 1.0)):
+            await calls.write(multiplex_pb2.CallFrame(id=call_id, method=METHOD, payload=b"sent %gs ago" % ago,
+                                                      timeout_s=5, sent_s=base - ago))
+        replies = {r.id: r for r in [await asyncio.wait_for(calls.read(), 5) for _ in range(3)]}
+        calls.cancel()
+    assert replies[2].code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0] and "nothing ran" in replies[2].details
+    behind = replies[3]
+    trailers = {t.key: t.value for t in behind.trailers}
+    assert behind.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and "waited 3" in behind.details
+    assert trailers[NOTHING_RAN] == "true" and 0 < int(trailers["grpc-retry-pushback-ms"]) <= 1000
+    assert replies[4].code == 0 and replies[4].payload == b"ok:sent 1s ago"
+    assert len(probe.remaining) == 2 and 3.5 < probe.remaining[1] <= 4.0   # the unrun two never reached it
+    assert unrun("DEADLINE_EXCEEDED") == expired_before + 1 and unrun("RESOURCE_EXHAUSTED") == behind_before + 1
+
+
+def test_the_transit_floor_cancels_the_clocks_offset_and_is_taken_afresh_after_its_window():
+    floor = TransitFloor(window_s=10)
+    assert floor.waited(0.0, 5.0) == 0.0                        # unstamped: counted from its arrival
+    assert floor.waited(1000.0, 5.0) == 0.0                     # the first sets the floor (offset -995 s)
+    assert floor.waited(1000.0, 5.5) == pytest.approx(0.5)      # sent together, it came 0.5 s later
+    assert floor.waited(1001.0, 5.6) == 0.0                     # a faster way through lowers the floor
+    assert floor.waited(1001.0, 6.6) == pytest.approx(1.0)
+    assert floor.waited(1001.0, 16.0) == 0.0                    # 10 s without a new floor: taken afresh
+
+
+class HeldCall:
+    """A Calls stream whose writes wait for `gate` (HTTP/2 flow control from a peer that is behind)."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.written: list[multiplex_pb2.CallFrame] = []
+
+    async def write(self, frame: multiplex_pb2.CallFrame) -> None:
+        await self.gate.wait()
+        self.written.append(frame)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        await asyncio.Event().wait()   # no replies
+
+    def cancel(self) -> bool:
+        return True
+
+
+async def test_a_frame_whose_caller_left_before_it_was_written_is_never_sent(mux):
+    channel, held = mux.call.channel, HeldCall()
+    stream = channel._stream = _Stream(held)
+    call = mux.call
+    first = asyncio.ensure_future(call(b"first", timeout=5))     # the writer takes it and waits on the gate
+    await asyncio.sleep(0.01)
+    with pytest.raises(grpc.aio.AioRpcError) as late:
+        await call(b"gave up", timeout=0.05)                      # its frame still in the outbox
+    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    third = asyncio.ensure_future(call(b"third", timeout=5))
+    await asyncio.sleep(0.01)
+    first.cancel()                                                # its frame is being written: a cancel follows
+    held.gate.set()
+    for _ in range(100):
+        if len(held.written) == 3:
+            break
+        await asyncio.sleep(0.01)
+    assert [(f.id, f.payload, f.cancel) for f in held.written] == [
+        (1, b"first", False), (3, b"third", False), (1, b"", True)]
+    assert all(f.sent_s > 0 for f in held.written if not f.cancel)   # stamped with the caller's clock
+    third.cancel()
+    stream.writer.cancel()
+    stream.reader.cancel()
+    channel._stream = None
 
 
 async def test_a_caller_that_leaves_cancels_the_handler(mux):

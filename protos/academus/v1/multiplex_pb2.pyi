@@ -15,20 +15,22 @@ class MetadataEntry(_message.Message):
     def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
 
 class CallFrame(_message.Message):
-    __slots__ = ("id", "method", "payload", "timeout_s", "metadata", "cancel")
+    __slots__ = ("id", "method", "payload", "timeout_s", "metadata", "cancel", "sent_s")
     ID_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    SENT_S_FIELD_NUMBER: _ClassVar[int]
     id: int
     method: str
     payload: bytes
     timeout_s: float
     metadata: _containers.RepeatedCompositeFieldContainer[MetadataEntry]
     cancel: bool
-    def __init__(self, id: _Optional[int] = ..., method: _Optional[str] = ..., payload: _Optional[bytes] = ..., timeout_s: _Optional[float] = ..., metadata: _Optional[_Iterable[_Union[MetadataEntry, _Mapping]]] = ..., cancel: _Optional[bool] = ...) -> None: ...
+    sent_s: float
+    def __init__(self, id: _Optional[int] = ..., method: _Optional[str] = ..., payload: _Optional[bytes] = ..., timeout_s: _Optional[float] = ..., metadata: _Optional[_Iterable[_Union[MetadataEntry, _Mapping]]] = ..., cancel: _Optional[bool] = ..., sent_s: _Optional[float] = ...) -> None: ...
 
 class ReplyFrame(_message.Message):
     __slots__ = ("id", "code", "details", "payload", "trailers", "more")

@@ -1,0 +1,139 @@
+"""Goodput of a multiplexed stream whose server cannot keep up (README, "Expired frames").
+
+    python -m academus.loadgen.stream_backlog [--cost-ms 2] [--rate 1000] [--duration 10] [--timeout 1]
+
+One grpc.aio server serving the Multiplex service (shared/multiplex.py) with a handler that holds the
+event loop for --cost-ms of CPU a call, as a saturated gateway's Python does; one client writing frames
+on one Calls stream on an open-loop schedule (--rate a second, evenly spaced) for --duration seconds,
+each with --timeout. Run twice on the same schedule: frames stamped with their send time (`sent_s`, as
+`MultiplexChannel` sends them) and unstamped (the server then counts each frame's deadline from its
+arrival, as before the stamp existed). A reply after the frame's timeout counts as the caller saw it:
+DEADLINE_EXCEEDED. The server runs in a process of its own. Reported per arm: answered in time, late,
+refused DEADLINE_EXCEEDED by the server, handler runs, and the in-time answers by the second they were
+sent in. The last line printed is the JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import multiprocessing
+import time
+
+import grpc
+
+from academus.shared.multiplex import CALLS_METHOD, CODES, serve_multiplexed
+from academus.v1 import multiplex_pb2
+
+METHOD = "/academus.backlog.Burn/Call"
+
+
+def burn(cost_s: float) -> None:
+    """Holds the thread (and the event loop) for cost_s of CPU."""
+    end = time.thread_time() + cost_s
+    while time.thread_time() < end:
+        pass
+
+
+async def serve(cost_s: float, conn) -> None:
+    """The server process: serves until the parent asks, then sends back how many calls its handler ran."""
+    runs = 0
+
+    async def handler(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        nonlocal runs
+        runs += 1
+        burn(cost_s)
+        return request
+
+    server = grpc.aio.server()
+    serve_multiplexed(server, lambda s: s.add_registered_method_handlers(
+        "academus.backlog.Burn", {"Call": grpc.unary_unary_rpc_method_handler(handler)}))
+    conn.send(server.add_insecure_port("127.0.0.1:0"))
+    await server.start()
+    await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+    await server.stop(0)
+    conn.send(runs)
+
+
+def server_process(cost_s: float, conn) -> None:
+    asyncio.run(serve(cost_s, conn))
+
+
+async def send_schedule(port: int, stamped: bool, rate: float, duration_s: float, timeout_s: float) -> dict:
+    """The client: frames on one Calls stream on schedule; each reply sorted by what its caller saw."""
+    loop = asyncio.get_running_loop()
+    total = int(rate * duration_s)
+    due = [i / rate for i in range(total)]
+    outcome: collections.Counter[str] = collections.Counter()
+    in_time_at: list[float] = []
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        calls = channel.stream_stream(CALLS_METHOD, request_serializer=multiplex_pb2.CallFrame.SerializeToString,
+                                      response_deserializer=multiplex_pb2.ReplyFrame.FromString)()
+        start = loop.time()
+
+        async def write() -> None:
+            for i, at in enumerate(due):
+                await asyncio.sleep(max(start + at - loop.time(), 0))
+                # stamped with the schedule's time: a write held up by flow control is late already
+                await calls.write(multiplex_pb2.CallFrame(id=i, method=METHOD, payload=b"x", timeout_s=timeout_s,
+                                                          sent_s=start + at if stamped else 0.0))
+
+        async def read() -> None:
+            while sum(outcome.values()) < total:
+                reply = await calls.read()
+                if reply is grpc.aio.EOF:
+                    return
+                waited = loop.time() - start - due[reply.id]
+                if reply.code:
+                    outcome[f"refused_{CODES[reply.code].name}"] += 1
+                elif waited > timeout_s:
+                    outcome["late"] += 1
+                else:
+                    outcome["in_time"] += 1
+                    in_time_at.append(start + due[reply.id])
+
+        writer = asyncio.ensure_future(write())
+        try:
+            await asyncio.wait_for(read(), duration_s + 10 * timeout_s + 30)
+        except TimeoutError:
+            outcome["unanswered"] = total - sum(outcome.values())
+        writer.cancel()
+        calls.cancel()
+    per_second = collections.Counter(int(t - start) for t in in_time_at)
+    return {"stamped": stamped, "sent": total, **dict(outcome),
+            "in_time_per_s_sent": [per_second.get(s, 0) for s in range(int(duration_s))]}
+
+
+def run_arm(stamped: bool, cost_s: float, rate: float, duration_s: float, timeout_s: float) -> dict:
+    """One arm on a fresh server process (its own loop and core, as a gateway has)."""
+    ours, theirs = multiprocessing.get_context("spawn").Pipe()
+    server = multiprocessing.get_context("spawn").Process(target=server_process, args=(cost_s, theirs))
+    server.start()
+    try:
+        result = asyncio.run(send_schedule(ours.recv(), stamped, rate, duration_s, timeout_s))
+        ours.send("stop")
+        return result | {"handler_runs": ours.recv()}
+    finally:
+        server.join(30)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="academus.loadgen.stream_backlog", description=__doc__.split("\n")[0])
+    p.add_argument("--cost-ms", type=float, default=2.0, help="CPU ms the handler holds the loop a call")
+    p.add_argument("--rate", type=float, default=1000.0, help="frames a second (open loop)")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds of sending")
+    p.add_argument("--timeout", type=float, default=1.0, help="each frame's timeout (s)")
+    args = p.parse_args(argv)
+    arms = [run_arm(stamped, args.cost_ms / 1e3, args.rate, args.duration, args.timeout)
+            for stamped in (True, False)]
+    summary = {"cost_ms": args.cost_ms, "rate": args.rate, "duration_s": args.duration, "timeout_s": args.timeout,
+               "capacity_rps": round(1e3 / args.cost_ms, 1), "arms": arms,
+               "in_time_stamped_vs_unstamped": round(arms[0].get("in_time", 0) / max(arms[1].get("in_time", 0), 1), 2)}
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
