@@ -67,6 +67,9 @@ FRAME_BYTES_KEY = "academus-frame-bytes"   # Calls metadata: the caller's max_fr
 MIN_PIECE_BYTES = 16 * 1024
 # An overloaded server's refusal asks callers to hold off about as long as its backlog, at most this long.
 MAX_PUSHBACK_MS = 1000
+# A shorter wait is jitter (a collection, a long turn of the loop), not a backlog: a call with a small budget
+# left (a batch near its deadline) is not refused for it.
+MIN_BACKLOG_S = 0.05
 
 
 def rpc_error(code: grpc.StatusCode, details: str, trailers: Sequence[tuple[str, str]] = ()) -> grpc.aio.AioRpcError:
@@ -318,8 +321,8 @@ class MultiplexServicer(multiplex_pb2_grpc.MultiplexServicer):
 
 def unrun_reply(frame: multiplex_pb2.CallFrame, context: FrameContext) -> multiplex_pb2.ReplyFrame | None:
     """The answer to a frame not worth running, else None: past its deadline, DEADLINE_EXCEEDED (its
-    caller has given up); or it waited at least half of its timeout before its handler could start,
-    RESOURCE_EXHAUSTED: this server is behind, and what is left must cover the handler and the reply's
+    caller has given up); or it waited at least half of its timeout, and MIN_BACKLOG_S, before its handler
+    could start, RESOURCE_EXHAUSTED: this server is behind, and what is left must cover the handler and the reply's
     way back through the same backlog (served, such frames came back late: `loadgen/stream_backlog.py`)."""
     remaining = context.time_remaining()
     if remaining is None:
@@ -329,7 +332,7 @@ def unrun_reply(frame: multiplex_pb2.CallFrame, context: FrameContext) -> multip
         return reply_status(frame.id, grpc.StatusCode.DEADLINE_EXCEEDED,
                             f"Deadline Exceeded: the call waited past its {frame.timeout_s:g} s timeout before "
                             f"this server could start it; nothing ran")
-    if waited < remaining:
+    if waited < max(remaining, MIN_BACKLOG_S):
         return None
     return reply_status(frame.id, grpc.StatusCode.RESOURCE_EXHAUSTED,
                         f"overloaded: the call waited {waited * 1e3:.0f} ms of its {frame.timeout_s:g} s timeout "

@@ -30,6 +30,7 @@ from academus.shared.multiplex import (
     _Stream,
     piece_bytes,
     serve_multiplexed,
+    unrun_reply,
 )
 from academus.shared.serving import Stubs
 from academus.shared.tracing import ServerSpans
@@ -246,6 +247,18 @@ async def test_a_frames_wait_on_its_way_counts_against_its_timeout_whatever_the_
     assert replies[4].code == 0 and replies[4].payload == b"ok:sent 1s ago"
     assert len(probe.remaining) == 2 and 3.5 < probe.remaining[1] <= 4.0   # the unrun two never reached it
     assert unrun("DEADLINE_EXCEEDED") == expired_before + 1 and unrun("RESOURCE_EXHAUSTED") == behind_before + 1
+
+
+async def test_a_short_wait_is_jitter_not_a_backlog():
+    """Half of a small budget is not a backlog: a call with 0.05 s left that waited 0.03 s still runs."""
+    now = asyncio.get_running_loop().time()
+    small = multiplex_pb2.CallFrame(id=1, timeout_s=0.05)
+    assert unrun_reply(small, FrameContext(small, started=now - 0.03)) is None
+    large = multiplex_pb2.CallFrame(id=2, timeout_s=0.5)
+    refused = unrun_reply(large, FrameContext(large, started=now - 0.3))
+    assert refused is not None and refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    untimed = multiplex_pb2.CallFrame(id=3)
+    assert unrun_reply(untimed, FrameContext(untimed, started=now - 100)) is None   # no deadline: never refused
 
 
 def test_the_transit_floor_cancels_the_clocks_offset_and_is_taken_afresh_after_its_window():
