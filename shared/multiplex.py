@@ -322,8 +322,9 @@ class MultiplexServicer(multiplex_pb2_grpc.MultiplexServicer):
 def unrun_reply(frame: multiplex_pb2.CallFrame, context: FrameContext) -> multiplex_pb2.ReplyFrame | None:
     """The answer to a frame not worth running, else None: past its deadline, DEADLINE_EXCEEDED (its
     caller has given up); or it waited at least half of its timeout, and MIN_BACKLOG_S, before its handler
-    could start, RESOURCE_EXHAUSTED: this server is behind, and what is left must cover the handler and the reply's
-    way back through the same backlog (served, such frames came back late: `loadgen/stream_backlog.py`)."""
+    could start, RESOURCE_EXHAUSTED: this server is behind, and what is left must cover the handler and
+    the reply's way back through the same backlog (served, such frames came back late:
+    `loadgen/stream_backlog.py`)."""
     remaining = context.time_remaining()
     if remaining is None:
         return None
@@ -434,7 +435,6 @@ class _ServedStream:
         if method is None:
             return reply_status(frame.id, grpc.StatusCode.UNIMPLEMENTED,
                                 f"method {frame.method!r} is not multiplexed here")
-        context = FrameContext(frame, started)
         context = FrameContext(frame, started)
         unrun = unrun_reply(frame, context)
         if unrun is not None:
