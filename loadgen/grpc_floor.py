@@ -27,15 +27,20 @@ from academus.v1 import tensors_pb2, worker_pb2, worker_pb2_grpc
 REPLY = tensors_pb2.ModelOutput(values=tensors_pb2.Matrix(values=[0.1] * 384, rows=1, dim=384))
 
 
+def spin(seconds: float) -> None:
+    """Busy for `seconds` on this thread, the GIL held: a handler's CPU, holding its event loop."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 class Leaf(worker_pb2_grpc.WorkerServicer):
     def __init__(self, work_s: float, spin: bool = False) -> None:
         self.work_s, self.spin = work_s, spin
 
     async def Run(self, request, context):
         if self.work_s and self.spin:
-            end = time.perf_counter() + self.work_s
-            while time.perf_counter() < end:
-                pass
+            spin(self.work_s)
         elif self.work_s:
             await asyncio.get_running_loop().run_in_executor(None, time.sleep, self.work_s)
         return REPLY

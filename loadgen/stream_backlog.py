@@ -9,8 +9,8 @@ each with --timeout. Run twice on the same schedule: frames stamped with their s
 `MultiplexChannel` sends them) and unstamped (the server then counts each frame's deadline from its
 arrival, as before the stamp existed). A reply after the frame's timeout counts as the caller saw it:
 DEADLINE_EXCEEDED. The server runs in a process of its own. Reported per arm: answered in time, late,
-refused DEADLINE_EXCEEDED by the server, handler runs, and the in-time answers by the second they were
-sent in. The last line printed is the JSON summary.
+refused by the server (by code), handler runs, and the in-time answers by the second they were sent in.
+The last line printed is the JSON summary.
 """
 
 from __future__ import annotations
@@ -20,21 +20,14 @@ import asyncio
 import collections
 import json
 import multiprocessing
-import time
 
 import grpc
 
+from academus.loadgen.grpc_floor import spin
 from academus.shared.multiplex import CALLS_METHOD, CODES, serve_multiplexed
 from academus.v1 import multiplex_pb2
 
 METHOD = "/academus.backlog.Burn/Call"
-
-
-def burn(cost_s: float) -> None:
-    """Holds the thread (and the event loop) for cost_s of CPU."""
-    end = time.thread_time() + cost_s
-    while time.thread_time() < end:
-        pass
 
 
 async def serve(cost_s: float, conn) -> None:
@@ -44,7 +37,7 @@ async def serve(cost_s: float, conn) -> None:
     async def handler(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         nonlocal runs
         runs += 1
-        burn(cost_s)
+        spin(cost_s)
         return request
 
     server = grpc.aio.server()
@@ -108,8 +101,9 @@ async def send_schedule(port: int, stamped: bool, rate: float, duration_s: float
 
 def run_arm(stamped: bool, cost_s: float, rate: float, duration_s: float, timeout_s: float) -> dict:
     """One arm on a fresh server process (its own loop and core, as a gateway has)."""
-    ours, theirs = multiprocessing.get_context("spawn").Pipe()
-    server = multiprocessing.get_context("spawn").Process(target=server_process, args=(cost_s, theirs))
+    spawn = multiprocessing.get_context("spawn")
+    ours, theirs = spawn.Pipe()
+    server = spawn.Process(target=server_process, args=(cost_s, theirs))
     server.start()
     try:
         result = asyncio.run(send_schedule(ours.recv(), stamped, rate, duration_s, timeout_s))

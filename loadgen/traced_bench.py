@@ -16,6 +16,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from academus.loadgen.grpc_floor import spin
 from academus.loadgen.stats import summary
 from academus.services.worker.core import OUTPUT_PROBS, ModelRunner
 from academus.shared.config import artifacts_dir
@@ -28,14 +29,12 @@ def busy_thread(share: float) -> Iterator[None]:
     """A thread that spins in Python (GIL held) for `share` of every millisecond and sleeps the rest."""
     stop = threading.Event()
 
-    def spin() -> None:
+    def busy() -> None:
         while not stop.is_set():
-            end = time.perf_counter() + share * 1e-3
-            while time.perf_counter() < end:
-                pass
+            spin(share * 1e-3)
             time.sleep((1 - share) * 1e-3)
 
-    thread = threading.Thread(target=spin, daemon=True)
+    thread = threading.Thread(target=busy, daemon=True)
     thread.start()
     try:
         yield

@@ -245,10 +245,8 @@ class MultiplexedMethod:
 class FrameContext:
     """What the project's handlers and interceptors ask of a grpc.aio.ServicerContext, for one frame."""
 
-    def __init__(self, frame: multiplex_pb2.CallFrame, started: float | None = None) -> None:
-        """`started`: when the caller made the call, on this loop's clock (default: now)."""
-        if started is None:
-            started = asyncio.get_running_loop().time()
+    def __init__(self, frame: multiplex_pb2.CallFrame, started: float) -> None:
+        """`started`: when the caller made the call, on this loop's clock."""
         self._deadline = started + frame.timeout_s if frame.timeout_s > 0 else None
         self._metadata = tuple((m.key, m.value) for m in frame.metadata)
         self._code: grpc.StatusCode | None = None
@@ -417,7 +415,7 @@ class _ServedStream:
             pass
         self.end_when_idle()  # the client half-closed: answer what runs, then end
 
-    async def serve(self, frame: multiplex_pb2.CallFrame, started: float | None = None) -> None:
+    async def serve(self, frame: multiplex_pb2.CallFrame, started: float) -> None:
         try:
             reply = await self.answer(frame, started)
             if self.in_pieces(reply):
@@ -430,7 +428,7 @@ class _ServedStream:
             if self.closing and not self.running:
                 self.replies.put_nowait(None)
 
-    async def answer(self, frame: multiplex_pb2.CallFrame, started: float | None = None) -> multiplex_pb2.ReplyFrame:
+    async def answer(self, frame: multiplex_pb2.CallFrame, started: float) -> multiplex_pb2.ReplyFrame:
         method = self.servicer.methods.get(frame.method)
         if method is None:
             return reply_status(frame.id, grpc.StatusCode.UNIMPLEMENTED,

@@ -11,7 +11,7 @@ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; c
 rm -rf /tmp/gpuA && mkdir -p /tmp/gpuA && cp -r .gpuA/teacher .gpuA/data .gpuA/narrowed.json /tmp/gpuA/ || exit 5
 source deploy/offline-gpu/env.sh
 redis-server --version || exit 6
-python3 deploy/offline-gpu/widen.py /tmp/gpuA || exit 7
+python3 deploy/offline-gpu/pack.py unpack /tmp/gpuA || exit 7
 python3 -c "import torch, grpc, google.protobuf as pb, transformers as t; print('torch', torch.__version__, 'grpc', grpc.__version__, 'protobuf', pb.__version__, 'transformers', t.__version__, 'cuda', torch.cuda.is_available())" || exit 8
 timeout 90 python3 -m pytest -q -p no:cacheprovider tests/unit/test_compute_threads.py -k gpu 2>&1 | tail -2
 python3 -c "

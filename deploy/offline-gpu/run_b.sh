@@ -9,7 +9,7 @@ date -u
 [ -f /tmp/gpuA/ready ] || { echo "call A's set-up is not on this machine (a fresh one): run call A again"; exit 2; }
 rm -rf /tmp/gpuB && mkdir -p /tmp/gpuB && cp -r .gpuB/artifacts .gpuB/narrowed.json /tmp/gpuB/ || exit 5
 source deploy/offline-gpu/env.sh
-python3 deploy/offline-gpu/widen.py /tmp/gpuB || exit 7
+python3 deploy/offline-gpu/pack.py unpack /tmp/gpuB || exit 7
 for spec in "$@"; do
   name=${spec%%|*}; cmd=${spec#*|}
   echo "== $(date -u +%T) $name: $cmd"
