@@ -7,7 +7,8 @@
 
 `--procs N` sends each run's load from N processes (one Python process sends about 1000 req/s).
 `--streams` sends every request of a process as a frame of one multiplexed stream (`AsyncClient(streams=True)`)
-instead of a gRPC call each.
+instead of a gRPC call each. Against a mesh of several gateways (`academus up --gateways G`) each process
+sends its requests to them in turn, each on its own connection (`by_gateway` in the report).
 
 `run` and `compare` write report.json (one entry a run) and PNG plots to --out; the last line printed
 is the report JSON. `compare` sends the same arrival schedule and texts to each MODEL[:POLICY] in turn
@@ -25,10 +26,9 @@ import os
 import sys
 from pathlib import Path
 
-from academus.client import AsyncClient
 from academus.loadgen import analysis, plots, schedule, texts
 from academus.loadgen.analysis import parse_runs, ratios, run_label
-from academus.loadgen.runner import RunResult, send_load
+from academus.loadgen.runner import GatewaySpread, RunResult, send_load
 from academus.loadgen.shares import run_in_processes
 from academus.shared.config import CommonConfig, load, run_dir
 from academus.shared.heap import freeze_start_up_heap
@@ -54,7 +54,8 @@ def add_load_options(s: argparse.ArgumentParser) -> None:
                                                         "(one sends about 1000 req/s; see loadgen/shares.py)")
     s.add_argument("--streams", action="store_true", help="requests ride one multiplexed stream a process")
     s.add_argument("--out", type=Path, default=Path("loadgen-out"))
-    s.add_argument("--gateway", help="host:port (default: the local mesh's)")
+    s.add_argument("--gateway", help="host:port[,host:port...]: requests go to each in turn (default: the local "
+                                     "mesh's gateways)")
     s.add_argument("--key", help="API key (default: the local admin key)")
     s.add_argument("--run-dir", type=Path, default=None)
 
@@ -97,14 +98,14 @@ def cmd_load(args: argparse.Namespace) -> int:
     arrivals = [] if concurrency else schedule.parse(args.schedule, args.duration, args.seed)
     text_spec = args.length_dist or args.texts
     samples = texts.parse(text_spec, CLOSED_LOOP_TEXTS if concurrency else max(1, len(arrivals)), args.seed)
-    gateway, key = target(args)
+    gateways, key = target(args)
     freeze_start_up_heap("loadgen")   # the client's own GC pauses would count as server latency
     set_process_slice(load(CommonConfig).hop_slice_us)   # ... and so would its threads' waits behind a forward pass
     if args.procs > 1:
-        results = [run_in_processes(gateway, key, model, policy, arrivals, samples, args.procs, args.timeout,
+        results = [run_in_processes(gateways, key, model, policy, arrivals, samples, args.procs, args.timeout,
                                     args.duration, concurrency, args.streams) for model, policy in runs]
     else:
-        results = asyncio.run(run_all(gateway, key, runs, arrivals, samples, args, concurrency))
+        results = asyncio.run(run_all(gateways, key, runs, arrivals, samples, args, concurrency))
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"schedule": args.schedule, "duration_s": args.duration, "texts": text_spec,
               "timeout_s": args.timeout, "client_streams": args.streams, "runs": [r.report() for r in results]}
@@ -137,22 +138,23 @@ def summary_lines(report: dict) -> list[str]:
     return lines
 
 
-def target(args: argparse.Namespace) -> tuple[str, str | None]:
+def target(args: argparse.Namespace) -> tuple[list[str], str | None]:
+    """The gateways to send to and the API key."""
     directory = args.run_dir or run_dir()
-    gateway = args.gateway or MeshState.load(directory).gateway
+    gateways = args.gateway.split(",") if args.gateway else MeshState.load(directory).gateways()
     key = args.key
     if key is None and (directory / ADMIN_KEY_FILE).exists():
         key = (directory / ADMIN_KEY_FILE).read_text().strip()
-    return gateway, key
+    return gateways, key
 
 
-async def run_all(gateway: str, key: str | None, runs: list[tuple[str, str]], arrivals: list[float],
+async def run_all(gateways: list[str], key: str | None, runs: list[tuple[str, str]], arrivals: list[float],
                   samples: list[texts.Sample], args: argparse.Namespace,
                   concurrency: int | None = None) -> list[RunResult]:
     """Each run in turn (runs must not share the machine): open loop on `arrivals`, or a closed loop
     of `concurrency` callers."""
     results = []
-    async with AsyncClient(gateway, api_key=key, timeout=args.timeout, streams=args.streams) as client:
+    async with GatewaySpread(gateways, key, args.timeout, args.streams) as client:
         for model, policy in runs:
             results.append(await send_load(client, model, policy, arrivals, samples, args.timeout, args.duration,
                                            concurrency))

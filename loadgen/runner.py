@@ -7,7 +7,7 @@ import asyncio
 import itertools
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from hdrh.histogram import HdrHistogram
@@ -30,6 +30,7 @@ class Record:
     tokens: int = 0          # the text's token count, [CLS] and [SEP] included
     meta: Metadata | None = None
     details: str = ""        # an error's message: which hop refused, and why
+    gateway: str = ""        # the address it was sent to
 
     @property
     def done_at(self) -> float:
@@ -73,6 +74,7 @@ class RunResult:
             "breakdown_ms": analysis.breakdown(self.records),
             "tail_breakdown_ms": analysis.tail_breakdown(self.records),
             "student_number": sorted(Counter(r.students for r in ok).items()),
+            "by_gateway": by_gateway(self.records),
             "timeline": analysis.timeline(self.records, self.duration_s),
         }
 
@@ -92,31 +94,68 @@ def error_examples(records: list[Record], per_code: int = 3) -> dict[str, list[d
     return out
 
 
+def by_gateway(records: list[Record]) -> dict[str, dict]:
+    """Per gateway address: requests sent, answered, and the answered ones' p50/p95 latency (ms)."""
+    out: dict[str, dict] = {}
+    for gateway in sorted({r.gateway for r in records}):
+        mine = [r for r in records if r.gateway == gateway]
+        ok = [r.latency_ms for r in mine if r.code == "OK"]
+        out[gateway] = {"sent": len(mine), "completed": len(ok),
+                        "p50_ms": round(percentile(ok, 50), 3) if ok else None,
+                        "p95_ms": round(percentile(ok, 95), 3) if ok else None}
+    return out
+
+
+class GatewaySpread:
+    """A client a gateway; request i goes to gateway (offset + i) % G. The mesh's G gateways share its port
+    and the kernel spreads connections, not requests, over them, so a load generator process on one
+    connection would load one gateway only; this spreads requests evenly, as a balancer in front would."""
+
+    def __init__(self, gateways: Sequence[str], api_key: str | None, timeout: float, streams: bool = False,
+                 offset: int = 0) -> None:
+        if not gateways:
+            raise ValueError("no gateway to send to")
+        self.clients = [(g, AsyncClient(g, api_key=api_key, timeout=timeout, streams=streams)) for g in gateways]
+        self._turn = itertools.count(offset)
+
+    def next(self) -> tuple[str, AsyncClient]:
+        return self.clients[next(self._turn) % len(self.clients)]
+
+    async def __aenter__(self) -> GatewaySpread:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for _, client in self.clients:
+            await client.close()
+
+
 def latency_summary(histogram: HdrHistogram) -> dict[str, float]:
     return {f"p{q}": histogram.get_value_at_percentile(q) / 1000 for q in (50, 95, 99)} | {
         "mean": round(histogram.get_mean_value() / 1000, 3), "max": histogram.get_max_value() / 1000}
 
 
-def answered(sample: Sample, sent_at: float, latency_ms: float, answer: InferResult) -> Record:
+def answered(sample: Sample, sent_at: float, latency_ms: float, answer: InferResult, gateway: str) -> Record:
     prediction = answer.predictions[0]
     correct = (prediction.label == sample.label) if sample.label is not None and prediction.label else None
     return Record(sent_at, latency_ms, "OK", answer.metadata.student_count, correct, prediction.num_tokens,
-                  answer.metadata)
+                  answer.metadata, gateway=gateway)
 
 
-async def call(client: AsyncClient, result: RunResult, sample: Sample, start: float, timeout_s: float) -> None:
-    """One request, recorded in `result` (times from `start`)."""
+async def call(spread: GatewaySpread, result: RunResult, sample: Sample, start: float, timeout_s: float) -> None:
+    """One request to the next gateway, recorded in `result` (times from `start`)."""
+    gateway, client = spread.next()
     sent = time.perf_counter()
     try:
         answer = await client.infer(result.model, [sample.text], timeout=timeout_s, policy=result.requested_policy)
     except AcademusError as e:
-        result.records.append(Record(sent - start, (time.perf_counter() - sent) * 1e3, e.code, details=e.details))
+        result.records.append(Record(sent - start, (time.perf_counter() - sent) * 1e3, e.code, details=e.details,
+                                     gateway=gateway))
         return
     result.policy = result.policy or answer.metadata.policy
-    result.records.append(answered(sample, sent - start, (time.perf_counter() - sent) * 1e3, answer))
+    result.records.append(answered(sample, sent - start, (time.perf_counter() - sent) * 1e3, answer, gateway))
 
 
-async def run(client: AsyncClient, model: str, arrivals: list[float], samples: list[Sample],
+async def run(client: GatewaySpread, model: str, arrivals: list[float], samples: list[Sample],
               timeout_s: float, duration_s: float, policy: str = "") -> RunResult:
     """Sends request i at arrivals[i] with samples[i % n], asking for deployment `policy` ("" = any);
     waits for every answer."""
@@ -135,7 +174,7 @@ async def run(client: AsyncClient, model: str, arrivals: list[float], samples: l
     return result
 
 
-async def send_load(client: AsyncClient, model: str, policy: str, arrivals: list[float], samples: list[Sample],
+async def send_load(client: GatewaySpread, model: str, policy: str, arrivals: list[float], samples: list[Sample],
                     timeout_s: float, duration_s: float, concurrency: int | None = None) -> RunResult:
     """One run: a closed loop of `concurrency` callers, else the open loop on `arrivals`."""
     if concurrency:
@@ -143,7 +182,7 @@ async def send_load(client: AsyncClient, model: str, policy: str, arrivals: list
     return await run(client, model, arrivals, samples, timeout_s, duration_s, policy)
 
 
-async def run_closed(client: AsyncClient, model: str, concurrency: int, samples: list[Sample],
+async def run_closed(client: GatewaySpread, model: str, concurrency: int, samples: list[Sample],
                      timeout_s: float, duration_s: float, policy: str = "") -> RunResult:
     """Capacity, as perf_analyzer's concurrency mode measures it: `concurrency` callers, each sending its
     next text when its last is answered, until `duration_s`. The queue stays bounded, so no request

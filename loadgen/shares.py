@@ -18,8 +18,7 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
-from academus.client import AsyncClient
-from academus.loadgen.runner import RunResult, send_load
+from academus.loadgen.runner import GatewaySpread, RunResult, send_load
 from academus.loadgen.texts import Sample
 
 START_MARGIN_S = 3.0   # spawning a process and importing the client takes about a second
@@ -56,15 +55,15 @@ def merge(parts: Sequence[RunResult], offered_rps: float | None, concurrency: in
                      concurrency)
 
 
-def run_share(gateway: str, key: str | None, model: str, policy: str, share: Share, timeout_s: float,
-              duration_s: float, start_at: float, streams: bool = False) -> RunResult:
-    """A child process: wait for the common start, then send this share."""
+def run_share(gateways: list[str], key: str | None, model: str, policy: str, share: Share, timeout_s: float,
+              duration_s: float, start_at: float, streams: bool = False, first_gateway: int = 0) -> RunResult:
+    """A child process: wait for the common start, then send this share, starting at gateways[first_gateway]."""
     from academus.shared.heap import freeze_start_up_heap
 
     freeze_start_up_heap("loadgen")
 
     async def go() -> RunResult:
-        async with AsyncClient(gateway, api_key=key, timeout=timeout_s, streams=streams) as client:
+        async with GatewaySpread(gateways, key, timeout_s, streams, first_gateway) as client:
             await asyncio.sleep(max(0.0, start_at - time.time()))
             return await send_load(client, model, policy, share.arrivals, share.samples, timeout_s, duration_s,
                                    share.concurrency)
@@ -72,7 +71,7 @@ def run_share(gateway: str, key: str | None, model: str, policy: str, share: Sha
     return asyncio.run(go())
 
 
-def run_in_processes(gateway: str, key: str | None, model: str, policy: str, arrivals: Sequence[float],
+def run_in_processes(gateways: list[str], key: str | None, model: str, policy: str, arrivals: Sequence[float],
                      samples: Sequence[Sample], procs: int, timeout_s: float, duration_s: float,
                      concurrency: int | None = None, streams: bool = False) -> RunResult:
     """One run whose load `procs` processes send together (spawned: no gRPC state is forked)."""
@@ -80,8 +79,8 @@ def run_in_processes(gateway: str, key: str | None, model: str, policy: str, arr
     start_at = time.time() + START_MARGIN_S
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(len(shares), mp_context=context) as pool:
-        futures = [pool.submit(run_share, gateway, key, model, policy, s, timeout_s, duration_s, start_at, streams)
-                   for s in shares]
+        futures = [pool.submit(run_share, gateways, key, model, policy, s, timeout_s, duration_s, start_at, streams, k)
+                   for k, s in enumerate(shares)]
         parts = [f.result() for f in futures]
     offered = None if concurrency else (len(arrivals) / duration_s if duration_s else 0.0)
     return merge(parts, offered, concurrency)

@@ -83,6 +83,8 @@ class GatewayConfig(CommonConfig):
     max_corpus_lines: int = 1_000_000
     uploads_dir: str = ""            # where accepted uploads wait for the trainer; empty: <artifacts>/uploads
     plot_dir: str = ""               # the root PLOT table domains extend; empty: the one the mesh serves
+    own_port: int = 0                # a port only this process binds besides the shared one (`up --gateways G`:
+                                     # health checks and a load generator reach each gateway); 0: none
 
     def check(self) -> None:
         super().check()
@@ -101,6 +103,8 @@ class GatewayConfig(CommonConfig):
                 raise ConfigError(f"ACADEMUS_{name.upper()}={getattr(self, name)} must be >= 1")
         if self.max_tokens > 512:
             raise ConfigError(f"ACADEMUS_MAX_TOKENS={self.max_tokens} exceeds the model's 512 positions")
+        if not 0 <= self.own_port <= 65535:
+            raise ConfigError(f"ACADEMUS_OWN_PORT={self.own_port} is not a port (0..65535)")
 
 
 # concat-slotted / -fcfs / -sjf / -edf: `concat` with ACADEMUS_CONCAT_SLOTTED / _SELECTION fixed by the name, so

@@ -53,6 +53,11 @@ class MeshState:
     def save(self) -> None:
         Path(self.run_dir, STATE_FILE).write_text(json.dumps(asdict(self), indent=2))
 
+    def gateways(self) -> list[str]:
+        """Where to reach each gateway process: its own port when several share the mesh's, else the mesh's."""
+        own = [s.address for s in self.services if s.name.startswith("gateway")]
+        return own if len(own) > 1 else [self.gateway]
+
     @classmethod
     def load(cls, run_dir: Path) -> MeshState:
         path = Path(run_dir) / STATE_FILE
@@ -117,7 +122,7 @@ def up(options: MeshOptions) -> MeshState:
                 state.save()
                 if name == "resource_manager":
                     wait_healthy(state.services[-1].address, options.ready_timeout_s, state.services[-1])
-        state.gateway = next(s.address for s in state.services if s.name == "gateway")
+        state.gateway = f"127.0.0.1:{options.gateway_port}"
         state.save()
         for s in state.services:
             wait_healthy(s.address, options.ready_timeout_s, s)
@@ -192,12 +197,17 @@ def _spawn(name: str, index: int, options: MeshOptions, state: MeshState,
            extra: dict[str, str] | None = None) -> ServiceProcess:
     taken = _taken_ports(options, state)
     port = options.gateway_port if name == "gateway" else unused_port(taken)
+    # several gateways share one port and the kernel picks one a connection: each also gets a port of its
+    # own, its address, so that its health check reaches it and a load generator can spread over them
+    own_port = unused_port(taken) if name == "gateway" and options.gateways > 1 else 0
     metrics_port = unused_port(taken)
     env = {**os.environ, **options.env,
            "ACADEMUS_REDIS_URL": state.redis_url, "ACADEMUS_KEY_PREFIX": options.key_prefix,
            "ACADEMUS_PORT": str(port), "ACADEMUS_METRICS_PORT": str(metrics_port),
            "ACADEMUS_ARTIFACTS": str(options.artifacts), "HF_HUB_OFFLINE": "1",
            "ACADEMUS_TRACE_FILE": os.environ.get("ACADEMUS_TRACE_FILE", str(Path(state.run_dir) / "traces.jsonl"))}
+    if own_port:
+        env["ACADEMUS_OWN_PORT"] = str(own_port)
     if name == "worker":
         env["ACADEMUS_WORKER_ID"] = f"worker-{index}"
         if options.worker_threads:
@@ -218,7 +228,7 @@ def _spawn(name: str, index: int, options: MeshOptions, state: MeshState,
     with open(log, "ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", f"academus.services.{name}"], env=env,
                                 stdout=out, stderr=out, start_new_session=True)
-    return ServiceProcess(label, proc.pid, f"127.0.0.1:{port}", metrics_port, str(log))
+    return ServiceProcess(label, proc.pid, f"127.0.0.1:{own_port or port}", metrics_port, str(log))
 
 
 def health(address: str, timeout_s: float = 1.0) -> str:

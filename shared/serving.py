@@ -44,6 +44,7 @@ class ServiceSpec:
     on_stopping: Hook | None = None   # deregister, drain queues: runs before in-flight RPCs finish
     on_stopped: Hook | None = None    # close clients
     extra_tasks: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    own_port: int = 0                 # a second port, no other process binds (the mesh hands it out); 0: none
 
 
 class RunningService:
@@ -69,6 +70,8 @@ class RunningService:
         names = [*spec.service_names, MULTIPLEX_SERVICE, health_name, reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, self.server)
         port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if spec.own_port:
+            self.server.add_insecure_port(f"{cfg.host}:{spec.own_port}")
         self.metrics_port = start_metrics(cfg.metrics_port)
         await self.server.start()
         self.address = f"{cfg.advertised}:{port}"

@@ -258,6 +258,7 @@ async def build() -> ServiceSpec:
         service_names=["academus.v1.Inference", "academus.v1.Manage"],
         on_stopped=redis.aclose,
         extra_tasks=[refresher],
+        own_port=config.own_port,
     )
 
 

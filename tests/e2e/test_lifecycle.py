@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -100,21 +103,29 @@ def first_answer_after(call, timeout_s: float) -> None:
             time.sleep(0.2)
 
 
+def gateway_calls(gateways) -> list[float]:
+    return [metric(g.metrics_port, "academus_rpc_seconds_count", service="gateway", method="Infer")
+            for g in gateways]
+
+
 def test_gateways_share_one_port_each_serves_and_one_lost_leaves_the_other(tmp_path):
     """`academus up --gateways 2`: both bind the mesh's one gateway port (SO_REUSEPORT), the kernel spreads
-    connections over them, and when one dies new connections reach the other. This mesh's hops are a gRPC
-    call each (ACADEMUS_HOP_STREAMS=false, the ablation), the other meshes' ride multiplexed streams."""
+    connections over them, and when one dies new connections reach the other. Each also has a port of its
+    own, where the load generator sends every other request. This mesh's hops are a gRPC call each
+    (ACADEMUS_HOP_STREAMS=false, the ablation), the other meshes' ride multiplexed streams."""
     state = start_mesh(tmp_path / "run", env={"ACADEMUS_MODELS": "spam", "ACADEMUS_HOP_STREAMS": "false"}, gateways=2)
     try:
         gateways = [s for s in state.services if s.name.startswith("gateway")]
         assert [g.name for g in gateways] == ["gateway", "gateway-1"]
-        assert {g.address for g in gateways} == {state.gateway}
+        assert state.gateways() == [g.address for g in gateways] and state.gateway not in state.gateways()
         key = (tmp_path / "run" / ADMIN_KEY_FILE).read_text().strip()
         labels = {infer_on_own_connection(state.gateway, key) for _ in range(24)}
         assert labels <= {"spam", "ham"} and labels
-        served = [metric(g.metrics_port, "academus_rpc_seconds_count", service="gateway", method="Infer")
-                  for g in gateways]
+        served = gateway_calls(gateways)
         assert sum(served) == 24 and min(served) > 0, served
+        infer_on_own_connection(gateways[1].address, key)      # its own port reaches that process only
+        assert gateway_calls(gateways) == [served[0], served[1] + 1]
+        served = spread_load(tmp_path, state, gateways)
         hops = [(s, "/academus.v1.Scheduler/Schedule" if s.name.startswith("scheduler") else "/academus.v1.Worker/Run")
                 for s in state.services if s.name.startswith(("scheduler", "worker"))]
         assert not any(metric(s.metrics_port, "academus_multiplexed_calls_total", method=m) for s, m in hops)
@@ -122,7 +133,24 @@ def test_gateways_share_one_port_each_serves_and_one_lost_leaves_the_other(tmp_p
         assert wait_exit(gateways[1].pid, 10)
         first_answer_after(lambda: infer_on_own_connection(state.gateway, key), 10)
         assert all(infer_on_own_connection(state.gateway, key) for _ in range(6))
-        assert metric(gateways[0].metrics_port, "academus_rpc_seconds_count", service="gateway",
-                      method="Infer") == served[0] + 1 + 6
+        assert gateway_calls(gateways[:1]) == [served[0] + 1 + 6]
     finally:
         down(tmp_path / "run")
+
+
+def spread_load(tmp_path, state, gateways) -> list[float]:
+    """`academus loadgen --procs 2` against the mesh: its processes send to both gateways' own ports in
+    turn, and the report's per-gateway counts are the ones each gateway served. Returns those counts."""
+    before = gateway_calls(gateways)
+    proc = subprocess.run([sys.executable, "-m", "academus.shared.cli", "--run-dir", state.run_dir, "loadgen", "run",
+                           "--model", "spam", "--schedule", "poisson:20", "--duration", "2", "--texts", "task:spam",
+                           "--procs", "2", "--out", str(tmp_path / "spread")], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    run = json.loads(proc.stdout.splitlines()[-1])["runs"][0]
+    sent = {g.address: run["by_gateway"][g.address]["sent"] for g in gateways}
+    assert sum(sent.values()) == run["sent"] == run["completed"] > 10 and not run["errors"], run["by_gateway"]
+    assert max(sent.values()) - min(sent.values()) <= 2, sent     # each process alternates, from its own start
+    after = gateway_calls(gateways)
+    assert [a - b for a, b in zip(after, before, strict=True)] == [sent[g.address] for g in gateways]
+    return after
