@@ -100,7 +100,7 @@ def cmd_load(args: argparse.Namespace) -> int:
     samples = texts.parse(text_spec, CLOSED_LOOP_TEXTS if concurrency else max(1, len(arrivals)), args.seed)
     gateways, key = target(args)
     freeze_start_up_heap("loadgen")   # the client's own GC pauses would count as server latency
-    set_process_slice(load(CommonConfig).hop_slice_us)   # ... and so would its threads' waits behind a forward pass
+    set_process_slice(hop_slice_us())   # ... and so would its threads' waits behind a forward pass
     if args.procs > 1:
         results = [run_in_processes(gateways, key, model, policy, arrivals, samples, args.procs, args.timeout,
                                     args.duration, concurrency, args.streams) for model, policy in runs]
@@ -117,6 +117,13 @@ def cmd_load(args: argparse.Namespace) -> int:
         print(line)
     print(json.dumps(report))
     return 0
+
+
+def hop_slice_us() -> int:
+    """ACADEMUS_HOP_SLICE_US, the one service setting the load generator shares: the other ACADEMUS_*
+    variables of its environment (a service's port, say) are not its own, and a bad one must not stop it."""
+    name = "ACADEMUS_HOP_SLICE_US"
+    return load(CommonConfig, {name: os.environ[name]} if name in os.environ else {}).hop_slice_us
 
 
 def write_plots(results: list[RunResult], out: Path) -> None:

@@ -457,3 +457,28 @@ def test_an_overloaded_stream_server_refuses_stamped_frames_that_waited_half_the
     assert arm.get("refused_RESOURCE_EXHAUSTED", 0) > 0 and arm.get("in_time", 0) > 0
     assert arm["handler_runs"] == arm.get("in_time", 0) + arm.get("late", 0)   # every run was answered
     assert sum(v for k, v in arm.items() if k in ("in_time", "late") or k.startswith("refused_")) == 1000
+
+
+def test_the_load_generator_reads_only_its_own_setting_from_a_services_environment(monkeypatch):
+    """A shell set up for a service (a bad ACADEMUS_PORT here) does not stop the load generator, while a bad
+    slice, its own setting, is still refused by name."""
+    from academus.loadgen.cli import hop_slice_us
+    from academus.shared.config import ConfigError
+
+    monkeypatch.setenv("ACADEMUS_PORT", "not-a-port")
+    monkeypatch.setenv("ACADEMUS_HOP_SLICE_US", "500")
+    assert hop_slice_us() == 500
+    monkeypatch.setenv("ACADEMUS_HOP_SLICE_US", "5")
+    with pytest.raises(ConfigError, match="ACADEMUS_HOP_SLICE_US=5"):
+        hop_slice_us()
+    monkeypatch.delenv("ACADEMUS_HOP_SLICE_US")
+    assert hop_slice_us() == 0
+
+
+def test_by_gateway_counts_each_addresss_requests_and_answered_latencies():
+    records = [Record(0.0, 10.0, "OK", gateway="a:1"), Record(0.1, 30.0, "OK", gateway="a:1"),
+               Record(0.2, 5.0, "DEADLINE_EXCEEDED", gateway="a:1"), Record(0.3, 20.0, "OK", gateway="b:2"),
+               Record(0.4, 1.0, "RESOURCE_EXHAUSTED", gateway="b:2")]
+    out = RunResult("spam", "fifo", 10.0, 1.0, records).report()["by_gateway"]
+    assert {g: (v["sent"], v["completed"]) for g, v in out.items()} == {"a:1": (3, 2), "b:2": (2, 1)}
+    assert out["b:2"]["p50_ms"] == out["b:2"]["p95_ms"] == 20.0 and 10.0 < out["a:1"]["p95_ms"] <= 30.0
