@@ -57,11 +57,17 @@ class HierarchicalEncoder:
     def lower_layers(self) -> int:
         return self.store.lower_layers
 
+    def current_store(self) -> PlotStore:
+        """The table as built now (PlotStore.current): a root rebuilt while serving is served from the next
+        lookup on."""
+        self.store = self.store.current()
+        return self.store
+
     def pool(self, input_ids: Sequence[Sequence[int]], domain: str = "") -> torch.Tensor:
         """(B, hidden) L2-normalised embeddings of [CLS] ... [SEP] framed token id lists."""
         lengths = np.fromiter((len(s) for s in input_ids), dtype=np.int64, count=len(input_ids))
         flat = np.fromiter((t for s in input_ids for t in s), dtype=np.int64, count=int(lengths.sum()))
-        lookup = self.store.lookup(flat, lengths, domain)
+        lookup = self.current_store().lookup(flat, lengths, domain)
         return self.pool_states(lookup.states, lookup.lengths)
 
     def logits(self, input_ids: Sequence[Sequence[int]], domain: str = "") -> torch.Tensor:
@@ -139,12 +145,13 @@ class PlotEncoder(nn.Module):
         this base bring their own domain. `states` were looked up already: only the upper layers run."""
         if token_type_ids is not None and bool(token_type_ids.any()):
             raise ValueError("token_type_ids: a PLOT model takes single texts (its table holds segment-0 states)")
+        store = self.hierarchical.current_store()
         if states is not None:
-            states.check(self.hierarchical.store)
+            states.check(store)
             return self.hierarchical.pool_states(states.states, states.lengths)
         mask = attention_mask.bool().cpu()
         lengths = mask.sum(1).numpy()
         flat = input_ids.cpu()[mask].numpy()   # row-major: each sequence's real tokens, back to back
-        hidden, padded_mask = padded_lookup(self.hierarchical.store, flat, lengths,
+        hidden, padded_mask = padded_lookup(store, flat, lengths,
                                             domains or [self.domain] * len(lengths), self.hierarchical.device)
         return self.hierarchical.pool_padded(hidden, padded_mask)

@@ -26,12 +26,14 @@ Everything is vectorized over the batch: one searchsorted per table, one gather 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from academus.shared.logs import log_event
 from academus.shared.plot.ngrams import pack, window_starts, windows
 from academus.shared.plot.table import (
     ROOT,
@@ -93,6 +95,7 @@ class PlotStore:
         for name, overlay in self.domains.items():
             self._check_overlay(name, overlay)
         self._unk = self._unk_row()
+        self._refused: tuple[int, int] | None = None   # a rebuilt root's stamp that current() would not serve
 
     @classmethod
     def open(cls, directory: Path, *, model: str | None = None, lower_layers: int | None = None,
@@ -107,6 +110,26 @@ class PlotStore:
                                        lower_layers=root.manifest.lower_layers, ngram=root.manifest.ngram,
                                        verify=verify) for name in names}
         return cls(root, overlays, slot_weights)
+
+    def current(self) -> PlotStore:
+        """This store while its root is the build on disk (one stat). Once the root was rebuilt (`academus
+        plot build` again), the table as it is now: the new root with this store's overlays as they are beside
+        it, opened as a new store, so that a lookup running on this one finishes on one version. The build
+        published it whole (staged, checksummed, renamed into place), so it is mapped without hashing it again.
+        A rebuild of another model, K or n, or one that does not open, is refused once (logged) and this store
+        kept: the plot service's registration and the heads trained on these states name them."""
+        stamp = build_stamp(self.root.path)
+        if stamp is None or stamp in (self.root.stamp, self._refused):
+            return self
+        m, table = self.root.manifest, self.root.path.parent
+        served = [name for name in available_domains(table) if name in self.domains]   # deleted ones let go
+        try:
+            return PlotStore.open(table, model=m.model, lower_layers=m.lower_layers, ngram=m.ngram, domains=served,
+                                  verify=False, slot_weights=self.slot_weights)
+        except PlotError as e:
+            self._refused = stamp
+            log_event("plot_root_refused", logging.WARNING, path=str(self.root.path), error=str(e))
+            return self
 
     @property
     def hidden(self) -> int:

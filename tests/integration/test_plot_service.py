@@ -14,7 +14,7 @@ import torch
 from academus.services.plot.core import PlotLookup
 from academus.shared.model import teacher_dir
 from academus.shared.plot import PlotStore, TableError
-from academus.shared.plot.build import BuildOptions, build
+from academus.shared.plot.build import BuildOptions, build, count_ngrams, tokenize
 from academus.shared.plot.hierarchical import HierarchicalEncoder
 from academus.shared.plot.layers import SplitBert
 from academus.shared.plot.wire import WIRE_DTYPE, lookup_from_pb, request_to_pb
@@ -207,6 +207,15 @@ async def test_an_overlay_built_deleted_or_rebuilt_while_the_service_runs_is_ser
             again = await plot_pb2_grpc.PlotStub(channel).Lookup(request_to_pb(ids, lengths, "legal"), timeout=5)
         assert again.counts.domain == 0 and again.counts.root + again.counts.backoff == reply.counts.domain + \
             reply.counts.root + reply.counts.backoff
+
+        build([*ROOT, TEXTS[1]], table, BuildOptions(lower_layers=K, unigrams="corpus"),
+              layers=SplitBert(teacher.bert, K))            # the root rebuilt, now with the text's windows
+        async with grpc.aio.insecure_channel(service.address, options=CHANNEL_OPTIONS) as channel:
+            stub = plot_pb2_grpc.PlotStub(channel)
+            rooted = await stub.Lookup(request_to_pb(ids, lengths, ""), timeout=5)
+            info = await stub.Info(plot_pb2.InfoRequest(), timeout=5)
+        assert again.counts.backoff > 0 and rooted.counts.root == len(seq) - 2 and rooted.counts.backoff == 0
+        assert info.domains == ["legal", "spam"] and info.root_entries > len(count_ngrams(tokenize(ROOT), 3)[0])
     finally:
         await client.aclose()
         await service.stop()

@@ -423,6 +423,38 @@ def test_the_plot_service_announces_overlays_as_they_are_on_disk(table_copy, low
     assert fixed.refresh_domains() == []      # ACADEMUS_DOMAINS fixed the set
 
 
+def test_a_root_rebuilt_while_serving_is_served_from_the_next_lookup_and_one_of_another_k_is_refused(
+        table_copy, lower, teacher, tokenizer, monkeypatch):
+    """`academus plot build` again over a served root: the worker's hierarchical encoder and the plot
+    service's core serve the new root from their next lookup, keeping their overlays; the old store's
+    lookups stay on the old build. A rebuild of another K is refused once and the loaded root kept."""
+    from academus.services.plot.core import PlotLookup
+
+    store = PlotStore.open(table_copy, model="minilm", lower_layers=K)
+    encoder, core = HierarchicalEncoder(store, teacher), PlotLookup(store, max_tokens=64)
+    assert store.current() is store and encoder.current_store() is store     # nothing rebuilt: one stat
+    text = "zebras graze quietly"                    # none of its trigrams is in the root's corpus
+    ids = ids_of(tokenizer, text)
+    assert store.lookup(np.array(ids), np.array([len(ids)])).counts.root == 0
+
+    build([*ROOT_TEXTS, text], table_copy, BuildOptions(lower_layers=K, unigrams="corpus"), layers=lower)
+    assert core.refresh_domains() == ["spamlike"] and core.store is not store    # the overlay kept
+    served = core.lookup(np.array(ids), np.array([len(ids)]))
+    assert served.counts.root == len(ids) - 2 and served.counts.backoff == 0
+    close(one_window(core.store, ids[1:4]), framed_states(lower, ids[1:4]))   # its trigrams' states ...
+    rebuilt = encoder.pool([ids])
+    assert encoder.store is not store and encoder.store.root_entries == core.store.root_entries
+    close(rebuilt.numpy(), HierarchicalEncoder(core.store, teacher).pool([ids]).numpy())
+    assert store.lookup(np.array(ids), np.array([len(ids)])).counts.root == 0    # ... the old build's do not
+
+    served_store = core.store
+    build(ROOT_TEXTS, table_copy, BuildOptions(lower_layers=2, unigrams="corpus"), layers=shifted(teacher, 2))
+    assert core.refresh_domains() == ["spamlike"] and core.store is served_store   # refused: K=2, not 3
+    monkeypatch.setattr(PlotStore, "open", lambda *a, **k: pytest.fail("a refused root is not opened again"))
+    assert served_store.current() is served_store
+    assert core.lookup(np.array(ids), np.array([len(ids)])).counts.root == len(ids) - 2
+
+
 def test_service_core_applies_the_request_limits(store):
     from academus.services.plot.core import PlotLookup
 
