@@ -9,7 +9,8 @@ true / false). `compute_sched`: the workers' compute threads under SCHED_IDLE or
 multiplexed stream a peer, or a gRPC call each (ACADEMUS_HOP_STREAMS true / false). `send_ahead`: a busy
 student group sent its next element at once, or when it frees (ACADEMUS_SEND_AHEAD true / false).
 `hop_slice`: the services' threads on a 0.1 ms EEVDF slice or the kernel's (ACADEMUS_HOP_SLICE_US 100 / 0;
-shared/slices.py); the load generator keeps its own setting in both arms.
+shared/slices.py); the load generator keeps its own setting in both arms. `max_merge`: the length-aware
+buffer's elements hold one sample, or up to four, the default (ACADEMUS_MAX_MERGE 1 / 4).
 `drop_doomed`, `honour_pushback`: see overload_bench.
 `workers`, `instances`: mesh options, not switches: three worker processes (student groups, on CPU) against
 student_bench's two; two compute threads a worker against one.
