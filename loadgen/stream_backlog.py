@@ -10,6 +10,10 @@ each with --timeout. Run twice on the same schedule: frames stamped with their s
 arrival, as before the stamp existed). A reply after the frame's timeout counts as the caller saw it:
 DEADLINE_EXCEEDED. The server runs in a process of its own. Reported per arm: answered in time, late,
 refused by the server (by code), handler runs, and the in-time answers by the second they were sent in.
+`--pushback-caps 1000,50` adds one stamped arm a cap whose client honours the refusals' pushback hints as
+the gateway does a scheduler's (ACADEMUS_HONOUR_PUSHBACK): nothing is sent until the hint has passed, and
+what falls due meanwhile is refused at the client (`held_off`). The server's hint is the frame's wait,
+capped at that many ms (`multiplex.MAX_PUSHBACK_MS`, 50, set for the arm's server process).
 The last line printed is the JSON summary.
 """
 
@@ -24,6 +28,7 @@ import multiprocessing
 import grpc
 
 from academus.loadgen.grpc_floor import spin
+from academus.shared import multiplex
 from academus.shared.multiplex import CALLS_METHOD, CODES, serve_multiplexed
 from academus.v1 import multiplex_pb2
 
@@ -50,17 +55,21 @@ async def serve(cost_s: float, conn) -> None:
     conn.send(runs)
 
 
-def server_process(cost_s: float, conn) -> None:
+def server_process(cost_s: float, conn, pushback_cap_ms: int = multiplex.MAX_PUSHBACK_MS) -> None:
+    multiplex.MAX_PUSHBACK_MS = pushback_cap_ms   # the policy this arm measures, in its own process
     asyncio.run(serve(cost_s, conn))
 
 
-async def send_schedule(port: int, stamped: bool, rate: float, duration_s: float, timeout_s: float) -> dict:
-    """The client: frames on one Calls stream on schedule; each reply sorted by what its caller saw."""
+async def send_schedule(port: int, stamped: bool, rate: float, duration_s: float, timeout_s: float,
+                        honour_pushback: bool = False) -> dict:
+    """The client: frames on one Calls stream on schedule; each reply sorted by what its caller saw. A
+    client honouring pushback sends nothing due before a refusal's hint has passed."""
     loop = asyncio.get_running_loop()
     total = int(rate * duration_s)
     due = [i / rate for i in range(total)]
     outcome: collections.Counter[str] = collections.Counter()
     in_time_at: list[float] = []
+    held_until = 0.0
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         calls = channel.stream_stream(CALLS_METHOD, request_serializer=multiplex_pb2.CallFrame.SerializeToString,
                                       response_deserializer=multiplex_pb2.ReplyFrame.FromString)()
@@ -69,11 +78,17 @@ async def send_schedule(port: int, stamped: bool, rate: float, duration_s: float
         async def write() -> None:
             for i, at in enumerate(due):
                 await asyncio.sleep(max(start + at - loop.time(), 0))
+                if loop.time() < held_until:
+                    outcome["held_off"] += 1
+                    continue
                 # stamped with the schedule's time: a write held up by flow control is late already
                 await calls.write(multiplex_pb2.CallFrame(id=i, method=METHOD, payload=b"x", timeout_s=timeout_s,
                                                           sent_s=start + at if stamped else 0.0))
+            await calls.done_writing()   # the server ends the stream once it has answered: frames held off
+            # last are never answered, so the reader must not wait for them
 
         async def read() -> None:
+            nonlocal held_until
             while sum(outcome.values()) < total:
                 reply = await calls.read()
                 if reply is grpc.aio.EOF:
@@ -81,6 +96,9 @@ async def send_schedule(port: int, stamped: bool, rate: float, duration_s: float
                 waited = loop.time() - start - due[reply.id]
                 if reply.code:
                     outcome[f"refused_{CODES[reply.code].name}"] += 1
+                    hint = next((int(t.value) for t in reply.trailers if t.key == "grpc-retry-pushback-ms"), 0)
+                    if honour_pushback and hint:
+                        held_until = max(held_until, loop.time() + hint / 1e3)
                 elif waited > timeout_s:
                     outcome["late"] += 1
                 else:
@@ -95,20 +113,24 @@ async def send_schedule(port: int, stamped: bool, rate: float, duration_s: float
         writer.cancel()
         calls.cancel()
     per_second = collections.Counter(int(t - start) for t in in_time_at)
-    return {"stamped": stamped, "sent": total, **dict(outcome),
+    return {"stamped": stamped, "honour_pushback": honour_pushback, "sent": total, **dict(outcome),
             "in_time_per_s_sent": [per_second.get(s, 0) for s in range(int(duration_s))]}
 
 
-def run_arm(stamped: bool, cost_s: float, rate: float, duration_s: float, timeout_s: float) -> dict:
-    """One arm on a fresh server process (its own loop and core, as a gateway has)."""
+def run_arm(stamped: bool, cost_s: float, rate: float, duration_s: float, timeout_s: float,
+            pushback_cap_ms: int | None = None) -> dict:
+    """One arm on a fresh server process (its own loop and core, as a gateway has); with `pushback_cap_ms`,
+    the client honours the hints, which that server caps there."""
     spawn = multiprocessing.get_context("spawn")
     ours, theirs = spawn.Pipe()
-    server = spawn.Process(target=server_process, args=(cost_s, theirs))
+    cap = multiplex.MAX_PUSHBACK_MS if pushback_cap_ms is None else pushback_cap_ms
+    server = spawn.Process(target=server_process, args=(cost_s, theirs, cap))
     server.start()
     try:
-        result = asyncio.run(send_schedule(ours.recv(), stamped, rate, duration_s, timeout_s))
+        result = asyncio.run(send_schedule(ours.recv(), stamped, rate, duration_s, timeout_s,
+                                           honour_pushback=pushback_cap_ms is not None))
         ours.send("stop")
-        return result | {"handler_runs": ours.recv()}
+        return result | {"handler_runs": ours.recv(), "pushback_cap_ms": cap}
     finally:
         server.join(30)
 
@@ -119,9 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=1000.0, help="frames a second (open loop)")
     p.add_argument("--duration", type=float, default=10.0, help="seconds of sending")
     p.add_argument("--timeout", type=float, default=1.0, help="each frame's timeout (s)")
+    p.add_argument("--pushback-caps", type=lambda v: [int(c) for c in v.split(",")], default=[],
+                   help="comma-separated ms: a stamped arm a cap, its client honouring the hints")
     args = p.parse_args(argv)
     arms = [run_arm(stamped, args.cost_ms / 1e3, args.rate, args.duration, args.timeout)
             for stamped in (True, False)]
+    arms += [run_arm(True, args.cost_ms / 1e3, args.rate, args.duration, args.timeout, cap)
+             for cap in args.pushback_caps]
     summary = {"cost_ms": args.cost_ms, "rate": args.rate, "duration_s": args.duration, "timeout_s": args.timeout,
                "capacity_rps": round(1e3 / args.cost_ms, 1), "arms": arms,
                "in_time_stamped_vs_unstamped": round(arms[0].get("in_time", 0) / max(arms[1].get("in_time", 0), 1), 2)}

@@ -459,6 +459,17 @@ def test_an_overloaded_stream_server_refuses_stamped_frames_that_waited_half_the
     assert sum(v for k, v in arm.items() if k in ("in_time", "late") or k.startswith("refused_")) == 1000
 
 
+def test_a_client_honouring_the_backlogs_pushback_holds_off_what_falls_due_and_loses_nothing():
+    """stream_backlog's honouring arm: after a refusal the client sends nothing for the hint (1000 ms, the
+    old cap, here longer than the run), so the frames due then are held off, and every frame is accounted."""
+    from academus.loadgen.stream_backlog import run_arm
+
+    arm = run_arm(True, cost_s=0.005, rate=1000.0, duration_s=1.0, timeout_s=0.2, pushback_cap_ms=1000)
+    assert arm["honour_pushback"] and arm["pushback_cap_ms"] == 1000 and "unanswered" not in arm
+    assert arm.get("refused_RESOURCE_EXHAUSTED", 0) > 0 and arm.get("held_off", 0) > 0
+    assert sum(v for k, v in arm.items() if k in ("in_time", "late", "held_off") or k.startswith("refused_")) == 1000
+
+
 def test_the_load_generator_reads_only_its_own_setting_from_a_services_environment(monkeypatch):
     """A shell set up for a service (a bad ACADEMUS_PORT here) does not stop the load generator, while a bad
     slice, its own setting, is still refused by name."""

@@ -20,6 +20,7 @@ from academus.shared.multiplex import (
     CALLS_METHOD,
     FRAME_BYTES_KEY,
     MAX_FRAME_BYTES,
+    MAX_PUSHBACK_MS,
     MIN_PIECE_BYTES,
     FrameContext,
     MultiplexChannel,
@@ -243,7 +244,7 @@ async def test_a_frames_wait_on_its_way_counts_against_its_timeout_whatever_the_
     behind = replies[3]
     trailers = {t.key: t.value for t in behind.trailers}
     assert behind.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and "waited 3" in behind.details
-    assert trailers[NOTHING_RAN] == "true" and 0 < int(trailers["grpc-retry-pushback-ms"]) <= 1000
+    assert trailers[NOTHING_RAN] == "true" and int(trailers["grpc-retry-pushback-ms"]) == MAX_PUSHBACK_MS  # 3 s, capped
     assert replies[4].code == 0 and replies[4].payload == b"ok:sent 1s ago"
     assert len(probe.remaining) == 2 and 3.5 < probe.remaining[1] <= 4.0   # the unrun two never reached it
     assert unrun("DEADLINE_EXCEEDED") == expired_before + 1 and unrun("RESOURCE_EXHAUSTED") == behind_before + 1
