@@ -29,6 +29,7 @@ import grpc
 
 from academus.loadgen.grpc_floor import spin
 from academus.shared import multiplex
+from academus.shared.errors import pushback_ms
 from academus.shared.multiplex import CALLS_METHOD, CODES, serve_multiplexed
 from academus.v1 import multiplex_pb2
 
@@ -96,7 +97,7 @@ async def send_schedule(port: int, stamped: bool, rate: float, duration_s: float
                 waited = loop.time() - start - due[reply.id]
                 if reply.code:
                     outcome[f"refused_{CODES[reply.code].name}"] += 1
-                    hint = next((int(t.value) for t in reply.trailers if t.key == "grpc-retry-pushback-ms"), 0)
+                    hint = pushback_ms((t.key, t.value) for t in reply.trailers)
                     if honour_pushback and hint:
                         held_until = max(held_until, loop.time() + hint / 1e3)
                 elif waited > timeout_s:

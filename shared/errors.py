@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import grpc
 
 
@@ -18,6 +20,13 @@ class ServingError(Exception):
 
 
 NOTHING_RAN = "academus-nothing-ran"   # trailer of a refusal on arrival whose code does not say so itself
+PUSHBACK = "grpc-retry-pushback-ms"    # trailer: how long the caller should wait before its next request
+
+
+def pushback_ms(trailers: Iterable[tuple[str, str]]) -> int | None:
+    """The retry pushback hint (ms) among a status's trailers; None when it has none."""
+    value = dict(trailers).get(PUSHBACK)
+    return int(value) if value else None
 
 
 class InvalidArgument(ServingError):
@@ -58,7 +67,7 @@ class Unavailable(ServingError):
 
 async def abort_with(context: grpc.aio.ServicerContext, error: ServingError) -> None:
     """Aborts the RPC with the error's status, adding the retry pushback hint when it has one."""
-    trailers = [("grpc-retry-pushback-ms", str(error.pushback_ms))] if error.pushback_ms is not None else []
+    trailers = [(PUSHBACK, str(error.pushback_ms))] if error.pushback_ms is not None else []
     if error.nothing_ran:
         trailers.append((NOTHING_RAN, "true"))
     if trailers:
@@ -69,9 +78,8 @@ async def abort_with(context: grpc.aio.ServicerContext, error: ServingError) -> 
 def from_rpc_error(error: grpc.aio.AioRpcError, hop: str) -> ServingError:
     """Re-raises a downstream status unchanged in code, with the hop named for the operator."""
     trailers = dict(error.trailing_metadata() or ())
-    pushback = trailers.get("grpc-retry-pushback-ms")
     return from_status(error.code(), error.details() or f"{hop} failed with {error.code().name}",
-                       int(pushback) if pushback else None, trailers.get(NOTHING_RAN) == "true")
+                       pushback_ms(trailers.items()), trailers.get(NOTHING_RAN) == "true")
 
 
 def from_status(code: grpc.StatusCode, message: str, pushback_ms: int | None = None,

@@ -49,7 +49,7 @@ import grpc
 from opentelemetry.trace import TracerProvider
 from prometheus_client import Counter
 
-from academus.shared.errors import NOTHING_RAN
+from academus.shared.errors import NOTHING_RAN, PUSHBACK
 from academus.shared.interceptors import UnaryBehavior, UnaryServerInterceptor
 from academus.shared.metrics import MULTIPLEXED, MULTIPLEXED_UNRUN, REPLIES_IN_PIECES
 from academus.shared.tracing import client_tracer, end_client_span, start_client_span
@@ -339,7 +339,7 @@ def unrun_reply(frame: multiplex_pb2.CallFrame, context: FrameContext) -> multip
     return reply_status(frame.id, grpc.StatusCode.RESOURCE_EXHAUSTED,
                         f"overloaded: the call waited {waited * 1e3:.0f} ms of its {frame.timeout_s:g} s timeout "
                         f"before this server could start it; nothing ran",
-                        [("grpc-retry-pushback-ms", str(min(round(waited * 1e3), MAX_PUSHBACK_MS))),
+                        [(PUSHBACK, str(min(round(waited * 1e3), MAX_PUSHBACK_MS))),
                          (NOTHING_RAN, "true")])
 
 

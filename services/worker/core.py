@@ -11,6 +11,7 @@ import os
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,7 +151,9 @@ class ModelRunner:
             raise NotFound(f"models {unknown} are not in {artifacts}/models.json (run `academus prepare`)")
         self._local = threading.local()  # each compute thread (student instance) has its own stop conditions
         self._teacher: TeacherEncoder | None = None
-        self._plot_stores: dict[Path, object] = {}   # one memory-mapped table shared by its plot models
+        # one memory-mapped table shared by its plot models; weak, so that once they have moved to a rebuilt
+        # root (PlotStore.current) the old one's mapping is let go
+        self._plot_stores: weakref.WeakValueDictionary[Path, object] = weakref.WeakValueDictionary()
         self.models = {name: self._load(name, catalogue[name]) for name in models}
         self.specs = {name: served.spec for name, served in self.models.items()}
 
@@ -190,16 +193,16 @@ class ModelRunner:
         from academus.shared.plot.hierarchical import HierarchicalEncoder, PlotEncoder
 
         table = self.artifacts / entry["plot"]
-        if table not in self._plot_stores:
-            self._plot_stores[table] = PlotStore.open(table, model=entry.get("base", "minilm"),
-                                                      lower_layers=entry.get("lower_layers"))
+        store = self._plot_stores.get(table)
+        store = store.current() if store is not None else PlotStore.open(
+            table, model=entry.get("base", "minilm"), lower_layers=entry.get("lower_layers"))
+        self._plot_stores[table] = store
         head = None
         if entry["kind"] == CLASSIFICATION:
             from academus.shared.training.prepare import load_head_at
 
             head = load_head_at(self.artifacts / entry["head"]).to(self.device).eval()
         teacher = self.teacher()
-        store = self._plot_stores[table]
         encoder = PlotEncoder(HierarchicalEncoder(store, teacher), teacher, entry.get("domain", ""))
         spec = ModelSpec(name, entry["kind"], list(head.labels) if head else [], HIDDEN_SIZE, plot=store.model,
                          lower_layers=store.lower_layers, domain=entry.get("domain", ""))

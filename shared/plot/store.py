@@ -96,6 +96,7 @@ class PlotStore:
             self._check_overlay(name, overlay)
         self._unk = self._unk_row()
         self._refused: tuple[int, int] | None = None   # a rebuilt root's stamp that current() would not serve
+        self._successor: PlotStore | None = None        # the store current() opened on a rebuilt root
 
     @classmethod
     def open(cls, directory: Path, *, model: str | None = None, lower_layers: int | None = None,
@@ -114,18 +115,22 @@ class PlotStore:
     def current(self) -> PlotStore:
         """This store while its root is the build on disk (one stat). Once the root was rebuilt (`academus
         plot build` again), the table as it is now: the new root with this store's overlays as they are beside
-        it, opened as a new store, so that a lookup running on this one finishes on one version. The build
+        it, opened as a new store, so that a lookup running on this one finishes on one version; opened once,
+        so every holder of this store (the plot models of one table) moves to the same new one. The build
         published it whole (staged, checksummed, renamed into place), so it is mapped without hashing it again.
         A rebuild of another model, K or n, or one that does not open, is refused once (logged) and this store
         kept: the plot service's registration and the heads trained on these states name them."""
         stamp = build_stamp(self.root.path)
         if stamp is None or stamp in (self.root.stamp, self._refused):
             return self
+        if self._successor is not None and self._successor.root.stamp == stamp:
+            return self._successor
         m, table = self.root.manifest, self.root.path.parent
         served = [name for name in available_domains(table) if name in self.domains]   # deleted ones let go
         try:
-            return PlotStore.open(table, model=m.model, lower_layers=m.lower_layers, ngram=m.ngram, domains=served,
-                                  verify=False, slot_weights=self.slot_weights)
+            self._successor = PlotStore.open(table, model=m.model, lower_layers=m.lower_layers, ngram=m.ngram,
+                                             domains=served, verify=False, slot_weights=self.slot_weights)
+            return self._successor
         except PlotError as e:
             self._refused = stamp
             log_event("plot_root_refused", logging.WARNING, path=str(self.root.path), error=str(e))

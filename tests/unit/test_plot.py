@@ -444,6 +444,7 @@ def test_a_root_rebuilt_while_serving_is_served_from_the_next_lookup_and_one_of_
     close(one_window(core.store, ids[1:4]), framed_states(lower, ids[1:4]))   # its trigrams' states ...
     rebuilt = encoder.pool([ids])
     assert encoder.store is not store and encoder.store.root_entries == core.store.root_entries
+    assert encoder.store is core.store          # opened once: every holder of the old store moved to one new
     close(rebuilt.numpy(), HierarchicalEncoder(core.store, teacher).pool([ids]).numpy())
     assert store.lookup(np.array(ids), np.array([len(ids)])).counts.root == 0    # ... the old build's do not
 
