@@ -470,6 +470,23 @@ def test_a_client_honouring_the_backlogs_pushback_holds_off_what_falls_due_and_l
     assert sum(v for k, v in arm.items() if k in ("in_time", "late", "held_off") or k.startswith("refused_")) == 1000
 
 
+def test_a_client_reacting_once_a_round_trip_is_not_held_off_again_by_its_stale_backlog():
+    """stream_backlog's hold-off rules: every refusal renews the hold-off (the gateway's), or, once a round
+    trip, only the refusal of a frame sent since the hold-off began."""
+    from academus.loadgen.stream_backlog import ClientHoldOff
+
+    renewing, once = ClientHoldOff(), ClientHoldOff(once_a_round_trip=True)
+    for hold in (renewing, once):
+        assert hold.open(0.0)
+        hold.refused(50, sent_at=0.0, now=1.0)            # the first refusal: held until 1.05
+        assert not hold.open(1.04)
+        hold.refused(50, sent_at=0.5, now=1.04)           # a frame sent before the hold-off, refused later
+    assert not renewing.open(1.06) and renewing.open(1.09)
+    assert once.open(1.06)
+    once.refused(50, sent_at=1.06, now=1.2)               # sent since: news
+    assert not once.open(1.24) and once.open(1.25)
+
+
 def test_the_load_generator_reads_only_its_own_setting_from_a_services_environment(monkeypatch):
     """A shell set up for a service (a bad ACADEMUS_PORT here) does not stop the load generator, while a bad
     slice, its own setting, is still refused by name."""
