@@ -63,8 +63,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--output", choices=["label", "score", "embedding"], default="")
     s.add_argument("--key", default=None, help="API key (default: the local admin key)")
     s.add_argument("--gateway", default=None, help="host:port (default: the local mesh's gateway)")
-    s.add_argument("--timeout", type=float, default=10.0)
+    s.add_argument("--timeout", type=positive_seconds, default=10.0, help="seconds (> 0)")
     s.add_argument("--no-truncate", action="store_true", help="refuse texts over the token limit")
+    s.add_argument("--pair", action="append", default=None, metavar="TEXT",
+                   help="the second text of a pair, once for each text, in order (an embedding model scores each pair)")
     s.add_argument("texts", nargs="+")
     s.set_defaults(func=cmd_infer)
 
@@ -168,11 +170,21 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0 if healthy else 1
 
 
+def positive_seconds(value: str) -> float:
+    seconds = float(value)
+    if not seconds > 0:   # a call with no time at all could only end DEADLINE_EXCEEDED
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {value}")
+    return seconds
+
+
 def cmd_infer(args: argparse.Namespace) -> int:
     from academus.client import AcademusError, Client
     from academus.shared.mesh import ADMIN_KEY_FILE, MeshError, MeshState
 
     key, gateway = args.key, args.gateway
+    if args.pair is not None and len(args.pair) != len(args.texts):
+        print(f"--pair: {len(args.pair)} given for {len(args.texts)} texts; give one for each text", file=sys.stderr)
+        return 2
     try:
         if gateway is None:
             gateway = MeshState.load(_run_dir(args)).gateway
@@ -183,15 +195,19 @@ def cmd_infer(args: argparse.Namespace) -> int:
         return 2
     try:
         with Client(gateway, api_key=key, timeout=args.timeout) as client:
-            result = client.infer(args.model, args.texts, args.output,
+            result = client.infer(args.model, args.texts, args.output, pairs=args.pair,
                                   truncate=False if args.no_truncate else None)
     except AcademusError as e:
         print(e.code, file=sys.stdout)
         print(f"{e.code}: {e.details}", file=sys.stderr)
         return 1
-    for text, p in zip(args.texts, result.predictions, strict=True):
-        if p.embedding:
+    for i, (text, p) in enumerate(zip(args.texts, result.predictions, strict=True)):
+        if args.pair is not None:
+            print(json.dumps({"text": text, "text_pair": args.pair[i], "score": p.score}))
+        elif p.embedding:
             print(json.dumps({"text": text, "embedding": p.embedding}))
+        elif args.output == "score":
+            print(json.dumps({"text": text, "score": p.score}))
         else:
             print(json.dumps({"text": text, "label": p.label, "probs": p.probs}))
     return 0

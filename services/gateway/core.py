@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+import numpy as np
 import redis.asyncio as aioredis
 
 from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
@@ -58,6 +59,13 @@ class Admitted:
     tokenize_ms: float
     tenant_model: TenantModel | None = None  # set when `spec` is the caller's own model on a served base
     charged: bool = False                    # a quota token was taken for it
+    paired: bool = False                     # text pairs scored by an embedding model: `encoded` holds every
+    #                                          text, then every pair, each embedded alone
+
+    @property
+    def model_output(self) -> str:
+        """What the model computes: a pair's score is folded from its two texts' embeddings (pair_scores)."""
+        return EMBED if self.paired else self.output
 
 
 class Authenticator:
@@ -140,12 +148,46 @@ class TenantModels:
         return model
 
 
-def resolve_output(spec: ModelSpec, wanted: str) -> str:
+def resolve_output(spec: ModelSpec, wanted: str, paired: bool = False) -> str:
+    if paired:   # check_pairs let pairs through to an embedding model only
+        if wanted not in ("", SCORE):
+            raise InvalidArgument(f"output={wanted}: model {spec.name!r} answers a text pair with one score, the "
+                                  "cosine similarity of the two texts' embeddings (output=score)")
+        return SCORE
     if not wanted:
         return LABEL if spec.kind == CLASSIFICATION else EMBED
     if wanted in (LABEL, SCORE) and spec.kind == EMBEDDING:
-        raise InvalidArgument(f"output={wanted}: model {spec.name!r} is an embedding model; use output=embedding")
+        raise InvalidArgument(f"output={wanted}: model {spec.name!r} is an embedding model; use output=embedding "
+                              "(or, for a score, send text pairs)")
     return wanted
+
+
+def check_pairs(spec: ModelSpec, call: InferCall, max_inputs: int) -> bool:
+    """Whether the call scores text pairs. An embedding model scores pairs as a bi-encoder does (each text
+    embedded alone, then their cosine), the way all-MiniLM-L6-v2 is meant to; a classifier here was trained
+    on single texts, so a pair would get an answer its head never learned to give."""
+    pairs = list(itertools.zip_longest(call.texts, call.pairs, fillvalue=""))
+    given = [i for i, (_, pair) in enumerate(pairs) if pair]
+    if not given:
+        return False
+    if spec.kind != EMBEDDING:
+        raise InvalidArgument(f"inputs[{given[0]}].text_pair: model {spec.name!r} classifies single texts; it was "
+                              "not trained on text pairs")
+    if len(given) < len(pairs):
+        missing = next(i for i, (_, pair) in enumerate(pairs) if not pair)
+        raise InvalidArgument(f"inputs[{missing}].text_pair is empty: a request scores text pairs or embeds single "
+                              "texts, not both")
+    if 2 * len(pairs) > max_inputs:
+        raise InvalidArgument(f"inputs has {len(pairs)} text pairs, {2 * len(pairs)} texts to embed; the limit is "
+                              f"{max_inputs} texts per request")
+    return True
+
+
+def pair_scores(rows: Sequence[Sequence[float]]) -> list[float]:
+    """The cosine similarity of each pair, from the embeddings of every text, then of every pair."""
+    n = len(rows) // 2
+    return [float(np.dot(a, b) / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-12))
+            for a, b in ((np.asarray(rows[i]), np.asarray(rows[n + i])) for i in range(n))]
 
 
 class Gateway:
@@ -165,15 +207,16 @@ class Gateway:
         principal = await self.auth.authenticate(api_key)
         self.check_inputs(call)
         spec, tenant_model = await self.resolve(principal, call.model)
-        output = resolve_output(spec, call.output)
+        paired = check_pairs(spec, call, self.config.max_inputs)
+        output = resolve_output(spec, call.output, paired)
         if self.schedulers is not None:
             self.schedulers.refuse_if_full(tenant_model.base if tenant_model else spec.name, policy)
         charged = await self.quotas.take(principal.tenant)
         start = time.perf_counter()
-        encoded = self.tokenize(call)
+        encoded = self.tokenize(call, paired)
         truncated = [call.truncate and len(e.input_ids) >= self.tokenizer.max_tokens for e in encoded]
         return Admitted(principal, spec, output, encoded, truncated, (time.perf_counter() - start) * 1e3,
-                        tenant_model, charged)
+                        tenant_model, charged, paired)
 
     async def give_back(self, admitted: Admitted) -> None:
         """The request was refused downstream for want of capacity (see `for_want_of_room`): its quota
@@ -214,12 +257,18 @@ class Gateway:
                     raise InvalidArgument(f"inputs[{i}].{field} has {len(value)} characters; "
                                           f"the limit is {self.config.max_text_chars}")
 
-    def tokenize(self, call: InferCall) -> list[Encoded]:
-        pairs = list(call.pairs) if any(call.pairs) else None
+    def tokenize(self, call: InferCall, paired: bool = False) -> list[Encoded]:
+        """Token ids: of each text (or text pair, framed as one sequence); `paired`, of every text, then of
+        every pair, each alone."""
+        n = len(call.texts)
         try:
-            return self.tokenizer.encode(call.texts, pairs, truncate=call.truncate)
+            if paired:
+                return self.tokenizer.encode([*call.texts, *call.pairs[:n]], truncate=call.truncate)
+            return self.tokenizer.encode(call.texts, list(call.pairs) if any(call.pairs) else None,
+                                         truncate=call.truncate)
         except TextTooLong as e:
-            raise InvalidArgument(f"inputs[{e.index}].text has {e.num_tokens} tokens; the limit is {e.limit} "
+            field = "text_pair" if e.index >= n else "text"
+            raise InvalidArgument(f"inputs[{e.index % n}].{field} has {e.num_tokens} tokens; the limit is {e.limit} "
                                   "tokens (truncate=false)") from e
 
 

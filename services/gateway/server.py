@@ -23,6 +23,7 @@ from academus.services.gateway.core import (
     TenantModels,
     check_policy,
     for_want_of_room,
+    pair_scores,
 )
 from academus.services.gateway.manage import Manage
 from academus.shared import config as cfg
@@ -72,7 +73,7 @@ def schedule_request(admitted: Admitted, request_id: str) -> scheduler_pb2.Sched
             tokens.token_type_ids.extend(e.token_type_ids)
     request = scheduler_pb2.ScheduleRequest(request_id=request_id, model=admitted.spec.name,
                                             tenant=admitted.principal.tenant,
-                                            output=OUTPUT_ENUMS[admitted.output], tokens=tokens)
+                                            output=OUTPUT_ENUMS[admitted.model_output], tokens=tokens)
     if (tm := admitted.tenant_model) is not None:  # the base runs it; the worker applies adapter and head
         request.model = tm.base
         request.adapter.CopyFrom(tensors_pb2.AdapterRef(tenant=admitted.principal.tenant, name=tm.adapter,
@@ -88,6 +89,8 @@ def to_pb(admitted: Admitted, result: tensors_pb2.ModelOutput, request_id: str) 
     width = min(len(labels), dim) if admitted.tenant_model is not None and admitted.output != EMBED else dim
     response = pb.InferResponse(model=admitted.spec.name, request_id=request_id, labels=labels)
     response.metadata.CopyFrom(result.metadata)
+    if admitted.paired:
+        return pair_response(response, admitted, values, dim)
     for i, e in enumerate(admitted.encoded):
         row = values[i * dim : i * dim + width]
         p = response.predictions.add(num_tokens=len(e.input_ids), truncated=admitted.truncated[i],
@@ -98,6 +101,16 @@ def to_pb(admitted: Admitted, result: tensors_pb2.ModelOutput, request_id: str) 
             p.probs.extend(row)
             p.label = labels[max(range(width), key=row.__getitem__)]
             p.score = row[-1]
+    return response
+
+
+def pair_response(response: pb.InferResponse, admitted: Admitted, values, dim: int) -> pb.InferResponse:
+    """One score a text pair, its cosine similarity; its tokens are both texts'."""
+    n = len(admitted.encoded) // 2
+    for i, score in enumerate(pair_scores([values[r * dim : (r + 1) * dim] for r in range(2 * n)])):
+        response.predictions.add(score=score, input_index=i, final=True,
+                                 num_tokens=len(admitted.encoded[i].input_ids) + len(admitted.encoded[n + i].input_ids),
+                                 truncated=admitted.truncated[i] or admitted.truncated[n + i])
     return response
 
 

@@ -60,6 +60,46 @@ def test_cli_embedding_output(mesh):
     assert len(json.loads(out.stdout)["embedding"]) == 384
 
 
+def test_cli_score_output_is_the_positive_class_probability(mesh):
+    labelled = json.loads(cli(mesh, "infer", "--model", "spam", TEXTS[0]).stdout)
+    out = cli(mesh, "infer", "--model", "spam", "--output", "score", TEXTS[0])
+    assert out.returncode == 0, out.stderr
+    scored = json.loads(out.stdout)
+    assert set(scored) == {"text", "score"}
+    assert scored["score"] == pytest.approx(labelled["probs"]["spam"], abs=1e-5)
+
+
+def test_an_embedding_model_scores_text_pairs_by_the_cosine_of_their_embeddings(mesh, admin_key):
+    """Pair scoring through the mesh: each score is the cosine of the two texts' embeddings as the model
+    gives them alone, and a paraphrase scores above an unrelated sentence."""
+    texts = ["A man is playing a guitar.", "A man is playing a guitar."]
+    pairs = ["Someone strums an acoustic guitar.", "The stock market fell sharply today."]
+    with Client(mesh.gateway, api_key=admin_key) as client:
+        scored = client.infer("minilm", texts, pairs=pairs)
+        embedded = client.infer("minilm", [texts[0], *pairs])
+    a, b, c = (np.asarray(p.embedding) for p in embedded.predictions)
+    cosine = [float(a @ x / np.linalg.norm(a) / np.linalg.norm(x)) for x in (b, c)]
+    assert [p.score for p in scored.predictions] == pytest.approx(cosine, abs=1e-4)
+    assert scored.predictions[0].score > 0.5 > scored.predictions[1].score
+    out = cli(mesh, "infer", "--model", "minilm", texts[0], "--pair", pairs[0])
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["score"] == pytest.approx(cosine[0], abs=1e-4)
+
+
+def test_a_text_pair_to_a_classifier_is_invalid_and_names_the_field(mesh, admin_key):
+    with Client(mesh.gateway, api_key=admin_key) as client, pytest.raises(AcademusError) as refused:
+        client.infer("spam", ["win money", "hi"], pairs=["now", "there"])
+    assert refused.value.code == "INVALID_ARGUMENT"
+    assert "inputs[0].text_pair: model 'spam' classifies single texts" in refused.value.details
+    out = cli(mesh, "infer", "--model", "minilm", "a", "b", "--pair", "c")
+    assert out.returncode == 2 and "--pair: 1 given for 2 texts" in out.stderr
+
+
+def test_cli_refuses_a_timeout_that_is_not_positive(mesh):
+    out = cli(mesh, "infer", "--model", "spam", "--timeout", "0", "hi")
+    assert out.returncode == 2 and "--timeout: must be more than 0 seconds, got 0" in out.stderr
+
+
 def test_sentiment_head_separates_fresh_and_rotten(mesh, admin_key):
     with Client(mesh.gateway, api_key=admin_key) as client:
         result = client.infer("sentiment", TEXTS[2:])

@@ -10,6 +10,7 @@ import pytest
 from academus.services.gateway.core import (
     EMBED,
     LABEL,
+    SCORE,
     Authenticator,
     Catalogue,
     Gateway,
@@ -128,6 +129,64 @@ def test_natural_output():
     assert resolve_output(ModelSpec("m", EMBEDDING), "") == EMBED
     assert resolve_output(ModelSpec("m", CLASSIFICATION, ["a", "b"]), "") == LABEL
     assert resolve_output(ModelSpec("m", CLASSIFICATION, ["a", "b"]), EMBED) == EMBED
+
+
+def paired_call(texts, pairs, model="minilm", output="", truncate=True):
+    return InferCall(model=model, texts=texts, pairs=pairs, output=output, truncate=truncate)
+
+
+async def test_an_embedding_model_scores_text_pairs_from_each_texts_own_embedding(gateway):
+    """Pairs to an embedding model: every text, then every pair, tokenized alone (no [SEP] joins them, no
+    segment 1), embedded, and each pair answered with one score."""
+    from academus.services.gateway.server import schedule_request
+    from academus.v1 import inference_pb2
+
+    admitted = await gateway.admit("good-key", paired_call(["a cat sat", "rain today"], ["a dog sat", "sunny"]))
+    assert admitted.paired and admitted.output == SCORE and admitted.model_output == EMBED
+    alone = await gateway.admit("good-key", call(["a cat sat", "rain today", "a dog sat", "sunny"], model="minilm"))
+    assert [e.input_ids for e in admitted.encoded] == [e.input_ids for e in alone.encoded]
+    assert not any(t for e in admitted.encoded for t in e.token_type_ids)
+    request = schedule_request(admitted, "r1")
+    assert request.output == inference_pb2.OUTPUT_EMBEDDING and list(request.tokens.lengths) == [
+        len(e.input_ids) for e in alone.encoded]
+    scored = await gateway.admit("good-key", paired_call(["a"], ["b"], output=SCORE))
+    assert scored.output == SCORE
+
+
+async def test_pairs_a_model_cannot_score_are_refused_naming_the_field(gateway):
+    with pytest.raises(InvalidArgument, match=r"inputs\[1\]\.text_pair: model 'spam' classifies single texts"):
+        await gateway.admit("good-key", paired_call(["a", "b"], ["", "c"], model="spam"))
+    with pytest.raises(InvalidArgument, match=r"inputs\[0\]\.text_pair is empty: a request scores text pairs"):
+        await gateway.admit("good-key", paired_call(["a", "b"], ["", "c"]))
+    with pytest.raises(InvalidArgument, match="inputs has 3 text pairs, 6 texts to embed; the limit is 4 texts"):
+        await gateway.admit("good-key", paired_call(["a"] * 3, ["b"] * 3))
+    with pytest.raises(InvalidArgument, match="output=embedding: model 'minilm' answers a text pair with one score"):
+        await gateway.admit("good-key", paired_call(["a"], ["b"], output=EMBED))
+    with pytest.raises(InvalidArgument, match=r"inputs\[0\]\.text_pair has \d+ tokens; the limit is 32"):
+        await gateway.admit("good-key", paired_call(["short"], ["word " * 40], truncate=False))
+    with pytest.raises(InvalidArgument, match=r"output=score: .* embedding model.*send text pairs"):
+        await gateway.admit("good-key", call(["a"], model="minilm", output=SCORE))
+
+
+def test_a_pairs_score_is_the_cosine_of_its_two_embeddings():
+    from academus.services.gateway.core import pair_scores
+
+    rows = [[1.0, 0.0], [3.0, 4.0], [2.0, 0.0], [-4.0, 3.0]]   # texts (a0, a1), then pairs (b0, b1)
+    assert pair_scores(rows) == pytest.approx([1.0, 0.0])
+    assert pair_scores([[1.0, 1.0], [-2.0, -2.0]]) == pytest.approx([-1.0])
+
+
+async def test_to_pb_answers_each_pair_with_its_score_and_both_texts_tokens(gateway):
+    from academus.services.gateway.server import to_pb
+    from academus.v1 import tensors_pb2
+
+    admitted = await gateway.admit("good-key", paired_call(["one", "two words"], ["uno", "dos"]))
+    values = [1.0, 0.0, 0.6, 0.8, 1.0, 0.0, 0.0, 1.0]      # one, two words, uno, dos
+    response = to_pb(admitted, tensors_pb2.ModelOutput(values=tensors_pb2.Matrix(dim=2, values=values)), "r1")
+    assert [p.score for p in response.predictions] == pytest.approx([1.0, 0.8])
+    assert [p.input_index for p in response.predictions] == [0, 1]
+    assert [p.num_tokens for p in response.predictions] == [3 + 3, 4 + 3]
+    assert all(not p.embedding and not p.probs and not p.label for p in response.predictions)
 
 
 async def test_auth_cache_expires_with_the_clock(redis_url):
