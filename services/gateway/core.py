@@ -183,11 +183,11 @@ def check_pairs(spec: ModelSpec, call: InferCall, max_inputs: int) -> bool:
     return True
 
 
-def pair_scores(rows: Sequence[Sequence[float]]) -> list[float]:
-    """The cosine similarity of each pair, from the embeddings of every text, then of every pair."""
-    n = len(rows) // 2
-    return [float(np.dot(a, b) / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-12))
-            for a, b in ((np.asarray(rows[i]), np.asarray(rows[n + i])) for i in range(n))]
+def pair_scores(embeddings: np.ndarray) -> list[float]:
+    """The cosine similarity of each pair, from the embeddings (rows) of every text, then of every pair."""
+    texts, pairs = np.split(np.asarray(embeddings, dtype=np.float64), 2)
+    norms = np.linalg.norm(texts, axis=1) * np.linalg.norm(pairs, axis=1)
+    return ((texts * pairs).sum(axis=1) / np.maximum(norms, 1e-12)).tolist()
 
 
 class Gateway:

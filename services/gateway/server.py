@@ -8,6 +8,7 @@ import json
 import time
 
 import grpc
+import numpy as np
 from redis.exceptions import RedisError
 
 from academus.services.gateway.core import (
@@ -107,7 +108,7 @@ def to_pb(admitted: Admitted, result: tensors_pb2.ModelOutput, request_id: str) 
 def pair_response(response: pb.InferResponse, admitted: Admitted, values, dim: int) -> pb.InferResponse:
     """One score a text pair, its cosine similarity; its tokens are both texts'."""
     n = len(admitted.encoded) // 2
-    for i, score in enumerate(pair_scores([values[r * dim : (r + 1) * dim] for r in range(2 * n)])):
+    for i, score in enumerate(pair_scores(np.asarray(values[: 2 * n * dim]).reshape(2 * n, dim))):
         response.predictions.add(score=score, input_index=i, final=True,
                                  num_tokens=len(admitted.encoded[i].input_ids) + len(admitted.encoded[n + i].input_ids),
                                  truncated=admitted.truncated[i] or admitted.truncated[n + i])
