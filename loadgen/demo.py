@@ -47,6 +47,10 @@ def main() -> int:
     return 0
 
 
+PAIRS = [("How do I reset my password?", "I forgot my password, how can I change it?"),
+         ("How do I reset my password?", "What time does the store open?")]
+
+
 def show_results(client: Client) -> None:
     print("\nresults:")
     for model, texts in WORKLOAD.items():
@@ -55,6 +59,10 @@ def show_results(client: Client) -> None:
             shown = ({"label": p.label, "probs": {k: round(v, 3) for k, v in p.probs.items()}} if p.label
                      else {"embedding[:4]": [round(x, 4) for x in p.embedding[:4]], "dim": len(p.embedding)})
             print(f"  {model:<9} {text[:60]!r:<64} {json.dumps(shown)}")
+    texts, pairs = zip(*PAIRS, strict=True)
+    scored = client.infer("minilm", texts, pairs=pairs)   # one score a pair: the cosine of their embeddings
+    for (text, pair), p in zip(PAIRS, scored.predictions, strict=True):
+        print(f"  {'pair':<9} {text[:30]!r} ~ {pair[:30]!r}: score {p.score:.3f}")
 
 
 def show_latency(client: Client, n: int = 100) -> None:
