@@ -59,8 +59,12 @@ class Admitted:
     tokenize_ms: float
     tenant_model: TenantModel | None = None  # set when `spec` is the caller's own model on a served base
     charged: bool = False                    # a quota token was taken for it
-    paired: bool = False                     # text pairs scored by an embedding model: `encoded` holds every
-    #                                          text, then every pair, each embedded alone
+    pair_rows: tuple[tuple[int, int], ...] = ()  # text pairs scored by an embedding model: `encoded` holds
+    #                                              each distinct text once, and these are each pair's two rows
+
+    @property
+    def paired(self) -> bool:
+        return bool(self.pair_rows)
 
     @property
     def model_output(self) -> str:
@@ -162,6 +166,15 @@ def resolve_output(spec: ModelSpec, wanted: str, paired: bool = False) -> str:
     return wanted
 
 
+def distinct_texts(call: InferCall) -> tuple[list[str], tuple[tuple[int, int], ...]]:
+    """Each distinct text of the call's pairs once (a query scored against many candidates is embedded
+    once), and each pair's two rows among them."""
+    row: dict[str, int] = {}
+    for text in [*call.texts, *call.pairs]:
+        row.setdefault(text, len(row))
+    return list(row), tuple((row[text], row[pair]) for text, pair in zip(call.texts, call.pairs, strict=True))
+
+
 def check_pairs(spec: ModelSpec, call: InferCall, max_inputs: int) -> bool:
     """Whether the call scores text pairs. An embedding model scores pairs as a bi-encoder does (each text
     embedded alone, then their cosine), the way all-MiniLM-L6-v2 is meant to; a classifier here was trained
@@ -177,17 +190,18 @@ def check_pairs(spec: ModelSpec, call: InferCall, max_inputs: int) -> bool:
         missing = next(i for i, (_, pair) in enumerate(pairs) if not pair)
         raise InvalidArgument(f"inputs[{missing}].text_pair is empty: a request scores text pairs or embeds single "
                               "texts, not both")
-    if 2 * len(pairs) > max_inputs:
-        raise InvalidArgument(f"inputs has {len(pairs)} text pairs, {2 * len(pairs)} texts to embed; the limit is "
-                              f"{max_inputs} texts per request")
+    if (distinct := len(distinct_texts(call)[0])) > max_inputs:
+        raise InvalidArgument(f"inputs has {len(pairs)} text pairs, {distinct} distinct texts to embed; the limit "
+                              f"is {max_inputs} texts per request")
     return True
 
 
-def pair_scores(embeddings: np.ndarray) -> list[float]:
-    """The cosine similarity of each pair, from the embeddings (rows) of every text, then of every pair."""
-    texts, pairs = np.split(np.asarray(embeddings, dtype=np.float64), 2)
-    norms = np.linalg.norm(texts, axis=1) * np.linalg.norm(pairs, axis=1)
-    return ((texts * pairs).sum(axis=1) / np.maximum(norms, 1e-12)).tolist()
+def pair_scores(embeddings: np.ndarray, pair_rows: Sequence[tuple[int, int]]) -> list[float]:
+    """The cosine similarity of each pair, from the embeddings (rows) of its two texts."""
+    rows = np.asarray(embeddings, dtype=np.float64)
+    a, b = rows[[i for i, _ in pair_rows]], rows[[j for _, j in pair_rows]]
+    norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+    return ((a * b).sum(axis=1) / np.maximum(norms, 1e-12)).tolist()
 
 
 class Gateway:
@@ -213,10 +227,11 @@ class Gateway:
             self.schedulers.refuse_if_full(tenant_model.base if tenant_model else spec.name, policy)
         charged = await self.quotas.take(principal.tenant)
         start = time.perf_counter()
-        encoded = self.tokenize(call, paired)
+        texts, pair_rows = distinct_texts(call) if paired else (call.texts, ())
+        encoded = self.tokenize(call, texts, pair_rows)
         truncated = [call.truncate and len(e.input_ids) >= self.tokenizer.max_tokens for e in encoded]
         return Admitted(principal, spec, output, encoded, truncated, (time.perf_counter() - start) * 1e3,
-                        tenant_model, charged, paired)
+                        tenant_model, charged, pair_rows)
 
     async def give_back(self, admitted: Admitted) -> None:
         """The request was refused downstream for want of capacity (see `for_want_of_room`): its quota
@@ -257,18 +272,18 @@ class Gateway:
                     raise InvalidArgument(f"inputs[{i}].{field} has {len(value)} characters; "
                                           f"the limit is {self.config.max_text_chars}")
 
-    def tokenize(self, call: InferCall, paired: bool = False) -> list[Encoded]:
-        """Token ids: of each text (or text pair, framed as one sequence); `paired`, of every text, then of
-        every pair, each alone."""
-        n = len(call.texts)
+    def tokenize(self, call: InferCall, texts: Sequence[str], pair_rows: Sequence[tuple[int, int]] = ()
+                 ) -> list[Encoded]:
+        """Token ids of each text (with its pair framed as one sequence, when the model is not scoring pairs);
+        scoring pairs, `texts` are their distinct texts, each alone."""
         try:
-            if paired:
-                return self.tokenizer.encode([*call.texts, *call.pairs[:n]], truncate=call.truncate)
-            return self.tokenizer.encode(call.texts, list(call.pairs) if any(call.pairs) else None,
-                                         truncate=call.truncate)
+            if pair_rows:
+                return self.tokenizer.encode(texts, truncate=call.truncate)
+            return self.tokenizer.encode(texts, list(call.pairs) if any(call.pairs) else None, truncate=call.truncate)
         except TextTooLong as e:
-            field = "text_pair" if e.index >= n else "text"
-            raise InvalidArgument(f"inputs[{e.index % n}].{field} has {e.num_tokens} tokens; the limit is {e.limit} "
+            i, field = next(((i, "text" if a == e.index else "text_pair") for i, (a, b) in enumerate(pair_rows)
+                             if e.index in (a, b)), (e.index, "text"))
+            raise InvalidArgument(f"inputs[{i}].{field} has {e.num_tokens} tokens; the limit is {e.limit} "
                                   "tokens (truncate=false)") from e
 
 

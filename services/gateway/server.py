@@ -107,11 +107,12 @@ def to_pb(admitted: Admitted, result: tensors_pb2.ModelOutput, request_id: str) 
 
 def pair_response(response: pb.InferResponse, admitted: Admitted, values, dim: int) -> pb.InferResponse:
     """One score a text pair, its cosine similarity; its tokens are both texts'."""
-    n = len(admitted.encoded) // 2
-    for i, score in enumerate(pair_scores(np.asarray(values[: 2 * n * dim]).reshape(2 * n, dim))):
+    embeddings = np.asarray(values[: len(admitted.encoded) * dim]).reshape(-1, dim)
+    for i, ((a, b), score) in enumerate(zip(admitted.pair_rows, pair_scores(embeddings, admitted.pair_rows),
+                                            strict=True)):
         response.predictions.add(score=score, input_index=i, final=True,
-                                 num_tokens=len(admitted.encoded[i].input_ids) + len(admitted.encoded[n + i].input_ids),
-                                 truncated=admitted.truncated[i] or admitted.truncated[n + i])
+                                 num_tokens=len(admitted.encoded[a].input_ids) + len(admitted.encoded[b].input_ids),
+                                 truncated=admitted.truncated[a] or admitted.truncated[b])
     return response
 
 

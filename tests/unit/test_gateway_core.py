@@ -136,8 +136,8 @@ def paired_call(texts, pairs, model="minilm", output="", truncate=True):
 
 
 async def test_an_embedding_model_scores_text_pairs_from_each_texts_own_embedding(gateway):
-    """Pairs to an embedding model: every text, then every pair, tokenized alone (no [SEP] joins them, no
-    segment 1), embedded, and each pair answered with one score."""
+    """Pairs to an embedding model: each distinct text tokenized alone (no [SEP] joins a pair, no segment 1)
+    and embedded once, and each pair answered with one score from its two rows."""
     from academus.services.gateway.server import schedule_request
     from academus.v1 import inference_pb2
 
@@ -149,8 +149,14 @@ async def test_an_embedding_model_scores_text_pairs_from_each_texts_own_embeddin
     request = schedule_request(admitted, "r1")
     assert request.output == inference_pb2.OUTPUT_EMBEDDING and list(request.tokens.lengths) == [
         len(e.input_ids) for e in alone.encoded]
+    assert admitted.pair_rows == ((0, 2), (1, 3))
     scored = await gateway.admit("good-key", paired_call(["a"], ["b"], output=SCORE))
     assert scored.output == SCORE
+    # A query against candidates (a rerank): the query is embedded once; a text on both sides is one row.
+    ranked = await gateway.admit("good-key", paired_call(["query"] * 4, ["x", "y", "query", "x"]))
+    assert [e.input_ids for e in ranked.encoded] == [e.input_ids for e in gateway.tokenize(
+        call(["query", "x", "y"], model="minilm"), ["query", "x", "y"])]
+    assert ranked.pair_rows == ((0, 1), (0, 2), (0, 0), (0, 1))
 
 
 async def test_pairs_a_model_cannot_score_are_refused_naming_the_field(gateway):
@@ -158,12 +164,15 @@ async def test_pairs_a_model_cannot_score_are_refused_naming_the_field(gateway):
         await gateway.admit("good-key", paired_call(["a", "b"], ["", "c"], model="spam"))
     with pytest.raises(InvalidArgument, match=r"inputs\[0\]\.text_pair is empty: a request scores text pairs"):
         await gateway.admit("good-key", paired_call(["a", "b"], ["", "c"]))
-    with pytest.raises(InvalidArgument, match="inputs has 3 text pairs, 6 texts to embed; the limit is 4 texts"):
-        await gateway.admit("good-key", paired_call(["a"] * 3, ["b"] * 3))
+    with pytest.raises(InvalidArgument, match="inputs has 3 text pairs, 5 distinct texts to embed; the limit is 4"):
+        await gateway.admit("good-key", paired_call(["a", "b", "c"], ["d", "e", "a"]))
+    await gateway.admit("good-key", paired_call(["q"] * 4, ["a", "b", "c", "q"]))   # 4 distinct: within
     with pytest.raises(InvalidArgument, match="output=embedding: model 'minilm' answers a text pair with one score"):
         await gateway.admit("good-key", paired_call(["a"], ["b"], output=EMBED))
-    with pytest.raises(InvalidArgument, match=r"inputs\[0\]\.text_pair has \d+ tokens; the limit is 32"):
-        await gateway.admit("good-key", paired_call(["short"], ["word " * 40], truncate=False))
+    with pytest.raises(InvalidArgument, match=r"inputs\[1\]\.text_pair has \d+ tokens; the limit is 32"):
+        await gateway.admit("good-key", paired_call(["short", "short"], ["ok", "word " * 40], truncate=False))
+    with pytest.raises(InvalidArgument, match=r"inputs\[1\]\.text has \d+ tokens; the limit is 32"):
+        await gateway.admit("good-key", paired_call(["short", "word " * 40], ["ok", "fine"], truncate=False))
     with pytest.raises(InvalidArgument, match=r"output=score: .* embedding model.*send text pairs"):
         await gateway.admit("good-key", call(["a"], model="minilm", output=SCORE))
 
@@ -171,9 +180,9 @@ async def test_pairs_a_model_cannot_score_are_refused_naming_the_field(gateway):
 def test_a_pairs_score_is_the_cosine_of_its_two_embeddings():
     from academus.services.gateway.core import pair_scores
 
-    rows = [[1.0, 0.0], [3.0, 4.0], [2.0, 0.0], [-4.0, 3.0]]   # texts (a0, a1), then pairs (b0, b1)
-    assert pair_scores(rows) == pytest.approx([1.0, 0.0])
-    assert pair_scores([[1.0, 1.0], [-2.0, -2.0]]) == pytest.approx([-1.0])
+    rows = [[1.0, 0.0], [3.0, 4.0], [2.0, 0.0], [-4.0, 3.0]]
+    assert pair_scores(rows, [(0, 2), (1, 3), (0, 1), (3, 3)]) == pytest.approx([1.0, 0.0, 0.6, 1.0])
+    assert pair_scores([[1.0, 1.0], [-2.0, -2.0]], [(0, 1)]) == pytest.approx([-1.0])
 
 
 async def test_to_pb_answers_each_pair_with_its_score_and_both_texts_tokens(gateway):
