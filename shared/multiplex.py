@@ -444,12 +444,13 @@ class _ServedStream:
         method.served.inc()
         try:
             response = await method.behavior(method.deserialize(frame.payload), context)
+            # inside: a response that cannot be sent is answered as a handler's error, never dropped
+            return multiplex_pb2.ReplyFrame(id=frame.id, payload=method.serialize(response))
         except grpc.aio.AbortError:
             return reply_status(frame.id, context.code() or grpc.StatusCode.UNKNOWN, context.details() or "",
                                 context.trailers)
         except Exception as e:  # what grpc answers for a handler's unmapped exception
             return reply_status(frame.id, grpc.StatusCode.UNKNOWN, f"Unexpected {type(e).__name__}: {e}")
-        return multiplex_pb2.ReplyFrame(id=frame.id, payload=method.serialize(response))
 
     def end_when_idle(self) -> None:
         self.closing = True

@@ -23,6 +23,7 @@ class Encoded:
 
     input_ids: list[int]
     token_type_ids: list[int]
+    truncated: bool = False   # tokens were cut at the limit (a text exactly at it is whole)
 
 
 class TeacherTokenizer:
@@ -52,4 +53,4 @@ class TeacherTokenizer:
 
 
 def _encoded(encoding) -> Encoded:
-    return Encoded(list(encoding.ids), list(encoding.type_ids))
+    return Encoded(list(encoding.ids), list(encoding.type_ids), bool(encoding.overflowing))

@@ -4,6 +4,7 @@ No gRPC here."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -12,6 +13,7 @@ from typing import TypeVar
 
 import numpy as np
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
 from academus.shared.config import POLICY_NAMES, GatewayConfig
@@ -147,7 +149,7 @@ class TenantModels:
         if model is not None:
             return model
         model = await self.registry.model(tenant, name)
-        if model is not None:
+        if model is not None and model.status == READY:   # one training is answered READY as soon as it is
             self._cache.put((tenant, name), model)
         return model
 
@@ -216,21 +218,22 @@ class Gateway:
 
     async def admit(self, api_key: str | None, call: InferCall, policy: str = "") -> Admitted:
         """Everything before the scheduler: authenticates, checks limits, resolves the model, refuses at
-        the edge while every deployment serving it is full (before the quota token is taken: the tenant
-        does not pay for the node's lack of room), takes the token and tokenizes."""
+        the edge while every deployment serving it is full, tokenizes, and takes the quota token last: the
+        tenant pays neither for the node's lack of room nor for a request refused as invalid."""
         principal = await self.auth.authenticate(api_key)
+        check_policy(policy)
         self.check_inputs(call)
         spec, tenant_model = await self.resolve(principal, call.model)
         paired = check_pairs(spec, call, self.config.max_inputs)
         output = resolve_output(spec, call.output, paired)
         if self.schedulers is not None:
             self.schedulers.refuse_if_full(tenant_model.base if tenant_model else spec.name, policy)
-        charged = await self.quotas.take(principal.tenant)
         start = time.perf_counter()
         texts, pair_rows = distinct_texts(call) if paired else (call.texts, ())
-        encoded = self.tokenize(call, texts, pair_rows)
-        truncated = [call.truncate and len(e.input_ids) >= self.tokenizer.max_tokens for e in encoded]
-        return Admitted(principal, spec, output, encoded, truncated, (time.perf_counter() - start) * 1e3,
+        encoded = self.tokenize(call, texts, pair_rows)   # a text over the limit is refused before the token
+        tokenize_ms = (time.perf_counter() - start) * 1e3
+        charged = await self.quotas.take(principal.tenant)
+        return Admitted(principal, spec, output, encoded, [e.truncated for e in encoded], tokenize_ms,
                         tenant_model, charged, pair_rows)
 
     async def give_back(self, admitted: Admitted) -> None:
@@ -267,6 +270,8 @@ class Gateway:
         for i, (text, pair) in enumerate(itertools.zip_longest(call.texts, call.pairs, fillvalue="")):
             if not text.strip():
                 raise InvalidArgument(f"inputs[{i}].text is empty")
+            if pair and not pair.strip():   # no pair is "", a blank one is a mistake
+                raise InvalidArgument(f"inputs[{i}].text_pair is blank")
             for field, value in (("text", text), ("text_pair", pair)):
                 if len(value) > self.config.max_text_chars:
                     raise InvalidArgument(f"inputs[{i}].{field} has {len(value)} characters; "
@@ -331,8 +336,12 @@ class SchedulerDirectory:
         return [d.address for d in self.deployments]
 
     async def refresh(self) -> None:
-        ids = sorted(await self.redis.smembers(self.keys.schedulers()))
-        found = [await self.redis.hgetall(self.keys.scheduler(i)) for i in ids]
+        """The live deployments from Redis; unreachable, Unavailable (nothing ran: the quota token goes back)."""
+        try:
+            ids = sorted(await self.redis.smembers(self.keys.schedulers()))
+            found = [await self.redis.hgetall(self.keys.scheduler(i)) for i in ids]
+        except RedisError as e:
+            raise Unavailable(f"the scheduler registry is unreachable: {e}") from e
         self.deployments = [Deployment(f["address"], f.get("policy", ""),
                                        frozenset(m for m in f.get("models", "").split(",") if m))
                             for f in found if f.get("address")]
@@ -389,7 +398,8 @@ class SchedulerDirectory:
             if isinstance(error, ResourceExhausted):
                 self.push_back(address, error.pushback_ms)
             elif isinstance(error, Unavailable):
-                await self.refresh()
+                with contextlib.suppress(Unavailable):   # registry unreachable: the list as it was, less `tried`
+                    await self.refresh()
             tried.add(address)
             if self.clock() >= deadline or not self.serving(model, policy, tried):
                 raise error

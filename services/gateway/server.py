@@ -22,7 +22,6 @@ from academus.services.gateway.core import (
     InferCall,
     SchedulerDirectory,
     TenantModels,
-    check_policy,
     for_want_of_room,
     pair_scores,
 )
@@ -129,7 +128,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         remaining = context.time_remaining()
         deadline = time.monotonic() + (remaining if remaining is not None else self.default_deadline_s)
         try:
-            policy = check_policy(request.policy)
+            policy = request.policy
             admitted = await self.gateway.admit(api_key_from(context.invocation_metadata()), from_pb(request), policy)
             annotate(model=admitted.spec.name, tenant=admitted.principal.tenant, texts=len(admitted.encoded))
             result = await self._schedule(admitted, schedule_request(admitted, request.request_id), deadline, policy)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 
 import pytest
 
@@ -88,6 +89,25 @@ async def test_long_text_without_truncation_names_the_token_limit(gateway):
         await gateway.admit("good-key", call([text], truncate=False))
     admitted = await gateway.admit("good-key", call([text], truncate=True))
     assert len(admitted.encoded[0].input_ids) == 32 and admitted.truncated == [True]
+
+
+async def test_a_text_exactly_at_the_token_limit_is_whole_not_truncated(gateway):
+    exact, over = "cat " * 30, "cat " * 31                    # 30 + [CLS] + [SEP] = the limit of 32
+    admitted = await gateway.admit("good-key", call([exact, over]))
+    assert [len(e.input_ids) for e in admitted.encoded] == [32, 32] and admitted.truncated == [False, True]
+    assert (await gateway.admit("good-key", call([exact], truncate=False))).truncated == [False]
+
+
+async def test_a_blank_text_pair_is_invalid_and_named(gateway):
+    with pytest.raises(InvalidArgument, match=r"inputs\[1\]\.text_pair is blank"):
+        await gateway.admit("good-key", paired_call(["a", "b"], ["c", "  "]))
+
+
+async def test_an_unknown_policy_from_an_unknown_caller_is_unauthenticated(gateway):
+    with pytest.raises(Unauthenticated):
+        await gateway.admit("wrong-key", call(["hi"]), policy="batchy")
+    with pytest.raises(InvalidArgument, match="'batchy' is not a policy"):
+        await gateway.admit("good-key", call(["hi"]), policy="batchy")
 
 
 async def test_unknown_model_is_not_found_and_lists_served(gateway):
@@ -340,6 +360,8 @@ async def test_a_model_not_ready_is_refused(tenants):
     await registry.register_model("a", TenantModel("draft", "minilm", "draft", 1, ["x", "y"], status=TRAINING))
     with pytest.raises(FailedPrecondition, match="model 'draft' is training"):
         await gateway.admit(keys["a"], call(["hi"], model="draft"))
+    await registry.register_model("a", TenantModel("draft", "minilm", "draft", 1, ["x", "y"]))   # trained
+    assert (await gateway.admit(keys["a"], call(["hi"], model="draft"))).tenant_model.status == "ready"
 
 
 async def test_admit_takes_a_quota_token_per_request(tenants):
@@ -353,6 +375,10 @@ async def test_admit_takes_a_quota_token_per_request(tenants):
         await gateway.admit(keys["a"], call(["hi"], model="reviews"))
     assert e.value.pushback_ms > 0
     await gateway.admit(keys["b"], call(["hi"]))  # another tenant is not slowed
+    await registry.set_quota("b", rate=0.01, burst=1)
+    with pytest.raises(InvalidArgument, match="the limit is 32 tokens"):   # refused as invalid: no token taken
+        await gateway.admit(keys["b"], call(["word " * 60], truncate=False))
+    await gateway.admit(keys["b"], call(["hi"]))
     await registry.redis.hset(KEYS.api_key("old-key"), mapping={"tenant": "legacy", "role": "tenant"})
     for _ in range(10):  # a key without a tenant record (the admin, older keys) is not limited
         await gateway.admit("old-key", call(["hi"]))
@@ -448,6 +474,29 @@ async def test_a_request_refused_for_a_full_queue_goes_to_another_deployment(red
     with pytest.raises(Unavailable, match=r"b:\d is gone"):
         await directory.route("spam", "", deadline=now[0], send=gone)
     assert len(sent) == before + 1                                      # past the deadline: no other try
+    await redis.aclose()
+
+
+async def test_a_scheduler_gone_while_redis_is_unreachable_leaves_the_others_and_no_redis_error(redis_url):
+    """A scheduler answered UNAVAILABLE and the registry cannot be read: the request goes to another
+    deployment of the list as it was; with no list at all, UNAVAILABLE (for want of room: the token goes back)."""
+    from academus.services.gateway.core import SchedulerDirectory, for_want_of_room
+    from academus.shared.errors import Unavailable
+
+    redis, directory = await deployments(redis_url, time.monotonic)
+    directory.redis = connect("redis://127.0.0.1:1/0")        # nothing listens there
+
+    async def send(address):
+        if address == "b:0":
+            raise Unavailable(f"{address} is gone")
+        return f"answer from {address}"
+
+    assert {await directory.route("spam", "", time.monotonic() + 5, send) for _ in range(4)} == {"answer from b:1"}
+    blind = SchedulerDirectory(directory.redis, KEYS)
+    with pytest.raises(Unavailable, match="the scheduler registry is unreachable") as refused:
+        await blind.pick(model="spam")
+    assert for_want_of_room(refused.value)
+    await directory.redis.aclose()
     await redis.aclose()
 
 

@@ -67,6 +67,8 @@ class Probe:
             await abort_with(context, ResourceExhausted("queue full (capacity 4)", pushback_ms=25))
         if request == b"fail":
             raise ValueError("a bug")
+        if request == b"unsendable":   # a handler's bug: not bytes, so no reply can carry it
+            return "text"
         if request.startswith(b"reply:"):  # a reply of that many bytes
             return bytes(range(256)) * (int(request[6:]) // 256)
         return b"ok:" + payload
@@ -123,6 +125,9 @@ async def test_a_refusal_keeps_its_code_details_and_pushback_trailer(mux):
     with pytest.raises(grpc.aio.AioRpcError) as failed:
         await call(b"fail", timeout=5)
     assert failed.value.code() == grpc.StatusCode.UNKNOWN and "ValueError: a bug" in failed.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as unsent:   # answered at once, not left to its timeout
+        await call(b"unsendable", timeout=30)
+    assert unsent.value.code() == grpc.StatusCode.UNKNOWN
     with pytest.raises(grpc.aio.AioRpcError) as unknown:
         await call.channel.unary_unary("/t.Probe/Nothing", bytes, bytes)(b"x", timeout=5)
     assert unknown.value.code() == grpc.StatusCode.UNIMPLEMENTED
