@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 import grpc
@@ -14,7 +15,9 @@ from academus.client.types import (
     build_request,
     call_metadata,
     from_response,
+    retry_wait,
 )
+from academus.shared.errors import pushback_ms
 from academus.shared.multiplex import over_streams
 from academus.shared.tracing import client_interceptors
 from academus.v1 import inference_pb2_grpc
@@ -22,13 +25,14 @@ from academus.v1 import inference_pb2_grpc
 
 class AsyncClient:
     """`streams=True`: every call rides one multiplexed stream of the connection (the gateway serves
-    `academus.v1.Multiplex`), half a unary call's cost in latency and CPU on each side; errors, deadlines
-    and cancellation are those of a unary call."""
+    `academus.v1.Multiplex`), half a unary call's cost in latency and CPU on each side; errors, deadlines,
+    cancellation and the retry of UNAVAILABLE within the deadline are those of a unary call."""
 
     def __init__(self, target: str, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT_S,
                  streams: bool = False) -> None:
         self.api_key = api_key
         self.timeout = timeout
+        self.streams = streams
         self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS,
                                                   interceptors=client_interceptors())
         self._stub = inference_pb2_grpc.InferenceStub(over_streams(self._channel, streams))
@@ -37,12 +41,22 @@ class AsyncClient:
                     pairs: Sequence[str] | None = None, truncate: bool | None = None,
                     timeout: float | None = None, request_id: str = "", policy: str = "") -> InferResult:
         request = build_request(model, texts, output, pairs, truncate, request_id, policy)
-        try:
-            response = await self._stub.Infer(request, timeout=timeout or self.timeout,
-                                              metadata=call_metadata(self.api_key))
-        except grpc.aio.AioRpcError as e:
-            raise AcademusError.from_rpc(e) from None
-        return from_response(response)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (timeout or self.timeout)
+        attempt = 0
+        while True:
+            try:
+                response = await self._stub.Infer(request, timeout=max(deadline - loop.time(), 0.001),
+                                                  metadata=call_metadata(self.api_key))
+                return from_response(response)
+            except grpc.aio.AioRpcError as e:
+                # the channel retries a unary call itself; a frame of a stream is retried here, the same way
+                wait = retry_wait(e.code(), attempt, deadline - loop.time(),
+                                  pushback_ms(dict(e.trailing_metadata() or ()).items())) if self.streams else None
+                if wait is None:
+                    raise AcademusError.from_rpc(e) from None
+            await asyncio.sleep(wait)
+            attempt += 1
 
     async def close(self) -> None:
         await self._channel.close()

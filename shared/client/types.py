@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -15,13 +16,29 @@ OUTPUTS = {"": pb.OUTPUT_UNSPECIFIED, "label": pb.OUTPUT_LABEL, "score": pb.OUTP
 DEFAULT_TIMEOUT_S = 10.0
 
 # Retries only UNAVAILABLE, the one status that says nothing ran; inference is idempotent anyway.
+MAX_ATTEMPTS, INITIAL_BACKOFF_S, MAX_BACKOFF_S, BACKOFF_MULTIPLIER = 3, 0.05, 0.5, 2
 SERVICE_CONFIG = json.dumps({
     "methodConfig": [{
         "name": [{"service": "academus.v1.Inference"}],
-        "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.05s", "maxBackoff": "0.5s",
-                        "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
+        "retryPolicy": {"maxAttempts": MAX_ATTEMPTS, "initialBackoff": f"{INITIAL_BACKOFF_S}s",
+                        "maxBackoff": f"{MAX_BACKOFF_S}s", "backoffMultiplier": BACKOFF_MULTIPLIER,
+                        "retryableStatusCodes": ["UNAVAILABLE"]},
     }]
 })
+
+
+def retry_wait(code: grpc.StatusCode, attempt: int, remaining_s: float, pushback_ms: int | None = None,
+               draw: Callable[[float, float], float] = random.uniform) -> float | None:
+    """How long to wait before trying again after attempt `attempt` (0: the first) failed with `code`, as the
+    channel's retry policy above does for unary calls (a call on a multiplexed stream is not one the channel
+    sees); None: do not retry. The server's pushback hint, when it sends one, replaces the backoff."""
+    if code != grpc.StatusCode.UNAVAILABLE or attempt + 1 >= MAX_ATTEMPTS:
+        return None
+    if pushback_ms is not None:
+        wait = pushback_ms / 1e3 if pushback_ms >= 0 else None
+    else:
+        wait = draw(0.0, min(INITIAL_BACKOFF_S * BACKOFF_MULTIPLIER ** attempt, MAX_BACKOFF_S))
+    return wait if wait is not None and wait < remaining_s else None
 CHANNEL_OPTIONS = [("grpc.service_config", json.dumps(json.loads(SERVICE_CONFIG))),
                    ("grpc.enable_retries", 1),
                    ("grpc.max_receive_message_length", 64 * 1024 * 1024)]
