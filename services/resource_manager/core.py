@@ -6,6 +6,7 @@ Every write is idempotent (SADD/SREM/HSET on ids), so a Redis client retry canno
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -78,13 +79,16 @@ class PlacementTable:
 
 class GroupPlanner:
     """Writes each student model's groups (eq. 6) and student number to Redis, and adapts the student
-    number to the schedulers' load signals. One task owns it; writes are SETs of whole values."""
+    number to the schedulers' load signals. Writes are SETs of whole values, one replan at a time: a
+    worker's registration, the reaper and the adaptation all replan, and one that read the live workers
+    before another changed the number would write groups of the old size under the new number."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, ceiling: str = "max", window_s: float = 120.0,
                  cooldown_s: float = 0.2, clock: Callable[[], float] = time.monotonic) -> None:
         self.redis, self.keys, self.ceiling = redis, keys, ceiling
         self.window_s, self.cooldown_s, self.clock = window_s, cooldown_s, clock
         self.numbers: dict[str, StudentNumber] = {}
+        self._replanning = asyncio.Lock()
 
     async def student_models(self) -> dict[str, ModelSpec]:
         specs = await self.redis.hgetall(self.keys.models())
@@ -114,18 +118,20 @@ class GroupPlanner:
 
     async def replan(self) -> dict[str, int]:
         """Re-forms every student model's groups for the live workers and current student numbers."""
-        out = {}
-        for name, spec in (await self.student_models()).items():
-            number = self.number(spec, await self.redis.get(self.keys.students(name)))
-            groups = allocate_groups(number.current, await self.devices(name))
-            table = {"students": number.current, "groups": groups}
-            pipe = self.redis.pipeline(transaction=True)
-            pipe.set(self.keys.students(name), number.current)
-            pipe.set(self.keys.groups(name), json.dumps(table))
-            await pipe.execute()
-            out[name] = len(groups)
-        await self.redis.publish(self.keys.events(), "groups")
-        return out
+        async with self._replanning:
+            out = {}
+            for name, spec in (await self.student_models()).items():
+                number = self.number(spec, await self.redis.get(self.keys.students(name)))
+                devices = await self.devices(name)
+                students = number.current   # read after the last await: the table is of one student number
+                groups = allocate_groups(students, devices)
+                pipe = self.redis.pipeline(transaction=True)
+                pipe.set(self.keys.students(name), students)
+                pipe.set(self.keys.groups(name), json.dumps({"students": students, "groups": groups}))
+                await pipe.execute()
+                out[name] = len(groups)
+            await self.redis.publish(self.keys.events(), "groups")
+            return out
 
     async def load(self) -> dict[str, GroupLoad]:
         """Every live scheduler's per-model signals, summed, with the student number their groups run

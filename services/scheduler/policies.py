@@ -513,11 +513,11 @@ class ConcatSettings:
 
 def make_policy(name: str, max_batch: int = 32, max_delay_s: float = 0.010, max_merge: int = 4,
                 max_length: int = 128, concat: ConcatSettings | None = None,
-                latency: LatencyModel | None = None) -> DispatchPolicy:
+                latency: LatencyModel | None = None, bin_width: int = 8) -> DispatchPolicy:
     if name == "padded":
         return PaddedPolicy(max_batch, max_delay_s)
     if name == "student":
-        return StudentPolicy(max_merge, max_length=max_length)
+        return StudentPolicy(max_merge, bin_width, max_length)
     if name == "bucketed":
         return BucketedPolicy(max_batch, latency)
     if name == "concat" or name in CONCAT_VARIANTS:

@@ -14,7 +14,14 @@ from prometheus_client import Gauge
 
 from academus.services.scheduler.core import Dispatcher, Group, GroupTable, Job, Member, WorkerLost, WorkerRef
 from academus.services.scheduler.plot_prefetch import PlotPrefetcher
-from academus.services.scheduler.policies import BatchPlan, ConcatSettings, LatencyModel, StudentPolicy, make_policy
+from academus.services.scheduler.policies import (
+    BatchPlan,
+    ConcatSettings,
+    DispatchPolicy,
+    LatencyModel,
+    StudentPolicy,
+    make_policy,
+)
 from academus.shared import config as cfg
 from academus.shared.catalogue import ModelSpec
 from academus.shared.errors import DeadlineExceeded, ServingError, abort_with, from_rpc_error
@@ -287,18 +294,23 @@ def parse_table(model: str, raw: str) -> GroupTable:
     return GroupTable(model, int(data["students"]), groups)
 
 
+def policy_from(config: cfg.SchedulerConfig) -> DispatchPolicy:
+    """The deployment's dispatch policy with every setting of its configuration."""
+    return make_policy(config.policy, max_batch=config.max_batch, max_delay_s=config.max_delay_ms / 1e3,
+                       max_merge=config.max_merge or 4, max_length=config.max_length,
+                       concat=ConcatSettings(config.concat_row_length, config.concat_rows, config.concat_eta,
+                                             config.concat_selection, config.concat_slotted, config.concat_oversize),
+                       latency=LatencyModel(config.batch_overhead_ms / 1e3, config.token_us / 1e6),
+                       bin_width=config.bin_width)
+
+
 async def build() -> ServiceSpec:
     config = cfg.load(cfg.SchedulerConfig)
     redis = connect(config.redis_url)
     keys = Keys(config.key_prefix)
     worker_stubs = Stubs(worker_pb2_grpc.WorkerStub, multiplexed=config.hop_streams)
     clock = time.monotonic
-    policy = make_policy(config.policy, max_batch=config.max_batch, max_delay_s=config.max_delay_ms / 1e3,
-                         max_merge=config.max_merge or 4, max_length=config.max_length,
-                         concat=ConcatSettings(config.concat_row_length, config.concat_rows, config.concat_eta,
-                                               config.concat_selection, config.concat_slotted,
-                                               config.concat_oversize),
-                         latency=LatencyModel(config.batch_overhead_ms / 1e3, config.token_us / 1e6))
+    policy = policy_from(config)
     workers: dict[str, WorkerRef] = {}
     prefetcher = PlotPrefetcher(Stubs(plot_pb2_grpc.PlotStub), clock) if config.plot_prefetch else None
     dispatcher = Dispatcher(policy, GroupSender(worker_stubs, clock, workers, prefetcher),

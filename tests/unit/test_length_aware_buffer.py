@@ -214,3 +214,14 @@ def test_an_emptied_queue_keeps_no_references_to_jobs_taken_through_their_bin():
     while policy.next_batch(lambda j: True, 0.0):
         pass
     assert len(policy) == 0 and not policy._jobs and not policy._by_key
+
+
+def test_the_deployments_settings_reach_the_student_policys_buffer():
+    """ACADEMUS_BIN_WIDTH, ACADEMUS_MAX_MERGE and ACADEMUS_MAX_LENGTH as the scheduler service builds its policy."""
+    from academus.services.scheduler.server import policy_from
+    from academus.shared import config as cfg
+
+    policy = policy_from(cfg.load(cfg.SchedulerConfig, env={
+        "ACADEMUS_POLICY": "student", "ACADEMUS_BIN_WIDTH": "16", "ACADEMUS_MAX_MERGE": "2",
+        "ACADEMUS_MAX_LENGTH": "256"}))
+    assert (policy.buffer.bin_width, policy.buffer.max_merge, policy.buffer.num_bins) == (16, 2, 16)

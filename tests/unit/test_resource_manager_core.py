@@ -70,3 +70,41 @@ async def test_planner_sums_the_schedulers_signals_and_names_their_common_studen
     await report("s1", **{"sentiment-students": signals | {"students": 3}})  # s1 re-formed, s0 not yet
     assert (await planner.load())["sentiment-students"].students == 0
     await redis.aclose()
+
+
+async def test_a_replan_overlapping_an_adaptation_writes_groups_of_the_number_it_names(redis_url):
+    """A replan paused while reading the live workers (a registration's, the reaper's) and an adaptation
+    that drops the student number meanwhile: the table left names one student number, and its groups
+    have that many students."""
+    redis = connect(redis_url)
+    keys = Keys("acd-overlap")
+    spec = ModelSpec("s", CLASSIFICATION, ["a", "b"], max_students=4, default_students=4)
+    table = PlacementTable(redis, keys, 60)
+    for i in range(8):
+        await table.register(WorkerInfo(f"w{i}", f"h:{i}", "cpu", 1, ["s"]), [spec])
+    planner = GroupPlanner(redis, keys, cooldown_s=0.0)
+    await planner.replan()
+    gate, devices = asyncio.Event(), planner.devices
+
+    async def paused_devices(model):
+        await gate.wait()
+        return await devices(model)
+
+    planner.devices = paused_devices
+    paused = asyncio.ensure_future(planner.replan())
+    await asyncio.sleep(0.05)
+    planner.devices = devices
+
+    async def burst():
+        return {"s": GroupLoad(buffer=5, groups=2, idle=0, busy=2, students=4)}
+
+    planner.load = burst
+    adapting = asyncio.ensure_future(planner.adapt())
+    await asyncio.sleep(0.05)
+    gate.set()
+    await paused
+    assert await adapting == {"s": 3}
+    written = json.loads(await redis.get(keys.groups("s")))
+    assert written["students"] == 3 == int(await redis.get(keys.students("s")))
+    assert {sum(len(students) for _, students in group) for group in written["groups"]} == {3}
+    await redis.aclose()
