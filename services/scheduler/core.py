@@ -164,17 +164,20 @@ class Dispatcher:
         self._fail_orphans()
 
     def _form_groups(self) -> list[Group]:
-        """Student models: the published groups. Every other model: one group a worker slot."""
-        groups = []
+        """Student models: the published groups. Every other model: one group a worker slot. A group that
+        is the same as before stays the same object, its batches in flight counted: a refresh (every
+        second) must not make a busy group look idle to the load signals, nor lose a batch sent ahead."""
+        before = {(g.name, g.models, g.members, g.students): g for g in self.groups}
+        formed = []
         for table in self.tables.values():
             for j, members in enumerate(table.groups):
                 if all(m.worker_id in self.workers for m in members):
-                    groups.append(Group(f"{table.model}/g{j}", frozenset({table.model}), members, table.students))
+                    formed.append(Group(f"{table.model}/g{j}", frozenset({table.model}), members, table.students))
         for worker in sorted(self.workers.values(), key=lambda w: w.worker_id):
             models = worker.models - self.tables.keys()
             for slot in range(worker.capacity if models else 0):
-                groups.append(Group(f"{worker.worker_id}#{slot}", models, (Member(worker.worker_id),)))
-        return groups
+                formed.append(Group(f"{worker.worker_id}#{slot}", models, (Member(worker.worker_id),)))
+        return [before.get((g.name, g.models, g.members, g.students), g) for g in formed]
 
     def serves(self, model: str) -> bool:
         return any(model in g.models and self._live(g) for g in self.groups)

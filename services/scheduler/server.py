@@ -215,6 +215,21 @@ class PlacementWatcher:
         self.max_merge: int | None = None
 
     async def refresh(self) -> None:
+        live = await self.read_live()
+        models = sorted({m for _, served, _ in live.values() for m in served})
+        tables = await self.read_tables(models)
+        if any(m.worker_id not in live for t in tables.values() for g in t.groups for m in g):
+            # a worker registered and was placed between the two reads: without it, its groups would
+            # be dropped and the jobs waiting for them failed as orphans
+            live = await self.read_live()
+        self.dispatcher.update_workers({w: (a, frozenset(m), c) for w, (a, m, c) in live.items()}, tables)
+        await self.refresh_student_numbers(models)
+        await self.refresh_profile(models)
+        if self.prefetcher is not None:
+            await self.refresh_plot(models)
+
+    async def read_live(self) -> dict[str, tuple[str, set[str], int]]:
+        """Workers with a live heartbeat placed for this deployment's models: id -> (address, models, slots)."""
         live: dict[str, tuple[str, set[str], int]] = {}
         for model in await self.redis.smembers(self.keys.placements()):
             if self.models and model not in self.models:
@@ -226,13 +241,7 @@ class PlacementWatcher:
                         continue  # heartbeat expired: not live
                     live[worker_id] = (address, set(), max(1, int(capacity or 1)))
                 live[worker_id][1].add(model)
-        models = sorted({m for _, served, _ in live.values() for m in served})
-        tables = await self.read_tables(models)
-        self.dispatcher.update_workers({w: (a, frozenset(m), c) for w, (a, m, c) in live.items()}, tables)
-        await self.refresh_student_numbers(models)
-        await self.refresh_profile(models)
-        if self.prefetcher is not None:
-            await self.refresh_plot(models)
+        return live
 
     async def refresh_plot(self, models: list[str]) -> None:
         """The PLOT models among `models` (their catalogue specs) and the plot services that can serve them."""

@@ -474,3 +474,60 @@ async def test_send_ahead_leaves_policies_that_hold_batches_back_alone():
     clock, fake = Clock(), FakeWorkers()
     d = Dispatcher(PaddedPolicy(max_batch=4, max_delay_s=0.01), fake.send, 8, 25, clock, send_ahead=True)
     assert not d.send_ahead
+
+
+async def test_a_placement_refresh_that_changes_nothing_keeps_each_groups_batches_in_flight():
+    """The watcher refreshes every second: a busy group with a batch sent ahead stays busy, with its batch
+    ahead, in the load signals the resource manager adapts to; a changed table forms new groups."""
+    from academus.services.scheduler.core import GroupTable, Member
+
+    d, clock, fake = student_dispatcher([[("w0", (0,)), ("w1", (1,))]], capacity=1, send_ahead=True)
+    tasks = [asyncio.create_task(d.submit(ss_job(clock, length))) for length in (5, 50)]
+    await settle()
+    signals = d.model_load()["ss"]
+    assert (signals["busy"], signals["idle"], signals["buffer"]) == (1, 0, 1)
+    live = {w: (ref.address, ref.models, ref.capacity) for w, ref in d.workers.items()}
+    d.update_workers(live)
+    assert d.model_load()["ss"] == signals
+    for _, _, answer in fake.calls:
+        answer.set_result("ok")
+    assert await asyncio.gather(*tasks) == ["ok", "ok"]
+    assert d.model_load()["ss"]["idle"] == 1
+    d.update_workers(live, {"ss": GroupTable("ss", 1, ((Member("w0", (0,)),), (Member("w1", (0,)),)))})
+    assert [(g.name, g.students) for g in d.groups] == [("ss/g0", 1), ("ss/g1", 1)]
+
+
+async def test_a_worker_placed_between_the_watchers_two_reads_is_in_its_groups(redis_url):
+    """The resource manager registers a worker and re-forms the groups across it while the watcher is between
+    reading the live workers and the group tables: the group spanning it is formed, not dropped as if its
+    member were dead (which would fail every job waiting for the model as an orphan)."""
+    import json
+
+    from academus.services.scheduler.server import PlacementWatcher
+    from academus.shared.keys import Keys
+    from academus.shared.redis_conn import connect
+
+    redis, keys = connect(redis_url), Keys("acd-watch")
+
+    async def place(worker_id: str, port: int, groups: list, students: int) -> None:
+        await redis.sadd(keys.placements(), "ss")
+        await redis.sadd(keys.placement("ss"), worker_id)
+        await redis.hset(keys.worker(worker_id), mapping={"address": f"127.0.0.1:{port}", "capacity": 1})
+        await redis.set(keys.groups("ss"), json.dumps({"students": students, "groups": groups}))
+
+    await place("w0", 1, [[["w0", [0]]]], 1)
+
+    class Raced(PlacementWatcher):
+        raced = False
+
+        async def read_tables(self, models):
+            if not self.raced:
+                self.raced = True
+                await place("w1", 2, [[["w0", [0]], ["w1", [1]]]], 2)
+            return await super().read_tables(models)
+
+    d = make_dispatcher({}, policy=StudentPolicy())[0]
+    await Raced(redis, keys, d, refresh_s=1.0).refresh()
+    assert [(g.name, [m.worker_id for m in g.members], g.students) for g in d.groups] == [("ss/g0", ["w0", "w1"], 2)]
+    assert d.serves("ss")
+    await redis.aclose()
