@@ -167,7 +167,10 @@ class Dispatcher:
         """Student models: the published groups. Every other model: one group a worker slot. A group that
         is the same as before stays the same object, its batches in flight counted: a refresh (every
         second) must not make a busy group look idle to the load signals, nor lose a batch sent ahead."""
-        before = {(g.name, g.models, g.members, g.students): g for g in self.groups}
+        def same(g: Group) -> tuple:
+            return g.name, frozenset(g.models), g.members, g.students
+
+        before = {same(g): g for g in self.groups}
         formed = []
         for table in self.tables.values():
             for j, members in enumerate(table.groups):
@@ -177,7 +180,7 @@ class Dispatcher:
             models = worker.models - self.tables.keys()
             for slot in range(worker.capacity if models else 0):
                 formed.append(Group(f"{worker.worker_id}#{slot}", models, (Member(worker.worker_id),)))
-        return [before.get((g.name, g.models, g.members, g.students), g) for g in formed]
+        return [before.get(same(g), g) for g in formed]
 
     def serves(self, model: str) -> bool:
         return any(model in g.models and self._live(g) for g in self.groups)
@@ -382,16 +385,18 @@ class Dispatcher:
         if job is self._arriving or now + expected <= job.deadline:
             return True
         self.stats.doomed += 1
-        self._settle(job, exc=DeadlineExceeded(
-            f"cannot finish in time: a batch takes about {expected * 1e3:.0f} ms, "
-            f"{max(0.0, job.deadline - now) * 1e3:.0f} ms left; not computed"))
+        why = (f"a batch takes about {expected * 1e3:.0f} ms, {max(0.0, job.deadline - now) * 1e3:.0f} ms left; "
+               "not computed")
+        # a job back after a lost worker that its deadline no longer allows to retry: DESIGN §8's UNAVAILABLE
+        self._settle(job, exc=Unavailable(f"worker lost, and no time left to retry: {why}") if job.attempts
+                     else DeadlineExceeded(f"cannot finish in time: {why}"))
         return False
 
     def _retry_or_fail(self, job: Job, error: Exception) -> None:
         if job.future.done():
             return
         if self.clock() >= job.deadline:
-            self._settle(job, exc=DeadlineExceeded("deadline passed while retrying after a lost worker"))
+            self._settle(job, exc=Unavailable(f"worker lost, and the deadline passed before a retry: {error}"))
         elif not self.serves(job.model):
             self._settle(job, exc=Unavailable(f"worker lost and no other group serves {job.model!r}: {error}"))
         else:
