@@ -224,6 +224,8 @@ class Dispatcher:
         depth = self.policy.depth()
         if service is None or not depth:
             return
+        if any(job.model in g.models and self._free(g) for g in self.groups):
+            return   # it starts at once: what waits is another model's (a deployment may serve several)
         groups = max(1, sum(1 for g in self.groups if job.model in g.models))
         expected = service * depth / groups
         if self.clock() + expected > job.deadline:

@@ -553,3 +553,22 @@ async def test_a_worker_placed_between_the_watchers_two_reads_is_in_its_groups(r
     assert [(g.name, [m.worker_id for m in g.members], g.students) for g in d.groups] == [("ss/g0", ["w0", "w1"], 2)]
     assert d.serves("ss")
     await redis.aclose()
+
+
+async def test_another_models_backlog_does_not_refuse_a_job_whose_group_is_free():
+    """One deployment serving two models: model A's waiting work is no reason to refuse B's request when
+    B's group is idle and would start it at once."""
+    d, clock, fake = make_dispatcher({"wa": {"A"}, "wb": {"B"}}, capacity=64)
+    d.service_s = {"A": 0.05, "B": 0.05}
+    waiting = [asyncio.create_task(d.submit(make_job(clock, model="A", deadline_in=60.0))) for _ in range(20)]
+    await settle()
+    assert d.policy.depth() == 19                              # one runs on wa, the rest wait for it
+    served = asyncio.create_task(d.submit(make_job(clock, model="B", deadline_in=0.3)))
+    await settle()
+    assert [c[0] for c in fake.calls] == ["wa", "wb"]
+    fake.calls[1][2].set_result("b")
+    assert await served == "b"
+    with pytest.raises(DeadlineExceeded, match="ms of queued work ahead"):   # A's own backlog still refuses A
+        await d.submit(make_job(clock, model="A", deadline_in=0.3))
+    for task in waiting:
+        task.cancel()
