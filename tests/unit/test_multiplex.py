@@ -198,13 +198,15 @@ def test_a_caller_asks_for_pieces_of_at_least_16_kib():
 
 
 async def test_a_caller_that_leaves_during_a_replys_pieces_keeps_its_stream(mux):
-    channel = MultiplexChannel(grpc.aio.insecure_channel(f"127.0.0.1:{mux.port}"), max_frame_bytes=1)
+    # pieces of 16 KiB (the least a caller may ask for); the requests are smaller, so they ride the stream
+    channel = MultiplexChannel(grpc.aio.insecure_channel(f"127.0.0.1:{mux.port}"), max_frame_bytes=MIN_PIECE_BYTES)
     call = channel.unary_unary(METHOD)
     try:
         with pytest.raises(grpc.aio.AioRpcError) as late:
             await call(b"reply:%d" % (32 << 20), timeout=0.02)   # 2048 pieces: it cannot all arrive in time
         assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert await call(b"reply:4096", timeout=30) == bytes(range(256)) * 16
+        assert await call(b"reply:%d" % (64 << 10), timeout=30) == bytes(range(256)) * 256   # in 4 pieces
+        assert mux.probe.framed == [True, True]
         stream = channel.stream()
         for _ in range(300):          # the abandoned reply's pieces are dropped once its last one is in
             if not stream.pieces:
