@@ -196,26 +196,24 @@ async def test_lost_worker_is_retried_on_another_group():
     assert d.stats.retried == 1
 
 
-async def test_a_lost_worker_whose_job_has_no_time_left_to_retry_is_unavailable():
+@pytest.mark.parametrize(("deadline_in", "lost_after", "service_s", "why"), [
+    (1.0, 2.0, None, "worker lost, and the deadline passed before a retry"),
+    (0.6, 0.5, 0.5, "worker lost, and no time left to retry"),   # a batch takes 500 ms; 100 ms are left
+])
+async def test_a_lost_worker_whose_job_has_no_time_left_to_retry_is_unavailable(deadline_in, lost_after, service_s,
+                                                                                why):
     """DESIGN §8: a worker lost mid-request is retried while the deadline allows, else UNAVAILABLE: so
     when the deadline passed meanwhile, and when the retry could not finish in time."""
     d, clock, fake = make_dispatcher({"w0": {"spam"}, "w1": {"spam"}})
-    late = asyncio.create_task(d.submit(make_job(clock, deadline_in=1.0)))
+    if service_s is not None:
+        d.service_s["spam"] = service_s
+    job = asyncio.create_task(d.submit(make_job(clock, deadline_in=deadline_in)))
     await settle()
-    clock.now += 2.0
+    clock.now += lost_after
     fake.calls[0][2].set_exception(WorkerLost("connection reset"))
-    with pytest.raises(Unavailable, match="worker lost, and the deadline passed before a retry"):
-        await late
+    with pytest.raises(Unavailable, match=why):
+        await job
     assert len(fake.calls) == 1                                # not sent again
-    d, clock, fake = make_dispatcher({"w0": {"spam"}, "w1": {"spam"}})
-    d.service_s["spam"] = 0.5                                  # a batch takes 500 ms; 100 ms left after the loss
-    doomed = asyncio.create_task(d.submit(make_job(clock, deadline_in=0.6)))
-    await settle()
-    clock.now += 0.5
-    fake.calls[0][2].set_exception(WorkerLost("connection reset"))
-    with pytest.raises(Unavailable, match="worker lost, and no time left to retry"):
-        await doomed
-    assert len(fake.calls) == 1
 
 
 async def test_lost_last_worker_is_unavailable_not_a_hang():
