@@ -57,7 +57,6 @@ class Admitted:
     spec: ModelSpec
     output: str
     encoded: list[Encoded]
-    truncated: list[bool]
     tokenize_ms: float
     tenant_model: TenantModel | None = None  # set when `spec` is the caller's own model on a served base
     charged: bool = False                    # a quota token was taken for it
@@ -67,6 +66,10 @@ class Admitted:
     @property
     def paired(self) -> bool:
         return bool(self.pair_rows)
+
+    @property
+    def truncated(self) -> list[bool]:
+        return [e.truncated for e in self.encoded]
 
     @property
     def model_output(self) -> str:
@@ -155,7 +158,7 @@ class TenantModels:
 
 
 def resolve_output(spec: ModelSpec, wanted: str, paired: bool = False) -> str:
-    if paired:   # check_pairs let pairs through to an embedding model only
+    if paired:   # pair_plan let pairs through to an embedding model only
         if wanted not in ("", SCORE):
             raise InvalidArgument(f"output={wanted}: model {spec.name!r} answers a text pair with one score, the "
                                   "cosine similarity of the two texts' embeddings (output=score)")
@@ -168,34 +171,41 @@ def resolve_output(spec: ModelSpec, wanted: str, paired: bool = False) -> str:
     return wanted
 
 
-def distinct_texts(call: InferCall) -> tuple[list[str], tuple[tuple[int, int], ...]]:
-    """Each distinct text of the call's pairs once (a query scored against many candidates is embedded
-    once), and each pair's two rows among them."""
+@dataclass(frozen=True)
+class PairPlan:
+    """Text pairs an embedding model scores: each distinct text once (a query scored against many
+    candidates is embedded once), and each pair's two rows among them."""
+
+    texts: list[str]
+    rows: tuple[tuple[int, int], ...]
+
+    def field(self, row: int) -> str:
+        """The input field a row's text came from, to name it in a refusal."""
+        return next(f"inputs[{i}].{'text' if a == row else 'text_pair'}"
+                    for i, (a, b) in enumerate(self.rows) if row in (a, b))
+
+
+def pair_plan(spec: ModelSpec, call: InferCall, max_inputs: int) -> PairPlan | None:
+    """The call's pairs, when it scores text pairs (else None). An embedding model scores pairs as a
+    bi-encoder does (each text embedded alone, then their cosine), the way all-MiniLM-L6-v2 is meant to; a
+    classifier here was trained on single texts, so a pair would get an answer its head never learned to give."""
+    if not any(call.pairs):
+        return None
+    pairs = list(itertools.zip_longest(call.texts, call.pairs, fillvalue=""))
+    if spec.kind != EMBEDDING:
+        first = next(i for i, (_, pair) in enumerate(pairs) if pair)
+        raise InvalidArgument(f"inputs[{first}].text_pair: model {spec.name!r} classifies single texts; it was "
+                              "not trained on text pairs")
+    if (missing := next((i for i, (_, pair) in enumerate(pairs) if not pair), None)) is not None:
+        raise InvalidArgument(f"inputs[{missing}].text_pair is empty: a request scores text pairs or embeds single "
+                              "texts, not both")
     row: dict[str, int] = {}
     for text in [*call.texts, *call.pairs]:
         row.setdefault(text, len(row))
-    return list(row), tuple((row[text], row[pair]) for text, pair in zip(call.texts, call.pairs, strict=True))
-
-
-def check_pairs(spec: ModelSpec, call: InferCall, max_inputs: int) -> bool:
-    """Whether the call scores text pairs. An embedding model scores pairs as a bi-encoder does (each text
-    embedded alone, then their cosine), the way all-MiniLM-L6-v2 is meant to; a classifier here was trained
-    on single texts, so a pair would get an answer its head never learned to give."""
-    pairs = list(itertools.zip_longest(call.texts, call.pairs, fillvalue=""))
-    given = [i for i, (_, pair) in enumerate(pairs) if pair]
-    if not given:
-        return False
-    if spec.kind != EMBEDDING:
-        raise InvalidArgument(f"inputs[{given[0]}].text_pair: model {spec.name!r} classifies single texts; it was "
-                              "not trained on text pairs")
-    if len(given) < len(pairs):
-        missing = next(i for i, (_, pair) in enumerate(pairs) if not pair)
-        raise InvalidArgument(f"inputs[{missing}].text_pair is empty: a request scores text pairs or embeds single "
-                              "texts, not both")
-    if (distinct := len(distinct_texts(call)[0])) > max_inputs:
-        raise InvalidArgument(f"inputs has {len(pairs)} text pairs, {distinct} distinct texts to embed; the limit "
+    if len(row) > max_inputs:
+        raise InvalidArgument(f"inputs has {len(pairs)} text pairs, {len(row)} distinct texts to embed; the limit "
                               f"is {max_inputs} texts per request")
-    return True
+    return PairPlan(list(row), tuple((row[text], row[pair]) for text, pair in pairs))
 
 
 def pair_scores(embeddings: np.ndarray, pair_rows: Sequence[tuple[int, int]]) -> list[float]:
@@ -224,17 +234,16 @@ class Gateway:
         check_policy(policy)
         self.check_inputs(call)
         spec, tenant_model = await self.resolve(principal, call.model)
-        paired = check_pairs(spec, call, self.config.max_inputs)
-        output = resolve_output(spec, call.output, paired)
+        plan = pair_plan(spec, call, self.config.max_inputs)
+        output = resolve_output(spec, call.output, plan is not None)
         if self.schedulers is not None:
             self.schedulers.refuse_if_full(tenant_model.base if tenant_model else spec.name, policy)
         start = time.perf_counter()
-        texts, pair_rows = distinct_texts(call) if paired else (call.texts, ())
-        encoded = self.tokenize(call, texts, pair_rows)   # a text over the limit is refused before the token
+        encoded = self.tokenize(call, plan)   # a text over the limit is refused before the token is taken
         tokenize_ms = (time.perf_counter() - start) * 1e3
         charged = await self.quotas.take(principal.tenant)
-        return Admitted(principal, spec, output, encoded, [e.truncated for e in encoded], tokenize_ms,
-                        tenant_model, charged, pair_rows)
+        return Admitted(principal, spec, output, encoded, tokenize_ms, tenant_model, charged,
+                        plan.rows if plan else ())
 
     async def give_back(self, admitted: Admitted) -> None:
         """The request was refused downstream for want of capacity (see `for_want_of_room`): its quota
@@ -277,18 +286,17 @@ class Gateway:
                     raise InvalidArgument(f"inputs[{i}].{field} has {len(value)} characters; "
                                           f"the limit is {self.config.max_text_chars}")
 
-    def tokenize(self, call: InferCall, texts: Sequence[str], pair_rows: Sequence[tuple[int, int]] = ()
-                 ) -> list[Encoded]:
-        """Token ids of each text (with its pair framed as one sequence, when the model is not scoring pairs);
-        scoring pairs, `texts` are their distinct texts, each alone."""
+    def tokenize(self, call: InferCall, plan: PairPlan | None = None) -> list[Encoded]:
+        """Token ids of each text (with its pair framed as one sequence, when the model does not score
+        pairs); scoring pairs, of the plan's distinct texts, each alone."""
         try:
-            if pair_rows:
-                return self.tokenizer.encode(texts, truncate=call.truncate)
-            return self.tokenizer.encode(texts, list(call.pairs) if any(call.pairs) else None, truncate=call.truncate)
+            if plan is not None:
+                return self.tokenizer.encode(plan.texts, truncate=call.truncate)
+            return self.tokenizer.encode(call.texts, list(call.pairs) if any(call.pairs) else None,
+                                         truncate=call.truncate)
         except TextTooLong as e:
-            i, field = next(((i, "text" if a == e.index else "text_pair") for i, (a, b) in enumerate(pair_rows)
-                             if e.index in (a, b)), (e.index, "text"))
-            raise InvalidArgument(f"inputs[{i}].{field} has {e.num_tokens} tokens; the limit is {e.limit} "
+            field = plan.field(e.index) if plan is not None else f"inputs[{e.index}].text"
+            raise InvalidArgument(f"{field} has {e.num_tokens} tokens; the limit is {e.limit} "
                                   "tokens (truncate=false)") from e
 
 

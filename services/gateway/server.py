@@ -93,7 +93,7 @@ def to_pb(admitted: Admitted, result: tensors_pb2.ModelOutput, request_id: str) 
         return pair_response(response, admitted, values, dim)
     for i, e in enumerate(admitted.encoded):
         row = values[i * dim : i * dim + width]
-        p = response.predictions.add(num_tokens=len(e.input_ids), truncated=admitted.truncated[i],
+        p = response.predictions.add(num_tokens=len(e.input_ids), truncated=e.truncated,
                                      input_index=i, final=True)
         if admitted.output == EMBED:
             p.embedding.extend(row)
@@ -107,11 +107,12 @@ def to_pb(admitted: Admitted, result: tensors_pb2.ModelOutput, request_id: str) 
 def pair_response(response: pb.InferResponse, admitted: Admitted, values, dim: int) -> pb.InferResponse:
     """One score a text pair, its cosine similarity; its tokens are both texts'."""
     embeddings = np.asarray(values[: len(admitted.encoded) * dim]).reshape(-1, dim)
-    for i, ((a, b), score) in enumerate(zip(admitted.pair_rows, pair_scores(embeddings, admitted.pair_rows),
-                                            strict=True)):
+    scores = pair_scores(embeddings, admitted.pair_rows)
+    for i, ((a, b), score) in enumerate(zip(admitted.pair_rows, scores, strict=True)):
+        first, second = admitted.encoded[a], admitted.encoded[b]
         response.predictions.add(score=score, input_index=i, final=True,
-                                 num_tokens=len(admitted.encoded[a].input_ids) + len(admitted.encoded[b].input_ids),
-                                 truncated=admitted.truncated[a] or admitted.truncated[b])
+                                 num_tokens=len(first.input_ids) + len(second.input_ids),
+                                 truncated=first.truncated or second.truncated)
     return response
 
 

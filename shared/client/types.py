@@ -25,6 +25,9 @@ SERVICE_CONFIG = json.dumps({
                         "retryableStatusCodes": ["UNAVAILABLE"]},
     }]
 })
+CHANNEL_OPTIONS = [("grpc.service_config", json.dumps(json.loads(SERVICE_CONFIG))),
+                   ("grpc.enable_retries", 1),
+                   ("grpc.max_receive_message_length", 64 * 1024 * 1024)]
 
 
 def retry_wait(code: grpc.StatusCode, attempt: int, remaining_s: float, pushback_ms: int | None = None,
@@ -39,9 +42,6 @@ def retry_wait(code: grpc.StatusCode, attempt: int, remaining_s: float, pushback
     else:
         wait = draw(0.0, min(INITIAL_BACKOFF_S * BACKOFF_MULTIPLIER ** attempt, MAX_BACKOFF_S))
     return wait if wait is not None and wait < remaining_s else None
-CHANNEL_OPTIONS = [("grpc.service_config", json.dumps(json.loads(SERVICE_CONFIG))),
-                   ("grpc.enable_retries", 1),
-                   ("grpc.max_receive_message_length", 64 * 1024 * 1024)]
 
 
 class AcademusError(Exception):
