@@ -5,7 +5,9 @@
     academus loadgen trace --kind tweet --duration 300 --mean-rps 20 --seed 1 --out tweet.trace
     academus loadgen breakdown --traces .academus/run/traces.jsonl
 
-`--procs N` sends each run's load from N processes (one Python process sends about 1000 req/s).
+`--procs N` sends each run's load from N processes (one Python process sends about 1000 req/s). The report's
+`send_late_ms` says how far behind its schedule the open loop sent; past 10 ms at p99 a warning says the
+run measured the generator too.
 `--streams` sends every request of a process as a frame of one multiplexed stream (`AsyncClient(streams=True)`)
 instead of a gRPC call each. Against a mesh of several gateways (`academus up --gateways G`) each process
 sends its requests to them in turn, each on its own connection (`by_gateway` in the report).
@@ -40,6 +42,7 @@ __all__ = ["main", "parser", "ratios"]
 SCHEDULES = ("poisson:RATE | bursts:BASE,BURST,PERIOD,BURST_S | tweet:MEAN_RATE | trace:FILE[,SPEED] | "
              "closed:N (N callers, each sending when its last is answered: capacity)")
 CLOSED_LOOP_TEXTS = 4096  # texts cycled by a closed loop, which has no schedule to size them
+BEHIND_SCHEDULE_MS = 10.0  # sends later than this (p99): the generator's own loop was saturated
 
 
 def add_load_options(s: argparse.ArgumentParser) -> None:
@@ -139,6 +142,9 @@ def summary_lines(report: dict) -> list[str]:
         lines.append(f"{r['model'] + ':' + r['policy']:<24} sent {r['sent']} completed {r['completed']} "
                      f"errors {r['errors'] or 0}  p50 {lat.get('p50')} p95 {lat.get('p95')} p99 {lat.get('p99')} ms  "
                      f"{r['throughput_rps']} req/s  utility {r['utility']} ({r['utility_per_s']}/s)")
+        if (late := r.get("send_late_ms")) and late["p99"] > BEHIND_SCHEDULE_MS:
+            lines.append(f"  the load generator fell behind its schedule (sends p99 {late['p99']} ms late): "
+                         f"this run measured it too; spread the load with --procs")
     for ratio in report.get("ratios_vs_first", []):
         parts = "  ".join(f"{k.removesuffix('_ratio')} x{v}" for k, v in ratio.items() if k.endswith("_ratio"))
         lines.append(f"{ratio['run']} vs {ratio['vs']}: {parts}")

@@ -31,6 +31,7 @@ class Record:
     meta: Metadata | None = None
     details: str = ""        # an error's message: which hop refused, and why
     gateway: str = ""        # the address it was sent to
+    late_ms: float = 0.0     # sent this long after its scheduled time: the load generator's own lag
 
     @property
     def done_at(self) -> float:
@@ -75,6 +76,7 @@ class RunResult:
             "tail_breakdown_ms": analysis.tail_breakdown(self.records),
             "student_number": sorted(Counter(r.students for r in ok).items()),
             "by_gateway": by_gateway(self.records),
+            "send_late_ms": None if self.concurrency else send_lateness(self.records),
             "timeline": analysis.timeline(self.records, self.duration_s),
         }
 
@@ -92,6 +94,17 @@ def error_examples(records: list[Record], per_code: int = 3) -> dict[str, list[d
             out[code].append({"details": message, "count": len(latencies),
                               "p50_ms": round(percentile(latencies, 50), 3)})
     return out
+
+
+def send_lateness(records: list[Record]) -> dict[str, float]:
+    """How far behind its schedule the open loop sent: a generator that falls behind (its event loop
+    saturated) offers less than asked and adds its own reply handling to the latencies, so such a run
+    measured the generator; `academus loadgen --procs` spreads the load."""
+    late = [r.late_ms for r in records]
+    if not late:
+        return {}
+    return {"p50": round(percentile(late, 50), 3), "p99": round(percentile(late, 99), 3),
+            "max": round(max(late, default=0.0), 3)}
 
 
 def by_gateway(records: list[Record]) -> dict[str, dict]:
@@ -134,14 +147,16 @@ def latency_summary(histogram: HdrHistogram) -> dict[str, float]:
         "mean": round(histogram.get_mean_value() / 1000, 3), "max": histogram.get_max_value() / 1000}
 
 
-def answered(sample: Sample, sent_at: float, latency_ms: float, answer: InferResult, gateway: str) -> Record:
+def answered(sample: Sample, sent_at: float, latency_ms: float, answer: InferResult, gateway: str,
+             late_ms: float = 0.0) -> Record:
     prediction = answer.predictions[0]
     correct = (prediction.label == sample.label) if sample.label is not None and prediction.label else None
     return Record(sent_at, latency_ms, "OK", answer.metadata.student_count, correct, prediction.num_tokens,
-                  answer.metadata, gateway=gateway)
+                  answer.metadata, gateway=gateway, late_ms=late_ms)
 
 
-async def call(spread: GatewaySpread, result: RunResult, sample: Sample, start: float, timeout_s: float) -> None:
+async def call(spread: GatewaySpread, result: RunResult, sample: Sample, start: float, timeout_s: float,
+               late_ms: float = 0.0) -> None:
     """One request to the next gateway, recorded in `result` (times from `start`)."""
     gateway, client = spread.next()
     sent = time.perf_counter()
@@ -149,10 +164,11 @@ async def call(spread: GatewaySpread, result: RunResult, sample: Sample, start: 
         answer = await client.infer(result.model, [sample.text], timeout=timeout_s, policy=result.requested_policy)
     except AcademusError as e:
         result.records.append(Record(sent - start, (time.perf_counter() - sent) * 1e3, e.code, details=e.details,
-                                     gateway=gateway))
+                                     gateway=gateway, late_ms=late_ms))
         return
     result.policy = result.policy or answer.metadata.policy
-    result.records.append(answered(sample, sent - start, (time.perf_counter() - sent) * 1e3, answer, gateway))
+    result.records.append(answered(sample, sent - start, (time.perf_counter() - sent) * 1e3, answer, gateway,
+                                   late_ms))
 
 
 async def run(client: GatewaySpread, model: str, arrivals: list[float], samples: list[Sample],
@@ -167,7 +183,8 @@ async def run(client: GatewaySpread, model: str, arrivals: list[float], samples:
         delay = at - (time.perf_counter() - start)
         if delay > 0:
             await asyncio.sleep(delay)
-        await call(client, result, samples[i % len(samples)], start, timeout_s)
+        late_ms = max(0.0, (time.perf_counter() - start - at) * 1e3)
+        await call(client, result, samples[i % len(samples)], start, timeout_s, late_ms)
 
     await asyncio.gather(*(one(i, at) for i, at in enumerate(arrivals)))
     result.duration_s = max(duration_s, time.perf_counter() - start)

@@ -172,6 +172,7 @@ def burst_fields(bursts: dict, period: float) -> dict:
         "c_in_burst_throughput_students_vs_teacher": round(inside["students"] / max(inside["teacher"], 1e-9), 3),
         "c_p95_students_vs_teacher": latency_ratio(b_group, b_teacher, "p95"),
         "c_student_number": b_group.get("student_number"),
+        "c_send_late_ms": {"teacher": b_teacher.get("send_late_ms"), "students": b_group.get("send_late_ms")},
     }
 
 

@@ -3,18 +3,21 @@ latency breakdowns and ratios, without a server."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
+import grpc
 import pytest
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import SpanKind, set_span_in_context
 
-from academus.client import Metadata
-from academus.loadgen import analysis, plots, schedule, texts
+from academus.client import AcademusError, Metadata
+from academus.loadgen import analysis, plots, runner, schedule, texts
 from academus.loadgen.analysis import ratios
-from academus.loadgen.cli import main
+from academus.loadgen.cli import main, summary_lines
 from academus.loadgen.runner import Record, RunResult
 from academus.shared.model import teacher_dir
 from academus.shared.tokenization import TeacherTokenizer
@@ -510,3 +513,46 @@ def test_by_gateway_counts_each_addresss_requests_and_answered_latencies():
     out = RunResult("spam", "fifo", 10.0, 1.0, records).report()["by_gateway"]
     assert {g: (v["sent"], v["completed"]) for g, v in out.items()} == {"a:1": (3, 2), "b:2": (2, 1)}
     assert out["b:2"]["p50_ms"] == out["b:2"]["p95_ms"] == 20.0 and 10.0 < out["a:1"]["p95_ms"] <= 30.0
+
+
+class BlockingGateway:
+    """Stands in for a gateway's client whose answers take the load generator's loop `block_s` of CPU:
+    a generator saturated by its own reply handling."""
+
+    def __init__(self, block_s: float) -> None:
+        self.block_s = block_s
+
+    async def infer(self, model, texts, timeout=None, policy=""):
+        time.sleep(self.block_s)   # holds the event loop, as a busy generator's handling does
+        raise AcademusError(grpc.StatusCode.UNAVAILABLE, "refused by the stand-in")
+
+
+class OneGateway:
+    def __init__(self, client) -> None:
+        self.client = client
+
+    def next(self):
+        return "stand-in:1", self.client
+
+
+def test_send_lateness_reports_a_generator_that_fell_behind_its_schedule(capsys):
+    """20 sends scheduled 1 ms apart, each holding the loop 10 ms: the last goes out >= 190 ms after the
+    start, scheduled at 19 ms, and the report and the CLI's summary say so."""
+    arrivals = [i * 1e-3 for i in range(20)]
+    samples = [texts.Sample("a text", None)]
+    result = asyncio.run(runner.run(OneGateway(BlockingGateway(0.01)), "spam", arrivals, samples, 5.0, 0.02))
+    late = result.report()["send_late_ms"]
+    assert late["max"] >= 170.0 and late["p50"] >= 50.0 and late["p50"] <= late["p99"] <= late["max"], late
+    assert all(r.code == "UNAVAILABLE" and r.gateway == "stand-in:1" for r in result.records)
+    report = {"runs": [result.report()]}
+    assert any("fell behind its schedule" in line for line in summary_lines(report))
+
+
+def test_send_lateness_is_absent_for_a_closed_loop_and_quiet_on_schedule():
+    closed = RunResult("spam", "fifo", None, 1.0, [Record(0.0, 1.0, "OK")], concurrency=4).report()
+    assert closed["send_late_ms"] is None
+    on_time = RunResult("spam", "fifo", 10.0, 1.0, [Record(0.0, 1.0, "OK", late_ms=0.4),
+                                                    Record(0.1, 1.0, "OK", late_ms=2.0),
+                                                    Record(0.2, 1.0, "UNAVAILABLE", late_ms=1.0)]).report()
+    assert on_time["send_late_ms"] == {"p50": 1.0, "p99": 2.0, "max": 2.0}
+    assert not any("behind" in line for line in summary_lines({"runs": [on_time]}))
