@@ -29,6 +29,7 @@ class WorkerRef:
     capacity: int = 1              # student instances (compute slots) it runs at once
     running: int = 0
     lost: bool = False
+    lost_at: float = 0.0           # when a call to it failed as lost (the dispatcher's clock)
 
     @property
     def busy(self) -> bool:
@@ -122,8 +123,11 @@ class Dispatcher:
     def __init__(self, policy: DispatchPolicy, send: Send, queue_capacity: int,
                  retry_pushback_ms: int = 50, clock: Callable[[], float] = time.monotonic,
                  on_wait: Callable[[Job], None] | None = None, drop_doomed: bool = True,
-                 send_ahead: bool = False) -> None:
+                 send_ahead: bool = False, lost_quarantine_s: float = 5.0) -> None:
         self.policy = policy
+        # a worker lost mid-call stays out this long while Redis still lists it: a heartbeat TTL, after
+        # which a dead worker's key has expired, so one still listed is alive (restarted at its address)
+        self.lost_quarantine_s = lost_quarantine_s
         # a busy group is sent its next batch while it runs one, where the policy never holds a batch back
         # to grow: it starts when the first ends, without the reply's and the dispatch's hops in between
         self.send_ahead = send_ahead and policy.sends_ahead
@@ -145,14 +149,17 @@ class Dispatcher:
     # -- membership -------------------------------------------------------------------------
     def update_workers(self, live: dict[str, tuple], tables: dict[str, GroupTable] | None = None) -> None:
         """Replaces the worker set (id -> (address, models[, capacity])) and the student group tables
-        with what Redis says, keeping the running counts of workers that stay."""
+        with what Redis says, keeping the running counts of workers that stay. A lost worker stays lost
+        until it is listed at another address or its quarantine has passed: until its heartbeat key
+        expires, Redis lists a dead worker too, and a retry sent back to it would be lost again."""
         for worker_id in list(self.workers):
             if worker_id not in live:
                 del self.workers[worker_id]
+        now = self.clock()
         for worker_id, (address, models, *rest) in live.items():
             capacity = rest[0] if rest else 1
             ref = self.workers.get(worker_id)
-            if ref is None or ref.address != address or ref.lost:
+            if ref is None or ref.address != address or (ref.lost and now - ref.lost_at >= self.lost_quarantine_s):
                 self.workers[worker_id] = WorkerRef(worker_id, address, models, capacity)
             else:
                 ref.models, ref.capacity = models, capacity
@@ -322,7 +329,7 @@ class Dispatcher:
         except WorkerLost as e:
             for ref in refs:
                 if ref.worker_id == e.worker_id or len(refs) == 1:
-                    ref.lost = True
+                    ref.lost, ref.lost_at = True, self.clock()
             for job in batch:
                 self._retry_or_fail(job, e)
             self._fail_orphans()

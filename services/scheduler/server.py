@@ -317,7 +317,7 @@ async def build() -> ServiceSpec:
     config = cfg.load(cfg.SchedulerConfig)
     redis = connect(config.redis_url)
     keys = Keys(config.key_prefix)
-    worker_stubs = Stubs(worker_pb2_grpc.WorkerStub, multiplexed=config.hop_streams)
+    worker_stubs = Stubs(worker_pb2_grpc.WorkerStub, multiplexed=config.hop_streams, batches=config.frame_batches)
     clock = time.monotonic
     policy = policy_from(config)
     workers: dict[str, WorkerRef] = {}
@@ -325,7 +325,8 @@ async def build() -> ServiceSpec:
     dispatcher = Dispatcher(policy, GroupSender(worker_stubs, clock, workers, prefetcher),
                             config.queue_capacity, config.retry_pushback_ms, clock,
                             on_wait=prefetcher.on_wait if prefetcher is not None else None,
-                            drop_doomed=config.drop_doomed, send_ahead=config.send_ahead)
+                            drop_doomed=config.drop_doomed, send_ahead=config.send_ahead,
+                            lost_quarantine_s=config.heartbeat_ttl_s)
     dispatcher.workers = workers  # the sender resolves member addresses from the same live table
     models = frozenset(m for m in config.models.split(",") if m)
     watcher = PlacementWatcher(redis, keys, dispatcher, config.refresh_s, models, prefetcher)

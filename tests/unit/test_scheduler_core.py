@@ -216,6 +216,37 @@ async def test_a_lost_worker_whose_job_has_no_time_left_to_retry_is_unavailable(
     assert len(fake.calls) == 1                                # not sent again
 
 
+async def test_a_lost_worker_stays_out_while_redis_still_lists_it_and_is_back_after_its_quarantine():
+    """Until its heartbeat key expires Redis lists a dead worker: a refresh then must not send it the
+    retry. Listed after a heartbeat TTL, it is alive (its key renewed), and it serves again."""
+    d, clock, fake = make_dispatcher({"w0": {"spam"}, "w1": {"spam"}})
+    live = {w: (d.workers[w].address, frozenset({"spam"})) for w in ("w0", "w1")}
+    first = asyncio.create_task(d.submit(make_job(clock)))
+    second = asyncio.create_task(d.submit(make_job(clock)))
+    await settle()
+    assert sorted(c[0] for c in fake.calls) == ["w0", "w1"]
+    lost = next(c for c in fake.calls if c[0] == "w1")
+    lost[2].set_exception(WorkerLost("connection refused", "w1"))
+    await settle()
+    d.update_workers(live)                       # the refresh, within the quarantine
+    assert d.workers["w1"].lost and d.stats.retried == 1
+    next(c for c in fake.calls if c[0] == "w0")[2].set_result("w0 first")
+    await settle()
+    assert [c[0] for c in fake.calls[2:]] == ["w0"]   # the retry went to the live worker, not back to w1
+    fake.calls[2][2].set_result("w0 again")
+    assert sorted(await asyncio.gather(first, second)) == ["w0 again", "w0 first"]
+    clock.now += d.lost_quarantine_s
+    d.update_workers(live)                       # still listed a TTL later: alive again
+    assert not d.workers["w1"].lost
+    third = asyncio.create_task(d.submit(make_job(clock)))
+    fourth = asyncio.create_task(d.submit(make_job(clock)))
+    await settle()
+    assert sorted(c[0] for c in fake.calls[3:]) == ["w0", "w1"]
+    for call in fake.calls[3:]:
+        call[2].set_result(call[0])
+    assert sorted(await asyncio.gather(third, fourth)) == ["w0", "w1"]
+
+
 async def test_lost_last_worker_is_unavailable_not_a_hang():
     d, clock, fake = make_dispatcher({"w0": {"spam"}})
     running = asyncio.create_task(d.submit(make_job(clock)))
