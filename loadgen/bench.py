@@ -28,6 +28,7 @@ ABLATIONS = {
     "send_ahead": ("ACADEMUS_SEND_AHEAD", ("ahead", "true"), ("on_free", "false")),
     "hop_slice": ("ACADEMUS_HOP_SLICE_US", ("short_slice", "100"), ("kernel_slice", "0")),  # short: opt-in
     "max_merge": ("ACADEMUS_MAX_MERGE", ("one_a_element", "1"), ("merge_4", "4")),   # 4: the default
+    "frame_batches": ("ACADEMUS_FRAME_BATCHES", ("batches", "true"), ("one_a_message", "false")),
 }
 
 

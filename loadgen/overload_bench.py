@@ -13,7 +13,8 @@ workers' and scheduler's counters over the run: batches computed, batches stoppe
 their last deadline passed (`expired`: compute spent on answers nobody waits for), and jobs the scheduler
 dropped unrun, by reason (`doomed`: waited too long for their batch to finish in time), and the RPCs each
 of gateway, scheduler and workers answered with an error, by code (a RESOURCE_EXHAUSTED the gateway counts
-and the scheduler does not was refused at the edge). The last line printed is the summary JSON.
+and the scheduler does not was refused at the edge), and the frames of its multiplexed streams that shared
+a message with others (`--ablate frame_batches`: a message each). The last line printed is the summary JSON.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from academus.loadgen.bench import ABLATIONS, loadgen_with_cpu, run_bench, servi
 from academus.shared.mesh import Deployment, MeshOptions, down, up
 
 COUNTERS = ("academus_worker_batches_total", "academus_worker_expired_total", "academus_scheduler_dropped",
-            "academus_rpc_errors_total")
+            "academus_rpc_errors_total", "academus_multiplexed_batched_frames_total")
 
 
 def snapshot(state) -> dict[str, dict[str, float]]:

@@ -45,6 +45,7 @@ class CommonConfig:
     grace_s: float = 10.0            # SIGTERM: how long in-flight work may take to finish
     gc_freeze: bool = True           # start-up's objects leave the cyclic GC once serving (off: the ablation)
     hop_streams: bool = True         # calls to the next hop ride one multiplexed stream a peer (off: a call each)
+    frame_batches: bool = True       # frames waiting for a stream together ride one message (off: one each)
     hop_slice_us: int = 0            # the serving threads' EEVDF slice, 100..100000 (shared/slices.py); 0: the kernel's
 
     def check(self) -> None:

@@ -25,6 +25,9 @@ MULTIPLEXED = Counter("academus_multiplexed_calls_total", "Unary calls served as
 MULTIPLEXED_UNRUN = Counter("academus_multiplexed_unrun_total",
                             "Frames of a Multiplex stream answered unrun: past their deadline (DEADLINE_EXCEEDED) or "
                             "after waiting half of it to start (RESOURCE_EXHAUSTED)", ["method", "code"])
+MULTIPLEXED_BATCHED = Counter("academus_multiplexed_batched_frames_total",
+                              "Frames that shared a Multiplex stream message with others: calls read, replies "
+                              "sent", ["direction"])
 REPLIES_IN_PIECES = Counter("academus_multiplexed_replies_in_pieces_total",
                             "Replies on a Multiplex stream larger than the caller's frame size, sent in pieces",
                             ["method"])

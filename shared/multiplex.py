@@ -35,11 +35,21 @@ which HTTP/2 interleaves with the stream (`python -m academus.loadgen.frame_hol`
 the stream (the server answers a frame with frames), so one past the caller's `max_frame_bytes`, which the
 caller sends in the stream's metadata, comes in pieces of that size (`ReplyFrame.more`), and replies that
 wait go between them (`frame_hol --replies`). A caller that sends no size gets every reply whole.
+
+A message costs gRPC about the same CPU whatever it holds: a frame and its reply took 189 us of CPU at
+both ends on loopback here, 35 us a frame when eight shared each message (`python -m
+academus.loadgen.frame_batches`, loadgen/results/hops/frame_batches.json). So frames that wait for the
+stream together (written while the last message was in flight, or queued in the same turn of the loop) go
+as one message (`CallFrame.batch`), and so do replies ready together (`ReplyFrame.batch`: the answers to a
+merged element), up to a message of `max_frame_bytes`: batches form only when there is a queue to take
+them from, and cost a lone call nothing. Both ends say they read batches (FRAME_BATCHES_KEY: the caller in
+its Calls metadata, the server in its initial metadata), so a peer of an earlier version gets single frames.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -51,7 +61,7 @@ from prometheus_client import Counter
 
 from academus.shared.errors import NOTHING_RAN, PUSHBACK
 from academus.shared.interceptors import UnaryBehavior, UnaryServerInterceptor
-from academus.shared.metrics import MULTIPLEXED, MULTIPLEXED_UNRUN, REPLIES_IN_PIECES
+from academus.shared.metrics import MULTIPLEXED, MULTIPLEXED_BATCHED, MULTIPLEXED_UNRUN, REPLIES_IN_PIECES
 from academus.shared.tracing import client_tracer, end_client_span, start_client_span
 from academus.v1 import multiplex_pb2, multiplex_pb2_grpc
 
@@ -73,6 +83,9 @@ MAX_PUSHBACK_MS = 50
 # A shorter wait is jitter (a collection, a long turn of the loop), not a backlog: a call with a small budget
 # left (a batch near its deadline) is not refused for it.
 MIN_BACKLOG_S = 0.05
+# Calls metadata (the caller) and initial metadata (the server): "1", this end reads batched frames.
+FRAME_BATCHES_KEY = "academus-frame-batches"
+MAX_BATCH_FRAMES = 64   # frames in one message, whatever their size
 
 
 def rpc_error(code: grpc.StatusCode, details: str, trailers: Sequence[tuple[str, str]] = ()) -> grpc.aio.AioRpcError:
@@ -88,15 +101,21 @@ class _Stream:
     await a write, so a caller cancelled mid-write cannot leave the call half-written) and the task that
     reads the replies."""
 
-    def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
+    def __init__(self, call: grpc.aio.StreamStreamCall, batches: bool = False,
+                 batch_bytes: int = MAX_FRAME_BYTES) -> None:
+        """`batches`: the caller asked for batches; they go out once the server has announced it reads them."""
         self.call = call
         self.pending: dict[int, asyncio.Future] = {}
         self.pieces: dict[int, list[bytes]] = {}   # the pieces so far of replies that come in pieces
         self.unsent: set[int] = set()              # calls whose frame waits in the outbox
         self.broken: grpc.aio.AioRpcError | None = None
         self.outbox: asyncio.Queue[multiplex_pb2.CallFrame] = asyncio.Queue()
+        self.held: multiplex_pb2.CallFrame | None = None   # taken from the outbox, too big for the last batch
+        self.batches = False                       # the server reads batches: its initial metadata said so
+        self.batch_bytes = batch_bytes
         self.writer = asyncio.ensure_future(self._write())
         self.reader = asyncio.ensure_future(self._read())
+        self.announced = asyncio.ensure_future(self._learn_batches()) if batches else None
 
     def send(self, frame: multiplex_pb2.CallFrame, reply: asyncio.Future) -> None:
         if self.broken is not None:
@@ -115,37 +134,60 @@ class _Stream:
         else:
             self.outbox.put_nowait(multiplex_pb2.CallFrame(id=call_id, cancel=True))
 
+    async def _learn_batches(self) -> None:
+        with contextlib.suppress(Exception):  # the stream failed before the server's headers: the reader says so
+            self.batches = dict(await self.call.initial_metadata() or ()).get(FRAME_BATCHES_KEY) == "1"
+
     async def _write(self) -> None:
         try:
             while True:
-                frame = await self.outbox.get()
-                if not frame.cancel:
-                    if frame.id not in self.unsent:
-                        continue           # its caller left before it went out
-                    self.unsent.discard(frame.id)
-                await self.call.write(frame)
+                frames = self._take(self.held if self.held is not None else await self.outbox.get())
+                if len(frames) > 1:
+                    await self.call.write(multiplex_pb2.CallFrame(batch=frames))
+                elif frames:
+                    await self.call.write(frames[0])
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the stream ended under us: the peer is gone or stopping
             self._break(f"multiplexed stream to the peer broke on write: {type(e).__name__}: {e}")
 
+    def _take(self, frame: multiplex_pb2.CallFrame) -> list[multiplex_pb2.CallFrame]:
+        """`frame`, and once the server reads batches every frame queued behind it that fits one message
+        of `batch_bytes`; the frames of callers that left are skipped (never sent)."""
+        self.held, frames, size = None, [], 0
+        while True:
+            if frame.cancel or frame.id in self.unsent:
+                if frames and size + len(frame.payload) > self.batch_bytes:
+                    self.held = frame   # the next message's first
+                    return frames
+                self.unsent.discard(frame.id)
+                frames.append(frame)
+                size += len(frame.payload)
+            if not self.batches or self.outbox.empty() or len(frames) >= MAX_BATCH_FRAMES:
+                return frames
+            frame = self.outbox.get_nowait()
+
     async def _read(self) -> None:
         try:
-            async for reply in self.call:
-                if reply.more:
-                    self.pieces.setdefault(reply.id, []).append(reply.payload)
-                    continue
-                if reply.id in self.pieces:
-                    reply.payload = b"".join([*self.pieces.pop(reply.id), reply.payload])
-                future = self.pending.pop(reply.id, None)
-                if future is not None and not future.done():
-                    future.set_result(reply)
+            async for message in self.call:
+                for reply in message.batch or (message,):
+                    self._receive(reply)
             self._break("the peer ended the multiplexed stream (stopping)")
         except grpc.aio.AioRpcError as e:
             self._break(f"multiplexed stream to the peer failed: {e.code().name}: {e.details()}")
         except asyncio.CancelledError:
             self._break("multiplexed stream closed by the caller")
             raise
+
+    def _receive(self, reply: multiplex_pb2.ReplyFrame) -> None:
+        if reply.more:
+            self.pieces.setdefault(reply.id, []).append(reply.payload)
+            return
+        if reply.id in self.pieces:
+            reply.payload = b"".join([*self.pieces.pop(reply.id), reply.payload])
+        future = self.pending.pop(reply.id, None)
+        if future is not None and not future.done():
+            future.set_result(reply)
 
     def _break(self, details: str) -> None:
         """Every pending call fails UNAVAILABLE, as unary calls to a peer that died do; the next call
@@ -154,6 +196,8 @@ class _Stream:
             self.broken = rpc_error(grpc.StatusCode.UNAVAILABLE, details)
             self.call.cancel()
             self.writer.cancel()
+            if self.announced is not None:
+                self.announced.cancel()
         pending, self.pending, self.pieces = self.pending, {}, {}
         for future in pending.values():
             if not future.done():
@@ -165,9 +209,10 @@ class MultiplexChannel:
     gives a stub whose unary methods ride one stream of `channel`, reopened after it breaks."""
 
     def __init__(self, channel: grpc.aio.Channel, tracer_provider: TracerProvider | None = None,
-                 max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+                 max_frame_bytes: int = MAX_FRAME_BYTES, batches: bool = True) -> None:
         self.channel = channel
         self.max_frame_bytes = max_frame_bytes
+        self.batches = batches   # frames waiting together go as one message, replies likewise (off: the ablation)
         self.tracer = client_tracer(tracer_provider)  # None: tracing off; no provider: the process's
         self._calls = channel.stream_stream(CALLS_METHOD, request_serializer=multiplex_pb2.CallFrame.SerializeToString,
                                             response_deserializer=multiplex_pb2.ReplyFrame.FromString)
@@ -184,7 +229,9 @@ class MultiplexChannel:
 
     def stream(self) -> _Stream:
         if self._stream is None or self._stream.broken is not None:
-            self._stream = _Stream(self._calls(metadata=((FRAME_BYTES_KEY, str(self.max_frame_bytes)),)))
+            metadata = ((FRAME_BYTES_KEY, str(self.max_frame_bytes)), (FRAME_BATCHES_KEY, "1" if self.batches else "0"))
+            self._stream = _Stream(self._calls(metadata=metadata), self.batches, min(self.max_frame_bytes,
+                                                                                      MAX_FRAME_BYTES))
         return self._stream
 
     async def close(self) -> None:
@@ -294,18 +341,24 @@ class MultiplexServicer(multiplex_pb2_grpc.MultiplexServicer):
     """Serves each frame of a Calls stream with the unary method it names, wrapped by the same
     interceptors the server puts around its unary calls; replies go back in the order they finish."""
 
-    def __init__(self, methods: dict[str, UnaryMethod], interceptors: Sequence[UnaryServerInterceptor] = ()) -> None:
+    def __init__(self, methods: dict[str, UnaryMethod], interceptors: Sequence[UnaryServerInterceptor] = (),
+                 batches: bool = True) -> None:
         self.methods = {name: UnaryMethod(wrapped(m.behavior, name, interceptors), m.deserialize, m.serialize,
                                           MULTIPLEXED.labels(name)) for name, m in methods.items()}
+        self.batches = batches   # reads batched frames, and batches replies for a caller that reads them
         self.draining = False
         self._streams: set[_ServedStream] = set()
 
     async def Calls(self, request_iterator, context: grpc.aio.ServicerContext):
-        served = _ServedStream(self, piece_bytes(context.invocation_metadata()))
+        metadata = context.invocation_metadata()
+        batches = self.batches and dict(metadata or ()).get(FRAME_BATCHES_KEY) == "1"
+        if self.batches:
+            await context.send_initial_metadata(((FRAME_BATCHES_KEY, "1"),))
+        served = _ServedStream(self, piece_bytes(metadata), batches)
         self._streams.add(served)
         reader = asyncio.ensure_future(served.read(request_iterator))
         try:
-            while (reply := await served.next_reply()) is not None:
+            while (reply := await served.next_message()) is not None:
                 yield reply
         finally:
             self._streams.discard(served)
@@ -367,21 +420,43 @@ class TransitFloor:
 class _ServedStream:
     """One client's Calls stream on the server: its running calls by id and the replies to send."""
 
-    def __init__(self, servicer: MultiplexServicer, piece: int = 0) -> None:
+    def __init__(self, servicer: MultiplexServicer, piece: int = 0, batches: bool = False) -> None:
         self.servicer = servicer
         self.running: dict[int, asyncio.Task] = {}
         self.closing = False   # half-closed by the client, or the server drains: end once idle
         self.replies: asyncio.Queue[multiplex_pb2.ReplyFrame | None] = asyncio.Queue()
+        self.held: deque[multiplex_pb2.ReplyFrame | None] = deque()  # taken from `replies`, not batched
         self.piece = piece     # 0: replies go whole
         self.rest: deque[tuple[int, bytes, int]] = deque()   # large replies still to send: id, payload, offset
         self.transit = TransitFloor()
+        self.batches = batches  # the caller reads batched replies
+        self.batch_bytes = piece or MAX_FRAME_BYTES
+
+    async def next_message(self) -> multiplex_pb2.ReplyFrame | None:
+        """The next message to send, None to end: the next reply (or piece), and when the caller reads
+        batches the whole replies ready behind it that fit one message of `batch_bytes`."""
+        reply = await self.next_reply()
+        if reply is None or reply.more or not self.batches:
+            return reply
+        batch, size = [reply], len(reply.payload)
+        while not self.held and self.replies.qsize() and len(batch) < MAX_BATCH_FRAMES:
+            ready = self.replies.get_nowait()
+            if ready is None or self.in_pieces(ready) or size + len(ready.payload) > self.batch_bytes:
+                self.held.append(ready)   # the end, a reply in pieces, or the next message's first
+                break
+            batch.append(ready)
+            size += len(ready.payload)
+        if len(batch) == 1:
+            return reply
+        MULTIPLEXED_BATCHED.labels("replies").inc(len(batch))
+        return multiplex_pb2.ReplyFrame(batch=batch)
 
     async def next_reply(self) -> multiplex_pb2.ReplyFrame | None:
         """The next frame to send, None to end: a waiting reply before the next piece of a large one, and
         the large ones' pieces in turn, so no reply waits behind more than one piece."""
-        if self.rest and self.replies.empty():
+        if self.rest and not self.held and self.replies.empty():
             return self._next_piece()
-        reply = await self.replies.get()
+        reply = self.held.popleft() if self.held else await self.replies.get()
         if reply is None and self.rest:
             self.replies.put_nowait(None)   # the end goes behind the pieces left
             return self._next_piece()
@@ -402,21 +477,27 @@ class _ServedStream:
 
     async def read(self, request_iterator) -> None:
         try:
-            async for frame in request_iterator:
-                if frame.cancel:
-                    task = self.running.pop(frame.id, None)
-                    if task is not None:
-                        task.cancel()
-                elif self.servicer.draining:
-                    self.replies.put_nowait(reply_status(frame.id, grpc.StatusCode.UNAVAILABLE,
-                                                         "the server is stopping; nothing ran"))
-                else:
-                    now = asyncio.get_running_loop().time()
-                    started = now - self.transit.waited(frame.sent_s, now)
-                    self.running[frame.id] = asyncio.ensure_future(self.serve(frame, started))
+            async for message in request_iterator:
+                if message.batch:
+                    MULTIPLEXED_BATCHED.labels("calls").inc(len(message.batch))
+                for frame in message.batch or (message,):
+                    self.receive(frame)
         except grpc.aio.AioRpcError:  # the client went away: its running calls are cancelled below
             pass
         self.end_when_idle()  # the client half-closed: answer what runs, then end
+
+    def receive(self, frame: multiplex_pb2.CallFrame) -> None:
+        if frame.cancel:
+            task = self.running.pop(frame.id, None)
+            if task is not None:
+                task.cancel()
+        elif self.servicer.draining:
+            self.replies.put_nowait(reply_status(frame.id, grpc.StatusCode.UNAVAILABLE,
+                                                 "the server is stopping; nothing ran"))
+        else:
+            now = asyncio.get_running_loop().time()
+            started = now - self.transit.waited(frame.sent_s, now)
+            self.running[frame.id] = asyncio.ensure_future(self.serve(frame, started))
 
     async def serve(self, frame: multiplex_pb2.CallFrame, started: float) -> None:
         try:
@@ -498,19 +579,19 @@ def reply_status(call_id: int, code: grpc.StatusCode, details: str,
 
 
 def serve_multiplexed(server: grpc.aio.Server, add_servicers: Callable[[object], None],
-                      interceptors: Sequence[UnaryServerInterceptor] = ()) -> MultiplexServicer:
+                      interceptors: Sequence[UnaryServerInterceptor] = (), batches: bool = True) -> MultiplexServicer:
     """Registers `add_servicers`' servicers with `server` as ever, and the Multiplex service that serves
     their unary methods as frames, inside the same interceptors."""
     capture = MethodCapture(server)
     add_servicers(capture)
-    multiplex = MultiplexServicer(capture.methods, interceptors)
+    multiplex = MultiplexServicer(capture.methods, interceptors, batches)
     multiplex_pb2_grpc.add_MultiplexServicer_to_server(multiplex, server)
     return multiplex
 
 
-def over_streams(channel: grpc.aio.Channel, streams: bool) -> grpc.aio.Channel | MultiplexChannel:
+def over_streams(channel: grpc.aio.Channel, streams: bool, batches: bool = True) -> grpc.aio.Channel | MultiplexChannel:
     """What a generated stub is given: the channel, or its multiplexed stand-in when `streams`."""
-    return MultiplexChannel(channel) if streams else channel
+    return MultiplexChannel(channel, batches=batches) if streams else channel
 
 
 def wrapped(behavior: UnaryBehavior, method: str, interceptors: Sequence[UnaryServerInterceptor]) -> UnaryBehavior:

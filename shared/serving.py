@@ -64,7 +64,7 @@ class RunningService:
     async def start(self) -> str:
         spec, cfg = self.spec, self.spec.config
         # every unary method is also served as frames of one stream a caller (shared/multiplex.py)
-        self.multiplex = serve_multiplexed(self.server, spec.add_servicers, self.interceptors)
+        self.multiplex = serve_multiplexed(self.server, spec.add_servicers, self.interceptors, cfg.frame_batches)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
         names = [*spec.service_names, MULTIPLEX_SERVICE, health_name, reflection.SERVICE_NAME]
@@ -155,15 +155,18 @@ def channel(target: str) -> grpc.aio.Channel:
 
 class Stubs:
     """One traced channel and stub per peer address, reused for every call (channels are costly).
-    `multiplexed`: the stub's unary calls ride one stream of that channel (shared/multiplex.py)."""
+    `multiplexed`: the stub's unary calls ride one stream of that channel (shared/multiplex.py), frames
+    waiting together in one message when `batches`."""
 
-    def __init__(self, stub_class: type, multiplexed: bool = False) -> None:
+    def __init__(self, stub_class: type, multiplexed: bool = False, batches: bool = True) -> None:
         self.stub_class = stub_class
         self.multiplexed = multiplexed
+        self.batches = batches
         self._stubs: dict[str, object] = {}
 
     def __call__(self, address: str):
         stub = self._stubs.get(address)
         if stub is None:
-            stub = self._stubs[address] = self.stub_class(over_streams(channel(address), self.multiplexed))
+            stub = self.stub_class(over_streams(channel(address), self.multiplexed, self.batches))
+            self._stubs[address] = stub
         return stub

@@ -174,6 +174,14 @@ async def test_a_streams_client_gets_the_same_answers_and_refusals_as_unary_call
     gateway_frames, scheduler_frames, worker_frames = (a - b for a, b in zip(framed(), before, strict=True))
     assert gateway_frames == len(TEXTS) + 3   # the streams client's small calls: the refused two, the 64 texts
     assert scheduler_frames >= 2 * len(TEXTS) and worker_frames >= 1  # both clients' requests; batches merge
+    # frames waiting for the stream together ride one message, once the gateway's headers say it reads them
+    batched = metric(gateway.metrics_port, "academus_multiplexed_batched_frames_total", direction="calls")
+    async with AsyncClient(mesh.gateway, api_key=admin_key, streams=True) as batching:
+        await batching.infer("spam", [TEXTS[0]])
+        again = await asyncio.gather(*(batching.infer("spam", [t]) for t in TEXTS))
+    assert [r.predictions[0].label for r in again] == [r.predictions[0].label for r in expected]
+    assert metric(gateway.metrics_port, "academus_multiplexed_batched_frames_total",
+                  direction="calls") - batched == len(TEXTS)
 
 
 @pytest.mark.parametrize(("key", "texts", "kwargs", "code", "detail"), [

@@ -18,6 +18,7 @@ from prometheus_client import REGISTRY
 from academus.shared.errors import NOTHING_RAN, ResourceExhausted, abort_with, from_rpc_error
 from academus.shared.multiplex import (
     CALLS_METHOD,
+    FRAME_BATCHES_KEY,
     FRAME_BYTES_KEY,
     MAX_FRAME_BYTES,
     MAX_PUSHBACK_MS,
@@ -113,6 +114,75 @@ async def test_concurrent_calls_share_one_stream_and_answer_as_they_finish(mux):
     assert order == [b"ok:sleep:0.0", b"ok:sleep:0.1", b"ok:sleep:0.3"]
     assert len(servicer._streams) == 1
     assert all(r is not None and 4.0 < r <= 5.0 for r in probe.remaining)  # the caller's deadline arrived
+
+
+def batched(direction: str) -> float:
+    return REGISTRY.get_sample_value("academus_multiplexed_batched_frames_total", {"direction": direction}) or 0.0
+
+
+async def many(call, n: int, pad: int = 0) -> None:
+    """n calls made in one turn of the loop, so their frames wait for the stream together; each answer is
+    its own."""
+    requests = [b"n%d" % i + b" " * pad for i in range(n)]
+    answers = await asyncio.gather(*(call(r, timeout=5) for r in requests))
+    assert answers == [b"ok:" + r for r in requests]
+
+
+async def test_frames_and_replies_waiting_together_ride_one_message_each(mux):
+    assert await mux.call(b"warm", timeout=5) == b"ok:warm"   # the server's headers say it reads batches
+    assert mux.call.channel.stream().batches
+    calls, replies = batched("calls"), batched("replies")
+    await many(mux.call, 20)
+    assert batched("calls") - calls == 20        # all twenty in one message: they were queued in one turn
+    assert batched("replies") - replies >= 2     # replies ready together went together too
+
+
+async def test_a_message_of_frames_stays_within_the_frame_size(mux):
+    """Three frames of 40 KiB: any two exceed a message's 64 KiB, so each goes alone, none is lost."""
+    assert await mux.call(b"warm", timeout=5) == b"ok:warm"
+    calls = batched("calls")
+    await many(mux.call, 3, pad=40 * 1024)
+    assert batched("calls") == calls
+
+
+@pytest.mark.parametrize("side", ["caller", "server"])
+async def test_a_peer_that_does_not_read_batches_gets_single_frames(side):
+    """A caller that did not ask gets every reply alone; a server that did not announce (an earlier
+    version sends no such header) is sent every frame alone, though the caller asked."""
+    probe, server = Probe(), grpc.aio.server()
+    serve_multiplexed(server, lambda s: s.add_registered_method_handlers(
+        "t.Probe", {"Answer": grpc.unary_unary_rpc_method_handler(probe.answer)}), batches=side != "server")
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = MultiplexChannel(grpc.aio.insecure_channel(f"127.0.0.1:{port}"), batches=side != "caller")
+    try:
+        call = channel.unary_unary(METHOD)
+        assert await call(b"warm", timeout=5) == b"ok:warm"
+        assert not channel.stream().batches
+        calls, replies = batched("calls"), batched("replies")
+        await many(call, 20)
+        assert (batched("calls"), batched("replies")) == (calls, replies)
+    finally:
+        await channel.close()
+        await server.stop(None)
+
+
+async def test_a_batching_caller_tells_the_server_in_its_calls_metadata(mux):
+    """Replies are batched only for a caller whose Calls metadata asks (FRAME_BATCHES_KEY)."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{mux.port}") as channel:
+        calls = channel.stream_stream(CALLS_METHOD, request_serializer=multiplex_pb2.CallFrame.SerializeToString,
+                                      response_deserializer=multiplex_pb2.ReplyFrame.FromString)(
+            metadata=((FRAME_BATCHES_KEY, "1"),))
+        assert dict(await calls.initial_metadata()).get(FRAME_BATCHES_KEY) == "1"
+        frames = [multiplex_pb2.CallFrame(id=i, method=METHOD, payload=b"b%d" % i) for i in range(1, 9)]
+        await calls.write(multiplex_pb2.CallFrame(batch=frames))
+        got: dict[int, bytes] = {}
+        while len(got) < len(frames):
+            message = await asyncio.wait_for(calls.read(), 5)
+            for reply in message.batch or (message,):
+                got[reply.id] = reply.payload
+        assert got == {i: b"ok:b%d" % i for i in range(1, 9)}
+        calls.cancel()
 
 
 async def test_a_refusal_keeps_its_code_details_and_pushback_trailer(mux):

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x61\x63\x61\x64\x65mus/v1/multiplex.proto\x12\x0b\x61\x63\x61\x64\x65mus.v1\"+\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"\x99\x01\n\tCallFrame\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x12,\n\x08metadata\x18\x05 \x03(\x0b\x32\x1a.academus.v1.MetadataEntry\x12\x0e\n\x06\x63\x61ncel\x18\x06 \x01(\x08\x12\x0e\n\x06sent_s\x18\x07 \x01(\x01\"\x84\x01\n\nReplyFrame\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x03 \x01(\t\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\x12,\n\x08trailers\x18\x05 \x03(\x0b\x32\x1a.academus.v1.MetadataEntry\x12\x0c\n\x04more\x18\x06 \x01(\x08\x32I\n\tMultiplex\x12<\n\x05\x43\x61lls\x12\x16.academus.v1.CallFrame\x1a\x17.academus.v1.ReplyFrame(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x61\x63\x61\x64\x65mus/v1/multiplex.proto\x12\x0b\x61\x63\x61\x64\x65mus.v1\"+\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"\xc0\x01\n\tCallFrame\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x12,\n\x08metadata\x18\x05 \x03(\x0b\x32\x1a.academus.v1.MetadataEntry\x12\x0e\n\x06\x63\x61ncel\x18\x06 \x01(\x08\x12\x0e\n\x06sent_s\x18\x07 \x01(\x01\x12%\n\x05\x62\x61tch\x18\x08 \x03(\x0b\x32\x16.academus.v1.CallFrame\"\xac\x01\n\nReplyFrame\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x03 \x01(\t\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\x12,\n\x08trailers\x18\x05 \x03(\x0b\x32\x1a.academus.v1.MetadataEntry\x12\x0c\n\x04more\x18\x06 \x01(\x08\x12&\n\x05\x62\x61tch\x18\x07 \x03(\x0b\x32\x17.academus.v1.ReplyFrame2I\n\tMultiplex\x12<\n\x05\x43\x61lls\x12\x16.academus.v1.CallFrame\x1a\x17.academus.v1.ReplyFrame(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,9 +34,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_METADATAENTRY']._serialized_start=44
   _globals['_METADATAENTRY']._serialized_end=87
   _globals['_CALLFRAME']._serialized_start=90
-  _globals['_CALLFRAME']._serialized_end=243
-  _globals['_REPLYFRAME']._serialized_start=246
-  _globals['_REPLYFRAME']._serialized_end=378
-  _globals['_MULTIPLEX']._serialized_start=380
-  _globals['_MULTIPLEX']._serialized_end=453
+  _globals['_CALLFRAME']._serialized_end=282
+  _globals['_REPLYFRAME']._serialized_start=285
+  _globals['_REPLYFRAME']._serialized_end=457
+  _globals['_MULTIPLEX']._serialized_start=459
+  _globals['_MULTIPLEX']._serialized_end=532
 # @@protoc_insertion_point(module_scope)

@@ -15,7 +15,7 @@ class MetadataEntry(_message.Message):
     def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
 
 class CallFrame(_message.Message):
-    __slots__ = ("id", "method", "payload", "timeout_s", "metadata", "cancel", "sent_s")
+    __slots__ = ("id", "method", "payload", "timeout_s", "metadata", "cancel", "sent_s", "batch")
     ID_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class CallFrame(_message.Message):
     METADATA_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     SENT_S_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     id: int
     method: str
     payload: bytes
@@ -30,20 +31,23 @@ class CallFrame(_message.Message):
     metadata: _containers.RepeatedCompositeFieldContainer[MetadataEntry]
     cancel: bool
     sent_s: float
-    def __init__(self, id: _Optional[int] = ..., method: _Optional[str] = ..., payload: _Optional[bytes] = ..., timeout_s: _Optional[float] = ..., metadata: _Optional[_Iterable[_Union[MetadataEntry, _Mapping]]] = ..., cancel: _Optional[bool] = ..., sent_s: _Optional[float] = ...) -> None: ...
+    batch: _containers.RepeatedCompositeFieldContainer[CallFrame]
+    def __init__(self, id: _Optional[int] = ..., method: _Optional[str] = ..., payload: _Optional[bytes] = ..., timeout_s: _Optional[float] = ..., metadata: _Optional[_Iterable[_Union[MetadataEntry, _Mapping]]] = ..., cancel: _Optional[bool] = ..., sent_s: _Optional[float] = ..., batch: _Optional[_Iterable[_Union[CallFrame, _Mapping]]] = ...) -> None: ...
 
 class ReplyFrame(_message.Message):
-    __slots__ = ("id", "code", "details", "payload", "trailers", "more")
+    __slots__ = ("id", "code", "details", "payload", "trailers", "more", "batch")
     ID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     DETAILS_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     TRAILERS_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     id: int
     code: int
     details: str
     payload: bytes
     trailers: _containers.RepeatedCompositeFieldContainer[MetadataEntry]
     more: bool
-    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., payload: _Optional[bytes] = ..., trailers: _Optional[_Iterable[_Union[MetadataEntry, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
+    batch: _containers.RepeatedCompositeFieldContainer[ReplyFrame]
+    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., payload: _Optional[bytes] = ..., trailers: _Optional[_Iterable[_Union[MetadataEntry, _Mapping]]] = ..., more: _Optional[bool] = ..., batch: _Optional[_Iterable[_Union[ReplyFrame, _Mapping]]] = ...) -> None: ...
