@@ -1,6 +1,7 @@
 """Where the work goes under overload (issue 4 (c)): one deployment alone, an open loop past its capacity.
 
     python -m academus.loadgen.overload_bench --rate 210 [--model sentiment --policy padded] [--out bench/overload]
+    python -m academus.loadgen.overload_bench --concurrency 64 --streams --ablate frame_batches ...
 
 Runs twice on the same schedule, each on a fresh mesh: with a setting on (the default) and off (the
 ablation). `--ablate drop_doomed` (the default): the scheduler's doomed-job drop, ACADEMUS_DROP_DOOMED.
@@ -50,9 +51,11 @@ def overload(args: argparse.Namespace, name: str, ablation: dict[str, str]) -> d
                            | ablation))
     try:
         before = snapshot(state)
+        schedule = f"closed:{args.concurrency}" if args.concurrency else f"poisson:{args.rate}"
         report = loadgen_with_cpu(state, run_dir, args.out / name, "run", "--model", args.model,
-                                  "--policy", args.policy, "--schedule", f"poisson:{args.rate}", "--duration",
-                                  str(args.duration), "--texts", f"task:{args.task}", "--timeout", str(args.timeout))
+                                  "--policy", args.policy, "--schedule", schedule, "--duration",
+                                  str(args.duration), "--texts", f"task:{args.task}", "--timeout", str(args.timeout),
+                                  *(["--streams"] if args.streams else []))
         after = snapshot(state)
     finally:
         down(run_dir)
@@ -65,7 +68,11 @@ def overload(args: argparse.Namespace, name: str, ablation: dict[str, str]) -> d
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m academus.loadgen.overload_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rate", type=float, required=True, help="offered requests/s (Poisson)")
+    p.add_argument("--rate", type=float, default=0.0, help="offered requests/s (Poisson)")
+    p.add_argument("--concurrency", type=int, default=0,
+                   help="instead of --rate: a closed loop of this many callers (the deployment's capacity)")
+    p.add_argument("--streams", action="store_true", help="the load generator's requests ride one multiplexed "
+                                                          "stream (`academus loadgen --streams`)")
     p.add_argument("--model", default="sentiment")
     p.add_argument("--policy", default="padded")
     p.add_argument("--task", choices=["sentiment", "spam"], default="sentiment", help="where the texts come from")
@@ -76,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ablate", choices=sorted(ABLATIONS), default="drop_doomed",
                    help="the setting the second run switches off (default: drop_doomed)")
     p.add_argument("--out", type=Path, default=Path("bench/overload"))
+    args = p.parse_args(argv)
+    if (args.rate > 0) == (args.concurrency > 0):
+        p.error("give one of --rate (Poisson, > 0) and --concurrency (a closed loop, > 0)")
     return run_bench(p, run, argv)
 
 

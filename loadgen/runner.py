@@ -104,7 +104,7 @@ def send_lateness(records: list[Record]) -> dict[str, float]:
     if not late:
         return {}
     return {"p50": round(percentile(late, 50), 3), "p99": round(percentile(late, 99), 3),
-            "max": round(max(late, default=0.0), 3)}
+            "max": round(max(late), 3)}
 
 
 def by_gateway(records: list[Record]) -> dict[str, dict]:

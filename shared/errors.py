@@ -21,6 +21,14 @@ class ServingError(Exception):
 
 NOTHING_RAN = "academus-nothing-ran"   # trailer of a refusal on arrival whose code does not say so itself
 PUSHBACK = "grpc-retry-pushback-ms"    # trailer: how long the caller should wait before its next request
+# trailer of every status a handler of ours chose: its process is alive (an UNAVAILABLE without it came from
+# the transport or a stopping server: the peer is gone)
+ANSWERED = "academus-answered"
+
+
+def answered(error: grpc.aio.AioRpcError) -> bool:
+    """The status was a live handler's choice (ANSWERED), not a transport failure or a stopping server."""
+    return dict(error.trailing_metadata() or ()).get(ANSWERED) == "true"
 
 
 def pushback_ms(trailers: Iterable[tuple[str, str]]) -> int | None:
@@ -67,11 +75,12 @@ class Unavailable(ServingError):
 
 async def abort_with(context: grpc.aio.ServicerContext, error: ServingError) -> None:
     """Aborts the RPC with the error's status, adding the retry pushback hint when it has one."""
-    trailers = [(PUSHBACK, str(error.pushback_ms))] if error.pushback_ms is not None else []
+    trailers = [(ANSWERED, "true")]
+    if error.pushback_ms is not None:
+        trailers.append((PUSHBACK, str(error.pushback_ms)))
     if error.nothing_ran:
         trailers.append((NOTHING_RAN, "true"))
-    if trailers:
-        context.set_trailing_metadata(tuple(trailers))
+    context.set_trailing_metadata(tuple(trailers))
     await context.abort(error.code, error.message)
 
 

@@ -41,9 +41,10 @@ both ends on loopback here, 35 us a frame when eight shared each message (`pytho
 academus.loadgen.frame_batches`, loadgen/results/hops/frame_batches.json). So frames that wait for the
 stream together (written while the last message was in flight, or queued in the same turn of the loop) go
 as one message (`CallFrame.batch`), and so do replies ready together (`ReplyFrame.batch`: the answers to a
-merged element), up to a message of `max_frame_bytes`: batches form only when there is a queue to take
-them from, and cost a lone call nothing. Both ends say they read batches (FRAME_BATCHES_KEY: the caller in
-its Calls metadata, the server in its initial metadata), so a peer of an earlier version gets single frames.
+merged element): up to 64 frames whose payloads fit `max_frame_bytes` (64 KiB at most; the first frame goes
+whatever its size). Batches form only when there is a queue to take them from, and cost a lone call
+nothing. Both ends say they read batches (FRAME_BATCHES_KEY: the caller in its Calls metadata, the server
+in its initial metadata), so a peer of an earlier version gets single frames.
 """
 
 from __future__ import annotations
@@ -152,8 +153,10 @@ class _Stream:
             self._break(f"multiplexed stream to the peer broke on write: {type(e).__name__}: {e}")
 
     def _take(self, frame: multiplex_pb2.CallFrame) -> list[multiplex_pb2.CallFrame]:
-        """`frame`, and once the server reads batches every frame queued behind it that fits one message
-        of `batch_bytes`; the frames of callers that left are skipped (never sent)."""
+        """`frame`, and once the server reads batches every frame queued behind it whose payloads fit one
+        message of `batch_bytes` (the first goes whatever its size); the frames of callers that left are
+        skipped (never sent). A frame taken is committed: if its caller leaves while the message waits on
+        flow control, a cancel frame follows it, as for a frame being written."""
         self.held, frames, size = None, [], 0
         while True:
             if frame.cancel or frame.id in self.unsent:
@@ -352,17 +355,19 @@ class MultiplexServicer(multiplex_pb2_grpc.MultiplexServicer):
     async def Calls(self, request_iterator, context: grpc.aio.ServicerContext):
         metadata = context.invocation_metadata()
         batches = self.batches and dict(metadata or ()).get(FRAME_BATCHES_KEY) == "1"
-        if self.batches:
-            await context.send_initial_metadata(((FRAME_BATCHES_KEY, "1"),))
         served = _ServedStream(self, piece_bytes(metadata), batches)
-        self._streams.add(served)
-        reader = asyncio.ensure_future(served.read(request_iterator))
+        self._streams.add(served)   # before any await: a drain meanwhile must reach it
+        reader: asyncio.Future | None = None
         try:
+            if self.batches:
+                await context.send_initial_metadata(((FRAME_BATCHES_KEY, "1"),))
+            reader = asyncio.ensure_future(served.read(request_iterator))
             while (reply := await served.next_message()) is not None:
                 yield reply
         finally:
             self._streams.discard(served)
-            reader.cancel()
+            if reader is not None:
+                reader.cancel()
             served.cancel_all()
 
     def drain(self) -> None:
@@ -430,7 +435,7 @@ class _ServedStream:
         self.rest: deque[tuple[int, bytes, int]] = deque()   # large replies still to send: id, payload, offset
         self.transit = TransitFloor()
         self.batches = batches  # the caller reads batched replies
-        self.batch_bytes = piece or MAX_FRAME_BYTES
+        self.batch_bytes = min(piece, MAX_FRAME_BYTES) if piece else MAX_FRAME_BYTES   # payload bytes a message
 
     async def next_message(self) -> multiplex_pb2.ReplyFrame | None:
         """The next message to send, None to end: the next reply (or piece), and when the caller reads

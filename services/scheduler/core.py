@@ -126,7 +126,7 @@ class Dispatcher:
                  send_ahead: bool = False, lost_quarantine_s: float = 5.0) -> None:
         self.policy = policy
         # a worker lost mid-call stays out this long while Redis still lists it: a heartbeat TTL, after
-        # which a dead worker's key has expired, so one still listed is alive (restarted at its address)
+        # which a dead worker's key has expired, so one still listed is alive (its heartbeat renewed)
         self.lost_quarantine_s = lost_quarantine_s
         # a busy group is sent its next batch while it runs one, where the policy never holds a batch back
         # to grow: it starts when the first ends, without the reply's and the dispatch's hops in between

@@ -24,7 +24,7 @@ from academus.services.scheduler.policies import (
 )
 from academus.shared import config as cfg
 from academus.shared.catalogue import ModelSpec
-from academus.shared.errors import DeadlineExceeded, ServingError, abort_with, from_rpc_error
+from academus.shared.errors import DeadlineExceeded, ServingError, abort_with, answered, from_rpc_error
 from academus.shared.keys import Keys
 from academus.shared.logs import log_event
 from academus.shared.plot.registry import live_plot_services
@@ -85,7 +85,7 @@ class GroupSender:
         try:
             return await self.stubs(worker.address).Run(request, timeout=remaining)
         except grpc.aio.AioRpcError as e:
-            if e.code() in LOST_CODES:
+            if e.code() in LOST_CODES and not answered(e):   # the worker itself chose it: not lost
                 raise WorkerLost(f"{worker_id} at {worker.address}: {e.details()}", worker_id) from e
             raise from_rpc_error(e, f"worker {worker_id}") from e
 
@@ -326,7 +326,7 @@ async def build() -> ServiceSpec:
                             config.queue_capacity, config.retry_pushback_ms, clock,
                             on_wait=prefetcher.on_wait if prefetcher is not None else None,
                             drop_doomed=config.drop_doomed, send_ahead=config.send_ahead,
-                            lost_quarantine_s=config.heartbeat_ttl_s)
+                            lost_quarantine_s=max(1, round(config.heartbeat_ttl_s)))   # the key's TTL
     dispatcher.workers = workers  # the sender resolves member addresses from the same live table
     models = frozenset(m for m in config.models.split(",") if m)
     watcher = PlacementWatcher(redis, keys, dispatcher, config.refresh_s, models, prefetcher)

@@ -133,7 +133,7 @@ async def test_frames_and_replies_waiting_together_ride_one_message_each(mux):
     assert mux.call.channel.stream().batches
     calls, replies = batched("calls"), batched("replies")
     await many(mux.call, 20)
-    assert batched("calls") - calls == 20        # all twenty in one message: they were queued in one turn
+    assert batched("calls") - calls == 20        # all twenty rode batches: they were queued in one turn
     assert batched("replies") - replies >= 2     # replies ready together went together too
 
 
@@ -167,22 +167,42 @@ async def test_a_peer_that_does_not_read_batches_gets_single_frames(side):
         await server.stop(None)
 
 
-async def test_a_batching_caller_tells_the_server_in_its_calls_metadata(mux):
-    """Replies are batched only for a caller whose Calls metadata asks (FRAME_BATCHES_KEY)."""
+@pytest.mark.parametrize("asks", [True, False])
+async def test_replies_are_batched_only_for_a_caller_that_asks_in_its_calls_metadata(mux, asks):
+    """A raw Calls stream sends one message of eight frames: the server reads them all, and its replies
+    ride batches when the caller's metadata asked (FRAME_BATCHES_KEY), never when it did not."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{mux.port}") as channel:
         calls = channel.stream_stream(CALLS_METHOD, request_serializer=multiplex_pb2.CallFrame.SerializeToString,
                                       response_deserializer=multiplex_pb2.ReplyFrame.FromString)(
-            metadata=((FRAME_BATCHES_KEY, "1"),))
-        assert dict(await calls.initial_metadata()).get(FRAME_BATCHES_KEY) == "1"
+            metadata=((FRAME_BATCHES_KEY, "1" if asks else "0"),))
+        assert dict(await calls.initial_metadata()).get(FRAME_BATCHES_KEY) == "1"   # the server reads batches
         frames = [multiplex_pb2.CallFrame(id=i, method=METHOD, payload=b"b%d" % i) for i in range(1, 9)]
         await calls.write(multiplex_pb2.CallFrame(batch=frames))
         got: dict[int, bytes] = {}
+        messages = []
         while len(got) < len(frames):
             message = await asyncio.wait_for(calls.read(), 5)
+            messages.append(len(message.batch))
             for reply in message.batch or (message,):
                 got[reply.id] = reply.payload
         assert got == {i: b"ok:b%d" % i for i in range(1, 9)}
+        assert any(messages) if asks else not any(messages), messages
         calls.cancel()
+
+
+async def test_batched_replies_keep_the_pieces_and_the_end_in_order(mux):
+    """Small replies ready together share a message; one in pieces goes alone and the small ones behind it
+    go between its pieces; the end waits for the last piece."""
+    served = _ServedStream(mux.servicer, piece=4, batches=True)   # (a caller asks for 16 KiB at least)
+    for reply in (multiplex_pb2.ReplyFrame(id=1, payload=b"a"), multiplex_pb2.ReplyFrame(id=2, payload=b"b"),
+                  multiplex_pb2.ReplyFrame(id=3, payload=b"abcdefghij"), multiplex_pb2.ReplyFrame(id=4, payload=b"c"),
+                  None):
+        served.replies.put_nowait(reply)
+    sent = []
+    while (message := await served.next_message()) is not None:
+        sent.append([(r.id, r.payload, r.more) for r in message.batch] or (message.id, message.payload, message.more))
+    assert sent == [[(1, b"a", False), (2, b"b", False)], (3, b"abcd", True), (4, b"c", False),
+                    (3, b"efgh", True), (3, b"ij", False)]
 
 
 async def test_a_refusal_keeps_its_code_details_and_pushback_trailer(mux):

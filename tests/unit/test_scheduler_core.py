@@ -1,14 +1,19 @@
-"""The dispatcher without gRPC: immediate dispatch, queueing, deadlines, lost workers, admission."""
+"""The dispatcher without gRPC: immediate dispatch, queueing, deadlines, lost workers, admission; and the
+group sender over real gRPC, telling a lost worker from one that answered."""
 
 from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 
-from academus.services.scheduler.core import Dispatcher, Job, WorkerLost
+from academus.services.scheduler.core import Dispatcher, Group, Job, Member, WorkerLost, WorkerRef
 from academus.services.scheduler.policies import FifoPolicy, PaddedPolicy, StudentPolicy, make_policy
-from academus.shared.errors import DeadlineExceeded, ResourceExhausted, Unavailable
+from academus.shared.errors import DeadlineExceeded, ResourceExhausted, Unavailable, abort_with
+from academus.shared.multiplex import serve_multiplexed
+from academus.shared.serving import Stubs
+from academus.v1 import worker_pb2, worker_pb2_grpc
 
 
 class Clock:
@@ -245,6 +250,22 @@ async def test_a_lost_worker_stays_out_while_redis_still_lists_it_and_is_back_af
     for call in fake.calls[3:]:
         call[2].set_result(call[0])
     assert sorted(await asyncio.gather(third, fourth)) == ["w0", "w1"]
+
+
+async def test_a_lost_worker_listed_at_another_address_serves_at_once():
+    """A worker back at another address (restarted, placed again) is not the one that was lost."""
+    d, clock, fake = make_dispatcher({"w0": {"spam"}})
+    task = asyncio.create_task(d.submit(make_job(clock, deadline_in=0.5)))
+    await settle()
+    fake.calls[0][2].set_exception(WorkerLost("connection refused", "w0"))
+    with pytest.raises(Unavailable):
+        await task
+    d.update_workers({"w0": ("127.0.0.1:9999", frozenset({"spam"}))})
+    assert not d.workers["w0"].lost
+    again = asyncio.create_task(d.submit(make_job(clock)))
+    await settle()
+    fake.calls[1][2].set_result("back")
+    assert await again == "back" and fake.calls[1][0] == "w0"
 
 
 async def test_lost_last_worker_is_unavailable_not_a_hang():
@@ -601,3 +622,36 @@ async def test_another_models_backlog_does_not_refuse_a_job_whose_group_is_free(
         await d.submit(make_job(clock, model="A", deadline_in=0.3))
     for task in waiting:
         task.cancel()
+
+
+class RefusingWorker(worker_pb2_grpc.WorkerServicer):
+    """A live worker whose handler chooses UNAVAILABLE (its adapter store is down)."""
+
+    async def Run(self, request, context):
+        await abort_with(context, Unavailable("no adapter store is running (its address is not in Redis)"))
+
+
+@pytest.mark.parametrize("streams", [True, False])
+async def test_an_unavailable_the_worker_chose_is_its_answer_and_a_dead_worker_is_lost(streams):
+    """Over real gRPC: the worker's own UNAVAILABLE (trailer ANSWERED) goes back as it is, the worker not
+    marked lost; a worker that is gone (nothing listens) is lost, and its jobs may be retried elsewhere."""
+    from academus.services.scheduler.server import GroupSender
+
+    server = grpc.aio.server()
+    serve_multiplexed(server, lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(RefusingWorker(), s))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    clock = Clock()
+    workers = {"live": WorkerRef("live", f"127.0.0.1:{port}", frozenset({"spam"})),
+               "gone": WorkerRef("gone", "127.0.0.1:1", frozenset({"spam"}))}
+    sender = GroupSender(Stubs(worker_pb2_grpc.WorkerStub, multiplexed=streams), clock, workers)
+    job = make_job(clock, payload=worker_pb2.RunRequest(model="spam"))
+    try:
+        with pytest.raises(Unavailable, match="no adapter store is running") as refused:
+            await sender(Group("live#0", frozenset({"spam"}), (Member("live"),)), [job])
+        assert not isinstance(refused.value, WorkerLost)
+        with pytest.raises(WorkerLost) as lost:
+            await sender(Group("gone#0", frozenset({"spam"}), (Member("gone"),)), [job])
+        assert lost.value.worker_id == "gone"
+    finally:
+        await server.stop(None)
