@@ -233,7 +233,7 @@ class Dispatcher:
             return
         if any(job.model in g.models and self._free(g) for g in self.groups):
             return   # it starts at once: what waits is another model's (a deployment may serve several)
-        groups = max(1, sum(1 for g in self.groups if job.model in g.models))
+        groups = max(1, sum(1 for g in self.groups if job.model in g.models and self._live(g)))
         expected = service * depth / groups
         if self.clock() + expected > job.deadline:
             self.stats.rejected += 1
@@ -457,7 +457,7 @@ class Dispatcher:
         waiting: dict[str, int] = {}
         for job in self.policy:
             waiting[job.model] = waiting.get(job.model, 0) + 1
-        for group in self.groups:
+        for group in filter(self._live, self.groups):   # a lost worker's group is neither idle nor busy
             for model in group.models:
                 entry = out.setdefault(model, {"groups": 0, "idle": 0, "busy": 0, "students": group.students,
                                                "buffer": 0})

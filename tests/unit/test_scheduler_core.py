@@ -235,6 +235,10 @@ async def test_a_lost_worker_stays_out_while_redis_still_lists_it_and_is_back_af
     await settle()
     d.update_workers(live)                       # the refresh, within the quarantine
     assert d.workers["w1"].lost and d.stats.retried == 1
+    assert d.model_load()["spam"]["groups"] == 1   # its group is neither idle nor busy: not there
+    d.service_s["spam"] = 1.0
+    with pytest.raises(DeadlineExceeded, match="cannot be met"):    # a second of work ahead, for one live group
+        await d.submit(make_job(clock, deadline_in=0.8))
     next(c for c in fake.calls if c[0] == "w0")[2].set_result("w0 first")
     await settle()
     assert [c[0] for c in fake.calls[2:]] == ["w0"]   # the retry went to the live worker, not back to w1
@@ -243,6 +247,7 @@ async def test_a_lost_worker_stays_out_while_redis_still_lists_it_and_is_back_af
     clock.now += d.lost_quarantine_s
     d.update_workers(live)                       # still listed a TTL later: alive again
     assert not d.workers["w1"].lost
+    assert d.model_load()["spam"]["groups"] == 2
     third = asyncio.create_task(d.submit(make_job(clock)))
     fourth = asyncio.create_task(d.submit(make_job(clock)))
     await settle()
