@@ -372,9 +372,13 @@ def test_the_transit_floor_cancels_the_clocks_offset_and_is_taken_afresh_after_i
 class HeldCall:
     """A Calls stream whose writes wait for `gate` (HTTP/2 flow control from a peer that is behind)."""
 
-    def __init__(self) -> None:
+    def __init__(self, batches: bool = False) -> None:
         self.gate = asyncio.Event()
         self.written: list[multiplex_pb2.CallFrame] = []
+        self.batches = batches   # the headers of a server that reads batches
+
+    async def initial_metadata(self):
+        return ((FRAME_BATCHES_KEY, "1"),) if self.batches else ()
 
     async def write(self, frame: multiplex_pb2.CallFrame) -> None:
         await self.gate.wait()
@@ -411,6 +415,39 @@ async def test_a_frame_whose_caller_left_before_it_was_written_is_never_sent(mux
         (1, b"first", False), (3, b"third", False), (1, b"", True)]
     assert all(f.sent_s > 0 for f in held.written if not f.cancel)   # stamped with the caller's clock
     third.cancel()
+    stream.writer.cancel()
+    stream.reader.cancel()
+    channel._stream = None
+
+
+async def test_a_message_takes_at_most_64_frames_never_one_whose_caller_left_and_carries_cancels(mux):
+    """While a write waits on flow control, 70 calls and one whose caller leaves queue up: the next
+    message takes 64 frames, the one after the other 6 and the cancel of the call being written, and the
+    frame of the caller that left is never sent."""
+    channel, held = mux.call.channel, HeldCall(batches=True)
+    stream = channel._stream = _Stream(held, batches=True)
+    call = mux.call
+    await asyncio.sleep(0.01)                                     # the server's headers are read
+    assert stream.batches
+    first = asyncio.ensure_future(call(b"first", timeout=5))     # alone: the writer takes it, waits on the gate
+    await asyncio.sleep(0.01)
+    many = [asyncio.ensure_future(call(b"m%d" % i, timeout=5)) for i in range(70)]
+    with pytest.raises(grpc.aio.AioRpcError):
+        await call(b"gave up", timeout=0.05)
+    first.cancel()                                                # being written: a cancel frame follows
+    await asyncio.sleep(0.01)
+    held.gate.set()
+    for _ in range(100):
+        if len(held.written) == 3:
+            break
+        await asyncio.sleep(0.01)
+    alone, full, rest = held.written
+    assert (alone.id, alone.payload, len(alone.batch)) == (1, b"first", 0)
+    assert [f.payload for f in full.batch] == [b"m%d" % i for i in range(64)]
+    assert [(f.payload, f.cancel) for f in rest.batch] == [(b"m%d" % i, False) for i in range(64, 70)] + [
+        (b"", True)] and rest.batch[-1].id == 1
+    for task in many:
+        task.cancel()
     stream.writer.cancel()
     stream.reader.cancel()
     channel._stream = None
