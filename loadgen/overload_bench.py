@@ -45,7 +45,8 @@ def run(args: argparse.Namespace) -> dict:
 
 def overload(args: argparse.Namespace, name: str, ablation: dict[str, str]) -> dict:
     run_dir = args.out / f"run-{name}"
-    state = up(MeshOptions(run_dir=run_dir, gateway_port=0, workers=args.workers, worker_threads=1,
+    state = up(MeshOptions(run_dir=run_dir, gateway_port=0, gateways=args.gateways, workers=args.workers,
+                           worker_threads=1,
                            deployments=[Deployment(args.policy, args.model)],
                            env={"ACADEMUS_MODELS": args.model, "ACADEMUS_QUEUE_CAPACITY": str(args.queue)}
                            | ablation))
@@ -55,7 +56,7 @@ def overload(args: argparse.Namespace, name: str, ablation: dict[str, str]) -> d
         report = loadgen_with_cpu(state, run_dir, args.out / name, "run", "--model", args.model,
                                   "--policy", args.policy, "--schedule", schedule, "--duration",
                                   str(args.duration), "--texts", f"task:{args.task}", "--timeout", str(args.timeout),
-                                  *(["--streams"] if args.streams else []))
+                                  "--procs", str(args.procs), *(["--streams"] if args.streams else []))
         after = snapshot(state)
     finally:
         down(run_dir)
@@ -79,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=20.0)
     p.add_argument("--timeout", type=float, default=5.0)
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--gateways", type=int, default=1, help="gateway processes on the mesh's port (a GPU node's edge)")
+    p.add_argument("--procs", type=int, default=1, help="load-generator processes (a GPU node's rates)")
     p.add_argument("--queue", type=int, default=256)
     p.add_argument("--ablate", choices=sorted(ABLATIONS), default="drop_doomed",
                    help="the setting the second run switches off (default: drop_doomed)")

@@ -15,7 +15,8 @@ baseline `<task>-2l`. Steps, each an `academus loadgen` invocation whose report 
    `<task>:padded`, `<task>-students:student` (S = --students, default the
    best-pruned k the resource manager starts from), `<task>-2l:padded`.
 2. (c): on/off bursts to 3·C (base 0.5·C): `<task>:padded` vs `<task>-students:student`, the student
-   number adapting (the quiet window is shortened to --window seconds so it shows within the run).
+   number adapting (the quiet window is shortened to --window seconds so it shows within the run), sent
+   by at least one load-generator process per 800 req/s of the peak (more than --procs where it needs).
 3. (d): the latency breakdown from the recorded traces and from response metadata.
 
 The last line printed is the summary JSON (ratios and the targets they are held against).
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -35,6 +37,8 @@ import redis
 from academus.loadgen.bench import loadgen, loadgen_with_cpu, run_bench
 from academus.shared.keys import Keys
 from academus.shared.mesh import Deployment, MeshOptions, down, up
+
+SENDS_A_PROCESS = 800   # req/s one load-generator process keeps to its schedule (it spends ~1 ms a request)
 
 
 def set_students(state, model: str, number: int) -> None:
@@ -51,12 +55,20 @@ def start(args: argparse.Namespace, run_dir: Path, window_s: float, env: dict[st
              "ACADEMUS_QUEUE_CAPACITY": str(args.queue)} | (env or {})))
 
 
-def run_options(args: argparse.Namespace, timeout_s: float | None = None) -> list[str]:
+def run_options(args: argparse.Namespace, timeout_s: float | None = None, procs: int = 0) -> list[str]:
     """The loadgen options every run of these benches shares: its length, the task's texts, the timeout,
-    the load generator's processes and whether their requests ride multiplexed streams."""
+    the load generator's processes (`procs`, else --procs) and whether their requests ride multiplexed
+    streams."""
     return ["--duration", str(args.duration), "--texts", f"task:{args.task}",
-            "--timeout", str(args.timeout if timeout_s is None else timeout_s), "--procs", str(args.procs),
+            "--timeout", str(args.timeout if timeout_s is None else timeout_s), "--procs", str(procs or args.procs),
             *(["--streams"] if args.streams else [])]
+
+
+def burst_procs(procs: int, peak_rps: float) -> int:
+    """Load-generator processes for a peak rate: --procs, or more where each would send more than
+    SENDS_A_PROCESS a second (on an H200, four sending 5643 req/s fell 26 ms behind at p99, eight kept
+    to the schedule: `send_late_ms`, loadgen/results/gpu_h200/bursts_stop28/)."""
+    return max(procs, math.ceil(peak_rps / SENDS_A_PROCESS))
 
 
 def group_size(state, args: argparse.Namespace) -> int:
@@ -109,7 +121,8 @@ def half_load(args: argparse.Namespace) -> tuple[list[dict], list[dict], dict]:
 
 
 def bursts(args: argparse.Namespace, capacity: float) -> dict:
-    """Phase 2: on/off bursts to 3 × the teacher's capacity, the teacher, then the student group."""
+    """Phase 2: on/off bursts to 3 × the teacher's capacity, the teacher, then the student group, from as
+    many load-generator processes as the peak needs (`burst_procs`)."""
     task, out, period = args.task, args.out, args.duration / 2
     state = start(args, out / "run-bursts", args.window)
     try:
@@ -117,7 +130,7 @@ def bursts(args: argparse.Namespace, capacity: float) -> dict:
         schedule = f"bursts:{0.5 * capacity:.2f},{3 * capacity:.2f},{period},{period / 2}"
         runs = f"{task}:padded,{task}-students:student"
         return loadgen(out / "run-bursts", out / "bursts", "compare", "--runs", runs, "--schedule", schedule,
-                       *run_options(args))
+                       *run_options(args, procs=burst_procs(args.procs, 3 * capacity)))
     finally:
         down(out / "run-bursts")
 

@@ -3,6 +3,7 @@ latency breakdowns and ratios, without a server."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import time
@@ -556,3 +557,12 @@ def test_send_lateness_is_absent_for_a_closed_loop_and_quiet_on_schedule():
                                                     Record(0.2, 1.0, "UNAVAILABLE", late_ms=1.0)]).report()
     assert on_time["send_late_ms"] == {"p50": 1.0, "p99": 2.0, "max": 2.0}
     assert not any("behind" in line for line in summary_lines({"runs": [on_time]}))
+
+
+def test_bursts_get_a_load_generator_process_per_800_requests_a_second_of_their_peak():
+    from academus.loadgen.student_bench import burst_procs, run_options
+
+    assert burst_procs(1, 390.0) == 1 and burst_procs(4, 5643.0) == 8 and burst_procs(16, 5643.0) == 16
+    args = argparse.Namespace(duration=12.0, task="sentiment", timeout=5.0, procs=4, streams=True)
+    assert run_options(args, procs=8)[-3:] == ["--procs", "8", "--streams"]
+    assert run_options(args)[-3:] == ["--procs", "4", "--streams"]
