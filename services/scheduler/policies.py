@@ -55,9 +55,13 @@ class DispatchPolicy(ABC):
         """The dispatcher's group count changed (the student buffer's capacity follows it)."""
         return None
 
-    def depth(self) -> int:
-        """Waiting dispatch units (buffer elements for `student`, jobs otherwise): the load signal."""
-        return len(self)
+    def depth(self, model: str | None = None) -> int:
+        """Waiting dispatch units (buffer elements for `student`, jobs otherwise): the load signal; with
+        `model`, only that model's (O(n): for a deployment of several models)."""
+        return len(self) if model is None else len(self.waiting_of(model))
+
+    def waiting_of(self, model: str) -> list[Job]:
+        return [j for j in self if j.model == model]
 
     def take_dropped(self) -> list[tuple[Job, ServingError]]:
         """Jobs the policy took out unrun since the last call (e.g. DAS found they cannot meet their
@@ -135,9 +139,9 @@ class PaddedPolicy(DispatchPolicy):
     def wake_at(self) -> float | None:
         return min((j.enqueued_at + self.max_delay_s for j in self._jobs), default=None)
 
-    def depth(self) -> int:
+    def depth(self, model: str | None = None) -> int:
         """Waiting batches, not jobs: the admission check multiplies it by one batch time."""
-        return math.ceil(len(self._jobs) / self.max_batch)
+        return math.ceil(len(self._jobs if model is None else self.waiting_of(model)) / self.max_batch)
 
 
 class StudentPolicy(DispatchPolicy):
@@ -240,8 +244,11 @@ class StudentPolicy(DispatchPolicy):
         self._refill()
         return removed
 
-    def depth(self) -> int:
-        return len(self.buffer) + len(self._queued)
+    def depth(self, model: str | None = None) -> int:
+        if model is None:
+            return len(self.buffer) + len(self._queued)
+        return (sum(1 for e in self.buffer if e.jobs[0].model == model)
+                + sum(1 for j in self._queued.values() if j.model == model))
 
     def __len__(self) -> int:
         return self.buffer.samples + len(self._queued)
@@ -460,9 +467,10 @@ class ConcatPolicy(_BatchingPolicy):
         plan = batch[0].plan if batch else None
         return plan.computed_tokens if plan is not None else 0
 
-    def depth(self) -> int:
+    def depth(self, model: str | None = None) -> int:
         """Waiting batches: the queue's tokens over one batch's R·L (what the admission estimate needs)."""
-        tokens = sum(min(j.num_tokens, self.row_length) for j in self._jobs)
+        waiting = self._jobs if model is None else self.waiting_of(model)
+        tokens = sum(min(j.num_tokens, self.row_length) for j in waiting)
         return math.ceil(tokens / (self.rows * self.row_length))
 
 
@@ -489,8 +497,8 @@ class BucketedPolicy(_BatchingPolicy):
     def _computed_tokens(self, batch: list[Job]) -> int:
         return sum(j.num_texts for j in batch) * max((j.max_length for j in batch), default=0)
 
-    def depth(self) -> int:
-        return math.ceil(len(self._jobs) / self.max_batch)
+    def depth(self, model: str | None = None) -> int:
+        return math.ceil(len(self._jobs if model is None else self.waiting_of(model)) / self.max_batch)
 
 
 POLICIES: dict[str, Callable[..., DispatchPolicy]] = {

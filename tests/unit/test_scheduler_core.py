@@ -367,6 +367,41 @@ def ss_job(clock: Clock, length: int = 10) -> Job:
                enqueued_at=clock(), batch_key=("ss",), max_length=length)
 
 
+async def test_admission_counts_only_the_jobs_own_models_work_where_its_groups_run_nothing_else():
+    """Two student models in one deployment, each its own group: six elements of `a` wait, and `b`'s
+    group is busy with one job. A `b` job with 0.5 s left is admitted (nothing of `b` waits: `a`'s
+    elements go to `a`'s group), an `a` job with the same deadline is refused (six batches of 0.2 s)."""
+    from academus.services.scheduler.core import GroupTable, Member
+
+    clock, fake = Clock(), FakeWorkers()
+    d = Dispatcher(StudentPolicy(max_merge=1), fake.send, 16, 25, clock)
+    tables = {m: GroupTable(m, 1, ((Member(f"w{m}", (0,)),),)) for m in ("a", "b")}
+    d.update_workers({f"w{m}": (f"127.0.0.1:{i}", frozenset({m}), 1) for i, m in enumerate("ab")}, tables)
+    d.service_s.update(a=0.2, b=0.2)
+
+    def job(model: str, deadline_in: float = 5.0) -> Job:
+        return Job(model=model, payload=model, num_texts=1, num_tokens=10, deadline=clock() + deadline_in,
+                   enqueued_at=clock(), batch_key=(model,), max_length=10)
+
+    running = [asyncio.create_task(d.submit(job(m))) for m in "ab"]
+    waiting = [asyncio.create_task(d.submit(job("a"))) for _ in range(6)]
+    await settle()
+    assert len(fake.calls) == 2 and d.policy.depth() == d.policy.depth("a") == 6 and d.policy.depth("b") == 0
+    admitted = asyncio.create_task(d.submit(job("b", deadline_in=0.5)))
+    await settle()
+    assert not admitted.done()                       # waits for b's group, not refused
+    with pytest.raises(DeadlineExceeded, match="cannot be met"):
+        await d.submit(job("a", deadline_in=0.5))
+    for call in fake.calls[:2]:
+        call[2].set_result(call[1].model)
+    await settle()                                   # the groups free: b's takes the admitted job
+    next(c for c in fake.calls[2:] if c[1].model == "b")[2].set_result("b")
+    assert await admitted == "b"
+    for task in [*running, *waiting]:
+        task.cancel()
+    await asyncio.gather(*running, *waiting, return_exceptions=True)
+
+
 async def test_a_student_group_spans_its_members_and_runs_one_sample_at_once():
     d, clock, fake = student_dispatcher([[("w0", (0,)), ("w1", (1,))], [("w1", (0,)), ("w0", (1,))]])
     assert [g.name for g in d.groups] == ["ss/g0", "ss/g1"] and d.policy.capacity == 2
@@ -660,3 +695,14 @@ async def test_an_unavailable_the_worker_chose_is_its_answer_and_a_dead_worker_i
         assert lost.value.worker_id == "gone"
     finally:
         await server.stop(None)
+
+
+def test_a_policys_depth_counts_one_model_when_asked():
+    clock = Clock()
+    padded, fifo = PaddedPolicy(max_batch=32), FifoPolicy()
+    for policy in (padded, fifo):
+        for model, n in (("a", 40), ("b", 3)):
+            for _ in range(n):
+                policy.push(make_job(clock, model=model), clock())
+    assert (padded.depth(), padded.depth("a"), padded.depth("b"), padded.depth("c")) == (2, 2, 1, 0)
+    assert (fifo.depth(), fifo.depth("a"), fifo.depth("b")) == (43, 40, 3)
