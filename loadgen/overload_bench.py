@@ -37,6 +37,8 @@ def snapshot(state) -> dict[str, dict[str, float]]:
 
 
 def run(args: argparse.Namespace) -> dict:
+    if (args.rate > 0) == (args.concurrency > 0):
+        raise SystemExit("overload_bench: give one of --rate (Poisson, > 0) and --concurrency (a closed loop, > 0)")
     setting, (on, on_value), (off, off_value) = ABLATIONS[args.ablate]
     runs = {name: overload(args, name, {setting: value}) for name, value in ((on, on_value), (off, off_value))}
     goodput = runs[on]["throughput_rps"] / max(runs[off]["throughput_rps"], 1e-9)
@@ -86,9 +88,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ablate", choices=sorted(ABLATIONS), default="drop_doomed",
                    help="the setting the second run switches off (default: drop_doomed)")
     p.add_argument("--out", type=Path, default=Path("bench/overload"))
-    args = p.parse_args(argv)
-    if (args.rate > 0) == (args.concurrency > 0):
-        p.error("give one of --rate (Poisson, > 0) and --concurrency (a closed loop, > 0)")
     return run_bench(p, run, argv)
 
 

@@ -87,6 +87,7 @@ MIN_BACKLOG_S = 0.05
 # Calls metadata (the caller) and initial metadata (the server): "1", this end reads batched frames.
 FRAME_BATCHES_KEY = "academus-frame-batches"
 MAX_BATCH_FRAMES = 64   # frames in one message, whatever their size
+BATCHED_CALLS, BATCHED_REPLIES = MULTIPLEXED_BATCHED.labels("calls"), MULTIPLEXED_BATCHED.labels("replies")
 
 
 def rpc_error(code: grpc.StatusCode, details: str, trailers: Sequence[tuple[str, str]] = ()) -> grpc.aio.AioRpcError:
@@ -453,7 +454,7 @@ class _ServedStream:
             size += len(ready.payload)
         if len(batch) == 1:
             return reply
-        MULTIPLEXED_BATCHED.labels("replies").inc(len(batch))
+        BATCHED_REPLIES.inc(len(batch))
         return multiplex_pb2.ReplyFrame(batch=batch)
 
     async def next_reply(self) -> multiplex_pb2.ReplyFrame | None:
@@ -484,7 +485,7 @@ class _ServedStream:
         try:
             async for message in request_iterator:
                 if message.batch:
-                    MULTIPLEXED_BATCHED.labels("calls").inc(len(message.batch))
+                    BATCHED_CALLS.inc(len(message.batch))
                 for frame in message.batch or (message,):
                     self.receive(frame)
         except grpc.aio.AioRpcError:  # the client went away: its running calls are cancelled below

@@ -164,6 +164,11 @@ class Stubs:
         self.batches = batches
         self._stubs: dict[str, object] = {}
 
+    @classmethod
+    def for_hops(cls, stub_class: type, config: CommonConfig) -> Stubs:
+        """The next hop's stubs as the service is configured: multiplexed (hop_streams), batched (frame_batches)."""
+        return cls(stub_class, config.hop_streams, config.frame_batches)
+
     def __call__(self, address: str):
         stub = self._stubs.get(address)
         if stub is None:

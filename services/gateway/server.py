@@ -118,11 +118,11 @@ def pair_response(response: pb.InferResponse, admitted: Admitted, values, dim: i
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     def __init__(self, gateway: Gateway, schedulers: SchedulerDirectory, default_deadline_s: float,
-                 hop_streams: bool = False, frame_batches: bool = True) -> None:
+                 stubs: Stubs) -> None:
         self.gateway = gateway
         self.schedulers = schedulers
         self.default_deadline_s = default_deadline_s
-        self._stub = Stubs(scheduler_pb2_grpc.SchedulerStub, multiplexed=hop_streams, batches=frame_batches)
+        self._stub = stubs
 
     async def Infer(self, request: pb.InferRequest, context: grpc.aio.ServicerContext):
         entered = time.perf_counter()
@@ -263,8 +263,8 @@ async def build() -> ServiceSpec:
 
     def add_servicers(server: grpc.aio.Server) -> None:
         inference_pb2_grpc.add_InferenceServicer_to_server(
-            InferenceServicer(gateway, schedulers, config.default_deadline_s, config.hop_streams,
-                              config.frame_batches), server)
+            InferenceServicer(gateway, schedulers, config.default_deadline_s,
+                              Stubs.for_hops(scheduler_pb2_grpc.SchedulerStub, config)), server)
         manage_pb2_grpc.add_ManageServicer_to_server(manage, server)
 
     return ServiceSpec(

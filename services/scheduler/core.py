@@ -228,24 +228,25 @@ class Dispatcher:
         model's groups, at the smoothed batch time. A lower bound (its own compute is not counted):
         what passes may still expire, and then stops between layers on the worker."""
         service = self.service_s.get(job.model)
-        depth = self._depth_ahead(job.model)
-        if service is None or not depth:
+        if service is None:
             return
-        if any(job.model in g.models and self._free(g) for g in self.groups):
+        mine = [g for g in self.groups if job.model in g.models]
+        if any(self._free(g) for g in mine):
             return   # it starts at once: what waits is another model's (a deployment may serve several)
-        groups = max(1, sum(1 for g in self.groups if job.model in g.models and self._live(g)))
-        expected = service * depth / groups
+        depth = self._depth_ahead(job.model, mine)
+        if not depth:
+            return
+        expected = service * depth / max(1, sum(1 for g in mine if self._live(g)))
         if self.clock() + expected > job.deadline:
             self.stats.rejected += 1
             raise DeadlineExceeded(f"the deadline cannot be met: about {expected * 1e3:.0f} ms of queued work "
                                    f"ahead, {max(0.0, job.deadline - self.clock()) * 1e3:.0f} ms left",
                                    nothing_ran=True)
 
-    def _depth_ahead(self, model: str) -> int:
-        """The dispatch units waiting ahead of a job of `model`: every one, unless its groups run no other
-        model while other groups exist (student groups of several student models in one deployment):
-        then only its own model's, since another model's elements go to that model's groups."""
-        mine = [g for g in self.groups if model in g.models]
+    def _depth_ahead(self, model: str, mine: list[Group]) -> int:
+        """The dispatch units waiting ahead of a job of `model` (`mine`: the groups that run it): every one,
+        unless its groups run no other model while other groups exist (student groups of several student
+        models in one deployment): then only its own model's, since another model's go to their groups."""
         if len(mine) < len(self.groups) and all(g.models == {model} for g in mine):
             return self.policy.depth(model)
         return self.policy.depth()

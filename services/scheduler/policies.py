@@ -13,7 +13,7 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -58,10 +58,11 @@ class DispatchPolicy(ABC):
     def depth(self, model: str | None = None) -> int:
         """Waiting dispatch units (buffer elements for `student`, jobs otherwise): the load signal; with
         `model`, only that model's (O(n): for a deployment of several models)."""
-        return len(self) if model is None else len(self.waiting_of(model))
+        return len(self.waiting_of(model))
 
-    def waiting_of(self, model: str) -> list[Job]:
-        return [j for j in self if j.model == model]
+    def waiting_of(self, model: str | None) -> Sequence[Job]:
+        """The waiting jobs; with `model`, only that model's."""
+        return self._jobs if model is None else [j for j in self._jobs if j.model == model]
 
     def take_dropped(self) -> list[tuple[Job, ServingError]]:
         """Jobs the policy took out unrun since the last call (e.g. DAS found they cannot meet their
@@ -141,7 +142,7 @@ class PaddedPolicy(DispatchPolicy):
 
     def depth(self, model: str | None = None) -> int:
         """Waiting batches, not jobs: the admission check multiplies it by one batch time."""
-        return math.ceil(len(self._jobs if model is None else self.waiting_of(model)) / self.max_batch)
+        return math.ceil(len(self.waiting_of(model)) / self.max_batch)
 
 
 class StudentPolicy(DispatchPolicy):
@@ -469,8 +470,7 @@ class ConcatPolicy(_BatchingPolicy):
 
     def depth(self, model: str | None = None) -> int:
         """Waiting batches: the queue's tokens over one batch's R·L (what the admission estimate needs)."""
-        waiting = self._jobs if model is None else self.waiting_of(model)
-        tokens = sum(min(j.num_tokens, self.row_length) for j in waiting)
+        tokens = sum(min(j.num_tokens, self.row_length) for j in self.waiting_of(model))
         return math.ceil(tokens / (self.rows * self.row_length))
 
 
@@ -498,7 +498,7 @@ class BucketedPolicy(_BatchingPolicy):
         return sum(j.num_texts for j in batch) * max((j.max_length for j in batch), default=0)
 
     def depth(self, model: str | None = None) -> int:
-        return math.ceil(len(self._jobs if model is None else self.waiting_of(model)) / self.max_batch)
+        return math.ceil(len(self.waiting_of(model)) / self.max_batch)
 
 
 POLICIES: dict[str, Callable[..., DispatchPolicy]] = {

@@ -317,7 +317,7 @@ async def build() -> ServiceSpec:
     config = cfg.load(cfg.SchedulerConfig)
     redis = connect(config.redis_url)
     keys = Keys(config.key_prefix)
-    worker_stubs = Stubs(worker_pb2_grpc.WorkerStub, multiplexed=config.hop_streams, batches=config.frame_batches)
+    worker_stubs = Stubs.for_hops(worker_pb2_grpc.WorkerStub, config)
     clock = time.monotonic
     policy = policy_from(config)
     workers: dict[str, WorkerRef] = {}
