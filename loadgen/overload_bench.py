@@ -7,7 +7,8 @@ Runs twice on the same schedule, each on a fresh mesh: with a setting on (the de
 ablation). `--ablate drop_doomed` (the default): the scheduler's doomed-job drop, ACADEMUS_DROP_DOOMED.
 `--ablate honour_pushback`: the gateway refusing at once, while the scheduler's pushback hint lasts, the
 requests for a scheduler that refused for a full queue, ACADEMUS_HONOUR_PUSHBACK. `--ablate gc_freeze`,
-`--ablate compute_sched`: see half_load_bench.
+`--ablate compute_sched`: see half_load_bench. `--ablate shards`: the deployment split over `--shards`
+scheduler processes (2 unless given) against one scheduler.
 
 Reports the load generator's summary, the CPU ms a completed request cost in each process, and the
 workers' and scheduler's counters over the run: batches computed, batches stopped between layers once
@@ -39,17 +40,22 @@ def snapshot(state) -> dict[str, dict[str, float]]:
 def run(args: argparse.Namespace) -> dict:
     if (args.rate > 0) == (args.concurrency > 0):
         raise SystemExit("overload_bench: give one of --rate (Poisson, > 0) and --concurrency (a closed loop, > 0)")
-    setting, (on, on_value), (off, off_value) = ABLATIONS[args.ablate]
-    runs = {name: overload(args, name, {setting: value}) for name, value in ((on, on_value), (off, off_value))}
+    if args.ablate == "shards":
+        on, off = "sharded", "one_scheduler"
+        runs = {on: overload(args, on, {}, max(2, args.shards)), off: overload(args, off, {}, 1)}
+    else:
+        setting, (on, on_value), (off, off_value) = ABLATIONS[args.ablate]
+        runs = {name: overload(args, name, {setting: value}, args.shards)
+                for name, value in ((on, on_value), (off, off_value))}
     goodput = runs[on]["throughput_rps"] / max(runs[off]["throughput_rps"], 1e-9)
     return runs | {f"goodput_{on.split('_')[0]}_vs_{off.split('_')[0]}": round(goodput, 3)}
 
 
-def overload(args: argparse.Namespace, name: str, ablation: dict[str, str]) -> dict:
+def overload(args: argparse.Namespace, name: str, ablation: dict[str, str], shards: int) -> dict:
     run_dir = args.out / f"run-{name}"
     state = up(MeshOptions(run_dir=run_dir, gateway_port=0, gateways=args.gateways, workers=args.workers,
                            worker_threads=1,
-                           deployments=[Deployment(args.policy, args.model)],
+                           deployments=[Deployment(args.policy, args.model, shards)],
                            env={"ACADEMUS_MODELS": args.model, "ACADEMUS_QUEUE_CAPACITY": str(args.queue)}
                            | ablation))
     try:
@@ -84,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--gateways", type=int, default=1, help="gateway processes on the mesh's port (a GPU node's edge)")
     p.add_argument("--procs", type=int, default=1, help="load-generator processes (a GPU node's rates)")
+    p.add_argument("--shards", type=int, default=1, help="scheduler processes, each running its share of the groups")
     p.add_argument("--queue", type=int, default=256)
-    p.add_argument("--ablate", choices=sorted(ABLATIONS), default="drop_doomed",
+    p.add_argument("--ablate", choices=sorted([*ABLATIONS, "shards"]), default="drop_doomed",
                    help="the setting the second run switches off (default: drop_doomed)")
     p.add_argument("--out", type=Path, default=Path("bench/overload"))
     return run_bench(p, run, argv)

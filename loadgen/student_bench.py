@@ -50,7 +50,8 @@ def start(args: argparse.Namespace, run_dir: Path, window_s: float, env: dict[st
     return up(MeshOptions(
         run_dir=run_dir, gateway_port=0, gateways=args.gateways, workers=args.workers,
         worker_threads=args.worker_threads, instances=args.instances,
-        deployments=[Deployment("student", f"{task}-students"), Deployment("padded", f"{task},{task}-2l")],
+        deployments=[Deployment("student", f"{task}-students", args.shards),
+                     Deployment("padded", f"{task},{task}-2l", args.shards)],
         env={"ACADEMUS_MODELS": f"{task},{task}-students,{task}-2l", "ACADEMUS_ADAPT_WINDOW_S": str(window_s),
              "ACADEMUS_QUEUE_CAPACITY": str(args.queue)} | (env or {})))
 
@@ -209,6 +210,8 @@ def add_mesh_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--procs", type=int, default=1, help="load-generator processes a run (a GPU node's rates)")
     p.add_argument("--gateways", type=int, default=1, help="gateway processes on the mesh's port (`academus up "
                                                           "--gateways`: an edge that keeps up on a GPU node)")
+    p.add_argument("--shards", type=int, default=1, help="scheduler processes a deployment, each running its share "
+                                                        "of the groups (`--deployment POLICY=MODELS/SHARDS`)")
     p.add_argument("--streams", action="store_true", help="the load generator's requests ride one multiplexed "
                                                           "stream a process (`academus loadgen --streams`)")
 

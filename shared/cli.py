@@ -42,9 +42,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--worker-threads", type=int, default=0, help="torch threads per worker (0: default)")
     s.add_argument("--instances", type=int, default=0,
                    help="student instances each worker runs at once (0: 1, or the profile's choice)")
-    s.add_argument("--deployment", action="append", default=[], metavar="POLICY[=MODELS]",
+    s.add_argument("--deployment", action="append", default=[], metavar="POLICY[=MODELS][/SHARDS]",
                    help="a scheduler with this policy (fifo|padded|student) for these comma-separated models; "
-                        "repeat for side-by-side deployments (default: one, ACADEMUS_POLICY or fifo, every model)")
+                        "repeat for side-by-side deployments (default: one, ACADEMUS_POLICY or fifo, every model); "
+                        "/SHARDS: that many scheduler processes, each running its share of the groups")
     s.add_argument("--gpus", type=int, default=None,
                    help="GPUs to use (default: every visible one; 0: CPU workers). With GPUs, one worker a "
                         "student instance, pinned with CUDA_VISIBLE_DEVICES and sharing its GPU under MPS")

@@ -143,6 +143,8 @@ class SchedulerConfig(CommonConfig):
     plot_prefetch: bool = True       # PLOT models: look waiting requests up in a plot service (HMI §6.1)
     drop_doomed: bool = True         # a job that waited is not started when its batch cannot finish in time
     send_ahead: bool = False         # student: a busy group is sent its next element while it runs one
+    shards: int = 1                  # scheduler processes splitting this deployment's groups (a core each)
+    shard: int = 0                   # this one's index among them: it takes group j where j % shards == shard
 
     def check(self) -> None:
         super().check()
@@ -156,6 +158,8 @@ class SchedulerConfig(CommonConfig):
         if self.max_batch < 1 or self.max_delay_ms < 0:
             raise ConfigError(f"ACADEMUS_MAX_BATCH={self.max_batch} must be >= 1 and "
                               f"ACADEMUS_MAX_DELAY_MS={self.max_delay_ms} >= 0")
+        if not 0 <= self.shard < self.shards:
+            raise ConfigError(f"ACADEMUS_SHARD={self.shard} must be >= 0 and < ACADEMUS_SHARDS={self.shards}")
         self._check_concat()
 
     def _check_concat(self) -> None:

@@ -71,18 +71,31 @@ class MeshState:
 @dataclass(frozen=True)
 class Deployment:
     """One scheduler: its dispatch policy and the models it serves (empty: all). Several deployments
-    run side by side over the same workers; requests pick one by model and, optionally, policy."""
+    run side by side over the same workers; requests pick one by model and, optionally, policy. With
+    `shards` > 1 the deployment is that many scheduler processes, each running its share of the groups."""
 
     policy: str = ""               # empty: ACADEMUS_POLICY, else the scheduler's default
     models: str = ""
+    shards: int = 1
 
     @classmethod
     def parse(cls, spec: str) -> Deployment:
-        """`POLICY` or `POLICY=MODEL,MODEL`."""
-        policy, _, models = spec.partition("=")
+        """`POLICY`, `POLICY=MODEL,MODEL`, either with `/SHARDS` after it."""
+        head, _, shards = spec.partition("/")
+        policy, _, models = head.partition("=")
         if policy not in POLICY_NAMES:
             raise MeshError(f"deployment {spec!r}: policy must be one of {', '.join(POLICY_NAMES)}")
-        return cls(policy, models)
+        if shards and not (shards.isdigit() and int(shards) >= 1):
+            raise MeshError(f"deployment {spec!r}: shards must be a whole number >= 1, not {shards!r}")
+        return cls(policy, models, int(shards or 1))
+
+    def scheduler_envs(self, deployment: int) -> list[dict[str, str]]:
+        """One environment a scheduler process of this deployment (the `deployment`-th)."""
+        base = {"ACADEMUS_MODELS": self.models, **({"ACADEMUS_POLICY": self.policy} if self.policy else {})}
+        if self.shards == 1:
+            return [base | {"ACADEMUS_SCHEDULER_ID": f"scheduler-{deployment}"}]
+        return [base | {"ACADEMUS_SCHEDULER_ID": f"scheduler-{deployment}.{k}", "ACADEMUS_SHARDS": str(self.shards),
+                        "ACADEMUS_SHARD": str(k)} for k in range(self.shards)]
 
 
 @dataclass
@@ -146,7 +159,8 @@ def _plan(options: MeshOptions, worker_envs: list[dict[str, str]]) -> list[tuple
     """Each service to start, in order, with one extra environment a copy. The plot service only
     when a PLOT table is under the artifacts: without one it could not start, and no model needs it."""
     table = plot_table(options.artifacts)
-    copies = {"worker": worker_envs, "scheduler": [{}] * len(options.deployments), "gateway": [{}] * options.gateways,
+    schedulers = [env for d, deployment in enumerate(options.deployments) for env in deployment.scheduler_envs(d)]
+    copies = {"worker": worker_envs, "scheduler": schedulers, "gateway": [{}] * options.gateways,
               "plot": [_plot_env(table)] if table else []}
     return [(name, copies.get(name, [{}])) for name in SERVICES if copies.get(name, [{}])]
 
@@ -215,14 +229,8 @@ def _spawn(name: str, index: int, options: MeshOptions, state: MeshState,
         if options.instances:
             env["ACADEMUS_INSTANCES"] = str(options.instances)
         env.update(extra or {})
-    if name == "plot":
+    if name in ("plot", "scheduler"):
         env.update(extra or {})
-    if name == "scheduler":
-        deployment = options.deployments[index]
-        env["ACADEMUS_SCHEDULER_ID"] = f"scheduler-{index}"
-        env["ACADEMUS_MODELS"] = deployment.models
-        if deployment.policy:
-            env["ACADEMUS_POLICY"] = deployment.policy
     label = f"{name}-{index}" if name == "worker" or (name in ("scheduler", "gateway") and index) else name
     log = Path(state.run_dir) / "logs" / f"{label}.log"
     with open(log, "ab") as out:

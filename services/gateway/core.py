@@ -327,16 +327,19 @@ class Deployment:
 
 
 class SchedulerDirectory:
-    """Live schedulers (deployments) from Redis, used round-robin among those that serve the model
-    (and the policy, when the request names one): the paper's global dispatcher. A scheduler that refused
-    for a full queue is sent nothing until its pushback hint has passed (when `honour_pushback`): a full
-    queue holds seconds of work, and refusing here spares the hop and the scheduler's loop."""
+    """Live schedulers (deployments) from Redis: a request goes to the one serving the model (and the
+    policy, when the request names one) with the fewest of this gateway's requests in flight, ties taken
+    round-robin: the paper's global dispatcher. It spreads a deployment's load over its shards as they
+    answer rather than in turn, so a shard of fewer or slower groups is sent less. A scheduler that
+    refused for a full queue is sent nothing until its pushback hint has passed (when `honour_pushback`):
+    a full queue holds seconds of work, and refusing here spares the hop and the scheduler's loop."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, honour_pushback: bool = True,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.redis, self.keys, self.honour_pushback, self.clock = redis, keys, honour_pushback, clock
         self.deployments: list[Deployment] = []
         self._next = itertools.count()
+        self._in_flight: dict[str, int] = {}      # address -> this gateway's requests sent and not answered
         self._full_until: dict[str, float] = {}   # address -> clock time its pushback hint ends
 
     @property
@@ -362,7 +365,8 @@ class SchedulerDirectory:
             wanted = f" with policy {policy!r}" if policy else ""
             raise Unavailable(f"no live scheduler serves model {model!r}{wanted}")
         open_ = self._open(candidates, model)
-        return open_[next(self._next) % len(open_)]
+        start = next(self._next) % len(open_)
+        return min(open_[start:] + open_[:start], key=lambda a: self._in_flight.get(a, 0))
 
     def serving(self, model: str, policy: str = "", exclude: frozenset[str] | set[str] = frozenset()) -> list[str]:
         """Addresses of the live deployments that serve the model (and policy), less `exclude`."""
@@ -397,12 +401,15 @@ class SchedulerDirectory:
         tried: set[str] = set()
         while True:
             address = await self.pick(frozenset(tried), model, policy)
+            self._in_flight[address] = self._in_flight.get(address, 0) + 1
             try:
                 return await send(address)
             except ServingError as e:
                 if not for_want_of_room(e):   # e.g. it ran out of time there: so would a second try
                     raise
                 error = e
+            finally:
+                self._in_flight[address] -= 1
             if isinstance(error, ResourceExhausted):
                 self.push_back(address, error.pushback_ms)
             elif isinstance(error, Unavailable):

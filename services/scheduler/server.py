@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 from prometheus_client import Gauge
 
-from academus.services.scheduler.core import Dispatcher, Group, GroupTable, Job, Member, WorkerLost, WorkerRef
+from academus.services.scheduler.core import Dispatcher, Group, GroupTable, Job, Member, Shard, WorkerLost, WorkerRef
 from academus.services.scheduler.plot_prefetch import PlotPrefetcher
 from academus.services.scheduler.policies import (
     BatchPlan,
@@ -170,6 +170,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, dispatcher: Dispatcher, policy: str, student_numbers: dict[str, int]) -> None:
         self.dispatcher = dispatcher
         self.policy = policy
+        self.scheduler_id = ""  # known once the server is bound (it defaults to the address)
         self.student_numbers = student_numbers  # model -> students to run (0: the group's best k)
 
     async def Schedule(self, request, context: grpc.aio.ServicerContext):
@@ -196,6 +197,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             await abort_with(context, e)
         meta = result.metadata
         meta.policy = self.policy
+        meta.scheduler_id = self.scheduler_id
         meta.queue_ms = (job.started_at - job.enqueued_at) * 1e3
         meta.attempts = job.attempts
         meta.scheduler_ms = (time.perf_counter() - entered) * 1e3
@@ -326,7 +328,8 @@ async def build() -> ServiceSpec:
                             config.queue_capacity, config.retry_pushback_ms, clock,
                             on_wait=prefetcher.on_wait if prefetcher is not None else None,
                             drop_doomed=config.drop_doomed, send_ahead=config.send_ahead,
-                            lost_quarantine_s=max(1, round(config.heartbeat_ttl_s)))   # the key's TTL
+                            lost_quarantine_s=max(1, round(config.heartbeat_ttl_s)),   # the key's TTL
+                            shard=Shard(config.shard, config.shards))
     dispatcher.workers = workers  # the sender resolves member addresses from the same live table
     models = frozenset(m for m in config.models.split(",") if m)
     watcher = PlacementWatcher(redis, keys, dispatcher, config.refresh_s, models, prefetcher)
@@ -336,9 +339,11 @@ async def build() -> ServiceSpec:
     # report holding an old student number would pause the resource manager's adaptation until it expired
     load_ttl_ms = max(1000, round(10_000 * config.load_report_s))
 
+    servicer = SchedulerServicer(dispatcher, config.policy, watcher.student_numbers)
+
     async def announce(address: str) -> None:
         state["address"] = address
-        state["id"] = state["id"] or address
+        state["id"] = servicer.scheduler_id = state["id"] or address
         await watcher.refresh()
         await beat()
 
@@ -394,8 +399,7 @@ async def build() -> ServiceSpec:
     return ServiceSpec(
         name="scheduler",
         config=config,
-        add_servicers=lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(
-            SchedulerServicer(dispatcher, config.policy, watcher.student_numbers), s),
+        add_servicers=lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, s),
         service_names=["academus.v1.Scheduler"],
         on_started=announce,
         on_stopping=deregister,

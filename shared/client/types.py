@@ -82,6 +82,7 @@ class Metadata:
     compute_ms: float
     attempts: int
     plot_prefetched: bool = False   # PLOT models: the scheduler looked the texts up while they waited
+    scheduler_id: str = ""          # the scheduler that dispatched it: a deployment, or one shard of it
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,8 @@ def from_response(response: pb.InferResponse) -> InferResult:
                                 embedding=list(p.embedding), num_tokens=p.num_tokens, truncated=p.truncated)
                      for p in response.predictions],
         metadata=Metadata(m.policy, m.batch_size, m.student_count, m.worker_id, m.gateway_ms, m.tokenize_ms,
-                          m.scheduler_ms, m.queue_ms, m.worker_ms, m.compute_ms, m.attempts, m.plot_prefetched),
+                          m.scheduler_ms, m.queue_ms, m.worker_ms, m.compute_ms, m.attempts, m.plot_prefetched,
+                          m.scheduler_id),
     )
 
 

@@ -176,27 +176,29 @@ def test_a_killed_worker_loses_no_request(mesh):
     r = redis.Redis.from_url(mesh.redis_url, decode_responses=True)
     r.set(Keys(mesh.key_prefix).students(MODEL), 1)  # four one-student groups, two on each worker
     wait_for(lambda: table(mesh).get("students") == 1 and len(table(mesh)["groups"]) == 4, what="S = 1")
+    victim, answers = asyncio.run(kill_under_load(mesh))
+    assert wait_exit(victim.pid, 10)
+    errors = [a for a in answers if isinstance(a, AcademusError)]
+    assert not errors, [e.code for e in errors]
+    assert any(a.metadata.attempts > 1 for a in answers)  # in flight on the dead worker, run again
+    survivor = next(s.name for s in mesh.services if s.name.startswith("worker-") and s is not victim)
+    assert {a.metadata.worker_id for a in answers if a.metadata.attempts > 1} == {survivor}
+
+
+async def kill_under_load(mesh) -> tuple[object, list]:
+    """Kills whichever worker is first seen computing during a burst, and returns it with the burst's
+    answers: the scheduler may keep one worker's groups idle for a whole burst, so waiting on a fixed
+    victim could let the burst end unkilled."""
     workers = [s for s in mesh.services if s.name.startswith("worker-")]
 
     def busy() -> object | None:
         return next((w for w in workers if metric(w.metrics_port, "academus_rpc_in_flight", service="worker",
                                                   method="Run") >= 1), None)
 
-    async def kill_under_load():
-        """Kills whichever worker is first seen computing: the scheduler may keep one worker's groups
-        idle for a whole burst, so waiting on a fixed victim could let the burst end unkilled."""
-        pending = asyncio.create_task(burst(mesh, 60, " ".join([TEXT] * 4), timeout=60, rate=40))
-        end, victim = time.monotonic() + 30, None
-        while time.monotonic() < end and (victim := await asyncio.to_thread(busy)) is None:  # off the loop
-            await asyncio.sleep(0.005)
-        assert victim is not None, "no worker became busy"
-        os.kill(victim.pid, signal.SIGKILL)  # while it computes a request
-        return victim, await pending
-
-    victim, answers = asyncio.run(kill_under_load())
-    assert wait_exit(victim.pid, 10)
-    errors = [a for a in answers if isinstance(a, AcademusError)]
-    assert not errors, [e.code for e in errors]
-    assert any(a.metadata.attempts > 1 for a in answers)  # in flight on the dead worker, run again
-    survivor = next(w.name for w in workers if w is not victim)
-    assert {a.metadata.worker_id for a in answers if a.metadata.attempts > 1} == {survivor}
+    pending = asyncio.create_task(burst(mesh, 60, " ".join([TEXT] * 4), timeout=60, rate=40))
+    end, victim = time.monotonic() + 30, None
+    while time.monotonic() < end and (victim := await asyncio.to_thread(busy)) is None:  # off the loop
+        await asyncio.sleep(0.005)
+    assert victim is not None, "no worker became busy"
+    os.kill(victim.pid, signal.SIGKILL)  # while it computes a request
+    return victim, await pending

@@ -303,6 +303,44 @@ async def test_a_full_scheduler_gets_nothing_until_its_pushback_passes(redis_url
     await redis.aclose()
 
 
+
+async def test_a_request_goes_to_the_shard_with_the_fewest_in_flight(redis_url):
+    """Two shards of one deployment: while a:0 holds two of this gateway's requests and a:1 one, the
+    next goes to a:1; once a:1 holds as many, they take turns; answered requests no longer count."""
+    from academus.services.gateway.core import SchedulerDirectory
+
+    redis = connect(redis_url)
+    await redis.sadd(KEYS.schedulers(), "s0.0", "s0.1")
+    for name, address in (("s0.0", "a:0"), ("s0.1", "a:1")):
+        await redis.hset(KEYS.scheduler(name), mapping={"address": address, "policy": "student", "models": "ss"})
+    directory = SchedulerDirectory(redis, KEYS)
+    await directory.refresh()
+    held: dict[str, list[asyncio.Future]] = {"a:0": [], "a:1": []}
+
+    async def send(address: str) -> str:
+        waiter = asyncio.get_running_loop().create_future()
+        held[address].append(waiter)
+        await waiter
+        return address
+
+    calls = [asyncio.create_task(directory.route("ss", "", 1e9, send)) for _ in range(3)]
+    await asyncio.sleep(0)
+    assert sorted(len(w) for w in held.values()) == [1, 2]      # turns while even, then the emptier one
+    emptier = min(held, key=lambda a: len(held[a]))
+    fuller = "a:1" if emptier == "a:0" else "a:0"
+    held[emptier].pop().set_result(None)                          # answered: it holds none now
+    await asyncio.sleep(0)
+    more = [asyncio.create_task(directory.route("ss", "", 1e9, send)) for _ in range(2)]
+    await asyncio.sleep(0)
+    assert (len(held[emptier]), len(held[fuller])) == (2, 2)    # both to the emptier (turns would split them)
+    for waiter in [*held["a:0"], *held["a:1"]]:
+        waiter.set_result(None)
+    answered = await asyncio.gather(*calls, *more)
+    assert (answered.count(emptier), answered.count(fuller)) == (3, 2)
+    assert {await directory.pick(model="ss") for _ in range(4)} == {"a:0", "a:1"}  # nothing in flight: turns
+    await redis.aclose()
+
+
 def test_an_unknown_policy_is_invalid_and_names_the_known_ones():
     from academus.services.gateway.core import check_policy
 

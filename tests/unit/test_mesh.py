@@ -113,3 +113,22 @@ def test_a_port_handed_out_but_not_bound_yet_is_not_handed_out_again(monkeypatch
     monkeypatch.setattr(mesh, "free_port", lambda: next(offered))
     taken = {42335}                          # the gateways' port, which they bind only once started
     assert mesh.unused_port(taken) == 42336 and taken == {42335, 42336}
+
+
+def test_a_sharded_deployment_is_one_scheduler_process_a_shard(tmp_path):
+    from academus.shared.mesh import Deployment, MeshError, MeshOptions, _plan
+
+    assert Deployment.parse("student=sentiment-students/3") == Deployment("student", "sentiment-students", 3)
+    assert Deployment.parse("padded/2") == Deployment("padded", "", 2)
+    for bad in ("student=a/0", "student=a/two", "student=a/-1"):
+        with pytest.raises(MeshError, match="shards must be a whole number >= 1"):
+            Deployment.parse(bad)
+    options = MeshOptions(run_dir=tmp_path / "run", artifacts=tmp_path, workers=1, gpus=0,
+                          deployments=[Deployment("student", "ss", 2), Deployment("padded", "t")])
+    schedulers = dict(_plan(options, [{}]))["scheduler"]
+    assert schedulers == [
+        {"ACADEMUS_MODELS": "ss", "ACADEMUS_POLICY": "student", "ACADEMUS_SCHEDULER_ID": "scheduler-0.0",
+         "ACADEMUS_SHARDS": "2", "ACADEMUS_SHARD": "0"},
+        {"ACADEMUS_MODELS": "ss", "ACADEMUS_POLICY": "student", "ACADEMUS_SCHEDULER_ID": "scheduler-0.1",
+         "ACADEMUS_SHARDS": "2", "ACADEMUS_SHARD": "1"},
+        {"ACADEMUS_MODELS": "t", "ACADEMUS_POLICY": "padded", "ACADEMUS_SCHEDULER_ID": "scheduler-1"}]

@@ -706,3 +706,48 @@ def test_a_policys_depth_counts_one_model_when_asked():
                 policy.push(make_job(clock, model=model), clock())
     assert (padded.depth(), padded.depth("a"), padded.depth("b"), padded.depth("c")) == (2, 2, 1, 0)
     assert (fifo.depth(), fifo.depth("a"), fifo.depth("b")) == (43, 40, 3)
+
+
+# -- shards: several scheduler processes split one deployment's groups ----------------------------
+
+def sharded_groups(shard, tables: dict, workers: dict[str, tuple[str, ...]], capacity: int = 1) -> list[str]:
+    from academus.services.scheduler.core import Shard
+
+    clock, fake = Clock(), FakeWorkers()
+    d = Dispatcher(StudentPolicy(max_merge=4), fake.send, 8, 25, clock, shard=Shard(*shard))
+    d.update_workers({w: (f"127.0.0.1:{i}", frozenset(m), capacity) for i, (w, m) in enumerate(workers.items())},
+                     tables)
+    assert d.policy.capacity == len(d.groups)   # the buffer holds one element a group of this shard's
+    return [g.name for g in d.groups]
+
+
+def test_shards_split_the_groups_of_each_model_and_together_cover_them():
+    """Five student groups and a teacher on two workers of two slots: each shard takes a run of each
+    model's groups, disjoint and together the whole table, and each run spans both workers."""
+    from academus.services.scheduler.core import GroupTable, Member
+
+    table = GroupTable("ss", 1, tuple((Member(f"w{j % 2}", (0,)),) for j in range(5)))
+    workers = {"w0": ("ss", "t"), "w1": ("ss", "t")}
+    shards = [sharded_groups((k, 2), {"ss": table}, workers, capacity=2) for k in range(2)]
+    assert shards[0] == ["ss/g0", "ss/g1", "w0#0", "w1#0"]
+    assert shards[1] == ["ss/g2", "ss/g3", "ss/g4", "w0#1", "w1#1"]
+    assert sharded_groups((0, 1), {"ss": table}, workers, capacity=2) == [
+        "ss/g0", "ss/g1", "ss/g2", "ss/g3", "ss/g4", "w0#0", "w1#0", "w0#1", "w1#1"]
+
+
+def test_a_shard_beyond_the_group_count_shares_a_group_rather_than_serve_nothing():
+    """Two groups, three shards: shard 2 takes group 0, shared with shard 0 (the worker queues the
+    overlap); a model's requests reaching any shard find a group."""
+    from academus.services.scheduler.core import GroupTable, Member
+
+    table = GroupTable("ss", 2, ((Member("w0", (0, 1)),), (Member("w1", (0, 1)),)))
+    workers = {"w0": ("ss",), "w1": ("ss",)}
+    assert [sharded_groups((k, 3), {"ss": table}, workers) for k in range(3)] == [["ss/g0"], ["ss/g1"], ["ss/g0"]]
+
+
+def test_a_shard_outside_its_count_is_refused_by_the_configuration():
+    from academus.shared import config as cfg
+
+    with pytest.raises(cfg.ConfigError, match="ACADEMUS_SHARD=2 must be >= 0 and < ACADEMUS_SHARDS=2"):
+        cfg.load(cfg.SchedulerConfig, {"ACADEMUS_SHARD": "2", "ACADEMUS_SHARDS": "2"})
+    assert cfg.load(cfg.SchedulerConfig, {"ACADEMUS_SHARD": "1", "ACADEMUS_SHARDS": "2"}).shard == 1

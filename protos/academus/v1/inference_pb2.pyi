@@ -65,7 +65,7 @@ class Prediction(_message.Message):
     def __init__(self, label: _Optional[str] = ..., probs: _Optional[_Iterable[float]] = ..., score: _Optional[float] = ..., embedding: _Optional[_Iterable[float]] = ..., num_tokens: _Optional[int] = ..., truncated: _Optional[bool] = ..., input_index: _Optional[int] = ..., exit_layer: _Optional[int] = ..., final: _Optional[bool] = ...) -> None: ...
 
 class InferMetadata(_message.Message):
-    __slots__ = ("policy", "batch_size", "student_count", "worker_id", "gateway_ms", "tokenize_ms", "scheduler_ms", "queue_ms", "worker_ms", "compute_ms", "padded_tokens", "real_tokens", "attempts", "plot_prefetched")
+    __slots__ = ("policy", "batch_size", "student_count", "worker_id", "gateway_ms", "tokenize_ms", "scheduler_ms", "queue_ms", "worker_ms", "compute_ms", "padded_tokens", "real_tokens", "attempts", "plot_prefetched", "scheduler_id")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     STUDENT_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class InferMetadata(_message.Message):
     REAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     PLOT_PREFETCHED_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
     policy: str
     batch_size: int
     student_count: int
@@ -94,7 +95,8 @@ class InferMetadata(_message.Message):
     real_tokens: int
     attempts: int
     plot_prefetched: bool
-    def __init__(self, policy: _Optional[str] = ..., batch_size: _Optional[int] = ..., student_count: _Optional[int] = ..., worker_id: _Optional[str] = ..., gateway_ms: _Optional[float] = ..., tokenize_ms: _Optional[float] = ..., scheduler_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., worker_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., padded_tokens: _Optional[int] = ..., real_tokens: _Optional[int] = ..., attempts: _Optional[int] = ..., plot_prefetched: _Optional[bool] = ...) -> None: ...
+    scheduler_id: str
+    def __init__(self, policy: _Optional[str] = ..., batch_size: _Optional[int] = ..., student_count: _Optional[int] = ..., worker_id: _Optional[str] = ..., gateway_ms: _Optional[float] = ..., tokenize_ms: _Optional[float] = ..., scheduler_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., worker_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., padded_tokens: _Optional[int] = ..., real_tokens: _Optional[int] = ..., attempts: _Optional[int] = ..., plot_prefetched: _Optional[bool] = ..., scheduler_id: _Optional[str] = ...) -> None: ...
 
 class InferResponse(_message.Message):
     __slots__ = ("model", "request_id", "labels", "predictions", "metadata")

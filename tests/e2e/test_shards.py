@@ -1,0 +1,82 @@
+"""A student deployment split over three scheduler processes (shards) on the real mesh: each runs its
+share of the groups (sharing one where there are fewer groups than shards), the gateway spreads requests
+over all, and a killed worker loses no request, even where it held a shard's only group."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import redis
+
+from academus.client import AcademusError
+from academus.shared.keys import Keys
+from academus.shared.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, down, up, wait_exit
+from tests.conftest import small_student_artifacts
+from tests.e2e.test_student_parallelism import MODEL, burst, kill_under_load, table, wait_for
+
+pytestmark = pytest.mark.e2e
+SHARDS = ("scheduler-0.0", "scheduler-0.1", "scheduler-0.2")
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    artifacts = small_student_artifacts(tmp_path_factory.mktemp("shard-artifacts"), best_k=2)
+    run_dir = tmp_path_factory.mktemp("shard-run")
+    state = up(MeshOptions(
+        run_dir=run_dir, artifacts=artifacts, gateway_port=0, workers=2, worker_threads=1, instances=2,
+        deployments=[Deployment("student", MODEL, shards=3)],
+        env={"ACADEMUS_MODELS": MODEL, "ACADEMUS_ADAPT_WINDOW_S": "600", "ACADEMUS_GRACE_S": "10"}))
+    state.key = (run_dir / ADMIN_KEY_FILE).read_text().strip()
+    yield state
+    down(run_dir)
+
+
+def shard_groups(state) -> dict[str, int]:
+    """Each shard's reported group count for the model (its load signals)."""
+    r = redis.Redis.from_url(state.redis_url, decode_responses=True)
+    keys = Keys(state.key_prefix)
+    out = {}
+    for shard in SHARDS:
+        raw = r.hget(keys.load(shard), "models")
+        out[shard] = json.loads(raw).get(MODEL, {}).get("groups", 0) if raw else 0
+    return out
+
+
+def test_each_shard_runs_its_share_of_the_groups_and_all_serve(mesh):
+    r = redis.Redis.from_url(mesh.redis_url, decode_responses=True)
+    r.set(Keys(mesh.key_prefix).students(MODEL), 1)   # four one-student groups over three shards
+    wait_for(lambda: table(mesh).get("students") == 1 and len(table(mesh)["groups"]) == 4, what="four groups")
+    wait_for(lambda: shard_groups(mesh) == dict(zip(SHARDS, (1, 1, 2), strict=True)), what="the split 1, 1, 2")
+    answers = asyncio.run(burst(mesh, 30, rate=60))
+    assert all(not isinstance(a, AcademusError) for a in answers), answers
+    served_by = [a.metadata.scheduler_id for a in answers]
+    assert set(served_by) == set(SHARDS), served_by           # the gateway spread them over all three
+    assert {a.metadata.worker_id for a in answers} == {"worker-0", "worker-1"}
+
+
+def test_a_shard_beyond_the_group_count_shares_a_group(mesh):
+    r = redis.Redis.from_url(mesh.redis_url, decode_responses=True)
+    r.set(Keys(mesh.key_prefix).students(MODEL), 2)   # two groups of two students, three shards
+    wait_for(lambda: table(mesh).get("students") == 2 and len(table(mesh)["groups"]) == 2, what="two groups")
+    wait_for(lambda: shard_groups(mesh) == dict.fromkeys(SHARDS, 1), what="one group a shard, one shared")
+    answers = asyncio.run(burst(mesh, 12, rate=20))
+    assert all(not isinstance(a, AcademusError) for a in answers), answers
+    assert {a.metadata.scheduler_id for a in answers} == set(SHARDS)
+    assert {a.metadata.student_count for a in answers} == {2}
+
+
+def test_a_killed_worker_loses_no_request_in_any_shard(mesh):
+    r = redis.Redis.from_url(mesh.redis_url, decode_responses=True)
+    r.set(Keys(mesh.key_prefix).students(MODEL), 1)
+    wait_for(lambda: shard_groups(mesh) == dict(zip(SHARDS, (1, 1, 2), strict=True)), what="the split 1, 1, 2")
+    victim, answers = asyncio.run(kill_under_load(mesh))   # the only group of one of the first two shards
+    assert wait_exit(victim.pid, 10)
+    errors = [a for a in answers if isinstance(a, AcademusError)]
+    assert not errors, [e.code for e in errors]
+    # the request in flight on the dead worker ran again: in its shard where that had another group,
+    # else on another shard, as did those the gateway sent the shard left with no group
+    assert {a.metadata.worker_id for a in answers if a.metadata.attempts > 1} <= {"worker-0", "worker-1"} - {
+        victim.name}
+    assert len({a.metadata.scheduler_id for a in answers}) >= 2
