@@ -27,6 +27,7 @@ class BufferElement:
     key: Hashable
     jobs: list[Job] = field(default_factory=list)
     samples: int = 0               # texts in the element (a job may carry several)
+    seq: int = 0                   # rises from head to tail: how many elements are ahead, at most
 
     def add(self, job: Job) -> None:
         self.jobs.append(job)
@@ -43,6 +44,7 @@ class LengthAwareBuffer:
         self.num_bins = -(-max_length // bin_width)
         self._elements: deque[BufferElement] = deque()
         self._tails: dict[Hashable, BufferElement] = {}
+        self._next_seq = 0
         self.samples = 0
 
     def bin_of(self, length: int) -> int:
@@ -57,6 +59,14 @@ class LengthAwareBuffer:
         tail = self._tails.get(self.key_of(job))
         return tail is not None and tail.samples + job.num_texts <= self.max_merge
 
+    def ahead_of_merge(self, job: Job) -> int | None:
+        """Elements ahead of the one `job` would join (None: it would not merge), at most; O(1). Exact
+        unless elements left from the middle (another model's, or expired jobs'), then over."""
+        tail = self._tails.get(self.key_of(job))
+        if tail is None or tail.samples + job.num_texts > self.max_merge:
+            return None
+        return min(len(self._elements) - 1, tail.seq - self._elements[0].seq)
+
     def push(self, job: Job) -> bool:
         """Buffers `job`; True when it merged into an existing element."""
         key = self.key_of(job)
@@ -65,7 +75,8 @@ class LengthAwareBuffer:
         if tail is not None and tail.samples + job.num_texts <= self.max_merge:
             tail.add(job)
             return True
-        element = BufferElement(key)
+        element = BufferElement(key, seq=self._next_seq)
+        self._next_seq += 1
         element.add(job)
         self._elements.append(element)
         self._tails[key] = element
@@ -73,7 +84,7 @@ class LengthAwareBuffer:
 
     def push_front(self, job: Job) -> None:
         """A retried job goes first, alone (it already waited once)."""
-        element = BufferElement(("retry", id(job)))
+        element = BufferElement(("retry", id(job)), seq=self._elements[0].seq - 1 if self._elements else 0)
         element.add(job)
         self._elements.appendleft(element)
         self.samples += job.num_texts

@@ -115,7 +115,6 @@ class Job:
     batch_key: tuple = ()          # jobs batch together only with equal keys (model, output, ...)
     future: asyncio.Future = field(repr=False, default=None)  # type: ignore[assignment]
     attempts: int = 0
-    tried: set[str] = field(default_factory=set)
     started_at: float = 0.0
     max_length: int = 0            # the longest text, in tokens (the length-aware buffer's bin)
     lengths: tuple[int, ...] = ()  # each text's tokens (concat places texts; empty: one text of num_tokens)
@@ -193,7 +192,7 @@ class Dispatcher:
         if tables is not None:
             self.tables = tables
         self.groups = self._form_groups()
-        self.policy.resize(len(self.groups))
+        self._resize()
         self._drain()
         self._fail_orphans()
 
@@ -220,6 +219,10 @@ class Dispatcher:
 
     def serves(self, model: str) -> bool:
         return any(model in g.models and self._live(g) for g in self.groups)
+
+    def _resize(self) -> None:
+        """The buffer holds an element a live group: a lost worker's groups are out until it is back."""
+        self.policy.resize(sum(map(self._live, self.groups)))
 
     def _live(self, group: Group) -> bool:
         return all(m.worker_id in self.workers and not self.workers[m.worker_id].lost for m in group.members)
@@ -253,8 +256,9 @@ class Dispatcher:
         return await job.future
 
     def _check_deadline(self, job: Job) -> None:
-        """Refuses at once what cannot start in time: the batches queued ahead of it, spread over the
-        model's groups, at the smoothed batch time. A lower bound (its own compute is not counted):
+        """Refuses at once what cannot start in time: the batches queued ahead of it (of a job that joins a
+        buffered element, those before the element), spread over the model's groups, at the smoothed
+        batch time. A lower bound (its own compute is not counted):
         what passes may still expire, and then stops between layers on the worker."""
         service = self.service_s.get(job.model)
         if service is None:
@@ -263,6 +267,8 @@ class Dispatcher:
         if any(self._free(g) for g in mine):
             return   # it starts at once: what waits is another model's (a deployment may serve several)
         depth = self._depth_ahead(job.model, mine)
+        if (merged := self.policy.ahead_of_merge(job)) is not None:
+            depth = min(depth, merged)   # it joins a buffered element: only the elements before that one
         if not depth:
             return
         expected = service * depth / max(1, sum(1 for g in mine if self._live(g)))
@@ -354,7 +360,6 @@ class Dispatcher:
             self.stats.sent_ahead += 1
         for job in batch:
             job.attempts += 1
-            job.tried.add(group.name)
             job.started_at = now
         self.stats.dispatched += 1
         task = asyncio.get_running_loop().create_task(self._run(group, refs, batch))
@@ -369,6 +374,7 @@ class Dispatcher:
             for ref in refs:
                 if ref.worker_id == e.worker_id or len(refs) == 1:
                     ref.lost, ref.lost_at = True, self.clock()
+            self._resize()
             for job in batch:
                 self._retry_or_fail(job, e)
             self._fail_orphans()

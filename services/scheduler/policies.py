@@ -55,6 +55,11 @@ class DispatchPolicy(ABC):
         """The dispatcher's group count changed (the student buffer's capacity follows it)."""
         return None
 
+    def ahead_of_merge(self, job: Job) -> int | None:
+        """Dispatch units ahead of the waiting one `job` would join on arrival, at most (None: it would
+        wait behind all of them)."""
+        return None
+
     def depth(self, model: str | None = None) -> int:
         """Waiting dispatch units (buffer elements for `student`, jobs otherwise): the load signal; with
         `model`, only that model's (O(n): for a deployment of several models)."""
@@ -173,6 +178,9 @@ class StudentPolicy(DispatchPolicy):
     def resize(self, groups: int) -> None:
         self.capacity = max(1, groups)
         self._refill()
+
+    def ahead_of_merge(self, job: Job) -> int | None:
+        return self.buffer.ahead_of_merge(job)
 
     def push(self, job: Job, now: float, front: bool = False) -> None:
         if front:

@@ -45,6 +45,20 @@ def test_a_sample_merges_into_its_bins_tail_even_when_it_is_not_the_queue_tail()
     assert [[x.payload for x in e.jobs] for e in buffer] == [[first.payload, late.payload], [other.payload]]
 
 
+def test_elements_ahead_of_a_merge_stay_an_upper_bound_after_a_removal_and_a_retry():
+    buffer = LengthAwareBuffer(max_merge=2)
+    a, b, c = job(10), job(20), job(30)
+    for j in (a, b, c):
+        buffer.push(j)
+    assert buffer.ahead_of_merge(job(30)) == 2 and buffer.ahead_of_merge(job(40)) is None
+    buffer.remove(lambda j: j is b)                  # from the middle: the count may be over, never under
+    assert buffer.ahead_of_merge(job(30)) == 1       # capped by the elements there are
+    buffer.push_front(job(50))                       # a retry goes first: one more ahead
+    assert buffer.ahead_of_merge(job(30)) == 2
+    buffer.pop(), buffer.pop()
+    assert buffer.ahead_of_merge(job(30)) == 0
+
+
 def test_pop_takes_the_head_and_drops_its_bin_pointer():
     buffer = LengthAwareBuffer(max_merge=4)
     buffer.push(job(10))
@@ -115,9 +129,13 @@ def test_buffer_invariants_hold_for_any_operation_sequence(ops, max_merge):
             assert len({(j.batch_key, buffer.bin_of(j.max_length)) for j in e.jobs}) == 1
             assert e.samples == sum(j.num_texts for j in e.jobs)
             assert e.samples <= max_merge or len(e.jobs) == 1
-        # a bin's pointer names the newest element of that bin still buffered
+        # a bin's pointer names the newest element of that bin still buffered; a sample that would
+        # join it is told exactly how many elements are ahead (pushes and pops from the head only)
         for key, tail in buffer._tails.items():
             assert tail in elements and tail is [e for e in elements if e.key == key][-1]
+            probe = job(tail.jobs[0].max_length)
+            expected = elements.index(tail) if tail.samples + 1 <= max_merge else None
+            assert buffer.ahead_of_merge(probe) == expected
         assert buffer.samples == sum(e.samples for e in elements)
     # nothing lost, nothing twice, FIFO by element
     remaining = list(buffer.jobs())

@@ -442,6 +442,7 @@ async def test_a_member_worker_without_free_slots_keeps_the_group_waiting():
 
 async def test_a_lost_student_instance_retries_the_request_on_another_group():
     d, clock, fake = student_dispatcher([[("w0", (0, 1))], [("w1", (0, 1))]], capacity=2)
+    assert d.policy.capacity == 2
     busy = asyncio.create_task(d.submit(ss_job(clock)))
     retried = asyncio.create_task(d.submit(ss_job(clock)))
     await settle()
@@ -449,11 +450,35 @@ async def test_a_lost_student_instance_retries_the_request_on_another_group():
     fake.calls[1][2].set_exception(WorkerLost("gone", "w1"))
     await settle()
     assert d.workers["w1"].lost and d.stats.retried == 1
+    assert d.policy.capacity == 1   # the buffer holds an element a live group: w1's is out
     fake.calls[0][2].set_result("first")
     await settle()
     assert fake.calls[2][0] == "w0"
     fake.calls[2][2].set_result("second")
     assert await asyncio.gather(busy, retried) == ["first", "second"]
+
+
+async def test_a_sample_that_joins_a_buffered_element_counts_only_the_elements_before_it():
+    """One busy group, a buffered element of length bin 2 and four queued samples of other bins, 0.2 s a
+    batch: a sample of bin 2 with 0.3 s left joins that element at the head and is admitted; one of a new
+    bin, with five elements' work (1 s) ahead of it, is refused."""
+    d, clock, fake = student_dispatcher([[("w0", (0,))]], capacity=1, students=1)
+    d.service_s["ss"] = 0.2
+    running = [asyncio.create_task(d.submit(ss_job(clock, length))) for length in (10, 12, 30, 50, 70, 90)]
+    await settle()
+    assert len(fake.calls) == 1 and d.policy.depth() == 5
+    joins = ss_job(clock, 14)
+    joins.deadline = clock() + 0.3
+    joined = asyncio.create_task(d.submit(joins))
+    alone = ss_job(clock, 110)
+    alone.deadline = clock() + 0.3
+    with pytest.raises(DeadlineExceeded, match="about 1000 ms of queued work ahead"):
+        await d.submit(alone)
+    for k in range(6):
+        await settle()
+        fake.calls[k][2].set_result(k)
+    assert await joined == 1 and d.policy.merged >= 1   # ran with the element it joined, the second batch
+    await asyncio.gather(*running)
 
 
 async def test_a_request_that_cannot_meet_its_deadline_is_refused_at_once():
