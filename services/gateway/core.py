@@ -356,6 +356,8 @@ class SchedulerDirectory:
         self.deployments = [Deployment(f["address"], f.get("policy", ""),
                                        frozenset(m for m in f.get("models", "").split(",") if m))
                             for f in found if f.get("address")]
+        live = set(self.addresses)   # a scheduler gone with nothing in flight is forgotten
+        self._in_flight = {a: n for a, n in self._in_flight.items() if n or a in live}
 
     async def pick(self, exclude: frozenset[str] = frozenset(), model: str = "", policy: str = "") -> str:
         if not self.deployments:
