@@ -8,7 +8,7 @@ ablation). `--ablate drop_doomed` (the default): the scheduler's doomed-job drop
 `--ablate honour_pushback`: the gateway refusing at once, while the scheduler's pushback hint lasts, the
 requests for a scheduler that refused for a full queue, ACADEMUS_HONOUR_PUSHBACK. `--ablate gc_freeze`,
 `--ablate compute_sched`: see half_load_bench. `--ablate shards`: the deployment split over `--shards`
-scheduler processes (2 unless given) against one scheduler.
+scheduler processes (2 unless given) against one scheduler; each shard has its own `--queue`.
 
 Reports the load generator's summary, the CPU ms a completed request cost in each process, and the
 workers' and scheduler's counters over the run: batches computed, batches stopped between layers once

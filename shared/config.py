@@ -144,7 +144,7 @@ class SchedulerConfig(CommonConfig):
     drop_doomed: bool = True         # a job that waited is not started when its batch cannot finish in time
     send_ahead: bool = False         # student: a busy group is sent its next element while it runs one
     shards: int = 1                  # scheduler processes splitting this deployment's groups (a core each)
-    shard: int = 0                   # this one's index among them: it takes group j where j % shards == shard
+    shard: int = 0                   # this one's index among them: it takes the shard-th run of each model's groups
 
     def check(self) -> None:
         super().check()

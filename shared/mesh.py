@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -85,17 +86,18 @@ class Deployment:
         policy, _, models = head.partition("=")
         if policy not in POLICY_NAMES:
             raise MeshError(f"deployment {spec!r}: policy must be one of {', '.join(POLICY_NAMES)}")
-        if shards and not (shards.isdigit() and int(shards) >= 1):
+        if shards and not re.fullmatch(r"[1-9][0-9]*", shards):
             raise MeshError(f"deployment {spec!r}: shards must be a whole number >= 1, not {shards!r}")
         return cls(policy, models, int(shards or 1))
 
     def scheduler_envs(self, deployment: int) -> list[dict[str, str]]:
         """One environment a scheduler process of this deployment (the `deployment`-th)."""
-        base = {"ACADEMUS_MODELS": self.models, **({"ACADEMUS_POLICY": self.policy} if self.policy else {})}
+        base = {"ACADEMUS_MODELS": self.models, **({"ACADEMUS_POLICY": self.policy} if self.policy else {}),
+                "ACADEMUS_SHARDS": str(self.shards)}   # set always: an inherited value would split a lone one
         if self.shards == 1:
-            return [base | {"ACADEMUS_SCHEDULER_ID": f"scheduler-{deployment}"}]
-        return [base | {"ACADEMUS_SCHEDULER_ID": f"scheduler-{deployment}.{k}", "ACADEMUS_SHARDS": str(self.shards),
-                        "ACADEMUS_SHARD": str(k)} for k in range(self.shards)]
+            return [base | {"ACADEMUS_SCHEDULER_ID": f"scheduler-{deployment}", "ACADEMUS_SHARD": "0"}]
+        return [base | {"ACADEMUS_SCHEDULER_ID": f"scheduler-{deployment}.{k}", "ACADEMUS_SHARD": str(k)}
+                for k in range(self.shards)]
 
 
 @dataclass

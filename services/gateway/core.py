@@ -34,6 +34,7 @@ from academus.shared.tokenization import Encoded, TeacherTokenizer, TextTooLong
 # What the caller asked for, as the core names it (the edge maps the proto enum).
 LABEL, SCORE, EMBED = "label", "score", "embedding"
 T = TypeVar("T")
+DOWN_S = 1.0   # a scheduler that answered UNAVAILABLE is tried after the others this long (a placement refresh)
 
 
 @dataclass(frozen=True)
@@ -330,9 +331,10 @@ class SchedulerDirectory:
     """Live schedulers (deployments) from Redis: a request goes to the one serving the model (and the
     policy, when the request names one) with the fewest of this gateway's requests in flight, ties taken
     round-robin: the paper's global dispatcher. It spreads a deployment's load over its shards as they
-    answer rather than in turn, so a shard of fewer or slower groups is sent less. A scheduler that
-    refused for a full queue is sent nothing until its pushback hint has passed (when `honour_pushback`):
-    a full queue holds seconds of work, and refusing here spares the hop and the scheduler's loop."""
+    answer rather than in turn, so a shard of fewer or slower groups is sent less; one that answered
+    UNAVAILABLE is tried after the others for DOWN_S. A scheduler that refused for a full queue is sent
+    nothing until its pushback hint has passed (when `honour_pushback`): a full queue holds seconds of
+    work, and refusing here spares the hop and the scheduler's loop."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, honour_pushback: bool = True,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -341,6 +343,7 @@ class SchedulerDirectory:
         self._next = itertools.count()
         self._in_flight: dict[str, int] = {}      # address -> this gateway's requests sent and not answered
         self._full_until: dict[str, float] = {}   # address -> clock time its pushback hint ends
+        self._down_until: dict[str, float] = {}   # address -> until when it is tried last (it said UNAVAILABLE)
 
     @property
     def addresses(self) -> list[str]:
@@ -358,6 +361,7 @@ class SchedulerDirectory:
                             for f in found if f.get("address")]
         live = set(self.addresses)   # a scheduler gone with nothing in flight is forgotten
         self._in_flight = {a: n for a, n in self._in_flight.items() if n or a in live}
+        self._down_until = {a: t for a, t in self._down_until.items() if a in live}
 
     async def pick(self, exclude: frozenset[str] = frozenset(), model: str = "", policy: str = "") -> str:
         if not self.deployments:
@@ -367,8 +371,12 @@ class SchedulerDirectory:
             wanted = f" with policy {policy!r}" if policy else ""
             raise Unavailable(f"no live scheduler serves model {model!r}{wanted}")
         open_ = self._open(candidates, model)
-        start = next(self._next) % len(open_)
-        return min(open_[start:] + open_[:start], key=lambda a: self._in_flight.get(a, 0))
+        now = self.clock()
+        # one that answered UNAVAILABLE (e.g. a shard whose only group was lost) answers at once, so it
+        # would look the emptiest and draw every request: it is tried last for a while
+        up = [a for a in open_ if self._down_until.get(a, now) <= now] or open_
+        start = next(self._next) % len(up)
+        return min(up[start:] + up[:start], key=lambda a: self._in_flight.get(a, 0))
 
     def serving(self, model: str, policy: str = "", exclude: frozenset[str] | set[str] = frozenset()) -> list[str]:
         """Addresses of the live deployments that serve the model (and policy), less `exclude`."""
@@ -415,6 +423,7 @@ class SchedulerDirectory:
             if isinstance(error, ResourceExhausted):
                 self.push_back(address, error.pushback_ms)
             elif isinstance(error, Unavailable):
+                self._down_until[address] = self.clock() + DOWN_S
                 with contextlib.suppress(Unavailable):   # registry unreachable: the list as it was, less `tried`
                     await self.refresh()
             tried.add(address)

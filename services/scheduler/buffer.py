@@ -84,7 +84,8 @@ class LengthAwareBuffer:
 
     def push_front(self, job: Job) -> None:
         """A retried job goes first, alone (it already waited once)."""
-        element = BufferElement(("retry", id(job)), seq=self._elements[0].seq - 1 if self._elements else 0)
+        ahead = self._elements[0].seq if self._elements else self._next_seq
+        element = BufferElement(("retry", id(job)), seq=ahead - 1)
         element.add(job)
         self._elements.appendleft(element)
         self.samples += job.num_texts

@@ -74,9 +74,13 @@ class Shard:
     """This scheduler's share of its deployment's groups, where several scheduler processes split them: a
     core each (on the H200 node one scheduler spent 0.71 ms of CPU a request, a ceiling near 1400/s).
     Of a model's n groups, shard k takes the k-th of `count` runs of consecutive ones: consecutive groups
-    sit on different devices (eq. 6; teacher slots are formed slot by slot), so a shard's groups spread
-    over the devices and one lost device leaves every shard some. With fewer groups than shards, shard k
-    shares group k % n with another, whose worker then queues the two shards' batches."""
+    sit on different devices (eq. 6; teacher slots are formed slot by slot), so a shard of two groups or
+    more spreads over the devices, and a lost device leaves it some. A shard of one group loses it with
+    its device, and answers UNAVAILABLE (the gateway sends its requests to another shard) until the
+    resource manager re-plans. With fewer groups than shards, shard k shares group k % n with another,
+    whose worker then queues the two shards' batches (and the summed load signals count it twice).
+    Shards re-read the placements each on its own refresh: for a moment after a change a group may be
+    sent work by two shards, or by none."""
 
     index: int = 0
     count: int = 1
@@ -210,8 +214,8 @@ class Dispatcher:
                 if all(m.worker_id in self.workers for m in members):
                     formed.append(Group(f"{table.model}/g{j}", frozenset({table.model}), members, table.students))
         workers = sorted(self.workers.values(), key=lambda w: w.worker_id)
-        for slot in range(max((w.capacity for w in workers), default=0)):   # slot by slot: the first free
-            for worker in workers:                                          # group is on the idlest worker
+        for slot in range(max((w.capacity for w in workers), default=0)):   # slot by slot: every worker's
+            for worker in workers:                                          # first slot before any second
                 models = worker.models - self.tables.keys()
                 if models and slot < worker.capacity:
                     formed.append(Group(f"{worker.worker_id}#{slot}", models, (Member(worker.worker_id),)))

@@ -341,6 +341,39 @@ async def test_a_request_goes_to_the_shard_with_the_fewest_in_flight(redis_url):
     await redis.aclose()
 
 
+async def test_a_scheduler_that_answered_unavailable_is_tried_last_for_a_while(redis_url):
+    """A shard whose only group was lost answers UNAVAILABLE at once, so it always holds the fewest requests:
+    after its answer the others get the traffic for DOWN_S, then it is back in turn; alone, it is still tried."""
+    from academus.services.gateway.core import DOWN_S, SchedulerDirectory
+    from academus.shared.errors import Unavailable
+
+    redis = connect(redis_url)
+    await redis.sadd(KEYS.schedulers(), "s0.0", "s0.1")
+    for name, address in (("s0.0", "a:0"), ("s0.1", "a:1")):
+        await redis.hset(KEYS.scheduler(name), mapping={"address": address, "policy": "student", "models": "ss"})
+    now = [10.0]
+    directory = SchedulerDirectory(redis, KEYS, clock=lambda: now[0])
+    await directory.refresh()
+    sent: list[str] = []
+
+    async def send(address: str) -> str:
+        sent.append(address)
+        if address == "a:0":
+            raise Unavailable("no live worker serves model 'ss'")
+        return address
+
+    assert [await directory.route("ss", "", 1e9, send) for _ in range(4)] == ["a:1"] * 4
+    assert sent.count("a:0") == 1                                   # asked once, then passed over
+    now[0] += DOWN_S
+    assert {await directory.pick(model="ss") for _ in range(4)} == {"a:0", "a:1"}   # back in turn
+    await redis.srem(KEYS.schedulers(), "s0.1")
+    await directory.refresh()
+    with pytest.raises(Unavailable):
+        await directory.route("ss", "", 1e9, send)                  # the only one left is still asked
+    assert await directory.pick(model="ss") == "a:0"
+    await redis.aclose()
+
+
 def test_an_unknown_policy_is_invalid_and_names_the_known_ones():
     from academus.services.gateway.core import check_policy
 

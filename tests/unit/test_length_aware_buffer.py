@@ -142,6 +142,39 @@ def test_buffer_invariants_hold_for_any_operation_sequence(ops, max_merge):
     assert sorted(j.payload for j in popped + remaining) == sorted(j.payload for j in pushed)
 
 
+churn = st.lists(st.one_of(st.tuples(st.just("push"), st.integers(1, 60), st.sampled_from("ab")),
+                           st.tuples(st.just("retry"), st.integers(1, 60), st.sampled_from("ab")),
+                           st.tuples(st.just("pop"), st.just(0), st.sampled_from("ab")),
+                           st.tuples(st.just("remove"), st.integers(0, 9), st.just(""))), max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(churn, st.integers(1, 4))
+def test_elements_ahead_of_a_merge_are_never_undercounted_whatever_leaves_or_cuts_in(ops, max_merge):
+    """Retries cutting in at the head, pops of another model's element from the middle and removals of
+    expired jobs: the sequence numbers still rise from head to tail, and a sample that would join a bin's
+    element is told at least as many elements ahead as there are (never fewer: it would be admitted late)."""
+    buffer = LengthAwareBuffer(max_merge=max_merge)
+    for op, value, model in ops:
+        if op == "push":
+            buffer.push(job(value, model=model))
+        elif op == "retry":
+            buffer.push_front(job(value, model=model))
+        elif op == "pop":
+            buffer.pop(lambda j, m=model: j.model == m)
+        else:
+            buffer.remove(lambda j, k=value: j.payload % 10 == k)
+        elements = list(buffer)
+        assert all(a.seq < b.seq for a, b in itertools.pairwise(elements))
+        for tail in buffer._tails.values():
+            probe = job(tail.jobs[0].max_length, model=tail.jobs[0].model)
+            ahead = buffer.ahead_of_merge(probe)
+            if tail.samples + 1 > max_merge:
+                assert ahead is None
+            else:
+                assert elements.index(tail) <= ahead <= len(elements) - 1
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(1, 200), max_size=40), st.integers(1, 5), st.integers(1, 4))
 def test_student_policy_never_exceeds_its_buffer_capacity_and_loses_nothing(lengths, groups, max_merge):

@@ -120,7 +120,7 @@ def test_a_sharded_deployment_is_one_scheduler_process_a_shard(tmp_path):
 
     assert Deployment.parse("student=sentiment-students/3") == Deployment("student", "sentiment-students", 3)
     assert Deployment.parse("padded/2") == Deployment("padded", "", 2)
-    for bad in ("student=a/0", "student=a/two", "student=a/-1"):
+    for bad in ("student=a/0", "student=a/two", "student=a/-1", "student=a/\u00b2"):
         with pytest.raises(MeshError, match="shards must be a whole number >= 1"):
             Deployment.parse(bad)
     options = MeshOptions(run_dir=tmp_path / "run", artifacts=tmp_path, workers=1, gpus=0,
@@ -131,4 +131,5 @@ def test_a_sharded_deployment_is_one_scheduler_process_a_shard(tmp_path):
          "ACADEMUS_SHARDS": "2", "ACADEMUS_SHARD": "0"},
         {"ACADEMUS_MODELS": "ss", "ACADEMUS_POLICY": "student", "ACADEMUS_SCHEDULER_ID": "scheduler-0.1",
          "ACADEMUS_SHARDS": "2", "ACADEMUS_SHARD": "1"},
-        {"ACADEMUS_MODELS": "t", "ACADEMUS_POLICY": "padded", "ACADEMUS_SCHEDULER_ID": "scheduler-1"}]
+        {"ACADEMUS_MODELS": "t", "ACADEMUS_POLICY": "padded", "ACADEMUS_SCHEDULER_ID": "scheduler-1",
+         "ACADEMUS_SHARDS": "1", "ACADEMUS_SHARD": "0"}]   # set even unsharded: an inherited value must not split it

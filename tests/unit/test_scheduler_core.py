@@ -459,9 +459,9 @@ async def test_a_lost_student_instance_retries_the_request_on_another_group():
 
 
 async def test_a_sample_that_joins_a_buffered_element_counts_only_the_elements_before_it():
-    """One busy group, a buffered element of length bin 2 and four queued samples of other bins, 0.2 s a
-    batch: a sample of bin 2 with 0.3 s left joins that element at the head and is admitted; one of a new
-    bin, with five elements' work (1 s) ahead of it, is refused."""
+    """One busy group, a buffered element of length bin 1 (9-16 tokens) and four queued samples of other
+    bins, 0.2 s a batch: a sample of bin 1 with 0.3 s left joins that element at the head and is admitted;
+    one of a new bin, with five elements' work (1 s) ahead of it, is refused."""
     d, clock, fake = student_dispatcher([[("w0", (0,))]], capacity=1, students=1)
     d.service_s["ss"] = 0.2
     running = [asyncio.create_task(d.submit(ss_job(clock, length))) for length in (10, 12, 30, 50, 70, 90)]
