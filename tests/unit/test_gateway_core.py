@@ -275,17 +275,27 @@ async def test_directory_routes_by_model_and_policy(redis_url):
     await redis.aclose()
 
 
+async def two_schedulers(redis, policy: str, models: str, prefix: str = "a", clock=None):
+    """Two live schedulers of one deployment (two shards) at PREFIX:0 and PREFIX:1, and a refreshed
+    directory over them."""
+    from academus.services.gateway.core import SchedulerDirectory
+
+    await redis.sadd(KEYS.schedulers(), f"{prefix}.0", f"{prefix}.1")
+    for k in range(2):
+        await redis.hset(KEYS.scheduler(f"{prefix}.{k}"), mapping={"address": f"{prefix}:{k}", "policy": policy,
+                                                                     "models": models})
+    directory = SchedulerDirectory(redis, KEYS, **({"clock": clock} if clock else {}))
+    await directory.refresh()
+    return directory
+
+
 async def test_a_full_scheduler_gets_nothing_until_its_pushback_passes(redis_url):
     from academus.services.gateway.core import SchedulerDirectory
     from academus.shared.errors import ResourceExhausted
 
     redis = connect(redis_url)
-    await redis.sadd(KEYS.schedulers(), "p0", "p1")
-    for name, address in (("p0", "b:0"), ("p1", "b:1")):
-        await redis.hset(KEYS.scheduler(name), mapping={"address": address, "policy": "padded", "models": "spam"})
     now = [10.0]
-    directory = SchedulerDirectory(redis, KEYS, clock=lambda: now[0])
-    await directory.refresh()
+    directory = await two_schedulers(redis, "padded", "spam", "b", clock=lambda: now[0])
     directory.push_back("b:0", 50)
     assert {await directory.pick(model="spam") for _ in range(4)} == {"b:1"}  # the other deployment serves
     directory.push_back("b:1", 80)
@@ -307,14 +317,9 @@ async def test_a_full_scheduler_gets_nothing_until_its_pushback_passes(redis_url
 async def test_a_request_goes_to_the_shard_with_the_fewest_in_flight(redis_url):
     """Two shards of one deployment: while a:0 holds two of this gateway's requests and a:1 one, the
     next goes to a:1; once a:1 holds as many, they take turns; answered requests no longer count."""
-    from academus.services.gateway.core import SchedulerDirectory
 
     redis = connect(redis_url)
-    await redis.sadd(KEYS.schedulers(), "s0.0", "s0.1")
-    for name, address in (("s0.0", "a:0"), ("s0.1", "a:1")):
-        await redis.hset(KEYS.scheduler(name), mapping={"address": address, "policy": "student", "models": "ss"})
-    directory = SchedulerDirectory(redis, KEYS)
-    await directory.refresh()
+    directory = await two_schedulers(redis, "student", "ss")
     held: dict[str, list[asyncio.Future]] = {"a:0": [], "a:1": []}
 
     async def send(address: str) -> str:
@@ -344,16 +349,12 @@ async def test_a_request_goes_to_the_shard_with_the_fewest_in_flight(redis_url):
 async def test_a_scheduler_that_answered_unavailable_is_tried_last_for_a_while(redis_url):
     """A shard whose only group was lost answers UNAVAILABLE at once, so it always holds the fewest requests:
     after its answer the others get the traffic for DOWN_S, then it is back in turn; alone, it is still tried."""
-    from academus.services.gateway.core import DOWN_S, SchedulerDirectory
+    from academus.services.gateway.core import DOWN_S
     from academus.shared.errors import Unavailable
 
     redis = connect(redis_url)
-    await redis.sadd(KEYS.schedulers(), "s0.0", "s0.1")
-    for name, address in (("s0.0", "a:0"), ("s0.1", "a:1")):
-        await redis.hset(KEYS.scheduler(name), mapping={"address": address, "policy": "student", "models": "ss"})
     now = [10.0]
-    directory = SchedulerDirectory(redis, KEYS, clock=lambda: now[0])
-    await directory.refresh()
+    directory = await two_schedulers(redis, "student", "ss", clock=lambda: now[0])
     sent: list[str] = []
 
     async def send(address: str) -> str:
@@ -366,7 +367,7 @@ async def test_a_scheduler_that_answered_unavailable_is_tried_last_for_a_while(r
     assert sent.count("a:0") == 1                                   # asked once, then passed over
     now[0] += DOWN_S
     assert {await directory.pick(model="ss") for _ in range(4)} == {"a:0", "a:1"}   # back in turn
-    await redis.srem(KEYS.schedulers(), "s0.1")
+    await redis.srem(KEYS.schedulers(), "a.1")
     await directory.refresh()
     with pytest.raises(Unavailable):
         await directory.route("ss", "", 1e9, send)                  # the only one left is still asked
