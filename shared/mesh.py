@@ -230,9 +230,7 @@ def _spawn(name: str, index: int, options: MeshOptions, state: MeshState,
             env["ACADEMUS_TORCH_THREADS"] = str(options.worker_threads)
         if options.instances:
             env["ACADEMUS_INSTANCES"] = str(options.instances)
-        env.update(extra or {})
-    if name in ("plot", "scheduler"):
-        env.update(extra or {})
+    env.update(extra or {})   # the plan's own for this copy (a GPU worker's pinning, a scheduler's deployment)
     label = f"{name}-{index}" if name == "worker" or (name in ("scheduler", "gateway") and index) else name
     log = Path(state.run_dir) / "logs" / f"{label}.log"
     with open(log, "ab") as out:

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import itertools
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -341,7 +342,7 @@ class SchedulerDirectory:
         self.redis, self.keys, self.honour_pushback, self.clock = redis, keys, honour_pushback, clock
         self.deployments: list[Deployment] = []
         self._next = itertools.count()
-        self._in_flight: dict[str, int] = {}      # address -> this gateway's requests sent and not answered
+        self._in_flight: Counter[str] = Counter()  # address -> this gateway's requests sent and not answered
         self._full_until: dict[str, float] = {}   # address -> clock time its pushback hint ends
         self._down_until: dict[str, float] = {}   # address -> until when it is tried last (it said UNAVAILABLE)
 
@@ -360,7 +361,7 @@ class SchedulerDirectory:
                                        frozenset(m for m in f.get("models", "").split(",") if m))
                             for f in found if f.get("address")]
         live = set(self.addresses)   # a scheduler gone with nothing in flight is forgotten
-        self._in_flight = {a: n for a, n in self._in_flight.items() if n or a in live}
+        self._in_flight = Counter({a: n for a, n in self._in_flight.items() if n or a in live})
         self._down_until = {a: t for a, t in self._down_until.items() if a in live}
 
     async def pick(self, exclude: frozenset[str] = frozenset(), model: str = "", policy: str = "") -> str:
@@ -376,7 +377,7 @@ class SchedulerDirectory:
         # would look the emptiest and draw every request: it is tried last for a while
         up = [a for a in open_ if self._down_until.get(a, now) <= now] or open_
         start = next(self._next) % len(up)
-        return min(up[start:] + up[:start], key=lambda a: self._in_flight.get(a, 0))
+        return min(up[start:] + up[:start], key=self._in_flight.__getitem__)
 
     def serving(self, model: str, policy: str = "", exclude: frozenset[str] | set[str] = frozenset()) -> list[str]:
         """Addresses of the live deployments that serve the model (and policy), less `exclude`."""
@@ -411,7 +412,7 @@ class SchedulerDirectory:
         tried: set[str] = set()
         while True:
             address = await self.pick(frozenset(tried), model, policy)
-            self._in_flight[address] = self._in_flight.get(address, 0) + 1
+            self._in_flight[address] += 1
             try:
                 return await send(address)
             except ServingError as e:

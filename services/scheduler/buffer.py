@@ -54,25 +54,26 @@ class LengthAwareBuffer:
     def key_of(self, job: Job) -> Hashable:
         return job.batch_key, self.bin_of(job.max_length)
 
+    def _joins(self, job: Job, key: Hashable) -> BufferElement | None:
+        """The tail element of `key` that `job` would join: it has room for the job's texts."""
+        tail = self._tails.get(key)
+        return tail if tail is not None and tail.samples + job.num_texts <= self.max_merge else None
+
     def merges(self, job: Job) -> bool:
         """Whether `job` would join its bin's tail element rather than start a new one."""
-        tail = self._tails.get(self.key_of(job))
-        return tail is not None and tail.samples + job.num_texts <= self.max_merge
+        return self._joins(job, self.key_of(job)) is not None
 
     def ahead_of_merge(self, job: Job) -> int | None:
         """Elements ahead of the one `job` would join (None: it would not merge), at most; O(1). Exact
         unless elements left from the middle (another model's, or expired jobs'), then over."""
-        tail = self._tails.get(self.key_of(job))
-        if tail is None or tail.samples + job.num_texts > self.max_merge:
-            return None
-        return min(len(self._elements) - 1, tail.seq - self._elements[0].seq)
+        tail = self._joins(job, self.key_of(job))
+        return None if tail is None else min(len(self._elements) - 1, tail.seq - self._elements[0].seq)
 
     def push(self, job: Job) -> bool:
         """Buffers `job`; True when it merged into an existing element."""
         key = self.key_of(job)
-        tail = self._tails.get(key)
         self.samples += job.num_texts
-        if tail is not None and tail.samples + job.num_texts <= self.max_merge:
+        if (tail := self._joins(job, key)) is not None:
             tail.add(job)
             return True
         element = BufferElement(key, seq=self._next_seq)

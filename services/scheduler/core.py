@@ -261,8 +261,8 @@ class Dispatcher:
 
     def _check_deadline(self, job: Job) -> None:
         """Refuses at once what cannot start in time: the batches queued ahead of it (of a job that joins a
-        buffered element, those before the element), spread over the model's groups, at the smoothed
-        batch time. A lower bound (its own compute is not counted):
+        buffered element, the elements before that one, of any model), spread over the model's groups, at
+        the smoothed batch time. A lower bound (its own compute is not counted):
         what passes may still expire, and then stops between layers on the worker."""
         service = self.service_s.get(job.model)
         if service is None:
@@ -270,9 +270,9 @@ class Dispatcher:
         mine = [g for g in self.groups if job.model in g.models]
         if any(self._free(g) for g in mine):
             return   # it starts at once: what waits is another model's (a deployment may serve several)
-        depth = self._depth_ahead(job.model, mine)
-        if (merged := self.policy.ahead_of_merge(job)) is not None:
-            depth = min(depth, merged)   # it joins a buffered element: only the elements before that one
+        depth = self.policy.ahead_of_merge(job)   # it joins a buffered element: those before it (O(1))
+        if depth is None:
+            depth = self._depth_ahead(job.model, mine)
         if not depth:
             return
         expected = service * depth / max(1, sum(1 for g in mine if self._live(g)))
