@@ -10,6 +10,7 @@ from typing import TypeVar
 from academus.shared.slices import MAX_SLICE_US, MIN_SLICE_US
 
 ENV_PREFIX = "ACADEMUS_"
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")   # the spellings a boolean setting takes
 
 
 class ConfigError(ValueError):
@@ -183,7 +184,8 @@ class WorkerConfig(CommonConfig):
     device: str = "cpu"              # "cuda", "cuda:1", or "cpu"; GPU paths fall back to CPU
     torch_threads: int = 0           # 0: torch's default
     instances: int = 0               # student instances run at once on this device; 0: profiled (1 without)
-    profile: bool = False            # grid-search instances and max_merge at start (App. B.4.1)
+    profile: str = "auto"            # grid-search instances and max_merge at start (App. B.4.1): true|false|auto,
+                                     # auto on a CUDA device (where merges cost little latency) and not on CPU
     models: str = ""                 # comma-separated; empty: every model in the artifacts' models.json
     artifacts: str = field(default_factory=lambda: str(artifacts_dir()))
     resource_manager: str = ""       # host:port; empty: looked up in Redis
@@ -217,6 +219,12 @@ class WorkerConfig(CommonConfig):
         if self.torch_threads < 0 or self.instances < 0:
             raise ConfigError(f"ACADEMUS_TORCH_THREADS={self.torch_threads} and ACADEMUS_INSTANCES="
                               f"{self.instances} must be >= 0")
+        if self.profile.lower() not in (*TRUE, *FALSE, "auto"):
+            raise ConfigError(f"ACADEMUS_PROFILE={self.profile!r} must be true|false|auto")
+
+    def profiles(self, cuda: bool) -> bool:
+        """Whether the worker runs the start-up profile on its device (auto: on a GPU only)."""
+        return self.profile.lower() in TRUE or (self.profile.lower() == "auto" and cuda)
 
 
 @dataclass(frozen=True)
@@ -293,9 +301,9 @@ def load(cls: type[T], env: dict[str, str] | None = None, **overrides) -> T:
 
 def _parse(raw: str, kind: object, name: str) -> object:
     if kind in (bool, "bool"):
-        if raw.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+        if raw.lower() not in (*TRUE, *FALSE):
             raise ConfigError(f"ACADEMUS_{name.upper()}={raw!r} is not a boolean (true/false)")
-        return raw.lower() in ("1", "true", "yes", "on")
+        return raw.lower() in TRUE
     try:
         if kind in (int, "int"):
             return int(raw)

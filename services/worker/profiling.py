@@ -23,7 +23,7 @@ class Measured:
 
 
 def profile_model(runner: ModelRunner, model: str, instances: Sequence[int] = (1, 2, 4),
-                  merges: Sequence[int] = (1, 2, 4, 8), length: int = 32, batches: int = 6) -> list[Measured]:
+                  merges: Sequence[int] = (1, 2, 4, 8, 16), length: int = 32, batches: int = 6) -> list[Measured]:
     """Every (instances, merge) point: `instances` threads each run `batches` batches of `merge`
     samples of `length` tokens, all at once, as concurrent student instances would."""
     output = OUTPUT_PROBS if runner.models[model].head is not None else OUTPUT_EMBEDDING

@@ -192,7 +192,7 @@ class Registration:
         self.address = address
         stub = await self._rm_stub()
         models = [spec_to_pb(s, resource_manager_pb2.ModelSpec) for s in self.runner.specs.values()]
-        if self.config.profile and not self.profile:
+        if self.config.profiles(self.runner.device.type == "cuda") and not self.profile:
             self.profile = await asyncio.get_running_loop().run_in_executor(None, self._profile)
         reply = await stub.RegisterWorker(resource_manager_pb2.RegisterWorkerRequest(
             worker_id=self.worker_id, address=address, models=models, device=device_label(self.runner.device),
