@@ -320,7 +320,7 @@ class Dispatcher:
         batch = [j for j in batch if self._still_wanted(j, now)]
         if self.drop_doomed and batch:  # the ablation skips the estimate altogether
             expected = wait + self._batch_estimate(batch)
-            batch = [j for j in batch if self._can_finish(j, now, expected)]
+            batch = [j for j in batch if self._can_finish(j, now, expected, queued=wait > 0)]
         return batch
 
     def _open_ahead(self, group: Group) -> bool:
@@ -435,12 +435,13 @@ class Dispatcher:
         texts = sum(j.num_texts for j in batch)
         return service * min(1.0, texts / max(self.batch_texts.get(batch[0].model, texts), 1.0))
 
-    def _can_finish(self, job: Job, now: float, expected: float) -> bool:
+    def _can_finish(self, job: Job, now: float, expected: float, queued: bool = False) -> bool:
         """A job that waited is not started when its batch cannot finish before its deadline: under
         overload the oldest jobs are the nearest their deadline, and starting them computes answers
         nobody waits for (the worker stops a batch only once its last deadline has passed). One that
-        found a free group on arrival is left to the worker, as admission's lower bound let it in."""
-        if job is self._arriving or now + expected <= job.deadline:
+        found a free group on arrival is left to the worker, as admission's lower bound let it in; one
+        sent ahead on arrival (`queued`: behind a running batch) is checked like a job that waited."""
+        if (job is self._arriving and not queued) or now + expected <= job.deadline:
             return True
         self.stats.doomed += 1
         why = (f"a batch takes about {expected * 1e3:.0f} ms, {max(0.0, job.deadline - now) * 1e3:.0f} ms left; "

@@ -592,6 +592,26 @@ async def test_send_ahead_gives_a_busy_group_its_next_element_and_counts_it_as_b
     assert [g.in_flight for g in d.groups] == [0, 0] and d.workers["w0"].running == d.workers["w1"].running == 0
 
 
+async def test_a_job_sent_ahead_on_arrival_that_cannot_finish_in_time_is_not_sent():
+    """Admission lets in a job that arrives to an empty buffer, but sent ahead it waits out the running
+    batch: with 0.1 s left behind a 0.2 s batch it is answered DEADLINE_EXCEEDED unrun; one with time is sent."""
+    d, clock, fake = student_dispatcher([[("w0", (0,))]], capacity=1, students=1, send_ahead=True)
+    d.service_s["ss"] = 0.2
+    running = asyncio.create_task(d.submit(ss_job(clock, 10)))
+    await settle()
+    short = ss_job(clock, 20)
+    short.deadline = clock() + 0.1
+    with pytest.raises(DeadlineExceeded, match="cannot finish in time"):
+        await asyncio.wait_for(d.submit(short), 1)   # sent ahead, it would wait for its answer
+    roomy = asyncio.create_task(d.submit(ss_job(clock, 30)))
+    await settle()
+    assert [[j.payload for j in b] for b in fake.batches] == [[10], [30]]
+    assert (d.stats.doomed, d.stats.sent_ahead) == (1, 1)
+    for _, _, answer in fake.calls:
+        answer.set_result("ok")
+    assert await asyncio.gather(running, roomy) == ["ok", "ok"]
+
+
 async def test_send_ahead_skips_groups_on_workers_of_several_slots():
     """Such a worker would run the element sent ahead at once, on the slot of another group."""
     d, clock, fake = student_dispatcher([[("w0", (0,))], [("w0", (0,))]], capacity=2, students=1, send_ahead=True)
