@@ -224,7 +224,8 @@ class WorkerConfig(CommonConfig):
 
     def profiles(self, cuda: bool) -> bool:
         """Whether the worker runs the start-up profile on its device (auto: on a GPU only)."""
-        return self.profile.lower() in TRUE or (self.profile.lower() == "auto" and cuda)
+        mode = self.profile.lower()
+        return mode in TRUE or (mode == "auto" and cuda)
 
 
 @dataclass(frozen=True)

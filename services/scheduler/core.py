@@ -303,24 +303,24 @@ class Dispatcher:
                     self._start(group, batch)
         if self.send_ahead and len(self.policy):
             for group in sorted((g for g in self.groups if self._open_ahead(g)), key=lambda g: g.started_at):
-                batch = self._next_batch(group, now, self._remaining(group, now))
+                batch = self._next_batch(group, now, ahead=True)
                 if batch is None:
                     break
                 if batch:
                     self._start(group, batch)
         self._arm_timer()
 
-    def _next_batch(self, group: Group, now: float, wait: float = 0.0) -> list[Job] | None:
+    def _next_batch(self, group: Group, now: float, ahead: bool = False) -> list[Job] | None:
         """The policy's next batch for `group` less the jobs no longer wanted or doomed (None: nothing
-        ready). `wait`: how long it would wait for the group's running batch first."""
+        ready). `ahead`: sent to the busy group, it waits out the running batch first."""
         batch = self.policy.next_batch(lambda j: j.model in group.models, now)
         self._settle_dropped()
         if not batch:
             return None
         batch = [j for j in batch if self._still_wanted(j, now)]
         if self.drop_doomed and batch:  # the ablation skips the estimate altogether
-            expected = wait + self._batch_estimate(batch)
-            batch = [j for j in batch if self._can_finish(j, now, expected, queued=wait > 0)]
+            expected = (self._remaining(group, now) if ahead else 0.0) + self._batch_estimate(batch)
+            batch = [j for j in batch if self._can_finish(j, now, expected, queued=ahead)]
         return batch
 
     def _open_ahead(self, group: Group) -> bool:
@@ -440,7 +440,7 @@ class Dispatcher:
         overload the oldest jobs are the nearest their deadline, and starting them computes answers
         nobody waits for (the worker stops a batch only once its last deadline has passed). One that
         found a free group on arrival is left to the worker, as admission's lower bound let it in; one
-        sent ahead on arrival (`queued`: behind a running batch) is checked like a job that waited."""
+        sent ahead on arrival (`queued` behind a running batch) is checked like a job that waited."""
         if (job is self._arriving and not queued) or now + expected <= job.deadline:
             return True
         self.stats.doomed += 1
