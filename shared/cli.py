@@ -46,6 +46,9 @@ def parser() -> argparse.ArgumentParser:
                    help="a scheduler with this policy (fifo|padded|student) for these comma-separated models; "
                         "repeat for side-by-side deployments (default: one, ACADEMUS_POLICY or fifo, every model); "
                         "/SHARDS: that many scheduler processes, each running its share of the groups")
+    s.add_argument("--nodes", type=int, default=1,
+                   help="machines this one stands in for (the cluster's layout on one host): workers spread "
+                        "over them in turn, and each deployment runs a scheduler a node, sent its node's groups")
     s.add_argument("--gpus", type=int, default=None,
                    help="GPUs to use (default: every visible one; 0: CPU workers). With GPUs, one worker a "
                         "student instance, pinned with CUDA_VISIBLE_DEVICES and sharing its GPU under MPS")
@@ -128,7 +131,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     options = MeshOptions(run_dir=_run_dir(args), artifacts=args.artifacts or artifacts_dir(),
                           gateway_port=args.port, workers=args.workers, worker_threads=args.worker_threads,
                           instances=args.instances, deployments=deployments, gpus=args.gpus,
-                          gateways=args.gateways)
+                          gateways=args.gateways, nodes=args.nodes)
     up(options)
     print(json.dumps(status(options.run_dir)))
     if args.detach:

@@ -48,6 +48,8 @@ class CommonConfig:
     hop_streams: bool = True         # calls to the next hop ride one multiplexed stream a peer (off: a call each)
     frame_batches: bool = True       # frames waiting for a stream together ride one message (off: one each)
     hop_slice_us: int = 0            # the serving threads' EEVDF slice, 100..100000 (shared/slices.py); 0: the kernel's
+    node: str = ""                   # the machine it runs on: a worker's groups stay within its node, and a scheduler
+                                     # given one dispatches to its node's workers only; empty: one unnamed node
 
     def check(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -90,13 +90,16 @@ class Deployment:
             raise MeshError(f"deployment {spec!r}: shards must be a whole number >= 1, not {shards!r}")
         return cls(policy, models, int(shards or 1))
 
-    def scheduler_envs(self, deployment: int) -> list[dict[str, str]]:
-        """One environment a scheduler process of this deployment (the `deployment`-th)."""
+    def scheduler_envs(self, deployment: int, node: str = "") -> list[dict[str, str]]:
+        """One environment a scheduler process of this deployment (the `deployment`-th), on `node` when
+        one is named: that node's scheduler, sent its workers' groups only."""
         base = {"ACADEMUS_MODELS": self.models, **({"ACADEMUS_POLICY": self.policy} if self.policy else {}),
                 "ACADEMUS_SHARDS": str(self.shards)}   # set always: an inherited value would split a lone one
+        at = f"@{node}" if node else ""
+        base |= {"ACADEMUS_NODE": node} if node else {}
         if self.shards == 1:
-            return [base | {"ACADEMUS_SCHEDULER_ID": f"scheduler-{deployment}", "ACADEMUS_SHARD": "0"}]
-        return [base | {"ACADEMUS_SCHEDULER_ID": f"scheduler-{deployment}.{k}", "ACADEMUS_SHARD": str(k)}
+            return [base | {"ACADEMUS_SCHEDULER_ID": f"scheduler-{deployment}{at}", "ACADEMUS_SHARD": "0"}]
+        return [base | {"ACADEMUS_SCHEDULER_ID": f"scheduler-{deployment}.{k}{at}", "ACADEMUS_SHARD": str(k)}
                 for k in range(self.shards)]
 
 
@@ -110,6 +113,8 @@ class MeshOptions:
     worker_threads: int = 0
     instances: int = 0                          # student instances per worker (0: its default / profile)
     gpus: int | None = None                     # None: every visible GPU; 0: CPU workers only
+    nodes: int = 1                              # machines this one stands in for: workers spread over them in
+                                                # turn, and a scheduler a node for each deployment (ACADEMUS_NODE)
     deployments: list[Deployment] = field(default_factory=lambda: [Deployment()])
     key_prefix: str = "acd"
     env: dict[str, str] = field(default_factory=dict)   # extra ACADEMUS_* settings for every service
@@ -123,8 +128,9 @@ def up(options: MeshOptions) -> MeshState:
     (run_dir / "logs").mkdir(exist_ok=True)
     if (run_dir / STATE_FILE).exists() and _alive(MeshState.load(run_dir)):
         raise MeshError(f"a mesh is already running from {run_dir}; `academus down` first")
-    if options.gateways < 1:
-        raise MeshError(f"gateways must be >= 1, not {options.gateways}")
+    for setting in ("gateways", "nodes"):
+        if getattr(options, setting) < 1:
+            raise MeshError(f"{setting} must be >= 1, not {getattr(options, setting)}")
     options = replace(options, gateway_port=options.gateway_port or free_port())  # one port for every gateway
     url, redis_pid = _redis(run_dir)
     state = MeshState(str(run_dir), url, redis_pid, "", options.key_prefix)
@@ -161,7 +167,8 @@ def _plan(options: MeshOptions, worker_envs: list[dict[str, str]]) -> list[tuple
     """Each service to start, in order, with one extra environment a copy. The plot service only
     when a PLOT table is under the artifacts: without one it could not start, and no model needs it."""
     table = plot_table(options.artifacts)
-    schedulers = [env for d, deployment in enumerate(options.deployments) for env in deployment.scheduler_envs(d)]
+    schedulers = [env for node in node_names(options) for d, deployment in enumerate(options.deployments)
+                  for env in deployment.scheduler_envs(d, node)]
     copies = {"worker": worker_envs, "scheduler": schedulers, "gateway": [{}] * options.gateways,
               "plot": [_plot_env(table)] if table else []}
     return [(name, copies.get(name, [{}])) for name in SERVICES if copies.get(name, [{}])]
@@ -192,7 +199,14 @@ def _worker_envs(options: MeshOptions) -> list[dict[str, str]]:
     under MPS (the resource manager starts the daemon); on CPU, `workers` plain processes."""
     gpus = gpu_count() if options.gpus is None else options.gpus
     plan = mps_plan(gpus, options.instances or 1)
-    return [env | {"ACADEMUS_INSTANCES": "1"} for env in plan] if plan else [{}] * options.workers
+    envs = [env | {"ACADEMUS_INSTANCES": "1"} for env in plan] if plan else [{}] * options.workers
+    nodes = node_names(options)
+    return [env | ({"ACADEMUS_NODE": nodes[i % len(nodes)]} if nodes[0] else {}) for i, env in enumerate(envs)]
+
+
+def node_names(options: MeshOptions) -> list[str]:
+    """The nodes the mesh stands in for: [""] (no name: one node) unless there are several."""
+    return [f"node-{n}" for n in range(options.nodes)] if options.nodes > 1 else [""]
 
 
 def unused_port(taken: set[int]) -> int:
@@ -231,7 +245,9 @@ def _spawn(name: str, index: int, options: MeshOptions, state: MeshState,
         if options.instances:
             env["ACADEMUS_INSTANCES"] = str(options.instances)
     env.update(extra or {})   # the plan's own for this copy (a GPU worker's pinning, a scheduler's deployment)
-    label = f"{name}-{index}" if name == "worker" or (name in ("scheduler", "gateway") and index) else name
+    label = f"{name}-{index}" if name == "worker" or (name == "gateway" and index) else name
+    if name == "scheduler" and env.get("ACADEMUS_SCHEDULER_ID", "scheduler-0") != "scheduler-0":
+        label = env["ACADEMUS_SCHEDULER_ID"]   # its id: which deployment, shard and node the log is of
     log = Path(state.run_dir) / "logs" / f"{label}.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", f"academus.services.{name}"], env=env,

@@ -36,6 +36,7 @@ from academus.shared.tokenization import Encoded, TeacherTokenizer, TextTooLong
 LABEL, SCORE, EMBED = "label", "score", "embedding"
 T = TypeVar("T")
 DOWN_S = 1.0   # a scheduler that answered UNAVAILABLE is tried after the others this long (a placement refresh)
+MISS_REFRESH_S = 0.1   # a request no known scheduler serves re-reads the registry, at most this often
 
 
 @dataclass(frozen=True)
@@ -318,14 +319,17 @@ def check_policy(policy: str) -> str:
 
 @dataclass(frozen=True)
 class Deployment:
-    """A live scheduler: its address, dispatch policy and models (empty: every model)."""
+    """A live scheduler: its address, dispatch policy and models (empty: every model). A node's scheduler
+    also registers the models its node has live groups for (`serving`; None: it serves the whole mesh)."""
 
     address: str
     policy: str = ""
     models: frozenset[str] = frozenset()
+    serving: frozenset[str] | None = None
 
     def serves(self, model: str, policy: str = "") -> bool:
-        return (not self.models or model in self.models) and (not policy or policy == self.policy)
+        return ((not self.models or model in self.models) and (self.serving is None or model in self.serving)
+                and (not policy or policy == self.policy))
 
 
 class SchedulerDirectory:
@@ -345,6 +349,7 @@ class SchedulerDirectory:
         self._in_flight: Counter[str] = Counter()  # address -> this gateway's requests sent and not answered
         self._full_until: dict[str, float] = {}   # address -> clock time its pushback hint ends
         self._down_until: dict[str, float] = {}   # address -> until when it is tried last (it said UNAVAILABLE)
+        self._refreshed_at = float("-inf")
 
     @property
     def addresses(self) -> list[str]:
@@ -357,17 +362,19 @@ class SchedulerDirectory:
             found = [await self.redis.hgetall(self.keys.scheduler(i)) for i in ids]
         except RedisError as e:
             raise Unavailable(f"the scheduler registry is unreachable: {e}") from e
-        self.deployments = [Deployment(f["address"], f.get("policy", ""),
-                                       frozenset(m for m in f.get("models", "").split(",") if m))
+        self._refreshed_at = self.clock()
+        self.deployments = [Deployment(f["address"], f.get("policy", ""), _names(f.get("models", "")),
+                                       _names(f["serving"]) if "serving" in f else None)
                             for f in found if f.get("address")]
         live = set(self.addresses)   # a scheduler gone with nothing in flight is forgotten
         self._in_flight = Counter({a: n for a, n in self._in_flight.items() if n or a in live})
         self._down_until = {a: t for a, t in self._down_until.items() if a in live}
 
     async def pick(self, exclude: frozenset[str] = frozenset(), model: str = "", policy: str = "") -> str:
-        if not self.deployments:
-            await self.refresh()
         candidates = self.serving(model, policy, exclude)
+        if not candidates and self.clock() - self._refreshed_at >= MISS_REFRESH_S:
+            await self.refresh()   # the list may be older than a scheduler (or a node's groups) serving it now
+            candidates = self.serving(model, policy, exclude)
         if not candidates:
             wanted = f" with policy {policy!r}" if policy else ""
             raise Unavailable(f"no live scheduler serves model {model!r}{wanted}")
@@ -430,3 +437,8 @@ class SchedulerDirectory:
             tried.add(address)
             if self.clock() >= deadline or not self.serving(model, policy, tried):
                 raise error
+
+
+def _names(joined: str) -> frozenset[str]:
+    """A registration's comma-joined model names."""
+    return frozenset(m for m in joined.split(",") if m)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ class WorkerInfo:
     device: str
     capacity: int
     models: list[str]
+    node: str = ""   # the machine: groups are formed within one
 
 
 class PlacementTable:
@@ -41,7 +43,7 @@ class PlacementTable:
         pipe = self.redis.pipeline(transaction=True)
         pipe.delete(key)
         pipe.hset(key, mapping={"address": info.address, "device": info.device,
-                                "capacity": info.capacity, "models": ",".join(info.models)})
+                                "capacity": info.capacity, "models": ",".join(info.models), "node": info.node})
         pipe.expire(key, self.ttl)
         for spec in specs:
             pipe.sadd(self.keys.placement(spec.name), info.worker_id)
@@ -95,17 +97,22 @@ class GroupPlanner:
         parsed = {name: ModelSpec.from_json(raw) for name, raw in specs.items()}
         return {name: spec for name, spec in parsed.items() if spec.max_students}
 
-    async def devices(self, model: str) -> list[Device]:
-        """The live workers serving `model`, grouped by device (a GPU, or a CPU worker process)."""
-        by_device: dict[str, list[tuple[str, int]]] = {}
+    async def devices(self, model: str) -> dict[str, list[Device]]:
+        """The live workers serving `model`, grouped by node, and within a node by device (a GPU, or a CPU
+        worker process)."""
+        by_device: dict[tuple[str, str], list[tuple[str, int]]] = {}
         for worker_id in sorted(await self.redis.smembers(self.keys.placement(model))):
             info = await self.redis.hgetall(self.keys.worker(worker_id))
             if not info:
                 continue
             device = info.get("device", "cpu")
             name = worker_id if device.startswith("cpu") else f"{info['address'].rsplit(':', 1)[0]}/{device}"
-            by_device.setdefault(name, []).append((worker_id, max(1, int(info.get("capacity", 1)))))
-        return [Device(name, tuple(workers)) for name, workers in sorted(by_device.items())]
+            slot = (worker_id, max(1, int(info.get("capacity", 1))))
+            by_device.setdefault((info.get("node", ""), name), []).append(slot)
+        nodes: dict[str, list[Device]] = {}
+        for (node, name), workers in sorted(by_device.items()):
+            nodes.setdefault(node, []).append(Device(name, tuple(workers)))
+        return nodes
 
     def number(self, spec: ModelSpec, stored: str | None) -> StudentNumber:
         ceiling = spec.max_students if self.ceiling == "max" else max(1, spec.default_students)
@@ -122,9 +129,11 @@ class GroupPlanner:
             out = {}
             for name, spec in (await self.student_models()).items():
                 number = self.number(spec, await self.redis.get(self.keys.students(name)))
-                devices = await self.devices(name)
+                nodes = await self.devices(name)
                 students = number.current   # read after the last await: the table is of one student number
-                groups = allocate_groups(students, devices)
+                # eq. 6 within each node: a group's students are combined by its node's scheduler, so
+                # none waits on another machine's network hop
+                groups = [g for devices in nodes.values() for g in allocate_groups(students, devices)]
                 pipe = self.redis.pipeline(transaction=True)
                 pipe.set(self.keys.students(name), students)
                 pipe.set(self.keys.groups(name), json.dumps({"students": students, "groups": groups}))
@@ -135,17 +144,21 @@ class GroupPlanner:
 
     async def load(self) -> dict[str, GroupLoad]:
         """Every live scheduler's per-model signals, summed, with the student number their groups run
-        when they all report the same one (else 0: some have not re-formed their groups yet)."""
-        total: dict[str, list[int]] = {}
+        when they all report the same one (else 0: some have not re-formed their groups yet). Groups are
+        counted by name: one that two shards share is one group, busy when either runs a batch on it."""
+        buffer: Counter[str] = Counter()
+        busy: dict[str, dict[str, int]] = {}
         students: dict[str, set[int]] = {}
         for scheduler_id in await self.redis.smembers(self.keys.schedulers()):
             raw = await self.redis.hget(self.keys.load(scheduler_id), "models")
             for model, signals in (json.loads(raw) if raw else {}).items():
-                entry = total.setdefault(model, [0, 0, 0, 0])
-                for k, name in enumerate(("buffer", "groups", "idle", "busy")):
-                    entry[k] += int(signals.get(name, 0))
+                buffer[model] += int(signals.get("buffer", 0))
+                groups = busy.setdefault(model, {})
+                for name, running in signals.get("by_group", {}).items():
+                    groups[name] = max(groups.get(name, 0), int(running))
                 students.setdefault(model, set()).add(int(signals.get("students", 0)))
-        return {m: GroupLoad(*v, students=_one(students[m])) for m, v in total.items()}
+        return {m: GroupLoad(buffer[m], len(g), len(g) - sum(g.values()), sum(g.values()), _one(students[m]))
+                for m, g in busy.items()}
 
     async def adapt(self) -> dict[str, int]:
         """One adaptation step: the models whose student number changed, with the new number. A

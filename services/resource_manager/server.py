@@ -27,7 +27,8 @@ class ResourceManagerServicer(resource_manager_pb2_grpc.ResourceManagerServicer)
         capacity = request.capacity or 1
         if request.profile:
             capacity = await self.choose(request.profile, request.capacity)
-        info = WorkerInfo(request.worker_id, request.address, request.device, capacity, [s.name for s in specs])
+        info = WorkerInfo(request.worker_id, request.address, request.device, capacity, [s.name for s in specs],
+                          request.node)
         await self.table.register(info, specs)
         groups = await self.planner.replan()
         log_event("worker_registered", worker_id=info.worker_id, address=info.address, models=info.models,

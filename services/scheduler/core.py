@@ -78,7 +78,7 @@ class Shard:
     more spreads over the devices, and a lost device leaves it some. A shard of one group loses it with
     its device, and answers UNAVAILABLE (the gateway sends its requests to another shard) until the
     resource manager re-plans. With fewer groups than shards, shard k shares group k % n with another,
-    whose worker then queues the two shards' batches (and the summed load signals count it twice).
+    whose worker then queues the two shards' batches (the resource manager counts it once, by name).
     Shards re-read the placements each on its own refresh: for a moment after a change a group may be
     sent work by two shards, or by none."""
 
@@ -501,18 +501,20 @@ class Dispatcher:
         return {"queued": len(self.policy), "idle": idle, "groups": len(self.groups), "workers": len(self.workers),
                 "buffer": self.policy.depth()}
 
-    def model_load(self) -> dict[str, dict[str, int]]:
-        """Per model: the resource manager's adaptation signals (App. B.4.1)."""
-        out: dict[str, dict[str, int]] = {}
+    def model_load(self) -> dict[str, dict[str, Any]]:
+        """Per model: the resource manager's adaptation signals (App. B.4.1), with each group's busy flag by
+        name (`by_group`): a group two shards share is then counted once when the manager adds them up."""
+        out: dict[str, dict[str, Any]] = {}
         waiting: dict[str, int] = {}
         for job in self.policy:
             waiting[job.model] = waiting.get(job.model, 0) + 1
         for group in filter(self._live, self.groups):   # a lost worker's group is neither idle nor busy
             for model in group.models:
                 entry = out.setdefault(model, {"groups": 0, "idle": 0, "busy": 0, "students": group.students,
-                                               "buffer": 0})
+                                               "buffer": 0, "by_group": {}})
                 entry["groups"] += 1
                 entry["busy" if group.busy else "idle"] += 1
+                entry["by_group"][group.name] = int(group.busy)
                 entry["buffer"] += group.in_flight > 1  # a batch sent ahead waits as a buffer element does
         depth = self.policy.depth()
         for model, entry in out.items():

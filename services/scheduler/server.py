@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 import numpy as np
@@ -205,43 +205,58 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
 
 class PlacementWatcher:
-    """Keeps the dispatcher's workers and student groups equal to the live placements in Redis."""
+    """Keeps the dispatcher's workers and student groups equal to the live placements in Redis. A scheduler
+    given a node (DESIGN: one scheduler a node) takes that node's workers only, and with them the groups the
+    resource manager formed there; `serving` is then the models it has a live group for, which it registers
+    so that gateways send it no other."""
 
     def __init__(self, redis, keys: Keys, dispatcher: Dispatcher, refresh_s: float,
-                 models: frozenset[str] = frozenset(), prefetcher: PlotPrefetcher | None = None) -> None:
+                 models: frozenset[str] = frozenset(), prefetcher: PlotPrefetcher | None = None,
+                 node: str = "", on_serving: Callable[[], Awaitable[None]] | None = None) -> None:
         self.redis, self.keys, self.dispatcher, self.refresh_s = redis, keys, dispatcher, refresh_s
         self.prefetcher = prefetcher
         self.models = models  # this deployment's models (empty: all)
+        self.node = node
+        self.on_serving = on_serving  # called when `serving` changed
+        self.serving: frozenset[str] = frozenset()
         self.changed = asyncio.Event()
         self.student_numbers: dict[str, int] = {}
         self.max_merge: int | None = None
 
     async def refresh(self) -> None:
         live = await self.read_live()
-        models = sorted({m for _, served, _ in live.values() for m in served})
+        models = sorted({m for _, served, _, _ in live.values() for m in served})
         tables = await self.read_tables(models)
         if any(m.worker_id not in live for t in tables.values() for g in t.groups for m in g):
             # a worker registered and was placed between the two reads: without it, its groups would
             # be dropped and the jobs waiting for them failed as orphans
             live = await self.read_live()
-        self.dispatcher.update_workers({w: (a, frozenset(m), c) for w, (a, m, c) in live.items()}, tables)
+        self.dispatcher.update_workers({w: (a, frozenset(m), c) for w, (a, m, c, node) in live.items()
+                                        if not self.node or node == self.node}, tables)
+        serving = frozenset(m for m in models if self.dispatcher.serves(m))
+        if serving != self.serving:
+            self.serving = serving
+            if self.on_serving is not None:
+                await self.on_serving()
         await self.refresh_student_numbers(models)
         await self.refresh_profile(models)
         if self.prefetcher is not None:
             await self.refresh_plot(models)
 
-    async def read_live(self) -> dict[str, tuple[str, set[str], int]]:
-        """Workers with a live heartbeat placed for this deployment's models: id -> (address, models, slots)."""
-        live: dict[str, tuple[str, set[str], int]] = {}
+    async def read_live(self) -> dict[str, tuple[str, set[str], int, str]]:
+        """Workers with a live heartbeat placed for this deployment's models, on every node:
+        id -> (address, models, slots, node)."""
+        live: dict[str, tuple[str, set[str], int, str]] = {}
         for model in await self.redis.smembers(self.keys.placements()):
             if self.models and model not in self.models:
                 continue
             for worker_id in await self.redis.smembers(self.keys.placement(model)):
                 if worker_id not in live:
-                    address, capacity = await self.redis.hmget(self.keys.worker(worker_id), "address", "capacity")
+                    address, capacity, node = await self.redis.hmget(self.keys.worker(worker_id), "address",
+                                                                     "capacity", "node")
                     if not address:
                         continue  # heartbeat expired: not live
-                    live[worker_id] = (address, set(), max(1, int(capacity or 1)))
+                    live[worker_id] = (address, set(), max(1, int(capacity or 1)), node or "")
                 live[worker_id][1].add(model)
         return live
 
@@ -332,8 +347,15 @@ async def build() -> ServiceSpec:
                             shard=Shard(config.shard, config.shards))
     dispatcher.workers = workers  # the sender resolves member addresses from the same live table
     models = frozenset(m for m in config.models.split(",") if m)
-    watcher = PlacementWatcher(redis, keys, dispatcher, config.refresh_s, models, prefetcher)
     state = {"id": config.scheduler_id, "address": ""}
+
+    async def reregister() -> None:
+        """What this node's scheduler serves changed: gateways read it now rather than at the next beat."""
+        if state["address"]:
+            await beat()
+
+    watcher = PlacementWatcher(redis, keys, dispatcher, config.refresh_s, models, prefetcher, config.node,
+                               on_serving=reregister)
     ttl = max(1, round(config.heartbeat_ttl_s))
     # the load signals outlive a dead scheduler by at most ten reports (>= 1 s), not a heartbeat TTL: a stale
     # report holding an old student number would pause the resource manager's adaptation until it expired
@@ -349,8 +371,10 @@ async def build() -> ServiceSpec:
 
     async def beat() -> None:
         pipe = redis.pipeline(transaction=True)
-        pipe.hset(keys.scheduler(state["id"]), mapping={"address": state["address"], "policy": config.policy,
-                                                          "models": config.models})
+        registration = {"address": state["address"], "policy": config.policy, "models": config.models}
+        if config.node:   # it serves its node's groups only: gateways send it what it has groups for
+            registration |= {"node": config.node, "serving": ",".join(sorted(watcher.serving))}
+        pipe.hset(keys.scheduler(state["id"]), mapping=registration)
         pipe.expire(keys.scheduler(state["id"]), ttl)
         pipe.sadd(keys.schedulers(), state["id"])
         await pipe.execute()

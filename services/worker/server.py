@@ -196,7 +196,7 @@ class Registration:
             self.profile = await asyncio.get_running_loop().run_in_executor(None, self._profile)
         reply = await stub.RegisterWorker(resource_manager_pb2.RegisterWorkerRequest(
             worker_id=self.worker_id, address=address, models=models, device=device_label(self.runner.device),
-            capacity=self.config.instances, profile=self.profile,
+            capacity=self.config.instances, profile=self.profile, node=self.config.node,
         ), timeout=10, wait_for_ready=True)
         if reply.capacity and reply.capacity != self.servicer.instances:
             self.servicer.resize(reply.capacity)

@@ -62,6 +62,10 @@ def test_a_shard_beyond_the_group_count_shares_a_group(mesh):
     r.set(Keys(mesh.key_prefix).students(MODEL), 2)   # two groups of two students, three shards
     wait_for(lambda: table(mesh).get("students") == 2 and len(table(mesh)["groups"]) == 2, what="two groups")
     wait_for(lambda: shard_groups(mesh) == dict.fromkeys(SHARDS, 1), what="one group a shard, one shared")
+    keys = Keys(mesh.key_prefix)
+    named = [json.loads(r.hget(keys.load(s), "models"))[MODEL]["by_group"] for s in SHARDS]
+    # the shared group goes by one name in both shards' signals: the resource manager counts two groups
+    assert sorted(name for by_group in named for name in by_group) == [f"{MODEL}/g0", f"{MODEL}/g0", f"{MODEL}/g1"]
     answers = asyncio.run(burst(mesh, 12, rate=20))
     assert all(not isinstance(a, AcademusError) for a in answers), answers
     assert {a.metadata.scheduler_id for a in answers} == set(SHARDS)

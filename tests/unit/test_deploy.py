@@ -511,6 +511,11 @@ def test_k8s_services_cross_reference() -> None:
     worker_env = {e["name"]: e.get("value") for e in worker_container["env"]}
     mounts = {m["mountPath"] for m in worker_container["volumeMounts"]}
     assert worker_env["ACADEMUS_ARTIFACTS"] in mounts and worker_env["CUDA_MPS_PIPE_DIRECTORY"] in mounts
+    # one scheduler a node (DESIGN §1): workers and schedulers name their node, so groups are formed within
+    # one and each node's scheduler dispatches to its own
+    for workload in (worker, scheduler):
+        env = {e["name"]: e for e in _pod_spec(workload)["containers"][0]["env"]}
+        assert env["ACADEMUS_NODE"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName", workload["kind"]
 
     # Adapter store: tenant data on its own claim (volumeClaimTemplates), one replica (versions come
     # from Redis; more replicas would need a shared volume).

@@ -20,7 +20,7 @@ from academus.services.gateway.core import (
 )
 from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
 from academus.shared.config import GatewayConfig
-from academus.shared.errors import InvalidArgument, NotFound, Unauthenticated
+from academus.shared.errors import InvalidArgument, NotFound, Unauthenticated, Unavailable
 from academus.shared.keys import Keys
 from academus.shared.model import teacher_dir
 from academus.shared.redis_conn import connect
@@ -257,7 +257,6 @@ async def test_only_the_key_hash_is_stored(redis_url):
 
 async def test_directory_routes_by_model_and_policy(redis_url):
     from academus.services.gateway.core import SchedulerDirectory
-    from academus.shared.errors import Unavailable
 
     redis = connect(redis_url)
     await redis.sadd(KEYS.schedulers(), "s0", "s1", "gone")
@@ -620,4 +619,47 @@ async def test_a_request_refused_on_arrival_for_its_deadline_goes_to_another_dep
         await directory.route("spam", "", deadline=11.0, send=late)
     assert info.value is ran_out and not for_want_of_room(ran_out)
     assert for_want_of_room(DeadlineExceeded("cannot be met", nothing_ran=True))
+    await redis.aclose()
+
+
+async def test_a_node_scheduler_is_sent_only_the_models_its_node_serves(redis_url):
+    """Two nodes' schedulers of one deployment for every model: node a's workers serve ss, node b's serve
+    ss and t. A request for t goes to b alone; one for a model neither node serves is refused here, without a
+    hop; a scheduler that registers no `serving` (one for the whole mesh) is sent every model it names."""
+    from academus.services.gateway.core import SchedulerDirectory
+
+    redis = connect(redis_url)
+    keys = Keys("acd-nodes")
+    for node, serving in (("a", "ss"), ("b", "ss,t")):
+        await redis.sadd(keys.schedulers(), f"s@{node}")
+        await redis.hset(keys.scheduler(f"s@{node}"), mapping={"address": f"{node}:1", "policy": "student",
+                                                               "models": "", "node": node, "serving": serving})
+    directory = SchedulerDirectory(redis, keys)
+    await directory.refresh()
+    assert {await directory.pick(model="ss") for _ in range(4)} == {"a:1", "b:1"}
+    assert {await directory.pick(model="t") for _ in range(4)} == {"b:1"}
+    with pytest.raises(Unavailable, match="no live scheduler serves model 'u'"):
+        await directory.pick(model="u")
+    await redis.sadd(keys.schedulers(), "whole")
+    await redis.hset(keys.scheduler("whole"), mapping={"address": "w:1", "policy": "student", "models": ""})
+    await directory.refresh()
+    assert await directory.pick(model="u") == "w:1"
+    await redis.aclose()
+
+
+async def test_a_request_no_known_scheduler_serves_rereads_the_registry_at_most_so_often(redis_url):
+    """A node's scheduler that began serving a model after the gateway's last read is found by the next
+    request for it; a run of requests for a model nobody serves reads the registry once a MISS_REFRESH_S."""
+    from academus.services.gateway.core import MISS_REFRESH_S, SchedulerDirectory
+
+    redis, keys, now = connect(redis_url), Keys("acd-miss"), [0.0]
+    await redis.sadd(keys.schedulers(), "n")
+    await redis.hset(keys.scheduler("n"), mapping={"address": "n:1", "models": "", "node": "a", "serving": ""})
+    directory = SchedulerDirectory(redis, keys, clock=lambda: now[0])
+    await directory.refresh()
+    await redis.hset(keys.scheduler("n"), "serving", "ss")       # its node's first group formed
+    with pytest.raises(Unavailable):
+        await directory.pick(model="ss")                          # read a moment ago: not again yet
+    now[0] += MISS_REFRESH_S
+    assert await directory.pick(model="ss") == "n:1"
     await redis.aclose()

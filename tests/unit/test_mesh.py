@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from academus.shared import mesh
@@ -102,9 +104,11 @@ def test_the_mesh_serves_the_table_the_catalogue_names(tmp_path):
     assert plot_table(tmp_path) == tmp_path / "plot" / "minilm-k3"
 
 
-def test_a_mesh_needs_at_least_one_gateway(tmp_path):
+def test_a_mesh_needs_at_least_one_gateway_and_one_node(tmp_path):
     with pytest.raises(mesh.MeshError, match="gateways must be >= 1, not 0"):
         mesh.up(mesh.MeshOptions(run_dir=tmp_path, gateways=0))
+    with pytest.raises(mesh.MeshError, match="nodes must be >= 1, not 0"):
+        mesh.up(mesh.MeshOptions(run_dir=tmp_path, nodes=0))
     assert not (tmp_path / mesh.STATE_FILE).exists()   # refused before anything started
 
 
@@ -133,3 +137,19 @@ def test_a_sharded_deployment_is_one_scheduler_process_a_shard(tmp_path):
          "ACADEMUS_SHARDS": "2", "ACADEMUS_SHARD": "1"},
         {"ACADEMUS_MODELS": "t", "ACADEMUS_POLICY": "padded", "ACADEMUS_SCHEDULER_ID": "scheduler-1",
          "ACADEMUS_SHARDS": "1", "ACADEMUS_SHARD": "0"}]   # set even unsharded: an inherited value must not split it
+
+
+def test_a_mesh_of_several_nodes_spreads_the_workers_and_runs_a_scheduler_a_node(tmp_path):
+    from academus.shared.mesh import Deployment, MeshOptions, _plan, _worker_envs
+
+    options = MeshOptions(run_dir=tmp_path / "run", artifacts=tmp_path, workers=3, gpus=0, nodes=2,
+                          deployments=[Deployment("student", "ss", 2)])
+    assert _worker_envs(options) == [{"ACADEMUS_NODE": "node-0"}, {"ACADEMUS_NODE": "node-1"},
+                                     {"ACADEMUS_NODE": "node-0"}]
+    schedulers = dict(_plan(options, _worker_envs(options)))["scheduler"]
+    assert [(s["ACADEMUS_SCHEDULER_ID"], s["ACADEMUS_NODE"], s["ACADEMUS_SHARD"]) for s in schedulers] == [
+        ("scheduler-0.0@node-0", "node-0", "0"), ("scheduler-0.1@node-0", "node-0", "1"),
+        ("scheduler-0.0@node-1", "node-1", "0"), ("scheduler-0.1@node-1", "node-1", "1")]
+    one = replace(options, nodes=1)
+    assert _worker_envs(one) == [{}, {}, {}]        # one node: no name, as before
+    assert all("ACADEMUS_NODE" not in s for s in dict(_plan(one, [{}]))["scheduler"])

@@ -54,6 +54,8 @@ async def test_reap_drops_workers_whose_heartbeat_expired(redis_url):
 
 
 async def test_planner_sums_the_schedulers_signals_and_names_their_common_student_number(redis_url):
+    """Buffers add up; groups count by name, so a group two shards share (fewer groups than shards) is one
+    group, busy when either shard runs a batch on it."""
     redis = connect(redis_url)
     keys = Keys("acd-load")
 
@@ -61,14 +63,38 @@ async def test_planner_sums_the_schedulers_signals_and_names_their_common_studen
         await redis.sadd(keys.schedulers(), scheduler_id)
         await redis.hset(keys.load(scheduler_id), "models", json.dumps(models))
 
-    signals = {"buffer": 3, "groups": 2, "idle": 0, "busy": 2, "students": 2}
-    await report("s0", **{"sentiment-students": signals})
-    await report("s1", **{"sentiment-students": signals | {"buffer": 1}, "spam": signals | {"students": 1}})
+    def signals(buffer: int, students: int, **by_group: int) -> dict:
+        busy = sum(by_group.values())
+        return {"buffer": buffer, "groups": len(by_group), "idle": len(by_group) - busy, "busy": busy,
+                "students": students, "by_group": by_group}
+
+    await report("s0", **{"sentiment-students": signals(3, 2, g0=1, g1=1)})
+    await report("s1", **{"sentiment-students": signals(1, 2, g2=1, g3=0), "spam": signals(3, 1, w0=1, w1=1)})
     planner = GroupPlanner(redis, keys)
-    assert await planner.load() == {"sentiment-students": GroupLoad(4, 4, 0, 4, students=2),
+    assert await planner.load() == {"sentiment-students": GroupLoad(4, 4, 1, 3, students=2),
                                     "spam": GroupLoad(3, 2, 0, 2, students=1)}
-    await report("s1", **{"sentiment-students": signals | {"students": 3}})  # s1 re-formed, s0 not yet
+    await report("s2", **{"sentiment-students": signals(2, 2, g3=1)})   # a third shard shares g3 with s1
+    assert (await planner.load())["sentiment-students"] == GroupLoad(6, 4, 0, 4, students=2)
+    await report("s1", **{"sentiment-students": signals(1, 3, g2=1, g3=0)})  # s1 re-formed, s0 not yet
     assert (await planner.load())["sentiment-students"].students == 0
+    await redis.aclose()
+
+
+async def test_groups_are_formed_within_a_node(redis_url):
+    """Eq. 6 runs over each node's devices: no group's students wait on another machine. Three workers on
+    node a and one on b, S = 2: a's three slots make one group, b's one slot a group of two co-located
+    students (over all four slots as one pool, the second group would span the two nodes)."""
+    redis = connect(redis_url)
+    keys = Keys("acd-nodes")
+    spec = ModelSpec("s", CLASSIFICATION, ["a", "b"], max_students=2, default_students=2)
+    table = PlacementTable(redis, keys, 60)
+    for i, node in enumerate("aaab"):
+        await table.register(WorkerInfo(f"w{i}", f"h{i}:1", "cpu", 1, ["s"], node), [spec])
+    assert await redis.hget(keys.worker("w3"), "node") == "b"
+    planner = GroupPlanner(redis, keys)
+    assert await planner.replan() == {"s": 2}
+    written = json.loads(await redis.get(keys.groups("s")))
+    assert written["groups"] == [[["w0", [0]], ["w1", [1]]], [["w3", [0, 1]]]]
     await redis.aclose()
 
 

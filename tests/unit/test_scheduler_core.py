@@ -511,7 +511,8 @@ async def test_model_load_reports_the_adaptation_signals():
     d, clock, fake = student_dispatcher([[("w0", (0,)), ("w1", (1,))]], capacity=1)
     tasks = [asyncio.create_task(d.submit(ss_job(clock, n))) for n in (10, 40)]
     await settle()
-    assert d.model_load()["ss"] == {"groups": 1, "idle": 0, "busy": 1, "students": 2, "buffer": 1}
+    assert d.model_load()["ss"] == {"groups": 1, "idle": 0, "busy": 1, "students": 2, "buffer": 1,
+                                    "by_group": {"ss/g0": 1}}
     fake.calls[0][2].set_result("a")
     await settle()
     fake.calls[1][2].set_result("b")
@@ -578,7 +579,8 @@ async def test_send_ahead_gives_a_busy_group_its_next_element_and_counts_it_as_b
     assert [c[0] for c in fake.calls] == ["w0", "w1", "w0", "w1"]
     assert [[j.payload for j in b] for b in fake.batches[2:]] == [[30], [31]]
     assert [g.in_flight for g in d.groups] == [2, 2] and d.load()["idle"] == 0 and d.stats.sent_ahead == 2
-    assert d.model_load()["ss"] == {"groups": 2, "idle": 0, "busy": 2, "students": 1, "buffer": 4}
+    assert d.model_load()["ss"] == {"groups": 2, "idle": 0, "busy": 2, "students": 1, "buffer": 4,
+                                    "by_group": {"ss/g0": 1, "ss/g1": 1}}
     clock.now += 0.010
     fake.calls[0][2].set_result("a")
     await settle()
@@ -687,6 +689,47 @@ async def test_a_worker_placed_between_the_watchers_two_reads_is_in_its_groups(r
     await Raced(redis, keys, d, refresh_s=1.0).refresh()
     assert [(g.name, [m.worker_id for m in g.members], g.students) for g in d.groups] == [("ss/g0", ["w0", "w1"], 2)]
     assert d.serves("ss")
+    await redis.aclose()
+
+
+async def test_a_node_scheduler_takes_its_nodes_groups_and_says_what_it_serves(redis_url):
+    """One scheduler a node (ACADEMUS_NODE): it forms the groups whose workers are on its node and leaves
+    the others' to their node's scheduler; `serving` (which it registers for the gateways) names the models
+    it has a live group for, and changes with them."""
+    import json
+
+    from academus.services.scheduler.server import PlacementWatcher
+    from academus.shared.keys import Keys
+    from academus.shared.redis_conn import connect
+
+    redis, keys = connect(redis_url), Keys("acd-node")
+    for i, node in enumerate("ab"):
+        await redis.hset(keys.worker(f"w{i}"), mapping={"address": f"127.0.0.1:{i + 1}", "capacity": 1,
+                                                        "node": node})
+        await redis.sadd(keys.placement("ss"), f"w{i}")
+    await redis.sadd(keys.placements(), "ss")
+    await redis.set(keys.groups("ss"), json.dumps({"students": 1, "groups": [[["w0", [0]]], [["w1", [0]]]]}))
+    changes = []
+
+    async def changed() -> None:
+        changes.append(watcher.serving)
+
+    formed = {}
+    for node in ("a", "b", "c", ""):
+        d = make_dispatcher({}, policy=StudentPolicy())[0]
+        watcher = PlacementWatcher(redis, keys, d, refresh_s=1.0, node=node, on_serving=changed)
+        await watcher.refresh()
+        formed[node] = ([(g.name, g.worker_id) for g in d.groups], watcher.serving)
+    assert formed == {"a": ([("ss/g0", "w0")], {"ss"}), "b": ([("ss/g1", "w1")], {"ss"}),
+                      "c": ([], set()),                          # a node with no worker of it serves nothing
+                      "": ([("ss/g0", "w0"), ("ss/g1", "w1")], {"ss"})}   # no node: the whole mesh
+    assert changes == [{"ss"}, {"ss"}, {"ss"}]   # each watcher began with nothing: c's never changed
+    await redis.delete(keys.worker("w1"))          # b's only worker is gone
+    await watcher.refresh()
+    assert [g.name for g in watcher.dispatcher.groups] == ["ss/g0"]
+    b = PlacementWatcher(redis, keys, make_dispatcher({}, policy=StudentPolicy())[0], 1.0, node="b")
+    await b.refresh()
+    assert b.serving == frozenset()
     await redis.aclose()
 
 

@@ -45,20 +45,22 @@ class ProfilePoint(_message.Message):
     def __init__(self, model: _Optional[str] = ..., instances: _Optional[int] = ..., merge: _Optional[int] = ..., throughput: _Optional[float] = ..., latency_ms: _Optional[float] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("worker_id", "address", "models", "device", "capacity", "profile")
+    __slots__ = ("worker_id", "address", "models", "device", "capacity", "profile", "node")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     models: _containers.RepeatedCompositeFieldContainer[ModelSpec]
     device: str
     capacity: int
     profile: _containers.RepeatedCompositeFieldContainer[ProfilePoint]
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelSpec, _Mapping]]] = ..., device: _Optional[str] = ..., capacity: _Optional[int] = ..., profile: _Optional[_Iterable[_Union[ProfilePoint, _Mapping]]] = ...) -> None: ...
+    node: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelSpec, _Mapping]]] = ..., device: _Optional[str] = ..., capacity: _Optional[int] = ..., profile: _Optional[_Iterable[_Union[ProfilePoint, _Mapping]]] = ..., node: _Optional[str] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("heartbeat_ttl_s", "capacity")

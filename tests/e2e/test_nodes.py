@@ -1,0 +1,73 @@
+"""One host standing in for two nodes (`academus up --nodes 2`): a worker a node, and the student
+deployment a scheduler a node (DESIGN: one scheduler a node). The resource manager forms groups within a
+node, each node's scheduler dispatches to its own node's workers only, the gateway spreads requests over
+both, and a killed worker loses no request: its node's scheduler stops saying it serves the model."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import redis
+
+from academus.client import AcademusError
+from academus.shared.keys import Keys
+from academus.shared.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, down, up, wait_exit
+from tests.conftest import small_student_artifacts
+from tests.e2e.test_student_parallelism import MODEL, burst, kill_under_load, table, wait_for
+
+pytestmark = pytest.mark.e2e
+NODE_OF = {"scheduler-0@node-0": "worker-0", "scheduler-0@node-1": "worker-1"}
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    artifacts = small_student_artifacts(tmp_path_factory.mktemp("node-artifacts"), best_k=2)
+    run_dir = tmp_path_factory.mktemp("node-run")
+    state = up(MeshOptions(
+        run_dir=run_dir, artifacts=artifacts, gateway_port=0, workers=2, worker_threads=1, instances=2, nodes=2,
+        deployments=[Deployment("student", MODEL)],
+        env={"ACADEMUS_MODELS": MODEL, "ACADEMUS_ADAPT_WINDOW_S": "600", "ACADEMUS_GRACE_S": "10"}))
+    state.key = (run_dir / ADMIN_KEY_FILE).read_text().strip()
+    yield state
+    down(run_dir)
+
+
+def serving(state) -> dict[str, str]:
+    """What each node's scheduler registered as serving."""
+    r = redis.Redis.from_url(state.redis_url, decode_responses=True)
+    return {s: r.hget(Keys(state.key_prefix).scheduler(s), "serving") for s in NODE_OF}
+
+
+def test_groups_stay_within_a_node_and_each_nodes_scheduler_runs_its_own(mesh):
+    r = redis.Redis.from_url(mesh.redis_url, decode_responses=True)
+    r.set(Keys(mesh.key_prefix).students(MODEL), 2)
+    # two slots a worker, a worker a node: a group of two students on each node (one pool of both workers
+    # would have put each group's two students on the two nodes)
+    wait_for(lambda: table(mesh).get("groups") == [[["worker-0", [0, 1]]], [["worker-1", [0, 1]]]],
+             what="a group a node")
+    wait_for(lambda: serving(mesh) == dict.fromkeys(NODE_OF, MODEL), what="both schedulers serving")
+    answers = asyncio.run(burst(mesh, 30, rate=60))
+    assert all(not isinstance(a, AcademusError) for a in answers), answers
+    pairs = {(a.metadata.scheduler_id, a.metadata.worker_id) for a in answers}
+    assert pairs == set(NODE_OF.items()), pairs      # both nodes served, each on its own worker only
+    assert {a.metadata.student_count for a in answers} == {2}
+    assert all((Path(mesh.run_dir) / "logs" / f"{s}.log").is_file() for s in NODE_OF)   # logs named by id
+
+
+def test_a_killed_worker_loses_no_request_and_its_node_stops_serving(mesh):
+    r = redis.Redis.from_url(mesh.redis_url, decode_responses=True)
+    r.set(Keys(mesh.key_prefix).students(MODEL), 1)
+    wait_for(lambda: len(table(mesh).get("groups", [])) == 4, what="two groups a node")
+    victim, answers = asyncio.run(kill_under_load(mesh))
+    assert wait_exit(victim.pid, 10)
+    errors = [a for a in answers if isinstance(a, AcademusError)]
+    assert not errors, [e.code for e in errors]
+    survivor = "worker-1" if victim.name == "worker-0" else "worker-0"
+    orphaned = next(s for s, w in NODE_OF.items() if w == victim.name)
+    wait_for(lambda: serving(mesh)[orphaned] == "", what="the orphaned node's scheduler to stop serving")
+    after = asyncio.run(burst(mesh, 10, rate=20))
+    assert all(not isinstance(a, AcademusError) for a in after), after
+    assert {(a.metadata.scheduler_id, a.metadata.worker_id) for a in after} == {
+        next((s, w) for s, w in NODE_OF.items() if w == survivor)}
