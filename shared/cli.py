@@ -132,7 +132,11 @@ def cmd_up(args: argparse.Namespace) -> int:
                           gateway_port=args.port, workers=args.workers, worker_threads=args.worker_threads,
                           instances=args.instances, deployments=deployments, gpus=args.gpus,
                           gateways=args.gateways, nodes=args.nodes)
-    up(options)
+    try:
+        up(options)
+    except MeshError as e:   # refused before it started (a setting, or a mesh already running there)
+        print(str(e), file=sys.stderr)
+        return 2
     print(json.dumps(status(options.run_dir)))
     if args.detach:
         return 0

@@ -351,7 +351,7 @@ async def build() -> ServiceSpec:
 
     async def reregister() -> None:
         """What this node's scheduler serves changed: gateways read it now rather than at the next beat."""
-        if state["address"]:
+        if state["address"] and config.node:
             await beat()
 
     watcher = PlacementWatcher(redis, keys, dispatcher, config.refresh_s, models, prefetcher, config.node,

@@ -153,3 +153,11 @@ def test_a_mesh_of_several_nodes_spreads_the_workers_and_runs_a_scheduler_a_node
     one = replace(options, nodes=1)
     assert _worker_envs(one) == [{}, {}, {}]        # one node: no name, as before
     assert all("ACADEMUS_NODE" not in s for s in dict(_plan(one, [{}]))["scheduler"])
+
+
+def test_academus_up_refuses_a_bad_setting_with_a_message_not_a_traceback(tmp_path, capsys):
+    from academus.shared import cli
+
+    assert cli.main(["--run-dir", str(tmp_path), "up", "--nodes", "0", "--detach"]) == 2
+    assert "nodes must be >= 1, not 0" in capsys.readouterr().err
+    assert not (tmp_path / mesh.STATE_FILE).exists()
