@@ -13,9 +13,8 @@ import redis
 
 from academus.client import AcademusError
 from academus.shared.keys import Keys
-from academus.shared.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, down, up, wait_exit
-from tests.conftest import small_student_artifacts
-from tests.e2e.test_student_parallelism import MODEL, burst, kill_under_load, table, wait_for
+from academus.shared.mesh import Deployment, wait_exit
+from tests.e2e.test_student_parallelism import MODEL, burst, kill_under_load, table, two_worker_mesh, wait_for
 
 pytestmark = pytest.mark.e2e
 NODE_OF = {"scheduler-0@node-0": "worker-0", "scheduler-0@node-1": "worker-1"}
@@ -23,15 +22,7 @@ NODE_OF = {"scheduler-0@node-0": "worker-0", "scheduler-0@node-1": "worker-1"}
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    artifacts = small_student_artifacts(tmp_path_factory.mktemp("node-artifacts"), best_k=2)
-    run_dir = tmp_path_factory.mktemp("node-run")
-    state = up(MeshOptions(
-        run_dir=run_dir, artifacts=artifacts, gateway_port=0, workers=2, worker_threads=1, instances=2, nodes=2,
-        deployments=[Deployment("student", MODEL)],
-        env={"ACADEMUS_MODELS": MODEL, "ACADEMUS_ADAPT_WINDOW_S": "600", "ACADEMUS_GRACE_S": "10"}))
-    state.key = (run_dir / ADMIN_KEY_FILE).read_text().strip()
-    yield state
-    down(run_dir)
+    yield from two_worker_mesh(tmp_path_factory, "node", deployments=[Deployment("student", MODEL)], nodes=2)
 
 
 def serving(state) -> dict[str, str]:

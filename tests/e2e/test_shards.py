@@ -12,10 +12,9 @@ import redis
 
 from academus.client import AcademusError
 from academus.shared.keys import Keys
-from academus.shared.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, down, up, wait_exit
-from tests.conftest import small_student_artifacts
+from academus.shared.mesh import Deployment, wait_exit
 from tests.e2e.conftest import metric
-from tests.e2e.test_student_parallelism import MODEL, burst, kill_under_load, table, wait_for
+from tests.e2e.test_student_parallelism import MODEL, burst, kill_under_load, table, two_worker_mesh, wait_for
 
 pytestmark = pytest.mark.e2e
 SHARDS = ("scheduler-0.0", "scheduler-0.1", "scheduler-0.2")
@@ -23,15 +22,7 @@ SHARDS = ("scheduler-0.0", "scheduler-0.1", "scheduler-0.2")
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    artifacts = small_student_artifacts(tmp_path_factory.mktemp("shard-artifacts"), best_k=2)
-    run_dir = tmp_path_factory.mktemp("shard-run")
-    state = up(MeshOptions(
-        run_dir=run_dir, artifacts=artifacts, gateway_port=0, workers=2, worker_threads=1, instances=2,
-        deployments=[Deployment("student", MODEL, shards=3)],
-        env={"ACADEMUS_MODELS": MODEL, "ACADEMUS_ADAPT_WINDOW_S": "600", "ACADEMUS_GRACE_S": "10"}))
-    state.key = (run_dir / ADMIN_KEY_FILE).read_text().strip()
-    yield state
-    down(run_dir)
+    yield from two_worker_mesh(tmp_path_factory, "shard", deployments=[Deployment("student", MODEL, shards=3)])
 
 
 def shard_groups(state) -> dict[str, int]:

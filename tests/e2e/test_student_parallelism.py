@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,13 +17,26 @@ import redis
 
 from academus.client import AcademusError, AsyncClient
 from academus.shared.keys import Keys
-from academus.shared.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, down, up, wait_exit
+from academus.shared.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, MeshState, down, up, wait_exit
 from tests.conftest import small_student_artifacts
 from tests.e2e.conftest import metric
 
 pytestmark = pytest.mark.e2e
 MODEL = "sentiment-students"
 TEXT = "a warm and funny film whose cast makes every scene feel new, even the slow ones near the end"
+
+
+def two_worker_mesh(tmp_path_factory, name: str, **options) -> Iterator[MeshState]:
+    """The untrained student group on two workers of two slots, adaptation held off, and `options` (the
+    deployments, nodes): the meshes of the shards' and the nodes' tests."""
+    artifacts = small_student_artifacts(tmp_path_factory.mktemp(f"{name}-artifacts"), best_k=2)
+    run_dir = tmp_path_factory.mktemp(f"{name}-run")
+    state = up(MeshOptions(
+        run_dir=run_dir, artifacts=artifacts, gateway_port=0, workers=2, worker_threads=1, instances=2,
+        env={"ACADEMUS_MODELS": MODEL, "ACADEMUS_ADAPT_WINDOW_S": "600", "ACADEMUS_GRACE_S": "10"}, **options))
+    state.key = (run_dir / ADMIN_KEY_FILE).read_text().strip()
+    yield state
+    down(run_dir)
 
 
 @pytest.fixture(scope="module")
