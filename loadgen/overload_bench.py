@@ -9,6 +9,10 @@ ablation). `--ablate drop_doomed` (the default): the scheduler's doomed-job drop
 requests for a scheduler that refused for a full queue, ACADEMUS_HONOUR_PUSHBACK. `--ablate gc_freeze`,
 `--ablate compute_sched`: see half_load_bench. `--ablate shards`: the deployment split over `--shards`
 scheduler processes (2 unless given) against one scheduler; each shard has its own `--queue`.
+`--ablate overload_merge`: the student buffer's elements growing to twice max_merge while a full buffer's
+worth of samples queues beyond it, against the paper's buffer exactly (ACADEMUS_OVERLOAD_MERGE 0 / 1).
+`--rounds N` runs the pair N times, the order alternating (machine drift then falls on both), and compares
+the arms' mean throughputs.
 
 Reports the load generator's summary, the CPU ms a completed request cost in each process, and the
 workers' and scheduler's counters over the run: batches computed, batches stopped between layers once
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 from academus.loadgen.bench import ABLATIONS, loadgen_with_cpu, run_bench, serving_samples
@@ -45,9 +50,15 @@ def run(args: argparse.Namespace) -> dict:
         runs = {on: overload(args, on, {}, max(2, args.shards)), off: overload(args, off, {}, 1)}
     else:
         setting, (on, on_value), (off, off_value) = ABLATIONS[args.ablate]
-        runs = {name: overload(args, name, {setting: value}, args.shards)
-                for name, value in ((on, on_value), (off, off_value))}
-    goodput = runs[on]["throughput_rps"] / max(runs[off]["throughput_rps"], 1e-9)
+        runs = {}
+        for r in range(args.rounds):
+            arms = ((on, on_value), (off, off_value))
+            for name, value in arms if r % 2 == 0 else arms[::-1]:
+                label = name if args.rounds == 1 else f"{r}-{name}"
+                runs[label] = overload(args, label, {setting: value}, args.shards)
+    throughput = {arm: statistics.mean(v["throughput_rps"] for k, v in runs.items() if k.partition("-")[2] == arm
+                                       or k == arm) for arm in (on, off)}
+    goodput = throughput[on] / max(throughput[off], 1e-9)
     return runs | {f"goodput_{on.split('_')[0]}_vs_{off.split('_')[0]}": round(goodput, 3)}
 
 
@@ -92,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--procs", type=int, default=1, help="load-generator processes (a GPU node's rates)")
     p.add_argument("--shards", type=int, default=1, help="scheduler processes, each running its share of the groups")
     p.add_argument("--queue", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=1, help="the pair of runs this many times, the order alternating")
     p.add_argument("--ablate", choices=sorted([*ABLATIONS, "shards"]), default="drop_doomed",
                    help="the setting the second run switches off (default: drop_doomed)")
     p.add_argument("--out", type=Path, default=Path("bench/overload"))

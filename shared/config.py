@@ -127,6 +127,8 @@ class SchedulerConfig(CommonConfig):
     max_batch: int = 32              # padded: texts per batch
     max_delay_ms: float = 10.0       # padded: how long the oldest request may wait for the batch to fill
     max_merge: int = 0               # student: samples per buffer element; 0: the profiled value, else 4
+    overload_merge: int = 0          # student: the bound while the buffer is full (an element a group); 0: twice
+                                     # max_merge; max_merge itself: the paper's buffer exactly (the ablation)
     bin_width: int = 8               # student: tokens per length bin (App. B.4.2)
     max_length: int = 128            # student: the binned length range; longer samples share the last bin
     concat_row_length: int = 128     # concat: L, tokens a row (TCB §4)
@@ -155,8 +157,9 @@ class SchedulerConfig(CommonConfig):
             raise ConfigError(f"ACADEMUS_QUEUE_CAPACITY={self.queue_capacity} must be >= 1")
         if self.policy not in POLICY_NAMES:
             raise ConfigError(f"ACADEMUS_POLICY={self.policy!r} is not a policy ({', '.join(POLICY_NAMES)})")
-        if self.max_merge < 0 or self.bin_width < 1 or self.max_length < self.bin_width:
-            raise ConfigError(f"ACADEMUS_MAX_MERGE={self.max_merge} must be >= 0, ACADEMUS_BIN_WIDTH="
+        if self.max_merge < 0 or self.overload_merge < 0 or self.bin_width < 1 or self.max_length < self.bin_width:
+            raise ConfigError(f"ACADEMUS_MAX_MERGE={self.max_merge} and ACADEMUS_OVERLOAD_MERGE={self.overload_merge} "
+                              f"must be >= 0, ACADEMUS_BIN_WIDTH="
                               f"{self.bin_width} >= 1 and ACADEMUS_MAX_LENGTH={self.max_length} >= the bin width")
         if self.max_batch < 1 or self.max_delay_ms < 0:
             raise ConfigError(f"ACADEMUS_MAX_BATCH={self.max_batch} must be >= 1 and "

@@ -324,6 +324,7 @@ def policy_from(config: cfg.SchedulerConfig) -> DispatchPolicy:
     """The deployment's dispatch policy with every setting of its configuration."""
     return make_policy(config.policy, max_batch=config.max_batch, max_delay_s=config.max_delay_ms / 1e3,
                        max_merge=config.max_merge or 4, max_length=config.max_length,
+                       overload_merge=config.overload_merge,
                        concat=ConcatSettings(config.concat_row_length, config.concat_rows, config.concat_eta,
                                              config.concat_selection, config.concat_slotted, config.concat_oversize),
                        latency=LatencyModel(config.batch_overhead_ms / 1e3, config.token_us / 1e6),
@@ -383,7 +384,7 @@ async def build() -> ServiceSpec:
     async def report_load() -> None:
         """The signals the resource manager adapts the student number on (buffer depth, idle groups)."""
         if watcher.max_merge and not config.max_merge and isinstance(policy, StudentPolicy):
-            policy.buffer.max_merge = watcher.max_merge
+            policy.set_max_merge(watcher.max_merge)
         load = dispatcher.load() | policy.stats() | {"merged": getattr(policy, "merged", 0), "policy": config.policy,
                                                      "models": json.dumps(dispatcher.model_load())}
         if prefetcher is not None:

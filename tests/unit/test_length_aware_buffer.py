@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -176,9 +177,9 @@ def test_elements_ahead_of_a_merge_are_never_undercounted_whatever_leaves_or_cut
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.integers(1, 200), max_size=40), st.integers(1, 5), st.integers(1, 4))
-def test_student_policy_never_exceeds_its_buffer_capacity_and_loses_nothing(lengths, groups, max_merge):
-    policy = StudentPolicy(max_merge=max_merge)
+@given(st.lists(st.integers(1, 200), max_size=40), st.integers(1, 5), st.integers(1, 4), st.integers(0, 8))
+def test_student_policy_never_exceeds_its_buffer_capacity_and_loses_nothing(lengths, groups, max_merge, overload):
+    policy = StudentPolicy(max_merge=max_merge, overload_merge=overload)
     policy.resize(groups)
     jobs = [job(n) for n in lengths]
     for j in jobs:
@@ -201,7 +202,7 @@ def test_an_arrival_joins_its_bins_element_even_while_others_queue():
 
 
 def test_an_element_entering_the_buffer_takes_the_queued_samples_of_its_bin():
-    policy = StudentPolicy(max_merge=3)
+    policy = StudentPolicy(max_merge=3, overload_merge=3)   # the paper's buffer exactly
     policy.resize(1)
     for n in (10, 50, 70, 52, 53, 54):  # 50, 52, 53, 54 share a bin; 70 is another
         policy.push(job(n), 0.0)
@@ -214,7 +215,7 @@ def test_an_element_entering_the_buffer_takes_the_queued_samples_of_its_bin():
 
 
 def test_removing_queued_and_buffered_jobs_keeps_the_rest_in_order():
-    policy = StudentPolicy(max_merge=2)
+    policy = StudentPolicy(max_merge=2, overload_merge=2)   # the paper's buffer exactly
     policy.resize(1)
     jobs = [job(n) for n in (10, 11, 12, 50, 13)]  # element [10, 11]; queued 12, 50, 13
     for j in jobs:
@@ -232,9 +233,11 @@ student_ops = st.lists(st.one_of(st.tuples(st.just("push"), st.integers(1, 200),
 
 
 @settings(max_examples=150, deadline=None)
-@given(student_ops, st.integers(1, 4), st.integers(1, 5))
-def test_student_policy_merges_every_queued_sample_that_fits_and_loses_nothing(ops, groups, max_merge):
-    policy = StudentPolicy(max_merge=max_merge)
+@given(student_ops, st.integers(1, 4), st.integers(1, 5), st.integers(0, 10))
+def test_student_policy_merges_every_queued_sample_that_fits_and_loses_nothing(ops, groups, max_merge, overload):
+    """Whatever the bounds (the overload bound 0: twice max_merge; at most max_merge: the paper's buffer)."""
+    policy = StudentPolicy(max_merge=max_merge, overload_merge=overload)
+    bound = max(overload or 2 * max_merge, max_merge)
     policy.resize(groups)
     pushed, out = [], []
     for op, value, texts in ops:
@@ -252,9 +255,39 @@ def test_student_policy_merges_every_queued_sample_that_fits_and_loses_nothing(o
             first_of_key.setdefault(policy.buffer.key_of(j), j)
         assert not any(policy.buffer.merges(j) for j in first_of_key.values())  # none left that would fit
         assert len(policy) == policy.buffer.samples + len(queued)
+        assert policy.buffer.max_merge == (bound if len(queued) >= groups * max_merge else max_merge)
+        assert all(e.samples <= bound or len(e.jobs) == 1 for e in policy.buffer)
     while batch := policy.next_batch(lambda j: True, 0.0):
         out += batch
     assert sorted(j.payload for j in out) == sorted(j.payload for j in pushed) and len(policy) == 0
+
+
+def test_while_a_full_buffers_worth_waits_beyond_it_elements_grow_to_the_overload_bound():
+    """Two groups, merges of 2, overload merges of 4: once 4 samples (an element of 2 a group) queue beyond
+    the buffer, the queued samples of a bin fill its element up to 4, oldest first; with fewer queued the
+    paper's 2 holds, and a profile's bound moves the threshold with it."""
+    policy = StudentPolicy(max_merge=2, overload_merge=4)
+    policy.resize(2)
+    for n in (10, 11, 12, 13, 14, 15, 16):
+        policy.push(job(n), 0.0)
+    assert [[j.max_length for j in e.jobs] for e in policy.buffer] == [[10, 11], [12, 13]]
+    assert [j.max_length for j in policy._waiting()] == [14, 15, 16] and policy.buffer.max_merge == 2
+    policy.push(job(50), 0.0)                        # the fourth queued sample: overloaded
+    assert [[j.max_length for j in e.jobs] for e in policy.buffer] == [[10, 11], [12, 13, 14, 15]]
+    assert [j.max_length for j in policy._waiting()] == [16, 50] and policy.buffer.max_merge == 2   # fell back
+    assert [j.max_length for j in policy.next_batch(lambda j: True, 0.0)] == [10, 11]
+    assert [[j.max_length for j in e.jobs] for e in policy.buffer] == [[12, 13, 14, 15], [16]]
+    assert [j.max_length for j in policy._waiting()] == [50]
+    policy.set_max_merge(1)                            # a profile's bound: 2 queued are now a full buffer's worth
+    assert (policy.max_merge, policy.buffer.max_merge) == (1, 1)
+    policy.push(job(51), 0.0)
+    assert [j.max_length for j in policy._waiting()] == [50, 51] and policy.buffer.max_merge == 4
+    paper = StudentPolicy(max_merge=2, overload_merge=2)
+    paper.resize(2)
+    for n in (10, 11, 12, 13, 14, 15, 16, 50):
+        paper.push(job(n), 0.0)
+    assert [[j.max_length for j in e.jobs] for e in paper.buffer] == [[10, 11], [12, 13]]   # the ablation
+    assert [j.max_length for j in paper._waiting()] == [14, 15, 16, 50]
 
 
 def test_an_emptied_queue_keeps_no_references_to_jobs_taken_through_their_bin():
@@ -276,3 +309,9 @@ def test_the_deployments_settings_reach_the_student_policys_buffer():
         "ACADEMUS_POLICY": "student", "ACADEMUS_BIN_WIDTH": "16", "ACADEMUS_MAX_MERGE": "2",
         "ACADEMUS_MAX_LENGTH": "256"}))
     assert (policy.buffer.bin_width, policy.buffer.max_merge, policy.buffer.num_bins) == (16, 2, 16)
+    assert policy.overload_merge == 0    # unset: twice max_merge while the buffer is full
+    paper = policy_from(cfg.load(cfg.SchedulerConfig, env={"ACADEMUS_POLICY": "student", "ACADEMUS_MAX_MERGE": "2",
+                                                            "ACADEMUS_OVERLOAD_MERGE": "2"}))
+    assert (paper.max_merge, paper.overload_merge) == (2, 2)
+    with pytest.raises(cfg.ConfigError, match="ACADEMUS_OVERLOAD_MERGE=-1"):
+        cfg.load(cfg.SchedulerConfig, env={"ACADEMUS_POLICY": "student", "ACADEMUS_OVERLOAD_MERGE": "-1"})

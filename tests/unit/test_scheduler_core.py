@@ -374,7 +374,7 @@ async def test_admission_counts_only_the_jobs_own_models_work_where_its_groups_r
     from academus.services.scheduler.core import GroupTable, Member
 
     clock, fake = Clock(), FakeWorkers()
-    d = Dispatcher(StudentPolicy(max_merge=1), fake.send, 16, 25, clock)
+    d = Dispatcher(StudentPolicy(max_merge=1, overload_merge=1), fake.send, 16, 25, clock)   # elements of one
     tables = {m: GroupTable(m, 1, ((Member(f"w{m}", (0,)),),)) for m in ("a", "b")}
     d.update_workers({f"w{m}": (f"127.0.0.1:{i}", frozenset({m}), 1) for i, m in enumerate("ab")}, tables)
     d.service_s.update(a=0.2, b=0.2)
