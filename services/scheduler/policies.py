@@ -166,7 +166,7 @@ class StudentPolicy(DispatchPolicy):
     Overload merge (ours, not the paper's): while a whole buffer's worth of samples (an element of
     `max_merge` a group) waits beyond the buffer, elements grow to `overload_merge` samples. Those samples
     wait for running elements either way, and one call of eight costs a CPU worker less than two of four
-    (fewer hops, larger matmuls): at capacity on two cores the students served 1.15-1.26x as many requests,
+    (fewer hops, larger matmuls): at capacity on two cores the students served 1.17-1.19x as many requests,
     at lower latency (loadgen/results/students/README.md). Short of that the paper's `max_merge` holds, so
     a sample that meets a brief cluster of arrivals does not wait on a larger batch (with the bound raised
     whenever the buffer was full, the students' p95 at half load rose by 2 ms). `overload_merge` equal to
