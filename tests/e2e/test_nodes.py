@@ -6,12 +6,14 @@ both, and a killed worker loses no request: its node's scheduler stops saying it
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
 import redis
 
 from academus.client import AcademusError
+from academus.shared.config import GatewayConfig
 from academus.shared.keys import Keys
 from academus.shared.mesh import Deployment, wait_exit
 from tests.e2e.test_student_parallelism import MODEL, burst, kill_under_load, table, two_worker_mesh, wait_for
@@ -39,6 +41,7 @@ def test_groups_stay_within_a_node_and_each_nodes_scheduler_runs_its_own(mesh):
     wait_for(lambda: table(mesh).get("groups") == [[["worker-0", [0, 1]]], [["worker-1", [0, 1]]]],
              what="a group a node")
     wait_for(lambda: serving(mesh) == dict.fromkeys(NODE_OF, MODEL), what="both schedulers serving")
+    time.sleep(2 * GatewayConfig().catalogue_refresh_s)   # the gateway re-reads the registry this often
     answers = asyncio.run(burst(mesh, 30, rate=60))
     assert all(not isinstance(a, AcademusError) for a in answers), answers
     pairs = {(a.metadata.scheduler_id, a.metadata.worker_id) for a in answers}
