@@ -48,17 +48,17 @@ def run(args: argparse.Namespace) -> dict:
     if args.ablate == "shards":
         on, off = "sharded", "one_scheduler"
         runs = {on: overload(args, on, {}, max(2, args.shards)), off: overload(args, off, {}, 1)}
+        throughput = {arm: [runs[arm]["throughput_rps"]] for arm in (on, off)}
     else:
         setting, (on, on_value), (off, off_value) = ABLATIONS[args.ablate]
-        runs = {}
+        runs, throughput = {}, {on: [], off: []}
         for r in range(args.rounds):
             arms = ((on, on_value), (off, off_value))
             for name, value in arms if r % 2 == 0 else arms[::-1]:
                 label = name if args.rounds == 1 else f"{r}-{name}"
                 runs[label] = overload(args, label, {setting: value}, args.shards)
-    throughput = {arm: statistics.mean(v["throughput_rps"] for k, v in runs.items() if k.partition("-")[2] == arm
-                                       or k == arm) for arm in (on, off)}
-    goodput = throughput[on] / max(throughput[off], 1e-9)
+                throughput[name].append(runs[label]["throughput_rps"])
+    goodput = statistics.mean(throughput[on]) / max(statistics.mean(throughput[off]), 1e-9)
     return runs | {f"goodput_{on.split('_')[0]}_vs_{off.split('_')[0]}": round(goodput, 3)}
 
 

@@ -29,6 +29,11 @@ def run_dir() -> Path:
     return Path(os.environ.get("ACADEMUS_RUN_DIR", home_dir() / "run"))
 
 
+def split_names(joined: str) -> tuple[str, ...]:
+    """Comma-joined model names (a setting such as ACADEMUS_MODELS, or a registration in Redis); empty: none."""
+    return tuple(m for m in joined.split(",") if m)
+
+
 def redis_url_from_env() -> str | None:
     return os.environ.get("ACADEMUS_REDIS_URL") or os.environ.get("REDIS_URL")
 

@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
-from academus.shared.config import POLICY_NAMES, GatewayConfig
+from academus.shared.config import POLICY_NAMES, GatewayConfig, split_names
 from academus.shared.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -363,8 +363,8 @@ class SchedulerDirectory:
         except RedisError as e:
             raise Unavailable(f"the scheduler registry is unreachable: {e}") from e
         self._refreshed_at = self.clock()
-        self.deployments = [Deployment(f["address"], f.get("policy", ""), _names(f.get("models", "")),
-                                       _names(f["serving"]) if "serving" in f else None)
+        self.deployments = [Deployment(f["address"], f.get("policy", ""), frozenset(split_names(f.get("models", ""))),
+                                       frozenset(split_names(f["serving"])) if "serving" in f else None)
                             for f in found if f.get("address")]
         live = set(self.addresses)   # a scheduler gone with nothing in flight is forgotten
         self._in_flight = Counter({a: n for a, n in self._in_flight.items() if n or a in live})
@@ -437,8 +437,3 @@ class SchedulerDirectory:
             tried.add(address)
             if self.clock() >= deadline or not self.serving(model, policy, tried):
                 raise error
-
-
-def _names(joined: str) -> frozenset[str]:
-    """A registration's comma-joined model names."""
-    return frozenset(m for m in joined.split(",") if m)

@@ -245,9 +245,8 @@ class StudentPolicy(DispatchPolicy):
             self._jobs.popleft()
             del self._queued[id(job)]
             self.merged += self.buffer.push(job)
-            self._bound()   # each step takes from the queue: the bound can only fall back
             self._merge_waiting(self.buffer.key_of(job))
-            self._bound()
+            self._bound()   # each step takes from the queue: the bound can only fall back
         self._jobs.clear()     # only entries already taken through the other index are left: let them go
         self._by_key.clear()
 

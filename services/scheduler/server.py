@@ -347,7 +347,7 @@ async def build() -> ServiceSpec:
                             lost_quarantine_s=max(1, round(config.heartbeat_ttl_s)),   # the key's TTL
                             shard=Shard(config.shard, config.shards))
     dispatcher.workers = workers  # the sender resolves member addresses from the same live table
-    models = frozenset(m for m in config.models.split(",") if m)
+    models = frozenset(cfg.split_names(config.models))
     state = {"id": config.scheduler_id, "address": ""}
 
     async def reregister() -> None:

@@ -239,7 +239,7 @@ async def build() -> ServiceSpec:
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     worker_id = config.worker_id or f"worker-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    runner = ModelRunner(Path(config.artifacts), [m for m in config.models.split(",") if m], config.device,
+    runner = ModelRunner(Path(config.artifacts), list(cfg.split_names(config.models)), config.device,
                          attention=config.packed_attention, traced=config.traced_layers)
     keys = Keys(config.key_prefix)
     fetcher = StoreFetcher(config.redis_url, keys, config.adapter_store)
