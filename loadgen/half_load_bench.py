@@ -15,7 +15,8 @@ elements growing to twice max_merge while a full buffer's worth queues, or the p
 (ACADEMUS_OVERLOAD_MERGE 0 / 1). `merge_8`: merges of 8 at every load against 4.
 `drop_doomed`, `honour_pushback`: see overload_bench.
 `workers`, `instances`: mesh options, not switches: three worker processes (student groups, on CPU) against
-student_bench's two; two compute threads a worker against one.
+student_bench's two; two compute threads a worker against one. `artifacts`: the models of --other-artifacts
+(say, students of another width: `academus distill --intermediate-size`) against those of --artifacts.
 
 Each round starts two fresh meshes in turn, one a setting (the order alternates between rounds, so
 drift of the machine does not favour one), each serving the padded teacher and the student group as
@@ -47,7 +48,8 @@ from academus.shared.mesh import down
 # Mesh options compared as the switches are: the option, then (arm, value) tried and (arm, value) as
 # student_bench runs it.
 MESH_SETTINGS = {"workers": ("workers", ("three_workers", 3), ("two_workers", 2)),
-                 "instances": ("instances", ("two_instances", 2), ("one_instance", 1))}
+                 "instances": ("instances", ("two_instances", 2), ("one_instance", 1)),
+                 "artifacts": ("artifacts", ("other_artifacts", "--other-artifacts"), ("artifacts", "--artifacts"))}
 
 Pauses = dict[tuple[str, str, str], float]   # (sample name, generation, bucket bound or "") -> value
 
@@ -105,8 +107,18 @@ def arm_setting(args: argparse.Namespace, value) -> tuple[argparse.Namespace, di
     return args, {ABLATIONS[args.ablate][0]: value}
 
 
-def run(args: argparse.Namespace) -> dict:
+def arms_of(args: argparse.Namespace) -> list[tuple[str, object]]:
+    """(arm, value) for the setting compared; `artifacts` takes its two directories from the options."""
     _, *arms = (ABLATIONS | MESH_SETTINGS)[args.ablate]
+    if args.ablate == "artifacts":
+        if args.other_artifacts is None:
+            raise SystemExit("--ablate artifacts compares two model sets: name the other with --other-artifacts DIR")
+        return [("other_artifacts", args.other_artifacts), ("artifacts", args.artifacts)]
+    return arms
+
+
+def run(args: argparse.Namespace) -> dict:
+    arms = arms_of(args)
     rounds = []
     for r in range(args.rounds):
         order = arms if r % 2 == 0 else arms[::-1]
@@ -118,8 +130,8 @@ def run(args: argparse.Namespace) -> dict:
     quantiles = ("p50", "p95", "p99")
     mean = {name: {q: round(statistics.mean(v for rd in rounds if (v := rd[name]["a_ratios"][q]) is not None), 3)
                    for q in quantiles} for name, _ in arms}
-    return {"ablate": args.ablate, "rate": args.rate, "duration_s": args.duration, "rounds": rounds,
-            "mean_a_ratios": mean}
+    return {"ablate": args.ablate, "arms": {name: str(value) for name, value in arms}, "rate": args.rate,
+            "duration_s": args.duration, "rounds": rounds, "mean_a_ratios": mean}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ablate", choices=sorted(ABLATIONS | MESH_SETTINGS), required=True,
                    help="the setting switched off (or the mesh option changed) in one arm")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--other-artifacts", type=Path, default=None, help="--ablate artifacts: the other arm's models")
     add_mesh_options(p)
     p.add_argument("--out", type=Path, default=Path("bench/half_load"))
     return run_bench(p, run, argv)

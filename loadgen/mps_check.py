@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> dict:
     task, run_dir = args.task, args.out / "run"
     students, single = f"{task}-students", f"{task}-2l"
     state = up(MeshOptions(
-        run_dir=run_dir, gateway_port=0, gateways=args.gateways, workers=args.workers,
+        run_dir=run_dir, artifacts=args.artifacts, gateway_port=0, gateways=args.gateways, workers=args.workers,
         worker_threads=args.worker_threads, instances=args.instances,
         deployments=[Deployment("student", students), Deployment("padded", single)],
         env={"ACADEMUS_MODELS": f"{students},{single}", "ACADEMUS_MPS": args.mps,

@@ -35,6 +35,7 @@ from pathlib import Path
 import redis
 
 from academus.loadgen.bench import loadgen, loadgen_with_cpu, run_bench
+from academus.shared.config import artifacts_dir
 from academus.shared.keys import Keys
 from academus.shared.mesh import Deployment, MeshOptions, down, up
 
@@ -48,7 +49,7 @@ def set_students(state, model: str, number: int) -> None:
 def start(args: argparse.Namespace, run_dir: Path, window_s: float, env: dict[str, str] | None = None):
     task = args.task
     return up(MeshOptions(
-        run_dir=run_dir, gateway_port=0, gateways=args.gateways, workers=args.workers,
+        run_dir=run_dir, artifacts=args.artifacts, gateway_port=0, gateways=args.gateways, workers=args.workers,
         worker_threads=args.worker_threads, instances=args.instances,
         deployments=[Deployment("student", f"{task}-students", args.shards),
                      Deployment("padded", f"{task},{task}-2l", args.shards)],
@@ -198,6 +199,8 @@ def latency_ratio(run: dict, base: dict, q: str) -> float | None:
 def add_mesh_options(p: argparse.ArgumentParser) -> None:
     """What `start`, `group_size` and the half-load runs read: the mesh, the task, each run's length."""
     p.add_argument("--task", choices=["sentiment", "spam"], default="sentiment")
+    p.add_argument("--artifacts", type=Path, default=artifacts_dir(),
+                   help="the models served (default ACADEMUS_ARTIFACTS)")
     p.add_argument("--duration", type=float, default=30.0)
     p.add_argument("--timeout", type=float, default=5.0)
     p.add_argument("--workers", type=int, default=2)

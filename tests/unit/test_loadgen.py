@@ -366,6 +366,19 @@ def test_half_load_bench_arms_set_a_switch_or_change_a_mesh_option():
     assert arm_setting(args, "false") == (args, {"ACADEMUS_GC_FREEZE": "false"})
 
 
+def test_half_load_bench_compares_two_model_sets_by_their_directories(tmp_path):
+    import argparse
+
+    from academus.loadgen.half_load_bench import arm_setting, arms_of
+
+    args = argparse.Namespace(ablate="artifacts", artifacts=tmp_path / "full", other_artifacts=tmp_path / "narrow")
+    assert arms_of(args) == [("other_artifacts", tmp_path / "narrow"), ("artifacts", tmp_path / "full")]
+    assert arm_setting(args, tmp_path / "narrow")[0].artifacts == tmp_path / "narrow"
+    with pytest.raises(SystemExit, match="--other-artifacts"):
+        arms_of(argparse.Namespace(ablate="artifacts", artifacts=tmp_path / "full", other_artifacts=None))
+    assert arms_of(argparse.Namespace(ablate="gc_freeze"))[0] == ("frozen", "true")
+
+
 def test_serving_profile_classifies_each_sample_by_its_stack():
     from academus.loadgen.serving_profile import classify, shares
 
