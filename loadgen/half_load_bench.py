@@ -49,7 +49,7 @@ from academus.shared.mesh import down
 # student_bench runs it.
 MESH_SETTINGS = {"workers": ("workers", ("three_workers", 3), ("two_workers", 2)),
                  "instances": ("instances", ("two_instances", 2), ("one_instance", 1)),
-                 "artifacts": ("artifacts", ("other_artifacts", "--other-artifacts"), ("artifacts", "--artifacts"))}
+                 "artifacts": ("artifacts",)}   # its arms, --other-artifacts and --artifacts, are given (arms_of)
 
 Pauses = dict[tuple[str, str, str], float]   # (sample name, generation, bucket bound or "") -> value
 

@@ -128,7 +128,7 @@ class Keys:
         return f"{self.prefix}:resource_manager"
 
     def events(self) -> str:
-        """Pub/sub channel: placement and catalogue changes."""
+        """Pub/sub channel: placement and catalogue changes, and a node scheduler's `serving <id>`."""
         return f"{self.prefix}:events"
 
 

@@ -4,6 +4,8 @@ over the Manage core (services/gateway/manage.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import json
 import time
 
@@ -33,7 +35,7 @@ from academus.shared.jobs import FAILED, QUEUED, RUNNING, SUCCEEDED, Job
 from academus.shared.keys import Keys
 from academus.shared.logs import log_event
 from academus.shared.model import teacher_dir
-from academus.shared.redis_conn import connect
+from academus.shared.redis_conn import connect, wake_on
 from academus.shared.serving import ServiceSpec, Stubs, run
 from academus.shared.tenants import Quotas, TenantModel, TenantRegistry
 from academus.shared.tokenization import TeacherTokenizer
@@ -250,6 +252,9 @@ async def build() -> ServiceSpec:
                       TenantModels(registry, config.auth_cache_s), Quotas(redis, keys, config.auth_cache_s),
                       schedulers)
 
+    changed = asyncio.Event()   # set by an event on the channel: a worker registered, a node's scheduler
+                                # started or stopped serving a model, groups were re-planned
+
     async def refresher() -> None:
         while True:
             try:
@@ -257,7 +262,9 @@ async def build() -> ServiceSpec:
                 await schedulers.refresh()
             except Exception as e:
                 log_event("refresh_failed", error=repr(e))
-            await asyncio.sleep(config.catalogue_refresh_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), config.catalogue_refresh_s)
+            changed.clear()
 
     manage = ManageServicer(Manage(config, redis, keys, gateway.auth))
 
@@ -273,7 +280,7 @@ async def build() -> ServiceSpec:
         add_servicers=add_servicers,
         service_names=["academus.v1.Inference", "academus.v1.Manage"],
         on_stopped=redis.aclose,
-        extra_tasks=[refresher],
+        extra_tasks=[refresher, functools.partial(wake_on, redis, keys.events(), changed)],
         own_port=config.own_port,
     )
 

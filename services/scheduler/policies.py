@@ -191,7 +191,10 @@ class StudentPolicy(DispatchPolicy):
         self._refill()
 
     def set_max_merge(self, max_merge: int) -> None:
-        """The profiled merge bound (App. B.4.1); the overload bound keeps its ratio to it when derived."""
+        """The profiled merge bound (App. B.4.1); the overload bound keeps its ratio to it when derived.
+        Called with every load report: only a changed bound re-bounds the buffer."""
+        if max_merge == self.max_merge:
+            return
         self.max_merge = max_merge
         self._bound()
 

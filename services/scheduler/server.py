@@ -28,7 +28,7 @@ from academus.shared.errors import DeadlineExceeded, ServingError, abort_with, a
 from academus.shared.keys import Keys
 from academus.shared.logs import log_event
 from academus.shared.plot.registry import live_plot_services
-from academus.shared.redis_conn import connect
+from academus.shared.redis_conn import connect, wake_on
 from academus.shared.serving import ServiceSpec, Stubs, run
 from academus.shared.tracing import annotate
 from academus.v1 import inference_pb2, plot_pb2_grpc, scheduler_pb2_grpc, tensors_pb2, worker_pb2, worker_pb2_grpc
@@ -285,18 +285,8 @@ class PlacementWatcher:
         self.max_merge = max(known) if known else None
 
     async def watch_events(self) -> None:
-        """Wakes the refresh loop on placement events. Polls with a timeout and checks for a pending
-        cancel itself: redis-py's blocking pub/sub read can swallow the task's cancellation, which
-        left `stop()` waiting on this task forever."""
-        pubsub = self.redis.pubsub()
-        try:
-            await pubsub.subscribe(self.keys.events())
-            while not asyncio.current_task().cancelling():
-                if await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0):
-                    self.changed.set()
-            raise asyncio.CancelledError
-        finally:
-            await pubsub.aclose()
+        """Wakes the refresh loop on placement events."""
+        await wake_on(self.redis, self.keys.events(), self.changed)
 
     async def loop(self) -> None:
         while True:
@@ -351,9 +341,11 @@ async def build() -> ServiceSpec:
     state = {"id": config.scheduler_id, "address": ""}
 
     async def reregister() -> None:
-        """What this node's scheduler serves changed: gateways read it now rather than at the next beat."""
+        """What this node's scheduler serves changed: rewritten now, and announced on the events channel,
+        which wakes the gateways' registry reads (else a newly serving node waited for their next period)."""
         if state["address"] and config.node:
             await beat()
+            await redis.publish(keys.events(), f"serving {state['id']}")
 
     watcher = PlacementWatcher(redis, keys, dispatcher, config.refresh_s, models, prefetcher, config.node,
                                on_serving=reregister)

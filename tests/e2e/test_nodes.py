@@ -6,14 +6,12 @@ both, and a killed worker loses no request: its node's scheduler stops saying it
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import pytest
 import redis
 
 from academus.client import AcademusError
-from academus.shared.config import GatewayConfig
 from academus.shared.keys import Keys
 from academus.shared.mesh import Deployment, wait_exit
 from tests.e2e.test_student_parallelism import MODEL, burst, kill_under_load, table, two_worker_mesh, wait_for
@@ -41,7 +39,6 @@ def test_groups_stay_within_a_node_and_each_nodes_scheduler_runs_its_own(mesh):
     wait_for(lambda: table(mesh).get("groups") == [[["worker-0", [0, 1]]], [["worker-1", [0, 1]]]],
              what="a group a node")
     wait_for(lambda: serving(mesh) == dict.fromkeys(NODE_OF, MODEL), what="both schedulers serving")
-    time.sleep(2 * GatewayConfig().catalogue_refresh_s)   # the gateway re-reads the registry this often
     answers = asyncio.run(burst(mesh, 30, rate=60))
     assert all(not isinstance(a, AcademusError) for a in answers), answers
     pairs = {(a.metadata.scheduler_id, a.metadata.worker_id) for a in answers}
@@ -54,6 +51,8 @@ def test_a_killed_worker_loses_no_request_and_its_node_stops_serving(mesh):
     r = redis.Redis.from_url(mesh.redis_url, decode_responses=True)
     r.set(Keys(mesh.key_prefix).students(MODEL), 1)
     wait_for(lambda: len(table(mesh).get("groups", [])) == 4, what="two groups a node")
+    events = r.pubsub(ignore_subscribe_messages=True)
+    events.subscribe(Keys(mesh.key_prefix).events())
     victim, answers = asyncio.run(kill_under_load(mesh))
     assert wait_exit(victim.pid, 10)
     errors = [a for a in answers if isinstance(a, AcademusError)]
@@ -61,6 +60,14 @@ def test_a_killed_worker_loses_no_request_and_its_node_stops_serving(mesh):
     survivor = "worker-1" if victim.name == "worker-0" else "worker-0"
     orphaned = next(s for s, w in NODE_OF.items() if w == victim.name)
     wait_for(lambda: serving(mesh)[orphaned] == "", what="the orphaned node's scheduler to stop serving")
+    seen: set[str] = set()   # and it announced the change, which wakes the gateways' registry reads
+
+    def announced() -> bool:
+        seen.update(m["data"] for m in iter(lambda: events.get_message(timeout=0.1), None))
+        return f"serving {orphaned}" in seen
+
+    wait_for(announced, what="the orphaned node's scheduler to announce it")
+    events.close()
     after = asyncio.run(burst(mesh, 10, rate=20))
     assert all(not isinstance(a, AcademusError) for a in after), after
     assert {(a.metadata.scheduler_id, a.metadata.worker_id) for a in after} == {

@@ -217,12 +217,10 @@ def test_each_general_training_set_has_its_own_embedding_cache() -> None:
 # --- narrow students: feed-forward width cut from the teacher ---------------------------------------
 
 def tiny_teacher(layers: int = 3, seed: int = 0):
-    from transformers import BertConfig, BertModel
+    from transformers import BertModel
 
     torch.manual_seed(seed)
-    config = BertConfig(**TINY, num_hidden_layers=layers)
-    config._attn_implementation = "sdpa"
-    return BertModel(config, add_pooling_layer=False).eval()
+    return BertModel(student_config(TINY, layers), add_pooling_layer=False).eval()
 
 
 def test_a_student_narrowed_to_the_live_neurons_computes_what_the_full_width_one_does() -> None:
