@@ -31,6 +31,8 @@ ABLATIONS = {
     "merge_8": ("ACADEMUS_MAX_MERGE", ("merge_8", "8"), ("merge_4", "4")),   # elements twice the default's
     "overload_merge": ("ACADEMUS_OVERLOAD_MERGE", ("overload_merge", "0"), ("paper_buffer", "1")),  # 1: max_merge
     "frame_batches": ("ACADEMUS_FRAME_BATCHES", ("batches", "true"), ("one_a_message", "false")),
+    "local_plane": ("ACADEMUS_LOCAL_PLANE", ("local_plane", "true"), ("grpc_streams", "false")),
+    "trace_ratio": ("ACADEMUS_TRACE_RATIO", ("one_in_100", "0.01"), ("every_request", "1")),
 }
 
 

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable, Iterator
 
 import grpc
 import uvloop
 
+from academus.loadgen.runner import closed_callers
 from academus.loadgen.stats import summary
 from academus.shared.multiplex import over_streams, serve_multiplexed
 from academus.shared.redis_server import free_port
@@ -66,21 +69,52 @@ async def serve(port: int, servicer: worker_pb2_grpc.WorkerServicer) -> None:
     await server.wait_for_termination()
 
 
-async def measure(port: int, requests: int, streams: bool) -> dict:
+REQUEST = worker_pb2.RunRequest(model="m", tokens=tensors_pb2.TokenBatch(input_ids=list(range(16)), lengths=[16]))
+WARMUP = 100
+
+
+async def sequential(call: Callable[[], Awaitable[object]], requests: int, warmup: int = WARMUP) -> dict:
+    """Latency (ms) of `requests` calls made one after the other, after `warmup` more (connections, caches)."""
+    times = []
+    for _ in range(warmup + requests):
+        start = time.perf_counter()
+        await call()
+        times.append((time.perf_counter() - start) * 1e3)
+    return summary(times[warmup:])
+
+
+async def closed_loop(call: Callable[[], Awaitable[object]], callers: int, duration_s: float) -> dict:
+    """Capacity: `callers` closed loops for `duration_s`, each calling again once answered."""
+    times: list[float] = []
+
+    async def send(_: int) -> None:
+        start = time.perf_counter()
+        await call()
+        times.append((time.perf_counter() - start) * 1e3)
+
+    elapsed = await closed_callers(callers, duration_s, send)
+    return {"callers": callers, "throughput_rps": round(len(times) / elapsed, 1), "latency_ms": summary(times)}
+
+
+async def figures(call: Callable[[], Awaitable[object]], requests: int, callers: int = 0,
+                  duration_s: float = 0.0) -> dict:
+    """Sequential latency, and with `callers` the capacity of that many closed loops."""
+    out = {"latency_ms": await sequential(call, requests)}
+    if callers:
+        out["capacity"] = await closed_loop(call, callers, duration_s)
+    return out
+
+
+async def measure(port: int, requests: int, streams: bool, callers: int = 0, duration_s: float = 0.0) -> dict:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = worker_pb2_grpc.WorkerStub(over_streams(channel, streams))
         await channel.channel_ready()
-        tokens = tensors_pb2.TokenBatch(input_ids=list(range(16)), lengths=[16])
-        request = worker_pb2.RunRequest(model="m", tokens=tokens)
-        times = []
-        for _ in range(requests + 100):
-            start = time.perf_counter()
-            await stub.Run(request, timeout=5)
-            times.append((time.perf_counter() - start) * 1e3)
-    return summary(times[100:])
+        return await figures(lambda: stub.Run(REQUEST, timeout=5), requests, callers, duration_s)
 
 
-def chain(hops: int, work_ms: float, requests: int, spin: bool = False, streams: bool = False) -> dict:
+@contextlib.contextmanager
+def running_chain(hops: int, work_ms: float = 0.0, spin: bool = False, streams: bool = False) -> Iterator[int]:
+    """The chain's processes, the leaf last; yields the first hop's port, stops them on leaving."""
     ports = [free_port() for _ in range(hops)]
     me = [sys.executable, "-m", "academus.loadgen.grpc_floor"]
     procs = [subprocess.Popen([*me, "--serve-leaf", str(ports[-1]), "--work-ms", str(work_ms),
@@ -89,11 +123,18 @@ def chain(hops: int, work_ms: float, requests: int, spin: bool = False, streams:
                                 *(["--streams"] if streams else [])]) for i in range(hops - 1)]
     try:
         time.sleep(2.0)
-        return uvloop.run(measure(ports[0], requests, streams))
+        yield ports[0]
     finally:
         for p in procs:
             p.terminate()
             p.wait()
+
+
+def chain(hops: int, work_ms: float, requests: int, spin: bool = False, streams: bool = False, callers: int = 0,
+          duration_s: float = 0.0) -> dict:
+    """{"latency_ms": sequential}, and with `callers` {"capacity": that many closed loops'} (see `figures`)."""
+    with running_chain(hops, work_ms, spin, streams) as port:
+        return uvloop.run(measure(port, requests, streams, callers, duration_s))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_forward:
         uvloop.run(serve(args.serve_forward[0], Forward(f"127.0.0.1:{args.serve_forward[1]}", args.streams)))
         return 0
-    rows = [{"hops": h, "work_ms": w, "spin": args.spin, "streams": args.streams,
-             "latency_ms": chain(h, w, args.requests, args.spin, args.streams)}
+    rows = [{"hops": h, "work_ms": w, "spin": args.spin, "streams": args.streams}
+            | chain(h, w, args.requests, args.spin, args.streams)
             for w in args.work_ms for h in (1, 3)]
     for row in rows:
         row["overhead_p50_ms"] = round(row["latency_ms"]["p50"] - row["work_ms"], 3)

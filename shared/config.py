@@ -52,6 +52,12 @@ class CommonConfig:
     gc_freeze: bool = True           # start-up's objects leave the cyclic GC once serving (off: the ablation)
     hop_streams: bool = True         # calls to the next hop ride one multiplexed stream a peer (off: a call each)
     frame_batches: bool = True       # frames waiting for a stream together ride one message (off: one each)
+    local_plane: bool = True         # hops to a peer on this node ride a Unix socket (shared/local_plane.py); off:
+                                     # gRPC streams for every hop (the ablation); needs hop_streams
+    trace_ratio: float = 0.01        # share of requests traced, drawn where a request enters without a trace
+                                     # context: traced at every hop or none (shared/tracing.py); OTEL_TRACES_SAMPLER
+                                     # leaves it to the SDK
+    socket_dir: str = ""             # the local plane's sockets; empty: academus-<uid> in the temporary folder
     hop_slice_us: int = 0            # the serving threads' EEVDF slice, 100..100000 (shared/slices.py); 0: the kernel's
     node: str = ""                   # the machine it runs on: a worker's groups stay within its node, and a scheduler
                                      # given one dispatches to its node's workers only; empty: one unnamed node
@@ -63,6 +69,8 @@ class CommonConfig:
             raise ConfigError(f"ACADEMUS_METRICS_PORT={self.metrics_port} is not a port (-1..65535)")
         if self.grace_s < 0:
             raise ConfigError(f"ACADEMUS_GRACE_S={self.grace_s} must be >= 0")
+        if not 0 <= self.trace_ratio <= 1:
+            raise ConfigError(f"ACADEMUS_TRACE_RATIO={self.trace_ratio} must be in 0..1")
         if self.hop_slice_us and not MIN_SLICE_US <= self.hop_slice_us <= MAX_SLICE_US:
             raise ConfigError(f"ACADEMUS_HOP_SLICE_US={self.hop_slice_us} must be 0 (the kernel's default) or in "
                               f"{MIN_SLICE_US}..{MAX_SLICE_US}")

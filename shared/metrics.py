@@ -31,6 +31,10 @@ MULTIPLEXED_BATCHED = Counter("academus_multiplexed_batched_frames_total",
 REPLIES_IN_PIECES = Counter("academus_multiplexed_replies_in_pieces_total",
                             "Replies on a Multiplex stream larger than the caller's frame size, sent in pieces",
                             ["method"])
+LOCAL_PLANE_CONNECTIONS = Gauge("academus_local_plane_connections",
+                                "Callers connected over the node-local data plane (shared/local_plane.py)")
+LOCAL_PLANE_REFUSED = Counter("academus_local_plane_refused_total",
+                              "Node-local data plane connections closed for what their peer sent", ["code"])
 RPC_ERRORS = Counter("academus_rpc_errors_total", "RPCs that ended with a non-OK status", ["service", "method", "code"])
 
 

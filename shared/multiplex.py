@@ -50,7 +50,6 @@ in its initial metadata), so a peer of an earlier version gets single frames.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -62,6 +61,7 @@ from prometheus_client import Counter
 
 from academus.shared.errors import NOTHING_RAN, PUSHBACK
 from academus.shared.interceptors import UnaryBehavior, UnaryServerInterceptor
+from academus.shared.logs import log_event
 from academus.shared.metrics import MULTIPLEXED, MULTIPLEXED_BATCHED, MULTIPLEXED_UNRUN, REPLIES_IN_PIECES
 from academus.shared.tracing import client_tracer, end_client_span, start_client_span
 from academus.v1 import multiplex_pb2, multiplex_pb2_grpc
@@ -86,6 +86,8 @@ MAX_PUSHBACK_MS = 50
 MIN_BACKLOG_S = 0.05
 # Calls metadata (the caller) and initial metadata (the server): "1", this end reads batched frames.
 FRAME_BATCHES_KEY = "academus-frame-batches"
+# Initial metadata (the server): its node-local data plane, "<token>:<socket path>" (shared/local_plane.py).
+LOCAL_KEY = "academus-local"
 MAX_BATCH_FRAMES = 64   # frames in one message, whatever their size
 BATCHED_CALLS, BATCHED_REPLIES = MULTIPLEXED_BATCHED.labels("calls"), MULTIPLEXED_BATCHED.labels("replies")
 
@@ -101,12 +103,17 @@ def rpc_error(code: grpc.StatusCode, details: str, trailers: Sequence[tuple[str,
 class _Stream:
     """One open Calls stream: its pending calls by id, the task that writes the frames (callers never
     await a write, so a caller cancelled mid-write cannot leave the call half-written) and the task that
-    reads the replies."""
+    reads the replies. On the node-local plane (a `call` that is `direct`) neither task exists: a frame is
+    written where it is sent and a reply handled where it is read, two task switches a call fewer."""
 
     def __init__(self, call: grpc.aio.StreamStreamCall, batches: bool = False,
-                 batch_bytes: int = MAX_FRAME_BYTES) -> None:
-        """`batches`: the caller asked for batches; they go out once the server has announced it reads them."""
+                 batch_bytes: int = MAX_FRAME_BYTES,
+                 on_metadata: Callable[[_Stream, dict], None] | None = None) -> None:
+        """`batches`: the caller asked for batches; they go out once the server has announced it reads them.
+        `on_metadata`: told the server's initial metadata (its node-local endpoint, shared/local_plane.py)."""
         self.call = call
+        self.on_metadata = on_metadata
+        self.retired = False   # new calls go elsewhere: closed once its pending calls have answered
         self.pending: dict[int, asyncio.Future] = {}
         self.pieces: dict[int, list[bytes]] = {}   # the pieces so far of replies that come in pieces
         self.unsent: set[int] = set()              # calls whose frame waits in the outbox
@@ -114,15 +121,24 @@ class _Stream:
         self.outbox: asyncio.Queue[multiplex_pb2.CallFrame] = asyncio.Queue()
         self.held: multiplex_pb2.CallFrame | None = None   # taken from the outbox, too big for the last batch
         self.batches = False                       # the server reads batches: its initial metadata said so
+        self.batches_asked = batches
         self.batch_bytes = batch_bytes
+        self.direct = getattr(call, "direct", False)
+        self.writer = self.reader = self.announced = None
+        if self.direct:
+            call.attach(self._receive, self._break)
+            return
         self.writer = asyncio.ensure_future(self._write())
         self.reader = asyncio.ensure_future(self._read())
-        self.announced = asyncio.ensure_future(self._learn_batches()) if batches else None
+        self.announced = asyncio.ensure_future(self._learn_batches()) if batches or on_metadata else None
 
     def send(self, frame: multiplex_pb2.CallFrame, reply: asyncio.Future) -> None:
         if self.broken is not None:
             raise self.broken
         self.pending[frame.id] = reply
+        if self.direct:
+            self.call.write_now(frame)
+            return
         self.unsent.add(frame.id)
         self.outbox.put_nowait(frame)
 
@@ -131,14 +147,30 @@ class _Stream:
         handler of one that was is told to stop."""
         if self.pending.pop(call_id, None) is None or self.broken is not None:
             return
+        if self.retired and not self.pending:
+            self._break("retired: calls ride the node-local data plane")
+            return
         if call_id in self.unsent:
             self.unsent.discard(call_id)   # the writer skips it
+        elif self.direct:
+            self.call.write_now(multiplex_pb2.CallFrame(id=call_id, cancel=True))
         else:
             self.outbox.put_nowait(multiplex_pb2.CallFrame(id=call_id, cancel=True))
 
     async def _learn_batches(self) -> None:
-        with contextlib.suppress(Exception):  # the stream failed before the server's headers: the reader says so
-            self.batches = dict(await self.call.initial_metadata() or ()).get(FRAME_BATCHES_KEY) == "1"
+        try:
+            metadata = dict(await self.call.initial_metadata() or ())
+        except Exception:  # the stream failed before the server's headers: the reader says so
+            return
+        self.batches = self.batches_asked and metadata.get(FRAME_BATCHES_KEY) == "1"
+        if self.on_metadata is not None:
+            self.on_metadata(self, metadata)
+
+    def retire(self) -> None:
+        """New calls go to another stream; this one closes once its pending calls have answered."""
+        self.retired = True
+        if not self.pending:
+            self._break("retired: calls ride the node-local data plane")
 
     async def _write(self) -> None:
         try:
@@ -192,6 +224,8 @@ class _Stream:
         future = self.pending.pop(reply.id, None)
         if future is not None and not future.done():
             future.set_result(reply)
+        if self.retired and not self.pending:
+            self._break("retired: calls ride the node-local data plane")
 
     def _break(self, details: str) -> None:
         """Every pending call fails UNAVAILABLE, as unary calls to a peer that died do; the next call
@@ -199,9 +233,9 @@ class _Stream:
         if self.broken is None:
             self.broken = rpc_error(grpc.StatusCode.UNAVAILABLE, details)
             self.call.cancel()
-            self.writer.cancel()
-            if self.announced is not None:
-                self.announced.cancel()
+            for task in (self.writer, self.announced):
+                if task is not None:
+                    task.cancel()
         pending, self.pending, self.pieces = self.pending, {}, {}
         for future in pending.values():
             if not future.done():
@@ -213,10 +247,15 @@ class MultiplexChannel:
     gives a stub whose unary methods ride one stream of `channel`, reopened after it breaks."""
 
     def __init__(self, channel: grpc.aio.Channel, tracer_provider: TracerProvider | None = None,
-                 max_frame_bytes: int = MAX_FRAME_BYTES, batches: bool = True) -> None:
+                 max_frame_bytes: int = MAX_FRAME_BYTES, batches: bool = True, local: bool = False) -> None:
+        """`local`: calls move to the server's node-local data plane when it announces one this process can
+        reach (shared/local_plane.py); off for the public API, whose callers are not the mesh's."""
         self.channel = channel
         self.max_frame_bytes = max_frame_bytes
         self.batches = batches   # frames waiting together go as one message, replies likewise (off: the ablation)
+        self.local = local
+        self._going_local: asyncio.Task | None = None
+        self._unreachable: set[str] = set()   # endpoints that could not be reached: their calls stay on gRPC
         self.tracer = client_tracer(tracer_provider)  # None: tracing off; no provider: the process's
         self._calls = channel.stream_stream(CALLS_METHOD, request_serializer=multiplex_pb2.CallFrame.SerializeToString,
                                             response_deserializer=multiplex_pb2.ReplyFrame.FromString)
@@ -232,13 +271,53 @@ class MultiplexChannel:
         return MultiplexedMethod(self, method, serialize, deserialize, alone)
 
     def stream(self) -> _Stream:
+        """The stream new calls take: the node-local one once connected, else (again after it broke) gRPC's."""
         if self._stream is None or self._stream.broken is not None:
-            metadata = ((FRAME_BYTES_KEY, str(self.max_frame_bytes)), (FRAME_BATCHES_KEY, "1" if self.batches else "0"))
-            self._stream = _Stream(self._calls(metadata=metadata), self.batches, min(self.max_frame_bytes,
-                                                                                      MAX_FRAME_BYTES))
+            self._stream = _Stream(self._calls(metadata=self._metadata()), self.batches, self._batch_bytes(),
+                                   self._offered if self.local else None)
         return self._stream
 
+    @property
+    def is_local(self) -> bool:
+        """New calls ride the node-local data plane."""
+        return self._stream is not None and self._stream.broken is None and not isinstance(
+            self._stream.call, grpc.aio.Call)
+
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        return (FRAME_BYTES_KEY, str(self.max_frame_bytes)), (FRAME_BATCHES_KEY, "1" if self.batches else "0")
+
+    def _batch_bytes(self) -> int:
+        return min(self.max_frame_bytes, MAX_FRAME_BYTES)
+
+    def _offered(self, stream: _Stream, metadata: dict) -> None:
+        announced = metadata.get(LOCAL_KEY, "")
+        if announced and announced not in self._unreachable and self._going_local is None:
+            self._going_local = asyncio.ensure_future(self._go_local(stream, announced))
+
+    async def _go_local(self, stream: _Stream, announced: str) -> None:
+        """Connects to the announced plane; once greeted, new calls take it and `stream` retires."""
+        from academus.shared.local_plane import LocalCall, LocalEndpoint  # it builds on this module
+
+        try:
+            endpoint = LocalEndpoint.parse(announced)
+            if endpoint is None:
+                raise ValueError(f"not an endpoint: {announced!r}")
+            call = await LocalCall.open(endpoint, self._metadata())
+        except (OSError, ValueError, TimeoutError, grpc.aio.AioRpcError) as e:   # another node's, or refused
+            self._unreachable.add(announced)
+            log_event("local_plane_unreachable", endpoint=announced, error=repr(e))
+            return
+        finally:
+            self._going_local = None
+        if self._stream is not stream or stream.broken is not None:
+            call.cancel()   # the stream broke meanwhile: the next one announces the plane again
+            return
+        self._stream = _Stream(call, self.batches, self._batch_bytes())
+        stream.retire()
+
     async def close(self) -> None:
+        if self._going_local is not None:
+            self._going_local.cancel()
         if self._stream is not None:
             self._stream.call.cancel()
         await self.channel.close()
@@ -351,6 +430,7 @@ class MultiplexServicer(multiplex_pb2_grpc.MultiplexServicer):
                                           MULTIPLEXED.labels(name)) for name, m in methods.items()}
         self.batches = batches   # reads batched frames, and batches replies for a caller that reads them
         self.draining = False
+        self.local_endpoint = ""  # the node-local data plane's announcement (shared/local_plane.py); "": none
         self._streams: set[_ServedStream] = set()
 
     async def Calls(self, request_iterator, context: grpc.aio.ServicerContext):
@@ -360,8 +440,10 @@ class MultiplexServicer(multiplex_pb2_grpc.MultiplexServicer):
         self._streams.add(served)   # before any await: a drain meanwhile must reach it
         reader: asyncio.Future | None = None
         try:
-            if self.batches:
-                await context.send_initial_metadata(((FRAME_BATCHES_KEY, "1"),))
+            announced = (((FRAME_BATCHES_KEY, "1"),) if self.batches else ()) + (
+                ((LOCAL_KEY, self.local_endpoint),) if self.local_endpoint else ())
+            if announced:
+                await context.send_initial_metadata(announced)
             reader = asyncio.ensure_future(served.read(request_iterator))
             while (reply := await served.next_message()) is not None:
                 yield reply
@@ -426,8 +508,12 @@ class TransitFloor:
 class _ServedStream:
     """One client's Calls stream on the server: its running calls by id and the replies to send."""
 
-    def __init__(self, servicer: MultiplexServicer, piece: int = 0, batches: bool = False) -> None:
+    def __init__(self, servicer: MultiplexServicer, piece: int = 0, batches: bool = False,
+                 send_now: Callable[[multiplex_pb2.ReplyFrame], bool] | None = None) -> None:
+        """`send_now`: sends a whole reply on the spot if it can (the node-local plane), else the reply
+        waits for `next_message`."""
         self.servicer = servicer
+        self.send_now = send_now
         self.running: dict[int, asyncio.Task] = {}
         self.closing = False   # half-closed by the client, or the server drains: end once idle
         self.replies: asyncio.Queue[multiplex_pb2.ReplyFrame | None] = asyncio.Queue()
@@ -508,9 +594,11 @@ class _ServedStream:
     async def serve(self, frame: multiplex_pb2.CallFrame, started: float) -> None:
         try:
             reply = await self.answer(frame, started)
-            if self.in_pieces(reply):
+            pieces = self.in_pieces(reply)
+            if pieces:
                 REPLIES_IN_PIECES.labels(frame.method).inc()
-            self.replies.put_nowait(reply)
+            if pieces or self.send_now is None or not self.send_now(reply):
+                self.replies.put_nowait(reply)
         except asyncio.CancelledError:
             pass  # the caller left: nobody waits for an answer
         finally:
@@ -595,9 +683,11 @@ def serve_multiplexed(server: grpc.aio.Server, add_servicers: Callable[[object],
     return multiplex
 
 
-def over_streams(channel: grpc.aio.Channel, streams: bool, batches: bool = True) -> grpc.aio.Channel | MultiplexChannel:
-    """What a generated stub is given: the channel, or its multiplexed stand-in when `streams`."""
-    return MultiplexChannel(channel, batches=batches) if streams else channel
+def over_streams(channel: grpc.aio.Channel, streams: bool, batches: bool = True,
+                 local: bool = False) -> grpc.aio.Channel | MultiplexChannel:
+    """What a generated stub is given: the channel, or its multiplexed stand-in when `streams` (going to the
+    peer's node-local data plane when `local` and it has one this process reaches)."""
+    return MultiplexChannel(channel, batches=batches, local=local) if streams else channel
 
 
 def wrapped(behavior: UnaryBehavior, method: str, interceptors: Sequence[UnaryServerInterceptor]) -> UnaryBehavior:

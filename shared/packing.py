@@ -121,7 +121,7 @@ class PackedBatch:
 def pack(sequences: Sequence[Sequence[int]], plan: PackingPlan,
          type_ids: Sequence[Sequence[int]] | None = None, allow_oversize: bool = True) -> PackedBatch:
     """Builds the packed tensors for `plan` over `sequences` (token id lists, indexed by the plan)."""
-    _check_plan(plan, [len(s) for s in sequences], allow_oversize)
+    check_plan(plan, [len(s) for s in sequences], allow_oversize)
     packed, alone = [], []
     for slot in plan.slots():
         fits = sum(len(sequences[i]) for i in slot) <= plan.slot_size
@@ -131,7 +131,8 @@ def pack(sequences: Sequence[Sequence[int]], plan: PackingPlan,
     return PackedBatch(len(sequences), tuple(passes))
 
 
-def _check_plan(plan: PackingPlan, lengths: list[int], allow_oversize: bool) -> None:
+def check_plan(plan: PackingPlan, lengths: Sequence[int], allow_oversize: bool = True) -> None:
+    """Refuses (ValueError) a plan that does not place every request exactly once, or crams a slot."""
     placed = plan.requests()
     if sorted(placed) != list(range(len(lengths))):
         raise ValueError(f"the plan must place every one of the {len(lengths)} requests exactly once, "

@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from academus.shared.config import CommonConfig, load
 from academus.shared.heap import freeze_start_up_heap, watch_pauses
+from academus.shared.local_plane import LocalPlane, socket_dir
 from academus.shared.logs import log_event, setup_logging
 from academus.shared.metrics import MetricsInterceptor, start_metrics
 from academus.shared.multiplex import SERVICE_NAME as MULTIPLEX_SERVICE
@@ -45,6 +46,7 @@ class ServiceSpec:
     on_stopped: Hook | None = None    # close clients
     extra_tasks: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     own_port: int = 0                 # a second port, no other process binds (the mesh hands it out); 0: none
+    hop_target: bool = False          # other services call it on the request path: it serves the node-local plane
 
 
 class RunningService:
@@ -56,10 +58,11 @@ class RunningService:
         self.metrics_port = -1
         self._tasks: list[asyncio.Task] = []
         provider = setup_tracing(spec.name)
-        self.interceptors = [MetricsInterceptor(spec.name), *server_interceptors(provider)]
+        self.interceptors = [MetricsInterceptor(spec.name), *server_interceptors(provider, spec.config.trace_ratio)]
         self.server = grpc.aio.server(interceptors=self.interceptors, options=CHANNEL_OPTIONS)
         self.health = HealthServicer()
         self.multiplex: MultiplexServicer | None = None
+        self.local_plane: LocalPlane | None = None
 
     async def start(self) -> str:
         spec, cfg = self.spec, self.spec.config
@@ -73,6 +76,9 @@ class RunningService:
         if spec.own_port:
             self.server.add_insecure_port(f"{cfg.host}:{spec.own_port}")
         self.metrics_port = start_metrics(cfg.metrics_port)
+        if spec.hop_target and cfg.hop_streams and cfg.local_plane:
+            self.local_plane = LocalPlane(self.multiplex, socket_dir(cfg.socket_dir), spec.name)
+            await self.local_plane.start()
         await self.server.start()
         self.address = f"{cfg.advertised}:{port}"
         if spec.on_started:
@@ -92,6 +98,8 @@ class RunningService:
             await self.spec.on_stopping()
         if self.multiplex is not None:  # new frames are refused; the streams end once their calls answer
             self.multiplex.drain()
+        if self.local_plane is not None:
+            await self.local_plane.stop(self.spec.config.grace_s)
         await self.server.stop(self.spec.config.grace_s)
         if self.spec.on_stopped:
             await self.spec.on_stopped()
@@ -156,22 +164,25 @@ def channel(target: str) -> grpc.aio.Channel:
 class Stubs:
     """One traced channel and stub per peer address, reused for every call (channels are costly).
     `multiplexed`: the stub's unary calls ride one stream of that channel (shared/multiplex.py), frames
-    waiting together in one message when `batches`."""
+    waiting together in one message when `batches`, moving to the peer's node-local data plane when `local`
+    (shared/local_plane.py)."""
 
-    def __init__(self, stub_class: type, multiplexed: bool = False, batches: bool = True) -> None:
+    def __init__(self, stub_class: type, multiplexed: bool = False, batches: bool = True, local: bool = False) -> None:
         self.stub_class = stub_class
         self.multiplexed = multiplexed
         self.batches = batches
+        self.local = local
         self._stubs: dict[str, object] = {}
 
     @classmethod
     def for_hops(cls, stub_class: type, config: CommonConfig) -> Stubs:
-        """The next hop's stubs as the service is configured: multiplexed (hop_streams), batched (frame_batches)."""
-        return cls(stub_class, config.hop_streams, config.frame_batches)
+        """The next hop's stubs as the service is configured: multiplexed (hop_streams), batched (frame_batches),
+        node-local where the peer is (local_plane)."""
+        return cls(stub_class, config.hop_streams, config.frame_batches, config.local_plane)
 
     def __call__(self, address: str):
         stub = self._stubs.get(address)
         if stub is None:
-            stub = self.stub_class(over_streams(channel(address), self.multiplexed, self.batches))
+            stub = self.stub_class(over_streams(channel(address), self.multiplexed, self.batches, self.local))
             self._stubs[address] = stub
         return stub

@@ -418,6 +418,7 @@ async def build() -> ServiceSpec:
         config=config,
         add_servicers=lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, s),
         service_names=["academus.v1.Scheduler"],
+        hop_target=True,
         on_started=announce,
         on_stopping=deregister,
         on_stopped=redis.aclose,

@@ -1,7 +1,8 @@
 """The worker's model runner: teacher encoder + task heads, one padded or packed batch at a time.
 
 Knows nothing of gRPC. All three default models share one encoder pass: `minilm` returns the
-embedding, `sentiment` and `spam` apply their linear heads to the same embedding.
+embedding, `sentiment` and `spam` apply their linear heads to the same embedding. `null` has no
+encoder: it answers zeros, so that a mesh serving it measures the serving stack alone.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from academus.shared.adapters import encode_with_adapters
 from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
 from academus.shared.errors import DeadlineExceeded, InvalidArgument, NotFound
 from academus.shared.model import HIDDEN_SIZE, ClassifierHead, TeacherEncoder, pad_batch
-from academus.shared.packing import Attention, PackedBatch, PackingPlan, encode_packed, pack
+from academus.shared.packing import Attention, PackedBatch, PackingPlan, check_plan, encode_packed, pack
 from academus.shared.plot.hierarchical import PlotStates
 from academus.shared.plot.table import PlotError
 
@@ -90,6 +91,7 @@ class ServedModel:
     max_students: int = 0          # 0: the teacher, not a student group
     default_students: int = 0      # the artifact's best-pruned k
     packable: bool = True          # False: PLOT models, whose lower layers are lookups, run padded only
+    null: bool = False             # the null model: answers zeros without computing (NULL_MODEL)
 
     def students(self, wanted: int) -> int:
         """The student count to run: the default for 0, refused beyond what the group holds."""
@@ -158,6 +160,10 @@ class ModelRunner:
         self.specs = {name: served.spec for name, served in self.models.items()}
 
     def _load(self, name: str, entry: dict) -> ServedModel:
+        if entry.get("null"):   # no weights: it must not load the teacher
+            spec = ModelSpec(name, EMBEDDING, [], int(entry.get("dim", HIDDEN_SIZE)),
+                             int(entry.get("max_tokens", ModelSpec.max_tokens)))
+            return ServedModel(spec, nn.Identity(), null=True)
         if "students" in entry:
             from academus.shared.training.distill import load_student_group  # training code only when needed
 
@@ -266,6 +272,8 @@ class ModelRunner:
         self._local.deadline, self._local.left = deadline, left  # what the layer checks stop on, every path
         seqs = split_lengths(input_ids, lengths)
         types = split_lengths(token_type_ids, lengths) if token_type_ids else None
+        if served.null:
+            return self._run_null(served, lengths, student_indices, plan, tenants, left)
         if tenants is not None:  # tenant batches run padded: a plan's rows would mix adapters within a row
             return self._run_tenants(served, output, seqs, types, tenants, plot_states)
         if plan is not None and served.packable:  # a PLOT model runs the plan's texts padded: same answers
@@ -289,6 +297,23 @@ class ModelRunner:
             student_count=len(student_indices) or students,
             finish=finish,
         )
+
+    def _run_null(self, served: ServedModel, lengths: Sequence[int], student_indices: Sequence[int],
+                  plan: PackingPlan | None, tenants: TenantBatch | None, left: threading.Event | None) -> BatchResult:
+        """Zeros of the answer's shape, nothing computed: what the stack costs without a model. The input was
+        checked as any model's is, and what a model cannot take is refused as it would be. A packing plan is
+        checked as the packed path checks it (a scheduler's plan costs the same), then answered unpacked."""
+        if student_indices:
+            raise InvalidArgument(f"student_indices set for {served.spec.name!r}, which is not a student group")
+        if plan is not None:
+            check_packing(plan, lengths)
+        if tenants is not None:
+            raise InvalidArgument(f"adapters set for {served.spec.name!r}, which computes nothing to adapt")
+        if left is not None and left.is_set():
+            raise CallerLeft("the caller left before the batch started")
+        start = time.perf_counter()
+        values = np.zeros((len(lengths), served.spec.dim), dtype=np.float32)
+        return BatchResult(values, [], (time.perf_counter() - start) * 1e3, sum(lengths), sum(lengths))
 
     def _padded(self, seqs: list[Sequence[int]],
                 types: list[Sequence[int]] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -355,6 +380,14 @@ def check_tenant_batch(served: ServedModel, output: str, tenants: TenantBatch, t
         raise InvalidArgument(f"adapters has {len(tenants.weights)} entries for {texts} texts")
     if output == OUTPUT_PROBS and any(w is None for w in tenants.weights):
         raise InvalidArgument("output=label needs an adapter (and its head) for every text")
+
+
+def check_packing(plan: PackingPlan, lengths: Sequence[int]) -> None:
+    """Refuses a plan as packed_batch does, without building its tensors (the null model packs nothing)."""
+    try:
+        check_plan(plan, lengths)
+    except ValueError as e:
+        raise InvalidArgument(f"packing: {e}") from e
 
 
 def packed_batch(seqs: list[Sequence[int]], types: list[Sequence[int]] | None, plan: PackingPlan) -> PackedBatch:

@@ -256,6 +256,7 @@ async def build() -> ServiceSpec:
         config=config,
         add_servicers=lambda server: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server),
         service_names=["academus.v1.Worker"],
+        hop_target=True,
         on_started=registration.register,
         on_stopping=registration.deregister,
         on_stopped=lambda: asyncio.to_thread(close_adapters, adapters, fetcher),

@@ -43,6 +43,7 @@ from academus.shared.tokenization import TeacherTokenizer
 
 HEAD_KIND = "teacher-head"
 MAX_TOKENS = 256                          # the serving limit: heads see what the workers will see
+NULL_MODEL = "null"
 DEFAULT_BATCH_SIZE = 64                   # sequences per batch at full length; shorter texts pack more
 WEIGHT_DECAYS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2)  # L2 on the weight matrix, chosen on validation
 SEED = 0
@@ -235,13 +236,16 @@ def prepare_task(
 # --- catalogue and the whole run -----------------------------------------------------------------
 
 def write_catalogue(artifacts_dir: Path) -> dict[str, Any]:
-    """models.json from every head that verifies; `minilm` (the bare embedding) is always served.
+    """models.json from every head that verifies; `minilm` (the bare embedding) and `null` (no model: the
+    stack alone) are always served.
     Entries other commands added (student groups from `academus distill`) are kept."""
     path = Path(artifacts_dir) / "models.json"
     previous = json.loads(path.read_text()) if path.is_file() else {}
     catalogue: dict[str, Any] = {name: entry for name, entry in previous.items()   # PLOT models keep their heads
-                                 if ("head" not in entry or "plot" in entry) and name != "minilm"}
+                                 if ("head" not in entry or "plot" in entry) and name not in ("minilm", NULL_MODEL)}
     catalogue["minilm"] = {"kind": "embedding", "teacher": TEACHER_NAME, "dim": HIDDEN_SIZE, "max_tokens": MAX_TOKENS}
+    # computes nothing and goes through every hop: what the serving stack costs alone (stack_bench)
+    catalogue[NULL_MODEL] = {"kind": "embedding", "null": True, "dim": HIDDEN_SIZE, "max_tokens": MAX_TOKENS}
     for task in TASKS:
         try:
             manifest, _ = load_artifact(head_dir(artifacts_dir, task))

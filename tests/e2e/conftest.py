@@ -20,7 +20,8 @@ def start_mesh(run_dir: Path, workers: int = 1, env: dict[str, str] | None = Non
     if not (artifacts_dir() / "models.json").exists():
         pytest.fail(f"no artifacts in {artifacts_dir()}: `make test` runs `academus prepare` first")
     return up(MeshOptions(run_dir=run_dir, gateway_port=0, workers=workers, worker_threads=1, gateways=gateways,
-                          env={"OTEL_BSP_SCHEDULE_DELAY": "100", "ACADEMUS_GRACE_S": "20", **(env or {})}))
+                          env={"OTEL_BSP_SCHEDULE_DELAY": "100", "ACADEMUS_GRACE_S": "20", "ACADEMUS_TRACE_RATIO": "1",
+                               **(env or {})}))
 
 
 class OtlpCollector(trace_service_pb2_grpc.TraceServiceServicer):

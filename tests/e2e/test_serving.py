@@ -16,6 +16,7 @@ import pytest
 from academus.client import AcademusError, AsyncClient, Client
 from academus.shared.config import artifacts_dir
 from academus.shared.mesh import plot_table
+from academus.shared.metrics import scrape
 from academus.shared.model import teacher_dir
 from academus.shared.multiplex import MAX_FRAME_BYTES
 from academus.shared.tracing import read_traces
@@ -84,6 +85,42 @@ def test_an_embedding_model_scores_text_pairs_by_the_cosine_of_their_embeddings(
     out = cli(mesh, "infer", "--model", "minilm", texts[0], "--pair", pairs[0])
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["score"] == pytest.approx(cosine[0], abs=1e-4)
+
+
+def test_the_null_model_answers_zeros_through_every_hop_and_refuses_as_a_model_does(mesh, admin_key):
+    """`null` computes nothing: the stack alone (stack_bench). Its answers still come from a worker through a
+    scheduler, and bad input gets the statuses a real model's gets."""
+    def refusal(client: Client, model: str, texts: list[str], **kwargs) -> tuple[str, str]:
+        with pytest.raises(AcademusError) as refused:
+            client.infer(model, texts, **kwargs)
+        return refused.value.code, refused.value.details
+
+    bad = [([""], {}), (["hi"] * 65, {}), (["word " * 300], {"truncate": False})]
+    with Client(mesh.gateway, api_key=admin_key) as client:
+        result = client.infer("null", ["one", "two words"])
+        paired = client.infer("null", ["a"], pairs=["b"])
+        labelled = refusal(client, "null", ["hi"], output="label")
+        null_refusals = [refusal(client, "null", texts, **kwargs) for texts, kwargs in bad]
+        real_refusals = [refusal(client, "minilm", texts, **kwargs) for texts, kwargs in bad]
+    assert [len(p.embedding) for p in result.predictions] == [384, 384]
+    assert not any(any(p.embedding) for p in result.predictions) and result.predictions[1].num_tokens == 4
+    assert result.metadata.worker_id and result.metadata.scheduler_id and result.metadata.batch_size >= 1
+    assert paired.predictions[0].score == 0.0   # zero vectors: no direction, no similarity (and no NaN)
+    assert labelled[0] == "INVALID_ARGUMENT" and "embedding model" in labelled[1]
+    assert null_refusals == real_refusals and {code for code, _ in null_refusals} == {"INVALID_ARGUMENT"}
+
+
+def test_the_hops_of_one_node_ride_its_local_plane(mesh, admin_key):
+    """The gateway's calls to the scheduler and the scheduler's to the worker move to their Unix sockets
+    (shared/local_plane.py) once a first call has learnt them; nothing is refused on the way."""
+    with Client(mesh.gateway, api_key=admin_key) as client:
+        for _ in range(20):
+            client.infer("null", ["warm"])
+            time.sleep(0.05)
+    for name in ("scheduler", "worker-0"):
+        port = service(mesh, name).metrics_port
+        assert metric(port, "academus_local_plane_connections") >= 1, name
+        assert sum(s.value for s in scrape(port) if s.name == "academus_local_plane_refused_total") == 0, name
 
 
 def test_a_text_pair_to_a_classifier_is_invalid_and_names_the_field(mesh, admin_key):

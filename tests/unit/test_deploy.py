@@ -573,6 +573,21 @@ def test_k8s_redis_and_mps() -> None:
 # --------------------------------------------------------------------------------------- scripts
 
 
+def test_k8s_scheduler_and_workers_of_a_node_share_the_local_plane_folder() -> None:
+    """The node-local data plane's sockets (shared/local_plane.py) are files: the node's scheduler and its
+    workers reach each other only through one host folder that both mount where ACADEMUS_SOCKET_DIR says."""
+    objects = _k8s_objects()
+    folders = set()
+    for kind, name in (("DaemonSet", "scheduler"), ("Deployment", "worker")):
+        pod = _pod_spec(_find(objects, kind, name))
+        (container,) = pod["containers"]
+        socket_dir = next(e["value"] for e in container["env"] if e["name"] == "ACADEMUS_SOCKET_DIR")
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == socket_dir]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        folders.add(volume["hostPath"]["path"])
+    assert len(folders) == 1, folders
+
+
 def test_healthcheck_script_speaks_grpc_health() -> None:
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc

@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import time
 
+import numpy as np
 import pytest
 
 from academus.services.gateway.core import (
@@ -203,6 +204,15 @@ def test_a_pairs_score_is_the_cosine_of_its_two_embeddings():
     rows = [[1.0, 0.0], [3.0, 4.0], [2.0, 0.0], [-4.0, 3.0]]
     assert pair_scores(rows, [(0, 2), (1, 3), (0, 1), (3, 3)]) == pytest.approx([1.0, 0.0, 0.6, 1.0])
     assert pair_scores([[1.0, 1.0], [-2.0, -2.0]], [(0, 1)]) == pytest.approx([-1.0])
+
+
+def test_a_pair_of_zero_embeddings_scores_zero_not_nan():
+    """The null model answers zeros: a zero vector has no direction, so its pairs score 0.0."""
+    from academus.services.gateway.core import pair_scores
+
+    zeros = np.zeros((2, 384), dtype=np.float32)
+    assert pair_scores(zeros, [(0, 1), (0, 0)]) == [0.0, 0.0]
+    assert pair_scores([[0.0, 0.0], [3.0, 4.0]], [(0, 1)]) == [0.0]
 
 
 async def test_to_pb_answers_each_pair_with_its_score_and_both_texts_tokens(gateway):

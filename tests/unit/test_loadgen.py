@@ -579,3 +579,124 @@ def test_bursts_get_a_load_generator_process_per_800_requests_a_second_of_their_
     args = argparse.Namespace(duration=12.0, task="sentiment", timeout=5.0, procs=4, streams=True)
     assert run_options(args, procs=8)[-3:] == ["--procs", "8", "--streams"]
     assert run_options(args)[-3:] == ["--procs", "4", "--streams"]
+
+
+def test_stack_bench_arms_name_their_settings_for_every_service():
+    from academus.loadgen.stack_bench import Arm, parse_arm
+
+    assert parse_arm("local=ACADEMUS_LOCAL_PLANE=1,ACADEMUS_FRAME_BATCHES=false") == Arm(
+        "local", {"ACADEMUS_LOCAL_PLANE": "1", "ACADEMUS_FRAME_BATCHES": "false"})
+    assert parse_arm("defaults") == Arm("defaults", {})
+    assert parse_arm("url=ACADEMUS_X=a=b") == Arm("url", {"ACADEMUS_X": "a=b"})   # a value may hold "="
+    for bad in ("=ACADEMUS_X=1", "a=ACADEMUS_X", "a=ACADEMUS_X=1,=2", "a=ACADEMUS_X=1,"):
+        with pytest.raises(argparse.ArgumentTypeError, match="NAME=ENV=VALUE"):
+            parse_arm(bad)
+
+
+def test_stack_bench_reads_its_own_cpu_and_switches_from_proc():
+    import os
+
+    from academus.loadgen.stack_bench import per_request, reading
+
+    before = reading(os.getpid())
+    end = time.process_time() + 0.05
+    while time.process_time() < end:   # CPU past a clock tick or two
+        pass
+    for _ in range(5):
+        time.sleep(0.002)              # each sleep gives the core up: a voluntary switch
+    after = reading(os.getpid())
+    assert after["cpu_s"] - before["cpu_s"] >= 0.02
+    assert after["voluntary_switches"] - before["voluntary_switches"] >= 5
+    assert per_request({"cpu_s": 1.0, "voluntary_switches": 100}, {"cpu_s": 1.5, "voluntary_switches": 400},
+                       100) == {"cpu_ms": 5.0, "voluntary_switches": 3.0}
+
+
+def test_stack_bench_merges_the_load_generators_shares():
+    from academus.loadgen.stack_bench import merge_shares
+
+    def readings(**values: tuple[float, int]) -> dict[str, dict[str, float]]:
+        return {name.replace("_", "-"): {"cpu_s": cpu, "voluntary_switches": switches}
+                for name, (cpu, switches) in values.items()}
+
+    reading = readings(gateway=(1.0, 10), scheduler=(2.0, 0), worker_0=(0.0, 0), redis=(0.0, 0))
+    later = readings(gateway=(1.4, 50), scheduler=(2.2, 40), worker_0=(0.4, 100), redis=(1.0, 9))
+    share = {"latencies_ms": [1.0] * 60, "errors": {"UNAVAILABLE": 1}, "duration_s": 2.0, "late_start_s": 0.01,
+             "before": {"cpu_s": 0.0, "voluntary_switches": 0}, "after": {"cpu_s": 0.1, "voluntary_switches": 20}}
+    merged = merge_shares([share, share | {"latencies_ms": [3.0] * 40, "duration_s": 2.5}], reading, later)
+    assert merged["completed"] == 100 and merged["errors"] == {"UNAVAILABLE": 2}
+    assert merged["throughput_rps"] == 40.0   # over the longer share's seconds
+    assert merged["latency_ms"]["p50"] == 1.0 and merged["latency_ms"]["p99"] == 3.0
+    assert merged["processes"]["loadgen-1"] == {"cpu_ms": 1.0, "voluntary_switches": 0.2}
+    assert merged["stack_cpu_ms"] == 10.0 and merged["stack_voluntary_switches"] == 1.8   # redis is not the stack
+
+
+def stack_round(scale: float) -> dict:
+    """A stack_bench round's raw figures: two arms, the second `scale` times faster than the first."""
+    def capacity(callers: int, rps: float) -> dict:
+        return {"callers": callers, "throughput_rps": rps, "latency_ms": {"p50": 1000 * callers / rps, "p99": 99.0},
+                "stack_cpu_ms": 2000 / rps, "stack_voluntary_switches": 10.0}
+
+    def arm(rps: float) -> dict:
+        return {"sequential": {"e2e_ms": {"p50": 4000 / rps, "p99": 8000 / rps}},
+                "capacity": {"64": capacity(64, rps), "256": capacity(256, rps)}}
+
+    floor = {"latency_ms": {"p50": 0.5, "p99": 1.0}, "capacity": {"callers": 64, "throughput_rps": 2000.0,
+                                                                 "latency_ms": {"p50": 30.0, "p99": 60.0}}}
+    return {"floors": {"grpc": floor, "uds": floor | {"latency_ms": {"p50": 0.1, "p99": 0.2}}},
+            "arms": {"grpc": arm(1000.0), "local": arm(1000.0 * scale)}}
+
+
+def test_stack_bench_ratios_to_the_floors_and_the_first_arm_and_their_medians():
+    from academus.loadgen.stack_bench import medians, parse_arm, ratio, round_figures
+
+    arms = [parse_arm("grpc=ACADEMUS_LOCAL_PLANE=0"), parse_arm("local=ACADEMUS_LOCAL_PLANE=1")]
+    rounds = [round_figures(stack_round(s), arms, 64) for s in (2.0, 4.0, 2.5)]
+    first = rounds[0]
+    assert first["headline"]["grpc"] | first["floor_headline"]["grpc"] == first["headline"]["grpc"] | {
+        "p50_ms": 0.5, "p99_ms": 1.0, "rps@64": 2000.0, "p50_ms@64": 30.0, "p99_ms@64": 60.0}
+    assert first["floor_ratios"]["grpc"]["p50_ms / grpc floor"] == 8.0
+    assert first["floor_ratios"]["grpc"]["p50_ms / uds floor"] == 40.0
+    assert first["floor_ratios"]["local"]["rps@256 / grpc floor"] == 1.0   # against the floor's 64 callers
+    versus = first["versus"]["local/grpc"]
+    assert versus["p50_ms"] == 0.5 and versus["rps@256"] == 2.0 and versus["stack_cpu_ms@256"] == 0.5
+    assert medians([r["versus"]["local/grpc"] for r in rounds])["rps@256"] == 2.5
+    assert medians([{"a": 1.0, "b": None}, {"a": 3.0, "b": 2.0}, {"a": 2.0}]) == {"a": 2.0, "b": 2.0}
+    assert ratio(1.0, 0.0) is None and ratio(None, 2.0) is None
+
+
+def test_stack_bench_writes_its_json_table_and_plot(tmp_path, capsys):
+    from academus.loadgen.stack_bench import median_figures, parse_arm, round_figures, write
+
+    arms = [parse_arm("grpc=ACADEMUS_LOCAL_PLANE=0"), parse_arm("local=ACADEMUS_LOCAL_PLANE=1")]
+    rounds = [round_figures(stack_round(s), arms, 64) for s in (2.0, 3.0)]
+    settings = {"model": "null", "rounds": 2, "callers": [64, 256], "floor_callers": 64}
+    write({"settings": settings, "rounds": rounds, "medians": median_figures(rounds)}, tmp_path)
+    table = (tmp_path / "stack_bench.md").read_text()
+    assert table in capsys.readouterr().out
+    assert "| local | 1.667 | 3.333 | 2500 | 2500 |" in table   # sequential, then each metric at 64 and 256
+    assert "| grpc floor (3 hops) | 0.5 | 1 | 2000 |  |" in table
+    assert "| local/grpc | 0.416 | 0.416 | 2.5 | 2.5 |" in table
+    assert json.loads((tmp_path / "stack_bench.json").read_text())["medians"]["headline"]["local"]["rps@64"] == 2500
+    assert (tmp_path / "stack_bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_uds_floor_frames_are_cut_whole_across_reads():
+    from academus.loadgen.uds_floor import Framed, pack, unpack
+
+    buffer = bytearray(pack(b"one") + pack(b"") + pack(b"three")[:5])
+    assert unpack(buffer) == [b"one", b""] and buffer == bytearray(pack(b"three")[:5])
+    buffer += pack(b"three")[5:]
+    assert unpack(buffer) == [b"three"] and not buffer
+    got = []
+    framed = Framed(lambda _, message: got.append(message))
+    for byte in pack(b"x" * 300) + pack(b"y"):   # a byte a read: the length prefix split too
+        framed.data_received(bytes([byte]))
+    assert got == [b"x" * 300, b"y"]
+
+
+def test_uds_floor_chain_answers_through_its_processes():
+    from academus.loadgen.uds_floor import chain
+
+    figures = chain(3, requests=20, callers=4, duration_s=0.3)
+    assert figures["latency_ms"]["count"] == 20 and figures["latency_ms"]["p50"] > 0
+    assert figures["capacity"]["callers"] == 4 and figures["capacity"]["throughput_rps"] > 0

@@ -1,6 +1,10 @@
-"""Unary calls multiplexed over one stream (shared/multiplex.py), over real gRPC on loopback: the caller
-keeps a unary call's contract (response, status, trailers, deadline, cancellation, a broken peer), the
-server keeps its interceptors (the SERVER span is the CLIENT span's child) and drains on stop."""
+"""Unary calls multiplexed over one stream (shared/multiplex.py), over real gRPC on loopback and over the
+node-local data plane's Unix socket (shared/local_plane.py, the tests marked BOTH): the caller keeps a unary
+call's contract (response, status, trailers, deadline, cancellation, a broken peer), the server keeps its
+interceptors (the SERVER span is the CLIENT span's child) and drains on stop. On the plane, a peer that sends
+garbage, a cut message, an oversized one, a wrong token or an unknown method gets a status naming the problem
+and its connection closed, and the server serves on; a caller that cannot reach an announced plane stays on
+gRPC."""
 
 from __future__ import annotations
 
@@ -16,6 +20,16 @@ from opentelemetry.trace import SpanKind
 from prometheus_client import REGISTRY
 
 from academus.shared.errors import NOTHING_RAN, ResourceExhausted, abort_with, from_rpc_error
+from academus.shared.local_plane import (
+    HELLO_METHOD,
+    TOKEN_KEY,
+    FramingError,
+    LocalEndpoint,
+    LocalPlane,
+    MessageBuffer,
+    pack,
+    socket_dir,
+)
 from academus.shared.multiplex import (
     CALLS_METHOD,
     FRAME_BATCHES_KEY,
@@ -84,10 +98,16 @@ class Mux:
     port: int
     server_spans: InMemorySpanExporter
     client_spans: InMemorySpanExporter
+    plane: LocalPlane | None = None   # the server's node-local data plane, which the calls ride
+
+
+BOTH = pytest.mark.parametrize("mux", ["grpc", "local"], indirect=True)   # the contract holds on either transport
 
 
 @pytest.fixture
-async def mux():
+async def mux(request):
+    """The Probe served as frames; with param "local", its calls ride the server's node-local data plane."""
+    local = getattr(request, "param", "grpc") == "local"
     probe, server_spans, client_spans = Probe(), InMemorySpanExporter(), InMemorySpanExporter()
     server_provider, client_provider = TracerProvider(), TracerProvider()
     server_provider.add_span_processor(SimpleSpanProcessor(server_spans))
@@ -97,12 +117,36 @@ async def mux():
         "t.Probe", {"Answer": grpc.unary_unary_rpc_method_handler(probe.answer)}), [ServerSpans(server_provider)])
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    channel = MultiplexChannel(grpc.aio.insecure_channel(f"127.0.0.1:{port}"), client_provider)
-    yield Mux(channel.unary_unary(METHOD), probe, servicer, server, port, server_spans, client_spans)
+    plane = LocalPlane(servicer, socket_dir(), "probe") if local else None
+    if plane is not None:
+        await plane.start()
+    channel = MultiplexChannel(grpc.aio.insecure_channel(f"127.0.0.1:{port}"), client_provider, local=local)
+    mux = Mux(channel.unary_unary(METHOD), probe, servicer, server, port, server_spans, client_spans, plane)
+    if local:
+        await went_local(mux)
+    yield mux
     await channel.close()
     await server.stop(None)
+    if plane is not None:
+        await plane.stop(0)
 
 
+async def went_local(mux: Mux) -> None:
+    """A first call learns the plane; then new calls ride it and the gRPC stream closes. What the warm-up
+    left (its span, what the probe saw) is cleared."""
+    assert await mux.call(b"warm", timeout=5) == b"ok:warm"
+    for _ in range(200):
+        if mux.call.channel.is_local and len(mux.servicer._streams) == 1:
+            break
+        await asyncio.sleep(0.01)
+    assert mux.call.channel.is_local and len(mux.servicer._streams) == 1
+    mux.probe.remaining.clear()
+    mux.probe.framed.clear()
+    mux.server_spans.clear()
+    mux.client_spans.clear()
+
+
+@BOTH
 async def test_concurrent_calls_share_one_stream_and_answer_as_they_finish(mux):
     call, probe, servicer = mux.call, mux.probe, mux.servicer
     order: list[bytes] = []
@@ -129,6 +173,8 @@ async def many(call, n: int, pad: int = 0) -> None:
 
 
 async def test_frames_and_replies_waiting_together_ride_one_message_each(mux):
+    """On the gRPC stream, where a message costs the same whatever it holds (on the local plane a frame is
+    written where it is sent)."""
     assert await mux.call(b"warm", timeout=5) == b"ok:warm"   # the server's headers say it reads batches
     assert mux.call.channel.stream().batches
     calls, replies = batched("calls"), batched("replies")
@@ -137,6 +183,7 @@ async def test_frames_and_replies_waiting_together_ride_one_message_each(mux):
     assert batched("replies") - replies >= 2     # replies ready together went together too
 
 
+@BOTH
 async def test_a_message_of_frames_stays_within_the_frame_size(mux):
     """Three frames of 40 KiB: any two exceed a message's 64 KiB, so each goes alone, none is lost."""
     assert await mux.call(b"warm", timeout=5) == b"ok:warm"
@@ -224,6 +271,7 @@ async def test_a_refusal_keeps_its_code_details_and_pushback_trailer(mux):
     assert await call(b"after", timeout=5) == b"ok:after"  # the stream outlived the errors
 
 
+@BOTH
 async def test_a_large_request_rides_a_call_of_its_own_and_keeps_the_contract(mux):
     call, probe = mux.call, mux.probe
     pad = b" " * MAX_FRAME_BYTES    # past the limit: a frame this large would hold up the calls behind it
@@ -307,6 +355,7 @@ async def test_a_caller_that_leaves_during_a_replys_pieces_keeps_its_stream(mux)
         await channel.close()
 
 
+@BOTH
 async def test_the_deadline_answers_deadline_exceeded_and_stops_the_handler(mux):
     call, probe, servicer = mux.call, mux.probe, mux.servicer
     with pytest.raises(grpc.aio.AioRpcError) as late:
@@ -453,6 +502,7 @@ async def test_a_message_takes_at_most_64_frames_never_one_whose_caller_left_and
     channel._stream = None
 
 
+@BOTH
 async def test_a_caller_that_leaves_cancels_the_handler(mux):
     call, probe = mux.call, mux.probe
     caller = asyncio.ensure_future(call(b"wait", timeout=30))
@@ -463,6 +513,7 @@ async def test_a_caller_that_leaves_cancels_the_handler(mux):
     await asyncio.wait_for(probe.cancelled.wait(), 5)
 
 
+@BOTH
 async def test_the_server_span_is_the_client_spans_child(mux):
     call, server_spans, client_spans = mux.call, mux.server_spans, mux.client_spans
     await call(b"traced", timeout=5)
@@ -473,11 +524,14 @@ async def test_the_server_span_is_the_client_spans_child(mux):
     assert client.attributes["rpc.grpc.status_code"] == served.attributes["rpc.grpc.status_code"] == 0
 
 
+@BOTH
 async def test_a_peer_that_dies_fails_pending_calls_unavailable_and_a_new_stream_serves_its_successor(mux):
     call, probe, servicer, port = mux.call, mux.probe, mux.servicer, mux.port
     pending = asyncio.ensure_future(call(b"wait", timeout=30))
     await asyncio.wait_for(probe.entered.wait(), 5)
     await mux.server.stop(None)  # no grace: the stream is cut, as when the process is killed
+    if mux.plane is not None:
+        await mux.plane.stop(0)  # its socket too: the successor is reached over gRPC, where it announces none
     with pytest.raises(grpc.aio.AioRpcError) as lost:
         await pending
     assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -502,6 +556,7 @@ async def test_a_peer_that_dies_fails_pending_calls_unavailable_and_a_new_stream
         await successor.stop(None)
 
 
+@BOTH
 async def test_draining_refuses_new_frames_and_finishes_running_ones(mux):
     call, probe, servicer = mux.call, mux.probe, mux.servicer
     running = asyncio.ensure_future(call(b"hold", timeout=10))
@@ -540,3 +595,94 @@ async def test_a_generated_stub_rides_the_stream_of_a_captured_servicer():
         assert list((await direct.Schedule(request, timeout=5)).labels) == ["sentiment"]  # still served unary
     finally:
         await server.stop(None)
+
+
+# ---------------------------------------------------------------- the node-local data plane's own faults
+
+
+def test_messages_are_cut_whole_across_reads_and_an_oversized_length_is_refused_unread():
+    buffer = MessageBuffer(limit=10)
+    stream = pack(b"abc") + pack(b"") + pack(b"0123456789")
+    assert buffer.feed(stream[:5]) == [] and buffer.partial() == "1 of its 3 bytes"
+    assert buffer.feed(stream[5:]) == [b"abc", b"", b"0123456789"] and buffer.partial() == ""
+    assert buffer.feed(b"\x02") == [] and buffer.partial() == "1 bytes of a 4-byte length prefix"
+    with pytest.raises(FramingError, match="11 bytes exceeds the local plane's limit of 10 bytes"):
+        MessageBuffer(limit=10).feed(pack(b"x" * 11)[:4])
+
+
+def test_an_announcement_names_a_socket_path_and_a_token():
+    endpoint = LocalEndpoint("/tmp/a/worker-1.sock", "f00d")
+    assert LocalEndpoint.parse(endpoint.announce()) == endpoint
+    assert LocalEndpoint.parse("f00d:relative.sock") is None and LocalEndpoint.parse("") is None
+
+
+def hello(token: str) -> bytes:
+    entries = [multiplex_pb2.MetadataEntry(key=TOKEN_KEY, value=token),
+               multiplex_pb2.MetadataEntry(key=FRAME_BATCHES_KEY, value="1")]
+    return pack(multiplex_pb2.CallFrame(method=HELLO_METHOD, metadata=entries).SerializeToString())
+
+
+def frame(call_id: int, method: str = METHOD, payload: bytes = b"x") -> bytes:
+    return pack(multiplex_pb2.CallFrame(id=call_id, method=method, payload=payload, timeout_s=5).SerializeToString())
+
+
+async def exchange(endpoint: LocalEndpoint, sent: bytes, end_writing: bool = False) -> list[multiplex_pb2.ReplyFrame]:
+    """A raw peer: sends `sent`, (ends its writing,) and reads every reply until the server closes."""
+    reader, writer = await asyncio.open_unix_connection(endpoint.path)
+    writer.write(sent)
+    if end_writing:
+        writer.write_eof()
+    data = await asyncio.wait_for(reader.read(), 5)   # to EOF: the server closed the connection
+    writer.close()
+    return [multiplex_pb2.ReplyFrame.FromString(m) for m in MessageBuffer().feed(data)]
+
+
+def endpoint_of(mux) -> LocalEndpoint:
+    return mux.plane.endpoint
+
+
+@pytest.mark.parametrize("mux", ["local"], indirect=True)
+@pytest.mark.parametrize(("case", "code", "named"), [
+    ("garbage", grpc.StatusCode.INVALID_ARGUMENT, "is not an academus.v1.CallFrame"),
+    ("truncated", grpc.StatusCode.INVALID_ARGUMENT, "ended inside a message: 2 of its"),
+    ("oversized", grpc.StatusCode.RESOURCE_EXHAUSTED, "exceeds the local plane's limit of 67108864 bytes"),
+    ("bad token", grpc.StatusCode.UNAUTHENTICATED, "carrying this server's token"),
+])
+async def test_a_bad_peer_gets_a_status_naming_the_problem_and_its_connection_closed(mux, case, code, named):
+    endpoint = endpoint_of(mux)
+    good = hello(endpoint.token)
+    sent = {"garbage": good + pack(b"\xff\xff\xff\xff\xff"),
+            "truncated": good + frame(7)[:6],
+            "oversized": good + (100 * 1024 * 1024).to_bytes(4, "little"),
+            "bad token": hello("not-the-token") + frame(1)}[case]
+    replies = await exchange(endpoint, sent, end_writing=case == "truncated")
+    refusal = replies[-1]
+    assert (refusal.id, refusal.code) == (0, code.value[0]) and named in refusal.details
+    assert not [r for r in replies if r.id]    # nothing of the bad peer's ran
+    assert await mux.call(b"still", timeout=5) == b"ok:still"   # the server serves on
+    assert mux.call.channel.is_local
+
+
+@pytest.mark.parametrize("mux", ["local"], indirect=True)
+async def test_an_unknown_method_is_answered_unimplemented_and_the_connection_closes_once_its_calls_answer(mux):
+    endpoint = endpoint_of(mux)
+    sent = hello(endpoint.token) + frame(1, payload=b"sleep:0.2") + frame(2, method="/t.Probe/Nothing") + frame(3)
+    replies = {r.id: r for message in await exchange(endpoint, sent) for r in (*message.batch, message) if r.id}
+    assert replies[1].code == 0 and replies[1].payload == b"ok:sleep:0.2"   # accepted before: answered
+    assert replies[2].code == grpc.StatusCode.UNIMPLEMENTED.value[0] and "'/t.Probe/Nothing'" in replies[2].details
+    assert replies[3].code == grpc.StatusCode.UNAVAILABLE.value[0] and "nothing ran" in replies[3].details
+
+
+@pytest.mark.parametrize("mux", ["grpc"], indirect=True)
+async def test_a_plane_the_caller_cannot_reach_leaves_its_calls_on_grpc(mux):
+    """What a caller on another node sees: a path that is not there (or not its peer's)."""
+    mux.servicer.local_endpoint = LocalEndpoint("/nonexistent/academus/worker.sock", "f00d").announce()
+    channel = MultiplexChannel(grpc.aio.insecure_channel(f"127.0.0.1:{mux.port}"), local=True)
+    try:
+        call = channel.unary_unary(METHOD)
+        for i in range(5):
+            assert await call(b"%d" % i, timeout=5) == b"ok:%d" % i
+            await asyncio.sleep(0.02)
+        assert not channel.is_local and channel._unreachable == {mux.servicer.local_endpoint}
+    finally:
+        await channel.close()

@@ -116,5 +116,6 @@ def test_catalogue_rewrite_keeps_student_groups_and_drops_heads_that_no_longer_v
         "spam-plot": {"kind": "classification", "head": "heads/spam-plot", "plot": "plot/minilm-k3"},
         "spam": {"kind": "classification", "head": "heads/spam"}}))
     catalogue = write_catalogue(tmp_path)
-    assert set(catalogue) == {"minilm", "sentiment-students", "spam-plot"}   # `academus plot head` owns spam-plot
+    assert set(catalogue) == {"minilm", "null", "sentiment-students", "spam-plot"}  # `plot head` owns spam-plot
+    assert catalogue["null"] == {"kind": "embedding", "null": True, "dim": 384, "max_tokens": 256}  # no weights
     assert json.loads((tmp_path / "models.json").read_text()) == catalogue

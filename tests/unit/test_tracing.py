@@ -12,7 +12,18 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from academus.shared.tracing import JsonlSpanExporter, ServerSpans, client_interceptors, format_trace, read_traces
+from academus.shared.tracing import (
+    JsonlSpanExporter,
+    ServerSpans,
+    client_interceptors,
+    client_tracer,
+    end_client_span,
+    format_trace,
+    read_traces,
+    root_ratio,
+    start_client_span,
+    untraced_context,
+)
 
 
 def test_spans_of_two_services_form_one_tree(tmp_path):
@@ -148,3 +159,47 @@ async def test_cancelling_the_caller_cancels_the_call_at_the_server(probe):
     assert served.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
     assert client.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
     assert client.status.status_code == StatusCode.ERROR
+
+
+
+SAMPLED = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+UNSAMPLED = SAMPLED[:-2] + "00"
+
+
+@pytest.mark.parametrize(("traceparent", "ratio", "traced"), [
+    (None, 1.0, True), (None, 0.0, False), (SAMPLED, 0.0, True), (UNSAMPLED, 1.0, False)])
+async def test_a_request_is_drawn_once_and_every_hop_follows_its_context(traceparent, ratio, traced):
+    """The first SERVER span without a context draws; a context that comes with the call is followed, and
+    an untraced call makes no span at all, only passing its unsampled context on to the next hop."""
+    spans, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    downstream: list[dict[str, str]] = []
+
+    async def hop(request, context):
+        span, carrier = start_client_span(client_tracer(provider), "/t.Next/Hop")
+        end_client_span(span, grpc.StatusCode.OK, None)
+        downstream.append(carrier)
+        return b"ok"
+
+    class Context:
+        def invocation_metadata(self):
+            return (("traceparent", traceparent),) if traceparent else ()
+
+        def code(self):
+            return None
+
+        def details(self):
+            return None
+
+    assert await ServerSpans(provider, ratio).wrap(hop, METHOD)(b"", Context()) == b"ok"
+    (carrier,) = downstream
+    assert len(spans.get_finished_spans()) == (2 if traced else 0)
+    assert int(carrier["traceparent"][-2:], 16) & 1 == traced   # the W3C flags' sampled bit
+    if traceparent:   # the caller's trace goes on
+        assert carrier["traceparent"][3:35] == traceparent[3:35]
+
+
+def test_otel_traces_sampler_leaves_every_decision_to_the_sdk(monkeypatch):
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_on")
+    assert root_ratio(0.0) == 1.0 and untraced_context(None, root_ratio(0.0)) is None
+    assert untraced_context("00-zz", 0.0) is None   # not one the fast path can read: the SDK's parser judges

@@ -8,12 +8,15 @@ import time
 import pytest
 import torch
 
+from academus.services.worker.adapters import TenantBatch
 from academus.services.worker.core import OUTPUT_EMBEDDING, OUTPUT_PROBS, CallerLeft, ModelRunner, split_lengths
+from academus.shared.catalogue import ModelSpec
 from academus.shared.config import artifacts_dir
 from academus.shared.errors import DeadlineExceeded, InvalidArgument, NotFound
 from academus.shared.model import teacher_dir
 from academus.shared.packing import PackingPlan
 from academus.shared.tokenization import TeacherTokenizer
+from academus.shared.training.prepare import write_catalogue
 
 
 class SteppingClock:
@@ -152,3 +155,50 @@ def test_a_plan_that_misplaces_texts_is_refused(runner):
     with pytest.raises(InvalidArgument, match="not a student group"):
         runner.run("minilm", OUTPUT_EMBEDDING, ids, lengths, student_indices=[0],
                    plan=PackingPlan.concat([[0, 1]], 64))
+
+
+@pytest.fixture(scope="module")
+def null_runner(tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
+    """The catalogue `academus prepare` writes (no heads here: minilm and null), the null model alone, on a
+    clock at 10 s for the deadline cases."""
+    artifacts = tmp_path_factory.mktemp("artifacts")
+    assert write_catalogue(artifacts)["null"] == {"kind": "embedding", "null": True, "dim": 384, "max_tokens": 256}
+    return ModelRunner(artifacts, ["null"], clock=lambda: 10.0)
+
+
+def test_the_null_model_answers_zeros_of_the_embeddings_shape_without_the_teacher(null_runner):
+    result = null_runner.run("null", OUTPUT_EMBEDDING, [101, 7, 8, 102, 101, 102], [4, 2])
+    assert result.values.shape == (2, 384) and result.values.dtype == "float32" and not result.values.any()
+    assert result.real_tokens == result.padded_tokens == 6 and result.labels == [] and result.student_count == 1
+    assert 0 <= result.compute_ms < 50
+    assert null_runner._teacher is None   # nothing was loaded to compute with
+    assert null_runner.specs["null"] == ModelSpec("null", "embedding", [], 384, 256)
+
+
+def test_the_null_model_answers_a_packing_plan_unpacked(null_runner):
+    ids, lengths = [101, 7, 8, 102, 101, 102, 101, 9, 102], [4, 2, 3]
+    result = null_runner.run("null", OUTPUT_EMBEDDING, ids, lengths, plan=PackingPlan.concat([[0, 2], [1]], 8),
+                             deadline=11.0)
+    assert result.values.shape == (3, 384) and not result.values.any() and result.padded_tokens == 9
+
+
+@pytest.mark.parametrize(("call", "error", "named"), [
+    ({"lengths": [5]}, InvalidArgument, "tokens.lengths sum to 5 but tokens.input_ids has 3 ids"),
+    ({"output": OUTPUT_PROBS}, InvalidArgument, "is an embedding model"),
+    ({"student_indices": [0]}, InvalidArgument, "not a student group"),
+    ({"plan": PackingPlan.concat([[0], [0]], 8)}, InvalidArgument, "packing: the plan must place every one"),
+    ({"tenants": TenantBatch([None], [])}, InvalidArgument, "adapters set for 'null'"),
+    ({"deadline": 5.0}, DeadlineExceeded, "deadline passed before the batch started"),
+    ({"model": "minilm"}, NotFound, "not served by this worker"),
+])
+def test_the_null_model_refuses_what_a_model_refuses(null_runner, call, error, named):
+    args = {"model": "null", "output": OUTPUT_EMBEDDING, "input_ids": [101, 7, 102], "lengths": [3]} | call
+    with pytest.raises(error, match=named):
+        null_runner.run(**args)
+
+
+def test_the_null_model_stops_for_a_caller_that_left(null_runner):
+    left = threading.Event()
+    left.set()
+    with pytest.raises(CallerLeft):
+        null_runner.run("null", OUTPUT_EMBEDDING, [101, 102], [2], left=left)
