@@ -17,7 +17,10 @@ being the one the others are compared with. On each mesh:
    load-generator processes (uvloop, `AsyncClient(streams=True)`), throughput and p50/p99;
 3. during each capacity run, each process's CPU ms and voluntary context switches (all its threads) a
    completed request, from /proc: every mesh service and the load generators; `stack_cpu_ms` sums
-   gateway, scheduler and worker.
+   gateway, scheduler and worker;
+4. many connections: --connections clients, each on a TCP connection of its own (spread over --procs
+   processes), together offering --open-load of the arm's best capacity as a Poisson stream for --duration;
+   p50/p99 and the p50 as a multiple of the sequential one (Ray Serve's grew 46x, ray-project/ray#55473).
 The floors: three grpc.aio unary hops with no-op handlers (`grpc_floor`) and three hops over Unix sockets
 (`uds_floor`), each sequential and with --floor-callers closed loops from this process.
 Every figure is also a ratio to the floors, and each arm's to the first arm's, per round and as medians
@@ -51,7 +54,9 @@ from academus.client import Client
 from academus.loadgen import grpc_floor, uds_floor
 from academus.loadgen.bench import stat_cpu_s
 from academus.loadgen.overhead import measure, text_of
-from academus.loadgen.runner import GatewaySpread, run_closed
+from academus.loadgen.runner import GatewaySpread, run_closed, send_lateness
+from academus.loadgen.runner import run as run_open
+from academus.loadgen.schedule import poisson
 from academus.loadgen.serving_profile import threads_reading
 from academus.loadgen.shares import START_MARGIN_S, split
 from academus.loadgen.stats import summary
@@ -65,7 +70,7 @@ FLOOR_HOPS = 3       # as the stack's: client -> gateway -> scheduler -> worker
 STACK = ("gateway", "scheduler", "worker")
 DEFAULT_ARMS = ("grpc=ACADEMUS_LOCAL_PLANE=0", "local=ACADEMUS_LOCAL_PLANE=1")
 SETTINGS = ("model", "rounds", "requests", "warmup", "callers", "duration", "procs", "floor_callers",
-            "floor_duration")
+            "floor_duration", "connections", "open_load")
 TIMEOUT_S = 10.0     # a closed loop's request: generous, the queue stays bounded by the callers
 
 
@@ -126,10 +131,29 @@ async def send_share(run_dir: Path, model: str, callers: int, duration_s: float,
             "errors": Counter(r.code for r in result.records if r.code != "OK"), "before": before, "after": after}
 
 
-def share_command(run_dir: Path, args: argparse.Namespace, callers: int, start_at: float, result: Path) -> list[str]:
+async def send_open_share(run_dir: Path, model: str, connections: int, rate: float, duration_s: float,
+                          start_at: float) -> dict:
+    """A load-generator process's share of the many-connections run: `connections` clients, each on a TCP
+    connection of its own and each answered once before the start (so all are open), then Poisson arrivals
+    at `rate` spread over them in turn."""
+    state, key = MeshState.load(run_dir), (run_dir / ADMIN_KEY_FILE).read_text().strip()
+    samples = [Sample(text_of(TOKENS))]
+    async with GatewaySpread(state.gateways() * connections, key, TIMEOUT_S, streams=True,
+                             own_connections=True) as spread:
+        await asyncio.gather(*(client.infer(model, [samples[0].text]) for _, client in spread.clients))
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        result = await run_open(spread, model, poisson(rate, duration_s, seed=os.getpid()), samples, TIMEOUT_S,
+                           duration_s)
+    return {"latencies_ms": [r.latency_ms for r in result.records if r.code == "OK"],
+            "errors": Counter(r.code for r in result.records if r.code != "OK"), "duration_s": result.duration_s,
+            "send_late_ms": send_lateness(result.records)}
+
+
+def share_command(run_dir: Path, args: argparse.Namespace, callers: int, start_at: float, result: Path,
+                  *extra: str) -> list[str]:
     return [sys.executable, "-m", "academus.loadgen.stack_bench", "--share", str(callers), "--run-dir", str(run_dir),
             "--model", args.model, "--duration", str(args.duration), "--start-at", str(start_at),
-            "--result", str(result)]
+            "--result", str(result), *extra]
 
 
 def capacity(state: MeshState, args: argparse.Namespace, callers: int, out: Path) -> dict:
@@ -146,6 +170,34 @@ def capacity(state: MeshState, args: argparse.Namespace, callers: int, out: Path
         raise RuntimeError(f"a load generator of {callers} callers failed: see its output above")
     after = {s.name: reading(s.pid) for s in state.services}
     return {"callers": callers} | merge_shares([json.loads(p.read_text()) for p in results], before, after)
+
+
+def many_connections(state: MeshState, args: argparse.Namespace, rate: float, out: Path) -> dict:
+    """--connections open at once offering `rate` req/s; the gateway's established connections counted
+    halfway through, so the figure says how many were really open."""
+    shares = [s.concurrency for s in split([], [], args.procs, args.connections)]
+    start_at = time.time() + START_MARGIN_S + args.connections / 100   # each share opens its connections first
+    results = [out / f"open-{k}.json" for k in range(len(shares))]
+    children = [subprocess.Popen(share_command(Path(state.run_dir), args, n, start_at, path, "--rate",
+                                               str(rate / len(shares))))
+                for n, path in zip(shares, results, strict=True)]
+    time.sleep(max(0.0, start_at - time.time()) + args.duration / 2)
+    established = gateway_connections(state.gateway)
+    if any([child.wait() for child in children]):
+        raise RuntimeError("a load generator of the many-connections run failed: see its output above")
+    parts = [json.loads(p.read_text()) for p in results]
+    latencies = [x for p in parts for x in p["latencies_ms"]]
+    return {"connections": args.connections, "established": established, "offered_rps": round(rate, 1),
+            "completed": len(latencies), "errors": dict(sum((Counter(p["errors"]) for p in parts), Counter())),
+            "latency_ms": summary(latencies), "send_late_ms": [p["send_late_ms"] for p in parts]}
+
+
+def gateway_connections(address: str) -> int:
+    """TCP connections established to the gateway's port (from the kernel's table, both ends on this host)."""
+    port = address.rsplit(":", 1)[1]
+    done = subprocess.run(["ss", "-tnH", "state", "established", f"( sport = :{port} )"], capture_output=True,
+                          text=True)
+    return len(done.stdout.splitlines()) if done.returncode == 0 else -1
 
 
 def merge_shares(parts: list[dict], before: dict[str, dict], after: dict[str, dict]) -> dict:
@@ -166,8 +218,12 @@ def one_arm(args: argparse.Namespace, round_: int, arm: Arm) -> dict:
     run_dir = args.out / f"run-{round_}-{arm.name}"
     state = up(MeshOptions(run_dir=run_dir, gateway_port=0, env={"ACADEMUS_MODELS": args.model} | arm.env))
     try:
-        return {"sequential": sequential(state, args),
-                "capacity": {str(c): capacity(state, args, c, run_dir) for c in args.callers}}
+        measured = {"sequential": sequential(state, args),
+                    "capacity": {str(c): capacity(state, args, c, run_dir) for c in args.callers}}
+        if args.connections:
+            best = max(c["throughput_rps"] for c in measured["capacity"].values())
+            measured["connections"] = many_connections(state, args, args.open_load * best, run_dir)
+        return measured
     finally:
         down(run_dir)
 
@@ -192,10 +248,14 @@ def capacity_figures(cap: dict) -> dict[str, float]:
     return out
 
 
-def headline(latency_ms: dict, capacities: list[dict]) -> dict[str, float]:
+def headline(latency_ms: dict, capacities: list[dict], connections: dict | None = None) -> dict[str, float]:
     out = {"p50_ms": latency_ms["p50"], "p99_ms": latency_ms["p99"]}
     for cap in capacities:
         out |= capacity_figures(cap)
+    if connections:
+        n, open_ms = connections["connections"], connections["latency_ms"]
+        out |= {f"open_p50_ms@{n}": open_ms["p50"], f"open_p99_ms@{n}": open_ms["p99"],
+                f"open_p50_x@{n}": ratio(open_ms["p50"], latency_ms["p50"])}
     return out
 
 
@@ -221,8 +281,9 @@ def versus(arm: dict[str, float], base: dict[str, float]) -> dict[str, float | N
 def round_figures(raw: dict, arms: list[Arm], floor_callers: int) -> dict:
     """A round's headline figures, ratios to the floors and to the first arm."""
     floors_ = {name: headline(f["latency_ms"], [f["capacity"]]) for name, f in raw["floors"].items()}
-    heads = {a.name: headline(raw["arms"][a.name]["sequential"]["e2e_ms"],
-                              list(raw["arms"][a.name]["capacity"].values())) for a in arms}
+    measured = raw["arms"]
+    heads = {a.name: headline(measured[a.name]["sequential"]["e2e_ms"], list(measured[a.name]["capacity"].values()),
+                              measured[a.name].get("connections")) for a in arms}
     base = arms[0].name
     return {"floor_headline": floors_, "headline": heads,
             "floor_ratios": {name: floor_ratios(h, floors_, floor_callers) for name, h in heads.items()},
@@ -245,7 +306,8 @@ def median_figures(rounds: list[dict]) -> dict:
 # ---------------------------------------------------------------- output
 
 
-METRICS = ("rps", "p50_ms", "p99_ms", "stack_cpu_ms", "stack_switches")   # the tables' column order
+# the tables' column order; open_*: the many-connections run, its p50 also as a multiple (x) of the sequential
+METRICS = ("rps", "p50_ms", "p99_ms", "stack_cpu_ms", "stack_switches", "open_p50_ms", "open_p99_ms", "open_p50_x")
 
 
 def column_order(key: str) -> tuple:
@@ -379,11 +441,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--procs", type=int, default=2, help="load-generator processes sharing the callers")
     p.add_argument("--floor-callers", type=int, default=64, help="closed loops of the floors' capacity runs")
     p.add_argument("--floor-duration", type=float, default=5.0, help="seconds of the floors' capacity runs")
+    p.add_argument("--connections", type=int, default=512, help="client connections of the many-connections run "
+                                                                 "(0: none)")
+    p.add_argument("--open-load", type=float, default=0.5, help="their offered load, a share of the best capacity")
     p.add_argument("--arms", type=parse_arm, nargs="+", default=[parse_arm(a) for a in DEFAULT_ARMS],
                    help="NAME=ENV=VALUE[,ENV=VALUE...]: each arm's settings for every service; the first is the "
                         "baseline")
     p.add_argument("--out", type=Path, default=Path("bench/stack"))
-    for hidden in ("--share", "--run-dir", "--start-at", "--result"):   # a load-generator process's
+    for hidden in ("--share", "--run-dir", "--start-at", "--result", "--rate"):   # a load-generator process's
         p.add_argument(hidden, help=argparse.SUPPRESS)
     return p
 
@@ -392,7 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.share:
         freeze_start_up_heap("loadgen")   # its own collections would count as the stack's latency
-        share = uvloop.run(send_share(Path(args.run_dir), args.model, int(args.share), args.duration,
+        share = uvloop.run(send_open_share(Path(args.run_dir), args.model, int(args.share), float(args.rate),
+                                           args.duration, float(args.start_at)) if args.rate else
+                           send_share(Path(args.run_dir), args.model, int(args.share), args.duration,
                                       float(args.start_at)))
         Path(args.result).write_text(json.dumps(share))
         return 0

@@ -29,12 +29,14 @@ class AsyncClient:
     cancellation and the retry of UNAVAILABLE within the deadline are those of a unary call."""
 
     def __init__(self, target: str, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT_S,
-                 streams: bool = False) -> None:
+                 streams: bool = False, own_connection: bool = False) -> None:
+        """`own_connection`: a TCP connection of this client's only (gRPC otherwise shares one between the
+        channels of a process to the same target)."""
         self.api_key = api_key
         self.timeout = timeout
         self.streams = streams
-        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS,
-                                                  interceptors=client_interceptors())
+        options = [*CHANNEL_OPTIONS, *([("grpc.use_local_subchannel_pool", 1)] if own_connection else [])]
+        self._channel = grpc.aio.insecure_channel(target, options=options, interceptors=client_interceptors())
         self._stub = inference_pb2_grpc.InferenceStub(over_streams(self._channel, streams))
 
     async def infer(self, model: str, texts: Sequence[str], output: str = "", *,

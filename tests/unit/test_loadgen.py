@@ -664,6 +664,16 @@ def test_stack_bench_ratios_to_the_floors_and_the_first_arm_and_their_medians():
     assert ratio(1.0, 0.0) is None and ratio(None, 2.0) is None
 
 
+def test_stack_bench_many_connections_figures_are_the_open_runs_and_its_p50_as_a_multiple():
+    from academus.loadgen.stack_bench import headline
+
+    connections = {"connections": 512, "latency_ms": {"p50": 6.0, "p99": 30.0}}
+    figures = headline({"p50": 1.5, "p99": 3.0}, [], connections)
+    assert figures == {"p50_ms": 1.5, "p99_ms": 3.0, "open_p50_ms@512": 6.0, "open_p99_ms@512": 30.0,
+                       "open_p50_x@512": 4.0}
+    assert headline({"p50": 1.5, "p99": 3.0}, []) == {"p50_ms": 1.5, "p99_ms": 3.0}
+
+
 def test_stack_bench_writes_its_json_table_and_plot(tmp_path, capsys):
     from academus.loadgen.stack_bench import median_figures, parse_arm, round_figures, write
 
