@@ -27,7 +27,9 @@ def main() -> int:
     run_dir = Path(tempfile.mkdtemp(prefix="academus-demo-"))
     print(f"starting the mesh in {run_dir} ...", flush=True)
     t0 = time.monotonic()
-    state = up(MeshOptions(run_dir=run_dir, gateway_port=0, env={"OTEL_BSP_SCHEDULE_DELAY": "100"}))
+    # every request traced (the default is 1 in 100): the demo prints one request's trace
+    state = up(MeshOptions(run_dir=run_dir, gateway_port=0, env={"OTEL_BSP_SCHEDULE_DELAY": "100",
+                                                                 "ACADEMUS_TRACE_RATIO": "1"}))
     print(f"mesh up in {time.monotonic() - t0:.1f} s")
     for s in status(run_dir)["services"]:
         print(f"  {s['name']:<16} {s['address']:<22} {s['health']}")
