@@ -1,9 +1,10 @@
 """The node-local transport floor: a chain of loopback hops over Unix domain sockets, each end an asyncio
-Protocol on uvloop, no gRPC and no Academus code: what the local data plane (shared/local_plane.py) could
-cost at best, as `academus.loadgen.grpc_floor` is gRPC's. Each message is a 4-byte little-endian length and
-one protobuf message: a `CallFrame` (its id, so that many callers share a connection, and the serialized
-RunRequest) or a `ReplyFrame`; the leaf answers at once with grpc_floor's 384-float ModelOutput. A forwarding
-hop sends each call on to the next hop over one connection, from the reading callback (no task a call).
+Protocol on uvloop, no gRPC and no Academus serving code: what the local data plane (shared/local_plane.py)
+could cost at best, as `academus.loadgen.grpc_floor` is gRPC's. Messages are framed as the plane frames them
+(a 4-byte little-endian length, then one protobuf message): a `CallFrame` (its id, so that many callers
+share a connection, and the serialized RunRequest) or a `ReplyFrame`; the leaf answers at once with
+grpc_floor's 384-float ModelOutput. A forwarding hop sends each call on to the next hop over one connection,
+from the reading callback (no task a call).
 
     python -m academus.loadgen.uds_floor [--hops 3] [--requests 1500] [--callers 64] [--duration 5]
 """
@@ -16,7 +17,6 @@ import contextlib
 import itertools
 import json
 import shutil
-import struct
 import subprocess
 import sys
 import tempfile
@@ -27,29 +27,12 @@ from pathlib import Path
 import uvloop
 
 from academus.loadgen.grpc_floor import REPLY, REQUEST, figures
+from academus.shared.local_plane import MessageBuffer, pack
 from academus.v1 import multiplex_pb2
 
-HEADER = struct.Struct("<I")
 REPLY_BYTES = REPLY.SerializeToString()
 REQUEST_BYTES = REQUEST.SerializeToString()
 START_TIMEOUT_S = 20.0   # the chain's processes start together: each imports protobuf and uvloop first
-
-
-def pack(message: bytes) -> bytes:
-    return HEADER.pack(len(message)) + message
-
-
-def unpack(buffer: bytearray) -> list[bytes]:
-    """The whole messages at the front of `buffer`, cut off it; a partial one stays for the next read."""
-    messages, offset = [], 0
-    while len(buffer) - offset >= HEADER.size:
-        (size,) = HEADER.unpack_from(buffer, offset)
-        if len(buffer) - offset - HEADER.size < size:
-            break
-        offset += HEADER.size + size
-        messages.append(bytes(buffer[offset - size:offset]))
-    del buffer[:offset]
-    return messages
 
 
 class Framed(asyncio.Protocol):
@@ -57,15 +40,14 @@ class Framed(asyncio.Protocol):
 
     def __init__(self, on_message: Callable[[Framed, bytes], None]) -> None:
         self.on_message = on_message
-        self.buffer = bytearray()
+        self.buffer = MessageBuffer()
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
-        self.buffer += data
-        for message in unpack(self.buffer):
+        for message in self.buffer.feed(data):
             self.on_message(self, message)
 
     def send(self, message: bytes) -> None:

@@ -120,27 +120,6 @@ class MessageBuffer:
         return f"{len(self.data) - HEADER.size} of its {size} bytes"
 
 
-class _Writer:
-    """A protocol's side of flow control: writes wait while the transport's buffer is full."""
-
-    transport: asyncio.Transport | None = None
-
-    def __init__(self) -> None:
-        self.writable = asyncio.Event()
-        self.writable.set()
-
-    def pause_writing(self) -> None:
-        self.writable.clear()
-
-    def resume_writing(self) -> None:
-        self.writable.set()
-
-    async def send(self, message: bytes) -> None:
-        self.transport.write(pack(message))
-        if not self.writable.is_set():
-            await self.writable.wait()
-
-
 # ---------------------------------------------------------------- server side
 
 
@@ -176,11 +155,15 @@ class LocalPlane:
             os.unlink(self.endpoint.path)
 
 
-class _ServedConnection(_Writer, asyncio.Protocol):
-    """One caller's connection: its hello, then its frames into a `_ServedStream`, the replies back."""
+class _ServedConnection(asyncio.Protocol):
+    """One caller's connection: its hello, then its frames into a `_ServedStream`, the replies back. Replies
+    are written as they are ready (`send_now`); while the socket's buffer is full they wait in the stream's
+    queue for `reply`, which writes them once it drains."""
 
     def __init__(self, plane: LocalPlane) -> None:
-        super().__init__()
+        self.transport: asyncio.Transport | None = None
+        self.writable = asyncio.Event()
+        self.writable.set()
         self.plane = plane
         self.buffer = MessageBuffer()
         self.served: _ServedStream | None = None
@@ -246,6 +229,12 @@ class _ServedConnection(_Writer, asyncio.Protocol):
             else:
                 self.served.receive(one)
 
+    def pause_writing(self) -> None:
+        self.writable.clear()
+
+    def resume_writing(self) -> None:
+        self.writable.set()
+
     def send_now(self, reply: multiplex_pb2.ReplyFrame) -> bool:
         """A reply written on the spot, unless the socket's buffer is full (then `reply` sends it)."""
         if not self.writable.is_set() or self.transport.is_closing():
@@ -256,7 +245,8 @@ class _ServedConnection(_Writer, asyncio.Protocol):
     async def reply(self) -> None:
         try:
             while (message := await self.served.next_message()) is not None:
-                await self.send(message.SerializeToString())
+                self.transport.write(pack(message.SerializeToString()))
+                await self.writable.wait()
         finally:
             self.transport.close()
 

@@ -91,9 +91,10 @@ def tracing_enabled() -> bool:
 # Which requests are traced. The SERVER span of a call that came without a trace context (the gateway's, for
 # a client's request) draws: a request is traced at `ratio`, and then at every hop, as its context is
 # propagated. One not drawn carries an unsampled W3C context (flags 00) to every hop instead, and no hop makes
-# a span for it: even an unsampled span costs the SDK its ids, context and attributes, which was ~40 % of the
-# stack's CPU with the null model at 10 % sampling (stack_bench). A caller's own context is followed, sampled
-# or not. With OTEL_TRACES_SAMPLER set, every call goes to the SDK, whose sampler decides.
+# a span for it: even an unsampled span costs the SDK its ids, context and attributes (null model, 10 %
+# sampled: the stack's CPU fell from 919 to 736 us a request once they went; docs/benchmarks/stack.md).
+# A caller's own context is followed, sampled or not. With OTEL_TRACES_SAMPLER set, every call goes to the
+# SDK, whose sampler decides.
 TRACEPARENT = "traceparent"
 _untraced: contextvars.ContextVar[str | None] = contextvars.ContextVar("academus_untraced", default=None)
 
@@ -110,9 +111,10 @@ def untraced_context(traceparent: str | None, ratio: float) -> str | None:
         if random.random() < ratio:
             return None
         return f"00-{random.getrandbits(128):032x}-{random.getrandbits(64):016x}-00"
-    if len(traceparent) == 55 and traceparent[-3] == "-" and not int(traceparent[-2:], 16) & 1:
+    flags = traceparent[-2:] if len(traceparent) == 55 and traceparent[-3] == "-" else ""
+    if flags and all(c in "0123456789abcdef" for c in flags) and not int(flags, 16) & 1:
         return traceparent
-    return None
+    return None   # sampled, or a context only the SDK's parser can judge
 
 
 # The codes that mean the server failed (OTel's semantic conventions for SERVER spans); the others,
@@ -134,11 +136,7 @@ class ServerSpans(UnaryServerInterceptor):
     def wrap(self, behavior: UnaryBehavior, method: str) -> UnaryBehavior:
         async def wrapped(request, context: grpc.aio.ServicerContext):
             metadata = dict(context.invocation_metadata() or ())
-            try:
-                untraced = untraced_context(metadata.get(TRACEPARENT), self.ratio)
-            except ValueError:   # flags that are not hex: the SDK's parser judges the context
-                untraced = None
-            if untraced is not None:
+            if (untraced := untraced_context(metadata.get(TRACEPARENT), self.ratio)) is not None:
                 token = _untraced.set(untraced)
                 try:
                     return await behavior(request, context)

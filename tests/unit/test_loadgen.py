@@ -691,12 +691,12 @@ def test_stack_bench_writes_its_json_table_and_plot(tmp_path, capsys):
 
 
 def test_uds_floor_frames_are_cut_whole_across_reads():
-    from academus.loadgen.uds_floor import Framed, pack, unpack
+    from academus.loadgen.uds_floor import Framed, MessageBuffer, pack  # the plane's framing
 
-    buffer = bytearray(pack(b"one") + pack(b"") + pack(b"three")[:5])
-    assert unpack(buffer) == [b"one", b""] and buffer == bytearray(pack(b"three")[:5])
-    buffer += pack(b"three")[5:]
-    assert unpack(buffer) == [b"three"] and not buffer
+    buffer = MessageBuffer()
+    assert buffer.feed(pack(b"one") + pack(b"") + pack(b"three")[:5]) == [b"one", b""]
+    assert buffer.data == bytearray(pack(b"three")[:5])
+    assert buffer.feed(pack(b"three")[5:]) == [b"three"] and not buffer.data
     got = []
     framed = Framed(lambda _, message: got.append(message))
     for byte in pack(b"x" * 300) + pack(b"y"):   # a byte a read: the length prefix split too
