@@ -7,7 +7,8 @@ at once on one channel. Calls that reach the server before its loop has asked fo
 grpc-core's pending queue; past `grpc.server.max_pending_requests` (default 1000) grpc-core starts to
 refuse them at random, hard at `..._hard_limit` (default 3000), and a refused call ends CANCELLED
 (message "CANCELLED") long before its deadline, and before any handler, interceptor or metric of the
-server has seen it. This is what the H200 bursts showed at the gateway (README, "On a GPU"). --pending-limit sets
+server has seen it. This is what the H200 bursts showed at the gateway (docs/benchmarks/scheduling.md, "On a
+GPU"). --pending-limit sets
 both limits. With --streams the calls are frames of one multiplexed stream (shared/multiplex.py, as
 `AsyncClient(streams=True)` sends them): one call for grpc-core, so its pending queue never fills. The last
 line printed is the JSON summary: codes, messages, median time to a refusal.

@@ -1,4 +1,4 @@
-"""Goodput of a multiplexed stream whose server cannot keep up (README, "Expired frames").
+"""Goodput of a multiplexed stream whose server cannot keep up (docs/design/hops.md, "Expired frames").
 
     python -m academus.loadgen.stream_backlog [--cost-ms 2] [--rate 1000] [--duration 10] [--timeout 1]
 

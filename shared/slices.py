@@ -18,7 +18,8 @@ threads take the kernel's default back (`reset_slice`). On older kernels the fie
 call is refused (a seccomp filter, not Linux) nothing changes and serving goes on.
 
 It is an opt-in: in the mesh it did not shorten the students' tail. `python -m
-academus.loadgen.half_load_bench --rate 67 --ablate hop_slice --rounds 3` (README) gave the students' p95
+academus.loadgen.half_load_bench --rate 67 --ablate hop_slice --rounds 3` (docs/benchmarks/scheduling.md)
+gave the students' p95
 32.3 / 26.1 / 26.9 ms with 0.1 ms against 24.1 / 25.5 / 26.7 ms with the kernel's, their tail's compute
 longer (10.1-13.2 against 8.9-11.0 ms): the hops preempt the forward passes more often, and what the
 hops gain the forward passes lose.

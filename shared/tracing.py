@@ -127,7 +127,7 @@ class ServerSpans(UnaryServerInterceptor):
     """One SERVER span a unary RPC, the child of the caller's propagated context, named and attributed as
     OTel's gRPC interceptor names them. Unlike it, an abort is taken as an answer: its code goes on the span
     and its traceback is not formatted. OTel's formats it twice, a third of the gateway's and the scheduler's
-    CPU under overload, where most calls are refused (py-spy at 3x capacity; README, "What tracing costs")."""
+    CPU under overload, where most calls are refused (py-spy at 3x capacity; docs/benchmarks/tracing.md)."""
 
     def __init__(self, provider: TracerProvider, ratio: float = 1.0) -> None:
         self.tracer = provider.get_tracer("academus.grpc")

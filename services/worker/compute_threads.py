@@ -12,7 +12,8 @@ compute threads mostly wait for the device, and the policy changes little.
 
 The default is `normal`: on this project's 2-core box `idle` bought 0-6 % of the students' latency at
 half load and 3 % of goodput at 3x overload (loadgen/half_load_bench, overload_bench --ablate
-compute_sched; README), inside the noise between runs, while where autogroups are off and services
+compute_sched; docs/benchmarks/scheduling.md), inside the noise between runs, while where autogroups are off
+and services
 share one cgroup a front end saturating the cores would starve SCHED_IDLE compute outright.
 """
 

@@ -4,7 +4,8 @@ them at load; a kind not seen then is traced on first use).
 Why: a 2-layer student's single sample is ~150 small aten calls, and between any two of them the compute
 thread takes the GIL back from the worker's event loop. A traced layer runs as one call that holds no
 GIL: about 12 % less compute alone and 20 % beside a thread busy in Python 30 % of the time (a 2-layer
-student, one 25-token sample, one thread; `README.md`, "Traced layers"). The graphs compute exactly what the
+student, one 25-token sample, one thread; `docs/benchmarks/scheduling.md`, "Traced layers"). The graphs
+compute exactly what the
 layer's own forward does; the module tree is untouched, so the worker's deadline hooks on the layers
 still fire between layers. A call the graph does not cover runs the layer's own forward: gradients on,
 arguments besides the hidden states and the attention mask, or a hook on a layer's submodules that would
