@@ -26,12 +26,12 @@ import torch
 from academus.loadgen.adapters_bench import perturbed_adapter
 from academus.services.worker.adapters import AdapterCache, StoreFetcher
 from academus.services.worker.host_tier import HostAdapters
-from academus.shared.adapters import AdapterWeights
-from academus.shared.keys import Keys
-from academus.shared.onboarding import AdapterStoreClient
-from academus.shared.redis_conn import connect
-from academus.shared.redis_server import RedisServer
-from academus.shared.serving import RunningService
+from academus.shared.cli.redis_server import RedisServer
+from academus.shared.models.adapters import AdapterWeights
+from academus.shared.runtime.redis_conn import connect
+from academus.shared.runtime.serving import RunningService
+from academus.shared.state.keys import Keys
+from academus.shared.training.onboarding import AdapterStoreClient
 
 PREFIX = "miss-bench"
 

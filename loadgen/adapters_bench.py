@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from academus.shared.adapters import AdapterWeights, encode_with_adapters
-from academus.shared.model import TeacherEncoder
+from academus.shared.models.adapters import AdapterWeights, encode_with_adapters
+from academus.shared.models.model import TeacherEncoder
 
 
 def perturbed_adapter(labels: list[str], seed: int) -> AdapterWeights:

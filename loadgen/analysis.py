@@ -117,7 +117,7 @@ def _quantiles(values: list[float]) -> dict:
 
 
 def span_breakdown(spans: Sequence[dict]) -> dict:
-    """Durations of exported spans (shared/tracing.py's JSON lines) by service, span name and kind,
+    """Durations of exported spans (shared/runtime/tracing.py's JSON lines) by service, span name and kind,
     and each hop's wire time: a client span's duration minus that of the server span it called."""
     spans = [s for s in spans if s.get("end_ns") is not None and s.get("start_ns") is not None]
     by_id = {s["span_id"]: s for s in spans}

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from prometheus_client.samples import Sample
 
-from academus.shared.mesh import MeshState
-from academus.shared.metrics import scrape
+from academus.shared.cli.mesh import MeshState
+from academus.shared.runtime.metrics import scrape
 
 # The settings a benchmark can switch off in one of its two arms (`--ablate NAME`): the variable, then
 # (arm name, value) with the setting on (the default, but for compute_sched and hop_slice) and off.

@@ -32,10 +32,10 @@ from academus.loadgen import analysis, plots, schedule, texts
 from academus.loadgen.analysis import parse_runs, ratios, run_label
 from academus.loadgen.runner import GatewaySpread, RunResult, send_load
 from academus.loadgen.shares import run_in_processes
-from academus.shared.config import CommonConfig, load, run_dir
-from academus.shared.heap import freeze_start_up_heap
-from academus.shared.mesh import ADMIN_KEY_FILE, MeshState
-from academus.shared.slices import set_process_slice
+from academus.shared.cli.mesh import ADMIN_KEY_FILE, MeshState
+from academus.shared.runtime.config import CommonConfig, load, run_dir
+from academus.shared.runtime.heap import freeze_start_up_heap
+from academus.shared.runtime.slices import set_process_slice
 
 __all__ = ["main", "parser", "ratios"]
 
@@ -190,7 +190,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_breakdown(args: argparse.Namespace) -> int:
-    from academus.shared.tracing import read_traces
+    from academus.shared.runtime.tracing import read_traces
 
     default = os.environ.get("ACADEMUS_TRACE_FILE") or (args.run_dir or run_dir()) / "traces.jsonl"
     paths = args.traces or [Path(default)]

@@ -17,7 +17,7 @@ import torch
 
 from academus.services.worker.core import ModelRunner
 from academus.services.worker.profiling import profile_model
-from academus.shared.config import artifacts_dir
+from academus.shared.runtime.config import artifacts_dir
 
 
 def ceiling(task: str, students: int, merges: list[int], threads: int) -> dict:

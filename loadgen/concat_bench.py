@@ -26,8 +26,8 @@ from pathlib import Path
 import redis
 
 from academus.loadgen.bench import loadgen, run_bench
-from academus.shared.keys import Keys
-from academus.shared.mesh import Deployment, MeshOptions, MeshState, down, up
+from academus.shared.cli.mesh import Deployment, MeshOptions, MeshState, down, up
+from academus.shared.state.keys import Keys
 
 SIZE_POLICIES = ["padded", "concat", "concat-slotted", "bucketed"]
 SELECTION_POLICIES = ["concat", "concat-fcfs", "concat-sjf", "concat-edf"]

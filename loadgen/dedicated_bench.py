@@ -28,9 +28,9 @@ import torch
 
 from academus.loadgen.adapters_bench import perturbed_adapter
 from academus.loadgen.tenants_bench import tenant_picker
-from academus.shared.adapters import encode_with_adapters
-from academus.shared.model import ClassifierHead, TeacherEncoder, pad_batch, teacher_dir
-from academus.shared.tokenization import TeacherTokenizer
+from academus.shared.models.adapters import encode_with_adapters
+from academus.shared.models.model import ClassifierHead, TeacherEncoder, pad_batch, teacher_dir
+from academus.shared.models.tokenization import TeacherTokenizer
 
 
 class DedicatedModels:
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resident", type=int, default=4, help="full models loaded at once (dedicated)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    from academus.shared.data import load_task
+    from academus.shared.training.data import load_task
 
     teacher = TeacherEncoder.load()
     texts = [e.text for e in load_task("sentiment").test]

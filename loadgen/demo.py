@@ -11,8 +11,8 @@ from pathlib import Path
 
 from academus.client import Client
 from academus.loadgen.stats import summary
-from academus.shared.mesh import ADMIN_KEY_FILE, MeshOptions, down, status, up
-from academus.shared.tracing import format_trace, read_traces
+from academus.shared.cli.mesh import ADMIN_KEY_FILE, MeshOptions, down, status, up
+from academus.shared.runtime.tracing import format_trace, read_traces
 
 WORKLOAD = {
     "spam": ["Congratulations! You have been selected for a FREE vacation. Reply now to claim!!!",

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import torch
 
-from academus.shared.config import artifacts_dir
+from academus.shared.runtime.config import artifacts_dir
 from academus.shared.training import distill
 
 VARIANTS = {"base": {}, "more": {"extra_sotu": 22500, "boost_epochs": 0.5}, "layers3": {"layers": 3}}

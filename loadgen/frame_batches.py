@@ -1,4 +1,4 @@
-"""What a stream message costs, whatever it holds (shared/multiplex.py, `CallFrame.batch`): one grpc.aio
+"""What a stream message costs, whatever it holds (shared/runtime/multiplex.py, `CallFrame.batch`): one grpc.aio
 server echoing a bidirectional stream of `Calls` messages, one client writing --frames frames of --bytes
 each, k frames to a message, and reading the replies, one message each way. Both ends share this process,
 so its CPU is what the frames cost at both ends together.

@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 import uvloop
 
-from academus.shared.multiplex import MAX_FRAME_BYTES, MultiplexChannel, serve_multiplexed
+from academus.shared.runtime.multiplex import MAX_FRAME_BYTES, MultiplexChannel, serve_multiplexed
 
 SERVICE, NAME = "t.Probe", "Answer"
 METHOD = f"/{SERVICE}/{NAME}"

@@ -9,7 +9,7 @@ refuse them at random, hard at `..._hard_limit` (default 3000), and a refused ca
 (message "CANCELLED") long before its deadline, and before any handler, interceptor or metric of the
 server has seen it. This is what the H200 bursts showed at the gateway (docs/benchmarks/scheduling.md, "On a
 GPU"). --pending-limit sets
-both limits. With --streams the calls are frames of one multiplexed stream (shared/multiplex.py, as
+both limits. With --streams the calls are frames of one multiplexed stream (shared/runtime/multiplex.py, as
 `AsyncClient(streams=True)` sends them): one call for grpc-core, so its pending queue never fills. The last
 line printed is the JSON summary: codes, messages, median time to a refusal.
 """
@@ -25,7 +25,7 @@ import time
 import grpc
 
 from academus.loadgen.stats import percentile
-from academus.shared.multiplex import over_streams, serve_multiplexed
+from academus.shared.runtime.multiplex import over_streams, serve_multiplexed
 
 METHOD = "/academus.backlog.Hold/Call"
 

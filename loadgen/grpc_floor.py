@@ -2,7 +2,7 @@
 no Academus code, the leaf answering a 384-float matrix after `--work-ms` spent in a thread (as a
 worker's model would), or with `--spin` busy on its own loop (no thread, no timer: what a hop costs after
 the chain sat idle that long). Compare with `academus.loadgen.overhead` to see what the mesh itself adds.
-With `--streams` each hop's calls ride one multiplexed stream (shared/multiplex.py), as the mesh's do.
+With `--streams` each hop's calls ride one multiplexed stream (shared/runtime/multiplex.py), as the mesh's do.
 
     python -m academus.loadgen.grpc_floor [--requests 1500] [--work-ms 0 10] [--spin] [--streams]
 """
@@ -23,8 +23,8 @@ import uvloop
 
 from academus.loadgen.runner import closed_callers
 from academus.loadgen.stats import summary
-from academus.shared.multiplex import over_streams, serve_multiplexed
-from academus.shared.redis_server import free_port
+from academus.shared.cli.redis_server import free_port
+from academus.shared.runtime.multiplex import over_streams, serve_multiplexed
 from academus.v1 import tensors_pb2, worker_pb2, worker_pb2_grpc
 
 REPLY = tensors_pb2.ModelOutput(values=tensors_pb2.Matrix(values=[0.1] * 384, rows=1, dim=384))

@@ -9,7 +9,7 @@ true / false). `compute_sched`: the workers' compute threads under SCHED_IDLE or
 multiplexed stream a peer, or a gRPC call each (ACADEMUS_HOP_STREAMS true / false). `send_ahead`: a busy
 student group sent its next element at once, or when it frees (ACADEMUS_SEND_AHEAD true / false).
 `hop_slice`: the services' threads on a 0.1 ms EEVDF slice or the kernel's (ACADEMUS_HOP_SLICE_US 100 / 0;
-shared/slices.py); the load generator keeps its own setting in both arms. `max_merge`: the length-aware
+shared/runtime/slices.py); the load generator keeps its own setting in both arms. `max_merge`: the length-aware
 buffer's elements hold one sample, or up to four, the default (ACADEMUS_MAX_MERGE 1 / 4). `overload_merge`:
 elements growing to twice max_merge while a full buffer's worth queues, or the paper's buffer exactly
 (ACADEMUS_OVERLOAD_MERGE 0 / 1). `merge_8`: merges of 8 at every load against 4.
@@ -45,7 +45,7 @@ from academus.loadgen.student_bench import (
     set_students,
     start,
 )
-from academus.shared.mesh import down
+from academus.shared.cli.mesh import down
 
 # Mesh options compared as the switches are: the option, then (arm, value) tried and (arm, value) as
 # student_bench runs it.

@@ -28,9 +28,9 @@ import redis
 
 from academus.loadgen.bench import loadgen, run_bench
 from academus.loadgen.student_bench import add_mesh_options, group_size, run_options, set_students
-from academus.shared.gpu import mps_control
-from academus.shared.keys import Keys
-from academus.shared.mesh import Deployment, MeshOptions, MeshState, down, up
+from academus.shared.cli.mesh import Deployment, MeshOptions, MeshState, down, up
+from academus.shared.runtime.gpu import mps_control
+from academus.shared.state.keys import Keys
 
 PINNING = ("CUDA_VISIBLE_DEVICES", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "ACADEMUS_DEVICE")
 

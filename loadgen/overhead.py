@@ -16,7 +16,7 @@ from pathlib import Path
 
 from academus.client import Client
 from academus.loadgen.stats import summary
-from academus.shared.mesh import ADMIN_KEY_FILE, MeshOptions, MeshState, down, up
+from academus.shared.cli.mesh import ADMIN_KEY_FILE, MeshOptions, MeshState, down, up
 
 
 def text_of(tokens: int) -> str:

@@ -7,7 +7,7 @@ rounded and clipped to 3..100, as TCB §6.2) and its time includes building the 
 
 - `padded`: `model.pad_batch` to the longest + the HF model with its 2-D mask (the classic batcher);
 - `packed_hf` / `packed_sdpa`: rows of L tokens filled first-fit decreasing, HF layers with the 4-D
-  block mask / our own padding-free layers with SDPA (`shared/packing.py`);
+  block mask / our own padding-free layers with SDPA (`shared/models/packing.py`);
 - `slotted_hf` / `slotted_sdpa`: the same rows cut into slots of z (TCB Alg. 2's rule applied to the
   whole batch, `das.slot_size`, so every request fits a slot).
 
@@ -28,8 +28,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from academus.services.scheduler.das import slot_size
-from academus.shared.model import TeacherEncoder, pad_batch
-from academus.shared.packing import PackingPlan, encode_packed, pack
+from academus.shared.models.model import TeacherEncoder, pad_batch
+from academus.shared.models.packing import PackingPlan, encode_packed, pack
 
 DISTRIBUTIONS = {"normal(20,var20)": 20.0, "normal(20,var100)": 100.0}
 MEAN_LENGTH, MIN_LENGTH, MAX_LENGTH = 20.0, 3, 100

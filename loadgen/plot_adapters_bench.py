@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from academus.shared.data import load_task
-from academus.shared.model import TeacherEncoder
-from academus.shared.plot import PlotStore
-from academus.shared.plot.build import BuildOptions, build, corpus_texts
-from academus.shared.plot.layers import SplitBert
+from academus.shared.models.model import TeacherEncoder
+from academus.shared.models.plot import PlotStore
+from academus.shared.models.plot.layers import SplitBert
 from academus.shared.training.adapters import train_adapter
+from academus.shared.training.data import load_task
+from academus.shared.training.plot_build import BuildOptions, build, corpus_texts
 from academus.shared.training.prepare import subsample
 
 

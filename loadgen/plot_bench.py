@@ -31,14 +31,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from academus.shared.data import load_task
-from academus.shared.model import TeacherEncoder, pad_batch, teacher_dir
-from academus.shared.plot.build import BuildOptions, build, corpus_texts, coverage_key
-from academus.shared.plot.hierarchical import HierarchicalEncoder
-from academus.shared.plot.layers import SplitBert
-from academus.shared.plot.store import PlotStore
-from academus.shared.plot.table import PlotVersion
-from academus.shared.tokenization import TeacherTokenizer
+from academus.shared.models.model import TeacherEncoder, pad_batch, teacher_dir
+from academus.shared.models.plot.hierarchical import HierarchicalEncoder
+from academus.shared.models.plot.layers import SplitBert
+from academus.shared.models.plot.store import PlotStore
+from academus.shared.models.plot.table import PlotVersion
+from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.training.data import load_task
+from academus.shared.training.plot_build import BuildOptions, build, corpus_texts, coverage_key
 
 
 def p50_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
@@ -155,9 +155,9 @@ async def grpc_latency(table: Path, k: int, stream: np.ndarray, shapes: list[tup
     import grpc
 
     from academus.services.plot.server import build as plot_build
-    from academus.shared.plot.wire import lookup_from_pb, request_to_pb
-    from academus.shared.redis_server import RedisServer
-    from academus.shared.serving import CHANNEL_OPTIONS, RunningService
+    from academus.shared.cli.redis_server import RedisServer
+    from academus.shared.models.plot.wire import lookup_from_pb, request_to_pb
+    from academus.shared.runtime.serving import CHANNEL_OPTIONS, RunningService
     from academus.v1 import plot_pb2_grpc
 
     redis = RedisServer(Path(tempfile.mkdtemp(prefix="plot-bench-redis-"))).start()  # the service registers there

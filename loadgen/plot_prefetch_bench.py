@@ -21,17 +21,17 @@ from pathlib import Path
 import redis
 
 from academus.loadgen.bench import loadgen, write_summary
-from academus.shared.config import artifacts_dir
-from academus.shared.keys import Keys
-from academus.shared.mesh import Deployment, MeshOptions, MeshState, down, up
+from academus.shared.cli.mesh import Deployment, MeshOptions, MeshState, down, up
+from academus.shared.runtime.config import artifacts_dir
+from academus.shared.state.keys import Keys
 
 
 def bench_artifacts(out: Path, corpus: str, limit: int, lower_layers: int) -> Path:
     """A copy of the prepared catalogue and heads plus a root table registered as minilm-plot."""
-    from academus.shared.model import TeacherEncoder
-    from academus.shared.plot.build import BuildOptions, build, corpus_texts
-    from academus.shared.plot.layers import SplitBert
-    from academus.shared.plot.models import register_embedding
+    from academus.shared.models.model import TeacherEncoder
+    from academus.shared.models.plot.layers import SplitBert
+    from academus.shared.training.plot_build import BuildOptions, build, corpus_texts
+    from academus.shared.training.plot_models import register_embedding
 
     root = out / "artifacts"
     table = root / "plot" / f"minilm-k{lower_layers}"

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from academus.client import Client
-from academus.shared.data import data_dir, load_task
-from academus.shared.mesh import ADMIN_KEY_FILE, MeshOptions, down, up
+from academus.shared.cli.mesh import ADMIN_KEY_FILE, MeshOptions, down, up
 from academus.shared.training.corpus import fetch_general, wordnet_texts
+from academus.shared.training.data import data_dir, load_task
 from academus.shared.training.distill import EMBEDDING_SIZES
 
 BATCH = 32

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from academus.loadgen.bench import loadgen_command, run_bench, stat_cpu_s
 from academus.loadgen.student_bench import add_mesh_options, group_size, set_students, start
-from academus.shared.mesh import down
+from academus.shared.cli.mesh import down
 
 SAMPLE_RATE = 50  # py-spy samples a second
 LOOP_FRAME = re.compile(r"^(Runner\.run \(.*/asyncio/runners\.py|Thread\.run \(.*/threading\.py):")

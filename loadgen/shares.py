@@ -58,7 +58,7 @@ def merge(parts: Sequence[RunResult], offered_rps: float | None, concurrency: in
 def run_share(gateways: list[str], key: str | None, model: str, policy: str, share: Share, timeout_s: float,
               duration_s: float, start_at: float, streams: bool = False, first_gateway: int = 0) -> RunResult:
     """A child process: wait for the common start, then send this share, starting at gateways[first_gateway]."""
-    from academus.shared.heap import freeze_start_up_heap
+    from academus.shared.runtime.heap import freeze_start_up_heap
 
     freeze_start_up_heap("loadgen")
 

@@ -61,9 +61,9 @@ from academus.loadgen.serving_profile import threads_reading
 from academus.loadgen.shares import START_MARGIN_S, split
 from academus.loadgen.stats import summary
 from academus.loadgen.texts import Sample
-from academus.shared.config import artifacts_dir
-from academus.shared.heap import freeze_start_up_heap
-from academus.shared.mesh import ADMIN_KEY_FILE, MeshOptions, MeshState, down, up
+from academus.shared.cli.mesh import ADMIN_KEY_FILE, MeshOptions, MeshState, down, up
+from academus.shared.runtime.config import artifacts_dir
+from academus.shared.runtime.heap import freeze_start_up_heap
 
 TOKENS = 16          # a short text: the stack's cost, not the tokenizer's
 FLOOR_HOPS = 3       # as the stack's: client -> gateway -> scheduler -> worker

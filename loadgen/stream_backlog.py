@@ -2,7 +2,7 @@
 
     python -m academus.loadgen.stream_backlog [--cost-ms 2] [--rate 1000] [--duration 10] [--timeout 1]
 
-One grpc.aio server serving the Multiplex service (shared/multiplex.py) with a handler that holds the
+One grpc.aio server serving the Multiplex service (shared/runtime/multiplex.py) with a handler that holds the
 event loop for --cost-ms of CPU a call, as a saturated gateway's Python does; one client writing frames
 on one Calls stream on an open-loop schedule (--rate a second, evenly spaced) for --duration seconds,
 each with --timeout. Run twice on the same schedule: frames stamped with their send time (`sent_s`, as
@@ -34,9 +34,9 @@ import statistics
 import grpc
 
 from academus.loadgen.grpc_floor import spin
-from academus.shared import multiplex
-from academus.shared.errors import pushback_ms
-from academus.shared.multiplex import CALLS_METHOD, CODES, serve_multiplexed
+from academus.shared.runtime import multiplex
+from academus.shared.runtime.errors import pushback_ms
+from academus.shared.runtime.multiplex import CALLS_METHOD, CODES, serve_multiplexed
 from academus.v1 import multiplex_pb2
 
 METHOD = "/academus.backlog.Burn/Call"

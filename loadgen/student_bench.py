@@ -35,9 +35,9 @@ from pathlib import Path
 import redis
 
 from academus.loadgen.bench import loadgen, loadgen_with_cpu, run_bench
-from academus.shared.config import artifacts_dir
-from academus.shared.keys import Keys
-from academus.shared.mesh import Deployment, MeshOptions, down, up
+from academus.shared.cli.mesh import Deployment, MeshOptions, down, up
+from academus.shared.runtime.config import artifacts_dir
+from academus.shared.state.keys import Keys
 
 SENDS_A_PROCESS = 800   # req/s one load-generator process keeps to its schedule (it spends ~1 ms a request)
 

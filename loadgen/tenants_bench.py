@@ -31,11 +31,11 @@ import redis
 
 from academus.loadgen.bench import cpu_ms_per_request, service_cpu_s, write_summary
 from academus.loadgen.runner import MAX_LATENCY_US, closed_callers, latency_summary
-from academus.shared.keys import Keys
-from academus.shared.mesh import Deployment, MeshOptions, MeshState, down, up
-from academus.shared.onboarding import AdapterStoreClient
-from academus.shared.redis_conn import connect
-from academus.shared.tenants import TenantModel, TenantRegistry
+from academus.shared.cli.mesh import Deployment, MeshOptions, MeshState, down, up
+from academus.shared.runtime.redis_conn import connect
+from academus.shared.state.keys import Keys
+from academus.shared.state.tenants import TenantModel, TenantRegistry
+from academus.shared.training.onboarding import AdapterStoreClient
 from academus.v1 import inference_pb2, inference_pb2_grpc
 
 MODEL = "support"
@@ -51,8 +51,8 @@ def bootstrap_adapters(count: int, subset: int, epochs: int, seed: int, parent_t
     examples, then adapter k fine-tuned from it on its own bootstrap sample (with replacement) of
     `subset` examples, batched across tenants (a from-scratch adapter needs far more steps than a
     16-example subset gives). Also the validation accuracy of the parent and of a sample of tenants."""
-    from academus.shared.data import load_task
     from academus.shared.training.adapters import train_adapter, train_many_adapters
+    from academus.shared.training.data import load_task
 
     data = load_task("sentiment")
     texts, labels = [e.text for e in data.train], [data.labels[e.label] for e in data.train]
@@ -73,9 +73,9 @@ def sampled_accuracy(adapters: list, data, rng: random.Random, tenants: int = 4,
     """Mean accuracy of a few tenants' adapters on sentiment validation texts."""
     import torch
 
-    from academus.shared.adapters import encode_with_adapters
-    from academus.shared.model import TeacherEncoder, pad_batch, teacher_dir
-    from academus.shared.tokenization import TeacherTokenizer
+    from academus.shared.models.adapters import encode_with_adapters
+    from academus.shared.models.model import TeacherEncoder, pad_batch, teacher_dir
+    from academus.shared.models.tokenization import TeacherTokenizer
 
     encoder, sample = TeacherEncoder.load(), data.validation[:texts]
     encoded = TeacherTokenizer(teacher_dir()).encode([e.text for e in sample])
@@ -112,7 +112,7 @@ def trained_set(args: argparse.Namespace, count: int) -> tuple[list, dict]:
     them with the same recipe (training 10 000 takes most of half an hour on 2 cores)."""
     import torch
 
-    from academus.shared.adapters import AdapterWeights
+    from academus.shared.models.adapters import AdapterWeights
 
     recipe = {"count": count, "subset": args.subset, "epochs": args.epochs, "seed": args.seed,
               "parent_texts": args.parent_texts}
@@ -277,7 +277,7 @@ def measure(count: int, adapters: list, args: argparse.Namespace, env: dict[str,
 
 
 def sample_texts(limit: int) -> list[str]:
-    from academus.shared.data import load_task
+    from academus.shared.training.data import load_task
 
     return [e.text for e in load_task("sentiment").test[:limit]]
 

@@ -14,7 +14,7 @@ class Sample:
 
 
 def from_task(task: str, limit: int | None = None) -> list[Sample]:
-    from academus.shared.data import load_task
+    from academus.shared.training.data import load_task
 
     data = load_task(task)
     samples = [Sample(e.text, data.labels[e.label]) for e in data.test]

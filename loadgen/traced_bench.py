@@ -19,7 +19,7 @@ import torch
 from academus.loadgen.grpc_floor import spin
 from academus.loadgen.stats import summary
 from academus.services.worker.core import OUTPUT_PROBS, ModelRunner
-from academus.shared.config import artifacts_dir
+from academus.shared.runtime.config import artifacts_dir
 
 CASES = (("sentiment", 0), ("sentiment-students", 1))
 

@@ -1,5 +1,5 @@
 """The node-local transport floor: a chain of loopback hops over Unix domain sockets, each end an asyncio
-Protocol on uvloop, no gRPC and no Academus serving code: what the local data plane (shared/local_plane.py)
+Protocol on uvloop, no gRPC and no Academus serving code: what the local data plane (shared/runtime/local_plane.py)
 could cost at best, as `academus.loadgen.grpc_floor` is gRPC's. Messages are framed as the plane frames them
 (a 4-byte little-endian length, then one protobuf message): a `CallFrame` (its id, so that many callers
 share a connection, and the serialized RunRequest) or a `ReplyFrame`; the leaf answers at once with
@@ -27,7 +27,7 @@ from pathlib import Path
 import uvloop
 
 from academus.loadgen.grpc_floor import REPLY, REQUEST, figures
-from academus.shared.local_plane import MessageBuffer, pack
+from academus.shared.runtime.local_plane import MessageBuffer, pack
 from academus.v1 import multiplex_pb2
 
 REPLY_BYTES = REPLY.SerializeToString()

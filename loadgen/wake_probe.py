@@ -1,5 +1,5 @@
 """How long a hop-like thread waits to run after it wakes while forward passes hold every core, on the
-kernel's slice and on a short one (shared/slices.py).
+kernel's slice and on a short one (shared/runtime/slices.py).
 
     python -m academus.loadgen.wake_probe [--work-ms 0.5 1.0] [--slices-us 0 100] [--wakes 1500]
                                           [--out loadgen/results/serving_cpu/wake_probe.json]
@@ -19,7 +19,7 @@ import os
 import time
 from pathlib import Path
 
-from academus.shared.slices import set_thread_slice
+from academus.shared.runtime.slices import set_thread_slice
 
 SLEEP_S = 0.002
 

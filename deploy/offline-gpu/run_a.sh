@@ -16,7 +16,7 @@ python3 -c "import torch, grpc, google.protobuf as pb, transformers as t; print(
 timeout 90 python3 -m pytest -q -p no:cacheprovider tests/unit/test_compute_threads.py -k gpu 2>&1 | tail -2
 python3 -c "
 import torch
-from academus.shared.model import TeacherEncoder, teacher_dir
+from academus.shared.models.model import TeacherEncoder, teacher_dir
 model = TeacherEncoder.load(teacher_dir(), device='cuda:0' if torch.cuda.is_available() else 'cpu')
 print('teacher on', next(model.parameters()).device)" || exit 9
 touch /tmp/gpuA/ready; date -u

@@ -21,7 +21,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
 redis=$(command -v redis-server)
 cp "$redis" .gpuA/bin/
 for lib in liblzf.so.1 libjemalloc.so.2; do cp "$(ldd "$redis" | awk -v l=$lib '$1 == l {print $3}')" .gpuA/lib/; done
-teacher=$($PY -c "from academus.shared.model import teacher_dir; print(teacher_dir())")
+teacher=$($PY -c "from academus.shared.models.model import teacher_dir; print(teacher_dir())")
 $PY $HERE/pack.py sentiment-data "${ACADEMUS_DATA_DIR:-.academus/data}" .gpuA
 $PY $HERE/pack.py teacher "$teacher" .gpuA
 $PY $HERE/pack.py artifacts "${ACADEMUS_ARTIFACTS:-.academus/artifacts}" .gpuB --keep heads,models.json,students/sentiment

@@ -18,10 +18,10 @@ from pathlib import Path
 import redis.asyncio as aioredis
 import safetensors
 
-from academus.shared.config import AdapterStoreConfig
-from academus.shared.errors import InvalidArgument, NotFound, ServingError
-from academus.shared.keys import Keys
-from academus.shared.tenants import check_name
+from academus.shared.runtime.config import AdapterStoreConfig
+from academus.shared.runtime.errors import InvalidArgument, NotFound, ServingError
+from academus.shared.state.keys import Keys
+from academus.shared.state.tenants import check_name
 
 TENSOR = re.compile(r"layers\.(\d+)\.(?:down|up)\.(?:weight|bias)|head\.(?:weight|bias)")
 TENSOR_RULE = "layers.<i>.down|up.weight|bias or head.weight|bias"
@@ -109,7 +109,7 @@ class AdapterFile:
 
     raw: bytes
     tensors: dict[str, tuple[str, list[int], int, int]]  # name -> dtype, shape, start, end in raw
-    metadata: dict[str, str] | None = None                # the header's __metadata__ (shared/adapters.py needs it)
+    metadata: dict[str, str] | None = None                # the header's __metadata__ (models/adapters.py needs it)
 
     @classmethod
     def parse(cls, raw: bytes) -> AdapterFile:

@@ -9,12 +9,12 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from academus.services.adapter_store.core import AdapterInfo, AdapterStore, Fetched, StoredVersion
-from academus.shared import config as cfg
-from academus.shared.errors import ServingError, Unavailable, abort_with
-from academus.shared.keys import Keys
-from academus.shared.logs import log_event
-from academus.shared.redis_conn import connect
-from academus.shared.serving import ServiceSpec, run
+from academus.shared.runtime import config as cfg
+from academus.shared.runtime.errors import ServingError, Unavailable, abort_with
+from academus.shared.runtime.logs import log_event
+from academus.shared.runtime.redis_conn import connect
+from academus.shared.runtime.serving import ServiceSpec, run
+from academus.shared.state.keys import Keys
 from academus.v1 import adapter_store_pb2 as pb
 from academus.v1 import adapter_store_pb2_grpc, tensors_pb2
 

@@ -16,9 +16,9 @@ import numpy as np
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
-from academus.shared.config import POLICY_NAMES, GatewayConfig, split_names
-from academus.shared.errors import (
+from academus.shared.models.tokenization import Encoded, TeacherTokenizer, TextTooLong
+from academus.shared.runtime.config import POLICY_NAMES, GatewayConfig, split_names
+from academus.shared.runtime.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -27,10 +27,10 @@ from academus.shared.errors import (
     Unauthenticated,
     Unavailable,
 )
-from academus.shared.expiring import ExpiringCache
-from academus.shared.keys import Keys
-from academus.shared.tenants import READY, Quotas, TenantModel, TenantRegistry
-from academus.shared.tokenization import Encoded, TeacherTokenizer, TextTooLong
+from academus.shared.runtime.expiring import ExpiringCache
+from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
+from academus.shared.state.keys import Keys
+from academus.shared.state.tenants import READY, Quotas, TenantModel, TenantRegistry
 
 # What the caller asked for, as the core names it (the edge maps the proto enum).
 LABEL, SCORE, EMBED = "label", "score", "embedding"

@@ -3,7 +3,7 @@
 Every create/update validates its upload completely (size, UTF-8, format, labels) before anything is
 written, so a bad upload is an INVALID_ARGUMENT naming the problem and never a failed job. Accepted
 work is a Job for the trainer service: the upload is written under the shared artifacts volume
-(`uploads/<job id>.*`, see shared/uploads.py for why not Redis), then the job is queued.
+(`uploads/<job id>.*`, see shared/state/uploads.py for why not Redis), then the job is queued.
 
 Authorization: domains are shared by every tenant, so creating and deleting them takes the admin key
 (listing them does not: tenants choose a domain for their models). Tenant models and their jobs are
@@ -21,15 +21,21 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from academus.services.gateway.core import Authenticator, Principal
-from academus.shared.adapters import BASES, PLOT_BASES
-from academus.shared.config import GatewayConfig, uploads_path
-from academus.shared.domains import READY as DOMAIN_READY
-from academus.shared.domains import Domain, DomainRegistry, root_table
-from academus.shared.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
-from academus.shared.jobs import ADAPTER, OVERLAY, Job, JobQueue
-from academus.shared.keys import Keys
-from academus.shared.tenants import FAILED, TRAINING, Quotas, TenantModel, TenantRegistry, check_name
-from academus.shared.uploads import parse_corpus, parse_labelled_jsonl, write_upload
+from academus.shared.models.adapters import BASES, PLOT_BASES
+from academus.shared.models.plot.domains import READY as DOMAIN_READY
+from academus.shared.models.plot.domains import Domain, DomainRegistry, root_table
+from academus.shared.runtime.config import GatewayConfig, uploads_path
+from academus.shared.runtime.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+)
+from academus.shared.state.jobs import ADAPTER, OVERLAY, Job, JobQueue
+from academus.shared.state.keys import Keys
+from academus.shared.state.tenants import FAILED, TRAINING, Quotas, TenantModel, TenantRegistry, check_name
+from academus.shared.state.uploads import parse_corpus, parse_labelled_jsonl, write_upload
 
 ADMIN = "admin"
 DEFAULT_TOP_PERCENT = 10.0

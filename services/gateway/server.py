@@ -28,18 +28,18 @@ from academus.services.gateway.core import (
     pair_scores,
 )
 from academus.services.gateway.manage import Manage
-from academus.shared import config as cfg
-from academus.shared.domains import Domain
-from academus.shared.errors import ServingError, Unavailable, abort_with, from_rpc_error
-from academus.shared.jobs import FAILED, QUEUED, RUNNING, SUCCEEDED, Job
-from academus.shared.keys import Keys
-from academus.shared.logs import log_event
-from academus.shared.model import teacher_dir
-from academus.shared.redis_conn import connect, wake_on
-from academus.shared.serving import ServiceSpec, Stubs, run
-from academus.shared.tenants import Quotas, TenantModel, TenantRegistry
-from academus.shared.tokenization import TeacherTokenizer
-from academus.shared.tracing import annotate
+from academus.shared.models.model import teacher_dir
+from academus.shared.models.plot.domains import Domain
+from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.runtime import config as cfg
+from academus.shared.runtime.errors import ServingError, Unavailable, abort_with, from_rpc_error
+from academus.shared.runtime.logs import log_event
+from academus.shared.runtime.redis_conn import connect, wake_on
+from academus.shared.runtime.serving import ServiceSpec, Stubs, run
+from academus.shared.runtime.tracing import annotate
+from academus.shared.state.jobs import FAILED, QUEUED, RUNNING, SUCCEEDED, Job
+from academus.shared.state.keys import Keys
+from academus.shared.state.tenants import Quotas, TenantModel, TenantRegistry
 from academus.v1 import inference_pb2 as pb
 from academus.v1 import inference_pb2_grpc, manage_pb2, manage_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, tensors_pb2
 

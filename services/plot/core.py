@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 from prometheus_client import Counter
 
-from academus.shared.config import PlotConfig
-from academus.shared.plot.store import InvalidTokens, Lookup, PlotStore
+from academus.shared.models.plot.store import InvalidTokens, Lookup, PlotStore
+from academus.shared.runtime.config import PlotConfig
 
 WINDOWS = Counter("academus_plot_windows_total", "Trigram windows looked up, by the level that answered",
                   ["level"])

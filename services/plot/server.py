@@ -7,14 +7,14 @@ import asyncio
 import grpc
 
 from academus.services.plot.core import PlotLookup
-from academus.shared import config as cfg
-from academus.shared.keys import Keys
-from academus.shared.logs import log_event
-from academus.shared.plot.registry import PlotRegistration
-from academus.shared.plot.store import InvalidTokens, UnknownDomain
-from academus.shared.plot.wire import lookup_to_pb, request_from_pb
-from academus.shared.redis_conn import connect
-from academus.shared.serving import ServiceSpec, run
+from academus.shared.models.plot.registry import PlotRegistration
+from academus.shared.models.plot.store import InvalidTokens, UnknownDomain
+from academus.shared.models.plot.wire import lookup_to_pb, request_from_pb
+from academus.shared.runtime import config as cfg
+from academus.shared.runtime.logs import log_event
+from academus.shared.runtime.redis_conn import connect
+from academus.shared.runtime.serving import ServiceSpec, run
+from academus.shared.state.keys import Keys
 from academus.v1 import plot_pb2, plot_pb2_grpc
 
 STATUS = {InvalidTokens: grpc.StatusCode.INVALID_ARGUMENT, UnknownDomain: grpc.StatusCode.NOT_FOUND}

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from academus.services.resource_manager.allocation import Device, GroupLoad, StudentNumber, allocate_groups
-from academus.shared.catalogue import ModelSpec
-from academus.shared.keys import Keys
+from academus.shared.state.catalogue import ModelSpec
+from academus.shared.state.keys import Keys
 
 
 @dataclass(frozen=True)

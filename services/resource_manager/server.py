@@ -6,13 +6,13 @@ import asyncio
 
 from academus.services.resource_manager.allocation import ProfilePoint, choose_profile
 from academus.services.resource_manager.core import GroupPlanner, PlacementTable, WorkerInfo
-from academus.shared import config as cfg
-from academus.shared.catalogue import spec_from_pb
-from academus.shared.gpu import start_mps
-from academus.shared.keys import Keys
-from academus.shared.logs import log_event
-from academus.shared.redis_conn import connect
-from academus.shared.serving import ServiceSpec, run
+from academus.shared.runtime import config as cfg
+from academus.shared.runtime.gpu import start_mps
+from academus.shared.runtime.logs import log_event
+from academus.shared.runtime.redis_conn import connect
+from academus.shared.runtime.serving import ServiceSpec, run
+from academus.shared.state.catalogue import spec_from_pb
+from academus.shared.state.keys import Keys
 from academus.v1 import resource_manager_pb2 as pb
 from academus.v1 import resource_manager_pb2_grpc
 

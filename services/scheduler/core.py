@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from academus.services.scheduler.policies import BatchPlan, DispatchPolicy
-from academus.shared.errors import DeadlineExceeded, ResourceExhausted, ServingError, Unavailable
+from academus.shared.runtime.errors import DeadlineExceeded, ResourceExhausted, ServingError, Unavailable
 
 
 @dataclass

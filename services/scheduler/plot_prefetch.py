@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable, Sequence
 
 from academus.services.scheduler.core import Job
-from academus.shared.catalogue import ModelSpec
-from academus.shared.plot.registry import PlotEndpoint
-from academus.shared.serving import Stubs
+from academus.shared.models.plot.registry import PlotEndpoint
+from academus.shared.runtime.serving import Stubs
+from academus.shared.state.catalogue import ModelSpec
 from academus.v1 import plot_pb2, tensors_pb2, worker_pb2
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from academus.services.scheduler import das
 from academus.services.scheduler.buffer import LengthAwareBuffer
-from academus.shared.errors import DeadlineExceeded, InvalidArgument, ServingError
+from academus.shared.runtime.errors import DeadlineExceeded, InvalidArgument, ServingError
 
 if TYPE_CHECKING:
     from academus.services.scheduler.core import Job

@@ -22,15 +22,15 @@ from academus.services.scheduler.policies import (
     StudentPolicy,
     make_policy,
 )
-from academus.shared import config as cfg
-from academus.shared.catalogue import ModelSpec
-from academus.shared.errors import DeadlineExceeded, ServingError, abort_with, answered, from_rpc_error
-from academus.shared.keys import Keys
-from academus.shared.logs import log_event
-from academus.shared.plot.registry import live_plot_services
-from academus.shared.redis_conn import connect, wake_on
-from academus.shared.serving import ServiceSpec, Stubs, run
-from academus.shared.tracing import annotate
+from academus.shared.models.plot.registry import live_plot_services
+from academus.shared.runtime import config as cfg
+from academus.shared.runtime.errors import DeadlineExceeded, ServingError, abort_with, answered, from_rpc_error
+from academus.shared.runtime.logs import log_event
+from academus.shared.runtime.redis_conn import connect, wake_on
+from academus.shared.runtime.serving import ServiceSpec, Stubs, run
+from academus.shared.runtime.tracing import annotate
+from academus.shared.state.catalogue import ModelSpec
+from academus.shared.state.keys import Keys
 from academus.v1 import inference_pb2, plot_pb2_grpc, scheduler_pb2_grpc, tensors_pb2, worker_pb2, worker_pb2_grpc
 
 QUEUE_DEPTH = Gauge("academus_scheduler_queue_depth", "Jobs waiting for a worker")

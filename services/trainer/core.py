@@ -1,14 +1,14 @@
 """Trainer core: runs the Manage API's background jobs, one at a time. No gRPC here.
 
-JobRunner claims a job from Redis (shared/jobs.py: claim + lease in one step), runs its kind's handler
+JobRunner claims a job from Redis (shared/state/jobs.py: claim + lease in one step), runs its kind's handler
 with the heavy work in a thread, writes progress as it goes, and finishes it succeeded or failed. A
 handler that raises fails only its job: the runner goes on with the next. On a stop the running job is
 handed back to the queue (and its training thread told to stop at its next step), so a restart loses
 nothing; a trainer that dies without a stop has its jobs re-queued when their lease expires.
 
 Handlers: AdapterJobs trains a tenant model's adapter + head (shared/training/adapters.py) and
-publishes it (adapter store + registration, shared/onboarding.py); OverlayJobs builds a domain's PLOT
-overlay (shared/plot/build.py) into the root table's directory.
+publishes it (adapter store + registration, shared/training/onboarding.py); OverlayJobs builds a domain's PLOT
+overlay (shared/training/plot_build.py) into the root table's directory.
 """
 
 from __future__ import annotations
@@ -25,17 +25,17 @@ from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 
-from academus.shared.config import TrainerConfig
-from academus.shared.domains import FAILED as DOMAIN_FAILED
-from academus.shared.domains import READY as DOMAIN_READY
-from academus.shared.domains import DomainRegistry, overlay_dir, root_table
-from academus.shared.jobs import FAILED, SUCCEEDED, Job, JobQueue
-from academus.shared.keys import Keys
-from academus.shared.logs import log_event
-from academus.shared.onboarding import publish_adapter, training_summary
-from academus.shared.tenants import FAILED as MODEL_FAILED
-from academus.shared.tenants import TRAINING, TenantRegistry
-from academus.shared.uploads import parse_corpus, parse_labelled_jsonl
+from academus.shared.models.plot.domains import FAILED as DOMAIN_FAILED
+from academus.shared.models.plot.domains import READY as DOMAIN_READY
+from academus.shared.models.plot.domains import DomainRegistry, overlay_dir, root_table
+from academus.shared.runtime.config import TrainerConfig
+from academus.shared.runtime.logs import log_event
+from academus.shared.state.jobs import FAILED, SUCCEEDED, Job, JobQueue
+from academus.shared.state.keys import Keys
+from academus.shared.state.tenants import FAILED as MODEL_FAILED
+from academus.shared.state.tenants import TRAINING, TenantRegistry
+from academus.shared.state.uploads import parse_corpus, parse_labelled_jsonl
+from academus.shared.training.onboarding import publish_adapter, training_summary
 
 
 class JobStopped(Exception):
@@ -91,7 +91,7 @@ class Encoders:
 
     async def get(self, device: str) -> Any:
         if device not in self._loaded:
-            from academus.shared.model import TeacherEncoder
+            from academus.shared.models.model import TeacherEncoder
 
             self._loaded[device] = await asyncio.to_thread(TeacherEncoder.load, device=device)
         return self._loaded[device]
@@ -157,9 +157,9 @@ class OverlayJobs:
         self.table = table or (lambda: root_table(config.plot_dir))
 
     async def run(self, job: Job, progress: Progress) -> dict[str, Any]:
-        from academus.shared.plot.build import BuildOptions, build
-        from academus.shared.plot.layers import SplitBert
-        from academus.shared.plot.table import ROOT, read_manifest
+        from academus.shared.models.plot.layers import SplitBert
+        from academus.shared.models.plot.table import ROOT, read_manifest
+        from academus.shared.training.plot_build import BuildOptions, build
 
         name = job.params["domain"]
         table = self.table()
@@ -282,7 +282,7 @@ class JobRunner:
 
 
 def build_runner(redis: aioredis.Redis, keys: Keys, config: TrainerConfig, trainer_id: str = "") -> JobRunner:
-    from academus.shared.jobs import ADAPTER, OVERLAY
+    from academus.shared.state.jobs import ADAPTER, OVERLAY
 
     encoders = Encoders()
     handlers: dict[str, Handler] = {ADAPTER: AdapterJobs(redis, keys, config, encoders),

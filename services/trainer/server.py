@@ -4,11 +4,11 @@ health and the job loop as a background task; a stop hands the running job back 
 from __future__ import annotations
 
 from academus.services.trainer.core import build_runner
-from academus.shared import config as cfg
-from academus.shared.keys import Keys
-from academus.shared.logs import log_event
-from academus.shared.redis_conn import connect
-from academus.shared.serving import ServiceSpec, run
+from academus.shared.runtime import config as cfg
+from academus.shared.runtime.logs import log_event
+from academus.shared.runtime.redis_conn import connect
+from academus.shared.runtime.serving import ServiceSpec, run
+from academus.shared.state.keys import Keys
 
 
 async def build() -> ServiceSpec:

@@ -31,10 +31,10 @@ import grpc
 import redis
 import torch
 
-from academus.shared.adapters import BASES, AdapterWeights, upper_layers
-from academus.shared.errors import DeadlineExceeded, ServingError, Unavailable, from_rpc_error, from_status
-from academus.shared.keys import Keys
-from academus.shared.serving import CHANNEL_OPTIONS
+from academus.shared.models.adapters import BASES, AdapterWeights, upper_layers
+from academus.shared.runtime.errors import DeadlineExceeded, ServingError, Unavailable, from_rpc_error, from_status
+from academus.shared.runtime.serving import CHANNEL_OPTIONS
+from academus.shared.state.keys import Keys
 from academus.v1 import adapter_store_pb2, adapter_store_pb2_grpc, tensors_pb2
 
 DEFAULT_FIRST_LAYER = upper_layers(BASES["minilm"][0])[0]   # where adapters start by default (layer 3)

@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from academus.shared.slices import reset_slice
+from academus.shared.runtime.slices import reset_slice
 
 POLICIES = {"idle": "SCHED_IDLE", "batch": "SCHED_BATCH", "normal": "SCHED_OTHER"}
 
@@ -48,7 +48,7 @@ def apply_compute_policy(name: str) -> str:
 
 def start_compute_thread(sched: str, device: torch.device) -> None:
     """A compute thread's initializer: the kernel's default slice (it inherited the serving threads'
-    short one, shared/slices.py), its scheduling policy and, on a GPU, a CUDA stream of its own.
+    short one, shared/runtime/slices.py), its scheduling policy and, on a GPU, a CUDA stream of its own.
     PyTorch's current stream is per thread, so the instances of one worker overlap on the device instead
     of queueing on the default stream (under MPS, worker processes overlap anyway)."""
     reset_slice()

@@ -23,13 +23,13 @@ from torch import nn
 
 from academus.services.worker.adapters import TenantBatch
 from academus.services.worker.traced import trace_layers
-from academus.shared.adapters import encode_with_adapters
-from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
-from academus.shared.errors import DeadlineExceeded, InvalidArgument, NotFound
-from academus.shared.model import HIDDEN_SIZE, ClassifierHead, TeacherEncoder, pad_batch
-from academus.shared.packing import Attention, PackedBatch, PackingPlan, check_plan, encode_packed, pack
-from academus.shared.plot.hierarchical import PlotStates
-from academus.shared.plot.table import PlotError
+from academus.shared.models.adapters import encode_with_adapters
+from academus.shared.models.model import HIDDEN_SIZE, ClassifierHead, TeacherEncoder, pad_batch
+from academus.shared.models.packing import Attention, PackedBatch, PackingPlan, check_plan, encode_packed, pack
+from academus.shared.models.plot.hierarchical import PlotStates
+from academus.shared.models.plot.table import PlotError
+from academus.shared.runtime.errors import DeadlineExceeded, InvalidArgument, NotFound
+from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
 
 OUTPUT_EMBEDDING = "embedding"
 OUTPUT_PROBS = "probs"
@@ -195,8 +195,8 @@ class ModelRunner:
     def _load_plot(self, name: str, entry: dict) -> ServedModel:
         """HMI's hierarchical model in process: PLOT lookups for the lower K layers, the shared
         teacher's upper layers (already deadline-hooked), and the entry's head if it has one."""
-        from academus.shared.plot import PlotStore
-        from academus.shared.plot.hierarchical import HierarchicalEncoder, PlotEncoder
+        from academus.shared.models.plot import PlotStore
+        from academus.shared.models.plot.hierarchical import HierarchicalEncoder, PlotEncoder
 
         table = self.artifacts / entry["plot"]
         store = self._plot_stores.get(table)

@@ -16,9 +16,9 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from academus.services.worker.adapters import AdapterKey, FetchMany
-from academus.shared.adapters import AdapterWeights
-from academus.shared.logs import log_event
-from academus.shared.tenants import TenantRegistry
+from academus.shared.models.adapters import AdapterWeights
+from academus.shared.runtime.logs import log_event
+from academus.shared.state.tenants import TenantRegistry
 
 
 class HostAdapters:

@@ -30,18 +30,18 @@ from academus.services.worker.core import (
 )
 from academus.services.worker.host_tier import HostAdapters, HostWarmer
 from academus.services.worker.profiling import profile_model
-from academus.shared import config as cfg
-from academus.shared.catalogue import spec_to_pb
-from academus.shared.errors import DeadlineExceeded, InvalidArgument, ServingError, abort_with
-from academus.shared.keys import Keys
-from academus.shared.logs import log_event
-from academus.shared.packing import PackingPlan
-from academus.shared.plot.hierarchical import PlotStates
-from academus.shared.plot.wire import lookup_from_pb
-from academus.shared.redis_conn import connect
-from academus.shared.serving import ServiceSpec, Stubs, run
-from academus.shared.tenants import TenantRegistry
-from academus.shared.tracing import annotate
+from academus.shared.models.packing import PackingPlan
+from academus.shared.models.plot.hierarchical import PlotStates
+from academus.shared.models.plot.wire import lookup_from_pb
+from academus.shared.runtime import config as cfg
+from academus.shared.runtime.errors import DeadlineExceeded, InvalidArgument, ServingError, abort_with
+from academus.shared.runtime.logs import log_event
+from academus.shared.runtime.redis_conn import connect
+from academus.shared.runtime.serving import ServiceSpec, Stubs, run
+from academus.shared.runtime.tracing import annotate
+from academus.shared.state.catalogue import spec_to_pb
+from academus.shared.state.keys import Keys
+from academus.shared.state.tenants import TenantRegistry
 from academus.v1 import (
     inference_pb2,
     resource_manager_pb2,

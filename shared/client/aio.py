@@ -17,9 +17,9 @@ from academus.client.types import (
     from_response,
     retry_wait,
 )
-from academus.shared.errors import pushback_ms
-from academus.shared.multiplex import over_streams
-from academus.shared.tracing import client_interceptors
+from academus.shared.runtime.errors import pushback_ms
+from academus.shared.runtime.multiplex import over_streams
+from academus.shared.runtime.tracing import client_interceptors
 from academus.v1 import inference_pb2_grpc
 
 

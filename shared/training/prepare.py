@@ -28,10 +28,7 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
-from academus.shared.artifacts import ArtifactError, load_artifact, write_artifact
-from academus.shared.config import artifacts_dir as default_artifacts_dir
-from academus.shared.data import TASKS, DataMissing, Example, TaskData, fetch, load_task
-from academus.shared.model import (
+from academus.shared.models.model import (
     HIDDEN_SIZE,
     TEACHER_NAME,
     ClassifierHead,
@@ -39,7 +36,10 @@ from academus.shared.model import (
     pad_batch,
     teacher_dir,
 )
-from academus.shared.tokenization import TeacherTokenizer
+from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.runtime.config import artifacts_dir as default_artifacts_dir
+from academus.shared.state.artifacts import ArtifactError, load_artifact, write_artifact
+from academus.shared.training.data import TASKS, DataMissing, Example, TaskData, fetch, load_task
 
 HEAD_KIND = "teacher-head"
 MAX_TOKENS = 256                          # the serving limit: heads see what the workers will see

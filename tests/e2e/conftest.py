@@ -11,9 +11,9 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from academus.shared.config import artifacts_dir
-from academus.shared.mesh import ADMIN_KEY_FILE, MeshOptions, MeshState, down, up
-from academus.shared.metrics import scrape
+from academus.shared.cli.mesh import ADMIN_KEY_FILE, MeshOptions, MeshState, down, up
+from academus.shared.runtime.config import artifacts_dir
+from academus.shared.runtime.metrics import scrape
 
 
 def start_mesh(run_dir: Path, workers: int = 1, env: dict[str, str] | None = None, gateways: int = 1) -> MeshState:

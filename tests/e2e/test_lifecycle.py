@@ -14,8 +14,8 @@ import pytest
 import redis
 
 from academus.client import AcademusError, Client
-from academus.shared.keys import Keys
-from academus.shared.mesh import ADMIN_KEY_FILE, STATE_FILE, down, wait_exit
+from academus.shared.cli.mesh import ADMIN_KEY_FILE, STATE_FILE, down, wait_exit
+from academus.shared.state.keys import Keys
 from tests.e2e.conftest import metric, start_mesh
 
 pytestmark = pytest.mark.e2e

@@ -16,9 +16,9 @@ import pytest
 import redis
 
 from academus.client import AcademusError
-from academus.shared.keys import Keys
-from academus.shared.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, down, up, wait_exit
-from academus.shared.slices import process_slices_ns, thread_slice_ns
+from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, down, up, wait_exit
+from academus.shared.runtime.slices import process_slices_ns, thread_slice_ns
+from academus.shared.state.keys import Keys
 from tests.conftest import small_student_artifacts
 from tests.e2e.conftest import metric, service
 from tests.e2e.test_student_parallelism import MODEL, TEXT, burst, table, wait_for

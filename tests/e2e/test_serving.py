@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from academus.client import AcademusError, AsyncClient, Client
-from academus.shared.config import artifacts_dir
-from academus.shared.mesh import plot_table
-from academus.shared.metrics import scrape
-from academus.shared.model import teacher_dir
-from academus.shared.multiplex import MAX_FRAME_BYTES
-from academus.shared.tracing import read_traces
+from academus.shared.models.model import teacher_dir
+from academus.shared.models.plot.table import plot_table
+from academus.shared.runtime.config import artifacts_dir
+from academus.shared.runtime.metrics import scrape
+from academus.shared.runtime.multiplex import MAX_FRAME_BYTES
+from academus.shared.runtime.tracing import read_traces
 from academus.v1.inference_pb2 import InferRequest, TextInput
 from tests.e2e.conftest import metric, service
 
@@ -112,7 +112,7 @@ def test_the_null_model_answers_zeros_through_every_hop_and_refuses_as_a_model_d
 
 def test_the_hops_of_one_node_ride_its_local_plane(mesh, admin_key):
     """The gateway's calls to the scheduler and the scheduler's to the worker move to their Unix sockets
-    (shared/local_plane.py) once a first call has learnt them; nothing is refused on the way."""
+    (shared/runtime/local_plane.py) once a first call has learnt them; nothing is refused on the way."""
     with Client(mesh.gateway, api_key=admin_key) as client:
         for _ in range(20):
             client.infer("null", ["warm"])

@@ -11,8 +11,8 @@ import pytest
 import redis
 
 from academus.client import AcademusError
-from academus.shared.keys import Keys
-from academus.shared.mesh import Deployment, wait_exit
+from academus.shared.cli.mesh import Deployment, wait_exit
+from academus.shared.state.keys import Keys
 from tests.e2e.conftest import metric
 from tests.e2e.test_student_parallelism import MODEL, burst, kill_under_load, table, two_worker_mesh, wait_for
 

@@ -16,8 +16,8 @@ import pytest
 import redis
 
 from academus.client import AcademusError, AsyncClient
-from academus.shared.keys import Keys
-from academus.shared.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, MeshState, down, up, wait_exit
+from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, MeshState, down, up, wait_exit
+from academus.shared.state.keys import Keys
 from tests.conftest import small_student_artifacts
 from tests.e2e.conftest import metric
 

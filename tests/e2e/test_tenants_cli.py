@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from academus.shared.data import load_task
+from academus.shared.training.data import load_task
 from tests.e2e.test_serving import cli
 
 pytestmark = pytest.mark.e2e

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from academus.shared.keys import Keys
-from academus.shared.serving import CHANNEL_OPTIONS, RunningService
+from academus.shared.runtime.serving import CHANNEL_OPTIONS, RunningService
+from academus.shared.state.keys import Keys
 from academus.v1 import adapter_store_pb2 as pb
 from academus.v1 import adapter_store_pb2_grpc, tensors_pb2
 from tests.conftest import env
@@ -171,7 +171,7 @@ async def test_the_workers_fetcher_reads_the_address_once_and_again_after_the_st
 
     from academus.services.adapter_store.server import build
     from academus.services.worker.adapters import StoreFetcher
-    from academus.shared.errors import Unavailable
+    from academus.shared.runtime.errors import Unavailable
 
     prefix, data = "as-move", str(tmp_path / "adapters")
 
@@ -208,7 +208,7 @@ async def test_get_many_over_grpc_and_through_the_workers_fetcher(stub, redis_se
     import asyncio
 
     from academus.services.worker.adapters import StoreFetcher
-    from academus.shared.errors import NotFound
+    from academus.shared.runtime.errors import NotFound
 
     await stub.Put(pb.PutAdapterRequest(ref=ref("many", "m"), weights=st_save(tensors(3))), timeout=5)
     reply = await stub.GetMany(pb.GetManyRequest(gets=[

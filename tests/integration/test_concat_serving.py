@@ -13,10 +13,10 @@ from prometheus_client import REGISTRY
 
 from academus.client import AsyncClient
 from academus.services.worker.core import OUTPUT_PROBS, ModelRunner
-from academus.shared.config import artifacts_dir
-from academus.shared.keys import Keys
-from academus.shared.redis_conn import connect
-from academus.shared.serving import RunningService
+from academus.shared.runtime.config import artifacts_dir
+from academus.shared.runtime.redis_conn import connect
+from academus.shared.runtime.serving import RunningService
+from academus.shared.state.keys import Keys
 from academus.v1 import inference_pb2, inference_pb2_grpc
 from tests.conftest import env
 from tests.integration.test_inprocess_mesh import KEY

@@ -9,10 +9,10 @@ import grpc
 import pytest
 
 from academus.client import AcademusError, AsyncClient
-from academus.shared.config import artifacts_dir
-from academus.shared.keys import Keys
-from academus.shared.redis_conn import connect
-from academus.shared.serving import RunningService, ServiceSpec
+from academus.shared.runtime.config import artifacts_dir
+from academus.shared.runtime.redis_conn import connect
+from academus.shared.runtime.serving import RunningService, ServiceSpec
+from academus.shared.state.keys import Keys
 from academus.v1 import inference_pb2, inference_pb2_grpc
 from tests.conftest import env
 
@@ -80,7 +80,7 @@ async def two_deployments(redis_server):
 
 
 async def test_a_full_deployment_passes_its_requests_to_another_and_costs_no_quota(two_deployments):
-    from academus.shared.tenants import TenantRegistry
+    from academus.shared.state.tenants import TenantRegistry
 
     address, redis_url = two_deployments
     redis = connect(redis_url)

@@ -14,16 +14,16 @@ from pathlib import Path
 import grpc
 import pytest
 
-from academus.shared.config import artifacts_dir
-from academus.shared.data import load_task
-from academus.shared.keys import Keys
-from academus.shared.model import TeacherEncoder
-from academus.shared.plot.build import BuildOptions, build
-from academus.shared.plot.layers import SplitBert
-from academus.shared.plot.store import PlotStore
-from academus.shared.redis_conn import connect
-from academus.shared.serving import CHANNEL_OPTIONS, RunningService
-from academus.shared.tenants import TenantRegistry
+from academus.shared.models.model import TeacherEncoder
+from academus.shared.models.plot.layers import SplitBert
+from academus.shared.models.plot.store import PlotStore
+from academus.shared.runtime.config import artifacts_dir
+from academus.shared.runtime.redis_conn import connect
+from academus.shared.runtime.serving import CHANNEL_OPTIONS, RunningService
+from academus.shared.state.keys import Keys
+from academus.shared.state.tenants import TenantRegistry
+from academus.shared.training.data import load_task
+from academus.shared.training.plot_build import BuildOptions, build
 from academus.v1 import inference_pb2, inference_pb2_grpc, manage_pb2, manage_pb2_grpc
 from tests.conftest import env
 

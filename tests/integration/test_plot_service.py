@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from academus.services.plot.core import PlotLookup
-from academus.shared.model import teacher_dir
-from academus.shared.plot import PlotStore, TableError
-from academus.shared.plot.build import BuildOptions, build, count_ngrams, tokenize
-from academus.shared.plot.hierarchical import HierarchicalEncoder
-from academus.shared.plot.layers import SplitBert
-from academus.shared.plot.wire import WIRE_DTYPE, lookup_from_pb, request_to_pb
-from academus.shared.serving import CHANNEL_OPTIONS, RunningService
-from academus.shared.tokenization import TeacherTokenizer
+from academus.shared.models.model import teacher_dir
+from academus.shared.models.plot import PlotStore, TableError
+from academus.shared.models.plot.hierarchical import HierarchicalEncoder
+from academus.shared.models.plot.layers import SplitBert
+from academus.shared.models.plot.wire import WIRE_DTYPE, lookup_from_pb, request_to_pb
+from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.runtime.serving import CHANNEL_OPTIONS, RunningService
+from academus.shared.training.plot_build import BuildOptions, build, count_ngrams, tokenize
 from academus.v1 import plot_pb2, plot_pb2_grpc
 from tests.conftest import env
 
@@ -120,8 +120,8 @@ async def test_service_refuses_a_table_of_another_k(table_dir):
 async def test_service_registers_in_redis_and_clients_find_it(plot_service, redis_server):
     import redis.asyncio as aioredis
 
-    from academus.shared.keys import Keys
-    from academus.shared.plot.registry import live_plot_services
+    from academus.shared.models.plot.registry import live_plot_services
+    from academus.shared.state.keys import Keys
 
     client, keys = aioredis.Redis.from_url(redis_server.url, decode_responses=True), Keys("plot-test")
     try:
@@ -141,7 +141,7 @@ async def test_stopping_deregisters(table_dir, redis_server):
     import redis
 
     from academus.services.plot.server import build as plot_build
-    from academus.shared.keys import Keys
+    from academus.shared.state.keys import Keys
 
     keys, client = Keys("plot-stop"), redis.Redis.from_url(redis_server.url, decode_responses=True)
     with env(**settings(table_dir, ACADEMUS_REDIS_URL=redis_server.url, ACADEMUS_KEY_PREFIX="plot-stop",
@@ -165,8 +165,8 @@ async def test_an_overlay_built_deleted_or_rebuilt_while_the_service_runs_is_ser
     import redis.asyncio as aioredis
 
     from academus.services.plot.server import build as plot_build
-    from academus.shared.keys import Keys
-    from academus.shared.plot.registry import live_plot_services
+    from academus.shared.models.plot.registry import live_plot_services
+    from academus.shared.state.keys import Keys
 
     table = tmp_path / "table"
     shutil.copytree(table_dir, table)

@@ -14,16 +14,16 @@ import pytest
 import torch
 
 from academus.services.worker.core import OUTPUT_EMBEDDING, OUTPUT_PROBS, ModelRunner
-from academus.shared.config import artifacts_dir
-from academus.shared.errors import DeadlineExceeded, InvalidArgument
-from academus.shared.model import teacher_dir
-from academus.shared.packing import PackingPlan
-from academus.shared.plot import PlotStore
-from academus.shared.plot.build import BuildOptions, build
-from academus.shared.plot.hierarchical import HierarchicalEncoder, PlotStates
-from academus.shared.plot.layers import SplitBert
-from academus.shared.plot.models import register_embedding, train_plot_head
-from academus.shared.tokenization import TeacherTokenizer
+from academus.shared.models.model import teacher_dir
+from academus.shared.models.packing import PackingPlan
+from academus.shared.models.plot import PlotStore
+from academus.shared.models.plot.hierarchical import HierarchicalEncoder, PlotStates
+from academus.shared.models.plot.layers import SplitBert
+from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.runtime.config import artifacts_dir
+from academus.shared.runtime.errors import DeadlineExceeded, InvalidArgument
+from academus.shared.training.plot_build import BuildOptions, build
+from academus.shared.training.plot_models import register_embedding, train_plot_head
 from academus.shared.training.prepare import load_head_at
 
 pytestmark = pytest.mark.integration
@@ -165,9 +165,9 @@ async def test_the_scheduler_prefetches_plot_states_while_requests_wait(artifact
     the batch carries the states and the worker runs only the upper layers on them."""
     from academus.client import AsyncClient
     from academus.services.plot.server import build as plot_build
-    from academus.shared.keys import Keys
-    from academus.shared.redis_conn import connect
-    from academus.shared.serving import RunningService
+    from academus.shared.runtime.redis_conn import connect
+    from academus.shared.runtime.serving import RunningService
+    from academus.shared.state.keys import Keys
     from tests.conftest import env
     from tests.integration.test_inprocess_mesh import KEY, start_services
 

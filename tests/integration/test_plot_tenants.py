@@ -17,22 +17,22 @@ import torch
 from academus.client import AcademusError, AsyncClient
 from academus.services.worker.adapters import TenantBatch
 from academus.services.worker.core import OUTPUT_PROBS, ModelRunner
-from academus.shared.adapters import BatchedAdapters, install_adapters
-from academus.shared.config import artifacts_dir
-from academus.shared.data import load_task
-from academus.shared.errors import InvalidArgument
-from academus.shared.keys import Keys
-from academus.shared.model import teacher_dir
-from academus.shared.onboarding import AdapterStoreClient, create_tenant_model
-from academus.shared.plot import PlotStore
-from academus.shared.plot.build import BuildOptions, build
-from academus.shared.plot.hierarchical import padded_lookup
-from academus.shared.plot.layers import SplitBert
-from academus.shared.plot.models import register_embedding
-from academus.shared.redis_conn import connect
-from academus.shared.tenants import TenantModel, TenantRegistry
-from academus.shared.tokenization import TeacherTokenizer
+from academus.shared.models.adapters import BatchedAdapters, install_adapters
+from academus.shared.models.model import teacher_dir
+from academus.shared.models.plot import PlotStore
+from academus.shared.models.plot.hierarchical import padded_lookup
+from academus.shared.models.plot.layers import SplitBert
+from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.runtime.config import artifacts_dir
+from academus.shared.runtime.errors import InvalidArgument
+from academus.shared.runtime.redis_conn import connect
+from academus.shared.state.keys import Keys
+from academus.shared.state.tenants import TenantModel, TenantRegistry
 from academus.shared.training.adapters import plot_lower_states, train_adapter, upper_pooled
+from academus.shared.training.data import load_task
+from academus.shared.training.onboarding import AdapterStoreClient, create_tenant_model
+from academus.shared.training.plot_build import BuildOptions, build
+from academus.shared.training.plot_models import register_embedding
 from academus.shared.training.prepare import subsample
 from tests.conftest import env
 from tests.integration.test_tenant_serving import start

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import redis
 
-from academus.shared.keys import Keys
-from academus.shared.redis_server import RedisServer
+from academus.shared.cli.redis_server import RedisServer
+from academus.shared.state.keys import Keys
 
 
 def test_api_keys_and_catalogue_survive_a_redis_restart(tmp_path):

@@ -12,9 +12,9 @@ import pytest
 
 from academus.client import AsyncClient
 from academus.services.worker.core import OUTPUT_EMBEDDING, OUTPUT_PROBS, ModelRunner
-from academus.shared.keys import Keys
-from academus.shared.redis_conn import connect
-from academus.shared.serving import RunningService
+from academus.shared.runtime.redis_conn import connect
+from academus.shared.runtime.serving import RunningService
+from academus.shared.state.keys import Keys
 from tests.conftest import env
 from tests.integration.test_inprocess_mesh import KEY
 from tests.integration.test_student_serving import artifacts, tokens  # noqa: F401  (module fixture)

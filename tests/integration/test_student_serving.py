@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from academus.services.worker.core import OUTPUT_EMBEDDING, OUTPUT_PROBS, ModelRunner
-from academus.shared.errors import InvalidArgument
-from academus.shared.keys import Keys
-from academus.shared.model import teacher_dir
-from academus.shared.redis_conn import connect
-from academus.shared.tokenization import TeacherTokenizer
+from academus.shared.models.model import teacher_dir
+from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.runtime.errors import InvalidArgument
+from academus.shared.runtime.redis_conn import connect
+from academus.shared.state.keys import Keys
 from tests.conftest import small_student_artifacts
 
 

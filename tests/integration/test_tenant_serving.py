@@ -14,15 +14,15 @@ import pytest
 import torch
 
 from academus.client import AcademusError, AsyncClient
-from academus.shared.adapters import encode_with_adapters
-from academus.shared.config import artifacts_dir
-from academus.shared.keys import Keys
-from academus.shared.model import TeacherEncoder, pad_batch, teacher_dir
-from academus.shared.onboarding import AdapterStoreClient
-from academus.shared.redis_conn import connect
-from academus.shared.serving import RunningService
-from academus.shared.tenants import TenantModel, TenantRegistry
-from academus.shared.tokenization import TeacherTokenizer
+from academus.shared.models.adapters import encode_with_adapters
+from academus.shared.models.model import TeacherEncoder, pad_batch, teacher_dir
+from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.runtime.config import artifacts_dir
+from academus.shared.runtime.redis_conn import connect
+from academus.shared.runtime.serving import RunningService
+from academus.shared.state.keys import Keys
+from academus.shared.state.tenants import TenantModel, TenantRegistry
+from academus.shared.training.onboarding import AdapterStoreClient
 from tests.conftest import env
 from tests.unit.test_worker_adapters import trained_like
 

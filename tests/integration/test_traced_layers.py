@@ -70,7 +70,7 @@ def test_a_layer_runs_its_own_forward_where_a_graph_would_miss_a_hook_or_a_gradi
 
 
 def test_a_plain_batch_stays_traced_beside_the_tenant_adapters_hooks(runners):
-    from academus.shared.adapters import encode_with_adapters, install_adapters, remove_adapters
+    from academus.shared.models.adapters import encode_with_adapters, install_adapters, remove_adapters
     from tests.unit.test_adapters import make_adapter
 
     eager, traced = runners

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from academus.shared.data import data_dir, fetch
+from academus.shared.training.data import data_dir, fetch
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from academus.shared.students import StudentGroup, student_config
-from academus.shared.tokenization import Encoded
+from academus.shared.models.students import StudentGroup, student_config
+from academus.shared.models.tokenization import Encoded
 from academus.shared.training.ablations import (
     bagging_training,
     bootstrap_sample,

@@ -14,11 +14,11 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from academus.services.adapter_store.core import AdapterFile, AdapterStore, FileCache, pack
-from academus.shared import config as cfg
-from academus.shared.errors import InvalidArgument, NotFound
-from academus.shared.keys import Keys
-from academus.shared.redis_conn import connect
-from academus.shared.redis_server import RedisServer
+from academus.shared.cli.redis_server import RedisServer
+from academus.shared.runtime import config as cfg
+from academus.shared.runtime.errors import InvalidArgument, NotFound
+from academus.shared.runtime.redis_conn import connect
+from academus.shared.state.keys import Keys
 
 LIMIT = 64 * 1024
 KEYS = Keys("as-unit")
@@ -123,7 +123,7 @@ async def test_layer_wise_gets_are_served_from_the_cache(store):
 
 
 async def test_layer_pieces_parse_and_merge_as_shared_adapters_files(store):
-    adapters = pytest.importorskip("academus.shared.adapters")
+    adapters = pytest.importorskip("academus.shared.models.adapters")
     adapter = adapters.AdapterWeights.init(["ham", "spam"], rank=4, seed=3)
     await store.put("acme", "spam", adapter.to_bytes(), adapter.metadata())
     layers = list(adapter.layer_ids)

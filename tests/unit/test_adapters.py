@@ -11,15 +11,15 @@ import pytest
 import torch
 from safetensors.torch import save as st_save
 
-from academus.shared.adapters import (
+from academus.shared.models.adapters import (
     AdapterWeights,
     BatchedAdapters,
     encode_with_adapters,
     install_adapters,
     remove_adapters,
 )
-from academus.shared.model import TeacherEncoder, pad_batch, teacher_dir
-from academus.shared.tokenization import TeacherTokenizer
+from academus.shared.models.model import TeacherEncoder, pad_batch, teacher_dir
+from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.training.adapters import (
     lower_states,
     read_labelled_jsonl,
@@ -276,7 +276,7 @@ def test_bases_and_domains_are_checked(encoder, tmp_path, monkeypatch):
 
 
 def test_training_beats_the_untrained_adapter(tmp_path, dataset_dir, encoder, tokenizer):
-    from academus.shared.data import load_task
+    from academus.shared.training.data import load_task
     from academus.shared.training.prepare import subsample
 
     task = load_task("sentiment", dataset_dir)

@@ -14,7 +14,7 @@ from academus.services.resource_manager.allocation import (
     allocate_groups,
     choose_profile,
 )
-from academus.shared.gpu import mps_action, mps_plan, start_mps
+from academus.shared.runtime.gpu import mps_action, mps_plan, start_mps
 
 
 def devices(g: int, capacity: int = 1) -> list[Device]:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from academus.shared import artifacts
-from academus.shared.artifacts import (
+from academus.shared.state import artifacts
+from academus.shared.state.artifacts import (
     MANIFEST,
     WEIGHTS,
     ArtifactError,
@@ -117,7 +117,7 @@ def test_rewrite_replaces(tmp_path: Path) -> None:
 
 
 def test_a_node_can_mount_its_own_teacher_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from academus.shared.model import TeacherMissing, teacher_dir
+    from academus.shared.models.model import TeacherMissing, teacher_dir
 
     bundled = teacher_dir()
     mounted = tmp_path / "teacher"

@@ -8,7 +8,7 @@ import pytest
 
 from academus.client import AcademusError, AsyncClient
 from academus.client.types import retry_wait
-from academus.shared.multiplex import serve_multiplexed
+from academus.shared.runtime.multiplex import serve_multiplexed
 from academus.v1 import inference_pb2 as pb
 from academus.v1 import inference_pb2_grpc
 

@@ -12,7 +12,7 @@ import torch
 
 from academus.services.worker.compute_threads import apply_compute_policy, policy_of_this_thread
 from academus.services.worker.server import WorkerServicer
-from academus.shared import config as cfg
+from academus.shared.runtime import config as cfg
 
 CPU_RUNNER = SimpleNamespace(device=torch.device("cpu"))
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread policies are Linux's")

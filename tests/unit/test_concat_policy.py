@@ -18,9 +18,9 @@ from academus.services.scheduler.policies import (
 )
 from academus.services.scheduler.server import build_request
 from academus.services.worker.server import plan_from_proto
-from academus.shared import config as cfg
-from academus.shared.errors import DeadlineExceeded, InvalidArgument
-from academus.shared.packing import pack
+from academus.shared.models.packing import pack
+from academus.shared.runtime import config as cfg
+from academus.shared.runtime.errors import DeadlineExceeded, InvalidArgument
 from academus.v1 import worker_pb2
 from tests.unit.test_scheduler_core import Clock
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from academus.shared.config import ConfigError, GatewayConfig, SchedulerConfig, WorkerConfig, load
+from academus.shared.runtime.config import ConfigError, GatewayConfig, SchedulerConfig, WorkerConfig, load
 
 
 def test_env_overrides_and_redis_url_fallback():

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from academus.shared import data
-from academus.shared.data import (
+from academus.shared.training import data
+from academus.shared.training.data import (
     TASKS,
     DataMissing,
     load_task,

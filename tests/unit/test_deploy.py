@@ -574,7 +574,7 @@ def test_k8s_redis_and_mps() -> None:
 
 
 def test_k8s_scheduler_and_workers_of_a_node_share_the_local_plane_folder() -> None:
-    """The node-local data plane's sockets (shared/local_plane.py) are files: the node's scheduler and its
+    """The node-local data plane's sockets (shared/runtime/local_plane.py) are files: the node's scheduler and its
     workers reach each other only through one host folder that both mount where ACADEMUS_SOCKET_DIR says."""
     objects = _k8s_objects()
     folders = set()

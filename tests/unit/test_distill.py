@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from academus.shared.artifacts import MANIFEST, ArtifactError
-from academus.shared.students import StudentGroup, student_config
+from academus.shared.models.students import StudentGroup, student_config
+from academus.shared.state.artifacts import MANIFEST, ArtifactError
 from academus.shared.training.distill import (
     STUDENT_KIND,
     DistillData,
@@ -224,7 +224,7 @@ def tiny_teacher(layers: int = 3, seed: int = 0):
 
 
 def test_a_student_narrowed_to_the_live_neurons_computes_what_the_full_width_one_does() -> None:
-    from academus.shared.students import from_teacher
+    from academus.shared.models.students import from_teacher
 
     teacher = tiny_teacher()
     live = torch.arange(0, 32, 2)                       # the odd neurons add nothing to the layers' outputs
@@ -245,7 +245,7 @@ def test_a_student_narrowed_to_the_live_neurons_computes_what_the_full_width_one
 
 
 def test_ffn_keep_ranks_neurons_by_their_contribution_on_the_training_texts() -> None:
-    from academus.shared.tokenization import Encoded
+    from academus.shared.models.tokenization import Encoded
     from academus.shared.training.distill import DistillConfig, ffn_keep
 
     teacher = tiny_teacher()
@@ -261,7 +261,7 @@ def test_ffn_keep_ranks_neurons_by_their_contribution_on_the_training_texts() ->
 
 
 def test_a_narrow_group_round_trips_through_its_artifact(tmp_path: Path) -> None:
-    from academus.shared.students import from_teacher
+    from academus.shared.models.students import from_teacher
 
     keep = torch.arange(12)
     group = from_teacher(tiny_teacher(), 2, ("neg", "pos"), ffn_keep=[keep, keep]).eval()

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from academus.shared.config import artifacts_dir
+from academus.shared.runtime.config import artifacts_dir
 from academus.shared.training.distill import QUICK, distill, load_student_group, main, students_dir
 from academus.shared.training.prepare import head_dir, prepare
 

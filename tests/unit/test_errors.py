@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from academus.shared.errors import (
+from academus.shared.runtime.errors import (
     DeadlineExceeded,
     ResourceExhausted,
     ServingError,

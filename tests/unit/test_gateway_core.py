@@ -19,13 +19,13 @@ from academus.services.gateway.core import (
     InferCall,
     resolve_output,
 )
-from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
-from academus.shared.config import GatewayConfig
-from academus.shared.errors import InvalidArgument, NotFound, Unauthenticated, Unavailable
-from academus.shared.keys import Keys
-from academus.shared.model import teacher_dir
-from academus.shared.redis_conn import connect
-from academus.shared.tokenization import TeacherTokenizer
+from academus.shared.models.model import teacher_dir
+from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.runtime.config import GatewayConfig
+from academus.shared.runtime.errors import InvalidArgument, NotFound, Unauthenticated, Unavailable
+from academus.shared.runtime.redis_conn import connect
+from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
+from academus.shared.state.keys import Keys
 
 KEYS = Keys("acd")
 
@@ -243,7 +243,7 @@ async def test_auth_cache_expires_with_the_clock(redis_url):
 
 
 def test_the_gateways_caches_stay_within_their_bound_dropping_the_least_recently_stored():
-    from academus.shared.expiring import ExpiringCache
+    from academus.shared.runtime.expiring import ExpiringCache
 
     now = [0.0]
     cache: ExpiringCache[str, int] = ExpiringCache(5.0, lambda: now[0], max_entries=3)
@@ -300,7 +300,7 @@ async def two_schedulers(redis, policy: str, models: str, prefix: str = "a", clo
 
 async def test_a_full_scheduler_gets_nothing_until_its_pushback_passes(redis_url):
     from academus.services.gateway.core import SchedulerDirectory
-    from academus.shared.errors import ResourceExhausted
+    from academus.shared.runtime.errors import ResourceExhausted
 
     redis = connect(redis_url)
     now = [10.0]
@@ -359,7 +359,7 @@ async def test_a_scheduler_that_answered_unavailable_is_tried_last_for_a_while(r
     """A shard whose only group was lost answers UNAVAILABLE at once, so it always holds the fewest requests:
     after its answer the others get the traffic for DOWN_S, then it is back in turn; alone, it is still tried."""
     from academus.services.gateway.core import DOWN_S
-    from academus.shared.errors import Unavailable
+    from academus.shared.runtime.errors import Unavailable
 
     redis = connect(redis_url)
     now = [10.0]
@@ -397,7 +397,7 @@ def test_an_unknown_policy_is_invalid_and_names_the_known_ones():
 
 @pytest.fixture
 async def tenants(redis_url, tokenizer):
-    from academus.shared.tenants import TenantModel, TenantRegistry
+    from academus.shared.state.tenants import TenantModel, TenantRegistry
 
     redis = connect(redis_url)
     await redis.hset(KEYS.models(), "spam", ModelSpec("spam", CLASSIFICATION, ["ham", "spam"]).to_json())
@@ -434,8 +434,8 @@ async def test_another_tenants_model_is_indistinguishable_from_an_unknown_name(t
 
 
 async def test_a_model_not_ready_is_refused(tenants):
-    from academus.shared.errors import FailedPrecondition
-    from academus.shared.tenants import TRAINING, TenantModel
+    from academus.shared.runtime.errors import FailedPrecondition
+    from academus.shared.state.tenants import TRAINING, TenantModel
 
     gateway, registry, keys = tenants
     await registry.register_model("a", TenantModel("draft", "minilm", "draft", 1, ["x", "y"], status=TRAINING))
@@ -446,7 +446,7 @@ async def test_a_model_not_ready_is_refused(tenants):
 
 
 async def test_admit_takes_a_quota_token_per_request(tenants):
-    from academus.shared.errors import ResourceExhausted
+    from academus.shared.runtime.errors import ResourceExhausted
 
     gateway, registry, keys = tenants
     await registry.set_quota("a", rate=0.5, burst=2)
@@ -520,7 +520,7 @@ async def deployments(redis_url, clock, honour_pushback=True):
 
 @pytest.mark.parametrize("honour_pushback", [True, False])
 async def test_a_request_refused_for_a_full_queue_goes_to_another_deployment(redis_url, honour_pushback):
-    from academus.shared.errors import ResourceExhausted, Unavailable
+    from academus.shared.runtime.errors import ResourceExhausted, Unavailable
 
     now = [10.0]
     redis, directory = await deployments(redis_url, lambda: now[0], honour_pushback)
@@ -562,7 +562,7 @@ async def test_a_scheduler_gone_while_redis_is_unreachable_leaves_the_others_and
     """A scheduler answered UNAVAILABLE and the registry cannot be read: the request goes to another
     deployment of the list as it was; with no list at all, UNAVAILABLE (for want of room: the token goes back)."""
     from academus.services.gateway.core import SchedulerDirectory, for_want_of_room
-    from academus.shared.errors import Unavailable
+    from academus.shared.runtime.errors import Unavailable
 
     redis, directory = await deployments(redis_url, time.monotonic)
     directory.redis = connect("redis://127.0.0.1:1/0")        # nothing listens there
@@ -582,8 +582,8 @@ async def test_a_scheduler_gone_while_redis_is_unreachable_leaves_the_others_and
 
 
 async def test_a_request_refused_at_the_edge_costs_no_quota_token(redis_url, tokenizer):
-    from academus.shared.errors import ResourceExhausted
-    from academus.shared.tenants import TenantRegistry
+    from academus.shared.runtime.errors import ResourceExhausted
+    from academus.shared.state.tenants import TenantRegistry
 
     now = [10.0]
     redis, directory = await deployments(redis_url, lambda: now[0])
@@ -609,7 +609,7 @@ async def test_a_request_refused_at_the_edge_costs_no_quota_token(redis_url, tok
 
 async def test_a_request_refused_on_arrival_for_its_deadline_goes_to_another_deployment(redis_url):
     from academus.services.gateway.core import for_want_of_room
-    from academus.shared.errors import DeadlineExceeded
+    from academus.shared.runtime.errors import DeadlineExceeded
 
     now = [10.0]
     redis, directory = await deployments(redis_url, lambda: now[0])

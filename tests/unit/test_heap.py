@@ -8,7 +8,7 @@ import weakref
 import pytest
 from prometheus_client import REGISTRY
 
-from academus.shared.heap import PauseWatch, freeze_start_up_heap, watch_pauses
+from academus.shared.runtime.heap import PauseWatch, freeze_start_up_heap, watch_pauses
 
 
 def pause_count(service: str, generation: int) -> tuple[float, float]:

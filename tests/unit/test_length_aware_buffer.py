@@ -303,7 +303,7 @@ def test_an_emptied_queue_keeps_no_references_to_jobs_taken_through_their_bin():
 def test_the_deployments_settings_reach_the_student_policys_buffer():
     """ACADEMUS_BIN_WIDTH, ACADEMUS_MAX_MERGE and ACADEMUS_MAX_LENGTH as the scheduler service builds its policy."""
     from academus.services.scheduler.server import policy_from
-    from academus.shared import config as cfg
+    from academus.shared.runtime import config as cfg
 
     policy = policy_from(cfg.load(cfg.SchedulerConfig, env={
         "ACADEMUS_POLICY": "student", "ACADEMUS_BIN_WIDTH": "16", "ACADEMUS_MAX_MERGE": "2",

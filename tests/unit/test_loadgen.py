@@ -20,9 +20,9 @@ from academus.loadgen import analysis, plots, runner, schedule, texts
 from academus.loadgen.analysis import ratios
 from academus.loadgen.cli import main, summary_lines
 from academus.loadgen.runner import Record, RunResult
-from academus.shared.model import teacher_dir
-from academus.shared.tokenization import TeacherTokenizer
-from academus.shared.tracing import JsonlSpanExporter, read_traces
+from academus.shared.models.model import teacher_dir
+from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.runtime.tracing import JsonlSpanExporter, read_traces
 
 
 def test_poisson_rate_and_order():
@@ -224,7 +224,7 @@ def test_tail_breakdown_averages_the_slowest_answers_only():
 
 def write_spans(path, durations_ms: list[tuple[float, float, float]]) -> None:
     """One trace per (gateway server, gateway->worker client, worker server) durations, through the real
-    JSON-lines exporter of shared/tracing.py."""
+    JSON-lines exporter of shared/runtime/tracing.py."""
     exporter = JsonlSpanExporter(path)
     tracers = {name: TracerProvider(resource=Resource.create({"service.name": f"academus-{name}"}))
                for name in ("gateway", "worker")}
@@ -508,7 +508,7 @@ def test_the_load_generator_reads_only_its_own_setting_from_a_services_environme
     """A shell set up for a service (a bad ACADEMUS_PORT here) does not stop the load generator, while a bad
     slice, its own setting, is still refused by name."""
     from academus.loadgen.cli import hop_slice_us
-    from academus.shared.config import ConfigError
+    from academus.shared.runtime.config import ConfigError
 
     monkeypatch.setenv("ACADEMUS_PORT", "not-a-port")
     monkeypatch.setenv("ACADEMUS_HOP_SLICE_US", "500")

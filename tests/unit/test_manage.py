@@ -14,10 +14,10 @@ import pytest
 from academus.services.gateway.core import Authenticator, Principal
 from academus.services.gateway.manage import Manage
 from academus.services.trainer.core import AdapterJobs, Encoders, JobRunner, OverlayJobs, Progress
-from academus.shared.config import GatewayConfig, TrainerConfig
-from academus.shared.domains import READY as DOMAIN_READY
-from academus.shared.domains import Domain, DomainRegistry
-from academus.shared.errors import (
+from academus.shared.models.plot.domains import READY as DOMAIN_READY
+from academus.shared.models.plot.domains import Domain, DomainRegistry
+from academus.shared.runtime.config import GatewayConfig, TrainerConfig
+from academus.shared.runtime.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
@@ -26,9 +26,9 @@ from academus.shared.errors import (
     ServingError,
     Unauthenticated,
 )
-from academus.shared.jobs import ADAPTER, FAILED, OVERLAY, QUEUED, RUNNING, SUCCEEDED, Job, JobQueue
-from academus.shared.keys import Keys
-from academus.shared.tenants import READY, TRAINING, TenantModel, TenantRegistry
+from academus.shared.state.jobs import ADAPTER, FAILED, OVERLAY, QUEUED, RUNNING, SUCCEEDED, Job, JobQueue
+from academus.shared.state.keys import Keys
+from academus.shared.state.tenants import READY, TRAINING, TenantModel, TenantRegistry
 
 KEYS = Keys("mg")
 ADMIN = Principal("admin", "admin")

@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from academus.shared import mesh
-from academus.shared.keys import Keys
+from academus.shared.cli import mesh
+from academus.shared.state.keys import Keys
 
 
 def test_redis_url_from_env_is_used_and_not_owned(tmp_path, monkeypatch):
@@ -49,7 +49,7 @@ def test_admin_key_is_stable_private_and_stored_hashed(tmp_path, redis_url):
 
 
 def test_workers_are_one_a_gpu_instance_under_mps_and_plain_processes_on_cpu(tmp_path):
-    from academus.shared.mesh import MeshOptions, _worker_envs
+    from academus.shared.cli.mesh import MeshOptions, _worker_envs
 
     gpu = _worker_envs(MeshOptions(run_dir=tmp_path, workers=1, instances=2, gpus=2))
     assert [e["CUDA_VISIBLE_DEVICES"] for e in gpu] == ["0", "0", "1", "1"]
@@ -59,7 +59,7 @@ def test_workers_are_one_a_gpu_instance_under_mps_and_plain_processes_on_cpu(tmp
 
 
 def test_a_deployment_names_a_known_policy():
-    from academus.shared.mesh import Deployment, MeshError
+    from academus.shared.cli.mesh import Deployment, MeshError
 
     assert Deployment.parse("student=sentiment-students,spam-students") == Deployment(
         "student", "sentiment-students,spam-students")
@@ -69,7 +69,7 @@ def test_a_deployment_names_a_known_policy():
 
 def _fake_table(directory, lower_layers: int) -> None:
     """A manifest only: the mesh reads it to configure the plot service, which checks the files."""
-    from academus.shared.plot.table import PlotManifest
+    from academus.shared.models.plot.table import PlotManifest
 
     (directory / "root").mkdir(parents=True)
     manifest = PlotManifest(model="minilm", teacher="t", lower_layers=lower_layers, hidden=384, vocab_size=10,
@@ -78,7 +78,7 @@ def _fake_table(directory, lower_layers: int) -> None:
 
 
 def test_the_plot_service_starts_only_when_a_table_is_built(tmp_path):
-    from academus.shared.mesh import MeshOptions, _plan
+    from academus.shared.cli.mesh import MeshOptions, _plan
 
     options = MeshOptions(run_dir=tmp_path / "run", artifacts=tmp_path, workers=2, gpus=0)
     assert [name for name, _ in _plan(options, [{}, {}])] == ["resource_manager", "adapter_store", "trainer",
@@ -94,7 +94,7 @@ def test_the_plot_service_starts_only_when_a_table_is_built(tmp_path):
 def test_the_mesh_serves_the_table_the_catalogue_names(tmp_path):
     import json
 
-    from academus.shared.mesh import plot_table
+    from academus.shared.models.plot.table import plot_table
 
     _fake_table(tmp_path / "plot" / "minilm-k1", 1)
     _fake_table(tmp_path / "plot" / "minilm-k3", 3)
@@ -120,7 +120,7 @@ def test_a_port_handed_out_but_not_bound_yet_is_not_handed_out_again(monkeypatch
 
 
 def test_a_sharded_deployment_is_one_scheduler_process_a_shard(tmp_path):
-    from academus.shared.mesh import Deployment, MeshError, MeshOptions, _plan
+    from academus.shared.cli.mesh import Deployment, MeshError, MeshOptions, _plan
 
     assert Deployment.parse("student=sentiment-students/3") == Deployment("student", "sentiment-students", 3)
     assert Deployment.parse("padded/2") == Deployment("padded", "", 2)
@@ -140,7 +140,7 @@ def test_a_sharded_deployment_is_one_scheduler_process_a_shard(tmp_path):
 
 
 def test_a_mesh_of_several_nodes_spreads_the_workers_and_runs_a_scheduler_a_node(tmp_path):
-    from academus.shared.mesh import Deployment, MeshOptions, _plan, _worker_envs
+    from academus.shared.cli.mesh import Deployment, MeshOptions, _plan, _worker_envs
 
     options = MeshOptions(run_dir=tmp_path / "run", artifacts=tmp_path, workers=3, gpus=0, nodes=2,
                           deployments=[Deployment("student", "ss", 2)])
@@ -156,8 +156,8 @@ def test_a_mesh_of_several_nodes_spreads_the_workers_and_runs_a_scheduler_a_node
 
 
 def test_academus_up_refuses_a_bad_setting_with_a_message_not_a_traceback(tmp_path, capsys):
-    from academus.shared import cli
+    from academus.shared.cli.main import main
 
-    assert cli.main(["--run-dir", str(tmp_path), "up", "--nodes", "0", "--detach"]) == 2
+    assert main(["--run-dir", str(tmp_path), "up", "--nodes", "0", "--detach"]) == 2
     assert "nodes must be >= 1, not 0" in capsys.readouterr().err
     assert not (tmp_path / mesh.STATE_FILE).exists()

@@ -1,5 +1,5 @@
-"""Unary calls multiplexed over one stream (shared/multiplex.py), over real gRPC on loopback and over the
-node-local data plane's Unix socket (shared/local_plane.py, the tests marked BOTH): the caller keeps a unary
+"""Unary calls multiplexed over one stream (shared/runtime/multiplex.py), over real gRPC on loopback and over the
+node-local data plane's Unix socket (shared/runtime/local_plane.py, the tests marked BOTH): the caller keeps a unary
 call's contract (response, status, trailers, deadline, cancellation, a broken peer), the server keeps its
 interceptors (the SERVER span is the CLIENT span's child) and drains on stop. On the plane, a peer that sends
 garbage, a cut message, an oversized one, a wrong token or an unknown method gets a status naming the problem
@@ -19,18 +19,19 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 from prometheus_client import REGISTRY
 
-from academus.shared.errors import NOTHING_RAN, ResourceExhausted, abort_with, from_rpc_error
-from academus.shared.local_plane import (
+from academus.shared.runtime.errors import NOTHING_RAN, ResourceExhausted, abort_with, from_rpc_error
+from academus.shared.runtime.local_plane import (
     HELLO_METHOD,
     TOKEN_KEY,
     FramingError,
     LocalEndpoint,
     LocalPlane,
     MessageBuffer,
+    open_local,
     pack,
     socket_dir,
 )
-from academus.shared.multiplex import (
+from academus.shared.runtime.multiplex import (
     CALLS_METHOD,
     FRAME_BATCHES_KEY,
     FRAME_BYTES_KEY,
@@ -48,8 +49,8 @@ from academus.shared.multiplex import (
     serve_multiplexed,
     unrun_reply,
 )
-from academus.shared.serving import Stubs
-from academus.shared.tracing import ServerSpans
+from academus.shared.runtime.serving import Stubs
+from academus.shared.runtime.tracing import ServerSpans
 from academus.v1 import multiplex_pb2, multiplex_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, tensors_pb2
 
 METHOD = "/t.Probe/Answer"
@@ -120,7 +121,8 @@ async def mux(request):
     plane = LocalPlane(servicer, socket_dir(), "probe") if local else None
     if plane is not None:
         await plane.start()
-    channel = MultiplexChannel(grpc.aio.insecure_channel(f"127.0.0.1:{port}"), client_provider, local=local)
+    channel = MultiplexChannel(grpc.aio.insecure_channel(f"127.0.0.1:{port}"), client_provider,
+                               local=open_local if local else None)
     mux = Mux(channel.unary_unary(METHOD), probe, servicer, server, port, server_spans, client_spans, plane)
     if local:
         await went_local(mux)
@@ -677,7 +679,7 @@ async def test_an_unknown_method_is_answered_unimplemented_and_the_connection_cl
 async def test_a_plane_the_caller_cannot_reach_leaves_its_calls_on_grpc(mux):
     """What a caller on another node sees: a path that is not there (or not its peer's)."""
     mux.servicer.local_endpoint = LocalEndpoint("/nonexistent/academus/worker.sock", "f00d").announce()
-    channel = MultiplexChannel(grpc.aio.insecure_channel(f"127.0.0.1:{mux.port}"), local=True)
+    channel = MultiplexChannel(grpc.aio.insecure_channel(f"127.0.0.1:{mux.port}"), local=open_local)
     try:
         call = channel.unary_unary(METHOD)
         for i in range(5):

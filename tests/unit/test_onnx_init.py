@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from academus.shared.model import mean_pool
+from academus.shared.models.model import mean_pool
 from academus.shared.training.onnx_init import bert_state, group_from_l3, load_minilm_l3, read_graph
 
 
@@ -61,8 +61,8 @@ def test_reader_names_each_matmul_weight_after_its_bias_and_transposes_it() -> N
 
 
 def test_the_real_l3_maps_onto_student_layers_and_keeps_its_meaning(dataset_dir: Path) -> None:
-    from academus.shared.model import TeacherEncoder, teacher_dir
-    from academus.shared.tokenization import TeacherTokenizer
+    from academus.shared.models.model import TeacherEncoder, teacher_dir
+    from academus.shared.models.tokenization import TeacherTokenizer
 
     state = load_minilm_l3(dataset_dir)
     assert sum(k.startswith("encoder.layer.2.") for k in state) == 16 and len(state) == 53

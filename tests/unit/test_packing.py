@@ -10,8 +10,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from academus.shared.model import ClassifierHead, TeacherEncoder, mean_pool
-from academus.shared.packing import (
+from academus.shared.models.model import ClassifierHead, TeacherEncoder, mean_pool
+from academus.shared.models.packing import (
     PackingPlan,
     additive_mask,
     block_mask,
@@ -19,7 +19,7 @@ from academus.shared.packing import (
     pack,
     segment_mean,
 )
-from academus.shared.students import StudentGroup, from_teacher
+from academus.shared.models.students import StudentGroup, from_teacher
 
 TOLERANCE = 1e-4       # fp32, max abs difference
 ATTENTIONS = ("hf", "sdpa")

@@ -18,16 +18,16 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from academus.shared.config import ConfigError, PlotConfig, load
-from academus.shared.model import TeacherEncoder, pad_batch, teacher_dir
-from academus.shared.plot import InvalidTokens, PlotManifest, PlotStore, TableError, UnknownDomain, load_version
-from academus.shared.plot.build import BuildOptions, build, count_ngrams, most_frequent, tokenize
-from academus.shared.plot.hierarchical import HierarchicalEncoder
-from academus.shared.plot.layers import SplitBert
-from academus.shared.plot.ngrams import MISSING, NgramIndex, pack, unpack, window_starts
-from academus.shared.plot.store import SLOT_WEIGHTS
-from academus.shared.plot.table import read_manifest
-from academus.shared.tokenization import TeacherTokenizer
+from academus.shared.models.model import TeacherEncoder, pad_batch, teacher_dir
+from academus.shared.models.plot import InvalidTokens, PlotManifest, PlotStore, TableError, UnknownDomain, load_version
+from academus.shared.models.plot.hierarchical import HierarchicalEncoder
+from academus.shared.models.plot.layers import SplitBert
+from academus.shared.models.plot.ngrams import MISSING, NgramIndex, pack, unpack, window_starts
+from academus.shared.models.plot.store import SLOT_WEIGHTS
+from academus.shared.models.plot.table import read_manifest
+from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.runtime.config import ConfigError, PlotConfig, load
+from academus.shared.training.plot_build import BuildOptions, build, count_ngrams, most_frequent, tokenize
 
 K = 3
 CLS, SEP, UNK = 101, 102, 100
@@ -335,7 +335,7 @@ def test_plot_config_reads_env_and_checks_ranges(tmp_path):
 
 
 def test_cli_build_prints_the_summary_last(tmp_path, capsys):
-    from academus.shared.cli import main
+    from academus.shared.cli.main import main
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the cat sat on the mat\nhello world\n")
@@ -351,7 +351,7 @@ def test_cli_build_prints_the_summary_last(tmp_path, capsys):
 
 
 def test_corpora_join_with_commas_and_limit_each(tmp_path):
-    from academus.shared.plot.build import corpus_texts
+    from academus.shared.training.plot_build import corpus_texts
 
     (tmp_path / "a.txt").write_text("a1\na2\na3\n")
     (tmp_path / "b.txt").write_text("b1\nb2\n")
@@ -368,7 +368,7 @@ def test_max_bigrams_keeps_the_most_frequent(tmp_path, lower):
 
 
 def test_cli_build_registers_minilm_plot_for_a_root_under_the_artifacts(tmp_path, capsys, monkeypatch):
-    from academus.shared.cli import main
+    from academus.shared.cli.main import main
 
     monkeypatch.setenv("ACADEMUS_ARTIFACTS", str(tmp_path / "artifacts"))
     corpus = tmp_path / "corpus.txt"
@@ -576,7 +576,7 @@ def test_overlay_of_another_n_is_refused(bigram_dir, tmp_path, lower1):
 
 
 def test_cli_build_ngram_2_and_its_overlay_follows_the_root(tmp_path, capsys):
-    from academus.shared.cli import main
+    from academus.shared.cli.main import main
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the cat sat on the mat\nhello world\n")

@@ -10,8 +10,8 @@ import asyncio
 from academus.services.scheduler.core import Dispatcher, Job
 from academus.services.scheduler.plot_prefetch import PlotPrefetcher, merge_lookups
 from academus.services.scheduler.policies import FifoPolicy
-from academus.shared.catalogue import EMBEDDING, ModelSpec
-from academus.shared.plot.registry import PlotEndpoint
+from academus.shared.models.plot.registry import PlotEndpoint
+from academus.shared.state.catalogue import EMBEDDING, ModelSpec
 from academus.v1 import plot_pb2, tensors_pb2, worker_pb2
 from tests.unit.test_scheduler_core import Clock, FakeWorkers, settle
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from academus.shared.artifacts import WEIGHTS, ArtifactError
+from academus.shared.state.artifacts import WEIGHTS, ArtifactError
 from academus.shared.training.prepare import (
     classification_metrics,
     fit_head,

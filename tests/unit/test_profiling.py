@@ -6,7 +6,7 @@ from __future__ import annotations
 from academus.services.resource_manager.allocation import ProfilePoint, choose_profile
 from academus.services.worker.core import ModelRunner
 from academus.services.worker.profiling import profile_model
-from academus.shared.config import artifacts_dir
+from academus.shared.runtime.config import artifacts_dir
 
 
 def test_profile_covers_the_grid_and_the_choice_is_one_of_its_points():

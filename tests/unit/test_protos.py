@@ -32,6 +32,6 @@ def test_generated_modules_import_under_the_academus_namespace():
 def test_no_generic_top_level_packages_installed(tmp_path: Path):
     """From outside the checkout only `academus.*` is importable, never `shared` or `services`."""
     probe = ("import importlib.util as u, sys; "
-             "sys.exit(0 if u.find_spec('academus.shared.config') and "
+             "sys.exit(0 if u.find_spec('academus.shared.runtime.config') and "
              "not any(u.find_spec(n) for n in ('shared', 'services', 'loadgen', 'protos')) else 1)")
     assert subprocess.run([sys.executable, "-c", probe], cwd=tmp_path).returncode == 0

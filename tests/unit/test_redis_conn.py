@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from academus.shared.keys import Keys
-from academus.shared.redis_conn import connect, wake_on
+from academus.shared.runtime.redis_conn import connect, wake_on
+from academus.shared.state.keys import Keys
 
 
 async def test_an_event_on_the_channel_wakes_the_waiter_and_cancel_stops_the_watch(redis_url):

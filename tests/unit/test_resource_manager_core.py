@@ -7,9 +7,9 @@ import json
 
 from academus.services.resource_manager.allocation import GroupLoad
 from academus.services.resource_manager.core import GroupPlanner, PlacementTable, WorkerInfo
-from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
-from academus.shared.keys import Keys
-from academus.shared.redis_conn import connect
+from academus.shared.runtime.redis_conn import connect
+from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
+from academus.shared.state.keys import Keys
 
 KEYS = Keys("acd")
 SPECS = [ModelSpec("minilm", EMBEDDING), ModelSpec("spam", CLASSIFICATION, ["ham", "spam"])]

@@ -10,9 +10,9 @@ import pytest
 
 from academus.services.scheduler.core import Dispatcher, Group, Job, Member, WorkerLost, WorkerRef
 from academus.services.scheduler.policies import FifoPolicy, PaddedPolicy, StudentPolicy, make_policy
-from academus.shared.errors import DeadlineExceeded, ResourceExhausted, Unavailable, abort_with
-from academus.shared.multiplex import serve_multiplexed
-from academus.shared.serving import Stubs
+from academus.shared.runtime.errors import DeadlineExceeded, ResourceExhausted, Unavailable, abort_with
+from academus.shared.runtime.multiplex import serve_multiplexed
+from academus.shared.runtime.serving import Stubs
 from academus.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -663,8 +663,8 @@ async def test_a_worker_placed_between_the_watchers_two_reads_is_in_its_groups(r
     import json
 
     from academus.services.scheduler.server import PlacementWatcher
-    from academus.shared.keys import Keys
-    from academus.shared.redis_conn import connect
+    from academus.shared.runtime.redis_conn import connect
+    from academus.shared.state.keys import Keys
 
     redis, keys = connect(redis_url), Keys("acd-watch")
 
@@ -699,8 +699,8 @@ async def test_a_node_scheduler_takes_its_nodes_groups_and_says_what_it_serves(r
     import json
 
     from academus.services.scheduler.server import PlacementWatcher
-    from academus.shared.keys import Keys
-    from academus.shared.redis_conn import connect
+    from academus.shared.runtime.redis_conn import connect
+    from academus.shared.state.keys import Keys
 
     redis, keys = connect(redis_url), Keys("acd-node")
     for i, node in enumerate("ab"):
@@ -834,7 +834,7 @@ def test_a_shard_beyond_the_group_count_shares_a_group_rather_than_serve_nothing
 
 
 def test_a_shard_outside_its_count_is_refused_by_the_configuration():
-    from academus.shared import config as cfg
+    from academus.shared.runtime import config as cfg
 
     with pytest.raises(cfg.ConfigError, match="ACADEMUS_SHARD=2 must be >= 0 and < ACADEMUS_SHARDS=2"):
         cfg.load(cfg.SchedulerConfig, {"ACADEMUS_SHARD": "2", "ACADEMUS_SHARDS": "2"})

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from academus.services.worker.server import WorkerServicer
-from academus.shared import config as cfg
-from academus.shared.slices import reset_slice, set_thread_slice, thread_slice_ns
+from academus.shared.runtime import config as cfg
+from academus.shared.runtime.slices import reset_slice, set_thread_slice, thread_slice_ns
 from tests.unit.test_compute_threads import in_new_thread
 
 # Linux 6.6+ shows a thread's slice in /proc; elsewhere there is nothing to check

@@ -7,10 +7,10 @@ import asyncio
 import pytest
 
 from academus.services.gateway.core import Authenticator
-from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
-from academus.shared.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unauthenticated
-from academus.shared.keys import Keys
-from academus.shared.tenants import TRAINING, Quotas, TenantModel, TenantRegistry
+from academus.shared.runtime.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unauthenticated
+from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
+from academus.shared.state.keys import Keys
+from academus.shared.state.tenants import TRAINING, Quotas, TenantModel, TenantRegistry
 
 KEYS = Keys("acd")
 

@@ -12,7 +12,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from academus.shared.tracing import (
+from academus.shared.runtime.tracing import (
     JsonlSpanExporter,
     ServerSpans,
     client_interceptors,

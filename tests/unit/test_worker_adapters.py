@@ -13,10 +13,10 @@ import torch
 from academus.loadgen.adapters_bench import perturbed_adapter
 from academus.services.worker.adapters import AdapterCache, AdapterKey
 from academus.services.worker.core import OUTPUT_EMBEDDING, OUTPUT_PROBS, ModelRunner
-from academus.shared.adapters import AdapterWeights, encode_with_adapters
-from academus.shared.errors import InvalidArgument, NotFound
-from academus.shared.model import pad_batch, teacher_dir
-from academus.shared.tokenization import TeacherTokenizer
+from academus.shared.models.adapters import AdapterWeights, encode_with_adapters
+from academus.shared.models.model import pad_batch, teacher_dir
+from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.runtime.errors import InvalidArgument, NotFound
 from tests.conftest import artifacts_path
 
 TEXTS = ["a warm, funny and wholly unexpected film", "a dull mess", "the plot never quite lands"]

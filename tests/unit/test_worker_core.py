@@ -10,12 +10,12 @@ import torch
 
 from academus.services.worker.adapters import TenantBatch
 from academus.services.worker.core import OUTPUT_EMBEDDING, OUTPUT_PROBS, CallerLeft, ModelRunner, split_lengths
-from academus.shared.catalogue import ModelSpec
-from academus.shared.config import artifacts_dir
-from academus.shared.errors import DeadlineExceeded, InvalidArgument, NotFound
-from academus.shared.model import teacher_dir
-from academus.shared.packing import PackingPlan
-from academus.shared.tokenization import TeacherTokenizer
+from academus.shared.models.model import teacher_dir
+from academus.shared.models.packing import PackingPlan
+from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.runtime.config import artifacts_dir
+from academus.shared.runtime.errors import DeadlineExceeded, InvalidArgument, NotFound
+from academus.shared.state.catalogue import ModelSpec
 from academus.shared.training.prepare import write_catalogue
 
 

@@ -13,10 +13,10 @@ import pytest
 from academus.services.worker.adapters import AdapterCache, AdapterKey
 from academus.services.worker.core import OUTPUT_PROBS
 from academus.services.worker.host_tier import HostAdapters, HostWarmer
-from academus.shared.adapters import AdapterWeights
-from academus.shared.errors import NotFound, ResourceExhausted
-from academus.shared.keys import Keys
-from academus.shared.tenants import FAILED, TenantModel, TenantRegistry
+from academus.shared.models.adapters import AdapterWeights
+from academus.shared.runtime.errors import NotFound, ResourceExhausted
+from academus.shared.state.keys import Keys
+from academus.shared.state.tenants import FAILED, TenantModel, TenantRegistry
 from tests.unit.test_worker_adapters import TEXTS, direct, runner, tokens, trained_like  # noqa: F401
 
 LABELS = ["neg", "pos"]

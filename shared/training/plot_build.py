@@ -41,13 +41,11 @@ import torch
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from academus.shared.config import artifacts_dir
-from academus.shared.data import TASKS, DataMissing, data_dir, load_task
-from academus.shared.model import TEACHER_NAME, TeacherEncoder, teacher_dir
-from academus.shared.plot.layers import SplitBert
-from academus.shared.plot.ngrams import pack, unpack, window_starts, windows
-from academus.shared.plot.store import DOMAINS_DIR
-from academus.shared.plot.table import (
+from academus.shared.models.model import TEACHER_NAME, TeacherEncoder, teacher_dir
+from academus.shared.models.plot.layers import SplitBert
+from academus.shared.models.plot.ngrams import pack, unpack, window_starts, windows
+from academus.shared.models.plot.store import DOMAINS_DIR
+from academus.shared.models.plot.table import (
     GRAMS,
     ROOT,
     WINDOW_TABLES,
@@ -57,7 +55,9 @@ from academus.shared.plot.table import (
     VersionWriter,
     read_manifest,
 )
-from academus.shared.tokenization import TeacherTokenizer
+from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.runtime.config import artifacts_dir
+from academus.shared.training.data import TASKS, DataMissing, data_dir, load_task
 
 MODELS = {"minilm": TEACHER_NAME}   # served name -> teacher checkpoint whose lower layers are tabled
 GENERAL_CORPORA = ("general", "sotu", "wordnet")
@@ -322,7 +322,7 @@ def _options(args: argparse.Namespace, out: Path) -> BuildOptions:
 
 
 def _info(out: Path) -> dict:
-    from academus.shared.plot.store import available_domains
+    from academus.shared.models.plot.store import available_domains
 
     versions = [out / ROOT, *(out / DOMAINS_DIR / d for d in available_domains(out))]
     return {str(v.relative_to(out)): json.loads(read_manifest(v).to_json()) for v in versions}
@@ -330,7 +330,7 @@ def _info(out: Path) -> dict:
 
 def _build(args: argparse.Namespace) -> dict:
     """Builds; a root table under the artifacts is registered as `minilm-plot` in models.json."""
-    from academus.shared.plot.models import register_embedding
+    from academus.shared.training.plot_models import register_embedding
 
     out = args.out or default_out(args.model, args.lower_layers, args.ngram or 3)
     options = _options(args, out)
@@ -342,7 +342,7 @@ def _build(args: argparse.Namespace) -> dict:
 
 
 def _head(args: argparse.Namespace) -> dict:
-    from academus.shared.plot.models import train_plot_head
+    from academus.shared.training.plot_models import train_plot_head
 
     table = args.plot or default_out("minilm", 3)
     return train_plot_head(artifacts_dir(), args.task, table, domain=args.domain, name=args.name, data=args.data,

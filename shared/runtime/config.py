@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TypeVar
 
-from academus.shared.slices import MAX_SLICE_US, MIN_SLICE_US
+from academus.shared.runtime.slices import MAX_SLICE_US, MIN_SLICE_US
 
 ENV_PREFIX = "ACADEMUS_"
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")   # the spellings a boolean setting takes
@@ -52,13 +52,13 @@ class CommonConfig:
     gc_freeze: bool = True           # start-up's objects leave the cyclic GC once serving (off: the ablation)
     hop_streams: bool = True         # calls to the next hop ride one multiplexed stream a peer (off: a call each)
     frame_batches: bool = True       # frames waiting for a stream together ride one message (off: one each)
-    local_plane: bool = True         # hops to a peer on this node ride a Unix socket (shared/local_plane.py); off:
+    local_plane: bool = True         # hops to a peer on this node ride a Unix socket (runtime/local_plane.py); off:
                                      # gRPC streams for every hop (the ablation); needs hop_streams
     trace_ratio: float = 0.01        # share of requests traced, drawn where a request enters without a trace
-                                     # context: traced at every hop or none (shared/tracing.py); OTEL_TRACES_SAMPLER
+                                     # context: traced at every hop or none (runtime/tracing.py); OTEL_TRACES_SAMPLER
                                      # leaves it to the SDK
     socket_dir: str = ""             # the local plane's sockets; empty: academus-<uid> in the temporary folder
-    hop_slice_us: int = 0            # the serving threads' EEVDF slice, 100..100000 (shared/slices.py); 0: the kernel's
+    hop_slice_us: int = 0            # the serving threads' EEVDF slice, 100..100000 (runtime/slices.py); 0: kernel's
     node: str = ""                   # the machine it runs on: a worker's groups stay within its node, and a scheduler
                                      # given one dispatches to its node's workers only; empty: one unnamed node
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from academus.shared.plot.store import Lookup, LookupCounts
+from academus.shared.models.plot.store import Lookup, LookupCounts
 from academus.v1 import plot_pb2, tensors_pb2
 
 WIRE_DTYPE = np.dtype("<f2")   # float16, little-endian whatever the host

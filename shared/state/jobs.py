@@ -18,7 +18,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from academus.shared.keys import Keys
+from academus.shared.state.keys import Keys
 
 QUEUED, RUNNING, SUCCEEDED, FAILED = "queued", "running", "succeeded", "failed"
 ADAPTER, OVERLAY = "adapter", "overlay"     # kinds: a tenant model's training, a domain's PLOT overlay build

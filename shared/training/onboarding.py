@@ -12,10 +12,10 @@ from typing import Any
 import grpc
 import redis.asyncio as aioredis
 
-from academus.shared.errors import InvalidArgument, NotFound, Unavailable, from_rpc_error
-from academus.shared.keys import Keys
-from academus.shared.serving import CHANNEL_OPTIONS
-from academus.shared.tenants import TenantModel, TenantRegistry, check_name
+from academus.shared.runtime.errors import InvalidArgument, NotFound, Unavailable, from_rpc_error
+from academus.shared.runtime.serving import CHANNEL_OPTIONS
+from academus.shared.state.keys import Keys
+from academus.shared.state.tenants import TenantModel, TenantRegistry, check_name
 from academus.v1 import adapter_store_pb2, adapter_store_pb2_grpc, tensors_pb2
 
 

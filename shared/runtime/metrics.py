@@ -12,7 +12,7 @@ from prometheus_client import Counter, Gauge, Histogram, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from academus.shared.interceptors import UnaryBehavior, UnaryServerInterceptor
+from academus.shared.runtime.interceptors import UnaryBehavior, UnaryServerInterceptor
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 
@@ -32,7 +32,7 @@ REPLIES_IN_PIECES = Counter("academus_multiplexed_replies_in_pieces_total",
                             "Replies on a Multiplex stream larger than the caller's frame size, sent in pieces",
                             ["method"])
 LOCAL_PLANE_CONNECTIONS = Gauge("academus_local_plane_connections",
-                                "Callers connected over the node-local data plane (shared/local_plane.py)")
+                                "Callers connected over the node-local data plane (shared/runtime/local_plane.py)")
 LOCAL_PLANE_REFUSED = Counter("academus_local_plane_refused_total",
                               "Node-local data plane connections closed for what their peer sent", ["code"])
 RPC_ERRORS = Counter("academus_rpc_errors_total", "RPCs that ended with a non-OK status", ["service", "method", "code"])

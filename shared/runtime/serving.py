@@ -14,15 +14,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from academus.shared.config import CommonConfig, load
-from academus.shared.heap import freeze_start_up_heap, watch_pauses
-from academus.shared.local_plane import LocalPlane, socket_dir
-from academus.shared.logs import log_event, setup_logging
-from academus.shared.metrics import MetricsInterceptor, start_metrics
-from academus.shared.multiplex import SERVICE_NAME as MULTIPLEX_SERVICE
-from academus.shared.multiplex import MultiplexServicer, over_streams, serve_multiplexed
-from academus.shared.slices import set_process_slice
-from academus.shared.tracing import server_interceptors, setup_tracing, shutdown_tracing
+from academus.shared.runtime.config import CommonConfig, load
+from academus.shared.runtime.heap import freeze_start_up_heap, watch_pauses
+from academus.shared.runtime.local_plane import LocalPlane, open_local, socket_dir
+from academus.shared.runtime.logs import log_event, setup_logging
+from academus.shared.runtime.metrics import MetricsInterceptor, start_metrics
+from academus.shared.runtime.multiplex import SERVICE_NAME as MULTIPLEX_SERVICE
+from academus.shared.runtime.multiplex import MultiplexServicer, over_streams, serve_multiplexed
+from academus.shared.runtime.slices import set_process_slice
+from academus.shared.runtime.tracing import server_interceptors, setup_tracing, shutdown_tracing
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS = [
@@ -66,7 +66,7 @@ class RunningService:
 
     async def start(self) -> str:
         spec, cfg = self.spec, self.spec.config
-        # every unary method is also served as frames of one stream a caller (shared/multiplex.py)
+        # every unary method is also served as frames of one stream a caller (shared/runtime/multiplex.py)
         self.multiplex = serve_multiplexed(self.server, spec.add_servicers, self.interceptors, cfg.frame_batches)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
@@ -156,16 +156,16 @@ def run(spec_factory: Callable[[], Awaitable[ServiceSpec]]) -> None:
 
 def channel(target: str) -> grpc.aio.Channel:
     """An insecure loopback/cluster channel with tracing on, for service-to-service calls."""
-    from academus.shared.tracing import client_interceptors
+    from academus.shared.runtime.tracing import client_interceptors
 
     return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS, interceptors=client_interceptors())
 
 
 class Stubs:
     """One traced channel and stub per peer address, reused for every call (channels are costly).
-    `multiplexed`: the stub's unary calls ride one stream of that channel (shared/multiplex.py), frames
+    `multiplexed`: the stub's unary calls ride one stream of that channel (shared/runtime/multiplex.py), frames
     waiting together in one message when `batches`, moving to the peer's node-local data plane when `local`
-    (shared/local_plane.py)."""
+    (shared/runtime/local_plane.py)."""
 
     def __init__(self, stub_class: type, multiplexed: bool = False, batches: bool = True, local: bool = False) -> None:
         self.stub_class = stub_class
@@ -183,6 +183,7 @@ class Stubs:
     def __call__(self, address: str):
         stub = self._stubs.get(address)
         if stub is None:
-            stub = self.stub_class(over_streams(channel(address), self.multiplexed, self.batches, self.local))
+            stub = self.stub_class(over_streams(channel(address), self.multiplexed, self.batches,
+                                                      open_local if self.local else None))
             self._stubs[address] = stub
         return stub

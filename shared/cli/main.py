@@ -11,7 +11,7 @@ import sys
 import threading
 from pathlib import Path
 
-from academus.shared.config import artifacts_dir, run_dir
+from academus.shared.runtime.config import artifacts_dir, run_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,7 +121,7 @@ def _run_dir(args: argparse.Namespace) -> Path:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from academus.shared.mesh import Deployment, MeshError, MeshOptions, down, status, up
+    from academus.shared.cli.mesh import Deployment, MeshError, MeshOptions, down, status, up
 
     try:
         deployments = [Deployment.parse(d) for d in args.deployment] or [Deployment()]
@@ -150,7 +150,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from academus.shared.mesh import MeshError, down
+    from academus.shared.cli.mesh import MeshError, down
 
     try:
         print(json.dumps({"stopped": down(_run_dir(args))}))
@@ -161,7 +161,7 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from academus.shared.mesh import MeshError, status
+    from academus.shared.cli.mesh import MeshError, status
 
     try:
         report = status(_run_dir(args))
@@ -187,7 +187,7 @@ def positive_seconds(value: str) -> float:
 
 def cmd_infer(args: argparse.Namespace) -> int:
     from academus.client import AcademusError, Client
-    from academus.shared.mesh import ADMIN_KEY_FILE, MeshError, MeshState
+    from academus.shared.cli.mesh import ADMIN_KEY_FILE, MeshError, MeshState
 
     key, gateway = args.key, args.gateway
     if args.pair is not None and len(args.pair) != len(args.texts):
@@ -234,7 +234,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from academus.shared.plot.build import main as plot_main
+    from academus.shared.training.plot_build import main as plot_main
 
     return plot_main(args.rest)
 
@@ -249,7 +249,7 @@ def cmd_loadgen(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
-    from academus.shared.mesh import MeshState, create_key
+    from academus.shared.cli.mesh import MeshState, create_key
 
     key = create_key(MeshState.load(_run_dir(args)), args.tenant)
     print(json.dumps({"tenant": args.tenant, "key": key}))
@@ -272,10 +272,10 @@ def _training_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
 
 def _with_mesh_redis(args: argparse.Namespace, work) -> int:
     """Runs `work(redis, keys)` against the local mesh's Redis; prints its JSON result last."""
-    from academus.shared.errors import ServingError
-    from academus.shared.keys import Keys
-    from academus.shared.mesh import MeshState
-    from academus.shared.redis_conn import connect
+    from academus.shared.cli.mesh import MeshState
+    from academus.shared.runtime.errors import ServingError
+    from academus.shared.runtime.redis_conn import connect
+    from academus.shared.state.keys import Keys
 
     state = MeshState.load(_run_dir(args))
 
@@ -295,33 +295,33 @@ def _with_mesh_redis(args: argparse.Namespace, work) -> int:
 
 
 def cmd_tenants_create(args: argparse.Namespace) -> int:
-    from academus.shared.onboarding import create_tenant_model
+    from academus.shared.training.onboarding import create_tenant_model
 
     return _with_mesh_redis(args, lambda redis, keys: create_tenant_model(
         redis, keys, args.name, args.base, args.data, args.rank, args.epochs, domain=args.domain))
 
 
 def cmd_tenants_list(args: argparse.Namespace) -> int:
-    from academus.shared.onboarding import list_tenants
+    from academus.shared.training.onboarding import list_tenants
 
     return _with_mesh_redis(args, list_tenants)
 
 
 def cmd_tenants_delete(args: argparse.Namespace) -> int:
-    from academus.shared.onboarding import delete_tenant
+    from academus.shared.training.onboarding import delete_tenant
 
     return _with_mesh_redis(args, lambda redis, keys: delete_tenant(redis, keys, args.name))
 
 
 def cmd_adapters_train(args: argparse.Namespace) -> int:
-    from academus.shared.onboarding import train_tenant_adapter
+    from academus.shared.training.onboarding import train_tenant_adapter
 
     return _with_mesh_redis(args, lambda redis, keys: train_tenant_adapter(
         redis, keys, args.tenant, args.name, args.base, args.data, args.rank, args.epochs, domain=args.domain))
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from academus.shared.tracing import format_trace, read_traces
+    from academus.shared.runtime.tracing import format_trace, read_traces
 
     traces = read_traces([Path(os.environ.get("ACADEMUS_TRACE_FILE", _run_dir(args) / "traces.jsonl"))])
     if not traces:

@@ -81,7 +81,7 @@ class Keys:
 
     def jobs(self) -> str:
         """List: job ids waiting for a trainer (LPUSH by the gateway; a trainer moves the oldest to
-        jobs_running, see shared/jobs.py)."""
+        jobs_running, see shared/state/jobs.py)."""
         return f"{self.prefix}:jobs"
 
     def jobs_running(self) -> str:

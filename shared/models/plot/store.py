@@ -33,9 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from academus.shared.logs import log_event
-from academus.shared.plot.ngrams import pack, window_starts, windows
-from academus.shared.plot.table import (
+from academus.shared.models.plot.ngrams import pack, window_starts, windows
+from academus.shared.models.plot.table import (
     ROOT,
     PlotError,
     PlotVersion,
@@ -45,6 +44,7 @@ from academus.shared.plot.table import (
     load_version,
     window_table,
 )
+from academus.shared.runtime.logs import log_event
 
 DOMAINS_DIR = "domains"
 SLOT_WEIGHTS = (1.0, 4.0, 1.0)      # left, centre, right slot of a trigram window (see above)

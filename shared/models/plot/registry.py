@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from academus.shared.keys import Keys
-from academus.shared.logs import log_event
+from academus.shared.runtime.logs import log_event
+from academus.shared.state.keys import Keys
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The node-local data plane: the Multiplex layer's frames (`CallFrame` / `ReplyFrame`, shared/multiplex.py)
+"""The node-local data plane: the Multiplex layer's frames (`CallFrame` / `ReplyFrame`, shared/runtime/multiplex.py)
 over a Unix domain socket, read and written by asyncio protocols on the service's uvloop.
 
 A grpc.aio message costs each end gRPC core's thread hand-offs and its HTTP/2 framing (~190 us of CPU a
@@ -9,7 +9,7 @@ stream; only the transport differs.
 
 Discovery needs no configuration: a server with a plane announces its socket in the initial metadata of its
 gRPC Calls stream (LOCAL_KEY: path and a random token). A caller that may go local (`MultiplexChannel(local=
-True)`) connects to that path; the token in its hello proves it reached the same server, not a socket of the
+open_local)`) connects to that path; the token in its hello proves it reached the same server, not a socket of the
 same name in another container's file system. Once connected, new calls take the socket; calls already on the
 gRPC stream finish there. A peer on another node announces a path the caller cannot reach (or one of its own
 file system that refuses the token), so its calls stay on gRPC. A broken socket fails its pending calls
@@ -37,9 +37,9 @@ from pathlib import Path
 import grpc
 from google.protobuf.message import DecodeError
 
-from academus.shared.logs import log_event
-from academus.shared.metrics import LOCAL_PLANE_CONNECTIONS, LOCAL_PLANE_REFUSED
-from academus.shared.multiplex import (
+from academus.shared.runtime.logs import log_event
+from academus.shared.runtime.metrics import LOCAL_PLANE_CONNECTIONS, LOCAL_PLANE_REFUSED
+from academus.shared.runtime.multiplex import (
     BATCHED_CALLS,
     CODES,
     FRAME_BATCHES_KEY,
@@ -52,7 +52,7 @@ from academus.shared.multiplex import (
 from academus.v1 import multiplex_pb2
 
 HEADER = struct.Struct("<I")
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024   # gRPC's limit on the mesh's channels (shared/serving.py)
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024   # gRPC's limit on the mesh's channels (shared/runtime/serving.py)
 HELLO_METHOD = "academus.local/hello"
 TOKEN_KEY = "academus-local-token"
 HELLO_TIMEOUT_S = 2.0
@@ -367,3 +367,12 @@ class LocalCall(asyncio.Protocol):
             self.metadata.exception()   # retrieved: a failed hello is reported by `open`, not by asyncio
         if self.on_failure is not None:
             self.on_failure(details)
+
+
+async def open_local(announced: str, metadata: tuple[tuple[str, str], ...]) -> LocalCall:
+    """A MultiplexChannel's LocalOpener: the announced plane, connected and greeted; raises ValueError for
+    an announcement it cannot read, OSError or AioRpcError as LocalCall.open does."""
+    endpoint = LocalEndpoint.parse(announced)
+    if endpoint is None:
+        raise ValueError(f"not an endpoint: {announced!r}")
+    return await LocalCall.open(endpoint, metadata)

@@ -16,11 +16,11 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 import redis.asyncio as aioredis
 
-from academus.shared.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
-from academus.shared.config import GatewayConfig
-from academus.shared.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
-from academus.shared.expiring import ExpiringCache
-from academus.shared.keys import Keys, new_api_key
+from academus.shared.runtime.config import GatewayConfig
+from academus.shared.runtime.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from academus.shared.runtime.expiring import ExpiringCache
+from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
+from academus.shared.state.keys import Keys, new_api_key
 
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 NAME_RULE = "[A-Za-z0-9_.-]{1,64}, not only dots"

@@ -52,18 +52,19 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from opentelemetry.trace import TracerProvider
 from prometheus_client import Counter
 
-from academus.shared.errors import NOTHING_RAN, PUSHBACK
-from academus.shared.interceptors import UnaryBehavior, UnaryServerInterceptor
-from academus.shared.logs import log_event
-from academus.shared.metrics import MULTIPLEXED, MULTIPLEXED_BATCHED, MULTIPLEXED_UNRUN, REPLIES_IN_PIECES
-from academus.shared.tracing import client_tracer, end_client_span, start_client_span
+from academus.shared.runtime.errors import NOTHING_RAN, PUSHBACK
+from academus.shared.runtime.interceptors import UnaryBehavior, UnaryServerInterceptor
+from academus.shared.runtime.logs import log_event
+from academus.shared.runtime.metrics import MULTIPLEXED, MULTIPLEXED_BATCHED, MULTIPLEXED_UNRUN, REPLIES_IN_PIECES
+from academus.shared.runtime.tracing import client_tracer, end_client_span, start_client_span
 from academus.v1 import multiplex_pb2, multiplex_pb2_grpc
 
 CALLS_METHOD = "/academus.v1.Multiplex/Calls"
@@ -86,8 +87,11 @@ MAX_PUSHBACK_MS = 50
 MIN_BACKLOG_S = 0.05
 # Calls metadata (the caller) and initial metadata (the server): "1", this end reads batched frames.
 FRAME_BATCHES_KEY = "academus-frame-batches"
-# Initial metadata (the server): its node-local data plane, "<token>:<socket path>" (shared/local_plane.py).
+# Initial metadata (the server): its node-local data plane, "<token>:<socket path>" (shared/runtime/local_plane.py).
 LOCAL_KEY = "academus-local"
+# Opens the announced plane with the stream's metadata, greeted, or raises (shared/runtime/local_plane.py's
+# open_local); passed in, since the plane builds on this module's frames.
+LocalOpener = Callable[[str, tuple[tuple[str, str], ...]], Awaitable[Any]]
 MAX_BATCH_FRAMES = 64   # frames in one message, whatever their size
 BATCHED_CALLS, BATCHED_REPLIES = MULTIPLEXED_BATCHED.labels("calls"), MULTIPLEXED_BATCHED.labels("replies")
 
@@ -110,7 +114,7 @@ class _Stream:
                  batch_bytes: int = MAX_FRAME_BYTES,
                  on_metadata: Callable[[_Stream, dict], None] | None = None) -> None:
         """`batches`: the caller asked for batches; they go out once the server has announced it reads them.
-        `on_metadata`: told the server's initial metadata (its node-local endpoint, shared/local_plane.py)."""
+        `on_metadata`: told the server's initial metadata (its node-local endpoint, shared/runtime/local_plane.py)."""
         self.call = call
         self.on_metadata = on_metadata
         self.retired = False   # new calls go elsewhere: closed once its pending calls have answered
@@ -247,9 +251,11 @@ class MultiplexChannel:
     gives a stub whose unary methods ride one stream of `channel`, reopened after it breaks."""
 
     def __init__(self, channel: grpc.aio.Channel, tracer_provider: TracerProvider | None = None,
-                 max_frame_bytes: int = MAX_FRAME_BYTES, batches: bool = True, local: bool = False) -> None:
-        """`local`: calls move to the server's node-local data plane when it announces one this process can
-        reach (shared/local_plane.py); off for the public API, whose callers are not the mesh's."""
+                 max_frame_bytes: int = MAX_FRAME_BYTES, batches: bool = True,
+                 local: LocalOpener | None = None) -> None:
+        """`local`: opens the server's node-local data plane when it announces one, which new calls then take
+        if this process reaches it (shared/runtime/local_plane.py's open_local); None for the public API,
+        whose callers are not the mesh's."""
         self.channel = channel
         self.max_frame_bytes = max_frame_bytes
         self.batches = batches   # frames waiting together go as one message, replies likewise (off: the ablation)
@@ -296,13 +302,9 @@ class MultiplexChannel:
 
     async def _go_local(self, stream: _Stream, announced: str) -> None:
         """Connects to the announced plane; once greeted, new calls take it and `stream` retires."""
-        from academus.shared.local_plane import LocalCall, LocalEndpoint  # it builds on this module
-
+        assert self.local is not None
         try:
-            endpoint = LocalEndpoint.parse(announced)
-            if endpoint is None:
-                raise ValueError(f"not an endpoint: {announced!r}")
-            call = await LocalCall.open(endpoint, self._metadata())
+            call = await self.local(announced, self._metadata())
         except (OSError, ValueError, TimeoutError, grpc.aio.AioRpcError) as e:   # another node's, or refused
             self._unreachable.add(announced)
             log_event("local_plane_unreachable", endpoint=announced, error=repr(e))
@@ -430,7 +432,7 @@ class MultiplexServicer(multiplex_pb2_grpc.MultiplexServicer):
                                           MULTIPLEXED.labels(name)) for name, m in methods.items()}
         self.batches = batches   # reads batched frames, and batches replies for a caller that reads them
         self.draining = False
-        self.local_endpoint = ""  # the node-local data plane's announcement (shared/local_plane.py); "": none
+        self.local_endpoint = ""  # the node-local data plane's announcement (shared/runtime/local_plane.py); "": none
         self._streams: set[_ServedStream] = set()
 
     async def Calls(self, request_iterator, context: grpc.aio.ServicerContext):
@@ -684,9 +686,9 @@ def serve_multiplexed(server: grpc.aio.Server, add_servicers: Callable[[object],
 
 
 def over_streams(channel: grpc.aio.Channel, streams: bool, batches: bool = True,
-                 local: bool = False) -> grpc.aio.Channel | MultiplexChannel:
+                 local: LocalOpener | None = None) -> grpc.aio.Channel | MultiplexChannel:
     """What a generated stub is given: the channel, or its multiplexed stand-in when `streams` (going to the
-    peer's node-local data plane when `local` and it has one this process reaches)."""
+    peer's node-local data plane through `local` when it has one this process reaches)."""
     return MultiplexChannel(channel, batches=batches, local=local) if streams else channel
 
 

@@ -15,10 +15,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from academus.shared.model import TeacherEncoder, mean_pool
-from academus.shared.plot.layers import SplitBert
-from academus.shared.plot.store import PlotStore
-from academus.shared.plot.table import TableError
+from academus.shared.models.model import TeacherEncoder, mean_pool
+from academus.shared.models.plot.layers import SplitBert
+from academus.shared.models.plot.store import PlotStore
+from academus.shared.models.plot.table import TableError
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from academus.shared.artifacts import sha256_file
-from academus.shared.plot.ngrams import NgramIndex
+from academus.shared.models.plot.ngrams import NgramIndex
+from academus.shared.state.artifacts import sha256_file
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -241,3 +241,15 @@ class VersionWriter:
 
     def discard(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def plot_table(artifacts: Path) -> Path | None:
+    """The PLOT table the mesh serves: the one the catalogue's first `plot` entry names, else the first
+    built under <artifacts>/plot/ (a directory with root/manifest.json); None when there is none."""
+    catalogue = Path(artifacts) / "models.json"
+    named = []
+    if catalogue.is_file():
+        entries = json.loads(catalogue.read_text()).values()
+        named = [Path(artifacts) / e["plot"] for e in entries if isinstance(e, dict) and e.get("plot")]
+    built = sorted(p.parent.parent for p in (Path(artifacts) / "plot").glob("*/root/manifest.json"))
+    return next((d for d in [*named, *built] if (d / "root" / "manifest.json").is_file()), None)

@@ -29,7 +29,7 @@ from safetensors.torch import save as st_save
 from torch import nn
 from torch.nn import functional as F
 
-from academus.shared.model import HIDDEN_SIZE
+from academus.shared.models.model import HIDDEN_SIZE
 
 FORMAT = "academus-adapter/1"
 DEFAULT_RANK = 16

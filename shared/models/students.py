@@ -19,7 +19,7 @@ from transformers import BertConfig
 from transformers.masking_utils import create_bidirectional_mask
 from transformers.models.bert.modeling_bert import BertEmbeddings, BertEncoder
 
-from academus.shared.model import ClassifierHead, mean_pool
+from academus.shared.models.model import ClassifierHead, mean_pool
 
 # The teacher config keys a student needs; the rest (ids, generation settings) are irrelevant here.
 CONFIG_KEYS = ("vocab_size", "hidden_size", "num_attention_heads", "intermediate_size", "hidden_act",

@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from academus.shared.interceptors import UnaryBehavior, UnaryServerInterceptor, is_plumbing
+from academus.shared.runtime.interceptors import UnaryBehavior, UnaryServerInterceptor, is_plumbing
 
 _provider: TracerProvider | None = None
 

@@ -18,12 +18,12 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from academus.shared.data import TASKS, TaskData, fetch, load_task
-from academus.shared.model import HIDDEN_SIZE, TeacherEncoder, teacher_dir
-from academus.shared.plot.hierarchical import HierarchicalEncoder
-from academus.shared.plot.store import PlotStore
-from academus.shared.plot.table import ROOT, PlotError, PlotManifest, read_manifest
-from academus.shared.tokenization import TeacherTokenizer
+from academus.shared.models.model import HIDDEN_SIZE, TeacherEncoder, teacher_dir
+from academus.shared.models.plot.hierarchical import HierarchicalEncoder
+from academus.shared.models.plot.store import PlotStore
+from academus.shared.models.plot.table import ROOT, PlotError, PlotManifest, read_manifest
+from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.training.data import TASKS, TaskData, fetch, load_task
 
 EMBEDDING_MODEL = "minilm-plot"
 PLOT_HEAD_KIND = "teacher-head"   # the same artifact kind as the teacher's heads: load_head_at reads both
@@ -114,7 +114,7 @@ def teacher_reference(task: TaskData, splits: dict, artifacts: Path, teacher: Te
 def train_plot_head(artifacts: Path, task_name: str, table: Path, *, domain: str = "", name: str = "",
                     data: Path | None = None, limit: int | None = None, batch_size: int = 64) -> dict[str, Any]:
     """Trains `<task>-plot`, writes heads/<task>-plot, registers it; returns the JSON summary."""
-    from academus.shared.artifacts import write_artifact
+    from academus.shared.state.artifacts import write_artifact
     from academus.shared.training.prepare import SPLITS, subsample, train_head
 
     if task_name not in TASKS:

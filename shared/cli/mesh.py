@@ -18,10 +18,11 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from academus.shared.config import POLICY_NAMES, artifacts_dir, redis_url_from_env
-from academus.shared.gpu import gpu_count, mps_plan
-from academus.shared.keys import Keys, new_api_key
-from academus.shared.redis_server import RedisServer, free_port
+from academus.shared.cli.redis_server import RedisServer, free_port
+from academus.shared.models.plot.table import plot_table
+from academus.shared.runtime.config import POLICY_NAMES, artifacts_dir, redis_url_from_env
+from academus.shared.runtime.gpu import gpu_count, mps_plan
+from academus.shared.state.keys import Keys, new_api_key
 
 SERVICES = ("resource_manager", "adapter_store", "trainer", "plot", "worker", "scheduler", "gateway")
 DEFAULT_GATEWAY_PORT = 50051
@@ -174,20 +175,8 @@ def _plan(options: MeshOptions, worker_envs: list[dict[str, str]]) -> list[tuple
     return [(name, copies.get(name, [{}])) for name in SERVICES if copies.get(name, [{}])]
 
 
-def plot_table(artifacts: Path) -> Path | None:
-    """The PLOT table the mesh serves: the one the catalogue's first `plot` entry names, else the first
-    built under <artifacts>/plot/ (a directory with root/manifest.json); None when there is none."""
-    catalogue = Path(artifacts) / "models.json"
-    named = []
-    if catalogue.is_file():
-        entries = json.loads(catalogue.read_text()).values()
-        named = [Path(artifacts) / e["plot"] for e in entries if isinstance(e, dict) and e.get("plot")]
-    built = sorted(p.parent.parent for p in (Path(artifacts) / "plot").glob("*/root/manifest.json"))
-    return next((d for d in [*named, *built] if (d / "root" / "manifest.json").is_file()), None)
-
-
 def _plot_env(table: Path) -> dict[str, str]:
-    from academus.shared.plot.table import ROOT, read_manifest
+    from academus.shared.models.plot.table import ROOT, read_manifest
 
     manifest = read_manifest(table / ROOT)
     return {"ACADEMUS_PLOT_DIR": str(table), "ACADEMUS_MODEL": manifest.model,

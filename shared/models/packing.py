@@ -39,8 +39,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from academus.shared.model import TeacherEncoder
-from academus.shared.students import StudentGroup
+from academus.shared.models.model import TeacherEncoder
+from academus.shared.models.students import StudentGroup
 
 Attention = Literal["hf", "sdpa"]
 LayerCallback = Callable[[int], None]   # called with the layer index before each layer (deadline checks)
