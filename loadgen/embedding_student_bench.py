@@ -23,20 +23,20 @@ from dataclasses import replace
 import torch
 
 from academus.shared.runtime.config import artifacts_dir
-from academus.shared.training import distill
+from academus.shared.training import distill, distill_data
 
 VARIANTS = {"base": {}, "more": {"extra_sotu": 22500, "boost_epochs": 0.5}, "layers3": {"layers": 3}}
 
 
-def variant_config(variant: str) -> distill.DistillConfig:
+def variant_config(variant: str) -> distill_data.DistillConfig:
     """One student, one pass, with the variant's change."""
-    return replace(distill.DistillConfig(max_students=1, boost_epochs=1.0), **VARIANTS[variant])
+    return replace(distill_data.DistillConfig(max_students=1, boost_epochs=1.0), **VARIANTS[variant])
 
 
 def first_student(variant: str) -> dict:
     cfg = variant_config(variant)
     torch.manual_seed(cfg.seed)
-    teacher, data = distill.load_data(distill.EMBEDDING_TASK, artifacts_dir(), None, cfg)
+    teacher, data = distill.load_data(distill_data.EMBEDDING_TASK, artifacts_dir(), None, cfg)
     group = distill._initial_group(teacher, data, cfg)
     train = data.splits["train"]
     started = time.perf_counter()

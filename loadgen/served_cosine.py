@@ -19,7 +19,7 @@ from academus.client import Client
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, MeshOptions, down, up
 from academus.shared.training.corpus import fetch_general, wordnet_texts
 from academus.shared.training.data import data_dir, load_task
-from academus.shared.training.distill import EMBEDDING_SIZES
+from academus.shared.training.distill_data import EMBEDDING_SIZES
 
 BATCH = 32
 

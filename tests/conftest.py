@@ -83,7 +83,7 @@ def small_student_artifacts(root: Path, best_k: int) -> Path:
     for tests of serving mechanics, not of quality."""
     from academus.shared.models.model import TeacherEncoder
     from academus.shared.models.students import from_teacher
-    from academus.shared.training.distill import write_student_catalogue, write_student_group
+    from academus.shared.training.student_artifacts import write_student_catalogue, write_student_group
 
     shutil.copy(artifacts_path() / "models.json", root / "models.json")
     shutil.copytree(artifacts_path() / "heads", root / "heads")

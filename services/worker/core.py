@@ -165,7 +165,7 @@ class ModelRunner:
                              int(entry.get("max_tokens", ModelSpec.max_tokens)))
             return ServedModel(spec, nn.Identity(), null=True)
         if "students" in entry:
-            from academus.shared.training.distill import load_student_group  # training code only when needed
+            from academus.shared.training.student_artifacts import load_student_group  # training code only when needed
 
             group = load_student_group(self.artifacts, entry.get("task", name), device=self.device)
             while group.max_students > entry.get("limit_students", group.max_students):

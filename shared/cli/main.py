@@ -228,7 +228,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
-    from academus.shared.training.distill import main as distill_main
+    from academus.shared.training.distill_cli import main as distill_main
 
     return distill_main(args.rest)
 

@@ -35,11 +35,6 @@ from tqdm import tqdm
 from academus.shared.models.students import StudentGroup, from_teacher
 from academus.shared.runtime.config import artifacts_dir as default_artifacts_dir
 from academus.shared.training.distill import (
-    EMBEDDING_TASK,
-    DistillConfig,
-    DistillData,
-    Split,
-    Teacher,
     _initial_group,
     _optimizer,
     _step,
@@ -47,8 +42,6 @@ from academus.shared.training.distill import (
     best_prefix,
     boost_loss,
     check_args,
-    collate,
-    epoch_batches,
     ffn_keep,
     group_scores,
     load_data,
@@ -57,11 +50,20 @@ from academus.shared.training.distill import (
     teacher_scores,
     train_student,
 )
+from academus.shared.training.distill_data import (
+    EMBEDDING_TASK,
+    DistillConfig,
+    DistillData,
+    Split,
+    Teacher,
+    collate,
+    epoch_batches,
+)
 
 VARIANTS = ("reference", "no-stacking", "bagging", "no-pruning", "bert-2l")
 
 
-def _log(message: str) -> None:
+def log_progress(message: str) -> None:
     print(f"[ablations] {message}", file=sys.stderr, flush=True)
 
 
@@ -103,7 +105,7 @@ def bagging_training(group: StudentGroup, data: DistillData, cfg: DistillConfig,
         record = {"student": i + 1, "samples": len(indices), "unique": len(set(indices)),
                   "train_loss": round(loss, 5), "validation_loss": round(val_loss, 5),
                   "seconds": round(time.perf_counter() - clock, 1)}
-        _log(f"bagging: {record}")
+        log_progress(f"bagging: {record}")
         history.append(record)
         if i > 0 and val_loss >= best_val:      # the first student is always kept
             record["dropped"] = True
@@ -228,7 +230,7 @@ def run_ablations(task: str, artifacts: Path | None = None, data_dir: Path | Non
     split = "heldout" if task == EMBEDDING_TASK else "test"
     summary = {"task": task, "split": split, "counts": {n: len(s) for n, s in data.splits.items()},
                "teacher": teacher_scores(data, data.splits["test"]), "variants": results}
-    _log(f"{task}: {len(results)} variant(s) in {time.perf_counter() - started:.0f} s")
+    log_progress(f"{task}: {len(results)} variant(s) in {time.perf_counter() - started:.0f} s")
     return write_ablations(ablations_path(artifacts, task, quick), summary)
 
 

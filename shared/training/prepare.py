@@ -50,7 +50,7 @@ SEED = 0
 SPLITS = ("train", "validation", "test")
 
 
-def _log(message: str) -> None:
+def log_progress(message: str) -> None:
     print(f"[prepare] {message}", file=sys.stderr, flush=True)
 
 
@@ -117,7 +117,7 @@ def cached_embeddings(
         try:
             with safe_open(str(path), framework="pt") as cached:
                 if (cached.metadata() or {}).get("key") == key:
-                    _log(f"{task}: teacher embeddings from cache {path}")
+                    log_progress(f"{task}: teacher embeddings from cache {path}")
                     return {name: cached.get_tensor(name) for name in SPLITS}
         except (SafetensorError, OSError):
             pass                          # a broken cache is recomputed
@@ -228,7 +228,7 @@ def prepare_task(
                    labels=task.labels, metrics=metrics,
                    extra={"max_tokens": MAX_TOKENS, "pooling": "mean, L2-normalised", "limit": limit})
     seconds = {"embed": t1 - t0, "train": t2 - t1, "write": time.perf_counter() - t2}
-    _log(f"{task.name}: test accuracy {metrics['test']['accuracy']:.4f} f1 {metrics['test']['f1']:.4f} "
+    log_progress(f"{task.name}: test accuracy {metrics['test']['accuracy']:.4f} f1 {metrics['test']['f1']:.4f} "
          f"(weight decay {wd}; embed {seconds['embed']:.1f}s, train {seconds['train']:.1f}s)")
     return {"status": "trained", **metrics, "seconds": {k: round(v, 2) for k, v in seconds.items()}}
 
@@ -261,7 +261,7 @@ def write_catalogue(artifacts_dir: Path) -> dict[str, Any]:
 
 def _device(wanted: str) -> torch.device:
     if wanted.startswith("cuda") and not torch.cuda.is_available():
-        _log(f"{wanted} is not available; using cpu")
+        log_progress(f"{wanted} is not available; using cpu")
         return torch.device("cpu")
     return torch.device(wanted)
 
@@ -288,7 +288,7 @@ def prepare(
         if metrics is None:
             todo.append(t)
         else:
-            _log(f"{t}: {head_dir(artifacts_dir, t)} exists and verifies; skipped (--force retrains)")
+            log_progress(f"{t}: {head_dir(artifacts_dir, t)} exists and verifies; skipped (--force retrains)")
             summary["tasks"][t] = {"status": "skipped", **metrics}
     if todo:
         _run_tasks(todo, artifacts_dir, data_dir, batch_size, _device(device), limit, summary)
@@ -316,7 +316,7 @@ def _run_tasks(tasks: Sequence[str], artifacts_dir: Path, data_dir: Path | None,
         clock = time.perf_counter()
         task = load_task(t, directory)
         load_s = round(time.perf_counter() - clock, 2)
-        _log(f"{t}: {sum(len(v) for v in task.splits().values())} examples loaded in {load_s}s")
+        log_progress(f"{t}: {sum(len(v) for v in task.splits().values())} examples loaded in {load_s}s")
         cache = directory / "cache" if limit is None else None   # a quick run must not evict the full cache
         result = prepare_task(task, artifacts_dir, embed, cache_dir=cache, limit=limit)
         result["seconds"] = {"load_data": load_s, **result["seconds"]}
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = prepare(args.artifacts or default_artifacts_dir(), args.data, tuple(args.task or TASKS),
                           force=args.force, batch_size=args.batch_size, device=args.device, limit=args.limit)
     except (DataMissing, ArtifactError) as e:
-        _log(f"error: {e}")
+        log_progress(f"error: {e}")
         return 1
     print(json.dumps(summary, sort_keys=True))
     return 0

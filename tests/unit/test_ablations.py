@@ -17,9 +17,6 @@ from academus.shared.training.ablations import (
     train_direct,
 )
 from academus.shared.training.distill import (
-    DistillConfig,
-    DistillData,
-    Split,
     boost_loss,
     distill_loss,
     prefix_loss,
@@ -28,6 +25,7 @@ from academus.shared.training.distill import (
     stack_loss,
     train_student,
 )
+from academus.shared.training.distill_data import DistillConfig, DistillData, Split
 
 TINY = {"vocab_size": 50, "hidden_size": 16, "num_attention_heads": 2, "intermediate_size": 32,
         "hidden_act": "gelu", "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,

