@@ -41,7 +41,8 @@ protos: $(VENV)/.installed
 prepare: setup
 	$(VENV)/bin/academus prepare
 
-demo: prepare
+# the demo prepares what it shows itself, quickly (a head on a subset, distill --quick), under .academus/demo
+demo: setup
 	$(PY) -m academus.loadgen.demo
 
 test: prepare

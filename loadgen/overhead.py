@@ -16,7 +16,7 @@ from pathlib import Path
 
 from academus.client import Client
 from academus.loadgen.stats import summary
-from academus.shared.cli.mesh import ADMIN_KEY_FILE, MeshOptions, MeshState, down, up
+from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, MeshState, down, up
 
 
 def text_of(tokens: int) -> str:
@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     own = args.run_dir is None
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="academus-overhead-"))
-    state = (up(MeshOptions(run_dir=run_dir, gateway_port=0, worker_threads=args.worker_threads)) if own
+    state = (up(MeshOptions(run_dir=run_dir, gateway_port=0, worker_threads=args.worker_threads,
+                            deployments=[Deployment("fifo")])) if own
              else MeshState.load(run_dir))
     try:
         key = (run_dir / ADMIN_KEY_FILE).read_text().strip()

@@ -61,7 +61,7 @@ from academus.loadgen.serving_profile import threads_reading
 from academus.loadgen.shares import START_MARGIN_S, split
 from academus.loadgen.stats import summary
 from academus.loadgen.texts import Sample
-from academus.shared.cli.mesh import ADMIN_KEY_FILE, MeshOptions, MeshState, down, up
+from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, MeshState, down, up
 from academus.shared.runtime.config import artifacts_dir
 from academus.shared.runtime.heap import freeze_start_up_heap
 
@@ -216,7 +216,8 @@ def merge_shares(parts: list[dict], before: dict[str, dict], after: dict[str, di
 
 def one_arm(args: argparse.Namespace, round_: int, arm: Arm) -> dict:
     run_dir = args.out / f"run-{round_}-{arm.name}"
-    state = up(MeshOptions(run_dir=run_dir, gateway_port=0, env={"ACADEMUS_MODELS": args.model} | arm.env))
+    state = up(MeshOptions(run_dir=run_dir, gateway_port=0, deployments=[Deployment("fifo")],  # as measured
+                           env={"ACADEMUS_MODELS": args.model} | arm.env))
     try:
         measured = {"sequential": sequential(state, args),
                     "capacity": {str(c): capacity(state, args, c, run_dir) for c in args.callers}}

@@ -44,7 +44,8 @@ def parser() -> argparse.ArgumentParser:
                    help="student instances each worker runs at once (0: 1, or the profile's choice)")
     s.add_argument("--deployment", action="append", default=[], metavar="POLICY[=MODELS][/SHARDS]",
                    help="a scheduler with this policy (fifo|padded|student) for these comma-separated models; "
-                        "repeat for side-by-side deployments (default: one, ACADEMUS_POLICY or fifo, every model); "
+                        "repeat for side-by-side deployments (default: student groups with student, every other model "
+                        "with concat; ACADEMUS_POLICY set: one of it for every model); "
                         "/SHARDS: that many scheduler processes, each running its share of the groups")
     s.add_argument("--nodes", type=int, default=1,
                    help="machines this one stands in for (the cluster's layout on one host): workers spread "
@@ -124,7 +125,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from academus.shared.cli.mesh import Deployment, MeshError, MeshOptions, down, status, up
 
     try:
-        deployments = [Deployment.parse(d) for d in args.deployment] or [Deployment()]
+        deployments = [Deployment.parse(d) for d in args.deployment]
     except MeshError as e:
         print(str(e), file=sys.stderr)
         return 2
@@ -174,6 +175,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"redis    {report['redis']['url']:<28} {report['redis']['health']}")
         for s in report["services"]:
             print(f"{s['name']:<16} {s['address']:<22} {s['health']}")
+        for i, d in enumerate(report["deployments"]):
+            print(f"scheduler-{i:<6} policy {d['policy'] or 'fifo':<8} models {d['models'] or 'every model'}")
     healthy = report["redis"]["health"] == "SERVING" and all(s["health"] == "SERVING" for s in report["services"])
     return 0 if healthy else 1
 

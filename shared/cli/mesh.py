@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from academus.shared.cli.redis_server import RedisServer, free_port
 from academus.shared.models.plot.table import plot_table
-from academus.shared.runtime.config import POLICY_NAMES, artifacts_dir, redis_url_from_env
+from academus.shared.runtime.config import POLICY_NAMES, artifacts_dir, policy_override, redis_url_from_env
 from academus.shared.runtime.gpu import gpu_count, mps_plan
 from academus.shared.state.keys import Keys, new_api_key
 
@@ -51,6 +51,7 @@ class MeshState:
     gateway: str
     key_prefix: str
     services: list[ServiceProcess] = field(default_factory=list)
+    deployments: list[dict[str, object]] = field(default_factory=list)   # each scheduler's policy and models
 
     def save(self) -> None:
         Path(self.run_dir, STATE_FILE).write_text(json.dumps(asdict(self), indent=2))
@@ -116,7 +117,7 @@ class MeshOptions:
     gpus: int | None = None                     # None: every visible GPU; 0: CPU workers only
     nodes: int = 1                              # machines this one stands in for: workers spread over them in
                                                 # turn, and a scheduler a node for each deployment (ACADEMUS_NODE)
-    deployments: list[Deployment] = field(default_factory=lambda: [Deployment()])
+    deployments: list[Deployment] = field(default_factory=list)   # empty: default_deployments
     key_prefix: str = "acd"
     env: dict[str, str] = field(default_factory=dict)   # extra ACADEMUS_* settings for every service
     ready_timeout_s: float = 120.0
@@ -132,9 +133,11 @@ def up(options: MeshOptions) -> MeshState:
     for setting in ("gateways", "nodes"):
         if getattr(options, setting) < 1:
             raise MeshError(f"{setting} must be >= 1, not {getattr(options, setting)}")
-    options = replace(options, gateway_port=options.gateway_port or free_port())  # one port for every gateway
+    options = replace(options, gateway_port=options.gateway_port or free_port(),  # one port for every gateway
+                      deployments=options.deployments or default_deployments(options))
     url, redis_pid = _redis(run_dir)
-    state = MeshState(str(run_dir), url, redis_pid, "", options.key_prefix)
+    state = MeshState(str(run_dir), url, redis_pid, "", options.key_prefix,
+                      deployments=[asdict(d) for d in options.deployments])
     state.save()
     worker_envs = _worker_envs(options)
     try:
@@ -156,6 +159,23 @@ def up(options: MeshOptions) -> MeshState:
     return state
 
 
+def default_deployments(options: MeshOptions) -> list[Deployment]:
+    """What `academus up` serves without --deployment: student groups with `student` (the policy they are
+    built for) and every other model with `concat` (ConcatBatching: batches without waiting for them to
+    fill, packed rather than padded; 1.5-2.4x padded's throughput, which has twice fifo's, see
+    docs/benchmarks/concat.md), each model by one scheduler. ACADEMUS_POLICY, when set, is one deployment
+    of that policy for every model."""
+    if policy := options.env.get("ACADEMUS_POLICY") or policy_override():
+        return [Deployment(policy)]
+    path = Path(options.artifacts) / "models.json"
+    catalogue = json.loads(path.read_text()) if path.is_file() else {}
+    students = sorted(name for name, entry in catalogue.items() if isinstance(entry, dict) and entry.get("students"))
+    if not students:
+        return [Deployment("concat")]
+    rest = sorted(set(catalogue) - set(students))
+    return [Deployment("student", ",".join(students)), *([Deployment("concat", ",".join(rest))] if rest else [])]
+
+
 def _redis(run_dir: Path) -> tuple[str, int | None]:
     url = redis_url_from_env()
     if url:
@@ -168,7 +188,8 @@ def _plan(options: MeshOptions, worker_envs: list[dict[str, str]]) -> list[tuple
     """Each service to start, in order, with one extra environment a copy. The plot service only
     when a PLOT table is under the artifacts: without one it could not start, and no model needs it."""
     table = plot_table(options.artifacts)
-    schedulers = [env for node in node_names(options) for d, deployment in enumerate(options.deployments)
+    deployments = options.deployments or default_deployments(options)
+    schedulers = [env for node in node_names(options) for d, deployment in enumerate(deployments)
                   for env in deployment.scheduler_envs(d, node)]
     copies = {"worker": worker_envs, "scheduler": schedulers, "gateway": [{}] * options.gateways,
               "plot": [_plot_env(table)] if table else []}
@@ -325,6 +346,7 @@ def status(run_dir: Path) -> dict:
                   "health": "SERVING" if redis_ok else "UNREACHABLE"},
         "services": [{"name": s.name, "address": s.address, "pid": s.pid, "metrics_port": s.metrics_port,
                       "health": health(s.address) if _pid_alive(s.pid) else "EXITED"} for s in state.services],
+        "deployments": state.deployments,
     }
 
 

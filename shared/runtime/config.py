@@ -38,6 +38,11 @@ def redis_url_from_env() -> str | None:
     return os.environ.get("ACADEMUS_REDIS_URL") or os.environ.get("REDIS_URL")
 
 
+def policy_override() -> str:
+    """ACADEMUS_POLICY when set: `academus up` then runs one deployment of it for every model."""
+    return os.environ.get("ACADEMUS_POLICY", "")
+
+
 @dataclass(frozen=True)
 class CommonConfig:
     """Settings every service has. Env: ACADEMUS_<FIELD> upper-cased."""

@@ -11,15 +11,19 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from academus.shared.cli.mesh import ADMIN_KEY_FILE, MeshOptions, MeshState, down, up
+from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, MeshState, down, up
 from academus.shared.runtime.config import artifacts_dir
 from academus.shared.runtime.metrics import scrape
 
 
-def start_mesh(run_dir: Path, workers: int = 1, env: dict[str, str] | None = None, gateways: int = 1) -> MeshState:
+def start_mesh(run_dir: Path, workers: int = 1, env: dict[str, str] | None = None, gateways: int = 1,
+               deployments: list[Deployment] | None = None) -> MeshState:
+    """`deployments`: one fifo scheduler for every model unless given (the serving tests are written against
+    fifo's one-request batches); [] for `academus up`'s defaults."""
     if not (artifacts_dir() / "models.json").exists():
         pytest.fail(f"no artifacts in {artifacts_dir()}: `make test` runs `academus prepare` first")
     return up(MeshOptions(run_dir=run_dir, gateway_port=0, workers=workers, worker_threads=1, gateways=gateways,
+                          deployments=[Deployment("fifo")] if deployments is None else deployments,
                           env={"OTEL_BSP_SCHEDULE_DELAY": "100", "ACADEMUS_GRACE_S": "20", "ACADEMUS_TRACE_RATIO": "1",
                                **(env or {})}))
 

@@ -161,3 +161,38 @@ def test_academus_up_refuses_a_bad_setting_with_a_message_not_a_traceback(tmp_pa
     assert main(["--run-dir", str(tmp_path), "up", "--nodes", "0", "--detach"]) == 2
     assert "nodes must be >= 1, not 0" in capsys.readouterr().err
     assert not (tmp_path / mesh.STATE_FILE).exists()
+
+
+def _catalogue(tmp_path, entries: dict) -> mesh.MeshOptions:
+    import json
+
+    (tmp_path / "models.json").write_text(json.dumps(entries))
+    return mesh.MeshOptions(run_dir=tmp_path / "run", artifacts=tmp_path)
+
+
+def test_without_a_deployment_student_groups_get_the_student_policy_and_other_models_concat(tmp_path, monkeypatch):
+    monkeypatch.delenv("ACADEMUS_POLICY", raising=False)
+    options = _catalogue(tmp_path, {"minilm": {"kind": "embedding"}, "sentiment": {"kind": "classification"},
+                                    "sentiment-students": {"students": "students/sentiment"},
+                                    "sentiment-2l": {"students": "students/sentiment", "limit_students": 1}})
+    assert mesh.default_deployments(options) == [mesh.Deployment("student", "sentiment-2l,sentiment-students"),
+                                                 mesh.Deployment("concat", "minilm,sentiment")]
+    schedulers = dict(mesh._plan(options, []))["scheduler"]
+    assert [(e["ACADEMUS_POLICY"], e["ACADEMUS_MODELS"]) for e in schedulers] == [
+        ("student", "sentiment-2l,sentiment-students"), ("concat", "minilm,sentiment")]
+
+
+def test_without_student_groups_every_model_is_one_concat_deployment(tmp_path, monkeypatch):
+    monkeypatch.delenv("ACADEMUS_POLICY", raising=False)
+    assert mesh.default_deployments(_catalogue(tmp_path, {"minilm": {}})) == [mesh.Deployment("concat")]
+    assert mesh.default_deployments(mesh.MeshOptions(run_dir=tmp_path, artifacts=tmp_path / "none")) == [
+        mesh.Deployment("concat")]
+
+
+def test_academus_policy_set_is_one_deployment_of_it_for_every_model(tmp_path, monkeypatch):
+    options = _catalogue(tmp_path, {"minilm": {}, "sentiment-students": {"students": "students/sentiment"}})
+    monkeypatch.setenv("ACADEMUS_POLICY", "fifo")
+    assert mesh.default_deployments(options) == [mesh.Deployment("fifo")]
+    monkeypatch.delenv("ACADEMUS_POLICY")
+    assert mesh.default_deployments(replace(options, env={"ACADEMUS_POLICY": "padded"})) == [
+        mesh.Deployment("padded")]
