@@ -19,7 +19,7 @@ setup: $(VENV)/.installed redis data
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[server,dev]'
 	touch $@
 
 redis:

@@ -33,7 +33,7 @@ from pathlib import Path
 from academus.loadgen.bench import ABLATIONS, loadgen_with_cpu, run_bench, serving_samples
 from academus.shared.cli.mesh import Deployment, MeshOptions, down, up
 
-COUNTERS = ("academus_worker_batches_total", "academus_worker_expired_total", "academus_scheduler_dropped",
+COUNTERS = ("academus_worker_batches_total", "academus_worker_expired_total", "academus_scheduler_dropped_total",
             "academus_rpc_errors_total", "academus_multiplexed_batched_frames_total")
 
 

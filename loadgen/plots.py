@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import matplotlib
@@ -42,8 +43,9 @@ def _steps(bins: list[dict], key: str, bin_s: float) -> tuple[list[float], list[
     return times, rates + rates[-1:]
 
 
-def timeline(run: RunResult, path: Path, bin_s: float = 1.0) -> Path:
-    """Three panels on one time axis, from the report's per-bin timeline."""
+def timeline(run: RunResult, path: Path, bin_s: float = 1.0, events: Mapping[str, float] | None = None) -> Path:
+    """Three panels on one time axis, from the report's per-bin timeline; each of `events` (label -> second,
+    e.g. a fault injected) a vertical line across them. Errors per second show when there were any."""
     bins = analysis.timeline(run.records, run.duration_s, bin_s)
     fig, (lat, load, students) = plt.subplots(3, 1, figsize=(7, 7), sharex=True)
     for key, label in (("p50_ms", "p50"), ("p95_ms", "p95")):
@@ -52,12 +54,18 @@ def timeline(run: RunResult, path: Path, bin_s: float = 1.0) -> Path:
     lat.legend()
     load.step(*_steps(bins, "offered", bin_s), where="post", label="offered")
     load.step(*_steps(bins, "completed", bin_s), where="post", label="completed")
+    if any(b["errors"] for b in bins):
+        load.step(*_steps(bins, "errors", bin_s), where="post", label="errors")
     load.set(ylabel="load (req/s)")
     load.legend()
     students.plot(*_series(bins, "students_mean", bin_s), marker=".")
     students.set(ylabel="students (mean)", xlabel="time (s)")
     for ax in (lat, load, students):
         ax.grid(True, alpha=0.3)
+        for label, at in (events or {}).items():
+            ax.axvline(at, color="red", linestyle="--", linewidth=1, label=label if ax is lat else None)
+    if events:
+        lat.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -79,7 +79,7 @@ def record(pid: int, seconds: float, path: Path) -> subprocess.Popen:
 
 def run(args: argparse.Namespace) -> dict:
     if shutil.which("py-spy") is None:
-        raise SystemExit("py-spy is not on the PATH: `pip install -e '.[dev]'` (or `pip install py-spy`)")
+        raise SystemExit("py-spy is not on the PATH: `pip install -e '.[server,dev]'` (or `pip install py-spy`)")
     run_dir = args.out / "run"
     state = start(args, run_dir, 120.0)
     try:

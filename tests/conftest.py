@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from prometheus_client import REGISTRY
 
 from academus.shared.cli.redis_server import RedisServer
 
@@ -61,6 +62,11 @@ async def redis(redis_url: str):
     client = connect(redis_url)
     yield client
     await client.aclose()
+
+
+def sample(name: str, **labels: str) -> float:
+    """One sample of this process's Prometheus registry, 0 while absent (tests compare before and after)."""
+    return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
 @contextmanager

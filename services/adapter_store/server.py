@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import grpc
 import redis.asyncio as aioredis
@@ -94,14 +95,14 @@ class Announcement:
             try:
                 await self.announce(self.address)
             except Exception as e:  # Redis away: keep serving, the next beat re-announces
-                log_event("heartbeat_failed", error=repr(e))
+                log_event("heartbeat_failed", logging.WARNING, error=repr(e))
 
     async def withdraw(self) -> None:
         try:  # only our own address: a newer store may have taken the key over
             if await self.redis.get(self.keys.adapter_store()) == self.address:
                 await self.redis.delete(self.keys.adapter_store())
         except Exception as e:  # the TTL removes it anyway
-            log_event("withdraw_failed", error=repr(e))
+            log_event("withdraw_failed", logging.WARNING, error=repr(e))
 
 
 async def build() -> ServiceSpec:

@@ -254,6 +254,16 @@ class Gateway:
         if admitted.charged:
             await self.quotas.give_back(admitted.principal.tenant)
 
+    async def list_models(self, api_key: str | None) -> tuple[list[ModelSpec], list[TenantModel]]:
+        """What the caller may name: the served models, from a fresh read (a listing is rare; a stale one would
+        omit a model just registered), and the caller's own tenant models, whatever their status. It costs a
+        quota token, as a request does."""
+        principal = await self.auth.authenticate(api_key)
+        await self.quotas.take(principal.tenant)
+        await self.catalogue.refresh()
+        served = [self.catalogue.models[name] for name in sorted(self.catalogue.models)]
+        return served, await self.tenant_models.registry.models(principal.tenant)
+
     async def resolve(self, principal: Principal, name: str) -> tuple[ModelSpec, TenantModel | None]:
         """A served model by that name, else the caller's own tenant model (never another tenant's)."""
         missed_at = self.catalogue.clock()

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import logging
 import time
 
 import grpc
@@ -37,9 +38,10 @@ from academus.shared.runtime.logs import log_event
 from academus.shared.runtime.redis_conn import connect, wake_on
 from academus.shared.runtime.serving import ServiceSpec, Stubs, run
 from academus.shared.runtime.tracing import annotate
+from academus.shared.state.catalogue import ModelSpec
 from academus.shared.state.jobs import FAILED, QUEUED, RUNNING, SUCCEEDED, Job
 from academus.shared.state.keys import Keys
-from academus.shared.state.tenants import Quotas, TenantModel, TenantRegistry
+from academus.shared.state.tenants import READY, Quotas, TenantModel, TenantRegistry
 from academus.v1 import inference_pb2 as pb
 from academus.v1 import inference_pb2_grpc, manage_pb2, manage_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, tensors_pb2
 
@@ -118,6 +120,17 @@ def pair_response(response: pb.InferResponse, admitted: Admitted, values, dim: i
     return response
 
 
+def model_info_pb(spec: ModelSpec) -> pb.ModelInfo:
+    return pb.ModelInfo(name=spec.name, kind=spec.kind, labels=spec.labels, dim=spec.dim, max_tokens=spec.max_tokens,
+                        status=READY)
+
+
+def tenant_model_info_pb(model: TenantModel, base: ModelSpec | None) -> pb.ModelInfo:
+    """A tenant model with its base's limits (0 while the base is not served)."""
+    return pb.ModelInfo(name=model.name, kind=model.kind, labels=model.labels, dim=base.dim if base else 0,
+                        max_tokens=base.max_tokens if base else 0, base=model.base, status=model.status)
+
+
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     def __init__(self, gateway: Gateway, schedulers: SchedulerDirectory, default_deadline_s: float,
                  stubs: Stubs) -> None:
@@ -144,6 +157,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         response.metadata.gateway_ms = (time.perf_counter() - entered) * 1e3
         return response
 
+    async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):
+        try:
+            served, own = await self.gateway.list_models(api_key_from(context.invocation_metadata()))
+        except ServingError as e:
+            await abort_with(context, e)
+        except RedisError as e:
+            await abort_with(context, Unavailable(f"credential and model store unreachable: {e}"))
+        bases = {spec.name: spec for spec in served}
+        return pb.ListModelsResponse(models=[*(model_info_pb(spec) for spec in served),
+                                             *(tenant_model_info_pb(m, bases.get(m.base)) for m in own)])
+
     async def _schedule(self, admitted: Admitted, request: scheduler_pb2.ScheduleRequest, deadline: float,
                         policy: str = "") -> tensors_pb2.ModelOutput:
         """Routes to the deployments serving the model (SchedulerDirectory.route). A refusal for want of
@@ -165,7 +189,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         try:
             await self.gateway.give_back(admitted)
         except RedisError as e:  # the refusal is still the answer; the tenant loses one token
-            log_event("quota_give_back_failed", tenant=admitted.principal.tenant, error=repr(e))
+            log_event("quota_give_back_failed", logging.WARNING, tenant=admitted.principal.tenant, error=repr(e))
 
 
 JOB_STATUS = {QUEUED: manage_pb2.JOB_STATUS_QUEUED, RUNNING: manage_pb2.JOB_STATUS_RUNNING,
@@ -261,7 +285,7 @@ async def build() -> ServiceSpec:
                 await catalogue.refresh()
                 await schedulers.refresh()
             except Exception as e:
-                log_event("refresh_failed", error=repr(e))
+                log_event("refresh_failed", logging.WARNING, error=repr(e))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), config.catalogue_refresh_s)
             changed.clear()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from academus.services.resource_manager.allocation import ProfilePoint, choose_profile
 from academus.services.resource_manager.core import GroupPlanner, PlacementTable, WorkerInfo
@@ -83,7 +84,7 @@ async def build() -> ServiceSpec:
                 if changed:
                     log_event("student_number_changed", **changed)
             except Exception as e:  # Redis restarting: try again next round
-                log_event("adapt_failed", error=repr(e))
+                log_event("adapt_failed", logging.WARNING, error=repr(e))
 
     async def reaper() -> None:
         while True:
@@ -94,7 +95,7 @@ async def build() -> ServiceSpec:
                     await planner.replan()
                     log_event("workers_reaped", workers=dead)
             except Exception as e:  # Redis restarting: try again next round
-                log_event("reap_failed", error=repr(e))
+                log_event("reap_failed", logging.WARNING, error=repr(e))
 
     return ServiceSpec(
         name="resource_manager",

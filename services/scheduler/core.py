@@ -17,8 +17,22 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client import Counter, Gauge, Histogram
+
 from academus.services.scheduler.policies import BatchPlan, DispatchPolicy
 from academus.shared.runtime.errors import DeadlineExceeded, ResourceExhausted, ServingError, Unavailable
+from academus.shared.runtime.metrics import LATENCY_BUCKETS, children
+
+QUEUE_WAIT = Histogram("academus_scheduler_queue_wait_seconds",
+                       "Seconds a request waited in the scheduler's queue or buffer before its first dispatch",
+                       ["policy", "model"], buckets=LATENCY_BUCKETS)
+STUDENT_NUMBER = Gauge("academus_scheduler_student_number",
+                       "Students each live group of a student model runs now (S, adapted by the resource manager)",
+                       ["model"])
+DROPPED = Counter("academus_scheduler_dropped_total", "Jobs dropped unrun", ["reason"])
+EXPIRED, CANCELLED, DOOMED = (DROPPED.labels(r) for r in ("expired", "cancelled", "doomed"))
+SENT_AHEAD = Counter("academus_scheduler_sent_ahead_total",
+                     "Batches sent to a group still running one (ACADEMUS_SEND_AHEAD)")
 
 
 @dataclass
@@ -152,8 +166,11 @@ class Dispatcher:
     def __init__(self, policy: DispatchPolicy, send: Send, queue_capacity: int,
                  retry_pushback_ms: int = 50, clock: Callable[[], float] = time.monotonic,
                  on_wait: Callable[[Job], None] | None = None, drop_doomed: bool = True,
-                 send_ahead: bool = False, lost_quarantine_s: float = 5.0, shard: Shard = Shard()) -> None:
+                 send_ahead: bool = False, lost_quarantine_s: float = 5.0, shard: Shard = Shard(),
+                 policy_name: str = "") -> None:
         self.policy = policy
+        self._queue_wait = children(QUEUE_WAIT, policy_name or policy.name)  # the deployment's name (a variant's)
+        self._students: set[str] = set()   # the models STUDENT_NUMBER has a value for
         self.shard = shard
         # a worker lost mid-call stays out this long while Redis still lists it: a heartbeat TTL, after
         # which a dead worker's key has expired, so one still listed is alive (its heartbeat renewed)
@@ -196,6 +213,7 @@ class Dispatcher:
         if tables is not None:
             self.tables = tables
         self.groups = self._form_groups()
+        self._report_students()
         self._resize()
         self._drain()
         self._fail_orphans()
@@ -220,6 +238,15 @@ class Dispatcher:
                 if models and slot < worker.capacity:
                     formed.append(Group(f"{worker.worker_id}#{slot}", models, (Member(worker.worker_id),)))
         return [before.get(same(g), g) for g in self.shard.take(formed)]
+
+    def _report_students(self) -> None:
+        """STUDENT_NUMBER of each student model with a live group here; dropped for one that has none left."""
+        students = {m: g.students for g in self.groups if self._live(g) for m in g.models if m in self.tables}
+        for model in self._students - students.keys():
+            STUDENT_NUMBER.remove(model)
+        for model, number in students.items():
+            STUDENT_NUMBER.labels(model).set(number)
+        self._students = set(students)
 
     def serves(self, model: str) -> bool:
         return any(model in g.models and self._live(g) for g in self.groups)
@@ -340,6 +367,7 @@ class Dispatcher:
         for job, error in self.policy.take_dropped():
             if isinstance(error, DeadlineExceeded) and not job.future.done():
                 self.stats.expired += 1
+                EXPIRED.inc()
             self._settle(job, exc=error)
 
     def _arm_timer(self) -> None:
@@ -362,9 +390,12 @@ class Dispatcher:
                 ref.running += member.slots
         else:  # sent ahead: it runs on the slots its predecessor holds
             self.stats.sent_ahead += 1
+            SENT_AHEAD.inc()
         for job in batch:
             job.attempts += 1
             job.started_at = now
+            if job.attempts == 1:   # a retried job waited once: counted at its first dispatch only
+                self._queue_wait(job.model).observe(now - job.enqueued_at)
         self.stats.dispatched += 1
         task = asyncio.get_running_loop().create_task(self._run(group, refs, batch))
         cancel_when_every_caller_left(batch, task)
@@ -444,6 +475,7 @@ class Dispatcher:
         if (job is self._arriving and not queued) or now + expected <= job.deadline:
             return True
         self.stats.doomed += 1
+        DOOMED.inc()
         why = (f"a batch takes about {expected * 1e3:.0f} ms, {max(0.0, job.deadline - now) * 1e3:.0f} ms left; "
                "not computed")
         # a job back after a lost worker that its deadline no longer allows to retry: DESIGN §8's UNAVAILABLE
@@ -476,9 +508,11 @@ class Dispatcher:
     def _still_wanted(self, job: Job, now: float) -> bool:
         if job.future.done():  # the caller went away (cancelled)
             self.stats.cancelled += 1
+            CANCELLED.inc()
             return False
         if now >= job.deadline:
             self.stats.expired += 1
+            EXPIRED.inc()
             self._settle(job, exc=DeadlineExceeded("deadline passed while queued; not computed"))
             return False
         return True

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -35,8 +36,6 @@ from academus.v1 import inference_pb2, plot_pb2_grpc, scheduler_pb2_grpc, tensor
 
 QUEUE_DEPTH = Gauge("academus_scheduler_queue_depth", "Jobs waiting for a worker")
 BUFFER_DEPTH = Gauge("academus_scheduler_buffer_depth", "Waiting dispatch units (length-aware buffer elements)")
-DROPPED = Gauge("academus_scheduler_dropped", "Jobs dropped unrun", ["reason"])
-SENT_AHEAD = Gauge("academus_scheduler_sent_ahead", "Batches sent to a group still running one (ACADEMUS_SEND_AHEAD)")
 LOST_CODES = (grpc.StatusCode.UNAVAILABLE,)
 
 
@@ -292,12 +291,8 @@ class PlacementWatcher:
         while True:
             try:
                 await self.refresh()
-                DROPPED.labels("expired").set(self.dispatcher.stats.expired)
-                DROPPED.labels("cancelled").set(self.dispatcher.stats.cancelled)
-                DROPPED.labels("doomed").set(self.dispatcher.stats.doomed)
-                SENT_AHEAD.set(self.dispatcher.stats.sent_ahead)
             except Exception as e:  # Redis away: keep the last known workers
-                log_event("placement_refresh_failed", error=repr(e))
+                log_event("placement_refresh_failed", logging.WARNING, error=repr(e))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.changed.wait(), self.refresh_s)
             self.changed.clear()
@@ -335,7 +330,7 @@ async def build() -> ServiceSpec:
                             on_wait=prefetcher.on_wait if prefetcher is not None else None,
                             drop_doomed=config.drop_doomed, send_ahead=config.send_ahead,
                             lost_quarantine_s=max(1, round(config.heartbeat_ttl_s)),   # the key's TTL
-                            shard=Shard(config.shard, config.shards))
+                            shard=Shard(config.shard, config.shards), policy_name=config.policy)
     dispatcher.workers = workers  # the sender resolves member addresses from the same live table
     models = frozenset(cfg.split_names(config.models))
     state = {"id": config.scheduler_id, "address": ""}
@@ -407,7 +402,7 @@ async def build() -> ServiceSpec:
             try:
                 await beat()
             except Exception as e:
-                log_event("heartbeat_failed", error=repr(e))
+                log_event("heartbeat_failed", logging.WARNING, error=repr(e))
 
     async def deregister() -> None:
         await redis.srem(keys.schedulers(), state["id"])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -221,7 +222,7 @@ class JobRunner:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                log_event("job_loop_failed", error=repr(e))
+                log_event("job_loop_failed", logging.WARNING, error=repr(e))
                 await asyncio.sleep(self.poll_s)
 
     async def run_next(self) -> bool:
@@ -264,12 +265,12 @@ class JobRunner:
             self.done += 1
 
     async def _fail(self, job: Job, handler: Handler | None, message: str) -> None:
-        log_event("job_failed", id=job.id, kind=job.kind, error=message)
+        log_event("job_failed", logging.ERROR, id=job.id, kind=job.kind, error=message)
         if handler is not None:
             try:
                 await handler.failed(job, message)
             except Exception as e:  # the job's own status must still be written
-                log_event("job_cleanup_failed", id=job.id, error=repr(e))
+                log_event("job_cleanup_failed", logging.WARNING, id=job.id, error=repr(e))
         await self.queue.finish(job.id, FAILED, message)
 
     async def _renew(self, job_id: str) -> None:
@@ -278,7 +279,7 @@ class JobRunner:
             try:
                 await self.queue.renew(job_id, self.trainer_id, self.lease_s)
             except Exception as e:  # the next beat tries again; only a long outage loses the lease
-                log_event("lease_renew_failed", id=job_id, error=repr(e))
+                log_event("lease_renew_failed", logging.WARNING, id=job_id, error=repr(e))
 
 
 def build_runner(redis: aioredis.Redis, keys: Keys, config: TrainerConfig, trainer_id: str = "") -> JobRunner:

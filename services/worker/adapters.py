@@ -33,6 +33,7 @@ import torch
 
 from academus.shared.models.adapters import BASES, AdapterWeights, upper_layers
 from academus.shared.runtime.errors import DeadlineExceeded, ServingError, Unavailable, from_rpc_error, from_status
+from academus.shared.runtime.metrics import CACHE_HITS, CACHE_MISSES
 from academus.shared.runtime.serving import CHANNEL_OPTIONS
 from academus.shared.state.keys import Keys
 from academus.v1 import adapter_store_pb2, adapter_store_pb2_grpc, tensors_pb2
@@ -44,6 +45,7 @@ AdapterKey = tuple[str, str, int]            # tenant, name, version (0: the lat
 # NotFound / Unavailable.
 FetchPiece = Callable[[AdapterKey, Sequence[int], bool], "bytes | AdapterWeights"]
 FetchMany = Callable[[Sequence[tuple[AdapterKey, Sequence[int], bool]]], list]  # -> a piece or the error, each
+HITS, MISSES = CACHE_HITS.labels("adapter"), CACHE_MISSES.labels("adapter")   # the device cache's lookups
 
 
 def _one(fetch: FetchPiece, piece: tuple[AdapterKey, Sequence[int], bool]) -> bytes | AdapterWeights | Exception:
@@ -186,8 +188,10 @@ class AdapterCache:
             if entry is not None and entry.error is None:
                 self._entries.move_to_end(key)
                 self.hits += 1
+                HITS.inc()
                 return entry
             self.misses += 1
+            MISSES.inc()
             if entry is not None:  # failed, not yet dropped by its fetch thread
                 self._drop(key)
             entry = CachedAdapter(key)

@@ -8,7 +8,6 @@ encoder: it answers zeros, so that a mesh serving it measures the serving stack 
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from prometheus_client import Histogram
 from torch import nn
 
 from academus.services.worker.adapters import TenantBatch
@@ -28,13 +28,23 @@ from academus.shared.models.model import HIDDEN_SIZE, ClassifierHead, TeacherEnc
 from academus.shared.models.packing import Attention, PackedBatch, PackingPlan, check_plan, encode_packed, pack
 from academus.shared.models.plot.hierarchical import PlotStates
 from academus.shared.models.plot.table import PlotError
+from academus.shared.runtime.config import visible_cuda_devices
 from academus.shared.runtime.errors import DeadlineExceeded, InvalidArgument, NotFound
+from academus.shared.runtime.metrics import children
 from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
 
 OUTPUT_EMBEDDING = "embedding"
 OUTPUT_PROBS = "probs"
 WARM_UP_TOKEN = 1996   # any id of the shared vocabulary ("the"): tracing needs inputs, not meaning
 LAYER_NAME = re.compile(r"encoder\.layer\.\d+$")  # HF BERT layers, in the teacher and in students
+
+BATCH_SIZE = Histogram("academus_worker_batch_size_texts", "Texts a batch the worker ran", ["model"],
+                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
+PADDING_RATIO = Histogram("academus_worker_padding_ratio",
+                          "Share of a batch's computed token positions that held no text: padding (padded batches), "
+                          "unused row slots (packed, ConcatBatching)", ["model"],
+                          buckets=(0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0))
+_batch_size, _padding_ratio = children(BATCH_SIZE), children(PADDING_RATIO)
 
 
 class CallerLeft(Exception):
@@ -50,6 +60,11 @@ class BatchResult:
     real_tokens: int
     student_count: int = 1
     finish: str = ""         # group-member answers: what the combiner applies after summing (FINISHES)
+
+    @property
+    def padding_ratio(self) -> float:
+        """The share of the computed token positions that held no text."""
+        return 1 - self.real_tokens / max(self.padded_tokens, 1)
 
 
 FINISH_SOFTMAX, FINISH_L2, FINISH_SUM = "softmax", "l2", "sum"
@@ -67,7 +82,7 @@ def device_label(device: torch.device) -> str:
     worker to one GPU, which it then calls cuda:0), else "cpu"."""
     if device.type != "cuda":
         return "cpu"
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    visible = visible_cuda_devices()
     return f"cuda:{visible}" if visible and "," not in visible else str(device)
 
 
@@ -273,11 +288,21 @@ class ModelRunner:
         seqs = split_lengths(input_ids, lengths)
         types = split_lengths(token_type_ids, lengths) if token_type_ids else None
         if served.null:
-            return self._run_null(served, lengths, student_indices, plan, tenants, left)
-        if tenants is not None:  # tenant batches run padded: a plan's rows would mix adapters within a row
-            return self._run_tenants(served, output, seqs, types, tenants, plot_states)
-        if plan is not None and served.packable:  # a PLOT model runs the plan's texts padded: same answers
-            return self._run_packed(served, output, seqs, types, plan, students, student_indices)
+            result = self._run_null(served, lengths, student_indices, plan, tenants, left)
+        elif tenants is not None:  # tenant batches run padded: a plan's rows would mix adapters within a row
+            result = self._run_tenants(served, output, seqs, types, tenants, plot_states)
+        elif plan is not None and served.packable:  # a PLOT model runs the plan's texts padded: same answers
+            result = self._run_packed(served, output, seqs, types, plan, students, student_indices)
+        else:
+            result = self._run_padded(served, output, seqs, types, students, student_indices, plot_states)
+        _batch_size(model).observe(len(lengths))   # one observation a batch, its label children resolved once
+        _padding_ratio(model).observe(result.padding_ratio)
+        return result
+
+    def _run_padded(self, served: ServedModel, output: str, seqs: list[Sequence[int]],
+                    types: list[Sequence[int]] | None, students: int, student_indices: Sequence[int],
+                    plot_states: PlotStates | None) -> BatchResult:
+        """The batch padded to its longest text: the whole model, or a group member's share of its students."""
         start = time.perf_counter()
         ids, mask, type_ids = self._padded(seqs, types)
         finish = ""

@@ -11,6 +11,7 @@ Past its budget it drops the least recently used; warming never evicts."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -18,7 +19,10 @@ from collections.abc import Iterable, Sequence
 from academus.services.worker.adapters import AdapterKey, FetchMany
 from academus.shared.models.adapters import AdapterWeights
 from academus.shared.runtime.logs import log_event
+from academus.shared.runtime.metrics import CACHE_HITS, CACHE_MISSES
 from academus.shared.state.tenants import TenantRegistry
+
+HITS, MISSES = CACHE_HITS.labels("adapter_host"), CACHE_MISSES.labels("adapter_host")   # the host tier's lookups
 
 
 class HostAdapters:
@@ -48,6 +52,7 @@ class HostAdapters:
                 return None
             self._resident.move_to_end(key)
             self.hits += 1
+            HITS.inc()
             return found[0]
 
     def __call__(self, key: AdapterKey, layers: Sequence[int], head: bool) -> AdapterWeights:
@@ -88,6 +93,8 @@ class HostAdapters:
                     found[key] = self._resident[key][0]
             self.hits += len(found)
             self.misses += len(keys) - len(found)
+            HITS.inc(len(found))
+            MISSES.inc(len(keys) - len(found))
             return found
 
     def _load(self, keys: Sequence[AdapterKey], evict: bool) -> dict[AdapterKey, AdapterWeights | Exception]:
@@ -144,7 +151,7 @@ class HostWarmer:
             try:
                 await self.once()
             except Exception as e:  # Redis or the store away: try again next round
-                log_event("adapter_warm_failed", error=repr(e))
+                log_event("adapter_warm_failed", logging.WARNING, error=repr(e))
             await asyncio.sleep(self.interval_s)
 
     async def once(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import threading
 import time
@@ -98,7 +99,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             left.set()
             raise
         annotate(model=request.model, batch_size=len(tokens.lengths), worker=self.worker_id,
-                 padding_ratio=1 - result.real_tokens / max(result.padded_tokens, 1))
+                 padding_ratio=result.padding_ratio)
         rows, dim = result.values.shape
         return tensors_pb2.ModelOutput(
             output=request.output,
@@ -222,7 +223,7 @@ class Registration:
                     await self.redis.hset(self.keys.worker(self.worker_id), "adapter_cache",
                                           json.dumps(self.servicer.adapters.stats()))
             except Exception as e:  # keep beating through Redis or RM restarts
-                log_event("heartbeat_failed", error=repr(e))
+                log_event("heartbeat_failed", logging.WARNING, error=repr(e))
 
     async def deregister(self) -> None:
         try:
@@ -230,7 +231,7 @@ class Registration:
             request = resource_manager_pb2.DeregisterWorkerRequest(worker_id=self.worker_id)
             await stub.DeregisterWorker(request, timeout=3)
         except Exception as e:  # the TTL removes us anyway
-            log_event("deregister_failed", error=repr(e))
+            log_event("deregister_failed", logging.WARNING, error=repr(e))
         await self.redis.aclose()
 
 

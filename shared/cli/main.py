@@ -5,17 +5,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
 import sys
 import threading
 from pathlib import Path
 
-from academus.shared.runtime.config import artifacts_dir, run_dir
+from academus.shared.runtime.config import artifacts_dir, offline_hub, run_dir, trace_file
+from academus.shared.runtime.config_docs import add_arguments as add_config_docs_arguments
+from academus.shared.runtime.config_docs import write_or_check
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    offline_hub()
     p = parser()
     args, extra = p.parse_known_args(argv)
     if args.command in PASS_THROUGH:  # their own parsers own their options (and --help)
@@ -114,6 +115,12 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("trace", help="print a recorded trace of the local mesh (the latest by default)")
     s.add_argument("trace_id", nargs="?")
     s.set_defaults(func=cmd_trace)
+
+    s = sub.add_parser("config", help="the configuration reference")
+    cs = s.add_subparsers(dest="config_command", required=True)
+    c = cs.add_parser("docs", help="write docs/configuration.md from the config classes")
+    add_config_docs_arguments(c)
+    c.set_defaults(func=cmd_config_docs)
     return p
 
 
@@ -122,7 +129,7 @@ def _run_dir(args: argparse.Namespace) -> Path:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from academus.shared.cli.mesh import Deployment, MeshError, MeshOptions, down, status, up
+    from academus.shared.cli.mesh import Deployment, MeshError, MeshOptions, down, reap_children, status, up
 
     try:
         deployments = [Deployment.parse(d) for d in args.deployment]
@@ -145,7 +152,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print("mesh is up; Ctrl-C stops it", file=sys.stderr)
-    stop.wait()
+    while not stop.wait(1.0):
+        reap_children()   # services that died (the supervisor starts them again as its own children)
     down(options.run_dir)
     return 0
 
@@ -172,12 +180,16 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"redis    {report['redis']['url']:<28} {report['redis']['health']}")
+        redis = report["redis"]
+        print(f"{'redis':<16} {redis['url']:<28} {redis['health']:<12} restarts {redis['restarts']}")
         for s in report["services"]:
-            print(f"{s['name']:<16} {s['address']:<22} {s['health']}")
+            print(f"{s['name']:<16} {s['address']:<28} {s['health']:<12} restarts {s['restarts']}")
+        print(f"{'supervisor':<16} {'pid ' + str(report['supervisor']['pid'] or '-'):<28} "
+              f"{report['supervisor']['health']}")
         for i, d in enumerate(report["deployments"]):
             print(f"scheduler-{i:<6} policy {d['policy'] or 'fifo':<8} models {d['models'] or 'every model'}")
-    healthy = report["redis"]["health"] == "SERVING" and all(s["health"] == "SERVING" for s in report["services"])
+    healthy = (report["redis"]["health"] == "SERVING" and all(s["health"] == "SERVING" for s in report["services"])
+               and report["supervisor"]["health"] != "EXITED")
     return 0 if healthy else 1
 
 
@@ -323,10 +335,14 @@ def cmd_adapters_train(args: argparse.Namespace) -> int:
         redis, keys, args.tenant, args.name, args.base, args.data, args.rank, args.epochs, domain=args.domain))
 
 
+def cmd_config_docs(args: argparse.Namespace) -> int:
+    return write_or_check(args.out, args.check)
+
+
 def cmd_trace(args: argparse.Namespace) -> int:
     from academus.shared.runtime.tracing import format_trace, read_traces
 
-    traces = read_traces([Path(os.environ.get("ACADEMUS_TRACE_FILE", _run_dir(args) / "traces.jsonl"))])
+    traces = read_traces([Path(trace_file(_run_dir(args) / "traces.jsonl"))])
     if not traces:
         print("no traces recorded", file=sys.stderr)
         return 1

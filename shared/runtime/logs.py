@@ -1,4 +1,5 @@
-"""Structured logs: one JSON line an event, on stderr."""
+"""Structured logs: one JSON line an event, on stderr, with its level and, inside a sampled span, the trace id
+(the trace of the request the event belongs to: `academus trace <id>`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import json
 import logging
 import sys
 import time
+
+from opentelemetry import trace
 
 _service = "academus"
 _logger = logging.getLogger("academus")
@@ -22,5 +25,18 @@ def setup_logging(service: str, level: int = logging.INFO) -> None:
 
 
 def log_event(event: str, level: int = logging.INFO, **fields: object) -> None:
-    record = {"ts": round(time.time(), 3), "service": _service, "event": event, **fields}
-    _logger.log(level, json.dumps(record, default=str))
+    if not _logger.isEnabledFor(level):
+        return
+    record = {"ts": round(time.time(), 3), "level": _level_name(level), "service": _service, "event": event}
+    context = trace.get_current_span().get_span_context()   # reads the context: no span is made
+    if context.is_valid and context.trace_flags.sampled:   # an untraced request (no span: tracing.py) has none
+        record["trace_id"] = f"{context.trace_id:032x}"
+    _logger.log(level, json.dumps(record | fields, default=str))
+
+
+def _level_name(level: int) -> str:
+    return _LEVELS.get(level) or logging.getLevelName(level).lower()
+
+
+_LEVELS = {logging.DEBUG: "debug", logging.INFO: "info", logging.WARNING: "warning", logging.ERROR: "error",
+           logging.CRITICAL: "critical"}

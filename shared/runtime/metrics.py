@@ -1,11 +1,14 @@
-"""Prometheus metrics per service: RPC latency histogram, in-flight gauge, errors by status code."""
+"""Prometheus metrics per service: RPC latency histogram, in-flight gauge, errors by status code, cache hits;
+the names and what records them: docs/observability.md."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
@@ -36,6 +39,20 @@ LOCAL_PLANE_CONNECTIONS = Gauge("academus_local_plane_connections",
 LOCAL_PLANE_REFUSED = Counter("academus_local_plane_refused_total",
                               "Node-local data plane connections closed for what their peer sent", ["code"])
 RPC_ERRORS = Counter("academus_rpc_errors_total", "RPCs that ended with a non-OK status", ["service", "method", "code"])
+# DESIGN §6's cache hits, one `cache` label value a cache: plot (PLOT table windows), adapter (the worker's
+# device cache), adapter_host (its host tier)
+CACHE_HITS = Counter("academus_cache_hits_total", "Lookups a cache answered", ["cache"])
+CACHE_MISSES = Counter("academus_cache_misses_total", "Lookups a cache could not answer", ["cache"])
+
+
+def children(metric: Counter | Gauge | Histogram, *fixed: str) -> Callable[..., Any]:
+    """`metric.labels(*fixed, *rest)`, resolved once per `rest`: a hot path then pays a dict lookup, not
+    the label checks of `labels` (MetricsInterceptor resolves its children once a method for the same reason)."""
+    @functools.cache
+    def child(*rest: str) -> Any:
+        return metric.labels(*fixed, *rest)
+
+    return child
 
 
 def start_metrics(port: int) -> int:

@@ -54,18 +54,41 @@ import itertools
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
-from opentelemetry.trace import TracerProvider
-from prometheus_client import Counter
 
 from academus.shared.runtime.errors import NOTHING_RAN, PUSHBACK
 from academus.shared.runtime.interceptors import UnaryBehavior, UnaryServerInterceptor
-from academus.shared.runtime.logs import log_event
-from academus.shared.runtime.metrics import MULTIPLEXED, MULTIPLEXED_BATCHED, MULTIPLEXED_UNRUN, REPLIES_IN_PIECES
-from academus.shared.runtime.tracing import client_tracer, end_client_span, start_client_span
 from academus.v1 import multiplex_pb2, multiplex_pb2_grpc
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
+    from prometheus_client import Counter
+
+# The client SDK calls over this module with grpcio and protobuf alone (`academus[client]`): it then counts no
+# metrics (only the serving side does), its calls carry no spans, and it logs nothing (only the node-local
+# plane does, which a public client never opens).
+try:
+    from academus.shared.runtime.logs import log_event
+    from academus.shared.runtime.metrics import MULTIPLEXED, MULTIPLEXED_BATCHED, MULTIPLEXED_UNRUN, REPLIES_IN_PIECES
+    from academus.shared.runtime.tracing import client_tracer, end_client_span, start_client_span
+
+    BATCHED_CALLS, BATCHED_REPLIES = MULTIPLEXED_BATCHED.labels("calls"), MULTIPLEXED_BATCHED.labels("replies")
+except ModuleNotFoundError:
+    MULTIPLEXED = MULTIPLEXED_UNRUN = REPLIES_IN_PIECES = BATCHED_CALLS = BATCHED_REPLIES = None
+
+    def log_event(event: str, **fields: object) -> None:
+        return None
+
+    def client_tracer(provider: TracerProvider | None = None) -> None:
+        return None
+
+    def start_client_span(tracer: None, method: str) -> tuple[None, dict[str, str]]:
+        return None, {}
+
+    def end_client_span(span: None, code: grpc.StatusCode, details: str | None) -> None:
+        return None
 
 CALLS_METHOD = "/academus.v1.Multiplex/Calls"
 SERVICE_NAME = "academus.v1.Multiplex"
@@ -93,7 +116,6 @@ LOCAL_KEY = "academus-local"
 # open_local); passed in, since the plane builds on this module's frames.
 LocalOpener = Callable[[str, tuple[tuple[str, str], ...]], Awaitable[Any]]
 MAX_BATCH_FRAMES = 64   # frames in one message, whatever their size
-BATCHED_CALLS, BATCHED_REPLIES = MULTIPLEXED_BATCHED.labels("calls"), MULTIPLEXED_BATCHED.labels("replies")
 
 
 def rpc_error(code: grpc.StatusCode, details: str, trailers: Sequence[tuple[str, str]] = ()) -> grpc.aio.AioRpcError:

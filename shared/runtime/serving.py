@@ -115,7 +115,7 @@ class RunningService:
         done, stuck = await asyncio.wait(self._tasks, timeout=self.spec.config.grace_s)
         for task in done:  # retrieved, so asyncio does not report it as never retrieved
             if not task.cancelled() and task.exception():
-                log_event("task_failed", service=self.spec.name, error=repr(task.exception()))
+                log_event("task_failed", logging.ERROR, service=self.spec.name, error=repr(task.exception()))
         if stuck:
             log_event("tasks_not_stopped", service=self.spec.name,
                       tasks=[t.get_coro().__qualname__ for t in stuck])

@@ -11,7 +11,6 @@ import asyncio
 import contextvars
 import functools
 import json
-import os
 import random
 import threading
 import time
@@ -25,6 +24,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from academus.shared.runtime.config import otlp_endpoint, sdk_sampler, trace_file, tracing_enabled
 from academus.shared.runtime.interceptors import UnaryBehavior, UnaryServerInterceptor, is_plumbing
 
 _provider: TracerProvider | None = None
@@ -73,19 +73,15 @@ def setup_tracing(service_name: str) -> TracerProvider:
     if _provider is not None:
         return _provider
     provider = TracerProvider(resource=Resource.create({"service.name": f"academus-{service_name}"}))
-    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+    if otlp_endpoint():
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    if os.environ.get("ACADEMUS_TRACE_FILE"):
-        provider.add_span_processor(BatchSpanProcessor(JsonlSpanExporter(Path(os.environ["ACADEMUS_TRACE_FILE"]))))
+    if path := trace_file():
+        provider.add_span_processor(BatchSpanProcessor(JsonlSpanExporter(Path(path))))
     trace.set_tracer_provider(provider)
     _provider = provider
     return provider
-
-
-def tracing_enabled() -> bool:
-    return os.environ.get("ACADEMUS_TRACING", "on") != "off"
 
 
 # Which requests are traced. The SERVER span of a call that came without a trace context (the gateway's, for
@@ -101,7 +97,7 @@ _untraced: contextvars.ContextVar[str | None] = contextvars.ContextVar("academus
 
 def root_ratio(ratio: float) -> float:
     """The share of context-less calls drawn for tracing here; 1 (the SDK decides) under OTEL_TRACES_SAMPLER."""
-    return 1.0 if os.environ.get("OTEL_TRACES_SAMPLER") else ratio
+    return 1.0 if sdk_sampler() else ratio
 
 
 def untraced_context(traceparent: str | None, ratio: float) -> str | None:

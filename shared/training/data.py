@@ -37,7 +37,6 @@ import hashlib
 import html
 import io
 import json
-import os
 import quopri
 import re
 import subprocess
@@ -48,6 +47,8 @@ from dataclasses import dataclass
 from email.header import decode_header, make_header
 from functools import lru_cache
 from pathlib import Path
+
+from academus.shared.runtime.config import data_dir
 
 TASKS = ("sentiment", "spam")
 LABELS = {"sentiment": ["rotten", "fresh"], "spam": ["ham", "spam"]}
@@ -79,11 +80,6 @@ class TaskData:
 
     def splits(self) -> dict[str, list[Example]]:
         return {"train": self.train, "validation": self.validation, "test": self.test}
-
-
-def data_dir() -> Path:
-    """ACADEMUS_DATA_DIR, else <cwd>/.academus/data."""
-    return Path(os.environ.get("ACADEMUS_DATA_DIR", Path.cwd() / ".academus" / "data"))
 
 
 _default_data_dir = data_dir   # load_task's parameter shadows the name

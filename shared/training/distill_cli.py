@@ -16,6 +16,7 @@ import torch
 from academus.shared.models.model import (
     TeacherMissing,
 )
+from academus.shared.runtime.config import offline_hub
 from academus.shared.state.artifacts import ArtifactError
 from academus.shared.training.data import DataMissing
 from academus.shared.training.distill import distill
@@ -71,7 +72,7 @@ def _ablations(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """`academus distill ...`: progress on stderr, the JSON summary as the last line of stdout."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    offline_hub()
     p = _parser()
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)

@@ -56,7 +56,7 @@ from academus.shared.models.plot.table import (
     read_manifest,
 )
 from academus.shared.models.tokenization import TeacherTokenizer
-from academus.shared.runtime.config import artifacts_dir
+from academus.shared.runtime.config import artifacts_dir, offline_hub
 from academus.shared.training.data import TASKS, DataMissing, data_dir, load_task
 
 MODELS = {"minilm": TEACHER_NAME}   # served name -> teacher checkpoint whose lower layers are tabled
@@ -351,7 +351,7 @@ def _head(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Progress bars on stderr; the JSON summary is the last line of stdout."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    offline_hub()
     args = _parser().parse_args(argv)
     try:
         if args.action == "info":

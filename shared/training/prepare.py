@@ -38,6 +38,7 @@ from academus.shared.models.model import (
 )
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.runtime.config import artifacts_dir as default_artifacts_dir
+from academus.shared.runtime.config import offline_hub
 from academus.shared.state.artifacts import ArtifactError, load_artifact, write_artifact
 from academus.shared.training.data import TASKS, DataMissing, Example, TaskData, fetch, load_task
 
@@ -358,7 +359,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Runs prepare; progress on stderr, the JSON summary as the last line of stdout."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    offline_hub()
     args = _parser().parse_args(argv)
     try:
         summary = prepare(args.artifacts or default_artifacts_dir(), args.data, tuple(args.task or TASKS),

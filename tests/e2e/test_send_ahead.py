@@ -45,7 +45,7 @@ def mesh(tmp_path_factory):
 
 
 def sent_ahead(state) -> float:
-    return metric(service(state, "scheduler").metrics_port, "academus_scheduler_sent_ahead")
+    return metric(service(state, "scheduler").metrics_port, "academus_scheduler_sent_ahead_total")
 
 
 def test_busy_groups_are_sent_their_next_element_and_every_request_is_answered(mesh):

@@ -1,18 +1,22 @@
 """The SDK retries UNAVAILABLE (nothing ran) within the deadline, on a multiplexed stream as the channel's
-retry policy does for a unary call, over real gRPC on loopback."""
+retry policy does for a unary call, and, asked to (`retry_overload`), an overloaded server's RESOURCE_EXHAUSTED
+after its pushback hint, over real gRPC on loopback."""
 
 from __future__ import annotations
+
+import asyncio
 
 import grpc
 import pytest
 
-from academus.client import AcademusError, AsyncClient
+from academus.client import AcademusError, AsyncClient, Client
 from academus.client.types import retry_wait
+from academus.shared.runtime.errors import PUSHBACK
 from academus.shared.runtime.multiplex import serve_multiplexed
 from academus.v1 import inference_pb2 as pb
 from academus.v1 import inference_pb2_grpc
 
-UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+UNAVAILABLE, EXHAUSTED = grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def test_the_retry_wait_follows_the_channels_policy():
@@ -26,25 +30,45 @@ def test_the_retry_wait_follows_the_channels_policy():
     assert retry_wait(UNAVAILABLE, 0, 0.02, pushback_ms=30) is None        # past the deadline
 
 
-class Flaky(inference_pb2_grpc.InferenceServicer):
-    """UNAVAILABLE for the first `failures` calls, then an answer."""
+def test_an_overload_is_retried_only_when_asked_and_only_after_its_pushback():
+    assert retry_wait(EXHAUSTED, 0, 5.0, pushback_ms=30, overload=True) == pytest.approx(0.03)
+    assert retry_wait(EXHAUSTED, 0, 5.0, pushback_ms=30) is None               # opt-in
+    assert retry_wait(EXHAUSTED, 0, 5.0, overload=True) is None               # no hint: e.g. a message too large
+    assert retry_wait(EXHAUSTED, 0, 5.0, pushback_ms=-1, overload=True) is None
+    assert retry_wait(EXHAUSTED, 0, 0.02, pushback_ms=30, overload=True) is None   # past the deadline
+    assert retry_wait(EXHAUSTED, 2, 5.0, pushback_ms=30, overload=True) is None    # three attempts in all
 
-    def __init__(self, failures: int) -> None:
-        self.failures, self.calls = failures, 0
+
+class Flaky(inference_pb2_grpc.InferenceServicer):
+    """`code` for the first `failures` calls (with a pushback hint of `pushback_ms` when given), then an answer."""
+
+    def __init__(self, failures: int, code: grpc.StatusCode = UNAVAILABLE, pushback_ms: int | None = None) -> None:
+        self.failures, self.code, self.pushback_ms, self.calls = failures, code, pushback_ms, 0
 
     async def Infer(self, request, context):
+        await self._fail_first(context)
+        return pb.InferResponse(model=request.model)
+
+    async def ListModels(self, request, context):
+        await self._fail_first(context)
+        return pb.ListModelsResponse(models=[pb.ModelInfo(name="spam", kind="classification", labels=["ham", "spam"])])
+
+    async def _fail_first(self, context) -> None:
         self.calls += 1
         if self.calls <= self.failures:
-            await context.abort(UNAVAILABLE, "the scheduler is gone; nothing ran")
-        return pb.InferResponse(model=request.model)
+            if self.pushback_ms is not None:
+                context.set_trailing_metadata(((PUSHBACK, str(self.pushback_ms)),))
+            await context.abort(self.code, "the scheduler is gone; nothing ran" if self.code == UNAVAILABLE
+                                else "every scheduler serving the model has a full queue")
 
 
 @pytest.fixture
 async def flaky():
     servers: list[grpc.aio.Server] = []
 
-    async def serve(failures: int) -> tuple[Flaky, str]:
-        servicer = Flaky(failures)
+    async def serve(failures: int, code: grpc.StatusCode = UNAVAILABLE,
+                    pushback_ms: int | None = None) -> tuple[Flaky, str]:
+        servicer = Flaky(failures, code, pushback_ms)
         server = grpc.aio.server()
         serve_multiplexed(server, lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(servicer, s))
         port = server.add_insecure_port("127.0.0.1:0")
@@ -68,3 +92,41 @@ async def test_unavailable_is_retried_within_the_deadline_on_a_stream_as_on_a_un
         with pytest.raises(AcademusError) as refused:
             await client.infer("spam", ["hi"])
     assert refused.value.code == "UNAVAILABLE" and servicer.calls == 3
+
+
+@pytest.mark.parametrize("streams", [False, True])
+async def test_an_overload_with_a_pushback_is_retried_after_it_when_asked(flaky, streams):
+    servicer, target = await flaky(failures=3, code=EXHAUSTED, pushback_ms=20)
+    async with AsyncClient(target, api_key="k", timeout=5.0, streams=streams) as client:
+        with pytest.raises(AcademusError) as refused:   # off by default
+            await client.infer("spam", ["hi"])
+    assert refused.value.code == "RESOURCE_EXHAUSTED" and servicer.calls == 1
+    async with AsyncClient(target, api_key="k", timeout=5.0, streams=streams, retry_overload=True) as client:
+        assert (await client.infer("spam", ["hi"])).model == "spam"   # refused twice more, then answered
+        assert [m.name for m in await client.list_models()] == ["spam"]
+    assert servicer.calls == 5
+
+
+@pytest.mark.parametrize("pushback_ms", [None, 60_000])
+async def test_an_overload_without_a_pushback_or_past_the_deadline_is_refused_at_once(flaky, pushback_ms):
+    """Not DEADLINE_EXCEEDED after sitting out the deadline, as the channel's own retry policy would answer."""
+    servicer, target = await flaky(failures=5, code=EXHAUSTED, pushback_ms=pushback_ms)
+    async with AsyncClient(target, api_key="k", timeout=5.0, retry_overload=True) as client:
+        with pytest.raises(AcademusError) as refused:
+            await client.infer("spam", ["hi"])
+    assert refused.value.code == "RESOURCE_EXHAUSTED" and servicer.calls == 1
+
+
+async def test_the_blocking_client_retries_an_overload_when_asked(flaky):
+    servicer, target = await flaky(failures=2, code=EXHAUSTED, pushback_ms=20)
+
+    def calls() -> tuple[str, list[str]]:   # in a thread: the server runs on this test's loop
+        with Client(target, api_key="k", timeout=5.0, retry_overload=True) as client:
+            return client.infer("spam", ["hi"]).model, [m.labels for m in client.list_models()]
+
+    assert await asyncio.to_thread(calls) == ("spam", [["ham", "spam"]])
+    assert servicer.calls == 4
+    servicer, target = await flaky(failures=1, code=EXHAUSTED, pushback_ms=20)
+    with Client(target, api_key="k", timeout=5.0) as client, pytest.raises(AcademusError) as refused:
+        await asyncio.to_thread(client.infer, "spam", ["hi"])
+    assert refused.value.code == "RESOURCE_EXHAUSTED" and servicer.calls == 1

@@ -247,8 +247,10 @@ def test_dockerfile_targets() -> None:
 def test_dockerfile_installs_torch_first_then_the_project() -> None:
     stages = _stages(DOCKERFILE)
     installs = [(s, i, run) for s in stages.values() for i, run in enumerate(s.runs) if "pip install" in run]
-    project = [(s, i) for s, i, run in installs if re.search(r"pip install\b[^&;|]*\s\.(\s|$)", run)]
-    assert len(project) == 1, "exactly one `pip install .`"
+    # the distribution's own dependencies are the client's: the services need its `server` extra
+    project = [(s, i) for s, i, run in installs
+               if re.search(r"pip install\b[^&;|]*\s[\"']?\.\[server\][\"']?(\s|$)", run)]
+    assert len(project) == 1, "exactly one `pip install .[server]`"
     stage, at = project[0]
     torch = [i for i, run in enumerate(stage.runs) if TORCH_PIN in run and "--index-url" in run]
     assert torch and torch[0] < at, f"stage {stage.name}: `{TORCH_PIN}` must be installed before the project"

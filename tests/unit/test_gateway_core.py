@@ -506,6 +506,25 @@ async def test_to_pb_gives_a_tenant_embedding_model_its_whole_row(tenants):
     assert list(response.predictions[0].embedding) == pytest.approx([0.5, -0.5, 0.5, -0.5])
 
 
+async def test_a_listing_shows_the_served_models_and_the_callers_own_only(tenants):
+    from academus.services.gateway.server import model_info_pb, tenant_model_info_pb
+    from academus.shared.state.tenants import TRAINING, TenantModel
+
+    gateway, registry, keys = tenants
+    await registry.register_model("b", TenantModel("draft", "gone-base", "draft", 1, ["x", "y"], status=TRAINING))
+    served, own = await gateway.list_models(keys["a"])
+    assert [m.name for m in served] == ["minilm", "spam"] and [m.name for m in own] == ["reviews", "vec"]
+    assert model_info_pb(served[1]).labels == ["ham", "spam"] and model_info_pb(served[1]).status == "ready"
+    reviews = tenant_model_info_pb(own[0], served[0])
+    assert (reviews.base, reviews.kind, list(reviews.labels), reviews.dim) == ("minilm", CLASSIFICATION,
+                                                                               ["neg", "neu", "pos"], 384)
+    _, theirs = await gateway.list_models(keys["b"])
+    draft = tenant_model_info_pb(theirs[0], None)   # its base is not served: no limits to give
+    assert [m.name for m in theirs] == ["draft"] and (draft.status, draft.dim, draft.max_tokens) == ("training", 0, 0)
+    with pytest.raises(Unauthenticated):
+        await gateway.list_models("wrong-key")
+
+
 async def deployments(redis_url, clock, honour_pushback=True):
     from academus.services.gateway.core import SchedulerDirectory
 

@@ -4,13 +4,17 @@ layer, and no modules import each other in a circle."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 LAYERS = ["runtime", "state", "models", "training", "cli"]
-CLIENT_MAY_IMPORT = {"runtime.errors"}  # the light client: grpcio and protobuf, nothing that needs torch
+# The light client: modules that import with grpcio and protobuf alone, and tracing only when OpenTelemetry is
+# installed (tests/e2e/test_light_client.py installs it alone).
+CLIENT_MAY_IMPORT = {"runtime.errors", "runtime.multiplex", "runtime.tracing"}
 
 
 def module_name(path: Path) -> str:
@@ -69,6 +73,33 @@ def test_the_client_imports_only_what_it_needs_from_the_runtime():
     extra = [f"{m} -> {t}" for m, ts in graph().items() if layer(m) == "client"
              for t in ts if layer(t) != "client" and t not in CLIENT_MAY_IMPORT]
     assert not extra, "the client SDK imports server code:\n" + "\n".join(extra)
+
+
+# Imports see only the standard library, grpcio (with its typing_extensions) and protobuf, as a client-only
+# install has them; the installed check is tests/e2e/test_light_client.py's.
+LIGHT_INSTALL = """
+import asyncio, sys
+ALLOWED = set(sys.stdlib_module_names) | {"grpc", "google", "typing_extensions", "academus"}
+
+class Missing:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] not in ALLOWED:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, Missing())
+from academus.client import AsyncClient, Client
+
+async def streams() -> None:
+    await AsyncClient("127.0.0.1:1", streams=True).close()
+
+Client("127.0.0.1:1").close()
+asyncio.run(streams())
+"""
+
+
+def test_the_client_imports_and_opens_its_channels_with_grpcio_and_protobuf_alone():
+    result = subprocess.run([sys.executable, "-c", LIGHT_INSTALL], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:

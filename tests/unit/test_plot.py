@@ -28,6 +28,7 @@ from academus.shared.models.plot.table import read_manifest
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.runtime.config import ConfigError, PlotConfig, load
 from academus.shared.training.plot_build import BuildOptions, build, count_ngrams, most_frequent, tokenize
+from tests.conftest import sample
 
 K = 3
 CLS, SEP, UNK = 101, 102, 100
@@ -234,11 +235,16 @@ def test_fallback_order_domain_root_bigram_unigram(store, lower, domain_lower, t
         close(unigrams[slot], framed_states(lower, [token])[0])
 
 
-def test_counts_say_which_level_answered(store, tokenizer):
+def test_counts_say_which_level_answered_and_the_windows_are_cache_hits_or_misses(store, tokenizer):
     seqs = [words(tokenizer, "the cat sat"), words(tokenizer, "committee approved the"),
             words(tokenizer, "red apple pie"), [CLS, SEP]]
+    hits = sample("academus_cache_hits_total", cache="plot")
+    misses = sample("academus_cache_misses_total", cache="plot")
     counts = store.lookup(np.concatenate(seqs), np.array([3, 3, 3, 2]), "spamlike").counts
     assert (counts.domain, counts.root, counts.backoff, counts.short) == (1, 1, 1, 1)
+    # a table answered the overlay's and the root's windows; the back-off window was a miss
+    assert sample("academus_cache_hits_total", cache="plot") == hits + 2
+    assert sample("academus_cache_misses_total", cache="plot") == misses + 1
 
 
 def test_oov_tokens_take_unk_and_invalid_ids_are_refused(store, lower, tokenizer):

@@ -7,6 +7,7 @@ import asyncio
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from academus.services.scheduler.core import Dispatcher, Group, Job, Member, WorkerLost, WorkerRef
 from academus.services.scheduler.policies import FifoPolicy, PaddedPolicy, StudentPolicy, make_policy
@@ -14,6 +15,7 @@ from academus.shared.runtime.errors import DeadlineExceeded, ResourceExhausted, 
 from academus.shared.runtime.multiplex import serve_multiplexed
 from academus.shared.runtime.serving import Stubs
 from academus.v1 import worker_pb2, worker_pb2_grpc
+from tests.conftest import sample
 
 
 class Clock:
@@ -56,6 +58,10 @@ def make_dispatcher(workers: dict[str, set[str]], capacity: int = 8, policy=None
 async def settle() -> None:
     for _ in range(5):
         await asyncio.sleep(0)
+
+
+def dropped(reason: str) -> float:
+    return sample("academus_scheduler_dropped_total", reason=reason)
 
 
 async def test_idle_worker_takes_job_at_once_and_result_returns():
@@ -134,6 +140,7 @@ async def test_full_queue_is_resource_exhausted_with_pushback():
 
 async def test_expired_job_is_answered_and_never_sent():
     d, clock, fake = make_dispatcher({"w0": {"spam"}})
+    expired = dropped("expired")
     running = asyncio.create_task(d.submit(make_job(clock, deadline_in=10)))
     late = asyncio.create_task(d.submit(make_job(clock, deadline_in=1, payload="late")))
     await settle()
@@ -144,7 +151,7 @@ async def test_expired_job_is_answered_and_never_sent():
         await late
     assert await running == "ok"
     assert [c[1].payload for c in fake.calls] == [None]
-    assert d.stats.expired == 1
+    assert d.stats.expired == 1 and dropped("expired") == expired + 1
 
 
 async def test_expire_waiting_answers_queued_jobs_without_a_free_worker():
@@ -162,6 +169,7 @@ async def test_expire_waiting_answers_queued_jobs_without_a_free_worker():
 
 async def test_cancelled_caller_is_skipped_and_cancels_downstream():
     d, clock, fake = make_dispatcher({"w0": {"spam"}})
+    cancelled = dropped("cancelled")
     running = asyncio.create_task(d.submit(make_job(clock)))
     waiting = asyncio.create_task(d.submit(make_job(clock, payload="gone")))
     await settle()
@@ -171,7 +179,7 @@ async def test_cancelled_caller_is_skipped_and_cancels_downstream():
     assert fake.calls[0][2].cancelled()  # the in-flight downstream call was cancelled too
     await settle()
     assert all(c[1].payload != "gone" for c in fake.calls)
-    assert d.stats.cancelled == 1
+    assert d.stats.cancelled == 1 and dropped("cancelled") == cancelled + 1
 
 
 async def test_a_batch_is_cancelled_downstream_only_once_every_caller_left():
@@ -345,6 +353,45 @@ async def test_padded_batches_only_same_key_and_caps_at_max_batch():
 def test_padded_rejects_bad_settings():
     with pytest.raises(ValueError, match="max_batch"):
         make_policy("padded", max_batch=0, max_delay_s=0.01)
+
+
+async def test_each_job_observes_its_queue_wait_once_at_its_first_dispatch():
+    """Seconds from admission to dispatch, by policy and model: none for the job that found the worker free,
+    the clock's 0.25 s for the one that waited for it; a retry after a lost worker is not observed again."""
+    d, clock, fake = make_dispatcher({"w0": {"waits"}, "w1": {"waits"}})
+    wait = {"policy": "fifo", "model": "waits"}
+    count, total = (sample(f"academus_scheduler_queue_wait_seconds_{part}", **wait) for part in ("count", "sum"))
+    tasks = [asyncio.create_task(d.submit(make_job(clock, model="waits", payload=i))) for i in range(3)]
+    await settle()
+    clock.now += 0.25
+    fake.calls[0][2].set_exception(WorkerLost("connection refused"))   # retried first on the other worker
+    await settle()
+    for i in range(1, 4):   # w1 runs the second job, the retried one, then the one that waited
+        fake.calls[i][2].set_result("r")
+        await settle()
+    assert await asyncio.gather(*tasks) == ["r"] * 3 and [c[0] for c in fake.calls] == ["w0", "w1", "w1", "w1"]
+    assert sample("academus_scheduler_queue_wait_seconds_count", **wait) == count + 3
+    assert sample("academus_scheduler_queue_wait_seconds_sum", **wait) == pytest.approx(total + 0.25)
+
+
+async def test_the_student_number_of_each_student_model_with_a_live_group_is_on_metrics():
+    """Set as the groups are formed from the resource manager's table (the S it adapts); a teacher model has
+    none, and a student model left without a live group here loses its series."""
+    from academus.services.scheduler.core import GroupTable, Member
+
+    d = Dispatcher(StudentPolicy(), FakeWorkers().send, 8, 25, Clock())
+    live = {"w0": ("127.0.0.1:0", frozenset({"s-number", "t-number"}), 2)}
+
+    def table(students: int) -> dict[str, GroupTable]:
+        return {"s-number": GroupTable("s-number", students, ((Member("w0", tuple(range(students))),),))}
+
+    d.update_workers(live, table(3))
+    assert REGISTRY.get_sample_value("academus_scheduler_student_number", {"model": "s-number"}) == 3
+    assert REGISTRY.get_sample_value("academus_scheduler_student_number", {"model": "t-number"}) is None
+    d.update_workers(live, table(2))   # adapted: the groups are re-formed with the new number
+    assert REGISTRY.get_sample_value("academus_scheduler_student_number", {"model": "s-number"}) == 2
+    d.update_workers({})               # its worker left
+    assert REGISTRY.get_sample_value("academus_scheduler_student_number", {"model": "s-number"}) is None
 
 
 # -- student groups across workers (eq. 6) and the `student` policy ------------------------------
@@ -522,6 +569,7 @@ async def test_model_load_reports_the_adaptation_signals():
 async def test_a_waiting_job_whose_batch_cannot_finish_in_time_is_not_started():
     d, clock, fake = make_dispatcher({"w0": {"spam"}})
     d.service_s["spam"], d.batch_texts["spam"] = 0.5, 1.0  # a one-text batch takes about 0.5 s
+    doomed_before = dropped("doomed")
     running = asyncio.create_task(d.submit(make_job(clock, payload="runs")))
     doomed = asyncio.create_task(d.submit(make_job(clock, deadline_in=0.7, payload="doomed")))
     later = asyncio.create_task(d.submit(make_job(clock, deadline_in=5.0, payload="later")))
@@ -532,6 +580,7 @@ async def test_a_waiting_job_whose_batch_cannot_finish_in_time_is_not_started():
     with pytest.raises(DeadlineExceeded, match=r"cannot finish in time.*not computed"):
         await doomed
     assert [c[1].payload for c in fake.calls] == ["runs", "later"] and d.stats.doomed == 1
+    assert dropped("doomed") == doomed_before + 1
     fake.calls[1][2].set_result("b")
     assert await asyncio.gather(running, later) == ["a", "b"]
 
@@ -568,6 +617,7 @@ async def test_without_drop_doomed_a_waiting_job_is_started_whatever_its_time_le
 
 async def test_send_ahead_gives_a_busy_group_its_next_element_and_counts_it_as_buffered():
     d, clock, fake = student_dispatcher([[("w0", (0,))], [("w1", (0,))]], capacity=1, students=1, send_ahead=True)
+    sent_ahead = sample("academus_scheduler_sent_ahead_total")
     first = [asyncio.create_task(d.submit(ss_job(clock, 10)))]
     clock.now += 0.001  # the second group's batch begins later: the first is expected to free first
     first.append(asyncio.create_task(d.submit(ss_job(clock, 20))))
@@ -579,6 +629,7 @@ async def test_send_ahead_gives_a_busy_group_its_next_element_and_counts_it_as_b
     assert [c[0] for c in fake.calls] == ["w0", "w1", "w0", "w1"]
     assert [[j.payload for j in b] for b in fake.batches[2:]] == [[30], [31]]
     assert [g.in_flight for g in d.groups] == [2, 2] and d.load()["idle"] == 0 and d.stats.sent_ahead == 2
+    assert sample("academus_scheduler_sent_ahead_total") == sent_ahead + 2
     assert d.model_load()["ss"] == {"groups": 2, "idle": 0, "busy": 2, "students": 1, "buffer": 4,
                                     "by_group": {"ss/g0": 1, "ss/g1": 1}}
     clock.now += 0.010
@@ -836,6 +887,6 @@ def test_a_shard_beyond_the_group_count_shares_a_group_rather_than_serve_nothing
 def test_a_shard_outside_its_count_is_refused_by_the_configuration():
     from academus.shared.runtime import config as cfg
 
-    with pytest.raises(cfg.ConfigError, match="ACADEMUS_SHARD=2 must be >= 0 and < ACADEMUS_SHARDS=2"):
+    with pytest.raises(cfg.ConfigError, match=r"ACADEMUS_SHARD=2 must be 0\.\.ACADEMUS_SHARDS-1"):
         cfg.load(cfg.SchedulerConfig, {"ACADEMUS_SHARD": "2", "ACADEMUS_SHARDS": "2"})
     assert cfg.load(cfg.SchedulerConfig, {"ACADEMUS_SHARD": "1", "ACADEMUS_SHARDS": "2"}).shard == 1

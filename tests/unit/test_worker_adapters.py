@@ -17,7 +17,7 @@ from academus.shared.models.adapters import AdapterWeights, encode_with_adapters
 from academus.shared.models.model import pad_batch, teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.runtime.errors import InvalidArgument, NotFound
-from tests.conftest import artifacts_path
+from tests.conftest import artifacts_path, sample
 
 TEXTS = ["a warm, funny and wholly unexpected film", "a dull mess", "the plot never quite lands"]
 
@@ -111,14 +111,20 @@ def test_later_layers_stream_in_while_the_batch_computes(runner):
     cache.close()
 
 
+def cache_counts(cache: str) -> tuple[float, float]:
+    return sample("academus_cache_hits_total", cache=cache), sample("academus_cache_misses_total", cache=cache)
+
+
 def test_the_cache_evicts_the_least_recently_used_beyond_its_budget_and_counts_hits(runner):
     adapters = {("t", f"m{i}", 1): trained_like(i, ["a", "b"]) for i in range(3)}
     one = sum(t.numel() * 4 for t in adapters[("t", "m0", 1)].tensors())
     cache = AdapterCache(Store(adapters), budget_bytes=int(2.5 * one))
+    hits, misses = cache_counts("adapter")
     for key in [("t", "m0", 1), ("t", "m1", 1), ("t", "m0", 1), ("t", "m2", 1)]:
         asyncio.run(cache.acquire([key], None))
         cache._entries[key].complete.result(5)
     assert cache.stats()["hits"] == 1 and cache.stats()["misses"] == 3
+    assert cache_counts("adapter") == (hits + 1, misses + 3)   # and so on /metrics
     assert set(cache._entries) == {("t", "m0", 1), ("t", "m2", 1)}     # m1 was least recently used
     assert cache.bytes == 2 * one                                      # the running total, after an eviction
     cache.forget(("t", "m0", 1))

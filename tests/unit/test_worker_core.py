@@ -17,6 +17,7 @@ from academus.shared.runtime.config import artifacts_dir
 from academus.shared.runtime.errors import DeadlineExceeded, InvalidArgument, NotFound
 from academus.shared.state.catalogue import ModelSpec
 from academus.shared.training.prepare import write_catalogue
+from tests.conftest import sample
 
 
 class SteppingClock:
@@ -114,6 +115,24 @@ def test_unknown_model_in_catalogue_names_prepare(tmp_path):
     (tmp_path / "models.json").write_text("{}")
     with pytest.raises(NotFound, match="academus prepare"):
         ModelRunner(tmp_path, ["spam"])
+
+
+def batch_observations(model: str) -> list[float]:
+    """The batch size and padding ratio histograms' count and sum for `model`."""
+    return [sample(f"academus_worker_{name}_{part}", model=model)
+            for name in ("batch_size_texts", "padding_ratio") for part in ("count", "sum")]
+
+
+def test_each_batch_observes_its_size_and_padding_ratio_padded_or_packed(runner):
+    """One observation a batch: its texts, and the share of its computed token positions that held none."""
+    ids, lengths = [101, 7, 8, 102, 101, 102, 101, 102], [4, 2, 2]   # padded: 3 x 4 positions, 4 of them padding
+    before = batch_observations("minilm")
+    runner.run("minilm", OUTPUT_EMBEDDING, ids, lengths)
+    runner.run("minilm", OUTPUT_EMBEDDING, ids, lengths, plan=PackingPlan.concat([[0], [1, 2]], 8))   # 2 full rows
+    with pytest.raises(InvalidArgument):
+        runner.run("minilm", OUTPUT_PROBS, ids, lengths)   # refused: not a batch run
+    after = batch_observations("minilm")
+    assert [a - b for a, b in zip(after, before, strict=True)] == [2, 6, 2, pytest.approx(1 / 3)]
 
 
 TEXTS = ["free money!!! click here", "see you at the standup", "ok",

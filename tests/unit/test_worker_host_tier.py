@@ -17,7 +17,7 @@ from academus.shared.models.adapters import AdapterWeights
 from academus.shared.runtime.errors import NotFound, ResourceExhausted
 from academus.shared.state.keys import Keys
 from academus.shared.state.tenants import FAILED, TenantModel, TenantRegistry
-from tests.unit.test_worker_adapters import TEXTS, direct, runner, tokens, trained_like  # noqa: F401
+from tests.unit.test_worker_adapters import TEXTS, cache_counts, direct, runner, tokens, trained_like  # noqa: F401
 
 LABELS = ["neg", "pos"]
 
@@ -44,6 +44,7 @@ def test_pieces_come_from_host_memory_once_the_whole_adapter_is_there():
     store = WholeStore(stored)
     host = HostAdapters(store, budget_bytes=1 << 30)
     key = ("t0", "m", 1)
+    hits, misses = cache_counts("adapter_host")
     first = host(key, [3], True)
     later = host(key, [5], False)
     assert store.calls == [[(key, (), True)]]                      # one whole-file fetch, then none
@@ -51,6 +52,7 @@ def test_pieces_come_from_host_memory_once_the_whole_adapter_is_there():
     assert set(later.layers) == {5} and later.head_weight is None
     assert (later.layers[5]["up.weight"] == stored[key].layers[5]["up.weight"]).all()
     assert host.stats()["host_hits"] == 1 and host.stats()["host_misses"] == 1
+    assert cache_counts("adapter_host") == (hits + 1, misses + 1)
 
 
 def test_a_batchs_misses_are_fetched_whole_in_calls_of_batch_and_one_missing_fails_alone():

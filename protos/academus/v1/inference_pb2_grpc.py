@@ -39,6 +39,11 @@ class InferenceStub:
                 request_serializer=academus_dot_v1_dot_inference__pb2.InferRequest.SerializeToString,
                 response_deserializer=academus_dot_v1_dot_inference__pb2.InferResponse.FromString,
                 _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/academus.v1.Inference/ListModels',
+                request_serializer=academus_dot_v1_dot_inference__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=academus_dot_v1_dot_inference__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -50,6 +55,13 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListModels(self, request, context):
+        """Any key: the served models and the caller's own tenant models (never another tenant's).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -57,6 +69,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Infer,
                     request_deserializer=academus_dot_v1_dot_inference__pb2.InferRequest.FromString,
                     response_serializer=academus_dot_v1_dot_inference__pb2.InferResponse.SerializeToString,
+            ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=academus_dot_v1_dot_inference__pb2.ListModelsRequest.FromString,
+                    response_serializer=academus_dot_v1_dot_inference__pb2.ListModelsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +103,33 @@ class Inference:
             '/academus.v1.Inference/Infer',
             academus_dot_v1_dot_inference__pb2.InferRequest.SerializeToString,
             academus_dot_v1_dot_inference__pb2.InferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/academus.v1.Inference/ListModels',
+            academus_dot_v1_dot_inference__pb2.ListModelsRequest.SerializeToString,
+            academus_dot_v1_dot_inference__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,

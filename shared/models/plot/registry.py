@@ -4,6 +4,7 @@ joins the acd:plots set; clients (the scheduler's prefetch, plot_bench) list the
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -56,14 +57,14 @@ class PlotRegistration:
             try:
                 await self.register(self.address)
             except Exception as e:  # Redis away: keep serving, the next beat re-registers
-                log_event("heartbeat_failed", error=repr(e))
+                log_event("heartbeat_failed", logging.WARNING, error=repr(e))
 
     async def deregister(self) -> None:
         try:
             await self.redis.srem(self.keys.plots(), self.plot_id)
             await self.redis.delete(self.keys.plot(self.plot_id))
         except Exception as e:  # the TTL removes the entry anyway
-            log_event("deregister_failed", error=repr(e))
+            log_event("deregister_failed", logging.WARNING, error=repr(e))
 
 
 async def live_plot_services(redis: aioredis.Redis, keys: Keys, model: str = "", lower_layers: int = 0,

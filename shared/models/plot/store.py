@@ -45,10 +45,14 @@ from academus.shared.models.plot.table import (
     window_table,
 )
 from academus.shared.runtime.logs import log_event
+from academus.shared.runtime.metrics import CACHE_HITS, CACHE_MISSES
 
 DOMAINS_DIR = "domains"
 SLOT_WEIGHTS = (1.0, 4.0, 1.0)      # left, centre, right slot of a trigram window (see above)
 DEFAULT_SLOT_WEIGHTS = {3: SLOT_WEIGHTS, 2: (1.0, 1.0)}   # n -> the slot weights of an n-gram window
+# Full windows a table answered (domain overlay or root) and those rebuilt from shorter n-grams (back-off),
+# wherever the lookup runs: the plot service, or a worker serving a PLOT model in process.
+WINDOW_HITS, WINDOW_MISSES = CACHE_HITS.labels("plot"), CACHE_MISSES.labels("plot")
 
 
 class InvalidTokens(PlotError):
@@ -225,6 +229,8 @@ class PlotStore:
                 total[starts + j] += weight * states[:, j]
                 weights[starts + j] += weight
         counts.unknown_tokens = int((self.root.tables["unigram"].find(pack(ids[:, None])) < 0).sum())
+        WINDOW_HITS.inc(counts.domain + counts.root)
+        WINDOW_MISSES.inc(counts.backoff)
         total /= weights[:, None]
         return Lookup(total, lengths, counts)
 
