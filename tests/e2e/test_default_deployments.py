@@ -14,6 +14,7 @@ import pytest
 from academus.client import Client
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, MeshOptions, MeshState, down, up
 from tests.conftest import small_student_artifacts
+from tests.e2e.conftest import metric
 
 pytestmark = pytest.mark.e2e
 
@@ -59,5 +60,7 @@ def test_each_answer_names_the_policy_its_model_is_deployed_with(default_mesh, a
         students = client.infer(student_model, ["a warm, funny and moving film"])
     assert teacher.metadata.policy == "concat"
     assert students.metadata.policy == "student"
+    student_scheduler = next(s for s in default_mesh.services if s.name == "scheduler")   # the first deployment
+    assert metric(student_scheduler.metrics_port, "academus_scheduler_student_number", model=student_model) >= 1
     assert teacher.predictions[0].label in catalogue[teacher_model]["labels"]
     assert students.predictions[0].label in catalogue[student_model]["labels"]

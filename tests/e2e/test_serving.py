@@ -280,6 +280,19 @@ def test_every_service_froze_its_start_up_heap_and_times_its_collections(mesh, a
     assert collections > 0, "serving 20 requests allocates enough for the collector to run, and be timed"
 
 
+def test_the_design_metrics_are_on_the_scheduler_and_worker_endpoints(mesh, admin_key):
+    """DESIGN §6 after requests: queue wait, batch size and padding ratio, cache hits (the student number:
+    test_default_deployments.py, whose mesh has a student group)."""
+    scheduler, worker = service(mesh, "scheduler").metrics_port, service(mesh, "worker-0").metrics_port
+    with Client(mesh.gateway, api_key=admin_key) as client:
+        client.infer("spam", TEXTS[:2])   # two texts of different lengths: one padded batch
+    assert metric(scheduler, "academus_scheduler_queue_wait_seconds_count", policy="fifo", model="spam") >= 1
+    assert metric(worker, "academus_worker_batch_size_texts_sum", model="spam") >= 2
+    assert metric(worker, "academus_worker_padding_ratio_sum", model="spam") > 0
+    names = {s.name for s in scrape(worker) if s.labels.get("cache") == "adapter"}
+    assert names >= {"academus_cache_hits_total", "academus_cache_misses_total"}
+
+
 def test_expired_request_is_answered_and_never_computed(mesh, admin_key):
     worker = service(mesh, "worker-0")
     scheduler = service(mesh, "scheduler")
@@ -305,8 +318,8 @@ def test_expired_request_is_answered_and_never_computed(mesh, admin_key):
     time.sleep(1.0)
     after = metric(worker.metrics_port, "academus_worker_batches_total", model="spam")
     assert after - before == 1, "the expired request must not be computed"
-    dropped = metric(scheduler.metrics_port, "academus_scheduler_dropped", reason="cancelled") + metric(
-        scheduler.metrics_port, "academus_scheduler_dropped", reason="expired")
+    dropped = metric(scheduler.metrics_port, "academus_scheduler_dropped_total", reason="cancelled") + metric(
+        scheduler.metrics_port, "academus_scheduler_dropped_total", reason="expired")
     assert dropped >= 1
 
 
