@@ -29,6 +29,7 @@ import contextlib
 import logging
 import os
 import secrets
+import socket
 import struct
 import tempfile
 from collections.abc import Callable
@@ -85,6 +86,26 @@ def socket_dir(configured: str = "") -> Path:
     return Path(configured) if configured else Path(tempfile.gettempdir()) / f"academus-{os.getuid()}"
 
 
+def remove_stale_sockets(folder: Path) -> list[Path]:
+    """Unlinks the sockets in `folder` that no process listens on: what a killed service left (its `stop`
+    never ran). A socket is judged by connecting, not by the pid in its name: the folder may be shared by
+    containers whose pids this process cannot see."""
+    removed = []
+    for path in folder.glob("*.sock"):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except ConnectionRefusedError:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed.append(path)
+        except OSError:
+            pass   # not ours to judge (permissions, not a socket)
+        finally:
+            probe.close()
+    return removed
+
+
 def pack(message: bytes) -> bytes:
     return HEADER.pack(len(message)) + message
 
@@ -137,6 +158,7 @@ class LocalPlane:
     async def start(self) -> LocalEndpoint:
         folder = Path(self.endpoint.path).parent
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        remove_stale_sockets(folder)
         self._server = await asyncio.get_running_loop().create_unix_server(
             lambda: _ServedConnection(self), self.endpoint.path)
         os.chmod(self.endpoint.path, 0o600)   # the node's other users cannot call in

@@ -29,6 +29,7 @@ from academus.shared.runtime.local_plane import (
     MessageBuffer,
     open_local,
     pack,
+    remove_stale_sockets,
     socket_dir,
 )
 from academus.shared.runtime.multiplex import (
@@ -688,3 +689,24 @@ async def test_a_plane_the_caller_cannot_reach_leaves_its_calls_on_grpc(mux):
         assert not channel.is_local and channel._unreachable == {mux.servicer.local_endpoint}
     finally:
         await channel.close()
+
+
+def test_a_socket_no_process_listens_on_is_removed_and_one_listened_on_stays(tmp_path):
+    """What a killed service leaves behind goes; a socket someone listens on stays, whatever its name."""
+    import socket
+
+    stale, live = tmp_path / "worker-999999-dead.sock", tmp_path / "scheduler-1-alive.sock"
+    for path in (stale, live):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(str(path))
+        if path == live:
+            s.listen()
+            listening = s
+        else:
+            s.close()   # the file stays, with no listener: what kill -9 leaves
+    try:
+        assert remove_stale_sockets(tmp_path) == [stale]
+        assert not stale.exists() and live.exists()
+        assert remove_stale_sockets(tmp_path) == []
+    finally:
+        listening.close()
