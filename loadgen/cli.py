@@ -56,7 +56,7 @@ def add_load_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--procs", type=int, default=1, help="load-generator processes sharing each run's load "
                                                         "(one sends about 1000 req/s; see loadgen/shares.py)")
     s.add_argument("--streams", action="store_true", help="requests ride one multiplexed stream a process")
-    s.add_argument("--out", type=Path, default=Path("loadgen-out"))
+    s.add_argument("--out", type=Path, default=Path(".academus/results/loadgen"))
     s.add_argument("--gateway", help="host:port[,host:port...]: requests go to each in turn (default: the local "
                                      "mesh's gateways)")
     s.add_argument("--key", help="API key (default: the local admin key)")

@@ -1,6 +1,6 @@
 """ConcatBatching + DAS benchmarks (issue 5): one local mesh, every policy a deployment over the same worker.
 
-    python -m academus.loadgen.concat_bench --out bench/concat [--duration 12] [--rate 200] [--timeout 2]
+    python -m academus.loadgen.concat_bench --out .academus/results/concat [--duration 12] [--rate 200] [--timeout 2]
 
 Deployments (all serving the teacher models): padded, concat (DAS), concat-slotted, bucketed, and the
 row-fill baselines concat-fcfs, concat-sjf, concat-edf. Each step is one `academus loadgen compare`
@@ -139,7 +139,7 @@ def summarise(results: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m academus.loadgen.concat_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("bench/concat"))
+    p.add_argument("--out", type=Path, default=Path(".academus/results/concat"))
     p.add_argument("--duration", type=float, default=12.0)
     p.add_argument("--rate", type=float, default=200.0, help="offered Poisson rate (req/s), above capacity")
     p.add_argument("--sweep", type=lambda v: [float(x) for x in v.split(",") if x], default=[],

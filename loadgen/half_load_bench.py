@@ -1,7 +1,7 @@
 """Issue 4 (a) with one serving setting on and off: the half-load comparison, interleaved on fresh meshes.
 
     python -m academus.loadgen.half_load_bench --rate 35 --ablate NAME [--rounds 3]
-                                               [--duration 30] [--out bench/half_load]
+                                               [--duration 30] [--out .academus/results/half_load]
 
 `--ablate gc_freeze`: the services' start-up heap frozen out of the cyclic collector (ACADEMUS_GC_FREEZE
 true / false). `compute_sched`: the workers' compute threads under SCHED_IDLE or the default policy
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--other-artifacts", type=Path, default=None, help="--ablate artifacts: the other arm's models")
     add_mesh_options(p)
-    p.add_argument("--out", type=Path, default=Path("bench/half_load"))
+    p.add_argument("--out", type=Path, default=Path(".academus/results/half_load"))
     return run_bench(p, run, argv)
 
 

@@ -1,6 +1,7 @@
 """Where the work goes under overload (issue 4 (c)): one deployment alone, an open loop past its capacity.
 
-    python -m academus.loadgen.overload_bench --rate 210 [--model sentiment --policy padded] [--out bench/overload]
+    python -m academus.loadgen.overload_bench --rate 210 [--model sentiment --policy padded]
+        [--out .academus/results/overload]
     python -m academus.loadgen.overload_bench --concurrency 64 --streams --ablate frame_batches ...
 
 Runs twice on the same schedule, each on a fresh mesh: with a setting on (the default) and off (the
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1, help="the pair of runs this many times, the order alternating")
     p.add_argument("--ablate", choices=sorted([*ABLATIONS, "shards"]), default="drop_doomed",
                    help="the setting the second run switches off (default: drop_doomed)")
-    p.add_argument("--out", type=Path, default=Path("bench/overload"))
+    p.add_argument("--out", type=Path, default=Path(".academus/results/overload"))
     return run_bench(p, run, argv)
 
 

@@ -3,7 +3,7 @@ and a worker while `academus loadgen` sends Poisson traffic to one deployment (i
 students' hops and capacity on CPU).
 
     python -m academus.loadgen.serving_profile [--model sentiment-students --policy student]
-                                               [--rate 150] [--seconds 20] [--out bench/profile]
+                                               [--rate 150] [--seconds 20] [--out .academus/results/serving_profile]
 
 Needs py-spy on the PATH (the dev extras install it; the services do not need it). Each sample is
 put in one class by its stack, with full file names (py-spy sees Python frames only; C code is charged
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=20.0, help="how long each process is sampled")
     p.add_argument("--warmup", type=float, default=4.0, help="seconds of load before sampling starts")
     p.add_argument("--services", default="gateway,scheduler,worker-0", type=lambda s: s.split(","))
-    p.add_argument("--out", type=Path, default=Path("bench/profile"))
+    p.add_argument("--out", type=Path, default=Path(".academus/results/serving_profile"))
     return run_bench(p, run, argv)
 
 

@@ -3,7 +3,7 @@ against the transport floors of three bare hops, in one run.
 
     python -m academus.loadgen.stack_bench [--model null] [--rounds 3] [--requests 1000] [--callers 64 256]
                                            [--duration 10] [--procs 2] [--arms grpc=ACADEMUS_LOCAL_PLANE=0 ...]
-                                           [--out bench/stack]
+                                           [--out .academus/results/stack]
 
 Each round measures the floors once, then each arm on a fresh mesh (the order alternates between rounds,
 so drift of the machine falls on every arm): one worker, one gateway, the default deployment, the model
@@ -448,7 +448,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--arms", type=parse_arm, nargs="+", default=[parse_arm(a) for a in DEFAULT_ARMS],
                    help="NAME=ENV=VALUE[,ENV=VALUE...]: each arm's settings for every service; the first is the "
                         "baseline")
-    p.add_argument("--out", type=Path, default=Path("bench/stack"))
+    p.add_argument("--out", type=Path, default=Path(".academus/results/stack"))
     for hidden in ("--share", "--run-dir", "--start-at", "--result", "--rate"):   # a load-generator process's
         p.add_argument(hidden, help=argparse.SUPPRESS)
     return p

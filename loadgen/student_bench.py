@@ -1,6 +1,6 @@
 """Student parallelism benchmarks (issue 4): one local mesh, every run against the same schedules.
 
-    python -m academus.loadgen.student_bench --out bench/student [--duration 30] [--workers 2]
+    python -m academus.loadgen.student_bench --out .academus/results/student [--duration 30] [--workers 2]
 
 Deployments: `student` for `<task>-students`, `padded` for the teacher `<task>` and the single 2-layer
 baseline `<task>-2l`. Steps, each an `academus loadgen` invocation whose report lands under --out:
@@ -69,7 +69,7 @@ def run_options(args: argparse.Namespace, timeout_s: float | None = None, procs:
 def burst_procs(procs: int, peak_rps: float) -> int:
     """Load-generator processes for a peak rate: --procs, or more where each would send more than
     SENDS_A_PROCESS a second (on an H200, four sending 5643 req/s fell 26 ms behind at p99, eight kept
-    to the schedule: `send_late_ms`, loadgen/results/gpu_h200/bursts_stop28/)."""
+    to the schedule: `send_late_ms`, docs/benchmarks/students.md)."""
     return max(procs, math.ceil(peak_rps / SENDS_A_PROCESS))
 
 
@@ -222,7 +222,7 @@ def add_mesh_options(p: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m academus.loadgen.student_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("bench/student"))
+    p.add_argument("--out", type=Path, default=Path(".academus/results/student"))
     add_mesh_options(p)
     p.add_argument("--concurrency", type=int, default=64, help="callers of the closed-loop capacity runs")
     p.add_argument("--window", type=float, default=5.0, help="quiet window before a student is added back (s)")

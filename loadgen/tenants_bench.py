@@ -2,7 +2,7 @@
 served from one base as the number of tenants grows, each tenant with its own adapter trained on a
 bootstrap subset of the sentiment data (HMI §7.1), requests spread uniformly or Zipf over tenants.
 
-    python -m academus.loadgen.tenants_bench --tenants 1,10,100,1000,10000 --out bench/tenants
+    python -m academus.loadgen.tenants_bench --tenants 1,10,100,1000,10000 --out .academus/results/tenants
 
 For each tenant count: a fresh mesh (`academus up`: real processes, real Redis), N tenants created
 with the registry, their adapters put in the adapter store, a wait until the worker's host tier has
@@ -362,7 +362,7 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds to wait for the worker's host tier to load every adapter before the runs")
     p.add_argument("--adapters-file", type=Path, default=None, help="save the trained set here / reuse it")
     p.add_argument("--train-only", action="store_true", help="train (and save) the adapters, then stop")
-    p.add_argument("--out", type=Path, default=Path("bench/tenants"))
+    p.add_argument("--out", type=Path, default=Path(".academus/results/tenants"))
     return p
 
 

@@ -167,7 +167,7 @@ class StudentPolicy(DispatchPolicy):
     `max_merge` a group) waits beyond the buffer, elements grow to `overload_merge` samples. Those samples
     wait for running elements either way, and one call of eight costs a CPU worker less than two of four
     (fewer hops, larger matmuls): at capacity on two cores the students served 1.17-1.19x as many requests,
-    at lower latency (loadgen/results/students/README.md). Short of that the paper's `max_merge` holds, so
+    at lower latency (docs/benchmarks/scheduling.md). Short of that the paper's `max_merge` holds, so
     a sample that meets a brief cluster of arrivals does not wait on a larger batch (with the bound raised
     whenever the buffer was full, the students' p95 at half load rose by 2 ms). `overload_merge` equal to
     `max_merge` is the paper's buffer exactly (the ablation).

@@ -22,7 +22,7 @@ A request longer than its slot is never truncated: alone in its slot it runs as 
 own length (`allow_oversize=True`, the default); shared with others, or with `allow_oversize=False`,
 `pack` raises `ValueError` so the caller can reject it.
 
-Two attention implementations, equal within float rounding, measured by `loadgen/packing_bench.py`:
+Two attention implementations, equal within float rounding, measured by `loadgen/probes/packing_bench.py`:
 `"hf"` runs the HF BertLayer modules on the padded slot tensor with a 4-D additive block-diagonal
 mask; `"sdpa"` is our own layer over the same HF weights: the token-wise parts run on the real tokens
 only (a flat [T, H] layout, padding-free like TEI's `cu_seq_lengths`), and only attention scatters

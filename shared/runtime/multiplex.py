@@ -31,14 +31,14 @@ writer waits on HTTP/2 flow control) does not send it at all.
 
 A frame is written whole before the next one, so a large request (a PLOT-state batch is megabytes) would
 hold up every small call behind it: a request past `max_frame_bytes` goes as a unary call of its own,
-which HTTP/2 interleaves with the stream (`python -m academus.loadgen.frame_hol`). A reply cannot leave
+which HTTP/2 interleaves with the stream (`python -m academus.loadgen.probes.frame_hol`). A reply cannot leave
 the stream (the server answers a frame with frames), so one past the caller's `max_frame_bytes`, which the
 caller sends in the stream's metadata, comes in pieces of that size (`ReplyFrame.more`), and replies that
 wait go between them (`frame_hol --replies`). A caller that sends no size gets every reply whole.
 
 A message costs gRPC about the same CPU whatever it holds: a frame and its reply took 189 us of CPU at
 both ends on loopback here, 35 us a frame when eight shared each message (`python -m
-academus.loadgen.frame_batches`, loadgen/results/hops/frame_batches.json). So frames that wait for the
+academus.loadgen.probes.frame_batches`, docs/benchmarks/hops.md). So frames that wait for the
 stream together (written while the last message was in flight, or queued in the same turn of the loop) go
 as one message (`CallFrame.batch`), and so do replies ready together (`ReplyFrame.batch`: the answers to a
 merged element): up to 64 frames whose payloads fit `max_frame_bytes` (64 KiB at most; the first frame goes
@@ -490,7 +490,7 @@ def unrun_reply(frame: multiplex_pb2.CallFrame, context: FrameContext) -> multip
     caller has given up); or it waited at least half of its timeout, and MIN_BACKLOG_S, before its handler
     could start, RESOURCE_EXHAUSTED: this server is behind, and what is left must cover the handler and
     the reply's way back through the same backlog (served, such frames came back late:
-    `loadgen/stream_backlog.py`)."""
+    `loadgen/probes/stream_backlog.py`)."""
     remaining = context.time_remaining()
     if remaining is None:
         return None

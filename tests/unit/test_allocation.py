@@ -180,7 +180,7 @@ case "$cmd" in get_server_list) echo 4242;; "get_client_list 4242") printf "101\
 
 
 def test_start_mps_asks_the_daemon_and_starts_it_only_when_none_answers(tmp_path, monkeypatch):
-    from academus.loadgen.mps_check import mps_servers
+    from academus.loadgen.probes.mps_check import mps_servers
 
     binary = tmp_path / "nvidia-cuda-mps-control"
     binary.write_text(FAKE_MPS_CONTROL)
@@ -198,7 +198,7 @@ def test_mps_check_reads_the_control_daemons_pids_and_each_workers_real_environm
     import subprocess
     import sys
 
-    from academus.loadgen.mps_check import logged_events, pids, process_env
+    from academus.loadgen.probes.mps_check import logged_events, pids, process_env
 
     assert pids("1234\n5678\n") == [1234, 5678]
     assert pids("") == [] and pids("Server 77 ready") == [77]

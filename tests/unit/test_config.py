@@ -29,7 +29,7 @@ def test_bad_values_name_the_variable(cls, env, message):
     ("0", False, False),
 ])
 def test_the_start_up_profile_runs_by_default_on_a_gpu_only(setting, on_cpu, on_gpu):
-    """On a GPU the profile pays (the H200 ran 16 merged samples within 1.5x one sample's batch time, stop 30);
-    on CPU it would only lengthen the start."""
+    """On a GPU the profile pays (the H200 ran 16 merged samples within 1.5x one sample's batch time: 2026-11-27,
+    a3cc8db, docs/benchmarks/students.md); on CPU it would only lengthen the start."""
     config = load(WorkerConfig, {} if setting is None else {"ACADEMUS_PROFILE": setting})
     assert (config.profiles(cuda=False), config.profiles(cuda=True)) == (on_cpu, on_gpu)

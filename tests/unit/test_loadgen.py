@@ -282,7 +282,7 @@ def test_timeline_plot_is_written(tmp_path):
 
 
 def test_embedding_student_variants_change_one_thing_each():
-    from academus.loadgen.embedding_student_bench import VARIANTS, variant_config
+    from academus.loadgen.probes.embedding_student_bench import VARIANTS, variant_config
 
     base = variant_config("base")
     assert base.max_students == 1 and base.boost_epochs == 1.0 and base.layers == 2
@@ -454,7 +454,7 @@ def test_grpc_core_refuses_calls_past_its_pending_limit_as_cancelled():
     pending limit, end CANCELLED with no message of the server's; under the limit, every call is served."""
     import asyncio
 
-    from academus.loadgen.grpc_backlog import measure
+    from academus.loadgen.probes.grpc_backlog import measure
 
     assert asyncio.run(measure(40, 0.2))["codes"] == {"OK": 40}
     flooded = asyncio.run(measure(300, 0.5, pending_limit=20))
@@ -467,7 +467,7 @@ def test_grpc_core_refuses_calls_past_its_pending_limit_as_cancelled():
 def test_an_overloaded_stream_server_refuses_stamped_frames_that_waited_half_their_timeout():
     """stream_backlog's stamped arm at five times the server's capacity: the frames that waited half of
     their timeout are refused unrun, every other one runs its handler and is answered, none is lost."""
-    from academus.loadgen.stream_backlog import run_arm
+    from academus.loadgen.probes.stream_backlog import run_arm
 
     arm = run_arm(True, cost_s=0.005, rate=1000.0, duration_s=1.0, timeout_s=0.2)
     assert arm["sent"] == 1000 and "unanswered" not in arm
@@ -479,7 +479,7 @@ def test_an_overloaded_stream_server_refuses_stamped_frames_that_waited_half_the
 def test_a_client_honouring_the_backlogs_pushback_holds_off_what_falls_due_and_loses_nothing():
     """stream_backlog's honouring arm: after a refusal the client sends nothing for the hint (1000 ms, the
     old cap, here longer than the run), so the frames due then are held off, and every frame is accounted."""
-    from academus.loadgen.stream_backlog import run_arm
+    from academus.loadgen.probes.stream_backlog import run_arm
 
     arm = run_arm(True, cost_s=0.005, rate=1000.0, duration_s=1.0, timeout_s=0.2, pushback_cap_ms=1000)
     assert arm["honour_pushback"] and arm["pushback_cap_ms"] == 1000 and "unanswered" not in arm
@@ -490,7 +490,7 @@ def test_a_client_honouring_the_backlogs_pushback_holds_off_what_falls_due_and_l
 def test_a_client_reacting_once_a_round_trip_is_not_held_off_again_by_its_stale_backlog():
     """stream_backlog's hold-off rules: every refusal renews the hold-off (the gateway's), or, once a round
     trip, only the refusal of a frame sent since the hold-off began."""
-    from academus.loadgen.stream_backlog import ClientHoldOff
+    from academus.loadgen.probes.stream_backlog import ClientHoldOff
 
     renewing, once = ClientHoldOff(), ClientHoldOff(once_a_round_trip=True)
     for hold in (renewing, once):

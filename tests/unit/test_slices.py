@@ -71,11 +71,11 @@ def test_the_hop_slice_is_opt_in_and_checked_against_the_kernels_range() -> None
 
 @slices_shown
 def test_the_wake_probe_measures_both_slices(tmp_path) -> None:
-    """`python -m academus.loadgen.wake_probe`, shortened (a process of its own: it starts a session and
+    """`python -m academus.loadgen.probes.wake_probe`, shortened (a process of its own: it starts a session and
     spinners): a row a slice, each its own wake-up delays."""
     out = tmp_path / "probe.json"
-    done = subprocess.run([sys.executable, "-m", "academus.loadgen.wake_probe", "--wakes", "40", "--work-ms", "0.1",
-                           "--out", str(out)], capture_output=True, text=True, timeout=120, check=True)
+    probe = [sys.executable, "-m", "academus.loadgen.probes.wake_probe", "--wakes", "40", "--work-ms", "0.1"]
+    done = subprocess.run([*probe, "--out", str(out)], capture_output=True, text=True, timeout=120, check=True)
     rows = json.loads(out.read_text())["rows"]
     assert [r["slice_us"] for r in rows] == [0, 100]
     assert all(0 <= r["p50_ms"] <= r["p95_ms"] <= r["p99_ms"] <= r["max_ms"] for r in rows), rows

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from academus.loadgen.adapters_bench import perturbed_adapter
+from academus.loadgen.probes.adapters_bench import perturbed_adapter
 from academus.services.worker.adapters import AdapterCache, AdapterKey
 from academus.services.worker.core import OUTPUT_EMBEDDING, OUTPUT_PROBS, ModelRunner
 from academus.shared.models.adapters import AdapterWeights, encode_with_adapters
