@@ -41,12 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(tempfile.mkdtemp(prefix="academus-demo-"))
     print(f"\nstarting the mesh in {run_dir} ...", flush=True)
     # every request traced (the default is 1 in 100): the demo prints one request's trace
-    state = up(MeshOptions(run_dir=run_dir, artifacts=args.artifacts, gateway_port=0,
+    state = up(MeshOptions(run_dir=run_dir, artifacts=args.artifacts, gateway_port=0, tls=args.tls,
                            env={"OTEL_BSP_SCHEDULE_DELAY": "100", "ACADEMUS_TRACE_RATIO": "1"}))
     try:
         show_mesh(run_dir)
         key = (run_dir / ADMIN_KEY_FILE).read_text().strip()
-        with Client(state.gateway, api_key=key) as client:
+        with Client(state.gateway, api_key=key, root_certificates=trusted(state)) as client:
             show_results(client)
         runs = asyncio.run(compare(state, key, args))
         show_comparison(runs, notes, args.out or run_dir)
@@ -66,7 +66,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, default=8.0, help="each run's length")
     p.add_argument("--rounds", type=int, default=2, help="teacher and students, in alternating order")
     p.add_argument("--out", type=Path, default=None, help="folder for the PNG (default: the run folder)")
+    p.add_argument("--tls", action="store_true", help="the gateway serves TLS from a local CA (`academus up --tls`)")
     return p
+
+
+def trusted(state: MeshState) -> bytes | None:
+    """The mesh's CA when its gateway serves TLS (the clients then connect over TLS); None: plaintext."""
+    return Path(state.tls_ca).read_bytes() if state.tls_ca else None
 
 
 def prepare_quick(artifacts: Path) -> dict[str, object]:
@@ -124,7 +130,8 @@ async def compare(state: MeshState, key: str, args: argparse.Namespace) -> list[
     samples = from_task(TASK)
     runs: list[RunResult] = []
     print(f"\n{args.callers} callers in a closed loop, {args.seconds:.0f} s a run, {args.rounds} rounds:", flush=True)
-    async with GatewaySpread([state.gateway], key, timeout=10.0, streams=True) as spread:
+    async with GatewaySpread([state.gateway], key, timeout=10.0, streams=True,
+                             root_certificates=trusted(state)) as spread:
         await run_closed(spread, TEACHER, 2, samples, 10.0, 1.0)   # warm both up (first batches, caches)
         await run_closed(spread, STUDENTS, 2, samples, 10.0, 1.0)
         for r in range(args.rounds):

@@ -31,11 +31,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from academus.shared.models.model import TeacherEncoder, pad_batch, teacher_dir
+from academus.shared.models.model import TeacherEncoder, pad_batch
 from academus.shared.models.plot.hierarchical import HierarchicalEncoder
 from academus.shared.models.plot.layers import SplitBert
 from academus.shared.models.plot.store import PlotStore
 from academus.shared.models.plot.table import PlotVersion
+from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.training.data import load_task
 from academus.shared.training.plot_build import BuildOptions, build, corpus_texts, coverage_key

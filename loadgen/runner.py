@@ -125,12 +125,14 @@ class GatewaySpread:
     connection would load one gateway only; this spreads requests evenly, as a balancer in front would."""
 
     def __init__(self, gateways: Sequence[str], api_key: str | None, timeout: float, streams: bool = False,
-                 offset: int = 0, own_connections: bool = False) -> None:
-        """`own_connections`: a TCP connection a client, so a gateway listed n times gets n connections."""
+                 offset: int = 0, own_connections: bool = False, root_certificates: bytes | None = None) -> None:
+        """`own_connections`: a TCP connection a client, so a gateway listed n times gets n connections.
+        `root_certificates`: TLS, trusting that CA (PEM; the mesh's `tls_ca` after `academus up --tls`)."""
         if not gateways:
             raise ValueError("no gateway to send to")
         self.clients = [(g, AsyncClient(g, api_key=api_key, timeout=timeout, streams=streams,
-                                        own_connection=own_connections)) for g in gateways]
+                                        own_connection=own_connections, root_certificates=root_certificates))
+                        for g in gateways]
         self._turn = itertools.count(offset)
 
     def next(self) -> tuple[str, AsyncClient]:

@@ -74,7 +74,8 @@ def sampled_accuracy(adapters: list, data, rng: random.Random, tenants: int = 4,
     import torch
 
     from academus.shared.models.adapters import encode_with_adapters
-    from academus.shared.models.model import TeacherEncoder, pad_batch, teacher_dir
+    from academus.shared.models.model import TeacherEncoder, pad_batch
+    from academus.shared.models.teacher_files import teacher_dir
     from academus.shared.models.tokenization import TeacherTokenizer
 
     encoder, sample = TeacherEncoder.load(), data.validation[:texts]

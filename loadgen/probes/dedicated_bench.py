@@ -29,7 +29,8 @@ import torch
 from academus.loadgen.probes.adapters_bench import perturbed_adapter
 from academus.loadgen.tenants_bench import tenant_picker
 from academus.shared.models.adapters import encode_with_adapters
-from academus.shared.models.model import ClassifierHead, TeacherEncoder, pad_batch, teacher_dir
+from academus.shared.models.model import ClassifierHead, TeacherEncoder, pad_batch
+from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
 
 

@@ -107,7 +107,7 @@ class Announcement:
 
 async def build() -> ServiceSpec:
     config = cfg.load(cfg.AdapterStoreConfig)
-    redis = connect(config.redis_url)
+    redis = connect(config.redis_url, config.redis_password)
     core = AdapterStore.from_config(config, redis)
     log_event("adapter_store_opened", data_dir=str(core.data_dir), max_adapter_bytes=core.max_bytes)
     announcement = Announcement(redis, Keys(config.key_prefix), config.heartbeat_ttl_s)

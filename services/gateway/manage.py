@@ -21,7 +21,6 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from academus.services.gateway.core import Authenticator, Principal
-from academus.shared.models.adapters import BASES, PLOT_BASES
 from academus.shared.models.plot.domains import READY as DOMAIN_READY
 from academus.shared.models.plot.domains import Domain, DomainRegistry, root_table
 from academus.shared.runtime.config import GatewayConfig, uploads_path
@@ -32,6 +31,7 @@ from academus.shared.runtime.errors import (
     NotFound,
     PermissionDenied,
 )
+from academus.shared.state.catalogue import ADAPTER_BASES, PLOT_BASES
 from academus.shared.state.jobs import ADAPTER, OVERLAY, Job, JobQueue
 from academus.shared.state.keys import Keys
 from academus.shared.state.tenants import FAILED, TRAINING, Quotas, TenantModel, TenantRegistry, check_name
@@ -42,9 +42,9 @@ DEFAULT_TOP_PERCENT = 10.0
 
 
 def check_base(base: str) -> None:
-    if base not in BASES:
+    if base not in ADAPTER_BASES:
         raise InvalidArgument(f"base={base[:80]!r} is not a base tenant models can be trained on; "
-                              f"supported: {', '.join(sorted(BASES))}")
+                              f"supported: {', '.join(sorted(ADAPTER_BASES))}")
 
 
 class Manage:

@@ -29,14 +29,15 @@ from academus.services.gateway.core import (
     pair_scores,
 )
 from academus.services.gateway.manage import Manage
-from academus.shared.models.model import teacher_dir
 from academus.shared.models.plot.domains import Domain
+from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.runtime import config as cfg
 from academus.shared.runtime.errors import ServingError, Unavailable, abort_with, from_rpc_error
 from academus.shared.runtime.logs import log_event
 from academus.shared.runtime.redis_conn import connect, wake_on
 from academus.shared.runtime.serving import ServiceSpec, Stubs, run
+from academus.shared.runtime.tls import public_credentials
 from academus.shared.runtime.tracing import annotate
 from academus.shared.state.catalogue import ModelSpec
 from academus.shared.state.jobs import FAILED, QUEUED, RUNNING, SUCCEEDED, Job
@@ -266,7 +267,7 @@ class ManageServicer(manage_pb2_grpc.ManageServicer):
 
 async def build() -> ServiceSpec:
     config = cfg.load(cfg.GatewayConfig)
-    redis = connect(config.redis_url)
+    redis = connect(config.redis_url, config.redis_password)
     keys = Keys(config.key_prefix)
     catalogue = Catalogue(redis, keys)
     schedulers = SchedulerDirectory(redis, keys, config.honour_pushback)
@@ -306,6 +307,7 @@ async def build() -> ServiceSpec:
         on_stopped=redis.aclose,
         extra_tasks=[refresher, functools.partial(wake_on, redis, keys.events(), changed)],
         own_port=config.own_port,
+        public_credentials=functools.partial(public_credentials, config),
     )
 
 

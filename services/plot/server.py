@@ -44,7 +44,7 @@ async def build() -> ServiceSpec:
     config = cfg.load(cfg.PlotConfig)
     core = PlotLookup.open(config)
     log_event("plot_loaded", **core.store.info())
-    redis = connect(config.redis_url)
+    redis = connect(config.redis_url, config.redis_password)
     store = core.store
     registration = PlotRegistration(redis, Keys(config.key_prefix), config.plot_id, store.model, store.lower_layers,
                                     sorted(store.domains), config.heartbeat_ttl_s, core.refresh_domains)

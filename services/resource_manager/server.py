@@ -65,7 +65,7 @@ class ResourceManagerServicer(resource_manager_pb2_grpc.ResourceManagerServicer)
 
 async def build() -> ServiceSpec:
     config = cfg.load(cfg.ResourceManagerConfig)
-    redis = connect(config.redis_url)
+    redis = connect(config.redis_url, config.redis_password)
     keys = Keys(config.key_prefix)
     table = PlacementTable(redis, keys, config.heartbeat_ttl_s)
     planner = GroupPlanner(redis, keys, config.student_ceiling, config.adapt_window_s, config.adapt_cooldown_s)

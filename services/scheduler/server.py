@@ -318,7 +318,7 @@ def policy_from(config: cfg.SchedulerConfig) -> DispatchPolicy:
 
 async def build() -> ServiceSpec:
     config = cfg.load(cfg.SchedulerConfig)
-    redis = connect(config.redis_url)
+    redis = connect(config.redis_url, config.redis_password)
     keys = Keys(config.key_prefix)
     worker_stubs = Stubs.for_hops(worker_pb2_grpc.WorkerStub, config)
     clock = time.monotonic

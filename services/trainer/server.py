@@ -17,7 +17,7 @@ async def build() -> ServiceSpec:
         import torch
 
         torch.set_num_threads(config.torch_threads)
-    redis = connect(config.redis_url)
+    redis = connect(config.redis_url, config.redis_password)
     runner = build_runner(redis, Keys(config.key_prefix), config)
 
     async def started(address: str) -> None:

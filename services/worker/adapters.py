@@ -35,6 +35,7 @@ from academus.shared.models.adapters import BASES, AdapterWeights, upper_layers
 from academus.shared.runtime.errors import DeadlineExceeded, ServingError, Unavailable, from_rpc_error, from_status
 from academus.shared.runtime.metrics import CACHE_HITS, CACHE_MISSES
 from academus.shared.runtime.serving import CHANNEL_OPTIONS
+from academus.shared.runtime.tls import mesh_channel_sync
 from academus.shared.state.keys import Keys
 from academus.v1 import adapter_store_pb2, adapter_store_pb2_grpc, tensors_pb2
 
@@ -350,8 +351,10 @@ class StoreFetcher:
     """`FetchPiece` over gRPC to the adapter store, its address from config or from Redis (the store
     announces it with a heartbeat TTL). Runs on the prefetch thread, so it uses blocking clients."""
 
-    def __init__(self, redis_url: str, keys: Keys, address: str = "", timeout_s: float = 5.0) -> None:
-        self.redis, self.keys, self.fixed, self.timeout_s = redis.Redis.from_url(redis_url), keys, address, timeout_s
+    def __init__(self, redis_url: str, keys: Keys, address: str = "", timeout_s: float = 5.0,
+                 redis_password: str = "") -> None:
+        self.redis = redis.Redis.from_url(redis_url, password=redis_password or None)
+        self.keys, self.fixed, self.timeout_s = keys, address, timeout_s
         self._stubs: dict[str, adapter_store_pb2_grpc.AdapterStoreStub] = {}
         self._address = address   # the store's address as last read from Redis: one read, not one a fetch
 
@@ -362,7 +365,7 @@ class StoreFetcher:
             raise Unavailable("no adapter store is running (its address is not in Redis)")
         if self._address not in self._stubs:
             self._stubs[self._address] = adapter_store_pb2_grpc.AdapterStoreStub(
-                grpc.insecure_channel(self._address, options=CHANNEL_OPTIONS))
+                mesh_channel_sync(self._address, CHANNEL_OPTIONS))
         return self._stubs[self._address]
 
     def __call__(self, key: AdapterKey, layers: Sequence[int], head: bool) -> bytes:

@@ -175,7 +175,7 @@ class Registration:
                  servicer: WorkerServicer) -> None:
         self.config, self.runner, self.worker_id, self.servicer = config, runner, worker_id, servicer
         self.keys = Keys(config.key_prefix)
-        self.redis = connect(config.redis_url)
+        self.redis = connect(config.redis_url, config.redis_password)
         self.address = ""
         self.profile: list[resource_manager_pb2.ProfilePoint] = []
         self._stubs = Stubs(resource_manager_pb2_grpc.ResourceManagerStub)
@@ -243,7 +243,7 @@ async def build() -> ServiceSpec:
     runner = ModelRunner(Path(config.artifacts), list(cfg.split_names(config.models)), config.device,
                          attention=config.packed_attention, traced=config.traced_layers)
     keys = Keys(config.key_prefix)
-    fetcher = StoreFetcher(config.redis_url, keys, config.adapter_store)
+    fetcher = StoreFetcher(config.redis_url, keys, config.adapter_store, redis_password=config.redis_password)
     host = HostAdapters(fetcher.many, config.adapter_host_bytes, pin=runner.device.type == "cuda",
                         batch=config.adapter_fetch_batch) if config.adapter_host_bytes else None
     adapters = AdapterCache(host or fetcher, config.adapter_cache_bytes, runner.device, config.adapter_prefetch,

@@ -55,6 +55,12 @@ def parser() -> argparse.ArgumentParser:
                    help="GPUs to use (default: every visible one; 0: CPU workers). With GPUs, one worker a "
                         "student instance, pinned with CUDA_VISIBLE_DEVICES and sharing its GPU under MPS")
     s.add_argument("--artifacts", type=Path, default=None)
+    s.add_argument("--tls", action="store_true",
+                   help="the gateway serves TLS only, its certificate from a new local CA under <run dir>/tls, "
+                        "which `academus infer` and `status` trust; the mesh's own Redis gets a password")
+    s.add_argument("--mtls", action="store_true",
+                   help="--tls, and the services speak mutual TLS among themselves, each with its own certificate "
+                        "from that CA")
     s.set_defaults(func=cmd_up)
 
     s = sub.add_parser("down", help="stop the mesh started from this run directory")
@@ -69,6 +75,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--output", choices=["label", "score", "embedding"], default="")
     s.add_argument("--key", default=None, help="API key (default: the local admin key)")
     s.add_argument("--gateway", default=None, help="host:port (default: the local mesh's gateway)")
+    s.add_argument("--tls", action="store_true",
+                   help="connect over TLS (the local mesh's gateway: on when it was started with --tls)")
+    s.add_argument("--ca", type=Path, default=None,
+                   help="PEM file of the CA the gateway's certificate is signed by (implies --tls; default: the "
+                        "local mesh's CA, else the system's roots)")
     s.add_argument("--timeout", type=positive_seconds, default=10.0, help="seconds (> 0)")
     s.add_argument("--no-truncate", action="store_true", help="refuse texts over the token limit")
     s.add_argument("--pair", action="append", default=None, metavar="TEXT",
@@ -139,7 +150,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     options = MeshOptions(run_dir=_run_dir(args), artifacts=args.artifacts or artifacts_dir(),
                           gateway_port=args.port, workers=args.workers, worker_threads=args.worker_threads,
                           instances=args.instances, deployments=deployments, gpus=args.gpus,
-                          gateways=args.gateways, nodes=args.nodes)
+                          gateways=args.gateways, nodes=args.nodes, tls=args.tls, mutual_tls=args.mtls)
     try:
         up(options)
     except MeshError as e:   # refused before it started (a setting, or a mesh already running there)
@@ -204,20 +215,26 @@ def cmd_infer(args: argparse.Namespace) -> int:
     from academus.client import AcademusError, Client
     from academus.shared.cli.mesh import ADMIN_KEY_FILE, MeshError, MeshState
 
-    key, gateway = args.key, args.gateway
+    key, gateway, ca = args.key, args.gateway, args.ca
     if args.pair is not None and len(args.pair) != len(args.texts):
         print(f"--pair: {len(args.pair)} given for {len(args.texts)} texts; give one for each text", file=sys.stderr)
         return 2
     try:
         if gateway is None:
-            gateway = MeshState.load(_run_dir(args)).gateway
+            state = MeshState.load(_run_dir(args))
+            gateway, ca = state.gateway, ca or (Path(state.tls_ca) if state.tls_ca else None)
         if key is None and (_run_dir(args) / ADMIN_KEY_FILE).exists():
             key = (_run_dir(args) / ADMIN_KEY_FILE).read_text().strip()
     except MeshError as e:
         print(str(e), file=sys.stderr)
         return 2
     try:
-        with Client(gateway, api_key=key, timeout=args.timeout) as client:
+        root = ca.read_bytes() if ca else None
+    except OSError as e:
+        print(f"--ca {ca}: cannot read it ({e.strerror})", file=sys.stderr)
+        return 2
+    try:
+        with Client(gateway, api_key=key, timeout=args.timeout, tls=args.tls, root_certificates=root) as client:
             result = client.infer(args.model, args.texts, args.output, pairs=args.pair,
                                   truncate=False if args.no_truncate else None)
     except AcademusError as e:
@@ -290,9 +307,11 @@ def _with_mesh_redis(args: argparse.Namespace, work) -> int:
     from academus.shared.cli.mesh import MeshState
     from academus.shared.runtime.errors import ServingError
     from academus.shared.runtime.redis_conn import connect
+    from academus.shared.runtime.tls import use_mesh
     from academus.shared.state.keys import Keys
 
     state = MeshState.load(_run_dir(args))
+    use_mesh(state.mesh_tls())   # a mesh with mutual TLS: the adapter store takes the command line's certificate
 
     async def run() -> object:
         redis = connect(state.redis_url)

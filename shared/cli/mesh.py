@@ -1,5 +1,6 @@
-"""The local mesh: `academus up` starts Redis (unless REDIS_URL is given) and every service as a
-process, `academus down` stops them. State lives in the run directory (mesh.json, logs, admin.key)."""
+"""The local mesh: `academus up` starts Redis (unless REDIS_URL is given), every service as a process and
+a supervisor that restarts any of them that dies (shared/cli/supervisor.py); `academus down` stops the
+supervisor first, then them. State lives in the run directory (mesh.json, logs, admin.key)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -18,16 +20,27 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from academus.shared.cli.pki import CLI, TLS_DIR, Pki, PkiError, make_pki
 from academus.shared.cli.redis_server import RedisServer, free_port
-from academus.shared.models.plot.table import plot_table
-from academus.shared.runtime.config import POLICY_NAMES, artifacts_dir, policy_override, redis_url_from_env
+from academus.shared.runtime.config import (
+    POLICY_NAMES,
+    artifacts_dir,
+    child_env,
+    policy_override,
+    redis_password,
+    redis_url_from_env,
+    trace_file,
+)
 from academus.shared.runtime.gpu import gpu_count, mps_plan
+from academus.shared.runtime.redis_conn import redacted, with_password
+from academus.shared.runtime.tls import MeshTls, channel_credentials
 from academus.shared.state.keys import Keys, new_api_key
 
 SERVICES = ("resource_manager", "adapter_store", "trainer", "plot", "worker", "scheduler", "gateway")
 DEFAULT_GATEWAY_PORT = 50051
 STATE_FILE = "mesh.json"
 ADMIN_KEY_FILE = "admin.key"
+SUPERVISOR_LOG = "supervisor.log"
 
 
 class MeshError(RuntimeError):
@@ -41,6 +54,13 @@ class ServiceProcess:
     address: str
     metrics_port: int
     log: str
+    env: dict[str, str] = field(default_factory=dict)   # its settings over the inherited environment
+    restarts: int = 0
+
+    @property
+    def service(self) -> str:
+        """The services/ package it runs: its name up to the first dash (worker-1, scheduler-0.1@node-1)."""
+        return self.name.split("-", 1)[0]
 
 
 @dataclass
@@ -52,9 +72,32 @@ class MeshState:
     key_prefix: str
     services: list[ServiceProcess] = field(default_factory=list)
     deployments: list[dict[str, object]] = field(default_factory=list)   # each scheduler's policy and models
+    supervisor_pid: int | None = None   # once up() handed the processes over; from then on only it saves
+    redis_restarts: int = 0
+    tls_ca: str = ""     # `up --tls`: the CA (PEM file) the gateway's certificate is signed by, which clients trust
+    tls_cert: str = ""   # with mutual TLS: the command line's own certificate and key, signed by that CA too
+    tls_key: str = ""
 
     def save(self) -> None:
-        Path(self.run_dir, STATE_FILE).write_text(json.dumps(asdict(self), indent=2))
+        """Written whole, then renamed: a reader (status, down) never sees half of it. Mode 0600: the Redis
+        URLs in it may hold the password."""
+        path = Path(self.run_dir, STATE_FILE)
+        staged = path.with_suffix(f".{os.getpid()}.tmp")
+        with os.fdopen(os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
+            out.write(json.dumps(asdict(self), indent=2))
+        staged.replace(path)
+
+    def mesh_tls(self) -> MeshTls | None:
+        """The command line's identity in a mesh with mutual TLS; None: plaintext."""
+        return MeshTls.from_files(self.tls_ca, self.tls_key, self.tls_cert) if self.tls_cert else None
+
+    def credentials(self, proc: ServiceProcess) -> grpc.ChannelCredentials | None:
+        """What the command line dials `proc` with: the gateway serves TLS with `up --tls`, every service
+        mutual TLS with `up --mtls`."""
+        if mesh := self.mesh_tls():
+            return mesh.channel_credentials()
+        return channel_credentials(True, Path(self.tls_ca).read_bytes(), None, None) \
+            if self.tls_ca and proc.service == "gateway" else None
 
     def gateways(self) -> list[str]:
         """Where to reach each gateway process: its own port when several share the mesh's, else the mesh's."""
@@ -121,6 +164,9 @@ class MeshOptions:
     key_prefix: str = "acd"
     env: dict[str, str] = field(default_factory=dict)   # extra ACADEMUS_* settings for every service
     ready_timeout_s: float = 120.0
+    supervise: bool = True                      # restart what dies (off: a test watching what a loss leaves)
+    tls: bool = False                           # the gateway serves TLS, its certificate from a new local CA
+    mutual_tls: bool = False                    # and the services mutual TLS among themselves (implies tls)
 
 
 def up(options: MeshOptions) -> MeshState:
@@ -134,10 +180,12 @@ def up(options: MeshOptions) -> MeshState:
         if getattr(options, setting) < 1:
             raise MeshError(f"{setting} must be >= 1, not {getattr(options, setting)}")
     options = replace(options, gateway_port=options.gateway_port or free_port(),  # one port for every gateway
-                      deployments=options.deployments or default_deployments(options))
-    url, redis_pid = _redis(run_dir)
+                      deployments=options.deployments or default_deployments(options),
+                      tls=options.tls or options.mutual_tls)
+    tls = _certificates(options)
+    url, redis_pid = _redis(run_dir, options.tls)
     state = MeshState(str(run_dir), url, redis_pid, "", options.key_prefix,
-                      deployments=[asdict(d) for d in options.deployments])
+                      deployments=[asdict(d) for d in options.deployments], **tls)
     state.save()
     worker_envs = _worker_envs(options)
     try:
@@ -146,17 +194,40 @@ def up(options: MeshOptions) -> MeshState:
                 state.services.append(_spawn(name, i, options, state, extra))
                 state.save()
                 if name == "resource_manager":
-                    wait_healthy(state.services[-1].address, options.ready_timeout_s, state.services[-1])
+                    last = state.services[-1]
+                    wait_healthy(last.address, options.ready_timeout_s, last, state.credentials(last))
         state.gateway = f"127.0.0.1:{options.gateway_port}"
         state.save()
         for s in state.services:
-            wait_healthy(s.address, options.ready_timeout_s, s)
-        _wait_placed(state, len(worker_envs), options.ready_timeout_s)
+            wait_healthy(s.address, options.ready_timeout_s, s, state.credentials(s))
+        wait_placed(state, len(worker_envs), options.ready_timeout_s)
         ensure_admin_key(state)
+        if options.supervise:
+            state = start_supervisor(state, options.ready_timeout_s)
     except BaseException:
         down(run_dir)
         raise
     return state
+
+
+def start_supervisor(state: MeshState, timeout_s: float) -> MeshState:
+    """Starts the supervisor on the saved state and waits until it has taken it over (recorded its pid):
+    from then on it alone writes mesh.json. Returns the state as it saved it."""
+    log = Path(state.run_dir) / "logs" / SUPERVISOR_LOG
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "academus.shared.cli.supervisor", "--run-dir", state.run_dir],
+                                env=child_env({}), stdout=out, stderr=out, start_new_session=True)
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        saved = MeshState.load(Path(state.run_dir))
+        if saved.supervisor_pid == proc.pid:
+            return saved
+        if proc.poll() is not None:
+            raise MeshError(f"the supervisor exited with {proc.returncode} at start; see {log}")
+        time.sleep(0.05)
+    proc.kill()   # else, taking over late, it would restart what the failed up() is about to stop
+    proc.wait()
+    raise MeshError(f"the supervisor did not start within {timeout_s}s; see {log}")
 
 
 def default_deployments(options: MeshOptions) -> list[Deployment]:
@@ -176,17 +247,40 @@ def default_deployments(options: MeshOptions) -> list[Deployment]:
     return [Deployment("student", ",".join(students)), *([Deployment("concat", ",".join(rest))] if rest else [])]
 
 
-def _redis(run_dir: Path) -> tuple[str, int | None]:
+def _certificates(options: MeshOptions) -> dict[str, str]:
+    """`up --tls`: a new local CA and the certificates (shared/cli/pki.py); the state's TLS fields."""
+    if not options.tls:
+        return {}
+    try:
+        pki = make_pki(options.run_dir, [*SERVICES, CLI] if options.mutual_tls else ["gateway"])
+    except PkiError as e:
+        raise MeshError(str(e)) from e
+    own = {"tls_cert": str(pki.cert(CLI)), "tls_key": str(pki.key(CLI))} if options.mutual_tls else {}
+    return {"tls_ca": str(pki.ca), **own}
+
+
+def _redis(run_dir: Path, tls: bool = False) -> tuple[str, int | None]:
+    """The mesh's Redis URL, holding the password (ACADEMUS_REDIS_PASSWORD; with `tls` and none set, a random
+    one for its own Redis), and the pid of its own redis-server."""
     url = redis_url_from_env()
     if url:
-        return url, None
-    server = RedisServer(run_dir / "redis").start()
-    return server.url, server.process.pid
+        return with_password(url, redis_password()), None
+    server = RedisServer(run_dir / "redis", password=redis_password() or (secrets.token_urlsafe(24) if tls else ""))
+    return server.start().url, server.process.pid
+
+
+def restart_redis(state: MeshState) -> int:
+    """The mesh's own Redis again, on its port and data directory: it reloads its AOF, every key as it was."""
+    server = RedisServer.at(state.redis_url, Path(state.run_dir) / "redis").start()
+    return server.process.pid
 
 
 def _plan(options: MeshOptions, worker_envs: list[dict[str, str]]) -> list[tuple[str, list[dict[str, str]]]]:
     """Each service to start, in order, with one extra environment a copy. The plot service only
     when a PLOT table is under the artifacts: without one it could not start, and no model needs it."""
+    # imported here: it imports torch, which the supervisor (importing this module) must not
+    from academus.shared.models.plot.table import plot_table
+
     table = plot_table(options.artifacts)
     deployments = options.deployments or default_deployments(options)
     schedulers = [env for node in node_names(options) for d, deployment in enumerate(deployments)
@@ -241,53 +335,63 @@ def _spawn(name: str, index: int, options: MeshOptions, state: MeshState,
     # own, its address, so that its health check reaches it and a load generator can spread over them
     own_port = unused_port(taken) if name == "gateway" and options.gateways > 1 else 0
     metrics_port = unused_port(taken)
-    env = {**os.environ, **options.env,
-           "ACADEMUS_REDIS_URL": state.redis_url, "ACADEMUS_KEY_PREFIX": options.key_prefix,
-           "ACADEMUS_PORT": str(port), "ACADEMUS_METRICS_PORT": str(metrics_port),
-           "ACADEMUS_ARTIFACTS": str(options.artifacts), "HF_HUB_OFFLINE": "1",
-           "ACADEMUS_TRACE_FILE": os.environ.get("ACADEMUS_TRACE_FILE", str(Path(state.run_dir) / "traces.jsonl"))}
+    settings = {**options.env,
+                "ACADEMUS_REDIS_URL": state.redis_url, "ACADEMUS_KEY_PREFIX": options.key_prefix,
+                "ACADEMUS_PORT": str(port), "ACADEMUS_METRICS_PORT": str(metrics_port),
+                "ACADEMUS_ARTIFACTS": str(options.artifacts), "HF_HUB_OFFLINE": "1",
+                "ACADEMUS_TRACE_FILE": trace_file(Path(state.run_dir) / "traces.jsonl")}
     if own_port:
-        env["ACADEMUS_OWN_PORT"] = str(own_port)
+        settings["ACADEMUS_OWN_PORT"] = str(own_port)
     if name == "worker":
-        env["ACADEMUS_WORKER_ID"] = f"worker-{index}"
+        settings["ACADEMUS_WORKER_ID"] = f"worker-{index}"
         if options.worker_threads:
-            env["ACADEMUS_TORCH_THREADS"] = str(options.worker_threads)
+            settings["ACADEMUS_TORCH_THREADS"] = str(options.worker_threads)
         if options.instances:
-            env["ACADEMUS_INSTANCES"] = str(options.instances)
-    env.update(extra or {})   # the plan's own for this copy (a GPU worker's pinning, a scheduler's deployment)
+            settings["ACADEMUS_INSTANCES"] = str(options.instances)
+    if options.tls:
+        settings.update(Pki(Path(state.run_dir) / TLS_DIR).service_env(name, options.mutual_tls))
+    settings.update(extra or {})   # the plan's own for this copy (a GPU worker's pinning, a scheduler's deployment)
     label = f"{name}-{index}" if name == "worker" or (name == "gateway" and index) else name
-    if name == "scheduler" and env.get("ACADEMUS_SCHEDULER_ID", "scheduler-0") != "scheduler-0":
-        label = env["ACADEMUS_SCHEDULER_ID"]   # its id: which deployment, shard and node the log is of
-    log = Path(state.run_dir) / "logs" / f"{label}.log"
-    with open(log, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", f"academus.services.{name}"], env=env,
-                                stdout=out, stderr=out, start_new_session=True)
-    return ServiceProcess(label, proc.pid, f"127.0.0.1:{own_port or port}", metrics_port, str(log))
+    if name == "scheduler" and child_env(settings).get("ACADEMUS_SCHEDULER_ID", "scheduler-0") != "scheduler-0":
+        label = settings["ACADEMUS_SCHEDULER_ID"]   # its id: which deployment, shard and node the log is of
+    proc = ServiceProcess(label, 0, f"127.0.0.1:{own_port or port}", metrics_port,
+                          str(Path(state.run_dir) / "logs" / f"{label}.log"), settings)
+    proc.pid = start_process(proc)
+    return proc
 
 
-def health(address: str, timeout_s: float = 1.0) -> str:
-    """SERVING / NOT_SERVING / UNREACHABLE for the server's overall health."""
+def start_process(proc: ServiceProcess) -> int:
+    """Starts the service `proc` describes (again, for the supervisor: the same ports, id and settings, so
+    its address and registration stay the same), its output appended to its log; returns the pid."""
+    with open(proc.log, "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", f"academus.services.{proc.service}"],
+                                env=child_env(proc.env), stdout=out, stderr=out, start_new_session=True).pid
+
+
+def health(address: str, timeout_s: float = 1.0, credentials: grpc.ChannelCredentials | None = None) -> str:
+    """SERVING / NOT_SERVING / UNREACHABLE for the server's overall health; over TLS with `credentials`."""
     try:
-        with grpc.insecure_channel(address) as ch:
+        with grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address) as ch:
             reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
             return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     except grpc.RpcError:
         return "UNREACHABLE"
 
 
-def wait_healthy(address: str, timeout_s: float, proc: ServiceProcess | None = None) -> None:
+def wait_healthy(address: str, timeout_s: float, proc: ServiceProcess | None = None,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
-        if proc is not None and not _pid_alive(proc.pid):
+        if proc is not None and not pid_alive(proc.pid):
             tail = Path(proc.log).read_text(errors="replace")[-2000:] if Path(proc.log).exists() else ""
             raise MeshError(f"{proc.name} exited during start-up; log tail:\n{tail}")
-        if health(address, 0.5) == "SERVING":
+        if health(address, 0.5, credentials) == "SERVING":
             return
         time.sleep(0.1)
     raise MeshError(f"{address} not healthy after {timeout_s}s")
 
 
-def _wait_placed(state: MeshState, workers: int, timeout_s: float) -> None:
+def wait_placed(state: MeshState, workers: int, timeout_s: float) -> None:
     client, keys = redis.Redis.from_url(state.redis_url, decode_responses=True), Keys(state.key_prefix)
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
@@ -318,9 +422,14 @@ def create_key(state: MeshState, tenant: str, role: str = "tenant") -> str:
 
 
 def down(run_dir: Path, timeout_s: float = 30.0) -> list[str]:
-    """SIGTERM every service (gateway first, so nothing new arrives), then the owned Redis."""
+    """SIGTERM the supervisor first (so nothing stopped here is restarted), then every service (gateway first,
+    so nothing new arrives), then the owned Redis."""
     state = MeshState.load(run_dir)
     stopped = []
+    if state.supervisor_pid:
+        _terminate(state.supervisor_pid, timeout_s)
+        stopped.append("supervisor")
+        state = MeshState.load(run_dir)   # the pids of what it restarted
     for proc in reversed(state.services):
         _terminate(proc.pid, timeout_s)
         stopped.append(proc.name)
@@ -339,22 +448,27 @@ def status(run_dir: Path) -> dict:
         redis_ok = bool(redis.Redis.from_url(state.redis_url, socket_connect_timeout=1).ping())
     except redis.exceptions.RedisError:
         redis_ok = False
+    supervisor = state.supervisor_pid
     return {
         "run_dir": state.run_dir,
         "gateway": state.gateway,
-        "redis": {"url": state.redis_url, "owned": state.redis_pid is not None,
-                  "health": "SERVING" if redis_ok else "UNREACHABLE"},
+        "redis": {"url": redacted(state.redis_url), "owned": state.redis_pid is not None,
+                  "health": "SERVING" if redis_ok else "UNREACHABLE", "restarts": state.redis_restarts},
         "services": [{"name": s.name, "address": s.address, "pid": s.pid, "metrics_port": s.metrics_port,
-                      "health": health(s.address) if _pid_alive(s.pid) else "EXITED"} for s in state.services],
+                      "health": health(s.address, credentials=state.credentials(s)) if pid_alive(s.pid) else "EXITED",
+                      "restarts": s.restarts}
+                     for s in state.services],
+        "supervisor": {"pid": supervisor,
+                       "health": "OFF" if not supervisor else "RUNNING" if pid_alive(supervisor) else "EXITED"},
         "deployments": state.deployments,
     }
 
 
 def _alive(state: MeshState) -> bool:
-    return any(_pid_alive(s.pid) for s in state.services)
+    return any(pid_alive(s.pid) for s in state.services)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         waited, _ = os.waitpid(pid, os.WNOHANG)  # reap our own exited children
         if waited == pid:
@@ -371,6 +485,13 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
+def reap_children() -> None:
+    """Collects the exit status of this process' children that have exited, so none lingers as a zombie."""
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+
+
 def _terminate(pid: int, timeout_s: float) -> None:
     try:
         os.kill(pid, signal.SIGTERM)
@@ -384,7 +505,7 @@ def _terminate(pid: int, timeout_s: float) -> None:
 def wait_exit(pid: int, timeout_s: float) -> bool:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             return True
         time.sleep(0.05)
     return False

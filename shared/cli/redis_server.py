@@ -1,16 +1,20 @@
-"""A real Redis server on loopback for `academus up` and the tests, with AOF on."""
+"""A real Redis server on loopback for `academus up` and the tests, with AOF on, and a password when given."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import socket
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 import redis
+
+from academus.shared.runtime.redis_conn import with_password
 
 
 class RedisServerError(RuntimeError):
@@ -46,20 +50,40 @@ class RedisServer:
     data_dir: Path
     port: int = 0
     process: subprocess.Popen | None = None
+    password: str = ""            # set: clients must send it (`requirepass`); the URL holds it
+
+    @classmethod
+    def at(cls, url: str, data_dir: Path) -> RedisServer:
+        """The server `url` names (its port and password), to start again on `data_dir`."""
+        parts = urlsplit(url)
+        return cls(data_dir, parts.port or 0, password=unquote(parts.password or ""))
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return with_password(f"redis://127.0.0.1:{self.port}/0", self.password)
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port()
-        args = [server_binary(), "--bind", "127.0.0.1", "--port", str(self.port), "--dir", str(self.data_dir),
-                "--appendonly", "yes", "--save", "", "--protected-mode", "yes"]
+        args = [server_binary(), *self._config_file(), "--bind", "127.0.0.1", "--port", str(self.port),
+                "--dir", str(self.data_dir), "--appendonly", "yes", "--save", "", "--protected-mode", "yes"]
         log = open(self.data_dir / "redis.log", "ab")  # noqa: SIM115 - owned by the child
         self.process = subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True)
         wait_ready(self.url, timeout_s, self.process)
         return self
+
+    def _config_file(self) -> list[str]:
+        """The password goes in a file only its owner reads, not on the command line others see (ps)."""
+        if not self.password:
+            return []
+        if any(c in self.password for c in "\r\n\0"):
+            raise RedisServerError("the Redis password (ACADEMUS_REDIS_PASSWORD) must be one line")
+        path = self.data_dir / "redis.conf"
+        path.unlink(missing_ok=True)
+        escaped = self.password.replace("\\", "\\\\").replace('"', '\\"')
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as conf:
+            conf.write(f'requirepass "{escaped}"\n')
+        return [str(path)]
 
     def stop(self) -> None:
         if self.process and self.process.poll() is None:

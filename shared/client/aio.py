@@ -16,12 +16,12 @@ from academus.client.types import (
     ModelInfo,
     build_request,
     call_metadata,
-    channel_credentials,
     from_response,
     models_from,
     next_wait,
 )
 from academus.shared.runtime.multiplex import over_streams
+from academus.shared.runtime.tls import channel_credentials
 from academus.v1 import inference_pb2, inference_pb2_grpc
 
 try:  # the server packages bring OpenTelemetry; a client installed alone (`academus[client]`) goes untraced

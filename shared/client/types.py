@@ -62,18 +62,6 @@ def next_wait(error: grpc.RpcError, attempt: int, remaining_s: float, overload: 
                       overload=overload)
 
 
-def channel_credentials(tls: bool, root_certificates: bytes | None, private_key: bytes | None,
-                        certificate_chain: bytes | None) -> grpc.ChannelCredentials | None:
-    """TLS credentials, or None for a plaintext channel. Any certificate asks for TLS; `root_certificates`
-    (PEM) replace the system's roots; `private_key` and `certificate_chain` (PEM) are the client's own, for a
-    server that asks for one (mutual TLS)."""
-    if not (tls or root_certificates or private_key or certificate_chain):
-        return None
-    if (private_key is None) != (certificate_chain is None):
-        raise ValueError("private_key and certificate_chain go together: the client's key and its certificate")
-    return grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
-
-
 class AcademusError(Exception):
     """A call that ended with a non-OK gRPC status; `code` is its name, e.g. 'UNAUTHENTICATED'."""
 

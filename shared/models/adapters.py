@@ -30,14 +30,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from academus.shared.models.model import HIDDEN_SIZE
+from academus.shared.state.catalogue import ADAPTER_BASES
 
 FORMAT = "academus-adapter/1"
 DEFAULT_RANK = 16
-# base name -> (teacher layers, hidden size); adapters go into the upper half by default.
-# minilm-plot is HMI's hierarchical base: PLOT lookups stand in for the lower layers the adapters never
-# touch, so the same adapters (layers 4-6) train and serve on it; it needs a built table (`plot build`).
-BASES: dict[str, tuple[int, int]] = {"minilm": (6, HIDDEN_SIZE), "minilm-plot": (6, HIDDEN_SIZE)}
-PLOT_BASES = frozenset({"minilm-plot"})
+# base name -> (teacher layers, hidden size); adapters go into the upper half by default
+BASES: dict[str, tuple[int, int]] = {name: (6, HIDDEN_SIZE) for name in ADAPTER_BASES}
 LAYER_KEYS = ("down.weight", "down.bias", "up.weight", "up.bias")
 _NAME = re.compile(r"^(?:layers\.(\d+)\.(down|up)\.(weight|bias)|head\.(weight|bias))$")
 

@@ -51,6 +51,9 @@ REDIS_URL = Variable("ACADEMUS_REDIS_URL", "`REDIS_URL`",
                      "`redis_url` setting)")
 PLAIN_REDIS_URL = Variable("REDIS_URL", "`academus up` starts a Redis",
                            "read where `ACADEMUS_REDIS_URL` is unset, by the CLI and by every service")
+REDIS_PASSWORD = Variable("ACADEMUS_REDIS_PASSWORD", "no password; `academus up --tls`: a random one",
+                          "`academus up`: its own Redis requires it (`requirepass`), and the mesh's clients send "
+                          "it where the Redis URL holds none (services: their `redis_password` setting)")
 POLICY = Variable("ACADEMUS_POLICY", "`academus up` picks a policy a model",
                   "`academus up`: one scheduler deployment of this policy for every model (a scheduler: its "
                   "`policy` setting)")
@@ -72,8 +75,8 @@ HF_OFFLINE = Variable("HF_HUB_OFFLINE", "the CLI and the training commands set i
 CUDA_DEVICES = Variable("CUDA_VISIBLE_DEVICES", "every GPU",
                         "one GPU index: a worker reports its placement device as `cuda:<index>` (`academus up` "
                         "pins each GPU worker this way)")
-VARIABLES = (HOME, ARTIFACTS, RUN_DIR, REDIS_URL, PLAIN_REDIS_URL, POLICY, DATA_DIR, TEACHER_DIR, TRACE_FILE, TRACING,
-             OTLP_ENDPOINT, TRACES_SAMPLER, HF_OFFLINE, CUDA_DEVICES)
+VARIABLES = (HOME, ARTIFACTS, RUN_DIR, REDIS_URL, PLAIN_REDIS_URL, REDIS_PASSWORD, POLICY, DATA_DIR, TEACHER_DIR,
+             TRACE_FILE, TRACING, OTLP_ENDPOINT, TRACES_SAMPLER, HF_OFFLINE, CUDA_DEVICES)
 
 
 def home_dir() -> Path:
@@ -100,6 +103,11 @@ def split_names(joined: str) -> tuple[str, ...]:
 
 def redis_url_from_env() -> str | None:
     return REDIS_URL.get() or PLAIN_REDIS_URL.get() or None
+
+
+def redis_password() -> str:
+    """ACADEMUS_REDIS_PASSWORD; empty: none."""
+    return REDIS_PASSWORD.get()
 
 
 def policy_override() -> str:
@@ -185,6 +193,8 @@ HOP_SLICE = Rule(f"0, or {MIN_SLICE_US}..{MAX_SLICE_US}", lambda v, _: v == 0 or
                  f"0 (the kernel's default) or in {MIN_SLICE_US}..{MAX_SLICE_US}")
 DEVICE = Rule("cpu|cuda|cuda:N", lambda v, _: v == "cpu" or v.startswith("cuda"))
 PORT = between(0, 65535)
+MESH_FILE = Rule("a PEM file's path; needed with `ACADEMUS_MESH_TLS`", lambda v, c: bool(v) or not c.mesh_tls,
+                 "a PEM file's path when ACADEMUS_MESH_TLS is on")
 
 
 def setting(default: Any = MISSING, doc: str = "", rule: Rule | None = None, *,
@@ -202,6 +212,7 @@ class CommonConfig:
     """Settings every service has. Env: ACADEMUS_<FIELD> upper-cased."""
 
     redis_url: str = setting("redis://127.0.0.1:6379/0", "the Redis every service shares; `REDIS_URL` when unset")
+    redis_password: str = setting("", "the password Redis asks for (`requirepass`), sent where `redis_url` holds none")
     key_prefix: str = setting("acd", "all Redis keys live under it")
     host: str = setting("127.0.0.1", "bind address")
     port: int = setting(0, "gRPC port; 0: the OS picks one", PORT)
@@ -221,6 +232,13 @@ class CommonConfig:
                                 HOP_SLICE)
     node: str = setting("", "the machine it runs on: a worker's groups stay within its node, and a scheduler given "
                             "one dispatches to its node's workers only; empty: one unnamed node")
+    mesh_tls: bool = setting(False, "mutual TLS among the services: each internal server and channel presents "
+                                    "`mesh_cert` and accepts only peers whose certificate `mesh_ca` signed "
+                                    "(the gateway's public port: `tls_cert`)")
+    mesh_ca: str = setting("", "the mesh's CA certificate", MESH_FILE)
+    mesh_cert: str = setting("", "this service's certificate (chain), naming the address it advertises",
+                             MESH_FILE)
+    mesh_key: str = setting("", "... and its private key", MESH_FILE)
 
     def check(self) -> None:
         """Raises ConfigError naming the first setting outside its rule."""
@@ -263,6 +281,14 @@ class GatewayConfig(CommonConfig):
     plot_dir: str = setting("", "the root PLOT table domains extend; empty: the one the mesh serves")
     own_port: int = setting(0, "a port only this process binds besides the shared one (`up --gateways G`: health "
                                "checks and a load generator reach each gateway); 0: none", PORT)
+    tls_cert: str = setting("", "the public port's certificate (chain): set, the gateway serves TLS only, on "
+                                "`own_port` too; empty: plaintext")
+    tls_key: str = setting("", "... and its private key", Rule(
+        "a PEM file's path, set with `ACADEMUS_TLS_CERT`", lambda v, c: bool(v) == bool(c.tls_cert),
+        "set together with ACADEMUS_TLS_CERT (both or neither)"))
+    tls_client_ca: str = setting("", "clients must present a certificate this CA signed; empty: any client", Rule(
+        "a PEM file's path; needs `ACADEMUS_TLS_CERT`", lambda v, c: not v or bool(c.tls_cert),
+        "empty unless ACADEMUS_TLS_CERT is set (client certificates need TLS)"))
 
 
 # concat-slotted / -fcfs / -sjf / -edf: `concat` with ACADEMUS_CONCAT_SLOTTED / _SELECTION fixed by the name, so

@@ -3,36 +3,89 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Callable
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry  # the asyncio one: the sync class never retries an awaited command
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
+
+RESUBSCRIBE_S = 0.05
+# A command that fails on its connection is tried again after 0.1, 0.2 and 0.4 s: 0.7 s spans a Redis the
+# supervisor restarts (0.3-0.4 s, docs/benchmarks/reliability.md) and keeps a request that needs Redis while
+# it stays away failing within a second, not waiting out its deadline
+RETRIES, RETRY_CAP_S = 3, 0.5
 
 
-def connect(url: str) -> aioredis.Redis:
+def connect(url: str, password: str = "") -> aioredis.Redis:
+    """`password`: sent where `url` holds none (ACADEMUS_REDIS_PASSWORD)."""
     return aioredis.Redis.from_url(
         url,
+        password=password or None,
         decode_responses=True,
-        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=8),
+        retry=Retry(ExponentialBackoff(cap=RETRY_CAP_S, base=0.05), retries=RETRIES),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
         socket_connect_timeout=2.0,
         health_check_interval=10,
     )
 
 
+def with_password(url: str, password: str) -> str:
+    """`url` with `password` in it, unless it holds one already or `password` is empty."""
+    parts = urlsplit(url)
+    if not password or parts.password:
+        return url
+    user, host = quote(parts.username or "", safe=""), parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:{quote(password, safe='')}@{host}"))
+
+
+def redacted(url: str) -> str:
+    """`url` with its password, if any, as `***`: to print."""
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{parts.netloc.rpartition('@')[2]}"))
+
+
 async def wake_on(redis: aioredis.Redis, channel: str, changed: asyncio.Event) -> None:
     """Sets `changed` on every message published to `channel`, until cancelled: a refresh loop waiting on
-    it with its period as the timeout reads a change at once instead of at its next period. Polls with a
-    timeout and checks for a pending cancel itself: redis-py's blocking pub/sub read can swallow the
-    task's cancellation, which left a service's stop waiting on this task forever."""
+    it with its period as the timeout reads a change at once instead of at its next period. A lost
+    connection (Redis restarted) is subscribed again, tries RESUBSCRIBE_S apart doubling up to 2 s, and
+    `changed` set once back, since what was published meanwhile was missed; unguarded, the first restart
+    ended the task and left the loop on its period for good."""
+    wait, lost = RESUBSCRIBE_S, False
+
+    def subscribed() -> None:
+        nonlocal wait, lost
+        if lost:
+            changed.set()
+        wait, lost = RESUBSCRIBE_S, False
+
+    while True:
+        try:
+            await _wake_while_subscribed(redis, channel, changed, subscribed)
+            raise asyncio.CancelledError
+        except (RedisConnectionError, RedisTimeoutError):
+            lost = True
+            await asyncio.sleep(wait)
+            wait = min(2 * wait, 2.0)
+
+
+async def _wake_while_subscribed(redis: aioredis.Redis, channel: str, changed: asyncio.Event,
+                                 subscribed: Callable[[], None]) -> None:
+    """Returns once the task is being cancelled. Polls with a timeout and checks for a pending cancel
+    itself: redis-py's blocking pub/sub read can swallow the task's cancellation, which left a service's
+    stop waiting on this task forever."""
     pubsub = redis.pubsub()
     try:
         await pubsub.subscribe(channel)
+        subscribed()
         while not asyncio.current_task().cancelling():
             if await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0):
                 changed.set()
-        raise asyncio.CancelledError
     finally:
-        await pubsub.aclose()
+        with contextlib.suppress(RedisConnectionError, RedisTimeoutError):
+            await pubsub.aclose()

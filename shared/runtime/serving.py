@@ -22,6 +22,7 @@ from academus.shared.runtime.metrics import MetricsInterceptor, start_metrics
 from academus.shared.runtime.multiplex import SERVICE_NAME as MULTIPLEX_SERVICE
 from academus.shared.runtime.multiplex import MultiplexServicer, over_streams, serve_multiplexed
 from academus.shared.runtime.slices import set_process_slice
+from academus.shared.runtime.tls import MeshTls, mesh_channel, use_mesh
 from academus.shared.runtime.tracing import server_interceptors, setup_tracing, shutdown_tracing
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -29,6 +30,12 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+
+# A peer the supervisor restarts serves again a second or two after it died; after refused connects a channel
+# waits 1 s, growing 1.6x, between tries by default, so it reached the peer 1.2-1.5 s after it served (measured:
+# docs/benchmarks/reliability.md). Tries 0.1 s apart, at most 1 s: a peer that stays away costs a connect a second.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                     ("grpc.max_reconnect_backoff_ms", 1000)]
 
 Hook = Callable[[], Awaitable[None]]
 
@@ -47,6 +54,8 @@ class ServiceSpec:
     extra_tasks: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     own_port: int = 0                 # a second port, no other process binds (the mesh hands it out); 0: none
     hop_target: bool = False          # other services call it on the request path: it serves the node-local plane
+    # the gateway: its ports' TLS (None from it: plaintext), read at start, instead of the mesh's mutual TLS
+    public_credentials: Callable[[], grpc.ServerCredentials | None] | None = None
 
 
 class RunningService:
@@ -72,9 +81,10 @@ class RunningService:
         health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
         names = [*spec.service_names, MULTIPLEX_SERVICE, health_name, reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, self.server)
-        port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        credentials = self._credentials()
+        port = self._bind(cfg.port, credentials)
         if spec.own_port:
-            self.server.add_insecure_port(f"{cfg.host}:{spec.own_port}")
+            self._bind(spec.own_port, credentials)
         self.metrics_port = start_metrics(cfg.metrics_port)
         if spec.hop_target and cfg.hop_streams and cfg.local_plane:
             self.local_plane = LocalPlane(self.multiplex, socket_dir(cfg.socket_dir), spec.name)
@@ -88,6 +98,21 @@ class RunningService:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log_event("serving", service=spec.name, address=self.address, metrics_port=self.metrics_port)
         return self.address
+
+    def _credentials(self) -> grpc.ServerCredentials | None:
+        """Its ports' TLS; the process's internal channels take its mesh identity (a file that cannot be read
+        stops the start, naming its setting)."""
+        mesh = MeshTls.from_config(self.spec.config)
+        use_mesh(mesh)
+        if self.spec.public_credentials is not None:
+            return self.spec.public_credentials()
+        return mesh.server_credentials() if mesh else None
+
+    def _bind(self, port: int, credentials: grpc.ServerCredentials | None) -> int:
+        address = f"{self.spec.config.host}:{port}"
+        if credentials is None:
+            return self.server.add_insecure_port(address)
+        return self.server.add_secure_port(address, credentials)
 
     async def stop(self) -> None:
         """NOT_SERVING, background tasks end (no heartbeat re-registers), deregister, drain, close."""
@@ -155,10 +180,11 @@ def run(spec_factory: Callable[[], Awaitable[ServiceSpec]]) -> None:
 
 
 def channel(target: str) -> grpc.aio.Channel:
-    """An insecure loopback/cluster channel with tracing on, for service-to-service calls."""
+    """A channel to another service of the mesh with tracing on: mutual TLS with the process's mesh identity
+    when it has one (runtime/tls.py), else plaintext."""
     from academus.shared.runtime.tracing import client_interceptors
 
-    return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS, interceptors=client_interceptors())
+    return mesh_channel(target, [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS], client_interceptors())
 
 
 class Stubs:

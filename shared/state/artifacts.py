@@ -15,16 +15,31 @@ import uuid
 from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+
+# torch is imported where weights are read or written: a scheduler (which reads manifests and checksums only)
+# then starts, and restarts, without a second of importing it
+if TYPE_CHECKING:
+    import torch
 
 FORMAT_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
+
+
+def save_file(tensors: dict[str, torch.Tensor], path: str) -> None:
+    from safetensors.torch import save_file as save
+
+    save(tensors, path)
+
+
+def load_file(path: str, device: str = "cpu") -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file as load
+
+    return load(path, device=device)
 
 
 class ArtifactError(Exception):

@@ -6,6 +6,12 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+# The served models a tenant's adapters may sit on (names only: the gateway checks them without torch).
+# minilm-plot is HMI's hierarchical base: PLOT lookups stand in for the lower layers the adapters never
+# touch, so the same adapters (layers 4-6) train and serve on it; it needs a built table (`plot build`).
+ADAPTER_BASES = frozenset({"minilm", "minilm-plot"})
+PLOT_BASES = frozenset({"minilm-plot"})
+
 EMBEDDING = "embedding"
 CLASSIFICATION = "classification"
 

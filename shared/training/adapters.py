@@ -25,15 +25,16 @@ from transformers.masking_utils import create_bidirectional_mask
 
 from academus.shared.models.adapters import (
     DEFAULT_RANK,
-    PLOT_BASES,
     AdapterWeights,
     BatchedAdapters,
     check_base,
     install_adapters,
     upper_layers,
 )
-from academus.shared.models.model import TeacherEncoder, mean_pool, pad_batch, teacher_dir
+from academus.shared.models.model import TeacherEncoder, mean_pool, pad_batch
+from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.state.catalogue import PLOT_BASES
 from academus.shared.state.uploads import parse_labelled_jsonl
 from academus.shared.training.prepare import MAX_TOKENS, classification_metrics, length_batches
 

@@ -13,9 +13,7 @@ from typing import Any
 
 import torch
 
-from academus.shared.models.model import (
-    TeacherMissing,
-)
+from academus.shared.models.teacher_files import TeacherMissing
 from academus.shared.runtime.config import offline_hub
 from academus.shared.state.artifacts import ArtifactError
 from academus.shared.training.data import DataMissing

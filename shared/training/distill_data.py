@@ -11,13 +11,8 @@ from typing import Any
 
 import torch
 
-from academus.shared.models.model import (
-    TEACHER_NAME,
-    ClassifierHead,
-    TeacherEncoder,
-    pad_batch,
-    teacher_dir,
-)
+from academus.shared.models.model import ClassifierHead, TeacherEncoder, pad_batch
+from academus.shared.models.teacher_files import TEACHER_NAME, teacher_dir
 from academus.shared.models.tokenization import Encoded, TeacherTokenizer
 from academus.shared.state.artifacts import ArtifactError
 from academus.shared.training.data import TASKS, Example, load_task

@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 
 from academus.shared.runtime.errors import InvalidArgument, NotFound, Unavailable, from_rpc_error
 from academus.shared.runtime.serving import CHANNEL_OPTIONS
+from academus.shared.runtime.tls import mesh_channel
 from academus.shared.state.keys import Keys
 from academus.shared.state.tenants import TenantModel, TenantRegistry, check_name
 from academus.v1 import adapter_store_pb2, adapter_store_pb2_grpc, tensors_pb2
@@ -29,7 +30,7 @@ class AdapterStoreClient:
         address = await self.redis.get(self.keys.adapter_store())
         if not address:
             raise Unavailable("no adapter store is running (its address is not in Redis): start the mesh")
-        async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        async with mesh_channel(address, CHANNEL_OPTIONS) as channel:
             stub = adapter_store_pb2_grpc.AdapterStoreStub(channel)
             try:
                 return await getattr(stub, method)(request, timeout=timeout_s)

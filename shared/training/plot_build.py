@@ -41,7 +41,7 @@ import torch
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from academus.shared.models.model import TEACHER_NAME, TeacherEncoder, teacher_dir
+from academus.shared.models.model import TeacherEncoder
 from academus.shared.models.plot.layers import SplitBert
 from academus.shared.models.plot.ngrams import pack, unpack, window_starts, windows
 from academus.shared.models.plot.store import DOMAINS_DIR
@@ -55,6 +55,7 @@ from academus.shared.models.plot.table import (
     VersionWriter,
     read_manifest,
 )
+from academus.shared.models.teacher_files import TEACHER_NAME, teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.runtime.config import artifacts_dir, offline_hub
 from academus.shared.training.data import TASKS, DataMissing, data_dir, load_task

@@ -18,10 +18,11 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from academus.shared.models.model import HIDDEN_SIZE, TeacherEncoder, teacher_dir
+from academus.shared.models.model import HIDDEN_SIZE, TeacherEncoder
 from academus.shared.models.plot.hierarchical import HierarchicalEncoder
 from academus.shared.models.plot.store import PlotStore
 from academus.shared.models.plot.table import ROOT, PlotError, PlotManifest, read_manifest
+from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.training.data import TASKS, TaskData, fetch, load_task
 

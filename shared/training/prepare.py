@@ -28,14 +28,8 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
-from academus.shared.models.model import (
-    HIDDEN_SIZE,
-    TEACHER_NAME,
-    ClassifierHead,
-    TeacherEncoder,
-    pad_batch,
-    teacher_dir,
-)
+from academus.shared.models.model import HIDDEN_SIZE, ClassifierHead, TeacherEncoder, pad_batch
+from academus.shared.models.teacher_files import TEACHER_NAME, teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.runtime.config import artifacts_dir as default_artifacts_dir
 from academus.shared.runtime.config import offline_hub

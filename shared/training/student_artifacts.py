@@ -10,10 +10,8 @@ from typing import Any
 
 import torch
 
-from academus.shared.models.model import (
-    TEACHER_NAME,
-)
 from academus.shared.models.students import CONFIG_KEYS, StudentGroup, student_config
+from academus.shared.models.teacher_files import TEACHER_NAME
 from academus.shared.state.artifacts import ArtifactError, load_artifact, write_artifact
 from academus.shared.training.distill_data import SERVED_NAMES
 from academus.shared.training.prepare import (

@@ -3,6 +3,7 @@ gateway) with the real teacher and the prepared artifacts."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -76,3 +77,12 @@ def metric(port: int, name: str, **labels: str) -> float:
 
 def service(mesh: MeshState, name: str):
     return next(s for s in mesh.services if s.name == name)
+
+
+def wait_for(predicate, timeout_s: float = 20.0, what: str = "") -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")

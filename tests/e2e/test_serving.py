@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from academus.client import AcademusError, AsyncClient, Client
-from academus.shared.models.model import teacher_dir
 from academus.shared.models.plot.table import plot_table
+from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.runtime.config import artifacts_dir
 from academus.shared.runtime.metrics import scrape
 from academus.shared.runtime.multiplex import MAX_FRAME_BYTES

@@ -19,7 +19,7 @@ from academus.client import AcademusError, AsyncClient
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, MeshState, down, up, wait_exit
 from academus.shared.state.keys import Keys
 from tests.conftest import small_student_artifacts
-from tests.e2e.conftest import metric
+from tests.e2e.conftest import metric, wait_for
 
 pytestmark = pytest.mark.e2e
 MODEL = "sentiment-students"
@@ -64,15 +64,6 @@ def table(state) -> dict:
     r = redis.Redis.from_url(state.redis_url, decode_responses=True)
     raw = r.get(Keys(state.key_prefix).groups(MODEL))
     return json.loads(raw) if raw else {}
-
-
-def wait_for(predicate, timeout_s: float = 20.0, what: str = "") -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 async def burst(state, count: int, text: str = TEXT, timeout: float = 30.0, policy: str = "",

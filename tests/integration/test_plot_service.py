@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from academus.services.plot.core import PlotLookup
-from academus.shared.models.model import teacher_dir
 from academus.shared.models.plot import PlotStore, TableError
 from academus.shared.models.plot.hierarchical import HierarchicalEncoder
 from academus.shared.models.plot.layers import SplitBert
 from academus.shared.models.plot.wire import WIRE_DTYPE, lookup_from_pb, request_to_pb
+from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.runtime.serving import CHANNEL_OPTIONS, RunningService
 from academus.shared.training.plot_build import BuildOptions, build, count_ngrams, tokenize

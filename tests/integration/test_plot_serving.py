@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from academus.services.worker.core import OUTPUT_EMBEDDING, OUTPUT_PROBS, ModelRunner
-from academus.shared.models.model import teacher_dir
 from academus.shared.models.packing import PackingPlan
 from academus.shared.models.plot import PlotStore
 from academus.shared.models.plot.hierarchical import HierarchicalEncoder, PlotStates
 from academus.shared.models.plot.layers import SplitBert
+from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.runtime.config import artifacts_dir
 from academus.shared.runtime.errors import DeadlineExceeded, InvalidArgument

@@ -18,10 +18,10 @@ from academus.client import AcademusError, AsyncClient
 from academus.services.worker.adapters import TenantBatch
 from academus.services.worker.core import OUTPUT_PROBS, ModelRunner
 from academus.shared.models.adapters import BatchedAdapters, install_adapters
-from academus.shared.models.model import teacher_dir
 from academus.shared.models.plot import PlotStore
 from academus.shared.models.plot.hierarchical import padded_lookup
 from academus.shared.models.plot.layers import SplitBert
+from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.runtime.config import artifacts_dir
 from academus.shared.runtime.errors import InvalidArgument

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from academus.services.worker.core import OUTPUT_EMBEDDING, OUTPUT_PROBS, ModelRunner
-from academus.shared.models.model import teacher_dir
+from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.runtime.errors import InvalidArgument
 from academus.shared.runtime.redis_conn import connect

@@ -15,7 +15,8 @@ import torch
 
 from academus.client import AcademusError, AsyncClient
 from academus.shared.models.adapters import encode_with_adapters
-from academus.shared.models.model import TeacherEncoder, pad_batch, teacher_dir
+from academus.shared.models.model import TeacherEncoder, pad_batch
+from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.runtime.config import artifacts_dir
 from academus.shared.runtime.redis_conn import connect

@@ -18,7 +18,8 @@ from academus.shared.models.adapters import (
     install_adapters,
     remove_adapters,
 )
-from academus.shared.models.model import TeacherEncoder, pad_batch, teacher_dir
+from academus.shared.models.model import TeacherEncoder, pad_batch
+from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.training.adapters import (
     lower_states,

@@ -117,7 +117,7 @@ def test_rewrite_replaces(tmp_path: Path) -> None:
 
 
 def test_a_node_can_mount_its_own_teacher_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from academus.shared.models.model import TeacherMissing, teacher_dir
+    from academus.shared.models.teacher_files import TeacherMissing, teacher_dir
 
     bundled = teacher_dir()
     mounted = tmp_path / "teacher"

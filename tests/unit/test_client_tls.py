@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from academus.client import AcademusError, AsyncClient, Client
-from academus.client.types import channel_credentials
+from academus.shared.runtime.tls import channel_credentials
 from academus.v1 import inference_pb2 as pb
 from academus.v1 import inference_pb2_grpc
 

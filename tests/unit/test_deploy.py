@@ -482,7 +482,9 @@ def test_k8s_services_cross_reference() -> None:
             named = {p["name"]: p["containerPort"] for p in c["ports"]}
             assert named == {"grpc": port, "metrics": metrics}, f"{where}: container ports {named}"
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-                assert c[probe]["grpc"]["port"] == port, f"{where}: {probe} must be a gRPC probe on {port}"
+                assert _probes_health(c[probe], port, env), (
+                    f"{where}: {probe} must be a gRPC probe on {port} (the image's academus-healthcheck where "
+                    "it serves TLS, which the kubelet's gRPC probes cannot speak)")
             security = pod.get("securityContext", {})
             assert security.get("runAsNonRoot") is True and security.get("runAsUser") == 10001, where
             labels = o["spec"]["template"]["metadata"]["labels"]
@@ -543,6 +545,70 @@ def test_k8s_services_cross_reference() -> None:
     for module in ("trainer", "gateway"):  # the gateway writes Manage API uploads, the trainer reads them
         _assert_artifacts_read_write(deployed[module], module)
     assert "ACADEMUS_REDIS_URL" in config["data"] and config["data"]["ACADEMUS_HOST"] == "0.0.0.0"
+
+
+def _probes_health(probe: dict[str, Any], port: int, env: dict[str, Any]) -> bool:
+    if "ACADEMUS_TLS_CERT" in env:
+        return probe.get("exec", {}).get("command") == ["python", "/usr/local/bin/academus-healthcheck"]
+    return probe.get("grpc", {}).get("port") == port
+
+
+def _secret_ref(env: dict[str, Any], name: str) -> tuple[str, str] | None:
+    ref = env.get(name, {}).get("valueFrom", {}).get("secretKeyRef")
+    return (ref["name"], ref["key"]) if ref else None
+
+
+REDIS_SECRET = ("academus-redis", "password")
+GATEWAY_TLS_SECRET = "academus-gateway-tls"
+
+
+def test_k8s_redis_password_comes_from_a_secret_into_redis_and_every_service() -> None:
+    objects = _k8s_objects()
+    for o in objects:
+        if o["kind"] not in WORKLOAD_KINDS:
+            continue
+        for c in _pod_spec(o)["containers"]:
+            if _module_of(c.get("args") or c.get("command")) is None:
+                continue
+            env = {e["name"]: e for e in c.get("env", [])}
+            assert _secret_ref(env, "ACADEMUS_REDIS_PASSWORD") == REDIS_SECRET, f"{o['metadata']['name']}: password"
+    config = _find(objects, "ConfigMap", "academus-config")
+    assert not [k for k in config["data"] if "PASSWORD" in k], "no password in the ConfigMap"
+    redis = _pod_spec(_find(objects, "StatefulSet", "redis"))["containers"][0]
+    args, env = redis["args"], {e["name"]: e for e in redis.get("env", [])}
+    password = args[args.index("--requirepass") + 1]
+    assert re.fullmatch(r"\$\((\w+)\)", password) and _secret_ref(env, password[2:-1]) == REDIS_SECRET, password
+    assert _secret_ref(env, "REDISCLI_AUTH") == REDIS_SECRET, "the readiness probe's redis-cli needs the password"
+
+
+def test_k8s_gateway_serves_tls_with_the_certificate_of_a_secret() -> None:
+    pod = _pod_spec(_find(_k8s_objects(), "Deployment", "gateway"))
+    (container,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    secrets = {v["name"]: v["secret"] for v in pod["volumes"] if "secret" in v}
+    for setting in ("ACADEMUS_TLS_CERT", "ACADEMUS_TLS_KEY", "ACADEMUS_HEALTHCHECK_CA"):
+        mount = next(m for m in container["volumeMounts"] if env[setting].startswith(m["mountPath"] + "/"))
+        assert mount.get("readOnly") and secrets[mount["name"]]["secretName"] == GATEWAY_TLS_SECRET, setting
+        assert secrets[mount["name"]]["defaultMode"] & 0o007 == 0, "the key is not world-readable"
+
+
+def test_k8s_network_policies_admit_only_the_gateways_api_from_outside_the_namespace() -> None:
+    objects = _k8s_objects()
+    policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    assert any(p["spec"]["podSelector"] == {} and "Ingress" in p["spec"]["policyTypes"]
+               and not p["spec"].get("ingress") for p in policies), "a default deny of ingress"
+    gateway_labels = _find(objects, "Deployment", "gateway")["spec"]["template"]["metadata"]["labels"]
+    for policy in policies:
+        for rule in policy["spec"].get("ingress", []):
+            peers = rule.get("from")
+            within = peers and all(set(peer) == {"podSelector"} for peer in peers)   # this namespace's pods
+            ports = {p["port"] for p in rule.get("ports", [])}
+            name = policy["metadata"]["name"]
+            if within or ports == {"metrics"}:
+                continue
+            assert _matches(policy["spec"]["podSelector"]["matchLabels"], gateway_labels) and ports == {"grpc"}, (
+                f"NetworkPolicy {name} admits {peers or 'anyone'} to {ports or 'every port'} of pods that are "
+                "not the gateway's API")
 
 
 def test_k8s_redis_and_mps() -> None:

@@ -19,7 +19,7 @@ from academus.services.gateway.core import (
     InferCall,
     resolve_output,
 )
-from academus.shared.models.model import teacher_dir
+from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.runtime.config import GatewayConfig
 from academus.shared.runtime.errors import InvalidArgument, NotFound, Unauthenticated, Unavailable

@@ -14,7 +14,7 @@ SHARED = Path(__file__).resolve().parents[2] / "shared"
 LAYERS = ["runtime", "state", "models", "training", "cli"]
 # The light client: modules that import with grpcio and protobuf alone, and tracing only when OpenTelemetry is
 # installed (tests/e2e/test_light_client.py installs it alone).
-CLIENT_MAY_IMPORT = {"runtime.errors", "runtime.multiplex", "runtime.tracing"}
+CLIENT_MAY_IMPORT = {"runtime.errors", "runtime.multiplex", "runtime.tls", "runtime.tracing"}
 
 
 def module_name(path: Path) -> str:

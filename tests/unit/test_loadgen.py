@@ -20,7 +20,7 @@ from academus.loadgen import analysis, plots, runner, schedule, texts
 from academus.loadgen.analysis import ratios
 from academus.loadgen.cli import main, summary_lines
 from academus.loadgen.runner import Record, RunResult
-from academus.shared.models.model import teacher_dir
+from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.runtime.tracing import JsonlSpanExporter, read_traces
 

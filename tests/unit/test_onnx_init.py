@@ -61,7 +61,8 @@ def test_reader_names_each_matmul_weight_after_its_bias_and_transposes_it() -> N
 
 
 def test_the_real_l3_maps_onto_student_layers_and_keeps_its_meaning(dataset_dir: Path) -> None:
-    from academus.shared.models.model import TeacherEncoder, teacher_dir
+    from academus.shared.models.model import TeacherEncoder
+    from academus.shared.models.teacher_files import teacher_dir
     from academus.shared.models.tokenization import TeacherTokenizer
 
     state = load_minilm_l3(dataset_dir)

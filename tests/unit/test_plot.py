@@ -18,13 +18,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from academus.shared.models.model import TeacherEncoder, pad_batch, teacher_dir
+from academus.shared.models.model import TeacherEncoder, pad_batch
 from academus.shared.models.plot import InvalidTokens, PlotManifest, PlotStore, TableError, UnknownDomain, load_version
 from academus.shared.models.plot.hierarchical import HierarchicalEncoder
 from academus.shared.models.plot.layers import SplitBert
 from academus.shared.models.plot.ngrams import MISSING, NgramIndex, pack, unpack, window_starts
 from academus.shared.models.plot.store import SLOT_WEIGHTS
 from academus.shared.models.plot.table import read_manifest
+from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.runtime.config import ConfigError, PlotConfig, load
 from academus.shared.training.plot_build import BuildOptions, build, count_ngrams, most_frequent, tokenize

@@ -1,9 +1,17 @@
-"""`wake_on` against the real Redis: a published event wakes a refresh loop, and cancelling stops it."""
+"""The services' Redis clients against the real Redis: retried commands, and `wake_on` (a published event wakes
+a refresh loop, cancelling stops it, a restart of Redis does not end it)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from academus.shared.cli.redis_server import RedisServer
 from academus.shared.runtime.redis_conn import connect, wake_on
 from academus.shared.state.keys import Keys
 
@@ -13,8 +21,7 @@ async def test_an_event_on_the_channel_wakes_the_waiter_and_cancel_stops_the_wat
     changed = asyncio.Event()
     watch = asyncio.create_task(wake_on(redis, channel, changed))
     try:
-        while (await redis.pubsub_numsub(channel))[0][1] == 0:
-            await asyncio.sleep(0.01)                    # subscribed: a message now reaches it
+        await subscribed(redis, channel)
         await redis.publish(Keys("other").events(), "serving scheduler-0@node-1")   # another mesh's channel
         await asyncio.sleep(0.2)
         assert not changed.is_set()
@@ -25,3 +32,56 @@ async def test_an_event_on_the_channel_wakes_the_waiter_and_cancel_stops_the_wat
         await asyncio.wait_for(asyncio.gather(watch, return_exceptions=True), 5.0)   # it does stop
         await redis.aclose()
     assert watch.cancelled()
+
+
+async def test_a_command_on_a_connection_a_restarted_redis_closed_is_retried(tmp_path):
+    server = RedisServer(tmp_path / "redis").start()
+    redis = connect(server.url)
+    restarted = None
+    try:
+        await redis.set("k", "v")   # a pooled connection, which the kill below closes
+        kill(server)
+        restarted = RedisServer(tmp_path / "redis", port=server.port).start()
+        assert await redis.get("k") == "v"
+    finally:
+        await redis.aclose()
+        (restarted or server).stop()
+
+
+async def test_a_watch_whose_client_gave_up_subscribes_again_and_wakes_once_back(tmp_path):
+    """A client out of retries (Redis away longer than they last; here: none) ends the subscription: the
+    watch subscribes again once Redis is back and wakes the waiter, since what was published meanwhile
+    was missed; later events wake it as before."""
+    server = RedisServer(tmp_path / "redis").start()
+    redis = aioredis.Redis.from_url(server.url, decode_responses=True, retry=Retry(NoBackoff(), 0))
+    channel, changed = Keys("t").events(), asyncio.Event()
+    watch = asyncio.create_task(wake_on(redis, channel, changed))
+    restarted = None
+    try:
+        await subscribed(redis, channel)
+        kill(server)
+        restarted = RedisServer(tmp_path / "redis", port=server.port).start()
+        await asyncio.wait_for(changed.wait(), 10.0)
+        changed.clear()
+        await subscribed(redis, channel)
+        await redis.publish(channel, "serving scheduler-0")
+        await asyncio.wait_for(changed.wait(), 5.0)
+        assert not watch.done()
+    finally:
+        watch.cancel()
+        await asyncio.wait_for(asyncio.gather(watch, return_exceptions=True), 5.0)
+        await redis.aclose()
+        (restarted or server).stop()
+
+
+def kill(server: RedisServer) -> None:
+    server.process.kill()
+    server.process.wait()
+
+
+async def subscribed(redis, channel: str) -> None:
+    while True:
+        with contextlib.suppress(RedisConnectionError):   # a client without retries, Redis just back
+            if (await redis.pubsub_numsub(channel))[0][1]:
+                return   # subscribed: a message now reaches it
+        await asyncio.sleep(0.01)

@@ -14,7 +14,8 @@ from academus.loadgen.probes.adapters_bench import perturbed_adapter
 from academus.services.worker.adapters import AdapterCache, AdapterKey
 from academus.services.worker.core import OUTPUT_EMBEDDING, OUTPUT_PROBS, ModelRunner
 from academus.shared.models.adapters import AdapterWeights, encode_with_adapters
-from academus.shared.models.model import pad_batch, teacher_dir
+from academus.shared.models.model import pad_batch
+from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.runtime.errors import InvalidArgument, NotFound
 from tests.conftest import artifacts_path, sample

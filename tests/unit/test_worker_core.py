@@ -10,8 +10,8 @@ import torch
 
 from academus.services.worker.adapters import TenantBatch
 from academus.services.worker.core import OUTPUT_EMBEDDING, OUTPUT_PROBS, CallerLeft, ModelRunner, split_lengths
-from academus.shared.models.model import teacher_dir
 from academus.shared.models.packing import PackingPlan
+from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.runtime.config import artifacts_dir
 from academus.shared.runtime.errors import DeadlineExceeded, InvalidArgument, NotFound

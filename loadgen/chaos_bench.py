@@ -1,0 +1,637 @@
+"""Chaos bench (issue 38): a supervised mesh under a steady Poisson load of real requests, one fault a run, and
+what each fault cost.
+
+    python -m academus.loadgen.chaos_bench [--faults worker-kill,scheduler-kill,...] [--rate R | --load 2]
+        [--duration 60] [--fault-at 10] [--workers 2] [--out .academus/results/chaos]
+
+One mesh (`academus up`: every process supervised, restarted when it dies) serves sentiment and
+sentiment-students with the default deployments (a scheduler each). Its capacity is measured first with a
+short closed loop; the load, a tenant's (a quota it never reaches: each request takes its token in Redis),
+is `--load` times it unless `--rate` gives it, half to each model. A fault-free run comes first (the
+reference), then a run a fault on the same schedule, the mesh back to health between (`--gateways 2
+--shards 2`: two gateways on the port and two schedulers a deployment, the fault hitting one):
+
+  worker-kill, scheduler-kill, gateway-kill   kill -9 of worker-0, of the scheduler serving sentiment-students,
+                                              of the gateway
+  worker-term, scheduler-term, gateway-term   SIGTERM of the same
+  redis-kill                                  kill -9 of the mesh's Redis; an API key made before must still work
+  clients-kill                                --clients client processes killed while their requests run
+  tenant-flood                                a tenant with a small quota (--tenant-quota) sending 10x it
+
+For each: requests lost (no result or status within the deadline + 50 ms), failed and errors by code (beside
+the reference's), time to recover (from the fault to the first success, on the models it hit, of a request
+sent after it), the victim's replacement serving, p99 of the traffic it did not hit against the reference's,
+the scheduler queue and in-flight gauges back to zero after the load, every process's RSS over time (/proc),
+and the restarts the supervisor made. summary.json, a table on stdout, and PNGs a fault (timeline, RSS) go
+under --out; the mesh's logs under --out/run/logs. Measurements: docs/benchmarks/reliability.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import redis
+
+from academus.client import AcademusError, AsyncClient, Client
+from academus.loadgen import plots, runner, schedule, texts
+from academus.loadgen.bench import write_summary
+from academus.loadgen.runner import GatewaySpread, RunResult
+from academus.loadgen.stats import percentile
+from academus.shared.cli.mesh import (
+    MeshOptions,
+    MeshState,
+    create_key,
+    default_deployments,
+    down,
+    health,
+    pid_alive,
+    status,
+    up,
+    wait_placed,
+)
+from academus.shared.runtime.metrics import scrape
+from academus.shared.runtime.redis_conn import connect
+from academus.shared.state.keys import Keys
+from academus.shared.state.tenants import TenantRegistry
+
+MODELS = ("sentiment", "sentiment-students")
+HIT_BY_SCHEDULER = MODELS[1]       # the scheduler faults hit the one serving this model
+# the load's client connections, all to the mesh's port, as clients without a balancer in front: with several
+# gateways the kernel spreads the connections over them, and one lost moves its connections to the others
+CONNECTIONS = 4
+CLIENTS_LEAD_S = 5.0               # clients-kill starts its clients this long before the fault
+LATE_MS = 50.0                     # an answer later than its deadline + this was lost
+# texts the workers computed, and the work dropped unrun or stopped because no one waits for it any more
+COUNTERS = ("academus_worker_batch_size_texts_sum", "academus_scheduler_dropped_total",
+            "academus_worker_abandoned_total", "academus_worker_expired_total", "academus_multiplexed_unrun_total")
+GAUGES = ("academus_scheduler_queue_depth", "academus_scheduler_buffer_depth", "academus_rpc_in_flight")
+LOAD_QUOTA = 1e6                   # requests/s: the load's tenant never reaches it
+LONG_TEXT = "a long review of a film that goes on and on about the plot, the actors and the music " * 6
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    target: str                    # worker, scheduler, gateway, redis, clients or tenant
+    signal: int = signal.SIGKILL
+
+
+FAULTS = {f.name: f for f in (
+    Fault("worker-kill", "worker"), Fault("scheduler-kill", "scheduler"), Fault("gateway-kill", "gateway"),
+    Fault("worker-term", "worker", signal.SIGTERM), Fault("scheduler-term", "scheduler", signal.SIGTERM),
+    Fault("gateway-term", "gateway", signal.SIGTERM), Fault("redis-kill", "redis"),
+    Fault("clients-kill", "clients"), Fault("tenant-flood", "tenant"))}
+# the issue's targets: (what, limit) checked on each fault's figures
+TARGETS = {"kill": (("lost", 0), ("excess_failed_pct", 5.0), ("recover_s", 5.0)),
+           "term": (("lost", 0), ("excess_failed", 0)),
+           "redis": (("excess_failed_pct", 5.0), ("key_works_after", True))}
+
+
+@dataclass
+class Bench:
+    args: argparse.Namespace
+    run_dir: Path
+    key: str
+    rate: float
+    samples: list[texts.Sample]
+    capacity_rps: float | None = None
+    reference: dict = field(default_factory=dict)
+    notes: dict = field(default_factory=dict)   # what the current run's fault reports beside the figures
+
+
+@dataclass
+class Victim:
+    name: str          # a service's name in mesh.json, or "redis"
+    pid: int
+    models: tuple[str, ...]   # the models it serves (those whose recovery is timed)
+
+
+# -- the mesh ------------------------------------------------------------------------------------------------
+
+def start(args: argparse.Namespace) -> MeshState:
+    """The default deployments, each as --shards scheduler processes."""
+    options = MeshOptions(run_dir=args.out / "run", gateway_port=0, workers=args.workers, gateways=args.gateways,
+                          worker_threads=args.worker_threads, env={"ACADEMUS_MODELS": ",".join(MODELS)})
+    return up(replace(options, deployments=[replace(d, shards=args.shards) for d in default_deployments(options)]))
+
+
+def wait_ready(run_dir: Path, workers: int, timeout_s: float = 180.0) -> float:
+    """Seconds until every process serves and every worker is placed again."""
+    began = time.monotonic()
+    while time.monotonic() - began < timeout_s:
+        report = status(run_dir)
+        if report["redis"]["health"] == "SERVING" and all(s["health"] == "SERVING" for s in report["services"]):
+            wait_placed(MeshState.load(run_dir), workers, timeout_s)
+            return time.monotonic() - began
+        time.sleep(0.2)
+    raise TimeoutError(f"the mesh in {run_dir} not healthy after {timeout_s}s: {status(run_dir)}")
+
+
+def find_victim(run_dir: Path, fault: Fault) -> Victim:
+    state = MeshState.load(run_dir)
+    if fault.target == "redis":
+        return Victim("redis", state.redis_pid or 0, MODELS)
+    if fault.target == "scheduler":
+        address = scheduler_address(state, HIT_BY_SCHEDULER)
+        proc = next(s for s in state.services if s.address == address)
+        return Victim(proc.name, proc.pid, (HIT_BY_SCHEDULER,))
+    name = {"worker": "worker-0", "gateway": "gateway"}[fault.target]
+    return Victim(name, next(s.pid for s in state.services if s.name == name), MODELS)
+
+
+def scheduler_address(state: MeshState, model: str) -> str:
+    client, keys = redis.Redis.from_url(state.redis_url, decode_responses=True), Keys(state.key_prefix)
+    for scheduler_id in client.smembers(keys.schedulers()):
+        registration = client.hgetall(keys.scheduler(scheduler_id))
+        if model in registration.get("models", "").split(","):
+            return registration["address"]
+    raise LookupError(f"no scheduler registered for {model}")
+
+
+def current_pid(run_dir: Path, name: str) -> int:
+    state = MeshState.load(run_dir)
+    return (state.redis_pid or 0) if name == "redis" else next(s.pid for s in state.services if s.name == name)
+
+
+def serving(run_dir: Path, name: str) -> bool:
+    state = MeshState.load(run_dir)
+    if name == "redis":
+        try:
+            return bool(redis.Redis.from_url(state.redis_url, socket_connect_timeout=0.5).ping())
+        except redis.exceptions.RedisError:
+            return False
+    return health(next(s.address for s in state.services if s.name == name), 0.5) == "SERVING"
+
+
+def replaced_after(run_dir: Path, victim: Victim, limit_s: float) -> float | None:
+    """Seconds from now until a new process has replaced the victim and serves; None past `limit_s`."""
+    began = time.monotonic()
+    while time.monotonic() - began < limit_s:
+        pid = current_pid(run_dir, victim.name)
+        if pid != victim.pid and pid_alive(pid) and serving(run_dir, victim.name):
+            return time.monotonic() - began
+        time.sleep(0.05)
+    return None
+
+
+def restarts(run_dir: Path) -> dict[str, int]:
+    state = MeshState.load(run_dir)
+    return {"redis": state.redis_restarts} | {s.name: s.restarts for s in state.services}
+
+
+def gauges(run_dir: Path) -> dict[str, float]:
+    """The queue and in-flight gauges, summed per process (nonzero ones only)."""
+    out = {}
+    for s in MeshState.load(run_dir).services:
+        try:
+            total = sum(p.value for p in scrape(s.metrics_port) if p.name in GAUGES)
+        except OSError:
+            total = float("nan")   # not serving its metrics (yet)
+        if total:
+            out[s.name] = total
+    return out
+
+
+def counters(run_dir: Path) -> dict[str, float]:
+    """COUNTERS summed over the mesh's processes, one entry a name and label set: the work done and dropped."""
+    out: dict[str, float] = {}
+    for s in MeshState.load(run_dir).services:
+        for p in scrape(s.metrics_port):
+            if p.name in COUNTERS:
+                key = p.name + "".join(f",{k}={v}" for k, v in sorted(p.labels.items()) if k != "model")
+                out[key] = out.get(key, 0.0) + p.value
+    return out
+
+
+def gauges_back_to_zero(run_dir: Path, limit_s: float = 30.0) -> tuple[float | None, dict[str, float]]:
+    """Seconds after the load until every queue and in-flight gauge reads 0 (None: not within `limit_s`),
+    and what was left then."""
+    began = time.monotonic()
+    while (left := gauges(run_dir)) and time.monotonic() - began < limit_s:
+        time.sleep(0.2)
+    return (None if left else round(time.monotonic() - began, 2)), left
+
+
+class RssSampler(threading.Thread):
+    """Every mesh process's RSS (MiB, /proc/<pid>/status) every `period_s`, from `t0` (perf_counter)."""
+
+    def __init__(self, run_dir: Path, t0: float, period_s: float = 0.5) -> None:
+        super().__init__(daemon=True)
+        self.run_dir, self.t0, self.period_s = run_dir, t0, period_s
+        self.samples: list[dict] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(self.period_s):
+            state = MeshState.load(self.run_dir)
+            pids = {s.name: s.pid for s in state.services} | {"redis": state.redis_pid,
+                                                                "supervisor": state.supervisor_pid}
+            self.samples.append({"t": round(time.perf_counter() - self.t0, 2),
+                                 "rss_mib": {n: rss_mib(p) for n, p in pids.items() if p}})
+
+
+def rss_mib(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None   # gone, or a zombie
+
+
+# -- load and faults -----------------------------------------------------------------------------------------
+
+async def measure_capacity(bench: Bench, gateways: list[str]) -> float:
+    """Requests/s the mesh completes under a closed loop on both models at once."""
+    async with GatewaySpread(gateways, bench.key, bench.args.timeout, own_connections=True) as spread:
+        runs = await asyncio.gather(*(runner.run_closed(spread, m, bench.args.capacity_callers, bench.samples,
+                                                        bench.args.timeout, bench.args.capacity_s) for m in MODELS))
+    return sum(sum(r.code == "OK" for r in run.records) / run.duration_s for run in runs)
+
+
+def arrivals(bench: Bench, model: int) -> list[float]:
+    return schedule.poisson(bench.rate / len(MODELS), bench.args.duration, bench.args.seed + model)
+
+
+async def inject(bench: Bench, fault: Fault, t0: float) -> tuple[float, Victim | None]:
+    """Waits for the fault's time, injects it; returns when it happened (seconds from t0) and its victim."""
+    if fault.target == "clients":   # started ahead: a Python process takes seconds to start on a loaded host
+        await asyncio.sleep(max(0.0, bench.args.fault_at - CLIENTS_LEAD_S - (time.perf_counter() - t0)))
+        clients = await start_clients(bench)
+    await asyncio.sleep(max(0.0, bench.args.fault_at - (time.perf_counter() - t0)))
+    if fault.target == "clients":
+        bench.notes["clients_killed_mid_rpc"] = await kill_clients(clients)
+        return time.perf_counter() - t0, None
+    if fault.target == "tenant":
+        return time.perf_counter() - t0, None
+    victim = find_victim(bench.run_dir, fault)
+    os.kill(victim.pid, fault.signal)
+    return time.perf_counter() - t0, victim
+
+
+async def back_after(bench: Bench, injected: asyncio.Task) -> float | None:
+    """Seconds from the fault until the victim's replacement serves (None: no victim, or not within 120 s)."""
+    _, victim = await injected
+    return None if victim is None else await asyncio.to_thread(replaced_after, bench.run_dir, victim, 120.0)
+
+
+async def start_clients(bench: Bench) -> list[asyncio.subprocess.Process]:
+    """--clients client processes, each connected to the gateway and waiting for the word to send."""
+    gateway = MeshState.load(bench.run_dir).gateway
+    procs = [await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "academus.loadgen.chaos_bench", "doomed-client", gateway, bench.key, MODELS[0],
+        str(bench.args.client_requests), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        for _ in range(bench.args.clients)]
+    for proc in procs:
+        await asyncio.wait_for(proc.stdout.readline(), 60)   # "ready"
+    return procs
+
+
+async def kill_clients(procs: list[asyncio.subprocess.Process]) -> int:
+    """Has every client send its requests at once and SIGKILLs it once they are on the wire; returns how many
+    were killed with calls unanswered (not exited with every answer)."""
+    for proc in procs:
+        proc.stdin.write(b"go\n")
+        await proc.stdin.drain()
+    for proc in procs:
+        await asyncio.wait_for(proc.stdout.readline(), 60)   # "sent"
+        with contextlib.suppress(ProcessLookupError):   # its calls all answered already: it has exited
+            proc.kill()
+    return sum([await proc.wait() == -signal.SIGKILL for proc in procs])
+
+
+def doomed_client(argv: list[str]) -> int:
+    """`doomed-client GATEWAY KEY MODEL N`: connects, says "ready"; on a line on stdin sends N long requests at
+    once, says "sent" once they are on the wire, and waits for their answers (or to be killed)."""
+    gateway, key, model, count = argv[0], argv[1], argv[2], int(argv[3])
+
+    async def send() -> None:
+        async with AsyncClient(gateway, api_key=key, timeout=60) as client:
+            await client.infer(model, ["a connection made before"])
+            print("ready", flush=True)
+            await asyncio.to_thread(sys.stdin.readline)
+            calls = [asyncio.ensure_future(client.infer(model, [f"{i} {LONG_TEXT}"])) for i in range(count)]
+            await asyncio.sleep(0.05)
+            print("sent", flush=True)
+            await asyncio.gather(*calls, return_exceptions=True)
+
+    asyncio.run(send())
+    return 0
+
+
+async def tenant_load(bench: Bench, gateways: list[str], key: str) -> RunResult:
+    """The flooding tenant: 10x its quota from the fault's time to the end, on the first model."""
+    span = bench.args.duration - bench.args.fault_at
+    times = [bench.args.fault_at + t for t in schedule.poisson(10 * tenant_quota(bench), span, bench.args.seed + 7)]
+    async with GatewaySpread(gateways, key, bench.args.timeout, own_connections=True) as spread:
+        return await runner.run(spread, MODELS[0], times, bench.samples, bench.args.timeout, bench.args.duration)
+
+
+def tenant_quota(bench: Bench) -> float:
+    return bench.args.tenant_quota or max(1.0, round(bench.rate / 20, 1))
+
+
+async def make_tenant(state: MeshState, name: str, quota: float) -> str:
+    client = connect(state.redis_url)
+    try:
+        registry = TenantRegistry(client, Keys(state.key_prefix))
+        if name in await registry.tenants():
+            await registry.delete_tenant(name)
+        return await registry.create_tenant(name, rate=quota, burst=max(1, round(quota)))
+    finally:
+        await client.aclose()
+
+
+async def loaded_run(bench: Bench, fault: Fault | None) -> tuple[list[RunResult], dict]:
+    """The load on both models, with `fault` injected at its time; the runs and what the fault left."""
+    state = MeshState.load(bench.run_dir)
+    gateways = [state.gateway] * CONNECTIONS
+    tenant_key = ""
+    if fault is not None and fault.target == "tenant":
+        tenant_key = await make_tenant(state, "chaos-flood", tenant_quota(bench))
+    sampler = RssSampler(bench.run_dir, time.perf_counter())
+    sampler.start()
+    async with GatewaySpread(gateways, bench.key, bench.args.timeout, own_connections=True) as spread:
+        t0 = sampler.t0
+        loads = [runner.run(spread, m, arrivals(bench, i), bench.samples, bench.args.timeout, bench.args.duration)
+                 for i, m in enumerate(MODELS)]
+        flood = [tenant_load(bench, gateways, tenant_key)] if tenant_key else []
+        injected = asyncio.create_task(inject(bench, fault, t0)) if fault is not None else None
+        back = asyncio.create_task(back_after(bench, injected)) if injected is not None else None
+        results = await asyncio.wait_for(asyncio.gather(*loads, *flood), bench.args.duration + 120)
+        at, victim = await injected if injected is not None else (None, None)
+    sampler.done.set()
+    extra = {"fault_at_s": None if at is None else round(at, 3), "rss": sampler.samples}
+    if victim is not None:
+        back_s = await back
+        extra |= {"victim": victim.name, "affected_models": list(victim.models),
+                  "victim_back_s": None if back_s is None else round(back_s, 3)}
+    if tenant_key:
+        extra["tenant"] = tenant_summary(results[-1])
+        results = results[:-1]
+    return list(results), extra
+
+
+def tenant_summary(run: RunResult) -> dict:
+    refused = [r.latency_ms for r in run.records if r.code == "RESOURCE_EXHAUSTED"]
+    return {"sent": len(run.records), "ok": sum(r.code == "OK" for r in run.records),
+            "errors": dict(Counter(r.code for r in run.records if r.code != "OK")),
+            "refusal_p50_ms": round(percentile(refused, 50), 3) if refused else None}
+
+
+def probe_key(bench: Bench) -> str:
+    """A tenant key made before the fault, checked to work."""
+    key = create_key(MeshState.load(bench.run_dir), "chaos-probe")
+    with Client(MeshState.load(bench.run_dir).gateway, api_key=key, timeout=10) as client:
+        client.infer(MODELS[0], ["made before the fault"])
+    return key   # Redis wrote it to its AOF before it replied: a kill -9 (not a power cut) cannot lose it
+
+
+def key_works(bench: Bench, key: str, limit_s: float = 60.0) -> dict:
+    """The key still in Redis after the restart, and a request with it answered."""
+    state = MeshState.load(bench.run_dir)
+    stored = bool(redis.Redis.from_url(state.redis_url).exists(Keys(state.key_prefix).api_key(key)))
+    began, code = time.monotonic(), ""
+    with Client(state.gateway, api_key=key, timeout=5) as client:
+        while time.monotonic() - began < limit_s:
+            try:
+                client.infer(MODELS[0], ["made before the fault"])
+                return {"key_in_redis_after": stored, "key_works_after": True}
+            except AcademusError as e:
+                code = e.code
+                time.sleep(0.5)
+    return {"key_in_redis_after": stored, "key_works_after": False, "key_error": code}
+
+
+# -- figures -------------------------------------------------------------------------------------------------
+
+def summarize(bench: Bench, runs: list[RunResult], extra: dict) -> dict:
+    timeout_ms = bench.args.timeout * 1e3
+    records = [r for run in runs for r in run.records]
+    expected = sum(len(arrivals(bench, i)) for i in range(len(MODELS)))
+    late = sum(r.latency_ms > timeout_ms + LATE_MS for r in records)
+    failed = [r for r in records if r.code != "OK"]
+    at = extra.get("fault_at_s")
+    affected = set(extra.get("affected_models", ()))
+    unhit = [run for run in runs if run.model not in affected] or runs
+    out = {"sent": expected, "answered": len(records), "ok": len(records) - len(failed),
+           "lost": expected - len(records) + late, "failed": len(failed),
+           "failed_pct": round(100 * len(failed) / max(expected, 1), 2),
+           "errors": dict(Counter(r.code for r in failed)),
+           "error_examples": runner.error_examples(records, per_code=2),
+           "p99_ms": p99(unhit), "p99_models": [run.model for run in unhit],
+           "send_late_p99_ms": round(percentile([r.late_ms for r in records], 99), 2)}
+    if at is not None:
+        out["errors_after_fault"] = dict(Counter(r.code for r in failed if r.sent_at >= at))
+        out["recover_s"] = recover_s(runs, affected, at) if affected else None
+    return out | {k: v for k, v in extra.items() if k != "rss"}
+
+
+def p99(runs: list[RunResult]) -> float | None:
+    latencies = [r.latency_ms for run in runs for r in run.records if r.code == "OK"]
+    return round(percentile(latencies, 99), 2) if latencies else None
+
+
+def recover_s(runs: list[RunResult], affected: set[str], at: float) -> float | None:
+    """From the fault to the first success, on a model it hit, of a request sent after it."""
+    done = [r.done_at for run in runs if run.model in affected
+            for r in run.records if r.code == "OK" and r.sent_at >= at]
+    return round(min(done) - at, 3) if done else None
+
+
+def against_reference(figures: dict, reference: dict) -> dict:
+    """Failures beyond the reference run's (same schedule, no fault), and the p99 of the same models there."""
+    base_failed = reference["failed"] * figures["sent"] / max(reference["sent"], 1)
+    excess = max(0.0, figures["failed"] - base_failed)
+    return {"excess_failed": round(excess), "excess_failed_pct": round(100 * excess / max(figures["sent"], 1), 2),
+            "reference_failed_pct": reference["failed_pct"],
+            "reference_p99_ms": reference["p99_by_models"].get("+".join(figures["p99_models"]))}
+
+
+def verdicts(fault: Fault, figures: dict) -> dict[str, bool]:
+    kind = "redis" if fault.target == "redis" else "term" if fault.signal == signal.SIGTERM else "kill"
+    if fault.target in ("clients", "tenant"):
+        kind = "term"   # neither should fail a request of the others
+    checks = {}
+    for what, limit in TARGETS[kind]:
+        value = figures.get(what)
+        checks[f"{what} {'is' if isinstance(limit, bool) else '<='} {limit}"] = (
+            value is limit if isinstance(limit, bool) else value is not None and value <= limit)
+    return checks
+
+
+def rss_plot(samples: list[dict], path: Path, events: dict[str, float]) -> Path:
+    import matplotlib.pyplot as plt  # Agg, as plots.py sets it
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in sorted({n for s in samples for n in s["rss_mib"]}):
+        points = [(s["t"], s["rss_mib"].get(name)) for s in samples]
+        ax.plot([t for t, _ in points], [v for _, v in points], label=name)
+    for label, at in events.items():
+        ax.axvline(at, color="red", linestyle="--", linewidth=1)
+        ax.text(at, ax.get_ylim()[1], label, color="red", fontsize=8, va="top")
+    ax.set(xlabel="time (s)", ylabel="RSS (MiB)", title="RSS of every mesh process")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_pngs(bench: Bench, name: str, runs: list[RunResult], extra: dict) -> list[str]:
+    merged = RunResult("+".join(MODELS), "default deployments", bench.rate, bench.args.duration,
+                       [r for run in runs for r in run.records])
+    events = {name: extra["fault_at_s"]} if extra.get("fault_at_s") is not None else {}
+    return [str(plots.timeline(merged, bench.args.out / f"{name}.png", events=events)),
+            str(rss_plot(extra["rss"], bench.args.out / f"{name}-rss.png", events))]
+
+
+def rss_summary(samples: list[dict]) -> dict[str, dict[str, float]]:
+    out = {}
+    for name in sorted({n for s in samples for n in s["rss_mib"]}):
+        values = [s["rss_mib"][name] for s in samples if s["rss_mib"].get(name) is not None]
+        if values:
+            out[name] = {"first": values[0], "max": max(values), "last": values[-1]}
+    return out
+
+
+# -- the runs ------------------------------------------------------------------------------------------------
+
+async def one_run(bench: Bench, fault: Fault | None) -> dict:
+    name = fault.name if fault else "reference"
+    before = restarts(bench.run_dir)
+    key = probe_key(bench) if fault is not None and fault.target == "redis" else ""
+    bench.notes = {}
+    counted = await asyncio.to_thread(counters, bench.run_dir)
+    runs, extra = await loaded_run(bench, fault)
+    figures = summarize(bench, runs, extra) | bench.notes
+    figures["gauges_zero_after_s"], figures["gauges_left"] = await asyncio.to_thread(gauges_back_to_zero,
+                                                                                      bench.run_dir)
+    figures["ready_again_s"] = round(await asyncio.to_thread(wait_ready, bench.run_dir, bench.args.workers), 2)
+    if key:
+        figures |= await asyncio.to_thread(key_works, bench, key)
+    after = restarts(bench.run_dir)
+    figures["restarts"] = {n: after[n] - before.get(n, 0) for n in after if after[n] != before.get(n, 0)}
+    if not figures["restarts"]:   # a restarted process counts from 0 again
+        now = await asyncio.to_thread(counters, bench.run_dir)
+        figures["counters"] = {k: round(v - counted.get(k, 0.0), 1) for k, v in now.items() if v != counted.get(k)}
+    figures["rss_mib"] = rss_summary(extra["rss"])
+    figures["pngs"] = write_pngs(bench, name, runs, extra)
+    if fault is None:
+        figures["p99_by_models"] = {"+".join(m.model for m in subset): p99(subset) for subset in ([r] for r in runs)}
+        figures["p99_by_models"]["+".join(r.model for r in runs)] = p99(runs)
+    else:
+        figures |= against_reference(figures, bench.reference)
+        figures["targets"] = verdicts(fault, figures)
+    print(f"{name}: {json.dumps({k: figures.get(k) for k in TABLE_KEYS})}", file=sys.stderr)
+    return figures
+
+
+TABLE_KEYS = ("sent", "failed_pct", "excess_failed", "lost", "recover_s", "victim_back_s", "p99_ms",
+              "reference_p99_ms", "gauges_zero_after_s", "errors")
+
+
+def table(summary: dict) -> str:
+    head = f"{'fault':<15} {'sent':>5} {'failed%':>7} {'excess':>6} {'lost':>4} {'recover_s':>9} {'back_s':>6} " \
+           f"{'p99_ms':>8} {'ref_p99':>8} {'gauges0_s':>9}  errors"
+    lines = [head]
+    for name, f in summary["runs"].items():
+        cells = [f.get(k) for k in TABLE_KEYS]
+        fmt = ["{:>5}", "{:>7}", "{:>6}", "{:>4}", "{:>9}", "{:>6}", "{:>8}", "{:>8}", "{:>9}", "  {}"]
+        lines.append(f"{name:<15} " + " ".join(spec.format("-" if v is None else _short(v))
+                                               for spec, v in zip(fmt, cells, strict=True)))
+    return "\n".join(lines)
+
+
+def _short(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    if isinstance(value, dict):
+        return ",".join(f"{k}:{v}" for k, v in value.items()) or "-"
+    return str(value)
+
+
+async def run_all(bench: Bench, faults: list[Fault]) -> dict:
+    gateways = [MeshState.load(bench.run_dir).gateway] * CONNECTIONS
+    if bench.args.rate <= 0:
+        bench.capacity_rps = await measure_capacity(bench, gateways)
+        bench.rate = bench.args.load * bench.capacity_rps
+        await asyncio.to_thread(gauges_back_to_zero, bench.run_dir)
+    summary = {"runs": {}}
+    bench.reference = await one_run(bench, None)
+    summary["runs"]["reference"] = bench.reference
+    for fault in faults:
+        summary["runs"][fault.name] = await one_run(bench, fault)
+    return summary
+
+
+def run(args: argparse.Namespace) -> dict:
+    faults = [FAULTS[name] for name in args.faults.split(",")] if args.faults != "all" else list(FAULTS.values())
+    if not 0 < args.fault_at < args.duration:
+        raise SystemExit(f"chaos_bench: --fault-at ({args.fault_at}) must fall within --duration ({args.duration})")
+    state = start(args)
+    run_dir = Path(state.run_dir)
+    try:
+        # the load is a tenant's, as real traffic: each request takes its quota token in Redis (the admin
+        # has no quota, and its key is cached), so a Redis fault meets the request path
+        key = asyncio.run(make_tenant(state, "chaos-load", LOAD_QUOTA))
+        bench = Bench(args, run_dir, key, args.rate, texts.from_task("sentiment"))
+        summary = asyncio.run(run_all(bench, faults))
+    finally:
+        down(run_dir)
+    summary = {"models": list(MODELS), "workers": args.workers, "gateways": args.gateways, "shards": args.shards,
+               "capacity_rps": None if bench.capacity_rps is None else round(bench.capacity_rps, 1),
+               "rate_rps": round(bench.rate, 1), "duration_s": args.duration, "fault_at_s": args.fault_at,
+               "timeout_s": args.timeout} | summary
+    print(table(summary))
+    return summary
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m academus.loadgen.chaos_bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--faults", default="all", help=f"comma-separated, of: {', '.join(FAULTS)} (default: all)")
+    p.add_argument("--rate", type=float, default=0.0, help="offered requests/s, Poisson (default: --load x capacity)")
+    p.add_argument("--load", type=float, default=2.0, help="the offered load as a multiple of the measured capacity")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of load a run")
+    p.add_argument("--fault-at", type=float, default=10.0, help="seconds into a run")
+    p.add_argument("--timeout", type=float, default=5.0, help="each request's deadline (s)")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--gateways", type=int, default=1, help="gateway processes sharing the mesh's port")
+    p.add_argument("--shards", type=int, default=1, help="scheduler processes a deployment")
+    p.add_argument("--worker-threads", type=int, default=1, help="torch threads a worker")
+    p.add_argument("--clients", type=int, default=8, help="client processes clients-kill kills")
+    p.add_argument("--client-requests", type=int, default=16, help="requests each of them has on the wire")
+    p.add_argument("--tenant-quota", type=float, default=0.0,
+                   help="the flooding tenant's quota, requests/s (default: 5%% of the load, at least 1)")
+    p.add_argument("--capacity-s", type=float, default=8.0, help="seconds of the closed loop measuring capacity")
+    p.add_argument("--capacity-callers", type=int, default=8, help="its callers a model")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path(".academus/results/chaos"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["doomed-client"]:
+        return doomed_client(argv[1:])
+    args = parser().parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    return write_summary(args.out, run(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

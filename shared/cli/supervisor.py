@@ -1,0 +1,162 @@
+"""The local mesh's supervisor: restarts a service process, or the mesh's own Redis, that dies.
+
+    python -m academus.shared.cli.supervisor --run-dir DIR      (started by `academus up`, stopped by `down`)
+
+It takes the processes over from `up()` by recording its pid in mesh.json, then polls their pids. One that
+has died is started again with the settings it had (the same ports, id and registration, so the gateway's
+public port and every address in Redis stay the same) after a backoff that doubles from 0.2 s to 5 s and
+starts again at 0.2 s for a process that had stayed up 10 s. Each restart is logged (logs/supervisor.log)
+and counted in mesh.json (`academus status` shows the counts). `academus down` stops it before the services,
+so nothing it stops is restarted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from academus.shared.cli.mesh import MeshState, pid_alive, restart_redis, start_process
+from academus.shared.runtime.logs import log_event, setup_logging
+
+REDIS = "redis"
+
+
+@dataclass(frozen=True)
+class Backoff:
+    initial_s: float = 0.2
+    max_s: float = 5.0
+    reset_after_s: float = 10.0   # a process up this long before it died is restarted after initial_s again
+
+    def __post_init__(self) -> None:
+        if not 0 < self.initial_s <= self.max_s:
+            raise ValueError(f"backoff: need 0 < initial_s ({self.initial_s}) <= max_s ({self.max_s})")
+
+
+@dataclass
+class _Watched:
+    started_at: float
+    delay_s: float
+    due_at: float | None = None   # set while dead: when to start it again
+    restarts: int = 0
+
+
+@dataclass
+class RestartPlan:
+    """When to restart each watched process: no processes and no clock of its own (times are passed in),
+    so the backoff is tested without waiting."""
+
+    backoff: Backoff = field(default_factory=Backoff)
+    _watched: dict[str, _Watched] = field(default_factory=dict)
+
+    def watch(self, name: str, now: float) -> None:
+        self._watched[name] = _Watched(now, self.backoff.initial_s)
+
+    def waiting(self, name: str) -> bool:
+        """Dead and already given a restart time."""
+        return self._watched[name].due_at is not None
+
+    def exited(self, name: str, now: float) -> float:
+        """It was seen dead at `now`: schedules its restart; returns the wait."""
+        w = self._watched[name]
+        if now - w.started_at >= self.backoff.reset_after_s:
+            w.delay_s = self.backoff.initial_s
+        wait = w.delay_s
+        w.due_at = now + wait
+        w.delay_s = min(w.delay_s * 2, self.backoff.max_s)
+        return wait
+
+    def due(self, now: float) -> list[str]:
+        return [name for name, w in self._watched.items() if w.due_at is not None and w.due_at <= now]
+
+    def restarted(self, name: str, now: float) -> None:
+        """A start was tried at `now` (a failed one too: its process is then seen dead, and waits longer)."""
+        w = self._watched[name]
+        w.started_at, w.due_at = now, None
+        w.restarts += 1
+
+
+class Supervisor:
+    """Polls the mesh's pids and restarts the dead as the plan says, saving each new pid and count."""
+
+    def __init__(self, run_dir: Path, backoff: Backoff | None = None, poll_s: float = 0.1) -> None:
+        self.run_dir, self.poll_s = run_dir, poll_s
+        self.plan = RestartPlan(backoff or Backoff())
+        self.stopping = False
+        self.state = MeshState.load(run_dir)
+
+    def take_over(self) -> None:
+        """Records this process as the mesh's supervisor: `up()` returns once it reads this."""
+        now = time.monotonic()
+        for name in self.pids():
+            self.plan.watch(name, now)
+        self.state.supervisor_pid = os.getpid()
+        self.state.save()
+        log_event("supervising", processes=sorted(self.pids()))
+
+    def pids(self) -> dict[str, int]:
+        own = {REDIS: self.state.redis_pid} if self.state.redis_pid else {}
+        return own | {s.name: s.pid for s in self.state.services}
+
+    def run(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self.stop)
+        self.take_over()
+        while not self.stopping:
+            try:
+                self.step(time.monotonic())
+            except Exception as e:   # e.g. mesh.json not writable: keep watching, the next step tries again
+                log_event("step_failed", logging.ERROR, error=repr(e))
+            time.sleep(self.poll_s)
+        log_event("stopped")
+
+    def stop(self, *_: object) -> None:
+        self.stopping = True
+
+    def step(self, now: float) -> None:
+        for name, pid in self.pids().items():
+            if not self.plan.waiting(name) and not pid_alive(pid):
+                log_event("exited", logging.WARNING, process=name, pid=pid,
+                          restart_in_s=round(self.plan.exited(name, now), 3))
+        for name in sorted(self.plan.due(now), key=lambda n: n != REDIS):   # Redis first: the others need it
+            if self.stopping:
+                return
+            self.restart(name)
+
+    def restart(self, name: str) -> None:
+        self.plan.restarted(name, time.monotonic())
+        try:
+            pid = self._start(name)
+        except Exception as e:   # a start that fails is retried after a longer wait, as a crash would be
+            log_event("restart_failed", logging.ERROR, process=name, error=repr(e))
+            return
+        self.state.save()
+        log_event("restarted", process=name, pid=pid)
+
+    def _start(self, name: str) -> int:
+        if name == REDIS:
+            self.state.redis_pid = restart_redis(self.state)
+            self.state.redis_restarts += 1
+            return self.state.redis_pid
+        proc = next(s for s in self.state.services if s.name == name)
+        proc.pid = start_process(proc)
+        proc.restarts += 1
+        return proc.pid
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m academus.shared.cli.supervisor", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run-dir", type=Path, required=True, help="the mesh's run directory (mesh.json)")
+    args = p.parse_args(argv)
+    setup_logging("supervisor")
+    Supervisor(args.run_dir).run()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

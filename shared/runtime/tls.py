@@ -1,0 +1,110 @@
+"""TLS from PEM files that settings name: the gateway's public port (the server's certificate, a client's when
+`tls_client_ca` asks for one), and mutual TLS among the mesh's services (`mesh_tls`), where every internal
+server and channel presents the process's certificate and accepts only a peer whose certificate the mesh CA
+signed. A file that cannot be read stops the service at start, naming the setting and the path.
+
+A process has one identity in the mesh: `RunningService.start` sets it from the service's settings
+(`use_mesh`), the CLI from the mesh's state, and every internal channel opened afterwards (`mesh_channel`,
+`mesh_channel_sync`) carries it. Imports grpc, the standard library and config.py only: the light client
+SDK makes its credentials here too."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from academus.shared.runtime.config import CommonConfig, ConfigError, GatewayConfig, env_name
+
+PEM_MARK = b"-----BEGIN "
+Options = Sequence[tuple[str, object]]
+
+
+def channel_credentials(tls: bool, root_certificates: bytes | None, private_key: bytes | None,
+                        certificate_chain: bytes | None) -> grpc.ChannelCredentials | None:
+    """TLS credentials, or None for a plaintext channel. Any certificate asks for TLS; `root_certificates`
+    (PEM) replace the system's roots; `private_key` and `certificate_chain` (PEM) are the client's own, for a
+    server that asks for one (mutual TLS)."""
+    if not (tls or root_certificates or private_key or certificate_chain):
+        return None
+    if (private_key is None) != (certificate_chain is None):
+        raise ValueError("private_key and certificate_chain go together: the client's key and its certificate")
+    return grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
+
+
+def read_pem(setting: str, path: str) -> bytes:
+    """The PEM file the setting `setting` names; ConfigError naming both when it is unreadable or holds no PEM."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{env_name(setting)}={path!r}: cannot read it ({e.strerror or e})") from e
+    if PEM_MARK not in data:
+        raise ConfigError(f"{env_name(setting)}={path!r}: not a PEM file (no '-----BEGIN' line)")
+    return data
+
+
+@dataclass(frozen=True)
+class MeshTls:
+    """The process's key and certificate in the mesh and the CA every peer's certificate must be signed by (PEM)."""
+
+    ca: bytes
+    key: bytes
+    cert: bytes
+
+    @classmethod
+    def from_config(cls, config: CommonConfig) -> MeshTls | None:
+        """None unless `mesh_tls` is on."""
+        if not config.mesh_tls:
+            return None
+        return cls(read_pem("mesh_ca", config.mesh_ca), read_pem("mesh_key", config.mesh_key),
+                   read_pem("mesh_cert", config.mesh_cert))
+
+    @classmethod
+    def from_files(cls, ca: str, key: str, cert: str) -> MeshTls:
+        return cls(Path(ca).read_bytes(), Path(key).read_bytes(), Path(cert).read_bytes())
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
+                                           require_client_auth=True)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(self.ca, self.key, self.cert)
+
+
+def public_credentials(config: GatewayConfig) -> grpc.ServerCredentials | None:
+    """The gateway's public port: TLS with `tls_cert` when it is set, requiring a client certificate that
+    `tls_client_ca` signed when that is set too; None: plaintext."""
+    if not config.tls_cert:
+        return None
+    client_ca = read_pem("tls_client_ca", config.tls_client_ca) if config.tls_client_ca else None
+    pair = (read_pem("tls_key", config.tls_key), read_pem("tls_cert", config.tls_cert))
+    return grpc.ssl_server_credentials([pair], root_certificates=client_ca, require_client_auth=client_ca is not None)
+
+
+_mesh: MeshTls | None = None   # the identity of this process's internal channels
+
+
+def use_mesh(tls: MeshTls | None) -> None:
+    """Internal channels opened from now on present `tls` (None: plaintext)."""
+    global _mesh
+    _mesh = tls
+
+
+def mesh() -> MeshTls | None:
+    return _mesh
+
+
+def mesh_channel(target: str, options: Options = (), interceptors: Sequence = ()) -> grpc.aio.Channel:
+    """An asyncio channel to another service of the mesh, with the process's identity when it has one."""
+    if _mesh is None:
+        return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(target, _mesh.channel_credentials(), options=options, interceptors=interceptors)
+
+
+def mesh_channel_sync(target: str, options: Options = ()) -> grpc.Channel:
+    """The blocking `mesh_channel`."""
+    if _mesh is None:
+        return grpc.insecure_channel(target, options=options)
+    return grpc.secure_channel(target, _mesh.channel_credentials(), options=options)

@@ -1,0 +1,139 @@
+"""Faults under a light Poisson load on a supervised mesh (issue 38; the full bench: loadgen/chaos_bench.py):
+what dies is restarted on its address, and every request gets a result or a status, none hangs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from academus.client import AcademusError, Client
+from academus.loadgen import runner, schedule, texts
+from academus.loadgen.chaos_bench import current_pid, restarts, serving
+from academus.loadgen.runner import GatewaySpread, RunResult
+from academus.shared.cli.mesh import ADMIN_KEY_FILE, MeshState, create_key, down, pid_alive, wait_exit, wait_placed
+from academus.shared.state.keys import Keys
+from tests.e2e.conftest import start_mesh, wait_for
+
+pytestmark = pytest.mark.e2e
+MODEL = "spam"
+TIMEOUT_S = 10.0
+HANG_MARGIN_MS = 1000.0   # an answer this long past its deadline counts as hung
+WORKERS = 2
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshState]:
+    run_dir = tmp_path_factory.mktemp("chaos-run")
+    state = start_mesh(run_dir, workers=WORKERS, gateways=2, env={"ACADEMUS_MODELS": MODEL}, supervise=True)
+    yield state
+    if (run_dir / "mesh.json").exists():
+        down(run_dir)
+
+
+def key_of(mesh: MeshState) -> str:
+    return (Path(mesh.run_dir) / ADMIN_KEY_FILE).read_text().strip()
+
+
+def pid_of(mesh: MeshState, name: str) -> int:
+    return current_pid(Path(mesh.run_dir), name)
+
+
+def under_load(mesh: MeshState, fault: Callable[[], None], seconds: float = 6.0, at: float = 2.0) -> RunResult:
+    """Poisson 10 req/s of real texts over two connections to the mesh's port, `fault()` at `at` s; every
+    request's record (the load generator waits for every answer)."""
+    samples = texts.from_task("spam", limit=64)
+    arrivals = schedule.poisson(10, seconds, seed=3)
+
+    async def run() -> RunResult:
+        async with GatewaySpread([mesh.gateway] * 2, key_of(mesh), TIMEOUT_S, own_connections=True) as spread:
+            load = asyncio.create_task(runner.run(spread, MODEL, arrivals, samples, TIMEOUT_S, seconds))
+            await asyncio.sleep(at)
+            fault()
+            return await load
+
+    result = asyncio.run(run())
+    assert len(result.records) == len(arrivals)
+    hung = [r for r in result.records if r.latency_ms > TIMEOUT_S * 1e3 + HANG_MARGIN_MS]
+    assert not hung, [(r.code, r.latency_ms) for r in hung]
+    return result
+
+
+def kill(mesh: MeshState, name: str, sig: signal.Signals) -> Callable[[], None]:
+    def fault() -> None:
+        os.kill(pid_of(mesh, name), sig)
+
+    return fault
+
+
+def wait_restarted(mesh: MeshState, name: str, old_pid: int, count: int = 1) -> None:
+    run_dir = Path(mesh.run_dir)
+    wait_for(lambda: restarts(run_dir)[name] == count and pid_of(mesh, name) != old_pid
+             and pid_alive(pid_of(mesh, name)) and serving(run_dir, name), timeout_s=60, what=f"{name} restarted")
+
+
+def answered_ok(mesh: MeshState, key: str) -> bool:
+    try:
+        with Client(mesh.gateway, api_key=key, timeout=5) as client:
+            return client.infer(MODEL, ["win a free prize now"]).predictions[0].label in {"spam", "ham"}
+    except AcademusError:   # not yet: the caller waits and asks again
+        return False
+
+
+def test_a_killed_scheduler_is_restarted_on_its_address_and_serves_again(mesh):
+    old = pid_of(mesh, "scheduler")
+    result = under_load(mesh, kill(mesh, "scheduler", signal.SIGKILL))
+    assert {r.code for r in result.records} <= {"OK", "UNAVAILABLE"}   # a status each, none hung (under_load)
+    wait_restarted(mesh, "scheduler", old)
+    restarted = MeshState.load(Path(mesh.run_dir))
+    assert [s.address for s in restarted.services] == [s.address for s in mesh.services]
+    wait_for(lambda: answered_ok(mesh, key_of(mesh)), timeout_s=30, what="requests answered again")
+
+
+def test_a_killed_worker_loses_no_request_and_is_placed_again(mesh):
+    old = pid_of(mesh, "worker-0")
+    result = under_load(mesh, kill(mesh, "worker-0", signal.SIGKILL))
+    assert [r.code for r in result.records if r.code != "OK"] == []
+    wait_restarted(mesh, "worker-0", old)
+    wait_placed(MeshState.load(Path(mesh.run_dir)), WORKERS, 60)
+
+
+def test_sigterm_of_one_of_two_gateways_fails_no_request(mesh):
+    old = pid_of(mesh, "gateway")
+    result = under_load(mesh, kill(mesh, "gateway", signal.SIGTERM))
+    assert [r.code for r in result.records if r.code != "OK"] == []
+    wait_restarted(mesh, "gateway", old)
+
+
+def test_a_killed_redis_is_restarted_with_its_keys(mesh):
+    run_dir = Path(mesh.run_dir)
+    key = create_key(MeshState.load(run_dir), "made-before")
+    assert answered_ok(mesh, key)   # Redis wrote it to its AOF before it replied: a kill -9 cannot lose it
+    client, keys = redis.Redis.from_url(mesh.redis_url), Keys(mesh.key_prefix)
+    old = pid_of(mesh, "redis")
+    result = under_load(mesh, kill(mesh, "redis", signal.SIGKILL))
+    assert {r.code for r in result.records} <= {"OK", "UNAVAILABLE"}
+    wait_restarted(mesh, "redis", old)
+    assert client.exists(keys.api_key(key))   # reloaded from the AOF, not a gateway's cache
+    wait_for(lambda: answered_ok(mesh, key), timeout_s=30, what="the key made before answered")
+    report = json.loads(subprocess.run([sys.executable, "-m", "academus.shared.cli", "--run-dir", str(run_dir),
+                                        "status", "--json"], capture_output=True, text=True, timeout=60).stdout)
+    assert report["redis"]["restarts"] == 1 and report["supervisor"]["health"] == "RUNNING"
+    assert all(s["restarts"] == restarts(run_dir)[s["name"]] for s in report["services"])
+
+
+def test_down_stops_the_supervisor_first_and_nothing_comes_back(mesh):
+    state = MeshState.load(Path(mesh.run_dir))
+    stopped = down(Path(mesh.run_dir))
+    assert stopped[0] == "supervisor" and stopped[-1] == "redis"
+    assert wait_exit(state.supervisor_pid, 10)
+    assert all(wait_exit(s.pid, 10) for s in state.services)
+    assert not any(pid_alive(s.pid) for s in state.services)   # stopped, and none started again

@@ -1,0 +1,97 @@
+"""`academus up --mtls` as real processes (ACADEMUS_MODELS=null: no weights to load): a local CA signs the
+gateway's and every service's certificate; the gateway serves TLS only, the services mutual TLS among
+themselves, the mesh's Redis asks for a password. An insecure client is refused and one trusting the CA
+answered; the CLI (infer, status, tenants) connects with the CA and its own certificate; an internal service
+refuses a certificate another CA signed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+
+from academus.client import AcademusError, Client
+from academus.shared.cli.mesh import ADMIN_KEY_FILE, STATE_FILE, MeshState, health
+from academus.shared.cli.pki import CLI, make_pki
+from academus.shared.runtime.redis_conn import connect
+from academus.shared.state.keys import Keys
+from academus.shared.state.tenants import TenantRegistry
+from tests.conftest import env
+from tests.e2e.test_serving import cli
+
+pytestmark = [pytest.mark.e2e,
+              pytest.mark.skipif(shutil.which("openssl") is None, reason="no `openssl` command to make certificates")]
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshState]:
+    run_dir = tmp_path_factory.mktemp("tls-run")
+    placeholder = MeshState(str(run_dir), "", None, "", "acd")   # `cli` needs only the run directory
+    with env(ACADEMUS_MODELS="null", ACADEMUS_GRACE_S="5"):
+        started = cli(placeholder, "up", "--mtls", "--detach", "--port", "0", "--deployment", "fifo",
+                      "--worker-threads", "1", timeout=120)
+    assert started.returncode == 0, started.stderr[-3000:]
+    state = MeshState.load(run_dir)
+    yield state
+    cli(state, "down")
+
+
+def admin_key(mesh: MeshState) -> str:
+    return (Path(mesh.run_dir) / ADMIN_KEY_FILE).read_text().strip()
+
+
+def test_an_insecure_client_is_refused_and_one_trusting_the_mesh_ca_is_answered(mesh):
+    with Client(mesh.gateway, api_key=admin_key(mesh), timeout=5) as plaintext, pytest.raises(AcademusError) as refused:
+        plaintext.infer("null", ["hello"])
+    assert refused.value.code == "UNAVAILABLE"
+    ca = Path(mesh.tls_ca).read_bytes()
+    with Client(mesh.gateway, api_key=admin_key(mesh), timeout=10, root_certificates=ca) as client:
+        result = client.infer("null", ["hello", "over TLS"])   # gateway -> scheduler -> worker, mutual TLS
+    assert [len(p.embedding) for p in result.predictions] == [384, 384]
+
+
+def test_the_cli_connects_with_the_mesh_ca_and_its_own_certificate(mesh):
+    inferred = cli(mesh, "infer", "--model", "null", "hi")
+    assert inferred.returncode == 0, inferred.stderr
+    assert len(json.loads(inferred.stdout)["embedding"]) == 384
+    status = cli(mesh, "status", "--json")
+    assert status.returncode == 0, status.stdout
+    report = json.loads(status.stdout)
+    assert {s["health"] for s in report["services"]} == {"SERVING"}
+    assert report["redis"]["url"].startswith("redis://:***@")   # the password is not printed
+    asyncio.run(add_tenant(mesh, "acme"))
+    deleted = cli(mesh, "tenants", "delete", "acme")   # asks the adapter store, presenting the CLI's certificate
+    assert deleted.returncode == 0, deleted.stderr
+    assert json.loads(deleted.stdout.splitlines()[-1])["adapter_versions_deleted"] == 0
+
+
+async def add_tenant(mesh: MeshState, name: str) -> None:
+    client = connect(mesh.redis_url)
+    try:
+        await TenantRegistry(client, Keys(mesh.key_prefix)).create_tenant(name)
+    finally:
+        await client.aclose()
+
+
+def test_an_internal_service_refuses_a_certificate_the_mesh_ca_did_not_sign(mesh, tmp_path):
+    scheduler = next(s for s in mesh.services if s.service == "scheduler")
+    ca = Path(mesh.tls_ca).read_bytes()
+    stranger = make_pki(tmp_path, [CLI])
+    foreign = grpc.ssl_channel_credentials(ca, stranger.key(CLI).read_bytes(), stranger.cert(CLI).read_bytes())
+    assert health(scheduler.address, 5, foreign) == "UNREACHABLE"
+    assert health(scheduler.address, 5, grpc.ssl_channel_credentials(ca)) == "UNREACHABLE"   # no certificate
+    assert health(scheduler.address, 5) == "UNREACHABLE"   # plaintext
+    assert health(scheduler.address, 5, mesh.credentials(scheduler)) == "SERVING"   # the CLI's own
+
+
+def test_the_mesh_redis_refuses_a_client_without_its_password(mesh):
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        redis.Redis.from_url(f"redis://{mesh.redis_url.rsplit('@', 1)[1]}").ping()
+    assert redis.Redis.from_url(mesh.redis_url).ping()
+    assert (Path(mesh.run_dir) / STATE_FILE).stat().st_mode & 0o077 == 0   # it holds the password

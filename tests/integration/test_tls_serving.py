@@ -1,0 +1,174 @@
+"""TLS on real in-process servers: the gateway's public port (TLS only, on its own port too, a client
+certificate when it asks for one), mutual TLS between services (the real adapter store and its clients, the
+trainer's asyncio one and the worker's blocking channel), a certificate that cannot be read stopping the
+start, and the container probe over TLS. The certificates are `academus up --tls`'s (shared/cli/pki.py),
+and a stranger's from another CA."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import re
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from safetensors.torch import save as st_save
+
+from academus.shared.cli.pki import CLI, Pki, make_pki
+from academus.shared.cli.redis_server import free_port
+from academus.shared.runtime.config import CommonConfig, ConfigError, GatewayConfig, load
+from academus.shared.runtime.errors import Unavailable
+from academus.shared.runtime.redis_conn import connect
+from academus.shared.runtime.serving import RunningService, ServiceSpec
+from academus.shared.runtime.tls import MeshTls, mesh_channel_sync, public_credentials, use_mesh
+from academus.shared.state.keys import Keys
+from academus.shared.training.onboarding import AdapterStoreClient
+from tests.conftest import env
+from tests.integration.test_adapter_store_service import tensors
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(shutil.which("openssl") is None, reason="no `openssl` command to make certificates")]
+PROBE = Path(__file__).resolve().parents[2] / "deploy" / "docker" / "healthcheck.py"
+QUIET = {"ACADEMUS_PORT": "0", "ACADEMUS_METRICS_PORT": "-1", "ACADEMUS_GRACE_S": "1"}
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("run"), ["gateway", "adapter_store", CLI])
+
+
+@pytest.fixture(scope="module")
+def stranger(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("elsewhere"), [CLI])
+
+
+@pytest.fixture(autouse=True)
+def plaintext_after() -> Iterator[None]:
+    """A started service gives this process its mesh identity; the next test starts without one."""
+    yield
+    use_mesh(None)
+
+
+def identity(ca: Pki, holder: Pki) -> MeshTls:
+    """Trusting `ca`'s CA, presenting `holder`'s command-line certificate."""
+    return MeshTls(ca.ca.read_bytes(), holder.key(CLI).read_bytes(), holder.cert(CLI).read_bytes())
+
+
+async def check(target: str, credentials: grpc.ChannelCredentials | None = None) -> str:
+    """The server's health over TLS with `credentials` (None: plaintext); the status code when refused."""
+    channel = grpc.aio.secure_channel(target, credentials) if credentials else grpc.aio.insecure_channel(target)
+    async with channel:
+        try:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        except grpc.aio.AioRpcError as e:
+            return e.code().name
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+async def gateway_like(settings: dict[str, str], own_port: int = 0) -> RunningService:
+    """A server started as the gateway's is: its ports secured by the public TLS settings."""
+    config = load(GatewayConfig, {**QUIET, **settings})
+    spec = ServiceSpec("tls-gateway", config, lambda server: None, [], own_port=own_port,
+                       public_credentials=functools.partial(public_credentials, config))
+    service = RunningService(spec)
+    await service.start()
+    return service
+
+
+async def probe(port: int, **settings: str) -> int:
+    """deploy/docker/healthcheck.py's exit status against 127.0.0.1:`port` (a process: the server runs on this loop)."""
+    done = await asyncio.create_subprocess_exec(sys.executable, str(PROBE),
+                                                env={"ACADEMUS_PORT": str(port), **settings})
+    return await done.wait()
+
+
+async def test_the_gateway_serves_tls_only_on_both_its_ports_and_the_probe_speaks_it(pki, stranger):
+    own_port = free_port()
+    tls = {"ACADEMUS_TLS_CERT": str(pki.cert("gateway")), "ACADEMUS_TLS_KEY": str(pki.key("gateway"))}
+    service = await gateway_like(tls, own_port)
+    try:
+        for target in (service.address, f"127.0.0.1:{own_port}"):
+            assert await check(target, grpc.ssl_channel_credentials(pki.ca.read_bytes())) == "SERVING"
+            assert await check(target) == "UNAVAILABLE"
+            assert await check(target, grpc.ssl_channel_credentials(stranger.ca.read_bytes())) == "UNAVAILABLE"
+        port = int(service.address.rsplit(":", 1)[1])
+        assert await probe(port, **tls, ACADEMUS_HEALTHCHECK_CA=str(pki.ca)) == 0
+        assert await probe(port, **tls, ACADEMUS_HEALTHCHECK_CA=str(stranger.ca)) == 1
+        assert await probe(port) == 1   # plaintext to a TLS port
+    finally:
+        await service.stop()
+
+
+async def test_a_gateway_with_a_client_ca_takes_only_clients_that_ca_signed(pki, stranger):
+    service = await gateway_like({"ACADEMUS_TLS_CERT": str(pki.cert("gateway")),
+                                  "ACADEMUS_TLS_KEY": str(pki.key("gateway")), "ACADEMUS_TLS_CLIENT_CA": str(pki.ca)})
+    try:
+        assert await check(service.address, identity(pki, pki).channel_credentials()) == "SERVING"
+        assert await check(service.address, identity(pki, stranger).channel_credentials()) == "UNAVAILABLE"
+        assert await check(service.address, grpc.ssl_channel_credentials(pki.ca.read_bytes())) == "UNAVAILABLE"
+    finally:
+        await service.stop()
+
+
+async def test_a_certificate_that_cannot_be_read_stops_the_start_naming_setting_and_path(pki, tmp_path):
+    missing = tmp_path / "gone.crt"
+    with pytest.raises(ConfigError, match=re.escape(f"ACADEMUS_TLS_CERT='{missing}': cannot read it")):
+        await gateway_like({"ACADEMUS_TLS_CERT": str(missing), "ACADEMUS_TLS_KEY": str(pki.key("gateway"))})
+    (tmp_path / "notes.txt").write_text("not a certificate")
+    config = load(CommonConfig, {**QUIET, "ACADEMUS_MESH_TLS": "true", "ACADEMUS_MESH_CA": str(tmp_path / "notes.txt"),
+                                 "ACADEMUS_MESH_CERT": str(pki.cert(CLI)), "ACADEMUS_MESH_KEY": str(pki.key(CLI))})
+    with pytest.raises(ConfigError, match=re.escape(f"ACADEMUS_MESH_CA='{tmp_path / 'notes.txt'}': not a PEM file")):
+        await RunningService(ServiceSpec("tls-mesh", config, lambda server: None, [])).start()
+
+
+@pytest.fixture
+async def store_with_mtls(pki, tmp_path, redis_server):
+    """The real adapter store serving mutual TLS with its certificate from the mesh CA."""
+    from academus.services.adapter_store.server import build
+
+    settings = {**QUIET, "ACADEMUS_REDIS_URL": redis_server.url, "ACADEMUS_KEY_PREFIX": "tls-store",
+                "ACADEMUS_ADAPTER_DIR": str(tmp_path / "adapters"), "ACADEMUS_MESH_TLS": "true",
+                "ACADEMUS_MESH_CA": str(pki.ca), "ACADEMUS_MESH_CERT": str(pki.cert("adapter_store")),
+                "ACADEMUS_MESH_KEY": str(pki.key("adapter_store"))}
+    with env(**settings):
+        service = RunningService(await build())
+        await service.start()
+    yield service
+    await service.stop()
+
+
+async def test_internal_channels_present_the_mesh_identity_and_a_stranger_is_refused(
+        store_with_mtls, pki, stranger, redis_server):
+    redis = connect(redis_server.url)
+    client = AdapterStoreClient(redis, Keys("tls-store"))
+    try:
+        use_mesh(identity(pki, pki))   # the command line's certificate (`academus tenants` does this)
+        assert await client.put("acme", "support", st_save(tensors()), {}) == 1
+        assert await asyncio.to_thread(health_over, mesh_channel_sync, store_with_mtls.address) == "SERVING"
+        for other in (identity(pki, stranger), None):   # another CA's certificate; none
+            use_mesh(other)
+            with pytest.raises(Unavailable):
+                await client.put("acme", "support", st_save(tensors()), {})
+            assert await check(store_with_mtls.address, other and other.channel_credentials()) == "UNAVAILABLE"
+    finally:
+        await redis.aclose()
+
+
+def health_over(open_channel, target: str) -> str:
+    with open_channel(target) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+async def test_the_probe_of_a_service_with_mutual_tls_presents_its_certificate(store_with_mtls, pki):
+    port = int(store_with_mtls.address.rsplit(":", 1)[1])
+    mesh = {"ACADEMUS_MESH_CA": str(pki.ca), "ACADEMUS_MESH_CERT": str(pki.cert("adapter_store")),
+            "ACADEMUS_MESH_KEY": str(pki.key("adapter_store"))}
+    assert await probe(port, ACADEMUS_MESH_TLS="true", **mesh) == 0
+    assert await probe(port, **mesh) == 1   # mutual TLS off: plaintext, refused
+
