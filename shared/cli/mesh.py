@@ -33,7 +33,7 @@ from academus.shared.runtime.config import (
 )
 from academus.shared.runtime.gpu import gpu_count, mps_plan
 from academus.shared.runtime.redis_conn import redacted, with_password
-from academus.shared.runtime.tls import MeshTls, channel_credentials
+from academus.shared.runtime.tls import MeshTls, channel_credentials, open_channel_sync
 from academus.shared.state.keys import Keys, new_api_key
 
 SERVICES = ("resource_manager", "adapter_store", "trainer", "plot", "worker", "scheduler", "gateway")
@@ -371,7 +371,7 @@ def start_process(proc: ServiceProcess) -> int:
 def health(address: str, timeout_s: float = 1.0, credentials: grpc.ChannelCredentials | None = None) -> str:
     """SERVING / NOT_SERVING / UNREACHABLE for the server's overall health; over TLS with `credentials`."""
     try:
-        with grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address) as ch:
+        with open_channel_sync(address, credentials) as ch:
             reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
             return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     except grpc.RpcError:

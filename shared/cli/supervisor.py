@@ -42,7 +42,6 @@ class _Watched:
     started_at: float
     delay_s: float
     due_at: float | None = None   # set while dead: when to start it again
-    restarts: int = 0
 
 
 @dataclass
@@ -77,7 +76,6 @@ class RestartPlan:
         """A start was tried at `now` (a failed one too: its process is then seen dead, and waits longer)."""
         w = self._watched[name]
         w.started_at, w.due_at = now, None
-        w.restarts += 1
 
 
 class Supervisor:

@@ -21,7 +21,7 @@ from academus.client.types import (
     next_wait,
 )
 from academus.shared.runtime.multiplex import over_streams
-from academus.shared.runtime.tls import channel_credentials
+from academus.shared.runtime.tls import channel_credentials, open_channel
 from academus.v1 import inference_pb2, inference_pb2_grpc
 
 try:  # the server packages bring OpenTelemetry; a client installed alone (`academus[client]`) goes untraced
@@ -55,9 +55,7 @@ class AsyncClient:
         options = [*CHANNEL_OPTIONS, *([("grpc.use_local_subchannel_pool", 1)] if own_connection else [])]
         credentials = channel_credentials(tls, root_certificates, private_key, certificate_chain)
         interceptors = client_interceptors()
-        self._channel = (grpc.aio.secure_channel(target, credentials, options=options, interceptors=interceptors)
-                         if credentials else
-                         grpc.aio.insecure_channel(target, options=options, interceptors=interceptors))
+        self._channel = open_channel(target, credentials, options, interceptors)
         self._stub = inference_pb2_grpc.InferenceStub(over_streams(self._channel, streams))
 
     async def infer(self, model: str, texts: Sequence[str], output: str = "", *,

@@ -20,7 +20,7 @@ from academus.client.types import (
     models_from,
     next_wait,
 )
-from academus.shared.runtime.tls import channel_credentials
+from academus.shared.runtime.tls import channel_credentials, open_channel_sync
 from academus.v1 import inference_pb2, inference_pb2_grpc
 
 try:  # the server packages bring it; a client installed alone (`academus[client]`) goes untraced
@@ -44,8 +44,7 @@ class Client:
         self.timeout = timeout
         self.retry_overload = retry_overload
         credentials = channel_credentials(tls, root_certificates, private_key, certificate_chain)
-        self._channel = (grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS) if credentials
-                         else grpc.insecure_channel(target, options=CHANNEL_OPTIONS))
+        self._channel = open_channel_sync(target, credentials, CHANNEL_OPTIONS)
         traced = intercept_channel(self._channel, client_interceptor()) if client_interceptor else self._channel
         self._stub = inference_pb2_grpc.InferenceStub(traced)
 

@@ -96,15 +96,26 @@ def mesh() -> MeshTls | None:
     return _mesh
 
 
+def open_channel(target: str, credentials: grpc.ChannelCredentials | None, options: Options = (),
+                 interceptors: Sequence = ()) -> grpc.aio.Channel:
+    """An asyncio channel: TLS with `credentials`, plaintext without."""
+    if credentials is None:
+        return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(target, credentials, options=options, interceptors=interceptors)
+
+
+def open_channel_sync(target: str, credentials: grpc.ChannelCredentials | None, options: Options = ()) -> grpc.Channel:
+    """The blocking `open_channel`."""
+    if credentials is None:
+        return grpc.insecure_channel(target, options=options)
+    return grpc.secure_channel(target, credentials, options=options)
+
+
 def mesh_channel(target: str, options: Options = (), interceptors: Sequence = ()) -> grpc.aio.Channel:
     """An asyncio channel to another service of the mesh, with the process's identity when it has one."""
-    if _mesh is None:
-        return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
-    return grpc.aio.secure_channel(target, _mesh.channel_credentials(), options=options, interceptors=interceptors)
+    return open_channel(target, _mesh and _mesh.channel_credentials(), options, interceptors)
 
 
 def mesh_channel_sync(target: str, options: Options = ()) -> grpc.Channel:
     """The blocking `mesh_channel`."""
-    if _mesh is None:
-        return grpc.insecure_channel(target, options=options)
-    return grpc.secure_channel(target, _mesh.channel_credentials(), options=options)
+    return open_channel_sync(target, _mesh and _mesh.channel_credentials(), options)
