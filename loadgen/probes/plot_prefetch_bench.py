@@ -41,7 +41,7 @@ def bench_artifacts(out: Path, corpus: str, limit: int, lower_layers: int) -> Pa
         shutil.copytree(artifacts_dir() / "heads", root / "heads", dirs_exist_ok=True)
         teacher = TeacherEncoder.load()
         build(corpus_texts(corpus, limit=limit), table, BuildOptions(lower_layers=lower_layers),
-              layers=SplitBert(teacher.bert, lower_layers), corpus={"source": corpus, "limit": limit})
+              layers=SplitBert(teacher.body, lower_layers), corpus={"source": corpus, "limit": limit})
     register_embedding(root, table)
     return root
 

@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from academus.shared.models.tokenization import Encoded, TeacherTokenizer, TextTooLong
-from academus.shared.runtime.config import POLICY_NAMES, GatewayConfig, split_names
+from academus.shared.runtime.config import EVERY_MODEL, POLICY_NAMES, GatewayConfig, ModelSelection, split_names
 from academus.shared.runtime.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -219,12 +219,34 @@ def pair_scores(embeddings: np.ndarray, pair_rows: Sequence[tuple[int, int]]) ->
     return ((a * b).sum(axis=1) / np.maximum(norms, 1e-12)).tolist()
 
 
+class Tokenizers:
+    """The teacher's tokenizer, used by every bundled model, and each user's model's own: its tokenizer.json,
+    put in Redis by the workers under its sha256, read once."""
+
+    def __init__(self, teacher: TeacherTokenizer, redis: aioredis.Redis, keys: Keys) -> None:
+        self.teacher, self.redis, self.keys = teacher, redis, keys
+        self._own: dict[tuple[str, int], TeacherTokenizer] = {}
+
+    async def get(self, spec: ModelSpec) -> TeacherTokenizer:
+        if not spec.tokenizer:
+            return self.teacher
+        found = self._own.get((spec.tokenizer, spec.max_tokens))
+        if found is None:
+            raw = await self.redis.get(self.keys.tokenizer(spec.tokenizer))
+            if raw is None:
+                raise Unavailable(f"model {spec.name!r}: its tokenizer is not in Redis (a worker puts it there as "
+                                  "it registers the model)")
+            found = self._own[(spec.tokenizer, spec.max_tokens)] = TeacherTokenizer.from_json(raw, spec.max_tokens)
+        return found
+
+
 class Gateway:
     def __init__(self, config: GatewayConfig, tokenizer: TeacherTokenizer, auth: Authenticator,
                  catalogue: Catalogue, tenant_models: TenantModels | None = None,
                  quotas: Quotas | None = None, schedulers: SchedulerDirectory | None = None) -> None:
-        self.config, self.tokenizer, self.auth, self.catalogue = config, tokenizer, auth, catalogue
+        self.config, self.auth, self.catalogue = config, auth, catalogue
         redis, keys = catalogue.redis, catalogue.keys
+        self.tokenizers = Tokenizers(tokenizer, redis, keys)
         self.tenant_models = tenant_models or TenantModels(TenantRegistry(redis, keys), config.auth_cache_s)
         self.quotas = quotas or Quotas(redis, keys)
         self.schedulers = schedulers
@@ -241,8 +263,9 @@ class Gateway:
         output = resolve_output(spec, call.output, plan is not None)
         if self.schedulers is not None:
             self.schedulers.refuse_if_full(tenant_model.base if tenant_model else spec.name, policy)
+        tokenizer = await self.tokenizers.get(spec)
         start = time.perf_counter()
-        encoded = self.tokenize(call, plan)   # a text over the limit is refused before the token is taken
+        encoded = self.tokenize(call, plan, tokenizer)   # a text over the limit is refused before the token is taken
         tokenize_ms = (time.perf_counter() - start) * 1e3
         charged = await self.quotas.take(principal.tenant)
         return Admitted(principal, spec, output, encoded, tokenize_ms, tenant_model, charged,
@@ -299,14 +322,17 @@ class Gateway:
                     raise InvalidArgument(f"inputs[{i}].{field} has {len(value)} characters; "
                                           f"the limit is {self.config.max_text_chars}")
 
-    def tokenize(self, call: InferCall, plan: PairPlan | None = None) -> list[Encoded]:
+    def tokenize(self, call: InferCall, plan: PairPlan | None = None,
+                 tokenizer: TeacherTokenizer | None = None) -> list[Encoded]:
         """Token ids of each text (with its pair framed as one sequence, when the model does not score
-        pairs); scoring pairs, of the plan's distinct texts, each alone."""
+        pairs); scoring pairs, of the plan's distinct texts, each alone. `tokenizer`: the model's (default:
+        the teacher's)."""
+        tokenizer = tokenizer or self.tokenizers.teacher
         try:
             if plan is not None:
-                return self.tokenizer.encode(plan.texts, truncate=call.truncate)
-            return self.tokenizer.encode(call.texts, list(call.pairs) if any(call.pairs) else None,
-                                         truncate=call.truncate)
+                return tokenizer.encode(plan.texts, truncate=call.truncate)
+            return tokenizer.encode(call.texts, list(call.pairs) if any(call.pairs) else None,
+                                    truncate=call.truncate)
         except TextTooLong as e:
             field = plan.field(e.index) if plan is not None else f"inputs[{e.index}].text"
             raise InvalidArgument(f"{field} has {e.num_tokens} tokens; the limit is {e.limit} "
@@ -334,11 +360,11 @@ class Deployment:
 
     address: str
     policy: str = ""
-    models: frozenset[str] = frozenset()
+    models: ModelSelection = EVERY_MODEL
     serving: frozenset[str] | None = None
 
     def serves(self, model: str, policy: str = "") -> bool:
-        return ((not self.models or model in self.models) and (self.serving is None or model in self.serving)
+        return (model in self.models and (self.serving is None or model in self.serving)
                 and (not policy or policy == self.policy))
 
 
@@ -373,7 +399,7 @@ class SchedulerDirectory:
         except RedisError as e:
             raise Unavailable(f"the scheduler registry is unreachable: {e}") from e
         self._refreshed_at = self.clock()
-        self.deployments = [Deployment(f["address"], f.get("policy", ""), frozenset(split_names(f.get("models", ""))),
+        self.deployments = [Deployment(f["address"], f.get("policy", ""), ModelSelection.parse(f.get("models", "")),
                                        frozenset(split_names(f["serving"])) if "serving" in f else None)
                             for f in found if f.get("address")]
         live = set(self.addresses)   # a scheduler gone with nothing in flight is forgotten

@@ -123,7 +123,7 @@ def pair_response(response: pb.InferResponse, admitted: Admitted, values, dim: i
 
 def model_info_pb(spec: ModelSpec) -> pb.ModelInfo:
     return pb.ModelInfo(name=spec.name, kind=spec.kind, labels=spec.labels, dim=spec.dim, max_tokens=spec.max_tokens,
-                        status=READY)
+                        status=READY, architecture=spec.architecture, layers=spec.layers)
 
 
 def tenant_model_info_pb(model: TenantModel, base: ModelSpec | None) -> pb.ModelInfo:

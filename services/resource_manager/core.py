@@ -39,7 +39,10 @@ class PlacementTable:
         self.ttl = max(1, round(heartbeat_ttl_s))
 
     async def register(self, info: WorkerInfo, specs: Sequence[ModelSpec]) -> None:
+        """Records the worker and the models it serves now; a model it served before and no longer does (removed
+        from the catalogue) loses it, and leaves the catalogue once no worker serves it."""
         key = self.keys.worker(info.worker_id)
+        before = (await self.redis.hget(key, "models") or "").split(",")
         pipe = self.redis.pipeline(transaction=True)
         pipe.delete(key)
         pipe.hset(key, mapping={"address": info.address, "device": info.device,
@@ -49,8 +52,20 @@ class PlacementTable:
             pipe.sadd(self.keys.placement(spec.name), info.worker_id)
             pipe.sadd(self.keys.placements(), spec.name)
             pipe.hset(self.keys.models(), spec.name, spec.to_json())
+        for model in {m for m in before if m} - {spec.name for spec in specs}:
+            pipe.srem(self.keys.placement(model), info.worker_id)
         await pipe.execute()
+        for model in {m for m in before if m} - {spec.name for spec in specs}:
+            await self.forget_if_unplaced(model)
         await self.redis.publish(self.keys.events(), f"register {info.worker_id}")
+
+    async def forget_if_unplaced(self, model: str) -> None:
+        """Drops a model no worker serves from the catalogue the gateways read."""
+        if not await self.redis.scard(self.keys.placement(model)):
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.hdel(self.keys.models(), model)
+            pipe.srem(self.keys.placements(), model)
+            await pipe.execute()
 
     async def deregister(self, worker_id: str) -> bool:
         models = await self.redis.smembers(self.keys.placements())

@@ -210,11 +210,11 @@ class PlacementWatcher:
     so that gateways send it no other."""
 
     def __init__(self, redis, keys: Keys, dispatcher: Dispatcher, refresh_s: float,
-                 models: frozenset[str] = frozenset(), prefetcher: PlotPrefetcher | None = None,
+                 models: cfg.ModelSelection = cfg.EVERY_MODEL, prefetcher: PlotPrefetcher | None = None,
                  node: str = "", on_serving: Callable[[], Awaitable[None]] | None = None) -> None:
         self.redis, self.keys, self.dispatcher, self.refresh_s = redis, keys, dispatcher, refresh_s
         self.prefetcher = prefetcher
-        self.models = models  # this deployment's models (empty: all)
+        self.models = models  # this deployment's models
         self.node = node
         self.on_serving = on_serving  # called when `serving` changed
         self.serving: frozenset[str] = frozenset()
@@ -247,7 +247,7 @@ class PlacementWatcher:
         id -> (address, models, slots, node)."""
         live: dict[str, tuple[str, set[str], int, str]] = {}
         for model in await self.redis.smembers(self.keys.placements()):
-            if self.models and model not in self.models:
+            if model not in self.models:
                 continue
             for worker_id in await self.redis.smembers(self.keys.placement(model)):
                 if worker_id not in live:
@@ -332,7 +332,7 @@ async def build() -> ServiceSpec:
                             lost_quarantine_s=max(1, round(config.heartbeat_ttl_s)),   # the key's TTL
                             shard=Shard(config.shard, config.shards), policy_name=config.policy)
     dispatcher.workers = workers  # the sender resolves member addresses from the same live table
-    models = frozenset(cfg.split_names(config.models))
+    models = cfg.ModelSelection.parse(config.models)
     state = {"id": config.scheduler_id, "address": ""}
 
     async def reregister() -> None:

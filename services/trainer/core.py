@@ -170,7 +170,7 @@ class OverlayJobs:
         texts = parse_corpus(_upload(job), "corpus")
         await self._current(job)
         root = read_manifest(table / ROOT)
-        layers = SplitBert((await self.encoders.get("cpu")).bert, root.lower_layers)  # PLOT is built on the CPU
+        layers = SplitBert((await self.encoders.get("cpu")).body, root.lower_layers)  # PLOT is built on the CPU
         progress(0.05)
         options = BuildOptions(model=root.model, lower_layers=root.lower_layers, domain=name,
                                top_percent=float(job.params["top_percent"]), ngram=root.ngram)

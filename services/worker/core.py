@@ -2,36 +2,40 @@
 
 Knows nothing of gRPC. All three default models share one encoder pass: `minilm` returns the
 embedding, `sentiment` and `spam` apply their linear heads to the same embedding. `null` has no
-encoder: it answers zeros, so that a mesh serving it measures the serving stack alone.
+encoder: it answers zeros, so that a mesh serving it measures the serving stack alone. A user's model
+(`academus models add`) is its own encoder and, for a classifier, its own head; a runner serving the whole
+catalogue follows it as models are added and removed (`refresh`).
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import re
 import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
-from prometheus_client import Histogram
+from prometheus_client import Gauge, Histogram
 from torch import nn
 
 from academus.services.worker.adapters import TenantBatch
 from academus.services.worker.traced import trace_layers
 from academus.shared.models.adapters import encode_with_adapters
-from academus.shared.models.model import HIDDEN_SIZE, ClassifierHead, TeacherEncoder, pad_batch
+from academus.shared.models.model import HIDDEN_SIZE, TeacherEncoder, load_encoder, pad_batch
 from academus.shared.models.packing import Attention, PackedBatch, PackingPlan, check_plan, encode_packed, pack
 from academus.shared.models.plot.hierarchical import PlotStates
 from academus.shared.models.plot.table import PlotError
 from academus.shared.runtime.config import visible_cuda_devices
 from academus.shared.runtime.errors import DeadlineExceeded, InvalidArgument, NotFound
+from academus.shared.runtime.logs import log_event
 from academus.shared.runtime.metrics import children
-from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
+from academus.shared.state.artifacts import ArtifactError
+from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec, read_catalogue
 
 OUTPUT_EMBEDDING = "embedding"
 OUTPUT_PROBS = "probs"
@@ -44,6 +48,8 @@ PADDING_RATIO = Histogram("academus_worker_padding_ratio",
                           "Share of a batch's computed token positions that held no text: padding (padded batches), "
                           "unused row slots (packed, ConcatBatching)", ["model"],
                           buckets=(0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0))
+MODEL_BYTES = Gauge("academus_worker_model_bytes", "Bytes of a served model's weights in this worker's memory "
+                    "(weights shared by several models counted in each)", ["model"])
 _batch_size, _padding_ratio = children(BATCH_SIZE), children(PADDING_RATIO)
 
 
@@ -102,7 +108,7 @@ class ServedModel:
 
     spec: ModelSpec
     encoder: nn.Module
-    head: ClassifierHead | None = None
+    head: nn.Module | None = None  # ClassifierHead, or a user's classifier's own (SequenceClassifierHead)
     max_students: int = 0          # 0: the teacher, not a student group
     default_students: int = 0      # the artifact's best-pruned k
     packable: bool = True          # False: PLOT models, whose lower layers are lookups, run padded only
@@ -161,7 +167,8 @@ class ModelRunner:
         self.clock = clock
         self.attention = attention   # packed batches: own SDPA layers or HF layers with a 4-D mask
         self.artifacts = Path(artifacts)
-        catalogue = json.loads((self.artifacts / "models.json").read_text())
+        catalogue = read_catalogue(self.artifacts)
+        self.follows_catalogue = not models   # serving every model: added ones are loaded, removed ones dropped
         models = list(models) or sorted(catalogue)
         unknown = [m for m in models if m not in catalogue]
         if unknown:
@@ -171,10 +178,42 @@ class ModelRunner:
         # one memory-mapped table shared by its plot models; weak, so that once they have moved to a rebuilt
         # root (PlotStore.current) the old one's mapping is let go
         self._plot_stores: weakref.WeakValueDictionary[Path, object] = weakref.WeakValueDictionary()
+        self._refused: dict[str, dict] = {}   # catalogue entries that failed to load, not retried while unchanged
         self.models = {name: self._load(name, catalogue[name]) for name in models}
         self.specs = {name: served.spec for name, served in self.models.items()}
 
+    def refresh(self) -> bool:
+        """Loads the catalogue's new models and drops the removed ones (a runner following it); whether the
+        served set changed. The dicts are replaced, never mutated: compute threads read them meanwhile. An
+        entry that fails to load is logged and left out; the others serve on."""
+        if not self.follows_catalogue:
+            return False
+        catalogue = read_catalogue(self.artifacts)
+        models = {n: m for n, m in self.models.items() if n in catalogue}
+        for name in sorted(set(catalogue) - set(models)):
+            if self._refused.get(name) == catalogue[name]:
+                continue
+            try:
+                models[name] = self._load(name, catalogue[name])
+                self._refused.pop(name, None)
+            except (NotFound, InvalidArgument, ArtifactError, ValueError, OSError) as e:
+                self._refused[name] = catalogue[name]
+                log_event("model_not_loaded", logging.ERROR, model=name, error=str(e))
+        if models.keys() == self.models.keys():
+            return False
+        for name in set(self.models) - set(models):
+            MODEL_BYTES.remove(name)
+        self.models, self.specs = models, {name: served.spec for name, served in models.items()}
+        return True
+
     def _load(self, name: str, entry: dict) -> ServedModel:
+        served = self._load_entry(name, entry)
+        if not served.spec.memory_bytes:
+            served.spec = replace(served.spec, memory_bytes=weight_bytes(served.encoder, served.head))
+        MODEL_BYTES.labels(name).set(served.spec.memory_bytes)
+        return served
+
+    def _load_entry(self, name: str, entry: dict) -> ServedModel:
         if entry.get("null"):   # no weights: it must not load the teacher
             spec = ModelSpec(name, EMBEDDING, [], int(entry.get("dim", HIDDEN_SIZE)),
                              int(entry.get("max_tokens", ModelSpec.max_tokens)))
@@ -192,6 +231,8 @@ class ModelRunner:
             return ServedModel(spec, group, group.head, group.max_students, group.best_k)
         if "plot" in entry:
             return self._load_plot(name, entry)
+        if "source" in entry:
+            return self._load_user_model(name, entry)
         teacher = self.teacher()
         if entry["kind"] != CLASSIFICATION:
             return ServedModel(ModelSpec(name, EMBEDDING, [], HIDDEN_SIZE), teacher)
@@ -199,6 +240,28 @@ class ModelRunner:
 
         head = load_head(self.artifacts, entry.get("task", name)).to(self.device).eval()
         return ServedModel(ModelSpec(name, CLASSIFICATION, list(head.labels), HIDDEN_SIZE), teacher, head)
+
+    def _load_user_model(self, name: str, entry: dict) -> ServedModel:
+        """A model from `academus models add`: its files checked against their sha256, then its own encoder
+        and, for a classifier, its own head."""
+        from academus.shared.models.user_models import TOKENIZER, verify_model_files
+
+        directory = self.artifacts / entry["source"]
+        manifest = verify_model_files(directory)
+        encoder, head = load_encoder(directory, self.device, manifest.extra["pooling"], manifest.extra["normalize"],
+                                     classify=entry["kind"] == CLASSIFICATION)
+        self._prepare_layers(encoder, warm_up_token=min(WARM_UP_TOKEN, encoder.architecture.vocab_size - 1))
+        architecture = encoder.architecture
+        spec = ModelSpec(name, entry["kind"], list(head.labels) if head else [], architecture.hidden_size,
+                         int(entry.get("max_tokens", architecture.max_tokens)), tokenizer=manifest.files[TOKENIZER],
+                         architecture=architecture.name, layers=architecture.layers,
+                         memory_bytes=weight_bytes(encoder, head))
+        return ServedModel(spec, encoder, head)
+
+    def tokenizer_file(self, name: str) -> Path | None:
+        """A user's model's tokenizer.json (None for the models that use the teacher's)."""
+        entry = read_catalogue(self.artifacts).get(name, {})
+        return self.artifacts / entry["source"] / "tokenizer.json" if "source" in entry else None
 
     def teacher(self) -> TeacherEncoder:
         """The one teacher every teacher-backed and PLOT model shares, its layers deadline-hooked once."""
@@ -229,7 +292,7 @@ class ModelRunner:
                          lower_layers=store.lower_layers, domain=entry.get("domain", ""))
         return ServedModel(spec, encoder, head, packable=False)
 
-    def _prepare_layers(self, encoder: nn.Module, **forward: int) -> None:
+    def _prepare_layers(self, encoder: nn.Module, warm_up_token: int = WARM_UP_TOKEN, **forward: int) -> None:
         """Deadline hooks on every layer and, when `traced`, traced graphs for their forwards, made now
         from an unpadded and a padded batch: tracing holds the GIL for a while, which a serving process
         should not pay on its first requests. `forward`: what the encoder needs to run every layer."""
@@ -238,7 +301,7 @@ class ModelRunner:
             return
         trace_layers(encoder, LAYER_NAME)
         for lengths in ((8,), (8, 5)):
-            ids, mask, types = self._padded([[WARM_UP_TOKEN] * n for n in lengths], None)
+            ids, mask, types = self._padded([[warm_up_token] * n for n in lengths], None)
             with torch.inference_mode():
                 encoder(ids, mask, types, **forward)
 
@@ -393,6 +456,12 @@ class ModelRunner:
                            compute_ms=(time.perf_counter() - start) * 1e3, padded_tokens=batch.computed_tokens,
                            real_tokens=batch.real_tokens, student_count=len(student_indices) or students,
                            finish=finish)
+
+
+def weight_bytes(*modules: nn.Module | None) -> int:
+    """Bytes of the parameters and buffers of `modules`, each tensor counted once."""
+    tensors = {id(t): t for m in modules if m is not None for t in (*m.parameters(), *m.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def check_tenant_batch(served: ServedModel, output: str, tenants: TenantBatch, texts: int) -> None:

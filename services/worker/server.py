@@ -40,7 +40,7 @@ from academus.shared.runtime.logs import log_event
 from academus.shared.runtime.redis_conn import connect
 from academus.shared.runtime.serving import ServiceSpec, Stubs, run
 from academus.shared.runtime.tracing import annotate
-from academus.shared.state.catalogue import spec_to_pb
+from academus.shared.state.catalogue import CATALOGUE_FILE, spec_to_pb
 from academus.shared.state.keys import Keys
 from academus.shared.state.tenants import TenantRegistry
 from academus.v1 import (
@@ -192,6 +192,7 @@ class Registration:
     async def register(self, address: str) -> None:
         self.address = address
         stub = await self._rm_stub()
+        await self.publish_tokenizers()
         models = [spec_to_pb(s, resource_manager_pb2.ModelSpec) for s in self.runner.specs.values()]
         if self.config.profiles(self.runner.device.type == "cuda") and not self.profile:
             self.profile = await asyncio.get_running_loop().run_in_executor(None, self._profile)
@@ -203,6 +204,31 @@ class Registration:
             self.servicer.resize(reply.capacity)
         log_event("registered", worker_id=self.worker_id, address=address, models=list(self.runner.specs),
                   instances=self.servicer.instances)
+
+    async def publish_tokenizers(self) -> None:
+        """Puts each user's model's tokenizer.json in Redis under its sha256, before the model is registered:
+        the gateway, which has no artifacts, tokenizes its texts with it."""
+        for name, spec in self.runner.specs.items():
+            path = self.runner.tokenizer_file(name) if spec.tokenizer else None
+            if path is not None and not await self.redis.exists(self.keys.tokenizer(spec.tokenizer)):
+                await self.redis.set(self.keys.tokenizer(spec.tokenizer), await asyncio.to_thread(path.read_text))
+
+    async def follow_catalogue(self) -> None:
+        """Loads models added to the catalogue and drops removed ones, then registers the new set: a model
+        from `academus models add` serves without restarting the mesh."""
+        path = Path(self.runner.artifacts) / CATALOGUE_FILE
+        seen = _stamp(path)
+        while self.runner.follows_catalogue:
+            await asyncio.sleep(self.config.catalogue_poll_s)
+            stamp = _stamp(path)
+            if stamp == seen:
+                continue
+            seen = stamp
+            try:
+                if await asyncio.to_thread(self.runner.refresh) and self.address:
+                    await self.register(self.address)
+            except Exception as e:  # a registration that failed is retried by the heartbeat
+                log_event("catalogue_refresh_failed", logging.WARNING, error=repr(e))
 
     def _profile(self) -> list[resource_manager_pb2.ProfilePoint]:
         """The start-up grid search's measurements for every student model (the teacher when none)."""
@@ -261,8 +287,17 @@ async def build() -> ServiceSpec:
         on_started=registration.register,
         on_stopping=registration.deregister,
         on_stopped=lambda: asyncio.to_thread(close_adapters, adapters, fetcher),
-        extra_tasks=[registration.heartbeat, *([warmer.run] if warmer else [])],
+        extra_tasks=[registration.heartbeat, registration.follow_catalogue, *([warmer.run] if warmer else [])],
     )
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    """What changes when models.json is rewritten (it is replaced by a rename): its inode and mtime."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
 
 
 def close_adapters(adapters: AdapterCache, fetcher: StoreFetcher) -> None:

@@ -1,4 +1,4 @@
-"""The `academus` command: up, down, status, infer, prepare, keys, tenants, adapters, trace (DESIGN.md §9)."""
+"""The `academus` command: up, down, status, infer, prepare, models, keys, tenants, adapters, trace (DESIGN.md §9)."""
 
 from __future__ import annotations
 
@@ -123,6 +123,26 @@ def parser() -> argparse.ArgumentParser:
     _training_args(t, positional=False)
     t.set_defaults(func=cmd_adapters_train)
 
+    s = sub.add_parser("models", help="the user's models: add a transformers directory, list, remove")
+    ms = s.add_subparsers(dest="models_command", required=True)
+    m = ms.add_parser("add", help="check DIR, copy it under the artifacts, serve it (no restart)")
+    m.add_argument("name")
+    m.add_argument("--from", dest="source", type=Path, required=True,
+                   help="a transformers directory: config.json, safetensors weights, tokenizer")
+    m.add_argument("--task", choices=("embed", "classify"), default="",
+                   help="default: classify for a …ForSequenceClassification checkpoint, else embed")
+    m.add_argument("--pooling", choices=("mean", "cls"), default="",
+                   help="embedding models; default: its sentence-transformers config, else mean")
+    m.set_defaults(func=cmd_models_add)
+    m = ms.add_parser("list", help="the catalogue: each model's kind; a user's model's architecture and size")
+    m.set_defaults(func=cmd_models_list)
+    m = ms.add_parser("remove", help="unserve a model added with `models add` and delete its copy")
+    m.add_argument("name")
+    m.set_defaults(func=cmd_models_remove)
+    for m in ms.choices.values():
+        m.add_argument("--artifacts", type=Path, default=None,
+                       help="default: the running mesh's (ACADEMUS_ARTIFACTS without one)")
+
     s = sub.add_parser("trace", help="print a recorded trace of the local mesh (the latest by default)")
     s.add_argument("trace_id", nargs="?")
     s.set_defaults(func=cmd_trace)
@@ -199,6 +219,9 @@ def cmd_status(args: argparse.Namespace) -> int:
               f"{report['supervisor']['health']}")
         for i, d in enumerate(report["deployments"]):
             print(f"scheduler-{i:<6} policy {d['policy'] or 'fifo':<8} models {d['models'] or 'every model'}")
+        for m in report["models"]:
+            print(f"model {m['name']:<22} {m['kind']:<15} {m['architecture'] or 'bundled':<32} "
+                  f"layers {m['layers'] or '-':<3} {m['memory_bytes'] / 2**20:8.1f} MiB  workers {m['workers']}")
     healthy = (report["redis"]["health"] == "SERVING" and all(s["health"] == "SERVING" for s in report["services"])
                and report["supervisor"]["health"] != "EXITED")
     return 0 if healthy else 1
@@ -352,6 +375,74 @@ def cmd_adapters_train(args: argparse.Namespace) -> int:
 
     return _with_mesh_redis(args, lambda redis, keys: train_tenant_adapter(
         redis, keys, args.tenant, args.name, args.base, args.data, args.rank, args.epochs, domain=args.domain))
+
+
+def _models_artifacts(args: argparse.Namespace) -> Path:
+    """Where the mesh's workers read the catalogue: --artifacts, else the running mesh's, else the default."""
+    from academus.shared.cli.mesh import MeshError, MeshState
+
+    if args.artifacts:
+        return args.artifacts
+    try:
+        return Path(MeshState.load(_run_dir(args)).artifacts or artifacts_dir())
+    except MeshError:
+        return artifacts_dir()
+
+
+def _refused(work) -> int:
+    from academus.shared.models.user_models import ModelRefused
+
+    try:
+        print(json.dumps(work(), indent=2))
+    except ModelRefused as e:
+        print(f"refused: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_models_add(args: argparse.Namespace) -> int:
+    from academus.shared.models.user_models import add_model
+
+    return _refused(lambda: add_model(_models_artifacts(args), args.name, args.source, args.task, args.pooling))
+
+
+def cmd_models_list(args: argparse.Namespace) -> int:
+    from academus.shared.models.user_models import list_models
+
+    return _refused(lambda: list_models(_models_artifacts(args)))
+
+
+def cmd_models_remove(args: argparse.Namespace) -> int:
+    from academus.shared.models.user_models import remove_model
+
+    def remove() -> dict[str, str]:
+        remove_model(_models_artifacts(args), args.name, _tenants_on(args, args.name))
+        return {"removed": args.name}
+
+    return _refused(remove)
+
+
+def _tenants_on(args: argparse.Namespace, base: str) -> list[str]:
+    """Tenants whose models run on `base`, read from the running mesh's Redis (none without a mesh)."""
+    from academus.shared.cli.mesh import MeshError, MeshState
+    from academus.shared.runtime.redis_conn import connect
+    from academus.shared.state.keys import Keys
+    from academus.shared.state.tenants import TenantRegistry
+
+    try:
+        state = MeshState.load(_run_dir(args))
+    except MeshError:
+        return []
+
+    async def read() -> list[str]:
+        redis = connect(state.redis_url)
+        try:
+            registry = TenantRegistry(redis, Keys(state.key_prefix))
+            return sorted({t for t in await registry.tenants() for m in await registry.models(t) if m.base == base})
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(read())
 
 
 def cmd_config_docs(args: argparse.Namespace) -> int:

@@ -34,6 +34,7 @@ from academus.shared.runtime.config import (
 from academus.shared.runtime.gpu import gpu_count, mps_plan
 from academus.shared.runtime.redis_conn import redacted, with_password
 from academus.shared.runtime.tls import MeshTls, channel_credentials, open_channel_sync
+from academus.shared.state.catalogue import ModelSpec
 from academus.shared.state.keys import Keys, new_api_key
 
 SERVICES = ("resource_manager", "adapter_store", "trainer", "plot", "worker", "scheduler", "gateway")
@@ -77,6 +78,7 @@ class MeshState:
     tls_ca: str = ""     # `up --tls`: the CA (PEM file) the gateway's certificate is signed by, which clients trust
     tls_cert: str = ""   # with mutual TLS: the command line's own certificate and key, signed by that CA too
     tls_key: str = ""
+    artifacts: str = ""  # what the workers load: `academus models add` writes there
 
     def save(self) -> None:
         """Written whole, then renamed: a reader (status, down) never sees half of it. Mode 0600: the Redis
@@ -185,7 +187,7 @@ def up(options: MeshOptions) -> MeshState:
     tls = _certificates(options)
     url, redis_pid = _redis(run_dir, options.tls)
     state = MeshState(str(run_dir), url, redis_pid, "", options.key_prefix,
-                      deployments=[asdict(d) for d in options.deployments], **tls)
+                      deployments=[asdict(d) for d in options.deployments], artifacts=str(options.artifacts), **tls)
     state.save()
     worker_envs = _worker_envs(options)
     try:
@@ -243,8 +245,7 @@ def default_deployments(options: MeshOptions) -> list[Deployment]:
     students = sorted(name for name, entry in catalogue.items() if isinstance(entry, dict) and entry.get("students"))
     if not students:
         return [Deployment("concat")]
-    rest = sorted(set(catalogue) - set(students))
-    return [Deployment("student", ",".join(students)), *([Deployment("concat", ",".join(rest))] if rest else [])]
+    return [Deployment("student", ",".join(students)), Deployment("concat", ",".join(f"-{s}" for s in students))]
 
 
 def _certificates(options: MeshOptions) -> dict[str, str]:
@@ -444,10 +445,12 @@ def down(run_dir: Path, timeout_s: float = 30.0) -> list[str]:
 
 def status(run_dir: Path) -> dict:
     state = MeshState.load(run_dir)
+    client = redis.Redis.from_url(state.redis_url, socket_connect_timeout=1, decode_responses=True)
     try:
-        redis_ok = bool(redis.Redis.from_url(state.redis_url, socket_connect_timeout=1).ping())
+        redis_ok = bool(client.ping())
+        models = served_models(client, Keys(state.key_prefix))
     except redis.exceptions.RedisError:
-        redis_ok = False
+        redis_ok, models = False, []
     supervisor = state.supervisor_pid
     return {
         "run_dir": state.run_dir,
@@ -461,7 +464,19 @@ def status(run_dir: Path) -> dict:
         "supervisor": {"pid": supervisor,
                        "health": "OFF" if not supervisor else "RUNNING" if pid_alive(supervisor) else "EXITED"},
         "deployments": state.deployments,
+        "models": models,
     }
+
+
+def served_models(client: redis.Redis, keys: Keys) -> list[dict[str, object]]:
+    """Each registered model: its kind, architecture, layers, the memory its weights take in a worker, and
+    how many workers serve it."""
+    rows = []
+    for name, raw in sorted(client.hgetall(keys.models()).items()):
+        spec = ModelSpec.from_json(raw)
+        rows.append({"name": name, "kind": spec.kind, "architecture": spec.architecture, "layers": spec.layers,
+                     "memory_bytes": spec.memory_bytes, "workers": client.scard(keys.placement(name))})
+    return rows
 
 
 def _alive(state: MeshState) -> bool:

@@ -122,10 +122,13 @@ class ModelInfo:
     max_tokens: int
     base: str = ""
     status: str = "ready"      # a tenant model may be "training" or "failed"
+    architecture: str = ""     # a served model's transformers class (BertModel, MPNetForSequenceClassification...)
+    layers: int = 0            # transformer layers computed for one text (0: not reported)
 
 
 def models_from(response: pb.ListModelsResponse) -> list[ModelInfo]:
-    return [ModelInfo(m.name, m.kind, list(m.labels), m.dim, m.max_tokens, m.base, m.status) for m in response.models]
+    return [ModelInfo(m.name, m.kind, list(m.labels), m.dim, m.max_tokens, m.base, m.status, m.architecture,
+                      m.layers) for m in response.models]
 
 
 def build_request(model: str, texts: Sequence[str], output: str = "", pairs: Sequence[str] | None = None,

@@ -436,13 +436,13 @@ _injectors: weakref.WeakKeyDictionary[nn.Module, AdapterInjector] = weakref.Weak
 _injectors_lock = threading.Lock()
 
 
-def _bert(encoder: nn.Module) -> nn.Module:
-    return getattr(encoder, "bert", encoder)
+def _body(encoder: nn.Module) -> nn.Module:
+    return getattr(encoder, "body", encoder)
 
 
 def install_adapters(encoder: nn.Module) -> AdapterInjector:
     """The injector of `encoder` (a TeacherEncoder or BertModel), hooks on every layer, made once."""
-    bert = _bert(encoder)
+    bert = _body(encoder)
     with _injectors_lock:
         if bert not in _injectors:
             _injectors[bert] = AdapterInjector(bert, range(len(bert.encoder.layer)))
@@ -452,7 +452,7 @@ def install_adapters(encoder: nn.Module) -> AdapterInjector:
 def remove_adapters(encoder: nn.Module) -> None:
     """Removes the hooks `install_adapters` put on `encoder` (none: nothing happens)."""
     with _injectors_lock:
-        injector = _injectors.pop(_bert(encoder), None)
+        injector = _injectors.pop(_body(encoder), None)
     if injector is not None:
         injector.remove()
 
@@ -467,7 +467,7 @@ def encode_with_adapters(
     `forward` goes to the encoder's forward (a PLOT base's per-row `domains`)."""
     if len(adapters) != ids.shape[0]:
         raise ValueError(f"{len(adapters)} adapters for a batch of {ids.shape[0]} rows")
-    bert = _bert(encoder)
+    bert = _body(encoder)
     hidden = int(bert.config.hidden_size)
     for a in adapters:
         if a is not None and a.hidden != hidden:

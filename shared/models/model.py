@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from academus.shared.models.architectures import Architecture, read_architecture
 from academus.shared.models.teacher_files import teacher_dir
 
-HIDDEN_SIZE = 384
+HIDDEN_SIZE = 384   # the bundled teacher's width (all-MiniLM-L6-v2); every other model's comes from its config
+MEAN, FIRST = "mean", "cls"   # pooling: the mean over real tokens, or the first token's hidden state
+POOLINGS = (MEAN, FIRST)
 
 
 def pad_batch(
@@ -36,28 +40,30 @@ def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tenso
 
 
 class TeacherEncoder(nn.Module):
-    """BERT body + mean pooling + L2 normalisation: the model's sentence embedding."""
+    """An encoder body (BertModel, RobertaModel or MPNetModel) and its pooling: the mean over real tokens or the
+    first token's hidden state, L2-normalised for embeddings. The bundled teacher is a BERT body, mean-pooled
+    and normalised; a classifier's body is pooled at its first token, which its head reads."""
 
-    def __init__(self, bert: nn.Module) -> None:
+    def __init__(self, body: nn.Module, architecture: Architecture | None = None, pooling: str = MEAN,
+                 normalize: bool = True) -> None:
         super().__init__()
-        self.bert = bert
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling {pooling!r} is not one of {', '.join(POOLINGS)}")
+        self.body = body
+        self.architecture = architecture or read_architecture(body.config.to_dict())
+        self.pooling, self.normalize = pooling, normalize
 
     @classmethod
     def load(cls, model_dir: Path | None = None, device: str | torch.device = "cpu") -> TeacherEncoder:
-        from transformers import BertModel
-        from transformers.utils import logging as hf_logging
+        """The bundled teacher (or the encoder at `model_dir`): mean-pooled and normalised."""
+        return load_encoder(model_dir or teacher_dir(), device)[0]
 
-        # The checkpoint's unused pooler weights make transformers print a load report on every start.
-        verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-        try:
-            bert = BertModel.from_pretrained(str(model_dir or teacher_dir()), add_pooling_layer=False)
-        finally:
-            hf_logging.set_verbosity(verbosity)
-            if bars:
-                hf_logging.enable_progress_bar()
-        return cls(bert).to(device).eval()
+    def positions(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Position ids of a right-padded batch, numbered as the family numbers them (None: the body's own)."""
+        offset = self.architecture.position_offset
+        if not offset:
+            return None
+        return torch.arange(offset, offset + input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
 
     def forward(
         self,
@@ -65,10 +71,58 @@ class TeacherEncoder(nn.Module):
         attention_mask: torch.Tensor,
         token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden = self.bert(
-            input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids
-        ).last_hidden_state
-        return nn.functional.normalize(mean_pool(hidden, attention_mask), p=2, dim=1)
+        inputs = body_inputs(self.architecture, token_type_ids, self.positions(input_ids))
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, **inputs).last_hidden_state
+        pooled = mean_pool(hidden, attention_mask) if self.pooling == MEAN else hidden[:, 0]
+        return nn.functional.normalize(pooled, p=2, dim=1) if self.normalize else pooled
+
+
+def body_inputs(architecture: Architecture, token_type_ids: torch.Tensor | None,
+                position_ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The keyword inputs the family's body takes besides ids and mask: MPNet has no token types, and types
+    beyond the embeddings' (a pair on a one-type RoBERTa) are read as 0, as its tokenizer would give them."""
+    inputs = {} if position_ids is None else {"position_ids": position_ids}
+    if token_type_ids is not None and architecture.uses_token_types:
+        inputs["token_type_ids"] = token_type_ids
+    return inputs
+
+
+def load_encoder(model_dir: Path, device: str | torch.device = "cpu", pooling: str = MEAN, normalize: bool = True,
+                 classify: bool | None = None) -> tuple[TeacherEncoder, SequenceClassifierHead | None]:
+    """The encoder at `model_dir` (a transformers directory with safetensors weights), and its own head when
+    it is served as a sequence classifier (`classify`, default: when it is one): then pooled at the first
+    token, unnormalised, as the head was trained. A weight the model needs and the files lack is a
+    ValueError naming it (transformers would initialise it at random)."""
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    architecture = read_architecture(json.loads((Path(model_dir) / "config.json").read_text()),
+                                     str(Path(model_dir) / "config.json"))
+    family = architecture.family
+    classify = architecture.classifier if classify is None else classify
+    # Unused weights (a pooler, an LM head) make transformers print a load report on every start.
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        if classify:
+            model, info = getattr(transformers, family.classifier).from_pretrained(
+                str(model_dir), use_safetensors=True, output_loading_info=True)
+        else:
+            model, info = getattr(transformers, family.body).from_pretrained(
+                str(model_dir), add_pooling_layer=False, use_safetensors=True, output_loading_info=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    if missing := sorted(info.get("missing_keys") or []) + sorted(info.get("mismatched_keys") or []):
+        raise ValueError(f"{model_dir}: weights missing or of the wrong shape for {architecture.name}: "
+                         f"{', '.join(map(str, missing[:5]))}{' ...' if len(missing) > 5 else ''}")
+    if classify:
+        head = SequenceClassifierHead(architecture, model)
+        encoder = TeacherEncoder(getattr(model, family.body_attribute), architecture, FIRST, normalize=False)
+        return encoder.to(device).eval(), head.to(device).eval()
+    return TeacherEncoder(model, architecture, pooling, normalize).to(device).eval(), None
 
 
 class ClassifierHead(nn.Module):
@@ -81,3 +135,23 @@ class ClassifierHead(nn.Module):
 
     def forward(self, pooled: torch.Tensor) -> torch.Tensor:
         return self.linear(pooled)
+
+
+class SequenceClassifierHead(nn.Module):
+    """A transformers sequence classifier's own head, on the first token's hidden state: BERT's pooler (dense
+    + tanh) then its linear classifier; RoBERTa's and MPNet's dense + tanh + projection. Its labels are the
+    config's id2label, in id order."""
+
+    def __init__(self, architecture: Architecture, model: nn.Module) -> None:
+        super().__init__()
+        config = model.config
+        self.labels = [str(config.id2label[i]) for i in range(len(config.id2label))]
+        if architecture.family.name == "bert":
+            self.pooler, self.classifier = getattr(model, architecture.family.body_attribute).pooler, model.classifier
+        else:
+            self.pooler, self.classifier = None, model.classifier
+
+    def forward(self, first_token: torch.Tensor) -> torch.Tensor:
+        if self.pooler is not None:
+            return self.classifier(self.pooler.activation(self.pooler.dense(first_token)))
+        return self.classifier(first_token.unsqueeze(1))   # RoBERTa's and MPNet's heads read [:, 0, :]

@@ -39,7 +39,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from academus.shared.models.model import TeacherEncoder
+from academus.shared.models.architectures import Architecture, read_architecture
+from academus.shared.models.model import FIRST, MEAN, TeacherEncoder
 from academus.shared.models.students import StudentGroup
 
 Attention = Literal["hf", "sdpa"]
@@ -182,6 +183,13 @@ def additive_mask(segments: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
+def segment_first(hidden: torch.Tensor, segments: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Each request's first token ([CLS] / <s>): [..., H] hidden, same-shaped segment ids → [m, H]. Real tokens
+    lie in segment order, each request's together, so a request starts where the ones before it end."""
+    flat = hidden.reshape(-1, hidden.shape[-1])[segments.reshape(-1) >= 0]
+    return flat[lengths.cumsum(0) - lengths]
+
+
 def segment_mean(hidden: torch.Tensor, segments: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Mean over each request's own tokens: [..., H] hidden, same-shaped segment ids → [m, H]."""
     flat, seg = hidden.reshape(-1, hidden.shape[-1]), segments.reshape(-1)
@@ -192,12 +200,33 @@ def segment_mean(hidden: torch.Tensor, segments: torch.Tensor, lengths: torch.Te
 
 @dataclass(frozen=True)
 class _Stacks:
-    """What a packed pass needs from a model: embeddings, layer stacks, their α weights, normalization."""
+    """What a packed pass needs from a model: embeddings, layer stacks, their α weights, normalization, and
+    the family's ways (position numbering, token types, MPNet's relative attention bias, the pooling)."""
 
     embeddings: nn.Module
     stacks: list[nn.ModuleList]
     alphas: torch.Tensor | None
     normalize: bool
+    architecture: Architecture
+    pooling: str = MEAN
+    relative_bias: nn.Module | None = None   # MPNet: the encoder that holds the bias by position bucket
+
+    def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Embeddings with each request's positions numbered from the family's first position."""
+        inputs = {"position_ids": positions + self.architecture.position_offset}
+        if self.architecture.uses_token_types:
+            inputs["token_type_ids"] = token_type_ids
+        return self.embeddings(input_ids=input_ids, **inputs)
+
+    def pool(self, hidden: torch.Tensor, segments: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        return (segment_first if self.pooling == FIRST else segment_mean)(hidden, segments, lengths)
+
+    def bias(self, slots: int, width: int, like: torch.Tensor) -> torch.Tensor | None:
+        """MPNet's [1, heads, W, W] bias by relative position in the slot grid: within a request that is its
+        own relative position, wherever it starts in the slot; across requests the block mask hides it."""
+        if self.relative_bias is None:
+            return None
+        return self.relative_bias.compute_position_bias(like.new_empty(1, width, 1))
 
 
 def _stacks(model: nn.Module, num_students: int | None, student_indices: Sequence[int] = ()) -> _Stacks:
@@ -206,12 +235,18 @@ def _stacks(model: nn.Module, num_students: int | None, student_indices: Sequenc
     if isinstance(model, StudentGroup):
         k = model.check_count(num_students)
         return _Stacks(model.embeddings, [s.encoder.layer for s in model.students[:k]], model.alphas()[:k],
-                       model.normalize)
+                       model.normalize, read_architecture(model.config.to_dict()))
     if isinstance(model, TeacherEncoder):
-        return _Stacks(model.bert.embeddings, [model.bert.encoder.layer], None, True)
-    if hasattr(model, "embeddings") and hasattr(model, "encoder"):   # a bare HF BertModel: pooled, not normalized
-        return _Stacks(model.embeddings, [model.encoder.layer], None, False)
-    raise TypeError(f"cannot run {type(model).__name__} packed: expected TeacherEncoder, BertModel or StudentGroup")
+        return _body_stacks(model.body, model.architecture, model.normalize, model.pooling)
+    if hasattr(model, "embeddings") and hasattr(model, "encoder"):   # a bare HF encoder: mean-pooled, not normalized
+        return _body_stacks(model, read_architecture(model.config.to_dict()), False, MEAN)
+    raise TypeError(f"cannot run {type(model).__name__} packed: expected TeacherEncoder, an encoder body or "
+                    "StudentGroup")
+
+
+def _body_stacks(body: nn.Module, architecture: Architecture, normalize: bool, pooling: str) -> _Stacks:
+    bias = body.encoder if architecture.family.relative_attention else None
+    return _Stacks(body.embeddings, [body.encoder.layer], None, normalize, architecture, pooling, bias)
 
 
 def _member_stacks(group: StudentGroup, indices: Sequence[int]) -> _Stacks:
@@ -220,7 +255,8 @@ def _member_stacks(group: StudentGroup, indices: Sequence[int]) -> _Stacks:
         raise ValueError(f"student indices {list(indices)} must be non-empty and within "
                          f"0..{group.max_students - 1}: this student group holds {group.max_students} students")
     alphas = group.alphas()[list(indices)]
-    return _Stacks(group.embeddings, [group.students[i].encoder.layer for i in indices], alphas, False)
+    return _Stacks(group.embeddings, [group.students[i].encoder.layer for i in indices], alphas, False,
+                   read_architecture(group.config.to_dict()))
 
 
 def encode_packed(model: nn.Module, batch: PackedBatch, attention: Attention = "sdpa",
@@ -256,17 +292,17 @@ def _combine(parts: _Stacks, pooled: list[torch.Tensor]) -> torch.Tensor:
 
 def _encode_hf(parts: _Stacks, inputs: PackedInputs, before_layer: LayerCallback | None) -> torch.Tensor:
     """HF modules on the padded slot tensor with a 4-D additive block mask and explicit position ids."""
-    hidden = parts.embeddings(input_ids=inputs.input_ids, token_type_ids=inputs.token_type_ids,
-                              position_ids=inputs.position_ids)
+    hidden = parts.embed(inputs.input_ids, inputs.token_type_ids, inputs.position_ids)
     mask = additive_mask(inputs.segments, hidden.dtype)
+    bias = parts.bias(*inputs.segments.shape, hidden)
     pooled = []
     for stack in parts.stacks:
         h = hidden
         for i, layer in enumerate(stack):
             if before_layer is not None:
                 before_layer(i)
-            h = layer(h, mask)
-        pooled.append(segment_mean(h, inputs.segments, inputs.lengths))
+            h = layer(h, mask) if bias is None else layer(h, mask, position_bias=bias)[0]
+        pooled.append(parts.pool(h, inputs.segments, inputs.lengths))
     return _combine(parts, pooled)
 
 
@@ -277,45 +313,65 @@ class _Layout:
     index: torch.Tensor
     slots: int
     width: int
-    mask: torch.Tensor      # [S, 1, W, W] boolean block mask
+    mask: torch.Tensor      # [S, 1, W, W] boolean block mask, or additive with MPNet's bias: [S, heads, W, W]
 
 
 def _encode_sdpa(parts: _Stacks, inputs: PackedInputs, before_layer: LayerCallback | None) -> torch.Tensor:
     """Own layers over the HF weights: token-wise work on real tokens only, SDPA per slot."""
     real = inputs.segments.reshape(-1) >= 0
-    layout = _Layout(real.nonzero().squeeze(1), *inputs.segments.shape, block_mask(inputs.segments))
-    flat = parts.embeddings(input_ids=inputs.input_ids.reshape(1, -1)[:, real],
-                            token_type_ids=inputs.token_type_ids.reshape(1, -1)[:, real],
-                            position_ids=inputs.position_ids.reshape(1, -1)[:, real]).squeeze(0)
+    flat = parts.embed(*(t.reshape(1, -1)[:, real] for t in (inputs.input_ids, inputs.token_type_ids,
+                                                              inputs.position_ids))).squeeze(0)
+    mask = block_mask(inputs.segments)
+    bias = parts.bias(*inputs.segments.shape, flat)
+    if bias is not None:
+        mask = bias + additive_mask(inputs.segments, flat.dtype)
+    layout = _Layout(real.nonzero().squeeze(1), *inputs.segments.shape, mask)
     token_segments = inputs.segments.reshape(-1)[real]
+    run_layer = _sdpa_layer if bias is None else _mpnet_sdpa_layer
     pooled = []
     for stack in parts.stacks:
         h = flat
         for i, layer in enumerate(stack):
             if before_layer is not None:
                 before_layer(i)
-            h = _sdpa_layer(layer, h, layout)
-        pooled.append(segment_mean(h, token_segments, inputs.lengths))
+            h = run_layer(layer, h, layout)
+        pooled.append(parts.pool(h, token_segments, inputs.lengths))
     return _combine(parts, pooled)
 
 
 def _sdpa_layer(layer: nn.Module, tokens: torch.Tensor, layout: _Layout) -> torch.Tensor:
     """One BertLayer (post-LN) on flat tokens [T, H], computed as HF's BertLayer computes it."""
     attention = layer.attention
-    context = _slot_attention(attention.self, tokens, layout)
+    context = _bert_attention(attention.self, tokens, layout)
     hidden = attention.output.LayerNorm(attention.output.dense(context) + tokens)
     return layer.output.LayerNorm(layer.output.dense(layer.intermediate(hidden)) + hidden)
 
 
-def _slot_attention(self_attention: nn.Module, tokens: torch.Tensor, layout: _Layout) -> torch.Tensor:
-    heads, size = self_attention.num_attention_heads, self_attention.attention_head_size
+def _mpnet_sdpa_layer(layer: nn.Module, tokens: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    """One MPNetLayer on flat tokens: its attention projects q, k, v and o itself, and its scores carry the
+    relative-position bias (in `layout.mask`)."""
+    attn = layer.attention.attn
+    context = _slot_attention(tokens, layout, attn.q, attn.k, attn.v, attn.num_attention_heads,
+                              attn.attention_head_size ** -0.5)
+    hidden = layer.attention.LayerNorm(attn.o(context) + tokens)
+    return layer.output.LayerNorm(layer.output.dense(layer.intermediate(hidden)) + hidden)
+
+
+def _bert_attention(self_attention: nn.Module, tokens: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    return _slot_attention(tokens, layout, self_attention.query, self_attention.key, self_attention.value,
+                           self_attention.num_attention_heads, self_attention.scaling)
+
+
+def _slot_attention(tokens: torch.Tensor, layout: _Layout, query: nn.Module, key: nn.Module, value: nn.Module,
+                    heads: int, scale: float) -> torch.Tensor:
     hidden = tokens.shape[-1]
+    size = hidden // heads
 
     def to_slots(projection: nn.Module) -> torch.Tensor:
         grid = tokens.new_zeros(layout.slots * layout.width, hidden)
         grid[layout.index] = projection(tokens)
         return grid.view(layout.slots, layout.width, heads, size).transpose(1, 2)
 
-    q, k, v = (to_slots(p) for p in (self_attention.query, self_attention.key, self_attention.value))
-    context = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, scale=self_attention.scaling)
+    q, k, v = (to_slots(p) for p in (query, key, value))
+    context = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, scale=scale)
     return context.transpose(1, 2).reshape(layout.slots * layout.width, hidden)[layout.index]

@@ -29,14 +29,20 @@ class Encoded:
 class TeacherTokenizer:
     """The model's own fast tokenizer; the file's fixed padding is switched off (workers pad)."""
 
-    def __init__(self, model_dir: Path, max_tokens: int = 256) -> None:
+    def __init__(self, model_dir: Path | None, max_tokens: int = 256, raw: str = "") -> None:
         self.max_tokens = max_tokens
-        self._full = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+        raw = raw or (Path(model_dir) / "tokenizer.json").read_text()
+        self._full = Tokenizer.from_str(raw)
         self._full.no_padding()
         self._full.no_truncation()
-        self._cut = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+        self._cut = Tokenizer.from_str(raw)
         self._cut.no_padding()
         self._cut.enable_truncation(max_length=max_tokens)
+
+    @classmethod
+    def from_json(cls, raw: str, max_tokens: int) -> TeacherTokenizer:
+        """From tokenizer.json's text (a user's model's, as the gateway reads it from Redis)."""
+        return cls(None, max_tokens, raw)
 
     def encode(
         self, texts: Sequence[str], pairs: Sequence[str] | None = None, truncate: bool = True

@@ -101,6 +101,28 @@ def split_names(joined: str) -> tuple[str, ...]:
     return tuple(m for m in joined.split(",") if m)
 
 
+@dataclass(frozen=True)
+class ModelSelection:
+    """The models a deployment serves, as ACADEMUS_SCHEDULER_MODELS names them: empty, every model; `a,b`,
+    those; `-a,-b`, every model but those (the default mesh's concat deployment: all but the student groups,
+    so that a model added later is served too)."""
+
+    names: frozenset[str] = frozenset()
+    excluded: frozenset[str] = frozenset()
+
+    @classmethod
+    def parse(cls, joined: str) -> ModelSelection:
+        names = split_names(joined)
+        return cls(frozenset(n for n in names if not n.startswith("-")),
+                   frozenset(n[1:] for n in names if n.startswith("-")))
+
+    def __contains__(self, model: str) -> bool:
+        return (not self.names or model in self.names) and model not in self.excluded
+
+
+EVERY_MODEL = ModelSelection()
+
+
 def redis_url_from_env() -> str | None:
     return REDIS_URL.get() or PLAIN_REDIS_URL.get() or None
 
@@ -303,7 +325,8 @@ COMPUTE_SCHEDS = ("idle", "batch", "normal")
 class SchedulerConfig(CommonConfig):
     scheduler_id: str = setting("", "its id in Redis; empty: host:port")
     policy: str = setting("fifo", "this deployment's dispatch policy", one_of(*POLICY_NAMES))
-    models: str = setting("", "comma-separated models this deployment serves; empty: every placed model")
+    models: str = setting("", "comma-separated models this deployment serves; empty: every placed model; "
+                              "`-a,-b`: every placed model but a and b")
     max_batch: int = setting(32, "padded: texts per batch", at_least(1))
     max_delay_ms: float = setting(10.0, "padded: how long the oldest request may wait for the batch to fill",
                                   at_least(0))
@@ -350,9 +373,12 @@ class WorkerConfig(CommonConfig):
     profile: str = setting("auto", "grid-search instances and max_merge at start (App. B.4.1); auto: on a CUDA "
                                    "device (where merges cost little latency) and not on CPU",
                            Rule("true|false|auto", lambda v, _: v.lower() in (*TRUE, *FALSE, "auto")))
-    models: str = setting("", "comma-separated; empty: every model in the artifacts' models.json")
+    models: str = setting("", "comma-separated; empty: every model in the artifacts' models.json, followed as "
+                              "models are added and removed")
     artifacts: str = setting(factory=lambda: str(artifacts_dir()), shown="`$ACADEMUS_HOME/artifacts`",
                              doc="the artifacts it loads models from")
+    catalogue_poll_s: float = setting(1.0, "how often models.json is checked for added and removed models "
+                                           "(ACADEMUS_MODELS empty)", above(0))
     resource_manager: str = setting("", "host:port; empty: looked up in Redis")
     heartbeat_ttl_s: float = setting(5.0, "TTL of its registration in Redis, renewed within it")
     packed_attention: str = setting("sdpa", "packed batches: sdpa (own layers, real tokens only) or hf (HF layers, "

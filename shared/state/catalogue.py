@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 # The served models a tenant's adapters may sit on (names only: the gateway checks them without torch).
@@ -14,6 +17,7 @@ PLOT_BASES = frozenset({"minilm-plot"})
 
 EMBEDDING = "embedding"
 CLASSIFICATION = "classification"
+CATALOGUE_FILE = "models.json"   # under the artifacts: the served catalogue, on disk so it outlives Redis
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,10 @@ class ModelSpec:
     plot: str = ""                 # PLOT models: the model whose lower layers the table holds ("": none)
     lower_layers: int = 0          # PLOT models: K, the layers the lookups replace
     domain: str = ""               # PLOT models: the overlay searched before the root
+    tokenizer: str = ""            # a user's model: sha256 of its tokenizer.json, in Redis ("": the teacher's)
+    architecture: str = ""         # the transformers class it was saved as ("": the bundled teacher's)
+    layers: int = 0                # transformer layers computed for one text (0: not reported)
+    memory_bytes: int = 0          # its weights in the worker's memory (shared weights counted once a model)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -46,3 +54,27 @@ def spec_to_pb(spec: ModelSpec, message: type) -> Any:
 def spec_from_pb(message: Any) -> ModelSpec:
     return ModelSpec(**{f.name: (list(v) if f.name == "labels" else v)
                         for f in fields(ModelSpec) for v in [getattr(message, f.name)]})
+
+
+def read_catalogue(artifacts: str | Path) -> dict[str, dict[str, Any]]:
+    """models.json under the artifacts ({} when there is none yet)."""
+    path = Path(artifacts) / CATALOGUE_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def write_entry(artifacts: str | Path, name: str, entry: dict[str, Any] | None) -> None:
+    """Adds, replaces or (entry None) removes one models.json entry, keeping the others. Writers take a lock
+    (a `plot build` and a `models add` at once lose neither entry); readers see the old file or the new
+    one whole (a rename)."""
+    path = Path(artifacts) / CATALOGUE_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        catalogue = read_catalogue(artifacts)
+        if entry is None:
+            catalogue.pop(name, None)
+        else:
+            catalogue[name] = entry
+        tmp = path.with_suffix(f".json.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(catalogue, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)

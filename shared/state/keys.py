@@ -27,6 +27,10 @@ class Keys:
         """Hash: model name -> ModelSpec JSON (the gateway's catalogue)."""
         return f"{self.prefix}:models"
 
+    def tokenizer(self, digest: str) -> str:
+        """String: a user's model's tokenizer.json, by its sha256 (the gateway tokenizes with it)."""
+        return f"{self.prefix}:tokenizer:{digest}"
+
     def students(self, model: str) -> str:
         """String: the student number S the resource manager chose for a student model."""
         return f"{self.prefix}:students:{model}"

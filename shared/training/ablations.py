@@ -194,7 +194,7 @@ def _bagging(teacher: Teacher, data: DistillData, cfg: DistillConfig) -> dict[st
 def _bert_2l(teacher: Teacher, data: DistillData, cfg: DistillConfig) -> dict[str, Any]:
     clock = time.perf_counter()
     generator = _seeded(cfg)
-    bert = teacher.encoder.bert      # a fresh linear head; as narrow as the students
+    bert = teacher.encoder.body      # a fresh linear head; as narrow as the students
     group = from_teacher(bert, cfg.layers, data.labels, ffn_keep=ffn_keep(bert, data.splits["train"], cfg))
     epochs = cfg.boost_epochs + cfg.prune_epochs
     loss = train_direct(group, data.splits["train"], cfg, generator, epochs)

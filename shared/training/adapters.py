@@ -202,7 +202,7 @@ def train_adapter(
     num_lower = min(adapter.layer_ids)
     encoder = encoder or TeacherEncoder.load(device=device)
     tokenizer = tokenizer or TeacherTokenizer(teacher_dir(), max_tokens=MAX_TOKENS)
-    bert = encoder.bert
+    bert = encoder.body
     if len(bert.encoder.layer) != num_layers:
         raise ValueError(f"base {base!r} has {num_layers} layers, the encoder {len(bert.encoder.layer)}")
     loaded = time.perf_counter()
@@ -313,7 +313,7 @@ def train_many_adapters(
     names = sorted(set(labels))
     _check_examples(texts, labels, names)
     encoder = encoder or TeacherEncoder.load()
-    bert = encoder.bert
+    bert = encoder.body
     used = sorted({i for subset in subsets for i in subset})
     tokenizer = TeacherTokenizer(teacher_dir(), max_tokens=MAX_TOKENS)
     cached = base_lower_states(bert, tokenizer.encode([texts[i] for i in used], truncate=True), base,

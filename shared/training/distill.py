@@ -362,9 +362,9 @@ def _initial_group(teacher: Teacher, data: DistillData, cfg: DistillConfig,
         from academus.shared.training.onnx_init import group_from_l3, load_minilm_l3
 
         state = load_minilm_l3(Path(data_dir or default_data_dir()))
-        group = group_from_l3(teacher.encoder.bert.config, state, cfg.layers, data.labels, normalize)
+        group = group_from_l3(teacher.encoder.body.config, state, cfg.layers, data.labels, normalize)
     else:
-        bert = teacher.encoder.bert
+        bert = teacher.encoder.body
         group = from_teacher(bert, cfg.layers, data.labels, normalize, ffn_keep(bert, data.splits["train"], cfg))
     _calibrate_scale(group, data.splits["train"], cfg)
     if data.teacher_head is not None:     # the new classifier starts from the teacher's head: B ≈ T

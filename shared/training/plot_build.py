@@ -212,7 +212,7 @@ def build(texts: list[str], out: Path, options: BuildOptions, layers: SplitBert 
                         "the windows: use --max-entries")
     if options.domain:
         _check_root_for_overlay(Path(out), options)
-    layers = layers or SplitBert(TeacherEncoder.load().bert, options.lower_layers)
+    layers = layers or SplitBert(TeacherEncoder.load().body, options.lower_layers)
     if layers.lower_layers != options.lower_layers:
         raise PlotError(f"the encoder runs {layers.lower_layers} lower layers, the options say {options.lower_layers}")
     tokens = tokenize(texts)

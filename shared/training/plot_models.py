@@ -9,7 +9,6 @@ the hierarchical model in process (services/worker/core.py `ModelRunner._load_pl
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from academus.shared.models.plot.store import PlotStore
 from academus.shared.models.plot.table import ROOT, PlotError, PlotManifest, read_manifest
 from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.state.catalogue import write_entry
 from academus.shared.training.data import TASKS, TaskData, fetch, load_task
 
 EMBEDDING_MODEL = "minilm-plot"
@@ -39,13 +39,8 @@ def table_ref(artifacts: Path, table: Path) -> str | None:
 
 
 def register(artifacts: Path, name: str, entry: dict[str, Any]) -> None:
-    """Adds or replaces one models.json entry, keeping the others; written atomically."""
-    path = Path(artifacts) / "models.json"
-    catalogue = json.loads(path.read_text()) if path.is_file() else {}
-    catalogue[name] = entry
-    tmp = path.with_suffix(f".json.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(catalogue, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    """Adds or replaces one models.json entry, keeping the others."""
+    write_entry(artifacts, name, entry)
 
 
 def embedding_entry(ref: str, manifest: PlotManifest) -> dict[str, Any]:

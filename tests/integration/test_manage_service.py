@@ -39,7 +39,7 @@ def table(tmp_path_factory) -> Path:
     """A tiny K=2 root table (corpus unigrams only): overlays extend it."""
     out = tmp_path_factory.mktemp("plot") / "minilm-k2"
     build(ROOT_CORPUS, out, BuildOptions(lower_layers=K, unigrams="corpus"),
-          layers=SplitBert(TeacherEncoder.load().bert, K))
+          layers=SplitBert(TeacherEncoder.load().body, K))
     return out
 
 

@@ -34,7 +34,7 @@ TEXTS = ["the cat sat on the mat", "win a free cruise today", "hello", "zebra"]
 @pytest.fixture(scope="module")
 def table_dir(tmp_path_factory, teacher) -> Path:
     out = tmp_path_factory.mktemp("plot-service")
-    layers = SplitBert(teacher.bert, K)
+    layers = SplitBert(teacher.body, K)
     build(ROOT, out, BuildOptions(lower_layers=K, unigrams="corpus"), layers=layers)
     build(DOMAIN, out, BuildOptions(lower_layers=K, domain="spam", top_percent=50), layers=layers)
     return out
@@ -177,7 +177,7 @@ async def test_an_overlay_built_deleted_or_rebuilt_while_the_service_runs_is_ser
     client, keys = aioredis.Redis.from_url(redis_server.url, decode_responses=True), Keys("plot-late")
     try:
         build(DOMAIN[:2], table, BuildOptions(lower_layers=K, domain="legal", top_percent=100),
-              layers=SplitBert(teacher.bert, K))
+              layers=SplitBert(teacher.body, K))
         [seq] = [e.input_ids for e in TeacherTokenizer(teacher_dir()).encode(TEXTS[1:2])]
         ids, lengths = np.array(seq, np.int64), np.array([len(seq)], np.int64)
         async with grpc.aio.insecure_channel(service.address, options=CHANNEL_OPTIONS) as channel:
@@ -202,14 +202,14 @@ async def test_an_overlay_built_deleted_or_rebuilt_while_the_service_runs_is_ser
         assert not await live_plot_services(client, keys, domain="legal")
 
         build(ROOT[:1], table, BuildOptions(lower_layers=K, domain="legal", top_percent=100),
-              layers=SplitBert(teacher.bert, K))            # built again: none of the text's windows now
+              layers=SplitBert(teacher.body, K))            # built again: none of the text's windows now
         async with grpc.aio.insecure_channel(service.address, options=CHANNEL_OPTIONS) as channel:
             again = await plot_pb2_grpc.PlotStub(channel).Lookup(request_to_pb(ids, lengths, "legal"), timeout=5)
         assert again.counts.domain == 0 and again.counts.root + again.counts.backoff == reply.counts.domain + \
             reply.counts.root + reply.counts.backoff
 
         build([*ROOT, TEXTS[1]], table, BuildOptions(lower_layers=K, unigrams="corpus"),
-              layers=SplitBert(teacher.bert, K))            # the root rebuilt, now with the text's windows
+              layers=SplitBert(teacher.body, K))            # the root rebuilt, now with the text's windows
         async with grpc.aio.insecure_channel(service.address, options=CHANNEL_OPTIONS) as channel:
             stub = plot_pb2_grpc.PlotStub(channel)
             rooted = await stub.Lookup(request_to_pb(ids, lengths, ""), timeout=5)

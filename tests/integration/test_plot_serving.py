@@ -41,7 +41,7 @@ def artifacts(tmp_path_factory, teacher):
     shutil.copy(artifacts_dir() / "models.json", root / "models.json")
     shutil.copytree(artifacts_dir() / "heads", root / "heads")
     table = root / "plot" / "minilm-k3"
-    build(CORPUS, table, BuildOptions(lower_layers=K, unigrams="corpus"), layers=SplitBert(teacher.bert, K))
+    build(CORPUS, table, BuildOptions(lower_layers=K, unigrams="corpus"), layers=SplitBert(teacher.body, K))
     assert register_embedding(root, table) == "minilm-plot"
     assert register_embedding(root, tmp_path_factory.mktemp("elsewhere")) is None  # outside: not served
     summary = train_plot_head(root, "spam", table, limit=12, batch_size=8)

@@ -59,7 +59,7 @@ def artifacts(tmp_path_factory, teacher, reviews):
     shutil.copy(artifacts_dir() / "models.json", root / "models.json")
     shutil.copytree(artifacts_dir() / "heads", root / "heads")
     table = root / "plot" / "minilm-k3"
-    layers = SplitBert(teacher.bert, K)
+    layers = SplitBert(teacher.body, K)
     build(reviews["texts"], table, BuildOptions(lower_layers=K, unigrams="corpus"), layers=layers)
     build(reviews["domain"], table, BuildOptions(lower_layers=K, domain="critics", top_percent=100), layers=layers)
     assert register_embedding(root, table) == "minilm-plot"
@@ -86,10 +86,10 @@ def training_path_probs(teacher, store, adapter, texts: list[str], domains: list
     the adapter hooked in, the tenant's head."""
     rows = []
     for text, domain in zip(texts, domains, strict=True):
-        states = plot_lower_states(store, teacher.bert, encode([text]), K, domain)
+        states = plot_lower_states(store, teacher.body, encode([text]), K, domain)
         stack = BatchedAdapters([adapter], batched=False)
-        with torch.no_grad(), install_adapters(teacher.bert).active(stack):
-            rows.append(stack.probabilities(upper_pooled(teacher.bert, states, K)))
+        with torch.no_grad(), install_adapters(teacher.body).active(stack):
+            rows.append(stack.probabilities(upper_pooled(teacher.body, states, K)))
     return torch.cat(rows)
 
 
@@ -126,7 +126,7 @@ def test_an_overlay_built_after_the_store_opened_is_loaded_on_first_use(artifact
     opened = PlotStore.open(table, lower_layers=K)
     texts = reviews["domain"][10:20]
     build(texts, table, BuildOptions(lower_layers=K, domain="late", top_percent=100),
-          layers=SplitBert(teacher.bert, K))
+          layers=SplitBert(teacher.body, K))
     seqs = [e.input_ids for e in encode(texts[:3])]
     ids, lengths = np.concatenate(seqs), [len(s) for s in seqs]
     late, _ = padded_lookup(opened, ids, lengths, ["late", "", "late"])

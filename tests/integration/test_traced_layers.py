@@ -39,8 +39,8 @@ def test_traced_layers_answer_as_the_layers_own_forwards(runners):
             want = eager.run(model, output, ids, lengths, num_students=k).values
             got = traced.run(model, output, ids, lengths, num_students=k).values
             np.testing.assert_allclose(got, want, atol=1e-5)
-    first = traced.teacher().bert.encoder.layer[0]
-    assert isinstance(first.forward, TracedLayer) and not isinstance(eager.teacher().bert.encoder.layer[0].forward,
+    first = traced.teacher().body.encoder.layer[0]
+    assert isinstance(first.forward, TracedLayer) and not isinstance(eager.teacher().body.encoder.layer[0].forward,
                                                                      TracedLayer)
     # One graph for unpadded batches (no mask) and one for padded ones, traced at load and reused for every
     # shape; a serving call goes through them (cleared, they are traced again by the next batches).
@@ -75,7 +75,7 @@ def test_a_plain_batch_stays_traced_beside_the_tenant_adapters_hooks(runners):
 
     eager, traced = runners
     teacher = traced.teacher()
-    first = teacher.bert.encoder.layer[0].forward
+    first = teacher.body.encoder.layer[0].forward
     ids, lengths = [2023, 2003, 2307, 2143, 2023, 2003], [4, 2]
     install_adapters(teacher)   # what a worker's first tenant batch leaves behind: hooks in every layer
     try:

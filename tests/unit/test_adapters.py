@@ -121,7 +121,7 @@ def test_hooks_idle_outside_the_batch_and_removable(encoder, tokenizer):
         assert (adapted - base).abs().max() > 1e-3
         assert torch.equal(encoder(ids, mask, types), base)        # context left: hooks idle again
         remove_adapters(encoder)
-        assert not any(layer.attention.output.dense._forward_hooks for layer in encoder.bert.encoder.layer)
+        assert not any(layer.attention.output.dense._forward_hooks for layer in encoder.body.encoder.layer)
         assert torch.equal(encoder(ids, mask, types), base)
         pooled, _ = encode_with_adapters(encoder, ids, mask, types, [adapter] * 4)   # reinstalls
     assert (pooled - adapted).abs().max() <= 1e-6
@@ -132,9 +132,9 @@ def test_cached_lower_layers_plus_upper_equal_the_full_forward(encoder, tokenize
     ids, mask, types = batch(tokenizer, TEXTS)
     with torch.no_grad():
         full, _ = encode_with_adapters(encoder, ids, mask, types, [adapter] * len(TEXTS))
-        states = lower_states(encoder.bert, tokenizer.encode(TEXTS), 3, batch_size=2)
+        states = lower_states(encoder.body, tokenizer.encode(TEXTS), 3, batch_size=2)
         with install_adapters(encoder).active(BatchedAdapters([adapter] * len(TEXTS), batched=False)):
-            split = upper_pooled(encoder.bert, states, 3)
+            split = upper_pooled(encoder.body, states, 3)
     assert (full - split).abs().max() <= 1e-5
 
 

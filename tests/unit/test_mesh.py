@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from academus.shared.cli import mesh
+from academus.shared.runtime.config import ModelSelection
 from academus.shared.state.keys import Keys
 
 
@@ -170,16 +171,20 @@ def _catalogue(tmp_path, entries: dict) -> mesh.MeshOptions:
     return mesh.MeshOptions(run_dir=tmp_path / "run", artifacts=tmp_path)
 
 
-def test_without_a_deployment_student_groups_get_the_student_policy_and_other_models_concat(tmp_path, monkeypatch):
+def test_without_a_deployment_student_groups_get_the_student_policy_and_every_other_model_concat(tmp_path,
+                                                                                                monkeypatch):
     monkeypatch.delenv("ACADEMUS_POLICY", raising=False)
     options = _catalogue(tmp_path, {"minilm": {"kind": "embedding"}, "sentiment": {"kind": "classification"},
                                     "sentiment-students": {"students": "students/sentiment"},
                                     "sentiment-2l": {"students": "students/sentiment", "limit_students": 1}})
+    concat = "-sentiment-2l,-sentiment-students"   # every model but the groups: one added later included
     assert mesh.default_deployments(options) == [mesh.Deployment("student", "sentiment-2l,sentiment-students"),
-                                                 mesh.Deployment("concat", "minilm,sentiment")]
+                                                 mesh.Deployment("concat", concat)]
     schedulers = dict(mesh._plan(options, []))["scheduler"]
     assert [(e["ACADEMUS_POLICY"], e["ACADEMUS_MODELS"]) for e in schedulers] == [
-        ("student", "sentiment-2l,sentiment-students"), ("concat", "minilm,sentiment")]
+        ("student", "sentiment-2l,sentiment-students"), ("concat", concat)]
+    selection = ModelSelection.parse(concat)
+    assert "minilm" in selection and "added-later" in selection and "sentiment-students" not in selection
 
 
 def test_without_student_groups_every_model_is_one_concat_deployment(tmp_path, monkeypatch):

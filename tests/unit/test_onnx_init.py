@@ -67,7 +67,7 @@ def test_the_real_l3_maps_onto_student_layers_and_keeps_its_meaning(dataset_dir:
 
     state = load_minilm_l3(dataset_dir)
     assert sum(k.startswith("encoder.layer.2.") for k in state) == 16 and len(state) == 53
-    config = TeacherEncoder.load(teacher_dir()).bert.config
+    config = TeacherEncoder.load(teacher_dir()).body.config
     group = group_from_l3(config, state, 3, [], normalize=False).eval()
     tokenizer = TeacherTokenizer(teacher_dir(), max_tokens=64)
     texts = ["a man is playing a guitar", "someone plays the guitar", "stock markets fell sharply today"]

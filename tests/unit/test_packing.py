@@ -43,7 +43,7 @@ def teacher() -> TeacherEncoder:
 def group(teacher: TeacherEncoder) -> StudentGroup:
     """Two different 2-layer students over the teacher's embeddings, α = (1, 0.6)."""
     torch.manual_seed(0)
-    group = from_teacher(teacher.bert, 2, labels=["a", "b", "c"])
+    group = from_teacher(teacher.body, 2, labels=["a", "b", "c"])
     second = group.add_student(alpha=0.6)
     with torch.no_grad():
         for p in second.parameters():
@@ -191,8 +191,8 @@ def test_bare_bert_model_gives_the_unnormalised_mean_pool(teacher, attention) ->
     seqs, types = make_requests([7, 40, 19], seed=5)
     batch = pack(seqs, PackingPlan.concat([[0, 1, 2]], 128), types)
     with torch.inference_mode():
-        got = encode_packed(teacher.bert, batch, attention)
-        expected = torch.cat([mean_pool(teacher.bert(input_ids=torch.tensor([s]),
+        got = encode_packed(teacher.body, batch, attention)
+        expected = torch.cat([mean_pool(teacher.body(input_ids=torch.tensor([s]),
                                                      token_type_ids=torch.tensor([t])).last_hidden_state,
                                         torch.ones(1, len(s))) for s, t in zip(seqs, types, strict=True)])
     assert (got - expected).abs().max() <= TOLERANCE

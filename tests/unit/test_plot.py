@@ -57,12 +57,12 @@ def teacher() -> TeacherEncoder:
 
 @pytest.fixture(scope="module")
 def lower(teacher) -> SplitBert:
-    return SplitBert(teacher.bert, K)
+    return SplitBert(teacher.body, K)
 
 
 def shifted(teacher, k: int) -> SplitBert:
     """A stand-in for a further-pretrained domain model (HMI §5.1): the teacher with its first layer shifted."""
-    bert = copy.deepcopy(teacher.bert)
+    bert = copy.deepcopy(teacher.body)
     noise = torch.randn(bert.config.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         bert.encoder.layer[0].output.dense.bias.add_(noise)
@@ -478,7 +478,7 @@ def test_service_core_applies_the_request_limits(store):
 
 @pytest.fixture(scope="module")
 def lower1(teacher) -> SplitBert:
-    return SplitBert(teacher.bert, 1)
+    return SplitBert(teacher.body, 1)
 
 
 @pytest.fixture(scope="module")

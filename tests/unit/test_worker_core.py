@@ -73,7 +73,7 @@ def test_deadline_passing_mid_forward_stops_between_layers(runner):
     ids, lengths = flat(["expires while the encoder runs"])
     runner.clock = SteppingClock()  # 1 s per reading: the check before the batch passes, layer 2 does not
     try:
-        with pytest.raises(DeadlineExceeded, match=r"before bert\.encoder\.layer\.1"):
+        with pytest.raises(DeadlineExceeded, match=r"before body\.encoder\.layer\.1"):
             runner.run("minilm", OUTPUT_EMBEDDING, ids, lengths, deadline=2.5)
     finally:
         runner.clock = time.monotonic
@@ -95,7 +95,7 @@ class LeavesAtSecondLayer(threading.Event):
 @pytest.mark.parametrize("plan", [None, PackingPlan.concat([[0]], 64)], ids=["padded", "packed"])
 def test_a_caller_that_leaves_stops_the_batch_between_layers(runner, plan):
     ids, lengths = flat(["the caller goes away while the encoder runs"])
-    with pytest.raises(CallerLeft, match=r"before (bert\.encoder\.layer\.1|layer 1);"):
+    with pytest.raises(CallerLeft, match=r"before (body\.encoder\.layer\.1|layer 1);"):
         runner.run("minilm", OUTPUT_EMBEDDING, ids, lengths, deadline=time.monotonic() + 60, plan=plan,
                    left=LeavesAtSecondLayer())
     stayed = threading.Event()

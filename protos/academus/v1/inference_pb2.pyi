@@ -117,7 +117,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "kind", "labels", "dim", "max_tokens", "base", "status")
+    __slots__ = ("name", "kind", "labels", "dim", "max_tokens", "base", "status", "architecture", "layers")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,8 @@ class ModelInfo(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     labels: _containers.RepeatedScalarFieldContainer[str]
@@ -132,7 +134,9 @@ class ModelInfo(_message.Message):
     max_tokens: int
     base: str
     status: str
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., dim: _Optional[int] = ..., max_tokens: _Optional[int] = ..., base: _Optional[str] = ..., status: _Optional[str] = ...) -> None: ...
+    architecture: str
+    layers: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., dim: _Optional[int] = ..., max_tokens: _Optional[int] = ..., base: _Optional[str] = ..., status: _Optional[str] = ..., architecture: _Optional[str] = ..., layers: _Optional[int] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ModelSpec(_message.Message):
-    __slots__ = ("name", "kind", "labels", "dim", "max_tokens", "max_students", "default_students", "plot", "lower_layers", "domain")
+    __slots__ = ("name", "kind", "labels", "dim", "max_tokens", "max_students", "default_students", "plot", "lower_layers", "domain", "tokenizer", "architecture", "layers", "memory_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,10 @@ class ModelSpec(_message.Message):
     PLOT_FIELD_NUMBER: _ClassVar[int]
     LOWER_LAYERS_FIELD_NUMBER: _ClassVar[int]
     DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     labels: _containers.RepeatedScalarFieldContainer[str]
@@ -28,7 +32,11 @@ class ModelSpec(_message.Message):
     plot: str
     lower_layers: int
     domain: str
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., dim: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_students: _Optional[int] = ..., default_students: _Optional[int] = ..., plot: _Optional[str] = ..., lower_layers: _Optional[int] = ..., domain: _Optional[str] = ...) -> None: ...
+    tokenizer: str
+    architecture: str
+    layers: int
+    memory_bytes: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., dim: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_students: _Optional[int] = ..., default_students: _Optional[int] = ..., plot: _Optional[str] = ..., lower_layers: _Optional[int] = ..., domain: _Optional[str] = ..., tokenizer: _Optional[str] = ..., architecture: _Optional[str] = ..., layers: _Optional[int] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
 class ProfilePoint(_message.Message):
     __slots__ = ("model", "instances", "merge", "throughput", "latency_ms")

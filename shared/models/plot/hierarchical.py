@@ -45,11 +45,11 @@ class HierarchicalEncoder:
     """Upper layers of the teacher over PLOT states; `pool` gives the sentence embedding."""
 
     def __init__(self, store: PlotStore, teacher: TeacherEncoder, head: nn.Module | None = None) -> None:
-        hidden = int(teacher.bert.config.hidden_size)
+        hidden = int(teacher.body.config.hidden_size)
         if store.hidden != hidden:
             raise TableError(f"the PLOT table holds {store.hidden}-wide states; the model is {hidden} wide")
         self.store = store
-        self.split = SplitBert(teacher.bert, store.lower_layers)
+        self.split = SplitBert(teacher.body, store.lower_layers)
         self.head = head
         self.device = next(teacher.parameters()).device
 
@@ -134,7 +134,7 @@ class PlotEncoder(nn.Module):
 
     def __init__(self, hierarchical: HierarchicalEncoder, teacher: TeacherEncoder, domain: str = "") -> None:
         super().__init__()
-        self.bert = teacher.bert
+        self.body = teacher.body
         self.hierarchical = hierarchical
         self.domain = domain
 

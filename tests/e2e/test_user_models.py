@@ -1,0 +1,148 @@
+"""A user's models through the real mesh: `academus models add` on a running mesh, each model answered through
+the gateway (its own tokenizer) on the packed and the padded paths, equal to transformers' own forward; a
+refused directory registers nothing; `models remove` unserves the model. No restart anywhere."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+from torch import nn
+
+from academus.client import AcademusError, Client
+from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshState, down
+from academus.shared.models.model import mean_pool
+from academus.shared.runtime.config import artifacts_dir
+from academus.shared.state.catalogue import read_catalogue, write_entry
+from tests.e2e.conftest import start_mesh
+from tests.models import LABELS, tiny_model_dir
+
+pytestmark = pytest.mark.e2e
+
+TEXTS = ["the film was a quiet triumph", "dull, long and loud", "a cast that never once finds its footing",
+         "worth the ticket"]
+TOLERANCE = 1e-4
+SERVED_WITHIN_S = 60
+
+
+@pytest.fixture(scope="module")
+def user_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshState]:
+    """A mesh over its own catalogue (the bundled minilm only), with a packed and a padded deployment."""
+    artifacts = tmp_path_factory.mktemp("artifacts")
+    write_entry(artifacts, "minilm", read_catalogue(artifacts_dir())["minilm"])
+    run_dir = tmp_path_factory.mktemp("run")
+    state = start_mesh(run_dir, deployments=[Deployment("concat"), Deployment("padded")], artifacts=artifacts)
+    yield state
+    down(run_dir)
+
+
+@pytest.fixture(scope="module")
+def client(user_mesh: MeshState) -> Iterator[Client]:
+    key = (Path(user_mesh.run_dir) / ADMIN_KEY_FILE).read_text().strip()
+    with Client(user_mesh.gateway, api_key=key, timeout=30) as c:
+        yield c
+
+
+def academus(mesh: MeshState, *args: str | Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "academus.shared.cli", "--run-dir", mesh.run_dir,
+                           *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+def wait_served(client: Client, name: str, served: bool = True) -> None:
+    end = time.monotonic() + SERVED_WITHIN_S
+    while ({m.name for m in client.list_models()} & {name}) != ({name} if served else set()):
+        assert time.monotonic() < end, f"{name} not {'served' if served else 'gone'} within {SERVED_WITHIN_S}s"
+        time.sleep(0.2)
+
+
+def reference(model: nn.Module, directory: Path, classifier: bool) -> torch.Tensor:
+    """transformers' forward on each text alone, tokenized by the model's own tokenizer.json."""
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tokenizer.no_padding()
+    rows = []
+    with torch.no_grad():
+        for encoding in tokenizer.encode_batch(TEXTS):
+            ids = torch.tensor([encoding.ids])
+            mask = torch.ones_like(ids)
+            if classifier:
+                rows.append(torch.softmax(model(input_ids=ids, attention_mask=mask).logits, dim=-1)[0])
+            else:
+                pooled = mean_pool(model(input_ids=ids, attention_mask=mask).last_hidden_state, mask)
+                rows.append(nn.functional.normalize(pooled, dim=1)[0])
+    return torch.stack(rows)
+
+
+def served(client: Client, name: str, policy: str, classifier: bool) -> torch.Tensor:
+    result = client.infer(name, TEXTS, policy=policy)
+    if classifier:
+        return torch.tensor([[p.probs[label] for label in LABELS] for p in result.predictions])
+    return torch.tensor([p.embedding for p in result.predictions])
+
+
+@pytest.mark.parametrize("family,classifier", [("roberta", True), ("mpnet", False), ("bert", True)])
+def test_a_model_added_to_a_running_mesh_answers_as_transformers_does(user_mesh: MeshState, client: Client,
+                                                                     tmp_path: Path, family: str,
+                                                                     classifier: bool) -> None:
+    name = f"tiny-{family}"
+    model = tiny_model_dir(family, classifier, tmp_path / name)
+    added = academus(user_mesh, "models", "add", name, "--from", tmp_path / name)
+    assert added.returncode == 0, added.stderr
+    wait_served(client, name)
+    info = next(m for m in client.list_models() if m.name == name)
+    assert (info.kind, info.dim, info.layers, info.labels) == (
+        "classification" if classifier else "embedding", 36, 3, LABELS if classifier else [])
+    status = json.loads(academus(user_mesh, "status", "--json").stdout)
+    row = next(m for m in status["models"] if m["name"] == name)
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    assert (row["architecture"], row["layers"], row["workers"]) == (model.config.architectures[0], 3, 1)
+    assert weights * 0.9 <= row["memory_bytes"] <= weights * 1.1   # as loaded: a BERT head's pooler, buffers
+    expected = reference(model, tmp_path / name, classifier)
+    for policy in ("concat", "padded"):   # packed (ConcatBatching) and padded batches
+        got = served(client, name, policy, classifier)
+        assert (got - expected).abs().max().item() <= TOLERANCE, policy
+
+
+def test_a_text_over_the_models_own_limit_is_refused_naming_it(user_mesh: MeshState, client: Client) -> None:
+    limit = read_catalogue(user_mesh.artifacts)["tiny-roberta"]["max_tokens"]   # 48 positions, numbered from 2
+    assert limit == 46
+    with pytest.raises(AcademusError) as refused:
+        client.infer("tiny-roberta", ["word " * 60], truncate=False)
+    assert refused.value.code == "INVALID_ARGUMENT"
+    assert f"the limit is {limit} tokens" in refused.value.details
+    assert client.infer("tiny-roberta", ["word " * 60]).predictions[0].truncated   # cut at its own limit
+
+
+def test_a_refused_directory_registers_nothing(user_mesh: MeshState, client: Client, tmp_path: Path) -> None:
+    tiny_model_dir("bert", False, tmp_path / "broken")
+    (tmp_path / "broken" / "model.safetensors").unlink()
+    before = read_catalogue(user_mesh.artifacts)
+    refused = academus(user_mesh, "models", "add", "broken", "--from", tmp_path / "broken")
+    assert refused.returncode == 2
+    assert f"{tmp_path / 'broken'} has no weights" in refused.stderr
+    assert read_catalogue(user_mesh.artifacts) == before
+    assert not (Path(user_mesh.artifacts) / "models" / "broken").exists()
+    assert "broken" not in {m.name for m in client.list_models()}
+
+
+def test_a_removed_model_is_no_longer_served(user_mesh: MeshState, client: Client, tmp_path: Path) -> None:
+    model = tiny_model_dir("bert", False, tmp_path / "gone")
+    assert academus(user_mesh, "models", "add", "gone", "--from", tmp_path / "gone").returncode == 0
+    wait_served(client, "gone")
+    assert len(client.infer("gone", TEXTS[:1]).predictions[0].embedding) == model.config.hidden_size
+    bundled = academus(user_mesh, "models", "remove", "minilm")
+    assert bundled.returncode == 2 and "not removed here" in bundled.stderr
+    removed = academus(user_mesh, "models", "remove", "gone")
+    assert removed.returncode == 0, removed.stderr
+    wait_served(client, "gone", served=False)
+    with pytest.raises(AcademusError) as gone:
+        client.infer("gone", TEXTS[:1])
+    assert gone.value.code == "NOT_FOUND"
+    assert not (Path(user_mesh.artifacts) / "models" / "gone").exists()
+    assert client.infer("minilm", TEXTS[:1]).predictions[0].embedding   # the others serve on

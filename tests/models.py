@@ -1,0 +1,60 @@
+"""Tiny randomly initialised BERT, RoBERTa and MPNet models, saved as transformers directories: every family
+and path is checked on them without a download."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+
+from academus.shared.models.architectures import read_architecture
+from academus.shared.models.teacher_files import teacher_dir
+
+# Odd sizes on purpose: nothing may assume the teacher's 384 wide, 6 deep, 12 heads.
+SHAPE = dict(vocab_size=101, hidden_size=36, num_hidden_layers=3, num_attention_heads=3, intermediate_size=52,
+             max_position_embeddings=48)
+CONFIGS = {
+    "bert": lambda: transformers.BertConfig(**SHAPE, type_vocab_size=2),
+    "roberta": lambda: transformers.RobertaConfig(**SHAPE, type_vocab_size=1, pad_token_id=1, bos_token_id=0,
+                                                  eos_token_id=2),
+    "mpnet": lambda: transformers.MPNetConfig(**SHAPE, relative_attention_num_buckets=32, pad_token_id=1),
+}
+LABELS = ["neg", "neu", "pos"]
+
+
+def tiny_model(family: str, classifier: bool, directory: Path, seed: int = 0) -> nn.Module:
+    """A randomly initialised model of the family, saved as a transformers directory (safetensors)."""
+    return _save(family, classifier, CONFIGS[family](), directory, seed)
+
+
+def _save(family: str, classifier: bool, config: transformers.PretrainedConfig, directory: Path,
+          seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    if classifier:
+        config.id2label = dict(enumerate(LABELS))
+        config.label2id = {label: i for i, label in enumerate(LABELS)}
+        config.architectures = [read_architecture(config.to_dict()).family.classifier]
+        model = getattr(transformers, config.architectures[0])(config)
+    else:
+        model = getattr(transformers, read_architecture(config.to_dict()).family.body)(config, add_pooling_layer=False)
+    model.eval()
+    model.save_pretrained(directory)
+    return model
+
+
+def tiny_model_dir(family: str, classifier: bool, directory: Path, seed: int = 0) -> nn.Module:
+    """A tiny model with the bundled teacher's tokenizer.json (its vocabulary as the model's), ready for
+    `academus models add`; returns the transformers model for reference outputs."""
+    config = CONFIGS[family]()
+    config.vocab_size = json_vocab_size()
+    model = _save(family, classifier, config, directory, seed)
+    shutil.copyfile(teacher_dir() / "tokenizer.json", Path(directory) / "tokenizer.json")
+    return model
+
+
+def json_vocab_size() -> int:
+    return len(json.loads((teacher_dir() / "tokenizer.json").read_text())["model"]["vocab"])
