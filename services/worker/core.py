@@ -30,6 +30,7 @@ from academus.shared.models.model import HIDDEN_SIZE, TeacherEncoder, load_encod
 from academus.shared.models.packing import Attention, PackedBatch, PackingPlan, check_plan, encode_packed, pack
 from academus.shared.models.plot.hierarchical import PlotStates
 from academus.shared.models.plot.table import PlotError
+from academus.shared.models.user_models import HEAD_ON
 from academus.shared.runtime.config import visible_cuda_devices
 from academus.shared.runtime.errors import DeadlineExceeded, InvalidArgument, NotFound
 from academus.shared.runtime.logs import log_event
@@ -179,6 +180,7 @@ class ModelRunner:
         # root (PlotStore.current) the old one's mapping is let go
         self._plot_stores: weakref.WeakValueDictionary[Path, object] = weakref.WeakValueDictionary()
         self._refused: dict[str, dict] = {}   # catalogue entries that failed to load, not retried while unchanged
+        self._user_encoders: dict[Path, TeacherEncoder] = {}   # a user's embedding model's, shared by its heads
         self.models = {name: self._load(name, catalogue[name]) for name in models}
         self.specs = {name: served.spec for name, served in self.models.items()}
 
@@ -203,6 +205,8 @@ class ModelRunner:
             return False
         for name in set(self.models) - set(models):
             MODEL_BYTES.remove(name)
+        live = {self.artifacts / e["source"] for e in catalogue.values() if "source" in e}
+        self._user_encoders = {d: e for d, e in self._user_encoders.items() if d in live}
         self.models, self.specs = models, {name: served.spec for name, served in models.items()}
         return True
 
@@ -233,6 +237,8 @@ class ModelRunner:
             return self._load_plot(name, entry)
         if "source" in entry:
             return self._load_user_model(name, entry)
+        if HEAD_ON in entry:
+            return self._load_user_head(name, entry)
         teacher = self.teacher()
         if entry["kind"] != CLASSIFICATION:
             return ServedModel(ModelSpec(name, EMBEDDING, [], HIDDEN_SIZE), teacher)
@@ -243,24 +249,49 @@ class ModelRunner:
 
     def _load_user_model(self, name: str, entry: dict) -> ServedModel:
         """A model from `academus models add`: its files checked against their sha256, then its own encoder
-        and, for a classifier, its own head."""
+        and, for a classifier, its own head. The encoder of an embedding model is kept for the heads trained
+        on it (one copy however many)."""
         from academus.shared.models.user_models import TOKENIZER, verify_model_files
 
         directory = self.artifacts / entry["source"]
         manifest = verify_model_files(directory)
-        encoder, head = load_encoder(directory, self.device, manifest.extra["pooling"], manifest.extra["normalize"],
-                                     classify=entry["kind"] == CLASSIFICATION)
-        self._prepare_layers(encoder, warm_up_token=min(WARM_UP_TOKEN, encoder.architecture.vocab_size - 1))
+        classify = entry["kind"] == CLASSIFICATION
+        encoder, head = (None, None) if classify else (self._user_encoders.get(directory), None)
+        if encoder is None:
+            encoder, head = load_encoder(directory, self.device, manifest.extra["pooling"],
+                                         manifest.extra["normalize"], classify=classify)
+            self._prepare_layers(encoder, warm_up_token=min(WARM_UP_TOKEN, encoder.architecture.vocab_size - 1))
+        if not classify:
+            self._user_encoders[directory] = encoder
+        return ServedModel(self._user_spec(name, entry, encoder, head, manifest.files[TOKENIZER]), encoder, head)
+
+    def _load_user_head(self, name: str, entry: dict) -> ServedModel:
+        """A head trained on a user's embedding model (`academus heads train`), on that model's encoder."""
+        from academus.shared.training.prepare import load_head_at
+
+        base = read_catalogue(self.artifacts).get(entry[HEAD_ON])
+        if base is None or "source" not in base:
+            raise NotFound(f"model {name!r} is a head on {entry[HEAD_ON]!r}, which is not in the catalogue")
+        encoder = self._load_user_model(entry[HEAD_ON], base)
+        head = load_head_at(self.artifacts / entry["head"]).to(self.device).eval()
+        return ServedModel(replace(self._user_spec(name, entry, encoder.encoder, head, encoder.spec.tokenizer),
+                                   memory_bytes=weight_bytes(encoder.encoder, head)), encoder.encoder, head)
+
+    @staticmethod
+    def _user_spec(name: str, entry: dict, encoder: TeacherEncoder, head: nn.Module | None,
+                   tokenizer: str) -> ModelSpec:
         architecture = encoder.architecture
-        spec = ModelSpec(name, entry["kind"], list(head.labels) if head else [], architecture.hidden_size,
-                         int(entry.get("max_tokens", architecture.max_tokens)), tokenizer=manifest.files[TOKENIZER],
+        return ModelSpec(name, entry["kind"], list(head.labels) if head else [], architecture.hidden_size,
+                         int(entry.get("max_tokens", architecture.max_tokens)), tokenizer=tokenizer,
                          architecture=architecture.name, layers=architecture.layers,
                          memory_bytes=weight_bytes(encoder, head))
-        return ServedModel(spec, encoder, head)
 
     def tokenizer_file(self, name: str) -> Path | None:
-        """A user's model's tokenizer.json (None for the models that use the teacher's)."""
-        entry = read_catalogue(self.artifacts).get(name, {})
+        """A user's model's tokenizer.json, or its encoder model's for a head on one (None for the models that
+        use the teacher's)."""
+        catalogue = read_catalogue(self.artifacts)
+        entry = catalogue.get(name, {})
+        entry = catalogue.get(entry[HEAD_ON], {}) if HEAD_ON in entry else entry
         return self.artifacts / entry["source"] / "tokenizer.json" if "source" in entry else None
 
     def teacher(self) -> TeacherEncoder:

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     return args.func(args)
 
 
-PASS_THROUGH = {"prepare", "loadgen", "distill", "plot"}
+PASS_THROUGH = {"prepare", "loadgen", "distill", "plot", "heads"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -93,6 +93,8 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("distill", help="distil the teacher into a student group (run | report)", add_help=False)
     s.set_defaults(func=cmd_distill)
 
+    s = sub.add_parser("heads", help="heads train: a linear head on an embedding model you added", add_help=False)
+    s.set_defaults(func=cmd_heads)
     s = sub.add_parser("plot", help="PLOT tables of lower-layer states (build | info | head)", add_help=False)
     s.set_defaults(func=cmd_plot)
 
@@ -286,6 +288,18 @@ def cmd_distill(args: argparse.Namespace) -> int:
     from academus.shared.training.distill_cli import main as distill_main
 
     return distill_main(args.rest)
+
+
+def cmd_heads(args: argparse.Namespace) -> int:
+    from academus.shared.training.user_heads import main as heads_main
+
+    if args.rest[:1] != ["train"]:
+        print("usage: academus heads train --model NAME (--task TASK | --data F.jsonl) [--name HEAD]", file=sys.stderr)
+        return 2
+    rest = args.rest[1:]
+    if not any(a == "--artifacts" or a.startswith("--artifacts=") for a in rest):   # the running mesh's
+        rest += ["--artifacts", str(_models_artifacts(argparse.Namespace(artifacts=None, run_dir=args.run_dir)))]
+    return heads_main(rest)
 
 
 def cmd_plot(args: argparse.Namespace) -> int:

@@ -33,6 +33,7 @@ USER_MODEL_KIND = "user-model"    # the manifest's kind
 EMBED, CLASSIFY = "embed", "classify"
 TOKENIZER = "tokenizer.json"
 MAX_TOKENS = 512                  # the longest input served, whatever the position embeddings allow
+HEAD_ON = "encoder_model"         # a head's catalogue entry: the user's model whose encoder it reads
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 ST_POOLING = {"pooling_mode_mean_tokens": MEAN, "pooling_mode_cls_token": FIRST}
 
@@ -116,7 +117,9 @@ def list_models(artifacts: Path) -> list[dict[str, Any]]:
     """Every catalogue entry: the user's models with their architecture and size on disk, then the rest."""
     rows = []
     for name, entry in sorted(read_catalogue(artifacts).items()):
-        row = {"name": name, "kind": entry.get("kind", ""), "user": "source" in entry}
+        row = {"name": name, "kind": entry.get("kind", ""), "user": "source" in entry or HEAD_ON in entry}
+        if HEAD_ON in entry:   # a head trained on a user's model (`academus heads train`)
+            row |= {"encoder_model": entry[HEAD_ON], "labels": entry.get("labels", [])}
         if "source" in entry:
             directory = Path(artifacts) / entry["source"]
             row |= {k: entry.get(k) for k in ("architecture", "dim", "layers", "max_tokens", "pooling", "labels")}
@@ -126,19 +129,24 @@ def list_models(artifacts: Path) -> list[dict[str, Any]]:
 
 
 def remove_model(artifacts: Path, name: str, tenants_on_it: list[str] = ()) -> None:
-    """Drops a user's model from the catalogue (workers unload it) and then its files. Refused for a bundled
-    model, and while tenant models use it as their base (`tenants_on_it`, read from the mesh)."""
-    entry = read_catalogue(artifacts).get(name)
+    """Drops a user's model, or a head trained on one, from the catalogue (workers unload it) and then its
+    files. Refused for a bundled model, for a model heads are trained on (named), and while tenant models use it
+    as their base (`tenants_on_it`, read from the mesh)."""
+    catalogue = read_catalogue(artifacts)
+    entry = catalogue.get(name)
     if entry is None:
         raise ModelRefused(f"model {name!r} is not in the catalogue {Path(artifacts) / 'models.json'}")
-    if "source" not in entry:
+    if "source" not in entry and HEAD_ON not in entry:
         raise ModelRefused(f"model {name!r} is built by `academus prepare`, not added with `models add`: "
                            "it is not removed here")
+    if heads := sorted(n for n, e in catalogue.items() if e.get(HEAD_ON) == name):
+        raise ModelRefused(f"model {name!r} carries the heads {', '.join(heads)}: remove those first")
     if tenants_on_it:
         raise ModelRefused(f"model {name!r} is the base of tenant models of {', '.join(sorted(tenants_on_it))}: "
                            "delete those first (academus tenants delete)")
     write_entry(artifacts, name, None)
-    shutil.rmtree(Path(artifacts) / entry["source"], ignore_errors=True)
+    if files := entry.get("source") or entry.get("head"):
+        shutil.rmtree(Path(artifacts) / files, ignore_errors=True)
 
 
 def verify_model_files(directory: Path) -> Manifest:

@@ -79,9 +79,9 @@ def embed_texts(
     device: str | torch.device = "cpu",
     desc: str = "embed",
 ) -> torch.Tensor:
-    """Pooled teacher embeddings (len(texts) x 384, float32, CPU) in the order of `texts`."""
+    """Pooled embeddings (len(texts) x the encoder's width, float32, CPU) in the order of `texts`."""
     encoded = tokenizer.encode(list(texts), truncate=True)
-    out = torch.empty(len(encoded), HIDDEN_SIZE)
+    out = torch.empty(len(encoded), encoder.architecture.hidden_size)
     with tqdm(total=len(encoded), desc=desc, unit="text", file=sys.stderr, leave=False) as bar:
         for batch in length_batches([len(e.input_ids) for e in encoded], batch_size, tokenizer.max_tokens):
             ids, mask, types = pad_batch([encoded[i].input_ids for i in batch],
@@ -93,8 +93,8 @@ def embed_texts(
     return out
 
 
-def _cache_key(task: str, splits: dict[str, list[Example]], max_tokens: int) -> str:
-    digest = hashlib.sha256(f"{TEACHER_NAME}|{max_tokens}|{task}".encode())
+def _cache_key(task: str, splits: dict[str, list[Example]], max_tokens: int, teacher: str = TEACHER_NAME) -> str:
+    digest = hashlib.sha256(f"{teacher}|{max_tokens}|{task}".encode())
     for name in SPLITS:
         for ex in splits[name]:
             digest.update(b"\0" + name.encode() + b"\0" + ex.text.encode("utf-8"))
@@ -103,11 +103,13 @@ def _cache_key(task: str, splits: dict[str, list[Example]], max_tokens: int) -> 
 
 def cached_embeddings(
     cache_dir: Path | None, task: str, splits: dict[str, list[Example]],
-    embed: Callable[[list[str], str], torch.Tensor],
+    embed: Callable[[list[str], str], torch.Tensor], teacher: str = TEACHER_NAME, max_tokens: int = MAX_TOKENS,
 ) -> dict[str, torch.Tensor]:
-    """Each split's embeddings, from <cache_dir>/<task>.safetensors when its key matches."""
-    key = _cache_key(task, splits, MAX_TOKENS)
-    path = cache_dir / f"{task}.safetensors" if cache_dir else None
+    """Each split's embeddings, from <cache_dir>/<task>.safetensors when its key matches. `teacher`: what
+    embeds (another model's cache goes in a file of its own, `<task>-<teacher>.safetensors`)."""
+    key = _cache_key(task, splits, max_tokens, teacher)
+    name = task if teacher == TEACHER_NAME else f"{task}-{teacher}"
+    path = cache_dir / f"{name}.safetensors" if cache_dir else None
     if path and path.is_file():
         try:
             with safe_open(str(path), framework="pt") as cached:
@@ -205,23 +207,25 @@ def existing_head(artifacts_dir: Path, task: str) -> dict[str, Any] | None:
 
 def prepare_task(
     task: TaskData, artifacts_dir: Path, embed: Callable[[list[str], str], torch.Tensor], *,
-    cache_dir: Path | None = None, limit: int | None = None,
+    cache_dir: Path | None = None, limit: int | None = None, teacher: str = TEACHER_NAME, head_name: str = "",
+    max_tokens: int = MAX_TOKENS,
 ) -> dict[str, Any]:
-    """Embeds, trains and writes one task's head; returns its summary (metrics + phase seconds)."""
+    """Embeds, trains and writes one task's head; returns its summary (metrics + phase seconds). `teacher`
+    names what `embed` runs (the bundled teacher, or a user's model) and `head_name` the head's directory
+    (default: the task's)."""
     splits = {name: subsample(task.splits()[name], limit) for name in SPLITS}
     counts = {name: len(splits[name]) for name in SPLITS}
     t0 = time.perf_counter()
-    embeddings = cached_embeddings(cache_dir, task.name, splits, embed)
+    embeddings = cached_embeddings(cache_dir, task.name, splits, embed, teacher, max_tokens)
     t1 = time.perf_counter()
     data = {name: (embeddings[name].clone(), torch.tensor([ex.label for ex in splits[name]]))
             for name in SPLITS}
     head, wd, metrics = train_head(data, task.labels)
     t2 = time.perf_counter()
     metrics = {**metrics, "counts": counts, "weight_decay": wd}
-    write_artifact(head_dir(artifacts_dir, task.name), HEAD_KIND,
-                   dict(head.state_dict()), teacher=TEACHER_NAME, task=task.name,
-                   labels=task.labels, metrics=metrics,
-                   extra={"max_tokens": MAX_TOKENS, "pooling": "mean, L2-normalised", "limit": limit})
+    write_artifact(head_dir(artifacts_dir, head_name or task.name), HEAD_KIND,
+                   dict(head.state_dict()), teacher=teacher, task=task.name,
+                   labels=task.labels, metrics=metrics, extra={"max_tokens": max_tokens, "limit": limit})
     seconds = {"embed": t1 - t0, "train": t2 - t1, "write": time.perf_counter() - t2}
     log_progress(f"{task.name}: test accuracy {metrics['test']['accuracy']:.4f} f1 {metrics['test']['f1']:.4f} "
          f"(weight decay {wd}; embed {seconds['embed']:.1f}s, train {seconds['train']:.1f}s)")

@@ -21,6 +21,7 @@ from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshState, down
 from academus.shared.models.model import mean_pool
 from academus.shared.runtime.config import artifacts_dir
 from academus.shared.state.catalogue import read_catalogue, write_entry
+from academus.shared.training.prepare import load_head_at
 from tests.e2e.conftest import start_mesh
 from tests.models import LABELS, tiny_model_dir
 
@@ -146,3 +147,29 @@ def test_a_removed_model_is_no_longer_served(user_mesh: MeshState, client: Clien
     assert gone.value.code == "NOT_FOUND"
     assert not (Path(user_mesh.artifacts) / "models" / "gone").exists()
     assert client.infer("minilm", TEXTS[:1]).predictions[0].embedding   # the others serve on
+
+
+def test_a_head_trained_on_a_users_model_serves_on_its_encoder(user_mesh: MeshState, client: Client,
+                                                               tmp_path: Path) -> None:
+    model = tiny_model_dir("mpnet", False, tmp_path / "base")
+    assert academus(user_mesh, "models", "add", "head-base", "--from", tmp_path / "base").returncode == 0
+    data = tmp_path / "reviews.jsonl"
+    words = {"pos": ["great", "lovely", "superb"], "neg": ["awful", "dull", "boring"]}
+    data.write_text("".join(json.dumps({"text": f"{a} film, {b} cast {i}", "label": label}) + "\n"
+                            for i in range(40) for label, (a, b) in ((k, (v[i % 3], v[(i + 1) % 3]))
+                                                                     for k, v in words.items())))
+    trained = academus(user_mesh, "heads", "train", "--model", "head-base", "--data", data, "--name", "reviews")
+    assert trained.returncode == 0, trained.stderr
+    wait_served(client, "reviews")
+    head = load_head_at(Path(user_mesh.artifacts) / "heads" / "reviews")
+    with torch.no_grad():
+        expected = torch.softmax(head(reference(model, tmp_path / "base", classifier=False)), dim=-1)
+    result = client.infer("reviews", TEXTS, policy="concat")
+    got = torch.tensor([[p.probs[label] for label in head.labels] for p in result.predictions])
+    assert (got - expected).abs().max().item() <= TOLERANCE
+    refused = academus(user_mesh, "models", "remove", "head-base")
+    assert refused.returncode == 2 and "carries the heads reviews" in refused.stderr
+    assert academus(user_mesh, "models", "remove", "reviews").returncode == 0
+    wait_served(client, "reviews", served=False)
+    assert not (Path(user_mesh.artifacts) / "heads" / "reviews").exists()
+    assert client.infer("head-base", TEXTS[:1]).predictions[0].embedding   # its encoder serves on
