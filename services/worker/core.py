@@ -30,12 +30,13 @@ from academus.shared.models.model import HIDDEN_SIZE, TeacherEncoder, load_encod
 from academus.shared.models.packing import Attention, PackedBatch, PackingPlan, check_plan, encode_packed, pack
 from academus.shared.models.plot.hierarchical import PlotStates
 from academus.shared.models.plot.table import PlotError
-from academus.shared.models.user_models import HEAD_ON
+from academus.shared.models.teacher_files import TEACHER_NAME
+from academus.shared.models.user_models import HEAD_ON, STUDENTS_OF
 from academus.shared.runtime.config import visible_cuda_devices
 from academus.shared.runtime.errors import DeadlineExceeded, InvalidArgument, NotFound
 from academus.shared.runtime.logs import log_event
 from academus.shared.runtime.metrics import children
-from academus.shared.state.artifacts import ArtifactError
+from academus.shared.state.artifacts import ArtifactError, read_manifest
 from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec, read_catalogue
 
 OUTPUT_EMBEDDING = "embedding"
@@ -225,13 +226,18 @@ class ModelRunner:
         if "students" in entry:
             from academus.shared.training.student_artifacts import load_student_group  # training code only when needed
 
-            group = load_student_group(self.artifacts, entry.get("task", name), device=self.device)
+            group = load_student_group(self.artifacts, Path(entry["students"]).name, self.device,
+                                       entry.get("teacher", TEACHER_NAME), entry.get("task", name))
             while group.max_students > entry.get("limit_students", group.max_students):
                 group.drop_last()  # a catalogue entry serving a prefix only (the single 2-layer baseline)
-            self._prepare_layers(group, num_students=group.max_students)
+            self._prepare_layers(group, warm_up_token=min(WARM_UP_TOKEN, group.config.vocab_size - 1),
+                                 num_students=group.max_students)
             kind = CLASSIFICATION if group.head is not None else EMBEDDING
-            spec = ModelSpec(name, kind, list(group.labels) if group.head is not None else [], HIDDEN_SIZE,
-                             max_students=group.max_students, default_students=group.best_k)
+            spec = ModelSpec(name, kind, list(group.labels) if group.head is not None else [],
+                             group.config.hidden_size, int(entry.get("max_tokens", ModelSpec.max_tokens)),
+                             max_students=group.max_students, default_students=group.best_k,
+                             tokenizer=self._tokenizer_digest(entry.get(STUDENTS_OF, "")),
+                             architecture=group.architecture.name, layers=group.layers)
             return ServedModel(spec, group, group.head, group.max_students, group.best_k)
         if "plot" in entry:
             return self._load_plot(name, entry)
@@ -286,12 +292,22 @@ class ModelRunner:
                          architecture=architecture.name, layers=architecture.layers,
                          memory_bytes=weight_bytes(encoder, head))
 
+    def _tokenizer_digest(self, model: str) -> str:
+        """The sha256 of a user's model's tokenizer.json ("": the teacher's, for the bundled models)."""
+        from academus.shared.models.user_models import TOKENIZER
+
+        entry = read_catalogue(self.artifacts).get(model) if model else None
+        if entry is None or "source" not in entry:
+            return ""
+        return read_manifest(self.artifacts / entry["source"]).files[TOKENIZER]
+
     def tokenizer_file(self, name: str) -> Path | None:
         """A user's model's tokenizer.json, or its encoder model's for a head on one (None for the models that
         use the teacher's)."""
         catalogue = read_catalogue(self.artifacts)
         entry = catalogue.get(name, {})
-        entry = catalogue.get(entry[HEAD_ON], {}) if HEAD_ON in entry else entry
+        base = entry.get(HEAD_ON) or entry.get(STUDENTS_OF)   # a head on, or students of, a user's model
+        entry = catalogue.get(base, {}) if base else entry
         return self.artifacts / entry["source"] / "tokenizer.json" if "source" in entry else None
 
     def teacher(self) -> TeacherEncoder:

@@ -287,7 +287,15 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 def cmd_distill(args: argparse.Namespace) -> int:
     from academus.shared.training.distill_cli import main as distill_main
 
-    return distill_main(args.rest)
+    return distill_main(_with_mesh_artifacts(args, args.rest))
+
+
+def _with_mesh_artifacts(args: argparse.Namespace, rest: list[str]) -> list[str]:
+    """A pass-through command's arguments, with the running mesh's artifacts unless --artifacts is given: what
+    it writes is then what the mesh's workers read."""
+    if any(a == "--artifacts" or a.startswith("--artifacts=") for a in rest):
+        return rest
+    return [*rest, "--artifacts", str(_models_artifacts(argparse.Namespace(artifacts=None, run_dir=args.run_dir)))]
 
 
 def cmd_heads(args: argparse.Namespace) -> int:
@@ -296,10 +304,7 @@ def cmd_heads(args: argparse.Namespace) -> int:
     if args.rest[:1] != ["train"]:
         print("usage: academus heads train --model NAME (--task TASK | --data F.jsonl) [--name HEAD]", file=sys.stderr)
         return 2
-    rest = args.rest[1:]
-    if not any(a == "--artifacts" or a.startswith("--artifacts=") for a in rest):   # the running mesh's
-        rest += ["--artifacts", str(_models_artifacts(argparse.Namespace(artifacts=None, run_dir=args.run_dir)))]
-    return heads_main(rest)
+    return heads_main(_with_mesh_artifacts(args, args.rest[1:]))
 
 
 def cmd_plot(args: argparse.Namespace) -> int:

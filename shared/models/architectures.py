@@ -40,6 +40,14 @@ FAMILIES: dict[str, Family] = {
 SUPPORTED = ", ".join(f"{f.body}/{f.classifier}" for f in FAMILIES.values())
 
 
+def family_module(family: Family, part: str) -> type:
+    """A part of the family's transformers implementation: "Embeddings", "Encoder", "Layer"."""
+    import importlib
+
+    module = importlib.import_module(f"transformers.models.{family.name}.modeling_{family.name}")
+    return getattr(module, f"{family.body.removesuffix('Model')}{part}")
+
+
 @dataclass(frozen=True)
 class Architecture:
     """A model's family and shape, as its config.json gives them."""

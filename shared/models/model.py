@@ -58,23 +58,24 @@ class TeacherEncoder(nn.Module):
         """The bundled teacher (or the encoder at `model_dir`): mean-pooled and normalised."""
         return load_encoder(model_dir or teacher_dir(), device)[0]
 
-    def positions(self, input_ids: torch.Tensor) -> torch.Tensor | None:
-        """Position ids of a right-padded batch, numbered as the family numbers them (None: the body's own)."""
-        offset = self.architecture.position_offset
-        if not offset:
-            return None
-        return torch.arange(offset, offset + input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-
     def forward(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        inputs = body_inputs(self.architecture, token_type_ids, self.positions(input_ids))
+        inputs = body_inputs(self.architecture, token_type_ids, padded_positions(self.architecture, input_ids))
         hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, **inputs).last_hidden_state
         pooled = mean_pool(hidden, attention_mask) if self.pooling == MEAN else hidden[:, 0]
         return nn.functional.normalize(pooled, p=2, dim=1) if self.normalize else pooled
+
+
+def padded_positions(architecture: Architecture, input_ids: torch.Tensor) -> torch.Tensor | None:
+    """Position ids of a right-padded batch, numbered as the family numbers them (None: the body's own, from 0)."""
+    offset = architecture.position_offset
+    if not offset:
+        return None
+    return torch.arange(offset, offset + input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
 
 
 def body_inputs(architecture: Architecture, token_type_ids: torch.Tensor | None,

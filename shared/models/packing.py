@@ -209,7 +209,7 @@ class _Stacks:
     normalize: bool
     architecture: Architecture
     pooling: str = MEAN
-    relative_bias: nn.Module | None = None   # MPNet: the encoder that holds the bias by position bucket
+    bias_sources: tuple[nn.Module, ...] = ()   # MPNet: each stack's encoder, which holds its bias by position bucket
 
     def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Embeddings with each request's positions numbered from the family's first position."""
@@ -221,12 +221,13 @@ class _Stacks:
     def pool(self, hidden: torch.Tensor, segments: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         return (segment_first if self.pooling == FIRST else segment_mean)(hidden, segments, lengths)
 
-    def bias(self, slots: int, width: int, like: torch.Tensor) -> torch.Tensor | None:
-        """MPNet's [1, heads, W, W] bias by relative position in the slot grid: within a request that is its
-        own relative position, wherever it starts in the slot; across requests the block mask hides it."""
-        if self.relative_bias is None:
+    def bias(self, stack: int, width: int, like: torch.Tensor) -> torch.Tensor | None:
+        """MPNet's [1, heads, W, W] bias of one stack by relative position in the slot grid: within a request
+        that is its own relative position, wherever it starts in the slot; across requests the block mask
+        hides it."""
+        if not self.bias_sources:
             return None
-        return self.relative_bias.compute_position_bias(like.new_empty(1, width, 1))
+        return self.bias_sources[stack].compute_position_bias(like.new_empty(1, width, 1))
 
 
 def _stacks(model: nn.Module, num_students: int | None, student_indices: Sequence[int] = ()) -> _Stacks:
@@ -234,8 +235,7 @@ def _stacks(model: nn.Module, num_students: int | None, student_indices: Sequenc
         return _member_stacks(model, student_indices)
     if isinstance(model, StudentGroup):
         k = model.check_count(num_students)
-        return _Stacks(model.embeddings, [s.encoder.layer for s in model.students[:k]], model.alphas()[:k],
-                       model.normalize, read_architecture(model.config.to_dict()))
+        return _group_stacks(model, list(range(k)), model.alphas()[:k], model.normalize)
     if isinstance(model, TeacherEncoder):
         return _body_stacks(model.body, model.architecture, model.normalize, model.pooling)
     if hasattr(model, "embeddings") and hasattr(model, "encoder"):   # a bare HF encoder: mean-pooled, not normalized
@@ -245,8 +245,14 @@ def _stacks(model: nn.Module, num_students: int | None, student_indices: Sequenc
 
 
 def _body_stacks(body: nn.Module, architecture: Architecture, normalize: bool, pooling: str) -> _Stacks:
-    bias = body.encoder if architecture.family.relative_attention else None
+    bias = (body.encoder,) if architecture.family.relative_attention else ()
     return _Stacks(body.embeddings, [body.encoder.layer], None, normalize, architecture, pooling, bias)
+
+
+def _group_stacks(group: StudentGroup, indices: Sequence[int], alphas: torch.Tensor, normalize: bool) -> _Stacks:
+    encoders = [group.students[i].encoder for i in indices]
+    bias = tuple(encoders) if group.architecture.family.relative_attention else ()
+    return _Stacks(group.embeddings, [e.layer for e in encoders], alphas, normalize, group.architecture, MEAN, bias)
 
 
 def _member_stacks(group: StudentGroup, indices: Sequence[int]) -> _Stacks:
@@ -254,9 +260,7 @@ def _member_stacks(group: StudentGroup, indices: Sequence[int]) -> _Stacks:
     if not indices or any(not 0 <= i < group.max_students for i in indices):
         raise ValueError(f"student indices {list(indices)} must be non-empty and within "
                          f"0..{group.max_students - 1}: this student group holds {group.max_students} students")
-    alphas = group.alphas()[list(indices)]
-    return _Stacks(group.embeddings, [group.students[i].encoder.layer for i in indices], alphas, False,
-                   read_architecture(group.config.to_dict()))
+    return _group_stacks(group, indices, group.alphas()[list(indices)], False)
 
 
 def encode_packed(model: nn.Module, batch: PackedBatch, attention: Attention = "sdpa",
@@ -294,9 +298,9 @@ def _encode_hf(parts: _Stacks, inputs: PackedInputs, before_layer: LayerCallback
     """HF modules on the padded slot tensor with a 4-D additive block mask and explicit position ids."""
     hidden = parts.embed(inputs.input_ids, inputs.token_type_ids, inputs.position_ids)
     mask = additive_mask(inputs.segments, hidden.dtype)
-    bias = parts.bias(*inputs.segments.shape, hidden)
     pooled = []
-    for stack in parts.stacks:
+    for s, stack in enumerate(parts.stacks):
+        bias = parts.bias(s, inputs.segments.shape[1], hidden)
         h = hidden
         for i, layer in enumerate(stack):
             if before_layer is not None:
@@ -321,15 +325,14 @@ def _encode_sdpa(parts: _Stacks, inputs: PackedInputs, before_layer: LayerCallba
     real = inputs.segments.reshape(-1) >= 0
     flat = parts.embed(*(t.reshape(1, -1)[:, real] for t in (inputs.input_ids, inputs.token_type_ids,
                                                               inputs.position_ids))).squeeze(0)
-    mask = block_mask(inputs.segments)
-    bias = parts.bias(*inputs.segments.shape, flat)
-    if bias is not None:
-        mask = bias + additive_mask(inputs.segments, flat.dtype)
-    layout = _Layout(real.nonzero().squeeze(1), *inputs.segments.shape, mask)
-    token_segments = inputs.segments.reshape(-1)[real]
-    run_layer = _sdpa_layer if bias is None else _mpnet_sdpa_layer
+    index, token_segments = real.nonzero().squeeze(1), inputs.segments.reshape(-1)[real]
+    blocks = block_mask(inputs.segments)
     pooled = []
-    for stack in parts.stacks:
+    for s, stack in enumerate(parts.stacks):
+        bias = parts.bias(s, inputs.segments.shape[1], flat)
+        mask = blocks if bias is None else bias + additive_mask(inputs.segments, flat.dtype)
+        layout = _Layout(index, *inputs.segments.shape, mask)
+        run_layer = _sdpa_layer if bias is None else _mpnet_sdpa_layer
         h = flat
         for i, layer in enumerate(stack):
             if before_layer is not None:

@@ -1,9 +1,10 @@
 """Student groups (Student Parallelism §3.1): shallow students, combined as Σ α_m·S_m(x).
 
-Every student is N BERT layers (default 2) over one embedding table, the teacher's own, frozen and
-shared by all students: it is stored once per artifact and computed once per batch. A student's
-representation is the mean-pooled output of its last layer (`S_N`); its layer ⌈N/2⌉, pooled the same
-way, is what stacking distillation trains (`S_⌈N/2⌉`). α_0 is fixed at 1; the other α are learned.
+Every student is N layers of the teacher's family (BERT, RoBERTa or MPNet; default 2) over one embedding
+table, the teacher's own, frozen and shared by all students: it is stored once per artifact and computed
+once per batch. A student's representation is the mean-pooled output of its last layer (`S_N`); its layer
+⌈N/2⌉, pooled the same way, is what stacking distillation trains (`S_⌈N/2⌉`).
+α_0 is fixed at 1; the other α are learned.
 Any prefix of k students is a valid model: the served representation is Σ_{m<k} α_m·S_m(x).
 """
 
@@ -15,42 +16,56 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import BertConfig
+from transformers import AutoConfig, PretrainedConfig
 from transformers.masking_utils import create_bidirectional_mask
-from transformers.models.bert.modeling_bert import BertEmbeddings, BertEncoder
 
-from academus.shared.models.model import ClassifierHead, mean_pool
+from academus.shared.models.architectures import family_module, read_architecture
+from academus.shared.models.model import ClassifierHead, body_inputs, mean_pool, padded_positions
 
-# The teacher config keys a student needs; the rest (ids, generation settings) are irrelevant here.
-CONFIG_KEYS = ("vocab_size", "hidden_size", "num_attention_heads", "intermediate_size", "hidden_act",
+# The teacher config keys a student needs (those its family has); the rest (ids, generation settings) are
+# irrelevant here.
+CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "num_attention_heads", "intermediate_size", "hidden_act",
                "hidden_dropout_prob", "attention_probs_dropout_prob", "max_position_embeddings",
-               "type_vocab_size", "layer_norm_eps", "pad_token_id")
+               "type_vocab_size", "layer_norm_eps", "pad_token_id", "relative_attention_num_buckets")
 
 
-def student_config(teacher_config: BertConfig | dict[str, Any], layers: int,
-                   intermediate_size: int | None = None) -> BertConfig:
-    """The teacher's architecture cut to `layers` layers (and, given one, a narrower feed-forward width),
-    with SDPA attention."""
+def student_config(teacher_config: PretrainedConfig | dict[str, Any], layers: int,
+                   intermediate_size: int | None = None) -> PretrainedConfig:
+    """The teacher's architecture cut to `layers` layers (and, given one, a narrower feed-forward width).
+    BERT and RoBERTa students attend with SDPA; MPNet's layers add their bias to the scores themselves, so
+    they keep the additive mask."""
     source = teacher_config if isinstance(teacher_config, dict) else teacher_config.to_dict()
     widths = {"intermediate_size": intermediate_size} if intermediate_size else {}
-    config = BertConfig(**({k: source[k] for k in CONFIG_KEYS} | widths), num_hidden_layers=layers)
-    config._attn_implementation = "sdpa"
+    keys = {k: source[k] for k in CONFIG_KEYS if k in source and k != "model_type"}
+    model_type = source.get("model_type") or "bert"
+    config = AutoConfig.for_model(model_type, **(keys | widths), num_hidden_layers=layers)
+    config._attn_implementation = "eager" if model_type == "mpnet" else "sdpa"
     return config
+
+
+def config_keys(config: PretrainedConfig) -> dict[str, Any]:
+    """What an artifact stores to rebuild the students' config (student_config reads it back)."""
+    source = config.to_dict()
+    return {k: source[k] for k in CONFIG_KEYS if k in source}
 
 
 class Student(nn.Module):
     """N transformer layers; returns the pooled final (S_N) and middle (S_⌈N/2⌉) representations."""
 
-    def __init__(self, config: BertConfig) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
-        self.encoder = BertEncoder(config)   # named `encoder.layer.<i>`: the worker's deadline hooks find it
+        family = read_architecture(config.to_dict()).family
+        # named `encoder.layer.<i>`: the worker's deadline hooks find it
+        self.encoder = family_module(family, "Encoder")(config)
+        self.relative_attention = family.relative_attention   # MPNet: its encoder holds the position bias
         self.middle = math.ceil(config.num_hidden_layers / 2)
 
     def forward(self, hidden: torch.Tensor, mask4d: torch.Tensor | None,
                 attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         middle = hidden
+        bias = self.encoder.compute_position_bias(hidden) if self.relative_attention else None
         for i, layer in enumerate(self.encoder.layer, start=1):
-            hidden = layer(hidden, mask4d)
+            hidden = layer(hidden, mask4d) if bias is None else layer(hidden, mask4d, bias)[0]
             if i == self.middle:
                 middle = hidden
         return mean_pool(hidden, attention_mask), mean_pool(middle, attention_mask)
@@ -59,11 +74,12 @@ class Student(nn.Module):
 class StudentGroup(nn.Module):
     """Students over one frozen shared embedding table, their α, and an optional task head."""
 
-    def __init__(self, config: BertConfig, num_students: int, labels: Sequence[str] = (),
+    def __init__(self, config: PretrainedConfig, num_students: int, labels: Sequence[str] = (),
                  normalize: bool = False, best_k: int | None = None) -> None:
         super().__init__()
         self.config = config
-        self.embeddings = BertEmbeddings(config).requires_grad_(False)
+        self.architecture = read_architecture(config.to_dict())
+        self.embeddings = family_module(self.architecture.family, "Embeddings")(config).requires_grad_(False)
         self.students = nn.ModuleList(Student(config) for _ in range(num_students))
         self.alpha = nn.Parameter(torch.ones(num_students))
         self.labels = list(labels)
@@ -100,7 +116,8 @@ class StudentGroup(nn.Module):
     def prepare_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                        token_type_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Embedding output and the attention mask in the layers' format, shared by all students."""
-        hidden = self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids)
+        positions = padded_positions(self.architecture, input_ids)
+        hidden = self.embeddings(input_ids=input_ids, **body_inputs(self.architecture, token_type_ids, positions))
         mask4d = create_bidirectional_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask)
         return hidden, mask4d
 
@@ -150,6 +167,9 @@ def from_teacher(teacher_bert: nn.Module, layers: int, labels: Sequence[str] = (
     width = len(ffn_keep[0]) if ffn_keep else None
     group = StudentGroup(student_config(teacher_bert.config, layers, width), 1, labels, normalize)
     group.embeddings.load_state_dict(teacher_bert.embeddings.state_dict())
+    if group.architecture.family.relative_attention:   # MPNet: the bias by relative position, as the teacher's
+        group.students[0].encoder.relative_attention_bias.load_state_dict(
+            teacher_bert.encoder.relative_attention_bias.state_dict())
     for i in range(layers):
         state = teacher_bert.encoder.layer[i].state_dict()
         group.students[0].encoder.layer[i].load_state_dict(narrow_ffn(state, ffn_keep[i]) if ffn_keep else state)

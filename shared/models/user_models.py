@@ -13,6 +13,7 @@ Normalize module says otherwise. A sequence classifier is served with its own he
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -34,6 +35,7 @@ EMBED, CLASSIFY = "embed", "classify"
 TOKENIZER = "tokenizer.json"
 MAX_TOKENS = 512                  # the longest input served, whatever the position embeddings allow
 HEAD_ON = "encoder_model"         # a head's catalogue entry: the user's model whose encoder it reads
+STUDENTS_OF = "teacher_model"     # a student group's entry: the user's model whose tokenizer it reads
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 ST_POOLING = {"pooling_mode_mean_tokens": MEAN, "pooling_mode_cls_token": FIRST}
 
@@ -136,17 +138,29 @@ def remove_model(artifacts: Path, name: str, tenants_on_it: list[str] = ()) -> N
     entry = catalogue.get(name)
     if entry is None:
         raise ModelRefused(f"model {name!r} is not in the catalogue {Path(artifacts) / 'models.json'}")
-    if "source" not in entry and HEAD_ON not in entry:
+    if not any(key in entry for key in ("source", HEAD_ON, STUDENTS_OF)):
         raise ModelRefused(f"model {name!r} is built by `academus prepare`, not added with `models add`: "
                            "it is not removed here")
     if heads := sorted(n for n, e in catalogue.items() if e.get(HEAD_ON) == name):
         raise ModelRefused(f"model {name!r} carries the heads {', '.join(heads)}: remove those first")
+    if groups := sorted(n for n, e in catalogue.items() if e.get("teacher") == name and STUDENTS_OF in e):
+        raise ModelRefused(f"model {name!r} is the teacher of the student groups {', '.join(groups)}: remove those "
+                           "first")
     if tenants_on_it:
         raise ModelRefused(f"model {name!r} is the base of tenant models of {', '.join(sorted(tenants_on_it))}: "
                            "delete those first (academus tenants delete)")
     write_entry(artifacts, name, None)
-    if files := entry.get("source") or entry.get("head"):
+    files = entry.get("source") or entry.get("head") or entry.get("students")
+    if files and not any(files in e.values() for e in read_catalogue(artifacts).values()):   # `-2l` shares them
         shutil.rmtree(Path(artifacts) / files, ignore_errors=True)
+
+
+def cache_name(model: str, manifest: Manifest) -> str:
+    """What names a user's model's embedding caches: its name and weights' digest (a model re-added under the
+    same name with other weights does not read the old cache)."""
+    weights = sorted(v for k, v in manifest.files.items() if k.endswith(".safetensors"))
+    digest = weights[0] if len(weights) == 1 else hashlib.sha256("".join(weights).encode()).hexdigest()
+    return f"{model}-{digest[:12]}"
 
 
 def verify_model_files(directory: Path) -> Manifest:

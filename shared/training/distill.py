@@ -45,6 +45,7 @@ from academus.shared.training.distill_data import (
     DISTILL_TASKS,
     EMBEDDING_TASK,
     INITIALISATIONS,
+    SERVED_NAMES,
     DistillConfig,
     DistillData,
     Split,
@@ -59,7 +60,12 @@ from academus.shared.training.distill_data import (
 from academus.shared.training.prepare import (
     classification_metrics,
 )
-from academus.shared.training.student_artifacts import students_dir, write_student_catalogue, write_student_group
+from academus.shared.training.student_artifacts import (
+    register_user_group,
+    students_dir,
+    write_student_catalogue,
+    write_student_group,
+)
 
 # --- losses and sampling -------------------------------------------------------------------------
 
@@ -391,27 +397,49 @@ def check_args(task: str, cfg: DistillConfig) -> None:
                          f"with --init {cfg.init}")
 
 
-def load_data(task: str, artifacts: Path, data_dir: Path | None, cfg: DistillConfig) -> tuple[Teacher, DistillData]:
-    """The teacher and the task's splits with T(x) (clear errors when either is missing)."""
-    teacher = Teacher()
+def load_data(task: str, artifacts: Path, data_dir: Path | None, cfg: DistillConfig,
+              model: str = "") -> tuple[Teacher, DistillData]:
+    """The teacher (the bundled one, or a user's `model`) and the task's splits with T(x) (clear errors when
+    either is missing)."""
+    teacher = Teacher.user(artifacts, model) if model else Teacher.bundled()
     directory = Path(data_dir or default_data_dir())     # `academus prepare` fetched the task packages
     data = (load_embedding(directory, teacher, cfg) if task == EMBEDDING_TASK
             else load_classification(task, artifacts, directory, teacher, cfg))
     return teacher, data
 
 
-def distill(task: str, artifacts: Path | None = None, data_dir: Path | None = None,
-            cfg: DistillConfig | None = None, quick: bool = False) -> dict[str, Any]:
-    """Runs Algorithms 1 and 2 for `task` and writes the student-group artifact; returns the summary."""
+def user_task(artifacts: Path, model: str, task: str | None) -> str:
+    """The task a user's model is distilled on: a head's own task (trained with --task), or `embedding` for an
+    embedding model (the general texts)."""
+    from academus.shared.models.user_models import HEAD_ON
+    from academus.shared.state.artifacts import read_manifest
+    from academus.shared.state.catalogue import read_catalogue
+
+    entry = read_catalogue(artifacts).get(model, {})
+    own = read_manifest(Path(artifacts) / entry["head"]).task if HEAD_ON in entry else EMBEDDING_TASK
+    if own not in DISTILL_TASKS:
+        raise ValueError(f"--model {model!r} is a head trained on {own!r}, not on a bundled task: distillation needs "
+                         f"the task's splits ({', '.join(DISTILL_TASKS)})")
+    if task and task != own:
+        raise ValueError(f"--model {model!r} is distilled on {own!r} (its head's task, or embedding for an embedding "
+                         f"model), not --task {task!r}")
+    return own
+
+
+def distill(task: str | None, artifacts: Path | None = None, data_dir: Path | None = None,
+            cfg: DistillConfig | None = None, quick: bool = False, model: str = "") -> dict[str, Any]:
+    """Runs Algorithms 1 and 2 for `task` (with `model`: on a user's model, `<model>-students`) and writes the
+    student-group artifact; returns the summary."""
     cfg = cfg or DistillConfig()
-    check_args(task, cfg)
     artifacts = Path(artifacts or default_artifacts_dir())
+    task = user_task(artifacts, model, task) if model else task
+    check_args(task, cfg)
     started = time.perf_counter()
     torch.manual_seed(cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
-    teacher, data = load_data(task, artifacts, data_dir, cfg)
+    teacher, data = load_data(task, artifacts, data_dir, cfg, model)
     seconds["data"] = time.perf_counter() - clock
     group = _initial_group(teacher, data, cfg, data_dir)
     untrained = group_scores(group, data, data.splits["validation"], cfg, "untrained student")[0]
@@ -436,8 +464,14 @@ def distill(task: str, artifacts: Path | None = None, data_dir: Path | None = No
         extra["embeddings"] = "paraphrase-MiniLM-L3-v2's, frozen, one copy shared by all students"
     seconds["total"] = time.perf_counter() - started
     extra["seconds"] = {k: round(v, 1) for k, v in seconds.items()}
-    extra = write_student_group(artifacts, task, group, metrics, extra)
-    write_student_catalogue(artifacts)
-    return {"task": task, "artifact": str(students_dir(artifacts, task)), "students": group.max_students,
+    key = model or task
+    extra = write_student_group(artifacts, key, group, metrics, extra, teacher.name, task, teacher.max_tokens)
+    if model:
+        served = register_user_group(artifacts, key, teacher.model)
+    else:
+        write_student_catalogue(artifacts)
+        served = [SERVED_NAMES[task]]
+    return {"task": task, "artifact": str(students_dir(artifacts, key)), "served": sorted(served),
+            "students": group.max_students,
             "best_k": group.best_k, "alpha": extra["alpha"], "validation": validation, **test,
             "teacher": metrics["teacher"], "untrained_validation": untrained, "seconds": extra["seconds"]}

@@ -32,6 +32,8 @@ def _parser() -> argparse.ArgumentParser:
                    "reference,no-stacking,bagging,no-pruning,bert-2l (default all; embedding: no bert-2l)")
     p.add_argument("--teacher", default="minilm", choices=["minilm"])
     p.add_argument("--task", choices=DISTILL_TASKS)
+    p.add_argument("--model", default="", help="a user's teacher: a head trained on a model you added (distilled "
+                   "on its task) or an embedding model you added (the embedding task); serves <model>-students")
     p.add_argument("--layers", type=int, default=None, help="layers a student (default 2)")
     p.add_argument("--max-students", type=int, default=None, help="at most M students (default 4)")
     p.add_argument("--intermediate-size", type=int, default=None,
@@ -77,12 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.action == "report":
             summary = report(args.artifacts)
-        elif args.task is None:
-            p.error("--task is required")
+        elif args.task is None and not args.model:
+            p.error("--task (or --model) is required")
         elif args.action == "ablations":
             summary = _ablations(args)
         else:
-            summary = distill(args.task, args.artifacts, args.data, config_from_args(args), quick=args.quick)
+            summary = distill(args.task, args.artifacts, args.data, config_from_args(args), quick=args.quick,
+                              model=args.model)
     except (DataMissing, ArtifactError, TeacherMissing, ValueError) as e:
         log_progress(f"error: {e}")
         return 1

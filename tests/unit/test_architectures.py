@@ -13,6 +13,7 @@ from torch import nn
 from academus.shared.models.architectures import UnsupportedArchitecture, read_architecture
 from academus.shared.models.model import FIRST, MEAN, load_encoder, mean_pool, pad_batch
 from academus.shared.models.packing import PackingPlan, encode_packed, pack
+from academus.shared.models.students import from_teacher
 from tests.models import CONFIGS, LABELS, SHAPE, tiny_model
 
 TOLERANCE = 1e-4
@@ -80,3 +81,31 @@ def test_an_unsupported_architecture_is_named() -> None:
     config = {"architectures": ["DistilBertModel"], "model_type": "distilbert", "dim": 768}
     with pytest.raises(UnsupportedArchitecture, match=r"'DistilBertModel'.*supported: BertModel"):
         read_architecture(config)
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+@pytest.mark.parametrize("path", ["padded", "concat-hf", "concat-sdpa", "slotted-sdpa"])
+def test_a_student_cut_from_the_whole_teacher_answers_as_the_teacher(tmp_path: Path, family: str, path: str) -> None:
+    """Students are layers of the teacher's own family: one cut from all its layers is the teacher (mean-pooled),
+    and a group of two (α = 1 each) is twice it, on every path."""
+    model = tiny_model(family, False, tmp_path)
+    group = from_teacher(model, layers=SHAPE["num_hidden_layers"])
+    group.add_student()
+    group.eval()
+    seqs = texts()
+    expected = torch.stack([reference_mean(model, s) for s in seqs])
+    with torch.inference_mode():
+        for k in (1, 2):
+            if path == "padded":
+                got = group(*pad_batch(seqs), num_students=k)
+            else:
+                layout, attention = path.split("-")
+                got = encode_packed(group, pack(seqs, PLANS[layout]), attention, num_students=k)
+            assert (got - k * expected).abs().max().item() <= TOLERANCE, k
+
+
+def reference_mean(model: nn.Module, seq: list[int]) -> torch.Tensor:
+    ids = torch.tensor([seq])
+    with torch.no_grad():
+        return mean_pool(model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state,
+                         torch.ones_like(ids))[0]
