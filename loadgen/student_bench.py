@@ -46,8 +46,14 @@ def set_students(state, model: str, number: int) -> None:
     redis.Redis.from_url(state.redis_url, decode_responses=True).set(Keys(state.key_prefix).students(model), number)
 
 
+def teacher_name(args: argparse.Namespace) -> str:
+    """The served teacher: --teacher (a head on a user's model, whose students are `<teacher>-students`), else
+    the task's head on the bundled teacher."""
+    return args.teacher or args.task
+
+
 def start(args: argparse.Namespace, run_dir: Path, window_s: float, env: dict[str, str] | None = None):
-    task = args.task
+    task = teacher_name(args)
     return up(MeshOptions(
         run_dir=run_dir, artifacts=args.artifacts, gateway_port=0, gateways=args.gateways, workers=args.workers,
         worker_threads=args.worker_threads, instances=args.instances,
@@ -75,7 +81,7 @@ def burst_procs(procs: int, peak_rps: float) -> int:
 
 def group_size(state, args: argparse.Namespace) -> int:
     spec = redis.Redis.from_url(state.redis_url, decode_responses=True).hget(Keys(state.key_prefix).models(),
-                                                                              f"{args.task}-students")
+                                                                              f"{teacher_name(args)}-students")
     return start_students(json.loads(spec), args.students)
 
 
@@ -98,7 +104,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def half_load(args: argparse.Namespace) -> tuple[list[dict], list[dict], dict]:
     """Phase 1: both capacities, then --rounds half-load comparisons, then the traces' breakdown."""
-    task, out = args.task, args.out
+    task, out = teacher_name(args), args.out
     students, single = f"{task}-students", f"{task}-2l"
     state = start(args, out / "run", 120.0)
     try:
@@ -125,7 +131,7 @@ def half_load(args: argparse.Namespace) -> tuple[list[dict], list[dict], dict]:
 def bursts(args: argparse.Namespace, capacity: float) -> dict:
     """Phase 2: on/off bursts to 3 × the teacher's capacity, the teacher, then the student group, from as
     many load-generator processes as the peak needs (`burst_procs`)."""
-    task, out, period = args.task, args.out, args.duration / 2
+    task, out, period = teacher_name(args), args.out, args.duration / 2
     state = start(args, out / "run-bursts", args.window)
     try:
         set_students(state, f"{task}-students", group_size(state, args))
@@ -199,6 +205,8 @@ def latency_ratio(run: dict, base: dict, q: str) -> float | None:
 def add_mesh_options(p: argparse.ArgumentParser) -> None:
     """What `start`, `group_size` and the half-load runs read: the mesh, the task, each run's length."""
     p.add_argument("--task", choices=["sentiment", "spam"], default="sentiment")
+    p.add_argument("--teacher", default="", help="a head on a model you added (e.g. mpnet-sentiment, trained on "
+                   "--task), whose students `academus distill --model` made; default: the bundled teacher's --task")
     p.add_argument("--artifacts", type=Path, default=artifacts_dir(),
                    help="the models served (default ACADEMUS_ARTIFACTS)")
     p.add_argument("--duration", type=float, default=30.0)

@@ -31,8 +31,8 @@ from academus.shared.runtime.errors import (
     NotFound,
     PermissionDenied,
 )
-from academus.shared.state.catalogue import ADAPTER_BASES, PLOT_BASES
-from academus.shared.state.jobs import ADAPTER, OVERLAY, Job, JobQueue
+from academus.shared.state.catalogue import ADAPTER_BASES, MODEL_NAME, PLOT_BASES
+from academus.shared.state.jobs import ADAPTER, MODEL, OVERLAY, Job, JobQueue
 from academus.shared.state.keys import Keys
 from academus.shared.state.tenants import FAILED, TRAINING, Quotas, TenantModel, TenantRegistry, check_name
 from academus.shared.state.uploads import parse_corpus, parse_labelled_jsonl, write_upload
@@ -83,6 +83,35 @@ class Manage:
         except BaseException:
             await self.domains.delete(name, None)
             raise
+
+    async def add_model(self, caller: Principal, name: str, source: str, task: str, pooling: str) -> Job:
+        """Queues `academus models add` for the trainer, which has the artifacts and torch; what needs the
+        directory is checked there, and a refusal fails the job naming the file."""
+        self._admin(caller, "add a model")
+        self._model_name(name)
+        if not source.startswith("/"):
+            raise InvalidArgument(f"source={source[:200]!r} must be an absolute path of a directory the trainer "
+                                  "can read (a mounted volume)")
+        for field, value, allowed in (("task", task, ("", "embed", "classify")),
+                                      ("pooling", pooling, ("", "mean", "cls"))):
+            if value not in allowed:
+                raise InvalidArgument(f"{field}={value[:40]!r} is not one of {', '.join(repr(a) for a in allowed)}")
+        return await self.jobs.submit(Job(MODEL, caller.tenant, name, {"action": "add", "name": name,
+                                                                        "source": source, "task": task,
+                                                                        "pooling": pooling}))
+
+    async def remove_model(self, caller: Principal, name: str) -> Job:
+        """Queues `academus models remove`: the trainer refuses it while heads, student groups or tenant models
+        depend on the model."""
+        self._admin(caller, "remove a model")
+        self._model_name(name)
+        return await self.jobs.submit(Job(MODEL, caller.tenant, name, {"action": "remove", "name": name}))
+
+    @staticmethod
+    def _model_name(name: str) -> None:
+        if not MODEL_NAME.match(name):
+            raise InvalidArgument(f"name={name[:80]!r} must be 1-63 of a-z 0-9 . _ -, starting with a letter or "
+                                  "digit")
 
     async def list_domains(self, caller: Principal) -> list[Domain]:
         return await self.domains.list()

@@ -249,6 +249,13 @@ class ManageServicer(manage_pb2_grpc.ManageServicer):
         await self._call(context, lambda p: self.core.delete_tenant_model(p, request.name))
         return manage_pb2.DeleteTenantModelResponse(deleted=True)
 
+    async def AddModel(self, request, context):
+        return job_pb(await self._call(context, lambda p: self.core.add_model(p, request.name, request.source,
+                                                                              request.task, request.pooling)))
+
+    async def RemoveModel(self, request, context):
+        return job_pb(await self._call(context, lambda p: self.core.remove_model(p, request.name)))
+
     async def GetJob(self, request, context):
         return job_pb(await self._call(context, lambda p: self.core.get_job(p, request.id)))
 

@@ -29,7 +29,7 @@ import redis.asyncio as aioredis
 from academus.shared.models.plot.domains import FAILED as DOMAIN_FAILED
 from academus.shared.models.plot.domains import READY as DOMAIN_READY
 from academus.shared.models.plot.domains import DomainRegistry, overlay_dir, root_table
-from academus.shared.runtime.config import TrainerConfig
+from academus.shared.runtime.config import TrainerConfig, artifacts_dir
 from academus.shared.runtime.logs import log_event
 from academus.shared.state.jobs import FAILED, SUCCEEDED, Job, JobQueue
 from academus.shared.state.keys import Keys
@@ -193,6 +193,30 @@ class OverlayJobs:
             await self.domains.set_status(domain.name, DOMAIN_FAILED, message)
 
 
+class ModelJobs:
+    """`academus models add|remove` for the Manage API: the trainer has the artifacts the workers read."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, artifacts: Path) -> None:
+        self.registry, self.artifacts = TenantRegistry(redis, keys), artifacts
+
+    async def run(self, job: Job, progress: Progress) -> dict[str, Any]:
+        from academus.shared.models.user_models import ModelRefused, add_model, remove_model
+
+        params = job.params
+        try:
+            if params["action"] == "add":
+                return await asyncio.to_thread(add_model, self.artifacts, params["name"], Path(params["source"]),
+                                               params.get("task", ""), params.get("pooling", ""))
+            tenants = sorted({t for t, m in await self.registry.all_models() if m.base == params["name"]})
+            await asyncio.to_thread(remove_model, self.artifacts, params["name"], tenants)
+            return {"removed": params["name"]}
+        except ModelRefused as e:
+            raise JobError(str(e)) from e
+
+    async def failed(self, job: Job, message: str) -> None:
+        """A refused add wrote nothing and a refused remove removed nothing: no state to put back."""
+
+
 def _remove(path: Path) -> None:
     import shutil
 
@@ -283,10 +307,11 @@ class JobRunner:
 
 
 def build_runner(redis: aioredis.Redis, keys: Keys, config: TrainerConfig, trainer_id: str = "") -> JobRunner:
-    from academus.shared.state.jobs import ADAPTER, OVERLAY
+    from academus.shared.state.jobs import ADAPTER, MODEL, OVERLAY
 
     encoders = Encoders()
     handlers: dict[str, Handler] = {ADAPTER: AdapterJobs(redis, keys, config, encoders),
-                                    OVERLAY: OverlayJobs(redis, keys, config, encoders)}
+                                    OVERLAY: OverlayJobs(redis, keys, config, encoders),
+                                    MODEL: ModelJobs(redis, keys, artifacts_dir())}
     return JobRunner(JobQueue(redis, keys, config.done_ttl_s), handlers, trainer_id or config.trainer_id,
                      config.lease_s, config.poll_s, config.max_attempts)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 import uuid
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from typing import Any
 from academus.shared.models.architectures import Architecture, UnsupportedArchitecture, read_architecture
 from academus.shared.models.model import FIRST, MEAN, POOLINGS
 from academus.shared.state.artifacts import MANIFEST, ArtifactError, Manifest, read_manifest, sha256_file
-from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, read_catalogue, write_entry
+from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, MODEL_NAME, read_catalogue, write_entry
 
 MODELS_DIR = "models"             # under the artifacts
 USER_MODEL_KIND = "user-model"    # the manifest's kind
@@ -36,7 +35,6 @@ TOKENIZER = "tokenizer.json"
 MAX_TOKENS = 512                  # the longest input served, whatever the position embeddings allow
 HEAD_ON = "encoder_model"         # a head's catalogue entry: the user's model whose encoder it reads
 STUDENTS_OF = "teacher_model"     # a student group's entry: the user's model whose tokenizer it reads
-NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 ST_POOLING = {"pooling_mode_mean_tokens": MEAN, "pooling_mode_cls_token": FIRST}
 
 
@@ -85,7 +83,7 @@ def inspect_model_dir(directory: Path, task: str = "", pooling: str = "") -> Mod
 
 def add_model(artifacts: Path, name: str, directory: Path, task: str = "", pooling: str = "") -> dict[str, Any]:
     """Copies the checked model under the artifacts, verifies it loads, then registers it; returns its entry."""
-    if not NAME.match(name):
+    if not MODEL_NAME.match(name):
         raise ModelRefused(f"model name {name!r} must be 1-63 of a-z 0-9 . _ -, starting with a letter or digit")
     if name in read_catalogue(artifacts):
         raise ModelRefused(f"model {name!r} is already in the catalogue: remove it first (academus models remove "

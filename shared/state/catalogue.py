@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ PLOT_BASES = frozenset({"minilm-plot"})
 EMBEDDING = "embedding"
 CLASSIFICATION = "classification"
 CATALOGUE_FILE = "models.json"   # under the artifacts: the served catalogue, on disk so it outlives Redis
+MODEL_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")   # a name a user gives a model (models add, heads train)
 
 
 @dataclass(frozen=True)

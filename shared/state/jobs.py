@@ -22,6 +22,7 @@ from academus.shared.state.keys import Keys
 
 QUEUED, RUNNING, SUCCEEDED, FAILED = "queued", "running", "succeeded", "failed"
 ADAPTER, OVERLAY = "adapter", "overlay"     # kinds: a tenant model's training, a domain's PLOT overlay build
+MODEL = "model"                             # a user's model added to or removed from the catalogue
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,10 @@ from typing import Any
 
 from academus.shared.models.model import TeacherEncoder, load_encoder
 from academus.shared.models.tokenization import TeacherTokenizer
-from academus.shared.models.user_models import HEAD_ON, NAME, ModelRefused, cache_name, verify_model_files
+from academus.shared.models.user_models import HEAD_ON, ModelRefused, cache_name, verify_model_files
 from academus.shared.runtime.config import artifacts_dir as default_artifacts_dir
 from academus.shared.runtime.config import offline_hub
-from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, read_catalogue, write_entry
+from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, MODEL_NAME, read_catalogue, write_entry
 from academus.shared.state.uploads import parse_labelled_jsonl
 from academus.shared.training.data import TASKS, DataMissing, Example, TaskData, fetch, load_task
 from academus.shared.training.prepare import SPLITS, embed_texts, log_progress, prepare_task
@@ -38,7 +38,7 @@ def train_user_head(artifacts: Path, model: str, name: str, task: str = "", data
     artifacts = Path(artifacts)
     catalogue = read_catalogue(artifacts)
     entry = _embedding_model(catalogue, model)
-    if not NAME.match(name):
+    if not MODEL_NAME.match(name):
         raise ModelRefused(f"head name {name!r} must be 1-63 of a-z 0-9 . _ -, starting with a letter or digit")
     if name in catalogue:
         raise ModelRefused(f"model {name!r} is already in the catalogue: choose another --name")

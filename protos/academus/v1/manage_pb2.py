@@ -24,45 +24,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x61\x63\x61\x64\x65mus/v1/manage.proto\x12\x0b\x61\x63\x61\x64\x65mus.v1\"\xb1\x01\n\x03Job\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12&\n\x06status\x18\x03 \x01(\x0e\x32\x16.academus.v1.JobStatus\x12\x10\n\x08progress\x18\x04 \x01(\x02\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x13\n\x0bresult_json\x18\x06 \x01(\t\x12\x0e\n\x06target\x18\x07 \x01(\t\x12\x0f\n\x07\x63reated\x18\x08 \x01(\x01\x12\x0f\n\x07updated\x18\t \x01(\x01\"H\n\x13\x43reateDomainRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x63orpus\x18\x02 \x01(\x0c\x12\x13\n\x0btop_percent\x18\x03 \x01(\x02\"|\n\x06\x44omain\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x13\n\x0btop_percent\x18\x03 \x01(\x02\x12\x0e\n\x06job_id\x18\x04 \x01(\t\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x0f\n\x07\x63reated\x18\x06 \x01(\x01\x12\r\n\x05lines\x18\x07 \x01(\x03\"\x14\n\x12ListDomainsRequest\";\n\x13ListDomainsResponse\x12$\n\x07\x64omains\x18\x01 \x03(\x0b\x32\x13.academus.v1.Domain\"#\n\x13\x44\x65leteDomainRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\'\n\x14\x44\x65leteDomainResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"T\n\x18\x43reateTenantModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x62\x61se\x18\x02 \x01(\t\x12\x0e\n\x06\x64omain\x18\x03 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"6\n\x18UpdateTenantModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x9c\x01\n\x0bTenantModel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x62\x61se\x18\x02 \x01(\t\x12\x0e\n\x06\x64omain\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x05\x12\x0e\n\x06labels\x18\x05 \x03(\t\x12\x0e\n\x06status\x18\x06 \x01(\t\x12\x0e\n\x06job_id\x18\x07 \x01(\t\x12\x0f\n\x07message\x18\x08 \x01(\t\x12\x0f\n\x07\x63reated\x18\t \x01(\x01\"\x19\n\x17ListTenantModelsRequest\"D\n\x18ListTenantModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.academus.v1.TenantModel\"(\n\x18\x44\x65leteTenantModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\",\n\x19\x44\x65leteTenantModelResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\x1b\n\rGetJobRequest\x12\n\n\x02id\x18\x01 \x01(\t*\x87\x01\n\tJobStatus\x12\x1a\n\x16JOB_STATUS_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATUS_QUEUED\x10\x01\x12\x16\n\x12JOB_STATUS_RUNNING\x10\x02\x12\x18\n\x14JOB_STATUS_SUCCEEDED\x10\x03\x12\x15\n\x11JOB_STATUS_FAILED\x10\x04\x32\x8c\x05\n\x06Manage\x12\x42\n\x0c\x43reateDomain\x12 .academus.v1.CreateDomainRequest\x1a\x10.academus.v1.Job\x12P\n\x0bListDomains\x12\x1f.academus.v1.ListDomainsRequest\x1a .academus.v1.ListDomainsResponse\x12S\n\x0c\x44\x65leteDomain\x12 .academus.v1.DeleteDomainRequest\x1a!.academus.v1.DeleteDomainResponse\x12L\n\x11\x43reateTenantModel\x12%.academus.v1.CreateTenantModelRequest\x1a\x10.academus.v1.Job\x12L\n\x11UpdateTenantModel\x12%.academus.v1.UpdateTenantModelRequest\x1a\x10.academus.v1.Job\x12_\n\x10ListTenantModels\x12$.academus.v1.ListTenantModelsRequest\x1a%.academus.v1.ListTenantModelsResponse\x12\x62\n\x11\x44\x65leteTenantModel\x12%.academus.v1.DeleteTenantModelRequest\x1a&.academus.v1.DeleteTenantModelResponse\x12\x36\n\x06GetJob\x12\x1a.academus.v1.GetJobRequest\x1a\x10.academus.v1.Jobb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x61\x63\x61\x64\x65mus/v1/manage.proto\x12\x0b\x61\x63\x61\x64\x65mus.v1\"N\n\x0f\x41\x64\x64ModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0c\n\x04task\x18\x03 \x01(\t\x12\x0f\n\x07pooling\x18\x04 \x01(\t\"\"\n\x12RemoveModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\xb1\x01\n\x03Job\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12&\n\x06status\x18\x03 \x01(\x0e\x32\x16.academus.v1.JobStatus\x12\x10\n\x08progress\x18\x04 \x01(\x02\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x13\n\x0bresult_json\x18\x06 \x01(\t\x12\x0e\n\x06target\x18\x07 \x01(\t\x12\x0f\n\x07\x63reated\x18\x08 \x01(\x01\x12\x0f\n\x07updated\x18\t \x01(\x01\"H\n\x13\x43reateDomainRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x63orpus\x18\x02 \x01(\x0c\x12\x13\n\x0btop_percent\x18\x03 \x01(\x02\"|\n\x06\x44omain\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x13\n\x0btop_percent\x18\x03 \x01(\x02\x12\x0e\n\x06job_id\x18\x04 \x01(\t\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x0f\n\x07\x63reated\x18\x06 \x01(\x01\x12\r\n\x05lines\x18\x07 \x01(\x03\"\x14\n\x12ListDomainsRequest\";\n\x13ListDomainsResponse\x12$\n\x07\x64omains\x18\x01 \x03(\x0b\x32\x13.academus.v1.Domain\"#\n\x13\x44\x65leteDomainRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\'\n\x14\x44\x65leteDomainResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"T\n\x18\x43reateTenantModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x62\x61se\x18\x02 \x01(\t\x12\x0e\n\x06\x64omain\x18\x03 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"6\n\x18UpdateTenantModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x9c\x01\n\x0bTenantModel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x62\x61se\x18\x02 \x01(\t\x12\x0e\n\x06\x64omain\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x05\x12\x0e\n\x06labels\x18\x05 \x03(\t\x12\x0e\n\x06status\x18\x06 \x01(\t\x12\x0e\n\x06job_id\x18\x07 \x01(\t\x12\x0f\n\x07message\x18\x08 \x01(\t\x12\x0f\n\x07\x63reated\x18\t \x01(\x01\"\x19\n\x17ListTenantModelsRequest\"D\n\x18ListTenantModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.academus.v1.TenantModel\"(\n\x18\x44\x65leteTenantModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\",\n\x19\x44\x65leteTenantModelResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\x1b\n\rGetJobRequest\x12\n\n\x02id\x18\x01 \x01(\t*\x87\x01\n\tJobStatus\x12\x1a\n\x16JOB_STATUS_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATUS_QUEUED\x10\x01\x12\x16\n\x12JOB_STATUS_RUNNING\x10\x02\x12\x18\n\x14JOB_STATUS_SUCCEEDED\x10\x03\x12\x15\n\x11JOB_STATUS_FAILED\x10\x04\x32\x8a\x06\n\x06Manage\x12\x42\n\x0c\x43reateDomain\x12 .academus.v1.CreateDomainRequest\x1a\x10.academus.v1.Job\x12P\n\x0bListDomains\x12\x1f.academus.v1.ListDomainsRequest\x1a .academus.v1.ListDomainsResponse\x12S\n\x0c\x44\x65leteDomain\x12 .academus.v1.DeleteDomainRequest\x1a!.academus.v1.DeleteDomainResponse\x12L\n\x11\x43reateTenantModel\x12%.academus.v1.CreateTenantModelRequest\x1a\x10.academus.v1.Job\x12L\n\x11UpdateTenantModel\x12%.academus.v1.UpdateTenantModelRequest\x1a\x10.academus.v1.Job\x12_\n\x10ListTenantModels\x12$.academus.v1.ListTenantModelsRequest\x1a%.academus.v1.ListTenantModelsResponse\x12\x62\n\x11\x44\x65leteTenantModel\x12%.academus.v1.DeleteTenantModelRequest\x1a&.academus.v1.DeleteTenantModelResponse\x12:\n\x08\x41\x64\x64Model\x12\x1c.academus.v1.AddModelRequest\x1a\x10.academus.v1.Job\x12@\n\x0bRemoveModel\x12\x1f.academus.v1.RemoveModelRequest\x1a\x10.academus.v1.Job\x12\x36\n\x06GetJob\x12\x1a.academus.v1.GetJobRequest\x1a\x10.academus.v1.Jobb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'academus.v1.manage_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_JOBSTATUS']._serialized_start=1098
-  _globals['_JOBSTATUS']._serialized_end=1233
-  _globals['_JOB']._serialized_start=42
-  _globals['_JOB']._serialized_end=219
-  _globals['_CREATEDOMAINREQUEST']._serialized_start=221
-  _globals['_CREATEDOMAINREQUEST']._serialized_end=293
-  _globals['_DOMAIN']._serialized_start=295
-  _globals['_DOMAIN']._serialized_end=419
-  _globals['_LISTDOMAINSREQUEST']._serialized_start=421
-  _globals['_LISTDOMAINSREQUEST']._serialized_end=441
-  _globals['_LISTDOMAINSRESPONSE']._serialized_start=443
-  _globals['_LISTDOMAINSRESPONSE']._serialized_end=502
-  _globals['_DELETEDOMAINREQUEST']._serialized_start=504
-  _globals['_DELETEDOMAINREQUEST']._serialized_end=539
-  _globals['_DELETEDOMAINRESPONSE']._serialized_start=541
-  _globals['_DELETEDOMAINRESPONSE']._serialized_end=580
-  _globals['_CREATETENANTMODELREQUEST']._serialized_start=582
-  _globals['_CREATETENANTMODELREQUEST']._serialized_end=666
-  _globals['_UPDATETENANTMODELREQUEST']._serialized_start=668
-  _globals['_UPDATETENANTMODELREQUEST']._serialized_end=722
-  _globals['_TENANTMODEL']._serialized_start=725
-  _globals['_TENANTMODEL']._serialized_end=881
-  _globals['_LISTTENANTMODELSREQUEST']._serialized_start=883
-  _globals['_LISTTENANTMODELSREQUEST']._serialized_end=908
-  _globals['_LISTTENANTMODELSRESPONSE']._serialized_start=910
-  _globals['_LISTTENANTMODELSRESPONSE']._serialized_end=978
-  _globals['_DELETETENANTMODELREQUEST']._serialized_start=980
-  _globals['_DELETETENANTMODELREQUEST']._serialized_end=1020
-  _globals['_DELETETENANTMODELRESPONSE']._serialized_start=1022
-  _globals['_DELETETENANTMODELRESPONSE']._serialized_end=1066
-  _globals['_GETJOBREQUEST']._serialized_start=1068
-  _globals['_GETJOBREQUEST']._serialized_end=1095
-  _globals['_MANAGE']._serialized_start=1236
-  _globals['_MANAGE']._serialized_end=1888
+  _globals['_JOBSTATUS']._serialized_start=1214
+  _globals['_JOBSTATUS']._serialized_end=1349
+  _globals['_ADDMODELREQUEST']._serialized_start=41
+  _globals['_ADDMODELREQUEST']._serialized_end=119
+  _globals['_REMOVEMODELREQUEST']._serialized_start=121
+  _globals['_REMOVEMODELREQUEST']._serialized_end=155
+  _globals['_JOB']._serialized_start=158
+  _globals['_JOB']._serialized_end=335
+  _globals['_CREATEDOMAINREQUEST']._serialized_start=337
+  _globals['_CREATEDOMAINREQUEST']._serialized_end=409
+  _globals['_DOMAIN']._serialized_start=411
+  _globals['_DOMAIN']._serialized_end=535
+  _globals['_LISTDOMAINSREQUEST']._serialized_start=537
+  _globals['_LISTDOMAINSREQUEST']._serialized_end=557
+  _globals['_LISTDOMAINSRESPONSE']._serialized_start=559
+  _globals['_LISTDOMAINSRESPONSE']._serialized_end=618
+  _globals['_DELETEDOMAINREQUEST']._serialized_start=620
+  _globals['_DELETEDOMAINREQUEST']._serialized_end=655
+  _globals['_DELETEDOMAINRESPONSE']._serialized_start=657
+  _globals['_DELETEDOMAINRESPONSE']._serialized_end=696
+  _globals['_CREATETENANTMODELREQUEST']._serialized_start=698
+  _globals['_CREATETENANTMODELREQUEST']._serialized_end=782
+  _globals['_UPDATETENANTMODELREQUEST']._serialized_start=784
+  _globals['_UPDATETENANTMODELREQUEST']._serialized_end=838
+  _globals['_TENANTMODEL']._serialized_start=841
+  _globals['_TENANTMODEL']._serialized_end=997
+  _globals['_LISTTENANTMODELSREQUEST']._serialized_start=999
+  _globals['_LISTTENANTMODELSREQUEST']._serialized_end=1024
+  _globals['_LISTTENANTMODELSRESPONSE']._serialized_start=1026
+  _globals['_LISTTENANTMODELSRESPONSE']._serialized_end=1094
+  _globals['_DELETETENANTMODELREQUEST']._serialized_start=1096
+  _globals['_DELETETENANTMODELREQUEST']._serialized_end=1136
+  _globals['_DELETETENANTMODELRESPONSE']._serialized_start=1138
+  _globals['_DELETETENANTMODELRESPONSE']._serialized_end=1182
+  _globals['_GETJOBREQUEST']._serialized_start=1184
+  _globals['_GETJOBREQUEST']._serialized_end=1211
+  _globals['_MANAGE']._serialized_start=1352
+  _globals['_MANAGE']._serialized_end=2130
 # @@protoc_insertion_point(module_scope)

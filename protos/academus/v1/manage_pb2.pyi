@@ -20,6 +20,24 @@ JOB_STATUS_RUNNING: JobStatus
 JOB_STATUS_SUCCEEDED: JobStatus
 JOB_STATUS_FAILED: JobStatus
 
+class AddModelRequest(_message.Message):
+    __slots__ = ("name", "source", "task", "pooling")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    source: str
+    task: str
+    pooling: str
+    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., task: _Optional[str] = ..., pooling: _Optional[str] = ...) -> None: ...
+
+class RemoveModelRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
 class Job(_message.Message):
     __slots__ = ("id", "kind", "status", "progress", "message", "result_json", "target", "created", "updated")
     ID_FIELD_NUMBER: _ClassVar[int]

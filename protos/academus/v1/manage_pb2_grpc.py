@@ -69,6 +69,16 @@ class ManageStub:
                 request_serializer=academus_dot_v1_dot_manage__pb2.DeleteTenantModelRequest.SerializeToString,
                 response_deserializer=academus_dot_v1_dot_manage__pb2.DeleteTenantModelResponse.FromString,
                 _registered_method=True)
+        self.AddModel = channel.unary_unary(
+                '/academus.v1.Manage/AddModel',
+                request_serializer=academus_dot_v1_dot_manage__pb2.AddModelRequest.SerializeToString,
+                response_deserializer=academus_dot_v1_dot_manage__pb2.Job.FromString,
+                _registered_method=True)
+        self.RemoveModel = channel.unary_unary(
+                '/academus.v1.Manage/RemoveModel',
+                request_serializer=academus_dot_v1_dot_manage__pb2.RemoveModelRequest.SerializeToString,
+                response_deserializer=academus_dot_v1_dot_manage__pb2.Job.FromString,
+                _registered_method=True)
         self.GetJob = channel.unary_unary(
                 '/academus.v1.Manage/GetJob',
                 request_serializer=academus_dot_v1_dot_manage__pb2.GetJobRequest.SerializeToString,
@@ -129,6 +139,23 @@ class ManageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AddModel(self, request, context):
+        """The user's models (`academus models add|remove`), admin key only. The trainer checks the directory (on its
+        own filesystem: a mounted volume), copies it under the artifacts with checksums and registers it; workers
+        serve it without a restart. A refused directory fails the job with the file and the problem named.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveModel(self, request, context):
+        """Unserves a model added with AddModel (or a head or student group on one) and deletes its copy; the job fails
+        naming what still depends on it (heads, student groups, tenant models).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetJob(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -172,6 +199,16 @@ def add_ManageServicer_to_server(servicer, server):
                     servicer.DeleteTenantModel,
                     request_deserializer=academus_dot_v1_dot_manage__pb2.DeleteTenantModelRequest.FromString,
                     response_serializer=academus_dot_v1_dot_manage__pb2.DeleteTenantModelResponse.SerializeToString,
+            ),
+            'AddModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddModel,
+                    request_deserializer=academus_dot_v1_dot_manage__pb2.AddModelRequest.FromString,
+                    response_serializer=academus_dot_v1_dot_manage__pb2.Job.SerializeToString,
+            ),
+            'RemoveModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveModel,
+                    request_deserializer=academus_dot_v1_dot_manage__pb2.RemoveModelRequest.FromString,
+                    response_serializer=academus_dot_v1_dot_manage__pb2.Job.SerializeToString,
             ),
             'GetJob': grpc.unary_unary_rpc_method_handler(
                     servicer.GetJob,
@@ -368,6 +405,60 @@ class Manage:
             '/academus.v1.Manage/DeleteTenantModel',
             academus_dot_v1_dot_manage__pb2.DeleteTenantModelRequest.SerializeToString,
             academus_dot_v1_dot_manage__pb2.DeleteTenantModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/academus.v1.Manage/AddModel',
+            academus_dot_v1_dot_manage__pb2.AddModelRequest.SerializeToString,
+            academus_dot_v1_dot_manage__pb2.Job.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/academus.v1.Manage/RemoveModel',
+            academus_dot_v1_dot_manage__pb2.RemoveModelRequest.SerializeToString,
+            academus_dot_v1_dot_manage__pb2.Job.FromString,
             options,
             channel_credentials,
             insecure,
