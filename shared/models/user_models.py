@@ -177,17 +177,18 @@ def verify_model_files(directory: Path) -> Manifest:
 
 # --- checks ---------------------------------------------------------------------------------------
 
-def _json_file(path: Path, required: bool = False) -> dict[str, Any]:
+def _json_file(path: Path, required: bool = False, expected: type = dict) -> Any:
+    """The file's JSON, which must be an `expected` (dict: an object, list: a list); an empty one when absent."""
     if not path.is_file():
         if required:
             raise ModelRefused(f"{path} is missing: a model directory needs its config.json")
-        return {}
+        return expected()
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelRefused(f"{path} is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise ModelRefused(f"{path} is not a JSON object")
+    if not isinstance(data, expected):
+        raise ModelRefused(f"{path} is not a JSON {'object' if expected is dict else 'list of modules'}")
     return data
 
 
@@ -299,13 +300,7 @@ def _sentence_pooling(directory: Path, pooling: str) -> tuple[str, bool]:
     modules = directory / "modules.json"
     normalize = True
     if modules.is_file():
-        try:
-            listed = json.loads(modules.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ModelRefused(f"{modules} is not valid JSON: {e}") from e
-        if not isinstance(listed, list):
-            raise ModelRefused(f"{modules} is not a JSON list of modules")
-        types = [str(m.get("type", "")) for m in listed if isinstance(m, dict)]
+        types = [str(m.get("type", "")) for m in _json_file(modules, expected=list) if isinstance(m, dict)]
         normalize = any(t.endswith("Normalize") for t in types)
     if pooling:
         return pooling, normalize

@@ -14,13 +14,12 @@ import pytest
 
 from academus.shared.runtime.config import artifacts_dir
 from academus.shared.runtime.redis_conn import connect
-from academus.shared.runtime.serving import CHANNEL_OPTIONS, RunningService
+from academus.shared.runtime.serving import CHANNEL_OPTIONS
 from academus.shared.state.catalogue import read_catalogue, write_entry
 from academus.shared.state.keys import Keys
 from academus.shared.state.tenants import TenantRegistry
 from academus.v1 import inference_pb2, inference_pb2_grpc, manage_pb2, manage_pb2_grpc
-from tests.conftest import env
-from tests.integration.test_manage_service import auth, wait_job
+from tests.integration.test_manage_service import auth, start_services, wait_job
 from tests.models import tiny_model_dir
 
 pytestmark = pytest.mark.integration
@@ -29,13 +28,6 @@ PREFIX = "manage-models"
 
 @pytest.fixture(scope="module")
 async def mesh(redis_server, tmp_path_factory):
-    from academus.services.adapter_store.server import build as adapter_store
-    from academus.services.gateway.server import build as gateway
-    from academus.services.resource_manager.server import build as resource_manager
-    from academus.services.scheduler.server import build as scheduler
-    from academus.services.trainer.server import build as trainer
-    from academus.services.worker.server import build as worker
-
     tmp = tmp_path_factory.mktemp("manage-models")
     artifacts = tmp / "artifacts"
     write_entry(artifacts, "minilm", read_catalogue(artifacts_dir())["minilm"])
@@ -44,11 +36,7 @@ async def mesh(redis_server, tmp_path_factory):
                 "ACADEMUS_ADAPTER_DIR": str(tmp / "adapters"), "ACADEMUS_UPLOADS_DIR": str(tmp / "uploads"),
                 "ACADEMUS_WORKER_ID": "manage-models-worker", "ACADEMUS_POLICY": "padded", "ACADEMUS_POLL_S": "0.1",
                 "ACADEMUS_CATALOGUE_POLL_S": "0.2"}
-    running = []
-    with env(**settings):
-        for factory in (resource_manager, adapter_store, worker, scheduler, trainer, gateway):
-            running.append(RunningService(await factory()))
-            await running[-1].start()
+    running = await start_services(settings)
     redis = connect(redis_server.url)
     admin = "acd_admin_for_manage_models_tests"
     await redis.hset(Keys(PREFIX).api_key(admin), mapping={"tenant": "admin", "role": "admin"})

@@ -43,8 +43,8 @@ def table(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-async def mesh(redis_server, tmp_path_factory, table):
+async def start_services(settings: dict[str, str]) -> list[RunningService]:
+    """The request path, the adapter store, the trainer and the gateway (last), built and started in process."""
     from academus.services.adapter_store.server import build as adapter_store
     from academus.services.gateway.server import build as gateway
     from academus.services.resource_manager.server import build as resource_manager
@@ -52,6 +52,16 @@ async def mesh(redis_server, tmp_path_factory, table):
     from academus.services.trainer.server import build as trainer
     from academus.services.worker.server import build as worker
 
+    running = []
+    with env(**settings):
+        for factory in (resource_manager, adapter_store, worker, scheduler, trainer, gateway):
+            running.append(RunningService(await factory()))
+            await running[-1].start()
+    return running
+
+
+@pytest.fixture(scope="module")
+async def mesh(redis_server, tmp_path_factory, table):
     tmp = tmp_path_factory.mktemp("manage")
     settings = {"ACADEMUS_REDIS_URL": redis_server.url, "ACADEMUS_KEY_PREFIX": PREFIX, "ACADEMUS_PORT": "0",
                 "ACADEMUS_METRICS_PORT": "-1", "ACADEMUS_ARTIFACTS": str(artifacts_dir()), "ACADEMUS_GRACE_S": "5",
@@ -59,11 +69,7 @@ async def mesh(redis_server, tmp_path_factory, table):
                 "ACADEMUS_PLOT_DIR": str(table), "ACADEMUS_WORKER_ID": "manage-worker", "ACADEMUS_MODELS": "minilm",
                 "ACADEMUS_POLICY": "padded", "ACADEMUS_ADAPTER_EPOCHS": "3", "ACADEMUS_POLL_S": "0.1",
                 "ACADEMUS_MIN_CORPUS_LINES": "20"}
-    running = []
-    with env(**settings):
-        for factory in (resource_manager, adapter_store, worker, scheduler, trainer, gateway):
-            running.append(RunningService(await factory()))
-            await running[-1].start()
+    running = await start_services(settings)
     redis = connect(redis_server.url)
     admin = "acd_admin_for_manage_tests"
     await redis.hset(Keys(PREFIX).api_key(admin), mapping={"tenant": "admin", "role": "admin"})
