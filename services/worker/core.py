@@ -199,7 +199,7 @@ class ModelRunner:
             try:
                 models[name] = self._load(name, catalogue[name])
                 self._refused.pop(name, None)
-            except (NotFound, InvalidArgument, ArtifactError, ValueError, OSError) as e:
+            except (NotFound, InvalidArgument, ArtifactError, ValueError, OSError, RuntimeError, KeyError) as e:
                 self._refused[name] = catalogue[name]
                 log_event("model_not_loaded", logging.ERROR, model=name, error=str(e))
         if models.keys() == self.models.keys():

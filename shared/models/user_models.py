@@ -108,9 +108,12 @@ def add_model(artifacts: Path, name: str, directory: Path, task: str = "", pooli
 
 def catalogue_entry(source: ModelSource, ref: str) -> dict[str, Any]:
     a = source.architecture
+    # `added` tells a re-added model from the one it replaces, whose entry it may otherwise equal: a worker
+    # retries an entry that failed to load only once it changes
     return {"kind": CLASSIFICATION if source.task == CLASSIFY else EMBEDDING, "source": ref,
             "architecture": a.name, "dim": a.hidden_size, "layers": a.layers, "max_tokens": source.max_tokens,
-            "pooling": source.pooling, "normalize": source.normalize, "labels": source.labels}
+            "pooling": source.pooling, "normalize": source.normalize, "labels": source.labels,
+            "added": datetime.now(UTC).isoformat(timespec="microseconds")}
 
 
 def list_models(artifacts: Path) -> list[dict[str, Any]]:

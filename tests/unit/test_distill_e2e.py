@@ -71,7 +71,7 @@ def test_quick_artifact_loads_and_serves_every_prefix(quick_run: tuple[Path, dic
     assert len(manifest["metrics"]["validation"]) == summary["students"]
     assert manifest["extra"]["best_k"] == summary["best_k"] and manifest["extra"]["layers"] == 2
     # narrow students (--intermediate-size): half the teacher's feed-forward neurons, kept when loaded
-    assert manifest["extra"]["bert_config"]["intermediate_size"] == 768
+    assert manifest["extra"]["encoder_config"]["intermediate_size"] == 768
     assert group.students[0].encoder.layer[0].intermediate.dense.weight.shape == (768, 384)
 
 

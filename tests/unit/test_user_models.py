@@ -215,7 +215,7 @@ def test_adds_each_family(artifacts: Path, model_dir: Callable[..., Path], famil
     expected = {"kind": "classification" if classifier else "embedding", "source": "models/mine",
                 "architecture": architecture, "dim": 36, "layers": 3, "max_tokens": max_tokens,
                 "pooling": "cls" if classifier else "mean", "normalize": not classifier,
-                "labels": LABELS if classifier else []}
+                "labels": LABELS if classifier else [], "added": entry["added"]}
     assert entry == {"name": "mine", **expected}
     assert read_catalogue(artifacts) == {"minilm": BUNDLED, "mine": expected}
     copy = artifacts / "models" / "mine"
