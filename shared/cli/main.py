@@ -10,7 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
-from academus.shared.runtime.config import artifacts_dir, offline_hub, run_dir, trace_file
+from academus.shared.runtime.config import ModelSelection, artifacts_dir, offline_hub, run_dir, trace_file
 from academus.shared.runtime.config_docs import add_arguments as add_config_docs_arguments
 from academus.shared.runtime.config_docs import write_or_check
 
@@ -220,7 +220,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"{'supervisor':<16} {'pid ' + str(report['supervisor']['pid'] or '-'):<28} "
               f"{report['supervisor']['health']}")
         for i, d in enumerate(report["deployments"]):
-            print(f"scheduler-{i:<6} policy {d['policy'] or 'fifo':<8} models {d['models'] or 'every model'}")
+            models = ModelSelection.parse(d["models"] or "").describe()
+            print(f"scheduler-{i:<6} policy {d['policy'] or 'fifo':<8} models {models}")
         for m in report["models"]:
             print(f"model {m['name']:<22} {m['kind']:<15} {m['architecture'] or 'bundled':<32} "
                   f"layers {m['layers'] or '-':<3} {m['memory_bytes'] / 2**20:8.1f} MiB  workers {m['workers']}")

@@ -119,6 +119,11 @@ class ModelSelection:
     def __contains__(self, model: str) -> bool:
         return (not self.names or model in self.names) and model not in self.excluded
 
+    def describe(self) -> str:
+        """For people: "every model", "a, b", or "every model but a, b"."""
+        chosen = ", ".join(sorted(self.names)) or "every model"
+        return f"{chosen} but {', '.join(sorted(self.excluded))}" if self.excluded else chosen
+
 
 EVERY_MODEL = ModelSelection()
 

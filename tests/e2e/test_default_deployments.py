@@ -13,6 +13,7 @@ import pytest
 
 from academus.client import Client
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, MeshOptions, MeshState, down, up
+from academus.shared.runtime.config import ModelSelection
 from tests.conftest import small_student_artifacts
 from tests.e2e.conftest import metric
 
@@ -44,8 +45,9 @@ def test_student_groups_are_served_by_student_and_every_other_model_by_concat(de
     students = {name for name, entry in catalogue.items() if entry.get("students")}
     assert students == {"sentiment-students", "sentiment-2l"}
     report = json.loads(status(default_mesh, "--json"))
-    served = {d["policy"]: set(d["models"].split(",")) for d in report["deployments"]}
-    assert served == {"student": students, "concat": set(catalogue) - students}
+    served = {d["policy"]: ModelSelection.parse(d["models"]) for d in report["deployments"]}
+    assert served["student"].names == students   # concat: every model but them, those added later too
+    assert all((name in served["concat"]) != (name in students) for name in [*catalogue, "added-later"])
     assert len([s for s in report["services"] if s["name"].startswith("scheduler")]) == 2
     shown = status(default_mesh)
     assert "policy student" in shown and "policy concat" in shown

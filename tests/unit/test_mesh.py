@@ -185,6 +185,8 @@ def test_without_a_deployment_student_groups_get_the_student_policy_and_every_ot
         ("student", "sentiment-2l,sentiment-students"), ("concat", concat)]
     selection = ModelSelection.parse(concat)
     assert "minilm" in selection and "added-later" in selection and "sentiment-students" not in selection
+    assert selection.describe() == "every model but sentiment-2l, sentiment-students"
+    assert ModelSelection.parse("").describe() == "every model" and ModelSelection.parse("b,a").describe() == "a, b"
 
 
 def test_without_student_groups_every_model_is_one_concat_deployment(tmp_path, monkeypatch):
