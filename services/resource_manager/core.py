@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from academus.services.resource_manager.allocation import Device, GroupLoad, StudentNumber, allocate_groups
+from academus.shared.runtime.config import split_names
 from academus.shared.state.catalogue import ModelSpec
 from academus.shared.state.keys import Keys
 
@@ -42,7 +43,7 @@ class PlacementTable:
         """Records the worker and the models it serves now; a model it served before and no longer does (removed
         from the catalogue) loses it, and leaves the catalogue once no worker serves it."""
         key = self.keys.worker(info.worker_id)
-        before = (await self.redis.hget(key, "models") or "").split(",")
+        dropped = set(split_names(await self.redis.hget(key, "models") or "")) - {spec.name for spec in specs}
         pipe = self.redis.pipeline(transaction=True)
         pipe.delete(key)
         pipe.hset(key, mapping={"address": info.address, "device": info.device,
@@ -52,10 +53,10 @@ class PlacementTable:
             pipe.sadd(self.keys.placement(spec.name), info.worker_id)
             pipe.sadd(self.keys.placements(), spec.name)
             pipe.hset(self.keys.models(), spec.name, spec.to_json())
-        for model in {m for m in before if m} - {spec.name for spec in specs}:
+        for model in dropped:
             pipe.srem(self.keys.placement(model), info.worker_id)
         await pipe.execute()
-        for model in {m for m in before if m} - {spec.name for spec in specs}:
+        for model in dropped:
             await self.forget_if_unplaced(model)
         await self.redis.publish(self.keys.events(), f"register {info.worker_id}")
 

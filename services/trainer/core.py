@@ -207,7 +207,7 @@ class ModelJobs:
             if params["action"] == "add":
                 return await asyncio.to_thread(add_model, self.artifacts, params["name"], Path(params["source"]),
                                                params.get("task", ""), params.get("pooling", ""))
-            tenants = sorted({t for t, m in await self.registry.all_models() if m.base == params["name"]})
+            tenants = await self.registry.tenants_on(params["name"])
             await asyncio.to_thread(remove_model, self.artifacts, params["name"], tenants)
             return {"removed": params["name"]}
         except ModelRefused as e:

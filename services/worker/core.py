@@ -26,7 +26,7 @@ from torch import nn
 from academus.services.worker.adapters import TenantBatch
 from academus.services.worker.traced import trace_layers
 from academus.shared.models.adapters import encode_with_adapters
-from academus.shared.models.model import HIDDEN_SIZE, TeacherEncoder, load_encoder, pad_batch
+from academus.shared.models.model import HIDDEN_SIZE, TeacherEncoder, pad_batch
 from academus.shared.models.packing import Attention, PackedBatch, PackingPlan, check_plan, encode_packed, pack
 from academus.shared.models.plot.hierarchical import PlotStates
 from academus.shared.models.plot.table import PlotError
@@ -257,18 +257,17 @@ class ModelRunner:
         """A model from `academus models add`: its files checked against their sha256, then its own encoder
         and, for a classifier, its own head. The encoder of an embedding model is kept for the heads trained
         on it (one copy however many)."""
-        from academus.shared.models.user_models import TOKENIZER, verify_model_files
+        from academus.shared.models.user_models import TOKENIZER, open_model
 
         directory = self.artifacts / entry["source"]
-        manifest = verify_model_files(directory)
-        classify = entry["kind"] == CLASSIFICATION
-        encoder, head = (None, None) if classify else (self._user_encoders.get(directory), None)
-        if encoder is None:
-            encoder, head = load_encoder(directory, self.device, manifest.extra["pooling"],
-                                         manifest.extra["normalize"], classify=classify)
+        encoder, head = self._user_encoders.get(directory), None
+        if encoder is None:   # the copy is verified as it is loaded, once
+            encoder, head, manifest = open_model(directory, self.device)
             self._prepare_layers(encoder, warm_up_token=min(WARM_UP_TOKEN, encoder.architecture.vocab_size - 1))
-        if not classify:
-            self._user_encoders[directory] = encoder
+            if head is None:
+                self._user_encoders[directory] = encoder
+        else:
+            manifest = read_manifest(directory)
         return ServedModel(self._user_spec(name, entry, encoder, head, manifest.files[TOKENIZER]), encoder, head)
 
     def _load_user_head(self, name: str, entry: dict) -> ServedModel:
@@ -280,8 +279,8 @@ class ModelRunner:
             raise NotFound(f"model {name!r} is a head on {entry[HEAD_ON]!r}, which is not in the catalogue")
         encoder = self._load_user_model(entry[HEAD_ON], base)
         head = load_head_at(self.artifacts / entry["head"]).to(self.device).eval()
-        return ServedModel(replace(self._user_spec(name, entry, encoder.encoder, head, encoder.spec.tokenizer),
-                                   memory_bytes=weight_bytes(encoder.encoder, head)), encoder.encoder, head)
+        return ServedModel(self._user_spec(name, entry, encoder.encoder, head, encoder.spec.tokenizer),
+                           encoder.encoder, head)
 
     @staticmethod
     def _user_spec(name: str, entry: dict, encoder: TeacherEncoder, head: nn.Module | None,

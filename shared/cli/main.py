@@ -296,7 +296,7 @@ def _with_mesh_artifacts(args: argparse.Namespace, rest: list[str]) -> list[str]
     it writes is then what the mesh's workers read."""
     if any(a == "--artifacts" or a.startswith("--artifacts=") for a in rest):
         return rest
-    return [*rest, "--artifacts", str(_models_artifacts(argparse.Namespace(artifacts=None, run_dir=args.run_dir)))]
+    return [*rest, "--artifacts", str(_mesh_artifacts(args))]
 
 
 def cmd_heads(args: argparse.Namespace) -> int:
@@ -399,10 +399,13 @@ def cmd_adapters_train(args: argparse.Namespace) -> int:
 
 def _models_artifacts(args: argparse.Namespace) -> Path:
     """Where the mesh's workers read the catalogue: --artifacts, else the running mesh's, else the default."""
+    return args.artifacts or _mesh_artifacts(args)
+
+
+def _mesh_artifacts(args: argparse.Namespace) -> Path:
+    """The running mesh's artifacts (ACADEMUS_ARTIFACTS without one)."""
     from academus.shared.cli.mesh import MeshError, MeshState
 
-    if args.artifacts:
-        return args.artifacts
     try:
         return Path(MeshState.load(_run_dir(args)).artifacts or artifacts_dir())
     except MeshError:
@@ -457,8 +460,7 @@ def _tenants_on(args: argparse.Namespace, base: str) -> list[str]:
     async def read() -> list[str]:
         redis = connect(state.redis_url)
         try:
-            registry = TenantRegistry(redis, Keys(state.key_prefix))
-            return sorted({t for t in await registry.tenants() for m in await registry.models(t) if m.base == base})
+            return await TenantRegistry(redis, Keys(state.key_prefix)).tenants_on(base)
         finally:
             await redis.aclose()
 

@@ -326,11 +326,11 @@ def _encode_sdpa(parts: _Stacks, inputs: PackedInputs, before_layer: LayerCallba
     flat = parts.embed(*(t.reshape(1, -1)[:, real] for t in (inputs.input_ids, inputs.token_type_ids,
                                                               inputs.position_ids))).squeeze(0)
     index, token_segments = real.nonzero().squeeze(1), inputs.segments.reshape(-1)[real]
-    blocks = block_mask(inputs.segments)
+    blocks = additive_mask(inputs.segments, flat.dtype) if parts.bias_sources else block_mask(inputs.segments)
     pooled = []
     for s, stack in enumerate(parts.stacks):
         bias = parts.bias(s, inputs.segments.shape[1], flat)
-        mask = blocks if bias is None else bias + additive_mask(inputs.segments, flat.dtype)
+        mask = blocks if bias is None else bias + blocks
         layout = _Layout(index, *inputs.segments.shape, mask)
         run_layer = _sdpa_layer if bias is None else _mpnet_sdpa_layer
         h = flat

@@ -156,6 +156,17 @@ def remove_model(artifacts: Path, name: str, tenants_on_it: list[str] = ()) -> N
         shutil.rmtree(Path(artifacts) / files, ignore_errors=True)
 
 
+def open_model(directory: Path, device: str | Any = "cpu") -> tuple[Any, Any, Manifest]:
+    """A copy under the artifacts as it is served: its files checked against their sha256, then its encoder
+    pooled as its manifest says, and its own head when it is served as a classifier. (encoder, head, manifest)."""
+    from academus.shared.models.model import load_encoder
+
+    manifest = verify_model_files(directory)
+    encoder, head = load_encoder(directory, device, manifest.extra["pooling"], manifest.extra["normalize"],
+                                 classify=manifest.task == CLASSIFY)
+    return encoder, head, manifest
+
+
 def cache_name(model: str, manifest: Manifest) -> str:
     """What names a user's model's embedding caches: its name and weights' digest (a model re-added under the
     same name with other weights does not read the old cache)."""
@@ -351,10 +362,8 @@ def _write_manifest(source: ModelSource, staging: Path) -> None:
 
 def _check_loads(staging: Path) -> None:
     """Loads the copy as a worker will: a weight the architecture needs and the files lack is refused here."""
-    from academus.shared.models.model import load_encoder
-
-    manifest = verify_model_files(staging)
+    manifest = read_manifest(staging)
     try:
-        load_encoder(staging, pooling=manifest.extra["pooling"], normalize=manifest.extra["normalize"])
+        open_model(staging)
     except (OSError, ValueError, RuntimeError) as e:
         raise ModelRefused(f"{manifest.extra['from']}: the weights do not load as {manifest.teacher}: {e}") from e

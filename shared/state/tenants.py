@@ -161,6 +161,10 @@ class TenantRegistry:
         return [(tenant, model.adapter, model.version) for tenant, model in await self.all_models()
                 if model.status == READY and model.base in bases]
 
+    async def tenants_on(self, base: str) -> list[str]:
+        """The tenants with a model on `base` (which may not be removed while they have)."""
+        return sorted({tenant for tenant, model in await self.all_models() if model.base == base})
+
     async def all_models(self) -> list[tuple[str, TenantModel]]:
         """(tenant, model) of every tenant's models, in one pipelined read."""
         tenants = await self.tenants()

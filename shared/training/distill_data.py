@@ -138,8 +138,7 @@ class Teacher:
     @classmethod
     def user(cls, artifacts: Path, name: str) -> Teacher:
         """`name`: a user's embedding model, or a head on one (then the head is the task's teacher head)."""
-        from academus.shared.models.model import load_encoder
-        from academus.shared.models.user_models import HEAD_ON, cache_name, verify_model_files
+        from academus.shared.models.user_models import HEAD_ON, cache_name, open_model
         from academus.shared.state.catalogue import read_catalogue
 
         catalogue = read_catalogue(artifacts)
@@ -150,8 +149,7 @@ class Teacher:
             raise ValueError(f"--model {name!r} is neither an embedding model added with `academus models add` nor a "
                              "head trained on one (`academus heads train`)")
         source = Path(artifacts) / base["source"]
-        manifest = verify_model_files(source)
-        encoder, _ = load_encoder(source, pooling=base["pooling"], normalize=base["normalize"])
+        encoder, _, manifest = open_model(source)
         head = load_head_at(Path(artifacts) / entry["head"]) if HEAD_ON in entry else None
         return cls(encoder, TeacherTokenizer(source, max_tokens=base["max_tokens"]), name,
                    cache_name(model, manifest), model, head)

@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from academus.shared.models.model import TeacherEncoder, load_encoder
+from academus.shared.models.model import TeacherEncoder
 from academus.shared.models.tokenization import TeacherTokenizer
-from academus.shared.models.user_models import HEAD_ON, ModelRefused, cache_name, verify_model_files
+from academus.shared.models.user_models import HEAD_ON, ModelRefused, cache_name, open_model
 from academus.shared.runtime.config import artifacts_dir as default_artifacts_dir
 from academus.shared.runtime.config import offline_hub
 from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, MODEL_NAME, read_catalogue, write_entry
@@ -44,8 +44,7 @@ def train_user_head(artifacts: Path, model: str, name: str, task: str = "", data
         raise ModelRefused(f"model {name!r} is already in the catalogue: choose another --name")
     examples = _examples(task, data, data_dir)
     source = artifacts / entry["source"]
-    manifest = verify_model_files(source)
-    encoder, _ = load_encoder(source, pooling=entry["pooling"], normalize=entry["normalize"])
+    encoder, _, manifest = open_model(source)
     tokenizer = TeacherTokenizer(source, max_tokens=entry["max_tokens"])
     started = time.perf_counter()
     metrics = prepare_task(examples, artifacts, _embedder(encoder, tokenizer),
