@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -55,7 +55,7 @@ class ModelSource:
     weights: list[str]             # safetensors files, relative to the directory
     shapes: dict[str, list[int]]
     max_tokens: int
-    tokenizer_files: list[str] = field(default_factory=list)   # what tokenizer.json is built from ([]: it exists)
+    tokenizer_json: str = ""       # tokenizer.json as the copy holds it (read, or built from the vocabulary files)
 
 
 def inspect_model_dir(directory: Path, task: str = "", pooling: str = "") -> ModelSource:
@@ -72,13 +72,13 @@ def inspect_model_dir(directory: Path, task: str = "", pooling: str = "") -> Mod
     labels = _labels(directory, config) if task == CLASSIFY else []
     weights = _weight_files(directory)
     shapes = _check_weights(directory, weights, architecture)
-    tokenizer_files = _check_tokenizer(directory, architecture)
+    tokenizer_json = _check_tokenizer(directory, architecture)
     if pooling and task == CLASSIFY:
         raise ModelRefused(f"--pooling applies to embedding models; {directory} is served as a classifier, pooled at "
                            "its first token as its head was trained")
     pooled, normalize = (FIRST, False) if task == CLASSIFY else _sentence_pooling(directory, pooling)
     return ModelSource(directory, architecture, task, pooled, normalize, labels, weights, shapes,
-                       _max_tokens(directory, architecture), tokenizer_files)
+                       _max_tokens(directory, architecture), tokenizer_json)
 
 
 def add_model(artifacts: Path, name: str, directory: Path, task: str = "", pooling: str = "") -> dict[str, Any]:
@@ -267,27 +267,26 @@ def _check_weights(directory: Path, weights: list[str], architecture: Architectu
     return shapes
 
 
-def _check_tokenizer(directory: Path, architecture: Architecture) -> list[str]:
-    """The tokenizer's ids must all be rows of the embeddings. Returns the files tokenizer.json is built from."""
-    path = directory / TOKENIZER
-    sources: list[str] = []
-    if path.is_file():
-        from tokenizers import Tokenizer
+def _check_tokenizer(directory: Path, architecture: Architecture) -> str:
+    """tokenizer.json's text: the file's, or built from the vocabulary files when there is none. Its ids must
+    all be rows of the embeddings."""
+    from tokenizers import Tokenizer
 
-        try:
-            vocab = Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)
-        except Exception as e:  # tokenizers raises a bare Exception on a bad file
-            raise ModelRefused(f"{path} cannot be read as a tokenizer: {e}") from e
-        where = str(path)
+    path = directory / TOKENIZER
+    if path.is_file():
+        raw, where = path.read_text(encoding="utf-8"), str(path)
     else:
-        sources = _tokenizer_sources(directory)
-        vocab = _built_tokenizer(directory).get_vocab()
-        where = f"the tokenizer from {', '.join(sources)} in {directory}"
+        where = f"the tokenizer from {', '.join(_tokenizer_sources(directory))} in {directory}"
+        raw = _built_tokenizer(directory).backend_tokenizer.to_str()
+    try:
+        vocab = Tokenizer.from_str(raw).get_vocab(with_added_tokens=True)
+    except Exception as e:  # tokenizers raises a bare Exception on a bad file
+        raise ModelRefused(f"{where} cannot be read as a tokenizer: {e}") from e
     top = max(vocab.values(), default=-1)
     if top >= architecture.vocab_size:
         raise ModelRefused(f"{where} has token ids up to {top}; config.json's vocab_size (the embeddings' rows) is "
                            f"{architecture.vocab_size}: the tokenizer is not this model's")
-    return sources
+    return raw
 
 
 def _tokenizer_sources(directory: Path) -> list[str]:
@@ -342,10 +341,7 @@ def _copy(source: ModelSource, staging: Path) -> None:
     index = [] if source.weights == ["model.safetensors"] else ["model.safetensors.index.json"]
     for name in ("config.json", *index, *source.weights):
         shutil.copyfile(source.directory / name, staging / name)
-    if source.tokenizer_files:
-        (staging / TOKENIZER).write_text(_built_tokenizer(source.directory).backend_tokenizer.to_str())
-    else:
-        shutil.copyfile(source.directory / TOKENIZER, staging / TOKENIZER)
+    (staging / TOKENIZER).write_text(source.tokenizer_json, encoding="utf-8")
 
 
 def _write_manifest(source: ModelSource, staging: Path) -> None:
