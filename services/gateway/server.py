@@ -9,6 +9,7 @@ import functools
 import json
 import logging
 import time
+from collections import deque
 
 import grpc
 import numpy as np
@@ -35,6 +36,7 @@ from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.runtime import config as cfg
 from academus.shared.runtime.errors import ServingError, Unavailable, abort_with, from_rpc_error
 from academus.shared.runtime.logs import log_event
+from academus.shared.runtime.multiplex import call_with_partials
 from academus.shared.runtime.redis_conn import connect, wake_on
 from academus.shared.runtime.serving import ServiceSpec, Stubs, run
 from academus.shared.runtime.tls import public_credentials
@@ -69,7 +71,7 @@ def from_pb(request: pb.InferRequest) -> InferCall:
     )
 
 
-def schedule_request(admitted: Admitted, request_id: str) -> scheduler_pb2.ScheduleRequest:
+def schedule_request(admitted: Admitted, request_id: str, early_exit: bool = False) -> scheduler_pb2.ScheduleRequest:
     tokens = tensors_pb2.TokenBatch(lengths=[len(e.input_ids) for e in admitted.encoded])
     for e in admitted.encoded:
         tokens.input_ids.extend(e.input_ids)
@@ -78,7 +80,8 @@ def schedule_request(admitted: Admitted, request_id: str) -> scheduler_pb2.Sched
             tokens.token_type_ids.extend(e.token_type_ids)
     request = scheduler_pb2.ScheduleRequest(request_id=request_id, model=admitted.spec.name,
                                             tenant=admitted.principal.tenant,
-                                            output=OUTPUT_ENUMS[admitted.model_output], tokens=tokens)
+                                            output=OUTPUT_ENUMS[admitted.model_output], tokens=tokens,
+                                            early_exit=early_exit)
     if (tm := admitted.tenant_model) is not None:  # the base runs it; the worker applies adapter and head
         request.model = tm.base
         request.adapter.CopyFrom(tensors_pb2.AdapterRef(tenant=admitted.principal.tenant, name=tm.adapter,
@@ -87,6 +90,8 @@ def schedule_request(admitted: Admitted, request_id: str) -> scheduler_pb2.Sched
 
 
 def to_pb(admitted: Admitted, result: tensors_pb2.ModelOutput, request_id: str) -> pb.InferResponse:
+    """The response for the full model's answer: every text's final prediction. An early answer (exit ramps,
+    `result.rows` set) gives those texts' predictions, released at `result.exit_layer`."""
     matrix = result.values
     dim, values = matrix.dim, matrix.values
     labels = admitted.spec.labels if admitted.tenant_model is not None else list(result.labels)
@@ -96,16 +101,32 @@ def to_pb(admitted: Admitted, result: tensors_pb2.ModelOutput, request_id: str) 
     response.metadata.CopyFrom(result.metadata)
     if admitted.paired:
         return pair_response(response, admitted, values, dim)
-    for i, e in enumerate(admitted.encoded):
-        row = values[i * dim : i * dim + width]
-        p = response.predictions.add(num_tokens=len(e.input_ids), truncated=e.truncated,
-                                     input_index=i, final=True)
+    early = bool(result.rows)
+    for k, i in enumerate(result.rows if early else range(len(admitted.encoded))):
+        e = admitted.encoded[i]
+        row = values[k * dim : k * dim + width]
+        p = response.predictions.add(num_tokens=len(e.input_ids), truncated=e.truncated, input_index=i,
+                                     final=not early, exit_layer=result.exit_layer if early else 0)
         if admitted.output == EMBED:
             p.embedding.extend(row)
         else:
             p.probs.extend(row)
             p.label = labels[max(range(width), key=row.__getitem__)]
             p.score = row[-1]
+    return response
+
+
+def first_results(admitted: Admitted, early: list[tensors_pb2.ModelOutput], final: tensors_pb2.ModelOutput | None,
+                  request_id: str) -> pb.InferResponse:
+    """Unary `early_exit`: each text's first result, from the ramp that released it or else the full model."""
+    response = to_pb(admitted, final, request_id) if final is not None else pb.InferResponse(
+        model=admitted.spec.name, request_id=request_id, labels=list(early[0].labels))
+    by_text = {p.input_index: p for p in response.predictions}
+    for output in early:
+        for p in to_pb(admitted, output, request_id).predictions:
+            by_text[p.input_index] = p   # released before the final answer
+    del response.predictions[:]
+    response.predictions.extend(by_text[i] for i in sorted(by_text))
     return response
 
 
@@ -142,21 +163,100 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     async def Infer(self, request: pb.InferRequest, context: grpc.aio.ServicerContext):
         entered = time.perf_counter()
-        remaining = context.time_remaining()
-        deadline = time.monotonic() + (remaining if remaining is not None else self.default_deadline_s)
         try:
-            policy = request.policy
-            admitted = await self.gateway.admit(api_key_from(context.invocation_metadata()), from_pb(request), policy)
-            annotate(model=admitted.spec.name, tenant=admitted.principal.tenant, texts=len(admitted.encoded))
-            result = await self._schedule(admitted, schedule_request(admitted, request.request_id), deadline, policy)
+            admitted, deadline = await self._admit(request, context)
+            if request.early_exit:
+                response = await self._first_results(admitted, request, deadline)
+            else:
+                result = await self._schedule(admitted, schedule_request(admitted, request.request_id), deadline,
+                                              request.policy)
+                response = to_pb(admitted, result, request.request_id)
         except ServingError as e:
             await abort_with(context, e)
         except RedisError as e:  # keys and catalogue unreachable: nothing ran, a retry may succeed
             await abort_with(context, Unavailable(f"credential and model store unreachable: {e}"))
-        response = to_pb(admitted, result, request.request_id)
         response.metadata.tokenize_ms = admitted.tokenize_ms
         response.metadata.gateway_ms = (time.perf_counter() - entered) * 1e3
         return response
+
+    async def InferStream(self, request: pb.InferRequest, context: grpc.aio.ServicerContext):
+        """Each exit event's texts as they are released (final = false), then every text's full-model prediction
+        (final = true). A client that leaves cancels the call: the scheduler drops its job, and the worker
+        stops the batch between layers once no caller of it is left."""
+        entered = time.perf_counter()
+        try:
+            admitted, deadline = await self._admit(request, context)
+        except ServingError as e:
+            await abort_with(context, e)
+        except RedisError as e:
+            await abort_with(context, Unavailable(f"credential and model store unreachable: {e}"))
+        early: deque[tensors_pb2.ModelOutput] = deque()
+        arrived = asyncio.Event()
+
+        def released(output: tensors_pb2.ModelOutput) -> None:
+            early.append(output)
+            arrived.set()
+
+        final = asyncio.ensure_future(self._schedule(admitted, schedule_request(admitted, request.request_id, True),
+                                                     deadline, request.policy, released))
+        try:
+            while True:
+                while early:
+                    yield to_pb(admitted, early.popleft(), request.request_id)
+                if final.done():   # early answers come before the final one: none can follow it
+                    break
+                arrived.clear()
+                waiter = asyncio.ensure_future(arrived.wait())
+                try:
+                    await asyncio.wait({final, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiter.cancel()
+            try:
+                result = final.result()
+            except ServingError as e:
+                await abort_with(context, e)
+            response = to_pb(admitted, result, request.request_id)
+            response.metadata.tokenize_ms = admitted.tokenize_ms
+            response.metadata.gateway_ms = (time.perf_counter() - entered) * 1e3
+            yield response
+        finally:
+            final.cancel()   # the client left (or the stream failed): its work stops downstream
+
+    async def _admit(self, request: pb.InferRequest, context: grpc.aio.ServicerContext) -> tuple[Admitted, float]:
+        """The admitted call (credentials, quota, limits, tokens) and its deadline on this clock."""
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + (remaining if remaining is not None else self.default_deadline_s)
+        admitted = await self.gateway.admit(api_key_from(context.invocation_metadata()), from_pb(request),
+                                            request.policy)
+        annotate(model=admitted.spec.name, tenant=admitted.principal.tenant, texts=len(admitted.encoded))
+        return admitted, deadline
+
+    async def _first_results(self, admitted: Admitted, request: pb.InferRequest, deadline: float) -> pb.InferResponse:
+        """Unary early exits: answered once every text has a result. The full model's answer is still awaited,
+        in the background: its batch runs on, and it is the feedback that keeps the ramps accurate."""
+        early: list[tensors_pb2.ModelOutput] = []
+        every_text = asyncio.Event()
+        texts = len(admitted.encoded)
+
+        def released(output: tensors_pb2.ModelOutput) -> None:
+            early.append(output)
+            if len({i for o in early for i in o.rows}) >= texts:
+                every_text.set()
+
+        final = asyncio.ensure_future(self._schedule(admitted, schedule_request(admitted, request.request_id, True),
+                                                     deadline, request.policy, released))
+        waiter = asyncio.ensure_future(every_text.wait())
+        try:
+            await asyncio.wait({final, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            final.cancel()
+            raise
+        finally:
+            waiter.cancel()
+        if not final.done():
+            final.add_done_callback(_settled)
+            return first_results(admitted, early, None, request.request_id)
+        return first_results(admitted, early, final.result(), request.request_id)
 
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):
         try:
@@ -170,12 +270,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                                              *(tenant_model_info_pb(m, bases.get(m.base)) for m in own)])
 
     async def _schedule(self, admitted: Admitted, request: scheduler_pb2.ScheduleRequest, deadline: float,
-                        policy: str = "") -> tensors_pb2.ModelOutput:
+                        policy: str = "", on_partial=None) -> tensors_pb2.ModelOutput:
         """Routes to the deployments serving the model (SchedulerDirectory.route). A refusal for want of
-        room anywhere gives the request's quota token back: nothing ran, and the caller will retry."""
+        room anywhere gives the request's quota token back: nothing ran, and the caller will retry.
+        `on_partial`: takes the early answers (exit ramps) that come before the answer."""
         async def send(address: str) -> tensors_pb2.ModelOutput:
             try:
-                return await self._stub(address).Schedule(request, timeout=max(deadline - time.monotonic(), 0.001))
+                return await call_with_partials(self._stub(address).Schedule, request,
+                                                max(deadline - time.monotonic(), 0.001), on_partial)
             except grpc.aio.AioRpcError as e:
                 raise from_rpc_error(e, f"scheduler {address}") from e
 
@@ -191,6 +293,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             await self.gateway.give_back(admitted)
         except RedisError as e:  # the refusal is still the answer; the tenant loses one token
             log_event("quota_give_back_failed", logging.WARNING, tenant=admitted.principal.tenant, error=repr(e))
+
+
+def _settled(task: asyncio.Future) -> None:
+    """A background call's outcome, read so that its failure is not reported as never retrieved."""
+    if not task.cancelled() and task.exception() is not None:
+        log_event("background_final_failed", logging.INFO, error=repr(task.exception()))
 
 
 JOB_STATUS = {QUEUED: manage_pb2.JOB_STATUS_QUEUED, RUNNING: manage_pb2.JOB_STATUS_RUNNING,

@@ -138,6 +138,7 @@ class Job:
     lengths: tuple[int, ...] = ()  # each text's tokens (concat places texts; empty: one text of num_tokens)
     plan: BatchPlan | None = None  # set by the concat policy: where this batch's texts sit (ConcatBatching)
     prefetch: asyncio.Task | None = field(repr=False, default=None)  # work done while it waits (PLOT states)
+    on_partial: Callable[[Any], None] | None = field(repr=False, default=None)  # its early answers (exit ramps)
 
 
 class WorkerLost(Exception):

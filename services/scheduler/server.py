@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -27,6 +28,7 @@ from academus.shared.models.plot.registry import live_plot_services
 from academus.shared.runtime import config as cfg
 from academus.shared.runtime.errors import DeadlineExceeded, ServingError, abort_with, answered, from_rpc_error
 from academus.shared.runtime.logs import log_event
+from academus.shared.runtime.multiplex import call_with_partials
 from academus.shared.runtime.redis_conn import connect, wake_on
 from academus.shared.runtime.serving import ServiceSpec, Stubs, run
 from academus.shared.runtime.tracing import annotate
@@ -56,7 +58,9 @@ class GroupSender:
         if self.prefetcher is not None:
             self.prefetcher.attach(request, batch)
         if len(group.members) == 1 and not group.members[0].students:
-            output = await self._call(group.members[0].worker_id, request, remaining)
+            wanted = any(j.on_partial is not None for j in batch)
+            output = await self._call(group.members[0].worker_id, request, remaining,
+                                      functools.partial(deliver_partial, batch=batch) if wanted else None)
         else:
             output = await self._fan_out(group, request, remaining)
         return [output] if len(batch) == 1 else split_output(output, [j.num_texts for j in batch])
@@ -77,12 +81,13 @@ class GroupSender:
             raise
         return combine(outputs, group)
 
-    async def _call(self, worker_id: str, request: worker_pb2.RunRequest, remaining: float):
+    async def _call(self, worker_id: str, request: worker_pb2.RunRequest, remaining: float,
+                    on_partial: Callable[[tensors_pb2.ModelOutput], None] | None = None):
         worker = self.workers.get(worker_id)
         if worker is None:
             raise WorkerLost(f"{worker_id} left the placement", worker_id)
         try:
-            return await self.stubs(worker.address).Run(request, timeout=remaining)
+            return await call_with_partials(self.stubs(worker.address).Run, request, remaining, on_partial)
         except grpc.aio.AioRpcError as e:
             if e.code() in LOST_CODES and not answered(e):   # the worker itself chose it: not lost
                 raise WorkerLost(f"{worker_id} at {worker.address}: {e.details()}", worker_id) from e
@@ -110,6 +115,22 @@ def combine(outputs: Sequence[tensors_pb2.ModelOutput], group: Group) -> tensors
     return tensors_pb2.ModelOutput(output=first.output, labels=first.labels, metadata=meta,
                                    values=tensors_pb2.Matrix(values=total.astype(np.float32).ravel().tolist(),
                                                              rows=rows, dim=dim))
+
+
+def deliver_partial(output: tensors_pb2.ModelOutput, batch: Sequence[Job]) -> None:
+    """A worker's early answer for rows of the merged batch, split to the jobs those rows belong to (each its
+    own rows, numbered within the job), for those that want early answers."""
+    dim, start, by_row = output.values.dim, 0, {row: i for i, row in enumerate(output.rows)}
+    for job in batch:
+        mine = [(row - start, by_row[row]) for row in range(start, start + job.num_texts) if row in by_row]
+        start += job.num_texts
+        if not mine or job.on_partial is None or job.future.done():
+            continue
+        part = tensors_pb2.ModelOutput(output=output.output, labels=output.labels, exit_layer=output.exit_layer,
+                                       rows=[local for local, _ in mine])
+        part.values.CopyFrom(tensors_pb2.Matrix(
+            values=[v for _, i in mine for v in output.values.values[i * dim:(i + 1) * dim]], rows=len(mine), dim=dim))
+        job.on_partial(part)
 
 
 def build_request(batch: Sequence[Job]) -> worker_pb2.RunRequest:
@@ -140,7 +161,8 @@ def packing_proto(plan: BatchPlan, batch: Sequence[Job]) -> worker_pb2.PackingPl
 def merge_requests(requests: Sequence[worker_pb2.RunRequest],
                    packing: worker_pb2.PackingPlan | None = None) -> worker_pb2.RunRequest:
     merged = worker_pb2.RunRequest(batch_id=",".join(r.batch_id for r in requests), model=requests[0].model,
-                                   output=requests[0].output, num_students=requests[0].num_students)
+                                   output=requests[0].output, num_students=requests[0].num_students,
+                                   early_exit=any(r.early_exit for r in requests))
     typed = any(r.tokens.token_type_ids for r in requests)
     tenanted = any(r.adapters for r in requests)  # tenants' texts share the batch (HMI §6.3)
     for r in requests:
@@ -181,13 +203,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                                         tokens=tokens, num_students=self.student_numbers.get(request.model, 0))
         if request.HasField("adapter"):  # a tenant model: every text runs the tenant's adapter + head
             payload.adapters.extend([request.adapter] * len(tokens.lengths))
+        # early answers go back on the gateway's call, where it rides a multiplexed hop that asked for them
+        on_partial = getattr(context, "send_partial", None) if request.early_exit else None
+        payload.early_exit = on_partial is not None
         job = Job(
             model=request.model,
             payload=payload,
             num_texts=len(tokens.lengths), num_tokens=len(tokens.input_ids),
             deadline=now + (remaining if remaining is not None else 30.0), enqueued_at=now,
             batch_key=(request.model, request.output, self.student_numbers.get(request.model, 0)),
-            max_length=max(tokens.lengths, default=0), lengths=tuple(tokens.lengths),
+            max_length=max(tokens.lengths, default=0), lengths=tuple(tokens.lengths), on_partial=on_partial,
         )
         annotate(model=request.model, tenant=request.tenant, policy=self.policy, batch_size=job.num_texts)
         try:

@@ -24,8 +24,10 @@ from prometheus_client import Gauge, Histogram
 from torch import nn
 
 from academus.services.worker.adapters import TenantBatch
+from academus.services.worker.exits import ExitRun, ModelExits, Release, load_exits
 from academus.services.worker.traced import trace_layers
 from academus.shared.models.adapters import encode_with_adapters
+from academus.shared.models.exits import ControllerSettings
 from academus.shared.models.model import HIDDEN_SIZE, TeacherEncoder, pad_batch
 from academus.shared.models.packing import Attention, PackedBatch, PackingPlan, check_plan, encode_packed, pack
 from academus.shared.models.plot.hierarchical import PlotStates
@@ -42,7 +44,7 @@ from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
 OUTPUT_EMBEDDING = "embedding"
 OUTPUT_PROBS = "probs"
 WARM_UP_TOKEN = 1996   # any id of the shared vocabulary ("the"): tracing needs inputs, not meaning
-LAYER_NAME = re.compile(r"encoder\.layer\.\d+$")  # HF BERT layers, in the teacher and in students
+LAYER_NAME = re.compile(r"encoder\.layer\.(\d+)$")  # HF BERT layers, in the teacher and in students
 
 BATCH_SIZE = Histogram("academus_worker_batch_size_texts", "Texts a batch the worker ran", ["model"],
                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
@@ -115,6 +117,7 @@ class ServedModel:
     default_students: int = 0      # the artifact's best-pruned k
     packable: bool = True          # False: PLOT models, whose lower layers are lookups, run padded only
     null: bool = False             # the null model: answers zeros without computing (NULL_MODEL)
+    exits: ModelExits | None = None  # exit ramps (Apparate), when `academus ramps train` made them
 
     def students(self, wanted: int) -> int:
         """The student count to run: the default for 0, refused beyond what the group holds."""
@@ -163,8 +166,10 @@ class ModelRunner:
 
     def __init__(self, artifacts: Path, models: Sequence[str], device: str = "cpu",
                  clock: Callable[[], float] = time.monotonic, attention: Attention = "sdpa",
-                 traced: bool = True) -> None:
+                 traced: bool = True, exit_settings: ControllerSettings | None = None) -> None:
+        """`exit_settings`: serve the bundled tasks' exit ramps (early exits) under these settings; None: no ramps."""
         self.device = resolve_device(device)
+        self.exit_settings = exit_settings
         self.traced = traced         # layers run as traced graphs (services/worker/traced.py)
         self.clock = clock
         self.attention = attention   # packed batches: own SDPA layers or HF layers with a 4-D mask
@@ -250,8 +255,12 @@ class ModelRunner:
             return ServedModel(ModelSpec(name, EMBEDDING, [], HIDDEN_SIZE), teacher)
         from academus.shared.training.prepare import load_head
 
-        head = load_head(self.artifacts, entry.get("task", name)).to(self.device).eval()
-        return ServedModel(ModelSpec(name, CLASSIFICATION, list(head.labels), HIDDEN_SIZE), teacher, head)
+        task = entry.get("task", name)
+        head = load_head(self.artifacts, task).to(self.device).eval()
+        exits = None if self.exit_settings is None else load_exits(
+            self.artifacts, task, HIDDEN_SIZE, head.labels, self.device, self.exit_settings, name)
+        return ServedModel(ModelSpec(name, CLASSIFICATION, list(head.labels), HIDDEN_SIZE), teacher, head,
+                           exits=exits)
 
     def _load_user_model(self, name: str, entry: dict) -> ServedModel:
         """A model from `academus models add`: its files checked against their sha256, then its own encoder
@@ -352,10 +361,20 @@ class ModelRunner:
                 encoder(ids, mask, types, **forward)
 
     def _watch_deadline(self, encoder: nn.Module) -> None:
-        """Hooks every transformer layer so an expired batch stops between layers."""
+        """Hooks every transformer layer so an expired batch stops between layers, and so a batch running exit
+        ramps sees each layer's output."""
         for name, module in encoder.named_modules():
-            if LAYER_NAME.search(name):
+            if match := LAYER_NAME.search(name):
                 module.register_forward_pre_hook(self._deadline_check(name))
+                module.register_forward_hook(self._ramp_hook(int(match.group(1)) + 1))
+
+    def _ramp_hook(self, layer: int):
+        def hook(_module, _args, output) -> None:
+            run = getattr(self._local, "exits", None)
+            if run is not None:
+                run.hidden(layer, output[0] if isinstance(output, tuple) else output)
+
+        return hook
 
     def _deadline_check(self, layer: str):
         def hook(_module, _args) -> None:
@@ -375,12 +394,13 @@ class ModelRunner:
             token_type_ids: Sequence[int] = (), deadline: float | None = None, num_students: int = 0,
             student_indices: Sequence[int] = (), plan: PackingPlan | None = None,
             tenants: TenantBatch | None = None, plot_states: PlotStates | None = None,
-            left: threading.Event | None = None) -> BatchResult:
+            left: threading.Event | None = None, release: Release | None = None) -> BatchResult:
         """Runs one batch; refuses to start when `deadline` (clock time) has passed, and stops between
         layers once it passes or `left` is set (the caller went away). With
         `student_indices`, runs only those students of a group and returns their additive share. With
         `plan` (one entry a text), runs it packed (ConcatBatching) instead of padded. A PLOT model given
-        `plot_states` (prefetched by the scheduler) runs only its upper layers on them."""
+        `plot_states` (prefetched by the scheduler) runs only its upper layers on them. With `release`, a
+        classifier with exit ramps releases each text at its first confident ramp (Apparate) and runs on."""
         served = self.models.get(model)
         if served is None:
             raise NotFound(f"model {model!r} is not served by this worker")
@@ -396,14 +416,23 @@ class ModelRunner:
         self._local.deadline, self._local.left = deadline, left  # what the layer checks stop on, every path
         seqs = split_lengths(input_ids, lengths)
         types = split_lengths(token_type_ids, lengths) if token_type_ids else None
-        if served.null:
-            result = self._run_null(served, lengths, student_indices, plan, tenants, left)
-        elif tenants is not None:  # tenant batches run padded: a plan's rows would mix adapters within a row
-            result = self._run_tenants(served, output, seqs, types, tenants, plot_states)
-        elif plan is not None and served.packable:  # a PLOT model runs the plan's texts padded: same answers
-            result = self._run_packed(served, output, seqs, types, plan, students, student_indices)
-        else:
-            result = self._run_padded(served, output, seqs, types, students, student_indices, plot_states)
+        exits = None
+        if release is not None and served.exits is not None and output == OUTPUT_PROBS and tenants is None:
+            exits = ExitRun(served.exits, len(lengths), release)
+        self._local.exits = exits   # the layer hooks' (padded) and after_layer's (packed) ramps
+        try:
+            if served.null:
+                result = self._run_null(served, lengths, student_indices, plan, tenants, left)
+            elif tenants is not None:  # tenant batches run padded: a plan's rows would mix adapters within a row
+                result = self._run_tenants(served, output, seqs, types, tenants, plot_states)
+            elif plan is not None and served.packable:  # a PLOT model runs the plan's texts padded: same answers
+                result = self._run_packed(served, output, seqs, types, plan, students, student_indices)
+            else:
+                result = self._run_padded(served, output, seqs, types, students, student_indices, plot_states)
+        finally:
+            self._local.exits = None
+        if exits is not None:
+            exits.finish(result.values)
         _batch_size(model).observe(len(lengths))   # one observation a batch, its label children resolved once
         _padding_ratio(model).observe(result.padding_ratio)
         return result
@@ -414,6 +443,8 @@ class ModelRunner:
         """The batch padded to its longest text: the whole model, or a group member's share of its students."""
         start = time.perf_counter()
         ids, mask, type_ids = self._padded(seqs, types)
+        if (exits := getattr(self._local, "exits", None)) is not None:
+            exits.mask = mask
         finish = ""
         with torch.inference_mode():
             if student_indices:
@@ -487,10 +518,13 @@ class ModelRunner:
         wants_probs, finish = output == OUTPUT_PROBS, ""
         with torch.inference_mode():
             try:
+                exits = getattr(self._local, "exits", None)
                 pooled = encode_packed(served.encoder, batch, self.attention,
                                        num_students=students if served.max_students else None,
                                        before_layer=lambda i: self._check_deadline(f"layer {i}"),
-                                       student_indices=student_indices)
+                                       student_indices=student_indices,
+                                       after_layer=None if exits is None else
+                                       lambda k, pool, rows: exits.at_layer(k, pool, rows.cpu().numpy()))
             except ValueError as e:  # student indices outside the group
                 raise InvalidArgument(str(e)) from e
             if student_indices:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 import torch
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from academus.services.worker.adapters import AdapterCache, StoreFetcher, TenantBatch
 from academus.services.worker.compute_threads import start_compute_thread
@@ -29,8 +29,10 @@ from academus.services.worker.core import (
     ModelRunner,
     device_label,
 )
+from academus.services.worker.exits import Release
 from academus.services.worker.host_tier import HostAdapters, HostWarmer
 from academus.services.worker.profiling import profile_model
+from academus.shared.models.exits import ControllerSettings
 from academus.shared.models.packing import PackingPlan
 from academus.shared.models.plot.hierarchical import PlotStates
 from academus.shared.models.plot.wire import lookup_from_pb
@@ -55,6 +57,12 @@ from academus.v1 import (
 BATCHES = Counter("academus_worker_batches_total", "Batches computed", ["model"])
 EXPIRED = Counter("academus_worker_expired_total", "Batches dropped because their deadline passed first")
 ABANDONED = Counter("academus_worker_abandoned_total", "Batches stopped between layers because their caller left")
+EXITS = Counter("academus_worker_exits_total", "Texts whose result a ramp released early (Apparate)",
+                ["model", "layer"])
+EXIT_AGREEMENT = Gauge("academus_worker_exit_agreement", "Released early results agreeing with the full model's, "
+                       "over the tuning window", ["model"])
+EXIT_TUNINGS = Counter("academus_worker_exit_tunings_total", "Threshold tunings of a model's ramps", ["model"])
+ACTIVE_RAMPS = Gauge("academus_worker_active_ramps", "Exit ramps a model runs now (§3.3 adjusts them)", ["model"])
 
 
 FINISHES = {"": tensors_pb2.FINISH_NONE, FINISH_SOFTMAX: tensors_pb2.FINISH_SOFTMAX, FINISH_L2: tensors_pb2.FINISH_L2,
@@ -92,6 +100,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 self.executor, self._run, request.model, output, tokens.input_ids, tokens.lengths,
                 tokens.token_type_ids, deadline, request.num_students, list(request.student_indices),
                 plan_from_proto(request), tenants, plot_states_from_proto(request), left,
+                self._releaser(request, context),
             )
         except ServingError as e:
             await abort_with(context, e)
@@ -114,6 +123,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             finish=FINISHES[result.finish],
         )
 
+
+    def _releaser(self, request: worker_pb2.RunRequest, context) -> Release | None:
+        """Early answers (exit ramps) for a call that asked and can take them: built on the compute thread,
+        sent from the event loop ahead of the call's answer."""
+        send = getattr(context, "send_partial", None) if request.early_exit else None
+        if send is None:
+            return None
+        loop, model = asyncio.get_running_loop(), request.model
+
+        def release(rows: list[int], layer: int, probs) -> None:
+            EXITS.labels(model, str(layer)).inc(len(rows))
+            labels = self.runner.specs[model].labels
+            early = tensors_pb2.ModelOutput(output=request.output, labels=labels, rows=rows, exit_layer=layer,
+                                            values=tensors_pb2.Matrix(values=probs.ravel().tolist(),
+                                                                      rows=len(rows), dim=probs.shape[1]))
+            loop.call_soon_threadsafe(send, early)
+
+        return release
 
     async def _tenants(self, request: worker_pb2.RunRequest, deadline: float | None) -> TenantBatch | None:
         """The batch's tenant adapters from the cache (misses fetched from the store); None without."""
@@ -166,6 +193,48 @@ def plan_from_proto(request: worker_pb2.RunRequest) -> PackingPlan | None:
         return PackingPlan.slotted(rows, plan.row_length, plan.slot_size or plan.row_length)
     except ValueError as e:
         raise InvalidArgument(f"packing: {e}") from e
+
+
+class ExitTuning:
+    """Runs each model's due threshold tunings off the compute thread (Apparate §3.2: on a thread of its own,
+    while batches go on), keeps the ramps' metrics, and publishes their state for `academus ramps status`."""
+
+    def __init__(self, runner: ModelRunner, redis, keys: Keys, worker_id: str, ttl_s: float,
+                 period_s: float = 0.25, publish_s: float = 1.0) -> None:
+        self.runner, self.redis, self.keys, self.worker_id = runner, redis, keys, worker_id
+        self.ttl_s, self.period_s, self.publish_s = ttl_s, period_s, publish_s
+
+    async def step(self) -> dict[str, dict]:
+        """One round: due tunings run; each model's status."""
+        status = {}
+        for name, served in list(self.runner.models.items()):
+            if served.exits is None:
+                continue
+            controller = served.exits.controller
+            reason = controller.due()
+            if reason:
+                await asyncio.to_thread(controller.tune, reason)
+                EXIT_TUNINGS.labels(name).inc()
+            EXIT_AGREEMENT.labels(name).set(controller.window_agreement())
+            ACTIVE_RAMPS.labels(name).set(len(controller.active.layers))
+            status[name] = controller.status()
+        return status
+
+    async def run(self) -> None:
+        published = 0.0
+        while True:
+            await asyncio.sleep(self.period_s)
+            try:
+                status = await self.step()
+                if status and time.monotonic() - published >= self.publish_s:
+                    published = time.monotonic()
+                    key = self.keys.ramps(self.worker_id)
+                    pipe = self.redis.pipeline(transaction=True)
+                    pipe.hset(key, mapping={m: json.dumps(v) for m, v in status.items()})
+                    pipe.expire(key, max(1, round(self.ttl_s)))
+                    await pipe.execute()
+            except Exception as e:  # Redis away: tuning goes on; the status is published again later
+                log_event("exit_tuning_failed", logging.WARNING, error=repr(e))
 
 
 class Registration:
@@ -266,8 +335,10 @@ async def build() -> ServiceSpec:
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     worker_id = config.worker_id or f"worker-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    exit_settings = ControllerSettings(config.exit_constraint, config.exit_window, config.exit_retune_every,
+                                       config.exit_retune_s, config.exit_budget, policy=config.exit_policy)
     runner = ModelRunner(Path(config.artifacts), list(cfg.split_names(config.models)), config.device,
-                         attention=config.packed_attention, traced=config.traced_layers)
+                         attention=config.packed_attention, traced=config.traced_layers, exit_settings=exit_settings)
     keys = Keys(config.key_prefix)
     fetcher = StoreFetcher(config.redis_url, keys, config.adapter_store, redis_password=config.redis_password)
     host = HostAdapters(fetcher.many, config.adapter_host_bytes, pin=runner.device.type == "cuda",
@@ -278,6 +349,7 @@ async def build() -> ServiceSpec:
     registration = Registration(config, runner, worker_id, servicer)
     warmer = HostWarmer(host, TenantRegistry(registration.redis, keys), list(runner.models),
                         config.adapter_warm_s) if host else None
+    tuning = ExitTuning(runner, registration.redis, keys, worker_id, config.heartbeat_ttl_s)
     return ServiceSpec(
         name="worker",
         config=config,
@@ -287,7 +359,8 @@ async def build() -> ServiceSpec:
         on_started=registration.register,
         on_stopping=registration.deregister,
         on_stopped=lambda: asyncio.to_thread(close_adapters, adapters, fetcher),
-        extra_tasks=[registration.heartbeat, registration.follow_catalogue, *([warmer.run] if warmer else [])],
+        extra_tasks=[registration.heartbeat, registration.follow_catalogue, tuning.run,
+                     *([warmer.run] if warmer else [])],
     )
 
 

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     return args.func(args)
 
 
-PASS_THROUGH = {"prepare", "loadgen", "distill", "plot", "heads"}
+PASS_THROUGH = {"prepare", "loadgen", "distill", "plot", "heads", "ramps"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -84,6 +84,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--no-truncate", action="store_true", help="refuse texts over the token limit")
     s.add_argument("--pair", action="append", default=None, metavar="TEXT",
                    help="the second text of a pair, once for each text, in order (an embedding model scores each pair)")
+    s.add_argument("--stream", action="store_true",
+                   help="early results (exit ramps) as they are released, then the full model's: one JSON line each, "
+                        "with `final` and `exit_layer`")
+    s.add_argument("--early-exit", action="store_true",
+                   help="answer as soon as every text has a result, from the first confident exit ramp")
     s.add_argument("texts", nargs="+")
     s.set_defaults(func=cmd_infer)
 
@@ -95,6 +100,8 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("heads", help="heads train: a linear head on an embedding model you added", add_help=False)
     s.set_defaults(func=cmd_heads)
+    s = sub.add_parser("ramps", help="early-exit ramps (Apparate): train --task T [--quick] | status", add_help=False)
+    s.set_defaults(func=cmd_ramps)
     s = sub.add_parser("plot", help="PLOT tables of lower-layer states (build | info | head)", add_help=False)
     s.set_defaults(func=cmd_plot)
 
@@ -259,24 +266,40 @@ def cmd_infer(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"--ca {ca}: cannot read it ({e.strerror})", file=sys.stderr)
         return 2
+    if args.stream and args.pair is not None:
+        print("--stream: text pairs are scored from embeddings, which have no early results", file=sys.stderr)
+        return 2
+    truncate = False if args.no_truncate else None
     try:
         with Client(gateway, api_key=key, timeout=args.timeout, tls=args.tls, root_certificates=root) as client:
-            result = client.infer(args.model, args.texts, args.output, pairs=args.pair,
-                                  truncate=False if args.no_truncate else None)
+            if args.stream:
+                for result in client.infer_stream(args.model, args.texts, args.output, truncate=truncate):
+                    for p in result.predictions:
+                        print(json.dumps(_prediction_line(args, p) | {"final": p.final, "exit_layer": p.exit_layer}),
+                              flush=True)
+                return 0
+            result = client.infer(args.model, args.texts, args.output, pairs=args.pair, truncate=truncate,
+                                  early_exit=args.early_exit)
     except AcademusError as e:
         print(e.code, file=sys.stdout)
         print(f"{e.code}: {e.details}", file=sys.stderr)
         return 1
-    for i, (text, p) in enumerate(zip(args.texts, result.predictions, strict=True)):
-        if args.pair is not None:
-            print(json.dumps({"text": text, "text_pair": args.pair[i], "score": p.score}))
-        elif p.embedding:
-            print(json.dumps({"text": text, "embedding": p.embedding}))
-        elif args.output == "score":
-            print(json.dumps({"text": text, "score": p.score}))
-        else:
-            print(json.dumps({"text": text, "label": p.label, "probs": p.probs}))
+    for p in result.predictions:
+        extra = {"final": p.final, "exit_layer": p.exit_layer} if args.early_exit else {}
+        print(json.dumps(_prediction_line(args, p) | extra))
     return 0
+
+
+def _prediction_line(args: argparse.Namespace, p) -> dict:
+    """What `academus infer` prints for one prediction."""
+    text = args.texts[p.input_index]
+    if args.pair is not None:
+        return {"text": text, "text_pair": args.pair[p.input_index], "score": p.score}
+    if p.embedding:
+        return {"text": text, "embedding": p.embedding}
+    if args.output == "score":
+        return {"text": text, "score": p.score}
+    return {"text": text, "label": p.label, "probs": p.probs}
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -297,6 +320,28 @@ def _with_mesh_artifacts(args: argparse.Namespace, rest: list[str]) -> list[str]
     if any(a == "--artifacts" or a.startswith("--artifacts=") for a in rest):
         return rest
     return [*rest, "--artifacts", str(_mesh_artifacts(args))]
+
+
+def cmd_ramps(args: argparse.Namespace) -> int:
+    """`ramps train` writes to the running mesh's artifacts (its workers load the ramps when they start);
+    `ramps status` prints every worker's ramps: active layers, thresholds, window agreement, exits, tunings and
+    the latest changes with their reasons."""
+    from academus.shared.training.ramps import main as ramps_main
+
+    if args.rest[:1] == ["status"]:
+        return _with_mesh_redis(args, ramp_status)
+    if args.rest[:1] != ["train"]:
+        print("usage: academus ramps train --task TASK [--quick] | academus ramps status", file=sys.stderr)
+        return 2
+    return ramps_main(["train", *_with_mesh_artifacts(args, args.rest[1:])])
+
+
+async def ramp_status(redis, keys) -> dict:
+    """Worker id -> model -> its ramps' state, as the workers publish it."""
+    out = {}
+    async for key in redis.scan_iter(match=keys.ramps("*")):
+        out[key.rsplit(":", 1)[-1]] = {m: json.loads(v) for m, v in (await redis.hgetall(key)).items()}
+    return out
 
 
 def cmd_heads(args: argparse.Namespace) -> int:

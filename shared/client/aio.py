@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import grpc
@@ -60,9 +60,27 @@ class AsyncClient:
 
     async def infer(self, model: str, texts: Sequence[str], output: str = "", *,
                     pairs: Sequence[str] | None = None, truncate: bool | None = None,
-                    timeout: float | None = None, request_id: str = "", policy: str = "") -> InferResult:
-        request = build_request(model, texts, output, pairs, truncate, request_id, policy)
+                    timeout: float | None = None, request_id: str = "", policy: str = "",
+                    early_exit: bool = False) -> InferResult:
+        """`early_exit`: answered as soon as every text has a result, each from the first exit ramp confident
+        enough (`Prediction.final` False, `exit_layer` its layer) or else the full model."""
+        request = build_request(model, texts, output, pairs, truncate, request_id, policy, early_exit)
         return from_response(await self._call(self._stub.Infer, request, timeout))
+
+    async def infer_stream(self, model: str, texts: Sequence[str], output: str = "", *,
+                           truncate: bool | None = None, timeout: float | None = None, request_id: str = "",
+                           policy: str = "") -> AsyncIterator[InferResult]:
+        """Early results as exit ramps release them (`final` False), then every text's full-model result
+        (`final` True), the last item. Leaving the iteration early cancels the call and its work."""
+        request = build_request(model, texts, output, None, truncate, request_id, policy)
+        call = self._stub.InferStream(request, timeout=timeout or self.timeout, metadata=call_metadata(self.api_key))
+        try:
+            async for response in call:
+                yield from_response(response)
+        except grpc.aio.AioRpcError as e:
+            raise AcademusError.from_rpc(e) from None
+        finally:
+            call.cancel()
 
     async def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
         """The served models and the caller's own tenant models, by name."""

@@ -84,6 +84,9 @@ class Prediction:
     embedding: list[float] = field(default_factory=list)
     num_tokens: int = 0
     truncated: bool = False
+    input_index: int = 0       # the text's position in the request
+    exit_layer: int = 0        # an early result (early exits): the layer whose ramp released it; 0: the full model
+    final: bool = True         # the full model's result
 
 
 @dataclass(frozen=True)
@@ -132,13 +135,15 @@ def models_from(response: pb.ListModelsResponse) -> list[ModelInfo]:
 
 
 def build_request(model: str, texts: Sequence[str], output: str = "", pairs: Sequence[str] | None = None,
-                  truncate: bool | None = None, request_id: str = "", policy: str = "") -> pb.InferRequest:
+                  truncate: bool | None = None, request_id: str = "", policy: str = "",
+                  early_exit: bool = False) -> pb.InferRequest:
     if output not in OUTPUTS:
         raise ValueError(f"output must be one of {sorted(o for o in OUTPUTS if o)}, not {output!r}")
     if isinstance(texts, str):
         raise TypeError("texts must be a sequence of strings, not one string")
     pairs = list(pairs) if pairs is not None else [""] * len(texts)
     request = pb.InferRequest(model=model, output=OUTPUTS[output], request_id=request_id, policy=policy,
+                              early_exit=early_exit,
                               inputs=[pb.TextInput(text=t, text_pair=p) for t, p in zip(texts, pairs, strict=True)])
     if truncate is not None:
         request.truncate = truncate
@@ -152,7 +157,8 @@ def from_response(response: pb.InferResponse) -> InferResult:
         model=response.model,
         request_id=response.request_id,
         predictions=[Prediction(label=p.label, probs=dict(zip(labels, p.probs, strict=False)), score=p.score,
-                                embedding=list(p.embedding), num_tokens=p.num_tokens, truncated=p.truncated)
+                                embedding=list(p.embedding), num_tokens=p.num_tokens, truncated=p.truncated,
+                                input_index=p.input_index, exit_layer=p.exit_layer, final=p.final)
                      for p in response.predictions],
         metadata=Metadata(m.policy, m.batch_size, m.student_count, m.worker_id, m.gateway_ms, m.tokenize_ms,
                           m.scheduler_ms, m.queue_ms, m.worker_ms, m.compute_ms, m.attempts, m.plot_prefetched,

@@ -31,6 +31,7 @@ them into the slot tensor for `scaled_dot_product_attention` with a boolean bloc
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -45,6 +46,8 @@ from academus.shared.models.students import StudentGroup
 
 Attention = Literal["hf", "sdpa"]
 LayerCallback = Callable[[int], None]   # called with the layer index before each layer (deadline checks)
+# after layer k: k, this pass's pooled states (computed on demand), the requests they belong to (exit ramps)
+AfterLayer = Callable[[int, Callable[[], torch.Tensor], torch.Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -265,7 +268,7 @@ def _member_stacks(group: StudentGroup, indices: Sequence[int]) -> _Stacks:
 
 def encode_packed(model: nn.Module, batch: PackedBatch, attention: Attention = "sdpa",
                   num_students: int | None = None, before_layer: LayerCallback | None = None,
-                  student_indices: Sequence[int] = ()) -> torch.Tensor:
+                  student_indices: Sequence[int] = (), after_layer: AfterLayer | None = None) -> torch.Tensor:
     """The served pooled representation of every request, [n_requests, H] in request order.
 
     Equal to the model's own forward on each request alone: `TeacherEncoder` → L2-normalised mean pool;
@@ -274,12 +277,15 @@ def encode_packed(model: nn.Module, batch: PackedBatch, attention: Attention = "
     `before_layer(i)` runs before every layer of every student (the worker's deadline check: raising
     there stops the batch). `"sdpa"` calls the layers' submodules, not the `encoder.layer.<i>` modules
     themselves, so forward hooks registered on those never fire there: use `before_layer`.
-    `student_indices` (a `StudentGroup` only) returns a group member's unnormalised share instead."""
+    `student_indices` (a `StudentGroup` only) returns a group member's unnormalised share instead.
+    `after_layer(k, pooled, requests)` runs after layer k (1-based) of a single stack (the teacher's exit ramps):
+    `pooled()` gives this pass's requests' states pooled (unnormalised), `requests` their indices."""
     parts = _stacks(model, num_students, student_indices)
     run = _encode_hf if attention == "hf" else _encode_sdpa
+    after = after_layer if len(parts.stacks) == 1 else None
     out: torch.Tensor | None = None
     for inputs in batch.passes:
-        pooled = run(parts, inputs, before_layer)
+        pooled = run(parts, inputs, before_layer, after)
         if out is None:
             out = pooled.new_empty(batch.num_requests, pooled.shape[-1])
         out[inputs.requests] = pooled
@@ -294,7 +300,8 @@ def _combine(parts: _Stacks, pooled: list[torch.Tensor]) -> torch.Tensor:
     return (parts.alphas[:, None, None] * torch.stack(pooled)).sum(0)
 
 
-def _encode_hf(parts: _Stacks, inputs: PackedInputs, before_layer: LayerCallback | None) -> torch.Tensor:
+def _encode_hf(parts: _Stacks, inputs: PackedInputs, before_layer: LayerCallback | None,
+               after_layer: AfterLayer | None = None) -> torch.Tensor:
     """HF modules on the padded slot tensor with a 4-D additive block mask and explicit position ids."""
     hidden = parts.embed(inputs.input_ids, inputs.token_type_ids, inputs.position_ids)
     mask = additive_mask(inputs.segments, hidden.dtype)
@@ -306,6 +313,8 @@ def _encode_hf(parts: _Stacks, inputs: PackedInputs, before_layer: LayerCallback
             if before_layer is not None:
                 before_layer(i)
             h = layer(h, mask) if bias is None else layer(h, mask, position_bias=bias)[0]
+            if after_layer is not None:
+                after_layer(i + 1, functools.partial(parts.pool, h, inputs.segments, inputs.lengths), inputs.requests)
         pooled.append(parts.pool(h, inputs.segments, inputs.lengths))
     return _combine(parts, pooled)
 
@@ -320,7 +329,8 @@ class _Layout:
     mask: torch.Tensor      # [S, 1, W, W] boolean block mask, or additive with MPNet's bias: [S, heads, W, W]
 
 
-def _encode_sdpa(parts: _Stacks, inputs: PackedInputs, before_layer: LayerCallback | None) -> torch.Tensor:
+def _encode_sdpa(parts: _Stacks, inputs: PackedInputs, before_layer: LayerCallback | None,
+                 after_layer: AfterLayer | None = None) -> torch.Tensor:
     """Own layers over the HF weights: token-wise work on real tokens only, SDPA per slot."""
     real = inputs.segments.reshape(-1) >= 0
     flat = parts.embed(*(t.reshape(1, -1)[:, real] for t in (inputs.input_ids, inputs.token_type_ids,
@@ -338,6 +348,8 @@ def _encode_sdpa(parts: _Stacks, inputs: PackedInputs, before_layer: LayerCallba
             if before_layer is not None:
                 before_layer(i)
             h = run_layer(layer, h, layout)
+            if after_layer is not None:
+                after_layer(i + 1, functools.partial(parts.pool, h, token_segments, inputs.lengths), inputs.requests)
         pooled.append(parts.pool(h, token_segments, inputs.lengths))
     return _combine(parts, pooled)
 

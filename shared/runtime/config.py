@@ -402,6 +402,17 @@ class WorkerConfig(CommonConfig):
                                                "store", at_least(0))
     adapter_warm_s: float = setting(10.0, "how often served tenant models are loaded into host memory; 0: on first "
                                           "use", at_least(0))
+    exit_policy: str = setting("apparate", "early exits (`InferRequest.early_exit`): apparate (thresholds tuned "
+                                           "online), none, deebert (one entropy threshold tuned once), static "
+                                           "(per-ramp thresholds tuned once), pabee2 | pabee3 (patience)",
+                               one_of("apparate", "none", "deebert", "static", "pabee2", "pabee3"))
+    exit_constraint: float = setting(0.99, "released early results agreeing with the full model's (Apparate §3.2)",
+                                     between(0.5, 1.0, "a share"))
+    exit_window: int = setting(256, "recent texts a threshold tuning looks at", at_least(16))
+    exit_retune_every: int = setting(128, "texts between scheduled tunings", at_least(1))
+    exit_retune_s: float = setting(30.0, "a tuning at least this often while traffic comes", above(0))
+    exit_budget: float = setting(0.02, "the active ramps' summed cost, a share of the model's time (§3.3)",
+                                 between(0.0, 1.0, "a share"))
 
     def profiles(self, cuda: bool) -> bool:
         """Whether the worker runs the start-up profile on its device (auto: on a GPU only)."""

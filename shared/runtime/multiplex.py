@@ -110,6 +110,10 @@ MAX_PUSHBACK_MS = 50
 MIN_BACKLOG_S = 0.05
 # Calls metadata (the caller) and initial metadata (the server): "1", this end reads batched frames.
 FRAME_BATCHES_KEY = "academus-frame-batches"
+# Frame metadata (the caller): "1", send this call's early answers as partial replies (ReplyFrame.partial), which
+# its handler sends with `FrameContext.send_partial` (exit ramps' results, Apparate). A plain unary call has no
+# such channel: its caller gets the final answer only.
+PARTIALS_KEY = "academus-partials"
 # Initial metadata (the server): its node-local data plane, "<token>:<socket path>" (shared/runtime/local_plane.py).
 LOCAL_KEY = "academus-local"
 # Opens the announced plane with the stream's metadata, greeted, or raises (shared/runtime/local_plane.py's
@@ -142,6 +146,7 @@ class _Stream:
         self.retired = False   # new calls go elsewhere: closed once its pending calls have answered
         self.pending: dict[int, asyncio.Future] = {}
         self.pieces: dict[int, list[bytes]] = {}   # the pieces so far of replies that come in pieces
+        self.partials: dict[int, Callable[[bytes], None]] = {}   # calls that take early answers: their handlers
         self.unsent: set[int] = set()              # calls whose frame waits in the outbox
         self.broken: grpc.aio.AioRpcError | None = None
         self.outbox: asyncio.Queue[multiplex_pb2.CallFrame] = asyncio.Queue()
@@ -171,6 +176,7 @@ class _Stream:
     def forget(self, call_id: int) -> None:
         """The caller left call `call_id`: no reply is awaited; a frame not written yet never is, and the
         handler of one that was is told to stop."""
+        self.partials.pop(call_id, None)
         if self.pending.pop(call_id, None) is None or self.broken is not None:
             return
         if self.retired and not self.pending:
@@ -242,6 +248,15 @@ class _Stream:
             raise
 
     def _receive(self, reply: multiplex_pb2.ReplyFrame) -> None:
+        if reply.partial:
+            take = self.partials.get(reply.id)
+            if take is not None:
+                try:
+                    take(reply.payload)
+                except Exception as e:  # the caller's handler: its failure must not stop the replies' reader
+                    log_event("partial_reply_failed", error=repr(e))
+            return
+        self.partials.pop(reply.id, None)
         if reply.more:
             self.pieces.setdefault(reply.id, []).append(reply.payload)
             return
@@ -262,7 +277,7 @@ class _Stream:
             for task in (self.writer, self.announced):
                 if task is not None:
                     task.cancel()
-        pending, self.pending, self.pieces = self.pending, {}, {}
+        pending, self.pending, self.pieces, self.partials = self.pending, {}, {}, {}
         for future in pending.values():
             if not future.done():
                 future.set_exception(self.broken)
@@ -297,6 +312,10 @@ class MultiplexChannel:
         # a request too large for a frame goes as this call, through the channel's own interceptors
         alone = self.channel.unary_unary(method, response_deserializer=deserialize)
         return MultiplexedMethod(self, method, serialize, deserialize, alone)
+
+    def unary_stream(self, method: str, *args: Any, **kwargs: Any) -> grpc.aio.UnaryStreamMultiCallable:
+        """A server-streaming method (InferStream) is a call of its own on the channel."""
+        return self.channel.unary_stream(method, *args, **kwargs)
 
     def stream(self) -> _Stream:
         """The stream new calls take: the node-local one once connected, else (again after it broke) gRPC's."""
@@ -357,13 +376,18 @@ class MultiplexedMethod:
     deserialize: Callable[[bytes], object]
     alone: grpc.aio.UnaryUnaryMultiCallable   # the same method as a unary call of its own (bytes in)
 
-    async def __call__(self, request, timeout: float | None = None, metadata: Sequence[tuple[str, str]] = ()):
+    async def __call__(self, request, timeout: float | None = None, metadata: Sequence[tuple[str, str]] = (),
+                       on_partial: Callable[[Any], None] | None = None):
+        """`on_partial`: called with each early answer the handler sends before its response (a request too large
+        for a frame rides a unary call of its own, which has none)."""
         payload = self.serialize(request)
         if len(payload) > self.channel.max_frame_bytes:
             return await self.alone(payload, timeout=timeout, metadata=metadata or None)
         span, carrier = start_client_span(self.channel.tracer, self.method)
+        if on_partial is not None:
+            metadata = [*metadata, (PARTIALS_KEY, "1")]
         try:
-            reply = await self._call(payload, timeout, [*metadata, *carrier.items()])
+            reply = await self._call(payload, timeout, [*metadata, *carrier.items()], on_partial)
         except grpc.aio.AioRpcError as e:
             end_client_span(span, e.code(), e.details())
             raise
@@ -373,10 +397,13 @@ class MultiplexedMethod:
         end_client_span(span, grpc.StatusCode.OK, None)
         return reply
 
-    async def _call(self, payload: bytes, timeout: float | None, metadata: list[tuple[str, str]]):
+    async def _call(self, payload: bytes, timeout: float | None, metadata: list[tuple[str, str]],
+                    on_partial: Callable[[Any], None] | None = None):
         stream = self.channel.stream()
         call_id = next(self.channel._ids)
         future = asyncio.get_running_loop().create_future()
+        if on_partial is not None:
+            stream.partials[call_id] = lambda payload: on_partial(self.deserialize(payload))
         stream.send(multiplex_pb2.CallFrame(
             id=call_id, method=self.method, payload=payload, timeout_s=timeout or 0.0,
             sent_s=asyncio.get_running_loop().time(),
@@ -402,8 +429,11 @@ class MultiplexedMethod:
 class FrameContext:
     """What the project's handlers and interceptors ask of a grpc.aio.ServicerContext, for one frame."""
 
-    def __init__(self, frame: multiplex_pb2.CallFrame, started: float) -> None:
-        """`started`: when the caller made the call, on this loop's clock."""
+    def __init__(self, frame: multiplex_pb2.CallFrame, started: float,
+                 partial: Callable[[object], None] | None = None) -> None:
+        """`started`: when the caller made the call, on this loop's clock. `partial`: sends an early answer,
+        where the caller asked for them."""
+        self.send_partial = partial
         self._deadline = started + frame.timeout_s if frame.timeout_s > 0 else None
         self._metadata = tuple((m.key, m.value) for m in frame.metadata)
         self._code: grpc.StatusCode | None = None
@@ -582,7 +612,7 @@ class _ServedStream:
         return reply
 
     def in_pieces(self, reply: multiplex_pb2.ReplyFrame) -> bool:
-        return 0 < self.piece < len(reply.payload)
+        return 0 < self.piece < len(reply.payload) and not reply.partial   # early answers are small; go whole
 
     def _next_piece(self) -> multiplex_pb2.ReplyFrame:
         call_id, payload, offset = self.rest.popleft()
@@ -621,8 +651,9 @@ class _ServedStream:
             pieces = self.in_pieces(reply)
             if pieces:
                 REPLIES_IN_PIECES.labels(frame.method).inc()
-            if pieces or self.send_now is None or not self.send_now(reply):
                 self.replies.put_nowait(reply)
+            else:
+                self.emit(reply)
         except asyncio.CancelledError:
             pass  # the caller left: nobody waits for an answer
         finally:
@@ -630,12 +661,23 @@ class _ServedStream:
             if self.closing and not self.running:
                 self.replies.put_nowait(None)
 
+    def emit(self, reply: multiplex_pb2.ReplyFrame) -> None:
+        """A whole reply, written on the spot where it can be and nothing waits ahead of it (replies of one call
+        keep their order: early answers before the final one), else queued."""
+        if self.send_now is None or self.held or self.rest or not self.replies.empty() or not self.send_now(reply):
+            self.replies.put_nowait(reply)
+
     async def answer(self, frame: multiplex_pb2.CallFrame, started: float) -> multiplex_pb2.ReplyFrame:
         method = self.servicer.methods.get(frame.method)
         if method is None:
             return reply_status(frame.id, grpc.StatusCode.UNIMPLEMENTED,
                                 f"method {frame.method!r} is not multiplexed here")
-        context = FrameContext(frame, started)
+        partial = None
+        if any(m.key == PARTIALS_KEY for m in frame.metadata):
+            def partial(message: object) -> None:
+                if frame.id in self.running:   # not after the call ended (or its caller left)
+                    self.emit(multiplex_pb2.ReplyFrame(id=frame.id, payload=method.serialize(message), partial=True))
+        context = FrameContext(frame, started, partial)
         unrun = unrun_reply(frame, context)
         if unrun is not None:
             MULTIPLEXED_UNRUN.labels(frame.method, CODES[unrun.code].name).inc()
@@ -723,3 +765,12 @@ def wrapped(behavior: UnaryBehavior, method: str, interceptors: Sequence[UnarySe
 
 def _same(payload: bytes) -> bytes:
     return payload
+
+
+async def call_with_partials(method: Any, request: object, timeout: float | None,
+                             on_partial: Callable[[Any], None] | None) -> Any:
+    """`method(request)`, its early answers to `on_partial` where it rides a multiplexed stream (a plain unary
+    stub has no channel for them: its caller gets the final answer only)."""
+    if on_partial is not None and isinstance(method, MultiplexedMethod):
+        return await method(request, timeout=timeout, on_partial=on_partial)
+    return await method(request, timeout=timeout)

@@ -27,6 +27,10 @@ class Keys:
         """Hash: model name -> ModelSpec JSON (the gateway's catalogue)."""
         return f"{self.prefix}:models"
 
+    def ramps(self, worker_id: str) -> str:
+        """Hash, model -> JSON: a worker's exit ramps (active, thresholds, agreement, changes); with a TTL."""
+        return f"{self.prefix}:ramps:{worker_id}"
+
     def tokenizer(self, digest: str) -> str:
         """String: a user's model's tokenizer.json, by its sha256 (the gateway tokenizes with it)."""
         return f"{self.prefix}:tokenizer:{digest}"

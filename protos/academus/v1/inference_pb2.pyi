@@ -27,20 +27,22 @@ class TextInput(_message.Message):
     def __init__(self, text: _Optional[str] = ..., text_pair: _Optional[str] = ...) -> None: ...
 
 class InferRequest(_message.Message):
-    __slots__ = ("model", "inputs", "output", "truncate", "request_id", "policy")
+    __slots__ = ("model", "inputs", "output", "truncate", "request_id", "policy", "early_exit")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    EARLY_EXIT_FIELD_NUMBER: _ClassVar[int]
     model: str
     inputs: _containers.RepeatedCompositeFieldContainer[TextInput]
     output: Output
     truncate: bool
     request_id: str
     policy: str
-    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TextInput, _Mapping]]] = ..., output: _Optional[_Union[Output, str]] = ..., truncate: _Optional[bool] = ..., request_id: _Optional[str] = ..., policy: _Optional[str] = ...) -> None: ...
+    early_exit: bool
+    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TextInput, _Mapping]]] = ..., output: _Optional[_Union[Output, str]] = ..., truncate: _Optional[bool] = ..., request_id: _Optional[str] = ..., policy: _Optional[str] = ..., early_exit: _Optional[bool] = ...) -> None: ...
 
 class Prediction(_message.Message):
     __slots__ = ("label", "probs", "score", "embedding", "num_tokens", "truncated", "input_index", "exit_layer", "final")

@@ -39,6 +39,11 @@ class InferenceStub:
                 request_serializer=academus_dot_v1_dot_inference__pb2.InferRequest.SerializeToString,
                 response_deserializer=academus_dot_v1_dot_inference__pb2.InferResponse.FromString,
                 _registered_method=True)
+        self.InferStream = channel.unary_stream(
+                '/academus.v1.Inference/InferStream',
+                request_serializer=academus_dot_v1_dot_inference__pb2.InferRequest.SerializeToString,
+                response_deserializer=academus_dot_v1_dot_inference__pb2.InferResponse.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/academus.v1.Inference/ListModels',
                 request_serializer=academus_dot_v1_dot_inference__pb2.ListModelsRequest.SerializeToString,
@@ -55,6 +60,15 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def InferStream(self, request, context):
+        """Early results as they come (Apparate): one message per exit event, each with the texts a ramp released
+        (final = false, exit_layer = k), then one with every text's full-model prediction (final = true). A model
+        without ramps sends the final message only. `early_exit` is implied.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListModels(self, request, context):
         """Any key: the served models and the caller's own tenant models (never another tenant's).
         """
@@ -67,6 +81,11 @@ def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Infer': grpc.unary_unary_rpc_method_handler(
                     servicer.Infer,
+                    request_deserializer=academus_dot_v1_dot_inference__pb2.InferRequest.FromString,
+                    response_serializer=academus_dot_v1_dot_inference__pb2.InferResponse.SerializeToString,
+            ),
+            'InferStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.InferStream,
                     request_deserializer=academus_dot_v1_dot_inference__pb2.InferRequest.FromString,
                     response_serializer=academus_dot_v1_dot_inference__pb2.InferResponse.SerializeToString,
             ),
@@ -101,6 +120,33 @@ class Inference:
             request,
             target,
             '/academus.v1.Inference/Infer',
+            academus_dot_v1_dot_inference__pb2.InferRequest.SerializeToString,
+            academus_dot_v1_dot_inference__pb2.InferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InferStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/academus.v1.Inference/InferStream',
             academus_dot_v1_dot_inference__pb2.InferRequest.SerializeToString,
             academus_dot_v1_dot_inference__pb2.InferResponse.FromString,
             options,

@@ -35,7 +35,7 @@ class CallFrame(_message.Message):
     def __init__(self, id: _Optional[int] = ..., method: _Optional[str] = ..., payload: _Optional[bytes] = ..., timeout_s: _Optional[float] = ..., metadata: _Optional[_Iterable[_Union[MetadataEntry, _Mapping]]] = ..., cancel: _Optional[bool] = ..., sent_s: _Optional[float] = ..., batch: _Optional[_Iterable[_Union[CallFrame, _Mapping]]] = ...) -> None: ...
 
 class ReplyFrame(_message.Message):
-    __slots__ = ("id", "code", "details", "payload", "trailers", "more", "batch")
+    __slots__ = ("id", "code", "details", "payload", "trailers", "more", "batch", "partial")
     ID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     DETAILS_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class ReplyFrame(_message.Message):
     TRAILERS_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
     id: int
     code: int
     details: str
@@ -50,4 +51,5 @@ class ReplyFrame(_message.Message):
     trailers: _containers.RepeatedCompositeFieldContainer[MetadataEntry]
     more: bool
     batch: _containers.RepeatedCompositeFieldContainer[ReplyFrame]
-    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., payload: _Optional[bytes] = ..., trailers: _Optional[_Iterable[_Union[MetadataEntry, _Mapping]]] = ..., more: _Optional[bool] = ..., batch: _Optional[_Iterable[_Union[ReplyFrame, _Mapping]]] = ...) -> None: ...
+    partial: bool
+    def __init__(self, id: _Optional[int] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., payload: _Optional[bytes] = ..., trailers: _Optional[_Iterable[_Union[MetadataEntry, _Mapping]]] = ..., more: _Optional[bool] = ..., batch: _Optional[_Iterable[_Union[ReplyFrame, _Mapping]]] = ..., partial: _Optional[bool] = ...) -> None: ...

@@ -26,7 +26,7 @@ from academus.v1 import inference_pb2 as academus_dot_v1_dot_inference__pb2
 from academus.v1 import tensors_pb2 as academus_dot_v1_dot_tensors__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x61\x63\x61\x64\x65mus/v1/scheduler.proto\x12\x0b\x61\x63\x61\x64\x65mus.v1\x1a\x1b\x61\x63\x61\x64\x65mus/v1/inference.proto\x1a\x19\x61\x63\x61\x64\x65mus/v1/tensors.proto\"\xbc\x01\n\x0fScheduleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12#\n\x06output\x18\x04 \x01(\x0e\x32\x13.academus.v1.Output\x12\'\n\x06tokens\x18\x05 \x01(\x0b\x32\x17.academus.v1.TokenBatch\x12(\n\x07\x61\x64\x61pter\x18\x06 \x01(\x0b\x32\x17.academus.v1.AdapterRef2O\n\tScheduler\x12\x42\n\x08Schedule\x12\x1c.academus.v1.ScheduleRequest\x1a\x18.academus.v1.ModelOutputb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x61\x63\x61\x64\x65mus/v1/scheduler.proto\x12\x0b\x61\x63\x61\x64\x65mus.v1\x1a\x1b\x61\x63\x61\x64\x65mus/v1/inference.proto\x1a\x19\x61\x63\x61\x64\x65mus/v1/tensors.proto\"\xd0\x01\n\x0fScheduleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12#\n\x06output\x18\x04 \x01(\x0e\x32\x13.academus.v1.Output\x12\'\n\x06tokens\x18\x05 \x01(\x0b\x32\x17.academus.v1.TokenBatch\x12(\n\x07\x61\x64\x61pter\x18\x06 \x01(\x0b\x32\x17.academus.v1.AdapterRef\x12\x12\n\nearly_exit\x18\x07 \x01(\x08\x32O\n\tScheduler\x12\x42\n\x08Schedule\x12\x1c.academus.v1.ScheduleRequest\x1a\x18.academus.v1.ModelOutputb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,7 +34,7 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'academus.v1.scheduler_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SCHEDULEREQUEST']._serialized_start=101
-  _globals['_SCHEDULEREQUEST']._serialized_end=289
-  _globals['_SCHEDULER']._serialized_start=291
-  _globals['_SCHEDULER']._serialized_end=370
+  _globals['_SCHEDULEREQUEST']._serialized_end=309
+  _globals['_SCHEDULER']._serialized_start=311
+  _globals['_SCHEDULER']._serialized_end=390
 # @@protoc_insertion_point(module_scope)

@@ -40,18 +40,22 @@ class Matrix(_message.Message):
     def __init__(self, values: _Optional[_Iterable[float]] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ...) -> None: ...
 
 class ModelOutput(_message.Message):
-    __slots__ = ("output", "values", "labels", "metadata", "finish")
+    __slots__ = ("output", "values", "labels", "metadata", "finish", "rows", "exit_layer")
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     FINISH_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    EXIT_LAYER_FIELD_NUMBER: _ClassVar[int]
     output: _inference_pb2.Output
     values: Matrix
     labels: _containers.RepeatedScalarFieldContainer[str]
     metadata: _inference_pb2.InferMetadata
     finish: Finish
-    def __init__(self, output: _Optional[_Union[_inference_pb2.Output, str]] = ..., values: _Optional[_Union[Matrix, _Mapping]] = ..., labels: _Optional[_Iterable[str]] = ..., metadata: _Optional[_Union[_inference_pb2.InferMetadata, _Mapping]] = ..., finish: _Optional[_Union[Finish, str]] = ...) -> None: ...
+    rows: _containers.RepeatedScalarFieldContainer[int]
+    exit_layer: int
+    def __init__(self, output: _Optional[_Union[_inference_pb2.Output, str]] = ..., values: _Optional[_Union[Matrix, _Mapping]] = ..., labels: _Optional[_Iterable[str]] = ..., metadata: _Optional[_Union[_inference_pb2.InferMetadata, _Mapping]] = ..., finish: _Optional[_Union[Finish, str]] = ..., rows: _Optional[_Iterable[int]] = ..., exit_layer: _Optional[int] = ...) -> None: ...
 
 class AdapterRef(_message.Message):
     __slots__ = ("tenant", "name", "version", "domain")

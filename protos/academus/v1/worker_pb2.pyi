@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RunRequest(_message.Message):
-    __slots__ = ("batch_id", "model", "output", "tokens", "num_students", "student_indices", "packing", "adapters", "plot_states")
+    __slots__ = ("batch_id", "model", "output", "tokens", "num_students", "student_indices", "packing", "adapters", "plot_states", "early_exit")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class RunRequest(_message.Message):
     PACKING_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     PLOT_STATES_FIELD_NUMBER: _ClassVar[int]
+    EARLY_EXIT_FIELD_NUMBER: _ClassVar[int]
     batch_id: str
     model: str
     output: _inference_pb2.Output
@@ -29,7 +30,8 @@ class RunRequest(_message.Message):
     packing: PackingPlan
     adapters: _containers.RepeatedCompositeFieldContainer[_tensors_pb2.AdapterRef]
     plot_states: _plot_pb2.LookupResponse
-    def __init__(self, batch_id: _Optional[str] = ..., model: _Optional[str] = ..., output: _Optional[_Union[_inference_pb2.Output, str]] = ..., tokens: _Optional[_Union[_tensors_pb2.TokenBatch, _Mapping]] = ..., num_students: _Optional[int] = ..., student_indices: _Optional[_Iterable[int]] = ..., packing: _Optional[_Union[PackingPlan, _Mapping]] = ..., adapters: _Optional[_Iterable[_Union[_tensors_pb2.AdapterRef, _Mapping]]] = ..., plot_states: _Optional[_Union[_plot_pb2.LookupResponse, _Mapping]] = ...) -> None: ...
+    early_exit: bool
+    def __init__(self, batch_id: _Optional[str] = ..., model: _Optional[str] = ..., output: _Optional[_Union[_inference_pb2.Output, str]] = ..., tokens: _Optional[_Union[_tensors_pb2.TokenBatch, _Mapping]] = ..., num_students: _Optional[int] = ..., student_indices: _Optional[_Iterable[int]] = ..., packing: _Optional[_Union[PackingPlan, _Mapping]] = ..., adapters: _Optional[_Iterable[_Union[_tensors_pb2.AdapterRef, _Mapping]]] = ..., plot_states: _Optional[_Union[_plot_pb2.LookupResponse, _Mapping]] = ..., early_exit: _Optional[bool] = ...) -> None: ...
 
 class PackingPlan(_message.Message):
     __slots__ = ("row_length", "slot_size", "rows")

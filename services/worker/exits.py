@@ -1,0 +1,109 @@
+"""Exit ramps inside the teacher's forward (Apparate): a batch asked for early exits runs the model's active
+ramps after their layers, releases each text at the first confident one (`release`, on the compute thread),
+and runs on to the end; its full answer then feeds the model's ExitController (thresholds, ramp set).
+
+A ramp sees layer k's output: a forward hook on the layer module for padded batches, the packed encoder's
+`after_layer` for ConcatBatching. Both call `ExitRun.at_layer` with the pooled states of some texts.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from academus.shared.models.exits import (
+    ControllerSettings,
+    ExitController,
+    ExitSignals,
+    RampCandidate,
+    fixed_rule,
+)
+from academus.shared.models.model import MEAN, mean_pool
+from academus.shared.models.ramps import ExitRamps, load_ramps, ramps_dir
+from academus.shared.runtime.logs import log_event
+from academus.shared.state.artifacts import ArtifactError
+
+# rows (texts of the batch), the layer they exit after, their probabilities [len(rows), C]
+Release = Callable[[list[int], int, np.ndarray], None]
+
+
+@dataclass
+class ModelExits:
+    """A served classifier's ramps and the controller that keeps their thresholds."""
+
+    ramps: ExitRamps
+    controller: ExitController
+
+
+def load_exits(artifacts: Path, task: str, hidden_size: int, labels: Sequence[str], device: torch.device,
+               settings: ControllerSettings, name: str) -> ModelExits | None:
+    """The task's ramps when `ramps train` made them; None when there are none. A malformed artifact is
+    refused (logged with its file; the model serves without early exits)."""
+    directory = ramps_dir(artifacts, task)
+    if not directory.exists():
+        return None
+    try:
+        ramps, manifest = load_ramps(directory, hidden_size, labels, device)
+        extra = manifest.extra
+        candidates = [RampCandidate(k, float(extra["saving"][str(k)]), float(extra["cost"][str(k)]))
+                      for k in ramps.layers]
+        tuned_once = extra.get("tuned_once", {})
+        fixed = fixed_rule(settings.policy, tuned_once, ramps.layers)
+        initial = {int(k): float(v) for k, v in tuned_once.get("static", {}).items()}
+    except (ArtifactError, KeyError, TypeError, ValueError) as e:
+        log_event("ramps_refused", logging.ERROR, model=name, error=str(e))
+        return None
+    return ModelExits(ramps, ExitController(candidates, settings, fixed=fixed, initial=initial))
+
+
+class ExitRun:
+    """One batch's pass through the active ramps: each text's signals so far, where it was released."""
+
+    def __init__(self, exits: ModelExits, texts: int, release: Release) -> None:
+        self.exits = exits
+        self.active = exits.controller.active        # one snapshot for the whole batch
+        self.index = {layer: j for j, layer in enumerate(self.active.layers)}
+        ramps = len(self.active.layers)
+        self.conf = np.full((texts, ramps), np.nan, dtype=np.float32)
+        self.preds = np.full((texts, ramps), -1, dtype=np.int64)
+        self.entropy = np.full((texts, ramps), np.nan, dtype=np.float32)
+        self.exit_at = np.full(texts, ramps)
+        self.release = release
+        self.mask: torch.Tensor | None = None         # a padded batch's attention mask (the layer hooks pool)
+
+    def at_layer(self, layer: int, pooled: Callable[[], torch.Tensor], rows: np.ndarray | None = None) -> None:
+        """Layer `layer` has run for `rows` (None: every text); `pooled()` gives their states pooled as the
+        model pools (computed only when a ramp sits there)."""
+        j = self.index.get(layer)
+        if j is None:
+            return
+        rows = np.arange(len(self.exit_at)) if rows is None else rows
+        probs = self.exits.ramps.probs(layer, self.exits.ramps.finish(pooled())).float().cpu().numpy()
+        signals = ExitSignals.from_probs([probs])
+        self.conf[rows, j], self.preds[rows, j], self.entropy[rows, j] = (
+            signals.conf[:, 0], signals.preds[:, 0], signals.entropy[:, 0])
+        waiting = self.exit_at[rows] == len(self.active.layers)
+        exits = waiting & self.active.rule.exits_at(j, self.conf[rows], self.preds[rows], self.entropy[rows])
+        if exits.any():
+            released = rows[exits]
+            self.exit_at[released] = j
+            self.release(released.tolist(), layer, probs[exits])
+
+    def hidden(self, layer: int, hidden: torch.Tensor) -> None:
+        """A padded batch's layer output [B, T, H] (the layer hook)."""
+        if layer in self.index and self.mask is not None:
+            self.at_layer(layer, lambda: _pool_padded(self.exits.ramps, hidden, self.mask))
+
+    def finish(self, final_probs: np.ndarray) -> None:
+        """The full model's answers: the controller's feedback."""
+        signals = ExitSignals(self.conf, self.preds, self.entropy)
+        self.exits.controller.observe(self.active.layers, signals, final_probs.argmax(-1), self.exit_at)
+
+
+def _pool_padded(ramps: ExitRamps, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return mean_pool(hidden, mask) if ramps.pooling == MEAN else hidden[:, 0]

@@ -1,0 +1,441 @@
+"""Early exits (Apparate): when a ramp's result is released, and how its threshold is kept accurate.
+
+Every text runs the whole model; a ramp only decides when a text's result is *released* early. So the full
+model's answer arrives for every text, and says whether each released result agreed with it: the feedback the
+thresholds are tuned on (§3.2), and the savings each ramp earns against its cost (§3.3).
+
+- `ExitSignals`: what the ramps said about a batch (per text and ramp: confidence, prediction, entropy).
+- Exit rules, each deciding at ramp j from the ramps up to j (the worker decides layer by layer, the replay
+  the same way): `ThresholdRule` (per-ramp confidence thresholds: Apparate's, or tuned once), `EntropyRule`
+  (DeeBERT: one entropy threshold tuned once), `PatienceRule` (PABEE: t consecutive ramps agree).
+- `ThresholdTuner`: greedy hill-climbing over the thresholds (Apparate's `threshold_tuner.py`): raise the one
+  whose step costs least agreement per unit of saved time, doubling steps that pay and halving when none
+  does, within the agreement constraint.
+- `ExitController`: per worker and model, a window of recent texts; re-tunes when the released results'
+  agreement over the window falls below the constraint, every `retune_every` texts, and after `retune_s`;
+  then adjusts the ramps (§3.3): drops a ramp whose exits save less than it costs, adds one where exits
+  are likely while the ramps' cost stays within `budget` of the model's time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+NEVER = 1.0   # a confidence threshold no result passes (exits need conf > threshold)
+APPARATE, NONE, DEEBERT, STATIC, PABEE2, PABEE3 = "apparate", "none", "deebert", "static", "pabee2", "pabee3"
+POLICIES = (APPARATE, NONE, DEEBERT, STATIC, PABEE2, PABEE3)
+
+
+@dataclass(frozen=True)
+class ExitSignals:
+    """What ramps said about n texts: [n, R] confidence (top probability), prediction and entropy."""
+
+    conf: np.ndarray
+    preds: np.ndarray
+    entropy: np.ndarray
+
+    @classmethod
+    def from_probs(cls, probs: Sequence[np.ndarray]) -> ExitSignals:
+        """From each ramp's [n, C] probabilities."""
+        stacked = np.stack(probs, axis=1) if probs else np.zeros((0, 0, 1))
+        clipped = np.clip(stacked, 1e-12, 1.0)
+        return cls(stacked.max(-1), stacked.argmax(-1), -(stacked * np.log(clipped)).sum(-1))
+
+    def __len__(self) -> int:
+        return len(self.conf)
+
+
+class ExitRule:
+    """Decides, at ramp j (0-based among the rule's ramps), which texts exit there, from ramps 0..j."""
+
+    def exits_at(self, j: int, conf: np.ndarray, preds: np.ndarray, entropy: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class ThresholdRule(ExitRule):
+    """Exit at ramp j when its confidence passes thresholds[j] (Apparate; per-ramp thresholds tuned once)."""
+
+    thresholds: tuple[float, ...]
+
+    def exits_at(self, j: int, conf: np.ndarray, preds: np.ndarray, entropy: np.ndarray) -> np.ndarray:
+        return conf[:, j] > self.thresholds[j]
+
+
+@dataclass(frozen=True)
+class EntropyRule(ExitRule):
+    """DeeBERT: exit at the first ramp whose prediction entropy is below one threshold S."""
+
+    threshold: float
+
+    def exits_at(self, j: int, conf: np.ndarray, preds: np.ndarray, entropy: np.ndarray) -> np.ndarray:
+        return entropy[:, j] < self.threshold
+
+
+@dataclass(frozen=True)
+class PatienceRule(ExitRule):
+    """PABEE: exit once `patience` consecutive ramps predict the same class."""
+
+    patience: int
+
+    def exits_at(self, j: int, conf: np.ndarray, preds: np.ndarray, entropy: np.ndarray) -> np.ndarray:
+        if j + 1 < self.patience:
+            return np.zeros(len(preds), dtype=bool)
+        window = preds[:, j + 1 - self.patience: j + 1]
+        return (window == window[:, -1:]).all(axis=1)
+
+
+@dataclass(frozen=True)
+class NoExit(ExitRule):
+    def exits_at(self, j: int, conf: np.ndarray, preds: np.ndarray, entropy: np.ndarray) -> np.ndarray:
+        return np.zeros(len(conf), dtype=bool)
+
+
+def replay(rule: ExitRule, signals: ExitSignals) -> np.ndarray:
+    """Each text's exit ramp under `rule` (R: none), deciding ramp by ramp as the worker does."""
+    n, ramps = signals.conf.shape if signals.conf.ndim == 2 else (len(signals), 0)
+    exit_at = np.full(n, ramps)
+    for j in range(ramps):
+        fresh = (exit_at == ramps) & rule.exits_at(j, signals.conf, signals.preds, signals.entropy)
+        exit_at[fresh] = j
+    return exit_at
+
+
+def released_agreement(exit_at: np.ndarray, agree: np.ndarray) -> np.ndarray:
+    """Per text: whether its first released result agreed with the full model's (True when it did not exit)."""
+    ramps = agree.shape[1]
+    return np.concatenate([agree, np.ones((len(agree), 1), dtype=bool)], axis=1)[np.arange(len(agree)), exit_at] \
+        if ramps else np.ones(len(agree), dtype=bool)
+
+
+# ---------------------------------------------------------------- tuning (§3.2)
+
+
+@dataclass(frozen=True)
+class Tuning:
+    thresholds: tuple[float, ...]   # confidence thresholds, one a ramp (exit when conf > threshold)
+    agreement: float                # released results agreeing with the full model, over the window
+    saving: float                   # mean share of the model's time saved before a text's first result
+    exit_rates: tuple[float, ...]   # share of texts released at each ramp
+    evaluations: int                # configurations evaluated
+
+
+class ThresholdTuner:
+    """Greedy hill-climbing over per-ramp thresholds on (1 - confidence), from 0 (no exit) upwards: each step
+    takes the ramp whose raise costs the least agreement per unit of time saved, among raises that keep the
+    agreement at or above `constraint`; a raise that pays doubles that ramp's step, none paying halves them
+    all, and the search stops when every step is below `min_step`. Run from several starting steps; the
+    configuration saving most wins."""
+
+    def __init__(self, constraint: float = 0.99, starts: Sequence[float] = (0.0125, 0.025, 0.05),
+                 min_step: float = 0.0125) -> None:
+        self.constraint, self.starts, self.min_step = constraint, tuple(starts), min_step
+
+    def tune(self, conf: np.ndarray, agree: np.ndarray, saving: Sequence[float]) -> Tuning:
+        """`conf`, `agree`: [n, R] per text and ramp (agree: the ramp's prediction is the full model's);
+        `saving`: [R] the share of the model's time a release at each ramp saves."""
+        n, ramps = conf.shape
+        if not n or not ramps:
+            return Tuning((NEVER,) * ramps, 1.0, 0.0, (0.0,) * ramps, 0)
+        doubt = (1.0 - conf.astype(np.float64))[None]              # [1, n, R]
+        agree_ext = np.concatenate([agree, np.ones((n, 1), dtype=bool)], axis=1)
+        saving_ext = np.append(np.asarray(saving, dtype=np.float64), 0.0)
+        rows = np.arange(n)[None]
+        counter = [0]
+
+        def evaluate(configs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            counter[0] += len(configs)
+            exits = doubt < configs[:, None, :]                     # [D, n, R]
+            exit_at = np.where(exits.any(-1), exits.argmax(-1), ramps)
+            return agree_ext[rows, exit_at].mean(-1), saving_ext[exit_at].mean(-1), exit_at
+
+        best: tuple[float, np.ndarray] | None = None
+        for start in self.starts:
+            config = self._climb(evaluate, ramps, start)
+            _, saved, _ = evaluate(config[None])
+            if best is None or saved[0] > best[0]:
+                best = (float(saved[0]), config)
+        assert best is not None
+        config = best[1]
+        accuracy, saved, exit_at = evaluate(config[None])
+        rates = np.bincount(exit_at[0], minlength=ramps + 1)[:ramps] / n
+        return Tuning(tuple(float(1.0 - t) for t in config), float(accuracy[0]), float(saved[0]),
+                      tuple(float(r) for r in rates), counter[0])
+
+    def _climb(self, evaluate, ramps: int, start: float) -> np.ndarray:
+        config, steps = np.zeros(ramps), np.full(ramps, start)
+        accuracy, saved, _ = (v[0] for v in evaluate(config[None]))
+        while True:
+            candidates = config + np.diag(steps)                   # [R, R]: one ramp raised each
+            allowed = candidates.max(axis=1) <= 1.0 + 1e-9
+            acc, sav, _ = evaluate(candidates)
+            ok = allowed & (acc >= self.constraint - 1e-12)
+            gain = sav - saved
+            paying = ok & (gain > 1e-12)
+            neutral = ok & ~paying
+            if paying.any():
+                score = np.where(paying, np.maximum(accuracy - acc, 0.0) / np.maximum(gain, 1e-12), np.inf)
+                j = int(score.argmin())
+                config, accuracy, saved = candidates[j], acc[j], sav[j]
+                steps[j] *= 2
+                steps[neutral] *= 2   # free moves: larger steps there next time
+                continue
+            shrink = (steps > self.min_step + 1e-12) & (config < 1.0)
+            if not shrink.any():
+                return config
+            steps[shrink] /= 2
+
+
+# ---------------------------------------------------------------- the controller (§3.2, §3.3)
+
+
+@dataclass(frozen=True)
+class RampCandidate:
+    layer: int       # the transformer layers computed before it (1 .. N-1)
+    saving: float    # the share of the model's time a release here saves (what is left after it)
+    cost: float      # its own time, as a share of the model's (paid by every text that reaches it)
+
+
+@dataclass(frozen=True)
+class ActiveRamps:
+    """What the compute thread reads: the active ramps' layers (ascending) and their rule."""
+
+    layers: tuple[int, ...]
+    rule: ExitRule
+
+
+@dataclass
+class ControllerSettings:
+    constraint: float = 0.99     # released results agreeing with the full model
+    window: int = 256            # texts a tuning looks at
+    retune_every: int = 128      # texts between scheduled tunings
+    retune_s: float = 30.0       # at least this often while traffic comes
+    budget: float = 0.02         # the active ramps' summed cost, as a share of the model's time
+    cooldown: int = 4            # tunings before a dropped ramp may be added back
+    policy: str = APPARATE
+
+
+@dataclass
+class ExitEvent:
+    at: float
+    kind: str                    # "tuned", "dropped", "added"
+    layer: int = 0
+    reason: str = ""
+
+    def as_dict(self) -> dict:
+        return {"at": round(self.at, 3), "kind": self.kind, "layer": self.layer, "reason": self.reason}
+
+
+@dataclass
+class _Window:
+    """Recent texts: each candidate ramp's confidence and agreement (NaN/False where it did not run), and
+    whether the result released for it agreed with the full model."""
+
+    size: int
+    layers: tuple[int, ...]
+    conf: deque = field(default_factory=deque)
+    agree: deque = field(default_factory=deque)
+    released_ok: deque = field(default_factory=deque)
+
+
+class ExitController:
+    """One model's ramps on one worker: the rule the compute thread applies, fed back with every batch's
+    ramp signals and full answers (`observe`, cheap, on the compute thread); `tune` (off the compute thread)
+    re-tunes thresholds and adjusts the ramps. `policy` other than apparate fixes the rule once (baselines)."""
+
+    def __init__(self, candidates: Sequence[RampCandidate], settings: ControllerSettings | None = None,
+                 fixed: ExitRule | None = None, fixed_layers: Sequence[int] = (),
+                 initial: dict[int, float] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        """`initial`: thresholds to start from (tuned once on the bootstrap data), until the first tuning."""
+        self.settings = settings or ControllerSettings()
+        self.candidates = {c.layer: c for c in sorted(candidates, key=lambda c: c.layer)}
+        self.clock = clock
+        self.tuner = ThresholdTuner(self.settings.constraint)
+        self._lock = threading.Lock()
+        self.window = _Window(self.settings.window, tuple(self.candidates))
+        self.events: deque[ExitEvent] = deque(maxlen=64)
+        self.tunings = 0
+        self.seen = 0
+        self.exits: dict[int, int] = {}
+        self._since_tuning = 0
+        self._tuned_at = clock()
+        self._dropped_at: dict[int, int] = {}    # layer -> the tuning that dropped it
+        self.adaptive = fixed is None and self.settings.policy == APPARATE
+        if fixed is not None:
+            layers = tuple(fixed_layers) or tuple(self.candidates)
+            self.active = ActiveRamps(layers, fixed)
+        elif self.settings.policy == NONE:
+            self.active = ActiveRamps((), NoExit())
+        else:
+            layers = self._initial_layers()
+            self.active = ActiveRamps(layers, ThresholdRule(tuple((initial or {}).get(k, NEVER) for k in layers)))
+
+    def _initial_layers(self) -> tuple[int, ...]:
+        """The earliest ramps whose summed cost fits the budget (every one at least one ramp)."""
+        chosen, spent = [], 0.0
+        for layer, c in self.candidates.items():
+            if chosen and spent + c.cost > self.settings.budget:
+                break
+            chosen.append(layer)
+            spent += c.cost
+        return tuple(chosen)
+
+    # -- feedback (compute thread) -------------------------------------------------------------
+    def observe(self, layers: Sequence[int], signals: ExitSignals, final: np.ndarray,
+                exit_at: np.ndarray) -> None:
+        """A batch's ramp signals at `layers`, the full model's predictions and where each text was released
+        (index into `layers`, len(layers): not released early)."""
+        if not self.adaptive or not len(final):
+            return
+        index = {layer: i for i, layer in enumerate(self.window.layers)}
+        conf = np.full((len(final), len(index)), np.nan)
+        agree = np.zeros((len(final), len(index)), dtype=bool)
+        for j, layer in enumerate(layers):
+            conf[:, index[layer]] = signals.conf[:, j]
+            agree[:, index[layer]] = signals.preds[:, j] == final
+        ok = released_agreement(exit_at, signals.preds == final[:, None]) if layers else np.ones(len(final), bool)
+        with self._lock:
+            for row in range(len(final)):
+                self.window.conf.append(conf[row])
+                self.window.agree.append(agree[row])
+                self.window.released_ok.append(bool(ok[row]))
+            while len(self.window.conf) > self.window.size:
+                self.window.conf.popleft()
+                self.window.agree.popleft()
+                self.window.released_ok.popleft()
+            self.seen += len(final)
+            self._since_tuning += len(final)
+            for j, layer in enumerate(layers):
+                self.exits[layer] = self.exits.get(layer, 0) + int((exit_at == j).sum())
+
+    def window_agreement(self) -> float:
+        with self._lock:
+            ok = list(self.window.released_ok)
+        return float(np.mean(ok)) if ok else 1.0
+
+    def due(self) -> str:
+        """Why a tuning is due now ("" if not): agreement below the constraint, texts since the last, time."""
+        if not self.adaptive or not self._since_tuning:
+            return ""
+        with self._lock:
+            filled = len(self.window.conf)
+            recent = list(self.window.released_ok)[-self._since_tuning:]
+        if filled >= min(32, self.settings.window) and recent and np.mean(recent) < self.settings.constraint:
+            return f"agreement {np.mean(recent):.4f} below {self.settings.constraint} since the last tuning"
+        if self._since_tuning >= self.settings.retune_every:
+            return f"{self._since_tuning} texts since the last tuning"
+        if self.clock() - self._tuned_at >= self.settings.retune_s:
+            return f"{self.clock() - self._tuned_at:.0f} s since the last tuning"
+        return ""
+
+    # -- tuning and adjustment (off the compute thread) ------------------------------------------
+    def tune(self, reason: str = "") -> Tuning | None:
+        """Re-tunes the active ramps' thresholds on the window, then adjusts the ramp set (§3.3)."""
+        with self._lock:
+            conf = np.array(self.window.conf) if self.window.conf else np.zeros((0, len(self.window.layers)))
+            agree = np.array(self.window.agree) if self.window.agree else np.zeros_like(conf, dtype=bool)
+            self._since_tuning, self._tuned_at = 0, self.clock()
+        layers = self.active.layers
+        if not layers or not len(conf):
+            return None
+        columns = [self.window.layers.index(layer) for layer in layers]
+        seen = ~np.isnan(conf[:, columns]).any(axis=1)      # texts every active ramp has seen
+        conf_a, agree_a = conf[seen][:, columns], agree[seen][:, columns]
+        saving = [self.candidates[layer].saving for layer in layers]
+        tuning = self.tuner.tune(conf_a, agree_a, saving)
+        self.tunings += 1
+        self.active = ActiveRamps(layers, ThresholdRule(tuning.thresholds))
+        self._log("tuned", 0, f"{reason or 'requested'}: thresholds "
+                  f"{', '.join(f'L{k}={t:.3f}' for k, t in zip(layers, tuning.thresholds, strict=True))}, "
+                  f"agreement {tuning.agreement:.4f}, saving {tuning.saving:.3f} over {int(seen.sum())} texts")
+        self._adjust(tuning, conf, columns, int(seen.sum()))
+        return tuning
+
+    def _adjust(self, tuning: Tuning, conf: np.ndarray, columns: list[int], texts: int) -> None:
+        """Drops ramps whose exits saved less than they cost; then adds the unused ramp before the busiest
+        one (earlier exits save more) while the ramps' summed cost stays within the budget."""
+        if texts < min(32, self.settings.window):
+            return
+        layers, thresholds = list(self.active.layers), list(tuning.thresholds)
+        reach = 1.0
+        for j, layer in enumerate(list(layers)):
+            c = self.candidates[layer]
+            saved, spent = tuning.exit_rates[j] * c.saving, reach * c.cost
+            reach -= tuning.exit_rates[j]
+            if saved < spent:
+                i = layers.index(layer)
+                del layers[i], thresholds[i]
+                self._dropped_at[layer] = self.tunings
+                self._log("dropped", layer, f"its exits saved {saved:.4f} of the model's time, it cost {spent:.4f}")
+        spent = sum(self.candidates[layer].cost for layer in layers)
+        added = self._addable(layers, tuning, spent)
+        if added:
+            layers.append(added)
+            thresholds.append(NEVER)   # no exits until a tuning has seen its confidences
+            order = np.argsort(layers)
+            layers, thresholds = [layers[i] for i in order], [thresholds[i] for i in order]
+            self._log("added", added, f"exits likely before the busiest ramp; ramps' cost "
+                      f"{spent + self.candidates[added].cost:.4f} within the budget {self.settings.budget}")
+        self.active = ActiveRamps(tuple(layers), ThresholdRule(tuple(thresholds)))
+
+    def _addable(self, layers: list[int], tuning: Tuning, spent: float) -> int:
+        free = [k for k in self.candidates if k not in layers and
+                self.tunings - self._dropped_at.get(k, -10**9) > self.settings.cooldown and
+                spent + self.candidates[k].cost <= self.settings.budget]
+        if not free:
+            return 0
+        rates = dict(zip(self.active.layers, tuning.exit_rates, strict=False))
+        busiest = max((k for k in layers), key=lambda k: rates.get(k, 0.0), default=None)
+        if busiest is None or rates.get(busiest, 0.0) <= 0:
+            return max(free)   # no exits yet: the deepest free ramp, the likeliest to be confident
+        before = [k for k in free if k < busiest]
+        return max(before) if before else 0
+
+    def _log(self, kind: str, layer: int, reason: str) -> None:
+        self.events.append(ExitEvent(self.clock(), kind, layer, reason))
+
+    def status(self) -> dict:
+        """What `academus ramps status` shows."""
+        rule = self.active.rule
+        thresholds = list(rule.thresholds) if isinstance(rule, ThresholdRule) else []
+        return {"policy": self.settings.policy, "constraint": self.settings.constraint,
+                "active": list(self.active.layers), "thresholds": [round(t, 4) for t in thresholds],
+                "window_agreement": round(self.window_agreement(), 4), "texts": self.seen,
+                "exits": {str(k): v for k, v in sorted(self.exits.items())}, "tunings": self.tunings,
+                "events": [e.as_dict() for e in list(self.events)[-16:]]}
+
+
+def fixed_rule(policy: str, tuned_once: dict, layers: Sequence[int]) -> ExitRule | None:
+    """The baselines' rules, from the thresholds tuned once on the bootstrap data (the ramps' manifest);
+    None for Apparate's adaptive rule."""
+    if policy == APPARATE:
+        return None
+    if policy == NONE:
+        return NoExit()
+    if policy == DEEBERT:
+        return EntropyRule(float(tuned_once["deebert_entropy"]))
+    if policy == STATIC:
+        static = {int(k): float(v) for k, v in tuned_once["static"].items()}
+        return ThresholdRule(tuple(static.get(layer, NEVER) for layer in layers))
+    if policy in (PABEE2, PABEE3):
+        return PatienceRule(int(policy[-1]))
+    raise ValueError(f"exit policy {policy!r} is not one of {', '.join(POLICIES)}")
+
+
+def tune_entropy_once(entropy: np.ndarray, agree: np.ndarray, saving: Sequence[float],
+                      constraint: float) -> float:
+    """DeeBERT's one entropy threshold: the largest (most exits) on a grid that keeps agreement >= constraint."""
+    best = 0.0
+    top = float(np.nanmax(entropy)) if entropy.size else 0.0
+    for threshold in np.linspace(0.0, top, 201)[1:]:
+        exit_at = replay(EntropyRule(float(threshold)), ExitSignals(np.zeros_like(entropy), np.zeros_like(entropy,
+                                                                    dtype=int), entropy))
+        if released_agreement(exit_at, agree).mean() >= constraint:
+            best = float(threshold)
+    return best

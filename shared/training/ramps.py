@@ -1,0 +1,219 @@
+"""`academus ramps train --task sentiment|spam [--quick]`: exit ramps for a served classifier (Apparate §3.1).
+
+For every candidate layer k (1 .. N-1 of the teacher) a ramp pools layer k's output as the model pools its
+last layer's and applies a linear head like the served one. The backbone is frozen; each ramp is fitted
+(softmax regression, L-BFGS, weight decay chosen on validation) on the bootstrap share of the training split
+(10 %, as the paper bootstraps; a fixed pseudo-random share, since the data files are ordered by class) to
+agree with the *model's own* prediction, not the gold label: accuracy here is agreement with the unmodified
+model. Then, on the validation split:
+
+- the ramp's agreement; its measured cost (pooling and head on a typical batch, as a share of the whole
+  model's forward) and the saving of a release there (the share of the forward left after layer k);
+- the thresholds the baselines tune once: per-ramp confidence thresholds (the same tuner Apparate runs
+  online) and DeeBERT's one entropy threshold, both at the agreement constraint.
+
+The artifact lands in `<artifacts>/ramps/<task>/`; a worker serving the task's model loads it at start.
+Progress on stderr, the JSON summary as the last line of stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from academus.shared.models.exits import ExitSignals, ThresholdTuner, tune_entropy_once
+from academus.shared.models.model import ClassifierHead, TeacherEncoder, body_inputs, pad_batch, padded_positions
+from academus.shared.models.ramps import ExitRamps, ramps_dir, save_ramps
+from academus.shared.models.teacher_files import TEACHER_NAME, teacher_dir
+from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.runtime.config import artifacts_dir as default_artifacts_dir
+from academus.shared.runtime.config import offline_hub
+from academus.shared.state.artifacts import ArtifactError
+from academus.shared.training.data import TASKS, DataMissing, fetch, load_task
+from academus.shared.training.prepare import (
+    MAX_TOKENS,
+    WEIGHT_DECAYS,
+    fit_head,
+    length_batches,
+    load_head,
+    predict,
+    subsample,
+)
+
+BOOTSTRAP_SHARE = 0.10     # of the training split, a fixed pseudo-random share (the files are ordered by class)
+QUICK_TEXTS = 160          # --quick: texts a split at most
+CONSTRAINT = 0.99
+
+
+def log(message: str) -> None:
+    print(f"[ramps] {message}", file=sys.stderr, flush=True)
+
+
+def layer_states(encoder: TeacherEncoder, tokenizer: TeacherTokenizer, texts: Sequence[str],
+                 ramps: ExitRamps, batch_size: int = 64) -> torch.Tensor:
+    """Every layer's output pooled as the ramps pool it: [n, N + 1, H] (index 0: the embeddings, N: the last
+    layer, whose pooling is the served embedding)."""
+    encoded = tokenizer.encode(list(texts), truncate=True)
+    out: torch.Tensor | None = None
+    for batch in length_batches([len(e.input_ids) for e in encoded], batch_size, tokenizer.max_tokens):
+        ids, mask, types = pad_batch([encoded[i].input_ids for i in batch], [encoded[i].token_type_ids for i in batch])
+        inputs = body_inputs(encoder.architecture, types, padded_positions(encoder.architecture, ids))
+        with torch.inference_mode():
+            hidden = encoder.body(input_ids=ids, attention_mask=mask, output_hidden_states=True, **inputs).hidden_states
+            pooled = torch.stack([ramps.pool(h, mask) for h in hidden], dim=1)
+        if out is None:
+            out = torch.empty(len(encoded), *pooled.shape[1:])
+        out[batch] = pooled.float()
+    assert out is not None, "no texts"
+    return out
+
+
+def fit_ramp(x: torch.Tensor, y: torch.Tensor, vx: torch.Tensor, vy: torch.Tensor,
+             labels: Sequence[str]) -> tuple[ClassifierHead, float]:
+    """The head agreeing best with the model on validation, over the weight decays; and that agreement."""
+    best: tuple[float, ClassifierHead] | None = None
+    for wd in WEIGHT_DECAYS:
+        head = fit_head(x, y, labels, wd)
+        agreement = (predict(head, vx) == vy).float().mean().item()
+        if best is None or agreement > best[0]:
+            best = (agreement, head)
+    assert best is not None
+    return best[1], best[0]
+
+
+def measure_costs(encoder: TeacherEncoder, ramps: ExitRamps, tokenizer: TeacherTokenizer, texts: Sequence[str],
+                  batch: int = 8, repeats: int = 15) -> tuple[dict[int, float], dict[int, float], float]:
+    """Per ramp layer: its cost and the saving of a release there, as shares of the model's forward on `batch`
+    texts of median length; and that forward's time in ms. Medians of `repeats` timed runs."""
+    lengths = sorted(len(e.input_ids) for e in tokenizer.encode(list(texts), truncate=True))
+    n = lengths[len(lengths) // 2]
+    ids, mask, types = pad_batch([[1996] * n] * batch)
+    layers = _layers(encoder)
+    stamps: list[float] = []
+    hooks = [layer.register_forward_hook(lambda *_: stamps.append(time.perf_counter())) for layer in layers]
+    totals, ends = [], []
+    try:
+        with torch.inference_mode():
+            for _ in range(repeats):
+                stamps.clear()
+                start = time.perf_counter()
+                hidden = encoder(ids, mask, types)
+                total = time.perf_counter() - start
+                totals.append(total)
+                ends.append([(s - start) / total for s in stamps])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    reached = np.median(np.array(ends), axis=0)     # share of the forward done when layer k ends
+    hidden = torch.randn(batch, n, ramps.heads[str(ramps.layers[0])].in_features)
+    ramp_s = []
+    with torch.inference_mode():
+        for _ in range(repeats * 10):
+            start = time.perf_counter()
+            ramps.probs(ramps.layers[0], ramps.pool(hidden, mask)).max(dim=-1)
+            ramp_s.append(time.perf_counter() - start)
+    total_s = statistics.median(totals)
+    cost = statistics.median(ramp_s) / total_s
+    return ({k: cost for k in ramps.layers}, {k: float(1.0 - reached[k - 1]) for k in ramps.layers},
+            total_s * 1e3)
+
+
+def _layers(encoder: TeacherEncoder) -> list[torch.nn.Module]:
+    return list(encoder.body.encoder.layer)
+
+
+def train_ramps(artifacts: Path, task: str, data_dir: Path | None = None, quick: bool = False) -> dict[str, Any]:
+    """Trains, measures and writes the task's ramps; returns the summary."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; known tasks: {', '.join(TASKS)}")
+    started = time.perf_counter()
+    data = load_task(task, fetch(data_dir))
+    encoder = TeacherEncoder.load()
+    head = load_head(artifacts, task)
+    tokenizer = TeacherTokenizer(teacher_dir(), max_tokens=MAX_TOKENS)
+    depth = len(_layers(encoder))
+    ramps = ExitRamps(range(1, depth), encoder.architecture.hidden_size, head.labels, encoder.pooling,
+                      encoder.normalize)
+    bootstrap = subsample(data.train, max(1, round(len(data.train) * BOOTSTRAP_SHARE)))
+    validation = data.validation
+    if quick:
+        bootstrap, validation = subsample(bootstrap, QUICK_TEXTS), subsample(validation, QUICK_TEXTS)
+    log(f"{task}: {len(bootstrap)} bootstrap texts ({BOOTSTRAP_SHARE:.0%} of train), "
+        f"{len(validation)} validation texts, ramps at layers {list(ramps.layers)} of {depth}")
+    states = layer_states(encoder, tokenizer, [e.text for e in bootstrap], ramps)
+    vstates = layer_states(encoder, tokenizer, [e.text for e in validation], ramps)
+    target, vtarget = predict(head, states[:, depth]), predict(head, vstates[:, depth])
+    agreement: dict[str, float] = {}
+    for k in ramps.layers:
+        fitted, agreement[str(k)] = fit_ramp(states[:, k], target, vstates[:, k], vtarget, head.labels)
+        ramps.heads[str(k)].load_state_dict(fitted.linear.state_dict())
+        log(f"{task}: ramp after layer {k}: agreement {agreement[str(k)]:.4f} on validation")
+    costs, savings, model_ms = measure_costs(encoder, ramps, tokenizer, [e.text for e in validation])
+    tuned_once = tune_once(ramps, vstates, vtarget.numpy(), savings)
+    summary = {"task": task, "layers": list(ramps.layers), "bootstrap_texts": len(bootstrap),
+               "validation_texts": len(validation), "agreement": agreement,
+               "cost": {str(k): round(v, 5) for k, v in costs.items()},
+               "saving": {str(k): round(v, 4) for k, v in savings.items()}, "model_ms": round(model_ms, 3),
+               "tuned_once": tuned_once, "quick": quick}
+    directory = ramps_dir(artifacts, task)
+    save_ramps(directory, ramps, teacher=TEACHER_NAME, task=task, metrics={"agreement": agreement},
+               extra={"cost": summary["cost"], "saving": summary["saving"], "model_ms": summary["model_ms"],
+                      "tuned_once": tuned_once, "constraint": CONSTRAINT})
+    summary |= {"artifact": str(directory), "seconds": round(time.perf_counter() - started, 2)}
+    log(f"{task}: wrote {directory} in {summary['seconds']} s")
+    return summary
+
+
+def ramp_signals(ramps: ExitRamps, states: torch.Tensor, layers: Sequence[int] | None = None) -> ExitSignals:
+    """The ramps' signals on pooled layer states [n, N + 1, H]."""
+    with torch.inference_mode():
+        probs = [ramps.probs(k, states[:, k]).numpy() for k in (layers or ramps.layers)]
+    return ExitSignals.from_probs(probs)
+
+
+def tune_once(ramps: ExitRamps, vstates: torch.Tensor, final: np.ndarray, savings: dict[int, float]) -> dict:
+    """The baselines' thresholds, tuned once on validation at the constraint."""
+    signals = ramp_signals(ramps, vstates)
+    agree = signals.preds == final[:, None]
+    saving = [savings[k] for k in ramps.layers]
+    static = ThresholdTuner(CONSTRAINT).tune(signals.conf, agree, saving)
+    entropy = tune_entropy_once(signals.entropy, agree, saving, CONSTRAINT)
+    return {"static": {str(k): round(t, 6) for k, t in zip(ramps.layers, static.thresholds, strict=True)},
+            "deebert_entropy": round(entropy, 6)}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="academus ramps", description="Early-exit ramps (Apparate).")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train exit ramps for a bundled task's served classifier")
+    t.add_argument("--task", required=True, choices=TASKS)
+    t.add_argument("--quick", action="store_true", help=f"at most {QUICK_TEXTS} texts a split")
+    t.add_argument("--artifacts", type=Path, default=None)
+    t.add_argument("--data", type=Path, default=None, help="dataset packages (ACADEMUS_DATA_DIR)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    offline_hub()
+    args = _parser().parse_args(argv)
+    torch.manual_seed(0)
+    try:
+        summary = train_ramps(args.artifacts or default_artifacts_dir(), args.task, args.data, args.quick)
+    except (DataMissing, ArtifactError, ValueError) as e:
+        log(f"error: {e}")
+        return 1
+    print(json.dumps(summary, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
