@@ -28,6 +28,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 NEVER = 1.0   # a confidence threshold no result passes (exits need conf > threshold)
+MIN_FEEDBACK = 16   # texts of feedback before their agreement may trigger a tuning, or judge a ramp
+AGREEMENT_SPAN = 256   # the latest texts whose released results' agreement is watched
+MIN_MARGIN = 0.05      # the least share of the allowed disagreement a tuning may spend
 APPARATE, NONE, DEEBERT, STATIC, PABEE2, PABEE3 = "apparate", "none", "deebert", "static", "pabee2", "pabee3"
 POLICIES = (APPARATE, NONE, DEEBERT, STATIC, PABEE2, PABEE3)
 
@@ -134,8 +137,12 @@ class ThresholdTuner:
     configuration saving most wins."""
 
     def __init__(self, constraint: float = 0.99, starts: Sequence[float] = (0.0125, 0.025, 0.05),
-                 min_step: float = 0.0125) -> None:
+                 min_step: float = 0.0125, slack_errors: float = 0.0) -> None:
+        """`slack_errors`: disagreements a configuration is charged beyond those it made, when checked against
+        the constraint: on a few texts, "no error seen" is weak evidence (32 texts without one allow thresholds
+        that release texts wrongly at once); on many, it hardly matters."""
         self.constraint, self.starts, self.min_step = constraint, tuple(starts), min_step
+        self.slack_errors = slack_errors
 
     def tune(self, conf: np.ndarray, agree: np.ndarray, saving: Sequence[float]) -> Tuning:
         """`conf`, `agree`: [n, R] per text and ramp (agree: the ramp's prediction is the full model's);
@@ -147,6 +154,7 @@ class ThresholdTuner:
         agree_ext = np.concatenate([agree, np.ones((n, 1), dtype=bool)], axis=1)
         saving_ext = np.append(np.asarray(saving, dtype=np.float64), 0.0)
         rows = np.arange(n)[None]
+        slack = self.slack_errors / n
         counter = [0]
 
         def evaluate(configs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -157,7 +165,7 @@ class ThresholdTuner:
 
         best: tuple[float, np.ndarray] | None = None
         for start in self.starts:
-            config = self._climb(evaluate, ramps, start)
+            config = self._climb(evaluate, ramps, start, slack)
             _, saved, _ = evaluate(config[None])
             if best is None or saved[0] > best[0]:
                 best = (float(saved[0]), config)
@@ -168,14 +176,14 @@ class ThresholdTuner:
         return Tuning(tuple(float(1.0 - t) for t in config), float(accuracy[0]), float(saved[0]),
                       tuple(float(r) for r in rates), counter[0])
 
-    def _climb(self, evaluate, ramps: int, start: float) -> np.ndarray:
+    def _climb(self, evaluate, ramps: int, start: float, slack: float) -> np.ndarray:
         config, steps = np.zeros(ramps), np.full(ramps, start)
         accuracy, saved, _ = (v[0] for v in evaluate(config[None]))
         while True:
             candidates = config + np.diag(steps)                   # [R, R]: one ramp raised each
             allowed = candidates.max(axis=1) <= 1.0 + 1e-9
             acc, sav, _ = evaluate(candidates)
-            ok = allowed & (acc >= self.constraint - 1e-12)
+            ok = allowed & (acc - slack >= self.constraint - 1e-12)
             gain = sav - saved
             paying = ok & (gain > 1e-12)
             neutral = ok & ~paying
@@ -213,12 +221,20 @@ class ActiveRamps:
 @dataclass
 class ControllerSettings:
     constraint: float = 0.99     # released results agreeing with the full model
-    window: int = 256            # texts a tuning looks at
-    retune_every: int = 128      # texts between scheduled tunings
+    window: int = 1024           # texts a tuning looks at
+    retune_every: int = 64       # texts between scheduled tunings
     retune_s: float = 30.0       # at least this often while traffic comes
     budget: float = 0.02         # the active ramps' summed cost, as a share of the model's time
     cooldown: int = 4            # tunings before a dropped ramp may be added back
     policy: str = APPARATE
+    # The share of the allowed disagreement (1 - constraint) a tuning spends on the window, to start with: then
+    # halved whenever the released results' agreement over the latest texts fell below the constraint, and
+    # raised by a quarter (up to all of it) while they use less than half of the allowance. Thresholds tuned to
+    # the constraint exactly on past texts break it on the next ones as traffic drifts (the replay bench).
+    margin: float = 0.5
+    slack_errors: float = 0.5    # ThresholdTuner's: disagreements charged beyond those seen
+    min_texts: int = 64          # feedback before the first tuning replaces the bootstrap thresholds
+
 
 
 @dataclass
@@ -256,7 +272,8 @@ class ExitController:
         self.settings = settings or ControllerSettings()
         self.candidates = {c.layer: c for c in sorted(candidates, key=lambda c: c.layer)}
         self.clock = clock
-        self.tuner = ThresholdTuner(self.settings.constraint)
+        self.margin = self.settings.margin
+        self.tuner = ThresholdTuner(self._target(), slack_errors=self.settings.slack_errors)
         self._lock = threading.Lock()
         self.window = _Window(self.settings.window, tuple(self.candidates))
         self.events: deque[ExitEvent] = deque(maxlen=64)
@@ -266,6 +283,7 @@ class ExitController:
         self._since_tuning = 0
         self._tuned_at = clock()
         self._dropped_at: dict[int, int] = {}    # layer -> the tuning that dropped it
+        self._added_at: dict[int, int] = {}      # layer -> the tuning that added it (judged only after one more)
         self.adaptive = fixed is None and self.settings.policy == APPARATE
         if fixed is not None:
             layers = tuple(fixed_layers) or tuple(self.candidates)
@@ -321,13 +339,12 @@ class ExitController:
 
     def due(self) -> str:
         """Why a tuning is due now ("" if not): agreement below the constraint, texts since the last, time."""
-        if not self.adaptive or not self._since_tuning:
+        if not self.adaptive or not self._since_tuning or self.seen < self.settings.min_texts:
             return ""
         with self._lock:
-            filled = len(self.window.conf)
-            recent = list(self.window.released_ok)[-self._since_tuning:]
-        if filled >= min(32, self.settings.window) and recent and np.mean(recent) < self.settings.constraint:
-            return f"agreement {np.mean(recent):.4f} below {self.settings.constraint} since the last tuning"
+            recent = list(self.window.released_ok)[-AGREEMENT_SPAN:]
+        if self._since_tuning >= MIN_FEEDBACK and np.mean(recent) < self.settings.constraint:
+            return f"agreement {np.mean(recent):.4f} below {self.settings.constraint} over the last {len(recent)} texts"
         if self._since_tuning >= self.settings.retune_every:
             return f"{self._since_tuning} texts since the last tuning"
         if self.clock() - self._tuned_at >= self.settings.retune_s:
@@ -342,40 +359,64 @@ class ExitController:
             agree = np.array(self.window.agree) if self.window.agree else np.zeros_like(conf, dtype=bool)
             self._since_tuning, self._tuned_at = 0, self.clock()
         layers = self.active.layers
-        if not layers or not len(conf):
+        if not len(conf):
             return None
         columns = [self.window.layers.index(layer) for layer in layers]
         seen = ~np.isnan(conf[:, columns]).any(axis=1)      # texts every active ramp has seen
         conf_a, agree_a = conf[seen][:, columns], agree[seen][:, columns]
         saving = [self.candidates[layer].saving for layer in layers]
+        self._adapt_margin()
         tuning = self.tuner.tune(conf_a, agree_a, saving)
         self.tunings += 1
         self.active = ActiveRamps(layers, ThresholdRule(tuning.thresholds))
         self._log("tuned", 0, f"{reason or 'requested'}: thresholds "
                   f"{', '.join(f'L{k}={t:.3f}' for k, t in zip(layers, tuning.thresholds, strict=True))}, "
                   f"agreement {tuning.agreement:.4f}, saving {tuning.saving:.3f} over {int(seen.sum())} texts")
-        self._adjust(tuning, conf, columns, int(seen.sum()))
+        self._adjust(tuning, int(seen.sum()))
         return tuning
 
-    def _adjust(self, tuning: Tuning, conf: np.ndarray, columns: list[int], texts: int) -> None:
-        """Drops ramps whose exits saved less than they cost; then adds the unused ramp before the busiest
-        one (earlier exits save more) while the ramps' summed cost stays within the budget."""
-        if texts < min(32, self.settings.window):
+    def _target(self) -> float:
+        return 1.0 - (1.0 - self.settings.constraint) * self.margin
+
+    def _adapt_margin(self) -> None:
+        """The tuning target follows what clients got: stricter after the latest released results broke the
+        constraint, looser while they use less than half of its allowance."""
+        with self._lock:
+            recent = list(self.window.released_ok)[-AGREEMENT_SPAN:]
+        if len(recent) < MIN_FEEDBACK:
             return
+        agreement, allowed = float(np.mean(recent)), 1.0 - self.settings.constraint
+        if agreement < self.settings.constraint:
+            self.margin = max(MIN_MARGIN, self.margin / 2)
+        elif 1.0 - agreement < allowed / 2:
+            self.margin = min(1.0, self.margin * 1.25)
+        self.tuner.constraint = self._target()
+
+    def _adjust(self, tuning: Tuning, texts: int) -> None:
+        """Drops the ramp whose exits saved least below its cost (one a tuning, never one added since the last);
+        then adds the unused ramp before the busiest one (earlier exits save more), or the deepest unused one
+        while none releases, if the ramps' summed cost stays within the budget."""
+        if texts < min(AGREEMENT_SPAN, self.settings.window) and self.active.layers:
+            return   # a ramp is judged on as many texts as its agreement is
         layers, thresholds = list(self.active.layers), list(tuning.thresholds)
-        reach = 1.0
-        for j, layer in enumerate(list(layers)):
+        reach, worst = 1.0, None
+        for j, layer in enumerate(layers):
             c = self.candidates[layer]
             saved, spent = tuning.exit_rates[j] * c.saving, reach * c.cost
             reach -= tuning.exit_rates[j]
-            if saved < spent:
-                i = layers.index(layer)
-                del layers[i], thresholds[i]
-                self._dropped_at[layer] = self.tunings
-                self._log("dropped", layer, f"its exits saved {saved:.4f} of the model's time, it cost {spent:.4f}")
+            judged = self.tunings - self._added_at.get(layer, 0) > 1
+            if judged and saved < spent and (worst is None or saved - spent < worst[1]):
+                worst = (layer, saved - spent, saved, spent)
+        if worst is not None:
+            i = layers.index(worst[0])
+            del layers[i], thresholds[i]
+            self._dropped_at[worst[0]] = self.tunings
+            self._log("dropped", worst[0],
+                      f"its exits saved {worst[2]:.4f} of the model's time, it cost {worst[3]:.4f}")
         spent = sum(self.candidates[layer].cost for layer in layers)
         added = self._addable(layers, tuning, spent)
         if added:
+            self._added_at[added] = self.tunings
             layers.append(added)
             thresholds.append(NEVER)   # no exits until a tuning has seen its confidences
             order = np.argsort(layers)

@@ -408,8 +408,8 @@ class WorkerConfig(CommonConfig):
                                one_of("apparate", "none", "deebert", "static", "pabee2", "pabee3"))
     exit_constraint: float = setting(0.99, "released early results agreeing with the full model's (Apparate §3.2)",
                                      between(0.5, 1.0, "a share"))
-    exit_window: int = setting(256, "recent texts a threshold tuning looks at", at_least(16))
-    exit_retune_every: int = setting(128, "texts between scheduled tunings", at_least(1))
+    exit_window: int = setting(1024, "recent texts a threshold tuning looks at", at_least(16))
+    exit_retune_every: int = setting(64, "texts between scheduled tunings", at_least(1))
     exit_retune_s: float = setting(30.0, "a tuning at least this often while traffic comes", above(0))
     exit_budget: float = setting(0.02, "the active ramps' summed cost, a share of the model's time (§3.3)",
                                  between(0.0, 1.0, "a share"))

@@ -2,10 +2,10 @@
 
 For every candidate layer k (1 .. N-1 of the teacher) a ramp pools layer k's output as the model pools its
 last layer's and applies a linear head like the served one. The backbone is frozen; each ramp is fitted
-(softmax regression, L-BFGS, weight decay chosen on validation) on the bootstrap share of the training split
-(10 %, as the paper bootstraps; a fixed pseudo-random share, since the data files are ordered by class) to
-agree with the *model's own* prediction, not the gold label: accuracy here is agreement with the unmodified
-model. Then, on the validation split:
+(softmax regression on the model's probabilities, L-BFGS, weight decay chosen on validation) on the bootstrap
+share of the training split (10 %, as the paper bootstraps; a fixed pseudo-random share, since the data files
+are ordered by class) to agree with the *model's own* answer, not the gold label: accuracy here is agreement
+with the unmodified model. Then, on the validation split:
 
 - the ramp's agreement; its measured cost (pooling and head on a typical batch, as a share of the whole
   model's forward) and the saving of a release there (the share of the forward left after layer k);
@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from academus.shared.models.exits import ExitSignals, ThresholdTuner, tune_entropy_once
 from academus.shared.models.model import ClassifierHead, TeacherEncoder, body_inputs, pad_batch, padded_positions
@@ -42,7 +43,6 @@ from academus.shared.training.data import TASKS, DataMissing, fetch, load_task
 from academus.shared.training.prepare import (
     MAX_TOKENS,
     WEIGHT_DECAYS,
-    fit_head,
     length_batches,
     load_head,
     predict,
@@ -77,17 +77,42 @@ def layer_states(encoder: TeacherEncoder, tokenizer: TeacherTokenizer, texts: Se
     return out
 
 
-def fit_ramp(x: torch.Tensor, y: torch.Tensor, vx: torch.Tensor, vy: torch.Tensor,
+def fit_ramp(x: torch.Tensor, target: torch.Tensor, vx: torch.Tensor, vtarget: torch.Tensor,
              labels: Sequence[str]) -> tuple[ClassifierHead, float]:
-    """The head agreeing best with the model on validation, over the weight decays; and that agreement."""
+    """The ramp head fitted to the model's probabilities (soft targets: its confidence then follows the model's,
+    which is what a threshold on it needs; hard labels make a head over-confident where the model is unsure),
+    its weight decay the one with the least cross-entropy to the model on validation; and its agreement there."""
     best: tuple[float, ClassifierHead] | None = None
     for wd in WEIGHT_DECAYS:
-        head = fit_head(x, y, labels, wd)
-        agreement = (predict(head, vx) == vy).float().mean().item()
-        if best is None or agreement > best[0]:
-            best = (agreement, head)
+        head = fit_soft_head(x, target, labels, wd)
+        with torch.no_grad():
+            loss = nn.functional.cross_entropy(head(vx), vtarget).item()
+        if best is None or loss < best[0]:
+            best = (loss, head)
     assert best is not None
-    return best[1], best[0]
+    agreement = (predict(best[1], vx) == vtarget.argmax(1)).float().mean().item()
+    return best[1], agreement
+
+
+def fit_soft_head(x: torch.Tensor, target: torch.Tensor, labels: Sequence[str], weight_decay: float,
+                  max_iter: int = 500) -> ClassifierHead:
+    """Softmax regression on probability targets, full-batch L-BFGS from zeros (convex: the start does not
+    matter), as `prepare`'s heads are fitted on labels."""
+    head = ClassifierHead(labels, x.shape[1])
+    nn.init.zeros_(head.linear.weight)
+    nn.init.zeros_(head.linear.bias)
+    optimizer = torch.optim.LBFGS(head.parameters(), lr=1.0, max_iter=max_iter, history_size=20,
+                                  tolerance_grad=1e-7, tolerance_change=1e-10, line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(head(x), target) + weight_decay * head.linear.weight.square().sum()
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        optimizer.step(closure)
+    return head.eval()
 
 
 def measure_costs(encoder: TeacherEncoder, ramps: ExitRamps, tokenizer: TeacherTokenizer, texts: Sequence[str],
@@ -151,14 +176,15 @@ def train_ramps(artifacts: Path, task: str, data_dir: Path | None = None, quick:
         f"{len(validation)} validation texts, ramps at layers {list(ramps.layers)} of {depth}")
     states = layer_states(encoder, tokenizer, [e.text for e in bootstrap], ramps)
     vstates = layer_states(encoder, tokenizer, [e.text for e in validation], ramps)
-    target, vtarget = predict(head, states[:, depth]), predict(head, vstates[:, depth])
+    with torch.no_grad():
+        target, vtarget = (torch.softmax(head(x[:, depth]), dim=-1) for x in (states, vstates))
     agreement: dict[str, float] = {}
     for k in ramps.layers:
         fitted, agreement[str(k)] = fit_ramp(states[:, k], target, vstates[:, k], vtarget, head.labels)
         ramps.heads[str(k)].load_state_dict(fitted.linear.state_dict())
         log(f"{task}: ramp after layer {k}: agreement {agreement[str(k)]:.4f} on validation")
     costs, savings, model_ms = measure_costs(encoder, ramps, tokenizer, [e.text for e in validation])
-    tuned_once = tune_once(ramps, vstates, vtarget.numpy(), savings)
+    tuned_once = tune_once(ramps, vstates, vtarget.argmax(1).numpy(), savings)
     summary = {"task": task, "layers": list(ramps.layers), "bootstrap_texts": len(bootstrap),
                "validation_texts": len(validation), "agreement": agreement,
                "cost": {str(k): round(v, 5) for k, v in costs.items()},

@@ -1,0 +1,253 @@
+"""Early exits, replayed offline (Apparate): every arm on the same drifting arrival order of a task's test split.
+
+`python -m academus.loadgen.exits_bench --task spam --task sentiment [--rounds 3] [--batch 8]`
+
+The served model runs once over the test split with every ramp of `academus ramps train` (their confidences,
+predictions and the full model's answer per text); then each arm replays the arrival order batch by batch,
+deciding exits ramp by ramp as the worker does, and the adaptive arm tunes on its own feedback as it goes:
+
+- vanilla: no exits; apparate: thresholds tuned online, ramps adjusted (the worker's ExitController, its
+  default settings); static: per-ramp thresholds tuned once on validation; deebert: one entropy threshold
+  tuned once; pabee2 / pabee3: patience; oracle: the first ramp that agrees with the final answer (replay only).
+- Orders drift: spam is ham in file order (easy ham, then hard ham at the tail), then spam; sentiment is a
+  shuffled third, then the rest long snippets first, then short. Each round shuffles within those phases.
+- Time is in units of the model's forward on one text: a release at layer k comes after (1 - saving_k) of it
+  plus the cost of every active ramp on the way (the ramps' manifest: measured by `ramps train`); the final
+  answer after 1 + every active ramp's cost. So the ratios are of model time, not of a mesh's latency.
+
+Prints one JSON line a task and round, then the summary as the last line (with --out, also written there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from academus.shared.models.exits import (
+    APPARATE,
+    ControllerSettings,
+    EntropyRule,
+    ExitController,
+    ExitRule,
+    ExitSignals,
+    NoExit,
+    PatienceRule,
+    RampCandidate,
+    ThresholdRule,
+    ThresholdTuner,
+    released_agreement,
+    replay,
+)
+from academus.shared.models.model import TeacherEncoder
+from academus.shared.models.ramps import load_ramps, ramps_dir
+from academus.shared.models.teacher_files import teacher_dir
+from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.runtime.config import artifacts_dir, offline_hub
+from academus.shared.training.data import Example, fetch, load_task
+from academus.shared.training.prepare import MAX_TOKENS, load_head, predict
+from academus.shared.training.ramps import layer_states, ramp_signals
+
+ARMS = ("vanilla", "apparate", "static", "deebert", "pabee2", "pabee3", "oracle")
+WINDOW, WINDOW_STEP = 256, 32
+
+
+def drifting_order(task: str, test: Sequence[Example], seed: int) -> list[int]:
+    """The arrival order of the test split's texts (indices), shuffled within its phases by `seed`."""
+    rng = random.Random(seed)
+    if task == "spam":
+        ham = [i for i, e in enumerate(test) if e.label == 0]
+        spam = [i for i, e in enumerate(test) if e.label == 1]
+        cut = int(len(ham) * 0.9)   # hard ham sits at the tail of the file order
+        phases = [ham[:cut], ham[cut:], spam]
+    else:
+        indices = list(range(len(test)))
+        rng.shuffle(indices)
+        first, rest = indices[: len(indices) // 3], indices[len(indices) // 3:]
+        rest.sort(key=lambda i: -len(test[i].text))
+        phases = [first, rest[: len(rest) // 2], rest[len(rest) // 2:]]
+    for phase in phases:
+        rng.shuffle(phase)
+    return [i for phase in phases for i in phase]
+
+
+class Replay:
+    """One task's signals at every ramp, in arrival order, and the ramps' measured savings and costs."""
+
+    def __init__(self, signals: ExitSignals, final: np.ndarray, gold: np.ndarray, layers: Sequence[int],
+                 saving: dict[int, float], cost: dict[int, float], tuned_once: dict) -> None:
+        self.signals, self.final, self.gold = signals, final, gold
+        self.layers, self.saving, self.cost, self.tuned_once = tuple(layers), saving, cost, tuned_once
+
+    def columns(self, layers: Sequence[int], rows: np.ndarray) -> ExitSignals:
+        idx = [self.layers.index(k) for k in layers]
+        s = self.signals
+        return ExitSignals(s.conf[rows][:, idx], s.preds[rows][:, idx], s.entropy[rows][:, idx])
+
+    def times(self, layers: Sequence[int], exit_at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per text: time to its first result, and to the final one, in model forwards."""
+        costs = np.array([self.cost[k] for k in layers])
+        before = np.concatenate([np.cumsum(costs), [costs.sum()]]) if len(layers) else np.zeros(1)
+        first_at = np.array([1.0 - self.saving[k] for k in layers] + [1.0])
+        return first_at[exit_at] + before[exit_at], np.full(len(exit_at), 1.0 + costs.sum())
+
+
+def run_arm(arm: str, data: Replay, order: list[int], batch: int) -> dict[str, Any]:
+    """Replays `order` through one arm; what its clients saw."""
+    n = len(order)
+    agreed = np.ones(n, dtype=bool)
+    first, final_t = np.ones(n), np.ones(n)
+    exits_at_layer = np.zeros(n, dtype=int)
+    tunings: list[float] = []
+    controller = _controller(data) if arm == APPARATE else None
+    for start in range(0, n, batch):
+        rows = np.array(order[start:start + batch])
+        span = slice(start, start + len(rows))
+        if arm == "vanilla":
+            continue
+        if arm == "oracle":   # pays no ramp: its first result at the exit layer itself
+            agree = data.signals.preds[rows] == data.final[rows][:, None]
+            exit_at = np.where(agree.any(1), agree.argmax(1), len(data.layers))
+            saving = np.array([data.saving[k] for k in data.layers] + [0.0])
+            first[span] = 1.0 - saving[exit_at]
+            exits_at_layer[span] = [data.layers[j] if j < len(data.layers) else 0 for j in exit_at]
+            continue
+        layers, rule = _rule(arm, data, controller)
+        signals = data.columns(layers, rows)
+        exit_at = replay(rule, signals)
+        agreed[span] = released_agreement(exit_at, signals.preds == data.final[rows][:, None])
+        first[span], final_t[span] = data.times(layers, exit_at)
+        exits_at_layer[span] = [layers[j] if j < len(layers) else 0 for j in exit_at]
+        if controller is not None:
+            controller.observe(layers, signals, data.final[rows], exit_at)
+            if reason := controller.due():
+                clock = time.perf_counter()
+                controller.tune(reason)
+                tunings.append((time.perf_counter() - clock) * 1e3)
+    return summarise(arm, agreed, first, final_t, exits_at_layer, tunings, controller)
+
+
+def _controller(data: Replay) -> ExitController:
+    candidates = [RampCandidate(k, data.saving[k], data.cost[k]) for k in data.layers]
+    initial = {int(k): float(v) for k, v in data.tuned_once["static"].items()}
+    return ExitController(candidates, ControllerSettings(), initial=initial)
+
+
+def _rule(arm: str, data: Replay, controller: ExitController | None) -> tuple[Sequence[int], ExitRule]:
+    if controller is not None:
+        return controller.active.layers, controller.active.rule
+    if arm == "static":
+        static = data.tuned_once["static"]
+        return data.layers, ThresholdRule(tuple(float(static[str(k)]) for k in data.layers))
+    if arm == "deebert":
+        return data.layers, EntropyRule(float(data.tuned_once["deebert_entropy"]))
+    if arm in ("pabee2", "pabee3"):
+        return data.layers, PatienceRule(int(arm[-1]))
+    return (), NoExit()
+
+
+def summarise(arm: str, agreed: np.ndarray, first: np.ndarray, final_t: np.ndarray, exits: np.ndarray,
+              tunings: list[float], controller: ExitController | None) -> dict[str, Any]:
+    windows = [agreed[i:i + WINDOW].mean() for i in range(0, max(1, len(agreed) - WINDOW + 1), WINDOW_STEP)]
+    out = {"arm": arm, "agreement": round(float(agreed.mean()), 5),
+           "windows_at_99": round(float(np.mean([w >= 0.99 for w in windows])), 4),
+           "first_p25": round(float(np.percentile(first, 25)), 4),
+           "first_p50": round(float(np.median(first)), 4), "final_p99": round(float(np.percentile(final_t, 99)), 4),
+           "exit_rate": round(float((exits > 0).mean()), 4),
+           "exits": {str(k): int((exits == k).sum()) for k in sorted(set(exits.tolist())) if k}}
+    if tunings:
+        out["tunings"] = len(tunings)
+        out["tuning_ms_median"] = round(statistics.median(tunings), 3)
+    if controller is not None:
+        out["active_at_end"] = list(controller.active.layers)
+        out["changes"] = [e.as_dict() for e in controller.events if e.kind != "tuned"][-6:]
+    return out
+
+
+def load_replay(artifacts: Path, task: str, data_dir: Path | None,
+                split: str = "test") -> tuple[Replay, list[Example]]:
+    """The served model's pass over a split (the test split's, for the figures) with every ramp."""
+    head = load_head(artifacts, task)
+    encoder = TeacherEncoder.load()
+    ramps, manifest = load_ramps(ramps_dir(artifacts, task), encoder.architecture.hidden_size, head.labels)
+    test = load_task(task, fetch(data_dir)).splits()[split]
+    states = layer_states(encoder, TeacherTokenizer(teacher_dir(), max_tokens=MAX_TOKENS), [e.text for e in test],
+                          ramps)
+    final = predict(head, states[:, -1]).numpy()
+    extra = manifest.extra
+    replay_data = Replay(ramp_signals(ramps, states), final, np.array([e.label for e in test]), ramps.layers,
+                         {int(k): float(v) for k, v in extra["saving"].items()},
+                         {int(k): float(v) for k, v in extra["cost"].items()}, extra["tuned_once"])
+    return replay_data, test
+
+
+def tuning_time(repeats: int = 50, seed: int = 0) -> dict[str, float]:
+    """One tuning of 2 ramps x 256 texts, ms (median and p95 of `repeats`), on random confidences."""
+    rng = np.random.default_rng(seed)
+    conf = rng.uniform(0.5, 1.0, (256, 2))
+    agree = rng.uniform(size=(256, 2)) < conf
+    tuner, times = ThresholdTuner(0.99), []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        tuner.tune(conf, agree, [0.6, 0.3])
+        times.append((time.perf_counter() - start) * 1e3)
+    return {"median_ms": round(statistics.median(times), 3), "p95_ms": round(float(np.percentile(times, 95)), 3)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    offline_hub()
+    p = argparse.ArgumentParser(prog="python -m academus.loadgen.exits_bench", description=__doc__.split("\n")[0])
+    p.add_argument("--task", action="append", choices=("spam", "sentiment"))
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batch", type=int, default=8, help="texts a batch (one feedback step)")
+    p.add_argument("--artifacts", type=Path, default=None)
+    p.add_argument("--data", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    summary: dict[str, Any] = {"batch": args.batch, "rounds": args.rounds, "tasks": {},
+                               "tuning_2x256": tuning_time()}
+    for task in args.task or ["spam", "sentiment"]:
+        data, test = load_replay(args.artifacts or artifacts_dir(), task, args.data)
+        rounds = []
+        for r in range(args.rounds):
+            order = drifting_order(task, test, seed=r)
+            arms = [run_arm(arm, data, order, args.batch) for arm in ARMS]
+            rounds.append(arms)
+            print(json.dumps({"task": task, "round": r, "arms": arms}), flush=True)
+        summary["tasks"][task] = ratios(rounds) | {"texts": len(test)}
+    if args.out:
+        args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary))
+    return 0
+
+
+def ratios(rounds: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per arm, over rounds: the median of agreement and of its first/final times over vanilla's."""
+    out = {}
+    for i, arm in enumerate(ARMS):
+        runs = [r[i] for r in rounds]
+        vanilla = [r[0] for r in rounds]
+        out[arm] = {
+            "agreement": statistics.median(x["agreement"] for x in runs),
+            "agreement_min": min(x["agreement"] for x in runs),
+            "windows_at_99": statistics.median(x["windows_at_99"] for x in runs),
+            "first_p50_ratio": round(statistics.median(x["first_p50"] / v["first_p50"]
+                                                       for x, v in zip(runs, vanilla, strict=True)), 4),
+            "first_p25_ratio": round(statistics.median(x["first_p25"] / v["first_p25"]
+                                                       for x, v in zip(runs, vanilla, strict=True)), 4),
+            "final_p99_ratio": round(statistics.median(x["final_p99"] / v["final_p99"]
+                                                       for x, v in zip(runs, vanilla, strict=True)), 4),
+            "exit_rate": statistics.median(x["exit_rate"] for x in runs),
+        }
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

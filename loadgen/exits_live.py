@@ -1,0 +1,150 @@
+"""Early exits on the live mesh (Apparate): vanilla `Infer` against `InferStream`, at half the teacher's capacity.
+
+`python -m academus.loadgen.exits_live --task spam [--rounds 3] [--duration 30] [--out FILE]`
+
+Each round starts a fresh mesh per arm (one padded deployment, the default exit policy), the order of the arms
+alternating between rounds. First each arm's capacity: closed loop, `--clients` callers for `--capacity-s`
+seconds. Then the same Poisson schedule for both arms, at half of vanilla's capacity (of the first round), one
+text a request from the task's test split in the replay bench's drifting order. Per request: the time to its
+first result (the ramp's, or the final one) and to the final result; vanilla's are one and the same. Ratios are
+early / vanilla per round, then the median over rounds; agreement is each released result's label against the
+final one of the same request. The summary is the last line printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from academus.client import AsyncClient
+from academus.loadgen.exits_bench import drifting_order
+from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, down, up
+from academus.shared.runtime.config import artifacts_dir, offline_hub
+from academus.shared.training.data import fetch, load_task
+
+ARMS = ("vanilla", "early")
+
+
+async def one_request(client: AsyncClient, arm: str, model: str, text: str) -> tuple[float, float, bool]:
+    """(seconds to the first result, to the final one, whether the first agreed with the final)."""
+    start = time.perf_counter()
+    if arm == "vanilla":
+        await client.infer(model, [text], timeout=30)
+        took = time.perf_counter() - start
+        return took, took, True
+    first_at, first_label = None, None
+    async for result in client.infer_stream(model, [text], timeout=30):
+        p = result.predictions[0]
+        if first_at is None:
+            first_at, first_label = time.perf_counter() - start, p.label
+        if p.final:
+            return first_at, time.perf_counter() - start, p.label == first_label
+    raise RuntimeError("the stream ended without a final result")
+
+
+async def capacity(client: AsyncClient, arm: str, model: str, texts: list[str], clients: int, seconds: float) -> float:
+    """Requests a second with `clients` callers in a closed loop."""
+    done, end = 0, time.perf_counter() + seconds
+
+    async def caller(k: int) -> None:
+        nonlocal done
+        i = k
+        while time.perf_counter() < end:
+            await one_request(client, arm, model, texts[i % len(texts)])
+            done += 1
+            i += clients
+
+    start = time.perf_counter()
+    await asyncio.gather(*(caller(k) for k in range(clients)))
+    return done / (time.perf_counter() - start)
+
+
+async def open_loop(client: AsyncClient, arm: str, model: str, texts: list[str], rate: float, duration: float,
+                    seed: int) -> dict[str, Any]:
+    """The Poisson schedule of `seed` at `rate`, every request's times."""
+    rng = random.Random(seed)
+    gaps, at = [], 0.0
+    while at < duration:
+        at += rng.expovariate(rate)
+        gaps.append(at)
+    start = time.perf_counter()
+    tasks = []
+    for i, when in enumerate(gaps):
+        await asyncio.sleep(max(0.0, start + when - time.perf_counter()))
+        tasks.append(asyncio.ensure_future(one_request(client, arm, model, texts[i % len(texts)])))
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    ok = [r for r in results if not isinstance(r, BaseException)]
+    first, final = np.array([r[0] for r in ok]) * 1e3, np.array([r[1] for r in ok]) * 1e3
+    return {"arm": arm, "sent": len(results), "answered": len(ok), "agreement": float(np.mean([r[2] for r in ok])),
+            "first_p25_ms": float(np.percentile(first, 25)), "first_p50_ms": float(np.median(first)),
+            "final_p50_ms": float(np.median(final)), "final_p99_ms": float(np.percentile(final, 99))}
+
+
+def run_arm(arm: str, task: str, texts: list[str], rate: float | None, args: argparse.Namespace,
+            seed: int) -> dict[str, Any]:
+    """A fresh mesh for one arm: its capacity, then (given a rate) its open-loop run."""
+    with tempfile.TemporaryDirectory(prefix="exits-live-") as tmp:
+        run_dir = Path(tmp)
+        state = up(MeshOptions(run_dir=run_dir, artifacts=args.artifacts or artifacts_dir(), gateway_port=0,
+                               workers=1, deployments=[Deployment("padded", task)]))
+        try:
+            key = (run_dir / ADMIN_KEY_FILE).read_text().strip()
+
+            async def measure() -> dict[str, Any]:
+                async with AsyncClient(state.gateway, api_key=key, timeout=60) as client:
+                    for text in texts[:16]:   # warm-up: traced graphs, channels
+                        await one_request(client, arm, task, text)
+                    cap = await capacity(client, arm, task, texts, args.clients, args.capacity_s)
+                    run = await open_loop(client, arm, task, texts, rate or cap / 2, args.duration, seed)
+                    return run | {"capacity_rps": cap, "rate": rate or cap / 2}
+
+            return asyncio.run(measure())
+        finally:
+            down(run_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    offline_hub()
+    p = argparse.ArgumentParser(prog="python -m academus.loadgen.exits_live", description=__doc__.split("\n")[0])
+    p.add_argument("--task", default="spam", choices=("spam", "sentiment"))
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--duration", type=float, default=30.0)
+    p.add_argument("--capacity-s", type=float, default=10.0)
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--artifacts", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    test = load_task(args.task, fetch(None)).test
+    rounds, rate = [], None
+    for r in range(args.rounds):
+        texts = [test[i].text for i in drifting_order(args.task, test, seed=r)]
+        arms = {}
+        for arm in (ARMS if r % 2 == 0 else ARMS[::-1]):   # round 0 starts with vanilla: its half capacity
+            arms[arm] = run_arm(arm, args.task, texts, rate, args, seed=r)
+            rate = rate or arms[arm]["rate"]
+        rounds.append(arms)
+        print(json.dumps({"round": r, **arms}), flush=True)
+    summary = {"task": args.task, "rate": rate, "rounds": len(rounds), **{
+        name: round(statistics.median(f(x) for x in rounds), 4) for name, f in {
+            "first_p50_ratio": lambda x: x["early"]["first_p50_ms"] / x["vanilla"]["first_p50_ms"],
+            "first_p25_ratio": lambda x: x["early"]["first_p25_ms"] / x["vanilla"]["first_p25_ms"],
+            "final_p99_ratio": lambda x: x["early"]["final_p99_ms"] / x["vanilla"]["final_p99_ms"],
+            "capacity_ratio": lambda x: x["early"]["capacity_rps"] / x["vanilla"]["capacity_rps"],
+            "early_agreement": lambda x: x["early"]["agreement"]}.items()}}
+    if args.out:
+        args.out.write_text(json.dumps({"summary": summary, "rounds": rounds}, indent=2) + "\n")
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,132 @@
+"""Early exits (Apparate) through the real mesh: ramps trained by `academus ramps train --quick`, released by the
+worker inside the teacher's forward, carried as partial replies over both hops, streamed by `InferStream`
+(SDK and `academus infer --stream`) and answered early by unary `Infer(early_exit)`. The final answer equals
+the plain `Infer`'s; a model without ramps, or with a malformed ramps artifact, answers the final message only;
+a client that leaves a stream stops the batch."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from academus.client import Client
+from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshState, down
+from academus.shared.runtime.config import artifacts_dir
+from academus.shared.state.catalogue import read_catalogue, write_entry
+from academus.shared.training.data import load_task
+from tests.e2e.conftest import metric, service, start_mesh, wait_for
+
+pytestmark = pytest.mark.e2e
+
+TEXTS = ["Congratulations! You have won a free cruise, click here to claim your prize now",
+         "Hi Bob, the meeting moved to 3pm; the agenda is attached", "cheap meds online, no prescription needed",
+         "Can you send me the slides from yesterday?"]
+
+
+def academus(run_dir: Path | str, *args: str | Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "academus.shared.cli", "--run-dir", str(run_dir), *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def exit_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshState]:
+    """spam with quick ramps, sentiment with a corrupted ramps artifact, minilm without; PABEE patience 2 (every
+    text whose first two ramps agree is released at layer 2), so that early answers come for sure."""
+    artifacts = tmp_path_factory.mktemp("artifacts")
+    catalogue = read_catalogue(artifacts_dir())
+    for name in ("minilm", "spam", "sentiment"):
+        write_entry(artifacts, name, catalogue[name])
+    for task in ("spam", "sentiment"):
+        shutil.copytree(artifacts_dir() / "heads" / task, artifacts / "heads" / task)
+    for task in ("spam", "sentiment"):
+        trained = academus(tmp_path_factory.mktemp("unused"), "ramps", "train", "--task", task, "--quick",
+                           "--artifacts", artifacts)
+        assert trained.returncode == 0, trained.stderr[-2000:]
+        summary = json.loads(trained.stdout.strip().splitlines()[-1])
+        assert summary["layers"] == [1, 2, 3, 4, 5] and set(summary["agreement"]) == {"1", "2", "3", "4", "5"}
+    weights = artifacts / "ramps" / "sentiment" / "weights.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64] + b"\0" * 64)   # corrupt: its sha256 no longer matches
+    run_dir = tmp_path_factory.mktemp("run")
+    state = start_mesh(run_dir, deployments=[Deployment("padded")], artifacts=artifacts,
+                       env={"ACADEMUS_EXIT_POLICY": "pabee2"})
+    yield state
+    down(run_dir)
+
+
+@pytest.fixture(scope="module")
+def client(exit_mesh: MeshState) -> Iterator[Client]:
+    key = (Path(exit_mesh.run_dir) / ADMIN_KEY_FILE).read_text().strip()
+    with Client(exit_mesh.gateway, api_key=key, timeout=60) as c:
+        yield c
+
+
+def test_stream_sends_early_results_then_the_exact_final_answer(client: Client) -> None:
+    results = list(client.infer_stream("spam", TEXTS))
+    *early, final = results
+    assert early, "no early result: every text was answered by the full model only"
+    for result in early:
+        assert all(not p.final and 1 <= p.exit_layer <= 5 for p in result.predictions)
+    released = [p.input_index for r in early for p in r.predictions]
+    assert len(released) == len(set(released)), "a text was released twice"
+    assert [p.input_index for p in final.predictions] == list(range(len(TEXTS)))
+    assert all(p.final and p.exit_layer == 0 for p in final.predictions)
+    exact = client.infer("spam", TEXTS)
+    for streamed, plain in zip(final.predictions, exact.predictions, strict=True):
+        assert streamed.label == plain.label
+        np.testing.assert_allclose(list(streamed.probs.values()), list(plain.probs.values()), atol=1e-5)
+
+
+def test_unary_early_exit_answers_every_text_once(client: Client) -> None:
+    result = client.infer("spam", TEXTS, early_exit=True)
+    assert sorted(p.input_index for p in result.predictions) == list(range(len(TEXTS)))
+    early = [p for p in result.predictions if not p.final]
+    assert early and all(1 <= p.exit_layer <= 5 for p in early)
+    assert all(p.label in ("ham", "spam") and abs(sum(p.probs.values()) - 1) < 1e-4 for p in result.predictions)
+
+
+def test_models_without_ramps_answer_the_final_message_only(exit_mesh: MeshState, client: Client) -> None:
+    for model in ("minilm", "sentiment"):   # no ramps; ramps refused as corrupt
+        results = list(client.infer_stream(model, TEXTS[:2]))
+        assert len(results) == 1 and all(p.final for p in results[0].predictions)
+    assert len(client.infer("sentiment", TEXTS[:2], early_exit=True).predictions) == 2
+    log = (Path(exit_mesh.run_dir) / "logs" / "worker-0.log").read_text()
+    refusals = [line for line in log.splitlines() if "ramps_refused" in line]
+    assert refusals and "weights.safetensors" in refusals[0] and "sentiment" in refusals[0]
+
+
+def test_cli_infer_stream_prints_early_lines_before_the_final_ones(exit_mesh: MeshState) -> None:
+    done = academus(exit_mesh.run_dir, "infer", "--model", "spam", "--stream", *TEXTS, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    finals = [line for line in lines if line["final"]]
+    assert [line["text"] for line in finals] == TEXTS
+    first_final = lines.index(finals[0])
+    assert lines[:first_final] and all(not line["final"] and line["exit_layer"] >= 1 for line in lines[:first_final])
+
+
+def test_ramps_status_shows_the_workers_ramps(exit_mesh: MeshState, client: Client) -> None:
+    client.infer("spam", TEXTS, early_exit=True)
+
+    def published() -> bool:
+        done = academus(exit_mesh.run_dir, "ramps", "status", timeout=30)
+        status = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {}
+        spam = next((models["spam"] for models in status.values() if "spam" in models), None)
+        return spam is not None and spam["policy"] == "pabee2" and spam["active"] == [1, 2, 3, 4, 5]
+    wait_for(published, 20, "the worker's ramps in Redis")
+
+
+def test_a_client_leaving_the_stream_stops_the_batch(exit_mesh: MeshState, client: Client) -> None:
+    worker = service(exit_mesh, "worker-0").metrics_port
+    before = metric(worker, "academus_worker_abandoned_total")
+    long_texts = [e.text for e in load_task("spam").test if len(e.text) > 2000][:48]
+    for _ in client.infer_stream("spam", long_texts, timeout=60):
+        break   # the first early answer is enough: the rest of the batch is nobody's
+    wait_for(lambda: metric(worker, "academus_worker_abandoned_total") > before, 30,
+             "the worker to stop the abandoned batch between layers")
