@@ -99,14 +99,15 @@ class Replay:
         return first_at[exit_at] + before[exit_at], np.full(len(exit_at), 1.0 + costs.sum())
 
 
-def run_arm(arm: str, data: Replay, order: list[int], batch: int) -> dict[str, Any]:
-    """Replays `order` through one arm; what its clients saw."""
+def run_arm(arm: str, data: Replay, order: list[int], batch: int,
+            settings: ControllerSettings | None = None) -> dict[str, Any]:
+    """Replays `order` through one arm (the adaptive one under `settings`); what its clients saw."""
     n = len(order)
     agreed = np.ones(n, dtype=bool)
     first, final_t = np.ones(n), np.ones(n)
     exits_at_layer = np.zeros(n, dtype=int)
     tunings: list[float] = []
-    controller = _controller(data) if arm == APPARATE else None
+    controller = _controller(data, settings or ControllerSettings()) if arm == APPARATE else None
     for start in range(0, n, batch):
         rows = np.array(order[start:start + batch])
         span = slice(start, start + len(rows))
@@ -134,10 +135,10 @@ def run_arm(arm: str, data: Replay, order: list[int], batch: int) -> dict[str, A
     return summarise(arm, agreed, first, final_t, exits_at_layer, tunings, controller)
 
 
-def _controller(data: Replay) -> ExitController:
+def _controller(data: Replay, settings: ControllerSettings) -> ExitController:
     candidates = [RampCandidate(k, data.saving[k], data.cost[k]) for k in data.layers]
     initial = {int(k): float(v) for k, v in data.tuned_once["static"].items()}
-    return ExitController(candidates, ControllerSettings(), initial=initial)
+    return ExitController(candidates, settings, initial=initial)
 
 
 def _rule(arm: str, data: Replay, controller: ExitController | None) -> tuple[Sequence[int], ExitRule]:
@@ -210,15 +211,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--artifacts", type=Path, default=None)
     p.add_argument("--data", type=Path, default=None)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--split", default="test", choices=("validation", "test"),
+                   help="the split replayed (validation: to choose the controller's settings)")
+    p.add_argument("--window", type=int, default=ControllerSettings.window, help="the adaptive arm's window")
+    p.add_argument("--slack-errors", type=float, default=ControllerSettings.slack_errors,
+                   help="the adaptive arm's tuner slack")
     args = p.parse_args(argv)
-    summary: dict[str, Any] = {"batch": args.batch, "rounds": args.rounds, "tasks": {},
+    settings = ControllerSettings(window=args.window, slack_errors=args.slack_errors)
+    summary: dict[str, Any] = {"batch": args.batch, "rounds": args.rounds, "split": args.split,
+                               "window": args.window, "slack_errors": args.slack_errors, "tasks": {},
                                "tuning_2x256": tuning_time()}
     for task in args.task or ["spam", "sentiment"]:
-        data, test = load_replay(args.artifacts or artifacts_dir(), task, args.data)
+        data, test = load_replay(args.artifacts or artifacts_dir(), task, args.data, args.split)
         rounds = []
         for r in range(args.rounds):
             order = drifting_order(task, test, seed=r)
-            arms = [run_arm(arm, data, order, args.batch) for arm in ARMS]
+            arms = [run_arm(arm, data, order, args.batch, settings) for arm in ARMS]
             rounds.append(arms)
             print(json.dumps({"task": task, "round": r, "arms": arms}), flush=True)
         summary["tasks"][task] = ratios(rounds) | {"texts": len(test)}

@@ -432,7 +432,7 @@ class ModelRunner:
         finally:
             self._local.exits = None
         if exits is not None:
-            exits.finish(result.values)
+            exits.finish(result.values, result.compute_ms / 1e3)
         _batch_size(model).observe(len(lengths))   # one observation a batch, its label children resolved once
         _padding_ratio(model).observe(result.padding_ratio)
         return result

@@ -9,6 +9,7 @@ A ramp sees layer k's output: a forward hook on the layer module for padded batc
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from academus.shared.models.exits import (
     RampCandidate,
     fixed_rule,
 )
-from academus.shared.models.model import MEAN, mean_pool
+from academus.shared.models.model import MEAN
 from academus.shared.models.ramps import ExitRamps, load_ramps, ramps_dir
 from academus.shared.runtime.logs import log_event
 from academus.shared.state.artifacts import ArtifactError
@@ -75,6 +76,8 @@ class ExitRun:
         self.exit_at = np.full(texts, ramps)
         self.release = release
         self.mask: torch.Tensor | None = None         # a padded batch's attention mask (the layer hooks pool)
+        self.weights: torch.Tensor | None = None      # [B, 1, T] its mean-pooling weights, made once a batch
+        self.spent = np.zeros(ramps)                  # seconds each ramp took on this batch (its serving cost)
 
     def at_layer(self, layer: int, pooled: Callable[[], torch.Tensor], rows: np.ndarray | None = None) -> None:
         """Layer `layer` has run for `rows` (None: every text); `pooled()` gives their states pooled as the
@@ -82,13 +85,14 @@ class ExitRun:
         j = self.index.get(layer)
         if j is None:
             return
+        start = time.perf_counter()
         rows = np.arange(len(self.exit_at)) if rows is None else rows
         probs = self.exits.ramps.probs(layer, self.exits.ramps.finish(pooled())).float().cpu().numpy()
-        signals = ExitSignals.from_probs([probs])
-        self.conf[rows, j], self.preds[rows, j], self.entropy[rows, j] = (
-            signals.conf[:, 0], signals.preds[:, 0], signals.entropy[:, 0])
+        self.conf[rows, j], self.preds[rows, j] = probs.max(1), probs.argmax(1)
+        self.entropy[rows, j] = -(probs * np.log(np.maximum(probs, 1e-12))).sum(1)
         waiting = self.exit_at[rows] == len(self.active.layers)
         exits = waiting & self.active.rule.exits_at(j, self.conf[rows], self.preds[rows], self.entropy[rows])
+        self.spent[j] += time.perf_counter() - start   # the release's sending is the caller's, not the ramp's
         if exits.any():
             released = rows[exits]
             self.exit_at[released] = j
@@ -97,13 +101,21 @@ class ExitRun:
     def hidden(self, layer: int, hidden: torch.Tensor) -> None:
         """A padded batch's layer output [B, T, H] (the layer hook)."""
         if layer in self.index and self.mask is not None:
-            self.at_layer(layer, lambda: _pool_padded(self.exits.ramps, hidden, self.mask))
+            self.at_layer(layer, lambda: self._pool_padded(hidden))
 
-    def finish(self, final_probs: np.ndarray) -> None:
-        """The full model's answers: the controller's feedback."""
+    def _pool_padded(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The mean over real tokens as one batched matmul, its weights made once a batch (or the first token)."""
+        if self.exits.ramps.pooling != MEAN:
+            return hidden[:, 0]
+        if self.weights is None:
+            mask = self.mask.to(hidden.dtype)
+            self.weights = (mask / mask.sum(1, keepdim=True).clamp(min=1e-9)).unsqueeze(1)
+        return torch.bmm(self.weights, hidden).squeeze(1)
+
+    def finish(self, final_probs: np.ndarray, batch_s: float) -> None:
+        """The full model's answers (`batch_s`: the batch's compute time): the controller's feedback, with what
+        each ramp cost on it."""
         signals = ExitSignals(self.conf, self.preds, self.entropy)
-        self.exits.controller.observe(self.active.layers, signals, final_probs.argmax(-1), self.exit_at)
-
-
-def _pool_padded(ramps: ExitRamps, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return mean_pool(hidden, mask) if ramps.pooling == MEAN else hidden[:, 0]
+        self.exits.controller.observe(self.active.layers, signals, final_probs.argmax(-1), self.exit_at,
+                                      costs=dict(zip(self.active.layers, self.spent / max(batch_s, 1e-9),
+                                                     strict=True)))

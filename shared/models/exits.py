@@ -31,6 +31,7 @@ NEVER = 1.0   # a confidence threshold no result passes (exits need conf > thres
 MIN_FEEDBACK = 16   # texts of feedback before their agreement may trigger a tuning, or judge a ramp
 AGREEMENT_SPAN = 256   # the latest texts whose released results' agreement is watched
 MIN_MARGIN = 0.05      # the least share of the allowed disagreement a tuning may spend
+COST_SMOOTHING = 0.1   # weight of a batch's measured ramp cost in the running one
 APPARATE, NONE, DEEBERT, STATIC, PABEE2, PABEE3 = "apparate", "none", "deebert", "static", "pabee2", "pabee3"
 POLICIES = (APPARATE, NONE, DEEBERT, STATIC, PABEE2, PABEE3)
 
@@ -173,7 +174,7 @@ class ThresholdTuner:
         config = best[1]
         accuracy, saved, exit_at = evaluate(config[None])
         rates = np.bincount(exit_at[0], minlength=ramps + 1)[:ramps] / n
-        return Tuning(tuple(float(1.0 - t) for t in config), float(accuracy[0]), float(saved[0]),
+        return Tuning(tighten(conf, exit_at[0], ramps), float(accuracy[0]), float(saved[0]),
                       tuple(float(r) for r in rates), counter[0])
 
     def _climb(self, evaluate, ramps: int, start: float, slack: float) -> np.ndarray:
@@ -194,6 +195,11 @@ class ThresholdTuner:
                 steps[j] *= 2
                 steps[neutral] *= 2   # free moves: larger steps there next time
                 continue
+            if neutral.any():   # a plateau (no text's exit changes): cross it, as the reference tuner does
+                j = int(neutral.argmax())
+                config = candidates[j]
+                steps[j] *= 2
+                continue
             shrink = (steps > self.min_step + 1e-12) & (config < 1.0)
             if not shrink.any():
                 return config
@@ -201,6 +207,17 @@ class ThresholdTuner:
 
 
 # ---------------------------------------------------------------- the controller (§3.2, §3.3)
+
+
+def tighten(conf: np.ndarray, exit_at: np.ndarray, ramps: int) -> tuple[float, ...]:
+    """Confidence thresholds as strict as the window allows: each ramp's just below the least confidence it
+    released a text at (NEVER where it released none). The window's exits are the same; on texts not seen, a
+    threshold the climb reached across a stretch without data (a plateau) releases nothing it was not shown."""
+    out = []
+    for j in range(ramps):
+        released = conf[exit_at == j, j]
+        out.append(float(np.nextafter(np.float32(released.min()), np.float32(-1))) if len(released) else NEVER)
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -227,11 +244,6 @@ class ControllerSettings:
     budget: float = 0.02         # the active ramps' summed cost, as a share of the model's time
     cooldown: int = 4            # tunings before a dropped ramp may be added back
     policy: str = APPARATE
-    # The share of the allowed disagreement (1 - constraint) a tuning spends on the window, to start with: then
-    # halved whenever the released results' agreement over the latest texts fell below the constraint, and
-    # raised by a quarter (up to all of it) while they use less than half of the allowance. Thresholds tuned to
-    # the constraint exactly on past texts break it on the next ones as traffic drifts (the replay bench).
-    margin: float = 0.5
     slack_errors: float = 0.5    # ThresholdTuner's: disagreements charged beyond those seen
     min_texts: int = 64          # feedback before the first tuning replaces the bootstrap thresholds
 
@@ -255,9 +267,12 @@ class _Window:
 
     size: int
     layers: tuple[int, ...]
-    conf: deque = field(default_factory=deque)
-    agree: deque = field(default_factory=deque)
-    released_ok: deque = field(default_factory=deque)
+    conf: deque = field(init=False)
+    agree: deque = field(init=False)
+    released_ok: deque = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.conf, self.agree, self.released_ok = (deque(maxlen=self.size) for _ in range(3))
 
 
 class ExitController:
@@ -271,8 +286,10 @@ class ExitController:
         """`initial`: thresholds to start from (tuned once on the bootstrap data), until the first tuning."""
         self.settings = settings or ControllerSettings()
         self.candidates = {c.layer: c for c in sorted(candidates, key=lambda c: c.layer)}
+        self.cost = {c.layer: c.cost for c in candidates}   # measured as batches run (`observe`)
         self.clock = clock
-        self.margin = self.settings.margin
+        self.margin = 1.0                        # the share of the allowance the next tuning may spend
+        self._errors_since = 0                   # released results that disagreed since the last tuning
         self.tuner = ThresholdTuner(self._target(), slack_errors=self.settings.slack_errors)
         self._lock = threading.Lock()
         self.window = _Window(self.settings.window, tuple(self.candidates))
@@ -306,11 +323,14 @@ class ExitController:
 
     # -- feedback (compute thread) -------------------------------------------------------------
     def observe(self, layers: Sequence[int], signals: ExitSignals, final: np.ndarray,
-                exit_at: np.ndarray) -> None:
+                exit_at: np.ndarray, costs: dict[int, float] | None = None) -> None:
         """A batch's ramp signals at `layers`, the full model's predictions and where each text was released
-        (index into `layers`, len(layers): not released early)."""
+        (index into `layers`, len(layers): not released early); `costs`: what each ramp took of the batch's
+        compute time (the serving cost, which small batches make larger than the bootstrap measured)."""
         if not self.adaptive or not len(final):
             return
+        for layer, share in (costs or {}).items():
+            self.cost[layer] = (1 - COST_SMOOTHING) * self.cost[layer] + COST_SMOOTHING * share
         index = {layer: i for i, layer in enumerate(self.window.layers)}
         conf = np.full((len(final), len(index)), np.nan)
         agree = np.zeros((len(final), len(index)), dtype=bool)
@@ -319,14 +339,10 @@ class ExitController:
             agree[:, index[layer]] = signals.preds[:, j] == final
         ok = released_agreement(exit_at, signals.preds == final[:, None]) if layers else np.ones(len(final), bool)
         with self._lock:
-            for row in range(len(final)):
-                self.window.conf.append(conf[row])
-                self.window.agree.append(agree[row])
-                self.window.released_ok.append(bool(ok[row]))
-            while len(self.window.conf) > self.window.size:
-                self.window.conf.popleft()
-                self.window.agree.popleft()
-                self.window.released_ok.popleft()
+            self._errors_since += int((~ok).sum())
+            self.window.conf.extend(conf)
+            self.window.agree.extend(agree)
+            self.window.released_ok.extend(ok.tolist())
             self.seen += len(final)
             self._since_tuning += len(final)
             for j, layer in enumerate(layers):
@@ -341,10 +357,10 @@ class ExitController:
         """Why a tuning is due now ("" if not): agreement below the constraint, texts since the last, time."""
         if not self.adaptive or not self._since_tuning or self.seen < self.settings.min_texts:
             return ""
-        with self._lock:
-            recent = list(self.window.released_ok)[-AGREEMENT_SPAN:]
-        if self._since_tuning >= MIN_FEEDBACK and np.mean(recent) < self.settings.constraint:
-            return f"agreement {np.mean(recent):.4f} below {self.settings.constraint} over the last {len(recent)} texts"
+        errors = self._span_errors()
+        if self._errors_since and errors > self._span_allowance():
+            return f"{errors} of the last {AGREEMENT_SPAN} released results disagreed, over the constraint's " \
+                   f"{self._span_allowance():.1f}"
         if self._since_tuning >= self.settings.retune_every:
             return f"{self._since_tuning} texts since the last tuning"
         if self.clock() - self._tuned_at >= self.settings.retune_s:
@@ -357,7 +373,7 @@ class ExitController:
         with self._lock:
             conf = np.array(self.window.conf) if self.window.conf else np.zeros((0, len(self.window.layers)))
             agree = np.array(self.window.agree) if self.window.agree else np.zeros_like(conf, dtype=bool)
-            self._since_tuning, self._tuned_at = 0, self.clock()
+            self._since_tuning, self._tuned_at, self._errors_since = 0, self.clock(), 0
         layers = self.active.layers
         if not len(conf):
             return None
@@ -378,18 +394,20 @@ class ExitController:
     def _target(self) -> float:
         return 1.0 - (1.0 - self.settings.constraint) * self.margin
 
-    def _adapt_margin(self) -> None:
-        """The tuning target follows what clients got: stricter after the latest released results broke the
-        constraint, looser while they use less than half of its allowance."""
+    def _span_errors(self) -> int:
         with self._lock:
             recent = list(self.window.released_ok)[-AGREEMENT_SPAN:]
-        if len(recent) < MIN_FEEDBACK:
-            return
-        agreement, allowed = float(np.mean(recent)), 1.0 - self.settings.constraint
-        if agreement < self.settings.constraint:
-            self.margin = max(MIN_MARGIN, self.margin / 2)
-        elif 1.0 - agreement < allowed / 2:
-            self.margin = min(1.0, self.margin * 1.25)
+        return len(recent) - sum(recent)
+
+    def _span_allowance(self) -> float:
+        """The disagreements the constraint allows over the watched span of texts."""
+        return (1.0 - self.settings.constraint) * AGREEMENT_SPAN
+
+    def _adapt_margin(self) -> None:
+        """The tuning target follows what clients got: a tuning may spend what the latest released results left
+        of the span's allowance. Thresholds tuned to the constraint exactly on past texts break it on the next
+        ones as traffic drifts (the replay bench): so after errors the target is stricter, until they age out."""
+        self.margin = min(1.0, max(MIN_MARGIN, 1.0 - self._span_errors() / self._span_allowance()))
         self.tuner.constraint = self._target()
 
     def _adjust(self, tuning: Tuning, texts: int) -> None:
@@ -401,8 +419,7 @@ class ExitController:
         layers, thresholds = list(self.active.layers), list(tuning.thresholds)
         reach, worst = 1.0, None
         for j, layer in enumerate(layers):
-            c = self.candidates[layer]
-            saved, spent = tuning.exit_rates[j] * c.saving, reach * c.cost
+            saved, spent = tuning.exit_rates[j] * self.candidates[layer].saving, reach * self.cost[layer]
             reach -= tuning.exit_rates[j]
             judged = self.tunings - self._added_at.get(layer, 0) > 1
             if judged and saved < spent and (worst is None or saved - spent < worst[1]):
@@ -413,7 +430,7 @@ class ExitController:
             self._dropped_at[worst[0]] = self.tunings
             self._log("dropped", worst[0],
                       f"its exits saved {worst[2]:.4f} of the model's time, it cost {worst[3]:.4f}")
-        spent = sum(self.candidates[layer].cost for layer in layers)
+        spent = sum(self.cost[layer] for layer in layers)
         added = self._addable(layers, tuning, spent)
         if added:
             self._added_at[added] = self.tunings
@@ -422,13 +439,13 @@ class ExitController:
             order = np.argsort(layers)
             layers, thresholds = [layers[i] for i in order], [thresholds[i] for i in order]
             self._log("added", added, f"exits likely before the busiest ramp; ramps' cost "
-                      f"{spent + self.candidates[added].cost:.4f} within the budget {self.settings.budget}")
+                      f"{spent + self.cost[added]:.4f} within the budget {self.settings.budget}")
         self.active = ActiveRamps(tuple(layers), ThresholdRule(tuple(thresholds)))
 
     def _addable(self, layers: list[int], tuning: Tuning, spent: float) -> int:
         free = [k for k in self.candidates if k not in layers and
                 self.tunings - self._dropped_at.get(k, -10**9) > self.settings.cooldown and
-                spent + self.candidates[k].cost <= self.settings.budget]
+                spent + self.cost[k] <= self.settings.budget]
         if not free:
             return 0
         rates = dict(zip(self.active.layers, tuning.exit_rates, strict=False))
@@ -447,8 +464,10 @@ class ExitController:
         thresholds = list(rule.thresholds) if isinstance(rule, ThresholdRule) else []
         return {"policy": self.settings.policy, "constraint": self.settings.constraint,
                 "active": list(self.active.layers), "thresholds": [round(t, 4) for t in thresholds],
-                "window_agreement": round(self.window_agreement(), 4), "texts": self.seen,
+                "window_agreement": round(self.window_agreement(), 4), "margin": round(self.margin, 3),
+                "texts": self.seen,
                 "exits": {str(k): v for k, v in sorted(self.exits.items())}, "tunings": self.tunings,
+                "costs": {str(k): round(self.cost[k], 5) for k in self.active.layers},
                 "events": [e.as_dict() for e in list(self.events)[-16:]]}
 
 

@@ -673,7 +673,7 @@ class _ServedStream:
             return reply_status(frame.id, grpc.StatusCode.UNIMPLEMENTED,
                                 f"method {frame.method!r} is not multiplexed here")
         partial = None
-        if any(m.key == PARTIALS_KEY for m in frame.metadata):
+        if any(m.key == PARTIALS_KEY and m.value == "1" for m in frame.metadata):
             def partial(message: object) -> None:
                 if frame.id in self.running:   # not after the call ended (or its caller left)
                     self.emit(multiplex_pb2.ReplyFrame(id=frame.id, payload=method.serialize(message), partial=True))

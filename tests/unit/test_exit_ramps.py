@@ -1,0 +1,154 @@
+"""Exit ramps in the worker's forward, with the real teacher and the spam head: padded and packed batches release
+the same texts at the same layers with the same probabilities, the final answer is unchanged, the controller
+gets its feedback and measured costs; malformed ramps artifacts are refused naming the file; the scheduler
+splits a merged batch's early answer to the requests it came from."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from academus.services.scheduler.core import Job
+from academus.services.scheduler.server import deliver_partial
+from academus.services.worker.core import OUTPUT_PROBS, ModelRunner
+from academus.services.worker.exits import load_exits
+from academus.shared.models.exits import STATIC, ControllerSettings
+from academus.shared.models.model import HIDDEN_SIZE
+from academus.shared.models.packing import PackingPlan
+from academus.shared.models.ramps import ExitRamps, load_ramps, ramps_dir, save_ramps
+from academus.shared.models.teacher_files import teacher_dir
+from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.state.artifacts import ArtifactError
+from academus.shared.state.catalogue import read_catalogue, write_entry
+from academus.v1 import tensors_pb2
+from tests.conftest import artifacts_path
+
+TEXTS = ["Congratulations! You have won a free cruise, click here to claim it now",
+         "Hi Bob, the meeting moved to 3pm; the agenda is attached", "cheap meds online, no prescription needed",
+         "Can you send me the slides from yesterday?", "URGENT: your account is suspended, verify your password"]
+LABELS = ["ham", "spam"]
+
+
+def write_ramps(artifacts: Path, thresholds: dict[int, float], seed: int = 0) -> Path:
+    """Ramps after layers 1-5 with seeded random heads (large enough weights to be confident somewhere)."""
+    torch.manual_seed(seed)
+    ramps = ExitRamps(range(1, 6), HIDDEN_SIZE, LABELS)
+    for head in ramps.heads.values():
+        torch.nn.init.normal_(head.weight, std=3.0)
+    directory = ramps_dir(artifacts, "spam")
+    save_ramps(directory, ramps, teacher="test", task="spam", metrics={}, extra={
+        "cost": {str(k): 0.002 for k in range(1, 6)}, "saving": {str(k): 1 - k / 6 for k in range(1, 6)},
+        "tuned_once": {"static": {str(k): t for k, t in thresholds.items()}, "deebert_entropy": 0.1}})
+    return directory
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("artifacts")
+    write_entry(root, "spam", read_catalogue(artifacts_path())["spam"])
+    shutil.copytree(artifacts_path() / "heads" / "spam", root / "heads" / "spam")
+    write_ramps(root, {k: 0.8 for k in range(1, 6)})
+    return root
+
+
+@pytest.fixture(scope="module")
+def runner(artifacts: Path) -> ModelRunner:
+    torch.set_num_threads(1)
+    return ModelRunner(artifacts, ["spam"], exit_settings=ControllerSettings(policy=STATIC), traced=False)
+
+
+def tokens() -> tuple[list[int], list[int]]:
+    encoded = TeacherTokenizer(teacher_dir()).encode(TEXTS)
+    return [i for e in encoded for i in e.input_ids], [len(e.input_ids) for e in encoded]
+
+
+def released_by(runner: ModelRunner, plan: PackingPlan | None = None):
+    events: list[tuple[list[int], int, np.ndarray]] = []
+    ids, lengths = tokens()
+    result = runner.run("spam", OUTPUT_PROBS, ids, lengths, plan=plan,
+                        release=lambda rows, layer, probs: events.append((rows, layer, probs)))
+    return events, result
+
+
+def test_padded_and_packed_batches_release_alike_and_answer_exactly(runner: ModelRunner) -> None:
+    padded, padded_result = released_by(runner)
+    packed, packed_result = released_by(runner, PackingPlan.concat([[0, 1], [2, 3, 4]], 128))
+    assert padded, "the thresholds release no text: the comparison would be empty"
+    by_text = {row: (layer, probs[i]) for rows, layer, probs in padded for i, row in enumerate(rows)}
+    assert sorted(by_text) == sorted({row for rows, _, _ in packed for row in rows})
+    for rows, layer, probs in packed:
+        for i, row in enumerate(rows):
+            assert by_text[row][0] == layer
+            np.testing.assert_allclose(probs[i], by_text[row][1], atol=1e-5)
+    ids, lengths = tokens()
+    plain = runner.run("spam", OUTPUT_PROBS, ids, lengths)   # no release: no ramps run
+    np.testing.assert_allclose(padded_result.values, plain.values, atol=1e-6)
+    np.testing.assert_allclose(packed_result.values, plain.values, atol=1e-5)
+
+
+def test_each_text_is_released_once_at_its_first_confident_ramp(runner: ModelRunner) -> None:
+    events, _ = released_by(runner)
+    rows = [row for rows, _, _ in events for row in rows]
+    assert len(rows) == len(set(rows))
+    layers = [layer for _, layer, _ in events]
+    assert layers == sorted(layers)
+    for _, _, probs in events:
+        assert (probs.max(1) > 0.8).all()
+
+
+def test_the_controller_gets_feedback_and_measured_costs(artifacts: Path) -> None:
+    runner = ModelRunner(artifacts, ["spam"], exit_settings=ControllerSettings(), traced=False)
+    controller = runner.models["spam"].exits.controller
+    released_by(runner)
+    assert controller.seen == len(TEXTS)
+    assert len(controller.window.conf) == len(TEXTS)
+    assert all(cost != 0.002 for layer, cost in controller.cost.items() if layer in controller.active.layers)
+
+
+def test_an_embedding_output_or_no_release_runs_no_ramp(runner: ModelRunner) -> None:
+    ids, lengths = tokens()
+    events: list = []
+    runner.run("spam", "embedding", ids, lengths, release=lambda *a: events.append(a))
+    assert events == []
+
+
+def test_malformed_ramps_are_refused_naming_the_file(tmp_path: Path) -> None:
+    directory = write_ramps(tmp_path, {1: 0.9})
+    with pytest.raises(ArtifactError, match="labels"):
+        load_ramps(directory, HIDDEN_SIZE, ["no", "yes", "maybe"])
+    with pytest.raises(ArtifactError, match=r"weights\.safetensors"):
+        load_ramps(directory, 768, LABELS)
+    manifest = directory / "manifest.json"
+    data = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**data, "extra": {}}))
+    with pytest.raises(ArtifactError, match=r"manifest\.json"):
+        load_ramps(directory, HIDDEN_SIZE, LABELS)
+    weights = directory / "weights.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ArtifactError, match=r"weights\.safetensors"):
+        load_ramps(directory, HIDDEN_SIZE, LABELS)
+    assert load_exits(tmp_path, "spam", HIDDEN_SIZE, LABELS, torch.device("cpu"), ControllerSettings(), "spam") \
+        is None
+    assert load_exits(tmp_path, "sentiment", HIDDEN_SIZE, LABELS, torch.device("cpu"), ControllerSettings(),
+                      "sentiment") is None   # no ramps at all: no early exits, no error
+
+
+def test_the_scheduler_splits_an_early_answer_to_its_requests() -> None:
+    loop = asyncio.new_event_loop()
+    got: dict[str, list] = {"a": [], "c": []}
+    jobs = [Job("spam", None, n, 0, 0.0, 0.0, future=loop.create_future(),
+                on_partial=(lambda out, name=name: got[name].append(out)) if name in got else None)
+            for name, n in (("a", 2), ("b", 1), ("c", 3))]
+    values = [0.1, 0.9, 0.2, 0.8, 0.3, 0.7]   # rows 1, 2 and 5 of the merged batch
+    deliver_partial(tensors_pb2.ModelOutput(rows=[1, 2, 5], exit_layer=3, labels=LABELS,
+                                            values=tensors_pb2.Matrix(values=values, rows=3, dim=2)), jobs)
+    (a,), (c,) = got["a"], got["c"]
+    assert list(a.rows) == [1] and list(a.values.values) == pytest.approx([0.1, 0.9]) and a.exit_layer == 3
+    assert list(c.rows) == [2] and list(c.values.values) == pytest.approx([0.3, 0.7])   # row 5 is c's third
+    loop.close()
