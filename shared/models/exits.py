@@ -411,25 +411,26 @@ class ExitController:
         self.tuner.constraint = self._target()
 
     def _adjust(self, tuning: Tuning, texts: int) -> None:
-        """Drops the ramp whose exits saved least below its cost (one a tuning, never one added since the last);
-        then adds the unused ramp before the busiest one (earlier exits save more), or the deepest unused one
-        while none releases, if the ramps' summed cost stays within the budget."""
+        """Drops the ramp whose exits saved least below its cost (one a tuning, never one added since the last),
+        and the least useful ones while the ramps' measured cost is over the budget; then adds the unused ramp
+        before the busiest one (earlier exits save more), or the deepest unused one while none releases, if the
+        ramps' summed cost stays within the budget."""
         if texts < min(AGREEMENT_SPAN, self.settings.window) and self.active.layers:
             return   # a ramp is judged on as many texts as its agreement is
         layers, thresholds = list(self.active.layers), list(tuning.thresholds)
-        reach, worst = 1.0, None
-        for j, layer in enumerate(layers):
-            saved, spent = tuning.exit_rates[j] * self.candidates[layer].saving, reach * self.cost[layer]
+        reach, net = 1.0, {}
+        for j, layer in enumerate(layers):   # what each ramp's exits saved, and what it cost
+            net[layer] = (tuning.exit_rates[j] * self.candidates[layer].saving, reach * self.cost[layer])
             reach -= tuning.exit_rates[j]
-            judged = self.tunings - self._added_at.get(layer, 0) > 1
-            if judged and saved < spent and (worst is None or saved - spent < worst[1]):
-                worst = (layer, saved - spent, saved, spent)
-        if worst is not None:
-            i = layers.index(worst[0])
-            del layers[i], thresholds[i]
-            self._dropped_at[worst[0]] = self.tunings
-            self._log("dropped", worst[0],
-                      f"its exits saved {worst[2]:.4f} of the model's time, it cost {worst[3]:.4f}")
+        judged = [k for k in layers if self.tunings - self._added_at.get(k, 0) > 1 and net[k][0] < net[k][1]]
+        if judged:
+            worst = min(judged, key=lambda k: net[k][0] - net[k][1])
+            self._drop(layers, thresholds, worst,
+                       f"its exits saved {net[worst][0]:.4f} of the model's time, it cost {net[worst][1]:.4f}")
+        while layers and sum(self.cost[k] for k in layers) > self.settings.budget:   # costs measured in serving
+            spent = sum(self.cost[k] for k in layers)
+            self._drop(layers, thresholds, min(layers, key=lambda k: net[k][0] - net[k][1]),
+                       f"the ramps' cost {spent:.4f} is over the budget {self.settings.budget}")
         spent = sum(self.cost[layer] for layer in layers)
         added = self._addable(layers, tuning, spent)
         if added:
@@ -441,6 +442,12 @@ class ExitController:
             self._log("added", added, f"exits likely before the busiest ramp; ramps' cost "
                       f"{spent + self.cost[added]:.4f} within the budget {self.settings.budget}")
         self.active = ActiveRamps(tuple(layers), ThresholdRule(tuple(thresholds)))
+
+    def _drop(self, layers: list[int], thresholds: list[float], layer: int, reason: str) -> None:
+        i = layers.index(layer)
+        del layers[i], thresholds[i]
+        self._dropped_at[layer] = self.tunings
+        self._log("dropped", layer, reason)
 
     def _addable(self, layers: list[int], tuning: Tuning, spent: float) -> int:
         free = [k for k in self.candidates if k not in layers and

@@ -448,3 +448,20 @@ def test_fixed_rule_unknown_policy() -> None:
     """An unknown policy is a ValueError."""
     with pytest.raises(ValueError, match="not one of"):
         fixed_rule("bogus", TUNED_ONCE, (2,))
+
+
+def test_measured_costs_over_the_budget_drop_ramps() -> None:
+    """Ramps whose cost measured in serving puts the active set over the budget are dropped, least useful first,
+    even when each still pays for itself; what remains fits the budget."""
+    ctrl = ExitController(candidates(cost=0.005), settings(budget=0.02), clock=fake_clock()[1])
+    assert ctrl.active.layers == (2, 4, 6, 8)
+    measured = {2: 0.009, 4: 0.009, 6: 0.009, 8: 0.009}   # small batches: each ramp costs more than bootstrapped
+    for _ in range(200):   # the running average converges on the measured shares
+        ctrl.observe((2, 4, 6, 8), signals(np.full((1, 4), 0.5)), np.zeros(1, dtype=int), np.array([4]),
+                     costs=measured)
+    assert ctrl.cost[2] == pytest.approx(0.009, rel=1e-3)
+    ctrl._adjust(Tuning((0.9, 0.9, 0.9, 0.9), 1.0, 0.3, (0.3, 0.2, 0.1, 0.05), 10), texts=AGREEMENT_SPAN)
+    assert sum(ctrl.cost[k] for k in ctrl.active.layers) <= 0.02
+    assert ctrl.active.layers == (2, 4)   # the deeper ramps saved least
+    reasons = [e["reason"] for e in ctrl.status()["events"] if e["kind"] == "dropped"]
+    assert len(reasons) == 2 and all("over the budget" in r for r in reasons)
