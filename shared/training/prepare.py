@@ -142,7 +142,8 @@ def classification_metrics(pred: torch.Tensor, gold: torch.Tensor, num_classes: 
 
 def fit_head(x: torch.Tensor, y: torch.Tensor, labels: Sequence[str], weight_decay: float,
              max_iter: int = 500) -> ClassifierHead:
-    """Softmax regression, full batch L-BFGS: convex, so the result does not depend on the start."""
+    """Softmax regression, full batch L-BFGS: convex, so the result does not depend on the start. `y`: class
+    indices, or [n, C] probabilities (soft targets: the exit ramps fit the model's own)."""
     torch.manual_seed(SEED)
     head = ClassifierHead(labels, x.shape[1])
     nn.init.zeros_(head.linear.weight)

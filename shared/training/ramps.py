@@ -43,6 +43,7 @@ from academus.shared.training.data import TASKS, DataMissing, fetch, load_task
 from academus.shared.training.prepare import (
     MAX_TOKENS,
     WEIGHT_DECAYS,
+    fit_head,
     length_batches,
     load_head,
     predict,
@@ -84,7 +85,7 @@ def fit_ramp(x: torch.Tensor, target: torch.Tensor, vx: torch.Tensor, vtarget: t
     its weight decay the one with the least cross-entropy to the model on validation; and its agreement there."""
     best: tuple[float, ClassifierHead] | None = None
     for wd in WEIGHT_DECAYS:
-        head = fit_soft_head(x, target, labels, wd)
+        head = fit_head(x, target, labels, wd)   # cross-entropy takes the probabilities as targets
         with torch.no_grad():
             loss = nn.functional.cross_entropy(head(vx), vtarget).item()
         if best is None or loss < best[0]:
@@ -92,27 +93,6 @@ def fit_ramp(x: torch.Tensor, target: torch.Tensor, vx: torch.Tensor, vtarget: t
     assert best is not None
     agreement = (predict(best[1], vx) == vtarget.argmax(1)).float().mean().item()
     return best[1], agreement
-
-
-def fit_soft_head(x: torch.Tensor, target: torch.Tensor, labels: Sequence[str], weight_decay: float,
-                  max_iter: int = 500) -> ClassifierHead:
-    """Softmax regression on probability targets, full-batch L-BFGS from zeros (convex: the start does not
-    matter), as `prepare`'s heads are fitted on labels."""
-    head = ClassifierHead(labels, x.shape[1])
-    nn.init.zeros_(head.linear.weight)
-    nn.init.zeros_(head.linear.bias)
-    optimizer = torch.optim.LBFGS(head.parameters(), lr=1.0, max_iter=max_iter, history_size=20,
-                                  tolerance_grad=1e-7, tolerance_change=1e-10, line_search_fn="strong_wolfe")
-
-    def closure() -> torch.Tensor:
-        optimizer.zero_grad()
-        loss = nn.functional.cross_entropy(head(x), target) + weight_decay * head.linear.weight.square().sum()
-        loss.backward()
-        return loss
-
-    with torch.enable_grad():
-        optimizer.step(closure)
-    return head.eval()
 
 
 def measure_costs(encoder: TeacherEncoder, ramps: ExitRamps, tokenizer: TeacherTokenizer, texts: Sequence[str],
