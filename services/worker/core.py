@@ -24,7 +24,7 @@ from prometheus_client import Gauge, Histogram
 from torch import nn
 
 from academus.services.worker.adapters import TenantBatch
-from academus.services.worker.exits import ExitRun, ModelExits, Release, load_exits
+from academus.services.worker.exits import ExitRun, ModelExits, Release, load_exits, ramps_stamp
 from academus.services.worker.traced import trace_layers
 from academus.shared.models.adapters import encode_with_adapters
 from academus.shared.models.exits import ControllerSettings
@@ -118,6 +118,7 @@ class ServedModel:
     packable: bool = True          # False: PLOT models, whose lower layers are lookups, run padded only
     null: bool = False             # the null model: answers zeros without computing (NULL_MODEL)
     exits: ModelExits | None = None  # exit ramps (Apparate), when `academus ramps train` made them
+    exit_task: str = ""            # a bundled task's head on the teacher: whose ramps it may have
 
     def students(self, wanted: int) -> int:
         """The student count to run: the default for 0, refused beyond what the group holds."""
@@ -187,6 +188,7 @@ class ModelRunner:
         self._plot_stores: weakref.WeakValueDictionary[Path, object] = weakref.WeakValueDictionary()
         self._refused: dict[str, dict] = {}   # catalogue entries that failed to load, not retried while unchanged
         self._user_encoders: dict[Path, TeacherEncoder] = {}   # a user's embedding model's, shared by its heads
+        self._exit_stamps: dict[str, tuple[int, int] | None] = {}   # model -> its ramps' manifest when loaded
         self.models = {name: self._load(name, catalogue[name]) for name in models}
         self.specs = {name: served.spec for name, served in self.models.items()}
 
@@ -257,10 +259,29 @@ class ModelRunner:
 
         task = entry.get("task", name)
         head = load_head(self.artifacts, task).to(self.device).eval()
-        exits = None if self.exit_settings is None else load_exits(
-            self.artifacts, task, HIDDEN_SIZE, head.labels, self.device, self.exit_settings, name)
-        return ServedModel(ModelSpec(name, CLASSIFICATION, list(head.labels), HIDDEN_SIZE), teacher, head,
-                           exits=exits)
+        served = ServedModel(ModelSpec(name, CLASSIFICATION, list(head.labels), HIDDEN_SIZE), teacher, head,
+                             exit_task=task)
+        self._load_exits(served)
+        return served
+
+    def _load_exits(self, served: ServedModel) -> None:
+        """The served classifier's ramps as the artifacts hold them now (none: no early exits)."""
+        if self.exit_settings is None or not served.exit_task:
+            return
+        self._exit_stamps[served.spec.name] = ramps_stamp(self.artifacts, served.exit_task)
+        served.exits = load_exits(self.artifacts, served.exit_task, HIDDEN_SIZE, served.spec.labels, self.device,
+                                  self.exit_settings, served.spec.name)
+
+    def refresh_exits(self) -> list[str]:
+        """Loads ramps `academus ramps train` wrote or replaced since they were loaded (the running worker
+        serves them without a restart); the models whose ramps changed. A batch already running keeps the
+        ones it started with."""
+        changed = []
+        for name, served in list(self.models.items()):
+            if served.exit_task and ramps_stamp(self.artifacts, served.exit_task) != self._exit_stamps.get(name):
+                self._load_exits(served)
+                changed.append(name)
+        return changed
 
     def _load_user_model(self, name: str, entry: dict) -> ServedModel:
         """A model from `academus models add`: its files checked against their sha256, then its own encoder

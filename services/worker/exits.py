@@ -27,7 +27,7 @@ from academus.shared.models.exits import (
 from academus.shared.models.model import MEAN
 from academus.shared.models.ramps import ExitRamps, load_ramps, ramps_dir
 from academus.shared.runtime.logs import log_event
-from academus.shared.state.artifacts import ArtifactError
+from academus.shared.state.artifacts import MANIFEST, ArtifactError
 
 # rows (texts of the batch), the layer they exit after, their probabilities [len(rows), C]
 Release = Callable[[list[int], int, np.ndarray], None]
@@ -39,6 +39,16 @@ class ModelExits:
 
     ramps: ExitRamps
     controller: ExitController
+
+
+def ramps_stamp(artifacts: Path, task: str) -> tuple[int, int] | None:
+    """What changes when `ramps train` writes the task's ramps (the directory is replaced by a rename): its
+    manifest's inode and mtime; None without one."""
+    try:
+        stat = (ramps_dir(artifacts, task) / MANIFEST).stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
 
 
 def load_exits(artifacts: Path, task: str, hidden_size: int, labels: Sequence[str], device: torch.device,
@@ -59,6 +69,7 @@ def load_exits(artifacts: Path, task: str, hidden_size: int, labels: Sequence[st
     except (ArtifactError, KeyError, TypeError, ValueError) as e:
         log_event("ramps_refused", logging.ERROR, model=name, error=str(e))
         return None
+    log_event("ramps_loaded", model=name, layers=list(ramps.layers), policy=settings.policy)
     return ModelExits(ramps, ExitController(candidates, settings, fixed=fixed, initial=initial))
 
 

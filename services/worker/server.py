@@ -226,8 +226,11 @@ class ExitTuning:
             await asyncio.sleep(self.period_s)
             try:
                 status = await self.step()
-                if status and time.monotonic() - published >= self.publish_s:
-                    published = time.monotonic()
+                if time.monotonic() - published < self.publish_s:
+                    continue
+                published = time.monotonic()
+                await asyncio.to_thread(self.runner.refresh_exits)   # ramps trained while it runs
+                if status:
                     key = self.keys.ramps(self.worker_id)
                     pipe = self.redis.pipeline(transaction=True)
                     pipe.hset(key, mapping={m: json.dumps(v) for m, v in status.items()})

@@ -323,7 +323,7 @@ def _with_mesh_artifacts(args: argparse.Namespace, rest: list[str]) -> list[str]
 
 
 def cmd_ramps(args: argparse.Namespace) -> int:
-    """`ramps train` writes to the running mesh's artifacts (its workers load the ramps when they start);
+    """`ramps train` writes to the running mesh's artifacts (its workers load the new ramps within a second);
     `ramps status` prints every worker's ramps: active layers, thresholds, window agreement, exits, tunings and
     the latest changes with their reasons."""
     from academus.shared.training.ramps import main as ramps_main

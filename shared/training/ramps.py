@@ -12,7 +12,7 @@ with the unmodified model. Then, on the validation split:
 - the thresholds the baselines tune once: per-ramp confidence thresholds (the same tuner Apparate runs
   online) and DeeBERT's one entropy threshold, both at the agreement constraint.
 
-The artifact lands in `<artifacts>/ramps/<task>/`; a worker serving the task's model loads it at start.
+The artifact lands in `<artifacts>/ramps/<task>/`; workers serving the task's model load it within a second.
 Progress on stderr, the JSON summary as the last line of stdout.
 """
 

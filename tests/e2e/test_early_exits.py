@@ -101,6 +101,19 @@ def test_models_without_ramps_answer_the_final_message_only(exit_mesh: MeshState
     assert refusals and "weights.safetensors" in refusals[0] and "sentiment" in refusals[0]
 
 
+def test_ramps_trained_on_a_running_mesh_serve_without_a_restart(exit_mesh: MeshState, client: Client) -> None:
+    """`ramps train` replaces sentiment's corrupt ramps; the worker loads the new ones within seconds."""
+    trained = academus(exit_mesh.run_dir, "ramps", "train", "--task", "sentiment", "--quick")
+    assert trained.returncode == 0, trained.stderr[-2000:]
+
+    def early() -> bool:
+        results = list(client.infer_stream("sentiment", ["a gorgeous, moving film", "dull, long and loud"]))
+        return len(results) > 1 and not results[0].predictions[0].final
+    wait_for(early, 30, "sentiment's new ramps to release early results")
+    log = (Path(exit_mesh.run_dir) / "logs" / "worker-0.log").read_text()
+    assert any("ramps_loaded" in line and "sentiment" in line for line in log.splitlines())
+
+
 def test_cli_infer_stream_prints_early_lines_before_the_final_ones(exit_mesh: MeshState) -> None:
     done = academus(exit_mesh.run_dir, "infer", "--model", "spam", "--stream", *TEXTS, timeout=60)
     assert done.returncode == 0, done.stderr
