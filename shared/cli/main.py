@@ -85,8 +85,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--pair", action="append", default=None, metavar="TEXT",
                    help="the second text of a pair, once for each text, in order (an embedding model scores each pair)")
     s.add_argument("--stream", action="store_true",
-                   help="early results (exit ramps) as they are released, then the full model's: one JSON line each, "
-                        "with `final` and `exit_layer`")
+                   help="early results (exit ramps) as they are released, then the full model's: one JSON line a "
+                        "message of InferStream, with `final`, `exit_layer` and its texts' `predictions`")
     s.add_argument("--early-exit", action="store_true",
                    help="answer as soon as every text has a result, from the first confident exit ramp")
     s.add_argument("texts", nargs="+")
@@ -274,9 +274,10 @@ def cmd_infer(args: argparse.Namespace) -> int:
         with Client(gateway, api_key=key, timeout=args.timeout, tls=args.tls, root_certificates=root) as client:
             if args.stream:
                 for result in client.infer_stream(args.model, args.texts, args.output, truncate=truncate):
-                    for p in result.predictions:
-                        print(json.dumps(_prediction_line(args, p) | {"final": p.final, "exit_layer": p.exit_layer}),
-                              flush=True)
+                    first = result.predictions[0]
+                    print(json.dumps({"final": first.final, "exit_layer": first.exit_layer,
+                                      "predictions": [_prediction_line(args, p) for p in result.predictions]}),
+                          flush=True)
                 return 0
             result = client.infer(args.model, args.texts, args.output, pairs=args.pair, truncate=truncate,
                                   early_exit=args.early_exit)

@@ -114,14 +114,14 @@ def test_ramps_trained_on_a_running_mesh_serve_without_a_restart(exit_mesh: Mesh
     assert any("ramps_loaded" in line and "sentiment" in line for line in log.splitlines())
 
 
-def test_cli_infer_stream_prints_early_lines_before_the_final_ones(exit_mesh: MeshState) -> None:
+def test_cli_infer_stream_prints_a_line_a_message_early_ones_first(exit_mesh: MeshState) -> None:
     done = academus(exit_mesh.run_dir, "infer", "--model", "spam", "--stream", *TEXTS, timeout=60)
     assert done.returncode == 0, done.stderr
-    lines = [json.loads(line) for line in done.stdout.splitlines()]
-    finals = [line for line in lines if line["final"]]
-    assert [line["text"] for line in finals] == TEXTS
-    first_final = lines.index(finals[0])
-    assert lines[:first_final] and all(not line["final"] and line["exit_layer"] >= 1 for line in lines[:first_final])
+    *early, final = [json.loads(line) for line in done.stdout.splitlines()]
+    assert early and all(not m["final"] and m["exit_layer"] >= 1 and m["predictions"] for m in early)
+    assert final["final"] and final["exit_layer"] == 0
+    assert [p["text"] for p in final["predictions"]] == TEXTS
+    assert all(p["label"] in ("ham", "spam") for m in early for p in m["predictions"])
 
 
 def test_ramps_status_shows_the_workers_ramps(exit_mesh: MeshState, client: Client) -> None:
