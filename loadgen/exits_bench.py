@@ -26,23 +26,19 @@ import random
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from academus.shared.models.exits import (
-    APPARATE,
+    NONE,
     ControllerSettings,
-    EntropyRule,
     ExitController,
-    ExitRule,
     ExitSignals,
-    NoExit,
-    PatienceRule,
-    RampCandidate,
-    ThresholdRule,
     ThresholdTuner,
+    controller_for,
     released_agreement,
     replay,
 )
@@ -82,9 +78,12 @@ class Replay:
     """One task's signals at every ramp, in arrival order, and the ramps' measured savings and costs."""
 
     def __init__(self, signals: ExitSignals, final: np.ndarray, gold: np.ndarray, layers: Sequence[int],
-                 saving: dict[int, float], cost: dict[int, float], tuned_once: dict) -> None:
-        self.signals, self.final, self.gold = signals, final, gold
-        self.layers, self.saving, self.cost, self.tuned_once = tuple(layers), saving, cost, tuned_once
+                 extra: dict) -> None:
+        """`extra`: the ramps' manifest's (savings, costs, the thresholds tuned once)."""
+        self.signals, self.final, self.gold, self.layers, self.extra = signals, final, gold, tuple(layers), extra
+        self.saving = {int(k): float(v) for k, v in extra["saving"].items()}
+        self.cost = {int(k): float(v) for k, v in extra["cost"].items()}
+        self.tuned_once = extra["tuned_once"]
 
     def columns(self, layers: Sequence[int], rows: np.ndarray) -> ExitSignals:
         idx = [self.layers.index(k) for k in layers]
@@ -107,7 +106,9 @@ def run_arm(arm: str, data: Replay, order: list[int], batch: int,
     first, final_t = np.ones(n), np.ones(n)
     exits_at_layer = np.zeros(n, dtype=int)
     tunings: list[float] = []
-    controller = _controller(data, settings or ControllerSettings()) if arm == APPARATE else None
+    # every arm but the oracle is the worker's own controller, under the arm's exit policy
+    policy = NONE if arm in ("vanilla", "oracle") else arm
+    controller = controller_for(data.layers, data.extra, replace(settings or ControllerSettings(), policy=policy))
     for start in range(0, n, batch):
         rows = np.array(order[start:start + batch])
         span = slice(start, start + len(rows))
@@ -120,38 +121,19 @@ def run_arm(arm: str, data: Replay, order: list[int], batch: int,
             first[span] = 1.0 - saving[exit_at]
             exits_at_layer[span] = [data.layers[j] if j < len(data.layers) else 0 for j in exit_at]
             continue
-        layers, rule = _rule(arm, data, controller)
+        layers, rule = controller.active.layers, controller.active.rule
         signals = data.columns(layers, rows)
         exit_at = replay(rule, signals)
         agreed[span] = released_agreement(exit_at, signals.preds == data.final[rows][:, None])
         first[span], final_t[span] = data.times(layers, exit_at)
         exits_at_layer[span] = [layers[j] if j < len(layers) else 0 for j in exit_at]
-        if controller is not None:
-            controller.observe(layers, signals, data.final[rows], exit_at)
-            if reason := controller.due():
-                clock = time.perf_counter()
-                controller.tune(reason)
-                tunings.append((time.perf_counter() - clock) * 1e3)
-    return summarise(arm, agreed, first, final_t, exits_at_layer, tunings, controller)
-
-
-def _controller(data: Replay, settings: ControllerSettings) -> ExitController:
-    candidates = [RampCandidate(k, data.saving[k], data.cost[k]) for k in data.layers]
-    initial = {int(k): float(v) for k, v in data.tuned_once["static"].items()}
-    return ExitController(candidates, settings, initial=initial)
-
-
-def _rule(arm: str, data: Replay, controller: ExitController | None) -> tuple[Sequence[int], ExitRule]:
-    if controller is not None:
-        return controller.active.layers, controller.active.rule
-    if arm == "static":
-        static = data.tuned_once["static"]
-        return data.layers, ThresholdRule(tuple(float(static[str(k)]) for k in data.layers))
-    if arm == "deebert":
-        return data.layers, EntropyRule(float(data.tuned_once["deebert_entropy"]))
-    if arm in ("pabee2", "pabee3"):
-        return data.layers, PatienceRule(int(arm[-1]))
-    return (), NoExit()
+        controller.observe(layers, signals, data.final[rows], exit_at)   # a baseline's ignores it
+        if reason := controller.due():
+            clock = time.perf_counter()
+            controller.tune(reason)
+            tunings.append((time.perf_counter() - clock) * 1e3)
+    return summarise(arm, agreed, first, final_t, exits_at_layer, tunings,
+                     controller if controller.adaptive else None)
 
 
 def summarise(arm: str, agreed: np.ndarray, first: np.ndarray, final_t: np.ndarray, exits: np.ndarray,
@@ -182,10 +164,8 @@ def load_replay(artifacts: Path, task: str, data_dir: Path | None,
     states = layer_states(encoder, TeacherTokenizer(teacher_dir(), max_tokens=MAX_TOKENS), [e.text for e in test],
                           ramps)
     final = predict(head, states[:, -1]).numpy()
-    extra = manifest.extra
     replay_data = Replay(ramp_signals(ramps, states), final, np.array([e.label for e in test]), ramps.layers,
-                         {int(k): float(v) for k, v in extra["saving"].items()},
-                         {int(k): float(v) for k, v in extra["cost"].items()}, extra["tuned_once"])
+                         manifest.extra)
     return replay_data, test
 
 

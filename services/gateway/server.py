@@ -236,11 +236,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         in the background: its batch runs on, and it is the feedback that keeps the ramps accurate."""
         early: list[tensors_pb2.ModelOutput] = []
         every_text = asyncio.Event()
-        texts = len(admitted.encoded)
+        answered: set[int] = set()
 
         def released(output: tensors_pb2.ModelOutput) -> None:
             early.append(output)
-            if len({i for o in early for i in o.rows}) >= texts:
+            answered.update(output.rows)
+            if len(answered) == len(admitted.encoded):
                 every_text.set()
 
         final = asyncio.ensure_future(self._schedule(admitted, schedule_request(admitted, request.request_id, True),

@@ -340,10 +340,13 @@ class ModelRunner:
         return self.artifacts / entry["source"] / "tokenizer.json" if "source" in entry else None
 
     def teacher(self) -> TeacherEncoder:
-        """The one teacher every teacher-backed and PLOT model shares, its layers deadline-hooked once."""
+        """The one teacher every teacher-backed and PLOT model shares, its layers hooked once (deadlines, and exit
+        ramps where a serving process has them)."""
         if self._teacher is None:
             self._teacher = TeacherEncoder.load(device=self.device)
             self._prepare_layers(self._teacher)
+            if self.exit_settings is not None:
+                self._watch_ramps(self._teacher)
         return self._teacher
 
     def _load_plot(self, name: str, entry: dict) -> ServedModel:
@@ -382,11 +385,16 @@ class ModelRunner:
                 encoder(ids, mask, types, **forward)
 
     def _watch_deadline(self, encoder: nn.Module) -> None:
-        """Hooks every transformer layer so an expired batch stops between layers, and so a batch running exit
-        ramps sees each layer's output."""
+        """Hooks every transformer layer so an expired batch stops between layers."""
+        for name, module in encoder.named_modules():
+            if LAYER_NAME.search(name):
+                module.register_forward_pre_hook(self._deadline_check(name))
+
+    def _watch_ramps(self, encoder: nn.Module) -> None:
+        """Hooks the teacher's layers (the only encoder with exit ramps) so that a batch running ramps sees each
+        layer's output; other encoders' layers carry no hook to pass through."""
         for name, module in encoder.named_modules():
             if match := LAYER_NAME.search(name):
-                module.register_forward_pre_hook(self._deadline_check(name))
                 module.register_forward_hook(self._ramp_hook(int(match.group(1)) + 1))
 
     def _ramp_hook(self, layer: int):

@@ -17,13 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from academus.shared.models.exits import (
-    ControllerSettings,
-    ExitController,
-    ExitSignals,
-    RampCandidate,
-    fixed_rule,
-)
+from academus.shared.models.exits import ControllerSettings, ExitController, ExitSignals, controller_for, ramp_signal
 from academus.shared.models.model import MEAN
 from academus.shared.models.ramps import ExitRamps, load_ramps, ramps_dir
 from academus.shared.runtime.logs import log_event
@@ -60,17 +54,12 @@ def load_exits(artifacts: Path, task: str, hidden_size: int, labels: Sequence[st
         return None
     try:
         ramps, manifest = load_ramps(directory, hidden_size, labels, device)
-        extra = manifest.extra
-        candidates = [RampCandidate(k, float(extra["saving"][str(k)]), float(extra["cost"][str(k)]))
-                      for k in ramps.layers]
-        tuned_once = extra.get("tuned_once", {})
-        fixed = fixed_rule(settings.policy, tuned_once, ramps.layers)
-        initial = {int(k): float(v) for k, v in tuned_once.get("static", {}).items()}
+        controller = controller_for(ramps.layers, manifest.extra, settings)
     except (ArtifactError, KeyError, TypeError, ValueError) as e:
         log_event("ramps_refused", logging.ERROR, model=name, error=str(e))
         return None
     log_event("ramps_loaded", model=name, layers=list(ramps.layers), policy=settings.policy)
-    return ModelExits(ramps, ExitController(candidates, settings, fixed=fixed, initial=initial))
+    return ModelExits(ramps, controller)
 
 
 class ExitRun:
@@ -99,8 +88,7 @@ class ExitRun:
         start = time.perf_counter()
         rows = np.arange(len(self.exit_at)) if rows is None else rows
         probs = self.exits.ramps.probs(layer, self.exits.ramps.finish(pooled())).float().cpu().numpy()
-        self.conf[rows, j], self.preds[rows, j] = probs.max(1), probs.argmax(1)
-        self.entropy[rows, j] = -(probs * np.log(np.maximum(probs, 1e-12))).sum(1)
+        self.conf[rows, j], self.preds[rows, j], self.entropy[rows, j] = ramp_signal(probs)
         waiting = self.exit_at[rows] == len(self.active.layers)
         exits = waiting & self.active.rule.exits_at(j, self.conf[rows], self.preds[rows], self.entropy[rows])
         self.spent[j] += time.perf_counter() - start   # the release's sending is the caller's, not the ramp's

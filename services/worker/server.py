@@ -204,38 +204,39 @@ class ExitTuning:
         self.runner, self.redis, self.keys, self.worker_id = runner, redis, keys, worker_id
         self.ttl_s, self.period_s, self.publish_s = ttl_s, period_s, publish_s
 
-    async def step(self) -> dict[str, dict]:
-        """One round: due tunings run; each model's status."""
+    async def step(self) -> None:
+        """Each model's due tuning, if any."""
+        for name, served in list(self.runner.models.items()):
+            if served.exits is not None and (reason := served.exits.controller.due()):
+                await asyncio.to_thread(served.exits.controller.tune, reason)
+                EXIT_TUNINGS.labels(name).inc()
+
+    async def publish(self) -> None:
+        """Ramps trained meanwhile are loaded; each model's ramps go to the metrics and to Redis."""
+        await asyncio.to_thread(self.runner.refresh_exits)
         status = {}
         for name, served in list(self.runner.models.items()):
-            if served.exits is None:
-                continue
-            controller = served.exits.controller
-            reason = controller.due()
-            if reason:
-                await asyncio.to_thread(controller.tune, reason)
-                EXIT_TUNINGS.labels(name).inc()
-            EXIT_AGREEMENT.labels(name).set(controller.window_agreement())
-            ACTIVE_RAMPS.labels(name).set(len(controller.active.layers))
-            status[name] = controller.status()
-        return status
+            if served.exits is not None:
+                controller = served.exits.controller
+                EXIT_AGREEMENT.labels(name).set(controller.window_agreement())
+                ACTIVE_RAMPS.labels(name).set(len(controller.active.layers))
+                status[name] = controller.status()
+        if status:
+            key = self.keys.ramps(self.worker_id)
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.hset(key, mapping={m: json.dumps(v) for m, v in status.items()})
+            pipe.expire(key, max(1, round(self.ttl_s)))
+            await pipe.execute()
 
     async def run(self) -> None:
         published = 0.0
         while True:
             await asyncio.sleep(self.period_s)
             try:
-                status = await self.step()
-                if time.monotonic() - published < self.publish_s:
-                    continue
-                published = time.monotonic()
-                await asyncio.to_thread(self.runner.refresh_exits)   # ramps trained while it runs
-                if status:
-                    key = self.keys.ramps(self.worker_id)
-                    pipe = self.redis.pipeline(transaction=True)
-                    pipe.hset(key, mapping={m: json.dumps(v) for m, v in status.items()})
-                    pipe.expire(key, max(1, round(self.ttl_s)))
-                    await pipe.execute()
+                await self.step()
+                if time.monotonic() - published >= self.publish_s:
+                    published = time.monotonic()
+                    await self.publish()
             except Exception as e:  # Redis away: tuning goes on; the status is published again later
                 log_event("exit_tuning_failed", logging.WARNING, error=repr(e))
 

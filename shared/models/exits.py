@@ -24,6 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -48,18 +49,21 @@ class ExitSignals:
     def from_probs(cls, probs: Sequence[np.ndarray]) -> ExitSignals:
         """From each ramp's [n, C] probabilities."""
         stacked = np.stack(probs, axis=1) if probs else np.zeros((0, 0, 1))
-        clipped = np.clip(stacked, 1e-12, 1.0)
-        return cls(stacked.max(-1), stacked.argmax(-1), -(stacked * np.log(clipped)).sum(-1))
+        return cls(*ramp_signal(stacked))
 
     def __len__(self) -> int:
         return len(self.conf)
 
 
-class ExitRule:
+def ramp_signal(probs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Confidence (top probability), prediction and entropy of [..., C] probabilities."""
+    return probs.max(-1), probs.argmax(-1), -(probs * np.log(np.maximum(probs, 1e-12))).sum(-1)
+
+
+class ExitRule(Protocol):
     """Decides, at ramp j (0-based among the rule's ramps), which texts exit there, from ramps 0..j."""
 
-    def exits_at(self, j: int, conf: np.ndarray, preds: np.ndarray, entropy: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
+    def exits_at(self, j: int, conf: np.ndarray, preds: np.ndarray, entropy: np.ndarray) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -248,7 +252,6 @@ class ControllerSettings:
     min_texts: int = 64          # feedback before the first tuning replaces the bootstrap thresholds
 
 
-
 @dataclass
 class ExitEvent:
     at: float
@@ -281,9 +284,10 @@ class ExitController:
     re-tunes thresholds and adjusts the ramps. `policy` other than apparate fixes the rule once (baselines)."""
 
     def __init__(self, candidates: Sequence[RampCandidate], settings: ControllerSettings | None = None,
-                 fixed: ExitRule | None = None, fixed_layers: Sequence[int] = (),
-                 initial: dict[int, float] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-        """`initial`: thresholds to start from (tuned once on the bootstrap data), until the first tuning."""
+                 fixed: ExitRule | None = None, initial: dict[int, float] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`fixed`: a baseline's rule over every candidate ramp, never tuned. `initial`: thresholds to start
+        from (tuned once on the bootstrap data), until the first tuning."""
         self.settings = settings or ControllerSettings()
         self.candidates = {c.layer: c for c in sorted(candidates, key=lambda c: c.layer)}
         self.cost = {c.layer: c.cost for c in candidates}   # measured as batches run (`observe`)
@@ -302,17 +306,16 @@ class ExitController:
         self._dropped_at: dict[int, int] = {}    # layer -> the tuning that dropped it
         self._added_at: dict[int, int] = {}      # layer -> the tuning that added it (judged only after one more)
         self.adaptive = fixed is None and self.settings.policy == APPARATE
-        if fixed is not None:
-            layers = tuple(fixed_layers) or tuple(self.candidates)
-            self.active = ActiveRamps(layers, fixed)
-        elif self.settings.policy == NONE:
+        if self.settings.policy == NONE:   # no ramp runs: vanilla's cost
             self.active = ActiveRamps((), NoExit())
+        elif fixed is not None:
+            self.active = ActiveRamps(tuple(self.candidates), fixed)
         else:
             layers = self._initial_layers()
             self.active = ActiveRamps(layers, ThresholdRule(tuple((initial or {}).get(k, NEVER) for k in layers)))
 
     def _initial_layers(self) -> tuple[int, ...]:
-        """The earliest ramps whose summed cost fits the budget (every one at least one ramp)."""
+        """The earliest ramps whose summed cost fits the budget (at least one)."""
         chosen, spent = [], 0.0
         for layer, c in self.candidates.items():
             if chosen and spent + c.cost > self.settings.budget:
@@ -478,6 +481,17 @@ class ExitController:
                 "events": [e.as_dict() for e in list(self.events)[-16:]]}
 
 
+def controller_for(layers: Sequence[int], extra: dict, settings: ControllerSettings) -> ExitController:
+    """The controller of ramps at `layers` from their manifest's `extra` (`academus ramps train`: each ramp's
+    saving and cost, the thresholds tuned once): a baseline's fixed rule, or Apparate's from those thresholds.
+    A manifest lacking them raises KeyError, TypeError or ValueError."""
+    candidates = [RampCandidate(k, float(extra["saving"][str(k)]), float(extra["cost"][str(k)])) for k in layers]
+    tuned_once = extra.get("tuned_once", {})
+    initial = {int(k): float(v) for k, v in tuned_once.get("static", {}).items()}
+    return ExitController(candidates, settings, fixed=fixed_rule(settings.policy, tuned_once, layers),
+                          initial=initial)
+
+
 def fixed_rule(policy: str, tuned_once: dict, layers: Sequence[int]) -> ExitRule | None:
     """The baselines' rules, from the thresholds tuned once on the bootstrap data (the ramps' manifest);
     None for Apparate's adaptive rule."""
@@ -495,14 +509,12 @@ def fixed_rule(policy: str, tuned_once: dict, layers: Sequence[int]) -> ExitRule
     raise ValueError(f"exit policy {policy!r} is not one of {', '.join(POLICIES)}")
 
 
-def tune_entropy_once(entropy: np.ndarray, agree: np.ndarray, saving: Sequence[float],
-                      constraint: float) -> float:
+def tune_entropy_once(entropy: np.ndarray, agree: np.ndarray, constraint: float) -> float:
     """DeeBERT's one entropy threshold: the largest (most exits) on a grid that keeps agreement >= constraint."""
-    best = 0.0
-    top = float(np.nanmax(entropy)) if entropy.size else 0.0
+    best, top = 0.0, float(np.nanmax(entropy)) if entropy.size else 0.0
     for threshold in np.linspace(0.0, top, 201)[1:]:
-        exit_at = replay(EntropyRule(float(threshold)), ExitSignals(np.zeros_like(entropy), np.zeros_like(entropy,
-                                                                    dtype=int), entropy))
+        exits = entropy < threshold
+        exit_at = np.where(exits.any(1), exits.argmax(1), entropy.shape[1])   # the first confident ramp
         if released_agreement(exit_at, agree).mean() >= constraint:
             best = float(threshold)
     return best

@@ -111,7 +111,7 @@ def measure_costs(encoder: TeacherEncoder, ramps: ExitRamps, tokenizer: TeacherT
             for _ in range(repeats):
                 stamps.clear()
                 start = time.perf_counter()
-                hidden = encoder(ids, mask, types)
+                encoder(ids, mask, types)
                 total = time.perf_counter() - start
                 totals.append(total)
                 ends.append([(s - start) / total for s in stamps])
@@ -192,7 +192,7 @@ def tune_once(ramps: ExitRamps, vstates: torch.Tensor, final: np.ndarray, saving
     agree = signals.preds == final[:, None]
     saving = [savings[k] for k in ramps.layers]
     static = ThresholdTuner(CONSTRAINT).tune(signals.conf, agree, saving)
-    entropy = tune_entropy_once(signals.entropy, agree, saving, CONSTRAINT)
+    entropy = tune_entropy_once(signals.entropy, agree, CONSTRAINT)
     return {"static": {str(k): round(t, 6) for k, t in zip(ramps.layers, static.thresholds, strict=True)},
             "deebert_entropy": round(entropy, 6)}
 
