@@ -25,6 +25,7 @@ from torch import nn
 
 from academus.services.worker.adapters import TenantBatch
 from academus.services.worker.exits import ExitRun, ModelExits, Release, load_exits, ramps_stamp
+from academus.services.worker.sti import ShardRun, StiModel, StiSettings
 from academus.services.worker.traced import trace_layers
 from academus.shared.models.adapters import encode_with_adapters
 from academus.shared.models.exits import ControllerSettings
@@ -70,6 +71,7 @@ class BatchResult:
     real_tokens: int
     student_count: int = 1
     finish: str = ""         # group-member answers: what the combiner applies after summing (FINISHES)
+    shards: ShardRun | None = None   # a model served from shards: the submodel that ran (STI)
 
     @property
     def padding_ratio(self) -> float:
@@ -119,6 +121,7 @@ class ServedModel:
     null: bool = False             # the null model: answers zeros without computing (NULL_MODEL)
     exits: ModelExits | None = None  # exit ramps (Apparate), when `academus ramps train` made them
     exit_task: str = ""            # a bundled task's head on the teacher: whose ramps it may have
+    sti: StiModel | None = None    # served from shards under a memory budget (STI), planned batch by batch
 
     def students(self, wanted: int) -> int:
         """The student count to run: the default for 0, refused beyond what the group holds."""
@@ -167,10 +170,13 @@ class ModelRunner:
 
     def __init__(self, artifacts: Path, models: Sequence[str], device: str = "cpu",
                  clock: Callable[[], float] = time.monotonic, attention: Attention = "sdpa",
-                 traced: bool = True, exit_settings: ControllerSettings | None = None) -> None:
-        """`exit_settings`: serve the bundled tasks' exit ramps (early exits) under these settings; None: no ramps."""
+                 traced: bool = True, exit_settings: ControllerSettings | None = None,
+                 sti_settings: StiSettings | None = None) -> None:
+        """`exit_settings`: serve the bundled tasks' exit ramps (early exits) under these settings; None: no ramps.
+        `sti_settings`: how models served from shards read them, their budget and target."""
         self.device = resolve_device(device)
         self.exit_settings = exit_settings
+        self.sti_settings = sti_settings or StiSettings()
         self.traced = traced         # layers run as traced graphs (services/worker/traced.py)
         self.clock = clock
         self.attention = attention   # packed batches: own SDPA layers or HF layers with a 4-D mask
@@ -189,7 +195,12 @@ class ModelRunner:
         self._refused: dict[str, dict] = {}   # catalogue entries that failed to load, not retried while unchanged
         self._user_encoders: dict[Path, TeacherEncoder] = {}   # a user's embedding model's, shared by its heads
         self._exit_stamps: dict[str, tuple[int, int] | None] = {}   # model -> its ramps' manifest when loaded
-        self.models = {name: self._load(name, catalogue[name]) for name in models}
+        if self.follows_catalogue:   # serving every model: one that fails to load is refused, the others serve
+            self.models = {}
+            for name in models:
+                self._load_or_refuse(name, catalogue[name], self.models)
+        else:
+            self.models = {name: self._load(name, catalogue[name]) for name in models}
         self.specs = {name: served.spec for name, served in self.models.items()}
 
     def refresh(self) -> bool:
@@ -201,14 +212,8 @@ class ModelRunner:
         catalogue = read_catalogue(self.artifacts)
         models = {n: m for n, m in self.models.items() if n in catalogue}
         for name in sorted(set(catalogue) - set(models)):
-            if self._refused.get(name) == catalogue[name]:
-                continue
-            try:
-                models[name] = self._load(name, catalogue[name])
-                self._refused.pop(name, None)
-            except (NotFound, InvalidArgument, ArtifactError, ValueError, OSError, RuntimeError, KeyError) as e:
-                self._refused[name] = catalogue[name]
-                log_event("model_not_loaded", logging.ERROR, model=name, error=str(e))
+            if self._refused.get(name) != catalogue[name]:
+                self._load_or_refuse(name, catalogue[name], models)
         if models.keys() == self.models.keys():
             return False
         for name in set(self.models) - set(models):
@@ -217,6 +222,15 @@ class ModelRunner:
         self._user_encoders = {d: e for d, e in self._user_encoders.items() if d in live}
         self.models, self.specs = models, {name: served.spec for name, served in models.items()}
         return True
+
+    def _load_or_refuse(self, name: str, entry: dict, into: dict[str, ServedModel]) -> None:
+        """Loads one catalogue entry into `into`; one that fails is logged and not retried while unchanged."""
+        try:
+            into[name] = self._load(name, entry)
+            self._refused.pop(name, None)
+        except (NotFound, InvalidArgument, ArtifactError, ValueError, OSError, RuntimeError, KeyError) as e:
+            self._refused[name] = entry
+            log_event("model_not_loaded", logging.ERROR, model=name, error=str(e))
 
     def _load(self, name: str, entry: dict) -> ServedModel:
         served = self._load_entry(name, entry)
@@ -248,6 +262,8 @@ class ModelRunner:
             return ServedModel(spec, group, group.head, group.max_students, group.best_k)
         if "plot" in entry:
             return self._load_plot(name, entry)
+        if "shards" in entry:
+            return self._load_sti(name, entry)
         if "source" in entry:
             return self._load_user_model(name, entry)
         if HEAD_ON in entry:
@@ -263,6 +279,28 @@ class ModelRunner:
                              exit_task=task)
         self._load_exits(served)
         return served
+
+    def _load_sti(self, name: str, entry: dict) -> ServedModel:
+        """A task served from the teacher's shards (STI): only the resident part and a preload buffer are held;
+        every shard read is checked against its manifest."""
+        sti = StiModel(name, self.artifacts / entry["shards"], entry["task"], self.artifacts, self.sti_settings,
+                       self.clock)
+        geometry = sti.store.geometry
+        spec = ModelSpec(name, CLASSIFICATION, list(sti.labels), geometry.hidden,
+                         int(entry.get("max_tokens", ModelSpec.max_tokens)), architecture="BertModel",
+                         layers=geometry.layers, memory_bytes=sti.resident_bytes())
+        return ServedModel(spec, nn.Identity(), packable=False, sti=sti)
+
+    def set_shard_budget(self, model: str, budget_bytes: int) -> int:
+        """Lowers (or raises) a shard-served model's parameter-memory budget; the next batch is planned for it.
+        Returns the bytes it holds now."""
+        served = self.models.get(model)
+        if served is None or served.sti is None:
+            raise NotFound(f"model {model!r} is not served from shards by this worker")
+        served.sti.set_budget(budget_bytes)
+        held = served.sti.resident_bytes()
+        MODEL_BYTES.labels(model).set(held)
+        return held
 
     def _load_exits(self, served: ServedModel) -> None:
         """The served classifier's ramps as the artifacts hold them now (none: no early exits)."""
@@ -437,7 +475,7 @@ class ModelRunner:
             raise InvalidArgument(f"plot_states set for {model!r}, which computes its lower layers (no PLOT)")
         if tenants is not None:
             check_tenant_batch(served, output, tenants, len(lengths))
-        elif output == OUTPUT_PROBS and served.head is None:
+        elif output == OUTPUT_PROBS and served.head is None and served.sti is None:
             raise InvalidArgument(f"model {model!r} is an embedding model: it has no labels")
         students = served.students(num_students)
         if deadline is not None and self.clock() >= deadline:
@@ -450,7 +488,9 @@ class ModelRunner:
             exits = ExitRun(served.exits, len(lengths), release)
         self._local.exits = exits   # the layer hooks' (padded) and after_layer's (packed) ramps
         try:
-            if served.null:
+            if served.sti is not None:
+                result = self._run_sti(served, output, seqs, types, deadline, student_indices, tenants)
+            elif served.null:
                 result = self._run_null(served, lengths, student_indices, plan, tenants, left)
             elif tenants is not None:  # tenant batches run padded: a plan's rows would mix adapters within a row
                 result = self._run_tenants(served, output, seqs, types, tenants, plot_states)
@@ -508,6 +548,20 @@ class ModelRunner:
         start = time.perf_counter()
         values = np.zeros((len(lengths), served.spec.dim), dtype=np.float32)
         return BatchResult(values, [], (time.perf_counter() - start) * 1e3, sum(lengths), sum(lengths))
+
+    def _run_sti(self, served: ServedModel, output: str, seqs: list[Sequence[int]],
+                 types: list[Sequence[int]] | None, deadline: float | None, student_indices: Sequence[int],
+                 tenants: TenantBatch | None) -> BatchResult:
+        """The batch padded, planned for the time it has, run from shards (any packing plan: answered padded)."""
+        if student_indices or tenants is not None:
+            raise InvalidArgument(f"{served.spec.name!r} is served from shards: no student_indices or adapters")
+        if output != OUTPUT_PROBS:
+            raise InvalidArgument(f"{served.spec.name!r} is served from shards: it answers labels and scores, "
+                                  f"not embeddings")
+        ids, mask, type_ids = pad_batch(seqs, types)
+        probs, shards, compute_ms = served.sti.run(ids, mask, type_ids, deadline)
+        return BatchResult(probs.float().numpy(), served.spec.labels, compute_ms, int(ids.numel()), int(mask.sum()),
+                           shards=shards)
 
     def _padded(self, seqs: list[Sequence[int]],
                 types: list[Sequence[int]] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

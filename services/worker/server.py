@@ -32,6 +32,7 @@ from academus.services.worker.core import (
 from academus.services.worker.exits import Release
 from academus.services.worker.host_tier import HostAdapters, HostWarmer
 from academus.services.worker.profiling import profile_model
+from academus.services.worker.sti import ShardRun, StiSettings
 from academus.shared.models.exits import ControllerSettings
 from academus.shared.models.packing import PackingPlan
 from academus.shared.models.plot.hierarchical import PlotStates
@@ -118,11 +119,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 batch_size=rows, student_count=result.student_count, worker_id=self.worker_id,
                 compute_ms=result.compute_ms, worker_ms=(time.perf_counter() - entered) * 1e3,
                 padded_tokens=result.padded_tokens, real_tokens=result.real_tokens,
-                plot_prefetched=request.HasField("plot_states"),
+                plot_prefetched=request.HasField("plot_states"), shards=shard_run_pb(result.shards),
             ),
             finish=FINISHES[result.finish],
         )
 
+
+    async def SetShardBudget(self, request, context: grpc.aio.ServicerContext):
+        try:
+            held = self.runner.set_shard_budget(request.model, request.budget_bytes)
+        except ServingError as e:
+            await abort_with(context, e)
+        sti = self.runner.models[request.model].sti
+        log_event("shard_budget", model=request.model, budget_bytes=sti.budget_bytes, resident_bytes=held)
+        return worker_pb2.ShardBudgetResponse(budget_bytes=sti.budget_bytes, resident_bytes=held)
 
     def _releaser(self, request: worker_pb2.RunRequest, context) -> Release | None:
         """Early answers (exit ramps) for a call that asked and can take them: built on the compute thread,
@@ -179,6 +189,14 @@ def plot_states_from_proto(request: worker_pb2.RunRequest) -> PlotStates | None:
     except ValueError as e:  # another dtype, or bytes that are not lengths x hidden
         raise InvalidArgument(f"plot_states: {e}") from e
     return PlotStates(lookup.states, lookup.lengths, plot.model, plot.lower_layers)
+
+
+def shard_run_pb(run: ShardRun | None) -> inference_pb2.ShardRun | None:
+    """What a shard-served batch ran, as the response's metadata (None: not served from shards)."""
+    if run is None:
+        return None
+    return inference_pb2.ShardRun(layers=run.layers, width=run.width, mean_bits=run.mean_bits, io_ms=run.io_ms,
+                                  stall_ms=run.stall_ms, resident_bytes=run.resident_bytes, io_source=run.io_source)
 
 
 def plan_from_proto(request: worker_pb2.RunRequest) -> PackingPlan | None:
@@ -342,7 +360,8 @@ async def build() -> ServiceSpec:
     exit_settings = ControllerSettings(config.exit_constraint, config.exit_window, config.exit_retune_every,
                                        config.exit_retune_s, config.exit_budget, policy=config.exit_policy)
     runner = ModelRunner(Path(config.artifacts), list(cfg.split_names(config.models)), config.device,
-                         attention=config.packed_attention, traced=config.traced_layers, exit_settings=exit_settings)
+                         attention=config.packed_attention, traced=config.traced_layers, exit_settings=exit_settings,
+                         sti_settings=StiSettings(config.sti_io, config.sti_budget_bytes, config.sti_target_ms))
     keys = Keys(config.key_prefix)
     fetcher = StoreFetcher(config.redis_url, keys, config.adapter_store, redis_password=config.redis_password)
     host = HostAdapters(fetcher.many, config.adapter_host_bytes, pin=runner.device.type == "cuda",

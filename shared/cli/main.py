@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     return args.func(args)
 
 
-PASS_THROUGH = {"prepare", "loadgen", "distill", "plot", "heads", "ramps"}
+PASS_THROUGH = {"prepare", "loadgen", "distill", "plot", "heads", "ramps", "shard"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -104,6 +104,8 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_ramps)
     s = sub.add_parser("plot", help="PLOT tables of lower-layer states (build | info | head)", add_help=False)
     s.set_defaults(func=cmd_plot)
+    s = sub.add_parser("shard", help="elastic shards (STI): build | info | verify | profile | plan", add_help=False)
+    s.set_defaults(func=cmd_shard)
 
     s = sub.add_parser("loadgen", help="open-loop load: Poisson, bursts or trace replay; report.json + plots",
                        add_help=False)
@@ -358,6 +360,46 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from academus.shared.training.plot_build import main as plot_main
 
     return plot_main(args.rest)
+
+
+def cmd_shard(args: argparse.Namespace) -> int:
+    """Shards are built into the running mesh's artifacts when one runs (else ACADEMUS_ARTIFACTS); `shard budget
+    --model M --bytes N` sets a shard-served model's parameter-memory budget on every worker serving it."""
+    from academus.shared.training.shards import main as shard_main
+
+    if args.rest[:1] == ["budget"]:
+        p = argparse.ArgumentParser(prog="academus shard budget")
+        p.add_argument("--model", required=True, help="a model served from shards, e.g. sentiment-sti")
+        p.add_argument("--bytes", type=int, required=True, help="parameter memory; 0: the default")
+        budget = p.parse_args(args.rest[1:])
+        return _with_mesh_redis(args, lambda redis, keys: set_shard_budget(redis, keys, budget.model, budget.bytes))
+    return shard_main(_with_mesh_artifacts(args, args.rest))
+
+
+async def set_shard_budget(redis, keys, model: str, budget_bytes: int) -> dict:
+    """Worker id -> its budget and resident bytes after the change; a worker refusing it raises its error."""
+    import grpc
+
+    from academus.shared.runtime.errors import NotFound, from_rpc_error
+    from academus.shared.runtime.serving import channel
+    from academus.v1 import worker_pb2, worker_pb2_grpc
+
+    workers = sorted(await redis.smembers(keys.placement(model)))
+    if not workers:
+        raise NotFound(f"no worker serves {model!r}")
+    out = {}
+    for worker_id in workers:
+        address = await redis.hget(keys.worker(worker_id), "address")
+        if not address:
+            continue
+        async with channel(address) as ch:
+            try:
+                reply = await worker_pb2_grpc.WorkerStub(ch).SetShardBudget(
+                    worker_pb2.ShardBudgetRequest(model=model, budget_bytes=budget_bytes), timeout=10)
+            except grpc.aio.AioRpcError as e:
+                raise from_rpc_error(e, f"worker {worker_id}") from e
+        out[worker_id] = {"budget_bytes": reply.budget_bytes, "resident_bytes": reply.resident_bytes}
+    return out
 
 
 def cmd_loadgen(args: argparse.Namespace) -> int:

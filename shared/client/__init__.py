@@ -19,6 +19,6 @@ from __future__ import annotations
 
 from academus.client.aio import AsyncClient
 from academus.client.sync import Client
-from academus.client.types import AcademusError, InferResult, Metadata, ModelInfo, Prediction
+from academus.client.types import AcademusError, InferResult, Metadata, ModelInfo, Prediction, ShardRun
 
-__all__ = ["AcademusError", "AsyncClient", "Client", "InferResult", "Metadata", "ModelInfo", "Prediction"]
+__all__ = ["AcademusError", "AsyncClient", "Client", "InferResult", "Metadata", "ModelInfo", "Prediction", "ShardRun"]

@@ -104,6 +104,20 @@ class Metadata:
     attempts: int
     plot_prefetched: bool = False   # PLOT models: the scheduler looked the texts up while they waited
     scheduler_id: str = ""          # the scheduler that dispatched it: a deployment, or one shard of it
+    shards: ShardRun | None = None  # a model served from shards (`<task>-sti`): the submodel that ran
+
+
+@dataclass(frozen=True)
+class ShardRun:
+    """What a shard-served batch ran (STI): planned for the time it had, under the worker's memory budget."""
+
+    layers: int
+    width: int              # shards (heads with their FFN neurons) a layer
+    mean_bits: float        # the shards' mean stored bit width (32: full precision)
+    io_ms: float            # the loader's busy time: reads, checksums, decoding
+    stall_ms: float         # the compute waiting for shards
+    resident_bytes: int     # parameter bytes the model holds
+    io_source: str
 
 
 @dataclass(frozen=True)
@@ -162,8 +176,15 @@ def from_response(response: pb.InferResponse) -> InferResult:
                      for p in response.predictions],
         metadata=Metadata(m.policy, m.batch_size, m.student_count, m.worker_id, m.gateway_ms, m.tokenize_ms,
                           m.scheduler_ms, m.queue_ms, m.worker_ms, m.compute_ms, m.attempts, m.plot_prefetched,
-                          m.scheduler_id),
+                          m.scheduler_id, shard_run(m)),
     )
+
+
+def shard_run(m: pb.InferMetadata) -> ShardRun | None:
+    if not m.HasField("shards"):
+        return None
+    r = m.shards
+    return ShardRun(r.layers, r.width, r.mean_bits, r.io_ms, r.stall_ms, r.resident_bytes, r.io_source)
 
 
 def call_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:

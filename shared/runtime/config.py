@@ -413,6 +413,14 @@ class WorkerConfig(CommonConfig):
     exit_retune_s: float = setting(30.0, "a tuning at least this often while traffic comes", above(0))
     exit_budget: float = setting(0.02, "the active ramps' summed cost, a share of the model's time (§3.3)",
                                  between(0.0, 1.0, "a share"))
+    sti_io: str = setting("file", "how models served from shards (`<task>-sti`, STI) read them: file, cold (page "
+                                  "cache dropped first) or throttled:<MB/s>",
+                          Rule("file|cold|throttled:<MB/s>", lambda v, _: v in ("file", "cold") or (
+                              v.startswith("throttled:") and _positive_float(v.split(":", 1)[1]))))
+    sti_budget_bytes: int = setting(0, "parameter memory of each model served from shards: resident part, working "
+                                       "buffer and preload buffer; 0: a 4 MiB preload buffer", at_least(0))
+    sti_target_ms: float = setting(0.0, "the latency a shard-served batch is planned for; 0: what remains of its "
+                                        "deadline", at_least(0))
 
     def profiles(self, cuda: bool) -> bool:
         """Whether the worker runs the start-up profile on its device (auto: on a GPU only)."""
@@ -436,6 +444,13 @@ class ResourceManagerConfig(CommonConfig):
 
 
 REDIS_TTL = at_least(1, "Redis TTLs are seconds")
+
+
+def _positive_float(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)

@@ -115,13 +115,13 @@ def write_artifact(
             labels=list(labels), metrics=metrics, extra=dict(extra or {}),
         )
         (staging / MANIFEST).write_text(manifest.to_json() + "\n")
-        _swap_in(staging, directory)
+        swap_in(staging, directory)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return manifest
 
 
-def _swap_in(staging: Path, directory: Path) -> None:
+def swap_in(staging: Path, directory: Path) -> None:
     """Renames `staging` to `directory`; an old artifact is moved aside first, then removed."""
     old = directory.parent / f".{directory.name}.old-{uuid.uuid4().hex[:8]}"
     if directory.exists():

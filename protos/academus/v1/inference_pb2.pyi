@@ -67,7 +67,7 @@ class Prediction(_message.Message):
     def __init__(self, label: _Optional[str] = ..., probs: _Optional[_Iterable[float]] = ..., score: _Optional[float] = ..., embedding: _Optional[_Iterable[float]] = ..., num_tokens: _Optional[int] = ..., truncated: _Optional[bool] = ..., input_index: _Optional[int] = ..., exit_layer: _Optional[int] = ..., final: _Optional[bool] = ...) -> None: ...
 
 class InferMetadata(_message.Message):
-    __slots__ = ("policy", "batch_size", "student_count", "worker_id", "gateway_ms", "tokenize_ms", "scheduler_ms", "queue_ms", "worker_ms", "compute_ms", "padded_tokens", "real_tokens", "attempts", "plot_prefetched", "scheduler_id")
+    __slots__ = ("policy", "batch_size", "student_count", "worker_id", "gateway_ms", "tokenize_ms", "scheduler_ms", "queue_ms", "worker_ms", "compute_ms", "padded_tokens", "real_tokens", "attempts", "plot_prefetched", "scheduler_id", "shards")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     STUDENT_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class InferMetadata(_message.Message):
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     PLOT_PREFETCHED_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     policy: str
     batch_size: int
     student_count: int
@@ -98,7 +99,26 @@ class InferMetadata(_message.Message):
     attempts: int
     plot_prefetched: bool
     scheduler_id: str
-    def __init__(self, policy: _Optional[str] = ..., batch_size: _Optional[int] = ..., student_count: _Optional[int] = ..., worker_id: _Optional[str] = ..., gateway_ms: _Optional[float] = ..., tokenize_ms: _Optional[float] = ..., scheduler_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., worker_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., padded_tokens: _Optional[int] = ..., real_tokens: _Optional[int] = ..., attempts: _Optional[int] = ..., plot_prefetched: _Optional[bool] = ..., scheduler_id: _Optional[str] = ...) -> None: ...
+    shards: ShardRun
+    def __init__(self, policy: _Optional[str] = ..., batch_size: _Optional[int] = ..., student_count: _Optional[int] = ..., worker_id: _Optional[str] = ..., gateway_ms: _Optional[float] = ..., tokenize_ms: _Optional[float] = ..., scheduler_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., worker_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., padded_tokens: _Optional[int] = ..., real_tokens: _Optional[int] = ..., attempts: _Optional[int] = ..., plot_prefetched: _Optional[bool] = ..., scheduler_id: _Optional[str] = ..., shards: _Optional[_Union[ShardRun, _Mapping]] = ...) -> None: ...
+
+class ShardRun(_message.Message):
+    __slots__ = ("layers", "width", "mean_bits", "io_ms", "stall_ms", "resident_bytes", "io_source")
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    MEAN_BITS_FIELD_NUMBER: _ClassVar[int]
+    IO_MS_FIELD_NUMBER: _ClassVar[int]
+    STALL_MS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IO_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    layers: int
+    width: int
+    mean_bits: float
+    io_ms: float
+    stall_ms: float
+    resident_bytes: int
+    io_source: str
+    def __init__(self, layers: _Optional[int] = ..., width: _Optional[int] = ..., mean_bits: _Optional[float] = ..., io_ms: _Optional[float] = ..., stall_ms: _Optional[float] = ..., resident_bytes: _Optional[int] = ..., io_source: _Optional[str] = ...) -> None: ...
 
 class InferResponse(_message.Message):
     __slots__ = ("model", "request_id", "labels", "predictions", "metadata")

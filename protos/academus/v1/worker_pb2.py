@@ -27,7 +27,7 @@ from academus.v1 import plot_pb2 as academus_dot_v1_dot_plot__pb2
 from academus.v1 import tensors_pb2 as academus_dot_v1_dot_tensors__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x61\x63\x61\x64\x65mus/v1/worker.proto\x12\x0b\x61\x63\x61\x64\x65mus.v1\x1a\x1b\x61\x63\x61\x64\x65mus/v1/inference.proto\x1a\x16\x61\x63\x61\x64\x65mus/v1/plot.proto\x1a\x19\x61\x63\x61\x64\x65mus/v1/tensors.proto\"\xc6\x02\n\nRunRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12#\n\x06output\x18\x03 \x01(\x0e\x32\x13.academus.v1.Output\x12\'\n\x06tokens\x18\x04 \x01(\x0b\x32\x17.academus.v1.TokenBatch\x12\x14\n\x0cnum_students\x18\x05 \x01(\x05\x12\x17\n\x0fstudent_indices\x18\x06 \x03(\x05\x12)\n\x07packing\x18\x07 \x01(\x0b\x32\x18.academus.v1.PackingPlan\x12)\n\x08\x61\x64\x61pters\x18\x08 \x03(\x0b\x32\x17.academus.v1.AdapterRef\x12\x30\n\x0bplot_states\x18\t \x01(\x0b\x32\x1b.academus.v1.LookupResponse\x12\x12\n\nearly_exit\x18\n \x01(\x08\"Z\n\x0bPackingPlan\x12\x12\n\nrow_length\x18\x01 \x01(\x05\x12\x11\n\tslot_size\x18\x02 \x01(\x05\x12$\n\x04rows\x18\x03 \x03(\x0b\x32\x16.academus.v1.PackedRow\"3\n\tPackedRow\x12&\n\x05slots\x18\x01 \x03(\x0b\x32\x17.academus.v1.PackedSlot\"\x1e\n\nPackedSlot\x12\x10\n\x08requests\x18\x01 \x03(\x05\x32\x42\n\x06Worker\x12\x38\n\x03Run\x12\x17.academus.v1.RunRequest\x1a\x18.academus.v1.ModelOutputb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x61\x63\x61\x64\x65mus/v1/worker.proto\x12\x0b\x61\x63\x61\x64\x65mus.v1\x1a\x1b\x61\x63\x61\x64\x65mus/v1/inference.proto\x1a\x16\x61\x63\x61\x64\x65mus/v1/plot.proto\x1a\x19\x61\x63\x61\x64\x65mus/v1/tensors.proto\"\xc6\x02\n\nRunRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12#\n\x06output\x18\x03 \x01(\x0e\x32\x13.academus.v1.Output\x12\'\n\x06tokens\x18\x04 \x01(\x0b\x32\x17.academus.v1.TokenBatch\x12\x14\n\x0cnum_students\x18\x05 \x01(\x05\x12\x17\n\x0fstudent_indices\x18\x06 \x03(\x05\x12)\n\x07packing\x18\x07 \x01(\x0b\x32\x18.academus.v1.PackingPlan\x12)\n\x08\x61\x64\x61pters\x18\x08 \x03(\x0b\x32\x17.academus.v1.AdapterRef\x12\x30\n\x0bplot_states\x18\t \x01(\x0b\x32\x1b.academus.v1.LookupResponse\x12\x12\n\nearly_exit\x18\n \x01(\x08\"Z\n\x0bPackingPlan\x12\x12\n\nrow_length\x18\x01 \x01(\x05\x12\x11\n\tslot_size\x18\x02 \x01(\x05\x12$\n\x04rows\x18\x03 \x03(\x0b\x32\x16.academus.v1.PackedRow\"3\n\tPackedRow\x12&\n\x05slots\x18\x01 \x03(\x0b\x32\x17.academus.v1.PackedSlot\"\x1e\n\nPackedSlot\x12\x10\n\x08requests\x18\x01 \x03(\x05\"9\n\x12ShardBudgetRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x62udget_bytes\x18\x02 \x01(\x03\"C\n\x13ShardBudgetResponse\x12\x14\n\x0c\x62udget_bytes\x18\x01 \x01(\x03\x12\x16\n\x0eresident_bytes\x18\x02 \x01(\x03\x32\x97\x01\n\x06Worker\x12\x38\n\x03Run\x12\x17.academus.v1.RunRequest\x1a\x18.academus.v1.ModelOutput\x12S\n\x0eSetShardBudget\x12\x1f.academus.v1.ShardBudgetRequest\x1a .academus.v1.ShardBudgetResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,6 +42,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PACKEDROW']._serialized_end=593
   _globals['_PACKEDSLOT']._serialized_start=595
   _globals['_PACKEDSLOT']._serialized_end=625
-  _globals['_WORKER']._serialized_start=627
-  _globals['_WORKER']._serialized_end=693
+  _globals['_SHARDBUDGETREQUEST']._serialized_start=627
+  _globals['_SHARDBUDGETREQUEST']._serialized_end=684
+  _globals['_SHARDBUDGETRESPONSE']._serialized_start=686
+  _globals['_SHARDBUDGETRESPONSE']._serialized_end=753
+  _globals['_WORKER']._serialized_start=756
+  _globals['_WORKER']._serialized_end=907
 # @@protoc_insertion_point(module_scope)

@@ -54,3 +54,19 @@ class PackedSlot(_message.Message):
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     requests: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, requests: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ShardBudgetRequest(_message.Message):
+    __slots__ = ("model", "budget_bytes")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    budget_bytes: int
+    def __init__(self, model: _Optional[str] = ..., budget_bytes: _Optional[int] = ...) -> None: ...
+
+class ShardBudgetResponse(_message.Message):
+    __slots__ = ("budget_bytes", "resident_bytes")
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    budget_bytes: int
+    resident_bytes: int
+    def __init__(self, budget_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ...) -> None: ...

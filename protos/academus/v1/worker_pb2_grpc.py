@@ -40,12 +40,23 @@ class WorkerStub:
                 request_serializer=academus_dot_v1_dot_worker__pb2.RunRequest.SerializeToString,
                 response_deserializer=academus_dot_v1_dot_tensors__pb2.ModelOutput.FromString,
                 _registered_method=True)
+        self.SetShardBudget = channel.unary_unary(
+                '/academus.v1.Worker/SetShardBudget',
+                request_serializer=academus_dot_v1_dot_worker__pb2.ShardBudgetRequest.SerializeToString,
+                response_deserializer=academus_dot_v1_dot_worker__pb2.ShardBudgetResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Run(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetShardBudget(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -58,6 +69,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Run,
                     request_deserializer=academus_dot_v1_dot_worker__pb2.RunRequest.FromString,
                     response_serializer=academus_dot_v1_dot_tensors__pb2.ModelOutput.SerializeToString,
+            ),
+            'SetShardBudget': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetShardBudget,
+                    request_deserializer=academus_dot_v1_dot_worker__pb2.ShardBudgetRequest.FromString,
+                    response_serializer=academus_dot_v1_dot_worker__pb2.ShardBudgetResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +103,33 @@ class Worker:
             '/academus.v1.Worker/Run',
             academus_dot_v1_dot_worker__pb2.RunRequest.SerializeToString,
             academus_dot_v1_dot_tensors__pb2.ModelOutput.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetShardBudget(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/academus.v1.Worker/SetShardBudget',
+            academus_dot_v1_dot_worker__pb2.ShardBudgetRequest.SerializeToString,
+            academus_dot_v1_dot_worker__pb2.ShardBudgetResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,266 @@
+"""Elastic loading from shards under a latency target (STI §7), every arm through one IO source.
+
+`python -m academus.loadgen.sti_bench --io file|cold|throttled:<MB/s> [--task sentiment --task spam]
+[--targets 0.5,0.75,1,1.5] [--preload-mb 1,4] [--runs 30] [--out DIR]`
+
+Arms (§7.1), planned from one profile of this machine taken at the start of the run:
+- load&exec: the full-precision submodel loaded whole, then run; stdpl-2/6/32: a layer pipeline with every
+  shard at one bit width; preload-6/32: the whole model held in memory at that width (compute only);
+- sti (each preload size), sti-0 (no preload), sti-random (importance replaced by a random order).
+
+Targets T are multiples of the whole model's compute on one text of the task's length bucket (its test
+split's median, padded). Accuracy per plan is exact, over the whole test split, with the plan's weights as
+stored. Latency: `--runs` cold runs of each arm and target through the real pipeline (loader thread,
+checksums, decoding, the IO source), in rounds whose arm order alternates. Memory: parameter bytes held
+between requests (the preload buffer; the whole model for preload-X) and at a request's peak (what it
+loads); the embeddings, biases and norms every arm holds alike are reported once, as `common_bytes`.
+
+Prints one JSON line a task, then the summary as the last line; writes `<out>/<io>.json`, `.md` and `.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from academus.shared.models.model import pad_batch
+from academus.shared.models.shard_store import RESIDENT, ShardStore, shards_dir
+from academus.shared.models.shards import FULL
+from academus.shared.models.sti_pipeline import ElasticModel, ShardPipeline, io_source
+from academus.shared.models.sti_planner import HardwareProfile, Plan, Planner, simulate
+from academus.shared.models.teacher_files import teacher_dir
+from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.runtime.config import artifacts_dir, offline_hub
+from academus.shared.training.data import TASKS, fetch, load_task
+from academus.shared.training.prepare import MAX_TOKENS, subsample
+from academus.shared.training.shards import Evaluator, accuracy, decoded_bank, measure_profile, planner_for
+
+BASELINES = ("load&exec", "stdpl-2", "stdpl-6", "stdpl-32", "preload-6", "preload-32")
+
+
+def arm_plans(planner: Planner, target_ms: float, length: int, preload_sizes: list[int], seed: int
+              ) -> dict[str, Plan]:
+    plans = {"load&exec": planner.load_and_exec(target_ms, length)}
+    for bits in (2, 6, FULL):
+        plans[f"stdpl-{bits}"] = planner.standard_pipeline(target_ms, length, bits)
+    for bits in (6, FULL):
+        plans[f"preload-{bits}"] = planner.preload_model(target_ms, length, bits)
+    plans["sti-0"] = planner.plan(target_ms, length, 0, arm="sti-0")
+    shuffled = list(planner.importance)
+    random.Random(seed).shuffle(shuffled)
+    for size in preload_sizes:
+        plans[f"sti-{size >> 10}k"] = planner.plan(target_ms, length, size, arm=f"sti-{size >> 10}k")
+        plans[f"sti-random-{size >> 10}k"] = planner.plan(target_ms, length, size, importance=shuffled,
+                                                          arm=f"sti-random-{size >> 10}k")
+    for plan in plans.values():
+        plan.stall_ms = simulate(plan, planner.profile, length)["stall_ms"]
+    return plans
+
+
+def held_and_peak(plan: Plan, store: ShardStore) -> tuple[int, int]:
+    """Parameter bytes held between requests, and at a request's peak (held + loaded)."""
+    sizes = {x: store.shard_bytes(x[0], x[1], b) for x, b in plan.bits.items()}
+    if plan.arm.startswith("preload-"):
+        whole = sum(store.shard_bytes(k, s, plan.bits[next(iter(plan.bits))])
+                    for k in range(store.geometry.layers) for s in range(store.geometry.heads))
+        return whole, whole
+    held = sum(sizes[x] for x in plan.preload)
+    return held, held + sum(v for x, v in sizes.items() if x not in plan.preload)
+
+
+def request_batch(tokenizer: TeacherTokenizer, text: str, length: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One text cut or padded to the bucket's length (a pad token where it is short), all positions attended:
+    the compute of a request of that length."""
+    ids = tokenizer.encode([text], truncate=True)[0].input_ids[:length]
+    ids = ids + [0] * (length - len(ids))
+    return pad_batch([ids])
+
+
+def latency_runs(pipeline: ShardPipeline, model: ElasticModel, bank: dict, plans: dict[str, Plan],
+                 batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], runs: int, rounds: int
+                 ) -> dict[str, list[dict[str, float]]]:
+    """`runs` timed runs a plan, split over `rounds` whose arm order alternates."""
+    out: dict[str, list[dict[str, float]]] = {name: [] for name in plans}
+    names = list(plans)
+    per_round = max(1, runs // rounds)
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            plan = plans[name]
+            if name.startswith("preload-"):
+                for i in range(per_round):
+                    ids, mask, types = batches[(r * per_round + i) % len(batches)]
+                    started = time.perf_counter()
+                    model.run(ids, mask, plan, bank, types)
+                    total = (time.perf_counter() - started) * 1e3
+                    out[name].append({"total_ms": total, "io_ms": 0.0, "stall_ms": 0.0, "compute_ms": total})
+                continue
+            pipeline.preload(plan)
+            for i in range(per_round):
+                ids, mask, types = batches[(r * per_round + i) % len(batches)]
+                result = pipeline.run(plan, ids, mask, types)
+                out[name].append({"total_ms": result.total_ms, "io_ms": result.io_ms, "stall_ms": result.stall_ms,
+                                  "compute_ms": result.compute_ms})
+    return out
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def bench_task(task: str, store: ShardStore, profile: HardwareProfile, tokenizer: TeacherTokenizer,
+               targets: list[float], preload_sizes: list[int], runs: int, rounds: int, io: str,
+               quick: bool) -> dict[str, Any]:
+    data = load_task(task, fetch(None))
+    test = subsample(data.test, 64) if quick else data.test
+    lengths = sorted(len(e.input_ids) for e in tokenizer.encode([e.text for e in test], truncate=True))
+    length = profile.bucket(lengths[len(lengths) // 2])
+    planner = planner_for(store, task, profile)
+    full_ms = store.geometry.layers * profile.layer_ms(store.geometry.heads, length) + profile.overhead_ms[length]
+    model = ElasticModel(store, task)
+    bank = decoded_bank(store)
+    evaluator = Evaluator(model, bank, tokenizer, [e.text for e in test])
+    gold = torch.tensor([e.label for e in test])
+    cache: dict[tuple, float] = {}
+    texts = [e.text for e in test[:64]]
+    batches = [request_batch(tokenizer, t, length) for t in texts]
+    pipeline = ShardPipeline(model, io_source(io))
+    rows = []
+    try:
+        for multiple in targets:
+            target = multiple * full_ms
+            plans = arm_plans(planner, target, length, preload_sizes, seed=len(rows))
+            for plan in plans.values():
+                if plan.key() not in cache:
+                    cache[plan.key()] = accuracy(evaluator.probs(plan), gold)[0]
+            timings = latency_runs(pipeline, model, bank, plans, batches, runs, rounds)
+            for name, plan in plans.items():
+                totals = [t["total_ms"] for t in timings[name]]
+                held, peak = held_and_peak(plan, store)
+                rows.append({"task": task, "target_x": multiple, "target_ms": round(target, 3), **plan.summary(),
+                             "arm": name, "accuracy": round(cache[plan.key()], 4),
+                             "p50_ms": round(statistics.median(totals), 3), "p95_ms": round(_quantile(totals, 0.95), 3),
+                             "p95_over_target": round(_quantile(totals, 0.95) / target, 3),
+                             "stall_share": round(sum(t["stall_ms"] for t in timings[name]) / sum(totals), 4),
+                             "io_ms": round(statistics.median(t["io_ms"] for t in timings[name]), 3),
+                             "held_bytes": held, "peak_bytes": peak, "runs": len(totals)})
+    finally:
+        pipeline.close()
+    return {"task": task, "length": length, "full_model_ms": round(full_ms, 3), "test_texts": len(test),
+            "rows": rows}
+
+
+def figures(results: list[dict[str, Any]], preload_sizes: list[int]) -> dict[str, Any]:
+    """The issue's targets: STI against each baseline, preload against none, importance against random."""
+    main = f"sti-{max(preload_sizes) >> 10}k" if preload_sizes else "sti-0"
+    by = {(r["task"], r["target_x"], r["arm"]): r for res in results for r in res["rows"]}
+    keys = sorted({(t, x) for (t, x, _) in by})
+
+    def mean_gain(arm: str, other: str, keep: Any = lambda x: True) -> float:
+        gains = [by[(t, x, arm)]["accuracy"] - by[(t, x, other)]["accuracy"] for t, x in keys if keep(x)]
+        return round(100 * statistics.mean(gains), 2) if gains else float("nan")
+
+    random_arm = main.replace("sti-", "sti-random-") if main != "sti-0" else main
+    high = [(t, x) for t, x in keys if x >= 0.75]
+    return {
+        "sti_arm": main,
+        "sti_minus_whole_model_pp_at_T>=0.75": mean_gain(main, "preload-32", lambda x: x >= 0.75),
+        "held_bytes_whole_over_sti": round(statistics.mean(
+            by[(t, x, "preload-32")]["held_bytes"] / max(1, by[(t, x, main)]["held_bytes"]) for t, x in high), 1)
+        if high else None,
+        "held_bytes_6bit_over_sti": round(statistics.mean(
+            by[(t, x, "preload-6")]["held_bytes"] / max(1, by[(t, x, main)]["held_bytes"]) for t, x in high), 1)
+        if high else None,
+        **{f"sti_over_{b}_pp": mean_gain(main, b) for b in ("load&exec", "stdpl-32", "stdpl-2", "stdpl-6")},
+        "preload_over_none_pp": mean_gain(main, "sti-0"),
+        "importance_over_random_pp": mean_gain(main, random_arm),
+        "sti_p95_over_target_max": max(by[(t, x, main)]["p95_over_target"] for t, x in keys),
+        "sti_stall_share_max": max(by[(t, x, main)]["stall_share"] for t, x in keys),
+        "stdpl32_stall_share_mean": round(statistics.mean(by[(t, x, "stdpl-32")]["stall_share"] for t, x in keys), 4),
+    }
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    lines = ["| task | T (× model) | arm | shape | mean bits | accuracy | p50 ms | p95/T | stall | held KB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for res in results:
+        for r in res["rows"]:
+            lines.append(f"| {r['task']} | {r['target_x']} | {r['arm']} | {r['depth']}×{r['width']}"
+                         f"{'' if r['feasible'] else ' (over T)'} | {r['mean_bits']} | {r['accuracy']:.4f} | "
+                         f"{r['p50_ms']} | {r['p95_over_target']} | {r['stall_share']:.2f} | "
+                         f"{r['held_bytes'] >> 10} |")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    for ax, res in zip(axes[0], results, strict=True):
+        arms = sorted({r["arm"] for r in res["rows"]})
+        for arm in arms:
+            rows = [r for r in res["rows"] if r["arm"] == arm]
+            ax.plot([r["target_x"] for r in rows], [r["accuracy"] for r in rows], marker="o", label=arm)
+        ax.set_title(f"{res['task']} (length {res['length']})")
+        ax.set_xlabel("target T (× the whole model's compute)")
+        ax.set_ylabel("test accuracy")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    offline_hub()
+    p = argparse.ArgumentParser(prog="sti_bench", description=__doc__.split("\n")[0])
+    p.add_argument("--io", default="file", help="file | cold | throttled:<MB/s>")
+    p.add_argument("--task", action="append", choices=TASKS, default=None)
+    p.add_argument("--targets", default="0.5,0.75,1,1.5", help="multiples of the whole model's compute")
+    p.add_argument("--preload-mb", default="1,4", help="preload buffer sizes of the sti arms, MB")
+    p.add_argument("--runs", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--model", default="minilm")
+    p.add_argument("--artifacts", type=Path, default=None)
+    p.add_argument("--quick", action="store_true", help="64 test texts (a smoke run)")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    store = ShardStore(shards_dir(args.artifacts or artifacts_dir(), args.model))
+    tokenizer = TeacherTokenizer(teacher_dir(), max_tokens=MAX_TOKENS)
+    profile = measure_profile(store, args.io)
+    targets = [float(x) for x in args.targets.split(",")]
+    preload_sizes = [int(float(x) * (1 << 20)) for x in args.preload_mb.split(",") if x]
+    results = []
+    for task in args.task or list(store.tasks):
+        res = bench_task(task, store, profile, tokenizer, targets, preload_sizes, args.runs, args.rounds, args.io,
+                         args.quick)
+        print(json.dumps({k: v for k, v in res.items() if k != "rows"}), flush=True)
+        results.append(res)
+    summary = {"io": profile.source, "profile": json.loads(profile.to_json()),
+               "common_bytes": (store.directory / RESIDENT).stat().st_size, "targets": targets,
+               "preload_bytes": preload_sizes, "runs": args.runs, "rounds": args.rounds,
+               "figures": figures(results, preload_sizes), "results": results}
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem = args.out / profile.source.replace(":", "-")
+        stem.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
+        stem.with_suffix(".md").write_text(table(results) + "\n")
+        plot(results, stem.with_suffix(".png"))
+    print(table(results))
+    print(json.dumps({k: v for k, v in summary.items() if k != "results"}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,288 @@
+"""Elastic model shards (STI §4.2): vertical slices of each layer, quantized per shard at several bit widths.
+
+A shard is one attention head (its rows of Q, K and V, its columns of the output projection) plus an equal
+share of the feed-forward neurons (rows of FFN1, columns of FFN2). Any subset of a layer's shards is a
+narrower layer that still attends and projects: the elastic layer below runs it. Biases and layer norms are
+small and stay resident at full precision, as the paper keeps them.
+
+Each shard is stored at 2–6 bits with Gaussian outlier-aware quantization (§6, after Zadeh et al.): the
+layer's weights are fitted with one Gaussian; weights whose log-likelihood is below -4 are outliers, kept
+exactly with their offsets; the rest are sorted into 2^k equal-population clusters whose means are the
+centroids. A shard then stores k-bit codes, and every shard of a layer shares the layer's centroids, which
+is what lets shards of different bit widths run side by side in one layer.
+
+Codes are packed eight to k bytes. Decoding reads each group as one 64-bit word (a strided view, no copy)
+and looks up code *pairs* (2k bits) in a table of centroid pairs: a few numpy passes a shard, where a
+gather a code costs several times as much.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+BITS = (2, 3, 4, 5, 6)
+FULL = 32
+VERSIONS = (*BITS, FULL)
+OUTLIER_LOG_LIKELIHOOD = -4.0     # the threshold of Zadeh et al., as STI uses it
+WORD_PAD = 8                      # zero bytes after the codes: the last group's 64-bit word reads them
+
+if sys.byteorder != "little":     # the packed words are read as little-endian uint64
+    raise ImportError("shard codes are packed little-endian")
+
+
+@dataclass(frozen=True)
+class ShardGeometry:
+    """How a model's layers cut into shards: one a head, each with intermediate/heads FFN neurons."""
+
+    layers: int
+    heads: int
+    hidden: int
+    intermediate: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def neurons(self) -> int:
+        return self.intermediate // self.heads
+
+    @property
+    def params(self) -> int:
+        """Weights in one shard: Q, K, V rows and O columns of its head; FFN1 rows and FFN2 columns of its neurons."""
+        return 4 * self.hidden * self.head_dim + 2 * self.hidden * self.neurons
+
+    def blob_bytes(self, bits: int, outliers: int) -> int:
+        """Bytes of one shard's stored version: packed codes, then outlier offsets and values."""
+        if bits == FULL:
+            return 4 * self.params
+        return groups(self.params) * bits + WORD_PAD + 8 * outliers
+
+    @classmethod
+    def of(cls, config: object) -> ShardGeometry:
+        geometry = cls(int(config.num_hidden_layers), int(config.num_attention_heads), int(config.hidden_size),
+                       int(config.intermediate_size))
+        if geometry.hidden % geometry.heads or geometry.intermediate % geometry.heads:
+            raise ValueError(f"{geometry}: hidden and intermediate sizes must divide by the heads")
+        return geometry
+
+
+def groups(n: int) -> int:
+    return -(-n // 8)
+
+
+# --- cutting layers into shards and back ----------------------------------------------------------------------
+
+def shard_vector(layer: nn.Module, geometry: ShardGeometry, shard: int) -> np.ndarray:
+    """Shard `shard` of a BERT-style layer as one flat float32 vector (Q, K, V rows; O, FFN1, FFN2 slices)."""
+    d, f = geometry.head_dim, geometry.neurons
+    heads, neurons = slice(shard * d, (shard + 1) * d), slice(shard * f, (shard + 1) * f)
+    attention = layer.attention
+    parts = [attention.self.query.weight[heads], attention.self.key.weight[heads],
+             attention.self.value.weight[heads], attention.output.dense.weight[:, heads],
+             layer.intermediate.dense.weight[neurons], layer.output.dense.weight[:, neurons]]
+    return torch.cat([p.detach().float().reshape(-1) for p in parts]).numpy()
+
+
+def layer_vector(layer: nn.Module, geometry: ShardGeometry) -> np.ndarray:
+    return np.concatenate([shard_vector(layer, geometry, s) for s in range(geometry.heads)])
+
+
+@dataclass(frozen=True)
+class ShardWeights:
+    """One shard's weights as the elastic layer takes them."""
+
+    query: torch.Tensor      # [d, H]
+    key: torch.Tensor
+    value: torch.Tensor
+    output: torch.Tensor     # [H, d]
+    ffn_in: torch.Tensor     # [f, H]
+    ffn_out: torch.Tensor    # [H, f]
+
+    @classmethod
+    def from_vector(cls, vector: np.ndarray | torch.Tensor, geometry: ShardGeometry) -> ShardWeights:
+        v = torch.as_tensor(vector)
+        h, d, f = geometry.hidden, geometry.head_dim, geometry.neurons
+        sizes = [d * h] * 4 + [f * h] * 2
+        q, k, val, o, f1, f2 = torch.split(v, sizes)
+        return cls(q.view(d, h), k.view(d, h), val.view(d, h), o.view(h, d), f1.view(f, h), f2.view(h, f))
+
+
+@dataclass(frozen=True)
+class LayerResident:
+    """What a layer keeps in memory whatever its shards: biases and layer norms, at full precision."""
+
+    query_bias: torch.Tensor
+    key_bias: torch.Tensor
+    value_bias: torch.Tensor
+    output_bias: torch.Tensor
+    attention_norm: nn.LayerNorm
+    ffn_in_bias: torch.Tensor
+    ffn_out_bias: torch.Tensor
+    output_norm: nn.LayerNorm
+
+    @classmethod
+    def of(cls, layer: nn.Module) -> LayerResident:
+        a = layer.attention
+        return cls(a.self.query.bias.detach(), a.self.key.bias.detach(), a.self.value.bias.detach(),
+                   a.output.dense.bias.detach(), a.output.LayerNorm, layer.intermediate.dense.bias.detach(),
+                   layer.output.dense.bias.detach(), layer.output.LayerNorm)
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {f"{prefix}.{name}": t.detach().contiguous() for name, t in (
+            ("query_bias", self.query_bias), ("key_bias", self.key_bias), ("value_bias", self.value_bias),
+            ("output_bias", self.output_bias), ("attention_norm.weight", self.attention_norm.weight),
+            ("attention_norm.bias", self.attention_norm.bias), ("ffn_in_bias", self.ffn_in_bias),
+            ("ffn_out_bias", self.ffn_out_bias), ("output_norm.weight", self.output_norm.weight),
+            ("output_norm.bias", self.output_norm.bias))}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str, eps: float) -> LayerResident:
+        def norm(name: str) -> nn.LayerNorm:
+            weight = tensors[f"{prefix}.{name}.weight"]
+            layer_norm = nn.LayerNorm(weight.shape[0], eps=eps)
+            layer_norm.load_state_dict({"weight": weight, "bias": tensors[f"{prefix}.{name}.bias"]})
+            return layer_norm.eval()
+
+        return cls(tensors[f"{prefix}.query_bias"], tensors[f"{prefix}.key_bias"], tensors[f"{prefix}.value_bias"],
+                   tensors[f"{prefix}.output_bias"], norm("attention_norm"), tensors[f"{prefix}.ffn_in_bias"],
+                   tensors[f"{prefix}.ffn_out_bias"], norm("output_norm"))
+
+
+def elastic_layer(hidden: torch.Tensor, key_mask: torch.Tensor, resident: LayerResident,
+                  shards: Sequence[int], weights: Sequence[ShardWeights], geometry: ShardGeometry) -> torch.Tensor:
+    """A BERT layer run on the given subset of its shards (`weights[i]` is shard `shards[i]`): attention over
+    their heads, the output projection from their columns, the FFN over their neurons. With every shard at
+    full precision it is the original layer. `key_mask`: [B, 1, 1, T] booleans, True where a token is real."""
+    d, f = geometry.head_dim, geometry.neurons
+    index = torch.as_tensor(shards)
+    head_cols = (index[:, None] * d + torch.arange(d)).reshape(-1)
+    neuron_cols = (index[:, None] * f + torch.arange(f)).reshape(-1)
+    b, t, _ = hidden.shape
+    width = len(shards)
+
+    def heads_of(name: str, bias: torch.Tensor) -> torch.Tensor:
+        w = torch.cat([getattr(s, name) for s in weights])
+        return nn.functional.linear(hidden, w, bias[head_cols]).view(b, t, width, d).transpose(1, 2)
+
+    context = nn.functional.scaled_dot_product_attention(
+        heads_of("query", resident.query_bias), heads_of("key", resident.key_bias),
+        heads_of("value", resident.value_bias), attn_mask=key_mask)
+    context = context.transpose(1, 2).reshape(b, t, width * d)
+    attended = nn.functional.linear(context, torch.cat([s.output for s in weights], dim=1), resident.output_bias)
+    attended = resident.attention_norm(attended + hidden)
+    inner = nn.functional.gelu(nn.functional.linear(attended, torch.cat([s.ffn_in for s in weights]),
+                                                    resident.ffn_in_bias[neuron_cols]))
+    out = nn.functional.linear(inner, torch.cat([s.ffn_out for s in weights], dim=1), resident.ffn_out_bias)
+    return resident.output_norm(out + attended)
+
+
+def key_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    return attention_mask.bool()[:, None, None, :]
+
+
+# --- Gaussian outlier-aware quantization ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Codebook:
+    """A layer's quantization at `bits`: sorted centroids and the cluster edges that assign a weight to one."""
+
+    bits: int
+    centroids: np.ndarray     # [2^bits] float32, ascending
+    edges: np.ndarray         # [2^bits - 1]: the largest weight of each cluster but the last
+
+    def codes(self, values: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.edges, values, side="left").astype(np.uint8)
+
+    def pair_table(self) -> np.ndarray:
+        return pair_table(self.centroids, self.bits)
+
+
+def pair_table(centroids: np.ndarray, bits: int) -> np.ndarray:
+    """[4^bits, 2] float32: the centroids of a code pair (low code first), the decoder's lookup table."""
+    pairs = np.arange(1 << (2 * bits))
+    mask = (1 << bits) - 1
+    return np.stack([centroids[pairs & mask], centroids[pairs >> bits]], axis=1)
+
+
+def outlier_mask(values: np.ndarray) -> np.ndarray:
+    """True where a weight's log-likelihood under the layer's one fitted Gaussian is below the threshold."""
+    mean, std = float(values.mean()), float(values.std())
+    log_likelihood = -0.5 * np.log(2 * np.pi * std * std) - (values - mean) ** 2 / (2 * std * std)
+    return log_likelihood < OUTLIER_LOG_LIKELIHOOD
+
+
+def fit_codebook(inliers: np.ndarray, bits: int) -> Codebook:
+    """Equal-population clusters of the sorted inliers; each centroid is its cluster's mean."""
+    if len(inliers) < 1 << bits:
+        raise ValueError(f"{len(inliers)} weights cannot fill {1 << bits} clusters at {bits} bits")
+    ordered = np.sort(inliers.astype(np.float64))
+    clusters = np.array_split(ordered, 1 << bits)
+    centroids = np.array([c.mean() for c in clusters], dtype=np.float32)
+    edges = np.array([c[-1] for c in clusters[:-1]], dtype=np.float32)
+    return Codebook(bits, centroids, edges)
+
+
+def pack_codes(codes: np.ndarray, bits: int) -> bytes:
+    """Eight k-bit codes to k bytes, little-endian within a 64-bit word; the last group zero-padded."""
+    padded = np.zeros(groups(len(codes)) * 8, dtype=np.uint64)
+    padded[: len(codes)] = codes
+    words = np.zeros(len(padded) // 8, dtype=np.uint64)
+    for j, group in enumerate(padded.reshape(-1, 8).T):
+        words |= group << np.uint64(bits * j)
+    return words.view(np.uint8).reshape(-1, 8)[:, :bits].tobytes()
+
+
+def encode_shard(vector: np.ndarray, bits: int, codebook: Codebook | None, outliers: np.ndarray) -> bytes:
+    """One shard's stored version: raw float32 at full precision, else packed codes then the outliers'
+    offsets (uint32) and exact values (float32)."""
+    if bits == FULL:
+        return vector.astype(np.float32).tobytes()
+    assert codebook is not None and codebook.bits == bits
+    where = np.flatnonzero(outliers).astype(np.uint32)
+    return (pack_codes(codebook.codes(vector), bits) + bytes(WORD_PAD) + where.tobytes()
+            + vector[where].astype(np.float32).tobytes())
+
+
+def decode_shard(blob: bytes | memoryview, bits: int, n: int, pair_table: np.ndarray | None,
+                 outliers: int) -> np.ndarray:
+    """The float32 weights of a stored shard: centroids by code pair, then the outliers put back."""
+    if bits == FULL:
+        return np.frombuffer(blob, dtype=np.float32, count=n).copy()
+    assert pair_table is not None
+    m = groups(n)
+    # group i's word is the 8 bytes from i * bits: its codes are the low 8 * bits bits; the rest (the next
+    # group's, or the zero pad after the last) is masked off. A strided view: no copy of the codes.
+    words = np.ndarray((m,), dtype="<u8", buffer=blob, strides=(bits,))
+    pairs = np.empty((m, 4), dtype=np.intp)
+    mask = np.uint64((1 << (2 * bits)) - 1)
+    for j in range(4):
+        np.bitwise_and(words >> np.uint64(2 * bits * j), mask, out=pairs[:, j], casting="unsafe")
+    values = np.take(pair_table, pairs, axis=0).reshape(-1)[:n]
+    if outliers:
+        start = m * bits + WORD_PAD
+        where = np.frombuffer(blob, dtype=np.uint32, count=outliers, offset=start)
+        values[where] = np.frombuffer(blob, dtype=np.float32, count=outliers, offset=start + 4 * outliers)
+    return values
+
+
+@dataclass(frozen=True)
+class LayerQuantization:
+    """A layer's codebooks at every bit width and its outliers, shard by shard."""
+
+    codebooks: dict[int, Codebook]
+    outliers: list[np.ndarray]      # per shard: a boolean mask over its vector
+
+    @classmethod
+    def fit(cls, shard_vectors: Sequence[np.ndarray], bits: Sequence[int] = BITS) -> LayerQuantization:
+        values = np.concatenate(shard_vectors)
+        mask = outlier_mask(values)
+        inliers = values[~mask]
+        masks = np.split(mask, np.cumsum([len(v) for v in shard_vectors])[:-1])
+        return cls({k: fit_codebook(inliers, k) for k in bits}, masks)

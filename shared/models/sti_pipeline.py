@@ -1,0 +1,270 @@
+"""Submodel execution (STI §5.5): a loader thread reads the plan's shards layer by layer while the compute
+thread runs each layer as soon as its shards are in.
+
+The loader also checks and decodes each shard. The paper decodes on the compute side (C with OpenMP on a
+phone, where decoding is small next to a layer); on a server CPU decoding a MiniLM layer (~1.5 ms) costs
+more than running it on one text (~0.9 ms), so here it overlaps the compute instead of adding to it, and the
+planner counts it in each shard's load time. The deadline is checked between layers.
+
+IO sources (every arm of a comparison reads through the same one, and each result names it):
+- `file`: plain reads (the page cache may hold the files);
+- `cold`: the shard files' pages are dropped from the page cache (posix_fadvise DONTNEED) before each run;
+- `throttled:<MB/s>`: reads complete no sooner than a device of that bandwidth would deliver them, one
+  read at a time: flash storage, or the paper's load/compute skew on this machine's compute.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from academus.shared.models.model import ClassifierHead, mean_pool
+from academus.shared.models.shard_store import ShardStore
+from academus.shared.models.shards import ShardWeights, elastic_layer, key_mask
+from academus.shared.models.sti_planner import Plan
+from academus.shared.state.artifacts import ArtifactError
+
+
+class DeadlineMissed(Exception):
+    """The deadline passed between two layers."""
+
+
+class FileSource:
+    """Plain positional reads; descriptors kept open."""
+
+    name = "file"
+
+    def __init__(self) -> None:
+        self._fds: dict[Path, int] = {}
+        self._lock = threading.Lock()
+
+    def _fd(self, path: Path) -> int:
+        with self._lock:
+            if path not in self._fds:
+                self._fds[path] = os.open(path, os.O_RDONLY)
+            return self._fds[path]
+
+    def read(self, path: Path, offset: int, length: int) -> bytes:
+        return os.pread(self._fd(path), length, offset)   # a short read fails the shard's checksum check
+
+    def before_run(self, paths: Sequence[Path]) -> None:
+        """Nothing: the page cache keeps what it keeps."""
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+class ColdSource(FileSource):
+    """Reads after the files' pages are dropped from the page cache, as on a first start."""
+
+    name = "cold"
+
+    def before_run(self, paths: Sequence[Path]) -> None:
+        for path in paths:
+            os.posix_fadvise(self._fd(path), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+class ThrottledSource(FileSource):
+    """Reads that take at least length / bandwidth each, one after another, as one storage device serves them."""
+
+    def __init__(self, megabytes_per_s: float) -> None:
+        super().__init__()
+        if megabytes_per_s <= 0:
+            raise ValueError(f"throttled bandwidth must be > 0 MB/s, got {megabytes_per_s}")
+        self.bytes_per_s = megabytes_per_s * 1e6
+        self.name = f"throttled:{megabytes_per_s:g}"
+        self._free_at = 0.0
+
+    def read(self, path: Path, offset: int, length: int) -> bytes:
+        start = time.perf_counter()
+        data = super().read(path, offset, length)
+        done = max(start, self._free_at) + length / self.bytes_per_s
+        self._free_at = done
+        if (wait := done - time.perf_counter()) > 0:
+            time.sleep(wait)
+        return data
+
+    def before_run(self, paths: Sequence[Path]) -> None:
+        self._free_at = 0.0
+
+
+def io_source(spec: str) -> FileSource:
+    """`file`, `cold` or `throttled:<MB/s>`."""
+    if spec == "file":
+        return FileSource()
+    if spec == "cold":
+        return ColdSource()
+    if spec.startswith("throttled:"):
+        try:
+            return ThrottledSource(float(spec.split(":", 1)[1]))
+        except ValueError as e:
+            raise ValueError(f"io source {spec!r}: {e}") from e
+    raise ValueError(f"io source {spec!r} is not file, cold or throttled:<MB/s>")
+
+
+class ElasticModel(nn.Module):
+    """The resident part of a sharded model for one task: embeddings, each layer's biases and norms, and the
+    task's head a submodel shape. Layers run on whatever shards a plan supplies."""
+
+    def __init__(self, store: ShardStore, task: str,
+                 heads: dict[tuple[int, int], ClassifierHead] | None = None, labels: Sequence[str] = ()) -> None:
+        super().__init__()
+        from transformers import BertConfig
+        from transformers.models.bert.modeling_bert import BertEmbeddings
+
+        self.store, self.task = store, task
+        config = BertConfig(**store.manifest.extra["config"])
+        self.embeddings = BertEmbeddings(config).eval()
+        missing, unexpected = self.embeddings.load_state_dict(store.embeddings_state(), strict=False)
+        if unexpected or any(not name.endswith("_ids") for name in missing):   # buffers are rebuilt
+            raise ArtifactError(f"{store.directory}: embeddings missing {missing}, unexpected {unexpected}")
+        self.residents = [store.layer_resident(k) for k in range(store.geometry.layers)]
+        self.heads: dict[tuple[int, int], ClassifierHead] = heads if heads is not None else store.heads(task)
+        self.labels = list(labels) or (store.tasks[task].labels if task in store.tasks else [])
+
+    def embed(self, ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor | None = None) -> torch.Tensor:
+        return self.embeddings(input_ids=ids, token_type_ids=types)
+
+    def layer(self, hidden: torch.Tensor, mask: torch.Tensor, layer: int, shards: Sequence[int],
+              weights: Sequence[ShardWeights]) -> torch.Tensor:
+        return elastic_layer(hidden, key_mask(mask), self.residents[layer], shards, weights, self.store.geometry)
+
+    def finish(self, hidden: torch.Tensor, mask: torch.Tensor, depth: int, width: int) -> torch.Tensor:
+        """The shape's head on the mean-pooled, normalised output: [B, C] probabilities."""
+        pooled = nn.functional.normalize(mean_pool(hidden, mask), p=2, dim=1)
+        return torch.softmax(self.heads[(depth, width)](pooled), dim=-1)
+
+    @torch.inference_mode()
+    def run(self, ids: torch.Tensor, mask: torch.Tensor, plan: Plan,
+            weights: dict[tuple[int, int, int], ShardWeights], types: torch.Tensor | None = None) -> torch.Tensor:
+        """The plan's submodel on a padded batch, every shard's weights at hand: [B, C] probabilities."""
+        hidden = self.embed(ids, mask, types)
+        for k, shards in enumerate(plan.shards):
+            hidden = self.layer(hidden, mask, k, shards, [weights[(k, s, plan.bits[(k, s)])] for s in shards])
+        return self.finish(hidden, mask, plan.depth, plan.width)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    probs: torch.Tensor
+    total_ms: float
+    io_ms: float          # the loader's busy time (reads, checks, decoding)
+    stall_ms: float       # the compute waiting for shards
+    compute_ms: float
+
+
+class ShardPipeline:
+    """Runs plans through one IO source: a loader thread and the calling (compute) thread. The preload buffer
+    holds stored shard bytes, counted at their stored size."""
+
+    def __init__(self, model: ElasticModel, source: FileSource, lookahead: int = 0) -> None:
+        """`lookahead`: decoded layers the loader may hold ahead of the compute (0: no bound)."""
+        self.model, self.store, self.source = model, model.store, source
+        self.lookahead = lookahead
+        self.preloaded: dict[tuple[int, int, int], bytes] = {}
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sti-loader")
+
+    def preload(self, plan: Plan) -> int:
+        """Holds the plan's preload set (a buffer filled for it); returns the buffer's bytes."""
+        return self.hold({x: plan.bits[x] for x in plan.preload})
+
+    def hold(self, shards: dict[tuple[int, int], int]) -> int:
+        """Holds these shards (layer, shard) -> version as stored, replacing the buffer; returns its bytes.
+        Shards already held at that version are kept, not read again."""
+        held = {}
+        for (k, s), b in sorted(shards.items()):
+            key = (k, s, b)
+            if key in self.preloaded:
+                held[key] = self.preloaded[key]
+                continue
+            e = self.store.entry(k, s, b)
+            with open(self.store.directory / e.file, "rb") as handle:
+                handle.seek(e.offset)
+                held[key] = handle.read(e.length)
+        self.preloaded = held
+        return self.resident_bytes()
+
+    def resident_bytes(self) -> int:
+        return sum(len(b) for b in self.preloaded.values())
+
+    def close(self) -> None:
+        self._loader.shutdown(wait=True)
+        self.source.close()
+
+    def _load(self, plan: Plan, ready: list[threading.Event], out: dict[int, list[ShardWeights]],
+              failed: list[BaseException], stop: threading.Event, room: threading.Semaphore | None) -> float:
+        busy = 0.0
+        try:
+            for k, shards in enumerate(plan.shards):
+                while room is not None and not room.acquire(timeout=0.05):   # the working buffer is full
+                    if stop.is_set():
+                        return busy
+                layer = []
+                for s in shards:
+                    if stop.is_set():
+                        return busy
+                    started = time.perf_counter()
+                    b = plan.bits[(k, s)]
+                    blob = self.preloaded.get((k, s, b))
+                    if blob is None:
+                        e = self.store.entry(k, s, b)
+                        blob = self.source.read(self.store.directory / e.file, e.offset, e.length)
+                    layer.append(self.store.decode(k, s, b, blob))
+                    busy += time.perf_counter() - started
+                out[k] = layer
+                ready[k].set()
+        except BaseException as e:   # the compute thread re-raises it
+            failed.append(e)
+            for event in ready:
+                event.set()
+        return busy
+
+    @torch.inference_mode()
+    def run(self, plan: Plan, ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor | None = None,
+            deadline: float | None = None) -> RunResult:
+        """One request through the pipeline. `deadline`: a time.perf_counter() instant, checked between layers."""
+        self.source.before_run(self.store.paths())
+        started = time.perf_counter()
+        ready = [threading.Event() for _ in plan.shards]
+        out: dict[int, list[ShardWeights]] = {}
+        failed: list[BaseException] = []
+        stop = threading.Event()
+        room = threading.Semaphore(self.lookahead) if self.lookahead and plan.overlap else None
+        loading: Future[float] = self._loader.submit(self._load, plan, ready, out, failed, stop, room)
+        stall = compute = 0.0
+        try:
+            hidden = self.model.embed(ids, mask, types)
+            if not plan.overlap:               # Load&Exec: the whole submodel first (no lookahead bound)
+                waited = time.perf_counter()
+                ready[-1].wait()
+                stall += time.perf_counter() - waited
+            for k, shards in enumerate(plan.shards):
+                waited = time.perf_counter()
+                ready[k].wait()
+                stall += time.perf_counter() - waited
+                if failed:
+                    raise failed[0]
+                if deadline is not None and time.perf_counter() > deadline:
+                    raise DeadlineMissed(f"the deadline passed before layer {k} of {plan.depth}")
+                began = time.perf_counter()
+                hidden = self.model.layer(hidden, mask, k, shards, out.pop(k))
+                compute += time.perf_counter() - began
+                if room is not None:
+                    room.release()
+            probs = self.model.finish(hidden, mask, plan.depth, plan.width)
+        finally:
+            stop.set()
+            io = loading.result()
+        total = time.perf_counter() - started
+        return RunResult(probs, total * 1e3, io * 1e3, stall * 1e3, compute * 1e3)

@@ -1,0 +1,312 @@
+"""Pipeline planning (STI §5): the largest submodel a latency target allows, then a bit width per shard so that
+loading never stalls the compute.
+
+*Compute planning* (§5.3) picks the shape (depth n, width m) with the most shards whose compute fits the
+target, the deeper on a tie. *IO planning* (§5.4) gives each layer an accumulated IO budget (AIB): the IO
+time available before that layer must start. Here the first layer's budget is the target's slack (what the
+compute leaves of T), so a plan whose budgets stay non-negative finishes within T; each next layer's budget
+adds one layer's compute. Loading a shard of layer k takes its IO time from the budgets of layer k and every
+later one. A shard held in the preload buffer costs only its decoding. The first pass gives every other
+shard one uniform bit width, the highest whose budgets hold; the second upgrades shards one at a time, most
+important first, to the highest version the budgets still allow.
+
+A shape whose cheapest uniform version would stall is not proposed: the paper still runs it and overruns T;
+a server answers within the deadline instead, with a smaller submodel, or refuses at once.
+
+The baselines of §7 are planned here too, from the same profile: Load&Exec (load the full-precision
+submodel, then run it), StdPL-X (a layer pipeline at one bit width X), PreloadModel-X (the whole model held
+at X bits: compute only).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from academus.shared.models.shards import FULL, VERSIONS
+
+Shard = tuple[int, int]    # (layer, shard)
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """What planning needs measured (§5.2): per shard and version, its load time through the IO source
+    (read, checksum, decode) and its decoding alone (a preloaded shard); per width and length bucket, one
+    layer's compute; per bucket, the rest of the model (embeddings, pooling, head)."""
+
+    source: str
+    load_ms: dict[int, float]
+    decode_ms: dict[int, float]
+    compute_ms: dict[int, dict[int, float]]     # width -> bucket -> ms
+    overhead_ms: dict[int, float]               # bucket -> ms
+    buckets: tuple[int, ...]
+
+    def bucket(self, length: int) -> int:
+        i = bisect.bisect_left(self.buckets, length)
+        return self.buckets[min(i, len(self.buckets) - 1)]
+
+    def layer_ms(self, width: int, length: int) -> float:
+        """One layer on `length` tokens (a batch's rows x longest): beyond the last bucket, in proportion."""
+        return self.compute_ms[width][self.bucket(length)] * self._beyond(length)
+
+    def rest_ms(self, length: int) -> float:
+        return self.overhead_ms[self.bucket(length)] * self._beyond(length)
+
+    def _beyond(self, length: int) -> float:
+        return max(1.0, length / self.buckets[-1])
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, raw: str) -> HardwareProfile:
+        d = json.loads(raw)
+        return cls(d["source"], {int(k): v for k, v in d["load_ms"].items()},
+                   {int(k): v for k, v in d["decode_ms"].items()},
+                   {int(w): {int(b): v for b, v in by.items()} for w, by in d["compute_ms"].items()},
+                   {int(k): v for k, v in d["overhead_ms"].items()}, tuple(d["buckets"]))
+
+
+@dataclass
+class Plan:
+    """A submodel and how it is loaded: each shard's version, which are preloaded, and the planned times."""
+
+    arm: str
+    depth: int
+    width: int
+    shards: list[list[int]]                       # per layer, its shards in load order
+    bits: dict[Shard, int] = field(default_factory=dict)
+    preload: set[Shard] = field(default_factory=set)
+    feasible: bool = True
+    overlap: bool = True                          # False: load everything, then compute (Load&Exec)
+    io_ms: float = 0.0
+    compute_ms: float = 0.0
+    stall_ms: float = 0.0
+    target_ms: float = 0.0
+    plan_ms: float = 0.0
+
+    @property
+    def mean_bits(self) -> float:
+        return sum(self.bits.values()) / max(1, len(self.bits))
+
+    def key(self) -> tuple:
+        """What fixes the submodel's weights, hence its accuracy."""
+        return self.depth, self.width, tuple(sorted(self.bits.items()))
+
+    def summary(self) -> dict[str, Any]:
+        hist: dict[str, int] = {}
+        for b in self.bits.values():
+            hist[str(b)] = hist.get(str(b), 0) + 1
+        return {"arm": self.arm, "depth": self.depth, "width": self.width, "feasible": self.feasible,
+                "mean_bits": round(self.mean_bits, 3), "bits": hist, "preload_shards": len(self.preload),
+                "planned_io_ms": round(self.io_ms, 3), "planned_compute_ms": round(self.compute_ms, 3),
+                "planned_stall_ms": round(self.stall_ms, 3), "target_ms": round(self.target_ms, 3),
+                "plan_ms": round(self.plan_ms, 4)}
+
+
+class Planner:
+    """Plans for one task's shards on one profiled machine. `shard_bytes(layer, shard, bits)` sizes the preload;
+    `layer_order(layer)` is the layer's shards, most important first; `importance` the global ranking."""
+
+    def __init__(self, profile: HardwareProfile, depths: Sequence[int], widths: Sequence[int],
+                 layer_order: Callable[[int], list[int]], importance: Sequence[Shard],
+                 shard_bytes: Callable[[int, int, int], int], clock: Callable[[], float] = time.perf_counter) -> None:
+        self.profile = profile
+        self.shapes = sorted(((d, w) for d in depths for w in widths), key=lambda s: (-s[0] * s[1], -s[0]))
+        self.layer_order, self.importance, self.shard_bytes = layer_order, list(importance), shard_bytes
+        self.clock = clock
+
+    # -- STI ------------------------------------------------------------------------------------------------
+
+    def plan(self, target_ms: float, length: int, preload_bytes: int = 0,
+             importance: Sequence[Shard] | None = None, arm: str = "sti",
+             held: dict[Shard, int] | None = None) -> Plan:
+        """The STI plan for a target; `feasible` False when no shape fits (the smallest is returned). The
+        preload buffer: `held` (shard -> the version a server holds), else the first shards of each candidate
+        shape that fit `preload_bytes` (a buffer filled for this plan, as one cold run has it)."""
+        started = self.clock()
+        order = importance or self.importance
+        for depth, width in self.shapes:
+            shards = [self._layer_shards(k, width, order) for k in range(depth)]
+            buffer = self._preload(shards, preload_bytes) if held is None else held
+            plan = self._io_plan(depth, width, shards, target_ms, length, buffer, order, arm)
+            if plan is not None:
+                break
+        else:
+            plan = self._smallest(arm, length, target_ms)
+        plan.plan_ms = (self.clock() - started) * 1e3
+        return plan
+
+    def _io_plan(self, depth: int, width: int, shards: list[list[int]], target_ms: float, length: int,
+                 held: dict[Shard, int], importance: Sequence[Shard], arm: str) -> Plan | None:
+        layer_ms = self.profile.layer_ms(width, length)
+        slack = target_ms - self.profile.rest_ms(length) - depth * layer_ms
+        if slack < 0:
+            return None
+        load, decode = self.profile.load_ms, self.profile.decode_ms
+        budgets = Budgets(slack, layer_ms, depth)
+        wanted = {(k, s) for k in range(depth) for s in shards[k]}
+        bits = {x: b for x, b in held.items() if x in wanted}
+        for (k, _), b in bits.items():
+            budgets.take(k, decode[b])
+        free = [x for x in sorted(wanted) if x not in bits]
+        uniform = None
+        for b in VERSIONS:
+            if budgets.would_hold({k: n * load[b] for k, n in _count(free).items()}):
+                uniform = b
+        if uniform is None:
+            return None
+        for k, n in _count(free).items():
+            budgets.take(k, n * load[uniform])
+        cost = {x: decode[b] for x, b in bits.items()} | dict.fromkeys(free, load[uniform])
+        bits |= dict.fromkeys(free, uniform)
+        for x in importance:                       # the second pass: upgrades, most important first
+            if x not in wanted:
+                continue
+            for b in sorted((v for v in VERSIONS if v > bits[x]), reverse=True):
+                if budgets.would_hold({x[0]: load[b] - cost[x]}):
+                    budgets.take(x[0], load[b] - cost[x])
+                    bits[x], cost[x] = b, load[b]
+                    break
+        preload = {x for x, b in held.items() if x in wanted and bits[x] == b}
+        plan = Plan(arm, depth, width, shards, bits, preload, io_ms=sum(cost.values()), compute_ms=depth * layer_ms,
+                    target_ms=target_ms)
+        plan.stall_ms = simulate(plan, self.profile, length)["stall_ms"]
+        return plan
+
+    def _layer_shards(self, layer: int, width: int, importance: Sequence[Shard]) -> list[int]:
+        if importance is self.importance:
+            return self.layer_order(layer)[:width]
+        return [s for (k, s) in importance if k == layer][:width]
+
+    def _preload(self, shards: list[list[int]], preload_bytes: int) -> dict[Shard, int]:
+        """The first shards in load order that fit the buffer, at the highest version (up to 6 bits) at
+        which the first layer fits whole; shards of the bottom layers are needed first (§5.5)."""
+        if preload_bytes <= 0:
+            return {}
+        quantized = [b for b in VERSIONS if b != FULL]
+        fitting = [b for b in quantized
+                   if sum(self.shard_bytes(0, s, b) for s in shards[0]) <= preload_bytes]
+        bits = max(fitting) if fitting else quantized[0]
+        chosen, used = {}, 0
+        for k, layer in enumerate(shards):
+            for s in layer:
+                size = self.shard_bytes(k, s, bits)
+                if used + size > preload_bytes:
+                    return chosen
+                chosen[(k, s)] = bits
+                used += size
+        return chosen
+
+    def held_for(self, preload_bytes: int) -> dict[Shard, int]:
+        """What a server's preload buffer holds for every plan: the widest, deepest shape's first shards."""
+        depth, width = max(self.shapes, key=lambda s: (s[1], s[0]))
+        return self._preload([self.layer_order(k)[:width] for k in range(depth)], preload_bytes)
+
+    def preload_bytes_of(self, plan: Plan) -> int:
+        return sum(self.shard_bytes(k, s, plan.bits[(k, s)]) for k, s in plan.preload)
+
+    def _smallest(self, arm: str, length: int, target_ms: float, bits: int = VERSIONS[0]) -> Plan:
+        depth, width = self.shapes[-1]
+        shards = [self.layer_order(k)[:width] for k in range(depth)]
+        plan = Plan(arm, depth, width, shards, {(k, s): bits for k in range(depth) for s in shards[k]},
+                    feasible=False, target_ms=target_ms)
+        plan.compute_ms = depth * self.profile.layer_ms(width, length)
+        plan.io_ms = len(plan.bits) * self.profile.load_ms[bits]
+        return plan
+
+    # -- baselines (§7.1) ------------------------------------------------------------------------------------
+
+    def load_and_exec(self, target_ms: float, length: int) -> Plan:
+        """Loads the full-precision submodel whole, then runs it: the shape whose load plus compute fits."""
+        overhead = self.profile.rest_ms(length)
+        for depth, width in self.shapes:
+            io = depth * width * self.profile.load_ms[FULL]
+            compute = depth * self.profile.layer_ms(width, length)
+            if io + compute + overhead <= target_ms:
+                return self._uniform("load&exec", depth, width, FULL, target_ms, io, compute, overlap=False)
+        plan = self._smallest("load&exec", length, target_ms, FULL)
+        plan.overlap = False
+        return plan
+
+    def standard_pipeline(self, target_ms: float, length: int, bits: int) -> Plan:
+        """StdPL-X: every shard at X bits, layer by layer, IO overlapping compute: the largest shape that
+        does not stall past the target."""
+        for depth, width in self.shapes:
+            layer_ms = self.profile.layer_ms(width, length)
+            slack = target_ms - self.profile.rest_ms(length) - depth * layer_ms
+            budgets = Budgets(slack, layer_ms, depth)
+            if slack >= 0 and budgets.would_hold(dict.fromkeys(range(depth), width * self.profile.load_ms[bits])):
+                return self._uniform(f"stdpl-{bits}", depth, width, bits, target_ms,
+                                     depth * width * self.profile.load_ms[bits], depth * layer_ms)
+        return self._smallest(f"stdpl-{bits}", length, target_ms, bits)
+
+    def preload_model(self, target_ms: float, length: int, bits: int) -> Plan:
+        """PreloadModel-X: the whole model in memory at X bits; the largest shape whose compute fits."""
+        overhead = self.profile.rest_ms(length)
+        for depth, width in self.shapes:
+            compute = depth * self.profile.layer_ms(width, length)
+            if compute + overhead <= target_ms:
+                plan = self._uniform(f"preload-{bits}", depth, width, bits, target_ms, 0.0, compute)
+                plan.preload = set(plan.bits)
+                return plan
+        plan = self._smallest(f"preload-{bits}", length, target_ms, bits)
+        plan.preload, plan.io_ms = set(plan.bits), 0.0
+        return plan
+
+    def _uniform(self, arm: str, depth: int, width: int, bits: int, target_ms: float, io: float, compute: float,
+                 overlap: bool = True) -> Plan:
+        shards = [self.layer_order(k)[:width] for k in range(depth)]
+        return Plan(arm, depth, width, shards, {(k, s): bits for k in range(depth) for s in shards[k]},
+                    overlap=overlap, io_ms=io, compute_ms=compute, target_ms=target_ms)
+
+
+class Budgets:
+    """Accumulated IO budgets: budget[k] = slack + k * layer_ms, less the IO of the shards of layers <= k."""
+
+    def __init__(self, slack_ms: float, layer_ms: float, depth: int) -> None:
+        self.budget = [slack_ms + k * layer_ms for k in range(depth)]
+
+    def would_hold(self, cost_by_layer: dict[int, float]) -> bool:
+        spent = 0.0
+        for k in range(len(self.budget)):
+            spent += cost_by_layer.get(k, 0.0)
+            if self.budget[k] - spent < -1e-9:
+                return False
+        return True
+
+    def take(self, layer: int, cost_ms: float) -> None:
+        for k in range(layer, len(self.budget)):
+            self.budget[k] -= cost_ms
+
+
+
+def _count(shards: Sequence[Shard]) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for k, _ in shards:
+        counts[k] = counts.get(k, 0) + 1
+    return counts
+
+
+def simulate(plan: Plan, profile: HardwareProfile, length: int) -> dict[str, float]:
+    """The plan's timeline if every load and layer took its profiled time: one loader in load order, the
+    compute starting each layer when its shards are in. Returns finish and stall (compute waiting) in ms."""
+    layer_ms = profile.layer_ms(plan.width, length)
+    loaded, start, stall = 0.0, 0.0, 0.0
+    ready = []
+    for k, layer in enumerate(plan.shards):
+        for s in layer:
+            loaded += (profile.decode_ms if (k, s) in plan.preload else profile.load_ms)[plan.bits[(k, s)]]
+        ready.append(loaded)
+    if not plan.overlap:
+        ready = [loaded] * len(ready)
+    for k in range(plan.depth):
+        begin = max(start, ready[k])
+        stall += begin - start
+        start = begin + layer_ms
+    finish = start + profile.rest_ms(length)
+    return {"finish_ms": finish, "stall_ms": stall}

@@ -1,0 +1,476 @@
+"""`academus shard build | info | verify | profile | plan` (STI): the teacher cut into quantized shards.
+
+`build --model minilm --tasks sentiment,spam [--quick]`:
+1. every layer cut into one shard a head (§4.2), each stored at 2–6 bits (Gaussian outlier-aware, §6) and at
+   full precision (`shared/models/shards.py`, `shared/models/shard_store.py`);
+2. per task, shard importance (§5.2): the whole model at 2 bits, one shard at a time raised to full
+   precision, the model's accuracy on a dev share of the validation split. Ties (a dev share is small and
+   many shards move it by no text) are broken by the mean log-probability of the gold label;
+3. per task, a head for every submodel shape (depth 1..N × width in quarters of the heads), fitted on the
+   full-precision submodel's pooled output with the backbone frozen; a width-m layer runs its m most
+   important shards (DynaBERT's rewiring). The full shape keeps the served head.
+The evaluation runs on the shards as stored (decoded from the files just written).
+
+`profile [--io SOURCE]` measures the load time per shard and version through the IO source, the decoding
+alone, and one layer's compute per width and length bucket (§5.2); `plan --task T --target-ms T
+--preload-bytes M [--length L]` prints the plan. JSON summaries are the last line of stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from academus.shared.models.model import ClassifierHead, TeacherEncoder, mean_pool, pad_batch
+from academus.shared.models.shard_store import (
+    ShardStore,
+    heads_file,
+    shape_key,
+    shards_dir,
+    write_shard_artifact,
+)
+from academus.shared.models.shards import (
+    BITS,
+    FULL,
+    VERSIONS,
+    LayerQuantization,
+    LayerResident,
+    ShardGeometry,
+    ShardWeights,
+    encode_shard,
+    shard_vector,
+)
+from academus.shared.models.sti_pipeline import ElasticModel, io_source
+from academus.shared.models.sti_planner import HardwareProfile, Plan, Planner
+from academus.shared.models.teacher_files import TEACHER_NAME, teacher_dir
+from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.runtime.config import artifacts_dir as default_artifacts_dir
+from academus.shared.runtime.config import offline_hub
+from academus.shared.state.artifacts import MANIFEST, ArtifactError, read_manifest, save_file, sha256_file
+from academus.shared.state.catalogue import CLASSIFICATION, write_entry
+from academus.shared.training.data import TASKS, DataMissing, Example, fetch, load_task
+from academus.shared.training.prepare import MAX_TOKENS, length_batches, load_head, subsample, train_head
+
+MODELS = {"minilm": TEACHER_NAME}
+BUCKETS = (16, 32, 64, 128, 256)
+# texts a split: (train for heads, validation, dev share for importance); --quick: a few for tests
+SIZES = {"sentiment": (3000, None, 500), "spam": (1500, None, 250)}
+QUICK = (96, 64, 48)
+
+
+def log(message: str) -> None:
+    print(f"[shard] {message}", file=sys.stderr, flush=True)
+
+
+def sti_model_name(task: str) -> str:
+    """The catalogue name a task's shard-served model gets: workers serving every model load it."""
+    return f"{task}-sti"
+
+
+def widths_of(heads: int) -> list[int]:
+    """Quarters of the heads, as DynaBERT's width multipliers (0.25, 0.5, 0.75, 1)."""
+    return sorted({max(1, round(heads * q / 4)) for q in range(1, 5)})
+
+
+# --- building -------------------------------------------------------------------------------------------------
+
+def quantize_layers(encoder: TeacherEncoder, geometry: ShardGeometry
+                    ) -> tuple[dict[tuple[int, int], list[tuple[bytes, int]]], dict[str, torch.Tensor]]:
+    """Every shard of every layer at every version; and the resident tensors (embeddings, biases, norms,
+    centroids)."""
+    body = encoder.body
+    resident = {f"embeddings.{k}": v for k, v in body.embeddings.state_dict().items() if not k.endswith("_ids")}
+    blobs: dict[tuple[int, int], list[tuple[bytes, int]]] = {}
+    for k, layer in enumerate(body.encoder.layer):
+        vectors = [shard_vector(layer, geometry, s) for s in range(geometry.heads)]
+        q = LayerQuantization.fit(vectors)
+        for bits in VERSIONS:
+            blobs[(k, bits)] = [(encode_shard(v, bits, q.codebooks.get(bits), q.outliers[s]), int(q.outliers[s].sum()))
+                                for s, v in enumerate(vectors)]
+        for bits, codebook in q.codebooks.items():
+            resident[f"layer{k}.centroids{bits}"] = torch.from_numpy(codebook.centroids)
+        resident |= LayerResident.of(layer).tensors(f"layer{k}")
+        share = sum(int(m.sum()) for m in q.outliers) / (geometry.params * geometry.heads)
+        log(f"layer {k}: {geometry.heads} shards quantized at {list(BITS)} bits; outliers {share:.3%}")
+    return blobs, resident
+
+
+def decoded_bank(store: ShardStore) -> dict[tuple[int, int, int], ShardWeights]:
+    """Every stored shard version decoded (checked against its sha256 on the way)."""
+    bank = {}
+    for (layer, bits), entries in store.index.items():
+        with open(store.directory / entries[0].file, "rb") as handle:
+            for s, e in enumerate(entries):
+                handle.seek(e.offset)
+                bank[(layer, s, bits)] = store.decode(layer, s, bits, handle.read(e.length))
+    return bank
+
+
+class Evaluator:
+    """Runs submodels on tokenized texts in padded batches; caches nothing but the batches."""
+
+    def __init__(self, model: ElasticModel, bank: dict[tuple[int, int, int], ShardWeights],
+                 tokenizer: TeacherTokenizer, texts: Sequence[str], batch_size: int = 64) -> None:
+        self.model, self.bank = model, bank
+        encoded = tokenizer.encode(list(texts), truncate=True)
+        self.batches = []
+        for batch in length_batches([len(e.input_ids) for e in encoded], batch_size, tokenizer.max_tokens):
+            ids, mask, types = pad_batch([encoded[i].input_ids for i in batch],
+                                         [encoded[i].token_type_ids for i in batch])
+            self.batches.append((batch, ids, mask, types))
+        self.n = len(encoded)
+
+    def probs(self, plan: Plan) -> torch.Tensor:
+        out = torch.empty(self.n, len(self.model.labels))
+        for batch, ids, mask, types in self.batches:
+            out[batch] = self.model.run(ids, mask, plan, self.bank, types)
+        return out
+
+    @torch.no_grad()   # not inference mode: heads are fitted on these with autograd
+    def pooled_states(self, shards: list[list[int]]) -> torch.Tensor:
+        """[n, depth, H]: the normalised mean-pooled output of each layer of the full-precision submodel."""
+        out = torch.empty(self.n, len(shards), self.model.store.geometry.hidden)
+        for batch, ids, mask, types in self.batches:
+            hidden = self.model.embed(ids, mask, types)
+            for k, layer in enumerate(shards):
+                hidden = self.model.layer(hidden, mask, k, layer, [self.bank[(k, s, FULL)] for s in layer])
+                out[batch, k] = torch.nn.functional.normalize(mean_pool(hidden, mask), p=2, dim=1)
+        return out
+
+
+def accuracy(probs: torch.Tensor, gold: torch.Tensor) -> tuple[float, float]:
+    """Accuracy and the mean log-probability of the gold label."""
+    acc = (probs.argmax(1) == gold).float().mean().item()
+    logp = probs.gather(1, gold[:, None]).clamp_min(1e-12).log().mean().item()
+    return acc, logp
+
+
+def full_plan(geometry: ShardGeometry, bits: int, order: list[list[int]] | None = None) -> Plan:
+    shards = order or [list(range(geometry.heads)) for _ in range(geometry.layers)]
+    return Plan("full", geometry.layers, geometry.heads, shards,
+                {(k, s): bits for k in range(geometry.layers) for s in shards[k]})
+
+
+def profile_importance(evaluator: Evaluator, geometry: ShardGeometry, gold: torch.Tensor
+                       ) -> tuple[list[tuple[int, int]], list[dict[str, Any]], float]:
+    """§5.2: every shard at the lowest bits; each in turn at full precision; ranked by the dev accuracy."""
+    base = full_plan(geometry, BITS[0])
+    base_acc, _ = accuracy(evaluator.probs(base), gold)
+    table = []
+    for k in range(geometry.layers):
+        for s in range(geometry.heads):
+            base.bits[(k, s)] = FULL
+            acc, logp = accuracy(evaluator.probs(base), gold)
+            base.bits[(k, s)] = BITS[0]
+            table.append({"layer": k, "shard": s, "accuracy": round(acc, 5), "log_prob": round(logp, 5)})
+        log(f"importance: layer {k} done (all at {BITS[0]} bits: accuracy {base_acc:.4f})")
+    ranked = sorted(table, key=lambda r: (-r["accuracy"], -r["log_prob"], r["layer"], r["shard"]))
+    return [(r["layer"], r["shard"]) for r in ranked], table, base_acc
+
+
+def fit_shape_heads(train: Evaluator, validation: Evaluator, ytrain: torch.Tensor, yval: torch.Tensor,
+                    order: list[list[int]], widths: Sequence[int], served: ClassifierHead,
+                    labels: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """A head for every (depth, width), on the full-precision submodel's pooled output; the full shape keeps
+    the served head. Returns the tensors and each shape's validation accuracy."""
+    geometry = train.model.store.geometry
+    tensors, scores = {}, {}
+    for width in widths:
+        shards = [layer[:width] for layer in order]
+        x, vx = train.pooled_states(shards), validation.pooled_states(shards)
+        for depth in range(1, geometry.layers + 1):
+            if (depth, width) == (geometry.layers, geometry.heads):
+                head = served
+            else:
+                data = {"train": (x[:, depth - 1], ytrain), "validation": (vx[:, depth - 1], yval),
+                        "test": (vx[:, depth - 1], yval)}
+                head, _, _ = train_head(data, labels)
+            key = shape_key(depth, width)
+            tensors[f"{key}.weight"] = head.linear.weight.detach().clone()
+            tensors[f"{key}.bias"] = head.linear.bias.detach().clone()
+            with torch.no_grad():
+                scores[key] = round((head(vx[:, depth - 1]).argmax(1) == yval).float().mean().item(), 4)
+        log(f"heads: width {width}: validation accuracy by depth "
+            f"{[scores[shape_key(d, width)] for d in range(1, geometry.layers + 1)]}")
+    return tensors, scores
+
+
+def build(artifacts: Path, model: str, tasks: Sequence[str], data_dir: Path | None = None,
+          quick: bool = False) -> dict[str, Any]:
+    """Writes `shards/<model>/` and registers `<task>-sti` for each task in the catalogue."""
+    artifacts = Path(artifacts).resolve()
+    if model not in MODELS:
+        raise ValueError(f"--model {model!r}: shards are built for {', '.join(MODELS)}")
+    for task in tasks:
+        if task not in TASKS:
+            raise ValueError(f"unknown task {task!r}; known tasks: {', '.join(TASKS)}")
+    started = time.perf_counter()
+    encoder = TeacherEncoder.load()
+    config = encoder.body.config
+    geometry = ShardGeometry.of(config)
+    blobs, resident = quantize_layers(encoder, geometry)
+    directory = shards_dir(artifacts, model)
+    write_shard_artifact(directory, teacher=MODELS[model], geometry=geometry, layer_norm_eps=config.layer_norm_eps,
+                         blobs=blobs, resident=resident, heads={}, tasks={},
+                         extra={"model": model, "config": _config_dict(config), "quick": quick})
+    store = ShardStore(directory)
+    bank = decoded_bank(store)
+    tokenizer = TeacherTokenizer(teacher_dir(), max_tokens=MAX_TOKENS)
+    data_root = fetch(data_dir)
+    summary: dict[str, Any] = {"model": model, "geometry": geometry.__dict__, "tasks": {}}
+    for task in tasks:
+        summary["tasks"][task] = build_task(store, bank, tokenizer, task, load_task(task, data_root),
+                                            load_head(artifacts, task), quick)
+        served = sti_model_name(task)
+        write_entry(artifacts, served, {"kind": CLASSIFICATION, "labels": summary["tasks"][task]["labels"],
+                                        "shards": str(directory.relative_to(artifacts)), "task": task,
+                                        "teacher": MODELS[model]})
+        summary["tasks"][task]["served_as"] = served
+    summary |= {"artifact": str(directory), "bytes": _sizes(store), "quick": quick,
+                "seconds": round(time.perf_counter() - started, 1)}
+    log(f"wrote {directory} in {summary['seconds']} s")
+    return summary
+
+
+def build_task(store: ShardStore, bank: dict, tokenizer: TeacherTokenizer, task: str, data: Any,
+               served: ClassifierHead, quick: bool) -> dict[str, Any]:
+    geometry = store.geometry
+    labels = list(served.labels)
+    train_n, val_n, dev_n = QUICK if quick else SIZES[task]
+    train, validation = subsample(data.train, train_n), subsample(data.validation, val_n)
+    dev = subsample(validation, dev_n)
+    log(f"{task}: {len(train)} train texts for heads, {len(validation)} validation, {len(dev)} dev for importance")
+    full = {(geometry.layers, geometry.heads): served}
+    model = ElasticModel(store, task, heads=full, labels=labels)
+    importance, table, base_acc = profile_importance(Evaluator(model, bank, tokenizer, _texts(dev)), geometry,
+                                                     _gold(dev))
+    order = [[s for (k, s) in importance if k == layer] for layer in range(geometry.layers)]
+    widths = widths_of(geometry.heads)
+    tensors, scores = fit_shape_heads(Evaluator(model, bank, tokenizer, _texts(train)),
+                                      Evaluator(model, bank, tokenizer, _texts(validation)),
+                                      _gold(train), _gold(validation), order, widths, served, labels)
+    meta = {"labels": labels, "importance": [list(x) for x in importance], "widths": widths,
+            "depths": list(range(1, geometry.layers + 1)),
+            "metrics": {"dev_texts": len(dev), "all_low_bits_accuracy": round(base_acc, 4),
+                        "importance_table": table, "validation_accuracy": scores}}
+    add_task(store.directory, task, tensors, meta)
+    return {"labels": labels, "importance_top": importance[:8], "all_low_bits_accuracy": round(base_acc, 4),
+            "validation_accuracy_full": scores[shape_key(geometry.layers, geometry.heads)]}
+
+
+def add_task(directory: Path, task: str, heads: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    """Adds (or replaces) a task's heads and importance; the manifest is replaced atomically."""
+    manifest = read_manifest(directory)
+    name = heads_file(task)
+    tmp = directory / f".{name}.tmp"
+    save_file(heads, str(tmp))
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, directory / name)
+    files = dict(manifest.files) | {name: sha256_file(directory / name)}
+    tasks = dict(manifest.extra.get("tasks", {})) | {task: meta}
+    updated = type(manifest)(**{**manifest.__dict__, "files": files, "extra": {**manifest.extra, "tasks": tasks},
+                                "task": ",".join(sorted(tasks))})
+    tmp = directory / f".{MANIFEST}.tmp"
+    tmp.write_text(updated.to_json() + "\n")
+    os.replace(tmp, directory / MANIFEST)
+
+
+def _texts(examples: Sequence[Example]) -> list[str]:
+    return [e.text for e in examples]
+
+
+def _gold(examples: Sequence[Example]) -> torch.Tensor:
+    return torch.tensor([int(e.label) for e in examples])
+
+
+def _config_dict(config: Any) -> dict[str, Any]:
+    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+            "hidden_act", "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "pad_token_id")
+    return {k: getattr(config, k) for k in keys}
+
+
+def _sizes(store: ShardStore) -> dict[str, int]:
+    """Stored bytes of the whole model's shards at each version."""
+    return {str(b): sum(e.length for (_, bits), es in store.index.items() if bits == b for e in es)
+            for b in store.versions}
+
+
+# --- profiling and planning -----------------------------------------------------------------------------------
+
+def profiles_dir(artifacts: Path, model: str) -> Path:
+    return Path(artifacts) / "shard-profiles" / model
+
+
+def profile_path(artifacts: Path, model: str, source: str) -> Path:
+    return profiles_dir(artifacts, model) / f"{source.replace(':', '-')}.json"
+
+
+def measure_profile(store: ShardStore, source_spec: str, repeats: int = 20) -> HardwareProfile:
+    """§5.2 on this machine: load (through the source) and decode times per version, median over shards
+    of every layer; one layer's compute per width and length bucket, and the rest of the model."""
+    source = io_source(source_spec)
+    geometry = store.geometry
+    load_ms: dict[int, float] = {}
+    decode_ms: dict[int, float] = {}
+    for bits in store.versions:
+        loads, decodes = [], []
+        for r in range(repeats):
+            k, s = r % geometry.layers, (r * 5) % geometry.heads
+            e = store.entry(k, s, bits)
+            source.before_run(store.paths())
+            t0 = time.perf_counter()
+            blob = source.read(store.directory / e.file, e.offset, e.length)
+            t1 = time.perf_counter()
+            store.decode(k, s, bits, blob)
+            t2 = time.perf_counter()
+            loads.append(t2 - t0)
+            decodes.append(t2 - t1)
+        load_ms[bits], decode_ms[bits] = statistics.median(loads) * 1e3, statistics.median(decodes) * 1e3
+    source.close()
+    model = ElasticModel(store, "", heads={})
+    weights = [store.decode(0, s, FULL, _read(store, 0, s, FULL)) for s in range(geometry.heads)]
+    compute: dict[int, dict[int, float]] = {}
+    overhead: dict[int, float] = {}
+    config = store.manifest.extra["config"]
+    token = min(1996, int(config["vocab_size"]) - 1)   # any id: timing needs no meaning
+    buckets = tuple(b for b in BUCKETS if b <= int(config["max_position_embeddings"]))
+    with torch.inference_mode():
+        for bucket in buckets:
+            ids, mask, _ = pad_batch([[token] * bucket])
+            head = ClassifierHead(["a", "b"], geometry.hidden)
+            hidden = model.embed(ids, mask)
+
+            def rest(hidden: torch.Tensor = hidden, ids: torch.Tensor = ids, mask: torch.Tensor = mask,
+                     head: ClassifierHead = head) -> None:
+                model.embed(ids, mask)
+                head(torch.nn.functional.normalize(mean_pool(hidden, mask), p=2, dim=1))
+
+            overhead[bucket] = _median_ms(rest, repeats)
+            for width in widths_of(geometry.heads):
+                shards = list(range(width))
+                compute.setdefault(width, {})[bucket] = _median_ms(
+                    lambda w=weights[:width], s=shards, h=hidden, m=mask: model.layer(h, m, 0, s, w), repeats)
+    return HardwareProfile(source.name, load_ms, decode_ms, compute, overhead, buckets)
+
+
+def _read(store: ShardStore, layer: int, shard: int, bits: int) -> bytes:
+    e = store.entry(layer, shard, bits)
+    with open(store.directory / e.file, "rb") as handle:
+        handle.seek(e.offset)
+        return handle.read(e.length)
+
+
+def _median_ms(fn: Any, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def planner_for(store: ShardStore, task: str, profile: HardwareProfile) -> Planner:
+    if task not in store.tasks:
+        raise ArtifactError(f"{store.directory}: no shards profiled for task {task!r} "
+                            f"(run `academus shard build --tasks {task}`)")
+    info = store.tasks[task]
+    return Planner(profile, info.depths, info.widths, info.layer_order, info.importance, store.shard_bytes)
+
+
+def load_profile(artifacts: Path, model: str, source: str) -> HardwareProfile:
+    path = profile_path(artifacts, model, source)
+    if not path.is_file():
+        raise ArtifactError(f"no profile {path} (run `academus shard profile --io {source}`)")
+    return HardwareProfile.from_json(path.read_text())
+
+
+# --- command line ---------------------------------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--artifacts", type=Path, default=None)
+    common.add_argument("--model", default="minilm", choices=sorted(MODELS))
+    p = argparse.ArgumentParser(prog="academus shard", description="Elastic shards of the teacher (STI).")
+    sub = p.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", parents=[common], help="quantized shards, importance per task, heads per shape")
+    b.add_argument("--tasks", default=",".join(TASKS), help="comma-separated")
+    b.add_argument("--quick", action="store_true", help=f"a few texts a split: {QUICK}")
+    b.add_argument("--data", type=Path, default=None, help="dataset packages (ACADEMUS_DATA_DIR)")
+    sub.add_parser("info", parents=[common], help="the artifact's geometry, sizes and tasks")
+    sub.add_parser("verify", parents=[common], help="every file and every shard against its sha256")
+    f = sub.add_parser("profile", parents=[common], help="load and compute times on this machine (§5.2)")
+    f.add_argument("--io", default="file", help="file | cold | throttled:<MB/s>")
+    f.add_argument("--repeats", type=int, default=20)
+    pl = sub.add_parser("plan", parents=[common], help="the plan for a target and a preload buffer")
+    pl.add_argument("--task", required=True, choices=TASKS)
+    pl.add_argument("--target-ms", type=float, required=True)
+    pl.add_argument("--preload-bytes", type=int, default=0)
+    pl.add_argument("--length", type=int, default=32, help="tokens in the request")
+    pl.add_argument("--io", default="file", help="the profiled IO source to plan for")
+    return p
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    artifacts = args.artifacts or default_artifacts_dir()
+    if args.command == "build":
+        return build(artifacts, args.model, [t for t in args.tasks.split(",") if t], args.data, args.quick)
+    store = ShardStore(shards_dir(artifacts, args.model))
+    if args.command == "info":
+        return {"model": args.model, "directory": str(store.directory), "geometry": store.geometry.__dict__,
+                "versions": list(store.versions), "bytes": _sizes(store),
+                "shard_bytes": {str(b): store.shard_bytes(0, 0, b) for b in store.versions},
+                "tasks": {t: {"labels": i.labels, "widths": i.widths, "depths": i.depths,
+                              "importance_top": i.importance[:8]} for t, i in store.tasks.items()}}
+    if args.command == "verify":
+        return {"directory": str(store.directory), **store.verify()}
+    if args.command == "profile":
+        profile = measure_profile(store, args.io, args.repeats)
+        path = profile_path(artifacts, args.model, profile.source)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(profile.to_json() + "\n")
+        return {"profile": str(path), **json.loads(profile.to_json())}
+    planner = planner_for(store, args.task, load_profile(artifacts, args.model, args.io))
+    plan = planner.plan(args.target_ms, args.length, args.preload_bytes)
+    if not plan.feasible:
+        smallest = plan.compute_ms + planner.profile.rest_ms(args.length)
+        raise PlanError(f"--target-ms {args.target_ms:g}: no submodel fits; the smallest needs "
+                        f"{math.ceil(smallest * 100) / 100:g} ms of compute alone")
+    return {**plan.summary(), "io": planner.profile.source, "length": args.length,
+            "preload_bytes": planner.preload_bytes_of(plan),
+            "layers": [{"layer": k, "shards": [[s, plan.bits[(k, s)], (k, s) in plan.preload] for s in layer]}
+                       for k, layer in enumerate(plan.shards)]}
+
+
+class PlanError(ValueError):
+    """No plan meets the target."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    offline_hub()
+    args = _parser().parse_args(argv)
+    torch.manual_seed(0)
+    np.random.seed(0)
+    try:
+        summary = run(args)
+    except (DataMissing, ArtifactError, ValueError) as e:
+        log(f"error: {e}")
+        return 1
+    print(json.dumps(summary, sort_keys=True, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

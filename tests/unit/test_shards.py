@@ -1,0 +1,316 @@
+"""STI's shards: the quantizer, the elastic layer against the original, the artifact's checks, the pipeline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from academus.shared.models.model import ClassifierHead, TeacherEncoder, pad_batch
+from academus.shared.models.shard_store import ShardStore, shape_key, write_shard_artifact
+from academus.shared.models.shards import (
+    BITS,
+    FULL,
+    LayerQuantization,
+    LayerResident,
+    ShardGeometry,
+    ShardWeights,
+    decode_shard,
+    elastic_layer,
+    encode_shard,
+    fit_codebook,
+    key_mask,
+    outlier_mask,
+    pack_codes,
+    shard_vector,
+)
+from academus.shared.models.sti_pipeline import (
+    DeadlineMissed,
+    ElasticModel,
+    ShardPipeline,
+    ThrottledSource,
+    io_source,
+)
+from academus.shared.models.sti_planner import Plan
+from academus.shared.state.artifacts import ArtifactError
+from academus.shared.training.shards import _config_dict, add_task, quantize_layers
+
+
+def tiny_encoder(layers: int = 2) -> TeacherEncoder:
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=120, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                        intermediate_size=128, max_position_embeddings=64)
+    return TeacherEncoder(BertModel(config, add_pooling_layer=False).eval())
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("n", [1, 8, 13, 1000])
+def test_codes_pack_and_decode_round_trip(bits: int, n: int) -> None:
+    rng = np.random.default_rng(bits * 100 + n)
+    values = rng.normal(0, 0.05, n).astype(np.float32)
+    codebook = fit_codebook(rng.normal(0, 0.05, 4096).astype(np.float32), bits)
+    outliers = np.zeros(n, dtype=bool)
+    outliers[rng.choice(n, size=min(3, n), replace=False)] = True
+    blob = encode_shard(values, bits, codebook, outliers)
+    assert len(blob) == -(-n // 8) * bits + 8 + 8 * int(outliers.sum())
+    decoded = decode_shard(blob, bits, n, codebook.pair_table(), int(outliers.sum()))
+    expected = codebook.centroids[codebook.codes(values)]
+    expected[outliers] = values[outliers]
+    np.testing.assert_array_equal(decoded, expected)
+    assert len(pack_codes(codebook.codes(values), bits)) == -(-n // 8) * bits
+
+
+def test_more_bits_quantize_closer_and_full_precision_is_exact() -> None:
+    rng = np.random.default_rng(0)
+    values = rng.normal(0, 0.05, 4096).astype(np.float32)
+    mask = outlier_mask(values)
+    errors = []
+    for bits in BITS:
+        codebook = fit_codebook(values[~mask], bits)
+        decoded = decode_shard(encode_shard(values, bits, codebook, mask), bits, len(values),
+                               codebook.pair_table(), int(mask.sum()))
+        errors.append(float(np.abs(decoded - values).mean()))
+    assert errors == sorted(errors, reverse=True) and errors[-1] < errors[0] / 8
+    exact = decode_shard(encode_shard(values, FULL, None, mask), FULL, len(values), None, 0)
+    np.testing.assert_array_equal(exact, values)
+
+
+def test_a_codebook_needs_a_weight_a_cluster() -> None:
+    with pytest.raises(ValueError, match="5 weights cannot fill 8 clusters"):
+        fit_codebook(np.zeros(5, dtype=np.float32), 3)
+
+
+def test_equal_population_clusters_and_outliers_kept_exactly() -> None:
+    rng = np.random.default_rng(1)
+    values = rng.normal(0, 0.02, 20000).astype(np.float32)
+    values[[5, 500, 9000]] = [0.9, -0.7, 1.3]            # far outside the Gaussian
+    mask = outlier_mask(values)
+    assert mask[[5, 500, 9000]].all() and mask.mean() < 0.01
+    codebook = fit_codebook(values[~mask], 3)
+    counts = np.bincount(codebook.codes(values[~mask]), minlength=8)
+    assert counts.max() - counts.min() <= 1
+    assert np.all(np.diff(codebook.centroids) > 0)
+
+
+def test_shards_rebuild_the_original_layer_at_full_width() -> None:
+    encoder = tiny_encoder()
+    geometry = ShardGeometry.of(encoder.body.config)
+    ids, mask, types = pad_batch([[1, 5, 9, 7, 2], [1, 3, 2]])
+    with torch.inference_mode():
+        reference = encoder.body(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+        hidden = encoder.body.embeddings(input_ids=ids, token_type_ids=types)
+        for layer in encoder.body.encoder.layer:
+            weights = [ShardWeights.from_vector(shard_vector(layer, geometry, s), geometry)
+                       for s in range(geometry.heads)]
+            order = [2, 0, 3, 1]                            # any order of the same shards is the same layer
+            hidden = elastic_layer(hidden, key_mask(mask), LayerResident.of(layer), order,
+                                   [weights[s] for s in order], geometry)
+    real = mask.bool()
+    torch.testing.assert_close(hidden[real], reference[real], atol=1e-5, rtol=1e-5)
+
+
+def test_a_narrower_layer_is_the_layer_with_the_other_heads_and_neurons_removed() -> None:
+    encoder = tiny_encoder(1)
+    layer = encoder.body.encoder.layer[0]
+    geometry = ShardGeometry.of(encoder.body.config)
+    keep = [1, 3]
+    d, f = geometry.head_dim, geometry.neurons
+    with torch.no_grad():      # the dropped shards contribute nothing once their O and FFN2 columns are 0
+        for s in set(range(geometry.heads)) - set(keep):
+            layer.attention.output.dense.weight[:, s * d:(s + 1) * d] = 0
+            layer.output.dense.weight[:, s * f:(s + 1) * f] = 0
+    ids, mask, _ = pad_batch([[1, 5, 9, 2]])
+    with torch.inference_mode():
+        hidden = encoder.body.embeddings(input_ids=ids)
+        zeroed = elastic_layer(hidden, key_mask(mask), LayerResident.of(layer), list(range(4)),
+                               [ShardWeights.from_vector(shard_vector(layer, geometry, s), geometry) for s in range(4)],
+                               geometry)
+        narrow = elastic_layer(hidden, key_mask(mask), LayerResident.of(layer), keep,
+                               [ShardWeights.from_vector(shard_vector(layer, geometry, s), geometry) for s in keep],
+                               geometry)
+    torch.testing.assert_close(narrow, zeroed, atol=1e-5, rtol=1e-5)
+
+
+# --- the artifact and the pipeline -------------------------------------------------------------------------------
+
+def tiny_shard_artifact(directory: Path) -> TeacherEncoder:
+    """A 2-layer, 4-head random BERT cut into shards at `directory`, with task "toy": a head a shape (depth 1-2,
+    width 2 or 4), shards ranked 2, 0, 3, 1 in each layer."""
+    encoder = tiny_encoder()
+    config = encoder.body.config
+    geometry = ShardGeometry.of(config)
+    blobs, resident = quantize_layers(encoder, geometry)
+    write_shard_artifact(directory, teacher="tiny", geometry=geometry, layer_norm_eps=config.layer_norm_eps,
+                         blobs=blobs, resident=resident, heads={}, tasks={},
+                         extra={"model": "tiny", "config": _config_dict(config)})
+    torch.manual_seed(1)
+    heads = {}
+    for depth in (1, 2):
+        for width in (2, 4):
+            head = ClassifierHead(["no", "yes"], geometry.hidden)
+            heads[f"{shape_key(depth, width)}.weight"] = head.linear.weight.detach().clone()
+            heads[f"{shape_key(depth, width)}.bias"] = head.linear.bias.detach().clone()
+    importance = [[k, s] for s in (2, 0, 3, 1) for k in (1, 0)]
+    add_task(directory, "toy", heads, {"labels": ["no", "yes"], "importance": importance, "widths": [2, 4],
+                                       "depths": [1, 2]})
+    return encoder
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory: pytest.TempPathFactory):
+    directory = tmp_path_factory.mktemp("shards") / "tiny"
+    return directory, tiny_shard_artifact(directory)
+
+
+def _plan(bits: int = 4, depth: int = 2, width: int = 4, overlap: bool = True) -> Plan:
+    shards = [[2, 0, 3, 1][:width] for _ in range(depth)]
+    return Plan("test", depth, width, shards, {(k, s): bits for k in range(depth) for s in shards[k]},
+                overlap=overlap)
+
+
+def test_store_verifies_and_the_pipeline_equals_the_in_memory_submodel(store_dir) -> None:
+    directory, _ = store_dir
+    store = ShardStore(directory)
+    assert store.verify()["shards"] == 2 * 4 * 6
+    assert store.tasks["toy"].layer_order(0) == [2, 0, 3, 1]
+    model = ElasticModel(store, "toy")
+    ids, mask, types = pad_batch([[1, 5, 9, 7, 2]])
+    for plan in (_plan(4), _plan(FULL, 1, 2), _plan(2, overlap=False)):
+        bank = {(k, s, plan.bits[(k, s)]): store.decode(k, s, plan.bits[(k, s)], _read(store, k, s, plan.bits[(k, s)]))
+                for k, layer in enumerate(plan.shards) for s in layer}
+        expected = model.run(ids, mask, plan, bank, types)
+        pipeline = ShardPipeline(model, io_source("cold"))
+        try:
+            result = pipeline.run(plan, ids, mask, types)
+        finally:
+            pipeline.close()
+        torch.testing.assert_close(result.probs, expected)
+        assert result.io_ms > 0 and result.total_ms >= result.compute_ms
+
+
+def test_full_precision_full_width_submodel_equals_the_encoder(store_dir) -> None:
+    directory, encoder = store_dir
+    store = ShardStore(directory)
+    model = ElasticModel(store, "toy")
+    plan = _plan(FULL)
+    ids, mask, types = pad_batch([[1, 5, 9, 7, 2], [1, 4, 2]])
+    with torch.inference_mode():
+        hidden = model.embed(ids, mask, types)
+        for k, layer in enumerate(plan.shards):
+            hidden = model.layer(hidden, mask, k, layer, [store.decode(k, s, FULL, _read(store, k, s, FULL))
+                                                          for s in layer])
+        reference = encoder.body(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+    torch.testing.assert_close(hidden[mask.bool()], reference[mask.bool()], atol=1e-5, rtol=1e-5)
+
+
+def test_preloaded_shards_are_not_read(store_dir) -> None:
+    directory, _ = store_dir
+    store = ShardStore(directory)
+    model = ElasticModel(store, "toy")
+    plan = _plan(6)
+    plan.preload = set(plan.bits)
+
+    class Refusing(ThrottledSource):
+        def read(self, *args: object) -> bytes:
+            raise AssertionError("a preloaded shard was read")
+
+    pipeline = ShardPipeline(model, Refusing(1.0))
+    try:
+        held = pipeline.preload(plan)
+        ids, mask, types = pad_batch([[1, 5, 2]])
+        pipeline.run(plan, ids, mask, types)
+    finally:
+        pipeline.close()
+    assert held == sum(store.shard_bytes(k, s, 6) for k, s in plan.preload)
+
+
+def test_throttled_source_takes_its_bandwidth(store_dir) -> None:
+    directory, _ = store_dir
+    store = ShardStore(directory)
+    source = ThrottledSource(0.5)          # 0.5 MB/s: a full-precision shard of this model (32 KB) takes 65 ms
+    e = store.entry(0, 0, FULL)
+    import time
+
+    started = time.perf_counter()
+    for _ in range(3):
+        source.read(directory / e.file, e.offset, e.length)
+    assert time.perf_counter() - started >= 3 * e.length / 0.5e6
+    source.close()
+
+
+def test_deadline_is_checked_between_layers(store_dir) -> None:
+    directory, _ = store_dir
+    store = ShardStore(directory)
+    pipeline = ShardPipeline(ElasticModel(store, "toy"), ThrottledSource(1.0))
+    ids, mask, types = pad_batch([[1, 5, 2]])
+    import time
+
+    try:
+        with pytest.raises(DeadlineMissed, match="before layer"):
+            pipeline.run(_plan(FULL), ids, mask, types, deadline=time.perf_counter() + 0.001)
+    finally:
+        pipeline.close()
+
+
+def test_a_corrupted_shard_is_refused_naming_file_shard_and_checksums(store_dir, tmp_path) -> None:
+    import shutil
+
+    directory, _ = store_dir
+    broken = tmp_path / "broken"
+    shutil.copytree(directory, broken)
+    store = ShardStore(broken)
+    e = store.entry(1, 3, 4)
+    with open(broken / e.file, "r+b") as handle:
+        handle.seek(e.offset + 10)
+        byte = handle.read(1)
+        handle.seek(e.offset + 10)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(ArtifactError, match=rf"layer1\.q4: shard 3 of layer 1 at 4 bits .*sha256 {e.sha256}"):
+        store.decode(1, 3, 4, _read(store, 1, 3, 4))
+    with pytest.raises(ArtifactError, match=r"layer1\.q4: sha256 .* does not match"):
+        store.verify()
+    pipeline = ShardPipeline(ElasticModel(store, "toy"), io_source("file"))
+    ids, mask, types = pad_batch([[1, 5, 2]])
+    try:
+        with pytest.raises(ArtifactError, match="shard 3 of layer 1"):
+            pipeline.run(_plan(4), ids, mask, types)
+    finally:
+        pipeline.close()
+
+
+def test_a_truncated_shard_file_is_refused_when_the_store_opens(store_dir, tmp_path) -> None:
+    import shutil
+
+    directory, _ = store_dir
+    broken = tmp_path / "truncated"
+    shutil.copytree(directory, broken)
+    path = broken / "layer0.q6"
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ArtifactError, match=r"layer0\.q6 is truncated: \d+ bytes, the manifest's shards end at \d+"):
+        ShardStore(broken)
+
+
+def test_io_source_names_are_checked() -> None:
+    assert io_source("throttled:250").name == "throttled:250"
+    with pytest.raises(ValueError, match="not file, cold or throttled"):
+        io_source("tape")
+    with pytest.raises(ValueError, match="must be > 0 MB/s"):
+        io_source("throttled:0")
+
+
+def _read(store: ShardStore, layer: int, shard: int, bits: int) -> bytes:
+    e = store.entry(layer, shard, bits)
+    return (store.directory / e.file).read_bytes()[e.offset:e.offset + e.length]
+
+
+def test_layer_quantization_shares_codebooks_across_shards() -> None:
+    encoder = tiny_encoder(1)
+    geometry = ShardGeometry.of(encoder.body.config)
+    vectors = [shard_vector(encoder.body.encoder.layer[0], geometry, s) for s in range(geometry.heads)]
+    q = LayerQuantization.fit(vectors)
+    assert set(q.codebooks) == set(BITS)
+    assert [len(m) for m in q.outliers] == [geometry.params] * geometry.heads
