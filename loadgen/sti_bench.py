@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import time
@@ -71,7 +72,7 @@ def held_and_peak(plan: Plan, store: ShardStore) -> tuple[int, int]:
         whole = sum(store.shard_bytes(k, s, plan.bits[next(iter(plan.bits))])
                     for k in range(store.geometry.layers) for s in range(store.geometry.heads))
         return whole, whole
-    held = sum(sizes[x] for x in plan.preload)
+    held = plan.buffer_bytes or sum(sizes[x] for x in plan.preload)
     return held, held + sum(v for x, v in sizes.items() if x not in plan.preload)
 
 
@@ -94,11 +95,12 @@ def latency_runs(pipeline: ShardPipeline, model: ElasticModel, bank: dict, plans
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
             plan = plans[name]
-            if name.startswith("preload-"):
+            if name.startswith("preload-"):        # held decoded and assembled: compute only
+                layers = model.assemble_plan(plan, bank)
                 for i in range(per_round):
                     ids, mask, types = batches[(r * per_round + i) % len(batches)]
                     started = time.perf_counter()
-                    model.run(ids, mask, plan, bank, types)
+                    model.run(ids, mask, layers, types)
                     total = (time.perf_counter() - started) * 1e3
                     out[name].append({"total_ms": total, "io_ms": 0.0, "stall_ms": 0.0, "compute_ms": total})
                 continue
@@ -221,12 +223,75 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+COLD_START = """
+import json, sys, time
+started = time.perf_counter()
+from academus.services.worker.core import OUTPUT_PROBS, ModelRunner
+from academus.services.worker.sti import StiSettings
+imported = time.perf_counter()
+runner = ModelRunner(sys.argv[1], [sys.argv[2]], sti_settings=StiSettings(io="cold"))
+ready = time.perf_counter()
+result = runner.run(sys.argv[2], OUTPUT_PROBS, [101, 2023, 3185, 2001, 2307, 102], [6])
+answered = time.perf_counter()
+print(json.dumps({"import_ms": (imported - started) * 1e3, "ready_ms": (ready - imported) * 1e3,
+                  "first_answer_ms": (answered - imported) * 1e3}))
+"""
+
+
+def drop_page_cache(paths: list[Path]) -> None:
+    import os
+
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def cold_start(artifacts: Path, model: str, task: str, rounds: int) -> dict[str, Any]:
+    """A worker's loading of one model, then its first answer, in a fresh process with the model's files out of
+    the page cache: the teacher with the task's head against `<task>-sti` from shards (cold reads). Rounds
+    alternate the order."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from academus.shared.models.teacher_files import teacher_dir
+    from academus.shared.state.catalogue import read_catalogue, write_entry
+
+    catalogue = read_catalogue(artifacts)
+    store = ShardStore(shards_dir(artifacts, model))
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        (root / "heads").mkdir()
+        (root / "heads" / task).symlink_to(artifacts / "heads" / task)
+        (root / "shards").mkdir()
+        (root / "shards" / model).symlink_to(store.directory)
+        write_entry(root, task, catalogue[task])
+        write_entry(root, f"{task}-sti", {"kind": "classification", "labels": store.tasks[task].labels,
+                                           "shards": f"shards/{model}", "task": task})
+        files = {task: [*teacher_dir().glob("*.safetensors"), *(artifacts / "heads" / task).iterdir()],
+                 f"{task}-sti": [*store.directory.iterdir()]}
+        out: dict[str, list[dict[str, float]]] = {name: [] for name in files}
+        for r in range(rounds):
+            for name in (list(files) if r % 2 == 0 else list(files)[::-1]):
+                drop_page_cache(files[name])
+                done = subprocess.run([sys.executable, "-c", COLD_START, str(root), name], capture_output=True,
+                                      text=True, check=True)
+                out[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    medians = {name: {k: round(statistics.median(run[k] for run in runs), 1) for k in runs[0]}
+               for name, runs in out.items()}
+    teacher, sti = medians[task]["first_answer_ms"], medians[f"{task}-sti"]["first_answer_ms"]
+    return {"task": task, "rounds": rounds, "median_ms": medians, "sti_over_teacher": round(sti / teacher, 3)}
+
+
 def main(argv: list[str] | None = None) -> int:
     offline_hub()
     p = argparse.ArgumentParser(prog="sti_bench", description=__doc__.split("\n")[0])
     p.add_argument("--io", default="file", help="file | cold | throttled:<MB/s>")
     p.add_argument("--task", action="append", choices=TASKS, default=None)
-    p.add_argument("--targets", default="0.5,0.75,1,1.5", help="multiples of the whole model's compute")
+    p.add_argument("--targets", default="0.5,0.75,1,1.5,2,3", help="multiples of the whole model's compute")
     p.add_argument("--preload-mb", default="1,4", help="preload buffer sizes of the sti arms, MB")
     p.add_argument("--runs", type=int, default=30)
     p.add_argument("--rounds", type=int, default=3)
@@ -234,9 +299,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--artifacts", type=Path, default=None)
     p.add_argument("--quick", action="store_true", help="64 test texts (a smoke run)")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--cold-start", type=int, default=0, metavar="ROUNDS",
+                   help="only the cold start: a fresh worker process loading the teacher, or the shards, to its "
+                        "first answer, this many rounds")
+    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                   help="torch threads of the compute (default: the cores but one, which the loader takes)")
     args = p.parse_args(argv)
     torch.manual_seed(0)
-    store = ShardStore(shards_dir(args.artifacts or artifacts_dir(), args.model))
+    torch.set_num_threads(args.threads)
+    artifacts = (args.artifacts or artifacts_dir()).resolve()
+    if args.cold_start:
+        result = [cold_start(artifacts, args.model, task, args.cold_start) for task in args.task or ["sentiment"]]
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "cold_start.json").write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps(result))
+        return 0
+    store = ShardStore(shards_dir(artifacts, args.model))
     tokenizer = TeacherTokenizer(teacher_dir(), max_tokens=MAX_TOKENS)
     profile = measure_profile(store, args.io)
     targets = [float(x) for x in args.targets.split(",")]
@@ -247,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                          args.quick)
         print(json.dumps({k: v for k, v in res.items() if k != "rows"}), flush=True)
         results.append(res)
-    summary = {"io": profile.source, "profile": json.loads(profile.to_json()),
+    summary = {"io": profile.source, "threads": args.threads, "profile": json.loads(profile.to_json()),
                "common_bytes": (store.directory / RESIDENT).stat().st_size, "targets": targets,
                "preload_bytes": preload_sizes, "runs": args.runs, "rounds": args.rounds,
                "figures": figures(results, preload_sizes), "results": results}

@@ -155,31 +155,56 @@ class LayerResident:
                    tensors[f"{prefix}.ffn_out_bias"], norm("output_norm"))
 
 
-def elastic_layer(hidden: torch.Tensor, key_mask: torch.Tensor, resident: LayerResident,
-                  shards: Sequence[int], weights: Sequence[ShardWeights], geometry: ShardGeometry) -> torch.Tensor:
-    """A BERT layer run on the given subset of its shards (`weights[i]` is shard `shards[i]`): attention over
-    their heads, the output projection from their columns, the FFN over their neurons. With every shard at
-    full precision it is the original layer. `key_mask`: [B, 1, 1, T] booleans, True where a token is real."""
-    d, f = geometry.head_dim, geometry.neurons
-    index = torch.as_tensor(shards)
-    head_cols = (index[:, None] * d + torch.arange(d)).reshape(-1)
-    neuron_cols = (index[:, None] * f + torch.arange(f)).reshape(-1)
-    b, t, _ = hidden.shape
-    width = len(shards)
+@dataclass(frozen=True)
+class LayerWeights:
+    """A narrower layer's weights, its shards' slices put side by side once (the loader does it, off the compute
+    thread), with their biases picked out of the resident ones."""
 
-    def heads_of(name: str, bias: torch.Tensor) -> torch.Tensor:
-        w = torch.cat([getattr(s, name) for s in weights])
-        return nn.functional.linear(hidden, w, bias[head_cols]).view(b, t, width, d).transpose(1, 2)
+    query: torch.Tensor       # [m*d, H]
+    key: torch.Tensor
+    value: torch.Tensor
+    output: torch.Tensor      # [H, m*d]
+    ffn_in: torch.Tensor      # [m*f, H]
+    ffn_out: torch.Tensor     # [H, m*f]
+    query_bias: torch.Tensor
+    key_bias: torch.Tensor
+    value_bias: torch.Tensor
+    ffn_in_bias: torch.Tensor
+    width: int
+
+    @classmethod
+    def assemble(cls, shards: Sequence[int], weights: Sequence[ShardWeights], resident: LayerResident,
+                 geometry: ShardGeometry) -> LayerWeights:
+        """`weights[i]` is shard `shards[i]`'s."""
+        d, f = geometry.head_dim, geometry.neurons
+        index = torch.as_tensor(list(shards))
+        heads = (index[:, None] * d + torch.arange(d)).reshape(-1)
+        neurons = (index[:, None] * f + torch.arange(f)).reshape(-1)
+        return cls(torch.cat([w.query for w in weights]), torch.cat([w.key for w in weights]),
+                   torch.cat([w.value for w in weights]), torch.cat([w.output for w in weights], dim=1),
+                   torch.cat([w.ffn_in for w in weights]), torch.cat([w.ffn_out for w in weights], dim=1),
+                   resident.query_bias[heads], resident.key_bias[heads], resident.value_bias[heads],
+                   resident.ffn_in_bias[neurons], len(shards))
+
+
+def elastic_layer(hidden: torch.Tensor, key_mask: torch.Tensor, resident: LayerResident, layer: LayerWeights,
+                  geometry: ShardGeometry) -> torch.Tensor:
+    """A BERT layer run on a subset of its shards: attention over their heads, the output projection from their
+    columns, the FFN over their neurons. With every shard at full precision it is the original layer.
+    `key_mask`: [B, 1, 1, T] booleans, True where a token is real."""
+    d = geometry.head_dim
+    b, t, _ = hidden.shape
+
+    def heads(weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(hidden, weight, bias).view(b, t, layer.width, d).transpose(1, 2)
 
     context = nn.functional.scaled_dot_product_attention(
-        heads_of("query", resident.query_bias), heads_of("key", resident.key_bias),
-        heads_of("value", resident.value_bias), attn_mask=key_mask)
-    context = context.transpose(1, 2).reshape(b, t, width * d)
-    attended = nn.functional.linear(context, torch.cat([s.output for s in weights], dim=1), resident.output_bias)
-    attended = resident.attention_norm(attended + hidden)
-    inner = nn.functional.gelu(nn.functional.linear(attended, torch.cat([s.ffn_in for s in weights]),
-                                                    resident.ffn_in_bias[neuron_cols]))
-    out = nn.functional.linear(inner, torch.cat([s.ffn_out for s in weights], dim=1), resident.ffn_out_bias)
+        heads(layer.query, layer.query_bias), heads(layer.key, layer.key_bias),
+        heads(layer.value, layer.value_bias), attn_mask=key_mask)
+    context = context.transpose(1, 2).reshape(b, t, layer.width * d)
+    attended = resident.attention_norm(nn.functional.linear(context, layer.output, resident.output_bias) + hidden)
+    inner = nn.functional.gelu(nn.functional.linear(attended, layer.ffn_in, layer.ffn_in_bias))
+    out = nn.functional.linear(inner, layer.ffn_out, resident.ffn_out_bias)
     return resident.output_norm(out + attended)
 
 

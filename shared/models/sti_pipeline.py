@@ -28,7 +28,7 @@ from torch import nn
 
 from academus.shared.models.model import ClassifierHead, mean_pool
 from academus.shared.models.shard_store import ShardStore
-from academus.shared.models.shards import ShardWeights, elastic_layer, key_mask
+from academus.shared.models.shards import LayerWeights, ShardWeights, elastic_layer, key_mask
 from academus.shared.models.sti_planner import Plan
 from academus.shared.state.artifacts import ArtifactError
 
@@ -136,9 +136,16 @@ class ElasticModel(nn.Module):
     def embed(self, ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor | None = None) -> torch.Tensor:
         return self.embeddings(input_ids=ids, token_type_ids=types)
 
-    def layer(self, hidden: torch.Tensor, mask: torch.Tensor, layer: int, shards: Sequence[int],
-              weights: Sequence[ShardWeights]) -> torch.Tensor:
-        return elastic_layer(hidden, key_mask(mask), self.residents[layer], shards, weights, self.store.geometry)
+    def assemble(self, layer: int, shards: Sequence[int], weights: Sequence[ShardWeights]) -> LayerWeights:
+        return LayerWeights.assemble(shards, weights, self.residents[layer], self.store.geometry)
+
+    def assemble_plan(self, plan: Plan, bank: dict[tuple[int, int, int], ShardWeights]) -> list[LayerWeights]:
+        """The plan's layers from decoded shards at hand (`bank[(layer, shard, bits)]`)."""
+        return [self.assemble(k, shards, [bank[(k, s, plan.bits[(k, s)])] for s in shards])
+                for k, shards in enumerate(plan.shards)]
+
+    def layer(self, hidden: torch.Tensor, mask: torch.Tensor, layer: int, weights: LayerWeights) -> torch.Tensor:
+        return elastic_layer(hidden, key_mask(mask), self.residents[layer], weights, self.store.geometry)
 
     def finish(self, hidden: torch.Tensor, mask: torch.Tensor, depth: int, width: int) -> torch.Tensor:
         """The shape's head on the mean-pooled, normalised output: [B, C] probabilities."""
@@ -146,13 +153,14 @@ class ElasticModel(nn.Module):
         return torch.softmax(self.heads[(depth, width)](pooled), dim=-1)
 
     @torch.inference_mode()
-    def run(self, ids: torch.Tensor, mask: torch.Tensor, plan: Plan,
-            weights: dict[tuple[int, int, int], ShardWeights], types: torch.Tensor | None = None) -> torch.Tensor:
-        """The plan's submodel on a padded batch, every shard's weights at hand: [B, C] probabilities."""
+    def run(self, ids: torch.Tensor, mask: torch.Tensor, layers: Sequence[LayerWeights],
+            types: torch.Tensor | None = None) -> torch.Tensor:
+        """A submodel whose layers are at hand (PreloadModel, or an evaluation) on a padded batch: [B, C]
+        probabilities."""
         hidden = self.embed(ids, mask, types)
-        for k, shards in enumerate(plan.shards):
-            hidden = self.layer(hidden, mask, k, shards, [weights[(k, s, plan.bits[(k, s)])] for s in shards])
-        return self.finish(hidden, mask, plan.depth, plan.width)
+        for k, layer in enumerate(layers):
+            hidden = self.layer(hidden, mask, k, layer)
+        return self.finish(hidden, mask, len(layers), layers[0].width)
 
 
 @dataclass(frozen=True)
@@ -202,7 +210,7 @@ class ShardPipeline:
         self._loader.shutdown(wait=True)
         self.source.close()
 
-    def _load(self, plan: Plan, ready: list[threading.Event], out: dict[int, list[ShardWeights]],
+    def _load(self, plan: Plan, ready: list[threading.Event], out: dict[int, LayerWeights],
               failed: list[BaseException], stop: threading.Event, room: threading.Semaphore | None) -> float:
         busy = 0.0
         try:
@@ -222,7 +230,9 @@ class ShardPipeline:
                         blob = self.source.read(self.store.directory / e.file, e.offset, e.length)
                     layer.append(self.store.decode(k, s, b, blob))
                     busy += time.perf_counter() - started
-                out[k] = layer
+                started = time.perf_counter()
+                out[k] = self.model.assemble(k, shards, layer)
+                busy += time.perf_counter() - started
                 ready[k].set()
         except BaseException as e:   # the compute thread re-raises it
             failed.append(e)
@@ -237,7 +247,7 @@ class ShardPipeline:
         self.source.before_run(self.store.paths())
         started = time.perf_counter()
         ready = [threading.Event() for _ in plan.shards]
-        out: dict[int, list[ShardWeights]] = {}
+        out: dict[int, LayerWeights] = {}
         failed: list[BaseException] = []
         stop = threading.Event()
         room = threading.Semaphore(self.lookahead) if self.lookahead and plan.overlap else None
@@ -249,7 +259,7 @@ class ShardPipeline:
                 waited = time.perf_counter()
                 ready[-1].wait()
                 stall += time.perf_counter() - waited
-            for k, shards in enumerate(plan.shards):
+            for k in range(plan.depth):
                 waited = time.perf_counter()
                 ready[k].wait()
                 stall += time.perf_counter() - waited
@@ -258,7 +268,7 @@ class ShardPipeline:
                 if deadline is not None and time.perf_counter() > deadline:
                     raise DeadlineMissed(f"the deadline passed before layer {k} of {plan.depth}")
                 began = time.perf_counter()
-                hidden = self.model.layer(hidden, mask, k, shards, out.pop(k))
+                hidden = self.model.layer(hidden, mask, k, out.pop(k))
                 compute += time.perf_counter() - began
                 if room is not None:
                     room.release()

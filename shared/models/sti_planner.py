@@ -88,6 +88,7 @@ class Plan:
     stall_ms: float = 0.0
     target_ms: float = 0.0
     plan_ms: float = 0.0
+    buffer_bytes: int = 0                         # the preload buffer's stored bytes, upgraded shards included
 
     @property
     def mean_bits(self) -> float:
@@ -135,6 +136,7 @@ class Planner:
             buffer = self._preload(shards, preload_bytes) if held is None else held
             plan = self._io_plan(depth, width, shards, target_ms, length, buffer, order, arm)
             if plan is not None:
+                plan.buffer_bytes = sum(self.shard_bytes(k, s, b) for (k, s), b in buffer.items())
                 break
         else:
             plan = self._smallest(arm, length, target_ms)

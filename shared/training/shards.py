@@ -133,18 +133,21 @@ class Evaluator:
 
     def probs(self, plan: Plan) -> torch.Tensor:
         out = torch.empty(self.n, len(self.model.labels))
+        layers = self.model.assemble_plan(plan, self.bank)
         for batch, ids, mask, types in self.batches:
-            out[batch] = self.model.run(ids, mask, plan, self.bank, types)
+            out[batch] = self.model.run(ids, mask, layers, types)
         return out
 
     @torch.no_grad()   # not inference mode: heads are fitted on these with autograd
     def pooled_states(self, shards: list[list[int]]) -> torch.Tensor:
         """[n, depth, H]: the normalised mean-pooled output of each layer of the full-precision submodel."""
         out = torch.empty(self.n, len(shards), self.model.store.geometry.hidden)
+        layers = [self.model.assemble(k, layer, [self.bank[(k, s, FULL)] for s in layer])
+                  for k, layer in enumerate(shards)]
         for batch, ids, mask, types in self.batches:
             hidden = self.model.embed(ids, mask, types)
-            for k, layer in enumerate(shards):
-                hidden = self.model.layer(hidden, mask, k, layer, [self.bank[(k, s, FULL)] for s in layer])
+            for k, layer in enumerate(layers):
+                hidden = self.model.layer(hidden, mask, k, layer)
                 out[batch, k] = torch.nn.functional.normalize(mean_pool(hidden, mask), p=2, dim=1)
         return out
 
@@ -358,9 +361,9 @@ def measure_profile(store: ShardStore, source_spec: str, repeats: int = 20) -> H
 
             overhead[bucket] = _median_ms(rest, repeats)
             for width in widths_of(geometry.heads):
-                shards = list(range(width))
+                layer = model.assemble(0, list(range(width)), weights[:width])
                 compute.setdefault(width, {})[bucket] = _median_ms(
-                    lambda w=weights[:width], s=shards, h=hidden, m=mask: model.layer(h, m, 0, s, w), repeats)
+                    lambda w=layer, h=hidden, m=mask: model.layer(h, m, 0, w), repeats)
     return HardwareProfile(source.name, load_ms, decode_ms, compute, overhead, buckets)
 
 

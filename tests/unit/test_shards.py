@@ -15,6 +15,7 @@ from academus.shared.models.shards import (
     FULL,
     LayerQuantization,
     LayerResident,
+    LayerWeights,
     ShardGeometry,
     ShardWeights,
     decode_shard,
@@ -107,8 +108,10 @@ def test_shards_rebuild_the_original_layer_at_full_width() -> None:
             weights = [ShardWeights.from_vector(shard_vector(layer, geometry, s), geometry)
                        for s in range(geometry.heads)]
             order = [2, 0, 3, 1]                            # any order of the same shards is the same layer
-            hidden = elastic_layer(hidden, key_mask(mask), LayerResident.of(layer), order,
-                                   [weights[s] for s in order], geometry)
+            resident = LayerResident.of(layer)
+            hidden = elastic_layer(hidden, key_mask(mask), resident,
+                                   LayerWeights.assemble(order, [weights[s] for s in order], resident, geometry),
+                                   geometry)
     real = mask.bool()
     torch.testing.assert_close(hidden[real], reference[real], atol=1e-5, rtol=1e-5)
 
@@ -126,12 +129,14 @@ def test_a_narrower_layer_is_the_layer_with_the_other_heads_and_neurons_removed(
     ids, mask, _ = pad_batch([[1, 5, 9, 2]])
     with torch.inference_mode():
         hidden = encoder.body.embeddings(input_ids=ids)
-        zeroed = elastic_layer(hidden, key_mask(mask), LayerResident.of(layer), list(range(4)),
-                               [ShardWeights.from_vector(shard_vector(layer, geometry, s), geometry) for s in range(4)],
-                               geometry)
-        narrow = elastic_layer(hidden, key_mask(mask), LayerResident.of(layer), keep,
-                               [ShardWeights.from_vector(shard_vector(layer, geometry, s), geometry) for s in keep],
-                               geometry)
+        resident = LayerResident.of(layer)
+
+        def run(shards: list[int]) -> torch.Tensor:
+            weights = [ShardWeights.from_vector(shard_vector(layer, geometry, s), geometry) for s in shards]
+            return elastic_layer(hidden, key_mask(mask), resident,
+                                 LayerWeights.assemble(shards, weights, resident, geometry), geometry)
+
+        zeroed, narrow = run(list(range(4))), run(keep)
     torch.testing.assert_close(narrow, zeroed, atol=1e-5, rtol=1e-5)
 
 
@@ -182,7 +187,7 @@ def test_store_verifies_and_the_pipeline_equals_the_in_memory_submodel(store_dir
     for plan in (_plan(4), _plan(FULL, 1, 2), _plan(2, overlap=False)):
         bank = {(k, s, plan.bits[(k, s)]): store.decode(k, s, plan.bits[(k, s)], _read(store, k, s, plan.bits[(k, s)]))
                 for k, layer in enumerate(plan.shards) for s in layer}
-        expected = model.run(ids, mask, plan, bank, types)
+        expected = model.run(ids, mask, model.assemble_plan(plan, bank), types)
         pipeline = ShardPipeline(model, io_source("cold"))
         try:
             result = pipeline.run(plan, ids, mask, types)
@@ -201,8 +206,8 @@ def test_full_precision_full_width_submodel_equals_the_encoder(store_dir) -> Non
     with torch.inference_mode():
         hidden = model.embed(ids, mask, types)
         for k, layer in enumerate(plan.shards):
-            hidden = model.layer(hidden, mask, k, layer, [store.decode(k, s, FULL, _read(store, k, s, FULL))
-                                                          for s in layer])
+            hidden = model.layer(hidden, mask, k, model.assemble(k, layer, [store.decode(k, s, FULL, _read(
+                store, k, s, FULL)) for s in layer]))
         reference = encoder.body(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
     torch.testing.assert_close(hidden[mask.bool()], reference[mask.bool()], atol=1e-5, rtol=1e-5)
 
