@@ -118,9 +118,31 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+class AccuracyCache:
+    """Test accuracy by task and plan weights (depth, width, every shard's version): exact and the same whatever
+    the IO source, so runs of other sources reuse it (`<out>/accuracy_cache.json`)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.known: dict[str, float] = json.loads(path.read_text()) if path and path.is_file() else {}
+
+    def get(self, task: str, plan: Plan, evaluate: Any) -> float:
+        key = f"{task}|{plan.key()}"
+        if key not in self.known:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(os.cpu_count() or 1)     # evaluations are not timed: every core
+            try:
+                self.known[key] = evaluate(plan)
+            finally:
+                torch.set_num_threads(threads)
+            if self.path:
+                self.path.write_text(json.dumps(self.known))
+        return self.known[key]
+
+
 def bench_task(task: str, store: ShardStore, profile: HardwareProfile, tokenizer: TeacherTokenizer,
                targets: list[float], preload_sizes: list[int], runs: int, rounds: int, io: str,
-               quick: bool) -> dict[str, Any]:
+               quick: bool, cache: AccuracyCache) -> dict[str, Any]:
     data = load_task(task, fetch(None))
     test = subsample(data.test, 64) if quick else data.test
     lengths = sorted(len(e.input_ids) for e in tokenizer.encode([e.text for e in test], truncate=True))
@@ -131,7 +153,6 @@ def bench_task(task: str, store: ShardStore, profile: HardwareProfile, tokenizer
     bank = decoded_bank(store)
     evaluator = Evaluator(model, bank, tokenizer, [e.text for e in test])
     gold = torch.tensor([e.label for e in test])
-    cache: dict[tuple, float] = {}
     texts = [e.text for e in test[:64]]
     batches = [request_batch(tokenizer, t, length) for t in texts]
     pipeline = ShardPipeline(model, io_source(io))
@@ -140,15 +161,14 @@ def bench_task(task: str, store: ShardStore, profile: HardwareProfile, tokenizer
         for multiple in targets:
             target = multiple * full_ms
             plans = arm_plans(planner, target, length, preload_sizes, seed=len(rows))
-            for plan in plans.values():
-                if plan.key() not in cache:
-                    cache[plan.key()] = accuracy(evaluator.probs(plan), gold)[0]
+            scores = {name: cache.get(task, plan, lambda p: accuracy(evaluator.probs(p), gold)[0])
+                      for name, plan in plans.items()}
             timings = latency_runs(pipeline, model, bank, plans, batches, runs, rounds)
             for name, plan in plans.items():
                 totals = [t["total_ms"] for t in timings[name]]
                 held, peak = held_and_peak(plan, store)
                 rows.append({"task": task, "target_x": multiple, "target_ms": round(target, 3), **plan.summary(),
-                             "arm": name, "accuracy": round(cache[plan.key()], 4),
+                             "arm": name, "accuracy": round(scores[name], 4),
                              "p50_ms": round(statistics.median(totals), 3), "p95_ms": round(_quantile(totals, 0.95), 3),
                              "p95_over_target": round(_quantile(totals, 0.95) / target, 3),
                              "stall_share": round(sum(t["stall_ms"] for t in timings[name]) / sum(totals), 4),
@@ -321,9 +341,12 @@ def main(argv: list[str] | None = None) -> int:
     targets = [float(x) for x in args.targets.split(",")]
     preload_sizes = [int(float(x) * (1 << 20)) for x in args.preload_mb.split(",") if x]
     results = []
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+    cache = AccuracyCache(args.out / "accuracy_cache.json" if args.out and not args.quick else None)
     for task in args.task or list(store.tasks):
         res = bench_task(task, store, profile, tokenizer, targets, preload_sizes, args.runs, args.rounds, args.io,
-                         args.quick)
+                         args.quick, cache)
         print(json.dumps({k: v for k, v in res.items() if k != "rows"}), flush=True)
         results.append(res)
     summary = {"io": profile.source, "threads": args.threads, "profile": json.loads(profile.to_json()),

@@ -86,6 +86,7 @@ class TaskShards:
     widths: list[int]
     depths: list[int]
     metrics: dict[str, Any]
+    min_bits: int = 2                    # the fidelity floor: fewer bits lost more than 1 pp on the dev set
 
     def layer_order(self, layer: int) -> list[int]:
         """The layer's shards, most important first: a width-m layer runs the first m (DynaBERT's rewiring)."""
@@ -108,7 +109,7 @@ class ShardStore:
             self.index = {(int(layer), int(bits)): [ShardEntry(**e) for e in entries]
                           for layer, by_bits in manifest.extra["index"].items() for bits, entries in by_bits.items()}
             self.tasks = {name: TaskShards(name, t["labels"], [tuple(x) for x in t["importance"]], t["widths"],
-                                           t["depths"], t.get("metrics", {}))
+                                           t["depths"], t.get("metrics", {}), int(t.get("min_bits", 2)))
                           for name, t in manifest.extra.get("tasks", {}).items()}
         except (KeyError, TypeError) as e:
             raise ArtifactError(f"{self.directory / MANIFEST}: not a shard manifest ({e!r})") from e

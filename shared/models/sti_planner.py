@@ -115,8 +115,13 @@ class Planner:
 
     def __init__(self, profile: HardwareProfile, depths: Sequence[int], widths: Sequence[int],
                  layer_order: Callable[[int], list[int]], importance: Sequence[Shard],
-                 shard_bytes: Callable[[int, int, int], int], clock: Callable[[], float] = time.perf_counter) -> None:
+                 shard_bytes: Callable[[int, int, int], int], clock: Callable[[], float] = time.perf_counter,
+                 min_bits: int = VERSIONS[0]) -> None:
+        """`min_bits`: the lowest version a plan gives a shard (the task's fidelity floor: its whole model at
+        fewer bits lost too much accuracy on the dev set); a shape that cannot afford it is not proposed."""
         self.profile = profile
+        self.min_bits = min_bits
+        self.versions = tuple(v for v in VERSIONS if v >= min_bits)
         self.shapes = sorted(((d, w) for d in depths for w in widths), key=lambda s: (-s[0] * s[1], -s[0]))
         self.layer_order, self.importance, self.shard_bytes = layer_order, list(importance), shard_bytes
         self.clock = clock
@@ -139,7 +144,7 @@ class Planner:
                 plan.buffer_bytes = sum(self.shard_bytes(k, s, b) for (k, s), b in buffer.items())
                 break
         else:
-            plan = self._smallest(arm, length, target_ms)
+            plan = self._smallest(arm, length, target_ms, self.min_bits)
         plan.plan_ms = (self.clock() - started) * 1e3
         return plan
 
@@ -157,7 +162,7 @@ class Planner:
             budgets.take(k, decode[b])
         free = [x for x in sorted(wanted) if x not in bits]
         uniform = None
-        for b in VERSIONS:
+        for b in self.versions:
             if budgets.would_hold({k: n * load[b] for k, n in _count(free).items()}):
                 uniform = b
         if uniform is None:
@@ -191,9 +196,9 @@ class Planner:
         if preload_bytes <= 0:
             return {}
         quantized = [b for b in VERSIONS if b != FULL]
-        fitting = [b for b in quantized
-                   if sum(self.shard_bytes(0, s, b) for s in shards[0]) <= preload_bytes]
-        bits = max(fitting) if fitting else quantized[0]
+        fitting = [b for b in quantized if b >= self.min_bits
+                   and sum(self.shard_bytes(0, s, b) for s in shards[0]) <= preload_bytes]
+        bits = max(fitting) if fitting else max(self.min_bits, quantized[0])
         chosen, used = {}, 0
         for k, layer in enumerate(shards):
             for s in layer:

@@ -24,6 +24,7 @@ import math
 import os
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -46,12 +47,13 @@ from academus.shared.models.shards import (
     VERSIONS,
     LayerQuantization,
     LayerResident,
+    LayerWeights,
     ShardGeometry,
     ShardWeights,
     encode_shard,
     shard_vector,
 )
-from academus.shared.models.sti_pipeline import ElasticModel, io_source
+from academus.shared.models.sti_pipeline import ElasticModel, FileSource, io_source
 from academus.shared.models.sti_planner import HardwareProfile, Plan, Planner
 from academus.shared.models.teacher_files import TEACHER_NAME, teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
@@ -67,6 +69,7 @@ BUCKETS = (16, 32, 64, 128, 256)
 # texts a split: (train for heads, validation, dev share for importance); --quick: a few for tests
 SIZES = {"sentiment": (3000, None, 500), "spam": (1500, None, 250)}
 QUICK = (96, 64, 48)
+FIDELITY_TOLERANCE = 0.01
 
 
 def log(message: str) -> None:
@@ -182,6 +185,15 @@ def profile_importance(evaluator: Evaluator, geometry: ShardGeometry, gold: torc
     return [(r["layer"], r["shard"]) for r in ranked], table, base_acc
 
 
+def profile_fidelity(evaluator: Evaluator, geometry: ShardGeometry, gold: torch.Tensor) -> tuple[dict[str, float], int]:
+    """The whole model's dev accuracy with every shard at one version, and the fewest bits within
+    FIDELITY_TOLERANCE of full precision: the task's floor. MiniLM at 2 bits is at chance (DynaBERT, the
+    paper's model, is not), so plans that buy width with 2-bit shards lose more than the width gains."""
+    uniform = {str(b): round(accuracy(evaluator.probs(full_plan(geometry, b)), gold)[0], 4) for b in VERSIONS}
+    floor = next((b for b in BITS if uniform[str(b)] >= uniform[str(FULL)] - FIDELITY_TOLERANCE), BITS[-1])
+    return uniform, floor
+
+
 def fit_shape_heads(train: Evaluator, validation: Evaluator, ytrain: torch.Tensor, yval: torch.Tensor,
                     order: list[list[int]], widths: Sequence[int], served: ClassifierHead,
                     labels: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -258,14 +270,17 @@ def build_task(store: ShardStore, bank: dict, tokenizer: TeacherTokenizer, task:
     model = ElasticModel(store, task, heads=full, labels=labels)
     importance, table, base_acc = profile_importance(Evaluator(model, bank, tokenizer, _texts(dev)), geometry,
                                                      _gold(dev))
+    uniform, min_bits = profile_fidelity(Evaluator(model, bank, tokenizer, _texts(dev)), geometry, _gold(dev))
+    log(f"{task}: the whole model at uniform bits {uniform} on dev: fewest bits within "
+        f"{FIDELITY_TOLERANCE:.0%} of full precision: {min_bits}")
     order = [[s for (k, s) in importance if k == layer] for layer in range(geometry.layers)]
     widths = widths_of(geometry.heads)
     tensors, scores = fit_shape_heads(Evaluator(model, bank, tokenizer, _texts(train)),
                                       Evaluator(model, bank, tokenizer, _texts(validation)),
                                       _gold(train), _gold(validation), order, widths, served, labels)
     meta = {"labels": labels, "importance": [list(x) for x in importance], "widths": widths,
-            "depths": list(range(1, geometry.layers + 1)),
-            "metrics": {"dev_texts": len(dev), "all_low_bits_accuracy": round(base_acc, 4),
+            "depths": list(range(1, geometry.layers + 1)), "min_bits": min_bits,
+            "metrics": {"dev_texts": len(dev), "all_low_bits_accuracy": round(base_acc, 4), "uniform_accuracy": uniform,
                         "importance_table": table, "validation_accuracy": scores}}
     add_task(store.directory, task, tensors, meta)
     return {"labels": labels, "importance_top": importance[:8], "all_low_bits_accuracy": round(base_acc, 4),
@@ -320,27 +335,11 @@ def profile_path(artifacts: Path, model: str, source: str) -> Path:
 
 
 def measure_profile(store: ShardStore, source_spec: str, repeats: int = 20) -> HardwareProfile:
-    """§5.2 on this machine: load (through the source) and decode times per version, median over shards
-    of every layer; one layer's compute per width and length bucket, and the rest of the model."""
-    source = io_source(source_spec)
+    """§5.2 on this machine: one layer's compute per width and length bucket, and the rest of the model; then
+    per version, a shard's load (read through the source, check, decode, its share of putting the layer
+    together) and its decoding alone, measured a whole layer at a time *while a layer computes* on the other
+    thread, as in the pipeline (alone, loads measured 10-40 % faster than the pipeline's)."""
     geometry = store.geometry
-    load_ms: dict[int, float] = {}
-    decode_ms: dict[int, float] = {}
-    for bits in store.versions:
-        loads, decodes = [], []
-        for r in range(repeats):
-            k, s = r % geometry.layers, (r * 5) % geometry.heads
-            e = store.entry(k, s, bits)
-            source.before_run(store.paths())
-            t0 = time.perf_counter()
-            blob = source.read(store.directory / e.file, e.offset, e.length)
-            t1 = time.perf_counter()
-            store.decode(k, s, bits, blob)
-            t2 = time.perf_counter()
-            loads.append(t2 - t0)
-            decodes.append(t2 - t1)
-        load_ms[bits], decode_ms[bits] = statistics.median(loads) * 1e3, statistics.median(decodes) * 1e3
-    source.close()
     model = ElasticModel(store, "", heads={})
     weights = [store.decode(0, s, FULL, _read(store, 0, s, FULL)) for s in range(geometry.heads)]
     compute: dict[int, dict[int, float]] = {}
@@ -364,7 +363,53 @@ def measure_profile(store: ShardStore, source_spec: str, repeats: int = 20) -> H
                 layer = model.assemble(0, list(range(width)), weights[:width])
                 compute.setdefault(width, {})[bucket] = _median_ms(
                     lambda w=layer, h=hidden, m=mask: model.layer(h, m, 0, w), repeats)
+    source = io_source(source_spec)
+    load_ms, decode_ms = _load_profile(store, model, source, max(3, repeats // 4),
+                                       model.assemble(0, list(range(geometry.heads)), weights), token)
+    source.close()
     return HardwareProfile(source.name, load_ms, decode_ms, compute, overhead, buckets)
+
+
+def _load_profile(store: ShardStore, model: ElasticModel, source: FileSource, repeats: int, busy: LayerWeights,
+                  token: int) -> tuple[dict[int, float], dict[int, float]]:
+    """Per version: (load, decode) ms a shard, medians over whole layers loaded while `busy` computes."""
+    geometry = store.geometry
+    stop = threading.Event()
+    ids, mask, _ = pad_batch([[token] * 32])
+
+    def compute() -> None:
+        with torch.inference_mode():
+            hidden = model.embed(ids, mask)
+            while not stop.is_set():
+                model.layer(hidden, mask, 0, busy)
+
+    worker = threading.Thread(target=compute, daemon=True)
+    worker.start()
+    load_ms: dict[int, float] = {}
+    decode_ms: dict[int, float] = {}
+    try:
+        for bits in store.versions:
+            loads, decodes = [], []
+            for r in range(repeats):
+                k = r % geometry.layers
+                shards = list(range(geometry.heads))
+                entries = [store.entry(k, s, bits) for s in shards]
+                blobs = [_read(store, k, s, bits) for s in shards]
+                source.before_run(store.paths())
+                t0 = time.perf_counter()
+                model.assemble(k, shards, [store.decode(k, s, bits, source.read(store.directory / e.file, e.offset,
+                                                                                  e.length))
+                                           for s, e in zip(shards, entries, strict=True)])
+                t1 = time.perf_counter()
+                model.assemble(k, shards, [store.decode(k, s, bits, b) for s, b in zip(shards, blobs, strict=True)])
+                t2 = time.perf_counter()
+                loads.append((t1 - t0) / len(shards))
+                decodes.append((t2 - t1) / len(shards))
+            load_ms[bits], decode_ms[bits] = statistics.median(loads) * 1e3, statistics.median(decodes) * 1e3
+    finally:
+        stop.set()
+        worker.join()
+    return load_ms, decode_ms
 
 
 def _read(store: ShardStore, layer: int, shard: int, bits: int) -> bytes:
@@ -390,7 +435,8 @@ def planner_for(store: ShardStore, task: str, profile: HardwareProfile) -> Plann
         raise ArtifactError(f"{store.directory}: no shards profiled for task {task!r} "
                             f"(run `academus shard build --tasks {task}`)")
     info = store.tasks[task]
-    return Planner(profile, info.depths, info.widths, info.layer_order, info.importance, store.shard_bytes)
+    return Planner(profile, info.depths, info.widths, info.layer_order, info.importance, store.shard_bytes,
+                   min_bits=info.min_bits)
 
 
 def load_profile(artifacts: Path, model: str, source: str) -> HardwareProfile:

@@ -126,3 +126,15 @@ def test_plan_key_and_summary() -> None:
     plan = Plan("x", 1, 2, [[0, 1]], {(0, 0): 2, (0, 1): 6})
     assert plan.mean_bits == 4 and plan.summary()["bits"] == {"2": 1, "6": 1}
     assert plan.key() == (1, 2, (((0, 0), 2), ((0, 1), 6)))
+
+
+def test_the_fidelity_floor_keeps_every_shard_at_or_above_it() -> None:
+    importance = [(k, s) for s in range(3) for k in range(2)]
+    floor = Planner(profile(), (1, 2), (3,), lambda k: list(range(3)), importance, lambda k, s, b: 100 * b,
+                    min_bits=6)
+    # 2.6 s: two layers at 2 or 3 bits fit (test_without_preload...), at 6 bits they do not: one layer then
+    plan = floor.plan(2.6, 32)
+    assert plan.feasible and plan.depth == 1 and min(plan.bits.values()) >= 6
+    assert min(floor.plan(30.0, 32).bits.values()) >= 6
+    too_short = floor.plan(1.2, 32)
+    assert not too_short.feasible and set(too_short.bits.values()) == {6}
