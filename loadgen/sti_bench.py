@@ -6,7 +6,8 @@
 Arms (§7.1), planned from one profile of this machine taken at the start of the run:
 - load&exec: the full-precision submodel loaded whole, then run; stdpl-2/6/32: a layer pipeline with every
   shard at one bit width; preload-6/32: the whole model held in memory at that width (compute only);
-- sti (each preload size), sti-0 (no preload), sti-random (importance replaced by a random order).
+- sti (each preload size), sti-0 (no preload), sti-random (the upgrades of §5.4's second pass in a random order
+  instead of importance order; each layer still runs its most important shards, which the heads were fitted on).
 
 Targets T are multiples of the whole model's compute on one text of the task's length bucket (its test
 split's median, padded). Accuracy per plan is exact, over the whole test split, with the plan's weights as
@@ -39,9 +40,18 @@ from academus.shared.models.sti_planner import HardwareProfile, Plan, Planner, s
 from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.runtime.config import artifacts_dir, offline_hub
+from academus.shared.state.artifacts import ArtifactError
 from academus.shared.training.data import TASKS, fetch, load_task
 from academus.shared.training.prepare import MAX_TOKENS, subsample
-from academus.shared.training.shards import Evaluator, accuracy, decoded_bank, measure_profile, planner_for
+from academus.shared.training.shards import (
+    Evaluator,
+    accuracy,
+    decoded_bank,
+    load_profile,
+    measure_profile,
+    planner_for,
+    save_profile,
+)
 
 BASELINES = ("load&exec", "stdpl-2", "stdpl-6", "stdpl-32", "preload-6", "preload-32")
 
@@ -258,6 +268,13 @@ print(json.dumps({"import_ms": (imported - started) * 1e3, "ready_ms": (ready - 
 """
 
 
+def load_profile_or_none(artifacts: Path, model: str, source: str) -> HardwareProfile | None:
+    try:
+        return load_profile(artifacts, model, source)
+    except ArtifactError:
+        return None
+
+
 def drop_page_cache(paths: list[Path]) -> None:
     import os
 
@@ -288,6 +305,10 @@ def cold_start(artifacts: Path, model: str, task: str, rounds: int) -> dict[str,
         (root / "heads" / task).symlink_to(artifacts / "heads" / task)
         (root / "shards").mkdir()
         (root / "shards" / model).symlink_to(store.directory)
+        profiles = artifacts / "shard-profiles"
+        if not load_profile_or_none(artifacts, model, "cold"):     # what `academus shard profile --io cold` writes
+            save_profile(artifacts, model, measure_profile(store, "cold"))
+        (root / "shard-profiles").symlink_to(profiles)
         write_entry(root, task, catalogue[task])
         write_entry(root, f"{task}-sti", {"kind": "classification", "labels": store.tasks[task].labels,
                                            "shards": f"shards/{model}", "task": task})

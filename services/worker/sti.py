@@ -25,7 +25,7 @@ from academus.shared.models.sti_pipeline import DeadlineMissed, ElasticModel, Sh
 from academus.shared.models.sti_planner import Plan
 from academus.shared.runtime.errors import DeadlineExceeded, InvalidArgument
 from academus.shared.state.artifacts import ArtifactError
-from academus.shared.training.shards import load_profile, measure_profile, planner_for
+from academus.shared.training.shards import load_profile, measure_profile, planner_for, save_profile
 
 STI_RUNS = Counter("academus_worker_sti_batches_total", "Batches run from shards (STI)", ["model"])
 STI_STALL = Histogram("academus_worker_sti_stall_ms", "Compute waiting for shards, a batch (STI)", ["model"],
@@ -73,8 +73,9 @@ class StiModel:
         model_key = self.store.manifest.extra.get("model", directory.name)
         try:
             profile = load_profile(artifacts, model_key, io_source(settings.io).name)
-        except ArtifactError:            # not profiled on this machine yet: a short profile now
+        except ArtifactError:            # not profiled on this machine yet: a short profile now, kept for next time
             profile = measure_profile(self.store, settings.io, repeats=5)
+            save_profile(artifacts, model_key, profile)
         self.planner = planner_for(self.store, task, profile)
         self.pipeline = ShardPipeline(self.model, io_source(settings.io), lookahead=LOOKAHEAD_LAYERS)
         geometry = self.store.geometry

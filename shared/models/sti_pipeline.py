@@ -125,8 +125,15 @@ class ElasticModel(nn.Module):
 
         self.store, self.task = store, task
         config = BertConfig(**store.manifest.extra["config"])
-        self.embeddings = BertEmbeddings(config).eval()
-        missing, unexpected = self.embeddings.load_state_dict(store.embeddings_state(), strict=False)
+        with torch.device("meta"):          # no random initialisation of a table about to be replaced
+            embeddings = BertEmbeddings(config)
+        self.embeddings = embeddings.to_empty(device="cpu").eval()
+        for name, buffer in self.embeddings.named_buffers():    # index buffers: rebuilt, not loaded
+            if name == "position_ids":
+                buffer.copy_(torch.arange(buffer.shape[-1]).expand_as(buffer))
+            else:
+                buffer.zero_()
+        missing, unexpected = self.embeddings.load_state_dict(store.embeddings_state(), strict=False, assign=True)
         if unexpected or any(not name.endswith("_ids") for name in missing):   # buffers are rebuilt
             raise ArtifactError(f"{store.directory}: embeddings missing {missing}, unexpected {unexpected}")
         self.residents = [store.layer_resident(k) for k in range(store.geometry.layers)]

@@ -131,13 +131,15 @@ class Planner:
     def plan(self, target_ms: float, length: int, preload_bytes: int = 0,
              importance: Sequence[Shard] | None = None, arm: str = "sti",
              held: dict[Shard, int] | None = None) -> Plan:
-        """The STI plan for a target; `feasible` False when no shape fits (the smallest is returned). The
-        preload buffer: `held` (shard -> the version a server holds), else the first shards of each candidate
+        """The STI plan for a target; `feasible` False when no shape fits (the smallest is returned).
+        `importance`: the order of the second pass's upgrades (default: the profiled ranking; a width-m layer
+        always runs its m most important shards, which its shape's head was fitted on). The preload buffer:
+        `held` (shard -> the version a server holds), else the first shards of each candidate
         shape that fit `preload_bytes` (a buffer filled for this plan, as one cold run has it)."""
         started = self.clock()
         order = importance or self.importance
         for depth, width in self.shapes:
-            shards = [self._layer_shards(k, width, order) for k in range(depth)]
+            shards = [self.layer_order(k)[:width] for k in range(depth)]
             buffer = self._preload(shards, preload_bytes) if held is None else held
             plan = self._io_plan(depth, width, shards, target_ms, length, buffer, order, arm)
             if plan is not None:
@@ -184,11 +186,6 @@ class Planner:
                     target_ms=target_ms)
         plan.stall_ms = simulate(plan, self.profile, length)["stall_ms"]
         return plan
-
-    def _layer_shards(self, layer: int, width: int, importance: Sequence[Shard]) -> list[int]:
-        if importance is self.importance:
-            return self.layer_order(layer)[:width]
-        return [s for (k, s) in importance if k == layer][:width]
 
     def _preload(self, shards: list[list[int]], preload_bytes: int) -> dict[Shard, int]:
         """The first shards in load order that fit the buffer, at the highest version (up to 6 bits) at

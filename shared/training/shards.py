@@ -439,6 +439,19 @@ def planner_for(store: ShardStore, task: str, profile: HardwareProfile) -> Plann
                    min_bits=info.min_bits)
 
 
+def save_profile(artifacts: Path, model: str, profile: HardwareProfile) -> Path | None:
+    """Writes the profile where `load_profile` reads it (atomically); None when the artifacts are read-only."""
+    path = profile_path(artifacts, model, profile.source)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp-{os.getpid()}")
+        tmp.write_text(profile.to_json() + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        return None
+    return path
+
+
 def load_profile(artifacts: Path, model: str, source: str) -> HardwareProfile:
     path = profile_path(artifacts, model, source)
     if not path.is_file():
@@ -487,10 +500,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return {"directory": str(store.directory), **store.verify()}
     if args.command == "profile":
         profile = measure_profile(store, args.io, args.repeats)
-        path = profile_path(artifacts, args.model, profile.source)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(profile.to_json() + "\n")
-        return {"profile": str(path), **json.loads(profile.to_json())}
+        return {"profile": str(save_profile(artifacts, args.model, profile)), **json.loads(profile.to_json())}
     planner = planner_for(store, args.task, load_profile(artifacts, args.model, args.io))
     plan = planner.plan(args.target_ms, args.length, args.preload_bytes)
     if not plan.feasible:
