@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from academus.shared.models.shard_store import ShardStore, shards_dir
 from academus.shared.models.shards import FULL, WORD_PAD, LayerWeights, ShardGeometry, ShardWeights, groups
 from academus.shared.models.sti_pipeline import ElasticModel
 from academus.shared.runtime.config import artifacts_dir, offline_hub
+from academus.shared.training.shards import median_ms
 
 
 def decode_on_device(blob: torch.Tensor, bits: int, n: int, pair_table: torch.Tensor, outliers: int) -> torch.Tensor:
@@ -64,30 +64,13 @@ def timer(device: torch.device) -> Callable[[Callable[[], Any], int], float]:
             times.append(start.elapsed_time(end))
         return statistics.median(times)
 
-    def cpu_ms(fn: Callable[[], Any], repeats: int) -> float:
-        for _ in range(3):
-            fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-
-    return cuda_ms if device.type == "cuda" else cpu_ms
-
-
-def read_blob(store: ShardStore, layer: int, shard: int, bits: int) -> bytes:
-    e = store.entry(layer, shard, bits)
-    with open(store.directory / e.file, "rb") as handle:
-        handle.seek(e.offset)
-        return handle.read(e.length)
+    return cuda_ms if device.type == "cuda" else median_ms
 
 
 def compute_against_width(model: ElasticModel, store: ShardStore, device: torch.device, repeats: int
                           ) -> list[dict[str, Any]]:
     geometry = store.geometry
-    weights = [store.decode(0, s, FULL, read_blob(store, 0, s, FULL)) for s in range(geometry.heads)]
+    weights = [store.decode(0, s, FULL, store.read_stored(0, s, FULL)) for s in range(geometry.heads)]
     weights = [ShardWeights(*(t.to(device) for t in (w.query, w.key, w.value, w.output, w.ffn_in, w.ffn_out)))
                for w in weights]
     measure = timer(device)
@@ -115,7 +98,7 @@ def streamed_shards(store: ShardStore, device: torch.device, repeats: int) -> li
     for bits in store.versions:
         blobs = []
         for s in range(geometry.heads):
-            host = torch.frombuffer(bytearray(read_blob(store, 0, s, bits)), dtype=torch.uint8)
+            host = torch.frombuffer(bytearray(store.read_stored(0, s, bits)), dtype=torch.uint8)
             blobs.append(host.pin_memory() if pin else host)
         table = None if bits == FULL else torch.from_numpy(store.pair_tables[(0, bits)]).to(device)
 
@@ -139,7 +122,7 @@ def check_decoder(store: ShardStore, device: torch.device) -> float:
     """The device decoder against the numpy one on every version of one shard: the largest difference."""
     worst = 0.0
     for bits in store.versions:
-        blob = read_blob(store, 2, 5, bits)
+        blob = store.read_stored(2, 5, bits)
         expected = store.decode(2, 5, bits, blob)
         table = None if bits == FULL else torch.from_numpy(store.pair_tables[(2, bits)]).to(device)
         got = decode_on_device(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device), bits,

@@ -145,6 +145,13 @@ class ShardStore:
     def entry(self, layer: int, shard: int, bits: int) -> ShardEntry:
         return self.index[(layer, bits)][shard]
 
+    def read_stored(self, layer: int, shard: int, bits: int) -> bytes:
+        """A shard's stored bytes, read whole from its file (unchecked: `decode` checks them)."""
+        e = self.entry(layer, shard, bits)
+        with open(self.directory / e.file, "rb") as handle:
+            handle.seek(e.offset)
+            return handle.read(e.length)
+
     def shard_bytes(self, layer: int, shard: int, bits: int) -> int:
         return self.entry(layer, shard, bits).length
 

@@ -203,10 +203,7 @@ class ShardPipeline:
             if key in self.preloaded:
                 held[key] = self.preloaded[key]
                 continue
-            e = self.store.entry(k, s, b)
-            with open(self.store.directory / e.file, "rb") as handle:
-                handle.seek(e.offset)
-                held[key] = handle.read(e.length)
+            held[key] = self.store.read_stored(k, s, b)
         self.preloaded = held
         return self.resident_bytes()
 

@@ -341,7 +341,7 @@ def measure_profile(store: ShardStore, source_spec: str, repeats: int = 20) -> H
     thread, as in the pipeline (alone, loads measured 10-40 % faster than the pipeline's)."""
     geometry = store.geometry
     model = ElasticModel(store, "", heads={})
-    weights = [store.decode(0, s, FULL, _read(store, 0, s, FULL)) for s in range(geometry.heads)]
+    weights = [store.decode(0, s, FULL, store.read_stored(0, s, FULL)) for s in range(geometry.heads)]
     compute: dict[int, dict[int, float]] = {}
     overhead: dict[int, float] = {}
     config = store.manifest.extra["config"]
@@ -358,10 +358,10 @@ def measure_profile(store: ShardStore, source_spec: str, repeats: int = 20) -> H
                 model.embed(ids, mask)
                 head(torch.nn.functional.normalize(mean_pool(hidden, mask), p=2, dim=1))
 
-            overhead[bucket] = _median_ms(rest, repeats)
+            overhead[bucket] = median_ms(rest, repeats)
             for width in widths_of(geometry.heads):
                 layer = model.assemble(0, list(range(width)), weights[:width])
-                compute.setdefault(width, {})[bucket] = _median_ms(
+                compute.setdefault(width, {})[bucket] = median_ms(
                     lambda w=layer, h=hidden, m=mask: model.layer(h, m, 0, w), repeats)
     source = io_source(source_spec)
     load_ms, decode_ms = _load_profile(store, model, source, max(3, repeats // 4),
@@ -394,7 +394,7 @@ def _load_profile(store: ShardStore, model: ElasticModel, source: FileSource, re
                 k = r % geometry.layers
                 shards = list(range(geometry.heads))
                 entries = [store.entry(k, s, bits) for s in shards]
-                blobs = [_read(store, k, s, bits) for s in shards]
+                blobs = [store.read_stored(k, s, bits) for s in shards]
                 source.before_run(store.paths())
                 t0 = time.perf_counter()
                 model.assemble(k, shards, [store.decode(k, s, bits, source.read(store.directory / e.file, e.offset,
@@ -412,14 +412,8 @@ def _load_profile(store: ShardStore, model: ElasticModel, source: FileSource, re
     return load_ms, decode_ms
 
 
-def _read(store: ShardStore, layer: int, shard: int, bits: int) -> bytes:
-    e = store.entry(layer, shard, bits)
-    with open(store.directory / e.file, "rb") as handle:
-        handle.seek(e.offset)
-        return handle.read(e.length)
-
-
-def _median_ms(fn: Any, repeats: int) -> float:
+def median_ms(fn: Any, repeats: int) -> float:
+    """The median wall time of `fn` in ms over `repeats` calls, after three warm-up calls."""
     for _ in range(3):
         fn()
     times = []

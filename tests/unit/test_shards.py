@@ -185,8 +185,8 @@ def test_store_verifies_and_the_pipeline_equals_the_in_memory_submodel(store_dir
     model = ElasticModel(store, "toy")
     ids, mask, types = pad_batch([[1, 5, 9, 7, 2]])
     for plan in (_plan(4), _plan(FULL, 1, 2), _plan(2, overlap=False)):
-        bank = {(k, s, plan.bits[(k, s)]): store.decode(k, s, plan.bits[(k, s)], _read(store, k, s, plan.bits[(k, s)]))
-                for k, layer in enumerate(plan.shards) for s in layer}
+        bank = {(k, s, b): store.decode(k, s, b, store.read_stored(k, s, b))
+                for (k, s), b in plan.bits.items()}
         expected = model.run(ids, mask, model.assemble_plan(plan, bank), types)
         pipeline = ShardPipeline(model, io_source("cold"))
         try:
@@ -206,8 +206,8 @@ def test_full_precision_full_width_submodel_equals_the_encoder(store_dir) -> Non
     with torch.inference_mode():
         hidden = model.embed(ids, mask, types)
         for k, layer in enumerate(plan.shards):
-            hidden = model.layer(hidden, mask, k, model.assemble(k, layer, [store.decode(k, s, FULL, _read(
-                store, k, s, FULL)) for s in layer]))
+            hidden = model.layer(hidden, mask, k, model.assemble(k, layer, [store.decode(k, s, FULL, store.read_stored(
+                k, s, FULL)) for s in layer]))
         reference = encoder.body(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
     torch.testing.assert_close(hidden[mask.bool()], reference[mask.bool()], atol=1e-5, rtol=1e-5)
 
@@ -275,7 +275,7 @@ def test_a_corrupted_shard_is_refused_naming_file_shard_and_checksums(store_dir,
         handle.seek(e.offset + 10)
         handle.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(ArtifactError, match=rf"layer1\.q4: shard 3 of layer 1 at 4 bits .*sha256 {e.sha256}"):
-        store.decode(1, 3, 4, _read(store, 1, 3, 4))
+        store.decode(1, 3, 4, store.read_stored(1, 3, 4))
     with pytest.raises(ArtifactError, match=r"layer1\.q4: sha256 .* does not match"):
         store.verify()
     pipeline = ShardPipeline(ElasticModel(store, "toy"), io_source("file"))
@@ -305,11 +305,6 @@ def test_io_source_names_are_checked() -> None:
         io_source("tape")
     with pytest.raises(ValueError, match="must be > 0 MB/s"):
         io_source("throttled:0")
-
-
-def _read(store: ShardStore, layer: int, shard: int, bits: int) -> bytes:
-    e = store.entry(layer, shard, bits)
-    return (store.directory / e.file).read_bytes()[e.offset:e.offset + e.length]
 
 
 def test_layer_quantization_shares_codebooks_across_shards() -> None:
