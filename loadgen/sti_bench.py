@@ -33,10 +33,10 @@ from typing import Any
 import torch
 
 from academus.shared.models.model import pad_batch
-from academus.shared.models.shard_store import RESIDENT, ShardStore, shards_dir
+from academus.shared.models.shard_store import ShardStore, shards_dir
 from academus.shared.models.shards import FULL
 from academus.shared.models.sti_pipeline import ElasticModel, ShardPipeline, io_source
-from academus.shared.models.sti_planner import HardwareProfile, Plan, Planner, simulate
+from academus.shared.models.sti_planner import HardwareProfile, Plan, Planner
 from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.runtime.config import artifacts_dir, offline_hub
@@ -70,8 +70,6 @@ def arm_plans(planner: Planner, target_ms: float, length: int, preload_sizes: li
         plans[f"sti-{size >> 10}k"] = planner.plan(target_ms, length, size, arm=f"sti-{size >> 10}k")
         plans[f"sti-random-{size >> 10}k"] = planner.plan(target_ms, length, size, importance=shuffled,
                                                           arm=f"sti-random-{size >> 10}k")
-    for plan in plans.values():
-        plan.stall_ms = simulate(plan, planner.profile, length)["stall_ms"]
     return plans
 
 
@@ -371,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({k: v for k, v in res.items() if k != "rows"}), flush=True)
         results.append(res)
     summary = {"io": profile.source, "threads": args.threads, "profile": json.loads(profile.to_json()),
-               "common_bytes": (store.directory / RESIDENT).stat().st_size, "targets": targets,
+               "common_bytes": store.resident_bytes, "targets": targets,
                "preload_bytes": preload_sizes, "runs": args.runs, "rounds": args.rounds,
                "figures": figures(results, preload_sizes), "results": results}
     if args.out:

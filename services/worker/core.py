@@ -29,7 +29,7 @@ from academus.services.worker.sti import ShardRun, StiModel, StiSettings
 from academus.services.worker.traced import trace_layers
 from academus.shared.models.adapters import encode_with_adapters
 from academus.shared.models.exits import ControllerSettings
-from academus.shared.models.model import HIDDEN_SIZE, TeacherEncoder, pad_batch
+from academus.shared.models.model import HIDDEN_SIZE, TeacherEncoder, pad_batch, weight_bytes
 from academus.shared.models.packing import Attention, PackedBatch, PackingPlan, check_plan, encode_packed, pack
 from academus.shared.models.plot.hierarchical import PlotStates
 from academus.shared.models.plot.table import PlotError
@@ -619,12 +619,6 @@ class ModelRunner:
                            compute_ms=(time.perf_counter() - start) * 1e3, padded_tokens=batch.computed_tokens,
                            real_tokens=batch.real_tokens, student_count=len(student_indices) or students,
                            finish=finish)
-
-
-def weight_bytes(*modules: nn.Module | None) -> int:
-    """Bytes of the parameters and buffers of `modules`, each tensor counted once."""
-    tensors = {id(t): t for m in modules if m is not None for t in (*m.parameters(), *m.buffers())}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def check_tenant_batch(served: ServedModel, output: str, tenants: TenantBatch, texts: int) -> None:

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
-from academus.shared.models.shard_store import RESIDENT, ShardStore
+from academus.shared.models.model import weight_bytes
+from academus.shared.models.shard_store import ShardStore
 from academus.shared.models.sti_pipeline import DeadlineMissed, ElasticModel, ShardPipeline, io_source
 from academus.shared.models.sti_planner import Plan
 from academus.shared.runtime.errors import DeadlineExceeded, InvalidArgument
@@ -71,16 +72,16 @@ class StiModel:
         self.store = ShardStore(directory)
         self.model = ElasticModel(self.store, task)
         model_key = self.store.manifest.extra.get("model", directory.name)
+        source = io_source(settings.io)
         try:
-            profile = load_profile(artifacts, model_key, io_source(settings.io).name)
+            profile = load_profile(artifacts, model_key, source.name)
         except ArtifactError:            # not profiled on this machine yet: a short profile now, kept for next time
             profile = measure_profile(self.store, settings.io, repeats=5)
             save_profile(artifacts, model_key, profile)
         self.planner = planner_for(self.store, task, profile)
-        self.pipeline = ShardPipeline(self.model, io_source(settings.io), lookahead=LOOKAHEAD_LAYERS)
+        self.pipeline = ShardPipeline(self.model, source, lookahead=LOOKAHEAD_LAYERS)
         geometry = self.store.geometry
-        self.common_bytes = (self.store.directory / RESIDENT).stat().st_size + sum(
-            h.linear.weight.numel() * 4 + h.linear.bias.numel() * 4 for h in self.model.heads.values())
+        self.common_bytes = self.store.resident_bytes + weight_bytes(*self.model.heads.values())
         self.layer_bytes = {w: w * geometry.params * 4 for w in self.store.tasks[task].widths}
         self._lock = threading.Lock()
         self.preload_bytes = self.budget_bytes = 0
@@ -143,12 +144,13 @@ class StiModel:
                 raise DeadlineExceeded(f"{self.name}: {e}; the rest was not computed") from e
             except ArtifactError as e:   # a shard corrupted since the store opened: refused, never served
                 raise InvalidArgument(f"{self.name} cannot be served: {e}") from e
+        resident = self.resident_bytes()
         STI_RUNS.labels(self.name).inc()
         STI_STALL.labels(self.name).observe(result.stall_ms)
         STI_MEAN_BITS.labels(self.name).observe(plan.mean_bits)
-        STI_RESIDENT.labels(self.name).set(self.resident_bytes())
-        info = ShardRun(plan.depth, plan.width, round(plan.mean_bits, 3), result.io_ms, result.stall_ms,
-                        self.resident_bytes(), self.pipeline.source.name)
+        STI_RESIDENT.labels(self.name).set(resident)
+        info = ShardRun(plan.depth, plan.width, round(plan.mean_bits, 3), result.io_ms, result.stall_ms, resident,
+                        self.pipeline.source.name)
         return result.probs, info, result.total_ms
 
     def close(self) -> None:

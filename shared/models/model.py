@@ -17,6 +17,12 @@ MEAN, FIRST = "mean", "cls"   # pooling: the mean over real tokens, or the first
 POOLINGS = (MEAN, FIRST)
 
 
+def weight_bytes(*modules: nn.Module | None) -> int:
+    """Bytes of the parameters and buffers of `modules`, each tensor counted once."""
+    tensors = {id(t): t for m in modules if m is not None for t in (*m.parameters(), *m.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def pad_batch(
     sequences: Sequence[Sequence[int]], type_ids: Sequence[Sequence[int]] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

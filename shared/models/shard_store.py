@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
-import uuid
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +35,14 @@ from academus.shared.state.artifacts import (
     MANIFEST,
     ArtifactError,
     Manifest,
+    checksums,
     load_file,
+    now_iso,
     read_manifest,
     save_file,
     sha256_file,
-    swap_in,
+    staged,
+    write_manifest,
 )
 
 SHARDS_KIND = "shards"
@@ -114,6 +115,7 @@ class ShardStore:
         except (KeyError, TypeError) as e:
             raise ArtifactError(f"{self.directory / MANIFEST}: not a shard manifest ({e!r})") from e
         self._check_sizes()
+        self._paths = sorted({self.directory / e.file for entries in self.index.values() for e in entries})
         self.resident = self._load_checked(RESIDENT)
         self.pair_tables = {(layer, k): self._pair_table(layer, k)
                             for layer in range(self.geometry.layers) for k in self.versions if k != FULL}
@@ -156,7 +158,13 @@ class ShardStore:
         return self.entry(layer, shard, bits).length
 
     def paths(self) -> list[Path]:
-        return sorted({self.directory / e.file for entries in self.index.values() for e in entries})
+        """The shard files (a cold source drops their pages before each run)."""
+        return self._paths
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of the resident tensors in memory: embeddings, biases, norms, centroids."""
+        return sum(t.numel() * t.element_size() for t in self.resident.values())
 
     def decode(self, layer: int, shard: int, bits: int, blob: bytes | memoryview,
                digest: str = "crc32") -> ShardWeights:
@@ -223,11 +231,7 @@ def write_shard_artifact(directory: Path, *, teacher: str, geometry: ShardGeomet
                          tasks: dict[str, dict[str, Any]], extra: dict[str, Any]) -> Manifest:
     """Writes the artifact into a staging sibling and renames it into place. `blobs[(layer, bits)]`: each
     shard's stored bytes and outlier count, in shard order."""
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        staging.mkdir()
+    with staged(directory) as staging:
         index: dict[str, dict[str, list[dict[str, Any]]]] = {}
         for (layer, bits), shards in sorted(blobs.items()):
             name, offset, entries = layer_file(layer, bits), 0, []
@@ -241,22 +245,25 @@ def write_shard_artifact(directory: Path, *, teacher: str, geometry: ShardGeomet
         save_file(resident, str(staging / RESIDENT))
         for task, tensors in heads.items():
             save_file(tensors, str(staging / heads_file(task)))
-        for path in staging.iterdir():
-            os.chmod(path, 0o644)
-        files = {p.name: sha256_file(p) for p in sorted(staging.iterdir())}
         manifest = Manifest(
-            kind=SHARDS_KIND, teacher=teacher, task=",".join(sorted(tasks)), created=_now(),
-            shapes={k: list(v.shape) for k, v in resident.items()}, files=files,
+            kind=SHARDS_KIND, teacher=teacher, task=",".join(sorted(tasks)), created=now_iso(),
+            shapes={k: list(v.shape) for k, v in resident.items()}, files=checksums(staging),
             extra={"geometry": geometry.__dict__, "layer_norm_eps": layer_norm_eps, "versions": list(VERSIONS),
                    "index": index, "tasks": tasks, **extra})
-        (staging / MANIFEST).write_text(manifest.to_json() + "\n")
-        swap_in(staging, directory)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        write_manifest(staging, manifest)
     return manifest
 
 
-def _now() -> str:
-    from datetime import UTC, datetime
-
-    return datetime.now(UTC).isoformat(timespec="seconds")
+def add_task(directory: Path, task: str, heads: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    """Adds (or replaces) a task's heads and importance: the heads file, then the manifest, each replaced
+    atomically (a crash between leaves a heads file its manifest's sha256 refuses)."""
+    manifest = read_manifest(directory)
+    name = heads_file(task)
+    tmp = Path(directory) / f".{name}.tmp"
+    save_file(heads, str(tmp))
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, Path(directory) / name)
+    tasks = dict(manifest.extra.get("tasks", {})) | {task: meta}
+    files = dict(manifest.files) | {name: sha256_file(Path(directory) / name)}
+    write_manifest(directory, replace(manifest, files=files, extra={**manifest.extra, "tasks": tasks},
+                                      task=",".join(sorted(tasks))))

@@ -214,28 +214,20 @@ class Planner:
     def preload_bytes_of(self, plan: Plan) -> int:
         return sum(self.shard_bytes(k, s, plan.bits[(k, s)]) for k, s in plan.preload)
 
-    def _smallest(self, arm: str, length: int, target_ms: float, bits: int = VERSIONS[0]) -> Plan:
-        depth, width = self.shapes[-1]
-        shards = [self.layer_order(k)[:width] for k in range(depth)]
-        plan = Plan(arm, depth, width, shards, {(k, s): bits for k in range(depth) for s in shards[k]},
-                    feasible=False, target_ms=target_ms)
-        plan.compute_ms = depth * self.profile.layer_ms(width, length)
-        plan.io_ms = len(plan.bits) * self.profile.load_ms[bits]
-        return plan
+    def _smallest(self, arm: str, length: int, target_ms: float, bits: int, overlap: bool = True,
+                  held: bool = False) -> Plan:
+        """The smallest shape, for an arm no shape fits: it overruns the target (`feasible` False)."""
+        return self._uniform(arm, *self.shapes[-1], bits, target_ms, length, overlap, held, feasible=False)
 
     # -- baselines (§7.1) ------------------------------------------------------------------------------------
 
     def load_and_exec(self, target_ms: float, length: int) -> Plan:
         """Loads the full-precision submodel whole, then runs it: the shape whose load plus compute fits."""
-        overhead = self.profile.rest_ms(length)
         for depth, width in self.shapes:
             io = depth * width * self.profile.load_ms[FULL]
-            compute = depth * self.profile.layer_ms(width, length)
-            if io + compute + overhead <= target_ms:
-                return self._uniform("load&exec", depth, width, FULL, target_ms, io, compute, overlap=False)
-        plan = self._smallest("load&exec", length, target_ms, FULL)
-        plan.overlap = False
-        return plan
+            if io + depth * self.profile.layer_ms(width, length) + self.profile.rest_ms(length) <= target_ms:
+                return self._uniform("load&exec", depth, width, FULL, target_ms, length, overlap=False)
+        return self._smallest("load&exec", length, target_ms, FULL, overlap=False)
 
     def standard_pipeline(self, target_ms: float, length: int, bits: int) -> Plan:
         """StdPL-X: every shard at X bits, layer by layer, IO overlapping compute: the largest shape that
@@ -245,28 +237,27 @@ class Planner:
             slack = target_ms - self.profile.rest_ms(length) - depth * layer_ms
             budgets = Budgets(slack, layer_ms, depth)
             if slack >= 0 and budgets.would_hold(dict.fromkeys(range(depth), width * self.profile.load_ms[bits])):
-                return self._uniform(f"stdpl-{bits}", depth, width, bits, target_ms,
-                                     depth * width * self.profile.load_ms[bits], depth * layer_ms)
+                return self._uniform(f"stdpl-{bits}", depth, width, bits, target_ms, length)
         return self._smallest(f"stdpl-{bits}", length, target_ms, bits)
 
     def preload_model(self, target_ms: float, length: int, bits: int) -> Plan:
         """PreloadModel-X: the whole model in memory at X bits; the largest shape whose compute fits."""
-        overhead = self.profile.rest_ms(length)
         for depth, width in self.shapes:
-            compute = depth * self.profile.layer_ms(width, length)
-            if compute + overhead <= target_ms:
-                plan = self._uniform(f"preload-{bits}", depth, width, bits, target_ms, 0.0, compute)
-                plan.preload = set(plan.bits)
-                return plan
-        plan = self._smallest(f"preload-{bits}", length, target_ms, bits)
-        plan.preload, plan.io_ms = set(plan.bits), 0.0
-        return plan
+            if depth * self.profile.layer_ms(width, length) + self.profile.rest_ms(length) <= target_ms:
+                return self._uniform(f"preload-{bits}", depth, width, bits, target_ms, length, held=True)
+        return self._smallest(f"preload-{bits}", length, target_ms, bits, held=True)
 
-    def _uniform(self, arm: str, depth: int, width: int, bits: int, target_ms: float, io: float, compute: float,
-                 overlap: bool = True) -> Plan:
+    def _uniform(self, arm: str, depth: int, width: int, bits: int, target_ms: float, length: int,
+                 overlap: bool = True, held: bool = False, feasible: bool = True) -> Plan:
+        """Every shard of the shape at `bits`; `held`: already in memory, decoded (no IO, no stall)."""
         shards = [self.layer_order(k)[:width] for k in range(depth)]
-        return Plan(arm, depth, width, shards, {(k, s): bits for k in range(depth) for s in shards[k]},
-                    overlap=overlap, io_ms=io, compute_ms=compute, target_ms=target_ms)
+        bits_of = {(k, s): bits for k in range(depth) for s in shards[k]}
+        plan = Plan(arm, depth, width, shards, bits_of, set(bits_of) if held else set(), feasible, overlap,
+                    io_ms=0.0 if held else len(bits_of) * self.profile.load_ms[bits],
+                    compute_ms=depth * self.profile.layer_ms(width, length), target_ms=target_ms)
+        if not held:
+            plan.stall_ms = simulate(plan, self.profile, length)["stall_ms"]
+        return plan
 
 
 class Budgets:

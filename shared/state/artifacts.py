@@ -12,6 +12,8 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
 from pathlib import Path
@@ -101,24 +103,50 @@ def write_artifact(
     extra: dict[str, Any] | None = None,
 ) -> Manifest:
     """Writes weights + manifest atomically, replacing any artifact already at `directory`."""
+    with staged(directory) as staging:
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(staging / WEIGHTS))
+        manifest = Manifest(
+            kind=kind, teacher=teacher, task=task, created=now_iso(),
+            shapes={k: list(v.shape) for k, v in tensors.items()},
+            files=checksums(staging), labels=list(labels), metrics=metrics, extra=dict(extra or {}),
+        )
+        write_manifest(staging, manifest)
+    return manifest
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+@contextmanager
+def staged(directory: Path) -> Iterator[Path]:
+    """A staging sibling of `directory` to write an artifact into; renamed into place (replacing what was there)
+    when the block ends without an error, removed in any case. Its files are made readable by every user:
+    safetensors writes 0600, and workers may run as another user."""
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         staging.mkdir()
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(staging / WEIGHTS))
-        os.chmod(staging / WEIGHTS, 0o644)   # safetensors writes 0600; workers may run as another user
-        manifest = Manifest(
-            kind=kind, teacher=teacher, task=task, created=datetime.now(UTC).isoformat(timespec="seconds"),
-            shapes={k: list(v.shape) for k, v in tensors.items()},
-            files={WEIGHTS: sha256_file(staging / WEIGHTS)},
-            labels=list(labels), metrics=metrics, extra=dict(extra or {}),
-        )
-        (staging / MANIFEST).write_text(manifest.to_json() + "\n")
+        yield staging
+        for path in staging.iterdir():
+            os.chmod(path, 0o644)
         swap_in(staging, directory)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return manifest
+
+
+def checksums(directory: Path) -> dict[str, str]:
+    """Every file's sha256 in `directory` but the manifest, as a manifest lists them."""
+    return {p.name: sha256_file(p) for p in sorted(Path(directory).iterdir()) if p.name != MANIFEST}
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    """Writes (or replaces, atomically) the manifest of the artifact at `directory`."""
+    tmp = Path(directory) / f".{MANIFEST}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.write_text(manifest.to_json() + "\n")
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, Path(directory) / MANIFEST)
 
 
 def swap_in(staging: Path, directory: Path) -> None:

@@ -36,7 +36,7 @@ import torch
 from academus.shared.models.model import ClassifierHead, TeacherEncoder, mean_pool, pad_batch
 from academus.shared.models.shard_store import (
     ShardStore,
-    heads_file,
+    add_task,
     shape_key,
     shards_dir,
     write_shard_artifact,
@@ -59,7 +59,7 @@ from academus.shared.models.teacher_files import TEACHER_NAME, teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.runtime.config import artifacts_dir as default_artifacts_dir
 from academus.shared.runtime.config import offline_hub
-from academus.shared.state.artifacts import MANIFEST, ArtifactError, read_manifest, save_file, sha256_file
+from academus.shared.state.artifacts import ArtifactError
 from academus.shared.state.catalogue import CLASSIFICATION, write_entry
 from academus.shared.training.data import TASKS, DataMissing, Example, fetch, load_task
 from academus.shared.training.prepare import MAX_TOKENS, length_batches, load_head, subsample, train_head
@@ -285,23 +285,6 @@ def build_task(store: ShardStore, bank: dict, tokenizer: TeacherTokenizer, task:
     add_task(store.directory, task, tensors, meta)
     return {"labels": labels, "importance_top": importance[:8], "all_low_bits_accuracy": round(base_acc, 4),
             "validation_accuracy_full": scores[shape_key(geometry.layers, geometry.heads)]}
-
-
-def add_task(directory: Path, task: str, heads: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-    """Adds (or replaces) a task's heads and importance; the manifest is replaced atomically."""
-    manifest = read_manifest(directory)
-    name = heads_file(task)
-    tmp = directory / f".{name}.tmp"
-    save_file(heads, str(tmp))
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, directory / name)
-    files = dict(manifest.files) | {name: sha256_file(directory / name)}
-    tasks = dict(manifest.extra.get("tasks", {})) | {task: meta}
-    updated = type(manifest)(**{**manifest.__dict__, "files": files, "extra": {**manifest.extra, "tasks": tasks},
-                                "task": ",".join(sorted(tasks))})
-    tmp = directory / f".{MANIFEST}.tmp"
-    tmp.write_text(updated.to_json() + "\n")
-    os.replace(tmp, directory / MANIFEST)
 
 
 def _texts(examples: Sequence[Example]) -> list[str]:

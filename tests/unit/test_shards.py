@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from academus.shared.models.model import ClassifierHead, TeacherEncoder, pad_batch
-from academus.shared.models.shard_store import ShardStore, shape_key, write_shard_artifact
+from academus.shared.models.shard_store import ShardStore, add_task, shape_key, write_shard_artifact
 from academus.shared.models.shards import (
     BITS,
     FULL,
@@ -36,7 +36,7 @@ from academus.shared.models.sti_pipeline import (
 )
 from academus.shared.models.sti_planner import Plan
 from academus.shared.state.artifacts import ArtifactError
-from academus.shared.training.shards import _config_dict, add_task, quantize_layers
+from academus.shared.training.shards import _config_dict, quantize_layers
 
 
 def tiny_encoder(layers: int = 2) -> TeacherEncoder:
@@ -261,12 +261,17 @@ def test_deadline_is_checked_between_layers(store_dir) -> None:
         pipeline.close()
 
 
-def test_a_corrupted_shard_is_refused_naming_file_shard_and_checksums(store_dir, tmp_path) -> None:
+def copy_of(store_dir, tmp_path: Path) -> Path:
+    """A copy of the module's artifact a test may damage."""
     import shutil
 
-    directory, _ = store_dir
-    broken = tmp_path / "broken"
-    shutil.copytree(directory, broken)
+    copy = tmp_path / "copy"
+    shutil.copytree(store_dir[0], copy)
+    return copy
+
+
+def test_a_corrupted_shard_is_refused_naming_file_shard_and_checksums(store_dir, tmp_path) -> None:
+    broken = copy_of(store_dir, tmp_path)
     store = ShardStore(broken)
     e = store.entry(1, 3, 4)
     with open(broken / e.file, "r+b") as handle:
@@ -288,11 +293,7 @@ def test_a_corrupted_shard_is_refused_naming_file_shard_and_checksums(store_dir,
 
 
 def test_a_truncated_shard_file_is_refused_when_the_store_opens(store_dir, tmp_path) -> None:
-    import shutil
-
-    directory, _ = store_dir
-    broken = tmp_path / "truncated"
-    shutil.copytree(directory, broken)
+    broken = copy_of(store_dir, tmp_path)
     path = broken / "layer0.q6"
     path.write_bytes(path.read_bytes()[:-100])
     with pytest.raises(ArtifactError, match=r"layer0\.q6 is truncated: \d+ bytes, the manifest's shards end at \d+"):
