@@ -29,6 +29,7 @@ from academus.services.worker.core import OUTPUT_PROBS, ModelRunner
 from academus.shared.models.exits import ControllerSettings
 from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.models.work import Batch
 from academus.shared.runtime.config import artifacts_dir, offline_hub
 from academus.shared.training.data import fetch, load_task
 
@@ -45,7 +46,7 @@ def run_batches(runner: ModelRunner, task: str, batches: list[list[list[int]]], 
             now = time.perf_counter()   # after the ramp's probabilities reached the host: a real release time
             released.update({r: now - start for r in rows})
 
-        runner.run(task, OUTPUT_PROBS, [i for s in seqs for i in s], [len(s) for s in seqs],
+        runner.run(Batch(task, OUTPUT_PROBS, [i for s in seqs for i in s], [len(s) for s in seqs]),
                    release=release if early else None)
         if runner.device.type == "cuda":
             torch.cuda.synchronize()
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     seen = 0
     while seen < args.warm:   # the controller's feedback, tuned as it comes
         seqs = cut[(seen // args.batch) % len(cut)]
-        runner.run(args.task, OUTPUT_PROBS, [i for s in seqs for i in s], [len(s) for s in seqs],
+        runner.run(Batch(args.task, OUTPUT_PROBS, [i for s in seqs for i in s], [len(s) for s in seqs]),
                    release=lambda *_: None)
         seen += args.batch
         if reason := exits.controller.due():

@@ -256,10 +256,11 @@ import json, sys, time
 started = time.perf_counter()
 from academus.services.worker.core import OUTPUT_PROBS, ModelRunner
 from academus.services.worker.sti import StiSettings
+from academus.shared.models.work import Batch
 imported = time.perf_counter()
 runner = ModelRunner(sys.argv[1], [sys.argv[2]], sti_settings=StiSettings(io="cold"))
 ready = time.perf_counter()
-result = runner.run(sys.argv[2], OUTPUT_PROBS, [101, 2023, 3185, 2001, 2307, 102], [6])
+result = runner.run(Batch(sys.argv[2], OUTPUT_PROBS, [101, 2023, 3185, 2001, 2307, 102], [6]))
 answered = time.perf_counter()
 print(json.dumps({"import_ms": (imported - started) * 1e3, "ready_ms": (ready - imported) * 1e3,
                   "first_answer_ms": (answered - imported) * 1e3}))

@@ -19,6 +19,7 @@ import torch
 from academus.loadgen.grpc_floor import spin
 from academus.loadgen.stats import summary
 from academus.services.worker.core import OUTPUT_PROBS, ModelRunner
+from academus.shared.models.work import Batch
 from academus.shared.runtime.config import artifacts_dir
 
 CASES = (("sentiment", 0), ("sentiment-students", 1))
@@ -50,7 +51,7 @@ def compute_ms(runners: dict[str, ModelRunner], model: str, students: int, token
     times: dict[str, list[float]] = {name: [] for name in runners}
     for i in range(10 + repeats):  # the first 10: warm-up (the graphs are traced on first use)
         for name, runner in runners.items():
-            ms = runner.run(model, OUTPUT_PROBS, ids, lengths, num_students=students).compute_ms
+            ms = runner.run(Batch(model, OUTPUT_PROBS, ids, lengths, num_students=students)).compute_ms
             if i >= 10:
                 times[name].append(ms)
     return {name: summary(values)["p50"] for name, values in times.items()}

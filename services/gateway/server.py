@@ -33,6 +33,7 @@ from academus.services.gateway.manage import Manage
 from academus.shared.models.plot.domains import Domain
 from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.models.work_wire import matrix_from_pb
 from academus.shared.runtime import config as cfg
 from academus.shared.runtime.errors import ServingError, Unavailable, abort_with, from_rpc_error
 from academus.shared.runtime.logs import log_event
@@ -92,19 +93,19 @@ def schedule_request(admitted: Admitted, request_id: str, early_exit: bool = Fal
 def to_pb(admitted: Admitted, result: tensors_pb2.ModelOutput, request_id: str) -> pb.InferResponse:
     """The response for the full model's answer: every text's final prediction. An early answer (exit ramps,
     `result.rows` set) gives those texts' predictions, released at `result.exit_layer`."""
-    matrix = result.values
-    dim, values = matrix.dim, matrix.values
+    values = matrix_from_pb(result.values)
+    dim = values.shape[1]
     labels = admitted.spec.labels if admitted.tenant_model is not None else list(result.labels)
     # A tenant head's probs are zero-padded to the widest head in the worker's batch: keep its own classes.
     width = min(len(labels), dim) if admitted.tenant_model is not None and admitted.output != EMBED else dim
     response = pb.InferResponse(model=admitted.spec.name, request_id=request_id, labels=labels)
     response.metadata.CopyFrom(result.metadata)
     if admitted.paired:
-        return pair_response(response, admitted, values, dim)
+        return pair_response(response, admitted, values)
     early = bool(result.rows)
     for k, i in enumerate(result.rows if early else range(len(admitted.encoded))):
         e = admitted.encoded[i]
-        row = values[k * dim : k * dim + width]
+        row = values[k, :width].tolist()
         p = response.predictions.add(num_tokens=len(e.input_ids), truncated=e.truncated, input_index=i,
                                      final=not early, exit_layer=result.exit_layer if early else 0)
         if admitted.output == EMBED:
@@ -130,10 +131,9 @@ def first_results(admitted: Admitted, early: list[tensors_pb2.ModelOutput], fina
     return response
 
 
-def pair_response(response: pb.InferResponse, admitted: Admitted, values, dim: int) -> pb.InferResponse:
+def pair_response(response: pb.InferResponse, admitted: Admitted, embeddings: np.ndarray) -> pb.InferResponse:
     """One score a text pair, its cosine similarity; its tokens are both texts'."""
-    embeddings = np.asarray(values[: len(admitted.encoded) * dim]).reshape(-1, dim)
-    scores = pair_scores(embeddings, admitted.pair_rows)
+    scores = pair_scores(embeddings[: len(admitted.encoded)], admitted.pair_rows)
     for i, ((a, b), score) in enumerate(zip(admitted.pair_rows, scores, strict=True)):
         first, second = admitted.encoded[a], admitted.encoded[b]
         response.predictions.add(score=score, input_index=i, final=True,

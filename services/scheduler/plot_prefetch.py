@@ -13,18 +13,20 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from academus.services.scheduler.core import Job
 from academus.shared.models.plot.registry import PlotEndpoint
+from academus.shared.models.plot.wire import lookup_from_pb, request_to_pb
+from academus.shared.models.work import Batch, PlotStates
 from academus.shared.runtime.serving import Stubs
 from academus.shared.state.catalogue import ModelSpec
-from academus.v1 import plot_pb2, tensors_pb2, worker_pb2
 
 
 def job_domain(job: Job, spec: ModelSpec) -> str:
-    """A tenant model brings its own overlay (all texts of a job share its AdapterRef); else the spec's."""
-    adapters = job.payload.adapters
-    return adapters[0].domain if adapters and adapters[0].tenant else spec.domain
+    """A tenant model brings its own overlay (all texts of a job share its adapter); else the spec's."""
+    adapter = job.payload.adapter
+    return adapter.domain if adapter is not None else spec.domain
 
 
 class PlotPrefetcher:
@@ -51,38 +53,29 @@ class PlotPrefetcher:
         self.stats["plot_prefetch_started"] += 1
         job.prefetch = asyncio.get_running_loop().create_task(self._lookup(endpoint.address, job, domain))
 
-    async def _lookup(self, address: str, job: Job, domain: str) -> plot_pb2.LookupResponse:
-        tokens = job.payload.tokens
-        request = plot_pb2.LookupRequest(domain=domain, batch=tensors_pb2.TokenBatch(
-            input_ids=tokens.input_ids, lengths=tokens.lengths))
-        return await self.stubs(address).Lookup(request, timeout=max(job.deadline - self.clock(), 1e-3))
+    async def _lookup(self, address: str, job: Job, domain: str) -> PlotStates:
+        item = job.payload
+        request = request_to_pb(item.input_ids, item.lengths, domain)
+        response = await self.stubs(address).Lookup(request, timeout=max(job.deadline - self.clock(), 1e-3))
+        lookup = lookup_from_pb(response)
+        return PlotStates(lookup.states, lookup.lengths, response.model, response.lower_layers)
 
-    def attach(self, request: worker_pb2.RunRequest, batch: Sequence[Job]) -> None:
-        """Puts the batch's states on its worker request when every job's lookup has succeeded; otherwise
-        cancels what is still running and leaves the lookup to the worker."""
-        tasks = [job.prefetch for job in batch]
+    def attach(self, batch: Batch, jobs: Sequence[Job]) -> Batch:
+        """The batch with its states when every job's lookup has succeeded (the jobs' states back to back, in
+        batch order); otherwise the batch as it was, what is still running cancelled: the worker looks up."""
+        tasks = [job.prefetch for job in jobs]
         if not any(tasks):
-            return
-        for job in batch:
+            return batch
+        for job in jobs:
             job.prefetch = None
         done = [t for t in tasks if t is not None and t.done() and not t.cancelled()]
         failed = sum(1 for t in done if t.exception() is not None)
         self.stats["plot_prefetch_failed"] += failed
         if len(done) == len(tasks) and not failed:
-            request.plot_states.CopyFrom(merge_lookups([t.result() for t in done]))
-            self.stats["plot_prefetch_used"] += len(batch)
-            return
-        self.stats["plot_prefetch_missed"] += len(batch)
+            self.stats["plot_prefetch_used"] += len(jobs)
+            return replace(batch, plot_states=PlotStates.merge([t.result() for t in done]))
+        self.stats["plot_prefetch_missed"] += len(jobs)
         for task in tasks:
             if task is not None:
                 task.cancel()
-
-
-def merge_lookups(parts: Sequence[plot_pb2.LookupResponse]) -> plot_pb2.LookupResponse:
-    """The jobs' states back to back in batch order: the merged request's text order."""
-    first = parts[0]
-    merged = plot_pb2.LookupResponse(hidden=first.hidden, dtype=first.dtype, lower_layers=first.lower_layers,
-                                     model=first.model, states=b"".join(p.states for p in parts))
-    for part in parts:
-        merged.lengths.extend(part.lengths)
-    return merged
+        return batch

@@ -359,7 +359,7 @@ class Piece:
 @dataclass(frozen=True)
 class BatchPlan:
     """A concat batch's layout over jobs: row → slots → pieces. The scheduler's edge re-indexes it to
-    the merged request's flat text order (`merge_requests`); jobs dropped before sending are skipped."""
+    the merged batch's flat text order (`sender.flat_plan`); jobs dropped before sending are skipped."""
 
     rows: tuple[tuple[tuple[Piece, ...], ...], ...]
     row_length: int

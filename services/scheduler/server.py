@@ -4,29 +4,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 
 import grpc
-import numpy as np
 from prometheus_client import Gauge
 
-from academus.services.scheduler.core import Dispatcher, Group, GroupTable, Job, Member, Shard, WorkerLost, WorkerRef
+from academus.services.scheduler.core import Dispatcher, GroupTable, Job, Member, Shard, WorkerLost, WorkerRef
 from academus.services.scheduler.plot_prefetch import PlotPrefetcher
 from academus.services.scheduler.policies import (
-    BatchPlan,
     ConcatSettings,
     DispatchPolicy,
     LatencyModel,
     StudentPolicy,
     make_policy,
 )
+from academus.services.scheduler.sender import GroupSender, OnPartial
 from academus.shared.models.plot.registry import live_plot_services
+from academus.shared.models.work import Batch, BatchOutput
+from academus.shared.models.work_wire import batch_to_pb, item_from_pb, output_from_pb, output_to_pb
 from academus.shared.runtime import config as cfg
-from academus.shared.runtime.errors import DeadlineExceeded, ServingError, abort_with, answered, from_rpc_error
+from academus.shared.runtime.errors import ServingError, abort_with, answered, from_rpc_error
 from academus.shared.runtime.logs import log_event
 from academus.shared.runtime.multiplex import call_with_partials
 from academus.shared.runtime.redis_conn import connect, wake_on
@@ -34,157 +34,33 @@ from academus.shared.runtime.serving import ServiceSpec, Stubs, run
 from academus.shared.runtime.tracing import annotate
 from academus.shared.state.catalogue import ModelSpec
 from academus.shared.state.keys import Keys
-from academus.v1 import inference_pb2, plot_pb2_grpc, scheduler_pb2_grpc, tensors_pb2, worker_pb2, worker_pb2_grpc
+from academus.v1 import plot_pb2_grpc, scheduler_pb2_grpc, worker_pb2_grpc
 
 QUEUE_DEPTH = Gauge("academus_scheduler_queue_depth", "Jobs waiting for a worker")
 BUFFER_DEPTH = Gauge("academus_scheduler_buffer_depth", "Waiting dispatch units (length-aware buffer elements)")
 LOST_CODES = (grpc.StatusCode.UNAVAILABLE,)
 
 
-class GroupSender:
-    """Runs a batch on a group: one worker call for a single-member group; for a student group, one
-    call per member in parallel, then the combiner adds the partial outputs (Σ α_m·S_m through the
-    linear head) and applies the final softmax or normalisation."""
+class WorkerCalls:
+    """The sender's `RunOn` over the wire: a batch to a worker's `Run` and its answer back, early answers included;
+    a worker that does not answer is lost (the dispatcher retries elsewhere), one that refused is its error."""
 
-    def __init__(self, stubs: Stubs, clock, workers: dict[str, WorkerRef],
-                 prefetcher: PlotPrefetcher | None = None) -> None:
-        self.stubs, self.clock, self.workers, self.prefetcher = stubs, clock, workers, prefetcher
+    def __init__(self, stubs: Stubs, workers: dict[str, WorkerRef]) -> None:
+        self.stubs, self.workers = stubs, workers
 
-    async def __call__(self, group: Group, batch: Sequence[Job]) -> list:
-        remaining = max(j.deadline for j in batch) - self.clock()
-        if remaining <= 0:
-            raise DeadlineExceeded("deadline passed before dispatch; not computed")
-        request = build_request(batch)
-        if self.prefetcher is not None:
-            self.prefetcher.attach(request, batch)
-        if len(group.members) == 1 and not group.members[0].students:
-            wanted = any(j.on_partial is not None for j in batch)
-            output = await self._call(group.members[0].worker_id, request, remaining,
-                                      functools.partial(deliver_partial, batch=batch) if wanted else None)
-        else:
-            output = await self._fan_out(group, request, remaining)
-        return [output] if len(batch) == 1 else split_output(output, [j.num_texts for j in batch])
-
-    async def _fan_out(self, group: Group, request: worker_pb2.RunRequest, remaining: float):
-        calls = []
-        for member in group.members:
-            part = worker_pb2.RunRequest()
-            part.CopyFrom(request)
-            part.num_students = group.students
-            part.student_indices[:] = member.students
-            calls.append(asyncio.ensure_future(self._call(member.worker_id, part, remaining)))
-        try:
-            outputs = await asyncio.gather(*calls)
-        except BaseException:
-            for call in calls:  # one student failed: the others' work is no longer wanted
-                call.cancel()
-            raise
-        return combine(outputs, group)
-
-    async def _call(self, worker_id: str, request: worker_pb2.RunRequest, remaining: float,
-                    on_partial: Callable[[tensors_pb2.ModelOutput], None] | None = None):
+    async def __call__(self, worker_id: str, batch: Batch, remaining: float,
+                       on_partial: OnPartial | None = None) -> BatchOutput:
         worker = self.workers.get(worker_id)
         if worker is None:
             raise WorkerLost(f"{worker_id} left the placement", worker_id)
+        early = None if on_partial is None else lambda reply: on_partial(output_from_pb(reply))
         try:
-            return await call_with_partials(self.stubs(worker.address).Run, request, remaining, on_partial)
+            reply = await call_with_partials(self.stubs(worker.address).Run, batch_to_pb(batch), remaining, early)
         except grpc.aio.AioRpcError as e:
             if e.code() in LOST_CODES and not answered(e):   # the worker itself chose it: not lost
                 raise WorkerLost(f"{worker_id} at {worker.address}: {e.details()}", worker_id) from e
             raise from_rpc_error(e, f"worker {worker_id}") from e
-
-
-def combine(outputs: Sequence[tensors_pb2.ModelOutput], group: Group) -> tensors_pb2.ModelOutput:
-    """The group's combiner: adds the members' partial sums, then finishes (softmax / L2 / none)."""
-    first = outputs[0]
-    rows, dim = first.values.rows, first.values.dim
-    total = np.zeros((rows, dim), dtype=np.float64)
-    for out in outputs:
-        total += np.asarray(out.values.values, dtype=np.float64).reshape(rows, dim)
-    if first.finish == tensors_pb2.FINISH_SOFTMAX:
-        total = np.exp(total - total.max(axis=1, keepdims=True))
-        total /= total.sum(axis=1, keepdims=True)
-    elif first.finish == tensors_pb2.FINISH_L2:
-        total /= np.maximum(np.linalg.norm(total, axis=1, keepdims=True), 1e-12)
-    meta = inference_pb2.InferMetadata()
-    meta.CopyFrom(first.metadata)
-    meta.student_count = group.students
-    meta.worker_id = group.worker_id
-    meta.compute_ms = max(o.metadata.compute_ms for o in outputs)
-    meta.worker_ms = max(o.metadata.worker_ms for o in outputs)
-    return tensors_pb2.ModelOutput(output=first.output, labels=first.labels, metadata=meta,
-                                   values=tensors_pb2.Matrix(values=total.astype(np.float32).ravel().tolist(),
-                                                             rows=rows, dim=dim))
-
-
-def deliver_partial(output: tensors_pb2.ModelOutput, batch: Sequence[Job]) -> None:
-    """A worker's early answer for rows of the merged batch, split to the jobs those rows belong to (each its
-    own rows, numbered within the job), for those that want early answers."""
-    dim, start, by_row = output.values.dim, 0, {row: i for i, row in enumerate(output.rows)}
-    for job in batch:
-        mine = [(row - start, by_row[row]) for row in range(start, start + job.num_texts) if row in by_row]
-        start += job.num_texts
-        if not mine or job.on_partial is None or job.future.done():
-            continue
-        part = tensors_pb2.ModelOutput(output=output.output, labels=output.labels, exit_layer=output.exit_layer,
-                                       rows=[local for local, _ in mine])
-        part.values.CopyFrom(tensors_pb2.Matrix(
-            values=[v for _, i in mine for v in output.values.values[i * dim:(i + 1) * dim]], rows=len(mine), dim=dim))
-        job.on_partial(part)
-
-
-def build_request(batch: Sequence[Job]) -> worker_pb2.RunRequest:
-    """The worker call for a batch: one job's own request, or the merged one; with the concat plan."""
-    plan = batch[0].plan
-    if len(batch) == 1 and plan is None:
-        return batch[0].payload
-    return merge_requests([j.payload for j in batch], packing_proto(plan, batch) if plan is not None else None)
-
-
-def packing_proto(plan: BatchPlan, batch: Sequence[Job]) -> worker_pb2.PackingPlan:
-    """The policy's plan over jobs, re-indexed to the merged flat text order (jobs in batch order, each
-    job's texts in its own order). Jobs of the plan no longer in the batch (dropped unrun) are skipped."""
-    first_text, offset = {}, 0
-    for job in batch:
-        first_text[id(job)] = offset
-        offset += job.num_texts
-    out = worker_pb2.PackingPlan(row_length=plan.row_length, slot_size=plan.slot_size)
-    for row in plan.rows:
-        slots = [[first_text[id(p.job)] + t for p in slot if id(p.job) in first_text for t in p.texts]
-                 for slot in row]
-        slots = [slot for slot in slots if slot]
-        if slots:
-            out.rows.append(worker_pb2.PackedRow(slots=[worker_pb2.PackedSlot(requests=slot) for slot in slots]))
-    return out
-
-
-def merge_requests(requests: Sequence[worker_pb2.RunRequest],
-                   packing: worker_pb2.PackingPlan | None = None) -> worker_pb2.RunRequest:
-    merged = worker_pb2.RunRequest(batch_id=",".join(r.batch_id for r in requests), model=requests[0].model,
-                                   output=requests[0].output, num_students=requests[0].num_students,
-                                   early_exit=any(r.early_exit for r in requests))
-    typed = any(r.tokens.token_type_ids for r in requests)
-    tenanted = any(r.adapters for r in requests)  # tenants' texts share the batch (HMI §6.3)
-    for r in requests:
-        if tenanted:
-            merged.adapters.extend(r.adapters or [tensors_pb2.AdapterRef()] * len(r.tokens.lengths))
-        merged.tokens.input_ids.extend(r.tokens.input_ids)
-        merged.tokens.lengths.extend(r.tokens.lengths)
-        if typed:
-            merged.tokens.token_type_ids.extend(r.tokens.token_type_ids or [0] * len(r.tokens.input_ids))
-    if packing is not None:
-        merged.packing.CopyFrom(packing)
-    return merged
-
-
-def split_output(output: tensors_pb2.ModelOutput, rows: Sequence[int]) -> list[tensors_pb2.ModelOutput]:
-    dim, values, parts, start = output.values.dim, output.values.values, [], 0
-    for n in rows:
-        part = tensors_pb2.ModelOutput(output=output.output, labels=output.labels, metadata=output.metadata)
-        part.values.CopyFrom(tensors_pb2.Matrix(values=values[start * dim : (start + n) * dim], rows=n, dim=dim))
-        parts.append(part)
-        start += n
-    return parts
+        return output_from_pb(reply)
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -198,34 +74,26 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         entered = time.perf_counter()
         now = self.dispatcher.clock()
         remaining = context.time_remaining()
-        tokens = request.tokens
-        payload = worker_pb2.RunRequest(batch_id=request.request_id, model=request.model, output=request.output,
-                                        tokens=tokens, num_students=self.student_numbers.get(request.model, 0))
-        if request.HasField("adapter"):  # a tenant model: every text runs the tenant's adapter + head
-            payload.adapters.extend([request.adapter] * len(tokens.lengths))
+        students = self.student_numbers.get(request.model, 0)
         # early answers go back on the gateway's call, where it rides a multiplexed hop that asked for them
-        on_partial = getattr(context, "send_partial", None) if request.early_exit else None
-        payload.early_exit = on_partial is not None
+        send = getattr(context, "send_partial", None) if request.early_exit else None
+        item = item_from_pb(request, students, early_exit=send is not None)
+        on_partial = None if send is None else lambda early: send(output_to_pb(early, item.output))
         job = Job(
-            model=request.model,
-            payload=payload,
-            num_texts=len(tokens.lengths), num_tokens=len(tokens.input_ids),
+            model=item.model, payload=item,
+            num_texts=len(item.lengths), num_tokens=len(item.input_ids),
             deadline=now + (remaining if remaining is not None else 30.0), enqueued_at=now,
-            batch_key=(request.model, request.output, self.student_numbers.get(request.model, 0)),
-            max_length=max(tokens.lengths, default=0), lengths=tuple(tokens.lengths), on_partial=on_partial,
+            batch_key=(item.model, item.output, students),
+            max_length=max(item.lengths, default=0), lengths=tuple(item.lengths), on_partial=on_partial,
         )
         annotate(model=request.model, tenant=request.tenant, policy=self.policy, batch_size=job.num_texts)
         try:
             result = await self.dispatcher.submit(job)
         except ServingError as e:
             await abort_with(context, e)
-        meta = result.metadata
-        meta.policy = self.policy
-        meta.scheduler_id = self.scheduler_id
-        meta.queue_ms = (job.started_at - job.enqueued_at) * 1e3
-        meta.attempts = job.attempts
-        meta.scheduler_ms = (time.perf_counter() - entered) * 1e3
-        return result
+        return output_to_pb(result, item.output, policy=self.policy, scheduler_id=self.scheduler_id,
+                            queue_ms=(job.started_at - job.enqueued_at) * 1e3, attempts=job.attempts,
+                            scheduler_ms=(time.perf_counter() - entered) * 1e3)
 
 
 class PlacementWatcher:
@@ -350,7 +218,7 @@ async def build() -> ServiceSpec:
     policy = policy_from(config)
     workers: dict[str, WorkerRef] = {}
     prefetcher = PlotPrefetcher(Stubs(plot_pb2_grpc.PlotStub), clock) if config.plot_prefetch else None
-    dispatcher = Dispatcher(policy, GroupSender(worker_stubs, clock, workers, prefetcher),
+    dispatcher = Dispatcher(policy, GroupSender(WorkerCalls(worker_stubs, workers), clock, prefetcher),
                             config.queue_capacity, config.retry_pushback_ms, clock,
                             on_wait=prefetcher.on_wait if prefetcher is not None else None,
                             drop_doomed=config.drop_doomed, send_ahead=config.send_ahead,

@@ -19,12 +19,19 @@ share one cgroup a front end saturating the cores would starve SCHED_IDLE comput
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import queue
+import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from academus.shared.runtime.slices import reset_slice
 
+T = TypeVar("T")
 POLICIES = {"idle": "SCHED_IDLE", "batch": "SCHED_BATCH", "normal": "SCHED_OTHER"}
 
 
@@ -55,3 +62,49 @@ def start_compute_thread(sched: str, device: torch.device) -> None:
     apply_compute_policy(sched)
     if device.type == "cuda":
         torch.cuda.set_stream(torch.cuda.Stream(device))
+
+
+class ComputePool:
+    """`instances` compute threads fed from one queue. A batch's hand-off is one `put` and, back, one
+    `call_soon_threadsafe`: `run_in_executor` adds a concurrent Future, its lock and condition and a chained
+    callback each way, about 25 µs of the worker's CPU a batch (docs/design/hops.md). The threads are daemons:
+    a batch still running when the process exits is the caller's to retry (the scheduler does)."""
+
+    def __init__(self, instances: int, sched: str, device: torch.device) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.threads = [threading.Thread(target=self._work, args=(sched, device), name=f"compute-{k}", daemon=True)
+                        for k in range(max(1, instances))]
+        for thread in self.threads:
+            thread.start()
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        """`fn(*args)` on a compute thread, awaited on the calling event loop."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._queue.put((fn, args, loop, future))
+        return await future
+
+    def shutdown(self) -> None:
+        """The threads leave once the batches queued before this have run."""
+        for _ in self.threads:
+            self._queue.put(None)
+
+    def _work(self, sched: str, device: torch.device) -> None:
+        start_compute_thread(sched, device)
+        while (task := self._queue.get()) is not None:
+            fn, args, loop, future = task
+            try:
+                outcome = (fn(*args), None)
+            except BaseException as e:   # the caller's to see, whatever it is
+                outcome = (None, e)
+            with contextlib.suppress(RuntimeError):   # the loop closed: nobody waits any more
+                loop.call_soon_threadsafe(_settle, future, *outcome)
+
+
+def _settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:
+    if future.cancelled():   # the caller left; the batch ran (or stopped) anyway
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -25,16 +25,16 @@ from torch import nn
 
 from academus.services.worker.adapters import TenantBatch
 from academus.services.worker.exits import ExitRun, ModelExits, Release, load_exits, ramps_stamp
-from academus.services.worker.sti import ShardRun, StiModel, StiSettings
+from academus.services.worker.sti import StiModel, StiSettings
 from academus.services.worker.traced import trace_layers
 from academus.shared.models.adapters import encode_with_adapters
 from academus.shared.models.exits import ControllerSettings
 from academus.shared.models.model import HIDDEN_SIZE, TeacherEncoder, pad_batch, weight_bytes
 from academus.shared.models.packing import Attention, PackedBatch, PackingPlan, check_plan, encode_packed, pack
-from academus.shared.models.plot.hierarchical import PlotStates
 from academus.shared.models.plot.table import PlotError
 from academus.shared.models.teacher_files import TEACHER_NAME
 from academus.shared.models.user_models import HEAD_ON, STUDENTS_OF
+from academus.shared.models.work import FINISH_L2, FINISH_SOFTMAX, FINISH_SUM, Batch, PlotStates, ShardRun, split_flat
 from academus.shared.runtime.config import visible_cuda_devices
 from academus.shared.runtime.errors import DeadlineExceeded, InvalidArgument, NotFound
 from academus.shared.runtime.logs import log_event
@@ -79,8 +79,6 @@ class BatchResult:
         return 1 - self.real_tokens / max(self.padded_tokens, 1)
 
 
-FINISH_SOFTMAX, FINISH_L2, FINISH_SUM = "softmax", "l2", "sum"
-
 
 def resolve_device(wanted: str) -> torch.device:
     """The configured device, or CPU when CUDA is not there (every GPU path falls back)."""
@@ -98,14 +96,12 @@ def device_label(device: torch.device) -> str:
     return f"cuda:{visible}" if visible and "," not in visible else str(device)
 
 
-def split_lengths(flat: Sequence[int], lengths: Sequence[int]) -> list[Sequence[int]]:
-    if sum(lengths) != len(flat):
-        raise InvalidArgument(f"tokens.lengths sum to {sum(lengths)} but tokens.input_ids has {len(flat)} ids")
-    out, start = [], 0
-    for n in lengths:
-        out.append(flat[start : start + n])
-        start += n
-    return out
+def split_lengths(flat: Sequence[int], lengths: Sequence[int], name: str = "input_ids") -> list[Sequence[int]]:
+    """Each text's `flat` ids; INVALID_ARGUMENT when the lengths do not add up to them."""
+    try:
+        return split_flat(flat, lengths, name)
+    except ValueError as e:
+        raise InvalidArgument(str(e)) from e
 
 
 @dataclass
@@ -457,47 +453,47 @@ class ModelRunner:
         if left is not None and left.is_set():
             raise CallerLeft(f"the caller left before {layer}; the rest was not computed")
 
-    def run(self, model: str, output: str, input_ids: Sequence[int], lengths: Sequence[int],
-            token_type_ids: Sequence[int] = (), deadline: float | None = None, num_students: int = 0,
-            student_indices: Sequence[int] = (), plan: PackingPlan | None = None,
-            tenants: TenantBatch | None = None, plot_states: PlotStates | None = None,
+    def run(self, batch: Batch, deadline: float | None = None, tenants: TenantBatch | None = None,
             left: threading.Event | None = None, release: Release | None = None) -> BatchResult:
         """Runs one batch; refuses to start when `deadline` (clock time) has passed, and stops between
-        layers once it passes or `left` is set (the caller went away). With
-        `student_indices`, runs only those students of a group and returns their additive share. With
-        `plan` (one entry a text), runs it packed (ConcatBatching) instead of padded. A PLOT model given
-        `plot_states` (prefetched by the scheduler) runs only its upper layers on them. With `release`, a
+        layers once it passes or `left` is set (the caller went away). With `batch.student_indices`, runs only
+        those students of a group and returns their additive share. With `batch.plan`, runs it packed
+        (ConcatBatching) instead of padded. A PLOT model given `batch.plot_states` (prefetched by the scheduler)
+        runs only its upper layers on them. `tenants`: the batch's adapters, fetched. With `release`, a
         classifier with exit ramps releases each text at its first confident ramp (Apparate) and runs on."""
+        model, output = batch.model, OUTPUT_PROBS if batch.wants_probs else OUTPUT_EMBEDDING
         served = self.models.get(model)
         if served is None:
             raise NotFound(f"model {model!r} is not served by this worker")
-        if plot_states is not None and served.packable:
+        if batch.plot_states is not None and served.packable:
             raise InvalidArgument(f"plot_states set for {model!r}, which computes its lower layers (no PLOT)")
+        lengths = batch.lengths
         if tenants is not None:
             check_tenant_batch(served, output, tenants, len(lengths))
         elif output == OUTPUT_PROBS and served.head is None and served.sti is None:
             raise InvalidArgument(f"model {model!r} is an embedding model: it has no labels")
-        students = served.students(num_students)
+        students = served.students(batch.num_students)
         if deadline is not None and self.clock() >= deadline:
             raise DeadlineExceeded("deadline passed before the batch started; not computed")
         self._local.deadline, self._local.left = deadline, left  # what the layer checks stop on, every path
-        seqs = split_lengths(input_ids, lengths)
-        types = split_lengths(token_type_ids, lengths) if token_type_ids else None
+        seqs = split_lengths(batch.input_ids, lengths)
+        types = split_lengths(batch.token_type_ids, lengths, "token_type_ids") if batch.token_type_ids else None
         exits = None
         if release is not None and served.exits is not None and output == OUTPUT_PROBS and tenants is None:
             exits = ExitRun(served.exits, len(lengths), release)
         self._local.exits = exits   # the layer hooks' (padded) and after_layer's (packed) ramps
+        indices, plan = batch.student_indices, batch.plan
         try:
             if served.sti is not None:
-                result = self._run_sti(served, output, seqs, types, deadline, student_indices, tenants)
+                result = self._run_sti(served, output, seqs, types, deadline, indices, tenants)
             elif served.null:
-                result = self._run_null(served, lengths, student_indices, plan, tenants, left)
+                result = self._run_null(served, lengths, indices, plan, tenants, left)
             elif tenants is not None:  # tenant batches run padded: a plan's rows would mix adapters within a row
-                result = self._run_tenants(served, output, seqs, types, tenants, plot_states)
+                result = self._run_tenants(served, output, seqs, types, tenants, batch.plot_states)
             elif plan is not None and served.packable:  # a PLOT model runs the plan's texts padded: same answers
-                result = self._run_packed(served, output, seqs, types, plan, students, student_indices)
+                result = self._run_packed(served, output, seqs, types, plan, students, indices)
             else:
-                result = self._run_padded(served, output, seqs, types, students, student_indices, plot_states)
+                result = self._run_padded(served, output, seqs, types, students, indices, batch.plot_states)
         finally:
             self._local.exits = None
         if exits is not None:

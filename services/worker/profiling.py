@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from academus.services.worker.core import OUTPUT_EMBEDDING, OUTPUT_PROBS, ModelRunner
+from academus.shared.models.work import Batch
 
 PROFILE_TOKEN = 2023  # any ordinary word piece: the profile measures shapes, not meaning
 
@@ -28,7 +29,7 @@ def profile_model(runner: ModelRunner, model: str, instances: Sequence[int] = (1
     samples of `length` tokens, all at once, as concurrent student instances would."""
     output = OUTPUT_PROBS if runner.models[model].head is not None else OUTPUT_EMBEDDING
     sample = [101] + [PROFILE_TOKEN] * (length - 2) + [102]
-    runner.run(model, output, sample, [length])  # warm-up: first-call allocations are not the device's speed
+    runner.run(Batch(model, output, sample, [length]))  # warm-up: first-call allocations are not the device's speed
     return [_point(runner, model, output, sample, c, m, batches) for c in instances for m in merges]
 
 
@@ -39,7 +40,7 @@ def _point(runner: ModelRunner, model: str, output: str, sample: list[int], inst
     def instance() -> float:
         start = time.perf_counter()
         for _ in range(batches):
-            runner.run(model, output, ids, lengths)
+            runner.run(Batch(model, output, ids, lengths))
         return (time.perf_counter() - start) / batches
 
     with ThreadPoolExecutor(max_workers=instances) as pool:

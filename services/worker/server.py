@@ -9,7 +9,6 @@ import os
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,25 +17,15 @@ import torch
 from prometheus_client import Counter, Gauge
 
 from academus.services.worker.adapters import AdapterCache, StoreFetcher, TenantBatch
-from academus.services.worker.compute_threads import start_compute_thread
-from academus.services.worker.core import (
-    FINISH_L2,
-    FINISH_SOFTMAX,
-    FINISH_SUM,
-    OUTPUT_EMBEDDING,
-    OUTPUT_PROBS,
-    CallerLeft,
-    ModelRunner,
-    device_label,
-)
+from academus.services.worker.compute_threads import ComputePool
+from academus.services.worker.core import CallerLeft, ModelRunner, device_label
 from academus.services.worker.exits import Release
 from academus.services.worker.host_tier import HostAdapters, HostWarmer
 from academus.services.worker.profiling import profile_model
-from academus.services.worker.sti import ShardRun, StiSettings
+from academus.services.worker.sti import StiSettings
 from academus.shared.models.exits import ControllerSettings
-from academus.shared.models.packing import PackingPlan
-from academus.shared.models.plot.hierarchical import PlotStates
-from academus.shared.models.plot.wire import lookup_from_pb
+from academus.shared.models.work import Batch, BatchMeta, BatchOutput
+from academus.shared.models.work_wire import batch_from_pb, output_to_pb
 from academus.shared.runtime import config as cfg
 from academus.shared.runtime.errors import DeadlineExceeded, InvalidArgument, ServingError, abort_with
 from academus.shared.runtime.logs import log_event
@@ -47,10 +36,8 @@ from academus.shared.state.catalogue import CATALOGUE_FILE, spec_to_pb
 from academus.shared.state.keys import Keys
 from academus.shared.state.tenants import TenantRegistry
 from academus.v1 import (
-    inference_pb2,
     resource_manager_pb2,
     resource_manager_pb2_grpc,
-    tensors_pb2,
     worker_pb2,
     worker_pb2_grpc,
 )
@@ -66,8 +53,6 @@ EXIT_TUNINGS = Counter("academus_worker_exit_tunings_total", "Threshold tunings 
 ACTIVE_RAMPS = Gauge("academus_worker_active_ramps", "Exit ramps a model runs now (§3.3 adjusts them)", ["model"])
 
 
-FINISHES = {"": tensors_pb2.FINISH_NONE, FINISH_SOFTMAX: tensors_pb2.FINISH_SOFTMAX, FINISH_L2: tensors_pb2.FINISH_L2,
-            FINISH_SUM: tensors_pb2.FINISH_SUM}
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -83,47 +68,32 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """One compute thread a student instance: that many batches run at once (on a GPU, each in its
         own thread and CUDA stream; under MPS, separate worker processes share the GPU instead)."""
         self.instances = max(1, instances)
-        self.executor = ThreadPoolExecutor(max_workers=self.instances, thread_name_prefix="compute",
-                                           initializer=start_compute_thread,
-                                           initargs=(self.compute_sched, self.runner.device))
+        previous = getattr(self, "compute", None)
+        self.compute = ComputePool(self.instances, self.compute_sched, self.runner.device)
+        if previous is not None:
+            previous.shutdown()
 
     async def Run(self, request, context: grpc.aio.ServicerContext):
         entered = time.perf_counter()
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
-        wants_probs = request.output in (inference_pb2.OUTPUT_LABEL, inference_pb2.OUTPUT_SCORE)
-        output = OUTPUT_PROBS if wants_probs else OUTPUT_EMBEDDING
-        tokens = request.tokens
         left = threading.Event()
         try:
-            tenants = await self._tenants(request, deadline)
-            result = await asyncio.get_running_loop().run_in_executor(
-                self.executor, self._run, request.model, output, tokens.input_ids, tokens.lengths,
-                tokens.token_type_ids, deadline, request.num_students, list(request.student_indices),
-                plan_from_proto(request), tenants, plot_states_from_proto(request), left,
-                self._releaser(request, context),
-            )
+            batch = batch_from_pb(request)
+            tenants = await self._tenants(batch, deadline)
+            result = await self.compute.run(self._run, batch, deadline, tenants, left, self._releaser(batch, context))
         except ServingError as e:
             await abort_with(context, e)
         except asyncio.CancelledError:  # the scheduler cancelled the call: the compute thread stops too
             left.set()
             raise
-        annotate(model=request.model, batch_size=len(tokens.lengths), worker=self.worker_id,
+        annotate(model=batch.model, batch_size=len(batch.lengths), worker=self.worker_id,
                  padding_ratio=result.padding_ratio)
-        rows, dim = result.values.shape
-        return tensors_pb2.ModelOutput(
-            output=request.output,
-            values=tensors_pb2.Matrix(values=result.values.ravel().tolist(), rows=rows, dim=dim),
-            labels=result.labels,
-            metadata=inference_pb2.InferMetadata(
-                batch_size=rows, student_count=result.student_count, worker_id=self.worker_id,
-                compute_ms=result.compute_ms, worker_ms=(time.perf_counter() - entered) * 1e3,
-                padded_tokens=result.padded_tokens, real_tokens=result.real_tokens,
-                plot_prefetched=request.HasField("plot_states"), shards=shard_run_pb(result.shards),
-            ),
-            finish=FINISHES[result.finish],
-        )
-
+        meta = BatchMeta(batch_size=len(result.values), student_count=result.student_count, worker_id=self.worker_id,
+                         compute_ms=result.compute_ms, worker_ms=(time.perf_counter() - entered) * 1e3,
+                         padded_tokens=result.padded_tokens, real_tokens=result.real_tokens,
+                         plot_prefetched=batch.plot_states is not None, shards=result.shards)
+        return output_to_pb(BatchOutput(result.values, result.labels, meta, result.finish), batch.output)
 
     async def SetShardBudget(self, request, context: grpc.aio.ServicerContext):
         try:
@@ -134,83 +104,43 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         log_event("shard_budget", model=request.model, budget_bytes=sti.budget_bytes, resident_bytes=held)
         return worker_pb2.ShardBudgetResponse(budget_bytes=sti.budget_bytes, resident_bytes=held)
 
-    def _releaser(self, request: worker_pb2.RunRequest, context) -> Release | None:
+    def _releaser(self, batch: Batch, context) -> Release | None:
         """Early answers (exit ramps) for a call that asked and can take them: built on the compute thread,
         sent from the event loop ahead of the call's answer."""
-        send = getattr(context, "send_partial", None) if request.early_exit else None
+        send = getattr(context, "send_partial", None) if batch.early_exit else None
         if send is None:
             return None
-        loop, model = asyncio.get_running_loop(), request.model
+        loop, model = asyncio.get_running_loop(), batch.model
 
         def release(rows: list[int], layer: int, probs) -> None:
             EXITS.labels(model, str(layer)).inc(len(rows))
-            labels = self.runner.specs[model].labels
-            early = tensors_pb2.ModelOutput(output=request.output, labels=labels, rows=rows, exit_layer=layer,
-                                            values=tensors_pb2.Matrix(values=probs.ravel().tolist(),
-                                                                      rows=len(rows), dim=probs.shape[1]))
-            loop.call_soon_threadsafe(send, early)
+            early = BatchOutput(probs, self.runner.specs[model].labels, rows=tuple(rows), exit_layer=layer)
+            loop.call_soon_threadsafe(send, output_to_pb(early, batch.output))
 
         return release
 
-    async def _tenants(self, request: worker_pb2.RunRequest, deadline: float | None) -> TenantBatch | None:
+    async def _tenants(self, batch: Batch, deadline: float | None) -> TenantBatch | None:
         """The batch's tenant adapters from the cache (misses fetched from the store); None without."""
-        if not request.adapters:
+        if not batch.adapters:
             return None
         if self.adapters is None:
             raise InvalidArgument("adapters set, but this worker serves no tenant adapters")
-        keys = [(a.tenant, a.name, a.version) if a.tenant else None for a in request.adapters]
-        batch = await self.adapters.acquire(keys, deadline)
-        return replace(batch, domains=tuple(a.domain for a in request.adapters))
+        keys = [(a.tenant, a.name, a.version) if a is not None else None for a in batch.adapters]
+        fetched = await self.adapters.acquire(keys, deadline)
+        return replace(fetched, domains=tuple(a.domain if a is not None else "" for a in batch.adapters))
 
-    def _run(self, model: str, *args):
+    def _run(self, batch: Batch, *args):
         """On the compute thread, so batches stopped after their caller left are counted too."""
         try:
-            result = self.runner.run(model, *args)
+            result = self.runner.run(batch, *args)
         except DeadlineExceeded:
             EXPIRED.inc()
             raise
         except CallerLeft:
             ABANDONED.inc()
             raise
-        BATCHES.labels(model).inc()
+        BATCHES.labels(batch.model).inc()
         return result
-
-
-def plot_states_from_proto(request: worker_pb2.RunRequest) -> PlotStates | None:
-    """The layer-K states the scheduler prefetched (HMI §6.1); None: the worker looks them up itself."""
-    if not request.HasField("plot_states"):
-        return None
-    plot = request.plot_states
-    if list(plot.lengths) != list(request.tokens.lengths):
-        raise InvalidArgument(f"plot_states.lengths {list(plot.lengths)[:8]} do not match tokens.lengths "
-                              f"{list(request.tokens.lengths)[:8]}")
-    try:
-        lookup = lookup_from_pb(plot)
-    except ValueError as e:  # another dtype, or bytes that are not lengths x hidden
-        raise InvalidArgument(f"plot_states: {e}") from e
-    return PlotStates(lookup.states, lookup.lengths, plot.model, plot.lower_layers)
-
-
-def shard_run_pb(run: ShardRun | None) -> inference_pb2.ShardRun | None:
-    """What a shard-served batch ran, as the response's metadata (None: not served from shards)."""
-    if run is None:
-        return None
-    return inference_pb2.ShardRun(layers=run.layers, width=run.width, mean_bits=run.mean_bits, io_ms=run.io_ms,
-                                  stall_ms=run.stall_ms, resident_bytes=run.resident_bytes, io_source=run.io_source)
-
-
-def plan_from_proto(request: worker_pb2.RunRequest) -> PackingPlan | None:
-    """The scheduler's ConcatBatching plan (None: run padded); a malformed one is INVALID_ARGUMENT."""
-    if not request.HasField("packing"):
-        return None
-    plan = request.packing
-    rows = [[list(slot.requests) for slot in row.slots] for row in plan.rows]
-    if plan.row_length < 1:
-        raise InvalidArgument(f"packing.row_length={plan.row_length} must be at least 1")
-    try:
-        return PackingPlan.slotted(rows, plan.row_length, plan.slot_size or plan.row_length)
-    except ValueError as e:
-        raise InvalidArgument(f"packing: {e}") from e
 
 
 class ExitTuning:

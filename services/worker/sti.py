@@ -24,6 +24,7 @@ from academus.shared.models.model import weight_bytes
 from academus.shared.models.shard_store import ShardStore
 from academus.shared.models.sti_pipeline import DeadlineMissed, ElasticModel, ShardPipeline, io_source
 from academus.shared.models.sti_planner import Plan
+from academus.shared.models.work import ShardRun
 from academus.shared.runtime.errors import DeadlineExceeded, InvalidArgument
 from academus.shared.state.artifacts import ArtifactError
 from academus.shared.training.shards import load_profile, measure_profile, planner_for, save_profile
@@ -46,19 +47,6 @@ class StiSettings:
     budget_bytes: int = 0       # 0: the resident part, the working buffer and a 4 MiB preload buffer
     target_ms: float = 0.0      # 0: what remains of each batch's deadline
     deadline_share: float = 0.8  # of the remaining time a plan may use (the rest: the hops back)
-
-
-@dataclass(frozen=True)
-class ShardRun:
-    """What a batch ran: the response's metadata."""
-
-    layers: int
-    width: int
-    mean_bits: float
-    io_ms: float
-    stall_ms: float
-    resident_bytes: int
-    io_source: str
 
 
 class StiModel:

@@ -43,43 +43,12 @@ from torch.nn import functional as F
 from academus.shared.models.architectures import Architecture, read_architecture
 from academus.shared.models.model import FIRST, MEAN, TeacherEncoder
 from academus.shared.models.students import StudentGroup
+from academus.shared.models.work import PackingPlan
 
 Attention = Literal["hf", "sdpa"]
 LayerCallback = Callable[[int], None]   # called with the layer index before each layer (deadline checks)
 # after layer k: k, this pass's pooled states (computed on demand), the requests they belong to (exit ramps)
 AfterLayer = Callable[[int, Callable[[], torch.Tensor], torch.Tensor], None]
-
-
-@dataclass(frozen=True)
-class PackingPlan:
-    """Where each request sits: row → its slots → request indices, in placement order."""
-
-    rows: tuple[tuple[tuple[int, ...], ...], ...]
-    row_length: int     # L
-    slot_size: int      # z; equal to L for pure ConcatBatching
-
-    @classmethod
-    def concat(cls, rows: Sequence[Sequence[int]], row_length: int) -> PackingPlan:
-        """Pure ConcatBatching: each row is one slot of L tokens."""
-        return cls(tuple((tuple(row),) for row in rows), row_length, row_length)
-
-    @classmethod
-    def slotted(cls, rows: Sequence[Sequence[Sequence[int]]], row_length: int, slot_size: int) -> PackingPlan:
-        """Slotted ConcatBatching: at most L // z slots of z tokens a row."""
-        if not 1 <= slot_size <= row_length:
-            raise ValueError(f"slot_size={slot_size} must be within 1..row_length={row_length}")
-        for k, row in enumerate(rows):
-            if len(row) > row_length // slot_size:
-                raise ValueError(f"row {k} has {len(row)} slots; L={row_length} holds {row_length // slot_size}"
-                                 f" slots of z={slot_size}")
-        return cls(tuple(tuple(tuple(slot) for slot in row) for row in rows), row_length, slot_size)
-
-    def slots(self) -> list[tuple[int, ...]]:
-        """The non-empty slots of every row, in row order: the units attention is computed over."""
-        return [slot for row in self.rows for slot in row if slot]
-
-    def requests(self) -> list[int]:
-        return [i for slot in self.slots() for i in slot]
 
 
 @dataclass(frozen=True)

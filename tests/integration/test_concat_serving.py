@@ -13,6 +13,7 @@ from prometheus_client import REGISTRY
 
 from academus.client import AsyncClient
 from academus.services.worker.core import OUTPUT_PROBS, ModelRunner
+from academus.shared.models.work import Batch
 from academus.shared.runtime.config import artifacts_dir
 from academus.shared.runtime.redis_conn import connect
 from academus.shared.runtime.serving import RunningService
@@ -161,6 +162,6 @@ async def test_concat_packs_a_student_group_split_across_workers(redis_server, a
     assert max(a.metadata.batch_size for a in answers) > 1
     runner = ModelRunner(artifacts, [GROUP_MODEL])
     ids, lengths = tokens(texts)
-    whole = runner.run(GROUP_MODEL, OUTPUT_PROBS, ids, lengths, num_students=2).values
+    whole = runner.run(Batch(GROUP_MODEL, OUTPUT_PROBS, ids, lengths, num_students=2)).values
     served = np.array([[a.predictions[0].probs["rotten"], a.predictions[0].probs["fresh"]] for a in answers])
     assert np.abs(served - whole).max() <= 1e-4

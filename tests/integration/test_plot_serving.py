@@ -20,6 +20,7 @@ from academus.shared.models.plot.hierarchical import HierarchicalEncoder, PlotSt
 from academus.shared.models.plot.layers import SplitBert
 from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.models.work import Batch
 from academus.shared.runtime.config import artifacts_dir
 from academus.shared.runtime.errors import DeadlineExceeded, InvalidArgument
 from academus.shared.training.plot_build import BuildOptions, build
@@ -80,12 +81,12 @@ def test_the_commands_register_both_models(artifacts):
 def test_worker_serves_the_hierarchical_model_in_process(artifacts, encoder):
     runner = ModelRunner(artifacts, ["minilm-plot", "spam-plot", "minilm"])
     ids, lengths = flat(TEXTS)
-    served = runner.run("minilm-plot", OUTPUT_EMBEDDING, ids, lengths)
+    served = runner.run(Batch("minilm-plot", OUTPUT_EMBEDDING, ids, lengths))
     expected = encoder.pool(token_lists(TEXTS))
     torch.testing.assert_close(torch.from_numpy(served.values), expected, rtol=0, atol=1e-5)
-    teacher = runner.run("minilm", OUTPUT_EMBEDDING, ids, lengths).values
+    teacher = runner.run(Batch("minilm", OUTPUT_EMBEDDING, ids, lengths)).values
     assert not np.allclose(served.values, teacher, atol=1e-3)   # really the lookups, not the teacher
-    probs = runner.run("spam-plot", OUTPUT_PROBS, ids, lengths)
+    probs = runner.run(Batch("spam-plot", OUTPUT_PROBS, ids, lengths))
     assert probs.labels == ["ham", "spam"]
     torch.testing.assert_close(torch.from_numpy(probs.values), head_probs(artifacts, expected), rtol=0, atol=1e-5)
 
@@ -93,8 +94,9 @@ def test_worker_serves_the_hierarchical_model_in_process(artifacts, encoder):
 def test_a_packing_plan_runs_padded_with_the_same_answers(artifacts):
     runner = ModelRunner(artifacts, ["minilm-plot"])
     ids, lengths = flat(TEXTS)
-    padded = runner.run("minilm-plot", OUTPUT_EMBEDDING, ids, lengths)
-    planned = runner.run("minilm-plot", OUTPUT_EMBEDDING, ids, lengths, plan=PackingPlan.concat([[0, 1, 2, 3]], 64))
+    padded = runner.run(Batch("minilm-plot", OUTPUT_EMBEDDING, ids, lengths))
+    planned = runner.run(Batch("minilm-plot", OUTPUT_EMBEDDING, ids, lengths,
+                               plan=PackingPlan.concat([[0, 1, 2, 3]], 64)))
     np.testing.assert_array_equal(planned.values, padded.values)
     assert planned.padded_tokens == len(lengths) * max(lengths)
 
@@ -105,14 +107,14 @@ def test_the_deadline_stops_between_the_upper_layers(artifacts):
     runner = ModelRunner(artifacts, ["minilm-plot"], clock=lambda: next(calls))
     ids, lengths = flat(TEXTS[:1])
     with pytest.raises(DeadlineExceeded, match=f"encoder.layer.{K}; the rest"):
-        runner.run("minilm-plot", OUTPUT_EMBEDDING, ids, lengths, deadline=1.0)
+        runner.run(Batch("minilm-plot", OUTPUT_EMBEDDING, ids, lengths), deadline=1.0)
 
 
 def test_sentence_pairs_are_refused_naming_the_field(artifacts):
     runner = ModelRunner(artifacts, ["minilm-plot"])
     ids, lengths = flat(TEXTS[:1])
     with pytest.raises(InvalidArgument, match="token_type_ids"):
-        runner.run("minilm-plot", OUTPUT_EMBEDDING, ids, lengths, token_type_ids=[0] * 4 + [1] * (len(ids) - 4))
+        runner.run(Batch("minilm-plot", OUTPUT_EMBEDDING, ids, lengths, token_type_ids=[0] * 4 + [1] * (len(ids) - 4)))
 
 
 async def test_minilm_plot_through_gateway_scheduler_worker(artifacts, encoder, redis_server):
@@ -149,15 +151,16 @@ def test_prefetched_states_run_only_the_upper_layers_and_foreign_ones_are_refuse
     ids, lengths = flat(TEXTS)
     lookup = encoder.store.lookup(np.array(ids), np.array(lengths))
     states = PlotStates(lookup.states.astype(np.float16).astype(np.float32), lookup.lengths, "minilm", K)
-    served = runner.run("minilm-plot", OUTPUT_EMBEDDING, ids, lengths, plot_states=states)
+    served = runner.run(Batch("minilm-plot", OUTPUT_EMBEDDING, ids, lengths, plot_states=states))
     torch.testing.assert_close(torch.from_numpy(served.values), fp16_route(encoder, TEXTS), rtol=0, atol=1e-5)
     with pytest.raises(InvalidArgument, match=r"plot_states come from a 'minilm' K=2 table; this model serves "
                                               r"'minilm' K=3"):
-        runner.run("minilm-plot", OUTPUT_EMBEDDING, ids, lengths, plot_states=replace(states, lower_layers=2))
+        runner.run(Batch("minilm-plot", OUTPUT_EMBEDDING, ids, lengths, plot_states=replace(states, lower_layers=2)))
     with pytest.raises(InvalidArgument, match=r"plot_states has shape \(\d+, 384\); the texts need"):
-        runner.run("minilm-plot", OUTPUT_EMBEDDING, ids, lengths, plot_states=replace(states, states=states.states[1:]))
+        runner.run(Batch("minilm-plot", OUTPUT_EMBEDDING, ids, lengths,
+                         plot_states=replace(states, states=states.states[1:])))
     with pytest.raises(InvalidArgument, match="plot_states set for 'minilm', which computes its lower layers"):
-        runner.run("minilm", OUTPUT_EMBEDDING, ids, lengths, plot_states=states)
+        runner.run(Batch("minilm", OUTPUT_EMBEDDING, ids, lengths, plot_states=states))
 
 
 async def test_the_scheduler_prefetches_plot_states_while_requests_wait(artifacts, encoder, redis_server):

@@ -23,6 +23,7 @@ from academus.shared.models.plot.hierarchical import padded_lookup
 from academus.shared.models.plot.layers import SplitBert
 from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.models.work import Batch
 from academus.shared.runtime.config import artifacts_dir
 from academus.shared.runtime.errors import InvalidArgument
 from academus.shared.runtime.redis_conn import connect
@@ -109,7 +110,7 @@ def test_the_worker_serves_exactly_what_was_trained_each_row_in_its_domain(artif
     domains = ["critics", "", "", "critics"]
     seqs = [e.input_ids for e in encode(texts)]
     batch = TenantBatch([adapter] * 4, [], domains=tuple(domains))
-    served = runner.run("minilm-plot", OUTPUT_PROBS, [t for s in seqs for t in s], [len(s) for s in seqs],
+    served = runner.run(Batch("minilm-plot", OUTPUT_PROBS, [t for s in seqs for t in s], [len(s) for s in seqs]),
                         tenants=batch).values
     expected = training_path_probs(teacher, store, adapter, texts, domains)
     assert np.abs(served - expected.numpy()).max() < 1e-5
@@ -117,7 +118,7 @@ def test_the_worker_serves_exactly_what_was_trained_each_row_in_its_domain(artif
     root_only = training_path_probs(teacher, store, adapter, texts[:1], [""])
     assert np.abs(served[0] - root_only.numpy()[0]).max() > 1e-4
     with pytest.raises(InvalidArgument, match="no PLOT overlay for domain 'nope'"):
-        runner.run("minilm-plot", OUTPUT_PROBS, seqs[0], [len(seqs[0])],
+        runner.run(Batch("minilm-plot", OUTPUT_PROBS, seqs[0], [len(seqs[0])]),
                    tenants=TenantBatch([adapter], [], domains=("nope",)))
 
 

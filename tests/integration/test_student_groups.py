@@ -12,6 +12,7 @@ import pytest
 
 from academus.client import AsyncClient
 from academus.services.worker.core import OUTPUT_EMBEDDING, OUTPUT_PROBS, ModelRunner
+from academus.shared.models.work import Batch
 from academus.shared.runtime.redis_conn import connect
 from academus.shared.runtime.serving import RunningService
 from academus.shared.state.keys import Keys
@@ -86,10 +87,10 @@ async def test_a_group_across_two_workers_equals_the_whole_group_on_one(mesh, re
     assert labelled.metadata.student_count == 2 and labelled.metadata.worker_id == "g-w0+g-w1"
     runner = ModelRunner(artifacts, [MODEL])
     ids, lengths = tokens(TEXTS)
-    whole = runner.run(MODEL, OUTPUT_PROBS, ids, lengths, num_students=2).values
+    whole = runner.run(Batch(MODEL, OUTPUT_PROBS, ids, lengths, num_students=2)).values
     served = np.array([[p.probs["rotten"], p.probs["fresh"]] for p in labelled.predictions])
     assert np.abs(served - whole).max() < 1e-5
-    pooled = runner.run(MODEL, OUTPUT_EMBEDDING, ids, lengths, num_students=2).values
+    pooled = runner.run(Batch(MODEL, OUTPUT_EMBEDDING, ids, lengths, num_students=2)).values
     assert np.abs(np.array([p.embedding for p in embedded.predictions]) - pooled).max() < 1e-4
 
 

@@ -11,6 +11,7 @@ import torch
 from academus.services.worker.core import OUTPUT_EMBEDDING, OUTPUT_PROBS, ModelRunner
 from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.models.work import Batch
 from academus.shared.runtime.errors import InvalidArgument
 from academus.shared.runtime.redis_conn import connect
 from academus.shared.state.keys import Keys
@@ -36,21 +37,21 @@ def test_catalogue_names_the_student_model(artifacts):
 def test_student_group_runs_best_k_by_default_and_any_prefix_on_request(artifacts):
     runner = ModelRunner(artifacts, ["sentiment-students", "sentiment"])
     ids, lengths = tokens(["a warm, funny film", "a dull mess"])
-    default = runner.run("sentiment-students", OUTPUT_PROBS, ids, lengths)
-    both = runner.run("sentiment-students", OUTPUT_PROBS, ids, lengths, num_students=2)
+    default = runner.run(Batch("sentiment-students", OUTPUT_PROBS, ids, lengths))
+    both = runner.run(Batch("sentiment-students", OUTPUT_PROBS, ids, lengths, num_students=2))
     assert default.student_count == 1 and both.student_count == 2
     assert default.labels == ["rotten", "fresh"] and default.values.shape == (2, 2)
     assert not torch.allclose(torch.from_numpy(default.values), torch.from_numpy(both.values))
-    pooled = runner.run("sentiment-students", OUTPUT_EMBEDDING, ids, lengths, num_students=2).values
+    pooled = runner.run(Batch("sentiment-students", OUTPUT_EMBEDDING, ids, lengths, num_students=2)).values
     assert pooled.shape == (2, 384)
-    assert runner.run("sentiment", OUTPUT_PROBS, ids, lengths).student_count == 1  # the teacher
+    assert runner.run(Batch("sentiment", OUTPUT_PROBS, ids, lengths)).student_count == 1  # the teacher
 
 
 def test_more_students_than_the_group_holds_is_invalid(artifacts):
     runner = ModelRunner(artifacts, ["sentiment-students"])
     ids, lengths = tokens(["hi"])
     with pytest.raises(InvalidArgument, match="num_students=3 exceeds the 2 students"):
-        runner.run("sentiment-students", OUTPUT_PROBS, ids, lengths, num_students=3)
+        runner.run(Batch("sentiment-students", OUTPUT_PROBS, ids, lengths, num_students=3))
 
 
 async def test_student_model_served_through_the_grpc_path(artifacts, redis_server):
@@ -84,9 +85,9 @@ def test_the_single_2_layer_baseline_serves_the_first_student_alone(artifacts):
     assert entry["limit_students"] == 1 and entry["students"] == "students/sentiment"
     runner = ModelRunner(artifacts, ["sentiment-2l", "sentiment-students"])
     ids, lengths = tokens(["a warm, funny film"])
-    alone = runner.run("sentiment-2l", OUTPUT_PROBS, ids, lengths)
-    first = runner.run("sentiment-students", OUTPUT_PROBS, ids, lengths, num_students=1)
+    alone = runner.run(Batch("sentiment-2l", OUTPUT_PROBS, ids, lengths))
+    first = runner.run(Batch("sentiment-students", OUTPUT_PROBS, ids, lengths, num_students=1))
     assert runner.specs["sentiment-2l"].max_students == 1 and alone.student_count == 1
     assert torch.allclose(torch.from_numpy(alone.values), torch.from_numpy(first.values))
     with pytest.raises(InvalidArgument, match="exceeds the 1 students"):
-        runner.run("sentiment-2l", OUTPUT_PROBS, ids, lengths, num_students=2)
+        runner.run(Batch("sentiment-2l", OUTPUT_PROBS, ids, lengths, num_students=2))

@@ -12,6 +12,7 @@ import torch
 
 from academus.services.worker.core import OUTPUT_EMBEDDING, OUTPUT_PROBS, ModelRunner
 from academus.services.worker.traced import TracedLayer
+from academus.shared.models.work import Batch
 from tests.integration.test_student_serving import artifacts  # noqa: F401  (module fixture)
 
 pytestmark = pytest.mark.integration
@@ -36,8 +37,8 @@ def test_traced_layers_answer_as_the_layers_own_forwards(runners):
         for model in MODELS:
             output = OUTPUT_EMBEDDING if model == "minilm" else OUTPUT_PROBS
             k = rng.choice([1, 2]) if model.endswith("students") else 0
-            want = eager.run(model, output, ids, lengths, num_students=k).values
-            got = traced.run(model, output, ids, lengths, num_students=k).values
+            want = eager.run(Batch(model, output, ids, lengths, num_students=k)).values
+            got = traced.run(Batch(model, output, ids, lengths, num_students=k)).values
             np.testing.assert_allclose(got, want, atol=1e-5)
     first = traced.teacher().body.encoder.layer[0]
     assert isinstance(first.forward, TracedLayer) and not isinstance(eager.teacher().body.encoder.layer[0].forward,
@@ -46,8 +47,8 @@ def test_traced_layers_answer_as_the_layers_own_forwards(runners):
     # shape; a serving call goes through them (cleared, they are traced again by the next batches).
     assert None in first.forward.graphs and len(first.forward.graphs) == 2
     first.forward.graphs.clear()
-    traced.run("sentiment", OUTPUT_PROBS, [2023, 2003, 2307, 2143, 2023, 2003], [4, 2])  # padded
-    traced.run("sentiment", OUTPUT_PROBS, [2023, 2003, 2307], [3])                        # unpadded
+    traced.run(Batch("sentiment", OUTPUT_PROBS, [2023, 2003, 2307, 2143, 2023, 2003], [4, 2]))  # padded
+    traced.run(Batch("sentiment", OUTPUT_PROBS, [2023, 2003, 2307], [3]))                        # unpadded
     assert None in first.forward.graphs and len(first.forward.graphs) == 2
 
 
@@ -80,9 +81,9 @@ def test_a_plain_batch_stays_traced_beside_the_tenant_adapters_hooks(runners):
     install_adapters(teacher)   # what a worker's first tenant batch leaves behind: hooks in every layer
     try:
         first.graphs.clear()
-        plain = traced.run("minilm", OUTPUT_EMBEDDING, ids, lengths).values
+        plain = traced.run(Batch("minilm", OUTPUT_EMBEDDING, ids, lengths)).values
         assert len(first.graphs) == 1                       # no tenant batch in this thread: still traced
-        np.testing.assert_allclose(plain, eager.run("minilm", OUTPUT_EMBEDDING, ids, lengths).values, atol=1e-5)
+        np.testing.assert_allclose(plain, eager.run(Batch("minilm", OUTPUT_EMBEDDING, ids, lengths)).values, atol=1e-5)
         padded = [torch.tensor([ids[:4], [*ids[4:], 0, 0]]), torch.tensor([[1] * 4, [1, 1, 0, 0]])]
         with torch.inference_mode():
             adapted, _ = encode_with_adapters(teacher, *padded, None, [make_adapter(1, ["no", "yes"])] * 2)

@@ -9,6 +9,7 @@ import pytest
 
 from academus.services.worker.core import OUTPUT_EMBEDDING, ModelRunner
 from academus.shared.models.user_models import add_model, remove_model
+from academus.shared.models.work import Batch
 from academus.shared.runtime.config import artifacts_dir
 from academus.shared.state.catalogue import read_catalogue, write_entry
 from tests.models import tiny_model_dir
@@ -28,7 +29,7 @@ def test_added_models_load_and_removed_ones_drop(artifacts: Path, tmp_path: Path
     assert runner.refresh() and sorted(runner.specs) == ["null", "tiny"]
     spec = runner.specs["tiny"]
     assert (spec.dim, spec.layers, spec.architecture) == (36, 3, "RobertaModel") and spec.memory_bytes > 0
-    assert runner.run("tiny", OUTPUT_EMBEDDING, [101, 2009, 102], [3]).values.shape == (1, 36)
+    assert runner.run(Batch("tiny", OUTPUT_EMBEDDING, [101, 2009, 102], [3])).values.shape == (1, 36)
     remove_model(artifacts, "tiny")
     assert runner.refresh() and list(runner.models) == ["null"]
 

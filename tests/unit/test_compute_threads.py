@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import sys
 import threading
@@ -10,12 +11,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from academus.services.worker.compute_threads import apply_compute_policy, policy_of_this_thread
+from academus.services.worker.compute_threads import ComputePool, apply_compute_policy, policy_of_this_thread
 from academus.services.worker.server import WorkerServicer
 from academus.shared.runtime import config as cfg
 
 CPU_RUNNER = SimpleNamespace(device=torch.device("cpu"))
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread policies are Linux's")
+
+
+def on_compute(servicer: WorkerServicer, fn, times: int = 1) -> list:
+    """`fn()` run `times` at once on the servicer's compute threads."""
+    async def run() -> list:
+        return list(await asyncio.gather(*(servicer.compute.run(fn) for _ in range(times))))
+
+    return asyncio.run(run())
 
 
 def in_new_thread(fn, *args):
@@ -36,11 +45,28 @@ def test_the_policy_is_set_on_the_calling_thread_only(name: str) -> None:
 @linux
 def test_the_servicers_compute_threads_take_the_configured_policy() -> None:
     servicer = WorkerServicer(runner=CPU_RUNNER, worker_id="w", instances=2, compute_sched="idle")
-    policies = {servicer.executor.submit(policy_of_this_thread).result() for _ in range(4)}
-    assert policies == {"idle"}
+    assert set(on_compute(servicer, policy_of_this_thread, times=4)) == {"idle"}
+    old = servicer.compute.threads
     servicer.resize(1)   # the resource manager's answer: the new threads keep the policy
-    assert servicer.executor.submit(policy_of_this_thread).result() == "idle"
-    assert WorkerServicer(CPU_RUNNER, "w").executor.submit(policy_of_this_thread).result() == "normal"
+    assert on_compute(servicer, policy_of_this_thread) == ["idle"] and len(servicer.compute.threads) == 1
+    for thread in old:   # the old pool's threads leave once their queue is drained
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+    assert on_compute(WorkerServicer(CPU_RUNNER, "w"), policy_of_this_thread) == ["normal"]
+
+
+async def test_the_pool_returns_results_raises_errors_and_survives_a_caller_that_left() -> None:
+    pool = ComputePool(1, "normal", torch.device("cpu"))
+    assert await pool.run(sum, [1, 2, 3]) == 6
+    with pytest.raises(ZeroDivisionError):
+        await pool.run(lambda: 1 / 0)
+    started, release = threading.Event(), threading.Event()
+    waiting = asyncio.ensure_future(pool.run(lambda: started.set() or release.wait(10)))
+    await asyncio.to_thread(started.wait, 10)
+    waiting.cancel()             # the caller left while its batch ran: the answer has nowhere to go
+    release.set()
+    assert await pool.run(threading.current_thread) in pool.threads   # the thread serves the next batch
+    pool.shutdown()
 
 
 def test_normal_is_the_default_and_an_unknown_policy_is_refused() -> None:
@@ -58,5 +84,5 @@ def test_on_a_gpu_each_compute_thread_has_its_own_stream() -> None:
         barrier.wait(timeout=10)   # both threads alive at once: two distinct executor threads
         return torch.cuda.current_stream().cuda_stream
 
-    streams = {f.result() for f in [servicer.executor.submit(stream_of_this_thread) for _ in range(2)]}
+    streams = set(on_compute(servicer, stream_of_this_thread, times=2))
     assert len(streams) == 2 and torch.cuda.default_stream().cuda_stream not in streams

@@ -16,9 +16,10 @@ from academus.services.scheduler.policies import (
     PaddedPolicy,
     make_policy,
 )
-from academus.services.scheduler.server import build_request
-from academus.services.worker.server import plan_from_proto
+from academus.services.scheduler.sender import batch_of
 from academus.shared.models.packing import pack
+from academus.shared.models.work import WorkItem
+from academus.shared.models.work_wire import batch_to_pb, plan_from_pb
 from academus.shared.runtime import config as cfg
 from academus.shared.runtime.errors import DeadlineExceeded, InvalidArgument
 from academus.v1 import worker_pb2
@@ -33,7 +34,7 @@ def fixed() -> LatencyModel:
 
 
 class FakeWorker:
-    """`send` that records each batch and the worker request built from it, and waits for the test."""
+    """`send` that records each batch and the worker request it goes as, and waits for the test."""
 
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
@@ -43,19 +44,17 @@ class FakeWorker:
 
     async def send(self, group, batch):
         self.batches.append(list(batch))
-        self.requests.append(build_request(batch))
+        self.requests.append(batch_to_pb(batch_of(batch)))
         answer = asyncio.get_running_loop().create_future()
         self.answers.append(answer)
         await answer
         self.clock.now += BATCH_S
-        return [job.payload.batch_id for job in batch]
+        return [job.payload.request_id for job in batch]
 
 
 def job(clock: Clock, lengths: tuple[int, ...], name: str = "", deadline_in: float = 5.0, model: str = "minilm") -> Job:
     ids = [101 + k for n in lengths for k in range(n)]
-    payload = worker_pb2.RunRequest(batch_id=name, model=model)
-    payload.tokens.input_ids.extend(ids)
-    payload.tokens.lengths.extend(lengths)
+    payload = WorkItem(model, "embedding", ids, list(lengths), request_id=name)
     return Job(model=model, payload=payload, num_texts=len(lengths), num_tokens=sum(lengths),
                deadline=clock() + deadline_in, enqueued_at=clock(), batch_key=(model,), max_length=max(lengths),
                lengths=lengths)
@@ -119,7 +118,7 @@ async def test_das_packs_many_requests_into_rows_and_the_plan_reaches_the_worker
         assert sum(flat[t] for t in row.slots[0].requests) <= 32     # no row over L
     # DAS takes the shortest first (utility 1/l): 6, 8, 9 are all in, the 30-token one waits
     assert {6, 8, 9} <= {j.num_tokens for j in batch} and 30 not in {j.num_tokens for j in batch}
-    pack([[0] * n for n in flat], plan_from_proto(request))        # the worker accepts the plan as is
+    pack([[0] * n for n in flat], plan_from_pb(request))        # the worker accepts the plan as is
     assert sorted(await finish(worker, tasks)) == sorted(["busy", *(f"j{n}" for n in lengths)])
 
 
@@ -133,7 +132,7 @@ async def test_requests_that_cannot_meet_their_deadline_are_answered_and_never_c
     with pytest.raises(DeadlineExceeded, match="not computed"):
         await tasks[1]
     assert all(doomed is not j for batch in worker.batches for j in batch)
-    assert [j.payload.batch_id for j in worker.batches[1]] == ["fine"] and d.stats.expired == 1
+    assert [j.payload.request_id for j in worker.batches[1]] == ["fine"] and d.stats.expired == 1
     await release(worker, 1)
     assert await tasks[2] == "fine"
 
@@ -152,7 +151,7 @@ async def test_an_oversize_request_runs_alone_in_rows_of_its_own_never_truncated
     assert [long_index] in slots                                   # the 70-token text sits alone in its slot
     assert sum(sum(v) for v in texts.values()) == 70 + 8 + 40 + 9  # nothing cut off
     for r in requests:
-        pack([[0] * n for n in r.tokens.lengths], plan_from_proto(r))
+        pack([[0] * n for n in r.tokens.lengths], plan_from_pb(r))
     assert sorted(await asyncio.gather(*tasks[1:])) == ["long", "multi"]
 
 
@@ -192,7 +191,7 @@ async def test_row_fill_baselines_on_the_same_engine(name, expected):
         j.enqueued_at += k * 0.001                                 # arrival order: first, urgent, short
     await queue_behind_a_running_batch(d, clock, worker, queued)
     await release(worker, 0)
-    assert worker.batches[1][0].payload.batch_id == expected
+    assert worker.batches[1][0].payload.request_id == expected
 
 
 def test_plan_is_reindexed_to_the_merged_order_and_skips_jobs_dropped_before_sending():
@@ -202,12 +201,12 @@ def test_plan_is_reindexed_to_the_merged_order_and_skips_jobs_dropped_before_sen
     for j in jobs:
         policy.push(j, clock())
     batch = policy.next_batch(lambda j: True, clock())
-    assert {j.payload.batch_id for j in batch} == {"a", "b", "c"}
-    kept = [j for j in batch if j.payload.batch_id != "b"]          # "b" was cancelled by its caller
-    request = build_request(kept)
+    assert {j.payload.request_id for j in batch} == {"a", "b", "c"}
+    kept = [j for j in batch if j.payload.request_id != "b"]          # "b" was cancelled by its caller
+    request = batch_to_pb(batch_of(kept))
     assert list(request.tokens.lengths) == [n for j in kept for n in j.lengths]
     assert placed_texts(request) == [0, 1, 2]
-    pack([[0] * n for n in request.tokens.lengths], plan_from_proto(request))
+    pack([[0] * n for n in request.tokens.lengths], plan_from_pb(request))
 
 
 async def test_bucketed_groups_similar_lengths_and_pads_without_a_plan():

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from academus.services.scheduler.core import Job
-from academus.services.scheduler.server import deliver_partial
+from academus.services.scheduler.sender import deliver_partial
 from academus.services.worker.core import OUTPUT_PROBS, ModelRunner
 from academus.services.worker.exits import load_exits
 from academus.shared.models.exits import STATIC, ControllerSettings
@@ -24,9 +24,9 @@ from academus.shared.models.packing import PackingPlan
 from academus.shared.models.ramps import ExitRamps, load_ramps, ramps_dir, save_ramps
 from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.models.work import Batch, BatchOutput
 from academus.shared.state.artifacts import ArtifactError
 from academus.shared.state.catalogue import read_catalogue, write_entry
-from academus.v1 import tensors_pb2
 from tests.conftest import artifacts_path
 
 TEXTS = ["Congratulations! You have won a free cruise, click here to claim it now",
@@ -71,7 +71,7 @@ def tokens() -> tuple[list[int], list[int]]:
 def released_by(runner: ModelRunner, plan: PackingPlan | None = None):
     events: list[tuple[list[int], int, np.ndarray]] = []
     ids, lengths = tokens()
-    result = runner.run("spam", OUTPUT_PROBS, ids, lengths, plan=plan,
+    result = runner.run(Batch("spam", OUTPUT_PROBS, ids, lengths, plan=plan),
                         release=lambda rows, layer, probs: events.append((rows, layer, probs)))
     return events, result
 
@@ -87,7 +87,7 @@ def test_padded_and_packed_batches_release_alike_and_answer_exactly(runner: Mode
             assert by_text[row][0] == layer
             np.testing.assert_allclose(probs[i], by_text[row][1], atol=1e-5)
     ids, lengths = tokens()
-    plain = runner.run("spam", OUTPUT_PROBS, ids, lengths)   # no release: no ramps run
+    plain = runner.run(Batch("spam", OUTPUT_PROBS, ids, lengths))   # no release: no ramps run
     np.testing.assert_allclose(padded_result.values, plain.values, atol=1e-6)
     np.testing.assert_allclose(packed_result.values, plain.values, atol=1e-5)
 
@@ -114,7 +114,7 @@ def test_the_controller_gets_feedback_and_measured_costs(artifacts: Path) -> Non
 def test_an_embedding_output_or_no_release_runs_no_ramp(runner: ModelRunner) -> None:
     ids, lengths = tokens()
     events: list = []
-    runner.run("spam", "embedding", ids, lengths, release=lambda *a: events.append(a))
+    runner.run(Batch("spam", "embedding", ids, lengths), release=lambda *a: events.append(a))
     assert events == []
 
 
@@ -145,10 +145,9 @@ def test_the_scheduler_splits_an_early_answer_to_its_requests() -> None:
     jobs = [Job("spam", None, n, 0, 0.0, 0.0, future=loop.create_future(),
                 on_partial=(lambda out, name=name: got[name].append(out)) if name in got else None)
             for name, n in (("a", 2), ("b", 1), ("c", 3))]
-    values = [0.1, 0.9, 0.2, 0.8, 0.3, 0.7]   # rows 1, 2 and 5 of the merged batch
-    deliver_partial(tensors_pb2.ModelOutput(rows=[1, 2, 5], exit_layer=3, labels=LABELS,
-                                            values=tensors_pb2.Matrix(values=values, rows=3, dim=2)), jobs)
+    values = np.array([[0.1, 0.9], [0.2, 0.8], [0.3, 0.7]], dtype=np.float32)   # rows 1, 2 and 5 of the batch
+    deliver_partial(BatchOutput(values, LABELS, rows=(1, 2, 5), exit_layer=3), jobs)
     (a,), (c,) = got["a"], got["c"]
-    assert list(a.rows) == [1] and list(a.values.values) == pytest.approx([0.1, 0.9]) and a.exit_layer == 3
-    assert list(c.rows) == [2] and list(c.values.values) == pytest.approx([0.3, 0.7])   # row 5 is c's third
+    assert a.rows == (1,) and a.values.ravel().tolist() == pytest.approx([0.1, 0.9]) and a.exit_layer == 3
+    assert c.rows == (2,) and c.values.ravel().tolist() == pytest.approx([0.3, 0.7])   # row 5 is c's third
     loop.close()

@@ -221,7 +221,7 @@ async def test_to_pb_answers_each_pair_with_its_score_and_both_texts_tokens(gate
 
     admitted = await gateway.admit("good-key", paired_call(["one", "two words"], ["uno", "dos"]))
     values = [1.0, 0.0, 0.6, 0.8, 1.0, 0.0, 0.0, 1.0]      # one, two words, uno, dos
-    response = to_pb(admitted, tensors_pb2.ModelOutput(values=tensors_pb2.Matrix(dim=2, values=values)), "r1")
+    response = to_pb(admitted, tensors_pb2.ModelOutput(values=tensors_pb2.Matrix(rows=4, dim=2, values=values)), "r1")
     assert [p.score for p in response.predictions] == pytest.approx([1.0, 0.8])
     assert [p.input_index for p in response.predictions] == [0, 1]
     assert [p.num_tokens for p in response.predictions] == [3 + 3, 4 + 3]
@@ -485,7 +485,7 @@ async def test_to_pb_keeps_the_tenant_heads_labels_and_slices_padded_probs(tenan
     # The batch's widest head had 5 classes: this head's 3 probs are zero-padded to 5.
     values = [0.1, 0.2, 0.7, 0.0, 0.0, 0.6, 0.3, 0.1, 0.0, 0.0]
     result = tensors_pb2.ModelOutput(labels=["w0", "w1", "w2", "w3", "w4"],
-                                     values=tensors_pb2.Matrix(dim=5, values=values))
+                                     values=tensors_pb2.Matrix(rows=2, dim=5, values=values))
     response = to_pb(admitted, result, "r1")
     assert response.model == "reviews" and list(response.labels) == ["neg", "neu", "pos"]
     assert [p.label for p in response.predictions] == ["pos", "neg"]
@@ -500,7 +500,7 @@ async def test_to_pb_gives_a_tenant_embedding_model_its_whole_row(tenants):
 
     gateway, _, keys = tenants
     admitted = await gateway.admit(keys["a"], call(["good"], model="vec"))
-    result = tensors_pb2.ModelOutput(values=tensors_pb2.Matrix(dim=4, values=[0.5, -0.5, 0.5, -0.5]))
+    result = tensors_pb2.ModelOutput(values=tensors_pb2.Matrix(rows=1, dim=4, values=[0.5, -0.5, 0.5, -0.5]))
     response = to_pb(admitted, result, "r1")
     assert response.model == "vec" and list(response.labels) == []
     assert list(response.predictions[0].embedding) == pytest.approx([0.5, -0.5, 0.5, -0.5])

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
+
 from academus.services.scheduler.core import Dispatcher, Job
-from academus.services.scheduler.plot_prefetch import PlotPrefetcher, merge_lookups
+from academus.services.scheduler.plot_prefetch import PlotPrefetcher
 from academus.services.scheduler.policies import FifoPolicy
 from academus.shared.models.plot.registry import PlotEndpoint
+from academus.shared.models.work import AdapterRef, Batch, WorkItem
 from academus.shared.state.catalogue import EMBEDDING, ModelSpec
-from academus.v1 import plot_pb2, tensors_pb2, worker_pb2
+from academus.v1 import plot_pb2
 from tests.unit.test_scheduler_core import Clock, FakeWorkers, settle
 
 SPECS = {"minilm-plot": ModelSpec("minilm-plot", EMBEDDING, plot="minilm", lower_layers=3),
@@ -43,10 +46,8 @@ def response(lengths: list[int], fill: int) -> plot_pb2.LookupResponse:
 
 
 def job(clock: Clock, model: str = "minilm-plot", lengths: tuple[int, ...] = (3,), domain: str = "") -> Job:
-    payload = worker_pb2.RunRequest(model=model, tokens=tensors_pb2.TokenBatch(
-        input_ids=[101] + [7] * (sum(lengths) - 2) + [102], lengths=lengths))
-    if domain:
-        payload.adapters.extend([tensors_pb2.AdapterRef(tenant="acme", name="m", domain=domain)] * len(lengths))
+    payload = WorkItem(model, "embedding", [101] + [7] * (sum(lengths) - 2) + [102], list(lengths),
+                       adapter=AdapterRef("acme", "m", domain=domain) if domain else None)
     return Job(model=model, payload=payload, num_texts=len(lengths), num_tokens=sum(lengths),
                deadline=clock() + 5, enqueued_at=clock(), batch_key=(model,))
 
@@ -69,8 +70,8 @@ async def test_only_a_waiting_job_of_a_plot_model_is_looked_up():
     assert [(a, list(r.batch.lengths), r.domain) for a, r in services.requests] == [("127.0.0.1:1", [4], "")]
     services.answers[0].set_result(response([4], 1))
     await settle()
-    plot.attach(waiting.payload, [waiting])                  # what the sender does at dispatch
-    assert list(waiting.payload.plot_states.lengths) == [4] and plot.stats["plot_prefetch_used"] == 1
+    batch = plot.attach(Batch.of([waiting.payload]), [waiting])   # what the sender does at dispatch
+    assert batch.plot_states.lengths.tolist() == [4] and plot.stats["plot_prefetch_used"] == 1
     assert waiting.prefetch is None
     for t in tasks:
         t.cancel()
@@ -104,10 +105,10 @@ async def test_a_batch_goes_without_states_unless_every_lookup_succeeded():
     services.answers[1].set_result(response([2, 5], 2))
     await settle()
     pending = jobs[2].prefetch
-    request = worker_pb2.RunRequest()
-    plot.attach(request, jobs)                              # the third is still running: none are sent
+    batch = Batch.of([j.payload for j in jobs])
+    assert plot.attach(batch, jobs) is batch                # the third is still running: none are sent
     await settle()
-    assert not request.HasField("plot_states") and pending.cancelled()
+    assert batch.plot_states is None and pending.cancelled()
     assert plot.stats["plot_prefetch_missed"] == 3 and all(j.prefetch is None for j in jobs)
 
     jobs = [job(clock, lengths=(3,)), job(clock, lengths=(4,))]
@@ -117,11 +118,23 @@ async def test_a_batch_goes_without_states_unless_every_lookup_succeeded():
     services.answers[3].set_result(response([3], 1))
     services.answers[4].set_exception(RuntimeError("plot service gone"))
     await settle()
-    plot.attach(request, jobs)
-    assert not request.HasField("plot_states") and plot.stats["plot_prefetch_failed"] == 1
+    batch = Batch.of([j.payload for j in jobs])
+    assert plot.attach(batch, jobs).plot_states is None and plot.stats["plot_prefetch_failed"] == 1
 
 
-def test_merged_states_follow_the_batch_order():
-    merged = merge_lookups([response([3], 1), response([2, 5], 2)])
-    assert list(merged.lengths) == [3, 2, 5] and (merged.model, merged.lower_layers) == ("minilm", 3)
-    assert merged.states == bytes([1]) * 24 + bytes([2]) * 56
+async def test_merged_states_follow_the_batch_order():
+    services = PlotServices()
+    plot = prefetcher(services)
+    clock = Clock()
+    jobs = [job(clock, lengths=(3,)), job(clock, lengths=(2, 5))]
+    for j in jobs:
+        plot.on_wait(j)
+    await settle()
+    services.answers[0].set_result(response([3], 1))
+    services.answers[1].set_result(response([2, 5], 2))
+    await settle()
+    states = plot.attach(Batch.of([j.payload for j in jobs]), jobs).plot_states
+    assert states.lengths.tolist() == [3, 2, 5] and (states.model, states.lower_layers) == ("minilm", 3)
+    first, second = (np.frombuffer(bytes([fill]) * 2, "<f2").item() for fill in (1, 2))
+    assert states.states.shape == (10, 4)
+    assert (states.states[:3] == first).all() and (states.states[3:] == second).all()

@@ -11,10 +11,11 @@ from prometheus_client import REGISTRY
 
 from academus.services.scheduler.core import Dispatcher, Group, Job, Member, WorkerLost, WorkerRef
 from academus.services.scheduler.policies import FifoPolicy, PaddedPolicy, StudentPolicy, make_policy
+from academus.shared.models.work import WorkItem
 from academus.shared.runtime.errors import DeadlineExceeded, ResourceExhausted, Unavailable, abort_with
 from academus.shared.runtime.multiplex import serve_multiplexed
 from academus.shared.runtime.serving import Stubs
-from academus.v1 import worker_pb2, worker_pb2_grpc
+from academus.v1 import worker_pb2_grpc
 from tests.conftest import sample
 
 
@@ -814,7 +815,8 @@ class RefusingWorker(worker_pb2_grpc.WorkerServicer):
 async def test_an_unavailable_the_worker_chose_is_its_answer_and_a_dead_worker_is_lost(streams):
     """Over real gRPC: the worker's own UNAVAILABLE (trailer ANSWERED) goes back as it is, the worker not
     marked lost; a worker that is gone (nothing listens) is lost, and its jobs may be retried elsewhere."""
-    from academus.services.scheduler.server import GroupSender
+    from academus.services.scheduler.sender import GroupSender
+    from academus.services.scheduler.server import WorkerCalls
 
     server = grpc.aio.server()
     serve_multiplexed(server, lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(RefusingWorker(), s))
@@ -823,8 +825,8 @@ async def test_an_unavailable_the_worker_chose_is_its_answer_and_a_dead_worker_i
     clock = Clock()
     workers = {"live": WorkerRef("live", f"127.0.0.1:{port}", frozenset({"spam"})),
                "gone": WorkerRef("gone", "127.0.0.1:1", frozenset({"spam"}))}
-    sender = GroupSender(Stubs(worker_pb2_grpc.WorkerStub, multiplexed=streams), clock, workers)
-    job = make_job(clock, payload=worker_pb2.RunRequest(model="spam"))
+    sender = GroupSender(WorkerCalls(Stubs(worker_pb2_grpc.WorkerStub, multiplexed=streams), workers), clock)
+    job = make_job(clock, payload=WorkItem("spam", "label", [101, 102], [2]))
     try:
         with pytest.raises(Unavailable, match="no adapter store is running") as refused:
             await sender(Group("live#0", frozenset({"spam"}), (Member("live"),)), [job])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import subprocess
@@ -54,7 +55,7 @@ def test_the_workers_compute_threads_run_on_the_kernels_slice() -> None:
     def servicer_threads() -> tuple[int | None, int | None]:
         set_thread_slice(100)
         servicer = WorkerServicer(SimpleNamespace(device=torch.device("cpu")), "w", instances=1)
-        return thread_slice_ns(), servicer.executor.submit(thread_slice_ns).result()
+        return thread_slice_ns(), asyncio.run(servicer.compute.run(thread_slice_ns))
 
     serving, compute = in_new_thread(servicer_threads)
     assert serving == 100_000 and compute == kernel_slice_ns()

@@ -12,6 +12,7 @@ import torch
 from academus.services.worker.core import OUTPUT_EMBEDDING, OUTPUT_PROBS, ModelRunner
 from academus.services.worker.sti import StiSettings
 from academus.shared.models.model import mean_pool, pad_batch
+from academus.shared.models.work import Batch
 from academus.shared.runtime.errors import DeadlineExceeded, InvalidArgument, NotFound
 from academus.shared.state.catalogue import write_entry
 from tests.unit.test_shards import tiny_encoder, tiny_shard_artifact
@@ -37,7 +38,7 @@ class Clock:
 
 def run(runner: ModelRunner, deadline: float | None = None, output: str = OUTPUT_PROBS):
     flat = [t for ids in IDS for t in ids]
-    return runner.run("toy-sti", output, flat, [len(i) for i in IDS], deadline=deadline)
+    return runner.run(Batch("toy-sti", output, flat, [len(i) for i in IDS]), deadline=deadline)
 
 
 def test_ample_time_runs_the_whole_model_at_full_precision(artifacts: Path) -> None:

@@ -17,6 +17,7 @@ from academus.shared.models.adapters import AdapterWeights, encode_with_adapters
 from academus.shared.models.model import pad_batch
 from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.models.work import Batch
 from academus.shared.runtime.errors import InvalidArgument, NotFound
 from tests.conftest import artifacts_path, sample
 
@@ -70,7 +71,7 @@ def test_a_tenant_batch_through_the_cache_equals_the_adapters_applied_directly(r
     keys = [("t1", "m", 1), ("t2", "m", 3), ("t1", "m", 1)]
     ids, lengths = tokens(TEXTS)
     tenants = asyncio.run(cache.acquire(keys))
-    served = runner.run("minilm", OUTPUT_PROBS, ids, lengths, tenants=tenants).values
+    served = runner.run(Batch("minilm", OUTPUT_PROBS, ids, lengths), tenants=tenants).values
     _, expected = direct(runner, [a, b, a])
     assert served.shape == (3, 3) and np.abs(served - expected).max() < 1e-5
     assert served[0, 2] == 0.0 and abs(served[1].sum() - 1) < 1e-5   # 2-label rows zero-padded
@@ -86,13 +87,13 @@ def test_rows_without_an_adapter_get_the_plain_embedding(runner):
     cache = AdapterCache(Store({("t1", "m", 1): a}), budget_bytes=1 << 30)
     ids, lengths = tokens(TEXTS)
     tenants = asyncio.run(cache.acquire([None, ("t1", "m", 1), None]))
-    served = runner.run("minilm", OUTPUT_EMBEDDING, ids, lengths, tenants=tenants).values
-    plain = runner.run("minilm", OUTPUT_EMBEDDING, ids, lengths).values
+    served = runner.run(Batch("minilm", OUTPUT_EMBEDDING, ids, lengths), tenants=tenants).values
+    plain = runner.run(Batch("minilm", OUTPUT_EMBEDDING, ids, lengths)).values
     adapted, _ = direct(runner, [None, a, None])
     assert np.abs(served[[0, 2]] - plain[[0, 2]]).max() < 1e-6
     assert np.abs(served[1] - adapted[1]).max() < 1e-5 and np.abs(served[1] - plain[1]).max() > 1e-3
     with pytest.raises(InvalidArgument, match="output=label needs an adapter"):
-        runner.run("minilm", OUTPUT_PROBS, ids, lengths, tenants=tenants)
+        runner.run(Batch("minilm", OUTPUT_PROBS, ids, lengths), tenants=tenants)
     cache.close()
 
 
@@ -106,7 +107,7 @@ def test_later_layers_stream_in_while_the_batch_computes(runner):
     tenants = asyncio.run(cache.acquire([("t1", "m", 1)] * 3))
     assert not tenants.entries[0].complete.done()       # acquire returned with layers still to come
     threading.Timer(0.2, gate.set).start()
-    served = runner.run("minilm", OUTPUT_PROBS, ids, lengths, tenants=tenants).values
+    served = runner.run(Batch("minilm", OUTPUT_PROBS, ids, lengths), tenants=tenants).values
     _, expected = direct(runner, [a, a, a])
     assert np.abs(served - expected).max() < 1e-5
     cache.close()

@@ -14,6 +14,7 @@ from academus.services.worker.adapters import AdapterCache, AdapterKey
 from academus.services.worker.core import OUTPUT_PROBS
 from academus.services.worker.host_tier import HostAdapters, HostWarmer
 from academus.shared.models.adapters import AdapterWeights
+from academus.shared.models.work import Batch
 from academus.shared.runtime.errors import NotFound, ResourceExhausted
 from academus.shared.state.keys import Keys
 from academus.shared.state.tenants import FAILED, TenantModel, TenantRegistry
@@ -113,7 +114,7 @@ def test_the_device_cache_over_the_host_tier_serves_exactly_the_direct_applicati
     ids, lengths = tokens(TEXTS)
     batch = asyncio.run(cache.acquire(keys))
     assert [e.complete.done() for e in batch.entries[:2]] == [True, True]
-    served = runner.run("minilm", OUTPUT_PROBS, ids, lengths, tenants=batch).values
+    served = runner.run(Batch("minilm", OUTPUT_PROBS, ids, lengths), tenants=batch).values
     _, want = direct(runner, [stored[k] for k in keys])
     assert np.abs(served - want).max() < 1e-5
     assert store.calls[1:] == [[(keys[2], (), True)]]               # after the warm-up: the third, whole, once

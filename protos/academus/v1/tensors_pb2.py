@@ -25,21 +25,21 @@ _sym_db = _symbol_database.Default()
 from academus.v1 import inference_pb2 as academus_dot_v1_dot_inference__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x61\x63\x61\x64\x65mus/v1/tensors.proto\x12\x0b\x61\x63\x61\x64\x65mus.v1\x1a\x1b\x61\x63\x61\x64\x65mus/v1/inference.proto\"H\n\nTokenBatch\x12\x11\n\tinput_ids\x18\x01 \x03(\x05\x12\x16\n\x0etoken_type_ids\x18\x02 \x03(\x05\x12\x0f\n\x07lengths\x18\x03 \x03(\x05\"3\n\x06Matrix\x12\x0e\n\x06values\x18\x01 \x03(\x02\x12\x0c\n\x04rows\x18\x02 \x01(\x05\x12\x0b\n\x03\x64im\x18\x03 \x01(\x05\"\xdc\x01\n\x0bModelOutput\x12#\n\x06output\x18\x01 \x01(\x0e\x32\x13.academus.v1.Output\x12#\n\x06values\x18\x02 \x01(\x0b\x32\x13.academus.v1.Matrix\x12\x0e\n\x06labels\x18\x03 \x03(\t\x12,\n\x08metadata\x18\x04 \x01(\x0b\x32\x1a.academus.v1.InferMetadata\x12#\n\x06\x66inish\x18\x05 \x01(\x0e\x32\x13.academus.v1.Finish\x12\x0c\n\x04rows\x18\x06 \x03(\x05\x12\x12\n\nexit_layer\x18\x07 \x01(\x05\"K\n\nAdapterRef\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x0e\n\x06\x64omain\x18\x04 \x01(\t*L\n\x06\x46inish\x12\x0f\n\x0b\x46INISH_NONE\x10\x00\x12\x12\n\x0e\x46INISH_SOFTMAX\x10\x01\x12\r\n\tFINISH_L2\x10\x02\x12\x0e\n\nFINISH_SUM\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x61\x63\x61\x64\x65mus/v1/tensors.proto\x12\x0b\x61\x63\x61\x64\x65mus.v1\x1a\x1b\x61\x63\x61\x64\x65mus/v1/inference.proto\"H\n\nTokenBatch\x12\x11\n\tinput_ids\x18\x01 \x03(\x05\x12\x16\n\x0etoken_type_ids\x18\x02 \x03(\x05\x12\x0f\n\x07lengths\x18\x03 \x03(\x05\"A\n\x06Matrix\x12\x0e\n\x06values\x18\x01 \x03(\x02\x12\x0c\n\x04rows\x18\x02 \x01(\x05\x12\x0b\n\x03\x64im\x18\x03 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\xdc\x01\n\x0bModelOutput\x12#\n\x06output\x18\x01 \x01(\x0e\x32\x13.academus.v1.Output\x12#\n\x06values\x18\x02 \x01(\x0b\x32\x13.academus.v1.Matrix\x12\x0e\n\x06labels\x18\x03 \x03(\t\x12,\n\x08metadata\x18\x04 \x01(\x0b\x32\x1a.academus.v1.InferMetadata\x12#\n\x06\x66inish\x18\x05 \x01(\x0e\x32\x13.academus.v1.Finish\x12\x0c\n\x04rows\x18\x06 \x03(\x05\x12\x12\n\nexit_layer\x18\x07 \x01(\x05\"K\n\nAdapterRef\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x0e\n\x06\x64omain\x18\x04 \x01(\t*L\n\x06\x46inish\x12\x0f\n\x0b\x46INISH_NONE\x10\x00\x12\x12\n\x0e\x46INISH_SOFTMAX\x10\x01\x12\r\n\tFINISH_L2\x10\x02\x12\x0e\n\nFINISH_SUM\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'academus.v1.tensors_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISH']._serialized_start=498
-  _globals['_FINISH']._serialized_end=574
+  _globals['_FINISH']._serialized_start=512
+  _globals['_FINISH']._serialized_end=588
   _globals['_TOKENBATCH']._serialized_start=71
   _globals['_TOKENBATCH']._serialized_end=143
   _globals['_MATRIX']._serialized_start=145
-  _globals['_MATRIX']._serialized_end=196
-  _globals['_MODELOUTPUT']._serialized_start=199
-  _globals['_MODELOUTPUT']._serialized_end=419
-  _globals['_ADAPTERREF']._serialized_start=421
-  _globals['_ADAPTERREF']._serialized_end=496
+  _globals['_MATRIX']._serialized_end=210
+  _globals['_MODELOUTPUT']._serialized_start=213
+  _globals['_MODELOUTPUT']._serialized_end=433
+  _globals['_ADAPTERREF']._serialized_start=435
+  _globals['_ADAPTERREF']._serialized_end=510
 # @@protoc_insertion_point(module_scope)

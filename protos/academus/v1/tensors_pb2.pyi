@@ -30,14 +30,16 @@ class TokenBatch(_message.Message):
     def __init__(self, input_ids: _Optional[_Iterable[int]] = ..., token_type_ids: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Matrix(_message.Message):
-    __slots__ = ("values", "rows", "dim")
+    __slots__ = ("values", "rows", "dim", "data")
     VALUES_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
     values: _containers.RepeatedScalarFieldContainer[float]
     rows: int
     dim: int
-    def __init__(self, values: _Optional[_Iterable[float]] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ...) -> None: ...
+    data: bytes
+    def __init__(self, values: _Optional[_Iterable[float]] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ModelOutput(_message.Message):
     __slots__ = ("output", "values", "labels", "metadata", "finish", "rows", "exit_layer")

@@ -9,7 +9,6 @@ as the module a worker serves: padded (ids, mask, types) in, pooled embeddings o
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,26 +18,7 @@ from academus.shared.models.model import TeacherEncoder, mean_pool
 from academus.shared.models.plot.layers import SplitBert
 from academus.shared.models.plot.store import PlotStore
 from academus.shared.models.plot.table import TableError
-
-
-@dataclass(frozen=True)
-class PlotStates:
-    """Layer-K states looked up elsewhere (the scheduler's prefetch from a plot service, HMI §6.1),
-    the texts' tokens back to back, with the table they came from."""
-
-    states: np.ndarray             # (sum(lengths), hidden) float32
-    lengths: np.ndarray
-    model: str
-    lower_layers: int
-
-    def check(self, store: PlotStore) -> None:
-        """Refuses states of another table, or that do not fit the lengths (ValueError)."""
-        if (self.model, self.lower_layers) != (store.model, store.lower_layers):
-            raise ValueError(f"plot_states come from a {self.model!r} K={self.lower_layers} table; this model "
-                             f"serves {store.model!r} K={store.lower_layers}")
-        if self.states.shape != (int(np.sum(self.lengths)), store.hidden):
-            raise ValueError(f"plot_states has shape {self.states.shape}; the texts need "
-                             f"({int(np.sum(self.lengths))}, {store.hidden})")
+from academus.shared.models.work import PlotStates
 
 
 class HierarchicalEncoder:
