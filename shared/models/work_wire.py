@@ -79,8 +79,13 @@ def batch_to_pb(batch: Batch) -> worker_pb2.RunRequest:
     request = worker_pb2.RunRequest(
         batch_id=batch.batch_id, model=batch.model, output=OUTPUTS.get(batch.output, 0),
         tokens=tensors_pb2.TokenBatch(input_ids=batch.input_ids, lengths=batch.lengths,
-                                      token_type_ids=batch.token_type_ids),
-        num_students=batch.num_students, student_indices=batch.student_indices, early_exit=batch.early_exit)
+                                      token_type_ids=batch.token_type_ids))
+    if batch.num_students:   # only what is set: each keyword costs on every call
+        request.num_students = batch.num_students
+    if batch.student_indices:
+        request.student_indices.extend(batch.student_indices)
+    if batch.early_exit:
+        request.early_exit = True
     if batch.adapters:
         request.adapters.extend(adapter_to_pb(a) for a in batch.adapters)
     if batch.plan is not None:
@@ -165,9 +170,16 @@ def meta_from_pb(meta: inference_pb2.InferMetadata) -> BatchMeta:
 
 def output_to_pb(output: BatchOutput, kind: str, **scheduler: object) -> tensors_pb2.ModelOutput:
     """`kind`: what the caller asked for (LABEL, SCORE, EMBEDDING); `scheduler`: its metadata fields."""
-    return tensors_pb2.ModelOutput(output=OUTPUTS.get(kind, 0), values=matrix_to_pb(output.values),
-                                   labels=output.labels, metadata=meta_to_pb(output.meta, **scheduler),
-                                   finish=FINISHES[output.finish], rows=output.rows, exit_layer=output.exit_layer)
+    message = tensors_pb2.ModelOutput(output=OUTPUTS.get(kind, 0), values=matrix_to_pb(output.values),
+                                      metadata=meta_to_pb(output.meta, **scheduler))
+    if output.labels:
+        message.labels.extend(output.labels)
+    if output.finish:
+        message.finish = FINISHES[output.finish]
+    if output.rows:
+        message.rows.extend(output.rows)
+        message.exit_layer = output.exit_layer
+    return message
 
 
 def output_from_pb(output: tensors_pb2.ModelOutput) -> BatchOutput:

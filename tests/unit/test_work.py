@@ -4,6 +4,8 @@ combined. (The whole path through real services: tests/e2e/test_serving.py.)"""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -67,7 +69,7 @@ def test_a_batch_crosses_the_wire_whole():
     got = batch_from_pb(batch_to_pb(sent))
     assert got.plot_states.states.tolist() == states.states.tolist() and got.plot_states.lengths.tolist() == [2, 3, 1]
     assert (got.plot_states.model, got.plot_states.lower_layers) == ("minilm", 3)
-    assert got == Batch(**{**sent.__dict__, "plot_states": got.plot_states})   # every other field as sent
+    assert got == replace(sent, plot_states=got.plot_states)   # every other field as sent
 
 
 def test_a_bad_plan_or_states_on_the_wire_is_refused_naming_the_field():
