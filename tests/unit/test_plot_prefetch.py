@@ -93,17 +93,25 @@ async def test_a_tenant_job_is_looked_up_in_its_domain_and_only_where_a_service_
         answer.cancel()
 
 
+async def wait_and_answer(plot: PlotPrefetcher, services: PlotServices, jobs: list[Job],
+                          answers: list[plot_pb2.LookupResponse | Exception]) -> None:
+    """The jobs wait (their lookups start); the first lookups get `answers`, the rest keep running."""
+    first = len(services.answers)
+    for j in jobs:
+        plot.on_wait(j)
+    await settle()
+    for k, answer in enumerate(answers):
+        pending = services.answers[first + k]
+        pending.set_exception(answer) if isinstance(answer, Exception) else pending.set_result(answer)
+    await settle()
+
+
 async def test_a_batch_goes_without_states_unless_every_lookup_succeeded():
     services = PlotServices()
     plot = prefetcher(services)
     clock = Clock()
     jobs = [job(clock, lengths=(3,)), job(clock, lengths=(2, 5)), job(clock, lengths=(4,))]
-    for j in jobs:
-        plot.on_wait(j)
-    await settle()
-    services.answers[0].set_result(response([3], 1))
-    services.answers[1].set_result(response([2, 5], 2))
-    await settle()
+    await wait_and_answer(plot, services, jobs, [response([3], 1), response([2, 5], 2)])
     pending = jobs[2].prefetch
     batch = Batch.of([j.payload for j in jobs])
     assert plot.attach(batch, jobs) is batch                # the third is still running: none are sent
@@ -112,12 +120,7 @@ async def test_a_batch_goes_without_states_unless_every_lookup_succeeded():
     assert plot.stats["plot_prefetch_missed"] == 3 and all(j.prefetch is None for j in jobs)
 
     jobs = [job(clock, lengths=(3,)), job(clock, lengths=(4,))]
-    for j in jobs:
-        plot.on_wait(j)
-    await settle()
-    services.answers[3].set_result(response([3], 1))
-    services.answers[4].set_exception(RuntimeError("plot service gone"))
-    await settle()
+    await wait_and_answer(plot, services, jobs, [response([3], 1), RuntimeError("plot service gone")])
     batch = Batch.of([j.payload for j in jobs])
     assert plot.attach(batch, jobs).plot_states is None and plot.stats["plot_prefetch_failed"] == 1
 
@@ -127,12 +130,7 @@ async def test_merged_states_follow_the_batch_order():
     plot = prefetcher(services)
     clock = Clock()
     jobs = [job(clock, lengths=(3,)), job(clock, lengths=(2, 5))]
-    for j in jobs:
-        plot.on_wait(j)
-    await settle()
-    services.answers[0].set_result(response([3], 1))
-    services.answers[1].set_result(response([2, 5], 2))
-    await settle()
+    await wait_and_answer(plot, services, jobs, [response([3], 1), response([2, 5], 2)])
     states = plot.attach(Batch.of([j.payload for j in jobs]), jobs).plot_states
     assert states.lengths.tolist() == [3, 2, 5] and (states.model, states.lower_layers) == ("minilm", 3)
     first, second = (np.frombuffer(bytes([fill]) * 2, "<f2").item() for fill in (1, 2))
