@@ -87,6 +87,7 @@ class Authenticator:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.redis, self.keys = redis, keys
         self._cache: ExpiringCache[str, Principal] = ExpiringCache(cache_s, clock)
+        self._forgotten = 0   # forget() calls: a record read before one may be of a key revoked since
 
     async def authenticate(self, api_key: str | None) -> Principal:
         if not api_key:
@@ -94,12 +95,20 @@ class Authenticator:
         principal = self._cache.get(api_key)
         if principal is not None:
             return principal
+        forgotten = self._forgotten
         record = await self.redis.hgetall(self.keys.api_key(api_key))
         if not record:
             raise Unauthenticated("invalid API key")
         principal = Principal(record["tenant"], record.get("role", "tenant"))
-        self._cache.put(api_key, principal)
+        if forgotten == self._forgotten:
+            self._cache.put(api_key, principal)
         return principal
+
+    def forget(self) -> None:
+        """Drops every verified key: a key may have been revoked (the events channel said so), and the next
+        call of each key asks Redis again."""
+        self._cache.clear()
+        self._forgotten += 1
 
 
 class Catalogue:

@@ -405,6 +405,7 @@ async def build() -> ServiceSpec:
                 log_event("refresh_failed", logging.WARNING, error=repr(e))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), config.catalogue_refresh_s)
+                gateway.auth.forget()   # an event (or Redis back): it may be a key's revocation (state/api_keys.py)
             changed.clear()
 
     manage = ManageServicer(Manage(config, redis, keys, gateway.auth))

@@ -116,6 +116,17 @@ def parser() -> argparse.ArgumentParser:
     k = ks.add_parser("create", help="create a key for a tenant; prints it once")
     k.add_argument("tenant")
     k.set_defaults(func=cmd_keys_create)
+    k = ks.add_parser("list", help="every key's id, tenant and role (never the key)")
+    k.add_argument("--tenant", help="only this tenant's keys")
+    k.set_defaults(func=cmd_keys_list)
+    k = ks.add_parser("revoke", help="delete a key, named by its id (8+ hex digits) or the key itself; "
+                      "gateways refuse it at once")
+    k.add_argument("key", help="an id from `keys list`, or the key")
+    k.set_defaults(func=cmd_keys_revoke)
+    k = ks.add_parser("rotate", help="a new key for TENANT in place of all its keys; prints it once "
+                      "(`admin`: the mesh's own key, rewritten in admin.key)")
+    k.add_argument("tenant")
+    k.set_defaults(func=cmd_keys_rotate)
 
     s = sub.add_parser("tenants", help="tenant models: a tenant's adapter + head on a shared base (HMI)")
     ts = s.add_subparsers(dest="tenants_command", required=True)
@@ -417,6 +428,39 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
     key = create_key(MeshState.load(_run_dir(args)), args.tenant)
     print(json.dumps({"tenant": args.tenant, "key": key}))
     return 0
+
+
+def cmd_keys_list(args: argparse.Namespace) -> int:
+    from academus.shared.state.api_keys import ApiKeys
+
+    async def listed(redis, keys) -> list[dict]:
+        return [{"id": r.key_id, "tenant": r.tenant, "role": r.role}
+                for r in await ApiKeys(redis, keys).list(args.tenant)]
+
+    return _with_mesh_redis(args, listed)
+
+
+def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    from academus.shared.state.api_keys import ApiKeys
+
+    async def revoked(redis, keys) -> dict:
+        record = await ApiKeys(redis, keys).revoke(args.key)
+        return {"revoked": record.key_id, "tenant": record.tenant}
+
+    return _with_mesh_redis(args, revoked)
+
+
+def cmd_keys_rotate(args: argparse.Namespace) -> int:
+    from academus.shared.cli.mesh import ADMIN_KEY_FILE
+    from academus.shared.state.api_keys import ADMIN, ApiKeys
+
+    async def rotated(redis, keys) -> dict:
+        key, old = await ApiKeys(redis, keys).rotate(args.tenant)
+        if args.tenant == ADMIN:   # the command line's own key: kept where `up` put it
+            (_run_dir(args) / ADMIN_KEY_FILE).write_text(key)
+        return {"tenant": args.tenant, "key": key, "revoked": [r.key_id for r in old]}
+
+    return _with_mesh_redis(args, rotated)
 
 
 def _training_args(p: argparse.ArgumentParser, positional: bool = True) -> None:

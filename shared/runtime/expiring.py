@@ -26,6 +26,9 @@ class ExpiringCache(Generic[K, V]):
         hit = self._entries.get(key)
         return hit[1] if hit and hit[0] > self.clock() else None
 
+    def clear(self) -> None:
+        self._entries.clear()
+
     def put(self, key: K, value: V) -> None:
         self._entries[key] = (self.clock() + self.ttl_s, value)
         self._entries.move_to_end(key)

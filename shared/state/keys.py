@@ -110,7 +110,14 @@ class Keys:
 
     def api_key(self, key: str) -> str:
         """Hash: tenant, role. Only the key's SHA-256 is stored, never the key."""
-        return f"{self.prefix}:apikey:{hash_key(key)}"
+        return self.api_key_of_digest(hash_key(key))
+
+    def api_key_of_digest(self, digest: str) -> str:
+        return f"{self.prefix}:apikey:{digest}"
+
+    def api_key_pattern(self) -> str:
+        """Matches every API key's hash (a SCAN pattern)."""
+        return f"{self.prefix}:apikey:*"
 
     def scheduler(self, scheduler_id: str) -> str:
         """String: address. Its TTL is the scheduler's heartbeat."""

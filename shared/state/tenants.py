@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 from academus.shared.runtime.config import GatewayConfig
 from academus.shared.runtime.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from academus.shared.runtime.expiring import ExpiringCache
+from academus.shared.state.api_keys import ApiKeys
 from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
 from academus.shared.state.keys import Keys, new_api_key
 
@@ -195,12 +196,7 @@ class TenantRegistry:
     async def _other_keys(self, tenant: str) -> list[str]:
         """Keys made for the tenant outside create_tenant (`academus keys create`): found by a scan,
         which is fine for a rare admin operation."""
-        found = [k async for k in self.redis.scan_iter(match=f"{self.keys.prefix}:apikey:*", count=1000)]
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for k in found:
-                pipe.hget(k, "tenant")
-            owners = await pipe.execute()
-        return [k for k, owner in zip(found, owners, strict=True) if owner == tenant]
+        return [self.keys.api_key_of_digest(r.digest) for r in await ApiKeys(self.redis, self.keys).list(tenant)]
 
 
 # KEYS: tenant record, bucket. The bucket refills at `rate` tokens/s up to `burst`; a request takes one.

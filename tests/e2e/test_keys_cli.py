@@ -1,0 +1,76 @@
+"""`academus keys list | revoke | rotate` on the mesh as real processes. The gateway trusts a verified key for ten
+minutes here (ACADEMUS_AUTH_CACHE_S=600), so a revoked key refused on the next call can only be the revocation's
+event reaching the gateway, not its cache running out."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from academus.shared.cli.mesh import ADMIN_KEY_FILE, MeshState, down
+from tests.e2e.conftest import start_mesh, wait_for
+from tests.e2e.test_serving import cli
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshState]:
+    run_dir = tmp_path_factory.mktemp("keys")
+    state = start_mesh(run_dir, env={"ACADEMUS_AUTH_CACHE_S": "600", "ACADEMUS_MODELS": "null"})
+    yield state
+    down(run_dir)
+
+
+def answered(mesh: MeshState, key: str) -> str:
+    """The first line `academus infer` prints with this key: a prediction's JSON, or the status's name."""
+    out = cli(mesh, "infer", "--key", key, "--model", "null", "hello")
+    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else out.stderr
+
+
+def listed(mesh: MeshState, *args: str) -> list[dict]:
+    out = cli(mesh, "keys", "list", *args)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_a_revoked_key_is_refused_by_the_gateway_that_had_trusted_it(mesh):
+    key = json.loads(cli(mesh, "keys", "create", "acme").stdout)["key"]
+    assert answered(mesh, key).startswith("{")                       # served; the gateway now trusts the key
+    keys = listed(mesh, "--tenant", "acme")
+    assert [k["tenant"] for k in keys] == ["acme"] and key not in json.dumps(keys)
+    out = cli(mesh, "keys", "revoke", keys[0]["id"])
+    assert out.returncode == 0 and json.loads(out.stdout) == {"revoked": keys[0]["id"], "tenant": "acme"}
+    wait_for(lambda: answered(mesh, key) == "UNAUTHENTICATED", timeout_s=30, what="the revoked key refused")
+    assert listed(mesh, "--tenant", "acme") == []
+
+
+def test_rotation_gives_a_new_key_and_the_old_one_stops_working(mesh):
+    old = json.loads(cli(mesh, "keys", "create", "globex").stdout)["key"]
+    assert answered(mesh, old).startswith("{")
+    out = cli(mesh, "keys", "rotate", "globex")
+    assert out.returncode == 0, out.stderr
+    rotated = json.loads(out.stdout)
+    assert rotated["key"] != old and len(rotated["revoked"]) == 1
+    assert answered(mesh, rotated["key"]).startswith("{")
+    wait_for(lambda: answered(mesh, old) == "UNAUTHENTICATED", timeout_s=30, what="the rotated-out key refused")
+
+
+def test_the_admin_key_rotates_into_its_file_and_cannot_be_revoked(mesh):
+    admin_file = Path(mesh.run_dir) / ADMIN_KEY_FILE
+    before = admin_file.read_text().strip()
+    refused = cli(mesh, "keys", "revoke", before)
+    assert refused.returncode == 2 and "FAILED_PRECONDITION" in refused.stderr and "rotate" in refused.stderr
+    out = cli(mesh, "keys", "rotate", "admin")
+    assert out.returncode == 0, out.stderr
+    after = admin_file.read_text().strip()
+    assert after == json.loads(out.stdout)["key"] != before
+    assert [k["role"] for k in listed(mesh, "--tenant", "admin")] == ["admin"]
+    served = cli(mesh, "infer", "--model", "null", "hello")                  # the command line's key: the file's
+    assert served.returncode == 0 and served.stdout.startswith("{"), served.stderr
+    wait_for(lambda: answered(mesh, before) == "UNAUTHENTICATED", timeout_s=30, what="the old admin key refused")
+    short = cli(mesh, "keys", "revoke", "abc")
+    assert short.returncode == 2 and "INVALID_ARGUMENT" in short.stderr and "8 hex digits" in short.stderr

@@ -1,0 +1,96 @@
+"""Operators' API keys on a real Redis: listed by id (never the key), revoked by id or key with the gateways told
+on the events channel, rotated in one transaction; a gateway's verified keys are dropped on that event.
+(The command line against a running mesh: tests/e2e/test_keys_cli.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from academus.services.gateway.core import Authenticator
+from academus.shared.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, Unauthenticated
+from academus.shared.state.api_keys import KEY_ID_DIGITS, REVOKED, ApiKeys
+from academus.shared.state.keys import Keys, hash_key
+from academus.shared.state.tenants import TenantRegistry
+
+KEYS = Keys("acd")
+
+
+@pytest.fixture
+def api_keys(redis) -> ApiKeys:
+    return ApiKeys(redis, KEYS)
+
+
+async def test_keys_are_listed_by_id_and_tenant_never_by_the_key(api_keys):
+    acme = [await api_keys.create("acme") for _ in range(2)]
+    admin = await api_keys.create("admin", "admin")
+    listed = await api_keys.list()
+    assert {(r.key_id, r.tenant, r.role) for r in listed} == {
+        *((hash_key(k)[:KEY_ID_DIGITS], "acme", "tenant") for k in acme), (hash_key(admin)[:KEY_ID_DIGITS], "admin",
+                                                                             "admin")}
+    assert [r.tenant for r in listed] == ["acme", "acme", "admin"]
+    assert all(k not in repr(listed) for k in [*acme, admin])
+    assert [r.tenant for r in await api_keys.list("acme")] == ["acme", "acme"]
+
+
+async def test_a_revoked_key_is_gone_and_the_gateways_hear_of_it_at_once(redis, api_keys):
+    key = await api_keys.create("acme")
+    other = await api_keys.create("acme")
+    auth = Authenticator(redis, KEYS, cache_s=600)
+    assert (await auth.authenticate(key)).tenant == "acme"          # now cached for ten minutes
+    events = redis.pubsub()
+    await events.subscribe(KEYS.events())
+    await events.get_message(timeout=1)                               # the subscription's confirmation
+    record = await api_keys.revoke(hash_key(key)[:8])                 # an id's first 8 digits name it
+    assert record.tenant == "acme" and not await redis.exists(KEYS.api_key(key))
+    message = await events.get_message(timeout=5)
+    assert message["data"] == f"{REVOKED} {record.key_id}"
+    assert (await auth.authenticate(key)).tenant == "acme", "the cache holds it until the gateway hears the event"
+    auth.forget()                                                     # what the gateway does on the event
+    with pytest.raises(Unauthenticated):
+        await auth.authenticate(key)
+    assert (await auth.authenticate(other)).tenant == "acme"          # the tenant's other key still works
+    await api_keys.revoke(other)                                      # the key itself names it too
+    assert await api_keys.list() == []
+    await events.aclose()
+
+
+async def test_a_key_read_before_a_revocation_is_not_cached_after_it(redis, api_keys):
+    key = await api_keys.create("acme")
+    auth = Authenticator(redis, KEYS, cache_s=600)
+    reading = asyncio.ensure_future(auth.authenticate(key))
+    await asyncio.sleep(0)                                            # it has asked Redis, not yet heard back
+    auth.forget()                                                     # the event lands while Redis answers
+    await reading
+    await api_keys.revoke(key)
+    with pytest.raises(Unauthenticated):
+        await auth.authenticate(key)
+
+
+async def test_bad_ids_and_the_admins_key_are_refused_naming_why(api_keys):
+    admin = await api_keys.create("admin", "admin")
+    with pytest.raises(InvalidArgument, match="shorter than 8 hex digits"):
+        await api_keys.revoke("abc1")
+    with pytest.raises(NotFound, match="no API key with id 00000000"):
+        await api_keys.revoke("00000000")
+    with pytest.raises(FailedPrecondition, match="rotate it"):
+        await api_keys.revoke(admin)
+    with pytest.raises(NotFound, match="'nobody' has no API key"):
+        await api_keys.rotate("nobody")
+
+
+async def test_rotation_replaces_every_key_of_the_tenant_and_its_record(redis, api_keys):
+    registry = TenantRegistry(redis, KEYS, rate=50.0, burst=100)
+    first = await registry.create_tenant("acme")
+    extra = await api_keys.create("acme")
+    bystander = await api_keys.create("globex")
+    key, revoked = await api_keys.rotate("acme")
+    assert {r.key_id for r in revoked} == {hash_key(k)[:KEY_ID_DIGITS] for k in (first, extra)}
+    assert [r.key_id for r in await api_keys.list("acme")] == [hash_key(key)[:KEY_ID_DIGITS]]
+    assert (await registry.tenant("acme"))["api_key_id"] == KEYS.api_key(key)
+    assert await redis.exists(KEYS.api_key(bystander))
+    admin = await api_keys.create("admin", "admin")
+    new_admin, _ = await api_keys.rotate("admin")
+    assert [(r.role, r.key_id) for r in await api_keys.list("admin")] == [("admin", hash_key(new_admin)[:16])]
+    assert not await redis.exists(KEYS.api_key(admin))
