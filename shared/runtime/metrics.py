@@ -26,8 +26,9 @@ RPC_IN_FLIGHT = Gauge("academus_rpc_in_flight", "RPCs being handled", ["service"
 MULTIPLEXED = Counter("academus_multiplexed_calls_total", "Unary calls served as frames of a Multiplex stream",
                       ["method"])
 MULTIPLEXED_UNRUN = Counter("academus_multiplexed_unrun_total",
-                            "Frames of a Multiplex stream answered unrun: past their deadline (DEADLINE_EXCEEDED) or "
-                            "after waiting half of it to start (RESOURCE_EXHAUSTED)", ["method", "code"])
+                            "Frames of a Multiplex stream answered unrun: past their deadline (DEADLINE_EXCEEDED), "
+                            "after waiting half of it to start or past the stream's call limit (RESOURCE_EXHAUSTED), "
+                            "or an id already running (INVALID_ARGUMENT)", ["method", "code"])
 MULTIPLEXED_BATCHED = Counter("academus_multiplexed_batched_frames_total",
                               "Frames that shared a Multiplex stream message with others: calls read, replies "
                               "sent", ["direction"])

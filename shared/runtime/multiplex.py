@@ -105,6 +105,9 @@ MIN_PIECE_BYTES = 16 * 1024
 # before that wait has passed. Up to 1 s, a caller honouring it (the gateway, a scheduler's) left the server
 # idle after its backlog was gone: `stream_backlog --pushback-caps 1000,50` answered 2783 against 3621 in time.
 MAX_PUSHBACK_MS = 50
+# Calls one stream may have running at once (ACADEMUS_MAX_STREAM_CALLS's default): a public peer's frames cost the
+# gateway a task each, and a stream is not a way round admission's bounds.
+MAX_STREAM_CALLS = 4096
 # A shorter wait is jitter (a collection, a long turn of the loop), not a backlog: a call with a small budget
 # left (a batch near its deadline) is not refused for it.
 MIN_BACKLOG_S = 0.05
@@ -479,10 +482,11 @@ class MultiplexServicer(multiplex_pb2_grpc.MultiplexServicer):
     interceptors the server puts around its unary calls; replies go back in the order they finish."""
 
     def __init__(self, methods: dict[str, UnaryMethod], interceptors: Sequence[UnaryServerInterceptor] = (),
-                 batches: bool = True) -> None:
+                 batches: bool = True, max_calls: int = MAX_STREAM_CALLS) -> None:
         self.methods = {name: UnaryMethod(wrapped(m.behavior, name, interceptors), m.deserialize, m.serialize,
                                           MULTIPLEXED.labels(name)) for name, m in methods.items()}
         self.batches = batches   # reads batched frames, and batches replies for a caller that reads them
+        self.max_calls = max_calls   # running at once on one stream: a peer cannot pile up tasks without bound
         self.draining = False
         self.local_endpoint = ""  # the node-local data plane's announcement (shared/runtime/local_plane.py); "": none
         self._streams: set[_ServedStream] = set()
@@ -640,10 +644,27 @@ class _ServedStream:
         elif self.servicer.draining:
             self.replies.put_nowait(reply_status(frame.id, grpc.StatusCode.UNAVAILABLE,
                                                  "the server is stopping; nothing ran"))
+        elif (refusal := self.refusal(frame)) is not None:
+            MULTIPLEXED_UNRUN.labels(frame.method, CODES[refusal.code].name).inc()
+            self.emit(refusal)
         else:
             now = asyncio.get_running_loop().time()
             started = now - self.transit.waited(frame.sent_s, now)
             self.running[frame.id] = asyncio.ensure_future(self.serve(frame, started))
+
+    def refusal(self, frame: multiplex_pb2.CallFrame) -> multiplex_pb2.ReplyFrame | None:
+        """A frame the stream's contract does not allow, answered unrun: an id already running (its replies
+        could not be told apart), or one call past the stream's limit of running calls."""
+        if frame.id in self.running:
+            return reply_status(frame.id, grpc.StatusCode.INVALID_ARGUMENT,
+                                f"call id {frame.id} is already running on this stream: a running call's id must "
+                                f"be unique; nothing ran")
+        if len(self.running) >= self.servicer.max_calls:
+            return reply_status(frame.id, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{len(self.running)} calls are running on this stream, its limit "
+                                f"(ACADEMUS_MAX_STREAM_CALLS={self.servicer.max_calls}); nothing ran",
+                                [(PUSHBACK, str(MAX_PUSHBACK_MS)), (NOTHING_RAN, "true")])
+        return None
 
     async def serve(self, frame: multiplex_pb2.CallFrame, started: float) -> None:
         try:
@@ -739,12 +760,13 @@ def reply_status(call_id: int, code: grpc.StatusCode, details: str,
 
 
 def serve_multiplexed(server: grpc.aio.Server, add_servicers: Callable[[object], None],
-                      interceptors: Sequence[UnaryServerInterceptor] = (), batches: bool = True) -> MultiplexServicer:
+                      interceptors: Sequence[UnaryServerInterceptor] = (), batches: bool = True,
+                      max_calls: int = MAX_STREAM_CALLS) -> MultiplexServicer:
     """Registers `add_servicers`' servicers with `server` as ever, and the Multiplex service that serves
     their unary methods as frames, inside the same interceptors."""
     capture = MethodCapture(server)
     add_servicers(capture)
-    multiplex = MultiplexServicer(capture.methods, interceptors, batches)
+    multiplex = MultiplexServicer(capture.methods, interceptors, batches, max_calls)
     multiplex_pb2_grpc.add_MultiplexServicer_to_server(multiplex, server)
     return multiplex
 

@@ -710,3 +710,60 @@ def test_a_socket_no_process_listens_on_is_removed_and_one_listened_on_stays(tmp
         assert remove_stale_sockets(tmp_path) == []
     finally:
         listening.close()
+
+
+async def raw_calls(mux: Mux, frames: list[multiplex_pb2.CallFrame], replies: int) -> list[multiplex_pb2.ReplyFrame]:
+    """A peer that writes its own frames on the mux's transport (a gRPC Calls stream, or a local-plane connection
+    after its hello) and reads `replies` replies; the probe's held calls are released after the frames are in."""
+    got: list[multiplex_pb2.ReplyFrame] = []
+    if mux.plane is None:
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{mux.port}")
+        call = channel.stream_stream(CALLS_METHOD, request_serializer=multiplex_pb2.CallFrame.SerializeToString,
+                                     response_deserializer=multiplex_pb2.ReplyFrame.FromString)()
+        for f in frames:
+            await call.write(f)
+        await asyncio.sleep(0.1)
+        mux.probe.release.set()
+        while len(got) < replies:
+            message = await asyncio.wait_for(call.read(), 5)
+            got.extend(message.batch or (message,))
+        await call.done_writing()
+        await channel.close()
+        return got
+    reader, writer = await asyncio.open_unix_connection(mux.plane.endpoint.path)
+    writer.write(hello(mux.plane.endpoint.token) + b"".join(pack(f.SerializeToString()) for f in frames))
+    await asyncio.sleep(0.1)
+    mux.probe.release.set()
+    buffer = MessageBuffer()
+    while len(got) < replies:
+        for data in buffer.feed(await asyncio.wait_for(reader.read(65536), 5)):
+            message = multiplex_pb2.ReplyFrame.FromString(data)
+            got.extend(r for r in (*message.batch, message) if r.id)
+    writer.close()
+    return got
+
+
+def call_frame(call_id: int, payload: bytes) -> multiplex_pb2.CallFrame:
+    return multiplex_pb2.CallFrame(id=call_id, method=METHOD, payload=payload, timeout_s=5)
+
+
+@BOTH
+async def test_a_second_frame_with_a_running_calls_id_is_refused_and_the_first_runs_on(mux):
+    replies = await raw_calls(mux, [call_frame(1, b"hold"), call_frame(1, b"again"), call_frame(2, b"x")], 3)
+    refused = [r for r in replies if r.code]
+    assert [(r.id, r.code) for r in refused] == [(1, grpc.StatusCode.INVALID_ARGUMENT.value[0])]
+    assert "call id 1 is already running" in refused[0].details and "nothing ran" in refused[0].details
+    assert sorted(r.payload for r in replies if not r.code) == [b"ok:hold", b"ok:x"]   # not b"ok:again"
+    assert await mux.call(b"still", timeout=5) == b"ok:still"
+
+
+@BOTH
+async def test_a_frame_past_the_streams_limit_of_running_calls_is_refused_unrun(mux):
+    mux.servicer.max_calls = 2
+    replies = await raw_calls(mux, [call_frame(1, b"hold"), call_frame(2, b"hold"), call_frame(3, b"x")], 3)
+    by_id = {r.id: r for r in replies}
+    assert by_id[3].code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert "2 calls are running on this stream, its limit (ACADEMUS_MAX_STREAM_CALLS=2)" in by_id[3].details
+    assert {(t.key, t.value) for t in by_id[3].trailers} >= {(NOTHING_RAN, "true")}
+    assert by_id[1].payload == by_id[2].payload == b"ok:hold"        # the calls within the limit ran
+    assert await mux.call(b"after", timeout=5) == b"ok:after"        # room again once they answered
