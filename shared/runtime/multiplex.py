@@ -634,7 +634,18 @@ class _ServedStream:
                     self.receive(frame)
         except grpc.aio.AioRpcError:  # the client went away: its running calls are cancelled below
             pass
+        except Exception as e:  # a message that is not a CallFrame: as the local plane does, refuse and close
+            self.refuse_stream(f"a message of this stream is not an academus.v1.CallFrame ({type(e).__name__}: {e}); "
+                               f"the stream is closed and its running calls cancelled")
+            return
         self.end_when_idle()  # the client half-closed: answer what runs, then end
+
+    def refuse_stream(self, details: str) -> None:
+        """Answers the peer with a status on call id 0, cancels what it was running and ends the stream."""
+        self.cancel_all()
+        self.replies.put_nowait(reply_status(0, grpc.StatusCode.INVALID_ARGUMENT, details))
+        self.closing = True
+        self.replies.put_nowait(None)
 
     def receive(self, frame: multiplex_pb2.CallFrame) -> None:
         if frame.cancel:
@@ -703,9 +714,13 @@ class _ServedStream:
         if unrun is not None:
             MULTIPLEXED_UNRUN.labels(frame.method, CODES[unrun.code].name).inc()
             return unrun
+        try:
+            request = method.deserialize(frame.payload)
+        except Exception as e:  # garbage, cut short, bad UTF-8: the caller's fault, nothing ran
+            return reply_status(frame.id, grpc.StatusCode.INVALID_ARGUMENT, unparsable(method.deserialize, e))
         method.served.inc()
         try:
-            response = await method.behavior(method.deserialize(frame.payload), context)
+            response = await method.behavior(request, context)
             # inside: a response that cannot be sent is answered as a handler's error, never dropped
             return multiplex_pb2.ReplyFrame(id=frame.id, payload=method.serialize(response))
         except grpc.aio.AbortError:
@@ -734,7 +749,7 @@ class MethodCapture:
         self.methods: dict[str, UnaryMethod] = {}
 
     def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
-        self.server.add_registered_method_handlers(service, handlers)
+        self.server.add_registered_method_handlers(service, {name: parsed_inside(h) for name, h in handlers.items()})
         for name, handler in handlers.items():
             if handler.unary_unary is not None:  # no (de)serializer: bytes as they are, as grpc takes it
                 self.methods[f"/{service}/{name}"] = UnaryMethod(
@@ -742,6 +757,30 @@ class MethodCapture:
 
     def __getattr__(self, name: str):  # add_generic_rpc_handlers and the rest go to the server
         return getattr(self.server, name)
+
+
+def parsed_inside(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A unary handler that parses its request itself: grpc answers a request it cannot parse INTERNAL, which
+    says the server failed; a peer that sent garbage, a message cut short or bad UTF-8 is told INVALID_ARGUMENT."""
+    parse, behavior = handler.request_deserializer, handler.unary_unary
+    if behavior is None or parse is None:
+        return handler
+
+    async def checked(payload: bytes, context: grpc.aio.ServicerContext) -> object:
+        try:
+            request = parse(payload)
+        except Exception as e:  # DecodeError, or what a hand-written deserializer raises
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, unparsable(parse, e))
+        return await behavior(request, context)
+
+    return grpc.unary_unary_rpc_method_handler(checked, response_serializer=handler.response_serializer)
+
+
+def unparsable(parse: Callable[[bytes], object], error: Exception) -> str:
+    """Names the message a request failed to parse as, and why."""
+    descriptor = getattr(getattr(parse, "__self__", None), "DESCRIPTOR", None)
+    expected = descriptor.full_name if descriptor is not None else "this method's request message"
+    return f"the request is not a valid {expected}: {error}"
 
 
 def piece_bytes(metadata: Sequence[tuple[str, str | bytes]] | None) -> int:

@@ -767,3 +767,18 @@ async def test_a_frame_past_the_streams_limit_of_running_calls_is_refused_unrun(
     assert {(t.key, t.value) for t in by_id[3].trailers} >= {(NOTHING_RAN, "true")}
     assert by_id[1].payload == by_id[2].payload == b"ok:hold"        # the calls within the limit ran
     assert await mux.call(b"after", timeout=5) == b"ok:after"        # room again once they answered
+
+
+@pytest.mark.parametrize("mux", ["grpc"], indirect=True)
+async def test_a_message_that_is_not_a_frame_ends_the_grpc_stream_with_a_status_and_cancels_its_calls(mux):
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{mux.port}")
+    call = channel.stream_stream(CALLS_METHOD)()   # raw bytes, so that the peer can send what is not a frame
+    await call.write(call_frame(1, b"wait").SerializeToString())
+    await asyncio.wait_for(mux.probe.entered.wait(), 5)
+    await call.write(b"\xff\xff")
+    replies = [multiplex_pb2.ReplyFrame.FromString(raw) async for raw in call]   # ends: no deadline needed
+    assert [(r.id, r.code) for r in replies] == [(0, grpc.StatusCode.INVALID_ARGUMENT.value[0])]
+    assert "is not an academus.v1.CallFrame" in replies[0].details
+    await asyncio.wait_for(mux.probe.cancelled.wait(), 5)   # the running call was cancelled
+    await channel.close()
+    assert await mux.call(b"still", timeout=5) == b"ok:still"
