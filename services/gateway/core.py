@@ -80,24 +80,62 @@ class Admitted:
         return EMBED if self.paired else self.output
 
 
+def peer_host(peer: str) -> str:
+    """The client's address without its port, from grpc's `ipv4:1.2.3.4:5678` / `ipv6:[::1]:5678` form."""
+    kind, _, rest = peer.partition(":")
+    return f"{kind}:{rest.rsplit(':', 1)[0]}" if kind in ("ipv4", "ipv6") else peer
+
+
+class FailedKeyLimit:
+    """Invalid API keys presented from one address within a window. Past `limit`, that address's calls are refused
+    before their key is looked up, until the window ends: keys cannot be guessed at the gateway's speed. A missing
+    key is not counted (it guesses nothing). Clients behind one NAT share the count: `limit` 0 turns it off."""
+
+    def __init__(self, limit: int, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limit, self.window_s, self.clock = limit, window_s, clock
+        self._failures: ExpiringCache[str, list[float]] = ExpiringCache(window_s, clock)   # host -> [count, ends]
+
+    def check(self, peer: str) -> None:
+        entry = self._failures.get(peer_host(peer)) if self.limit and peer else None
+        if entry is not None and entry[0] >= self.limit:
+            wait_s = max(entry[1] - self.clock(), 0.0)
+            raise ResourceExhausted(f"{entry[0]:.0f} invalid API keys from this address within {self.window_s:g} s, "
+                                    f"the limit (ACADEMUS_AUTH_FAILURE_LIMIT={self.limit}); try again in "
+                                    f"{wait_s:.0f} s", pushback_ms=round(wait_s * 1e3))
+
+    def failed(self, peer: str) -> None:
+        if not (self.limit and peer):
+            return
+        host = peer_host(peer)
+        entry = self._failures.get(host)
+        if entry is None:
+            self._failures.put(host, [1, self.clock() + self.window_s])
+        else:
+            entry[0] += 1   # in place: the window keeps its end
+
+
 class Authenticator:
     """API key -> principal via Redis (SHA-256 of the key); verified keys are cached briefly."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, cache_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, failures: FailedKeyLimit | None = None) -> None:
         self.redis, self.keys = redis, keys
         self._cache: ExpiringCache[str, Principal] = ExpiringCache(cache_s, clock)
         self._forgotten = 0   # forget() calls: a record read before one may be of a key revoked since
+        self.failures = failures or FailedKeyLimit(0, 60.0, clock)
 
-    async def authenticate(self, api_key: str | None) -> Principal:
+    async def authenticate(self, api_key: str | None, peer: str = "") -> Principal:
+        """`peer`: the caller's address as grpc gives it ("": not limited, an in-process caller)."""
         if not api_key:
             raise Unauthenticated("missing API key: send it as `x-api-key` (or `authorization: Bearer`) metadata")
+        self.failures.check(peer)
         principal = self._cache.get(api_key)
         if principal is not None:
             return principal
         forgotten = self._forgotten
         record = await self.redis.hgetall(self.keys.api_key(api_key))
         if not record:
+            self.failures.failed(peer)
             raise Unauthenticated("invalid API key")
         principal = Principal(record["tenant"], record.get("role", "tenant"))
         if forgotten == self._forgotten:
@@ -260,11 +298,11 @@ class Gateway:
         self.quotas = quotas or Quotas(redis, keys)
         self.schedulers = schedulers
 
-    async def admit(self, api_key: str | None, call: InferCall, policy: str = "") -> Admitted:
+    async def admit(self, api_key: str | None, call: InferCall, policy: str = "", peer: str = "") -> Admitted:
         """Everything before the scheduler: authenticates, checks limits, resolves the model, refuses at
         the edge while every deployment serving it is full, tokenizes, and takes the quota token last: the
         tenant pays neither for the node's lack of room nor for a request refused as invalid."""
-        principal = await self.auth.authenticate(api_key)
+        principal = await self.auth.authenticate(api_key, peer)
         check_policy(policy)
         self.check_inputs(call)
         spec, tenant_model = await self.resolve(principal, call.model)
@@ -286,11 +324,11 @@ class Gateway:
         if admitted.charged:
             await self.quotas.give_back(admitted.principal.tenant)
 
-    async def list_models(self, api_key: str | None) -> tuple[list[ModelSpec], list[TenantModel]]:
+    async def list_models(self, api_key: str | None, peer: str = "") -> tuple[list[ModelSpec], list[TenantModel]]:
         """What the caller may name: the served models, from a fresh read (a listing is rare; a stale one would
         omit a model just registered), and the caller's own tenant models, whatever their status. It costs a
         quota token, as a request does."""
-        principal = await self.auth.authenticate(api_key)
+        principal = await self.auth.authenticate(api_key, peer)
         await self.quotas.take(principal.tenant)
         await self.catalogue.refresh()
         served = [self.catalogue.models[name] for name in sorted(self.catalogue.models)]

@@ -56,9 +56,9 @@ class Manage:
         self.uploads = uploads_path(config.uploads_dir)
         self.table = table or (lambda: root_table(config.plot_dir))
 
-    async def authenticate(self, api_key: str | None) -> Principal:
+    async def authenticate(self, api_key: str | None, peer: str = "") -> Principal:
         """The caller, who also spends a request of its quota (Manage calls are cheap, uploads are not)."""
-        principal = await self.auth.authenticate(api_key)
+        principal = await self.auth.authenticate(api_key, peer)
         await self.quotas.take(principal.tenant)
         return principal
 

@@ -22,6 +22,7 @@ from academus.services.gateway.core import (
     Admitted,
     Authenticator,
     Catalogue,
+    FailedKeyLimit,
     Gateway,
     InferCall,
     SchedulerDirectory,
@@ -227,7 +228,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         remaining = context.time_remaining()
         deadline = time.monotonic() + (remaining if remaining is not None else self.default_deadline_s)
         admitted = await self.gateway.admit(api_key_from(context.invocation_metadata()), from_pb(request),
-                                            request.policy)
+                                            request.policy, context.peer())
         annotate(model=admitted.spec.name, tenant=admitted.principal.tenant, texts=len(admitted.encoded))
         return admitted, deadline
 
@@ -261,7 +262,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):
         try:
-            served, own = await self.gateway.list_models(api_key_from(context.invocation_metadata()))
+            served, own = await self.gateway.list_models(api_key_from(context.invocation_metadata()), context.peer())
         except ServingError as e:
             await abort_with(context, e)
         except RedisError as e:
@@ -370,7 +371,7 @@ class ManageServicer(manage_pb2_grpc.ManageServicer):
 
     async def _call(self, context: grpc.aio.ServicerContext, work):
         try:
-            principal = await self.core.authenticate(api_key_from(context.invocation_metadata()))
+            principal = await self.core.authenticate(api_key_from(context.invocation_metadata()), context.peer())
             annotate(tenant=principal.tenant)
             return await work(principal)
         except ServingError as e:
@@ -389,7 +390,9 @@ async def build() -> ServiceSpec:
     schedulers = SchedulerDirectory(redis, keys, config.honour_pushback)
     registry = TenantRegistry(redis, keys, rate=config.tenant_rate, burst=config.tenant_burst)
     gateway = Gateway(config, TeacherTokenizer(teacher_dir(), config.max_tokens),
-                      Authenticator(redis, keys, config.auth_cache_s), catalogue,
+                      Authenticator(redis, keys, config.auth_cache_s,
+                                    failures=FailedKeyLimit(config.auth_failure_limit, config.auth_failure_window_s)),
+                      catalogue,
                       TenantModels(registry, config.auth_cache_s), Quotas(redis, keys, config.auth_cache_s),
                       schedulers)
 

@@ -293,6 +293,10 @@ class GatewayConfig(CommonConfig):
                                   at_least(1))
     default_deadline_s: float = setting(30.0, "applied when the client set none (gRPC has no default)")
     auth_cache_s: float = setting(5.0, "how long a verified key is trusted without asking Redis")
+    auth_failure_limit: int = setting(30, "invalid API keys one client address may present within "
+                                          "`auth_failure_window_s`; past it, its calls are refused RESOURCE_EXHAUSTED "
+                                          "until the window ends (0: no limit)", at_least(0))
+    auth_failure_window_s: float = setting(60.0, "... the window", above(0))
     catalogue_refresh_s: float = setting(1.0, "the model catalogue's re-read interval (pub/sub makes it quicker)")
     honour_pushback: bool = setting(True, "a scheduler that refused for a full queue is sent nothing until its hint "
                                           "passes")

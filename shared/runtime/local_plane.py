@@ -226,7 +226,8 @@ class _ServedConnection(asyncio.Protocol):
             return False
         servicer = self.plane.servicer
         batches = servicer.batches and metadata.get(FRAME_BATCHES_KEY) == "1"
-        self.served = _ServedStream(servicer, piece_bytes(tuple(metadata.items())), batches, self.send_now)
+        self.served = _ServedStream(servicer, piece_bytes(tuple(metadata.items())), batches, self.send_now,
+                                    peer="unix:local-plane")
         servicer._streams.add(self.served)
         LOCAL_PLANE_CONNECTIONS.inc()
         if servicer.draining:

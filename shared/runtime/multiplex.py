@@ -433,15 +433,19 @@ class FrameContext:
     """What the project's handlers and interceptors ask of a grpc.aio.ServicerContext, for one frame."""
 
     def __init__(self, frame: multiplex_pb2.CallFrame, started: float,
-                 partial: Callable[[object], None] | None = None) -> None:
+                 partial: Callable[[object], None] | None = None, peer: str = "") -> None:
         """`started`: when the caller made the call, on this loop's clock. `partial`: sends an early answer,
-        where the caller asked for them."""
+        where the caller asked for them. `peer`: the stream's, as grpc names it."""
         self.send_partial = partial
+        self._peer = peer
         self._deadline = started + frame.timeout_s if frame.timeout_s > 0 else None
         self._metadata = tuple((m.key, m.value) for m in frame.metadata)
         self._code: grpc.StatusCode | None = None
         self._details: str | None = None
         self.trailers: tuple[tuple[str, str], ...] = ()
+
+    def peer(self) -> str:
+        return self._peer
 
     def time_remaining(self) -> float | None:
         if self._deadline is None:
@@ -494,7 +498,7 @@ class MultiplexServicer(multiplex_pb2_grpc.MultiplexServicer):
     async def Calls(self, request_iterator, context: grpc.aio.ServicerContext):
         metadata = context.invocation_metadata()
         batches = self.batches and dict(metadata or ()).get(FRAME_BATCHES_KEY) == "1"
-        served = _ServedStream(self, piece_bytes(metadata), batches)
+        served = _ServedStream(self, piece_bytes(metadata), batches, peer=context.peer())
         self._streams.add(served)   # before any await: a drain meanwhile must reach it
         reader: asyncio.Future | None = None
         try:
@@ -567,10 +571,11 @@ class _ServedStream:
     """One client's Calls stream on the server: its running calls by id and the replies to send."""
 
     def __init__(self, servicer: MultiplexServicer, piece: int = 0, batches: bool = False,
-                 send_now: Callable[[multiplex_pb2.ReplyFrame], bool] | None = None) -> None:
+                 send_now: Callable[[multiplex_pb2.ReplyFrame], bool] | None = None, peer: str = "") -> None:
         """`send_now`: sends a whole reply on the spot if it can (the node-local plane), else the reply
-        waits for `next_message`."""
+        waits for `next_message`. `peer`: the client, for its frames' handlers (grpc's form, `ipv4:host:port`)."""
         self.servicer = servicer
+        self.peer = peer
         self.send_now = send_now
         self.running: dict[int, asyncio.Task] = {}
         self.closing = False   # half-closed by the client, or the server drains: end once idle
@@ -709,7 +714,7 @@ class _ServedStream:
             def partial(message: object) -> None:
                 if frame.id in self.running:   # not after the call ended (or its caller left)
                     self.emit(multiplex_pb2.ReplyFrame(id=frame.id, payload=method.serialize(message), partial=True))
-        context = FrameContext(frame, started, partial)
+        context = FrameContext(frame, started, partial, self.peer)
         unrun = unrun_reply(frame, context)
         if unrun is not None:
             MULTIPLEXED_UNRUN.labels(frame.method, CODES[unrun.code].name).inc()

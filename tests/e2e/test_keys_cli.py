@@ -15,12 +15,14 @@ from tests.e2e.conftest import start_mesh, wait_for
 from tests.e2e.test_serving import cli
 
 pytestmark = pytest.mark.e2e
+FAILURE_LIMIT = 8   # invalid keys one address may present a minute: the tests above present 3 between them
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshState]:
     run_dir = tmp_path_factory.mktemp("keys")
-    state = start_mesh(run_dir, env={"ACADEMUS_AUTH_CACHE_S": "600", "ACADEMUS_MODELS": "null"})
+    state = start_mesh(run_dir, env={"ACADEMUS_AUTH_CACHE_S": "600", "ACADEMUS_MODELS": "null",
+                                     "ACADEMUS_AUTH_FAILURE_LIMIT": str(FAILURE_LIMIT)})
     yield state
     down(run_dir)
 
@@ -74,3 +76,14 @@ def test_the_admin_key_rotates_into_its_file_and_cannot_be_revoked(mesh):
     wait_for(lambda: answered(mesh, before) == "UNAUTHENTICATED", timeout_s=30, what="the old admin key refused")
     short = cli(mesh, "keys", "revoke", "abc")
     assert short.returncode == 2 and "INVALID_ARGUMENT" in short.stderr and "8 hex digits" in short.stderr
+
+
+def test_an_address_guessing_keys_is_refused_even_a_good_key_until_its_window_ends(mesh):
+    """Last in this module: it spends the address's allowance of invalid keys (every call here comes from
+    127.0.0.1, over a connection of its own)."""
+    good = json.loads(cli(mesh, "keys", "create", "initech").stdout)["key"]
+    answers = [answered(mesh, f"acd_guess_{k}") for k in range(FAILURE_LIMIT + 1)]
+    assert "RESOURCE_EXHAUSTED" in answers and answers.index("RESOURCE_EXHAUSTED") <= FAILURE_LIMIT
+    assert set(answers[:answers.index("RESOURCE_EXHAUSTED")]) == {"UNAUTHENTICATED"}
+    refused = cli(mesh, "infer", "--key", good, "--model", "null", "hello")
+    assert refused.stdout.strip() == "RESOURCE_EXHAUSTED" and "ACADEMUS_AUTH_FAILURE_LIMIT" in refused.stderr

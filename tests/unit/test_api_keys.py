@@ -8,8 +8,14 @@ import asyncio
 
 import pytest
 
-from academus.services.gateway.core import Authenticator
-from academus.shared.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, Unauthenticated
+from academus.services.gateway.core import Authenticator, FailedKeyLimit, peer_host
+from academus.shared.runtime.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unauthenticated,
+)
 from academus.shared.state.api_keys import KEY_ID_DIGITS, REVOKED, ApiKeys
 from academus.shared.state.keys import Keys, hash_key
 from academus.shared.state.tenants import TenantRegistry
@@ -94,3 +100,30 @@ async def test_rotation_replaces_every_key_of_the_tenant_and_its_record(redis, a
     new_admin, _ = await api_keys.rotate("admin")
     assert [(r.role, r.key_id) for r in await api_keys.list("admin")] == [("admin", hash_key(new_admin)[:16])]
     assert not await redis.exists(KEYS.api_key(admin))
+
+
+def test_a_peer_is_its_address_without_the_port():
+    assert peer_host("ipv4:10.0.0.7:51234") == "ipv4:10.0.0.7"
+    assert peer_host("ipv6:[::1]:51234") == "ipv6:[::1]"
+    assert peer_host("unix:local-plane") == "unix:local-plane"
+
+
+async def test_an_address_presenting_invalid_keys_is_refused_until_its_window_ends(redis, api_keys):
+    now = [0.0]
+    auth = Authenticator(redis, KEYS, cache_s=5, clock=lambda: now[0],
+                         failures=FailedKeyLimit(3, 60.0, clock=lambda: now[0]))
+    good = await api_keys.create("acme")
+    for port in (1, 2, 3):   # new connections, one address
+        with pytest.raises(Unauthenticated):
+            await auth.authenticate(f"acd_guess_{port}", f"ipv4:10.0.0.7:{port}")
+    for _ in range(3):       # a missing key guesses nothing: not counted, and not refused for the count
+        with pytest.raises(Unauthenticated, match="missing API key"):
+            await auth.authenticate("", "ipv4:10.0.0.7:9")
+    now[0] = 20.0
+    with pytest.raises(ResourceExhausted, match=r"3 invalid API keys .*\(ACADEMUS_AUTH_FAILURE_LIMIT=3\); try again in 40 s") as e:
+        await auth.authenticate(good, "ipv4:10.0.0.7:4")   # even a good key: its check would answer a guess
+    assert e.value.pushback_ms == 40_000
+    assert (await auth.authenticate(good, "ipv4:10.0.0.8:1")).tenant == "acme"   # another address
+    assert (await auth.authenticate(good)).tenant == "acme"                      # in-process: not limited
+    now[0] = 60.5
+    assert (await auth.authenticate(good, "ipv4:10.0.0.7:5")).tenant == "acme"   # the window ended
