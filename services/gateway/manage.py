@@ -34,7 +34,7 @@ from academus.shared.runtime.errors import (
 from academus.shared.state.catalogue import ADAPTER_BASES, MODEL_NAME, PLOT_BASES
 from academus.shared.state.jobs import ADAPTER, MODEL, OVERLAY, Job, JobQueue
 from academus.shared.state.keys import Keys
-from academus.shared.state.tenants import FAILED, TRAINING, Quotas, TenantModel, TenantRegistry, check_name
+from academus.shared.state.tenants import FAILED, TRAINING, TenantModel, TenantRegistry, check_name, gateway_quotas
 from academus.shared.state.uploads import parse_corpus, parse_labelled_jsonl, write_upload
 
 ADMIN = "admin"
@@ -52,7 +52,8 @@ class Manage:
                  table: Callable[[], Path | None] | None = None) -> None:
         self.config, self.redis, self.keys, self.auth = config, redis, keys, auth
         self.registry = TenantRegistry(redis, keys, rate=config.tenant_rate, burst=config.tenant_burst)
-        self.jobs, self.domains, self.quotas = JobQueue(redis, keys), DomainRegistry(redis, keys), Quotas(redis, keys)
+        self.jobs, self.domains = JobQueue(redis, keys), DomainRegistry(redis, keys)
+        self.quotas = gateway_quotas(config, redis, keys)
         self.uploads = uploads_path(config.uploads_dir)
         self.table = table or (lambda: root_table(config.plot_dir))
 

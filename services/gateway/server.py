@@ -46,7 +46,7 @@ from academus.shared.runtime.tracing import annotate
 from academus.shared.state.catalogue import ModelSpec
 from academus.shared.state.jobs import FAILED, QUEUED, RUNNING, SUCCEEDED, Job
 from academus.shared.state.keys import Keys
-from academus.shared.state.tenants import READY, Quotas, TenantModel, TenantRegistry
+from academus.shared.state.tenants import READY, TenantModel, TenantRegistry, gateway_quotas
 from academus.v1 import inference_pb2 as pb
 from academus.v1 import inference_pb2_grpc, manage_pb2, manage_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, tensors_pb2
 
@@ -393,7 +393,8 @@ async def build() -> ServiceSpec:
                       Authenticator(redis, keys, config.auth_cache_s,
                                     failures=FailedKeyLimit(config.auth_failure_limit, config.auth_failure_window_s)),
                       catalogue,
-                      TenantModels(registry, config.auth_cache_s), Quotas(redis, keys, config.auth_cache_s),
+                      TenantModels(registry, config.auth_cache_s),
+                      gateway_quotas(config, redis, keys, config.auth_cache_s),
                       schedulers)
 
     changed = asyncio.Event()   # set by an event on the channel: a worker registered, a node's scheduler

@@ -303,6 +303,9 @@ class GatewayConfig(CommonConfig):
     tenant_rate: float = setting(100.0, "a new tenant's quota: requests per second (token bucket refill)", above(0))
     tenant_burst: int = setting(200, "... and bucket size: requests allowed at once after a quiet spell",
                                 at_least(1))
+    admin_rate: float = setting(0.0, "the admin key's quota, requests per second (0: unlimited; every other key "
+                                     "has its tenant's, or the new tenant's above)", at_least(0))
+    admin_burst: int = setting(0, "... and bucket size (0: twice the rate)", at_least(0))
     max_upload_bytes: int = setting(8 * 1024 * 1024, "Manage API: one corpus or labelled-data upload",
                                     between(1, 60 * 1024 * 1024, "an upload stays under the 64 MiB message limit"))
     min_examples: int = setting(8, "Manage API: labelled examples a tenant model needs (one is held out)",

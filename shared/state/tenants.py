@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
+from typing import NamedTuple
 
 import redis.asyncio as aioredis
 
@@ -199,13 +200,15 @@ class TenantRegistry:
         return [self.keys.api_key_of_digest(r.digest) for r in await ApiKeys(self.redis, self.keys).list(tenant)]
 
 
-# KEYS: tenant record, bucket. The bucket refills at `rate` tokens/s up to `burst`; a request takes one.
-# Redis's own clock, so that every gateway sees the same time. Returns {-1} when the tenant has no limits
-# (no record: the admin, keys made by older code), {0} when admitted, else {ms until a token, rate, burst}.
+# KEYS: tenant record, bucket; ARGV: the rate and burst of a tenant without a record (the admin, a key made by
+# `academus keys create`), 0 0 for none. The bucket refills at `rate` tokens/s up to `burst`; a request takes one.
+# Redis's own clock, so that every gateway sees the same time. Returns {-1} when the tenant has no limits,
+# {0} when admitted, else {ms until a token, rate, burst}.
 _TAKE = """
 local limits = redis.call('HMGET', KEYS[1], 'rate', 'burst')
 local rate, burst = tonumber(limits[1]), tonumber(limits[2])
-if not rate or not burst then return {-1} end
+if not rate or not burst then rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2]) end
+if not rate or not burst or rate <= 0 or burst <= 0 then return {-1} end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local state = redis.call('HMGET', KEYS[2], 'tokens', 'at')
@@ -224,7 +227,7 @@ return {wait, tostring(rate), tostring(burst)}
 # retries after a lost reply finds the marker and gives nothing more.
 _GIVE_BACK = """
 if not redis.call('SET', KEYS[3], '1', 'NX', 'PX', 10000) then return 0 end
-local burst = tonumber(redis.call('HGET', KEYS[1], 'burst'))
+local burst = tonumber(redis.call('HGET', KEYS[1], 'burst')) or tonumber(ARGV[1])
 local tokens = tonumber(redis.call('HGET', KEYS[2], 'tokens'))
 if not burst or not tokens then return 0 end
 redis.call('HSET', KEYS[2], 'tokens', tostring(math.min(burst, tokens + 1)))
@@ -232,25 +235,37 @@ return 1
 """
 
 
+class Limits(NamedTuple):
+    rate: float   # requests a second, the bucket's refill; 0: no limit
+    burst: int    # the bucket's size
+
+
+NO_LIMITS = Limits(0.0, 0)
+
+
 class Quotas:
     """Per-tenant request token buckets, each updated atomically by one script (no read-modify-write race
     between gateways); one tenant over its quota costs the others nothing."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, unlimited_cache_s: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.keys = keys
+                 clock: Callable[[], float] = time.monotonic, default: Limits = NO_LIMITS,
+                 admin: Limits = NO_LIMITS) -> None:
+        """`default`: the quota of a tenant without a record (a key made by `academus keys create`); `admin`: the
+        admin's."""
+        self.keys, self.default, self.admin = keys, default, admin
         self._take = redis.register_script(_TAKE)
         self._give_back = redis.register_script(_GIVE_BACK)
         self._unlimited: ExpiringCache[str, bool] = ExpiringCache(unlimited_cache_s, clock)  # known to have none
 
     async def take(self, tenant: str) -> bool:
         """Takes one request's token (True), or raises ResourceExhausted with the wait as a pushback hint.
-        A tenant without a record (the admin, older keys) has no token to take (False); it is remembered
-        briefly, as verified keys are, so that its requests do not pay a Redis round trip each for a
-        quota they do not have."""
+        A tenant without limits (no record, and no default for it: the admin unless configured) has no token to
+        take (False); it is remembered briefly, as verified keys are, so that its requests do not pay a Redis
+        round trip each for a quota they do not have."""
         if self._unlimited.get(tenant):
             return False
-        answer = await self._take(keys=[self.keys.tenant(tenant), self.keys.quota(tenant)])
+        answer = await self._take(keys=[self.keys.tenant(tenant), self.keys.quota(tenant)],
+                                  args=list(self._limits(tenant)))
         wait_ms = int(answer[0])
         if wait_ms < 0:
             self._unlimited.put(tenant, True)
@@ -266,5 +281,16 @@ class Quotas:
         tenant's rate, and the tenant should not pay for it. True when a token went back; a refund id
         already used (a retried command) gives nothing."""
         marker = self.keys.quota_refund(refund_id or uuid.uuid4().hex)
-        return bool(await self._give_back(keys=[self.keys.tenant(tenant), self.keys.quota(tenant), marker]))
+        return bool(await self._give_back(keys=[self.keys.tenant(tenant), self.keys.quota(tenant), marker],
+                                          args=[self._limits(tenant).burst]))
 
+    def _limits(self, tenant: str) -> Limits:
+        """Where the tenant has no record: the admin's quota, or every other key's default."""
+        return self.admin if tenant in RESERVED else self.default
+
+
+def gateway_quotas(config: GatewayConfig, redis: aioredis.Redis, keys: Keys, unlimited_cache_s: float = 0.0) -> Quotas:
+    """The configured quotas: a tenant's own record, else the new-tenant default for any other key, and the
+    admin's (ACADEMUS_ADMIN_RATE, unlimited unless set)."""
+    return Quotas(redis, keys, unlimited_cache_s, default=Limits(config.tenant_rate, config.tenant_burst),
+                  admin=Limits(config.admin_rate, config.admin_burst or max(1, round(2 * config.admin_rate))))

@@ -120,7 +120,8 @@ async def test_an_address_presenting_invalid_keys_is_refused_until_its_window_en
         with pytest.raises(Unauthenticated, match="missing API key"):
             await auth.authenticate("", "ipv4:10.0.0.7:9")
     now[0] = 20.0
-    with pytest.raises(ResourceExhausted, match=r"3 invalid API keys .*\(ACADEMUS_AUTH_FAILURE_LIMIT=3\); try again in 40 s") as e:
+    refusal = r"3 invalid API keys .*\(ACADEMUS_AUTH_FAILURE_LIMIT=3\); try again in 40 s"
+    with pytest.raises(ResourceExhausted, match=refusal) as e:
         await auth.authenticate(good, "ipv4:10.0.0.7:4")   # even a good key: its check would answer a guess
     assert e.value.pushback_ms == 40_000
     assert (await auth.authenticate(good, "ipv4:10.0.0.8:1")).tenant == "acme"   # another address

@@ -7,10 +7,11 @@ import asyncio
 import pytest
 
 from academus.services.gateway.core import Authenticator
+from academus.shared.runtime.config import GatewayConfig
 from academus.shared.runtime.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unauthenticated
 from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
 from academus.shared.state.keys import Keys
-from academus.shared.state.tenants import TRAINING, Quotas, TenantModel, TenantRegistry
+from academus.shared.state.tenants import TRAINING, Quotas, TenantModel, TenantRegistry, gateway_quotas
 
 KEYS = Keys("acd")
 
@@ -223,3 +224,25 @@ async def test_a_token_given_back_is_taken_again_once_and_never_beyond_the_burst
         await quotas.take("acme")
     assert not await quotas.take("no-record")                   # no quota: nothing taken, nothing to give back
     assert not await quotas.give_back("no-record")
+
+
+async def test_every_key_has_a_quota_and_the_admins_is_configured(redis, registry):
+    config = GatewayConfig(tenant_rate=0.01, tenant_burst=2, admin_rate=0.01, admin_burst=1)
+    quotas = gateway_quotas(config, redis, KEYS)
+    assert await quotas.take("made-by-keys-create") and await quotas.take("made-by-keys-create")
+    with pytest.raises(ResourceExhausted, match=r"over its rate limit of 0\.01 requests/s \(burst 2\)"):
+        await quotas.take("made-by-keys-create")            # no record: the new tenant's default
+    assert await quotas.give_back("made-by-keys-create", "r1")
+    assert await quotas.take("made-by-keys-create")
+    assert await quotas.take("admin")
+    with pytest.raises(ResourceExhausted, match=r"burst 1\)"):
+        await quotas.take("admin")
+    await registry.create_tenant("acme", rate=1000, burst=50)
+    assert all([await quotas.take("acme") for _ in range(10)])   # a record's own quota wins
+    unlimited = gateway_quotas(GatewayConfig(), redis, KEYS)     # the default: the admin is unlimited
+    assert not any([await unlimited.take("admin") for _ in range(300)])
+
+
+def test_the_admins_burst_defaults_to_twice_its_rate(redis):
+    quotas = gateway_quotas(GatewayConfig(admin_rate=50.0), redis, KEYS)
+    assert quotas.admin == (50.0, 100) and quotas.default == (100.0, 200)
