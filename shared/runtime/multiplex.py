@@ -765,7 +765,7 @@ class MethodCapture:
 
 
 def parsed_inside(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A unary handler that parses its request itself: grpc answers a request it cannot parse INTERNAL, which
+    """A unary handler that parses its request itself: grpc answers a request it cannot parse UNKNOWN, which
     says the server failed; a peer that sent garbage, a message cut short or bad UTF-8 is told INVALID_ARGUMENT."""
     parse, behavior = handler.request_deserializer, handler.unary_unary
     if behavior is None or parse is None:

@@ -249,7 +249,7 @@ def test_cli_failure_exits_non_zero_with_status_name(mesh):
     assert out.returncode != 0 and out.stdout.strip() == "NOT_FOUND"
 
 
-def test_invalid_utf8_is_refused_by_grpc_and_the_gateway_survives(mesh, admin_key):
+def test_invalid_utf8_is_invalid_argument_naming_the_message_and_the_gateway_survives(mesh, admin_key):
     import grpc
 
     from academus.v1 import inference_pb2
@@ -259,8 +259,9 @@ def test_invalid_utf8_is_refused_by_grpc_and_the_gateway_survives(mesh, admin_ke
         call = ch.unary_unary("/academus.v1.Inference/Infer", request_serializer=None, response_deserializer=None)
         with pytest.raises(grpc.RpcError) as info:
             call(raw, timeout=5, metadata=(("x-api-key", admin_key),))
-    # refused by grpc's own parser (DESIGN.md §8), naming the reason; the gateway keeps serving
-    assert info.value.code() == grpc.StatusCode.UNKNOWN and "bad UTF-8" in info.value.details()
+    # parsed by the edge, not grpc (which says UNKNOWN): the caller's fault, named; the gateway keeps serving
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "academus.v1.InferRequest" in info.value.details() and "bad UTF-8" in info.value.details()
     with Client(mesh.gateway, api_key=admin_key) as client:
         assert client.infer("spam", ["still serving"]).predictions
 
