@@ -23,10 +23,13 @@ ADMIN = "admin"
 
 @dataclass(frozen=True)
 class KeyRecord:
-    key_id: str
     tenant: str
     role: str
-    digest: str = field(default="", repr=False, compare=False)   # the whole SHA-256: where it is stored
+    digest: str = field(repr=False)   # the whole SHA-256: where the key is stored
+
+    @property
+    def key_id(self) -> str:
+        return self.digest[:KEY_ID_DIGITS]
 
 
 class ApiKeys:
@@ -47,9 +50,8 @@ class ApiKeys:
             for name in names:
                 pipe.hmget(name, "tenant", "role")
             fields = await pipe.execute()
-        digests = [name.rsplit(":", 1)[1] for name in names]
-        records = [KeyRecord(digest[:KEY_ID_DIGITS], owner, role or "tenant", digest)
-                   for digest, (owner, role) in zip(digests, fields, strict=True) if owner]
+        records = [KeyRecord(owner, role or "tenant", name.rsplit(":", 1)[1])
+                   for name, (owner, role) in zip(names, fields, strict=True) if owner]
         return sorted((r for r in records if tenant is None or r.tenant == tenant), key=lambda r: (r.tenant, r.key_id))
 
     async def revoke(self, key_or_id: str) -> KeyRecord:
