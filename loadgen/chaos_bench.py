@@ -96,6 +96,7 @@ FAULTS = {f.name: f for f in (
 TARGETS = {"kill": (("lost", 0), ("excess_failed_pct", 5.0), ("recover_s", 5.0)),
            "term": (("lost", 0), ("excess_failed", 0)),
            "redis": (("excess_failed_pct", 5.0), ("key_works_after", True))}
+REFUSAL_P99_MS, GOODPUT_SHARE = 50.0, 0.9   # past capacity (--load > 1), the fault-free run's targets
 
 
 @dataclass
@@ -432,6 +433,8 @@ def summarize(bench: Bench, runs: list[RunResult], extra: dict) -> dict:
            "errors": dict(Counter(r.code for r in failed)),
            "error_examples": runner.error_examples(records, per_code=2),
            "p99_ms": p99(unhit), "p99_models": [run.model for run in unhit],
+           "refusal_p99_ms": refusal_p99(records),
+           "goodput_rps": round((len(records) - len(failed)) / bench.args.duration, 1),
            "send_late_p99_ms": round(percentile([r.late_ms for r in records], 99), 2)}
     if at is not None:
         out["errors_after_fault"] = dict(Counter(r.code for r in failed if r.sent_at >= at))
@@ -442,6 +445,21 @@ def summarize(bench: Bench, runs: list[RunResult], extra: dict) -> dict:
 def p99(runs: list[RunResult]) -> float | None:
     latencies = [r.latency_ms for run in runs for r in run.records if r.code == "OK"]
     return round(percentile(latencies, 99), 2) if latencies else None
+
+
+def refusal_p99(records: list) -> float | None:
+    """How long a RESOURCE_EXHAUSTED took to come back, p99 (ms): a prompt refusal is one in milliseconds."""
+    refused = [r.latency_ms for r in records if r.code == "RESOURCE_EXHAUSTED"]
+    return round(percentile(refused, 99), 2) if refused else None
+
+
+def overload_targets(figures: dict, capacity_rps: float) -> dict[str, bool]:
+    """The issue's overload row, for a fault-free run past capacity: nothing lost, refusals at once, and the
+    answers at least 90 % of what the mesh serves at capacity."""
+    refusal = figures.get("refusal_p99_ms")
+    return {"lost is 0": figures["lost"] == 0,
+            f"refusal_p99_ms <= {REFUSAL_P99_MS}": refusal is not None and refusal <= REFUSAL_P99_MS,
+            f"goodput >= {GOODPUT_SHARE} x capacity": figures["goodput_rps"] >= GOODPUT_SHARE * capacity_rps}
 
 
 def recover_s(runs: list[RunResult], affected: set[str], at: float) -> float | None:
@@ -533,6 +551,9 @@ async def one_run(bench: Bench, fault: Fault | None) -> dict:
     if fault is None:
         figures["p99_by_models"] = {"+".join(m.model for m in subset): p99(subset) for subset in ([r] for r in runs)}
         figures["p99_by_models"]["+".join(r.model for r in runs)] = p99(runs)
+        if bench.capacity_rps and bench.rate > bench.capacity_rps:
+            figures["goodput_of_capacity"] = round(figures["goodput_rps"] / bench.capacity_rps, 3)
+            figures["targets"] = overload_targets(figures, bench.capacity_rps)
     else:
         figures |= against_reference(figures, bench.reference)
         figures["targets"] = verdicts(fault, figures)
@@ -541,16 +562,16 @@ async def one_run(bench: Bench, fault: Fault | None) -> dict:
 
 
 TABLE_KEYS = ("sent", "failed_pct", "excess_failed", "lost", "recover_s", "victim_back_s", "p99_ms",
-              "reference_p99_ms", "gauges_zero_after_s", "errors")
+              "reference_p99_ms", "refusal_p99_ms", "goodput_rps", "gauges_zero_after_s", "errors")
 
 
 def table(summary: dict) -> str:
     head = f"{'fault':<15} {'sent':>5} {'failed%':>7} {'excess':>6} {'lost':>4} {'recover_s':>9} {'back_s':>6} " \
-           f"{'p99_ms':>8} {'ref_p99':>8} {'gauges0_s':>9}  errors"
+           f"{'p99_ms':>8} {'ref_p99':>8} {'refuse99':>8} {'goodput':>7} {'gauges0_s':>9}  errors"
     lines = [head]
     for name, f in summary["runs"].items():
         cells = [f.get(k) for k in TABLE_KEYS]
-        fmt = ["{:>5}", "{:>7}", "{:>6}", "{:>4}", "{:>9}", "{:>6}", "{:>8}", "{:>8}", "{:>9}", "  {}"]
+        fmt = ["{:>5}", "{:>7}", "{:>6}", "{:>4}", "{:>9}", "{:>6}", *["{:>8}"] * 3, "{:>7}", "{:>9}", "  {}"]
         lines.append(f"{name:<15} " + " ".join(spec.format("-" if v is None else _short(v))
                                                for spec, v in zip(fmt, cells, strict=True)))
     return "\n".join(lines)
@@ -579,7 +600,8 @@ async def run_all(bench: Bench, faults: list[Fault]) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    faults = [FAULTS[name] for name in args.faults.split(",")] if args.faults != "all" else list(FAULTS.values())
+    faults = (list(FAULTS.values()) if args.faults == "all" else [] if args.faults == "none"
+              else [FAULTS[name] for name in args.faults.split(",")])
     if not 0 < args.fault_at < args.duration:
         raise SystemExit(f"chaos_bench: --fault-at ({args.fault_at}) must fall within --duration ({args.duration})")
     state = start(args)
@@ -603,7 +625,8 @@ def run(args: argparse.Namespace) -> dict:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m academus.loadgen.chaos_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--faults", default="all", help=f"comma-separated, of: {', '.join(FAULTS)} (default: all)")
+    p.add_argument("--faults", default="all",
+                   help=f"comma-separated, of: {', '.join(FAULTS)} (default: all; none: the fault-free run only)")
     p.add_argument("--rate", type=float, default=0.0, help="offered requests/s, Poisson (default: --load x capacity)")
     p.add_argument("--load", type=float, default=2.0, help="the offered load as a multiple of the measured capacity")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load a run")

@@ -67,6 +67,7 @@ class RunResult:
             "completed": len(ok),
             "errors": dict(Counter(r.code for r in self.records if r.code != "OK")),
             "error_examples": error_examples(self.records),
+            "error_latency_ms": error_latency(self.records),
             "latency_ms": latency_summary(histogram) if ok else {},
             "throughput_rps": round(len(ok) / self.duration_s, 3) if self.duration_s else 0.0,
             "accuracy": round(sum(r.correct for r in labelled) / len(labelled), 4) if labelled else None,
@@ -94,6 +95,17 @@ def error_examples(records: list[Record], per_code: int = 3) -> dict[str, list[d
             out[code].append({"details": message, "count": len(latencies),
                               "p50_ms": round(percentile(latencies, 50), 3)})
     return out
+
+
+def error_latency(records: list[Record]) -> dict[str, dict[str, float]]:
+    """For each error code, how long its statuses took to come back (p50, p99, ms): a refusal that comes
+    at once costs its caller nothing; one that comes at the deadline cost it the whole wait."""
+    by_code: dict[str, list[float]] = {}
+    for r in records:
+        if r.code != "OK":
+            by_code.setdefault(r.code, []).append(r.latency_ms)
+    return {code: {"p50": round(percentile(v, 50), 3), "p99": round(percentile(v, 99), 3)}
+            for code, v in sorted(by_code.items())}
 
 
 def send_lateness(records: list[Record]) -> dict[str, float]:

@@ -420,9 +420,11 @@ class SchedulerDirectory:
     policy, when the request names one) with the fewest of this gateway's requests in flight, ties taken
     round-robin: the paper's global dispatcher. It spreads a deployment's load over its shards as they
     answer rather than in turn, so a shard of fewer or slower groups is sent less; one that answered
-    UNAVAILABLE is tried after the others for DOWN_S. A scheduler that refused for a full queue is sent
-    nothing until its pushback hint has passed (when `honour_pushback`): a full queue holds seconds of
-    work, and refusing here spares the hop and the scheduler's loop."""
+    UNAVAILABLE is tried after the others for DOWN_S. A scheduler that refused a model's request for a full
+    queue (in requests, or in time: its wait bound) is sent nothing more of that model until its pushback
+    hint has passed (when `honour_pushback`): the queue holds more work than it should wait for, and
+    refusing here spares the hop and the scheduler's loop. Per model: one deployment's student groups
+    may each serve a model of their own, with its own queue ahead."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, honour_pushback: bool = True,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -430,7 +432,7 @@ class SchedulerDirectory:
         self.deployments: list[Deployment] = []
         self._next = itertools.count()
         self._in_flight: Counter[str] = Counter()  # address -> this gateway's requests sent and not answered
-        self._full_until: dict[str, float] = {}   # address -> clock time its pushback hint ends
+        self._full_until: dict[tuple[str, str], float] = {}   # (address, model) -> when its pushback hint ends
         self._down_until: dict[str, float] = {}   # address -> until when it is tried last (it said UNAVAILABLE)
         self._refreshed_at = float("-inf")
 
@@ -482,17 +484,18 @@ class SchedulerDirectory:
     def _open(self, candidates: list[str], model: str) -> list[str]:
         """The candidates whose pushback hint has passed; none: ResourceExhausted with the soonest end."""
         now = self.clock()
-        open_ = [a for a in candidates if self._full_until.get(a, now) <= now]
+        open_ = [a for a in candidates if self._full_until.get((a, model), now) <= now]
         if not open_:
-            wait_ms = max(1, round((min(self._full_until[a] for a in candidates) - now) * 1e3))
+            wait_ms = max(1, round((min(self._full_until[a, model] for a in candidates) - now) * 1e3))
             raise ResourceExhausted(f"every scheduler serving model {model!r} has a full queue; retry in "
                                     f"{wait_ms} ms", pushback_ms=wait_ms)
         return open_
 
-    def push_back(self, address: str, pushback_ms: int | None) -> None:
-        """The scheduler refused for a full queue and asked for `pushback_ms` before the next request."""
+    def push_back(self, address: str, model: str, pushback_ms: int | None) -> None:
+        """The scheduler refused a request of `model` for a full queue and asked for `pushback_ms` before
+        the next one."""
         if self.honour_pushback and pushback_ms:
-            self._full_until[address] = self.clock() + pushback_ms / 1e3
+            self._full_until[address, model] = self.clock() + pushback_ms / 1e3
 
     async def route(self, model: str, policy: str, deadline: float, send: Callable[[str], Awaitable[T]]) -> T:
         """Sends to a deployment serving the model, and to another while the deadline allows when it
@@ -512,7 +515,7 @@ class SchedulerDirectory:
             finally:
                 self._in_flight[address] -= 1
             if isinstance(error, ResourceExhausted):
-                self.push_back(address, error.pushback_ms)
+                self.push_back(address, model, error.pushback_ms)
             elif isinstance(error, Unavailable):
                 self._down_until[address] = self.clock() + DOWN_S
                 with contextlib.suppress(Unavailable):   # registry unreachable: the list as it was, less `tried`

@@ -168,8 +168,12 @@ class Dispatcher:
                  retry_pushback_ms: int = 50, clock: Callable[[], float] = time.monotonic,
                  on_wait: Callable[[Job], None] | None = None, drop_doomed: bool = True,
                  send_ahead: bool = False, lost_quarantine_s: float = 5.0, shard: Shard = Shard(),
-                 policy_name: str = "") -> None:
+                 policy_name: str = "", max_queue_wait_s: float = 0.0) -> None:
         self.policy = policy
+        # admission bounds the queue in time, not only in requests: past it a request is refused at once
+        # (RESOURCE_EXHAUSTED, pushback until the queue is back under it) instead of waiting most of its
+        # deadline in a queue that only grows under overload; 0: bounded by each request's deadline only
+        self.max_queue_wait_s = max_queue_wait_s
         self._queue_wait = children(QUEUE_WAIT, policy_name or policy.name)  # the deployment's name (a variant's)
         self._students: set[str] = set()   # the models STUDENT_NUMBER has a value for
         self.shard = shard
@@ -275,7 +279,7 @@ class Dispatcher:
             self.stats.rejected += 1
             raise ResourceExhausted(f"scheduler queue is full ({self.queue_capacity} requests waiting)",
                                     pushback_ms=self.retry_pushback_ms)
-        self._check_deadline(job)
+        self._admit(job)
         job.future = asyncio.get_running_loop().create_future()
         self.policy.push(job, self.clock())
         self._arriving = job
@@ -287,36 +291,48 @@ class Dispatcher:
             self.on_wait(job)
         return await job.future
 
-    def _check_deadline(self, job: Job) -> None:
-        """Refuses at once what cannot start in time: the batches queued ahead of it (of a job that joins a
-        buffered element, the elements before that one, of any model), spread over the model's groups, at
-        the smoothed batch time. A lower bound (its own compute is not counted):
+    def _admit(self, job: Job) -> None:
+        """Refuses at once what the queue cannot start in time: DEADLINE_EXCEEDED when the work ahead outlasts
+        the job's deadline, RESOURCE_EXHAUSTED when it exceeds the queue's wait bound, with a pushback hint
+        of the excess (the gateway then sends this scheduler nothing while the queue drains to the bound)."""
+        expected = self._wait_ahead(job)
+        if not expected:
+            return
+        left = job.deadline - self.clock()
+        if expected > left:
+            self.stats.rejected += 1
+            raise DeadlineExceeded(f"the deadline cannot be met: about {expected * 1e3:.0f} ms of queued work "
+                                   f"ahead, {max(0.0, left) * 1e3:.0f} ms left", nothing_ran=True)
+        if self.max_queue_wait_s and expected > self.max_queue_wait_s:
+            self.stats.rejected += 1
+            excess_ms = max(1, round((expected - self.max_queue_wait_s) * 1e3))
+            raise ResourceExhausted(f"scheduler queue holds about {expected * 1e3:.0f} ms of work ahead; the limit "
+                                    f"is ACADEMUS_MAX_QUEUE_WAIT_MS={self.max_queue_wait_s * 1e3:.0f}; retry in "
+                                    f"{excess_ms} ms", pushback_ms=excess_ms)
+
+    def _wait_ahead(self, job: Job) -> float:
+        """How long the job would wait to start (0: at once, or not yet measured): the batches queued ahead
+        of it (of a job that joins a buffered element, the elements before that one, of any model), spread
+        over the model's groups, at the smoothed batch time. A lower bound (its own compute is not counted):
         what passes may still expire, and then stops between layers on the worker."""
         service = self.service_s.get(job.model)
         if service is None:
-            return
+            return 0.0
         mine = [g for g in self.groups if job.model in g.models]
         if any(self._free(g) for g in mine):
-            return   # it starts at once: what waits is another model's (a deployment may serve several)
+            return 0.0   # it starts at once: what waits is another model's (a deployment may serve several)
         depth = self.policy.ahead_of_merge(job)   # it joins a buffered element: those before it (O(1))
         if depth is None:
             depth = self._depth_ahead(job.model, mine)
-        if not depth:
-            return
-        expected = service * depth / max(1, sum(1 for g in mine if self._live(g)))
-        if self.clock() + expected > job.deadline:
-            self.stats.rejected += 1
-            raise DeadlineExceeded(f"the deadline cannot be met: about {expected * 1e3:.0f} ms of queued work "
-                                   f"ahead, {max(0.0, job.deadline - self.clock()) * 1e3:.0f} ms left",
-                                   nothing_ran=True)
+        return service * depth / max(1, sum(1 for g in mine if self._live(g)))
 
     def _depth_ahead(self, model: str, mine: list[Group]) -> int:
-        """The dispatch units waiting ahead of a job of `model` (`mine`: the groups that run it): every one,
+        """The batches waiting ahead of a job of `model` (`mine`: the groups that run it): every one,
         unless its groups run no other model while other groups exist (student groups of several student
         models in one deployment): then only its own model's, since another model's go to their groups."""
         if len(mine) < len(self.groups) and all(g.models == {model} for g in mine):
-            return self.policy.depth(model)
-        return self.policy.depth()
+            return self.policy.batches_ahead(model)
+        return self.policy.batches_ahead()
 
     def _drain(self) -> None:
         """Every free group takes the next ready batch it can run; dead jobs are dropped unrun. Then, with

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from abc import ABC, abstractmethod
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -64,6 +64,11 @@ class DispatchPolicy(ABC):
         """Waiting dispatch units (buffer elements for `student`, jobs otherwise): the load signal; with
         `model`, only that model's (O(n): for a deployment of several models)."""
         return len(self.waiting_of(model))
+
+    def batches_ahead(self, model: str | None = None) -> int:
+        """The batches the waiting jobs will form, at least: what the admission estimate multiplies by one
+        batch time (`depth` unless a policy merges waiting jobs into fewer batches)."""
+        return self.depth(model)
 
     def waiting_of(self, model: str | None) -> Sequence[Job]:
         """The waiting jobs; with `model`, only that model's."""
@@ -185,6 +190,7 @@ class StudentPolicy(DispatchPolicy):
         self.merged = 0                # samples that joined an existing element (a metric)
         self._queued: dict[int, Job] = {}            # the admission queue's live jobs, by id
         self._by_key: dict[Hashable, deque[Job]] = {}  # the same jobs per buffer key, in arrival order
+        self._queued_texts: Counter[tuple[str, Hashable]] = Counter()  # (model, buffer key) -> queued texts
 
     def resize(self, groups: int) -> None:
         self.capacity = max(1, groups)
@@ -219,6 +225,7 @@ class StudentPolicy(DispatchPolicy):
             self.merged += self.buffer.push(job)
         elif self._queued or len(self.buffer) >= self.capacity:
             self._queued[id(job)] = job
+            self._queued_texts[job.model, self.buffer.key_of(job)] += job.num_texts
             self._jobs.append(job)
             self._by_key.setdefault(self.buffer.key_of(job), deque()).append(job)
         else:
@@ -231,7 +238,7 @@ class StudentPolicy(DispatchPolicy):
             job = next((j for j in self._waiting() if accepts(j)), None)
             if job is None:
                 return []
-            del self._queued[id(job)]
+            self._unqueue(job)
             self._refill()
             return [job]
         self._refill()
@@ -246,7 +253,7 @@ class StudentPolicy(DispatchPolicy):
             if len(self.buffer) >= self.capacity and not self.buffer.merges(job):
                 return
             self._jobs.popleft()
-            del self._queued[id(job)]
+            self._unqueue(job)
             self.merged += self.buffer.push(job)
             self._merge_waiting(self.buffer.key_of(job))
             self._bound()   # each step takes from the queue: the bound can only fall back
@@ -267,10 +274,17 @@ class StudentPolicy(DispatchPolicy):
             if id(job) in self._queued:
                 if not self.buffer.merges(job):
                     return
-                del self._queued[id(job)]
+                self._unqueue(job)
                 self.merged += self.buffer.push(job)
             waiting.popleft()
         self._by_key.pop(key, None)
+
+    def _unqueue(self, job: Job) -> None:
+        del self._queued[id(job)]
+        key = job.model, self.buffer.key_of(job)
+        self._queued_texts[key] -= job.num_texts
+        if self._queued_texts[key] <= 0:
+            del self._queued_texts[key]
 
     def _waiting(self) -> Iterator[Job]:
         return (j for j in self._jobs if id(j) in self._queued)
@@ -278,7 +292,7 @@ class StudentPolicy(DispatchPolicy):
     def remove(self, predicate: Callable[[Job], bool]) -> list[Job]:
         removed = self.buffer.remove(predicate)
         for job in [j for j in self._waiting() if predicate(j)]:
-            del self._queued[id(job)]
+            self._unqueue(job)
             removed.append(job)
         self._jobs = deque(self._waiting())
         self._bound()
@@ -292,6 +306,14 @@ class StudentPolicy(DispatchPolicy):
             return len(self.buffer) + len(self._queued)
         return (sum(1 for e in self.buffer if e.jobs[0].model == model)
                 + sum(1 for j in self._queued.values() if j.model == model))
+
+    def batches_ahead(self, model: str | None = None) -> int:
+        """The buffer's elements, and each length bin's queued samples in elements of the merge bound now:
+        they join elements of their bin as they enter the buffer (O(bins), not O(samples))."""
+        elements = len(self.buffer) if model is None else sum(1 for e in self.buffer if e.jobs[0].model == model)
+        merge = max(1, self.buffer.max_merge)
+        return elements + sum(math.ceil(texts / merge) for (of, _), texts in self._queued_texts.items()
+                              if model is None or of == model)
 
     def __len__(self) -> int:
         return self.buffer.samples + len(self._queued)

@@ -223,7 +223,8 @@ async def build() -> ServiceSpec:
                             on_wait=prefetcher.on_wait if prefetcher is not None else None,
                             drop_doomed=config.drop_doomed, send_ahead=config.send_ahead,
                             lost_quarantine_s=max(1, round(config.heartbeat_ttl_s)),   # the key's TTL
-                            shard=Shard(config.shard, config.shards), policy_name=config.policy)
+                            shard=Shard(config.shard, config.shards), policy_name=config.policy,
+                            max_queue_wait_s=config.max_queue_wait_ms / 1e3)
     dispatcher.workers = workers  # the sender resolves member addresses from the same live table
     models = cfg.ModelSelection.parse(config.models)
     state = {"id": config.scheduler_id, "address": ""}

@@ -366,6 +366,9 @@ class SchedulerConfig(CommonConfig):
     load_report_s: float = setting(0.1, "how often the load signals the resource manager adapts on are written")
     queue_capacity: int = setting(1024, "admission bound: beyond it, RESOURCE_EXHAUSTED at once", at_least(1))
     retry_pushback_ms: int = setting(50, "the retry hint a refusal for a full queue carries")
+    max_queue_wait_ms: float = setting(500.0, "admission bound in time: a request that would wait longer for a "
+                                              "batch is refused RESOURCE_EXHAUSTED at once, with a pushback hint "
+                                              "of the excess (0: only its deadline bounds its wait)", at_least(0))
     heartbeat_ttl_s: float = setting(5.0, "TTL of its registration in Redis, renewed within it")
     refresh_s: float = setting(1.0, "placement re-read interval (pub/sub makes it quicker)")
     expire_interval_s: float = setting(0.05, "how often waiting jobs are checked against their deadlines")

@@ -305,9 +305,9 @@ async def test_a_full_scheduler_gets_nothing_until_its_pushback_passes(redis_url
     redis = connect(redis_url)
     now = [10.0]
     directory = await two_schedulers(redis, "padded", "spam", "b", clock=lambda: now[0])
-    directory.push_back("b:0", 50)
+    directory.push_back("b:0", "spam", 50)
     assert {await directory.pick(model="spam") for _ in range(4)} == {"b:1"}  # the other deployment serves
-    directory.push_back("b:1", 80)
+    directory.push_back("b:1", "spam", 80)
     now[0] += 0.030
     with pytest.raises(ResourceExhausted, match="full queue; retry in 20 ms") as refused:
         await directory.pick(model="spam")
@@ -316,11 +316,22 @@ async def test_a_full_scheduler_gets_nothing_until_its_pushback_passes(redis_url
     assert {await directory.pick(model="spam") for _ in range(4)} == {"b:0"}
     ignoring = SchedulerDirectory(redis, KEYS, honour_pushback=False, clock=lambda: now[0])
     await ignoring.refresh()
-    ignoring.push_back("b:0", 50)
-    ignoring.push_back("b:1", 50)
+    ignoring.push_back("b:0", "spam", 50)
+    ignoring.push_back("b:1", "spam", 50)
     assert {await ignoring.pick(model="spam") for _ in range(4)} == {"b:0", "b:1"}  # the ablation
     await redis.aclose()
 
+
+
+async def test_a_pushback_holds_back_only_the_model_it_was_for(redis_url):
+    """Two deployments serving two models each: one refused for spam's queue still gets ham."""
+    redis = connect(redis_url)
+    now = [10.0]
+    directory = await two_schedulers(redis, "student", "spam,ham", "m", clock=lambda: now[0])
+    directory.push_back("m:0", "spam", 50)
+    assert {await directory.pick(model="spam") for _ in range(4)} == {"m:1"}
+    assert {await directory.pick(model="ham") for _ in range(4)} == {"m:0", "m:1"}
+    await redis.aclose()
 
 
 async def test_a_request_goes_to_the_shard_with_the_fewest_in_flight(redis_url):
@@ -611,8 +622,8 @@ async def test_a_request_refused_at_the_edge_costs_no_quota_token(redis_url, tok
     key = await registry.create_tenant("t", rate=0.01, burst=1)    # one token, no refill within the test
     gateway = Gateway(GatewayConfig(max_inputs=4, max_tokens=32, max_text_chars=500), tokenizer,
                       Authenticator(redis, KEYS, 5.0), Catalogue(redis, KEYS), schedulers=directory)
-    directory.push_back("b:0", 50)
-    directory.push_back("b:1", 50)
+    directory.push_back("b:0", "spam", 50)
+    directory.push_back("b:1", "spam", 50)
     for _ in range(3):
         with pytest.raises(ResourceExhausted, match="every scheduler serving model 'spam' has a full queue"):
             await gateway.admit(key, call(["hi"]))

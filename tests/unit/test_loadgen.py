@@ -93,6 +93,27 @@ def test_report_names_each_error_codes_most_frequent_messages():
     assert len(examples["CANCELLED"]) == 3 and "OK" not in examples
 
 
+def test_report_gives_how_long_each_error_code_took_to_come_back():
+    records = [Record(0.01 * i, float(i + 1), "RESOURCE_EXHAUSTED") for i in range(100)]
+    records += [Record(0.5, 4990.0, "DEADLINE_EXCEEDED"), Record(0.6, 8.0, "OK", 1)]
+    times = RunResult("m", "", 1.0, 1.0, records).report()["error_latency_ms"]
+    assert times["RESOURCE_EXHAUSTED"]["p50"] == pytest.approx(50.5, abs=0.6)
+    assert times["RESOURCE_EXHAUSTED"]["p99"] == pytest.approx(99.0, abs=1.1)
+    assert times["DEADLINE_EXCEEDED"] == {"p50": 4990.0, "p99": 4990.0} and "OK" not in times
+
+
+def test_chaos_overload_targets_judge_refusal_time_goodput_and_loss():
+    from academus.loadgen.chaos_bench import overload_targets, refusal_p99
+
+    refused = [Record(0.0, 10.0 + i / 10, "RESOURCE_EXHAUSTED") for i in range(100)]
+    figures = {"lost": 0, "refusal_p99_ms": refusal_p99(refused), "goodput_rps": 91.0}
+    assert figures["refusal_p99_ms"] == pytest.approx(19.9, abs=0.11)
+    assert all(overload_targets(figures, capacity_rps=100.0).values())
+    missed = overload_targets(figures | {"lost": 2, "refusal_p99_ms": 4900.0, "goodput_rps": 80.0}, 100.0)
+    assert not any(missed.values()), missed
+    assert refusal_p99([Record(0.0, 3.0, "OK")]) is None
+
+
 def test_ratios_against_the_first_run():
     base = {"model": "a", "policy": "fifo", "latency_ms": {"p50": 10, "p95": 20, "p99": 40}, "throughput_rps": 5,
             "utility": 2.0}

@@ -545,6 +545,48 @@ async def test_a_request_that_cannot_meet_its_deadline_is_refused_at_once():
     assert await asyncio.gather(running, queued) == ["a", "b"]
 
 
+async def test_a_queue_past_its_wait_bound_refuses_at_once_with_the_excess_as_pushback():
+    """Under overload the queue is bounded in time: a request that would wait past ACADEMUS_MAX_QUEUE_WAIT_MS
+    is refused RESOURCE_EXHAUSTED at once, not left to expire; one its deadline cannot wait for is still
+    DEADLINE_EXCEEDED (the contract's row), and one within the bound waits its turn."""
+    d, clock, fake = make_dispatcher({"w0": {"spam"}})
+    d.max_queue_wait_s = 0.8
+    d.service_s["spam"] = 0.5
+    running = asyncio.create_task(d.submit(make_job(clock, payload="runs")))
+    queued = [asyncio.create_task(d.submit(make_job(clock, payload=f"q{i}"))) for i in range(2)]  # 0.5, 1.0 s
+    await settle()
+    with pytest.raises(ResourceExhausted, match="about 1000 ms of work ahead; the limit is "
+                                                "ACADEMUS_MAX_QUEUE_WAIT_MS=800") as refused:
+        await d.submit(make_job(clock, deadline_in=5.0, payload="refused"))
+    assert refused.value.pushback_ms == 200        # the queue is back under the bound after 0.2 s of work
+    with pytest.raises(DeadlineExceeded, match="cannot be met"):
+        await d.submit(make_job(clock, deadline_in=0.9, payload="too short"))
+    assert d.stats.rejected == 2 and len(d.policy) == 2
+    clock.now += 0.5                                # a batch took its 0.5 s: one ahead of the next arrival now
+    fake.calls[0][2].set_result("a")
+    await settle()
+    admitted = asyncio.create_task(d.submit(make_job(clock, payload="fits")))
+    for k in range(1, 4):
+        await settle()
+        fake.calls[k][2].set_result("bcd"[k - 1])
+    assert await asyncio.gather(running, *queued, admitted) == ["a", "b", "c", "d"]
+
+
+def test_queued_samples_count_as_elements_of_the_merge_bound_in_the_admission_estimate():
+    """Queued samples of a student deployment join elements as they enter the buffer: counting each as a
+    batch would refuse at a fraction of the wait the bound allows."""
+    policy = StudentPolicy(max_merge=4, overload_merge=4)
+    clock = Clock()
+    lengths = [10] + [30] * 5 + [50] * 2 + [70]   # bins: the buffered element's, then 5, 2 and 1 queued
+    for length in lengths:                        # the buffer holds one element (capacity 1)
+        policy.push(ss_job(clock, length), clock())
+    assert policy.depth() == 1 + 8           # the load signal counts waiting samples beyond the buffer
+    assert policy.batches_ahead() == 1 + 2 + 1 + 1   # the estimate: each bin's samples in elements of four
+    assert policy.batches_ahead("ss") == 5 and policy.batches_ahead("other") == 0
+    assert [len(policy.next_batch(lambda j: True, clock())) for _ in range(4)] == [1, 4, 1, 2]
+    assert policy.batches_ahead() == 1      # the last element, in the buffer; nothing queued
+
+
 async def test_with_nothing_queued_a_short_deadline_is_admitted_and_left_to_the_worker():
     d, clock, fake = make_dispatcher({"w0": {"spam"}})
     d.service_s["spam"] = 0.5
