@@ -429,6 +429,7 @@ async def build() -> ServiceSpec:
         extra_tasks=[refresher, functools.partial(wake_on, redis, keys.events(), changed)],
         own_port=config.own_port,
         public_credentials=functools.partial(public_credentials, config),
+        max_receive_bytes=config.request_limit,
     )
 
 

@@ -289,8 +289,8 @@ T = TypeVar("T", bound="CommonConfig")
 class GatewayConfig(CommonConfig):
     max_inputs: int = setting(64, "texts per request", at_least(1))
     max_tokens: int = setting(256, "the teacher's max_seq_length", between(1, 512, "the model's positions"))
-    max_text_chars: int = setting(100_000, "a longer text is refused before tokenizing, truncation or not",
-                                  at_least(1))
+    max_text_chars: int = setting(20_000, "a longer text is refused before tokenizing, truncation or not (the "
+                                          "model reads at most 512 tokens, about 2,000 characters)", at_least(1))
     default_deadline_s: float = setting(30.0, "applied when the client set none (gRPC has no default)")
     auth_cache_s: float = setting(5.0, "how long a verified key is trusted without asking Redis")
     auth_failure_limit: int = setting(30, "invalid API keys one client address may present within "
@@ -308,6 +308,12 @@ class GatewayConfig(CommonConfig):
     admin_burst: int = setting(0, "... and bucket size (0: twice the rate)", at_least(0))
     max_upload_bytes: int = setting(8 * 1024 * 1024, "Manage API: one corpus or labelled-data upload",
                                     between(1, 60 * 1024 * 1024, "an upload stays under the 64 MiB message limit"))
+    max_request_bytes: int = setting(0, "the public port's largest request message: a larger one is refused "
+                                        "RESOURCE_EXHAUSTED unread. 0: the largest valid request (max_inputs inputs, "
+                                        "each a text and a pair of max_text_chars 4-byte characters, or one upload "
+                                        "of max_upload_bytes) plus 64 KiB",
+                                     Rule("0, or >= ACADEMUS_MAX_UPLOAD_BYTES", lambda v, c: v == 0 or
+                                          v >= c.max_upload_bytes))
     min_examples: int = setting(8, "Manage API: labelled examples a tenant model needs (one is held out)",
                                 at_least(3, "two to train, one to validate"))
     min_corpus_lines: int = setting(20, "Manage API: a domain corpus this small gives no useful overlay (HMI §4)",
@@ -325,6 +331,19 @@ class GatewayConfig(CommonConfig):
     tls_client_ca: str = setting("", "clients must present a certificate this CA signed; empty: any client", Rule(
         "a PEM file's path; needs `ACADEMUS_TLS_CERT`", lambda v, c: not v or bool(c.tls_cert),
         "empty unless ACADEMUS_TLS_CERT is set (client certificates need TLS)"))
+
+    @property
+    def request_limit(self) -> int:
+        """The public port's largest request message in bytes: what a valid request can need, not the mesh's
+        64 MiB, so a hostile peer cannot make the gateway read and parse tens of megabytes a call."""
+        if self.max_request_bytes:
+            return self.max_request_bytes
+        largest = max(self.max_inputs * 2 * self.max_text_chars * UTF8_MAX_BYTES, self.max_upload_bytes)
+        return min(largest + REQUEST_ENVELOPE_BYTES, 64 * 1024 * 1024)
+
+
+UTF8_MAX_BYTES = 4                    # a character's bytes at most
+REQUEST_ENVELOPE_BYTES = 64 * 1024    # a request's fields besides its texts (model, ids, framing), with room
 
 
 # concat-slotted / -fcfs / -sjf / -edf: `concat` with ACADEMUS_CONCAT_SLOTTED / _SELECTION fixed by the name, so

@@ -56,6 +56,8 @@ class ServiceSpec:
     hop_target: bool = False          # other services call it on the request path: it serves the node-local plane
     # the gateway: its ports' TLS (None from it: plaintext), read at start, instead of the mesh's mutual TLS
     public_credentials: Callable[[], grpc.ServerCredentials | None] | None = None
+    # the largest request message read (0: the mesh's MAX_MESSAGE_BYTES); a larger one is refused unread
+    max_receive_bytes: int = 0
 
 
 class RunningService:
@@ -68,7 +70,10 @@ class RunningService:
         self._tasks: list[asyncio.Task] = []
         provider = setup_tracing(spec.name)
         self.interceptors = [MetricsInterceptor(spec.name), *server_interceptors(provider, spec.config.trace_ratio)]
-        self.server = grpc.aio.server(interceptors=self.interceptors, options=CHANNEL_OPTIONS)
+        options = dict(CHANNEL_OPTIONS)   # one entry a key: grpc takes an option's first
+        if spec.max_receive_bytes:
+            options["grpc.max_receive_message_length"] = spec.max_receive_bytes
+        self.server = grpc.aio.server(interceptors=self.interceptors, options=list(options.items()))
         self.health = HealthServicer()
         self.multiplex: MultiplexServicer | None = None
         self.local_plane: LocalPlane | None = None

@@ -29,13 +29,16 @@ CONTRACT = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCod
             grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED,
             grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNIMPLEMENTED}
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# the public message limit follows the input limits: 64 inputs of a text and a pair of 2,000 4-byte characters
+LIMITS = {"ACADEMUS_MAX_TEXT_CHARS": "2000", "ACADEMUS_MAX_UPLOAD_BYTES": "65536"}
+REQUEST_LIMIT = 64 * 2 * 2000 * 4 + 64 * 1024
 GOOD = pb.InferRequest(model="null", inputs=[pb.TextInput(text="a fine request")]).SerializeToString()
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshState]:
     run_dir = tmp_path_factory.mktemp("fuzz")
-    state = start_mesh(run_dir, env={"ACADEMUS_MODELS": "null"})
+    state = start_mesh(run_dir, env={"ACADEMUS_MODELS": "null", **LIMITS})
     yield state
     down(run_dir)
 
@@ -151,6 +154,19 @@ def test_a_frame_that_does_not_parse_is_invalid_argument_naming_the_message(edge
     assert replies[1].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert "not a valid academus.v1.InferRequest" in replies[1].details
     assert replies[2].code == 0 and pb.InferResponse.FromString(replies[2].payload).predictions
+
+
+def test_a_message_past_the_public_limit_is_refused_unread_and_the_largest_valid_request_served(edge):
+    emoji = "\U0001F600"   # 4 bytes in UTF-8
+    texts = [f"{i:02d}" + emoji * 1998 for i in range(64)]                    # 64 distinct texts of 2,000 chars
+    largest = pb.InferRequest(model="null", inputs=[pb.TextInput(text=t, text_pair=texts[(i + 1) % 64])
+                                                    for i, t in enumerate(texts)]).SerializeToString()
+    assert 0.99 * (REQUEST_LIMIT - 64 * 1024) < len(largest) <= REQUEST_LIMIT   # within 1 % of the largest
+    assert infer_raw(edge, largest) == (grpc.StatusCode.OK, "")
+    past = pb.InferRequest(model="null", inputs=[pb.TextInput(text="x" * (REQUEST_LIMIT + 1))]).SerializeToString()
+    code, details = infer_raw(edge, past)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and str(REQUEST_LIMIT) in details, (code, details)
+    assert infer_raw(edge, GOOD)[0] == grpc.StatusCode.OK
 
 
 def test_the_gateway_is_the_process_it_was(mesh, edge):
