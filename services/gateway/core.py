@@ -37,6 +37,7 @@ LABEL, SCORE, EMBED = "label", "score", "embedding"
 T = TypeVar("T")
 DOWN_S = 1.0   # a scheduler that answered UNAVAILABLE is tried after the others this long (a placement refresh)
 MISS_REFRESH_S = 0.1   # a request no known scheduler serves re-reads the registry, at most this often
+HOLD_S, HOLD_WAIT_S = 5.0, 0.05   # a model served this recently waits for a scheduler, trying this often
 
 
 @dataclass(frozen=True)
@@ -434,6 +435,7 @@ class SchedulerDirectory:
         self._in_flight: Counter[str] = Counter()  # address -> this gateway's requests sent and not answered
         self._full_until: dict[tuple[str, str], float] = {}   # (address, model) -> when its pushback hint ends
         self._down_until: dict[str, float] = {}   # address -> until when it is tried last (it said UNAVAILABLE)
+        self._served_at: dict[str, float] = {}    # model -> when a scheduler last answered one of its requests
         self._refreshed_at = float("-inf")
 
     @property
@@ -500,14 +502,24 @@ class SchedulerDirectory:
     async def route(self, model: str, policy: str, deadline: float, send: Callable[[str], Awaitable[T]]) -> T:
         """Sends to a deployment serving the model, and to another while the deadline allows when it
         refused for a full queue (its pushback noted), is gone (UNAVAILABLE: nothing ran there), or
-        refused on arrival for a queue too long for the deadline (`nothing_ran`).
+        refused on arrival for a queue too long for the deadline (`nothing_ran`). When none is left for a
+        model served moments ago (a scheduler restarting), the request waits for one (`_hold`).
         `send` raises the ServingError of the scheduler's status; `deadline` is on this directory's clock."""
         tried: set[str] = set()
+        holds = 0
         while True:
-            address = await self.pick(frozenset(tried), model, policy)
+            try:
+                address = await self.pick(frozenset(tried), model, policy)
+            except Unavailable:
+                if not await self._hold(model, deadline, holds):
+                    raise
+                tried, holds = set(), holds + 1
+                continue
             self._in_flight[address] += 1
             try:
-                return await send(address)
+                answer = await send(address)
+                self._served_at[model] = self.clock()
+                return answer
             except ServingError as e:
                 if not for_want_of_room(e):   # e.g. it ran out of time there: so would a second try
                     raise
@@ -521,5 +533,23 @@ class SchedulerDirectory:
                 with contextlib.suppress(Unavailable):   # registry unreachable: the list as it was, less `tried`
                     await self.refresh()
             tried.add(address)
-            if self.clock() >= deadline or not self.serving(model, policy, tried):
+            if self.clock() >= deadline:
                 raise error
+            if not self.serving(model, policy, tried):
+                if not (isinstance(error, Unavailable) and await self._hold(model, deadline, holds)):
+                    raise error
+                tried, holds = set(), holds + 1
+
+    async def _hold(self, model: str, deadline: float, holds: int) -> bool:
+        """No scheduler can take a request of `model` now. If one served it within HOLD_S, one is likely
+        restarting (a supervised scheduler serves again 0.7 s after it died or deregistered, measured in
+        docs/benchmarks/reliability.md): wait HOLD_WAIT_S, re-read the registry, and say to try again.
+        False: never served lately, past the deadline, or held HOLD_S already: the caller answers now."""
+        now = self.clock()
+        if (now - self._served_at.get(model, float("-inf")) > HOLD_S or now + HOLD_WAIT_S >= deadline
+                or holds * HOLD_WAIT_S >= HOLD_S):
+            return False
+        await asyncio.sleep(HOLD_WAIT_S)
+        with contextlib.suppress(Unavailable):
+            await self.refresh()
+        return True

@@ -52,6 +52,7 @@ class AsyncClient:
         self.timeout = timeout
         self.streams = streams
         self.retry_overload = retry_overload
+        self._served = False   # once answered, calls wait out a gateway's restart (types.RECONNECT_OPTIONS)
         options = [*CHANNEL_OPTIONS, *([("grpc.use_local_subchannel_pool", 1)] if own_connection else [])]
         credentials = channel_credentials(tls, root_certificates, private_key, certificate_chain)
         interceptors = client_interceptors()
@@ -93,8 +94,11 @@ class AsyncClient:
         attempt = 0
         while True:
             try:
-                return await method(request, timeout=max(deadline - loop.time(), 0.001),
-                                    metadata=call_metadata(self.api_key))
+                ready = {} if self.streams else {"wait_for_ready": self._served}   # a stream reopens itself
+                answer = await method(request, timeout=max(deadline - loop.time(), 0.001),
+                                      metadata=call_metadata(self.api_key), **ready)
+                self._served = True
+                return answer
             except grpc.aio.AioRpcError as e:
                 # the channel retries a unary call's UNAVAILABLE itself; a frame of a stream is retried here
                 wait = next_wait(e, attempt, deadline - loop.time(), self.retry_overload, not self.streams)

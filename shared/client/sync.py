@@ -43,6 +43,7 @@ class Client:
         self.api_key = api_key
         self.timeout = timeout
         self.retry_overload = retry_overload
+        self._served = False   # once answered, calls wait out a gateway's restart (types.RECONNECT_OPTIONS)
         credentials = channel_credentials(tls, root_certificates, private_key, certificate_chain)
         self._channel = open_channel_sync(target, credentials, CHANNEL_OPTIONS)
         traced = intercept_channel(self._channel, client_interceptor()) if client_interceptor else self._channel
@@ -80,8 +81,10 @@ class Client:
         attempt = 0
         while True:
             try:
-                return method(request, timeout=max(deadline - time.monotonic(), 0.001),
-                              metadata=call_metadata(self.api_key))
+                answer = method(request, timeout=max(deadline - time.monotonic(), 0.001),
+                                metadata=call_metadata(self.api_key), wait_for_ready=self._served)
+                self._served = True
+                return answer
             except grpc.RpcError as e:
                 wait = next_wait(e, attempt, deadline - time.monotonic(), self.retry_overload, True)
                 if wait is None:

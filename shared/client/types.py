@@ -29,9 +29,16 @@ SERVICE_CONFIG = json.dumps({
                         "retryableStatusCodes": ["UNAVAILABLE"]},
     }]
 })
+# A supervised gateway that dies serves again 1-2 s later, refusing connections meanwhile. A client that has been
+# served rides that out within its deadline: its calls wait for the channel to be ready (`wait_for_ready`), and
+# the channel tries to connect every 0.1 s growing to 1 s, not gRPC's 1 s growing to 120 s. A client never served
+# fails at once (a wrong address, a mesh not up).
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                     ("grpc.max_reconnect_backoff_ms", 1000)]
 CHANNEL_OPTIONS = [("grpc.service_config", json.dumps(json.loads(SERVICE_CONFIG))),
                    ("grpc.enable_retries", 1),
-                   ("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+                   ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                   *RECONNECT_OPTIONS]
 
 
 def retry_wait(code: grpc.StatusCode, attempt: int, remaining_s: float, pushback_ms: int | None = None,

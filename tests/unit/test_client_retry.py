@@ -5,6 +5,8 @@ after its pushback hint, over real gRPC on loopback."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
 
 import grpc
 import pytest
@@ -130,3 +132,46 @@ async def test_the_blocking_client_retries_an_overload_when_asked(flaky):
     with Client(target, api_key="k", timeout=5.0) as client, pytest.raises(AcademusError) as refused:
         await asyncio.to_thread(client.infer, "spam", ["hi"])
     assert refused.value.code == "RESOURCE_EXHAUSTED" and servicer.calls == 1
+
+
+async def test_a_served_client_rides_out_a_gateway_restart_and_a_new_one_fails_at_once():
+    """A supervised gateway is back on its port a second or two after it died: a client it has answered waits
+    for it within the deadline (the next call succeeds), where one that never reached it is told at once."""
+    servicer = Flaky(failures=0)
+
+    async def start(port: int = 0) -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server()
+        inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
+        bound = server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        return server, bound
+
+    server, port = await start()
+    target = f"127.0.0.1:{port}"
+    async with AsyncClient(target, api_key="k", timeout=10.0) as client:
+        def blocking() -> str:
+            with Client(target, api_key="k", timeout=10.0) as sync_client:
+                sync_client.infer("spam", ["hi"])
+                restart.wait()                                   # the server is down now
+                return sync_client.infer("spam", ["again"]).model
+
+        restart = threading.Event()
+        sync_answer = asyncio.create_task(asyncio.to_thread(blocking))
+        assert (await client.infer("spam", ["hi"])).model == "spam"
+        while servicer.calls < 2:
+            await asyncio.sleep(0.01)
+        await server.stop(None)
+        restart.set()
+        answer = asyncio.create_task(client.infer("spam", ["again"]))
+        await asyncio.sleep(0.5)                                  # down for half a second, as a restart is
+        assert not answer.done()
+        server, _ = await start(port)
+        assert (await answer).model == "spam" and await sync_answer == "spam"
+    await server.stop(None)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{s.getsockname()[1]}"   # nothing listens there
+    async with AsyncClient(closed, api_key="k", timeout=10.0) as fresh:
+        with pytest.raises(AcademusError) as refused:
+            await fresh.infer("spam", ["hi"])
+    assert refused.value.code == "UNAVAILABLE"

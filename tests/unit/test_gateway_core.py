@@ -369,7 +369,7 @@ async def test_a_request_goes_to_the_shard_with_the_fewest_in_flight(redis_url):
 async def test_a_scheduler_that_answered_unavailable_is_tried_last_for_a_while(redis_url):
     """A shard whose only group was lost answers UNAVAILABLE at once, so it always holds the fewest requests:
     after its answer the others get the traffic for DOWN_S, then it is back in turn; alone, it is still tried."""
-    from academus.services.gateway.core import DOWN_S
+    from academus.services.gateway.core import DOWN_S, HOLD_S
     from academus.shared.runtime.errors import Unavailable
 
     redis = connect(redis_url)
@@ -389,9 +389,48 @@ async def test_a_scheduler_that_answered_unavailable_is_tried_last_for_a_while(r
     assert {await directory.pick(model="ss") for _ in range(4)} == {"a:0", "a:1"}   # back in turn
     await redis.srem(KEYS.schedulers(), "a.1")
     await directory.refresh()
+    now[0] += HOLD_S                  # nothing served lately: no scheduler is thought to be on its way back
     with pytest.raises(Unavailable):
         await directory.route("ss", "", 1e9, send)                  # the only one left is still asked
     assert await directory.pick(model="ss") == "a:0"
+    await redis.aclose()
+
+
+async def test_a_request_waits_within_its_deadline_for_a_scheduler_that_served_its_model_moments_ago(redis_url):
+    """A restarting scheduler (deregistered, or refusing connections) is back within a second: a request of a
+    model it served waits for it rather than failing; a model no scheduler served lately fails at once."""
+    from academus.services.gateway.core import SchedulerDirectory
+    from academus.shared.runtime.errors import Unavailable
+
+    redis = connect(redis_url)
+    await redis.sadd(KEYS.schedulers(), "r0")
+    await redis.hset(KEYS.scheduler("r0"), mapping={"address": "r:0", "policy": "padded", "models": "spam,ham"})
+    directory = SchedulerDirectory(redis, KEYS)
+    await directory.refresh()
+    refusing = [True]
+
+    async def send(address: str) -> str:
+        if refusing[0]:
+            raise Unavailable(f"{address}: connection refused")
+        return address
+
+    refusing[0] = False
+    assert await directory.route("spam", "", time.monotonic() + 5, send) == "r:0"
+    refusing[0] = True                                 # killed: still listed, refusing connections
+    held = asyncio.create_task(directory.route("spam", "", time.monotonic() + 5, send))
+    await asyncio.sleep(0.2)
+    assert not held.done()
+    await redis.srem(KEYS.schedulers(), "r0")         # then gone from the registry (a SIGTERM deregisters)
+    await asyncio.sleep(0.2)
+    assert not held.done()
+    await redis.sadd(KEYS.schedulers(), "r0")         # back on its address
+    refusing[0] = False
+    assert await held == "r:0"
+    refusing[0] = True
+    with pytest.raises(Unavailable, match="connection refused"):
+        await directory.route("ham", "", time.monotonic() + 5, send)   # never served here: no wait
+    with pytest.raises(Unavailable, match="connection refused"):
+        await directory.route("spam", "", time.monotonic() + 0.02, send)   # no time left to wait
     await redis.aclose()
 
 
