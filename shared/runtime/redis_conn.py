@@ -20,10 +20,18 @@ RESUBSCRIBE_S = 0.05
 RETRIES, RETRY_CAP_S = 3, 0.5
 
 
+# Commands in flight at once; one more waits for a connection to come free, up to POOL_WAIT_S. redis-py's default
+# pool raised "Too many connections" at once instead: a gateway past capacity, with thousands of requests each
+# taking its quota token, failed a request UNAVAILABLE for it (docs/benchmarks/reliability.md, 2026-11-29).
+MAX_CONNECTIONS, POOL_WAIT_S = 100, 2.0
+
+
 def connect(url: str, password: str = "") -> aioredis.Redis:
     """`password`: sent where `url` holds none (ACADEMUS_REDIS_PASSWORD)."""
-    return aioredis.Redis.from_url(
+    pool = aioredis.BlockingConnectionPool.from_url(
         url,
+        max_connections=MAX_CONNECTIONS,
+        timeout=POOL_WAIT_S,
         password=password or None,
         decode_responses=True,
         retry=Retry(ExponentialBackoff(cap=RETRY_CAP_S, base=0.05), retries=RETRIES),
@@ -31,6 +39,7 @@ def connect(url: str, password: str = "") -> aioredis.Redis:
         socket_connect_timeout=2.0,
         health_check_interval=10,
     )
+    return aioredis.Redis.from_pool(pool)   # closing the client closes its pool
 
 
 def with_password(url: str, password: str) -> str:

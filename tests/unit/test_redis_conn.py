@@ -85,3 +85,15 @@ async def subscribed(redis, channel: str) -> None:
             if (await redis.pubsub_numsub(channel))[0][1]:
                 return   # subscribed: a message now reaches it
         await asyncio.sleep(0.01)
+
+
+async def test_more_commands_at_once_than_connections_wait_for_one_instead_of_failing(redis_url):
+    """A gateway past capacity has thousands of requests taking quota tokens at once: each waits for a pooled
+    connection (redis-py's default pool failed the 101st with "Too many connections")."""
+    from academus.shared.runtime.redis_conn import MAX_CONNECTIONS
+
+    client = connect(redis_url)
+    await client.set("pool-probe", "1")
+    values = await asyncio.gather(*(client.get("pool-probe") for _ in range(3 * MAX_CONNECTIONS)))
+    assert values == ["1"] * (3 * MAX_CONNECTIONS)
+    await client.aclose()
