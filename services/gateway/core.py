@@ -30,7 +30,7 @@ from academus.shared.runtime.errors import (
 from academus.shared.runtime.expiring import ExpiringCache
 from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
 from academus.shared.state.keys import Keys
-from academus.shared.state.tenants import READY, Quotas, TenantModel, TenantRegistry
+from academus.shared.state.tenants import READY, REDIS_AWAY_S, Quotas, TenantModel, TenantRegistry
 
 # What the caller asked for, as the core names it (the edge maps the proto enum).
 LABEL, SCORE, EMBED = "label", "score", "embedding"
@@ -38,6 +38,7 @@ T = TypeVar("T")
 DOWN_S = 1.0   # a scheduler that answered UNAVAILABLE is tried after the others this long (a placement refresh)
 MISS_REFRESH_S = 0.1   # a request no known scheduler serves re-reads the registry, at most this often
 HOLD_S, HOLD_WAIT_S = 5.0, 0.05   # a model served this recently waits for a scheduler, trying this often
+STALE_KEY_S = 3600.0   # while Redis is unreachable, a key verified within this long before is still trusted
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,7 @@ class Authenticator:
         self.redis, self.keys = redis, keys
         self._cache: ExpiringCache[str, Principal] = ExpiringCache(cache_s, clock)
         self._forgotten = 0   # forget() calls: a record read before one may be of a key revoked since
+        self.clock, self._away_until = clock, float("-inf")   # Redis failed: stale keys served until then
         self.failures = failures or FailedKeyLimit(0, 60.0, clock)
 
     async def authenticate(self, api_key: str | None, peer: str = "") -> Principal:
@@ -134,7 +136,18 @@ class Authenticator:
         if principal is not None:
             return principal
         forgotten = self._forgotten
-        record = await self.redis.hgetall(self.keys.api_key(api_key))
+        # Redis is coordination, not the request path: a key verified lately goes on working while it is away
+        # (a revocation clears them all first: forget())
+        stale = self._cache.stale(api_key, STALE_KEY_S)
+        if stale is not None and self.clock() < self._away_until:
+            return stale
+        try:
+            record = await self.redis.hgetall(self.keys.api_key(api_key))
+        except RedisError:
+            self._away_until = self.clock() + REDIS_AWAY_S
+            if stale is not None:
+                return stale
+            raise
         if not record:
             self.failures.failed(peer)
             raise Unauthenticated("invalid API key")

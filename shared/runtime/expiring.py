@@ -26,6 +26,12 @@ class ExpiringCache(Generic[K, V]):
         hit = self._entries.get(key)
         return hit[1] if hit and hit[0] > self.clock() else None
 
+    def stale(self, key: K, stale_s: float) -> V | None:
+        """The entry even past its trust, for at most `stale_s` after: what to go on while the source is
+        unreachable."""
+        hit = self._entries.get(key)
+        return hit[1] if hit and hit[0] + stale_s > self.clock() else None
+
     def clear(self) -> None:
         self._entries.clear()
 

@@ -8,6 +8,7 @@ looked up only under the caller's own tenant: no tenant can name, list or learn 
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 import uuid
@@ -16,6 +17,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import NamedTuple
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from academus.shared.runtime.config import GatewayConfig
 from academus.shared.runtime.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
@@ -201,9 +203,10 @@ class TenantRegistry:
 
 
 # KEYS: tenant record, bucket; ARGV: the rate and burst of a tenant without a record (the admin, a key made by
-# `academus keys create`), 0 0 for none. The bucket refills at `rate` tokens/s up to `burst`; a request takes one.
-# Redis's own clock, so that every gateway sees the same time. Returns {-1} when the tenant has no limits,
-# {0} when admitted, else {ms until a token, rate, burst}.
+# `academus keys create`), 0 0 for none, and the lease in seconds. The bucket refills at `rate` tokens/s up to
+# `burst`; a call takes a lease: the tokens of `lease` seconds at the rate (at least one), or what the bucket
+# holds if less. Redis's own clock, so that every gateway sees the same time. Returns {-1} when the tenant has
+# no limits, else {ms until a token (0: some taken), tokens taken, rate, burst}.
 _TAKE = """
 local limits = redis.call('HMGET', KEYS[1], 'rate', 'burst')
 local rate, burst = tonumber(limits[1]), tonumber(limits[2])
@@ -215,12 +218,12 @@ local state = redis.call('HMGET', KEYS[2], 'tokens', 'at')
 local tokens = tonumber(state[1]) or burst
 local at = tonumber(state[2]) or now
 tokens = math.min(burst, tokens + math.max(0, now - at) * rate)
+local taken = math.min(math.max(1, math.floor(rate * tonumber(ARGV[3]))), math.floor(tokens))
 local wait = 0
-if tokens >= 1 then tokens = tokens - 1 else wait = math.ceil((1 - tokens) / rate * 1000) end
+if taken >= 1 then tokens = tokens - taken else taken = 0; wait = math.ceil((1 - tokens) / rate * 1000) end
 redis.call('HSET', KEYS[2], 'tokens', tostring(tokens), 'at', tostring(now))
 redis.call('PEXPIRE', KEYS[2], math.ceil(burst / rate * 1000) + 1000)
-if wait == 0 then return {0} end
-return {wait, tostring(rate), tostring(burst)}
+return {wait, taken, tostring(rate), tostring(burst)}
 """
 
 # One token back into the bucket (never above the burst), once per refund id: a command the client
@@ -243,19 +246,50 @@ class Limits(NamedTuple):
 NO_LIMITS = Limits(0.0, 0)
 
 
+REDIS_AWAY_S = 1.0   # after Redis failed a request, the next are answered from what is held for this long
+
+
+class TokenBucket:
+    """A tenant's bucket kept by one gateway while Redis is unreachable: `rate` tokens/s up to `burst`."""
+
+    def __init__(self, limits: Limits, now: float) -> None:
+        self.limits, self.tokens, self.at = limits, float(limits.burst), now
+
+    def take(self, now: float) -> int:
+        """0 when a token was taken, else the ms until one."""
+        rate, burst = self.limits
+        self.tokens, self.at = min(burst, self.tokens + max(0.0, now - self.at) * rate), now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return 0
+        return math.ceil((1 - self.tokens) / rate * 1000)
+
+
 class Quotas:
     """Per-tenant request token buckets, each updated atomically by one script (no read-modify-write race
-    between gateways); one tenant over its quota costs the others nothing."""
+    between gateways); one tenant over its quota costs the others nothing.
+
+    Redis is not on every request's path: a gateway takes a lease of a tenant's tokens at once (LEASE_S of
+    its rate, at least one) and spends it locally for up to LEASE_HOLD_S, so a tenant at 100 requests/s costs
+    one script call in ten. While Redis is unreachable each gateway keeps a bucket of its own per tenant, at
+    the limits Redis last gave it: the tenants keep their quotas (each gateway's whole, for the outage)."""
+
+    LEASE_S = 0.1         # a lease holds this long of the tenant's rate
+    LEASE_HOLD_S = 1.0    # tokens of a lease unspent this long are dropped: an idle gateway holds none back
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, unlimited_cache_s: float = 0.0,
                  clock: Callable[[], float] = time.monotonic, default: Limits = NO_LIMITS,
                  admin: Limits = NO_LIMITS) -> None:
         """`default`: the quota of a tenant without a record (a key made by `academus keys create`); `admin`: the
         admin's."""
-        self.keys, self.default, self.admin = keys, default, admin
+        self.keys, self.default, self.admin, self.clock = keys, default, admin, clock
         self._take = redis.register_script(_TAKE)
         self._give_back = redis.register_script(_GIVE_BACK)
         self._unlimited: ExpiringCache[str, bool] = ExpiringCache(unlimited_cache_s, clock)  # known to have none
+        self._leases: dict[str, tuple[int, float]] = {}   # tenant -> (tokens left, when the lease lapses)
+        self._known: ExpiringCache[str, Limits] = ExpiringCache(float("inf"), clock)  # limits Redis last gave
+        self._outage: dict[str, TokenBucket] = {}          # tenant -> its bucket while Redis is unreachable
+        self._away_until = float("-inf")                   # Redis failed: not asked again before then
 
     async def take(self, tenant: str) -> bool:
         """Takes one request's token (True), or raises ResourceExhausted with the wait as a pushback hint.
@@ -264,16 +298,46 @@ class Quotas:
         round trip each for a quota they do not have."""
         if self._unlimited.get(tenant):
             return False
-        answer = await self._take(keys=[self.keys.tenant(tenant), self.keys.quota(tenant)],
-                                  args=list(self._limits(tenant)))
+        now = self.clock()
+        left, lapses = self._leases.get(tenant, (0, now))
+        if left > 0 and lapses > now:
+            self._leases[tenant] = (left - 1, lapses)
+            return True
+        if now < self._away_until:
+            return self._take_in_outage(tenant, now)
+        try:
+            answer = await self._take(keys=[self.keys.tenant(tenant), self.keys.quota(tenant)],
+                                      args=[*self._limits(tenant), self.LEASE_S])
+        except RedisError:
+            # its client tried for 0.7 s: the requests of the next second do not wait as long again
+            self._away_until = self.clock() + REDIS_AWAY_S
+            return self._take_in_outage(tenant, now)
+        self._outage.pop(tenant, None)
         wait_ms = int(answer[0])
         if wait_ms < 0:
             self._unlimited.put(tenant, True)
+            self._leases.pop(tenant, None)
             return False
+        limits = Limits(float(answer[2]), int(float(answer[3])))
+        self._known.put(tenant, limits)
         if wait_ms > 0:
-            rate, burst = answer[1], answer[2]
-            raise ResourceExhausted(f"tenant {tenant!r} is over its rate limit of {rate} requests/s "
-                                    f"(burst {burst}); retry in {wait_ms} ms", pushback_ms=wait_ms)
+            self._leases.pop(tenant, None)
+            raise over_quota(tenant, limits, wait_ms)
+        self._leases[tenant] = (int(answer[1]) - 1, now + self.LEASE_HOLD_S)
+        return True
+
+    def _take_in_outage(self, tenant: str, now: float) -> bool:
+        """Redis unreachable: a token from this gateway's own bucket of the tenant's last known limits (its
+        default ones if it was never seen), or ResourceExhausted as Redis would answer."""
+        limits = self._known.get(tenant) or self._limits(tenant)
+        if not limits.rate:
+            return False
+        bucket = self._outage.get(tenant)
+        if bucket is None or bucket.limits != limits:
+            bucket = self._outage[tenant] = TokenBucket(limits, now)
+        wait_ms = bucket.take(now)
+        if wait_ms:
+            raise over_quota(tenant, limits, wait_ms)
         return True
 
     async def give_back(self, tenant: str, refund_id: str = "") -> bool:
@@ -287,6 +351,11 @@ class Quotas:
     def _limits(self, tenant: str) -> Limits:
         """Where the tenant has no record: the admin's quota, or every other key's default."""
         return self.admin if tenant in RESERVED else self.default
+
+
+def over_quota(tenant: str, limits: Limits, wait_ms: int) -> ResourceExhausted:
+    return ResourceExhausted(f"tenant {tenant!r} is over its rate limit of {limits.rate:g} requests/s "
+                             f"(burst {limits.burst}); retry in {wait_ms} ms", pushback_ms=wait_ms)
 
 
 def gateway_quotas(config: GatewayConfig, redis: aioredis.Redis, keys: Keys, unlimited_cache_s: float = 0.0) -> Quotas:

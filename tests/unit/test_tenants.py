@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from redis.exceptions import RedisError
 
 from academus.services.gateway.core import Authenticator
 from academus.shared.runtime.config import GatewayConfig
 from academus.shared.runtime.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unauthenticated
 from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
 from academus.shared.state.keys import Keys
-from academus.shared.state.tenants import TRAINING, Quotas, TenantModel, TenantRegistry, gateway_quotas
+from academus.shared.state.tenants import TRAINING, Limits, Quotas, TenantModel, TenantRegistry, gateway_quotas
 
 KEYS = Keys("acd")
 
@@ -246,3 +247,55 @@ async def test_every_key_has_a_quota_and_the_admins_is_configured(redis, registr
 def test_the_admins_burst_defaults_to_twice_its_rate(redis):
     quotas = gateway_quotas(GatewayConfig(admin_rate=50.0), redis, KEYS)
     assert quotas.admin == (50.0, 100) and quotas.default == (100.0, 200)
+
+
+async def test_a_gateway_takes_a_lease_of_tokens_and_spends_it_without_redis(redis, registry):
+    """At 100 requests/s a lease is a tenth of a second's tokens: ten requests, one script call."""
+    await registry.create_tenant("acme", rate=100, burst=50)
+    now = [0.0]
+    quotas = Quotas(redis, KEYS, clock=lambda: now[0])
+    assert await quotas.take("acme")
+    left = float(await redis.hget(KEYS.quota("acme"), "tokens"))
+    assert 40 <= left < 41                                   # ten taken at once (a refill of under a token)
+    for _ in range(9):
+        assert await quotas.take("acme")
+    assert float(await redis.hget(KEYS.quota("acme"), "tokens")) == left   # spent here, Redis untouched
+    assert await quotas.take("acme")                          # the next lease
+    assert float(await redis.hget(KEYS.quota("acme"), "tokens")) < left - 9
+    now[0] += Quotas.LEASE_HOLD_S                             # unspent tokens lapse: the next request asks Redis
+    before = float(await redis.hget(KEYS.quota("acme"), "tokens"))
+    assert await quotas.take("acme")
+    assert float(await redis.hget(KEYS.quota("acme"), "tokens")) != before
+
+
+async def test_while_redis_is_away_each_tenant_keeps_its_quota_from_the_gateways_own_bucket(tmp_path):
+    """Redis is coordination, not the request path: with it gone, a tenant is limited by the limits Redis last
+    gave, one never seen by the default, and a key verified before still authenticates."""
+    from academus.shared.cli.redis_server import RedisServer
+    from academus.shared.runtime.redis_conn import connect
+
+    server = RedisServer(tmp_path / "redis").start()
+    redis = connect(server.url)
+    try:
+        key = await TenantRegistry(redis, KEYS).create_tenant("acme", rate=0.01, burst=3)
+        quotas = Quotas(redis, KEYS, default=Limits(0.01, 1))
+        auth = Authenticator(redis, KEYS, cache_s=0.0)
+        assert (await auth.authenticate(key)).tenant == "acme"
+        assert await quotas.take("acme")                       # its limits learnt (burst 3)
+        server.process.kill()
+        server.process.wait()
+        assert (await auth.authenticate(key)).tenant == "acme"  # verified before: trusted while Redis is away
+        with pytest.raises(RedisError):
+            await auth.authenticate("acd_never_seen")          # UNAVAILABLE at the edge, not UNAUTHENTICATED
+        assert [await quotas.take("acme") for _ in range(3)] == [True] * 3   # its burst, from this gateway
+        with pytest.raises(ResourceExhausted, match=r"over its rate limit of 0\.01 requests/s"):
+            await quotas.take("acme")
+        assert await quotas.take("stranger")                   # never seen: the default quota
+        with pytest.raises(ResourceExhausted):
+            await quotas.take("stranger")
+        auth.forget()                                          # a revocation announced before: none trusted
+        with pytest.raises(RedisError):
+            await auth.authenticate(key)
+    finally:
+        await redis.aclose()
+        server.stop()
