@@ -11,7 +11,8 @@ with this script (deploy/k8s/gateway.yaml). The probe takes the server's own TLS
   address dialled), so the certificate must name it; a gateway requiring client certificates
   (ACADEMUS_TLS_CLIENT_CA) cannot be probed this way;
 - a service with mutual TLS (ACADEMUS_MESH_TLS): its own certificate (ACADEMUS_MESH_CERT, ACADEMUS_MESH_KEY)
-  and the mesh CA (ACADEMUS_MESH_CA), as its peers dial it;
+  and the mesh CA (ACADEMUS_MESH_CA), as its peers dial it, checking the name ACADEMUS_MESH_SERVER_NAME
+  when the mesh's certificates share one (ACADEMUS_HEALTHCHECK_SERVER_NAME, when set, comes first);
 - else plaintext.
 """
 
@@ -35,7 +36,7 @@ def main(argv: list[str]) -> int:
     timeout = float(os.environ.get("ACADEMUS_HEALTHCHECK_TIMEOUT_S", "3"))
     try:
         credentials = tls(os.environ)
-        name = os.environ.get("ACADEMUS_HEALTHCHECK_SERVER_NAME", "")
+        name = server_name(os.environ)
         options = [("grpc.ssl_target_name_override", name)] if credentials and name else []
         with (grpc.secure_channel(f"127.0.0.1:{port}", credentials, options) if credentials
               else grpc.insecure_channel(f"127.0.0.1:{port}")) as channel:
@@ -51,6 +52,14 @@ def main(argv: list[str]) -> int:
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     print(f"127.0.0.1:{port} {service or '(server)'} {status}")
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def server_name(env: Mapping[str, str]) -> str:
+    """The name the server's certificate must hold, where it is not the address dialled: the probe's own
+    setting, else, for a service of a mesh whose certificates share one name, that name."""
+    if name := env.get("ACADEMUS_HEALTHCHECK_SERVER_NAME", ""):
+        return name
+    return "" if env.get("ACADEMUS_TLS_CERT") else env.get("ACADEMUS_MESH_SERVER_NAME", "")
 
 
 def tls(env: Mapping[str, str]) -> grpc.ChannelCredentials | None:

@@ -169,6 +169,16 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("trace_id", nargs="?")
     s.set_defaults(func=cmd_trace)
 
+    s = sub.add_parser("certs", help="a CA and the certificates a deployment needs (compose, Kubernetes Secrets)")
+    s.add_argument("directory", type=Path, help="where to write them (made, mode 0700)")
+    s.add_argument("--gateway-name", action="append", default=[], metavar="NAME",
+                   help="a name clients reach the gateway by (DNS name or IP; repeatable; default: localhost, "
+                        "127.0.0.1)")
+    s.add_argument("--mesh-name", default=MESH_NAME,
+                   help=f"the one name every service's mesh certificate holds (ACADEMUS_MESH_SERVER_NAME; "
+                        f"default {MESH_NAME})")
+    s.set_defaults(func=cmd_certs)
+
     s = sub.add_parser("config", help="the configuration reference")
     cs = s.add_subparsers(dest="config_command", required=True)
     c = cs.add_parser("docs", help="write docs/configuration.md from the config classes")
@@ -179,6 +189,29 @@ def parser() -> argparse.ArgumentParser:
 
 def _run_dir(args: argparse.Namespace) -> Path:
     return args.run_dir or run_dir()
+
+
+MESH_NAME = "mesh.academus.svc"
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    """A new CA, the gateway's certificate for its public names, and one mesh certificate every service presents
+    (with ACADEMUS_MESH_SERVER_NAME set to its name). The CA's key stays beside them, to sign more: keep it off
+    the hosts that serve."""
+    from academus.shared.cli.pki import PkiError, issue, subject_names
+
+    names = args.gateway_name or ["localhost", "127.0.0.1"]
+    try:
+        pki = issue(args.directory, {"gateway": subject_names(names), "mesh": subject_names([args.mesh_name])},
+                    keep_ca_key=True)
+    except (PkiError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"ca": str(pki.ca), "ca_key": str(pki.key("ca")),
+                      "gateway": {"cert": str(pki.cert("gateway")), "key": str(pki.key("gateway")), "names": names},
+                      "mesh": {"cert": str(pki.cert("mesh")), "key": str(pki.key("mesh")),
+                               "server_name": args.mesh_name}}))
+    return 0
 
 
 def cmd_up(args: argparse.Namespace) -> int:

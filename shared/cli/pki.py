@@ -6,10 +6,11 @@ once they are signed: nothing can join the mesh later, and `academus up` makes a
 
 from __future__ import annotations
 
+import ipaddress
 import secrets
 import shutil
 import subprocess
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,19 +50,28 @@ class Pki:
 
 
 def make_pki(run_dir: Path, names: Iterable[str]) -> Pki:
-    """A new CA in <run_dir>/tls and a certificate for each of `names`, signed by it."""
-    pki = Pki(run_dir / TLS_DIR)
+    """A new CA in <run_dir>/tls and a certificate for each of `names`, signed by it, each naming the loopback
+    addresses; the CA's key is deleted."""
+    return issue(run_dir / TLS_DIR, {name: SUBJECT_NAMES for name in names})
+
+
+def issue(directory: Path, leaves: Mapping[str, str], keep_ca_key: bool = False) -> Pki:
+    """A new CA in `directory` (mode 0700) and, for each leaf name, a key and a certificate it signed whose
+    subjectAltName is the leaf's value ("DNS:a,IP:10.0.0.1"), good for both ends of a connection.
+    `keep_ca_key`: ca.key stays (0600), to sign more later; else it is deleted once the leaves are signed."""
+    pki = Pki(directory)
     pki.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     pki.directory.chmod(0o700)
     ca_key = pki.key("ca")
     _openssl("req", "-x509", *EC_KEY, "-days", str(DAYS), "-subj", "/CN=academus local CA",
              "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign",
              "-keyout", str(ca_key), "-out", str(pki.ca))
+    ca_key.chmod(0o600)
     extensions = pki.directory / "leaf.ext"
-    extensions.write_text(f"subjectAltName={SUBJECT_NAMES}\nbasicConstraints=CA:FALSE\n"
-                          "keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth,clientAuth\n")
     try:
-        for name in names:
+        for name, subject_names in leaves.items():
+            extensions.write_text(f"subjectAltName={subject_names}\nbasicConstraints=CA:FALSE\n"
+                                  "keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth,clientAuth\n")
             request = pki.directory / f"{name}.csr"
             _openssl("req", "-new", *EC_KEY, "-subj", f"/CN={name}", "-keyout", str(pki.key(name)),
                      "-out", str(request))
@@ -72,8 +82,27 @@ def make_pki(run_dir: Path, names: Iterable[str]) -> Pki:
             pki.key(name).chmod(0o600)
     finally:
         extensions.unlink(missing_ok=True)
-        ca_key.unlink(missing_ok=True)
+        if not keep_ca_key:
+            ca_key.unlink(missing_ok=True)
     return pki
+
+
+def subject_names(names: Iterable[str]) -> str:
+    """openssl's subjectAltName value for host names and IP addresses: "DNS:a,IP:10.0.0.1"."""
+    out = []
+    for name in names:
+        if not name or "," in name or (":" in name and not _is_ip(name)):
+            raise ValueError(f"{name!r} is not a host name or an IP address")
+        out.append(f"IP:{name}" if _is_ip(name) else f"DNS:{name}")
+    return ",".join(out)
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
 def _openssl(*args: str) -> None:

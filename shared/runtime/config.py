@@ -268,6 +268,9 @@ class CommonConfig:
     mesh_cert: str = setting("", "this service's certificate (chain), naming the address it advertises",
                              MESH_FILE)
     mesh_key: str = setting("", "... and its private key", MESH_FILE)
+    mesh_server_name: str = setting("", "the name every mesh certificate holds, which the services' channels "
+                                        "check instead of the address they dial (one certificate for every "
+                                        "pod, whose addresses are not known ahead); empty: the address")
 
     def check(self) -> None:
         """Raises ConfigError naming the first setting outside its rule."""

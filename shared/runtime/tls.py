@@ -52,6 +52,7 @@ class MeshTls:
     ca: bytes
     key: bytes
     cert: bytes
+    server_name: str = ""   # what a peer's certificate must name; empty: the address dialled
 
     @classmethod
     def from_config(cls, config: CommonConfig) -> MeshTls | None:
@@ -59,7 +60,10 @@ class MeshTls:
         if not config.mesh_tls:
             return None
         return cls(read_pem("mesh_ca", config.mesh_ca), read_pem("mesh_key", config.mesh_key),
-                   read_pem("mesh_cert", config.mesh_cert))
+                   read_pem("mesh_cert", config.mesh_cert), config.mesh_server_name)
+
+    def channel_options(self) -> Options:
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 
     @classmethod
     def from_files(cls, ca: str, key: str, cert: str) -> MeshTls:
@@ -113,9 +117,13 @@ def open_channel_sync(target: str, credentials: grpc.ChannelCredentials | None, 
 
 def mesh_channel(target: str, options: Options = (), interceptors: Sequence = ()) -> grpc.aio.Channel:
     """An asyncio channel to another service of the mesh, with the process's identity when it has one."""
-    return open_channel(target, _mesh and _mesh.channel_credentials(), options, interceptors)
+    if _mesh is None:
+        return open_channel(target, None, options, interceptors)
+    return open_channel(target, _mesh.channel_credentials(), [*options, *_mesh.channel_options()], interceptors)
 
 
 def mesh_channel_sync(target: str, options: Options = ()) -> grpc.Channel:
     """The blocking `mesh_channel`."""
-    return open_channel_sync(target, _mesh and _mesh.channel_credentials(), options)
+    if _mesh is None:
+        return open_channel_sync(target, None, options)
+    return open_channel_sync(target, _mesh.channel_credentials(), [*options, *_mesh.channel_options()])

@@ -172,3 +172,33 @@ async def test_the_probe_of_a_service_with_mutual_tls_presents_its_certificate(s
     assert await probe(port, ACADEMUS_MESH_TLS="true", **mesh) == 0
     assert await probe(port, **mesh) == 1   # mutual TLS off: plaintext, refused
 
+
+
+async def test_one_mesh_certificate_for_every_service_is_checked_by_its_shared_name(tmp_path, stranger):
+    """Pods' addresses are not known when their certificates are made: `academus certs` makes one mesh
+    certificate naming ACADEMUS_MESH_SERVER_NAME, which every channel and the probe check instead of the
+    address they dial. Without that setting the same certificate is refused: it does not name 127.0.0.1."""
+    from academus.shared.cli.main import main as cli
+
+    assert cli(["certs", str(tmp_path / "certs"), "--mesh-name", "mesh.test"]) == 0
+    pki = Pki(tmp_path / "certs")
+    mesh = {"ACADEMUS_MESH_TLS": "true", "ACADEMUS_MESH_CA": str(pki.ca), "ACADEMUS_MESH_CERT": str(pki.cert("mesh")),
+            "ACADEMUS_MESH_KEY": str(pki.key("mesh"))}
+    config = load(CommonConfig, {**QUIET, **mesh, "ACADEMUS_MESH_SERVER_NAME": "mesh.test"})
+    service = RunningService(ServiceSpec("shared-name", config, lambda server: None, []))
+    await service.start()
+    try:
+        assert MeshTls.from_config(config).server_name == "mesh.test"
+        assert await asyncio.to_thread(health_over, mesh_channel_sync, service.address) == "SERVING"
+        port = int(service.address.rsplit(":", 1)[1])
+        assert await probe(port, ACADEMUS_MESH_SERVER_NAME="mesh.test", **mesh) == 0
+        assert await probe(port, **mesh) == 1                       # checked against 127.0.0.1: refused
+        use_mesh(MeshTls(pki.ca.read_bytes(), pki.key("mesh").read_bytes(), pki.cert("mesh").read_bytes()))
+        with pytest.raises(grpc.RpcError):                          # the same, by the address
+            await asyncio.to_thread(health_over, mesh_channel_sync, service.address)
+        outsider = identity(stranger, stranger)                     # another CA's, with the shared name
+        use_mesh(MeshTls(outsider.ca, outsider.key, outsider.cert, "mesh.test"))
+        with pytest.raises(grpc.RpcError):
+            await asyncio.to_thread(health_over, mesh_channel_sync, service.address)
+    finally:
+        await service.stop()

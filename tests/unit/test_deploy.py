@@ -355,6 +355,35 @@ def test_compose_services() -> None:
     assert sorted(deployed.values()) == sorted(PORTS), f"compose runs {sorted(deployed.values())}"
 
 
+def test_compose_redis_has_a_password_and_the_services_speak_tls() -> None:
+    """Redis requires the password from the environment (never written in the file); every service presents
+    the mesh certificate from the `certs` volume, read-only; the gateway serves TLS from it; certs-init fills it."""
+    compose = _compose()
+    services = compose["services"]
+    redis = services["redis"]
+    command = redis["command"]
+    assert command[command.index("--requirepass") + 1].startswith("${ACADEMUS_REDIS_PASSWORD:?")
+    assert redis["environment"]["REDISCLI_AUTH"].startswith("${ACADEMUS_REDIS_PASSWORD:?")
+    checked = 0
+    for name, svc in services.items():
+        if _module_of(svc.get("command")) is None:
+            continue
+        checked += 1
+        env, mounts = svc["environment"], {str(v).split(":")[1]: str(v) for v in svc.get("volumes", [])}
+        assert env["ACADEMUS_REDIS_PASSWORD"].startswith("${ACADEMUS_REDIS_PASSWORD:?"), name
+        assert env["ACADEMUS_MESH_TLS"] == "true" and env["ACADEMUS_MESH_SERVER_NAME"], name
+        paths = [env[s] for s in ("ACADEMUS_MESH_CA", "ACADEMUS_MESH_CERT", "ACADEMUS_MESH_KEY")]
+        if name == "gateway":
+            paths += [env["ACADEMUS_TLS_CERT"], env["ACADEMUS_TLS_KEY"], env["ACADEMUS_HEALTHCHECK_CA"]]
+        for path in paths:
+            folder = path.rsplit("/", 1)[0]
+            assert mounts.get(folder) == f"certs:{folder}:ro", f"{name}: {path} from the certs volume, read-only"
+    assert checked == len(PORTS)
+    init = services["certs-init"]
+    assert init["profiles"] == ["init"] and any(str(v).startswith("certs:") for v in init["volumes"])
+    assert ".env" in (ROOT / ".gitignore").read_text() and "/deploy/certs/" in (ROOT / ".gitignore").read_text()
+
+
 # --------------------------------------------------------------------------------------- Kubernetes
 
 def _assert_artifacts_read_write(workload: dict, module: str) -> None:
@@ -482,9 +511,9 @@ def test_k8s_services_cross_reference() -> None:
             named = {p["name"]: p["containerPort"] for p in c["ports"]}
             assert named == {"grpc": port, "metrics": metrics}, f"{where}: container ports {named}"
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-                assert _probes_health(c[probe], port, env), (
+                assert _probes_health(c[probe], port, env, config["data"]), (
                     f"{where}: {probe} must be a gRPC probe on {port} (the image's academus-healthcheck where "
-                    "it serves TLS, which the kubelet's gRPC probes cannot speak)")
+                    "it serves TLS or mutual TLS, which the kubelet's gRPC probes cannot speak)")
             security = pod.get("securityContext", {})
             assert security.get("runAsNonRoot") is True and security.get("runAsUser") == 10001, where
             labels = o["spec"]["template"]["metadata"]["labels"]
@@ -547,8 +576,8 @@ def test_k8s_services_cross_reference() -> None:
     assert "ACADEMUS_REDIS_URL" in config["data"] and config["data"]["ACADEMUS_HOST"] == "0.0.0.0"
 
 
-def _probes_health(probe: dict[str, Any], port: int, env: dict[str, Any]) -> bool:
-    if "ACADEMUS_TLS_CERT" in env:
+def _probes_health(probe: dict[str, Any], port: int, env: dict[str, Any], config: dict[str, str]) -> bool:
+    if "ACADEMUS_TLS_CERT" in env or config.get("ACADEMUS_MESH_TLS") == "true":
         return probe.get("exec", {}).get("command") == ["python", "/usr/local/bin/academus-healthcheck"]
     return probe.get("grpc", {}).get("port") == port
 
@@ -590,6 +619,35 @@ def test_k8s_gateway_serves_tls_with_the_certificate_of_a_secret() -> None:
         mount = next(m for m in container["volumeMounts"] if env[setting].startswith(m["mountPath"] + "/"))
         assert mount.get("readOnly") and secrets[mount["name"]]["secretName"] == GATEWAY_TLS_SECRET, setting
         assert secrets[mount["name"]]["defaultMode"] & 0o007 == 0, "the key is not world-readable"
+
+
+MESH_TLS_SECRET = "academus-mesh-tls"
+
+
+def test_k8s_services_speak_mutual_tls_with_the_one_certificate_of_a_secret() -> None:
+    """Pods' addresses are not known ahead, so one mesh certificate names ACADEMUS_MESH_SERVER_NAME, which every
+    channel checks; each Academus container mounts it read-only from the Secret, its key for the pod's group."""
+    objects = _k8s_objects()
+    config = _find(objects, "ConfigMap", "academus-config")["data"]
+    assert config["ACADEMUS_MESH_TLS"] == "true" and config["ACADEMUS_MESH_SERVER_NAME"]
+    containers = 0
+    for o in objects:
+        if o["kind"] not in WORKLOAD_KINDS:
+            continue
+        pod = _pod_spec(o)
+        secrets = {v["name"]: v["secret"] for v in pod.get("volumes", []) if "secret" in v}
+        for c in pod["containers"]:
+            if _module_of(c.get("args") or c.get("command")) is None:
+                continue
+            containers += 1
+            for setting in ("ACADEMUS_MESH_CA", "ACADEMUS_MESH_CERT", "ACADEMUS_MESH_KEY"):
+                mount = next((m for m in c.get("volumeMounts", [])
+                              if config[setting].startswith(m["mountPath"] + "/")), None)
+                where = f"{o['metadata']['name']}: {setting}"
+                assert mount is not None and mount.get("readOnly"), where
+                assert secrets[mount["name"]]["secretName"] == MESH_TLS_SECRET, where
+                assert secrets[mount["name"]]["defaultMode"] & 0o007 == 0, f"{where}: world-readable"
+    assert containers == len(PORTS)
 
 
 def test_k8s_network_policies_admit_only_the_gateways_api_from_outside_the_namespace() -> None:
