@@ -33,7 +33,7 @@ ABLATIONS = {
     "frame_batches": ("ACADEMUS_FRAME_BATCHES", ("batches", "true"), ("one_a_message", "false")),
     "local_plane": ("ACADEMUS_LOCAL_PLANE", ("local_plane", "true"), ("grpc_streams", "false")),
     "trace_ratio": ("ACADEMUS_TRACE_RATIO", ("one_in_100", "0.01"), ("every_request", "1")),
-    "max_queue_wait": ("ACADEMUS_MAX_QUEUE_WAIT_MS", ("wait_bound", "500"), ("deadline_bound", "0")),
+    "max_queue_wait": ("ACADEMUS_MAX_QUEUE_WAIT_MS", ("wait_bound", "1000"), ("deadline_bound", "0")),
 }
 
 

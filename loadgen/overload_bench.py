@@ -12,7 +12,7 @@ requests for a scheduler that refused for a full queue, ACADEMUS_HONOUR_PUSHBACK
 scheduler processes (2 unless given) against one scheduler; each shard has its own `--queue`.
 `--ablate overload_merge`: the student buffer's elements growing to twice max_merge while a full buffer's
 worth of samples queues beyond it, against the paper's buffer exactly (ACADEMUS_OVERLOAD_MERGE 0 / 1).
-`--ablate max_queue_wait`: the schedulers' wait bound (ACADEMUS_MAX_QUEUE_WAIT_MS 500) refusing at once
+`--ablate max_queue_wait`: the schedulers' wait bound (ACADEMUS_MAX_QUEUE_WAIT_MS 1000, the default) refusing at once
 what would wait longer, against each request's deadline alone bounding its wait (0).
 `--rounds N` runs the pair N times, the order alternating (machine drift then falls on both), and compares
 the arms' mean throughputs.

@@ -26,6 +26,7 @@ from academus.shared.runtime.errors import (
     ServingError,
     Unauthenticated,
     Unavailable,
+    Unreachable,
 )
 from academus.shared.runtime.expiring import ExpiringCache
 from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
@@ -549,7 +550,8 @@ class SchedulerDirectory:
             if self.clock() >= deadline:
                 raise error
             if not self.serving(model, policy, tried):
-                if not (isinstance(error, Unavailable) and await self._hold(model, deadline, holds)):
+                # a scheduler that answered UNAVAILABLE itself (its workers are gone) is heard at once
+                if not (isinstance(error, Unreachable) and await self._hold(model, deadline, holds)):
                     raise error
                 tried, holds = set(), holds + 1
 

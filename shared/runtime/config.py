@@ -292,8 +292,8 @@ T = TypeVar("T", bound="CommonConfig")
 class GatewayConfig(CommonConfig):
     max_inputs: int = setting(64, "texts per request", at_least(1))
     max_tokens: int = setting(256, "the teacher's max_seq_length", between(1, 512, "the model's positions"))
-    max_text_chars: int = setting(20_000, "a longer text is refused before tokenizing, truncation or not (the "
-                                          "model reads at most 512 tokens, about 2,000 characters)", at_least(1))
+    max_text_chars: int = setting(100_000, "a longer text is refused before tokenizing, truncation or not",
+                                  at_least(1))
     default_deadline_s: float = setting(30.0, "applied when the client set none (gRPC has no default)")
     auth_cache_s: float = setting(5.0, "how long a verified key is trusted without asking Redis")
     auth_failure_limit: int = setting(30, "invalid API keys one client address may present within "
@@ -388,7 +388,7 @@ class SchedulerConfig(CommonConfig):
     load_report_s: float = setting(0.1, "how often the load signals the resource manager adapts on are written")
     queue_capacity: int = setting(1024, "admission bound: beyond it, RESOURCE_EXHAUSTED at once", at_least(1))
     retry_pushback_ms: int = setting(50, "the retry hint a refusal for a full queue carries")
-    max_queue_wait_ms: float = setting(500.0, "admission bound in time: a request that would wait longer for a "
+    max_queue_wait_ms: float = setting(1000.0, "admission bound in time: a request that would wait longer for a "
                                               "batch is refused RESOURCE_EXHAUSTED at once, with a pushback hint "
                                               "of the excess (0: only its deadline bounds its wait)", at_least(0))
     heartbeat_ttl_s: float = setting(5.0, "TTL of its registration in Redis, renewed within it")

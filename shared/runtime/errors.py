@@ -73,6 +73,11 @@ class Unavailable(ServingError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class Unreachable(Unavailable):
+    """UNAVAILABLE that no live handler chose: the peer refused the connection, or went away mid-call (a
+    restart), where a live peer's own UNAVAILABLE ("no live worker serves ...") is its considered answer."""
+
+
 async def abort_with(context: grpc.aio.ServicerContext, error: ServingError) -> None:
     """Aborts the RPC with the error's status, adding the retry pushback hint when it has one."""
     trailers = [(ANSWERED, "true")]
@@ -85,10 +90,13 @@ async def abort_with(context: grpc.aio.ServicerContext, error: ServingError) -> 
 
 
 def from_rpc_error(error: grpc.aio.AioRpcError, hop: str) -> ServingError:
-    """Re-raises a downstream status unchanged in code, with the hop named for the operator."""
+    """Re-raises a downstream status unchanged in code, with the hop named for the operator; UNAVAILABLE
+    that no handler answered is Unreachable."""
     trailers = dict(error.trailing_metadata() or ())
-    return from_status(error.code(), error.details() or f"{hop} failed with {error.code().name}",
-                       pushback_ms(trailers.items()), trailers.get(NOTHING_RAN) == "true")
+    details = error.details() or f"{hop} failed with {error.code().name}"
+    if error.code() == grpc.StatusCode.UNAVAILABLE and trailers.get(ANSWERED) != "true":
+        return Unreachable(details, nothing_ran=trailers.get(NOTHING_RAN) == "true")
+    return from_status(error.code(), details, pushback_ms(trailers.items()), trailers.get(NOTHING_RAN) == "true")
 
 
 def from_status(code: grpc.StatusCode, message: str, pushback_ms: int | None = None,

@@ -10,6 +10,8 @@ from academus.shared.runtime.errors import (
     DeadlineExceeded,
     ResourceExhausted,
     ServingError,
+    Unavailable,
+    Unreachable,
     abort_with,
     from_rpc_error,
 )
@@ -28,6 +30,7 @@ class Refuses(worker_pb2_grpc.WorkerServicer):
     DeadlineExceeded("the deadline cannot be met: about 900 ms of queued work ahead", nothing_ran=True),
     DeadlineExceeded("deadline passed before layer 3"),
     ResourceExhausted("scheduler queue is full (1 requests waiting)", pushback_ms=50),
+    Unavailable("no live worker serves model 'm'"),   # a live handler's answer: not Unreachable
 ])
 async def test_an_error_crosses_a_hop_whole(sent):
     server = grpc.aio.server()
@@ -44,3 +47,14 @@ async def test_an_error_crosses_a_hop_whole(sent):
     got = from_rpc_error(info.value, "worker")
     assert type(got) is type(sent) and got.message == sent.message
     assert (got.pushback_ms, got.nothing_ran) == (sent.pushback_ms, sent.nothing_ran)
+
+
+async def test_a_peer_that_cannot_be_reached_is_unreachable_not_a_handlers_unavailable():
+    """A restarting peer refuses connections: UNAVAILABLE no handler chose, which a caller may wait out."""
+    from academus.shared.cli.redis_server import free_port
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{free_port()}") as channel:   # nothing listens there
+        request = worker_pb2.RunRequest(model="m", tokens=tensors_pb2.TokenBatch(input_ids=[1], lengths=[1]))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await worker_pb2_grpc.WorkerStub(channel).Run(request, timeout=5)
+    assert type(from_rpc_error(info.value, "worker")) is Unreachable

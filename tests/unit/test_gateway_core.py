@@ -400,7 +400,7 @@ async def test_a_request_waits_within_its_deadline_for_a_scheduler_that_served_i
     """A restarting scheduler (deregistered, or refusing connections) is back within a second: a request of a
     model it served waits for it rather than failing; a model no scheduler served lately fails at once."""
     from academus.services.gateway.core import SchedulerDirectory
-    from academus.shared.runtime.errors import Unavailable
+    from academus.shared.runtime.errors import Unavailable, Unreachable
 
     redis = connect(redis_url)
     await redis.sadd(KEYS.schedulers(), "r0")
@@ -411,7 +411,7 @@ async def test_a_request_waits_within_its_deadline_for_a_scheduler_that_served_i
 
     async def send(address: str) -> str:
         if refusing[0]:
-            raise Unavailable(f"{address}: connection refused")
+            raise Unreachable(f"{address}: connection refused")
         return address
 
     refusing[0] = False
@@ -431,6 +431,13 @@ async def test_a_request_waits_within_its_deadline_for_a_scheduler_that_served_i
         await directory.route("ham", "", time.monotonic() + 5, send)   # never served here: no wait
     with pytest.raises(Unavailable, match="connection refused"):
         await directory.route("spam", "", time.monotonic() + 0.02, send)   # no time left to wait
+
+    async def no_workers(address: str) -> str:
+        raise Unavailable("no live worker serves model 'spam'")   # the scheduler's own answer: heard at once
+
+    held = asyncio.create_task(directory.route("spam", "", time.monotonic() + 5, no_workers))
+    await asyncio.sleep(0.2)
+    assert held.done() and isinstance(held.exception(), Unavailable)
     await redis.aclose()
 
 
