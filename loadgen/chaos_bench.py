@@ -18,6 +18,10 @@ reference), then a run a fault on the same schedule, the mesh back to health bet
   clients-kill                                --clients client processes killed while their requests run
   tenant-flood                                a tenant with a small quota (--tenant-quota) sending 10x it
 
+`--soak`: instead, one run at 70 % of capacity for --duration (the issue: 10 minutes) while tenants come and
+go (every 2 s one puts an adapter on minilm, registers a model on it and sends requests to it; the oldest of
+more than four is deleted with its adapters), reporting every process's RSS growth over the second half.
+
 For each: requests lost (no result or status within the deadline + 50 ms), failed and errors by code (beside
 the reference's), time to recover (from the fault to the first success, on the models it hit, of a request
 sent after it), the victim's replacement serving, p99 of the traffic it did not hit against the reference's,
@@ -97,6 +101,8 @@ TARGETS = {"kill": (("lost", 0), ("excess_failed_pct", 5.0), ("recover_s", 5.0))
            "term": (("lost", 0), ("excess_failed", 0)),
            "redis": (("excess_failed_pct", 5.0), ("key_works_after", True))}
 REFUSAL_P99_MS, GOODPUT_SHARE = 50.0, 0.9   # past capacity (--load > 1), the fault-free run's targets
+SOAK_LOAD, SOAK_RSS_GROWTH_MIB = 0.7, 100.0  # --soak: the load, and the mesh's RSS growth allowed in its second half
+CHURN_BASE, CHURN_MODEL, CHURN_S, CHURN_LIVE, CHURN_REQUESTS = "minilm", "support", 2.0, 4, 5
 
 
 @dataclass
@@ -122,8 +128,9 @@ class Victim:
 
 def start(args: argparse.Namespace) -> MeshState:
     """The default deployments, each as --shards scheduler processes."""
+    models = [*MODELS, *([CHURN_BASE] if args.soak else [])]   # a soak's tenants' adapters sit on the base
     options = MeshOptions(run_dir=args.out / "run", gateway_port=0, workers=args.workers, gateways=args.gateways,
-                          worker_threads=args.worker_threads, env={"ACADEMUS_MODELS": ",".join(MODELS)})
+                          worker_threads=args.worker_threads, env={"ACADEMUS_MODELS": ",".join(models)})
     return up(replace(options, deployments=[replace(d, shards=args.shards) for d in default_deployments(options)]))
 
 
@@ -585,12 +592,99 @@ def _short(value: object) -> str:
     return str(value)
 
 
+def load_of(args: argparse.Namespace) -> float:
+    """The offered load as a multiple of capacity: --load, else 0.7 for a soak and 2 for the faults."""
+    return args.load if args.load is not None else SOAK_LOAD if args.soak else 2.0
+
+
+async def soak_run(bench: Bench) -> dict:
+    """--soak: the load for --duration while tenants come and go (`churn`); every process's RSS over time, and
+    its growth over the second half (the issue's target: the mesh's sum within SOAK_RSS_GROWTH_MIB)."""
+    adapters = await asyncio.to_thread(churn_adapters)
+    state = MeshState.load(bench.run_dir)
+    sampler = RssSampler(bench.run_dir, time.perf_counter(), period_s=2.0)
+    sampler.start()
+    stop = asyncio.Event()
+    churning = asyncio.create_task(churn(state, adapters, bench.samples, stop))
+    async with GatewaySpread([state.gateway] * CONNECTIONS, bench.key, bench.args.timeout,
+                             own_connections=True) as spread:
+        runs = await asyncio.gather(*(runner.run(spread, m, arrivals(bench, i), bench.samples, bench.args.timeout,
+                                                 bench.args.duration) for i, m in enumerate(MODELS)))
+    stop.set()
+    churned = await churning
+    sampler.done.set()
+    growth = rss_growth(sampler.samples, bench.args.duration / 2)
+    figures = summarize(bench, list(runs), {}) | {"churn": churned, "rss_growth_second_half_mib": growth}
+    figures["gauges_zero_after_s"], figures["gauges_left"] = await asyncio.to_thread(gauges_back_to_zero,
+                                                                                      bench.run_dir)
+    figures["rss_mib"] = rss_summary(sampler.samples)
+    figures["pngs"] = write_pngs(bench, "soak", list(runs), {"rss": sampler.samples})
+    total = round(sum(growth.values()), 1)
+    figures["targets"] = {f"mesh RSS growth in the second half <= {SOAK_RSS_GROWTH_MIB} MiB ({total})":
+                          total <= SOAK_RSS_GROWTH_MIB, "lost is 0": figures["lost"] == 0}
+    return figures
+
+
+def rss_growth(samples: list[dict], half_s: float) -> dict[str, float]:
+    """Each process's RSS at the last sample less its RSS at the first sample from `half_s` on (MiB)."""
+    later = [s for s in samples if s["t"] >= half_s]
+    if len(later) < 2:
+        return {}
+    first, last = later[0]["rss_mib"], later[-1]["rss_mib"]
+    return {name: round(last[name] - first[name], 1) for name in sorted(first.keys() & last.keys())
+            if first[name] is not None and last[name] is not None}
+
+
+def churn_adapters() -> list:
+    """Two small sentiment adapters on the base (different seeds): what the churning tenants serve."""
+    from academus.shared.training.adapters import train_adapter
+    from academus.shared.training.data import load_task
+
+    data = load_task("sentiment")
+    texts, labels = [e.text for e in data.train[:64]], [data.labels[e.label] for e in data.train[:64]]
+    return [train_adapter(texts, labels, CHURN_BASE, epochs=1, seed=seed, progress=False)[0] for seed in (0, 1)]
+
+
+async def churn(state: MeshState, adapters: list, samples: list, stop: asyncio.Event) -> dict:
+    """Every CHURN_S until `stop`: a new tenant puts an adapter in the store, registers its model on it and sends
+    CHURN_REQUESTS requests to it; the oldest of more than CHURN_LIVE tenants is deleted with its adapters."""
+    from academus.shared.training.onboarding import delete_tenant, publish_adapter
+
+    client, keys = connect(state.redis_url), Keys(state.key_prefix)
+    registry, live = TenantRegistry(client, keys), []
+    counts = Counter()
+    try:
+        while not stop.is_set():
+            tenant = f"soak-{counts['made']}"
+            key = await registry.create_tenant(tenant, rate=LOAD_QUOTA, burst=int(LOAD_QUOTA))
+            await publish_adapter(client, keys, tenant, CHURN_MODEL, CHURN_BASE, adapters[counts["made"] % 2])
+            counts["made"] += 1
+            live.append(tenant)
+            async with AsyncClient(state.gateway, api_key=key, timeout=10) as tenant_client:
+                for i in range(CHURN_REQUESTS):
+                    try:
+                        await tenant_client.infer(CHURN_MODEL, [samples[(counts["made"] + i) % len(samples)].text])
+                        counts["answered"] += 1
+                    except AcademusError as e:
+                        counts[f"failed_{e.code}"] += 1
+            if len(live) > CHURN_LIVE:
+                await delete_tenant(client, keys, live.pop(0))
+                counts["deleted"] += 1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), CHURN_S)
+    finally:
+        await client.aclose()
+    return dict(counts)
+
+
 async def run_all(bench: Bench, faults: list[Fault]) -> dict:
     gateways = [MeshState.load(bench.run_dir).gateway] * CONNECTIONS
     if bench.args.rate <= 0:
         bench.capacity_rps = await measure_capacity(bench, gateways)
-        bench.rate = bench.args.load * bench.capacity_rps
+        bench.rate = load_of(bench.args) * bench.capacity_rps
         await asyncio.to_thread(gauges_back_to_zero, bench.run_dir)
+    if bench.args.soak:
+        return {"runs": {"soak": await soak_run(bench)}}
     summary = {"runs": {}}
     bench.reference = await one_run(bench, None)
     summary["runs"]["reference"] = bench.reference
@@ -602,7 +696,7 @@ async def run_all(bench: Bench, faults: list[Fault]) -> dict:
 def run(args: argparse.Namespace) -> dict:
     faults = (list(FAULTS.values()) if args.faults == "all" else [] if args.faults == "none"
               else [FAULTS[name] for name in args.faults.split(",")])
-    if not 0 < args.fault_at < args.duration:
+    if not args.soak and not 0 < args.fault_at < args.duration:
         raise SystemExit(f"chaos_bench: --fault-at ({args.fault_at}) must fall within --duration ({args.duration})")
     state = start(args)
     run_dir = Path(state.run_dir)
@@ -628,7 +722,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--faults", default="all",
                    help=f"comma-separated, of: {', '.join(FAULTS)} (default: all; none: the fault-free run only)")
     p.add_argument("--rate", type=float, default=0.0, help="offered requests/s, Poisson (default: --load x capacity)")
-    p.add_argument("--load", type=float, default=2.0, help="the offered load as a multiple of the measured capacity")
+    p.add_argument("--load", type=float, default=None,
+                   help="the offered load as a multiple of the measured capacity (default: 2; 0.7 with --soak)")
+    p.add_argument("--soak", action="store_true",
+                   help="instead of the faults: one run at 70 %% of capacity for --duration while tenants' adapters "
+                        "come and go, reporting every process's RSS growth in the second half")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load a run")
     p.add_argument("--fault-at", type=float, default=10.0, help="seconds into a run")
     p.add_argument("--timeout", type=float, default=5.0, help="each request's deadline (s)")

@@ -114,6 +114,15 @@ def test_chaos_overload_targets_judge_refusal_time_goodput_and_loss():
     assert refusal_p99([Record(0.0, 3.0, "OK")]) is None
 
 
+def test_the_soak_reports_each_processs_rss_growth_over_the_second_half():
+    from academus.loadgen.chaos_bench import rss_growth
+
+    samples = [{"t": t, "rss_mib": {"worker-0": 600.0 + t, "gateway": 90.0, "gone": None if t > 40 else 5.0}}
+               for t in range(0, 61, 10)]
+    assert rss_growth(samples, half_s=30) == {"gateway": 0.0, "worker-0": 30.0}   # 630 -> 660; none for "gone"
+    assert rss_growth(samples[:1], half_s=0) == {}
+
+
 def test_ratios_against_the_first_run():
     base = {"model": "a", "policy": "fifo", "latency_ms": {"p50": 10, "p95": 20, "p99": 40}, "throughput_rps": 5,
             "utility": 2.0}
