@@ -456,8 +456,7 @@ def p99(runs: list[RunResult]) -> float | None:
 
 def refusal_p99(records: list) -> float | None:
     """How long a RESOURCE_EXHAUSTED took to come back, p99 (ms): a prompt refusal is one in milliseconds."""
-    refused = [r.latency_ms for r in records if r.code == "RESOURCE_EXHAUSTED"]
-    return round(percentile(refused, 99), 2) if refused else None
+    return runner.error_latency(records).get("RESOURCE_EXHAUSTED", {}).get("p99")
 
 
 def overload_targets(figures: dict, capacity_rps: float) -> dict[str, bool]:

@@ -29,9 +29,10 @@ from academus.shared.runtime.errors import (
     Unreachable,
 )
 from academus.shared.runtime.expiring import ExpiringCache
+from academus.shared.runtime.redis_conn import RedisAbsence
 from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
 from academus.shared.state.keys import Keys
-from academus.shared.state.tenants import READY, REDIS_AWAY_S, Quotas, TenantModel, TenantRegistry
+from academus.shared.state.tenants import READY, Quotas, TenantModel, TenantRegistry
 
 # What the caller asked for, as the core names it (the edge maps the proto enum).
 LABEL, SCORE, EMBED = "label", "score", "embedding"
@@ -121,11 +122,12 @@ class Authenticator:
     """API key -> principal via Redis (SHA-256 of the key); verified keys are cached briefly."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, cache_s: float,
-                 clock: Callable[[], float] = time.monotonic, failures: FailedKeyLimit | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, failures: FailedKeyLimit | None = None,
+                 absence: RedisAbsence | None = None) -> None:
         self.redis, self.keys = redis, keys
         self._cache: ExpiringCache[str, Principal] = ExpiringCache(cache_s, clock)
         self._forgotten = 0   # forget() calls: a record read before one may be of a key revoked since
-        self.clock, self._away_until = clock, float("-inf")   # Redis failed: stale keys served until then
+        self.absence = absence or RedisAbsence(clock)   # Redis failed lately: keys verified before are served
         self.failures = failures or FailedKeyLimit(0, 60.0, clock)
 
     async def authenticate(self, api_key: str | None, peer: str = "") -> Principal:
@@ -140,12 +142,12 @@ class Authenticator:
         # Redis is coordination, not the request path: a key verified lately goes on working while it is away
         # (a revocation clears them all first: forget())
         stale = self._cache.stale(api_key, STALE_KEY_S)
-        if stale is not None and self.clock() < self._away_until:
+        if stale is not None and self.absence.away():
             return stale
         try:
             record = await self.redis.hgetall(self.keys.api_key(api_key))
         except RedisError:
-            self._away_until = self.clock() + REDIS_AWAY_S
+            self.absence.failed()
             if stale is not None:
                 return stale
             raise

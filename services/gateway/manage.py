@@ -34,7 +34,15 @@ from academus.shared.runtime.errors import (
 from academus.shared.state.catalogue import ADAPTER_BASES, MODEL_NAME, PLOT_BASES
 from academus.shared.state.jobs import ADAPTER, MODEL, OVERLAY, Job, JobQueue
 from academus.shared.state.keys import Keys
-from academus.shared.state.tenants import FAILED, TRAINING, TenantModel, TenantRegistry, check_name, gateway_quotas
+from academus.shared.state.tenants import (
+    FAILED,
+    TRAINING,
+    Quotas,
+    TenantModel,
+    TenantRegistry,
+    check_name,
+    gateway_quotas,
+)
 from academus.shared.state.uploads import parse_corpus, parse_labelled_jsonl, write_upload
 
 ADMIN = "admin"
@@ -49,11 +57,11 @@ def check_base(base: str) -> None:
 
 class Manage:
     def __init__(self, config: GatewayConfig, redis: aioredis.Redis, keys: Keys, auth: Authenticator,
-                 table: Callable[[], Path | None] | None = None) -> None:
+                 table: Callable[[], Path | None] | None = None, quotas: Quotas | None = None) -> None:
         self.config, self.redis, self.keys, self.auth = config, redis, keys, auth
         self.registry = TenantRegistry(redis, keys, rate=config.tenant_rate, burst=config.tenant_burst)
         self.jobs, self.domains = JobQueue(redis, keys), DomainRegistry(redis, keys)
-        self.quotas = gateway_quotas(config, redis, keys)
+        self.quotas = quotas or gateway_quotas(config, redis, keys)   # the Inference API's, when it has them
         self.uploads = uploads_path(config.uploads_dir)
         self.table = table or (lambda: root_table(config.plot_dir))
 

@@ -39,7 +39,7 @@ from academus.shared.runtime import config as cfg
 from academus.shared.runtime.errors import ServingError, Unavailable, abort_with, from_rpc_error
 from academus.shared.runtime.logs import log_event
 from academus.shared.runtime.multiplex import call_with_partials
-from academus.shared.runtime.redis_conn import connect, wake_on
+from academus.shared.runtime.redis_conn import RedisAbsence, connect, wake_on
 from academus.shared.runtime.serving import ServiceSpec, Stubs, run
 from academus.shared.runtime.tls import public_credentials
 from academus.shared.runtime.tracing import annotate
@@ -389,12 +389,14 @@ async def build() -> ServiceSpec:
     catalogue = Catalogue(redis, keys)
     schedulers = SchedulerDirectory(redis, keys, config.honour_pushback)
     registry = TenantRegistry(redis, keys, rate=config.tenant_rate, burst=config.tenant_burst)
+    absence = RedisAbsence()   # one for the keys and the quotas: a failure either meets spares the other the wait
     gateway = Gateway(config, TeacherTokenizer(teacher_dir(), config.max_tokens),
                       Authenticator(redis, keys, config.auth_cache_s,
-                                    failures=FailedKeyLimit(config.auth_failure_limit, config.auth_failure_window_s)),
+                                    failures=FailedKeyLimit(config.auth_failure_limit, config.auth_failure_window_s),
+                                    absence=absence),
                       catalogue,
                       TenantModels(registry, config.auth_cache_s),
-                      gateway_quotas(config, redis, keys, config.auth_cache_s),
+                      gateway_quotas(config, redis, keys, config.auth_cache_s, absence),
                       schedulers)
 
     changed = asyncio.Event()   # set by an event on the channel: a worker registered, a node's scheduler
@@ -412,7 +414,7 @@ async def build() -> ServiceSpec:
                 gateway.auth.forget()   # an event (or Redis back): it may be a key's revocation (state/api_keys.py)
             changed.clear()
 
-    manage = ManageServicer(Manage(config, redis, keys, gateway.auth))
+    manage = ManageServicer(Manage(config, redis, keys, gateway.auth, quotas=gateway.quotas))   # one set of leases
 
     def add_servicers(server: grpc.aio.Server) -> None:
         inference_pb2_grpc.add_InferenceServicer_to_server(

@@ -91,9 +91,10 @@ def subject_names(names: Iterable[str]) -> str:
     """openssl's subjectAltName value for host names and IP addresses: "DNS:a,IP:10.0.0.1"."""
     out = []
     for name in names:
-        if not name or "," in name or (":" in name and not _is_ip(name)):
+        ip = _is_ip(name)
+        if not name or "," in name or (":" in name and not ip):
             raise ValueError(f"{name!r} is not a host name or an IP address")
-        out.append(f"IP:{name}" if _is_ip(name) else f"DNS:{name}")
+        out.append(f"IP:{name}" if ip else f"DNS:{name}")
     return ",".join(out)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 from urllib.parse import quote, urlsplit, urlunsplit
 
@@ -24,6 +25,23 @@ RETRIES, RETRY_CAP_S = 3, 0.5
 # pool raised "Too many connections" at once instead: a gateway past capacity, with thousands of requests each
 # taking its quota token, failed a request UNAVAILABLE for it (docs/benchmarks/reliability.md, 2026-11-29).
 MAX_CONNECTIONS, POOL_WAIT_S = 100, 2.0
+
+
+class RedisAbsence:
+    """When Redis last failed a command on the request path. For AWAY_S after, callers answer from what they
+    hold instead of asking again: the client tried for 0.7 s first, and each request need not wait as long.
+    One per process, shared by everything that reads Redis for a request (the gateway's keys and quotas)."""
+
+    AWAY_S = 1.0
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock, self._until = clock, float("-inf")
+
+    def away(self) -> bool:
+        return self.clock() < self._until
+
+    def failed(self) -> None:
+        self._until = self.clock() + self.AWAY_S
 
 
 def connect(url: str, password: str = "") -> aioredis.Redis:

@@ -117,13 +117,16 @@ def open_channel_sync(target: str, credentials: grpc.ChannelCredentials | None, 
 
 def mesh_channel(target: str, options: Options = (), interceptors: Sequence = ()) -> grpc.aio.Channel:
     """An asyncio channel to another service of the mesh, with the process's identity when it has one."""
-    if _mesh is None:
-        return open_channel(target, None, options, interceptors)
-    return open_channel(target, _mesh.channel_credentials(), [*options, *_mesh.channel_options()], interceptors)
+    return open_channel(target, *_as_mesh(options), interceptors)
 
 
 def mesh_channel_sync(target: str, options: Options = ()) -> grpc.Channel:
     """The blocking `mesh_channel`."""
+    return open_channel_sync(target, *_as_mesh(options))
+
+
+def _as_mesh(options: Options) -> tuple[grpc.ChannelCredentials | None, Options]:
+    """The credentials and options of a channel to a peer of the mesh: plaintext, or its mutual TLS."""
     if _mesh is None:
-        return open_channel_sync(target, None, options)
-    return open_channel_sync(target, _mesh.channel_credentials(), [*options, *_mesh.channel_options()])
+        return None, options
+    return _mesh.channel_credentials(), [*options, *_mesh.channel_options()]

@@ -22,6 +22,7 @@ from redis.exceptions import RedisError
 from academus.shared.runtime.config import GatewayConfig
 from academus.shared.runtime.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from academus.shared.runtime.expiring import ExpiringCache
+from academus.shared.runtime.redis_conn import RedisAbsence
 from academus.shared.state.api_keys import ApiKeys
 from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
 from academus.shared.state.keys import Keys, new_api_key
@@ -246,9 +247,6 @@ class Limits(NamedTuple):
 NO_LIMITS = Limits(0.0, 0)
 
 
-REDIS_AWAY_S = 1.0   # after Redis failed a request, the next are answered from what is held for this long
-
-
 class TokenBucket:
     """A tenant's bucket kept by one gateway while Redis is unreachable: `rate` tokens/s up to `burst`."""
 
@@ -279,9 +277,9 @@ class Quotas:
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, unlimited_cache_s: float = 0.0,
                  clock: Callable[[], float] = time.monotonic, default: Limits = NO_LIMITS,
-                 admin: Limits = NO_LIMITS) -> None:
+                 admin: Limits = NO_LIMITS, absence: RedisAbsence | None = None) -> None:
         """`default`: the quota of a tenant without a record (a key made by `academus keys create`); `admin`: the
-        admin's."""
+        admin's; `absence`: the process's record of Redis failing (shared with its Authenticator)."""
         self.keys, self.default, self.admin, self.clock = keys, default, admin, clock
         self._take = redis.register_script(_TAKE)
         self._give_back = redis.register_script(_GIVE_BACK)
@@ -289,7 +287,7 @@ class Quotas:
         self._leases: dict[str, tuple[int, float]] = {}   # tenant -> (tokens left, when the lease lapses)
         self._known: ExpiringCache[str, Limits] = ExpiringCache(float("inf"), clock)  # limits Redis last gave
         self._outage: dict[str, TokenBucket] = {}          # tenant -> its bucket while Redis is unreachable
-        self._away_until = float("-inf")                   # Redis failed: not asked again before then
+        self.absence = absence or RedisAbsence(clock)
 
     async def take(self, tenant: str) -> bool:
         """Takes one request's token (True), or raises ResourceExhausted with the wait as a pushback hint.
@@ -303,14 +301,13 @@ class Quotas:
         if left > 0 and lapses > now:
             self._leases[tenant] = (left - 1, lapses)
             return True
-        if now < self._away_until:
+        if self.absence.away():
             return self._take_in_outage(tenant, now)
         try:
             answer = await self._take(keys=[self.keys.tenant(tenant), self.keys.quota(tenant)],
                                       args=[*self._limits(tenant), self.LEASE_S])
         except RedisError:
-            # its client tried for 0.7 s: the requests of the next second do not wait as long again
-            self._away_until = self.clock() + REDIS_AWAY_S
+            self.absence.failed()
             return self._take_in_outage(tenant, now)
         self._outage.pop(tenant, None)
         wait_ms = int(answer[0])
@@ -358,8 +355,10 @@ def over_quota(tenant: str, limits: Limits, wait_ms: int) -> ResourceExhausted:
                              f"(burst {limits.burst}); retry in {wait_ms} ms", pushback_ms=wait_ms)
 
 
-def gateway_quotas(config: GatewayConfig, redis: aioredis.Redis, keys: Keys, unlimited_cache_s: float = 0.0) -> Quotas:
+def gateway_quotas(config: GatewayConfig, redis: aioredis.Redis, keys: Keys, unlimited_cache_s: float = 0.0,
+                   absence: RedisAbsence | None = None) -> Quotas:
     """The configured quotas: a tenant's own record, else the new-tenant default for any other key, and the
     admin's (ACADEMUS_ADMIN_RATE, unlimited unless set)."""
     return Quotas(redis, keys, unlimited_cache_s, default=Limits(config.tenant_rate, config.tenant_burst),
-                  admin=Limits(config.admin_rate, config.admin_burst or max(1, round(2 * config.admin_rate))))
+                  admin=Limits(config.admin_rate, config.admin_burst or max(1, round(2 * config.admin_rate))),
+                  absence=absence)

@@ -97,3 +97,16 @@ async def test_more_commands_at_once_than_connections_wait_for_one_instead_of_fa
     values = await asyncio.gather(*(client.get("pool-probe") for _ in range(3 * MAX_CONNECTIONS)))
     assert values == ["1"] * (3 * MAX_CONNECTIONS)
     await client.aclose()
+
+
+def test_redis_is_away_for_a_while_after_a_failure_for_every_holder_of_the_record():
+    from academus.shared.runtime.redis_conn import RedisAbsence
+
+    now = [0.0]
+    absence = RedisAbsence(lambda: now[0])
+    assert not absence.away()
+    absence.failed()
+    now[0] += RedisAbsence.AWAY_S / 2
+    assert absence.away()
+    now[0] += RedisAbsence.AWAY_S / 2
+    assert not absence.away()
