@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -42,6 +43,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -362,8 +364,12 @@ async def make_tenant(state: MeshState, name: str, quota: float) -> str:
         await client.aclose()
 
 
-async def loaded_run(bench: Bench, fault: Fault | None) -> tuple[list[RunResult], dict]:
-    """The load on both models, with `fault` injected at its time; the runs and what the fault left."""
+Beside = Callable[[asyncio.Event], Awaitable[dict]]   # runs beside the load until the event; its figures
+
+
+async def loaded_run(bench: Bench, fault: Fault | None, beside: Beside | None = None) -> tuple[list[RunResult], dict]:
+    """The load on both models, with `fault` injected at its time and `beside` running meanwhile (its figures
+    under "beside"); the runs and what the fault left."""
     state = MeshState.load(bench.run_dir)
     gateways = [state.gateway] * CONNECTIONS
     tenant_key = ""
@@ -378,10 +384,15 @@ async def loaded_run(bench: Bench, fault: Fault | None) -> tuple[list[RunResult]
         flood = [tenant_load(bench, gateways, tenant_key)] if tenant_key else []
         injected = asyncio.create_task(inject(bench, fault, t0)) if fault is not None else None
         back = asyncio.create_task(back_after(bench, injected)) if injected is not None else None
+        stop = asyncio.Event()
+        besides = asyncio.create_task(beside(stop)) if beside is not None else None
         results = await asyncio.wait_for(asyncio.gather(*loads, *flood), bench.args.duration + 120)
+        stop.set()
         at, victim = await injected if injected is not None else (None, None)
     sampler.done.set()
     extra = {"fault_at_s": None if at is None else round(at, 3), "rss": sampler.samples}
+    if besides is not None:
+        extra["beside"] = await besides
     if victim is not None:
         back_s = await back
         extra |= {"victim": victim.name, "affected_models": list(victim.models),
@@ -534,14 +545,15 @@ def rss_summary(samples: list[dict]) -> dict[str, dict[str, float]]:
 
 # -- the runs ------------------------------------------------------------------------------------------------
 
-async def one_run(bench: Bench, fault: Fault | None) -> dict:
-    name = fault.name if fault else "reference"
+async def one_run(bench: Bench, fault: Fault | None, beside: Beside | None = None, name: str = "") -> dict:
+    name = name or (fault.name if fault else "reference")
     before = restarts(bench.run_dir)
     key = probe_key(bench) if fault is not None and fault.target == "redis" else ""
     bench.notes = {}
     counted = await asyncio.to_thread(counters, bench.run_dir)
-    runs, extra = await loaded_run(bench, fault)
+    runs, extra = await loaded_run(bench, fault, beside)
     figures = summarize(bench, runs, extra) | bench.notes
+    figures["rss_growth_second_half_mib"] = rss_growth(extra["rss"], bench.args.duration / 2)
     figures["gauges_zero_after_s"], figures["gauges_left"] = await asyncio.to_thread(gauges_back_to_zero,
                                                                                       bench.run_dir)
     figures["ready_again_s"] = round(await asyncio.to_thread(wait_ready, bench.run_dir, bench.args.workers), 2)
@@ -597,28 +609,12 @@ def load_of(args: argparse.Namespace) -> float:
 
 
 async def soak_run(bench: Bench) -> dict:
-    """--soak: the load for --duration while tenants come and go (`churn`); every process's RSS over time, and
-    its growth over the second half (the issue's target: the mesh's sum within SOAK_RSS_GROWTH_MIB)."""
+    """--soak: the fault-free run for --duration while tenants come and go (`churn`, its figures under
+    "beside"), judged by the mesh's RSS growth over the second half (the issue: within SOAK_RSS_GROWTH_MIB)."""
     adapters = await asyncio.to_thread(churn_adapters)
-    state = MeshState.load(bench.run_dir)
-    sampler = RssSampler(bench.run_dir, time.perf_counter(), period_s=2.0)
-    sampler.start()
-    stop = asyncio.Event()
-    churning = asyncio.create_task(churn(state, adapters, bench.samples, stop))
-    async with GatewaySpread([state.gateway] * CONNECTIONS, bench.key, bench.args.timeout,
-                             own_connections=True) as spread:
-        runs = await asyncio.gather(*(runner.run(spread, m, arrivals(bench, i), bench.samples, bench.args.timeout,
-                                                 bench.args.duration) for i, m in enumerate(MODELS)))
-    stop.set()
-    churned = await churning
-    sampler.done.set()
-    growth = rss_growth(sampler.samples, bench.args.duration / 2)
-    figures = summarize(bench, list(runs), {}) | {"churn": churned, "rss_growth_second_half_mib": growth}
-    figures["gauges_zero_after_s"], figures["gauges_left"] = await asyncio.to_thread(gauges_back_to_zero,
-                                                                                      bench.run_dir)
-    figures["rss_mib"] = rss_summary(sampler.samples)
-    figures["pngs"] = write_pngs(bench, "soak", list(runs), {"rss": sampler.samples})
-    total = round(sum(growth.values()), 1)
+    churning = functools.partial(churn, MeshState.load(bench.run_dir), adapters, bench.samples)
+    figures = await one_run(bench, None, beside=churning, name="soak")
+    total = round(sum(figures["rss_growth_second_half_mib"].values()), 1)
     figures["targets"] = {f"mesh RSS growth in the second half <= {SOAK_RSS_GROWTH_MIB} MiB ({total})":
                           total <= SOAK_RSS_GROWTH_MIB, "lost is 0": figures["lost"] == 0}
     return figures
