@@ -645,6 +645,7 @@ async def churn(state: MeshState, adapters: list, samples: list, stop: asyncio.E
     CHURN_REQUESTS requests to it; the oldest of more than CHURN_LIVE tenants is deleted with its adapters."""
     from academus.shared.training.onboarding import delete_tenant, publish_adapter
 
+    state.use_as_mesh()   # the adapter store takes only the mesh's calls
     client, keys = connect(state.redis_url), Keys(state.key_prefix)
     registry, live = TenantRegistry(client, keys), []
     counts = Counter()

@@ -93,6 +93,7 @@ def sampled_accuracy(adapters: list, data, rng: random.Random, tenants: int = 4,
 
 async def register(state: MeshState, adapters: list) -> dict[str, str]:
     """Tenant t<k> with model `support` on adapter k; returns tenant -> API key."""
+    state.use_as_mesh()   # the adapter store takes only the mesh's calls
     client = connect(state.redis_url)
     keys = Keys(state.key_prefix)
     registry, store = TenantRegistry(client, keys, rate=1e6, burst=1_000_000), AdapterStoreClient(client, keys)

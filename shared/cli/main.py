@@ -515,11 +515,10 @@ def _with_mesh_redis(args: argparse.Namespace, work) -> int:
     from academus.shared.cli.mesh import MeshState
     from academus.shared.runtime.errors import ServingError
     from academus.shared.runtime.redis_conn import connect
-    from academus.shared.runtime.tls import use_mesh
     from academus.shared.state.keys import Keys
 
     state = MeshState.load(_run_dir(args))
-    use_mesh(state.mesh_tls())   # a mesh with mutual TLS: the adapter store takes the command line's certificate
+    state.use_as_mesh()   # the adapter store and the workers take only the mesh's calls
 
     async def run() -> object:
         redis = connect(state.redis_url)

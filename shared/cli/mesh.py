@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from academus.shared.cli.pki import CLI, TLS_DIR, Pki, PkiError, make_pki
 from academus.shared.cli.redis_server import RedisServer, free_port
 from academus.shared.runtime.config import (
+    MESH_TOKEN,
     POLICY_NAMES,
     artifacts_dir,
     child_env,
@@ -33,7 +34,7 @@ from academus.shared.runtime.config import (
 )
 from academus.shared.runtime.gpu import gpu_count, mps_plan
 from academus.shared.runtime.redis_conn import redacted, with_password
-from academus.shared.runtime.tls import MeshTls, channel_credentials, open_channel_sync
+from academus.shared.runtime.tls import MeshTls, channel_credentials, open_channel_sync, use_mesh
 from academus.shared.state.catalogue import ModelSpec
 from academus.shared.state.keys import Keys, new_api_key
 
@@ -79,6 +80,7 @@ class MeshState:
     tls_cert: str = ""   # with mutual TLS: the command line's own certificate and key, signed by that CA too
     tls_key: str = ""
     artifacts: str = ""  # what the workers load: `academus models add` writes there
+    mesh_token: str = ""  # what every call to an internal service carries (ACADEMUS_MESH_TOKEN)
 
     def save(self) -> None:
         """Written whole, then renamed: a reader (status, down) never sees half of it. Mode 0600: the Redis
@@ -92,6 +94,10 @@ class MeshState:
     def mesh_tls(self) -> MeshTls | None:
         """The command line's identity in a mesh with mutual TLS; None: plaintext."""
         return MeshTls.from_files(self.tls_ca, self.tls_key, self.tls_cert) if self.tls_cert else None
+
+    def use_as_mesh(self) -> None:
+        """The command line's internal channels (to the adapter store, the workers) carry the mesh's identity."""
+        use_mesh(self.mesh_tls(), self.mesh_token)
 
     def credentials(self, proc: ServiceProcess) -> grpc.ChannelCredentials | None:
         """What the command line dials `proc` with: the gateway serves TLS with `up --tls`, every service
@@ -186,8 +192,10 @@ def up(options: MeshOptions) -> MeshState:
                       tls=options.tls or options.mutual_tls)
     tls = _certificates(options)
     url, redis_pid = _redis(run_dir, options.tls)
+    token = options.env.get(MESH_TOKEN.name) or MESH_TOKEN.get() or secrets.token_urlsafe(32)
     state = MeshState(str(run_dir), url, redis_pid, "", options.key_prefix,
-                      deployments=[asdict(d) for d in options.deployments], artifacts=str(options.artifacts), **tls)
+                      deployments=[asdict(d) for d in options.deployments], artifacts=str(options.artifacts),
+                      mesh_token=token, **tls)
     state.save()
     worker_envs = _worker_envs(options)
     try:
@@ -340,7 +348,8 @@ def _spawn(name: str, index: int, options: MeshOptions, state: MeshState,
                 "ACADEMUS_REDIS_URL": state.redis_url, "ACADEMUS_KEY_PREFIX": options.key_prefix,
                 "ACADEMUS_PORT": str(port), "ACADEMUS_METRICS_PORT": str(metrics_port),
                 "ACADEMUS_ARTIFACTS": str(options.artifacts), "HF_HUB_OFFLINE": "1",
-                "ACADEMUS_TRACE_FILE": trace_file(Path(state.run_dir) / "traces.jsonl")}
+                "ACADEMUS_TRACE_FILE": trace_file(Path(state.run_dir) / "traces.jsonl"),
+                MESH_TOKEN.name: state.mesh_token}
     if own_port:
         settings["ACADEMUS_OWN_PORT"] = str(own_port)
     if name == "worker":

@@ -54,6 +54,9 @@ PLAIN_REDIS_URL = Variable("REDIS_URL", "`academus up` starts a Redis",
 REDIS_PASSWORD = Variable("ACADEMUS_REDIS_PASSWORD", "no password; `academus up --tls`: a random one",
                           "`academus up`: its own Redis requires it (`requirepass`), and the mesh's clients send "
                           "it where the Redis URL holds none (services: their `redis_password` setting)")
+MESH_TOKEN = Variable("ACADEMUS_MESH_TOKEN", "`academus up`: a random one",
+                      "`academus up`: the token every call between the mesh's services carries, which the internal "
+                      "services ask for (services: their `mesh_token` setting)")
 POLICY = Variable("ACADEMUS_POLICY", "`academus up` picks a policy a model",
                   "`academus up`: one scheduler deployment of this policy for every model (a scheduler: its "
                   "`policy` setting)")
@@ -75,8 +78,8 @@ HF_OFFLINE = Variable("HF_HUB_OFFLINE", "the CLI and the training commands set i
 CUDA_DEVICES = Variable("CUDA_VISIBLE_DEVICES", "every GPU",
                         "one GPU index: a worker reports its placement device as `cuda:<index>` (`academus up` "
                         "pins each GPU worker this way)")
-VARIABLES = (HOME, ARTIFACTS, RUN_DIR, REDIS_URL, PLAIN_REDIS_URL, REDIS_PASSWORD, POLICY, DATA_DIR, TEACHER_DIR,
-             TRACE_FILE, TRACING, OTLP_ENDPOINT, TRACES_SAMPLER, HF_OFFLINE, CUDA_DEVICES)
+VARIABLES = (HOME, ARTIFACTS, RUN_DIR, REDIS_URL, PLAIN_REDIS_URL, REDIS_PASSWORD, MESH_TOKEN, POLICY, DATA_DIR,
+             TEACHER_DIR, TRACE_FILE, TRACING, OTLP_ENDPOINT, TRACES_SAMPLER, HF_OFFLINE, CUDA_DEVICES)
 
 
 def home_dir() -> Path:
@@ -271,6 +274,10 @@ class CommonConfig:
     mesh_server_name: str = setting("", "the name every mesh certificate holds, which the services' channels "
                                         "check instead of the address they dial (one certificate for every "
                                         "pod, whose addresses are not known ahead); empty: the address")
+    mesh_token: str = setting("", "a secret every call between the mesh's services carries: set, a service other "
+                                  "than the gateway refuses a call without it UNAUTHENTICATED (health checks and "
+                                  "reflection aside); `academus up` makes one; empty: any caller that reaches "
+                                  "the port (keep it on a private network, or `mesh_tls`)")
 
     def check(self) -> None:
         """Raises ConfigError naming the first setting outside its rule."""

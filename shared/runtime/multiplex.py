@@ -123,6 +123,9 @@ LOCAL_KEY = "academus-local"
 # open_local); passed in, since the plane builds on this module's frames.
 LocalOpener = Callable[[str, tuple[tuple[str, str], ...]], Awaitable[Any]]
 MAX_BATCH_FRAMES = 64   # frames in one message, whatever their size
+# A stream the server refused for who the caller is: its calls fail so too, not UNAVAILABLE, which callers retry
+# on another peer (each would refuse the same caller).
+CALLER_REFUSED = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
 
 
 def rpc_error(code: grpc.StatusCode, details: str, trailers: Sequence[tuple[str, str]] = ()) -> grpc.aio.AioRpcError:
@@ -245,7 +248,8 @@ class _Stream:
                     self._receive(reply)
             self._break("the peer ended the multiplexed stream (stopping)")
         except grpc.aio.AioRpcError as e:
-            self._break(f"multiplexed stream to the peer failed: {e.code().name}: {e.details()}")
+            code = e.code() if e.code() in CALLER_REFUSED else grpc.StatusCode.UNAVAILABLE
+            self._break(f"multiplexed stream to the peer failed: {e.code().name}: {e.details()}", code)
         except asyncio.CancelledError:
             self._break("multiplexed stream closed by the caller")
             raise
@@ -271,11 +275,11 @@ class _Stream:
         if self.retired and not self.pending:
             self._break("retired: calls ride the node-local data plane")
 
-    def _break(self, details: str) -> None:
-        """Every pending call fails UNAVAILABLE, as unary calls to a peer that died do; the next call
-        opens a new stream."""
+    def _break(self, details: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
+        """Every pending call fails UNAVAILABLE, as unary calls to a peer that died do (or `code`: the peer
+        refused the caller); the next call opens a new stream."""
         if self.broken is None:
-            self.broken = rpc_error(grpc.StatusCode.UNAVAILABLE, details)
+            self.broken = rpc_error(code, details)
             self.call.cancel()
             for task in (self.writer, self.announced):
                 if task is not None:
@@ -292,11 +296,12 @@ class MultiplexChannel:
 
     def __init__(self, channel: grpc.aio.Channel, tracer_provider: TracerProvider | None = None,
                  max_frame_bytes: int = MAX_FRAME_BYTES, batches: bool = True,
-                 local: LocalOpener | None = None) -> None:
+                 local: LocalOpener | None = None, metadata: Sequence[tuple[str, str]] = ()) -> None:
         """`local`: opens the server's node-local data plane when it announces one, which new calls then take
         if this process reaches it (shared/runtime/local_plane.py's open_local); None for the public API,
-        whose callers are not the mesh's."""
+        whose callers are not the mesh's. `metadata`: sent with each stream it opens (the mesh's token)."""
         self.channel = channel
+        self.metadata = tuple(metadata)
         self.max_frame_bytes = max_frame_bytes
         self.batches = batches   # frames waiting together go as one message, replies likewise (off: the ablation)
         self.local = local
@@ -334,7 +339,8 @@ class MultiplexChannel:
             self._stream.call, grpc.aio.Call)
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
-        return (FRAME_BYTES_KEY, str(self.max_frame_bytes)), (FRAME_BATCHES_KEY, "1" if self.batches else "0")
+        return ((FRAME_BYTES_KEY, str(self.max_frame_bytes)), (FRAME_BATCHES_KEY, "1" if self.batches else "0"),
+                *self.metadata)
 
     def _batch_bytes(self) -> int:
         return min(self.max_frame_bytes, MAX_FRAME_BYTES)
@@ -815,11 +821,12 @@ def serve_multiplexed(server: grpc.aio.Server, add_servicers: Callable[[object],
     return multiplex
 
 
-def over_streams(channel: grpc.aio.Channel, streams: bool, batches: bool = True,
-                 local: LocalOpener | None = None) -> grpc.aio.Channel | MultiplexChannel:
+def over_streams(channel: grpc.aio.Channel, streams: bool, batches: bool = True, local: LocalOpener | None = None,
+                 metadata: Sequence[tuple[str, str]] = ()) -> grpc.aio.Channel | MultiplexChannel:
     """What a generated stub is given: the channel, or its multiplexed stand-in when `streams` (going to the
-    peer's node-local data plane through `local` when it has one this process reaches)."""
-    return MultiplexChannel(channel, batches=batches, local=local) if streams else channel
+    peer's node-local data plane through `local` when it has one this process reaches; each stream opened with
+    `metadata`)."""
+    return MultiplexChannel(channel, batches=batches, local=local, metadata=metadata) if streams else channel
 
 
 def wrapped(behavior: UnaryBehavior, method: str, interceptors: Sequence[UnaryServerInterceptor]) -> UnaryBehavior:

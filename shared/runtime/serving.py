@@ -22,7 +22,7 @@ from academus.shared.runtime.metrics import MetricsInterceptor, start_metrics
 from academus.shared.runtime.multiplex import SERVICE_NAME as MULTIPLEX_SERVICE
 from academus.shared.runtime.multiplex import MultiplexServicer, over_streams, serve_multiplexed
 from academus.shared.runtime.slices import set_process_slice
-from academus.shared.runtime.tls import MeshTls, mesh_channel, use_mesh
+from academus.shared.runtime.tls import MeshTls, MeshTokenCheck, mesh_channel, mesh_metadata, use_mesh
 from academus.shared.runtime.tracing import server_interceptors, setup_tracing, shutdown_tracing
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -73,10 +73,18 @@ class RunningService:
         options = dict(CHANNEL_OPTIONS)   # one entry a key: grpc takes an option's first
         if spec.max_receive_bytes:
             options["grpc.max_receive_message_length"] = spec.max_receive_bytes
-        self.server = grpc.aio.server(interceptors=self.interceptors, options=list(options.items()))
+        # an internal service's calls come from the mesh only: checked before the project's own interceptors,
+        # and not frame by frame (the multiplexed frames' stream was)
+        gate = [MeshTokenCheck(spec.config.mesh_token)] if spec.config.mesh_token and not self.is_public else []
+        self.server = grpc.aio.server(interceptors=[*gate, *self.interceptors], options=list(options.items()))
         self.health = HealthServicer()
         self.multiplex: MultiplexServicer | None = None
         self.local_plane: LocalPlane | None = None
+
+    @property
+    def is_public(self) -> bool:
+        """The gateway: its callers hold API keys, not the mesh's token."""
+        return self.spec.public_credentials is not None
 
     async def start(self) -> str:
         spec, cfg = self.spec, self.spec.config
@@ -109,8 +117,8 @@ class RunningService:
         """Its ports' TLS; the process's internal channels take its mesh identity (a file that cannot be read
         stops the start, naming its setting)."""
         mesh = MeshTls.from_config(self.spec.config)
-        use_mesh(mesh)
-        if self.spec.public_credentials is not None:
+        use_mesh(mesh, self.spec.config.mesh_token)
+        if self.is_public:
             return self.spec.public_credentials()
         return mesh.server_credentials() if mesh else None
 
@@ -216,6 +224,6 @@ class Stubs:
         stub = self._stubs.get(address)
         if stub is None:
             stub = self.stub_class(over_streams(channel(address), self.multiplexed, self.batches,
-                                                      open_local if self.local else None))
+                                                open_local if self.local else None, mesh_metadata()))
             self._stubs[address] = stub
         return stub

@@ -444,3 +444,34 @@ def test_every_server_offers_reflection_and_health(mesh):
                                                 timeout=5)
             listed = {s.name for r in replies for s in r.list_services_response.service}
         assert {service_name, "grpc.health.v1.Health"} <= listed, (name, listed)
+
+
+@pytest.mark.parametrize("name", ["scheduler", "worker-0", "resource_manager", "adapter_store"])
+def test_internal_services_refuse_a_caller_outside_the_mesh(mesh, admin_key, name):
+    """`academus up` gives its services a token; a process that has not got it cannot name a tenant to a scheduler
+    or run a batch on a worker (the gateway, which takes the tenant from the API key, is the way in)."""
+    from academus.v1 import (
+        adapter_store_pb2,
+        adapter_store_pb2_grpc,
+        resource_manager_pb2,
+        resource_manager_pb2_grpc,
+        scheduler_pb2,
+        scheduler_pb2_grpc,
+        worker_pb2,
+        worker_pb2_grpc,
+    )
+
+    calls = {"scheduler": lambda ch: scheduler_pb2_grpc.SchedulerStub(ch).Schedule(
+                 scheduler_pb2.ScheduleRequest(model="minilm", tenant="someone-else"), timeout=5),
+             "worker-0": lambda ch: worker_pb2_grpc.WorkerStub(ch).Run(worker_pb2.RunRequest(), timeout=5),
+             "resource_manager": lambda ch: resource_manager_pb2_grpc.ResourceManagerStub(ch).ListPlacements(
+                 resource_manager_pb2.ListPlacementsRequest(), timeout=5),
+             "adapter_store": lambda ch: adapter_store_pb2_grpc.AdapterStoreStub(ch).List(
+                 adapter_store_pb2.ListAdaptersRequest(tenant="someone-else"), timeout=5)}
+    assert mesh.mesh_token and all(s.env["ACADEMUS_MESH_TOKEN"] == mesh.mesh_token for s in mesh.services)
+    with grpc.insecure_channel(service(mesh, name).address) as ch, pytest.raises(grpc.RpcError) as refused:
+        calls[name](ch)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "academus-mesh-token" in refused.value.details()
+    with Client(mesh.gateway, api_key=admin_key) as client:   # the mesh's own calls carry it
+        assert client.infer("sentiment", ["still served"]).predictions[0].label in ("fresh", "rotten")
