@@ -15,7 +15,8 @@ reference), then a run a fault on the same schedule, the mesh back to health bet
                                               of the gateway
   worker-term, scheduler-term, gateway-term   SIGTERM of the same
   redis-kill                                  kill -9 of the mesh's Redis; an API key made before must still work
-  clients-kill                                --clients client processes killed while their requests run
+  clients-kill                                --clients clients (each its own connection, spread over
+                                              --client-processes processes) killed -9 while their requests run
   tenant-flood                                a tenant with a small quota (--tenant-quota) sending 10x it
 
 `--soak`: instead, one run at 70 % of capacity for --duration (the issue: 10 minutes) while tenants come and
@@ -25,7 +26,9 @@ more than four is deleted with its adapters), reporting every process's RSS grow
 For each: requests lost (no result or status within the deadline + 50 ms), failed and errors by code (beside
 the reference's), time to recover (from the fault to the first success, on the models it hit, of a request
 sent after it), the victim's replacement serving, p99 of the traffic it did not hit against the reference's,
-the scheduler queue and in-flight gauges back to zero after the load, every process's RSS over time (/proc),
+the time to a refusal (RESOURCE_EXHAUSTED) at the client and at the gateways (the p99's histogram bucket,
+academus_rpc_error_seconds: the gateways' own share), the scheduler queue and in-flight gauges back to zero after
+the load, every process's RSS over time (/proc),
 and the restarts the supervisor made. summary.json, a table on stdout, and PNGs a fault (timeline, RSS) go
 under --out; the mesh's logs under --out/run/logs. Measurements: docs/benchmarks/reliability.md.
 """
@@ -224,6 +227,29 @@ def counters(run_dir: Path) -> dict[str, float]:
     return out
 
 
+def refusal_buckets(run_dir: Path) -> dict[float, float]:
+    """The gateways' RESOURCE_EXHAUSTED answers so far, cumulative by the upper bound (s) of their server-side time
+    (academus_rpc_error_seconds), summed over the gateways and their methods."""
+    out: dict[float, float] = {}
+    for s in MeshState.load(run_dir).services:
+        if s.service == "gateway":
+            for p in scrape(s.metrics_port):
+                if p.name == "academus_rpc_error_seconds_bucket" and p.labels.get("code") == "RESOURCE_EXHAUSTED":
+                    bound = float(p.labels["le"])
+                    out[bound] = out.get(bound, 0.0) + p.value
+    return out
+
+
+def bucket_p99_ms(before: dict[float, float], after: dict[float, float]) -> float | None:
+    """The bucket bound (ms) under which 99 % of the refusals between the two reads took their time at the gateway:
+    the gateway's own share of a refusal's time, without the client's (None: none refused)."""
+    counts = {bound: after[bound] - before.get(bound, 0.0) for bound in sorted(after)}
+    total = counts.get(float("inf"), 0.0)
+    if total <= 0:
+        return None
+    return next(bound * 1e3 for bound, n in counts.items() if n >= 0.99 * total)
+
+
 def gauges_back_to_zero(run_dir: Path, limit_s: float = 30.0) -> tuple[float | None, dict[str, float]]:
     """Seconds after the load until every queue and in-flight gauge reads 0 (None: not within `limit_s`),
     and what was left then."""
@@ -298,43 +324,52 @@ async def back_after(bench: Bench, injected: asyncio.Task) -> float | None:
 
 
 async def start_clients(bench: Bench) -> list[asyncio.subprocess.Process]:
-    """--clients client processes, each connected to the gateway and waiting for the word to send."""
-    gateway = MeshState.load(bench.run_dir).gateway
+    """--clients clients over --client-processes processes, each client its own connection to the gateway,
+    every one connected and waiting for the word to send."""
+    gateway, args = MeshState.load(bench.run_dir).gateway, bench.args
+    processes = max(1, min(args.client_processes, args.clients))
+    shares = [args.clients // processes + (i < args.clients % processes) for i in range(processes)]
     procs = [await asyncio.create_subprocess_exec(
         sys.executable, "-m", "academus.loadgen.chaos_bench", "doomed-client", gateway, bench.key, MODELS[0],
-        str(bench.args.client_requests), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
-        for _ in range(bench.args.clients)]
+        str(share), str(args.client_requests), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        for share in shares]
     for proc in procs:
-        await asyncio.wait_for(proc.stdout.readline(), 60)   # "ready"
+        await asyncio.wait_for(proc.stdout.readline(), 120)   # "ready"
     return procs
 
 
-async def kill_clients(procs: list[asyncio.subprocess.Process]) -> int:
-    """Has every client send its requests at once and SIGKILLs it once they are on the wire; returns how many
-    were killed with calls unanswered (not exited with every answer)."""
+async def kill_clients(procs: list[asyncio.subprocess.Process]) -> dict[str, int]:
+    """Has every process's clients send their requests at once and SIGKILLs it once they are on the wire; returns
+    how many processes were killed with calls unanswered (not exited with every answer) and their clients."""
     for proc in procs:
         proc.stdin.write(b"go\n")
         await proc.stdin.drain()
+    clients = []
     for proc in procs:
-        await asyncio.wait_for(proc.stdout.readline(), 60)   # "sent"
+        clients.append(int((await asyncio.wait_for(proc.stdout.readline(), 60)).split()[1]))   # "sent N"
         with contextlib.suppress(ProcessLookupError):   # its calls all answered already: it has exited
             proc.kill()
-    return sum([await proc.wait() == -signal.SIGKILL for proc in procs])
+    killed = [await proc.wait() == -signal.SIGKILL for proc in procs]
+    return {"processes": sum(killed), "clients": sum(n for n, k in zip(clients, killed, strict=True) if k)}
 
 
 def doomed_client(argv: list[str]) -> int:
-    """`doomed-client GATEWAY KEY MODEL N`: connects, says "ready"; on a line on stdin sends N long requests at
-    once, says "sent" once they are on the wire, and waits for their answers (or to be killed)."""
-    gateway, key, model, count = argv[0], argv[1], argv[2], int(argv[3])
+    """`doomed-client GATEWAY KEY MODEL CLIENTS N`: opens CLIENTS clients, each on its own connection, says "ready";
+    on a line on stdin has each send N long requests at once, says "sent CLIENTS" once they are on the wire, and
+    waits for their answers (or to be killed)."""
+    gateway, key, model, clients, count = argv[0], argv[1], argv[2], int(argv[3]), int(argv[4])
 
     async def send() -> None:
-        async with AsyncClient(gateway, api_key=key, timeout=60) as client:
-            await client.infer(model, ["a connection made before"])
+        async with contextlib.AsyncExitStack() as stack:
+            opened = [await stack.enter_async_context(AsyncClient(gateway, api_key=key, timeout=60,
+                                                                  own_connection=True)) for _ in range(clients)]
+            await asyncio.gather(*(c.infer(model, ["a connection made before"]) for c in opened))
             print("ready", flush=True)
             await asyncio.to_thread(sys.stdin.readline)
-            calls = [asyncio.ensure_future(client.infer(model, [f"{i} {LONG_TEXT}"])) for i in range(count)]
+            calls = [asyncio.ensure_future(c.infer(model, [f"{c_i} {i} {LONG_TEXT}"]))
+                     for c_i, c in enumerate(opened) for i in range(count)]
             await asyncio.sleep(0.05)
-            print("sent", flush=True)
+            print(f"sent {clients}", flush=True)
             await asyncio.gather(*calls, return_exceptions=True)
 
     asyncio.run(send())
@@ -551,8 +586,12 @@ async def one_run(bench: Bench, fault: Fault | None, beside: Beside | None = Non
     key = probe_key(bench) if fault is not None and fault.target == "redis" else ""
     bench.notes = {}
     counted = await asyncio.to_thread(counters, bench.run_dir)
+    refused = await asyncio.to_thread(refusal_buckets, bench.run_dir)
     runs, extra = await loaded_run(bench, fault, beside)
     figures = summarize(bench, runs, extra) | bench.notes
+    if restarts(bench.run_dir) == before:   # a restarted gateway counts from 0 again
+        figures["gateway_refusal_p99_ms"] = bucket_p99_ms(refused, await asyncio.to_thread(refusal_buckets,
+                                                                                          bench.run_dir))
     figures["rss_growth_second_half_mib"] = rss_growth(extra["rss"], bench.args.duration / 2)
     figures["gauges_zero_after_s"], figures["gauges_left"] = await asyncio.to_thread(gauges_back_to_zero,
                                                                                       bench.run_dir)
@@ -580,16 +619,17 @@ async def one_run(bench: Bench, fault: Fault | None, beside: Beside | None = Non
 
 
 TABLE_KEYS = ("sent", "failed_pct", "excess_failed", "lost", "recover_s", "victim_back_s", "p99_ms",
-              "reference_p99_ms", "refusal_p99_ms", "goodput_rps", "gauges_zero_after_s", "errors")
+              "reference_p99_ms", "refusal_p99_ms", "gateway_refusal_p99_ms", "goodput_rps", "gauges_zero_after_s",
+              "errors")
 
 
 def table(summary: dict) -> str:
     head = f"{'fault':<15} {'sent':>5} {'failed%':>7} {'excess':>6} {'lost':>4} {'recover_s':>9} {'back_s':>6} " \
-           f"{'p99_ms':>8} {'ref_p99':>8} {'refuse99':>8} {'goodput':>7} {'gauges0_s':>9}  errors"
+           f"{'p99_ms':>8} {'ref_p99':>8} {'refuse99':>8} {'gw_ref99':>8} {'goodput':>7} {'gauges0_s':>9}  errors"
     lines = [head]
     for name, f in summary["runs"].items():
         cells = [f.get(k) for k in TABLE_KEYS]
-        fmt = ["{:>5}", "{:>7}", "{:>6}", "{:>4}", "{:>9}", "{:>6}", *["{:>8}"] * 3, "{:>7}", "{:>9}", "  {}"]
+        fmt = ["{:>5}", "{:>7}", "{:>6}", "{:>4}", "{:>9}", "{:>6}", *["{:>8}"] * 4, "{:>7}", "{:>9}", "  {}"]
         lines.append(f"{name:<15} " + " ".join(spec.format("-" if v is None else _short(v))
                                                for spec, v in zip(fmt, cells, strict=True)))
     return "\n".join(lines)
@@ -730,8 +770,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gateways", type=int, default=1, help="gateway processes sharing the mesh's port")
     p.add_argument("--shards", type=int, default=1, help="scheduler processes a deployment")
     p.add_argument("--worker-threads", type=int, default=1, help="torch threads a worker")
-    p.add_argument("--clients", type=int, default=8, help="client processes clients-kill kills")
-    p.add_argument("--client-requests", type=int, default=16, help="requests each of them has on the wire")
+    p.add_argument("--clients", type=int, default=200, help="clients clients-kill kills, each its own connection")
+    p.add_argument("--client-processes", type=int, default=8, help="the processes they run in")
+    p.add_argument("--client-requests", type=int, default=2, help="requests each client has on the wire")
     p.add_argument("--tenant-quota", type=float, default=0.0,
                    help="the flooding tenant's quota, requests/s (default: 5%% of the load, at least 1)")
     p.add_argument("--capacity-s", type=float, default=8.0, help="seconds of the closed loop measuring capacity")

@@ -40,6 +40,10 @@ LOCAL_PLANE_CONNECTIONS = Gauge("academus_local_plane_connections",
 LOCAL_PLANE_REFUSED = Counter("academus_local_plane_refused_total",
                               "Node-local data plane connections closed for what their peer sent", ["code"])
 RPC_ERRORS = Counter("academus_rpc_errors_total", "RPCs that ended with a non-OK status", ["service", "method", "code"])
+# A refusal's worth is its promptness: RPC_LATENCY mixes it with the answers, and a client's own clock adds its
+# loop's delays (a load generator's on a loaded host).
+RPC_ERROR_SECONDS = Histogram("academus_rpc_error_seconds", "Server-side time of the RPCs that ended with a non-OK "
+                              "status, by code", ["service", "method", "code"], buckets=LATENCY_BUCKETS)
 # DESIGN §6's cache hits, one `cache` label value a cache: plot (PLOT table windows), adapter (the worker's
 # device cache), adapter_host (its host tier)
 CACHE_HITS = Counter("academus_cache_hits_total", "Lookups a cache answered", ["cache"])
@@ -97,9 +101,11 @@ class MetricsInterceptor(UnaryServerInterceptor):
                 raise
             finally:
                 in_flight.dec()
-                latency.observe(time.perf_counter() - start)
+                seconds = time.perf_counter() - start
+                latency.observe(seconds)
                 if code != "OK":
                     RPC_ERRORS.labels(self.service, method, code).inc()
+                    RPC_ERROR_SECONDS.labels(self.service, method, code).observe(seconds)
 
         return wrapped
 

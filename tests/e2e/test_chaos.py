@@ -17,7 +17,7 @@ import redis
 
 from academus.client import AcademusError, Client
 from academus.loadgen import runner, schedule, texts
-from academus.loadgen.chaos_bench import current_pid, restarts, serving
+from academus.loadgen.chaos_bench import current_pid, gauges_back_to_zero, restarts, serving
 from academus.loadgen.runner import GatewaySpread, RunResult
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, MeshState, create_key, down, pid_alive, wait_exit, wait_placed
 from academus.shared.state.keys import Keys
@@ -128,6 +128,26 @@ def test_a_killed_redis_is_restarted_with_its_keys(mesh):
                                         "status", "--json"], capture_output=True, text=True, timeout=60).stdout)
     assert report["redis"]["restarts"] == 1 and report["supervisor"]["health"] == "RUNNING"
     assert all(s["restarts"] == restarts(run_dir)[s["name"]] for s in report["services"])
+
+
+def test_clients_killed_mid_call_leave_the_mesh_serving_and_its_gauges_at_zero(mesh):
+    """The bench's clients-kill, short: 20 clients of one process, each its own connection with 2 long requests
+    on the wire, killed -9. The gateways serve on, the calls left behind are cancelled downstream, and every
+    queue and in-flight gauge reads 0 again."""
+    run_dir = Path(mesh.run_dir)
+    doomed = subprocess.Popen([sys.executable, "-m", "academus.loadgen.chaos_bench", "doomed-client", mesh.gateway,
+                               key_of(mesh), MODEL, "20", "2"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert doomed.stdout.readline().strip() == "ready"
+    doomed.stdin.write("go\n")
+    doomed.stdin.flush()
+    assert doomed.stdout.readline().split() == ["sent", "20"]
+    doomed.kill()
+    assert doomed.wait(30) == -signal.SIGKILL   # 40 long texts on two CPU workers: not all answered by then
+    assert all(serving(run_dir, name) for name in ("gateway", "gateway-1", "scheduler"))
+    wait_for(lambda: answered_ok(mesh, key_of(mesh)), timeout_s=30, what="a request answered after the kill")
+    settled_s, left = gauges_back_to_zero(run_dir, 60.0)
+    assert settled_s is not None, left
 
 
 def test_down_stops_the_supervisor_first_and_nothing_comes_back(mesh):

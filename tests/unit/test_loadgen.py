@@ -114,6 +114,46 @@ def test_chaos_overload_targets_judge_refusal_time_goodput_and_loss():
     assert refusal_p99([Record(0.0, 3.0, "OK")]) is None
 
 
+def test_the_gateways_share_of_a_refusal_is_the_bucket_holding_its_p99():
+    from academus.loadgen.chaos_bench import bucket_p99_ms
+
+    before = {0.001: 5.0, 0.002: 5.0, 0.005: 5.0, float("inf"): 5.0}
+    after = {0.001: 905.0, 0.002: 1003.0, 0.005: 1004.0, float("inf"): 1005.0}   # 900, 998, 999, 1000 since
+    assert bucket_p99_ms(before, after) == pytest.approx(2.0)   # 998 of 1000 within 2 ms; 990 needed
+    assert bucket_p99_ms(before, {**after, 0.002: 904.0}) == pytest.approx(5.0)
+    assert bucket_p99_ms(after, after) is None
+
+
+async def test_the_metrics_interceptor_times_a_refusal_apart_from_the_answers():
+    import grpc
+    from prometheus_client import REGISTRY
+
+    from academus.shared.runtime.metrics import MetricsInterceptor
+
+    class Context:
+        def __init__(self) -> None:
+            self.status = None
+
+        def code(self):
+            return self.status
+
+    async def refuse(request, context):
+        context.status = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    async def answer(request, context):
+        return "answer"
+
+    def refusals() -> float:
+        labels = {"service": "test", "method": "M", "code": "RESOURCE_EXHAUSTED"}
+        return REGISTRY.get_sample_value("academus_rpc_error_seconds_count", labels) or 0.0
+
+    interceptor, counted = MetricsInterceptor("test"), refusals()
+    await interceptor.wrap(answer, "/x.Y/M")(None, Context())
+    assert refusals() == counted
+    await interceptor.wrap(refuse, "/x.Y/M")(None, Context())
+    assert refusals() == counted + 1
+
+
 def test_the_soak_reports_each_processs_rss_growth_over_the_second_half():
     from academus.loadgen.chaos_bench import rss_growth
 
