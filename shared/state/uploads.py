@@ -41,22 +41,39 @@ def parse_labelled_jsonl(data: bytes, source: str) -> tuple[list[str], list[str]
     return texts, labels
 
 
+def parse_texts_jsonl(data: bytes, source: str) -> list[str]:
+    """The texts of lines `{"text": str, ...}` (a "label", when there, is not read); blank lines are skipped.
+    Raises ValueError naming the line for bad UTF-8, bad JSON or a missing or empty text, and for no text at all."""
+    texts = [_record(line, f"{source}:{number}", ("text",))["text"] for number, line in decode_lines(data, source)]
+    if not texts:
+        raise ValueError(f"{source}: no texts (lines of {{\"text\": ...}})")
+    return texts
+
+
 def _parse_line(line: str, where: str) -> tuple[str, str]:
+    record = _record(line, where, ("text", "label"))
+    label = record["label"]
+    if isinstance(label, bool) or not isinstance(label, str | int) or str(label) == "":
+        raise ValueError(f"{where}: \"label\" must be a non-empty string or an integer, got {label!r}")
+    return record["text"], str(label)
+
+
+def _record(line: str, where: str, fields: tuple[str, ...]) -> dict:
+    """The line's JSON object, holding `fields` and a non-empty "text"."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from e
     if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object with \"text\" and \"label\", got {type(record).__name__}")
-    missing = [k for k in ("text", "label") if k not in record]
+        wanted = " and ".join(f'"{f}"' for f in fields)
+        raise ValueError(f"{where}: expected a JSON object with {wanted}, got {type(record).__name__}")
+    missing = [k for k in fields if k not in record]
     if missing:
         raise ValueError(f"{where}: missing field {' and '.join(repr(k) for k in missing)}")
-    text, label = record["text"], record["label"]
+    text = record["text"]
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"{where}: \"text\" must be a non-empty string")
-    if isinstance(label, bool) or not isinstance(label, str | int) or str(label) == "":
-        raise ValueError(f"{where}: \"label\" must be a non-empty string or an integer, got {label!r}")
-    return text, str(label)
+    return record
 
 
 def parse_corpus(data: bytes, source: str) -> list[str]:

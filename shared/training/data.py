@@ -82,6 +82,28 @@ class TaskData:
         return {"train": self.train, "validation": self.validation, "test": self.test}
 
 
+HELD_OUT = (0.1, 0.1)   # a user's file: the validation and test shares
+
+
+def held_out_split(text: str) -> str:
+    """Where a user's example goes, by its text's hash: the same split on every run, whatever the file's order."""
+    bucket = int(hashlib.sha256(text.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    return "validation" if bucket < HELD_OUT[0] else "test" if bucket < sum(HELD_OUT) else "train"
+
+
+def file_task(name: str, texts: list[str], labels: list[str], classes: list[str]) -> TaskData:
+    """A user's examples as a task, split by `held_out_split`; `classes` orders the labels (an embedding file's
+    examples are all label 0). ValueError when a split is left empty."""
+    splits: dict[str, list[Example]] = {"train": [], "validation": [], "test": []}
+    for text, label in zip(texts, labels, strict=True):
+        splits[held_out_split(text)].append(Example(text, classes.index(label) if classes else 0))
+    empty = [s for s, examples in splits.items() if not examples]
+    if empty:
+        raise ValueError(f"{name}: {len(texts)} examples leave the {', '.join(empty)} split empty "
+                         f"(10 % each are held out for validation and test): give more examples")
+    return TaskData(name, classes, splits["train"], splits["validation"], splits["test"])
+
+
 _default_data_dir = data_dir   # load_task's parameter shadows the name
 
 

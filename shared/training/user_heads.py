@@ -12,7 +12,6 @@ serve both from one copy of the encoder.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 import time
@@ -26,10 +25,8 @@ from academus.shared.runtime.config import artifacts_dir as default_artifacts_di
 from academus.shared.runtime.config import offline_hub
 from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, MODEL_NAME, read_catalogue, write_entry
 from academus.shared.state.uploads import parse_labelled_jsonl
-from academus.shared.training.data import TASKS, DataMissing, Example, TaskData, fetch, load_task
+from academus.shared.training.data import TASKS, DataMissing, TaskData, fetch, file_task, load_task
 from academus.shared.training.prepare import SPLITS, embed_texts, log_progress, prepare_task
-
-HELD_OUT = (0.1, 0.1)   # validation, test shares of a JSONL file
 
 
 def train_user_head(artifacts: Path, model: str, name: str, task: str = "", data: Path | None = None,
@@ -85,17 +82,10 @@ def _examples(task: str, data: Path | None, data_dir: Path | None) -> TaskData:
 
 def split_examples(name: str, texts: list[str], labels: list[str]) -> TaskData:
     """Labels in sorted order; each text to validation, test or train by its hash, so reruns split alike."""
-    classes = sorted(set(labels))
-    splits: dict[str, list[Example]] = {s: [] for s in SPLITS}
-    for text, label in zip(texts, labels, strict=True):
-        bucket = int(hashlib.sha256(text.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
-        split = "validation" if bucket < HELD_OUT[0] else "test" if bucket < sum(HELD_OUT) else "train"
-        splits[split].append(Example(text, classes.index(label)))
-    empty = [s for s, examples in splits.items() if not examples]
-    if empty:
-        raise ModelRefused(f"{name}: {len(texts)} examples leave the {', '.join(empty)} split empty "
-                           f"(10 % each are held out for validation and test): give more examples")
-    return TaskData(name, classes, splits["train"], splits["validation"], splits["test"])
+    try:
+        return file_task(name, texts, labels, sorted(set(labels)))
+    except ValueError as e:
+        raise ModelRefused(str(e)) from e
 
 
 def _embedder(encoder: TeacherEncoder, tokenizer: TeacherTokenizer):
