@@ -106,12 +106,22 @@ def test_chaos_overload_targets_judge_refusal_time_goodput_and_loss():
     from academus.loadgen.chaos_bench import overload_targets, refusal_p99
 
     refused = [Record(0.0, 10.0 + i / 10, "RESOURCE_EXHAUSTED") for i in range(100)]
-    figures = {"lost": 0, "refusal_p99_ms": refusal_p99(refused), "goodput_rps": 91.0}
+    figures = {"lost": 0, "refusal_p99_ms": refusal_p99(refused), "goodput_rps": 91.0, "probe_refusal_p99_ms": 12.0}
     assert figures["refusal_p99_ms"] == pytest.approx(19.9, abs=0.11)
     assert all(overload_targets(figures, capacity_rps=100.0).values())
-    missed = overload_targets(figures | {"lost": 2, "refusal_p99_ms": 4900.0, "goodput_rps": 80.0}, 100.0)
+    missed = overload_targets(figures | {"lost": 2, "refusal_p99_ms": 4900.0, "goodput_rps": 80.0,
+                                         "probe_refusal_p99_ms": None}, 100.0)
     assert not any(missed.values()), missed
     assert refusal_p99([Record(0.0, 3.0, "OK")]) is None
+
+
+def test_the_refusal_probe_reports_its_own_p99_beside_the_load():
+    from academus.loadgen.chaos_bench import probe_refusal_p99
+
+    probe = {"OK": {"count": 40, "p50_ms": 300.0, "p99_ms": 900.0},
+             "RESOURCE_EXHAUSTED": {"count": 160, "p50_ms": 2.1, "p99_ms": 18.5}}
+    assert probe_refusal_p99({"beside": {"refusal_probe": probe}}) == 18.5
+    assert probe_refusal_p99({"beside": {"made": 3}}) is None and probe_refusal_p99({}) is None
 
 
 def test_the_gateways_share_of_a_refusal_is_the_bucket_holding_its_p99():
