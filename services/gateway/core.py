@@ -326,7 +326,14 @@ class Gateway:
         plan = pair_plan(spec, call, self.config.max_inputs)
         output = resolve_output(spec, call.output, plan is not None)
         if self.schedulers is not None:
-            self.schedulers.refuse_if_full(tenant_model.base if tenant_model else spec.name, policy)
+            try:
+                self.schedulers.refuse_if_full(tenant_model.base if tenant_model else spec.name, policy)
+            except ResourceExhausted:
+                # Refused untokenized, so that refusals stay cheap under overload; but a text past the token limit
+                # (truncate=false) is the caller's to fix, not to retry: INVALID_ARGUMENT wins.
+                if not call.truncate:
+                    self.tokenize(call, plan, await self.tokenizers.get(spec))
+                raise
         tokenizer = await self.tokenizers.get(spec)
         start = time.perf_counter()
         encoded = self.tokenize(call, plan, tokenizer)   # a text over the limit is refused before the token is taken

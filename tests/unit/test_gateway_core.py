@@ -673,6 +673,9 @@ async def test_a_request_refused_at_the_edge_costs_no_quota_token(redis_url, tok
     for _ in range(3):
         with pytest.raises(ResourceExhausted, match="every scheduler serving model 'spam' has a full queue"):
             await gateway.admit(key, call(["hi"]))
+    # a text past the token limit is the caller's to fix, full queues or not: not a refusal to retry
+    with pytest.raises(InvalidArgument, match=r"inputs\[0\]\.text has 62 tokens; the limit is 32"):
+        await gateway.admit(key, call(["word " * 60], truncate=False))
     now[0] += 0.06
     admitted = await gateway.admit(key, call(["hi"]))             # the one token is still there
     assert admitted.charged
