@@ -7,12 +7,24 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import grpc
+from opentelemetry.trace import Tracer
 from prometheus_client import Gauge
 
-from academus.services.scheduler.core import Dispatcher, GroupTable, Job, Member, Shard, WorkerLost, WorkerRef
+from academus.services.scheduler.core import (
+    Dispatcher,
+    Group,
+    GroupTable,
+    Job,
+    Member,
+    Send,
+    Shard,
+    WorkerLost,
+    WorkerRef,
+)
 from academus.services.scheduler.plot_prefetch import PlotPrefetcher
 from academus.services.scheduler.policies import (
     ConcatSettings,
@@ -31,7 +43,7 @@ from academus.shared.runtime.logs import log_event
 from academus.shared.runtime.multiplex import call_with_partials
 from academus.shared.runtime.redis_conn import connect, wake_on
 from academus.shared.runtime.serving import ServiceSpec, Stubs, run
-from academus.shared.runtime.tracing import annotate
+from academus.shared.runtime.tracing import annotate, batch_trace, request_trace
 from academus.shared.state.catalogue import ModelSpec
 from academus.shared.state.keys import Keys
 from academus.v1 import plot_pb2_grpc, scheduler_pb2_grpc, worker_pb2_grpc
@@ -63,6 +75,17 @@ class WorkerCalls:
         return output_from_pb(reply)
 
 
+def traced(send: Send, tracer: Tracer | None = None) -> Send:
+    """`send` with the batch's worker calls in its own requests' trace (tracing.batch_trace), not in that of the
+    task that happened to dispatch it (an arriving request's, or the batch that ended before it)."""
+
+    async def traced_send(group: Group, jobs: Sequence[Job]) -> Sequence[Any]:
+        with batch_trace([job.trace for job in jobs], tracer):
+            return await send(group, jobs)
+
+    return traced_send
+
+
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, dispatcher: Dispatcher, policy: str, student_numbers: dict[str, int]) -> None:
         self.dispatcher = dispatcher
@@ -85,6 +108,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             deadline=now + (remaining if remaining is not None else 30.0), enqueued_at=now,
             batch_key=(item.model, item.output, students),
             max_length=max(item.lengths, default=0), lengths=tuple(item.lengths), on_partial=on_partial,
+            trace=request_trace(),
         )
         annotate(model=request.model, tenant=request.tenant, policy=self.policy, batch_size=job.num_texts)
         try:
@@ -218,7 +242,7 @@ async def build() -> ServiceSpec:
     policy = policy_from(config)
     workers: dict[str, WorkerRef] = {}
     prefetcher = PlotPrefetcher(Stubs(plot_pb2_grpc.PlotStub), clock) if config.plot_prefetch else None
-    dispatcher = Dispatcher(policy, GroupSender(WorkerCalls(worker_stubs, workers), clock, prefetcher),
+    dispatcher = Dispatcher(policy, traced(GroupSender(WorkerCalls(worker_stubs, workers), clock, prefetcher)),
                             config.queue_capacity, config.retry_pushback_ms, clock,
                             on_wait=prefetcher.on_wait if prefetcher is not None else None,
                             drop_doomed=config.drop_doomed, send_ahead=config.send_ahead,

@@ -8,13 +8,14 @@ and nowhere otherwise (spans are still created so the context propagates).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import json
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -261,6 +262,54 @@ def client_interceptors(provider: TracerProvider | None = None) -> list:
     if not tracing_enabled():
         return []
     return [ClientSpans(provider or trace.get_tracer_provider())]
+
+
+# What a request's batch links to: its unsampled traceparent (str), its span's context, or None (tracing off).
+RequestTrace = str | trace.SpanContext | None
+BATCH_SPAN = "academus.batch"
+
+
+def request_trace() -> RequestTrace:
+    """The calling request's trace, kept with its job: the batch it joins is traced by it."""
+    if (untraced := _untraced.get()) is not None:
+        return untraced
+    context = trace.get_current_span().get_span_context()
+    return context if context.is_valid else None
+
+
+@contextlib.contextmanager
+def batch_trace(traces: Sequence[RequestTrace], tracer: trace.Tracer | None = None) -> Iterator[None]:
+    """The calls a batch makes (to its group's workers) belong to the batch's own requests, whatever context
+    dispatched it: a batch that starts as another ends runs in the ended one's task. With a sampled request
+    among them, one INTERNAL span for the batch, the first sampled request's child, linked to the other
+    sampled ones; else the first request's unsampled context goes on, and no span is made."""
+    sampled = [t for t in traces if isinstance(t, trace.SpanContext) and t.trace_flags.sampled]
+    if sampled:
+        tracer = tracer or trace.get_tracer("academus.scheduler")
+        span = tracer.start_span(BATCH_SPAN, context=trace.set_span_in_context(trace.NonRecordingSpan(sampled[0])),
+                                 kind=SpanKind.INTERNAL, links=[trace.Link(c) for c in sampled[1:]],
+                                 attributes={"academus.requests": len(traces), "academus.sampled": len(sampled)})
+        token = _untraced.set(None)
+        try:
+            with trace.use_span(span, end_on_exit=True, record_exception=False, set_status_on_exception=False):
+                yield
+        finally:
+            _untraced.reset(token)
+        return
+    first = traces[0] if traces else None
+    if isinstance(first, trace.SpanContext):   # the SDK's sampler decided (OTEL_TRACES_SAMPLER): not sampled
+        token = _untraced.set(None)
+        try:
+            with trace.use_span(trace.NonRecordingSpan(first)):
+                yield
+        finally:
+            _untraced.reset(token)
+        return
+    token = _untraced.set(first)   # None with tracing off: nothing to carry
+    try:
+        yield
+    finally:
+        _untraced.reset(token)
 
 
 def shutdown_tracing() -> None:

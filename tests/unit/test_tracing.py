@@ -203,3 +203,79 @@ def test_otel_traces_sampler_leaves_every_decision_to_the_sdk(monkeypatch):
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_on")
     assert root_ratio(0.0) == 1.0 and untraced_context(None, root_ratio(0.0)) is None
     assert untraced_context("00-zz", 0.0) is None   # not one the fast path can read: the SDK's parser judges
+
+
+def traceparent(trace_id: int, sampled: bool) -> str:
+    return f"00-{trace_id:032x}-{trace_id:016x}-{'01' if sampled else '00'}"
+
+
+async def test_a_batch_is_traced_by_its_own_requests_not_by_the_task_that_dispatched_it():
+    """Four requests through the scheduler's real Dispatcher (padded batches of up to two) behind its SERVER
+    span interceptor: A (sampled) runs at once; B (unsampled) waits and starts as A's batch ends, in A's batch's
+    task; C and D (sampled) wait and run together. Each worker call carries its own batch's requests' trace."""
+    from academus.services.scheduler.core import Dispatcher, Job
+    from academus.services.scheduler.policies import PaddedPolicy
+    from academus.services.scheduler.server import traced
+    from academus.shared.runtime.tracing import BATCH_SPAN, request_trace
+
+    spans, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    calls: list[tuple[list[str], str]] = []
+    answers: list[asyncio.Future] = []
+
+    async def worker(group, jobs):
+        span, carrier = start_client_span(client_tracer(provider), "/t.Worker/Run")
+        calls.append(([job.payload for job in jobs], carrier["traceparent"]))
+        answers.append(asyncio.get_running_loop().create_future())
+        await answers[-1]
+        end_client_span(span, grpc.StatusCode.OK, None)
+        return ["ok"] * len(jobs)
+
+    dispatcher = Dispatcher(PaddedPolicy(max_batch=2, max_delay_s=0.0), traced(worker, provider.get_tracer("t")), 8,
+                            25)
+    dispatcher.update_workers({"w0": ("127.0.0.1:1", frozenset({"m"}))})
+
+    async def schedule(name: str, context) -> str:
+        job = Job(model="m", payload=name, num_texts=1, num_tokens=4, deadline=1e12, enqueued_at=0.0,
+                  batch_key=("m", name == "B"), trace=request_trace())   # B batches alone
+        return (await dispatcher.submit(job))
+
+    def arrive(name: str, parent: str) -> asyncio.Task:
+        class Context:
+            def invocation_metadata(self):
+                return (("traceparent", parent),)
+
+            def code(self):
+                return None
+
+            def details(self):
+                return None
+
+        return asyncio.create_task(ServerSpans(provider, 1.0).wrap(
+            lambda request, context: schedule(name, context), "/academus.v1.Scheduler/Schedule")(name, Context()))
+
+    parents = {"A": traceparent(0xA, True), "B": traceparent(0xB, False), "C": traceparent(0xC, True),
+               "D": traceparent(0xD, True)}
+    tasks = [arrive("A", parents["A"])]
+    await asyncio.sleep(0.01)
+    tasks += [arrive(name, parents[name]) for name in "BCD"]
+    for _ in range(3):
+        await asyncio.sleep(0.01)
+        answers[-1].set_result(None)
+    assert await asyncio.gather(*tasks) == ["ok"] * 4
+    assert [names for names, _ in calls] == [["A"], ["B"], ["C", "D"]]
+    assert calls[1][1] == parents["B"]        # B's own unsampled context, not a span in A's trace
+    finished = spans.get_finished_spans()
+    by_name = {}
+    for span in finished:
+        by_name.setdefault(span.name, []).append(span)
+    servers = {s.context.trace_id: s for s in by_name["/academus.v1.Scheduler/Schedule"]}
+    assert sorted(servers) == [0xA, 0xC, 0xD]
+    batch_a, batch_cd = sorted(by_name[BATCH_SPAN], key=lambda s: s.context.trace_id)
+    assert batch_a.parent.span_id == servers[0xA].context.span_id and not batch_a.links
+    assert batch_cd.parent.span_id == servers[0xC].context.span_id
+    assert [link.context.span_id for link in batch_cd.links] == [servers[0xD].context.span_id]
+    assert batch_cd.attributes["academus.requests"] == 2
+    clients = sorted(by_name["/t.Worker/Run"], key=lambda s: s.context.trace_id)
+    assert [c.parent.span_id for c in clients] == [batch_a.context.span_id, batch_cd.context.span_id]
+    assert calls[0][1][3:35] == f"{0xA:032x}" and calls[2][1][3:35] == f"{0xC:032x}"
