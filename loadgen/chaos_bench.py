@@ -28,10 +28,11 @@ the reference's), time to recover (from the fault to the first success, on the m
 sent after it), the victim's replacement serving, p99 of the traffic it did not hit against the reference's,
 the time to a refusal (RESOURCE_EXHAUSTED) at the load generator, at a light client of its own process beside
 an overload (10 req/s to the students: its loop is not saturated, as the load generator's is) and at the gateways
-(the p99's histogram bucket, academus_rpc_error_seconds: their handlers' own share), the scheduler queue and
-in-flight gauges back to zero after the load, every process's RSS over time (/proc), and the restarts the
-supervisor made. summary.json, a table on stdout, and PNGs a fault (timeline, RSS) go
-under --out; the mesh's logs under --out/run/logs. Measurements: docs/benchmarks/reliability.md.
+(the p99's histogram bucket, academus_rpc_error_seconds: their handlers' own share), each model's waits in its
+schedulers' queues (the p99's bucket and the shares past 1 s and 2 s, against the queue's wait bound), the
+scheduler queue and in-flight gauges back to zero after the load, every process's RSS over time (/proc), and
+the restarts the supervisor made. summary.json, a table on stdout, and PNGs a fault (timeline, RSS) go under
+--out; the mesh's logs under --out/run/logs. Measurements: docs/benchmarks/reliability.md.
 """
 
 from __future__ import annotations
@@ -229,17 +230,38 @@ def counters(run_dir: Path) -> dict[str, float]:
     return out
 
 
-def refusal_buckets(run_dir: Path) -> dict[float, float]:
-    """The gateways' RESOURCE_EXHAUSTED answers so far, cumulative by the upper bound (s) of their server-side time
-    (academus_rpc_error_seconds), summed over the gateways and their methods."""
+def histogram_buckets(run_dir: Path, name: str, service: str, **labels: str) -> dict[float, float]:
+    """A histogram's cumulative counts so far by upper bound (s), summed over the `service` processes and the label
+    values not given in `labels`."""
     out: dict[float, float] = {}
     for s in MeshState.load(run_dir).services:
-        if s.service == "gateway":
+        if s.service == service:
             for p in scrape(s.metrics_port):
-                if p.name == "academus_rpc_error_seconds_bucket" and p.labels.get("code") == "RESOURCE_EXHAUSTED":
+                if p.name == f"{name}_bucket" and all(p.labels.get(k) == v for k, v in labels.items()):
                     bound = float(p.labels["le"])
                     out[bound] = out.get(bound, 0.0) + p.value
     return out
+
+
+def refusal_buckets(run_dir: Path) -> dict[float, float]:
+    """The gateways' RESOURCE_EXHAUSTED answers so far by their server-side time (academus_rpc_error_seconds)."""
+    return histogram_buckets(run_dir, "academus_rpc_error_seconds", "gateway", code="RESOURCE_EXHAUSTED")
+
+
+def queue_waits(run_dir: Path) -> dict[str, dict[float, float]]:
+    """Each model's waits in its schedulers' queues so far (academus_scheduler_queue_wait_seconds): what the
+    queue's wait bound (ACADEMUS_MAX_QUEUE_WAIT_MS) is meant to hold."""
+    return {model: histogram_buckets(run_dir, "academus_scheduler_queue_wait_seconds", "scheduler", model=model)
+            for model in MODELS}
+
+
+def bucket_share_over(before: dict[float, float], after: dict[float, float], bound_s: float) -> float | None:
+    """The share of the observations between the two reads above `bound_s` (a bucket bound)."""
+    total = after.get(float("inf"), 0.0) - before.get(float("inf"), 0.0)
+    if total <= 0:
+        return None
+    within = after.get(bound_s, 0.0) - before.get(bound_s, 0.0)
+    return round(1 - within / total, 4)
 
 
 def bucket_p99_ms(before: dict[float, float], after: dict[float, float]) -> float | None:
@@ -640,12 +662,17 @@ async def one_run(bench: Bench, fault: Fault | None, beside: Beside | None = Non
     bench.notes = {}
     counted = await asyncio.to_thread(counters, bench.run_dir)
     refused = await asyncio.to_thread(refusal_buckets, bench.run_dir)
+    waited = await asyncio.to_thread(queue_waits, bench.run_dir)
     runs, extra = await loaded_run(bench, fault, beside)
     figures = summarize(bench, runs, extra) | bench.notes
     figures["probe_refusal_p99_ms"] = probe_refusal_p99(figures)
-    if restarts(bench.run_dir) == before:   # a restarted gateway counts from 0 again
+    if restarts(bench.run_dir) == before:   # a restarted process counts from 0 again
         figures["gateway_refusal_p99_ms"] = bucket_p99_ms(refused, await asyncio.to_thread(refusal_buckets,
                                                                                           bench.run_dir))
+        after = await asyncio.to_thread(queue_waits, bench.run_dir)
+        figures["queue_wait"] = {m: {"p99_ms": bucket_p99_ms(waited[m], after[m]),
+                                     "over_1s": bucket_share_over(waited[m], after[m], 1.0),
+                                     "over_2s": bucket_share_over(waited[m], after[m], 2.0)} for m in MODELS}
     figures["rss_growth_second_half_mib"] = rss_growth(extra["rss"], bench.args.duration / 2)
     figures["gauges_zero_after_s"], figures["gauges_left"] = await asyncio.to_thread(gauges_back_to_zero,
                                                                                       bench.run_dir)

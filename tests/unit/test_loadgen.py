@@ -134,6 +134,15 @@ def test_the_gateways_share_of_a_refusal_is_the_bucket_holding_its_p99():
     assert bucket_p99_ms(after, after) is None
 
 
+def test_the_share_of_queue_waits_past_the_bound_comes_from_the_buckets_between_two_reads():
+    from academus.loadgen.chaos_bench import bucket_share_over
+
+    before = {0.5: 10.0, 1.0: 10.0, 2.0: 10.0, float("inf"): 10.0}
+    after = {0.5: 70.0, 1.0: 85.0, 2.0: 105.0, float("inf"): 110.0}   # 100 since: 75 within 1 s, 95 within 2 s
+    assert bucket_share_over(before, after, 1.0) == 0.25 and bucket_share_over(before, after, 2.0) == 0.05
+    assert bucket_share_over(after, after, 1.0) is None
+
+
 async def test_the_metrics_interceptor_times_a_refusal_apart_from_the_answers():
     import grpc
     from prometheus_client import REGISTRY
