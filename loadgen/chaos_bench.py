@@ -53,6 +53,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import redis
+from prometheus_client.samples import Sample
 
 from academus.client import AcademusError, AsyncClient, Client
 from academus.loadgen import plots, runner, schedule, texts
@@ -219,40 +220,54 @@ def gauges(run_dir: Path) -> dict[str, float]:
     return out
 
 
-def counters(run_dir: Path) -> dict[str, float]:
+# every service's metric samples at one moment: (its package, e.g. "gateway", and the sample), one scrape a process
+MeshMetrics = list[tuple[str, Sample]]
+
+
+def mesh_metrics(run_dir: Path) -> MeshMetrics:
+    return [(s.service, p) for s in MeshState.load(run_dir).services for p in scrape(s.metrics_port)]
+
+
+def counters(metrics: MeshMetrics) -> dict[str, float]:
     """COUNTERS summed over the mesh's processes, one entry a name and label set: the work done and dropped."""
     out: dict[str, float] = {}
-    for s in MeshState.load(run_dir).services:
-        for p in scrape(s.metrics_port):
-            if p.name in COUNTERS:
-                key = p.name + "".join(f",{k}={v}" for k, v in sorted(p.labels.items()) if k != "model")
-                out[key] = out.get(key, 0.0) + p.value
+    for _, p in metrics:
+        if p.name in COUNTERS:
+            key = p.name + "".join(f",{k}={v}" for k, v in sorted(p.labels.items()) if k != "model")
+            out[key] = out.get(key, 0.0) + p.value
     return out
 
 
-def histogram_buckets(run_dir: Path, name: str, service: str, **labels: str) -> dict[float, float]:
-    """A histogram's cumulative counts so far by upper bound (s), summed over the `service` processes and the label
+def histogram_buckets(metrics: MeshMetrics, name: str, service: str, **labels: str) -> dict[float, float]:
+    """A histogram's cumulative counts by upper bound (s), summed over the `service` processes and the label
     values not given in `labels`."""
     out: dict[float, float] = {}
-    for s in MeshState.load(run_dir).services:
-        if s.service == service:
-            for p in scrape(s.metrics_port):
-                if p.name == f"{name}_bucket" and all(p.labels.get(k) == v for k, v in labels.items()):
-                    bound = float(p.labels["le"])
-                    out[bound] = out.get(bound, 0.0) + p.value
+    for of, p in metrics:
+        if of == service and p.name == f"{name}_bucket" and all(p.labels.get(k) == v for k, v in labels.items()):
+            bound = float(p.labels["le"])
+            out[bound] = out.get(bound, 0.0) + p.value
     return out
 
 
-def refusal_buckets(run_dir: Path) -> dict[float, float]:
-    """The gateways' RESOURCE_EXHAUSTED answers so far by their server-side time (academus_rpc_error_seconds)."""
-    return histogram_buckets(run_dir, "academus_rpc_error_seconds", "gateway", code="RESOURCE_EXHAUSTED")
+def metric_figures(start: MeshMetrics, end: MeshMetrics) -> dict:
+    """What the mesh counted between two reads with no process restarted between (each would count from 0):
+    the work done and dropped, the gateways' time to a refusal (academus_rpc_error_seconds: their own share of
+    it), and each model's waits in its schedulers' queues against the wait bound (ACADEMUS_MAX_QUEUE_WAIT_MS)."""
+    counted, now = counters(start), counters(end)
 
+    def refusals(metrics: MeshMetrics) -> dict[float, float]:
+        return histogram_buckets(metrics, "academus_rpc_error_seconds", "gateway", code="RESOURCE_EXHAUSTED")
 
-def queue_waits(run_dir: Path) -> dict[str, dict[float, float]]:
-    """Each model's waits in its schedulers' queues so far (academus_scheduler_queue_wait_seconds): what the
-    queue's wait bound (ACADEMUS_MAX_QUEUE_WAIT_MS) is meant to hold."""
-    return {model: histogram_buckets(run_dir, "academus_scheduler_queue_wait_seconds", "scheduler", model=model)
-            for model in MODELS}
+    def waits(metrics: MeshMetrics, model: str) -> dict[float, float]:
+        return histogram_buckets(metrics, "academus_scheduler_queue_wait_seconds", "scheduler", model=model)
+
+    queue_wait = {}
+    for model in MODELS:
+        before, after = waits(start, model), waits(end, model)
+        queue_wait[model] = {"p99_ms": bucket_p99_ms(before, after), "over_1s": bucket_share_over(before, after, 1.0),
+                             "over_2s": bucket_share_over(before, after, 2.0)}
+    return {"counters": {k: round(v - counted.get(k, 0.0), 1) for k, v in now.items() if v != counted.get(k)},
+            "gateway_refusal_p99_ms": bucket_p99_ms(refusals(start), refusals(end)), "queue_wait": queue_wait}
 
 
 def bucket_share_over(before: dict[float, float], after: dict[float, float], bound_s: float) -> float | None:
@@ -265,8 +280,7 @@ def bucket_share_over(before: dict[float, float], after: dict[float, float], bou
 
 
 def bucket_p99_ms(before: dict[float, float], after: dict[float, float]) -> float | None:
-    """The bucket bound (ms) under which 99 % of the refusals between the two reads took their time at the gateway:
-    the gateway's own share of a refusal's time, without the client's (None: none refused)."""
+    """The bucket bound (ms) under which 99 % of the observations between the two reads fell (None: none)."""
     counts = {bound: after[bound] - before.get(bound, 0.0) for bound in sorted(after)}
     total = counts.get(float("inf"), 0.0)
     if total <= 0:
@@ -660,19 +674,10 @@ async def one_run(bench: Bench, fault: Fault | None, beside: Beside | None = Non
     before = restarts(bench.run_dir)
     key = probe_key(bench) if fault is not None and fault.target == "redis" else ""
     bench.notes = {}
-    counted = await asyncio.to_thread(counters, bench.run_dir)
-    refused = await asyncio.to_thread(refusal_buckets, bench.run_dir)
-    waited = await asyncio.to_thread(queue_waits, bench.run_dir)
+    start = await asyncio.to_thread(mesh_metrics, bench.run_dir)
     runs, extra = await loaded_run(bench, fault, beside)
     figures = summarize(bench, runs, extra) | bench.notes
     figures["probe_refusal_p99_ms"] = probe_refusal_p99(figures)
-    if restarts(bench.run_dir) == before:   # a restarted process counts from 0 again
-        figures["gateway_refusal_p99_ms"] = bucket_p99_ms(refused, await asyncio.to_thread(refusal_buckets,
-                                                                                          bench.run_dir))
-        after = await asyncio.to_thread(queue_waits, bench.run_dir)
-        figures["queue_wait"] = {m: {"p99_ms": bucket_p99_ms(waited[m], after[m]),
-                                     "over_1s": bucket_share_over(waited[m], after[m], 1.0),
-                                     "over_2s": bucket_share_over(waited[m], after[m], 2.0)} for m in MODELS}
     figures["rss_growth_second_half_mib"] = rss_growth(extra["rss"], bench.args.duration / 2)
     figures["gauges_zero_after_s"], figures["gauges_left"] = await asyncio.to_thread(gauges_back_to_zero,
                                                                                       bench.run_dir)
@@ -682,8 +687,7 @@ async def one_run(bench: Bench, fault: Fault | None, beside: Beside | None = Non
     after = restarts(bench.run_dir)
     figures["restarts"] = {n: after[n] - before.get(n, 0) for n in after if after[n] != before.get(n, 0)}
     if not figures["restarts"]:   # a restarted process counts from 0 again
-        now = await asyncio.to_thread(counters, bench.run_dir)
-        figures["counters"] = {k: round(v - counted.get(k, 0.0), 1) for k, v in now.items() if v != counted.get(k)}
+        figures |= metric_figures(start, await asyncio.to_thread(mesh_metrics, bench.run_dir))
     figures["rss_mib"] = rss_summary(extra["rss"])
     figures["pngs"] = write_pngs(bench, name, runs, extra)
     if fault is None:

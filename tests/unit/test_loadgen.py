@@ -115,6 +115,29 @@ def test_chaos_overload_targets_judge_refusal_time_goodput_and_loss():
     assert refusal_p99([Record(0.0, 3.0, "OK")]) is None
 
 
+def test_one_read_of_the_mesh_gives_its_counters_refusal_times_and_queue_waits():
+    from prometheus_client.samples import Sample
+
+    from academus.loadgen.chaos_bench import metric_figures
+
+    def read(dropped: float, refused: tuple[float, float], waited: tuple[float, float]) -> list:
+        bucket = "academus_rpc_error_seconds_bucket"
+        waits = "academus_scheduler_queue_wait_seconds_bucket"
+        return [("scheduler", Sample("academus_scheduler_dropped_total", {"reason": "cancelled"}, dropped)),
+                ("gateway", Sample(bucket, {"code": "RESOURCE_EXHAUSTED", "le": "0.01"}, refused[0])),
+                ("gateway", Sample(bucket, {"code": "RESOURCE_EXHAUSTED", "le": "+Inf"}, refused[1])),
+                ("gateway", Sample(bucket, {"code": "DEADLINE_EXCEEDED", "le": "+Inf"}, 50.0)),
+                ("scheduler", Sample(waits, {"model": "sentiment", "le": "1.0"}, waited[0])),
+                ("scheduler", Sample(waits, {"model": "sentiment", "le": "2.0"}, waited[1])),
+                ("scheduler", Sample(waits, {"model": "sentiment", "le": "+Inf"}, waited[1]))]
+
+    figures = metric_figures(read(1.0, (0.0, 0.0), (0.0, 0.0)), read(5.0, (100.0, 100.0), (75.0, 100.0)))
+    assert figures["counters"] == {"academus_scheduler_dropped_total,reason=cancelled": 4.0}
+    assert figures["gateway_refusal_p99_ms"] == pytest.approx(10.0)
+    assert figures["queue_wait"]["sentiment"] == {"p99_ms": 2000.0, "over_1s": 0.25, "over_2s": 0.0}
+    assert figures["queue_wait"]["sentiment-students"] == {"p99_ms": None, "over_1s": None, "over_2s": None}
+
+
 def test_the_refusal_probe_reports_its_own_p99_beside_the_load():
     from academus.loadgen.chaos_bench import probe_refusal_p99
 
