@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
-from opentelemetry.trace import Tracer
+from opentelemetry.trace import Tracer, get_tracer
 from prometheus_client import Gauge
 
 from academus.services.scheduler.core import (
@@ -77,7 +77,9 @@ class WorkerCalls:
 
 def traced(send: Send, tracer: Tracer | None = None) -> Send:
     """`send` with the batch's worker calls in its own requests' trace (tracing.batch_trace), not in that of the
-    task that happened to dispatch it (an arriving request's, or the batch that ended before it)."""
+    task that happened to dispatch it (an arriving request's, or the batch that ended before it). The process's
+    tracer by default, resolved once (a proxy until the service installs its provider)."""
+    tracer = tracer or get_tracer("academus.scheduler")
 
     async def traced_send(group: Group, jobs: Sequence[Job]) -> Sequence[Any]:
         with batch_trace([job.trace for job in jobs], tracer):

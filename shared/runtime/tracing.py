@@ -278,36 +278,24 @@ def request_trace() -> RequestTrace:
 
 
 @contextlib.contextmanager
-def batch_trace(traces: Sequence[RequestTrace], tracer: trace.Tracer | None = None) -> Iterator[None]:
+def batch_trace(traces: Sequence[RequestTrace], tracer: trace.Tracer) -> Iterator[None]:
     """The calls a batch makes (to its group's workers) belong to the batch's own requests, whatever context
     dispatched it: a batch that starts as another ends runs in the ended one's task. With a sampled request
     among them, one INTERNAL span for the batch, the first sampled request's child, linked to the other
     sampled ones; else the first request's unsampled context goes on, and no span is made."""
     sampled = [t for t in traces if isinstance(t, trace.SpanContext) and t.trace_flags.sampled]
+    first = traces[0] if traces else None
     if sampled:
-        tracer = tracer or trace.get_tracer("academus.scheduler")
         span = tracer.start_span(BATCH_SPAN, context=trace.set_span_in_context(trace.NonRecordingSpan(sampled[0])),
                                  kind=SpanKind.INTERNAL, links=[trace.Link(c) for c in sampled[1:]],
                                  attributes={"academus.requests": len(traces), "academus.sampled": len(sampled)})
-        token = _untraced.set(None)
-        try:
-            with trace.use_span(span, end_on_exit=True, record_exception=False, set_status_on_exception=False):
-                yield
-        finally:
-            _untraced.reset(token)
-        return
-    first = traces[0] if traces else None
-    if isinstance(first, trace.SpanContext):   # the SDK's sampler decided (OTEL_TRACES_SAMPLER): not sampled
-        token = _untraced.set(None)
-        try:
-            with trace.use_span(trace.NonRecordingSpan(first)):
-                yield
-        finally:
-            _untraced.reset(token)
-        return
-    token = _untraced.set(first)   # None with tracing off: nothing to carry
+    else:   # a context the SDK's sampler did not sample (OTEL_TRACES_SAMPLER) goes on as the current span's
+        span = trace.NonRecordingSpan(first) if isinstance(first, trace.SpanContext) else None
+    token = _untraced.set(None if span is not None else first)   # None with tracing off: nothing to carry
     try:
-        yield
+        with (trace.use_span(span, end_on_exit=True, record_exception=False, set_status_on_exception=False)
+              if span is not None else contextlib.nullcontext()):
+            yield
     finally:
         _untraced.reset(token)
 
