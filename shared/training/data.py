@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tarfile
 import zipfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from email.header import decode_header, make_header
 from functools import lru_cache
@@ -91,17 +92,19 @@ def held_out_split(text: str) -> str:
     return "validation" if bucket < HELD_OUT[0] else "test" if bucket < sum(HELD_OUT) else "train"
 
 
-def file_task(name: str, texts: list[str], labels: list[str], classes: list[str]) -> TaskData:
-    """A user's examples as a task, split by `held_out_split`; `classes` orders the labels (an embedding file's
-    examples are all label 0). ValueError when a split is left empty."""
+def file_task(name: str, texts: list[str], labels: list[str] | None = None,
+              classes: Sequence[str] = ()) -> TaskData:
+    """A user's examples as a task, split by `held_out_split`; `classes` orders the labels (texts without labels,
+    an embedding file's, are all label 0). ValueError when a split is left empty."""
+    index = {label: i for i, label in enumerate(classes)}
     splits: dict[str, list[Example]] = {"train": [], "validation": [], "test": []}
-    for text, label in zip(texts, labels, strict=True):
-        splits[held_out_split(text)].append(Example(text, classes.index(label) if classes else 0))
+    for i, text in enumerate(texts):
+        splits[held_out_split(text)].append(Example(text, index[labels[i]] if labels is not None else 0))
     empty = [s for s, examples in splits.items() if not examples]
     if empty:
         raise ValueError(f"{name}: {len(texts)} examples leave the {', '.join(empty)} split empty "
                          f"(10 % each are held out for validation and test): give more examples")
-    return TaskData(name, classes, splits["train"], splits["validation"], splits["test"])
+    return TaskData(name, list(classes), splits["train"], splits["validation"], splits["test"])
 
 
 _default_data_dir = data_dir   # load_task's parameter shadows the name

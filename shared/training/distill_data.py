@@ -175,11 +175,17 @@ def load_classification(task: str, artifacts: Path, data_dir: Path, teacher: Tea
     data = load_task(task, data_dir)
     splits = {name: subsample(exs, cfg.limits.get(name)) for name, exs in data.splits().items()}
     targets = _teacher_embeddings(task, splits, data_dir, teacher, full=not cfg.limits)
-    out = {}
-    for name, exs in splits.items():
-        limit = cfg.train_max_tokens if name == "train" else teacher.max_tokens
-        out[name] = _split(teacher.tokenizer, [e.text for e in exs], targets[name], [e.label for e in exs], limit)
-    return DistillData(task, list(data.labels), out, head)
+    return DistillData(task, list(data.labels), _splits(teacher, cfg, splits, targets), head)
+
+
+def _splits(teacher: Teacher, cfg: DistillConfig, splits: dict[str, list[Example]], targets: dict[str, torch.Tensor],
+            labelled: bool = True) -> dict[str, Split]:
+    """Each split tokenized (the training split at `train_max_tokens`) with its targets T(x), and its gold labels
+    unless `labelled` is off (the embedding task has none)."""
+    return {name: _split(teacher.tokenizer, [e.text for e in exs], targets[name],
+                         [e.label for e in exs] if labelled else [],
+                         cfg.train_max_tokens if name == "train" else teacher.max_tokens)
+            for name, exs in splits.items()}
 
 
 def load_file(path: Path, data_dir: Path, teacher: Teacher, cfg: DistillConfig) -> DistillData:
@@ -191,8 +197,7 @@ def load_file(path: Path, data_dir: Path, teacher: Teacher, cfg: DistillConfig) 
     raw = Path(path).read_bytes()
     head = teacher.head
     if head is None:
-        texts = parse_texts_jsonl(raw, str(path))
-        data = file_task(Path(path).stem, texts, [""] * len(texts), [])
+        data = file_task(Path(path).stem, parse_texts_jsonl(raw, str(path)))
     else:
         texts, labels = parse_labelled_jsonl(raw, str(path))
         unknown = sorted(set(labels) - set(head.labels))
@@ -203,12 +208,8 @@ def load_file(path: Path, data_dir: Path, teacher: Teacher, cfg: DistillConfig) 
     splits = {name: subsample(exs, cfg.limits.get(name)) for name, exs in data.splits().items()}
     targets = cached_embeddings(data_dir / "cache", f"file-{data.name}", splits, teacher.embed, teacher.cache_name,
                                 teacher.max_tokens)
-    out = {}
-    for name, exs in splits.items():
-        limit = cfg.train_max_tokens if name == "train" else teacher.max_tokens
-        out[name] = _split(teacher.tokenizer, [e.text for e in exs], targets[name],
-                           [e.label for e in exs] if head is not None else [], limit)
-    return DistillData(EMBEDDING_TASK if head is None else data.name, list(data.labels), out, head)
+    return DistillData(EMBEDDING_TASK if head is None else data.name, list(data.labels),
+                       _splits(teacher, cfg, splits, targets, labelled=head is not None), head)
 
 
 def _general_texts(data_dir: Path, cfg: DistillConfig) -> dict[str, list[str]]:
