@@ -31,7 +31,7 @@ from academus.shared.runtime.errors import (
     NotFound,
     PermissionDenied,
 )
-from academus.shared.state.catalogue import ADAPTER_BASES, MODEL_NAME, PLOT_BASES
+from academus.shared.state.catalogue import ADAPTER_BASES, MODEL_NAME, PLOT_BASES, ModelSpec, adapter_base
 from academus.shared.state.jobs import ADAPTER, MODEL, OVERLAY, Job, JobQueue
 from academus.shared.state.keys import Keys
 from academus.shared.state.tenants import (
@@ -47,12 +47,6 @@ from academus.shared.state.uploads import parse_corpus, parse_labelled_jsonl, wr
 
 ADMIN = "admin"
 DEFAULT_TOP_PERCENT = 10.0
-
-
-def check_base(base: str) -> None:
-    if base not in ADAPTER_BASES:
-        raise InvalidArgument(f"base={base[:80]!r} is not a base tenant models can be trained on; "
-                              f"supported: {', '.join(sorted(ADAPTER_BASES))}")
 
 
 class Manage:
@@ -163,7 +157,7 @@ class Manage:
     async def create_tenant_model(self, caller: Principal, name: str, base: str, domain: str, data: bytes) -> Job:
         tenant = self._tenant(caller)
         check_name("name", name)
-        check_base(base)
+        await self._check_base(base)
         if domain:
             await self._ready_domain(domain)
         self._check_plot(base, domain)
@@ -238,6 +232,16 @@ class Manage:
         if model is None:
             raise NotFound(f"model {name[:80]!r} not found")
         return model
+
+    async def _check_base(self, base: str) -> None:
+        """A bundled base, or a served user's embedding model (`academus models add`)."""
+        if base in ADAPTER_BASES:
+            return
+        specs = [ModelSpec.from_json(raw) for raw in (await self.redis.hgetall(self.keys.models())).values()]
+        bases = sorted({spec.name for spec in specs if adapter_base(spec)} | ADAPTER_BASES)
+        if base not in bases:
+            raise InvalidArgument(f"base={base[:80]!r} is not a base tenant models can be trained on; "
+                                  f"served bases: {', '.join(bases)} (a user's embedding model is one once served)")
 
     def _check_plot(self, base: str, domain: str) -> None:
         """A domain is a PLOT overlay: it needs a PLOT base, and a PLOT base needs the root table."""

@@ -84,18 +84,38 @@ class Handler(Protocol):
     async def failed(self, job: Job, message: str) -> None: ...
 
 
+TEACHER_BASE = "minilm"   # the bundled bases all sit on the teacher
+
+
 class Encoders:
-    """The teacher, loaded once per device on first use and shared by every job (one job at a time)."""
+    """Each base's encoder and tokenizer (the teacher's for the bundled bases), loaded once per device on first
+    use and shared by every job (one job at a time). A user's model is keyed by its weights' digest too, so one
+    removed and added again under its name is loaded anew."""
 
     def __init__(self) -> None:
-        self._loaded: dict[str, Any] = {}
+        self._loaded: dict[tuple[str, str], tuple[Any, Any]] = {}
 
     async def get(self, device: str) -> Any:
-        if device not in self._loaded:
-            from academus.shared.models.model import TeacherEncoder
+        """The bundled teacher's encoder."""
+        return (await self.base(device, TEACHER_BASE))[0]
 
-            self._loaded[device] = await asyncio.to_thread(TeacherEncoder.load, device=device)
-        return self._loaded[device]
+    async def base(self, device: str, base: str) -> tuple[Any, Any]:
+        from academus.shared.training.adapters import check_base, open_base
+
+        entry = await asyncio.to_thread(check_base, base)
+        identity = f"{base}@{await asyncio.to_thread(_weights_digest, entry)}" if entry else ""   # "": the teacher
+        key = (device, identity)
+        if key not in self._loaded:
+            self._loaded[key] = await asyncio.to_thread(open_base, base, device)
+        return self._loaded[key]
+
+
+def _weights_digest(entry: dict[str, Any]) -> str:
+    from academus.shared.models.user_models import cache_name
+    from academus.shared.runtime.config import artifacts_dir
+    from academus.shared.state.artifacts import read_manifest
+
+    return cache_name("", read_manifest(artifacts_dir() / entry["source"]))
 
 
 def _upload(job: Job) -> bytes:
@@ -121,11 +141,15 @@ class AdapterJobs:
         params = job.params
         texts, labels = parse_labelled_jsonl(_upload(job), "data")
         await self._current(job)
-        encoder = await self.encoders.get(self.config.device)
+        try:
+            encoder, tokenizer = await self.encoders.base(self.config.device, params["base"])
+        except ValueError as e:   # the base left the catalogue after the gateway took the job
+            raise JobError(str(e)) from e
         progress(0.05)
         adapter, summary = await asyncio.to_thread(
             train_adapter, texts, labels, params["base"], self.config.adapter_rank, self.config.adapter_epochs,
-            encoder=encoder, device=self.config.device, progress=False, domain=params.get("domain", ""),
+            encoder=encoder, tokenizer=tokenizer, device=self.config.device, progress=False,
+            domain=params.get("domain", ""),
             on_step=lambda done, total: progress(0.05 + 0.9 * done / total))
         model = await self._current(job)
         published = await publish_adapter(self.redis, self.keys, job.tenant, params["model"], params["base"],

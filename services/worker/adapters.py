@@ -24,14 +24,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
 import redis
 import torch
 
-from academus.shared.models.adapters import BASES, AdapterWeights, upper_layers
+from academus.shared.models.adapters import BUNDLED_BASES, AdapterWeights, upper_layers
 from academus.shared.runtime.errors import DeadlineExceeded, ServingError, Unavailable, from_rpc_error, from_status
 from academus.shared.runtime.metrics import CACHE_HITS, CACHE_MISSES
 from academus.shared.runtime.serving import CHANNEL_OPTIONS
@@ -39,7 +39,7 @@ from academus.shared.runtime.tls import mesh_channel_sync
 from academus.shared.state.keys import Keys
 from academus.v1 import adapter_store_pb2, adapter_store_pb2_grpc, tensors_pb2
 
-DEFAULT_FIRST_LAYER = upper_layers(BASES["minilm"][0])[0]   # where adapters start by default (layer 3)
+DEFAULT_FIRST_LAYER = upper_layers(BUNDLED_BASES["minilm"][0])[0]   # where adapters start by default (layer 3)
 FIRST_PIECE, LAST = -1, 1 << 30               # fetch queue ranks: first pieces before any layer
 AdapterKey = tuple[str, str, int]            # tenant, name, version (0: the latest when first fetched)
 # (key, layers, head) -> that piece: safetensors bytes (the store) or parsed (the host tier); raises
@@ -160,9 +160,11 @@ class AdapterCache:
         return {"adapters": len(self._entries), "bytes": self.bytes, "hits": self.hits, "misses": self.misses,
                 "hit_rate": self.hits / total if total else 0.0, **(source() if source else {})}
 
-    async def acquire(self, keys: Sequence[AdapterKey | None], deadline: float | None = None) -> TenantBatch:
+    async def acquire(self, keys: Sequence[AdapterKey | None], deadline: float | None = None,
+                      first_layer: int | None = None) -> TenantBatch:
         """Each row's adapter, fetched first where missing; returns once every first piece is here
-        (every piece, with prefetch off)."""
+        (every piece, with prefetch off). `first_layer`: the base's lowest adapted layer by default (a base
+        deeper than the teacher's), fetched with the head."""
         entries: dict[AdapterKey, CachedAdapter] = {}
         missed: list[CachedAdapter] = []
         for key in keys:
@@ -171,7 +173,8 @@ class AdapterCache:
         missed = [entry for entry in missed if not self._from_host(entry)]
         if missed:  # one queue item: their first pieces come in one store call
             self._queue.put((FIRST_PIECE, next(self._order),
-                             tuple(Piece(entry, self.first_layer, first=True) for entry in missed)))
+                             tuple(Piece(entry, first_layer if first_layer is not None else self.first_layer,
+                                         first=True) for entry in missed)))
         waits = [e.first if self.prefetch else e.complete for e in entries.values()]
         timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         try:
@@ -256,8 +259,7 @@ class AdapterCache:
         if copied is not None:  # the batch waits for the first piece anyway: finish its copy on this thread
             copied.synchronize()
         entry.ready = {i: threading.Event() for i in first.layer_ids}
-        entry.weights = AdapterWeights(first.base, first.labels, first.rank, {}, first.head_weight,
-                                       first.head_bias, first.layer_ids)
+        entry.weights = replace(first, layers={})
         self._arrived(entry, first)
         entry.first.set_result(entry)
         rest = sorted(set(first.layer_ids) - set(first.layers))

@@ -618,11 +618,11 @@ class ModelRunner:
 
 
 def check_tenant_batch(served: ServedModel, output: str, tenants: TenantBatch, texts: int) -> None:
-    """Tenant adapters run on an embedding base (the teacher, or its PLOT hierarchical model), one entry
-    a text; labels need heads."""
+    """Tenant adapters run on an embedding base (the teacher, its PLOT hierarchical model, or a user's embedding
+    model), one entry a text; labels need heads."""
     if served.max_students or served.head is not None:
         raise InvalidArgument(f"adapters set for {served.spec.name!r}: tenant adapters run on an embedding "
-                              "base model (minilm, minilm-plot)")
+                              "base model (minilm, minilm-plot, or a user's embedding model)")
     if len(tenants.weights) != texts:
         raise InvalidArgument(f"adapters has {len(tenants.weights)} entries for {texts} texts")
     if output == OUTPUT_PROBS and any(w is None for w in tenants.weights):

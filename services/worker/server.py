@@ -23,6 +23,7 @@ from academus.services.worker.exits import Release
 from academus.services.worker.host_tier import HostAdapters, HostWarmer
 from academus.services.worker.profiling import profile_model
 from academus.services.worker.sti import StiSettings
+from academus.shared.models.adapters import upper_layers
 from academus.shared.models.exits import ControllerSettings
 from academus.shared.models.work import Batch, BatchMeta, BatchOutput
 from academus.shared.models.work_wire import batch_from_pb, output_to_pb
@@ -126,7 +127,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if self.adapters is None:
             raise InvalidArgument("adapters set, but this worker serves no tenant adapters")
         keys = [(a.tenant, a.name, a.version) if a is not None else None for a in batch.adapters]
-        fetched = await self.adapters.acquire(keys, deadline)
+        layers = self.runner.specs[batch.model].layers   # a user's base: its own depth (0: the teacher's)
+        fetched = await self.adapters.acquire(keys, deadline, upper_layers(layers)[0] if layers else None)
         return replace(fetched, domains=tuple(a.domain if a is not None else "" for a in batch.adapters))
 
     def _run(self, batch: Batch, *args):

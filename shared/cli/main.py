@@ -10,7 +10,14 @@ import sys
 import threading
 from pathlib import Path
 
-from academus.shared.runtime.config import ModelSelection, artifacts_dir, offline_hub, run_dir, trace_file
+from academus.shared.runtime.config import (
+    ModelSelection,
+    artifacts_dir,
+    offline_hub,
+    run_dir,
+    trace_file,
+    use_artifacts,
+)
 from academus.shared.runtime.config_docs import add_arguments as add_config_docs_arguments
 from academus.shared.runtime.config_docs import write_or_check
 
@@ -501,8 +508,9 @@ def _training_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
         p.add_argument("name", help="the tenant, and its model's name")
     else:
         p.add_argument("--name", required=True, help="the model's name (a new version if it exists)")
-    p.add_argument("--base", default="minilm", help="the served base model the adapter runs on: minilm, or "
-                   "minilm-plot (PLOT lookups for the lower layers; needs `academus plot build`)")
+    p.add_argument("--base", default="minilm", help="the served base model the adapter runs on: minilm, "
+                   "minilm-plot (PLOT lookups for the lower layers; needs `academus plot build`), or an embedding "
+                   "model added with `academus models add`")
     p.add_argument("--domain", default="", help="PLOT overlay the model's texts are looked up in first "
                    "(a minilm-plot base only)")
     p.add_argument("--data", type=Path, required=True, help='JSONL lines {"text": ..., "label": ...}')
@@ -519,6 +527,8 @@ def _with_mesh_redis(args: argparse.Namespace, work) -> int:
 
     state = MeshState.load(_run_dir(args))
     state.use_as_mesh()   # the adapter store and the workers take only the mesh's calls
+    if state.artifacts:   # what trains here (tenants create|train) reads the catalogue the mesh's workers serve
+        use_artifacts(state.artifacts)
 
     async def run() -> object:
         redis = connect(state.redis_url)

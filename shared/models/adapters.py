@@ -8,7 +8,11 @@ output, so the same hooked teacher also serves plain requests.
 File format (safetensors): tensors `layers.{i}.down.weight` [r,H], `layers.{i}.down.bias` [r],
 `layers.{i}.up.weight` [H,r], `layers.{i}.up.bias` [H], `head.weight` [C,H], `head.bias` [C];
 header metadata `format`, `base`, `labels` (JSON), `rank`, `layers` (JSON: every layer the adapter
-has, even when the file holds a subset; see `to_bytes`), `hidden`.
+has, even when the file holds a subset; see `to_bytes`), `hidden`, and `base_layers` (how many layers the
+base has; a file without it sits on a bundled base, whose shape is known).
+
+A base is a bundled one (`minilm`, `minilm-plot`) or a user's embedding model (`academus models add`): its
+layers and width come from its config, so an adapter carries them rather than looking them up here.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -34,8 +38,8 @@ from academus.shared.state.catalogue import ADAPTER_BASES
 
 FORMAT = "academus-adapter/1"
 DEFAULT_RANK = 16
-# base name -> (teacher layers, hidden size); adapters go into the upper half by default
-BASES: dict[str, tuple[int, int]] = {name: (6, HIDDEN_SIZE) for name in ADAPTER_BASES}
+# the bundled bases' (layers, hidden size); a user's model's come from its config
+BUNDLED_BASES: dict[str, tuple[int, int]] = {name: (6, HIDDEN_SIZE) for name in ADAPTER_BASES}
 LAYER_KEYS = ("down.weight", "down.bias", "up.weight", "up.bias")
 _NAME = re.compile(r"^(?:layers\.(\d+)\.(down|up)\.(weight|bias)|head\.(weight|bias))$")
 
@@ -47,10 +51,17 @@ def upper_layers(num_layers: int) -> tuple[int, ...]:
     return tuple(range(num_layers // 2, num_layers))
 
 
-def check_base(base: str) -> tuple[int, int]:
-    if base not in BASES:
-        raise ValueError(f"unknown adapter base {base!r}; supported: {', '.join(sorted(BASES))}")
-    return BASES[base]
+def base_shape(base: str, layers: int = 0, hidden: int = 0) -> tuple[int, int]:
+    """(layers, hidden size) of a base: as given (a user's model, from its config), else a bundled base's. A
+    bundled base's name given another shape is refused: its adapters would not fit the served teacher."""
+    bundled = BUNDLED_BASES.get(base)
+    if bundled is None and not (layers and hidden):
+        raise ValueError(f"unknown adapter base {base!r}: not a bundled base ({', '.join(sorted(BUNDLED_BASES))}), "
+                         "and its layers and hidden size are not given")
+    if bundled is not None and (layers or hidden) and (layers, hidden) != bundled:
+        raise ValueError(f"base {base!r} has {bundled[0]} layers of hidden size {bundled[1]}, not {layers} of "
+                         f"{hidden}")
+    return bundled or (layers, hidden)
 
 
 @dataclass
@@ -65,17 +76,21 @@ class AdapterWeights:
     head_weight: torch.Tensor | None = None
     head_bias: torch.Tensor | None = None
     layer_ids: tuple[int, ...] = field(default=())   # all layers of the full adapter; () = keys of `layers`
+    base_layers: int = 0    # the base's layers (0: a bundled base's)
+    hidden: int = 0         # the base's hidden size (0: a bundled base's)
 
     def __post_init__(self) -> None:
         if not self.layer_ids:
             self.layer_ids = tuple(sorted(self.layers))
         self.layer_ids = tuple(sorted(self.layer_ids))
+        self.base_layers, self.hidden = base_shape(self.base, self.base_layers, self.hidden)
 
     @classmethod
     def init(cls, labels: Sequence[str], base: str = "minilm", rank: int = DEFAULT_RANK,
-             layers: Sequence[int] | None = None, seed: int = 0) -> AdapterWeights:
-        """A fresh adapter: down small random, up zero (starts as the identity, Houlsby), head random."""
-        num_layers, hidden = check_base(base)
+             layers: Sequence[int] | None = None, seed: int = 0, shape: tuple[int, int] = (0, 0)) -> AdapterWeights:
+        """A fresh adapter: down small random, up zero (starts as the identity, Houlsby), head random.
+        `shape`: the base's (layers, hidden size), for a base that is not bundled."""
+        num_layers, hidden = base_shape(base, *shape)
         generator = torch.Generator().manual_seed(seed)
         ids = tuple(layers) if layers is not None else upper_layers(num_layers)
         weights = {i: {"down.weight": torch.randn(rank, hidden, generator=generator) * 0.01,
@@ -85,13 +100,9 @@ class AdapterWeights:
         bound = hidden ** -0.5               # nn.Linear's default init range
         head_w = (torch.rand(len(labels), hidden, generator=generator) * 2 - 1) * bound
         head_b = (torch.rand(len(labels), generator=generator) * 2 - 1) * bound
-        out = cls(base, list(labels), rank, weights, head_w, head_b, ids)
+        out = cls(base, list(labels), rank, weights, head_w, head_b, ids, num_layers, hidden)
         out.validate()
         return out
-
-    @property
-    def hidden(self) -> int:
-        return check_base(self.base)[1]
 
     @property
     def complete(self) -> bool:
@@ -108,25 +119,24 @@ class AdapterWeights:
                 t = t.pin_memory()
             return t.to(device=device, dtype=dtype or t.dtype, non_blocking=non_blocking)
 
-        return AdapterWeights(self.base, list(self.labels), self.rank,
-                              {i: {k: move(v) for k, v in w.items()} for i, w in self.layers.items()},
-                              move(self.head_weight), move(self.head_bias), self.layer_ids)
+        return replace(self, labels=list(self.labels), layers={i: {k: move(v) for k, v in w.items()}
+                                                               for i, w in self.layers.items()},
+                       head_weight=move(self.head_weight), head_bias=move(self.head_bias))
 
     def piece(self, layers: Sequence[int], head: bool) -> AdapterWeights:
         """The same tensors (no copy) of some layers (none: all), with the head or without: what the store's
         Get of those layers answers."""
         wanted = set(layers) if layers else set(self.layers)
-        return AdapterWeights(self.base, self.labels, self.rank, {i: t for i, t in self.layers.items() if i in wanted},
-                              self.head_weight if head else None, self.head_bias if head else None, self.layer_ids)
+        return replace(self, layers={i: t for i, t in self.layers.items() if i in wanted},
+                       head_weight=self.head_weight if head else None, head_bias=self.head_bias if head else None)
 
     def pinned(self) -> AdapterWeights:
         """A copy in pinned (page-locked) host memory, which a GPU copies from asynchronously."""
         def pin(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.pin_memory()
 
-        return AdapterWeights(self.base, self.labels, self.rank,
-                              {i: {k: pin(v) for k, v in w.items()} for i, w in self.layers.items()},
-                              pin(self.head_weight), pin(self.head_bias), self.layer_ids)
+        return replace(self, layers={i: {k: pin(v) for k, v in w.items()} for i, w in self.layers.items()},
+                       head_weight=pin(self.head_weight), head_bias=pin(self.head_bias))
 
     @property
     def nbytes(self) -> int:
@@ -140,7 +150,7 @@ class AdapterWeights:
 
     def validate(self) -> None:
         """Raises ValueError naming the first problem: base, labels, layer ids, names or shapes."""
-        num_layers, hidden = check_base(self.base)
+        num_layers, hidden = self.base_layers, self.hidden
         if len(self.labels) < 1 or len(set(self.labels)) != len(self.labels):
             raise ValueError(f"labels must be distinct and non-empty, got {self.labels!r}")
         if self.rank < 1:
@@ -168,7 +178,8 @@ class AdapterWeights:
 
     def metadata(self) -> dict[str, str]:
         return {"format": FORMAT, "base": self.base, "labels": json.dumps(self.labels),
-                "rank": str(self.rank), "layers": json.dumps(list(self.layer_ids)), "hidden": str(self.hidden)}
+                "rank": str(self.rank), "layers": json.dumps(list(self.layer_ids)), "hidden": str(self.hidden),
+                "base_layers": str(self.base_layers)}
 
     def to_bytes(self, layers: Sequence[int] | None = None, head: bool = True) -> bytes:
         """The adapter (or a subset: some layers, with or without the head) as safetensors bytes."""
@@ -214,7 +225,7 @@ class AdapterWeights:
         if not pieces:
             raise ValueError("nothing to merge")
         first = pieces[0]
-        out = cls(first.base, list(first.labels), first.rank, {}, layer_ids=first.layer_ids)
+        out = replace(first, labels=list(first.labels), layers={}, head_weight=None, head_bias=None)
         for piece in pieces:
             if piece.metadata() != first.metadata():
                 raise ValueError(f"pieces of different adapters: {piece.metadata()} vs {first.metadata()}")
@@ -249,7 +260,7 @@ def _parse_metadata(meta: dict[str, str]) -> dict:
         raise ValueError(f"metadata format is {meta.get('format')!r}, expected {FORMAT!r}")
     try:
         labels, layer_ids = json.loads(meta["labels"]), json.loads(meta["layers"])
-        rank, hidden = int(meta["rank"]), int(meta["hidden"])
+        rank, hidden, base_layers = int(meta["rank"]), int(meta["hidden"]), int(meta.get("base_layers", 0))
     except (KeyError, ValueError, TypeError) as e:
         raise ValueError(f"adapter metadata is missing or malformed ({e!r}): {meta}") from e
     if not (isinstance(labels, list) and all(isinstance(x, str) for x in labels)):
@@ -257,9 +268,13 @@ def _parse_metadata(meta: dict[str, str]) -> dict:
     if not (isinstance(layer_ids, list) and all(isinstance(x, int) for x in layer_ids)):
         raise ValueError(f"metadata layers must be a JSON list of ints, got {meta['layers']!r}")
     base = meta.get("base", "")
-    if hidden != check_base(base)[1]:
-        raise ValueError(f"metadata hidden={hidden}, but base {base!r} has hidden size {check_base(base)[1]}")
-    return {"base": base, "labels": labels, "rank": rank, "layer_ids": tuple(layer_ids)}
+    bundled = BUNDLED_BASES.get(base)
+    if bundled is not None and hidden != bundled[1]:
+        raise ValueError(f"metadata hidden={hidden}, but base {base!r} has hidden size {bundled[1]}")
+    if bundled is not None and not base_layers:   # written before files carried their base's depth
+        base_layers = bundled[0]
+    return {"base": base, "labels": labels, "rank": rank, "layer_ids": tuple(layer_ids), "base_layers": base_layers,
+            "hidden": hidden}
 
 
 # --- applying adapters to a batch --------------------------------------------------------------
@@ -403,7 +418,7 @@ class AdapterInjector:
         # its dropout, residual and LayerNorm. The adapter then adapts what attention writes into the
         # residual stream while LayerNorm still re-normalises the sum, so a zero adapter is exactly the
         # base layer and the frozen FFN sees inputs in its usual range.
-        self._handles = [bert.encoder.layer[i].attention.output.dense.register_forward_hook(self._hook(i))
+        self._handles = [attention_projection(bert.encoder.layer[i]).register_forward_hook(self._hook(i))
                          for i in self.layers]
 
     def _hook(self, i: int):
@@ -430,6 +445,13 @@ class AdapterInjector:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def attention_projection(layer: nn.Module) -> nn.Module:
+    """The linear map that writes a layer's attention into its residual stream, before dropout, residual and
+    LayerNorm: BERT's and RoBERTa's `attention.output.dense`, MPNet's `attention.attn.o`."""
+    attention = layer.attention
+    return attention.attn.o if hasattr(attention, "attn") else attention.output.dense
 
 
 _injectors: weakref.WeakKeyDictionary[nn.Module, AdapterInjector] = weakref.WeakKeyDictionary()

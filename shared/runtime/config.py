@@ -90,6 +90,11 @@ def artifacts_dir() -> Path:
     return Path(ARTIFACTS.get(str(home_dir() / "artifacts")))
 
 
+def use_artifacts(path: str | Path) -> None:
+    """What this process reads as its artifacts from now on (a command training for a mesh: the mesh's)."""
+    os.environ[ARTIFACTS.name] = str(path)
+
+
 def run_dir() -> Path:
     return Path(RUN_DIR.get(str(home_dir() / "run")))
 

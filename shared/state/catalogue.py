@@ -10,9 +10,10 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-# The served models a tenant's adapters may sit on (names only: the gateway checks them without torch).
-# minilm-plot is HMI's hierarchical base: PLOT lookups stand in for the lower layers the adapters never
-# touch, so the same adapters (layers 4-6) train and serve on it; it needs a built table (`plot build`).
+# The bundled models a tenant's adapters may sit on (names only: the gateway checks them without torch); a
+# user's embedding model is a base too (`adapter_base`). minilm-plot is HMI's hierarchical base: PLOT lookups
+# stand in for the lower layers the adapters never touch, so the same adapters (layers 4-6) train and serve
+# on it; it needs a built table (`plot build`).
 ADAPTER_BASES = frozenset({"minilm", "minilm-plot"})
 PLOT_BASES = frozenset({"minilm-plot"})
 
@@ -46,6 +47,13 @@ class ModelSpec:
     def from_json(cls, raw: str) -> ModelSpec:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in json.loads(raw).items() if k in known})
+
+
+def adapter_base(spec: ModelSpec) -> bool:
+    """Tenant adapters sit on a bundled base or on a user's embedding model, which runs its own layers; not on a
+    head, a classifier, a student group, a PLOT model or the null model."""
+    user_encoder = spec.kind == EMBEDDING and bool(spec.architecture) and not spec.max_students and not spec.plot
+    return spec.name in ADAPTER_BASES or user_encoder
 
 
 def spec_to_pb(spec: ModelSpec, message: type) -> Any:

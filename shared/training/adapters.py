@@ -13,6 +13,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +28,14 @@ from academus.shared.models.adapters import (
     DEFAULT_RANK,
     AdapterWeights,
     BatchedAdapters,
-    check_base,
     install_adapters,
     upper_layers,
 )
-from academus.shared.models.model import TeacherEncoder, mean_pool, pad_batch
+from academus.shared.models.architectures import Architecture, read_architecture
+from academus.shared.models.model import MEAN, TeacherEncoder, body_inputs, mean_pool, pad_batch, padded_positions
 from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
-from academus.shared.state.catalogue import PLOT_BASES
+from academus.shared.state.catalogue import ADAPTER_BASES, EMBEDDING, PLOT_BASES, read_catalogue
 from academus.shared.state.uploads import parse_labelled_jsonl
 from academus.shared.training.prepare import MAX_TOKENS, classification_metrics, length_batches
 
@@ -48,34 +49,64 @@ def read_labelled_jsonl(path: Path | str) -> tuple[list[str], list[str]]:
 
 # --- cached lower layers -----------------------------------------------------------------------
 
-def _mask(bert: nn.Module, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor | None:
-    return create_bidirectional_mask(config=bert.config, inputs_embeds=hidden, attention_mask=attention_mask)
+@dataclass(frozen=True)
+class SplitEncoder:
+    """An encoder run in two parts (its lower layers once, the adapted upper ones each step), pooled as it is
+    served: a TeacherEncoder's own family, pooling and normalisation; a bare body as the bundled teacher's
+    (mean, L2-normalised)."""
+
+    body: nn.Module
+    architecture: Architecture
+    pooling: str = MEAN
+    normalize: bool = True
+
+    @classmethod
+    def of(cls, encoder: nn.Module) -> SplitEncoder:
+        if isinstance(encoder, TeacherEncoder):
+            return cls(encoder.body, encoder.architecture, encoder.pooling, encoder.normalize)
+        return cls(encoder, read_architecture(encoder.config.to_dict()))
+
+    def embed(self, ids: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
+        return self.body.embeddings(input_ids=ids, **body_inputs(self.architecture, types,
+                                                                 padded_positions(self.architecture, ids)))
+
+    def layers(self, hidden: torch.Tensor, mask: torch.Tensor, start: int, stop: int | None = None) -> torch.Tensor:
+        """Layers start..stop-1 on right-padded states; MPNet's relative-position bias as its encoder adds it."""
+        extended = create_bidirectional_mask(config=self.body.config, inputs_embeds=hidden, attention_mask=mask)
+        relative = self.architecture.family.relative_attention
+        bias = self.body.encoder.compute_position_bias(hidden) if relative else None
+        for layer in self.body.encoder.layer[start:stop]:
+            hidden = layer(hidden, extended) if bias is None else layer(hidden, extended, bias)[0]
+        return hidden
+
+    def pool(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        pooled = mean_pool(hidden, mask) if self.pooling == MEAN else hidden[:, 0]
+        return F.normalize(pooled, p=2, dim=1) if self.normalize else pooled
 
 
 @torch.no_grad()
-def lower_states(bert: nn.Module, encoded: Sequence[Any], num_lower: int, batch_size: int = 64,
+def lower_states(encoder: nn.Module, encoded: Sequence[Any], num_lower: int, batch_size: int = 64,
                  device: torch.device | str = "cpu") -> list[torch.Tensor]:
     """Per text, the output of layers 0..num_lower-1 ([T_i, H], unpadded, on CPU)."""
+    split = SplitEncoder.of(encoder)
     out: list[torch.Tensor] = [torch.empty(0)] * len(encoded)
     for batch in length_batches([len(e.input_ids) for e in encoded], batch_size, MAX_TOKENS):
         ids, mask, types = pad_batch([encoded[i].input_ids for i in batch], [encoded[i].token_type_ids for i in batch])
         ids, mask, types = ids.to(device), mask.to(device), types.to(device)
-        hidden = bert.embeddings(input_ids=ids, token_type_ids=types)
-        extended = _mask(bert, hidden, mask)
-        for layer in bert.encoder.layer[:num_lower]:
-            hidden = layer(hidden, extended)
+        hidden = split.layers(split.embed(ids, types), mask, 0, num_lower)
         for row, i in enumerate(batch):
             out[i] = hidden[row, : len(encoded[i].input_ids)].cpu()
     return out
 
 
 @torch.no_grad()
-def plot_lower_states(store: Any, bert: nn.Module, encoded: Sequence[Any], num_lower: int, domain: str = "",
+def plot_lower_states(store: Any, encoder: nn.Module, encoded: Sequence[Any], num_lower: int, domain: str = "",
                       batch_size: int = 64, device: torch.device | str = "cpu") -> list[torch.Tensor]:
     """`lower_states` on a PLOT base (HMI §5.2): the table's layer-K states (domain overlay first), then
     the frozen layers K+1..num_lower when the adapters start above K. The serving path looks up the same."""
     from academus.shared.models.plot.hierarchical import padded_lookup
 
+    split = SplitEncoder.of(encoder)
     k = store.lower_layers
     if k > num_lower:
         raise ValueError(f"the PLOT table replaces layers 1..{k}, but the adapters start at layer {num_lower + 1}")
@@ -84,15 +115,13 @@ def plot_lower_states(store: Any, bert: nn.Module, encoded: Sequence[Any], num_l
         ids = np.concatenate([encoded[i].input_ids for i in batch])
         hidden, mask = padded_lookup(store, ids, [len(encoded[i].input_ids) for i in batch], [domain] * len(batch),
                                      device)
-        extended = _mask(bert, hidden, mask)
-        for layer in bert.encoder.layer[k:num_lower]:
-            hidden = layer(hidden, extended)
+        hidden = split.layers(hidden, mask, k, num_lower)
         for row, i in enumerate(batch):
             out[i] = hidden[row, : len(encoded[i].input_ids)].cpu()
     return out
 
 
-def base_lower_states(bert: nn.Module, encoded: Sequence[Any], base: str, num_lower: int, domain: str = "",
+def base_lower_states(encoder: nn.Module, encoded: Sequence[Any], base: str, num_lower: int, domain: str = "",
                       plot_store: Any = None, device: torch.device | str = "cpu") -> list[torch.Tensor]:
     """What the base feeds the first adapted layer: computed lower layers, or PLOT lookups on a PLOT
     base (its catalogue table unless `plot_store` is given). A domain needs a PLOT base."""
@@ -100,29 +129,78 @@ def base_lower_states(bert: nn.Module, encoded: Sequence[Any], base: str, num_lo
         if domain:
             raise ValueError(f"domain {domain!r}: domains are PLOT overlays; base {base!r} has no PLOT "
                              f"(choose {', '.join(sorted(PLOT_BASES))})")
-        return lower_states(bert, encoded, num_lower, device=device)
+        return lower_states(encoder, encoded, num_lower, device=device)
     from academus.shared.models.plot.table import PlotError
     from academus.shared.runtime.config import artifacts_dir
     from academus.shared.training.plot_models import open_plot_base
 
     try:
         store = plot_store or open_plot_base(artifacts_dir(), base)
-        return plot_lower_states(store, bert, encoded, num_lower, domain, device=device)
+        return plot_lower_states(store, encoder, encoded, num_lower, domain, device=device)
     except PlotError as e:  # no table, an unknown domain, a text the table cannot represent
         raise ValueError(str(e)) from e
 
 
-def upper_pooled(bert: nn.Module, states: Sequence[torch.Tensor], num_lower: int,
+def upper_pooled(encoder: nn.Module, states: Sequence[torch.Tensor], num_lower: int,
                  device: torch.device | str = "cpu") -> torch.Tensor:
-    """The L2-normalised mean-pooled output of the layers from num_lower on, for cached lower states
-    (the active adapters of the calling thread apply through the hooks)."""
+    """The served pooled output of the layers from num_lower on, for cached lower states (the active adapters
+    of the calling thread apply through the hooks)."""
+    split = SplitEncoder.of(encoder)
     lengths = [s.shape[0] for s in states]
     hidden = nn.utils.rnn.pad_sequence(list(states), batch_first=True).to(device)
     mask = (torch.arange(hidden.shape[1])[None, :] < torch.tensor(lengths)[:, None]).long().to(device)
-    extended = _mask(bert, hidden, mask)
-    for layer in bert.encoder.layer[num_lower:]:
-        hidden = layer(hidden, extended)
-    return F.normalize(mean_pool(hidden, mask), p=2, dim=1)
+    return split.pool(split.layers(hidden, mask, num_lower), mask)
+
+
+def check_base(base: str) -> dict[str, Any]:
+    """A base tenant adapters can sit on: a bundled one ({}), or a user's embedding model (its catalogue entry)."""
+    if base in ADAPTER_BASES:
+        return {}
+    from academus.shared.runtime.config import artifacts_dir
+
+    entry = read_catalogue(artifacts_dir()).get(base, {})
+    if "source" not in entry or entry.get("kind") != EMBEDDING:
+        raise ValueError(f"unknown adapter base {base!r}: tenant models sit on {', '.join(sorted(ADAPTER_BASES))} "
+                         "or on an embedding model added with `academus models add`")
+    return entry
+
+
+def open_base(base: str, device: str | torch.device = "cpu") -> tuple[TeacherEncoder, TeacherTokenizer]:
+    """The encoder and tokenizer tenant adapters on `base` train on: the bundled teacher for a bundled base, else
+    a user's embedding model from the catalogue, its files checked against their manifest."""
+    entry = check_base(base)
+    if not entry:
+        return TeacherEncoder.load(device=device), _tokenizer(base)
+    from academus.shared.models.user_models import open_model
+    from academus.shared.runtime.config import artifacts_dir
+
+    encoder, _, _ = open_model(artifacts_dir() / entry["source"], device)
+    return encoder, _tokenizer(base)
+
+
+def _base_parts(base: str, encoder: TeacherEncoder | None, tokenizer: TeacherTokenizer | None,
+                device: str | torch.device = "cpu") -> tuple[TeacherEncoder, TeacherTokenizer]:
+    """The base's encoder and tokenizer: those given (a shared encoder), the rest opened; the base checked."""
+    if encoder is not None and tokenizer is not None:
+        check_base(base)
+        return encoder, tokenizer
+    opened, own = open_base(base, device) if encoder is None else (encoder, _tokenizer(base))
+    return opened, tokenizer or own
+
+
+def _tokenizer(base: str) -> TeacherTokenizer:
+    entry = check_base(base)
+    if not entry:
+        return TeacherTokenizer(teacher_dir(), max_tokens=MAX_TOKENS)
+    from academus.shared.runtime.config import artifacts_dir
+
+    return TeacherTokenizer(artifacts_dir() / entry["source"], max_tokens=entry["max_tokens"])
+
+
+def encoder_shape(encoder: nn.Module) -> tuple[int, int]:
+    """(layers, hidden size) of an encoder, as an adapter on it records its base's."""
+    body = getattr(encoder, "body", encoder)
+    return len(body.encoder.layer), int(body.config.hidden_size)
 
 
 # --- training ----------------------------------------------------------------------------------
@@ -151,26 +229,26 @@ def _batches(indices: list[int], lengths: Sequence[int], batch_size: int, rng: r
     return batches
 
 
-def _evaluate(bert: nn.Module, adapter: AdapterWeights, states: list[torch.Tensor], gold: torch.Tensor,
+def _evaluate(encoder: nn.Module, adapter: AdapterWeights, states: list[torch.Tensor], gold: torch.Tensor,
               num_lower: int, batch_size: int, device: torch.device | str) -> dict[str, float]:
     order = sorted(range(len(states)), key=lambda i: states[i].shape[0])   # little padding
     pred = torch.empty(len(states), dtype=torch.long)
-    injector = install_adapters(bert)
+    injector = install_adapters(encoder)
     with torch.no_grad():
         for start in range(0, len(order), batch_size):
             rows = order[start:start + batch_size]
             stack = BatchedAdapters([adapter] * len(rows), batched=False, device=device)
             with injector.active(stack):
-                logits = stack.logits(upper_pooled(bert, [states[i] for i in rows], num_lower, device))
+                logits = stack.logits(upper_pooled(encoder, [states[i] for i in rows], num_lower, device))
             pred[rows] = logits.argmax(1).cpu()
     return classification_metrics(pred, gold, len(adapter.labels))
 
 
-def _step(bert: nn.Module, adapter: AdapterWeights, states: list[torch.Tensor], gold: torch.Tensor,
+def _step(encoder: nn.Module, adapter: AdapterWeights, states: list[torch.Tensor], gold: torch.Tensor,
           num_lower: int, optimizer: torch.optim.Optimizer, device: torch.device | str) -> float:
     stack = BatchedAdapters([adapter] * len(states), batched=False, device=device)
-    with install_adapters(bert).active(stack):
-        logits = stack.logits(upper_pooled(bert, states, num_lower, device))
+    with install_adapters(encoder).active(stack):
+        logits = stack.logits(upper_pooled(encoder, states, num_lower, device))
     loss = F.cross_entropy(logits, gold.to(logits.device))
     optimizer.zero_grad()
     loss.backward()
@@ -195,20 +273,15 @@ def train_adapter(
     each optimizer step (a job's progress; raising from it stops training). On a PLOT base the texts
     are looked up in the table (its `domain` overlay first) instead of running the lower layers."""
     started = time.perf_counter()
-    num_layers, _ = check_base(base)
     names = list(label_names) if label_names is not None else sorted(set(labels))
     _check_examples(texts, labels, names)
-    adapter = AdapterWeights.init(names, base, rank, layers, seed)
+    encoder, tokenizer = _base_parts(base, encoder, tokenizer, device)
+    adapter = AdapterWeights.init(names, base, rank, layers, seed, shape=encoder_shape(encoder))
     num_lower = min(adapter.layer_ids)
-    encoder = encoder or TeacherEncoder.load(device=device)
-    tokenizer = tokenizer or TeacherTokenizer(teacher_dir(), max_tokens=MAX_TOKENS)
-    bert = encoder.body
-    if len(bert.encoder.layer) != num_layers:
-        raise ValueError(f"base {base!r} has {num_layers} layers, the encoder {len(bert.encoder.layer)}")
     loaded = time.perf_counter()
 
     # Layers below the first adapter are frozen and see no adapter: their outputs are fixed, so computed once.
-    states = base_lower_states(bert, tokenizer.encode(list(texts), truncate=True), base, num_lower, domain,
+    states = base_lower_states(encoder, tokenizer.encode(list(texts), truncate=True), base, num_lower, domain,
                                plot_store, device)
     cached = time.perf_counter()
     gold = torch.tensor([names.index(label) for label in labels])
@@ -216,7 +289,7 @@ def train_adapter(
     summary: dict[str, Any] = {"base": base, "domain": domain, "rank": rank, "layers": list(adapter.layer_ids),
                                "labels": names, "counts": {"train": len(train), "validation": len(val)},
                                "epochs": epochs, "parameters": sum(t.numel() for t in adapter.tensors())}
-    trained = _fit(bert, adapter, states, gold, train, val, num_lower, summary,
+    trained = _fit(encoder, adapter, states, gold, train, val, num_lower, summary,
                    dict(lr=lr, head_lr=head_lr, weight_decay=weight_decay, batch_size=batch_size, seed=seed,
                         epochs=epochs, device=device, progress=progress, on_step=on_step))
     done = time.perf_counter()
@@ -235,12 +308,12 @@ def _check_examples(texts: Sequence[str], labels: Sequence[str], names: list[str
         raise ValueError(f"labels {unknown} are not among label_names {names}")
 
 
-def _fit(bert: nn.Module, adapter: AdapterWeights, states: list[torch.Tensor], gold: torch.Tensor,
+def _fit(encoder: nn.Module, adapter: AdapterWeights, states: list[torch.Tensor], gold: torch.Tensor,
          train: list[int], val: list[int], num_lower: int, summary: dict[str, Any], opts: dict[str, Any]
          ) -> AdapterWeights:
     """AdamW with a linearly decaying rate; returns the epoch with the best validation macro F1."""
     device = opts["device"]
-    frozen = {p: p.requires_grad for p in bert.parameters()}
+    frozen = {p: p.requires_grad for p in encoder.parameters()}
     for p in frozen:
         p.requires_grad_(False)
     adapter = _copy(adapter, lambda t: t.detach().to(device).clone().requires_grad_())
@@ -253,10 +326,10 @@ def _fit(bert: nn.Module, adapter: AdapterWeights, states: list[torch.Tensor], g
     val_states, val_gold = [states[i] for i in val], gold[val]
 
     def evaluate() -> dict[str, float]:
-        return _evaluate(bert, adapter, val_states, val_gold, num_lower, 64, device)
+        return _evaluate(encoder, adapter, val_states, val_gold, num_lower, 64, device)
 
     try:
-        bert.eval()
+        encoder.eval()
         summary["untrained_validation"] = best_scores = evaluate()
         best, best_epoch, history = _copy(adapter, _plain), 0, []
         rng, lengths = random.Random(opts["seed"]), [s.shape[0] for s in states]
@@ -265,7 +338,7 @@ def _fit(bert: nn.Module, adapter: AdapterWeights, states: list[torch.Tensor], g
             for epoch in range(1, opts["epochs"] + 1):
                 losses = []
                 for batch in _batches(train, lengths, opts["batch_size"], rng):
-                    losses.append(_step(bert, adapter, [states[i] for i in batch], gold[batch], num_lower,
+                    losses.append(_step(encoder, adapter, [states[i] for i in batch], gold[batch], num_lower,
                                         optimizer, device))
                     schedule.step()
                     bar.update(1)
@@ -292,9 +365,9 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 def _copy(adapter: AdapterWeights, convert: Callable[[torch.Tensor], torch.Tensor]) -> AdapterWeights:
     assert adapter.head_weight is not None and adapter.head_bias is not None
-    return AdapterWeights(adapter.base, list(adapter.labels), adapter.rank,
-                          {i: {k: convert(v) for k, v in w.items()} for i, w in adapter.layers.items()},
-                          convert(adapter.head_weight), convert(adapter.head_bias), adapter.layer_ids)
+    return replace(adapter, labels=list(adapter.labels),
+                   layers={i: {k: convert(v) for k, v in w.items()} for i, w in adapter.layers.items()},
+                   head_weight=convert(adapter.head_weight), head_bias=convert(adapter.head_bias))
 
 
 # --- many tenants at once (the scale benchmark's bootstrap adapters, HMI §7.1) -------------------
@@ -302,7 +375,8 @@ def _copy(adapter: AdapterWeights, convert: Callable[[torch.Tensor], torch.Tenso
 def train_many_adapters(
     texts: Sequence[str], labels: Sequence[str], subsets: Sequence[Sequence[int]], base: str = "minilm",
     rank: int = DEFAULT_RANK, epochs: int = 2, *, lr: float = 2e-3, head_lr: float = 2e-2, batch_size: int = 128,
-    seed: int = 0, encoder: TeacherEncoder | None = None, progress: bool = True, start: AdapterWeights | None = None,
+    seed: int = 0, encoder: TeacherEncoder | None = None, tokenizer: TeacherTokenizer | None = None,
+    progress: bool = True, start: AdapterWeights | None = None,
 ) -> list[AdapterWeights]:
     """Adapter k trains on `subsets[k]` (indices into texts/labels, e.g. a bootstrap sample). Batches
     mix tenants, each row through its own tenant's adapter and head (the serving `BatchedAdapters`),
@@ -312,32 +386,31 @@ def train_many_adapters(
     on its own subset; without, from a fresh seeded init."""
     names = sorted(set(labels))
     _check_examples(texts, labels, names)
-    encoder = encoder or TeacherEncoder.load()
-    bert = encoder.body
+    encoder, tokenizer = _base_parts(base, encoder, tokenizer)
+    shape = encoder_shape(encoder)
     used = sorted({i for subset in subsets for i in subset})
-    tokenizer = TeacherTokenizer(teacher_dir(), max_tokens=MAX_TOKENS)
-    cached = base_lower_states(bert, tokenizer.encode([texts[i] for i in used], truncate=True), base,
-                               min(upper_layers(check_base(base)[0])))
+    cached = base_lower_states(encoder, tokenizer.encode([texts[i] for i in used], truncate=True), base,
+                               min(upper_layers(shape[0])))
     states = dict(zip(used, cached, strict=True))
     gold = {i: names.index(labels[i]) for i in used}
     if start is not None and list(start.labels) != names:
         raise ValueError(f"start adapter labels {start.labels} differ from the data's {names}")
-    adapters = [_copy(start or AdapterWeights.init(names, base, rank, seed=seed + k),
+    adapters = [_copy(start or AdapterWeights.init(names, base, rank, seed=seed + k, shape=shape),
                       lambda t: t.detach().clone().requires_grad_()) for k in range(len(subsets))]
     heads = [t for a in adapters for t in (a.head_weight, a.head_bias)]
     body = [t for a in adapters for w in a.layers.values() for t in w.values()]
     optimizer = torch.optim.Adam([{"params": body, "lr": lr}, {"params": heads, "lr": head_lr}])
     rng = random.Random(seed)
-    frozen = {p: p.requires_grad for p in bert.parameters()}
+    frozen = {p: p.requires_grad for p in encoder.parameters()}
     for p in frozen:
         p.requires_grad_(False)
     try:
-        bert.eval()
+        encoder.eval()
         with tqdm(total=epochs * len(subsets), desc=f"{len(subsets)} adapters", unit="adapter", file=sys.stderr,
                   leave=False, disable=not progress) as bar:
             for _ in range(epochs):
                 for batch in _tenant_batches(subsets, batch_size, rng):
-                    _many_step(bert, adapters, batch, states, gold, optimizer)
+                    _many_step(encoder, adapters, batch, states, gold, optimizer)
                     bar.update(len({k for k, _ in batch}))
     finally:
         for p, flag in frozen.items():
@@ -362,12 +435,12 @@ def _tenant_batches(subsets: Sequence[Sequence[int]], batch_size: int,
     return [*batches, current] if current else batches
 
 
-def _many_step(bert: nn.Module, adapters: list[AdapterWeights], rows: list[tuple[int, int]],
+def _many_step(encoder: nn.Module, adapters: list[AdapterWeights], rows: list[tuple[int, int]],
                states: dict[int, torch.Tensor], gold: dict[int, int], optimizer: torch.optim.Optimizer) -> None:
     stack = BatchedAdapters([adapters[k] for k, _ in rows])
     num_lower = min(adapters[0].layer_ids)
-    with install_adapters(bert).active(stack):
-        logits = stack.logits(upper_pooled(bert, [states[i] for _, i in rows], num_lower))
+    with install_adapters(encoder).active(stack):
+        logits = stack.logits(upper_pooled(encoder, [states[i] for _, i in rows], num_lower))
     loss = F.cross_entropy(logits, torch.tensor([gold[i] for _, i in rows]))
     optimizer.zero_grad(set_to_none=True)
     loss.backward()

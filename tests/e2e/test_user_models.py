@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 from tokenizers import Tokenizer
@@ -18,11 +19,14 @@ from torch import nn
 
 from academus.client import AcademusError, Client
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshState, down
+from academus.shared.models.adapters import AdapterWeights, encode_with_adapters
 from academus.shared.models.model import mean_pool, pad_batch
+from academus.shared.models.user_models import open_model
 from academus.shared.runtime.config import artifacts_dir
 from academus.shared.state.catalogue import read_catalogue, write_entry
 from academus.shared.training.prepare import load_head_at
 from academus.shared.training.student_artifacts import load_student_group
+from academus.v1 import manage_pb2, manage_pb2_grpc
 from tests.e2e.conftest import start_mesh
 from tests.models import LABELS, tiny_model_dir
 
@@ -64,14 +68,18 @@ def wait_served(client: Client, name: str, served: bool = True) -> None:
         time.sleep(0.2)
 
 
-def reference(model: nn.Module, directory: Path, classifier: bool) -> torch.Tensor:
-    """transformers' forward on each text alone, tokenized by the model's own tokenizer.json."""
+def each_text(directory: Path) -> list[torch.Tensor]:
+    """Each text's ids alone ([1, T]), tokenized by the model's own tokenizer.json."""
     tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
     tokenizer.no_padding()
+    return [torch.tensor([encoding.ids]) for encoding in tokenizer.encode_batch(TEXTS)]
+
+
+def reference(model: nn.Module, directory: Path, classifier: bool) -> torch.Tensor:
+    """transformers' forward on each text alone."""
     rows = []
     with torch.no_grad():
-        for encoding in tokenizer.encode_batch(TEXTS):
-            ids = torch.tensor([encoding.ids])
+        for ids in each_text(directory):
             mask = torch.ones_like(ids)
             if classifier:
                 rows.append(torch.softmax(model(input_ids=ids, attention_mask=mask).logits, dim=-1)[0])
@@ -79,6 +87,15 @@ def reference(model: nn.Module, directory: Path, classifier: bool) -> torch.Tens
                 pooled = mean_pool(model(input_ids=ids, attention_mask=mask).last_hidden_state, mask)
                 rows.append(nn.functional.normalize(pooled, dim=1)[0])
     return torch.stack(rows)
+
+
+def word_reviews(path: Path) -> Path:
+    """80 labelled lines a tiny random model can learn: the label is in the words."""
+    words = {"pos": ["great", "lovely", "superb"], "neg": ["awful", "dull", "boring"]}
+    path.write_text("".join(json.dumps({"text": f"{a} film, {b} cast {i}", "label": label}) + "\n"
+                            for i in range(40) for label, (a, b) in ((k, (v[i % 3], v[(i + 1) % 3]))
+                                                                     for k, v in words.items())))
+    return path
 
 
 def served(client: Client, name: str, policy: str, classifier: bool) -> torch.Tensor:
@@ -154,11 +171,7 @@ def test_a_head_trained_on_a_users_model_serves_on_its_encoder(user_mesh: MeshSt
                                                                tmp_path: Path) -> None:
     model = tiny_model_dir("mpnet", False, tmp_path / "base")
     assert academus(user_mesh, "models", "add", "head-base", "--from", tmp_path / "base").returncode == 0
-    data = tmp_path / "reviews.jsonl"
-    words = {"pos": ["great", "lovely", "superb"], "neg": ["awful", "dull", "boring"]}
-    data.write_text("".join(json.dumps({"text": f"{a} film, {b} cast {i}", "label": label}) + "\n"
-                            for i in range(40) for label, (a, b) in ((k, (v[i % 3], v[(i + 1) % 3]))
-                                                                     for k, v in words.items())))
+    data = word_reviews(tmp_path / "reviews.jsonl")
     trained = academus(user_mesh, "heads", "train", "--model", "head-base", "--data", data, "--name", "reviews")
     assert trained.returncode == 0, trained.stderr
     wait_served(client, "reviews")
@@ -204,3 +217,62 @@ def test_students_distilled_from_a_users_model_serve_with_its_tokenizer(user_mes
     refused = academus(user_mesh, "models", "remove", "deep-sentiment")
     assert refused.returncode == 2 and "teacher of the student groups deep-sentiment-2l, deep-sentiment-students" \
         in refused.stderr
+
+
+def adapted(directory: Path, adapter_file: Path) -> tuple[list[str], torch.Tensor]:
+    """(labels, probabilities) of the tenant's adapter and head on the user's model, each text alone, in process."""
+    adapter = AdapterWeights.from_bytes(adapter_file.read_bytes())
+    encoder = open_model(directory)[0]
+    with torch.no_grad():
+        rows = [encode_with_adapters(encoder, ids, torch.ones_like(ids), None, [adapter])[1][0]
+                for ids in each_text(directory)]
+    return adapter.labels, torch.stack(rows)
+
+
+def wait_job(manage: manage_pb2_grpc.ManageStub, key: str, job_id: str) -> manage_pb2.Job:
+    end = time.monotonic() + 180
+    while time.monotonic() < end:
+        job = manage.GetJob(manage_pb2.GetJobRequest(id=job_id), metadata=(("x-api-key", key),), timeout=5)
+        if job.status in (manage_pb2.JOB_STATUS_SUCCEEDED, manage_pb2.JOB_STATUS_FAILED):
+            return job
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id} not done within 180 s")
+
+
+def test_tenant_models_on_a_users_model_serve_their_adapters_and_hold_it(user_mesh: MeshState, client: Client,
+                                                                         tmp_path: Path) -> None:
+    """Tenant adapters on a user's MPNet (3 layers, 36 wide): one trained by `academus tenants create`, one by the
+    trainer through the Manage API; each served through the mesh equal to its adapter on the model in process. The
+    model is not removed while a tenant's model sits on it, and is once the tenant is gone."""
+    tiny_model_dir("mpnet", False, tmp_path / "base")
+    assert academus(user_mesh, "models", "add", "tenant-base", "--from", tmp_path / "base").returncode == 0
+    wait_served(client, "tenant-base")
+    data = word_reviews(tmp_path / "reviews.jsonl")
+    created = academus(user_mesh, "tenants", "create", "acme", "--base", "tenant-base", "--data", data, "--epochs", "3")
+    assert created.returncode == 0, created.stderr[-2000:]
+    acme = json.loads(created.stdout.splitlines()[-1])
+    assert (acme["base"], acme["labels"]) == ("tenant-base", ["neg", "pos"])
+
+    with grpc.insecure_channel(user_mesh.gateway) as channel:
+        manage = manage_pb2_grpc.ManageStub(channel)
+        request = manage_pb2.CreateTenantModelRequest(name="memos", base="tenant-base", data=data.read_bytes())
+        job = manage.CreateTenantModel(request, metadata=(("x-api-key", acme["key"]),), timeout=10)
+        done = wait_job(manage, acme["key"], job.id)
+    assert done.status == manage_pb2.JOB_STATUS_SUCCEEDED, done.message
+    memos = json.loads(done.result_json)
+
+    adapters = Path(user_mesh.artifacts) / "adapters" / "acme"
+    with Client(user_mesh.gateway, api_key=acme["key"], timeout=30) as tenant:
+        for name, version in (("acme", acme["version"]), ("memos", memos["version"])):
+            labels, expected = adapted(Path(user_mesh.artifacts) / "models" / "tenant-base",
+                                       adapters / name / f"v{version}.safetensors")
+            result = tenant.infer(name, TEXTS)
+            got = torch.tensor([[p.probs[label] for label in labels] for p in result.predictions])
+            assert (got - expected).abs().max().item() <= TOLERANCE, name
+
+    refused = academus(user_mesh, "models", "remove", "tenant-base")
+    assert refused.returncode == 2 and "is the base of tenant models of acme" in refused.stderr
+    assert academus(user_mesh, "tenants", "delete", "acme").returncode == 0
+    removed = academus(user_mesh, "models", "remove", "tenant-base")
+    assert removed.returncode == 0, removed.stderr
+    wait_served(client, "tenant-base", served=False)

@@ -212,7 +212,9 @@ BAD_FILES = {
     "layer range": (lambda t, m: m.update(layers="[3, 4, 5, 6]"), "subset of 0..5"),
     "format": (lambda t, m: m.pop("format"), "metadata format is None"),
     "labels": (lambda t, m: m.update(labels="not json"), "metadata is missing or malformed"),
-    "base": (lambda t, m: m.update(base="bert-large"), "unknown adapter base 'bert-large'"),
+    # a base that is not bundled needs its shape in the file
+    "base": (lambda t, m: (m.update(base="bert-large"), m.pop("base_layers")), "unknown adapter base 'bert-large'"),
+    "bundled shape": (lambda t, m: m.update(base_layers="12"), "base 'minilm' has 6 layers of hidden size 384"),
     "nan": (lambda t, m: t["head.bias"].fill_(float("nan")), "head.bias holds NaN"),
     "dtype": (lambda t, m: t.update({"head.bias": torch.zeros(2, dtype=torch.long)}), "head.bias has dtype"),
 }

@@ -26,6 +26,7 @@ from academus.shared.runtime.errors import (
     ServingError,
     Unauthenticated,
 )
+from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
 from academus.shared.state.jobs import ADAPTER, FAILED, OVERLAY, QUEUED, RUNNING, SUCCEEDED, Job, JobQueue
 from academus.shared.state.keys import Keys
 from academus.shared.state.tenants import READY, TRAINING, TenantModel, TenantRegistry
@@ -106,6 +107,28 @@ async def test_a_served_models_name_and_an_unready_domain_are_refused(manage, re
     await manage.create_domain(ADMIN, "legal", corpus(), 10)
     with pytest.raises(FailedPrecondition, match="domain 'legal' is building, not ready"):
         await manage.create_tenant_model(ACME, "contracts", "minilm", "legal", labelled())
+
+
+async def test_a_served_users_embedding_model_is_a_base_and_no_other_model_is(manage, redis):
+    served = [ModelSpec("tiny-mpnet", EMBEDDING, dim=36, architecture="MPNetModel", layers=3),
+              ModelSpec("tiny-head", CLASSIFICATION, ["a", "b"], dim=36, architecture="MPNetModel", layers=3),
+              ModelSpec("tiny-students", EMBEDDING, dim=36, max_students=3, architecture="MPNetModel", layers=2),
+              ModelSpec("sentiment", CLASSIFICATION, ["neg", "pos"])]
+    await redis.hset(KEYS.models(), mapping={spec.name: spec.to_json() for spec in served})
+    job = await manage.create_tenant_model(ACME, "reviews", "tiny-mpnet", "", labelled())
+    assert job.params["base"] == "tiny-mpnet" and await queued(redis) == 1
+    [model] = await manage.list_tenant_models(ACME)
+    assert (model.base, model.status) == ("tiny-mpnet", TRAINING)
+    for other in ("tiny-head", "tiny-students", "sentiment", "gone"):
+        with pytest.raises(InvalidArgument) as refused:
+            await manage.create_tenant_model(ACME, "memos", other, "", labelled())
+        assert refused.value.message == (f"base={other!r} is not a base tenant models can be trained on; served "
+                                         "bases: minilm, minilm-plot, tiny-mpnet (a user's embedding model is one once "
+                                         "served)")
+    await DomainRegistry(redis, KEYS).create(Domain("legal", status=DOMAIN_READY))
+    with pytest.raises(InvalidArgument, match="domain='legal' needs a PLOT base"):
+        await manage.create_tenant_model(ACME, "memos", "tiny-mpnet", "legal", labelled())
+    assert await queued(redis) == 1
 
 
 async def test_a_domain_needs_a_plot_base_and_a_plot_base_needs_a_table(manage, redis, tmp_path):
