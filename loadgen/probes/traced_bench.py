@@ -3,6 +3,10 @@ thread: the worker's compute_ms for the teacher and one student at batches of 1 
 thread that holds the GIL in Python work for `--busy` of every millisecond (an event loop's shape).
 
     python -m academus.loadgen.probes.traced_bench [--tokens 25] [--busy 0.3] [--repeats 150]
+        [--artifacts DIR --cases mpnet-sentiment:0,mpnet-sentiment-students:1]
+
+`--cases` names the models (and students) to time, `--artifacts` the catalogue they are in (e.g. a user's MPNet,
+whose layers take the relative-position bias).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 
 import torch
 
@@ -57,19 +62,27 @@ def compute_ms(runners: dict[str, ModelRunner], model: str, students: int, token
     return {name: summary(values)["p50"] for name, values in times.items()}
 
 
+def cases(text: str) -> tuple[tuple[str, int], ...]:
+    """`MODEL:STUDENTS,...`, students 0 for a model that is not a student group."""
+    return tuple((model, int(students or 0)) for model, _, students in (c.partition(":") for c in text.split(",")))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=25)
     p.add_argument("--busy", type=float, default=0.3)
     p.add_argument("--repeats", type=int, default=150)
+    p.add_argument("--artifacts", type=Path, default=None, help="the catalogue's folder (default: ACADEMUS_ARTIFACTS)")
+    p.add_argument("--cases", type=cases, default=CASES, help="MODEL:STUDENTS,... (default: %(default)s)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    models = [m for m, _ in CASES]
-    runners = {"eager": ModelRunner(artifacts_dir(), models, traced=False),
-               "traced": ModelRunner(artifacts_dir(), models, traced=True)}
+    models = [m for m, _ in args.cases]
+    artifacts = args.artifacts or artifacts_dir()
+    runners = {"eager": ModelRunner(artifacts, models, traced=False),
+               "traced": ModelRunner(artifacts, models, traced=True)}
     rows = []
     for beside in ("alone", "busy thread"):
-        for model, students in CASES:
+        for model, students in args.cases:
             for batch in (1, 8):
                 with busy_thread(args.busy) if beside != "alone" else nullcontext():
                     p50 = compute_ms(runners, model, students, args.tokens, batch, args.repeats)

@@ -90,3 +90,36 @@ def test_a_plain_batch_stays_traced_beside_the_tenant_adapters_hooks(runners):
         assert np.abs(adapted.numpy() - plain).max() > 1e-3  # a tenant batch runs the hooks (eager)
     finally:
         remove_adapters(teacher)
+
+
+def test_mpnet_layers_run_traced_with_their_position_bias(tmp_path):
+    """A user's MPNet (relative-position bias in every layer's call) answers traced as its layers' own forwards
+    do, padded and unpadded, with graphs that take the bias."""
+    from academus.shared.models.user_models import add_model
+    from tests.models import tiny_model_dir
+
+    tiny_model_dir("mpnet", False, tmp_path / "mpnet", seed=2)
+    add_model(tmp_path / "artifacts", "tiny-mpnet", tmp_path / "mpnet")
+    eager = ModelRunner(tmp_path / "artifacts", ["tiny-mpnet"], traced=False)
+    traced = ModelRunner(tmp_path / "artifacts", ["tiny-mpnet"], traced=True)
+    rng = random.Random(3)
+    for _ in range(6):
+        lengths = [rng.randint(2, 30) for _ in range(rng.choice([1, 3]))]
+        ids = [rng.randint(1000, 20000) for _ in range(sum(lengths))]
+        want = eager.run(Batch("tiny-mpnet", OUTPUT_EMBEDDING, ids, lengths)).values
+        got = traced.run(Batch("tiny-mpnet", OUTPUT_EMBEDDING, ids, lengths)).values
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    layer = traced.models["tiny-mpnet"].encoder.body.encoder.layer[1]
+    assert isinstance(layer.forward, TracedLayer)
+    assert layer.forward.graphs and all(key[1] == "bias" for key in layer.forward.graphs)
+
+    hidden, bias = torch.randn(2, 7, 36), torch.randn(1, 3, 7, 7)
+    mask = torch.zeros(2, 1, 7, 7)
+    with torch.no_grad():
+        own = layer.forward.own_forward(hidden, mask, bias)[0]
+        positional = layer(hidden, mask, bias, output_attentions=False)[0]   # as MPNet's encoder calls it
+        named = layer(hidden, mask, position_bias=bias)[0]                   # as the packed path calls it
+        looked = layer(hidden, mask, bias, output_attentions=True)           # not covered: its own forward
+    torch.testing.assert_close(positional, own, atol=1e-5, rtol=0)
+    torch.testing.assert_close(named, own, atol=1e-5, rtol=0)
+    assert len(looked) == 2   # the attention probabilities came back: the eager forward ran
