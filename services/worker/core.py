@@ -116,7 +116,8 @@ class ServedModel:
     packable: bool = True          # False: PLOT models, whose lower layers are lookups, run padded only
     null: bool = False             # the null model: answers zeros without computing (NULL_MODEL)
     exits: ModelExits | None = None  # exit ramps (Apparate), when `academus ramps train` made them
-    exit_task: str = ""            # a bundled task's head on the teacher: whose ramps it may have
+    exit_task: str = ""            # whose ramps it may have: a bundled task (its head on the teacher), or a user's
+                                   # classifier or head on a user's model (the model's own name)
     sti: StiModel | None = None    # served from shards under a memory budget (STI), planned batch by batch
 
     def students(self, wanted: int) -> int:
@@ -303,7 +304,7 @@ class ModelRunner:
         if self.exit_settings is None or not served.exit_task:
             return
         self._exit_stamps[served.spec.name] = ramps_stamp(self.artifacts, served.exit_task)
-        served.exits = load_exits(self.artifacts, served.exit_task, HIDDEN_SIZE, served.spec.labels, self.device,
+        served.exits = load_exits(self.artifacts, served.exit_task, served.spec.dim, served.spec.labels, self.device,
                                   self.exit_settings, served.spec.name)
 
     def refresh_exits(self) -> list[str]:
@@ -328,11 +329,16 @@ class ModelRunner:
         if encoder is None:   # the copy is verified as it is loaded, once
             encoder, head, manifest = open_model(directory, self.device)
             self._prepare_layers(encoder, warm_up_token=min(WARM_UP_TOKEN, encoder.architecture.vocab_size - 1))
+            if self.exit_settings is not None:   # its classifier's ramps, or its heads', may come with `ramps train`
+                self._watch_ramps(encoder)
             if head is None:
                 self._user_encoders[directory] = encoder
         else:
             manifest = read_manifest(directory)
-        return ServedModel(self._user_spec(name, entry, encoder, head, manifest.files[TOKENIZER]), encoder, head)
+        served = ServedModel(self._user_spec(name, entry, encoder, head, manifest.files[TOKENIZER]), encoder, head,
+                             exit_task=name if head is not None else "")   # a classifier's ramps are its own
+        self._load_exits(served)
+        return served
 
     def _load_user_head(self, name: str, entry: dict) -> ServedModel:
         """A head trained on a user's embedding model (`academus heads train`), on that model's encoder."""
@@ -343,8 +349,10 @@ class ModelRunner:
             raise NotFound(f"model {name!r} is a head on {entry[HEAD_ON]!r}, which is not in the catalogue")
         encoder = self._load_user_model(entry[HEAD_ON], base)
         head = load_head_at(self.artifacts / entry["head"]).to(self.device).eval()
-        return ServedModel(self._user_spec(name, entry, encoder.encoder, head, encoder.spec.tokenizer),
-                           encoder.encoder, head)
+        served = ServedModel(self._user_spec(name, entry, encoder.encoder, head, encoder.spec.tokenizer),
+                             encoder.encoder, head, exit_task=name)
+        self._load_exits(served)
+        return served
 
     @staticmethod
     def _user_spec(name: str, entry: dict, encoder: TeacherEncoder, head: nn.Module | None,
@@ -425,8 +433,8 @@ class ModelRunner:
                 module.register_forward_pre_hook(self._deadline_check(name))
 
     def _watch_ramps(self, encoder: nn.Module) -> None:
-        """Hooks the teacher's layers (the only encoder with exit ramps) so that a batch running ramps sees each
-        layer's output; other encoders' layers carry no hook to pass through."""
+        """Hooks the layers of an encoder whose classifiers may have exit ramps (the teacher, a user's model) so
+        that a batch running ramps sees each layer's output; students' layers carry no hook to pass through."""
         for name, module in encoder.named_modules():
             if match := LAYER_NAME.search(name):
                 module.register_forward_hook(self._ramp_hook(int(match.group(1)) + 1))

@@ -107,7 +107,8 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("heads", help="heads train: a linear head on an embedding model you added", add_help=False)
     s.set_defaults(func=cmd_heads)
-    s = sub.add_parser("ramps", help="early-exit ramps (Apparate): train --task T [--quick] | status", add_help=False)
+    s = sub.add_parser("ramps", help="early-exit ramps (Apparate): train --task T | --model NAME [--data F] "
+                       "[--quick] | status", add_help=False)
     s.set_defaults(func=cmd_ramps)
     s = sub.add_parser("plot", help="PLOT tables of lower-layer states (build | info | head)", add_help=False)
     s.set_defaults(func=cmd_plot)
@@ -385,7 +386,8 @@ def cmd_ramps(args: argparse.Namespace) -> int:
     if args.rest[:1] == ["status"]:
         return _with_mesh_redis(args, ramp_status)
     if args.rest[:1] != ["train"]:
-        print("usage: academus ramps train --task TASK [--quick] | academus ramps status", file=sys.stderr)
+        print("usage: academus ramps train (--task TASK | --model NAME [--data F.jsonl | --task TASK]) [--quick] | "
+              "academus ramps status", file=sys.stderr)
         return 2
     return ramps_main(["train", *_with_mesh_artifacts(args, args.rest[1:])])
 

@@ -1,4 +1,6 @@
-"""`academus ramps train --task sentiment|spam [--quick]`: exit ramps for a served classifier (Apparate §3.1).
+"""`academus ramps train --task sentiment|spam [--quick]`: exit ramps for a served classifier (Apparate §3.1);
+`--model NAME [--data F.jsonl | --task T]` for a user's: a head trained on a user's model, or a user's sequence
+classifier.
 
 For every candidate layer k (1 .. N-1 of the teacher) a ramp pools layer k's output as the model pools its
 last layer's and applies a linear head like the served one. The backbone is frozen; each ramp is fitted
@@ -12,7 +14,13 @@ with the unmodified model. Then, on the validation split:
 - the thresholds the baselines tune once: per-ramp confidence thresholds (the same tuner Apparate runs
   online) and DeeBERT's one entropy threshold, both at the agreement constraint.
 
-The artifact lands in `<artifacts>/ramps/<task>/`; workers serving the task's model load it within a second.
+A user's model is fitted on texts of its own (`--data`: lines `{"text"}`, a label when there not read; the train
+split by text hash, as `heads train` splits a file, all of it the bootstrap, since a user's file is small) or of a
+bundled task (`--task`; a head trained on one: its own by default). Its ramps sit after each of its own layers,
+pooled as it pools (a sequence classifier: the first token, unnormalised), and its own head, linear or not,
+gives the answers they learn.
+
+The artifact lands in `<artifacts>/ramps/<task or model>/`; workers serving that model load it within a second.
 Progress on stderr, the JSON summary as the last line of stdout.
 """
 
@@ -24,6 +32,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +48,15 @@ from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.runtime.config import artifacts_dir as default_artifacts_dir
 from academus.shared.runtime.config import offline_hub
 from academus.shared.state.artifacts import ArtifactError
-from academus.shared.training.data import TASKS, DataMissing, fetch, load_task
+from academus.shared.state.uploads import parse_texts_jsonl
+from academus.shared.training.data import TASKS, DataMissing, Example, fetch, file_task, load_task
 from academus.shared.training.prepare import (
     MAX_TOKENS,
     WEIGHT_DECAYS,
     fit_head,
     length_batches,
     load_head,
+    load_head_at,
     predict,
     subsample,
 )
@@ -99,9 +110,9 @@ def measure_costs(encoder: TeacherEncoder, ramps: ExitRamps, tokenizer: TeacherT
                   batch: int = 8, repeats: int = 15) -> tuple[dict[int, float], dict[int, float], float]:
     """Per ramp layer: its cost and the saving of a release there, as shares of the model's forward on `batch`
     texts of median length; and that forward's time in ms. Medians of `repeats` timed runs."""
-    lengths = sorted(len(e.input_ids) for e in tokenizer.encode(list(texts), truncate=True))
-    n = lengths[len(lengths) // 2]
-    ids, mask, types = pad_batch([[1996] * n] * batch)
+    encoded = sorted(tokenizer.encode(list(texts), truncate=True), key=lambda e: len(e.input_ids))
+    n = len(encoded[len(encoded) // 2].input_ids)
+    ids, mask, types = pad_batch([encoded[len(encoded) // 2].input_ids] * batch)   # the model's own vocabulary
     layers = _layers(encoder)
     stamps: list[float] = []
     hooks = [layer.register_forward_hook(lambda *_: stamps.append(time.perf_counter())) for layer in layers]
@@ -136,23 +147,82 @@ def _layers(encoder: TeacherEncoder) -> list[torch.nn.Module]:
     return list(encoder.body.encoder.layer)
 
 
-def train_ramps(artifacts: Path, task: str, data_dir: Path | None = None, quick: bool = False) -> dict[str, Any]:
-    """Trains, measures and writes the task's ramps; returns the summary."""
+@dataclass
+class Subject:
+    """The served classifier the ramps are for: its encoder pooled as served, its head, and its tokenizer."""
+
+    name: str           # the ramps' folder and manifest task: a bundled task, or the user's model
+    teacher: str        # the manifest's teacher
+    encoder: TeacherEncoder
+    head: nn.Module
+    tokenizer: TeacherTokenizer
+    own_task: str = ""  # the bundled task its head was trained on ("": none)
+
+    @classmethod
+    def bundled(cls, artifacts: Path, task: str) -> Subject:
+        if task not in TASKS:
+            raise ValueError(f"unknown task {task!r}; known tasks: {', '.join(TASKS)}")
+        return cls(task, TEACHER_NAME, TeacherEncoder.load(), load_head(artifacts, task),
+                   TeacherTokenizer(teacher_dir(), max_tokens=MAX_TOKENS), task)
+
+    @classmethod
+    def user(cls, artifacts: Path, name: str) -> Subject:
+        """A head trained on a user's model (`heads train`), or a user's sequence classifier (`models add`)."""
+        from academus.shared.models.user_models import HEAD_ON, open_model
+        from academus.shared.state.artifacts import read_manifest
+        from academus.shared.state.catalogue import CLASSIFICATION, read_catalogue
+
+        catalogue = read_catalogue(artifacts)
+        entry = catalogue.get(name, {})
+        source_entry = catalogue.get(entry.get(HEAD_ON, name), {})
+        if entry.get("kind") != CLASSIFICATION or "source" not in source_entry:
+            raise ValueError(f"--model {name!r} is neither a head trained on a user's model (`academus heads train`) "
+                             "nor a sequence classifier added with `academus models add`")
+        source = Path(artifacts) / source_entry["source"]
+        encoder, own_head, _ = open_model(source)
+        tokenizer = TeacherTokenizer(source, max_tokens=source_entry["max_tokens"])
+        if HEAD_ON not in entry:
+            return cls(name, name, encoder, own_head, tokenizer)
+        head_dir = Path(artifacts) / entry["head"]
+        own_task = read_manifest(head_dir).task
+        return cls(name, entry[HEAD_ON], encoder, load_head_at(head_dir), tokenizer,
+                   own_task if own_task in TASKS else "")
+
+
+def ramp_texts(subject: Subject, task: str, data_dir: Path | None, data_file: Path | None
+               ) -> tuple[list[Example], list[Example], str]:
+    """(bootstrap, validation, where they came from): the file's, else the task's (the subject's own by
+    default). A file's train split is all bootstrap: a user's file is small."""
+    if data_file is not None:
+        split = file_task(str(data_file), parse_texts_jsonl(Path(data_file).read_bytes(), str(data_file)))
+        return split.train, split.validation, str(data_file)
+    task = task or subject.own_task
+    if not task:
+        raise ValueError(f"--model {subject.name!r} has no bundled task of its own: give its texts (--data F.jsonl) "
+                         f"or a bundled task's (--task {'|'.join(TASKS)})")
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; known tasks: {', '.join(TASKS)}")
-    started = time.perf_counter()
     data = load_task(task, fetch(data_dir))
-    encoder = TeacherEncoder.load()
-    head = load_head(artifacts, task)
-    tokenizer = TeacherTokenizer(teacher_dir(), max_tokens=MAX_TOKENS)
+    bootstrap = subsample(data.train, max(1, round(len(data.train) * BOOTSTRAP_SHARE)))
+    return bootstrap, data.validation, f"{task} ({BOOTSTRAP_SHARE:.0%} of train)"
+
+
+def train_ramps(artifacts: Path, task: str = "", data_dir: Path | None = None, quick: bool = False,
+                model: str = "", data_file: Path | None = None) -> dict[str, Any]:
+    """Trains, measures and writes the ramps of `task`'s classifier on the teacher, or of a user's `model` (on
+    `data_file`'s texts, or `task`'s); returns the summary."""
+    if data_file is not None and not model:
+        raise ValueError("--data gives a user's model its texts: give --model too")
+    started = time.perf_counter()
+    subject = Subject.user(artifacts, model) if model else Subject.bundled(artifacts, task)
+    encoder, head, tokenizer = subject.encoder, subject.head, subject.tokenizer
     depth = len(_layers(encoder))
     ramps = ExitRamps(range(1, depth), encoder.architecture.hidden_size, head.labels, encoder.pooling,
                       encoder.normalize)
-    bootstrap = subsample(data.train, max(1, round(len(data.train) * BOOTSTRAP_SHARE)))
-    validation = data.validation
+    bootstrap, validation, origin = ramp_texts(subject, task, data_dir, data_file)
     if quick:
         bootstrap, validation = subsample(bootstrap, QUICK_TEXTS), subsample(validation, QUICK_TEXTS)
-    log(f"{task}: {len(bootstrap)} bootstrap texts ({BOOTSTRAP_SHARE:.0%} of train), "
+    log(f"{subject.name}: {len(bootstrap)} bootstrap texts from {origin}, "
         f"{len(validation)} validation texts, ramps at layers {list(ramps.layers)} of {depth}")
     states = layer_states(encoder, tokenizer, [e.text for e in bootstrap], ramps)
     vstates = layer_states(encoder, tokenizer, [e.text for e in validation], ramps)
@@ -162,20 +232,20 @@ def train_ramps(artifacts: Path, task: str, data_dir: Path | None = None, quick:
     for k in ramps.layers:
         fitted, agreement[str(k)] = fit_ramp(states[:, k], target, vstates[:, k], vtarget, head.labels)
         ramps.heads[str(k)].load_state_dict(fitted.linear.state_dict())
-        log(f"{task}: ramp after layer {k}: agreement {agreement[str(k)]:.4f} on validation")
+        log(f"{subject.name}: ramp after layer {k}: agreement {agreement[str(k)]:.4f} on validation")
     costs, savings, model_ms = measure_costs(encoder, ramps, tokenizer, [e.text for e in validation])
     tuned_once = tune_once(ramps, vstates, vtarget.argmax(1).numpy(), savings)
-    summary = {"task": task, "layers": list(ramps.layers), "bootstrap_texts": len(bootstrap),
+    summary = {"task": subject.name, "layers": list(ramps.layers), "bootstrap_texts": len(bootstrap),
                "validation_texts": len(validation), "agreement": agreement,
                "cost": {str(k): round(v, 5) for k, v in costs.items()},
                "saving": {str(k): round(v, 4) for k, v in savings.items()}, "model_ms": round(model_ms, 3),
                "tuned_once": tuned_once, "quick": quick}
-    directory = ramps_dir(artifacts, task)
-    save_ramps(directory, ramps, teacher=TEACHER_NAME, task=task, metrics={"agreement": agreement},
+    directory = ramps_dir(artifacts, subject.name)
+    save_ramps(directory, ramps, teacher=subject.teacher, task=subject.name, metrics={"agreement": agreement},
                extra={"cost": summary["cost"], "saving": summary["saving"], "model_ms": summary["model_ms"],
                       "tuned_once": tuned_once, "constraint": CONSTRAINT})
     summary |= {"artifact": str(directory), "seconds": round(time.perf_counter() - started, 2)}
-    log(f"{task}: wrote {directory} in {summary['seconds']} s")
+    log(f"{subject.name}: wrote {directory} in {summary['seconds']} s")
     return summary
 
 
@@ -200,11 +270,14 @@ def tune_once(ramps: ExitRamps, vstates: torch.Tensor, final: np.ndarray, saving
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="academus ramps", description="Early-exit ramps (Apparate).")
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train exit ramps for a bundled task's served classifier")
-    t.add_argument("--task", required=True, choices=TASKS)
+    t = sub.add_parser("train", help="train exit ramps for a served classifier: a bundled task's, or a user's")
+    t.add_argument("--task", default="", choices=["", *TASKS],
+                   help="a bundled task: its classifier on the teacher; with --model, the texts to fit on")
+    t.add_argument("--model", default="", help="a head trained on a user's model, or a user's sequence classifier")
+    t.add_argument("--data", type=Path, default=None, help='with --model: its texts, JSON lines {"text": ...}')
     t.add_argument("--quick", action="store_true", help=f"at most {QUICK_TEXTS} texts a split")
     t.add_argument("--artifacts", type=Path, default=None)
-    t.add_argument("--data", type=Path, default=None, help="dataset packages (ACADEMUS_DATA_DIR)")
+    t.add_argument("--data-dir", type=Path, default=None, help="dataset packages (ACADEMUS_DATA_DIR)")
     return p
 
 
@@ -212,9 +285,13 @@ def main(argv: list[str] | None = None) -> int:
     offline_hub()
     args = _parser().parse_args(argv)
     torch.manual_seed(0)
+    if not (args.task or args.model):
+        log("error: give --task (a bundled task's classifier) or --model (a user's)")
+        return 2
     try:
-        summary = train_ramps(args.artifacts or default_artifacts_dir(), args.task, args.data, args.quick)
-    except (DataMissing, ArtifactError, ValueError) as e:
+        summary = train_ramps(args.artifacts or default_artifacts_dir(), args.task, args.data_dir, args.quick,
+                              args.model, args.data)
+    except (DataMissing, ArtifactError, ValueError, OSError) as e:
         log(f"error: {e}")
         return 1
     print(json.dumps(summary, sort_keys=True))

@@ -22,6 +22,7 @@ from academus.shared.runtime.config import artifacts_dir
 from academus.shared.state.catalogue import read_catalogue, write_entry
 from academus.shared.training.data import load_task
 from tests.e2e.conftest import metric, service, start_mesh, wait_for
+from tests.models import tiny_model_dir
 
 pytestmark = pytest.mark.e2e
 
@@ -143,3 +144,30 @@ def test_a_client_leaving_the_stream_stops_the_batch(exit_mesh: MeshState, clien
         break   # the first early answer is enough: the rest of the batch is nobody's
     wait_for(lambda: metric(worker, "academus_worker_abandoned_total") > before, 30,
              "the worker to stop the abandoned batch between layers")
+
+
+def test_a_users_classifier_gets_ramps_on_a_running_mesh(exit_mesh: MeshState, client: Client,
+                                                         tmp_path: Path) -> None:
+    """A user's sequence classifier (a tiny BERT, its own nonlinear head) added to the running mesh; `ramps train
+    --model --data` fits ramps after its own layers on the user's texts, and the worker releases early answers from
+    them within seconds, the final answer unchanged."""
+    tiny_model_dir("bert", True, tmp_path / "cls", seed=8)
+    added = academus(exit_mesh.run_dir, "models", "add", "user-cls", "--from", tmp_path / "cls")
+    assert added.returncode == 0, added.stderr
+    wait_for(lambda: "user-cls" in {m.name for m in client.list_models()}, 60, "the user's classifier served")
+    task = load_task("sentiment")
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text("".join(json.dumps({"text": e.text}) + "\n" for e in task.train[:240]))
+    trained = academus(exit_mesh.run_dir, "ramps", "train", "--model", "user-cls", "--data", texts, "--quick")
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    assert json.loads(trained.stdout.strip().splitlines()[-1])["layers"] == [1, 2]
+
+    def early() -> bool:
+        return len(list(client.infer_stream("user-cls", TEXTS))) > 1
+    wait_for(early, 30, "the user's classifier's ramps to release early results")
+    *released, final = list(client.infer_stream("user-cls", TEXTS))
+    assert all(not p.final and p.exit_layer in (1, 2) for r in released for p in r.predictions)
+    exact = client.infer("user-cls", TEXTS)
+    for streamed, plain in zip(final.predictions, exact.predictions, strict=True):
+        assert streamed.final and streamed.label == plain.label
+        np.testing.assert_allclose(list(streamed.probs.values()), list(plain.probs.values()), atol=1e-5)
