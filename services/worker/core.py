@@ -29,7 +29,7 @@ from academus.services.worker.sti import StiModel, StiSettings
 from academus.services.worker.traced import trace_layers
 from academus.shared.models.adapters import encode_with_adapters
 from academus.shared.models.exits import ControllerSettings
-from academus.shared.models.model import HIDDEN_SIZE, TeacherEncoder, pad_batch, weight_bytes
+from academus.shared.models.model import HIDDEN_SIZE, ClassifierHead, TeacherEncoder, pad_batch, weight_bytes
 from academus.shared.models.packing import Attention, PackedBatch, PackingPlan, check_plan, encode_packed, pack
 from academus.shared.models.plot.table import PlotError
 from academus.shared.models.teacher_files import TEACHER_NAME
@@ -155,6 +155,9 @@ class ServedModel:
 
     def finish_share(self, share: torch.Tensor, indices: Sequence[int], probs: bool) -> tuple[torch.Tensor, str]:
         """A member's share through the head's weight (bias on the member holding student 0)."""
+        if probs and not isinstance(self.head, ClassifierHead):   # tanh before its projection: shares do not add
+            raise InvalidArgument(f"{self.spec.name!r} has a sequence classifier's nonlinear head: its students "
+                                  "run whole on one worker, not as shares (student_indices)")
         if probs:
             logits = share @ self.head.linear.weight.T
             return (logits + self.head.linear.bias if 0 in indices else logits), FINISH_SOFTMAX

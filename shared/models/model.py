@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from academus.shared.models.architectures import Architecture, read_architecture
+from academus.shared.models.architectures import Architecture, family_module, read_architecture
 from academus.shared.models.teacher_files import teacher_dir
 
 HIDDEN_SIZE = 384   # the bundled teacher's width (all-MiniLM-L6-v2); every other model's comes from its config
@@ -126,7 +128,7 @@ def load_encoder(model_dir: Path, device: str | torch.device = "cpu", pooling: s
         raise ValueError(f"{model_dir}: weights missing or of the wrong shape for {architecture.name}: "
                          f"{', '.join(map(str, missing[:5]))}{' ...' if len(missing) > 5 else ''}")
     if classify:
-        head = SequenceClassifierHead(architecture, model)
+        head = SequenceClassifierHead.of(architecture, model)
         encoder = TeacherEncoder(getattr(model, family.body_attribute), architecture, FIRST, normalize=False)
         return encoder.to(device).eval(), head.to(device).eval()
     return TeacherEncoder(model, architecture, pooling, normalize).to(device).eval(), None
@@ -147,16 +149,31 @@ class ClassifierHead(nn.Module):
 class SequenceClassifierHead(nn.Module):
     """A transformers sequence classifier's own head, on the first token's hidden state: BERT's pooler (dense
     + tanh) then its linear classifier; RoBERTa's and MPNet's dense + tanh + projection. Its labels are the
-    config's id2label, in id order."""
+    config's id2label, in id order. Its students carry a copy (`for_config` rebuilds its shape)."""
 
-    def __init__(self, architecture: Architecture, model: nn.Module) -> None:
+    def __init__(self, labels: Sequence[str], pooler: nn.Module | None, classifier: nn.Module) -> None:
         super().__init__()
+        self.labels = list(labels)
+        self.pooler, self.classifier = pooler, classifier
+
+    @classmethod
+    def of(cls, architecture: Architecture, model: nn.Module) -> SequenceClassifierHead:
+        """The head of a loaded `…ForSequenceClassification` (its modules, not copies)."""
         config = model.config
-        self.labels = [str(config.id2label[i]) for i in range(len(config.id2label))]
-        if architecture.family.name == "bert":
-            self.pooler, self.classifier = getattr(model, architecture.family.body_attribute).pooler, model.classifier
-        else:
-            self.pooler, self.classifier = None, model.classifier
+        labels = [str(config.id2label[i]) for i in range(len(config.id2label))]
+        pooler = getattr(model, architecture.family.body_attribute).pooler if architecture.family.name == "bert" \
+            else None
+        return cls(labels, pooler, model.classifier)
+
+    @classmethod
+    def for_config(cls, config: Any, labels: Sequence[str]) -> SequenceClassifierHead:
+        """An untrained head of the family's shape for `labels` (what a student group's copy is loaded into)."""
+        config = copy.deepcopy(config)
+        config.num_labels = len(labels)
+        family = read_architecture(config.to_dict()).family
+        if family.name == "bert":
+            return cls(labels, family_module(family, "Pooler")(config), nn.Linear(config.hidden_size, len(labels)))
+        return cls(labels, None, family_module(family, "ClassificationHead")(config))
 
     def forward(self, first_token: torch.Tensor) -> torch.Tensor:
         if self.pooler is not None:

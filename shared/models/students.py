@@ -10,6 +10,7 @@ Any prefix of k students is a valid model: the served representation is Σ_{m<k}
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -20,7 +21,15 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.masking_utils import create_bidirectional_mask
 
 from academus.shared.models.architectures import family_module, read_architecture
-from academus.shared.models.model import ClassifierHead, body_inputs, mean_pool, padded_positions
+from academus.shared.models.model import (
+    ClassifierHead,
+    SequenceClassifierHead,
+    body_inputs,
+    mean_pool,
+    padded_positions,
+)
+
+LINEAR, SEQUENCE = "linear", "sequence"   # a group's head: linear on Σ α·S, or a sequence classifier's own
 
 # The teacher config keys a student needs (those its family has); the rest (ids, generation settings) are
 # irrelevant here.
@@ -75,7 +84,7 @@ class StudentGroup(nn.Module):
     """Students over one frozen shared embedding table, their α, and an optional task head."""
 
     def __init__(self, config: PretrainedConfig, num_students: int, labels: Sequence[str] = (),
-                 normalize: bool = False, best_k: int | None = None) -> None:
+                 normalize: bool = False, best_k: int | None = None, head: str = LINEAR) -> None:
         super().__init__()
         self.config = config
         self.architecture = read_architecture(config.to_dict())
@@ -83,9 +92,19 @@ class StudentGroup(nn.Module):
         self.students = nn.ModuleList(Student(config) for _ in range(num_students))
         self.alpha = nn.Parameter(torch.ones(num_students))
         self.labels = list(labels)
-        self.head = ClassifierHead(self.labels, config.hidden_size) if self.labels else None
+        self.head_kind = head
+        self.head: nn.Module | None = None
+        if self.labels:
+            self.head = ClassifierHead(self.labels, config.hidden_size) if head == LINEAR else \
+                SequenceClassifierHead.for_config(config, self.labels)
         self.normalize = normalize            # the embedding task serves unit vectors, like the teacher
         self.best_k = best_k or num_students
+
+    def take_head(self, head: nn.Module) -> None:
+        """A copy of the teacher's head (the students start from it: B ≈ T): linear, or a sequence classifier's
+        own nonlinear one, which the group's representation then feeds as the classifier's first token did."""
+        self.head_kind = SEQUENCE if isinstance(head, SequenceClassifierHead) else LINEAR
+        self.head = copy.deepcopy(head).to(self.alpha.device)
 
     @property
     def max_students(self) -> int:

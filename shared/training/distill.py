@@ -375,7 +375,7 @@ def _initial_group(teacher: Teacher, data: DistillData, cfg: DistillConfig,
         group = from_teacher(bert, cfg.layers, data.labels, normalize, ffn_keep(bert, data.splits["train"], cfg))
     _calibrate_scale(group, data.splits["train"], cfg)
     if data.teacher_head is not None:     # the new classifier starts from the teacher's head: B ≈ T
-        group.head.load_state_dict(data.teacher_head.state_dict())
+        group.take_head(data.teacher_head)
     return group
 
 
@@ -415,13 +415,19 @@ def load_data(task: str, artifacts: Path, data_dir: Path | None, cfg: DistillCon
 
 
 def user_task(artifacts: Path, model: str, task: str | None, from_file: bool = False) -> str:
-    """The task a user's model is distilled on: a head's own task (trained with --task), or `embedding` for an
-    embedding model (the general texts). `from_file`: on a file's examples, a head's task may be any."""
+    """The task a user's model is distilled on: a head's own task (trained with --task), `embedding` for an
+    embedding model (the general texts), or a sequence classifier's own (its name: only its file's examples carry
+    its labels). `from_file`: on a file's examples, a head's task may be any."""
     from academus.shared.models.user_models import HEAD_ON
     from academus.shared.state.artifacts import read_manifest
-    from academus.shared.state.catalogue import read_catalogue
+    from academus.shared.state.catalogue import CLASSIFICATION, read_catalogue
 
     entry = read_catalogue(artifacts).get(model, {})
+    if "source" in entry and entry.get("kind") == CLASSIFICATION:
+        if not from_file:
+            raise ValueError(f"--model {model!r} is a sequence classifier with labels of its own: distil it on a file "
+                             "of its examples (--data F.jsonl)")
+        return model
     own = read_manifest(Path(artifacts) / entry["head"]).task if HEAD_ON in entry else EMBEDDING_TASK
     if own not in DISTILL_TASKS and not from_file:
         raise ValueError(f"--model {model!r} is a head trained on {own!r}, not on a bundled task: distil it on a "
@@ -441,7 +447,8 @@ def distill(task: str | None, artifacts: Path | None = None, data_dir: Path | No
     artifacts = Path(artifacts or default_artifacts_dir())
     if data_file is not None and (task or not model):
         raise ValueError("--data distils a user's model on the file's examples: give --model (a head from `academus "
-                         "heads train`, or an embedding model from `academus models add`) and no --task")
+                         "heads train`, or an embedding model or sequence classifier from `academus models add`) "
+                         "and no --task")
     task = user_task(artifacts, model, task, data_file is not None) if model else task
     check_args(task, cfg, data_file is not None)
     started = time.perf_counter()

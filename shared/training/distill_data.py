@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
-from academus.shared.models.model import ClassifierHead, TeacherEncoder, pad_batch
+from academus.shared.models.model import TeacherEncoder, pad_batch
 from academus.shared.models.teacher_files import TEACHER_NAME, teacher_dir
 from academus.shared.models.tokenization import Encoded, TeacherTokenizer
 from academus.shared.state.artifacts import ArtifactError
@@ -84,7 +85,7 @@ class DistillData:
     task: str
     labels: list[str]                     # empty for the embedding task
     splits: dict[str, Split]              # train, validation, test (+ heldout for embedding)
-    teacher_head: ClassifierHead | None
+    teacher_head: nn.Module | None   # linear, or a user's sequence classifier's own
 
 
 class _CacheMiss(Exception):
@@ -123,7 +124,7 @@ class Teacher:
     name: str = TEACHER_NAME         # what the students' manifest names as their teacher
     cache_name: str = TEACHER_NAME   # whose embedding cache (prepare's, or heads train's)
     model: str = ""                  # a user's model: the one whose encoder and tokenizer these are
-    head: ClassifierHead | None = None   # a head on a user's model: its task's teacher head
+    head: nn.Module | None = None   # a head on a user's model, or a user's classifier's own: the task's
 
     @classmethod
     def bundled(cls) -> Teacher:
@@ -137,7 +138,8 @@ class Teacher:
 
     @classmethod
     def user(cls, artifacts: Path, name: str) -> Teacher:
-        """`name`: a user's embedding model, or a head on one (then the head is the task's teacher head)."""
+        """`name`: a user's embedding model, a head on one (then the head is the task's teacher head), or a user's
+        sequence classifier (its own nonlinear head on its first token is the teacher head)."""
         from academus.shared.models.user_models import HEAD_ON, cache_name, open_model
         from academus.shared.state.catalogue import read_catalogue
 
@@ -145,12 +147,12 @@ class Teacher:
         entry = catalogue.get(name, {})
         model = entry.get(HEAD_ON, name)
         base = catalogue.get(model, {})
-        if "source" not in base or base.get("kind") != "embedding":
-            raise ValueError(f"--model {name!r} is neither an embedding model added with `academus models add` nor a "
-                             "head trained on one (`academus heads train`)")
+        if "source" not in base:
+            raise ValueError(f"--model {name!r} is neither a model added with `academus models add` nor a head "
+                             "trained on one (`academus heads train`)")
         source = Path(artifacts) / base["source"]
-        encoder, _, manifest = open_model(source)
-        head = load_head_at(Path(artifacts) / entry["head"]) if HEAD_ON in entry else None
+        encoder, own_head, manifest = open_model(source)
+        head = load_head_at(Path(artifacts) / entry["head"]) if HEAD_ON in entry else own_head
         return cls(encoder, TeacherTokenizer(source, max_tokens=base["max_tokens"]), name,
                    cache_name(model, manifest), model, head)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from academus.shared.models.students import StudentGroup, config_keys, student_config
+from academus.shared.models.students import LINEAR, StudentGroup, config_keys, student_config
 from academus.shared.models.teacher_files import TEACHER_NAME
 from academus.shared.models.user_models import STUDENTS_OF
 from academus.shared.state.artifacts import ArtifactError, load_artifact, write_artifact
@@ -36,6 +36,7 @@ def write_student_group(artifacts: Path, key: str, group: StudentGroup, metrics:
     teacher's groups, the teacher model's for a user's); returns the manifest extra."""
     extra = {**(extra or {}), "layers": group.layers, "num_students": group.max_students, "best_k": group.best_k,
              "alpha": [round(a, 6) for a in group.alphas().tolist()], "normalize": group.normalize,
+             "head": group.head_kind,
              "encoder_config": config_keys(group.config), "max_tokens": max_tokens,
              "embeddings": (extra or {}).get("embeddings", "the teacher's, frozen, one copy shared by all students")}
     tensors = {k: v for k, v in group.state_dict().items()}
@@ -61,7 +62,8 @@ def load_student_group(artifacts: Path, key: str, device: str | torch.device = "
     try:   # groups written before students took the teacher's family are BERT ("bert_config")
         config = student_config(extra.get("encoder_config") or extra["bert_config"], int(extra["layers"]))
         group = StudentGroup(config, int(extra["num_students"]), manifest.labels,
-                             normalize=bool(extra["normalize"]), best_k=int(extra["best_k"]))
+                             normalize=bool(extra["normalize"]), best_k=int(extra["best_k"]),
+                             head=extra.get("head", LINEAR))
         group.load_state_dict(tensors, strict=True)
         group.check_count(group.best_k)
     except (KeyError, TypeError, ValueError, RuntimeError) as e:

@@ -6,16 +6,25 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 from collections import Counter
 from contextlib import redirect_stdout
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+import transformers
 
+from academus.services.worker.core import OUTPUT_PROBS, ModelRunner
+from academus.shared.models.model import SequenceClassifierHead, pad_batch
+from academus.shared.models.students import SEQUENCE
 from academus.shared.models.teacher_files import teacher_dir
+from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.models.user_models import add_model
+from academus.shared.models.work import Batch
+from academus.shared.runtime.errors import InvalidArgument
 from academus.shared.state.artifacts import read_manifest
 from academus.shared.training.data import held_out_split, load_task
 from academus.shared.training.distill import distill
@@ -23,6 +32,7 @@ from academus.shared.training.distill_cli import main
 from academus.shared.training.distill_data import QUICK
 from academus.shared.training.student_artifacts import load_student_group, students_dir
 from academus.shared.training.user_heads import train_user_head
+from tests.models import tiny_model_dir
 
 REVIEWS = 300
 CONFIG = replace(QUICK, max_students=2)
@@ -111,3 +121,72 @@ def test_a_head_trained_on_a_file_is_distilled_only_on_a_file(artifacts: Path, t
     assert rc == 1
     assert "is a head trained on 'reviews', not on a bundled task: distil it on a file of its examples (--data" \
         in capsys.readouterr().err
+
+
+def sentiment_classifier(directory: Path, examples: list[tuple[str, str]]) -> Path:
+    """A real sequence classifier: MiniLM's body under BERT's pooler and a linear classifier, both fitted on the
+    reviews' first-token states, saved as transformers saves a fine-tuned BertForSequenceClassification."""
+    labels = sorted({label for _, label in examples})
+    model = transformers.BertForSequenceClassification.from_pretrained(
+        str(teacher_dir()), num_labels=2, id2label=dict(enumerate(labels)),
+        label2id={k: i for i, k in enumerate(labels)})
+    tokenizer = TeacherTokenizer(teacher_dir())
+    encoded = tokenizer.encode([text for text, _ in examples])
+    ids, mask, types = pad_batch([e.input_ids for e in encoded], [e.token_type_ids for e in encoded])
+    with torch.no_grad():
+        first = model.bert(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state[:, 0]
+    gold = torch.tensor([labels.index(label) for _, label in examples])
+    head = [*model.bert.pooler.parameters(), *model.classifier.parameters()]
+    optimizer = torch.optim.Adam(head, lr=1e-3)
+    torch.manual_seed(0)
+    for _ in range(300):
+        logits = model.classifier(model.bert.pooler.activation(model.bert.pooler.dense(first)))
+        loss = torch.nn.functional.cross_entropy(logits, gold)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.config.architectures = ["BertForSequenceClassification"]
+    model.save_pretrained(directory)
+    shutil.copyfile(teacher_dir() / "tokenizer.json", directory / "tokenizer.json")
+    return directory
+
+
+def test_a_sequence_classifiers_students_carry_its_own_nonlinear_head(examples: list, dataset_dir: Path,
+                                                                      tmp_path: Path) -> None:
+    """Students of a user's fine-tuned classifier (its pooler's dense + tanh, then its classifier; fitted on other
+    reviews than the file's), distilled on its labelled file, keep a copy of that head and move towards its
+    representation; the worker serves them through it, whole on one worker."""
+    task = load_task("sentiment", dataset_dir)
+    fitted_on = [(e.text, task.labels[e.label]) for e in task.train[REVIEWS:REVIEWS + 600]]
+    artifacts = tmp_path / "artifacts"
+    add_model(artifacts, "critic", sentiment_classifier(tmp_path / "critic", fitted_on))
+    data = reviews(tmp_path / "reviews.jsonl", examples)
+    summary = distill(None, artifacts, tmp_path / "data", CONFIG, quick=True, model="critic", data_file=data)
+    assert summary["served"] == ["critic-2l", "critic-students"] and summary["task"] == "critic"
+    manifest = read_manifest(students_dir(artifacts, "critic"))
+    assert manifest.extra["head"] == SEQUENCE and manifest.labels == ["fresh", "rotten"]
+    assert summary["teacher"]["test"]["accuracy"] >= 0.6, "the classifier the students learn from learned nothing"
+    best = summary["validation"][summary["best_k"] - 1]
+    assert best["cosine"] >= summary["untrained_validation"]["cosine"] + 0.2   # towards what its head reads
+
+    group = load_student_group(artifacts, "critic", teacher="critic", task="critic")
+    assert isinstance(group.head, SequenceClassifierHead) and group.head.pooler is not None
+    runner = ModelRunner(artifacts, ["critic-students"], traced=False)
+    texts = [text for text, _ in examples[:5]]
+    encoded = TeacherTokenizer(teacher_dir()).encode(texts)
+    ids, lengths = [i for e in encoded for i in e.input_ids], [len(e.input_ids) for e in encoded]
+    served = runner.run(Batch("critic-students", OUTPUT_PROBS, ids, lengths)).values
+    with torch.no_grad():
+        padded = pad_batch([e.input_ids for e in encoded], [e.token_type_ids for e in encoded])
+        expected = torch.softmax(group.head(group(*padded)), dim=-1).numpy()
+    np.testing.assert_allclose(served, expected, atol=1e-5)
+    with pytest.raises(InvalidArgument, match="nonlinear head: its students run whole on one worker"):
+        runner.run(Batch("critic-students", OUTPUT_PROBS, ids, lengths, student_indices=(0,)))
+
+
+def test_a_sequence_classifier_is_distilled_only_on_a_file(tmp_path: Path, examples: list) -> None:
+    artifacts = tmp_path / "artifacts"
+    tiny_model_dir("roberta", True, tmp_path / "tiny")
+    add_model(artifacts, "tiny-critic", tmp_path / "tiny")
+    with pytest.raises(ValueError, match="'tiny-critic' is a sequence classifier with labels of its own: distil it on"):
+        distill(None, artifacts, tmp_path / "data", CONFIG, quick=True, model="tiny-critic")
