@@ -1,7 +1,7 @@
 """Student allocation and adaptation (Student Parallelism §3.3.1, App. B.4.1, B.4.3) — pure logic.
 
 - `allocate_groups`: eq. 6, student i of group j on device (i + j·S) % G, as many groups as the
-  devices' instance slots hold.
+  devices' instance slots hold; `allocate_whole`: a group a slot, for heads that do not add over members.
 - `StudentNumber`: drops the last-trained student when the buffer reaches the group count (again as soon
   as the schedulers report groups of the new number, while the buffer still reaches their count); adds one
   back when the buffer stayed empty and idle students outnumbered busy groups for a whole window.
@@ -47,6 +47,14 @@ def allocate_groups(students: int, devices: Sequence[Device]) -> Allocation:
             members.setdefault(worker, []).append(i)
         groups.append(list(members.items()))
     return groups
+
+
+def allocate_whole(students: int, devices: Sequence[Device]) -> Allocation:
+    """One group a worker instance slot, all `students` on it (run one after another in its call): for a group
+    whose head does not add over members, so no scheduler could combine students placed apart."""
+    if students < 1:
+        raise ValueError(f"the student number must be >= 1, not {students}")
+    return [[(worker, list(range(students)))] for d in devices for worker, slots in d.workers for _ in range(slots)]
 
 
 def _take_slot(free: list[list[tuple[str, int]]], device: int) -> str:

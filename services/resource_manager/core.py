@@ -15,7 +15,13 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from academus.services.resource_manager.allocation import Device, GroupLoad, StudentNumber, allocate_groups
+from academus.services.resource_manager.allocation import (
+    Device,
+    GroupLoad,
+    StudentNumber,
+    allocate_groups,
+    allocate_whole,
+)
 from academus.shared.runtime.config import split_names
 from academus.shared.state.catalogue import ModelSpec
 from academus.shared.state.keys import Keys
@@ -149,7 +155,8 @@ class GroupPlanner:
                 students = number.current   # read after the last await: the table is of one student number
                 # eq. 6 within each node: a group's students are combined by its node's scheduler, so
                 # none waits on another machine's network hop
-                groups = [g for devices in nodes.values() for g in allocate_groups(students, devices)]
+                allocate = allocate_whole if spec.whole_groups else allocate_groups
+                groups = [g for devices in nodes.values() for g in allocate(students, devices)]
                 pipe = self.redis.pipeline(transaction=True)
                 pipe.set(self.keys.students(name), students)
                 pipe.set(self.keys.groups(name), json.dumps({"students": students, "groups": groups}))

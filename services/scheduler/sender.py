@@ -30,9 +30,10 @@ RunOn = Callable[[str, Batch, float, OnPartial | None], Awaitable[BatchOutput]]
 
 
 class GroupSender:
-    """Runs a batch on a group: one worker call for a single-member group; for a student group, one
-    call per member in parallel, then the combiner adds the partial outputs (Σ α_m·S_m through the
-    linear head) and applies the final softmax or normalisation."""
+    """Runs a batch on a group: one worker call for a single-member group (a student group whose students
+    one worker holds all runs them as one model, its head included, linear or not); for a student group
+    spread over workers, one call per member in parallel, then the combiner adds the partial outputs
+    (Σ α_m·S_m through the linear head) and applies the final softmax or normalisation."""
 
     def __init__(self, run_on: RunOn, clock: Callable[[], float], prefetcher: PlotPrefetcher | None = None) -> None:
         self.run_on, self.clock, self.prefetcher = run_on, clock, prefetcher
@@ -44,7 +45,10 @@ class GroupSender:
         batch = batch_of(jobs)
         if self.prefetcher is not None:
             batch = self.prefetcher.attach(batch, jobs)
-        if len(group.members) == 1 and not group.members[0].students:
+        whole = len(group.members) == 1 and set(group.members[0].students) in (set(), set(range(group.students)))
+        if whole and group.members[0].students:   # one worker holds every student: it runs them as one model
+            batch = batch.member(group.students, ())
+        if whole:
             wanted = any(j.on_partial is not None for j in jobs)
             output = await self.run_on(group.members[0].worker_id, batch, remaining,
                                        functools.partial(deliver_partial, jobs=jobs) if wanted else None)

@@ -32,6 +32,7 @@ from academus.shared.models.exits import ControllerSettings
 from academus.shared.models.model import HIDDEN_SIZE, ClassifierHead, TeacherEncoder, pad_batch, weight_bytes
 from academus.shared.models.packing import Attention, PackedBatch, PackingPlan, check_plan, encode_packed, pack
 from academus.shared.models.plot.table import PlotError
+from academus.shared.models.students import SEQUENCE
 from academus.shared.models.teacher_files import TEACHER_NAME
 from academus.shared.models.user_models import HEAD_ON, STUDENTS_OF
 from academus.shared.models.work import FINISH_L2, FINISH_SOFTMAX, FINISH_SUM, Batch, PlotStates, ShardRun, split_flat
@@ -258,7 +259,8 @@ class ModelRunner:
                              group.config.hidden_size, int(entry.get("max_tokens", ModelSpec.max_tokens)),
                              max_students=group.max_students, default_students=group.best_k,
                              tokenizer=self._tokenizer_digest(entry.get(STUDENTS_OF, "")),
-                             architecture=group.architecture.name, layers=group.layers)
+                             architecture=group.architecture.name, layers=group.layers,
+                             whole_groups=group.head_kind == SEQUENCE)
             return ServedModel(spec, group, group.head, group.max_students, group.best_k)
         if "plot" in entry:
             return self._load_plot(name, entry)

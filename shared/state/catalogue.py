@@ -39,6 +39,8 @@ class ModelSpec:
     architecture: str = ""         # the transformers class it was saved as ("": the bundled teacher's)
     layers: int = 0                # transformer layers computed for one text (0: not reported)
     memory_bytes: int = 0          # its weights in the worker's memory (shared weights counted once a model)
+    whole_groups: bool = False     # student groups whose head does not add over members (a classifier's own,
+                                   # nonlinear): each group runs on one worker
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

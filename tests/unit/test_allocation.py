@@ -12,6 +12,7 @@ from academus.services.resource_manager.allocation import (
     ProfilePoint,
     StudentNumber,
     allocate_groups,
+    allocate_whole,
     choose_profile,
 )
 from academus.shared.runtime.gpu import mps_action, mps_plan, start_mps
@@ -44,6 +45,14 @@ def test_fewer_slots_than_students_still_make_one_group_with_co_located_students
 def test_students_of_one_group_share_a_member_call_when_they_land_on_one_worker():
     allocation = allocate_groups(3, devices(1, capacity=3))
     assert allocation == [[("w0", [0, 1, 2])]]
+
+
+def test_whole_groups_take_a_slot_each_with_every_student_on_it():
+    """A head that does not add over members (a sequence classifier's own): no group spans workers."""
+    assert allocate_whole(3, devices(2, capacity=2)) == [[("w0", [0, 1, 2])]] * 2 + [[("w1", [0, 1, 2])]] * 2
+    assert allocate_whole(2, []) == []
+    with pytest.raises(ValueError, match="must be >= 1"):
+        allocate_whole(0, devices(1))
 
 
 def test_no_devices_means_no_groups_and_zero_students_is_refused():

@@ -98,6 +98,21 @@ async def test_groups_are_formed_within_a_node(redis_url):
     await redis.aclose()
 
 
+async def test_a_group_whose_head_does_not_add_over_members_stays_on_one_worker(redis_url):
+    """Two workers, S = 2: eq. 6 would spread each group over both; a model with `whole_groups` (a classifier's
+    nonlinear head) gets a group a worker, every student on it."""
+    redis = connect(redis_url)
+    keys = Keys("acd-whole")
+    spec = ModelSpec("c", CLASSIFICATION, ["a", "b"], max_students=2, default_students=2, whole_groups=True)
+    table = PlacementTable(redis, keys, 60)
+    for i in range(2):
+        await table.register(WorkerInfo(f"w{i}", f"h{i}:1", "cpu", 1, ["c"], "a"), [spec])
+    assert await GroupPlanner(redis, keys).replan() == {"c": 2}
+    assert json.loads(await redis.get(keys.groups("c")))["groups"] == [[["w0", [0, 1]]], [["w1", [0, 1]]]]
+    assert ModelSpec.from_json(await redis.hget(keys.models(), "c")).whole_groups   # as the worker registered it
+    await redis.aclose()
+
+
 async def test_a_replan_overlapping_an_adaptation_writes_groups_of_the_number_it_names(redis_url):
     """A replan paused while reading the live workers (a registration's, the reaper's) and an adaptation
     that drops the student number meanwhile: the table left names one student number, and its groups

@@ -934,3 +934,27 @@ def test_a_shard_outside_its_count_is_refused_by_the_configuration():
     with pytest.raises(cfg.ConfigError, match=r"ACADEMUS_SHARD=2 must be 0\.\.ACADEMUS_SHARDS-1"):
         cfg.load(cfg.SchedulerConfig, {"ACADEMUS_SHARD": "2", "ACADEMUS_SHARDS": "2"})
     assert cfg.load(cfg.SchedulerConfig, {"ACADEMUS_SHARD": "1", "ACADEMUS_SHARDS": "2"}).shard == 1
+
+
+async def test_a_group_one_worker_holds_whole_runs_as_one_model_and_a_spread_one_fans_out():
+    """One member with every student: one call for the model with the group's student number and no share (so a
+    head that does not add over members, a classifier's own, still serves); members apart: a share each."""
+    import numpy as np
+
+    from academus.services.scheduler.sender import GroupSender
+    from academus.shared.models.work import FINISH_SOFTMAX, BatchMeta, BatchOutput
+
+    calls = []
+
+    async def run_on(worker_id, batch, remaining, on_partial):
+        calls.append((worker_id, batch.num_students, batch.student_indices, on_partial is not None))
+        finish = FINISH_SOFTMAX if batch.student_indices else ""
+        return BatchOutput(np.zeros((1, 2), dtype=np.float32), ["a", "b"], BatchMeta(), finish=finish)
+
+    clock = Clock()
+    sender = GroupSender(run_on, clock)
+    job = make_job(clock, model="ss", payload=WorkItem("ss", "label", [101, 102], [2]))
+    job.on_partial = lambda output: None
+    await sender(Group("ss/g0", frozenset({"ss"}), (Member("w0", (0, 1, 2)),), students=3), [job])
+    await sender(Group("ss/g1", frozenset({"ss"}), (Member("w0", (0, 1)), Member("w1", (2,))), students=3), [job])
+    assert calls == [("w0", 3, (), True), ("w0", 3, (0, 1), False), ("w1", 3, (2,), False)]
