@@ -582,6 +582,8 @@ class TrainerConfig(CommonConfig):
     done_ttl_s: float = setting(7 * 86400.0, "how long a finished job's record stays readable")
     adapter_rank: int = setting(16, "tenant adapters' bottleneck width", at_least(1))
     adapter_epochs: int = setting(8, "epochs a tenant adapter trains", at_least(1))
+    user_bases: int = setting(2, "users' models kept loaded as tenant adapters' bases; the one used longest ago "
+                              "goes past it", at_least(1))
     plot_dir: str = setting("", "the root PLOT table overlays extend; empty: the one the mesh serves")
     uploads_dir: str = setting("", "where the gateway leaves uploads; empty: `<artifacts>/uploads`")
 
