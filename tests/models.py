@@ -58,3 +58,15 @@ def tiny_model_dir(family: str, classifier: bool, directory: Path, seed: int = 0
 
 def json_vocab_size() -> int:
     return len(json.loads((teacher_dir() / "tokenizer.json").read_text())["model"]["vocab"])
+
+
+def permute_vocabulary(directory: Path, first: int = 1000) -> None:
+    """Renumbers the ordinary tokens of the directory's tokenizer.json (ids from `first` on, in reverse; the special
+    tokens below keep theirs): a text's ids then differ from the bundled teacher's tokenizer, so a path that
+    tokenized with the teacher's would be caught."""
+    path = Path(directory) / "tokenizer.json"
+    raw = json.loads(path.read_text())
+    vocab = raw["model"]["vocab"]
+    top = max(vocab.values())
+    raw["model"]["vocab"] = {token: i if i < first else first + top - i for token, i in vocab.items()}
+    path.write_text(json.dumps(raw))

@@ -28,7 +28,7 @@ from academus.shared.training.prepare import load_head_at
 from academus.shared.training.student_artifacts import load_student_group
 from academus.v1 import manage_pb2, manage_pb2_grpc
 from tests.e2e.conftest import start_mesh
-from tests.models import LABELS, tiny_model_dir
+from tests.models import LABELS, permute_vocabulary, tiny_model_dir
 
 pytestmark = pytest.mark.e2e
 
@@ -245,6 +245,7 @@ def test_tenant_models_on_a_users_model_serve_their_adapters_and_hold_it(user_me
     trainer through the Manage API; each served through the mesh equal to its adapter on the model in process. The
     model is not removed while a tenant's model sits on it, and is once the tenant is gone."""
     tiny_model_dir("mpnet", False, tmp_path / "base")
+    permute_vocabulary(tmp_path / "base")   # its own tokenizer: the teacher's would give other ids
     assert academus(user_mesh, "models", "add", "tenant-base", "--from", tmp_path / "base").returncode == 0
     wait_served(client, "tenant-base")
     data = word_reviews(tmp_path / "reviews.jsonl")
