@@ -13,7 +13,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,6 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from tqdm import tqdm
-from transformers.masking_utils import create_bidirectional_mask
 
 from academus.shared.models.adapters import (
     DEFAULT_RANK,
@@ -31,8 +30,8 @@ from academus.shared.models.adapters import (
     install_adapters,
     upper_layers,
 )
-from academus.shared.models.architectures import Architecture, read_architecture
-from academus.shared.models.model import MEAN, TeacherEncoder, body_inputs, mean_pool, pad_batch, padded_positions
+from academus.shared.models.model import TeacherEncoder, pad_batch
+from academus.shared.models.split import SplitEncoder
 from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.state.catalogue import ADAPTER_BASES, EMBEDDING, PLOT_BASES, read_catalogue
@@ -48,41 +47,6 @@ def read_labelled_jsonl(path: Path | str) -> tuple[list[str], list[str]]:
 
 
 # --- cached lower layers -----------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class SplitEncoder:
-    """An encoder run in two parts (its lower layers once, the adapted upper ones each step), pooled as it is
-    served: a TeacherEncoder's own family, pooling and normalisation; a bare body as the bundled teacher's
-    (mean, L2-normalised)."""
-
-    body: nn.Module
-    architecture: Architecture
-    pooling: str = MEAN
-    normalize: bool = True
-
-    @classmethod
-    def of(cls, encoder: nn.Module) -> SplitEncoder:
-        if isinstance(encoder, TeacherEncoder):
-            return cls(encoder.body, encoder.architecture, encoder.pooling, encoder.normalize)
-        return cls(encoder, read_architecture(encoder.config.to_dict()))
-
-    def embed(self, ids: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
-        return self.body.embeddings(input_ids=ids, **body_inputs(self.architecture, types,
-                                                                 padded_positions(self.architecture, ids)))
-
-    def layers(self, hidden: torch.Tensor, mask: torch.Tensor, start: int, stop: int | None = None) -> torch.Tensor:
-        """Layers start..stop-1 on right-padded states; MPNet's relative-position bias as its encoder adds it."""
-        extended = create_bidirectional_mask(config=self.body.config, inputs_embeds=hidden, attention_mask=mask)
-        relative = self.architecture.family.relative_attention
-        bias = self.body.encoder.compute_position_bias(hidden) if relative else None
-        for layer in self.body.encoder.layer[start:stop]:
-            hidden = layer(hidden, extended) if bias is None else layer(hidden, extended, bias)[0]
-        return hidden
-
-    def pool(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        pooled = mean_pool(hidden, mask) if self.pooling == MEAN else hidden[:, 0]
-        return F.normalize(pooled, p=2, dim=1) if self.normalize else pooled
-
 
 @torch.no_grad()
 def lower_states(encoder: nn.Module, encoded: Sequence[Any], num_lower: int, batch_size: int = 64,
