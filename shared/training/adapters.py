@@ -129,36 +129,21 @@ def check_base(base: str) -> dict[str, Any]:
     return entry
 
 
-def open_base(base: str, device: str | torch.device = "cpu") -> tuple[TeacherEncoder, TeacherTokenizer]:
-    """The encoder and tokenizer tenant adapters on `base` train on: the bundled teacher for a bundled base, else
-    a user's embedding model from the catalogue, its files checked against their manifest."""
+def open_base(base: str, device: str | torch.device = "cpu", encoder: TeacherEncoder | None = None,
+              tokenizer: TeacherTokenizer | None = None) -> tuple[TeacherEncoder, TeacherTokenizer]:
+    """The encoder and tokenizer tenant adapters on `base` train on, the base checked: those given are kept (a shared
+    encoder), the rest opened, the bundled teacher's for a bundled base, else the user's model's (its files checked
+    against their manifest)."""
     entry = check_base(base)
     if not entry:
-        return TeacherEncoder.load(device=device), _tokenizer(base)
+        return (encoder or TeacherEncoder.load(device=device),
+                tokenizer or TeacherTokenizer(teacher_dir(), max_tokens=MAX_TOKENS))
     from academus.shared.models.user_models import open_model
     from academus.shared.runtime.config import artifacts_dir
 
-    encoder, _, _ = open_model(artifacts_dir() / entry["source"], device)
-    return encoder, _tokenizer(base)
-
-
-def _base_parts(base: str, encoder: TeacherEncoder | None, tokenizer: TeacherTokenizer | None,
-                device: str | torch.device = "cpu") -> tuple[TeacherEncoder, TeacherTokenizer]:
-    """The base's encoder and tokenizer: those given (a shared encoder), the rest opened; the base checked."""
-    if encoder is not None and tokenizer is not None:
-        check_base(base)
-        return encoder, tokenizer
-    opened, own = open_base(base, device) if encoder is None else (encoder, _tokenizer(base))
-    return opened, tokenizer or own
-
-
-def _tokenizer(base: str) -> TeacherTokenizer:
-    entry = check_base(base)
-    if not entry:
-        return TeacherTokenizer(teacher_dir(), max_tokens=MAX_TOKENS)
-    from academus.shared.runtime.config import artifacts_dir
-
-    return TeacherTokenizer(artifacts_dir() / entry["source"], max_tokens=entry["max_tokens"])
+    source = artifacts_dir() / entry["source"]
+    return (encoder or open_model(source, device)[0],
+            tokenizer or TeacherTokenizer(source, max_tokens=entry["max_tokens"]))
 
 
 def encoder_shape(encoder: nn.Module) -> tuple[int, int]:
@@ -239,7 +224,7 @@ def train_adapter(
     started = time.perf_counter()
     names = list(label_names) if label_names is not None else sorted(set(labels))
     _check_examples(texts, labels, names)
-    encoder, tokenizer = _base_parts(base, encoder, tokenizer, device)
+    encoder, tokenizer = open_base(base, device, encoder, tokenizer)
     adapter = AdapterWeights.init(names, base, rank, layers, seed, shape=encoder_shape(encoder))
     num_lower = min(adapter.layer_ids)
     loaded = time.perf_counter()
@@ -350,7 +335,7 @@ def train_many_adapters(
     on its own subset; without, from a fresh seeded init."""
     names = sorted(set(labels))
     _check_examples(texts, labels, names)
-    encoder, tokenizer = _base_parts(base, encoder, tokenizer)
+    encoder, tokenizer = open_base(base, encoder=encoder, tokenizer=tokenizer)
     shape = encoder_shape(encoder)
     used = sorted({i for subset in subsets for i in subset})
     cached = base_lower_states(encoder, tokenizer.encode([texts[i] for i in used], truncate=True), base,

@@ -56,7 +56,6 @@ from academus.shared.training.prepare import (
     fit_head,
     length_batches,
     load_head,
-    load_head_at,
     predict,
     subsample,
 )
@@ -167,25 +166,20 @@ class Subject:
 
     @classmethod
     def user(cls, artifacts: Path, name: str) -> Subject:
-        """A head trained on a user's model (`heads train`), or a user's sequence classifier (`models add`)."""
-        from academus.shared.models.user_models import HEAD_ON, open_model
+        """A head trained on a user's model (`heads train`), or a user's sequence classifier (`models add`): the
+        distillation's teacher of that name, which has a head."""
+        from academus.shared.models.user_models import HEAD_ON
         from academus.shared.state.artifacts import read_manifest
         from academus.shared.state.catalogue import CLASSIFICATION, read_catalogue
+        from academus.shared.training.distill_data import Teacher
 
-        catalogue = read_catalogue(artifacts)
-        entry = catalogue.get(name, {})
-        source_entry = catalogue.get(entry.get(HEAD_ON, name), {})
-        if entry.get("kind") != CLASSIFICATION or "source" not in source_entry:
+        entry = read_catalogue(artifacts).get(name, {})
+        if entry.get("kind") != CLASSIFICATION or not (HEAD_ON in entry or "source" in entry):
             raise ValueError(f"--model {name!r} is neither a head trained on a user's model (`academus heads train`) "
                              "nor a sequence classifier added with `academus models add`")
-        source = Path(artifacts) / source_entry["source"]
-        encoder, own_head, _ = open_model(source)
-        tokenizer = TeacherTokenizer(source, max_tokens=source_entry["max_tokens"])
-        if HEAD_ON not in entry:
-            return cls(name, name, encoder, own_head, tokenizer)
-        head_dir = Path(artifacts) / entry["head"]
-        own_task = read_manifest(head_dir).task
-        return cls(name, entry[HEAD_ON], encoder, load_head_at(head_dir), tokenizer,
+        teacher = Teacher.user(artifacts, name)
+        own_task = read_manifest(Path(artifacts) / entry["head"]).task if HEAD_ON in entry else ""
+        return cls(name, teacher.model, teacher.encoder, teacher.head, teacher.tokenizer,
                    own_task if own_task in TASKS else "")
 
 
