@@ -70,3 +70,31 @@ def permute_vocabulary(directory: Path, first: int = 1000) -> None:
     top = max(vocab.values())
     raw["model"]["vocab"] = {token: i if i < first else first + top - i for token, i in vocab.items()}
     path.write_text(json.dumps(raw))
+
+
+ROBERTA_SPECIALS = {"[CLS]": ("<s>", 0), "[PAD]": ("<pad>", 1), "[SEP]": ("</s>", 2), "[UNK]": ("<unk>", 3)}
+
+
+def roberta_specials(directory: Path) -> None:
+    """Renames the framing, padding and unknown tokens of the directory's tokenizer.json as RoBERTa's and MPNet's
+    (`<s>` 0, `<pad>` 1, `</s>` 2, `<unk>` 3; the tokens those ids held take the old ones): a path that assumed
+    BERT's [CLS] 101 / [SEP] 102 would be caught."""
+    path = Path(directory) / "tokenizer.json"
+    raw = json.loads(path.read_text())
+    vocab = raw["model"]["vocab"]
+    for old, (new, new_id) in ROBERTA_SPECIALS.items():
+        old_id = vocab.pop(old)
+        displaced = next(t for t, i in vocab.items() if i == new_id)
+        vocab[displaced], vocab[new] = old_id, new_id
+    names = {old: new for old, (new, _) in ROBERTA_SPECIALS.items()}
+    text = json.dumps(raw)
+    for old, new in names.items():
+        text = text.replace(f'"{old}"', f'"{new}"')
+    raw = json.loads(text)
+    ids = {new: i for new, i in ROBERTA_SPECIALS.values()}
+    for token in raw["added_tokens"]:
+        token["id"] = ids.get(token["content"], token["id"])
+    for name, special in raw["post_processor"]["special_tokens"].items():
+        special["ids"] = [ids[name]]
+    raw["padding"] = None
+    path.write_text(json.dumps(raw))

@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -40,8 +41,11 @@ from academus.shared.runtime.config import visible_cuda_devices
 from academus.shared.runtime.errors import DeadlineExceeded, InvalidArgument, NotFound
 from academus.shared.runtime.logs import log_event
 from academus.shared.runtime.metrics import children
-from academus.shared.state.artifacts import ArtifactError, read_manifest
+from academus.shared.state.artifacts import ArtifactError, Manifest, read_manifest
 from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec, read_catalogue
+
+if TYPE_CHECKING:
+    from academus.shared.models.plot import PlotStore
 
 OUTPUT_EMBEDDING = "embedding"
 OUTPUT_PROBS = "probs"
@@ -327,23 +331,30 @@ class ModelRunner:
         """A model from `academus models add`: its files checked against their sha256, then its own encoder
         and, for a classifier, its own head. The encoder of an embedding model is kept for the heads trained
         on it (one copy however many)."""
-        from academus.shared.models.user_models import TOKENIZER, open_model
+        from academus.shared.models.user_models import TOKENIZER
 
-        directory = self.artifacts / entry["source"]
-        encoder, head = self._user_encoders.get(directory), None
-        if encoder is None:   # the copy is verified as it is loaded, once
-            encoder, head, manifest = open_model(directory, self.device)
-            self._prepare_layers(encoder, warm_up_token=min(WARM_UP_TOKEN, encoder.architecture.vocab_size - 1))
-            if self.exit_settings is not None:   # its classifier's ramps, or its heads', may come with `ramps train`
-                self._watch_ramps(encoder)
-            if head is None:
-                self._user_encoders[directory] = encoder
-        else:
-            manifest = read_manifest(directory)
+        encoder, head, manifest = self._user_encoder(entry)
         served = ServedModel(self._user_spec(name, entry, encoder, head, manifest.files[TOKENIZER]), encoder, head,
                              exit_task=name if head is not None else "")   # a classifier's ramps are its own
         self._load_exits(served)
         return served
+
+    def _user_encoder(self, entry: dict) -> tuple[TeacherEncoder, nn.Module | None, Manifest]:
+        """A user's model's encoder (hooked, traced where set), its classifier's head, and its manifest. An
+        embedding model's encoder is kept for the heads and PLOT tables on it (one copy however many)."""
+        from academus.shared.models.user_models import open_model
+
+        directory = self.artifacts / entry["source"]
+        encoder = self._user_encoders.get(directory)
+        if encoder is not None:
+            return encoder, None, read_manifest(directory)
+        encoder, head, manifest = open_model(directory, self.device)   # the copy is verified as it is loaded, once
+        self._prepare_layers(encoder, warm_up_token=min(WARM_UP_TOKEN, encoder.architecture.vocab_size - 1))
+        if self.exit_settings is not None:   # its classifier's ramps, or its heads', may come with `ramps train`
+            self._watch_ramps(encoder)
+        if head is None:
+            self._user_encoders[directory] = encoder
+        return encoder, head, manifest
 
     def _load_user_head(self, name: str, entry: dict) -> ServedModel:
         """A head trained on a user's embedding model (`academus heads train`), on that model's encoder."""
@@ -382,7 +393,8 @@ class ModelRunner:
         use the teacher's)."""
         catalogue = read_catalogue(self.artifacts)
         entry = catalogue.get(name, {})
-        base = entry.get(HEAD_ON) or entry.get(STUDENTS_OF)   # a head on, or students of, a user's model
+        # a head on, students of, or a PLOT table on a user's model
+        base = entry.get(HEAD_ON) or entry.get(STUDENTS_OF) or (entry.get("base") if "plot" in entry else None)
         entry = catalogue.get(base, {}) if base else entry
         return self.artifacts / entry["source"] / "tokenizer.json" if "source" in entry else None
 
@@ -412,11 +424,30 @@ class ModelRunner:
             from academus.shared.training.prepare import load_head_at
 
             head = load_head_at(self.artifacts / entry["head"]).to(self.device).eval()
-        teacher = self.teacher()
-        encoder = PlotEncoder(HierarchicalEncoder(store, teacher), teacher, entry.get("domain", ""))
-        spec = ModelSpec(name, entry["kind"], list(head.labels) if head else [], HIDDEN_SIZE, plot=store.model,
-                         lower_layers=store.lower_layers, domain=entry.get("domain", ""))
+        base = self._plot_base(name, entry, store)
+        if base is None:
+            base, spec = self.teacher(), ModelSpec(name, entry["kind"], [], HIDDEN_SIZE)
+        else:   # a user's model: its tokenizer, width, token limit and shape
+            spec = self._user_spec(name, entry, base, None, self._tokenizer_digest(store.model))
+        encoder = PlotEncoder(HierarchicalEncoder(store, base), base, entry.get("domain", ""))
+        spec = replace(spec, labels=list(head.labels) if head else [], plot=store.model,
+                       lower_layers=store.lower_layers, domain=entry.get("domain", ""))
         return ServedModel(spec, encoder, head, packable=False)
+
+    def _plot_base(self, name: str, entry: dict, store: PlotStore) -> TeacherEncoder | None:
+        """The user's embedding model a PLOT table was built on (None: the bundled teacher's), refused when the
+        catalogue serves other weights under its name than the table was built on."""
+        from academus.shared.models.user_models import cache_name
+
+        base = read_catalogue(self.artifacts).get(store.model)
+        if base is None or "source" not in base:
+            return None
+        encoder, _, manifest = self._user_encoder(base)
+        built_on, served = store.root.manifest.teacher, cache_name(store.model, manifest)
+        if built_on != served:
+            raise ArtifactError(f"model {name!r}: its PLOT table {entry['plot']} was built on {built_on}, the "
+                                f"catalogue serves {served}; rebuild it (academus plot build --model {store.model})")
+        return encoder
 
     def _prepare_layers(self, encoder: nn.Module, warm_up_token: int = WARM_UP_TOKEN, **forward: int) -> None:
         """Deadline hooks on every layer and, when `traced`, traced graphs for their forwards, made now

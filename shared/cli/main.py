@@ -410,9 +410,10 @@ def cmd_heads(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
+    """`plot build` and `plot head` write into the running mesh's artifacts (its workers serve what they register)."""
     from academus.shared.training.plot_build import main as plot_main
 
-    return plot_main(args.rest)
+    return plot_main(_with_mesh_artifacts(args, args.rest) if args.rest[:1] in (["build"], ["head"]) else args.rest)
 
 
 def cmd_shard(args: argparse.Namespace) -> int:

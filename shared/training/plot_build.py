@@ -1,6 +1,12 @@
-"""`academus plot build`: run the teacher's lower K layers on every n-gram of a corpus into a PLOT table.
+"""`academus plot build`: run a model's lower K layers on every n-gram of a corpus into a PLOT table.
 
-Framing. A fragment is run as the shortest input the model was trained on that contains it:
+The model (`--model`) is the bundled teacher (`minilm`) or an embedding model the user added with `academus
+models add` (BERT, RoBERTa or MPNet): its own tokenizer, framing tokens, position numbering and relative-position
+bias, so the table holds what its own forward computes. The manifest records the model and, for a user's model,
+its weights' digest (`teacher`): a worker refuses a table built on weights it does not serve.
+
+Framing. A fragment is run as the shortest input the model was trained on that contains it (the
+tokenizer's own framing tokens: [CLS] / [SEP] for BERT, <s> / </s> for RoBERTa and MPNet):
 [CLS] is put in front unless the fragment starts with [CLS], [SEP] behind unless it ends with [SEP],
 and the fragment's own tokens are stored (positions 1..n, or 0..n-1 for a leading [CLS]). Served
 token ids are always [CLS] ... [SEP] framed by the tokenizer, so the first and last windows of a
@@ -57,12 +63,56 @@ from academus.shared.models.plot.table import (
 )
 from academus.shared.models.teacher_files import TEACHER_NAME, teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
-from academus.shared.runtime.config import artifacts_dir, offline_hub
+from academus.shared.runtime.config import artifacts_dir, offline_hub, use_artifacts
+from academus.shared.state.catalogue import EMBEDDING, read_catalogue
 from academus.shared.training.data import TASKS, DataMissing, data_dir, load_task
 
-MODELS = {"minilm": TEACHER_NAME}   # served name -> teacher checkpoint whose lower layers are tabled
+BUNDLED = "minilm"   # the bundled teacher's served name; every other base is a user's embedding model
 GENERAL_CORPORA = ("general", "sotu", "wordnet")
 MAX_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class PlotBase:
+    """The model a table is built on: its served name, what the manifest records as its teacher (the bundled
+    checkpoint; a user's model's name and weights' digest), and where its tokenizer and weights lie."""
+
+    name: str
+    teacher: str
+    directory: Path
+    max_tokens: int
+    user: bool
+
+    def encoder(self, device: str | torch.device = "cpu") -> TeacherEncoder:
+        """Its encoder, pooled as it is served (a user's model's files checked against their sha256 first)."""
+        if not self.user:
+            return TeacherEncoder.load(device=device)
+        from academus.shared.models.user_models import open_model
+
+        return open_model(self.directory, device)[0]
+
+    def tokenizer(self) -> TeacherTokenizer:
+        return TeacherTokenizer(self.directory, max_tokens=self.max_tokens)
+
+
+def plot_base(model: str, artifacts: Path | None = None) -> PlotBase:
+    """The bundled teacher, or a user's embedding model in the catalogue under `artifacts`; anything else is
+    refused naming what it is."""
+    if model == BUNDLED:
+        return PlotBase(BUNDLED, TEACHER_NAME, teacher_dir(), MAX_TOKENS, False)
+    from academus.shared.models.user_models import cache_name
+    from academus.shared.state.artifacts import read_manifest as read_model_manifest
+
+    artifacts = Path(artifacts or artifacts_dir())
+    entry = read_catalogue(artifacts).get(model)
+    if entry is None or "source" not in entry or entry.get("kind") != EMBEDDING:
+        what = "not in the catalogue" if entry is None else f"a {entry.get('kind', 'bundled')} model, not a user's " \
+            "embedding model"
+        raise PlotError(f"--model {model!r} is {what} ({artifacts / 'models.json'}): PLOT tables are built on "
+                        f"{BUNDLED} or on an embedding model added with `academus models add`")
+    directory = artifacts / entry["source"]
+    return PlotBase(model, cache_name(model, read_model_manifest(directory)), directory,
+                    int(entry["max_tokens"]), True)
 
 
 @dataclass(frozen=True)
@@ -116,17 +166,35 @@ def _general(spec: str, directory: Path) -> list[str]:
     return sotu + wordnet
 
 
-def tokenize(texts: list[str], chunk: int = 2048) -> Tokenized:
-    tokenizer = TeacherTokenizer(teacher_dir(), max_tokens=MAX_TOKENS)
+def tokenize(texts: list[str], base: PlotBase | None = None, pad: int = 0, chunk: int = 2048) -> Tokenized:
+    """Every text as the base's tokenizer frames it (the bundled teacher's by default); `pad`: its model's
+    padding id."""
+    base = base or plot_base(BUNDLED)
+    tokenizer = base.tokenizer()
     ids: list[int] = []
     lengths: list[int] = []
     for start in tqdm(range(0, len(texts), chunk), desc="tokenizing", unit="chunk", file=sys.stderr, leave=False):
         for encoded in tokenizer.encode(texts[start:start + chunk]):
             ids.extend(encoded.input_ids)
             lengths.append(len(encoded.input_ids))
-    vocab = Tokenizer.from_file(str(teacher_dir() / "tokenizer.json"))
-    specials = Specials(*(vocab.token_to_id(t) for t in ("[CLS]", "[SEP]", "[UNK]", "[PAD]")))
-    return Tokenized(np.asarray(ids, np.int64), np.asarray(lengths, np.int64), vocab.get_vocab_size(), specials)
+    vocab = Tokenizer.from_file(str(base.directory / "tokenizer.json"))
+    vocab.no_padding()   # a file's fixed padding would end every framed text in [PAD]
+    return Tokenized(np.asarray(ids, np.int64), np.asarray(lengths, np.int64), vocab.get_vocab_size(),
+                     specials_of(vocab, pad, base.directory / "tokenizer.json"))
+
+
+def specials_of(vocab: Tokenizer, pad: int, source: Path) -> Specials:
+    """The framing tokens the tokenizer puts around a text ([CLS] ... [SEP], <s> ... </s>), its unknown token
+    (the lookup's fallback for an id the table lacks) and the model's padding id."""
+    framed = vocab.encode("").ids
+    if len(framed) < 2:
+        raise PlotError(f"{source} puts no framing tokens around a text (its post-processor gives {framed}): "
+                        "a PLOT table frames its fragments as the model's texts are framed")
+    unknown = [getattr(vocab.model, "unk_token", None), "[UNK]", "<unk>"]
+    unk = next((i for t in unknown if t and (i := vocab.token_to_id(t)) is not None), None)
+    if unk is None:
+        raise PlotError(f"{source} has no unknown token ([UNK] or <unk>): the lookup would have no fallback")
+    return Specials(framed[0], framed[-1], unk, pad)
 
 
 def count_ngrams(tokens: Tokenized, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -203,8 +271,7 @@ def build(texts: list[str], out: Path, options: BuildOptions, layers: SplitBert 
           corpus: dict | None = None) -> dict:
     """Builds the root version (or a domain overlay) under `out`; returns the JSON summary."""
     started = time.perf_counter()
-    if options.model not in MODELS:
-        raise PlotError(f"--model {options.model!r} is not one of {sorted(MODELS)}")
+    base = plot_base(options.model)
     if options.ngram not in WINDOW_TABLES:
         raise PlotError(f"--ngram {options.ngram!r} must be one of {sorted(WINDOW_TABLES)}")
     if options.ngram == 2 and options.max_bigrams:
@@ -212,16 +279,16 @@ def build(texts: list[str], out: Path, options: BuildOptions, layers: SplitBert 
                         "the windows: use --max-entries")
     if options.domain:
         _check_root_for_overlay(Path(out), options)
-    layers = layers or SplitBert(TeacherEncoder.load().body, options.lower_layers)
+    layers = layers or SplitBert(base.encoder(), options.lower_layers)
     if layers.lower_layers != options.lower_layers:
         raise PlotError(f"the encoder runs {layers.lower_layers} lower layers, the options say {options.lower_layers}")
-    tokens = tokenize(texts)
+    tokens = tokenize(texts, base, int(layers.bert.config.pad_token_id or 0))
     target = Path(out) / (DOMAINS_DIR + "/" + options.domain if options.domain else ROOT)
     writer = VersionWriter(target)
     try:
         coverage = _fill(writer, tokens, layers, options)
         manifest = writer.publish(
-            model=options.model, teacher=MODELS[options.model], lower_layers=options.lower_layers,
+            model=options.model, teacher=base.teacher, lower_layers=options.lower_layers,
             hidden=layers.hidden, vocab_size=tokens.vocab_size, special_ids=tokens.specials.as_dict(),
             version=options.domain or ROOT, created=datetime.now(UTC).isoformat(timespec="seconds"),
             build_s=round(time.perf_counter() - started, 2),
@@ -278,7 +345,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="academus plot", description="PLOT tables: precomputed lower-layer states")
     sub = p.add_subparsers(dest="action", required=True)
     b = sub.add_parser("build", help="build the root table or a domain overlay")
-    b.add_argument("--model", default="minilm", choices=sorted(MODELS))
+    b.add_argument("--model", default=BUNDLED, help=f"the model whose lower layers are tabled: {BUNDLED} (default) "
+                   "or an embedding model added with `academus models add`")
     b.add_argument("--lower-layers", type=int, default=3, help="K: layers replaced by the table (default 3 of 6)")
     b.add_argument("--corpus", required=True, help="a text file (one text a line, or .jsonl), "
                    f"a task ({', '.join(TASKS)}: its train split) or {', '.join(GENERAL_CORPORA)}; "
@@ -299,6 +367,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--data", type=Path, default=None, help="data directory (ACADEMUS_DATA_DIR)")
     b.add_argument("--out", type=Path, default=None,
                    help="table directory (default artifacts/plot/<model>-k<K>, <model>-k<K>-n2 for --ngram 2)")
+    b.add_argument("--artifacts", type=Path, default=None, help="artifacts to build into and register in "
+                   "(default ACADEMUS_ARTIFACTS; `academus plot` on a running mesh: the mesh's)")
     i = sub.add_parser("info", help="print the manifests of a table directory")
     i.add_argument("--out", type=Path, required=True)
     h = sub.add_parser("head", help="train <task>-plot: a linear head on the hierarchical model (PLOT lower "
@@ -311,6 +381,8 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("--batch-size", type=int, default=64)
     h.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
     h.add_argument("--data", type=Path, default=None, help="data directory (ACADEMUS_DATA_DIR)")
+    h.add_argument("--artifacts", type=Path, default=None, help="artifacts holding the table and the head's entry "
+                   "(default ACADEMUS_ARTIFACTS; `academus plot` on a running mesh: the mesh's)")
     return p
 
 
@@ -354,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     """Progress bars on stderr; the JSON summary is the last line of stdout."""
     offline_hub()
     args = _parser().parse_args(argv)
+    if getattr(args, "artifacts", None):
+        use_artifacts(args.artifacts)
     try:
         if args.action == "info":
             summary = _info(args.out)

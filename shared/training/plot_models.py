@@ -1,6 +1,7 @@
 """PLOT models in the catalogue: `minilm-plot` (registered by `academus plot build` for a root table
-under the artifacts) and `<task>-plot` (`academus plot head --task T`: a linear head retrained on the
-hierarchical model's pooled output, HMI §3.3.2, compared with the teacher's head on the same splits).
+under the artifacts; `<model>-plot` for a table on a user's embedding model) and `<task>-plot` (`academus plot
+head --task T`: a linear head retrained on the hierarchical model's pooled output, HMI §3.3.2, compared with the
+teacher's head on the same splits when the table is the teacher's).
 
 A catalogue entry with `"plot": "<table dir, relative to the artifacts>"` is served by a worker as
 the hierarchical model in process (services/worker/core.py `ModelRunner._load_plot`).
@@ -17,14 +18,14 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from academus.shared.models.model import HIDDEN_SIZE, TeacherEncoder
+from academus.shared.models.model import TeacherEncoder
 from academus.shared.models.plot.hierarchical import HierarchicalEncoder
 from academus.shared.models.plot.store import PlotStore
 from academus.shared.models.plot.table import ROOT, PlotError, PlotManifest, read_manifest
-from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.state.catalogue import write_entry
 from academus.shared.training.data import TASKS, TaskData, fetch, load_task
+from academus.shared.training.plot_build import BUNDLED, plot_base
 
 EMBEDDING_MODEL = "minilm-plot"
 PLOT_HEAD_KIND = "teacher-head"   # the same artifact kind as the teacher's heads: load_head_at reads both
@@ -43,18 +44,28 @@ def register(artifacts: Path, name: str, entry: dict[str, Any]) -> None:
     write_entry(artifacts, name, entry)
 
 
-def embedding_entry(ref: str, manifest: PlotManifest) -> dict[str, Any]:
+def embedding_entry(artifacts: Path, ref: str, manifest: PlotManifest) -> dict[str, Any]:
+    """A PLOT model's entry: its table, the model it was built on, and that model's width and token limit."""
     return {"kind": "embedding", "plot": ref, "base": manifest.model, "lower_layers": manifest.lower_layers,
-            "teacher": manifest.teacher, "dim": HIDDEN_SIZE, "max_tokens": 256}
+            "teacher": manifest.teacher, "dim": manifest.hidden,
+            "max_tokens": plot_base(manifest.model, artifacts).max_tokens}
+
+
+def embedding_name(model: str) -> str:
+    """`minilm-plot` for the teacher's table, `<model>-plot` for a user's model's."""
+    return EMBEDDING_MODEL if model == BUNDLED else f"{model}-plot"
 
 
 def register_embedding(artifacts: Path, table: Path) -> str | None:
-    """Registers `minilm-plot` for a root table under the artifacts; None (nothing written) otherwise."""
+    """Registers the table's embedding model (`minilm-plot`, or `<model>-plot` on a user's model) for a root
+    table under the artifacts; None (nothing written) otherwise."""
     ref = table_ref(artifacts, table)
     if ref is None:
         return None
-    register(artifacts, EMBEDDING_MODEL, embedding_entry(ref, read_manifest(Path(table) / ROOT)))
-    return EMBEDDING_MODEL
+    manifest = read_manifest(Path(table) / ROOT)
+    name = embedding_name(manifest.model)
+    register(artifacts, name, embedding_entry(artifacts, ref, manifest))
+    return name
 
 
 def open_plot_base(artifacts: Path, base: str) -> PlotStore:
@@ -77,7 +88,7 @@ def pool_texts(encoder: HierarchicalEncoder, tokenizer: TeacherTokenizer, texts:
     from academus.shared.training.prepare import length_batches
 
     encoded = tokenizer.encode(texts, truncate=True)
-    out = torch.empty(len(encoded), HIDDEN_SIZE)
+    out = torch.empty(len(encoded), encoder.split.hidden)
     with tqdm(total=len(encoded), desc=desc, unit="text", file=sys.stderr, leave=False) as bar:
         for batch in length_batches([len(e.input_ids) for e in encoded], batch_size, tokenizer.max_tokens):
             out[batch] = encoder.pool([encoded[i].input_ids for i in batch], domain).float().cpu()
@@ -109,7 +120,8 @@ def teacher_reference(task: TaskData, splits: dict, artifacts: Path, teacher: Te
 
 def train_plot_head(artifacts: Path, task_name: str, table: Path, *, domain: str = "", name: str = "",
                     data: Path | None = None, limit: int | None = None, batch_size: int = 64) -> dict[str, Any]:
-    """Trains `<task>-plot`, writes heads/<task>-plot, registers it; returns the JSON summary."""
+    """Trains `<task>-plot`, writes heads/<task>-plot, registers it; returns the JSON summary. The teacher's head
+    is the reference on the teacher's table; a table on a user's model has none (`teacher`: null)."""
     from academus.shared.state.artifacts import write_artifact
     from academus.shared.training.prepare import SPLITS, subsample, train_head
 
@@ -126,25 +138,26 @@ def train_plot_head(artifacts: Path, task_name: str, table: Path, *, domain: str
     store = PlotStore.open(table, verify=False)
     if domain and domain not in store.domains:
         raise PlotError(f"--domain {domain!r}: the table at {table} has overlays {sorted(store.domains) or 'none'}")
-    teacher = TeacherEncoder.load()
-    tokenizer = TeacherTokenizer(teacher_dir(), max_tokens=256)
+    base = plot_base(store.model, artifacts)
+    teacher, tokenizer = base.encoder(), base.tokenizer()
     encoder = HierarchicalEncoder(store, teacher)
     features = {s: (pool_texts(encoder, tokenizer, [e.text for e in splits[s]], domain, batch_size, s),
                     torch.tensor([e.label for e in splits[s]])) for s in SPLITS}
     pooled_s = time.perf_counter() - started
     head, weight_decay, metrics = train_head(features, task.labels)
     cache = directory / "cache" if limit is None else None
-    reference = teacher_reference(task, splits, artifacts, teacher, tokenizer, cache, batch_size)
+    reference = None if base.user else teacher_reference(task, splits, artifacts, teacher, tokenizer, cache,
+                                                          batch_size)
     out = Path(artifacts) / "heads" / name
     manifest = store.root.manifest
     write_artifact(out, PLOT_HEAD_KIND, dict(head.state_dict()), teacher=manifest.teacher, task=task_name,
                    labels=task.labels, metrics={**metrics, "teacher": reference, "weight_decay": weight_decay},
                    extra={"plot": ref, "domain": domain, "lower_layers": manifest.lower_layers, "limit": limit})
-    register(artifacts, name, {**embedding_entry(ref, manifest), "kind": "classification", "task": task_name,
+    register(artifacts, name, {**embedding_entry(artifacts, ref, manifest), "kind": "classification", "task": task_name,
                                "head": f"heads/{name}", "labels": task.labels, "domain": domain})
     return {"model": name, "task": task_name, "plot": ref, "domain": domain, "lower_layers": manifest.lower_layers,
             "counts": {s: len(v) for s, v in splits.items()},
             "validation": metrics["validation"], "test": metrics["test"], "teacher": reference,
-            "test_f1_vs_teacher": round(metrics["test"]["f1"] - reference["test"]["f1"], 4),
+            "test_f1_vs_teacher": round(metrics["test"]["f1"] - reference["test"]["f1"], 4) if reference else None,
             "weight_decay": weight_decay, "pool_s": round(pooled_s, 1),
             "total_s": round(time.perf_counter() - started, 1)}

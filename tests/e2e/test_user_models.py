@@ -21,6 +21,8 @@ from academus.client import AcademusError, Client
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshState, down
 from academus.shared.models.adapters import AdapterWeights, encode_with_adapters
 from academus.shared.models.model import mean_pool, pad_batch
+from academus.shared.models.plot import PlotStore
+from academus.shared.models.plot.hierarchical import HierarchicalEncoder
 from academus.shared.models.user_models import open_model
 from academus.shared.runtime.config import artifacts_dir
 from academus.shared.state.catalogue import read_catalogue, write_entry
@@ -28,7 +30,7 @@ from academus.shared.training.prepare import load_head_at
 from academus.shared.training.student_artifacts import load_student_group
 from academus.v1 import manage_pb2, manage_pb2_grpc
 from tests.e2e.conftest import start_mesh
-from tests.models import LABELS, permute_vocabulary, tiny_model_dir
+from tests.models import LABELS, permute_vocabulary, roberta_specials, tiny_model_dir
 
 pytestmark = pytest.mark.e2e
 
@@ -217,6 +219,37 @@ def test_students_distilled_from_a_users_model_serve_with_its_tokenizer(user_mes
     refused = academus(user_mesh, "models", "remove", "deep-sentiment")
     assert refused.returncode == 2 and "teacher of the student groups deep-sentiment-2l, deep-sentiment-students" \
         in refused.stderr
+
+
+def test_a_plot_table_on_a_users_model_serves_its_upper_layers(user_mesh: MeshState, client: Client,
+                                                              tmp_path: Path) -> None:
+    """`academus plot build --model` on a running mesh: a RoBERTa-framed model's table, served as `<model>-plot`
+    through the gateway (the model's tokenizer) equal to the hierarchical model on the same table; the model is not
+    removed from under it."""
+    tiny_model_dir("roberta", False, tmp_path / "lower")
+    roberta_specials(tmp_path / "lower")
+    assert academus(user_mesh, "models", "add", "lower", "--from", tmp_path / "lower").returncode == 0
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(TEXTS[:2]) + "\n")
+    built = academus(user_mesh, "plot", "build", "--model", "lower", "--corpus", corpus, "--lower-layers", "2",
+                     "--unigrams", "corpus")
+    assert built.returncode == 0, built.stderr[-2000:]
+    assert json.loads(built.stdout.splitlines()[-1])["registered"] == "lower-plot"
+    wait_served(client, "lower-plot")
+    info = next(m for m in client.list_models() if m.name == "lower-plot")
+    assert (info.kind, info.dim) == ("embedding", 36)
+    artifacts = Path(user_mesh.artifacts)
+    store = PlotStore.open(artifacts / "plot" / "lower-k2", model="lower", lower_layers=2)
+    hierarchical = HierarchicalEncoder(store, open_model(artifacts / "models" / "lower")[0])
+    expected = hierarchical.pool([ids[0].tolist() for ids in each_text(tmp_path / "lower")])
+    for policy in ("concat", "padded"):   # a packing plan runs padded for a PLOT model
+        got = served(client, "lower-plot", policy, classifier=False)
+        assert (got - expected).abs().max().item() <= 1e-5, policy
+    refused = academus(user_mesh, "models", "remove", "lower")
+    assert refused.returncode == 2 and "base of the PLOT models lower-plot" in refused.stderr
+    assert academus(user_mesh, "models", "remove", "lower-plot").returncode == 0
+    wait_served(client, "lower-plot", served=False)
+    assert academus(user_mesh, "models", "remove", "lower").returncode == 0
 
 
 def adapted(directory: Path, adapter_file: Path) -> tuple[list[str], torch.Tensor]:

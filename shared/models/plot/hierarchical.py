@@ -1,7 +1,8 @@
-"""`minilm-plot`: the hierarchical model of HMI §3.3 — PLOT lookups for layers 1..K, the teacher's
-own layers K+1..N on the looked-up states, then mean pooling and L2 normalisation (+ an optional head).
+"""`minilm-plot` (and `<model>-plot` on a user's embedding model): the hierarchical model of HMI §3.3 — PLOT
+lookups for layers 1..K, the model's own layers K+1..N on the looked-up states, then its own pooling (mean and L2
+normalisation for the teacher) (+ an optional head).
 
-Use it in-process (`HierarchicalEncoder(store, teacher).pool(input_ids, domain)`) or over the plot
+Use it in-process (`HierarchicalEncoder(store, encoder).pool(input_ids, domain)`) or over the plot
 service (`.pool_states(states, lengths)` with the states a Lookup RPC returned). `PlotEncoder` wraps it
 as the module a worker serves: padded (ids, mask, types) in, pooled embeddings out.
 """
@@ -14,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from academus.shared.models.model import TeacherEncoder, mean_pool
+from academus.shared.models.model import TeacherEncoder
 from academus.shared.models.plot.layers import SplitBert
 from academus.shared.models.plot.store import PlotStore
 from academus.shared.models.plot.table import TableError
@@ -22,16 +23,16 @@ from academus.shared.models.work import PlotStates
 
 
 class HierarchicalEncoder:
-    """Upper layers of the teacher over PLOT states; `pool` gives the sentence embedding."""
+    """Upper layers of the encoder the table was built on, over PLOT states; `pool` gives the sentence embedding
+    as the encoder pools it."""
 
-    def __init__(self, store: PlotStore, teacher: TeacherEncoder, head: nn.Module | None = None) -> None:
-        hidden = int(teacher.body.config.hidden_size)
-        if store.hidden != hidden:
-            raise TableError(f"the PLOT table holds {store.hidden}-wide states; the model is {hidden} wide")
+    def __init__(self, store: PlotStore, encoder: TeacherEncoder, head: nn.Module | None = None) -> None:
+        self.split = SplitBert(encoder, store.lower_layers)
+        if store.hidden != self.split.hidden:
+            raise TableError(f"the PLOT table holds {store.hidden}-wide states; the model is {self.split.hidden} wide")
         self.store = store
-        self.split = SplitBert(teacher.body, store.lower_layers)
         self.head = head
-        self.device = next(teacher.parameters()).device
+        self.device = next(encoder.parameters()).device
 
     @property
     def lower_layers(self) -> int:
@@ -44,7 +45,7 @@ class HierarchicalEncoder:
         return self.store
 
     def pool(self, input_ids: Sequence[Sequence[int]], domain: str = "") -> torch.Tensor:
-        """(B, hidden) L2-normalised embeddings of [CLS] ... [SEP] framed token id lists."""
+        """(B, hidden) embeddings of token id lists framed as the model's tokenizer frames them."""
         lengths = np.fromiter((len(s) for s in input_ids), dtype=np.int64, count=len(input_ids))
         flat = np.fromiter((t for s in input_ids for t in s), dtype=np.int64, count=int(lengths.sum()))
         lookup = self.current_store().lookup(flat, lengths, domain)
@@ -58,14 +59,13 @@ class HierarchicalEncoder:
 
     @torch.inference_mode()
     def pool_states(self, states: np.ndarray, lengths: np.ndarray) -> torch.Tensor:
-        """Layer-K states of sequences back to back -> pooled, L2-normalised embeddings."""
+        """Layer-K states of sequences back to back -> pooled embeddings."""
         return self.pool_padded(*pad_states(states, lengths, self.device))
 
     @torch.inference_mode()
     def pool_padded(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Padded layer-K states -> the upper layers -> pooled, L2-normalised embeddings."""
-        upper = self.split.run_upper(hidden, mask)
-        return nn.functional.normalize(mean_pool(upper, mask), p=2, dim=1)
+        """Padded layer-K states -> the upper layers -> pooled embeddings."""
+        return self.split.pool(self.split.run_upper(hidden, mask), mask)
 
 
 def padded_lookup(store: PlotStore, ids: np.ndarray, lengths: np.ndarray, domains: Sequence[str],
@@ -105,16 +105,15 @@ def pad_states(states: np.ndarray, lengths: np.ndarray, device: torch.device | s
 
 
 class PlotEncoder(nn.Module):
-    """A HierarchicalEncoder with the teacher's calling convention, for the worker's ServedModel.
+    """A HierarchicalEncoder with the encoder's calling convention, for the worker's ServedModel.
 
-    The teacher's BertModel is a submodule (`bert.encoder.layer.N`), so the worker's per-layer
-    deadline hooks see the upper layers it runs; the lower ones are never called."""
+    The encoder's body is a submodule (`body.encoder.layer.N`), so the worker's per-layer deadline hooks see the
+    upper layers it runs; the lower ones are never called."""
 
-    normalize = True   # the pooled output is L2-normalised, as the teacher's
-
-    def __init__(self, hierarchical: HierarchicalEncoder, teacher: TeacherEncoder, domain: str = "") -> None:
+    def __init__(self, hierarchical: HierarchicalEncoder, encoder: TeacherEncoder, domain: str = "") -> None:
         super().__init__()
-        self.body = teacher.body
+        self.body = encoder.body
+        self.normalize = encoder.normalize   # pair scores need to know whether the output is L2-normalised
         self.hierarchical = hierarchical
         self.domain = domain
 
