@@ -21,6 +21,7 @@ import torch
 from tokenizers import Tokenizer
 from torch import nn
 
+from academus.services.plot.core import PlotLookup
 from academus.services.worker.core import OUTPUT_EMBEDDING, ModelRunner
 from academus.shared.models.plot import PlotStore
 from academus.shared.models.plot.hierarchical import HierarchicalEncoder
@@ -33,8 +34,9 @@ from academus.shared.models.user_models import (
     open_model,
     remove_model,
 )
-from academus.shared.models.work import Batch
+from academus.shared.models.work import Batch, PlotStates
 from academus.shared.runtime.config import ARTIFACTS
+from academus.shared.runtime.errors import InvalidArgument
 from academus.shared.state.artifacts import ArtifactError
 from academus.shared.state.artifacts import read_manifest as read_model_manifest
 from academus.shared.state.catalogue import read_catalogue, write_entry
@@ -180,6 +182,24 @@ def test_the_worker_serves_it_on_the_models_upper_layers_and_tokenizer(built: Bu
     with torch.no_grad():   # really the lookups, not the model's own lower layers
         full = torch.stack([encoder(torch.tensor([s]), torch.ones(1, len(s), dtype=torch.long))[0] for s in seqs])
     assert not torch.allclose(expected, full, atol=1e-3)
+
+
+def test_prefetched_states_of_its_table_serve_and_the_teachers_are_refused(built: Built) -> None:
+    """The plot service's lookups (the scheduler's prefetch) of the user's table run only its upper layers; states
+    of the teacher's table are refused naming both."""
+    runner = ModelRunner(built.artifacts, [f"{built.name}-plot"], traced=False)
+    seqs = built.ids(TEXTS)
+    ids, lengths = [t for s in seqs for t in s], [len(s) for s in seqs]
+    lookup = PlotLookup(built.store(), max_tokens=1024).lookup(np.array(ids), np.array(lengths))
+    states = PlotStates(lookup.states.astype(np.float16).astype(np.float32), lookup.lengths, built.name, K)
+    served = runner.run(Batch(f"{built.name}-plot", OUTPUT_EMBEDDING, ids, lengths, plot_states=states))
+    hierarchical = HierarchicalEncoder(built.store(), open_model(built.artifacts / "models" / built.name)[0])
+    expected = hierarchical.pool_states(states.states, states.lengths)
+    torch.testing.assert_close(torch.from_numpy(served.values), expected, rtol=0, atol=1e-5)
+    with pytest.raises(InvalidArgument, match=f"plot_states come from a 'minilm' K={K} table; this model serves "
+                                              f"'{built.name}' K={K}"):
+        runner.run(Batch(f"{built.name}-plot", OUTPUT_EMBEDDING, ids, lengths,
+                         plot_states=replace(states, model="minilm")))
 
 
 @pytest.mark.parametrize("built", ["mpnet"], indirect=True)   # one family: the rest is the same
