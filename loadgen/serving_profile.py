@@ -3,7 +3,11 @@ and a worker while `academus loadgen` sends Poisson traffic to one deployment (i
 students' hops and capacity on CPU).
 
     python -m academus.loadgen.serving_profile [--model sentiment-students --policy student]
-                                               [--rate 150] [--seconds 20] [--out .academus/results/serving_profile]
+                                               [--rate 150] [--seconds 20] [--streams]
+                                               [--out .academus/results/serving_profile]
+
+A model other than a task's student group (`--model null --policy fifo`: the stack alone) is served by one
+deployment of --policy on a mesh of its own.
 
 Needs py-spy on the PATH (the dev extras install it; the services do not need it). Each sample is
 put in one class by its stack, with full file names (py-spy sees Python frames only; C code is charged
@@ -16,7 +20,9 @@ to the frame that called it):
 - `python`: the innermost owned frame is the project's: its request handling and the libraries it calls
   (tokenizer, protobuf, prometheus, numpy). Standard-library frames own nothing: they count for the
   nearest owned frame outside them.
-Beside the samples, each process's CPU by thread name and its context switches (from /proc), a request.
+Each service's `hot_spots` are the innermost frames that took the most samples (`event loop and gRPC core`
+when the innermost frame is the loop's or gRPC's poller thread). Beside the samples, each process's CPU by
+thread name and its context switches (from /proc), a request.
 Raw samples land in `<out>/<service>.txt`; the last line printed is the summary JSON.
 """
 
@@ -33,8 +39,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from academus.loadgen.bench import loadgen_command, run_bench, stat_cpu_s
-from academus.loadgen.student_bench import add_mesh_options, group_size, set_students, start
-from academus.shared.cli.mesh import down
+from academus.loadgen.student_bench import add_mesh_options, group_size, set_students, start, teacher_name
+from academus.shared.cli.mesh import Deployment, MeshOptions, MeshState, down, up
 
 SAMPLE_RATE = 50  # py-spy samples a second
 LOOP_FRAME = re.compile(r"^(Runner\.run \(.*/asyncio/runners\.py|Thread\.run \(.*/threading\.py):")
@@ -69,6 +75,35 @@ def shares(lines: Iterable[str]) -> dict[str, float]:
     return {name: round(counts[name] / total, 3) for name in sorted(counts)} | {"samples": total}
 
 
+def hot_spots(lines: Iterable[str], top: int = 12) -> dict[str, float]:
+    """The innermost frames that took the most samples, as `function (file)`, with their shares."""
+    counts: collections.Counter[str] = collections.Counter()
+    for line in lines:
+        stack, _, count = line.rstrip().rpartition(" ")
+        if not stack:
+            continue
+        innermost = stack.split(";")[-1]
+        if LOOP_FRAME.match(innermost):
+            counts["event loop and gRPC core"] += int(count)
+            continue
+        function, _, where = innermost.partition(" (")
+        counts[f"{function} ({Path(where.split(':')[0]).name})"] += int(count)
+    total = sum(counts.values()) or 1
+    return {name: round(n / total, 3) for name, n in counts.most_common(top)}
+
+
+def start_mesh(args: argparse.Namespace, run_dir: Path) -> MeshState:
+    """The task's student bench mesh for its models; else one deployment of --policy serving --model."""
+    task = teacher_name(args)
+    if args.model in (task, f"{task}-students", f"{task}-2l"):
+        state = start(args, run_dir, 120.0)
+        set_students(state, f"{task}-students", group_size(state, args))
+        return state
+    return up(MeshOptions(run_dir=run_dir, artifacts=args.artifacts, gateway_port=0, workers=args.workers,
+                          worker_threads=args.worker_threads, deployments=[Deployment(args.policy, args.model)],
+                          env={"ACADEMUS_MODELS": args.model}))
+
+
 def record(pid: int, seconds: float, path: Path) -> subprocess.Popen:
     """py-spy on a running process without pausing it; only threads running or runnable are sampled."""
     return subprocess.Popen(["py-spy", "record", "--nonblocking", "--rate", str(SAMPLE_RATE),
@@ -81,14 +116,14 @@ def run(args: argparse.Namespace) -> dict:
     if shutil.which("py-spy") is None:
         raise SystemExit("py-spy is not on the PATH: `pip install -e '.[server,dev]'` (or `pip install py-spy`)")
     run_dir = args.out / "run"
-    state = start(args, run_dir, 120.0)
+    state = start_mesh(args, run_dir)
     try:
-        set_students(state, f"{args.task}-students", group_size(state, args))
         pids = {s.name: s.pid for s in state.services}
         client = subprocess.Popen(loadgen_command(run_dir, args.out / "loadgen", "run", "--model", args.model,
                                                   "--policy", args.policy, "--schedule", f"poisson:{args.rate}",
                                                   "--duration", str(args.seconds + 2 * args.warmup),
-                                                  "--texts", f"task:{args.task}"),
+                                                  "--texts", f"task:{args.task}",
+                                                  *(["--streams"] if args.streams else [])),
                                   stdout=subprocess.PIPE, text=True)
         time.sleep(args.warmup)
         before = {name: threads_reading(pids[name]) for name in args.services}
@@ -100,9 +135,10 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         down(run_dir)
     requests = args.rate * args.seconds
+    samples = {name: (args.out / f"{name}.txt").read_text().splitlines() for name in args.services}
     return {"model": args.model, "policy": args.policy, "rate": args.rate, "seconds": args.seconds,
             "latency_ms": report["latency_ms"], "errors": report["errors"],
-            "services": {name: {"sampled": shares((args.out / f"{name}.txt").read_text().splitlines())}
+            "services": {name: {"sampled": shares(samples[name]), "hot_spots": hot_spots(samples[name])}
                          | per_request(before[name], after[name], requests) for name in args.services}}
 
 
