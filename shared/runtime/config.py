@@ -261,8 +261,6 @@ class CommonConfig:
                                           "at once; a frame beyond is refused RESOURCE_EXHAUSTED, unrun", at_least(1))
     local_plane: bool = setting(True, "hops to a peer on this node ride a Unix socket (runtime/local_plane.py); off: "
                                       "gRPC streams for every hop (the ablation); needs `hop_streams`")
-    coalesce_writes: bool = setting(True, "the local plane's frames and replies ready in one turn of the event loop "
-                                          "leave in one write, one wake-up of the peer (off: a write each)")
     trace_ratio: float = setting(0.01, "share of requests traced, drawn where a request enters without a trace "
                                        "context: traced at every hop or none (runtime/tracing.py); "
                                        "`OTEL_TRACES_SAMPLER` leaves it to the SDK", between(0, 1))

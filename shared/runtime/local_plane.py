@@ -110,34 +110,6 @@ def pack(message: bytes) -> bytes:
     return HEADER.pack(len(message)) + message
 
 
-class Coalescer:
-    """Messages written in one turn of the event loop leave in one write: one system call and one wake-up of the
-    peer however many calls the turn sent or answered. On two shared cores each write's woken reader preempted its
-    writer: a scheduler's socket writes took 27 % of its samples at 700 req/s (`python -m
-    academus.loadgen.serving_profile --model null --policy fifo --streams`). The turn's messages wait one loop
-    iteration (`call_soon`); `coalesce` off writes each at once (the ablation)."""
-
-    def __init__(self, transport: asyncio.Transport, coalesce: bool) -> None:
-        self.transport = transport
-        self.coalesce = coalesce
-        self.parts: list[bytes] = []
-
-    def write(self, message: bytes) -> None:
-        if not self.coalesce:
-            self.transport.write(pack(message))
-            return
-        if not self.parts:
-            asyncio.get_running_loop().call_soon(self.flush)
-        self.parts.append(pack(message))
-
-    def flush(self) -> None:
-        """Writes what waits (before any message written past the coalescer, so a connection's order holds)."""
-        if self.parts:
-            parts, self.parts = self.parts, []
-            if not self.transport.is_closing():
-                self.transport.write(b"".join(parts))
-
-
 class MessageBuffer:
     """Cuts the bytes received into whole messages; refuses a length past `limit` before reading it."""
 
@@ -176,10 +148,8 @@ class MessageBuffer:
 class LocalPlane:
     """A service's listener: each connection is served as one Calls stream of `servicer`."""
 
-    def __init__(self, servicer: MultiplexServicer, folder: Path, name: str, coalesce: bool = True) -> None:
-        """`coalesce`: replies ready in one turn of the loop leave in one write (Coalescer)."""
+    def __init__(self, servicer: MultiplexServicer, folder: Path, name: str) -> None:
         self.servicer = servicer
-        self.coalesce = coalesce
         self.endpoint = LocalEndpoint(str(folder / f"{name}-{os.getpid()}-{secrets.token_hex(4)}.sock"),
                                       secrets.token_hex(16))
         self.connections: set[_ServedConnection] = set()
@@ -215,7 +185,6 @@ class _ServedConnection(asyncio.Protocol):
 
     def __init__(self, plane: LocalPlane) -> None:
         self.transport: asyncio.Transport | None = None
-        self.out: Coalescer | None = None
         self.writable = asyncio.Event()
         self.writable.set()
         self.plane = plane
@@ -227,7 +196,6 @@ class _ServedConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
-        self.out = Coalescer(transport, self.plane.coalesce)
         self.plane.connections.add(self)
 
     def data_received(self, data: bytes) -> None:
@@ -295,17 +263,15 @@ class _ServedConnection(asyncio.Protocol):
         """A reply written on the spot, unless the socket's buffer is full (then `reply` sends it)."""
         if not self.writable.is_set() or self.transport.is_closing():
             return False
-        self.out.write(reply.SerializeToString())
+        self.transport.write(pack(reply.SerializeToString()))
         return True
 
     async def reply(self) -> None:
         try:
             while (message := await self.served.next_message()) is not None:
-                self.out.flush()
                 self.transport.write(pack(message.SerializeToString()))
                 await self.writable.wait()
         finally:
-            self.out.flush()
             self.transport.close()
 
     def eof_received(self) -> bool:
@@ -323,7 +289,6 @@ class _ServedConnection(asyncio.Protocol):
         it was running are cancelled, as a broken gRPC stream's are."""
         log_event("local_plane_refused", logging.WARNING, code=code.name, details=details)
         LOCAL_PLANE_REFUSED.labels(code.name).inc()
-        self.out.flush()   # the replies already answered go first
         self.transport.write(pack(reply_status(0, code, details).SerializeToString()))
         self.transport.close()
         self._end()
@@ -355,10 +320,8 @@ class LocalCall(asyncio.Protocol):
 
     direct = True
 
-    def __init__(self, coalesce: bool = True) -> None:
+    def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
-        self.coalesce = coalesce   # frames sent in one turn of the loop leave in one write (Coalescer)
-        self.out: Coalescer | None = None
         self.buffer = MessageBuffer()
         self.metadata = asyncio.get_running_loop().create_future()
         self.failure: grpc.aio.AioRpcError | None = None
@@ -366,11 +329,10 @@ class LocalCall(asyncio.Protocol):
         self.on_failure: Callable[[str], None] | None = None
 
     @classmethod
-    async def open(cls, endpoint: LocalEndpoint, metadata: tuple[tuple[str, str], ...],
-                   coalesce: bool = True) -> LocalCall:
+    async def open(cls, endpoint: LocalEndpoint, metadata: tuple[tuple[str, str], ...]) -> LocalCall:
         """Connected and greeted; raises OSError when the socket cannot be reached, AioRpcError when the
         server refuses the hello."""
-        call = cls(coalesce)
+        call = cls()
         await asyncio.get_running_loop().create_unix_connection(lambda: call, endpoint.path)
         entries = [multiplex_pb2.MetadataEntry(key=k, value=v) for k, v in (*metadata, (TOKEN_KEY, endpoint.token))]
         call.transport.write(pack(multiplex_pb2.CallFrame(method=HELLO_METHOD, metadata=entries).SerializeToString()))
@@ -384,14 +346,13 @@ class LocalCall(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
-        self.out = Coalescer(transport, self.coalesce)
 
     def attach(self, on_reply: Callable[[multiplex_pb2.ReplyFrame], None], on_failure: Callable[[str], None]) -> None:
         self.on_reply, self.on_failure = on_reply, on_failure
 
     def write_now(self, frame: multiplex_pb2.CallFrame) -> None:
         if self.failure is None:
-            self.out.write(frame.SerializeToString())
+            self.transport.write(pack(frame.SerializeToString()))
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -432,11 +393,10 @@ class LocalCall(asyncio.Protocol):
             self.on_failure(details)
 
 
-async def open_local(announced: str, metadata: tuple[tuple[str, str], ...], coalesce: bool = True) -> LocalCall:
+async def open_local(announced: str, metadata: tuple[tuple[str, str], ...]) -> LocalCall:
     """A MultiplexChannel's LocalOpener: the announced plane, connected and greeted; raises ValueError for
-    an announcement it cannot read, OSError or AioRpcError as LocalCall.open does. `coalesce`: frames sent in one
-    turn of the loop leave in one write."""
+    an announcement it cannot read, OSError or AioRpcError as LocalCall.open does."""
     endpoint = LocalEndpoint.parse(announced)
     if endpoint is None:
         raise ValueError(f"not an endpoint: {announced!r}")
-    return await LocalCall.open(endpoint, metadata, coalesce)
+    return await LocalCall.open(endpoint, metadata)

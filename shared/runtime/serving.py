@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -102,7 +101,7 @@ class RunningService:
             self._bind(spec.own_port, credentials)
         self.metrics_port = start_metrics(cfg.metrics_port)
         if spec.hop_target and cfg.hop_streams and cfg.local_plane:
-            self.local_plane = LocalPlane(self.multiplex, socket_dir(cfg.socket_dir), spec.name, cfg.coalesce_writes)
+            self.local_plane = LocalPlane(self.multiplex, socket_dir(cfg.socket_dir), spec.name)
             await self.local_plane.start()
         await self.server.start()
         self.address = f"{cfg.advertised}:{port}"
@@ -208,25 +207,23 @@ class Stubs:
     waiting together in one message when `batches`, moving to the peer's node-local data plane when `local`
     (shared/runtime/local_plane.py)."""
 
-    def __init__(self, stub_class: type, multiplexed: bool = False, batches: bool = True, local: bool = False,
-                 coalesce: bool = True) -> None:
+    def __init__(self, stub_class: type, multiplexed: bool = False, batches: bool = True, local: bool = False) -> None:
         self.stub_class = stub_class
         self.multiplexed = multiplexed
         self.batches = batches
         self.local = local
-        self.opener = functools.partial(open_local, coalesce=coalesce) if local else None
         self._stubs: dict[str, object] = {}
 
     @classmethod
     def for_hops(cls, stub_class: type, config: CommonConfig) -> Stubs:
         """The next hop's stubs as the service is configured: multiplexed (hop_streams), batched (frame_batches),
-        node-local where the peer is (local_plane), its writes coalesced per turn of the loop (coalesce_writes)."""
-        return cls(stub_class, config.hop_streams, config.frame_batches, config.local_plane, config.coalesce_writes)
+        node-local where the peer is (local_plane)."""
+        return cls(stub_class, config.hop_streams, config.frame_batches, config.local_plane)
 
     def __call__(self, address: str):
         stub = self._stubs.get(address)
         if stub is None:
             stub = self.stub_class(over_streams(channel(address), self.multiplexed, self.batches,
-                                                self.opener, mesh_metadata()))
+                                                open_local if self.local else None, mesh_metadata()))
             self._stubs[address] = stub
         return stub

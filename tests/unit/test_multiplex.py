@@ -23,7 +23,6 @@ from academus.shared.runtime.errors import NOTHING_RAN, ResourceExhausted, abort
 from academus.shared.runtime.local_plane import (
     HELLO_METHOD,
     TOKEN_KEY,
-    Coalescer,
     FramingError,
     LocalEndpoint,
     LocalPlane,
@@ -612,42 +611,6 @@ def test_messages_are_cut_whole_across_reads_and_an_oversized_length_is_refused_
     assert buffer.feed(b"\x02") == [] and buffer.partial() == "1 bytes of a 4-byte length prefix"
     with pytest.raises(FramingError, match="11 bytes exceeds the local plane's limit of 10 bytes"):
         MessageBuffer(limit=10).feed(pack(b"x" * 11)[:4])
-
-
-class WriteLog(asyncio.Transport):
-    """A transport that keeps each write (the number of writes is what coalescing changes)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.writes: list[bytes] = []
-        self.closing = False
-
-    def write(self, data: bytes) -> None:
-        self.writes.append(bytes(data))
-
-    def is_closing(self) -> bool:
-        return self.closing
-
-
-@pytest.mark.parametrize("coalesce", [True, False])
-async def test_messages_of_one_turn_leave_in_one_write_in_their_order(coalesce):
-    transport = WriteLog()
-    out = Coalescer(transport, coalesce)
-    for message in (b"a", b"bc", b"def"):
-        out.write(message)
-    assert transport.writes == ([] if coalesce else [pack(b"a"), pack(b"bc"), pack(b"def")])
-    await asyncio.sleep(0)   # the next turn of the loop
-    expected = [pack(b"a") + pack(b"bc") + pack(b"def")] if coalesce else [pack(b"a"), pack(b"bc"), pack(b"def")]
-    assert transport.writes == expected
-    assert MessageBuffer().feed(b"".join(transport.writes)) == [b"a", b"bc", b"def"]
-    if coalesce:
-        out.write(b"g")
-        out.flush()   # at once: before what a caller writes past the coalescer
-        assert transport.writes[-1] == pack(b"g")
-        transport.closing = True   # what waits for a closed connection is dropped, not written
-        out.write(b"lost")
-        await asyncio.sleep(0)
-        assert transport.writes[-1] == pack(b"g")
 
 
 def test_an_announcement_names_a_socket_path_and_a_token():
