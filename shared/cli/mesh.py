@@ -285,26 +285,26 @@ def restart_redis(state: MeshState) -> int:
 
 
 def _plan(options: MeshOptions, worker_envs: list[dict[str, str]]) -> list[tuple[str, list[dict[str, str]]]]:
-    """Each service to start, in order, with one extra environment a copy. The plot service only
-    when a PLOT table is under the artifacts: without one it could not start, and no model needs it."""
+    """Each service to start, in order, with one extra environment a copy. A plot service for each PLOT table
+    under the artifacts, none without one: it could not start, and no model needs it."""
     # imported here: it imports torch, which the supervisor (importing this module) must not
-    from academus.shared.models.plot.table import plot_table
+    from academus.shared.models.plot.table import plot_tables
 
-    table = plot_table(options.artifacts)
+    tables = plot_tables(options.artifacts)
     deployments = options.deployments or default_deployments(options)
     schedulers = [env for node in node_names(options) for d, deployment in enumerate(deployments)
                   for env in deployment.scheduler_envs(d, node)]
     copies = {"worker": worker_envs, "scheduler": schedulers, "gateway": [{}] * options.gateways,
-              "plot": [_plot_env(table)] if table else []}
+              "plot": [_plot_env(table, i) for i, table in enumerate(tables)]}
     return [(name, copies.get(name, [{}])) for name in SERVICES if copies.get(name, [{}])]
 
 
-def _plot_env(table: Path) -> dict[str, str]:
+def _plot_env(table: Path, index: int = 0) -> dict[str, str]:
     from academus.shared.models.plot.table import ROOT, read_manifest
 
     manifest = read_manifest(table / ROOT)
     return {"ACADEMUS_PLOT_DIR": str(table), "ACADEMUS_MODEL": manifest.model,
-            "ACADEMUS_LOWER_LAYERS": str(manifest.lower_layers), "ACADEMUS_PLOT_ID": "plot-0"}
+            "ACADEMUS_LOWER_LAYERS": str(manifest.lower_layers), "ACADEMUS_PLOT_ID": f"plot-{index}"}
 
 
 def _worker_envs(options: MeshOptions) -> list[dict[str, str]]:
@@ -361,7 +361,7 @@ def _spawn(name: str, index: int, options: MeshOptions, state: MeshState,
     if options.tls:
         settings.update(Pki(Path(state.run_dir) / TLS_DIR).service_env(name, options.mutual_tls))
     settings.update(extra or {})   # the plan's own for this copy (a GPU worker's pinning, a scheduler's deployment)
-    label = f"{name}-{index}" if name == "worker" or (name == "gateway" and index) else name
+    label = f"{name}-{index}" if name == "worker" or (name in ("gateway", "plot") and index) else name
     if name == "scheduler" and child_env(settings).get("ACADEMUS_SCHEDULER_ID", "scheduler-0") != "scheduler-0":
         label = settings["ACADEMUS_SCHEDULER_ID"]   # its id: which deployment, shard and node the log is of
     proc = ServiceProcess(label, 0, f"127.0.0.1:{own_port or port}", metrics_port,

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer
@@ -20,10 +21,11 @@ from torch import nn
 from academus.client import AcademusError, Client
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshState, down
 from academus.shared.models.adapters import AdapterWeights, encode_with_adapters
-from academus.shared.models.model import mean_pool, pad_batch
+from academus.shared.models.model import TeacherEncoder, mean_pool, pad_batch
 from academus.shared.models.plot import PlotStore
 from academus.shared.models.plot.hierarchical import HierarchicalEncoder
-from academus.shared.models.user_models import open_model
+from academus.shared.models.teacher_files import teacher_dir
+from academus.shared.models.user_models import add_model, open_model
 from academus.shared.runtime.config import artifacts_dir
 from academus.shared.state.catalogue import read_catalogue, write_entry
 from academus.shared.training.prepare import load_head_at
@@ -310,3 +312,56 @@ def test_tenant_models_on_a_users_model_serve_their_adapters_and_hold_it(user_me
     removed = academus(user_mesh, "models", "remove", "tenant-base")
     assert removed.returncode == 0, removed.stderr
     wait_served(client, "tenant-base", served=False)
+
+
+def test_each_plot_table_gets_its_plot_service_and_both_models_are_prefetched(tmp_path: Path) -> None:
+    """`academus up` over the teacher's table and one on a user's model starts a plot service for each; requests
+    waiting for a padded batch are looked up in the service holding their model's table (HMI §6.1), and the
+    answers equal the hierarchical model on the wire's fp16 states."""
+    import asyncio
+
+    from academus.client import AsyncClient
+    from academus.services.plot.core import PlotLookup
+    from academus.shared.training.plot_build import BuildOptions, build
+    from academus.shared.training.plot_models import register_embedding
+    from tests.conftest import env
+
+    artifacts = tmp_path / "artifacts"
+    write_entry(artifacts, "minilm", read_catalogue(artifacts_dir())["minilm"])
+    tiny_model_dir("roberta", False, tmp_path / "upper")
+    roberta_specials(tmp_path / "upper")
+    add_model(artifacts, "upper", tmp_path / "upper")
+    with env(ACADEMUS_ARTIFACTS=str(artifacts)):
+        for model, k in (("minilm", 1), ("upper", 2)):
+            table = artifacts / "plot" / f"{model}-k{k}"
+            build(TEXTS, table, BuildOptions(model=model, lower_layers=k, unigrams="corpus"))
+            register_embedding(artifacts, table)
+    run_dir = tmp_path / "run"
+    mesh = start_mesh(run_dir, deployments=[Deployment("padded")], artifacts=artifacts,
+                      env={"ACADEMUS_MAX_BATCH": "64", "ACADEMUS_MAX_DELAY_MS": "300"})
+    try:
+        status = json.loads(academus(mesh, "status", "--json").stdout)
+        plots = {s["name"]: s["health"] for s in status["services"] if s["name"].startswith("plot")}
+        assert plots == {"plot": "SERVING", "plot-1": "SERVING"}
+        key = (run_dir / ADMIN_KEY_FILE).read_text().strip()
+
+        async def infer_each(model: str) -> list:
+            async with AsyncClient(mesh.gateway, api_key=key, timeout=30) as client:
+                return await asyncio.gather(*(client.infer(model, [t]) for t in TEXTS))
+
+        for model, k, tokenizer_dir in (("minilm", 1, teacher_dir()), ("upper", 2, tmp_path / "upper")):
+            answers = asyncio.run(infer_each(f"{model}-plot"))
+            assert all(a.metadata.plot_prefetched for a in answers), model
+            store = PlotStore.open(artifacts / "plot" / f"{model}-k{k}", model=model, lower_layers=k)
+            encoder = (open_model(artifacts / "models" / model)[0] if model == "upper"
+                       else TeacherEncoder.load())
+            tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+            tokenizer.no_padding()
+            seqs = [e.ids for e in tokenizer.encode_batch(TEXTS)]
+            lookup = PlotLookup(store, max_tokens=1024).lookup(np.concatenate(seqs), np.array([len(s) for s in seqs]))
+            wire = lookup.states.astype(np.float16).astype(np.float32)   # the Lookup RPC's states
+            expected = HierarchicalEncoder(store, encoder).pool_states(wire, lookup.lengths)
+            got = torch.tensor([a.predictions[0].embedding for a in answers])
+            assert (got - expected).abs().max().item() <= 1e-5, model
+    finally:
+        down(run_dir)

@@ -68,12 +68,12 @@ def test_a_deployment_names_a_known_policy():
         Deployment.parse("fastest=spam")
 
 
-def _fake_table(directory, lower_layers: int) -> None:
+def _fake_table(directory, lower_layers: int, model: str = "minilm") -> None:
     """A manifest only: the mesh reads it to configure the plot service, which checks the files."""
     from academus.shared.models.plot.table import PlotManifest
 
     (directory / "root").mkdir(parents=True)
-    manifest = PlotManifest(model="minilm", teacher="t", lower_layers=lower_layers, hidden=384, vocab_size=10,
+    manifest = PlotManifest(model=model, teacher="t", lower_layers=lower_layers, hidden=384, vocab_size=10,
                             special_ids={}, version="root", counts={}, files={})
     (directory / "root" / "manifest.json").write_text(manifest.to_json())
 
@@ -103,6 +103,25 @@ def test_the_mesh_serves_the_table_the_catalogue_names(tmp_path):
     (tmp_path / "models.json").write_text(json.dumps({"minilm": {"kind": "embedding"},
                                                       "minilm-plot": {"plot": "plot/minilm-k3"}}))
     assert plot_table(tmp_path) == tmp_path / "plot" / "minilm-k3"
+
+
+def test_each_table_the_catalogue_names_gets_a_plot_service_of_its_own(tmp_path):
+    """The teacher's table and one on a user's model: two plot services, each announcing its model and K (the
+    scheduler prefetches from the one holding a model's table); a table no entry names is not served."""
+    import json
+
+    from academus.shared.cli.mesh import MeshOptions, _plan
+
+    _fake_table(tmp_path / "plot" / "minilm-k3", 3)
+    _fake_table(tmp_path / "plot" / "mine-k2", 2, model="mine")
+    _fake_table(tmp_path / "plot" / "minilm-k1", 1)
+    (tmp_path / "models.json").write_text(json.dumps({
+        "minilm-plot": {"plot": "plot/minilm-k3"}, "spam-plot": {"plot": "plot/minilm-k3"},
+        "mine-plot": {"plot": "plot/mine-k2"}, "gone-plot": {"plot": "plot/never-built"}}))
+    plan = dict(_plan(MeshOptions(run_dir=tmp_path / "run", artifacts=tmp_path, gpus=0), [{}]))
+    assert [(e["ACADEMUS_PLOT_DIR"], e["ACADEMUS_MODEL"], e["ACADEMUS_LOWER_LAYERS"], e["ACADEMUS_PLOT_ID"])
+            for e in plan["plot"]] == [(str(tmp_path / "plot" / "minilm-k3"), "minilm", "3", "plot-0"),
+                                       (str(tmp_path / "plot" / "mine-k2"), "mine", "2", "plot-1")]
 
 
 def test_a_mesh_needs_at_least_one_gateway_and_one_node(tmp_path):

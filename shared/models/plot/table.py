@@ -243,13 +243,22 @@ class VersionWriter:
         shutil.rmtree(self.staging, ignore_errors=True)
 
 
-def plot_table(artifacts: Path) -> Path | None:
-    """The PLOT table the mesh serves: the one the catalogue's first `plot` entry names, else the first
-    built under <artifacts>/plot/ (a directory with root/manifest.json); None when there is none."""
+def plot_tables(artifacts: Path) -> list[Path]:
+    """The PLOT tables the mesh serves, a plot service each: every built table the catalogue's `plot` entries name
+    (the teacher's and those on users' models), in the catalogue's order; else the first built under
+    <artifacts>/plot/ (a directory with root/manifest.json); none when there is none."""
     catalogue = Path(artifacts) / "models.json"
-    named = []
+    named: list[Path] = []
     if catalogue.is_file():
         entries = json.loads(catalogue.read_text()).values()
         named = [Path(artifacts) / e["plot"] for e in entries if isinstance(e, dict) and e.get("plot")]
+    named = [d for d in dict.fromkeys(named) if (d / "root" / "manifest.json").is_file()]
+    if named:
+        return named
     built = sorted(p.parent.parent for p in (Path(artifacts) / "plot").glob("*/root/manifest.json"))
-    return next((d for d in [*named, *built] if (d / "root" / "manifest.json").is_file()), None)
+    return built[:1]
+
+
+def plot_table(artifacts: Path) -> Path | None:
+    """The first of the mesh's PLOT tables (plot_tables); None when there is none."""
+    return next(iter(plot_tables(artifacts)), None)
