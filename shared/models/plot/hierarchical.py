@@ -113,7 +113,7 @@ class PlotEncoder(nn.Module):
     def __init__(self, hierarchical: HierarchicalEncoder, encoder: TeacherEncoder, domain: str = "") -> None:
         super().__init__()
         self.body = encoder.body
-        self.normalize = encoder.normalize   # pair scores need to know whether the output is L2-normalised
+        self.normalize = encoder.normalize   # as the encoder it runs: its output is L2-normalised or not
         self.hierarchical = hierarchical
         self.domain = domain
 
