@@ -124,6 +124,23 @@ def test_each_table_the_catalogue_names_gets_a_plot_service_of_its_own(tmp_path)
                                        (str(tmp_path / "plot" / "mine-k2"), "mine", "2", "plot-1")]
 
 
+def test_domain_overlays_extend_the_teachers_table_whatever_the_catalogue_names_first(tmp_path, monkeypatch):
+    """Tenant domains sit on minilm-plot and their overlays are built with the teacher's layers: a table on a
+    user's model named first is not theirs."""
+    import json
+
+    from academus.shared.models.plot.domains import root_table
+
+    monkeypatch.setenv("ACADEMUS_ARTIFACTS", str(tmp_path))
+    _fake_table(tmp_path / "plot" / "mine-k2", 2, model="mine")
+    (tmp_path / "models.json").write_text(json.dumps({"mine-plot": {"plot": "plot/mine-k2"}}))
+    assert root_table() is None
+    _fake_table(tmp_path / "plot" / "minilm-k3", 3)
+    (tmp_path / "models.json").write_text(json.dumps({"mine-plot": {"plot": "plot/mine-k2"},
+                                                      "minilm-plot": {"plot": "plot/minilm-k3"}}))
+    assert root_table() == tmp_path / "plot" / "minilm-k3"
+
+
 def test_a_mesh_needs_at_least_one_gateway_and_one_node(tmp_path):
     with pytest.raises(mesh.MeshError, match="gateways must be >= 1, not 0"):
         mesh.up(mesh.MeshOptions(run_dir=tmp_path, gateways=0))

@@ -106,11 +106,12 @@ def overlay_dir(table: Path, name: str) -> Path:
 
 
 def root_table(plot_dir: str = "") -> Path | None:
-    """The PLOT table whose root overlays extend: `plot_dir` when set, else the one the mesh serves
-    (plot_table over the artifacts); None when no root table is built there."""
-    from academus.shared.models.plot.table import ROOT, plot_table
+    """The PLOT table whose root overlays extend: `plot_dir` when set, else the first table on the bundled teacher
+    the mesh serves (plot_tables over the artifacts: tenant domains sit on `minilm-plot`, and the overlays are
+    built with the teacher's layers); None when no such table is built there."""
+    from academus.shared.models.plot.table import ROOT, plot_tables, read_manifest
     from academus.shared.runtime.config import artifacts_dir
 
     if plot_dir:
         return Path(plot_dir) if (Path(plot_dir) / ROOT / "manifest.json").is_file() else None
-    return plot_table(artifacts_dir())
+    return next((t for t in plot_tables(artifacts_dir()) if read_manifest(t / ROOT).model == "minilm"), None)
