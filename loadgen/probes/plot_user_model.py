@@ -28,7 +28,8 @@ from academus.shared.models.plot.layers import SplitBert
 from academus.shared.models.plot.store import PlotStore
 from academus.shared.runtime.config import offline_hub
 from academus.shared.training.data import data_dir
-from academus.shared.training.plot_build import BuildOptions, build, corpus_texts, plot_base
+from academus.shared.training.plot_build import BuildOptions, build, corpus_texts
+from academus.shared.training.plot_models import plot_base
 
 
 def _log(message: str) -> None:

@@ -47,7 +47,6 @@ import torch
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from academus.shared.models.model import TeacherEncoder
 from academus.shared.models.plot.layers import SplitBert
 from academus.shared.models.plot.ngrams import pack, unpack, window_starts, windows
 from academus.shared.models.plot.store import DOMAINS_DIR
@@ -61,58 +60,11 @@ from academus.shared.models.plot.table import (
     VersionWriter,
     read_manifest,
 )
-from academus.shared.models.teacher_files import TEACHER_NAME, teacher_dir
-from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.runtime.config import artifacts_dir, offline_hub, use_artifacts
-from academus.shared.state.catalogue import EMBEDDING, read_catalogue
 from academus.shared.training.data import TASKS, DataMissing, data_dir, load_task
+from academus.shared.training.plot_models import BUNDLED, PlotBase, plot_base
 
-BUNDLED = "minilm"   # the bundled teacher's served name; every other base is a user's embedding model
 GENERAL_CORPORA = ("general", "sotu", "wordnet")
-MAX_TOKENS = 256
-
-
-@dataclass(frozen=True)
-class PlotBase:
-    """The model a table is built on: its served name, what the manifest records as its teacher (the bundled
-    checkpoint; a user's model's name and weights' digest), and where its tokenizer and weights lie."""
-
-    name: str
-    teacher: str
-    directory: Path
-    max_tokens: int
-    user: bool
-
-    def encoder(self, device: str | torch.device = "cpu") -> TeacherEncoder:
-        """Its encoder, pooled as it is served (a user's model's files checked against their sha256 first)."""
-        if not self.user:
-            return TeacherEncoder.load(device=device)
-        from academus.shared.models.user_models import open_model
-
-        return open_model(self.directory, device)[0]
-
-    def tokenizer(self) -> TeacherTokenizer:
-        return TeacherTokenizer(self.directory, max_tokens=self.max_tokens)
-
-
-def plot_base(model: str, artifacts: Path | None = None) -> PlotBase:
-    """The bundled teacher, or a user's embedding model in the catalogue under `artifacts`; anything else is
-    refused naming what it is."""
-    if model == BUNDLED:
-        return PlotBase(BUNDLED, TEACHER_NAME, teacher_dir(), MAX_TOKENS, False)
-    from academus.shared.models.user_models import cache_name
-    from academus.shared.state.artifacts import read_manifest as read_model_manifest
-
-    artifacts = Path(artifacts or artifacts_dir())
-    entry = read_catalogue(artifacts).get(model)
-    if entry is None or "source" not in entry or entry.get("kind") != EMBEDDING:
-        what = "not in the catalogue" if entry is None else f"a {entry.get('kind', 'bundled')} model, not a user's " \
-            "embedding model"
-        raise PlotError(f"--model {model!r} is {what} ({artifacts / 'models.json'}): PLOT tables are built on "
-                        f"{BUNDLED} or on an embedding model added with `academus models add`")
-    directory = artifacts / entry["source"]
-    return PlotBase(model, cache_name(model, read_model_manifest(directory)), directory,
-                    int(entry["max_tokens"]), True)
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,9 @@ def test_each_group_runs_whole_on_one_worker_through_the_classifiers_own_head(me
     wait_for(lambda: sorted(map(json.dumps, groups(mesh))) == sorted(
         json.dumps([[w, [0, 1]]]) for w in ("worker-0", "worker-0", "worker-1", "worker-1")), 60,
         "a group a slot, both students on it")
+    # the scheduler reads the new groups after the resource manager writes them: wait for its view, not Redis's
+    wait_for(lambda: all(not isinstance(r, AcademusError) and r.metadata.student_count == 2
+                         for r in asyncio.run(answers(mesh, 2))), 60, "the scheduler running both students")
     results = asyncio.run(answers(mesh, 12))
     errors = [r for r in results if isinstance(r, AcademusError)]
     assert not errors, [(e.code, e.details) for e in errors]

@@ -41,8 +41,8 @@ from academus.shared.state.artifacts import ArtifactError
 from academus.shared.state.artifacts import read_manifest as read_model_manifest
 from academus.shared.state.catalogue import read_catalogue, write_entry
 from academus.shared.training.plot_build import main as plot_main
-from academus.shared.training.plot_build import plot_base, tokenize
-from academus.shared.training.plot_models import register_embedding, train_plot_head
+from academus.shared.training.plot_build import tokenize
+from academus.shared.training.plot_models import plot_base, register_embedding, train_plot_head
 from tests.models import permute_vocabulary, roberta_specials, tiny_model_dir
 
 K = 2
