@@ -103,26 +103,19 @@ class Encoders:
         return (await self.base(device, TEACHER_BASE))[0]
 
     async def base(self, device: str, base: str) -> tuple[Any, Any]:
-        from academus.shared.training.adapters import check_base, open_base
+        from academus.shared.training.adapters import encoder_base
 
-        entry = await asyncio.to_thread(check_base, base)
-        identity = f"{base}@{await asyncio.to_thread(_weights_digest, entry)}" if entry else ""   # "": the teacher
+        source = await asyncio.to_thread(encoder_base, base)
+        identity = await asyncio.to_thread(source.identity) if source.user else ""   # "": the teacher
         key = (device, identity)
         if key not in self._loaded:
-            self._loaded[key] = await asyncio.to_thread(open_base, base, device)
+            self._loaded[key] = await asyncio.to_thread(lambda: (source.encoder(device), source.tokenizer()))
         self._loaded.move_to_end(key)
         users = [k for k in self._loaded if k[1]]
         for stale in users[:max(0, len(users) - self.max_user_bases)]:
             del self._loaded[stale]
         return self._loaded[key]
 
-
-def _weights_digest(entry: dict[str, Any]) -> str:
-    from academus.shared.models.user_models import cache_name
-    from academus.shared.runtime.config import artifacts_dir
-    from academus.shared.state.artifacts import read_manifest
-
-    return cache_name("", read_manifest(artifacts_dir() / entry["source"]))
 
 
 def _upload(job: Job) -> bytes:

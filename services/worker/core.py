@@ -35,7 +35,7 @@ from academus.shared.models.packing import Attention, PackedBatch, PackingPlan, 
 from academus.shared.models.plot.table import PlotError
 from academus.shared.models.students import SEQUENCE
 from academus.shared.models.teacher_files import TEACHER_NAME
-from academus.shared.models.user_models import HEAD_ON, STUDENTS_OF
+from academus.shared.models.user_models import HEAD_ON, STUDENTS_OF, TOKENIZER
 from academus.shared.models.work import FINISH_L2, FINISH_SOFTMAX, FINISH_SUM, Batch, PlotStates, ShardRun, split_flat
 from academus.shared.runtime.config import visible_cuda_devices
 from academus.shared.runtime.errors import DeadlineExceeded, InvalidArgument, NotFound
@@ -331,8 +331,6 @@ class ModelRunner:
         """A model from `academus models add`: its files checked against their sha256, then its own encoder
         and, for a classifier, its own head. The encoder of an embedding model is kept for the heads trained
         on it (one copy however many)."""
-        from academus.shared.models.user_models import TOKENIZER
-
         encoder, head, manifest = self._user_encoder(entry)
         served = ServedModel(self._user_spec(name, entry, encoder, head, manifest.files[TOKENIZER]), encoder, head,
                              exit_task=name if head is not None else "")   # a classifier's ramps are its own
@@ -381,8 +379,6 @@ class ModelRunner:
 
     def _tokenizer_digest(self, model: str) -> str:
         """The sha256 of a user's model's tokenizer.json ("": the teacher's, for the bundled models)."""
-        from academus.shared.models.user_models import TOKENIZER
-
         entry = read_catalogue(self.artifacts).get(model) if model else None
         if entry is None or "source" not in entry:
             return ""
@@ -409,8 +405,9 @@ class ModelRunner:
         return self._teacher
 
     def _load_plot(self, name: str, entry: dict) -> ServedModel:
-        """HMI's hierarchical model in process: PLOT lookups for the lower K layers, the shared
-        teacher's upper layers (already deadline-hooked), and the entry's head if it has one."""
+        """HMI's hierarchical model in process: PLOT lookups for the lower K layers, the upper layers of the model
+        the table was built on (the shared teacher, or a user's model; already deadline-hooked), and the entry's head
+        if it has one."""
         from academus.shared.models.plot import PlotStore
         from academus.shared.models.plot.hierarchical import HierarchicalEncoder, PlotEncoder
 
@@ -424,19 +421,20 @@ class ModelRunner:
             from academus.shared.training.prepare import load_head_at
 
             head = load_head_at(self.artifacts / entry["head"]).to(self.device).eval()
-        base = self._plot_base(name, entry, store)
-        if base is None:
+        user = self._plot_base(name, entry, store)
+        if user is None:
             base, spec = self.teacher(), ModelSpec(name, entry["kind"], [], HIDDEN_SIZE)
         else:   # a user's model: its tokenizer, width, token limit and shape
-            spec = self._user_spec(name, entry, base, None, self._tokenizer_digest(store.model))
+            base, manifest = user
+            spec = self._user_spec(name, entry, base, None, manifest.files[TOKENIZER])
         encoder = PlotEncoder(HierarchicalEncoder(store, base), base, entry.get("domain", ""))
         spec = replace(spec, labels=list(head.labels) if head else [], plot=store.model,
                        lower_layers=store.lower_layers, domain=entry.get("domain", ""))
         return ServedModel(spec, encoder, head, packable=False)
 
-    def _plot_base(self, name: str, entry: dict, store: PlotStore) -> TeacherEncoder | None:
-        """The user's embedding model a PLOT table was built on (None: the bundled teacher's), refused when the
-        catalogue serves other weights under its name than the table was built on."""
+    def _plot_base(self, name: str, entry: dict, store: PlotStore) -> tuple[TeacherEncoder, Manifest] | None:
+        """The user's embedding model a PLOT table was built on and its manifest (None: the bundled teacher),
+        refused when the catalogue serves other weights under its name than the table was built on."""
         from academus.shared.models.user_models import cache_name
 
         base = read_catalogue(self.artifacts).get(store.model)
@@ -447,7 +445,7 @@ class ModelRunner:
         if built_on != served:
             raise ArtifactError(f"model {name!r}: its PLOT table {entry['plot']} was built on {built_on}, the "
                                 f"catalogue serves {served}; rebuild it (academus plot build --model {store.model})")
-        return encoder
+        return encoder, manifest
 
     def _prepare_layers(self, encoder: nn.Module, warm_up_token: int = WARM_UP_TOKEN, **forward: int) -> None:
         """Deadline hooks on every layer and, when `traced`, traced graphs for their forwards, made now

@@ -26,7 +26,14 @@ from typing import Any
 from academus.shared.models.architectures import Architecture, UnsupportedArchitecture, read_architecture
 from academus.shared.models.model import FIRST, MEAN, POOLINGS
 from academus.shared.state.artifacts import MANIFEST, ArtifactError, Manifest, read_manifest, sha256_file
-from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, MODEL_NAME, read_catalogue, write_entry
+from academus.shared.state.catalogue import (
+    CLASSIFICATION,
+    EMBEDDING,
+    MODEL_NAME,
+    ModelSpec,
+    read_catalogue,
+    write_entry,
+)
 
 MODELS_DIR = "models"             # under the artifacts
 USER_MODEL_KIND = "user-model"    # the manifest's kind
@@ -177,6 +184,49 @@ def cache_name(model: str, manifest: Manifest) -> str:
     weights = sorted(v for k, v in manifest.files.items() if k.endswith(".safetensors"))
     digest = weights[0] if len(weights) == 1 else hashlib.sha256("".join(weights).encode()).hexdigest()
     return f"{model}-{digest[:12]}"
+
+
+BUNDLED_BASE = "minilm"   # the bundled teacher's served name: the base every other model here is not
+
+
+@dataclass(frozen=True)
+class EncoderBase:
+    """An encoder others are built on (tenant adapters, PLOT tables): the bundled teacher, or a user's embedding
+    model from the catalogue. It opens its encoder and tokenizer, and names its weights."""
+
+    name: str
+    directory: Path     # its tokenizer.json; a user's model's checked files
+    max_tokens: int
+    user: bool
+
+    @classmethod
+    def bundled(cls) -> EncoderBase:
+        from academus.shared.models.teacher_files import teacher_dir
+
+        return cls(BUNDLED_BASE, teacher_dir(), ModelSpec.max_tokens, False)
+
+    @classmethod
+    def of_entry(cls, name: str, artifacts: Path, entry: dict[str, Any]) -> EncoderBase:
+        """A user's model, from its catalogue entry."""
+        return cls(name, Path(artifacts) / entry["source"], int(entry["max_tokens"]), True)
+
+    def encoder(self, device: str | Any = "cpu") -> Any:
+        """Its encoder, pooled as it is served (a user's model's files checked against their sha256 first)."""
+        from academus.shared.models.model import TeacherEncoder
+
+        return open_model(self.directory, device)[0] if self.user else TeacherEncoder.load(device=device)
+
+    def tokenizer(self) -> Any:
+        from academus.shared.models.tokenization import TeacherTokenizer
+
+        return TeacherTokenizer(self.directory, max_tokens=self.max_tokens)
+
+    def identity(self) -> str:
+        """What names its weights: the bundled checkpoint; a user's model's name and weights' digest (one added again
+        under its name with other weights is another)."""
+        from academus.shared.models.teacher_files import TEACHER_NAME
+
+        return cache_name(self.name, read_manifest(self.directory)) if self.user else TEACHER_NAME
 
 
 def verify_model_files(directory: Path) -> Manifest:

@@ -32,8 +32,8 @@ from academus.shared.models.adapters import (
 )
 from academus.shared.models.model import TeacherEncoder, pad_batch
 from academus.shared.models.split import SplitEncoder
-from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.models.user_models import EncoderBase
 from academus.shared.state.catalogue import ADAPTER_BASES, EMBEDDING, PLOT_BASES, read_catalogue
 from academus.shared.state.uploads import parse_labelled_jsonl
 from academus.shared.training.prepare import MAX_TOKENS, classification_metrics, length_batches
@@ -134,16 +134,16 @@ def open_base(base: str, device: str | torch.device = "cpu", encoder: TeacherEnc
     """The encoder and tokenizer tenant adapters on `base` train on, the base checked: those given are kept (a shared
     encoder), the rest opened, the bundled teacher's for a bundled base, else the user's model's (its files checked
     against their manifest)."""
-    entry = check_base(base)
-    if not entry:
-        return (encoder or TeacherEncoder.load(device=device),
-                tokenizer or TeacherTokenizer(teacher_dir(), max_tokens=MAX_TOKENS))
-    from academus.shared.models.user_models import open_model
+    source = encoder_base(base)
+    return encoder or source.encoder(device), tokenizer or source.tokenizer()
+
+
+def encoder_base(base: str) -> EncoderBase:
+    """The encoder tenant adapters on `base` sit on, the base checked: the bundled teacher for a bundled base."""
     from academus.shared.runtime.config import artifacts_dir
 
-    source = artifacts_dir() / entry["source"]
-    return (encoder or open_model(source, device)[0],
-            tokenizer or TeacherTokenizer(source, max_tokens=entry["max_tokens"]))
+    entry = check_base(base)
+    return EncoderBase.of_entry(base, artifacts_dir(), entry) if entry else EncoderBase.bundled()
 
 
 def encoder_shape(encoder: nn.Module) -> tuple[int, int]:

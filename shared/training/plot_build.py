@@ -60,9 +60,10 @@ from academus.shared.models.plot.table import (
     VersionWriter,
     read_manifest,
 )
+from academus.shared.models.user_models import BUNDLED_BASE, EncoderBase
 from academus.shared.runtime.config import artifacts_dir, offline_hub, use_artifacts
 from academus.shared.training.data import TASKS, DataMissing, data_dir, load_task
-from academus.shared.training.plot_models import BUNDLED, PlotBase, plot_base
+from academus.shared.training.plot_models import plot_base
 
 GENERAL_CORPORA = ("general", "sotu", "wordnet")
 
@@ -118,10 +119,10 @@ def _general(spec: str, directory: Path) -> list[str]:
     return sotu + wordnet
 
 
-def tokenize(texts: list[str], base: PlotBase | None = None, pad: int = 0, chunk: int = 2048) -> Tokenized:
+def tokenize(texts: list[str], base: EncoderBase | None = None, pad: int = 0, chunk: int = 2048) -> Tokenized:
     """Every text as the base's tokenizer frames it (the bundled teacher's by default); `pad`: its model's
     padding id."""
-    base = base or plot_base(BUNDLED)
+    base = base or EncoderBase.bundled()
     tokenizer = base.tokenizer()
     ids: list[int] = []
     lengths: list[int] = []
@@ -240,7 +241,7 @@ def build(texts: list[str], out: Path, options: BuildOptions, layers: SplitBert 
     try:
         coverage = _fill(writer, tokens, layers, options)
         manifest = writer.publish(
-            model=options.model, teacher=base.teacher, lower_layers=options.lower_layers,
+            model=options.model, teacher=base.identity(), lower_layers=options.lower_layers,
             hidden=layers.hidden, vocab_size=tokens.vocab_size, special_ids=tokens.specials.as_dict(),
             version=options.domain or ROOT, created=datetime.now(UTC).isoformat(timespec="seconds"),
             build_s=round(time.perf_counter() - started, 2),
@@ -297,8 +298,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="academus plot", description="PLOT tables: precomputed lower-layer states")
     sub = p.add_subparsers(dest="action", required=True)
     b = sub.add_parser("build", help="build the root table or a domain overlay")
-    b.add_argument("--model", default=BUNDLED, help=f"the model whose lower layers are tabled: {BUNDLED} (default) "
-                   "or an embedding model added with `academus models add`")
+    b.add_argument("--model", default=BUNDLED_BASE, help=f"the model whose lower layers are tabled: {BUNDLED_BASE} "
+                   "(default) or an embedding model added with `academus models add`")
     b.add_argument("--lower-layers", type=int, default=3, help="K: layers replaced by the table (default 3 of 6)")
     b.add_argument("--corpus", required=True, help="a text file (one text a line, or .jsonl), "
                    f"a task ({', '.join(TASKS)}: its train split) or {', '.join(GENERAL_CORPORA)}; "

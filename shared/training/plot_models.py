@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,59 +22,29 @@ from academus.shared.models.model import TeacherEncoder
 from academus.shared.models.plot.hierarchical import HierarchicalEncoder
 from academus.shared.models.plot.store import PlotStore
 from academus.shared.models.plot.table import ROOT, PlotError, PlotManifest, read_manifest
-from academus.shared.models.teacher_files import TEACHER_NAME, teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.models.user_models import BUNDLED_BASE, EncoderBase
 from academus.shared.runtime.config import artifacts_dir
 from academus.shared.state.catalogue import EMBEDDING, read_catalogue, write_entry
 from academus.shared.training.data import TASKS, TaskData, fetch, load_task
 
-BUNDLED = "minilm"   # the bundled teacher's served name; every other base is a user's embedding model
-MAX_TOKENS = 256     # the bundled teacher's token limit
 EMBEDDING_MODEL = "minilm-plot"
 PLOT_HEAD_KIND = "teacher-head"   # the same artifact kind as the teacher's heads: load_head_at reads both
 
 
-@dataclass(frozen=True)
-class PlotBase:
-    """The model a table is built on: its served name, what the manifest records as its teacher (the bundled
-    checkpoint; a user's model's name and weights' digest), and where its tokenizer and weights lie."""
-
-    name: str
-    teacher: str
-    directory: Path
-    max_tokens: int
-    user: bool
-
-    def encoder(self, device: str | torch.device = "cpu") -> TeacherEncoder:
-        """Its encoder, pooled as it is served (a user's model's files checked against their sha256 first)."""
-        if not self.user:
-            return TeacherEncoder.load(device=device)
-        from academus.shared.models.user_models import open_model
-
-        return open_model(self.directory, device)[0]
-
-    def tokenizer(self) -> TeacherTokenizer:
-        return TeacherTokenizer(self.directory, max_tokens=self.max_tokens)
-
-
-def plot_base(model: str, artifacts: Path | None = None) -> PlotBase:
+def plot_base(model: str, artifacts: Path | None = None) -> EncoderBase:
     """The bundled teacher, or a user's embedding model in the catalogue under `artifacts`; anything else is
     refused naming what it is."""
-    if model == BUNDLED:
-        return PlotBase(BUNDLED, TEACHER_NAME, teacher_dir(), MAX_TOKENS, False)
-    from academus.shared.models.user_models import cache_name
-    from academus.shared.state.artifacts import read_manifest as read_model_manifest
-
+    if model == BUNDLED_BASE:
+        return EncoderBase.bundled()
     artifacts = Path(artifacts or artifacts_dir())
     entry = read_catalogue(artifacts).get(model)
     if entry is None or "source" not in entry or entry.get("kind") != EMBEDDING:
         what = "not in the catalogue" if entry is None else f"a {entry.get('kind', 'bundled')} model, not a user's " \
             "embedding model"
         raise PlotError(f"--model {model!r} is {what} ({artifacts / 'models.json'}): PLOT tables are built on "
-                        f"{BUNDLED} or on an embedding model added with `academus models add`")
-    directory = artifacts / entry["source"]
-    return PlotBase(model, cache_name(model, read_model_manifest(directory)), directory,
-                    int(entry["max_tokens"]), True)
+                        f"{BUNDLED_BASE} or on an embedding model added with `academus models add`")
+    return EncoderBase.of_entry(model, artifacts, entry)
 
 
 def table_ref(artifacts: Path, table: Path) -> str | None:
@@ -100,7 +69,7 @@ def embedding_entry(artifacts: Path, ref: str, manifest: PlotManifest) -> dict[s
 
 def embedding_name(model: str) -> str:
     """`minilm-plot` for the teacher's table, `<model>-plot` for a user's model's."""
-    return EMBEDDING_MODEL if model == BUNDLED else f"{model}-plot"
+    return EMBEDDING_MODEL if model == BUNDLED_BASE else f"{model}-plot"
 
 
 def register_embedding(artifacts: Path, table: Path) -> str | None:

@@ -4,6 +4,7 @@ refused directory registers nothing; `models remove` unserves the model. No rest
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -18,7 +19,8 @@ import torch
 from tokenizers import Tokenizer
 from torch import nn
 
-from academus.client import AcademusError, Client
+from academus.client import AcademusError, AsyncClient, Client
+from academus.services.plot.core import PlotLookup
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshState, down
 from academus.shared.models.adapters import AdapterWeights, encode_with_adapters
 from academus.shared.models.model import TeacherEncoder, mean_pool, pad_batch
@@ -28,9 +30,12 @@ from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.user_models import add_model, open_model
 from academus.shared.runtime.config import artifacts_dir
 from academus.shared.state.catalogue import read_catalogue, write_entry
+from academus.shared.training.plot_build import BuildOptions, build
+from academus.shared.training.plot_models import register_embedding
 from academus.shared.training.prepare import load_head_at
 from academus.shared.training.student_artifacts import load_student_group
 from academus.v1 import manage_pb2, manage_pb2_grpc
+from tests.conftest import env
 from tests.e2e.conftest import start_mesh
 from tests.models import LABELS, permute_vocabulary, roberta_specials, tiny_model_dir
 
@@ -318,14 +323,6 @@ def test_each_plot_table_gets_its_plot_service_and_both_models_are_prefetched(tm
     """`academus up` over the teacher's table and one on a user's model starts a plot service for each; requests
     waiting for a padded batch are looked up in the service holding their model's table (HMI §6.1), and the
     answers equal the hierarchical model on the wire's fp16 states."""
-    import asyncio
-
-    from academus.client import AsyncClient
-    from academus.services.plot.core import PlotLookup
-    from academus.shared.training.plot_build import BuildOptions, build
-    from academus.shared.training.plot_models import register_embedding
-    from tests.conftest import env
-
     artifacts = tmp_path / "artifacts"
     write_entry(artifacts, "minilm", read_catalogue(artifacts_dir())["minilm"])
     tiny_model_dir("roberta", False, tmp_path / "upper")

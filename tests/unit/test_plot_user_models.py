@@ -8,10 +8,7 @@ Expected states come from transformers' own forward (output_hidden_states), neve
 from __future__ import annotations
 
 import json
-import os
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -35,7 +32,6 @@ from academus.shared.models.user_models import (
     remove_model,
 )
 from academus.shared.models.work import Batch, PlotStates
-from academus.shared.runtime.config import ARTIFACTS
 from academus.shared.runtime.errors import InvalidArgument
 from academus.shared.state.artifacts import ArtifactError
 from academus.shared.state.artifacts import read_manifest as read_model_manifest
@@ -43,6 +39,7 @@ from academus.shared.state.catalogue import read_catalogue, write_entry
 from academus.shared.training.plot_build import main as plot_main
 from academus.shared.training.plot_build import tokenize
 from academus.shared.training.plot_models import plot_base, register_embedding, train_plot_head
+from tests.conftest import env
 from tests.models import permute_vocabulary, roberta_specials, tiny_model_dir
 
 K = 2
@@ -53,22 +50,8 @@ TEXTS = ["the cat sat on the mat", "hello", "the tree fell on the phone", "great
 FAMILIES = {"bert": (False, False, ""), "roberta": (True, False, "cls"), "mpnet": (True, True, "")}
 
 
-@contextmanager
-def artifacts_env(artifacts: Path) -> Iterator[None]:
-    """ACADEMUS_ARTIFACTS set as `--artifacts` sets it for the command's process, restored after."""
-    before = os.environ.get(ARTIFACTS.name)
-    os.environ[ARTIFACTS.name] = str(artifacts)
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(ARTIFACTS.name, None)
-        else:
-            os.environ[ARTIFACTS.name] = before
-
-
 def build_cli(artifacts: Path, model: str, corpus: Path) -> int:
-    with artifacts_env(artifacts):
+    with env(ACADEMUS_ARTIFACTS=str(artifacts)):
         return plot_main(["build", "--model", model, "--corpus", str(corpus), "--lower-layers", str(K),
                           "--unigrams", "corpus", "--threads", "1", "--artifacts", str(artifacts)])
 
@@ -206,7 +189,7 @@ def test_prefetched_states_of_its_table_serve_and_the_teachers_are_refused(built
 def test_a_head_on_its_table_trains_without_the_teachers_reference(built: Built, tmp_path: Path) -> None:
     artifacts = tmp_path / "artifacts"
     shutil.copytree(built.artifacts, artifacts)
-    with artifacts_env(artifacts):
+    with env(ACADEMUS_ARTIFACTS=str(artifacts)):
         summary = train_plot_head(artifacts, "sentiment", artifacts / "plot" / f"{built.name}-k{K}", limit=16,
                                   batch_size=8)
     assert (summary["model"], summary["teacher"], summary["test_f1_vs_teacher"]) == ("sentiment-plot", None, None)

@@ -110,8 +110,9 @@ def root_table(plot_dir: str = "") -> Path | None:
     the mesh serves (plot_tables over the artifacts: tenant domains sit on `minilm-plot`, and the overlays are
     built with the teacher's layers); None when no such table is built there."""
     from academus.shared.models.plot.table import ROOT, plot_tables, read_manifest
+    from academus.shared.models.user_models import BUNDLED_BASE
     from academus.shared.runtime.config import artifacts_dir
 
     if plot_dir:
         return Path(plot_dir) if (Path(plot_dir) / ROOT / "manifest.json").is_file() else None
-    return next((t for t in plot_tables(artifacts_dir()) if read_manifest(t / ROOT).model == "minilm"), None)
+    return next((t for t in plot_tables(artifacts_dir()) if read_manifest(t / ROOT).model == BUNDLED_BASE), None)
