@@ -62,14 +62,14 @@ from academus.loadgen.shares import START_MARGIN_S, split
 from academus.loadgen.stats import summary
 from academus.loadgen.texts import Sample
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, MeshState, down, up
-from academus.shared.runtime.config import artifacts_dir
+from academus.shared.runtime.config import POLICY_NAMES, artifacts_dir
 from academus.shared.runtime.heap import freeze_start_up_heap
 
 TOKENS = 16          # a short text: the stack's cost, not the tokenizer's
 FLOOR_HOPS = 3       # as the stack's: client -> gateway -> scheduler -> worker
 STACK = ("gateway", "scheduler", "worker")
 DEFAULT_ARMS = ("grpc=ACADEMUS_LOCAL_PLANE=0", "local=ACADEMUS_LOCAL_PLANE=1")
-SETTINGS = ("model", "rounds", "requests", "warmup", "callers", "duration", "procs", "floor_callers",
+SETTINGS = ("model", "policy", "rounds", "requests", "warmup", "callers", "duration", "procs", "floor_callers",
             "floor_duration", "connections", "open_load")
 TIMEOUT_S = 10.0     # a closed loop's request: generous, the queue stays bounded by the callers
 
@@ -216,7 +216,8 @@ def merge_shares(parts: list[dict], before: dict[str, dict], after: dict[str, di
 
 def one_arm(args: argparse.Namespace, round_: int, arm: Arm) -> dict:
     run_dir = args.out / f"run-{round_}-{arm.name}"
-    state = up(MeshOptions(run_dir=run_dir, gateway_port=0, deployments=[Deployment("fifo")],  # as measured
+    policy = arm.env.get("ACADEMUS_POLICY", args.policy)   # an arm may set its own
+    state = up(MeshOptions(run_dir=run_dir, gateway_port=0, deployments=[Deployment(policy)],
                            env={"ACADEMUS_MODELS": args.model} | arm.env))
     try:
         measured = {"sequential": sequential(state, args),
@@ -434,6 +435,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m academus.loadgen.stack_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="null")
+    p.add_argument("--policy", default="fifo", choices=POLICY_NAMES,
+                   help="the one scheduler's dispatch policy (an arm's ACADEMUS_POLICY overrides it)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--requests", type=int, default=1000, help="sequential requests (and each floor's)")
     p.add_argument("--warmup", type=int, default=100, help="sequential requests before those measured")
