@@ -175,22 +175,34 @@ class StudentGroup(nn.Module):
         return nn.functional.normalize(combined, p=2, dim=1) if self.normalize else combined
 
 
+def source_layers(teacher_depth: int, layers: int, spread: bool = False) -> list[int]:
+    """The teacher layers a student of `layers` is cut from: its bottom ones, or (`spread`) ones spaced evenly
+    from its first to its last, as DistilBERT takes every other layer: a shallow student of a deep teacher then
+    starts with the top layer that shapes the representation it must match, not 2 of 12 bottom ones."""
+    if not 1 <= layers <= teacher_depth:
+        raise ValueError(f"--layers must be within 1..{teacher_depth} (the teacher's depth), not {layers}")
+    if not spread or layers == 1:
+        return list(range(layers))
+    return [round(j * (teacher_depth - 1) / (layers - 1)) for j in range(layers)]
+
+
 def from_teacher(teacher_bert: nn.Module, layers: int, labels: Sequence[str] = (),
-                 normalize: bool = False, ffn_keep: Sequence[torch.Tensor] = ()) -> StudentGroup:
-    """One student: the teacher's embeddings and bottom `layers` layers (the default initialisation).
-    `ffn_keep` (one index tensor a layer, all of one size) narrows each layer's feed-forward block to
-    those of the teacher's neurons."""
-    teacher_layers = len(teacher_bert.encoder.layer)
-    if not 1 <= layers <= teacher_layers:
-        raise ValueError(f"--layers must be within 1..{teacher_layers} (the teacher's depth), not {layers}")
+                 normalize: bool = False, ffn_keep: Sequence[torch.Tensor] = (),
+                 sources: Sequence[int] = ()) -> StudentGroup:
+    """One student: the teacher's embeddings and its layers `sources` (default: the bottom `layers`, the default
+    initialisation). `ffn_keep` (one index tensor a layer, all of one size) narrows each layer's feed-forward
+    block to those of the teacher's neurons."""
+    sources = list(sources) or source_layers(len(teacher_bert.encoder.layer), layers)
+    if len(sources) != layers:
+        raise ValueError(f"a student of {layers} layers is cut from {layers} teacher layers, not {sources}")
     width = len(ffn_keep[0]) if ffn_keep else None
     group = StudentGroup(student_config(teacher_bert.config, layers, width), 1, labels, normalize)
     group.embeddings.load_state_dict(teacher_bert.embeddings.state_dict())
     if group.architecture.family.relative_attention:   # MPNet: the bias by relative position, as the teacher's
         group.students[0].encoder.relative_attention_bias.load_state_dict(
             teacher_bert.encoder.relative_attention_bias.state_dict())
-    for i in range(layers):
-        state = teacher_bert.encoder.layer[i].state_dict()
+    for i, source in enumerate(sources):
+        state = teacher_bert.encoder.layer[source].state_dict()
         group.students[0].encoder.layer[i].load_state_dict(narrow_ffn(state, ffn_keep[i]) if ffn_keep else state)
     return group
 

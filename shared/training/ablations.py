@@ -47,6 +47,7 @@ from academus.shared.training.distill import (
     load_data,
     sequential_training,
     student_finals,
+    student_sources,
     teacher_scores,
     train_student,
 )
@@ -195,7 +196,8 @@ def _bert_2l(teacher: Teacher, data: DistillData, cfg: DistillConfig) -> dict[st
     clock = time.perf_counter()
     generator = _seeded(cfg)
     bert = teacher.encoder.body      # a fresh linear head; as narrow as the students
-    group = from_teacher(bert, cfg.layers, data.labels, ffn_keep=ffn_keep(bert, data.splits["train"], cfg))
+    group = from_teacher(bert, cfg.layers, data.labels, ffn_keep=ffn_keep(bert, data.splits["train"], cfg),
+                         sources=student_sources(bert, cfg))   # cut as the students are
     epochs = cfg.boost_epochs + cfg.prune_epochs
     loss = train_direct(group, data.splits["train"], cfg, generator, epochs)
     return {**_scored(group, data, cfg, k=1), "epochs": epochs, "train_loss": round(loss, 5),

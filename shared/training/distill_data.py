@@ -26,7 +26,9 @@ from academus.shared.training.prepare import (
 )
 
 INITIALISATIONS = {"teacher": "teacher embeddings + bottom {layers} layers",
+                   "spread": "teacher embeddings + {layers} layers spaced evenly from its first to its last",
                    "minilm-l3": "paraphrase-MiniLM-L3-v2 (ONNX) embeddings + bottom {layers} layers"}
+CUT_FROM_TEACHER = ("teacher", "spread")   # initialisations whose layers are the teacher's own
 EMBEDDING_TASK = "embedding"
 DISTILL_TASKS = (*TASKS, EMBEDDING_TASK)
 SERVED_NAMES = {"sentiment": "sentiment-students", "spam": "spam-students", EMBEDDING_TASK: "minilm-students"}
@@ -52,7 +54,8 @@ class DistillConfig:
     train_max_tokens: int = 128         # truncation while training (serving keeps 256)
     limits: dict[str, int] = field(default_factory=dict)   # split -> at most N examples (quick runs)
     seed: int = 0
-    init: str = "teacher"               # first student: the teacher's bottom layers, or "minilm-l3" (ONNX)
+    init: str = "teacher"               # first student: the teacher's bottom layers, "spread" (its layers spaced
+                                        # over its depth) or "minilm-l3" (ONNX)
     extra_sotu: int = 0                 # embedding task: SOTU training sentences added past the fixed
                                         # validation and test slices (the default splits stay as they are)
     intermediate_size: int = 0          # students' feed-forward width; 0: the teacher's (see ffn_keep)

@@ -261,6 +261,44 @@ def test_ffn_keep_ranks_neurons_by_their_contribution_on_the_training_texts() ->
     assert ffn_keep(teacher, split, DistillConfig(layers=2, intermediate_size=32)) == []
 
 
+def test_spread_cuts_a_student_from_layers_spaced_over_the_teachers_depth_bottom_and_top_kept() -> None:
+    from academus.shared.models.students import source_layers
+
+    assert source_layers(12, 3, spread=True) == [0, 6, 11]
+    assert source_layers(12, 2, spread=True) == [0, 11]
+    assert source_layers(6, 3, spread=True) == [0, 2, 5]
+    assert source_layers(12, 3) == [0, 1, 2]                        # the default: the bottom layers
+    assert source_layers(5, 1, spread=True) == [0]
+    assert source_layers(4, 4, spread=True) == [0, 1, 2, 3]         # as deep as the teacher: every layer
+    with pytest.raises(ValueError, match=r"within 1\.\.6"):
+        source_layers(6, 7, spread=True)
+
+
+def test_a_spread_student_holds_the_teachers_chosen_layers_and_their_most_important_neurons() -> None:
+    from academus.shared.models.students import from_teacher
+    from academus.shared.models.tokenization import Encoded
+    from academus.shared.training.distill import ffn_keep, student_sources
+    from academus.shared.training.distill_data import DistillConfig
+
+    teacher = tiny_teacher(layers=5)
+    with torch.no_grad():
+        teacher.encoder.layer[4].output.dense.weight[:, :24] *= 1e-3   # the top layer: neurons 24..31 dominate
+    cfg = DistillConfig(layers=2, intermediate_size=8, init="spread")
+    assert student_sources(teacher, cfg) == [0, 4]
+    split = Split([Encoded([1, 4 + i % 40, 7, 2], [0, 0, 0, 0]) for i in range(20)], torch.zeros(20, 16),
+                  torch.zeros(20, dtype=torch.long))
+    keep = ffn_keep(teacher, split, cfg)
+    assert keep[1].tolist() == list(range(24, 32))                  # ranked on layer 4, not on layer 1
+    group = from_teacher(teacher, 2, ("neg", "pos"), ffn_keep=keep, sources=student_sources(teacher, cfg))
+    top = group.students[0].encoder.layer[1]
+    assert torch.equal(top.attention.self.query.weight, teacher.encoder.layer[4].attention.self.query.weight)
+    assert torch.equal(top.intermediate.dense.weight, teacher.encoder.layer[4].intermediate.dense.weight[24:32])
+    assert torch.equal(group.students[0].encoder.layer[0].attention.output.dense.weight,
+                       teacher.encoder.layer[0].attention.output.dense.weight)
+    with pytest.raises(ValueError, match="cut from 2 teacher layers"):
+        from_teacher(teacher, 2, ("neg", "pos"), sources=[0, 2, 4])
+
+
 def test_a_narrow_group_round_trips_through_its_artifact(tmp_path: Path) -> None:
     from academus.shared.models.students import from_teacher
 
@@ -282,3 +320,4 @@ def test_bad_intermediate_sizes_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="--init minilm-l3"):
         check_args("sentiment", DistillConfig(intermediate_size=384, init="minilm-l3"))
     check_args("sentiment", DistillConfig(intermediate_size=384))
+    check_args("sentiment", DistillConfig(intermediate_size=384, init="spread"))   # cut from the teacher too
