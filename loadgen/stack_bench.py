@@ -1,16 +1,18 @@
 """The serving stack alone (client -> gateway -> scheduler -> worker), with settings switched between arms,
 against the transport floors of three bare hops, in one run.
 
-    python -m academus.loadgen.stack_bench [--model null] [--rounds 3] [--requests 1000] [--callers 64 256]
-                                           [--duration 10] [--procs 2] [--arms grpc=ACADEMUS_LOCAL_PLANE=0 ...]
+    python -m academus.loadgen.stack_bench [--model null] [--policy fifo] [--rounds 3] [--requests 1000]
+                                           [--callers 64 256] [--duration 10] [--procs 2]
+                                           [--arms grpc=ACADEMUS_LOCAL_PLANE=0 ...]
                                            [--out .academus/results/stack]
 
-Each round measures the floors once, then each arm on a fresh mesh (the order alternates between rounds,
-so drift of the machine falls on every arm): one worker, one gateway, the default deployment, the model
---model (`null` answers zeros without computing, so what is measured is the stack). An arm is
-`NAME=ENV=VALUE[,ENV=VALUE...]`: settings for every service (MeshOptions.env); by default `grpc` (every hop
-a gRPC multiplexed stream, ACADEMUS_LOCAL_PLANE=0) and `local` (the node-local data plane), the first arm
-being the one the others are compared with. On each mesh:
+Each round measures the floors once, then each arm on a fresh mesh (the order alternates between rounds, so
+drift of the machine falls on every arm): one worker, one gateway, one scheduler of --policy (`fifo`: one
+request a dispatch, the stack's cost a request at any load; `concat`: what `academus up` serves a model
+without students), the model --model (`null` answers zeros without computing, so what is measured is the
+stack). An arm is `NAME=ENV=VALUE[,ENV=VALUE...]`: settings for every service (MeshOptions.env); by default
+`grpc` (every hop a gRPC multiplexed stream, ACADEMUS_LOCAL_PLANE=0) and `local` (the node-local data plane),
+the first arm being the one the others are compared with. On each mesh:
 1. overhead at low load: --requests sequential single-text requests (after --warmup) with the sync
    `Client`, end-to-end p50/p99 and the per-hop split (`academus.loadgen.overhead`);
 2. capacity: for each of --callers, that many closed loops for --duration seconds, spread over --procs
