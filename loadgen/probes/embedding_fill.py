@@ -1,5 +1,5 @@
 """What the gateway spends a response on filling its embeddings: `Prediction.embedding` filled from a Python
-list (`extend(row.tolist())`) against the field's wire form merged in (`work_wire.packed_floats`), for the
+list (`extend(row.tolist())`) against the field's wire form merged in (`work_wire.merge_floats`), for the
 texts and widths given; then each response serialized as the gateway's edge sends it.
 
     python -m academus.loadgen.probes.embedding_fill [--texts 1 32] [--dims 384 768] [--repeat 2000]
@@ -17,10 +17,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from academus.shared.models.work_wire import packed_floats
+from academus.shared.models.work_wire import merge_floats
 from academus.v1 import inference_pb2 as pb
-
-FIELD = pb.Prediction.DESCRIPTOR.fields_by_name["embedding"].number
 
 
 def from_list(values: np.ndarray) -> pb.InferResponse:
@@ -33,7 +31,7 @@ def from_list(values: np.ndarray) -> pb.InferResponse:
 def packed(values: np.ndarray) -> pb.InferResponse:
     response = pb.InferResponse(model="m")
     for i, row in enumerate(values):
-        response.predictions.add(num_tokens=16, input_index=i, final=True).MergeFromString(packed_floats(FIELD, row))
+        merge_floats(response.predictions.add(num_tokens=16, input_index=i, final=True), "embedding", row)
     return response
 
 

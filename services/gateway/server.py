@@ -34,7 +34,7 @@ from academus.services.gateway.manage import Manage
 from academus.shared.models.plot.domains import Domain
 from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
-from academus.shared.models.work_wire import matrix_from_pb, packed_floats
+from academus.shared.models.work_wire import matrix_from_pb, merge_floats
 from academus.shared.runtime import config as cfg
 from academus.shared.runtime.errors import ServingError, Unavailable, abort_with, from_rpc_error
 from academus.shared.runtime.logs import log_event
@@ -52,7 +52,6 @@ from academus.v1 import inference_pb2_grpc, manage_pb2, manage_pb2_grpc, schedul
 
 OUTPUT_NAMES = {pb.OUTPUT_UNSPECIFIED: "", pb.OUTPUT_LABEL: LABEL, pb.OUTPUT_SCORE: SCORE, pb.OUTPUT_EMBEDDING: EMBED}
 OUTPUT_ENUMS = {LABEL: pb.OUTPUT_LABEL, SCORE: pb.OUTPUT_SCORE, EMBED: pb.OUTPUT_EMBEDDING}
-EMBEDDING_FIELD = pb.Prediction.DESCRIPTOR.fields_by_name["embedding"].number
 
 
 def api_key_from(metadata) -> str | None:
@@ -110,7 +109,7 @@ def to_pb(admitted: Admitted, result: tensors_pb2.ModelOutput, request_id: str) 
         p = response.predictions.add(num_tokens=len(e.input_ids), truncated=e.truncated, input_index=i,
                                      final=not early, exit_layer=result.exit_layer if early else 0)
         if admitted.output == EMBED:
-            p.MergeFromString(packed_floats(EMBEDDING_FIELD, values[k]))
+            merge_floats(p, "embedding", values[k])
         else:
             row = values[k, :width].tolist()
             p.probs.extend(row)

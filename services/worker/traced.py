@@ -72,7 +72,7 @@ class TracedLayer:
 
     def __call__(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  *args: Any, **kwargs: Any) -> Any:
-        bias, other = _position_bias(args, kwargs) if args or kwargs else (None, False)   # BERT's calls: no copy
+        bias, other = _position_bias(args, kwargs)
         if torch.is_grad_enabled() or other or self._hooked():
             return self.own_forward(hidden, attention_mask, *args, **kwargs)
         inputs = tuple(t for t in (attention_mask, bias) if t is not None)

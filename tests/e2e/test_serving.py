@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from academus.client import AcademusError, AsyncClient, Client
-from academus.shared.models.plot.table import plot_table
+from academus.shared.models.plot.table import plot_tables
 from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.runtime.config import artifacts_dir
 from academus.shared.runtime.metrics import scrape
@@ -41,7 +41,7 @@ def test_status_json_lists_every_service_healthy(mesh):
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["redis"]["health"] == "SERVING"
-    plot = ["plot"] if plot_table(artifacts_dir()) else []   # started only when a PLOT table is built
+    plot = ["plot"] if plot_tables(artifacts_dir()) else []   # started only when a PLOT table is built
     names = [s["name"] for s in report["services"]]
     assert sorted(n for n in names if not n.startswith("scheduler")) == sorted(
         ["adapter_store", "gateway", "resource_manager", "trainer", "worker-0", *plot])
@@ -435,7 +435,7 @@ def test_every_server_offers_reflection_and_health(mesh):
     expected = {"gateway": "academus.v1.Inference", "scheduler": "academus.v1.Scheduler",
                 "worker-0": "academus.v1.Worker", "resource_manager": "academus.v1.ResourceManager",
                 "adapter_store": "academus.v1.AdapterStore", "trainer": "grpc.health.v1.Health"}
-    if plot_table(artifacts_dir()):
+    if plot_tables(artifacts_dir()):
         expected["plot"] = "academus.v1.Plot"
     for name, service_name in expected.items():
         with grpc.insecure_channel(service(mesh, name).address) as ch:

@@ -95,14 +95,14 @@ def test_the_plot_service_starts_only_when_a_table_is_built(tmp_path):
 def test_the_mesh_serves_the_table_the_catalogue_names(tmp_path):
     import json
 
-    from academus.shared.models.plot.table import plot_table
+    from academus.shared.models.plot.table import plot_tables
 
     _fake_table(tmp_path / "plot" / "minilm-k1", 1)
     _fake_table(tmp_path / "plot" / "minilm-k3", 3)
-    assert plot_table(tmp_path) == tmp_path / "plot" / "minilm-k1"
+    assert plot_tables(tmp_path) == [tmp_path / "plot" / "minilm-k1"]
     (tmp_path / "models.json").write_text(json.dumps({"minilm": {"kind": "embedding"},
                                                       "minilm-plot": {"plot": "plot/minilm-k3"}}))
-    assert plot_table(tmp_path) == tmp_path / "plot" / "minilm-k3"
+    assert plot_tables(tmp_path) == [tmp_path / "plot" / "minilm-k3"]
 
 
 def test_each_table_the_catalogue_names_gets_a_plot_service_of_its_own(tmp_path):

@@ -32,9 +32,9 @@ from academus.shared.models.work_wire import (
     item_from_pb,
     matrix_from_pb,
     matrix_to_pb,
+    merge_floats,
     output_from_pb,
     output_to_pb,
-    packed_floats,
 )
 from academus.shared.runtime.errors import InvalidArgument
 from academus.v1 import inference_pb2, scheduler_pb2, tensors_pb2
@@ -97,12 +97,11 @@ def test_a_matrix_travels_as_float32_bytes_and_the_older_repeated_field_is_still
 
 
 @pytest.mark.parametrize("dim", [0, 1, 31, 32, 384, 768, 40_000])
-def test_packed_floats_merge_into_a_message_as_the_repeated_field_filled_from_a_list(dim: int):
+def test_floats_merged_through_the_wire_form_make_the_message_the_repeated_field_filled_from_a_list_does(dim: int):
     values = np.random.default_rng(dim).normal(size=dim).astype(np.float32)
     values[: min(dim, 3)] = [np.inf, -0.0, np.nan][: min(dim, 3)]   # every bit pattern travels as it is
-    field = inference_pb2.Prediction.DESCRIPTOR.fields_by_name["embedding"].number
     merged = inference_pb2.Prediction(label="x", num_tokens=7)
-    merged.MergeFromString(packed_floats(field, values))
+    merge_floats(merged, "embedding", values)
     filled = inference_pb2.Prediction(label="x", num_tokens=7, embedding=values.tolist())
     assert merged.SerializeToString() == filled.SerializeToString()
     assert np.asarray(merged.embedding, np.float32).tobytes() == values.tobytes()

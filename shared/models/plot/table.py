@@ -257,8 +257,3 @@ def plot_tables(artifacts: Path) -> list[Path]:
         return named
     built = sorted(p.parent.parent for p in (Path(artifacts) / "plot").glob("*/root/manifest.json"))
     return built[:1]
-
-
-def plot_table(artifacts: Path) -> Path | None:
-    """The first of the mesh's PLOT tables (plot_tables); None when there is none."""
-    return next(iter(plot_tables(artifacts)), None)
