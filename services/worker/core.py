@@ -27,13 +27,16 @@ from torch import nn
 from academus.services.worker.adapters import TenantBatch
 from academus.services.worker.exits import ExitRun, ModelExits, Release, load_exits, ramps_stamp
 from academus.services.worker.sti import StiModel, StiSettings
+from academus.services.worker.student_memory import StudentMemory
 from academus.services.worker.traced import trace_layers
 from academus.shared.models.adapters import encode_with_adapters
 from academus.shared.models.exits import ControllerSettings
 from academus.shared.models.model import HIDDEN_SIZE, ClassifierHead, TeacherEncoder, pad_batch, weight_bytes
 from academus.shared.models.packing import Attention, PackedBatch, PackingPlan, check_plan, encode_packed, pack
 from academus.shared.models.plot.table import PlotError
-from academus.shared.models.students import SEQUENCE
+from academus.shared.models.sti_pipeline import io_source
+from academus.shared.models.student_shards import STUDENT_SHARDS, open_student_shards
+from academus.shared.models.students import SEQUENCE, Student, StudentGroup
 from academus.shared.models.teacher_files import TEACHER_NAME
 from academus.shared.models.user_models import HEAD_ON, STUDENTS_OF, TOKENIZER
 from academus.shared.models.work import FINISH_L2, FINISH_SOFTMAX, FINISH_SUM, Batch, PlotStates, ShardRun, split_flat
@@ -124,6 +127,7 @@ class ServedModel:
     exit_task: str = ""            # whose ramps it may have: a bundled task (its head on the teacher), or a user's
                                    # classifier or head on a user's model (the model's own name)
     sti: StiModel | None = None    # served from shards under a memory budget (STI), planned batch by batch
+    memory: StudentMemory | None = None   # a group's students held within a budget, new ones from shards
 
     def students(self, wanted: int) -> int:
         """The student count to run: the default for 0, refused beyond what the group holds."""
@@ -137,7 +141,7 @@ class ServedModel:
     def pool(self, ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor, students: int,
              plot_states: PlotStates | None = None) -> torch.Tensor:
         if self.max_students:
-            return self.encoder(ids, mask, types, num_students=students)
+            return self.encoder(ids, mask, types, num_students=students, members=self.members(range(students)))
         if not self.packable:
             try:
                 return self.encoder(ids, mask, types, states=plot_states)
@@ -153,10 +157,22 @@ class ServedModel:
         if not self.max_students:
             raise InvalidArgument(f"student_indices set for {self.spec.name!r}, which is not a student group")
         try:
-            share = self.encoder.partial(ids, mask, types, indices)
+            share = self.encoder.partial(ids, mask, types, indices, members=self.members(indices))
         except ValueError as e:
             raise InvalidArgument(str(e)) from e
         return self.finish_share(share, indices, probs)
+
+    def members(self, indices: Sequence[int]) -> dict[int, nn.Module] | None:
+        """The students a batch runs when this worker holds only some (None: the group holds them all)."""
+        if self.memory is None:
+            return None
+        if bad := [i for i in indices if not 0 <= i < self.max_students]:
+            raise InvalidArgument(f"student indices {bad} are outside 0..{self.max_students - 1}: "
+                                  f"{self.spec.name!r} holds {self.max_students} students")
+        try:
+            return self.memory.members(indices)
+        except ArtifactError as e:   # a shard corrupted since the store opened: refused, never served
+            raise InvalidArgument(f"{self.spec.name} cannot be served: {e}") from e
 
     def finish_share(self, share: torch.Tensor, indices: Sequence[int], probs: bool) -> tuple[torch.Tensor, str]:
         """A member's share through the head's weight (bias on the member holding student 0)."""
@@ -176,12 +192,13 @@ class ModelRunner:
     def __init__(self, artifacts: Path, models: Sequence[str], device: str = "cpu",
                  clock: Callable[[], float] = time.monotonic, attention: Attention = "sdpa",
                  traced: bool = True, exit_settings: ControllerSettings | None = None,
-                 sti_settings: StiSettings | None = None) -> None:
+                 sti_settings: StiSettings | None = None, student_budget_bytes: int = 0) -> None:
         """`exit_settings`: serve the bundled tasks' exit ramps (early exits) under these settings; None: no ramps.
         `sti_settings`: how models served from shards read them, their budget and target."""
         self.device = resolve_device(device)
         self.exit_settings = exit_settings
         self.sti_settings = sti_settings or StiSettings()
+        self.student_budget_bytes = student_budget_bytes   # 0: student groups held whole
         self.traced = traced         # layers run as traced graphs (services/worker/traced.py)
         self.clock = clock
         self.attention = attention   # packed batches: own SDPA layers or HF layers with a 4-D mask
@@ -223,6 +240,8 @@ class ModelRunner:
             return False
         for name in set(self.models) - set(models):
             MODEL_BYTES.remove(name)
+            if (memory := self.models[name].memory) is not None:
+                memory.close()
         live = {self.artifacts / e["source"] for e in catalogue.values() if "source" in e}
         self._user_encoders = {d: e for d, e in self._user_encoders.items() if d in live}
         self.models, self.specs = models, {name: served.spec for name, served in models.items()}
@@ -249,6 +268,9 @@ class ModelRunner:
             spec = ModelSpec(name, EMBEDDING, [], int(entry.get("dim", HIDDEN_SIZE)),
                              int(entry.get("max_tokens", ModelSpec.max_tokens)))
             return ServedModel(spec, nn.Identity(), null=True)
+        if "students" in entry and self.student_budget_bytes and STUDENT_SHARDS in entry \
+                and not entry.get("limit_students"):   # a prefix-only entry (the 2-layer baseline) is held whole
+            return self._load_held_students(name, entry)
         if "students" in entry:
             from academus.shared.training.student_artifacts import load_student_group  # training code only when needed
 
@@ -258,14 +280,11 @@ class ModelRunner:
                 group.drop_last()  # a catalogue entry serving a prefix only (the single 2-layer baseline)
             self._prepare_layers(group, warm_up_token=min(WARM_UP_TOKEN, group.config.vocab_size - 1),
                                  num_students=group.max_students)
-            kind = CLASSIFICATION if group.head is not None else EMBEDDING
-            spec = ModelSpec(name, kind, list(group.labels) if group.head is not None else [],
-                             group.config.hidden_size, int(entry.get("max_tokens", ModelSpec.max_tokens)),
-                             max_students=group.max_students, default_students=group.best_k,
-                             tokenizer=self._tokenizer_digest(entry.get(STUDENTS_OF, "")),
-                             architecture=group.architecture.name, layers=group.layers,
-                             whole_groups=group.head_kind == SEQUENCE)
-            return ServedModel(spec, group, group.head, group.max_students, group.best_k)
+            if self.student_budget_bytes:
+                log_event("student_budget_without_shards", logging.WARNING, model=name,
+                          error=f"no shards of its students: held whole; run `academus shard build --model {name}`")
+            return ServedModel(self._group_spec(name, entry, group), group, group.head, group.max_students,
+                               group.best_k)
         if "plot" in entry:
             return self._load_plot(name, entry)
         if "shards" in entry:
@@ -285,6 +304,48 @@ class ModelRunner:
                              exit_task=task)
         self._load_exits(served)
         return served
+
+    def _group_spec(self, name: str, entry: dict, group: StudentGroup) -> ModelSpec:
+        kind = CLASSIFICATION if group.head is not None else EMBEDDING
+        return ModelSpec(name, kind, list(group.labels) if group.head is not None else [],
+                         group.config.hidden_size, int(entry.get("max_tokens", ModelSpec.max_tokens)),
+                         max_students=group.max_students, default_students=group.best_k,
+                         tokenizer=self._tokenizer_digest(entry.get(STUDENTS_OF, "")),
+                         architecture=group.architecture.name, layers=group.layers,
+                         whole_groups=group.head_kind == SEQUENCE)
+
+    def _load_held_students(self, name: str, entry: dict) -> ServedModel:
+        """A group of which this worker holds only the students placed on it, within the student budget; the
+        others are absent until placed or asked for (then served from their shards while they load)."""
+        from academus.shared.training.student_artifacts import load_student, load_student_shell
+
+        group, weights = load_student_shell(self.artifacts, Path(entry["students"]).name, self.device,
+                                            entry.get("teacher", TEACHER_NAME), entry.get("task", name))
+        shards = open_student_shards(self.artifacts, entry)
+        warm_up = min(WARM_UP_TOKEN, group.config.vocab_size - 1)
+
+        def load_full(index: int) -> Student:
+            student = load_student(weights, group, index, self.device)
+            self._prepare_student(group, student, warm_up)
+            return student
+
+        memory = StudentMemory(name, group, shards, load_full, self.student_budget_bytes,
+                               io_source(self.sti_settings.io), self.device)
+        spec = replace(self._group_spec(name, entry, group), memory_bytes=memory.shared_bytes)
+        return ServedModel(spec, group, group.head, group.max_students, group.best_k, packable=False, memory=memory)
+
+    def _prepare_student(self, group: StudentGroup, student: Student, warm_up_token: int) -> None:
+        """A student loaded while serving: deadline hooks and traced layers, traced here on this thread (both of
+        the masks' kinds), not on the compute thread's first batch."""
+        self._watch_deadline(student)
+        if not self.traced:
+            return
+        trace_layers(student, LAYER_NAME)
+        for lengths in ((8,), (8, 5)):
+            ids, mask, types = self._padded([[warm_up_token] * n for n in lengths], None)
+            with torch.inference_mode():
+                hidden, mask4d = group.prepare_inputs(ids, mask, types)
+                student(hidden, mask4d, mask)
 
     def _load_sti(self, name: str, entry: dict) -> ServedModel:
         """A task served from the teacher's shards (STI): only the resident part and a preload buffer are held;

@@ -23,6 +23,7 @@ from academus.services.worker.exits import Release
 from academus.services.worker.host_tier import HostAdapters, HostWarmer
 from academus.services.worker.profiling import profile_model
 from academus.services.worker.sti import StiSettings
+from academus.services.worker.student_memory import group_placement
 from academus.shared.models.adapters import upper_layers
 from academus.shared.models.exits import ControllerSettings
 from academus.shared.models.work import Batch, BatchMeta, BatchOutput
@@ -253,6 +254,27 @@ class Registration:
             except Exception as e:  # a registration that failed is retried by the heartbeat
                 log_event("catalogue_refresh_failed", logging.WARNING, error=repr(e))
 
+    async def follow_placements(self, period_s: float = 0.25) -> None:
+        """Tells each group held within a student budget which of its students the resource manager placed here
+        (its groups in Redis), and publishes what each holds in the worker's key when it changes."""
+        seen: dict[str, str] = {}
+        published = ""
+        while True:
+            await asyncio.sleep(period_s)
+            memories = {name: s.memory for name, s in list(self.runner.models.items()) if s.memory is not None}
+            try:
+                for name, memory in memories.items():
+                    raw = await self.redis.get(self.keys.groups(name))
+                    if raw is not None and raw != seen.get(name):
+                        seen[name] = raw
+                        memory.place(group_placement(json.loads(raw), self.worker_id))
+                held = json.dumps({name: memory.precision() for name, memory in memories.items()})
+                if memories and held != published:
+                    await self.redis.hset(self.keys.worker(self.worker_id), "students", held)
+                    published = held
+            except Exception as e:  # Redis away: the students held stay; batches still load what they need
+                log_event("placement_follow_failed", logging.WARNING, error=repr(e))
+
     def _profile(self) -> list[resource_manager_pb2.ProfilePoint]:
         """The start-up grid search's measurements for every student model (the teacher when none)."""
         models = [n for n, s in self.runner.specs.items() if s.max_students] or list(self.runner.specs)[:1]
@@ -293,7 +315,8 @@ async def build() -> ServiceSpec:
                                        config.exit_retune_s, config.exit_budget, policy=config.exit_policy)
     runner = ModelRunner(Path(config.artifacts), list(cfg.split_names(config.models)), config.device,
                          attention=config.packed_attention, traced=config.traced_layers, exit_settings=exit_settings,
-                         sti_settings=StiSettings(config.sti_io, config.sti_budget_bytes, config.sti_target_ms))
+                         sti_settings=StiSettings(config.sti_io, config.sti_budget_bytes, config.sti_target_ms),
+                         student_budget_bytes=config.student_budget_bytes)
     keys = Keys(config.key_prefix)
     fetcher = StoreFetcher(config.redis_url, keys, config.adapter_store, redis_password=config.redis_password)
     host = HostAdapters(fetcher.many, config.adapter_host_bytes, pin=runner.device.type == "cuda",
@@ -314,7 +337,7 @@ async def build() -> ServiceSpec:
         on_started=registration.register,
         on_stopping=registration.deregister,
         on_stopped=lambda: asyncio.to_thread(close_adapters, adapters, fetcher),
-        extra_tasks=[registration.heartbeat, registration.follow_catalogue, tuning.run,
+        extra_tasks=[registration.heartbeat, registration.follow_catalogue, registration.follow_placements, tuning.run,
                      *([warmer.run] if warmer else [])],
     )
 

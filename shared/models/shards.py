@@ -19,7 +19,7 @@ gather a code costs several times as much.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -311,3 +311,26 @@ class LayerQuantization:
         inliers = values[~mask]
         masks = np.split(mask, np.cumsum([len(v) for v in shard_vectors])[:-1])
         return cls({k: fit_codebook(inliers, k) for k in bits}, masks)
+
+
+FIDELITY_TOLERANCE = 0.01          # a floor bit width loses at most this much accuracy against full precision
+
+
+def quantize_layers(layers: Sequence[nn.Module], geometry: ShardGeometry, log: Callable[[str], None] = print
+                    ) -> tuple[dict[tuple[int, int], list[tuple[bytes, int]]], dict[str, torch.Tensor]]:
+    """Every shard of every layer at every version; and the layers' resident tensors (biases, norms,
+    centroids)."""
+    resident: dict[str, torch.Tensor] = {}
+    blobs: dict[tuple[int, int], list[tuple[bytes, int]]] = {}
+    for k, layer in enumerate(layers):
+        vectors = [shard_vector(layer, geometry, s) for s in range(geometry.heads)]
+        q = LayerQuantization.fit(vectors)
+        for bits in VERSIONS:
+            blobs[(k, bits)] = [(encode_shard(v, bits, q.codebooks.get(bits), q.outliers[s]), int(q.outliers[s].sum()))
+                                for s, v in enumerate(vectors)]
+        for bits, codebook in q.codebooks.items():
+            resident[f"layer{k}.centroids{bits}"] = torch.from_numpy(codebook.centroids)
+        resident |= LayerResident.of(layer).tensors(f"layer{k}")
+        share = sum(int(m.sum()) for m in q.outliers) / (geometry.params * geometry.heads)
+        log(f"layer {k}: {geometry.heads} shards quantized at {list(BITS)} bits; outliers {share:.3%}")
+    return blobs, resident

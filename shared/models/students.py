@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ from academus.shared.models.model import (
 )
 
 LINEAR, SEQUENCE = "linear", "sequence"   # a group's head: linear on Σ α·S, or a sequence classifier's own
+Members = Mapping[int, nn.Module]          # students by index that stand in for the group's own
 
 # The teacher config keys a student needs (those its family has); the rest (ids, generation settings) are
 # irrelevant here.
@@ -78,6 +79,18 @@ class Student(nn.Module):
             if i == self.middle:
                 middle = hidden
         return mean_pool(hidden, attention_mask), mean_pool(middle, attention_mask)
+
+
+class AbsentStudent(nn.Module):
+    """Stands in a group for a student a worker does not hold (under a student memory budget): the worker passes
+    the students it runs as `members`, so this is never called."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+    def forward(self, *_inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise RuntimeError(f"student {self.index} is not held here; pass it in `members`")
 
 
 class StudentGroup(nn.Module):
@@ -148,14 +161,20 @@ class StudentGroup(nn.Module):
                              f"this student group holds {self.max_students} students")
         return k
 
+    def student(self, index: int, members: Members | None = None) -> nn.Module:
+        """Student `index`: the one `members` gives (a worker holding some students, or running one from its
+        shards), else the group's own."""
+        return members[index] if members is not None and index in members else self.students[index]
+
     def student_outputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                        token_type_ids: torch.Tensor | None, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                        token_type_ids: torch.Tensor | None, count: int,
+                        members: Members | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(S_N, S_⌈N/2⌉) of the first `count` students, unweighted."""
         hidden, mask4d = self.prepare_inputs(input_ids, attention_mask, token_type_ids)
-        return [student(hidden, mask4d, attention_mask) for student in self.students[:count]]
+        return [self.student(i, members)(hidden, mask4d, attention_mask) for i in range(count)]
 
     def partial(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None,
-                indices: Sequence[int]) -> torch.Tensor:
+                indices: Sequence[int], members: Members | None = None) -> torch.Tensor:
         """Σ_{m in indices} α_m·S_m(x), unnormalised: this worker's share of a group placed across
         workers; the shares of all members add up to the combined representation."""
         bad = [i for i in indices if not 0 <= i < self.max_students]
@@ -164,13 +183,15 @@ class StudentGroup(nn.Module):
                              f"0..{self.max_students - 1}: this student group holds {self.max_students} students")
         hidden, mask4d = self.prepare_inputs(input_ids, attention_mask, token_type_ids)
         alphas = self.alphas()
-        return sum(alphas[i] * self.students[i](hidden, mask4d, attention_mask)[0] for i in indices)
+        return sum(alphas[i] * self.student(i, members)(hidden, mask4d, attention_mask)[0] for i in indices)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                token_type_ids: torch.Tensor | None = None, num_students: int | None = None) -> torch.Tensor:
+                token_type_ids: torch.Tensor | None = None, num_students: int | None = None,
+                members: Members | None = None) -> torch.Tensor:
         """The combined pooled representation Σ_{m<k} α_m·S_m(x) (L2-normalised for the embedding task)."""
         k = self.check_count(num_students)
-        finals = torch.stack([f for f, _ in self.student_outputs(input_ids, attention_mask, token_type_ids, k)])
+        outputs = self.student_outputs(input_ids, attention_mask, token_type_ids, k, members)
+        finals = torch.stack([f for f, _ in outputs])
         combined = (self.alphas()[:k, None, None] * finals).sum(0)
         return nn.functional.normalize(combined, p=2, dim=1) if self.normalize else combined
 

@@ -467,6 +467,10 @@ class WorkerConfig(CommonConfig):
                                        "buffer and preload buffer; 0: a 4 MiB preload buffer", at_least(0))
     sti_target_ms: float = setting(0.0, "the latency a shard-served batch is planned for; 0: what remains of its "
                                         "deadline", at_least(0))
+    student_budget_bytes: int = setting(0, "memory for each student group's students: held are only those "
+                                           "placed here, a new one served from its shards (`academus shard build "
+                                           "--model <task>-students`) until it loads; 0: every student held",
+                                        at_least(0))
 
     def profiles(self, cuda: bool) -> bool:
         """Whether the worker runs the start-up profile on its device (auto: on a GPU only)."""

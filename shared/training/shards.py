@@ -1,6 +1,7 @@
 """`academus shard build | info | verify | profile | plan` (STI): the teacher cut into quantized shards.
 
-`build --model minilm --tasks sentiment,spam [--quick]`:
+`build --model minilm --tasks sentiment,spam [--quick]` (for `--model <task>-students`, the group's students are
+cut instead: `student_shards.py`):
 1. every layer cut into one shard a head (§4.2), each stored at 2–6 bits (Gaussian outlier-aware, §6) and at
    full precision (`shared/models/shards.py`, `shared/models/shard_store.py`);
 2. per task, shard importance (§5.2): the whole model at 2 bits, one shard at a time raised to full
@@ -43,15 +44,13 @@ from academus.shared.models.shard_store import (
 )
 from academus.shared.models.shards import (
     BITS,
+    FIDELITY_TOLERANCE,
     FULL,
     VERSIONS,
-    LayerQuantization,
-    LayerResident,
     LayerWeights,
     ShardGeometry,
     ShardWeights,
-    encode_shard,
-    shard_vector,
+    quantize_layers,
 )
 from academus.shared.models.sti_pipeline import ElasticModel, FileSource, io_source
 from academus.shared.models.sti_planner import HardwareProfile, Plan, Planner
@@ -69,7 +68,6 @@ BUCKETS = (16, 32, 64, 128, 256)
 # texts a split: (train for heads, validation, dev share for importance); --quick: a few for tests
 SIZES = {"sentiment": (3000, None, 500), "spam": (1500, None, 250)}
 QUICK = (96, 64, 48)
-FIDELITY_TOLERANCE = 0.01
 
 
 def log(message: str) -> None:
@@ -87,27 +85,6 @@ def widths_of(heads: int) -> list[int]:
 
 
 # --- building -------------------------------------------------------------------------------------------------
-
-def quantize_layers(encoder: TeacherEncoder, geometry: ShardGeometry
-                    ) -> tuple[dict[tuple[int, int], list[tuple[bytes, int]]], dict[str, torch.Tensor]]:
-    """Every shard of every layer at every version; and the resident tensors (embeddings, biases, norms,
-    centroids)."""
-    body = encoder.body
-    resident = {f"embeddings.{k}": v for k, v in body.embeddings.state_dict().items() if not k.endswith("_ids")}
-    blobs: dict[tuple[int, int], list[tuple[bytes, int]]] = {}
-    for k, layer in enumerate(body.encoder.layer):
-        vectors = [shard_vector(layer, geometry, s) for s in range(geometry.heads)]
-        q = LayerQuantization.fit(vectors)
-        for bits in VERSIONS:
-            blobs[(k, bits)] = [(encode_shard(v, bits, q.codebooks.get(bits), q.outliers[s]), int(q.outliers[s].sum()))
-                                for s, v in enumerate(vectors)]
-        for bits, codebook in q.codebooks.items():
-            resident[f"layer{k}.centroids{bits}"] = torch.from_numpy(codebook.centroids)
-        resident |= LayerResident.of(layer).tensors(f"layer{k}")
-        share = sum(int(m.sum()) for m in q.outliers) / (geometry.params * geometry.heads)
-        log(f"layer {k}: {geometry.heads} shards quantized at {list(BITS)} bits; outliers {share:.3%}")
-    return blobs, resident
-
 
 def decoded_bank(store: ShardStore) -> dict[tuple[int, int, int], ShardWeights]:
     """Every stored shard version decoded (checked against its sha256 on the way)."""
@@ -234,7 +211,9 @@ def build(artifacts: Path, model: str, tasks: Sequence[str], data_dir: Path | No
     encoder = TeacherEncoder.load()
     config = encoder.body.config
     geometry = ShardGeometry.of(config)
-    blobs, resident = quantize_layers(encoder, geometry)
+    blobs, resident = quantize_layers(encoder.body.encoder.layer, geometry, log)
+    resident |= {f"embeddings.{k}": v for k, v in encoder.body.embeddings.state_dict().items()
+                 if not k.endswith("_ids")}
     directory = shards_dir(artifacts, model)
     write_shard_artifact(directory, teacher=MODELS[model], geometry=geometry, layer_norm_eps=config.layer_norm_eps,
                          blobs=blobs, resident=resident, heads={}, tasks={},
@@ -441,7 +420,9 @@ def load_profile(artifacts: Path, model: str, source: str) -> HardwareProfile:
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--artifacts", type=Path, default=None)
-    common.add_argument("--model", default="minilm", choices=sorted(MODELS))
+    common.add_argument("--model", default="minilm",
+                        help="minilm (the teacher), or a student group such as sentiment-students "
+                             "(build, info, verify)")
     p = argparse.ArgumentParser(prog="academus shard", description="Elastic shards of the teacher (STI).")
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", parents=[common], help="quantized shards, importance per task, heads per shape")
@@ -464,8 +445,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     artifacts = args.artifacts or default_artifacts_dir()
+    if args.command == "build" and args.model not in MODELS:
+        from academus.shared.training.student_shards import build_students
+
+        return build_students(artifacts, args.model, args.data, args.quick)
     if args.command == "build":
         return build(artifacts, args.model, [t for t in args.tasks.split(",") if t], args.data, args.quick)
+    if args.command in ("profile", "plan") and args.model not in MODELS:
+        raise ValueError(f"--model {args.model!r}: profile and plan are for the teacher's shards ({', '.join(MODELS)})")
     store = ShardStore(shards_dir(artifacts, args.model))
     if args.command == "info":
         return {"model": args.model, "directory": str(store.directory), "geometry": store.geometry.__dict__,

@@ -9,11 +9,28 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from torch import nn
 
-from academus.shared.models.students import LINEAR, StudentGroup, config_keys, student_config
+from academus.shared.models.students import (
+    LINEAR,
+    AbsentStudent,
+    Student,
+    StudentGroup,
+    config_keys,
+    student_config,
+)
 from academus.shared.models.teacher_files import TEACHER_NAME
 from academus.shared.models.user_models import STUDENTS_OF
-from academus.shared.state.artifacts import ArtifactError, load_artifact, write_artifact
+from academus.shared.state.artifacts import (
+    WEIGHTS,
+    ArtifactError,
+    Manifest,
+    load_artifact,
+    read_manifest,
+    sha256_file,
+    write_artifact,
+)
 from academus.shared.state.catalogue import write_entry
 from academus.shared.training.distill_data import SERVED_NAMES
 from academus.shared.training.prepare import (
@@ -51,6 +68,39 @@ def load_student_group(artifacts: Path, key: str, device: str | torch.device = "
     """A verified student-group artifact as a StudentGroup in eval mode (best_k, max_students, head, labels)."""
     directory, task = students_dir(artifacts, key), task or key
     manifest, tensors = load_artifact(directory)     # checks format version, checksums and shapes
+    _check_group(directory, manifest, teacher, task)
+    return _group(directory, manifest, tensors, int(manifest.extra.get("num_students", 0))).to(device).eval()
+
+
+def load_student_shell(artifacts: Path, key: str, device: str | torch.device = "cpu", teacher: str = TEACHER_NAME,
+                       task: str = "") -> tuple[StudentGroup, Path]:
+    """The group without its students (each an AbsentStudent): the shared embeddings, α and head, for a worker
+    that holds only some students; and the verified weights file the students are read from."""
+    directory, task = students_dir(artifacts, key), task or key
+    manifest = read_manifest(directory)
+    _check_group(directory, manifest, teacher, task)
+    path = directory / WEIGHTS
+    if sha256_file(path) != manifest.files.get(WEIGHTS):
+        raise ArtifactError(f"{path} does not match its sha256 in the manifest (corrupt or modified)")
+    with safe_open(str(path), framework="pt") as weights:
+        names = weights.keys()   # a safe_open handle is not iterable
+        tensors = {name: weights.get_tensor(name) for name in names if not name.startswith("students.")}
+    group = _group(directory, manifest, tensors, 0)
+    return group.to(device).eval(), path
+
+
+def load_student(path: Path, group: StudentGroup, index: int, device: str | torch.device = "cpu") -> Student:
+    """Student `index` of the group whose weights are at `path` (read alone, not the whole file)."""
+    prefix = f"students.{index}."
+    student = Student(group.config)
+    with safe_open(str(path), framework="pt") as weights:
+        names = weights.keys()
+        state = {name.removeprefix(prefix): weights.get_tensor(name) for name in names if name.startswith(prefix)}
+    student.load_state_dict(state, strict=True)
+    return student.to(device).eval()
+
+
+def _check_group(directory: Path, manifest: Manifest, teacher: str, task: str) -> None:
     if manifest.kind != STUDENT_KIND:
         raise ArtifactError(f"{directory} holds a {manifest.kind!r} artifact, not a {STUDENT_KIND!r}")
     if manifest.teacher != teacher:
@@ -58,17 +108,24 @@ def load_student_group(artifacts: Path, key: str, device: str | torch.device = "
                             f"`academus distill`)")
     if manifest.task != task:
         raise ArtifactError(f"{directory} is for task {manifest.task!r}, not {task!r}")
+
+
+def _group(directory: Path, manifest: Manifest, tensors: dict[str, torch.Tensor], held: int) -> StudentGroup:
+    """The manifest's group with `tensors` loaded; with fewer students `held` than it has, the rest absent."""
     extra = manifest.extra
     try:   # groups written before students took the teacher's family are BERT ("bert_config")
         config = student_config(extra.get("encoder_config") or extra["bert_config"], int(extra["layers"]))
-        group = StudentGroup(config, int(extra["num_students"]), manifest.labels,
-                             normalize=bool(extra["normalize"]), best_k=int(extra["best_k"]),
-                             head=extra.get("head", LINEAR))
-        group.load_state_dict(tensors, strict=True)
+        count = int(extra["num_students"])
+        group = StudentGroup(config, max(1, held), manifest.labels, normalize=bool(extra["normalize"]),
+                             best_k=int(extra["best_k"]), head=extra.get("head", LINEAR))
+        if held < count:
+            group.students = nn.ModuleList(AbsentStudent(i) for i in range(count))
+            group.alpha = nn.Parameter(torch.ones(count))
+        group.load_state_dict(tensors, strict=held == count)
         group.check_count(group.best_k)
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise ArtifactError(f"{directory}: the weights do not fit the manifest's student group: {e}") from e
-    return group.to(device).eval()
+    return group
 
 
 def register_user_group(artifacts: Path, key: str, teacher_model: str) -> list[str]:

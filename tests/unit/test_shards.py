@@ -25,6 +25,7 @@ from academus.shared.models.shards import (
     key_mask,
     outlier_mask,
     pack_codes,
+    quantize_layers,
     shard_vector,
 )
 from academus.shared.models.sti_pipeline import (
@@ -36,7 +37,7 @@ from academus.shared.models.sti_pipeline import (
 )
 from academus.shared.models.sti_planner import Plan
 from academus.shared.state.artifacts import ArtifactError
-from academus.shared.training.shards import _config_dict, quantize_layers
+from academus.shared.training.shards import _config_dict
 
 
 def tiny_encoder(layers: int = 2) -> TeacherEncoder:
@@ -148,7 +149,9 @@ def tiny_shard_artifact(directory: Path) -> TeacherEncoder:
     encoder = tiny_encoder()
     config = encoder.body.config
     geometry = ShardGeometry.of(config)
-    blobs, resident = quantize_layers(encoder, geometry)
+    blobs, resident = quantize_layers(encoder.body.encoder.layer, geometry, log=lambda _: None)
+    resident |= {f"embeddings.{k}": v for k, v in encoder.body.embeddings.state_dict().items()
+                 if not k.endswith("_ids")}
     write_shard_artifact(directory, teacher="tiny", geometry=geometry, layer_norm_eps=config.layer_norm_eps,
                          blobs=blobs, resident=resident, heads={}, tasks={},
                          extra={"model": "tiny", "config": _config_dict(config)})

@@ -1,0 +1,116 @@
+"""A student group's students as quantized shards (STI §4.2 applied to Student Parallelism's students).
+
+Each student's layers are cut and quantized exactly as the teacher's are (`shards.py`): one shard a head,
+stored at 2–6 bits and at full precision. Student m's layer l is the artifact's layer m·L + l. The shared
+embeddings, α and the head stay in the group's own artifact: a worker holds them whatever students it holds.
+
+A worker under a memory budget serves a student it does not hold from these shards at once (an
+`ElasticStudent`: its layers at the artifact's floor bit width, full width, decoded on the spot) while the
+full-precision student loads behind it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from academus.shared.models.model import mean_pool
+from academus.shared.models.shard_store import ShardStore
+from academus.shared.models.shards import LayerResident, LayerWeights, elastic_layer, key_mask
+from academus.shared.models.sti_pipeline import FileSource
+from academus.shared.state.artifacts import WEIGHTS, ArtifactError, read_manifest
+
+STUDENT_SHARDS_KIND = "student-group"   # the manifest's `extra["of"]`: whose layers the shards are
+STUDENT_SHARDS = "student_shards"        # a group's catalogue entry's key: where its students' shards lie
+
+
+class ElasticStudent(nn.Module):
+    """A student whose layers run from decoded shards: the call and the outputs of `Student` (S_N, S_⌈N/2⌉)."""
+
+    def __init__(self, index: int, bits: int, residents: Sequence[LayerResident], layers: Sequence[LayerWeights],
+                 store: ShardStore) -> None:
+        super().__init__()
+        self.index, self.bits, self.geometry = index, bits, store.geometry
+        self.residents, self.weights = list(residents), list(layers)
+        self.middle = -(-len(self.weights) // 2)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the decoded layer weights it holds (float32, as a full-precision student's)."""
+        return sum(t.numel() * t.element_size() for w in self.weights for t in
+                   (w.query, w.key, w.value, w.output, w.ffn_in, w.ffn_out))
+
+    def forward(self, hidden: torch.Tensor, _mask4d: torch.Tensor | None,
+                attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mask, middle = key_mask(attention_mask), hidden
+        for i, (resident, weights) in enumerate(zip(self.residents, self.weights, strict=True), start=1):
+            hidden = elastic_layer(hidden, mask, resident, weights, self.geometry)
+            if i == self.middle:
+                middle = hidden
+        return mean_pool(hidden, attention_mask), mean_pool(middle, attention_mask)
+
+
+class StudentShards:
+    """An opened student shard artifact: which student's layers lie where, and its floor bit width."""
+
+    def __init__(self, directory: Path) -> None:
+        self.store = ShardStore(directory)
+        extra = self.store.manifest.extra
+        if extra.get("of") != STUDENT_SHARDS_KIND:
+            raise ArtifactError(f"{directory} holds the shards of {extra.get('of', 'a teacher')!r}, not of a "
+                                f"student group")
+        self.students, self.layers = int(extra["students"]), int(extra["student_layers"])
+        self.min_bits = int(extra["min_bits"])
+        self.group_sha256 = str(extra["group_sha256"])   # the group artifact's weights these shards were cut from
+
+    def stored_bytes(self, student: int, bits: int) -> int:
+        """What reading one student's layers at `bits` reads."""
+        return sum(self.store.entry(k, s, bits).length for k in self._layers(student)
+                   for s in range(self.store.geometry.heads))
+
+    def load(self, student: int, bits: int, source: FileSource, device: torch.device | str = "cpu") -> ElasticStudent:
+        """Student `student` at `bits`, every shard read through `source`, checked (crc32) and decoded (on the
+        CPU), then put on `device`."""
+        if not 0 <= student < self.students:
+            raise ValueError(f"student {student} is outside 0..{self.students - 1} of {self.store.directory}")
+        if bits not in self.store.versions:
+            raise ValueError(f"{bits} bits is not stored in {self.store.directory} (has {list(self.store.versions)})")
+        residents, layers = [], []
+        shards = range(self.store.geometry.heads)
+        for k in self._layers(student):
+            weights = []
+            for s in shards:
+                entry = self.store.entry(k, s, bits)
+                blob = source.read(self.store.directory / entry.file, entry.offset, entry.length)
+                weights.append(self.store.decode(k, s, bits, blob))
+            resident = self.store.layer_resident(k)
+            layers.append(_on(LayerWeights.assemble(list(shards), weights, resident, self.store.geometry), device))
+            residents.append(_on(resident, device))
+        return ElasticStudent(student, bits, residents, layers, self.store)
+
+    def _layers(self, student: int) -> range:
+        return range(student * self.layers, (student + 1) * self.layers)
+
+
+def _on(weights: LayerWeights | LayerResident, device: torch.device | str) -> LayerWeights | LayerResident:
+    """The same weights with every tensor and norm on `device`."""
+    if torch.device(device).type == "cpu":
+        return weights
+    return replace(weights, **{f.name: getattr(weights, f.name).to(device) for f in fields(weights)
+                               if isinstance(getattr(weights, f.name), torch.Tensor | nn.Module)})
+
+
+def open_student_shards(artifacts: Path, entry: dict[str, Any]) -> StudentShards:
+    """The shards a group's catalogue entry points at, refused unless cut from the group's weights as they are."""
+    shards = StudentShards(Path(artifacts) / entry[STUDENT_SHARDS])
+    weights = read_manifest(Path(artifacts) / entry["students"]).files.get(WEIGHTS)
+    if shards.group_sha256 != weights:
+        raise ArtifactError(f"{shards.store.directory} was cut from student weights {shards.group_sha256}, but "
+                            f"{entry['students']} holds {weights}: run `academus shard build --model "
+                            f"{shards.store.manifest.extra.get('model', '...')}` again")
+    return shards

@@ -1,0 +1,186 @@
+"""A student group held within a memory budget: its students cut into shards (`academus shard build --model
+sentiment-students`), a worker holding only some, a student it lacks served from shards at once and then held
+at full precision; placement, eviction, a budget too small and a corrupted shard. Real artifacts (the teacher's
+bottom layers as untrained students) and the real dev split."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from academus.services.worker.core import OUTPUT_PROBS, ModelRunner
+from academus.services.worker.student_memory import LOADS, STREAMED, StudentMemory, group_placement
+from academus.shared.models.model import pad_batch
+from academus.shared.models.shard_store import layer_file
+from academus.shared.models.sti_pipeline import FileSource
+from academus.shared.models.student_shards import STUDENT_SHARDS, open_student_shards
+from academus.shared.models.work import Batch
+from academus.shared.runtime.errors import InvalidArgument
+from academus.shared.state.artifacts import ArtifactError
+from academus.shared.state.catalogue import read_catalogue
+from academus.shared.training.student_artifacts import load_student, load_student_group, load_student_shell
+from academus.shared.training.student_shards import build_students
+from tests.conftest import small_student_artifacts
+from tests.integration.test_student_serving import tokens
+
+MODEL = "sentiment-students"
+TEXTS = ["a warm, funny film", "a dull mess", "the cast makes every scene feel new"]
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory) -> Path:
+    root = small_student_artifacts(tmp_path_factory.mktemp("held-students"), best_k=2)
+    summary = build_students(root, MODEL, quick=True)
+    assert summary["students"] == 2 and summary["student_layers"] == 2 and summary["geometry"]["layers"] == 4
+    assert summary["min_bits"] in (2, 3, 4, 5, 6, 32) and summary["dev_texts"] == 48
+    assert int(summary["student_bytes"]["2"]) < int(summary["student_bytes"]["6"]) < int(summary["student_bytes"]["32"])
+    return root
+
+
+@pytest.fixture(scope="module")
+def whole(artifacts: Path) -> ModelRunner:
+    return ModelRunner(artifacts, [MODEL])
+
+
+def run(runner: ModelRunner, **kwargs) -> np.ndarray:
+    ids, lengths = tokens(TEXTS)
+    return runner.run(Batch(MODEL, OUTPUT_PROBS, ids, lengths, **kwargs)).values
+
+
+def wait_until(predicate, timeout_s: float = 30.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.02)
+
+
+def memory_of(artifacts: Path, budget: int, load_full=None) -> StudentMemory:
+    entry = read_catalogue(artifacts)[MODEL]
+    group, weights = load_student_shell(artifacts, "sentiment")
+    return StudentMemory(MODEL, group, open_student_shards(artifacts, entry),
+                         load_full or (lambda i: load_student(weights, group, i)), budget, FileSource())
+
+
+def test_the_catalogue_points_at_the_shards_and_full_precision_shards_are_the_student(artifacts: Path) -> None:
+    entry = read_catalogue(artifacts)[MODEL]
+    assert entry[STUDENT_SHARDS] == f"shards/{MODEL}"
+    shards = open_student_shards(artifacts, entry)
+    group = load_student_group(artifacts, "sentiment")
+    ids, lengths = tokens(TEXTS)
+    ends = np.cumsum(lengths)
+    padded, mask, types = pad_batch([ids[end - n:end] for n, end in zip(lengths, ends, strict=True)])
+    with torch.inference_mode():
+        for index in (0, 1):
+            own = group.partial(padded, mask, types, [index])
+            full = group.partial(padded, mask, types, [index], members={index: shards.load(index, 32, FileSource())})
+            low = group.partial(padded, mask, types, [index], members={index: shards.load(index, 2, FileSource())})
+            torch.testing.assert_close(full, own, atol=1e-5, rtol=1e-5)
+            assert (low - own).abs().max() > 1e-3   # 2 bits is not the student
+
+
+def test_a_student_not_held_is_served_from_its_shards_at_once_then_held_whole(artifacts: Path,
+                                                                               whole: ModelRunner) -> None:
+    runner = ModelRunner(artifacts, [MODEL], student_budget_bytes=1 << 30)
+    memory = runner.models[MODEL].memory
+    assert memory is not None and memory.precision() == {}   # nothing held before it is placed or asked for
+    floor = memory.shards.min_bits
+    before = LOADS.labels(MODEL, str(floor))._value.get()
+    first = run(runner, student_indices=[1])
+    assert LOADS.labels(MODEL, str(floor))._value.get() == before + 1
+    wait_until(lambda: memory.precision() == {1: 32})
+    np.testing.assert_allclose(run(runner, student_indices=[1]), run(whole, student_indices=[1]), atol=1e-6)
+    if floor != 32:
+        assert np.abs(first - run(whole, student_indices=[1])).max() > 0   # the first answer was the shards'
+    served = run(runner, num_students=2)     # student 0 from its shards (or held whole, if loaded already)
+    assert served.shape == (3, 2) and np.allclose(served.sum(1), 1)
+    wait_until(lambda: memory.precision() == {0: 32, 1: 32})
+    np.testing.assert_allclose(run(runner, num_students=2), run(whole, num_students=2), atol=1e-6)
+    assert memory.held_bytes() == memory.shared_bytes + 2 * memory.student_bytes
+    memory.close()
+
+
+def test_the_shards_serve_while_the_full_student_loads(artifacts: Path) -> None:
+    release = threading.Event()
+    entry_group, weights = load_student_shell(artifacts, "sentiment")
+
+    def slow(index: int):
+        release.wait(30)
+        return load_student(weights, entry_group, index)
+
+    memory = memory_of(artifacts, 1 << 30, slow)
+    try:
+        members = memory.members([0])
+        assert memory.precision() == {0: memory.shards.min_bits} and members[0].bits == memory.shards.min_bits
+        assert memory.members([0])[0] is members[0]      # held: not read again
+        release.set()
+        wait_until(lambda: memory.precision() == {0: 32})
+    finally:
+        release.set()
+        memory.close()
+
+
+def test_the_budget_holds_what_it_can_and_a_batch_past_it_streams(artifacts: Path) -> None:
+    probe = memory_of(artifacts, 1 << 30)
+    one = probe.shared_bytes + probe.student_bytes
+    probe.close()
+    with pytest.raises(InvalidArgument, match=f"budget of {one - 1} bytes is below the {one} bytes"):
+        memory_of(artifacts, one - 1)
+    memory = memory_of(artifacts, one)
+    try:
+        assert memory.capacity == 1
+        memory.members([0])
+        memory.members([1])                   # the least recently used one goes
+        assert list(memory.precision()) == [1]
+        streamed = STREAMED.labels(MODEL)._value.get()
+        both = memory.members([0, 1])
+        assert set(both) == {0, 1} and STREAMED.labels(MODEL)._value.get() == streamed + 1
+        assert len(memory.precision()) == 1 and memory.held_bytes() <= one
+    finally:
+        memory.close()
+
+
+def test_placed_students_load_ahead_and_unplaced_ones_go(artifacts: Path) -> None:
+    memory = memory_of(artifacts, 1 << 30)
+    try:
+        memory.place({0})
+        wait_until(lambda: memory.precision() == {0: 32})
+        memory.place({1, 7})                  # 7: not a student of this group, ignored
+        assert 0 not in memory.precision()
+        wait_until(lambda: memory.precision() == {1: 32})
+    finally:
+        memory.close()
+    groups = {"students": 2, "groups": [[["w1", [0]], ["w2", [1]]], [["w2", [0]], ["w1", [1]]]]}
+    assert group_placement(groups, "w1") == {0, 1} and group_placement(groups, "w3") == set()
+
+
+def test_a_corrupted_shard_is_refused_never_served(artifacts: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "artifacts"
+    shutil.copytree(artifacts, copy)
+    floor = open_student_shards(copy, read_catalogue(copy)[MODEL]).min_bits
+    path = copy / "shards" / MODEL / layer_file(2, floor)           # student 1's first layer
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    runner = ModelRunner(copy, [MODEL], student_budget_bytes=1 << 30)
+    with pytest.raises(InvalidArgument, match=f"cannot be served: .*{layer_file(2, floor)}: shard 0 of layer 2"):
+        run(runner, student_indices=[1])
+    runner.models[MODEL].memory.close()
+
+
+def test_a_modified_group_and_a_model_not_a_group_are_refused(artifacts: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "artifacts"
+    shutil.copytree(artifacts, copy)
+    weights = copy / "students" / "sentiment" / "weights.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="does not match its sha256"):
+        load_student_shell(copy, "sentiment")
+    with pytest.raises(ValueError, match="neither minilm nor a student group"):
+        build_students(copy, "sentiment")
