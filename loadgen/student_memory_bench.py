@@ -3,14 +3,20 @@ with `ACADEMUS_STUDENT_BUDGET_BYTES` does) against loading the whole student fir
 while it runs from its shards.
 
     python -m academus.loadgen.student_memory_bench [--model sentiment-students] [--io file cold throttled:200]
-        [--rounds 10] [--out DIR]
+        [--rounds 10] [--out DIR] [--mesh [--mesh-rounds 3] [--students 3] [--rate 20] [--duration 20]]
 
 For each IO source and round (the arms' order alternating): the time from the batch that asks for the student to
 its answer (one text), (a) reading its shards at the artifact's floor bit width through the source, decoding and
 running; (b) reading its full-precision weights (the same source's cost: the page cache dropped for `cold`, the
-bandwidth's time for `throttled`) and running. Then, on the whole test split, the group's accuracy with its last
-student at the floor bit width against all at full precision. Needs `academus shard build --model MODEL`.
-Prints one JSON object (also written to DIR/student_memory.json).
+bandwidth's time for `throttled`) and running. Then, on the whole test split, the group's accuracy and agreement
+with the teacher with each student in turn at the floor bit width, against all at full precision. Needs
+`academus shard build --model MODEL`.
+With --mesh, also on the mesh: two one-slot workers serve the group at --students − 1 students under Poisson load;
+at --change-at the student number goes to --students, which places a student on a worker that lacks it. Arms:
+`budget` (each worker's budget holds the students placed on it at the new number) and `whole` (every student
+held), on fresh meshes, the order alternating. Figures: latency before and in the --window after the change,
+the first answer with the new number, errors, loads, and the labels' agreement between the arms on the texts
+both answered with the new number in the window. Prints one JSON object (also DIR/student_memory.json).
 """
 
 from __future__ import annotations
@@ -45,8 +51,9 @@ from academus.shared.runtime.metrics import scrape
 from academus.shared.state.catalogue import read_catalogue
 from academus.shared.state.keys import Keys
 from academus.shared.training.data import fetch, load_task
-from academus.shared.training.prepare import MAX_TOKENS, length_batches
+from academus.shared.training.prepare import MAX_TOKENS
 from academus.shared.training.student_artifacts import load_student, load_student_shell
+from academus.shared.training.student_shards import GroupEvaluation
 
 TEXT = "a warm and funny film whose cast makes every scene feel new"
 
@@ -81,26 +88,22 @@ def first_answer_ms(arm: str, shards: StudentShards, weights: Path, group, index
     return elapsed
 
 
-@torch.inference_mode()
-def accuracy_while_loading(group, shards: StudentShards, weights: Path, task: str) -> dict[str, Any]:
-    """The test split: the whole group at full precision, and with its last student at the floor bits."""
-    test = load_task(task, fetch()).test
-    tokenizer = TeacherTokenizer(teacher_dir(), max_tokens=MAX_TOKENS)
-    encoded = tokenizer.encode([e.text for e in test], truncate=True)
-    gold = torch.tensor([int(e.label) for e in test])
-    k = group.max_students
-    full = {i: load_student(weights, group, i) for i in range(k)}
-    low = {**full, k - 1: shards.load(k - 1, shards.min_bits, FileSource())}
-    preds = {"full": torch.empty(len(test), dtype=torch.long), "floor": torch.empty(len(test), dtype=torch.long)}
-    for rows in length_batches([len(e.input_ids) for e in encoded], 64, MAX_TOKENS):
-        ids, mask, types = pad_batch([encoded[i].input_ids for i in rows], [encoded[i].token_type_ids for i in rows])
-        for arm, members in (("full", full), ("floor", low)):
-            preds[arm][rows] = group.head(group(ids, mask, types, num_students=k, members=members)).argmax(1)
-    acc = {arm: (p == gold).float().mean().item() for arm, p in preds.items()}
-    return {"texts": len(test), "students": k, "floor_bits": shards.min_bits,
-            "accuracy_full": round(acc["full"], 4), "accuracy_last_at_floor": round(acc["floor"], 4),
-            "difference_pp": round((acc["floor"] - acc["full"]) * 100, 2),
-            "agreement": round((preds["floor"] == preds["full"]).float().mean().item(), 4)}
+def accuracy_while_loading(group, shards: StudentShards, weights: Path, artifacts: Path,
+                           task: str) -> dict[str, Any]:
+    """The test split: the whole group at full precision, and with each student in turn at the floor bits."""
+    evaluation = GroupEvaluation(group, artifacts, task, load_task(task, fetch()).test)
+    full = {i: load_student(weights, group, i) for i in range(group.max_students)}
+    whole = evaluation.predictions(full)
+    out: dict[str, Any] = {"texts": evaluation.n, "floor_bits": shards.min_bits, "full": evaluation.scores(whole),
+                           "each_student_at_floor": []}
+    source = FileSource()
+    for i in range(group.max_students):
+        predictions = evaluation.predictions({**full, i: shards.load(i, shards.min_bits, source)})
+        out["each_student_at_floor"].append({"student": i, **evaluation.scores(predictions),
+                                             "agreement_with_full": round((predictions == whole).float().mean()
+                                                                          .item(), 4)})
+    source.close()
+    return out
 
 
 async def poisson_load(state: MeshState, model: str, samples: list[Sample], rate: float, duration_s: float,
@@ -139,7 +142,9 @@ def mesh_round(arm: str, args: argparse.Namespace, artifacts: Path, budget: int,
     """A fresh mesh of two one-slot workers serving the group at args.students − 1 students; at the change
     the student number goes to args.students, which places a student on a worker that lacks it."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"student-memory-{arm}-"))
-    env = {"ACADEMUS_MODELS": args.model, "ACADEMUS_ADAPT_WINDOW_S": "3600", "ACADEMUS_ADAPT_INTERVAL_S": "0.1"}
+    # the number only changes where the bench sets it: no addition (window) and, after each set, no drop (cooldown)
+    env = {"ACADEMUS_MODELS": args.model, "ACADEMUS_ADAPT_WINDOW_S": "3600", "ACADEMUS_ADAPT_COOLDOWN_S": "3600",
+           "ACADEMUS_ADAPT_INTERVAL_S": "0.1"}
     if arm == "budget":
         env["ACADEMUS_STUDENT_BUDGET_BYTES"] = str(budget)
     state = up(MeshOptions(run_dir=run_dir, artifacts=artifacts, gateway_port=0, workers=2, worker_threads=1,
@@ -147,12 +152,18 @@ def mesh_round(arm: str, args: argparse.Namespace, artifacts: Path, budget: int,
     state.key = (run_dir / ADMIN_KEY_FILE).read_text().strip()
     keys = Keys(state.key_prefix)
     r = redis.Redis.from_url(state.redis_url, decode_responses=True)
-    try:
-        r.set(keys.students(args.model), args.students - 1)
+    def settle(number: int) -> None:
+        r.set(keys.students(args.model), number)
         deadline = time.monotonic() + 60
-        while json.loads(r.get(keys.groups(args.model)) or "{}").get("students") != args.students - 1:
+        while json.loads(r.get(keys.groups(args.model)) or "{}").get("students") != number:
             assert time.monotonic() < deadline, "the groups never re-formed"
             time.sleep(0.1)
+
+    try:
+        settle(int(json.loads(wait_for_groups(r, keys.groups(args.model)))["students"]))
+        if int(r.get(keys.students(args.model))) == args.students - 1:
+            settle(args.students)   # a number the resource manager adopts is one its cooldown then holds
+        settle(args.students - 1)
         time.sleep(2)   # the workers read the placement and hold their students
         samples = from_task(args.task)
         records = asyncio.run(poisson_load(state, args.model, samples, args.rate, args.duration, args.change_at,
@@ -163,6 +174,14 @@ def mesh_round(arm: str, args: argparse.Namespace, artifacts: Path, budget: int,
         down(run_dir)
     return {"arm": arm, "seed": seed, "records": records, "loads": loads,
             "labels": {str(i): s.label for i, s in enumerate(samples)}}
+
+
+def wait_for_groups(r: redis.Redis, key: str, timeout_s: float = 60) -> str:
+    deadline = time.monotonic() + timeout_s
+    while (raw := r.get(key)) is None:
+        assert time.monotonic() < deadline, "the resource manager never wrote the groups"
+        time.sleep(0.1)
+    return raw
 
 
 def scrape_loads(port: int, model: str) -> dict[str, float]:
@@ -209,13 +228,13 @@ def agreement(budget: dict[str, Any], whole: dict[str, Any], students: int, chan
 
 
 def mesh_bench(args: argparse.Namespace, artifacts: Path, shards: StudentShards, group) -> dict[str, Any]:
-    """args.rounds rounds of both arms on fresh meshes, the order alternating."""
+    """args.mesh_rounds rounds of both arms on fresh meshes, the order alternating."""
     with torch.device("meta"):
         student_bytes = weight_bytes(Student(group.config))
     # each worker's students at the new number: eq. 6 puts student i on worker i % 2
     budget = weight_bytes(group) + -(-args.students // 2) * student_bytes
     rounds = []
-    for r in range(args.rounds):
+    for r in range(args.mesh_rounds):
         runs = {arm: mesh_round(arm, args, artifacts, budget, seed=r)
                 for arm in (("budget", "whole") if r % 2 == 0 else ("whole", "budget"))}
         rounds.append({"round": r, **{arm: window_figures(run, args.change_at, args.window, args.students)
@@ -239,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--mesh", action="store_true", help="also the mesh arms: a student added under load")
+    p.add_argument("--mesh-rounds", type=int, default=3)
     p.add_argument("--task", default="sentiment", help="the texts' task (its test split)")
     p.add_argument("--students", type=int, default=3, help="the student number the change goes to")
     p.add_argument("--rate", type=float, default=20.0, help="Poisson requests a second")
@@ -271,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             for io, runs in timings.items()},
         "ratio_shards_to_whole": {io: round(statistics.median(runs["shards"]) / statistics.median(runs["whole"]), 3)
                                   for io, runs in timings.items()},
-        "accuracy": accuracy_while_loading(group, shards, weights, entry.get("task", args.model)),
+        "accuracy": accuracy_while_loading(group, shards, weights, artifacts, entry.get("task", args.model)),
     }
     if args.mesh:
         summary["mesh"] = mesh_bench(args, artifacts, shards, group)

@@ -106,6 +106,10 @@ class StudentNumber:
             self._quiet_since = None
         return None
 
+    def adopt(self, value: int) -> int:
+        """An operator's number (within 1..ceiling): a change like the rule's, so the cooldown follows it too."""
+        return self._set(min(max(1, value), self.ceiling), self.clock())
+
     def _set(self, value: int, now: float) -> int:
         self.current, self._changed_at, self._quiet_since = value, now, None
         return value

@@ -193,7 +193,7 @@ class GroupPlanner:
             stored = await self.redis.get(self.keys.students(model))
             number = self.number(spec, stored)
             if stored and int(stored) != number.current:
-                changed[model] = number.current = min(max(1, int(stored)), number.ceiling)
+                changed[model] = number.adopt(int(stored))
             elif model in loads and (new := number.observe(loads[model])) is not None:
                 changed[model] = new
         if changed:

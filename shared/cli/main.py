@@ -286,6 +286,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         for m in report["models"]:
             print(f"model {m['name']:<22} {m['kind']:<15} {m['architecture'] or 'bundled':<32} "
                   f"layers {m['layers'] or '-':<3} {m['memory_bytes'] / 2**20:8.1f} MiB  workers {m['workers']}")
+            for worker, students in m.get("held_students", {}).items():
+                held = " ".join(f"{i}:{'full' if bits == 32 else f'{bits} bits'}" for i, bits in students.items())
+                print(f"  {worker:<28} holds students {held or 'none'}")
     healthy = (report["redis"]["health"] == "SERVING" and all(s["health"] == "SERVING" for s in report["services"])
                and report["supervisor"]["health"] != "EXITED")
     return 0 if healthy else 1

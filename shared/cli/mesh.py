@@ -478,13 +478,19 @@ def status(run_dir: Path) -> dict:
 
 
 def served_models(client: redis.Redis, keys: Keys) -> list[dict[str, object]]:
-    """Each registered model: its kind, architecture, layers, the memory its weights take in a worker, and
-    how many workers serve it."""
+    """Each registered model: its kind, architecture, layers, the memory its weights take in a worker, how many
+    workers serve it, and for a group held within a student budget, the students each worker holds (index: bits,
+    32 for full precision)."""
     rows = []
     for name, raw in sorted(client.hgetall(keys.models()).items()):
         spec = ModelSpec.from_json(raw)
-        rows.append({"name": name, "kind": spec.kind, "architecture": spec.architecture, "layers": spec.layers,
-                     "memory_bytes": spec.memory_bytes, "workers": client.scard(keys.placement(name))})
+        workers = sorted(client.smembers(keys.placement(name)))
+        row = {"name": name, "kind": spec.kind, "architecture": spec.architecture, "layers": spec.layers,
+               "memory_bytes": spec.memory_bytes, "workers": len(workers)}
+        held = {w: json.loads(h).get(name) for w in workers if (h := client.hget(keys.worker(w), "students"))}
+        if held := {w: students for w, students in held.items() if students is not None}:
+            row["held_students"] = held
+        rows.append(row)
     return rows
 
 

@@ -4,33 +4,34 @@ Every student's layers are quantized as the teacher's are (one shard a head, 2â€
 The floor bit width is then measured on a dev share of the task's validation split: each student in turn runs
 from its shards at b bits while the others run at full precision (what a worker serves while that student
 loads), and the floor is the fewest bits whose every such group stays within 1 pp of the full-precision
-group's accuracy. The catalogue entry of the group gains `student_shards`, which a worker with a student
-memory budget serves from.
+group's accuracy and of its agreement with the teacher. The catalogue entry of the group gains
+`student_shards`, which a worker with a student memory budget serves from.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from academus.shared.models.model import pad_batch
+from academus.shared.models.model import TeacherEncoder, pad_batch
 from academus.shared.models.shard_store import shards_dir, write_shard_artifact
 from academus.shared.models.shards import BITS, FIDELITY_TOLERANCE, FULL, ShardGeometry, quantize_layers
 from academus.shared.models.sti_pipeline import FileSource
 from academus.shared.models.student_shards import STUDENT_SHARDS, STUDENT_SHARDS_KIND, StudentShards
-from academus.shared.models.students import StudentGroup
+from academus.shared.models.students import Members, StudentGroup
 from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.models.user_models import STUDENTS_OF
 from academus.shared.state.artifacts import WEIGHTS, read_manifest, write_manifest
 from academus.shared.state.catalogue import read_catalogue, write_entry
-from academus.shared.training.data import fetch, load_task
-from academus.shared.training.prepare import MAX_TOKENS, length_batches, subsample
+from academus.shared.training.data import Example, fetch, load_task
+from academus.shared.training.prepare import MAX_TOKENS, length_batches, load_head, subsample
 from academus.shared.training.student_artifacts import load_student_group, students_dir
 
 DEV_TEXTS, QUICK_DEV_TEXTS = 500, 48
@@ -74,7 +75,7 @@ def build_students(artifacts: Path, model: str, data_dir: Path | None = None, qu
                          layer_norm_eps=config.layer_norm_eps, blobs=blobs, resident=resident, heads={}, tasks={},
                          extra=extra)
     shards = StudentShards(directory)
-    fidelity = measure_fidelity(group, shards, task, data_dir, quick)
+    fidelity = measure_fidelity(group, shards, artifacts, task, data_dir, quick)
     manifest = read_manifest(directory)
     write_manifest(directory, replace(manifest, extra={**manifest.extra, "min_bits": fidelity["min_bits"],
                                                        "fidelity": fidelity}))
@@ -87,43 +88,58 @@ def build_students(artifacts: Path, model: str, data_dir: Path | None = None, qu
     return summary
 
 
-@torch.inference_mode()
-def measure_fidelity(group: StudentGroup, shards: StudentShards, task: str, data_dir: Path | None,
+class GroupEvaluation:
+    """A group's predictions on labelled texts, with students standing in (`members`), scored against the gold
+    labels and against the teacher's own predictions (the agreement distillation reports)."""
+
+    def __init__(self, group: StudentGroup, artifacts: Path, task: str, examples: Sequence[Example]) -> None:
+        self.group, self.n = group, len(examples)
+        self.batches = _batches([e.text for e in examples])
+        self.gold = torch.tensor([int(e.label) for e in examples])
+        teacher, head = TeacherEncoder.load(), load_head(artifacts, task)
+        self.teacher = self._each(lambda ids, mask, types: head(teacher(ids, mask, types)))
+
+    @torch.inference_mode()
+    def _each(self, logits: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        out = torch.empty(self.n, dtype=torch.long)
+        for rows, ids, mask, types in self.batches:
+            out[rows] = logits(ids, mask, types).argmax(1)
+        return out
+
+    def predictions(self, members: Members | None = None) -> torch.Tensor:
+        k = self.group.max_students
+        return self._each(lambda ids, mask, types: self.group.head(
+            self.group(ids, mask, types, num_students=k, members=members)))
+
+    def scores(self, predictions: torch.Tensor) -> dict[str, float]:
+        return {"accuracy": round((predictions == self.gold).float().mean().item(), 4),
+                "teacher_agreement": round((predictions == self.teacher).float().mean().item(), 4)}
+
+
+def measure_fidelity(group: StudentGroup, shards: StudentShards, artifacts: Path, task: str, data_dir: Path | None,
                      quick: bool) -> dict[str, Any]:
-    """Accuracy on dev texts of the whole group at full precision, and of the group with each student in turn
-    at b bits; the floor: the fewest bits whose worst such group is within FIDELITY_TOLERANCE of full."""
+    """The whole group at full precision on dev texts, and the group with each student in turn at b bits; the
+    floor: the fewest bits whose every such group keeps its accuracy and its agreement with the teacher within
+    FIDELITY_TOLERANCE of full precision's."""
     if group.head is None:
         raise ValueError(f"task {task!r} has no labels: a floor bit width is measured on a classifier's accuracy")
     dev = subsample(load_task(task, fetch(data_dir)).validation, QUICK_DEV_TEXTS if quick else DEV_TEXTS)
-    batches = _batches([e.text for e in dev])
-    gold = torch.tensor([int(e.label) for e in dev])
-    k, source = group.max_students, FileSource()
-
-    def predictions(members: dict[int, torch.nn.Module] | None = None) -> torch.Tensor:
-        out = torch.empty(len(dev), dtype=torch.long)
-        for rows, ids, mask, types in batches:
-            out[rows] = group.head(group(ids, mask, types, num_students=k, members=members)).argmax(1)
-        return out
-
-    full = predictions()
-    full_accuracy = (full == gold).float().mean().item()
-    by_bits: dict[str, dict[str, float]] = {}
-    floor = FULL
+    evaluation = GroupEvaluation(group, artifacts, task, dev)
+    full = evaluation.scores(evaluation.predictions())
+    by_bits: dict[str, list[dict[str, float]]] = {}
+    floor, source = FULL, FileSource()
     try:
         for bits in sorted(BITS, reverse=True):
-            runs = [predictions({m: shards.load(m, bits, source)}) for m in range(k)]
-            worst = min((p == gold).float().mean().item() for p in runs)
-            agreement = min((p == full).float().mean().item() for p in runs)
-            by_bits[str(bits)] = {"worst_accuracy": round(worst, 4), "worst_agreement": round(agreement, 4)}
-            log(f"{task}: one student at {bits} bits: worst accuracy {worst:.4f} (full {full_accuracy:.4f}), "
-                f"agreement with the full group {agreement:.4f}")
-            if full_accuracy - worst > FIDELITY_TOLERANCE:
+            by_bits[str(bits)] = [evaluation.scores(evaluation.predictions({m: shards.load(m, bits, source)}))
+                                  for m in range(group.max_students)]
+            worst = {key: min(s[key] for s in by_bits[str(bits)]) for key in full}
+            log(f"{task}: one student at {bits} bits: worst {worst} (full precision {full})")
+            if any(full[key] - worst[key] > FIDELITY_TOLERANCE for key in full):
                 break
             floor = bits
     finally:
         source.close()
-    return {"min_bits": floor, "dev_texts": len(dev), "full_accuracy": round(full_accuracy, 4),
-            "one_student_at": by_bits}
+    return {"min_bits": floor, "dev_texts": len(dev), "full": full, "each_student_at": by_bits}
 
 
 def _batches(texts: list[str]) -> list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]]:

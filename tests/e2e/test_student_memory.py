@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from academus.client import AsyncClient
-from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, MeshState, down, up
+from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, MeshState, down, status, up
 from academus.shared.models.students import Student
 from academus.shared.state.keys import Keys
 from academus.shared.training.student_artifacts import load_student_shell
@@ -53,14 +53,9 @@ def mesh(tmp_path_factory) -> Iterator[MeshState]:
 
 
 def held(state: MeshState) -> dict[str, dict[str, int]]:
-    """Each worker's held students of MODEL, as it publishes them: {worker_id: {index: bits}}."""
-    r = redis.Redis.from_url(state.redis_url, decode_responses=True)
-    keys = Keys(state.key_prefix)
-    out = {}
-    for worker in r.smembers(keys.placement(MODEL)):
-        raw = r.hget(keys.worker(worker), "students")
-        out[worker] = json.loads(raw).get(MODEL, {}) if raw else {}
-    return out
+    """Each worker's held students of MODEL as `academus status` reports them: {worker_id: {index: bits}}."""
+    model = next(m for m in status(Path(state.run_dir))["models"] if m["name"] == MODEL)
+    return model.get("held_students", {})
 
 
 def placed(state: MeshState) -> dict[str, list[int]]:
@@ -73,16 +68,20 @@ def placed(state: MeshState) -> dict[str, list[int]]:
     return {w: sorted(set(i)) for w, i in out.items()}
 
 
-async def requests(state: MeshState, count: int) -> list:
+async def requests(state: MeshState, count: int, at_once: bool = True) -> list:
+    """`count` requests, at once or one after another (a burst makes the resource manager drop a student)."""
     async with AsyncClient(state.gateway, api_key=state.key, timeout=30) as client:
-        return await asyncio.gather(*(client.infer(MODEL, [f"{i} a warm and funny film"]) for i in range(count)))
+        calls = [client.infer(MODEL, [f"{i} a warm and funny film"]) for i in range(count)]
+        if at_once:
+            return await asyncio.gather(*calls)
+        return [await call for call in calls]
 
 
 def test_each_worker_holds_only_the_student_placed_on_it(mesh: MeshState) -> None:
     wait_for(lambda: sorted(i for w in placed(mesh).values() for i in w) == [0, 1], 60, "a group of two students")
     expected = {w: {str(i): 32 for i in indices} for w, indices in placed(mesh).items()}
     wait_for(lambda: held(mesh) == expected, 60, f"held students {expected}")
-    answers = asyncio.run(requests(mesh, 8))
+    answers = asyncio.run(requests(mesh, 8, at_once=False))
     assert all(a.metadata.student_count == 2 for a in answers)
 
 

@@ -38,7 +38,12 @@ def artifacts(tmp_path_factory) -> Path:
     root = small_student_artifacts(tmp_path_factory.mktemp("held-students"), best_k=2)
     summary = build_students(root, MODEL, quick=True)
     assert summary["students"] == 2 and summary["student_layers"] == 2 and summary["geometry"]["layers"] == 4
-    assert summary["min_bits"] in (2, 3, 4, 5, 6, 32) and summary["dev_texts"] == 48
+    assert summary["dev_texts"] == 48
+    full, floor = summary["full"], summary["min_bits"]
+    for bits, students in summary["each_student_at"].items():   # measured from 6 bits down, until one fails
+        assert len(students) == 2
+        kept = all(full[key] - s[key] <= 0.01 for s in students for key in ("accuracy", "teacher_agreement"))
+        assert kept == (int(bits) >= floor), (bits, floor, students)
     assert int(summary["student_bytes"]["2"]) < int(summary["student_bytes"]["6"]) < int(summary["student_bytes"]["32"])
     return root
 

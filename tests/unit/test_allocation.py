@@ -103,6 +103,19 @@ def test_no_change_within_the_cooldown_and_never_below_one_student():
     assert number.observe(burst) is None and number.current == 1
 
 
+def test_an_operators_number_is_clamped_and_the_cooldown_follows_it():
+    clock = Clock()
+    number = StudentNumber(current=2, ceiling=4, window_s=120, cooldown_s=10, clock=clock)
+    burst = GroupLoad(buffer=9, groups=1, idle=0, busy=1)
+    clock.now = 100
+    assert number.adopt(7) == 4 and number.current == 4
+    clock.now = 105
+    assert number.observe(burst) is None          # within the cooldown of the operator's change
+    clock.now = 111
+    assert number.observe(burst) == 3
+    assert number.adopt(0) == 1
+
+
 def test_signals_of_groups_not_yet_re_formed_are_not_judged():
     """After a drop, the next one waits for groups of the new number, not for a fixed time: a burst sheds
     students as fast as the schedulers re-form (App. B.4.1: the buffer's wait must not exceed a pass)."""
