@@ -337,15 +337,11 @@ class ModelRunner:
     def _prepare_student(self, group: StudentGroup, student: Student, warm_up_token: int) -> None:
         """A student loaded while serving: deadline hooks and traced layers, traced here on this thread (both of
         the masks' kinds), not on the compute thread's first batch."""
-        self._watch_deadline(student)
-        if not self.traced:
-            return
-        trace_layers(student, LAYER_NAME)
-        for lengths in ((8,), (8, 5)):
-            ids, mask, types = self._padded([[warm_up_token] * n for n in lengths], None)
-            with torch.inference_mode():
-                hidden, mask4d = group.prepare_inputs(ids, mask, types)
-                student(hidden, mask4d, mask)
+        def warm(ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> None:
+            hidden, mask4d = group.prepare_inputs(ids, mask, types)
+            student(hidden, mask4d, mask)
+
+        self._prepare_layers(student, warm_up_token, warm)
 
     def _load_sti(self, name: str, entry: dict) -> ServedModel:
         """A task served from the teacher's shards (STI): only the resident part and a preload buffer are held;
@@ -508,10 +504,13 @@ class ModelRunner:
                                 f"catalogue serves {served}; rebuild it (academus plot build --model {store.model})")
         return encoder, manifest
 
-    def _prepare_layers(self, encoder: nn.Module, warm_up_token: int = WARM_UP_TOKEN, **forward: int) -> None:
+    def _prepare_layers(self, encoder: nn.Module, warm_up_token: int = WARM_UP_TOKEN,
+                        warm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object] | None = None,
+                        **forward: int) -> None:
         """Deadline hooks on every layer and, when `traced`, traced graphs for their forwards, made now
         from an unpadded and a padded batch: tracing holds the GIL for a while, which a serving process
-        should not pay on its first requests. `forward`: what the encoder needs to run every layer."""
+        should not pay on its first requests. `forward`: what the encoder needs to run every layer; `warm`: how
+        to run it on a batch, when not `encoder(ids, mask, types, **forward)`."""
         self._watch_deadline(encoder)
         if not self.traced:
             return
@@ -519,7 +518,10 @@ class ModelRunner:
         for lengths in ((8,), (8, 5)):
             ids, mask, types = self._padded([[warm_up_token] * n for n in lengths], None)
             with torch.inference_mode():
-                encoder(ids, mask, types, **forward)
+                if warm is None:
+                    encoder(ids, mask, types, **forward)
+                else:
+                    warm(ids, mask, types)
 
     def _watch_deadline(self, encoder: nn.Module) -> None:
         """Hooks every transformer layer so an expired batch stops between layers."""

@@ -16,6 +16,7 @@ import torch
 
 from academus.services.worker.core import OUTPUT_PROBS, ModelRunner
 from academus.services.worker.student_memory import LOADS, STREAMED, StudentMemory, group_placement
+from academus.services.worker.traced import TracedLayer
 from academus.shared.models.model import pad_batch
 from academus.shared.models.shard_store import layer_file
 from academus.shared.models.sti_pipeline import FileSource
@@ -99,6 +100,8 @@ def test_a_student_not_held_is_served_from_its_shards_at_once_then_held_whole(ar
     first = run(runner, student_indices=[1])
     assert LOADS.labels(MODEL, str(floor))._value.get() == before + 1
     wait_until(lambda: memory.precision() == {1: 32})
+    layer = memory.held[1].encoder.layer[0]   # traced on the loading thread, both mask kinds, before it serves
+    assert isinstance(layer.forward, TracedLayer) and len(layer.forward.graphs) == 2
     np.testing.assert_allclose(run(runner, student_indices=[1]), run(whole, student_indices=[1]), atol=1e-6)
     if floor != 32:
         assert np.abs(first - run(whole, student_indices=[1])).max() > 0   # the first answer was the shards'
