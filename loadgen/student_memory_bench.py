@@ -145,6 +145,7 @@ def mesh_round(arm: str, args: argparse.Namespace, artifacts: Path, budget: int,
     # the number only changes where the bench sets it: no addition (window) and, after each set, no drop (cooldown)
     env = {"ACADEMUS_MODELS": args.model, "ACADEMUS_ADAPT_WINDOW_S": "3600", "ACADEMUS_ADAPT_COOLDOWN_S": "3600",
            "ACADEMUS_ADAPT_INTERVAL_S": "0.1"}
+    env |= dict(setting.split("=", 1) for setting in args.env)
     if arm == "budget":
         env["ACADEMUS_STUDENT_BUDGET_BYTES"] = str(budget)
     state = up(MeshOptions(run_dir=run_dir, artifacts=artifacts, gateway_port=0, workers=2, worker_threads=1,
@@ -265,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=20.0)
     p.add_argument("--change-at", type=float, default=8.0)
     p.add_argument("--window", type=float, default=2.0, help="seconds after the change the figures cover")
+    p.add_argument("--env", nargs="*", default=[], metavar="NAME=VALUE", help="settings of both arms' meshes")
     args = p.parse_args(argv)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

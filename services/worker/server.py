@@ -201,6 +201,7 @@ class Registration:
         self.keys = Keys(config.key_prefix)
         self.redis = connect(config.redis_url, config.redis_password)
         self.address = ""
+        self.students_published = ""   # the held students last written to the worker's key (registering clears it)
         self.profile: list[resource_manager_pb2.ProfilePoint] = []
         self._stubs = Stubs(resource_manager_pb2_grpc.ResourceManagerStub)
 
@@ -224,6 +225,7 @@ class Registration:
             worker_id=self.worker_id, address=address, models=models, device=device_label(self.runner.device),
             capacity=self.config.instances, profile=self.profile, node=self.config.node,
         ), timeout=10, wait_for_ready=True)
+        self.students_published = ""   # the worker's key was rewritten without them
         if reply.capacity and reply.capacity != self.servicer.instances:
             self.servicer.resize(reply.capacity)
         log_event("registered", worker_id=self.worker_id, address=address, models=list(self.runner.specs),
@@ -258,7 +260,6 @@ class Registration:
         """Tells each group held within a student budget which of its students the resource manager placed here
         (its groups in Redis), and publishes what each holds in the worker's key when it changes."""
         seen: dict[str, str] = {}
-        published = ""
         while True:
             await asyncio.sleep(period_s)
             memories = {name: s.memory for name, s in list(self.runner.models.items()) if s.memory is not None}
@@ -269,9 +270,9 @@ class Registration:
                         seen[name] = raw
                         memory.place(group_placement(json.loads(raw), self.worker_id))
                 held = json.dumps({name: memory.precision() for name, memory in memories.items()})
-                if memories and held != published:
+                if memories and held != self.students_published:
                     await self.redis.hset(self.keys.worker(self.worker_id), "students", held)
-                    published = held
+                    self.students_published = held
             except Exception as e:  # Redis away: the students held stay; batches still load what they need
                 log_event("placement_follow_failed", logging.WARNING, error=repr(e))
 

@@ -68,6 +68,7 @@ BUCKETS = (16, 32, 64, 128, 256)
 # texts a split: (train for heads, validation, dev share for importance); --quick: a few for tests
 SIZES = {"sentiment": (3000, None, 500), "spam": (1500, None, 250)}
 QUICK = (96, 64, 48)
+STUDENT_INFO = ("students", "student_layers", "min_bits", "fidelity")   # what `info` adds for a group's shards
 
 
 def log(message: str) -> None:
@@ -459,7 +460,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "versions": list(store.versions), "bytes": _sizes(store),
                 "shard_bytes": {str(b): store.shard_bytes(0, 0, b) for b in store.versions},
                 "tasks": {t: {"labels": i.labels, "widths": i.widths, "depths": i.depths,
-                              "importance_top": i.importance[:8]} for t, i in store.tasks.items()}}
+                              "importance_top": i.importance[:8]} for t, i in store.tasks.items()},
+                **{k: v for k, v in store.manifest.extra.items() if k in STUDENT_INFO}}
     if args.command == "verify":
         return {"directory": str(store.directory), **store.verify()}
     if args.command == "profile":

@@ -5,7 +5,10 @@ bottom layers as untrained students) and the real dev split."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -88,6 +91,21 @@ def test_the_catalogue_points_at_the_shards_and_full_precision_shards_are_the_st
             low = group.partial(padded, mask, types, [index], members={index: shards.load(index, 2, FileSource())})
             torch.testing.assert_close(full, own, atol=1e-5, rtol=1e-5)
             assert (low - own).abs().max() > 1e-3   # 2 bits is not the student
+
+
+def test_the_cli_reads_and_verifies_a_groups_shards_and_keeps_profile_and_plan_for_the_teachers(
+        artifacts: Path) -> None:
+    def shard(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "academus.shared.cli", "shard", *args, "--model", MODEL,
+                               "--artifacts", str(artifacts)], capture_output=True, text=True, timeout=300)
+
+    info = json.loads(shard("info").stdout.splitlines()[-1])
+    assert info["students"] == 2 and info["student_layers"] == 2 and info["geometry"]["layers"] == 4
+    assert info["min_bits"] == info["fidelity"]["min_bits"] and info["tasks"] == {}
+    assert json.loads(shard("verify").stdout.splitlines()[-1]) == {
+        "directory": str(artifacts / "shards" / MODEL), "files": 25, "ok": True, "shards": 4 * 12 * 6}
+    refused = shard("profile")
+    assert refused.returncode == 1 and "profile and plan are for the teacher's shards" in refused.stderr
 
 
 def test_a_student_not_held_is_served_from_its_shards_at_once_then_held_whole(artifacts: Path,
