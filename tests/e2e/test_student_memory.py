@@ -1,7 +1,7 @@
 """Students added under a memory budget, on the real mesh (processes, real Redis, real gRPC): two workers whose
-budget holds one student each hold only the one placed on them; when the student number changes, the worker
-given a student it lacks serves it at once (from its shards while it loads) and then holds it at full precision,
-and lets go of the one no longer placed. No request is lost meanwhile."""
+budget holds one student each hold only the one placed on them; when the student number changes (down, and back
+up: an addition), the worker given a student it lacks serves it at once (from its shards while it loads), then
+holds it at full precision and lets go of the one no longer placed. No request is lost meanwhile."""
 
 from __future__ import annotations
 
@@ -45,7 +45,9 @@ def mesh(tmp_path_factory) -> Iterator[MeshState]:
     state = up(MeshOptions(
         run_dir=run_dir, artifacts=artifacts, gateway_port=0, workers=2, worker_threads=1, instances=1,
         deployments=[Deployment("student", MODEL)],
-        env={"ACADEMUS_MODELS": MODEL, "ACADEMUS_ADAPT_WINDOW_S": "600", "ACADEMUS_ADAPT_INTERVAL_S": "0.1",
+        # the numbers the tests set hold: no addition (window), no drop after a set number (cooldown)
+        env={"ACADEMUS_MODELS": MODEL, "ACADEMUS_ADAPT_WINDOW_S": "600", "ACADEMUS_ADAPT_COOLDOWN_S": "600",
+             "ACADEMUS_ADAPT_INTERVAL_S": "0.1",
              "ACADEMUS_GRACE_S": "10", "ACADEMUS_STUDENT_BUDGET_BYTES": str(one_student_budget(artifacts))}))
     state.key = (run_dir / ADMIN_KEY_FILE).read_text().strip()
     yield state
@@ -99,3 +101,19 @@ def test_a_student_added_where_it_is_not_held_serves_at_once_and_loads(mesh: Mes
     workers = [s for s in mesh.services if s.name.startswith("worker-")]
     full = sum(metric(w.metrics_port, "academus_worker_student_loads_total", model=MODEL, bits="32") for w in workers)
     assert len(workers) == 2 and full >= 3   # one student each at the start, then student 0 where 1 was
+
+
+def test_a_student_added_back_is_served_and_held_where_it_is_placed(mesh: MeshState) -> None:
+    """From one student to two (the resource manager's addition after a quiet window, set here by hand): one
+    worker lets student 0 go for student 1, which its budget of one then holds whole."""
+    r = redis.Redis.from_url(mesh.redis_url, decode_responses=True)
+    r.set(Keys(mesh.key_prefix).students(MODEL), 1)
+    wait_for(lambda: placed(mesh) and all(i == [0] for i in placed(mesh).values()), 30, "two groups of student 0")
+    r.set(Keys(mesh.key_prefix).students(MODEL), 2)
+    answers = asyncio.run(requests(mesh, 24))
+    assert len(answers) == 24 and all(set(a.predictions[0].probs) == {"rotten", "fresh"} for a in answers)
+    wait_for(lambda: sorted(i for w in placed(mesh).values() for i in w) == [0, 1], 30, "a group of two students")
+    expected = {w: {str(i): 32 for i in indices} for w, indices in placed(mesh).items()}
+    wait_for(lambda: held(mesh) == expected, 60, f"held students {expected}")
+    after = asyncio.run(requests(mesh, 8, at_once=False))
+    assert all(a.metadata.student_count == 2 for a in after)
