@@ -59,6 +59,9 @@ def build_students(artifacts: Path, model: str, data_dir: Path | None = None, qu
     started = time.perf_counter()
     key, task = Path(entry["students"]).name, entry.get("task", model)
     group = load_student_group(artifacts, key, "cpu", entry["teacher"], task)
+    if group.head is None:   # checked before anything is written
+        raise ValueError(f"--model {model!r} has no labels: the floor bit width is measured on a classifier's "
+                         f"accuracy")
     layers = [layer for student in group.students for layer in student.encoder.layer]
     if not hasattr(layers[0], "attention") or group.architecture.family.relative_attention:
         raise ValueError(f"--model {model!r}: its students are {group.architecture.name} layers; shards cut BERT "
@@ -121,8 +124,6 @@ def measure_fidelity(group: StudentGroup, shards: StudentShards, artifacts: Path
     """The whole group at full precision on dev texts, and the group with each student in turn at b bits; the
     floor: the fewest bits whose every such group keeps its accuracy and its agreement with the teacher within
     FIDELITY_TOLERANCE of full precision's."""
-    if group.head is None:
-        raise ValueError(f"task {task!r} has no labels: a floor bit width is measured on a classifier's accuracy")
     dev = subsample(load_task(task, fetch(data_dir)).validation, QUICK_DEV_TEXTS if quick else DEV_TEXTS)
     evaluation = GroupEvaluation(group, artifacts, task, dev)
     full = evaluation.scores(evaluation.predictions())
