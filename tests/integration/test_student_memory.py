@@ -210,3 +210,15 @@ def test_a_modified_group_and_a_model_not_a_group_are_refused(artifacts: Path, t
         load_student_shell(copy, "sentiment")
     with pytest.raises(ValueError, match="neither minilm nor a student group"):
         build_students(copy, "sentiment")
+
+
+def test_a_group_without_labels_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    from academus.shared.models.model import TeacherEncoder
+    from academus.shared.models.students import from_teacher
+    from academus.shared.training.student_artifacts import write_student_catalogue, write_student_group
+
+    write_student_group(tmp_path, "embedding", from_teacher(TeacherEncoder.load().body, layers=1), metrics={})
+    write_student_catalogue(tmp_path)
+    with pytest.raises(ValueError, match="'minilm-students' has no labels"):
+        build_students(tmp_path, "minilm-students", quick=True)
+    assert not (tmp_path / "shards").exists() and STUDENT_SHARDS not in read_catalogue(tmp_path)["minilm-students"]
