@@ -28,7 +28,12 @@ from academus.shared.models.work import Batch
 from academus.shared.runtime.errors import InvalidArgument
 from academus.shared.state.artifacts import ArtifactError
 from academus.shared.state.catalogue import read_catalogue
-from academus.shared.training.student_artifacts import load_student, load_student_group, load_student_shell
+from academus.shared.training.student_artifacts import (
+    load_student,
+    load_student_group,
+    load_student_shell,
+    write_student_group,
+)
 from academus.shared.training.student_shards import build_students
 from tests.conftest import small_student_artifacts
 from tests.integration.test_student_serving import tokens
@@ -222,3 +227,16 @@ def test_a_group_without_labels_is_refused_before_anything_is_written(tmp_path: 
     with pytest.raises(ValueError, match="'minilm-students' has no labels"):
         build_students(tmp_path, "minilm-students", quick=True)
     assert not (tmp_path / "shards").exists() and STUDENT_SHARDS not in read_catalogue(tmp_path)["minilm-students"]
+
+
+def test_shards_of_an_earlier_distillation_are_refused(artifacts: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "artifacts"
+    shutil.copytree(artifacts, copy)
+    group = load_student_group(copy, "sentiment")
+    with torch.no_grad():
+        group.alpha[1] = 0.25                     # distilled again: other weights
+    write_student_group(copy, "sentiment", group, metrics={})
+    entry = read_catalogue(artifacts)[MODEL]      # the shards' entry, as the catalogue had it
+    with pytest.raises(ArtifactError, match=r"was cut from student weights .* run `academus shard build --model "
+                                            r"sentiment-students` again"):
+        open_student_shards(copy, entry)
