@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from academus.shared.state.groups import Groups
+
 
 @dataclass(frozen=True)
 class Device:
@@ -26,7 +28,7 @@ class Device:
         return sum(c for _, c in self.workers)
 
 
-Allocation = list[list[tuple[str, list[int]]]]  # group -> members (worker_id, student indices)
+Allocation = Groups  # group -> members (worker_id, student indices), as `groups:<model>` holds them
 
 
 def allocate_groups(students: int, devices: Sequence[Device]) -> Allocation:

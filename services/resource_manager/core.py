@@ -24,6 +24,7 @@ from academus.services.resource_manager.allocation import (
 )
 from academus.shared.runtime.config import split_names
 from academus.shared.state.catalogue import ModelSpec
+from academus.shared.state.groups import groups_to_json
 from academus.shared.state.keys import Keys
 
 
@@ -159,7 +160,7 @@ class GroupPlanner:
                 groups = [g for devices in nodes.values() for g in allocate(students, devices)]
                 pipe = self.redis.pipeline(transaction=True)
                 pipe.set(self.keys.students(name), students)
-                pipe.set(self.keys.groups(name), json.dumps({"students": students, "groups": groups}))
+                pipe.set(self.keys.groups(name), groups_to_json(students, groups))
                 await pipe.execute()
                 out[name] = len(groups)
             await self.redis.publish(self.keys.events(), "groups")

@@ -45,6 +45,7 @@ from academus.shared.runtime.redis_conn import connect, wake_on
 from academus.shared.runtime.serving import ServiceSpec, Stubs, run
 from academus.shared.runtime.tracing import annotate, batch_trace, request_trace
 from academus.shared.state.catalogue import ModelSpec
+from academus.shared.state.groups import groups_from_json
 from academus.shared.state.keys import Keys
 from academus.v1 import plot_pb2_grpc, scheduler_pb2_grpc, worker_pb2_grpc
 
@@ -219,9 +220,8 @@ class PlacementWatcher:
 
 def parse_table(model: str, raw: str) -> GroupTable:
     """`{"students": S, "groups": [[[worker_id, [student, ...]], ...], ...]}` as the RM writes it."""
-    data = json.loads(raw)
-    groups = tuple(tuple(Member(w, tuple(students)) for w, students in members) for members in data["groups"])
-    return GroupTable(model, int(data["students"]), groups)
+    students, groups = groups_from_json(raw)
+    return GroupTable(model, students, tuple(tuple(Member(w, tuple(s)) for w, s in members) for members in groups))
 
 
 def policy_from(config: cfg.SchedulerConfig) -> DispatchPolicy:

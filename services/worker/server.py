@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -23,7 +24,6 @@ from academus.services.worker.exits import Release
 from academus.services.worker.host_tier import HostAdapters, HostWarmer
 from academus.services.worker.profiling import profile_model
 from academus.services.worker.sti import StiSettings
-from academus.services.worker.student_memory import group_placement
 from academus.shared.models.adapters import upper_layers
 from academus.shared.models.exits import ControllerSettings
 from academus.shared.models.work import Batch, BatchMeta, BatchOutput
@@ -31,10 +31,11 @@ from academus.shared.models.work_wire import batch_from_pb, output_to_pb
 from academus.shared.runtime import config as cfg
 from academus.shared.runtime.errors import DeadlineExceeded, InvalidArgument, ServingError, abort_with
 from academus.shared.runtime.logs import log_event
-from academus.shared.runtime.redis_conn import connect
+from academus.shared.runtime.redis_conn import connect, wake_on
 from academus.shared.runtime.serving import ServiceSpec, Stubs, run
 from academus.shared.runtime.tracing import annotate
 from academus.shared.state.catalogue import CATALOGUE_FILE, spec_to_pb
+from academus.shared.state.groups import groups_from_json, placed_on
 from academus.shared.state.keys import Keys
 from academus.shared.state.tenants import TenantRegistry
 from academus.v1 import (
@@ -256,25 +257,37 @@ class Registration:
             except Exception as e:  # a registration that failed is retried by the heartbeat
                 log_event("catalogue_refresh_failed", logging.WARNING, error=repr(e))
 
-    async def follow_placements(self, period_s: float = 0.25) -> None:
+    async def follow_placements(self, period_s: float = 2.0) -> None:
         """Tells each group held within a student budget which of its students the resource manager placed here
-        (its groups in Redis), and publishes what each holds in the worker's key when it changes."""
+        (its groups in Redis), at once when it publishes new groups (else every `period_s`), and publishes what
+        each holds in the worker's key when that changes."""
+        changed = asyncio.Event()
+        watch = asyncio.create_task(wake_on(self.redis, self.keys.events(), changed))
         seen: dict[str, str] = {}
-        while True:
-            await asyncio.sleep(period_s)
-            memories = {name: s.memory for name, s in list(self.runner.models.items()) if s.memory is not None}
-            try:
-                for name, memory in memories.items():
-                    raw = await self.redis.get(self.keys.groups(name))
-                    if raw is not None and raw != seen.get(name):
-                        seen[name] = raw
-                        memory.place(group_placement(json.loads(raw), self.worker_id))
-                held = json.dumps({name: memory.precision() for name, memory in memories.items()})
-                if memories and held != self.students_published:
-                    await self.redis.hset(self.keys.worker(self.worker_id), "students", held)
-                    self.students_published = held
-            except Exception as e:  # Redis away: the students held stay; batches still load what they need
-                log_event("placement_follow_failed", logging.WARNING, error=repr(e))
+        try:
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), period_s)
+                changed.clear()
+                try:
+                    await self._place(seen)
+                except Exception as e:  # Redis away: the students held stay; batches still load what they need
+                    log_event("placement_follow_failed", logging.WARNING, error=repr(e))
+        finally:
+            watch.cancel()
+
+    async def _place(self, seen: dict[str, str]) -> None:
+        memories = {name: s.memory for name, s in list(self.runner.models.items()) if s.memory is not None}
+        if not memories:
+            return
+        for name, raw in zip(memories, await self.redis.mget([self.keys.groups(n) for n in memories]), strict=True):
+            if raw is not None and raw != seen.get(name):
+                seen[name] = raw
+                memories[name].place(placed_on(groups_from_json(raw)[1], self.worker_id))
+        held = json.dumps({name: memory.precision() for name, memory in memories.items()})
+        if held != self.students_published:
+            await self.redis.hset(self.keys.worker(self.worker_id), "students", held)
+            self.students_published = held
 
     def _profile(self) -> list[resource_manager_pb2.ProfilePoint]:
         """The start-up grid search's measurements for every student model (the teacher when none)."""

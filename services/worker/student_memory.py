@@ -191,9 +191,3 @@ def _observe(model: str, bits: int, started: float) -> None:
     LOADS.labels(model, str(bits)).inc()
     LOAD_MS.labels(model, str(bits)).observe((time.perf_counter() - started) * 1e3)
 
-
-def group_placement(groups: dict, worker_id: str) -> set[int]:
-    """The student indices placed on `worker_id` in a model's groups as the resource manager writes them
-    (`{"students": S, "groups": [[[worker_id, [indices]], ...], ...]}`)."""
-    return {i for members in groups.get("groups", []) for worker, indices in members if worker == worker_id
-            for i in indices}

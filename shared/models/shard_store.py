@@ -16,7 +16,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -46,6 +46,13 @@ from academus.shared.state.artifacts import (
 )
 
 SHARDS_KIND = "shards"
+
+
+class Reader(Protocol):
+    """An IO source (`sti_pipeline.io_source`): positional reads of a file."""
+
+    def read(self, path: Path, offset: int, length: int) -> bytes: ...
+
 RESIDENT = "resident.safetensors"
 
 
@@ -153,6 +160,11 @@ class ShardStore:
         with open(self.directory / e.file, "rb") as handle:
             handle.seek(e.offset)
             return handle.read(e.length)
+
+    def read_through(self, source: Reader, layer: int, shard: int, bits: int) -> bytes:
+        """A shard's stored bytes read through an IO source (unchecked: `decode` checks them)."""
+        e = self.entry(layer, shard, bits)
+        return source.read(self.directory / e.file, e.offset, e.length)
 
     def shard_bytes(self, layer: int, shard: int, bits: int) -> int:
         return self.entry(layer, shard, bits).length

@@ -230,8 +230,7 @@ class ShardPipeline:
                     b = plan.bits[(k, s)]
                     blob = self.preloaded.get((k, s, b))
                     if blob is None:
-                        e = self.store.entry(k, s, b)
-                        blob = self.source.read(self.store.directory / e.file, e.offset, e.length)
+                        blob = self.store.read_through(self.source, k, s, b)
                     layer.append(self.store.decode(k, s, b, blob))
                     busy += time.perf_counter() - started
                 started = time.perf_counter()

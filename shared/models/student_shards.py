@@ -39,12 +39,6 @@ class ElasticStudent(nn.Module):
         self.residents, self.weights = list(residents), list(layers)
         self.middle = -(-len(self.weights) // 2)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the decoded layer weights it holds (float32, as a full-precision student's)."""
-        return sum(t.numel() * t.element_size() for w in self.weights for t in
-                   (w.query, w.key, w.value, w.output, w.ffn_in, w.ffn_out))
-
     def forward(self, hidden: torch.Tensor, _mask4d: torch.Tensor | None,
                 attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         mask, middle = key_mask(attention_mask), hidden
@@ -85,9 +79,7 @@ class StudentShards:
         for k in self._layers(student):
             weights = []
             for s in shards:
-                entry = self.store.entry(k, s, bits)
-                blob = source.read(self.store.directory / entry.file, entry.offset, entry.length)
-                weights.append(self.store.decode(k, s, bits, blob))
+                weights.append(self.store.decode(k, s, bits, self.store.read_through(source, k, s, bits)))
             resident = self.store.layer_resident(k)
             layers.append(_on(LayerWeights.assemble(list(shards), weights, resident, self.store.geometry), device))
             residents.append(_on(resident, device))

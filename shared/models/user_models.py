@@ -25,7 +25,7 @@ from typing import Any
 
 from academus.shared.models.architectures import Architecture, UnsupportedArchitecture, read_architecture
 from academus.shared.models.model import FIRST, MEAN, POOLINGS
-from academus.shared.state.artifacts import MANIFEST, ArtifactError, Manifest, read_manifest, sha256_file
+from academus.shared.state.artifacts import MANIFEST, ArtifactError, Manifest, read_manifest, sha256_file, verify_files
 from academus.shared.state.catalogue import (
     CLASSIFICATION,
     EMBEDDING,
@@ -234,12 +234,7 @@ def verify_model_files(directory: Path) -> Manifest:
     manifest = read_manifest(directory)
     if manifest.kind != USER_MODEL_KIND:
         raise ArtifactError(f"{directory}/{MANIFEST} is a {manifest.kind!r}, not a {USER_MODEL_KIND!r}")
-    for name, expected in manifest.files.items():
-        path = Path(directory) / name
-        if not path.is_file():
-            raise ArtifactError(f"{path} is listed in the manifest but missing")
-        if sha256_file(path) != expected:
-            raise ArtifactError(f"{path} does not match its sha256 in {MANIFEST} (corrupt or modified)")
+    verify_files(directory, manifest)
     return manifest
 
 

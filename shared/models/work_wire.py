@@ -7,7 +7,10 @@ A `Matrix` travels as float32 bytes (`Matrix.data`): a 384-wide embedding costs 
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
+from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import Message
 
 from academus.shared.models.plot.store import Lookup, LookupCounts
@@ -59,8 +62,13 @@ def merge_floats(message: Message, field: str, values: np.ndarray) -> None:
     little-endian float32s), which protobuf copies in C. Filling the field from a Python list builds a float object
     for each value: 4-7x slower for a 384-768-wide embedding (`loadgen/probes/embedding_fill.py`)."""
     raw = np.ascontiguousarray(values, dtype=WIRE_FLOAT).tobytes()
-    number = message.DESCRIPTOR.fields_by_name[field].number
-    message.MergeFromString(_varint(number << 3 | 2) + _varint(len(raw)) + raw)
+    message.MergeFromString(_packed_tag(message.DESCRIPTOR, field) + _varint(len(raw)) + raw)
+
+
+@functools.cache
+def _packed_tag(descriptor: Descriptor, field: str) -> bytes:
+    """A length-delimited field's tag, worked out once a field (every prediction of a response fills one)."""
+    return _varint(descriptor.fields_by_name[field].number << 3 | 2)
 
 
 def _varint(n: int) -> bytes:

@@ -170,18 +170,23 @@ def read_manifest(directory: Path) -> Manifest:
     return Manifest.from_json(path.read_text(), source=str(path))
 
 
+def verify_files(directory: Path, manifest: Manifest) -> None:
+    """Every file the manifest lists is there and matches its sha256 (read through, not held)."""
+    for name, expected in manifest.files.items():
+        path = Path(directory) / name
+        if not path.is_file():
+            raise ArtifactError(f"{path} is listed in the manifest but missing")
+        if sha256_file(path) != expected:
+            raise ArtifactError(f"{path} does not match its sha256 in {MANIFEST} (corrupt or modified)")
+
+
 def load_artifact(
     directory: Path, device: str | torch.device = "cpu"
 ) -> tuple[Manifest, dict[str, torch.Tensor]]:
     """The manifest and tensors, after checking every file's sha256 and every tensor's shape."""
     directory = Path(directory)
     manifest = read_manifest(directory)
-    for name, expected in manifest.files.items():
-        path = directory / name
-        if not path.is_file():
-            raise ArtifactError(f"{path} is listed in the manifest but missing")
-        if sha256_file(path) != expected:
-            raise ArtifactError(f"{path} does not match its sha256 in {MANIFEST} (corrupt or modified)")
+    verify_files(directory, manifest)
     if WEIGHTS not in manifest.files:
         raise ArtifactError(f"{directory}/{MANIFEST} lists no {WEIGHTS}")
     try:

@@ -70,6 +70,14 @@ def length_batches(
         yield batch
 
 
+def padded_batches(tokenizer: TeacherTokenizer, texts: Sequence[str], batch_size: int
+                   ) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The texts tokenized (truncated) and padded in `length_batches`: (rows of `texts`, ids, mask, types)."""
+    encoded = tokenizer.encode(list(texts), truncate=True)
+    for rows in length_batches([len(e.input_ids) for e in encoded], batch_size, tokenizer.max_tokens):
+        yield rows, *pad_batch([encoded[i].input_ids for i in rows], [encoded[i].token_type_ids for i in rows])
+
+
 def embed_texts(
     texts: Sequence[str],
     encoder: TeacherEncoder,

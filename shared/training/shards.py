@@ -61,7 +61,7 @@ from academus.shared.runtime.config import offline_hub
 from academus.shared.state.artifacts import ArtifactError
 from academus.shared.state.catalogue import CLASSIFICATION, write_entry
 from academus.shared.training.data import TASKS, DataMissing, Example, fetch, load_task
-from academus.shared.training.prepare import MAX_TOKENS, length_batches, load_head, subsample, train_head
+from academus.shared.training.prepare import MAX_TOKENS, load_head, padded_batches, subsample, train_head
 
 MODELS = {"minilm": TEACHER_NAME}
 BUCKETS = (16, 32, 64, 128, 256)
@@ -104,13 +104,8 @@ class Evaluator:
     def __init__(self, model: ElasticModel, bank: dict[tuple[int, int, int], ShardWeights],
                  tokenizer: TeacherTokenizer, texts: Sequence[str], batch_size: int = 64) -> None:
         self.model, self.bank = model, bank
-        encoded = tokenizer.encode(list(texts), truncate=True)
-        self.batches = []
-        for batch in length_batches([len(e.input_ids) for e in encoded], batch_size, tokenizer.max_tokens):
-            ids, mask, types = pad_batch([encoded[i].input_ids for i in batch],
-                                         [encoded[i].token_type_ids for i in batch])
-            self.batches.append((batch, ids, mask, types))
-        self.n = len(encoded)
+        self.batches = list(padded_batches(tokenizer, texts, batch_size))
+        self.n = len(texts)
 
     def probs(self, plan: Plan) -> torch.Tensor:
         out = torch.empty(self.n, len(self.model.labels))

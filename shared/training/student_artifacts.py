@@ -28,7 +28,7 @@ from academus.shared.state.artifacts import (
     Manifest,
     load_artifact,
     read_manifest,
-    sha256_file,
+    verify_files,
     write_artifact,
 )
 from academus.shared.state.catalogue import write_entry
@@ -79,9 +79,8 @@ def load_student_shell(artifacts: Path, key: str, device: str | torch.device = "
     directory, task = students_dir(artifacts, key), task or key
     manifest = read_manifest(directory)
     _check_group(directory, manifest, teacher, task)
+    verify_files(directory, manifest)
     path = directory / WEIGHTS
-    if sha256_file(path) != manifest.files.get(WEIGHTS):
-        raise ArtifactError(f"{path} does not match its sha256 in the manifest (corrupt or modified)")
     with safe_open(str(path), framework="pt") as weights:
         names = weights.keys()   # a safe_open handle is not iterable
         tensors = {name: weights.get_tensor(name) for name in names if not name.startswith("students.")}

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from academus.shared.models.model import TeacherEncoder, pad_batch
+from academus.shared.models.model import TeacherEncoder
 from academus.shared.models.shard_store import shards_dir, write_shard_artifact
 from academus.shared.models.shards import BITS, FIDELITY_TOLERANCE, FULL, ShardGeometry, quantize_layers
 from academus.shared.models.sti_pipeline import FileSource
@@ -31,7 +31,7 @@ from academus.shared.models.user_models import STUDENTS_OF
 from academus.shared.state.artifacts import WEIGHTS, read_manifest, write_manifest
 from academus.shared.state.catalogue import read_catalogue, write_entry
 from academus.shared.training.data import Example, fetch, load_task
-from academus.shared.training.prepare import MAX_TOKENS, length_batches, load_head, subsample
+from academus.shared.training.prepare import MAX_TOKENS, load_head, padded_batches, subsample
 from academus.shared.training.student_artifacts import load_student_group, students_dir
 
 DEV_TEXTS, QUICK_DEV_TEXTS = 500, 48
@@ -97,7 +97,8 @@ class GroupEvaluation:
 
     def __init__(self, group: StudentGroup, artifacts: Path, task: str, examples: Sequence[Example]) -> None:
         self.group, self.n = group, len(examples)
-        self.batches = _batches([e.text for e in examples])
+        self.batches = list(padded_batches(TeacherTokenizer(teacher_dir(), max_tokens=MAX_TOKENS),
+                                           [e.text for e in examples], 64))
         self.gold = torch.tensor([int(e.label) for e in examples])
         teacher, head = TeacherEncoder.load(), load_head(artifacts, task)
         self.teacher = self._each(lambda ids, mask, types: head(teacher(ids, mask, types)))
@@ -141,13 +142,3 @@ def measure_fidelity(group: StudentGroup, shards: StudentShards, artifacts: Path
     finally:
         source.close()
     return {"min_bits": floor, "dev_texts": len(dev), "full": full, "each_student_at": by_bits}
-
-
-def _batches(texts: list[str]) -> list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]]:
-    tokenizer = TeacherTokenizer(teacher_dir(), max_tokens=MAX_TOKENS)
-    encoded = tokenizer.encode(texts, truncate=True)
-    out = []
-    for rows in length_batches([len(e.input_ids) for e in encoded], 64, MAX_TOKENS):
-        ids, mask, types = pad_batch([encoded[i].input_ids for i in rows], [encoded[i].token_type_ids for i in rows])
-        out.append((rows, ids, mask, types))
-    return out

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from academus.services.worker.core import OUTPUT_PROBS, ModelRunner
-from academus.services.worker.student_memory import LOADS, STREAMED, StudentMemory, group_placement
+from academus.services.worker.student_memory import LOADS, STREAMED, StudentMemory
 from academus.services.worker.traced import TracedLayer
 from academus.shared.models.model import pad_batch
 from academus.shared.models.shard_store import layer_file
@@ -28,6 +28,7 @@ from academus.shared.models.work import Batch
 from academus.shared.runtime.errors import InvalidArgument
 from academus.shared.state.artifacts import ArtifactError
 from academus.shared.state.catalogue import read_catalogue
+from academus.shared.state.groups import groups_from_json, groups_to_json, placed_on
 from academus.shared.training.student_artifacts import (
     load_student,
     load_student_group,
@@ -186,8 +187,9 @@ def test_placed_students_load_ahead_and_unplaced_ones_go(artifacts: Path) -> Non
         wait_until(lambda: memory.precision() == {1: 32})
     finally:
         memory.close()
-    groups = {"students": 2, "groups": [[["w1", [0]], ["w2", [1]]], [["w2", [0]], ["w1", [1]]]]}
-    assert group_placement(groups, "w1") == {0, 1} and group_placement(groups, "w3") == set()
+    students, groups = groups_from_json(groups_to_json(2, [[("w1", [0]), ("w2", [1])], [("w2", [0]), ("w1", [1])]]))
+    assert students == 2
+    assert placed_on(groups, "w1") == {0, 1} and placed_on(groups, "w3") == set()
 
 
 def test_a_corrupted_shard_is_refused_never_served(artifacts: Path, tmp_path: Path) -> None:
