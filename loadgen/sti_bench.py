@@ -251,16 +251,22 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+COLD_START_IDS = [101, 2023, 3185, 2001, 2307, 102]   # "this movie was great"
+# The model code (transformers' BERT) is imported before the clock starts, in every arm: a worker imports its code
+# once, when it starts, not per model it loads.
 COLD_START = """
 import json, sys, time
 started = time.perf_counter()
 from academus.services.worker.core import OUTPUT_PROBS, ModelRunner
 from academus.services.worker.sti import StiSettings
 from academus.shared.models.work import Batch
+import transformers.models.bert.modeling_bert
 imported = time.perf_counter()
-runner = ModelRunner(sys.argv[1], [sys.argv[2]], sti_settings=StiSettings(io="cold"))
+settings = StiSettings(io="cold", target_ms=float(sys.argv[4]))
+runner = ModelRunner(sys.argv[1], [sys.argv[2]], sti_settings=settings, traced=sys.argv[3] == "1")
 ready = time.perf_counter()
-result = runner.run(Batch(sys.argv[2], OUTPUT_PROBS, [101, 2023, 3185, 2001, 2307, 102], [6]))
+ids = json.loads(sys.argv[5])
+result = runner.run(Batch(sys.argv[2], OUTPUT_PROBS, ids, [len(ids)]))
 answered = time.perf_counter()
 print(json.dumps({"import_ms": (imported - started) * 1e3, "ready_ms": (ready - imported) * 1e3,
                   "first_answer_ms": (answered - imported) * 1e3}))
@@ -287,8 +293,9 @@ def drop_page_cache(paths: list[Path]) -> None:
 
 def cold_start(artifacts: Path, model: str, task: str, rounds: int) -> dict[str, Any]:
     """A worker's loading of one model, then its first answer, in a fresh process with the model's files out of
-    the page cache: the teacher with the task's head against `<task>-sti` from shards (cold reads). Rounds
-    alternate the order."""
+    the page cache: the teacher with the task's head (traced, as served, and untraced) against `<task>-sti` from
+    shards (cold reads): without a target, so that the first answer is the whole model at full precision, and with
+    a target T of the whole model's compute, as a worker plans it under a deadline. Rounds alternate the order."""
     import subprocess
     import sys
     import tempfile
@@ -305,25 +312,36 @@ def cold_start(artifacts: Path, model: str, task: str, rounds: int) -> dict[str,
         (root / "shards").mkdir()
         (root / "shards" / model).symlink_to(store.directory)
         profiles = artifacts / "shard-profiles"
-        if not load_profile_or_none(artifacts, model, "cold"):     # what `academus shard profile --io cold` writes
-            save_profile(artifacts, model, measure_profile(store, "cold"))
+        profile = load_profile_or_none(artifacts, model, "cold")  # what `academus shard profile --io cold` writes
+        if profile is None:
+            profile = measure_profile(store, "cold")
+            save_profile(artifacts, model, profile)
+        tokens = len(COLD_START_IDS)
+        whole_ms = store.geometry.layers * profile.layer_ms(store.geometry.heads, tokens) + profile.rest_ms(tokens)
         (root / "shard-profiles").symlink_to(profiles)
         write_entry(root, task, catalogue[task])
         write_entry(root, f"{task}-sti", {"kind": "classification", "labels": store.tasks[task].labels,
                                            "shards": f"shards/{model}", "task": task})
-        files = {task: [*teacher_dir().glob("*.safetensors"), *(artifacts / "heads" / task).iterdir()],
-                 f"{task}-sti": [*store.directory.iterdir()]}
-        out: dict[str, list[dict[str, float]]] = {name: [] for name in files}
+        teacher_files = [*teacher_dir().glob("*.safetensors"), *(artifacts / "heads" / task).iterdir()]
+        shard_files = [*store.directory.iterdir()]
+        arms = {task: (task, "1", 0.0, teacher_files), f"{task} untraced": (task, "0", 0.0, teacher_files),
+                f"{task}-sti": (f"{task}-sti", "1", 0.0, shard_files),
+                f"{task}-sti, T = 1": (f"{task}-sti", "1", whole_ms, shard_files)}
+        out: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
         for r in range(rounds):
-            for name in (list(files) if r % 2 == 0 else list(files)[::-1]):
-                drop_page_cache(files[name])
-                done = subprocess.run([sys.executable, "-c", COLD_START, str(root), name], capture_output=True,
-                                      text=True, check=True)
+            for name in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
+                served, traced, target_ms, files = arms[name]
+                drop_page_cache(files)
+                done = subprocess.run([sys.executable, "-c", COLD_START, str(root), served, traced, str(target_ms),
+                                       json.dumps(COLD_START_IDS)], capture_output=True, text=True, check=True)
                 out[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
     medians = {name: {k: round(statistics.median(run[k] for run in runs), 1) for k in runs[0]}
                for name, runs in out.items()}
-    teacher, sti = medians[task]["first_answer_ms"], medians[f"{task}-sti"]["first_answer_ms"]
-    return {"task": task, "rounds": rounds, "median_ms": medians, "sti_over_teacher": round(sti / teacher, 3)}
+    ratios = {f"{sti} / {teacher}": {k: round(medians[sti][k] / medians[teacher][k], 3)
+                                      for k in ("ready_ms", "first_answer_ms")}
+              for sti in (f"{task}-sti", f"{task}-sti, T = 1") for teacher in (task, f"{task} untraced")}
+    return {"task": task, "rounds": rounds, "whole_model_ms": round(whole_ms, 2), "median_ms": medians,
+            "ratios": ratios}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,7 @@
 """A classifier served from shards under a parameter-memory budget (STI): `<task>-sti` models.
 
-The worker holds the resident part (embeddings, biases, norms, the task's heads) and a preload buffer of
+The worker holds the resident part (position and type embeddings, biases, norms, the task's heads), a cache of
+the word-embedding rows recent texts read (the table itself stays in the shard artifact), and a preload buffer of
 stored shards (the bottom layers' first shards, §5.5), filled when the budget is set and kept for every
 batch; the budget pays for those and for the working buffer of two decoded layers (the one computing and
 the one loading: the loader never runs further ahead). Each batch is planned for its time,
@@ -69,7 +70,9 @@ class StiModel:
         self.planner = planner_for(self.store, task, profile)
         self.pipeline = ShardPipeline(self.model, source, lookahead=LOOKAHEAD_LAYERS)
         geometry = self.store.geometry
-        self.common_bytes = self.store.resident_bytes + weight_bytes(*self.model.heads.values())
+        self.fixed_bytes = self.store.resident_bytes + weight_bytes(*self.model.heads.values())
+        # the embedding rows' cache counted at its bound: it fills as texts arrive
+        self.common_bytes = self.fixed_bytes + self.model.rows.cache_bytes
         self.layer_bytes = {w: w * geometry.params * 4 for w in self.store.tasks[task].widths}
         self._lock = threading.Lock()
         self.preload_bytes = self.budget_bytes = 0
@@ -103,7 +106,8 @@ class StiModel:
         STI_RESIDENT.labels(self.name).set(self.resident_bytes())
 
     def resident_bytes(self) -> int:
-        return self.common_bytes + self.pipeline.resident_bytes()
+        """Parameter bytes held now: the resident part, the embedding rows cached and the preload buffer."""
+        return self.fixed_bytes + self.model.rows.held_bytes() + self.pipeline.resident_bytes()
 
     def plan_for(self, rows: int, longest: int, deadline: float | None) -> Plan:
         if self.settings.target_ms:

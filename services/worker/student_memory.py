@@ -101,7 +101,7 @@ class StudentMemory:
             for i in [i for i in self.held if i not in self.placed]:
                 del self.held[i]
             for i in sorted(self.placed):
-                if (i not in self.held or _bits(self.held[i]) != FULL) and i not in self._upgrades:
+                if (i not in self.held or not _whole(self.held[i])) and i not in self._upgrades:
                     self._upgrades.append(i)
             self._wake.notify()
         self._publish()
@@ -154,7 +154,7 @@ class StudentMemory:
                 index = self._upgrades.pop(0)
                 current = self.held.get(index)
                 wanted = index in self.placed or current is not None
-                if not wanted or (current is not None and _bits(current) == FULL):
+                if not wanted or (current is not None and _whole(current)):
                     continue
             self._upgrade(index)
 
@@ -181,6 +181,11 @@ class StudentMemory:
             counts[bits] = counts.get(bits, 0) + 1
         for bits, count in counts.items():
             HELD.labels(self.name, str(bits)).set(count)
+
+
+def _whole(student: nn.Module) -> bool:
+    """The group's own (traced) student, not one decoded from shards, even at 32 bits."""
+    return not isinstance(student, ElasticStudent)
 
 
 def _bits(student: nn.Module) -> int:

@@ -1,7 +1,8 @@
 """The shard artifact (`shards/<model>/`): every shard of every layer at every bit width, read shard by shard.
 
 Layout: one file a layer and bit width (`layer<l>.q<k>`, the layer's shards side by side, so that a layer's
-shards are read from one place as STI co-locates them); `resident.safetensors` (embeddings, biases, layer
+shards are read from one place as STI co-locates them); `embeddings.rows` (a teacher's word-embedding table,
+read by row block: `embedding_rows.py`); `resident.safetensors` (position and type embeddings, biases, layer
 norms, each layer's centroids); `heads-<task>.safetensors` (a head a submodel shape); and `manifest.json`,
 which lists every file's sha256 and every shard's offset, length, outlier count and sha256, and per task the
 shard importance ranking. A shard is checked against its own sha256 each time it is read: a corrupted or
@@ -16,11 +17,12 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
+from academus.shared.models.embedding_rows import EmbeddingRows, Reader, write_rows
 from academus.shared.models.model import ClassifierHead
 from academus.shared.models.shards import (
     FULL,
@@ -47,11 +49,6 @@ from academus.shared.state.artifacts import (
 
 SHARDS_KIND = "shards"
 
-
-class Reader(Protocol):
-    """An IO source (`sti_pipeline.io_source`): positional reads of a file."""
-
-    def read(self, path: Path, offset: int, length: int) -> bytes: ...
 
 RESIDENT = "resident.safetensors"
 
@@ -121,8 +118,11 @@ class ShardStore:
                           for name, t in manifest.extra.get("tasks", {}).items()}
         except (KeyError, TypeError) as e:
             raise ArtifactError(f"{self.directory / MANIFEST}: not a shard manifest ({e!r})") from e
+        rows = manifest.extra.get("embedding_rows")
+        self.rows = EmbeddingRows(self.directory, rows) if rows is not None else None
         self._check_sizes()
-        self._paths = sorted({self.directory / e.file for entries in self.index.values() for e in entries})
+        self._paths = sorted({self.directory / e.file for entries in self.index.values() for e in entries} |
+                             ({self.rows.path} if self.rows else set()))
         self.resident = self._load_checked(RESIDENT)
         self.pair_tables = {(layer, k): self._pair_table(layer, k)
                             for layer in range(self.geometry.layers) for k in self.versions if k != FULL}
@@ -133,6 +133,8 @@ class ShardStore:
         for entries in self.index.values():
             for e in entries:
                 ends[e.file] = max(ends.get(e.file, 0), e.offset + e.length)
+        if self.rows is not None:
+            ends[self.rows.path.name] = self.rows.stored_bytes
         for name, end in ends.items():
             path = self.directory / name
             if not path.is_file():
@@ -157,9 +159,7 @@ class ShardStore:
     def read_stored(self, layer: int, shard: int, bits: int) -> bytes:
         """A shard's stored bytes, read whole from its file (unchecked: `decode` checks them)."""
         e = self.entry(layer, shard, bits)
-        with open(self.directory / e.file, "rb") as handle:
-            handle.seek(e.offset)
-            return handle.read(e.length)
+        return _PlainReads().read(self.directory / e.file, e.offset, e.length)
 
     def read_through(self, source: Reader, layer: int, shard: int, bits: int) -> bytes:
         """A shard's stored bytes read through an IO source (unchecked: `decode` checks them)."""
@@ -170,12 +170,12 @@ class ShardStore:
         return self.entry(layer, shard, bits).length
 
     def paths(self) -> list[Path]:
-        """The shard files (a cold source drops their pages before each run)."""
+        """The shard files and the embedding rows (a cold source drops their pages before each run)."""
         return self._paths
 
     @property
     def resident_bytes(self) -> int:
-        """Bytes of the resident tensors in memory: embeddings, biases, norms, centroids."""
+        """Bytes of the resident tensors in memory: position and type embeddings, biases, norms, centroids."""
         return sum(t.numel() * t.element_size() for t in self.resident.values())
 
     def decode(self, layer: int, shard: int, bits: int, blob: bytes | memoryview,
@@ -234,16 +234,22 @@ class ShardStore:
                     handle.seek(entry.offset)
                     self.decode(layer, s, bits, handle.read(entry.length), digest="sha256")
                     shards += 1
-        return {"files": len(self.manifest.files), "shards": shards, "ok": True}
+        blocks = 0
+        if self.rows is not None:
+            blocks = self.rows.check_all(_PlainReads())
+        return {"files": len(self.manifest.files), "shards": shards, "row_blocks": blocks, "ok": True}
 
 
 def write_shard_artifact(directory: Path, *, teacher: str, geometry: ShardGeometry, layer_norm_eps: float,
                          blobs: dict[tuple[int, int], Sequence[tuple[bytes, int]]],
                          resident: dict[str, torch.Tensor], heads: dict[str, dict[str, torch.Tensor]],
-                         tasks: dict[str, dict[str, Any]], extra: dict[str, Any]) -> Manifest:
+                         tasks: dict[str, dict[str, Any]], extra: dict[str, Any],
+                         embedding_rows: torch.Tensor | None = None) -> Manifest:
     """Writes the artifact into a staging sibling and renames it into place. `blobs[(layer, bits)]`: each
-    shard's stored bytes and outlier count, in shard order."""
+    shard's stored bytes and outlier count, in shard order; `embedding_rows`: a word-embedding table."""
     with staged(directory) as staging:
+        if embedding_rows is not None:
+            extra = {**extra, "embedding_rows": write_rows(staging, embedding_rows)}
         index: dict[str, dict[str, list[dict[str, Any]]]] = {}
         for (layer, bits), shards in sorted(blobs.items()):
             name, offset, entries = layer_file(layer, bits), 0, []
@@ -264,6 +270,15 @@ def write_shard_artifact(directory: Path, *, teacher: str, geometry: ShardGeomet
                    "index": index, "tasks": tasks, **extra})
         write_manifest(staging, manifest)
     return manifest
+
+
+class _PlainReads:
+    """Positional reads with the file opened each time (verification, not the serving path)."""
+
+    def read(self, path: Path, offset: int, length: int) -> bytes:
+        with open(path, "rb") as handle:
+            handle.seek(offset)
+            return handle.read(length)
 
 
 def add_task(directory: Path, task: str, heads: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:

@@ -114,8 +114,9 @@ def io_source(spec: str) -> FileSource:
 
 
 class ElasticModel(nn.Module):
-    """The resident part of a sharded model for one task: embeddings, each layer's biases and norms, and the
-    task's head a submodel shape. Layers run on whatever shards a plan supplies."""
+    """The resident part of a sharded model for one task: position and type embeddings, each layer's biases and
+    norms, and the task's head a submodel shape. Word embeddings are read by row from the store; layers run on
+    whatever shards a plan supplies."""
 
     def __init__(self, store: ShardStore, task: str,
                  heads: dict[tuple[int, int], ClassifierHead] | None = None, labels: Sequence[str] = ()) -> None:
@@ -123,10 +124,15 @@ class ElasticModel(nn.Module):
         from transformers import BertConfig
         from transformers.models.bert.modeling_bert import BertEmbeddings
 
-        self.store, self.task = store, task
+        if store.rows is None:
+            raise ArtifactError(f"{store.directory}: no word-embedding rows (built before they were stored by "
+                                f"row); rebuild it with `academus shard build`")
+        self.store, self.task, self.rows = store, task, store.rows
+        self.source = FileSource()           # for runs outside a pipeline, which reads through its own
         config = BertConfig(**store.manifest.extra["config"])
-        with torch.device("meta"):          # no random initialisation of a table about to be replaced
+        with torch.device("meta"):          # no random initialisation of tables about to be replaced
             embeddings = BertEmbeddings(config)
+        embeddings.word_embeddings = None    # rows come from the store
         self.embeddings = embeddings.to_empty(device="cpu").eval()
         for name, buffer in self.embeddings.named_buffers():    # index buffers: rebuilt, not loaded
             if name == "position_ids":
@@ -141,7 +147,11 @@ class ElasticModel(nn.Module):
         self.labels = list(labels) or (store.tasks[task].labels if task in store.tasks else [])
 
     def embed(self, ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor | None = None) -> torch.Tensor:
-        return self.embeddings(input_ids=ids, token_type_ids=types)
+        return self.embed_rows(self.rows.read(ids, self.source), types)
+
+    def embed_rows(self, rows: torch.Tensor, types: torch.Tensor | None = None) -> torch.Tensor:
+        """The embedding layer's output from the batch's word-embedding rows."""
+        return self.embeddings(inputs_embeds=rows, token_type_ids=types)
 
     def assemble(self, layer: int, shards: Sequence[int], weights: Sequence[ShardWeights]) -> LayerWeights:
         return LayerWeights.assemble(shards, weights, self.residents[layer], self.store.geometry)
@@ -159,6 +169,9 @@ class ElasticModel(nn.Module):
         pooled = nn.functional.normalize(mean_pool(hidden, mask), p=2, dim=1)
         return torch.softmax(self.heads[(depth, width)](pooled), dim=-1)
 
+    def close(self) -> None:
+        self.source.close()
+
     @torch.inference_mode()
     def run(self, ids: torch.Tensor, mask: torch.Tensor, layers: Sequence[LayerWeights],
             types: torch.Tensor | None = None) -> torch.Tensor:
@@ -174,8 +187,8 @@ class ElasticModel(nn.Module):
 class RunResult:
     probs: torch.Tensor
     total_ms: float
-    io_ms: float          # the loader's busy time (reads, checks, decoding)
-    stall_ms: float       # the compute waiting for shards
+    io_ms: float          # the loader's busy time (reads, checks, decoding) and the embedding rows' reads
+    stall_ms: float       # the compute waiting for shards and embedding rows
     compute_ms: float
 
 
@@ -213,6 +226,7 @@ class ShardPipeline:
     def close(self) -> None:
         self._loader.shutdown(wait=True)
         self.source.close()
+        self.model.close()
 
     def _load(self, plan: Plan, ready: list[threading.Event], out: dict[int, LayerWeights],
               failed: list[BaseException], stop: threading.Event, room: threading.Semaphore | None) -> float:
@@ -255,9 +269,12 @@ class ShardPipeline:
         stop = threading.Event()
         room = threading.Semaphore(self.lookahead) if self.lookahead and plan.overlap else None
         loading: Future[float] = self._loader.submit(self._load, plan, ready, out, failed, stop, room)
-        stall = compute = 0.0
+        compute = 0.0
         try:
-            hidden = self.model.embed(ids, mask, types)
+            began = time.perf_counter()
+            rows = self.model.rows.read(ids, self.source)   # the compute waits for them: IO and stall alike
+            stall = rows_s = time.perf_counter() - began
+            hidden = self.model.embed_rows(rows, types)
             if not plan.overlap:               # Load&Exec: the whole submodel first (no lookahead bound)
                 waited = time.perf_counter()
                 ready[-1].wait()
@@ -280,4 +297,4 @@ class ShardPipeline:
             stop.set()
             io = loading.result()
         total = time.perf_counter() - started
-        return RunResult(probs, total * 1e3, io * 1e3, stall * 1e3, compute * 1e3)
+        return RunResult(probs, total * 1e3, (io + rows_s) * 1e3, stall * 1e3, compute * 1e3)

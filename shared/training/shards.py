@@ -27,7 +27,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +96,22 @@ def decoded_bank(store: ShardStore) -> dict[tuple[int, int, int], ShardWeights]:
                 handle.seek(e.offset)
                 bank[(layer, s, bits)] = store.decode(layer, s, bits, handle.read(e.length))
     return bank
+
+
+def write_encoder_shards(directory: Path, encoder: TeacherEncoder, teacher: str, extra: dict[str, Any],
+                         log: Callable[[str], None]) -> None:
+    """The encoder's layers cut and quantized, its word embeddings stored by row, the rest resident; no task
+    yet (`add_task`)."""
+    config = encoder.body.config
+    geometry = ShardGeometry.of(config)
+    blobs, resident = quantize_layers(encoder.body.encoder.layer, geometry, log)
+    embeddings = encoder.body.embeddings
+    resident |= {f"embeddings.{k}": v for k, v in embeddings.state_dict().items()
+                 if not k.endswith("_ids") and not k.startswith("word_embeddings.")}
+    write_shard_artifact(directory, teacher=teacher, geometry=geometry, layer_norm_eps=config.layer_norm_eps,
+                         blobs=blobs, resident=resident, heads={}, tasks={},
+                         extra={**extra, "config": _config_dict(config)},
+                         embedding_rows=embeddings.word_embeddings.weight)
 
 
 class Evaluator:
@@ -205,20 +221,13 @@ def build(artifacts: Path, model: str, tasks: Sequence[str], data_dir: Path | No
             raise ValueError(f"unknown task {task!r}; known tasks: {', '.join(TASKS)}")
     started = time.perf_counter()
     encoder = TeacherEncoder.load()
-    config = encoder.body.config
-    geometry = ShardGeometry.of(config)
-    blobs, resident = quantize_layers(encoder.body.encoder.layer, geometry, log)
-    resident |= {f"embeddings.{k}": v for k, v in encoder.body.embeddings.state_dict().items()
-                 if not k.endswith("_ids")}
     directory = shards_dir(artifacts, model)
-    write_shard_artifact(directory, teacher=MODELS[model], geometry=geometry, layer_norm_eps=config.layer_norm_eps,
-                         blobs=blobs, resident=resident, heads={}, tasks={},
-                         extra={"model": model, "config": _config_dict(config), "quick": quick})
+    write_encoder_shards(directory, encoder, MODELS[model], {"model": model, "quick": quick}, log)
     store = ShardStore(directory)
     bank = decoded_bank(store)
     tokenizer = TeacherTokenizer(teacher_dir(), max_tokens=MAX_TOKENS)
     data_root = fetch(data_dir)
-    summary: dict[str, Any] = {"model": model, "geometry": geometry.__dict__, "tasks": {}}
+    summary: dict[str, Any] = {"model": model, "geometry": store.geometry.__dict__, "tasks": {}}
     for task in tasks:
         summary["tasks"][task] = build_task(store, bank, tokenizer, task, load_task(task, data_root),
                                             load_head(artifacts, task), quick)
@@ -454,6 +463,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return {"model": args.model, "directory": str(store.directory), "geometry": store.geometry.__dict__,
                 "versions": list(store.versions), "bytes": _sizes(store),
                 "shard_bytes": {str(b): store.shard_bytes(0, 0, b) for b in store.versions},
+                "resident_bytes": store.resident_bytes,
+                "embedding_rows_bytes": store.rows.stored_bytes if store.rows else 0,
                 "tasks": {t: {"labels": i.labels, "widths": i.widths, "depths": i.depths,
                               "importance_top": i.importance[:8]} for t, i in store.tasks.items()},
                 **{k: v for k, v in store.manifest.extra.items() if k in STUDENT_INFO}}

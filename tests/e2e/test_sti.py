@@ -57,8 +57,10 @@ def test_info_verify_profile_and_plan(built: Path) -> None:
     info = last_json(academus("shard", "info", "--artifacts", built))
     assert info["versions"] == [2, 3, 4, 5, 6, 32] and info["tasks"]["sentiment"]["widths"] == [3, 6, 9, 12]
     assert info["shard_bytes"]["32"] == 4 * (4 * 384 * 32 + 2 * 384 * 128)
+    assert info["embedding_rows_bytes"] == 30522 * 384 * 4 and info["resident_bytes"] < 2 << 20   # table not held
     assert last_json(academus("shard", "verify", "--artifacts", built)) == {
-        "directory": str(built / "shards" / "minilm"), "files": 38, "shards": 432, "ok": True}
+        "directory": str(built / "shards" / "minilm"), "files": 39, "shards": 432, "row_blocks": -(-30522 // 16),
+        "ok": True}
     profile = last_json(academus("shard", "profile", "--io", "cold", "--repeats", "3", "--artifacts", built))
     assert profile["source"] == "cold" and set(profile["load_ms"]) == {"2", "3", "4", "5", "6", "32"}
     assert set(profile["compute_ms"]) == {"3", "6", "9", "12"}

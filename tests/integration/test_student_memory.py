@@ -23,7 +23,7 @@ from academus.services.worker.traced import TracedLayer
 from academus.shared.models.model import pad_batch
 from academus.shared.models.shard_store import layer_file
 from academus.shared.models.sti_pipeline import FileSource
-from academus.shared.models.student_shards import STUDENT_SHARDS, open_student_shards
+from academus.shared.models.student_shards import STUDENT_SHARDS, ElasticStudent, open_student_shards
 from academus.shared.models.work import Batch
 from academus.shared.runtime.errors import InvalidArgument
 from academus.shared.state.artifacts import ArtifactError
@@ -75,6 +75,14 @@ def wait_until(predicate, timeout_s: float = 30.0) -> None:
         time.sleep(0.02)
 
 
+def held_whole(memory: StudentMemory, *indices: int) -> bool:
+    """Exactly these students held, each the group's own full-precision student (a floor of 32 bits also
+    reports 32 for one decoded from shards)."""
+    with memory._lock:
+        held = dict(memory.held)
+    return set(held) == set(indices) and not any(isinstance(m, ElasticStudent) for m in held.values())
+
+
 def memory_of(artifacts: Path, budget: int, load_full=None) -> StudentMemory:
     entry = read_catalogue(artifacts)[MODEL]
     group, weights = load_student_shell(artifacts, "sentiment")
@@ -109,7 +117,7 @@ def test_the_cli_reads_and_verifies_a_groups_shards_and_keeps_profile_and_plan_f
     assert info["students"] == 2 and info["student_layers"] == 2 and info["geometry"]["layers"] == 4
     assert info["min_bits"] == info["fidelity"]["min_bits"] and info["tasks"] == {}
     assert json.loads(shard("verify").stdout.splitlines()[-1]) == {
-        "directory": str(artifacts / "shards" / MODEL), "files": 25, "ok": True, "shards": 4 * 12 * 6}
+        "directory": str(artifacts / "shards" / MODEL), "files": 25, "ok": True, "shards": 4 * 12 * 6, "row_blocks": 0}
     refused = shard("profile")
     assert refused.returncode == 1 and "profile and plan are for the teacher's shards" in refused.stderr
 
@@ -123,7 +131,7 @@ def test_a_student_not_held_is_served_from_its_shards_at_once_then_held_whole(ar
     before = LOADS.labels(MODEL, str(floor))._value.get()
     first = run(runner, student_indices=[1])
     assert LOADS.labels(MODEL, str(floor))._value.get() == before + 1
-    wait_until(lambda: memory.precision() == {1: 32})
+    wait_until(lambda: held_whole(memory, 1))
     layer = memory.held[1].encoder.layer[0]   # traced on the loading thread, both mask kinds, before it serves
     assert isinstance(layer.forward, TracedLayer) and len(layer.forward.graphs) == 2
     np.testing.assert_allclose(run(runner, student_indices=[1]), run(whole, student_indices=[1]), atol=1e-6)
@@ -131,7 +139,7 @@ def test_a_student_not_held_is_served_from_its_shards_at_once_then_held_whole(ar
         assert np.abs(first - run(whole, student_indices=[1])).max() > 0   # the first answer was the shards'
     served = run(runner, num_students=2)     # student 0 from its shards (or held whole, if loaded already)
     assert served.shape == (3, 2) and np.allclose(served.sum(1), 1)
-    wait_until(lambda: memory.precision() == {0: 32, 1: 32})
+    wait_until(lambda: held_whole(memory, 0, 1))
     np.testing.assert_allclose(run(runner, num_students=2), run(whole, num_students=2), atol=1e-6)
     assert memory.held_bytes() == memory.shared_bytes + 2 * memory.student_bytes
     memory.close()
@@ -151,7 +159,7 @@ def test_the_shards_serve_while_the_full_student_loads(artifacts: Path) -> None:
         assert memory.precision() == {0: memory.shards.min_bits} and members[0].bits == memory.shards.min_bits
         assert memory.members([0])[0] is members[0]      # held: not read again
         release.set()
-        wait_until(lambda: memory.precision() == {0: 32})
+        wait_until(lambda: held_whole(memory, 0))
     finally:
         release.set()
         memory.close()
@@ -181,7 +189,7 @@ def test_placed_students_load_ahead_and_unplaced_ones_go(artifacts: Path) -> Non
     memory = memory_of(artifacts, 1 << 30)
     try:
         memory.place({0})
-        wait_until(lambda: memory.precision() == {0: 32})
+        wait_until(lambda: held_whole(memory, 0))
         memory.place({1, 7})                  # 7: not a student of this group, ignored
         assert 0 not in memory.precision()
         wait_until(lambda: memory.precision() == {1: 32})

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from academus.shared.models.embedding_rows import BLOCK_ROWS, EmbeddingRows
 from academus.shared.models.model import ClassifierHead, TeacherEncoder, pad_batch
-from academus.shared.models.shard_store import ShardStore, add_task, shape_key, write_shard_artifact
+from academus.shared.models.shard_store import ShardStore, add_task, shape_key
 from academus.shared.models.shards import (
     BITS,
     FULL,
@@ -25,7 +26,6 @@ from academus.shared.models.shards import (
     key_mask,
     outlier_mask,
     pack_codes,
-    quantize_layers,
     shard_vector,
 )
 from academus.shared.models.sti_pipeline import (
@@ -37,7 +37,7 @@ from academus.shared.models.sti_pipeline import (
 )
 from academus.shared.models.sti_planner import Plan
 from academus.shared.state.artifacts import ArtifactError
-from academus.shared.training.shards import _config_dict
+from academus.shared.training.shards import write_encoder_shards
 
 
 def tiny_encoder(layers: int = 2) -> TeacherEncoder:
@@ -147,14 +147,8 @@ def tiny_shard_artifact(directory: Path) -> TeacherEncoder:
     """A 2-layer, 4-head random BERT cut into shards at `directory`, with task "toy": a head a shape (depth 1-2,
     width 2 or 4), shards ranked 2, 0, 3, 1 in each layer."""
     encoder = tiny_encoder()
-    config = encoder.body.config
-    geometry = ShardGeometry.of(config)
-    blobs, resident = quantize_layers(encoder.body.encoder.layer, geometry, log=lambda _: None)
-    resident |= {f"embeddings.{k}": v for k, v in encoder.body.embeddings.state_dict().items()
-                 if not k.endswith("_ids")}
-    write_shard_artifact(directory, teacher="tiny", geometry=geometry, layer_norm_eps=config.layer_norm_eps,
-                         blobs=blobs, resident=resident, heads={}, tasks={},
-                         extra={"model": "tiny", "config": _config_dict(config)})
+    geometry = ShardGeometry.of(encoder.body.config)
+    write_encoder_shards(directory, encoder, "tiny", {"model": "tiny"}, log=lambda _: None)
     torch.manual_seed(1)
     heads = {}
     for depth in (1, 2):
@@ -223,8 +217,9 @@ def test_preloaded_shards_are_not_read(store_dir) -> None:
     plan.preload = set(plan.bits)
 
     class Refusing(ThrottledSource):
-        def read(self, *args: object) -> bytes:
-            raise AssertionError("a preloaded shard was read")
+        def read(self, path: Path, offset: int, length: int) -> bytes:
+            assert path == store.rows.path, "a preloaded shard was read"
+            return super().read(path, offset, length)
 
     pipeline = ShardPipeline(model, Refusing(1.0))
     try:
@@ -301,6 +296,60 @@ def test_a_truncated_shard_file_is_refused_when_the_store_opens(store_dir, tmp_p
     path.write_bytes(path.read_bytes()[:-100])
     with pytest.raises(ArtifactError, match=r"layer0\.q6 is truncated: \d+ bytes, the manifest's shards end at \d+"):
         ShardStore(broken)
+
+
+def test_embedding_rows_are_the_encoders_table_read_by_block(store_dir) -> None:
+    directory, encoder = store_dir
+    table = encoder.body.embeddings.word_embeddings.weight.detach()
+    store = ShardStore(directory)
+    assert "embeddings.word_embeddings.weight" not in store.resident
+    meta = store.manifest.extra["embedding_rows"]
+    rows = EmbeddingRows(directory, meta, cache_bytes=3 * BLOCK_ROWS * table.shape[1] * 4)   # 3 blocks: evicts
+    source = io_source("file")
+    last = table.shape[0] - 1                     # the last block is partial when the vocabulary is not a multiple
+    ids = torch.tensor([[0, BLOCK_ROWS - 1, BLOCK_ROWS, last, 7], [last, 3 * BLOCK_ROWS + 1, 0, 2, 2]])
+    try:
+        for _ in range(2):                        # read, then partly from the cache
+            assert torch.equal(rows.read(ids, source), table[ids])
+            assert 0 < rows.held_bytes() <= rows.cache_bytes
+        with pytest.raises(ArtifactError, match=rf"token ids must lie in \[0, {table.shape[0]}\)"):
+            rows.read(torch.tensor([[table.shape[0]]]), source)
+    finally:
+        source.close()
+
+
+def test_a_corrupted_embedding_block_is_refused_naming_it(store_dir, tmp_path) -> None:
+    broken = copy_of(store_dir, tmp_path)
+    store = ShardStore(broken)
+    offset, length = store.rows.block_span(2)
+    with open(store.rows.path, "r+b") as handle:
+        handle.seek(offset + 5)
+        byte = handle.read(1)
+        handle.seek(offset + 5)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    crc = store.rows.crcs[2]
+    with pytest.raises(ArtifactError, match=rf"embeddings\.rows: rows block 2 .* the manifest says {length} bytes, "
+                                            rf"crc32 {crc}"):
+        ElasticModel(store, "toy").embed(*pad_batch([[2 * BLOCK_ROWS + 1]])[:2])
+    with pytest.raises(ArtifactError, match=r"embeddings\.rows: sha256 .* does not match"):
+        store.verify()
+    with pytest.raises(ArtifactError, match="rows block 2"):
+        store.rows.check_all(io_source("file"))
+    (broken / "embeddings.rows").write_bytes(b"\0" * 10)
+    with pytest.raises(ArtifactError, match=r"embeddings\.rows is truncated: 10 bytes"):
+        ShardStore(broken)
+
+
+def test_an_artifact_without_embedding_rows_is_refused_for_serving(store_dir, tmp_path) -> None:
+    from dataclasses import replace
+
+    from academus.shared.state.artifacts import read_manifest, write_manifest
+
+    old = copy_of(store_dir, tmp_path)
+    manifest = read_manifest(old)
+    write_manifest(old, replace(manifest, extra={k: v for k, v in manifest.extra.items() if k != "embedding_rows"}))
+    with pytest.raises(ArtifactError, match=r"no word-embedding rows .* rebuild it with `academus shard build`"):
+        ElasticModel(ShardStore(old), "toy")
 
 
 def test_io_source_names_are_checked() -> None:

@@ -82,8 +82,10 @@ def test_budgets(artifacts: Path) -> None:
     generous = runner.set_shard_budget("toy-sti", minimum + (1 << 20))
     assert sti.pipeline.resident_bytes() > 0 and generous > sti.common_bytes
     held = runner.set_shard_budget("toy-sti", minimum)
-    assert held == sti.common_bytes and sti.pipeline.resident_bytes() == 0
-    assert run(runner).shards.resident_bytes == held
+    assert held == sti.fixed_bytes + sti.model.rows.held_bytes() and sti.pipeline.resident_bytes() == 0
+    rows = sti.model.rows
+    assert 0 < rows.held_bytes() <= rows.cache_bytes == sti.common_bytes - sti.fixed_bytes   # the runs' rows
+    assert run(runner).shards.resident_bytes == sti.resident_bytes() <= sti.common_bytes
     with pytest.raises(NotFound, match="not served from shards"):
         runner.set_shard_budget("other", 0)
 
