@@ -26,9 +26,13 @@ CONFIGS = {
 LABELS = ["neg", "neu", "pos"]
 
 
-def tiny_model(family: str, classifier: bool, directory: Path, seed: int = 0) -> nn.Module:
-    """A randomly initialised model of the family, saved as a transformers directory (safetensors)."""
-    return _save(family, classifier, CONFIGS[family](), directory, seed)
+def tiny_model(family: str, classifier: bool, directory: Path, seed: int = 0, **shape: int) -> nn.Module:
+    """A randomly initialised model of the family, saved as a transformers directory (safetensors); `shape`
+    overrides SHAPE."""
+    config = CONFIGS[family]()
+    for key, value in shape.items():
+        setattr(config, key, value)
+    return _save(family, classifier, config, directory, seed)
 
 
 def _save(family: str, classifier: bool, config: transformers.PretrainedConfig, directory: Path,
@@ -46,12 +50,10 @@ def _save(family: str, classifier: bool, config: transformers.PretrainedConfig, 
     return model
 
 
-def tiny_model_dir(family: str, classifier: bool, directory: Path, seed: int = 0) -> nn.Module:
+def tiny_model_dir(family: str, classifier: bool, directory: Path, seed: int = 0, **shape: int) -> nn.Module:
     """A tiny model with the bundled teacher's tokenizer.json (its vocabulary as the model's), ready for
     `academus models add`; returns the transformers model for reference outputs."""
-    config = CONFIGS[family]()
-    config.vocab_size = json_vocab_size()
-    model = _save(family, classifier, config, directory, seed)
+    model = tiny_model(family, classifier, directory, seed, **{**shape, "vocab_size": json_vocab_size()})
     shutil.copyfile(teacher_dir() / "tokenizer.json", Path(directory) / "tokenizer.json")
     return model
 

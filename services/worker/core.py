@@ -341,13 +341,14 @@ class ModelRunner:
         self._prepare_layers(student, warm_up_token, warm)
 
     def _load_sti(self, name: str, entry: dict) -> ServedModel:
-        """A task served from the teacher's shards (STI): only the resident part and a preload buffer are held;
-        every shard read is checked against its manifest."""
+        """A task served from an encoder's shards (STI: the teacher's, or a user's model's, `base`): only the resident
+        part and a preload buffer are held; every shard read is checked against its manifest."""
         sti = StiModel(name, self.artifacts / entry["shards"], entry["task"], self.artifacts, self.sti_settings,
                        self.clock)
-        geometry = sti.store.geometry
+        geometry, architecture = sti.store.geometry, sti.model.architecture
         spec = ModelSpec(name, CLASSIFICATION, list(sti.labels), geometry.hidden,
-                         int(entry.get("max_tokens", ModelSpec.max_tokens)), architecture="BertModel",
+                         int(entry.get("max_tokens", min(ModelSpec.max_tokens, architecture.max_tokens))),
+                         tokenizer=self._tokenizer_digest(entry.get("base", "")), architecture=architecture.name,
                          layers=geometry.layers, memory_bytes=sti.resident_bytes())
         return ServedModel(spec, nn.Identity(), packable=False, sti=sti)
 
@@ -443,8 +444,9 @@ class ModelRunner:
         use the teacher's)."""
         catalogue = read_catalogue(self.artifacts)
         entry = catalogue.get(name, {})
-        # a head on, students of, or a PLOT table on a user's model
-        base = entry.get(HEAD_ON) or entry.get(STUDENTS_OF) or (entry.get("base") if "plot" in entry else None)
+        # a head on, students of, or a PLOT table or shards on a user's model
+        derived = "plot" in entry or "shards" in entry
+        base = entry.get(HEAD_ON) or entry.get(STUDENTS_OF) or (entry.get("base") if derived else None)
         entry = catalogue.get(base, {}) if base else entry
         return self.artifacts / entry["source"] / "tokenizer.json" if "source" in entry else None
 

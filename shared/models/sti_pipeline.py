@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from academus.shared.models.model import ClassifierHead, mean_pool
+from academus.shared.models.architectures import family_module, read_architecture
+from academus.shared.models.model import MEAN, ClassifierHead, body_inputs, mean_pool, padded_positions
 from academus.shared.models.shard_store import ShardStore
 from academus.shared.models.shards import LayerWeights, ShardWeights, elastic_layer, key_mask
 from academus.shared.models.sti_planner import Plan
@@ -121,17 +122,20 @@ class ElasticModel(nn.Module):
     def __init__(self, store: ShardStore, task: str,
                  heads: dict[tuple[int, int], ClassifierHead] | None = None, labels: Sequence[str] = ()) -> None:
         super().__init__()
-        from transformers import BertConfig
-        from transformers.models.bert.modeling_bert import BertEmbeddings
+        from transformers import AutoConfig
 
         if store.rows is None:
             raise ArtifactError(f"{store.directory}: no word-embedding rows (built before they were stored by "
                                 f"row); rebuild it with `academus shard build`")
         self.store, self.task, self.rows = store, task, store.rows
         self.source = FileSource()           # for runs outside a pipeline, which reads through its own
-        config = BertConfig(**store.manifest.extra["config"])
+        settings = {"model_type": "bert", **store.manifest.extra["config"]}
+        self.architecture = read_architecture(settings, str(store.directory))
+        self.pooling = store.manifest.extra.get("pooling", MEAN)
+        self.normalize = bool(store.manifest.extra.get("normalize", True))
+        config = AutoConfig.for_model(**settings)
         with torch.device("meta"):          # no random initialisation of tables about to be replaced
-            embeddings = BertEmbeddings(config)
+            embeddings = family_module(self.architecture.family, "Embeddings")(config)
         embeddings.word_embeddings = None    # rows come from the store
         self.embeddings = embeddings.to_empty(device="cpu").eval()
         for name, buffer in self.embeddings.named_buffers():    # index buffers: rebuilt, not loaded
@@ -150,8 +154,15 @@ class ElasticModel(nn.Module):
         return self.embed_rows(self.rows.read(ids, self.source), types)
 
     def embed_rows(self, rows: torch.Tensor, types: torch.Tensor | None = None) -> torch.Tensor:
-        """The embedding layer's output from the batch's word-embedding rows."""
-        return self.embeddings(inputs_embeds=rows, token_type_ids=types)
+        """The embedding layer's output from the batch's word-embedding rows, positions numbered as the family
+        numbers them."""
+        positions = padded_positions(self.architecture, rows[..., 0])
+        return self.embeddings(inputs_embeds=rows, **body_inputs(self.architecture, types, positions))
+
+    def pool(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The encoder's pooling, as its served embeddings are pooled (the heads read this)."""
+        pooled = mean_pool(hidden, mask) if self.pooling == MEAN else hidden[:, 0]
+        return nn.functional.normalize(pooled, p=2, dim=1) if self.normalize else pooled
 
     def assemble(self, layer: int, shards: Sequence[int], weights: Sequence[ShardWeights]) -> LayerWeights:
         return LayerWeights.assemble(shards, weights, self.residents[layer], self.store.geometry)
@@ -165,9 +176,8 @@ class ElasticModel(nn.Module):
         return elastic_layer(hidden, key_mask(mask), self.residents[layer], weights, self.store.geometry)
 
     def finish(self, hidden: torch.Tensor, mask: torch.Tensor, depth: int, width: int) -> torch.Tensor:
-        """The shape's head on the mean-pooled, normalised output: [B, C] probabilities."""
-        pooled = nn.functional.normalize(mean_pool(hidden, mask), p=2, dim=1)
-        return torch.softmax(self.heads[(depth, width)](pooled), dim=-1)
+        """The shape's head on the pooled output: [B, C] probabilities."""
+        return torch.softmax(self.heads[(depth, width)](self.pool(hidden, mask)), dim=-1)
 
     def close(self) -> None:
         self.source.close()

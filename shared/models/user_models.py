@@ -139,20 +139,23 @@ def list_models(artifacts: Path) -> list[dict[str, Any]]:
 
 
 def remove_model(artifacts: Path, name: str, tenants_on_it: list[str] = ()) -> None:
-    """Drops a user's model, or a head, student group or PLOT model on one, from the catalogue (workers unload it)
-    and then its files (a table once no entry names it). Refused for a bundled model, for a model heads, groups or
-    PLOT tables are built on (named), and while tenant models use it as their base (`tenants_on_it`, read from the
-    mesh)."""
+    """Drops a user's model, or a head, student group, PLOT model or shard-served model on one, from the catalogue
+    (workers unload it) and then its files (a table or shards once no entry names them). Refused for a bundled model,
+    for a model heads, groups, PLOT tables or shards are built on (named), and while tenant models use it as their
+    base (`tenants_on_it`, read from the mesh)."""
     catalogue = read_catalogue(artifacts)
     entry = catalogue.get(name)
     if entry is None:
         raise ModelRefused(f"model {name!r} is not in the catalogue {Path(artifacts) / 'models.json'}")
-    on_user_model = "plot" in entry and "source" in catalogue.get(entry.get("base", ""), {})   # `plot build --model`
+    # `plot build --model` or `shard build --model` on a user's model
+    on_user_model = ("plot" in entry or "shards" in entry) and "source" in catalogue.get(entry.get("base", ""), {})
     if not on_user_model and not any(key in entry for key in ("source", HEAD_ON, STUDENTS_OF)):
         raise ModelRefused(f"model {name!r} is built by `academus prepare`, not added with `models add`: "
                            "it is not removed here")
     if plots := sorted(n for n, e in catalogue.items() if "plot" in e and e.get("base") == name):
         raise ModelRefused(f"model {name!r} is the base of the PLOT models {', '.join(plots)}: remove those first")
+    if sharded := sorted(n for n, e in catalogue.items() if "shards" in e and e.get("base") == name):
+        raise ModelRefused(f"model {name!r} is cut into the shards of {', '.join(sharded)}: remove those first")
     if heads := sorted(n for n, e in catalogue.items() if e.get(HEAD_ON) == name):
         raise ModelRefused(f"model {name!r} carries the heads {', '.join(heads)}: remove those first")
     if groups := sorted(n for n, e in catalogue.items() if e.get("teacher") == name and STUDENTS_OF in e):
@@ -162,7 +165,7 @@ def remove_model(artifacts: Path, name: str, tenants_on_it: list[str] = ()) -> N
         raise ModelRefused(f"model {name!r} is the base of tenant models of {', '.join(sorted(tenants_on_it))}: "
                            "delete those first (academus tenants delete)")
     write_entry(artifacts, name, None)
-    files = entry.get("source") or entry.get("head") or entry.get("students") or entry.get("plot")
+    files = next((entry[k] for k in ("source", "head", "students", "plot", "shards") if entry.get(k)), None)
     if files and not any(files in e.values() for e in read_catalogue(artifacts).values()):   # `-2l` shares them
         shutil.rmtree(Path(artifacts) / files, ignore_errors=True)
 

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from academus.shared.models.model import ClassifierHead, TeacherEncoder, mean_pool, pad_batch
+from academus.shared.models.model import ClassifierHead, TeacherEncoder, pad_batch
 from academus.shared.models.shard_store import (
     ShardStore,
     add_task,
@@ -54,14 +54,15 @@ from academus.shared.models.shards import (
 )
 from academus.shared.models.sti_pipeline import ElasticModel, FileSource, io_source
 from academus.shared.models.sti_planner import HardwareProfile, Plan, Planner
-from academus.shared.models.teacher_files import TEACHER_NAME, teacher_dir
+from academus.shared.models.teacher_files import TEACHER_NAME
 from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.models.user_models import EncoderBase
 from academus.shared.runtime.config import artifacts_dir as default_artifacts_dir
 from academus.shared.runtime.config import offline_hub
 from academus.shared.state.artifacts import ArtifactError
-from academus.shared.state.catalogue import CLASSIFICATION, write_entry
+from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, read_catalogue, write_entry
 from academus.shared.training.data import TASKS, DataMissing, Example, fetch, load_task
-from academus.shared.training.prepare import MAX_TOKENS, load_head, padded_batches, subsample, train_head
+from academus.shared.training.prepare import load_head, padded_batches, subsample, train_head
 
 MODELS = {"minilm": TEACHER_NAME}
 BUCKETS = (16, 32, 64, 128, 256)
@@ -75,9 +76,24 @@ def log(message: str) -> None:
     print(f"[shard] {message}", file=sys.stderr, flush=True)
 
 
-def sti_model_name(task: str) -> str:
-    """The catalogue name a task's shard-served model gets: workers serving every model load it."""
-    return f"{task}-sti"
+def sti_model_name(task: str, model: str = "minilm") -> str:
+    """The catalogue name a task's shard-served model gets (workers serving every model load it): `<task>-sti`
+    on the teacher, `<model>-<task>-sti` on a user's model."""
+    return f"{task}-sti" if model in MODELS else f"{model}-{task}-sti"
+
+
+def encoder_base(artifacts: Path, model: str) -> EncoderBase | None:
+    """The encoder whose shards `--model` names: the bundled teacher, or a user's embedding model from the
+    catalogue; None for anything else (a student group's shards are built apart)."""
+    if model in MODELS:
+        return EncoderBase.bundled()
+    entry = read_catalogue(artifacts).get(model)
+    if entry is None or "source" not in entry:
+        return None
+    if entry["kind"] != EMBEDDING:
+        raise ValueError(f"--model {model!r} is a classifier served with its own head: shards are built on an "
+                         f"embedding model (`academus models add --task embed`), with a head a task fitted here")
+    return EncoderBase.of_entry(model, artifacts, entry)
 
 
 def widths_of(heads: int) -> list[int]:
@@ -110,7 +126,8 @@ def write_encoder_shards(directory: Path, encoder: TeacherEncoder, teacher: str,
                  if not k.endswith("_ids") and not k.startswith("word_embeddings.")}
     write_shard_artifact(directory, teacher=teacher, geometry=geometry, layer_norm_eps=config.layer_norm_eps,
                          blobs=blobs, resident=resident, heads={}, tasks={},
-                         extra={**extra, "config": _config_dict(config)},
+                         extra={**extra, "config": _config_dict(config), "pooling": encoder.pooling,
+                                "normalize": encoder.normalize},
                          embedding_rows=embeddings.word_embeddings.weight)
 
 
@@ -132,7 +149,7 @@ class Evaluator:
 
     @torch.no_grad()   # not inference mode: heads are fitted on these with autograd
     def pooled_states(self, shards: list[list[int]]) -> torch.Tensor:
-        """[n, depth, H]: the normalised mean-pooled output of each layer of the full-precision submodel."""
+        """[n, depth, H]: the pooled output of each layer of the full-precision submodel."""
         out = torch.empty(self.n, len(shards), self.model.store.geometry.hidden)
         layers = [self.model.assemble(k, layer, [self.bank[(k, s, FULL)] for s in layer])
                   for k, layer in enumerate(shards)]
@@ -140,7 +157,7 @@ class Evaluator:
             hidden = self.model.embed(ids, mask, types)
             for k, layer in enumerate(layers):
                 hidden = self.model.layer(hidden, mask, k, layer)
-                out[batch, k] = torch.nn.functional.normalize(mean_pool(hidden, mask), p=2, dim=1)
+                out[batch, k] = self.model.pool(hidden, mask)
         return out
 
 
@@ -183,6 +200,13 @@ def profile_fidelity(evaluator: Evaluator, geometry: ShardGeometry, gold: torch.
     return uniform, floor
 
 
+def fit_head(x: torch.Tensor, y: torch.Tensor, vx: torch.Tensor, vy: torch.Tensor, labels: list[str]
+             ) -> ClassifierHead:
+    """A linear head on pooled states, its weight decay chosen on the validation ones (as the served heads')."""
+    head, _, _ = train_head({"train": (x, y), "validation": (vx, vy), "test": (vx, vy)}, labels)
+    return head
+
+
 def fit_shape_heads(train: Evaluator, validation: Evaluator, ytrain: torch.Tensor, yval: torch.Tensor,
                     order: list[list[int]], widths: Sequence[int], served: ClassifierHead,
                     labels: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -197,9 +221,7 @@ def fit_shape_heads(train: Evaluator, validation: Evaluator, ytrain: torch.Tenso
             if (depth, width) == (geometry.layers, geometry.heads):
                 head = served
             else:
-                data = {"train": (x[:, depth - 1], ytrain), "validation": (vx[:, depth - 1], yval),
-                        "test": (vx[:, depth - 1], yval)}
-                head, _, _ = train_head(data, labels)
+                head = fit_head(x[:, depth - 1], ytrain, vx[:, depth - 1], yval, labels)
             key = shape_key(depth, width)
             tensors[f"{key}.weight"] = head.linear.weight.detach().clone()
             tensors[f"{key}.bias"] = head.linear.bias.detach().clone()
@@ -212,29 +234,36 @@ def fit_shape_heads(train: Evaluator, validation: Evaluator, ytrain: torch.Tenso
 
 def build(artifacts: Path, model: str, tasks: Sequence[str], data_dir: Path | None = None,
           quick: bool = False) -> dict[str, Any]:
-    """Writes `shards/<model>/` and registers `<task>-sti` for each task in the catalogue."""
+    """Writes `shards/<model>/` and registers `<task>-sti` (`<model>-<task>-sti` on a user's model) for each
+    task in the catalogue."""
     artifacts = Path(artifacts).resolve()
-    if model not in MODELS:
-        raise ValueError(f"--model {model!r}: shards are built for {', '.join(MODELS)}")
+    base = encoder_base(artifacts, model)
+    if base is None:
+        raise ValueError(f"--model {model!r}: shards are built for minilm or a user's embedding model")
     for task in tasks:
         if task not in TASKS:
             raise ValueError(f"unknown task {task!r}; known tasks: {', '.join(TASKS)}")
     started = time.perf_counter()
-    encoder = TeacherEncoder.load()
+    encoder = base.encoder()
+    if encoder.architecture.family.relative_attention:   # checked before anything is written
+        raise ValueError(f"--model {model!r} is {encoder.architecture.name}: its layers add a relative-position "
+                         f"bias the elastic layer does not; shards cut BERT and RoBERTa layers")
     directory = shards_dir(artifacts, model)
-    write_encoder_shards(directory, encoder, MODELS[model], {"model": model, "quick": quick}, log)
+    write_encoder_shards(directory, encoder, base.identity(), {"model": model, "quick": quick}, log)
     store = ShardStore(directory)
     bank = decoded_bank(store)
-    tokenizer = TeacherTokenizer(teacher_dir(), max_tokens=MAX_TOKENS)
+    tokenizer = base.tokenizer()
     data_root = fetch(data_dir)
     summary: dict[str, Any] = {"model": model, "geometry": store.geometry.__dict__, "tasks": {}}
     for task in tasks:
-        summary["tasks"][task] = build_task(store, bank, tokenizer, task, load_task(task, data_root),
-                                            load_head(artifacts, task), quick)
-        served = sti_model_name(task)
+        served_head = None if base.user else load_head(artifacts, task)   # a user's model: fitted here
+        summary["tasks"][task] = build_task(store, bank, tokenizer, task, load_task(task, data_root), served_head,
+                                            quick)
+        served = sti_model_name(task, model)
         write_entry(artifacts, served, {"kind": CLASSIFICATION, "labels": summary["tasks"][task]["labels"],
                                         "shards": str(directory.relative_to(artifacts)), "task": task,
-                                        "teacher": MODELS[model]})
+                                        "teacher": base.identity(),
+                                        **({"base": model, "max_tokens": base.max_tokens} if base.user else {})})
         summary["tasks"][task]["served_as"] = served
     summary |= {"artifact": str(directory), "bytes": _sizes(store), "quick": quick,
                 "seconds": round(time.perf_counter() - started, 1)}
@@ -243,15 +272,22 @@ def build(artifacts: Path, model: str, tasks: Sequence[str], data_dir: Path | No
 
 
 def build_task(store: ShardStore, bank: dict, tokenizer: TeacherTokenizer, task: str, data: Any,
-               served: ClassifierHead, quick: bool) -> dict[str, Any]:
+               served: ClassifierHead | None, quick: bool) -> dict[str, Any]:
+    """A task's importance, floor and heads. `served`: the head the whole model serves the task with (None: fitted
+    here on the whole model's pooled output, as the other shapes' are)."""
     geometry = store.geometry
-    labels = list(served.labels)
+    labels = list(served.labels) if served is not None else list(data.labels)
     train_n, val_n, dev_n = QUICK if quick else SIZES[task]
     train, validation = subsample(data.train, train_n), subsample(data.validation, val_n)
     dev = subsample(validation, dev_n)
     log(f"{task}: {len(train)} train texts for heads, {len(validation)} validation, {len(dev)} dev for importance")
-    full = {(geometry.layers, geometry.heads): served}
-    model = ElasticModel(store, task, heads=full, labels=labels)
+    model = ElasticModel(store, task, heads={}, labels=labels)
+    fitting = (Evaluator(model, bank, tokenizer, _texts(train)), Evaluator(model, bank, tokenizer, _texts(validation)))
+    if served is None:
+        whole = [list(range(geometry.heads))] * geometry.layers
+        served = fit_head(fitting[0].pooled_states(whole)[:, -1], _gold(train),
+                          fitting[1].pooled_states(whole)[:, -1], _gold(validation), labels)
+    model.heads[(geometry.layers, geometry.heads)] = served
     importance, table, base_acc = profile_importance(Evaluator(model, bank, tokenizer, _texts(dev)), geometry,
                                                      _gold(dev))
     uniform, min_bits = profile_fidelity(Evaluator(model, bank, tokenizer, _texts(dev)), geometry, _gold(dev))
@@ -259,9 +295,7 @@ def build_task(store: ShardStore, bank: dict, tokenizer: TeacherTokenizer, task:
         f"{FIDELITY_TOLERANCE:.0%} of full precision: {min_bits}")
     order = [[s for (k, s) in importance if k == layer] for layer in range(geometry.layers)]
     widths = widths_of(geometry.heads)
-    tensors, scores = fit_shape_heads(Evaluator(model, bank, tokenizer, _texts(train)),
-                                      Evaluator(model, bank, tokenizer, _texts(validation)),
-                                      _gold(train), _gold(validation), order, widths, served, labels)
+    tensors, scores = fit_shape_heads(*fitting, _gold(train), _gold(validation), order, widths, served, labels)
     meta = {"labels": labels, "importance": [list(x) for x in importance], "widths": widths,
             "depths": list(range(1, geometry.layers + 1)), "min_bits": min_bits,
             "metrics": {"dev_texts": len(dev), "all_low_bits_accuracy": round(base_acc, 4), "uniform_accuracy": uniform,
@@ -280,7 +314,7 @@ def _gold(examples: Sequence[Example]) -> torch.Tensor:
 
 
 def _config_dict(config: Any) -> dict[str, Any]:
-    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+    keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
             "hidden_act", "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "pad_token_id")
     return {k: getattr(config, k) for k in keys}
 
@@ -323,7 +357,7 @@ def measure_profile(store: ShardStore, source_spec: str, repeats: int = 20) -> H
             def rest(hidden: torch.Tensor = hidden, ids: torch.Tensor = ids, mask: torch.Tensor = mask,
                      head: ClassifierHead = head) -> None:
                 model.embed(ids, mask)
-                head(torch.nn.functional.normalize(mean_pool(hidden, mask), p=2, dim=1))
+                head(model.pool(hidden, mask))
 
             overhead[bucket] = median_ms(rest, repeats)
             for width in widths_of(geometry.heads):
@@ -426,8 +460,8 @@ def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--artifacts", type=Path, default=None)
     common.add_argument("--model", default="minilm",
-                        help="minilm (the teacher), or a student group such as sentiment-students "
-                             "(build, info, verify)")
+                        help="minilm (the teacher), a user's BERT or RoBERTa embedding model, or a student group "
+                             "such as sentiment-students (build, info, verify)")
     p = argparse.ArgumentParser(prog="academus shard", description="Elastic shards of the teacher (STI).")
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", parents=[common], help="quantized shards, importance per task, heads per shape")
@@ -450,15 +484,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     artifacts = args.artifacts or default_artifacts_dir()
-    if args.command == "build" and args.model not in MODELS:
+    if args.command == "build" and encoder_base(artifacts, args.model) is None:
         from academus.shared.training.student_shards import build_students
 
         return build_students(artifacts, args.model, args.data, args.quick)
     if args.command == "build":
         return build(artifacts, args.model, [t for t in args.tasks.split(",") if t], args.data, args.quick)
-    if args.command in ("profile", "plan") and args.model not in MODELS:
-        raise ValueError(f"--model {args.model!r}: profile and plan are for the teacher's shards ({', '.join(MODELS)})")
     store = ShardStore(shards_dir(artifacts, args.model))
+    if args.command in ("profile", "plan") and "config" not in store.manifest.extra:
+        raise ValueError(f"--model {args.model!r}: profile and plan are for an encoder's shards (minilm or a user's "
+                         f"embedding model), not a student group's")
     if args.command == "info":
         return {"model": args.model, "directory": str(store.directory), "geometry": store.geometry.__dict__,
                 "versions": list(store.versions), "bytes": _sizes(store),

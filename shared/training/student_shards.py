@@ -45,7 +45,8 @@ def group_entry(artifacts: Path, model: str) -> dict[str, Any]:
     """The catalogue entry of a bundled task's student group, or a ValueError saying what `--model` takes."""
     entry = read_catalogue(artifacts).get(model)
     if entry is None or "students" not in entry:
-        raise ValueError(f"--model {model!r} is neither minilm nor a student group in the catalogue")
+        raise ValueError(f"--model {model!r} is neither minilm, a user's embedding model nor a student group in the "
+                         f"catalogue")
     if entry.get(STUDENTS_OF):
         raise ValueError(f"--model {model!r}: shards are built for the bundled teacher's student groups; "
                          f"{model} was distilled from the user's model {entry[STUDENTS_OF]!r}")

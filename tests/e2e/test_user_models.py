@@ -26,6 +26,7 @@ from academus.shared.models.adapters import AdapterWeights, encode_with_adapters
 from academus.shared.models.model import TeacherEncoder, mean_pool, pad_batch
 from academus.shared.models.plot import PlotStore
 from academus.shared.models.plot.hierarchical import HierarchicalEncoder
+from academus.shared.models.shard_store import ShardStore
 from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.user_models import add_model, open_model
 from academus.shared.runtime.config import artifacts_dir
@@ -226,6 +227,28 @@ def test_students_distilled_from_a_users_model_serve_with_its_tokenizer(user_mes
     refused = academus(user_mesh, "models", "remove", "deep-sentiment")
     assert refused.returncode == 2 and "teacher of the student groups deep-sentiment-2l, deep-sentiment-students" \
         in refused.stderr
+
+
+def test_a_users_model_served_from_its_shards_answers_as_its_encoder(user_mesh: MeshState, client: Client,
+                                                                    tmp_path: Path) -> None:
+    """STI on a user's RoBERTa (its own vocabulary numbering, positions from 2): `shard build --model` on the running
+    mesh; with time enough the answer is transformers' own forward under the head fitted for the whole model."""
+    model = tiny_model_dir("roberta", False, tmp_path / "cut", seed=8, intermediate_size=54)
+    roberta_specials(tmp_path / "cut")
+    permute_vocabulary(tmp_path / "cut")
+    assert academus(user_mesh, "models", "add", "cut", "--from", tmp_path / "cut").returncode == 0
+    built = academus(user_mesh, "shard", "build", "--model", "cut", "--tasks", "sentiment", "--quick")
+    assert built.returncode == 0, built.stderr[-2000:]
+    wait_served(client, "cut-sentiment-sti")
+    head = ShardStore(Path(user_mesh.artifacts) / "shards" / "cut").heads("sentiment")[(3, 3)]
+    with torch.no_grad():
+        expected = torch.softmax(head(reference(model, tmp_path / "cut", classifier=False)), dim=-1)
+    result = client.infer("cut-sentiment-sti", TEXTS)
+    assert (result.metadata.shards.layers, result.metadata.shards.mean_bits) == (3, 32)
+    got = torch.tensor([[p.probs[label] for label in head.labels] for p in result.predictions])
+    assert (got - expected).abs().max().item() <= TOLERANCE
+    refused = academus(user_mesh, "models", "remove", "cut")
+    assert refused.returncode == 2 and "cut into the shards of cut-sentiment-sti" in refused.stderr
 
 
 def test_a_plot_table_on_a_users_model_serves_its_upper_layers(user_mesh: MeshState, client: Client,

@@ -119,7 +119,7 @@ def test_the_cli_reads_and_verifies_a_groups_shards_and_keeps_profile_and_plan_f
     assert json.loads(shard("verify").stdout.splitlines()[-1]) == {
         "directory": str(artifacts / "shards" / MODEL), "files": 25, "ok": True, "shards": 4 * 12 * 6, "row_blocks": 0}
     refused = shard("profile")
-    assert refused.returncode == 1 and "profile and plan are for the teacher's shards" in refused.stderr
+    assert refused.returncode == 1 and "profile and plan are for an encoder's shards" in refused.stderr
 
 
 def test_a_student_not_held_is_served_from_its_shards_at_once_then_held_whole(artifacts: Path,
@@ -223,7 +223,7 @@ def test_a_modified_group_and_a_model_not_a_group_are_refused(artifacts: Path, t
     weights.write_bytes(bytes(data))
     with pytest.raises(ArtifactError, match="does not match its sha256"):
         load_student_shell(copy, "sentiment")
-    with pytest.raises(ValueError, match="neither minilm nor a student group"):
+    with pytest.raises(ValueError, match=r"neither minilm, a user.s embedding model nor a student group"):
         build_students(copy, "sentiment")
 
 

@@ -209,6 +209,30 @@ def test_full_precision_full_width_submodel_equals_the_encoder(store_dir) -> Non
     torch.testing.assert_close(hidden[mask.bool()], reference[mask.bool()], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("family,pooling", [("bert", "cls"), ("roberta", "mean")])
+def test_a_user_encoders_full_precision_shards_equal_it(family: str, pooling: str, tmp_path: Path) -> None:
+    """BERT and RoBERTa (positions from its padding index + 1, one token type), pooled as the user's model is."""
+    from tests.models import tiny_model
+
+    # intermediate 54: shards split the FFN's neurons evenly between the heads
+    body = tiny_model(family, False, tmp_path / "model", seed=3, intermediate_size=54)
+    encoder = TeacherEncoder(body, pooling=pooling, normalize=pooling == "mean")
+    write_encoder_shards(tmp_path / "shards", encoder, "tiny", {"model": "tiny"}, log=lambda _: None)
+    store = ShardStore(tmp_path / "shards")
+    model = ElasticModel(store, "", heads={})
+    assert model.architecture.family.name == family and (model.pooling, model.normalize) == (pooling, pooling == "mean")
+    ids, mask, types = pad_batch([[5, 17, 9, 40, 8], [5, 60, 8]])
+    full = _plan(FULL, depth=store.geometry.layers, width=store.geometry.heads)
+    full.shards = [list(range(store.geometry.heads))] * store.geometry.layers
+    full.bits = {(k, s): FULL for k in range(store.geometry.layers) for s in range(store.geometry.heads)}
+    with torch.inference_mode():
+        hidden = model.embed(ids, mask, types)
+        for k, layer in enumerate(model.assemble_plan(full, {(k, s, FULL): store.decode(k, s, FULL, store.read_stored(
+                k, s, FULL)) for k in range(store.geometry.layers) for s in range(store.geometry.heads)})):
+            hidden = model.layer(hidden, mask, k, layer)
+        torch.testing.assert_close(model.pool(hidden, mask), encoder(ids, mask, types), atol=1e-5, rtol=1e-5)
+
+
 def test_preloaded_shards_are_not_read(store_dir) -> None:
     directory, _ = store_dir
     store = ShardStore(directory)

@@ -1,0 +1,108 @@
+"""STI on a user's model: `academus shard build --model NAME` cuts a user's RoBERTa embedding model (added with
+`models add`) into shards, fits a head a submodel shape on the bundled task (the whole model's too: a user's
+model brings no head), and registers `NAME-<task>-sti`; a worker serves it with the user's tokenizer, and with
+time enough its answer is the user's own encoder, pooled as it is served, under the fitted head. Models the
+shards cannot cut are refused before anything is written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from academus.services.worker.core import OUTPUT_PROBS, ModelRunner
+from academus.shared.models.model import pad_batch
+from academus.shared.models.shard_store import ShardStore, shards_dir
+from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.models.user_models import ModelRefused, add_model, cache_name, open_model, remove_model
+from academus.shared.models.work import Batch
+from academus.shared.state.artifacts import read_manifest
+from academus.shared.state.catalogue import read_catalogue
+from academus.shared.training.shards import build, main
+from tests.models import roberta_specials, tiny_model_dir
+
+MODEL, SERVED = "tiny-enc", "tiny-enc-sentiment-sti"
+TEXTS = ["a quiet triumph of a film", "dull, long and loud"]
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("user-shards")
+    # intermediate 54: shards split the FFN's neurons evenly between the 3 heads
+    tiny_model_dir("roberta", False, root / "enc", seed=4, intermediate_size=54)
+    roberta_specials(root / "enc")
+    add_model(root / "artifacts", MODEL, root / "enc")
+    return root / "artifacts"
+
+
+@pytest.fixture(scope="module")
+def summary(artifacts: Path) -> dict:
+    return build(artifacts, MODEL, ["sentiment"], quick=True)
+
+
+def test_the_build_registers_the_users_model_served_from_its_shards(artifacts: Path, summary: dict) -> None:
+    assert summary["tasks"]["sentiment"]["served_as"] == SERVED
+    entry = read_catalogue(artifacts)[SERVED]
+    source = artifacts / read_catalogue(artifacts)[MODEL]["source"]
+    assert (entry["shards"], entry["base"], entry["task"]) == (f"shards/{MODEL}", MODEL, "sentiment")
+    assert entry["teacher"] == cache_name(MODEL, read_manifest(source))
+    store = ShardStore(shards_dir(artifacts, MODEL))
+    assert store.manifest.extra["config"]["model_type"] == "roberta" and store.verify()["ok"]
+    assert (store.manifest.extra["pooling"], store.manifest.extra["normalize"]) == ("mean", True)
+    assert store.tasks["sentiment"].widths == [1, 2, 3] and store.tasks["sentiment"].depths == [1, 2, 3]
+
+
+def test_a_worker_serves_it_with_the_users_tokenizer_and_encoder(artifacts: Path, summary: dict) -> None:
+    runner = ModelRunner(artifacts, [SERVED])
+    spec = runner.models[SERVED].spec
+    source = artifacts / read_catalogue(artifacts)[MODEL]["source"]
+    assert spec.tokenizer == read_manifest(source).files["tokenizer.json"] and spec.architecture == "RobertaModel"
+    assert runner.tokenizer_file(SERVED) == source / "tokenizer.json"
+    tokenizer = TeacherTokenizer(source, max_tokens=spec.max_tokens)
+    encoded = tokenizer.encode(TEXTS)
+    ids = [list(e.input_ids) for e in encoded]
+    result = runner.run(Batch(SERVED, OUTPUT_PROBS, [t for row in ids for t in row], [len(r) for r in ids]))
+    assert (result.shards.layers, result.shards.width, result.shards.mean_bits) == (3, 3, 32)   # no deadline
+    encoder, _, _ = open_model(source)
+    head = runner.models[SERVED].sti.model.heads[(3, 3)]
+    padded, mask, types = pad_batch(ids)
+    with torch.inference_mode():
+        expected = torch.softmax(head(encoder(padded, mask, types)), dim=-1)
+    torch.testing.assert_close(torch.from_numpy(result.values), expected, atol=1e-5, rtol=1e-5)
+    runner.models[SERVED].sti.close()
+
+
+def test_the_shard_cli_takes_the_users_model(artifacts: Path, summary: dict, capsys: pytest.CaptureFixture) -> None:
+    assert main(["info", "--model", MODEL, "--artifacts", str(artifacts)]) == 0
+    info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert info["geometry"] == {"layers": 3, "heads": 3, "hidden": 36, "intermediate": 54}
+    assert info["embedding_rows_bytes"] > info["resident_bytes"]
+
+
+def test_models_the_shards_cannot_cut_are_refused_before_anything_is_written(artifacts: Path, summary: dict,
+                                                                              tmp_path: Path) -> None:
+    tiny_model_dir("mpnet", False, tmp_path / "mpnet", seed=5)
+    tiny_model_dir("bert", False, tmp_path / "odd", seed=5)         # intermediate 52 over 3 heads
+    tiny_model_dir("bert", True, tmp_path / "clf", seed=5, intermediate_size=54)
+    for name, directory in (("tiny-mpnet", "mpnet"), ("tiny-odd", "odd"), ("tiny-clf", "clf")):
+        add_model(artifacts, name, tmp_path / directory)
+    with pytest.raises(ValueError, match="'tiny-mpnet' is MPNetModel: its layers add a relative-position bias"):
+        build(artifacts, "tiny-mpnet", ["sentiment"], quick=True)
+    with pytest.raises(ValueError, match="hidden and intermediate sizes must divide by the heads"):
+        build(artifacts, "tiny-odd", ["sentiment"], quick=True)
+    with pytest.raises(ValueError, match="'tiny-clf' is a classifier served with its own head"):
+        build(artifacts, "tiny-clf", ["sentiment"], quick=True)
+    assert not any(shards_dir(artifacts, n).exists() for n in ("tiny-mpnet", "tiny-odd", "tiny-clf"))
+    assert not {"tiny-mpnet-sentiment-sti", "tiny-odd-sentiment-sti"} & set(read_catalogue(artifacts))
+    for name in ("tiny-mpnet", "tiny-odd", "tiny-clf"):
+        remove_model(artifacts, name)
+
+
+def test_the_users_model_is_removed_only_after_its_shards(artifacts: Path, summary: dict) -> None:
+    with pytest.raises(ModelRefused, match=f"is cut into the shards of {SERVED}: remove those first"):
+        remove_model(artifacts, MODEL)
+    remove_model(artifacts, SERVED)
+    assert not shards_dir(artifacts, MODEL).exists() and SERVED not in read_catalogue(artifacts)
+    remove_model(artifacts, MODEL)
