@@ -291,9 +291,10 @@ def drop_page_cache(paths: list[Path]) -> None:
             os.close(fd)
 
 
-def cold_start(artifacts: Path, model: str, task: str, rounds: int) -> dict[str, Any]:
+def cold_start(artifacts: Path, model: str, task: str, rounds: int, teacher: str = "") -> dict[str, Any]:
     """A worker's loading of one model, then its first answer, in a fresh process with the model's files out of
-    the page cache: the teacher with the task's head (traced, as served, and untraced) against `<task>-sti` from
+    the page cache: the whole model served for the task (`teacher`: the task's classifier on the bundled teacher,
+    or a head on a user's model), traced as served and untraced, against `<task>-sti` (`<model>-<task>-sti`) from
     shards (cold reads): without a target, so that the first answer is the whole model at full precision, and with
     a target T of the whole model's compute, as a worker plans it under a deadline. Rounds alternate the order."""
     import subprocess
@@ -301,32 +302,37 @@ def cold_start(artifacts: Path, model: str, task: str, rounds: int) -> dict[str,
     import tempfile
 
     from academus.shared.models.teacher_files import teacher_dir
+    from academus.shared.models.user_models import HEAD_ON
     from academus.shared.state.catalogue import read_catalogue, write_entry
+    from academus.shared.training.shards import sti_model_name
 
     catalogue = read_catalogue(artifacts)
+    teacher, sti = teacher or task, sti_model_name(task, model)
     store = ShardStore(shards_dir(artifacts, model))
+    entries = {name: catalogue[name] for name in (teacher, catalogue[teacher].get(HEAD_ON), sti) if name}
+    teacher_paths = [artifacts / e[k] for e in entries.values() if "shards" not in e for k in ("head", "source")
+                     if k in e] + ([] if HEAD_ON in catalogue[teacher] else [teacher_dir()])
+    teacher_files = [f for path in teacher_paths for f in path.rglob("*") if f.is_file()]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        (root / "heads").mkdir()
-        (root / "heads" / task).symlink_to(artifacts / "heads" / task)
+        for part in ("heads", "models", "shard-profiles"):
+            if (artifacts / part).is_dir():
+                (root / part).symlink_to(artifacts / part)
         (root / "shards").mkdir()
         (root / "shards" / model).symlink_to(store.directory)
-        profiles = artifacts / "shard-profiles"
         profile = load_profile_or_none(artifacts, model, "cold")  # what `academus shard profile --io cold` writes
         if profile is None:
             profile = measure_profile(store, "cold")
             save_profile(artifacts, model, profile)
+            if not (root / "shard-profiles").exists():
+                (root / "shard-profiles").symlink_to(artifacts / "shard-profiles")
         tokens = len(COLD_START_IDS)
         whole_ms = store.geometry.layers * profile.layer_ms(store.geometry.heads, tokens) + profile.rest_ms(tokens)
-        (root / "shard-profiles").symlink_to(profiles)
-        write_entry(root, task, catalogue[task])
-        write_entry(root, f"{task}-sti", {"kind": "classification", "labels": store.tasks[task].labels,
-                                           "shards": f"shards/{model}", "task": task})
-        teacher_files = [*teacher_dir().glob("*.safetensors"), *(artifacts / "heads" / task).iterdir()]
+        for name, entry in entries.items():
+            write_entry(root, name, entry)
         shard_files = [*store.directory.iterdir()]
-        arms = {task: (task, "1", 0.0, teacher_files), f"{task} untraced": (task, "0", 0.0, teacher_files),
-                f"{task}-sti": (f"{task}-sti", "1", 0.0, shard_files),
-                f"{task}-sti, T = 1": (f"{task}-sti", "1", whole_ms, shard_files)}
+        arms = {teacher: (teacher, "1", 0.0, teacher_files), f"{teacher} untraced": (teacher, "0", 0.0, teacher_files),
+                sti: (sti, "1", 0.0, shard_files), f"{sti}, T = 1": (sti, "1", whole_ms, shard_files)}
         out: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
         for r in range(rounds):
             for name in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
@@ -337,11 +343,11 @@ def cold_start(artifacts: Path, model: str, task: str, rounds: int) -> dict[str,
                 out[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
     medians = {name: {k: round(statistics.median(run[k] for run in runs), 1) for k in runs[0]}
                for name, runs in out.items()}
-    ratios = {f"{sti} / {teacher}": {k: round(medians[sti][k] / medians[teacher][k], 3)
-                                      for k in ("ready_ms", "first_answer_ms")}
-              for sti in (f"{task}-sti", f"{task}-sti, T = 1") for teacher in (task, f"{task} untraced")}
-    return {"task": task, "rounds": rounds, "whole_model_ms": round(whole_ms, 2), "median_ms": medians,
-            "ratios": ratios}
+    ratios = {f"{a} / {b}": {k: round(medians[a][k] / medians[b][k], 3) for k in ("ready_ms", "first_answer_ms")}
+              for a in (sti, f"{sti}, T = 1") for b in (teacher, f"{teacher} untraced")}
+    return {"task": task, "model": model, "teacher": teacher, "rounds": rounds,
+            "teacher_file_bytes": sum(f.stat().st_size for f in teacher_files),
+            "whole_model_ms": round(whole_ms, 2), "median_ms": medians, "ratios": ratios}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -353,7 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preload-mb", default="1,4", help="preload buffer sizes of the sti arms, MB")
     p.add_argument("--runs", type=int, default=30)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--model", default="minilm")
+    p.add_argument("--model", default="minilm", help="the shards' model: minilm or a user's model")
+    p.add_argument("--teacher", default="", help="--cold-start: the whole model to compare with (default: the task's "
+                   "classifier; for a user's model, a head on it such as mpnet-sentiment)")
     p.add_argument("--artifacts", type=Path, default=None)
     p.add_argument("--quick", action="store_true", help="64 test texts (a smoke run)")
     p.add_argument("--out", type=Path, default=None)
@@ -367,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     artifacts = (args.artifacts or artifacts_dir()).resolve()
     if args.cold_start:
-        result = [cold_start(artifacts, args.model, task, args.cold_start) for task in args.task or ["sentiment"]]
+        result = [cold_start(artifacts, args.model, task, args.cold_start, args.teacher)
+                  for task in args.task or ["sentiment"]]
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "cold_start.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -51,6 +51,7 @@ SHARDS_KIND = "shards"
 
 
 RESIDENT = "resident.safetensors"
+RELATIVE_BIAS = "encoder.relative_attention_bias.weight"   # MPNet's, among the resident tensors
 
 
 def shards_dir(artifacts: Path, model: str) -> Path:

@@ -79,15 +79,38 @@ def groups(n: int) -> int:
 
 # --- cutting layers into shards and back ----------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class LayerParts:
+    """A transformer layer's projections and norms, named alike for BERT and RoBERTa (`attention.self.query`, ...)
+    and MPNet (`attention.attn.q`, ...)."""
+
+    query: nn.Linear
+    key: nn.Linear
+    value: nn.Linear
+    output: nn.Linear
+    attention_norm: nn.LayerNorm
+    ffn_in: nn.Linear
+    ffn_out: nn.Linear
+    output_norm: nn.LayerNorm
+
+    @classmethod
+    def of(cls, layer: nn.Module) -> LayerParts:
+        a = layer.attention
+        if hasattr(a, "attn"):     # MPNet
+            attention = (a.attn.q, a.attn.k, a.attn.v, a.attn.o, a.LayerNorm)
+        else:
+            attention = (a.self.query, a.self.key, a.self.value, a.output.dense, a.output.LayerNorm)
+        return cls(*attention, layer.intermediate.dense, layer.output.dense, layer.output.LayerNorm)
+
+
 def shard_vector(layer: nn.Module, geometry: ShardGeometry, shard: int) -> np.ndarray:
-    """Shard `shard` of a BERT-style layer as one flat float32 vector (Q, K, V rows; O, FFN1, FFN2 slices)."""
+    """Shard `shard` of a layer as one flat float32 vector (Q, K, V rows; O, FFN1, FFN2 slices)."""
     d, f = geometry.head_dim, geometry.neurons
     heads, neurons = slice(shard * d, (shard + 1) * d), slice(shard * f, (shard + 1) * f)
-    attention = layer.attention
-    parts = [attention.self.query.weight[heads], attention.self.key.weight[heads],
-             attention.self.value.weight[heads], attention.output.dense.weight[:, heads],
-             layer.intermediate.dense.weight[neurons], layer.output.dense.weight[:, neurons]]
-    return torch.cat([p.detach().float().reshape(-1) for p in parts]).numpy()
+    p = LayerParts.of(layer)
+    parts = [p.query.weight[heads], p.key.weight[heads], p.value.weight[heads], p.output.weight[:, heads],
+             p.ffn_in.weight[neurons], p.ffn_out.weight[:, neurons]]
+    return torch.cat([w.detach().float().reshape(-1) for w in parts]).numpy()
 
 
 def layer_vector(layer: nn.Module, geometry: ShardGeometry) -> np.ndarray:
@@ -129,10 +152,9 @@ class LayerResident:
 
     @classmethod
     def of(cls, layer: nn.Module) -> LayerResident:
-        a = layer.attention
-        return cls(a.self.query.bias.detach(), a.self.key.bias.detach(), a.self.value.bias.detach(),
-                   a.output.dense.bias.detach(), a.output.LayerNorm, layer.intermediate.dense.bias.detach(),
-                   layer.output.dense.bias.detach(), layer.output.LayerNorm)
+        p = LayerParts.of(layer)
+        return cls(p.query.bias.detach(), p.key.bias.detach(), p.value.bias.detach(), p.output.bias.detach(),
+                   p.attention_norm, p.ffn_in.bias.detach(), p.ffn_out.bias.detach(), p.output_norm)
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         return {f"{prefix}.{name}": t.detach().contiguous() for name, t in (
@@ -171,6 +193,7 @@ class LayerWeights:
     value_bias: torch.Tensor
     ffn_in_bias: torch.Tensor
     width: int
+    heads: torch.Tensor       # the shards' indices: their heads' rows of a relative-position bias
 
     @classmethod
     def assemble(cls, shards: Sequence[int], weights: Sequence[ShardWeights], resident: LayerResident,
@@ -184,23 +207,27 @@ class LayerWeights:
                    torch.cat([w.value for w in weights]), torch.cat([w.output for w in weights], dim=1),
                    torch.cat([w.ffn_in for w in weights]), torch.cat([w.ffn_out for w in weights], dim=1),
                    resident.query_bias[heads], resident.key_bias[heads], resident.value_bias[heads],
-                   resident.ffn_in_bias[neurons], len(shards))
+                   resident.ffn_in_bias[neurons], len(shards), index)
 
 
 def elastic_layer(hidden: torch.Tensor, key_mask: torch.Tensor, resident: LayerResident, layer: LayerWeights,
-                  geometry: ShardGeometry) -> torch.Tensor:
-    """A BERT layer run on a subset of its shards: attention over their heads, the output projection from their
+                  geometry: ShardGeometry, position_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A layer run on a subset of its shards: attention over their heads, the output projection from their
     columns, the FFN over their neurons. With every shard at full precision it is the original layer.
-    `key_mask`: [B, 1, 1, T] booleans, True where a token is real."""
+    `key_mask`: [B, 1, 1, T] booleans, True where a token is real; `position_bias`: MPNet's [B, heads, T, T], added
+    to the scores of the shards' heads."""
     d = geometry.head_dim
     b, t, _ = hidden.shape
 
     def heads(weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(hidden, weight, bias).view(b, t, layer.width, d).transpose(1, 2)
 
+    mask = key_mask
+    if position_bias is not None:
+        mask = position_bias.index_select(1, layer.heads).masked_fill(~key_mask, float("-inf"))
     context = nn.functional.scaled_dot_product_attention(
         heads(layer.query, layer.query_bias), heads(layer.key, layer.key_bias),
-        heads(layer.value, layer.value_bias), attn_mask=key_mask)
+        heads(layer.value, layer.value_bias), attn_mask=mask)
     context = context.transpose(1, 2).reshape(b, t, layer.width * d)
     attended = resident.attention_norm(nn.functional.linear(context, layer.output, resident.output_bias) + hidden)
     inner = nn.functional.gelu(nn.functional.linear(attended, layer.ffn_in, layer.ffn_in_bias))

@@ -28,7 +28,7 @@ from torch import nn
 
 from academus.shared.models.architectures import family_module, read_architecture
 from academus.shared.models.model import MEAN, ClassifierHead, body_inputs, mean_pool, padded_positions
-from academus.shared.models.shard_store import ShardStore
+from academus.shared.models.shard_store import RELATIVE_BIAS, ShardStore
 from academus.shared.models.shards import LayerWeights, ShardWeights, elastic_layer, key_mask
 from academus.shared.models.sti_planner import Plan
 from academus.shared.state.artifacts import ArtifactError
@@ -147,8 +147,23 @@ class ElasticModel(nn.Module):
         if unexpected or any(not name.endswith("_ids") for name in missing):   # buffers are rebuilt
             raise ArtifactError(f"{store.directory}: embeddings missing {missing}, unexpected {unexpected}")
         self.residents = [store.layer_resident(k) for k in range(store.geometry.layers)]
+        self.relative = self._relative_bias(config) if self.architecture.family.relative_attention else None
         self.heads: dict[tuple[int, int], ClassifierHead] = heads if heads is not None else store.heads(task)
         self.labels = list(labels) or (store.tasks[task].labels if task in store.tasks else [])
+
+    def _relative_bias(self, config: object) -> nn.Module:
+        """MPNet's relative-position bias table (shared by its layers), in an encoder of no layers that computes
+        the bias as the model does."""
+        config.num_hidden_layers = 0
+        with torch.device("meta"):
+            encoder = family_module(self.architecture.family, "Encoder")(config)
+        encoder = encoder.to_empty(device="cpu").eval()
+        encoder.relative_attention_bias.load_state_dict({"weight": self.store.resident[RELATIVE_BIAS]})
+        return encoder
+
+    def position_bias(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[B, heads, T, T] for MPNet, computed once a batch for every layer; None for BERT and RoBERTa."""
+        return None if self.relative is None else self.relative.compute_position_bias(hidden)
 
     def embed(self, ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor | None = None) -> torch.Tensor:
         return self.embed_rows(self.rows.read(ids, self.source), types)
@@ -172,8 +187,12 @@ class ElasticModel(nn.Module):
         return [self.assemble(k, shards, [bank[(k, s, plan.bits[(k, s)])] for s in shards])
                 for k, shards in enumerate(plan.shards)]
 
-    def layer(self, hidden: torch.Tensor, mask: torch.Tensor, layer: int, weights: LayerWeights) -> torch.Tensor:
-        return elastic_layer(hidden, key_mask(mask), self.residents[layer], weights, self.store.geometry)
+    def layer(self, hidden: torch.Tensor, mask: torch.Tensor, layer: int, weights: LayerWeights,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        """One layer on the shards at hand. `bias`: `position_bias` of the batch (computed here when not given)."""
+        if bias is None:
+            bias = self.position_bias(hidden)
+        return elastic_layer(hidden, key_mask(mask), self.residents[layer], weights, self.store.geometry, bias)
 
     def finish(self, hidden: torch.Tensor, mask: torch.Tensor, depth: int, width: int) -> torch.Tensor:
         """The shape's head on the pooled output: [B, C] probabilities."""
@@ -188,8 +207,9 @@ class ElasticModel(nn.Module):
         """A submodel whose layers are at hand (PreloadModel, or an evaluation) on a padded batch: [B, C]
         probabilities."""
         hidden = self.embed(ids, mask, types)
+        bias = self.position_bias(hidden)
         for k, layer in enumerate(layers):
-            hidden = self.layer(hidden, mask, k, layer)
+            hidden = self.layer(hidden, mask, k, layer, bias)
         return self.finish(hidden, mask, len(layers), layers[0].width)
 
 
@@ -285,6 +305,7 @@ class ShardPipeline:
             rows = self.model.rows.read(ids, self.source)   # the compute waits for them: IO and stall alike
             stall = rows_s = time.perf_counter() - began
             hidden = self.model.embed_rows(rows, types)
+            bias = self.model.position_bias(hidden)
             if not plan.overlap:               # Load&Exec: the whole submodel first (no lookahead bound)
                 waited = time.perf_counter()
                 ready[-1].wait()
@@ -298,7 +319,7 @@ class ShardPipeline:
                 if deadline is not None and time.perf_counter() > deadline:
                     raise DeadlineMissed(f"the deadline passed before layer {k} of {plan.depth}")
                 began = time.perf_counter()
-                hidden = self.model.layer(hidden, mask, k, out.pop(k))
+                hidden = self.model.layer(hidden, mask, k, out.pop(k), bias)
                 compute += time.perf_counter() - began
                 if room is not None:
                     room.release()

@@ -36,6 +36,7 @@ import torch
 
 from academus.shared.models.model import ClassifierHead, TeacherEncoder, pad_batch
 from academus.shared.models.shard_store import (
+    RELATIVE_BIAS,
     ShardStore,
     add_task,
     shape_key,
@@ -124,6 +125,8 @@ def write_encoder_shards(directory: Path, encoder: TeacherEncoder, teacher: str,
     embeddings = encoder.body.embeddings
     resident |= {f"embeddings.{k}": v for k, v in embeddings.state_dict().items()
                  if not k.endswith("_ids") and not k.startswith("word_embeddings.")}
+    if encoder.architecture.family.relative_attention:
+        resident[RELATIVE_BIAS] = encoder.body.encoder.relative_attention_bias.weight.detach()
     write_shard_artifact(directory, teacher=teacher, geometry=geometry, layer_norm_eps=config.layer_norm_eps,
                          blobs=blobs, resident=resident, heads={}, tasks={},
                          extra={**extra, "config": _config_dict(config), "pooling": encoder.pooling,
@@ -155,8 +158,9 @@ class Evaluator:
                   for k, layer in enumerate(shards)]
         for batch, ids, mask, types in self.batches:
             hidden = self.model.embed(ids, mask, types)
+            bias = self.model.position_bias(hidden)
             for k, layer in enumerate(layers):
-                hidden = self.model.layer(hidden, mask, k, layer)
+                hidden = self.model.layer(hidden, mask, k, layer, bias)
                 out[batch, k] = self.model.pool(hidden, mask)
         return out
 
@@ -245,9 +249,6 @@ def build(artifacts: Path, model: str, tasks: Sequence[str], data_dir: Path | No
             raise ValueError(f"unknown task {task!r}; known tasks: {', '.join(TASKS)}")
     started = time.perf_counter()
     encoder = base.encoder()
-    if encoder.architecture.family.relative_attention:   # checked before anything is written
-        raise ValueError(f"--model {model!r} is {encoder.architecture.name}: its layers add a relative-position "
-                         f"bias the elastic layer does not; shards cut BERT and RoBERTa layers")
     directory = shards_dir(artifacts, model)
     write_encoder_shards(directory, encoder, base.identity(), {"model": model, "quick": quick}, log)
     store = ShardStore(directory)
@@ -315,8 +316,9 @@ def _gold(examples: Sequence[Example]) -> torch.Tensor:
 
 def _config_dict(config: Any) -> dict[str, Any]:
     keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-            "hidden_act", "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "pad_token_id")
-    return {k: getattr(config, k) for k in keys}
+            "hidden_act", "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "pad_token_id",
+            "relative_attention_num_buckets")
+    return {k: getattr(config, k) for k in keys if hasattr(config, k)}
 
 
 def _sizes(store: ShardStore) -> dict[str, int]:
@@ -460,7 +462,7 @@ def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--artifacts", type=Path, default=None)
     common.add_argument("--model", default="minilm",
-                        help="minilm (the teacher), a user's BERT or RoBERTa embedding model, or a student group "
+                        help="minilm (the teacher), a user's BERT, RoBERTa or MPNet embedding model, or a student group "
                              "such as sentiment-students (build, info, verify)")
     p = argparse.ArgumentParser(prog="academus shard", description="Elastic shards of the teacher (STI).")
     sub = p.add_subparsers(dest="command", required=True)

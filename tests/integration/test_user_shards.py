@@ -1,8 +1,8 @@
-"""STI on a user's model: `academus shard build --model NAME` cuts a user's RoBERTa embedding model (added with
-`models add`) into shards, fits a head a submodel shape on the bundled task (the whole model's too: a user's
-model brings no head), and registers `NAME-<task>-sti`; a worker serves it with the user's tokenizer, and with
-time enough its answer is the user's own encoder, pooled as it is served, under the fitted head. Models the
-shards cannot cut are refused before anything is written."""
+"""STI on a user's model: `academus shard build --model NAME` cuts a user's MPNet embedding model (added with
+`models add`; a relative-position bias a head, positions from 2) into shards, fits a head a submodel shape on the
+bundled task (the whole model's too: a user's model brings no head), and registers `NAME-<task>-sti`. A worker
+serves it with the user's tokenizer, and with time enough its answer is the user's own encoder, pooled as it is
+served, under the fitted head. Models the shards cannot cut are refused before anything is written."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ TEXTS = ["a quiet triumph of a film", "dull, long and loud"]
 def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("user-shards")
     # intermediate 54: shards split the FFN's neurons evenly between the 3 heads
-    tiny_model_dir("roberta", False, root / "enc", seed=4, intermediate_size=54)
+    tiny_model_dir("mpnet", False, root / "enc", seed=4, intermediate_size=54)
     roberta_specials(root / "enc")
     add_model(root / "artifacts", MODEL, root / "enc")
     return root / "artifacts"
@@ -49,7 +49,7 @@ def test_the_build_registers_the_users_model_served_from_its_shards(artifacts: P
     assert (entry["shards"], entry["base"], entry["task"]) == (f"shards/{MODEL}", MODEL, "sentiment")
     assert entry["teacher"] == cache_name(MODEL, read_manifest(source))
     store = ShardStore(shards_dir(artifacts, MODEL))
-    assert store.manifest.extra["config"]["model_type"] == "roberta" and store.verify()["ok"]
+    assert store.manifest.extra["config"]["model_type"] == "mpnet" and store.verify()["ok"]
     assert (store.manifest.extra["pooling"], store.manifest.extra["normalize"]) == ("mean", True)
     assert store.tasks["sentiment"].widths == [1, 2, 3] and store.tasks["sentiment"].depths == [1, 2, 3]
 
@@ -58,7 +58,7 @@ def test_a_worker_serves_it_with_the_users_tokenizer_and_encoder(artifacts: Path
     runner = ModelRunner(artifacts, [SERVED])
     spec = runner.models[SERVED].spec
     source = artifacts / read_catalogue(artifacts)[MODEL]["source"]
-    assert spec.tokenizer == read_manifest(source).files["tokenizer.json"] and spec.architecture == "RobertaModel"
+    assert spec.tokenizer == read_manifest(source).files["tokenizer.json"] and spec.architecture == "MPNetModel"
     assert runner.tokenizer_file(SERVED) == source / "tokenizer.json"
     tokenizer = TeacherTokenizer(source, max_tokens=spec.max_tokens)
     encoded = tokenizer.encode(TEXTS)
@@ -83,20 +83,17 @@ def test_the_shard_cli_takes_the_users_model(artifacts: Path, summary: dict, cap
 
 def test_models_the_shards_cannot_cut_are_refused_before_anything_is_written(artifacts: Path, summary: dict,
                                                                               tmp_path: Path) -> None:
-    tiny_model_dir("mpnet", False, tmp_path / "mpnet", seed=5)
     tiny_model_dir("bert", False, tmp_path / "odd", seed=5)         # intermediate 52 over 3 heads
     tiny_model_dir("bert", True, tmp_path / "clf", seed=5, intermediate_size=54)
-    for name, directory in (("tiny-mpnet", "mpnet"), ("tiny-odd", "odd"), ("tiny-clf", "clf")):
+    for name, directory in (("tiny-odd", "odd"), ("tiny-clf", "clf")):
         add_model(artifacts, name, tmp_path / directory)
-    with pytest.raises(ValueError, match="'tiny-mpnet' is MPNetModel: its layers add a relative-position bias"):
-        build(artifacts, "tiny-mpnet", ["sentiment"], quick=True)
     with pytest.raises(ValueError, match="hidden and intermediate sizes must divide by the heads"):
         build(artifacts, "tiny-odd", ["sentiment"], quick=True)
     with pytest.raises(ValueError, match="'tiny-clf' is a classifier served with its own head"):
         build(artifacts, "tiny-clf", ["sentiment"], quick=True)
-    assert not any(shards_dir(artifacts, n).exists() for n in ("tiny-mpnet", "tiny-odd", "tiny-clf"))
-    assert not {"tiny-mpnet-sentiment-sti", "tiny-odd-sentiment-sti"} & set(read_catalogue(artifacts))
-    for name in ("tiny-mpnet", "tiny-odd", "tiny-clf"):
+    assert not any(shards_dir(artifacts, n).exists() for n in ("tiny-odd", "tiny-clf"))
+    assert "tiny-odd-sentiment-sti" not in read_catalogue(artifacts)
+    for name in ("tiny-odd", "tiny-clf"):
         remove_model(artifacts, name)
 
 

@@ -209,9 +209,10 @@ def test_full_precision_full_width_submodel_equals_the_encoder(store_dir) -> Non
     torch.testing.assert_close(hidden[mask.bool()], reference[mask.bool()], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family,pooling", [("bert", "cls"), ("roberta", "mean")])
+@pytest.mark.parametrize("family,pooling", [("bert", "cls"), ("roberta", "mean"), ("mpnet", "mean")])
 def test_a_user_encoders_full_precision_shards_equal_it(family: str, pooling: str, tmp_path: Path) -> None:
-    """BERT and RoBERTa (positions from its padding index + 1, one token type), pooled as the user's model is."""
+    """BERT, RoBERTa (positions from its padding index + 1, one token type) and MPNet (no token types, a
+    relative-position bias a head), pooled as the user's model is; through the pipeline too."""
     from tests.models import tiny_model
 
     # intermediate 54: shards split the FFN's neurons evenly between the heads
@@ -231,6 +232,14 @@ def test_a_user_encoders_full_precision_shards_equal_it(family: str, pooling: st
                 k, s, FULL)) for k in range(store.geometry.layers) for s in range(store.geometry.heads)})):
             hidden = model.layer(hidden, mask, k, layer)
         torch.testing.assert_close(model.pool(hidden, mask), encoder(ids, mask, types), atol=1e-5, rtol=1e-5)
+        head = ClassifierHead(["a", "b"], store.geometry.hidden)
+        model.heads[(store.geometry.layers, store.geometry.heads)] = head
+        expected = torch.softmax(head(encoder(ids, mask, types)), dim=-1)
+    pipeline = ShardPipeline(model, io_source("file"))
+    try:
+        torch.testing.assert_close(pipeline.run(full, ids, mask, types).probs, expected, atol=1e-5, rtol=1e-5)
+    finally:
+        pipeline.close()
 
 
 def test_preloaded_shards_are_not_read(store_dir) -> None:
