@@ -462,8 +462,8 @@ def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--artifacts", type=Path, default=None)
     common.add_argument("--model", default="minilm",
-                        help="minilm (the teacher), a user's BERT, RoBERTa or MPNet embedding model, or a student group "
-                             "such as sentiment-students (build, info, verify)")
+                        help="minilm (the teacher), a user's BERT, RoBERTa or MPNet embedding model, or a student "
+                             "group such as sentiment-students (build, info, verify)")
     p = argparse.ArgumentParser(prog="academus shard", description="Elastic shards of the teacher (STI).")
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", parents=[common], help="quantized shards, importance per task, heads per shape")
