@@ -21,10 +21,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
+
+from academus.shared.models.architectures import FAMILIES, family_module
 
 BITS = (2, 3, 4, 5, 6)
 FULL = 32
@@ -44,6 +47,10 @@ class ShardGeometry:
     heads: int
     hidden: int
     intermediate: int
+
+    def __post_init__(self) -> None:
+        if self.hidden % self.heads or self.intermediate % self.heads:   # else a remainder would be dropped
+            raise ValueError(f"{self}: hidden and intermediate sizes must divide by the heads")
 
     @property
     def head_dim(self) -> int:
@@ -66,11 +73,8 @@ class ShardGeometry:
 
     @classmethod
     def of(cls, config: object) -> ShardGeometry:
-        geometry = cls(int(config.num_hidden_layers), int(config.num_attention_heads), int(config.hidden_size),
-                       int(config.intermediate_size))
-        if geometry.hidden % geometry.heads or geometry.intermediate % geometry.heads:
-            raise ValueError(f"{geometry}: hidden and intermediate sizes must divide by the heads")
-        return geometry
+        return cls(int(config.num_hidden_layers), int(config.num_attention_heads), int(config.hidden_size),
+                   int(config.intermediate_size))
 
 
 def groups(n: int) -> int:
@@ -233,6 +237,19 @@ def elastic_layer(hidden: torch.Tensor, key_mask: torch.Tensor, resident: LayerR
     inner = nn.functional.gelu(nn.functional.linear(attended, layer.ffn_in, layer.ffn_in_bias))
     out = nn.functional.linear(inner, layer.ffn_out, resident.ffn_out_bias)
     return resident.output_norm(out + attended)
+
+
+def relative_bias(settings: dict[str, Any], heads: int, table: torch.Tensor) -> nn.Module:
+    """MPNet's relative-position bias table (buckets × heads, shared by a model's layers) in an encoder of no layers,
+    whose `compute_position_bias` computes the bias as the model does. `settings`: config keys, `model_type` too."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(**{**settings, "num_hidden_layers": 0, "num_attention_heads": heads})
+    with torch.device("meta"):
+        encoder = family_module(FAMILIES[config.model_type], "Encoder")(config)
+    encoder = encoder.to_empty(device="cpu").eval()
+    encoder.relative_attention_bias.load_state_dict({"weight": table})
+    return encoder
 
 
 def key_mask(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ from torch import nn
 from academus.shared.models.architectures import family_module, read_architecture
 from academus.shared.models.model import MEAN, ClassifierHead, body_inputs, mean_pool, padded_positions
 from academus.shared.models.shard_store import RELATIVE_BIAS, ShardStore
-from academus.shared.models.shards import LayerWeights, ShardWeights, elastic_layer, key_mask
+from academus.shared.models.shards import LayerWeights, ShardWeights, elastic_layer, key_mask, relative_bias
 from academus.shared.models.sti_planner import Plan
 from academus.shared.state.artifacts import ArtifactError
 
@@ -147,19 +147,10 @@ class ElasticModel(nn.Module):
         if unexpected or any(not name.endswith("_ids") for name in missing):   # buffers are rebuilt
             raise ArtifactError(f"{store.directory}: embeddings missing {missing}, unexpected {unexpected}")
         self.residents = [store.layer_resident(k) for k in range(store.geometry.layers)]
-        self.relative = self._relative_bias(config) if self.architecture.family.relative_attention else None
+        self.relative = (relative_bias(settings, store.geometry.heads, store.resident[RELATIVE_BIAS])
+                         if self.architecture.family.relative_attention else None)
         self.heads: dict[tuple[int, int], ClassifierHead] = heads if heads is not None else store.heads(task)
         self.labels = list(labels) or (store.tasks[task].labels if task in store.tasks else [])
-
-    def _relative_bias(self, config: object) -> nn.Module:
-        """MPNet's relative-position bias table (shared by its layers), in an encoder of no layers that computes
-        the bias as the model does."""
-        config.num_hidden_layers = 0
-        with torch.device("meta"):
-            encoder = family_module(self.architecture.family, "Encoder")(config)
-        encoder = encoder.to_empty(device="cpu").eval()
-        encoder.relative_attention_bias.load_state_dict({"weight": self.store.resident[RELATIVE_BIAS]})
-        return encoder
 
     def position_bias(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[B, heads, T, T] for MPNet, computed once a batch for every layer; None for BERT and RoBERTa."""

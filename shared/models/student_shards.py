@@ -21,7 +21,7 @@ from torch import nn
 
 from academus.shared.models.model import mean_pool
 from academus.shared.models.shard_store import ShardStore
-from academus.shared.models.shards import LayerResident, LayerWeights, elastic_layer, key_mask
+from academus.shared.models.shards import LayerResident, LayerWeights, elastic_layer, key_mask, relative_bias
 from academus.shared.models.sti_pipeline import FileSource
 from academus.shared.state.artifacts import WEIGHTS, ArtifactError, read_manifest
 
@@ -33,17 +33,19 @@ class ElasticStudent(nn.Module):
     """A student whose layers run from decoded shards: the call and the outputs of `Student` (S_N, S_⌈N/2⌉)."""
 
     def __init__(self, index: int, bits: int, residents: Sequence[LayerResident], layers: Sequence[LayerWeights],
-                 store: ShardStore) -> None:
+                 store: ShardStore, relative: nn.Module | None = None) -> None:
+        """`relative`: an MPNet student's encoder of no layers, holding its relative-position bias table."""
         super().__init__()
         self.index, self.bits, self.geometry = index, bits, store.geometry
-        self.residents, self.weights = list(residents), list(layers)
+        self.residents, self.weights, self.relative = list(residents), list(layers), relative
         self.middle = -(-len(self.weights) // 2)
 
     def forward(self, hidden: torch.Tensor, _mask4d: torch.Tensor | None,
                 attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         mask, middle = key_mask(attention_mask), hidden
+        bias = None if self.relative is None else self.relative.compute_position_bias(hidden)
         for i, (resident, weights) in enumerate(zip(self.residents, self.weights, strict=True), start=1):
-            hidden = elastic_layer(hidden, mask, resident, weights, self.geometry)
+            hidden = elastic_layer(hidden, mask, resident, weights, self.geometry, bias)
             if i == self.middle:
                 middle = hidden
         return mean_pool(hidden, attention_mask), mean_pool(middle, attention_mask)
@@ -83,10 +85,23 @@ class StudentShards:
             resident = self.store.layer_resident(k)
             layers.append(_on(LayerWeights.assemble(list(shards), weights, resident, self.store.geometry), device))
             residents.append(_on(resident, device))
-        return ElasticStudent(student, bits, residents, layers, self.store)
+        return ElasticStudent(student, bits, residents, layers, self.store, self._relative(student, device))
+
+    def _relative(self, student: int, device: torch.device | str) -> nn.Module | None:
+        """An MPNet student's position-bias table (None for BERT and RoBERTa)."""
+        settings = self.store.manifest.extra.get("relative_attention")
+        if settings is None:
+            return None
+        table = self.store.resident[relative_bias_key(student)]
+        return relative_bias(settings, self.store.geometry.heads, table).to(device)
 
     def _layers(self, student: int) -> range:
         return range(student * self.layers, (student + 1) * self.layers)
+
+
+def relative_bias_key(student: int) -> str:
+    """Where a student's relative-position bias table lies among the artifact's resident tensors (MPNet)."""
+    return f"student{student}.relative_attention_bias.weight"
 
 
 def _on(weights: LayerWeights | LayerResident, device: torch.device | str) -> LayerWeights | LayerResident:

@@ -19,19 +19,22 @@ from typing import Any
 
 import torch
 
-from academus.shared.models.model import TeacherEncoder
 from academus.shared.models.shard_store import shards_dir, write_shard_artifact
 from academus.shared.models.shards import BITS, FIDELITY_TOLERANCE, FULL, ShardGeometry, quantize_layers
 from academus.shared.models.sti_pipeline import FileSource
-from academus.shared.models.student_shards import STUDENT_SHARDS, STUDENT_SHARDS_KIND, StudentShards
+from academus.shared.models.student_shards import (
+    STUDENT_SHARDS,
+    STUDENT_SHARDS_KIND,
+    StudentShards,
+    relative_bias_key,
+)
 from academus.shared.models.students import Members, StudentGroup
-from academus.shared.models.teacher_files import teacher_dir
-from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.models.user_models import STUDENTS_OF
 from academus.shared.state.artifacts import WEIGHTS, read_manifest, write_manifest
 from academus.shared.state.catalogue import read_catalogue, write_entry
 from academus.shared.training.data import Example, fetch, load_task
-from academus.shared.training.prepare import MAX_TOKENS, load_head, padded_batches, subsample
+from academus.shared.training.distill_data import Teacher
+from academus.shared.training.prepare import load_head, padded_batches, subsample
 from academus.shared.training.student_artifacts import load_student_group, students_dir
 
 DEV_TEXTS, QUICK_DEV_TEXTS = 500, 48
@@ -42,15 +45,20 @@ def log(message: str) -> None:
 
 
 def group_entry(artifacts: Path, model: str) -> dict[str, Any]:
-    """The catalogue entry of a bundled task's student group, or a ValueError saying what `--model` takes."""
+    """The catalogue entry of a student group, or a ValueError saying what `--model` takes."""
     entry = read_catalogue(artifacts).get(model)
     if entry is None or "students" not in entry:
         raise ValueError(f"--model {model!r} is neither minilm, a user's embedding model nor a student group in the "
                          f"catalogue")
-    if entry.get(STUDENTS_OF):
-        raise ValueError(f"--model {model!r}: shards are built for the bundled teacher's student groups; "
-                         f"{model} was distilled from the user's model {entry[STUDENTS_OF]!r}")
     return entry
+
+
+def group_teacher(artifacts: Path, entry: dict[str, Any]) -> Teacher:
+    """The teacher a group was distilled from, with its tokenizer and the task's head: the bundled teacher, or a
+    user's model (a head on one, or its own classifier's head)."""
+    if entry.get(STUDENTS_OF):
+        return Teacher.user(artifacts, entry["teacher"])
+    return replace(Teacher.bundled(), head=load_head(artifacts, entry.get("task", "")))
 
 
 def build_students(artifacts: Path, model: str, data_dir: Path | None = None, quick: bool = False) -> dict[str, Any]:
@@ -64,22 +72,24 @@ def build_students(artifacts: Path, model: str, data_dir: Path | None = None, qu
         raise ValueError(f"--model {model!r} has no labels: the floor bit width is measured on a classifier's "
                          f"accuracy")
     layers = [layer for student in group.students for layer in student.encoder.layer]
-    if not hasattr(layers[0], "attention") or group.architecture.family.relative_attention:
-        raise ValueError(f"--model {model!r}: its students are {group.architecture.name} layers; shards cut BERT "
-                         f"and RoBERTa layers")
     config = group.config
     geometry = ShardGeometry(len(layers), config.num_attention_heads, config.hidden_size, config.intermediate_size)
     blobs, resident = quantize_layers(layers, geometry, log)
+    extra = {"model": model, "of": STUDENT_SHARDS_KIND, "students": group.max_students,
+             "student_layers": group.layers, "min_bits": FULL, "quick": quick}
+    if group.architecture.family.relative_attention:   # each student's own bias table (MPNet)
+        resident |= {relative_bias_key(m): student.encoder.relative_attention_bias.weight.detach()
+                     for m, student in enumerate(group.students)}
+        extra["relative_attention"] = {"model_type": config.model_type,
+                                       "relative_attention_num_buckets": config.relative_attention_num_buckets}
     directory = shards_dir(artifacts, model)
     group_manifest = read_manifest(students_dir(artifacts, key))
-    extra = {"model": model, "of": STUDENT_SHARDS_KIND, "students": group.max_students,
-             "student_layers": group.layers, "group_sha256": group_manifest.files[WEIGHTS], "min_bits": FULL,
-             "quick": quick}
+    extra["group_sha256"] = group_manifest.files[WEIGHTS]
     write_shard_artifact(directory, teacher=group_manifest.teacher, geometry=geometry,
                          layer_norm_eps=config.layer_norm_eps, blobs=blobs, resident=resident, heads={}, tasks={},
                          extra=extra)
     shards = StudentShards(directory)
-    fidelity = measure_fidelity(group, shards, artifacts, task, data_dir, quick)
+    fidelity = measure_fidelity(group, shards, artifacts, entry, data_dir, quick)
     manifest = read_manifest(directory)
     write_manifest(directory, replace(manifest, extra={**manifest.extra, "min_bits": fidelity["min_bits"],
                                                        "fidelity": fidelity}))
@@ -96,13 +106,12 @@ class GroupEvaluation:
     """A group's predictions on labelled texts, with students standing in (`members`), scored against the gold
     labels and against the teacher's own predictions (the agreement distillation reports)."""
 
-    def __init__(self, group: StudentGroup, artifacts: Path, task: str, examples: Sequence[Example]) -> None:
+    def __init__(self, group: StudentGroup, teacher: Teacher, examples: Sequence[Example]) -> None:
         self.group, self.n = group, len(examples)
-        self.batches = list(padded_batches(TeacherTokenizer(teacher_dir(), max_tokens=MAX_TOKENS),
-                                           [e.text for e in examples], 64))
+        self.batches = list(padded_batches(teacher.tokenizer, [e.text for e in examples], 64))
         self.gold = torch.tensor([int(e.label) for e in examples])
-        teacher, head = TeacherEncoder.load(), load_head(artifacts, task)
-        self.teacher = self._each(lambda ids, mask, types: head(teacher(ids, mask, types)))
+        encoder, head = teacher.encoder, teacher.head
+        self.teacher = self._each(lambda ids, mask, types: head(encoder(ids, mask, types)))
 
     @torch.inference_mode()
     def _each(self, logits: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -121,13 +130,14 @@ class GroupEvaluation:
                 "teacher_agreement": round((predictions == self.teacher).float().mean().item(), 4)}
 
 
-def measure_fidelity(group: StudentGroup, shards: StudentShards, artifacts: Path, task: str, data_dir: Path | None,
-                     quick: bool) -> dict[str, Any]:
+def measure_fidelity(group: StudentGroup, shards: StudentShards, artifacts: Path, entry: dict[str, Any],
+                     data_dir: Path | None, quick: bool) -> dict[str, Any]:
     """The whole group at full precision on dev texts, and the group with each student in turn at b bits; the
     floor: the fewest bits whose every such group keeps its accuracy and its agreement with the teacher within
     FIDELITY_TOLERANCE of full precision's."""
+    task = entry.get("task", "")
     dev = subsample(load_task(task, fetch(data_dir)).validation, QUICK_DEV_TEXTS if quick else DEV_TEXTS)
-    evaluation = GroupEvaluation(group, artifacts, task, dev)
+    evaluation = GroupEvaluation(group, group_teacher(artifacts, entry), dev)
     full = evaluation.scores(evaluation.predictions())
     by_bits: dict[str, list[dict[str, float]]] = {}
     floor, source = FULL, FileSource()

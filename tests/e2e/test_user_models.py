@@ -27,6 +27,8 @@ from academus.shared.models.model import TeacherEncoder, mean_pool, pad_batch
 from academus.shared.models.plot import PlotStore
 from academus.shared.models.plot.hierarchical import HierarchicalEncoder
 from academus.shared.models.shard_store import ShardStore
+from academus.shared.models.sti_pipeline import FileSource
+from academus.shared.models.student_shards import open_student_shards
 from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.user_models import add_model, open_model
 from academus.shared.runtime.config import artifacts_dir
@@ -203,7 +205,7 @@ def test_students_distilled_from_a_users_model_serve_with_its_tokenizer(user_mes
                                                                         tmp_path: Path) -> None:
     """MPNet students (relative-position bias, positions from 2) of a head on a user's MPNet, distilled --quick,
     served through the mesh equal to the group's own forward on the model's tokenization."""
-    tiny_model_dir("mpnet", False, tmp_path / "deep")
+    tiny_model_dir("mpnet", False, tmp_path / "deep", intermediate_size=54)   # shards split the FFN evenly
     assert academus(user_mesh, "models", "add", "deep", "--from", tmp_path / "deep").returncode == 0
     steps = [("heads", "train", "--model", "deep", "--task", "sentiment"),
              ("distill", "--model", "deep-sentiment", "--quick")]
@@ -227,6 +229,19 @@ def test_students_distilled_from_a_users_model_serve_with_its_tokenizer(user_mes
     refused = academus(user_mesh, "models", "remove", "deep-sentiment")
     assert refused.returncode == 2 and "teacher of the student groups deep-sentiment-2l, deep-sentiment-students" \
         in refused.stderr
+    # its students cut into shards (STI): at full precision each equals the group's own MPNet student
+    built = academus(user_mesh, "shard", "build", "--model", "deep-sentiment-students", "--quick")
+    assert built.returncode == 0, built.stderr[-2000:]
+    shards = open_student_shards(Path(user_mesh.artifacts), read_catalogue(user_mesh.artifacts)[
+        "deep-sentiment-students"])
+    assert shards.min_bits in shards.store.versions and shards.store.manifest.extra["relative_attention"]
+    with torch.no_grad():
+        ids, mask, types = pad_batch(seqs)
+        hidden, mask4d = group.prepare_inputs(ids, mask, types)
+        for m, student in enumerate(group.students):
+            elastic = shards.load(m, 32, FileSource())
+            for got, want in zip(elastic(hidden, mask4d, mask), student(hidden, mask4d, mask), strict=True):
+                assert (got - want).abs().max().item() <= 1e-5
 
 
 def test_a_users_model_served_from_its_shards_answers_as_its_encoder(user_mesh: MeshState, client: Client,
