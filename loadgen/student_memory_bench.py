@@ -44,16 +44,14 @@ from academus.shared.models.shards import FULL
 from academus.shared.models.sti_pipeline import ColdSource, FileSource, ThrottledSource, io_source
 from academus.shared.models.student_shards import StudentShards, open_student_shards
 from academus.shared.models.students import Student
-from academus.shared.models.teacher_files import teacher_dir
-from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.runtime.config import artifacts_dir, offline_hub
 from academus.shared.runtime.metrics import scrape
 from academus.shared.state.catalogue import read_catalogue
 from academus.shared.state.keys import Keys
 from academus.shared.training.data import fetch, load_task
-from academus.shared.training.prepare import MAX_TOKENS
+from academus.shared.training.distill_data import Teacher
 from academus.shared.training.student_artifacts import load_student, load_student_shell
-from academus.shared.training.student_shards import GroupEvaluation
+from academus.shared.training.student_shards import GroupEvaluation, group_teacher
 
 TEXT = "a warm and funny film whose cast makes every scene feel new"
 
@@ -88,10 +86,10 @@ def first_answer_ms(arm: str, shards: StudentShards, weights: Path, group, index
     return elapsed
 
 
-def accuracy_while_loading(group, shards: StudentShards, weights: Path, artifacts: Path,
-                           task: str) -> dict[str, Any]:
+def accuracy_while_loading(group, shards: StudentShards, weights: Path, teacher: Teacher, task: str
+                           ) -> dict[str, Any]:
     """The test split: the whole group at full precision, and with each student in turn at the floor bits."""
-    evaluation = GroupEvaluation(group, artifacts, task, load_task(task, fetch()).test)
+    evaluation = GroupEvaluation(group, teacher, load_task(task, fetch()).test)
     full = {i: load_student(weights, group, i) for i in range(group.max_students)}
     whole = evaluation.predictions(full)
     out: dict[str, Any] = {"texts": evaluation.n, "floor_bits": shards.min_bits, "full": evaluation.scores(whole),
@@ -275,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     shards = open_student_shards(artifacts, entry)
     group, weights = load_student_shell(artifacts, Path(entry["students"]).name, "cpu", entry["teacher"],
                                         entry.get("task", args.model))
-    encoded = TeacherTokenizer(teacher_dir(), max_tokens=MAX_TOKENS).encode([TEXT])
+    teacher = group_teacher(artifacts, entry)
+    encoded = teacher.tokenizer.encode([TEXT])
     batch = pad_batch([encoded[0].input_ids], [encoded[0].token_type_ids])
     index = group.max_students - 1
     timings: dict[str, dict[str, list[float]]] = {}
@@ -293,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             for io, runs in timings.items()},
         "ratio_shards_to_whole": {io: round(statistics.median(runs["shards"]) / statistics.median(runs["whole"]), 3)
                                   for io, runs in timings.items()},
-        "accuracy": accuracy_while_loading(group, shards, weights, artifacts, entry.get("task", args.model)),
+        "accuracy": accuracy_while_loading(group, shards, weights, teacher, entry.get("task", args.model)),
     }
     if args.mesh:
         summary["mesh"] = mesh_bench(args, artifacts, shards, group)
