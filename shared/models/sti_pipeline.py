@@ -133,24 +133,28 @@ class ElasticModel(nn.Module):
         self.architecture = read_architecture(settings, str(store.directory))
         self.pooling = store.manifest.extra.get("pooling", MEAN)
         self.normalize = bool(store.manifest.extra.get("normalize", True))
-        config = AutoConfig.for_model(**settings)
-        with torch.device("meta"):          # no random initialisation of tables about to be replaced
-            embeddings = family_module(self.architecture.family, "Embeddings")(config)
-        embeddings.word_embeddings = None    # rows come from the store
-        self.embeddings = embeddings.to_empty(device="cpu").eval()
-        for name, buffer in self.embeddings.named_buffers():    # index buffers: rebuilt, not loaded
-            if name == "position_ids":
-                buffer.copy_(torch.arange(buffer.shape[-1]).expand_as(buffer))
-            else:
-                buffer.zero_()
-        missing, unexpected = self.embeddings.load_state_dict(store.embeddings_state(), strict=False, assign=True)
-        if unexpected or any(not name.endswith("_ids") for name in missing):   # buffers are rebuilt
-            raise ArtifactError(f"{store.directory}: embeddings missing {missing}, unexpected {unexpected}")
+        self.embeddings = self._embeddings(AutoConfig.for_model(**settings))
         self.residents = [store.layer_resident(k) for k in range(store.geometry.layers)]
         self.relative = (relative_bias(settings, store.geometry.heads, store.resident[RELATIVE_BIAS])
                          if self.architecture.family.relative_attention else None)
         self.heads: dict[tuple[int, int], ClassifierHead] = heads if heads is not None else store.heads(task)
         self.labels = list(labels) or (store.tasks[task].labels if task in store.tasks else [])
+
+    def _embeddings(self, config: object) -> nn.Module:
+        """The family's embedding layer without its word embeddings (read by row from the store)."""
+        with torch.device("meta"):          # no random initialisation of tables about to be replaced
+            embeddings = family_module(self.architecture.family, "Embeddings")(config)
+        embeddings.word_embeddings = None
+        embeddings = embeddings.to_empty(device="cpu").eval()
+        for name, buffer in embeddings.named_buffers():    # index buffers: rebuilt, not loaded
+            if name == "position_ids":
+                buffer.copy_(torch.arange(buffer.shape[-1]).expand_as(buffer))
+            else:
+                buffer.zero_()
+        missing, unexpected = embeddings.load_state_dict(self.store.embeddings_state(), strict=False, assign=True)
+        if unexpected or any(not name.endswith("_ids") for name in missing):   # buffers are rebuilt
+            raise ArtifactError(f"{self.store.directory}: embeddings missing {missing}, unexpected {unexpected}")
+        return embeddings
 
     def position_bias(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[B, heads, T, T] for MPNet, computed once a batch for every layer; None for BERT and RoBERTa."""
