@@ -5,8 +5,8 @@ shards are read from one place as STI co-locates them); `embeddings.rows` (a tea
 read by row block: `embedding_rows.py`); `resident.safetensors` (position and type embeddings, biases, layer
 norms, each layer's centroids); `heads-<task>.safetensors` (a head a submodel shape); and `manifest.json`,
 which lists every file's sha256 and every shard's offset, length, outlier count and sha256, and per task the
-shard importance ranking. A shard is checked against its own sha256 each time it is read: a corrupted or
-truncated file is refused naming the file, the shard and both checksums, never served.
+shard importance ranking. A shard is checked against its own crc32 each time it is read (`verify` checks sha256):
+a corrupted or truncated file is refused naming the file, the shard and both checksums, never served.
 """
 
 from __future__ import annotations

@@ -86,12 +86,13 @@ class ThrottledSource(FileSource):
         self.bytes_per_s = megabytes_per_s * 1e6
         self.name = f"throttled:{megabytes_per_s:g}"
         self._free_at = 0.0
+        self._device = threading.Lock()   # the loader's shard reads and the compute thread's row reads share it
 
     def read(self, path: Path, offset: int, length: int) -> bytes:
         start = time.perf_counter()
         data = super().read(path, offset, length)
-        done = max(start, self._free_at) + length / self.bytes_per_s
-        self._free_at = done
+        with self._device:
+            done = self._free_at = max(start, self._free_at) + length / self.bytes_per_s
         if (wait := done - time.perf_counter()) > 0:
             time.sleep(wait)
         return data
