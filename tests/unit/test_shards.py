@@ -337,7 +337,7 @@ def test_embedding_rows_are_the_encoders_table_read_by_block(store_dir) -> None:
     store = ShardStore(directory)
     assert "embeddings.word_embeddings.weight" not in store.resident
     meta = store.manifest.extra["embedding_rows"]
-    rows = EmbeddingRows(directory, meta, cache_bytes=3 * BLOCK_ROWS * table.shape[1] * 4)   # 3 blocks: evicts
+    rows = EmbeddingRows(directory, meta, cache_bytes=6 * table.shape[1] * 4)   # 6 rows: evicts
     source = io_source("file")
     last = table.shape[0] - 1                     # the last block is partial when the vocabulary is not a multiple
     ids = torch.tensor([[0, BLOCK_ROWS - 1, BLOCK_ROWS, last, 7], [last, 3 * BLOCK_ROWS + 1, 0, 2, 2]])
@@ -349,6 +349,32 @@ def test_embedding_rows_are_the_encoders_table_read_by_block(store_dir) -> None:
             rows.read(torch.tensor([[table.shape[0]]]), source)
     finally:
         source.close()
+
+
+def test_embedding_rows_stay_right_under_eviction_from_several_threads(store_dir) -> None:
+    """A cache of 10 rows, batches of up to 12 distinct rows from 4 threads at once: every answer is the table's."""
+    import threading
+
+    directory, encoder = store_dir
+    table = encoder.body.embeddings.word_embeddings.weight.detach()
+    meta = ShardStore(directory).manifest.extra["embedding_rows"]
+    rows = EmbeddingRows(directory, meta, cache_bytes=10 * table.shape[1] * 4)
+    wrong: list[int] = []
+
+    def reader(seed: int) -> None:
+        source, g = io_source("file"), torch.Generator().manual_seed(seed)
+        for _ in range(60):
+            ids = torch.randint(0, 40, (2, 6), generator=g)    # a small vocabulary: rows evicted and shared
+            if not torch.equal(rows.read(ids, source), table[ids]):
+                wrong.append(seed)
+        source.close()
+
+    threads = [threading.Thread(target=reader, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong and rows.held_bytes() == rows.cache_bytes == 10 * table.shape[1] * 4
 
 
 def test_a_corrupted_embedding_block_is_refused_naming_it(store_dir, tmp_path) -> None:
