@@ -47,6 +47,14 @@ def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tenso
     return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
 
 
+def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str = MEAN, normalize: bool = True
+         ) -> torch.Tensor:
+    """A padded batch's layer output [B, T, H] pooled as an encoder is served: the mean over real tokens or the
+    first token's state, L2-normalised when `normalize`."""
+    pooled = mean_pool(hidden, attention_mask) if pooling == MEAN else hidden[:, 0]
+    return nn.functional.normalize(pooled, p=2, dim=1) if normalize else pooled
+
+
 class TeacherEncoder(nn.Module):
     """An encoder body (BertModel, RobertaModel or MPNetModel) and its pooling: the mean over real tokens or the
     first token's hidden state, L2-normalised for embeddings. The bundled teacher is a BERT body, mean-pooled
@@ -74,8 +82,7 @@ class TeacherEncoder(nn.Module):
     ) -> torch.Tensor:
         inputs = body_inputs(self.architecture, token_type_ids, padded_positions(self.architecture, input_ids))
         hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, **inputs).last_hidden_state
-        pooled = mean_pool(hidden, attention_mask) if self.pooling == MEAN else hidden[:, 0]
-        return nn.functional.normalize(pooled, p=2, dim=1) if self.normalize else pooled
+        return pool(hidden, attention_mask, self.pooling, self.normalize)
 
 
 def padded_positions(architecture: Architecture, input_ids: torch.Tensor) -> torch.Tensor | None:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from academus.shared.models.model import FIRST, MEAN, mean_pool
+from academus.shared.models.model import FIRST, MEAN, pool
 from academus.shared.state.artifacts import MANIFEST, WEIGHTS, ArtifactError, Manifest, load_artifact, write_artifact
 
 RAMPS_KIND = "ramps"
@@ -39,8 +39,7 @@ class ExitRamps(nn.Module):
 
     def pool(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """A padded batch's layer output [B, T, H] pooled as the model pools its last layer's."""
-        pooled = mean_pool(hidden, attention_mask) if self.pooling == MEAN else hidden[:, 0]
-        return self.finish(pooled)
+        return pool(hidden, attention_mask, self.pooling, self.normalize)
 
     def finish(self, pooled: torch.Tensor) -> torch.Tensor:
         return nn.functional.normalize(pooled, p=2, dim=1) if self.normalize else pooled

@@ -9,11 +9,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from transformers.masking_utils import create_bidirectional_mask
 
 from academus.shared.models.architectures import Architecture, read_architecture
-from academus.shared.models.model import MEAN, TeacherEncoder, body_inputs, mean_pool, padded_positions
+from academus.shared.models.model import MEAN, TeacherEncoder, body_inputs, padded_positions, pool
 
 
 @dataclass(frozen=True)
@@ -50,5 +49,4 @@ class SplitEncoder:
         return hidden
 
     def pool(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        pooled = mean_pool(hidden, mask) if self.pooling == MEAN else hidden[:, 0]
-        return F.normalize(pooled, p=2, dim=1) if self.normalize else pooled
+        return pool(hidden, mask, self.pooling, self.normalize)

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from academus.shared.models.architectures import family_module, read_architecture
-from academus.shared.models.model import MEAN, ClassifierHead, body_inputs, mean_pool, padded_positions
+from academus.shared.models.model import MEAN, ClassifierHead, body_inputs, padded_positions, pool
 from academus.shared.models.shard_store import RELATIVE_BIAS, ShardStore
 from academus.shared.models.shards import LayerWeights, ShardWeights, elastic_layer, key_mask, relative_bias
 from academus.shared.models.sti_planner import Plan
@@ -172,8 +172,7 @@ class ElasticModel(nn.Module):
 
     def pool(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The encoder's pooling, as its served embeddings are pooled (the heads read this)."""
-        pooled = mean_pool(hidden, mask) if self.pooling == MEAN else hidden[:, 0]
-        return nn.functional.normalize(pooled, p=2, dim=1) if self.normalize else pooled
+        return pool(hidden, mask, self.pooling, self.normalize)
 
     def assemble(self, layer: int, shards: Sequence[int], weights: Sequence[ShardWeights]) -> LayerWeights:
         return LayerWeights.assemble(shards, weights, self.residents[layer], self.store.geometry)
