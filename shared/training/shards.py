@@ -55,6 +55,7 @@ from academus.shared.models.shards import (
 )
 from academus.shared.models.sti_pipeline import ElasticModel, FileSource, io_source
 from academus.shared.models.sti_planner import HardwareProfile, Plan, Planner
+from academus.shared.models.students import config_keys
 from academus.shared.models.teacher_files import TEACHER_NAME
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.models.user_models import EncoderBase
@@ -127,9 +128,10 @@ def write_encoder_shards(directory: Path, encoder: TeacherEncoder, teacher: str,
                  if not k.endswith("_ids") and not k.startswith("word_embeddings.")}
     if encoder.architecture.family.relative_attention:
         resident[RELATIVE_BIAS] = encoder.body.encoder.relative_attention_bias.weight.detach()
+    settings = {**config_keys(config), "num_hidden_layers": config.num_hidden_layers}   # what ElasticModel rebuilds
     write_shard_artifact(directory, teacher=teacher, geometry=geometry, layer_norm_eps=config.layer_norm_eps,
                          blobs=blobs, resident=resident, heads={}, tasks={},
-                         extra={**extra, "config": _config_dict(config), "pooling": encoder.pooling,
+                         extra={**extra, "config": settings, "pooling": encoder.pooling,
                                 "normalize": encoder.normalize},
                          embedding_rows=embeddings.word_embeddings.weight)
 
@@ -312,13 +314,6 @@ def _texts(examples: Sequence[Example]) -> list[str]:
 
 def _gold(examples: Sequence[Example]) -> torch.Tensor:
     return torch.tensor([int(e.label) for e in examples])
-
-
-def _config_dict(config: Any) -> dict[str, Any]:
-    keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-            "hidden_act", "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "pad_token_id",
-            "relative_attention_num_buckets")
-    return {k: getattr(config, k) for k in keys if hasattr(config, k)}
 
 
 def _sizes(store: ShardStore) -> dict[str, int]:
