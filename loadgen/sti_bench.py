@@ -33,9 +33,10 @@ from typing import Any
 import torch
 
 from academus.shared.models.model import pad_batch
+from academus.shared.models.shard_io import io_source
 from academus.shared.models.shard_store import ShardStore, shards_dir
 from academus.shared.models.shards import FULL
-from academus.shared.models.sti_pipeline import ElasticModel, ShardPipeline, io_source
+from academus.shared.models.sti_pipeline import ElasticModel, ShardPipeline
 from academus.shared.models.sti_planner import HardwareProfile, Plan, Planner
 from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer

@@ -40,8 +40,8 @@ from academus.client import AcademusError, AsyncClient
 from academus.loadgen.texts import Sample, from_task
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, MeshState, down, up
 from academus.shared.models.model import pad_batch, weight_bytes
+from academus.shared.models.shard_io import ColdSource, FileSource, ThrottledSource, io_source
 from academus.shared.models.shards import FULL
-from academus.shared.models.sti_pipeline import ColdSource, FileSource, ThrottledSource, io_source
 from academus.shared.models.student_shards import StudentShards, open_student_shards
 from academus.shared.models.students import Student
 from academus.shared.runtime.config import artifacts_dir, offline_hub

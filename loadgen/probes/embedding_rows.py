@@ -20,8 +20,8 @@ import torch
 
 from academus.shared.models.embedding_rows import EmbeddingRows
 from academus.shared.models.model import pad_batch
+from academus.shared.models.shard_io import FileSource
 from academus.shared.models.shard_store import ShardStore, shards_dir
-from academus.shared.models.sti_pipeline import FileSource
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.models.user_models import EncoderBase
 from academus.shared.runtime.config import artifacts_dir, offline_hub

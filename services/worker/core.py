@@ -34,7 +34,7 @@ from academus.shared.models.exits import ControllerSettings
 from academus.shared.models.model import HIDDEN_SIZE, ClassifierHead, TeacherEncoder, pad_batch, weight_bytes
 from academus.shared.models.packing import Attention, PackedBatch, PackingPlan, check_plan, encode_packed, pack
 from academus.shared.models.plot.table import PlotError
-from academus.shared.models.sti_pipeline import io_source
+from academus.shared.models.shard_io import io_source
 from academus.shared.models.student_shards import STUDENT_SHARDS, open_student_shards
 from academus.shared.models.students import SEQUENCE, Student, StudentGroup
 from academus.shared.models.teacher_files import TEACHER_NAME

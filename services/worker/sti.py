@@ -22,8 +22,9 @@ import torch
 from prometheus_client import Counter, Gauge, Histogram
 
 from academus.shared.models.model import weight_bytes
+from academus.shared.models.shard_io import io_source
 from academus.shared.models.shard_store import ShardStore
-from academus.shared.models.sti_pipeline import DeadlineMissed, ElasticModel, ShardPipeline, io_source
+from academus.shared.models.sti_pipeline import DeadlineMissed, ElasticModel, ShardPipeline
 from academus.shared.models.sti_planner import Plan
 from academus.shared.models.work import ShardRun
 from academus.shared.runtime.errors import DeadlineExceeded, InvalidArgument

@@ -21,8 +21,8 @@ from prometheus_client import Counter, Gauge, Histogram
 from torch import nn
 
 from academus.shared.models.model import weight_bytes
+from academus.shared.models.shard_io import FileSource
 from academus.shared.models.shards import FULL
-from academus.shared.models.sti_pipeline import FileSource
 from academus.shared.models.student_shards import ElasticStudent, StudentShards
 from academus.shared.models.students import Student, StudentGroup
 from academus.shared.runtime.errors import InvalidArgument

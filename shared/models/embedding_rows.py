@@ -14,22 +14,17 @@ import threading
 import zlib
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
+from academus.shared.models.shard_io import Reader
 from academus.shared.state.artifacts import ArtifactError
 
 ROWS_FILE = "embeddings.rows"
 BLOCK_ROWS = 16                 # 24 KB a block at 384 wide: a text's reads stay small, the manifest too
 CACHE_BYTES = 4 << 20           # the rows a worker keeps between requests
-
-
-class Reader(Protocol):
-    """An IO source (`sti_pipeline.io_source`): positional reads of a file."""
-
-    def read(self, path: Path, offset: int, length: int) -> bytes: ...
 
 
 def write_rows(directory: Path, table: torch.Tensor) -> dict[str, Any]:

@@ -22,8 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from academus.shared.models.embedding_rows import EmbeddingRows, Reader, write_rows
+from academus.shared.models.embedding_rows import EmbeddingRows, write_rows
 from academus.shared.models.model import ClassifierHead
+from academus.shared.models.shard_io import FileSource, Reader
 from academus.shared.models.shards import (
     FULL,
     VERSIONS,
@@ -160,7 +161,8 @@ class ShardStore:
     def read_stored(self, layer: int, shard: int, bits: int) -> bytes:
         """A shard's stored bytes, read whole from its file (unchecked: `decode` checks them)."""
         e = self.entry(layer, shard, bits)
-        return _PlainReads().read(self.directory / e.file, e.offset, e.length)
+        with FileSource() as source:
+            return source.read(self.directory / e.file, e.offset, e.length)
 
     def read_through(self, source: Reader, layer: int, shard: int, bits: int) -> bytes:
         """A shard's stored bytes read through an IO source (unchecked: `decode` checks them)."""
@@ -237,7 +239,8 @@ class ShardStore:
                     shards += 1
         blocks = 0
         if self.rows is not None:
-            blocks = self.rows.check_all(_PlainReads())
+            with FileSource() as source:
+                blocks = self.rows.check_all(source)
         return {"files": len(self.manifest.files), "shards": shards, "row_blocks": blocks, "ok": True}
 
 
@@ -271,15 +274,6 @@ def write_shard_artifact(directory: Path, *, teacher: str, geometry: ShardGeomet
                    "index": index, "tasks": tasks, **extra})
         write_manifest(staging, manifest)
     return manifest
-
-
-class _PlainReads:
-    """Positional reads with the file opened each time (verification, not the serving path)."""
-
-    def read(self, path: Path, offset: int, length: int) -> bytes:
-        with open(path, "rb") as handle:
-            handle.seek(offset)
-            return handle.read(length)
 
 
 def add_task(directory: Path, task: str, heads: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:

@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from academus.shared.models.model import mean_pool
+from academus.shared.models.shard_io import FileSource
 from academus.shared.models.shard_store import ShardStore
 from academus.shared.models.shards import LayerResident, LayerWeights, elastic_layer, key_mask, relative_bias
-from academus.shared.models.sti_pipeline import FileSource
 from academus.shared.state.artifacts import WEIGHTS, ArtifactError, read_manifest
 
 STUDENT_SHARDS_KIND = "student-group"   # the manifest's `extra["of"]`: whose layers the shards are

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from academus.shared.models.model import ClassifierHead, TeacherEncoder, pad_batch
+from academus.shared.models.shard_io import FileSource, io_source
 from academus.shared.models.shard_store import (
     RELATIVE_BIAS,
     ShardStore,
@@ -53,7 +54,7 @@ from academus.shared.models.shards import (
     ShardWeights,
     quantize_layers,
 )
-from academus.shared.models.sti_pipeline import ElasticModel, FileSource, io_source
+from academus.shared.models.sti_pipeline import ElasticModel
 from academus.shared.models.sti_planner import HardwareProfile, Plan, Planner
 from academus.shared.models.students import config_keys
 from academus.shared.models.teacher_files import TEACHER_NAME

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
+from academus.shared.models.shard_io import FileSource
 from academus.shared.models.shard_store import shards_dir, write_shard_artifact
 from academus.shared.models.shards import BITS, FIDELITY_TOLERANCE, FULL, ShardGeometry, quantize_layers
-from academus.shared.models.sti_pipeline import FileSource
 from academus.shared.models.student_shards import (
     STUDENT_SHARDS,
     STUDENT_SHARDS_KIND,

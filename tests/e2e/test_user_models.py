@@ -26,8 +26,8 @@ from academus.shared.models.adapters import AdapterWeights, encode_with_adapters
 from academus.shared.models.model import TeacherEncoder, mean_pool, pad_batch
 from academus.shared.models.plot import PlotStore
 from academus.shared.models.plot.hierarchical import HierarchicalEncoder
+from academus.shared.models.shard_io import FileSource
 from academus.shared.models.shard_store import ShardStore
-from academus.shared.models.sti_pipeline import FileSource
 from academus.shared.models.student_shards import open_student_shards
 from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.user_models import add_model, open_model

@@ -21,8 +21,8 @@ from academus.services.worker.core import OUTPUT_PROBS, ModelRunner
 from academus.services.worker.student_memory import LOADS, STREAMED, StudentMemory
 from academus.services.worker.traced import TracedLayer
 from academus.shared.models.model import pad_batch
+from academus.shared.models.shard_io import FileSource
 from academus.shared.models.shard_store import layer_file
-from academus.shared.models.sti_pipeline import FileSource
 from academus.shared.models.student_shards import STUDENT_SHARDS, ElasticStudent, open_student_shards
 from academus.shared.models.work import Batch
 from academus.shared.runtime.errors import InvalidArgument

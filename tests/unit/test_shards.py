@@ -10,6 +10,7 @@ import torch
 
 from academus.shared.models.embedding_rows import BLOCK_ROWS, EmbeddingRows
 from academus.shared.models.model import ClassifierHead, TeacherEncoder, pad_batch
+from academus.shared.models.shard_io import ThrottledSource, io_source
 from academus.shared.models.shard_store import ShardStore, add_task, shape_key
 from academus.shared.models.shards import (
     BITS,
@@ -28,13 +29,7 @@ from academus.shared.models.shards import (
     pack_codes,
     shard_vector,
 )
-from academus.shared.models.sti_pipeline import (
-    DeadlineMissed,
-    ElasticModel,
-    ShardPipeline,
-    ThrottledSource,
-    io_source,
-)
+from academus.shared.models.sti_pipeline import DeadlineMissed, ElasticModel, ShardPipeline
 from academus.shared.models.sti_planner import Plan
 from academus.shared.state.artifacts import ArtifactError
 from academus.shared.training.shards import write_encoder_shards
