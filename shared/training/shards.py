@@ -253,7 +253,8 @@ def build(artifacts: Path, model: str, tasks: Sequence[str], data_dir: Path | No
     started = time.perf_counter()
     encoder = base.encoder()
     directory = shards_dir(artifacts, model)
-    write_encoder_shards(directory, encoder, base.identity(), {"model": model, "quick": quick}, log)
+    teacher = base.identity()   # a user's model: its name and weights' digest, read from its manifest once
+    write_encoder_shards(directory, encoder, teacher, {"model": model, "quick": quick}, log)
     store = ShardStore(directory)
     bank = decoded_bank(store)
     tokenizer = base.tokenizer()
@@ -266,7 +267,7 @@ def build(artifacts: Path, model: str, tasks: Sequence[str], data_dir: Path | No
         served = sti_model_name(task, model)
         write_entry(artifacts, served, {"kind": CLASSIFICATION, "labels": summary["tasks"][task]["labels"],
                                         "shards": str(directory.relative_to(artifacts)), "task": task,
-                                        "teacher": base.identity(),
+                                        "teacher": teacher,
                                         **({"base": model, "max_tokens": base.max_tokens} if base.user else {})})
         summary["tasks"][task]["served_as"] = served
     summary |= {"artifact": str(directory), "bytes": _sizes(store), "quick": quick,
