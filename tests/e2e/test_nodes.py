@@ -22,7 +22,9 @@ NODE_OF = {"scheduler-0@node-0": "worker-0", "scheduler-0@node-1": "worker-1"}
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    yield from two_worker_mesh(tmp_path_factory, "node", deployments=[Deployment("student", MODEL)], nodes=2)
+    # the student number the tests set holds through their bursts: the burst rule waits a minute after it
+    yield from two_worker_mesh(tmp_path_factory, "node", env={"ACADEMUS_ADAPT_COOLDOWN_S": "60"},
+                               deployments=[Deployment("student", MODEL)], nodes=2)
 
 
 def serving(state) -> dict[str, str]:

@@ -26,14 +26,16 @@ MODEL = "sentiment-students"
 TEXT = "a warm and funny film whose cast makes every scene feel new, even the slow ones near the end"
 
 
-def two_worker_mesh(tmp_path_factory, name: str, **options) -> Iterator[MeshState]:
+def two_worker_mesh(tmp_path_factory, name: str, env: dict[str, str] | None = None,
+                    **options) -> Iterator[MeshState]:
     """The untrained student group on two workers of two slots, adaptation held off, and `options` (the
-    deployments, nodes): the meshes of the shards' and the nodes' tests."""
+    deployments, nodes) and `env` (more settings): the meshes of the shards' and the nodes' tests."""
     artifacts = small_student_artifacts(tmp_path_factory.mktemp(f"{name}-artifacts"), best_k=2)
     run_dir = tmp_path_factory.mktemp(f"{name}-run")
     state = up(MeshOptions(
         run_dir=run_dir, artifacts=artifacts, gateway_port=0, workers=2, worker_threads=1, instances=2,
-        env={"ACADEMUS_MODELS": MODEL, "ACADEMUS_ADAPT_WINDOW_S": "600", "ACADEMUS_GRACE_S": "10"}, **options))
+        env={"ACADEMUS_MODELS": MODEL, "ACADEMUS_ADAPT_WINDOW_S": "600", "ACADEMUS_GRACE_S": "10", **(env or {})},
+        **options))
     state.key = (run_dir / ADMIN_KEY_FILE).read_text().strip()
     yield state
     down(run_dir)
