@@ -7,8 +7,9 @@ while it runs from its shards.
 
 For each IO source and round (the arms' order alternating): the time from the batch that asks for the student to
 its answer (one text), (a) reading its shards at the artifact's floor bit width through the source, decoding and
-running; (b) reading its full-precision weights (the same source's cost: the page cache dropped for `cold`, the
-bandwidth's time for `throttled`) and running. Then, on the whole test split, the group's accuracy and agreement
+running; (b) the same at full precision (what a batch with time to spare reads); (c) reading its full-precision
+weights whole (the same source's cost: the page cache dropped for `cold`, the bandwidth's time for `throttled`)
+and running. Then, on the whole test split, the group's accuracy and agreement
 with the teacher with each student in turn at the floor bit width, against all at full precision. Needs
 `academus shard build --model MODEL`.
 With --mesh, also on the mesh: two one-slot workers serve the group at --students − 1 students under Poisson load;
@@ -54,6 +55,8 @@ from academus.shared.training.student_artifacts import load_student, load_studen
 from academus.shared.training.student_shards import GroupEvaluation, group_teacher
 
 TEXT = "a warm and funny film whose cast makes every scene feel new"
+SHARD_ARMS = ("shards", "shards-full")          # the floor bit width; full precision from the shards
+FIRST_ANSWER_ARMS = (*SHARD_ARMS, "whole")
 
 
 def whole_load(weights: Path, group, index: int, source: FileSource, student_bytes: int):
@@ -75,8 +78,8 @@ def first_answer_ms(arm: str, shards: StudentShards, weights: Path, group, index
     source = io_source(io)
     source.before_run(shards.store.paths())
     started = time.perf_counter()
-    if arm == "shards":
-        student = shards.load(index, shards.min_bits, source)
+    if arm in SHARD_ARMS:
+        student = shards.load(index, shards.min_bits if arm == "shards" else FULL, source)
     else:
         student = whole_load(weights, group, index, source, shards.stored_bytes(index, FULL))
     with torch.inference_mode():
@@ -184,7 +187,8 @@ def wait_for_groups(r: redis.Redis, key: str, timeout_s: float = 60) -> str:
 
 
 def scrape_loads(port: int, model: str) -> dict[str, float]:
-    return {s.labels["bits"]: s.value for s in scrape(port)
+    """A worker's student loads by where they read from and at what bits: {"shards-6": n, "whole-32": n}."""
+    return {f"{s.labels['source']}-{s.labels['bits']}": s.value for s in scrape(port)
             if s.name == "academus_worker_student_loads_total" and s.labels.get("model") == model}
 
 
@@ -279,9 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     index = group.max_students - 1
     timings: dict[str, dict[str, list[float]]] = {}
     for io in args.io:
-        runs: dict[str, list[float]] = {"shards": [], "whole": []}
+        runs: dict[str, list[float]] = {arm: [] for arm in FIRST_ANSWER_ARMS}
         for r in range(args.rounds):
-            for arm in (("shards", "whole") if r % 2 == 0 else ("whole", "shards")):
+            for arm in (FIRST_ANSWER_ARMS if r % 2 == 0 else FIRST_ANSWER_ARMS[::-1]):
                 runs[arm].append(first_answer_ms(arm, shards, weights, group, index, io, batch))
         timings[io] = runs
     summary = {
@@ -290,8 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         "first_answer_ms": {io: {arm: {"median": round(statistics.median(v), 2), "p95": round(sorted(v)[
             max(0, round(0.95 * len(v)) - 1)], 2), "runs": [round(x, 2) for x in v]} for arm, v in runs.items()}
             for io, runs in timings.items()},
-        "ratio_shards_to_whole": {io: round(statistics.median(runs["shards"]) / statistics.median(runs["whole"]), 3)
-                                  for io, runs in timings.items()},
+        "ratio_to_whole": {io: {arm: round(statistics.median(runs[arm]) / statistics.median(runs["whole"]), 3)
+                                for arm in SHARD_ARMS} for io, runs in timings.items()},
         "accuracy": accuracy_while_loading(group, shards, weights, teacher, entry.get("task", args.model)),
     }
     if args.mesh:

@@ -141,7 +141,8 @@ class ServedModel:
     def pool(self, ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor, students: int,
              plot_states: PlotStates | None = None) -> torch.Tensor:
         if self.max_students:
-            return self.encoder(ids, mask, types, num_students=students, members=self.members(range(students)))
+            members = self.members(range(students), ids.numel())
+            return self.encoder(ids, mask, types, num_students=students, members=members)
         if not self.packable:
             try:
                 return self.encoder(ids, mask, types, states=plot_states)
@@ -157,17 +158,18 @@ class ServedModel:
         if not self.max_students:
             raise InvalidArgument(f"student_indices set for {self.spec.name!r}, which is not a student group")
         try:
-            share = self.encoder.partial(ids, mask, types, indices, members=self.members(indices))
+            share = self.encoder.partial(ids, mask, types, indices, members=self.members(indices, ids.numel()))
         except ValueError as e:
             raise InvalidArgument(str(e)) from e
         return self.finish_share(share, indices, probs)
 
-    def members(self, indices: Sequence[int]) -> dict[int, nn.Module] | None:
-        """The students a batch runs when this worker holds only some (None: the group holds them all)."""
+    def members(self, indices: Sequence[int], tokens: int) -> dict[int, nn.Module] | None:
+        """The students a batch of `tokens` (padded) runs when this worker holds only some (None: the group holds
+        them all)."""
         if self.memory is None:
             return None
         try:   # an index outside the group: the ValueError `partial` also raises, answered INVALID_ARGUMENT there
-            return self.memory.members(indices)
+            return self.memory.members(indices, tokens)
         except ArtifactError as e:   # a shard corrupted since the store opened: refused, never served
             raise InvalidArgument(f"{self.spec.name} cannot be served: {e}") from e
 
@@ -327,7 +329,7 @@ class ModelRunner:
             return student
 
         memory = StudentMemory(name, group, shards, load_full, self.student_budget_bytes,
-                               io_source(self.sti_settings.io), self.device)
+                               io_source(self.sti_settings.io), self.device, self._seconds_left)
         spec = replace(self._group_spec(name, entry, group), memory_bytes=memory.shared_bytes)
         return ServedModel(spec, group, group.head, group.max_students, group.best_k, packable=False, memory=memory)
 
@@ -548,6 +550,11 @@ class ModelRunner:
             self._check_deadline(layer)
 
         return hook
+
+    def _seconds_left(self) -> float | None:
+        """The running batch's time before its deadline (this compute thread's); None without one."""
+        deadline = getattr(self._local, "deadline", None)
+        return None if deadline is None else deadline - self.clock()
 
     def _check_deadline(self, layer: str) -> None:
         deadline = getattr(self._local, "deadline", None)

@@ -3,9 +3,14 @@
 With `ACADEMUS_STUDENT_BUDGET_BYTES` a worker does not hold a whole group: it holds the shared parts (the
 embeddings, α, the head) and only the students placed on it (the resource manager's groups in Redis), as many
 as the budget fits. When a batch asks for a student the worker does not hold (the resource manager just added
-it to a group here), the worker reads that student's shards at the artifact's floor bit width, decodes them
-and runs the batch at once; the full-precision student loads on a thread of its own and replaces it. A student
-that the budget cannot hold next to the batch's others is run from its shards for that batch only.
+it to a group here), the worker reads that student's shards, decodes them and runs the batch at once; the
+full-precision student loads on a thread of its own and replaces it. A student that the budget cannot hold next
+to the batch's others is run from its shards for that batch only.
+
+The bit width read is planned from the batch's time left, as STI plans a submodel from its target: the most
+bits whose load, as measured here so far, and the batch's compute still fit before the deadline. Until a load
+and a run have been measured, and for a batch without a deadline, it is the artifact's floor: the fastest answer
+the group's accuracy allows.
 """
 
 from __future__ import annotations
@@ -31,22 +36,75 @@ from academus.shared.runtime.logs import log_event
 HELD = Gauge("academus_worker_students_held", "Students of a group this worker holds, by stored bit width "
              "(32: full precision)", ["model", "bits"])
 LOADS = Counter("academus_worker_student_loads_total", "Students loaded under a memory budget: from shards at "
-                "the floor bit width to serve a batch at once, or whole at full precision (bits 32)", ["model", "bits"])
+                "the bits a batch's time left affords, to serve it at once, or whole (the group's own student, 32)",
+                ["model", "bits", "source"])
 LOAD_MS = Histogram("academus_worker_student_load_ms", "Time to load one student under a memory budget",
-                    ["model", "bits"], buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000))
+                    ["model", "bits", "source"], buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000))
 STREAMED = Counter("academus_worker_students_streamed_total", "Students run from shards for one batch only: the "
                    "budget could not hold them next to the batch's others", ["model"])
 
 LoadFull = Callable[[int], Student]       # student index -> the full-precision student, prepared to serve
+SHARDS, WHOLE = "shards", "whole"        # where a load read the student from (the metrics' `source`)
+TimeLeft = Callable[[], float | None]     # seconds before the calling batch's deadline; None: it has none
+ESTIMATE_MARGIN = 1.5      # measured loads vary with what else runs: a plan keeps this much headroom
+SMOOTHING = 0.3            # weight of the newest measurement in the running estimates
+
+
+class LoadCosts:
+    """What reading one student from its shards costs at each stored bit width and what running a student
+    costs a token, both measured on this worker as students load and run (exponentially smoothed); from these,
+    the bit width a batch's time left affords. A width not measured yet is estimated from the nearest measured
+    one below it, scaled by the bytes it reads: an overestimate, since part of a load does not grow with bytes."""
+
+    def __init__(self, stored_bytes: dict[int, int], floor: int) -> None:
+        self.stored_bytes, self.floor = stored_bytes, floor
+        self.load_ms: dict[int, float] = {}
+        self.compute_ms_per_token: float | None = None
+        self._lock = threading.Lock()
+
+    def loaded(self, bits: int, ms: float) -> None:
+        with self._lock:
+            self.load_ms[bits] = _smooth(self.load_ms.get(bits), ms)
+
+    def computed(self, tokens: int, ms: float) -> None:
+        if tokens > 0:
+            with self._lock:
+                self.compute_ms_per_token = _smooth(self.compute_ms_per_token, ms / tokens)
+
+    def estimate_ms(self, bits: int) -> float | None:
+        """One student's load at `bits`; None when no width at or below it was measured."""
+        with self._lock:
+            if bits in self.load_ms:
+                return self.load_ms[bits]
+            below = [b for b in self.load_ms if b < bits]
+            if not below:
+                return None
+            nearest = max(below)
+            return self.load_ms[nearest] * self.stored_bytes[bits] / self.stored_bytes[nearest]
+
+    def bits_for(self, seconds_left: float | None, tokens: int, students: int) -> int:
+        """The most bits (at least the floor) whose load and the batch's `students` runs over `tokens` fit in
+        `seconds_left`, with `ESTIMATE_MARGIN` of headroom; the floor without a deadline or a measurement."""
+        per_token = self.compute_ms_per_token
+        if seconds_left is None or per_token is None:
+            return self.floor
+        budget = seconds_left * 1e3 / ESTIMATE_MARGIN - per_token * tokens * students
+        fitting = [b for b in self.stored_bytes if b > self.floor
+                   and (cost := self.estimate_ms(b)) is not None and cost <= budget]
+        return max(fitting, default=self.floor)
 
 
 class StudentMemory:
     """Which students of one group are held, at what precision, within `budget_bytes`; thread-safe."""
 
     def __init__(self, name: str, group: StudentGroup, shards: StudentShards, load_full: LoadFull,
-                 budget_bytes: int, source: FileSource, device: torch.device | str = "cpu") -> None:
+                 budget_bytes: int, source: FileSource, device: torch.device | str = "cpu",
+                 time_left: TimeLeft = lambda: None) -> None:
+        """`time_left`: the calling batch's seconds before its deadline (read on the compute thread)."""
         self.name, self.group, self.shards, self.source, self.device = name, group, shards, source, device
-        self.load_full = load_full
+        self.load_full, self.time_left = load_full, time_left
+        floor = shards.min_bits
+        self.costs = LoadCosts({b: shards.stored_bytes(0, b) for b in shards.store.versions if b >= floor}, floor)
         self.shared_bytes = weight_bytes(group)   # embeddings, α, head: its students are absent
         with torch.device("meta"):
             self.student_bytes = weight_bytes(Student(group.config))
@@ -79,9 +137,10 @@ class StudentMemory:
         with self._lock:
             return {i: _bits(m) for i, m in sorted(self.held.items())}
 
-    def members(self, indices: Iterable[int]) -> dict[int, nn.Module]:
-        """The students a batch runs, by index; one not held is read from its shards now (on the calling compute
-        thread) at the floor bit width, and held if the budget has room, its full precision queued."""
+    def members(self, indices: Iterable[int], tokens: int = 0) -> dict[int, nn.Module]:
+        """The students a batch of `tokens` (padded) runs, by index; one not held is read from its shards now (on
+        the calling compute thread) at the bits its time left affords, and held if the budget has room, its full
+        precision queued."""
         wanted = list(dict.fromkeys(indices))
         out: dict[int, nn.Module] = {}
         with self._lock:
@@ -90,7 +149,8 @@ class StudentMemory:
                     self.held.move_to_end(i)
                     out[i] = self.held[i]
         for i in (i for i in wanted if i not in out):
-            out[i] = self._elastic(i, keep=wanted)
+            bits = self.costs.bits_for(self.time_left(), tokens, len(wanted))
+            out[i] = self._elastic(i, bits, keep=wanted)
         return out
 
     def place(self, indices: Iterable[int]) -> None:
@@ -113,10 +173,11 @@ class StudentMemory:
         self._thread.join(timeout=5)
         self.source.close()
 
-    def _elastic(self, index: int, keep: Sequence[int]) -> nn.Module:
+    def _elastic(self, index: int, bits: int, keep: Sequence[int]) -> nn.Module:
         started = time.perf_counter()
-        student = self.shards.load(index, self.shards.min_bits, self.source, self.device)
-        _observe(self.name, student.bits, started)
+        student = self.shards.load(index, bits, self.source, self.device)
+        self.costs.loaded(bits, _observe(self.name, bits, SHARDS, started))
+        student.on_run = self.costs.computed
         with self._lock:
             if index in self.held:            # another compute thread loaded it meanwhile
                 return self.held[index]
@@ -165,7 +226,7 @@ class StudentMemory:
         except Exception as e:   # the shards keep serving it; a later placement or batch queues it again
             log_event("student_load_failed", logging.ERROR, model=self.name, student=index, error=repr(e))
             return
-        _observe(self.name, FULL, started)
+        _observe(self.name, FULL, WHOLE, started)
         with self._lock:
             # a placed student not yet held takes the room of one not placed, never of another placed one
             if index not in self.held and (index not in self.placed or not self._make_room((), evict_placed=False)):
@@ -192,7 +253,14 @@ def _bits(student: nn.Module) -> int:
     return student.bits if isinstance(student, ElasticStudent) else FULL
 
 
-def _observe(model: str, bits: int, started: float) -> None:
-    LOADS.labels(model, str(bits)).inc()
-    LOAD_MS.labels(model, str(bits)).observe((time.perf_counter() - started) * 1e3)
+def _observe(model: str, bits: int, source: str, started: float) -> float:
+    """Counts one load and returns its milliseconds."""
+    ms = (time.perf_counter() - started) * 1e3
+    LOADS.labels(model, str(bits), source).inc()
+    LOAD_MS.labels(model, str(bits), source).observe(ms)
+    return ms
+
+
+def _smooth(previous: float | None, value: float) -> float:
+    return value if previous is None else (1 - SMOOTHING) * previous + SMOOTHING * value
 

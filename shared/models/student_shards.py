@@ -5,13 +5,14 @@ stored at 2–6 bits and at full precision. Student m's layer l is the artifact'
 embeddings, α and the head stay in the group's own artifact: a worker holds them whatever students it holds.
 
 A worker under a memory budget serves a student it does not hold from these shards at once (an
-`ElasticStudent`: its layers at the artifact's floor bit width, full width, decoded on the spot) while the
-full-precision student loads behind it.
+`ElasticStudent`: its layers at a stored bit width no lower than the artifact's floor, full width, decoded on the
+spot) while the full-precision student loads behind it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
@@ -39,16 +40,21 @@ class ElasticStudent(nn.Module):
         self.index, self.bits, self.geometry = index, bits, store.geometry
         self.residents, self.weights, self.relative = list(residents), list(layers), relative
         self.middle = -(-len(self.weights) // 2)
+        self.on_run: Callable[[int, float], None] | None = None   # (tokens, milliseconds) of each run
 
     def forward(self, hidden: torch.Tensor, _mask4d: torch.Tensor | None,
                 attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        started, tokens = time.perf_counter(), attention_mask.numel()
         mask, middle = key_mask(attention_mask), hidden
         bias = None if self.relative is None else self.relative.compute_position_bias(hidden)
         for i, (resident, weights) in enumerate(zip(self.residents, self.weights, strict=True), start=1):
             hidden = elastic_layer(hidden, mask, resident, weights, self.geometry, bias)
             if i == self.middle:
                 middle = hidden
-        return mean_pool(hidden, attention_mask), mean_pool(middle, attention_mask)
+        pooled = mean_pool(hidden, attention_mask), mean_pool(middle, attention_mask)
+        if self.on_run is not None:
+            self.on_run(tokens, (time.perf_counter() - started) * 1e3)
+        return pooled
 
 
 class StudentShards:

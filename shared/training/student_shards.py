@@ -1,11 +1,13 @@
 """`academus shard build --model <task>-students`: a student group's students cut into quantized shards.
 
 Every student's layers are quantized as the teacher's are (one shard a head, 2–6 bits and full precision).
-The floor bit width is then measured on a dev share of the task's validation split: each student in turn runs
-from its shards at b bits while the others run at full precision (what a worker serves while that student
-loads), and the floor is the fewest bits whose every such group stays within 1 pp of the full-precision
-group's accuracy and of its agreement with the teacher. The catalogue entry of the group gains
-`student_shards`, which a worker with a student memory budget serves from.
+The floor bit width is then measured on a dev share of validation texts: each student in turn runs from its
+shards at b bits while the others run at full precision (what a worker serves while that student loads), and
+the floor is the fewest bits whose every such group stays within 1 pp of the full-precision group: of its
+accuracy and its agreement with the teacher for a classifier group (the task's validation split), of its mean
+cosine to the teacher's embeddings and to its own full-precision output for an embedding group (the bundled
+tasks' validation texts). The catalogue entry of the group gains `student_shards`, which a worker with a
+student memory budget serves from.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from academus.shared.models.student_shards import (
 from academus.shared.models.students import Members, StudentGroup
 from academus.shared.models.user_models import STUDENTS_OF
 from academus.shared.state.artifacts import WEIGHTS, read_manifest, write_manifest
-from academus.shared.state.catalogue import read_catalogue, write_entry
-from academus.shared.training.data import Example, fetch, load_task
+from academus.shared.state.catalogue import EMBEDDING, read_catalogue, write_entry
+from academus.shared.training.data import TASKS, Example, fetch, load_task
 from academus.shared.training.distill_data import Teacher
 from academus.shared.training.prepare import load_head, padded_batches, subsample
 from academus.shared.training.student_artifacts import load_student_group, students_dir
@@ -55,9 +57,11 @@ def group_entry(artifacts: Path, model: str) -> dict[str, Any]:
 
 def group_teacher(artifacts: Path, entry: dict[str, Any]) -> Teacher:
     """The teacher a group was distilled from, with its tokenizer and the task's head: the bundled teacher, or a
-    user's model (a head on one, or its own classifier's head)."""
+    user's model (a head on one, or its own classifier's head); no head for an embedding group."""
     if entry.get(STUDENTS_OF):
         return Teacher.user(artifacts, entry["teacher"])
+    if entry.get("kind") == EMBEDDING:
+        return Teacher.bundled()
     return replace(Teacher.bundled(), head=load_head(artifacts, entry.get("task", "")))
 
 
@@ -68,9 +72,6 @@ def build_students(artifacts: Path, model: str, data_dir: Path | None = None, qu
     started = time.perf_counter()
     key, task = Path(entry["students"]).name, entry.get("task", model)
     group = load_student_group(artifacts, key, "cpu", entry["teacher"], task)
-    if group.head is None:   # checked before anything is written
-        raise ValueError(f"--model {model!r} has no labels: the floor bit width is measured on a classifier's "
-                         f"accuracy")
     layers = [layer for student in group.students for layer in student.encoder.layer]
     config = group.config
     geometry = ShardGeometry(len(layers), config.num_attention_heads, config.hidden_size, config.intermediate_size)
@@ -129,27 +130,73 @@ class GroupEvaluation:
         return {"accuracy": round((predictions == self.gold).float().mean().item(), 4),
                 "teacher_agreement": round((predictions == self.teacher).float().mean().item(), 4)}
 
+    def fidelity(self, members: Members | None = None) -> dict[str, float]:
+        """What the floor keeps within FIDELITY_TOLERANCE of the full-precision group's."""
+        return self.scores(self.predictions(members))
+
+
+class EmbeddingEvaluation:
+    """An embedding group's output on texts, with students standing in, against the teacher's embeddings and
+    against the full-precision group's own output (mean cosines)."""
+
+    def __init__(self, group: StudentGroup, teacher: Teacher, texts: Sequence[str]) -> None:
+        self.group, self.n = group, len(texts)
+        self.batches = list(padded_batches(teacher.tokenizer, list(texts), 64))
+        encoder = teacher.encoder
+        self.teacher = self._each(lambda ids, mask, types: encoder(ids, mask, types))
+        self.full = self.outputs()
+
+    @torch.inference_mode()
+    def _each(self, embed: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        parts = [(rows, embed(ids, mask, types)) for rows, ids, mask, types in self.batches]
+        out = torch.empty(self.n, parts[0][1].shape[-1])
+        for rows, values in parts:
+            out[rows] = values.float()
+        return out
+
+    def outputs(self, members: Members | None = None) -> torch.Tensor:
+        k = self.group.max_students
+        return self._each(lambda ids, mask, types: self.group(ids, mask, types, num_students=k, members=members))
+
+    def fidelity(self, members: Members | None = None) -> dict[str, float]:
+        out = self.outputs(members)
+        cosine = torch.nn.functional.cosine_similarity
+        return {"teacher_cosine": round(cosine(out, self.teacher).mean().item(), 4),
+                "cosine_to_full": round(cosine(out, self.full).mean().item(), 4)}
+
 
 def measure_fidelity(group: StudentGroup, shards: StudentShards, artifacts: Path, entry: dict[str, Any],
                      data_dir: Path | None, quick: bool) -> dict[str, Any]:
     """The whole group at full precision on dev texts, and the group with each student in turn at b bits; the
-    floor: the fewest bits whose every such group keeps its accuracy and its agreement with the teacher within
-    FIDELITY_TOLERANCE of full precision's."""
-    task = entry.get("task", "")
-    dev = subsample(load_task(task, fetch(data_dir)).validation, QUICK_DEV_TEXTS if quick else DEV_TEXTS)
-    evaluation = GroupEvaluation(group, group_teacher(artifacts, entry), dev)
-    full = evaluation.scores(evaluation.predictions())
+    floor: the fewest bits whose every such group keeps each figure of `fidelity` within FIDELITY_TOLERANCE of
+    full precision's."""
+    evaluation, dev_texts = dev_evaluation(group, group_teacher(artifacts, entry), entry, data_dir, quick)
+    full = evaluation.fidelity()
     by_bits: dict[str, list[dict[str, float]]] = {}
     floor, source = FULL, FileSource()
     try:
         for bits in sorted(BITS, reverse=True):
-            by_bits[str(bits)] = [evaluation.scores(evaluation.predictions({m: shards.load(m, bits, source)}))
+            by_bits[str(bits)] = [evaluation.fidelity({m: shards.load(m, bits, source)})
                                   for m in range(group.max_students)]
             worst = {key: min(s[key] for s in by_bits[str(bits)]) for key in full}
-            log(f"{task}: one student at {bits} bits: worst {worst} (full precision {full})")
+            log(f"{entry.get('task', '')}: one student at {bits} bits: worst {worst} (full precision {full})")
             if any(full[key] - worst[key] > FIDELITY_TOLERANCE for key in full):
                 break
             floor = bits
     finally:
         source.close()
-    return {"min_bits": floor, "dev_texts": len(dev), "full": full, "each_student_at": by_bits}
+    return {"min_bits": floor, "dev_texts": dev_texts, "full": full, "each_student_at": by_bits}
+
+
+def dev_evaluation(group: StudentGroup, teacher: Teacher, entry: dict[str, Any], data_dir: Path | None,
+                   quick: bool) -> tuple[GroupEvaluation | EmbeddingEvaluation, int]:
+    """What the floor is measured on, and how many texts: a classifier group's task's validation split; an
+    embedding group's, the bundled tasks' validation texts in equal shares (real text whatever it was
+    distilled on)."""
+    size = QUICK_DEV_TEXTS if quick else DEV_TEXTS
+    root = fetch(data_dir)
+    if group.head is not None:
+        dev = subsample(load_task(entry.get("task", ""), root).validation, size)
+        return GroupEvaluation(group, teacher, dev), len(dev)
+    texts = [e.text for task in TASKS for e in subsample(load_task(task, root).validation, size // len(TASKS))]
+    return EmbeddingEvaluation(group, teacher, texts), len(texts)

@@ -63,9 +63,9 @@ def whole(artifacts: Path) -> ModelRunner:
     return ModelRunner(artifacts, [MODEL])
 
 
-def run(runner: ModelRunner, **kwargs) -> np.ndarray:
+def run(runner: ModelRunner, deadline: float | None = None, **kwargs) -> np.ndarray:
     ids, lengths = tokens(TEXTS)
-    return runner.run(Batch(MODEL, OUTPUT_PROBS, ids, lengths, **kwargs)).values
+    return runner.run(Batch(MODEL, OUTPUT_PROBS, ids, lengths, **kwargs), deadline).values
 
 
 def wait_until(predicate, timeout_s: float = 30.0) -> None:
@@ -128,9 +128,9 @@ def test_a_student_not_held_is_served_from_its_shards_at_once_then_held_whole(ar
     memory = runner.models[MODEL].memory
     assert memory is not None and memory.precision() == {}   # nothing held before it is placed or asked for
     floor = memory.shards.min_bits
-    before = LOADS.labels(MODEL, str(floor))._value.get()
+    before = LOADS.labels(MODEL, str(floor), "shards")._value.get()
     first = run(runner, student_indices=[1])
-    assert LOADS.labels(MODEL, str(floor))._value.get() == before + 1
+    assert LOADS.labels(MODEL, str(floor), "shards")._value.get() == before + 1
     wait_until(lambda: held_whole(memory, 1))
     layer = memory.held[1].encoder.layer[0]   # traced on the loading thread, both mask kinds, before it serves
     assert isinstance(layer.forward, TracedLayer) and len(layer.forward.graphs) == 2
@@ -142,6 +142,20 @@ def test_a_student_not_held_is_served_from_its_shards_at_once_then_held_whole(ar
     wait_until(lambda: held_whole(memory, 0, 1))
     np.testing.assert_allclose(run(runner, num_students=2), run(whole, num_students=2), atol=1e-6)
     assert memory.held_bytes() == memory.shared_bytes + 2 * memory.student_bytes
+    memory.close()
+
+
+def test_a_batch_with_time_to_spare_reads_more_bits_than_the_floor(artifacts: Path, whole: ModelRunner) -> None:
+    runner = ModelRunner(artifacts, [MODEL], student_budget_bytes=1 << 30)
+    memory = runner.models[MODEL].memory
+    floor = memory.shards.min_bits
+    loads = {bits: LOADS.labels(MODEL, str(bits), "shards")._value.get() for bits in (floor, 32)}
+    run(runner, student_indices=[1], deadline=runner.clock() + 60)   # nothing measured yet: the floor
+    assert LOADS.labels(MODEL, str(floor), "shards")._value.get() == loads[floor] + 1
+    assert memory.costs.load_ms[floor] > 0 and memory.costs.compute_ms_per_token > 0
+    first = run(runner, student_indices=[0], deadline=runner.clock() + 60)   # a minute to spare: every bit
+    assert LOADS.labels(MODEL, "32", "shards")._value.get() == loads[32] + 1 + (floor == 32)
+    np.testing.assert_allclose(first, run(whole, student_indices=[0]), atol=1e-5)
     memory.close()
 
 
@@ -227,16 +241,38 @@ def test_a_modified_group_and_a_model_not_a_group_are_refused(artifacts: Path, t
         build_students(copy, "sentiment")
 
 
-def test_a_group_without_labels_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+def test_an_embedding_groups_floor_is_its_cosines_and_a_worker_serves_it_from_its_shards(tmp_path: Path) -> None:
+    from academus.services.worker.core import OUTPUT_EMBEDDING
     from academus.shared.models.model import TeacherEncoder
     from academus.shared.models.students import from_teacher
-    from academus.shared.training.student_artifacts import write_student_catalogue, write_student_group
+    from academus.shared.training.student_artifacts import write_student_catalogue
 
-    write_student_group(tmp_path, "embedding", from_teacher(TeacherEncoder.load().body, layers=1), metrics={})
+    group = from_teacher(TeacherEncoder.load().body, layers=1)
+    group.add_student(alpha=0.5)
+    group.best_k = 2
+    write_student_group(tmp_path, "embedding", group, metrics={})
     write_student_catalogue(tmp_path)
-    with pytest.raises(ValueError, match="'minilm-students' has no labels"):
-        build_students(tmp_path, "minilm-students", quick=True)
-    assert not (tmp_path / "shards").exists() and STUDENT_SHARDS not in read_catalogue(tmp_path)["minilm-students"]
+    summary = build_students(tmp_path, "minilm-students", quick=True)
+    full, floor = summary["full"], summary["min_bits"]
+    assert summary["dev_texts"] == 48 and full["cosine_to_full"] == 1.0 and 0 < full["teacher_cosine"] < 1
+    for bits, students in summary["each_student_at"].items():   # from 6 bits down, until one fails
+        kept = all(full[key] - s[key] <= 0.01 for s in students for key in full)
+        assert kept == (int(bits) >= floor), (bits, floor, students)
+    entry = read_catalogue(tmp_path)["minilm-students"]
+    assert entry[STUDENT_SHARDS] == "shards/minilm-students" and entry["kind"] == "embedding"
+    runner = ModelRunner(tmp_path, ["minilm-students"], student_budget_bytes=1 << 30)
+    memory = runner.models["minilm-students"].memory
+    ids, lengths = tokens(TEXTS)
+    batch = Batch("minilm-students", OUTPUT_EMBEDDING, ids, lengths, num_students=2)
+    loads = LOADS.labels("minilm-students", str(floor), "shards")._value.get()
+    from_shards = runner.run(batch).values                   # nothing measured yet: both students at the floor
+    assert LOADS.labels("minilm-students", str(floor), "shards")._value.get() == loads + 2
+    wait_until(lambda: held_whole(memory, 0, 1))
+    held = ModelRunner(tmp_path, ["minilm-students"]).run(batch).values
+    np.testing.assert_allclose(runner.run(batch).values, held, atol=1e-5)
+    cosines = torch.nn.functional.cosine_similarity(torch.from_numpy(from_shards), torch.from_numpy(held))
+    assert cosines.min() > 0.9
+    memory.close()
 
 
 def test_shards_of_an_earlier_distillation_are_refused(artifacts: Path, tmp_path: Path) -> None:
