@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load as safetensors_load
 
 from academus.shared.models.embedding_rows import EmbeddingRows, write_rows
 from academus.shared.models.model import ClassifierHead
@@ -39,7 +40,6 @@ from academus.shared.state.artifacts import (
     ArtifactError,
     Manifest,
     checksums,
-    load_file,
     now_iso,
     read_manifest,
     save_file,
@@ -123,8 +123,8 @@ class ShardStore:
         rows = manifest.extra.get("embedding_rows")
         self.rows = EmbeddingRows(self.directory, rows) if rows is not None else None
         self._check_sizes()
-        self._paths = sorted({self.directory / e.file for entries in self.index.values() for e in entries} |
-                             ({self.rows.path} if self.rows else set()))
+        names = {e.file for entries in self.index.values() for e in entries}   # a few dozen files, 432+ shards
+        self._paths = sorted({self.directory / name for name in names} | ({self.rows.path} if self.rows else set()))
         self.resident = self._load_checked(RESIDENT)
         self.pair_tables = {(layer, k): self._pair_table(layer, k)
                             for layer in range(self.geometry.layers) for k in self.versions if k != FULL}
@@ -148,9 +148,10 @@ class ShardStore:
         path = self.directory / name
         if not path.is_file():
             raise ArtifactError(f"{path} is listed in the manifest but missing")
-        if (actual := sha256_file(path)) != (expected := self.manifest.files.get(name)):
+        data = path.read_bytes()   # read once: hashed, then parsed from memory (a cold start's ready time)
+        if (actual := hashlib.sha256(data).hexdigest()) != (expected := self.manifest.files.get(name)):
             raise ArtifactError(f"{path}: sha256 {actual} does not match the manifest's {expected}")
-        return load_file(str(path))
+        return safetensors_load(data)
 
     def _pair_table(self, layer: int, bits: int) -> np.ndarray:
         return pair_table(self.resident[f"layer{layer}.centroids{bits}"].numpy(), bits)
