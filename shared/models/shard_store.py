@@ -22,9 +22,10 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load as safetensors_load
+from torch import nn
 
 from academus.shared.models.embedding_rows import EmbeddingRows, write_rows
-from academus.shared.models.model import ClassifierHead
+from academus.shared.models.model import ClassifierHead, SequenceClassifierHead
 from academus.shared.models.shard_io import FileSource, Reader
 from academus.shared.models.shards import (
     FULL,
@@ -52,6 +53,7 @@ SHARDS_KIND = "shards"
 
 
 RESIDENT = "resident.safetensors"
+OWN_HEAD_PREFIX = "own."   # a user's classifier's own head, among its task's head tensors (the full shape's)
 RELATIVE_BIAS = "encoder.relative_attention_bias.weight"   # MPNet's, among the resident tensors
 
 
@@ -94,6 +96,7 @@ class TaskShards:
     depths: list[int]
     metrics: dict[str, Any]
     min_bits: int = 2                    # the fidelity floor: fewer bits lost more than 1 pp on the dev set
+    own_head: bool = False               # the full shape runs a user's classifier's own (nonlinear) head
 
     def layer_order(self, layer: int) -> list[int]:
         """The layer's shards, most important first: a width-m layer runs the first m (DynaBERT's rewiring)."""
@@ -116,7 +119,8 @@ class ShardStore:
             self.index = {(int(layer), int(bits)): [ShardEntry(**e) for e in entries]
                           for layer, by_bits in manifest.extra["index"].items() for bits, entries in by_bits.items()}
             self.tasks = {name: TaskShards(name, t["labels"], [tuple(x) for x in t["importance"]], t["widths"],
-                                           t["depths"], t.get("metrics", {}), int(t.get("min_bits", 2)))
+                                           t["depths"], t.get("metrics", {}), int(t.get("min_bits", 2)),
+                                           bool(t.get("own_head", False)))
                           for name, t in manifest.extra.get("tasks", {}).items()}
         except (KeyError, TypeError) as e:
             raise ArtifactError(f"{self.directory / MANIFEST}: not a shard manifest ({e!r})") from e
@@ -207,21 +211,38 @@ class ShardStore:
     def embeddings_state(self) -> dict[str, torch.Tensor]:
         return {k.removeprefix("embeddings."): v for k, v in self.resident.items() if k.startswith("embeddings.")}
 
-    def heads(self, task: str) -> dict[tuple[int, int], ClassifierHead]:
-        """The task's head for every submodel shape (depth, width)."""
+    def heads(self, task: str) -> dict[tuple[int, int], nn.Module]:
+        """The task's head for every submodel shape (depth, width): linear, except a user's classifier's own head
+        on its full shape."""
         if task not in self.tasks:
             raise ArtifactError(f"{self.directory}: no shards profiled for task {task!r} "
                                 f"(has: {', '.join(self.tasks) or 'none'})")
         info = self.tasks[task]
         tensors = self._load_checked(heads_file(task))
-        heads = {}
+        heads: dict[tuple[int, int], nn.Module] = {}
         for depth in info.depths:
             for width in info.widths:
-                head = ClassifierHead(info.labels, self.geometry.hidden)
                 key = shape_key(depth, width)
+                if f"{key}.weight" not in tensors and info.own_head:
+                    continue
+                head = ClassifierHead(info.labels, self.geometry.hidden)
                 head.linear.load_state_dict({"weight": tensors[f"{key}.weight"], "bias": tensors[f"{key}.bias"]})
                 heads[(depth, width)] = head.eval()
+        if info.own_head:
+            heads[(self.geometry.layers, self.geometry.heads)] = self._own_head(task, info.labels, tensors)
         return heads
+
+    def _own_head(self, task: str, labels: Sequence[str], tensors: dict[str, torch.Tensor]) -> nn.Module:
+        from transformers import AutoConfig
+
+        settings = {"model_type": "bert", **self.manifest.extra["config"]}
+        head = SequenceClassifierHead.for_config(AutoConfig.for_model(**settings), labels)
+        state = {k.removeprefix(OWN_HEAD_PREFIX): v for k, v in tensors.items() if k.startswith(OWN_HEAD_PREFIX)}
+        missing, unexpected = head.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ArtifactError(f"{self.directory / heads_file(task)}: the classifier's own "
+                                f"head lacks {missing} or has unexpected {unexpected}")
+        return head.eval()
 
     def verify(self) -> dict[str, Any]:
         """Every file against its sha256 and every shard against its own: the first mismatch raises."""

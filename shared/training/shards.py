@@ -12,6 +12,12 @@ cut instead: `student_shards.py`):
    important shards (DynaBERT's rewiring). The full shape keeps the served head.
 The evaluation runs on the shards as stored (decoded from the files just written).
 
+`build --model NAME` on a user's sequence classifier (`academus models add --task classify`) has one task, its
+own: the labels are the classifier's own predictions on the bundled tasks' texts (accuracy here is agreement
+with the unmodified classifier, as Apparate defines it), the full shape keeps the classifier's own nonlinear
+head, and the other shapes get linear heads on the first token's state, as the classifier pools. It serves as
+`NAME-sti`.
+
 `profile [--io SOURCE]` measures the load time per shard and version through the IO source, the decoding
 alone, and one layer's compute per width and length bucket (§5.2); `plan --task T --target-ms T
 --preload-bytes M [--length L]` prints the plan. JSON summaries are the last line of stdout.
@@ -37,6 +43,7 @@ import torch
 from academus.shared.models.model import ClassifierHead, TeacherEncoder, pad_batch
 from academus.shared.models.shard_io import FileSource, io_source
 from academus.shared.models.shard_store import (
+    OWN_HEAD_PREFIX,
     RELATIVE_BIAS,
     ShardStore,
     add_task,
@@ -59,12 +66,12 @@ from academus.shared.models.sti_planner import HardwareProfile, Plan, Planner
 from academus.shared.models.students import config_keys
 from academus.shared.models.teacher_files import TEACHER_NAME
 from academus.shared.models.tokenization import TeacherTokenizer
-from academus.shared.models.user_models import EncoderBase
+from academus.shared.models.user_models import EncoderBase, open_model
 from academus.shared.runtime.config import artifacts_dir as default_artifacts_dir
 from academus.shared.runtime.config import offline_hub
 from academus.shared.state.artifacts import ArtifactError
-from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, read_catalogue, write_entry
-from academus.shared.training.data import TASKS, DataMissing, Example, fetch, load_task
+from academus.shared.state.catalogue import CLASSIFICATION, read_catalogue, write_entry
+from academus.shared.training.data import TASKS, DataMissing, Example, TaskData, fetch, load_task
 from academus.shared.training.prepare import load_head, padded_batches, subsample, train_head
 
 MODELS = {"minilm": TEACHER_NAME}
@@ -72,6 +79,7 @@ BUCKETS = (16, 32, 64, 128, 256)
 # texts a split: (train for heads, validation, dev share for importance); --quick: a few for tests
 SIZES = {"sentiment": (3000, None, 500), "spam": (1500, None, 250)}
 QUICK = (96, 64, 48)
+OWN_TASK_SIZES = (3000, 1000, 500)   # a user's classifier's own task: texts of the bundled tasks, in equal shares
 STUDENT_INFO = ("students", "student_layers", "min_bits", "fidelity")   # what `info` adds for a group's shards
 
 
@@ -81,22 +89,28 @@ def log(message: str) -> None:
 
 def sti_model_name(task: str, model: str = "minilm") -> str:
     """The catalogue name a task's shard-served model gets (workers serving every model load it): `<task>-sti`
-    on the teacher, `<model>-<task>-sti` on a user's model."""
-    return f"{task}-sti" if model in MODELS else f"{model}-{task}-sti"
+    on the teacher, `<model>-<task>-sti` on a user's model, `<model>-sti` for a user's classifier's own task
+    (named after the classifier)."""
+    if model in MODELS:
+        return f"{task}-sti"
+    return f"{model}-sti" if task == model else f"{model}-{task}-sti"
 
 
 def encoder_base(artifacts: Path, model: str) -> EncoderBase | None:
-    """The encoder whose shards `--model` names: the bundled teacher, or a user's embedding model from the
-    catalogue; None for anything else (a student group's shards are built apart)."""
+    """The encoder whose shards `--model` names: the bundled teacher, or a user's model from the catalogue (an
+    embedding model or a sequence classifier); None for anything else (a student group's shards are built
+    apart)."""
     if model in MODELS:
         return EncoderBase.bundled()
     entry = read_catalogue(artifacts).get(model)
     if entry is None or "source" not in entry:
         return None
-    if entry["kind"] != EMBEDDING:
-        raise ValueError(f"--model {model!r} is a classifier served with its own head: shards are built on an "
-                         f"embedding model (`academus models add --task embed`), with a head a task fitted here")
     return EncoderBase.of_entry(model, artifacts, entry)
+
+
+def is_classifier(artifacts: Path, base: EncoderBase) -> bool:
+    """A user's sequence classifier, served with its own head (its shards serve its own task)."""
+    return base.user and read_catalogue(artifacts)[base.name]["kind"] == CLASSIFICATION
 
 
 def widths_of(heads: int) -> list[int]:
@@ -118,9 +132,10 @@ def decoded_bank(store: ShardStore) -> dict[tuple[int, int, int], ShardWeights]:
 
 
 def write_encoder_shards(directory: Path, encoder: TeacherEncoder, teacher: str, extra: dict[str, Any],
-                         log: Callable[[str], None]) -> None:
+                         log: Callable[[str], None], classifier: bool = False) -> None:
     """The encoder's layers cut and quantized, its word embeddings stored by row, the rest resident; no task
-    yet (`add_task`)."""
+    yet (`add_task`). `classifier`: the encoder is a sequence classifier's body, and the manifest names the
+    classifier's architecture (what the shards serve)."""
     config = encoder.body.config
     geometry = ShardGeometry.of(config)
     blobs, resident = quantize_layers(encoder.body.encoder.layer, geometry, log)
@@ -130,6 +145,8 @@ def write_encoder_shards(directory: Path, encoder: TeacherEncoder, teacher: str,
     if encoder.architecture.family.relative_attention:
         resident[RELATIVE_BIAS] = encoder.body.encoder.relative_attention_bias.weight.detach()
     settings = {**config_keys(config), "num_hidden_layers": config.num_hidden_layers}   # what ElasticModel rebuilds
+    if classifier:
+        settings["architectures"] = list(config.architectures)
     write_shard_artifact(directory, teacher=teacher, geometry=geometry, layer_norm_eps=config.layer_norm_eps,
                          blobs=blobs, resident=resident, heads={}, tasks={},
                          extra={**extra, "config": settings, "pooling": encoder.pooling,
@@ -215,7 +232,7 @@ def fit_head(x: torch.Tensor, y: torch.Tensor, vx: torch.Tensor, vy: torch.Tenso
 
 
 def fit_shape_heads(train: Evaluator, validation: Evaluator, ytrain: torch.Tensor, yval: torch.Tensor,
-                    order: list[list[int]], widths: Sequence[int], served: ClassifierHead,
+                    order: list[list[int]], widths: Sequence[int], served: torch.nn.Module,
                     labels: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """A head for every (depth, width), on the full-precision submodel's pooled output; the full shape keeps
     the served head. Returns the tensors and each shape's validation accuracy."""
@@ -230,8 +247,9 @@ def fit_shape_heads(train: Evaluator, validation: Evaluator, ytrain: torch.Tenso
             else:
                 head = fit_head(x[:, depth - 1], ytrain, vx[:, depth - 1], yval, labels)
             key = shape_key(depth, width)
-            tensors[f"{key}.weight"] = head.linear.weight.detach().clone()
-            tensors[f"{key}.bias"] = head.linear.bias.detach().clone()
+            if isinstance(head, ClassifierHead):   # a classifier's own head is stored whole (`own_head_tensors`)
+                tensors[f"{key}.weight"] = head.linear.weight.detach().clone()
+                tensors[f"{key}.bias"] = head.linear.bias.detach().clone()
             with torch.no_grad():
                 scores[key] = round((head(vx[:, depth - 1]).argmax(1) == yval).float().mean().item(), 4)
         log(f"heads: width {width}: validation accuracy by depth "
@@ -239,31 +257,33 @@ def fit_shape_heads(train: Evaluator, validation: Evaluator, ytrain: torch.Tenso
     return tensors, scores
 
 
-def build(artifacts: Path, model: str, tasks: Sequence[str], data_dir: Path | None = None,
+def build(artifacts: Path, model: str, tasks: Sequence[str] | None = None, data_dir: Path | None = None,
           quick: bool = False) -> dict[str, Any]:
-    """Writes `shards/<model>/` and registers `<task>-sti` (`<model>-<task>-sti` on a user's model) for each
-    task in the catalogue."""
+    """Writes `shards/<model>/` and registers `<task>-sti` (`<model>-<task>-sti` on a user's model, `<model>-sti`
+    for a user's classifier) for each task in the catalogue. `tasks`: the bundled tasks by default; a
+    classifier has only its own."""
     artifacts = Path(artifacts).resolve()
     base = encoder_base(artifacts, model)
     if base is None:
-        raise ValueError(f"--model {model!r}: shards are built for minilm or a user's embedding model")
-    for task in tasks:
-        if task not in TASKS:
-            raise ValueError(f"unknown task {task!r}; known tasks: {', '.join(TASKS)}")
+        raise ValueError(f"--model {model!r}: shards are built for minilm or a user's embedding model or classifier")
+    classifier = is_classifier(artifacts, base)
+    tasks = _tasks_of(model, classifier, tasks)
     started = time.perf_counter()
-    encoder = base.encoder()
+    encoder, own_head = open_model(base.directory)[:2] if classifier else (base.encoder(), None)
     directory = shards_dir(artifacts, model)
     teacher = base.identity()   # a user's model: its name and weights' digest, read from its manifest once
-    write_encoder_shards(directory, encoder, teacher, {"model": model, "quick": quick}, log)
+    write_encoder_shards(directory, encoder, teacher, {"model": model, "quick": quick}, log, classifier)
     store = ShardStore(directory)
     bank = decoded_bank(store)
     tokenizer = base.tokenizer()
     data_root = fetch(data_dir)
     summary: dict[str, Any] = {"model": model, "geometry": store.geometry.__dict__, "tasks": {}}
     for task in tasks:
-        served_head = None if base.user else load_head(artifacts, task)   # a user's model: fitted here
-        summary["tasks"][task] = build_task(store, bank, tokenizer, task, load_task(task, data_root), served_head,
-                                            quick)
+        if classifier:
+            served_head, data = own_head, own_task(model, encoder, own_head, tokenizer, data_root, quick)
+        else:   # the teacher's served head; a user's embedding model's is fitted here
+            served_head, data = None if base.user else load_head(artifacts, task), load_task(task, data_root)
+        summary["tasks"][task] = build_task(store, bank, tokenizer, task, data, served_head, quick)
         served = sti_model_name(task, model)
         write_entry(artifacts, served, {"kind": CLASSIFICATION, "labels": summary["tasks"][task]["labels"],
                                         "shards": str(directory.relative_to(artifacts)), "task": task,
@@ -276,13 +296,48 @@ def build(artifacts: Path, model: str, tasks: Sequence[str], data_dir: Path | No
     return summary
 
 
+def _tasks_of(model: str, classifier: bool, tasks: Sequence[str] | None) -> list[str]:
+    """The tasks a build profiles, checked before anything is written."""
+    if classifier:
+        if tasks and list(tasks) != [model]:
+            raise ValueError(f"--model {model!r} is a sequence classifier: its shards serve its own task (as "
+                             f"{sti_model_name(model, model)}), so --tasks {','.join(tasks)} does not apply")
+        return [model]
+    tasks = list(tasks) if tasks else list(TASKS)
+    for task in tasks:
+        if task not in TASKS:
+            raise ValueError(f"unknown task {task!r}; known tasks: {', '.join(TASKS)}")
+    return tasks
+
+
+def own_task(model: str, encoder: TeacherEncoder, head: torch.nn.Module, tokenizer: TeacherTokenizer,
+             data_root: Path, quick: bool) -> TaskData:
+    """A classifier's own task: the bundled tasks' texts in equal shares, each labelled with the classifier's own
+    prediction (so a submodel's accuracy is its agreement with the unmodified classifier)."""
+    train_n, val_n, _ = QUICK if quick else OWN_TASK_SIZES
+    tasks = [load_task(task, data_root) for task in TASKS]
+
+    def share(split: str, n: int) -> list[str]:
+        return [e.text for data in tasks for e in subsample(getattr(data, split), n // len(TASKS))]
+
+    splits = {}
+    for split, n in (("train", train_n), ("validation", val_n)):
+        texts = share(split, n)
+        predicted = torch.empty(len(texts), dtype=torch.long)
+        with torch.inference_mode():
+            for rows, ids, mask, types in padded_batches(tokenizer, texts, 64):
+                predicted[rows] = head(encoder(ids, mask, types)).argmax(1)
+        splits[split] = [Example(t, int(y)) for t, y in zip(texts, predicted.tolist(), strict=True)]
+    return TaskData(model, list(head.labels), splits["train"], splits["validation"], [])
+
+
 def build_task(store: ShardStore, bank: dict, tokenizer: TeacherTokenizer, task: str, data: Any,
                served: ClassifierHead | None, quick: bool) -> dict[str, Any]:
     """A task's importance, floor and heads. `served`: the head the whole model serves the task with (None: fitted
     here on the whole model's pooled output, as the other shapes' are)."""
     geometry = store.geometry
     labels = list(served.labels) if served is not None else list(data.labels)
-    train_n, val_n, dev_n = QUICK if quick else SIZES[task]
+    train_n, val_n, dev_n = QUICK if quick else SIZES.get(task, OWN_TASK_SIZES)
     train, validation = subsample(data.train, train_n), subsample(data.validation, val_n)
     dev = subsample(validation, dev_n)
     log(f"{task}: {len(train)} train texts for heads, {len(validation)} validation, {len(dev)} dev for importance")
@@ -301,8 +356,11 @@ def build_task(store: ShardStore, bank: dict, tokenizer: TeacherTokenizer, task:
     order = [[s for (k, s) in importance if k == layer] for layer in range(geometry.layers)]
     widths = widths_of(geometry.heads)
     tensors, scores = fit_shape_heads(*fitting, _gold(train), _gold(validation), order, widths, served, labels)
+    own = not isinstance(served, ClassifierHead)   # a user's classifier's own head: stored whole
+    if own:
+        tensors |= {f"{OWN_HEAD_PREFIX}{k}": v.detach().clone() for k, v in served.state_dict().items()}
     meta = {"labels": labels, "importance": [list(x) for x in importance], "widths": widths,
-            "depths": list(range(1, geometry.layers + 1)), "min_bits": min_bits,
+            "depths": list(range(1, geometry.layers + 1)), "min_bits": min_bits, "own_head": own,
             "metrics": {"dev_texts": len(dev), "all_low_bits_accuracy": round(base_acc, 4), "uniform_accuracy": uniform,
                         "importance_table": table, "validation_accuracy": scores}}
     add_task(store.directory, task, tensors, meta)
@@ -459,12 +517,13 @@ def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--artifacts", type=Path, default=None)
     common.add_argument("--model", default="minilm",
-                        help="minilm (the teacher), a user's BERT, RoBERTa or MPNet embedding model, or a student "
-                             "group such as sentiment-students (build, info, verify)")
+                        help="minilm (the teacher), a user's BERT, RoBERTa or MPNet embedding model or sequence "
+                             "classifier, or a student group such as sentiment-students (build, info, verify)")
     p = argparse.ArgumentParser(prog="academus shard", description="Elastic shards of the teacher (STI).")
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", parents=[common], help="quantized shards, importance per task, heads per shape")
-    b.add_argument("--tasks", default=",".join(TASKS), help="comma-separated")
+    b.add_argument("--tasks", default="", help=f"comma-separated (default {','.join(TASKS)}; a user's classifier has "
+                                               "only its own task)")
     b.add_argument("--quick", action="store_true", help=f"a few texts a split: {QUICK}")
     b.add_argument("--data", type=Path, default=None, help="dataset packages (ACADEMUS_DATA_DIR)")
     sub.add_parser("info", parents=[common], help="the artifact's geometry, sizes and tasks")
@@ -473,7 +532,7 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--io", default="file", help="file | cold | throttled:<MB/s>")
     f.add_argument("--repeats", type=int, default=20)
     pl = sub.add_parser("plan", parents=[common], help="the plan for a target and a preload buffer")
-    pl.add_argument("--task", required=True, choices=TASKS)
+    pl.add_argument("--task", required=True, help="a bundled task, or a user's classifier's name (its own task)")
     pl.add_argument("--target-ms", type=float, required=True)
     pl.add_argument("--preload-bytes", type=int, default=0)
     pl.add_argument("--length", type=int, default=32, help="tokens in the request")
@@ -488,11 +547,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         return build_students(artifacts, args.model, args.data, args.quick)
     if args.command == "build":
-        return build(artifacts, args.model, [t for t in args.tasks.split(",") if t], args.data, args.quick)
+        return build(artifacts, args.model, [t for t in args.tasks.split(",") if t] or None, args.data, args.quick)
     store = ShardStore(shards_dir(artifacts, args.model))
     if args.command in ("profile", "plan") and "config" not in store.manifest.extra:
         raise ValueError(f"--model {args.model!r}: profile and plan are for an encoder's shards (minilm or a user's "
-                         f"embedding model), not a student group's")
+                         f"model), not a student group's")
     if args.command == "info":
         return {"model": args.model, "directory": str(store.directory), "geometry": store.geometry.__dict__,
                 "versions": list(store.versions), "bytes": _sizes(store),

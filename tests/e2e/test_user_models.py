@@ -266,6 +266,24 @@ def test_a_users_model_served_from_its_shards_answers_as_its_encoder(user_mesh: 
     assert refused.returncode == 2 and "cut into the shards of cut-sentiment-sti" in refused.stderr
 
 
+def test_a_users_classifier_served_from_its_shards_answers_as_the_classifier(user_mesh: MeshState, client: Client,
+                                                                            tmp_path: Path) -> None:
+    """STI on a user's MPNet sequence classifier (its own head: dense, tanh and projection on `<s>`): `shard build
+    --model` on the running mesh serves `<model>-sti`, whose answer with time enough is transformers' own."""
+    model = tiny_model_dir("mpnet", True, tmp_path / "verdict", seed=9, intermediate_size=54)
+    roberta_specials(tmp_path / "verdict")
+    assert academus(user_mesh, "models", "add", "verdict", "--from", tmp_path / "verdict").returncode == 0
+    built = academus(user_mesh, "shard", "build", "--model", "verdict", "--quick")
+    assert built.returncode == 0, built.stderr[-2000:]
+    wait_served(client, "verdict-sti")
+    info = next(m for m in client.list_models() if m.name == "verdict-sti")
+    assert (info.kind, info.labels, info.architecture) == ("classification", LABELS, "MPNetForSequenceClassification")
+    result = client.infer("verdict-sti", TEXTS)
+    assert (result.metadata.shards.layers, result.metadata.shards.mean_bits) == (3, 32)
+    got = torch.tensor([[p.probs[label] for label in LABELS] for p in result.predictions])
+    assert (got - reference(model, tmp_path / "verdict", classifier=True)).abs().max().item() <= TOLERANCE
+
+
 def test_a_plot_table_on_a_users_model_serves_its_upper_layers(user_mesh: MeshState, client: Client,
                                                               tmp_path: Path) -> None:
     """`academus plot build --model` on a running mesh: a RoBERTa-framed model's table, served as `<model>-plot`

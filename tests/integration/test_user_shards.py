@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from academus.services.worker.core import OUTPUT_PROBS, ModelRunner
-from academus.shared.models.model import pad_batch
+from academus.shared.models.model import ClassifierHead, pad_batch
 from academus.shared.models.shard_store import ShardStore, shards_dir
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.models.user_models import ModelRefused, add_model, cache_name, open_model, remove_model
@@ -21,7 +21,8 @@ from academus.shared.models.work import Batch
 from academus.shared.state.artifacts import read_manifest
 from academus.shared.state.catalogue import read_catalogue
 from academus.shared.training.shards import build, main
-from tests.models import roberta_specials, tiny_model_dir
+from tests.e2e.test_user_models import each_text
+from tests.models import LABELS, roberta_specials, tiny_model_dir
 
 MODEL, SERVED = "tiny-enc", "tiny-enc-sentiment-sti"
 TEXTS = ["a quiet triumph of a film", "dull, long and loud"]
@@ -89,12 +90,48 @@ def test_models_the_shards_cannot_cut_are_refused_before_anything_is_written(art
         add_model(artifacts, name, tmp_path / directory)
     with pytest.raises(ValueError, match="hidden and intermediate sizes must divide by the heads"):
         build(artifacts, "tiny-odd", ["sentiment"], quick=True)
-    with pytest.raises(ValueError, match="'tiny-clf' is a classifier served with its own head"):
+    with pytest.raises(ValueError, match="'tiny-clf' is a sequence classifier: its shards serve its own task "
+                                         r"\(as tiny-clf-sti\), so --tasks sentiment does not apply"):
         build(artifacts, "tiny-clf", ["sentiment"], quick=True)
     assert not any(shards_dir(artifacts, n).exists() for n in ("tiny-odd", "tiny-clf"))
-    assert "tiny-odd-sentiment-sti" not in read_catalogue(artifacts)
+    assert not {"tiny-odd-sentiment-sti", "tiny-clf-sti"} & set(read_catalogue(artifacts))
     for name in ("tiny-odd", "tiny-clf"):
         remove_model(artifacts, name)
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+def test_a_users_classifier_is_served_from_its_shards_with_its_own_head(artifacts: Path, tmp_path: Path,
+                                                                         family: str) -> None:
+    """BERT's own head is its pooler and classifier; RoBERTa's a dense, tanh and projection on `<s>`: at full
+    width and precision the shards answer what transformers' classifier answers. The other shapes get linear
+    heads fitted on the classifier's own predictions (accuracy: agreement with the classifier)."""
+    name, served = f"tiny-{family}-clf", f"tiny-{family}-clf-sti"
+    reference = tiny_model_dir(family, True, tmp_path / name, seed=6, intermediate_size=54)
+    if family == "roberta":
+        roberta_specials(tmp_path / name)
+    add_model(artifacts, name, tmp_path / name)
+    summary = build(artifacts, name, quick=True)
+    assert summary["tasks"][name]["served_as"] == served and summary["tasks"][name]["labels"] == LABELS
+    entry = read_catalogue(artifacts)[served]
+    assert (entry["kind"], entry["labels"], entry["base"], entry["task"]) == ("classification", LABELS, name, name)
+    store = ShardStore(shards_dir(artifacts, name))
+    assert store.tasks[name].own_head and store.manifest.extra["pooling"] == "cls" and store.verify()["ok"]
+    runner = ModelRunner(artifacts, [served])
+    assert runner.models[served].spec.architecture == reference.config.architectures[0]
+    heads = runner.models[served].sti.model.heads
+    assert isinstance(heads[(1, 1)], ClassifierHead) and not isinstance(heads[(3, 3)], ClassifierHead)
+    for ids in each_text(tmp_path / name):
+        row = ids[0].tolist()
+        result = runner.run(Batch(served, OUTPUT_PROBS, row, [len(row)]))
+        assert (result.shards.layers, result.shards.width, result.shards.mean_bits) == (3, 3, 32)   # no deadline
+        with torch.no_grad():
+            expected = torch.softmax(reference(input_ids=ids, attention_mask=torch.ones_like(ids)).logits, dim=-1)
+        torch.testing.assert_close(torch.from_numpy(result.values), expected, atol=1e-5, rtol=1e-5)
+    runner.models[served].sti.close()
+    with pytest.raises(ModelRefused, match=f"is cut into the shards of {served}: remove those first"):
+        remove_model(artifacts, name)
+    remove_model(artifacts, served)
+    remove_model(artifacts, name)
 
 
 def test_the_users_model_is_removed_only_after_its_shards(artifacts: Path, summary: dict) -> None:
