@@ -1,7 +1,10 @@
 """Elastic loading from shards under a latency target (STI §7), every arm through one IO source.
 
 `python -m academus.loadgen.sti_bench --io file|cold|throttled:<MB/s> [--task sentiment --task spam]
-[--targets 0.5,0.75,1,1.5] [--preload-mb 1,4] [--runs 30] [--out DIR]`
+[--model minilm|NAME] [--targets 0.5,0.75,1,1.5] [--preload-mb 1,4] [--runs 30] [--out DIR]`
+
+`--model NAME`: a user's model's shards, read with its tokenizer; for a user's classifier, `--task NAME` is its
+own task, scored on the bundled tasks' test texts labelled by the unmodified classifier (agreement with it).
 
 Arms (§7.1), planned from one profile of this machine taken at the start of the run:
 - load&exec: the full-precision submodel loaded whole, then run; stdpl-2/6/32: a layer pipeline with every
@@ -40,16 +43,19 @@ from academus.shared.models.sti_pipeline import ElasticModel, ShardPipeline
 from academus.shared.models.sti_planner import HardwareProfile, Plan, Planner
 from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
+from academus.shared.models.user_models import open_model
 from academus.shared.runtime.config import artifacts_dir, offline_hub
 from academus.shared.state.artifacts import ArtifactError
-from academus.shared.training.data import TASKS, fetch, load_task
-from academus.shared.training.prepare import MAX_TOKENS, subsample
+from academus.shared.training.data import TASKS, TaskData, fetch, load_task
+from academus.shared.training.prepare import subsample
 from academus.shared.training.shards import (
     Evaluator,
     accuracy,
     decoded_bank,
+    encoder_base,
     load_profile,
     measure_profile,
+    own_task,
     planner_for,
     save_profile,
 )
@@ -149,10 +155,19 @@ class AccuracyCache:
         return self.known[key]
 
 
-def bench_task(task: str, store: ShardStore, profile: HardwareProfile, tokenizer: TeacherTokenizer,
+def task_data(artifacts: Path, model: str, task: str) -> TaskData:
+    """A bundled task's splits, or a user's classifier's own task: the bundled tasks' test texts, each labelled with
+    the unmodified classifier's prediction."""
+    if task in TASKS:
+        return load_task(task, fetch(None))
+    base = encoder_base(artifacts, model)
+    encoder, head, _ = open_model(base.directory)
+    return own_task(task, encoder, head, base.tokenizer(), fetch(None), {"test": None})
+
+
+def bench_task(task: str, data: TaskData, store: ShardStore, profile: HardwareProfile, tokenizer: TeacherTokenizer,
                targets: list[float], preload_sizes: list[int], runs: int, rounds: int, io: str,
                quick: bool, cache: AccuracyCache) -> dict[str, Any]:
-    data = load_task(task, fetch(None))
     test = subsample(data.test, 64) if quick else data.test
     lengths = sorted(len(e.input_ids) for e in tokenizer.encode([e.text for e in test], truncate=True))
     length = profile.bucket(lengths[len(lengths) // 2])
@@ -302,7 +317,6 @@ def cold_start(artifacts: Path, model: str, task: str, rounds: int, teacher: str
     import sys
     import tempfile
 
-    from academus.shared.models.teacher_files import teacher_dir
     from academus.shared.models.user_models import HEAD_ON
     from academus.shared.state.catalogue import read_catalogue, write_entry
     from academus.shared.training.shards import sti_model_name
@@ -312,7 +326,7 @@ def cold_start(artifacts: Path, model: str, task: str, rounds: int, teacher: str
     store = ShardStore(shards_dir(artifacts, model))
     entries = {name: catalogue[name] for name in (teacher, catalogue[teacher].get(HEAD_ON), sti) if name}
     teacher_paths = [artifacts / e[k] for e in entries.values() if "shards" not in e for k in ("head", "source")
-                     if k in e] + ([] if HEAD_ON in catalogue[teacher] else [teacher_dir()])
+                     if k in e] + ([] if {HEAD_ON, "source"} & catalogue[teacher].keys() else [teacher_dir()])
     teacher_files = [f for path in teacher_paths for f in path.rglob("*") if f.is_file()]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -355,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     offline_hub()
     p = argparse.ArgumentParser(prog="sti_bench", description=__doc__.split("\n")[0])
     p.add_argument("--io", default="file", help="file | cold | throttled:<MB/s>")
-    p.add_argument("--task", action="append", choices=TASKS, default=None)
+    p.add_argument("--task", action="append", default=None,
+                   help=f"{', '.join(TASKS)}, or a user's classifier's name (its own task); default: the shards' tasks")
     p.add_argument("--targets", default="0.5,0.75,1,1.5,2,3", help="multiples of the whole model's compute")
     p.add_argument("--preload-mb", default="1,4", help="preload buffer sizes of the sti arms, MB")
     p.add_argument("--runs", type=int, default=30)
@@ -384,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
         return 0
     store = ShardStore(shards_dir(artifacts, args.model))
-    tokenizer = TeacherTokenizer(teacher_dir(), max_tokens=MAX_TOKENS)
+    tokenizer = encoder_base(artifacts, args.model).tokenizer()
     profile = measure_profile(store, args.io)
     targets = [float(x) for x in args.targets.split(",")]
     preload_sizes = [int(float(x) * (1 << 20)) for x in args.preload_mb.split(",") if x]
@@ -393,8 +408,8 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
     cache = AccuracyCache(args.out / "accuracy_cache.json" if args.out and not args.quick else None)
     for task in args.task or list(store.tasks):
-        res = bench_task(task, store, profile, tokenizer, targets, preload_sizes, args.runs, args.rounds, args.io,
-                         args.quick, cache)
+        res = bench_task(task, task_data(artifacts, args.model, task), store, profile, tokenizer, targets,
+                         preload_sizes, args.runs, args.rounds, args.io, args.quick, cache)
         print(json.dumps({k: v for k, v in res.items() if k != "rows"}), flush=True)
         results.append(res)
     summary = {"io": profile.source, "threads": args.threads, "profile": json.loads(profile.to_json()),

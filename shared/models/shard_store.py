@@ -182,6 +182,11 @@ class ShardStore:
         return self._paths
 
     @property
+    def model_settings(self) -> dict[str, Any]:
+        """The encoder's config as the manifest keeps it (what transformers' `AutoConfig.for_model` takes)."""
+        return {"model_type": "bert", **self.manifest.extra["config"]}
+
+    @property
     def resident_bytes(self) -> int:
         """Bytes of the resident tensors in memory: position and type embeddings, biases, norms, centroids."""
         return sum(t.numel() * t.element_size() for t in self.resident.values())
@@ -222,9 +227,9 @@ class ShardStore:
         heads: dict[tuple[int, int], nn.Module] = {}
         for depth in info.depths:
             for width in info.widths:
-                key = shape_key(depth, width)
-                if f"{key}.weight" not in tensors and info.own_head:
+                if info.own_head and (depth, width) == (self.geometry.layers, self.geometry.heads):
                     continue
+                key = shape_key(depth, width)
                 head = ClassifierHead(info.labels, self.geometry.hidden)
                 head.linear.load_state_dict({"weight": tensors[f"{key}.weight"], "bias": tensors[f"{key}.bias"]})
                 heads[(depth, width)] = head.eval()
@@ -235,8 +240,7 @@ class ShardStore:
     def _own_head(self, task: str, labels: Sequence[str], tensors: dict[str, torch.Tensor]) -> nn.Module:
         from transformers import AutoConfig
 
-        settings = {"model_type": "bert", **self.manifest.extra["config"]}
-        head = SequenceClassifierHead.for_config(AutoConfig.for_model(**settings), labels)
+        head = SequenceClassifierHead.for_config(AutoConfig.for_model(**self.model_settings), labels)
         state = {k.removeprefix(OWN_HEAD_PREFIX): v for k, v in tensors.items() if k.startswith(OWN_HEAD_PREFIX)}
         missing, unexpected = head.load_state_dict(state, strict=False)
         if missing or unexpected:

@@ -48,7 +48,7 @@ class ElasticModel(nn.Module):
                                 f"row); rebuild it with `academus shard build`")
         self.store, self.task, self.rows = store, task, store.rows
         self.source = FileSource()           # for runs outside a pipeline, which reads through its own
-        settings = {"model_type": "bert", **store.manifest.extra["config"]}
+        settings = store.model_settings
         self.architecture = read_architecture(settings, str(store.directory))
         self.pooling = store.manifest.extra.get("pooling", MEAN)
         self.normalize = bool(store.manifest.extra.get("normalize", True))

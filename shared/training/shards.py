@@ -247,7 +247,7 @@ def fit_shape_heads(train: Evaluator, validation: Evaluator, ytrain: torch.Tenso
             else:
                 head = fit_head(x[:, depth - 1], ytrain, vx[:, depth - 1], yval, labels)
             key = shape_key(depth, width)
-            if isinstance(head, ClassifierHead):   # a classifier's own head is stored whole (`own_head_tensors`)
+            if isinstance(head, ClassifierHead):   # a classifier's own head is stored whole (by `build_task`)
                 tensors[f"{key}.weight"] = head.linear.weight.detach().clone()
                 tensors[f"{key}.bias"] = head.linear.bias.detach().clone()
             with torch.no_grad():
@@ -280,7 +280,9 @@ def build(artifacts: Path, model: str, tasks: Sequence[str] | None = None, data_
     summary: dict[str, Any] = {"model": model, "geometry": store.geometry.__dict__, "tasks": {}}
     for task in tasks:
         if classifier:
-            served_head, data = own_head, own_task(model, encoder, own_head, tokenizer, data_root, quick)
+            train_n, val_n, _ = QUICK if quick else OWN_TASK_SIZES
+            data = own_task(model, encoder, own_head, tokenizer, data_root, {"train": train_n, "validation": val_n})
+            served_head = own_head
         else:   # the teacher's served head; a user's embedding model's is fitted here
             served_head, data = None if base.user else load_head(artifacts, task), load_task(task, data_root)
         summary["tasks"][task] = build_task(store, bank, tokenizer, task, data, served_head, quick)
@@ -311,30 +313,28 @@ def _tasks_of(model: str, classifier: bool, tasks: Sequence[str] | None) -> list
 
 
 def own_task(model: str, encoder: TeacherEncoder, head: torch.nn.Module, tokenizer: TeacherTokenizer,
-             data_root: Path, quick: bool) -> TaskData:
-    """A classifier's own task: the bundled tasks' texts in equal shares, each labelled with the classifier's own
-    prediction (so a submodel's accuracy is its agreement with the unmodified classifier)."""
-    train_n, val_n, _ = QUICK if quick else OWN_TASK_SIZES
+             data_root: Path, sizes: dict[str, int | None]) -> TaskData:
+    """A classifier's own task: the bundled tasks' texts of each split in `sizes` (texts in equal shares of the
+    tasks; None: all), each labelled with the classifier's own prediction (so a submodel's accuracy is its
+    agreement with the unmodified classifier)."""
     tasks = [load_task(task, data_root) for task in TASKS]
-
-    def share(split: str, n: int) -> list[str]:
-        return [e.text for data in tasks for e in subsample(getattr(data, split), n // len(TASKS))]
-
-    splits = {}
-    for split, n in (("train", train_n), ("validation", val_n)):
-        texts = share(split, n)
+    splits: dict[str, list[Example]] = {"train": [], "validation": [], "test": []}
+    for split, n in sizes.items():
+        share = None if n is None else n // len(TASKS)
+        texts = [e.text for data in tasks for e in subsample(getattr(data, split), share)]
         predicted = torch.empty(len(texts), dtype=torch.long)
         with torch.inference_mode():
             for rows, ids, mask, types in padded_batches(tokenizer, texts, 64):
                 predicted[rows] = head(encoder(ids, mask, types)).argmax(1)
         splits[split] = [Example(t, int(y)) for t, y in zip(texts, predicted.tolist(), strict=True)]
-    return TaskData(model, list(head.labels), splits["train"], splits["validation"], [])
+    return TaskData(model, list(head.labels), splits["train"], splits["validation"], splits["test"])
 
 
 def build_task(store: ShardStore, bank: dict, tokenizer: TeacherTokenizer, task: str, data: Any,
-               served: ClassifierHead | None, quick: bool) -> dict[str, Any]:
+               served: torch.nn.Module | None, quick: bool) -> dict[str, Any]:
     """A task's importance, floor and heads. `served`: the head the whole model serves the task with (None: fitted
-    here on the whole model's pooled output, as the other shapes' are)."""
+    here on the whole model's pooled output, as the other shapes' are; a user's classifier's own head is stored
+    whole, as `own.*` tensors)."""
     geometry = store.geometry
     labels = list(served.labels) if served is not None else list(data.labels)
     train_n, val_n, dev_n = QUICK if quick else SIZES.get(task, OWN_TASK_SIZES)

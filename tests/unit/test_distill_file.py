@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
 from collections import Counter
 from contextlib import redirect_stdout
 from dataclasses import replace
@@ -15,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import transformers
 
+from academus.loadgen.probes.user_classifier import sentiment_classifier
 from academus.services.worker.core import OUTPUT_PROBS, ModelRunner
 from academus.shared.models.model import SequenceClassifierHead, pad_batch
 from academus.shared.models.students import SEQUENCE
@@ -121,34 +120,6 @@ def test_a_head_trained_on_a_file_is_distilled_only_on_a_file(artifacts: Path, t
     assert rc == 1
     assert "is a head trained on 'reviews', not on a bundled task: distil it on a file of its examples (--data" \
         in capsys.readouterr().err
-
-
-def sentiment_classifier(directory: Path, examples: list[tuple[str, str]]) -> Path:
-    """A real sequence classifier: MiniLM's body under BERT's pooler and a linear classifier, both fitted on the
-    reviews' first-token states, saved as transformers saves a fine-tuned BertForSequenceClassification."""
-    labels = sorted({label for _, label in examples})
-    model = transformers.BertForSequenceClassification.from_pretrained(
-        str(teacher_dir()), num_labels=2, id2label=dict(enumerate(labels)),
-        label2id={k: i for i, k in enumerate(labels)})
-    tokenizer = TeacherTokenizer(teacher_dir())
-    encoded = tokenizer.encode([text for text, _ in examples])
-    ids, mask, types = pad_batch([e.input_ids for e in encoded], [e.token_type_ids for e in encoded])
-    with torch.no_grad():
-        first = model.bert(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state[:, 0]
-    gold = torch.tensor([labels.index(label) for _, label in examples])
-    head = [*model.bert.pooler.parameters(), *model.classifier.parameters()]
-    optimizer = torch.optim.Adam(head, lr=1e-3)
-    torch.manual_seed(0)
-    for _ in range(300):
-        logits = model.classifier(model.bert.pooler.activation(model.bert.pooler.dense(first)))
-        loss = torch.nn.functional.cross_entropy(logits, gold)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.config.architectures = ["BertForSequenceClassification"]
-    model.save_pretrained(directory)
-    shutil.copyfile(teacher_dir() / "tokenizer.json", directory / "tokenizer.json")
-    return directory
 
 
 def test_a_sequence_classifiers_students_carry_its_own_nonlinear_head(examples: list, dataset_dir: Path,
