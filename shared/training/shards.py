@@ -217,10 +217,12 @@ def profile_importance(evaluator: Evaluator, geometry: ShardGeometry, gold: torc
 
 def profile_fidelity(evaluator: Evaluator, geometry: ShardGeometry, gold: torch.Tensor) -> tuple[dict[str, float], int]:
     """The whole model's dev accuracy with every shard at one version, and the fewest bits within
-    FIDELITY_TOLERANCE of full precision: the task's floor. MiniLM at 2 bits is at chance (DynaBERT, the
-    paper's model, is not), so plans that buy width with 2-bit shards lose more than the width gains."""
+    FIDELITY_TOLERANCE of full precision (full precision itself when none is): the task's floor. MiniLM at 2 bits
+    is at chance (DynaBERT, the paper's model, is not), so plans that buy width with 2-bit shards lose more than
+    the width gains."""
     uniform = {str(b): round(accuracy(evaluator.probs(full_plan(geometry, b)), gold)[0], 4) for b in VERSIONS}
-    floor = next((b for b in BITS if uniform[str(b)] >= uniform[str(FULL)] - FIDELITY_TOLERANCE), BITS[-1])
+    # none within the tolerance: full precision is the floor (a plan at 6 bits would lose more than it allows)
+    floor = next((b for b in BITS if uniform[str(b)] >= uniform[str(FULL)] - FIDELITY_TOLERANCE), FULL)
     return uniform, floor
 
 

@@ -32,7 +32,7 @@ from academus.shared.models.shards import (
 from academus.shared.models.sti_pipeline import DeadlineMissed, ElasticModel, ShardPipeline
 from academus.shared.models.sti_planner import Plan
 from academus.shared.state.artifacts import ArtifactError
-from academus.shared.training.shards import write_encoder_shards
+from academus.shared.training.shards import profile_fidelity, write_encoder_shards
 
 
 def tiny_encoder(layers: int = 2) -> TeacherEncoder:
@@ -421,3 +421,22 @@ def test_layer_quantization_shares_codebooks_across_shards() -> None:
     q = LayerQuantization.fit(vectors)
     assert set(q.codebooks) == set(BITS)
     assert [len(m) for m in q.outliers] == [geometry.params] * geometry.heads
+
+
+class UniformBits:
+    """An evaluator whose whole model scores `accuracy[bits]` on 1,000 texts at each uniform bit width."""
+
+    def __init__(self, accuracy: dict[int, float]) -> None:
+        self.accuracy = accuracy
+
+    def probs(self, plan: Plan) -> torch.Tensor:
+        right = round(1000 * self.accuracy[next(iter(plan.bits.values()))])
+        return torch.tensor([[0.0, 1.0]] * right + [[1.0, 0.0]] * (1000 - right))
+
+
+@pytest.mark.parametrize(("six_bits", "floor"), [(0.995, 6), (0.95, 32)])
+def test_the_floor_is_full_precision_when_no_bit_width_keeps_the_accuracy(six_bits: float, floor: int) -> None:
+    accuracy = {2: 0.5, 3: 0.7, 4: 0.8, 5: 0.9, 6: six_bits, 32: 1.0}
+    gold = torch.ones(1000, dtype=torch.long)
+    uniform, chosen = profile_fidelity(UniformBits(accuracy), ShardGeometry(2, 2, 8, 16), gold)
+    assert uniform == {str(b): a for b, a in accuracy.items()} and chosen == floor
