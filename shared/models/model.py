@@ -51,7 +51,11 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str = MEAN
          ) -> torch.Tensor:
     """A padded batch's layer output [B, T, H] pooled as an encoder is served: the mean over real tokens or the
     first token's state, L2-normalised when `normalize`."""
-    pooled = mean_pool(hidden, attention_mask) if pooling == MEAN else hidden[:, 0]
+    return finish_pooled(mean_pool(hidden, attention_mask) if pooling == MEAN else hidden[:, 0], normalize)
+
+
+def finish_pooled(pooled: torch.Tensor, normalize: bool) -> torch.Tensor:
+    """A pooled [B, H] representation as served: L2-normalised when `normalize` (embeddings)."""
     return nn.functional.normalize(pooled, p=2, dim=1) if normalize else pooled
 
 

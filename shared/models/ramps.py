@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from academus.shared.models.model import FIRST, MEAN, pool
+from academus.shared.models.model import FIRST, MEAN, finish_pooled, pool
 from academus.shared.state.artifacts import MANIFEST, WEIGHTS, ArtifactError, Manifest, load_artifact, write_artifact
 
 RAMPS_KIND = "ramps"
@@ -42,7 +42,7 @@ class ExitRamps(nn.Module):
         return pool(hidden, attention_mask, self.pooling, self.normalize)
 
     def finish(self, pooled: torch.Tensor) -> torch.Tensor:
-        return nn.functional.normalize(pooled, p=2, dim=1) if self.normalize else pooled
+        return finish_pooled(pooled, self.normalize)
 
     def probs(self, layer: int, pooled: torch.Tensor) -> torch.Tensor:
         """[n, C] probabilities of the ramp at `layer` for already pooled (and finished) states."""

@@ -25,6 +25,7 @@ from academus.shared.models.model import (
     ClassifierHead,
     SequenceClassifierHead,
     body_inputs,
+    finish_pooled,
     mean_pool,
     padded_positions,
 )
@@ -193,7 +194,7 @@ class StudentGroup(nn.Module):
         outputs = self.student_outputs(input_ids, attention_mask, token_type_ids, k, members)
         finals = torch.stack([f for f, _ in outputs])
         combined = (self.alphas()[:k, None, None] * finals).sum(0)
-        return nn.functional.normalize(combined, p=2, dim=1) if self.normalize else combined
+        return finish_pooled(combined, self.normalize)
 
 
 def source_layers(teacher_depth: int, layers: int, spread: bool = False) -> list[int]:

@@ -78,6 +78,27 @@ def padded_batches(tokenizer: TeacherTokenizer, texts: Sequence[str], batch_size
         yield rows, *pad_batch([encoded[i].input_ids for i in rows], [encoded[i].token_type_ids for i in rows])
 
 
+@torch.inference_mode()
+def in_text_order(batches: Sequence[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]], n: int,
+                  run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`run(ids, mask, types)` on each of `padded_batches`' batches, its rows put back in the texts' order: [n, ...]
+    (float32)."""
+    out: torch.Tensor | None = None
+    for rows, ids, mask, types in batches:
+        values = run(ids, mask, types).float()
+        if out is None:
+            out = torch.empty(n, *values.shape[1:])
+        out[rows] = values
+    return out if out is not None else torch.empty(0)
+
+
+def bundled_texts(split: str, limit: int | None, data_dir: Path | None = None) -> list[str]:
+    """The bundled tasks' texts of one split in equal shares, `limit` in all (None: every one): real text for
+    what has no task of its own (a user's classifier, an embedding group)."""
+    share = None if limit is None else limit // len(TASKS)
+    return [e.text for task in TASKS for e in subsample(getattr(load_task(task, data_dir), split), share)]
+
+
 def embed_texts(
     texts: Sequence[str],
     encoder: TeacherEncoder,

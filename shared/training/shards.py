@@ -72,7 +72,14 @@ from academus.shared.runtime.config import offline_hub
 from academus.shared.state.artifacts import ArtifactError
 from academus.shared.state.catalogue import CLASSIFICATION, read_catalogue, write_entry
 from academus.shared.training.data import TASKS, DataMissing, Example, TaskData, fetch, load_task
-from academus.shared.training.prepare import load_head, padded_batches, subsample, train_head
+from academus.shared.training.prepare import (
+    bundled_texts,
+    in_text_order,
+    load_head,
+    padded_batches,
+    subsample,
+    train_head,
+)
 
 MODELS = {"minilm": TEACHER_NAME}
 BUCKETS = (16, 32, 64, 128, 256)
@@ -319,15 +326,11 @@ def own_task(model: str, encoder: TeacherEncoder, head: torch.nn.Module, tokeniz
     """A classifier's own task: the bundled tasks' texts of each split in `sizes` (texts in equal shares of the
     tasks; None: all), each labelled with the classifier's own prediction (so a submodel's accuracy is its
     agreement with the unmodified classifier)."""
-    tasks = [load_task(task, data_root) for task in TASKS]
     splits: dict[str, list[Example]] = {"train": [], "validation": [], "test": []}
     for split, n in sizes.items():
-        share = None if n is None else n // len(TASKS)
-        texts = [e.text for data in tasks for e in subsample(getattr(data, split), share)]
-        predicted = torch.empty(len(texts), dtype=torch.long)
-        with torch.inference_mode():
-            for rows, ids, mask, types in padded_batches(tokenizer, texts, 64):
-                predicted[rows] = head(encoder(ids, mask, types)).argmax(1)
+        texts = bundled_texts(split, n, data_root)
+        predicted = in_text_order(list(padded_batches(tokenizer, texts, 64)), len(texts),
+                                  lambda ids, mask, types: head(encoder(ids, mask, types))).argmax(1)
         splits[split] = [Example(t, int(y)) for t, y in zip(texts, predicted.tolist(), strict=True)]
     return TaskData(model, list(head.labels), splits["train"], splits["validation"], splits["test"])
 

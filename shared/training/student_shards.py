@@ -34,9 +34,9 @@ from academus.shared.models.students import Members, StudentGroup
 from academus.shared.models.user_models import STUDENTS_OF
 from academus.shared.state.artifacts import WEIGHTS, read_manifest, write_manifest
 from academus.shared.state.catalogue import EMBEDDING, read_catalogue, write_entry
-from academus.shared.training.data import TASKS, Example, fetch, load_task
+from academus.shared.training.data import Example, fetch, load_task
 from academus.shared.training.distill_data import Teacher
-from academus.shared.training.prepare import load_head, padded_batches, subsample
+from academus.shared.training.prepare import bundled_texts, in_text_order, load_head, padded_batches, subsample
 from academus.shared.training.student_artifacts import load_student_group, students_dir
 
 DEV_TEXTS, QUICK_DEV_TEXTS = 500, 48
@@ -114,12 +114,8 @@ class GroupEvaluation:
         encoder, head = teacher.encoder, teacher.head
         self.teacher = self._each(lambda ids, mask, types: head(encoder(ids, mask, types)))
 
-    @torch.inference_mode()
     def _each(self, logits: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        out = torch.empty(self.n, dtype=torch.long)
-        for rows, ids, mask, types in self.batches:
-            out[rows] = logits(ids, mask, types).argmax(1)
-        return out
+        return in_text_order(self.batches, self.n, logits).argmax(1)
 
     def predictions(self, members: Members | None = None) -> torch.Tensor:
         k = self.group.max_students
@@ -140,23 +136,15 @@ class EmbeddingEvaluation:
     against the full-precision group's own output (mean cosines)."""
 
     def __init__(self, group: StudentGroup, teacher: Teacher, texts: Sequence[str]) -> None:
-        self.group, self.n = group, len(texts)
+        self.group = group
         self.batches = list(padded_batches(teacher.tokenizer, list(texts), 64))
-        encoder = teacher.encoder
-        self.teacher = self._each(lambda ids, mask, types: encoder(ids, mask, types))
+        self.teacher = teacher.embed(list(texts), "floor/teacher")
         self.full = self.outputs()
-
-    @torch.inference_mode()
-    def _each(self, embed: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        parts = [(rows, embed(ids, mask, types)) for rows, ids, mask, types in self.batches]
-        out = torch.empty(self.n, parts[0][1].shape[-1])
-        for rows, values in parts:
-            out[rows] = values.float()
-        return out
 
     def outputs(self, members: Members | None = None) -> torch.Tensor:
         k = self.group.max_students
-        return self._each(lambda ids, mask, types: self.group(ids, mask, types, num_students=k, members=members))
+        return in_text_order(self.batches, len(self.teacher),
+                             lambda ids, mask, types: self.group(ids, mask, types, num_students=k, members=members))
 
     def fidelity(self, members: Members | None = None) -> dict[str, float]:
         out = self.outputs(members)
@@ -198,5 +186,5 @@ def dev_evaluation(group: StudentGroup, teacher: Teacher, entry: dict[str, Any],
     if group.head is not None:
         dev = subsample(load_task(entry.get("task", ""), root).validation, size)
         return GroupEvaluation(group, teacher, dev), len(dev)
-    texts = [e.text for task in TASKS for e in subsample(load_task(task, root).validation, size // len(TASKS))]
+    texts = bundled_texts("validation", size, root)
     return EmbeddingEvaluation(group, teacher, texts), len(texts)
