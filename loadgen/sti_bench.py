@@ -56,6 +56,7 @@ from academus.shared.training.shards import (
     load_profile,
     measure_profile,
     own_task,
+    own_texts,
     planner_for,
     save_profile,
 )
@@ -155,14 +156,16 @@ class AccuracyCache:
         return self.known[key]
 
 
-def task_data(artifacts: Path, model: str, task: str) -> TaskData:
-    """A bundled task's splits, or a user's classifier's own task: the bundled tasks' test texts, each labelled with
-    the unmodified classifier's prediction."""
+def task_data(artifacts: Path, model: str, task: str, store: ShardStore) -> TaskData:
+    """A bundled task's splits, or a user's classifier's own task: the test texts of what its shards were built on
+    (its user's file, or the bundled tasks'), each labelled with the unmodified classifier's prediction."""
     if task in TASKS:
         return load_task(task, fetch(None))
     base = encoder_base(artifacts, model)
     encoder, head, _ = open_model(base.directory)
-    return own_task(task, encoder, head, base.tokenizer(), fetch(None), {"test": None})
+    origin = store.manifest.extra.get("own_texts", "bundled")
+    texts = own_texts(model, True, {"test": None}, None if origin == "bundled" else Path(origin), None)
+    return own_task(task, encoder, head, base.tokenizer(), texts)
 
 
 def bench_task(task: str, data: TaskData, store: ShardStore, profile: HardwareProfile, tokenizer: TeacherTokenizer,
@@ -408,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
     cache = AccuracyCache(args.out / "accuracy_cache.json" if args.out and not args.quick else None)
     for task in args.task or list(store.tasks):
-        res = bench_task(task, task_data(artifacts, args.model, task), store, profile, tokenizer, targets,
+        res = bench_task(task, task_data(artifacts, args.model, task, store), store, profile, tokenizer, targets,
                          preload_sizes, args.runs, args.rounds, args.io, args.quick, cache)
         print(json.dumps({k: v for k, v in res.items() if k != "rows"}), flush=True)
         results.append(res)

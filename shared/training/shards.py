@@ -71,7 +71,8 @@ from academus.shared.runtime.config import artifacts_dir as default_artifacts_di
 from academus.shared.runtime.config import offline_hub
 from academus.shared.state.artifacts import ArtifactError
 from academus.shared.state.catalogue import CLASSIFICATION, read_catalogue, write_entry
-from academus.shared.training.data import TASKS, DataMissing, Example, TaskData, fetch, load_task
+from academus.shared.state.uploads import parse_texts_jsonl
+from academus.shared.training.data import TASKS, DataMissing, Example, TaskData, fetch, file_task, load_task
 from academus.shared.training.prepare import (
     bundled_texts,
     in_text_order,
@@ -86,7 +87,7 @@ BUCKETS = (16, 32, 64, 128, 256)
 # texts a split: (train for heads, validation, dev share for importance); --quick: a few for tests
 SIZES = {"sentiment": (3000, None, 500), "spam": (1500, None, 250)}
 QUICK = (96, 64, 48)
-OWN_TASK_SIZES = (3000, 1000, 500)   # a user's classifier's own task: texts of the bundled tasks, in equal shares
+OWN_TASK_SIZES = (3000, 1000, 500)   # a user's classifier's own task: its file's texts, or the bundled tasks'
 STUDENT_INFO = ("students", "student_layers", "min_bits", "fidelity")   # what `info` adds for a group's shards
 
 
@@ -267,33 +268,33 @@ def fit_shape_heads(train: Evaluator, validation: Evaluator, ytrain: torch.Tenso
 
 
 def build(artifacts: Path, model: str, tasks: Sequence[str] | None = None, data_dir: Path | None = None,
-          quick: bool = False) -> dict[str, Any]:
+          quick: bool = False, texts_file: Path | None = None) -> dict[str, Any]:
     """Writes `shards/<model>/` and registers `<task>-sti` (`<model>-<task>-sti` on a user's model, `<model>-sti`
     for a user's classifier) for each task in the catalogue. `tasks`: the bundled tasks by default; a
-    classifier has only its own."""
+    classifier has only its own, on `texts_file`'s texts (JSON lines) or the bundled tasks'."""
     artifacts = Path(artifacts).resolve()
     base = encoder_base(artifacts, model)
     if base is None:
         raise ValueError(f"--model {model!r}: shards are built for minilm or a user's embedding model or classifier")
     classifier = is_classifier(artifacts, base)
     tasks = _tasks_of(model, classifier, tasks)
+    sizes = dict(zip(("train", "validation"), QUICK if quick else OWN_TASK_SIZES, strict=False))
+    texts = own_texts(model, classifier, sizes, texts_file, data_dir) if classifier or texts_file else {}
     started = time.perf_counter()
     encoder, own_head = open_model(base.directory)[:2] if classifier else (base.encoder(), None)
     directory = shards_dir(artifacts, model)
     teacher = base.identity()   # a user's model: its name and weights' digest, read from its manifest once
-    write_encoder_shards(directory, encoder, teacher, {"model": model, "quick": quick}, log, classifier)
+    origin = {"own_texts": str(texts_file or "bundled")} if classifier else {}
+    write_encoder_shards(directory, encoder, teacher, {"model": model, "quick": quick, **origin}, log, classifier)
     store = ShardStore(directory)
     bank = decoded_bank(store)
     tokenizer = base.tokenizer()
-    data_root = fetch(data_dir)
     summary: dict[str, Any] = {"model": model, "geometry": store.geometry.__dict__, "tasks": {}}
     for task in tasks:
         if classifier:
-            train_n, val_n, _ = QUICK if quick else OWN_TASK_SIZES
-            data = own_task(model, encoder, own_head, tokenizer, data_root, {"train": train_n, "validation": val_n})
-            served_head = own_head
+            data, served_head = own_task(model, encoder, own_head, tokenizer, texts), own_head
         else:   # the teacher's served head; a user's embedding model's is fitted here
-            served_head, data = None if base.user else load_head(artifacts, task), load_task(task, data_root)
+            served_head, data = None if base.user else load_head(artifacts, task), load_task(task, fetch(data_dir))
         summary["tasks"][task] = build_task(store, bank, tokenizer, task, data, served_head, quick)
         served = sti_model_name(task, model)
         write_entry(artifacts, served, {"kind": CLASSIFICATION, "labels": summary["tasks"][task]["labels"],
@@ -321,17 +322,32 @@ def _tasks_of(model: str, classifier: bool, tasks: Sequence[str] | None) -> list
     return tasks
 
 
+def own_texts(model: str, classifier: bool, sizes: dict[str, int | None], texts_file: Path | None,
+              data_dir: Path | None) -> dict[str, list[str]]:
+    """A classifier's texts a split, at most `sizes`: its user's file's (split by text hash, as `heads train`
+    splits a file), else the bundled tasks' in equal shares. Read before anything is written."""
+    if texts_file is None:
+        root = fetch(data_dir)
+        return {split: bundled_texts(split, n, root) for split, n in sizes.items()}
+    if not classifier:
+        raise ValueError(f"--data gives a sequence classifier's own texts; {model!r} is not one: its shards fit "
+                         f"heads on the bundled tasks' labelled examples (--tasks)")
+    if Path(texts_file).is_dir():
+        raise ValueError(f"--data {texts_file}: a file of JSON lines {{\"text\": ...}} is wanted, not a directory "
+                         f"(dataset packages are --data-dir)")
+    task = file_task(str(texts_file), parse_texts_jsonl(Path(texts_file).read_bytes(), str(texts_file)))
+    return {split: [e.text for e in subsample(getattr(task, split), n)] for split, n in sizes.items()}
+
+
 def own_task(model: str, encoder: TeacherEncoder, head: torch.nn.Module, tokenizer: TeacherTokenizer,
-             data_root: Path, sizes: dict[str, int | None]) -> TaskData:
-    """A classifier's own task: the bundled tasks' texts of each split in `sizes` (texts in equal shares of the
-    tasks; None: all), each labelled with the classifier's own prediction (so a submodel's accuracy is its
-    agreement with the unmodified classifier)."""
+             texts: dict[str, list[str]]) -> TaskData:
+    """A classifier's own task: `texts` of each split, each labelled with the classifier's own prediction (so a
+    submodel's accuracy is its agreement with the unmodified classifier)."""
     splits: dict[str, list[Example]] = {"train": [], "validation": [], "test": []}
-    for split, n in sizes.items():
-        texts = bundled_texts(split, n, data_root)
-        predicted = in_text_order(list(padded_batches(tokenizer, texts, 64)), len(texts),
+    for split, chunk in texts.items():
+        predicted = in_text_order(list(padded_batches(tokenizer, chunk, 64)), len(chunk),
                                   lambda ids, mask, types: head(encoder(ids, mask, types))).argmax(1)
-        splits[split] = [Example(t, int(y)) for t, y in zip(texts, predicted.tolist(), strict=True)]
+        splits[split] = [Example(t, int(y)) for t, y in zip(chunk, predicted.tolist(), strict=True)]
     return TaskData(model, list(head.labels), splits["train"], splits["validation"], splits["test"])
 
 
@@ -530,7 +546,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--tasks", default="", help=f"comma-separated (default {','.join(TASKS)}; a user's classifier has "
                                                "only its own task)")
     b.add_argument("--quick", action="store_true", help=f"a few texts a split: {QUICK}")
-    b.add_argument("--data", type=Path, default=None, help="dataset packages (ACADEMUS_DATA_DIR)")
+    b.add_argument("--data", type=Path, default=None, help='a user\'s classifier: its own texts, JSON lines '
+                   '{"text": ...}, labelled by the classifier itself (default: the bundled tasks\' texts)')
+    b.add_argument("--data-dir", type=Path, default=None, help="dataset packages (ACADEMUS_DATA_DIR)")
     sub.add_parser("info", parents=[common], help="the artifact's geometry, sizes and tasks")
     sub.add_parser("verify", parents=[common], help="every file and every shard against its sha256")
     f = sub.add_parser("profile", parents=[common], help="load and compute times on this machine (§5.2)")
@@ -550,9 +568,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.command == "build" and encoder_base(artifacts, args.model) is None:
         from academus.shared.training.student_shards import build_students
 
-        return build_students(artifacts, args.model, args.data, args.quick)
+        if args.data is not None:
+            raise ValueError(f"--data gives a sequence classifier's own texts, not {args.model!r}'s: a student "
+                             f"group's shards are measured on the bundled tasks")
+        return build_students(artifacts, args.model, args.data_dir, args.quick)
     if args.command == "build":
-        return build(artifacts, args.model, [t for t in args.tasks.split(",") if t] or None, args.data, args.quick)
+        return build(artifacts, args.model, [t for t in args.tasks.split(",") if t] or None, args.data_dir,
+                     args.quick, args.data)
     store = ShardStore(shards_dir(artifacts, args.model))
     if args.command in ("profile", "plan") and "config" not in store.manifest.extra:
         raise ValueError(f"--model {args.model!r}: profile and plan are for an encoder's shards (minilm or a user's "

@@ -7,6 +7,7 @@ served, under the fitted head. Models the shards cannot cut are refused before a
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from academus.shared.models.user_models import ModelRefused, add_model, cache_na
 from academus.shared.models.work import Batch
 from academus.shared.state.artifacts import read_manifest
 from academus.shared.state.catalogue import read_catalogue
+from academus.shared.training.data import fetch, file_task, load_task
 from academus.shared.training.shards import build, main
 from tests.e2e.test_user_models import each_text
 from tests.models import LABELS, roberta_specials, tiny_model_dir
@@ -140,3 +142,31 @@ def test_the_users_model_is_removed_only_after_its_shards(artifacts: Path, summa
     remove_model(artifacts, SERVED)
     assert not shards_dir(artifacts, MODEL).exists() and SERVED not in read_catalogue(artifacts)
     remove_model(artifacts, MODEL)
+
+
+def test_a_classifiers_shards_learn_its_own_task_from_its_users_texts(artifacts: Path, tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture) -> None:
+    """`--data F.jsonl`: the classifier labels its user's texts (split by text hash) and the shapes' heads and the
+    importance are fitted on them, not on the bundled tasks'. Bad files are refused before anything is written."""
+    name, served = "tiny-own-clf", "tiny-own-clf-sti"
+    tiny_model_dir("bert", True, tmp_path / name, seed=7, intermediate_size=54)
+    add_model(artifacts, name, tmp_path / name)
+    texts = [e.text for e in load_task("spam", fetch(None)).train[:250]]   # real emails as the user's own texts
+    own = tmp_path / "own.jsonl"
+    own.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"txt": "no text"}\n')
+    for data, message in ((bad, "bad.jsonl:2: missing field 'text'"), (tmp_path, "not a directory .*--data-dir")):
+        assert main(["build", "--model", name, "--quick", "--data", str(data), "--artifacts", str(artifacts)]) == 1
+        assert re.search(message, capsys.readouterr().err)
+    with pytest.raises(ValueError, match="--data gives a sequence classifier's own texts; 'tiny-enc' is not one"):
+        build(artifacts, MODEL, ["sentiment"], quick=True, texts_file=own)
+    assert not shards_dir(artifacts, name).exists() and served not in read_catalogue(artifacts)
+    summary = build(artifacts, name, quick=True, texts_file=own)
+    store = ShardStore(shards_dir(artifacts, name))
+    assert store.manifest.extra["own_texts"] == str(own) and summary["tasks"][name]["served_as"] == served
+    validation = file_task(str(own), texts).validation           # the file's own split: fewer than --quick's 48
+    assert store.tasks[name].metrics["dev_texts"] == len(validation) < 48
+    assert set(store.tasks[name].metrics["validation_accuracy"]) and store.tasks[name].own_head
+    remove_model(artifacts, served)
+    remove_model(artifacts, name)
