@@ -11,8 +11,8 @@ validation loss of B⁽ⁱ⁾ decreases, at most M; a student that does not impr
 
 Algorithm 2 (adaptive pruning): all students, α and the head are fine-tuned jointly on every prefix
 k = 1..M in each batch (gradients summed across prefixes), with soft cross-entropy against the teacher's
-soft labels (1 − cosine to T(x) for the embedding task). Every prefix is scored on validation; the
-best k is the default served count, and the test split is scored once for every k.
+soft labels (1 − cosine to T(x) for the embedding task; `gold_weight` mixes in the gold labels). Every prefix
+is scored on validation; the best k is the default served count, and the test split is scored once for every k.
 
 Layout: <artifacts>/students/<task>/ (weights.safetensors + manifest.json), report in
 <artifacts>/students/report.json; the catalogue entries `<task>-students` / `minilm-students`.
@@ -85,6 +85,14 @@ def stack_loss(previous: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
 def soft_cross_entropy(logits: torch.Tensor, soft_targets: torch.Tensor) -> torch.Tensor:
     """−Σ p_teacher·log softmax(logits), batch mean."""
     return -(soft_targets * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+
+
+def head_loss(logits: torch.Tensor, soft_targets: torch.Tensor, gold: torch.Tensor, gold_weight: float) -> torch.Tensor:
+    """Soft cross-entropy to the teacher, mixed with `gold_weight` of cross-entropy to the gold labels."""
+    loss = soft_cross_entropy(logits, soft_targets)
+    if gold_weight == 0.0:
+        return loss
+    return (1.0 - gold_weight) * loss + gold_weight * nn.functional.cross_entropy(logits, gold)
 
 
 def cosine_loss(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -281,7 +289,8 @@ def sequential_training(group: StudentGroup, data: DistillData, cfg: DistillConf
 # --- Algorithm 2 ---------------------------------------------------------------------------------
 
 def prefix_loss(group: StudentGroup, data: DistillData, split: Split, batch: list[int],
-                soft_labels: torch.Tensor | None, full_only: bool = False, average: bool = False) -> torch.Tensor:
+                soft_labels: torch.Tensor | None, full_only: bool = False, average: bool = False,
+                gold_weight: float = 0.0) -> torch.Tensor:
     """Σ_k loss of the first k students (k = 1..M) on one batch: one backward accumulates every prefix.
     `full_only` keeps k = M alone (the no-pruning ablation); `average` combines by mean (bagging)."""
     ids, mask, types = collate(split, batch)
@@ -291,7 +300,7 @@ def prefix_loss(group: StudentGroup, data: DistillData, split: Split, batch: lis
         prefixes = prefixes[-1:]
     if group.head is None:
         return sum(cosine_loss(rep, split.target[batch]) for rep in prefixes)
-    return sum(soft_cross_entropy(group.head(rep), soft_labels[batch]) for rep in prefixes)
+    return sum(head_loss(group.head(rep), soft_labels[batch], split.labels[batch], gold_weight) for rep in prefixes)
 
 
 def adaptive_pruning(group: StudentGroup, data: DistillData, cfg: DistillConfig, generator: torch.Generator,
@@ -311,7 +320,7 @@ def adaptive_pruning(group: StudentGroup, data: DistillData, cfg: DistillConfig,
     loss_value = float("nan")
     with tqdm(batches, desc="pruning (all prefixes)", unit="batch", file=sys.stderr, leave=False) as bar:
         for batch in bar:
-            loss = prefix_loss(group, data, train, batch, soft, full_only, average)
+            loss = prefix_loss(group, data, train, batch, soft, full_only, average, cfg.gold_weight)
             loss_value = _step(loss, optimizer, schedule, bar)
     return loss_value
 
@@ -401,6 +410,12 @@ def check_args(task: str, cfg: DistillConfig, from_file: bool = False) -> None:
         raise ValueError(f"unknown task {task!r}; known: {', '.join(DISTILL_TASKS)}")
     if cfg.max_students < 1 or cfg.layers < 1:
         raise ValueError("--max-students and --layers must be at least 1")
+    if not 0.0 <= cfg.gold_weight <= 1.0 or (cfg.gold_weight and task == EMBEDDING_TASK):
+        raise ValueError(f"--gold-weight must be in [0, 1], and it mixes in gold labels only for a labelled task, "
+                         f"not {cfg.gold_weight} on {task!r}")
+    if cfg.boost_epochs <= 0 or cfg.prune_epochs < 0:
+        raise ValueError(f"--boost-epochs must be > 0 and --prune-epochs >= 0, not {cfg.boost_epochs} and "
+                         f"{cfg.prune_epochs}")
     if cfg.intermediate_size < 0 or (cfg.intermediate_size and cfg.init not in CUT_FROM_TEACHER):
         raise ValueError(f"--intermediate-size must be >= 0 (0: the teacher's width), and it narrows only "
                          f"students cut from the teacher (--init teacher or spread), not {cfg.intermediate_size} "

@@ -46,6 +46,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--intermediate-size", type=int, default=None,
                    help="students' feed-forward width, cut from the teacher's most important neurons "
                         "(default 0: the teacher's 1536)")
+    p.add_argument("--boost-epochs", type=float, default=None, help="Algorithm 1's epochs a student (default 2)")
+    p.add_argument("--prune-epochs", type=float, default=None, help="Algorithm 2's epochs (default 1)")
+    p.add_argument("--gold-weight", type=float, default=None,
+                   help="Algorithm 2 on a labelled task: the share of cross-entropy to the gold labels beside the "
+                        "teacher's soft labels, 0 to 1 (default 0: the teacher's alone, as the paper)")
     p.add_argument("--init", choices=list(INITIALISATIONS), default=None,
                    help="first student: the teacher's bottom layers (teacher, the default), its layers spaced "
                         "evenly from first to last (spread), or paraphrase-MiniLM-L3-v2 from the PyPI ONNX "
@@ -63,14 +68,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> DistillConfig:
     cfg = QUICK if args.quick else DistillConfig()
-    if args.layers is not None:
-        cfg = replace(cfg, layers=args.layers)
-    if args.max_students is not None:
-        cfg = replace(cfg, max_students=args.max_students)
-    if args.init is not None:
-        cfg = replace(cfg, init=args.init)
-    if args.intermediate_size is not None:
-        cfg = replace(cfg, intermediate_size=args.intermediate_size)
+    for name in ("layers", "max_students", "init", "intermediate_size", "boost_epochs", "prune_epochs", "gold_weight"):
+        if getattr(args, name) is not None:
+            cfg = replace(cfg, **{name: getattr(args, name)})
     return cfg
 
 

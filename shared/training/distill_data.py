@@ -44,6 +44,9 @@ class DistillConfig:
     max_students: int = 4
     boost_epochs: float = 2.0           # Algorithm 1, per student (fractions allowed)
     prune_epochs: float = 1.0           # Algorithm 2
+    gold_weight: float = 0.0            # Algorithm 2 on a labelled task: the share of cross-entropy to the gold
+                                        # labels beside the teacher's soft labels (Hinton et al.'s mix), so the
+                                        # students need not copy the teacher's mistakes
     lr: float = 2e-4
     head_lr: float = 1e-3
     lam: float = 1.0                    # λ of eq. 4

@@ -16,6 +16,7 @@ from academus.shared.training.distill import (
     best_prefix,
     boost_loss,
     cosine_loss,
+    head_loss,
     prefix_scores,
     prefix_sums,
     residual_sample,
@@ -77,6 +78,16 @@ def test_soft_cross_entropy_and_cosine_loss_by_hand() -> None:
     a = torch.tensor([[1.0, 0.0], [2.0, 2.0]])
     b = torch.tensor([[0.0, 3.0], [1.0, 1.0]])
     assert cosine_loss(a, b).item() == pytest.approx(0.5)    # (1 − 0 + 1 − 1) / 2
+
+
+def test_the_head_loss_mixes_the_gold_labels_in_by_their_weight() -> None:
+    logits = torch.tensor([[0.0, math.log(3.0)]])          # softmax: (0.25, 0.75)
+    soft, gold = torch.tensor([[0.5, 0.5]]), torch.tensor([0])
+    teacher = soft_cross_entropy(logits, soft).item()
+    assert head_loss(logits, soft, gold, 0.0).item() == pytest.approx(teacher, rel=1e-6)
+    mixed = 0.75 * teacher + 0.25 * -math.log(0.25)
+    assert head_loss(logits, soft, gold, 0.25).item() == pytest.approx(mixed, rel=1e-6)
+    assert head_loss(logits, soft, gold, 1.0).item() == pytest.approx(-math.log(0.25), rel=1e-6)
 
 
 # --- α and the group -------------------------------------------------------------------------------
@@ -321,3 +332,21 @@ def test_bad_intermediate_sizes_are_refused_by_name() -> None:
         check_args("sentiment", DistillConfig(intermediate_size=384, init="minilm-l3"))
     check_args("sentiment", DistillConfig(intermediate_size=384))
     check_args("sentiment", DistillConfig(intermediate_size=384, init="spread"))   # cut from the teacher too
+
+
+def test_bad_epochs_and_gold_weights_are_refused_by_name() -> None:
+    from academus.shared.training.distill import check_args
+    from academus.shared.training.distill_cli import _parser, config_from_args
+    from academus.shared.training.distill_data import DistillConfig
+
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match=f"--gold-weight must be in \\[0, 1\\].* not {bad} on 'sentiment'"):
+            check_args("sentiment", DistillConfig(gold_weight=bad))
+    with pytest.raises(ValueError, match=r"gold labels only for a labelled task, not 0.5 on 'embedding'"):
+        check_args("embedding", DistillConfig(gold_weight=0.5))
+    with pytest.raises(ValueError, match=r"--boost-epochs must be > 0 and --prune-epochs >= 0, not 0.0 and 1.0"):
+        check_args("sentiment", DistillConfig(boost_epochs=0.0))
+    args = _parser().parse_args(["--task", "spam", "--prune-epochs", "3", "--gold-weight", "0.5", "--layers", "3"])
+    cfg = config_from_args(args)
+    assert (cfg.prune_epochs, cfg.gold_weight, cfg.layers, cfg.boost_epochs) == (3.0, 0.5, 3, 2.0)
+    check_args("spam", cfg)
