@@ -335,6 +335,8 @@ def own_texts(model: str, classifier: bool, sizes: dict[str, int | None], texts_
     if Path(texts_file).is_dir():
         raise ValueError(f"--data {texts_file}: a file of JSON lines {{\"text\": ...}} is wanted, not a directory "
                          f"(dataset packages are --data-dir)")
+    if not Path(texts_file).is_file():
+        raise ValueError(f"--data {texts_file}: no such file")
     task = file_task(str(texts_file), parse_texts_jsonl(Path(texts_file).read_bytes(), str(texts_file)))
     return {split: [e.text for e in subsample(getattr(task, split), n)] for split, n in sizes.items()}
 

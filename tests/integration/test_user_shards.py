@@ -156,8 +156,11 @@ def test_a_classifiers_shards_learn_its_own_task_from_its_users_texts(artifacts:
     own.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"txt": "no text"}\n')
-    for data, message in ((bad, "bad.jsonl:2: missing field 'text'"), (tmp_path, "not a directory .*--data-dir")):
-        assert main(["build", "--model", name, "--quick", "--data", str(data), "--artifacts", str(artifacts)]) == 1
+    for model, data, message in ((name, bad, "bad.jsonl:2: missing field 'text'"),
+                                 (name, tmp_path, "not a directory .*--data-dir"),
+                                 (name, tmp_path / "none.jsonl", "none.jsonl: no such file"),
+                                 ("sentiment-students", own, "not 'sentiment-students''s: a student group's")):
+        assert main(["build", "--model", model, "--quick", "--data", str(data), "--artifacts", str(artifacts)]) == 1
         assert re.search(message, capsys.readouterr().err)
     with pytest.raises(ValueError, match="--data gives a sequence classifier's own texts; 'tiny-enc' is not one"):
         build(artifacts, MODEL, ["sentiment"], quick=True, texts_file=own)
