@@ -51,7 +51,7 @@ demo: setup
 
 test: prepare
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25   # the slowest tests, for keeping CI within its budget
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -120,9 +120,14 @@ class ElasticModel(nn.Module):
         """A submodel whose layers are at hand (PreloadModel, or an evaluation) on a padded batch: [B, C]
         probabilities."""
         hidden = self.embed(ids, mask, types)
-        bias = self.position_bias(hidden)
-        for k, layer in enumerate(layers):
-            hidden = self.layer(hidden, mask, k, layer, bias)
+        return self.run_from(hidden, mask, layers, 0, self.position_bias(hidden))
+
+    @torch.inference_mode()
+    def run_from(self, hidden: torch.Tensor, mask: torch.Tensor, layers: Sequence[LayerWeights], start: int,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+        """The rest of a submodel from the states entering layer `start`: [B, C] probabilities."""
+        for k in range(start, len(layers)):
+            hidden = self.layer(hidden, mask, k, layers[k], bias)
         return self.finish(hidden, mask, len(layers), layers[0].width)
 
 

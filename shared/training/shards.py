@@ -33,7 +33,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +178,25 @@ class Evaluator:
             out[batch] = self.model.run(ids, mask, layers, types)
         return out
 
+    @torch.inference_mode()
+    def upgrades(self, base: Plan, bits: int) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """(layer, shard, probabilities) of `base` with each shard in turn at `bits`. An upgrade in layer k starts
+        from base's states entering layer k (the layers below are base's), so it costs L − k layers, not L: about
+        half the compute of running each plan whole, with the same result."""
+        layers = self.model.assemble_plan(base, self.bank)
+        states = [(batch, self.model.embed(ids, mask, types), mask) for batch, ids, mask, types in self.batches]
+        biases = [self.model.position_bias(hidden) for _, hidden, _ in states]
+        for k, shards in enumerate(base.shards):
+            for s in shards:
+                weights = [self.bank[(k, t, bits if t == s else base.bits[(k, t)])] for t in shards]
+                upgraded = [*layers[:k], self.model.assemble(k, shards, weights), *layers[k + 1:]]
+                out = torch.empty(self.n, len(self.model.labels))
+                for (batch, hidden, mask), bias in zip(states, biases, strict=True):
+                    out[batch] = self.model.run_from(hidden, mask, upgraded, k, bias)
+                yield k, s, out
+            states = [(batch, self.model.layer(hidden, mask, k, layers[k], bias), mask)
+                      for (batch, hidden, mask), bias in zip(states, biases, strict=True)]
+
     @torch.no_grad()   # not inference mode: heads are fitted on these with autograd
     def pooled_states(self, shards: list[list[int]]) -> torch.Tensor:
         """[n, depth, H]: the pooled output of each layer of the full-precision submodel."""
@@ -212,13 +231,11 @@ def profile_importance(evaluator: Evaluator, geometry: ShardGeometry, gold: torc
     base = full_plan(geometry, BITS[0])
     base_acc, _ = accuracy(evaluator.probs(base), gold)
     table = []
-    for k in range(geometry.layers):
-        for s in range(geometry.heads):
-            base.bits[(k, s)] = FULL
-            acc, logp = accuracy(evaluator.probs(base), gold)
-            base.bits[(k, s)] = BITS[0]
-            table.append({"layer": k, "shard": s, "accuracy": round(acc, 5), "log_prob": round(logp, 5)})
-        log(f"importance: layer {k} done (all at {BITS[0]} bits: accuracy {base_acc:.4f})")
+    for k, s, probs in evaluator.upgrades(base, FULL):
+        acc, logp = accuracy(probs, gold)
+        table.append({"layer": k, "shard": s, "accuracy": round(acc, 5), "log_prob": round(logp, 5)})
+        if s == geometry.heads - 1:
+            log(f"importance: layer {k} done (all at {BITS[0]} bits: accuracy {base_acc:.4f})")
     ranked = sorted(table, key=lambda r: (-r["accuracy"], -r["log_prob"], r["layer"], r["shard"]))
     return [(r["layer"], r["shard"]) for r in ranked], table, base_acc
 

@@ -440,3 +440,31 @@ def test_the_floor_is_full_precision_when_no_bit_width_keeps_the_accuracy(six_bi
     gold = torch.ones(1000, dtype=torch.long)
     uniform, chosen = profile_fidelity(UniformBits(accuracy), ShardGeometry(2, 2, 8, 16), gold)
     assert uniform == {str(b): a for b, a in accuracy.items()} and chosen == floor
+
+
+@pytest.mark.parametrize("family", ["bert", "mpnet"])
+def test_each_importance_upgrade_equals_its_plan_run_whole(family: str, tmp_path: Path) -> None:
+    """§5.2's profile runs an upgrade in layer k from the base plan's states entering layer k (MPNet: with the
+    batch's relative-position bias): each answer equals the whole plan's, bit for bit, in layer-major order."""
+    from academus.shared.models.tokenization import TeacherTokenizer
+    from academus.shared.training.shards import Evaluator, decoded_bank, full_plan
+    from tests.models import tiny_model_dir
+
+    body = tiny_model_dir(family, False, tmp_path / "model", seed=3, intermediate_size=54)
+    write_encoder_shards(tmp_path / "shards", TeacherEncoder(body, pooling="mean", normalize=True), "tiny",
+                         {"model": "tiny"}, log=lambda _: None)
+    store = ShardStore(tmp_path / "shards")
+    geometry = store.geometry
+    model = ElasticModel(store, "", heads={(geometry.layers, geometry.heads): ClassifierHead(["a", "b"],
+                                                                                            geometry.hidden)},
+                         labels=["a", "b"])
+    texts = ["a quiet triumph", "dull, long and loud, and then longer still", "fine", "not the worst", "why"]
+    evaluator = Evaluator(model, decoded_bank(store), TeacherTokenizer(tmp_path / "model"), texts, batch_size=2)
+    seen = []
+    for k, s, probs in evaluator.upgrades(full_plan(geometry, BITS[0]), FULL):
+        plan = full_plan(geometry, BITS[0])
+        plan.bits[(k, s)] = FULL
+        torch.testing.assert_close(probs, evaluator.probs(plan), rtol=0, atol=0)
+        seen.append((k, s))
+    assert seen == [(k, s) for k in range(geometry.layers) for s in range(geometry.heads)]
+    assert not torch.equal(evaluator.probs(full_plan(geometry, BITS[0])), evaluator.probs(full_plan(geometry, FULL)))
