@@ -162,8 +162,11 @@ def test_a_classifiers_shards_learn_its_own_task_from_its_users_texts(artifacts:
                                  ("sentiment-students", own, "not 'sentiment-students''s: a student group's")):
         assert main(["build", "--model", model, "--quick", "--data", str(data), "--artifacts", str(artifacts)]) == 1
         assert re.search(message, capsys.readouterr().err)
-    with pytest.raises(ValueError, match="--data gives a sequence classifier's own texts; 'tiny-enc' is not one"):
-        build(artifacts, MODEL, ["sentiment"], quick=True, texts_file=own)
+    tiny_model_dir("bert", False, tmp_path / "encoder", seed=8, intermediate_size=54)
+    add_model(artifacts, "tiny-own-enc", tmp_path / "encoder")
+    with pytest.raises(ValueError, match="--data gives a sequence classifier's own texts; 'tiny-own-enc' is not one"):
+        build(artifacts, "tiny-own-enc", ["sentiment"], quick=True, texts_file=own)
+    remove_model(artifacts, "tiny-own-enc")
     assert not shards_dir(artifacts, name).exists() and served not in read_catalogue(artifacts)
     summary = build(artifacts, name, quick=True, texts_file=own)
     store = ShardStore(shards_dir(artifacts, name))
