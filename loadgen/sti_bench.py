@@ -164,7 +164,7 @@ def task_data(artifacts: Path, model: str, task: str, store: ShardStore) -> Task
     base = encoder_base(artifacts, model)
     encoder, head, _ = open_model(base.directory)
     origin = store.manifest.extra.get("own_texts", "bundled")
-    texts = own_texts(model, True, {"test": None}, None if origin == "bundled" else Path(origin), None)
+    texts = own_texts({"test": None}, None if origin == "bundled" else Path(origin), None)
     return own_task(task, encoder, head, base.tokenizer(), texts)
 
 

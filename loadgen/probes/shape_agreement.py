@@ -4,7 +4,8 @@ bundled tasks' texts, or `--data` on the classifier's own) on the same held-out 
 
     python -m academus.loadgen.probes.shape_agreement --artifacts A --model NAME --texts F.jsonl [--limit N]
 
-A shape of depth d and width w runs the d lowest layers on their w most important shards under that shape's head.
+A shape of depth d and width w runs the d lowest layers on their w most important shards under that shape's head
+(`full_plan` of that order, at full precision).
 The last line printed is the JSON of the agreements, by "dxw".
 """
 
@@ -19,17 +20,10 @@ import torch
 from academus.shared.models.shard_store import ShardStore, shape_key, shards_dir
 from academus.shared.models.shards import FULL
 from academus.shared.models.sti_pipeline import ElasticModel
-from academus.shared.models.sti_planner import Plan
 from academus.shared.models.user_models import open_model
 from academus.shared.runtime.config import offline_hub
 from academus.shared.state.uploads import parse_texts_jsonl
-from academus.shared.training.shards import Evaluator, accuracy, decoded_bank, encoder_base, own_task
-
-
-def shape_plan(store: ShardStore, task: str, depth: int, width: int) -> Plan:
-    info = store.tasks[task]
-    shards = [info.layer_order(k)[:width] for k in range(depth)]
-    return Plan("shape", depth, width, shards, {(k, s): FULL for k in range(depth) for s in shards[k]})
+from academus.shared.training.shards import Evaluator, accuracy, decoded_bank, encoder_base, full_plan, own_task
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     store = ShardStore(shards_dir(args.artifacts, args.model))
     info = store.tasks[args.model]
     evaluator = Evaluator(ElasticModel(store, args.model), decoded_bank(store), tokenizer, texts)
-    agreement = {shape_key(d, w): round(accuracy(evaluator.probs(shape_plan(store, args.model, d, w)), gold)[0], 4)
+    order = [info.layer_order(k) for k in range(store.geometry.layers)]
+    agreement = {shape_key(d, w): round(accuracy(evaluator.probs(full_plan(store.geometry, FULL,
+                                                                           [o[:w] for o in order[:d]])), gold)[0], 4)
                  for d in info.depths for w in info.widths}
     print(json.dumps({"model": args.model, "texts": len(texts), "source": str(args.texts),
                       "built_on": store.manifest.extra.get("own_texts", "bundled"), "agreement": agreement}))

@@ -220,9 +220,10 @@ def accuracy(probs: torch.Tensor, gold: torch.Tensor) -> tuple[float, float]:
 
 
 def full_plan(geometry: ShardGeometry, bits: int, order: list[list[int]] | None = None) -> Plan:
+    """Every shard at `bits`: the whole model, or the shape `order` names (its layers' shards)."""
     shards = order or [list(range(geometry.heads)) for _ in range(geometry.layers)]
-    return Plan("full", geometry.layers, geometry.heads, shards,
-                {(k, s): bits for k in range(geometry.layers) for s in shards[k]})
+    return Plan("full", len(shards), len(shards[0]), shards,
+                {(k, s): bits for k, layer in enumerate(shards) for s in layer})
 
 
 def profile_importance(evaluator: Evaluator, geometry: ShardGeometry, gold: torch.Tensor
@@ -295,8 +296,11 @@ def build(artifacts: Path, model: str, tasks: Sequence[str] | None = None, data_
         raise ValueError(f"--model {model!r}: shards are built for minilm or a user's embedding model or classifier")
     classifier = is_classifier(artifacts, base)
     tasks = _tasks_of(model, classifier, tasks)
+    if texts_file is not None and not classifier:
+        raise ValueError(f"--data gives a sequence classifier's own texts; {model!r} is not one: its shards fit "
+                         f"heads on the bundled tasks' labelled examples (--tasks)")
     sizes = dict(zip(("train", "validation"), QUICK if quick else OWN_TASK_SIZES, strict=False))
-    texts = own_texts(model, classifier, sizes, texts_file, data_dir) if classifier or texts_file else {}
+    texts = own_texts(sizes, texts_file, data_dir) if classifier else {}
     started = time.perf_counter()
     encoder, own_head = open_model(base.directory)[:2] if classifier else (base.encoder(), None)
     directory = shards_dir(artifacts, model)
@@ -339,16 +343,12 @@ def _tasks_of(model: str, classifier: bool, tasks: Sequence[str] | None) -> list
     return tasks
 
 
-def own_texts(model: str, classifier: bool, sizes: dict[str, int | None], texts_file: Path | None,
-              data_dir: Path | None) -> dict[str, list[str]]:
+def own_texts(sizes: dict[str, int | None], texts_file: Path | None, data_dir: Path | None) -> dict[str, list[str]]:
     """A classifier's texts a split, at most `sizes`: its user's file's (split by text hash, as `heads train`
     splits a file), else the bundled tasks' in equal shares. Read before anything is written."""
     if texts_file is None:
         root = fetch(data_dir)
         return {split: bundled_texts(split, n, root) for split, n in sizes.items()}
-    if not classifier:
-        raise ValueError(f"--data gives a sequence classifier's own texts; {model!r} is not one: its shards fit "
-                         f"heads on the bundled tasks' labelled examples (--tasks)")
     if Path(texts_file).is_dir():
         raise ValueError(f"--data {texts_file}: a file of JSON lines {{\"text\": ...}} is wanted, not a directory "
                          f"(dataset packages are --data-dir)")
