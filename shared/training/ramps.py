@@ -27,6 +27,7 @@ Progress on stderr, the JSON summary as the last line of stdout.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -51,6 +52,7 @@ from academus.shared.state.artifacts import ArtifactError
 from academus.shared.state.uploads import parse_texts_jsonl
 from academus.shared.training.data import TASKS, DataMissing, Example, fetch, file_task, load_task
 from academus.shared.training.prepare import (
+    EITHER,
     MAX_TOKENS,
     WEIGHT_DECAYS,
     fit_head,
@@ -94,8 +96,8 @@ def fit_ramp(x: torch.Tensor, target: torch.Tensor, vx: torch.Tensor, vtarget: t
     which is what a threshold on it needs; hard labels make a head over-confident where the model is unsure),
     its weight decay the one with the least cross-entropy to the model on validation; and its agreement there."""
     best: tuple[float, ClassifierHead] | None = None
-    for wd in WEIGHT_DECAYS:
-        head = fit_head(x, target, labels, wd)   # cross-entropy takes the probabilities as targets
+    for standardize, wd in itertools.product(EITHER, WEIGHT_DECAYS):
+        head = fit_head(x, target, labels, wd, standardize=standardize)   # cross-entropy takes probabilities
         with torch.no_grad():
             loss = nn.functional.cross_entropy(head(vx), vtarget).item()
         if best is None or loss < best[0]:

@@ -74,6 +74,7 @@ from academus.shared.state.catalogue import CLASSIFICATION, read_catalogue, writ
 from academus.shared.state.uploads import parse_texts_jsonl
 from academus.shared.training.data import TASKS, DataMissing, Example, TaskData, fetch, file_task, load_task
 from academus.shared.training.prepare import (
+    EITHER,
     bundled_texts,
     in_text_order,
     load_head,
@@ -254,8 +255,10 @@ def profile_fidelity(evaluator: Evaluator, geometry: ShardGeometry, gold: torch.
 
 def fit_head(x: torch.Tensor, y: torch.Tensor, vx: torch.Tensor, vy: torch.Tensor, labels: list[str]
              ) -> ClassifierHead:
-    """A linear head on pooled states, its weight decay chosen on the validation ones (as the served heads')."""
-    head, _, _ = train_head({"train": (x, y), "validation": (vx, vy), "test": (vx, vy)}, labels)
+    """A linear head on pooled states, its weight decay chosen on the validation ones (as the served heads'),
+    and whether to fit it on standardized states: a narrow submodel's first-token state can barely move between
+    texts, where mean-pooled, normalized states fit better raw."""
+    head, _, _ = train_head({"train": (x, y), "validation": (vx, vy), "test": (vx, vy)}, labels, scalings=EITHER)
     return head
 
 

@@ -50,6 +50,39 @@ def test_fit_head_separates_separable_data() -> None:
     assert (head(x).argmax(1) == y).float().mean().item() > 0.97
 
 
+def still_states() -> tuple[torch.Tensor, torch.Tensor]:
+    """An inner layer's first-token states as the critic classifier's measured: spreads near 5e-4 around fixed
+    values, one dimension near 9.7; labels a noisy linear function of the spreads, 60 / 40."""
+    g = torch.Generator().manual_seed(0)
+    states = torch.randn(384, generator=g) * 0.05 + torch.randn(3000, 384, generator=g) * 5e-4
+    states[:, 0] = 9.66 + torch.randn(3000, generator=g) * 4e-5
+    direction = torch.randn(384, generator=g)
+    direction[0] = 0
+    score = (states - states.mean(0)) @ direction
+    score = score + 0.3 * score.std() * torch.randn(3000, generator=g)
+    return states, (score > score.quantile(0.4)).long()
+
+
+def test_heads_on_still_states_learn_them_standardized_and_answer_them_raw() -> None:
+    """On such states L-BFGS stops at the majority label; fitted on them standardized (the scaling folded back
+    into the weights, so the head takes raw states) it learns the label. The shape heads and the exit ramps choose
+    it on validation."""
+    from academus.shared.training.ramps import fit_ramp
+    from academus.shared.training.shards import fit_head as fit_shape_head
+
+    states, labels = still_states()
+    (x, y), (vx, vy) = (states[:2000], labels[:2000]), (states[2000:], labels[2000:])
+    majority = max(vy.float().mean().item(), 1 - vy.float().mean().item())
+
+    def agreement(head: torch.nn.Module) -> float:
+        return (head(vx).argmax(1) == vy).float().mean().item()
+
+    assert agreement(fit_head(x, y, ["a", "b"], 1e-6)) == pytest.approx(majority)
+    assert agreement(fit_head(x, y, ["a", "b"], 1e-6, standardize=True)) > majority + 0.2
+    assert agreement(fit_shape_head(x, y, vx, vy, ["a", "b"])) > majority + 0.2
+    soft = torch.nn.functional.one_hot(labels, 2).float() * 0.8 + 0.1
+    assert fit_ramp(x, soft[:2000], vx, soft[2000:], ["a", "b"])[1] > majority + 0.2
+
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory: pytest.TempPathFactory, dataset_dir: Path) -> tuple[Path, dict[str, Any]]:
     artifacts = tmp_path_factory.mktemp("artifacts")
