@@ -105,3 +105,16 @@ def test_what_has_no_ramps_of_its_own_is_refused_by_name(artifacts: Path, texts_
         train_ramps(artifacts, task="sentiment", data_file=texts_file)
     assert main(["train", "--artifacts", str(artifacts)]) == 2
     assert "give --task (a bundled task's classifier) or --model (a user's)" in capsys.readouterr().err
+
+
+def test_the_saving_probe_tunes_in_hindsight_within_the_constraint(artifacts: Path, texts_file: Path, capsys) -> None:
+    """`probes.ramp_saving`: thresholds tuned on the given texts keep 99 % agreement with the model, and the saving
+    it reports is the texts released at each ramp times that ramp's saving from the artifact."""
+    from academus.loadgen.probes.ramp_saving import main as ramp_saving
+
+    assert ramp_saving(["--artifacts", str(artifacts), "--model", "tiny-cls", "--texts", str(texts_file)]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    saving = read_manifest(ramps_dir(artifacts, "tiny-cls")).extra["saving"]
+    assert out["texts"] == 240 and set(out["ramp_agreement"]) == set(out["released"]) == {"1", "2"}
+    assert out["agreement"] >= 0.99 and sum(out["released"].values()) <= 1
+    assert out["saving"] == pytest.approx(sum(r * saving[k] for k, r in out["released"].items()), abs=1e-3)

@@ -1,0 +1,60 @@
+"""What a classifier's exit ramps would save on texts from a file, thresholds tuned in hindsight on those texts at
+Apparate's 99 % constraint: each ramp's agreement with the model, the share of the model's time saved, the
+agreement kept, and the share of texts released at each ramp. To compare ramps artifacts on the same held-out texts.
+
+    python -m academus.loadgen.probes.ramp_saving --artifacts A --model NAME --texts F.jsonl [--limit N]
+
+NAME: a user's classifier (or a head on a user's model) with ramps (`academus ramps train --model NAME`), or a
+bundled task (sentiment, spam). The savings per ramp are the artifact's, measured when the ramps were trained.
+The last line printed is the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from academus.shared.models.exits import ThresholdTuner
+from academus.shared.models.ramps import load_ramps, ramps_dir
+from academus.shared.runtime.config import offline_hub
+from academus.shared.state.uploads import parse_texts_jsonl
+from academus.shared.training.data import TASKS
+from academus.shared.training.ramps import CONSTRAINT, Subject, _layers, layer_states, ramp_signals
+
+
+def main(argv: list[str] | None = None) -> int:
+    offline_hub()
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--artifacts", type=Path, required=True)
+    p.add_argument("--model", required=True, help="a user's classifier with ramps, or a bundled task")
+    p.add_argument("--texts", type=Path, required=True, help='JSON lines {"text": ...}')
+    p.add_argument("--limit", type=int, default=0, help="the first N texts (0: all)")
+    args = p.parse_args(argv)
+    texts = parse_texts_jsonl(args.texts.read_bytes(), str(args.texts))
+    texts = texts[:args.limit] if args.limit else texts
+    subject = (Subject.bundled if args.model in TASKS else Subject.user)(args.artifacts, args.model)
+    ramps, manifest = load_ramps(ramps_dir(args.artifacts, subject.name), subject.encoder.architecture.hidden_size,
+                                 list(subject.head.labels))
+    depth = len(_layers(subject.encoder))
+    states = layer_states(subject.encoder, subject.tokenizer, texts, ramps)
+    with torch.no_grad():
+        final = subject.head(states[:, depth]).argmax(1).numpy()
+    signals = ramp_signals(ramps, states)
+    agree = signals.preds == final[:, None]
+    saving = [float(manifest.extra["saving"][str(k)]) for k in ramps.layers]
+    tuning = ThresholdTuner(CONSTRAINT).tune(signals.conf, agree, saving)
+    print(json.dumps({"model": args.model, "texts": len(texts), "source": str(args.texts),
+                      "ramp_agreement": {str(k): round(float(agree[:, j].mean()), 4)
+                                         for j, k in enumerate(ramps.layers)},
+                      "constraint": CONSTRAINT, "saving": round(tuning.saving, 4),
+                      "agreement": round(tuning.agreement, 4),
+                      "released": {str(k): round(r, 4) for k, r in zip(ramps.layers, tuning.exit_rates, strict=True)},
+                      "thresholds": [round(t, 4) for t in tuning.thresholds]}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
