@@ -83,6 +83,7 @@ def test_heads_on_still_states_learn_them_standardized_and_answer_them_raw() -> 
     soft = torch.nn.functional.one_hot(labels, 2).float() * 0.8 + 0.1
     assert fit_ramp(x, soft[:2000], vx, soft[2000:], ["a", "b"])[1] > majority + 0.2
 
+
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory: pytest.TempPathFactory, dataset_dir: Path) -> tuple[Path, dict[str, Any]]:
     artifacts = tmp_path_factory.mktemp("artifacts")

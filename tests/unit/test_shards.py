@@ -468,4 +468,3 @@ def test_each_importance_upgrade_equals_its_plan_run_whole(family: str, tmp_path
         seen.append((k, s))
     assert seen == [(k, s) for k in range(geometry.layers) for s in range(geometry.heads)]
     assert not torch.equal(evaluator.probs(full_plan(geometry, BITS[0])), evaluator.probs(full_plan(geometry, FULL)))
-
