@@ -11,30 +11,19 @@ The last line printed is the JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
-from pathlib import Path
 
 import torch
 
+from academus.loadgen.probes import texts_probe_args
 from academus.shared.models.exits import ThresholdTuner
 from academus.shared.models.ramps import load_ramps, ramps_dir
-from academus.shared.runtime.config import offline_hub
-from academus.shared.state.uploads import parse_texts_jsonl
 from academus.shared.training.data import TASKS
 from academus.shared.training.ramps import CONSTRAINT, Subject, _layers, layer_states, ramp_signals
 
 
 def main(argv: list[str] | None = None) -> int:
-    offline_hub()
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--artifacts", type=Path, required=True)
-    p.add_argument("--model", required=True, help="a user's classifier with ramps, or a bundled task")
-    p.add_argument("--texts", type=Path, required=True, help='JSON lines {"text": ...}')
-    p.add_argument("--limit", type=int, default=0, help="the first N texts (0: all)")
-    args = p.parse_args(argv)
-    texts = parse_texts_jsonl(args.texts.read_bytes(), str(args.texts))
-    texts = texts[:args.limit] if args.limit else texts
+    args, texts = texts_probe_args(__doc__, "a user's classifier with ramps, or a bundled task", argv)
     subject = (Subject.bundled if args.model in TASKS else Subject.user)(args.artifacts, args.model)
     ramps, manifest = load_ramps(ramps_dir(args.artifacts, subject.name), subject.encoder.architecture.hidden_size,
                                  list(subject.head.labels))

@@ -11,31 +11,20 @@ The last line printed is the JSON of the agreements, by "dxw".
 
 from __future__ import annotations
 
-import argparse
 import json
-from pathlib import Path
 
 import torch
 
+from academus.loadgen.probes import texts_probe_args
 from academus.shared.models.shard_store import ShardStore, shape_key, shards_dir
 from academus.shared.models.shards import FULL
 from academus.shared.models.sti_pipeline import ElasticModel
 from academus.shared.models.user_models import open_model
-from academus.shared.runtime.config import offline_hub
-from academus.shared.state.uploads import parse_texts_jsonl
 from academus.shared.training.shards import Evaluator, accuracy, decoded_bank, encoder_base, full_plan, own_task
 
 
 def main(argv: list[str] | None = None) -> int:
-    offline_hub()
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--artifacts", type=Path, required=True)
-    p.add_argument("--model", required=True, help="a user's sequence classifier with shards")
-    p.add_argument("--texts", type=Path, required=True, help='JSON lines {"text": ...}')
-    p.add_argument("--limit", type=int, default=0, help="the first N texts (0: all)")
-    args = p.parse_args(argv)
-    texts = parse_texts_jsonl(args.texts.read_bytes(), str(args.texts))
-    texts = texts[:args.limit] if args.limit else texts
+    args, texts = texts_probe_args(__doc__, "a user's sequence classifier with shards", argv)
     base = encoder_base(args.artifacts, args.model)
     encoder, head, _ = open_model(base.directory)
     tokenizer = base.tokenizer()
