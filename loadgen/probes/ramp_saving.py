@@ -16,10 +16,9 @@ import json
 import torch
 
 from academus.loadgen.probes import texts_probe_args
-from academus.shared.models.exits import ThresholdTuner
 from academus.shared.models.ramps import load_ramps, ramps_dir
 from academus.shared.training.data import TASKS
-from academus.shared.training.ramps import CONSTRAINT, Subject, _layers, layer_states, ramp_signals
+from academus.shared.training.ramps import CONSTRAINT, Subject, _layers, hindsight_tuning, layer_states
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,10 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     states = layer_states(subject.encoder, subject.tokenizer, texts, ramps)
     with torch.no_grad():
         final = subject.head(states[:, depth]).argmax(1).numpy()
-    signals = ramp_signals(ramps, states)
-    agree = signals.preds == final[:, None]
-    saving = [float(manifest.extra["saving"][str(k)]) for k in ramps.layers]
-    tuning = ThresholdTuner(CONSTRAINT).tune(signals.conf, agree, saving)
+    savings = {int(k): float(v) for k, v in manifest.extra["saving"].items()}
+    _, agree, tuning = hindsight_tuning(ramps, states, final, savings)
     print(json.dumps({"model": args.model, "texts": len(texts), "source": str(args.texts),
                       "ramp_agreement": {str(k): round(float(agree[:, j].mean()), 4)
                                          for j, k in enumerate(ramps.layers)},

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from academus.shared.models.exits import ExitSignals, ThresholdTuner, tune_entropy_once
+from academus.shared.models.exits import ExitSignals, ThresholdTuner, Tuning, tune_entropy_once
 from academus.shared.models.model import ClassifierHead, TeacherEncoder, body_inputs, pad_batch, padded_positions
 from academus.shared.models.ramps import ExitRamps, ramps_dir, save_ramps
 from academus.shared.models.teacher_files import TEACHER_NAME, teacher_dir
@@ -252,12 +252,18 @@ def ramp_signals(ramps: ExitRamps, states: torch.Tensor, layers: Sequence[int] |
     return ExitSignals.from_probs(probs)
 
 
+def hindsight_tuning(ramps: ExitRamps, states: torch.Tensor, final: np.ndarray, savings: dict[int, float]
+                     ) -> tuple[ExitSignals, np.ndarray, Tuning]:
+    """The ramps' signals on pooled layer states, whether each ramp's answer is the model's `final` one [n, R], and
+    per-ramp thresholds tuned once on them at the constraint (`savings`: of a release at each ramp)."""
+    signals = ramp_signals(ramps, states)
+    agree = signals.preds == final[:, None]
+    return signals, agree, ThresholdTuner(CONSTRAINT).tune(signals.conf, agree, [savings[k] for k in ramps.layers])
+
+
 def tune_once(ramps: ExitRamps, vstates: torch.Tensor, final: np.ndarray, savings: dict[int, float]) -> dict:
     """The baselines' thresholds, tuned once on validation at the constraint."""
-    signals = ramp_signals(ramps, vstates)
-    agree = signals.preds == final[:, None]
-    saving = [savings[k] for k in ramps.layers]
-    static = ThresholdTuner(CONSTRAINT).tune(signals.conf, agree, saving)
+    signals, agree, static = hindsight_tuning(ramps, vstates, final, savings)
     entropy = tune_entropy_once(signals.entropy, agree, CONSTRAINT)
     return {"static": {str(k): round(t, 6) for k, t in zip(ramps.layers, static.thresholds, strict=True)},
             "deebert_entropy": round(entropy, 6)}
