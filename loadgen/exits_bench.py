@@ -7,8 +7,10 @@ predictions and the full model's answer per text); then each arm replays the arr
 deciding exits ramp by ramp as the worker does, and the adaptive arm tunes on its own feedback as it goes:
 
 - vanilla: no exits; apparate: thresholds tuned online, ramps adjusted (the worker's ExitController, its
-  default settings); static: per-ramp thresholds tuned once on validation; deebert: one entropy threshold
-  tuned once; pabee2 / pabee3: patience; oracle: the first ramp that agrees with the final answer (replay only).
+  default settings, its window started with the ramps' evidence from validation, as a worker's is; not when the
+  validation split is replayed, or with --without-evidence); static: per-ramp thresholds tuned once on
+  validation; deebert: one entropy threshold tuned once; pabee2 / pabee3: patience; oracle: the first ramp that
+  agrees with the final answer (replay only).
 - Orders drift: spam is ham in file order (easy ham, then hard ham at the tail), then spam; sentiment is a
   shuffled third, then the rest long snippets first, then short. Each round shuffles within those phases.
 - Time is in units of the model's forward on one text: a release at layer k comes after (1 - saving_k) of it
@@ -35,6 +37,7 @@ import numpy as np
 from academus.shared.models.exits import (
     NONE,
     ControllerSettings,
+    Evidence,
     ExitController,
     ExitSignals,
     ThresholdTuner,
@@ -78,9 +81,11 @@ class Replay:
     """One task's signals at every ramp, in arrival order, and the ramps' measured savings and costs."""
 
     def __init__(self, signals: ExitSignals, final: np.ndarray, gold: np.ndarray, layers: Sequence[int],
-                 extra: dict) -> None:
-        """`extra`: the ramps' manifest's (savings, costs, the thresholds tuned once)."""
+                 extra: dict, evidence: Evidence | None = None) -> None:
+        """`extra`: the ramps' manifest's (savings, costs, the thresholds tuned once); `evidence`: the adaptive
+        controller's first window."""
         self.signals, self.final, self.gold, self.layers, self.extra = signals, final, gold, tuple(layers), extra
+        self.evidence = evidence
         self.saving = {int(k): float(v) for k, v in extra["saving"].items()}
         self.cost = {int(k): float(v) for k, v in extra["cost"].items()}
         self.tuned_once = extra["tuned_once"]
@@ -108,7 +113,8 @@ def run_arm(arm: str, data: Replay, order: list[int], batch: int,
     tunings: list[float] = []
     # every arm but the oracle is the worker's own controller, under the arm's exit policy
     policy = NONE if arm in ("vanilla", "oracle") else arm
-    controller = controller_for(data.layers, data.extra, replace(settings or ControllerSettings(), policy=policy))
+    controller = controller_for(data.layers, data.extra, replace(settings or ControllerSettings(), policy=policy),
+                                data.evidence)
     for start in range(0, n, batch):
         rows = np.array(order[start:start + batch])
         span = slice(start, start + len(rows))
@@ -164,8 +170,9 @@ def load_replay(artifacts: Path, task: str, data_dir: Path | None,
     states = layer_states(encoder, TeacherTokenizer(teacher_dir(), max_tokens=MAX_TOKENS), [e.text for e in test],
                           ramps)
     final = predict(head, states[:, -1]).numpy()
+    evidence = ramps.evidence if split != "validation" else None   # validation: the evidence's own texts
     replay_data = Replay(ramp_signals(ramps, states), final, np.array([e.label for e in test]), ramps.layers,
-                         manifest.extra)
+                         manifest.extra, evidence)
     return replay_data, test
 
 
@@ -196,13 +203,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=ControllerSettings.window, help="the adaptive arm's window")
     p.add_argument("--slack-errors", type=float, default=ControllerSettings.slack_errors,
                    help="the adaptive arm's tuner slack")
+    p.add_argument("--without-evidence", action="store_true",
+                   help="the adaptive arm's window starts empty, not with the ramps' evidence")
     args = p.parse_args(argv)
     settings = ControllerSettings(window=args.window, slack_errors=args.slack_errors)
     summary: dict[str, Any] = {"batch": args.batch, "rounds": args.rounds, "split": args.split,
-                               "window": args.window, "slack_errors": args.slack_errors, "tasks": {},
+                               "window": args.window, "slack_errors": args.slack_errors,
+                               "evidence": not args.without_evidence and args.split != "validation", "tasks": {},
                                "tuning_2x256": tuning_time()}
     for task in args.task or ["spam", "sentiment"]:
         data, test = load_replay(args.artifacts or artifacts_dir(), task, args.data, args.split)
+        if args.without_evidence:
+            data.evidence = None
         rounds = []
         for r in range(args.rounds):
             order = drifting_order(task, test, seed=r)

@@ -54,7 +54,7 @@ def load_exits(artifacts: Path, task: str, hidden_size: int, labels: Sequence[st
         return None
     try:
         ramps, manifest = load_ramps(directory, hidden_size, labels, device)
-        controller = controller_for(ramps.layers, manifest.extra, settings)
+        controller = controller_for(ramps.layers, manifest.extra, settings, ramps.evidence)
     except (ArtifactError, KeyError, TypeError, ValueError) as e:
         log_event("ramps_refused", logging.ERROR, model=name, error=str(e))
         return None

@@ -11,10 +11,11 @@ thresholds are tuned on (§3.2), and the savings each ramp earns against its cos
 - `ThresholdTuner`: greedy hill-climbing over the thresholds (Apparate's `threshold_tuner.py`): raise the one
   whose step costs least agreement per unit of saved time, doubling steps that pay and halving when none
   does, within the agreement constraint.
-- `ExitController`: per worker and model, a window of recent texts; re-tunes when the released results'
-  agreement over the window falls below the constraint, every `retune_every` texts, and after `retune_s`;
-  then adjusts the ramps (§3.3): drops a ramp whose exits save less than it costs, adds one where exits
-  are likely while the ramps' cost stays within `budget` of the model's time.
+- `ExitController`: per worker and model, a window of recent texts, started with the ramps' `Evidence` (their
+  signals on the texts `ramps train` validated them on); re-tunes when the released results' agreement over
+  the window falls below the constraint, every `retune_every` texts, and after `retune_s`; then adjusts the
+  ramps (§3.3): drops a ramp whose exits save less than it costs, adds one where exits are likely while the
+  ramps' cost stays within `budget` of the model's time.
 """
 
 from __future__ import annotations
@@ -225,6 +226,19 @@ def tighten(conf: np.ndarray, exit_at: np.ndarray, ramps: int) -> tuple[float, .
 
 
 @dataclass(frozen=True)
+class Evidence:
+    """Every ramp's signals on the texts `ramps train` validated them on, [n, R] over the artifact's layers: its
+    confidence, and whether its answer was the model's. A controller's window starts with them, so its first
+    tunings weigh hundreds of texts, not the few served since it started (they age out as traffic comes)."""
+
+    conf: np.ndarray
+    agree: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.conf)
+
+
+@dataclass(frozen=True)
 class RampCandidate:
     layer: int       # the transformer layers computed before it (1 .. N-1)
     saving: float    # the share of the model's time a release here saves (what is left after it)
@@ -285,9 +299,10 @@ class ExitController:
 
     def __init__(self, candidates: Sequence[RampCandidate], settings: ControllerSettings | None = None,
                  fixed: ExitRule | None = None, initial: dict[int, float] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, evidence: Evidence | None = None) -> None:
         """`fixed`: a baseline's rule over every candidate ramp, never tuned. `initial`: thresholds to start
-        from (tuned once on the bootstrap data), until the first tuning."""
+        from (tuned once on the bootstrap data), until the first tuning. `evidence`: the window's first texts,
+        one column a candidate in layer order."""
         self.settings = settings or ControllerSettings()
         self.candidates = {c.layer: c for c in sorted(candidates, key=lambda c: c.layer)}
         self.cost = {c.layer: c.cost for c in candidates}   # measured as batches run (`observe`)
@@ -306,6 +321,12 @@ class ExitController:
         self._dropped_at: dict[int, int] = {}    # layer -> the tuning that dropped it
         self._added_at: dict[int, int] = {}      # layer -> the tuning that added it (judged only after one more)
         self.adaptive = fixed is None and self.settings.policy == APPARATE
+        if evidence is not None and self.adaptive:
+            if evidence.conf.shape[1:] != (len(self.candidates),) or evidence.agree.shape != evidence.conf.shape:
+                raise ValueError(f"evidence of shape {evidence.conf.shape} is not one column a ramp "
+                                 f"({len(self.candidates)})")
+            self.window.conf.extend(evidence.conf.astype(np.float64))
+            self.window.agree.extend(evidence.agree.astype(bool))
         if self.settings.policy == NONE:   # no ramp runs: vanilla's cost
             self.active = ActiveRamps((), NoExit())
         elif fixed is not None:
@@ -386,12 +407,17 @@ class ExitController:
         saving = [self.candidates[layer].saving for layer in layers]
         self._adapt_margin()
         tuning = self.tuner.tune(conf_a, agree_a, saving)
+        # a target stricter than the constraint (after disagreements) may release nothing for a while: the
+        # ramps are judged on what they release at the constraint itself, or every ramp would look useless
+        judged = tuning if self.margin >= 1.0 else \
+            ThresholdTuner(self.settings.constraint, slack_errors=self.settings.slack_errors).tune(
+                conf_a, agree_a, saving)
         self.tunings += 1
         self.active = ActiveRamps(layers, ThresholdRule(tuning.thresholds))
         self._log("tuned", 0, f"{reason or 'requested'}: thresholds "
                   f"{', '.join(f'L{k}={t:.3f}' for k, t in zip(layers, tuning.thresholds, strict=True))}, "
                   f"agreement {tuning.agreement:.4f}, saving {tuning.saving:.3f} over {int(seen.sum())} texts")
-        self._adjust(tuning, int(seen.sum()))
+        self._adjust(tuning.thresholds, judged.exit_rates, int(seen.sum()))
         return tuning
 
     def _target(self) -> float:
@@ -413,18 +439,19 @@ class ExitController:
         self.margin = min(1.0, max(MIN_MARGIN, 1.0 - self._span_errors() / self._span_allowance()))
         self.tuner.constraint = self._target()
 
-    def _adjust(self, tuning: Tuning, texts: int) -> None:
-        """Drops the ramp whose exits saved least below its cost (one a tuning, never one added since the last),
-        and the least useful ones while the ramps' measured cost is over the budget; then adds the unused ramp
-        before the busiest one (earlier exits save more), or the deepest unused one while none releases, if the
-        ramps' summed cost stays within the budget."""
+    def _adjust(self, tuned: Sequence[float], exit_rates: Sequence[float], texts: int) -> None:
+        """Given the `tuned` thresholds and the `exit_rates` each ramp is judged on: drops the ramp whose exits
+        saved least below its cost (one a tuning, never one added since the last), and the least useful ones
+        while the ramps' measured cost is over the budget; then adds the unused ramp before the busiest one
+        (earlier exits save more), or the deepest unused one while none releases, if the ramps' summed cost
+        stays within the budget."""
         if texts < min(AGREEMENT_SPAN, self.settings.window) and self.active.layers:
             return   # a ramp is judged on as many texts as its agreement is
-        layers, thresholds = list(self.active.layers), list(tuning.thresholds)
+        layers, thresholds = list(self.active.layers), list(tuned)
         reach, net = 1.0, {}
         for j, layer in enumerate(layers):   # what each ramp's exits saved, and what it cost
-            net[layer] = (tuning.exit_rates[j] * self.candidates[layer].saving, reach * self.cost[layer])
-            reach -= tuning.exit_rates[j]
+            net[layer] = (exit_rates[j] * self.candidates[layer].saving, reach * self.cost[layer])
+            reach -= exit_rates[j]
         judged = [k for k in layers if self.tunings - self._added_at.get(k, 0) > 1 and net[k][0] < net[k][1]]
         if judged:
             worst = min(judged, key=lambda k: net[k][0] - net[k][1])
@@ -435,7 +462,7 @@ class ExitController:
             self._drop(layers, thresholds, min(layers, key=lambda k: net[k][0] - net[k][1]),
                        f"the ramps' cost {spent:.4f} is over the budget {self.settings.budget}")
         spent = sum(self.cost[layer] for layer in layers)
-        added = self._addable(layers, tuning, spent)
+        added = self._addable(layers, exit_rates, spent)
         if added:
             self._added_at[added] = self.tunings
             layers.append(added)
@@ -452,13 +479,13 @@ class ExitController:
         self._dropped_at[layer] = self.tunings
         self._log("dropped", layer, reason)
 
-    def _addable(self, layers: list[int], tuning: Tuning, spent: float) -> int:
+    def _addable(self, layers: list[int], exit_rates: Sequence[float], spent: float) -> int:
         free = [k for k in self.candidates if k not in layers and
                 self.tunings - self._dropped_at.get(k, -10**9) > self.settings.cooldown and
                 spent + self.cost[k] <= self.settings.budget]
         if not free:
             return 0
-        rates = dict(zip(self.active.layers, tuning.exit_rates, strict=False))
+        rates = dict(zip(self.active.layers, exit_rates, strict=False))
         busiest = max((k for k in layers), key=lambda k: rates.get(k, 0.0), default=None)
         if busiest is None or rates.get(busiest, 0.0) <= 0:
             return max(free)   # no exits yet: the deepest free ramp, the likeliest to be confident
@@ -481,15 +508,17 @@ class ExitController:
                 "events": [e.as_dict() for e in list(self.events)[-16:]]}
 
 
-def controller_for(layers: Sequence[int], extra: dict, settings: ControllerSettings) -> ExitController:
+def controller_for(layers: Sequence[int], extra: dict, settings: ControllerSettings,
+                   evidence: Evidence | None = None) -> ExitController:
     """The controller of ramps at `layers` from their manifest's `extra` (`academus ramps train`: each ramp's
-    saving and cost, the thresholds tuned once): a baseline's fixed rule, or Apparate's from those thresholds.
-    A manifest lacking them raises KeyError, TypeError or ValueError."""
+    saving and cost, the thresholds tuned once): a baseline's fixed rule, or Apparate's from those thresholds,
+    its window started with the ramps' `evidence`. A manifest lacking them raises KeyError, TypeError or
+    ValueError."""
     candidates = [RampCandidate(k, float(extra["saving"][str(k)]), float(extra["cost"][str(k)])) for k in layers]
     tuned_once = extra.get("tuned_once", {})
     initial = {int(k): float(v) for k, v in tuned_once.get("static", {}).items()}
     return ExitController(candidates, settings, fixed=fixed_rule(settings.policy, tuned_once, layers),
-                          initial=initial)
+                          initial=initial, evidence=evidence)
 
 
 def fixed_rule(policy: str, tuned_once: dict, layers: Sequence[int]) -> ExitRule | None:

@@ -3,8 +3,9 @@ shaped like the served one, trained with the backbone frozen to agree with the m
 
 A ramp is cheap next to a layer (a pooling and one small matmul); its cost still counts, since every text
 that reaches it pays it (`shared/models/exits.py` keeps the active ramps' summed cost within a budget).
-The artifact (`ramps/<task>/`) holds every candidate's head, the manifest its layers, pooling, agreement,
-measured cost, and the thresholds the baselines tune once.
+The artifact (`ramps/<task>/`) holds every candidate's head and its evidence (the ramps' confidence and agreement
+with the model on the validation texts, where the adaptive controller's window starts), the manifest its layers,
+pooling, agreement, measured cost, and the thresholds the baselines tune once.
 """
 
 from __future__ import annotations
@@ -13,13 +14,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
+from academus.shared.models.exits import Evidence
 from academus.shared.models.model import FIRST, MEAN, finish_pooled, pool
 from academus.shared.state.artifacts import MANIFEST, WEIGHTS, ArtifactError, Manifest, load_artifact, write_artifact
 
 RAMPS_KIND = "ramps"
+EVIDENCE = "evidence."   # the weights file's tensors that are not heads: evidence.conf, evidence.agree [n, R]
 
 
 def ramps_dir(artifacts: Path, task: str) -> Path:
@@ -36,6 +40,7 @@ class ExitRamps(nn.Module):
         self.labels = list(labels)
         self.pooling, self.normalize = pooling, normalize
         self.heads = nn.ModuleDict({str(k): nn.Linear(hidden_size, len(self.labels)) for k in self.layers})
+        self.evidence: Evidence | None = None   # as `ramps train` measured it; None in an older artifact
 
     def pool(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """A padded batch's layer output [B, T, H] pooled as the model pools its last layer's."""
@@ -50,9 +55,12 @@ class ExitRamps(nn.Module):
 
 
 def save_ramps(directory: Path, ramps: ExitRamps, *, teacher: str, task: str, metrics: dict[str, Any],
-               extra: dict[str, Any]) -> Manifest:
+               extra: dict[str, Any], evidence: Evidence | None = None) -> Manifest:
     tensors = {f"layer{k}.{name}": t for k in ramps.layers
                for name, t in ramps.heads[str(k)].state_dict().items()}
+    if evidence is not None:
+        tensors[f"{EVIDENCE}conf"] = torch.from_numpy(np.asarray(evidence.conf, dtype=np.float32))
+        tensors[f"{EVIDENCE}agree"] = torch.from_numpy(np.asarray(evidence.agree, dtype=np.uint8))
     return write_artifact(directory, RAMPS_KIND, tensors, teacher=teacher, task=task, labels=ramps.labels,
                           metrics=metrics, extra={"layers": list(ramps.layers), "pooling": ramps.pooling,
                                                   "normalize": ramps.normalize, **extra})
@@ -76,10 +84,21 @@ def load_ramps(directory: Path, hidden_size: int, labels: Sequence[str],
     if pooling not in (MEAN, FIRST) or not layers:
         raise ArtifactError(f"{source}: pooling {pooling!r} or layers {layers} cannot be served")
     ramps = ExitRamps(layers, hidden_size, labels, pooling, normalize)
+    ramps.evidence = _evidence(Path(directory) / WEIGHTS, tensors, len(layers))
     try:
-        ramps.heads.load_state_dict({k.removeprefix("layer"): v for k, v in tensors.items()},
-                                    strict=True)
+        ramps.heads.load_state_dict({k.removeprefix("layer"): v for k, v in tensors.items()
+                                     if not k.startswith(EVIDENCE)}, strict=True)
     except RuntimeError as e:   # a tensor of the wrong width, or one missing
         raise ArtifactError(f"{Path(directory) / WEIGHTS}: not ramps for a {hidden_size}-wide "
                             f"model with {len(labels)} labels: {e}") from e
     return ramps.to(device).eval(), manifest
+
+
+def _evidence(path: Path, tensors: dict[str, torch.Tensor], ramps: int) -> Evidence | None:
+    """The artifact's evidence, one column a ramp; None when it has none."""
+    conf, agree = tensors.get(f"{EVIDENCE}conf"), tensors.get(f"{EVIDENCE}agree")
+    if conf is None and agree is None:
+        return None
+    if conf is None or agree is None or conf.ndim != 2 or conf.shape[1] != ramps or agree.shape != conf.shape:
+        raise ArtifactError(f"{path}: evidence.conf and evidence.agree must both be [texts, {ramps}]")
+    return Evidence(conf.float().cpu().numpy(), agree.cpu().numpy().astype(bool))

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from academus.shared.models.exits import ExitSignals, ThresholdTuner, Tuning, tune_entropy_once
+from academus.shared.models.exits import Evidence, ExitSignals, ThresholdTuner, Tuning, tune_entropy_once
 from academus.shared.models.model import ClassifierHead, TeacherEncoder, body_inputs, pad_batch, padded_positions
 from academus.shared.models.ramps import ExitRamps, ramps_dir, save_ramps
 from academus.shared.models.teacher_files import TEACHER_NAME, teacher_dir
@@ -230,7 +230,7 @@ def train_ramps(artifacts: Path, task: str = "", data_dir: Path | None = None, q
         ramps.heads[str(k)].load_state_dict(fitted.linear.state_dict())
         log(f"{subject.name}: ramp after layer {k}: agreement {agreement[str(k)]:.4f} on validation")
     costs, savings, model_ms = measure_costs(encoder, ramps, tokenizer, [e.text for e in validation])
-    tuned_once = tune_once(ramps, vstates, vtarget.argmax(1).numpy(), savings)
+    tuned_once, evidence = tune_once(ramps, vstates, vtarget.argmax(1).numpy(), savings)
     summary = {"task": subject.name, "layers": list(ramps.layers), "bootstrap_texts": len(bootstrap),
                "validation_texts": len(validation), "agreement": agreement,
                "cost": {str(k): round(v, 5) for k, v in costs.items()},
@@ -238,8 +238,9 @@ def train_ramps(artifacts: Path, task: str = "", data_dir: Path | None = None, q
                "tuned_once": tuned_once, "quick": quick}
     directory = ramps_dir(artifacts, subject.name)
     save_ramps(directory, ramps, teacher=subject.teacher, task=subject.name, metrics={"agreement": agreement},
-               extra={"cost": summary["cost"], "saving": summary["saving"], "model_ms": summary["model_ms"],
-                      "tuned_once": tuned_once, "constraint": CONSTRAINT})
+               evidence=evidence, extra={"cost": summary["cost"], "saving": summary["saving"],
+                                         "model_ms": summary["model_ms"], "tuned_once": tuned_once,
+                                         "constraint": CONSTRAINT})
     summary |= {"artifact": str(directory), "seconds": round(time.perf_counter() - started, 2)}
     log(f"{subject.name}: wrote {directory} in {summary['seconds']} s")
     return summary
@@ -261,12 +262,14 @@ def hindsight_tuning(ramps: ExitRamps, states: torch.Tensor, final: np.ndarray, 
     return signals, agree, ThresholdTuner(CONSTRAINT).tune(signals.conf, agree, [savings[k] for k in ramps.layers])
 
 
-def tune_once(ramps: ExitRamps, vstates: torch.Tensor, final: np.ndarray, savings: dict[int, float]) -> dict:
-    """The baselines' thresholds, tuned once on validation at the constraint."""
+def tune_once(ramps: ExitRamps, vstates: torch.Tensor, final: np.ndarray, savings: dict[int, float]
+              ) -> tuple[dict, Evidence]:
+    """The baselines' thresholds, tuned once on validation at the constraint; and the ramps' signals there, the
+    evidence the adaptive controller starts from."""
     signals, agree, static = hindsight_tuning(ramps, vstates, final, savings)
     entropy = tune_entropy_once(signals.entropy, agree, CONSTRAINT)
-    return {"static": {str(k): round(t, 6) for k, t in zip(ramps.layers, static.thresholds, strict=True)},
-            "deebert_entropy": round(entropy, 6)}
+    return ({"static": {str(k): round(t, 6) for k, t in zip(ramps.layers, static.thresholds, strict=True)},
+             "deebert_entropy": round(entropy, 6)}, Evidence(signals.conf, agree))
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -18,7 +18,7 @@ from academus.services.scheduler.core import Job
 from academus.services.scheduler.sender import deliver_partial
 from academus.services.worker.core import OUTPUT_PROBS, ModelRunner
 from academus.services.worker.exits import load_exits
-from academus.shared.models.exits import STATIC, ControllerSettings
+from academus.shared.models.exits import STATIC, ControllerSettings, Evidence
 from academus.shared.models.model import HIDDEN_SIZE
 from academus.shared.models.packing import PackingPlan
 from academus.shared.models.ramps import ExitRamps, load_ramps, ramps_dir, save_ramps
@@ -151,3 +151,31 @@ def test_the_scheduler_splits_an_early_answer_to_its_requests() -> None:
     assert a.rows == (1,) and a.values.ravel().tolist() == pytest.approx([0.1, 0.9]) and a.exit_layer == 3
     assert c.rows == (2,) and c.values.ravel().tolist() == pytest.approx([0.3, 0.7])   # row 5 is c's third
     loop.close()
+
+
+def test_the_ramps_evidence_starts_an_adaptive_workers_window(tmp_path: Path) -> None:
+    """`save_ramps` stores the evidence with the heads; a worker's adaptive controller starts its window with it
+    (a baseline's stays empty); evidence of another width is refused naming the weights file."""
+    rng = np.random.default_rng(0)
+    evidence = Evidence(rng.uniform(0.5, 1.0, (40, 5)).astype(np.float32), rng.uniform(size=(40, 5)) < 0.9)
+    torch.manual_seed(0)
+    ramps = ExitRamps(range(1, 6), HIDDEN_SIZE, LABELS)
+    directory = ramps_dir(tmp_path, "spam")
+    extra = {"cost": {str(k): 0.002 for k in range(1, 6)}, "saving": {str(k): 1 - k / 6 for k in range(1, 6)},
+             "tuned_once": {"static": {"1": 0.9}, "deebert_entropy": 0.1}}
+    save_ramps(directory, ramps, teacher="test", task="spam", metrics={}, extra=extra, evidence=evidence)
+    loaded, _ = load_ramps(directory, HIDDEN_SIZE, LABELS)
+    assert loaded.evidence is not None
+    np.testing.assert_array_equal(loaded.evidence.conf, evidence.conf)
+    np.testing.assert_array_equal(loaded.evidence.agree, evidence.agree)
+    exits = load_exits(tmp_path, "spam", HIDDEN_SIZE, LABELS, torch.device("cpu"), ControllerSettings(), "spam")
+    assert exits is not None
+    np.testing.assert_array_equal(np.array(exits.controller.window.conf), evidence.conf)
+    assert exits.controller.seen == 0   # the evidence is no served text
+    static = load_exits(tmp_path, "spam", HIDDEN_SIZE, LABELS, torch.device("cpu"),
+                        ControllerSettings(policy=STATIC), "spam")
+    assert static is not None and not static.controller.window.conf
+    save_ramps(directory, ramps, teacher="test", task="spam", metrics={}, extra=extra,
+               evidence=Evidence(evidence.conf[:, :3], evidence.agree[:, :3]))
+    with pytest.raises(ArtifactError, match=r"weights\.safetensors: evidence"):
+        load_ramps(directory, HIDDEN_SIZE, LABELS)

@@ -15,6 +15,7 @@ from academus.shared.models.exits import (
     ActiveRamps,
     ControllerSettings,
     EntropyRule,
+    Evidence,
     ExitController,
     ExitSignals,
     NoExit,
@@ -344,6 +345,51 @@ def test_tune_adapts_margin() -> None:
     assert good.margin == pytest.approx(1 - 1 / allowance)
 
 
+def released_disagreements(ctrl: ExitController, texts: int, wrong: int) -> None:
+    """`texts` texts on which ramp 2 is confident (0.999) and agrees, then `wrong` it released and got wrong at a
+    low confidence (0.6): what a tuning after them sees."""
+    feed(ctrl, (2, 4), columns(texts, 0.999, 0.5), np.ones((texts, 2), dtype=bool))
+    feed(ctrl, (2, 4), columns(wrong, 0.6, 0.5), np.zeros((wrong, 2), dtype=bool), exit_at=np.zeros(wrong, dtype=int))
+
+
+def test_evidence_lets_a_young_controller_release_after_disagreements() -> None:
+    """Two disagreements among the first 64 texts make the target stricter than 64 texts can show (a blackout);
+    the ramps' evidence from `ramps train` (800 texts) shows it, so the same feed still releases."""
+    conf = np.tile([0.999, 0.5, 0.5, 0.5], (800, 1))
+    evidence = Evidence(conf, np.tile([True, False, False, False], (800, 1)))
+    young, seeded = (ExitController(candidates(), settings(), clock=fake_clock()[1], evidence=e)
+                     for e in (None, evidence))
+    for ctrl in (young, seeded):
+        released_disagreements(ctrl, 62, 2)
+    assert len(young.window.conf) == 64 and len(seeded.window.conf) == 864
+    blind, informed = young.tune(), seeded.tune()
+    assert young.margin == seeded.margin < 1.0
+    assert blind.thresholds == (NEVER, NEVER) and blind.saving == 0.0
+    assert informed.thresholds[0] < 0.999 < NEVER and informed.exit_rates[0] > 0.9
+    assert informed.thresholds[0] > 0.6   # the released disagreements stay below it
+
+
+def test_evidence_of_the_wrong_width_is_refused_and_baselines_ignore_it() -> None:
+    """Evidence needs one column a candidate ramp; a baseline's window stays empty."""
+    with pytest.raises(ValueError, match="one column a ramp"):
+        ExitController(candidates(), settings(), evidence=Evidence(np.ones((4, 3)), np.ones((4, 3), dtype=bool)))
+    fixed = ExitController(candidates(), settings(policy="static"), fixed=ThresholdRule((0.9,) * 4),
+                           evidence=Evidence(np.ones((4, 4)), np.ones((4, 4), dtype=bool)))
+    assert not fixed.window.conf
+
+
+def test_ramps_are_judged_at_the_constraint_not_the_stricter_target() -> None:
+    """After disagreements past the allowance the target is so strict that no ramp releases; a ramp that releases
+    at the constraint itself is not dropped for it (it would be, judged on the strict tuning's exits)."""
+    ctrl = ExitController(candidates(), settings(), clock=fake_clock()[1])
+    released_disagreements(ctrl, 2 * AGREEMENT_SPAN, 3)
+    ctrl.tune()
+    strict = ctrl.tune()
+    assert ctrl.margin == MIN_MARGIN and strict.thresholds == (NEVER, NEVER)
+    assert ctrl.active.layers[0] == 2
+    assert not [e for e in ctrl.status()["events"] if e["kind"] == "dropped" and e["layer"] == 2]
+
+
 def test_tune_empty_window_returns_none() -> None:
     """Nothing observed: no tuning."""
     ctrl = ExitController(candidates(), settings(), clock=fake_clock()[1])
@@ -379,7 +425,7 @@ def test_adjust_drops_costly_ramp_and_adds_one_before_busiest() -> None:
     ctrl = ExitController(candidates(), settings(budget=0.02), clock=fake_clock()[1])
     ctrl.active = ActiveRamps((2, 6), ThresholdRule((0.9, 0.8)))
     ctrl.tunings = 3
-    ctrl._adjust(Tuning((0.9, 0.8), 1.0, 0.3, (0.0, 0.6), 10), texts=AGREEMENT_SPAN)
+    ctrl._adjust((0.9, 0.8), (0.0, 0.6), texts=AGREEMENT_SPAN)
     assert ctrl.active == ActiveRamps((4, 6), ThresholdRule((NEVER, 0.8)))
     kinds = [(e["kind"], e["layer"]) for e in ctrl.status()["events"]]
     assert kinds == [("dropped", 2), ("added", 4)]
@@ -389,9 +435,9 @@ def test_adjust_keeps_ramps_that_pay() -> None:
     """Ramps whose exits save more than their cost stay; too little feedback changes nothing."""
     ctrl = ExitController(candidates(), settings(budget=0.02), clock=fake_clock()[1])
     ctrl.tunings = 3
-    ctrl._adjust(Tuning((0.9, 0.8), 1.0, 0.3, (0.3, 0.3), 10), texts=AGREEMENT_SPAN)
+    ctrl._adjust((0.9, 0.8), (0.3, 0.3), texts=AGREEMENT_SPAN)
     assert ctrl.active.layers == (2, 4)
-    ctrl._adjust(Tuning((0.9, 0.8), 1.0, 0.0, (0.0, 0.0), 10), texts=AGREEMENT_SPAN - 1)
+    ctrl._adjust((0.9, 0.8), (0.0, 0.0), texts=AGREEMENT_SPAN - 1)
     assert ctrl.active.layers == (2, 4) and not ctrl.events
 
 
@@ -460,7 +506,7 @@ def test_measured_costs_over_the_budget_drop_ramps() -> None:
         ctrl.observe((2, 4, 6, 8), signals(np.full((1, 4), 0.5)), np.zeros(1, dtype=int), np.array([4]),
                      costs=measured)
     assert ctrl.cost[2] == pytest.approx(0.009, rel=1e-3)
-    ctrl._adjust(Tuning((0.9, 0.9, 0.9, 0.9), 1.0, 0.3, (0.3, 0.2, 0.1, 0.05), 10), texts=AGREEMENT_SPAN)
+    ctrl._adjust((0.9, 0.9, 0.9, 0.9), (0.3, 0.2, 0.1, 0.05), texts=AGREEMENT_SPAN)
     assert sum(ctrl.cost[k] for k in ctrl.active.layers) <= 0.02
     assert ctrl.active.layers == (2, 4)   # the deeper ramps saved least
     reasons = [e["reason"] for e in ctrl.status()["events"] if e["kind"] == "dropped"]
