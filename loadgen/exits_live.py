@@ -4,7 +4,7 @@
 
 Each round starts a fresh mesh per arm (one padded deployment, the default exit policy), the order of the arms
 alternating between rounds. First each arm's capacity: closed loop, `--clients` callers for `--capacity-s`
-seconds. Then the same Poisson schedule for both arms, at half of vanilla's capacity (of the first round), one
+seconds. Then the same Poisson schedule for both arms, at half of vanilla's capacity (of the first round; `--rate` sets it), one
 text a request from the task's test split in the replay bench's drifting order. Per request: the time to its
 first result (the ramp's, or the final one) and to the final result; vanilla's are one and the same. Ratios are
 early / vanilla per round, then the median over rounds; agreement is each released result's label against the
@@ -122,9 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--artifacts", type=Path, default=None)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--rate", type=float, default=None,
+                   help="requests a second (default: half of vanilla's capacity in the first round); to compare runs")
     args = p.parse_args(argv)
     test = load_task(args.task, fetch(None)).test
-    rounds, rate = [], None
+    rounds, rate = [], args.rate
     for r in range(args.rounds):
         texts = [test[i].text for i in drifting_order(args.task, test, seed=r)]
         arms = {}
