@@ -4,11 +4,11 @@
 
 Each round starts a fresh mesh per arm (one padded deployment, the default exit policy), the order of the arms
 alternating between rounds. First each arm's capacity: closed loop, `--clients` callers for `--capacity-s`
-seconds. Then the same Poisson schedule for both arms, at half of vanilla's capacity (of the first round; `--rate` sets it), one
-text a request from the task's test split in the replay bench's drifting order. Per request: the time to its
-first result (the ramp's, or the final one) and to the final result; vanilla's are one and the same. Ratios are
-early / vanilla per round, then the median over rounds; agreement is each released result's label against the
-final one of the same request. The summary is the last line printed.
+seconds. Then the same Poisson schedule for both arms, at half of vanilla's capacity (of the first round; `--rate`
+sets it), one text a request from the task's test split in the replay bench's drifting order. Per request: the
+time to its first result (the ramp's, or the final one) and to the final result; vanilla's are one and the same.
+Ratios are early / vanilla per round, then the median over rounds; agreement is each released result's label
+against the final one of the same request. The summary is the last line printed.
 """
 
 from __future__ import annotations
