@@ -234,9 +234,6 @@ class Evidence:
     conf: np.ndarray
     agree: np.ndarray
 
-    def __len__(self) -> int:
-        return len(self.conf)
-
 
 @dataclass(frozen=True)
 class RampCandidate:
