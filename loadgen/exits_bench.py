@@ -1,6 +1,8 @@
 """Early exits, replayed offline (Apparate): every arm on the same drifting arrival order of a task's test split.
 
 `python -m academus.loadgen.exits_bench --task spam --task sentiment [--rounds 3] [--batch 8]`
+`python -m academus.loadgen.exits_bench --model NAME --texts F.jsonl [--artifacts A]`: a user's classifier with
+ramps (`academus ramps train --model NAME`), on held-out texts from a file
 
 The served model runs once over the test split with every ramp of `academus ramps train` (their confidences,
 predictions and the full model's answer per text); then each arm replays the arrival order batch by batch,
@@ -11,8 +13,9 @@ deciding exits ramp by ramp as the worker does, and the adaptive arm tunes on it
   validation split is replayed, or with --without-evidence); static: per-ramp thresholds tuned once on
   validation; deebert: one entropy threshold tuned once; pabee2 / pabee3: patience; oracle: the first ramp that
   agrees with the final answer (replay only).
-- Orders drift: spam is ham in file order (easy ham, then hard ham at the tail), then spam; sentiment is a
-  shuffled third, then the rest long snippets first, then short. Each round shuffles within those phases.
+- Orders drift: spam is ham in file order (easy ham, then hard ham at the tail), then spam; sentiment and a
+  file's texts are a shuffled third, then the rest long texts first, then short. Each round shuffles within
+  those phases.
 - Time is in units of the model's forward on one text: a release at layer k comes after (1 - saving_k) of it
   plus the cost of every active ramp on the way (the ramps' manifest: measured by `ramps train`); the final
   answer after 1 + every active ramp's cost. So the ratios are of model time, not of a mesh's latency.
@@ -33,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from academus.shared.models.exits import (
     NONE,
@@ -45,14 +49,12 @@ from academus.shared.models.exits import (
     released_agreement,
     replay,
 )
-from academus.shared.models.model import TeacherEncoder
 from academus.shared.models.ramps import load_ramps, ramps_dir
-from academus.shared.models.teacher_files import teacher_dir
-from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.runtime.config import artifacts_dir, offline_hub
+from academus.shared.state.artifacts import ArtifactError
+from academus.shared.state.uploads import parse_texts_jsonl
 from academus.shared.training.data import Example, fetch, load_task
-from academus.shared.training.prepare import MAX_TOKENS, load_head, predict
-from academus.shared.training.ramps import layer_states, ramp_signals
+from academus.shared.training.ramps import Subject, layer_states, ramp_signals
 
 ARMS = ("vanilla", "apparate", "static", "deebert", "pabee2", "pabee3", "oracle")
 WINDOW, WINDOW_STEP = 256, 32
@@ -80,11 +82,11 @@ def drifting_order(task: str, test: Sequence[Example], seed: int) -> list[int]:
 class Replay:
     """One task's signals at every ramp, in arrival order, and the ramps' measured savings and costs."""
 
-    def __init__(self, signals: ExitSignals, final: np.ndarray, gold: np.ndarray, layers: Sequence[int],
-                 extra: dict, evidence: Evidence | None = None) -> None:
+    def __init__(self, signals: ExitSignals, final: np.ndarray, layers: Sequence[int], extra: dict,
+                 evidence: Evidence | None = None) -> None:
         """`extra`: the ramps' manifest's (savings, costs, the thresholds tuned once); `evidence`: the adaptive
         controller's first window."""
-        self.signals, self.final, self.gold, self.layers, self.extra = signals, final, gold, tuple(layers), extra
+        self.signals, self.final, self.layers, self.extra = signals, final, tuple(layers), extra
         self.evidence = evidence
         self.saving = {int(k): float(v) for k, v in extra["saving"].items()}
         self.cost = {int(k): float(v) for k, v in extra["cost"].items()}
@@ -160,20 +162,23 @@ def summarise(arm: str, agreed: np.ndarray, first: np.ndarray, final_t: np.ndarr
     return out
 
 
-def load_replay(artifacts: Path, task: str, data_dir: Path | None,
-                split: str = "test") -> tuple[Replay, list[Example]]:
-    """The served model's pass over a split (the test split's, for the figures) with every ramp."""
-    head = load_head(artifacts, task)
-    encoder = TeacherEncoder.load()
-    ramps, manifest = load_ramps(ramps_dir(artifacts, task), encoder.architecture.hidden_size, head.labels)
-    test = load_task(task, fetch(data_dir)).splits()[split]
-    states = layer_states(encoder, TeacherTokenizer(teacher_dir(), max_tokens=MAX_TOKENS), [e.text for e in test],
-                          ramps)
-    final = predict(head, states[:, -1]).numpy()
+def load_replay(artifacts: Path, task: str, data_dir: Path | None, split: str = "test",
+                texts_file: Path | None = None) -> tuple[Replay, list[Example]]:
+    """The served model's pass with every ramp over a bundled task's split (the test split's, for the figures), or,
+    given `texts_file`, over its texts for the user's classifier `task`."""
+    if texts_file is None:
+        subject = Subject.bundled(artifacts, task)
+        texts = load_task(task, fetch(data_dir)).splits()[split]
+    else:
+        subject = Subject.user(artifacts, task)
+        texts = [Example(t, -1) for t in parse_texts_jsonl(texts_file.read_bytes(), str(texts_file))]
+    ramps, manifest = load_ramps(ramps_dir(artifacts, subject.name), subject.encoder.architecture.hidden_size,
+                                 list(subject.head.labels))
+    states = layer_states(subject.encoder, subject.tokenizer, [e.text for e in texts], ramps)
+    with torch.no_grad():
+        final = subject.head(states[:, -1]).argmax(1).numpy()
     evidence = ramps.evidence if split != "validation" else None   # validation: the evidence's own texts
-    replay_data = Replay(ramp_signals(ramps, states), final, np.array([e.label for e in test]), ramps.layers,
-                         manifest.extra, evidence)
-    return replay_data, test
+    return Replay(ramp_signals(ramps, states), final, ramps.layers, manifest.extra, evidence), texts
 
 
 def tuning_time(repeats: int = 50, seed: int = 0) -> dict[str, float]:
@@ -193,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     offline_hub()
     p = argparse.ArgumentParser(prog="python -m academus.loadgen.exits_bench", description=__doc__.split("\n")[0])
     p.add_argument("--task", action="append", choices=("spam", "sentiment"))
+    p.add_argument("--model", default="", help="a user's classifier with ramps, replayed on --texts")
+    p.add_argument("--texts", type=Path, default=None, help='with --model: held-out texts, JSON lines {"text": ...}')
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batch", type=int, default=8, help="texts a batch (one feedback step)")
     p.add_argument("--artifacts", type=Path, default=None)
@@ -211,13 +218,18 @@ def main(argv: list[str] | None = None) -> int:
                                "window": args.window, "slack_errors": args.slack_errors,
                                "evidence": not args.without_evidence and args.split != "validation", "tasks": {},
                                "tuning_2x256": tuning_time()}
-    for task in args.task or ["spam", "sentiment"]:
-        data, test = load_replay(args.artifacts or artifacts_dir(), task, args.data, args.split)
+    if bool(args.model) != (args.texts is not None):
+        p.error("--model and --texts go together")
+    for task in [args.model] if args.model else args.task or ["spam", "sentiment"]:
+        try:
+            data, test = load_replay(args.artifacts or artifacts_dir(), task, args.data, args.split, args.texts)
+        except (ValueError, ArtifactError, OSError) as e:
+            p.error(str(e))
         if args.without_evidence:
             data.evidence = None
         rounds = []
         for r in range(args.rounds):
-            order = drifting_order(task, test, seed=r)
+            order = drifting_order("" if args.model else task, test, seed=r)   # a file's texts drift by length
             arms = [run_arm(arm, data, order, args.batch, settings) for arm in ARMS]
             rounds.append(arms)
             print(json.dumps({"task": task, "round": r, "arms": arms}), flush=True)

@@ -118,3 +118,32 @@ def test_the_saving_probe_tunes_in_hindsight_within_the_constraint(artifacts: Pa
     assert out["texts"] == 240 and set(out["ramp_agreement"]) == set(out["released"]) == {"1", "2"}
     assert out["agreement"] >= 0.99 and sum(out["released"].values()) <= 1
     assert out["saving"] == pytest.approx(sum(r * saving[k] for k, r in out["released"].items()), abs=1e-3)
+
+
+def test_the_replay_bench_takes_a_users_classifier_on_its_texts(artifacts: Path, texts_file: Path, capsys) -> None:
+    """`exits_bench --model --texts`: every arm replays the file's texts through the classifier's own ramps; vanilla
+    is the unit, and the oracle releases exactly the texts on which some ramp agrees with the model's answer."""
+    from academus.loadgen.exits_bench import ARMS
+    from academus.loadgen.exits_bench import main as exits_bench
+    from academus.shared.state.uploads import parse_texts_jsonl
+
+    argv = ["--artifacts", str(artifacts), "--rounds", "1", "--texts", str(texts_file)]
+    assert exits_bench([*argv, "--model", "tiny-cls"]) == 0
+    arms = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tasks"]["tiny-cls"]
+    assert arms["texts"] == 240 and set(ARMS) <= set(arms)
+    assert arms["vanilla"]["first_p50_ratio"] == 1.0 and arms["oracle"]["agreement"] == 1.0
+    subject = Subject.user(artifacts, "tiny-cls")
+    ramps, _ = load_ramps(ramps_dir(artifacts, "tiny-cls"), SHAPE["hidden_size"], list(subject.head.labels))
+    texts = parse_texts_jsonl(texts_file.read_bytes(), str(texts_file))
+    states = layer_states(subject.encoder, subject.tokenizer, texts, ramps)
+    with torch.no_grad():
+        final = subject.head(states[:, -1]).argmax(1).numpy()
+        agree = np.stack([ramps.probs(k, states[:, k]).argmax(1).numpy() == final for k in ramps.layers], axis=1)
+    assert arms["oracle"]["exit_rate"] == pytest.approx(agree.any(axis=1).mean(), abs=1e-4)
+    refused = {"neither a head trained on a user's model": [*argv, "--model", "tiny-enc"],
+               "--model and --texts go together": ["--artifacts", str(artifacts), "--model", "tiny-cls"],
+               "none.jsonl": [*argv[:4], "--texts", str(texts_file.with_name("none.jsonl")), "--model", "tiny-cls"]}
+    for message, wrong in refused.items():
+        with pytest.raises(SystemExit):
+            exits_bench(wrong)
+        assert message in capsys.readouterr().err
