@@ -1,8 +1,8 @@
 """Early exits, replayed offline (Apparate): every arm on the same drifting arrival order of a task's test split.
 
 `python -m academus.loadgen.exits_bench --task spam --task sentiment [--rounds 3] [--batch 8]`
-`python -m academus.loadgen.exits_bench --model NAME --texts F.jsonl [--artifacts A]`: a user's classifier with
-ramps (`academus ramps train --model NAME`), on held-out texts from a file
+`python -m academus.loadgen.exits_bench --model NAME --texts F.jsonl [--artifacts A]`: a classifier with ramps (a
+user's, `academus ramps train --model NAME`, or a bundled task's) on held-out texts from a file
 
 The served model runs once over the test split with every ramp of `academus ramps train` (their confidences,
 predictions and the full model's answer per text); then each arm replays the arrival order batch by batch,
@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from academus.shared.models.exits import (
     NONE,
@@ -49,12 +48,11 @@ from academus.shared.models.exits import (
     released_agreement,
     replay,
 )
-from academus.shared.models.ramps import load_ramps, ramps_dir
 from academus.shared.runtime.config import artifacts_dir, offline_hub
 from academus.shared.state.artifacts import ArtifactError
 from academus.shared.state.uploads import parse_texts_jsonl
 from academus.shared.training.data import Example, fetch, load_task
-from academus.shared.training.ramps import Subject, layer_states, ramp_signals
+from academus.shared.training.ramps import Subject, ramp_signals, ramps_pass
 
 ARMS = ("vanilla", "apparate", "static", "deebert", "pabee2", "pabee3", "oracle")
 WINDOW, WINDOW_STEP = 256, 32
@@ -165,18 +163,13 @@ def summarise(arm: str, agreed: np.ndarray, first: np.ndarray, final_t: np.ndarr
 def load_replay(artifacts: Path, task: str, data_dir: Path | None, split: str = "test",
                 texts_file: Path | None = None) -> tuple[Replay, list[Example]]:
     """The served model's pass with every ramp over a bundled task's split (the test split's, for the figures), or,
-    given `texts_file`, over its texts for the user's classifier `task`."""
+    given `texts_file`, over its texts for the classifier `task` (a user's, or a bundled task's)."""
     if texts_file is None:
-        subject = Subject.bundled(artifacts, task)
-        texts = load_task(task, fetch(data_dir)).splits()[split]
+        subject, texts = Subject.bundled(artifacts, task), load_task(task, fetch(data_dir)).splits()[split]
     else:
-        subject = Subject.user(artifacts, task)
+        subject = Subject.named(artifacts, task)
         texts = [Example(t, -1) for t in parse_texts_jsonl(texts_file.read_bytes(), str(texts_file))]
-    ramps, manifest = load_ramps(ramps_dir(artifacts, subject.name), subject.encoder.architecture.hidden_size,
-                                 list(subject.head.labels))
-    states = layer_states(subject.encoder, subject.tokenizer, [e.text for e in texts], ramps)
-    with torch.no_grad():
-        final = subject.head(states[:, -1]).argmax(1).numpy()
+    ramps, manifest, states, final = ramps_pass(artifacts, subject, [e.text for e in texts])
     evidence = ramps.evidence if split != "validation" else None   # validation: the evidence's own texts
     return Replay(ramp_signals(ramps, states), final, ramps.layers, manifest.extra, evidence), texts
 
@@ -198,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     offline_hub()
     p = argparse.ArgumentParser(prog="python -m academus.loadgen.exits_bench", description=__doc__.split("\n")[0])
     p.add_argument("--task", action="append", choices=("spam", "sentiment"))
-    p.add_argument("--model", default="", help="a user's classifier with ramps, replayed on --texts")
+    p.add_argument("--model", default="", help="a classifier with ramps (a user's, or a task's), replayed on --texts")
     p.add_argument("--texts", type=Path, default=None, help='with --model: held-out texts, JSON lines {"text": ...}')
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batch", type=int, default=8, help="texts a batch (one feedback step)")

@@ -13,23 +13,13 @@ from __future__ import annotations
 
 import json
 
-import torch
-
 from academus.loadgen.probes import texts_probe_args
-from academus.shared.models.ramps import load_ramps, ramps_dir
-from academus.shared.training.data import TASKS
-from academus.shared.training.ramps import CONSTRAINT, Subject, _layers, hindsight_tuning, layer_states
+from academus.shared.training.ramps import CONSTRAINT, Subject, hindsight_tuning, ramps_pass
 
 
 def main(argv: list[str] | None = None) -> int:
     args, texts = texts_probe_args(__doc__, "a user's classifier with ramps, or a bundled task", argv)
-    subject = (Subject.bundled if args.model in TASKS else Subject.user)(args.artifacts, args.model)
-    ramps, manifest = load_ramps(ramps_dir(args.artifacts, subject.name), subject.encoder.architecture.hidden_size,
-                                 list(subject.head.labels))
-    depth = len(_layers(subject.encoder))
-    states = layer_states(subject.encoder, subject.tokenizer, texts, ramps)
-    with torch.no_grad():
-        final = subject.head(states[:, depth]).argmax(1).numpy()
+    ramps, manifest, states, final = ramps_pass(args.artifacts, Subject.named(args.artifacts, args.model), texts)
     savings = {int(k): float(v) for k, v in manifest.extra["saving"].items()}
     _, agree, tuning = hindsight_tuning(ramps, states, final, savings)
     print(json.dumps({"model": args.model, "texts": len(texts), "source": str(args.texts),

@@ -404,18 +404,23 @@ class ExitController:
         saving = [self.candidates[layer].saving for layer in layers]
         self._adapt_margin()
         tuning = self.tuner.tune(conf_a, agree_a, saving)
+        texts = int(seen.sum())
         # a target stricter than the constraint (after disagreements) may release nothing for a while: the
         # ramps are judged on what they release at the constraint itself, or every ramp would look useless
-        judged = tuning if self.margin >= 1.0 else \
+        judged = tuning if self.margin >= 1.0 or not self._judges(texts) else \
             ThresholdTuner(self.settings.constraint, slack_errors=self.settings.slack_errors).tune(
                 conf_a, agree_a, saving)
         self.tunings += 1
         self.active = ActiveRamps(layers, ThresholdRule(tuning.thresholds))
         self._log("tuned", 0, f"{reason or 'requested'}: thresholds "
                   f"{', '.join(f'L{k}={t:.3f}' for k, t in zip(layers, tuning.thresholds, strict=True))}, "
-                  f"agreement {tuning.agreement:.4f}, saving {tuning.saving:.3f} over {int(seen.sum())} texts")
-        self._adjust(tuning.thresholds, judged.exit_rates, int(seen.sum()))
+                  f"agreement {tuning.agreement:.4f}, saving {tuning.saving:.3f} over {texts} texts")
+        self._adjust(tuning.thresholds, judged.exit_rates, texts)
         return tuning
+
+    def _judges(self, texts: int) -> bool:
+        """Whether a tuning over `texts` texts judges the ramps: on as many texts as their agreement is watched."""
+        return texts >= min(AGREEMENT_SPAN, self.settings.window) or not self.active.layers
 
     def _target(self) -> float:
         return 1.0 - (1.0 - self.settings.constraint) * self.margin
@@ -442,8 +447,8 @@ class ExitController:
         while the ramps' measured cost is over the budget; then adds the unused ramp before the busiest one
         (earlier exits save more), or the deepest unused one while none releases, if the ramps' summed cost
         stays within the budget."""
-        if texts < min(AGREEMENT_SPAN, self.settings.window) and self.active.layers:
-            return   # a ramp is judged on as many texts as its agreement is
+        if not self._judges(texts):
+            return
         layers, thresholds = list(self.active.layers), list(tuned)
         reach, net = 1.0, {}
         for j, layer in enumerate(layers):   # what each ramp's exits saved, and what it cost

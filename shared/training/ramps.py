@@ -43,12 +43,12 @@ from torch import nn
 
 from academus.shared.models.exits import Evidence, ExitSignals, ThresholdTuner, Tuning, tune_entropy_once
 from academus.shared.models.model import ClassifierHead, TeacherEncoder, body_inputs, pad_batch, padded_positions
-from academus.shared.models.ramps import ExitRamps, ramps_dir, save_ramps
+from academus.shared.models.ramps import ExitRamps, load_ramps, ramps_dir, save_ramps
 from academus.shared.models.teacher_files import TEACHER_NAME, teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.runtime.config import artifacts_dir as default_artifacts_dir
 from academus.shared.runtime.config import offline_hub
-from academus.shared.state.artifacts import ArtifactError
+from academus.shared.state.artifacts import ArtifactError, Manifest
 from academus.shared.state.uploads import parse_texts_jsonl
 from academus.shared.training.data import TASKS, DataMissing, Example, fetch, file_task, load_task
 from academus.shared.training.prepare import (
@@ -167,6 +167,11 @@ class Subject:
                    TeacherTokenizer(teacher_dir(), max_tokens=MAX_TOKENS), task)
 
     @classmethod
+    def named(cls, artifacts: Path, name: str) -> Subject:
+        """A bundled task's classifier when `name` is a task, else a user's."""
+        return (cls.bundled if name in TASKS else cls.user)(artifacts, name)
+
+    @classmethod
     def user(cls, artifacts: Path, name: str) -> Subject:
         """A head trained on a user's model (`heads train`), or a user's sequence classifier (`models add`): the
         distillation's teacher of that name, which has a head."""
@@ -244,6 +249,18 @@ def train_ramps(artifacts: Path, task: str = "", data_dir: Path | None = None, q
     summary |= {"artifact": str(directory), "seconds": round(time.perf_counter() - started, 2)}
     log(f"{subject.name}: wrote {directory} in {summary['seconds']} s")
     return summary
+
+
+def ramps_pass(artifacts: Path, subject: Subject, texts: Sequence[str]
+               ) -> tuple[ExitRamps, Manifest, torch.Tensor, np.ndarray]:
+    """The subject's ramps (their artifact) over `texts`: the ramps and their manifest, every layer's states pooled
+    as the ramps pool them, and the model's answers."""
+    ramps, manifest = load_ramps(ramps_dir(artifacts, subject.name), subject.encoder.architecture.hidden_size,
+                                 list(subject.head.labels))
+    states = layer_states(subject.encoder, subject.tokenizer, texts, ramps)
+    with torch.no_grad():
+        final = subject.head(states[:, -1]).argmax(1).numpy()
+    return ramps, manifest, states, final
 
 
 def ramp_signals(ramps: ExitRamps, states: torch.Tensor, layers: Sequence[int] | None = None) -> ExitSignals:
