@@ -46,12 +46,13 @@ def exit_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshState]:
         write_entry(artifacts, name, catalogue[name])
     for task in ("spam", "sentiment"):
         shutil.copytree(artifacts_dir() / "heads" / task, artifacts / "heads" / task)
-    for task in ("spam", "sentiment"):
-        trained = academus(tmp_path_factory.mktemp("unused"), "ramps", "train", "--task", task, "--quick",
-                           "--artifacts", artifacts)
-        assert trained.returncode == 0, trained.stderr[-2000:]
-        summary = json.loads(trained.stdout.strip().splitlines()[-1])
-        assert summary["layers"] == [1, 2, 3, 4, 5] and set(summary["agreement"]) == {"1", "2", "3", "4", "5"}
+    trained = academus(tmp_path_factory.mktemp("unused"), "ramps", "train", "--task", "spam", "--quick",
+                       "--artifacts", artifacts)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    summary = json.loads(trained.stdout.strip().splitlines()[-1])
+    assert summary["layers"] == [1, 2, 3, 4, 5] and set(summary["agreement"]) == {"1", "2", "3", "4", "5"}
+    # sentiment's ramps are refused by their checksum before anything else is read, so spam's copy will do
+    shutil.copytree(artifacts / "ramps" / "spam", artifacts / "ramps" / "sentiment")
     weights = artifacts / "ramps" / "sentiment" / "weights.safetensors"
     weights.write_bytes(weights.read_bytes()[:-64] + b"\0" * 64)   # corrupt: its sha256 no longer matches
     run_dir = tmp_path_factory.mktemp("run")

@@ -93,12 +93,13 @@ async def served_span(call, spans: InMemorySpanExporter, request: bytes):
         reply = await call(request, timeout=5)
     except grpc.aio.AioRpcError as e:
         reply = e.code()
-    (span,) = spans.get_finished_spans()
+    (span,) = await finished(spans)
     return reply, span
 
 
 async def finished(spans: InMemorySpanExporter, count: int = 1) -> tuple:
-    """A client span ends once the call's status is read, a loop turn or two after the reply."""
+    """A span ends a loop turn or two after the caller has its status: the client's once the status is
+    read, the server's once its handler's abort has unwound through the interceptor."""
     for _ in range(100):
         if len(spans.get_finished_spans()) >= count:
             break
