@@ -48,17 +48,15 @@ from academus.shared.runtime.config import artifacts_dir, offline_hub
 from academus.shared.state.artifacts import ArtifactError
 from academus.shared.training.data import TASKS, TaskData, fetch, load_task
 from academus.shared.training.prepare import subsample
+from academus.shared.training.shard_plans import load_profile, planner_for, save_profile
 from academus.shared.training.shards import (
     Evaluator,
     accuracy,
     decoded_bank,
     encoder_base,
-    load_profile,
     measure_profile,
     own_task,
     own_texts,
-    planner_for,
-    save_profile,
 )
 
 BASELINES = ("load&exec", "stdpl-2", "stdpl-6", "stdpl-32", "preload-6", "preload-32")

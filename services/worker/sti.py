@@ -29,7 +29,8 @@ from academus.shared.models.sti_planner import Plan
 from academus.shared.models.work import ShardRun
 from academus.shared.runtime.errors import DeadlineExceeded, InvalidArgument
 from academus.shared.state.artifacts import ArtifactError
-from academus.shared.training.shards import load_profile, measure_profile, planner_for, save_profile
+from academus.shared.training.shard_plans import load_profile, planner_for, save_profile
+from academus.shared.training.shards import measure_profile
 
 STI_RUNS = Counter("academus_worker_sti_batches_total", "Batches run from shards (STI)", ["model"])
 STI_STALL = Histogram("academus_worker_sti_stall_ms", "Compute waiting for shards, a batch (STI)", ["model"],

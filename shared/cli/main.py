@@ -384,14 +384,14 @@ def cmd_ramps(args: argparse.Namespace) -> int:
     """`ramps train` writes to the running mesh's artifacts (its workers load the new ramps within a second);
     `ramps status` prints every worker's ramps: active layers, thresholds, window agreement, exits, tunings and
     the latest changes with their reasons."""
-    from academus.shared.training.ramps import main as ramps_main
-
-    if args.rest[:1] == ["status"]:
+    if args.rest[:1] == ["status"]:   # a Redis read: no torch to import
         return _with_mesh_redis(args, ramp_status)
     if args.rest[:1] != ["train"]:
         print("usage: academus ramps train (--task TASK | --model NAME [--data F.jsonl | --task TASK]) [--quick] | "
               "academus ramps status", file=sys.stderr)
         return 2
+    from academus.shared.training.ramps import main as ramps_main
+
     return ramps_main(["train", *_with_mesh_artifacts(args, args.rest[1:])])
 
 
@@ -422,14 +422,14 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def cmd_shard(args: argparse.Namespace) -> int:
     """Shards are built into the running mesh's artifacts when one runs (else ACADEMUS_ARTIFACTS); `shard budget
     --model M --bytes N` sets a shard-served model's parameter-memory budget on every worker serving it."""
-    from academus.shared.training.shards import main as shard_main
-
-    if args.rest[:1] == ["budget"]:
+    if args.rest[:1] == ["budget"]:   # a Redis write: no torch to import
         p = argparse.ArgumentParser(prog="academus shard budget")
         p.add_argument("--model", required=True, help="a model served from shards, e.g. sentiment-sti")
         p.add_argument("--bytes", type=int, required=True, help="parameter memory; 0: the default")
         budget = p.parse_args(args.rest[1:])
         return _with_mesh_redis(args, lambda redis, keys: set_shard_budget(redis, keys, budget.model, budget.bytes))
+    from academus.shared.training.shard_plans import main as shard_main
+
     return shard_main(_with_mesh_artifacts(args, args.rest))
 
 
@@ -526,12 +526,16 @@ def _training_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
 
 def _with_mesh_redis(args: argparse.Namespace, work) -> int:
     """Runs `work(redis, keys)` against the local mesh's Redis; prints its JSON result last."""
-    from academus.shared.cli.mesh import MeshState
+    from academus.shared.cli.mesh import MeshError, MeshState
     from academus.shared.runtime.errors import ServingError
     from academus.shared.runtime.redis_conn import connect
     from academus.shared.state.keys import Keys
 
-    state = MeshState.load(_run_dir(args))
+    try:
+        state = MeshState.load(_run_dir(args))
+    except MeshError as e:
+        print(e, file=sys.stderr)
+        return 1
     state.use_as_mesh()   # the adapter store and the workers take only the mesh's calls
     if state.artifacts:   # what trains here (tenants create|train) reads the catalogue the mesh's workers serve
         use_artifacts(state.artifacts)

@@ -9,13 +9,17 @@ heads, vocabulary) comes from its config; what differs between the families is h
 - the classification head: BERT's pooler (dense + tanh on the first token) then a linear layer; RoBERTa's and
   MPNet's own dense + tanh + projection on the first token.
 
-Torch-free: `academus models add` and the tests read a directory's family before loading anything.
+Torch-free: `academus models add | list | remove` and the tests read a directory's family (and the
+pooling names) before loading anything.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+MEAN, FIRST = "mean", "cls"   # pooling: the mean over real tokens, or the first token's hidden state
+POOLINGS = (MEAN, FIRST)
 
 
 class UnsupportedArchitecture(ValueError):

@@ -11,12 +11,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from academus.shared.models.architectures import Architecture, family_module, read_architecture
+from academus.shared.models.architectures import FIRST, MEAN, POOLINGS, Architecture, family_module, read_architecture
 from academus.shared.models.teacher_files import teacher_dir
 
 HIDDEN_SIZE = 384   # the bundled teacher's width (all-MiniLM-L6-v2); every other model's comes from its config
-MEAN, FIRST = "mean", "cls"   # pooling: the mean over real tokens, or the first token's hidden state
-POOLINGS = (MEAN, FIRST)
 
 
 def weight_bytes(*modules: nn.Module | None) -> int:

@@ -23,8 +23,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from academus.shared.models.architectures import Architecture, UnsupportedArchitecture, read_architecture
-from academus.shared.models.model import FIRST, MEAN, POOLINGS
+from academus.shared.models.architectures import (
+    FIRST,
+    MEAN,
+    POOLINGS,
+    Architecture,
+    UnsupportedArchitecture,
+    read_architecture,
+)
 from academus.shared.state.artifacts import MANIFEST, ArtifactError, Manifest, read_manifest, sha256_file, verify_files
 from academus.shared.state.catalogue import (
     CLASSIFICATION,

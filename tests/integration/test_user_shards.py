@@ -22,7 +22,8 @@ from academus.shared.models.work import Batch
 from academus.shared.state.artifacts import read_manifest
 from academus.shared.state.catalogue import read_catalogue
 from academus.shared.training.data import fetch, file_task, load_task
-from academus.shared.training.shards import build, main
+from academus.shared.training.shard_plans import main
+from academus.shared.training.shards import build
 from tests.e2e.test_user_models import each_text
 from tests.models import LABELS, roberta_specials, tiny_model_dir
 

@@ -37,6 +37,16 @@ def test_status_without_a_mesh_says_how_to_start_one(tmp_path):
         mesh.status(tmp_path)
 
 
+@pytest.mark.parametrize("command", [["keys", "list"], ["tenants", "list"], ["ramps", "status"],
+                                     ["shard", "budget", "--model", "sentiment-sti", "--bytes", "1"]])
+def test_a_mesh_command_without_a_mesh_says_how_to_start_one(tmp_path, command, capsys):
+    from academus.shared.cli.main import main
+
+    assert main(["--run-dir", str(tmp_path), *command]) == 1
+    err = capsys.readouterr().err
+    assert "no mesh is running" in err and "academus up" in err
+
+
 def test_admin_key_is_stable_private_and_stored_hashed(tmp_path, redis_url):
     state = mesh.MeshState(str(tmp_path), redis_url, None, "", "acd")
     key = mesh.ensure_admin_key(state)

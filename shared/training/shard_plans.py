@@ -1,0 +1,180 @@
+"""`academus shard build | info | verify | profile | plan` (STI), and what reads a shard artifact without the
+model code: its stored sizes, the saved hardware profiles and the planner for a task.
+
+`info`, `verify` and `plan` import no model code: transformers (and the torch._dynamo it imports) would add
+seconds to every call, and a worker reads its profile and planner from here too. `build` and `profile` load
+`shards.py` (their docs are there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from academus.shared.models.shard_store import ShardStore, shards_dir
+from academus.shared.models.sti_planner import HardwareProfile, Planner
+from academus.shared.runtime.config import artifacts_dir as default_artifacts_dir
+from academus.shared.runtime.config import offline_hub
+from academus.shared.state.artifacts import ArtifactError
+from academus.shared.training.data import TASKS, DataMissing
+
+QUICK = (96, 64, 48)   # build --quick: texts a split (train for heads, validation, dev share for importance)
+STUDENT_INFO = ("students", "student_layers", "min_bits", "fidelity")   # what `info` adds for a group's shards
+
+
+def log(message: str) -> None:
+    print(f"[shard] {message}", file=sys.stderr, flush=True)
+
+
+def stored_bytes(store: ShardStore) -> dict[str, int]:
+    """Stored bytes of the whole model's shards at each version."""
+    return {str(b): sum(e.length for (_, bits), es in store.index.items() if bits == b for e in es)
+            for b in store.versions}
+
+
+def profiles_dir(artifacts: Path, model: str) -> Path:
+    return Path(artifacts) / "shard-profiles" / model
+
+
+def profile_path(artifacts: Path, model: str, source: str) -> Path:
+    return profiles_dir(artifacts, model) / f"{source.replace(':', '-')}.json"
+
+
+def planner_for(store: ShardStore, task: str, profile: HardwareProfile) -> Planner:
+    if task not in store.tasks:
+        raise ArtifactError(f"{store.directory}: no shards profiled for task {task!r} "
+                            f"(run `academus shard build --tasks {task}`)")
+    info = store.tasks[task]
+    return Planner(profile, info.depths, info.widths, info.layer_order, info.importance, store.shard_bytes,
+                   min_bits=info.min_bits)
+
+
+def save_profile(artifacts: Path, model: str, profile: HardwareProfile) -> Path | None:
+    """Writes the profile where `load_profile` reads it (atomically); None when the artifacts are read-only."""
+    path = profile_path(artifacts, model, profile.source)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp-{os.getpid()}")
+        tmp.write_text(profile.to_json() + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        return None
+    return path
+
+
+def load_profile(artifacts: Path, model: str, source: str) -> HardwareProfile:
+    path = profile_path(artifacts, model, source)
+    if not path.is_file():
+        raise ArtifactError(f"no profile {path} (run `academus shard profile --io {source}`)")
+    return HardwareProfile.from_json(path.read_text())
+
+
+# --- command line ---------------------------------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--artifacts", type=Path, default=None)
+    common.add_argument("--model", default="minilm",
+                        help="minilm (the teacher), a user's BERT, RoBERTa or MPNet embedding model or sequence "
+                             "classifier, or a student group such as sentiment-students (build, info, verify)")
+    p = argparse.ArgumentParser(prog="academus shard", description="Elastic shards of the teacher (STI).")
+    sub = p.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", parents=[common], help="quantized shards, importance per task, heads per shape")
+    b.add_argument("--tasks", default="", help=f"comma-separated (default {','.join(TASKS)}; a user's classifier has "
+                                               "only its own task)")
+    b.add_argument("--quick", action="store_true", help=f"a few texts a split: {QUICK}")
+    b.add_argument("--data", type=Path, default=None, help='a user\'s classifier: its own texts, JSON lines '
+                   '{"text": ...}, labelled by the classifier itself (default: the bundled tasks\' texts)')
+    b.add_argument("--data-dir", type=Path, default=None, help="dataset packages (ACADEMUS_DATA_DIR)")
+    sub.add_parser("info", parents=[common], help="the artifact's geometry, sizes and tasks")
+    sub.add_parser("verify", parents=[common], help="every file and every shard against its sha256")
+    f = sub.add_parser("profile", parents=[common], help="load and compute times on this machine (§5.2)")
+    f.add_argument("--io", default="file", help="file | cold | throttled:<MB/s>")
+    f.add_argument("--repeats", type=int, default=20)
+    pl = sub.add_parser("plan", parents=[common], help="the plan for a target and a preload buffer")
+    pl.add_argument("--task", required=True, help="a bundled task, or a user's classifier's name (its own task)")
+    pl.add_argument("--target-ms", type=float, required=True)
+    pl.add_argument("--preload-bytes", type=int, default=0)
+    pl.add_argument("--length", type=int, default=32, help="tokens in the request")
+    pl.add_argument("--io", default="file", help="the profiled IO source to plan for")
+    return p
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    artifacts = args.artifacts or default_artifacts_dir()
+    if args.command == "build":
+        return _build(args, artifacts)
+    store = ShardStore(shards_dir(artifacts, args.model))
+    if args.command in ("profile", "plan") and "config" not in store.manifest.extra:
+        raise ValueError(f"--model {args.model!r}: profile and plan are for an encoder's shards (minilm or a user's "
+                         f"model), not a student group's")
+    if args.command == "info":
+        return {"model": args.model, "directory": str(store.directory), "geometry": store.geometry.__dict__,
+                "versions": list(store.versions), "bytes": stored_bytes(store),
+                "shard_bytes": {str(b): store.shard_bytes(0, 0, b) for b in store.versions},
+                "resident_bytes": store.resident_bytes,
+                "embedding_rows_bytes": store.rows.stored_bytes if store.rows else 0,
+                "tasks": {t: {"labels": i.labels, "widths": i.widths, "depths": i.depths,
+                              "importance_top": i.importance[:8]} for t, i in store.tasks.items()},
+                **{k: v for k, v in store.manifest.extra.items() if k in STUDENT_INFO}}
+    if args.command == "verify":
+        return {"directory": str(store.directory), **store.verify()}
+    if args.command == "profile":
+        from academus.shared.training.shards import measure_profile
+
+        profile = measure_profile(store, args.io, args.repeats)
+        return {"profile": str(save_profile(artifacts, args.model, profile)), **json.loads(profile.to_json())}
+    planner = planner_for(store, args.task, load_profile(artifacts, args.model, args.io))
+    plan = planner.plan(args.target_ms, args.length, args.preload_bytes)
+    if not plan.feasible:
+        smallest = plan.compute_ms + planner.profile.rest_ms(args.length)
+        raise PlanError(f"--target-ms {args.target_ms:g}: no submodel fits; the smallest needs "
+                        f"{math.ceil(smallest * 100) / 100:g} ms of compute alone")
+    return {**plan.summary(), "io": planner.profile.source, "length": args.length,
+            "preload_bytes": planner.preload_bytes_of(plan),
+            "layers": [{"layer": k, "shards": [[s, plan.bits[(k, s)], (k, s) in plan.preload] for s in layer]}
+                       for k, layer in enumerate(plan.shards)]}
+
+
+def _build(args: argparse.Namespace, artifacts: Path) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    from academus.shared.training.shards import build, encoder_base
+
+    torch.manual_seed(0)
+    np.random.seed(0)
+    if encoder_base(artifacts, args.model) is None:
+        from academus.shared.training.student_shards import build_students
+
+        if args.data is not None:
+            raise ValueError(f"--data gives a sequence classifier's own texts, not {args.model!r}'s: a student "
+                             f"group's shards are measured on the bundled tasks")
+        return build_students(artifacts, args.model, args.data_dir, args.quick)
+    return build(artifacts, args.model, [t for t in args.tasks.split(",") if t] or None, args.data_dir,
+                 args.quick, args.data)
+
+
+class PlanError(ValueError):
+    """No plan meets the target."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    offline_hub()
+    args = _parser().parse_args(argv)
+    try:
+        summary = run(args)
+    except (DataMissing, ArtifactError, ValueError) as e:
+        log(f"error: {e}")
+        return 1
+    print(json.dumps(summary, sort_keys=True, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
