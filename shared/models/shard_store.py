@@ -174,6 +174,11 @@ class ShardStore:
         e = self.entry(layer, shard, bits)
         return source.read(self.directory / e.file, e.offset, e.length)
 
+    def bytes_by_version(self) -> dict[str, int]:
+        """Stored bytes of the whole model's shards at each version."""
+        return {str(b): sum(e.length for (_, bits), es in self.index.items() if bits == b for e in es)
+                for b in self.versions}
+
     def shard_bytes(self, layer: int, shard: int, bits: int) -> int:
         return self.entry(layer, shard, bits).length
 

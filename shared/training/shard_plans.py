@@ -23,18 +23,7 @@ from academus.shared.runtime.config import offline_hub
 from academus.shared.state.artifacts import ArtifactError
 from academus.shared.training.data import TASKS, DataMissing
 
-QUICK = (96, 64, 48)   # build --quick: texts a split (train for heads, validation, dev share for importance)
 STUDENT_INFO = ("students", "student_layers", "min_bits", "fidelity")   # what `info` adds for a group's shards
-
-
-def log(message: str) -> None:
-    print(f"[shard] {message}", file=sys.stderr, flush=True)
-
-
-def stored_bytes(store: ShardStore) -> dict[str, int]:
-    """Stored bytes of the whole model's shards at each version."""
-    return {str(b): sum(e.length for (_, bits), es in store.index.items() if bits == b for e in es)
-            for b in store.versions}
 
 
 def profiles_dir(artifacts: Path, model: str) -> Path:
@@ -87,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build", parents=[common], help="quantized shards, importance per task, heads per shape")
     b.add_argument("--tasks", default="", help=f"comma-separated (default {','.join(TASKS)}; a user's classifier has "
                                                "only its own task)")
-    b.add_argument("--quick", action="store_true", help=f"a few texts a split: {QUICK}")
+    b.add_argument("--quick", action="store_true", help="a few texts a split, for tests")
     b.add_argument("--data", type=Path, default=None, help='a user\'s classifier: its own texts, JSON lines '
                    '{"text": ...}, labelled by the classifier itself (default: the bundled tasks\' texts)')
     b.add_argument("--data-dir", type=Path, default=None, help="dataset packages (ACADEMUS_DATA_DIR)")
@@ -115,7 +104,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          f"model), not a student group's")
     if args.command == "info":
         return {"model": args.model, "directory": str(store.directory), "geometry": store.geometry.__dict__,
-                "versions": list(store.versions), "bytes": stored_bytes(store),
+                "versions": list(store.versions), "bytes": store.bytes_by_version(),
                 "shard_bytes": {str(b): store.shard_bytes(0, 0, b) for b in store.versions},
                 "resident_bytes": store.resident_bytes,
                 "embedding_rows_bytes": store.rows.stored_bytes if store.rows else 0,
@@ -170,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = run(args)
     except (DataMissing, ArtifactError, ValueError) as e:
-        log(f"error: {e}")
+        print(f"[shard] error: {e}", file=sys.stderr, flush=True)
         return 1
     print(json.dumps(summary, sort_keys=True, default=str))
     return 0

@@ -27,6 +27,7 @@ alone, and one layer's compute per width and length bucket (§5.2); `plan --task
 from __future__ import annotations
 
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -74,13 +75,17 @@ from academus.shared.training.prepare import (
     subsample,
     train_head,
 )
-from academus.shared.training.shard_plans import QUICK, log, stored_bytes
 
 MODELS = {"minilm": TEACHER_NAME}
 BUCKETS = (16, 32, 64, 128, 256)
 # texts a split: (train for heads, validation, dev share for importance); --quick: a few for tests
 SIZES = {"sentiment": (3000, None, 500), "spam": (1500, None, 250)}
+QUICK = (96, 64, 48)   # --quick: texts a split (train for heads, validation, dev share for importance)
 OWN_TASK_SIZES = (3000, 1000, 500)   # a user's classifier's own task: its file's texts, or the bundled tasks'
+
+
+def log(message: str) -> None:
+    print(f"[shard] {message}", file=sys.stderr, flush=True)
 
 
 def sti_model_name(task: str, model: str = "minilm") -> str:
@@ -313,7 +318,7 @@ def build(artifacts: Path, model: str, tasks: Sequence[str] | None = None, data_
                                         "teacher": teacher,
                                         **({"base": model, "max_tokens": base.max_tokens} if base.user else {})})
         summary["tasks"][task]["served_as"] = served
-    summary |= {"artifact": str(directory), "bytes": stored_bytes(store), "quick": quick,
+    summary |= {"artifact": str(directory), "bytes": store.bytes_by_version(), "quick": quick,
                 "seconds": round(time.perf_counter() - started, 1)}
     log(f"wrote {directory} in {summary['seconds']} s")
     return summary
