@@ -1,9 +1,9 @@
 """`academus shard build | info | verify | profile | plan` (STI), and what reads a shard artifact without the
-model code: its stored sizes, the saved hardware profiles and the planner for a task.
+model code: the saved hardware profiles and the planner for a task.
 
 `info`, `verify` and `plan` import no model code: transformers (and the torch._dynamo it imports) would add
-seconds to every call, and a worker reads its profile and planner from here too. `build` and `profile` load
-`shards.py` (their docs are there).
+seconds to every call. A worker reads its profile and planner from here too. `build` and `profile` load
+`shards.py` (their docs are there); `shards.py` never imports this module, so the two form no circle.
 """
 
 from __future__ import annotations
