@@ -30,7 +30,15 @@ def main(argv: list[str] | None = None) -> int:
         args.rest = extra
     elif extra:
         p.error(f"unrecognized arguments: {' '.join(extra)}")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except RuntimeError as e:   # the mesh module loads only with the commands that need it
+        from academus.shared.cli.mesh import MeshError
+
+        if not isinstance(e, MeshError):
+            raise
+        print(e, file=sys.stderr)   # no mesh running there, or a setting it refused
+        return 1
 
 
 PASS_THROUGH = {"prepare", "loadgen", "distill", "plot", "heads", "ramps", "shard"}
@@ -253,13 +261,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from academus.shared.cli.mesh import MeshError, down
+    from academus.shared.cli.mesh import down
 
-    try:
-        print(json.dumps({"stopped": down(_run_dir(args))}))
-    except MeshError as e:
-        print(str(e), file=sys.stderr)
-        return 1
+    print(json.dumps({"stopped": down(_run_dir(args))}))
     return 0
 
 
@@ -526,16 +530,12 @@ def _training_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
 
 def _with_mesh_redis(args: argparse.Namespace, work) -> int:
     """Runs `work(redis, keys)` against the local mesh's Redis; prints its JSON result last."""
-    from academus.shared.cli.mesh import MeshError, MeshState
+    from academus.shared.cli.mesh import MeshState
     from academus.shared.runtime.errors import ServingError
     from academus.shared.runtime.redis_conn import connect
     from academus.shared.state.keys import Keys
 
-    try:
-        state = MeshState.load(_run_dir(args))
-    except MeshError as e:
-        print(e, file=sys.stderr)
-        return 1
+    state = MeshState.load(_run_dir(args))
     state.use_as_mesh()   # the adapter store and the workers take only the mesh's calls
     if state.artifacts:   # what trains here (tenants create|train) reads the catalogue the mesh's workers serve
         use_artifacts(state.artifacts)

@@ -4,6 +4,7 @@ model code: the saved hardware profiles and the planner for a task.
 `info`, `verify` and `plan` import no model code: transformers (and the torch._dynamo it imports) would add
 seconds to every call. A worker reads its profile and planner from here too. `build` and `profile` load
 `shards.py` (their docs are there); `shards.py` never imports this module, so the two form no circle.
+`plan --task T --target-ms T --preload-bytes M [--length L]` prints the plan for a request of L tokens.
 """
 
 from __future__ import annotations

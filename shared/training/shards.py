@@ -20,8 +20,7 @@ head, and the other shapes get linear heads on the first token's state, as the c
 `NAME-sti`.
 
 `profile [--io SOURCE]` measures the load time per shard and version through the IO source, the decoding
-alone, and one layer's compute per width and length bucket (§5.2); `plan --task T --target-ms T
---preload-bytes M [--length L]` prints the plan. JSON summaries are the last line of stdout.
+alone, and one layer's compute per width and length bucket (§5.2). JSON summaries are the last line of stdout.
 """
 
 from __future__ import annotations

@@ -37,7 +37,8 @@ def test_status_without_a_mesh_says_how_to_start_one(tmp_path):
         mesh.status(tmp_path)
 
 
-@pytest.mark.parametrize("command", [["keys", "list"], ["tenants", "list"], ["ramps", "status"],
+@pytest.mark.parametrize("command", [["down"], ["keys", "list"], ["keys", "create", "acme"], ["tenants", "list"],
+                                     ["ramps", "status"],
                                      ["shard", "budget", "--model", "sentiment-sti", "--bytes", "1"]])
 def test_a_mesh_command_without_a_mesh_says_how_to_start_one(tmp_path, command, capsys):
     from academus.shared.cli.main import main
