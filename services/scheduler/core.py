@@ -171,9 +171,6 @@ class Dispatcher:
                  send_ahead: bool = False, lost_quarantine_s: float = 5.0, shard: Shard = Shard(),
                  policy_name: str = "", max_queue_wait_s: float = 0.0) -> None:
         self.policy = policy
-        # admission bounds the queue in time, not only in requests: past it a request is refused at once
-        # (RESOURCE_EXHAUSTED, pushback until the queue is back under it) instead of waiting most of its
-        # deadline in a queue that only grows under overload; 0: bounded by each request's deadline only
         self.max_queue_wait_s = max_queue_wait_s
         self._queue_wait = children(QUEUE_WAIT, policy_name or policy.name)  # the deployment's name (a variant's)
         self._students: set[str] = set()   # the models STUDENT_NUMBER has a value for
@@ -198,6 +195,18 @@ class Dispatcher:
         self.batch_texts: dict[str, float] = {}  # model -> smoothed texts a batch (what service_s was measured at)
         self._timer: asyncio.TimerHandle | None = None
         self._arriving: Job | None = None  # a job that finds a free group on arrival is left to the worker
+
+    @property
+    def max_queue_wait_s(self) -> float:
+        """Admission bounds the queue in time, not only in requests: past it a request is refused at once
+        (RESOURCE_EXHAUSTED, pushback until the queue is back under it) instead of waiting most of its
+        deadline in a queue that only grows under overload; 0: bounded by each request's deadline only.
+        The policy holds it: one that reorders jobs starts those that reach it first."""
+        return self.policy.max_wait_s
+
+    @max_queue_wait_s.setter
+    def max_queue_wait_s(self, seconds: float) -> None:
+        self.policy.bound_wait(seconds)
 
     # -- membership -------------------------------------------------------------------------
     def update_workers(self, live: dict[str, tuple], tables: dict[str, GroupTable] | None = None) -> None:

@@ -17,6 +17,11 @@ allows or its deadline makes it the deadline-aware choice for an empty row.
 
 `batch_latency(rows, row_length)` estimates one batch's run time in seconds (None: zero, only items
 already past their deadline expire). It is the same for every batch of a shape (TCB §5.1: fixed B, L).
+
+The queue's wait bound (ours, not TCB's): an item whose `due` (its arrival plus the bound admission
+promised it) falls before the next batch could start goes first, earliest due first, before Alg. 1 fills
+what room is left. DAS alone prefers short items, so under load a long one was passed over until its
+deadline, though admission had counted on it starting within the bound (docs/design/admission.md).
 """
 
 from __future__ import annotations
@@ -36,12 +41,14 @@ BATCH_OVERHEAD_TOKENS = 256
 
 @dataclass(frozen=True)
 class WaitingItem:
-    """A request waiting for a batch: its token count, deadline and arrival (clock seconds)."""
+    """A request waiting for a batch: its token count, deadline and arrival (clock seconds), and when it is
+    due to start under the queue's wait bound (inf: no bound)."""
 
     id: ItemId
     length: int
     deadline: float
     arrival: float
+    due: float = math.inf
 
     @property
     def utility(self) -> float:
@@ -131,46 +138,52 @@ def _by_utility(items: Iterable[WaitingItem]) -> list[WaitingItem]:
     return sorted(items, key=lambda n: (n.length, n.deadline, n.arrival))
 
 
-def _das_row(pending: list[WaitingItem], row_length: int, eta: float, q: float) -> tuple[list[WaitingItem], int]:
-    """One row of Alg. 1: the row's items and p (its utility-dominant prefix size)."""
-    ranked = _by_utility(pending)
-    row, taken = _Row(row_length), set()
-    if sum(_fit(n, row_length) for n in ranked) <= row_length:       # line 4: everything fits
+def _das_row(pending: list[WaitingItem], row: _Row, eta: float, q: float) -> tuple[list[WaitingItem], int]:
+    """One row of Alg. 1 in what `row` has left: the row's items and p (its utility-dominant prefix size,
+    counting the items it already held: they were placed first, as the most urgent)."""
+    ranked, taken, held = _by_utility(pending), set(), len(row.items)
+    if sum(_fit(n, row.row_length) for n in ranked) <= row.free:     # line 4: everything fits
         row.fill(ranked, taken)
         return row.items, len(row.items)     # no selection: the whole row counts as utility-dominant
-    s = _prefix_fitting(ranked, row_length)                          # line 8
+    s = _prefix_fitting(ranked, row.row_length, row.free)            # line 8
     p = max(1, math.floor(eta * s))                                  # line 9: p = η·s, at least one
     row.fill(ranked[:p], taken)                                      # line 10: utility-dominant set
     mean_utility = sum(n.utility for n in ranked[:p]) / p
     deadline_aware = [n for n in ranked[p:] if n.utility >= q * mean_utility]   # line 11
     row.fill(sorted(deadline_aware, key=lambda n: (n.deadline, n.length, n.arrival)), taken)   # line 12
     row.fill(ranked, taken)                                          # line 14: the rest, utility order
-    return row.items, p
+    return row.items, held + p
 
 
-def _prefix_fitting(ranked: Sequence[WaitingItem], row_length: int) -> int:
-    """s: how many of the first items in `ranked` fit one row together."""
+def _prefix_fitting(ranked: Sequence[WaitingItem], row_length: int, space: int) -> int:
+    """s: how many of the first items in `ranked` fit `space` tokens of a row together."""
     used = 0
     for s, item in enumerate(ranked):
         used += _fit(item, row_length)
-        if used > row_length:
+        if used > space:
             return s
     return len(ranked)
 
 
-def _das(live: list[WaitingItem], row_length: int, rows: int, eta: float,
-         q: float) -> tuple[list[list[WaitingItem]], list[int]]:
-    """Alg. 1 over every row: rows of items and each row's p."""
+def _das(live: list[WaitingItem], row_length: int, rows: int, eta: float, q: float,
+         start_by: float = math.inf) -> tuple[list[list[WaitingItem]], list[int]]:
+    """Alg. 1 over every row: rows of items and each row's p. Items due before `start_by` (when the batch
+    after this one could start) are placed first, earliest due first, first fit over the rows."""
     if not (0 < eta < 1 and 0 < q < 1 and math.isclose(eta + q, 1.0)):
         raise ValueError(f"DAS needs η, q in (0, 1) with η + q = 1 (TCB §5.2), got eta={eta}, q={q}")
+    overdue = sorted((n for n in live if n.due < start_by), key=lambda n: (n.due, n.arrival))
+    taken: set[ItemId] = set()
     pending, filled, prefixes = list(live), [], []
     for _ in range(rows):
-        if not pending:
+        row = _Row(row_length)
+        row.fill(overdue, taken)
+        pending = [n for n in pending if n.id not in taken]
+        if not row.items and not pending:
             break
-        row, p = _das_row(pending, row_length, eta, q)
-        chosen = {n.id for n in row}
-        pending = [n for n in pending if n.id not in chosen]
-        filled.append(row)
+        items, p = _das_row(pending, row, eta, q)
+        taken |= {n.id for n in items}
+        pending = [n for n in pending if n.id not in taken]
+        filled.append(items)
         prefixes.append(p)
     return filled, prefixes
 
@@ -188,8 +201,9 @@ def das_rows(items: Iterable[WaitingItem], now: float, row_length: int, rows: in
     deadline-aware set (utility ≥ q·mean utility of that prefix) by earliest deadline, then the rest
     by utility, each first-fit. η + q = 1; η = q = 1/2 gives the 1/5-competitive bound (Thm. 5.1)."""
     _check(row_length, rows)
-    triage = _triage(items, now, row_length, _estimate(batch_latency, rows, row_length), oversize)
-    filled, _ = _das(triage.live, row_length, rows, eta, q)
+    estimate = _estimate(batch_latency, rows, row_length)
+    triage = _triage(items, now, row_length, estimate, oversize)
+    filled, _ = _das(triage.live, row_length, rows, eta, q, now + estimate)
     return _batch(triage, filled, row_length)
 
 
@@ -223,8 +237,9 @@ def slotted_das_rows(items: Iterable[WaitingItem], now: float, row_length: int, 
     Candidates that fit no slot (longer than z, or no room) go back to waiting; a lone oversize item
     keeps a row of its own as a single slot. The latency estimate is the pure batch's (slots only speed it up)."""
     _check(row_length, rows)
-    triage = _triage(items, now, row_length, _estimate(batch_latency, rows, row_length), oversize)
-    filled, prefixes = _das(triage.live, row_length, rows, eta, q)
+    estimate = _estimate(batch_latency, rows, row_length)
+    triage = _triage(items, now, row_length, estimate, oversize)
+    filled, prefixes = _das(triage.live, row_length, rows, eta, q, now + estimate)
     dominant = [n.length for row, p in zip(filled, prefixes, strict=True) for n in row[:p] if n.length <= row_length]
     z = slot_size(dominant, row_length)
     row_slots = [_slot_row(row, row_length, z) for row in filled]

@@ -35,6 +35,12 @@ class DispatchPolicy(ABC):
 
     def __init__(self) -> None:
         self._jobs: deque[Job] = deque()
+        self.max_wait_s = 0.0   # the queue's wait bound (0: none), for a policy that reorders jobs
+
+    def bound_wait(self, seconds: float) -> None:
+        """The wait admission promised each job (ACADEMUS_MAX_QUEUE_WAIT_MS): a policy that passes jobs over
+        (DAS) starts one that reached it first. Arrival-order policies keep it by their order alone."""
+        self.max_wait_s = seconds
 
     def push(self, job: Job, now: float, front: bool = False) -> None:
         """Adds a job; `front` puts a retried job back at the head."""
@@ -471,6 +477,7 @@ class ConcatPolicy(_BatchingPolicy):
     the plan (rows → slots → texts) goes with the batch to the worker, which runs it packed. Requests
     that cannot finish within one batch time are answered DEADLINE_EXCEEDED and never computed. It does
     not wait for a batch to fill. `selection` swaps DAS for the FCFS, SJF or EDF row fill (TCB §6.2.2).
+    Under DAS a job about to pass the queue's wait bound (`bound_wait`) goes first (see `das`).
 
     A job is one DAS item of its total tokens (a request's texts stay together in one slot); a job
     over L (one long text, or many texts) runs alone in rows of its own (`spill`), never truncated —
@@ -500,7 +507,9 @@ class ConcatPolicy(_BatchingPolicy):
         super().push(job, now, front)
 
     def _select(self, mates: list[Job], now: float) -> tuple[list[Job], list[Job]]:
-        items = [das.WaitingItem(k, j.num_tokens, j.deadline, j.enqueued_at) for k, j in enumerate(mates)]
+        bound = self.max_wait_s or math.inf
+        items = [das.WaitingItem(k, j.num_tokens, j.deadline, j.enqueued_at, j.enqueued_at + bound)
+                 for k, j in enumerate(mates)]
         decision = self._decide(items, now)
         plan = self._plan(decision, mates)
         chosen = [mates[k] for k in decision.scheduled()]

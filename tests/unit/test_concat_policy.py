@@ -194,6 +194,27 @@ async def test_row_fill_baselines_on_the_same_engine(name, expected):
     assert worker.batches[1][0].payload.request_id == expected
 
 
+@pytest.mark.parametrize("bound_s", [0.05, 0.0])
+async def test_a_long_request_das_passes_over_starts_within_the_queues_wait_bound(bound_s):
+    """Short requests keep coming, three a batch. DAS fills each row of 32 with them, so a long request
+    (30 tokens) would wait until its deadline (bound 0: the ablation). Admitted on the promise of the
+    scheduler's wait bound, it starts within it, give or take a batch."""
+    d, clock, worker = dispatcher(ConcatPolicy(row_length=32, rows=1, latency=fixed()))
+    d.max_queue_wait_s = bound_s
+    shorts = [job(clock, (8,), f"s{k}") for k in range(4)]
+    tasks = await queue_behind_a_running_batch(d, clock, worker, [job(clock, (30,), "long"), *shorts])
+    for k in range(10):
+        await release(worker, k)
+        tasks += [asyncio.create_task(d.submit(job(clock, (8,), f"s{k}.{n}"))) for n in range(3)]
+        await settle()
+    ran = [j for batch in worker.batches for j in batch if j.payload.request_id == "long"]
+    if bound_s:
+        assert ran and ran[0].started_at - ran[0].enqueued_at <= bound_s + BATCH_S
+    else:
+        assert not ran and len(worker.batches) == 11     # ten rounds of shorts
+    await finish(worker, tasks)
+
+
 def test_plan_is_reindexed_to_the_merged_order_and_skips_jobs_dropped_before_sending():
     clock = Clock()
     policy = ConcatPolicy(row_length=40, rows=2, latency=fixed())

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from itertools import pairwise
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from academus.services.scheduler.das import (
@@ -59,6 +60,28 @@ def test_deadline_aware_set_prefers_the_urgent_over_the_short() -> None:
     batch = das_rows(make_items([3, 4, 5, 6, 8], [9.0, 9.0, 9.0, 1.0, 9.0]), now=0.0, row_length=10, rows=1)
     assert batch.rows == [[0, 3]]
     assert sorted(batch.waiting) == [1, 2, 4]
+
+
+@pytest.mark.parametrize("fill", [das_rows, slotted_das_rows])
+def test_a_long_item_due_under_the_wait_bound_goes_before_shorter_ones(fill: Callable[..., Batch]) -> None:
+    """DAS prefers short items, so a long one waits while short ones keep coming. Once its due time (arrival
+    plus the queue's wait bound) falls before the batch after this one could start, it goes first."""
+    items = [WaitingItem(0, 30, 100.0, 0.0, due=1.0)]
+    items += [WaitingItem(k, 6, 100.0, 0.5 + k / 100, due=1.5 + k / 100) for k in range(1, 8)]
+    fifty_ms = lambda rows, length: 0.05  # noqa: E731
+    before = fill(items, now=0.9, row_length=32, rows=1, batch_latency=fifty_ms)
+    assert 0 in before.waiting and len(before.scheduled()) == 5     # five shorts: 30 of the 32 tokens
+    due = fill(items, now=0.96, row_length=32, rows=1, batch_latency=fifty_ms)
+    assert due.rows == [[0]]                                         # 0.96 + 0.05 is past its due 1.0
+    unbounded = [WaitingItem(n.id, n.length, n.deadline, n.arrival) for n in items]
+    assert 0 in fill(unbounded, now=0.96, row_length=32, rows=1, batch_latency=fifty_ms).waiting
+
+
+def test_due_items_go_earliest_due_first_as_far_as_the_rows_hold() -> None:
+    dues = [5.0, 1.0, 4.0, 2.0, 3.0, 0.0]        # equal lengths: without dues, arrival order (ids 0-3)
+    items = [WaitingItem(k, 16, 100.0, float(k), due=due) for k, due in enumerate(dues)]
+    batch = das_rows(items, now=10.0, row_length=32, rows=2)
+    assert batch.rows == [[5, 1], [3, 4]] and sorted(batch.waiting) == [0, 2]
 
 
 def test_rows_are_filled_one_after_another() -> None:
@@ -160,11 +183,14 @@ def test_bucketed_batches_most_urgent_first_and_expiry() -> None:
 
 # Properties: every row fill, random queues.
 item_lists = st.lists(
-    st.tuples(st.integers(1, 160), st.floats(0.0, 5.0), st.floats(0.0, 3.0)), min_size=0, max_size=40)
+    st.tuples(st.integers(1, 160), st.floats(0.0, 5.0), st.floats(0.0, 3.0), st.none() | st.floats(0.0, 3.0)),
+    min_size=0, max_size=40)
 
 
-def build(raw: list[tuple[int, float, float]]) -> list[WaitingItem]:
-    return [WaitingItem(i, n, arrival + slack, arrival) for i, (n, slack, arrival) in enumerate(raw)]
+def build(raw: list[tuple[int, float, float, float | None]]) -> list[WaitingItem]:
+    """Items of (length, deadline slack, arrival, wait bound or None)."""
+    return [WaitingItem(i, n, arrival + slack, arrival, math.inf if bound is None else arrival + bound)
+            for i, (n, slack, arrival, bound) in enumerate(raw)]
 
 
 @settings(max_examples=25, deadline=None)
@@ -203,6 +229,15 @@ def test_das_is_work_conserving(raw, rows: int, row_length: int) -> None:
     for row in batch.rows:
         free = row_length - sum(min(by_id[i].length, row_length) for i in row)
         assert all(min(by_id[i].length, row_length) > free for i in batch.waiting)
+
+
+@settings(max_examples=25, deadline=None)
+@given(raw=item_lists, rows=st.integers(1, 6), row_length=st.sampled_from([16, 64, 128]), now=st.floats(0.0, 6.0))
+def test_due_items_that_fit_one_row_all_run(raw, rows: int, row_length: int, now: float) -> None:
+    items = build(raw)
+    due = [n for n in items if n.due < now <= n.deadline]    # no latency: the next batch could start now
+    assume(sum(min(n.length, row_length) for n in due) <= row_length)
+    assert {n.id for n in due} <= set(das_rows(items, now, row_length, rows).scheduled())
 
 
 @settings(max_examples=25, deadline=None)
