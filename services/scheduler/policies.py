@@ -477,7 +477,8 @@ class ConcatPolicy(_BatchingPolicy):
     the plan (rows → slots → texts) goes with the batch to the worker, which runs it packed. Requests
     that cannot finish within one batch time are answered DEADLINE_EXCEEDED and never computed. It does
     not wait for a batch to fill. `selection` swaps DAS for the FCFS, SJF or EDF row fill (TCB §6.2.2).
-    Under DAS a job about to pass the queue's wait bound (`bound_wait`) goes first (see `das`).
+    Under DAS a job about to pass the queue's wait bound (`bound_wait`) goes first (see `das`); `due_first`
+    off is DAS alone (the ablation).
 
     A job is one DAS item of its total tokens (a request's texts stay together in one slot); a job
     over L (one long text, or many texts) runs alone in rows of its own (`spill`), never truncated —
@@ -486,8 +487,10 @@ class ConcatPolicy(_BatchingPolicy):
     name = "concat"
 
     def __init__(self, row_length: int = 128, rows: int = 8, eta: float = 0.5, selection: str = "das",
-                 slotted: bool = False, oversize: das.Oversize = "alone", latency: LatencyModel | None = None) -> None:
+                 slotted: bool = False, oversize: das.Oversize = "alone", latency: LatencyModel | None = None,
+                 due_first: bool = True) -> None:
         super().__init__(latency)
+        self.due_first = due_first
         if row_length < 1 or rows < 1 or not 0 < eta < 1:
             raise ValueError(f"concat needs row_length >= 1, rows >= 1 and 0 < eta < 1, got {row_length}, {rows}, "
                              f"{eta}")
@@ -507,7 +510,7 @@ class ConcatPolicy(_BatchingPolicy):
         super().push(job, now, front)
 
     def _select(self, mates: list[Job], now: float) -> tuple[list[Job], list[Job]]:
-        bound = self.max_wait_s or math.inf
+        bound = self.max_wait_s if self.due_first and self.max_wait_s else math.inf
         items = [das.WaitingItem(k, j.num_tokens, j.deadline, j.enqueued_at, j.enqueued_at + bound)
                  for k, j in enumerate(mates)]
         decision = self._decide(items, now)
@@ -590,6 +593,7 @@ class ConcatSettings:
     selection: str = "das"
     slotted: bool = False
     oversize: das.Oversize = "alone"
+    due_first: bool = True
 
 
 def make_policy(name: str, max_batch: int = 32, max_delay_s: float = 0.010, max_merge: int = 4,

@@ -230,7 +230,8 @@ def policy_from(config: cfg.SchedulerConfig) -> DispatchPolicy:
                        max_merge=config.max_merge or 4, max_length=config.max_length,
                        overload_merge=config.overload_merge,
                        concat=ConcatSettings(config.concat_row_length, config.concat_rows, config.concat_eta,
-                                             config.concat_selection, config.concat_slotted, config.concat_oversize),
+                                             config.concat_selection, config.concat_slotted, config.concat_oversize,
+                                             config.concat_due_first),
                        latency=LatencyModel(config.batch_overhead_ms / 1e3, config.token_us / 1e6),
                        bin_width=config.bin_width)
 

@@ -394,6 +394,8 @@ class SchedulerConfig(CommonConfig):
     concat_slotted: bool = setting(False, "concat: slotted ConcatBatching (Alg. 2) instead of pure")
     concat_oversize: str = setting("alone", "concat: a text over L runs alone in its own row, or is refused",
                                    one_of("alone", "reject"))
+    concat_due_first: bool = setting(True, "concat: a request due under the queue's wait bound fills the rows "
+                                     "first; false: DAS alone (the ablation)")
     batch_overhead_ms: float = setting(2.0, "concat/bucketed latency model: fixed cost of one batch", at_least(0))
     token_us: float = setting(20.0, "concat/bucketed latency model: cost per computed token at start (learned)",
                               above(0))

@@ -17,6 +17,7 @@ from academus.services.scheduler.policies import (
     make_policy,
 )
 from academus.services.scheduler.sender import batch_of
+from academus.services.scheduler.server import policy_from
 from academus.shared.models.packing import pack
 from academus.shared.models.work import WorkItem
 from academus.shared.models.work_wire import batch_to_pb, plan_from_pb
@@ -194,13 +195,13 @@ async def test_row_fill_baselines_on_the_same_engine(name, expected):
     assert worker.batches[1][0].payload.request_id == expected
 
 
-@pytest.mark.parametrize("bound_s", [0.05, 0.0])
-async def test_a_long_request_das_passes_over_starts_within_the_queues_wait_bound(bound_s):
+@pytest.mark.parametrize("due_first", [True, False])
+async def test_a_long_request_das_passes_over_starts_within_the_queues_wait_bound(due_first):
     """Short requests keep coming, three a batch. DAS fills each row of 32 with them, so a long request
-    (30 tokens) would wait until its deadline (bound 0: the ablation). Admitted on the promise of the
+    (30 tokens) waits until its deadline (`due_first` off: the ablation). Admitted on the promise of the
     scheduler's wait bound, it starts within it, give or take a batch."""
-    d, clock, worker = dispatcher(ConcatPolicy(row_length=32, rows=1, latency=fixed()))
-    d.max_queue_wait_s = bound_s
+    d, clock, worker = dispatcher(ConcatPolicy(row_length=32, rows=1, latency=fixed(), due_first=due_first))
+    d.max_queue_wait_s = 0.05
     shorts = [job(clock, (8,), f"s{k}") for k in range(4)]
     tasks = await queue_behind_a_running_batch(d, clock, worker, [job(clock, (30,), "long"), *shorts])
     for k in range(10):
@@ -208,8 +209,8 @@ async def test_a_long_request_das_passes_over_starts_within_the_queues_wait_boun
         tasks += [asyncio.create_task(d.submit(job(clock, (8,), f"s{k}.{n}"))) for n in range(3)]
         await settle()
     ran = [j for batch in worker.batches for j in batch if j.payload.request_id == "long"]
-    if bound_s:
-        assert ran and ran[0].started_at - ran[0].enqueued_at <= bound_s + BATCH_S
+    if due_first:
+        assert ran and ran[0].started_at - ran[0].enqueued_at <= d.max_queue_wait_s + BATCH_S
     else:
         assert not ran and len(worker.batches) == 11     # ten rounds of shorts
     await finish(worker, tasks)
@@ -281,3 +282,6 @@ def test_settings_are_checked():
     config = cfg.load(cfg.SchedulerConfig, env={"ACADEMUS_POLICY": "concat-slotted", "ACADEMUS_CONCAT_SLOTTED": "true"})
     assert config.concat_slotted and isinstance(make_policy(config.policy), ConcatPolicy)
     assert make_policy("concat-slotted").slotted and make_policy("concat-edf").selection == "edf"
+    ablation = cfg.load(cfg.SchedulerConfig, env={"ACADEMUS_POLICY": "concat", "ACADEMUS_CONCAT_DUE_FIRST": "false"})
+    default = cfg.load(cfg.SchedulerConfig, env={"ACADEMUS_POLICY": "concat"})
+    assert not policy_from(ablation).due_first and policy_from(default).due_first
