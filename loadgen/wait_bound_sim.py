@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from academus.loadgen.stats import percentile
 from academus.services.scheduler.core import Dispatcher, Group, Job
 from academus.services.scheduler.policies import ConcatPolicy, LatencyModel
 from academus.shared.runtime.errors import DeadlineExceeded, ResourceExhausted
@@ -129,20 +130,15 @@ def simulate(scenario: Scenario, due_first: bool, seed: int) -> Outcomes:
         loop.close()
 
 
-def _quantile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
-
-
 def figures(scenario: Scenario, outcomes: Outcomes) -> dict[str, Any]:
     waits = [w for _, w in outcomes.waits]
     longest = sorted(outcomes.waits)[-max(1, len(outcomes.waits) // 4):]   # the longest quarter of the answered
     return {"answered_rps": round(len(waits) / scenario.duration_s, 1),
             "tokens_per_s": round(sum(n for n, _ in outcomes.waits) / scenario.duration_s),
             "refused": outcomes.refused, "expired_after_admission": outcomes.expired,
-            "wait_p50_s": round(_quantile(waits, 0.5), 3), "wait_p99_s": round(_quantile(waits, 0.99), 3),
+            "wait_p50_s": round(percentile(waits, 50), 3), "wait_p99_s": round(percentile(waits, 99), 3),
             "wait_max_s": round(max(waits, default=0.0), 3),
-            "longest_quarter_wait_p99_s": round(_quantile([w for _, w in longest], 0.99), 3),
+            "longest_quarter_wait_p99_s": round(percentile([w for _, w in longest], 99), 3),
             "over_bound": round(sum(w > scenario.bound_s for w in waits) / max(1, len(waits)), 4),
             "over_twice_bound": round(sum(w > 2 * scenario.bound_s for w in waits) / max(1, len(waits)), 4)}
 

@@ -20,8 +20,8 @@ already past their deadline expire). It is the same for every batch of a shape (
 
 The queue's wait bound (ours, not TCB's): an item whose `due` (its arrival plus the bound admission
 promised it) falls before the next batch could start goes first, earliest due first, before Alg. 1 fills
-what room is left. DAS alone prefers short items, so under load a long one was passed over until its
-deadline, though admission had counted on it starting within the bound (docs/design/admission.md).
+what room is left. DAS alone prefers short items: under load it passes a long one over until its deadline,
+though admission counted on it starting within the bound (docs/design/admission.md).
 """
 
 from __future__ import annotations

@@ -207,7 +207,8 @@ class ModelRunner:
         models = list(models) or sorted(catalogue)
         unknown = [m for m in models if m not in catalogue]
         if unknown:
-            raise NotFound(f"models {unknown} are not in {artifacts}/models.json (run `academus prepare`)")
+            raise NotFound(f"models {unknown} are not in {artifacts}/models.json: `academus prepare` makes the bundled "
+                           f"heads, `academus distill` student groups, `academus models add` your own")
         self._local = threading.local()  # each compute thread (student instance) has its own stop conditions
         self._teacher: TeacherEncoder | None = None
         # one memory-mapped table shared by its plot models; weak, so that once they have moved to a rebuilt

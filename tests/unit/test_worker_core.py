@@ -112,10 +112,11 @@ def test_bad_batches_are_refused(runner):
         runner.run(Batch("minilm", OUTPUT_PROBS, [101, 102], [2]))
 
 
-def test_unknown_model_in_catalogue_names_prepare(tmp_path):
+def test_unknown_model_in_catalogue_names_the_commands_that_make_one(tmp_path):
     (tmp_path / "models.json").write_text("{}")
-    with pytest.raises(NotFound, match="academus prepare"):
-        ModelRunner(tmp_path, ["spam"])
+    with pytest.raises(NotFound, match=r"\['spam-students'\] are not in .*models.json: `academus prepare` makes the "
+                                       r"bundled heads, `academus distill` student groups, `academus models add`"):
+        ModelRunner(tmp_path, ["spam-students"])
 
 
 def batch_observations(model: str) -> list[float]:
