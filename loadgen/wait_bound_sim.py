@@ -145,12 +145,12 @@ def figures(scenario: Scenario, outcomes: Outcomes) -> dict[str, Any]:
 
 def task_lengths(task: str, max_tokens: int) -> list[int]:
     """The token counts of a task's test texts, as the gateway tokenizes them (truncated to max_tokens)."""
+    from academus.loadgen.texts import from_task
     from academus.shared.models.teacher_files import teacher_dir
     from academus.shared.models.tokenization import TeacherTokenizer
-    from academus.shared.training.data import load_task
 
     tokenizer = TeacherTokenizer(teacher_dir(), max_tokens=max_tokens)
-    return [len(e.input_ids) for e in tokenizer.encode([e.text for e in load_task(task).test], truncate=True)]
+    return [len(e.input_ids) for e in tokenizer.encode([s.text for s in from_task(task)], truncate=True)]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -177,8 +177,9 @@ def _das(live: list[WaitingItem], row_length: int, rows: int, eta: float, q: flo
     for _ in range(rows):
         row = _Row(row_length)
         row.fill(overdue, taken)
-        pending = [n for n in pending if n.id not in taken]
-        if not row.items and not pending:
+        if row.items:
+            pending = [n for n in pending if n.id not in taken]
+        elif not pending:
             break
         items, p = _das_row(pending, row, eta, q)
         taken |= {n.id for n in items}

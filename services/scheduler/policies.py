@@ -39,7 +39,8 @@ class DispatchPolicy(ABC):
 
     def bound_wait(self, seconds: float) -> None:
         """The wait admission promised each job (ACADEMUS_MAX_QUEUE_WAIT_MS): a policy that passes jobs over
-        (DAS) starts one that reached it first. Arrival-order policies keep it by their order alone."""
+        (DAS) starts one that reached it first. `fifo`, `padded` and the student buffer keep it by their arrival
+        order; the baselines (`bucketed`, the FCFS/SJF/EDF row fills) stay as their papers have them."""
         self.max_wait_s = seconds
 
     def push(self, job: Job, now: float, front: bool = False) -> None:

@@ -62,19 +62,22 @@ def test_deadline_aware_set_prefers_the_urgent_over_the_short() -> None:
     assert sorted(batch.waiting) == [1, 2, 4]
 
 
+def fifty_ms_a_batch(rows: int, length: int) -> float:
+    return 0.05
+
+
 @pytest.mark.parametrize("fill", [das_rows, slotted_das_rows])
 def test_a_long_item_due_under_the_wait_bound_goes_before_shorter_ones(fill: Callable[..., Batch]) -> None:
     """DAS prefers short items, so a long one waits while short ones keep coming. Once its due time (arrival
     plus the queue's wait bound) falls before the batch after this one could start, it goes first."""
     items = [WaitingItem(0, 30, 100.0, 0.0, due=1.0)]
     items += [WaitingItem(k, 6, 100.0, 0.5 + k / 100, due=1.5 + k / 100) for k in range(1, 8)]
-    fifty_ms = lambda rows, length: 0.05  # noqa: E731
-    before = fill(items, now=0.9, row_length=32, rows=1, batch_latency=fifty_ms)
+    before = fill(items, now=0.9, row_length=32, rows=1, batch_latency=fifty_ms_a_batch)
     assert 0 in before.waiting and len(before.scheduled()) == 5     # five shorts: 30 of the 32 tokens
-    due = fill(items, now=0.96, row_length=32, rows=1, batch_latency=fifty_ms)
+    due = fill(items, now=0.96, row_length=32, rows=1, batch_latency=fifty_ms_a_batch)
     assert due.rows == [[0]]                                         # 0.96 + 0.05 is past its due 1.0
     unbounded = [WaitingItem(n.id, n.length, n.deadline, n.arrival) for n in items]
-    assert 0 in fill(unbounded, now=0.96, row_length=32, rows=1, batch_latency=fifty_ms).waiting
+    assert 0 in fill(unbounded, now=0.96, row_length=32, rows=1, batch_latency=fifty_ms_a_batch).waiting
 
 
 def test_due_items_go_earliest_due_first_as_far_as_the_rows_hold() -> None:
