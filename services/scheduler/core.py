@@ -73,6 +73,8 @@ class Group:
     students: int = 1              # S: the student number this group was formed with
     in_flight: int = 0             # batches sent and not answered: the running one, and one sent ahead
     started_at: float = 0.0        # when the running batch began (the scheduler's reckoning)
+    running_s: float = 0.0         # what the running batch was expected to take when it began
+    ahead_s: float = 0.0           # and the batch sent ahead of it
 
     @property
     def busy(self) -> bool:
@@ -311,8 +313,8 @@ class Dispatcher:
         left = job.deadline - self.clock()
         if expected > left:
             self.stats.rejected += 1
-            raise DeadlineExceeded(f"the deadline cannot be met: about {expected * 1e3:.0f} ms of queued work "
-                                   f"ahead, {max(0.0, left) * 1e3:.0f} ms left", nothing_ran=True)
+            raise DeadlineExceeded(f"the deadline cannot be met: about {expected * 1e3:.0f} ms of work ahead "
+                                   f"(running and queued), {max(0.0, left) * 1e3:.0f} ms left", nothing_ran=True)
         if self.max_queue_wait_s and expected > self.max_queue_wait_s:
             self.stats.rejected += 1
             excess_ms = max(1, round((expected - self.max_queue_wait_s) * 1e3))
@@ -321,20 +323,41 @@ class Dispatcher:
                                     f"{excess_ms} ms", pushback_ms=excess_ms)
 
     def _wait_ahead(self, job: Job) -> float:
-        """How long the job would wait to start (0: at once, or not yet measured): the batches queued ahead
-        of it (of a job that joins a buffered element, the elements before that one, of any model), spread
-        over the model's groups, at the smoothed batch time. A lower bound (its own compute is not counted):
-        what passes may still expire, and then stops between layers on the worker."""
-        service = self.service_s.get(job.model)
-        if service is None:
-            return 0.0
+        """How long the job would wait to start (0: at once, or nothing measured yet): what is left of the
+        running batches and the batches queued ahead of it (of a job that joins a buffered element, the
+        elements before that one, of any model), shared out over the model's live groups, and never before
+        the first of them frees. Every queued batch waits for a running one to end, so the remainders count:
+        without them a job behind one batch on each of two groups was promised half a batch and waited a
+        whole one. A lower bound still: its own compute is not counted."""
         mine = [g for g in self.groups if job.model in g.models]
         if any(self._free(g) for g in mine):
             return 0.0   # it starts at once: what waits is another model's (a deployment may serve several)
+        lanes = [g for g in mine if self._live(g)]
+        now = self.clock()
+        service = self._batch_time(job.model, lanes, now)
+        if not service:
+            return 0.0
         depth = self.policy.ahead_of_merge(job)   # it joins a buffered element: those before it (O(1))
         if depth is None:
             depth = self._depth_ahead(job.model, mine)
-        return service * depth / max(1, sum(1 for g in mine if self._live(g)))
+        left = [self._left_on(g, now) for g in lanes]
+        return max(min(left), (sum(left) + service * depth) / len(lanes))
+
+    def _batch_time(self, model: str, lanes: list[Group], now: float) -> float:
+        """The model's batch time for admission: the smoothed one, or the longest that a batch of `lanes` has
+        been running when that is longer. A load that slows the workers (another deployment's batches on
+        them) shows as it forms, not only once its first slow batch answers: under a sudden load the
+        smoothed time came from idle workers, and a second's admissions waited 2-4 s (0 unmeasured, idle)."""
+        running = max((now - g.started_at for g in lanes if g.busy), default=0.0)
+        return max(self.service_s.get(model, 0.0), running)
+
+    @staticmethod
+    def _left_on(group: Group, now: float) -> float:
+        """The time until `group` frees: what its running batch was expected to take less what it has run,
+        and the batch sent ahead to it."""
+        if not group.busy:
+            return 0.0
+        return max(0.0, group.started_at + group.running_s - now) + (group.ahead_s if group.in_flight > 1 else 0.0)
 
     def _depth_ahead(self, model: str, mine: list[Group]) -> int:
         """The batches waiting ahead of a job of `model` (`mine`: the groups that run it): every one,
@@ -412,10 +435,11 @@ class Dispatcher:
         now = self.clock()
         group.in_flight += 1
         if group.in_flight == 1:
-            group.started_at = now
+            group.started_at, group.running_s = now, self._batch_estimate(batch)
             for ref, member in zip(refs, group.members, strict=True):
                 ref.running += member.slots
         else:  # sent ahead: it runs on the slots its predecessor holds
+            group.ahead_s = self._batch_estimate(batch)
             self.stats.sent_ahead += 1
             SENT_AHEAD.inc()
         for job in batch:
@@ -464,7 +488,7 @@ class Dispatcher:
         is dispatched."""
         group.in_flight -= 1
         if group.in_flight:  # the batch sent ahead runs now (a member runs its calls in arrival order)
-            group.started_at = self.clock()
+            group.started_at, group.running_s, group.ahead_s = self.clock(), group.ahead_s, 0.0
         else:
             for ref, member in zip(refs, group.members, strict=True):
                 ref.running = max(0, ref.running - member.slots)

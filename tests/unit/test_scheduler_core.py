@@ -508,8 +508,9 @@ async def test_a_lost_student_instance_retries_the_request_on_another_group():
 
 async def test_a_sample_that_joins_a_buffered_element_counts_only_the_elements_before_it():
     """One busy group, a buffered element of length bin 1 (9-16 tokens) and four queued samples of other
-    bins, 0.2 s a batch: a sample of bin 1 with 0.3 s left joins that element at the head and is admitted;
-    one of a new bin, with five elements' work (1 s) ahead of it, is refused."""
+    bins, 0.2 s a batch: a sample of bin 1 with 0.3 s left joins that element at the head and is admitted
+    (it starts when the running batch ends); one of a new bin, behind the running batch and five elements
+    (1.2 s), is refused."""
     d, clock, fake = student_dispatcher([[("w0", (0,))]], capacity=1, students=1)
     d.service_s["ss"] = 0.2
     running = [asyncio.create_task(d.submit(ss_job(clock, length))) for length in (10, 12, 30, 50, 70, 90)]
@@ -520,7 +521,7 @@ async def test_a_sample_that_joins_a_buffered_element_counts_only_the_elements_b
     joined = asyncio.create_task(d.submit(joins))
     alone = ss_job(clock, 110)
     alone.deadline = clock() + 0.3
-    with pytest.raises(DeadlineExceeded, match="about 1000 ms of queued work ahead"):
+    with pytest.raises(DeadlineExceeded, match=r"about 1200 ms of work ahead \(running and queued\)"):
         await d.submit(alone)
     for k in range(6):
         await settle()
@@ -550,19 +551,19 @@ async def test_a_queue_past_its_wait_bound_refuses_at_once_with_the_excess_as_pu
     is refused RESOURCE_EXHAUSTED at once, not left to expire; one its deadline cannot wait for is still
     DEADLINE_EXCEEDED (the contract's row), and one within the bound waits its turn."""
     d, clock, fake = make_dispatcher({"w0": {"spam"}})
-    d.max_queue_wait_s = 0.8
+    d.max_queue_wait_s = 1.2
     d.service_s["spam"] = 0.5
     running = asyncio.create_task(d.submit(make_job(clock, payload="runs")))
     queued = [asyncio.create_task(d.submit(make_job(clock, payload=f"q{i}"))) for i in range(2)]  # 0.5, 1.0 s
     await settle()
-    with pytest.raises(ResourceExhausted, match="about 1000 ms of work ahead; the limit is "
-                                                "ACADEMUS_MAX_QUEUE_WAIT_MS=800") as refused:
-        await d.submit(make_job(clock, deadline_in=5.0, payload="refused"))
-    assert refused.value.pushback_ms == 200        # the queue is back under the bound after 0.2 s of work
+    with pytest.raises(ResourceExhausted, match="about 1500 ms of work ahead; the limit is "
+                                                "ACADEMUS_MAX_QUEUE_WAIT_MS=1200") as refused:
+        await d.submit(make_job(clock, deadline_in=5.0, payload="refused"))   # the running batch, then two
+    assert refused.value.pushback_ms == 300        # the queue is back under the bound after 0.3 s of work
     with pytest.raises(DeadlineExceeded, match="cannot be met"):
         await d.submit(make_job(clock, deadline_in=0.9, payload="too short"))
     assert d.stats.rejected == 2 and len(d.policy) == 2
-    clock.now += 0.5                                # a batch took its 0.5 s: one ahead of the next arrival now
+    clock.now += 0.5                                # a batch took its 0.5 s: one running, one queued now
     fake.calls[0][2].set_result("a")
     await settle()
     admitted = asyncio.create_task(d.submit(make_job(clock, payload="fits")))
@@ -570,6 +571,47 @@ async def test_a_queue_past_its_wait_bound_refuses_at_once_with_the_excess_as_pu
         await settle()
         fake.calls[k][2].set_result("bcd"[k - 1])
     assert await asyncio.gather(running, *queued, admitted) == ["a", "b", "c", "d"]
+
+
+async def test_the_wait_bound_counts_what_is_left_of_the_running_batches():
+    """Two groups, each 0.1 s into a 0.4 s batch, two batches queued: the next request starts when both
+    queued ones have started and a group frees again, about (0.3 + 0.3 + 2 x 0.4) / 2 = 0.7 s from now, past
+    a 0.65 s bound. Counting the queued batches alone (0.4 s) admitted it, and such requests waited past the
+    bound."""
+    d, clock, fake = make_dispatcher({"w0": {"spam"}, "w1": {"spam"}})
+    d.max_queue_wait_s = 0.65
+    d.service_s["spam"] = 0.4
+    jobs = [asyncio.create_task(d.submit(make_job(clock, payload=i))) for i in range(4)]
+    await settle()
+    assert len(fake.calls) == 2 and len(d.policy) == 2
+    clock.now += 0.1
+    with pytest.raises(ResourceExhausted, match="about 700 ms of work ahead") as refused:
+        await asyncio.wait_for(d.submit(make_job(clock)), 1)   # admitted, it would wait for its answer
+    assert refused.value.pushback_ms == 50
+    for k in range(4):
+        fake.calls[k][2].set_result(k)
+        await settle()
+    assert await asyncio.gather(*jobs) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("measured", [0.05, None])
+async def test_a_batch_running_longer_than_measured_raises_the_admission_estimate(measured):
+    """Batches measured at 50 ms (or not yet measured) while the workers were idle; then one has run 0.5 s
+    (another deployment's load on its worker). Three batches queued behind it are about 1.5 s of work, not
+    0.15 s (or none): a request is refused at the 1 s bound as the slowdown forms, not after it answers."""
+    d, clock, fake = make_dispatcher({"w0": {"spam"}})
+    d.max_queue_wait_s = 1.0
+    if measured is not None:
+        d.service_s["spam"] = measured
+    jobs = [asyncio.create_task(d.submit(make_job(clock, payload=i))) for i in range(4)]
+    await settle()
+    clock.now += 0.5
+    with pytest.raises(ResourceExhausted, match="about 1500 ms of work ahead"):
+        await asyncio.wait_for(d.submit(make_job(clock)), 1)
+    for k in range(4):
+        fake.calls[k][2].set_result(k)
+        await settle()
+    assert await asyncio.gather(*jobs) == [0, 1, 2, 3]
 
 
 def test_queued_samples_count_as_elements_of_the_merge_bound_in_the_admission_estimate():
@@ -689,14 +731,15 @@ async def test_send_ahead_gives_a_busy_group_its_next_element_and_counts_it_as_b
 
 
 async def test_a_job_sent_ahead_on_arrival_that_cannot_finish_in_time_is_not_sent():
-    """Admission lets in a job that arrives to an empty buffer, but sent ahead it waits out the running
-    batch: with 0.1 s left behind a 0.2 s batch it is answered DEADLINE_EXCEEDED unrun; one with time is sent."""
+    """Admission counts the running batch but not the job's own compute, so it lets in a job with 0.3 s left
+    behind a 0.2 s batch; sent ahead, it would finish 0.4 s from now: it is answered DEADLINE_EXCEEDED unrun.
+    One with time is sent."""
     d, clock, fake = student_dispatcher([[("w0", (0,))]], capacity=1, students=1, send_ahead=True)
     d.service_s["ss"] = 0.2
     running = asyncio.create_task(d.submit(ss_job(clock, 10)))
     await settle()
     short = ss_job(clock, 20)
-    short.deadline = clock() + 0.1
+    short.deadline = clock() + 0.3
     with pytest.raises(DeadlineExceeded, match="cannot finish in time"):
         await asyncio.wait_for(d.submit(short), 1)   # sent ahead, it would wait for its answer
     roomy = asyncio.create_task(d.submit(ss_job(clock, 30)))
@@ -840,7 +883,7 @@ async def test_another_models_backlog_does_not_refuse_a_job_whose_group_is_free(
     assert [c[0] for c in fake.calls] == ["wa", "wb"]
     fake.calls[1][2].set_result("b")
     assert await served == "b"
-    with pytest.raises(DeadlineExceeded, match="ms of queued work ahead"):   # A's own backlog still refuses A
+    with pytest.raises(DeadlineExceeded, match="ms of work ahead"):   # A's own backlog still refuses A
         await d.submit(make_job(clock, model="A", deadline_in=0.3))
     for task in waiting:
         task.cancel()
