@@ -570,6 +570,8 @@ def summarize(bench: Bench, runs: list[RunResult], extra: dict) -> dict:
            "p99_ms": p99(unhit), "p99_models": [run.model for run in unhit],
            "refusal_p99_ms": refusal_p99(records),
            "goodput_rps": round((len(records) - len(failed)) / bench.args.duration, 1),
+           "goodput_rps_by_model": {run.model: round(sum(r.code == "OK" for r in run.records) / bench.args.duration, 1)
+                                    for run in runs},
            "send_late_p99_ms": round(percentile([r.late_ms for r in records], 99), 2)}
     if at is not None:
         out["errors_after_fault"] = dict(Counter(r.code for r in failed if r.sent_at >= at))

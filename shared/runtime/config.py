@@ -440,6 +440,8 @@ class WorkerConfig(CommonConfig):
                                         "ablation)")
     compute_sched: str = setting("normal", "Linux policy of the compute threads: idle means any serving thread "
                                            "preempts them at once", one_of(*COMPUTE_SCHEDS))
+    student_lane: bool = setting(True, "student groups' batches get compute threads of their own, beside the whole "
+                                       "models' (off: one queue for every batch, the ablation)")
     adapter_store: str = setting("", "host:port; empty: looked up in Redis")
     adapter_cache_bytes: int = setting(256 << 20, "tenant adapters kept on the device (LRU, HMI §6.2)")
     adapter_prefetch: bool = setting(True, "later layers stream in while the batch computes (off: the ablation)")

@@ -86,3 +86,28 @@ def test_on_a_gpu_each_compute_thread_has_its_own_stream() -> None:
 
     streams = set(on_compute(servicer, stream_of_this_thread, times=2))
     assert len(streams) == 2 and torch.cuda.default_stream().cuda_stream not in streams
+
+
+@pytest.mark.parametrize("own_lane", [True, False])
+async def test_a_student_groups_batch_does_not_wait_behind_a_whole_models_on_its_own_lane(own_lane: bool) -> None:
+    """A worker in a teacher's deployment and a student deployment gets a batch of each at once: with the
+    student lane, the students' batch runs while the teacher's holds its thread; on one queue (the ablation)
+    it waits for it. Models the worker does not serve go to the whole models' lane."""
+    runner = SimpleNamespace(device=torch.device("cpu"), models={"sentiment": SimpleNamespace(max_students=0),
+                                                                 "sentiment-students": SimpleNamespace(max_students=2)})
+    servicer = WorkerServicer(runner, "w", instances=1, student_lane=own_lane)
+    teacher, students = SimpleNamespace(model="sentiment"), SimpleNamespace(model="sentiment-students")
+    assert servicer._lane(SimpleNamespace(model="unknown")) is servicer._lane(teacher) is servicer.compute
+    assert (servicer._lane(students) is servicer.compute) is not own_lane
+    started, release = threading.Event(), threading.Event()
+    long_batch = asyncio.ensure_future(servicer._lane(teacher).run(lambda: started.set() or release.wait(10)))
+    await asyncio.to_thread(started.wait, 10)
+    short_batch = asyncio.ensure_future(servicer._lane(students).run(threading.current_thread))
+    done, _ = await asyncio.wait([short_batch], timeout=1.0)
+    assert bool(done) is own_lane
+    release.set()
+    assert await long_batch is True
+    assert await short_batch in servicer.student_compute.threads
+    servicer.resize(2)   # the resource manager's answer: both lanes take the new count
+    assert len(servicer.compute.threads) == len(servicer.student_compute.threads) == 2
+    assert (servicer.student_compute is servicer.compute) is not own_lane
