@@ -345,9 +345,10 @@ class Dispatcher:
 
     def _batch_time(self, model: str, lanes: list[Group], now: float) -> float:
         """The model's batch time for admission: the smoothed one, or the longest that a batch of `lanes` has
-        been running when that is longer. A load that slows the workers (another deployment's batches on
-        them) shows as it forms, not only once its first slow batch answers: under a sudden load the
-        smoothed time came from idle workers, and a second's admissions waited 2-4 s (0 unmeasured, idle)."""
+        been running when that is longer (0: nothing measured, nothing running). A load that slows the workers
+        (another deployment's batches on them) shows as it forms, not only once its first slow batch answers:
+        at the onset of an overload the smoothed time came from idle workers, and what was admitted in the
+        first 0.3 s waited 1-3.7 s."""
         running = max((now - g.started_at for g in lanes if g.busy), default=0.0)
         return max(self.service_s.get(model, 0.0), running)
 
