@@ -332,7 +332,12 @@ async def measure_capacity(bench: Bench, gateways: list[str]) -> float:
     async with GatewaySpread(gateways, bench.key, bench.args.timeout, own_connections=True) as spread:
         runs = await asyncio.gather(*(runner.run_closed(spread, m, bench.args.capacity_callers, bench.samples,
                                                         bench.args.timeout, bench.args.capacity_s) for m in MODELS))
-    return sum(sum(r.code == "OK" for r in run.records) / run.duration_s for run in runs)
+    return sum(answered_rps(run, run.duration_s) for run in runs)
+
+
+def answered_rps(run: RunResult, seconds: float) -> float:
+    """The run's answers with a result (code OK) a second, over `seconds`."""
+    return sum(r.code == "OK" for r in run.records) / seconds
 
 
 def arrivals(bench: Bench, model: int) -> list[float]:
@@ -562,6 +567,7 @@ def summarize(bench: Bench, runs: list[RunResult], extra: dict) -> dict:
     at = extra.get("fault_at_s")
     affected = set(extra.get("affected_models", ()))
     unhit = [run for run in runs if run.model not in affected] or runs
+    goodput = {run.model: answered_rps(run, bench.args.duration) for run in runs}
     out = {"sent": expected, "answered": len(records), "ok": len(records) - len(failed),
            "lost": expected - len(records) + late, "failed": len(failed),
            "failed_pct": round(100 * len(failed) / max(expected, 1), 2),
@@ -569,9 +575,8 @@ def summarize(bench: Bench, runs: list[RunResult], extra: dict) -> dict:
            "error_examples": runner.error_examples(records, per_code=2),
            "p99_ms": p99(unhit), "p99_models": [run.model for run in unhit],
            "refusal_p99_ms": refusal_p99(records),
-           "goodput_rps": round((len(records) - len(failed)) / bench.args.duration, 1),
-           "goodput_rps_by_model": {run.model: round(sum(r.code == "OK" for r in run.records) / bench.args.duration, 1)
-                                    for run in runs},
+           "goodput_rps": round(sum(goodput.values()), 1),
+           "goodput_rps_by_model": {model: round(rps, 1) for model, rps in goodput.items()},
            "send_late_p99_ms": round(percentile([r.late_ms for r in records], 99), 2)}
     if at is not None:
         out["errors_after_fault"] = dict(Counter(r.code for r in failed if r.sent_at >= at))

@@ -355,7 +355,8 @@ class Dispatcher:
     @staticmethod
     def _left_on(group: Group, now: float) -> float:
         """The time until `group` frees: what its running batch was expected to take less what it has run,
-        and the batch sent ahead to it."""
+        and the batch sent ahead to it. Admission counts it, and so does the finish estimate of a batch sent
+        ahead."""
         if not group.busy:
             return 0.0
         return max(0.0, group.started_at + group.running_s - now) + (group.ahead_s if group.in_flight > 1 else 0.0)
@@ -397,7 +398,7 @@ class Dispatcher:
             return None
         batch = [j for j in batch if self._still_wanted(j, now)]
         if self.drop_doomed and batch:  # the ablation skips the estimate altogether
-            expected = (self._remaining(group, now) if ahead else 0.0) + self._batch_estimate(batch)
+            expected = (self._left_on(group, now) if ahead else 0.0) + self._batch_estimate(batch)
             batch = [j for j in batch if self._can_finish(j, now, expected, queued=ahead)]
         return batch
 
@@ -407,11 +408,6 @@ class Dispatcher:
         worker of several slots it would start at once on a slot another group holds."""
         return (group.in_flight == 1 and self._live(group)
                 and all(self.workers[m.worker_id].capacity == 1 for m in group.members))
-
-    def _remaining(self, group: Group, now: float) -> float:
-        """What is left of the group's running batch, at the model's smoothed batch time."""
-        service = max((self.service_s.get(m, 0.0) for m in group.models), default=0.0)
-        return max(0.0, group.started_at + service - now)
 
     def _settle_dropped(self) -> None:
         """Answers the jobs the policy took out unrun (a deadline it found cannot be met)."""

@@ -79,11 +79,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         the capacity). On lanes of their own the two run side by side: on a CPU the kernel shares the cores
         between them, on a GPU each thread's CUDA stream overlaps the other's."""
         self.instances = max(1, instances)
-        previous = [p for p in (getattr(self, "compute", None), getattr(self, "student_compute", None)) if p]
+        previous = {getattr(self, "compute", None), getattr(self, "student_compute", None)} - {None}
         self.compute = ComputePool(self.instances, self.compute_sched, self.runner.device)
         self.student_compute = (ComputePool(self.instances, self.compute_sched, self.runner.device)
                                 if self.student_lane else self.compute)
-        for pool in {id(p): p for p in previous}.values():
+        for pool in previous:
             pool.shutdown()
 
     def _lane(self, batch: Batch) -> ComputePool:
