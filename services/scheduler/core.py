@@ -144,6 +144,12 @@ class Job:
     trace: Any = field(repr=False, default=None)   # opaque to the core: the request's trace, which its batch joins
 
 
+def smooth(values: dict[str, float], key: str, sample: float) -> None:
+    """An exponentially smoothed value (a fifth of each new sample): the first sample as it is."""
+    previous = values.get(key)
+    values[key] = sample if previous is None else 0.8 * previous + 0.2 * sample
+
+
 class WorkerLost(Exception):
     """A worker did not answer (connection refused or dropped): the jobs may run on another group."""
 
@@ -195,6 +201,7 @@ class Dispatcher:
         self.stats = DispatchStats()
         self.service_s: dict[str, float] = {}  # model -> smoothed batch time: can a deadline still be met?
         self.batch_texts: dict[str, float] = {}  # model -> smoothed texts a batch (what service_s was measured at)
+        self.token_s: dict[str, float] = {}  # model -> smoothed time a computed token (batches shaped by tokens)
         self._timer: asyncio.TimerHandle | None = None
         self._arriving: Job | None = None  # a job that finds a free group on arrival is left to the worker
 
@@ -344,13 +351,20 @@ class Dispatcher:
         return max(min(left), (sum(left) + service * depth) / len(lanes))
 
     def _batch_time(self, model: str, lanes: list[Group], now: float) -> float:
-        """The model's batch time for admission: the smoothed one, or the longest that a batch of `lanes` has
-        been running when that is longer (0: nothing measured, nothing running). A load that slows the workers
-        (another deployment's batches on them) shows as it forms, not only once its first slow batch answers:
-        at the onset of an overload the smoothed time came from idle workers, and what was admitted in the
-        first 0.3 s waited 1-3.7 s."""
+        """The time of one queued batch for admission (0: nothing measured, nothing running): a full batch's
+        tokens at the smoothed time a token where the policy's batches have a fixed shape, else the smoothed
+        batch time; or the longest that a batch of `lanes` has been running, when that is longer.
+
+        By tokens: a concat deployment's batches range from one row to eight, and under a 2x overload its
+        smoothed batch time put a full batch at about a quarter of what it took. DAS's own latency model is
+        fitted over 50 batches, half a minute at that load, and lags the workers' speed as their load changes.
+
+        The running batch: a load that slows the workers (another deployment's batches on them) shows as it
+        forms, not only once its first slow batch answers. At the onset of an overload the smoothed time came
+        from idle workers, and what was admitted in the first 0.3 s waited 1-3.7 s."""
         running = max((now - g.started_at for g in lanes if g.busy), default=0.0)
-        return max(self.service_s.get(model, 0.0), running)
+        full, per_token = self.policy.full_batch_tokens(), self.token_s.get(model)
+        return max(full * per_token if full and per_token is not None else self.service_s.get(model, 0.0), running)
 
     @staticmethod
     def _left_on(group: Group, now: float) -> float:
@@ -432,11 +446,11 @@ class Dispatcher:
         now = self.clock()
         group.in_flight += 1
         if group.in_flight == 1:
-            group.started_at, group.running_s = now, self._batch_estimate(batch)
+            group.started_at, group.running_s = now, self._running_estimate(batch)
             for ref, member in zip(refs, group.members, strict=True):
                 ref.running += member.slots
         else:  # sent ahead: it runs on the slots its predecessor holds
-            group.ahead_s = self._batch_estimate(batch)
+            group.ahead_s = self._running_estimate(batch)
             self.stats.sent_ahead += 1
             SENT_AHEAD.inc()
         for job in batch:
@@ -469,7 +483,7 @@ class Dispatcher:
                 self._settle(job, exc=e)
         else:
             took = self.clock() - max(started, group.started_at)  # one sent ahead began when its predecessor ended
-            self._observe(batch[0].model, took, sum(j.num_texts for j in batch))
+            self._observe(batch, took)
             self.policy.observe(batch, took)
         finally:
             # The freed group takes the next element before the answers go back: their callers' code runs
@@ -500,10 +514,21 @@ class Dispatcher:
         for job, result in zip(batch, results, strict=False):
             self._settle(job, result=result)
 
-    def _observe(self, model: str, seconds: float, texts: int) -> None:
-        previous, mean = self.service_s.get(model), self.batch_texts.get(model)
-        self.service_s[model] = seconds if previous is None else 0.8 * previous + 0.2 * seconds
-        self.batch_texts[model] = texts if mean is None else 0.8 * mean + 0.2 * texts
+    def _observe(self, batch: list[Job], seconds: float) -> None:
+        model, texts, tokens = batch[0].model, sum(j.num_texts for j in batch), self.policy.computed_tokens(batch)
+        smooth(self.service_s, model, seconds)
+        smooth(self.batch_texts, model, texts)
+        if tokens:
+            smooth(self.token_s, model, seconds / tokens)
+
+    def _running_estimate(self, batch: list[Job]) -> float:
+        """What a batch about to start will take, for what is left of it once it runs (admission, the doom
+        check of a batch sent ahead): its computed tokens at the smoothed time a token, where the policy
+        shapes batches by tokens; else the smoothed batch time scaled down to its size; 0 unmeasured."""
+        tokens, per_token = self.policy.computed_tokens(batch), self.token_s.get(batch[0].model)
+        if tokens and per_token is not None:
+            return tokens * per_token
+        return self._batch_estimate(batch)
 
     def _batch_estimate(self, batch: list[Job]) -> float:
         """What the batch will take: the smoothed batch time, scaled down for a batch smaller than the

@@ -90,6 +90,15 @@ class DispatchPolicy(ABC):
         """A batch this policy formed ran in `seconds` (policies with a latency model learn from it)."""
         return None
 
+    def computed_tokens(self, batch: list[Job]) -> int | None:
+        """The tokens `batch`, formed by this policy, computes: what its time grows with (None: the policy
+        does not shape its batches by tokens)."""
+        return None
+
+    def full_batch_tokens(self) -> int | None:
+        """The tokens of each batch `batches_ahead` counts (None: its batches have no fixed shape)."""
+        return None
+
     def stats(self) -> dict[str, float]:
         """Counters for the scheduler's load report."""
         return {}
@@ -461,10 +470,10 @@ class _BatchingPolicy(DispatchPolicy):
 
     def observe(self, batch: list[Job], seconds: float) -> None:
         self.counters["batch_ms"] += seconds * 1e3
-        self.latency.observe(self._computed_tokens(batch), seconds)
+        self.latency.observe(self.computed_tokens(batch), seconds)
 
     @abstractmethod
-    def _computed_tokens(self, batch: list[Job]) -> int:
+    def computed_tokens(self, batch: list[Job]) -> int:
         """Tokens of the batch's shape, for the latency model."""
 
     def stats(self) -> dict[str, float]:
@@ -541,9 +550,12 @@ class ConcatPolicy(_BatchingPolicy):
                              for slot in slots])
         return BatchPlan(tuple(tuple(tuple(slot) for slot in row) for row in rows), self.row_length, z)
 
-    def _computed_tokens(self, batch: list[Job]) -> int:
+    def computed_tokens(self, batch: list[Job]) -> int:
         plan = batch[0].plan if batch else None
         return plan.computed_tokens if plan is not None else 0
+
+    def full_batch_tokens(self) -> int:
+        return self.rows * self.row_length
 
     def depth(self, model: str | None = None) -> int:
         """Waiting batches: the queue's tokens over one batch's R·L (what the admission estimate needs)."""
@@ -571,7 +583,7 @@ class BucketedPolicy(_BatchingPolicy):
         chosen = [mates[k] for k in buckets.batches[0]] if buckets.batches else []
         return chosen, [mates[k] for k in buckets.expired]
 
-    def _computed_tokens(self, batch: list[Job]) -> int:
+    def computed_tokens(self, batch: list[Job]) -> int:
         return sum(j.num_texts for j in batch) * max((j.max_length for j in batch), default=0)
 
     def depth(self, model: str | None = None) -> int:

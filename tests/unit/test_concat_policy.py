@@ -262,6 +262,17 @@ def test_depth_counts_waiting_batches_not_requests():
     assert len(policy) == 16 and policy.depth() == 2               # 128 tokens = two batches of 2 x 32
 
 
+def test_a_concat_batch_computes_its_rows_tokens_and_a_full_one_r_times_l():
+    """What the admission estimate multiplies the smoothed time a token by."""
+    clock, policy = Clock(), ConcatPolicy(row_length=32, rows=2)
+    for _ in range(12):
+        policy.push(job(clock, (8,)), clock())
+    formed = policy.next_batch(lambda _: True, clock())               # four jobs a row of 32 tokens
+    assert len(formed) == 8 and policy.computed_tokens(formed) == 64 == policy.full_batch_tokens()
+    assert policy.computed_tokens(policy.next_batch(lambda _: True, clock())) == 32   # the four left: one row
+    assert PaddedPolicy().full_batch_tokens() is None and PaddedPolicy().computed_tokens(formed) is None
+
+
 def test_padded_depth_counts_waiting_batches_too():
     """The admission check multiplies depth by one batch time: counting jobs refused nearly everything."""
     clock, policy = Clock(), PaddedPolicy(max_batch=16)

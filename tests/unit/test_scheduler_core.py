@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from academus.services.scheduler.core import Dispatcher, Group, Job, Member, WorkerLost, WorkerRef
-from academus.services.scheduler.policies import FifoPolicy, PaddedPolicy, StudentPolicy, make_policy
+from academus.services.scheduler.policies import ConcatPolicy, FifoPolicy, PaddedPolicy, StudentPolicy, make_policy
 from academus.shared.models.work import WorkItem
 from academus.shared.runtime.errors import DeadlineExceeded, ResourceExhausted, Unavailable, abort_with
 from academus.shared.runtime.multiplex import serve_multiplexed
@@ -612,6 +612,37 @@ async def test_a_batch_running_longer_than_measured_raises_the_admission_estimat
         fake.calls[k][2].set_result(k)
         await settle()
     assert await asyncio.gather(*jobs) == [0, 1, 2, 3]
+
+
+def row_job(clock: Clock, payload: object = None) -> Job:
+    """One text that fills a concat row of 128 tokens."""
+    return Job(model="spam", payload=payload, num_texts=1, num_tokens=128, deadline=clock() + 5.0,
+               enqueued_at=clock(), batch_key=("spam",), max_length=128, lengths=(128,))
+
+
+async def test_a_concat_deployment_counts_its_batches_by_their_shape_not_the_smoothed_mean():
+    """A batch of one row took 0.1 s, so one of eight rows takes 0.8 s. The smoothed batch time averages the
+    batches that ran, whatever their size: 0.18 s. Behind a running batch of eight rows and eight rows queued,
+    a request starts when both batches have run, in about 1.6 s, past the 1 s bound. By the smoothed time it
+    was 0.36 s and was let in."""
+    d, clock, fake = make_dispatcher({"w0": {"spam"}}, capacity=64, policy=ConcatPolicy(row_length=128, rows=8))
+    d.max_queue_wait_s = 1.0
+    d.service_s["spam"] = 0.2
+    first = asyncio.create_task(d.submit(row_job(clock, "first")))
+    await settle()
+    rows = [asyncio.create_task(d.submit(row_job(clock, i))) for i in range(16)]
+    await settle()
+    clock.now += 0.1
+    fake.calls[0][2].set_result("first")           # one row in 0.1 s
+    await settle()
+    assert d.service_s["spam"] == pytest.approx(0.18)
+    assert [len(b) for b in fake.batches] == [1, 8] and len(d.policy) == 8
+    with pytest.raises(ResourceExhausted, match="about 1600 ms of work ahead"):
+        await asyncio.wait_for(d.submit(row_job(clock)), 1)
+    for k in (1, 2):
+        fake.calls[k][2].set_result("row")
+        await settle()
+    assert await first == "first" and await asyncio.gather(*rows) == ["row"] * 16
 
 
 def test_queued_samples_count_as_elements_of_the_merge_bound_in_the_admission_estimate():
