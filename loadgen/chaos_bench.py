@@ -575,6 +575,7 @@ def summarize(bench: Bench, runs: list[RunResult], extra: dict) -> dict:
            "error_examples": runner.error_examples(records, per_code=2),
            "p99_ms": p99(unhit), "p99_models": [run.model for run in unhit],
            "refusal_p99_ms": refusal_p99(records),
+           "refusals_by_origin": refusals_by_origin(records),
            "goodput_rps": round(sum(goodput.values()), 1),
            "goodput_rps_by_model": {model: round(rps, 1) for model, rps in goodput.items()},
            "send_late_p99_ms": round(percentile([r.late_ms for r in records], 99), 2)}
@@ -592,6 +593,23 @@ def p99(runs: list[RunResult]) -> float | None:
 def refusal_p99(records: list) -> float | None:
     """How long a RESOURCE_EXHAUSTED took to come back, p99 (ms): a prompt refusal is one in milliseconds."""
     return runner.error_latency(records).get("RESOURCE_EXHAUSTED", {}).get("p99")
+
+
+# Where a RESOURCE_EXHAUSTED came from, by its message: the gateway's edge during a pushback, a scheduler's
+# queue (its wait bound, or its count), a tenant's quota.
+REFUSAL_ORIGINS = (("every scheduler serving", "gateway"), ("scheduler queue", "scheduler"), ("rate limit", "quota"))
+
+
+def refusals_by_origin(records: list) -> dict[str, dict[str, float]]:
+    """Each origin's RESOURCE_EXHAUSTED count and time to come back (p50, p99 ms): a refusal at the gateway's edge
+    costs no hop; one a scheduler gives, a hop to a loop that may be busy."""
+    by_origin: dict[str, list[float]] = {}
+    for r in records:
+        if r.code == "RESOURCE_EXHAUSTED":
+            origin = next((name for text, name in REFUSAL_ORIGINS if text in r.details), "other")
+            by_origin.setdefault(origin, []).append(r.latency_ms)
+    return {origin: {"count": len(ms), "p50_ms": round(percentile(ms, 50), 2), "p99_ms": round(percentile(ms, 99), 2)}
+            for origin, ms in sorted(by_origin.items())}
 
 
 def probe_refusal_p99(figures: dict) -> float | None:

@@ -115,6 +115,22 @@ def test_chaos_overload_targets_judge_refusal_time_goodput_and_loss():
     assert refusal_p99([Record(0.0, 3.0, "OK")]) is None
 
 
+def test_chaos_refusals_are_told_apart_by_where_they_were_given():
+    from academus.loadgen.chaos_bench import refusals_by_origin
+
+    def refused(ms: float, details: str) -> Record:
+        return Record(0.0, ms, "RESOURCE_EXHAUSTED", details=details)
+
+    records = [refused(2.0 + i, "every scheduler serving model 'm' has a full queue; retry in 5 ms") for i in range(3)]
+    records += [refused(40.0, "scheduler queue holds about 1200 ms of work ahead; the limit is ..."),
+                refused(9.0, "tenant 't' is over its rate limit of 5 requests/s"), refused(1.0, "something else"),
+                Record(0.0, 700.0, "DEADLINE_EXCEEDED", details="scheduler queue")]
+    by_origin = refusals_by_origin(records)
+    assert by_origin["gateway"] == {"count": 3, "p50_ms": 3.0, "p99_ms": pytest.approx(4.0, abs=0.03)}
+    assert by_origin["scheduler"]["count"] == by_origin["quota"]["count"] == by_origin["other"]["count"] == 1
+    assert by_origin["scheduler"]["p99_ms"] == 40.0 and set(by_origin) == {"gateway", "scheduler", "quota", "other"}
+
+
 def test_one_read_of_the_mesh_gives_its_counters_refusal_times_and_queue_waits():
     from prometheus_client.samples import Sample
 
