@@ -351,20 +351,24 @@ class Dispatcher:
         return max(min(left), (sum(left) + service * depth) / len(lanes))
 
     def _batch_time(self, model: str, lanes: list[Group], now: float) -> float:
-        """The time of one queued batch for admission (0: nothing measured, nothing running): a full batch's
-        tokens at the smoothed time a token where the policy's batches have a fixed shape, else the smoothed
-        batch time; or the longest that a batch of `lanes` has been running, when that is longer.
+        """The time of one queued batch for admission (0: nothing measured, nothing running): a full batch by
+        its tokens where the policy's batches have a fixed shape, else the smoothed batch time; or the longest
+        that a batch of `lanes` has been running, when that is longer.
 
-        By tokens: a concat deployment's batches range from one row to eight, and under a 2x overload its
-        smoothed batch time put a full batch at about a quarter of what it took. DAS's own latency model is
-        fitted over 50 batches, half a minute at that load, and lags the workers' speed as their load changes.
+        By tokens: a concat deployment's batches range from one row to eight, so its smoothed batch time
+        averages unlike batches (a full one counted about a quarter of its time under overload). DAS's own
+        latency model is fitted over 50 batches and lags the workers' speed as their load changes.
 
         The running batch: a load that slows the workers (another deployment's batches on them) shows as it
-        forms, not only once its first slow batch answers. At the onset of an overload the smoothed time came
-        from idle workers, and what was admitted in the first 0.3 s waited 1-3.7 s."""
+        forms, not only once its first slow batch answers."""
         running = max((now - g.started_at for g in lanes if g.busy), default=0.0)
-        full, per_token = self.policy.full_batch_tokens(), self.token_s.get(model)
-        return max(full * per_token if full and per_token is not None else self.service_s.get(model, 0.0), running)
+        full = self._by_tokens(model, self.policy.full_batch_tokens())
+        return max(self.service_s.get(model, 0.0) if full is None else full, running)
+
+    def _by_tokens(self, model: str, tokens: int | None) -> float | None:
+        """`tokens` at the model's smoothed time a computed token (None: no tokens, or none measured)."""
+        per_token = self.token_s.get(model)
+        return tokens * per_token if tokens and per_token is not None else None
 
     @staticmethod
     def _left_on(group: Group, now: float) -> float:
@@ -525,10 +529,8 @@ class Dispatcher:
         """What a batch about to start will take, for what is left of it once it runs (admission, the doom
         check of a batch sent ahead): its computed tokens at the smoothed time a token, where the policy
         shapes batches by tokens; else the smoothed batch time scaled down to its size; 0 unmeasured."""
-        tokens, per_token = self.policy.computed_tokens(batch), self.token_s.get(batch[0].model)
-        if tokens and per_token is not None:
-            return tokens * per_token
-        return self._batch_estimate(batch)
+        by_tokens = self._by_tokens(batch[0].model, self.policy.computed_tokens(batch))
+        return self._batch_estimate(batch) if by_tokens is None else by_tokens
 
     def _batch_estimate(self, batch: list[Job]) -> float:
         """What the batch will take: the smoothed batch time, scaled down for a batch smaller than the

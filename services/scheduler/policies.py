@@ -474,7 +474,7 @@ class _BatchingPolicy(DispatchPolicy):
 
     @abstractmethod
     def computed_tokens(self, batch: list[Job]) -> int:
-        """Tokens of the batch's shape, for the latency model."""
+        """Tokens of the batch's shape: the latency model's x, and what admission counts a batch by."""
 
     def stats(self) -> dict[str, float]:
         return dict(self.counters) | {"token_us": self.latency.per_token_s * 1e6,
