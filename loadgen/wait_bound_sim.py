@@ -68,9 +68,14 @@ class Scenario:
     deadline_s: float = 5.0
     load: float = 2.0
     duration_s: float = 120.0
+    jitter: float = 0.0            # σ of a log-normal factor of mean 1 on each batch's time
 
     def batch_s(self, tokens: int) -> float:
         return self.overhead_s + self.full_batch_s * tokens / (self.rows * self.row_length)
+
+    def jittered(self, seconds: float, rng: random.Random) -> float:
+        """A batch's time on a machine that varies: the model's time times a factor of mean 1."""
+        return seconds * math.exp(rng.gauss(-self.jitter ** 2 / 2, self.jitter)) if self.jitter else seconds
 
     @property
     def capacity_rps(self) -> float:
@@ -89,10 +94,12 @@ class Outcomes:
 async def _simulate(scenario: Scenario, due_first: bool, seed: int) -> Outcomes:
     loop = asyncio.get_running_loop()
     policy = ConcatPolicy(scenario.row_length, scenario.rows, latency=LatencyModel(), due_first=due_first)
+    machine = random.Random(-1 - seed)   # the batches' jitter, apart from the arrivals
 
     async def send(group: Group, batch: Sequence[Job]) -> list[None]:
         plan = batch[0].plan
-        await asyncio.sleep(scenario.batch_s(plan.computed_tokens if plan else scenario.rows * scenario.row_length))
+        tokens = plan.computed_tokens if plan else scenario.rows * scenario.row_length
+        await asyncio.sleep(scenario.jittered(scenario.batch_s(tokens), machine))
         return [None] * len(batch)
 
     dispatcher = Dispatcher(policy, send, 1 << 20, clock=loop.time, max_queue_wait_s=scenario.bound_s,
@@ -156,7 +163,8 @@ def task_lengths(task: str, max_tokens: int) -> list[int]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     lengths = task_lengths(args.task, args.max_tokens)
     scenario = Scenario(lengths, args.row_length, args.rows, args.groups, args.full_batch_ms / 1e3,
-                        args.overhead_ms / 1e3, args.bound_ms / 1e3, args.deadline, args.load, args.duration)
+                        args.overhead_ms / 1e3, args.bound_ms / 1e3, args.deadline, args.load, args.duration,
+                        args.jitter)
     arms: dict[str, list[dict[str, Any]]] = {"due_first": [], "das_alone": []}
     for seed in range(args.seeds):
         for arm, due_first in (("due_first", True), ("das_alone", False)):
@@ -185,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load", type=float, default=2.0, help="offered rate over the capacity with full rows")
     p.add_argument("--duration", type=float, default=120.0, help="simulated seconds of arrivals")
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--jitter", type=float, default=0.0,
+                   help="σ of a log-normal factor (mean 1) on each batch's time: a machine that varies")
     print(json.dumps(run(p.parse_args(argv))))
     return 0
 

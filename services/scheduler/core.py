@@ -202,6 +202,7 @@ class Dispatcher:
         self.service_s: dict[str, float] = {}  # model -> smoothed batch time: can a deadline still be met?
         self.batch_texts: dict[str, float] = {}  # model -> smoothed texts a batch (what service_s was measured at)
         self.token_s: dict[str, float] = {}  # model -> smoothed time a computed token (batches shaped by tokens)
+        self.token_dev: dict[str, float] = {}  # model -> smoothed deviation of token_s's samples from it
         self._timer: asyncio.TimerHandle | None = None
         self._arriving: Job | None = None  # a job that finds a free group on arrival is left to the worker
 
@@ -366,9 +367,13 @@ class Dispatcher:
         return max(self.service_s.get(model, 0.0) if full is None else full, running)
 
     def _by_tokens(self, model: str, tokens: int | None) -> float | None:
-        """`tokens` at the model's smoothed time a computed token (None: no tokens, or none measured)."""
+        """`tokens` at the model's smoothed time a computed token plus one smoothed deviation of it (None: no
+        tokens, or none measured). The deviation is the margin that holds the wait bound where batch times
+        vary: admitted at the mean, a request waits past the bound whenever the batches ahead run slow."""
         per_token = self.token_s.get(model)
-        return tokens * per_token if tokens and per_token is not None else None
+        if not tokens or per_token is None:
+            return None
+        return tokens * (per_token + self.token_dev.get(model, 0.0))
 
     @staticmethod
     def _left_on(group: Group, now: float) -> float:
@@ -523,7 +528,10 @@ class Dispatcher:
         smooth(self.service_s, model, seconds)
         smooth(self.batch_texts, model, texts)
         if tokens:
-            smooth(self.token_s, model, seconds / tokens)
+            per_token = seconds / tokens
+            if model in self.token_s:   # how far a sample strays from the smoothed time, as TCP's RTT variance
+                smooth(self.token_dev, model, abs(per_token - self.token_s[model]))
+            smooth(self.token_s, model, per_token)
 
     def _running_estimate(self, batch: list[Job]) -> float:
         """What a batch about to start will take, for what is left of it once it runs (admission, the doom

@@ -645,6 +645,32 @@ async def test_a_concat_deployment_counts_its_batches_by_their_shape_not_the_smo
     assert await first == "first" and await asyncio.gather(*rows) == ["row"] * 16
 
 
+async def test_a_concat_deployment_counts_a_deviation_of_its_batch_times_as_margin():
+    """One-row batches took 0.1 s, then 0.2 s: the smoothed time a row is 0.12 s, and its smoothed deviation
+    0.1 s. A full batch of eight rows then counts 8 x (0.12 + 0.1) = 1.76 s. Behind one just begun, a request
+    is refused at the 1 s bound; at the mean alone (0.96 s) it was let in, and where batch times vary a share
+    of such requests started past the bound."""
+    d, clock, fake = make_dispatcher({"w0": {"spam"}}, capacity=64, policy=ConcatPolicy(row_length=128, rows=8))
+    d.max_queue_wait_s = 1.0
+    first = asyncio.create_task(d.submit(row_job(clock, "first")))
+    await settle()
+    clock.now += 0.1
+    fake.calls[0][2].set_result("first")
+    second = asyncio.create_task(d.submit(row_job(clock, "second")))
+    await settle()
+    rows = [asyncio.create_task(d.submit(row_job(clock, i))) for i in range(8)]
+    await settle()
+    clock.now += 0.2
+    fake.calls[1][2].set_result("second")          # the eight rows start as it ends
+    await settle()
+    assert [len(b) for b in fake.batches] == [1, 1, 8]
+    assert d.token_s["spam"] * 128 == pytest.approx(0.12) and d.token_dev["spam"] * 128 == pytest.approx(0.1)
+    with pytest.raises(ResourceExhausted, match="about 1760 ms of work ahead"):
+        await asyncio.wait_for(d.submit(row_job(clock)), 1)
+    fake.calls[2][2].set_result("row")
+    assert await first == "first" and await second == "second" and await asyncio.gather(*rows) == ["row"] * 8
+
+
 def test_queued_samples_count_as_elements_of_the_merge_bound_in_the_admission_estimate():
     """Queued samples of a student deployment join elements as they enter the buffer: counting each as a
     batch would refuse at a fraction of the wait the bound allows."""
