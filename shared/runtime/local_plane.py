@@ -165,17 +165,20 @@ class LocalPlane:
         self.servicer.local_endpoint = self.endpoint.announce()
         return self.endpoint
 
-    async def stop(self, grace_s: float) -> None:
-        """Accepts no more; waits up to `grace_s` for the connections to end (the servicer drains them)."""
+    async def stop(self, grace_s: float) -> int:
+        """Accepts no more; waits up to `grace_s` for the connections to end (the servicer drains them), then
+        cuts the rest. Returns how many it cut."""
         if self._server is not None:
             self._server.close()
         closed = [c.closed for c in self.connections]
         if closed:
             await asyncio.wait(closed, timeout=grace_s)
-        for connection in list(self.connections):
+        cut = list(self.connections)
+        for connection in cut:
             connection.transport.abort()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.endpoint.path)
+        return len(cut)
 
 
 class _ServedConnection(asyncio.Protocol):

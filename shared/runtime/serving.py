@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
 import uvloop
@@ -25,6 +27,7 @@ from academus.shared.runtime.slices import set_process_slice
 from academus.shared.runtime.tls import MeshTls, MeshTokenCheck, mesh_channel, mesh_metadata, use_mesh
 from academus.shared.runtime.tracing import server_interceptors, setup_tracing, shutdown_tracing
 
+T = TypeVar("T")
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -129,20 +132,23 @@ class RunningService:
         return self.server.add_secure_port(address, credentials)
 
     async def stop(self) -> None:
-        """NOT_SERVING, background tasks end (no heartbeat re-registers), deregister, drain, close."""
+        """NOT_SERVING, background tasks end (no heartbeat re-registers), deregister, drain, close. The
+        `stopped` event gives each step's seconds: a stop that waits out its grace names the step that waited."""
         log_event("stopping", service=self.spec.name)
+        took: dict[str, float] = {}
         await self.health.enter_graceful_shutdown()
-        await self._cancel_tasks()
+        await _timed(took, "tasks", self._cancel_tasks())
         if self.spec.on_stopping:
-            await self.spec.on_stopping()
+            await _timed(took, "on_stopping", self.spec.on_stopping())
         if self.multiplex is not None:  # new frames are refused; the streams end once their calls answer
             self.multiplex.drain()
+        cut = 0
         if self.local_plane is not None:
-            await self.local_plane.stop(self.spec.config.grace_s)
-        await self.server.stop(self.spec.config.grace_s)
+            cut = await _timed(took, "local_plane", self.local_plane.stop(self.spec.config.grace_s))
+        await _timed(took, "server", self.server.stop(self.spec.config.grace_s))
         if self.spec.on_stopped:
-            await self.spec.on_stopped()
-        log_event("stopped", service=self.spec.name)
+            await _timed(took, "on_stopped", self.spec.on_stopped())
+        log_event("stopped", service=self.spec.name, seconds=took, local_connections_cut=cut)
 
     async def _cancel_tasks(self) -> None:
         """Cancels the background tasks and waits for them at most the grace period: a task that
@@ -158,6 +164,15 @@ class RunningService:
         if stuck:
             log_event("tasks_not_stopped", service=self.spec.name,
                       tasks=[t.get_coro().__qualname__ for t in stuck])
+
+
+async def _timed(took: dict[str, float], step: str, awaitable: Awaitable[T]) -> T:
+    """Awaits one step of a stop, noting its seconds under `step`."""
+    started = time.perf_counter()
+    try:
+        return await awaitable
+    finally:
+        took[step] = round(time.perf_counter() - started, 3)
 
 
 async def serve(spec: ServiceSpec) -> None:

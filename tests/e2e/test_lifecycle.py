@@ -50,6 +50,8 @@ def test_sigterm_finishes_in_flight_work_then_deregisters_and_lost_worker_is_una
         assert len(results[0].predictions) == 64 and results[0].metadata.worker_id == victim.name
         assert wait_exit(victim.pid, 30)
         assert victim.name not in r.smembers(keys.placement("spam"))
+        stopped = stop_event(tmp_path / "run", victim.name)   # each step of the stop, timed
+        assert {"tasks", "local_plane", "server"} <= set(stopped["seconds"]) and stopped["local_connections_cut"] >= 0
         survivor = next(s for s in state.services if s.name.startswith("worker") and s is not victim)
         with Client(state.gateway, api_key=key) as client:
             assert client.infer("spam", ["still served"]).metadata.worker_id == survivor.name
@@ -71,6 +73,12 @@ def test_sigterm_finishes_in_flight_work_then_deregisters_and_lost_worker_is_una
     assert all(wait_exit(s.pid, 5) for s in state.services)
     with pytest.raises(redis.exceptions.ConnectionError):
         r.ping()  # the mesh's own redis-server stopped too
+
+
+def stop_event(run_dir, service: str) -> dict:
+    """The `stopped` event in a service's log."""
+    lines = (run_dir / "logs" / f"{service}.log").read_text().splitlines()
+    return next(e for e in map(json.loads, reversed(lines)) if e.get("event") == "stopped")
 
 
 def infer_on_own_connection(address: str, key: str) -> str:

@@ -782,3 +782,13 @@ async def test_a_message_that_is_not_a_frame_ends_the_grpc_stream_with_a_status_
     await asyncio.wait_for(mux.probe.cancelled.wait(), 5)   # the running call was cancelled
     await channel.close()
     assert await mux.call(b"still", timeout=5) == b"ok:still"
+
+
+@pytest.mark.parametrize("mux", ["local"], indirect=True)
+async def test_a_stopping_plane_cuts_the_connections_left_after_its_grace_and_says_how_many(mux):
+    """Nothing drained the servicer, so the caller's idle connection outlives the grace: it is cut, and counted
+    (the service logs it in its `stopped` event). A second stop has nothing left to cut."""
+    assert await mux.plane.stop(0.05) == 1
+    for _ in range(10):   # the cut connection leaves the plane's set when the loop reports it lost
+        await asyncio.sleep(0)
+    assert not mux.plane.connections and await mux.plane.stop(0) == 0
