@@ -535,8 +535,9 @@ class Dispatcher:
 
     def _running_estimate(self, batch: list[Job]) -> float:
         """What a batch about to start will take, for what is left of it once it runs (admission, the doom
-        check of a batch sent ahead): its computed tokens at the smoothed time a token, where the policy
-        shapes batches by tokens; else the smoothed batch time scaled down to its size; 0 unmeasured."""
+        check of a batch sent ahead): its computed tokens at the smoothed time a token and its margin
+        (`_by_tokens`), where the policy shapes batches by tokens; else the smoothed batch time scaled down to its
+        size; 0 unmeasured."""
         by_tokens = self._by_tokens(batch[0].model, self.policy.computed_tokens(batch))
         return self._batch_estimate(batch) if by_tokens is None else by_tokens
 
