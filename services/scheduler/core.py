@@ -614,6 +614,24 @@ class Dispatcher:
             self._still_wanted(job, now)
         return len(dead)
 
+    TIMINGS = ("service_s", "batch_texts", "token_s", "token_dev")
+
+    def timings(self) -> dict[str, dict[str, float]]:
+        """Per model timed here: the smoothed batch times admission estimates with."""
+        return {model: {name: values[model] for name in self.TIMINGS if model in (values := getattr(self, name))}
+                for model in self.service_s}
+
+    def seed(self, model: str, timings: dict[str, float]) -> bool:
+        """Starts a model not yet timed here from timings its deployment reported before (a restarted scheduler
+        has none of its own: on the running batches' time alone it admitted a backlog past the wait bound).
+        False when the model is timed already, or `timings` has no batch time."""
+        if model in self.service_s or "service_s" not in timings:
+            return False
+        for name in self.TIMINGS:
+            if name in timings:
+                getattr(self, name)[model] = float(timings[name])
+        return True
+
     def load(self) -> dict[str, int]:
         idle = sum(1 for g in self.groups if self._free(g))
         return {"queued": len(self.policy), "idle": idle, "groups": len(self.groups), "workers": len(self.workers),

@@ -49,6 +49,7 @@ from academus.shared.state.groups import groups_from_json
 from academus.shared.state.keys import Keys
 from academus.v1 import plot_pb2_grpc, scheduler_pb2_grpc, worker_pb2_grpc
 
+TIMING_TTL_S = 600   # a deployment's reported batch times outlive its schedulers this long: restarts start from them
 QUEUE_DEPTH = Gauge("academus_scheduler_queue_depth", "Jobs waiting for a worker")
 BUFFER_DEPTH = Gauge("academus_scheduler_buffer_depth", "Waiting dispatch units (length-aware buffer elements)")
 LOST_CODES = (grpc.StatusCode.UNAVAILABLE,)
@@ -297,12 +298,23 @@ async def build() -> ServiceSpec:
                                                      "models": json.dumps(dispatcher.model_load())}
         if prefetcher is not None:
             load |= prefetcher.stats
+        await seed_timings()
         pipe = redis.pipeline(transaction=True)
         pipe.hset(keys.load(state["id"]), mapping=load)
         pipe.pexpire(keys.load(state["id"]), load_ttl_ms)
+        for model, timings in dispatcher.timings().items():
+            pipe.hset(keys.timing(config.policy, model), mapping=timings)
+            pipe.expire(keys.timing(config.policy, model), TIMING_TTL_S)
         await pipe.execute()
         QUEUE_DEPTH.set(load["queued"])
         BUFFER_DEPTH.set(load["buffer"])
+
+    async def seed_timings() -> None:
+        """The models this scheduler runs and has not timed yet start from what its deployment reported."""
+        for model in sorted({m for g in dispatcher.groups for m in g.models} - dispatcher.service_s.keys()):
+            timings = await redis.hgetall(keys.timing(config.policy, model))
+            if timings and dispatcher.seed(model, {k: float(v) for k, v in timings.items()}):
+                log_event("timings_seeded", model=model, **{k: float(v) for k, v in timings.items()})
 
     async def load_reporter() -> None:
         while True:

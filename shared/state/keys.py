@@ -127,6 +127,11 @@ class Keys:
         """Set of scheduler ids (members whose heartbeat expired are skipped and pruned)."""
         return f"{self.prefix}:schedulers"
 
+    def timing(self, policy: str, model: str) -> str:
+        """Hash: a deployment's smoothed batch times for `model` (service_s, batch_texts, token_s, token_dev), which
+        its schedulers report; a scheduler that starts (or restarts) admits on them until it has timed its own."""
+        return f"{self.prefix}:timing:{policy}:{model}"
+
     def load(self, scheduler_id: str) -> str:
         """Hash: queue depth, idle groups, and `models` (JSON: per-model buffer/groups/idle/busy)."""
         return f"{self.prefix}:load:{scheduler_id}"

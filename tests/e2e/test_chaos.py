@@ -96,6 +96,9 @@ def test_a_killed_scheduler_is_restarted_on_its_address_and_serves_again(mesh):
     restarted = MeshState.load(Path(mesh.run_dir))
     assert [s.address for s in restarted.services] == [s.address for s in mesh.services]
     wait_for(lambda: answered_ok(mesh, key_of(mesh)), timeout_s=30, what="requests answered again")
+    # it admits on the batch times its predecessor reported, not on nothing (the first one found none)
+    log = Path(mesh.run_dir) / "logs" / "scheduler.log"
+    assert '"timings_seeded"' in log.read_text()
 
 
 def test_a_killed_worker_loses_no_request_and_is_placed_again(mesh):

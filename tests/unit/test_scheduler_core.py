@@ -614,6 +614,28 @@ async def test_a_batch_running_longer_than_measured_raises_the_admission_estimat
     assert await asyncio.gather(*jobs) == [0, 1, 2, 3]
 
 
+async def test_a_scheduler_seeded_with_its_deployments_timings_admits_on_them_until_it_times_its_own():
+    """A restarted scheduler has timed nothing: on the running batches' time alone (near 0) it let a backlog in
+    past the wait bound. Seeded with the 0.5 s batches its predecessor reported, it refuses at once what would
+    wait past 1 s. A model timed here keeps its own times; timings without a batch time seed nothing."""
+    d, clock, fake = make_dispatcher({"w0": {"spam"}})
+    d.max_queue_wait_s = 1.0
+    reported = {"service_s": 0.5, "batch_texts": 1.0}
+    assert d.seed("spam", reported) and d.timings() == {"spam": reported}
+    jobs = [asyncio.create_task(d.submit(make_job(clock, payload=i))) for i in range(3)]   # one runs, two wait
+    await settle()
+    with pytest.raises(ResourceExhausted, match="about 1500 ms of work ahead"):
+        await asyncio.wait_for(d.submit(make_job(clock)), 1)
+    assert not d.seed("spam", {"service_s": 9.0}) and d.service_s["spam"] == 0.5
+    assert not d.seed("ham", {"token_s": 0.1}) and "ham" not in d.timings()
+    for k in range(3):
+        clock.now += 0.25
+        fake.calls[k][2].set_result(k)
+        await settle()
+    assert await asyncio.gather(*jobs) == [0, 1, 2]
+    assert d.service_s["spam"] == pytest.approx(0.5 * 0.8 ** 3 + 0.25 * (1 - 0.8 ** 3))   # its own take over
+
+
 def row_job(clock: Clock, payload: object = None) -> Job:
     """One text that fills a concat row of 128 tokens."""
     return Job(model="spam", payload=payload, num_texts=1, num_tokens=128, deadline=clock() + 5.0,
