@@ -309,12 +309,21 @@ async def build() -> ServiceSpec:
         QUEUE_DEPTH.set(load["queued"])
         BUFFER_DEPTH.set(load["buffer"])
 
+    sought: set[str] = set()   # looked up once: a model its deployment had not timed then starts from its own
+
     async def seed_timings() -> None:
         """The models this scheduler runs and has not timed yet start from what its deployment reported."""
-        for model in sorted({m for g in dispatcher.groups for m in g.models} - dispatcher.service_s.keys()):
-            timings = await redis.hgetall(keys.timing(config.policy, model))
-            if timings and dispatcher.seed(model, {k: float(v) for k, v in timings.items()}):
-                log_event("timings_seeded", model=model, **{k: float(v) for k, v in timings.items()})
+        new = sorted({m for g in dispatcher.groups for m in g.models} - dispatcher.service_s.keys() - sought)
+        if not new:
+            return
+        sought.update(new)
+        pipe = redis.pipeline(transaction=False)
+        for model in new:
+            pipe.hgetall(keys.timing(config.policy, model))
+        for model, reported in zip(new, await pipe.execute(), strict=True):
+            timings = {name: float(value) for name, value in reported.items()}
+            if timings and dispatcher.seed(model, timings):
+                log_event("timings_seeded", model=model, **timings)
 
     async def load_reporter() -> None:
         while True:
