@@ -460,13 +460,27 @@ class SchedulerDirectory:
         self._down_until: dict[str, float] = {}   # address -> until when it is tried last (it said UNAVAILABLE)
         self._served_at: dict[str, float] = {}    # model -> when a scheduler last answered one of its requests
         self._refreshed_at = float("-inf")
+        self._reading: asyncio.Future[None] | None = None   # the registry read under way, shared by its callers
 
     @property
     def addresses(self) -> list[str]:
         return [d.address for d in self.deployments]
 
     async def refresh(self) -> None:
-        """The live deployments from Redis; unreachable, Unavailable (nothing ran: the quota token goes back)."""
+        """The live deployments from Redis; unreachable, Unavailable (nothing ran: the quota token goes back).
+        Callers meanwhile share one read: a scheduler's death fails every request in flight to it at once, and a
+        read each would cost the gateway's core while that scheduler restarts beside it."""
+        if self._reading is None:
+            self._reading = asyncio.ensure_future(self._read_registry())
+            self._reading.add_done_callback(self._read_done)
+        await asyncio.shield(self._reading)   # a caller that leaves does not cancel the others' read
+
+    def _read_done(self, reading: asyncio.Future[None]) -> None:
+        self._reading = None
+        if not reading.cancelled():
+            reading.exception()   # retrieved: every caller may have left
+
+    async def _read_registry(self) -> None:
         try:
             ids = sorted(await self.redis.smembers(self.keys.schedulers()))
             found = [await self.redis.hgetall(self.keys.scheduler(i)) for i in ids]
@@ -553,8 +567,7 @@ class SchedulerDirectory:
                 self.push_back(address, model, error.pushback_ms)
             elif isinstance(error, Unavailable):
                 self._down_until[address] = self.clock() + DOWN_S
-                with contextlib.suppress(Unavailable):   # registry unreachable: the list as it was, less `tried`
-                    await self.refresh()
+                await self._reread(HOLD_WAIT_S)   # gone from the registry? (unreachable: the list as it was)
             tried.add(address)
             if self.clock() >= deadline:
                 raise error
@@ -567,13 +580,19 @@ class SchedulerDirectory:
     async def _hold(self, model: str, deadline: float, holds: int) -> bool:
         """No scheduler can take a request of `model` now. If one served it within HOLD_S, one is likely
         restarting (a supervised scheduler serves again 0.7 s after it died or deregistered, measured in
-        docs/benchmarks/reliability.md): wait HOLD_WAIT_S, re-read the registry, and say to try again.
-        False: never served lately, past the deadline, or held HOLD_S already: the caller answers now."""
+        docs/benchmarks/reliability.md): wait HOLD_WAIT_S, re-read the registry unless read meanwhile, and say to
+        try again. False: never served lately, past the deadline, or held HOLD_S already: the caller answers now."""
         now = self.clock()
         if (now - self._served_at.get(model, float("-inf")) > HOLD_S or now + HOLD_WAIT_S >= deadline
                 or holds * HOLD_WAIT_S >= HOLD_S):
             return False
-        await asyncio.sleep(HOLD_WAIT_S)
-        with contextlib.suppress(Unavailable):
-            await self.refresh()
+        await asyncio.sleep(HOLD_WAIT_S)   # each on its own timer: a restarted scheduler meets a trickle, not a herd
+        await self._reread(HOLD_WAIT_S)
         return True
+
+    async def _reread(self, age_s: float) -> None:
+        """The registry again unless read within `age_s`: a restart under load holds hundreds of requests, and a
+        read each every HOLD_WAIT_S would take the core the restarting scheduler needs. Unreachable: as it was."""
+        if self.clock() - self._refreshed_at >= age_s:
+            with contextlib.suppress(Unavailable):
+                await self.refresh()
