@@ -444,38 +444,13 @@ async def test_a_request_waits_within_its_deadline_for_a_scheduler_that_served_i
 async def test_requests_held_together_share_each_registry_read(redis_url):
     """A scheduler killed under load leaves hundreds of requests held at once: each tries again on its own timer
     (the restarted scheduler meets a trickle), but they share the registry reads, about one a HOLD_WAIT_S rather
-    than one each, so the gateway's core stays with the scheduler restarting beside it."""
-    from academus.services.gateway.core import HOLD_WAIT_S, SchedulerDirectory
-    from academus.shared.runtime.errors import Unavailable, Unreachable
+    than one each, so the gateway's core stays with the scheduler restarting beside it (the hold_cost probe)."""
+    from academus.loadgen.probes.hold_cost import hold_round
+    from academus.services.gateway.core import HOLD_WAIT_S
 
-    redis = connect(redis_url)
-    await redis.sadd(KEYS.schedulers(), "r0")
-    await redis.hset(KEYS.scheduler("r0"), mapping={"address": "r:0", "policy": "padded", "models": "spam"})
-    directory = SchedulerDirectory(redis, KEYS)
-    await directory.refresh()
-    refusing = [False]
-
-    async def send(address: str) -> str:
-        if refusing[0]:
-            raise Unreachable(f"{address}: connection refused")
-        return address
-
-    await directory.route("spam", "", time.monotonic() + 5, send)   # served: a later failure is held
-    refusing[0] = True
-
-    async def reads() -> int:
-        return (await redis.info("commandstats")).get("cmdstat_smembers", {}).get("calls", 0)
-
-    before, started = await reads(), time.monotonic()
-    held = [directory.route("spam", "", started + 0.5, send) for _ in range(200)]
-    outcomes = await asyncio.gather(*held, return_exceptions=True)
-    ticks = (time.monotonic() - started) / HOLD_WAIT_S
-    assert all(isinstance(o, Unavailable) for o in outcomes)          # each answered within its deadline
-    assert await reads() - before <= 2 * ticks + 3                  # a read each: 200 a tick, twice over
-    refusing[0] = False
-    assert await asyncio.gather(*(directory.route("spam", "", time.monotonic() + 5, send) for _ in range(3))) == \
-        ["r:0"] * 3
-    await redis.aclose()
+    held = await hold_round(redis_url, 200, 0.5)
+    assert held["answered_unavailable"] == 200                       # each answered, at its deadline
+    assert held["registry_reads"] <= 2 * held["wall_s"] / HOLD_WAIT_S + 3   # a read each: 200 a HOLD_WAIT_S
 
 
 def test_an_unknown_policy_is_invalid_and_names_the_known_ones():
