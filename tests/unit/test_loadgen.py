@@ -115,6 +115,26 @@ def test_chaos_overload_targets_judge_refusal_time_goodput_and_loss():
     assert refusal_p99([Record(0.0, 3.0, "OK")]) is None
 
 
+def test_chaos_charges_a_fault_the_failures_beyond_the_reference_in_the_seconds_after_it():
+    """Past capacity fault-free runs fail different shares; the fault's cost is what the requests sent in the
+    NEAR_FAULT_S after it failed beyond the same seconds of the reference, as a share of the whole run."""
+    from academus.loadgen.chaos_bench import NEAR_FAULT_S, against_reference, tally
+
+    def run(far: list[str], near: list[str]) -> dict:
+        records = [Record(1.0, 5.0, code) for code in far] + [Record(10.0 + NEAR_FAULT_S / 2, 5.0, c) for c in near]
+        return {"sent": len(records), "failed": sum(c != "OK" for c in far + near), "p99_models": [],
+                "near_fault": tally(records, lambda r: 0 <= r.sent_at - 10.0 < NEAR_FAULT_S),
+                "failed_pct": 0.0, "p99_by_models": {}}
+
+    reference = run(["OK"] * 40 + ["RESOURCE_EXHAUSTED"] * 40, ["OK"] * 10 + ["RESOURCE_EXHAUSTED"] * 10)
+    faulted = run(["OK"] * 28 + ["RESOURCE_EXHAUSTED"] * 52, ["OK"] * 4 + ["UNAVAILABLE"] * 16)
+    figures = against_reference(faulted, reference)
+    assert (figures["excess_failed"], figures["excess_failed_pct"]) == (18, 18.0)   # 68 failed against 50
+    assert (figures["excess_near_fault"], figures["excess_near_fault_pct"]) == (6, 6.0)   # 16 against 20 x 0.5
+    lucky = against_reference(run(["OK"] * 80, ["OK"] * 10 + ["RESOURCE_EXHAUSTED"] * 10), reference)
+    assert lucky["excess_near_fault"] == lucky["excess_failed"] == 0
+
+
 def test_chaos_refusals_are_told_apart_by_where_they_were_given():
     from academus.loadgen.chaos_bench import refusals_by_origin
 
