@@ -52,7 +52,6 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 import redis
 from prometheus_client.samples import Sample
@@ -111,8 +110,7 @@ FAULTS = {f.name: f for f in (
 TARGETS = {"kill": (("lost", 0), ("excess_near_fault_pct", 5.0), ("recover_s", 5.0)),
            "term": (("lost", 0), ("excess_failed", 0)),
            "redis": (("excess_near_fault_pct", 5.0), ("key_works_after", True))}
-WINDOW_S = 5   # failures are tallied by the second a request was sent, in windows this long
-NEAR_FAULT_S = 5.0   # the seconds after a fault whose failures are its cost: the target's time to be back
+NEAR_FAULT_S = 5.0   # a fault's cost: the failures of the seconds after it, this many at least
 REFUSAL_P99_MS, GOODPUT_SHARE = 50.0, 0.9   # past capacity (--load > 1), the fault-free run's targets
 SOAK_LOAD, SOAK_RSS_GROWTH_MIB = 0.7, 100.0  # --soak: the load, and the mesh's RSS growth allowed in its second half
 CHURN_BASE, CHURN_MODEL, CHURN_S, CHURN_LIVE, CHURN_REQUESTS = "minilm", "support", 2.0, 4, 5
@@ -583,10 +581,7 @@ def summarize(bench: Bench, runs: list[RunResult], extra: dict) -> dict:
            "goodput_rps": round(sum(goodput.values()), 1),
            "goodput_rps_by_model": {model: round(rps, 1) for model, rps in goodput.items()},
            "send_late_p99_ms": round(percentile([r.late_ms for r in records], 99), 2),
-           "near_fault": tally(records, lambda r: 0 <= r.sent_at - (bench.args.fault_at if at is None else at)
-                               < NEAR_FAULT_S),
-           "failed_by_window": [tally(records, lambda r, w=w: w <= r.sent_at < w + WINDOW_S)
-                                for w in range(0, math.ceil(bench.args.duration), WINDOW_S)]}
+           "failed_by_second": failed_by_second(records, bench.args.duration)}
     if at is not None:
         out["errors_after_fault"] = dict(Counter(r.code for r in failed if r.sent_at >= at))
         out["recover_s"] = recover_s(runs, affected, at) if affected else None
@@ -643,26 +638,42 @@ def recover_s(runs: list[RunResult], affected: set[str], at: float) -> float | N
     return round(min(done) - at, 3) if done else None
 
 
-def tally(records: list, where: Callable[[Any], bool]) -> dict[str, int]:
-    chosen = [r for r in records if where(r)]
-    return {"sent": len(chosen), "failed": sum(r.code != "OK" for r in chosen)}
+def failed_by_second(records: list, duration_s: float) -> list[list[int]]:
+    """[sent, failed] of the requests sent in each second of the run."""
+    seconds = [[0, 0] for _ in range(math.ceil(duration_s))]
+    for r in records:
+        second = seconds[min(int(r.sent_at), len(seconds) - 1)]
+        second[0] += 1
+        second[1] += r.code != "OK"
+    return seconds
 
 
-def share(t: dict[str, int]) -> float:
-    return t["failed"] / max(t["sent"], 1)
+def near_fault(figures: dict) -> range:
+    """The seconds the fault hit: from it until its victim serves again, NEAR_FAULT_S at least."""
+    at = figures["fault_at_s"]
+    return range(int(at), math.ceil(at + max(NEAR_FAULT_S, figures.get("victim_back_s") or 0.0)))
+
+
+def excess_near_fault(figures: dict, reference: dict) -> float:
+    """The requests sent in the seconds the fault hit that failed beyond the share of the same seconds of the
+    reference run."""
+    seconds = near_fault(figures)
+    sent, failed = (sum(figures["failed_by_second"][s][i] for s in seconds) for i in (0, 1))
+    ref_sent, ref_failed = (sum(reference["failed_by_second"][s][i] for s in seconds) for i in (0, 1))
+    return max(0.0, failed - sent * ref_failed / max(ref_sent, 1))
 
 
 def against_reference(figures: dict, reference: dict) -> dict:
-    """Failures beyond the reference run's (same schedule, no fault): over the whole runs, and among the requests
-    sent in the NEAR_FAULT_S after the fault against the same seconds of the reference; and the p99 of the same
-    models there. Past capacity, fault-free runs fail shares that differ by more than the 5 % target, in windows
-    that do not keep their difference, so only the seconds the fault hit say what it cost."""
+    """Failures beyond the reference run's (same schedule, no fault): over the whole runs, and in the seconds the
+    fault hit (`near_fault`); and the p99 of the same models there. Past capacity, fault-free runs fail shares
+    that differ by more than the 5 % target, in seconds that do not keep their difference, so only the seconds
+    the fault hit say what it cost."""
     base_failed = reference["failed"] * figures["sent"] / max(reference["sent"], 1)
-    excess = max(0.0, figures["failed"] - base_failed)
-    near, sent = figures["near_fault"], max(figures["sent"], 1)
-    near_excess = max(0.0, near["failed"] - near["sent"] * share(reference["near_fault"]))
+    excess, near = max(0.0, figures["failed"] - base_failed), excess_near_fault(figures, reference)
+    sent = max(figures["sent"], 1)
     return {"excess_failed": round(excess), "excess_failed_pct": round(100 * excess / sent, 2),
-            "excess_near_fault": round(near_excess), "excess_near_fault_pct": round(100 * near_excess / sent, 2),
+            "excess_near_fault": round(near), "excess_near_fault_pct": round(100 * near / sent, 2),
+            "near_fault_s": len(near_fault(figures)),
             "reference_failed_pct": reference["failed_pct"],
             "reference_p99_ms": reference["p99_by_models"].get("+".join(figures["p99_models"]))}
 

@@ -115,23 +115,29 @@ def test_chaos_overload_targets_judge_refusal_time_goodput_and_loss():
     assert refusal_p99([Record(0.0, 3.0, "OK")]) is None
 
 
-def test_chaos_charges_a_fault_the_failures_beyond_the_reference_in_the_seconds_after_it():
-    """Past capacity fault-free runs fail different shares; the fault's cost is what the requests sent in the
-    NEAR_FAULT_S after it failed beyond the same seconds of the reference, as a share of the whole run."""
-    from academus.loadgen.chaos_bench import NEAR_FAULT_S, against_reference, tally
+def test_chaos_charges_a_fault_the_failures_beyond_the_reference_in_the_seconds_it_hit():
+    """Past capacity fault-free runs fail different shares; a fault's cost is what the requests sent from it until
+    its victim served again (NEAR_FAULT_S at least) failed beyond the same seconds of the reference, as a share of
+    the whole run."""
+    from academus.loadgen.chaos_bench import against_reference, failed_by_second
 
-    def run(far: list[str], near: list[str]) -> dict:
-        records = [Record(1.0, 5.0, code) for code in far] + [Record(10.0 + NEAR_FAULT_S / 2, 5.0, c) for c in near]
-        return {"sent": len(records), "failed": sum(c != "OK" for c in far + near), "p99_models": [],
-                "near_fault": tally(records, lambda r: 0 <= r.sent_at - 10.0 < NEAR_FAULT_S),
-                "failed_pct": 0.0, "p99_by_models": {}}
+    def run(far: list[str], near: list[str], late: list[str], back_s: float | None = None) -> dict:
+        records = [Record(1.5, 5.0, c) for c in far] + [Record(12.5, 5.0, c) for c in near] + \
+            [Record(17.5, 5.0, c) for c in late]
+        codes = far + near + late
+        return {"sent": len(records), "failed": sum(c != "OK" for c in codes), "p99_models": [], "failed_pct": 0.0,
+                "p99_by_models": {}, "failed_by_second": failed_by_second(records, 30.0), "fault_at_s": 10.0,
+                "victim_back_s": back_s}
 
-    reference = run(["OK"] * 40 + ["RESOURCE_EXHAUSTED"] * 40, ["OK"] * 10 + ["RESOURCE_EXHAUSTED"] * 10)
-    faulted = run(["OK"] * 28 + ["RESOURCE_EXHAUSTED"] * 52, ["OK"] * 4 + ["UNAVAILABLE"] * 16)
+    half = ["OK"] * 10 + ["RESOURCE_EXHAUSTED"] * 10
+    reference = run(["OK"] * 30 + ["RESOURCE_EXHAUSTED"] * 30, half, half)
+    faulted = run(["OK"] * 16 + ["RESOURCE_EXHAUSTED"] * 44, ["OK"] * 4 + ["UNAVAILABLE"] * 16, ["UNAVAILABLE"] * 20)
     figures = against_reference(faulted, reference)
-    assert (figures["excess_failed"], figures["excess_failed_pct"]) == (18, 18.0)   # 68 failed against 50
-    assert (figures["excess_near_fault"], figures["excess_near_fault_pct"]) == (6, 6.0)   # 16 against 20 x 0.5
-    lucky = against_reference(run(["OK"] * 80, ["OK"] * 10 + ["RESOURCE_EXHAUSTED"] * 10), reference)
+    assert (figures["excess_failed"], figures["excess_failed_pct"]) == (30, 30.0)   # 80 failed against 50
+    assert (figures["near_fault_s"], figures["excess_near_fault"]) == (5, 6)       # 16 against 20 x 0.5, 10-14 s
+    slow = against_reference(faulted | {"victim_back_s": 8.2}, reference)         # back at 18.2 s: 10-18 s
+    assert (slow["near_fault_s"], slow["excess_near_fault"], slow["excess_near_fault_pct"]) == (9, 16, 16.0)
+    lucky = against_reference(run(["OK"] * 60, half, half), reference)
     assert lucky["excess_near_fault"] == lucky["excess_failed"] == 0
 
 
