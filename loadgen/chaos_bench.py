@@ -650,8 +650,8 @@ def failed_by_second(records: list, duration_s: float) -> list[list[int]]:
 
 def near_fault(figures: dict) -> range:
     """The seconds the fault hit: from it until its victim serves again, NEAR_FAULT_S at least."""
-    at = figures["fault_at_s"]
-    return range(int(at), math.ceil(at + max(NEAR_FAULT_S, figures.get("victim_back_s") or 0.0)))
+    at = figures["fault_at_s"]   # a few ms past its second: rounded, so 5 s are 5 seconds, not 6
+    return range(round(at), round(at + max(NEAR_FAULT_S, figures.get("victim_back_s") or 0.0)))
 
 
 def excess_near_fault(figures: dict, reference: dict) -> float:
