@@ -37,25 +37,28 @@ def _rounded(value: float | None, digits: int = 3) -> float | None:
 def timeline(records: Sequence[Record], duration_s: float, bin_s: float = 1.0) -> list[dict]:
     """Bins of `bin_s` seconds from the start. A request is offered in the bin it was sent in; its
     answer (OK or error), latency and student count land in the bin it came back in, so the tail
-    after the last send gets bins too."""
+    after the last send gets bins too. `offered_failed`: of the requests offered in a bin, those that
+    failed (what a fault at that time cost)."""
     end = max([duration_s, *(r.done_at for r in records)])
     count = max(1, math.ceil(end / bin_s))
 
     def index(t: float) -> int:
         return min(count - 1, max(0, int(t / bin_s)))
 
-    offered, errors = [0] * count, [0] * count
+    offered, offered_failed, errors = [0] * count, [0] * count, [0] * count
     latencies: list[list[float]] = [[] for _ in range(count)]
     students: list[list[int]] = [[] for _ in range(count)]
     for r in records:
-        offered[index(r.sent_at)] += 1
-        done = index(r.done_at)
+        sent, done = index(r.sent_at), index(r.done_at)
+        offered[sent] += 1
         if r.code == "OK":
             latencies[done].append(r.latency_ms)
             students[done].append(r.students)
         else:
+            offered_failed[sent] += 1
             errors[done] += 1
-    return [{"t": round(i * bin_s, 3), "offered": offered[i], "completed": len(latencies[i]), "errors": errors[i],
+    return [{"t": round(i * bin_s, 3), "offered": offered[i], "offered_failed": offered_failed[i],
+             "completed": len(latencies[i]), "errors": errors[i],
              "p50_ms": _rounded(percentile(latencies[i], 50)) if latencies[i] else None,
              "p95_ms": _rounded(percentile(latencies[i], 95)) if latencies[i] else None,
              "students_mean": _rounded(statistics.fmean(students[i])) if students[i] else None}

@@ -42,7 +42,6 @@ import asyncio
 import contextlib
 import functools
 import json
-import math
 import os
 import signal
 import sys
@@ -57,7 +56,7 @@ import redis
 from prometheus_client.samples import Sample
 
 from academus.client import AcademusError, AsyncClient, Client
-from academus.loadgen import plots, runner, schedule, texts
+from academus.loadgen import analysis, plots, runner, schedule, texts
 from academus.loadgen.bench import write_summary
 from academus.loadgen.runner import GatewaySpread, RunResult
 from academus.loadgen.stats import percentile
@@ -639,13 +638,8 @@ def recover_s(runs: list[RunResult], affected: set[str], at: float) -> float | N
 
 
 def failed_by_second(records: list, duration_s: float) -> list[list[int]]:
-    """[sent, failed] of the requests sent in each second of the run."""
-    seconds = [[0, 0] for _ in range(math.ceil(duration_s))]
-    for r in records:
-        second = seconds[min(int(r.sent_at), len(seconds) - 1)]
-        second[0] += 1
-        second[1] += r.code != "OK"
-    return seconds
+    """[sent, failed] of the requests sent in each second of the run (the report's timeline, by when sent)."""
+    return [[b["offered"], b["offered_failed"]] for b in analysis.timeline(records, duration_s)]
 
 
 def near_fault(figures: dict) -> range:
@@ -654,10 +648,9 @@ def near_fault(figures: dict) -> range:
     return range(round(at), round(at + max(NEAR_FAULT_S, figures.get("victim_back_s") or 0.0)))
 
 
-def excess_near_fault(figures: dict, reference: dict) -> float:
-    """The requests sent in the seconds the fault hit that failed beyond the share of the same seconds of the
-    reference run."""
-    seconds = near_fault(figures)
+def excess_near_fault(figures: dict, reference: dict, seconds: range) -> float:
+    """The requests sent in `seconds` (those the fault hit) that failed beyond the share of the same seconds of
+    the reference run."""
     sent, failed = (sum(figures["failed_by_second"][s][i] for s in seconds) for i in (0, 1))
     ref_sent, ref_failed = (sum(reference["failed_by_second"][s][i] for s in seconds) for i in (0, 1))
     return max(0.0, failed - sent * ref_failed / max(ref_sent, 1))
@@ -669,11 +662,11 @@ def against_reference(figures: dict, reference: dict) -> dict:
     that differ by more than the 5 % target, in seconds that do not keep their difference, so only the seconds
     the fault hit say what it cost."""
     base_failed = reference["failed"] * figures["sent"] / max(reference["sent"], 1)
-    excess, near = max(0.0, figures["failed"] - base_failed), excess_near_fault(figures, reference)
-    sent = max(figures["sent"], 1)
+    excess, seconds = max(0.0, figures["failed"] - base_failed), near_fault(figures)
+    near, sent = excess_near_fault(figures, reference, seconds), max(figures["sent"], 1)
     return {"excess_failed": round(excess), "excess_failed_pct": round(100 * excess / sent, 2),
             "excess_near_fault": round(near), "excess_near_fault_pct": round(100 * near / sent, 2),
-            "near_fault_s": len(near_fault(figures)),
+            "near_fault_s": len(seconds),
             "reference_failed_pct": reference["failed_pct"],
             "reference_p99_ms": reference["p99_by_models"].get("+".join(figures["p99_models"]))}
 
@@ -769,9 +762,8 @@ TABLE_KEYS = ("sent", "failed_pct", "excess_failed", "excess_near_fault", "lost"
 
 def table(summary: dict) -> str:
     head = f"{'fault':<15} {'sent':>5} {'failed%':>7} {'excess':>6} {'near':>5} {'lost':>4} {'recover_s':>9} " \
-           f"{'back_s':>6} " \
-           f"{'p99_ms':>8} {'ref_p99':>8} {'refuse99':>8} {'probe99':>8} {'gw_ref99':>8} {'goodput':>7} " \
-           f"{'gauges0_s':>9}  errors"
+           f"{'back_s':>6} {'p99_ms':>8} {'ref_p99':>8} {'refuse99':>8} {'probe99':>8} {'gw_ref99':>8} " \
+           f"{'goodput':>7} {'gauges0_s':>9}  errors"
     lines = [head]
     for name, f in summary["runs"].items():
         cells = [f.get(k) for k in TABLE_KEYS]

@@ -326,6 +326,7 @@ def test_timeline_bins_sends_and_answers_by_second():
     assert [b["offered"] for b in bins] == [3, 2, 0]
     assert [b["completed"] for b in bins] == [1, 2, 1]      # answers at 0.2 | 1.2, 1.1 | 2.5
     assert [b["errors"] for b in bins] == [0, 1, 0]
+    assert [b["offered_failed"] for b in bins] == [0, 1, 0]   # by when it was sent: 1.2 s
     assert bins[0]["p50_ms"] == 100.0 and bins[1]["students_mean"] == 3.5 and bins[2]["p50_ms"] == 1000.0
 
 
