@@ -29,6 +29,7 @@ from academus.shared.runtime.tracing import server_interceptors, setup_tracing, 
 
 T = TypeVar("T")
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+RECANCEL_S = 0.1   # a stopping service cancels a background task still running again this often
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -151,13 +152,19 @@ class RunningService:
         log_event("stopped", service=self.spec.name, seconds=took, local_connections_cut=cut)
 
     async def _cancel_tasks(self) -> None:
-        """Cancels the background tasks and waits for them at most the grace period: a task that
-        swallows its cancellation (a library's blocking read can) must not hang the shutdown."""
-        for task in self._tasks:
-            task.cancel()
+        """Cancels the background tasks and waits for them at most the grace period. A task whose
+        cancellation a library swallowed (turned into an error that the task's loop catches) runs on:
+        it is cancelled again every RECANCEL_S, so its next await ends it."""
         if not self._tasks:
             return
-        done, stuck = await asyncio.wait(self._tasks, timeout=self.spec.config.grace_s)
+        stuck, end = set(self._tasks), time.monotonic() + self.spec.config.grace_s
+        while True:
+            for task in stuck:
+                task.cancel()
+            _, stuck = await asyncio.wait(stuck, timeout=min(RECANCEL_S, max(end - time.monotonic(), 0.0)))
+            if not stuck or time.monotonic() >= end:
+                break
+        done = [t for t in self._tasks if t.done()]
         for task in done:  # retrieved, so asyncio does not report it as never retrieved
             if not task.cancelled() and task.exception():
                 log_event("task_failed", logging.ERROR, service=self.spec.name, error=repr(task.exception()))
