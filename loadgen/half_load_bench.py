@@ -15,6 +15,8 @@ elements growing to twice max_merge while a full buffer's worth queues, or the p
 (ACADEMUS_OVERLOAD_MERGE 0 / 1). `merge_8`: merges of 8 at every load against 4.
 `local_plane`: the hops of one node over its Unix sockets, or every hop on a gRPC stream (ACADEMUS_LOCAL_PLANE
 true / false). `trace_ratio`: one request in 100 traced, or every one (ACADEMUS_TRACE_RATIO 0.01 / 1).
+`compute_nice`: the workers' processes and autogroups at nice 10, below the gateway's and schedulers', or equal
+shares (ACADEMUS_COMPUTE_NICE 10 / 0).
 `drop_doomed`, `honour_pushback`: see overload_bench.
 `workers`, `instances`: mesh options, not switches: three worker processes (student groups, on CPU) against
 student_bench's two; two compute threads a worker against one. `artifacts`: the models of --other-artifacts

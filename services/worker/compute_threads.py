@@ -7,7 +7,8 @@ that thread's slice (EEVDF lets the running task reach parity first): once a hop
 A SCHED_IDLE compute thread is preempted by any other thread at once, so a hop never waits behind a
 forward pass, and the forward pass still has the core whenever nothing else wants it. Its process's
 CPU share against other processes is unchanged where each service runs in its own autogroup or cgroup
-(`academus up` starts each in its own session; Kubernetes, each in its own container). On a GPU the
+(`academus up` starts each in its own session; Kubernetes, each in its own container): that share is
+WorkerConfig.compute_nice's (`yield_cpu_to_serving`). On a GPU the
 compute threads mostly wait for the device, and the policy changes little.
 
 The default is `normal`: on this project's 2-core box `idle` bought 0-6 % of the students' latency at
@@ -25,6 +26,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -51,6 +53,35 @@ def apply_compute_policy(name: str) -> str:
         return "normal"
     os.sched_setscheduler(0, policy, os.sched_param(0))
     return policy_of_this_thread()
+
+
+def yield_cpu_to_serving(nice: int) -> dict[str, int | None]:
+    """The worker's CPU share below the control plane's (WorkerConfig.nice): the nice value of this process's
+    autogroup, and of each of its threads. `academus up` starts each service in a session of its own, and so
+    in an autogroup of its own, whose nice value sets its share against the others'; a thread's own nice value
+    counts only against threads of its group (a container's cgroup, where autogroups do not apply). The
+    autogroup's is set only by a session leader: in a terminal's session it would slow the terminal too.
+    Raising a nice value needs no privilege. Returns what is in force (None: the OS has no such knob)."""
+    if nice <= 0:
+        return {"autogroup": None, "threads": None}
+    return {"autogroup": _nice_autogroup(nice) if os.getsid(0) == os.getpid() else None,
+            "threads": min(_nice_thread(int(task.name), nice) for task in Path("/proc/self/task").iterdir())}
+
+
+def _nice_autogroup(nice: int) -> int | None:
+    try:
+        Path("/proc/self/autogroup").write_text(str(nice))
+        return int(Path("/proc/self/autogroup").read_text().split()[-1])
+    except (OSError, ValueError):   # no autogroups, or not this kernel's file format
+        return None
+
+
+def _nice_thread(tid: int, nice: int) -> int:
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+    except OSError:   # the thread ended meanwhile
+        return nice
+    return os.getpriority(os.PRIO_PROCESS, tid)
 
 
 def start_compute_thread(sched: str, device: torch.device) -> None:

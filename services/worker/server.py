@@ -18,7 +18,7 @@ import torch
 from prometheus_client import Counter, Gauge
 
 from academus.services.worker.adapters import AdapterCache, StoreFetcher, TenantBatch
-from academus.services.worker.compute_threads import ComputePool
+from academus.services.worker.compute_threads import ComputePool, yield_cpu_to_serving
 from academus.services.worker.core import CallerLeft, ModelRunner, device_label
 from academus.services.worker.exits import Release
 from academus.services.worker.host_tier import HostAdapters, HostWarmer
@@ -338,6 +338,8 @@ class Registration:
 
 async def build() -> ServiceSpec:
     config = cfg.load(cfg.WorkerConfig)
+    if config.compute_nice:   # before torch starts its threads, which inherit it
+        log_event("compute_nice", **yield_cpu_to_serving(config.compute_nice))
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     worker_id = config.worker_id or f"worker-{os.getpid()}-{uuid.uuid4().hex[:6]}"

@@ -440,6 +440,9 @@ class WorkerConfig(CommonConfig):
                                         "ablation)")
     compute_sched: str = setting("normal", "Linux policy of the compute threads: idle means any serving thread "
                                            "preempts them at once", one_of(*COMPUTE_SCHEDS))
+    compute_nice: int = setting(0, "nice value of the worker's process and its session's autogroup: its CPU share "
+                                   "below the gateway's and schedulers' on a shared node; 0: equal shares",
+                                between(0, 19, "Linux nice values a process may raise itself to"))
     student_lane: bool = setting(True, "student groups' batches get compute threads of their own, beside the whole "
                                        "models' (off: one queue for every batch, the ablation)")
     adapter_store: str = setting("", "host:port; empty: looked up in Redis")

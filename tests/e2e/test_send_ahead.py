@@ -1,7 +1,8 @@
 """The opt-in serving settings on the real mesh. ACADEMUS_SEND_AHEAD: busy student groups are sent their
 next element while they run one, every request is answered, and a worker killed with an element queued
 behind its running one loses no request. ACADEMUS_HOP_SLICE_US: every service thread runs on the short
-slice, the workers' compute threads on the kernel's."""
+slice, the workers' compute threads on the kernel's. ACADEMUS_COMPUTE_NICE: the workers yield the CPU to the
+control plane, their autogroups and every thread niced, the gateway's and scheduler's not."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def mesh(tmp_path_factory):
         run_dir=run_dir, artifacts=artifacts, gateway_port=0, workers=2, worker_threads=1, instances=1,
         deployments=[Deployment("student", MODEL)],
         env={"ACADEMUS_MODELS": MODEL, "ACADEMUS_SEND_AHEAD": "true", "ACADEMUS_ADAPT_WINDOW_S": "600",
-             "ACADEMUS_QUEUE_CAPACITY": "200", "ACADEMUS_GRACE_S": "10", "ACADEMUS_HOP_SLICE_US": "100"}))
+             "ACADEMUS_QUEUE_CAPACITY": "200", "ACADEMUS_GRACE_S": "10", "ACADEMUS_HOP_SLICE_US": "100",
+             "ACADEMUS_COMPUTE_NICE": "5"}))
     state.key = (run_dir / ADMIN_KEY_FILE).read_text().strip()
     r = redis.Redis.from_url(state.redis_url, decode_responses=True)
     r.set(Keys(state.key_prefix).students(MODEL), 1)  # two one-student groups, one on each worker
@@ -65,6 +67,22 @@ def test_the_services_threads_run_on_the_hop_slice_and_the_compute_threads_on_th
         if name.startswith("worker"):
             assert seen.pop(kernel, 0) >= 1, f"{name}: its compute thread on the kernel's slice: {slices}"
         assert set(seen) == {100_000}, f"{name}: every other thread on 0.1 ms: {slices}"
+
+
+def niceness(pid: int) -> tuple[int, set[int]]:
+    """A process's autogroup nice value and its threads' nice values."""
+    group = int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
+    return group, {os.getpriority(os.PRIO_PROCESS, int(t.name)) for t in Path(f"/proc/{pid}/task").iterdir()}
+
+
+@pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="the kernel has no autogroups")
+def test_the_workers_yield_the_cpu_to_the_gateway_and_scheduler(mesh):
+    """Each service runs in a session, so an autogroup, of its own; the workers' threads started after the
+    setting (compute, torch's) inherit it."""
+    assert not [a for a in asyncio.run(burst(mesh, 8, TEXT, timeout=60)) if isinstance(a, AcademusError)]
+    seen = {s.name: niceness(s.pid) for s in mesh.services}
+    assert seen == {name: (5, {5}) if name.startswith("worker") else (0, {0}) for name in seen}
+    assert {"worker-0", "worker-1", "gateway", "scheduler"} <= set(seen)
 
 
 def test_a_worker_killed_with_an_element_sent_ahead_loses_no_request(mesh):

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import subprocess
 import sys
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -67,6 +70,53 @@ async def test_the_pool_returns_results_raises_errors_and_survives_a_caller_that
     release.set()
     assert await pool.run(threading.current_thread) in pool.threads   # the thread serves the next batch
     pool.shutdown()
+
+
+NICE_PROBE = """
+import json, os, threading
+from pathlib import Path
+from academus.services.worker.compute_threads import yield_cpu_to_serving
+release = threading.Event()
+early = threading.Thread(target=release.wait)
+early.start()
+in_force = yield_cpu_to_serving(7)
+later = []
+late = threading.Thread(target=lambda: later.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+late.start(); late.join()
+print(json.dumps({"in_force": in_force, "early": os.getpriority(os.PRIO_PROCESS, early.native_id),
+                  "later": later[0], "autogroup": Path("/proc/self/autogroup").read_text().split()[-1]}))
+release.set()
+"""
+
+
+def nice_probe(new_session: bool) -> dict:
+    """The probe in a process of its own: a nice value, once raised, cannot be lowered back."""
+    done = subprocess.run([sys.executable, "-c", NICE_PROBE], capture_output=True, text=True, check=True,
+                          start_new_session=new_session)
+    return json.loads(done.stdout)
+
+
+@pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="the kernel has no autogroups")
+def test_a_worker_in_a_session_of_its_own_yields_the_cpu_with_its_autogroup_and_every_thread() -> None:
+    seen = nice_probe(new_session=True)
+    assert seen["in_force"] == {"autogroup": 7, "threads": 7}
+    assert (seen["early"], seen["later"], seen["autogroup"]) == (7, 7, "7")
+
+
+@pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="the kernel has no autogroups")
+def test_a_worker_in_a_shared_session_leaves_the_sessions_autogroup_alone() -> None:
+    """Started from a terminal, it must not slow the terminal's other processes."""
+    ours = Path("/proc/self/autogroup").read_text().split()[-1]
+    seen = nice_probe(new_session=False)
+    assert seen["in_force"] == {"autogroup": None, "threads": 7}
+    assert (seen["early"], seen["later"], seen["autogroup"]) == (7, 7, ours)
+
+
+def test_equal_shares_are_the_default_and_a_nice_value_is_checked() -> None:
+    assert cfg.load(cfg.WorkerConfig, env={}).compute_nice == 0
+    assert cfg.load(cfg.WorkerConfig, env={"ACADEMUS_COMPUTE_NICE": "10"}).compute_nice == 10
+    with pytest.raises(cfg.ConfigError, match=re.escape("ACADEMUS_COMPUTE_NICE=-5 must be in 0..19")):
+        cfg.load(cfg.WorkerConfig, env={"ACADEMUS_COMPUTE_NICE": "-5"})
 
 
 def test_normal_is_the_default_and_an_unknown_policy_is_refused() -> None:
