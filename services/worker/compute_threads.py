@@ -56,16 +56,17 @@ def apply_compute_policy(name: str) -> str:
 
 
 def yield_cpu_to_serving(nice: int) -> dict[str, int | None]:
-    """The worker's CPU share below the control plane's (WorkerConfig.nice): the nice value of this process's
+    """The worker's CPU share below the control plane's (WorkerConfig.compute_nice): the nice value of this process's
     autogroup, and of each of its threads. `academus up` starts each service in a session of its own, and so
     in an autogroup of its own, whose nice value sets its share against the others'; a thread's own nice value
     counts only against threads of its group (a container's cgroup, where autogroups do not apply). The
     autogroup's is set only by a session leader: in a terminal's session it would slow the terminal too.
     Raising a nice value needs no privilege. Returns what is in force (None: the OS has no such knob)."""
-    if nice <= 0:
+    tasks = Path("/proc/self/task")
+    if nice <= 0 or not tasks.is_dir():   # off, or not Linux
         return {"autogroup": None, "threads": None}
     return {"autogroup": _nice_autogroup(nice) if os.getsid(0) == os.getpid() else None,
-            "threads": min(_nice_thread(int(task.name), nice) for task in Path("/proc/self/task").iterdir())}
+            "threads": min(_nice_thread(int(task.name), nice) for task in tasks.iterdir())}
 
 
 def _nice_autogroup(nice: int) -> int | None:
