@@ -31,7 +31,7 @@ from typing import TypeVar
 
 import torch
 
-from academus.shared.runtime.slices import reset_slice
+from academus.shared.runtime.slices import reset_slice, thread_ids
 
 T = TypeVar("T")
 POLICIES = {"idle": "SCHED_IDLE", "batch": "SCHED_BATCH", "normal": "SCHED_OTHER"}
@@ -62,11 +62,10 @@ def yield_cpu_to_serving(nice: int) -> dict[str, int | None]:
     counts only against threads of its group (a container's cgroup, where autogroups do not apply). The
     autogroup's is set only by a session leader: in a terminal's session it would slow the terminal too.
     Raising a nice value needs no privilege. Returns what is in force (None: the OS has no such knob)."""
-    tasks = Path("/proc/self/task")
-    if nice <= 0 or not tasks.is_dir():   # off, or not Linux
+    if nice <= 0 or not Path("/proc/self/task").is_dir():   # off, or not Linux
         return {"autogroup": None, "threads": None}
     return {"autogroup": _nice_autogroup(nice) if os.getsid(0) == os.getpid() else None,
-            "threads": min(_nice_thread(int(task.name), nice) for task in tasks.iterdir())}
+            "threads": min(_nice_thread(tid, nice) for tid in thread_ids())}
 
 
 def _nice_autogroup(nice: int) -> int | None:
@@ -78,11 +77,13 @@ def _nice_autogroup(nice: int) -> int | None:
 
 
 def _nice_thread(tid: int, nice: int) -> int:
+    """The thread's nice value raised to `nice` (never lowered: that would need a privilege); the value now."""
     try:
-        os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        return os.getpriority(os.PRIO_PROCESS, tid)
     except OSError:   # the thread ended meanwhile
         return nice
-    return os.getpriority(os.PRIO_PROCESS, tid)
 
 
 def start_compute_thread(sched: str, device: torch.device) -> None:

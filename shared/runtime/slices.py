@@ -80,7 +80,12 @@ def set_process_slice(slice_us: int) -> bool:
     default) leaves the kernel's slice alone."""
     if not slice_us or _syscalls() is None:
         return False
-    return all([set_thread_slice(slice_us, int(task.name)) for task in Path("/proc/self/task").iterdir()])
+    return all([set_thread_slice(slice_us, tid) for tid in thread_ids()])
+
+
+def thread_ids(pid: int | str = "self") -> list[int]:
+    """The native ids of a process's threads (by default this process's), from /proc."""
+    return [int(task.name) for task in Path(f"/proc/{pid}/task").iterdir()]
 
 
 def _refused(call: str, slice_us: int) -> bool:
@@ -108,4 +113,4 @@ def thread_slice_ns(native_id: int | None = None, pid: int | str = "self") -> in
 
 def process_slices_ns(pid: int) -> list[int | None]:
     """Every thread's slice in process `pid`."""
-    return [thread_slice_ns(int(task.name), pid) for task in Path(f"/proc/{pid}/task").iterdir()]
+    return [thread_slice_ns(tid, pid) for tid in thread_ids(pid)]
