@@ -68,12 +68,22 @@ def yield_cpu_to_serving(nice: int) -> dict[str, int | None]:
             "threads": min(_nice_thread(tid, nice) for tid in thread_ids())}
 
 
+def autogroup_nice(pid: int | str = "self") -> int | None:
+    """The nice value of a process's autogroup; None where it has none: no autogroups, or the root group (a
+    process of a container's cgroup, or one never in a session of its own), whose file is empty."""
+    try:
+        fields = Path(f"/proc/{pid}/autogroup").read_text().split()
+        return int(fields[-1]) if fields else None
+    except (OSError, ValueError):   # no autogroups, or not this kernel's file format
+        return None
+
+
 def _nice_autogroup(nice: int) -> int | None:
     try:
         Path("/proc/self/autogroup").write_text(str(nice))
-        return int(Path("/proc/self/autogroup").read_text().split()[-1])
-    except (OSError, ValueError):   # no autogroups, or not this kernel's file format
+    except OSError:   # no autogroups
         return None
+    return autogroup_nice()
 
 
 def _nice_thread(tid: int, nice: int) -> int:

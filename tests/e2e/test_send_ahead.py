@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from academus.client import AcademusError
+from academus.services.worker.compute_threads import autogroup_nice
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, down, up, wait_exit
 from academus.shared.runtime.slices import process_slices_ns, thread_ids, thread_slice_ns
 from academus.shared.state.keys import Keys
@@ -71,8 +72,7 @@ def test_the_services_threads_run_on_the_hop_slice_and_the_compute_threads_on_th
 
 def niceness(pid: int) -> tuple[int, set[int]]:
     """A process's autogroup nice value and its threads' nice values."""
-    group = int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
-    return group, {os.getpriority(os.PRIO_PROCESS, tid) for tid in thread_ids(pid)}
+    return autogroup_nice(pid), {os.getpriority(os.PRIO_PROCESS, tid) for tid in thread_ids(pid)}
 
 
 @pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="the kernel has no autogroups")
