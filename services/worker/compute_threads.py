@@ -31,7 +31,7 @@ from typing import TypeVar
 
 import torch
 
-from academus.shared.runtime.slices import reset_slice, thread_ids
+from academus.shared.runtime.slices import reset_slice, set_autogroup_nice, thread_ids
 
 T = TypeVar("T")
 POLICIES = {"idle": "SCHED_IDLE", "batch": "SCHED_BATCH", "normal": "SCHED_OTHER"}
@@ -64,26 +64,8 @@ def yield_cpu_to_serving(nice: int) -> dict[str, int | None]:
     Raising a nice value needs no privilege. Returns what is in force (None: the OS has no such knob)."""
     if nice <= 0 or not Path("/proc/self/task").is_dir():   # off, or not Linux
         return {"autogroup": None, "threads": None}
-    return {"autogroup": _nice_autogroup(nice) if os.getsid(0) == os.getpid() else None,
+    return {"autogroup": set_autogroup_nice(nice) if os.getsid(0) == os.getpid() else None,
             "threads": min(_nice_thread(tid, nice) for tid in thread_ids())}
-
-
-def autogroup_nice(pid: int | str = "self") -> int | None:
-    """The nice value of a process's autogroup; None where it has none: no autogroups, or the root group (a
-    process of a container's cgroup, or one never in a session of its own), whose file is empty."""
-    try:
-        fields = Path(f"/proc/{pid}/autogroup").read_text().split()
-        return int(fields[-1]) if fields else None
-    except (OSError, ValueError):   # no autogroups, or not this kernel's file format
-        return None
-
-
-def _nice_autogroup(nice: int) -> int | None:
-    try:
-        Path("/proc/self/autogroup").write_text(str(nice))
-    except OSError:   # no autogroups
-        return None
-    return autogroup_nice()
 
 
 def _nice_thread(tid: int, nice: int) -> int:

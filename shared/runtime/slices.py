@@ -88,6 +88,27 @@ def thread_ids(pid: int | str = "self") -> list[int]:
     return [int(task.name) for task in Path(f"/proc/{pid}/task").iterdir()]
 
 
+def autogroup_nice(pid: int | str = "self") -> int | None:
+    """The nice value of a process's autogroup (its CPU share against other sessions'); None where it has none:
+    no autogroups, or the root group (a container's processes, or ones never in a session of their own),
+    whose file is empty."""
+    try:
+        fields = Path(f"/proc/{pid}/autogroup").read_text().split()
+        return int(fields[-1]) if fields else None
+    except (OSError, ValueError):   # no autogroups, or not this kernel's file format
+        return None
+
+
+def set_autogroup_nice(nice: int) -> int | None:
+    """This process's autogroup at `nice`; the value now (None: no autogroups). Raising it, and lowering it
+    back as far as 0, needs no privilege. It is the whole session's: only a session leader's is its own."""
+    try:
+        Path("/proc/self/autogroup").write_text(str(nice))
+    except OSError:
+        return None
+    return autogroup_nice()
+
+
 def _refused(call: str, slice_us: int) -> bool:
     if slice_us:   # a reset that fails leaves the kernel's slice, which it is there to restore
         log.warning("%s refused (errno %d): the serving threads keep the kernel's slice", call, ctypes.get_errno())

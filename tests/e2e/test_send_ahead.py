@@ -17,9 +17,8 @@ import pytest
 import redis
 
 from academus.client import AcademusError
-from academus.services.worker.compute_threads import autogroup_nice
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, down, up, wait_exit
-from academus.shared.runtime.slices import process_slices_ns, thread_ids, thread_slice_ns
+from academus.shared.runtime.slices import autogroup_nice, process_slices_ns, thread_ids, thread_slice_ns
 from academus.shared.state.keys import Keys
 from tests.conftest import small_student_artifacts
 from tests.e2e.conftest import metric, service

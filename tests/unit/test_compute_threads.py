@@ -14,14 +14,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from academus.services.worker.compute_threads import (
-    ComputePool,
-    apply_compute_policy,
-    autogroup_nice,
-    policy_of_this_thread,
-)
+from academus.services.worker.compute_threads import ComputePool, apply_compute_policy, policy_of_this_thread
 from academus.services.worker.server import WorkerServicer
 from academus.shared.runtime import config as cfg
+from academus.shared.runtime.slices import autogroup_nice
 
 CPU_RUNNER = SimpleNamespace(device=torch.device("cpu"))
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread policies are Linux's")
@@ -79,7 +75,8 @@ async def test_the_pool_returns_results_raises_errors_and_survives_a_caller_that
 
 NICE_PROBE = """
 import json, os, threading
-from academus.services.worker.compute_threads import autogroup_nice, yield_cpu_to_serving
+from academus.services.worker.compute_threads import yield_cpu_to_serving
+from academus.shared.runtime.slices import autogroup_nice
 release = threading.Event()
 early = threading.Thread(target=release.wait)
 early.start()
@@ -115,15 +112,6 @@ def test_a_worker_in_a_shared_session_leaves_the_sessions_autogroup_alone() -> N
     seen = nice_probe(new_session=False)
     assert seen["in_force"] == {"autogroup": None, "threads": 7}
     assert (seen["early"], seen["later"], seen["autogroup"]) == (7, 7, ours)
-
-
-@pytest.mark.skipif(not Path("/proc/1/autogroup").exists(), reason="the kernel has no autogroups")
-def test_the_root_autogroup_and_a_process_that_is_gone_have_no_autogroup_nice_value() -> None:
-    """The root group's file is empty (init's, and a container's processes' that never left its session)."""
-    if Path("/proc/1/autogroup").read_text().strip():
-        pytest.skip("init is in an autogroup of its own here")
-    assert autogroup_nice(1) is None
-    assert autogroup_nice(2**22 + 1) is None   # above the kernel's largest pid
 
 
 def test_equal_shares_are_the_default_and_a_nice_value_is_checked() -> None:

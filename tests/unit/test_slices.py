@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 
 from academus.services.worker.server import WorkerServicer
 from academus.shared.runtime import config as cfg
-from academus.shared.runtime.slices import reset_slice, set_thread_slice, thread_slice_ns
+from academus.shared.runtime.slices import autogroup_nice, reset_slice, set_thread_slice, thread_slice_ns
 from tests.unit.test_compute_threads import in_new_thread
 
 # Linux 6.6+ shows a thread's slice in /proc; elsewhere there is nothing to check
@@ -81,3 +82,27 @@ def test_the_wake_probe_measures_both_slices(tmp_path) -> None:
     assert [r["slice_us"] for r in rows] == [0, 100]
     assert all(0 <= r["p50_ms"] <= r["p95_ms"] <= r["p99_ms"] <= r["max_ms"] for r in rows), rows
     assert json.loads(done.stdout.splitlines()[-1])["rows"] == rows
+
+
+AUTOGROUP_PROBE = """
+import json
+from academus.shared.runtime.slices import set_autogroup_nice
+print(json.dumps([set_autogroup_nice(19), set_autogroup_nice(0)]))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="the kernel has no autogroups")
+def test_a_session_leader_lowers_its_autogroup_and_raises_it_back_without_privilege() -> None:
+    """What a standby process counts on: nice 19 while it waits, 0 again once it serves."""
+    done = subprocess.run([sys.executable, "-c", AUTOGROUP_PROBE], capture_output=True, text=True, check=True,
+                          start_new_session=True)
+    assert json.loads(done.stdout) == [19, 0]
+
+
+@pytest.mark.skipif(not Path("/proc/1/autogroup").exists(), reason="the kernel has no autogroups")
+def test_the_root_autogroup_and_a_process_that_is_gone_have_no_autogroup_nice_value() -> None:
+    """The root group's file is empty (init's, and a container's processes' that never left its session)."""
+    if Path("/proc/1/autogroup").read_text().strip():
+        pytest.skip("init is in an autogroup of its own here")
+    assert autogroup_nice(1) is None
+    assert autogroup_nice(2**22 + 1) is None   # above the kernel's largest pid
