@@ -68,6 +68,7 @@ from academus.shared.cli.mesh import (
     down,
     health,
     pid_alive,
+    standby_ready,
     status,
     up,
     wait_placed,
@@ -140,16 +141,19 @@ def start(args: argparse.Namespace) -> MeshState:
     """The default deployments, each as --shards scheduler processes."""
     models = [*MODELS, *([CHURN_BASE] if args.soak else [])]   # a soak's tenants' adapters sit on the base
     options = MeshOptions(run_dir=args.out / "run", gateway_port=0, workers=args.workers, gateways=args.gateways,
-                          worker_threads=args.worker_threads, env={"ACADEMUS_MODELS": ",".join(models)})
+                          worker_threads=args.worker_threads, env={"ACADEMUS_MODELS": ",".join(models)},
+                          standby=args.standby)
     return up(replace(options, deployments=[replace(d, shards=args.shards) for d in default_deployments(options)]))
 
 
 def wait_ready(run_dir: Path, workers: int, timeout_s: float = 180.0) -> float:
-    """Seconds until every process serves and every worker is placed again."""
+    """Seconds until every process serves, every worker is placed again and every standby (`--standby`) has
+    imported: a fault then meets the mesh as a node that has run a while would."""
     began = time.monotonic()
     while time.monotonic() - began < timeout_s:
-        report = status(run_dir)
-        if report["redis"]["health"] == "SERVING" and all(s["health"] == "SERVING" for s in report["services"]):
+        report, standbys = status(run_dir), [s for s in MeshState.load(run_dir).services if s.standby_pid]
+        if report["redis"]["health"] == "SERVING" and all(s["health"] == "SERVING" for s in report["services"]) \
+                and all(standby_ready(s) for s in standbys):
             wait_placed(MeshState.load(run_dir), workers, timeout_s)
             return time.monotonic() - began
         time.sleep(0.2)
@@ -910,6 +914,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gateways", type=int, default=1, help="gateway processes sharing the mesh's port")
     p.add_argument("--shards", type=int, default=1, help="scheduler processes a deployment")
     p.add_argument("--worker-threads", type=int, default=1, help="torch threads a worker")
+    p.add_argument("--standby", action="store_true", help="a standby process per worker (`academus up --standby`)")
     p.add_argument("--clients", type=int, default=200, help="clients clients-kill kills, each its own connection")
     p.add_argument("--client-processes", type=int, default=8, help="the processes they run in")
     p.add_argument("--client-requests", type=int, default=2, help="requests each client has on the wire")

@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from academus.shared.cli.pki import CLI, TLS_DIR, Pki, PkiError, make_pki
 from academus.shared.cli.redis_server import RedisServer, free_port
+from academus.shared.cli.standby import READY as STANDBY_READY
 from academus.shared.runtime.config import (
     MESH_TOKEN,
     POLICY_NAMES,
@@ -58,6 +59,7 @@ class ServiceProcess:
     log: str
     env: dict[str, str] = field(default_factory=dict)   # its settings over the inherited environment
     restarts: int = 0
+    standby_pid: int | None = None   # `up --standby`: the process waiting to replace it (shared/cli/standby.py)
 
     @property
     def service(self) -> str:
@@ -81,6 +83,7 @@ class MeshState:
     tls_key: str = ""
     artifacts: str = ""  # what the workers load: `academus models add` writes there
     mesh_token: str = ""  # what every call to an internal service carries (ACADEMUS_MESH_TOKEN)
+    standby: bool = False  # the supervisor keeps a standby process per worker
 
     def save(self) -> None:
         """Written whole, then renamed: a reader (status, down) never sees half of it. Mode 0600: the Redis
@@ -175,6 +178,7 @@ class MeshOptions:
     supervise: bool = True                      # restart what dies (off: a test watching what a loss leaves)
     tls: bool = False                           # the gateway serves TLS, its certificate from a new local CA
     mutual_tls: bool = False                    # and the services mutual TLS among themselves (implies tls)
+    standby: bool = False                       # a standby process per worker, imported: a restart skips the imports
 
 
 def up(options: MeshOptions) -> MeshState:
@@ -195,7 +199,7 @@ def up(options: MeshOptions) -> MeshState:
     token = options.env.get(MESH_TOKEN.name) or MESH_TOKEN.get() or secrets.token_urlsafe(32)
     state = MeshState(str(run_dir), url, redis_pid, "", options.key_prefix,
                       deployments=[asdict(d) for d in options.deployments], artifacts=str(options.artifacts),
-                      mesh_token=token, **tls)
+                      mesh_token=token, standby=options.standby and options.supervise, **tls)
     state.save()
     worker_envs = _worker_envs(options)
     try:
@@ -373,9 +377,36 @@ def _spawn(name: str, index: int, options: MeshOptions, state: MeshState,
 def start_process(proc: ServiceProcess) -> int:
     """Starts the service `proc` describes (again, for the supervisor: the same ports, id and settings, so
     its address and registration stay the same), its output appended to its log; returns the pid."""
+    return _popen(proc, f"academus.services.{proc.service}").pid
+
+
+def start_standby(proc: ServiceProcess) -> subprocess.Popen:
+    """A standby for `proc`'s service with its settings: it imports, then waits for `go` on its stdin."""
+    return _popen(proc, "academus.shared.cli.standby", proc.service, stdin=subprocess.PIPE)
+
+
+def standby_ready(proc: ServiceProcess) -> bool:
+    """Whether `proc`'s standby has imported its modules (its log says so)."""
+    if proc.standby_pid is None or not Path(proc.log).exists():
+        return False
+    mark = f'"event": "{STANDBY_READY}"'
+    with open(proc.log, errors="replace") as log:
+        return any(_json_line(line).get("pid") == proc.standby_pid for line in log if mark in line)
+
+
+def _json_line(line: str) -> dict:
+    try:
+        record = json.loads(line)
+    except ValueError:   # a traceback's line, say
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _popen(proc: ServiceProcess, module: str, *args: str, **kwargs: object) -> subprocess.Popen:
+    """A session of its own: its own autogroup, and no terminal's signals."""
     with open(proc.log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", f"academus.services.{proc.service}"],
-                                env=child_env(proc.env), stdout=out, stderr=out, start_new_session=True).pid
+        return subprocess.Popen([sys.executable, "-m", module, *args], env=child_env(proc.env), stdout=out,
+                                stderr=out, start_new_session=True, **kwargs)
 
 
 def health(address: str, timeout_s: float = 1.0, credentials: grpc.ChannelCredentials | None = None) -> str:
@@ -468,7 +499,7 @@ def status(run_dir: Path) -> dict:
                   "health": "SERVING" if redis_ok else "UNREACHABLE", "restarts": state.redis_restarts},
         "services": [{"name": s.name, "address": s.address, "pid": s.pid, "metrics_port": s.metrics_port,
                       "health": health(s.address, credentials=state.credentials(s)) if pid_alive(s.pid) else "EXITED",
-                      "restarts": s.restarts}
+                      "restarts": s.restarts, "standby_pid": s.standby_pid}
                      for s in state.services],
         "supervisor": {"pid": supervisor,
                        "health": "OFF" if not supervisor else "RUNNING" if pid_alive(supervisor) else "EXITED"},

@@ -7,20 +7,25 @@ has died is started again with the settings it had (the same ports, id and regis
 public port and every address in Redis stay the same) after a backoff that doubles from 0.2 s to 5 s and
 starts again at 0.2 s for a process that had stayed up 10 s. Each restart is logged (logs/supervisor.log)
 and counted in mesh.json (`academus status` shows the counts). `academus down` stops it before the services,
-so nothing it stops is restarted.
+so nothing it stops is restarted. With `up --standby` it keeps a standby process per worker
+(shared/cli/standby.py), imported and waiting: a dead worker's replacement is its standby, told to go, and a
+new standby starts behind it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from academus.shared.cli.mesh import MeshState, pid_alive, restart_redis, start_process
+from academus.shared.cli.mesh import MeshState, ServiceProcess, pid_alive, restart_redis, start_process, start_standby
+from academus.shared.cli.standby import GO, SERVICES
 from academus.shared.runtime.logs import log_event, setup_logging
 
 REDIS = "redis"
@@ -78,6 +83,41 @@ class RestartPlan:
         w.started_at, w.due_at = now, None
 
 
+class Standbys:
+    """A standby process per service that can have one, started with its settings; this process holds their
+    stdin, so they exit when it does."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, subprocess.Popen] = {}
+
+    def prepare(self, proc: ServiceProcess) -> None:
+        """A new standby for `proc`, its pid recorded on it."""
+        proc.standby_pid = None
+        if proc.service in SERVICES:
+            standby = self._waiting[proc.name] = start_standby(proc)
+            proc.standby_pid = standby.pid
+
+    def take(self, proc: ServiceProcess) -> int | None:
+        """`proc`'s standby told to go: its pid, None where it has none alive (then a cold start)."""
+        standby = self._waiting.pop(proc.name, None)
+        proc.standby_pid = None
+        if standby is None or standby.poll() is not None:
+            return None
+        try:
+            standby.stdin.write(f"{GO}\n".encode())
+            standby.stdin.close()
+        except OSError:   # it died meanwhile
+            return None
+        return standby.pid
+
+    def close(self) -> None:
+        for standby in self._waiting.values():
+            with contextlib.suppress(OSError):
+                standby.kill()
+            standby.wait()
+        self._waiting.clear()
+
+
 class Supervisor:
     """Polls the mesh's pids and restarts the dead as the plan says, saving each new pid and count."""
 
@@ -86,12 +126,16 @@ class Supervisor:
         self.plan = RestartPlan(backoff or Backoff())
         self.stopping = False
         self.state = MeshState.load(run_dir)
+        self.standbys = Standbys()
 
     def take_over(self) -> None:
         """Records this process as the mesh's supervisor: `up()` returns once it reads this."""
         now = time.monotonic()
         for name in self.pids():
             self.plan.watch(name, now)
+        if self.state.standby:
+            for proc in self.state.services:
+                self.standbys.prepare(proc)
         self.state.supervisor_pid = os.getpid()
         self.state.save()
         log_event("supervising", processes=sorted(self.pids()))
@@ -110,6 +154,7 @@ class Supervisor:
             except Exception as e:   # e.g. mesh.json not writable: keep watching, the next step tries again
                 log_event("step_failed", logging.ERROR, error=repr(e))
             time.sleep(self.poll_s)
+        self.standbys.close()
         log_event("stopped")
 
     def stop(self, *_: object) -> None:
@@ -128,22 +173,26 @@ class Supervisor:
     def restart(self, name: str) -> None:
         self.plan.restarted(name, time.monotonic())
         try:
-            pid = self._start(name)
+            pid, from_standby = self._start(name)
         except Exception as e:   # a start that fails is retried after a longer wait, as a crash would be
             log_event("restart_failed", logging.ERROR, process=name, error=repr(e))
             return
         self.state.save()
-        log_event("restarted", process=name, pid=pid)
+        log_event("restarted", process=name, pid=pid, from_standby=from_standby)
 
-    def _start(self, name: str) -> int:
+    def _start(self, name: str) -> tuple[int, bool]:
+        """The new pid, and whether it was a standby's."""
         if name == REDIS:
             self.state.redis_pid = restart_redis(self.state)
             self.state.redis_restarts += 1
-            return self.state.redis_pid
+            return self.state.redis_pid, False
         proc = next(s for s in self.state.services if s.name == name)
-        proc.pid = start_process(proc)
+        standby = self.standbys.take(proc)
+        proc.pid = standby or start_process(proc)
         proc.restarts += 1
-        return proc.pid
+        if self.state.standby:
+            self.standbys.prepare(proc)   # behind the one that just went: another death may follow
+        return proc.pid, standby is not None
 
 
 def main(argv: list[str] | None = None) -> int:

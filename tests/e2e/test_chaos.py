@@ -1,5 +1,6 @@
 """Faults under a light Poisson load on a supervised mesh (issue 38; the full bench: loadgen/chaos_bench.py):
-what dies is restarted on its address, and every request gets a result or a status, none hangs."""
+what dies is restarted on its address, and every request gets a result or a status, none hangs. The mesh keeps
+a standby process per worker (`up --standby`); the other services restart cold."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ WORKERS = 2
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshState]:
     run_dir = tmp_path_factory.mktemp("chaos-run")
-    state = start_mesh(run_dir, workers=WORKERS, gateways=2, env={"ACADEMUS_MODELS": MODEL}, supervise=True)
+    state = start_mesh(run_dir, workers=WORKERS, gateways=2, env={"ACADEMUS_MODELS": MODEL}, supervise=True,
+                       standby=True)
     yield state
     if (run_dir / "mesh.json").exists():
         down(run_dir)
@@ -101,12 +103,22 @@ def test_a_killed_scheduler_is_restarted_on_its_address_and_serves_again(mesh):
     assert '"timings_seeded"' in log.read_text()
 
 
-def test_a_killed_worker_loses_no_request_and_is_placed_again(mesh):
-    old = pid_of(mesh, "worker-0")
+def standby_of(mesh: MeshState, name: str) -> int | None:
+    return next(s.standby_pid for s in MeshState.load(Path(mesh.run_dir)).services if s.name == name)
+
+
+def test_a_killed_worker_loses_no_request_and_its_standby_takes_its_place(mesh):
+    old, standby = pid_of(mesh, "worker-0"), standby_of(mesh, "worker-0")
+    assert standby is not None and pid_alive(standby)
+    assert standby_of(mesh, "scheduler") is None   # a standby per worker only
     result = under_load(mesh, kill(mesh, "worker-0", signal.SIGKILL))
     assert [r.code for r in result.records if r.code != "OK"] == []
     wait_restarted(mesh, "worker-0", old)
     wait_placed(MeshState.load(Path(mesh.run_dir)), WORKERS, 60)
+    assert pid_of(mesh, "worker-0") == standby   # the standby serves, under its own pid
+    assert f'"event": "standby_serves", "pid": {standby}' in (Path(mesh.run_dir) / "logs" / "worker-0.log").read_text()
+    behind = standby_of(mesh, "worker-0")
+    assert behind not in (None, standby) and pid_alive(behind)   # and a new one waits behind it
 
 
 def test_sigterm_of_one_of_two_gateways_fails_no_request(mesh):
@@ -160,3 +172,5 @@ def test_down_stops_the_supervisor_first_and_nothing_comes_back(mesh):
     assert wait_exit(state.supervisor_pid, 10)
     assert all(wait_exit(s.pid, 10) for s in state.services)
     assert not any(pid_alive(s.pid) for s in state.services)   # stopped, and none started again
+    standbys = [s.standby_pid for s in state.services if s.standby_pid]
+    assert len(standbys) == WORKERS and not any(pid_alive(pid) for pid in standbys)   # the supervisor stopped them

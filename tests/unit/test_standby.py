@@ -1,0 +1,86 @@
+"""A standby process imports its service's modules at nice 19 and waits; the supervisor's pool starts, hands
+over and stops standbys. Its `go` is tested on a mesh: tests/e2e/test_chaos.py."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from academus.shared.cli.mesh import ServiceProcess, pid_alive, standby_ready, start_standby, wait_exit
+from academus.shared.cli.standby import WAITING_NICE
+from academus.shared.cli.supervisor import Standbys
+from academus.shared.runtime.slices import autogroup_nice
+
+autogroups = pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="the kernel has no autogroups")
+
+
+def service(tmp_path: Path, name: str) -> ServiceProcess:
+    return ServiceProcess(name, 0, "127.0.0.1:1", 0, str(tmp_path / f"{name}.log"))
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    end = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_a_worker_gets_a_standby_that_imports_then_waits_and_the_pool_stops_it(tmp_path: Path) -> None:
+    standbys, worker, gateway = Standbys(), service(tmp_path, "worker-0"), service(tmp_path, "gateway")
+    standbys.prepare(gateway)
+    assert gateway.standby_pid is None   # the gateway imports in well under a second: no standby
+    standbys.prepare(worker)
+    pid = worker.standby_pid
+    assert pid is not None and pid_alive(pid)
+    if Path("/proc/self/autogroup").exists():
+        wait_until(lambda: autogroup_nice(pid) == WAITING_NICE, 30, "the standby's autogroup at nice 19")
+    wait_until(lambda: standby_ready(worker), 180, "the standby's imports")   # at nice 19: slow on a busy box
+    assert pid_alive(pid), "imported, it waits"
+    standbys.close()
+    assert wait_exit(pid, 10)
+    assert "standby_serves" not in Path(worker.log).read_text()
+
+
+def test_a_dead_standby_is_not_handed_over(tmp_path: Path) -> None:
+    standbys, worker = Standbys(), service(tmp_path, "worker-0")
+    standbys.prepare(worker)
+    pid = worker.standby_pid
+    assert pid is not None
+    subprocess.run(["kill", "-KILL", str(pid)], check=True)
+    wait_until(lambda: not pid_alive(pid), 10, "the standby's death")
+    assert standbys.take(worker) is None and worker.standby_pid is None   # the supervisor then starts it cold
+
+
+def test_a_standby_whose_supervisor_left_exits_without_serving(tmp_path: Path) -> None:
+    standby = start_standby(service(tmp_path, "worker-0"))
+    standby.stdin.close()   # end of file, as when the supervisor's process ends
+    assert standby.wait(timeout=60) == 0
+    assert "standby_serves" not in (tmp_path / "worker-0.log").read_text()
+
+
+def test_a_service_without_standbys_is_refused_by_name() -> None:
+    done = subprocess.run([sys.executable, "-m", "academus.shared.cli.standby", "gateway"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and "invalid choice: 'gateway'" in done.stderr
+
+
+@autogroups
+def test_a_standby_in_a_terminals_session_leaves_its_autogroup_alone(tmp_path: Path) -> None:
+    """Only its own session's group is lowered: a terminal's other processes keep their share."""
+    log = tmp_path / "standby.log"
+    with open(log, "ab") as out:
+        standby = subprocess.Popen([sys.executable, "-m", "academus.shared.cli.standby", "worker"],
+                                   stdin=subprocess.PIPE, stdout=out, stderr=out)
+    ours, seen = autogroup_nice(), ServiceProcess("worker-0", 0, "", 0, str(log), standby_pid=standby.pid)
+    try:
+        wait_until(lambda: standby_ready(seen), 180, "the standby's imports")   # its group set long before
+        assert autogroup_nice(standby.pid) == ours
+    finally:
+        standby.send_signal(signal.SIGKILL)
+        standby.wait()
