@@ -77,7 +77,7 @@ def parser() -> argparse.ArgumentParser:
                    help="--tls, and the services speak mutual TLS among themselves, each with its own certificate "
                         "from that CA")
     s.add_argument("--standby", action="store_true",
-                   help="the supervisor keeps a standby process per worker, its modules imported (about 0.4 GB "
+                   help="the supervisor keeps a standby process per worker, its modules imported (about 0.35 GB "
                         "each): a dead worker's replacement skips the imports, most of a worker's start")
     s.set_defaults(func=cmd_up)
 
