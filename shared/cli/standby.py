@@ -1,20 +1,22 @@
-"""A standby service process: its modules imported, it waits to become the next copy of one service.
+"""A standby service process: built and waiting to become the next copy of one service.
 
     python -m academus.shared.cli.standby worker      (started by the supervisor of `academus up --standby`)
 
-A worker's start is mostly imports: torch and transformers take about 4.7 s of CPU on this project's 2-core
-machine, before it loads a model. A restart pays them again, and a crash under overload is when the node can
-least spare them. The supervisor keeps one standby per worker, started with that worker's settings. When the
-worker dies, the supervisor writes `go` on the standby's stdin, and the standby runs the service's `main()`, as
-`python -m academus.services.worker` would, under the same pid. Until then its session's autogroup is at nice
-19, so its imports take only CPU that the serving processes leave; a `go` that comes during the imports lifts
-it at once, as they are then on the path to serving. At end of file (the supervisor stopped) it exits without
-serving.
+A worker's start is its imports (torch and transformers: about 4.7 s of CPU on this project's 2-core machine)
+and its build (loading its models and tracing their layers: about 1.9 s more). A restart pays both again, and a
+crash under overload is when the node can least spare them. The supervisor keeps one standby per worker,
+started with that worker's settings. A standby imports the service and builds it (`build()`, everything but
+the server), then waits. When the worker dies, the supervisor writes `go` on the standby's stdin; the standby
+starts its server, registers and serves, under its own pid. Until then its session's autogroup is held at nice
+19, so its start takes only CPU that the serving processes leave. A `go` that comes before the build is done
+lifts it at once, as the build is then on the path to serving. At end of file (the supervisor stopped) it exits
+without serving.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
 import os
 import sys
@@ -22,12 +24,12 @@ import threading
 import time
 
 from academus.shared.runtime.logs import log_event, setup_logging
-from academus.shared.runtime.slices import autogroup_nice, set_autogroup_nice
+from academus.shared.runtime.slices import hold_autogroup, release_autogroup
 
 GO = "go"
-READY = "standby_ready"   # the event its log gets once imported
+READY = "standby_ready"   # the event its log gets once built
 WAITING_NICE = 19
-SERVICES = ("worker",)   # the others import in about 0.6 s: a standby would save little for its memory
+SERVICES = ("worker",)   # the others start in well under a second: a standby would save little for its memory
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,29 +39,35 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     setup_logging("standby")
     began, cpu = time.monotonic(), time.process_time()
-    listener = threading.Thread(target=_listen, name="standby-stdin", daemon=True)
-    listener.start()   # before the imports, which a `go` must not wait behind at nice 19
+    went = threading.Event()
+    threading.Thread(target=_listen, args=(went,), name="standby-stdin", daemon=True).start()   # before
+    # the imports and the build, which a `go` must not wait behind at nice 19
     server = importlib.import_module(f"academus.services.{args.service}.server")
-    log_event(READY, pid=os.getpid(), serves=args.service, import_s=round(time.monotonic() - began, 3),
-              import_cpu_s=round(time.process_time() - cpu, 3))
-    listener.join()
-    log_event("standby_serves", pid=os.getpid(), waited_s=round(time.monotonic() - began, 3))
-    server.main()
+
+    async def turn() -> None:
+        log_event(READY, pid=os.getpid(), serves=args.service, start_s=round(time.monotonic() - began, 3),
+                  start_cpu_s=round(time.process_time() - cpu, 3))
+        await asyncio.to_thread(went.wait)
+        log_event("standby_serves", pid=os.getpid(), waited_s=round(time.monotonic() - began, 3))
+
+    from academus.shared.runtime.serving import run  # here: the supervisor imports this module's names
+
+    run(server.build, gate=turn)
     return 0
 
 
-def _listen() -> None:
-    """Waits at nice 19 (its own session only: else the autogroup is a terminal's too) until the supervisor
-    says go, then serves at the session's own nice value. Anything else, or end of file, ends the process at
-    once, imported or not."""
+def _listen(went: threading.Event) -> None:
+    """Holds the autogroup at nice 19 (its own session only: else the group is a terminal's too) until the
+    supervisor says go, then releases it to the value the service set, or had. Anything else, or end of file,
+    ends the process at once, built or not."""
     own_group = os.getsid(0) == os.getpid()
-    serving_nice = autogroup_nice() if own_group else None
     if own_group:
-        set_autogroup_nice(WAITING_NICE)
+        hold_autogroup(WAITING_NICE)
     if sys.stdin.readline().strip() != GO:
         os._exit(0)
-    if serving_nice is not None:
-        set_autogroup_nice(serving_nice)
+    if own_group:
+        release_autogroup()
+    went.set()
 
 
 if __name__ == "__main__":

@@ -190,9 +190,6 @@ async def serve(spec: ServiceSpec) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    if spec.config.gc_freeze:   # the models are loaded; frozen before the service is announced, so the
-        # collection that precedes the freeze (0.1-0.3 s in a worker) stalls no request
-        log_event("heap_frozen", service=spec.name, objects=freeze_start_up_heap(spec.name))
     await service.start()
     watch_pauses(spec.name)   # from here on: the pauses serving meets, not start-up's
     await stop.wait()
@@ -200,14 +197,21 @@ async def serve(spec: ServiceSpec) -> None:
     shutdown_tracing()
 
 
-def run(spec_factory: Callable[[], Awaitable[ServiceSpec]]) -> None:
-    """Process entry point: build the service on uvloop and serve it. A short slice (ACADEMUS_HOP_SLICE_US)
-    is asked for first, so every thread the service starts inherits it (a worker's compute threads take
-    the kernel's back)."""
+def run(spec_factory: Callable[[], Awaitable[ServiceSpec]], gate: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Process entry point: build the service on uvloop and serve it, once `gate()` returns where given (a
+    standby's wait for its turn: shared/cli/standby.py). A short slice (ACADEMUS_HOP_SLICE_US) is asked for
+    first, so every thread the service starts inherits it (a worker's compute threads take the kernel's back)."""
     set_process_slice(load(CommonConfig).hop_slice_us)
 
     async def main() -> None:
-        await serve(await spec_factory())
+        spec = await spec_factory()
+        setup_logging(spec.name)
+        if spec.config.gc_freeze:   # the models are loaded; frozen before the service is announced, so the
+            # collection that precedes the freeze (0.1-0.3 s in a worker) stalls no request
+            log_event("heap_frozen", service=spec.name, objects=freeze_start_up_heap(spec.name))
+        if gate is not None:
+            await gate()
+        await serve(spec)
 
     try:
         uvloop.run(main())

@@ -101,12 +101,42 @@ def autogroup_nice(pid: int | str = "self") -> int | None:
 
 def set_autogroup_nice(nice: int) -> int | None:
     """This process's autogroup at `nice`; the value now (None: no autogroups). Raising it, and lowering it
-    back as far as 0, needs no privilege. It is the whole session's: only a session leader's is its own."""
+    back as far as 0, needs no privilege. It is the whole session's: only a session leader's is its own.
+    While the group is held (`hold_autogroup`) the value is kept for the release, and returned."""
+    with _hold_lock:
+        if _held:
+            _held["release_to"] = nice
+            return nice
+        return _write_autogroup(nice)
+
+
+def hold_autogroup(nice: int) -> int | None:
+    """This process's autogroup at `nice` until `release_autogroup`, whatever the process sets meanwhile
+    (a standby's wait: shared/cli/standby.py); the value now."""
+    with _hold_lock:
+        _held.setdefault("release_to", autogroup_nice())
+        return _write_autogroup(nice)
+
+
+def release_autogroup() -> int | None:
+    """The autogroup at the last value the process set while it was held, else at the one before the hold."""
+    with _hold_lock:
+        if not _held:
+            return autogroup_nice()
+        nice = _held.pop("release_to")
+        return autogroup_nice() if nice is None else _write_autogroup(nice)
+
+
+def _write_autogroup(nice: int) -> int | None:
     try:
         Path("/proc/self/autogroup").write_text(str(nice))
     except OSError:
         return None
     return autogroup_nice()
+
+
+_hold_lock = threading.Lock()
+_held: dict[str, int | None] = {}
 
 
 def _refused(call: str, slice_us: int) -> bool:

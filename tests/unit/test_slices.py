@@ -86,17 +86,21 @@ def test_the_wake_probe_measures_both_slices(tmp_path) -> None:
 
 AUTOGROUP_PROBE = """
 import json
-from academus.shared.runtime.slices import set_autogroup_nice
-print(json.dumps([set_autogroup_nice(19), set_autogroup_nice(0)]))
+from academus.shared.runtime.slices import autogroup_nice, hold_autogroup, release_autogroup, set_autogroup_nice
+seen = [set_autogroup_nice(19), set_autogroup_nice(0)]
+seen += [hold_autogroup(19), set_autogroup_nice(7), autogroup_nice(), release_autogroup()]   # a built standby
+seen += [hold_autogroup(19), release_autogroup()]   # a standby whose service sets none
+print(json.dumps(seen))
 """
 
 
 @pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="the kernel has no autogroups")
 def test_a_session_leader_lowers_its_autogroup_and_raises_it_back_without_privilege() -> None:
-    """What a standby process counts on: nice 19 while it waits, 0 again once it serves."""
+    """What a standby process counts on: nice 19 while it waits, whatever its service sets meanwhile (the
+    worker's ACADEMUS_COMPUTE_NICE), and the service's value, else the one before, once it serves."""
     done = subprocess.run([sys.executable, "-c", AUTOGROUP_PROBE], capture_output=True, text=True, check=True,
                           start_new_session=True)
-    assert json.loads(done.stdout) == [19, 0]
+    assert json.loads(done.stdout) == [19, 0, 19, 7, 19, 7, 19, 7]
 
 
 @pytest.mark.skipif(not Path("/proc/1/autogroup").exists(), reason="the kernel has no autogroups")

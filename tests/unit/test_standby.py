@@ -1,4 +1,4 @@
-"""A standby process imports its service's modules at nice 19 and waits; the supervisor's pool starts, hands
+"""A standby process imports and builds its service at nice 19, then waits; the supervisor's pool starts, hands
 over and stops standbys. Its `go` is tested on a mesh: tests/e2e/test_chaos.py."""
 
 from __future__ import annotations
@@ -15,13 +15,17 @@ import pytest
 from academus.shared.cli.mesh import ServiceProcess, pid_alive, standby_ready, start_standby, wait_exit
 from academus.shared.cli.standby import WAITING_NICE
 from academus.shared.cli.supervisor import Standbys
+from academus.shared.runtime.config import artifacts_dir, child_env
 from academus.shared.runtime.slices import autogroup_nice
 
 autogroups = pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="the kernel has no autogroups")
 
 
 def service(tmp_path: Path, name: str) -> ServiceProcess:
-    return ServiceProcess(name, 0, "127.0.0.1:1", 0, str(tmp_path / f"{name}.log"))
+    """A worker's settings that build without a mesh: the null model, and a Redis nobody dials before serving."""
+    env = {"ACADEMUS_MODELS": "null", "ACADEMUS_ARTIFACTS": str(artifacts_dir()),
+           "ACADEMUS_REDIS_URL": "redis://127.0.0.1:1"}
+    return ServiceProcess(name, 0, "127.0.0.1:1", 0, str(tmp_path / f"{name}.log"), env)
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -31,7 +35,7 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> No
         time.sleep(0.05)
 
 
-def test_a_worker_gets_a_standby_that_imports_then_waits_and_the_pool_stops_it(tmp_path: Path) -> None:
+def test_a_worker_gets_a_standby_that_builds_then_waits_and_the_pool_stops_it(tmp_path: Path) -> None:
     standbys, worker, gateway = Standbys(), service(tmp_path, "worker-0"), service(tmp_path, "gateway")
     standbys.prepare(gateway)
     assert gateway.standby_pid is None   # the gateway imports in well under a second: no standby
@@ -40,8 +44,8 @@ def test_a_worker_gets_a_standby_that_imports_then_waits_and_the_pool_stops_it(t
     assert pid is not None and pid_alive(pid)
     if Path("/proc/self/autogroup").exists():
         wait_until(lambda: autogroup_nice(pid) == WAITING_NICE, 30, "the standby's autogroup at nice 19")
-    wait_until(lambda: standby_ready(worker), 180, "the standby's imports")   # at nice 19: slow on a busy box
-    assert pid_alive(pid), "imported, it waits"
+    wait_until(lambda: standby_ready(worker), 180, "the standby's build")   # at nice 19: slow on a busy box
+    assert pid_alive(pid), "built, it waits"
     standbys.close()
     assert wait_exit(pid, 10)
     assert "standby_serves" not in Path(worker.log).read_text()
@@ -73,13 +77,13 @@ def test_a_service_without_standbys_is_refused_by_name() -> None:
 @autogroups
 def test_a_standby_in_a_terminals_session_leaves_its_autogroup_alone(tmp_path: Path) -> None:
     """Only its own session's group is lowered: a terminal's other processes keep their share."""
-    log = tmp_path / "standby.log"
-    with open(log, "ab") as out:
+    seen = service(tmp_path, "worker-0")
+    with open(seen.log, "ab") as out:
         standby = subprocess.Popen([sys.executable, "-m", "academus.shared.cli.standby", "worker"],
-                                   stdin=subprocess.PIPE, stdout=out, stderr=out)
-    ours, seen = autogroup_nice(), ServiceProcess("worker-0", 0, "", 0, str(log), standby_pid=standby.pid)
+                                   stdin=subprocess.PIPE, stdout=out, stderr=out, env=child_env(seen.env))
+    ours, seen.standby_pid = autogroup_nice(), standby.pid
     try:
-        wait_until(lambda: standby_ready(seen), 180, "the standby's imports")   # its group set long before
+        wait_until(lambda: standby_ready(seen), 180, "the standby's build")   # its group set long before
         assert autogroup_nice(standby.pid) == ours
     finally:
         standby.send_signal(signal.SIGKILL)
