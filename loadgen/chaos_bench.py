@@ -147,8 +147,8 @@ def start(args: argparse.Namespace) -> MeshState:
 
 
 def wait_ready(run_dir: Path, workers: int, timeout_s: float = 180.0) -> float:
-    """Seconds until every process serves, every worker is placed again and every standby (`--standby`) has
-    imported: a fault then meets the mesh as a node that has run a while would."""
+    """Seconds until every process serves, every worker is placed again and every standby (`--standby`) is
+    built: a fault then meets the mesh as a node that has run a while would."""
     began = time.monotonic()
     while time.monotonic() - began < timeout_s:
         report, standbys = status(run_dir), [s for s in MeshState.load(run_dir).services if s.standby_pid]

@@ -178,7 +178,7 @@ class MeshOptions:
     supervise: bool = True                      # restart what dies (off: a test watching what a loss leaves)
     tls: bool = False                           # the gateway serves TLS, its certificate from a new local CA
     mutual_tls: bool = False                    # and the services mutual TLS among themselves (implies tls)
-    standby: bool = False                       # a standby process per worker, imported: a restart skips the imports
+    standby: bool = False                       # a standby process per worker, built: a restart skips the start
 
 
 def up(options: MeshOptions) -> MeshState:
@@ -381,12 +381,12 @@ def start_process(proc: ServiceProcess) -> int:
 
 
 def start_standby(proc: ServiceProcess) -> subprocess.Popen:
-    """A standby for `proc`'s service with its settings: it imports, then waits for `go` on its stdin."""
+    """A standby for `proc`'s service with its settings: it builds the service, then waits for `go` on its stdin."""
     return _popen(proc, "academus.shared.cli.standby", proc.service, stdin=subprocess.PIPE)
 
 
 def standby_ready(proc: ServiceProcess) -> bool:
-    """Whether `proc`'s standby has imported its modules (its log says so)."""
+    """Whether `proc`'s standby is built and waiting (its log says so)."""
     if proc.standby_pid is None or not Path(proc.log).exists():
         return False
     mark = f'"event": "{STANDBY_READY}"'

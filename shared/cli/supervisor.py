@@ -8,7 +8,7 @@ public port and every address in Redis stay the same) after a backoff that doubl
 starts again at 0.2 s for a process that had stayed up 10 s. Each restart is logged (logs/supervisor.log)
 and counted in mesh.json (`academus status` shows the counts). `academus down` stops it before the services,
 so nothing it stops is restarted. With `up --standby` it keeps a standby process per worker
-(shared/cli/standby.py), imported and waiting: a dead worker's replacement is its standby, told to go, and a
+(shared/cli/standby.py), built and waiting: a dead worker's replacement is its standby, told to go, and a
 new standby starts behind it.
 """
 
