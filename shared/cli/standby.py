@@ -3,14 +3,14 @@
     python -m academus.shared.cli.standby worker      (started by the supervisor of `academus up --standby`)
 
 A worker's start is its imports (torch and transformers: about 4.7 s of CPU on this project's 2-core machine)
-and its build (loading its models and tracing their layers: about 1.9 s more). A restart pays both again, and a
-crash under overload is when the node can least spare them. The supervisor keeps one standby per worker,
-started with that worker's settings. A standby imports the service and builds it (`build()`, everything but
-the server), then waits. When the worker dies, the supervisor writes `go` on the standby's stdin; the standby
-starts its server, registers and serves, under its own pid. Until then its session's autogroup is held at nice
-19, so its start takes only CPU that the serving processes leave. A `go` that comes before the build is done
-lifts it at once, as the build is then on the path to serving. At end of file (the supervisor stopped) it exits
-without serving.
+and its build (loading its models and tracing their layers: about 1.9 s more); a scheduler's and a gateway's,
+about 0.6 s. A restart pays them again, and a crash under overload is when the node can least spare them. The
+supervisor keeps one standby per worker, scheduler and gateway, started with that process's settings. A
+standby imports the service and builds it (`build()`, everything but the server), then waits. When the process
+dies, the supervisor writes `go` on the standby's stdin; the standby starts its server, registers and serves,
+under its own pid. Until then its session's autogroup is held at nice 19, so its start takes only CPU that the
+serving processes leave. A `go` that comes before the build is done lifts it at once, as the build is then on
+the path to serving. At end of file (the supervisor stopped) it exits without serving.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from academus.shared.runtime.slices import hold_autogroup, release_autogroup
 GO = "go"
 READY = "standby_ready"   # the event its log gets once built
 WAITING_NICE = 19
-SERVICES = ("worker",)   # the others start in well under a second: a standby would save little for its memory
+SERVICES = ("worker", "scheduler", "gateway")   # the request path; the others' restarts fail no request
 
 
 def main(argv: list[str] | None = None) -> int:

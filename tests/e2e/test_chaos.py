@@ -1,6 +1,6 @@
 """Faults under a light Poisson load on a supervised mesh (issue 38; the full bench: loadgen/chaos_bench.py):
 what dies is restarted on its address, and every request gets a result or a status, none hangs. The mesh keeps
-a standby process per worker (`up --standby`); the other services restart cold."""
+a standby process per worker, scheduler and gateway (`up --standby`); Redis and the others restart cold."""
 
 from __future__ import annotations
 
@@ -90,11 +90,16 @@ def answered_ok(mesh: MeshState, key: str) -> bool:
         return False
 
 
+def standby_of(mesh: MeshState, name: str) -> int | None:
+    return next(s.standby_pid for s in MeshState.load(Path(mesh.run_dir)).services if s.name == name)
+
+
 def test_a_killed_scheduler_is_restarted_on_its_address_and_serves_again(mesh):
-    old = pid_of(mesh, "scheduler")
+    old, standby = pid_of(mesh, "scheduler"), standby_of(mesh, "scheduler")
     result = under_load(mesh, kill(mesh, "scheduler", signal.SIGKILL))
     assert {r.code for r in result.records} <= {"OK", "UNAVAILABLE"}   # a status each, none hung (under_load)
     wait_restarted(mesh, "scheduler", old)
+    assert pid_of(mesh, "scheduler") == standby
     restarted = MeshState.load(Path(mesh.run_dir))
     assert [s.address for s in restarted.services] == [s.address for s in mesh.services]
     wait_for(lambda: answered_ok(mesh, key_of(mesh)), timeout_s=30, what="requests answered again")
@@ -103,14 +108,10 @@ def test_a_killed_scheduler_is_restarted_on_its_address_and_serves_again(mesh):
     assert '"timings_seeded"' in log.read_text()
 
 
-def standby_of(mesh: MeshState, name: str) -> int | None:
-    return next(s.standby_pid for s in MeshState.load(Path(mesh.run_dir)).services if s.name == name)
-
-
 def test_a_killed_worker_loses_no_request_and_its_standby_takes_its_place(mesh):
     old, standby = pid_of(mesh, "worker-0"), standby_of(mesh, "worker-0")
     assert standby is not None and pid_alive(standby)
-    assert standby_of(mesh, "scheduler") is None   # a standby per worker only
+    assert standby_of(mesh, "adapter_store") is None   # off the request path: no standby
     result = under_load(mesh, kill(mesh, "worker-0", signal.SIGKILL))
     assert [r.code for r in result.records if r.code != "OK"] == []
     wait_restarted(mesh, "worker-0", old)
@@ -122,10 +123,11 @@ def test_a_killed_worker_loses_no_request_and_its_standby_takes_its_place(mesh):
 
 
 def test_sigterm_of_one_of_two_gateways_fails_no_request(mesh):
-    old = pid_of(mesh, "gateway")
+    old, standby = pid_of(mesh, "gateway"), standby_of(mesh, "gateway")
     result = under_load(mesh, kill(mesh, "gateway", signal.SIGTERM))
     assert [r.code for r in result.records if r.code != "OK"] == []
     wait_restarted(mesh, "gateway", old)
+    assert pid_of(mesh, "gateway") == standby   # on the port the other gateway shares
 
 
 def test_a_killed_redis_is_restarted_with_its_keys(mesh):
@@ -173,4 +175,5 @@ def test_down_stops_the_supervisor_first_and_nothing_comes_back(mesh):
     assert all(wait_exit(s.pid, 10) for s in state.services)
     assert not any(pid_alive(s.pid) for s in state.services)   # stopped, and none started again
     standbys = [s.standby_pid for s in state.services if s.standby_pid]
-    assert len(standbys) == WORKERS and not any(pid_alive(pid) for pid in standbys)   # the supervisor stopped them
+    assert len(standbys) == WORKERS + 3 and not any(pid_alive(pid) for pid in standbys)   # and the two gateways' and
+    # the scheduler's: the supervisor stopped them

@@ -36,9 +36,9 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> No
 
 
 def test_a_worker_gets_a_standby_that_builds_then_waits_and_the_pool_stops_it(tmp_path: Path) -> None:
-    standbys, worker, gateway = Standbys(), service(tmp_path, "worker-0"), service(tmp_path, "gateway")
-    standbys.prepare(gateway)
-    assert gateway.standby_pid is None   # the gateway imports in well under a second: no standby
+    standbys, worker, store = Standbys(), service(tmp_path, "worker-0"), service(tmp_path, "adapter_store")
+    standbys.prepare(store)
+    assert store.standby_pid is None   # off the request path: its restart fails no request
     standbys.prepare(worker)
     pid = worker.standby_pid
     assert pid is not None and pid_alive(pid)
@@ -69,9 +69,9 @@ def test_a_standby_whose_supervisor_left_exits_without_serving(tmp_path: Path) -
 
 
 def test_a_service_without_standbys_is_refused_by_name() -> None:
-    done = subprocess.run([sys.executable, "-m", "academus.shared.cli.standby", "gateway"], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "academus.shared.cli.standby", "adapter_store"], capture_output=True,
                           text=True, timeout=60)
-    assert done.returncode == 2 and "invalid choice: 'gateway'" in done.stderr
+    assert done.returncode == 2 and "invalid choice: 'adapter_store'" in done.stderr
 
 
 @autogroups
