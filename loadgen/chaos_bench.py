@@ -914,7 +914,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gateways", type=int, default=1, help="gateway processes sharing the mesh's port")
     p.add_argument("--shards", type=int, default=1, help="scheduler processes a deployment")
     p.add_argument("--worker-threads", type=int, default=1, help="torch threads a worker")
-    p.add_argument("--standby", action="store_true", help="a standby process per worker (`academus up --standby`)")
+    p.add_argument("--standby", action="store_true",
+                   help="a standby process per worker, scheduler and gateway (`up --standby`)")
     p.add_argument("--clients", type=int, default=200, help="clients clients-kill kills, each its own connection")
     p.add_argument("--client-processes", type=int, default=8, help="the processes they run in")
     p.add_argument("--client-requests", type=int, default=2, help="requests each client has on the wire")

@@ -77,8 +77,8 @@ def parser() -> argparse.ArgumentParser:
                    help="--tls, and the services speak mutual TLS among themselves, each with its own certificate "
                         "from that CA")
     s.add_argument("--standby", action="store_true",
-                   help="the supervisor keeps a standby process per worker, built and waiting (a second copy of the "
-                        "worker's memory): a dead worker's replacement starts serving at once")
+                   help="the supervisor keeps a standby process per worker, scheduler and gateway, built and waiting "
+                        "(a second copy of each one's memory): a dead one's replacement starts serving at once")
     s.set_defaults(func=cmd_up)
 
     s = sub.add_parser("down", help="stop the mesh started from this run directory")

@@ -83,7 +83,7 @@ class MeshState:
     tls_key: str = ""
     artifacts: str = ""  # what the workers load: `academus models add` writes there
     mesh_token: str = ""  # what every call to an internal service carries (ACADEMUS_MESH_TOKEN)
-    standby: bool = False  # the supervisor keeps a standby process per worker
+    standby: bool = False  # the supervisor keeps a standby process per worker, scheduler and gateway
 
     def save(self) -> None:
         """Written whole, then renamed: a reader (status, down) never sees half of it. Mode 0600: the Redis
@@ -178,7 +178,7 @@ class MeshOptions:
     supervise: bool = True                      # restart what dies (off: a test watching what a loss leaves)
     tls: bool = False                           # the gateway serves TLS, its certificate from a new local CA
     mutual_tls: bool = False                    # and the services mutual TLS among themselves (implies tls)
-    standby: bool = False                       # a standby process per worker, built: a restart skips the start
+    standby: bool = False                       # a standby per worker, scheduler and gateway, built
 
 
 def up(options: MeshOptions) -> MeshState:

@@ -7,8 +7,8 @@ has died is started again with the settings it had (the same ports, id and regis
 public port and every address in Redis stay the same) after a backoff that doubles from 0.2 s to 5 s and
 starts again at 0.2 s for a process that had stayed up 10 s. Each restart is logged (logs/supervisor.log)
 and counted in mesh.json (`academus status` shows the counts). `academus down` stops it before the services,
-so nothing it stops is restarted. With `up --standby` it keeps a standby process per worker
-(shared/cli/standby.py), built and waiting: a dead worker's replacement is its standby, told to go, and a
+so nothing it stops is restarted. With `up --standby` it keeps a standby process per worker, scheduler and
+gateway (shared/cli/standby.py), built and waiting: a dead one's replacement is its standby, told to go, and a
 new standby starts behind it.
 """
 
