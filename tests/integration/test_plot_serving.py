@@ -180,9 +180,11 @@ async def test_the_scheduler_prefetches_plot_states_while_requests_wait(artifact
              ACADEMUS_LOWER_LAYERS=str(K), ACADEMUS_GRACE_S="1"):
         plot = RunningService(await plot_build())
         await plot.start()
+    # a batch leaves after its delay whether or not its lookups are back (then the worker looks up): 1.5 s
+    # leaves them time on a loaded machine, where a lookup can take longer than 0.3 s
     running = [plot, *await start_services(redis_server.url, prefix, ACADEMUS_ARTIFACTS=str(artifacts),
                                            ACADEMUS_MODELS="minilm-plot,spam-plot", ACADEMUS_POLICY="padded",
-                                           ACADEMUS_MAX_BATCH="64", ACADEMUS_MAX_DELAY_MS="300")]
+                                           ACADEMUS_MAX_BATCH="64", ACADEMUS_MAX_DELAY_MS="1500")]
     redis = connect(redis_server.url)
     try:
         async with AsyncClient(running[-1].address, api_key=KEY) as client:
