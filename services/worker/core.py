@@ -45,7 +45,7 @@ from academus.shared.runtime.errors import DeadlineExceeded, InvalidArgument, No
 from academus.shared.runtime.logs import log_event
 from academus.shared.runtime.metrics import children
 from academus.shared.state.artifacts import ArtifactError, Manifest, read_manifest
-from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec, read_catalogue
+from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec, catalogue_stamp, read_catalogue
 
 if TYPE_CHECKING:
     from academus.shared.models.plot import PlotStore
@@ -202,6 +202,9 @@ class ModelRunner:
         self.clock = clock
         self.attention = attention   # packed batches: own SDPA layers or HF layers with a 4-D mask
         self.artifacts = Path(artifacts)
+        # the stamp of the catalogue as read (taken first: a change while it is read is seen again), which a
+        # watch started later compares with: a standby's worker serves long after it loaded (shared/cli/standby.py)
+        self.catalogue_stamp = catalogue_stamp(self.artifacts)
         catalogue = read_catalogue(self.artifacts)
         self.follows_catalogue = not models   # serving every model: added ones are loaded, removed ones dropped
         models = list(models) or sorted(catalogue)
@@ -231,6 +234,7 @@ class ModelRunner:
         entry that fails to load is logged and left out; the others serve on."""
         if not self.follows_catalogue:
             return False
+        self.catalogue_stamp = catalogue_stamp(self.artifacts)
         catalogue = read_catalogue(self.artifacts)
         models = {n: m for n, m in self.models.items() if n in catalogue}
         for name in sorted(set(catalogue) - set(models)):

@@ -22,6 +22,7 @@ from academus.shared.models.model import MEAN
 from academus.shared.models.ramps import ExitRamps, load_ramps, ramps_dir
 from academus.shared.runtime.logs import log_event
 from academus.shared.state.artifacts import MANIFEST, ArtifactError
+from academus.shared.state.catalogue import file_stamp
 
 # rows (texts of the batch), the layer they exit after, their probabilities [len(rows), C]
 Release = Callable[[list[int], int, np.ndarray], None]
@@ -38,11 +39,7 @@ class ModelExits:
 def ramps_stamp(artifacts: Path, task: str) -> tuple[int, int] | None:
     """What changes when `ramps train` writes the task's ramps (the directory is replaced by a rename): its
     manifest's inode and mtime; None without one."""
-    try:
-        stat = (ramps_dir(artifacts, task) / MANIFEST).stat()
-    except FileNotFoundError:
-        return None
-    return stat.st_ino, stat.st_mtime_ns
+    return file_stamp(ramps_dir(artifacts, task) / MANIFEST)
 
 
 def load_exits(artifacts: Path, task: str, hidden_size: int, labels: Sequence[str], device: torch.device,

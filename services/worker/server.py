@@ -34,7 +34,7 @@ from academus.shared.runtime.logs import log_event
 from academus.shared.runtime.redis_conn import connect, wake_on
 from academus.shared.runtime.serving import ServiceSpec, Stubs, run
 from academus.shared.runtime.tracing import annotate
-from academus.shared.state.catalogue import CATALOGUE_FILE, spec_to_pb
+from academus.shared.state.catalogue import catalogue_stamp, spec_to_pb
 from academus.shared.state.groups import groups_from_json, placed_on
 from academus.shared.state.keys import Keys
 from academus.shared.state.tenants import TenantRegistry
@@ -259,14 +259,10 @@ class Registration:
     async def follow_catalogue(self) -> None:
         """Loads models added to the catalogue and drops removed ones, then registers the new set: a model
         from `academus models add` serves without restarting the mesh."""
-        path = Path(self.runner.artifacts) / CATALOGUE_FILE
-        seen = _stamp(path)
         while self.runner.follows_catalogue:
             await asyncio.sleep(self.config.catalogue_poll_s)
-            stamp = _stamp(path)
-            if stamp == seen:
+            if catalogue_stamp(self.runner.artifacts) == self.runner.catalogue_stamp:   # the one it loaded
                 continue
-            seen = stamp
             try:
                 if await asyncio.to_thread(self.runner.refresh) and self.address:
                     await self.register(self.address)
@@ -373,15 +369,6 @@ async def build() -> ServiceSpec:
         extra_tasks=[registration.heartbeat, registration.follow_catalogue, registration.follow_placements, tuning.run,
                      *([warmer.run] if warmer else [])],
     )
-
-
-def _stamp(path: Path) -> tuple[int, int] | None:
-    """What changes when models.json is rewritten (it is replaced by a rename): its inode and mtime."""
-    try:
-        stat = path.stat()
-    except FileNotFoundError:
-        return None
-    return stat.st_ino, stat.st_mtime_ns
 
 
 def close_adapters(adapters: AdapterCache, fetcher: StoreFetcher) -> None:

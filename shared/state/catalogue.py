@@ -68,6 +68,20 @@ def spec_from_pb(message: Any) -> ModelSpec:
                         for f in fields(ModelSpec) for v in [getattr(message, f.name)]})
 
 
+def file_stamp(path: Path) -> tuple[int, int] | None:
+    """What changes when a file is written again or replaced by a rename: its inode and mtime; None without it."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
+
+
+def catalogue_stamp(artifacts: str | Path) -> tuple[int, int] | None:
+    """models.json's stamp (`file_stamp`)."""
+    return file_stamp(Path(artifacts) / CATALOGUE_FILE)
+
+
 def read_catalogue(artifacts: str | Path) -> dict[str, dict[str, Any]]:
     """models.json under the artifacts ({} when there is none yet)."""
     path = Path(artifacts) / CATALOGUE_FILE
