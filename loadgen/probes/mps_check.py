@@ -20,7 +20,6 @@ The last line printed is the summary JSON (`mps.workers_under_mps` lists the wor
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -31,6 +30,7 @@ from academus.loadgen.bench import loadgen, run_bench
 from academus.loadgen.student_bench import add_mesh_options, group_size, run_options, set_students
 from academus.shared.cli.mesh import Deployment, MeshOptions, MeshState, down, up
 from academus.shared.runtime.gpu import mps_control
+from academus.shared.runtime.logs import logged_events
 from academus.shared.state.keys import Keys
 
 PINNING = ("CUDA_VISIBLE_DEVICES", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "ACADEMUS_DEVICE")
@@ -55,19 +55,6 @@ def process_env(pid: int, names: tuple[str, ...] = PINNING) -> dict[str, str]:
         return {}
     pairs = (item.decode(errors="replace").partition("=") for item in raw.split(b"\0") if item)
     return {k: v for k, _, v in pairs if k in names}
-
-
-def logged_events(log: Path, event: str) -> list[dict]:
-    """The JSON log lines of one event in a service's log."""
-    found = []
-    for line in log.read_text(errors="replace").splitlines() if log.is_file() else []:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and record.get("event") == event:
-            found.append(record)
-    return found
 
 
 def gpu_processes() -> list[str]:

@@ -34,6 +34,7 @@ from academus.shared.runtime.config import (
     trace_file,
 )
 from academus.shared.runtime.gpu import gpu_count, mps_plan
+from academus.shared.runtime.logs import logged_events
 from academus.shared.runtime.redis_conn import redacted, with_password
 from academus.shared.runtime.tls import MeshTls, channel_credentials, open_channel_sync, use_mesh
 from academus.shared.state.catalogue import ModelSpec
@@ -387,19 +388,8 @@ def start_standby(proc: ServiceProcess) -> subprocess.Popen:
 
 def standby_ready(proc: ServiceProcess) -> bool:
     """Whether `proc`'s standby is built and waiting (its log says so)."""
-    if proc.standby_pid is None or not Path(proc.log).exists():
-        return False
-    mark = f'"event": "{STANDBY_READY}"'
-    with open(proc.log, errors="replace") as log:
-        return any(_json_line(line).get("pid") == proc.standby_pid for line in log if mark in line)
-
-
-def _json_line(line: str) -> dict:
-    try:
-        record = json.loads(line)
-    except ValueError:   # a traceback's line, say
-        return {}
-    return record if isinstance(record, dict) else {}
+    return proc.standby_pid is not None and \
+        any(e.get("pid") == proc.standby_pid for e in logged_events(Path(proc.log), STANDBY_READY))
 
 
 def _popen(proc: ServiceProcess, module: str, *args: str, **kwargs: object) -> subprocess.Popen:

@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 import time
+from pathlib import Path
 
 from opentelemetry import trace
 
@@ -32,6 +33,21 @@ def log_event(event: str, level: int = logging.INFO, **fields: object) -> None:
     if context.is_valid and context.trace_flags.sampled:   # an untraced request (no span: tracing.py) has none
         record["trace_id"] = f"{context.trace_id:032x}"
     _logger.log(level, json.dumps(record | fields, default=str))
+
+
+def logged_events(log: Path, event: str) -> list[dict]:
+    """The JSON lines of one event in a service's log ([] without the file); other lines are skipped."""
+    mark, found = f'"event": "{event}"', []
+    for line in log.read_text(errors="replace").splitlines() if log.is_file() else []:
+        if mark not in line:   # most lines are other events: not parsed
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and record.get("event") == event:
+            found.append(record)
+    return found
 
 
 def _level_name(level: int) -> str:

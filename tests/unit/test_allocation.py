@@ -220,7 +220,8 @@ def test_mps_check_reads_the_control_daemons_pids_and_each_workers_real_environm
     import subprocess
     import sys
 
-    from academus.loadgen.probes.mps_check import logged_events, pids, process_env
+    from academus.loadgen.probes.mps_check import pids, process_env
+    from academus.shared.runtime.logs import logged_events
 
     assert pids("1234\n5678\n") == [1234, 5678]
     assert pids("") == [] and pids("Server 77 ready") == [77]
