@@ -64,8 +64,7 @@ def yield_cpu_to_serving(nice: int) -> dict[str, int | None]:
     Raising a nice value needs no privilege. Returns what is in force (None: the OS has no such knob)."""
     if nice <= 0 or not Path("/proc/self/task").is_dir():   # off, or not Linux
         return {"autogroup": None, "threads": None}
-    return {"autogroup": set_autogroup_nice(nice) if os.getsid(0) == os.getpid() else None,
-            "threads": min(_nice_thread(tid, nice) for tid in thread_ids())}
+    return {"autogroup": set_autogroup_nice(nice), "threads": min(_nice_thread(tid, nice) for tid in thread_ids())}
 
 
 def _nice_thread(tid: int, nice: int) -> int:

@@ -57,16 +57,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _listen(went: threading.Event) -> None:
-    """Holds the autogroup at nice 19 (its own session only: else the group is a terminal's too) until the
-    supervisor says go, then releases it to the value the service set, or had. Anything else, or end of file,
-    ends the process at once, built or not."""
-    own_group = os.getsid(0) == os.getpid()
-    if own_group:
-        hold_autogroup(WAITING_NICE)
+    """Holds the autogroup at nice 19 (where it leads its session) until the supervisor says go, then releases
+    it to the value the service set, or had. Anything else, or end of file, ends the process at once, built
+    or not."""
+    hold_autogroup(WAITING_NICE)
     if sys.stdin.readline().strip() != GO:
         os._exit(0)
-    if own_group:
-        release_autogroup()
+    release_autogroup()
     went.set()
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 import platform
 import struct
 import threading
@@ -100,12 +101,12 @@ def autogroup_nice(pid: int | str = "self") -> int | None:
 
 
 def set_autogroup_nice(nice: int) -> int | None:
-    """This process's autogroup at `nice`; the value now (None: no autogroups). Raising it, and lowering it
-    back as far as 0, needs no privilege. It is the whole session's: only a session leader's is its own.
-    While the group is held (`hold_autogroup`) the value is kept for the release, and returned."""
+    """This process's autogroup at `nice`; the value now (None: no autogroups, or not a session leader, see
+    `_write_autogroup`). Raising it, and lowering it back as far as 0, needs no privilege. While the group is
+    held (`hold_autogroup`) the value is kept for the release, and returned."""
     with _hold_lock:
-        if _held:
-            _held["release_to"] = nice
+        if _release_to:
+            _release_to[0] = nice
             return nice
         return _write_autogroup(nice)
 
@@ -114,20 +115,25 @@ def hold_autogroup(nice: int) -> int | None:
     """This process's autogroup at `nice` until `release_autogroup`, whatever the process sets meanwhile
     (a standby's wait: shared/cli/standby.py); the value now."""
     with _hold_lock:
-        _held.setdefault("release_to", autogroup_nice())
+        if not _release_to:
+            _release_to.append(autogroup_nice())
         return _write_autogroup(nice)
 
 
 def release_autogroup() -> int | None:
     """The autogroup at the last value the process set while it was held, else at the one before the hold."""
     with _hold_lock:
-        if not _held:
+        if not _release_to:
             return autogroup_nice()
-        nice = _held.pop("release_to")
+        nice = _release_to.pop()
         return autogroup_nice() if nice is None else _write_autogroup(nice)
 
 
 def _write_autogroup(nice: int) -> int | None:
+    """Written by a session leader only: the autogroup is the whole session's, and in a terminal's session
+    it would change the terminal's share too. `academus up` starts each service in a session of its own."""
+    if os.getsid(0) != os.getpid():
+        return None
     try:
         Path("/proc/self/autogroup").write_text(str(nice))
     except OSError:
@@ -136,7 +142,7 @@ def _write_autogroup(nice: int) -> int | None:
 
 
 _hold_lock = threading.Lock()
-_held: dict[str, int | None] = {}
+_release_to: list[int | None] = []   # while held: the value to release to
 
 
 def _refused(call: str, slice_us: int) -> bool:
