@@ -151,10 +151,10 @@ def wait_ready(run_dir: Path, workers: int, timeout_s: float = 180.0) -> float:
     built: a fault then meets the mesh as a node that has run a while would."""
     began = time.monotonic()
     while time.monotonic() - began < timeout_s:
-        report, standbys = status(run_dir), [s for s in MeshState.load(run_dir).services if s.standby_pid]
+        report, state = status(run_dir), MeshState.load(run_dir)
         if report["redis"]["health"] == "SERVING" and all(s["health"] == "SERVING" for s in report["services"]) \
-                and all(standby_ready(s) for s in standbys):
-            wait_placed(MeshState.load(run_dir), workers, timeout_s)
+                and all(standby_ready(s) for s in state.services if s.standby_pid):
+            wait_placed(state, workers, timeout_s)
             return time.monotonic() - began
         time.sleep(0.2)
     raise TimeoutError(f"the mesh in {run_dir} not healthy after {timeout_s}s: {status(run_dir)}")

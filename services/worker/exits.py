@@ -21,8 +21,7 @@ from academus.shared.models.exits import ControllerSettings, ExitController, Exi
 from academus.shared.models.model import MEAN
 from academus.shared.models.ramps import ExitRamps, load_ramps, ramps_dir
 from academus.shared.runtime.logs import log_event
-from academus.shared.state.artifacts import MANIFEST, ArtifactError
-from academus.shared.state.catalogue import file_stamp
+from academus.shared.state.artifacts import MANIFEST, ArtifactError, file_stamp
 
 # rows (texts of the batch), the layer they exit after, their probabilities [len(rows), C]
 Release = Callable[[list[int], int, np.ndarray], None]

@@ -84,16 +84,17 @@ class RestartPlan:
 
 
 class Standbys:
-    """A standby process per service that can have one, started with its settings; this process holds their
-    stdin, so they exit when it does."""
+    """A standby process per service that can have one (none where `enabled` is off), started with its
+    settings; this process holds their stdin, so they exit when it does."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
+        self.services = SERVICES if enabled else ()
         self._waiting: dict[str, subprocess.Popen] = {}
 
     def prepare(self, proc: ServiceProcess) -> None:
         """A new standby for `proc`, its pid recorded on it."""
         proc.standby_pid = None
-        if proc.service in SERVICES:
+        if proc.service in self.services:
             standby = self._waiting[proc.name] = start_standby(proc)
             proc.standby_pid = standby.pid
 
@@ -126,16 +127,15 @@ class Supervisor:
         self.plan = RestartPlan(backoff or Backoff())
         self.stopping = False
         self.state = MeshState.load(run_dir)
-        self.standbys = Standbys()
+        self.standbys = Standbys(self.state.standby)
 
     def take_over(self) -> None:
         """Records this process as the mesh's supervisor: `up()` returns once it reads this."""
         now = time.monotonic()
         for name in self.pids():
             self.plan.watch(name, now)
-        if self.state.standby:
-            for proc in self.state.services:
-                self.standbys.prepare(proc)
+        for proc in self.state.services:
+            self.standbys.prepare(proc)
         self.state.supervisor_pid = os.getpid()
         self.state.save()
         log_event("supervising", processes=sorted(self.pids()))
@@ -190,8 +190,7 @@ class Supervisor:
         standby = self.standbys.take(proc)
         proc.pid = standby or start_process(proc)
         proc.restarts += 1
-        if self.state.standby:
-            self.standbys.prepare(proc)   # behind the one that just went: another death may follow
+        self.standbys.prepare(proc)   # behind the one that just went: another death may follow
         return proc.pid, standby is not None
 
 

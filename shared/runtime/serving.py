@@ -182,9 +182,9 @@ async def _timed(took: dict[str, float], step: str, awaitable: Awaitable[T]) -> 
         took[step] = round(time.perf_counter() - started, 3)
 
 
-async def serve(spec: ServiceSpec) -> None:
-    """Runs until SIGTERM/SIGINT, then stops accepting, lets in-flight RPCs finish, and exits."""
-    setup_logging(spec.name)
+async def _serve(spec: ServiceSpec) -> None:
+    """Runs until SIGTERM/SIGINT, then stops accepting, lets in-flight RPCs finish, and exits (its logging is
+    `run`'s)."""
     service = RunningService(spec)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -211,7 +211,7 @@ def run(spec_factory: Callable[[], Awaitable[ServiceSpec]], gate: Callable[[], A
             log_event("heap_frozen", service=spec.name, objects=freeze_start_up_heap(spec.name))
         if gate is not None:
             await gate()
-        await serve(spec)
+        await _serve(spec)
 
     try:
         uvloop.run(main())

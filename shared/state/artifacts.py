@@ -83,6 +83,16 @@ class Manifest:
             raise ArtifactError(f"{source} is incomplete: {e}") from e
 
 
+def file_stamp(path: Path) -> tuple[int, int] | None:
+    """What changes when a file is written again or replaced by a rename (a manifest, models.json): its inode
+    and mtime; None where it cannot be seen."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
+
+
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:

@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from academus.shared.state.artifacts import file_stamp
+
 # The bundled models a tenant's adapters may sit on (names only: the gateway checks them without torch); a
 # user's embedding model is a base too (`adapter_base`). minilm-plot is HMI's hierarchical base: PLOT lookups
 # stand in for the lower layers the adapters never touch, so the same adapters (layers 4-6) train and serve
@@ -66,15 +68,6 @@ def spec_to_pb(spec: ModelSpec, message: type) -> Any:
 def spec_from_pb(message: Any) -> ModelSpec:
     return ModelSpec(**{f.name: (list(v) if f.name == "labels" else v)
                         for f in fields(ModelSpec) for v in [getattr(message, f.name)]})
-
-
-def file_stamp(path: Path) -> tuple[int, int] | None:
-    """What changes when a file is written again or replaced by a rename: its inode and mtime; None without it."""
-    try:
-        stat = path.stat()
-    except FileNotFoundError:
-        return None
-    return stat.st_ino, stat.st_mtime_ns
 
 
 def catalogue_stamp(artifacts: str | Path) -> tuple[int, int] | None:

@@ -51,6 +51,12 @@ def test_a_worker_gets_a_standby_that_builds_then_waits_and_the_pool_stops_it(tm
     assert "standby_serves" not in Path(worker.log).read_text()
 
 
+def test_a_mesh_without_standbys_starts_none(tmp_path: Path) -> None:
+    worker = service(tmp_path, "worker-0")
+    Standbys(enabled=False).prepare(worker)
+    assert worker.standby_pid is None and not Path(worker.log).exists()
+
+
 def test_a_dead_standby_is_not_handed_over(tmp_path: Path) -> None:
     standbys, worker = Standbys(), service(tmp_path, "worker-0")
     standbys.prepare(worker)

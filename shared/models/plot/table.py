@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from academus.shared.models.plot.ngrams import NgramIndex
-from academus.shared.state.artifacts import sha256_file
+from academus.shared.state.artifacts import file_stamp, sha256_file
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -204,11 +204,7 @@ def load_version(directory: Path, *, model: str | None = None, lower_layers: int
 def build_stamp(version_dir: Path) -> tuple[int, int] | None:
     """Which build of a version is on disk: its manifest's inode and mtime (a rebuild publishes a new
     directory, so both change); None when there is none."""
-    try:
-        found = (Path(version_dir) / MANIFEST).stat()
-    except OSError:
-        return None
-    return found.st_ino, found.st_mtime_ns
+    return file_stamp(Path(version_dir) / MANIFEST)
 
 
 class VersionWriter:
