@@ -3,11 +3,10 @@ over and stops standbys. Its `go` is tested on a mesh: tests/e2e/test_chaos.py."
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from academus.shared.cli.standby import WAITING_NICE
 from academus.shared.cli.supervisor import Standbys
 from academus.shared.runtime.config import artifacts_dir, child_env
 from academus.shared.runtime.slices import autogroup_nice
+from tests.e2e.conftest import wait_for
 
 autogroups = pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="the kernel has no autogroups")
 
@@ -28,13 +28,6 @@ def service(tmp_path: Path, name: str) -> ServiceProcess:
     return ServiceProcess(name, 0, "127.0.0.1:1", 0, str(tmp_path / f"{name}.log"), env)
 
 
-def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    end = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def test_a_worker_gets_a_standby_that_builds_then_waits_and_the_pool_stops_it(tmp_path: Path) -> None:
     standbys, worker, store = Standbys(), service(tmp_path, "worker-0"), service(tmp_path, "adapter_store")
     standbys.prepare(store)
@@ -43,8 +36,8 @@ def test_a_worker_gets_a_standby_that_builds_then_waits_and_the_pool_stops_it(tm
     pid = worker.standby_pid
     assert pid is not None and pid_alive(pid)
     if Path("/proc/self/autogroup").exists():
-        wait_until(lambda: autogroup_nice(pid) == WAITING_NICE, 30, "the standby's autogroup at nice 19")
-    wait_until(lambda: standby_ready(worker), 180, "the standby's build")   # at nice 19: slow on a busy box
+        wait_for(lambda: autogroup_nice(pid) == WAITING_NICE, 30, "the standby's autogroup at nice 19")
+    wait_for(lambda: standby_ready(worker), 180, "the standby's build")   # at nice 19: slow on a busy box
     assert pid_alive(pid), "built, it waits"
     standbys.close()
     assert wait_exit(pid, 10)
@@ -62,8 +55,8 @@ def test_a_dead_standby_is_not_handed_over(tmp_path: Path) -> None:
     standbys.prepare(worker)
     pid = worker.standby_pid
     assert pid is not None
-    subprocess.run(["kill", "-KILL", str(pid)], check=True)
-    wait_until(lambda: not pid_alive(pid), 10, "the standby's death")
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not pid_alive(pid), 10, "the standby's death")
     assert standbys.take(worker) is None and worker.standby_pid is None   # the supervisor then starts it cold
 
 
@@ -89,7 +82,7 @@ def test_a_standby_in_a_terminals_session_leaves_its_autogroup_alone(tmp_path: P
                                    stdin=subprocess.PIPE, stdout=out, stderr=out, env=child_env(seen.env))
     ours, seen.standby_pid = autogroup_nice(), standby.pid
     try:
-        wait_until(lambda: standby_ready(seen), 180, "the standby's build")   # its group set long before
+        wait_for(lambda: standby_ready(seen), 180, "the standby's build")   # its group set long before
         assert autogroup_nice(standby.pid) == ours
     finally:
         standby.send_signal(signal.SIGKILL)
