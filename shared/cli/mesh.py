@@ -23,17 +23,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from academus.shared.cli.pki import CLI, TLS_DIR, Pki, PkiError, make_pki
 from academus.shared.cli.redis_server import RedisServer, free_port
 from academus.shared.cli.standby import READY as STANDBY_READY
+from academus.shared.cli.standby import SERVICES as STANDBY_SERVICES
 from academus.shared.runtime.config import (
     MESH_TOKEN,
     POLICY_NAMES,
     artifacts_dir,
     child_env,
+    env_name,
     policy_override,
     redis_password,
     redis_url_from_env,
     trace_file,
 )
 from academus.shared.runtime.gpu import gpu_count, mps_plan
+from academus.shared.runtime.handover import Handover
 from academus.shared.runtime.logs import logged_events
 from academus.shared.runtime.redis_conn import redacted, with_password
 from academus.shared.runtime.tls import MeshTls, channel_credentials, open_channel_sync, use_mesh
@@ -45,6 +48,8 @@ DEFAULT_GATEWAY_PORT = 50051
 STATE_FILE = "mesh.json"
 ADMIN_KEY_FILE = "admin.key"
 SUPERVISOR_LOG = "supervisor.log"
+HANDOVER_DIR = "handover"   # the standbys' handover files (runtime/handover.py)
+HANDOVER_SETTING = env_name("handover")
 
 
 class MeshError(RuntimeError):
@@ -66,6 +71,12 @@ class ServiceProcess:
     def service(self) -> str:
         """The services/ package it runs: its name up to the first dash (worker-1, scheduler-0.1@node-1)."""
         return self.name.split("-", 1)[0]
+
+    @property
+    def handover(self) -> Handover | None:
+        """Where it asks for its standby when SIGTERM'd (`up --standby`); None: it has none to ask for."""
+        path = self.env.get(HANDOVER_SETTING)
+        return Handover(path) if path else None
 
 
 @dataclass
@@ -369,6 +380,8 @@ def _spawn(name: str, index: int, options: MeshOptions, state: MeshState,
     label = f"{name}-{index}" if name == "worker" or (name in ("gateway", "plot") and index) else name
     if name == "scheduler" and child_env(settings).get("ACADEMUS_SCHEDULER_ID", "scheduler-0") != "scheduler-0":
         label = settings["ACADEMUS_SCHEDULER_ID"]   # its id: which deployment, shard and node the log is of
+    if state.standby and name in STANDBY_SERVICES:
+        settings[HANDOVER_SETTING] = str(Path(state.run_dir) / HANDOVER_DIR / label)
     proc = ServiceProcess(label, 0, f"127.0.0.1:{own_port or port}", metrics_port,
                           str(Path(state.run_dir) / "logs" / f"{label}.log"), settings)
     proc.pid = start_process(proc)

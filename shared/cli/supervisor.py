@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,6 +61,13 @@ class RestartPlan:
     def watch(self, name: str, now: float) -> None:
         self._watched[name] = _Watched(now, self.backoff.initial_s)
 
+    def started(self, name: str, now: float) -> None:
+        """A start at `now`: watched from here on, with the backoff it had if it was watched already."""
+        if name in self._watched:
+            self.restarted(name, now)
+        else:
+            self.watch(name, now)
+
     def waiting(self, name: str) -> bool:
         """Dead and already given a restart time."""
         return self._watched[name].due_at is not None
@@ -92,11 +100,22 @@ class Standbys:
         self._waiting: dict[str, subprocess.Popen] = {}
 
     def prepare(self, proc: ServiceProcess) -> None:
-        """A new standby for `proc`, its pid recorded on it."""
+        """A new standby for `proc`, its pid recorded on it, offered for a handover where `proc` can ask."""
         proc.standby_pid = None
         if proc.service in self.services:
             standby = self._waiting[proc.name] = start_standby(proc)
             proc.standby_pid = standby.pid
+            if proc.handover:
+                proc.handover.offer()
+
+    def lost(self, proc: ServiceProcess) -> bool:
+        """Whether `proc`'s standby died while it waited (its pid is then cleared)."""
+        standby = self._waiting.get(proc.name)
+        if standby is None or standby.poll() is None:
+            return False
+        del self._waiting[proc.name]
+        proc.standby_pid = None
+        return True
 
     def take(self, proc: ServiceProcess) -> int | None:
         """`proc`'s standby told to go: its pid, None where it has none alive (then a cold start)."""
@@ -111,7 +130,11 @@ class Standbys:
             return None
         return standby.pid
 
-    def close(self) -> None:
+    def close(self, procs: Iterable[ServiceProcess] = ()) -> None:
+        """Stops every standby; a process stopping now drains without one."""
+        for proc in procs:
+            if proc.handover:
+                proc.handover.withdraw()
         for standby in self._waiting.values():
             with contextlib.suppress(OSError):
                 standby.kill()
@@ -128,6 +151,8 @@ class Supervisor:
         self.stopping = False
         self.state = MeshState.load(run_dir)
         self.standbys = Standbys(self.state.standby)
+        self.standby_plan = RestartPlan(self.plan.backoff)   # a standby that keeps dying waits longer each time
+        self.draining: dict[int, str] = {}   # pid: name of a process that handed its place over and drains
 
     def take_over(self) -> None:
         """Records this process as the mesh's supervisor: `up()` returns once it reads this."""
@@ -135,7 +160,7 @@ class Supervisor:
         for name in self.pids():
             self.plan.watch(name, now)
         for proc in self.state.services:
-            self.standbys.prepare(proc)
+            self._prepare(proc, now)
         self.state.supervisor_pid = os.getpid()
         self.state.save()
         log_event("supervising", processes=sorted(self.pids()))
@@ -154,13 +179,21 @@ class Supervisor:
             except Exception as e:   # e.g. mesh.json not writable: keep watching, the next step tries again
                 log_event("step_failed", logging.ERROR, error=repr(e))
             time.sleep(self.poll_s)
-        self.standbys.close()
+        self.standbys.close(self.state.services)
         log_event("stopped")
 
     def stop(self, *_: object) -> None:
         self.stopping = True
 
     def step(self, now: float) -> None:
+        self._watch_standbys(now)
+        for proc in self.state.services:
+            if proc.handover and proc.handover.claim():
+                self.hand_over(proc, now)
+        for pid, name in list(self.draining.items()):
+            if not pid_alive(pid):   # reaped
+                log_event("drained", process=name, pid=pid)
+                del self.draining[pid]
         for name, pid in self.pids().items():
             if not self.plan.waiting(name) and not pid_alive(pid):
                 log_event("exited", logging.WARNING, process=name, pid=pid,
@@ -180,6 +213,40 @@ class Supervisor:
         self.state.save()
         log_event("restarted", process=name, pid=pid, from_standby=from_standby)
 
+    def hand_over(self, proc: ServiceProcess, now: float) -> None:
+        """`proc`, stopping, asked for its standby: the standby goes and `proc` drains meanwhile; a new standby
+        starts behind. With its standby dead, `proc` is told to go on stopping: it is restarted once it exits."""
+        old = proc.pid
+        standby = self.standbys.take(proc)
+        if standby is None:
+            proc.handover.withdraw()
+            log_event("handover_refused", logging.WARNING, process=proc.name, pid=old, reason="no standby alive")
+            return
+        self.draining[old] = proc.name
+        proc.pid = standby
+        proc.restarts += 1
+        self.plan.restarted(proc.name, now)
+        self._prepare(proc, now)
+        self.state.save()
+        log_event("handed_over", process=proc.name, pid=standby, draining=old)
+
+    def _prepare(self, proc: ServiceProcess, now: float) -> None:
+        self.standbys.prepare(proc)
+        if proc.standby_pid:
+            self.standby_plan.started(proc.name, now)
+
+    def _watch_standbys(self, now: float) -> None:
+        """A standby that died while it waited is started again, after the backoff a process gets."""
+        for proc in self.state.services:
+            if self.standbys.lost(proc):
+                log_event("standby_exited", logging.WARNING, process=proc.name,
+                          restart_in_s=round(self.standby_plan.exited(proc.name, now), 3))
+        due = self.standby_plan.due(now)
+        for proc in self.state.services:
+            if proc.name in due:
+                self._prepare(proc, now)
+                self.state.save()
+
     def _start(self, name: str) -> tuple[int, bool]:
         """The new pid, and whether it was a standby's."""
         if name == REDIS:
@@ -190,7 +257,7 @@ class Supervisor:
         standby = self.standbys.take(proc)
         proc.pid = standby or start_process(proc)
         proc.restarts += 1
-        self.standbys.prepare(proc)   # behind the one that just went: another death may follow
+        self._prepare(proc, time.monotonic())   # behind the one that just went: another death may follow
         return proc.pid, standby is not None
 
 

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import grpc
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
@@ -64,8 +67,18 @@ def start_metrics(port: int) -> int:
     """Serves /metrics on loopback-or-configured port; returns the bound port (-1: disabled)."""
     if port < 0:
         return -1
-    server, _thread = start_http_server(port)
+    server = make_server("0.0.0.0", port, make_wsgi_app(), _SharedPortServer, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server.server_address[1]
+
+
+class _SharedPortServer(ThreadingWSGIServer):
+    allow_reuse_port = True   # a stopping service and the standby taking its place both hold it (runtime/handover.py)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:   # a scrape is not an event
+        pass
 
 
 def scrape(port: int, host: str = "127.0.0.1") -> Iterator[Sample]:

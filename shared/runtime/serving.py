@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -17,6 +18,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from academus.shared.runtime.config import CommonConfig, load
+from academus.shared.runtime.handover import Handover
 from academus.shared.runtime.heap import freeze_start_up_heap, watch_pauses
 from academus.shared.runtime.local_plane import LocalPlane, open_local, socket_dir
 from academus.shared.runtime.logs import log_event, setup_logging
@@ -114,7 +116,9 @@ class RunningService:
         self._tasks = [asyncio.create_task(t()) for t in spec.extra_tasks]
         for name in ["", *spec.service_names]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log_event("serving", service=spec.name, address=self.address, metrics_port=self.metrics_port)
+        if cfg.handover:   # a standby that took a stopping process's place: that process may drain now
+            Handover(cfg.handover).served()
+        log_event("serving", service=spec.name, address=self.address, metrics_port=self.metrics_port, pid=os.getpid())
         return self.address
 
     def _credentials(self) -> grpc.ServerCredentials | None:
@@ -133,14 +137,16 @@ class RunningService:
         return self.server.add_secure_port(address, credentials)
 
     async def stop(self) -> None:
-        """NOT_SERVING, background tasks end (no heartbeat re-registers), deregister, drain, close. The
-        `stopped` event gives each step's seconds: a stop that waits out its grace names the step that waited."""
+        """NOT_SERVING, background tasks end (no heartbeat re-registers), deregister, hand over to a standby where
+        the supervisor offers one (runtime/handover.py), drain, close. The `stopped` event gives each step's
+        seconds: a stop that waits out its grace names the step that waited."""
         log_event("stopping", service=self.spec.name)
         took: dict[str, float] = {}
         await self.health.enter_graceful_shutdown()
         await _timed(took, "tasks", self._cancel_tasks())
         if self.spec.on_stopping:
             await _timed(took, "on_stopping", self.spec.on_stopping())
+        handed = await _timed(took, "handover", self._hand_over()) if self.spec.config.handover else None
         if self.multiplex is not None:  # new frames are refused; the streams end once their calls answer
             self.multiplex.drain()
         cut = 0
@@ -149,7 +155,14 @@ class RunningService:
         await _timed(took, "server", self.server.stop(self.spec.config.grace_s))
         if self.spec.on_stopped:
             await _timed(took, "on_stopped", self.spec.on_stopped())
-        log_event("stopped", service=self.spec.name, seconds=took, local_connections_cut=cut)
+        log_event("stopped", service=self.spec.name, seconds=took, local_connections_cut=cut, handed_over=handed,
+                  pid=os.getpid())
+
+    async def _hand_over(self) -> bool:
+        """Deregistered, it asks for its standby and keeps its listener until the standby serves (at most
+        HANDOVER_WAIT_S): whether it did. Without a standby offered it answers at once."""
+        handover = Handover(self.spec.config.handover)
+        return handover.ask() and await handover.taken()
 
     async def _cancel_tasks(self) -> None:
         """Cancels the background tasks and waits for them at most the grace period. A task whose

@@ -21,6 +21,7 @@ from academus.loadgen import runner, schedule, texts
 from academus.loadgen.chaos_bench import current_pid, gauges_back_to_zero, restarts, serving
 from academus.loadgen.runner import GatewaySpread, RunResult
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, MeshState, create_key, down, pid_alive, wait_exit, wait_placed
+from academus.shared.runtime.logs import logged_events
 from academus.shared.state.keys import Keys
 from tests.e2e.conftest import start_mesh, wait_for
 
@@ -128,6 +129,29 @@ def test_sigterm_of_one_of_two_gateways_fails_no_request(mesh):
     assert [r.code for r in result.records if r.code != "OK"] == []
     wait_restarted(mesh, "gateway", old)
     assert pid_of(mesh, "gateway") == standby   # on the port the other gateway shares
+    assert_handed_over(mesh, "gateway", old, standby)
+
+
+def test_a_sigterm_worker_hands_its_place_to_its_standby_before_it_drains(mesh):
+    old, standby = pid_of(mesh, "worker-1"), standby_of(mesh, "worker-1")
+    result = under_load(mesh, kill(mesh, "worker-1", signal.SIGTERM))
+    assert [r.code for r in result.records if r.code != "OK"] == []
+    wait_restarted(mesh, "worker-1", old)
+    assert pid_of(mesh, "worker-1") == standby
+    assert_handed_over(mesh, "worker-1", old, standby)
+    wait_placed(MeshState.load(Path(mesh.run_dir)), WORKERS, 60)
+
+
+def assert_handed_over(mesh: MeshState, name: str, old: int, standby: int) -> None:
+    """The supervisor gave `old`'s place to `standby` while `old` still ran, and `standby` served before `old`
+    stopped: the service was never missing."""
+    logs = Path(mesh.run_dir) / "logs"
+    assert {"process": name, "pid": standby, "draining": old}.items() <= \
+        logged_events(logs / "supervisor.log", "handed_over")[-1].items()
+    wait_for(lambda: not pid_alive(old), 30, f"the old {name} drained")
+    stopped = next(e for e in logged_events(logs / f"{name}.log", "stopped") if e.get("pid") == old)
+    served = next(e for e in logged_events(logs / f"{name}.log", "serving") if e.get("pid") == standby)
+    assert stopped["handed_over"] is True and served["ts"] <= stopped["ts"]
 
 
 def test_a_killed_redis_is_restarted_with_its_keys(mesh):

@@ -3,17 +3,28 @@ over and stops standbys. Its `go` is tested on a mesh: tests/e2e/test_chaos.py."
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from academus.shared.cli.mesh import ServiceProcess, pid_alive, standby_ready, start_standby, wait_exit
+from academus.shared.cli.mesh import (
+    HANDOVER_SETTING,
+    MeshState,
+    ServiceProcess,
+    pid_alive,
+    standby_ready,
+    start_standby,
+    wait_exit,
+)
+from academus.shared.cli.redis_server import free_port
 from academus.shared.cli.standby import WAITING_NICE
-from academus.shared.cli.supervisor import Standbys
+from academus.shared.cli.supervisor import Standbys, Supervisor
 from academus.shared.runtime.config import artifacts_dir, child_env
 from academus.shared.runtime.slices import autogroup_nice
 from tests.e2e.conftest import wait_for
@@ -87,3 +98,65 @@ def test_a_standby_in_a_terminals_session_leaves_its_autogroup_alone(tmp_path: P
     finally:
         standby.send_signal(signal.SIGKILL)
         standby.wait()
+
+
+def supervised_gateway(tmp_path: Path) -> tuple[Supervisor, subprocess.Popen]:
+    """A supervisor over one gateway with a standby; the gateway's stand-in is a sleeping process (what the
+    supervisor watches is its pid). The standby, told to go, serves on a port of its own."""
+    stand_in = subprocess.Popen(["sleep", "120"])
+    env = {"ACADEMUS_REDIS_URL": "redis://127.0.0.1:1", "ACADEMUS_ARTIFACTS": str(artifacts_dir()),
+           "ACADEMUS_PORT": str(free_port()), HANDOVER_SETTING: str(tmp_path / "handover" / "gateway")}
+    proc = ServiceProcess("gateway", stand_in.pid, "127.0.0.1:1", 0, str(tmp_path / "gateway.log"), env)
+    MeshState(str(tmp_path), "redis://127.0.0.1:1", None, "127.0.0.1:1", "acd", [proc], standby=True).save()
+    supervisor = Supervisor(tmp_path)
+    supervisor.take_over()
+    return supervisor, stand_in
+
+
+def stop_all(supervisor: Supervisor, stand_in: subprocess.Popen) -> None:
+    supervisor.standbys.close(supervisor.state.services)
+    for pid in {s.pid for s in supervisor.state.services} - {stand_in.pid}:   # a standby that went
+        os.kill(pid, signal.SIGKILL)
+    stand_in.kill()
+    stand_in.wait()
+
+
+def test_a_stopping_service_hands_its_place_to_its_standby_and_drains_meanwhile(tmp_path: Path) -> None:
+    supervisor, stand_in = supervised_gateway(tmp_path)
+    try:
+        gateway = supervisor.state.services[0]
+        standby, asked = gateway.standby_pid, gateway.handover
+        wait_for(lambda: standby_ready(gateway), 120, "the standby's build")
+        assert asked.ask()   # what a SIGTERM'd service does once deregistered
+        supervisor.step(time.monotonic())
+        assert (gateway.pid, gateway.restarts) == (standby, 1)
+        assert supervisor.draining == {stand_in.pid: "gateway"} and pid_alive(stand_in.pid)   # not restarted
+        assert gateway.standby_pid not in (None, standby), "a new standby behind the one that went"
+        assert MeshState.load(tmp_path).services[0].pid == standby
+        wait_for(lambda: asyncio.run(asked.taken(0.0)), 60, "the standby serving, which the stopping one awaits")
+        assert asked.ready.exists(), "the new standby is offered for the next stop"
+        stand_in.kill()
+        stand_in.wait()
+        supervisor.step(time.monotonic())
+        assert supervisor.draining == {}
+    finally:
+        stop_all(supervisor, stand_in)
+
+
+def test_a_standby_that_died_waiting_is_started_again_and_a_stop_meanwhile_goes_on_without_it(tmp_path: Path) -> None:
+    supervisor, stand_in = supervised_gateway(tmp_path)
+    try:
+        gateway = supervisor.state.services[0]
+        dead = gateway.standby_pid
+        os.kill(dead, signal.SIGKILL)
+        wait_for(lambda: not pid_alive(dead), 10, "the standby's death")
+        assert gateway.handover.ask()
+        now = time.monotonic()
+        supervisor.step(now)
+        assert gateway.pid == stand_in.pid and gateway.restarts == 0, "no standby to hand over to"
+        assert asyncio.run(gateway.handover.taken(0.0)), "told to go on stopping"
+        assert gateway.standby_pid is None
+        supervisor.step(now + supervisor.plan.backoff.initial_s)
+        assert gateway.standby_pid not in (None, dead) and pid_alive(gateway.standby_pid)
+    finally:
+        stop_all(supervisor, stand_in)
