@@ -149,10 +149,14 @@ class RunningService:
         handed = await _timed(took, "handover", self._hand_over()) if self.spec.config.handover else None
         if self.multiplex is not None:  # new frames are refused; the streams end once their calls answer
             self.multiplex.drain()
-        cut = 0
+        # both at once: the server's GOAWAY and closed listener move callers to a successor on the same ports
+        # (runtime/handover.py) while the node-local connections finish their calls
+        grace = self.spec.config.grace_s
+        steps = [_timed(took, "server", self.server.stop(grace))]
         if self.local_plane is not None:
-            cut = await _timed(took, "local_plane", self.local_plane.stop(self.spec.config.grace_s))
-        await _timed(took, "server", self.server.stop(self.spec.config.grace_s))
+            steps.append(_timed(took, "local_plane", self.local_plane.stop(grace)))
+        done = await asyncio.gather(*steps)
+        cut = done[1] if self.local_plane is not None else 0
         if self.spec.on_stopped:
             await _timed(took, "on_stopped", self.spec.on_stopped())
         log_event("stopped", service=self.spec.name, seconds=took, local_connections_cut=cut, handed_over=handed,
