@@ -44,7 +44,6 @@ class WorkerRef:
     running: int = 0
     lost: bool = False
     lost_at: float = 0.0           # when a call to it failed as lost (the dispatcher's clock)
-    stopping: bool = False         # lost because it said it was stopping: its address may serve again at once
 
     @property
     def busy(self) -> bool:
@@ -152,13 +151,11 @@ def smooth(values: dict[str, float], key: str, sample: float) -> None:
 
 
 class WorkerLost(Exception):
-    """A worker did not answer (connection refused or dropped), or refused as stopping (`stopping`): the jobs
-    may run on another group."""
+    """A worker did not answer (connection refused or dropped): the jobs may run on another group."""
 
-    def __init__(self, message: str, worker_id: str = "", stopping: bool = False) -> None:
+    def __init__(self, message: str, worker_id: str = "") -> None:
         super().__init__(message)
         self.worker_id = worker_id
-        self.stopping = stopping
 
 
 Send = Callable[[Group, Sequence[Job]], Awaitable[Sequence[Any]]]
@@ -226,9 +223,7 @@ class Dispatcher:
         """Replaces the worker set (id -> (address, models[, capacity])) and the student group tables
         with what Redis says, keeping the running counts of workers that stay. A lost worker stays lost
         until it is listed at another address or its quarantine has passed: until its heartbeat key
-        expires, Redis lists a dead worker too, and a retry sent back to it would be lost again. One that
-        refused as stopping had deregistered first, so a listing read after is its successor's (a standby
-        on its address: runtime/handover.py); a stale one costs a refusal of nothing run."""
+        expires, Redis lists a dead worker too, and a retry sent back to it would be lost again."""
         for worker_id in list(self.workers):
             if worker_id not in live:
                 del self.workers[worker_id]
@@ -236,8 +231,7 @@ class Dispatcher:
         for worker_id, (address, models, *rest) in live.items():
             capacity = rest[0] if rest else 1
             ref = self.workers.get(worker_id)
-            if ref is None or ref.address != address or \
-                    (ref.lost and (ref.stopping or now - ref.lost_at >= self.lost_quarantine_s)):
+            if ref is None or ref.address != address or (ref.lost and now - ref.lost_at >= self.lost_quarantine_s):
                 self.workers[worker_id] = WorkerRef(worker_id, address, models, capacity)
             else:
                 ref.models, ref.capacity = models, capacity
@@ -485,7 +479,7 @@ class Dispatcher:
         except WorkerLost as e:
             for ref in refs:
                 if ref.worker_id == e.worker_id or len(refs) == 1:
-                    ref.lost, ref.lost_at, ref.stopping = True, self.clock(), e.stopping
+                    ref.lost, ref.lost_at = True, self.clock()
             self._resize()
             for job in batch:
                 self._retry_or_fail(job, e)

@@ -38,7 +38,7 @@ from academus.shared.models.plot.registry import live_plot_services
 from academus.shared.models.work import Batch, BatchOutput
 from academus.shared.models.work_wire import batch_to_pb, item_from_pb, output_from_pb, output_to_pb
 from academus.shared.runtime import config as cfg
-from academus.shared.runtime.errors import ServingError, abort_with, answered, from_rpc_error, stopping
+from academus.shared.runtime.errors import ServingError, abort_with, answered, from_rpc_error
 from academus.shared.runtime.logs import log_event
 from academus.shared.runtime.multiplex import call_with_partials
 from academus.shared.runtime.redis_conn import connect, wake_on
@@ -61,7 +61,6 @@ class WorkerCalls:
 
     def __init__(self, stubs: Stubs, workers: dict[str, WorkerRef]) -> None:
         self.stubs, self.workers = stubs, workers
-        self.on_stopping: Callable[[], None] = lambda: None   # a worker said it is stopping: re-read placements
 
     async def __call__(self, worker_id: str, batch: Batch, remaining: float,
                        on_partial: OnPartial | None = None) -> BatchOutput:
@@ -73,9 +72,7 @@ class WorkerCalls:
             reply = await call_with_partials(self.stubs(worker.address).Run, batch_to_pb(batch), remaining, early)
         except grpc.aio.AioRpcError as e:
             if e.code() in LOST_CODES and not answered(e):   # the worker itself chose it: not lost
-                if stopping(e):   # its successor may already be listed at its address: seen at the next read
-                    self.on_stopping()
-                raise WorkerLost(f"{worker_id} at {worker.address}: {e.details()}", worker_id, stopping(e)) from e
+                raise WorkerLost(f"{worker_id} at {worker.address}: {e.details()}", worker_id) from e
             raise from_rpc_error(e, f"worker {worker_id}") from e
         return output_from_pb(reply)
 
@@ -249,8 +246,7 @@ async def build() -> ServiceSpec:
     policy = policy_from(config)
     workers: dict[str, WorkerRef] = {}
     prefetcher = PlotPrefetcher(Stubs(plot_pb2_grpc.PlotStub), clock) if config.plot_prefetch else None
-    calls = WorkerCalls(worker_stubs, workers)
-    dispatcher = Dispatcher(policy, traced(GroupSender(calls, clock, prefetcher)),
+    dispatcher = Dispatcher(policy, traced(GroupSender(WorkerCalls(worker_stubs, workers), clock, prefetcher)),
                             config.queue_capacity, config.retry_pushback_ms, clock,
                             on_wait=prefetcher.on_wait if prefetcher is not None else None,
                             drop_doomed=config.drop_doomed, send_ahead=config.send_ahead,
@@ -270,7 +266,6 @@ async def build() -> ServiceSpec:
 
     watcher = PlacementWatcher(redis, keys, dispatcher, config.refresh_s, models, prefetcher, config.node,
                                on_serving=reregister)
-    calls.on_stopping = watcher.changed.set
     ttl = max(1, round(config.heartbeat_ttl_s))
     # the load signals outlive a dead scheduler by at most ten reports (>= 1 s), not a heartbeat TTL: a stale
     # report holding an old student number would pause the resource manager's adaptation until it expired

@@ -22,8 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from academus.shared.cli.pki import CLI, TLS_DIR, Pki, PkiError, make_pki
 from academus.shared.cli.redis_server import RedisServer, free_port
+from academus.shared.cli.standby import HANDOVER_SERVICES
 from academus.shared.cli.standby import READY as STANDBY_READY
-from academus.shared.cli.standby import SERVICES as STANDBY_SERVICES
 from academus.shared.runtime.config import (
     MESH_TOKEN,
     POLICY_NAMES,
@@ -380,7 +380,7 @@ def _spawn(name: str, index: int, options: MeshOptions, state: MeshState,
     label = f"{name}-{index}" if name == "worker" or (name in ("gateway", "plot") and index) else name
     if name == "scheduler" and child_env(settings).get("ACADEMUS_SCHEDULER_ID", "scheduler-0") != "scheduler-0":
         label = settings["ACADEMUS_SCHEDULER_ID"]   # its id: which deployment, shard and node the log is of
-    if state.standby and name in STANDBY_SERVICES:
+    if state.standby and name in HANDOVER_SERVICES:
         settings[HANDOVER_SETTING] = str(Path(state.run_dir) / HANDOVER_DIR / label)
     proc = ServiceProcess(label, 0, f"127.0.0.1:{own_port or port}", metrics_port,
                           str(Path(state.run_dir) / "logs" / f"{label}.log"), settings)

@@ -30,6 +30,9 @@ GO = "go"
 READY = "standby_ready"   # the event its log gets once built
 WAITING_NICE = 19
 SERVICES = ("worker", "scheduler", "gateway")   # the request path; the others' restarts fail no request
+# those whose standby takes a SIGTERM'd process's place before it drains (runtime/handover.py); a worker's would
+# compute beside it on cores the load fills: measured, that cost more than its drain (docs/design/supervision.md)
+HANDOVER_SERVICES = ("scheduler", "gateway")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,17 +16,21 @@ OUTPUTS = {"": pb.OUTPUT_UNSPECIFIED, "label": pb.OUTPUT_LABEL, "score": pb.OUTP
            "embedding": pb.OUTPUT_EMBEDDING}
 DEFAULT_TIMEOUT_S = 10.0
 
-# Retries only UNAVAILABLE, the one status that says nothing ran; inference is idempotent anyway. An overloaded
+# Retries UNAVAILABLE, the status that says nothing ran, and a server's CANCELLED: no service of ours answers it,
+# but a stopping gRPC server cancels the calls it had received and not yet started (grpc/grpc#41785: a few of
+# every gateway SIGTERM at twice the capacity, docs/benchmarks/reliability.md). A call its own caller cancelled is
+# never retried. Inference is idempotent anyway. An overloaded
 # server's RESOURCE_EXHAUSTED is retried by the clients themselves, when asked (`retry_overload`): the channel's
 # policy would retry it without a pushback hint too (a message over the size limit), and would sit out a hint
 # longer than the deadline to answer DEADLINE_EXCEEDED rather than the refusal.
 MAX_ATTEMPTS, INITIAL_BACKOFF_S, MAX_BACKOFF_S, BACKOFF_MULTIPLIER = 3, 0.05, 0.5, 2
+RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 SERVICE_CONFIG = json.dumps({
     "methodConfig": [{
         "name": [{"service": "academus.v1.Inference"}],
         "retryPolicy": {"maxAttempts": MAX_ATTEMPTS, "initialBackoff": f"{INITIAL_BACKOFF_S}s",
                         "maxBackoff": f"{MAX_BACKOFF_S}s", "backoffMultiplier": BACKOFF_MULTIPLIER,
-                        "retryableStatusCodes": ["UNAVAILABLE"]},
+                        "retryableStatusCodes": ["UNAVAILABLE", "CANCELLED"]},
     }]
 })
 # A supervised gateway that dies serves again 1-2 s later, refusing connections meanwhile. A client that has been
@@ -49,7 +53,7 @@ def retry_wait(code: grpc.StatusCode, attempt: int, remaining_s: float, pushback
     `overload`: RESOURCE_EXHAUSTED is retried too, only when it carries a pushback hint (a quota, a full
     queue), after that wait."""
     overloaded = overload and code == grpc.StatusCode.RESOURCE_EXHAUSTED and pushback_ms is not None
-    if not (code == grpc.StatusCode.UNAVAILABLE or overloaded) or attempt + 1 >= MAX_ATTEMPTS:
+    if not (code in RETRIED or overloaded) or attempt + 1 >= MAX_ATTEMPTS:
         return None
     if pushback_ms is not None:
         wait = pushback_ms / 1e3 if pushback_ms >= 0 else None
@@ -61,9 +65,9 @@ def retry_wait(code: grpc.StatusCode, attempt: int, remaining_s: float, pushback
 def next_wait(error: grpc.RpcError, attempt: int, remaining_s: float, overload: bool,
               channel_retried: bool) -> float | None:
     """After attempt `attempt` of a call failed with `error`: how long the client waits before its next one
-    (None: it raises). `channel_retried`: the call was a unary one, whose UNAVAILABLE the channel retried."""
+    (None: it raises). `channel_retried`: the call was a unary one, whose RETRIED codes the channel retried."""
     code = error.code()
-    if channel_retried and code == grpc.StatusCode.UNAVAILABLE:
+    if channel_retried and code in RETRIED:
         return None
     return retry_wait(code, attempt, remaining_s, errors.pushback_ms(dict(error.trailing_metadata() or ()).items()),
                       overload=overload)

@@ -267,7 +267,7 @@ class CommonConfig:
     socket_dir: str = setting("", "the local plane's sockets; empty: `academus-<uid>` in the temporary folder")
     handover: str = setting("", "where a SIGTERM'd service asks for its standby before it drains (files "
                                 "`<path>.ready|wanted|going`: runtime/handover.py); `academus up --standby` sets it "
-                                "per process; empty: it drains, exits, and is replaced after")
+                                "for schedulers and gateways; empty: it drains, exits, and is replaced after")
     hop_slice_us: int = setting(0, "the serving threads' EEVDF slice (runtime/slices.py); 0: the kernel's",
                                 HOP_SLICE)
     node: str = setting("", "the machine it runs on: a worker's groups stay within its node, and a scheduler given "

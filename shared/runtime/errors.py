@@ -24,20 +24,11 @@ PUSHBACK = "grpc-retry-pushback-ms"    # trailer: how long the caller should wai
 # trailer of every status a handler of ours chose: its process is alive (an UNAVAILABLE without it came from
 # the transport or a stopping server: the peer is gone)
 ANSWERED = "academus-answered"
-# trailer of a refusal from a server that is stopping (draining) and ran nothing: a process may already serve on
-# its address (a standby that took its place: runtime/handover.py), so the address is not lost with it
-STOPPING = "academus-stopping"
-STOPPING_TRAILERS = ((STOPPING, "true"),)
 
 
 def answered(error: grpc.aio.AioRpcError) -> bool:
     """The status was a live handler's choice (ANSWERED), not a transport failure or a stopping server."""
     return dict(error.trailing_metadata() or ()).get(ANSWERED) == "true"
-
-
-def stopping(error: grpc.aio.AioRpcError) -> bool:
-    """The peer refused the call because it is stopping, and ran nothing."""
-    return dict(error.trailing_metadata() or ()).get(STOPPING) == "true"
 
 
 def pushback_ms(trailers: Iterable[tuple[str, str]]) -> int | None:

@@ -1,4 +1,4 @@
-"""A stopping service hands its place to its standby before it drains (`academus up --standby`).
+"""A stopping scheduler or gateway hands its place to its standby before it drains (`academus up --standby`).
 
 Without it, a SIGTERM'd service drains its in-flight calls (up to `grace_s`), exits, and only then does the
 supervisor start its standby: the port is closed and the service missing for the whole drain. With it, the

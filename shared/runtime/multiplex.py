@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from academus.shared.runtime.errors import NOTHING_RAN, PUSHBACK, STOPPING_TRAILERS
+from academus.shared.runtime.errors import NOTHING_RAN, PUSHBACK
 from academus.shared.runtime.interceptors import UnaryBehavior, UnaryServerInterceptor
 from academus.v1 import multiplex_pb2, multiplex_pb2_grpc
 
@@ -665,7 +665,7 @@ class _ServedStream:
                 task.cancel()
         elif self.servicer.draining:
             self.replies.put_nowait(reply_status(frame.id, grpc.StatusCode.UNAVAILABLE,
-                                                 "the server is stopping; nothing ran", STOPPING_TRAILERS))
+                                                 "the server is stopping; nothing ran"))
         elif (refusal := self.refusal(frame)) is not None:
             MULTIPLEXED_UNRUN.labels(frame.method, CODES[refusal.code].name).inc()
             self.emit(refusal)

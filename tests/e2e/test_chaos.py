@@ -132,13 +132,27 @@ def test_sigterm_of_one_of_two_gateways_fails_no_request(mesh):
     assert_handed_over(mesh, "gateway", old, standby)
 
 
-def test_a_sigterm_worker_hands_its_place_to_its_standby_before_it_drains(mesh):
+def test_a_sigterm_scheduler_hands_its_place_to_its_standby_and_fails_no_request(mesh):
+    old, standby = pid_of(mesh, "scheduler"), standby_of(mesh, "scheduler")
+    result = under_load(mesh, kill(mesh, "scheduler", signal.SIGTERM))
+    assert [r.code for r in result.records if r.code != "OK"] == []
+    wait_restarted(mesh, "scheduler", old, count=2)   # its kill above was the first
+    assert pid_of(mesh, "scheduler") == standby
+    assert_handed_over(mesh, "scheduler", old, standby)
+
+
+def test_a_sigterm_worker_drains_then_its_standby_takes_its_place(mesh):
+    """A worker does not hand over early: its standby would compute beside it (docs/design/supervision.md)."""
     old, standby = pid_of(mesh, "worker-1"), standby_of(mesh, "worker-1")
     result = under_load(mesh, kill(mesh, "worker-1", signal.SIGTERM))
     assert [r.code for r in result.records if r.code != "OK"] == []
     wait_restarted(mesh, "worker-1", old)
     assert pid_of(mesh, "worker-1") == standby
-    assert_handed_over(mesh, "worker-1", old, standby)
+    logs = Path(mesh.run_dir) / "logs"
+    stopped = next(e for e in logged_events(logs / "worker-1.log", "stopped") if e.get("pid") == old)
+    served = next(e for e in logged_events(logs / "worker-1.log", "serving") if e.get("pid") == standby)
+    assert stopped["handed_over"] is None and stopped["ts"] <= served["ts"]
+    assert not any(e["process"] == "worker-1" for e in logged_events(logs / "supervisor.log", "handed_over"))
     wait_placed(MeshState.load(Path(mesh.run_dir)), WORKERS, 60)
 
 

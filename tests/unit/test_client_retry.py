@@ -1,6 +1,6 @@
-"""The SDK retries UNAVAILABLE (nothing ran) within the deadline, on a multiplexed stream as the channel's
-retry policy does for a unary call, and, asked to (`retry_overload`), an overloaded server's RESOURCE_EXHAUSTED
-after its pushback hint, over real gRPC on loopback."""
+"""The SDK retries UNAVAILABLE (nothing ran) and a server's CANCELLED within the deadline, on a multiplexed
+stream as the channel's retry policy does for a unary call, and, asked to (`retry_overload`), an overloaded
+server's RESOURCE_EXHAUSTED after its pushback hint, over real gRPC on loopback."""
 
 from __future__ import annotations
 
@@ -94,6 +94,15 @@ async def test_unavailable_is_retried_within_the_deadline_on_a_stream_as_on_a_un
         with pytest.raises(AcademusError) as refused:
             await client.infer("spam", ["hi"])
     assert refused.value.code == "UNAVAILABLE" and servicer.calls == 3
+
+
+@pytest.mark.parametrize("streams", [False, True])
+async def test_a_servers_cancelled_is_retried_as_a_stopping_grpc_server_sends_it_for_calls_not_started(flaky, streams):
+    servicer, target = await flaky(failures=2, code=grpc.StatusCode.CANCELLED)
+    async with AsyncClient(target, api_key="k", timeout=5.0, streams=streams) as client:
+        assert (await client.infer("spam", ["hi"])).model == "spam"
+    assert servicer.calls == 3
+    assert retry_wait(grpc.StatusCode.CANCELLED, 2, 5.0) is None   # three attempts in all, as for UNAVAILABLE
 
 
 @pytest.mark.parametrize("streams", [False, True])

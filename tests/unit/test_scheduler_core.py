@@ -282,29 +282,6 @@ async def test_a_lost_worker_listed_at_another_address_serves_at_once():
     assert await again == "back" and fake.calls[1][0] == "w0"
 
 
-async def test_a_worker_that_refused_as_stopping_is_back_at_the_next_listing_of_its_address():
-    """A stopping worker deregisters before it refuses anything, so a listing read after its refusal is its
-    successor's: a standby on the same address (runtime/handover.py), not a dead worker Redis still lists."""
-    d, clock, fake = make_dispatcher({"w0": {"spam"}, "w1": {"spam"}})
-    live = {w: (d.workers[w].address, frozenset({"spam"})) for w in ("w0", "w1")}
-    first = asyncio.create_task(d.submit(make_job(clock)))
-    second = asyncio.create_task(d.submit(make_job(clock)))
-    await settle()
-    stopping = next(c for c in fake.calls if c[0] == "w1")
-    stopping[2].set_exception(WorkerLost("the server is stopping; nothing ran", "w1", stopping=True))
-    await settle()
-    assert d.workers["w1"].lost and d.stats.retried == 1   # out until listed again, its jobs retried
-    assert len(fake.calls) == 2   # w0 still busy: the retry waits
-    d.update_workers(live)   # within what would be a lost worker's quarantine
-    assert not d.workers["w1"].lost
-    assert d.model_load()["spam"]["groups"] == 2
-    await settle()
-    assert [c[0] for c in fake.calls[2:]] == ["w1"], "the retry went to the successor at once"
-    for call in (fake.calls[0], fake.calls[2]):
-        call[2].set_result(call[0])
-    assert sorted(await asyncio.gather(first, second)) == ["w0", "w1"]
-
-
 async def test_lost_last_worker_is_unavailable_not_a_hang():
     d, clock, fake = make_dispatcher({"w0": {"spam"}})
     running = asyncio.create_task(d.submit(make_job(clock)))
