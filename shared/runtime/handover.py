@@ -42,11 +42,7 @@ class Handover:
 
     def claim(self) -> bool:
         """Whether the service asked for its standby since the last claim (each ask is claimed once)."""
-        try:
-            self.wanted.rename(self.going)
-        except FileNotFoundError:
-            return False
-        return True
+        return _moved(self.wanted, self.going)
 
     def withdraw(self) -> None:
         """No standby to give (dead, or the supervisor stopping): no file stays, and a stopping service goes on."""
@@ -56,11 +52,7 @@ class Handover:
     # the stopping service's side
     def ask(self) -> bool:
         """Takes the offer if there is one: whether a standby was offered."""
-        try:
-            self.ready.rename(self.wanted)
-        except FileNotFoundError:
-            return False
-        return True
+        return _moved(self.ready, self.wanted)
 
     async def taken(self, timeout_s: float = HANDOVER_WAIT_S) -> bool:
         """Waits until the standby serves, or the supervisor withdrew: False after `timeout_s`."""
@@ -75,3 +67,12 @@ class Handover:
     def served(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.going.unlink()
+
+
+def _moved(source: Path, target: Path) -> bool:
+    """Renames `source` (atomically: one of two racing movers wins); False where it was not there."""
+    try:
+        source.rename(target)
+    except FileNotFoundError:
+        return False
+    return True

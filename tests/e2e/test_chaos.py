@@ -215,3 +215,9 @@ def test_down_stops_the_supervisor_first_and_nothing_comes_back(mesh):
     standbys = [s.standby_pid for s in state.services if s.standby_pid]
     assert len(standbys) == WORKERS + 3 and not any(pid_alive(pid) for pid in standbys)   # and the two gateways' and
     # the scheduler's: the supervisor stopped them
+    logs = Path(mesh.run_dir) / "logs"
+    for proc in (s for s in state.services if s.handover):
+        last = [e for e in logged_events(logs / f"{proc.name}.log", "stopped") if e.get("pid") == proc.pid]
+        assert [e["handed_over"] for e in last] == [False], proc.name
+    # the supervisor withdrew its offers first: a service that found one would have left its ask behind
+    assert not any((Path(mesh.run_dir) / "handover").iterdir())
