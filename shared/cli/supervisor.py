@@ -9,7 +9,8 @@ starts again at 0.2 s for a process that had stayed up 10 s. Each restart is log
 and counted in mesh.json (`academus status` shows the counts). `academus down` stops it before the services,
 so nothing it stops is restarted. With `up --standby` it keeps a standby process per worker, scheduler and
 gateway (shared/cli/standby.py), built and waiting: a dead one's replacement is its standby, told to go, and a
-new standby starts behind it.
+new standby starts behind it. A SIGTERM'd scheduler or gateway asks for its standby before it drains, and the
+standby goes while it still runs (shared/runtime/handover.py).
 """
 
 from __future__ import annotations
