@@ -224,12 +224,16 @@ class Supervisor:
             log_event("handover_refused", logging.WARNING, process=proc.name, pid=old, reason="no standby alive")
             return
         self.draining[old] = proc.name
-        proc.pid = standby
-        proc.restarts += 1
         self.plan.restarted(proc.name, now)
-        self._prepare(proc, now)
+        self._replace(proc, standby, now)
         self.state.save()
         log_event("handed_over", process=proc.name, pid=standby, draining=old)
+
+    def _replace(self, proc: ServiceProcess, pid: int, now: float) -> None:
+        """`pid` is `proc` from now on, a restart; a new standby starts behind it, as another may follow."""
+        proc.pid = pid
+        proc.restarts += 1
+        self._prepare(proc, now)
 
     def _prepare(self, proc: ServiceProcess, now: float) -> None:
         self.standbys.prepare(proc)
@@ -238,13 +242,12 @@ class Supervisor:
 
     def _watch_standbys(self, now: float) -> None:
         """A standby that died while it waited is started again, after the backoff a process gets."""
+        due = self.standby_plan.due(now)   # one seen dead now is due later: its wait has just begun
         for proc in self.state.services:
             if self.standbys.lost(proc):
                 log_event("standby_exited", logging.WARNING, process=proc.name,
                           restart_in_s=round(self.standby_plan.exited(proc.name, now), 3))
-        due = self.standby_plan.due(now)
-        for proc in self.state.services:
-            if proc.name in due:
+            elif proc.name in due:
                 self._prepare(proc, now)
                 self.state.save()
 
@@ -256,9 +259,7 @@ class Supervisor:
             return self.state.redis_pid, False
         proc = next(s for s in self.state.services if s.name == name)
         standby = self.standbys.take(proc)
-        proc.pid = standby or start_process(proc)
-        proc.restarts += 1
-        self._prepare(proc, time.monotonic())   # behind the one that just went: another death may follow
+        self._replace(proc, standby or start_process(proc), time.monotonic())
         return proc.pid, standby is not None
 
 

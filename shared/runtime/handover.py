@@ -19,7 +19,6 @@ process makes from being removed by the old one's.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from pathlib import Path
 
@@ -65,8 +64,7 @@ class Handover:
 
     # the standby's side, once it serves
     def served(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.going.unlink()
+        self.going.unlink(missing_ok=True)
 
 
 def _moved(source: Path, target: Path) -> bool:

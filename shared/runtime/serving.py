@@ -151,12 +151,12 @@ class RunningService:
             self.multiplex.drain()
         # both at once: the server's GOAWAY and closed listener move callers to a successor on the same ports
         # (runtime/handover.py) while the node-local connections finish their calls
-        grace = self.spec.config.grace_s
-        steps = [_timed(took, "server", self.server.stop(grace))]
-        if self.local_plane is not None:
-            steps.append(_timed(took, "local_plane", self.local_plane.stop(grace)))
-        done = await asyncio.gather(*steps)
-        cut = done[1] if self.local_plane is not None else 0
+        grace, cut = self.spec.config.grace_s, 0
+        server = _timed(took, "server", self.server.stop(grace))
+        if self.local_plane is None:
+            await server
+        else:
+            _, cut = await asyncio.gather(server, _timed(took, "local_plane", self.local_plane.stop(grace)))
         if self.spec.on_stopped:
             await _timed(took, "on_stopped", self.spec.on_stopped())
         log_event("stopped", service=self.spec.name, seconds=took, local_connections_cut=cut, handed_over=handed,

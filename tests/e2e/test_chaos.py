@@ -148,24 +148,26 @@ def test_a_sigterm_worker_drains_then_its_standby_takes_its_place(mesh):
     assert [r.code for r in result.records if r.code != "OK"] == []
     wait_restarted(mesh, "worker-1", old)
     assert pid_of(mesh, "worker-1") == standby
-    logs = Path(mesh.run_dir) / "logs"
-    stopped = next(e for e in logged_events(logs / "worker-1.log", "stopped") if e.get("pid") == old)
-    served = next(e for e in logged_events(logs / "worker-1.log", "serving") if e.get("pid") == standby)
+    stopped, served = event_of(mesh, "worker-1", "stopped", old), event_of(mesh, "worker-1", "serving", standby)
     assert stopped["handed_over"] is None and stopped["ts"] <= served["ts"]
-    assert not any(e["process"] == "worker-1" for e in logged_events(logs / "supervisor.log", "handed_over"))
+    supervisor_log = Path(mesh.run_dir) / "logs" / "supervisor.log"
+    assert not any(e["process"] == "worker-1" for e in logged_events(supervisor_log, "handed_over"))
     wait_placed(MeshState.load(Path(mesh.run_dir)), WORKERS, 60)
 
 
 def assert_handed_over(mesh: MeshState, name: str, old: int, standby: int) -> None:
     """The supervisor gave `old`'s place to `standby` while `old` still ran, and `standby` served before `old`
     stopped: the service was never missing."""
-    logs = Path(mesh.run_dir) / "logs"
     assert {"process": name, "pid": standby, "draining": old}.items() <= \
-        logged_events(logs / "supervisor.log", "handed_over")[-1].items()
+        logged_events(Path(mesh.run_dir) / "logs" / "supervisor.log", "handed_over")[-1].items()
     wait_for(lambda: not pid_alive(old), 30, f"the old {name} drained")
-    stopped = next(e for e in logged_events(logs / f"{name}.log", "stopped") if e.get("pid") == old)
-    served = next(e for e in logged_events(logs / f"{name}.log", "serving") if e.get("pid") == standby)
+    stopped, served = event_of(mesh, name, "stopped", old), event_of(mesh, name, "serving", standby)
     assert stopped["handed_over"] is True and served["ts"] <= stopped["ts"]
+
+
+def event_of(mesh: MeshState, name: str, event: str, pid: int) -> dict:
+    """The first `event` that process `pid` logged in `name`'s log (a service and its standby share it)."""
+    return next(e for e in logged_events(Path(mesh.run_dir) / "logs" / f"{name}.log", event) if e.get("pid") == pid)
 
 
 def test_a_killed_redis_is_restarted_with_its_keys(mesh):
