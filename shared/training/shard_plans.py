@@ -1,4 +1,4 @@
-"""`academus shard build | info | verify | profile | plan` (STI), and what reads a shard artifact without the
+"""`academus shard build | adapt | info | verify | profile | plan` (STI), and what reads a shard artifact without the
 model code: the saved hardware profiles and the planner for a task.
 
 `info`, `verify` and `plan` import no model code: transformers (and the torch._dynamo it imports) would add
@@ -81,6 +81,15 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--data", type=Path, default=None, help='a user\'s classifier: its own texts, JSON lines '
                    '{"text": ...}, labelled by the classifier itself (default: the bundled tasks\' texts)')
     b.add_argument("--data-dir", type=Path, default=None, help="dataset packages (ACADEMUS_DATA_DIR)")
+    a = sub.add_parser("adapt", parents=[common], help="the teacher trained to run at any width (DynaBERT), added as "
+                                                        "a user's embedding model to build shards of")
+    a.add_argument("--name", required=True, help="the catalogue name of the trained model")
+    a.add_argument("--tasks", default="", help=f"comma-separated (default {','.join(TASKS)})")
+    a.add_argument("--epochs", type=float, default=1.0)
+    a.add_argument("--texts", type=int, default=None, help="training texts a task (default: its whole train split)")
+    a.add_argument("--batch", type=int, default=32)
+    a.add_argument("--lr", type=float, default=1e-4, help="AdamW's learning rate, decayed linearly to 0")
+    a.add_argument("--data-dir", type=Path, default=None, help="dataset packages (ACADEMUS_DATA_DIR)")
     sub.add_parser("info", parents=[common], help="the artifact's geometry, sizes and tasks")
     sub.add_parser("verify", parents=[common], help="every file and every shard against its sha256")
     f = sub.add_parser("profile", parents=[common], help="load and compute times on this machine (§5.2)")
@@ -99,6 +108,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     artifacts = args.artifacts or default_artifacts_dir()
     if args.command == "build":
         return _build(args, artifacts)
+    if args.command == "adapt":
+        return _adapt(args, artifacts)
     store = ShardStore(shards_dir(artifacts, args.model))
     if args.command in ("profile", "plan") and "config" not in store.manifest.extra:
         raise ValueError(f"--model {args.model!r}: profile and plan are for an encoder's shards (minilm or a user's "
@@ -148,6 +159,19 @@ def _build(args: argparse.Namespace, artifacts: Path) -> dict[str, Any]:
         return build_students(artifacts, args.model, args.data_dir, args.quick)
     return build(artifacts, args.model, [t for t in args.tasks.split(",") if t] or None, args.data_dir,
                  args.quick, args.data)
+
+
+def _adapt(args: argparse.Namespace, artifacts: Path) -> dict[str, Any]:
+    from academus.shared.training.width_adapt import AdaptSettings, adapt
+
+    if args.model != "minilm":
+        raise ValueError(f"--model {args.model!r}: `shard adapt` trains the bundled teacher (minilm) at every width")
+    if min(args.epochs, args.batch, args.lr, args.texts or 1) <= 0:
+        raise ValueError(f"--epochs {args.epochs:g}, --batch {args.batch}, --lr {args.lr:g} and --texts {args.texts} "
+                         f"must be positive")
+    settings = AdaptSettings(epochs=args.epochs, batch=args.batch, lr=args.lr, texts_per_task=args.texts)
+    return adapt(artifacts, args.name, [t for t in args.tasks.split(",") if t] or None, args.data_dir, settings,
+                 log=lambda message: print(f"[shard] {message}", file=sys.stderr, flush=True))
 
 
 class PlanError(ValueError):

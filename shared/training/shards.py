@@ -25,10 +25,12 @@ alone, and one layer's compute per width and length bucket (§5.2). JSON summari
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -74,6 +76,7 @@ from academus.shared.training.prepare import (
     subsample,
     train_head,
 )
+from academus.shared.training.width_adapt import WIDTH_ORDERED
 
 MODELS = {"minilm": TEACHER_NAME}
 BUCKETS = (16, 32, 64, 128, 256)
@@ -310,7 +313,8 @@ def build(artifacts: Path, model: str, tasks: Sequence[str] | None = None, data_
             data, served_head = own_task(model, encoder, own_head, tokenizer, texts), own_head
         else:   # the teacher's served head; a user's embedding model's is fitted here
             served_head, data = None if base.user else load_head(artifacts, task), load_task(task, fetch(data_dir))
-        summary["tasks"][task] = build_task(store, bank, tokenizer, task, data, served_head, quick)
+        summary["tasks"][task] = build_task(store, bank, tokenizer, task, data, served_head, quick,
+                                            width_ordered(base.directory))
         served = sti_model_name(task, model)
         write_entry(artifacts, served, {"kind": CLASSIFICATION, "labels": summary["tasks"][task]["labels"],
                                         "shards": str(directory.relative_to(artifacts)), "task": task,
@@ -365,10 +369,11 @@ def own_task(model: str, encoder: TeacherEncoder, head: torch.nn.Module, tokeniz
 
 
 def build_task(store: ShardStore, bank: dict, tokenizer: TeacherTokenizer, task: str, data: Any,
-               served: torch.nn.Module | None, quick: bool) -> dict[str, Any]:
+               served: torch.nn.Module | None, quick: bool, in_index_order: bool = False) -> dict[str, Any]:
     """A task's importance, floor and heads. `served`: the head the whole model serves the task with (None: fitted
     here on the whole model's pooled output, as the other shapes' are; a user's classifier's own head is stored
-    whole, as `own.*` tensors)."""
+    whole, as `own.*` tensors). `in_index_order`: the model was trained at every width on its first shards
+    (`shard adapt`), so a layer's shards are ranked in index order."""
     geometry = store.geometry
     labels = list(served.labels) if served is not None else list(data.labels)
     train_n, val_n, dev_n = QUICK if quick else SIZES.get(task, OWN_TASK_SIZES)
@@ -384,6 +389,8 @@ def build_task(store: ShardStore, bank: dict, tokenizer: TeacherTokenizer, task:
     model.heads[(geometry.layers, geometry.heads)] = served
     importance, table, base_acc = profile_importance(Evaluator(model, bank, tokenizer, _texts(dev)), geometry,
                                                      _gold(dev))
+    if in_index_order:
+        importance = layers_in_index_order(importance)
     uniform, min_bits = profile_fidelity(Evaluator(model, bank, tokenizer, _texts(dev)), geometry, _gold(dev))
     log(f"{task}: the whole model at uniform bits {uniform} on dev: fewest bits within "
         f"{FIDELITY_TOLERANCE:.0%} of full precision: {min_bits}")
@@ -400,6 +407,21 @@ def build_task(store: ShardStore, bank: dict, tokenizer: TeacherTokenizer, task:
     add_task(store.directory, task, tensors, meta)
     return {"labels": labels, "importance_top": importance[:8], "all_low_bits_accuracy": round(base_acc, 4),
             "validation_accuracy_full": scores[shape_key(geometry.layers, geometry.heads)]}
+
+
+def width_ordered(model_dir: Path) -> bool:
+    """Whether the model was trained at every width on its first shards (`shard adapt` marks its config)."""
+    return WIDTH_ORDERED in json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def layers_in_index_order(importance: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The ranking with each layer keeping the places it had, filled with its shards in index order."""
+    taken: Counter[int] = Counter()
+    ranked = []
+    for layer, _ in importance:
+        ranked.append((layer, taken[layer]))
+        taken[layer] += 1
+    return ranked
 
 
 def _texts(examples: Sequence[Example]) -> list[str]:
