@@ -88,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--epochs", type=float, default=1.0)
     a.add_argument("--texts", type=int, default=None, help="training texts a task (default: its whole train split)")
     a.add_argument("--batch", type=int, default=32)
-    a.add_argument("--lr", type=float, default=1e-4, help="AdamW's learning rate, decayed linearly to 0")
+    a.add_argument("--lr", type=float, default=5e-5, help="AdamW's learning rate, decayed linearly to 0")
     a.add_argument("--data-dir", type=Path, default=None, help="dataset packages (ACADEMUS_DATA_DIR)")
     sub.add_parser("info", parents=[common], help="the artifact's geometry, sizes and tasks")
     sub.add_parser("verify", parents=[common], help="every file and every shard against its sha256")

@@ -59,7 +59,7 @@ class AdaptSettings:
 
     epochs: float = 1.0
     batch: int = 32
-    lr: float = 1e-4
+    lr: float = 5e-5
     max_tokens: int = 64          # texts are cut to this many tokens: the states a width learns do not need more
     texts_per_task: int | None = None   # None: the whole train split
     importance_batches: int = 8
@@ -257,9 +257,11 @@ def adapt(artifacts: Path, name: str, tasks: Sequence[str] | None = None, data_d
     from academus.shared.training.shards import widths_of  # shards.py imports this module
 
     tasks = _checked_tasks(tasks)
-    if not MODEL_NAME.match(name) or name in read_catalogue(artifacts):
-        raise ModelRefused(f"--name {name!r}: a new model name of 1-63 of a-z 0-9 . _ -, starting with a letter or "
-                           f"digit, is wanted ({name!r} is taken or malformed)")
+    if not MODEL_NAME.match(name):
+        raise ModelRefused(f"--name {name!r}: a model name is 1-63 of a-z 0-9 . _ -, starting with a letter or digit")
+    if name in read_catalogue(artifacts):
+        raise ModelRefused(f"--name {name!r} is already in the catalogue: remove it first (academus models remove "
+                           f"{name})")
     started = time.perf_counter()
     torch.manual_seed(settings.seed)
     rng = random.Random(settings.seed)

@@ -24,6 +24,7 @@ from academus.shared.state.catalogue import read_catalogue
 from academus.shared.training.data import fetch, file_task, load_task
 from academus.shared.training.shard_plans import main
 from academus.shared.training.shards import build
+from academus.shared.training.width_adapt import WIDTH_ORDERED
 from tests.e2e.test_user_models import each_text
 from tests.models import LABELS, roberta_specials, tiny_model_dir
 
@@ -135,6 +136,21 @@ def test_a_users_classifier_is_served_from_its_shards_with_its_own_head(artifact
         remove_model(artifacts, name)
     remove_model(artifacts, served)
     remove_model(artifacts, name)
+
+
+def test_a_width_trained_models_shards_keep_each_layer_in_index_order(artifacts: Path, tmp_path: Path) -> None:
+    """`shard adapt` trains a width-m layer on its first m shards and marks the config; the build then ranks each
+    layer's shards in index order (a random 3-layer, 3-head model's profile gives that 1 time in 216)."""
+    tiny_model_dir("bert", False, tmp_path / "wide", seed=7, intermediate_size=54)
+    config = json.loads((tmp_path / "wide" / "config.json").read_text())
+    (tmp_path / "wide" / "config.json").write_text(json.dumps({**config, WIDTH_ORDERED: [1, 2, 3]}))
+    add_model(artifacts, "tiny-wide", tmp_path / "wide")
+    build(artifacts, "tiny-wide", ["sentiment"], quick=True)
+    task = ShardStore(shards_dir(artifacts, "tiny-wide")).tasks["sentiment"]
+    assert sorted(task.importance) == [(k, s) for k in range(3) for s in range(3)]
+    assert [task.layer_order(k) for k in range(3)] == [[0, 1, 2]] * 3
+    remove_model(artifacts, "tiny-wide-sentiment-sti")
+    remove_model(artifacts, "tiny-wide")
 
 
 def test_the_users_model_is_removed_only_after_its_shards(artifacts: Path, summary: dict) -> None:
