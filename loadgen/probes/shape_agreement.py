@@ -23,6 +23,19 @@ from academus.shared.models.user_models import open_model
 from academus.shared.training.shards import Evaluator, accuracy, decoded_bank, encoder_base, full_plan, own_task
 
 
+def shape_accuracy(store: ShardStore, task: str, evaluator: Evaluator, gold: torch.Tensor) -> dict[str, float]:
+    """Each shape's accuracy against `gold` at full precision, by "dxw": the d lowest layers on their w first shards
+    in the task's order, under that shape's head."""
+    info = store.tasks[task]
+    order = [info.layer_order(k) for k in range(store.geometry.layers)]
+    scores = {}
+    for d in info.depths:
+        for w in info.widths:
+            plan = full_plan(store.geometry, FULL, [o[:w] for o in order[:d]])
+            scores[shape_key(d, w)] = round(accuracy(evaluator.probs(plan), gold)[0], 4)
+    return scores
+
+
 def main(argv: list[str] | None = None) -> int:
     args, texts = texts_probe_args(__doc__, "a user's sequence classifier with shards", argv)
     base = encoder_base(args.artifacts, args.model)
@@ -31,12 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     labelled = own_task(args.model, encoder, head, tokenizer, {"test": texts}).test
     gold = torch.tensor([e.label for e in labelled])
     store = ShardStore(shards_dir(args.artifacts, args.model))
-    info = store.tasks[args.model]
     evaluator = Evaluator(ElasticModel(store, args.model), decoded_bank(store), tokenizer, texts)
-    order = [info.layer_order(k) for k in range(store.geometry.layers)]
-    agreement = {shape_key(d, w): round(accuracy(evaluator.probs(full_plan(store.geometry, FULL,
-                                                                           [o[:w] for o in order[:d]])), gold)[0], 4)
-                 for d in info.depths for w in info.widths}
+    agreement = shape_accuracy(store, args.model, evaluator, gold)
     print(json.dumps({"model": args.model, "texts": len(texts), "source": str(args.texts),
                       "built_on": store.manifest.extra.get("own_texts", "bundled"), "agreement": agreement}))
     return 0
