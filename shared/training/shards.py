@@ -53,6 +53,7 @@ from academus.shared.models.shards import (
     FIDELITY_TOLERANCE,
     FULL,
     VERSIONS,
+    WIDTH_ORDERED,
     LayerWeights,
     ShardGeometry,
     ShardWeights,
@@ -76,7 +77,6 @@ from academus.shared.training.prepare import (
     subsample,
     train_head,
 )
-from academus.shared.training.width_adapt import WIDTH_ORDERED
 
 MODELS = {"minilm": TEACHER_NAME}
 BUCKETS = (16, 32, 64, 128, 256)

@@ -35,6 +35,7 @@ from torch import nn
 
 from academus.shared.models.model import ClassifierHead, load_encoder, mean_pool, pad_batch
 from academus.shared.models.shards import (
+    WIDTH_ORDERED,
     LayerParts,
     LayerResident,
     LayerWeights,
@@ -48,8 +49,8 @@ from academus.shared.models.user_models import ModelRefused, add_model
 from academus.shared.state.catalogue import MODEL_NAME, read_catalogue
 from academus.shared.training.data import TASKS, Example, fetch, load_task
 from academus.shared.training.prepare import load_head, subsample
+from academus.shared.training.shards import widths_of
 
-WIDTH_ORDERED = "academus_width_ordered"   # config key: the widths trained, each a prefix of the shards
 TEMPERATURE = 1.0
 
 
@@ -254,7 +255,6 @@ def adapt(artifacts: Path, name: str, tasks: Sequence[str] | None = None, data_d
           settings: AdaptSettings = AdaptSettings(), log: Callable[[str], None] = print) -> dict[str, Any]:
     """Trains the bundled teacher at every width on the tasks' training texts and adds it to the catalogue as the
     embedding model `name`; returns a summary (the losses at the start and the end, by width)."""
-    from academus.shared.training.shards import widths_of  # shards.py imports this module
 
     tasks = _checked_tasks(tasks)
     if not MODEL_NAME.match(name):

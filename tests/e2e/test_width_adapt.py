@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from academus.shared.models.model import TeacherEncoder, pad_batch
+from academus.shared.models.shards import WIDTH_ORDERED
 from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.models.user_models import open_model
 from academus.shared.state.catalogue import read_catalogue
 from academus.shared.training.shard_plans import main
-from academus.shared.training.width_adapt import WIDTH_ORDERED
 from tests.conftest import artifacts_path
 
 TEXTS = ["a quiet triumph of a film", "dull, long and loud", "win a free cruise now, reply today"]

@@ -16,6 +16,7 @@ import torch
 from academus.services.worker.core import OUTPUT_PROBS, ModelRunner
 from academus.shared.models.model import ClassifierHead, pad_batch
 from academus.shared.models.shard_store import ShardStore, shards_dir
+from academus.shared.models.shards import WIDTH_ORDERED
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.models.user_models import ModelRefused, add_model, cache_name, open_model, remove_model
 from academus.shared.models.work import Batch
@@ -24,7 +25,6 @@ from academus.shared.state.catalogue import read_catalogue
 from academus.shared.training.data import fetch, file_task, load_task
 from academus.shared.training.shard_plans import main
 from academus.shared.training.shards import build
-from academus.shared.training.width_adapt import WIDTH_ORDERED
 from tests.e2e.test_user_models import each_text
 from tests.models import LABELS, roberta_specials, tiny_model_dir
 
