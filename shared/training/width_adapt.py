@@ -19,6 +19,7 @@ its widths are in shard order (`WIDTH_ORDERED`), and added to the catalogue as a
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import random
@@ -236,14 +237,12 @@ class WidthTrainer:
             history.append(self.step(batch, optimizer))
             schedule.step()
             if (i + 1) % 25 == 0 or i + 1 == steps:
-                mean = {w: round(sum(h[w] for h in history[-25:]) / len(history[-25:]), 4) for w in self.widths}
-                log(f"step {i + 1}/{steps} ({time.perf_counter() - started:.0f} s): loss by width {mean}")
+                log(f"step {i + 1}/{steps} ({time.perf_counter() - started:.0f} s): loss by width "
+                    f"{_mean_losses(history[-25:], self.widths)}")
         return history
 
 
 def _frozen_copy(body: nn.Module) -> nn.Module:
-    import copy
-
     teacher = copy.deepcopy(body).eval()
     teacher.requires_grad_(False)
     return teacher
@@ -255,48 +254,59 @@ def adapt(artifacts: Path, name: str, tasks: Sequence[str] | None = None, data_d
           settings: AdaptSettings = AdaptSettings(), log: Callable[[str], None] = print) -> dict[str, Any]:
     """Trains the bundled teacher at every width on the tasks' training texts and adds it to the catalogue as the
     embedding model `name`; returns a summary (the losses at the start and the end, by width)."""
-
     tasks = _checked_tasks(tasks)
+    _check_name(artifacts, name)
+    started = time.perf_counter()
+    torch.manual_seed(settings.seed)
+    encoder, _ = load_encoder(teacher_dir())
+    body = encoder.body.eval()   # no dropout: the widths learn the teacher's states, not noisy copies of them
+    tokenizer = TeacherTokenizer(teacher_dir())
+    root = fetch(data_dir)
+    train = {task: load_task(task, root).train for task in tasks}
+    heads = {task: load_head(artifacts, task) for task in tasks}
+    head_order = rank_and_rewire(body, tokenizer, train, heads, settings)
+    widths = widths_of(ShardGeometry.of(body.config).heads)
+    examples = {task: subsample(train[task], settings.texts_per_task) for task in tasks}
+    rng = random.Random(settings.seed)
+    per_epoch = task_batches(tokenizer, examples, settings, rng)
+    steps = max(1, round(settings.epochs * len(per_epoch)))
+    log(f"adapt: {sum(map(len, examples.values()))} texts of {','.join(tasks)}, widths {widths}, {steps} steps of "
+        f"{settings.batch}")
+    history = WidthTrainer(body, heads, widths, settings).train(
+        _epochs(per_epoch, tokenizer, examples, settings, rng), steps, log)
+    with tempfile.TemporaryDirectory(prefix="academus-adapt-") as scratch:
+        entry = add_model(artifacts, name, _write_model(Path(scratch) / name, body, widths), task="embed")
+    return {"name": name, "tasks": tasks, "widths": widths, "steps": steps, "batch": settings.batch,
+            "texts": {t: len(v) for t, v in examples.items()}, "max_tokens": settings.max_tokens, "lr": settings.lr,
+            "loss_first_25": _mean_losses(history[:25], widths), "loss_last_25": _mean_losses(history[-25:], widths),
+            "head_order": head_order.tolist(), "entry": entry, "seconds": round(time.perf_counter() - started, 1)}
+
+
+def rank_and_rewire(body: nn.Module, tokenizer: TeacherTokenizer, train: dict[str, list[Example]],
+                    heads: dict[str, ClassifierHead], settings: AdaptSettings) -> torch.Tensor:
+    """Ranks each layer's heads and neurons on a few batches of each task's training texts and rewires the body,
+    most important first; returns the heads' order [L, heads]."""
+    geometry = ShardGeometry.of(body.config)
+    ranking = [b for task, examples in train.items() for b in task_batches(
+        tokenizer, {task: subsample(examples, settings.importance_batches * settings.batch)}, settings,
+        random.Random(settings.seed))]
+    head_scores, neuron_scores = importance_scores(body, geometry, ranking, heads)
+    head_order = head_scores.argsort(1, descending=True)
+    rewire(body, geometry, head_order, neuron_scores.argsort(1, descending=True))
+    return head_order
+
+
+def _check_name(artifacts: Path, name: str) -> None:
+    """Before anything is trained: `add_model` would refuse the name only after."""
     if not MODEL_NAME.match(name):
         raise ModelRefused(f"--name {name!r}: a model name is 1-63 of a-z 0-9 . _ -, starting with a letter or digit")
     if name in read_catalogue(artifacts):
         raise ModelRefused(f"--name {name!r} is already in the catalogue: remove it first (academus models remove "
                            f"{name})")
-    started = time.perf_counter()
-    torch.manual_seed(settings.seed)
-    rng = random.Random(settings.seed)
-    encoder, _ = load_encoder(teacher_dir())
-    body = encoder.body
-    geometry = ShardGeometry.of(body.config)
-    tokenizer = TeacherTokenizer(teacher_dir())
-    root = fetch(data_dir)
-    data = {task: load_task(task, root) for task in tasks}
-    heads = {task: load_head(artifacts, task) for task in tasks}
-    examples = {task: subsample(data[task].train, settings.texts_per_task) for task in tasks}
-    body.eval()   # no dropout: the widths learn the teacher's states, not a noisy copy of them
-    ranking = [b for task in tasks for b in task_batches(
-        tokenizer, {task: subsample(data[task].train, settings.importance_batches * settings.batch)}, settings,
-        random.Random(settings.seed))]
-    head_scores, neuron_scores = importance_scores(body, geometry, ranking, heads)
-    head_order, neuron_order = head_scores.argsort(1, descending=True), neuron_scores.argsort(1, descending=True)
-    rewire(body, geometry, head_order, neuron_order)
-    widths = widths_of(geometry.heads)
-    trainer = WidthTrainer(body, heads, widths, settings)
-    per_epoch = task_batches(tokenizer, examples, settings, rng)
-    steps = max(1, round(settings.epochs * len(per_epoch)))
-    log(f"adapt: {sum(map(len, examples.values()))} texts of {','.join(tasks)}, widths {widths}, {steps} steps of "
-        f"{settings.batch}")
-    history = trainer.train(_epochs(per_epoch, tokenizer, examples, settings, rng), steps, log)
-    with tempfile.TemporaryDirectory(prefix="academus-adapt-") as scratch:
-        directory = _write_model(Path(scratch) / name, body, widths)
-        entry = add_model(artifacts, name, directory, task="embed")
-    first, last = history[:25], history[-25:]
-    return {"name": name, "tasks": tasks, "widths": widths, "steps": steps, "batch": settings.batch,
-            "texts": {t: len(v) for t, v in examples.items()}, "max_tokens": settings.max_tokens, "lr": settings.lr,
-            "loss_first_25": {w: round(sum(h[w] for h in first) / len(first), 4) for w in widths},
-            "loss_last_25": {w: round(sum(h[w] for h in last) / len(last), 4) for w in widths},
-            "head_order": head_order.tolist(), "entry": entry,
-            "seconds": round(time.perf_counter() - started, 1)}
+
+
+def _mean_losses(history: list[dict[int, float]], widths: Sequence[int]) -> dict[int, float]:
+    return {w: round(sum(h[w] for h in history) / len(history), 4) for w in widths}
 
 
 def _checked_tasks(tasks: Sequence[str] | None) -> list[str]:
