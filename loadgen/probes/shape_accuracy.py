@@ -15,13 +15,12 @@ from pathlib import Path
 
 import torch
 
-from academus.loadgen.probes.shape_agreement import shape_accuracy
+from academus.loadgen.probes.shape_agreement import agreement_with, shape_predictions
 from academus.shared.models.shard_store import ShardStore, shape_key, shards_dir
-from academus.shared.models.shards import FULL
 from academus.shared.models.sti_pipeline import ElasticModel
 from academus.shared.runtime.config import offline_hub
 from academus.shared.training.data import load_task
-from academus.shared.training.shards import Evaluator, decoded_bank, encoder_base, full_plan
+from academus.shared.training.shards import Evaluator, decoded_bank, encoder_base
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,12 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     evaluator = Evaluator(ElasticModel(store, args.task), decoded_bank(store),
                           encoder_base(args.artifacts, args.model).tokenizer(), texts)
     gold = torch.tensor([e.label for e in data.test])
-    accuracy = shape_accuracy(store, args.task, evaluator, gold)
-    geometry = store.geometry
-    whole = evaluator.probs(full_plan(geometry, FULL)).argmax(1)
-    agreement = shape_accuracy(store, args.task, evaluator, whole)
+    predictions = shape_predictions(store, args.task, evaluator)   # each shape run once, scored twice
+    accuracy = agreement_with(predictions, gold)
+    whole = shape_key(store.geometry.layers, store.geometry.heads)
     print(json.dumps({"model": args.model, "task": args.task, "texts": len(texts), "accuracy": accuracy,
-                      "agreement": agreement, "whole": accuracy[shape_key(geometry.layers, geometry.heads)]}))
+                      "agreement": agreement_with(predictions, predictions[whole]), "whole": accuracy[whole]}))
     return 0
 
 

@@ -20,20 +20,20 @@ from academus.shared.models.shard_store import ShardStore, shape_key, shards_dir
 from academus.shared.models.shards import FULL
 from academus.shared.models.sti_pipeline import ElasticModel
 from academus.shared.models.user_models import open_model
-from academus.shared.training.shards import Evaluator, accuracy, decoded_bank, encoder_base, full_plan, own_task
+from academus.shared.training.shards import Evaluator, decoded_bank, encoder_base, full_plan, own_task
 
 
-def shape_accuracy(store: ShardStore, task: str, evaluator: Evaluator, gold: torch.Tensor) -> dict[str, float]:
-    """Each shape's accuracy against `gold` at full precision, by "dxw": the d lowest layers on their w first shards
-    in the task's order, under that shape's head."""
+def shape_predictions(store: ShardStore, task: str, evaluator: Evaluator) -> dict[str, torch.Tensor]:
+    """Each shape's predicted labels at full precision, by "dxw": the d lowest layers on their w first shards in
+    the task's order, under that shape's head."""
     info = store.tasks[task]
     order = [info.layer_order(k) for k in range(store.geometry.layers)]
-    scores = {}
-    for d in info.depths:
-        for w in info.widths:
-            plan = full_plan(store.geometry, FULL, [o[:w] for o in order[:d]])
-            scores[shape_key(d, w)] = round(accuracy(evaluator.probs(plan), gold)[0], 4)
-    return scores
+    return {shape_key(d, w): evaluator.probs(full_plan(store.geometry, FULL, [o[:w] for o in order[:d]])).argmax(1)
+            for d in info.depths for w in info.widths}
+
+
+def agreement_with(predictions: dict[str, torch.Tensor], labels: torch.Tensor) -> dict[str, float]:
+    return {shape: round(float((p == labels).float().mean()), 4) for shape, p in predictions.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     gold = torch.tensor([e.label for e in labelled])
     store = ShardStore(shards_dir(args.artifacts, args.model))
     evaluator = Evaluator(ElasticModel(store, args.model), decoded_bank(store), tokenizer, texts)
-    agreement = shape_accuracy(store, args.model, evaluator, gold)
+    agreement = agreement_with(shape_predictions(store, args.model, evaluator), gold)
     print(json.dumps({"model": args.model, "texts": len(texts), "source": str(args.texts),
                       "built_on": store.manifest.extra.get("own_texts", "bundled"), "agreement": agreement}))
     return 0

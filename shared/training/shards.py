@@ -292,7 +292,7 @@ def build(artifacts: Path, model: str, tasks: Sequence[str] | None = None, data_
     if base is None:
         raise ValueError(f"--model {model!r}: shards are built for minilm or a user's embedding model or classifier")
     classifier = is_classifier(artifacts, base)
-    tasks = _tasks_of(model, classifier, tasks)
+    tasks = checked_tasks(model, classifier, tasks)
     if texts_file is not None and not classifier:
         raise ValueError(f"--data gives a sequence classifier's own texts; {model!r} is not one: its shards fit "
                          f"heads on the bundled tasks' labelled examples (--tasks)")
@@ -308,13 +308,13 @@ def build(artifacts: Path, model: str, tasks: Sequence[str] | None = None, data_
     bank = decoded_bank(store)
     tokenizer = base.tokenizer()
     summary: dict[str, Any] = {"model": model, "geometry": store.geometry.__dict__, "tasks": {}}
+    in_index_order = width_ordered(base.directory)
     for task in tasks:
         if classifier:
             data, served_head = own_task(model, encoder, own_head, tokenizer, texts), own_head
         else:   # the teacher's served head; a user's embedding model's is fitted here
             served_head, data = None if base.user else load_head(artifacts, task), load_task(task, fetch(data_dir))
-        summary["tasks"][task] = build_task(store, bank, tokenizer, task, data, served_head, quick,
-                                            width_ordered(base.directory))
+        summary["tasks"][task] = build_task(store, bank, tokenizer, task, data, served_head, quick, in_index_order)
         served = sti_model_name(task, model)
         write_entry(artifacts, served, {"kind": CLASSIFICATION, "labels": summary["tasks"][task]["labels"],
                                         "shards": str(directory.relative_to(artifacts)), "task": task,
@@ -327,7 +327,7 @@ def build(artifacts: Path, model: str, tasks: Sequence[str] | None = None, data_
     return summary
 
 
-def _tasks_of(model: str, classifier: bool, tasks: Sequence[str] | None) -> list[str]:
+def checked_tasks(model: str, classifier: bool, tasks: Sequence[str] | None) -> list[str]:
     """The tasks a build profiles, checked before anything is written."""
     if classifier:
         if tasks and list(tasks) != [model]:

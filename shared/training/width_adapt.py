@@ -8,8 +8,8 @@ never trained to run on a subset of its heads; DynaBERT was.
    heads and neurons a narrow width keeps: a width-m layer is shards 0..m-1 (STI's shard s is head s and the
    s-th block of neurons).
 2. **Width-adaptive distillation.** Every step runs the student at each width (quarters of the heads) on a batch
-   of task texts and sums three losses against the unmodified teacher: the soft cross-entropy of the task
-   head's logits, the mean squared error of every layer's states over real tokens, and one minus the cosine of
+   of task texts and sums three losses against the unmodified teacher: the KL divergence of the task head's
+   logits, the mean squared error of every layer's states over real tokens, and one minus the cosine of
    the pooled embeddings. The full width is trained too, so it stays the teacher's.
 
 The result is written as a sentence-transformers directory (the teacher's files, new weights) whose config says
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from academus.shared.models.model import ClassifierHead, load_encoder, mean_pool, pad_batch
+from academus.shared.models.model import ClassifierHead, load_encoder, pad_batch, pool
 from academus.shared.models.shards import (
     WIDTH_ORDERED,
     LayerParts,
@@ -48,9 +48,9 @@ from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.models.user_models import ModelRefused, add_model
 from academus.shared.state.catalogue import MODEL_NAME, read_catalogue
-from academus.shared.training.data import TASKS, Example, fetch, load_task
+from academus.shared.training.data import Example, fetch, load_task
 from academus.shared.training.prepare import load_head, subsample
-from academus.shared.training.shards import widths_of
+from academus.shared.training.shards import checked_tasks, widths_of
 
 TEMPERATURE = 1.0
 
@@ -109,7 +109,8 @@ def states_at_width(body: nn.Module, geometry: ShardGeometry, batch: TaskBatch, 
 
 
 def embedding(states: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
-    return nn.functional.normalize(mean_pool(states[-1], mask), p=2, dim=1)
+    """The last layer's states pooled as the teacher serves them (mean over real tokens, normalised)."""
+    return pool(states[-1], mask)
 
 
 # --- rewiring ------------------------------------------------------------------------------------------------------
@@ -159,19 +160,34 @@ def rewire(body: nn.Module, geometry: ShardGeometry, head_order: torch.Tensor, n
 
 # --- distillation --------------------------------------------------------------------------------------------------
 
-def width_loss(student: list[torch.Tensor], teacher: list[torch.Tensor], mask: torch.Tensor, head: ClassifierHead,
-               teacher_logits: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True)
+class TeacherTargets:
+    """The frozen teacher on one batch, computed once for all the widths: every layer's states, the pooled
+    embedding and the task head's log-probabilities."""
+
+    states: list[torch.Tensor]
+    pooled: torch.Tensor
+    log_probs: torch.Tensor
+
+    @classmethod
+    @torch.no_grad()
+    def of(cls, teacher: nn.Module, geometry: ShardGeometry, batch: TaskBatch, head: ClassifierHead) -> TeacherTargets:
+        states = states_at_width(teacher, geometry, batch, geometry.heads)
+        pooled = embedding(states, batch.mask)
+        return cls(states, pooled, nn.functional.log_softmax(head(pooled) / TEMPERATURE, 1))
+
+
+def width_loss(student: list[torch.Tensor], teacher: TeacherTargets, mask: torch.Tensor, head: ClassifierHead
+               ) -> torch.Tensor:
     """The task logits' KL divergence from the teacher's, the states' MSE over real tokens averaged over layers,
     and the pooled embeddings' cosine distance."""
     pooled = embedding(student, mask)
-    logits = head(pooled)
-    soft = nn.functional.kl_div(nn.functional.log_softmax(logits / TEMPERATURE, 1),
-                                nn.functional.log_softmax(teacher_logits / TEMPERATURE, 1), log_target=True,
-                                reduction="batchmean")
+    soft = nn.functional.kl_div(nn.functional.log_softmax(head(pooled) / TEMPERATURE, 1), teacher.log_probs,
+                                log_target=True, reduction="batchmean")
     real = mask.unsqueeze(-1).to(student[0].dtype)
     per_value = real.sum() * student[0].shape[-1]
-    states = sum(((s - t) ** 2 * real).sum() / per_value for s, t in zip(student, teacher, strict=True))
-    cosine = 1 - (pooled * embedding(teacher, mask)).sum(1).mean()
+    states = sum(((s - t) ** 2 * real).sum() / per_value for s, t in zip(student, teacher.states, strict=True))
+    cosine = 1 - (pooled * teacher.pooled).sum(1).mean()
     return soft + states / len(student) + cosine
 
 
@@ -216,14 +232,13 @@ class WidthTrainer:
             head.requires_grad_(False)
 
     def step(self, batch: TaskBatch, optimizer: torch.optim.Optimizer) -> dict[int, float]:
-        with torch.no_grad():
-            teacher = states_at_width(self.teacher, self.geometry, batch, self.geometry.heads)
-            teacher_logits = self.heads[batch.task](embedding(teacher, batch.mask))
+        head = self.heads[batch.task]
+        teacher = TeacherTargets.of(self.teacher, self.geometry, batch, head)
         optimizer.zero_grad(set_to_none=True)
         losses = {}
         for width in self.widths:
             student = states_at_width(self.student, self.geometry, batch, width)
-            loss = width_loss(student, teacher, batch.mask, self.heads[batch.task], teacher_logits)
+            loss = width_loss(student, teacher, batch.mask, head)
             loss.backward()
             losses[width] = float(loss.detach())
         optimizer.step()
@@ -254,7 +269,7 @@ def adapt(artifacts: Path, name: str, tasks: Sequence[str] | None = None, data_d
           settings: AdaptSettings = AdaptSettings(), log: Callable[[str], None] = print) -> dict[str, Any]:
     """Trains the bundled teacher at every width on the tasks' training texts and adds it to the catalogue as the
     embedding model `name`; returns a summary (the losses at the start and the end, by width)."""
-    tasks = _checked_tasks(tasks)
+    tasks = checked_tasks("minilm", False, tasks)
     _check_name(artifacts, name)
     started = time.perf_counter()
     torch.manual_seed(settings.seed)
@@ -307,14 +322,6 @@ def _check_name(artifacts: Path, name: str) -> None:
 
 def _mean_losses(history: list[dict[int, float]], widths: Sequence[int]) -> dict[int, float]:
     return {w: round(sum(h[w] for h in history) / len(history), 4) for w in widths}
-
-
-def _checked_tasks(tasks: Sequence[str] | None) -> list[str]:
-    tasks = list(tasks) if tasks else list(TASKS)
-    for task in tasks:
-        if task not in TASKS:
-            raise ValueError(f"unknown task {task!r}; known tasks: {', '.join(TASKS)}")
-    return tasks
 
 
 def _epochs(first: list[TaskBatch], tokenizer: TeacherTokenizer, examples: dict[str, list[Example]],

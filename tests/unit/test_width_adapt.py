@@ -28,8 +28,8 @@ from academus.shared.training.shards import layers_in_index_order
 from academus.shared.training.width_adapt import (
     AdaptSettings,
     TaskBatch,
+    TeacherTargets,
     WidthTrainer,
-    embedding,
     importance_scores,
     layer_at_width,
     rewire,
@@ -137,10 +137,9 @@ def losses(trainer: WidthTrainer, batches: list[TaskBatch]) -> dict[int, float]:
     for width in trainer.widths:
         total = 0.0
         for b in batches:
-            teacher = states_at_width(trainer.teacher, g, b, g.heads)
-            logits = trainer.heads[b.task](embedding(teacher, b.mask))
+            teacher = TeacherTargets.of(trainer.teacher, g, b, trainer.heads[b.task])
             total += float(width_loss(states_at_width(trainer.student, g, b, width), teacher, b.mask,
-                                      trainer.heads[b.task], logits))
+                                      trainer.heads[b.task]))
         out[width] = total / len(batches)
     return out
 
