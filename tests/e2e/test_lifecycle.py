@@ -150,16 +150,19 @@ def test_gateways_share_one_port_each_serves_and_one_lost_leaves_the_other(tmp_p
 
 def spread_load(tmp_path, state, gateways) -> list[float]:
     """`academus loadgen --procs 2` against the mesh: its processes send to both gateways' own ports in
-    turn, and the report's per-gateway counts are the ones each gateway served. Returns those counts."""
+    turn, and the report's per-gateway counts are the ones each gateway served. The load stays well under the
+    mesh's capacity on a loaded 2-core machine (spam emails through the teacher), with a long deadline, so
+    admission refuses nothing. Returns those counts."""
     before = gateway_calls(gateways)
     proc = subprocess.run([sys.executable, "-m", "academus.shared.cli", "--run-dir", state.run_dir, "loadgen", "run",
-                           "--model", "spam", "--schedule", "poisson:20", "--duration", "2", "--texts", "task:spam",
-                           "--procs", "2", "--out", str(tmp_path / "spread")], capture_output=True, text=True,
-                          timeout=120)
+                           "--model", "spam", "--schedule", "poisson:6", "--duration", "4", "--texts", "task:spam",
+                           "--timeout", "30", "--procs", "2", "--out", str(tmp_path / "spread")],
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     run = json.loads(proc.stdout.splitlines()[-1])["runs"][0]
     sent = {g.address: run["by_gateway"][g.address]["sent"] for g in gateways}
-    assert sum(sent.values()) == run["sent"] == run["completed"] > 10 and not run["errors"], run["by_gateway"]
+    assert sum(sent.values()) == run["sent"] == run["completed"] > 10 and not run["errors"], (run["by_gateway"],
+                                                                                           run["error_examples"])
     assert max(sent.values()) - min(sent.values()) <= 2, sent     # each process alternates, from its own start
     assert set(run["send_late_ms"]) == {"p50", "p99", "max"}   # an open loop's, over both processes' sends
     after = gateway_calls(gateways)
