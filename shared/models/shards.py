@@ -359,6 +359,7 @@ class LayerQuantization:
 
 FIDELITY_TOLERANCE = 0.01          # a floor bit width loses at most this much accuracy against full precision
 WIDTH_ORDERED = "academus_width_ordered"   # a model config's key: the widths it was trained at, each its first shards
+ADAPTED_HEADS = "academus_adapted_heads"   # a model config's key: the bundled tasks it was trained under the heads of
 
 
 def quantize_layers(layers: Sequence[nn.Module], geometry: ShardGeometry, log: Callable[[str], None] = print

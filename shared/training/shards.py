@@ -10,7 +10,8 @@ cut instead: `student_shards.py`):
    many shards move it by no text) are broken by the mean log-probability of the gold label;
 3. per task, a head for every submodel shape (depth 1..N × width in quarters of the heads), fitted on the
    full-precision submodel's pooled output with the backbone frozen; a width-m layer runs its m most
-   important shards (DynaBERT's rewiring). The full shape keeps the served head.
+   important shards (DynaBERT's rewiring). The full shape keeps the served head: the teacher's, on the teacher
+   and on a model `shard adapt` trained under it; a user's embedding model's other tasks get one fitted here.
 The evaluation runs on the shards as stored (decoded from the files just written).
 
 `build --model NAME` on a user's sequence classifier (`academus models add --task classify`) has one task, its
@@ -49,6 +50,7 @@ from academus.shared.models.shard_store import (
     write_shard_artifact,
 )
 from academus.shared.models.shards import (
+    ADAPTED_HEADS,
     BITS,
     FIDELITY_TOLERANCE,
     FULL,
@@ -298,6 +300,8 @@ def build(artifacts: Path, model: str, tasks: Sequence[str] | None = None, data_
                          f"heads on the bundled tasks' labelled examples (--tasks)")
     sizes = dict(zip(("train", "validation"), QUICK if quick else OWN_TASK_SIZES, strict=False))
     texts = own_texts(sizes, texts_file, data_dir) if classifier else {}
+    config = json.loads((Path(base.directory) / "config.json").read_text())
+    kept_heads = {} if classifier else teachers_heads(artifacts, model, tasks, config, base.user)
     started = time.perf_counter()
     encoder, own_head = open_model(base.directory)[:2] if classifier else (base.encoder(), None)
     directory = shards_dir(artifacts, model)
@@ -308,12 +312,12 @@ def build(artifacts: Path, model: str, tasks: Sequence[str] | None = None, data_
     bank = decoded_bank(store)
     tokenizer = base.tokenizer()
     summary: dict[str, Any] = {"model": model, "geometry": store.geometry.__dict__, "tasks": {}}
-    in_index_order = width_ordered(base.directory)
+    in_index_order = WIDTH_ORDERED in config
     for task in tasks:
         if classifier:
             data, served_head = own_task(model, encoder, own_head, tokenizer, texts), own_head
-        else:   # the teacher's served head; a user's embedding model's is fitted here
-            served_head, data = None if base.user else load_head(artifacts, task), load_task(task, fetch(data_dir))
+        else:   # None: a user's embedding model's head is fitted here
+            served_head, data = kept_heads.get(task), load_task(task, fetch(data_dir))
         summary["tasks"][task] = build_task(store, bank, tokenizer, task, data, served_head, quick, in_index_order)
         served = sti_model_name(task, model)
         write_entry(artifacts, served, {"kind": CLASSIFICATION, "labels": summary["tasks"][task]["labels"],
@@ -409,9 +413,19 @@ def build_task(store: ShardStore, bank: dict, tokenizer: TeacherTokenizer, task:
             "validation_accuracy_full": scores[shape_key(geometry.layers, geometry.heads)]}
 
 
-def width_ordered(model_dir: Path) -> bool:
-    """Whether the model was trained at every width on its first shards (`shard adapt` marks its config)."""
-    return WIDTH_ORDERED in json.loads((Path(model_dir) / "config.json").read_text())
+def teachers_heads(artifacts: Path, model: str, tasks: Sequence[str], config: dict[str, Any], user: bool
+                   ) -> dict[str, ClassifierHead]:
+    """The served heads the full shape keeps: all of them on the teacher; on a user's model, those of the tasks
+    `shard adapt` trained it under (its config names them). Refused by name, before anything is written, when the
+    model's states are not a head's width."""
+    kept = [t for t in tasks if not user or t in config.get(ADAPTED_HEADS, [])]
+    heads = {task: load_head(artifacts, task) for task in kept}
+    for task, head in heads.items():
+        if head.linear.in_features != config["hidden_size"]:
+            raise ValueError(f"--model {model!r}: its config names {task!r} among the tasks trained under the "
+                             f"teacher's heads ({ADAPTED_HEADS}), but its states have {config['hidden_size']} "
+                             f"features and the head reads {head.linear.in_features}")
+    return heads
 
 
 def layers_in_index_order(importance: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -13,8 +13,9 @@ never trained to run on a subset of its heads; DynaBERT was.
    the pooled embeddings. The full width is trained too, so it stays the teacher's.
 
 The result is written as a sentence-transformers directory (the teacher's files, new weights) whose config says
-its widths are in shard order (`WIDTH_ORDERED`), and added to the catalogue as a user's embedding model:
-`shard build --model NAME` then cuts it, keeping a width-m layer's shards in index order.
+its widths are in shard order (`WIDTH_ORDERED`) and which tasks' heads it was trained under (`ADAPTED_HEADS`),
+and added to the catalogue as a user's embedding model: `shard build --model NAME` then cuts it, keeping a width-m
+layer's shards in index order and those tasks' served heads at the full shape.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from torch import nn
 
 from academus.shared.models.model import ClassifierHead, load_encoder, pad_batch, pool
 from academus.shared.models.shards import (
+    ADAPTED_HEADS,
     WIDTH_ORDERED,
     LayerParts,
     LayerResident,
@@ -290,7 +292,7 @@ def adapt(artifacts: Path, name: str, tasks: Sequence[str] | None = None, data_d
     history = WidthTrainer(body, heads, widths, settings).train(
         _epochs(per_epoch, tokenizer, examples, settings, rng), steps, log)
     with tempfile.TemporaryDirectory(prefix="academus-adapt-") as scratch:
-        entry = add_model(artifacts, name, _write_model(Path(scratch) / name, body, widths), task="embed")
+        entry = add_model(artifacts, name, _write_model(Path(scratch) / name, body, widths, tasks), task="embed")
     return {"name": name, "tasks": tasks, "widths": widths, "steps": steps, "batch": settings.batch,
             "texts": {t: len(v) for t, v in examples.items()}, "max_tokens": settings.max_tokens, "lr": settings.lr,
             "loss_first_25": _mean_losses(history[:25], widths), "loss_last_25": _mean_losses(history[-25:], widths),
@@ -332,8 +334,9 @@ def _epochs(first: list[TaskBatch], tokenizer: TeacherTokenizer, examples: dict[
         yield from task_batches(tokenizer, examples, settings, rng)
 
 
-def _write_model(directory: Path, body: nn.Module, widths: Sequence[int]) -> Path:
-    """The teacher's directory with the trained weights, its config marked with the widths trained."""
+def _write_model(directory: Path, body: nn.Module, widths: Sequence[int], tasks: Sequence[str]) -> Path:
+    """The teacher's directory with the trained weights, its config marked with the widths trained and the tasks
+    whose served heads scored the logits (`shard build` keeps those heads at the full shape)."""
     shutil.copytree(teacher_dir(), directory, ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "onnx",
                                                                           "openvino", "__pycache__", "*.py"))
     from transformers.utils import logging as hf_logging
@@ -342,5 +345,6 @@ def _write_model(directory: Path, body: nn.Module, widths: Sequence[int]) -> Pat
     body.save_pretrained(directory, safe_serialization=True)
     config = json.loads((directory / "config.json").read_text())
     config[WIDTH_ORDERED] = list(widths)
+    config[ADAPTED_HEADS] = list(tasks)
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return directory

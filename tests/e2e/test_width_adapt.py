@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from academus.shared.models.model import TeacherEncoder, pad_batch
-from academus.shared.models.shards import WIDTH_ORDERED
+from academus.shared.models.shards import ADAPTED_HEADS, WIDTH_ORDERED
 from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.models.user_models import open_model
@@ -44,7 +44,8 @@ def test_the_trained_teacher_is_added_as_an_embedding_model_in_shard_order(adapt
     entry = read_catalogue(artifacts)["minilm-wide"]
     assert (entry["kind"], entry["pooling"], entry["normalize"], entry["layers"]) == ("embedding", "mean", True, 6)
     source = artifacts / entry["source"]
-    assert json.loads((source / "config.json").read_text())[WIDTH_ORDERED] == [3, 6, 9, 12]
+    config = json.loads((source / "config.json").read_text())
+    assert (config[WIDTH_ORDERED], config[ADAPTED_HEADS]) == ([3, 6, 9, 12], ["sentiment"])
     encoder, head, _ = open_model(source)
     assert head is None
     ids, mask, types = pad_batch([list(e.input_ids) for e in TeacherTokenizer(teacher_dir()).encode(TEXTS)])

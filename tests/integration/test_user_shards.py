@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,15 +17,17 @@ import torch
 from academus.services.worker.core import OUTPUT_PROBS, ModelRunner
 from academus.shared.models.model import ClassifierHead, pad_batch
 from academus.shared.models.shard_store import ShardStore, shards_dir
-from academus.shared.models.shards import WIDTH_ORDERED
+from academus.shared.models.shards import ADAPTED_HEADS, WIDTH_ORDERED
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.models.user_models import ModelRefused, add_model, cache_name, open_model, remove_model
 from academus.shared.models.work import Batch
 from academus.shared.state.artifacts import read_manifest
 from academus.shared.state.catalogue import read_catalogue
 from academus.shared.training.data import fetch, file_task, load_task
+from academus.shared.training.prepare import load_head
 from academus.shared.training.shard_plans import main
 from academus.shared.training.shards import build
+from tests.conftest import artifacts_path
 from tests.e2e.test_user_models import each_text
 from tests.models import LABELS, roberta_specials, tiny_model_dir
 
@@ -138,19 +141,41 @@ def test_a_users_classifier_is_served_from_its_shards_with_its_own_head(artifact
     remove_model(artifacts, name)
 
 
-def test_a_width_trained_models_shards_keep_each_layer_in_index_order(artifacts: Path, tmp_path: Path) -> None:
-    """`shard adapt` trains a width-m layer on its first m shards and marks the config; the build then ranks each
-    layer's shards in index order (a random 3-layer, 3-head model's profile gives that 1 time in 216)."""
-    tiny_model_dir("bert", False, tmp_path / "wide", seed=7, intermediate_size=54)
+def test_a_width_trained_model_keeps_its_shards_in_index_order_and_the_teachers_heads(artifacts: Path,
+                                                                                       tmp_path: Path) -> None:
+    """`shard adapt` trains a width-m layer on its first m shards and names the tasks whose served heads scored its
+    logits. The build ranks each layer's shards in index order (a random 3-layer, 3-head model's profile gives
+    that 1 time in 216 a task) and keeps those tasks' served heads at the full shape; another task's is fitted. A
+    model whose states are not the heads' width is refused by name before anything is written."""
+    shutil.copytree(artifacts_path() / "heads", artifacts / "heads", dirs_exist_ok=True)   # the teacher's
+    tiny_model_dir("bert", False, tmp_path / "wide", seed=7, hidden_size=384, intermediate_size=54)
     config = json.loads((tmp_path / "wide" / "config.json").read_text())
-    (tmp_path / "wide" / "config.json").write_text(json.dumps({**config, WIDTH_ORDERED: [1, 2, 3]}))
+    (tmp_path / "wide" / "config.json").write_text(json.dumps({**config, WIDTH_ORDERED: [1, 2, 3],
+                                                               ADAPTED_HEADS: ["sentiment"]}))
     add_model(artifacts, "tiny-wide", tmp_path / "wide")
-    build(artifacts, "tiny-wide", ["sentiment"], quick=True)
-    task = ShardStore(shards_dir(artifacts, "tiny-wide")).tasks["sentiment"]
-    assert sorted(task.importance) == [(k, s) for k in range(3) for s in range(3)]
-    assert [task.layer_order(k) for k in range(3)] == [[0, 1, 2]] * 3
-    remove_model(artifacts, "tiny-wide-sentiment-sti")
-    remove_model(artifacts, "tiny-wide")
+    build(artifacts, "tiny-wide", ["sentiment", "spam"], quick=True)
+    store = ShardStore(shards_dir(artifacts, "tiny-wide"))
+    whole = (store.geometry.layers, store.geometry.heads)
+    for task, kept in (("sentiment", True), ("spam", False)):
+        shards = store.tasks[task]
+        assert sorted(shards.importance) == [(k, s) for k in range(3) for s in range(3)]
+        assert [shards.layer_order(k) for k in range(3)] == [[0, 1, 2]] * 3
+        served, built = load_head(artifacts, task), store.heads(task)[whole]
+        assert torch.equal(built.linear.weight, served.linear.weight) is kept, task
+        assert list(built.labels) == list(served.labels)
+    for name in ("tiny-wide-sentiment-sti", "tiny-wide-spam-sti", "tiny-wide"):
+        remove_model(artifacts, name)
+    tiny_model_dir("bert", False, tmp_path / "narrow", seed=7, intermediate_size=54)
+    config = json.loads((tmp_path / "narrow" / "config.json").read_text())
+    (tmp_path / "narrow" / "config.json").write_text(json.dumps({**config, ADAPTED_HEADS: ["sentiment"]}))
+    add_model(artifacts, "tiny-narrow", tmp_path / "narrow")
+    with pytest.raises(ValueError, match=f"'sentiment' among the tasks trained under the teacher's heads "
+                                         f"\\({ADAPTED_HEADS}\\), but its states have {config['hidden_size']} "
+                                         f"features and the head reads 384"):
+        build(artifacts, "tiny-narrow", ["sentiment"], quick=True)
+    assert "tiny-narrow-sentiment-sti" not in read_catalogue(artifacts)
+    assert not shards_dir(artifacts, "tiny-narrow").exists()
+    remove_model(artifacts, "tiny-narrow")
 
 
 def test_the_users_model_is_removed_only_after_its_shards(artifacts: Path, summary: dict) -> None:
