@@ -151,11 +151,11 @@ def test_gateways_share_one_port_each_serves_and_one_lost_leaves_the_other(tmp_p
 def spread_load(tmp_path, state, gateways) -> list[float]:
     """`academus loadgen --procs 2` against the mesh: its processes send to both gateways' own ports in
     turn, and the report's per-gateway counts are the ones each gateway served. The load stays well under the
-    mesh's capacity on a loaded 2-core machine (spam emails through the teacher), with a long deadline, so
-    admission refuses nothing. Returns those counts."""
+    mesh's capacity on a loaded 2-core machine (short reviews, not spam's long emails, through the spam model),
+    with a long deadline, so admission refuses nothing. Returns those counts."""
     before = gateway_calls(gateways)
     proc = subprocess.run([sys.executable, "-m", "academus.shared.cli", "--run-dir", state.run_dir, "loadgen", "run",
-                           "--model", "spam", "--schedule", "poisson:6", "--duration", "4", "--texts", "task:spam",
+                           "--model", "spam", "--schedule", "poisson:6", "--duration", "4", "--texts", "task:sentiment",
                            "--timeout", "30", "--procs", "2", "--out", str(tmp_path / "spread")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
