@@ -69,6 +69,11 @@ def sample(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
+# The serving tests' meshes run without the queue's wait bound: their bursts queue for seconds on a loaded 2-core
+# machine, and refusing them is not what they test. test_admission.py and the scheduler's unit tests set it.
+NO_WAIT_BOUND = {"ACADEMUS_MAX_QUEUE_WAIT_MS": "0"}
+
+
 @contextmanager
 def env(**values: str) -> Iterator[None]:
     """Environment variables set for a block (services read their config from it at build time)."""

@@ -15,6 +15,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, MeshState, down, up
 from academus.shared.runtime.config import artifacts_dir
 from academus.shared.runtime.metrics import scrape
+from tests.conftest import NO_WAIT_BOUND
 
 
 def start_mesh(run_dir: Path, workers: int = 1, env: dict[str, str] | None = None, gateways: int = 1,
@@ -23,9 +24,7 @@ def start_mesh(run_dir: Path, workers: int = 1, env: dict[str, str] | None = Non
     """`deployments`: one fifo scheduler for every model unless given (the serving tests are written against
     fifo's one-request batches); [] for `academus up`'s defaults. Unsupervised unless asked: the tests that
     kill a process look at what its loss leaves (test_chaos.py looks at the restart). `artifacts`: a test's
-    own catalogue (default: the prepared one). The queue's wait bound is off (ACADEMUS_MAX_QUEUE_WAIT_MS=0): the
-    serving tests' bursts queue for seconds on a loaded 2-core machine, and refusing them is not what they
-    test; test_admission.py sets it."""
+    own catalogue (default: the prepared one). The queue's wait bound is off (`NO_WAIT_BOUND`)."""
     if not (artifacts_dir() / "models.json").exists():
         pytest.fail(f"no artifacts in {artifacts_dir()}: `make test` runs `academus prepare` first")
     return up(MeshOptions(run_dir=run_dir, artifacts=artifacts or artifacts_dir(), gateway_port=0, workers=workers,
@@ -33,7 +32,7 @@ def start_mesh(run_dir: Path, workers: int = 1, env: dict[str, str] | None = Non
                           deployments=[Deployment("fifo")] if deployments is None else deployments, supervise=supervise,
                           standby=standby,
                           env={"OTEL_BSP_SCHEDULE_DELAY": "100", "ACADEMUS_GRACE_S": "20", "ACADEMUS_TRACE_RATIO": "1",
-                               "ACADEMUS_MAX_QUEUE_WAIT_MS": "0", **(env or {})}))
+                               **NO_WAIT_BOUND, **(env or {})}))
 
 
 class OtlpCollector(trace_service_pb2_grpc.TraceServiceServicer):

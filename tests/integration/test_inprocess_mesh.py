@@ -14,7 +14,7 @@ from academus.shared.runtime.redis_conn import connect
 from academus.shared.runtime.serving import RunningService, ServiceSpec
 from academus.shared.state.keys import Keys
 from academus.v1 import inference_pb2, inference_pb2_grpc
-from tests.conftest import env
+from tests.conftest import NO_WAIT_BOUND, env
 
 pytestmark = pytest.mark.integration
 KEY = "integration-key"
@@ -42,7 +42,7 @@ async def start_services(redis_url: str, prefix: str, second_scheduler: dict[str
     common = {"ACADEMUS_REDIS_URL": redis_url, "ACADEMUS_KEY_PREFIX": prefix, "ACADEMUS_PORT": "0",
               "ACADEMUS_METRICS_PORT": "-1", "ACADEMUS_ARTIFACTS": str(artifacts_dir()),
               "ACADEMUS_WORKER_ID": f"{prefix}-worker", "ACADEMUS_MODELS": "spam", "ACADEMUS_GRACE_S": "5",
-              **settings}
+              **NO_WAIT_BOUND, **settings}
     with env(**common):
         for build in (resource_manager, worker, scheduler, *([second] if second_scheduler else []), gateway):
             service = RunningService(await build())

@@ -25,7 +25,7 @@ from academus.shared.state.tenants import TenantRegistry
 from academus.shared.training.data import load_task
 from academus.shared.training.plot_build import BuildOptions, build
 from academus.v1 import inference_pb2, inference_pb2_grpc, manage_pb2, manage_pb2_grpc
-from tests.conftest import env
+from tests.conftest import NO_WAIT_BOUND, env
 
 pytestmark = pytest.mark.integration
 PREFIX = "manage"
@@ -68,7 +68,7 @@ async def mesh(redis_server, tmp_path_factory, table):
                 "ACADEMUS_ADAPTER_DIR": str(tmp / "adapters"), "ACADEMUS_UPLOADS_DIR": str(tmp / "uploads"),
                 "ACADEMUS_PLOT_DIR": str(table), "ACADEMUS_WORKER_ID": "manage-worker", "ACADEMUS_MODELS": "minilm",
                 "ACADEMUS_POLICY": "padded", "ACADEMUS_ADAPTER_EPOCHS": "3", "ACADEMUS_POLL_S": "0.1",
-                "ACADEMUS_MIN_CORPUS_LINES": "20"}
+                "ACADEMUS_MIN_CORPUS_LINES": "20", **NO_WAIT_BOUND}
     running = await start_services(settings)
     redis = connect(redis_server.url)
     admin = "acd_admin_for_manage_tests"

@@ -16,7 +16,7 @@ from academus.shared.models.work import Batch
 from academus.shared.runtime.redis_conn import connect
 from academus.shared.runtime.serving import RunningService
 from academus.shared.state.keys import Keys
-from tests.conftest import env
+from tests.conftest import NO_WAIT_BOUND, env
 from tests.integration.test_inprocess_mesh import KEY
 from tests.integration.test_student_serving import artifacts, tokens  # noqa: F401  (module fixture)
 
@@ -40,7 +40,7 @@ async def start(redis_url: str, artifacts_root, workers: int = 2, **settings: st
               "ACADEMUS_METRICS_PORT": "-1", "ACADEMUS_ARTIFACTS": str(artifacts_root), "ACADEMUS_MODELS": MODEL,
               "ACADEMUS_GRACE_S": "5", "ACADEMUS_POLICY": "student", "ACADEMUS_ADAPT_INTERVAL_S": "0.05",
               "ACADEMUS_ADAPT_COOLDOWN_S": "0", "ACADEMUS_ADAPT_WINDOW_S": "3600", "ACADEMUS_INSTANCES": "1",
-              **settings}
+              **NO_WAIT_BOUND, **settings}
     running = []
     with env(**common):
         running.append(RunningService(await resource_manager()))

@@ -24,7 +24,7 @@ from academus.shared.runtime.serving import RunningService
 from academus.shared.state.keys import Keys
 from academus.shared.state.tenants import TenantModel, TenantRegistry
 from academus.shared.training.onboarding import AdapterStoreClient
-from tests.conftest import env
+from tests.conftest import NO_WAIT_BOUND, env
 from tests.unit.test_worker_adapters import trained_like
 
 pytestmark = pytest.mark.integration
@@ -44,7 +44,7 @@ async def start(redis_url: str, tmp_path, **settings: str) -> list[RunningServic
               "ACADEMUS_METRICS_PORT": "-1", "ACADEMUS_ARTIFACTS": str(artifacts_dir()),
               "ACADEMUS_ADAPTER_DIR": str(tmp_path / "adapters"), "ACADEMUS_WORKER_ID": "tenants-worker",
               "ACADEMUS_MODELS": "minilm", "ACADEMUS_GRACE_S": "5", "ACADEMUS_POLICY": "padded",
-              "ACADEMUS_MAX_BATCH": "16", "ACADEMUS_MAX_DELAY_MS": "100", **settings}
+              "ACADEMUS_MAX_BATCH": "16", "ACADEMUS_MAX_DELAY_MS": "100", **NO_WAIT_BOUND, **settings}
     running = []
     with env(**common):
         for build in (resource_manager, adapter_store, worker, scheduler, gateway):
