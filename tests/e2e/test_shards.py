@@ -22,7 +22,9 @@ SHARDS = ("scheduler-0.0", "scheduler-0.1", "scheduler-0.2")
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    yield from two_worker_mesh(tmp_path_factory, "shard", deployments=[Deployment("student", MODEL, shards=3)])
+    # the student number the tests set holds through their bursts: the burst rule waits a minute after it
+    yield from two_worker_mesh(tmp_path_factory, "shard", env={"ACADEMUS_ADAPT_COOLDOWN_S": "60"},
+                               deployments=[Deployment("student", MODEL, shards=3)])
 
 
 def shard_groups(state) -> dict[str, int]:
