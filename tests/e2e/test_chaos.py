@@ -101,9 +101,9 @@ def test_a_killed_scheduler_is_restarted_on_its_address_and_serves_again(mesh):
     assert {r.code for r in result.records} <= {"OK", "UNAVAILABLE", "DEADLINE_EXCEEDED"}, \
         result.report()["error_examples"]
     # A DEADLINE_EXCEEDED is only admission's prompt refusal: under a loaded test run the standby counted 11-13 s of
-    # work ahead of a 10 s deadline and refused two requests at once. Its seeded batch times were 76-85 ms, so the
-    # estimate likely came from a batch in flight for seconds (not confirmed). None may wait out its deadline, and
-    # few may be refused.
+    # work ahead of a 10 s deadline and refused two requests at once, its seeded batch times 76-85 ms. Admission
+    # now refuses by the deadline at the measured batch times, not a batch in flight for seconds; that case was not
+    # reproduced, so a few such refusals stay allowed. None may wait out its deadline.
     refused = [r for r in result.records if r.code == "DEADLINE_EXCEEDED"]
     assert all("cannot be met" in r.details and r.latency_ms < 1000 for r in refused), result.report()["error_examples"]
     assert len(refused) <= 0.05 * len(result.records), result.report()["error_examples"]

@@ -614,6 +614,26 @@ async def test_a_batch_running_longer_than_measured_raises_the_admission_estimat
     assert await asyncio.gather(*jobs) == [0, 1, 2, 3]
 
 
+async def test_a_batch_running_long_does_not_refuse_a_deadline_the_measured_batches_meet():
+    """Batches measured at 50 ms; one has run 0.5 s (a core taken by a process starting), three queued behind it.
+    Without a wait bound a request with 1 s left is admitted: the deadline's refusal is final, and the measured
+    batches (0.15 s) meet it; as the time of every queued batch the stall made it 1.5 s. One with 0.1 s left is
+    still refused at once."""
+    d, clock, fake = make_dispatcher({"w0": {"spam"}})
+    d.service_s["spam"] = 0.05
+    jobs = [asyncio.create_task(d.submit(make_job(clock, payload=i))) for i in range(4)]
+    await settle()
+    clock.now += 0.5
+    with pytest.raises(DeadlineExceeded, match="about 150 ms of work ahead"):
+        await asyncio.wait_for(d.submit(make_job(clock, deadline_in=0.1)), 1)
+    admitted = asyncio.create_task(d.submit(make_job(clock, deadline_in=1.0, payload=4)))
+    for k in range(5):
+        await settle()
+        fake.calls[k][2].set_result(k)
+    assert await asyncio.gather(*jobs, admitted) == [0, 1, 2, 3, 4]
+    assert d.stats.rejected == 1
+
+
 async def test_a_scheduler_seeded_with_its_deployments_timings_admits_on_them_until_it_times_its_own():
     """A restarted scheduler has timed nothing: on the running batches' time alone (near 0) it let a backlog in
     past the wait bound. Seeded with the 0.5 s batches its predecessor reported, it refuses at once what would
