@@ -144,6 +144,12 @@ class Job:
     trace: Any = field(repr=False, default=None)   # opaque to the core: the request's trace, which its batch joins
 
 
+# A batch running long stands for the batches that start before the smoothed batch time (a fifth a sample) could
+# follow a lasting slowdown: after 10 of them it covers 89 % of it. Counted for every batch ahead, a batch that ran
+# a few milliseconds refused most of 256 closed loops whose batches took 0.4 ms (docs/benchmarks/stack.md).
+SLOWDOWN_BATCHES = 10
+
+
 def smooth(values: dict[str, float], key: str, sample: float) -> None:
     """An exponentially smoothed value (a fifth of each new sample): the first sample as it is."""
     previous = values.get(key)
@@ -338,12 +344,12 @@ class Dispatcher:
 
     def _wait_ahead(self, job: Job) -> tuple[float, float]:
         """How long the job would wait to start (0: at once, or nothing measured yet), at the measured batch
-        times and with a batch running long counted in: what is left of the running batches and the batches
-        queued ahead of it (of a job that joins a buffered element, the elements before that one, of any model),
-        shared out over the model's live groups, and never before the first of them frees. Every queued batch
-        waits for a running one to end, so the remainders count: without them a job behind one batch on each of
-        two groups was promised half a batch and waited a whole one. A lower bound still: its own compute is
-        not counted."""
+        times and with a batch running long counted in (as the time of the first SLOWDOWN_BATCHES batches ahead):
+        what is left of the running batches and the batches queued ahead of it (of a job that joins a buffered
+        element, the elements before that one, of any model), shared out over the model's live groups, and never
+        before the first of them frees. Every queued batch waits for a running one to end, so the remainders
+        count: without them a job behind one batch on each of two groups was promised half a batch and waited a
+        whole one. A lower bound still: its own compute is not counted."""
         mine = [g for g in self.groups if job.model in g.models]
         if any(self._free(g) for g in mine):
             return 0.0, 0.0   # it starts at once: what waits is another model's (a deployment may serve several)
@@ -357,8 +363,8 @@ class Dispatcher:
             depth = self._depth_ahead(job.model, mine)
         left = [self._left_on(g, now) for g in lanes]
         first, total = min(left), sum(left)
-        return (max(first, (total + measured * depth) / len(lanes)),
-                max(first, (total + max(measured, running) * depth) / len(lanes)))
+        slowed = min(depth, SLOWDOWN_BATCHES) * max(measured, running) + max(0, depth - SLOWDOWN_BATCHES) * measured
+        return max(first, (total + measured * depth) / len(lanes)), max(first, (total + slowed) / len(lanes))
 
     def _batch_time(self, model: str) -> float:
         """The time of one queued batch for admission (0: nothing measured): a full batch by its tokens where the

@@ -614,6 +614,30 @@ async def test_a_batch_running_longer_than_measured_raises_the_admission_estimat
     assert await asyncio.gather(*jobs) == [0, 1, 2, 3]
 
 
+async def test_a_batch_running_long_stands_for_the_next_ten_batches_not_every_one_queued():
+    """Batches of 0.4 ms, 255 queued behind one that has run 8 ms (the scheduler's own loop busy under 256 callers):
+    the work ahead is about 10 x 8 + 245 x 0.4 = 178 ms, inside a 1 s bound. Taken as the time of all 255 it was
+    2 s, and such refusals took half the goodput of 256 closed loops. A batch that has run 0.1 s still refuses:
+    10 x 0.1 + 245 x 0.4 ms = 1.098 s."""
+    d, clock, fake = make_dispatcher({"w0": {"spam"}})
+    d.max_queue_wait_s, d.queue_capacity = 1.0, 1000
+    d.service_s["spam"] = 0.0004
+    jobs = [asyncio.create_task(d.submit(make_job(clock, payload=i))) for i in range(256)]
+    await settle()
+    assert len(fake.calls) == 1 and len(d.policy) == 255
+    clock.now += 0.008
+    admitted = asyncio.create_task(d.submit(make_job(clock, payload=256)))
+    await settle()
+    assert not admitted.done() and len(d.policy) == 256
+    clock.now += 0.092
+    with pytest.raises(ResourceExhausted, match="about 1098 ms of work ahead"):
+        await asyncio.wait_for(d.submit(make_job(clock)), 1)
+    for k in range(257):
+        fake.calls[k][2].set_result(k)
+        await settle()
+    assert await asyncio.gather(*jobs, admitted) == list(range(257))
+
+
 async def test_a_batch_running_long_does_not_refuse_a_deadline_the_measured_batches_meet():
     """Batches measured at 50 ms; one has run 0.5 s (a core taken by a process starting), three queued behind it.
     Without a wait bound a request with 1 s left is admitted: the deadline's refusal is final, and the measured
