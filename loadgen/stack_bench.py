@@ -52,7 +52,7 @@ import uvloop
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from academus.client import AcademusError, AsyncClient, Client
+from academus.client import Client
 from academus.loadgen import grpc_floor, uds_floor
 from academus.loadgen.bench import stat_cpu_s
 from academus.loadgen.overhead import measure, text_of
@@ -74,8 +74,6 @@ DEFAULT_ARMS = ("grpc=ACADEMUS_LOCAL_PLANE=0", "local=ACADEMUS_LOCAL_PLANE=1")
 SETTINGS = ("model", "policy", "rounds", "requests", "warmup", "callers", "duration", "procs", "floor_callers",
             "floor_duration", "connections", "open_load")
 TIMEOUT_S = 10.0     # a closed loop's request: generous, the queue stays bounded by the callers
-OPEN_AT_ONCE = 16    # first calls in flight at once, so that they do not fill the queue themselves
-OPEN_TRIES, OPEN_RETRY_S = 50, 0.2   # a gateway refuses for a while after the capacity run's overload (pushback)
 
 
 @dataclass(frozen=True)
@@ -144,22 +142,8 @@ async def send_open_share(run_dir: Path, model: str, connections: int, rate: flo
     samples = [Sample(text_of(TOKENS))]
     async with GatewaySpread(state.gateways() * connections, key, TIMEOUT_S, streams=True,
                              own_connections=True) as spread:
-        opening = asyncio.Semaphore(OPEN_AT_ONCE)
-
-        async def open_one(client: AsyncClient) -> None:
-            """Answered once; refused while the gateway sits out the capacity run's pushback, it asks again."""
-            async with opening:
-                for _ in range(OPEN_TRIES - 1):
-                    try:
-                        await client.infer(model, [samples[0].text])
-                        return
-                    except AcademusError as e:
-                        if e.code != "RESOURCE_EXHAUSTED":
-                            raise
-                        await asyncio.sleep(OPEN_RETRY_S)
-                await client.infer(model, [samples[0].text])
-
-        await asyncio.gather(*(open_one(client) for _, client in spread.clients))
+        # opened with a call no scheduler queues: an Infer met the capacity run's pushback at the gateway
+        await asyncio.gather(*(client.list_models() for _, client in spread.clients))
         await asyncio.sleep(max(0.0, start_at - time.time()))
         result = await run_open(spread, model, poisson(rate, duration_s, seed=os.getpid()), samples, TIMEOUT_S,
                            duration_s)

@@ -362,9 +362,9 @@ class Dispatcher:
         if depth is None:
             depth = self._depth_ahead(job.model, mine)
         left = [self._left_on(g, now) for g in lanes]
-        first, total = min(left), sum(left)
-        slowed = min(depth, SLOWDOWN_BATCHES) * max(measured, running) + max(0, depth - SLOWDOWN_BATCHES) * measured
-        return max(first, (total + measured * depth) / len(lanes)), max(first, (total + slowed) / len(lanes))
+        first, ahead = min(left), sum(left) + measured * depth
+        overrun = min(depth, SLOWDOWN_BATCHES) * max(0.0, running - measured)
+        return max(first, ahead / len(lanes)), max(first, (ahead + overrun) / len(lanes))
 
     def _batch_time(self, model: str) -> float:
         """The time of one queued batch for admission (0: nothing measured): a full batch by its tokens where the

@@ -594,23 +594,36 @@ async def test_the_wait_bound_counts_what_is_left_of_the_running_batches():
     assert await asyncio.gather(*jobs) == [0, 1, 2, 3]
 
 
+async def behind_a_running_batch(queued: int, measured: float | None, ran_s: float):
+    """One group whose batch has run `ran_s`, `queued` jobs waiting behind it, batches measured at `measured` s (None:
+    not yet): the dispatcher, its clock, its workers and the jobs, the running one first."""
+    d, clock, fake = make_dispatcher({"w0": {"spam"}})
+    d.queue_capacity = max(d.queue_capacity, queued + 8)
+    if measured is not None:
+        d.service_s["spam"] = measured
+    jobs = [asyncio.create_task(d.submit(make_job(clock, payload=i))) for i in range(queued + 1)]
+    await settle()
+    clock.now += ran_s
+    return d, clock, fake, jobs
+
+
+async def answer_in_turn(fake: FakeWorkers, count: int) -> None:
+    """The first `count` calls answered in the order sent, each with its index."""
+    for k in range(count):
+        await settle()
+        fake.calls[k][2].set_result(k)
+
+
 @pytest.mark.parametrize("measured", [0.05, None])
 async def test_a_batch_running_longer_than_measured_raises_the_admission_estimate(measured):
     """Batches measured at 50 ms (or not yet measured) while the workers were idle; then one has run 0.5 s
     (another deployment's load on its worker). Three batches queued behind it are about 1.5 s of work, not
     0.15 s (or none): a request is refused at the 1 s bound as the slowdown forms, not after it answers."""
-    d, clock, fake = make_dispatcher({"w0": {"spam"}})
+    d, clock, fake, jobs = await behind_a_running_batch(3, measured, 0.5)
     d.max_queue_wait_s = 1.0
-    if measured is not None:
-        d.service_s["spam"] = measured
-    jobs = [asyncio.create_task(d.submit(make_job(clock, payload=i))) for i in range(4)]
-    await settle()
-    clock.now += 0.5
     with pytest.raises(ResourceExhausted, match="about 1500 ms of work ahead"):
         await asyncio.wait_for(d.submit(make_job(clock)), 1)
-    for k in range(4):
-        fake.calls[k][2].set_result(k)
-        await settle()
+    await answer_in_turn(fake, 4)
     assert await asyncio.gather(*jobs) == [0, 1, 2, 3]
 
 
@@ -619,22 +632,16 @@ async def test_a_batch_running_long_stands_for_the_next_ten_batches_not_every_on
     the work ahead is about 10 x 8 + 245 x 0.4 = 178 ms, inside a 1 s bound. Taken as the time of all 255 it was
     2 s, and such refusals took half the goodput of 256 closed loops. A batch that has run 0.1 s still refuses:
     10 x 0.1 + 245 x 0.4 ms = 1.098 s."""
-    d, clock, fake = make_dispatcher({"w0": {"spam"}})
-    d.max_queue_wait_s, d.queue_capacity = 1.0, 1000
-    d.service_s["spam"] = 0.0004
-    jobs = [asyncio.create_task(d.submit(make_job(clock, payload=i))) for i in range(256)]
-    await settle()
+    d, clock, fake, jobs = await behind_a_running_batch(255, 0.0004, 0.008)
+    d.max_queue_wait_s = 1.0
     assert len(fake.calls) == 1 and len(d.policy) == 255
-    clock.now += 0.008
     admitted = asyncio.create_task(d.submit(make_job(clock, payload=256)))
     await settle()
     assert not admitted.done() and len(d.policy) == 256
     clock.now += 0.092
     with pytest.raises(ResourceExhausted, match="about 1098 ms of work ahead"):
         await asyncio.wait_for(d.submit(make_job(clock)), 1)
-    for k in range(257):
-        fake.calls[k][2].set_result(k)
-        await settle()
+    await answer_in_turn(fake, 257)
     assert await asyncio.gather(*jobs, admitted) == list(range(257))
 
 
@@ -643,17 +650,11 @@ async def test_a_batch_running_long_does_not_refuse_a_deadline_the_measured_batc
     Without a wait bound a request with 1 s left is admitted: the deadline's refusal is final, and the measured
     batches (0.15 s) meet it; as the time of every queued batch the stall made it 1.5 s. One with 0.1 s left is
     still refused at once."""
-    d, clock, fake = make_dispatcher({"w0": {"spam"}})
-    d.service_s["spam"] = 0.05
-    jobs = [asyncio.create_task(d.submit(make_job(clock, payload=i))) for i in range(4)]
-    await settle()
-    clock.now += 0.5
+    d, clock, fake, jobs = await behind_a_running_batch(3, 0.05, 0.5)
     with pytest.raises(DeadlineExceeded, match="about 150 ms of work ahead"):
         await asyncio.wait_for(d.submit(make_job(clock, deadline_in=0.1)), 1)
     admitted = asyncio.create_task(d.submit(make_job(clock, deadline_in=1.0, payload=4)))
-    for k in range(5):
-        await settle()
-        fake.calls[k][2].set_result(k)
+    await answer_in_turn(fake, 5)
     assert await asyncio.gather(*jobs, admitted) == [0, 1, 2, 3, 4]
     assert d.stats.rejected == 1
 
