@@ -7,6 +7,9 @@ alternating between rounds. First each arm's capacity: closed loop, `--clients` 
 seconds. Then the same Poisson schedule for both arms, at half of vanilla's capacity (of the first round; `--rate`
 sets it), one text a request from the task's test split in the replay bench's drifting order. Per request: the
 time to its first result (the ramp's, or the final one) and to the final result; vanilla's are one and the same.
+Each arm's `final_split_mean_ms` says where the final results' time went on average, from their metadata
+(`analysis.components`: the network, each service's own time, the scheduler's queue, the model's compute);
+`final_tail_split_mean_ms` the same over its slowest 5 %. Every request's times are kept (`first_ms`, `final_ms`).
 Ratios are early / vanilla per round, then the median over rounds; agreement is each released result's label
 against the final one of the same request. The summary is the last line printed.
 """
@@ -25,8 +28,10 @@ from typing import Any
 
 import numpy as np
 
-from academus.client import AsyncClient
+from academus.client import AsyncClient, Metadata
+from academus.loadgen.analysis import tail_breakdown
 from academus.loadgen.exits_bench import drifting_order
+from academus.loadgen.runner import Record
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, down, up
 from academus.shared.runtime.config import artifacts_dir, offline_hub
 from academus.shared.training.data import fetch, load_task
@@ -34,20 +39,21 @@ from academus.shared.training.data import fetch, load_task
 ARMS = ("vanilla", "early")
 
 
-async def one_request(client: AsyncClient, arm: str, model: str, text: str) -> tuple[float, float, bool]:
-    """(seconds to the first result, to the final one, whether the first agreed with the final)."""
+async def one_request(client: AsyncClient, arm: str, model: str, text: str) -> tuple[float, float, bool, Metadata]:
+    """(seconds to the first result, to the final one, whether the first agreed with the final, the final
+    result's metadata)."""
     start = time.perf_counter()
     if arm == "vanilla":
-        await client.infer(model, [text], timeout=30)
+        result = await client.infer(model, [text], timeout=30)
         took = time.perf_counter() - start
-        return took, took, True
+        return took, took, True, result.metadata
     first_at, first_label = None, None
     async for result in client.infer_stream(model, [text], timeout=30):
         p = result.predictions[0]
         if first_at is None:
             first_at, first_label = time.perf_counter() - start, p.label
         if p.final:
-            return first_at, time.perf_counter() - start, p.label == first_label
+            return first_at, time.perf_counter() - start, p.label == first_label, result.metadata
     raise RuntimeError("the stream ended without a final result")
 
 
@@ -84,9 +90,13 @@ async def open_loop(client: AsyncClient, arm: str, model: str, texts: list[str],
     results = await asyncio.gather(*tasks, return_exceptions=True)
     ok = [r for r in results if not isinstance(r, BaseException)]
     first, final = np.array([r[0] for r in ok]) * 1e3, np.array([r[1] for r in ok]) * 1e3
+    answers = [Record(0.0, float(ms), "OK", meta=r[3]) for ms, r in zip(final, ok, strict=True)]
     return {"arm": arm, "sent": len(results), "answered": len(ok), "agreement": float(np.mean([r[2] for r in ok])),
             "first_p25_ms": float(np.percentile(first, 25)), "first_p50_ms": float(np.median(first)),
-            "final_p50_ms": float(np.median(final)), "final_p99_ms": float(np.percentile(final, 99))}
+            "final_p50_ms": float(np.median(final)), "final_p99_ms": float(np.percentile(final, 99)),
+            "final_split_mean_ms": tail_breakdown(answers, 0), "final_tail_split_mean_ms": tail_breakdown(answers, 95),
+            "batch_size_mean": float(np.mean([r[3].batch_size for r in ok])),
+            "first_ms": [round(float(x), 1) for x in first], "final_ms": [round(float(x), 1) for x in final]}
 
 
 def run_arm(arm: str, task: str, texts: list[str], rate: float | None, args: argparse.Namespace,

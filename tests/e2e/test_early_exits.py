@@ -6,6 +6,7 @@ a client that leaves a stream stops the batch."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
@@ -16,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from academus.client import Client
+from academus.client import AsyncClient, Client
+from academus.loadgen import exits_live
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshState, down
 from academus.shared.runtime.config import artifacts_dir
 from academus.shared.state.catalogue import read_catalogue, write_entry
@@ -135,6 +137,30 @@ def test_ramps_status_shows_the_workers_ramps(exit_mesh: MeshState, client: Clie
         spam = next((models["spam"] for models in status.values() if "spam" in models), None)
         return spam is not None and spam["policy"] == "pabee2" and spam["active"] == [1, 2, 3, 4, 5]
     wait_for(published, 20, "the worker's ramps in Redis")
+
+
+def test_the_live_bench_times_both_arms_and_splits_their_final_results(exit_mesh: MeshState) -> None:
+    """`exits_live`'s open loop: every request answered; the early arm's first results come no later than its final
+    ones, some earlier (PABEE 2 releases early for sure); the mean split of the final results adds up to their
+    mean time."""
+    key = (Path(exit_mesh.run_dir) / ADMIN_KEY_FILE).read_text().strip()
+
+    async def both() -> dict[str, dict]:
+        async with AsyncClient(exit_mesh.gateway, api_key=key, timeout=60) as c:
+            return {arm: await exits_live.open_loop(c, arm, "spam", TEXTS, 4.0, 2.0, seed=0) for arm in exits_live.ARMS}
+
+    runs = asyncio.run(both())
+    for arm, run in runs.items():
+        assert run["answered"] == run["sent"] == len(run["final_ms"]) > 0, arm
+        split = run["final_split_mean_ms"]
+        parts = sum(split[k] for k in ("network", "gateway", "scheduler_overhead", "queue", "worker_overhead",
+                                       "compute"))
+        assert parts == pytest.approx(np.mean(run["final_ms"]), rel=0.01), (arm, split)
+        assert run["final_tail_split_mean_ms"]["answers"] >= 1
+    early = runs["early"]
+    assert all(f <= g for f, g in zip(early["first_ms"], early["final_ms"], strict=True))
+    assert any(f < g for f, g in zip(early["first_ms"], early["final_ms"], strict=True))
+    assert runs["vanilla"]["first_ms"] == runs["vanilla"]["final_ms"]
 
 
 def test_a_client_leaving_the_stream_stops_the_batch(exit_mesh: MeshState, client: Client) -> None:
