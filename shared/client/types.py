@@ -36,8 +36,7 @@ SERVICE_CONFIG = json.dumps({
 # A supervised gateway that dies serves again 1-2 s later, refusing connections meanwhile. A client that has been
 # served rides that out within its deadline: its calls wait for the channel to be ready (`wait_for_ready`), and
 # the channel tries to connect every 0.1 s growing to 1 s, not gRPC's 1 s growing to 120 s. A client never served
-# fails at once (a wrong address, a mesh not up). The services' channels to each other use the same options: with
-# gRPC's they reached a restarted peer 1.2-1.5 s after it served (docs/benchmarks/reliability.md).
+# fails at once (a wrong address, a mesh not up).
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                      ("grpc.max_reconnect_backoff_ms", 1000)]
 CHANNEL_OPTIONS = [("grpc.service_config", json.dumps(json.loads(SERVICE_CONFIG))),
