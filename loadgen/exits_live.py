@@ -122,6 +122,13 @@ def run_arm(arm: str, task: str, texts: list[str], rate: float | None, args: arg
             down(run_dir)
 
 
+def rounds_json(summary: dict[str, Any], rounds: list[dict[str, Any]]) -> str:
+    """The run as JSON with one round a line: each arm keeps every request's times, which one number a line
+    (`indent`) would spread over tens of thousands of lines."""
+    return (f'{{"summary": {json.dumps(summary)},\n "rounds": [\n'
+            + ",\n".join(json.dumps(r) for r in rounds) + "\n]}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     offline_hub()
     p = argparse.ArgumentParser(prog="python -m academus.loadgen.exits_live", description=__doc__.split("\n")[0])
@@ -153,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             "capacity_ratio": lambda x: x["early"]["capacity_rps"] / x["vanilla"]["capacity_rps"],
             "early_agreement": lambda x: x["early"]["agreement"]}.items()}}
     if args.out:
-        args.out.write_text(json.dumps({"summary": summary, "rounds": rounds}, indent=2) + "\n")
+        args.out.write_text(rounds_json(summary, rounds))
     print(json.dumps(summary))
     return 0
 

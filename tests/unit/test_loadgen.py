@@ -19,6 +19,7 @@ from academus.client import AcademusError, Metadata
 from academus.loadgen import analysis, plots, runner, schedule, texts
 from academus.loadgen.analysis import ratios
 from academus.loadgen.cli import main, summary_lines
+from academus.loadgen.exits_live import rounds_json
 from academus.loadgen.runner import Record, RunResult
 from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
@@ -865,3 +866,11 @@ def test_uds_floor_chain_answers_through_its_processes():
     figures = chain(3, requests=20, callers=4, duration_s=0.3)
     assert figures["latency_ms"]["count"] == 20 and figures["latency_ms"]["p50"] > 0
     assert figures["capacity"]["callers"] == 4 and figures["capacity"]["throughput_rps"] > 0
+
+
+def test_the_live_exit_bench_writes_one_round_a_line_and_reads_back_the_same():
+    summary = {"task": "spam", "first_p50_ratio": 0.84}
+    rounds = [{arm: {"first_ms": [1.5, 2.0], "final_ms": [3.0, 2.0]} for arm in ("vanilla", "early")}] * 3
+    text = rounds_json(summary, rounds)
+    assert json.loads(text) == {"summary": summary, "rounds": rounds}
+    assert len(text.splitlines()) == 3 + len(rounds)
