@@ -14,6 +14,7 @@ import numpy as np
 from academus.services.scheduler.core import Group, Job
 from academus.services.scheduler.plot_prefetch import PlotPrefetcher
 from academus.services.scheduler.policies import BatchPlan
+from academus.shared.models.exits import softmax
 from academus.shared.models.work import (
     FINISH_L2,
     FINISH_NONE,
@@ -96,8 +97,7 @@ def combine(outputs: Sequence[BatchOutput], group: Group) -> BatchOutput:
     first = outputs[0]
     total = np.sum([o.values.astype(np.float64) for o in outputs], axis=0)
     if first.finish == FINISH_SOFTMAX:
-        total = np.exp(total - total.max(axis=1, keepdims=True))
-        total /= total.sum(axis=1, keepdims=True)
+        total = softmax(total)
     elif first.finish == FINISH_L2:
         total /= np.maximum(np.linalg.norm(total, axis=1, keepdims=True), 1e-12)
     meta = replace(first.meta, student_count=group.students, worker_id=group.worker_id,

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from academus.shared.models.exits import ControllerSettings, ExitController, ExitSignals, controller_for, ramp_signal
+from academus.shared.models.exits import ControllerSettings, EntropyRule, ExitController, ExitSignals, controller_for
 from academus.shared.models.model import MEAN
 from academus.shared.models.ramps import ExitRamps, load_ramps, ramps_dir
 from academus.shared.runtime.logs import log_event
@@ -70,6 +70,7 @@ class ExitRun:
         self.preds = np.full((texts, ramps), -1, dtype=np.int64)
         self.entropy = np.full((texts, ramps), np.nan, dtype=np.float32)
         self.exit_at = np.full(texts, ramps)
+        self.entropy_read = isinstance(self.active.rule, EntropyRule)
         self.release = release
         self.mask: torch.Tensor | None = None         # a padded batch's attention mask (the layer hooks pool)
         self.weights: torch.Tensor | None = None      # [B, 1, T] its mean-pooling weights, made once a batch
@@ -77,21 +78,29 @@ class ExitRun:
 
     def at_layer(self, layer: int, pooled: Callable[[], torch.Tensor], rows: np.ndarray | None = None) -> None:
         """Layer `layer` has run for `rows` (None: every text); `pooled()` gives their states pooled as the
-        model pools (computed only when a ramp sits there)."""
+        model pools (computed only when a ramp sits there). Every text that reaches a ramp waits for it, so it
+        computes only what the rule reads: the probabilities only for the texts it releases, the entropy only
+        for DeeBERT's rule."""
         j = self.index.get(layer)
         if j is None:
             return
         start = time.perf_counter()
-        rows = np.arange(len(self.exit_at)) if rows is None else rows
-        probs = self.exits.ramps.probs(layer, self.exits.ramps.finish(pooled())).float().cpu().numpy()
-        self.conf[rows, j], self.preds[rows, j], self.entropy[rows, j] = ramp_signal(probs)
-        waiting = self.exit_at[rows] == len(self.active.layers)
-        exits = waiting & self.active.rule.exits_at(j, self.conf[rows], self.preds[rows], self.entropy[rows])
+        logits = self.exits.ramps.host_logits(layer, pooled())
+        centred = logits - logits.max(axis=1, keepdims=True)
+        shifted = np.exp(centred)
+        total = shifted.sum(axis=1)
+        at = slice(None) if rows is None else rows
+        self.conf[at, j] = 1.0 / total                     # the top probability: exp(0) over the sum
+        self.preds[at, j] = logits.argmax(axis=1)
+        if self.entropy_read:
+            self.entropy[at, j] = np.log(total) - (shifted * centred).sum(axis=1) / total
+        exits = (self.exit_at[at] == len(self.active.layers)) & \
+            self.active.rule.exits_at(j, self.conf[at], self.preds[at], self.entropy[at])
         self.spent[j] += time.perf_counter() - start   # the release's sending is the caller's, not the ramp's
         if exits.any():
-            released = rows[exits]
+            released = np.flatnonzero(exits) if rows is None else rows[exits]
             self.exit_at[released] = j
-            self.release(released.tolist(), layer, probs[exits])
+            self.release(released.tolist(), layer, shifted[exits] / total[exits, None])
 
     def hidden(self, layer: int, hidden: torch.Tensor) -> None:
         """A padded batch's layer output [B, T, H] (the layer hook)."""

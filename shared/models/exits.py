@@ -56,6 +56,12 @@ class ExitSignals:
         return len(self.conf)
 
 
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise softmax of [n, C] logits."""
+    e = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
 def ramp_signal(probs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Confidence (top probability), prediction and entropy of [..., C] probabilities."""
     return probs.max(-1), probs.argmax(-1), -(probs * np.log(np.maximum(probs, 1e-12))).sum(-1)

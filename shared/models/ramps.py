@@ -41,6 +41,7 @@ class ExitRamps(nn.Module):
         self.pooling, self.normalize = pooling, normalize
         self.heads = nn.ModuleDict({str(k): nn.Linear(hidden_size, len(self.labels)) for k in self.layers})
         self.evidence: Evidence | None = None   # as `ramps train` measured it; None in an older artifact
+        self._host: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # `host_logits`'s heads on a CPU
 
     def pool(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """A padded batch's layer output [B, T, H] pooled as the model pools its last layer's."""
@@ -52,6 +53,29 @@ class ExitRamps(nn.Module):
     def probs(self, layer: int, pooled: torch.Tensor) -> torch.Tensor:
         """[n, C] probabilities of the ramp at `layer` for already pooled (and finished) states."""
         return torch.softmax(self.heads[str(layer)](pooled), dim=-1)
+
+    def host_logits(self, layer: int, pooled: torch.Tensor) -> np.ndarray:
+        """[n, C] logits of the ramp at `layer` for pooled states not yet finished, on the host: what serving
+        decides on. A ramp runs on a few texts at a time, so on a CPU its torch operators cost more in dispatch
+        than in arithmetic, and every text that reaches the ramp waits for them: there the head runs in NumPy,
+        its L2 normalisation folded into the logits. On a GPU it stays on the device; only the logits travel."""
+        if pooled.device.type != "cpu":
+            return self.heads[str(layer)](self.finish(pooled)).float().cpu().numpy()
+        weight, bias = self._host_head(layer)
+        x = pooled.float().numpy()
+        logits = x @ weight
+        if self.normalize:   # (x / |x|) @ W = (x @ W) / |x|, with F.normalize's floor on |x|
+            logits /= np.maximum(np.sqrt(np.einsum("ij,ij->i", x, x)), 1e-12)[:, None]
+        return logits + bias
+
+    def _host_head(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """The head at `layer` as NumPy arrays ([H, C] weight, [C] bias), made once: serving never trains."""
+        cached = self._host.get(layer)
+        if cached is None:
+            head = self.heads[str(layer)]
+            cached = self._host[layer] = (head.weight.detach().float().cpu().numpy().T.copy(),
+                                          head.bias.detach().float().cpu().numpy().copy())
+        return cached
 
 
 def save_ramps(directory: Path, ramps: ExitRamps, *, teacher: str, task: str, metrics: dict[str, Any],

@@ -17,8 +17,16 @@ import torch
 from academus.services.scheduler.core import Job
 from academus.services.scheduler.sender import deliver_partial
 from academus.services.worker.core import OUTPUT_PROBS, ModelRunner
-from academus.services.worker.exits import load_exits
-from academus.shared.models.exits import STATIC, ControllerSettings, Evidence
+from academus.services.worker.exits import ExitRun, ModelExits, load_exits
+from academus.shared.models.exits import (
+    DEEBERT,
+    STATIC,
+    ControllerSettings,
+    Evidence,
+    controller_for,
+    ramp_signal,
+    softmax,
+)
 from academus.shared.models.model import HIDDEN_SIZE
 from academus.shared.models.packing import PackingPlan
 from academus.shared.models.ramps import ExitRamps, load_ramps, ramps_dir, save_ramps
@@ -179,3 +187,39 @@ def test_the_ramps_evidence_starts_an_adaptive_workers_window(tmp_path: Path) ->
                evidence=Evidence(evidence.conf[:, :3], evidence.agree[:, :3]))
     with pytest.raises(ArtifactError, match=r"weights\.safetensors: evidence"):
         load_ramps(directory, HIDDEN_SIZE, LABELS)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_the_served_ramp_decides_on_what_the_trained_head_computes(normalize: bool) -> None:
+    """The worker's host head (NumPy, the L2 normalisation folded into the logits) gives the trained torch head's
+    logits; an ExitRun records the confidence, prediction and entropy `ramp_signal` gives for its probabilities,
+    and releases those probabilities, for every text and for a packed batch's subset of rows."""
+    torch.manual_seed(1)
+    ramps = ExitRamps(range(1, 4), HIDDEN_SIZE, LABELS, normalize=normalize)
+    for head in ramps.heads.values():
+        torch.nn.init.normal_(head.weight, std=3.0 if normalize else 0.2)
+    pooled = torch.randn(6, HIDDEN_SIZE) * torch.tensor([0.5, 1, 2, 4, 8, 16])[:, None]
+    with torch.inference_mode():
+        reference = {k: torch.softmax(ramps.heads[str(k)](ramps.finish(pooled)), -1).numpy() for k in ramps.layers}
+        for k in ramps.layers:
+            np.testing.assert_allclose(softmax(ramps.host_logits(k, pooled)), reference[k], atol=1e-5)
+        for rows in (None, np.array([1, 4, 5])):
+            at = slice(None) if rows is None else rows
+            controller = controller_for(ramps.layers, {"cost": {str(k): 0.001 for k in ramps.layers},
+                                                       "saving": {str(k): 0.5 for k in ramps.layers},
+                                                       "tuned_once": {"deebert_entropy": 0.3}},
+                                        ControllerSettings(policy=DEEBERT))
+            released: list[tuple[list[int], int, np.ndarray]] = []
+            run = ExitRun(ModelExits(ramps, controller), 6, lambda r, k, p, out=released: out.append((r, k, p)))
+            states = pooled[at]
+            for k in ramps.layers:
+                run.at_layer(k, lambda states=states: states, rows)
+            for j, k in enumerate(ramps.layers):
+                conf, preds, entropy = ramp_signal(reference[k][at])
+                np.testing.assert_allclose(run.conf[at, j], conf, atol=1e-5)
+                np.testing.assert_array_equal(run.preds[at, j], preds)
+                np.testing.assert_allclose(run.entropy[at, j], entropy, atol=1e-4)
+            assert released, "no ramp was confident: nothing released to compare"
+            for released_rows, k, probs in released:
+                np.testing.assert_allclose(probs, reference[k][released_rows], atol=1e-5)
+                assert (run.exit_at[released_rows] == ramps.layers.index(k)).all()
