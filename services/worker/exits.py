@@ -121,5 +121,4 @@ class ExitRun:
         each ramp cost on it."""
         signals = ExitSignals(self.conf, self.preds, self.entropy)
         self.exits.controller.observe(self.active.layers, signals, final_probs.argmax(-1), self.exit_at,
-                                      costs=dict(zip(self.active.layers, self.spent / max(batch_s, 1e-9),
-                                                     strict=True)))
+                                      ramp_seconds=self.spent, batch_s=batch_s)

@@ -33,7 +33,7 @@ NEVER = 1.0   # a confidence threshold no result passes (exits need conf > thres
 MIN_FEEDBACK = 16   # texts of feedback before their agreement may trigger a tuning, or judge a ramp
 AGREEMENT_SPAN = 256   # the latest texts whose released results' agreement is watched
 MIN_MARGIN = 0.05      # the least share of the allowed disagreement a tuning may spend
-COST_SMOOTHING = 0.1   # weight of a batch's measured ramp cost in the running one
+COST_SMOOTHING = 0.1   # weight of a batch's measured times in the running ones (a ramp's, the model's)
 APPARATE, NONE, DEEBERT, STATIC, PABEE2, PABEE3 = "apparate", "none", "deebert", "static", "pabee2", "pabee3"
 POLICIES = (APPARATE, NONE, DEEBERT, STATIC, PABEE2, PABEE3)
 
@@ -308,7 +308,9 @@ class ExitController:
         one column a candidate in layer order."""
         self.settings = settings or ControllerSettings()
         self.candidates = {c.layer: c for c in sorted(candidates, key=lambda c: c.layer)}
-        self.cost = {c.layer: c.cost for c in candidates}   # measured as batches run (`observe`)
+        self.cost = {c.layer: c.cost for c in candidates}   # shares of the model's time, as `observe` measures
+        self._ramp_s: float | None = None        # one ramp's seconds on a batch, smoothed (see `observe`)
+        self._batch_s: float | None = None       # a batch's compute seconds, smoothed
         self.clock = clock
         self.margin = 1.0                        # the share of the allowance the next tuning may spend
         self._errors_since = 0                   # released results that disagreed since the last tuning
@@ -350,14 +352,14 @@ class ExitController:
 
     # -- feedback (compute thread) -------------------------------------------------------------
     def observe(self, layers: Sequence[int], signals: ExitSignals, final: np.ndarray,
-                exit_at: np.ndarray, costs: dict[int, float] | None = None) -> None:
+                exit_at: np.ndarray, ramp_seconds: Sequence[float] = (), batch_s: float | None = None) -> None:
         """A batch's ramp signals at `layers`, the full model's predictions and where each text was released
-        (index into `layers`, len(layers): not released early); `costs`: what each ramp took of the batch's
-        compute time (the serving cost, which small batches make larger than the bootstrap measured)."""
+        (index into `layers`, len(layers): not released early); `ramp_seconds`: what each ramp at `layers` took
+        on it, `batch_s`: its compute time (the serving cost, which small batches make larger than the
+        bootstrap measured)."""
         if not self.adaptive or not len(final):
             return
-        for layer, share in (costs or {}).items():
-            self.cost[layer] = (1 - COST_SMOOTHING) * self.cost[layer] + COST_SMOOTHING * share
+        self._measure_costs(ramp_seconds, batch_s)
         index = {layer: i for i, layer in enumerate(self.window.layers)}
         conf = np.full((len(final), len(index)), np.nan)
         agree = np.zeros((len(final), len(index)), dtype=bool)
@@ -374,6 +376,18 @@ class ExitController:
             self._since_tuning += len(final)
             for j, layer in enumerate(layers):
                 self.exits[layer] = self.exits.get(layer, 0) + int((exit_at == j).sum())
+
+    def _measure_costs(self, ramp_seconds: Sequence[float], batch_s: float | None) -> None:
+        """Every ramp's cost: a ramp's measured seconds over the model's, both smoothed. The ramps share one
+        shape (a pooling and one small head), so the running ones' time is also the estimate for those not
+        running; and a ramp's time on a few texts is mostly fixed, so their share follows the batches' time
+        as the load changes, even while no ramp runs."""
+        if batch_s:
+            self._batch_s = _smoothed(self._batch_s, batch_s)
+        if len(ramp_seconds):
+            self._ramp_s = _smoothed(self._ramp_s, float(np.mean(ramp_seconds)))
+        if self._ramp_s is not None and self._batch_s:
+            self.cost = dict.fromkeys(self.candidates, self._ramp_s / self._batch_s)
 
     def window_agreement(self) -> float:
         with self._lock:
@@ -514,6 +528,10 @@ class ExitController:
                 "exits": {str(k): v for k, v in sorted(self.exits.items())}, "tunings": self.tunings,
                 "costs": {str(k): round(self.cost[k], 5) for k in self.active.layers},
                 "events": [e.as_dict() for e in list(self.events)[-16:]]}
+
+
+def _smoothed(running: float | None, sample: float) -> float:
+    return sample if running is None else (1 - COST_SMOOTHING) * running + COST_SMOOTHING * sample
 
 
 def controller_for(layers: Sequence[int], extra: dict, settings: ControllerSettings,

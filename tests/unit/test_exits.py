@@ -501,13 +501,39 @@ def test_measured_costs_over_the_budget_drop_ramps() -> None:
     even when each still pays for itself; what remains fits the budget."""
     ctrl = ExitController(candidates(cost=0.005), settings(budget=0.02), clock=fake_clock()[1])
     assert ctrl.active.layers == (2, 4, 6, 8)
-    measured = {2: 0.009, 4: 0.009, 6: 0.009, 8: 0.009}   # small batches: each ramp costs more than bootstrapped
-    for _ in range(200):   # the running average converges on the measured shares
+    for _ in range(3):   # small batches: each ramp costs more than bootstrapped, 0.9 ms of a 100 ms batch
         ctrl.observe((2, 4, 6, 8), signals(np.full((1, 4), 0.5)), np.zeros(1, dtype=int), np.array([4]),
-                     costs=measured)
-    assert ctrl.cost[2] == pytest.approx(0.009, rel=1e-3)
+                     ramp_seconds=(0.0009,) * 4, batch_s=0.1)
+    assert ctrl.cost[2] == pytest.approx(0.009, rel=1e-6)
     ctrl._adjust((0.9, 0.9, 0.9, 0.9), (0.3, 0.2, 0.1, 0.05), texts=AGREEMENT_SPAN)
     assert sum(ctrl.cost[k] for k in ctrl.active.layers) <= 0.02
     assert ctrl.active.layers == (2, 4)   # the deeper ramps saved least
     reasons = [e["reason"] for e in ctrl.status()["events"] if e["kind"] == "dropped"]
     assert len(reasons) == 2 and all("over the budget" in r for r in reasons)
+
+
+def test_a_ramp_not_running_costs_what_the_running_ones_do_at_the_current_batches() -> None:
+    """The ramps share one shape: after the measured cost drops all but one ramp, the others are estimated at the
+    running one's seconds, not at their bootstrap share, so none is added back over the budget; when batches
+    grow (more load), the same seconds are a smaller share and ramps are added again, though none ran."""
+    ctrl = ExitController(candidates(cost=0.004), settings(budget=0.02, cooldown=0), clock=fake_clock()[1])
+    assert ctrl.active.layers == (2, 4, 6, 8)
+
+    def batch(layers: tuple[int, ...], seconds: float) -> None:
+        ctrl.observe(layers, signals(np.full((1, len(layers)), 0.5)), np.zeros(1, dtype=int),
+                     np.array([len(layers)]), ramp_seconds=(0.0003,) * len(layers), batch_s=seconds)
+
+    for _ in range(100):
+        batch((2, 4, 6, 8), 0.02)            # one text a batch: 0.3 ms of a 20 ms forward, 1.5 % a ramp
+    assert ctrl.cost == pytest.approx(dict.fromkeys((2, 4, 6, 8), 0.015), rel=1e-3)
+    ctrl._adjust((0.9,) * 4, (0.0, 0.0, 0.3, 0.0), texts=AGREEMENT_SPAN)
+    assert ctrl.active.layers == (6,)        # the budget holds one, the busiest
+    ctrl.tunings += 10                       # past the dropped ramps' cooldown
+    ctrl._adjust((0.9,), (0.3,), texts=AGREEMENT_SPAN)
+    assert ctrl.active.layers == (6,)        # ramp 4, before the busiest, would not fit at 1.5 % (0.4 % bootstrapped)
+    for _ in range(100):
+        batch((6,), 0.06)                    # bigger batches: the same 0.3 ms is 0.5 % of the model's time
+    assert ctrl.cost[4] == pytest.approx(0.005, rel=1e-2)
+    ctrl._adjust((0.9,), (0.3,), texts=AGREEMENT_SPAN)
+    assert ctrl.active.layers == (4, 6)
+    assert ctrl.status()["events"][-1]["kind"] == "added"
