@@ -31,6 +31,7 @@ from academus.shared.models.plot.domains import FAILED as DOMAIN_FAILED
 from academus.shared.models.plot.domains import READY as DOMAIN_READY
 from academus.shared.models.plot.domains import DomainRegistry, overlay_dir, root_table
 from academus.shared.runtime.config import TrainerConfig, artifacts_dir
+from academus.shared.runtime.errors import NotFound
 from academus.shared.runtime.logs import log_event
 from academus.shared.state.jobs import FAILED, SUCCEEDED, Job, JobQueue
 from academus.shared.state.keys import Keys
@@ -152,9 +153,12 @@ class AdapterJobs:
             domain=params.get("domain", ""),
             on_step=lambda done, total: progress(0.05 + 0.9 * done / total))
         model = await self._current(job)
-        published = await publish_adapter(self.redis, self.keys, job.tenant, params["model"], params["base"],
-                                          adapter, domain=params.get("domain", ""), job=job.id,
-                                          created=model.created)
+        try:   # replaced only while still this job's: a model deleted meanwhile stays deleted
+            published = await publish_adapter(self.redis, self.keys, job.tenant, params["model"], params["base"],
+                                              adapter, domain=params.get("domain", ""), job=job.id,
+                                              created=model.created)
+        except NotFound as e:
+            raise JobError(f"{e}: this training was discarded") from e
         _drop_upload(job)
         return {**published, **training_summary(summary)}
 
@@ -171,7 +175,8 @@ class AdapterJobs:
         _drop_upload(job)
         model = await self.registry.model(job.tenant, job.params.get("model", ""))
         if model is not None and model.job == job.id and model.status == TRAINING:
-            await self.registry.register_model(job.tenant, replace(model, status=MODEL_FAILED, message=message))
+            await self.registry.replace_job_model(job.tenant, replace(model, status=MODEL_FAILED, message=message),
+                                                  job.id)
 
 
 class OverlayJobs:

@@ -98,6 +98,16 @@ redis.call('SADD', KEYS[2], ARGV[1])
 return 1
 """
 
+# KEYS: the tenant's models, the models' change counter; ARGV: name, job, the new record. Replaces the record only
+# while it is still that job's: a job finishing never brings back a model deleted or retrained meanwhile.
+_REPLACE_OF_JOB = """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw or cjson.decode(raw)['job'] ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+redis.call('INCR', KEYS[2])
+return 1
+"""
+
 
 class TenantRegistry:
     """Creates and deletes tenants and registers their models (the Manage API's store)."""
@@ -106,6 +116,7 @@ class TenantRegistry:
                  burst: int = GatewayConfig.tenant_burst) -> None:
         self.redis, self.keys, self.rate, self.burst = redis, keys, rate, burst
         self._create = redis.register_script(_CREATE)
+        self._replace_of_job = redis.register_script(_REPLACE_OF_JOB)
 
     async def create_tenant(self, tenant: str, rate: float | None = None, burst: int | None = None) -> str:
         """Returns the tenant's new API key: shown once, only its hash is kept."""
@@ -147,6 +158,13 @@ class TenantRegistry:
             pipe.hset(self.keys.tenant_models(tenant), model.name, model.to_json())
             pipe.incr(self.keys.tenant_models_changed())
             await pipe.execute()
+
+    async def replace_job_model(self, tenant: str, model: TenantModel, job: str) -> bool:
+        """Replaces the model `job` trains with `model`, in one step with the check that its record is still that
+        job's; False (nothing written) when it was deleted or another job took it over."""
+        model.check()
+        keys = [self.keys.tenant_models(tenant), self.keys.tenant_models_changed()]
+        return bool(await self._replace_of_job(keys=keys, args=[model.name, job, model.to_json()]))
 
     async def model(self, tenant: str, name: str) -> TenantModel | None:
         raw = await self.redis.hget(self.keys.tenant_models(tenant), name)

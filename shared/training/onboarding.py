@@ -105,10 +105,16 @@ def training_summary(summary: dict[str, Any]) -> dict[str, Any]:
 async def publish_adapter(redis: aioredis.Redis, keys: Keys, tenant: str, name: str, base: str, adapter: Any,
                           **model_fields: Any) -> dict[str, Any]:
     """Puts the trained adapter in the store (a new version) and registers the tenant's model `name` as
-    ready on that version; `model_fields` are further TenantModel fields (domain, job)."""
+    ready on that version; `model_fields` are further TenantModel fields (domain, job). Given a `job`, the model
+    is replaced only while its record is still that job's: otherwise NotFound, and the version stays unused."""
     version = await AdapterStoreClient(redis, keys).put(tenant, name, adapter.to_bytes(), {"base": base})
-    await TenantRegistry(redis, keys).register_model(tenant, TenantModel(
-        name=name, base=base, adapter=name, version=version, labels=list(adapter.labels), **model_fields))
+    registry = TenantRegistry(redis, keys)
+    model = TenantModel(name=name, base=base, adapter=name, version=version, labels=list(adapter.labels),
+                        **model_fields)
+    if not model.job:
+        await registry.register_model(tenant, model)
+    elif not await registry.replace_job_model(tenant, model, model.job):
+        raise NotFound(f"model {name!r} was deleted or is being trained by a newer job")
     return {"tenant": tenant, "model": name, "base": base, "version": version, "labels": list(adapter.labels)}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 from redis.exceptions import RedisError
@@ -299,3 +300,18 @@ async def test_while_redis_is_away_each_tenant_keeps_its_quota_from_the_gateways
     finally:
         await redis.aclose()
         server.stop()
+
+
+async def test_a_job_replaces_its_model_only_while_the_record_is_still_its_own(redis, registry):
+    """A training job that finishes after its model was deleted, or taken over by a newer job, writes nothing:
+    the check and the write are one step, so a deleted model never comes back."""
+    await registry.create_tenant("acme")
+    changed = await registry.models_changed()
+    await registry.register_model("acme", replace(spam_model(), job="job-1", status=TRAINING))
+    assert await registry.replace_job_model("acme", replace(spam_model(version=2), job="job-1"), "job-1")
+    assert (await registry.model("acme", "spam")).version == 2
+    assert await registry.models_changed() == changed + 2
+    assert not await registry.replace_job_model("acme", replace(spam_model(version=3), job="job-0"), "job-0")
+    await registry.delete_model("acme", "spam")
+    assert not await registry.replace_job_model("acme", replace(spam_model(version=3), job="job-1"), "job-1")
+    assert await registry.model("acme", "spam") is None
