@@ -19,7 +19,8 @@ from academus.client import AcademusError, Metadata
 from academus.loadgen import analysis, plots, runner, schedule, texts
 from academus.loadgen.analysis import ratios
 from academus.loadgen.cli import main, summary_lines
-from academus.loadgen.exits_live import rounds_json
+from academus.loadgen.exits_live import main as exits_live_main
+from academus.loadgen.exits_live import rounds_json, summarize
 from academus.loadgen.runner import Record, RunResult
 from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
@@ -874,3 +875,27 @@ def test_the_live_exit_bench_writes_one_round_a_line_and_reads_back_the_same():
     text = rounds_json(summary, rounds)
     assert json.loads(text) == {"summary": summary, "rounds": rounds}
     assert len(text.splitlines()) == 3 + len(rounds)
+
+
+def test_the_live_exit_bench_takes_percentiles_over_every_rounds_requests(tmp_path, capsys):
+    """Each arm is twice as slow as the other in one round: the pooled ratio is 1, where the median of the rounds'
+    ratios (2 and 0.5) would say 1.25. Agreement is weighed by the requests answered."""
+    ms = [float(x) for x in range(1, 101)]
+    slow = [2 * x for x in ms]
+
+    def arm(times: list[float], capacity: float, agreement: float, answered: int) -> dict:
+        return {"first_ms": times, "final_ms": times, "capacity_rps": capacity, "agreement": agreement,
+                "answered": answered}
+
+    rounds = [{"vanilla": arm(ms, 10.0, 1.0, 100), "early": arm(slow, 12.0, 1.0, 100)},
+              {"vanilla": arm(slow, 10.0, 1.0, 300), "early": arm(ms, 9.0, 0.98, 300)}]
+    summary = summarize("spam", 5.0, rounds)
+    for name in ("first_p50_ratio", "first_p25_ratio", "final_p99_ratio"):
+        assert summary[name] == 1.0, name
+        assert summary["round_ratios"][name] == [2.0, 0.5], name
+    assert summary["capacity_ratio"] == 1.05
+    assert summary["early_agreement"] == 0.985
+    saved = tmp_path / "run.json"
+    saved.write_text(rounds_json(summary, rounds))
+    assert exits_live_main(["--from", str(saved)]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary
