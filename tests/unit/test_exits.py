@@ -420,6 +420,23 @@ def test_tune_adds_the_deepest_free_ramp_while_none_releases() -> None:
     assert (events[-1]["kind"], events[-1]["layer"]) == ("added", 6)
 
 
+@pytest.mark.parametrize("served", [AGREEMENT_SPAN, 1024])
+def test_while_none_releases_the_ramp_that_would_save_most_alone_is_added(served: int) -> None:
+    """Ramps 4 and 6 were confident and right on the evidence, ramp 2 confident and wrong: 4 is added, whose exits
+    save more than 6's, judged on the window's texts (256 served) or on the evidence once the window has pushed it
+    out (1024 served, none seen by 4 or 6)."""
+    cands = [RampCandidate(2, 0.8, 0.01), RampCandidate(4, 0.6, 0.015), RampCandidate(6, 0.4, 0.005)]
+    evidence = Evidence(columns(300, 0.999, 0.999, 0.999), np.array([[False, True, True]] * 300))
+    ctrl = ExitController(cands, settings(budget=0.03), clock=fake_clock()[1], evidence=evidence)
+    ctrl.active = ActiveRamps((2,), ThresholdRule((NEVER,)))
+    feed(ctrl, (2,), columns(served, 0.3), np.zeros((served, 1), dtype=bool))
+    ctrl.tune()
+    assert ctrl.active.layers == (2, 4)
+    events = ctrl.status()["events"]
+    assert (events[-1]["kind"], events[-1]["layer"]) == ("added", 4)
+    assert "alone it would save 0.5850" in events[-1]["reason"]   # 0.6 saved on every text, less 0.015
+
+
 def test_adjust_drops_costly_ramp_and_adds_one_before_busiest() -> None:
     """_adjust: drops the ramp saving less than its cost and adds the free ramp before the busiest one."""
     ctrl = ExitController(candidates(), settings(budget=0.02), clock=fake_clock()[1])
