@@ -12,7 +12,9 @@ Each arm's `final_split_mean_ms` says where the final results' time went on aver
 `final_tail_split_mean_ms` the same over its slowest 5 %. Every request's times are kept (`first_ms`, `final_ms`).
 The summary's latency ratios are early / vanilla over every round's requests pooled, with each round's own ratio
 beside them (`round_ratios`); capacity is the median of the rounds' ratios; agreement is each released result's
-label against the final one of the same request, over the whole run. The summary is the last line printed.
+label against the final one of the same request, over the whole run. `capacity_cpu_ms`: each process's CPU ms
+a request during the capacity loop (the mesh's services and this load generator), the median of the rounds'.
+The summary is the last line printed.
 `--from FILE` prints the summary of a run written with `--out`.
 """
 
@@ -32,9 +34,10 @@ import numpy as np
 
 from academus.client import AsyncClient, Metadata
 from academus.loadgen.analysis import tail_breakdown
+from academus.loadgen.bench import service_cpu_s, stat_cpu_s
 from academus.loadgen.exits_bench import drifting_order
 from academus.loadgen.runner import Record
-from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, down, up
+from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, MeshState, down, up
 from academus.shared.runtime.config import artifacts_dir, offline_hub
 from academus.shared.training.data import fetch, load_task
 
@@ -59,9 +62,13 @@ async def one_request(client: AsyncClient, arm: str, model: str, text: str) -> t
     raise RuntimeError("the stream ended without a final result")
 
 
-async def capacity(client: AsyncClient, arm: str, model: str, texts: list[str], clients: int, seconds: float) -> float:
-    """Requests a second with `clients` callers in a closed loop."""
+async def capacity(client: AsyncClient, arm: str, model: str, texts: list[str], clients: int, seconds: float,
+                   state: MeshState) -> tuple[float, dict[str, float]]:
+    """Requests a second with `clients` callers in a closed loop, and the CPU ms a request of each mesh process
+    and of this load generator: on a machine whose cores the model shares with the stack, every process's CPU
+    is taken from the model's, so this says where a capacity ratio below 1 went."""
     done, end = 0, time.perf_counter() + seconds
+    before = service_cpu_s(state) | {"loadgen": stat_cpu_s(Path("/proc/self/stat").read_text())}
 
     async def caller(k: int) -> None:
         nonlocal done
@@ -73,7 +80,9 @@ async def capacity(client: AsyncClient, arm: str, model: str, texts: list[str], 
 
     start = time.perf_counter()
     await asyncio.gather(*(caller(k) for k in range(clients)))
-    return done / (time.perf_counter() - start)
+    took = time.perf_counter() - start
+    after = service_cpu_s(state) | {"loadgen": stat_cpu_s(Path("/proc/self/stat").read_text())}
+    return done / took, {name: round((after[name] - before[name]) * 1e3 / max(done, 1), 3) for name in after}
 
 
 async def open_loop(client: AsyncClient, arm: str, model: str, texts: list[str], rate: float, duration: float,
@@ -115,9 +124,9 @@ def run_arm(arm: str, task: str, texts: list[str], rate: float | None, args: arg
                 async with AsyncClient(state.gateway, api_key=key, timeout=60) as client:
                     for text in texts[:16]:   # warm-up: traced graphs, channels
                         await one_request(client, arm, task, text)
-                    cap = await capacity(client, arm, task, texts, args.clients, args.capacity_s)
+                    cap, cpu = await capacity(client, arm, task, texts, args.clients, args.capacity_s, state)
                     run = await open_loop(client, arm, task, texts, rate or cap / 2, args.duration, seed)
-                    return run | {"capacity_rps": cap, "rate": rate or cap / 2}
+                    return run | {"capacity_rps": cap, "capacity_cpu_ms": cpu, "rate": rate or cap / 2}
 
             return asyncio.run(measure())
         finally:
@@ -146,7 +155,16 @@ def summarize(task: str, rate: float, rounds: list[dict[str, Any]]) -> dict[str,
                for name, (key, q) in LATENCY_RATIOS.items()},
             "capacity_ratio": round(statistics.median(per_round["capacity_ratio"]), 4),
             "early_agreement": round(agreeing / answered, 4),
-            "round_ratios": per_round}
+            "round_ratios": per_round, **capacity_cpu(rounds)}
+
+
+def capacity_cpu(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each arm's CPU ms a request at capacity, per process, the median of the rounds' (nothing for runs saved
+    before the bench measured it)."""
+    if not all("capacity_cpu_ms" in r[arm] for r in rounds for arm in ARMS):
+        return {}
+    return {"capacity_cpu_ms": {arm: {name: round(statistics.median(r[arm]["capacity_cpu_ms"][name] for r in rounds), 3)
+                                      for name in rounds[0][arm]["capacity_cpu_ms"]} for arm in ARMS}}
 
 
 def rounds_json(summary: dict[str, Any], rounds: list[dict[str, Any]]) -> str:

@@ -142,14 +142,19 @@ def test_ramps_status_shows_the_workers_ramps(exit_mesh: MeshState, client: Clie
 def test_the_live_bench_times_both_arms_and_splits_their_final_results(exit_mesh: MeshState) -> None:
     """`exits_live`'s open loop: every request answered; the early arm's first results come no later than its final
     ones, some earlier (PABEE 2 releases early for sure); the mean split of the final results adds up to their
-    mean time."""
+    mean time. Its capacity loop says each process's CPU a request, the model's worker's the largest."""
     key = (Path(exit_mesh.run_dir) / ADMIN_KEY_FILE).read_text().strip()
 
-    async def both() -> dict[str, dict]:
+    async def both() -> tuple[dict[str, dict], dict[str, tuple]]:
         async with AsyncClient(exit_mesh.gateway, api_key=key, timeout=60) as c:
-            return {arm: await exits_live.open_loop(c, arm, "spam", TEXTS, 4.0, 2.0, seed=0) for arm in exits_live.ARMS}
+            runs = {arm: await exits_live.open_loop(c, arm, "spam", TEXTS, 4.0, 2.0, seed=0) for arm in exits_live.ARMS}
+            caps = {arm: await exits_live.capacity(c, arm, "spam", TEXTS, 2, 1.0, exit_mesh) for arm in exits_live.ARMS}
+            return runs, caps
 
-    runs = asyncio.run(both())
+    runs, caps = asyncio.run(both())
+    for arm, (rps, cpu) in caps.items():
+        assert rps > 0 and {"worker-0", "scheduler", "gateway", "loadgen"} <= set(cpu), (arm, cpu)
+        assert cpu["worker-0"] == max(cpu.values()) > 0, (arm, cpu)
     for arm, run in runs.items():
         assert run["answered"] == run["sent"] == len(run["final_ms"]) > 0, arm
         split = run["final_split_mean_ms"]

@@ -899,3 +899,18 @@ def test_the_live_exit_bench_takes_percentiles_over_every_rounds_requests(tmp_pa
     saved.write_text(rounds_json(summary, rounds))
     assert exits_live_main(["--from", str(saved)]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary
+
+
+def test_the_live_exit_bench_says_each_processs_cpu_a_request_at_capacity():
+    """The median of the rounds' CPU ms a request, per arm and process; runs saved without it still summarize."""
+    def arm(worker_ms: float, gateway_ms: float) -> dict:
+        return {"first_ms": [1.0], "final_ms": [1.0], "capacity_rps": 10.0, "agreement": 1.0, "answered": 1,
+                "capacity_cpu_ms": {"worker-0": worker_ms, "gateway": gateway_ms}}
+
+    rounds = [{"vanilla": arm(12.0, 0.7), "early": arm(13.0, 1.0)},
+              {"vanilla": arm(12.4, 0.9), "early": arm(13.6, 1.2)},
+              {"vanilla": arm(11.0, 0.8), "early": arm(20.0, 1.1)}]
+    assert summarize("spam", 5.0, rounds)["capacity_cpu_ms"] == {"vanilla": {"worker-0": 12.0, "gateway": 0.8},
+                                                                 "early": {"worker-0": 13.6, "gateway": 1.1}}
+    del rounds[1]["early"]["capacity_cpu_ms"]
+    assert "capacity_cpu_ms" not in summarize("spam", 5.0, rounds)
