@@ -2,20 +2,20 @@
 
 `python -m academus.loadgen.exits_live --task spam [--rounds 3] [--duration 30] [--out FILE]`
 
-Each round starts a fresh mesh per arm (one padded deployment, the default exit policy), the order of the arms
-alternating between rounds. First each arm's capacity: closed loop, `--clients` callers for `--capacity-s`
-seconds. Then the same Poisson schedule for both arms, at half of vanilla's capacity (of the first round; `--rate`
-sets it), one text a request from the task's test split in the replay bench's drifting order. Per request: the
-time to its first result (the ramp's, or the final one) and to the final result; vanilla's are one and the same.
-Each arm's `final_split_mean_ms` says where the final results' time went on average, from their metadata
-(`analysis.components`: the network, each service's own time, the scheduler's queue, the model's compute);
-`final_tail_split_mean_ms` the same over its slowest 5 %. Every request's times are kept (`first_ms`, `final_ms`).
-The summary's latency ratios are early / vanilla over every round's requests pooled, with each round's own ratio
-beside them (`round_ratios`); capacity is the median of the rounds' ratios; agreement is each released result's
-label against the final one of the same request, over the whole run. `capacity_cpu_ms`: each process's CPU ms
-a request during the capacity loop (the mesh's services and this load generator), the median of the rounds'.
-The summary is the last line printed.
-`--from FILE` prints the summary of a run written with `--out`.
+Each round starts a fresh mesh per arm (one padded deployment, `--exit-policy`, apparate by default), the
+order of the arms alternating between rounds. First each arm's capacity: closed loop, `--clients` callers for
+`--capacity-s` seconds. Then the same Poisson schedule for both arms, at half of vanilla's capacity (of the
+first round; `--rate` sets it), one text a request from the task's test split in the replay bench's drifting
+order. Per request: the time to its first result (the ramp's, or the final one) and to the final result;
+vanilla's are one and the same. Each arm's `final_split_mean_ms` says where the final results' time went on
+average, from their metadata (`analysis.components`: the network, each service's own time, the scheduler's
+queue, the model's compute); `final_tail_split_mean_ms` the same over its slowest 5 %. Every request's times
+are kept (`first_ms`, `final_ms`). The summary's latency ratios are early / vanilla over every round's requests
+pooled, with each round's own ratio beside them (`round_ratios`); capacity is the median of the rounds' ratios;
+agreement is each released result's label against the final one of the same request, over the whole run.
+`capacity_cpu_ms`: each process's CPU ms a request during the capacity loop (the mesh's services and this load
+generator), the median of the rounds'. The summary is the last line printed. `--from FILE` prints the summary
+of a run written with `--out`.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from academus.loadgen.bench import service_cpu_s, stat_cpu_s
 from academus.loadgen.exits_bench import drifting_order
 from academus.loadgen.runner import Record
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, MeshState, down, up
+from academus.shared.models.exits import APPARATE, POLICIES
 from academus.shared.runtime.config import artifacts_dir, offline_hub
 from academus.shared.training.data import fetch, load_task
 
@@ -116,7 +117,8 @@ def run_arm(arm: str, task: str, texts: list[str], rate: float | None, args: arg
     with tempfile.TemporaryDirectory(prefix="exits-live-") as tmp:
         run_dir = Path(tmp)
         state = up(MeshOptions(run_dir=run_dir, artifacts=args.artifacts or artifacts_dir(), gateway_port=0,
-                               workers=1, deployments=[Deployment("padded", task)]))
+                               workers=1, deployments=[Deployment("padded", task)],
+                               env={"ACADEMUS_EXIT_POLICY": args.exit_policy}))
         try:
             key = (run_dir / ADMIN_KEY_FILE).read_text().strip()
 
@@ -186,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--rate", type=float, default=None,
                    help="requests a second (default: half of vanilla's capacity in the first round); to compare runs")
+    p.add_argument("--exit-policy", default=APPARATE, choices=POLICIES,
+                   help="the workers' exit policy; `none` makes the early arm a stream without ramps: what the "
+                        "streaming path alone costs")
     p.add_argument("--from", dest="saved", type=Path, default=None, help="summarize a run written with --out")
     args = p.parse_args(argv)
     if args.saved is not None:
@@ -202,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             rate = rate or arms[arm]["rate"]
         rounds.append(arms)
         print(json.dumps({"round": r, **arms}), flush=True)
-    summary = summarize(args.task, rate, rounds)
+    summary = summarize(args.task, rate, rounds) | {"exit_policy": args.exit_policy}
     if args.out:
         args.out.write_text(rounds_json(summary, rounds))
     print(json.dumps(summary))
