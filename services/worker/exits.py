@@ -1,6 +1,7 @@
 """Exit ramps inside the teacher's forward (Apparate): a batch asked for early exits runs the model's active
 ramps after their layers, releases each text at the first confident one (`release`, on the compute thread),
-and runs on to the end; its full answer then feeds the model's ExitController (thresholds, ramp set).
+and runs on to the end; its full answer then feeds the model's ExitController (thresholds, ramp set), which
+observes it off the compute thread.
 
 A ramp sees layer k's output: a forward hook on the layer module for padded batches, the packed encoder's
 `after_layer` for ConcatBatching. Both call `ExitRun.at_layer` with the pooled states of some texts.
@@ -120,5 +121,5 @@ class ExitRun:
         """The full model's answers (`batch_s`: the batch's compute time): the controller's feedback, with what
         each ramp cost on it."""
         signals = ExitSignals(self.conf, self.preds, self.entropy)
-        self.exits.controller.observe(self.active.layers, signals, final_probs.argmax(-1), self.exit_at,
-                                      ramp_seconds=self.spent, batch_s=batch_s)
+        self.exits.controller.feed(self.active.layers, signals, final_probs.argmax(-1), self.exit_at,
+                                   ramp_seconds=self.spent, batch_s=batch_s)

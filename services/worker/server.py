@@ -175,7 +175,8 @@ class ExitTuning:
     async def step(self) -> None:
         """Each model's due tuning, if any."""
         for name, served in list(self.runner.models.items()):
-            if served.exits is not None and (reason := served.exits.controller.due()):
+            # `due` observes the batches fed since the last step: NumPy work, off the event loop too
+            if served.exits is not None and (reason := await asyncio.to_thread(served.exits.controller.due)):
                 await asyncio.to_thread(served.exits.controller.tune, reason)
                 EXIT_TUNINGS.labels(name).inc()
 

@@ -34,6 +34,7 @@ MIN_FEEDBACK = 16   # texts of feedback before their agreement may trigger a tun
 AGREEMENT_SPAN = 256   # the latest texts whose released results' agreement is watched
 MIN_MARGIN = 0.05      # the least share of the allowed disagreement a tuning may spend
 COST_SMOOTHING = 0.1   # weight of a batch's measured times in the running ones (a ramp's, the model's)
+PENDING_BATCHES = 4096  # batches' feedback held for `drain`; the oldest go first when nothing drains
 APPARATE, NONE, DEEBERT, STATIC, PABEE2, PABEE3 = "apparate", "none", "deebert", "static", "pabee2", "pabee3"
 POLICIES = (APPARATE, NONE, DEEBERT, STATIC, PABEE2, PABEE3)
 
@@ -297,8 +298,9 @@ class _Window:
 
 class ExitController:
     """One model's ramps on one worker: the rule the compute thread applies, fed back with every batch's
-    ramp signals and full answers (`observe`, cheap, on the compute thread); `tune` (off the compute thread)
-    re-tunes thresholds and adjusts the ramps. `policy` other than apparate fixes the rule once (baselines)."""
+    ramp signals and full answers (`feed`, an append on the compute thread; `drain` observes them off it);
+    `tune` (off the compute thread) re-tunes thresholds and adjusts the ramps. `policy` other than apparate
+    fixes the rule once (baselines)."""
 
     def __init__(self, candidates: Sequence[RampCandidate], settings: ControllerSettings | None = None,
                  fixed: ExitRule | None = None, initial: dict[int, float] | None = None,
@@ -325,6 +327,8 @@ class ExitController:
         self._tuned_at = clock()
         self._dropped_at: dict[int, int] = {}    # layer -> the tuning that dropped it
         self._added_at: dict[int, int] = {}      # layer -> the tuning that added it (judged only after one more)
+        self._fed: deque[tuple] = deque(maxlen=PENDING_BATCHES)   # `feed`'s batches, not yet observed
+        self._draining = threading.Lock()
         self.adaptive = fixed is None and self.settings.policy == APPARATE
         if evidence is not None and self.adaptive:
             if evidence.conf.shape[1:] != (len(self.candidates),) or evidence.agree.shape != evidence.conf.shape:
@@ -351,7 +355,32 @@ class ExitController:
             spent += c.cost
         return tuple(chosen)
 
-    # -- feedback (compute thread) -------------------------------------------------------------
+    # -- feedback ------------------------------------------------------------------------------
+    def feed(self, layers: Sequence[int], signals: ExitSignals, final: np.ndarray,
+             exit_at: np.ndarray, ramp_seconds: Sequence[float] = (), batch_s: float | None = None) -> None:
+        """`observe`'s arguments, queued (the compute thread's part): observing a batch of 1-3 texts costs about
+        as much as a ramp, mostly fixed costs, on the batch's critical path. `drain` observes the queued
+        batches together, off it; `due` and `tune` drain first."""
+        if self.adaptive and len(final):
+            self._fed.append((tuple(layers), signals, final, exit_at, tuple(ramp_seconds), batch_s))
+
+    def drain(self) -> int:
+        """Observes the batches `feed` queued, in order, those in a row with the same ramps at once; returns
+        how many."""
+        with self._draining:
+            fed = [self._fed.popleft() for _ in range(len(self._fed))]
+            start = 0
+            for i, (_, _, _, _, ramp_seconds, batch_s) in enumerate(fed):
+                self._measure_costs(ramp_seconds, batch_s)
+                if i + 1 == len(fed) or fed[i + 1][0] != fed[start][0]:
+                    run = fed[start:i + 1]
+                    signals = ExitSignals(*(np.concatenate([getattr(b[1], k) for b in run])
+                                            for k in ("conf", "preds", "entropy")))
+                    self._observe(run[0][0], signals, np.concatenate([b[2] for b in run]),
+                                  np.concatenate([b[3] for b in run]))
+                    start = i + 1
+            return len(fed)
+
     def observe(self, layers: Sequence[int], signals: ExitSignals, final: np.ndarray,
                 exit_at: np.ndarray, ramp_seconds: Sequence[float] = (), batch_s: float | None = None) -> None:
         """A batch's ramp signals at `layers`, the full model's predictions and where each text was released
@@ -361,6 +390,9 @@ class ExitController:
         if not self.adaptive or not len(final):
             return
         self._measure_costs(ramp_seconds, batch_s)
+        self._observe(layers, signals, final, exit_at)
+
+    def _observe(self, layers: Sequence[int], signals: ExitSignals, final: np.ndarray, exit_at: np.ndarray) -> None:
         index = {layer: i for i, layer in enumerate(self.window.layers)}
         conf = np.full((len(final), len(index)), np.nan)
         agree = np.zeros((len(final), len(index)), dtype=bool)
@@ -397,6 +429,7 @@ class ExitController:
 
     def due(self) -> str:
         """Why a tuning is due now ("" if not): agreement below the constraint, texts since the last, time."""
+        self.drain()
         if not self.adaptive or not self._since_tuning or self.seen < self.settings.min_texts:
             return ""
         errors = self._span_errors()
@@ -412,6 +445,7 @@ class ExitController:
     # -- tuning and adjustment (off the compute thread) ------------------------------------------
     def tune(self, reason: str = "") -> Tuning | None:
         """Re-tunes the active ramps' thresholds on the window, then adjusts the ramp set (§3.3)."""
+        self.drain()
         with self._lock:
             conf = np.array(self.window.conf) if self.window.conf else np.zeros((0, len(self.window.layers)))
             agree = np.array(self.window.agree) if self.window.agree else np.zeros_like(conf, dtype=bool)

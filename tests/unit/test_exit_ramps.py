@@ -114,6 +114,8 @@ def test_the_controller_gets_feedback_and_measured_costs(artifacts: Path) -> Non
     runner = ModelRunner(artifacts, ["spam"], exit_settings=ControllerSettings(), traced=False)
     controller = runner.models["spam"].exits.controller
     released_by(runner)
+    assert controller.seen == 0    # the compute thread only queued the batch's feedback
+    assert controller.drain() == 1
     assert controller.seen == len(TEXTS)
     assert len(controller.window.conf) == len(TEXTS)
     assert all(cost != 0.002 for layer, cost in controller.cost.items() if layer in controller.active.layers)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -554,3 +555,31 @@ def test_a_ramp_not_running_costs_what_the_running_ones_do_at_the_current_batche
     ctrl._adjust((0.9,), (0.3,), texts=AGREEMENT_SPAN)
     assert ctrl.active.layers == (4, 6)
     assert ctrl.status()["events"][-1]["kind"] == "added"
+
+
+def test_fed_batches_drained_together_leave_the_controller_as_observing_each_would() -> None:
+    """The compute thread only queues a batch's feedback; drained, batches in a row with the same ramps are
+    observed at once. The window, the counts, the errors and the measured costs end as one `observe` a batch
+    leaves them, and `due` drains first."""
+    rng = np.random.default_rng(3)
+    batches = []
+    for layers in ((2, 4), (2, 4), (4,), (2, 4), (2, 4), (2, 4)):
+        n = int(rng.integers(1, 4))
+        conf = rng.uniform(0.5, 1.0, (n, len(layers)))
+        preds = rng.integers(0, 2, (n, len(layers)))
+        exit_at = rng.integers(0, len(layers) + 1, n)
+        batches.append((layers, ExitSignals(conf, preds, np.zeros(conf.shape)), rng.integers(0, 2, n), exit_at,
+                        tuple(rng.uniform(1e-4, 5e-4, len(layers))), float(rng.uniform(0.01, 0.03))))
+    each = ExitController(candidates(), settings(min_texts=1, retune_every=4), clock=fake_clock()[1])
+    queued = ExitController(candidates(), settings(min_texts=1, retune_every=4), clock=fake_clock()[1])
+    for layers, sig, final, exit_at, ramp_s, batch_s in batches:
+        each.observe(layers, sig, final, exit_at, ramp_seconds=ramp_s, batch_s=batch_s)
+        queued.feed(layers, sig, final, exit_at, ramp_seconds=ramp_s, batch_s=batch_s)
+    assert queued.seen == 0 and queued.window.conf == deque()
+    assert queued.due() == each.due() != ""
+    assert queued.drain() == 0   # `due` drained all six
+    assert (queued.seen, queued.exits, queued._errors_since) == (each.seen, each.exits, each._errors_since)
+    np.testing.assert_array_equal(np.array(queued.window.conf), np.array(each.window.conf))
+    np.testing.assert_array_equal(np.array(queued.window.agree), np.array(each.window.agree))
+    assert list(queued.window.released_ok) == list(each.window.released_ok)
+    assert queued.cost == pytest.approx(each.cost, rel=1e-12)
