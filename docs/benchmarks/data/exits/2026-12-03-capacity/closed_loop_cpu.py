@@ -1,0 +1,92 @@
+"""Where the early arm's capacity goes, live: closed loops (8 callers, 10 s) on a fresh mesh an arm (one padded
+sentiment deployment, ramps on), and the CPU ms a request of each mesh process and of this load generator.
+
+`python closed_loop_cpu.py ARTIFACTS ROUNDS OUT [ARM,ARM,...]`, arms from ARMS: vanilla (Infer), stream-none
+(InferStream with ACADEMUS_EXIT_POLICY=none: a stream, no ramps), early (InferStream, apparate), and each of
+them with `-passive` (OMP_WAIT_POLICY=PASSIVE in the services: torch's OpenMP threads sleep at once instead of
+spinning between parallel regions). `ARM@DIR` runs the services with PYTHONPATH=DIR (a directory holding an
+`academus` link to another commit's worktree), to compare commits in one run. The order of the arms alternates
+between rounds."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from academus.client import AsyncClient
+from academus.loadgen.bench import service_cpu_s, stat_cpu_s
+from academus.loadgen.exits_bench import drifting_order
+from academus.loadgen.exits_live import one_request
+from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, down, up
+from academus.shared.training.data import fetch, load_task
+
+BASE = {"vanilla": ("vanilla", {}), "stream-none": ("early", {"ACADEMUS_EXIT_POLICY": "none"}), "early": ("early", {})}
+ARMS = BASE | {f"{name}-passive": (kind, env | {"OMP_WAIT_POLICY": "PASSIVE"}) for name, (kind, env) in BASE.items()}
+
+
+def cpu_now(state) -> dict[str, float]:
+    return service_cpu_s(state) | {"loadgen": stat_cpu_s(Path("/proc/self/stat").read_text())}
+
+
+def run(arm: str, texts: list[str], seconds: float, clients: int, artifacts: Path) -> dict:
+    name, _, code = arm.partition("@")
+    kind, env = ARMS[name]
+    env = env | ({"PYTHONPATH": code} if code else {})
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)   # the services inherit it
+    with tempfile.TemporaryDirectory(prefix="cap-") as tmp:
+        state = up(MeshOptions(run_dir=Path(tmp), artifacts=artifacts, gateway_port=0, workers=1,
+                               deployments=[Deployment("padded", "sentiment")]))
+        try:
+            key = (Path(tmp) / ADMIN_KEY_FILE).read_text().strip()
+
+            async def measure() -> dict:
+                async with AsyncClient(state.gateway, api_key=key, timeout=60) as client:
+                    for text in texts[:32]:
+                        await one_request(client, kind, "sentiment", text)
+                    done, end = 0, time.perf_counter() + seconds
+
+                    async def caller(k: int) -> None:
+                        nonlocal done
+                        i = k
+                        while time.perf_counter() < end:
+                            await one_request(client, kind, "sentiment", texts[i % len(texts)])
+                            done += 1
+                            i += clients
+
+                    before, start = cpu_now(state), time.perf_counter()
+                    await asyncio.gather(*(caller(k) for k in range(clients)))
+                    took, after = time.perf_counter() - start, cpu_now(state)
+                    cpu = {n: round((after[n] - before[n]) * 1e3 / done, 3) for n in after}
+                    return {"arm": arm, "rps": round(done / took, 1), "cpu_ms": cpu}
+
+            return asyncio.run(measure())
+        finally:
+            down(Path(tmp))
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def main() -> None:
+    artifacts, rounds, out = Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+    arms = sys.argv[4].split(",") if len(sys.argv) > 4 else list(BASE)
+    test = load_task("sentiment", fetch(None)).test
+    results = []
+    for r in range(rounds):
+        texts = [test[i].text for i in drifting_order("sentiment", test, seed=r)]
+        for arm in arms if r % 2 == 0 else arms[::-1]:
+            results.append(run(arm, texts, 10.0, 8, artifacts) | {"round": r})
+            print(json.dumps(results[-1]), flush=True)
+    out.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
