@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 
@@ -17,20 +18,48 @@ def is_plumbing(method: str | bytes) -> bool:
 
 
 class UnaryServerInterceptor(grpc.aio.ServerInterceptor, ABC):
-    """Wraps the behaviour of every unary-unary handler but the plumbing's with `wrap` (all the
-    project's RPCs are unary)."""
+    """Wraps the behaviour of every handler that takes one request but the plumbing's with `wrap`: a unary one,
+    and a server stream (`InferStream`) as one behaviour that writes its messages (`streamed_as_unary`). A
+    stream left out would miss its metrics and the trace draw: untraced, every stream would be traced at
+    every hop downstream."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
-        if handler is None or handler.unary_unary is None or is_plumbing(method):
+        if handler is None or is_plumbing(method):
             return handler
-        return grpc.unary_unary_rpc_method_handler(
-            self.wrap(handler.unary_unary, method),
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self.wrap(handler.unary_unary, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self.wrap(streamed_as_unary(handler.unary_stream), method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
 
     @abstractmethod
     def wrap(self, behavior: UnaryBehavior, method: str) -> UnaryBehavior:
         """The behaviour to serve `method` with, around the handler's own."""
+
+
+def streamed_as_unary(behavior: Callable) -> UnaryBehavior:
+    """A server stream's handler as one awaitable behaviour: an async generator's messages written with
+    `context.write` (gRPC's other form of a stream handler), so that a unary wrapper times, traces and
+    scopes the whole stream. A handler already in that form (wrapped by another interceptor) is kept."""
+    if not inspect.isasyncgenfunction(behavior):
+        return behavior
+
+    async def written(request: object, context: grpc.aio.ServicerContext) -> None:
+        stream = behavior(request, context)
+        try:
+            async for message in stream:
+                await context.write(message)
+        finally:   # a caller gone during a write: the stream's own clean-up runs now, not when collected
+            await stream.aclose()
+
+    return written

@@ -12,6 +12,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
+from academus.shared.runtime.metrics import RPC_LATENCY, MetricsInterceptor
 from academus.shared.runtime.tracing import (
     JsonlSpanExporter,
     ServerSpans,
@@ -280,3 +281,56 @@ async def test_a_batch_is_traced_by_its_own_requests_not_by_the_task_that_dispat
     clients = sorted(by_name["/t.Worker/Run"], key=lambda s: s.context.trace_id)
     assert [c.parent.span_id for c in clients] == [batch_a.context.span_id, batch_cd.context.span_id]
     assert calls[0][1][3:35] == f"{0xA:032x}" and calls[2][1][3:35] == f"{0xC:032x}"
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.0])
+async def test_a_server_stream_is_timed_drawn_and_traced_as_one_call(ratio):
+    """A server stream (InferStream's shape) over real gRPC: each message arrives; the stream is one timed call
+    and one draw. Not drawn, its downstream hops carry an unsampled context and no span is made; drawn, one
+    SERVER span is the parent of the stream's downstream CLIENT span. A caller leaving mid-stream has the
+    stream's own clean-up run at once."""
+    spans, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    downstream: list[dict[str, str]] = []
+    cleaned = asyncio.Event()
+
+    async def stream(request: bytes, context: grpc.aio.ServicerContext):
+        try:
+            span, carrier = start_client_span(client_tracer(provider), "/t.Next/Hop")
+            end_client_span(span, grpc.StatusCode.OK, None)
+            downstream.append(carrier)
+            yield b"early"
+            if request == b"linger":
+                await asyncio.sleep(30)
+            yield b"final"
+        finally:
+            cleaned.set()
+
+    server = grpc.aio.server(interceptors=[MetricsInterceptor("t"), ServerSpans(provider, ratio)])
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "t.Probe", {"Stream": grpc.unary_stream_rpc_method_handler(stream)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    timed = RPC_LATENCY.labels("t", "Stream")
+    before = timed._sum.get(), sum(b.get() for b in timed._buckets)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.unary_stream("/t.Probe/Stream")
+            assert [m async for m in call(b"", timeout=5)] == [b"early", b"final"]
+            (carrier,) = downstream
+            assert int(carrier["traceparent"][-2:], 16) & 1 == (ratio == 1.0)
+            finished_spans = await finished(spans, 2 if ratio else 0)
+            if ratio:
+                client, served = sorted(finished_spans, key=lambda s: s.kind != SpanKind.CLIENT)
+                assert served.name == "/t.Probe/Stream" and served.kind == SpanKind.SERVER
+                assert client.parent.span_id == served.context.span_id
+            else:
+                assert finished_spans == ()
+            assert sum(b.get() for b in timed._buckets) == before[1] + 1 and timed._sum.get() > before[0]
+            cleaned.clear()
+            lingering = call(b"linger", timeout=5)
+            assert await lingering.read() == b"early"
+            lingering.cancel()
+            await asyncio.wait_for(cleaned.wait(), 5)
+    finally:
+        await server.stop(None)
