@@ -82,6 +82,11 @@ def service_cpu_s(state: MeshState) -> dict[str, float]:
     return {name: stat_cpu_s(Path(f"/proc/{pid}/stat").read_text()) for name, pid in pids.items()}
 
 
+def service_and_own_cpu_s(state: MeshState) -> dict[str, float]:
+    """`service_cpu_s`, and this process's own CPU seconds as `loadgen`: for a load generator run in process."""
+    return service_cpu_s(state) | {"loadgen": stat_cpu_s(Path("/proc/self/stat").read_text())}
+
+
 def loadgen_with_cpu(state: MeshState, run_dir: Path, out: Path, *args: str) -> dict:
     """`loadgen` for a single run, its report's run entry with the CPU ms a completed request cost in
     each mesh process and in the load generator itself (`loadgen`)."""

@@ -34,7 +34,7 @@ import numpy as np
 
 from academus.client import AsyncClient, Metadata
 from academus.loadgen.analysis import tail_breakdown
-from academus.loadgen.bench import service_cpu_s, stat_cpu_s
+from academus.loadgen.bench import cpu_ms_per_request, service_and_own_cpu_s
 from academus.loadgen.exits_bench import drifting_order
 from academus.loadgen.runner import Record
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, MeshState, down, up
@@ -69,7 +69,7 @@ async def capacity(client: AsyncClient, arm: str, model: str, texts: list[str], 
     and of this load generator: on a machine whose cores the model shares with the stack, every process's CPU
     is taken from the model's, so this says where a capacity ratio below 1 went."""
     done, end = 0, time.perf_counter() + seconds
-    before = service_cpu_s(state) | {"loadgen": stat_cpu_s(Path("/proc/self/stat").read_text())}
+    before = service_and_own_cpu_s(state)
 
     async def caller(k: int) -> None:
         nonlocal done
@@ -82,8 +82,7 @@ async def capacity(client: AsyncClient, arm: str, model: str, texts: list[str], 
     start = time.perf_counter()
     await asyncio.gather(*(caller(k) for k in range(clients)))
     took = time.perf_counter() - start
-    after = service_cpu_s(state) | {"loadgen": stat_cpu_s(Path("/proc/self/stat").read_text())}
-    return done / took, {name: round((after[name] - before[name]) * 1e3 / max(done, 1), 3) for name in after}
+    return done / took, cpu_ms_per_request(before, service_and_own_cpu_s(state), done)
 
 
 async def open_loop(client: AsyncClient, arm: str, model: str, texts: list[str], rate: float, duration: float,

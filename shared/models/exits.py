@@ -20,6 +20,7 @@ thresholds are tuned on (§3.2), and the savings each ramp earns against its cos
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import deque
@@ -369,16 +370,13 @@ class ExitController:
         how many."""
         with self._draining:
             fed = [self._fed.popleft() for _ in range(len(self._fed))]
-            start = 0
-            for i, (_, _, _, _, ramp_seconds, batch_s) in enumerate(fed):
-                self._measure_costs(ramp_seconds, batch_s)
-                if i + 1 == len(fed) or fed[i + 1][0] != fed[start][0]:
-                    run = fed[start:i + 1]
-                    signals = ExitSignals(*(np.concatenate([getattr(b[1], k) for b in run])
-                                            for k in ("conf", "preds", "entropy")))
-                    self._observe(run[0][0], signals, np.concatenate([b[2] for b in run]),
-                                  np.concatenate([b[3] for b in run]))
-                    start = i + 1
+            for layers, group in itertools.groupby(fed, key=lambda batch: batch[0]):
+                run = list(group)
+                for _, _, _, _, ramp_seconds, batch_s in run:
+                    self._measure_costs(ramp_seconds, batch_s)
+                signals = ExitSignals(*(np.concatenate([getattr(b[1], k) for b in run])
+                                        for k in ("conf", "preds", "entropy")))
+                self._observe(layers, signals, np.concatenate([b[2] for b in run]), np.concatenate([b[3] for b in run]))
             return len(fed)
 
     def observe(self, layers: Sequence[int], signals: ExitSignals, final: np.ndarray,
