@@ -74,10 +74,11 @@ class ExitRun:
         self.entropy_read = isinstance(self.active.rule, EntropyRule)
         self.release = release
         self.mask: torch.Tensor | None = None         # a padded batch's attention mask (the layer hooks pool)
-        self.weights: torch.Tensor | None = None      # [B, 1, T] its mean-pooling weights, made once a batch
+        self.weights: torch.Tensor | np.ndarray | None = None   # [B, 1, T] its mean-pooling weights, made once
         self.spent = np.zeros(ramps)                  # seconds each ramp took on this batch (its serving cost)
 
-    def at_layer(self, layer: int, pooled: Callable[[], torch.Tensor], rows: np.ndarray | None = None) -> None:
+    def at_layer(self, layer: int, pooled: Callable[[], torch.Tensor | np.ndarray],
+                 rows: np.ndarray | None = None) -> None:
         """Layer `layer` has run for `rows` (None: every text); `pooled()` gives their states pooled as the
         model pools (computed only when a ramp sits there). Every text that reaches a ramp waits for it, so it
         computes only what the rule reads: the probabilities only for the texts it releases, the entropy only
@@ -108,10 +109,17 @@ class ExitRun:
         if layer in self.index and self.mask is not None:
             self.at_layer(layer, lambda: self._pool_padded(hidden))
 
-    def _pool_padded(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The mean over real tokens as one batched matmul, its weights made once a batch (or the first token)."""
+    def _pool_padded(self, hidden: torch.Tensor) -> torch.Tensor | np.ndarray:
+        """The mean over real tokens (or the first token), its weights made once a batch. On a CPU in NumPy: a
+        torch operator here wakes the intra-op threads, which then spin through the ramp's host code and
+        double its CPU."""
         if self.exits.ramps.pooling != MEAN:
             return hidden[:, 0]
+        if hidden.device.type == "cpu":
+            if self.weights is None:
+                mask = self.mask.numpy().astype(np.float32)
+                self.weights = (mask / np.maximum(mask.sum(1, keepdims=True), 1e-9))[:, None, :]
+            return np.matmul(self.weights, hidden.float().numpy())[:, 0]
         if self.weights is None:
             mask = self.mask.to(hidden.dtype)
             self.weights = (mask / mask.sum(1, keepdim=True).clamp(min=1e-9)).unsqueeze(1)

@@ -54,15 +54,16 @@ class ExitRamps(nn.Module):
         """[n, C] probabilities of the ramp at `layer` for already pooled (and finished) states."""
         return torch.softmax(self.heads[str(layer)](pooled), dim=-1)
 
-    def host_logits(self, layer: int, pooled: torch.Tensor) -> np.ndarray:
-        """[n, C] logits of the ramp at `layer` for pooled states not yet finished, on the host: what serving
-        decides on. A ramp runs on a few texts at a time, so on a CPU its torch operators cost more in dispatch
-        than in arithmetic, and every text that reaches the ramp waits for them: there the head runs in NumPy,
-        its L2 normalisation folded into the logits. On a GPU it stays on the device; only the logits travel."""
-        if pooled.device.type != "cpu":
+    def host_logits(self, layer: int, pooled: torch.Tensor | np.ndarray) -> np.ndarray:
+        """[n, C] logits of the ramp at `layer` for pooled states not yet finished (a host array, or a tensor
+        where the model runs), on the host: what serving decides on. A ramp runs on a few texts at a time, so
+        on a CPU its torch operators cost more in dispatch than in arithmetic, and every text that reaches the
+        ramp waits for them: there the head runs in NumPy, its L2 normalisation folded into the logits. On a
+        GPU it stays on the device; only the logits travel."""
+        if isinstance(pooled, torch.Tensor) and pooled.device.type != "cpu":
             return self.heads[str(layer)](self.finish(pooled)).float().cpu().numpy()
         weight, bias = self._host_head(layer)
-        x = pooled.float().numpy()
+        x = pooled if isinstance(pooled, np.ndarray) else pooled.float().numpy()
         logits = x @ weight
         if self.normalize:   # (x / |x|) @ W = (x @ W) / |x|, with F.normalize's floor on |x|
             logits /= np.maximum(np.sqrt(np.einsum("ij,ij->i", x, x)), 1e-12)[:, None]

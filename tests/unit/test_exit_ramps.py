@@ -203,8 +203,9 @@ def test_the_served_ramp_decides_on_what_the_trained_head_computes(normalize: bo
     pooled = torch.randn(6, HIDDEN_SIZE) * torch.tensor([0.5, 1, 2, 4, 8, 16])[:, None]
     with torch.inference_mode():
         reference = {k: torch.softmax(ramps.heads[str(k)](ramps.finish(pooled)), -1).numpy() for k in ramps.layers}
-        for k in ramps.layers:
+        for k in ramps.layers:   # a padded batch pools on the host (NumPy), a packed one in torch
             np.testing.assert_allclose(softmax(ramps.host_logits(k, pooled)), reference[k], atol=1e-5)
+            np.testing.assert_allclose(softmax(ramps.host_logits(k, pooled.numpy())), reference[k], atol=1e-5)
         for rows in (None, np.array([1, 4, 5])):
             at = slice(None) if rows is None else rows
             controller = controller_for(ramps.layers, {"cost": {str(k): 0.001 for k in ramps.layers},
