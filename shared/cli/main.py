@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 import threading
@@ -245,7 +246,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                           gateway_port=args.port, workers=args.workers, worker_threads=args.worker_threads,
                           instances=args.instances, deployments=deployments, gpus=args.gpus,
                           gateways=args.gateways, nodes=args.nodes, tls=args.tls, mutual_tls=args.mtls,
-                          standby=args.standby)
+                          standby=args.standby, owner_pid=None if args.detach else os.getpid())
     try:
         up(options)
     except MeshError as e:   # refused before it started (a setting, or a mesh already running there)

@@ -96,6 +96,7 @@ class MeshState:
     artifacts: str = ""  # what the workers load: `academus models add` writes there
     mesh_token: str = ""  # what every call to an internal service carries (ACADEMUS_MESH_TOKEN)
     standby: bool = False  # the supervisor keeps a standby process per worker, scheduler and gateway
+    owner_pid: int | None = None  # the process whose end stops the mesh; None: it runs until `academus down`
 
     def save(self) -> None:
         """Written whole, then renamed: a reader (status, down) never sees half of it. Mode 0600: the Redis
@@ -191,6 +192,9 @@ class MeshOptions:
     tls: bool = False                           # the gateway serves TLS, its certificate from a new local CA
     mutual_tls: bool = False                    # and the services mutual TLS among themselves (implies tls)
     standby: bool = False                       # a standby per worker, scheduler and gateway, built
+    # the process whose end stops the mesh (the supervisor downs it): by default the one calling up(), a bench or
+    # a test, so that one killed before its `down` leaves nothing running; None (`academus up --detach`): never
+    owner_pid: int | None = field(default_factory=os.getpid)
 
 
 def up(options: MeshOptions) -> MeshState:
@@ -211,7 +215,8 @@ def up(options: MeshOptions) -> MeshState:
     token = options.env.get(MESH_TOKEN.name) or MESH_TOKEN.get() or secrets.token_urlsafe(32)
     state = MeshState(str(run_dir), url, redis_pid, "", options.key_prefix,
                       deployments=[asdict(d) for d in options.deployments], artifacts=str(options.artifacts),
-                      mesh_token=token, standby=options.standby and options.supervise, **tls)
+                      mesh_token=token, standby=options.standby and options.supervise, owner_pid=options.owner_pid,
+                      **tls)
     state.save()
     worker_envs = _worker_envs(options)
     try:

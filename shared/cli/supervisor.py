@@ -10,7 +10,9 @@ and counted in mesh.json (`academus status` shows the counts). `academus down` s
 so nothing it stops is restarted. With `up --standby` it keeps a standby process per worker, scheduler and
 gateway (shared/cli/standby.py), built and waiting: a dead one's replacement is its standby, told to go, and a
 new standby starts behind it. A SIGTERM'd scheduler or gateway asks for its standby before it drains, and the
-standby goes while it still runs (shared/runtime/handover.py).
+standby goes while it still runs (shared/runtime/handover.py). A mesh with an owner (the process that called
+`up()`, unless `academus up --detach`) is stopped when that process ends, however it ended: a bench killed
+before its own `down` would otherwise leave a whole mesh running, and this supervisor restarting it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from academus.shared.cli.mesh import MeshState, ServiceProcess, pid_alive, restart_redis, start_process, start_standby
+from academus.shared.cli.mesh import (
+    MeshState,
+    ServiceProcess,
+    down,
+    pid_alive,
+    restart_redis,
+    start_process,
+    start_standby,
+)
 from academus.shared.cli.standby import GO, SERVICES
 from academus.shared.runtime.logs import log_event, setup_logging
 
@@ -181,12 +191,28 @@ class Supervisor:
                 log_event("step_failed", logging.ERROR, error=repr(e))
             time.sleep(self.poll_s)
         self.standbys.close(self.state.services)
+        if self.owner_gone():
+            self.stop_mesh()
         log_event("stopped")
 
     def stop(self, *_: object) -> None:
         self.stopping = True
 
+    def owner_gone(self) -> bool:
+        owner = self.state.owner_pid
+        return owner is not None and not pid_alive(owner)
+
+    def stop_mesh(self) -> None:
+        """Stops every process of the mesh, as `academus down` does, once this supervisor no longer watches."""
+        log_event("owner_gone", logging.WARNING, owner=self.state.owner_pid)
+        self.state.supervisor_pid = None   # `down` would otherwise wait for this process to stop
+        self.state.save()
+        down(self.run_dir)
+
     def step(self, now: float) -> None:
+        if self.owner_gone():
+            self.stopping = True
+            return
         self._watch_standbys(now)
         for proc in self.state.services:
             if proc.handover and proc.handover.claim():

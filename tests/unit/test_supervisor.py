@@ -1,10 +1,17 @@
-"""The supervisor's restart plan: when a dead process is started again (times passed in, nothing waits)."""
+"""The supervisor's restart plan: when a dead process is started again (times passed in, nothing waits); and a
+mesh's owner: the supervisor stops the mesh once the process that started it has ended."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 
-from academus.shared.cli.supervisor import Backoff, RestartPlan
+from academus.shared.cli.mesh import STATE_FILE, MeshState, ServiceProcess, pid_alive
+from academus.shared.cli.supervisor import Backoff, RestartPlan, Supervisor
 
 
 def crash_loop(plan: RestartPlan, name: str, times: int, start: float = 0.0, up_s: float = 0.0) -> list[float]:
@@ -58,3 +65,49 @@ def test_a_backoff_must_start_above_zero_and_not_above_its_cap():
         Backoff(initial_s=0.0)
     with pytest.raises(ValueError, match="max_s"):
         Backoff(initial_s=6.0, max_s=5.0)
+
+
+def sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen]]:
+    started: list[subprocess.Popen] = []
+    yield started
+    for proc in started:
+        proc.kill()
+        proc.wait()
+
+
+def mesh_of(run_dir: Path, service: subprocess.Popen, owner: int | None) -> Supervisor:
+    """A mesh of one stand-in service process (no Redis of its own), as up() leaves it for the supervisor."""
+    MeshState(str(run_dir), "redis://127.0.0.1:1", None, "", "acd", owner_pid=owner,
+              services=[ServiceProcess("worker-0", service.pid, "127.0.0.1:1", 0, str(run_dir / "w.log"))]).save()
+    supervisor = Supervisor(run_dir)
+    supervisor.take_over()
+    return supervisor
+
+
+def test_the_supervisor_stops_the_mesh_once_its_owner_has_ended(tmp_path: Path,
+                                                                processes: list[subprocess.Popen]) -> None:
+    service, owner = sleeper(), sleeper()
+    processes += [service, owner]
+    supervisor = mesh_of(tmp_path, service, owner.pid)
+    supervisor.step(0.0)
+    assert not supervisor.stopping and pid_alive(service.pid)
+    owner.kill()
+    owner.wait()
+    supervisor.step(0.1)
+    assert supervisor.stopping and supervisor.owner_gone()
+    supervisor.stop_mesh()
+    assert not pid_alive(service.pid), "the owner's end left the mesh's service running"
+    assert not (tmp_path / STATE_FILE).exists()
+
+
+def test_a_mesh_without_an_owner_is_left_running(tmp_path: Path, processes: list[subprocess.Popen]) -> None:
+    service = sleeper()
+    processes.append(service)
+    supervisor = mesh_of(tmp_path, service, None)
+    supervisor.step(0.0)
+    assert not supervisor.stopping and not supervisor.owner_gone() and pid_alive(service.pid)
