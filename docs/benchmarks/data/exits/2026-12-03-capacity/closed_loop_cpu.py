@@ -4,9 +4,9 @@ sentiment deployment, ramps on), and the CPU ms a request of each mesh process a
 `python closed_loop_cpu.py ARTIFACTS ROUNDS OUT [ARM,ARM,...]`, arms from ARMS: vanilla (Infer), stream-none
 (InferStream with ACADEMUS_EXIT_POLICY=none: a stream, no ramps), early (InferStream, apparate), and each of
 them with `-passive` (OMP_WAIT_POLICY=PASSIVE in the services: torch's OpenMP threads sleep at once instead of
-spinning between parallel regions). `ARM@DIR` runs the services with PYTHONPATH=DIR (a directory holding an
-`academus` link to another commit's worktree), to compare commits in one run. The order of the arms alternates
-between rounds."""
+spinning between parallel regions) or `-t1` (the worker's torch at one intra-op thread). `ARM@DIR` runs the
+services with PYTHONPATH=DIR (a directory holding an `academus` link to another commit's worktree), to compare
+commits in one run. The order of the arms alternates between rounds."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, do
 from academus.shared.training.data import fetch, load_task
 
 BASE = {"vanilla": ("vanilla", {}), "stream-none": ("early", {"ACADEMUS_EXIT_POLICY": "none"}), "early": ("early", {})}
-ARMS = BASE | {f"{name}-passive": (kind, env | {"OMP_WAIT_POLICY": "PASSIVE"}) for name, (kind, env) in BASE.items()}
+ARMS = BASE | {f"{name}-passive": (kind, env | {"OMP_WAIT_POLICY": "PASSIVE"}) for name, (kind, env) in BASE.items()} \
+    | {f"{name}-t1": (kind, env | {"ACADEMUS_TORCH_THREADS": "1"}) for name, (kind, env) in BASE.items()}
 
 
 def cpu_now(state) -> dict[str, float]:
