@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -110,28 +112,34 @@ async def open_loop(client: AsyncClient, arm: str, model: str, texts: list[str],
             "first_ms": [round(float(x), 1) for x in first], "final_ms": [round(float(x), 1) for x in final]}
 
 
+@contextlib.contextmanager
+def padded_mesh(task: str, artifacts: Path | None, env: dict[str, str]) -> Iterator[tuple[MeshState, str]]:
+    """A fresh mesh of one worker serving `task` in padded batches, `env` over every service's settings (a
+    PYTHONPATH runs another commit's code): its state and administrator key; stopped on leaving."""
+    with tempfile.TemporaryDirectory(prefix="exits-live-") as tmp:
+        run_dir = Path(tmp)
+        state = up(MeshOptions(run_dir=run_dir, artifacts=artifacts or artifacts_dir(), gateway_port=0, workers=1,
+                               deployments=[Deployment("padded", task)], env=env))
+        try:
+            yield state, (run_dir / ADMIN_KEY_FILE).read_text().strip()
+        finally:
+            down(run_dir)
+
+
 def run_arm(arm: str, task: str, texts: list[str], rate: float | None, args: argparse.Namespace,
             seed: int) -> dict[str, Any]:
     """A fresh mesh for one arm: its capacity, then (given a rate) its open-loop run."""
-    with tempfile.TemporaryDirectory(prefix="exits-live-") as tmp:
-        run_dir = Path(tmp)
-        state = up(MeshOptions(run_dir=run_dir, artifacts=args.artifacts or artifacts_dir(), gateway_port=0,
-                               workers=1, deployments=[Deployment("padded", task)],
-                               env={"ACADEMUS_EXIT_POLICY": args.exit_policy}))
-        try:
-            key = (run_dir / ADMIN_KEY_FILE).read_text().strip()
+    with padded_mesh(task, args.artifacts, {"ACADEMUS_EXIT_POLICY": args.exit_policy}) as (state, key):
 
-            async def measure() -> dict[str, Any]:
-                async with AsyncClient(state.gateway, api_key=key, timeout=60) as client:
-                    for text in texts[:16]:   # warm-up: traced graphs, channels
-                        await one_request(client, arm, task, text)
-                    cap, cpu = await capacity(client, arm, task, texts, args.clients, args.capacity_s, state)
-                    run = await open_loop(client, arm, task, texts, rate or cap / 2, args.duration, seed)
-                    return run | {"capacity_rps": cap, "capacity_cpu_ms": cpu, "rate": rate or cap / 2}
+        async def measure() -> dict[str, Any]:
+            async with AsyncClient(state.gateway, api_key=key, timeout=60) as client:
+                for text in texts[:16]:   # warm-up: traced graphs, channels
+                    await one_request(client, arm, task, text)
+                cap, cpu = await capacity(client, arm, task, texts, args.clients, args.capacity_s, state)
+                run = await open_loop(client, arm, task, texts, rate or cap / 2, args.duration, seed)
+                return run | {"capacity_rps": cap, "capacity_cpu_ms": cpu, "rate": rate or cap / 2}
 
-            return asyncio.run(measure())
-        finally:
-            down(run_dir)
+        return asyncio.run(measure())
 
 
 LATENCY_RATIOS = {"first_p50_ratio": ("first_ms", 50), "first_p25_ratio": ("first_ms", 25),

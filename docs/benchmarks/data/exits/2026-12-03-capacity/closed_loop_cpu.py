@@ -12,17 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from academus.client import AsyncClient
-from academus.loadgen.bench import service_cpu_s, stat_cpu_s
+from academus.loadgen.bench import cpu_ms_per_request, service_and_own_cpu_s
 from academus.loadgen.exits_bench import drifting_order
-from academus.loadgen.exits_live import one_request
-from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, down, up
+from academus.loadgen.exits_live import one_request, padded_mesh
 from academus.shared.training.data import fetch, load_task
 
 BASE = {"vanilla": ("vanilla", {}), "stream-none": ("early", {"ACADEMUS_EXIT_POLICY": "none"}), "early": ("early", {})}
@@ -30,50 +27,32 @@ ARMS = BASE | {f"{name}-passive": (kind, env | {"OMP_WAIT_POLICY": "PASSIVE"}) f
     | {f"{name}-t1": (kind, env | {"ACADEMUS_TORCH_THREADS": "1"}) for name, (kind, env) in BASE.items()}
 
 
-def cpu_now(state) -> dict[str, float]:
-    return service_cpu_s(state) | {"loadgen": stat_cpu_s(Path("/proc/self/stat").read_text())}
-
-
 def run(arm: str, texts: list[str], seconds: float, clients: int, artifacts: Path) -> dict:
     name, _, code = arm.partition("@")
     kind, env = ARMS[name]
-    env = env | ({"PYTHONPATH": code} if code else {})
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)   # the services inherit it
-    with tempfile.TemporaryDirectory(prefix="cap-") as tmp:
-        state = up(MeshOptions(run_dir=Path(tmp), artifacts=artifacts, gateway_port=0, workers=1,
-                               deployments=[Deployment("padded", "sentiment")]))
-        try:
-            key = (Path(tmp) / ADMIN_KEY_FILE).read_text().strip()
+    with padded_mesh("sentiment", artifacts, env | ({"PYTHONPATH": code} if code else {})) as (state, key):
 
-            async def measure() -> dict:
-                async with AsyncClient(state.gateway, api_key=key, timeout=60) as client:
-                    for text in texts[:32]:
-                        await one_request(client, kind, "sentiment", text)
-                    done, end = 0, time.perf_counter() + seconds
+        async def measure() -> dict:
+            async with AsyncClient(state.gateway, api_key=key, timeout=60) as client:
+                for text in texts[:32]:
+                    await one_request(client, kind, "sentiment", text)
+                done, end = 0, time.perf_counter() + seconds
 
-                    async def caller(k: int) -> None:
-                        nonlocal done
-                        i = k
-                        while time.perf_counter() < end:
-                            await one_request(client, kind, "sentiment", texts[i % len(texts)])
-                            done += 1
-                            i += clients
+                async def caller(k: int) -> None:
+                    nonlocal done
+                    i = k
+                    while time.perf_counter() < end:
+                        await one_request(client, kind, "sentiment", texts[i % len(texts)])
+                        done += 1
+                        i += clients
 
-                    before, start = cpu_now(state), time.perf_counter()
-                    await asyncio.gather(*(caller(k) for k in range(clients)))
-                    took, after = time.perf_counter() - start, cpu_now(state)
-                    cpu = {n: round((after[n] - before[n]) * 1e3 / done, 3) for n in after}
-                    return {"arm": arm, "rps": round(done / took, 1), "cpu_ms": cpu}
+                before, start = service_and_own_cpu_s(state), time.perf_counter()
+                await asyncio.gather(*(caller(k) for k in range(clients)))
+                took = time.perf_counter() - start
+                return {"arm": arm, "rps": round(done / took, 1),
+                        "cpu_ms": cpu_ms_per_request(before, service_and_own_cpu_s(state), done)}
 
-            return asyncio.run(measure())
-        finally:
-            down(Path(tmp))
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        return asyncio.run(measure())
 
 
 def main() -> None:

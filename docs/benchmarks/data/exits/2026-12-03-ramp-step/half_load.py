@@ -11,18 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from academus.client import AsyncClient
 from academus.loadgen.exits_bench import drifting_order
-from academus.loadgen.exits_live import one_request, open_loop
-from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, down, up
+from academus.loadgen.exits_live import one_request, open_loop, padded_mesh
 from academus.shared.training.data import fetch, load_task
 
 
@@ -34,30 +31,16 @@ def ramps_status(run_dir: Path) -> dict:
 
 def run(arm: str, texts: list[str], rate: float, seconds: float, artifacts: Path, seed: int) -> dict:
     kind, _, code = arm.partition("@")
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = code   # the services inherit it
-    try:
-        with tempfile.TemporaryDirectory(prefix="half-") as tmp:
-            state = up(MeshOptions(run_dir=Path(tmp), artifacts=artifacts, gateway_port=0, workers=1,
-                                   deployments=[Deployment("padded", "sentiment")]))
-            try:
-                key = (Path(tmp) / ADMIN_KEY_FILE).read_text().strip()
+    with padded_mesh("sentiment", artifacts, {"PYTHONPATH": code}) as (state, key):
 
-                async def measure() -> dict:
-                    async with AsyncClient(state.gateway, api_key=key, timeout=60) as client:
-                        for text in texts[:16]:
-                            await one_request(client, kind, "sentiment", text)
-                        return await open_loop(client, kind, "sentiment", texts, rate, seconds, seed)
+        async def measure() -> dict:
+            async with AsyncClient(state.gateway, api_key=key, timeout=60) as client:
+                for text in texts[:16]:
+                    await one_request(client, kind, "sentiment", text)
+                return await open_loop(client, kind, "sentiment", texts, rate, seconds, seed)
 
-                res = asyncio.run(measure())
-                status = ramps_status(Path(tmp)) if kind == "early" else {}
-            finally:
-                down(Path(tmp))
-    finally:
-        if saved is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved
+        res = asyncio.run(measure())
+        status = ramps_status(Path(state.run_dir)) if kind == "early" else {}
     first, final = np.array(res["first_ms"]), np.array(res["final_ms"])
     ramps = [m for worker in status.values() for m in worker.values()]
     return {"arm": arm, "sent": res["sent"], "answered": res["answered"],
