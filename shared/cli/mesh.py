@@ -35,7 +35,7 @@ from academus.shared.runtime.config import (
     redis_url_from_env,
     trace_file,
 )
-from academus.shared.runtime.gpu import gpu_count, mps_plan
+from academus.shared.runtime.gpu import MPS_SETTING, gpu_count, mps_plan
 from academus.shared.runtime.handover import Handover
 from academus.shared.runtime.logs import logged_events
 from academus.shared.runtime.redis_conn import redacted, with_password
@@ -47,6 +47,7 @@ SERVICES = ("resource_manager", "adapter_store", "trainer", "plot", "worker", "s
 DEFAULT_GATEWAY_PORT = 50051
 STATE_FILE = "mesh.json"
 ADMIN_KEY_FILE = "admin.key"
+RESOURCE_MANAGER_SETTING = "ACADEMUS_RESOURCE_MANAGER"   # a worker's setting: where to register
 SUPERVISOR_LOG = "supervisor.log"
 HANDOVER_DIR = "handover"   # the standbys' handover files (runtime/handover.py)
 HANDOVER_SETTING = env_name("handover")
@@ -219,12 +220,18 @@ def up(options: MeshOptions) -> MeshState:
                       **tls)
     state.save()
     worker_envs = _worker_envs(options)
+    # A GPU worker must find the MPS daemon, which the resource manager starts, when it first touches CUDA. Without
+    # one every service starts at once (each start is mostly imports) and the workers are told its address.
+    mps_first = any(MPS_SETTING in env for env in worker_envs)
     try:
         for name, envs in _plan(options, worker_envs):
             for i, extra in enumerate(envs):
+                if name == "worker":
+                    manager = next(s for s in state.services if s.service == "resource_manager")
+                    extra = {RESOURCE_MANAGER_SETTING: manager.address} | extra
                 state.services.append(_spawn(name, i, options, state, extra))
                 state.save()
-                if name == "resource_manager":
+                if name == "resource_manager" and mps_first:
                     last = state.services[-1]
                     wait_healthy(last.address, options.ready_timeout_s, last, state.credentials(last))
         state.gateway = f"127.0.0.1:{options.gateway_port}"

@@ -14,6 +14,9 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+MPS_SETTING = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"   # a worker's share of its GPU under MPS
+
+
 def mps_plan(gpus: int, instances_per_gpu: int) -> list[dict[str, str]]:
     """The environment of each GPU worker: pinned to its GPU, sharing it under MPS with an equal
     active-thread percentage. No GPUs: no plan (the CPU path starts plain workers)."""
@@ -22,7 +25,7 @@ def mps_plan(gpus: int, instances_per_gpu: int) -> list[dict[str, str]]:
     if instances_per_gpu < 1:
         raise ValueError(f"instances per GPU must be >= 1, not {instances_per_gpu}")
     share = str(max(1, 100 // instances_per_gpu))
-    return [{"CUDA_VISIBLE_DEVICES": str(g), "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": share,
+    return [{"CUDA_VISIBLE_DEVICES": str(g), MPS_SETTING: share,
              "ACADEMUS_DEVICE": "cuda:0"}  # the one visible GPU
             for g in range(gpus) for _ in range(instances_per_gpu)]
 

@@ -49,6 +49,13 @@ def test_status_json_lists_every_service_healthy(mesh):
     assert all(s["health"] == "SERVING" and s["address"] for s in report["services"])
 
 
+def test_cpu_workers_are_told_the_resource_managers_address(mesh):
+    """Without GPUs the services start at once, so a worker is not left to find the resource manager in Redis
+    (an earlier mesh on a shared Redis may have left its address there)."""
+    manager = service(mesh, "resource_manager")
+    workers = [s for s in mesh.services if s.service == "worker"]
+    assert workers and all(w.env.get("ACADEMUS_RESOURCE_MANAGER") == manager.address for w in workers)
+
 
 def test_cli_infer_prints_one_json_object_per_text(mesh):
     out = cli(mesh, "infer", "--model", "spam", TEXTS[0], TEXTS[1])
