@@ -20,6 +20,7 @@ import pytest
 from academus.client import AsyncClient, Client
 from academus.loadgen import exits_live
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshState, down
+from academus.shared.models.user_models import add_model
 from academus.shared.runtime.config import artifacts_dir
 from academus.shared.state.catalogue import read_catalogue, write_entry
 from academus.shared.training.data import load_task
@@ -184,8 +185,7 @@ def test_a_users_classifier_gets_ramps_on_a_running_mesh(exit_mesh: MeshState, c
     --model --data` fits ramps after its own layers on the user's texts, and the worker releases early answers from
     them within seconds, the final answer unchanged."""
     tiny_model_dir("bert", True, tmp_path / "cls", seed=8)
-    added = academus(exit_mesh.run_dir, "models", "add", "user-cls", "--from", tmp_path / "cls")
-    assert added.returncode == 0, added.stderr
+    add_model(Path(exit_mesh.artifacts), "user-cls", tmp_path / "cls")   # what `models add` runs, in process
     wait_for(lambda: "user-cls" in {m.name for m in client.list_models()}, 60, "the user's classifier served")
     task = load_task("sentiment")
     texts = tmp_path / "texts.jsonl"

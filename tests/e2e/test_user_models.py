@@ -69,6 +69,8 @@ def client(user_mesh: MeshState) -> Iterator[Client]:
 
 
 def academus(mesh: MeshState, *args: str | Path) -> subprocess.CompletedProcess:
+    """The CLI on the mesh. A model that is only a test's set-up is added in process by `add_model`, which
+    `models add` runs: a command's start costs about 7 s on 2 cores, mostly importing torch and transformers."""
     return subprocess.run([sys.executable, "-m", "academus.shared.cli", "--run-dir", mesh.run_dir,
                            *map(str, args)], capture_output=True, text=True, timeout=120)
 
@@ -164,7 +166,7 @@ def test_a_refused_directory_registers_nothing(user_mesh: MeshState, client: Cli
 
 def test_a_removed_model_is_no_longer_served(user_mesh: MeshState, client: Client, tmp_path: Path) -> None:
     model = tiny_model_dir("bert", False, tmp_path / "gone")
-    assert academus(user_mesh, "models", "add", "gone", "--from", tmp_path / "gone").returncode == 0
+    add_model(Path(user_mesh.artifacts), "gone", tmp_path / "gone")
     wait_served(client, "gone")
     assert len(client.infer("gone", TEXTS[:1]).predictions[0].embedding) == model.config.hidden_size
     bundled = academus(user_mesh, "models", "remove", "minilm")
@@ -182,7 +184,7 @@ def test_a_removed_model_is_no_longer_served(user_mesh: MeshState, client: Clien
 def test_a_head_trained_on_a_users_model_serves_on_its_encoder(user_mesh: MeshState, client: Client,
                                                                tmp_path: Path) -> None:
     model = tiny_model_dir("mpnet", False, tmp_path / "base")
-    assert academus(user_mesh, "models", "add", "head-base", "--from", tmp_path / "base").returncode == 0
+    add_model(Path(user_mesh.artifacts), "head-base", tmp_path / "base")
     data = word_reviews(tmp_path / "reviews.jsonl")
     trained = academus(user_mesh, "heads", "train", "--model", "head-base", "--data", data, "--name", "reviews")
     assert trained.returncode == 0, trained.stderr
@@ -206,7 +208,7 @@ def test_students_distilled_from_a_users_model_serve_with_its_tokenizer(user_mes
     """MPNet students (relative-position bias, positions from 2) of a head on a user's MPNet, distilled --quick,
     served through the mesh equal to the group's own forward on the model's tokenization."""
     tiny_model_dir("mpnet", False, tmp_path / "deep", intermediate_size=54)   # shards split the FFN evenly
-    assert academus(user_mesh, "models", "add", "deep", "--from", tmp_path / "deep").returncode == 0
+    add_model(Path(user_mesh.artifacts), "deep", tmp_path / "deep")
     steps = [("heads", "train", "--model", "deep", "--task", "sentiment"),
              ("distill", "--model", "deep-sentiment", "--quick")]
     for step in steps:
@@ -251,7 +253,7 @@ def test_a_users_model_served_from_its_shards_answers_as_its_encoder(user_mesh: 
     model = tiny_model_dir("roberta", False, tmp_path / "cut", seed=8, intermediate_size=54)
     roberta_specials(tmp_path / "cut")
     permute_vocabulary(tmp_path / "cut")
-    assert academus(user_mesh, "models", "add", "cut", "--from", tmp_path / "cut").returncode == 0
+    add_model(Path(user_mesh.artifacts), "cut", tmp_path / "cut")
     built = academus(user_mesh, "shard", "build", "--model", "cut", "--tasks", "sentiment", "--quick")
     assert built.returncode == 0, built.stderr[-2000:]
     wait_served(client, "cut-sentiment-sti")
@@ -272,7 +274,7 @@ def test_a_users_classifier_served_from_its_shards_answers_as_the_classifier(use
     --model` on the running mesh serves `<model>-sti`, whose answer with time enough is transformers' own."""
     model = tiny_model_dir("mpnet", True, tmp_path / "verdict", seed=9, intermediate_size=54)
     roberta_specials(tmp_path / "verdict")
-    assert academus(user_mesh, "models", "add", "verdict", "--from", tmp_path / "verdict").returncode == 0
+    add_model(Path(user_mesh.artifacts), "verdict", tmp_path / "verdict")
     built = academus(user_mesh, "shard", "build", "--model", "verdict", "--quick")
     assert built.returncode == 0, built.stderr[-2000:]
     wait_served(client, "verdict-sti")
@@ -291,7 +293,7 @@ def test_a_plot_table_on_a_users_model_serves_its_upper_layers(user_mesh: MeshSt
     removed from under it."""
     tiny_model_dir("roberta", False, tmp_path / "lower")
     roberta_specials(tmp_path / "lower")
-    assert academus(user_mesh, "models", "add", "lower", "--from", tmp_path / "lower").returncode == 0
+    add_model(Path(user_mesh.artifacts), "lower", tmp_path / "lower")
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(TEXTS[:2]) + "\n")
     built = academus(user_mesh, "plot", "build", "--model", "lower", "--corpus", corpus, "--lower-layers", "2",
@@ -342,7 +344,7 @@ def test_tenant_models_on_a_users_model_serve_their_adapters_and_hold_it(user_me
     model is not removed while a tenant's model sits on it, and is once the tenant is gone."""
     tiny_model_dir("mpnet", False, tmp_path / "base")
     permute_vocabulary(tmp_path / "base")   # its own tokenizer: the teacher's would give other ids
-    assert academus(user_mesh, "models", "add", "tenant-base", "--from", tmp_path / "base").returncode == 0
+    add_model(Path(user_mesh.artifacts), "tenant-base", tmp_path / "base")
     wait_served(client, "tenant-base")
     data = word_reviews(tmp_path / "reviews.jsonl")
     created = academus(user_mesh, "tenants", "create", "acme", "--base", "tenant-base", "--data", data, "--epochs", "3")
