@@ -427,6 +427,8 @@ def load_data(task: str, artifacts: Path, data_dir: Path | None, cfg: DistillCon
     """The teacher (the bundled one, or a user's `model`) and the task's splits with T(x), or `data_file`'s
     (clear errors when either is missing)."""
     teacher = Teacher.user(artifacts, model) if model else Teacher.bundled()
+    if cfg.init in CUT_FROM_TEACHER:   # a bad --layers is refused before the teacher runs over the data (minutes)
+        source_layers(len(teacher.encoder.body.encoder.layer), cfg.layers)
     directory = Path(data_dir or default_data_dir())     # `academus prepare` fetched the task packages
     if data_file is not None:
         data = load_file(data_file, directory, teacher, cfg)

