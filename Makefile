@@ -51,12 +51,12 @@ demo: setup
 
 # The suite runs on heads of its own, trained on 600 examples a split (2 minutes, not the full run's 10): it tests
 # the serving system, not the heads' accuracy, and writes into its artifacts without touching the prepared ones.
-TEST_ARTIFACTS := $(HOME_DIR)/test/artifacts
 TEST_LIMIT ?= 600
+test: export ACADEMUS_ARTIFACTS := $(HOME_DIR)/test/artifacts
 test: setup
-	ACADEMUS_ARTIFACTS=$(TEST_ARTIFACTS) $(VENV)/bin/academus prepare --limit $(TEST_LIMIT)
+	$(VENV)/bin/academus prepare --limit $(TEST_LIMIT)
 	$(VENV)/bin/ruff check .
-	ACADEMUS_ARTIFACTS=$(TEST_ARTIFACTS) $(PY) -m pytest -q --durations=25   # the slowest, for CI's budget
+	$(PY) -m pytest -q --durations=25   # the slowest, for CI's budget
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

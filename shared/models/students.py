@@ -197,12 +197,17 @@ class StudentGroup(nn.Module):
         return finish_pooled(combined, self.normalize)
 
 
+def check_layers(teacher_depth: int, layers: int) -> None:
+    """A student is cut from the teacher's layers, so it has at most as many."""
+    if not 1 <= layers <= teacher_depth:
+        raise ValueError(f"--layers must be within 1..{teacher_depth} (the teacher's depth), not {layers}")
+
+
 def source_layers(teacher_depth: int, layers: int, spread: bool = False) -> list[int]:
     """The teacher layers a student of `layers` is cut from: its bottom ones, or (`spread`) ones spaced evenly
     from its first to its last, as DistilBERT takes every other layer: a shallow student of a deep teacher then
     starts with the top layer that shapes the representation it must match, not 2 of 12 bottom ones."""
-    if not 1 <= layers <= teacher_depth:
-        raise ValueError(f"--layers must be within 1..{teacher_depth} (the teacher's depth), not {layers}")
+    check_layers(teacher_depth, layers)
     if not spread or layers == 1:
         return list(range(layers))
     return [round(j * (teacher_depth - 1) / (layers - 1)) for j in range(layers)]

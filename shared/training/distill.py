@@ -39,7 +39,7 @@ from tqdm import tqdm
 from academus.shared.models.model import (
     ClassifierHead,
 )
-from academus.shared.models.students import StudentGroup, from_teacher, source_layers
+from academus.shared.models.students import StudentGroup, check_layers, from_teacher, source_layers
 from academus.shared.runtime.config import artifacts_dir as default_artifacts_dir
 from academus.shared.training.data import data_dir as default_data_dir
 from academus.shared.training.distill_data import (
@@ -428,7 +428,7 @@ def load_data(task: str, artifacts: Path, data_dir: Path | None, cfg: DistillCon
     (clear errors when either is missing)."""
     teacher = Teacher.user(artifacts, model) if model else Teacher.bundled()
     if cfg.init in CUT_FROM_TEACHER:   # a bad --layers is refused before the teacher runs over the data (minutes)
-        source_layers(len(teacher.encoder.body.encoder.layer), cfg.layers)
+        check_layers(len(teacher.encoder.body.encoder.layer), cfg.layers)
     directory = Path(data_dir or default_data_dir())     # `academus prepare` fetched the task packages
     if data_file is not None:
         data = load_file(data_file, directory, teacher, cfg)
