@@ -16,18 +16,32 @@ from academus.shared.cli.redis_server import RedisServer
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+@contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's intra-op threads for a block: all the cores for training while nothing else runs, one beside
+    services the test started."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def all_cores() -> int:
+    return os.cpu_count() or 1
+
+
 @pytest.fixture(scope="module")
 def teacher() -> Iterator:
     """The real teacher, one torch thread while the module runs (tables built beside other work stay
-    deterministic and do not oversubscribe the cores)."""
-    import torch
-
+    deterministic and do not oversubscribe the cores); training with nothing beside it takes `all_cores()`."""
     from academus.shared.models.model import TeacherEncoder
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield TeacherEncoder.load()
-    torch.set_num_threads(before)
+    with torch_threads(1):
+        yield TeacherEncoder.load()
 
 
 @pytest.fixture(scope="session")

@@ -100,7 +100,8 @@ class _CacheMiss(Exception):
 
 def _teacher_embeddings(task: str, splits: dict[str, list[Example]], data_dir: Path,
                         teacher: Teacher, full: bool) -> dict[str, torch.Tensor]:
-    """prepare's (or `heads train`'s) cached teacher embeddings of the full splits, indexed down to `splits`."""
+    """prepare's (or `heads train`'s) cached teacher embeddings of the full splits, indexed down to `splits`; a
+    quick run with no such cache looks its subsets up in the task's text store."""
     full_splits = load_task(task, data_dir).splits()
     embed = teacher.embed
 
@@ -110,9 +111,9 @@ def _teacher_embeddings(task: str, splits: dict[str, list[Example]], data_dir: P
     try:
         cached = cached_embeddings(data_dir / "cache", task, full_splits, embed if full else refuse,
                                    teacher.cache_name, teacher.max_tokens)
-    except _CacheMiss:
-        log_progress(f"{task}: no teacher embedding cache (run `academus prepare`); embedding the subset")
-        return {name: embed([ex.text for ex in exs], f"{task}/{name}") for name, exs in splits.items()}
+    except _CacheMiss:           # no whole splits' cache (`academus prepare` has not run): the subsets' store
+        return cached_embeddings(data_dir / "cache", task, splits, embed, teacher.cache_name, teacher.max_tokens,
+                                 whole=False)
     out = {}
     for name, exs in splits.items():
         index = {ex.text: i for i, ex in enumerate(full_splits[name])}

@@ -113,9 +113,10 @@ def pool_texts(encoder: HierarchicalEncoder, tokenizer: TeacherTokenizer, texts:
 
 
 def teacher_reference(task: TaskData, splits: dict, artifacts: Path, teacher: TeacherEncoder,
-                      tokenizer: TeacherTokenizer, cache: Path | None, batch_size: int) -> dict[str, Any]:
+                      tokenizer: TeacherTokenizer, cache: Path | None, batch_size: int, whole: bool = True,
+                      ) -> dict[str, Any]:
     """The teacher head's validation/test scores on exactly these splits (embeddings from the cache
-    `academus prepare` wrote when the splits are whole)."""
+    `academus prepare` wrote when the splits are whole, else from the task's text store)."""
     from academus.shared.training.prepare import (
         cached_embeddings,
         classification_metrics,
@@ -127,7 +128,8 @@ def teacher_reference(task: TaskData, splits: dict, artifacts: Path, teacher: Te
     def embed(texts: list[str], desc: str) -> torch.Tensor:
         return embed_texts(texts, teacher, tokenizer, batch_size=batch_size, desc=f"teacher {desc}")
 
-    embeddings = cached_embeddings(cache, task.name, splits, embed)
+    scored = splits if whole else {name: splits[name] for name in ("validation", "test")}
+    embeddings = cached_embeddings(cache, task.name, scored, embed, whole=whole)
     head = load_head(artifacts, task.name)
     return {name: classification_metrics(predict(head, embeddings[name]),
                                          torch.tensor([e.label for e in splits[name]]), len(task.labels))
@@ -161,9 +163,8 @@ def train_plot_head(artifacts: Path, task_name: str, table: Path, *, domain: str
                     torch.tensor([e.label for e in splits[s]])) for s in SPLITS}
     pooled_s = time.perf_counter() - started
     head, weight_decay, metrics = train_head(features, task.labels)
-    cache = directory / "cache" if limit is None else None
-    reference = None if base.user else teacher_reference(task, splits, artifacts, teacher, tokenizer, cache,
-                                                          batch_size)
+    reference = None if base.user else teacher_reference(task, splits, artifacts, teacher, tokenizer,
+                                                          directory / "cache", batch_size, whole=limit is None)
     out = Path(artifacts) / "heads" / name
     manifest = store.root.manifest
     write_artifact(out, PLOT_HEAD_KIND, dict(head.state_dict()), teacher=manifest.teacher, task=task_name,

@@ -6,8 +6,10 @@ Layout under the artifacts directory:
 
 Texts are tokenized exactly as serving does (max 256 tokens, truncated). Teacher embeddings are
 cached under <data dir>/cache, keyed by the texts and the teacher, so retraining (--force) skips
-the slow encoder pass. The head is a softmax regression fitted full-batch with L-BFGS; its L2
-weight decay is picked on the validation split (macro F1), and the test split is scored once.
+the slow encoder pass; a --limit run's subsets go to the task's text store there, where every
+quick run (distill --quick, plot head --limit) finds the texts an earlier one embedded. The head
+is a softmax regression fitted full-batch with L-BFGS; its L2 weight decay is picked on the
+validation split (macro F1), and the test split is scored once.
 """
 
 from __future__ import annotations
@@ -134,11 +136,17 @@ def _cache_key(task: str, splits: dict[str, list[Example]], max_tokens: int, tea
 def cached_embeddings(
     cache_dir: Path | None, task: str, splits: dict[str, list[Example]],
     embed: Callable[[list[str], str], torch.Tensor], teacher: str = TEACHER_NAME, max_tokens: int = MAX_TOKENS,
+    *, whole: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Each split's embeddings, from <cache_dir>/<task>.safetensors when its key matches. `teacher`: what
-    embeds (another model's cache goes in a file of its own, `<task>-<teacher>.safetensors`)."""
-    key = _cache_key(task, splits, max_tokens, teacher)
+    embeds (another model's cache goes in a file of its own, `<task>-<teacher>.safetensors`). Subsets of a task
+    (`whole` off: quick runs, `--limit`) go to the task's text store instead, so they never evict the whole
+    splits' cache and each text is embedded once whichever subsets it falls in."""
     name = task if teacher == TEACHER_NAME else f"{task}-{teacher}"
+    if not whole:
+        return _stored_embeddings(cache_dir / f"{name}-texts.safetensors" if cache_dir else None, task, splits,
+                                  embed, f"{teacher}|{max_tokens}")
+    key = _cache_key(task, splits, max_tokens, teacher)
     path = cache_dir / f"{name}.safetensors" if cache_dir else None
     if path and path.is_file():
         try:
@@ -150,11 +158,55 @@ def cached_embeddings(
             pass                          # a broken cache is recomputed
     result = {name: embed([ex.text for ex in splits[name]], f"{task}/{name}") for name in SPLITS}
     if path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        save_file(result, str(tmp), metadata={"key": key})
-        os.replace(tmp, path)
+        _save_atomically(result, path, key)
     return result
+
+
+def _save_atomically(tensors: dict[str, torch.Tensor], path: Path, key: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")    # concurrent runs never write into one temporary file
+    save_file(tensors, str(tmp), metadata={"key": key})
+    os.replace(tmp, path)
+
+
+def _stored_embeddings(path: Path | None, task: str, splits: dict[str, list[Example]],
+                       embed: Callable[[list[str], str], torch.Tensor], key: str) -> dict[str, torch.Tensor]:
+    """Embeddings looked up text by text (SHA-256) in a store of [digests, embeddings]; texts it lacks are
+    embedded in one pass and added. A store made under another teacher or token limit (`key`) starts over."""
+    digests, rows = _read_store(path, key)
+    raw = digests.numpy().tobytes()
+    index = {raw[i:i + DIGEST_BYTES]: n for n, i in enumerate(range(0, len(raw), DIGEST_BYTES))}
+    texts = {_digest(ex.text): ex.text for exs in splits.values() for ex in exs}
+    missing = [d for d in texts if d not in index]
+    if missing or rows is None:
+        added = embed([texts[d] for d in missing], f"{task}/{len(missing)} new texts")
+        index.update((d, n) for n, d in enumerate(missing, start=len(index)))
+        digests = torch.cat([digests, torch.frombuffer(bytearray(b"".join(missing)), dtype=torch.uint8)
+                             .view(-1, DIGEST_BYTES)])
+        rows = added if rows is None else torch.cat([rows, added])
+        if path and missing:
+            _save_atomically({"digests": digests, "embeddings": rows}, path, key)
+    log_progress(f"{task}: {len(texts) - len(missing)} of {len(texts)} texts' teacher embeddings from "
+                 f"{path}, {len(missing)} embedded")
+    return {name: rows[[index[_digest(ex.text)] for ex in exs]] for name, exs in splits.items()}
+
+
+DIGEST_BYTES = 32
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode()).digest()
+
+
+def _read_store(path: Path | None, key: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if path and path.is_file():
+        try:
+            with safe_open(str(path), framework="pt") as store:
+                if (store.metadata() or {}).get("key") == key:
+                    return store.get_tensor("digests"), store.get_tensor("embeddings")
+        except (SafetensorError, OSError):
+            pass                          # a broken store starts over
+    return torch.empty(0, DIGEST_BYTES, dtype=torch.uint8), None
 
 
 # --- head training -----------------------------------------------------------------------------
@@ -259,7 +311,7 @@ def prepare_task(
     splits = {name: subsample(task.splits()[name], limit) for name in SPLITS}
     counts = {name: len(splits[name]) for name in SPLITS}
     t0 = time.perf_counter()
-    embeddings = cached_embeddings(cache_dir, task.name, splits, embed, teacher, max_tokens)
+    embeddings = cached_embeddings(cache_dir, task.name, splits, embed, teacher, max_tokens, whole=limit is None)
     t1 = time.perf_counter()
     data = {name: (embeddings[name].clone(), torch.tensor([ex.label for ex in splits[name]]))
             for name in SPLITS}
@@ -359,8 +411,7 @@ def _run_tasks(tasks: Sequence[str], artifacts_dir: Path, data_dir: Path | None,
         task = load_task(t, directory)
         load_s = round(time.perf_counter() - clock, 2)
         log_progress(f"{t}: {sum(len(v) for v in task.splits().values())} examples loaded in {load_s}s")
-        cache = directory / "cache" if limit is None else None   # a quick run must not evict the full cache
-        result = prepare_task(task, artifacts_dir, embed, cache_dir=cache, limit=limit)
+        result = prepare_task(task, artifacts_dir, embed, cache_dir=directory / "cache", limit=limit)
         result["seconds"] = {"load_data": load_s, **result["seconds"]}
         summary["tasks"][t] = result
 

@@ -35,7 +35,7 @@ from academus.shared.training.onboarding import AdapterStoreClient, create_tenan
 from academus.shared.training.plot_build import BuildOptions, build
 from academus.shared.training.plot_models import register_embedding
 from academus.shared.training.prepare import subsample
-from tests.conftest import env
+from tests.conftest import all_cores, env, torch_threads
 from tests.integration.test_tenant_serving import start
 
 pytestmark = pytest.mark.integration
@@ -61,8 +61,10 @@ def artifacts(tmp_path_factory, teacher, reviews):
     shutil.copytree(artifacts_dir() / "heads", root / "heads")
     table = root / "plot" / "minilm-k3"
     layers = SplitBert(teacher.body, K)
-    build(reviews["texts"], table, BuildOptions(lower_layers=K, unigrams="corpus"), layers=layers)
-    build(reviews["domain"], table, BuildOptions(lower_layers=K, domain="critics", top_percent=100), layers=layers)
+    with torch_threads(all_cores()):     # nothing else runs yet
+        build(reviews["texts"], table, BuildOptions(lower_layers=K, unigrams="corpus"), layers=layers)
+        build(reviews["domain"], table, BuildOptions(lower_layers=K, domain="critics", top_percent=100),
+              layers=layers)
     assert register_embedding(root, table) == "minilm-plot"
     return root
 
@@ -74,8 +76,9 @@ def store(artifacts) -> PlotStore:
 
 @pytest.fixture(scope="module")
 def trained(teacher, store, reviews):
-    return train_adapter(reviews["texts"], reviews["labels"], base="minilm-plot", epochs=10, validation_fraction=0.3,
-                         encoder=teacher, plot_store=store, progress=False)
+    with torch_threads(all_cores()):
+        return train_adapter(reviews["texts"], reviews["labels"], base="minilm-plot", epochs=10,
+                             validation_fraction=0.3, encoder=teacher, plot_store=store, progress=False)
 
 
 def encode(texts: list[str]) -> list:

@@ -93,6 +93,29 @@ def test_sentiment_drops_plot_rows(dataset_dir: Path) -> None:
     assert sum(ex.label for v in task.splits().values() for ex in v) > total / 2   # fresh is the majority
 
 
+def test_parsed_examples_are_kept_and_a_stale_or_broken_copy_is_parsed_again(
+        tmp_path: Path, dataset_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    package = next(dataset_dir.glob(data.SPAM_GLOB))
+    (tmp_path / package.name).symlink_to(package)
+    data._parsed.cache_clear()
+    first = load_task("spam", tmp_path)
+    kept = tmp_path / "cache" / "spam-examples.json"
+    assert kept.is_file()
+
+    def no_parse(_tgz: Path) -> list[data.Example]:
+        raise AssertionError("parsed again although the kept examples match")
+
+    monkeypatch.setattr(data, "read_spam", no_parse)
+    data._parsed.cache_clear()
+    assert load_task("spam", tmp_path).splits() == first.splits()     # another process: from the kept copy
+    for broken in (kept.read_text().replace(data._parser_digest(), "another parser"), "{"):
+        kept.write_text(broken)
+        data._parsed.cache_clear()
+        with pytest.raises(AssertionError, match="parsed again"):
+            load_task("spam", tmp_path)
+    data._parsed.cache_clear()
+
+
 def test_unknown_task_names_the_known_ones() -> None:
     with pytest.raises(ValueError, match="sentiment, spam"):
         load_task("imdb")

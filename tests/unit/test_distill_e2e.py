@@ -110,7 +110,7 @@ def test_a_missing_teacher_is_a_clear_error_and_writes_nothing(
 def test_the_same_seed_writes_the_same_students_bit_for_bit(tmp_path: Path, dataset_dir: Path) -> None:
     """`distill --seed` means what it says: the same seed, data and threads give the same weights to the
     bit; another seed gives others (so the comparison can fail)."""
-    tiny = replace(QUICK, boost_epochs=1.0, prune_epochs=0.5, limits={"train": 200, "validation": 100, "test": 100})
+    tiny = replace(QUICK, boost_epochs=1.0, prune_epochs=0.5, limits={"train": 80, "validation": 40, "test": 40})
     weights = {}
     for run, seed in (("first", 0), ("again", 0), ("other", 1)):
         artifacts = _heads(tmp_path / run, dataset_dir)

@@ -37,7 +37,7 @@ from academus.shared.training.width_adapt import (
     task_batches,
     width_loss,
 )
-from tests.conftest import artifacts_path
+from tests.conftest import all_cores, artifacts_path, torch_threads
 
 
 @pytest.fixture(scope="module")
@@ -121,9 +121,10 @@ def test_training_at_every_width_brings_a_narrow_widths_loss_down(
     trainer = WidthTrainer(body, heads, [3, 12], AdaptSettings())
     before = losses(trainer, batches)
     optimizer = torch.optim.AdamW(body.parameters(), lr=2e-4, weight_decay=0.0)
-    for _ in range(8):
-        for batch in batches:
-            trainer.step(batch, optimizer)
+    with torch_threads(all_cores()):
+        for _ in range(8):
+            for batch in batches:
+                trainer.step(batch, optimizer)
     after = losses(trainer, batches)
     assert before[12] < 1e-6 < before[3]
     assert after[3] < 0.75 * before[3], (before, after)     # measured: 1.33 -> 0.73
