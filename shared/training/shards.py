@@ -72,6 +72,7 @@ from academus.shared.state.uploads import parse_texts_jsonl
 from academus.shared.training.data import TASKS, Example, TaskData, fetch, file_task, load_task
 from academus.shared.training.prepare import (
     EITHER,
+    WEIGHT_DECAYS,
     bundled_texts,
     in_text_order,
     load_head,
@@ -87,6 +88,9 @@ BUCKETS = (16, 32, 64, 128, 256)
 # less on its test split on average. Spam's long emails are dear to run, and 1,500 already fit heads above the whole.
 SIZES = {"sentiment": (None, None, 500), "spam": (1500, None, 250)}
 QUICK = (96, 64, 48)   # --quick: texts a split (train for heads, validation, dev share for importance)
+# --quick: one weight decay a head (the served heads' usual pick), not five: 23 shapes × 2 scalings × 5 decays of
+# L-BFGS were a third of a quick build, and 64 validation texts cannot tell the decays apart
+QUICK_WEIGHT_DECAYS = (1e-3,)
 OWN_TASK_SIZES = (3000, 1000, 500)   # a user's classifier's own task: its file's texts, or the bundled tasks'
 
 
@@ -251,18 +255,20 @@ def profile_fidelity(evaluator: Evaluator, geometry: ShardGeometry, gold: torch.
     return uniform, floor
 
 
-def fit_head(x: torch.Tensor, y: torch.Tensor, vx: torch.Tensor, vy: torch.Tensor, labels: list[str]
-             ) -> ClassifierHead:
+def fit_head(x: torch.Tensor, y: torch.Tensor, vx: torch.Tensor, vy: torch.Tensor, labels: list[str],
+             weight_decays: Sequence[float] = WEIGHT_DECAYS) -> ClassifierHead:
     """A linear head on pooled states, its weight decay chosen on the validation ones (as the served heads'),
     and whether to fit it on standardized states: a narrow submodel's first-token state can barely move between
     texts, where mean-pooled, normalized states fit better raw."""
-    head, _, _ = train_head({"train": (x, y), "validation": (vx, vy), "test": (vx, vy)}, labels, scalings=EITHER)
+    head, _, _ = train_head({"train": (x, y), "validation": (vx, vy), "test": (vx, vy)}, labels, weight_decays,
+                            scalings=EITHER)
     return head
 
 
 def fit_shape_heads(train: Evaluator, validation: Evaluator, ytrain: torch.Tensor, yval: torch.Tensor,
                     order: list[list[int]], widths: Sequence[int], served: torch.nn.Module,
-                    labels: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+                    labels: list[str], weight_decays: Sequence[float] = WEIGHT_DECAYS,
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """A head for every (depth, width), on the full-precision submodel's pooled output; the full shape keeps
     the served head. Returns the tensors and each shape's validation accuracy."""
     geometry = train.model.store.geometry
@@ -274,7 +280,7 @@ def fit_shape_heads(train: Evaluator, validation: Evaluator, ytrain: torch.Tenso
             if (depth, width) == (geometry.layers, geometry.heads):
                 head = served
             else:
-                head = fit_head(x[:, depth - 1], ytrain, vx[:, depth - 1], yval, labels)
+                head = fit_head(x[:, depth - 1], ytrain, vx[:, depth - 1], yval, labels, weight_decays)
             key = shape_key(depth, width)
             if isinstance(head, ClassifierHead):   # a classifier's own head is stored whole (by `build_task`)
                 tensors[f"{key}.weight"] = head.linear.weight.detach().clone()
@@ -383,6 +389,7 @@ def build_task(store: ShardStore, bank: dict, tokenizer: TeacherTokenizer, task:
     geometry = store.geometry
     labels = list(served.labels) if served is not None else list(data.labels)
     train_n, val_n, dev_n = QUICK if quick else SIZES.get(task, OWN_TASK_SIZES)
+    decays = QUICK_WEIGHT_DECAYS if quick else WEIGHT_DECAYS
     train, validation = subsample(data.train, train_n), subsample(data.validation, val_n)
     dev = subsample(validation, dev_n)
     log(f"{task}: {len(train)} train texts for heads, {len(validation)} validation, {len(dev)} dev for importance")
@@ -391,7 +398,7 @@ def build_task(store: ShardStore, bank: dict, tokenizer: TeacherTokenizer, task:
     if served is None:
         whole = [list(range(geometry.heads))] * geometry.layers
         served = fit_head(fitting[0].pooled_states(whole)[:, -1], _gold(train),
-                          fitting[1].pooled_states(whole)[:, -1], _gold(validation), labels)
+                          fitting[1].pooled_states(whole)[:, -1], _gold(validation), labels, decays)
     model.heads[(geometry.layers, geometry.heads)] = served
     importance, table, base_acc = profile_importance(Evaluator(model, bank, tokenizer, _texts(dev)), geometry,
                                                      _gold(dev))
@@ -402,7 +409,8 @@ def build_task(store: ShardStore, bank: dict, tokenizer: TeacherTokenizer, task:
         f"{FIDELITY_TOLERANCE:.0%} of full precision: {min_bits}")
     order = [[s for (k, s) in importance if k == layer] for layer in range(geometry.layers)]
     widths = widths_of(geometry.heads)
-    tensors, scores = fit_shape_heads(*fitting, _gold(train), _gold(validation), order, widths, served, labels)
+    tensors, scores = fit_shape_heads(*fitting, _gold(train), _gold(validation), order, widths, served, labels,
+                                      decays)
     own = not isinstance(served, ClassifierHead)   # a user's classifier's own head: stored whole
     if own:
         tensors |= {f"{OWN_HEAD_PREFIX}{k}": v.detach().clone() for k, v in served.state_dict().items()}
