@@ -82,10 +82,11 @@ def parse_corpus(data: bytes, source: str) -> list[str]:
 
 
 def write_upload(directory: Path, name: str, data: bytes) -> Path:
-    """Writes `data` to directory/name atomically (temp file + rename): a reader never sees half a file."""
+    """Writes `data` to directory/name atomically (temp file + rename): a reader never sees half a file, and two
+    processes writing the same file never share a temporary one."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / name
-    tmp = path.with_name(f".{name}.tmp")
+    tmp = path.with_name(f".{name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as out:
         out.write(data)
         out.flush()

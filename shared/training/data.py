@@ -30,6 +30,7 @@ import base64
 import binascii
 import bz2
 import codecs
+import contextlib
 import csv
 import email
 import email.message
@@ -37,7 +38,6 @@ import hashlib
 import html
 import io
 import json
-import os
 import quopri
 import re
 import subprocess
@@ -51,6 +51,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from academus.shared.runtime.config import data_dir
+from academus.shared.state.uploads import write_upload
 
 TASKS = ("sentiment", "spam")
 LABELS = {"sentiment": ["rotten", "fresh"], "spam": ["ham", "spam"]}
@@ -293,24 +294,15 @@ def _parsed(name: str, directory: str) -> tuple[Example, ...]:
     else:
         examples = read_spam(package)         # already normalised, \n\n kept
     parsed = tuple(_dedupe(examples))
-    _keep(cache, {"key": key, "examples": [[e.text, e.label] for e in parsed]})
+    with contextlib.suppress(OSError):    # a data directory the process cannot write to only costs the next parse
+        write_upload(cache.parent, cache.name,
+                     json.dumps({"key": key, "examples": [[e.text, e.label] for e in parsed]}).encode())
     return parsed
 
 
 @lru_cache(maxsize=1)
 def _parser_digest() -> str:
     return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
-
-
-def _keep(path: Path, record: dict) -> None:
-    """Written whole or not at all; a data directory the process cannot write to only costs the next parse."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(record), encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError:
-        pass
 
 
 def load_task(name: str, data_dir: Path | None = None) -> TaskData:

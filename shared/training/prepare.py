@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 from torch import nn
 from tqdm import tqdm
 
@@ -36,6 +36,7 @@ from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.runtime.config import artifacts_dir as default_artifacts_dir
 from academus.shared.runtime.config import offline_hub
 from academus.shared.state.artifacts import ArtifactError, load_artifact, write_artifact
+from academus.shared.state.uploads import write_upload
 from academus.shared.training.data import TASKS, DataMissing, Example, TaskData, fetch, load_task
 
 HEAD_KIND = "teacher-head"
@@ -163,32 +164,32 @@ def cached_embeddings(
 
 
 def _save_atomically(tensors: dict[str, torch.Tensor], path: Path, key: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")    # concurrent runs never write into one temporary file
-    save_file(tensors, str(tmp), metadata={"key": key})
-    os.replace(tmp, path)
+    write_upload(path.parent, path.name, save(tensors, metadata={"key": key}))
 
 
 def _stored_embeddings(path: Path | None, task: str, splits: dict[str, list[Example]],
                        embed: Callable[[list[str], str], torch.Tensor], key: str) -> dict[str, torch.Tensor]:
     """Embeddings looked up text by text (SHA-256) in a store of [digests, embeddings]; texts it lacks are
     embedded in one pass and added. A store made under another teacher or token limit (`key`) starts over."""
+    wanted = {name: [_digest(ex.text) for ex in exs] for name, exs in splits.items()}
+    texts = {d: ex.text for name, exs in splits.items() for d, ex in zip(wanted[name], exs, strict=True)}
+    if not texts:
+        return {name: embed([], f"{task}/{name}") for name in splits}
     digests, rows = _read_store(path, key)
     raw = digests.numpy().tobytes()
     index = {raw[i:i + DIGEST_BYTES]: n for n, i in enumerate(range(0, len(raw), DIGEST_BYTES))}
-    texts = {_digest(ex.text): ex.text for exs in splits.values() for ex in exs}
     missing = [d for d in texts if d not in index]
-    if missing or rows is None:
+    if missing:
         added = embed([texts[d] for d in missing], f"{task}/{len(missing)} new texts")
         index.update((d, n) for n, d in enumerate(missing, start=len(index)))
         digests = torch.cat([digests, torch.frombuffer(bytearray(b"".join(missing)), dtype=torch.uint8)
                              .view(-1, DIGEST_BYTES)])
         rows = added if rows is None else torch.cat([rows, added])
-        if path and missing:
+        if path:
             _save_atomically({"digests": digests, "embeddings": rows}, path, key)
     log_progress(f"{task}: {len(texts) - len(missing)} of {len(texts)} texts' teacher embeddings from "
                  f"{path}, {len(missing)} embedded")
-    return {name: rows[[index[_digest(ex.text)] for ex in exs]] for name, exs in splits.items()}
+    return {name: rows[[index[d] for d in digests_of]] for name, digests_of in wanted.items()}
 
 
 DIGEST_BYTES = 32
