@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,6 +32,11 @@ def torch_threads(count: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def parent_pid(pid: int) -> int:
+    """A process's parent, from /proc (field 4 of its stat, after the command name in parentheses)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def all_cores() -> int:
     return os.cpu_count() or 1
 
@@ -42,6 +49,24 @@ def teacher() -> Iterator:
 
     with torch_threads(1):
         yield TeacherEncoder.load()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The suite's meshes fork their services from one warm launcher (shared/cli/launcher.py): each start skips
+    the imports, most of a worker's. Until it is ready they start as plain processes, so nothing waits for it;
+    tests of the plain path unset ACADEMUS_LAUNCHER."""
+    from academus.shared.runtime.config import LAUNCHER
+
+    socket_path = tmp_path_factory.mktemp("launcher") / "launcher.sock"
+    with open(socket_path.with_name("launcher.log"), "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "academus.shared.cli.launcher", "--socket", str(socket_path)],
+                                stdout=log, stderr=log, start_new_session=True)
+    os.environ[LAUNCHER.name] = str(socket_path)
+    yield socket_path
+    os.environ.pop(LAUNCHER.name, None)
+    proc.terminate()
+    proc.wait(10)
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -53,8 +54,11 @@ class PlacementTable:
         dropped = set(split_names(await self.redis.hget(key, "models") or "")) - {spec.name for spec in specs}
         pipe = self.redis.pipeline(transaction=True)
         pipe.delete(key)
+        # a new token each registration: only a live process registers, so a scheduler that lost this worker
+        # mid-call takes it back at once when the token changes (a restart on the same address)
         pipe.hset(key, mapping={"address": info.address, "device": info.device,
-                                "capacity": info.capacity, "models": ",".join(info.models), "node": info.node})
+                                "capacity": info.capacity, "models": ",".join(info.models), "node": info.node,
+                                "registration": secrets.token_hex(8)})
         pipe.expire(key, self.ttl)
         for spec in specs:
             pipe.sadd(self.keys.placement(spec.name), info.worker_id)

@@ -44,6 +44,7 @@ class WorkerRef:
     running: int = 0
     lost: bool = False
     lost_at: float = 0.0           # when a call to it failed as lost (the dispatcher's clock)
+    registration: str = ""         # the resource manager's token for its latest registration
 
     @property
     def busy(self) -> bool:
@@ -226,21 +227,24 @@ class Dispatcher:
 
     # -- membership -------------------------------------------------------------------------
     def update_workers(self, live: dict[str, tuple], tables: dict[str, GroupTable] | None = None) -> None:
-        """Replaces the worker set (id -> (address, models[, capacity])) and the student group tables
-        with what Redis says, keeping the running counts of workers that stay. A lost worker stays lost
-        until it is listed at another address or its quarantine has passed: until its heartbeat key
-        expires, Redis lists a dead worker too, and a retry sent back to it would be lost again."""
+        """Replaces the worker set (id -> (address, models[, capacity[, registration]])) and the student group
+        tables with what Redis says, keeping the running counts of workers that stay. A lost worker stays lost
+        until it is listed at another address, registers again (a restart on its address: only a live process
+        registers) or its quarantine has passed: until its heartbeat key expires, Redis lists a dead worker
+        too, and a retry sent back to it would be lost again."""
         for worker_id in list(self.workers):
             if worker_id not in live:
                 del self.workers[worker_id]
         now = self.clock()
         for worker_id, (address, models, *rest) in live.items():
             capacity = rest[0] if rest else 1
+            registration = rest[1] if len(rest) > 1 else ""
             ref = self.workers.get(worker_id)
-            if ref is None or ref.address != address or (ref.lost and now - ref.lost_at >= self.lost_quarantine_s):
-                self.workers[worker_id] = WorkerRef(worker_id, address, models, capacity)
+            if ref is None or ref.address != address or (ref.lost and (
+                    registration != ref.registration or now - ref.lost_at >= self.lost_quarantine_s)):
+                self.workers[worker_id] = WorkerRef(worker_id, address, models, capacity, registration=registration)
             else:
-                ref.models, ref.capacity = models, capacity
+                ref.models, ref.capacity, ref.registration = models, capacity, registration
         if tables is not None:
             self.tables = tables
         self.groups = self._form_groups()

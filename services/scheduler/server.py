@@ -61,6 +61,7 @@ class WorkerCalls:
 
     def __init__(self, stubs: Stubs, workers: dict[str, WorkerRef]) -> None:
         self.stubs, self.workers = stubs, workers
+        self._registrations: dict[str, str] = {}   # address -> the registration its channel was opened for
 
     async def __call__(self, worker_id: str, batch: Batch, remaining: float,
                        on_partial: OnPartial | None = None) -> BatchOutput:
@@ -69,12 +70,20 @@ class WorkerCalls:
             raise WorkerLost(f"{worker_id} left the placement", worker_id)
         early = None if on_partial is None else lambda reply: on_partial(output_from_pb(reply))
         try:
-            reply = await call_with_partials(self.stubs(worker.address).Run, batch_to_pb(batch), remaining, early)
+            reply = await call_with_partials(self._stub(worker).Run, batch_to_pb(batch), remaining, early)
         except grpc.aio.AioRpcError as e:
             if e.code() in LOST_CODES and not answered(e):   # the worker itself chose it: not lost
                 raise WorkerLost(f"{worker_id} at {worker.address}: {e.details()}", worker_id) from e
             raise from_rpc_error(e, f"worker {worker_id}") from e
         return output_from_pb(reply)
+
+    def _stub(self, worker: WorkerRef):
+        """The worker's stub, on a fresh channel once it registered again: a restarted process on the same
+        address, which the old channel (backing off from the dead one) would fail at once."""
+        if self._registrations.setdefault(worker.address, worker.registration) != worker.registration:
+            self.stubs.renew(worker.address)
+            self._registrations[worker.address] = worker.registration
+        return self.stubs(worker.address)
 
 
 def traced(send: Send, tracer: Tracer | None = None) -> Send:
@@ -145,13 +154,13 @@ class PlacementWatcher:
 
     async def refresh(self) -> None:
         live = await self.read_live()
-        models = sorted({m for _, served, _, _ in live.values() for m in served})
+        models = sorted({m for _, served, *_ in live.values() for m in served})
         tables = await self.read_tables(models)
         if any(m.worker_id not in live for t in tables.values() for g in t.groups for m in g):
             # a worker registered and was placed between the two reads: without it, its groups would
             # be dropped and the jobs waiting for them failed as orphans
             live = await self.read_live()
-        self.dispatcher.update_workers({w: (a, frozenset(m), c) for w, (a, m, c, node) in live.items()
+        self.dispatcher.update_workers({w: (a, frozenset(m), c, r) for w, (a, m, c, node, r) in live.items()
                                         if not self.node or node == self.node}, tables)
         serving = frozenset(m for m in models if self.dispatcher.serves(m))
         if serving != self.serving:
@@ -163,20 +172,20 @@ class PlacementWatcher:
         if self.prefetcher is not None:
             await self.refresh_plot(models)
 
-    async def read_live(self) -> dict[str, tuple[str, set[str], int, str]]:
+    async def read_live(self) -> dict[str, tuple[str, set[str], int, str, str]]:
         """Workers with a live heartbeat placed for this deployment's models, on every node:
-        id -> (address, models, slots, node)."""
-        live: dict[str, tuple[str, set[str], int, str]] = {}
+        id -> (address, models, slots, node, registration)."""
+        live: dict[str, tuple[str, set[str], int, str, str]] = {}
         for model in await self.redis.smembers(self.keys.placements()):
             if model not in self.models:
                 continue
             for worker_id in await self.redis.smembers(self.keys.placement(model)):
                 if worker_id not in live:
-                    address, capacity, node = await self.redis.hmget(self.keys.worker(worker_id), "address",
-                                                                     "capacity", "node")
+                    address, capacity, node, registration = await self.redis.hmget(
+                        self.keys.worker(worker_id), "address", "capacity", "node", "registration")
                     if not address:
                         continue  # heartbeat expired: not live
-                    live[worker_id] = (address, set(), max(1, int(capacity or 1)), node or "")
+                    live[worker_id] = (address, set(), max(1, int(capacity or 1)), node or "", registration or "")
                 live[worker_id][1].add(model)
         return live
 

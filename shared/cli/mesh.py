@@ -20,6 +20,7 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from academus.shared.cli.launcher import Launch, launched
 from academus.shared.cli.pki import CLI, TLS_DIR, Pki, PkiError, make_pki
 from academus.shared.cli.redis_server import RedisServer, free_port
 from academus.shared.cli.standby import HANDOVER_SERVICES
@@ -402,8 +403,11 @@ def _spawn(name: str, index: int, options: MeshOptions, state: MeshState,
 
 def start_process(proc: ServiceProcess) -> int:
     """Starts the service `proc` describes (again, for the supervisor: the same ports, id and settings, so
-    its address and registration stay the same), its output appended to its log; returns the pid."""
-    return _popen(proc, f"academus.services.{proc.service}").pid
+    its address and registration stay the same), its output appended to its log; returns the pid. Forked from
+    the warm launcher when ACADEMUS_LAUNCHER names one (shared/cli/launcher.py), else a new process."""
+    module = f"academus.services.{proc.service}"
+    pid = launched(Launch(module, env=child_env(proc.env), log=proc.log, cwd=os.getcwd()))
+    return pid if pid is not None else _popen(proc, module).pid
 
 
 def start_standby(proc: ServiceProcess) -> subprocess.Popen:

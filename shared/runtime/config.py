@@ -75,11 +75,14 @@ TRACES_SAMPLER = Variable("OTEL_TRACES_SAMPLER", "`ACADEMUS_TRACE_RATIO` decides
                           "the OpenTelemetry SDK's sampler decides which requests are traced")
 HF_OFFLINE = Variable("HF_HUB_OFFLINE", "the CLI and the training commands set it to `1`",
                       "Hugging Face libraries never reach a hub (models come from packages or mounted folders)")
+LAUNCHER = Variable("ACADEMUS_LAUNCHER", "services start as plain processes",
+                    "a warm launcher's Unix socket (`python -m academus.shared.cli.launcher --socket PATH`): "
+                    "`academus up` and the supervisor fork services from it, skipping their imports")
 CUDA_DEVICES = Variable("CUDA_VISIBLE_DEVICES", "every GPU",
                         "one GPU index: a worker reports its placement device as `cuda:<index>` (`academus up` "
                         "pins each GPU worker this way)")
 VARIABLES = (HOME, ARTIFACTS, RUN_DIR, REDIS_URL, PLAIN_REDIS_URL, REDIS_PASSWORD, MESH_TOKEN, POLICY, DATA_DIR,
-             TEACHER_DIR, TRACE_FILE, TRACING, OTLP_ENDPOINT, TRACES_SAMPLER, HF_OFFLINE, CUDA_DEVICES)
+             TEACHER_DIR, TRACE_FILE, TRACING, OTLP_ENDPOINT, TRACES_SAMPLER, HF_OFFLINE, LAUNCHER, CUDA_DEVICES)
 
 
 def home_dir() -> Path:
@@ -183,6 +186,13 @@ def offline_hub() -> None:
 def visible_cuda_devices() -> str:
     """CUDA_VISIBLE_DEVICES as set (comma-separated indices); empty: unset."""
     return CUDA_DEVICES.get()
+
+
+def replace_environment(values: Mapping[str, str]) -> None:
+    """This process's environment becomes exactly `values`: a service forked by the warm launcher takes the
+    settings it was launched with, as a new process would (shared/cli/launcher.py)."""
+    os.environ.clear()
+    os.environ.update(values)
 
 
 def child_env(overrides: Mapping[str, str]) -> dict[str, str]:

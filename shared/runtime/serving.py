@@ -9,7 +9,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import uvloop
@@ -40,6 +40,7 @@ CHANNEL_OPTIONS = [
 # A peer the supervisor restarts serves again a second or two after it died; after refused connects a channel
 # waits 1 s, growing 1.6x, between tries by default, so it reached the peer 1.2-1.5 s after it served (measured:
 # docs/benchmarks/reliability.md). Tries 0.1 s apart, at most 1 s: a peer that stays away costs a connect a second.
+RENEWED_CLOSE_S = 120.0   # a renewed channel's calls finish within their deadlines before it is closed
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                      ("grpc.max_reconnect_backoff_ms", 1000)]
 
@@ -236,12 +237,15 @@ def run(spec_factory: Callable[[], Awaitable[ServiceSpec]], gate: Callable[[], A
         logging.getLogger(__name__).info("interrupted")
 
 
-def channel(target: str) -> grpc.aio.Channel:
+def channel(target: str, own_connections: bool = False) -> grpc.aio.Channel:
     """A channel to another service of the mesh with tracing on: mutual TLS with the process's mesh identity
-    when it has one (runtime/tls.py), else plaintext."""
+    when it has one (runtime/tls.py), else plaintext. `own_connections`: none shared with the process's other
+    channels to `target` (gRPC pools them by address, and a pooled one backing off from a dead peer would fail
+    the new channel's first calls too)."""
     from academus.shared.runtime.tracing import client_interceptors
 
-    return mesh_channel(target, [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS], client_interceptors())
+    own = [("grpc.use_local_subchannel_pool", 1)] if own_connections else []
+    return mesh_channel(target, [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS, *own], client_interceptors())
 
 
 class Stubs:
@@ -256,6 +260,8 @@ class Stubs:
         self.batches = batches
         self.local = local
         self._stubs: dict[str, object] = {}
+        self._channels: dict[str, Any] = {}   # what each stub calls through (a channel or its multiplexed stand-in)
+        self._renewed: set[str] = set()       # addresses whose channels connect on their own (see renew)
 
     @classmethod
     def for_hops(cls, stub_class: type, config: CommonConfig) -> Stubs:
@@ -266,7 +272,19 @@ class Stubs:
     def __call__(self, address: str):
         stub = self._stubs.get(address)
         if stub is None:
-            stub = self.stub_class(over_streams(channel(address), self.multiplexed, self.batches,
-                                                open_local if self.local else None, mesh_metadata()))
-            self._stubs[address] = stub
+            opened = over_streams(channel(address, address in self._renewed), self.multiplexed, self.batches,
+                                  open_local if self.local else None, mesh_metadata())
+            stub = self._stubs[address] = self.stub_class(opened)
+            self._channels[address] = opened
         return stub
+
+    def renew(self, address: str) -> None:
+        """The next call to `address` opens a fresh channel: a new process serves there (a restart on the same
+        ports), and the old channel would still be backing off from the dead one's refusals. The old one is
+        closed once the calls it carries have had their time."""
+        self._stubs.pop(address, None)
+        self._renewed.add(address)
+        old = self._channels.pop(address, None)
+        if old is not None:
+            loop = asyncio.get_running_loop()
+            loop.call_later(RENEWED_CLOSE_S, lambda: loop.create_task(old.close()))

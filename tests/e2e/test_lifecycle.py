@@ -15,7 +15,9 @@ import redis
 
 from academus.client import AcademusError, Client
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, STATE_FILE, down, wait_exit
+from academus.shared.runtime.config import LAUNCHER
 from academus.shared.state.keys import Keys
+from tests.conftest import parent_pid
 from tests.e2e.conftest import metric, start_mesh
 
 pytestmark = pytest.mark.e2e
@@ -34,8 +36,10 @@ def busy_worker(state) -> object:
     raise AssertionError("no worker became busy")
 
 
-def test_sigterm_finishes_in_flight_work_then_deregisters_and_lost_worker_is_unavailable(tmp_path):
+def test_sigterm_finishes_in_flight_work_then_deregisters_and_lost_worker_is_unavailable(tmp_path, monkeypatch):
+    monkeypatch.delenv(LAUNCHER.name)   # plain processes, as without a warm launcher (the suite's others use one)
     state = start_mesh(tmp_path / "run", workers=2)
+    assert {parent_pid(s.pid) for s in state.services} == {os.getpid()}
     key = (tmp_path / "run" / ADMIN_KEY_FILE).read_text().strip()
     keys, r = Keys(state.key_prefix), redis.Redis.from_url(state.redis_url, decode_responses=True)
     try:

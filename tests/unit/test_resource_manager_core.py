@@ -30,6 +30,18 @@ async def test_register_places_worker_and_publishes_catalogue(redis_url):
     await redis.aclose()
 
 
+async def test_each_registration_writes_a_new_token(redis_url):
+    """A scheduler takes back a worker it lost once the token changes: only a live process registers."""
+    redis = connect(redis_url)
+    table = PlacementTable(redis, KEYS, heartbeat_ttl_s=5)
+    tokens = []
+    for _ in range(3):
+        await table.register(info("w1"), SPECS)
+        tokens.append(await redis.hget(KEYS.worker("w1"), "registration"))
+    assert all(tokens) and len(set(tokens)) == 3
+    await redis.aclose()
+
+
 async def test_deregister_removes_from_every_placement(redis_url):
     redis = connect(redis_url)
     table = PlacementTable(redis, KEYS, heartbeat_ttl_s=5)

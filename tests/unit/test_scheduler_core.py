@@ -282,6 +282,27 @@ async def test_a_lost_worker_listed_at_another_address_serves_at_once():
     assert await again == "back" and fake.calls[1][0] == "w0"
 
 
+async def test_a_lost_worker_that_registers_again_on_its_address_serves_at_once():
+    """A restart on the same address (the supervisor keeps the ports) registers anew: the new registration
+    token proves a live process, so the quarantine does not hold it out; the same token does."""
+    d, clock, fake = make_dispatcher({"w0": {"spam"}})
+    address = d.workers["w0"].address
+    d.update_workers({"w0": (address, frozenset({"spam"}), 1, "first")})
+    task = asyncio.create_task(d.submit(make_job(clock, deadline_in=0.5)))
+    await settle()
+    fake.calls[0][2].set_exception(WorkerLost("connection refused", "w0"))
+    with pytest.raises(Unavailable):
+        await task
+    d.update_workers({"w0": (address, frozenset({"spam"}), 1, "first")})   # the dead process, still listed
+    assert d.workers["w0"].lost
+    d.update_workers({"w0": (address, frozenset({"spam"}), 1, "second")})  # registered again, within the quarantine
+    assert not d.workers["w0"].lost and d.workers["w0"].registration == "second"
+    again = asyncio.create_task(d.submit(make_job(clock)))
+    await settle()
+    fake.calls[1][2].set_result("back")
+    assert await again == "back" and fake.calls[1][0] == "w0"
+
+
 async def test_lost_last_worker_is_unavailable_not_a_hang():
     d, clock, fake = make_dispatcher({"w0": {"spam"}})
     running = asyncio.create_task(d.submit(make_job(clock)))
@@ -1125,3 +1146,39 @@ async def test_a_group_one_worker_holds_whole_runs_as_one_model_and_a_spread_one
     await sender(Group("ss/g0", frozenset({"ss"}), (Member("w0", (0, 1, 2)),), students=3), [job])
     await sender(Group("ss/g1", frozenset({"ss"}), (Member("w0", (0, 1)), Member("w1", (2,))), students=3), [job])
     assert calls == [("w0", 3, (), True), ("w0", 3, (0, 1), False), ("w1", 3, (2,), False)]
+
+
+@pytest.mark.parametrize("streams", [True, False])
+async def test_a_worker_registered_again_on_its_address_is_called_on_a_fresh_channel(streams):
+    """Over real gRPC: a worker restarted on the same port (the supervisor keeps its ports) is reached by the
+    first call after it registers again, not failed by the channel that backed off from the dead process."""
+    from academus.services.scheduler.sender import GroupSender
+    from academus.services.scheduler.server import WorkerCalls
+
+    async def serve(port: int = 0) -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server()
+        serve_multiplexed(server, lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(RefusingWorker(), s))
+        bound = server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        return server, bound
+
+    server, port = await serve()
+    clock = Clock()
+    workers = {"w": WorkerRef("w", f"127.0.0.1:{port}", frozenset({"spam"}), registration="first")}
+    sender = GroupSender(WorkerCalls(Stubs(worker_pb2_grpc.WorkerStub, multiplexed=streams), workers), clock)
+    group = Group("w#0", frozenset({"spam"}), (Member("w"),))
+    job = make_job(clock, payload=WorkItem("spam", "label", [101, 102], [2]))
+    with pytest.raises(Unavailable, match="no adapter store is running"):   # the worker's own answer: reached
+        await sender(group, [job])
+    await server.stop(None)
+    for _ in range(4):   # the dead process: each refusal lengthens the channel's backoff
+        with pytest.raises(WorkerLost):
+            await sender(group, [job])
+    server, _ = await serve(port)
+    try:
+        workers["w"] = WorkerRef("w", f"127.0.0.1:{port}", frozenset({"spam"}), registration="second")
+        with pytest.raises(Unavailable, match="no adapter store is running") as answered:
+            await sender(group, [job])
+        assert not isinstance(answered.value, WorkerLost)
+    finally:
+        await server.stop(None)

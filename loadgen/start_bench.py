@@ -1,0 +1,121 @@
+"""Service starts with and without the warm launcher (shared/cli/launcher.py): `academus up` to a mesh that
+answers, the CPU its processes spent getting there, and a killed worker's restart by the supervisor until it
+answers again. Fresh meshes, the two arms alternating, several rounds.
+
+    python -m academus.loadgen.start_bench [--rounds 4] [--workers 1] [--out FILE]
+
+It starts a launcher of its own (and stops it). Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from academus.client import Client
+from academus.loadgen.stats import summary
+from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, MeshState, ServiceProcess, down, up
+from academus.shared.runtime.config import LAUNCHER
+
+ARMS = ("plain", "launcher")
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> float:
+    """User and system CPU a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def start_launcher(socket_path: Path) -> subprocess.Popen:
+    log = socket_path.with_name("launcher.log")
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "academus.shared.cli.launcher", "--socket", str(socket_path)],
+                                stdout=out, stderr=out, start_new_session=True)
+    while "ready" not in log.read_text():
+        if proc.poll() is not None:
+            raise SystemExit(f"the launcher exited: {log.read_text()}")
+        time.sleep(0.1)
+    return proc
+
+
+def answered(gateway: str, key: str, timeout_s: float = 120.0) -> None:
+    end = time.monotonic() + timeout_s
+    with Client(gateway, api_key=key, timeout=30) as client:
+        while True:
+            try:
+                client.infer("sentiment", ["a start"])
+                return
+            except Exception:
+                if time.monotonic() > end:
+                    raise
+                time.sleep(0.05)
+
+
+def one_round(run_dir: Path, workers: int) -> dict[str, float]:
+    began = time.perf_counter()
+    state = up(MeshOptions(run_dir=run_dir, gateway_port=0, workers=workers, worker_threads=1,
+                           deployments=[Deployment("fifo")]))
+    try:
+        key = (run_dir / ADMIN_KEY_FILE).read_text().strip()
+        answered(state.gateway, key)
+        start_s = time.perf_counter() - began
+        start_cpu_s = sum(cpu_s(s.pid) for s in state.services)
+        worker = next(s for s in state.services if s.service == "worker")
+        killed = time.perf_counter()
+        os.kill(worker.pid, signal.SIGKILL)
+        while (again := restarted(run_dir, worker)) is None:
+            time.sleep(0.02)
+        answered(state.gateway, key)
+        restart_s = time.perf_counter() - killed
+        return {"start_ms": start_s * 1e3, "start_cpu_ms": start_cpu_s * 1e3, "restart_ms": restart_s * 1e3,
+                "restart_cpu_ms": cpu_s(again.pid) * 1e3}
+    finally:
+        down(run_dir)
+
+
+def restarted(run_dir: Path, worker: ServiceProcess) -> ServiceProcess | None:
+    now = next(s for s in MeshState.load(run_dir).services if s.name == worker.name)
+    return now if now.pid != worker.pid else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    rows: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
+    with tempfile.TemporaryDirectory(prefix="start-bench-") as tmp:
+        launcher = start_launcher(Path(tmp) / "launcher.sock")
+        try:
+            for r in range(args.rounds):
+                for arm in ARMS if r % 2 == 0 else ARMS[::-1]:
+                    if arm == "launcher":
+                        os.environ[LAUNCHER.name] = str(Path(tmp) / "launcher.sock")
+                    else:
+                        os.environ.pop(LAUNCHER.name, None)
+                    rows[arm].append(one_round(Path(tmp) / f"run-{arm}-{r}", args.workers))
+        finally:
+            os.environ.pop(LAUNCHER.name, None)
+            launcher.terminate()
+    result = {"rounds": args.rounds, "workers": args.workers,
+              **{arm: {k: summary([row[k] for row in rows[arm]]) for k in rows[arm][0]} for arm in ARMS}}
+    result["plain_over_launcher_p50"] = {k: round(result["plain"][k]["p50"] / result["launcher"][k]["p50"], 2)
+                                         for k in rows["plain"][0]}
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,155 @@
+"""The warm launcher (shared/cli/launcher.py) as a real process on a real Unix socket: what a forked child
+gets (environment, log, working directory, session, arguments, exit), that the launcher outlives bad requests,
+and that `academus up` without one starts plain processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from academus.client import Client
+from academus.shared.cli.launcher import Launch, launch
+from academus.shared.cli.mesh import (
+    ADMIN_KEY_FILE,
+    MeshState,
+    ServiceProcess,
+    down,
+    pid_alive,
+    wait_exit,
+    wait_healthy,
+)
+from academus.shared.runtime.config import LAUNCHER
+from tests.conftest import parent_pid
+from tests.e2e.conftest import start_mesh
+
+PROBE = '''
+import json, os, sys, time
+print(json.dumps({"env": os.environ.get("PROBE_SETTING"), "home": os.environ.get("HOME"), "cwd": os.getcwd(),
+                  "argv": sys.argv[1:], "own_session": os.getsid(0) == os.getpid(), "stdin": sys.stdin.read(),
+                  "name": __name__}), flush=True)
+if "--wait" in sys.argv:
+    time.sleep(60)
+raise SystemExit(3)
+'''
+
+
+@pytest.fixture(scope="module")
+def launcher_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
+    """A launcher of its own (the suite's may still be importing), ready before the tests ask."""
+    path = tmp_path_factory.mktemp("own-launcher") / "l.sock"
+    log = path.with_name("launcher.log")
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "academus.shared.cli.launcher", "--socket", str(path)],
+                                stdout=out, stderr=out, start_new_session=True)
+    end = time.monotonic() + 120
+    while "ready" not in log.read_text() and time.monotonic() < end:
+        assert proc.poll() is None, log.read_text()
+        time.sleep(0.1)
+    yield str(path), proc.pid
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture
+def launcher(launcher_process: tuple[str, int]) -> str:
+    return launcher_process[0]
+
+
+def probe_in(directory: Path) -> Launch:
+    (directory / "launcher_probe.py").write_text(PROBE)
+    return Launch("launcher_probe", args=["--flag", "x y"], env={"PROBE_SETTING": "on", "PATH": os.environ["PATH"]},
+                  log=str(directory / "probe.log"), cwd=str(directory))
+
+
+def logged(log: Path, timeout_s: float = 30.0) -> dict:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if log.exists() and log.read_text().strip():
+            return json.loads(log.read_text().splitlines()[0])
+        time.sleep(0.05)
+    raise AssertionError(f"{log} stayed empty")
+
+
+def test_a_child_runs_its_module_with_exactly_what_it_was_sent_and_is_reaped(launcher: str, tmp_path: Path) -> None:
+    spec = probe_in(tmp_path)
+    pid = launch(launcher, spec)
+    assert isinstance(pid, int) and pid != os.getpid()
+    assert logged(Path(spec.log)) == {"env": "on", "home": None, "cwd": str(tmp_path), "argv": ["--flag", "x y"],
+                                      "own_session": True, "stdin": "", "name": "__main__"}
+    assert wait_exit(pid, 10), "an exited child must not linger as a zombie of the launcher"
+
+
+def test_the_log_is_appended_to_and_each_launch_is_a_new_process(launcher: str, tmp_path: Path) -> None:
+    spec = probe_in(tmp_path)
+    Path(spec.log).write_text("earlier line\n")
+    first = launch(launcher, Launch(spec.module, ["--wait"], spec.env, spec.log, spec.cwd))
+    second = launch(launcher, Launch(spec.module, ["--wait"], spec.env, str(tmp_path / "second.log"), spec.cwd))
+    try:
+        assert first and second and first != second
+        assert logged(tmp_path / "second.log")["argv"] == ["--wait"]
+        end = time.monotonic() + 30
+        while len(Path(spec.log).read_text().splitlines()) < 2 and time.monotonic() < end:
+            time.sleep(0.05)
+        assert Path(spec.log).read_text().splitlines()[0] == "earlier line"
+        assert pid_alive(first) and pid_alive(second)
+    finally:
+        for pid in (first, second):
+            if pid:
+                os.kill(pid, 9)
+
+
+def test_bad_requests_are_answered_with_an_error_and_the_launcher_serves_on(launcher: str, tmp_path: Path) -> None:
+    for bad in (b"not json\n", b'{"args": []}\n', b"[1, 2]\n"):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(launcher)
+            conn.sendall(bad)
+            reply = json.loads(conn.makefile("rb").readline())
+        assert "error" in reply and "pid" not in reply, (bad, reply)
+    spec = probe_in(tmp_path)
+    assert launch(launcher, spec) is not None
+    assert logged(Path(spec.log))["env"] == "on"
+
+
+def test_no_launcher_at_the_path_means_none(tmp_path: Path) -> None:
+    assert launch(str(tmp_path / "absent.sock"), probe_in(tmp_path)) is None
+    assert not Path(tmp_path / "probe.log").exists()
+
+
+def test_the_socket_is_this_users_alone(launcher: str) -> None:
+    assert os.stat(launcher).st_mode & 0o777 == 0o600
+
+
+def test_a_mesh_forks_its_services_from_the_launcher_and_the_supervisor_restarts_through_it(
+        launcher_process: tuple[str, int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path, launcher_pid = launcher_process
+    monkeypatch.setenv(LAUNCHER.name, path)
+    state = start_mesh(tmp_path / "run", supervise=True)
+    try:
+        assert {parent_pid(s.pid) for s in state.services} == {launcher_pid}
+        key = (tmp_path / "run" / ADMIN_KEY_FILE).read_text().strip()
+        with Client(state.gateway, api_key=key, timeout=60) as client:
+            assert client.infer("sentiment", ["a warm start"]).predictions[0].label in ("fresh", "rotten")
+            worker = next(s for s in state.services if s.service == "worker")
+            os.kill(worker.pid, signal.SIGKILL)
+            end = time.monotonic() + 60
+            while time.monotonic() < end and (again := service_named(tmp_path / "run", worker.name)).pid == worker.pid:
+                time.sleep(0.1)
+            assert again.pid != worker.pid and parent_pid(again.pid) == launcher_pid
+            wait_healthy(again.address, 60, again)
+            assert client.infer("sentiment", ["served again"]).predictions[0].label in ("fresh", "rotten")
+    finally:
+        down(tmp_path / "run")
+    assert all(wait_exit(s.pid, 5) for s in state.services)
+
+
+def service_named(run_dir: Path, name: str) -> ServiceProcess:
+    return next(s for s in MeshState.load(run_dir).services if s.name == name)
