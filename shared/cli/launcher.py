@@ -82,8 +82,11 @@ def serve(socket_path: str, preload: tuple[str, ...] = PRELOAD) -> Launch:
     path = Path(socket_path)
     path.unlink(missing_ok=True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(path))
-    os.chmod(path, 0o600)   # a launch runs code with the environment it is sent: this user's alone
+    mask = os.umask(0o177)   # created 0600: a launch runs code with the environment it is sent, this user's alone
+    try:
+        listener.bind(str(path))
+    finally:
+        os.umask(mask)
     listener.listen(64)
     print(f"launcher ready at {path} (pid {os.getpid()})", flush=True)
     while True:
@@ -94,12 +97,17 @@ def serve(socket_path: str, preload: tuple[str, ...] = PRELOAD) -> Launch:
                 continue
             sys.stdout.flush()
             sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                listener.close()
-                return spec
+            try:
+                pid = os.fork()
+            except OSError as e:   # out of memory or processes: this launch fails, the launcher serves on
+                reply = {"error": f"fork: {e}"}
+            else:
+                if pid == 0:
+                    listener.close()
+                    return spec
+                reply = {"pid": pid}
             with contextlib.suppress(OSError):
-                conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+                conn.sendall(json.dumps(reply).encode() + b"\n")
 
 
 def run(spec: Launch) -> None:

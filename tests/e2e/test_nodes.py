@@ -22,9 +22,10 @@ NODE_OF = {"scheduler-0@node-0": "worker-0", "scheduler-0@node-1": "worker-1"}
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    # the student number the tests set holds through their bursts: the burst rule waits a minute after it
+    # the student number the tests set holds through their bursts: the burst rule waits a minute after it.
+    # Unsupervised: the killed worker stays dead (a restart is back within 2 s, its node serving again).
     yield from two_worker_mesh(tmp_path_factory, "node", env={"ACADEMUS_ADAPT_COOLDOWN_S": "60"},
-                               deployments=[Deployment("student", MODEL)], nodes=2)
+                               deployments=[Deployment("student", MODEL)], nodes=2, supervise=False)
 
 
 def serving(state) -> dict[str, str]:

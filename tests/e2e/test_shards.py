@@ -22,9 +22,10 @@ SHARDS = ("scheduler-0.0", "scheduler-0.1", "scheduler-0.2")
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    # the student number the tests set holds through their bursts: the burst rule waits a minute after it
+    # the student number the tests set holds through their bursts: the burst rule waits a minute after it.
+    # Unsupervised: the killed worker stays dead (a restart is back within 2 s, taking requests again).
     yield from two_worker_mesh(tmp_path_factory, "shard", env={"ACADEMUS_ADAPT_COOLDOWN_S": "60"},
-                               deployments=[Deployment("student", MODEL, shards=3)])
+                               deployments=[Deployment("student", MODEL, shards=3)], supervise=False)
 
 
 def shard_groups(state) -> dict[str, int]:
