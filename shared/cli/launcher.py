@@ -8,7 +8,10 @@ project's 2-core machine; every other service imports for about 0.4 s. Where mes
 one machine (the test suite, the benches' fresh meshes a round and arm, a supervisor restarting what died),
 `academus up` and the supervisor ask the launcher named by ACADEMUS_LAUNCHER instead of executing Python
 afresh. The forked child is the same program in the same state as a fresh one after its imports: it takes the
-environment, log, working directory and session it is sent, then runs the service's `__main__`.
+environment, log, working directory and session it is sent, then runs the service's `__main__`. The `academus`
+command runs its one-shot commands that import torch (`shard`, `ramps`, `tenants`, `distill`, ...) the same way,
+attached: the child gets the caller's stdin, stdout and stderr (passed over the socket), and its exit status comes
+back to the caller, which passes SIGINT and SIGTERM on to it.
 
 The launcher forks before anything in it starts a thread of its own or touches a GPU: a forked CUDA context is
 unusable, so it refuses to run once CUDA is initialised. Children are not its to wait for (SIGCHLD is ignored:
@@ -20,6 +23,7 @@ names no live launcher, services start as plain processes.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import importlib
 import json
@@ -28,7 +32,7 @@ import runpy
 import signal
 import socket
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from academus.shared.runtime.config import LAUNCHER, replace_environment
@@ -37,7 +41,7 @@ from academus.shared.runtime.config import LAUNCHER, replace_environment
 PRELOAD = ("academus.services.worker.server", "academus.services.scheduler.server",
            "academus.services.gateway.server", "academus.services.resource_manager.server",
            "academus.services.adapter_store.server", "academus.services.trainer.server",
-           "academus.services.plot.server")
+           "academus.services.plot.server", "academus.shared.cli.main")
 MAX_REQUEST_BYTES = 1 << 20   # a launch's environment and arguments; a real one is a few KiB
 CONNECT_TIMEOUT_S = 5.0
 
@@ -51,6 +55,7 @@ class Launch:
     env: dict[str, str] = field(default_factory=dict)
     log: str = os.devnull
     cwd: str = "."
+    attached: bool = False   # on the caller's stdin, stdout and stderr, its exit status sent back (run_attached)
 
 
 def launch(socket_path: str, spec: Launch) -> int | None:
@@ -66,13 +71,48 @@ def launch(socket_path: str, spec: Launch) -> int | None:
     return reply.get("pid") if isinstance(reply.get("pid"), int) else None
 
 
+def run_attached(socket_path: str, spec: Launch) -> int | None:
+    """Runs `spec` forked by the launcher on this process's stdin, stdout and stderr and waits for it: its exit
+    status, or None when no launcher answers (nothing ran). SIGINT and SIGTERM are passed on to it."""
+    spec = replace(spec, attached=True)
+    try:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(CONNECT_TIMEOUT_S)
+        conn.connect(socket_path)
+        socket.send_fds(conn, [json.dumps(asdict(spec)).encode() + b"\n"], [0, 1, 2])
+        pid = json.loads(_read_line(conn) or b"{}").get("pid")
+    except (OSError, ValueError):
+        return None
+    if not isinstance(pid, int):
+        return None
+    passed = {sig: signal.signal(sig, lambda signum, _: _signal(pid, signum))
+              for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        conn.settimeout(None)
+        line = _read_line(conn)   # sent as it exits
+    finally:
+        for sig, handler in passed.items():
+            signal.signal(sig, handler)
+        conn.close()
+    try:
+        return int(json.loads(line)["exit"])
+    except (ValueError, KeyError, TypeError):
+        print(f"{spec.module}: ended without an exit status (killed?)", file=sys.stderr)
+        return 1
+
+
+def _signal(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signum)
+
+
 def launched(spec: Launch) -> int | None:
     """`spec` started by the launcher ACADEMUS_LAUNCHER names; None: none is set or it did not answer."""
     path = LAUNCHER.get()
     return launch(path, spec) if path else None
 
 
-def serve(socket_path: str, preload: tuple[str, ...] = PRELOAD) -> Launch:
+def serve(socket_path: str, preload: tuple[str, ...] = PRELOAD) -> Child:
     """Imports `preload`, then forks a child for each launch asked for on the socket. Returns only in a child,
     with what it is to run; the launcher itself loops until it is killed."""
     for module in preload:
@@ -92,47 +132,107 @@ def serve(socket_path: str, preload: tuple[str, ...] = PRELOAD) -> Launch:
     while True:
         conn, _ = listener.accept()
         with conn:
-            spec = _received(conn)
-            if spec is None:
-                continue
-            sys.stdout.flush()
-            sys.stderr.flush()
-            try:
-                pid = os.fork()
-            except OSError as e:   # out of memory or processes: this launch fails, the launcher serves on
-                reply = {"error": f"fork: {e}"}
-            else:
-                if pid == 0:
-                    listener.close()
-                    return spec
-                reply = {"pid": pid}
-            with contextlib.suppress(OSError):
-                conn.sendall(json.dumps(reply).encode() + b"\n")
+            spec, fds = _received(conn)
+            pid = _fork(conn, spec) if spec is not None else None
+            if pid == 0:
+                listener.close()
+                return Child(spec, fds, conn.detach() if spec.attached else None)
+        for fd in fds:   # the child has its own copies
+            os.close(fd)
 
 
-def run(spec: Launch) -> None:
-    """In the forked child: becomes the process `spec` describes, then runs its module as `python -m` would."""
+def _fork(conn: socket.socket, spec: Launch) -> int | None:
+    """Forks for `spec`: 0 in the child; in the launcher, the child's pid (None when the fork failed), told to the
+    caller."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        pid = os.fork()
+    except OSError as e:   # out of memory or processes: this launch fails, the launcher serves on
+        reply: dict[str, object] = {"error": f"fork: {e}"}
+        pid = None
+    else:
+        if pid == 0:
+            return 0
+        reply = {"pid": pid}
+        print(f"launched {pid}: {spec.module} {' '.join(spec.args)}", flush=True)
+    with contextlib.suppress(OSError):
+        conn.sendall(json.dumps(reply).encode() + b"\n")
+    return pid
+
+
+@dataclass(frozen=True)
+class Child:
+    """What a forked child is to become: the launch, the caller's stdio when attached, and the connection its
+    exit status goes back on (a file descriptor; None when detached)."""
+
+    spec: Launch
+    stdio: list[int]
+    report: int | None
+
+
+_exit_status = [0]   # the attached command's status, set as it exits and sent back last
+
+
+def run(child: Child) -> None:
+    """In the forked child: becomes the process the launch describes, then runs its module as `python -m`
+    would."""
+    spec = child.spec
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)   # its own children it waits for itself
     os.setsid()   # a session of its own, as `academus up` gives each service
-    _redirect(spec.log)
+    if child.report is not None and len(child.stdio) == 3:
+        for target, fd in enumerate(child.stdio):
+            os.dup2(fd, target)
+            os.close(fd)
+        atexit.register(_report_exit, socket.socket(fileno=child.report))
+    else:
+        _redirect(spec.log)
+    _reopen_stdio()
     replace_environment(spec.env)
     os.chdir(spec.cwd)
     sys.path[0] = os.getcwd()   # `python -m` puts its working directory first
     sys.argv = [spec.module, *spec.args]
-    runpy.run_module(spec.module, run_name="__main__", alter_sys=True)
+    try:
+        runpy.run_module(spec.module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        _exit_status[0] = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        raise
+    except BaseException:
+        _exit_status[0] = 1
+        raise
 
 
-def _received(conn: socket.socket) -> Launch | None:
+def _report_exit(conn: socket.socket) -> None:
+    """The last of the exit handlers registered before the command ran: its output flushed, then its status."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        conn.sendall(json.dumps({"exit": _exit_status[0]}).encode() + b"\n")
+
+
+def _reopen_stdio() -> None:
+    """New stdio objects on the new descriptors, buffered as a new process's would be (line by line only on a
+    terminal): the launcher's were set up for its own."""
+    sys.stdin = os.fdopen(0, "r", closefd=False)
+    sys.stdout = os.fdopen(1, "w", buffering=1 if os.isatty(1) else -1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False, errors="backslashreplace")
+
+
+def _received(conn: socket.socket) -> tuple[Launch | None, list[int]]:
+    """The launch asked for, and the descriptors sent with it (an attached one's stdio)."""
+    fds: list[int] = []
     try:
         conn.settimeout(CONNECT_TIMEOUT_S)
-        raw = json.loads(_read_line(conn))
+        first, fds, _, _ = socket.recv_fds(conn, 65536, 3)
+        raw = json.loads(first if first.endswith(b"\n") or not first else first + _read_line(conn))
         return Launch(module=str(raw["module"]), args=[str(a) for a in raw.get("args", [])],
                       env={str(k): str(v) for k, v in raw.get("env", {}).items()},
-                      log=str(raw.get("log", os.devnull)), cwd=str(raw.get("cwd", ".")))
+                      log=str(raw.get("log", os.devnull)), cwd=str(raw.get("cwd", ".")),
+                      attached=bool(raw.get("attached", False)) and len(fds) == 3), fds
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         with contextlib.suppress(OSError):
             conn.sendall(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode() + b"\n")
-        return None
+        return None, fds
 
 
 def _read_line(conn: socket.socket) -> bytes:

@@ -153,3 +153,48 @@ def test_a_mesh_forks_its_services_from_the_launcher_and_the_supervisor_restarts
 
 def service_named(run_dir: Path, name: str) -> ServiceProcess:
     return next(s for s in MeshState.load(run_dir).services if s.name == name)
+
+
+def test_an_attached_run_gets_the_callers_stdio_and_gives_back_its_exit_status(launcher: str, tmp_path: Path) -> None:
+    spec = probe_in(tmp_path)
+    code = (f"import sys; from academus.shared.cli.launcher import Launch, run_attached; "
+            f"sys.exit(run_attached({launcher!r}, Launch({spec.module!r}, {spec.args!r}, {spec.env!r}, "
+            f"cwd={spec.cwd!r})))")
+    done = subprocess.run([sys.executable, "-c", code], input="fed on stdin", capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 3, done.stderr
+    assert json.loads(done.stdout) == {"env": "on", "home": None, "cwd": str(tmp_path), "argv": ["--flag", "x y"],
+                                       "own_session": True, "stdin": "fed on stdin", "name": "__main__"}
+    assert not Path(spec.log).exists()   # attached: no log of its own
+
+
+def test_a_signal_to_the_caller_is_passed_on_and_a_killed_run_has_no_status(launcher: str, tmp_path: Path) -> None:
+    spec = probe_in(tmp_path)
+    code = (f"import sys; from academus.shared.cli.launcher import Launch, run_attached; "
+            f"sys.exit(run_attached({launcher!r}, Launch({spec.module!r}, ['--wait'], {spec.env!r}, "
+            f"cwd={spec.cwd!r})))")
+    caller = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    probe = json.loads(caller.stdout.readline())   # running: it printed its line
+    assert probe["argv"] == ["--wait"]
+    caller.send_signal(signal.SIGTERM)
+    assert caller.wait(30) == 1
+    assert "ended without an exit status" in caller.stderr.read()
+
+
+def test_the_cli_runs_its_heavy_commands_forked_with_their_output_and_status(launcher_process: tuple[str, int],
+                                                                             tmp_path: Path) -> None:
+    path, _ = launcher_process
+    env = {**os.environ, LAUNCHER.name: path}
+
+    def academus(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "academus.shared.cli", "--run-dir", str(tmp_path), *args],
+                              env=env, capture_output=True, text=True, timeout=120)
+
+    helped, refused = academus("shard", "--help"), academus("heads", "train", "--no-such-option")
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: academus shard")
+    assert refused.returncode == 2 and "required: --model" in refused.stderr
+    launched = Path(path).with_name("launcher.log").read_text()
+    assert "academus.shared.cli --run-dir" in launched and "heads train --no-such-option" in launched
+    assert academus("status").returncode == 1   # a light command runs here: no mesh, said at once
+    assert " status" not in launched.split("heads train")[-1]
