@@ -26,8 +26,10 @@ from academus.shared.cli.redis_server import RedisServer, free_port
 from academus.shared.cli.standby import HANDOVER_SERVICES
 from academus.shared.cli.standby import READY as STANDBY_READY
 from academus.shared.runtime.config import (
+    EVERY_MODEL,
     MESH_TOKEN,
     POLICY_NAMES,
+    ModelSelection,
     artifacts_dir,
     child_env,
     env_name,
@@ -200,7 +202,8 @@ class MeshOptions:
 
 
 def up(options: MeshOptions) -> MeshState:
-    """Starts the mesh and waits until every service is healthy and the workers are placed."""
+    """Starts the mesh and waits until every service is healthy, the workers are placed and a scheduler has a
+    group for each model served: a request sent then is answered."""
     run_dir = options.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
@@ -240,6 +243,7 @@ def up(options: MeshOptions) -> MeshState:
         for s in state.services:
             wait_healthy(s.address, options.ready_timeout_s, s, state.credentials(s))
         wait_placed(state, len(worker_envs), options.ready_timeout_s)
+        wait_served(state, options.ready_timeout_s)
         ensure_admin_key(state)
         if options.supervise:
             state = start_supervisor(state, options.ready_timeout_s)
@@ -563,6 +567,26 @@ def pid_alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
     except (OSError, IndexError):
         return True
+
+
+def wait_served(state: MeshState, timeout_s: float) -> None:
+    """Until every placed model a deployment selects has a scheduler with a live group for it: a scheduler reads
+    the placements a moment after they are written, and a request before that finds no worker."""
+    client, keys = redis.Redis.from_url(state.redis_url, decode_responses=True), Keys(state.key_prefix)
+    selections = [ModelSelection.parse(str(d.get("models", ""))) for d in state.deployments] or [EVERY_MODEL]
+    end = time.monotonic() + timeout_s
+    while True:
+        placed = {m for m in client.smembers(keys.placements())
+                  if client.scard(keys.placement(m)) and any(m in s for s in selections)}
+        grouped = set()
+        for scheduler in client.smembers(keys.schedulers()):
+            raw = client.hget(keys.load(scheduler), "models")
+            grouped |= {m for m, entry in json.loads(raw).items() if entry.get("groups", 0)} if raw else set()
+        if placed <= grouped:
+            return
+        if time.monotonic() > end:
+            raise MeshError(f"no scheduler has a group for {', '.join(sorted(placed - grouped))} after {timeout_s}s")
+        time.sleep(0.05)
 
 
 def reap_children() -> None:

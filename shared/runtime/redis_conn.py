@@ -79,24 +79,23 @@ def redacted(url: str) -> str:
 
 async def wake_on(redis: aioredis.Redis, channel: str, changed: asyncio.Event) -> None:
     """Sets `changed` on every message published to `channel`, until cancelled: a refresh loop waiting on
-    it with its period as the timeout reads a change at once instead of at its next period. A lost
-    connection (Redis restarted) is subscribed again, tries RESUBSCRIBE_S apart doubling up to 2 s, and
-    `changed` set once back, since what was published meanwhile was missed; unguarded, the first restart
-    ended the task and left the loop on its period for good."""
-    wait, lost = RESUBSCRIBE_S, False
+    it with its period as the timeout reads a change at once instead of at its next period. `changed` is set
+    each time the subscription starts, the first time too: what was published before it was missed (a worker
+    registering while its scheduler starts). A lost connection (Redis restarted) is subscribed again, tries
+    RESUBSCRIBE_S apart doubling up to 2 s; unguarded, the first restart ended the task and left the loop on
+    its period for good."""
+    wait = RESUBSCRIBE_S
 
     def subscribed() -> None:
-        nonlocal wait, lost
-        if lost:
-            changed.set()
-        wait, lost = RESUBSCRIBE_S, False
+        nonlocal wait
+        changed.set()
+        wait = RESUBSCRIBE_S
 
     while True:
         try:
             await _wake_while_subscribed(redis, channel, changed, subscribed)
             raise asyncio.CancelledError
         except (RedisConnectionError, RedisTimeoutError):
-            lost = True
             await asyncio.sleep(wait)
             wait = min(2 * wait, 2.0)
 

@@ -22,6 +22,8 @@ async def test_an_event_on_the_channel_wakes_the_waiter_and_cancel_stops_the_wat
     watch = asyncio.create_task(wake_on(redis, channel, changed))
     try:
         await subscribed(redis, channel)
+        await asyncio.wait_for(changed.wait(), 5.0)   # once subscribed: what was published before was missed
+        changed.clear()
         await redis.publish(Keys("other").events(), "serving scheduler-0@node-1")   # another mesh's channel
         await asyncio.sleep(0.2)
         assert not changed.is_set()
