@@ -26,7 +26,7 @@ def run() -> int:
 
 def _forked(argv: list[str]) -> int | None:
     """The command's exit status when the warm launcher ran it; None: run it here."""
-    from academus.shared.runtime.config import LAUNCHER
+    from academus.shared.runtime.config import LAUNCHER, child_env
 
     path = LAUNCHER.get()
     if not path or _command(argv) not in FORKED_COMMANDS:
@@ -35,7 +35,7 @@ def _forked(argv: list[str]) -> int | None:
 
     from academus.shared.cli.launcher import Launch, run_attached
 
-    env = {k: v for k, v in os.environ.items() if k != LAUNCHER.name}   # else the forked command would ask again
+    env = child_env({}, without=(LAUNCHER.name,))   # else the forked command would ask the launcher again
     return run_attached(path, Launch("academus.shared.cli", argv, env, cwd=os.getcwd()))
 
 

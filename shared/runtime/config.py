@@ -195,9 +195,10 @@ def replace_environment(values: Mapping[str, str]) -> None:
     os.environ.update(values)
 
 
-def child_env(overrides: Mapping[str, str]) -> dict[str, str]:
-    """This process's environment with `overrides`: what a child process (a service of the mesh) starts with."""
-    return {**os.environ, **overrides}
+def child_env(overrides: Mapping[str, str], without: tuple[str, ...] = ()) -> dict[str, str]:
+    """This process's environment with `overrides` and none of `without`: what a child process (a service of the
+    mesh) starts with."""
+    return {k: v for k, v in {**os.environ, **overrides}.items() if k not in without}
 
 
 @dataclass(frozen=True)
