@@ -182,8 +182,9 @@ def run(child: Child) -> None:
     os.setsid()   # a session of its own, as `academus up` gives each service
     if child.report is not None and len(child.stdio) == 3:
         for target, fd in enumerate(child.stdio):
-            os.dup2(fd, target)
-            os.close(fd)
+            if fd != target:   # a launcher started with a closed stdio descriptor may receive it as its number
+                os.dup2(fd, target)
+                os.close(fd)
         atexit.register(_report_exit, socket.socket(fileno=child.report))
     else:
         _redirect(spec.log)
