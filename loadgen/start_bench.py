@@ -13,37 +13,18 @@ import argparse
 import json
 import os
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from academus.client import Client
+from academus.loadgen.bench import service_cpu_s, stat_cpu_s
 from academus.loadgen.stats import summary
+from academus.shared.cli.launcher import start_launcher
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, MeshState, ServiceProcess, down, up
 from academus.shared.runtime.config import LAUNCHER
 
 ARMS = ("plain", "launcher")
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pid: int) -> float:
-    """User and system CPU a process has used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
-
-
-def start_launcher(socket_path: Path) -> subprocess.Popen:
-    log = socket_path.with_name("launcher.log")
-    with open(log, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "academus.shared.cli.launcher", "--socket", str(socket_path)],
-                                stdout=out, stderr=out, start_new_session=True)
-    while "ready" not in log.read_text():
-        if proc.poll() is not None:
-            raise SystemExit(f"the launcher exited: {log.read_text()}")
-        time.sleep(0.1)
-    return proc
 
 
 def answered(gateway: str, key: str, timeout_s: float = 120.0) -> None:
@@ -67,7 +48,7 @@ def one_round(run_dir: Path, workers: int) -> dict[str, float]:
         key = (run_dir / ADMIN_KEY_FILE).read_text().strip()
         answered(state.gateway, key)
         start_s = time.perf_counter() - began
-        start_cpu_s = sum(cpu_s(s.pid) for s in state.services)
+        start_cpu_s = sum(cpu for name, cpu in service_cpu_s(state).items() if name != "redis")
         worker = next(s for s in state.services if s.service == "worker")
         killed = time.perf_counter()
         os.kill(worker.pid, signal.SIGKILL)
@@ -76,13 +57,13 @@ def one_round(run_dir: Path, workers: int) -> dict[str, float]:
         answered(state.gateway, key)
         restart_s = time.perf_counter() - killed
         return {"start_ms": start_s * 1e3, "start_cpu_ms": start_cpu_s * 1e3, "restart_ms": restart_s * 1e3,
-                "restart_cpu_ms": cpu_s(again.pid) * 1e3}
+                "restart_cpu_ms": stat_cpu_s(Path(f"/proc/{again.pid}/stat").read_text()) * 1e3}
     finally:
         down(run_dir)
 
 
 def restarted(run_dir: Path, worker: ServiceProcess) -> ServiceProcess | None:
-    now = next(s for s in MeshState.load(run_dir).services if s.name == worker.name)
+    now = MeshState.load(run_dir).service(worker.name)
     return now if now.pid != worker.pid else None
 
 
@@ -94,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     rows: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
     with tempfile.TemporaryDirectory(prefix="start-bench-") as tmp:
-        launcher = start_launcher(Path(tmp) / "launcher.sock")
+        launcher = start_launcher(Path(tmp) / "launcher.sock", ready_timeout_s=120)
         try:
             for r in range(args.rounds):
                 for arm in ARMS if r % 2 == 0 else ARMS[::-1]:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -56,12 +54,11 @@ def warm_launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The suite's meshes fork their services from one warm launcher (shared/cli/launcher.py): each start skips
     the imports, most of a worker's. Until it is ready they start as plain processes, so nothing waits for it;
     tests of the plain path unset ACADEMUS_LAUNCHER."""
+    from academus.shared.cli.launcher import start_launcher
     from academus.shared.runtime.config import LAUNCHER
 
     socket_path = tmp_path_factory.mktemp("launcher") / "launcher.sock"
-    with open(socket_path.with_name("launcher.log"), "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "academus.shared.cli.launcher", "--socket", str(socket_path)],
-                                stdout=log, stderr=log, start_new_session=True)
+    proc = start_launcher(socket_path)
     os.environ[LAUNCHER.name] = str(socket_path)
     yield socket_path
     os.environ.pop(LAUNCHER.name, None)

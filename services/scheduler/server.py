@@ -61,7 +61,6 @@ class WorkerCalls:
 
     def __init__(self, stubs: Stubs, workers: dict[str, WorkerRef]) -> None:
         self.stubs, self.workers = stubs, workers
-        self._registrations: dict[str, str] = {}   # address -> the registration its channel was opened for
 
     async def __call__(self, worker_id: str, batch: Batch, remaining: float,
                        on_partial: OnPartial | None = None) -> BatchOutput:
@@ -70,20 +69,14 @@ class WorkerCalls:
             raise WorkerLost(f"{worker_id} left the placement", worker_id)
         early = None if on_partial is None else lambda reply: on_partial(output_from_pb(reply))
         try:
-            reply = await call_with_partials(self._stub(worker).Run, batch_to_pb(batch), remaining, early)
+            # a worker that registered again is a new process on its address: called on a new channel
+            reply = await call_with_partials(self.stubs(worker.address, worker.registration).Run, batch_to_pb(batch),
+                                             remaining, early)
         except grpc.aio.AioRpcError as e:
             if e.code() in LOST_CODES and not answered(e):   # the worker itself chose it: not lost
                 raise WorkerLost(f"{worker_id} at {worker.address}: {e.details()}", worker_id) from e
             raise from_rpc_error(e, f"worker {worker_id}") from e
         return output_from_pb(reply)
-
-    def _stub(self, worker: WorkerRef):
-        """The worker's stub, on a fresh channel once it registered again: a restarted process on the same
-        address, which the old channel (backing off from the dead one) would fail at once."""
-        if self._registrations.setdefault(worker.address, worker.registration) != worker.registration:
-            self.stubs.renew(worker.address)
-            self._registrations[worker.address] = worker.registration
-        return self.stubs(worker.address)
 
 
 def traced(send: Send, tracer: Tracer | None = None) -> Send:

@@ -1,5 +1,6 @@
 """`python -m academus.shared.cli`, and `run`: the `academus` command."""
 import importlib.util
+import os
 import sys
 
 # one-shot commands whose start is mostly torch's and transformers' imports: with a warm launcher
@@ -31,8 +32,6 @@ def _forked(argv: list[str]) -> int | None:
     path = LAUNCHER.get()
     if not path or _command(argv) not in FORKED_COMMANDS:
         return None
-    import os
-
     from academus.shared.cli.launcher import Launch, run_attached
 
     env = child_env({}, without=(LAUNCHER.name,))   # else the forked command would ask the launcher again

@@ -31,7 +31,9 @@ import os
 import runpy
 import signal
 import socket
+import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -42,6 +44,7 @@ PRELOAD = ("academus.services.worker.server", "academus.services.scheduler.serve
            "academus.services.gateway.server", "academus.services.resource_manager.server",
            "academus.services.adapter_store.server", "academus.services.trainer.server",
            "academus.services.plot.server", "academus.shared.cli.main")
+READY = "launcher ready"   # its log's first line once it listens
 MAX_REQUEST_BYTES = 1 << 20   # a launch's environment and arguments; a real one is a few KiB
 CONNECT_TIMEOUT_S = 5.0
 
@@ -112,6 +115,22 @@ def launched(spec: Launch) -> int | None:
     return launch(path, spec) if path else None
 
 
+def start_launcher(socket_path: Path, ready_timeout_s: float = 0.0) -> subprocess.Popen:
+    """A launcher process on `socket_path`, its output in `launcher.log` beside it; waits up to `ready_timeout_s`
+    for it to listen (0: not at all, for a caller that starts services plain until it does)."""
+    log = socket_path.with_name("launcher.log")
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "academus.shared.cli.launcher", "--socket", str(socket_path)],
+                                stdout=out, stderr=out, start_new_session=True)
+    end = time.monotonic() + ready_timeout_s
+    while ready_timeout_s and READY not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > end:
+            proc.kill()
+            raise RuntimeError(f"the launcher did not start: {log.read_text()[-2000:]}")
+        time.sleep(0.1)
+    return proc
+
+
 def serve(socket_path: str, preload: tuple[str, ...] = PRELOAD) -> Child:
     """Imports `preload`, then forks a child for each launch asked for on the socket. Returns only in a child,
     with what it is to run; the launcher itself loops until it is killed."""
@@ -128,7 +147,7 @@ def serve(socket_path: str, preload: tuple[str, ...] = PRELOAD) -> Child:
     finally:
         os.umask(mask)
     listener.listen(64)
-    print(f"launcher ready at {path} (pid {os.getpid()})", flush=True)
+    print(f"{READY} at {path} (pid {os.getpid()})", flush=True)
     while True:
         conn, _ = listener.accept()
         with conn:

@@ -127,6 +127,10 @@ class MeshState:
         return channel_credentials(True, Path(self.tls_ca).read_bytes(), None, None) \
             if self.tls_ca and proc.service == "gateway" else None
 
+    def service(self, name: str) -> ServiceProcess:
+        """The process named `name` (worker-0, scheduler, gateway-1, ...)."""
+        return next(s for s in self.services if s.name == name)
+
     def gateways(self) -> list[str]:
         """Where to reach each gateway process: its own port when several share the mesh's, else the mesh's."""
         own = [s.address for s in self.services if s.name.startswith("gateway")]

@@ -283,7 +283,7 @@ class Supervisor:
             self.state.redis_pid = restart_redis(self.state)
             self.state.redis_restarts += 1
             return self.state.redis_pid, False
-        proc = next(s for s in self.state.services if s.name == name)
+        proc = self.state.service(name)
         standby = self.standbys.take(proc)
         self._replace(proc, standby or start_process(proc), time.monotonic())
         return proc.pid, standby is not None

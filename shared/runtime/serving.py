@@ -261,7 +261,8 @@ class Stubs:
         self.local = local
         self._stubs: dict[str, object] = {}
         self._channels: dict[str, Any] = {}   # what each stub calls through (a channel or its multiplexed stand-in)
-        self._renewed: set[str] = set()       # addresses whose channels connect on their own (see renew)
+        self._incarnations: dict[str, str] = {}   # address -> the process its channel was opened for
+        self._renewed: set[str] = set()       # addresses whose channels connect on their own (see _renew)
 
     @classmethod
     def for_hops(cls, stub_class: type, config: CommonConfig) -> Stubs:
@@ -269,7 +270,12 @@ class Stubs:
         node-local where the peer is (local_plane)."""
         return cls(stub_class, config.hop_streams, config.frame_batches, config.local_plane)
 
-    def __call__(self, address: str):
+    def __call__(self, address: str, incarnation: str = ""):
+        """The stub for `address`. `incarnation` names the process serving there (a worker's registration): a new
+        one, a restart on the same ports, gets a new channel."""
+        if self._incarnations.setdefault(address, incarnation) != incarnation:
+            self._incarnations[address] = incarnation
+            self._renew(address)
         stub = self._stubs.get(address)
         if stub is None:
             opened = over_streams(channel(address, address in self._renewed), self.multiplexed, self.batches,
@@ -278,10 +284,9 @@ class Stubs:
             self._channels[address] = opened
         return stub
 
-    def renew(self, address: str) -> None:
-        """The next call to `address` opens a fresh channel: a new process serves there (a restart on the same
-        ports), and the old channel would still be backing off from the dead one's refusals. The old one is
-        closed once the calls it carries have had their time."""
+    def _renew(self, address: str) -> None:
+        """The next call to `address` opens a fresh channel: the old one would still be backing off from the dead
+        process's refusals. The old one is closed once the calls it carries have had their time."""
         self._stubs.pop(address, None)
         self._renewed.add(address)
         old = self._channels.pop(address, None)

@@ -81,7 +81,7 @@ def metric(port: int, name: str, **labels: str) -> float:
 
 
 def service(mesh: MeshState, name: str):
-    return next(s for s in mesh.services if s.name == name)
+    return mesh.service(name)
 
 
 def wait_for(predicate, timeout_s: float = 20.0, what: str = "") -> None:

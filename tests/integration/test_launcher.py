@@ -17,11 +17,10 @@ from pathlib import Path
 import pytest
 
 from academus.client import Client
-from academus.shared.cli.launcher import Launch, launch
+from academus.shared.cli.launcher import Launch, launch, start_launcher
 from academus.shared.cli.mesh import (
     ADMIN_KEY_FILE,
     MeshState,
-    ServiceProcess,
     down,
     pid_alive,
     wait_exit,
@@ -46,14 +45,7 @@ raise SystemExit(3)
 def launcher_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
     """A launcher of its own (the suite's may still be importing), ready before the tests ask."""
     path = tmp_path_factory.mktemp("own-launcher") / "l.sock"
-    log = path.with_name("launcher.log")
-    with open(log, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "academus.shared.cli.launcher", "--socket", str(path)],
-                                stdout=out, stderr=out, start_new_session=True)
-    end = time.monotonic() + 120
-    while "ready" not in log.read_text() and time.monotonic() < end:
-        assert proc.poll() is None, log.read_text()
-        time.sleep(0.1)
+    proc = start_launcher(path, ready_timeout_s=120)
     yield str(path), proc.pid
     proc.terminate()
     proc.wait(10)
@@ -141,7 +133,8 @@ def test_a_mesh_forks_its_services_from_the_launcher_and_the_supervisor_restarts
             worker = next(s for s in state.services if s.service == "worker")
             os.kill(worker.pid, signal.SIGKILL)
             end = time.monotonic() + 60
-            while time.monotonic() < end and (again := service_named(tmp_path / "run", worker.name)).pid == worker.pid:
+            while time.monotonic() < end and (again := MeshState.load(tmp_path / "run").service(worker.name)).pid \
+                    == worker.pid:
                 time.sleep(0.1)
             assert again.pid != worker.pid and parent_pid(again.pid) == launcher_pid
             wait_healthy(again.address, 60, again)
@@ -150,9 +143,6 @@ def test_a_mesh_forks_its_services_from_the_launcher_and_the_supervisor_restarts
         down(tmp_path / "run")
     assert all(wait_exit(s.pid, 5) for s in state.services)
 
-
-def service_named(run_dir: Path, name: str) -> ServiceProcess:
-    return next(s for s in MeshState.load(run_dir).services if s.name == name)
 
 
 def test_an_attached_run_gets_the_callers_stdio_and_gives_back_its_exit_status(launcher: str, tmp_path: Path) -> None:
