@@ -142,7 +142,7 @@ def start(args: argparse.Namespace) -> MeshState:
     models = [*MODELS, *([CHURN_BASE] if args.soak else [])]   # a soak's tenants' adapters sit on the base
     options = MeshOptions(run_dir=args.out / "run", gateway_port=0, workers=args.workers, gateways=args.gateways,
                           worker_threads=args.worker_threads, env={"ACADEMUS_MODELS": ",".join(models)},
-                          standby=args.standby)
+                          standby=args.standby, launcher=args.launcher)
     return up(replace(options, deployments=[replace(d, shards=args.shards) for d in default_deployments(options)]))
 
 
@@ -916,6 +916,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-threads", type=int, default=1, help="torch threads a worker")
     p.add_argument("--standby", action="store_true",
                    help="a standby process per worker, scheduler and gateway (`up --standby`)")
+    p.add_argument("--no-launcher", dest="launcher", action="store_false",
+                   help="services start and restart as plain processes (`academus up --no-launcher`)")
     p.add_argument("--clients", type=int, default=200, help="clients clients-kill kills, each its own connection")
     p.add_argument("--client-processes", type=int, default=8, help="the processes they run in")
     p.add_argument("--client-requests", type=int, default=2, help="requests each client has on the wire")

@@ -1,10 +1,13 @@
 """Service starts with and without the warm launcher (shared/cli/launcher.py): `academus up` to a mesh that
-answers, the CPU its processes spent getting there, and a killed worker's restart by the supervisor until it
-answers again. Fresh meshes, the two arms alternating, several rounds.
+answers, the CPU its processes spent getting there (the mesh's own launcher's included), and a killed worker's
+restart by the supervisor until it answers again. Fresh meshes, the arms in turn (the order reversed every other
+round), several rounds. Arms: `plain` (`up --no-launcher`), `own` (`up` as it is by default: a launcher of its
+own, importing while the light services start) and `shared` (a launcher already warm, named by ACADEMUS_LAUNCHER,
+as the test suite's meshes have).
 
     python -m academus.loadgen.start_bench [--rounds 4] [--workers 1] [--out FILE]
 
-It starts a launcher of its own (and stops it). Prints one JSON object.
+Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from academus.shared.cli.launcher import start_launcher
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, MeshState, ServiceProcess, down, up
 from academus.shared.runtime.config import LAUNCHER
 
-ARMS = ("plain", "launcher")
+ARMS = ("plain", "own", "shared")
 
 
 def answered(gateway: str, key: str, timeout_s: float = 120.0) -> None:
@@ -40,15 +43,16 @@ def answered(gateway: str, key: str, timeout_s: float = 120.0) -> None:
                 time.sleep(0.05)
 
 
-def one_round(run_dir: Path, workers: int) -> dict[str, float]:
+def one_round(run_dir: Path, workers: int, launcher: bool) -> dict[str, float]:
     began = time.perf_counter()
     state = up(MeshOptions(run_dir=run_dir, gateway_port=0, workers=workers, worker_threads=1,
-                           deployments=[Deployment("fifo")]))
+                           deployments=[Deployment("fifo")], launcher=launcher))
     try:
         key = (run_dir / ADMIN_KEY_FILE).read_text().strip()
         answered(state.gateway, key)
         start_s = time.perf_counter() - began
-        start_cpu_s = sum(cpu for name, cpu in service_cpu_s(state).items() if name != "redis")
+        own = stat_cpu_s(Path(f"/proc/{state.launcher_pid}/stat").read_text()) if state.launcher_pid else 0.0
+        start_cpu_s = own + sum(cpu for name, cpu in service_cpu_s(state).items() if name != "redis")
         worker = next(s for s in state.services if s.service == "worker")
         killed = time.perf_counter()
         os.kill(worker.pid, signal.SIGKILL)
@@ -79,18 +83,19 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for r in range(args.rounds):
                 for arm in ARMS if r % 2 == 0 else ARMS[::-1]:
-                    if arm == "launcher":
+                    if arm == "shared":
                         os.environ[LAUNCHER.name] = str(Path(tmp) / "launcher.sock")
                     else:
                         os.environ.pop(LAUNCHER.name, None)
-                    rows[arm].append(one_round(Path(tmp) / f"run-{arm}-{r}", args.workers))
+                    rows[arm].append(one_round(Path(tmp) / f"run-{arm}-{r}", args.workers, arm != "plain"))
         finally:
             os.environ.pop(LAUNCHER.name, None)
             launcher.terminate()
     result = {"rounds": args.rounds, "workers": args.workers,
               **{arm: {k: summary([row[k] for row in rows[arm]]) for k in rows[arm][0]} for arm in ARMS}}
-    result["plain_over_launcher_p50"] = {k: round(result["plain"][k]["p50"] / result["launcher"][k]["p50"], 2)
-                                         for k in rows["plain"][0]}
+    for arm in ARMS[1:]:
+        result[f"plain_over_{arm}_p50"] = {k: round(result["plain"][k]["p50"] / result[arm][k]["p50"], 2)
+                                           for k in rows["plain"][0]}
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

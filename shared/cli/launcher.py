@@ -4,20 +4,21 @@ from itself, so a start skips the imports.
     python -m academus.shared.cli.launcher --socket PATH      (then ACADEMUS_LAUNCHER=PATH for `academus up`)
 
 A worker's start is mostly imports: torch and transformers take about 3.7 s of CPU of the 5 s it takes on this
-project's 2-core machine; every other service imports for about 0.4 s. Where meshes start again and again on
-one machine (the test suite, the benches' fresh meshes a round and arm, a supervisor restarting what died),
-`academus up` and the supervisor ask the launcher named by ACADEMUS_LAUNCHER instead of executing Python
-afresh. The forked child is the same program in the same state as a fresh one after its imports: it takes the
-environment, log, working directory and session it is sent, then runs the service's `__main__`. The `academus`
-command runs its one-shot commands that import torch (`shard`, `ramps`, `tenants`, `distill`, ...) the same way,
-attached: the child gets the caller's stdin, stdout and stderr (passed over the socket), and its exit status comes
-back to the caller, which passes SIGINT and SIGTERM on to it.
+project's 2-core machine; every other service imports for about 0.4 s. `academus up` starts a launcher of its own
+(its socket in the run directory, or the temporary folder where that path is too long for a socket), forks its
+workers and every later service from it, and the supervisor restarts what died through it, and the launcher itself
+when it dies. Where meshes start again and again on one machine (the test suite, the benches' fresh meshes), one
+launcher named by ACADEMUS_LAUNCHER serves them all. The forked child is the same program in the same state as a
+fresh one after its imports: it takes the environment, log, working directory and session it is sent, then runs
+the service's `__main__`. The `academus` command runs its one-shot commands that import torch (`shard`, `ramps`,
+`tenants`, `distill`, ...) the same way, attached: the child gets the caller's stdin, stdout and stderr (passed
+over the socket), and its exit status comes back to the caller, which passes SIGINT and SIGTERM on to it.
 
 The launcher forks before anything in it starts a thread of its own or touches a GPU: a forked CUDA context is
 unusable, so it refuses to run once CUDA is initialised. Children are not its to wait for (SIGCHLD is ignored:
 the kernel reaps them); whoever started a service watches its pid, as with any process. Code changed on disk
-after the launcher started is not seen by its children: restart it after an upgrade. When ACADEMUS_LAUNCHER
-names no live launcher, services start as plain processes.
+after the launcher started is not seen by its children: restart it after an upgrade. When no launcher listens
+at the socket (not ready yet, or dead), services start as plain processes.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from academus.shared.runtime.config import LAUNCHER, replace_environment
+from academus.shared.runtime.config import replace_environment
 
 # what the services import at their start: `academus.services.<name>` runs `<name>.server`'s main
 PRELOAD = ("academus.services.worker.server", "academus.services.scheduler.server",
@@ -109,26 +110,37 @@ def _signal(pid: int, signum: int) -> None:
         os.kill(pid, signum)
 
 
-def launched(spec: Launch) -> int | None:
-    """`spec` started by the launcher ACADEMUS_LAUNCHER names; None: none is set or it did not answer."""
-    path = LAUNCHER.get()
-    return launch(path, spec) if path else None
-
-
-def start_launcher(socket_path: Path, ready_timeout_s: float = 0.0) -> subprocess.Popen:
-    """A launcher process on `socket_path`, its output in `launcher.log` beside it; waits up to `ready_timeout_s`
-    for it to listen (0: not at all, for a caller that starts services plain until it does)."""
-    log = socket_path.with_name("launcher.log")
+def start_launcher(socket_path: Path, ready_timeout_s: float = 0.0, log: Path | None = None) -> subprocess.Popen:
+    """A launcher process on `socket_path`, its output appended to `log` (default: `launcher.log` beside the
+    socket); waits up to `ready_timeout_s` for it to listen (0: not at all, for a caller that starts services
+    plain until it does)."""
+    log = log or socket_path.with_name("launcher.log")
     with open(log, "ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "academus.shared.cli.launcher", "--socket", str(socket_path)],
                                 stdout=out, stderr=out, start_new_session=True)
-    end = time.monotonic() + ready_timeout_s
-    while ready_timeout_s and READY not in log.read_text():
-        if proc.poll() is not None or time.monotonic() > end:
-            proc.kill()
-            raise RuntimeError(f"the launcher did not start: {log.read_text()[-2000:]}")
-        time.sleep(0.1)
+    if ready_timeout_s and not wait_ready(proc.pid, log, ready_timeout_s):
+        proc.kill()
+        raise RuntimeError(f"the launcher did not start: {log.read_text()[-2000:]}")
     return proc
+
+
+def wait_ready(pid: int, log: Path, timeout_s: float) -> bool:
+    """Whether the launcher `pid`, logging to `log`, listens within `timeout_s` (False: it exited or is late)."""
+    end = time.monotonic() + timeout_s
+    while not (log.exists() and any(line.startswith(READY) and line.endswith(f"(pid {pid})")
+                                    for line in log.read_text().splitlines())):
+        if not _running(pid) or time.monotonic() > end:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a child of the caller not yet reaped has exited all the same)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def serve(socket_path: str, preload: tuple[str, ...] = PRELOAD) -> Child:

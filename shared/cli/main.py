@@ -80,6 +80,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--standby", action="store_true",
                    help="the supervisor keeps a standby process per worker, scheduler and gateway, built and waiting "
                         "(a second copy of each one's memory): a dead one's replacement starts serving at once")
+    s.add_argument("--no-launcher", dest="launcher", action="store_false",
+                   help="start every service as a plain process, not forked from a warm launcher (by default `up` "
+                        "starts one, or uses ACADEMUS_LAUNCHER's: a restarted worker then skips its imports)")
     s.set_defaults(func=cmd_up)
 
     s = sub.add_parser("down", help="stop the mesh started from this run directory")
@@ -246,7 +249,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                           gateway_port=args.port, workers=args.workers, worker_threads=args.worker_threads,
                           instances=args.instances, deployments=deployments, gpus=args.gpus,
                           gateways=args.gateways, nodes=args.nodes, tls=args.tls, mutual_tls=args.mtls,
-                          standby=args.standby, owner_pid=None if args.detach else os.getpid())
+                          standby=args.standby, launcher=args.launcher,
+                          owner_pid=None if args.detach else os.getpid())
     try:
         up(options)
     except MeshError as e:   # refused before it started (a setting, or a mesh already running there)
@@ -287,6 +291,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"{'redis':<16} {redis['url']:<28} {redis['health']:<12} restarts {redis['restarts']}")
         for s in report["services"]:
             print(f"{s['name']:<16} {s['address']:<28} {s['health']:<12} restarts {s['restarts']}")
+        launcher = report["launcher"]
+        print(f"{'launcher':<16} {'pid ' + str(launcher['pid'] or '-'):<28} {launcher['health']:<12} "
+              f"restarts {launcher['restarts']}")
         print(f"{'supervisor':<16} {'pid ' + str(report['supervisor']['pid'] or '-'):<28} "
               f"{report['supervisor']['health']}")
         for i, d in enumerate(report["deployments"]):

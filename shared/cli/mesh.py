@@ -20,13 +20,15 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from academus.shared.cli.launcher import Launch, launched
+from academus.shared.cli.launcher import Launch, launch, start_launcher, wait_ready
 from academus.shared.cli.pki import CLI, TLS_DIR, Pki, PkiError, make_pki
 from academus.shared.cli.redis_server import RedisServer, free_port
 from academus.shared.cli.standby import HANDOVER_SERVICES
 from academus.shared.cli.standby import READY as STANDBY_READY
 from academus.shared.runtime.config import (
     EVERY_MODEL,
+    LAUNCHER,
+    LAUNCHER_OFF,
     MESH_TOKEN,
     POLICY_NAMES,
     ModelSelection,
@@ -40,6 +42,7 @@ from academus.shared.runtime.config import (
 )
 from academus.shared.runtime.gpu import MPS_SETTING, gpu_count, mps_plan
 from academus.shared.runtime.handover import Handover
+from academus.shared.runtime.local_plane import socket_dir
 from academus.shared.runtime.logs import logged_events
 from academus.shared.runtime.redis_conn import redacted, with_password
 from academus.shared.runtime.tls import MeshTls, channel_credentials, open_channel_sync, use_mesh
@@ -52,6 +55,8 @@ STATE_FILE = "mesh.json"
 ADMIN_KEY_FILE = "admin.key"
 RESOURCE_MANAGER_SETTING = "ACADEMUS_RESOURCE_MANAGER"   # a worker's setting: where to register
 SUPERVISOR_LOG = "supervisor.log"
+LAUNCHER_LOG = "launcher.log"
+MAX_SOCKET_PATH = 100   # a Unix socket's path must fit in sun_path (108 bytes)
 HANDOVER_DIR = "handover"   # the standbys' handover files (runtime/handover.py)
 HANDOVER_SETTING = env_name("handover")
 
@@ -101,6 +106,9 @@ class MeshState:
     mesh_token: str = ""  # what every call to an internal service carries (ACADEMUS_MESH_TOKEN)
     standby: bool = False  # the supervisor keeps a standby process per worker, scheduler and gateway
     owner_pid: int | None = None  # the process whose end stops the mesh; None: it runs until `academus down`
+    launcher: str = ""   # the warm launcher's socket its services are forked from (shared/cli/launcher.py); "": none
+    launcher_pid: int | None = None   # set when the mesh owns that launcher (the supervisor restarts it)
+    launcher_restarts: int = 0
 
     def save(self) -> None:
         """Written whole, then renamed: a reader (status, down) never sees half of it. Mode 0600: the Redis
@@ -200,6 +208,8 @@ class MeshOptions:
     tls: bool = False                           # the gateway serves TLS, its certificate from a new local CA
     mutual_tls: bool = False                    # and the services mutual TLS among themselves (implies tls)
     standby: bool = False                       # a standby per worker, scheduler and gateway, built
+    # fork services from a warm launcher: ACADEMUS_LAUNCHER's when set, else one the mesh starts and owns
+    launcher: bool = True
     # the process whose end stops the mesh (the supervisor downs it): by default the one calling up(), a bench or
     # a test, so that one killed before its `down` leaves nothing running; None (`academus up --detach`): never
     owner_pid: int | None = field(default_factory=os.getpid)
@@ -227,12 +237,15 @@ def up(options: MeshOptions) -> MeshState:
                       mesh_token=token, standby=options.standby and options.supervise, owner_pid=options.owner_pid,
                       **tls)
     state.save()
+    _start_own_launcher(options, state)
     worker_envs = _worker_envs(options)
     # A GPU worker must find the MPS daemon, which the resource manager starts, when it first touches CUDA. Without
     # one every service starts at once (each start is mostly imports) and the workers are told its address.
     mps_first = any(MPS_SETTING in env for env in worker_envs)
     try:
         for name, envs in _plan(options, worker_envs):
+            if name == "worker":   # the rest import little: they start plain while the launcher imports torch
+                _await_launcher(state, options.ready_timeout_s)
             for i, extra in enumerate(envs):
                 if name == "worker":
                     manager = next(s for s in state.services if s.service == "resource_manager")
@@ -255,6 +268,43 @@ def up(options: MeshOptions) -> MeshState:
         down(run_dir)
         raise
     return state
+
+
+def _start_own_launcher(options: MeshOptions, state: MeshState) -> None:
+    """Names the launcher the services fork from: ACADEMUS_LAUNCHER's (shared, not the mesh's), else a new one
+    of the mesh's own, which imports while Redis and the light services start."""
+    shared = options.env.get(LAUNCHER.name) or LAUNCHER.get()
+    if not options.launcher or shared == LAUNCHER_OFF:
+        return
+    if shared:
+        state.launcher = shared
+    else:
+        state.launcher = str(launcher_socket(Path(state.run_dir)))
+        state.launcher_pid = start_own_launcher(state)
+    state.save()
+
+
+def launcher_socket(run_dir: Path) -> Path:
+    """In the run directory, unless that path is too long for a socket: then in the temporary folder."""
+    path = run_dir.resolve() / "launcher.sock"
+    if len(str(path)) <= MAX_SOCKET_PATH:
+        return path
+    folder = socket_dir()
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return folder / f"launcher-{secrets.token_hex(6)}.sock"
+
+
+def start_own_launcher(state: MeshState) -> int:
+    """The mesh's own launcher (again), its output in logs/launcher.log; its pid."""
+    return start_launcher(Path(state.launcher), log=Path(state.run_dir) / "logs" / LAUNCHER_LOG).pid
+
+
+def _await_launcher(state: MeshState, timeout_s: float) -> None:
+    """Waits for the mesh's own launcher to listen before the services that would import torch; one that exits
+    or is late leaves them to start plain (it is a shortcut, never a condition of the start)."""
+    if state.launcher_pid and not wait_ready(state.launcher_pid, Path(state.run_dir) / "logs" / LAUNCHER_LOG,
+                                             timeout_s):
+        print(f"academus: the launcher did not start; services start plain (see {LAUNCHER_LOG})", file=sys.stderr)
 
 
 def start_supervisor(state: MeshState, timeout_s: float) -> MeshState:
@@ -405,16 +455,17 @@ def _spawn(name: str, index: int, options: MeshOptions, state: MeshState,
         settings[HANDOVER_SETTING] = str(Path(state.run_dir) / HANDOVER_DIR / label)
     proc = ServiceProcess(label, 0, f"127.0.0.1:{own_port or port}", metrics_port,
                           str(Path(state.run_dir) / "logs" / f"{label}.log"), settings)
-    proc.pid = start_process(proc)
+    proc.pid = start_process(proc, state.launcher)
     return proc
 
 
-def start_process(proc: ServiceProcess) -> int:
+def start_process(proc: ServiceProcess, launcher: str = "") -> int:
     """Starts the service `proc` describes (again, for the supervisor: the same ports, id and settings, so
     its address and registration stay the same), its output appended to its log; returns the pid. Forked from
-    the warm launcher when ACADEMUS_LAUNCHER names one (shared/cli/launcher.py), else a new process."""
+    the warm launcher listening at `launcher` (shared/cli/launcher.py), else a new process."""
     module = f"academus.services.{proc.service}"
-    pid = launched(Launch(module, env=child_env(proc.env), log=proc.log, cwd=os.getcwd()))
+    pid = launch(launcher, Launch(module, env=child_env(proc.env), log=proc.log, cwd=os.getcwd())) if launcher \
+        else None
     return pid if pid is not None else _popen(proc, module).pid
 
 
@@ -501,6 +552,10 @@ def down(run_dir: Path, timeout_s: float = 30.0) -> list[str]:
     for proc in reversed(state.services):
         _terminate(proc.pid, timeout_s)
         stopped.append(proc.name)
+    if state.launcher_pid:
+        _terminate(state.launcher_pid, timeout_s)
+        Path(state.launcher).unlink(missing_ok=True)
+        stopped.append("launcher")
     if state.redis_pid:
         with contextlib.suppress(redis.exceptions.ConnectionError):
             redis.Redis.from_url(state.redis_url).shutdown()
@@ -528,6 +583,9 @@ def status(run_dir: Path) -> dict:
                       "health": health(s.address, credentials=state.credentials(s)) if pid_alive(s.pid) else "EXITED",
                       "restarts": s.restarts, "standby_pid": s.standby_pid}
                      for s in state.services],
+        "launcher": {"socket": state.launcher, "pid": state.launcher_pid, "restarts": state.launcher_restarts,
+                     "health": "OFF" if not state.launcher else "SHARED" if not state.launcher_pid
+                     else "RUNNING" if pid_alive(state.launcher_pid) else "EXITED"},
         "supervisor": {"pid": supervisor,
                        "health": "OFF" if not supervisor else "RUNNING" if pid_alive(supervisor) else "EXITED"},
         "deployments": state.deployments,

@@ -1,4 +1,4 @@
-"""The local mesh's supervisor: restarts a service process, or the mesh's own Redis, that dies.
+"""The local mesh's supervisor: restarts a service process, or the mesh's own Redis or launcher, that dies.
 
     python -m academus.shared.cli.supervisor --run-dir DIR      (started by `academus up`, stopped by `down`)
 
@@ -6,12 +6,14 @@ It takes the processes over from `up()` by recording its pid in mesh.json, then 
 has died is started again with the settings it had (the same ports, id and registration, so the gateway's
 public port and every address in Redis stay the same) after a backoff that doubles from 0.2 s to 5 s and
 starts again at 0.2 s for a process that had stayed up 10 s. Each restart is logged (logs/supervisor.log)
-and counted in mesh.json (`academus status` shows the counts). `academus down` stops it before the services,
-so nothing it stops is restarted. With `up --standby` it keeps a standby process per worker, scheduler and
-gateway (shared/cli/standby.py), built and waiting: a dead one's replacement is its standby, told to go, and a
-new standby starts behind it. A SIGTERM'd scheduler or gateway asks for its standby before it drains, and the
-standby goes while it still runs (shared/runtime/handover.py). A mesh with an owner (the process that called
-`up()`, unless `academus up --detach`) is stopped when that process ends, however it ended: a bench killed
+and counted in mesh.json (`academus status` shows the counts). While the mesh's warm launcher listens
+(shared/cli/launcher.py), a service starts again forked from it, skipping its imports; else as a plain process.
+`academus down` stops the supervisor before the services, so nothing it stops is restarted. With
+`up --standby` it keeps a standby process per worker, scheduler and gateway (shared/cli/standby.py), built and
+waiting: a dead one's replacement is its standby, told to go, and a new standby starts behind it. A SIGTERM'd
+scheduler or gateway asks for its standby before it drains, and the standby goes while it still runs
+(shared/runtime/handover.py). A mesh with an owner (the process that called `up()`, unless `academus up
+--detach`) is stopped when that process ends, however it ended: a bench killed
 before its own `down` would otherwise leave a whole mesh running, and this supervisor restarting it.
 """
 
@@ -34,6 +36,7 @@ from academus.shared.cli.mesh import (
     down,
     pid_alive,
     restart_redis,
+    start_own_launcher,
     start_process,
     start_standby,
 )
@@ -41,6 +44,7 @@ from academus.shared.cli.standby import GO, SERVICES
 from academus.shared.runtime.logs import log_event, setup_logging
 
 REDIS = "redis"
+OWN_LAUNCHER = "launcher"
 
 
 @dataclass(frozen=True)
@@ -178,6 +182,7 @@ class Supervisor:
 
     def pids(self) -> dict[str, int]:
         own = {REDIS: self.state.redis_pid} if self.state.redis_pid else {}
+        own |= {OWN_LAUNCHER: self.state.launcher_pid} if self.state.launcher_pid else {}
         return own | {s.name: s.pid for s in self.state.services}
 
     def run(self) -> None:
@@ -283,9 +288,13 @@ class Supervisor:
             self.state.redis_pid = restart_redis(self.state)
             self.state.redis_restarts += 1
             return self.state.redis_pid, False
+        if name == OWN_LAUNCHER:   # until it listens again, what dies restarts plain
+            self.state.launcher_pid = start_own_launcher(self.state)
+            self.state.launcher_restarts += 1
+            return self.state.launcher_pid, False
         proc = self.state.service(name)
         standby = self.standbys.take(proc)
-        self._replace(proc, standby or start_process(proc), time.monotonic())
+        self._replace(proc, standby or start_process(proc, self.state.launcher), time.monotonic())
         return proc.pid, standby is not None
 
 

@@ -75,9 +75,13 @@ TRACES_SAMPLER = Variable("OTEL_TRACES_SAMPLER", "`ACADEMUS_TRACE_RATIO` decides
                           "the OpenTelemetry SDK's sampler decides which requests are traced")
 HF_OFFLINE = Variable("HF_HUB_OFFLINE", "the CLI and the training commands set it to `1`",
                       "Hugging Face libraries never reach a hub (models come from packages or mounted folders)")
-LAUNCHER = Variable("ACADEMUS_LAUNCHER", "services start as plain processes",
-                    "a warm launcher's Unix socket (`python -m academus.shared.cli.launcher --socket PATH`): "
-                    "`academus up` and the supervisor fork services from it, skipping their imports")
+LAUNCHER = Variable("ACADEMUS_LAUNCHER", "`academus up` starts a launcher of its own, which the heavy one-shot "
+                    "commands use while the mesh runs",
+                    "a warm launcher's Unix socket (`python -m academus.shared.cli.launcher --socket PATH`), shared "
+                    "by every mesh started with it: `academus up` and the supervisor fork services from it, skipping "
+                    "their imports, and the heavy one-shot commands (`shard`, `heads`, ...) run forked from it; `off`: "
+                    "no launcher, every process started plain (as `up --no-launcher`)")
+LAUNCHER_OFF = "off"
 CUDA_DEVICES = Variable("CUDA_VISIBLE_DEVICES", "every GPU",
                         "one GPU index: a worker reports its placement device as `cuda:<index>` (`academus up` "
                         "pins each GPU worker this way)")

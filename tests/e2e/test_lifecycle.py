@@ -37,8 +37,8 @@ def busy_worker(state) -> object:
 
 
 def test_sigterm_finishes_in_flight_work_then_deregisters_and_lost_worker_is_unavailable(tmp_path, monkeypatch):
-    monkeypatch.delenv(LAUNCHER.name)   # plain processes, as without a warm launcher (the suite's others use one)
-    state = start_mesh(tmp_path / "run", workers=2)
+    monkeypatch.delenv(LAUNCHER.name)   # plain processes, as `up --no-launcher` starts (the suite's others fork)
+    state = start_mesh(tmp_path / "run", workers=2, launcher=False)
     assert {parent_pid(s.pid) for s in state.services} == {os.getpid()}
     key = (tmp_path / "run" / ADMIN_KEY_FILE).read_text().strip()
     keys, r = Keys(state.key_prefix), redis.Redis.from_url(state.redis_url, decode_responses=True)

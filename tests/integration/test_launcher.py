@@ -1,6 +1,6 @@
 """The warm launcher (shared/cli/launcher.py) as a real process on a real Unix socket: what a forked child
 gets (environment, log, working directory, session, arguments, exit), that the launcher outlives bad requests,
-and that `academus up` without one starts plain processes."""
+and that `academus up` without a shared one starts its own, which its supervisor restarts."""
 
 from __future__ import annotations
 
@@ -11,22 +11,25 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from academus.client import Client
-from academus.shared.cli.launcher import Launch, launch, start_launcher
+from academus.shared.cli.launcher import Launch, launch, start_launcher, wait_ready
 from academus.shared.cli.mesh import (
     ADMIN_KEY_FILE,
     MeshState,
     down,
+    launcher_socket,
     pid_alive,
+    status,
     wait_exit,
     wait_healthy,
 )
 from academus.shared.runtime.config import LAUNCHER
+from academus.shared.runtime.local_plane import socket_dir
 from tests.conftest import parent_pid
 from tests.e2e.conftest import start_mesh
 
@@ -145,6 +148,52 @@ def test_a_mesh_forks_its_services_from_the_launcher_and_the_supervisor_restarts
 
 
 
+def test_up_without_one_starts_its_own_which_the_supervisor_restarts_and_down_stops(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(LAUNCHER.name)
+    run = tmp_path / "run"
+    state = start_mesh(run, supervise=True)
+    try:
+        own, socket_path = state.launcher_pid, Path(state.launcher)
+        assert own and pid_alive(own) and socket_path == run.resolve() / "launcher.sock"
+        worker = state.service("worker-0")
+        # the workers wait for it (torch); the services after them are forked too
+        assert parent_pid(worker.pid) == own and parent_pid(state.service("gateway").pid) == own
+        os.kill(own, signal.SIGKILL)
+        again = _changed(run, lambda s: s.launcher_pid, own)
+        assert again.launcher_pid != own and wait_ready(again.launcher_pid, run / "logs" / "launcher.log", 60)
+        reported = status(run)["launcher"]
+        assert (reported["health"], reported["restarts"], reported["socket"]) == ("RUNNING", 1, str(socket_path))
+        os.kill(worker.pid, signal.SIGKILL)
+        restarted = _changed(run, lambda s: s.service(worker.name).pid, worker.pid).service(worker.name)
+        assert parent_pid(restarted.pid) == again.launcher_pid   # through the new launcher
+        wait_healthy(restarted.address, 60, restarted)
+        key = (run / ADMIN_KEY_FILE).read_text().strip()
+        with Client(state.gateway, api_key=key, timeout=60) as client:
+            assert client.infer("sentiment", ["served again"]).predictions[0].label in ("fresh", "rotten")
+    finally:
+        stopped = down(run)
+    assert "launcher" in stopped and wait_exit(again.launcher_pid, 5) and not socket_path.exists()
+
+
+def _changed(run: Path, field: Callable[[MeshState], object], old: object, timeout_s: float = 60) -> MeshState:
+    """The saved state once `field` of it is no longer `old` (the supervisor restarted something)."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        state = MeshState.load(run)
+        if field(state) != old:
+            return state
+        time.sleep(0.1)
+    raise AssertionError(f"still {old} after {timeout_s}s")
+
+
+def test_a_long_run_directory_puts_the_socket_in_the_temporary_folder(tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    assert launcher_socket(tmp_path) == tmp_path.resolve() / "launcher.sock"
+    placed = launcher_socket(deep)
+    assert placed.parent == socket_dir() and len(str(placed)) <= 100 and os.stat(placed.parent).st_mode & 0o077 == 0
+
+
 def test_an_attached_run_gets_the_callers_stdio_and_gives_back_its_exit_status(launcher: str, tmp_path: Path) -> None:
     spec = probe_in(tmp_path)
     code = (f"import sys; from academus.shared.cli.launcher import Launch, run_attached; "
@@ -188,3 +237,8 @@ def test_the_cli_runs_its_heavy_commands_forked_with_their_output_and_status(lau
     assert "academus.shared.cli --run-dir" in launched and "heads train --no-such-option" in launched
     assert academus("status").returncode == 1   # a light command runs here: no mesh, said at once
     assert " status" not in launched.split("heads train")[-1]
+    # no ACADEMUS_LAUNCHER: the launcher of the mesh running from the run directory
+    env.pop(LAUNCHER.name)
+    MeshState(str(tmp_path), "redis://127.0.0.1:1", None, "", "acd", launcher=path).save()
+    assert academus("heads", "train", "--from-the-mesh").returncode == 2
+    assert "heads train --from-the-mesh" in Path(path).with_name("launcher.log").read_text()
