@@ -76,15 +76,20 @@ def stat_cpu_s(stat: str) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def process_cpu_s(pid: int | str) -> float:
+    """CPU seconds (user + system) process `pid` ("self": this one) has used so far."""
+    return stat_cpu_s(Path(f"/proc/{pid}/stat").read_text())
+
+
 def service_cpu_s(state: MeshState) -> dict[str, float]:
     """CPU seconds (user + system) each mesh process has used so far, Redis included."""
     pids = {s.name: s.pid for s in state.services} | ({"redis": state.redis_pid} if state.redis_pid else {})
-    return {name: stat_cpu_s(Path(f"/proc/{pid}/stat").read_text()) for name, pid in pids.items()}
+    return {name: process_cpu_s(pid) for name, pid in pids.items()}
 
 
 def service_and_own_cpu_s(state: MeshState) -> dict[str, float]:
     """`service_cpu_s`, and this process's own CPU seconds as `loadgen`: for a load generator run in process."""
-    return service_cpu_s(state) | {"loadgen": stat_cpu_s(Path("/proc/self/stat").read_text())}
+    return service_cpu_s(state) | {"loadgen": process_cpu_s("self")}
 
 
 def loadgen_with_cpu(state: MeshState, run_dir: Path, out: Path, *args: str) -> dict:

@@ -54,7 +54,7 @@ import matplotlib.pyplot as plt
 
 from academus.client import Client
 from academus.loadgen import grpc_floor, uds_floor
-from academus.loadgen.bench import stat_cpu_s
+from academus.loadgen.bench import process_cpu_s
 from academus.loadgen.overhead import measure, text_of
 from academus.loadgen.runner import GatewaySpread, run_closed, send_lateness
 from academus.loadgen.runner import run as run_open
@@ -97,7 +97,7 @@ def parse_arm(spec: str) -> Arm:
 def reading(pid: int) -> dict[str, float]:
     """A process's CPU seconds so far (user + system, its exited threads included) and its voluntary
     context switches, summed over its threads (a process's own status counts its main thread's only)."""
-    return {"cpu_s": stat_cpu_s(Path(f"/proc/{pid}/stat").read_text()),
+    return {"cpu_s": process_cpu_s(pid),
             "voluntary_switches": threads_reading(pid)["voluntary_ctxt_switches"]}
 
 

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from academus.client import Client
-from academus.loadgen.bench import service_cpu_s, stat_cpu_s
+from academus.loadgen.bench import process_cpu_s, service_cpu_s
 from academus.loadgen.stats import summary
 from academus.shared.cli.launcher import start_launcher
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, MeshState, ServiceProcess, down, up
@@ -51,7 +51,7 @@ def one_round(run_dir: Path, workers: int, launcher: bool) -> dict[str, float]:
         key = (run_dir / ADMIN_KEY_FILE).read_text().strip()
         answered(state.gateway, key)
         start_s = time.perf_counter() - began
-        own = stat_cpu_s(Path(f"/proc/{state.launcher_pid}/stat").read_text()) if state.launcher_pid else 0.0
+        own = process_cpu_s(state.launcher_pid) if state.launcher_pid else 0.0
         start_cpu_s = own + sum(cpu for name, cpu in service_cpu_s(state).items() if name != "redis")
         worker = next(s for s in state.services if s.service == "worker")
         killed = time.perf_counter()
@@ -61,7 +61,7 @@ def one_round(run_dir: Path, workers: int, launcher: bool) -> dict[str, float]:
         answered(state.gateway, key)
         restart_s = time.perf_counter() - killed
         return {"start_ms": start_s * 1e3, "start_cpu_ms": start_cpu_s * 1e3, "restart_ms": restart_s * 1e3,
-                "restart_cpu_ms": stat_cpu_s(Path(f"/proc/{again.pid}/stat").read_text()) * 1e3}
+                "restart_cpu_ms": process_cpu_s(again.pid) * 1e3}
     finally:
         down(run_dir)
 

@@ -41,7 +41,8 @@ def _forked(argv: list[str]) -> int | None:
 
 
 def _mesh_launcher(run_dir: str) -> str:
-    """The launcher of the mesh `academus up` started from the run directory; "": none runs there."""
+    """The launcher of the mesh `academus up` started from the run directory; "": none runs there. Its mesh.json
+    read as plain JSON: MeshState's module imports grpc and redis, which this caller never needs."""
     from academus.shared.runtime import config
 
     try:

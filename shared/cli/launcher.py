@@ -38,6 +38,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from academus.shared.cli.processes import pid_alive
 from academus.shared.runtime.config import replace_environment
 
 # what the services import at their start: `academus.services.<name>` runs `<name>.server`'s main
@@ -129,18 +130,10 @@ def wait_ready(pid: int, log: Path, timeout_s: float) -> bool:
     end = time.monotonic() + timeout_s
     while not (log.exists() and any(line.startswith(READY) and line.endswith(f"(pid {pid})")
                                     for line in log.read_text().splitlines())):
-        if not _running(pid) or time.monotonic() > end:
+        if not pid_alive(pid) or time.monotonic() > end:
             return False
         time.sleep(0.05)
     return True
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (a child of the caller not yet reaped has exited all the same)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def serve(socket_path: str, preload: tuple[str, ...] = PRELOAD) -> Child:

@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from academus.shared.cli.launcher import Launch, launch, start_launcher, wait_ready
 from academus.shared.cli.pki import CLI, TLS_DIR, Pki, PkiError, make_pki
+from academus.shared.cli.processes import pid_alive, wait_exit
 from academus.shared.cli.redis_server import RedisServer, free_port
 from academus.shared.cli.standby import HANDOVER_SERVICES
 from academus.shared.cli.standby import READY as STANDBY_READY
@@ -237,7 +238,7 @@ def up(options: MeshOptions) -> MeshState:
                       mesh_token=token, standby=options.standby and options.supervise, owner_pid=options.owner_pid,
                       **tls)
     state.save()
-    _start_own_launcher(options, state)
+    _choose_launcher(options, state)
     worker_envs = _worker_envs(options)
     # A GPU worker must find the MPS daemon, which the resource manager starts, when it first touches CUDA. Without
     # one every service starts at once (each start is mostly imports) and the workers are told its address.
@@ -270,7 +271,7 @@ def up(options: MeshOptions) -> MeshState:
     return state
 
 
-def _start_own_launcher(options: MeshOptions, state: MeshState) -> None:
+def _choose_launcher(options: MeshOptions, state: MeshState) -> None:
     """Names the launcher the services fork from: ACADEMUS_LAUNCHER's (shared, not the mesh's), else a new one
     of the mesh's own, which imports while Redis and the light services start."""
     shared = options.env.get(LAUNCHER.name) or LAUNCHER.get()
@@ -614,23 +615,6 @@ def _alive(state: MeshState) -> bool:
     return any(pid_alive(s.pid) for s in state.services)
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        waited, _ = os.waitpid(pid, os.WNOHANG)  # reap our own exited children
-        if waited == pid:
-            return False
-    except ChildProcessError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie whose parent has not reaped it yet has exited all the same
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
 def wait_served(state: MeshState, timeout_s: float) -> None:
     """Until every placed model a deployment selects has a scheduler with a live group for it: a scheduler reads
     the placements a moment after they are written, and a request before that finds no worker."""
@@ -666,12 +650,3 @@ def _terminate(pid: int, timeout_s: float) -> None:
     if not wait_exit(pid, timeout_s):
         os.kill(pid, signal.SIGKILL)
         wait_exit(pid, 5)
-
-
-def wait_exit(pid: int, timeout_s: float) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if not pid_alive(pid):
-            return True
-        time.sleep(0.05)
-    return False
