@@ -214,6 +214,7 @@ def run(child: Child) -> None:
         _redirect(spec.log)
     _reopen_stdio()
     replace_environment(spec.env)
+    _fresh_random_state()
     os.chdir(spec.cwd)
     sys.path[0] = os.getcwd()   # `python -m` puts its working directory first
     sys.argv = [spec.module, *spec.args]
@@ -225,6 +226,15 @@ def run(child: Child) -> None:
     except BaseException:
         _exit_status[0] = 1
         raise
+
+
+def _fresh_random_state() -> None:
+    """Seeds numpy's and torch's global generators from the OS, as a fresh process's are: forked, every child
+    would draw the launcher's sequence, the same in each (Python's `random` reseeds itself after a fork)."""
+    if (numpy := sys.modules.get("numpy")) is not None:
+        numpy.random.seed()
+    if (torch := sys.modules.get("torch")) is not None:
+        torch.seed()
 
 
 def _report_exit(conn: socket.socket) -> None:

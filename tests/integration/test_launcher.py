@@ -102,6 +102,18 @@ def test_the_log_is_appended_to_and_each_launch_is_a_new_process(launcher: str, 
                 os.kill(pid, 9)
 
 
+def test_each_child_draws_its_own_random_numbers(launcher: str, tmp_path: Path) -> None:
+    """numpy's and torch's global generators are seeded afresh in each child, not inherited from the launcher."""
+    (tmp_path / "draw.py").write_text("import json, numpy, torch\n"
+                                      "print(json.dumps([numpy.random.random(), torch.rand(1).item()]), flush=True)\n")
+    draws = []
+    for n in range(2):
+        log = tmp_path / f"draw-{n}.log"
+        assert launch(launcher, Launch("draw", env={"PATH": os.environ["PATH"]}, log=str(log), cwd=str(tmp_path)))
+        draws.append(logged(log))
+    assert draws[0][0] != draws[1][0] and draws[0][1] != draws[1][1], draws
+
+
 def test_bad_requests_are_answered_with_an_error_and_the_launcher_serves_on(launcher: str, tmp_path: Path) -> None:
     for bad in (b"not json\n", b'{"args": []}\n', b"[1, 2]\n"):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
