@@ -81,6 +81,18 @@ def process_cpu_s(pid: int | str) -> float:
     return stat_cpu_s(Path(f"/proc/{pid}/stat").read_text())
 
 
+def process_memory_mib(pid: int, field: str = "VmRSS") -> float | None:
+    """A process's memory from /proc, MiB: VmRSS (its status) or Pss (smaps_rollup: each shared page split
+    among the processes sharing it, as a forked one's are); None when it is gone or a zombie."""
+    try:
+        for line in Path(f"/proc/{pid}/{'smaps_rollup' if field == 'Pss' else 'status'}").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None
+
+
 def service_cpu_s(state: MeshState) -> dict[str, float]:
     """CPU seconds (user + system) each mesh process has used so far, Redis included."""
     pids = {s.name: s.pid for s in state.services} | ({"redis": state.redis_pid} if state.redis_pid else {})

@@ -66,6 +66,20 @@ def warm_launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     proc.wait(10)
 
 
+@pytest.fixture
+def ready_launcher(warm_launcher: Path) -> str:
+    """The suite's warm launcher's socket, once it listens (for a test of what is forked from it)."""
+    import time
+
+    from academus.shared.cli.launcher import READY
+
+    log, end = warm_launcher.with_name("launcher.log"), time.monotonic() + 180
+    while not (log.exists() and READY in log.read_text()):
+        assert time.monotonic() < end, f"the suite's launcher is not listening: {log}"
+        time.sleep(0.1)
+    return str(warm_launcher)
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()

@@ -12,7 +12,8 @@ launcher named by ACADEMUS_LAUNCHER serves them all. The forked child is the sam
 fresh one after its imports: it takes the environment, log, working directory and session it is sent, then runs
 the service's `__main__`. The `academus` command runs its one-shot commands that import torch (`shard`, `ramps`,
 `tenants`, `distill`, ...) the same way, attached: the child gets the caller's stdin, stdout and stderr (passed
-over the socket), and its exit status comes back to the caller, which passes SIGINT and SIGTERM on to it.
+over the socket), and its exit status comes back to the caller, which passes SIGINT and SIGTERM on to it. The
+supervisor's standbys are forked with a pipe from it as their stdin (`launch_piped`).
 
 The launcher forks before anything in it starts a thread of its own or touches a GPU: a forked CUDA context is
 unusable, so it refuses to run once CUDA is initialised. Children are not its to wait for (SIGCHLD is ignored:
@@ -37,6 +38,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import BinaryIO
 
 from academus.shared.cli.processes import pid_alive
 from academus.shared.runtime.config import replace_environment
@@ -61,6 +63,7 @@ class Launch:
     log: str = os.devnull
     cwd: str = "."
     attached: bool = False   # on the caller's stdin, stdout and stderr, its exit status sent back (run_attached)
+    piped: bool = False   # its stdin a pipe from the caller (launch_piped)
 
 
 def launch(socket_path: str, spec: Launch) -> int | None:
@@ -74,6 +77,27 @@ def launch(socket_path: str, spec: Launch) -> int | None:
     except (OSError, ValueError):
         return None
     return reply.get("pid") if isinstance(reply.get("pid"), int) else None
+
+
+def launch_piped(socket_path: str, spec: Launch) -> tuple[int, BinaryIO] | None:
+    """Asks the launcher at `socket_path` to start `spec` with its stdin a pipe from this process: its pid and the
+    pipe's write end (the child reads end of file once every copy of it is closed), or None when no launcher
+    answers there."""
+    read, write = os.pipe()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(CONNECT_TIMEOUT_S)
+            conn.connect(socket_path)
+            socket.send_fds(conn, [json.dumps(asdict(replace(spec, piped=True))).encode() + b"\n"], [read])
+            pid = json.loads(_read_line(conn) or b"{}").get("pid")
+    except (OSError, ValueError):
+        pid = None
+    finally:
+        os.close(read)   # the child has its copy
+    if not isinstance(pid, int):
+        os.close(write)
+        return None
+    return pid, os.fdopen(write, "wb")
 
 
 def run_attached(socket_path: str, spec: Launch) -> int | None:
@@ -211,7 +235,7 @@ def run(child: Child) -> None:
                 os.close(fd)
         atexit.register(_report_exit, socket.socket(fileno=child.report))
     else:
-        _redirect(spec.log)
+        _redirect(spec.log, child.stdio[0] if spec.piped else None)
     _reopen_stdio()
     replace_environment(spec.env)
     _fresh_random_state()
@@ -263,7 +287,8 @@ def _received(conn: socket.socket) -> tuple[Launch | None, list[int]]:
         return Launch(module=str(raw["module"]), args=[str(a) for a in raw.get("args", [])],
                       env={str(k): str(v) for k, v in raw.get("env", {}).items()},
                       log=str(raw.get("log", os.devnull)), cwd=str(raw.get("cwd", ".")),
-                      attached=bool(raw.get("attached", False)) and len(fds) == 3), fds
+                      attached=bool(raw.get("attached", False)) and len(fds) == 3,
+                      piped=bool(raw.get("piped", False)) and len(fds) == 1), fds
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         with contextlib.suppress(OSError):
             conn.sendall(json.dumps({"error": f"{type(e).__name__}: {e}"}).encode() + b"\n")
@@ -282,15 +307,16 @@ def _read_line(conn: socket.socket) -> bytes:
     return data
 
 
-def _redirect(log: str) -> None:
-    """stdout and stderr appended to `log`, stdin from /dev/null: what `academus up` gives a service."""
+def _redirect(log: str, stdin: int | None = None) -> None:
+    """stdout and stderr appended to `log`, stdin from `stdin` (a piped launch's) or /dev/null: what `academus up`
+    gives a service, or a standby."""
     out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.dup2(out, 1)
-    os.dup2(out, 2)
-    os.close(out)
-    os.close(null)
+    source = os.open(os.devnull, os.O_RDONLY) if stdin is None else stdin
+    for target, fd in ((0, source), (1, out), (2, out)):
+        if fd != target:
+            os.dup2(fd, target)
+    for fd in {out, source} - {0, 1, 2}:
+        os.close(fd)
 
 
 def _refuse_cuda() -> None:

@@ -15,16 +15,17 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import BinaryIO
 
 import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from academus.shared.cli.launcher import Launch, launch, start_launcher, wait_ready
+from academus.shared.cli.launcher import Launch, launch, launch_piped, start_launcher, wait_ready
 from academus.shared.cli.pki import CLI, TLS_DIR, Pki, PkiError, make_pki
 from academus.shared.cli.processes import pid_alive, wait_exit
 from academus.shared.cli.redis_server import RedisServer, free_port
-from academus.shared.cli.standby import HANDOVER_SERVICES
+from academus.shared.cli.standby import GO, HANDOVER_SERVICES
 from academus.shared.cli.standby import READY as STANDBY_READY
 from academus.shared.runtime.config import (
     EVERY_MODEL,
@@ -470,9 +471,48 @@ def start_process(proc: ServiceProcess, launcher: str = "") -> int:
     return pid if pid is not None else _popen(proc, module).pid
 
 
-def start_standby(proc: ServiceProcess) -> subprocess.Popen:
-    """A standby for `proc`'s service with its settings: it builds the service, then waits for `go` on its stdin."""
-    return _popen(proc, "academus.shared.cli.standby", proc.service, stdin=subprocess.PIPE)
+@dataclass
+class Standby:
+    """A standby process and the write end of its stdin: `go` there makes it serve; at end of file (this
+    process gone) it exits. Forked from the warm launcher, or a child of this process (`popen`, reaped here)."""
+
+    pid: int
+    stdin: BinaryIO
+    popen: subprocess.Popen | None = None
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None if self.popen else pid_alive(self.pid)
+
+    def go(self) -> bool:
+        """Tells it to serve; False when it died meanwhile."""
+        try:
+            self.stdin.write(f"{GO}\n".encode())
+            self.stdin.close()
+        except OSError:
+            return False
+        return True
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            self.stdin.close()
+        if self.popen:
+            self.popen.wait()
+        else:
+            wait_exit(self.pid, 10)
+
+
+def start_standby(proc: ServiceProcess, launcher: str = "") -> Standby:
+    """A standby for `proc`'s service with its settings: it builds the service, then waits for `go` on its stdin.
+    Forked from the warm launcher listening at `launcher`, skipping the imports, else a new process."""
+    module = "academus.shared.cli.standby"
+    piped = launch_piped(launcher, Launch(module, [proc.service], child_env(proc.env), proc.log, os.getcwd())) \
+        if launcher else None
+    if piped:
+        return Standby(*piped)
+    popen = _popen(proc, module, proc.service, stdin=subprocess.PIPE)
+    return Standby(popen.pid, popen.stdin, popen)
 
 
 def standby_ready(proc: ServiceProcess) -> bool:

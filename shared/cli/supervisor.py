@@ -20,11 +20,9 @@ before its own `down` would otherwise leave a whole mesh running, and this super
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -33,6 +31,7 @@ from pathlib import Path
 from academus.shared.cli.mesh import (
     MeshState,
     ServiceProcess,
+    Standby,
     down,
     pid_alive,
     restart_redis,
@@ -40,7 +39,7 @@ from academus.shared.cli.mesh import (
     start_process,
     start_standby,
 )
-from academus.shared.cli.standby import GO, SERVICES
+from academus.shared.cli.standby import SERVICES
 from academus.shared.runtime.logs import log_event, setup_logging
 
 REDIS = "redis"
@@ -110,15 +109,16 @@ class Standbys:
     """A standby process per service that can have one (none where `enabled` is off), started with its
     settings; this process holds their stdin, so they exit when it does."""
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, launcher: str = "") -> None:
         self.services = SERVICES if enabled else ()
-        self._waiting: dict[str, subprocess.Popen] = {}
+        self.launcher = launcher   # the warm launcher's socket they are forked from, when it listens
+        self._waiting: dict[str, Standby] = {}
 
     def prepare(self, proc: ServiceProcess) -> None:
         """A new standby for `proc`, its pid recorded on it, offered for a handover where `proc` can ask."""
         proc.standby_pid = None
         if proc.service in self.services:
-            standby = self._waiting[proc.name] = start_standby(proc)
+            standby = self._waiting[proc.name] = start_standby(proc, self.launcher)
             proc.standby_pid = standby.pid
             if proc.handover:
                 proc.handover.offer()
@@ -126,7 +126,7 @@ class Standbys:
     def lost(self, proc: ServiceProcess) -> bool:
         """Whether `proc`'s standby died while it waited (its pid is then cleared)."""
         standby = self._waiting.get(proc.name)
-        if standby is None or standby.poll() is None:
+        if standby is None or standby.alive():
             return False
         del self._waiting[proc.name]
         proc.standby_pid = None
@@ -136,12 +136,7 @@ class Standbys:
         """`proc`'s standby told to go: its pid, None where it has none alive (then a cold start)."""
         standby = self._waiting.pop(proc.name, None)
         proc.standby_pid = None
-        if standby is None or standby.poll() is not None:
-            return None
-        try:
-            standby.stdin.write(f"{GO}\n".encode())
-            standby.stdin.close()
-        except OSError:   # it died meanwhile
+        if standby is None or not standby.alive() or not standby.go():
             return None
         return standby.pid
 
@@ -151,9 +146,7 @@ class Standbys:
             if proc.handover:
                 proc.handover.withdraw()
         for standby in self._waiting.values():
-            with contextlib.suppress(OSError):
-                standby.kill()
-            standby.wait()
+            standby.stop()
         self._waiting.clear()
 
 
@@ -165,7 +158,7 @@ class Supervisor:
         self.plan = RestartPlan(backoff or Backoff())
         self.stopping = False
         self.state = MeshState.load(run_dir)
-        self.standbys = Standbys(self.state.standby)
+        self.standbys = Standbys(self.state.standby, self.state.launcher)
         self.standby_plan = RestartPlan(self.plan.backoff)   # a standby that keeps dying waits longer each time
         self.draining: dict[int, str] = {}   # pid: name of a process that handed its place over and drains
 

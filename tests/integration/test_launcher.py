@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from academus.client import Client
-from academus.shared.cli.launcher import Launch, launch, start_launcher, wait_ready
+from academus.shared.cli.launcher import Launch, launch, launch_piped, start_launcher, wait_ready
 from academus.shared.cli.mesh import (
     ADMIN_KEY_FILE,
     MeshState,
@@ -81,6 +81,18 @@ def test_a_child_runs_its_module_with_exactly_what_it_was_sent_and_is_reaped(lau
     assert logged(Path(spec.log)) == {"env": "on", "home": None, "cwd": str(tmp_path), "argv": ["--flag", "x y"],
                                       "own_session": True, "stdin": "", "name": "__main__"}
     assert wait_exit(pid, 10), "an exited child must not linger as a zombie of the launcher"
+
+
+def test_a_piped_launch_reads_what_the_caller_writes_until_it_closes(launcher: str, tmp_path: Path) -> None:
+    spec = probe_in(tmp_path)
+    piped = launch_piped(launcher, spec)
+    assert piped is not None
+    pid, stdin = piped
+    stdin.write(b"go\n")
+    stdin.close()
+    assert logged(Path(spec.log))["stdin"] == "go\n", "its stdin is the pipe, read to its end once the caller closes"
+    assert wait_exit(pid, 10)
+    assert launch_piped(str(tmp_path / "none.sock"), spec) is None
 
 
 def test_the_log_is_appended_to_and_each_launch_is_a_new_process(launcher: str, tmp_path: Path) -> None:

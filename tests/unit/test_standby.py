@@ -27,6 +27,7 @@ from academus.shared.cli.standby import WAITING_NICE
 from academus.shared.cli.supervisor import Standbys, Supervisor
 from academus.shared.runtime.config import artifacts_dir, child_env
 from academus.shared.runtime.slices import autogroup_nice
+from tests.conftest import parent_pid
 from tests.e2e.conftest import wait_for
 
 autogroups = pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="the kernel has no autogroups")
@@ -73,9 +74,33 @@ def test_a_dead_standby_is_not_handed_over(tmp_path: Path) -> None:
 
 def test_a_standby_whose_supervisor_left_exits_without_serving(tmp_path: Path) -> None:
     standby = start_standby(service(tmp_path, "worker-0"))
+    assert standby.popen is not None, "no launcher named: a child of this process"
     standby.stdin.close()   # end of file, as when the supervisor's process ends
-    assert standby.wait(timeout=60) == 0
+    assert standby.popen.wait(timeout=60) == 0
     assert "standby_serves" not in (tmp_path / "worker-0.log").read_text()
+
+
+def test_a_standby_forked_from_the_launcher_builds_waits_and_exits_at_end_of_file(tmp_path: Path,
+                                                                                    ready_launcher: str) -> None:
+    standbys, worker = Standbys(launcher=ready_launcher), service(tmp_path, "worker-0")
+    standbys.prepare(worker)
+    pid = worker.standby_pid
+    assert pid is not None and parent_pid(pid) == launcher_pid(ready_launcher)
+    wait_for(lambda: standby_ready(worker), 180, "the forked standby's build")
+    assert pid_alive(pid), "built, it waits on the pipe"
+    forked = start_standby(service(tmp_path, "worker-1"), ready_launcher)
+    assert forked.popen is None and parent_pid(forked.pid) == parent_pid(pid)
+    forked.stdin.close()   # the supervisor gone: the pipe's only write end closed
+    assert wait_exit(forked.pid, 60)
+    standbys.close()
+    assert wait_exit(pid, 10)
+    assert "standby_serves" not in Path(worker.log).read_text() + (tmp_path / "worker-1.log").read_text()
+
+
+def launcher_pid(socket_path: str) -> int:
+    """The pid its log's ready line names."""
+    line = next(x for x in Path(socket_path).with_name("launcher.log").read_text().splitlines() if "(pid " in x)
+    return int(line.rsplit("(pid ", 1)[1].rstrip(")"))
 
 
 def test_a_service_without_standbys_is_refused_by_name() -> None:
