@@ -6,9 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import re
-import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -20,6 +18,7 @@ import safetensors
 
 from academus.shared.runtime.config import AdapterStoreConfig
 from academus.shared.runtime.errors import InvalidArgument, NotFound, ServingError
+from academus.shared.state.artifacts import write_atomic
 from academus.shared.state.keys import Keys
 from academus.shared.state.tenants import check_name
 
@@ -170,26 +169,6 @@ def metadata_record(metadata: Mapping[str, str], size: int) -> str:
     if len(text) > MAX_METADATA_BYTES:
         raise InvalidArgument(f"metadata is {len(text)} bytes as JSON; the limit is {MAX_METADATA_BYTES} bytes")
     return text
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Temp file in the same directory, fsync, rename: readers see the old file or the whole new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename itself survives a crash before Redis records the version
-    finally:
-        os.close(dir_fd)
 
 
 class FileCache:

@@ -48,6 +48,7 @@ from academus.shared.runtime.local_plane import socket_dir
 from academus.shared.runtime.logs import logged_events
 from academus.shared.runtime.redis_conn import redacted, with_password
 from academus.shared.runtime.tls import MeshTls, channel_credentials, open_channel_sync, use_mesh
+from academus.shared.state.artifacts import write_atomic
 from academus.shared.state.catalogue import ModelSpec
 from academus.shared.state.keys import Keys, new_api_key
 
@@ -115,11 +116,7 @@ class MeshState:
     def save(self) -> None:
         """Written whole, then renamed: a reader (status, down) never sees half of it. Mode 0600: the Redis
         URLs in it may hold the password."""
-        path = Path(self.run_dir, STATE_FILE)
-        staged = path.with_suffix(f".{os.getpid()}.tmp")
-        with os.fdopen(os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
-            out.write(json.dumps(asdict(self), indent=2))
-        staged.replace(path)
+        write_atomic(Path(self.run_dir, STATE_FILE), json.dumps(asdict(self), indent=2), mode=0o600)
 
     def mesh_tls(self) -> MeshTls | None:
         """The command line's identity in a mesh with mutual TLS; None: plaintext."""

@@ -12,7 +12,6 @@ a corrupted or truncated file is refused naming the file, the shard and both che
 from __future__ import annotations
 
 import hashlib
-import os
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -22,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load as safetensors_load
+from safetensors.torch import save
 from torch import nn
 
 from academus.shared.models.embedding_rows import EmbeddingRows, write_rows
@@ -46,6 +46,7 @@ from academus.shared.state.artifacts import (
     save_file,
     sha256_file,
     staged,
+    write_atomic,
     write_manifest,
 )
 
@@ -312,10 +313,7 @@ def add_task(directory: Path, task: str, heads: dict[str, torch.Tensor], meta: d
     atomically (a crash between leaves a heads file its manifest's sha256 refuses)."""
     manifest = read_manifest(directory)
     name = heads_file(task)
-    tmp = Path(directory) / f".{name}.tmp"
-    save_file(heads, str(tmp))
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, Path(directory) / name)
+    write_atomic(Path(directory) / name, save(heads))
     tasks = dict(manifest.extra.get("tasks", {})) | {task: meta}
     files = dict(manifest.files) | {name: sha256_file(Path(directory) / name)}
     write_manifest(directory, replace(manifest, files=files, extra={**manifest.extra, "tasks": tasks},

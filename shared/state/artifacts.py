@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -151,12 +152,35 @@ def checksums(directory: Path) -> dict[str, str]:
     return {p.name: sha256_file(p) for p in sorted(Path(directory).iterdir()) if p.name != MANIFEST}
 
 
+def write_atomic(path: Path, data: bytes | str, mode: int = 0o644) -> Path:
+    """Writes `data` to `path` whole or not at all: a temporary file of this writer's own beside it, synced, then
+    renamed over it, the directory synced too. A reader sees the old file or the new one; two writers never share
+    a temporary file; a failed write leaves the old file and no temporary one; after a crash the file is the old
+    or the new one whole (an adapter's version is recorded in Redis only after its file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            os.fchmod(out.fileno(), mode)
+            out.write(data.encode() if isinstance(data, str) else data)
+            out.flush()
+            os.fsync(out.fileno())   # a rename that outlives a crash names the whole file
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)   # the rename itself
+    finally:
+        os.close(directory)
+    return path
+
+
 def write_manifest(directory: Path, manifest: Manifest) -> None:
     """Writes (or replaces, atomically) the manifest of the artifact at `directory`."""
-    tmp = Path(directory) / f".{MANIFEST}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.write_text(manifest.to_json() + "\n")
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, Path(directory) / MANIFEST)
+    write_atomic(Path(directory) / MANIFEST, manifest.to_json() + "\n")
 
 
 def swap_in(staging: Path, directory: Path) -> None:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from academus.shared.state.artifacts import file_stamp
+from academus.shared.state.artifacts import file_stamp, write_atomic
 
 # The bundled models a tenant's adapters may sit on (names only: the gateway checks them without torch); a
 # user's embedding model is a base too (`adapter_base`). minilm-plot is HMI's hierarchical base: PLOT lookups
@@ -81,19 +81,24 @@ def read_catalogue(artifacts: str | Path) -> dict[str, dict[str, Any]]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def write_entry(artifacts: str | Path, name: str, entry: dict[str, Any] | None) -> None:
-    """Adds, replaces or (entry None) removes one models.json entry, keeping the others. Writers take a lock
-    (a `plot build` and a `models add` at once lose neither entry); readers see the old file or the new
-    one whole (a rename)."""
+def update_catalogue(artifacts: str | Path,
+                     change: Callable[[dict[str, dict[str, Any]]], dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Rewrites models.json as `change` makes it from the file as it is now; returns what was written. Writers
+    take a lock, so a `plot build`, a `models add` and a `distill` at once lose none of each other's entries;
+    readers see the old file or the new one whole (`write_atomic`)."""
     path = Path(artifacts) / CATALOGUE_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        catalogue = read_catalogue(artifacts)
-        if entry is None:
-            catalogue.pop(name, None)
-        else:
-            catalogue[name] = entry
-        tmp = path.with_suffix(f".json.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(catalogue, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, path)
+        catalogue = change(read_catalogue(artifacts))
+        write_atomic(path, json.dumps(catalogue, indent=2, sort_keys=True) + "\n")
+    return catalogue
+
+
+def write_entry(artifacts: str | Path, name: str, entry: dict[str, Any] | None) -> None:
+    """Adds, replaces or (entry None) removes one models.json entry, keeping the others."""
+    def change(catalogue: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        catalogue.pop(name, None)
+        return catalogue if entry is None else catalogue | {name: entry}
+
+    update_catalogue(artifacts, change)

@@ -9,8 +9,9 @@ never the only copy of anything a user gave us (DESIGN §4), and a few MiB a job
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+
+from academus.shared.state.artifacts import write_atomic
 
 
 def decode_lines(data: bytes, source: str) -> list[tuple[int, str]]:
@@ -82,14 +83,6 @@ def parse_corpus(data: bytes, source: str) -> list[str]:
 
 
 def write_upload(directory: Path, name: str, data: bytes) -> Path:
-    """Writes `data` to directory/name atomically (temp file + rename): a reader never sees half a file, and two
-    processes writing the same file never share a temporary one."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / name
-    tmp = path.with_name(f".{name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as out:
-        out.write(data)
-        out.flush()
-        os.fsync(out.fileno())   # the job that names it may run after a crash of this host
-    os.replace(tmp, path)
-    return path
+    """Writes `data` to directory/name atomically (`write_atomic`): the job that names it may run after a crash of
+    this host."""
+    return write_atomic(directory / name, data)

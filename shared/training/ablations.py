@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, replace
@@ -34,6 +33,7 @@ from tqdm import tqdm
 
 from academus.shared.models.students import StudentGroup, from_teacher
 from academus.shared.runtime.config import artifacts_dir as default_artifacts_dir
+from academus.shared.state.artifacts import write_atomic
 from academus.shared.training.distill import (
     _initial_group,
     _optimizer,
@@ -241,8 +241,5 @@ def write_ablations(path: Path, summary: dict[str, Any]) -> dict[str, Any]:
     merged = json.loads(path.read_text()) if path.is_file() else {}
     variants = {**merged.get("variants", {}), **summary["variants"]}
     merged = {**merged, **summary, "variants": variants}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(merged, indent=2, sort_keys=True) + "\n")
     return merged

@@ -36,6 +36,7 @@ from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.runtime.config import artifacts_dir as default_artifacts_dir
 from academus.shared.runtime.config import offline_hub
 from academus.shared.state.artifacts import ArtifactError, load_artifact, write_artifact
+from academus.shared.state.catalogue import update_catalogue
 from academus.shared.state.uploads import write_upload
 from academus.shared.training.data import TASKS, DataMissing, Example, TaskData, fetch, load_task
 
@@ -334,24 +335,23 @@ def write_catalogue(artifacts_dir: Path) -> dict[str, Any]:
     """models.json from every head that verifies; `minilm` (the bare embedding) and `null` (no model: the
     stack alone) are always served.
     Entries other commands added (student groups from `academus distill`) are kept."""
-    path = Path(artifacts_dir) / "models.json"
-    previous = json.loads(path.read_text()) if path.is_file() else {}
-    catalogue: dict[str, Any] = {name: entry for name, entry in previous.items()   # PLOT models keep their heads
-                                 if ("head" not in entry or "plot" in entry) and name not in ("minilm", NULL_MODEL)}
-    catalogue["minilm"] = {"kind": "embedding", "teacher": TEACHER_NAME, "dim": HIDDEN_SIZE, "max_tokens": MAX_TOKENS}
-    # computes nothing and goes through every hop: what the serving stack costs alone (stack_bench)
-    catalogue[NULL_MODEL] = {"kind": "embedding", "null": True, "dim": HIDDEN_SIZE, "max_tokens": MAX_TOKENS}
+    served: dict[str, Any] = {
+        "minilm": {"kind": "embedding", "teacher": TEACHER_NAME, "dim": HIDDEN_SIZE, "max_tokens": MAX_TOKENS},
+        # computes nothing and goes through every hop: what the serving stack costs alone (stack_bench)
+        NULL_MODEL: {"kind": "embedding", "null": True, "dim": HIDDEN_SIZE, "max_tokens": MAX_TOKENS}}
     for task in TASKS:
         try:
             manifest, _ = load_artifact(head_dir(artifacts_dir, task))
         except ArtifactError:
             continue
-        catalogue[task] = {"kind": "classification", "task": task, "head": f"heads/{task}",
-                           "labels": manifest.labels, "teacher": manifest.teacher}
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(catalogue, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-    return catalogue
+        served[task] = {"kind": "classification", "task": task, "head": f"heads/{task}",
+                        "labels": manifest.labels, "teacher": manifest.teacher}
+
+    def change(previous: dict[str, Any]) -> dict[str, Any]:
+        return {name: entry for name, entry in previous.items()   # PLOT models keep their heads
+                if ("head" not in entry or "plot" in entry) and name not in served} | served
+
+    return update_catalogue(artifacts_dir, change)
 
 
 def _device(wanted: str) -> torch.device:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from academus.shared.models.shard_store import ShardStore, shards_dir
 from academus.shared.models.sti_planner import HardwareProfile, Planner
 from academus.shared.runtime.config import artifacts_dir as default_artifacts_dir
 from academus.shared.runtime.config import offline_hub
-from academus.shared.state.artifacts import ArtifactError
+from academus.shared.state.artifacts import ArtifactError, write_atomic
 from academus.shared.training.data import TASKS, DataMissing
 
 STUDENT_INFO = ("students", "student_layers", "min_bits", "fidelity")   # what `info` adds for a group's shards
@@ -48,10 +47,7 @@ def save_profile(artifacts: Path, model: str, profile: HardwareProfile) -> Path 
     """Writes the profile where `load_profile` reads it (atomically); None when the artifacts are read-only."""
     path = profile_path(artifacts, model, profile.source)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp-{os.getpid()}")
-        tmp.write_text(profile.to_json() + "\n")
-        os.replace(tmp, path)
+        write_atomic(path, profile.to_json() + "\n")
     except OSError:
         return None
     return path

@@ -3,8 +3,6 @@ verified, and their entries in the model catalogue (`<task>-students`, `<task>-2
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +29,7 @@ from academus.shared.state.artifacts import (
     verify_files,
     write_artifact,
 )
-from academus.shared.state.catalogue import write_entry
+from academus.shared.state.catalogue import update_catalogue, write_entry
 from academus.shared.training.distill_data import SERVED_NAMES
 from academus.shared.training.prepare import (
     MAX_TOKENS,
@@ -142,26 +140,22 @@ def register_user_group(artifacts: Path, key: str, teacher_model: str) -> list[s
 
 
 def write_student_catalogue(artifacts: Path) -> dict[str, Any]:
-    """Adds `<task>-students` / `minilm-students` to models.json for every student group that verifies."""
-    path = Path(artifacts) / "models.json"
-    catalogue = json.loads(path.read_text()) if path.is_file() else {}
+    """Adds `<task>-students` / `minilm-students` to models.json for every student group that verifies, and
+    drops those of groups that no longer do."""
+    served: dict[str, dict[str, Any]] = {}
     for task, name in SERVED_NAMES.items():
-        catalogue.pop(name, None)
-        catalogue.pop(f"{name.removesuffix('-students')}-2l", None)
         try:
             manifest, _ = load_artifact(students_dir(artifacts, task))
         except ArtifactError:
             continue
         if manifest.kind != STUDENT_KIND:
             continue
-        catalogue[name] = {"kind": "classification" if manifest.labels else "embedding", "task": task,
-                           "students": f"students/{task}", "labels": manifest.labels,
-                           "teacher": manifest.teacher, "max_students": manifest.extra.get("num_students"),
-                           "best_k": manifest.extra.get("best_k")}
+        served[name] = {"kind": "classification" if manifest.labels else "embedding", "task": task,
+                        "students": f"students/{task}", "labels": manifest.labels,
+                        "teacher": manifest.teacher, "max_students": manifest.extra.get("num_students"),
+                        "best_k": manifest.extra.get("best_k")}
         # the single 2-layer baseline: the group's first student alone, with the pruned head
-        catalogue[f"{name.removesuffix('-students')}-2l"] = catalogue[name] | {"limit_students": 1}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(catalogue, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-    return catalogue
+        served[f"{name.removesuffix('-students')}-2l"] = served[name] | {"limit_students": 1}
+    ours = {n for name in SERVED_NAMES.values() for n in (name, f"{name.removesuffix('-students')}-2l")}
+    return update_catalogue(artifacts, lambda catalogue: {n: e for n, e in catalogue.items() if n not in ours}
+                            | served)

@@ -130,3 +130,40 @@ def test_a_node_can_mount_its_own_teacher_copy(tmp_path: Path, monkeypatch: pyte
     assert teacher_dir() == mounted
     monkeypatch.delenv("ACADEMUS_TEACHER_DIR")
     assert teacher_dir() == bundled
+
+
+def test_an_atomic_write_replaces_whole_with_its_mode_and_leaves_no_temporary_file(tmp_path: Path) -> None:
+    path = artifacts.write_atomic(tmp_path / "sub" / "state.json", '{"a": 1}', mode=0o600)
+    assert path.read_text() == '{"a": 1}' and path.stat().st_mode & 0o777 == 0o600
+    artifacts.write_atomic(path, b"second")
+    assert path.read_bytes() == b"second" and path.stat().st_mode & 0o777 == 0o644
+    with pytest.raises(TypeError):
+        artifacts.write_atomic(path, 42)   # type: ignore[arg-type]   # fails inside the write
+    assert path.read_bytes() == b"second", "a failed write keeps the old file"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["state.json"]
+
+
+def test_writers_of_the_catalogue_at_once_lose_none_of_each_others_entries(tmp_path: Path) -> None:
+    """`models add` (write_entry) beside `distill` and `prepare` rewriting their own entries of models.json."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from academus.shared.state.catalogue import read_catalogue, write_entry
+    from academus.shared.training.prepare import write_catalogue
+    from academus.shared.training.student_artifacts import write_student_catalogue
+
+    def add(writer: int) -> None:
+        for n in range(25):
+            write_entry(tmp_path, f"user-{writer}-{n}", {"kind": "embedding"})
+
+    def rewrite(_: int) -> None:
+        for _ in range(25):
+            write_student_catalogue(tmp_path)
+            write_catalogue(tmp_path)
+
+    with ThreadPoolExecutor(6) as pool:
+        for done in [pool.submit(add, w) for w in range(4)] + [pool.submit(rewrite, r) for r in range(2)]:
+            done.result()
+    catalogue = read_catalogue(tmp_path)
+    assert {f"user-{w}-{n}" for w in range(4) for n in range(25)} <= set(catalogue)
+    assert {"minilm", "null"} <= set(catalogue)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
