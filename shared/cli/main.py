@@ -515,11 +515,12 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
 def cmd_keys_rotate(args: argparse.Namespace) -> int:
     from academus.shared.cli.mesh import ADMIN_KEY_FILE
     from academus.shared.state.api_keys import ADMIN, ApiKeys
+    from academus.shared.state.artifacts import write_atomic
 
     async def rotated(redis, keys) -> dict:
         key, old = await ApiKeys(redis, keys).rotate(args.tenant)
         if args.tenant == ADMIN:   # the command line's own key: kept where `up` put it
-            (_run_dir(args) / ADMIN_KEY_FILE).write_text(key)
+            write_atomic(_run_dir(args) / ADMIN_KEY_FILE, key, mode=0o600)
         return {"tenant": args.tenant, "key": key, "revoked": [r.key_id for r in old]}
 
     return _with_mesh_redis(args, rotated)

@@ -564,8 +564,7 @@ def ensure_admin_key(state: MeshState) -> str:
     path = Path(state.run_dir) / ADMIN_KEY_FILE
     key = path.read_text().strip() if path.exists() else new_api_key("admin")
     if not path.exists():
-        path.touch(mode=0o600)
-        path.write_text(key)
+        write_atomic(path, key, mode=0o600)
     client = redis.Redis.from_url(state.redis_url, decode_responses=True)
     client.hset(Keys(state.key_prefix).api_key(key), mapping={"tenant": "admin", "role": "admin"})
     return key

@@ -70,6 +70,7 @@ def test_the_admin_key_rotates_into_its_file_and_cannot_be_revoked(mesh):
     assert out.returncode == 0, out.stderr
     after = admin_file.read_text().strip()
     assert after == json.loads(out.stdout)["key"] != before
+    assert admin_file.stat().st_mode & 0o777 == 0o600, "the new key is this user's alone, as the first was"
     assert [k["role"] for k in listed(mesh, "--tenant", "admin")] == ["admin"]
     served = cli(mesh, "infer", "--model", "null", "hello")                  # the command line's key: the file's
     assert served.returncode == 0 and served.stdout.startswith("{"), served.stderr
