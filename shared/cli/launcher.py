@@ -41,6 +41,11 @@ from pathlib import Path
 from typing import BinaryIO
 
 from academus.shared.cli.processes import pid_alive
+
+try:
+    from setproctitle import setproctitle
+except ImportError:   # an install from before it was a dependency: `ps` shows the launcher's line
+    setproctitle = None
 from academus.shared.runtime.config import replace_environment
 
 # what the services import at their start: `academus.services.<name>` runs `<name>.server`'s main
@@ -237,6 +242,9 @@ def run(child: Child) -> None:
     else:
         _redirect(spec.log, child.stdio[0] if spec.piped else None)
     _reopen_stdio()
+    if setproctitle is not None:   # `ps` shows the command a plain process would have, not the launcher's; before
+        # the environment changes, as it finds the room for the title where the process's environment began
+        setproctitle(" ".join([sys.executable, "-m", spec.module, *spec.args]))
     replace_environment(spec.env)
     _fresh_random_state()
     os.chdir(spec.cwd)

@@ -108,6 +108,9 @@ def test_the_log_is_appended_to_and_each_launch_is_a_new_process(launcher: str, 
             time.sleep(0.05)
         assert Path(spec.log).read_text().splitlines()[0] == "earlier line"
         assert pid_alive(first) and pid_alive(second)
+        shown = Path(f"/proc/{second}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        assert "-m launcher_probe --wait" in shown and "launcher" not in shown.replace("launcher_probe", ""), \
+            "ps shows the command it runs, not the launcher's"
     finally:
         for pid in (first, second):
             if pid:
