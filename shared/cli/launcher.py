@@ -41,12 +41,12 @@ from pathlib import Path
 from typing import BinaryIO
 
 from academus.shared.cli.processes import pid_alive
+from academus.shared.runtime.config import replace_environment
 
 try:
     from setproctitle import setproctitle
 except ImportError:   # an install from before it was a dependency: `ps` shows the launcher's line
     setproctitle = None
-from academus.shared.runtime.config import replace_environment
 
 # what the services import at their start: `academus.services.<name>` runs `<name>.server`'s main
 PRELOAD = ("academus.services.worker.server", "academus.services.scheduler.server",
