@@ -7,13 +7,14 @@ and renamed into place, so a crash never leaves a half-written artifact under th
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
@@ -176,6 +177,19 @@ def write_atomic(path: Path, data: bytes | str, mode: int = 0o644) -> Path:
     finally:
         os.close(directory)
     return path
+
+
+def update_json(path: Path, change: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
+    """Rewrites the JSON object at `path` as `change` makes it from the file as it is now ({} when there is none);
+    returns what was written. Writers take a lock beside it, so writers at once lose none of each other's
+    changes; readers see the old file or the new one whole (`write_atomic`)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = change(json.loads(path.read_text()) if path.is_file() else {})
+        write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return data
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:

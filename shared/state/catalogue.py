@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import json
 import re
 from collections.abc import Callable
@@ -10,7 +9,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from academus.shared.state.artifacts import file_stamp, write_atomic
+from academus.shared.state.artifacts import file_stamp, update_json
 
 # The bundled models a tenant's adapters may sit on (names only: the gateway checks them without torch); a
 # user's embedding model is a base too (`adapter_base`). minilm-plot is HMI's hierarchical base: PLOT lookups
@@ -83,16 +82,9 @@ def read_catalogue(artifacts: str | Path) -> dict[str, dict[str, Any]]:
 
 def update_catalogue(artifacts: str | Path,
                      change: Callable[[dict[str, dict[str, Any]]], dict[str, dict[str, Any]]]) -> dict[str, Any]:
-    """Rewrites models.json as `change` makes it from the file as it is now; returns what was written. Writers
-    take a lock, so a `plot build`, a `models add` and a `distill` at once lose none of each other's entries;
-    readers see the old file or the new one whole (`write_atomic`)."""
-    path = Path(artifacts) / CATALOGUE_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        catalogue = change(read_catalogue(artifacts))
-        write_atomic(path, json.dumps(catalogue, indent=2, sort_keys=True) + "\n")
-    return catalogue
+    """Rewrites models.json as `change` makes it from the file as it is now (`update_json`): a `plot build`, a
+    `models add` and a `distill` at once lose none of each other's entries."""
+    return update_json(Path(artifacts) / CATALOGUE_FILE, change)
 
 
 def write_entry(artifacts: str | Path, name: str, entry: dict[str, Any] | None) -> None:

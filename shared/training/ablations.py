@@ -20,7 +20,6 @@ untouched.
 from __future__ import annotations
 
 import copy
-import json
 import sys
 import time
 from dataclasses import asdict, replace
@@ -33,7 +32,7 @@ from tqdm import tqdm
 
 from academus.shared.models.students import StudentGroup, from_teacher
 from academus.shared.runtime.config import artifacts_dir as default_artifacts_dir
-from academus.shared.state.artifacts import write_atomic
+from academus.shared.state.artifacts import update_json
 from academus.shared.training.distill import (
     _initial_group,
     _optimizer,
@@ -237,9 +236,7 @@ def run_ablations(task: str, artifacts: Path | None = None, data_dir: Path | Non
 
 
 def write_ablations(path: Path, summary: dict[str, Any]) -> dict[str, Any]:
-    """Merges `summary`'s variants into the ablations JSON at `path` (atomic write); returns the merged file."""
-    merged = json.loads(path.read_text()) if path.is_file() else {}
-    variants = {**merged.get("variants", {}), **summary["variants"]}
-    merged = {**merged, **summary, "variants": variants}
-    write_atomic(path, json.dumps(merged, indent=2, sort_keys=True) + "\n")
-    return merged
+    """Merges `summary`'s variants into the ablations JSON at `path` (`update_json`: two runs at once keep both's
+    variants); returns the merged file."""
+    return update_json(path, lambda merged: {**merged, **summary,
+                                             "variants": {**merged.get("variants", {}), **summary["variants"]}})
