@@ -3,6 +3,7 @@ pruning, the cross-entropy baseline; on a tiny randomly initialised group (fast;
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -15,6 +16,7 @@ from academus.shared.training.ablations import (
     bootstrap_sample,
     hard_cross_entropy,
     train_direct,
+    write_ablations,
 )
 from academus.shared.training.distill import (
     boost_loss,
@@ -153,3 +155,14 @@ def test_bert_2l_learns_the_labels_with_cross_entropy() -> None:
     before = loss()
     train_direct(group, split, CFG, torch.Generator().manual_seed(0), epochs=8.0)
     assert loss() < 0.5 * before
+
+
+def test_runs_written_at_once_keep_each_others_variants(tmp_path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    path = tmp_path / "ablations" / "spam.json"
+    summaries = [{"task": "spam", "variants": {f"variant-{n}": {"accuracy": n / 10}}} for n in range(8)]
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda s: write_ablations(path, s), summaries))
+    merged = json.loads(path.read_text())
+    assert merged["variants"] == {f"variant-{n}": {"accuracy": n / 10} for n in range(8)}
