@@ -66,7 +66,7 @@ def warm_launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     proc.wait(10)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def ready_launcher(warm_launcher: Path) -> str:
     """The suite's warm launcher's socket, once it listens (for a test of what is forked from it)."""
     import time
@@ -78,6 +78,12 @@ def ready_launcher(warm_launcher: Path) -> str:
         assert time.monotonic() < end, f"the suite's launcher is not listening: {log}"
         time.sleep(0.1)
     return str(warm_launcher)
+
+
+def launcher_pid(socket_path: str) -> int:
+    """The launcher's pid, as its log's ready line names it."""
+    line = next(x for x in Path(socket_path).with_name("launcher.log").read_text().splitlines() if "(pid " in x)
+    return int(line.rsplit("(pid ", 1)[1].rstrip(")"))
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ from academus.shared.cli.standby import WAITING_NICE
 from academus.shared.cli.supervisor import Standbys, Supervisor
 from academus.shared.runtime.config import artifacts_dir, child_env
 from academus.shared.runtime.slices import autogroup_nice
-from tests.conftest import parent_pid
+from tests.conftest import launcher_pid, parent_pid
 from tests.e2e.conftest import wait_for
 
 autogroups = pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="the kernel has no autogroups")
@@ -95,12 +95,6 @@ def test_a_standby_forked_from_the_launcher_builds_waits_and_exits_at_end_of_fil
     standbys.close()
     assert wait_exit(pid, 10)
     assert "standby_serves" not in Path(worker.log).read_text() + (tmp_path / "worker-1.log").read_text()
-
-
-def launcher_pid(socket_path: str) -> int:
-    """The pid its log's ready line names."""
-    line = next(x for x in Path(socket_path).with_name("launcher.log").read_text().splitlines() if "(pid " in x)
-    return int(line.rsplit("(pid ", 1)[1].rstrip(")"))
 
 
 def test_a_service_without_standbys_is_refused_by_name() -> None:
