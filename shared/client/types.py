@@ -36,8 +36,11 @@ SERVICE_CONFIG = json.dumps({
 # A supervised gateway that dies serves again 1-2 s later, refusing connections meanwhile. A client that has been
 # served rides that out within its deadline: its calls wait for the channel to be ready (`wait_for_ready`), and
 # the channel tries to connect every 0.1 s growing to 1 s, not gRPC's 1 s growing to 120 s. A client never served
-# fails at once (a wrong address, a mesh not up).
-RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+# fails at once (a wrong address, a mesh not up). gRPC takes `min_reconnect_backoff_ms` as the time one connection
+# attempt may take (TCP and HTTP/2 handshakes), not as a backoff: at 0.1 s, connections opened in a burst to a
+# busy gateway failed UNAVAILABLE ("tcp handshaker shutdown"). A refused connect fails at once whatever it is.
+CONNECT_TIMEOUT_MS = 2000
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS),
                      ("grpc.max_reconnect_backoff_ms", 1000)]
 CHANNEL_OPTIONS = [("grpc.service_config", json.dumps(json.loads(SERVICE_CONFIG))),
                    ("grpc.enable_retries", 1),

@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from academus.client.types import RECONNECT_OPTIONS
 from academus.shared.runtime.config import CommonConfig, load
 from academus.shared.runtime.handover import Handover
 from academus.shared.runtime.heap import freeze_start_up_heap, watch_pauses
@@ -39,10 +40,9 @@ CHANNEL_OPTIONS = [
 
 # A peer the supervisor restarts serves again a second or two after it died; after refused connects a channel
 # waits 1 s, growing 1.6x, between tries by default, so it reached the peer 1.2-1.5 s after it served (measured:
-# docs/benchmarks/reliability.md). Tries 0.1 s apart, at most 1 s: a peer that stays away costs a connect a second.
+# docs/benchmarks/reliability.md). The SDK's RECONNECT_OPTIONS: tries 0.1 s apart, at most 1 s (a peer that stays
+# away costs a connect a second), each attempt given CONNECT_TIMEOUT_MS to complete.
 RENEWED_CLOSE_S = 120.0   # a renewed channel's calls finish within their deadlines before it is closed
-RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                     ("grpc.max_reconnect_backoff_ms", 1000)]
 
 Hook = Callable[[], Awaitable[None]]
 
