@@ -81,13 +81,13 @@ def process_cpu_s(pid: int | str) -> float:
     return stat_cpu_s(Path(f"/proc/{pid}/stat").read_text())
 
 
-def process_memory_mib(pid: int, field: str = "VmRSS") -> float | None:
-    """A process's memory from /proc, MiB: VmRSS (its status) or Pss (smaps_rollup: each shared page split
+def process_memory_kib(pid: int, field: str = "VmRSS") -> int | None:
+    """A process's memory from /proc, KiB: VmRSS (its status) or Pss (smaps_rollup: each shared page split
     among the processes sharing it, as a forked one's are); None when it is gone or a zombie."""
     try:
         for line in Path(f"/proc/{pid}/{'smaps_rollup' if field == 'Pss' else 'status'}").read_text().splitlines():
             if line.startswith(f"{field}:"):
-                return round(int(line.split()[1]) / 1024, 1)
+                return int(line.split()[1])
     except OSError:
         pass
     return None

@@ -57,7 +57,7 @@ from prometheus_client.samples import Sample
 
 from academus.client import AcademusError, AsyncClient, Client
 from academus.loadgen import analysis, plots, runner, schedule, texts
-from academus.loadgen.bench import process_memory_mib, write_summary
+from academus.loadgen.bench import process_memory_kib, write_summary
 from academus.loadgen.runner import GatewaySpread, RunResult
 from academus.loadgen.stats import percentile
 from academus.shared.cli.mesh import (
@@ -317,8 +317,11 @@ class RssSampler(threading.Thread):
             pids = {s.name: s.pid for s in state.services} | {"redis": state.redis_pid,
                                                                 "supervisor": state.supervisor_pid}
             self.samples.append({"t": round(time.perf_counter() - self.t0, 2),
-                                 "rss_mib": {n: process_memory_mib(p) for n, p in pids.items() if p}})
+                                 "rss_mib": {n: rss_mib(p) for n, p in pids.items() if p}})
 
+
+def rss_mib(pid: int) -> float | None:
+    return None if (kib := process_memory_kib(pid)) is None else round(kib / 1024, 1)   # None: gone, or a zombie
 
 
 # -- load and faults -----------------------------------------------------------------------------------------

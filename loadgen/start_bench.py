@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from academus.client import Client
-from academus.loadgen.bench import process_cpu_s, process_memory_mib, service_cpu_s
+from academus.loadgen.bench import process_cpu_s, process_memory_kib, service_cpu_s
 from academus.loadgen.stats import summary
 from academus.shared.cli.launcher import start_launcher
 from academus.shared.cli.mesh import (
@@ -93,7 +93,7 @@ def standby_built(run_dir: Path, name: str, since: float, prefix: str, timeout_s
         if ready:
             return {f"{prefix}ready_ms": (time.perf_counter() - since) * 1e3,
                     f"{prefix}cpu_ms": process_cpu_s(proc.standby_pid) * 1e3,
-                    f"{prefix}pss_mib": process_memory_mib(proc.standby_pid, "Pss") or 0.0}
+                    f"{prefix}pss_mib": (process_memory_kib(proc.standby_pid, "Pss") or 0) / 1024}
         if time.monotonic() > end:
             raise TimeoutError(f"{name}'s standby not built after {timeout_s} s")
         time.sleep(0.05)

@@ -29,7 +29,7 @@ import grpc
 import numpy as np
 import redis
 
-from academus.loadgen.bench import cpu_ms_per_request, service_cpu_s, write_summary
+from academus.loadgen.bench import cpu_ms_per_request, process_memory_kib, service_cpu_s, write_summary
 from academus.loadgen.runner import MAX_LATENCY_US, closed_callers, latency_summary
 from academus.shared.cli.mesh import Deployment, MeshOptions, MeshState, down, up
 from academus.shared.runtime.redis_conn import connect
@@ -201,7 +201,7 @@ def worker_facts(state: MeshState) -> dict:
     client, keys = redis.Redis.from_url(state.redis_url, decode_responses=True), Keys(state.key_prefix)
     raw = client.hget(keys.worker("worker-0"), "adapter_cache")
     pid = next(s.pid for s in state.services if s.name.startswith("worker"))
-    return {"cache": json.loads(raw) if raw else {}, "rss_bytes": rss(pid),
+    return {"cache": json.loads(raw) if raw else {}, "rss_bytes": (process_memory_kib(pid) or 0) * 1024,
             "redis_used_bytes": int(client.info("memory")["used_memory"])}
 
 
@@ -226,13 +226,6 @@ def with_cpu(state: MeshState, run) -> dict:
     after = service_cpu_s(state)
     out["cpu_ms_per_request"] = cpu_ms_per_request(before, after, out["completed"])
     return out
-
-
-def rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def measure(count: int, adapters: list, args: argparse.Namespace, env: dict[str, str], label: str) -> dict:

@@ -7,6 +7,7 @@ import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from prometheus_client import REGISTRY
@@ -49,8 +50,13 @@ def teacher() -> Iterator:
         yield TeacherEncoder.load()
 
 
+class SuiteLauncher(NamedTuple):
+    socket: str
+    pid: int
+
+
 @pytest.fixture(scope="session", autouse=True)
-def warm_launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+def warm_launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SuiteLauncher]:
     """The suite's meshes fork their services from one warm launcher (shared/cli/launcher.py): each start skips
     the imports, most of a worker's. Until it is ready they start as plain processes, so nothing waits for it;
     tests of the plain path unset ACADEMUS_LAUNCHER."""
@@ -60,30 +66,20 @@ def warm_launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     socket_path = tmp_path_factory.mktemp("launcher") / "launcher.sock"
     proc = start_launcher(socket_path)
     os.environ[LAUNCHER.name] = str(socket_path)
-    yield socket_path
+    yield SuiteLauncher(str(socket_path), proc.pid)
     os.environ.pop(LAUNCHER.name, None)
     proc.terminate()
     proc.wait(10)
 
 
 @pytest.fixture(scope="session")
-def ready_launcher(warm_launcher: Path) -> str:
-    """The suite's warm launcher's socket, once it listens (for a test of what is forked from it)."""
-    import time
+def ready_launcher(warm_launcher: SuiteLauncher) -> SuiteLauncher:
+    """The suite's warm launcher once it listens, for a test of what is forked from it."""
+    from academus.shared.cli.launcher import wait_ready
 
-    from academus.shared.cli.launcher import READY
-
-    log, end = warm_launcher.with_name("launcher.log"), time.monotonic() + 180
-    while not (log.exists() and READY in log.read_text()):
-        assert time.monotonic() < end, f"the suite's launcher is not listening: {log}"
-        time.sleep(0.1)
-    return str(warm_launcher)
-
-
-def launcher_pid(socket_path: str) -> int:
-    """The launcher's pid, as its log's ready line names it."""
-    line = next(x for x in Path(socket_path).with_name("launcher.log").read_text().splitlines() if "(pid " in x)
-    return int(line.rsplit("(pid ", 1)[1].rstrip(")"))
+    log = Path(warm_launcher.socket).with_name("launcher.log")
+    assert wait_ready(warm_launcher.pid, log, 180), f"the suite's launcher is not listening: {log}"
+    return warm_launcher
 
 
 @pytest.fixture(scope="session")

@@ -73,15 +73,10 @@ class Launch:
 
 def launch(socket_path: str, spec: Launch) -> int | None:
     """Asks the launcher at `socket_path` to start `spec`; its pid, or None when no launcher answers there."""
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.settimeout(CONNECT_TIMEOUT_S)
-            conn.connect(socket_path)
-            conn.sendall(json.dumps(asdict(spec)).encode() + b"\n")
-            reply = json.loads(_read_line(conn) or b"{}")
-    except (OSError, ValueError):
+    if (asked := _ask(socket_path, spec)) is None:
         return None
-    return reply.get("pid") if isinstance(reply.get("pid"), int) else None
+    asked[0].close()
+    return asked[1]
 
 
 def launch_piped(socket_path: str, spec: Launch) -> tuple[int, BinaryIO] | None:
@@ -90,35 +85,23 @@ def launch_piped(socket_path: str, spec: Launch) -> tuple[int, BinaryIO] | None:
     answers there."""
     read, write = os.pipe()
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.settimeout(CONNECT_TIMEOUT_S)
-            conn.connect(socket_path)
-            socket.send_fds(conn, [json.dumps(asdict(replace(spec, piped=True))).encode() + b"\n"], [read])
-            pid = json.loads(_read_line(conn) or b"{}").get("pid")
-    except (OSError, ValueError):
-        pid = None
+        asked = _ask(socket_path, replace(spec, piped=True), [read])
     finally:
         os.close(read)   # the child has its copy
-    if not isinstance(pid, int):
+    if asked is None:
         os.close(write)
         return None
-    return pid, os.fdopen(write, "wb")
+    asked[0].close()
+    return asked[1], os.fdopen(write, "wb")
 
 
 def run_attached(socket_path: str, spec: Launch) -> int | None:
     """Runs `spec` forked by the launcher on this process's stdin, stdout and stderr and waits for it: its exit
     status, or None when no launcher answers (nothing ran). SIGINT and SIGTERM are passed on to it."""
     spec = replace(spec, attached=True)
-    try:
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.settimeout(CONNECT_TIMEOUT_S)
-        conn.connect(socket_path)
-        socket.send_fds(conn, [json.dumps(asdict(spec)).encode() + b"\n"], [0, 1, 2])
-        pid = json.loads(_read_line(conn) or b"{}").get("pid")
-    except (OSError, ValueError):
+    if (asked := _ask(socket_path, spec, [0, 1, 2])) is None:
         return None
-    if not isinstance(pid, int):
-        return None
+    conn, pid = asked
     passed = {sig: signal.signal(sig, lambda signum, _: _signal(pid, signum))
               for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -133,6 +116,27 @@ def run_attached(socket_path: str, spec: Launch) -> int | None:
     except (ValueError, KeyError, TypeError):
         print(f"{spec.module}: ended without an exit status (killed?)", file=sys.stderr)
         return 1
+
+
+def _ask(socket_path: str, spec: Launch, fds: list[int] | None = None) -> tuple[socket.socket, int] | None:
+    """Sends `spec`, with `fds` when given, to the launcher at `socket_path`: the connection, still open, and the
+    child's pid; None when no launcher answers there or its fork failed."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.settimeout(CONNECT_TIMEOUT_S)
+        conn.connect(socket_path)
+        request = json.dumps(asdict(spec)).encode() + b"\n"
+        if fds:
+            socket.send_fds(conn, [request], fds)
+        else:
+            conn.sendall(request)
+        pid = json.loads(_read_line(conn) or b"{}").get("pid")
+    except (OSError, ValueError):
+        pid = None
+    if isinstance(pid, int):
+        return conn, pid
+    conn.close()
+    return None
 
 
 def _signal(pid: int, signum: int) -> None:

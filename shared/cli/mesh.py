@@ -295,14 +295,17 @@ def launcher_socket(run_dir: Path) -> Path:
 
 def start_own_launcher(state: MeshState) -> int:
     """The mesh's own launcher (again), its output in logs/launcher.log; its pid."""
-    return start_launcher(Path(state.launcher), log=Path(state.run_dir) / "logs" / LAUNCHER_LOG).pid
+    return start_launcher(Path(state.launcher), log=_launcher_log(state)).pid
+
+
+def _launcher_log(state: MeshState) -> Path:
+    return Path(state.run_dir) / "logs" / LAUNCHER_LOG
 
 
 def _await_launcher(state: MeshState, timeout_s: float) -> None:
     """Waits for the mesh's own launcher to listen before the services that would import torch; one that exits
     or is late leaves them to start plain (it is a shortcut, never a condition of the start)."""
-    if state.launcher_pid and not wait_ready(state.launcher_pid, Path(state.run_dir) / "logs" / LAUNCHER_LOG,
-                                             timeout_s):
+    if state.launcher_pid and not wait_ready(state.launcher_pid, _launcher_log(state), timeout_s):
         print(f"academus: the launcher did not start; services start plain (see {LAUNCHER_LOG})", file=sys.stderr)
 
 
@@ -463,8 +466,7 @@ def start_process(proc: ServiceProcess, launcher: str = "") -> int:
     its address and registration stay the same), its output appended to its log; returns the pid. Forked from
     the warm launcher listening at `launcher` (shared/cli/launcher.py), else a new process."""
     module = f"academus.services.{proc.service}"
-    pid = launch(launcher, Launch(module, env=child_env(proc.env), log=proc.log, cwd=os.getcwd())) if launcher \
-        else None
+    pid = launch(launcher, _launch_of(proc, module)) if launcher else None
     return pid if pid is not None else _popen(proc, module).pid
 
 
@@ -504,12 +506,16 @@ def start_standby(proc: ServiceProcess, launcher: str = "") -> Standby:
     """A standby for `proc`'s service with its settings: it builds the service, then waits for `go` on its stdin.
     Forked from the warm launcher listening at `launcher`, skipping the imports, else a new process."""
     module = "academus.shared.cli.standby"
-    piped = launch_piped(launcher, Launch(module, [proc.service], child_env(proc.env), proc.log, os.getcwd())) \
-        if launcher else None
-    if piped:
+    if launcher and (piped := launch_piped(launcher, _launch_of(proc, module, proc.service))):
         return Standby(*piped)
     popen = _popen(proc, module, proc.service, stdin=subprocess.PIPE)
     return Standby(popen.pid, popen.stdin, popen)
+
+
+def _launch_of(proc: ServiceProcess, module: str, *args: str) -> Launch:
+    """What the launcher is sent to fork `python -m module *args` with `proc`'s settings and log, as `_popen`
+    starts it."""
+    return Launch(module, list(args), child_env(proc.env), proc.log, os.getcwd())
 
 
 def standby_ready(proc: ServiceProcess) -> bool:

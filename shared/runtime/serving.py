@@ -37,11 +37,6 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
-
-# A peer the supervisor restarts serves again a second or two after it died; after refused connects a channel
-# waits 1 s, growing 1.6x, between tries by default, so it reached the peer 1.2-1.5 s after it served (measured:
-# docs/benchmarks/reliability.md). The SDK's RECONNECT_OPTIONS: tries 0.1 s apart, at most 1 s (a peer that stays
-# away costs a connect a second), each attempt given CONNECT_TIMEOUT_MS to complete.
 RENEWED_CLOSE_S = 120.0   # a renewed channel's calls finish within their deadlines before it is closed
 
 Hook = Callable[[], Awaitable[None]]
@@ -245,6 +240,10 @@ def channel(target: str, own_connections: bool = False) -> grpc.aio.Channel:
     from academus.shared.runtime.tracing import client_interceptors
 
     own = [("grpc.use_local_subchannel_pool", 1)] if own_connections else []
+    # A peer the supervisor restarts serves again a second or two after it died; after refused connects a channel
+    # waits 1 s, growing 1.6x, between tries by default, so it reached the peer 1.2-1.5 s after it served
+    # (docs/benchmarks/reliability.md). The SDK's RECONNECT_OPTIONS try 0.1 s apart, at most 1 s, each attempt
+    # given CONNECT_TIMEOUT_MS to complete.
     return mesh_channel(target, [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS, *own], client_interceptors())
 
 

@@ -23,7 +23,7 @@ from academus.loadgen.runner import GatewaySpread, RunResult
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, MeshState, create_key, down, pid_alive, wait_exit, wait_placed
 from academus.shared.runtime.logs import logged_events
 from academus.shared.state.keys import Keys
-from tests.conftest import launcher_pid, parent_pid
+from tests.conftest import SuiteLauncher, parent_pid
 from tests.e2e.conftest import start_mesh, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -34,7 +34,7 @@ WORKERS = 2
 
 
 @pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory, ready_launcher: str) -> Iterator[MeshState]:
+def mesh(tmp_path_factory: pytest.TempPathFactory, ready_launcher: SuiteLauncher) -> Iterator[MeshState]:
     """Its services and standbys forked from the suite's launcher, which listens before it starts."""
     run_dir = tmp_path_factory.mktemp("chaos-run")
     state = start_mesh(run_dir, workers=WORKERS, gateways=2, env={"ACADEMUS_MODELS": MODEL}, supervise=True,
@@ -122,7 +122,7 @@ def test_a_killed_scheduler_is_restarted_on_its_address_and_serves_again(mesh):
 def test_a_killed_worker_loses_no_request_and_its_standby_takes_its_place(mesh, ready_launcher):
     old, standby = pid_of(mesh, "worker-0"), standby_of(mesh, "worker-0")
     assert standby is not None and pid_alive(standby)
-    assert parent_pid(standby) == launcher_pid(ready_launcher), "forked from the launcher"
+    assert parent_pid(standby) == ready_launcher.pid, "forked from the launcher"
     assert standby_of(mesh, "adapter_store") is None   # off the request path: no standby
     result = under_load(mesh, kill(mesh, "worker-0", signal.SIGKILL))
     assert [r.code for r in result.records if r.code != "OK"] == []

@@ -11,13 +11,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from academus.client import Client
-from academus.shared.cli.launcher import Launch, launch, launch_piped, start_launcher, wait_ready
+from academus.shared.cli.launcher import Launch, launch, launch_piped, wait_ready
 from academus.shared.cli.mesh import (
     ADMIN_KEY_FILE,
     MeshState,
@@ -30,7 +30,7 @@ from academus.shared.cli.mesh import (
 )
 from academus.shared.runtime.config import LAUNCHER
 from academus.shared.runtime.local_plane import socket_dir
-from tests.conftest import parent_pid
+from tests.conftest import SuiteLauncher, parent_pid
 from tests.e2e.conftest import start_mesh
 
 PROBE = '''
@@ -44,19 +44,10 @@ raise SystemExit(3)
 '''
 
 
-@pytest.fixture(scope="module")
-def launcher_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
-    """A launcher of its own (the suite's may still be importing), ready before the tests ask."""
-    path = tmp_path_factory.mktemp("own-launcher") / "l.sock"
-    proc = start_launcher(path, ready_timeout_s=120)
-    yield str(path), proc.pid
-    proc.terminate()
-    proc.wait(10)
-
-
 @pytest.fixture
-def launcher(launcher_process: tuple[str, int]) -> str:
-    return launcher_process[0]
+def launcher(ready_launcher: SuiteLauncher) -> str:
+    """The suite's launcher, listening: every test here leaves it serving."""
+    return ready_launcher.socket
 
 
 def probe_in(directory: Path) -> Launch:
@@ -151,8 +142,8 @@ def test_the_socket_is_this_users_alone(launcher: str) -> None:
 
 
 def test_a_mesh_forks_its_services_from_the_launcher_and_the_supervisor_restarts_through_it(
-        launcher_process: tuple[str, int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path, launcher_pid = launcher_process
+        ready_launcher: SuiteLauncher, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path, launcher_pid = ready_launcher
     monkeypatch.setenv(LAUNCHER.name, path)
     state = start_mesh(tmp_path / "run", supervise=True)
     try:
@@ -248,9 +239,9 @@ def test_a_signal_to_the_caller_is_passed_on_and_a_killed_run_has_no_status(laun
     assert "ended without an exit status" in caller.stderr.read()
 
 
-def test_the_cli_runs_its_heavy_commands_forked_with_their_output_and_status(launcher_process: tuple[str, int],
+def test_the_cli_runs_its_heavy_commands_forked_with_their_output_and_status(ready_launcher: SuiteLauncher,
                                                                              tmp_path: Path) -> None:
-    path, _ = launcher_process
+    path = ready_launcher.socket
     env = {**os.environ, LAUNCHER.name: path}
 
     def academus(*args: str) -> subprocess.CompletedProcess:

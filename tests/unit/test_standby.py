@@ -27,7 +27,7 @@ from academus.shared.cli.standby import WAITING_NICE
 from academus.shared.cli.supervisor import Standbys, Supervisor
 from academus.shared.runtime.config import artifacts_dir, child_env
 from academus.shared.runtime.slices import autogroup_nice
-from tests.conftest import launcher_pid, parent_pid
+from tests.conftest import SuiteLauncher, parent_pid
 from tests.e2e.conftest import wait_for
 
 autogroups = pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="the kernel has no autogroups")
@@ -80,15 +80,15 @@ def test_a_standby_whose_supervisor_left_exits_without_serving(tmp_path: Path) -
     assert "standby_serves" not in (tmp_path / "worker-0.log").read_text()
 
 
-def test_a_standby_forked_from_the_launcher_builds_waits_and_exits_at_end_of_file(tmp_path: Path,
-                                                                                    ready_launcher: str) -> None:
-    standbys, worker = Standbys(launcher=ready_launcher), service(tmp_path, "worker-0")
+def test_a_standby_forked_from_the_launcher_builds_waits_and_exits_at_end_of_file(
+        tmp_path: Path, ready_launcher: SuiteLauncher) -> None:
+    standbys, worker = Standbys(launcher=ready_launcher.socket), service(tmp_path, "worker-0")
     standbys.prepare(worker)
     pid = worker.standby_pid
-    assert pid is not None and parent_pid(pid) == launcher_pid(ready_launcher)
+    assert pid is not None and parent_pid(pid) == ready_launcher.pid
     wait_for(lambda: standby_ready(worker), 180, "the forked standby's build")
     assert pid_alive(pid), "built, it waits on the pipe"
-    forked = start_standby(service(tmp_path, "worker-1"), ready_launcher)
+    forked = start_standby(service(tmp_path, "worker-1"), ready_launcher.socket)
     assert forked.popen is None and parent_pid(forked.pid) == parent_pid(pid)
     forked.stdin.close()   # the supervisor gone: the pipe's only write end closed
     assert wait_exit(forked.pid, 60)
