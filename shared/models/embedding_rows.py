@@ -11,7 +11,6 @@ tasks' test splits 90 % of the tokens fall in about 2,600 rows (3.9 MB at 384 wi
 from __future__ import annotations
 
 import threading
-import zlib
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ import numpy as np
 import torch
 
 from academus.shared.models.shard_io import Reader
-from academus.shared.state.artifacts import ArtifactError
+from academus.shared.state.artifacts import ArtifactError, crc32
 
 ROWS_FILE = "embeddings.rows"
 BLOCK_ROWS = 16                 # 24 KB a block at 384 wide: a text's reads stay small, the manifest too
@@ -36,7 +35,7 @@ def write_rows(directory: Path, table: torch.Tensor) -> dict[str, Any]:
         for start in range(0, rows, BLOCK_ROWS):
             blob = values[start:start + BLOCK_ROWS].tobytes()
             handle.write(blob)
-            crcs.append(zlib.crc32(blob))
+            crcs.append(crc32(blob))
     return {"file": ROWS_FILE, "rows": rows, "width": width, "block_rows": BLOCK_ROWS, "crc32": crcs}
 
 
@@ -139,7 +138,7 @@ class EmbeddingRows:
     def _read_block(self, block: int, source: Reader) -> torch.Tensor:
         offset, length = self.block_span(block)
         blob = source.read(self.path, offset, length)
-        if len(blob) != length or (crc := zlib.crc32(blob)) != self.crcs[block]:
+        if len(blob) != length or (crc := crc32(blob)) != self.crcs[block]:
             got = f"{len(blob)} bytes" if len(blob) != length else f"crc32 {crc}"
             raise ArtifactError(f"{self.path}: rows block {block} (bytes {offset}..{offset + length}) has {got}; "
                                 f"the manifest says {length} bytes, crc32 {self.crcs[block]}")

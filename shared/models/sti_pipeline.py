@@ -24,7 +24,14 @@ from academus.shared.models.architectures import family_module, read_architectur
 from academus.shared.models.model import MEAN, ClassifierHead, body_inputs, padded_positions, pool
 from academus.shared.models.shard_io import FileSource
 from academus.shared.models.shard_store import RELATIVE_BIAS, ShardStore
-from academus.shared.models.shards import LayerWeights, ShardWeights, elastic_layer, key_mask, relative_bias
+from academus.shared.models.shards import (
+    LayerBuilder,
+    LayerWeights,
+    ShardWeights,
+    elastic_layer,
+    key_mask,
+    relative_bias,
+)
 from academus.shared.models.sti_planner import Plan
 from academus.shared.state.artifacts import ArtifactError
 
@@ -94,6 +101,9 @@ class ElasticModel(nn.Module):
 
     def assemble(self, layer: int, shards: Sequence[int], weights: Sequence[ShardWeights]) -> LayerWeights:
         return LayerWeights.assemble(shards, weights, self.residents[layer], self.store.geometry)
+
+    def builder(self, layer: int, shards: Sequence[int]) -> LayerBuilder:
+        return LayerBuilder(shards, self.residents[layer], self.store.geometry)
 
     def assemble_plan(self, plan: Plan, bank: dict[tuple[int, int, int], ShardWeights]) -> list[LayerWeights]:
         """The plan's layers from decoded shards at hand (`bank[(layer, shard, bits)]`)."""
@@ -184,19 +194,17 @@ class ShardPipeline:
                 while room is not None and not room.acquire(timeout=0.05):   # the working buffer is full
                     if stop.is_set():
                         return busy
-                layer = []
-                for s in shards:
+                started = time.perf_counter()
+                layer = self.model.builder(k, shards)
+                for i, s in enumerate(shards):
                     if stop.is_set():
                         return busy
-                    started = time.perf_counter()
                     b = plan.bits[(k, s)]
                     blob = self.preloaded.get((k, s, b))
                     if blob is None:
                         blob = self.store.read_through(self.source, k, s, b)
-                    layer.append(self.store.decode(k, s, b, blob))
-                    busy += time.perf_counter() - started
-                started = time.perf_counter()
-                out[k] = self.model.assemble(k, shards, layer)
+                    layer.put(i, self.store.vector(k, s, b, blob))
+                out[k] = layer.weights()
                 busy += time.perf_counter() - started
                 ready[k].set()
         except BaseException as e:   # the compute thread re-raises it

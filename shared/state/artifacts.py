@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from isal import isal_zlib
 from safetensors import SafetensorError
 
 # torch is imported where weights are read or written: a scheduler (which reads manifests and checksums only)
@@ -93,6 +94,12 @@ def file_stamp(path: Path) -> tuple[int, int] | None:
     except OSError:
         return None
     return stat.st_ino, stat.st_mtime_ns
+
+
+def crc32(data: bytes | memoryview) -> int:
+    """zlib's CRC-32, the checksum a shard or an embedding block is read against, computed with ISA-L's carry-less
+    multiplies: 7 us for a 590 KB MiniLM shard against zlib's 115 us (docs/benchmarks/sti.md)."""
+    return isal_zlib.crc32(data)
 
 
 def sha256_file(path: Path) -> str:

@@ -521,11 +521,15 @@ def _load_profile(store: ShardStore, model: ElasticModel, source: FileSource, re
                 blobs = [store.read_stored(k, s, bits) for s in shards]
                 source.before_run(store.paths())
                 t0 = time.perf_counter()
-                model.assemble(k, shards, [store.decode(k, s, bits, source.read(store.directory / e.file, e.offset,
-                                                                                  e.length))
-                                           for s, e in zip(shards, entries, strict=True)])
+                built = model.builder(k, shards)   # as the pipeline's loader does
+                for i, (s, e) in enumerate(zip(shards, entries, strict=True)):
+                    built.put(i, store.vector(k, s, bits, source.read(store.directory / e.file, e.offset, e.length)))
+                built.weights()
                 t1 = time.perf_counter()
-                model.assemble(k, shards, [store.decode(k, s, bits, b) for s, b in zip(shards, blobs, strict=True)])
+                built = model.builder(k, shards)
+                for i, (s, b) in enumerate(zip(shards, blobs, strict=True)):
+                    built.put(i, store.vector(k, s, bits, b))
+                built.weights()
                 t2 = time.perf_counter()
                 loads.append((t1 - t0) / len(shards))
                 decodes.append((t2 - t1) / len(shards))

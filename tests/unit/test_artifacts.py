@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import random
+import zlib
 from pathlib import Path
 
 import pytest
@@ -167,3 +169,11 @@ def test_writers_of_the_catalogue_at_once_lose_none_of_each_others_entries(tmp_p
     assert {f"user-{w}-{n}" for w in range(4) for n in range(25)} <= set(catalogue)
     assert {"minilm", "null"} <= set(catalogue)
     assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("size", [0, 1, 7, 4096, 589_824])
+def test_crc32_is_zlibs(size: int) -> None:
+    """Manifests written with zlib's CRC-32 (any built before ISA-L computed it) still check."""
+    data = random.Random(size).randbytes(size)
+    assert artifacts.crc32(data) == zlib.crc32(data)
+    assert artifacts.crc32(memoryview(data)) == zlib.crc32(data)

@@ -15,6 +15,7 @@ from academus.shared.models.shard_store import ShardStore, add_task, shape_key
 from academus.shared.models.shards import (
     BITS,
     FULL,
+    LayerBuilder,
     LayerQuantization,
     LayerResident,
     LayerWeights,
@@ -135,6 +136,29 @@ def test_a_narrower_layer_is_the_layer_with_the_other_heads_and_neurons_removed(
         zeroed, narrow = run(list(range(4))), run(keep)
     torch.testing.assert_close(narrow, zeroed, atol=1e-5, rtol=1e-5)
 
+
+
+def test_a_layer_built_shard_by_shard_as_read_is_the_assembled_layer() -> None:
+    """The loader copies each shard's parts into the layer as it reads it, from a read-only buffer at full
+    precision: the same matrices and biases as decoding each shard and concatenating."""
+    layer = tiny_encoder(1).body.encoder.layer[0]
+    geometry = ShardGeometry.of(tiny_encoder(1).body.config)
+    resident = LayerResident.of(layer)
+    shards = [3, 0, 2]
+    stored = [encode_shard(shard_vector(layer, geometry, s), FULL, None, np.zeros(geometry.params, bool))
+              for s in shards]
+    builder = LayerBuilder(shards, resident, geometry)
+    for i, blob in enumerate(stored):
+        view = decode_shard(blob, FULL, geometry.params, None, 0)
+        assert not view.flags.writeable            # no copy made before the layer's own
+        builder.put(i, view)
+    built = builder.weights()
+    expected = LayerWeights.assemble(shards, [ShardWeights.from_vector(shard_vector(layer, geometry, s), geometry)
+                                              for s in shards], resident, geometry)
+    for name in ("query", "key", "value", "output", "ffn_in", "ffn_out", "query_bias", "key_bias", "value_bias",
+                 "ffn_in_bias", "heads"):
+        assert torch.equal(getattr(built, name), getattr(expected, name)), name
+    assert built.width == expected.width == 3
 
 # --- the artifact and the pipeline -------------------------------------------------------------------------------
 
