@@ -23,11 +23,24 @@ class UnaryServerInterceptor(grpc.aio.ServerInterceptor, ABC):
     stream left out would miss its metrics and the trace draw: untraced, every stream would be traced at
     every hop downstream."""
 
+    def __init__(self) -> None:
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
     async def intercept_service(self, continuation, handler_call_details):
+        """gRPC asks on every call. A method resolves to the same handler each time, so its wrapper is built
+        once: building it a call (labels, closure, handler) cost 35 us of CPU (docs/benchmarks/stack.md)."""
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
         if handler is None or is_plumbing(method):
             return handler
+        known = self._wrapped.get(method)
+        if known is not None and known[0] is handler:
+            return known[1]
+        wrapped = self._wrapped_handler(handler, method)
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+    def _wrapped_handler(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 self.wrap(handler.unary_unary, method),

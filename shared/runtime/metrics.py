@@ -92,6 +92,7 @@ class MetricsInterceptor(UnaryServerInterceptor):
     """Times every unary RPC of the service (health and reflection excluded)."""
 
     def __init__(self, service: str) -> None:
+        super().__init__()
         self.service = service
 
     def wrap(self, behavior: UnaryBehavior, method: str) -> UnaryBehavior:

@@ -127,6 +127,7 @@ class ServerSpans(UnaryServerInterceptor):
     CPU under overload, where most calls are refused (py-spy at 3x capacity; docs/benchmarks/tracing.md)."""
 
     def __init__(self, provider: TracerProvider, ratio: float = 1.0) -> None:
+        super().__init__()
         self.tracer = provider.get_tracer("academus.grpc")
         self.ratio = root_ratio(ratio)
 

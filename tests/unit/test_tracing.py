@@ -334,3 +334,38 @@ async def test_a_server_stream_is_timed_drawn_and_traced_as_one_call(ratio):
             await asyncio.wait_for(cleaned.wait(), 5)
     finally:
         await server.stop(None)
+
+
+async def test_a_methods_wrapper_is_built_once_and_times_every_call() -> None:
+    """gRPC runs the interceptors on every call; the wrapper each builds for a method is kept, and still serves,
+    times and traces each call."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(resource=Resource.create({"service.name": "t"}))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    interceptors = [MetricsInterceptor("t"), ServerSpans(provider, 1.0)]
+    built: list[str] = []
+    for interceptor in interceptors:
+        wrap = interceptor.wrap
+        interceptor.wrap = lambda behavior, method, wrap=wrap: built.append(method) or wrap(behavior, method)
+
+    async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return request
+
+    server = grpc.aio.server(interceptors=interceptors)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "t.Cached", {"Echo": grpc.unary_unary_rpc_method_handler(echo),
+                     "Other": grpc.unary_unary_rpc_method_handler(echo)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    timed = RPC_LATENCY.labels("t", "Echo")
+    before = sum(b.get() for b in timed._buckets)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            for i in range(5):
+                assert await channel.unary_unary("/t.Cached/Echo")(b"%d" % i, timeout=5) == b"%d" % i
+            assert await channel.unary_unary("/t.Cached/Other")(b"x", timeout=5) == b"x"
+    finally:
+        await server.stop(None)
+    assert built == ["/t.Cached/Echo"] * 2 + ["/t.Cached/Other"] * 2   # once a method and interceptor
+    assert sum(b.get() for b in timed._buckets) == before + 5
+    assert [s.name for s in exporter.get_finished_spans()] == ["/t.Cached/Echo"] * 5 + ["/t.Cached/Other"]
