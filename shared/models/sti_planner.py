@@ -159,7 +159,7 @@ class Planner:
         load, decode = self.profile.load_ms, self.profile.decode_ms
         budgets = Budgets(slack, layer_ms, depth)
         wanted = {(k, s) for k in range(depth) for s in shards[k]}
-        bits = {x: b for x, b in held.items() if x in wanted}
+        bits = {x: b for x, b in held.items() if x in wanted and decode[b] < self._cheapest_load(b)}
         for (k, _), b in bits.items():
             budgets.take(k, decode[b])
         free = [x for x in sorted(wanted) if x not in bits]
@@ -186,6 +186,12 @@ class Planner:
                     target_ms=target_ms)
         plan.stall_ms = simulate(plan, self.profile, length)["stall_ms"]
         return plan
+
+    def _cheapest_load(self, bits: int) -> float:
+        """The cheapest load of a version at least as precise. A held shard is worth decoding only below it:
+        through the page cache a full-precision read can cost less than decoding a held 6-bit shard, and
+        counting the dearer decode made the planner pick narrower shapes with a buffer than without one."""
+        return min(ms for b, ms in self.profile.load_ms.items() if b >= bits)
 
     def _preload(self, shards: list[list[int]], preload_bytes: int) -> dict[Shard, int]:
         """The first shards in load order that fit the buffer, at the highest version (up to 6 bits) at

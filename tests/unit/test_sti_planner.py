@@ -122,6 +122,22 @@ def test_the_preload_fills_the_first_layers_in_load_order() -> None:
     assert ample.bits[(0, 0)] == FULL and (0, 0) not in ample.preload and ample.preload == {(0, 1), (0, 2)}
 
 
+
+def test_a_held_shard_dearer_to_decode_than_to_read_better_is_read() -> None:
+    """Through the page cache a full-precision read can cost less than decoding a held 6-bit shard: the buffer
+    then changes nothing, rather than costing the plan its width."""
+    buffer = 3 * 600 + 100                                    # a 6-bit first layer
+    cached = {2: 0.45, 3: 0.5, 4: 0.5, 5: 0.55, 6: 0.6, FULL: 0.3}   # reads cheap, decoding dear
+    dear = planner(profile(load=cached, decode=0.45), depths=(1, 2, 3))
+    for target in (2.0, 3.0, 4.0):    # counting the decode, the buffer cost a layer (3.0, 4.0) or bits (2.0)
+        with_buffer, without = dear.plan(target, 32, buffer), dear.plan(target, 32, 0)
+        assert (with_buffer.depth, with_buffer.width, with_buffer.bits) == (without.depth, without.width,
+                                                                             without.bits)
+        assert set(with_buffer.bits.values()) == {FULL} and with_buffer.preload == set()
+    cheap = planner(profile(load=cached, decode=0.1), depths=(1, 2, 3))     # held shards decoded: one layer more
+    assert cheap.plan(2.6, 32, buffer).preload and cheap.plan(2.6, 32, buffer).depth == 2
+    assert cheap.plan(2.6, 32, 0).depth == 1
+
 def test_plan_key_and_summary() -> None:
     plan = Plan("x", 1, 2, [[0, 1]], {(0, 0): 2, (0, 1): 6})
     assert plan.mean_bits == 4 and plan.summary()["bits"] == {"2": 1, "6": 1}
