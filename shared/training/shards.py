@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -521,15 +521,10 @@ def _load_profile(store: ShardStore, model: ElasticModel, source: FileSource, re
                 blobs = [store.read_stored(k, s, bits) for s in shards]
                 source.before_run(store.paths())
                 t0 = time.perf_counter()
-                built = model.builder(k, shards)   # as the pipeline's loader does
-                for i, (s, e) in enumerate(zip(shards, entries, strict=True)):
-                    built.put(i, store.vector(k, s, bits, source.read(store.directory / e.file, e.offset, e.length)))
-                built.weights()
+                _build_layer(model, k, shards, bits,
+                             (source.read(store.directory / e.file, e.offset, e.length) for e in entries))
                 t1 = time.perf_counter()
-                built = model.builder(k, shards)
-                for i, (s, b) in enumerate(zip(shards, blobs, strict=True)):
-                    built.put(i, store.vector(k, s, bits, b))
-                built.weights()
+                _build_layer(model, k, shards, bits, blobs)
                 t2 = time.perf_counter()
                 loads.append((t1 - t0) / len(shards))
                 decodes.append((t2 - t1) / len(shards))
@@ -538,6 +533,16 @@ def _load_profile(store: ShardStore, model: ElasticModel, source: FileSource, re
         stop.set()
         worker.join()
     return load_ms, decode_ms
+
+
+def _build_layer(model: ElasticModel, layer: int, shards: list[int], bits: int,
+                 blobs: Iterable[bytes]) -> LayerWeights:
+    """A layer put together from its shards' stored bytes (read as `blobs` is iterated), as the pipeline's
+    loader does."""
+    built = model.builder(layer, shards)
+    for i, (s, blob) in enumerate(zip(shards, blobs, strict=True)):
+        built.put(i, model.store.vector(layer, s, bits, blob))
+    return built.weights()
 
 
 def median_ms(fn: Any, repeats: int) -> float:
