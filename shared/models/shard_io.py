@@ -11,9 +11,11 @@ Every arm of a comparison reads through the same source, and each result names i
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Protocol
 
@@ -28,6 +30,7 @@ class FileSource:
     """Plain positional reads; descriptors kept open."""
 
     name = "file"
+    waits = False   # a read is a copy from the page cache: CPU work, which a read-ahead thread would only contend for
 
     def __init__(self) -> None:
         self._fds: dict[Path, int] = {}
@@ -61,7 +64,7 @@ class FileSource:
 class ColdSource(FileSource):
     """Reads after the files' pages are dropped from the page cache, as on a first start."""
 
-    name = "cold"
+    name = "cold"   # the kernel's readahead reads the next pages while the loader decodes: no reader thread (waits)
 
     def before_run(self, paths: Sequence[Path]) -> None:
         for path in paths:
@@ -70,6 +73,8 @@ class ColdSource(FileSource):
 
 class ThrottledSource(FileSource):
     """Reads that take at least length / bandwidth each, one after another, as one storage device serves them."""
+
+    waits = True    # no kernel readahead behind this device: the pipeline's reader thread reads ahead instead
 
     def __init__(self, megabytes_per_s: float) -> None:
         super().__init__()
@@ -91,6 +96,68 @@ class ThrottledSource(FileSource):
 
     def before_run(self, paths: Sequence[Path]) -> None:
         self._free_at = 0.0
+
+
+class ReadAhead:
+    """Reads run in order on a thread of their own (`executor`'s), up to `depth` ahead of the consumer that
+    checks and decodes them: the storage device reads the next shard while the CPU decodes this one, as STI's
+    IO thread does. Reading and decoding in turn left the device idle during each decode."""
+
+    def __init__(self, executor: Executor, reads: Iterable[Callable[[], bytes]], depth: int) -> None:
+        self._queue: queue.Queue[bytes | BaseException] = queue.Queue(maxsize=max(1, depth))
+        self._closed = threading.Event()
+        executor.submit(self._run, iter(reads))
+
+    def _run(self, reads: Iterable[Callable[[], bytes]]) -> None:
+        try:
+            for read in reads:
+                if not self._offer(read()):
+                    return
+        except BaseException as e:   # the consumer raises it where the failed read's bytes were due
+            self._offer(e)
+
+    def _offer(self, item: bytes | BaseException) -> bool:
+        while not self._closed.is_set():
+            try:
+                self._queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def next(self) -> bytes:
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        """Stops the reads the consumer will not take: the reader ends after the read it is in."""
+        self._closed.set()
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                return
+
+
+class ReadInTurn:
+    """Each read done by the consumer when it asks: for a source whose reads cost CPU, not waiting."""
+
+    def __init__(self, reads: Iterable[Callable[[], bytes]]) -> None:
+        self._reads = iter(reads)
+
+    def next(self) -> bytes:
+        return next(self._reads)()
+
+    def close(self) -> None:
+        """Nothing runs ahead."""
+
+
+def reads_for(source: FileSource, executor: Executor, reads: Iterable[Callable[[], bytes]],
+              depth: int) -> ReadAhead | ReadInTurn:
+    """`reads` run ahead on `executor` where the source's reads wait on a device, else in turn."""
+    return ReadAhead(executor, reads, depth) if source.waits else ReadInTurn(reads)
 
 
 def io_source(spec: str) -> FileSource:

@@ -1,5 +1,6 @@
 """Submodel execution (STI §5.5): a loader thread reads the plan's shards layer by layer while the compute
-thread runs each layer as soon as its shards are in.
+thread runs each layer as soon as its shards are in. Through the `throttled` device a reader thread reads up to
+a layer ahead of the loader, so the device reads while the loader decodes (files have the kernel's readahead).
 
 The loader also checks and decodes each shard. The paper decodes on the compute side (C with OpenMP on a
 phone, where decoding is small next to a layer); on a server CPU decoding a MiniLM layer (~1.5 ms) costs
@@ -16,13 +17,14 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
 
 from academus.shared.models.architectures import family_module, read_architecture
 from academus.shared.models.model import MEAN, ClassifierHead, body_inputs, padded_positions, pool
-from academus.shared.models.shard_io import FileSource
+from academus.shared.models.shard_io import FileSource, reads_for
 from academus.shared.models.shard_store import RELATIVE_BIAS, ShardStore
 from academus.shared.models.shards import (
     LayerBuilder,
@@ -160,6 +162,7 @@ class ShardPipeline:
         self.lookahead = lookahead
         self.preloaded: dict[tuple[int, int, int], bytes] = {}
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sti-loader")
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sti-reader")
 
     def preload(self, plan: Plan) -> int:
         """Holds the plan's preload set (a buffer filled for it); returns the buffer's bytes."""
@@ -183,12 +186,20 @@ class ShardPipeline:
 
     def close(self) -> None:
         self._loader.shutdown(wait=True)
+        self._reader.shutdown(wait=True)
         self.source.close()
         self.model.close()
 
     def _load(self, plan: Plan, ready: list[threading.Event], out: dict[int, LayerWeights],
               failed: list[BaseException], stop: threading.Event, room: threading.Semaphore | None) -> float:
         busy = 0.0
+        held = self.preloaded        # this run's buffer, though `hold` may replace it meanwhile
+        # the shards not held, read ahead by at most a layer's stored bytes, besides the working buffer's layers
+        unheld = [(k, s, plan.bits[(k, s)]) for k, shards in enumerate(plan.shards) for s in shards
+                  if (k, s, plan.bits[(k, s)]) not in held]
+        reads = reads_for(self.source, self._reader,
+                          (partial(self.store.read_through, self.source, *x) for x in unheld),
+                          depth=len(plan.shards[0]) if plan.shards else 1)
         try:
             for k, shards in enumerate(plan.shards):
                 while room is not None and not room.acquire(timeout=0.05):   # the working buffer is full
@@ -200,10 +211,8 @@ class ShardPipeline:
                     if stop.is_set():
                         return busy
                     b = plan.bits[(k, s)]
-                    blob = self.preloaded.get((k, s, b))
-                    if blob is None:
-                        blob = self.store.read_through(self.source, k, s, b)
-                    layer.put(i, self.store.vector(k, s, b, blob))
+                    blob = held.get((k, s, b))
+                    layer.put(i, self.store.vector(k, s, b, reads.next() if blob is None else blob))
                 out[k] = layer.weights()
                 busy += time.perf_counter() - started
                 ready[k].set()
@@ -211,6 +220,8 @@ class ShardPipeline:
             failed.append(e)
             for event in ready:
                 event.set()
+        finally:
+            reads.close()
         return busy
 
     @torch.inference_mode()

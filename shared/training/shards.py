@@ -33,13 +33,15 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from academus.shared.models.model import ClassifierHead, TeacherEncoder, pad_batch
-from academus.shared.models.shard_io import FileSource, io_source
+from academus.shared.models.shard_io import FileSource, io_source, reads_for
 from academus.shared.models.shard_store import (
     OWN_HEAD_PREFIX,
     RELATIVE_BIAS,
@@ -509,6 +511,7 @@ def _load_profile(store: ShardStore, model: ElasticModel, source: FileSource, re
 
     worker = threading.Thread(target=compute, daemon=True)
     worker.start()
+    reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="profile-reader")
     load_ms: dict[int, float] = {}
     decode_ms: dict[int, float] = {}
     try:
@@ -521,8 +524,12 @@ def _load_profile(store: ShardStore, model: ElasticModel, source: FileSource, re
                 blobs = [store.read_stored(k, s, bits) for s in shards]
                 source.before_run(store.paths())
                 t0 = time.perf_counter()
-                _build_layer(model, k, shards, bits,
-                             (source.read(store.directory / e.file, e.offset, e.length) for e in entries))
+                reads = reads_for(source, reader, (partial(source.read, store.directory / e.file, e.offset, e.length)
+                                                   for e in entries), depth=len(shards))   # as the pipeline reads
+                try:
+                    _build_layer(model, k, shards, bits, (reads.next() for _ in shards))
+                finally:
+                    reads.close()
                 t1 = time.perf_counter()
                 _build_layer(model, k, shards, bits, blobs)
                 t2 = time.perf_counter()
@@ -532,6 +539,7 @@ def _load_profile(store: ShardStore, model: ElasticModel, source: FileSource, re
     finally:
         stop.set()
         worker.join()
+        reader.shutdown(wait=True)
     return load_ms, decode_ms
 
 
