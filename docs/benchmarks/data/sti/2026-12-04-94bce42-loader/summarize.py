@@ -17,7 +17,8 @@ def shards(rows: list[dict]) -> int:
 
 
 def line(run: Path) -> str:
-    summary = json.loads((run / "file.json").read_text())
+    summary = json.loads(next(run.glob("*.json")).read_text()) if not (run / "file.json").exists() else \
+        json.loads((run / "file.json").read_text())
     fig, rows = summary["figures"], summary["results"][0]["rows"]
     arm = {name: [r for r in rows if r["arm"] == name] for name in ("sti-4096k", "sti-0", "stdpl-32", "preload-32")}
     sti = arm["sti-4096k"]
