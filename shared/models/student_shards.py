@@ -23,7 +23,14 @@ from torch import nn
 from academus.shared.models.model import mean_pool
 from academus.shared.models.shard_io import FileSource
 from academus.shared.models.shard_store import ShardStore
-from academus.shared.models.shards import LayerResident, LayerWeights, elastic_layer, key_mask, relative_bias
+from academus.shared.models.shards import (
+    LayerBuilder,
+    LayerResident,
+    LayerWeights,
+    elastic_layer,
+    key_mask,
+    relative_bias,
+)
 from academus.shared.state.artifacts import WEIGHTS, ArtifactError, read_manifest
 
 STUDENT_SHARDS_KIND = "student-group"   # the manifest's `extra["of"]`: whose layers the shards are
@@ -85,11 +92,11 @@ class StudentShards:
         residents, layers = [], []
         shards = range(self.store.geometry.heads)
         for k in self._layers(student):
-            weights = []
-            for s in shards:
-                weights.append(self.store.decode(k, s, bits, self.store.read_through(source, k, s, bits)))
             resident = self.store.layer_resident(k)
-            layers.append(_on(LayerWeights.assemble(list(shards), weights, resident, self.store.geometry), device))
+            layer = LayerBuilder(shards, resident, self.store.geometry)   # each shard copied once, as STI's loader
+            for s in shards:
+                layer.put(s, self.store.vector(k, s, bits, self.store.read_through(source, k, s, bits)))
+            layers.append(_on(layer.weights(), device))
             residents.append(_on(resident, device))
         return ElasticStudent(student, bits, residents, layers, self.store, self._relative(student, device))
 
