@@ -15,9 +15,19 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
+
+Span = tuple[Path, int, int]   # a read's file, offset and length
+
+
+class Reads(Protocol):
+    """Reads of spans in order, taken with `next`; `close` when done, or when leaving early."""
+
+    def __next__(self) -> bytes: ...
+
+    def close(self) -> None: ...
 
 
 class Reader(Protocol):
@@ -30,7 +40,6 @@ class FileSource:
     """Plain positional reads; descriptors kept open."""
 
     name = "file"
-    waits = False   # a read is a copy from the page cache: CPU work, which a read-ahead thread would only contend for
 
     def __init__(self) -> None:
         self._fds: dict[Path, int] = {}
@@ -44,6 +53,12 @@ class FileSource:
 
     def read(self, path: Path, offset: int, length: int) -> bytes:
         return os.pread(self._fd(path), length, offset)   # a short read fails the shard's checksum check
+
+    def read_in_order(self, spans: Iterable[Span], depth: int) -> Reads:
+        """Each span's bytes in turn, read as the consumer takes them. A page-cache read is a copy, CPU work that a
+        thread reading ahead would only contend for, and a cold file has the kernel's readahead (a reader thread
+        made cold full-precision loads slower: docs/benchmarks/sti.md). `depth` is for a device that reads ahead."""
+        return (self.read(*span) for span in spans)
 
     def before_run(self, paths: Sequence[Path]) -> None:
         """Nothing: the page cache keeps what it keeps."""
@@ -64,7 +79,7 @@ class FileSource:
 class ColdSource(FileSource):
     """Reads after the files' pages are dropped from the page cache, as on a first start."""
 
-    name = "cold"   # the kernel's readahead reads the next pages while the loader decodes: no reader thread (waits)
+    name = "cold"
 
     def before_run(self, paths: Sequence[Path]) -> None:
         for path in paths:
@@ -74,10 +89,9 @@ class ColdSource(FileSource):
 class ThrottledSource(FileSource):
     """Reads that take at least length / bandwidth each, one after another, as one storage device serves them."""
 
-    waits = True    # no kernel readahead behind this device: the pipeline's reader thread reads ahead instead
-
     def __init__(self, megabytes_per_s: float) -> None:
         super().__init__()
+        self._reader: ThreadPoolExecutor | None = None
         if megabytes_per_s <= 0:
             raise ValueError(f"throttled bandwidth must be > 0 MB/s, got {megabytes_per_s}")
         self.bytes_per_s = megabytes_per_s * 1e6
@@ -97,26 +111,42 @@ class ThrottledSource(FileSource):
     def before_run(self, paths: Sequence[Path]) -> None:
         self._free_at = 0.0
 
+    def read_in_order(self, spans: Iterable[Span], depth: int) -> Reads:
+        """Each span's bytes in turn, read up to `depth` ahead on the device's own thread: it reads the next shard
+        while the consumer decodes this one, as a real device behind the kernel's readahead would."""
+        if self._reader is None:   # again after `close`: a source may be read again
+            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="throttled-reader")
+        return ReadAhead(self._reader, lambda span: self.read(*span), spans, depth)
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
+            self._reader = None
+        super().close()
+
 
 class ReadAhead:
-    """Reads run in order on a thread of their own (`executor`'s), up to `depth` ahead of the consumer that
-    checks and decodes them: the storage device reads the next shard while the CPU decodes this one, as STI's
-    IO thread does. Reading and decoding in turn left the device idle during each decode."""
+    """`read` of each span in order on `executor`'s thread, up to `depth` ahead of the consumer, which takes them
+    with `next`; a failed read is raised where its bytes were due. `close` stops the reads not taken (the reader
+    ends after the read it is in), whether or not the consumer took any."""
 
-    def __init__(self, executor: Executor, reads: Iterable[Callable[[], bytes]], depth: int) -> None:
-        self._queue: queue.Queue[bytes | BaseException] = queue.Queue(maxsize=max(1, depth))
+    def __init__(self, executor: ThreadPoolExecutor, read: Callable[[Span], bytes], spans: Iterable[Span],
+                 depth: int) -> None:
+        self._queue: queue.Queue[bytes | BaseException | None] = queue.Queue(maxsize=max(1, depth))
         self._closed = threading.Event()
-        executor.submit(self._run, iter(reads))
+        self._ended = False
+        executor.submit(self._run, read, iter(spans))
 
-    def _run(self, reads: Iterable[Callable[[], bytes]]) -> None:
+    def _run(self, read: Callable[[Span], bytes], spans: Iterable[Span]) -> None:
         try:
-            for read in reads:
-                if not self._offer(read()):
+            for span in spans:
+                if not self._offer(read(span)):
                     return
-        except BaseException as e:   # the consumer raises it where the failed read's bytes were due
+            self._offer(None)        # the end, so that a consumer may iterate to it
+        except BaseException as e:   # raised to the consumer in its turn
             self._offer(e)
 
-    def _offer(self, item: bytes | BaseException) -> bool:
+    def _offer(self, item: bytes | BaseException | None) -> bool:
         while not self._closed.is_set():
             try:
                 self._queue.put(item, timeout=0.05)
@@ -125,39 +155,27 @@ class ReadAhead:
                 continue
         return False
 
-    def next(self) -> bytes:
+    def __iter__(self) -> ReadAhead:
+        return self
+
+    def __next__(self) -> bytes:
+        if self._ended:
+            raise StopIteration
         item = self._queue.get()
+        if item is None:
+            self._ended = True
+            raise StopIteration
         if isinstance(item, BaseException):
             raise item
         return item
 
     def close(self) -> None:
-        """Stops the reads the consumer will not take: the reader ends after the read it is in."""
         self._closed.set()
-        while True:
+        while True:   # unblocks a reader waiting for room
             try:
                 self._queue.get_nowait()
             except queue.Empty:
                 return
-
-
-class ReadInTurn:
-    """Each read done by the consumer when it asks: for a source whose reads cost CPU, not waiting."""
-
-    def __init__(self, reads: Iterable[Callable[[], bytes]]) -> None:
-        self._reads = iter(reads)
-
-    def next(self) -> bytes:
-        return next(self._reads)()
-
-    def close(self) -> None:
-        """Nothing runs ahead."""
-
-
-def reads_for(source: FileSource, executor: Executor, reads: Iterable[Callable[[], bytes]],
-              depth: int) -> ReadAhead | ReadInTurn:
-    """`reads` run ahead on `executor` where the source's reads wait on a device, else in turn."""
-    return ReadAhead(executor, reads, depth) if source.waits else ReadInTurn(reads)
 
 
 def io_source(spec: str) -> FileSource:

@@ -12,7 +12,7 @@ a corrupted or truncated file is refused naming the file, the shard and both che
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -25,11 +25,13 @@ from torch import nn
 
 from academus.shared.models.embedding_rows import EmbeddingRows, write_rows
 from academus.shared.models.model import ClassifierHead, SequenceClassifierHead
-from academus.shared.models.shard_io import FileSource, Reader
+from academus.shared.models.shard_io import FileSource, Reader, Reads, Span
 from academus.shared.models.shards import (
     FULL,
     VERSIONS,
+    LayerBuilder,
     LayerResident,
+    LayerWeights,
     ShardGeometry,
     ShardWeights,
     decode_shard,
@@ -164,16 +166,33 @@ class ShardStore:
     def entry(self, layer: int, shard: int, bits: int) -> ShardEntry:
         return self.index[(layer, bits)][shard]
 
+    def span(self, layer: int, shard: int, bits: int) -> Span:
+        """Where a shard's stored bytes lie: file, offset, length."""
+        e = self.entry(layer, shard, bits)
+        return self.directory / e.file, e.offset, e.length
+
     def read_stored(self, layer: int, shard: int, bits: int) -> bytes:
         """A shard's stored bytes, read whole from its file (unchecked: `decode` checks them)."""
-        e = self.entry(layer, shard, bits)
         with FileSource() as source:
-            return source.read(self.directory / e.file, e.offset, e.length)
+            return source.read(*self.span(layer, shard, bits))
 
     def read_through(self, source: Reader, layer: int, shard: int, bits: int) -> bytes:
         """A shard's stored bytes read through an IO source (unchecked: `decode` checks them)."""
-        e = self.entry(layer, shard, bits)
-        return source.read(self.directory / e.file, e.offset, e.length)
+        return source.read(*self.span(layer, shard, bits))
+
+    def read_in_order(self, source: FileSource, shards: Iterable[tuple[int, int, int]], depth: int) -> Reads:
+        """The stored bytes of `shards` ((layer, shard, version) each) through an IO source, in order, read up to
+        `depth` ahead where the source reads ahead (unchecked: `vector` checks them)."""
+        return source.read_in_order((self.span(*x) for x in shards), depth)
+
+    def build_layer(self, layer: int, shards: Sequence[int], bits: int, blobs: Iterable[bytes],
+                    resident: LayerResident) -> LayerWeights:
+        """A layer from its shards' stored bytes at one version, each checked and copied once into it as `blobs`
+        gives it (STI's loader puts plans of mixed versions together the same way)."""
+        built = LayerBuilder(shards, resident, self.geometry)
+        for i, (s, blob) in enumerate(zip(shards, blobs, strict=True)):
+            built.put(i, self.vector(layer, s, bits, blob))
+        return built.weights()
 
     def bytes_by_version(self) -> dict[str, int]:
         """Stored bytes of the whole model's shards at each version."""

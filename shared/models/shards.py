@@ -18,6 +18,7 @@ gather a code costs several times as much.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -133,12 +134,25 @@ class ShardWeights:
     ffn_out: torch.Tensor    # [H, f]
 
     @classmethod
-    def from_vector(cls, vector: np.ndarray | torch.Tensor, geometry: ShardGeometry) -> ShardWeights:
-        v = torch.as_tensor(vector)
-        h, d, f = geometry.hidden, geometry.head_dim, geometry.neurons
-        sizes = [d * h] * 4 + [f * h] * 2
-        q, k, val, o, f1, f2 = torch.split(v, sizes)
-        return cls(q.view(d, h), k.view(d, h), val.view(d, h), o.view(h, d), f1.view(f, h), f2.view(h, f))
+    def from_vector(cls, vector: np.ndarray, geometry: ShardGeometry) -> ShardWeights:
+        return cls(*(torch.from_numpy(part) for part in shard_parts(vector, geometry)))
+
+
+def shard_parts(vector: np.ndarray, geometry: ShardGeometry) -> list[np.ndarray]:
+    """Views of a shard's flat vector, laid out as `shard_vector` cuts it: Q, K, V rows [d, H], O columns [H, d],
+    FFN1 rows [f, H], FFN2 columns [H, f]."""
+    return [vector[start:end].reshape(shape) for start, end, shape in _part_layout(geometry)]
+
+
+@functools.cache
+def _part_layout(geometry: ShardGeometry) -> tuple[tuple[int, int, tuple[int, int]], ...]:
+    """(start, end, shape) of each part: worked out once, as the loader cuts every shard it reads by it."""
+    h, d, f = geometry.hidden, geometry.head_dim, geometry.neurons
+    layout, start = [], 0
+    for a, b in [(d, h)] * 3 + [(h, d), (f, h), (h, f)]:
+        layout.append((start, start + a * b, (a, b)))
+        start += a * b
+    return tuple(layout)
 
 
 @dataclass(frozen=True)
@@ -235,16 +249,16 @@ class LayerBuilder:
         self.ffn_out = np.empty((h, w * f), np.float32)
 
     def put(self, i: int, vector: np.ndarray) -> None:
-        """Shard `shards[i]` as `shard_vector` lays it out: Q, K, V rows, O columns, FFN1 rows, FFN2 columns."""
-        d, f, h = self.geometry.head_dim, self.geometry.neurons, self.geometry.hidden
-        dh, fh = d * h, f * h
+        """Shard `shards[i]`'s flat vector (`shard_parts`), each part copied to its rows or columns."""
+        d, f = self.geometry.head_dim, self.geometry.neurons
         rows, neurons = slice(i * d, (i + 1) * d), slice(i * f, (i + 1) * f)
-        self.query[rows] = vector[:dh].reshape(d, h)
-        self.key[rows] = vector[dh:2 * dh].reshape(d, h)
-        self.value[rows] = vector[2 * dh:3 * dh].reshape(d, h)
-        self.output[:, rows] = vector[3 * dh:4 * dh].reshape(h, d)
-        self.ffn_in[neurons] = vector[4 * dh:4 * dh + fh].reshape(f, h)
-        self.ffn_out[:, neurons] = vector[4 * dh + fh:4 * dh + 2 * fh].reshape(h, f)
+        q, k, v, o, f1, f2 = shard_parts(vector, self.geometry)
+        self.query[rows] = q
+        self.key[rows] = k
+        self.value[rows] = v
+        self.output[:, rows] = o
+        self.ffn_in[neurons] = f1
+        self.ffn_out[:, neurons] = f2
 
     def weights(self) -> LayerWeights:
         return LayerWeights.of(self.shards, self.resident, self.geometry, *(torch.from_numpy(m) for m in (

@@ -1,6 +1,6 @@
 """Submodel execution (STI §5.5): a loader thread reads the plan's shards layer by layer while the compute
-thread runs each layer as soon as its shards are in. Through the `throttled` device a reader thread reads up to
-a layer ahead of the loader, so the device reads while the loader decodes (files have the kernel's readahead).
+thread runs each layer as soon as its shards are in. The IO source reads the shards in order: the `throttled`
+device up to a layer ahead of the loader, so that it reads while the loader decodes (`FileSource.read_in_order`).
 
 The loader also checks and decodes each shard. The paper decodes on the compute side (C with OpenMP on a
 phone, where decoding is small next to a layer); on a server CPU decoding a MiniLM layer (~1.5 ms) costs
@@ -17,14 +17,13 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 from torch import nn
 
 from academus.shared.models.architectures import family_module, read_architecture
 from academus.shared.models.model import MEAN, ClassifierHead, body_inputs, padded_positions, pool
-from academus.shared.models.shard_io import FileSource, reads_for
+from academus.shared.models.shard_io import FileSource
 from academus.shared.models.shard_store import RELATIVE_BIAS, ShardStore
 from academus.shared.models.shards import (
     LayerBuilder,
@@ -104,9 +103,6 @@ class ElasticModel(nn.Module):
     def assemble(self, layer: int, shards: Sequence[int], weights: Sequence[ShardWeights]) -> LayerWeights:
         return LayerWeights.assemble(shards, weights, self.residents[layer], self.store.geometry)
 
-    def builder(self, layer: int, shards: Sequence[int]) -> LayerBuilder:
-        return LayerBuilder(shards, self.residents[layer], self.store.geometry)
-
     def assemble_plan(self, plan: Plan, bank: dict[tuple[int, int, int], ShardWeights]) -> list[LayerWeights]:
         """The plan's layers from decoded shards at hand (`bank[(layer, shard, bits)]`)."""
         return [self.assemble(k, shards, [bank[(k, s, plan.bits[(k, s)])] for s in shards])
@@ -162,7 +158,6 @@ class ShardPipeline:
         self.lookahead = lookahead
         self.preloaded: dict[tuple[int, int, int], bytes] = {}
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sti-loader")
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sti-reader")
 
     def preload(self, plan: Plan) -> int:
         """Holds the plan's preload set (a buffer filled for it); returns the buffer's bytes."""
@@ -186,7 +181,6 @@ class ShardPipeline:
 
     def close(self) -> None:
         self._loader.shutdown(wait=True)
-        self._reader.shutdown(wait=True)
         self.source.close()
         self.model.close()
 
@@ -194,25 +188,23 @@ class ShardPipeline:
               failed: list[BaseException], stop: threading.Event, room: threading.Semaphore | None) -> float:
         busy = 0.0
         held = self.preloaded        # this run's buffer, though `hold` may replace it meanwhile
-        # the shards not held, read ahead by at most a layer's stored bytes, besides the working buffer's layers
-        unheld = [(k, s, plan.bits[(k, s)]) for k, shards in enumerate(plan.shards) for s in shards
-                  if (k, s, plan.bits[(k, s)]) not in held]
-        reads = reads_for(self.source, self._reader,
-                          (partial(self.store.read_through, self.source, *x) for x in unheld),
-                          depth=len(plan.shards[0]) if plan.shards else 1)
+        # the shards not held, read ahead (where the source does) by at most a layer, besides the working buffer
+        reads = self.store.read_in_order(self.source, [(k, s, plan.bits[(k, s)]) for k, shards in enumerate(plan.shards)
+                                                       for s in shards if (k, s, plan.bits[(k, s)]) not in held],
+                                         depth=len(plan.shards[0]) if plan.shards else 1)
         try:
             for k, shards in enumerate(plan.shards):
                 while room is not None and not room.acquire(timeout=0.05):   # the working buffer is full
                     if stop.is_set():
                         return busy
                 started = time.perf_counter()
-                layer = self.model.builder(k, shards)
+                layer = LayerBuilder(shards, self.model.residents[k], self.store.geometry)
                 for i, s in enumerate(shards):
                     if stop.is_set():
                         return busy
                     b = plan.bits[(k, s)]
                     blob = held.get((k, s, b))
-                    layer.put(i, self.store.vector(k, s, b, reads.next() if blob is None else blob))
+                    layer.put(i, self.store.vector(k, s, b, next(reads) if blob is None else blob))
                 out[k] = layer.weights()
                 busy += time.perf_counter() - started
                 ready[k].set()

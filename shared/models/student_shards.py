@@ -24,7 +24,6 @@ from academus.shared.models.model import mean_pool
 from academus.shared.models.shard_io import FileSource
 from academus.shared.models.shard_store import ShardStore
 from academus.shared.models.shards import (
-    LayerBuilder,
     LayerResident,
     LayerWeights,
     elastic_layer,
@@ -93,10 +92,11 @@ class StudentShards:
         shards = range(self.store.geometry.heads)
         for k in self._layers(student):
             resident = self.store.layer_resident(k)
-            layer = LayerBuilder(shards, resident, self.store.geometry)   # each shard copied once, as STI's loader
-            for s in shards:
-                layer.put(s, self.store.vector(k, s, bits, self.store.read_through(source, k, s, bits)))
-            layers.append(_on(layer.weights(), device))
+            reads = self.store.read_in_order(source, [(k, s, bits) for s in shards], len(shards))
+            try:
+                layers.append(_on(self.store.build_layer(k, shards, bits, reads, resident), device))
+            finally:
+                reads.close()
             residents.append(_on(resident, device))
         return ElasticStudent(student, bits, residents, layers, self.store, self._relative(student, device))
 

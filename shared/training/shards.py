@@ -32,16 +32,14 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from academus.shared.models.model import ClassifierHead, TeacherEncoder, pad_batch
-from academus.shared.models.shard_io import FileSource, io_source, reads_for
+from academus.shared.models.shard_io import FileSource, io_source
 from academus.shared.models.shard_store import (
     OWN_HEAD_PREFIX,
     RELATIVE_BIAS,
@@ -511,7 +509,6 @@ def _load_profile(store: ShardStore, model: ElasticModel, source: FileSource, re
 
     worker = threading.Thread(target=compute, daemon=True)
     worker.start()
-    reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="profile-reader")
     load_ms: dict[int, float] = {}
     decode_ms: dict[int, float] = {}
     try:
@@ -520,18 +517,16 @@ def _load_profile(store: ShardStore, model: ElasticModel, source: FileSource, re
             for r in range(repeats):
                 k = r % geometry.layers
                 shards = list(range(geometry.heads))
-                entries = [store.entry(k, s, bits) for s in shards]
                 blobs = [store.read_stored(k, s, bits) for s in shards]
                 source.before_run(store.paths())
                 t0 = time.perf_counter()
-                reads = reads_for(source, reader, (partial(source.read, store.directory / e.file, e.offset, e.length)
-                                                   for e in entries), depth=len(shards))   # as the pipeline reads
+                reads = store.read_in_order(source, [(k, s, bits) for s in shards], len(shards))   # as the loader
                 try:
-                    _build_layer(model, k, shards, bits, (reads.next() for _ in shards))
+                    store.build_layer(k, shards, bits, reads, model.residents[k])
                 finally:
                     reads.close()
                 t1 = time.perf_counter()
-                _build_layer(model, k, shards, bits, blobs)
+                store.build_layer(k, shards, bits, blobs, model.residents[k])
                 t2 = time.perf_counter()
                 loads.append((t1 - t0) / len(shards))
                 decodes.append((t2 - t1) / len(shards))
@@ -539,18 +534,7 @@ def _load_profile(store: ShardStore, model: ElasticModel, source: FileSource, re
     finally:
         stop.set()
         worker.join()
-        reader.shutdown(wait=True)
     return load_ms, decode_ms
-
-
-def _build_layer(model: ElasticModel, layer: int, shards: list[int], bits: int,
-                 blobs: Iterable[bytes]) -> LayerWeights:
-    """A layer put together from its shards' stored bytes (read as `blobs` is iterated), as the pipeline's
-    loader does."""
-    built = model.builder(layer, shards)
-    for i, (s, blob) in enumerate(zip(shards, blobs, strict=True)):
-        built.put(i, model.store.vector(layer, s, bits, blob))
-    return built.weights()
 
 
 def median_ms(fn: Any, repeats: int) -> float:

@@ -10,7 +10,7 @@ import torch
 
 from academus.shared.models.embedding_rows import BLOCK_ROWS, EmbeddingRows
 from academus.shared.models.model import ClassifierHead, TeacherEncoder, pad_batch
-from academus.shared.models.shard_io import ReadAhead, ReadInTurn, ThrottledSource, io_source, reads_for
+from academus.shared.models.shard_io import ReadAhead, ThrottledSource, io_source
 from academus.shared.models.shard_store import ShardStore, add_task, shape_key
 from academus.shared.models.shards import (
     BITS,
@@ -297,7 +297,6 @@ def test_throttled_source_takes_its_bandwidth(store_dir) -> None:
     source.close()
 
 
-
 def test_read_ahead_reads_in_order_ahead_of_its_consumer_and_stops_when_closed() -> None:
     import threading
     import time
@@ -306,51 +305,53 @@ def test_read_ahead_reads_in_order_ahead_of_its_consumer_and_stops_when_closed()
     done: list[int] = []
     gate = threading.Event()
 
-    def read(i: int) -> bytes:
-        if i == 6:
+    def read(span: tuple[int]) -> bytes:
+        if span[0] == 6:
             gate.wait(5)                 # held until the consumer has closed
-        done.append(i)
-        return b"%d" % i
+        done.append(span[0])
+        return b"%d" % span[0]
 
     with ThreadPoolExecutor(max_workers=1) as executor:
-        reads = ReadAhead(executor, (lambda i=i: read(i) for i in range(100)), depth=3)
+        reads = ReadAhead(executor, read, ((i,) for i in range(100)), depth=3)
         waited = time.monotonic() + 5
         while len(done) < 4 and time.monotonic() < waited:   # 3 queued and one more waiting for room
             time.sleep(0.01)
         assert done == [0, 1, 2, 3]     # read while nothing was taken, and no further than the depth allows
-        assert [reads.next() for _ in range(3)] == [b"0", b"1", b"2"]
+        assert [next(reads) for _ in range(3)] == [b"0", b"1", b"2"]
         reads.close()
         gate.set()
     assert len(done) <= 7               # the reads not taken stopped: at most the one in progress after close
 
 
-
-def test_reads_run_ahead_only_where_nothing_else_reads_ahead() -> None:
+def test_reads_run_ahead_only_where_nothing_else_reads_ahead(tmp_path: Path) -> None:
     """The page cache's copies cost CPU, and cold files have the kernel's readahead: only the throttled device
     gets a reader thread."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=1) as executor:
-        for spec, kind in (("file", ReadInTurn), ("cold", ReadInTurn), ("throttled:100", ReadAhead)):
-            reads = reads_for(io_source(spec), executor, [lambda: b"a", lambda: b"b"], depth=2)
-            assert isinstance(reads, kind), spec
-            assert [reads.next(), reads.next()] == [b"a", b"b"]
+    path = tmp_path / "two"
+    path.write_bytes(b"ab")
+    for spec, ahead in (("file", False), ("cold", False), ("throttled:100", True)):
+        with io_source(spec) as source:
+            reads = source.read_in_order([(path, 0, 1), (path, 1, 1)], depth=2)
+            assert isinstance(reads, ReadAhead) is ahead, spec
+            assert [next(reads), next(reads)] == [b"a", b"b"]
+            assert next(reads, None) is None, spec    # the end comes, rather than a wait (zip(..., strict=True))
             reads.close()
+
 
 def test_a_failed_read_is_raised_where_its_bytes_were_due() -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    def read(i: int) -> bytes:
-        if i == 2:
+    def read(span: tuple[int]) -> bytes:
+        if span[0] == 2:
             raise OSError("the disk went away")
-        return b"%d" % i
+        return b"%d" % span[0]
 
     with ThreadPoolExecutor(max_workers=1) as executor:
-        reads = ReadAhead(executor, (lambda i=i: read(i) for i in range(5)), depth=4)
-        assert [reads.next(), reads.next()] == [b"0", b"1"]
+        reads = ReadAhead(executor, read, ((i,) for i in range(5)), depth=4)
+        assert [next(reads), next(reads)] == [b"0", b"1"]
         with pytest.raises(OSError, match="the disk went away"):
-            reads.next()
+            next(reads)
         reads.close()
+
 
 def test_deadline_is_checked_between_layers(store_dir) -> None:
     directory, _ = store_dir
