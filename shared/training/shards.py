@@ -459,13 +459,14 @@ def _gold(examples: Sequence[Example]) -> torch.Tensor:
 # --- profiling and planning -----------------------------------------------------------------------------------
 
 def measure_profile(store: ShardStore, source_spec: str, repeats: int = 20) -> HardwareProfile:
-    """§5.2 on this machine: one layer's compute per width and length bucket, and the rest of the model; then
+    """§5.2 on this machine: a layer's compute per width and length bucket, and the rest of the model; then
     per version, a shard's load (read through the source, check, decode, its share of putting the layer
     together) and its decoding alone, measured a whole layer at a time *while a layer computes* on the other
     thread, as in the pipeline (alone, loads measured 10-40 % faster than the pipeline's)."""
     geometry = store.geometry
     model = ElasticModel(store, "", heads={})
-    weights = [store.decode(0, s, FULL, store.read_stored(0, s, FULL)) for s in range(geometry.heads)]
+    weights = [[store.decode(k, s, FULL, store.read_stored(k, s, FULL)) for s in range(geometry.heads)]
+               for k in range(geometry.layers)]
     compute: dict[int, dict[int, float]] = {}
     overhead: dict[int, float] = {}
     config = store.manifest.extra["config"]
@@ -484,14 +485,26 @@ def measure_profile(store: ShardStore, source_spec: str, repeats: int = 20) -> H
 
             overhead[bucket] = median_ms(rest, repeats)
             for width in widths_of(geometry.heads):
-                layer = model.assemble(0, list(range(width)), weights[:width])
-                compute.setdefault(width, {})[bucket] = median_ms(
-                    lambda w=layer, h=hidden, m=mask: model.layer(h, m, 0, w), repeats)
+                compute.setdefault(width, {})[bucket] = _layer_ms(model, weights, width, hidden, mask, repeats)
     source = io_source(source_spec)
     load_ms, decode_ms = _load_profile(store, model, source, max(3, repeats // 4),
-                                       model.assemble(0, list(range(geometry.heads)), weights), token)
+                                       model.assemble(0, list(range(geometry.heads)), weights[0]), token)
     source.close()
     return HardwareProfile(source.name, load_ms, decode_ms, compute, overhead, buckets)
+
+
+def _layer_ms(model: ElasticModel, weights: list[list[ShardWeights]], width: int, hidden: torch.Tensor,
+              mask: torch.Tensor, repeats: int) -> float:
+    """A layer's compute at `width`: a pass through every layer, each on its own weights, over the depth. One
+    layer run again and again keeps its weights in the core's caches: it measured 4-38 % under a pass."""
+    layers = [model.assemble(k, list(range(width)), shards[:width]) for k, shards in enumerate(weights)]
+
+    def sweep() -> None:
+        states = hidden
+        for k, layer in enumerate(layers):
+            states = model.layer(states, mask, k, layer)
+
+    return median_ms(sweep, repeats) / len(layers)
 
 
 def _load_profile(store: ShardStore, model: ElasticModel, source: FileSource, repeats: int, busy: LayerWeights,

@@ -33,7 +33,7 @@ from academus.shared.models.shards import (
 from academus.shared.models.sti_pipeline import DeadlineMissed, ElasticModel, ShardPipeline
 from academus.shared.models.sti_planner import Plan
 from academus.shared.state.artifacts import ArtifactError
-from academus.shared.training.shards import profile_fidelity, write_encoder_shards
+from academus.shared.training.shards import _layer_ms, profile_fidelity, write_encoder_shards
 
 
 def tiny_encoder(layers: int = 2) -> TeacherEncoder:
@@ -259,6 +259,35 @@ def test_a_user_encoders_full_precision_shards_equal_it(family: str, pooling: st
         torch.testing.assert_close(pipeline.run(full, ids, mask, types).probs, expected, atol=1e-5, rtol=1e-5)
     finally:
         pipeline.close()
+
+
+def test_a_layers_compute_is_timed_over_every_layer_on_its_own_weights(store_dir) -> None:
+    """One layer timed again and again keeps its weights in the core's caches, which a run never does."""
+    directory, _ = store_dir
+    store = ShardStore(directory)
+    model = ElasticModel(store, "", heads={})
+    geometry = store.geometry
+    weights = [[store.decode(k, s, FULL, store.read_stored(k, s, FULL)) for s in range(geometry.heads)]
+               for k in range(geometry.layers)]
+    ran: list[tuple[int, LayerWeights]] = []
+    run_layer = model.layer
+
+    def layer(hidden: torch.Tensor, mask: torch.Tensor, k: int, w: LayerWeights, bias=None) -> torch.Tensor:
+        ran.append((k, w))
+        return run_layer(hidden, mask, k, w, bias)
+
+    model.layer = layer
+    ids, mask, _ = pad_batch([[1, 5, 9, 7, 2]])
+    with torch.inference_mode():
+        assert _layer_ms(model, weights, 2, model.embed(ids, mask), mask, repeats=4) > 0
+    assert len(ran) == (3 + 4) * geometry.layers            # warm-ups and repeats, each a pass through the depth
+    assert [k for k, _ in ran[:geometry.layers]] == list(range(geometry.layers))
+    for k, w in ran[:geometry.layers]:
+        expected = model.assemble(k, [0, 1], weights[k][:2])
+        assert w.width == 2
+        torch.testing.assert_close(w.ffn_in, expected.ffn_in)
+        torch.testing.assert_close(w.query, expected.query)
+    assert len({w.query.data_ptr() for _, w in ran}) == geometry.layers
 
 
 def test_preloaded_shards_are_not_read(store_dir) -> None:
