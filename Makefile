@@ -10,10 +10,15 @@ export ACADEMUS_DATA_DIR := $(DATA_DIR)
 export ACADEMUS_ARTIFACTS := $(ARTIFACTS)
 export HF_HUB_OFFLINE := 1
 PROTOS := $(wildcard protos/academus/v1/*.proto)
+NATIVE := shared/models/native/libshard_put.so
 
 .PHONY: setup protos data prepare demo test lint clean mpnet
 
-setup: $(VENV)/.installed redis data
+setup: $(VENV)/.installed $(NATIVE) redis data
+
+# STI's shard loader in C (shared/models/shard_native.py loads it with ctypes; without it NumPy decodes).
+$(NATIVE): shared/models/native/shard_put.c
+	$(CC) -O3 -fPIC -shared -Wall -Werror -o $@ $<
 
 # torch first and pinned: the CPU wheel on this machine; any looser spec pulls GBs of CUDA packages.
 $(VENV)/.installed: pyproject.toml

@@ -133,8 +133,10 @@ class ShardStore:
         names = {e.file for entries in self.index.values() for e in entries}   # a few dozen files, 432+ shards
         self._paths = sorted({self.directory / name for name in names} | ({self.rows.path} if self.rows else set()))
         self.resident = self._load_checked(RESIDENT)
-        self.pair_tables = {(layer, k): self._pair_table(layer, k)
-                            for layer in range(self.geometry.layers) for k in self.versions if k != FULL}
+        self.centroids = {(layer, k): np.ascontiguousarray(self.resident[f"layer{layer}.centroids{k}"].numpy(),
+                                                          dtype=np.float32)
+                          for layer in range(self.geometry.layers) for k in self.versions if k != FULL}
+        self.pair_tables = {(layer, k): pair_table(c, k) for (layer, k), c in self.centroids.items()}
 
     def _check_sizes(self) -> None:
         """A truncated or missing layer file is refused when the store opens, not when a request reaches it."""
@@ -159,9 +161,6 @@ class ShardStore:
         if (actual := hashlib.sha256(data).hexdigest()) != (expected := self.manifest.files.get(name)):
             raise ArtifactError(f"{path}: sha256 {actual} does not match the manifest's {expected}")
         return safetensors_load(data)
-
-    def _pair_table(self, layer: int, bits: int) -> np.ndarray:
-        return pair_table(self.resident[f"layer{layer}.centroids{bits}"].numpy(), bits)
 
     def entry(self, layer: int, shard: int, bits: int) -> ShardEntry:
         return self.index[(layer, bits)][shard]
@@ -191,8 +190,14 @@ class ShardStore:
         gives it (STI's loader puts plans of mixed versions together the same way)."""
         built = LayerBuilder(shards, resident, self.geometry)
         for i, (s, blob) in enumerate(zip(shards, blobs, strict=True)):
-            built.put(i, self.vector(layer, s, bits, blob))
+            self.put(built, i, layer, s, bits, blob)
         return built.weights()
+
+    def put(self, built: LayerBuilder, i: int, layer: int, shard: int, bits: int, blob: bytes | memoryview) -> None:
+        """A read shard checked (`check`) and put in as `built`'s shard i."""
+        entry = self.check(layer, shard, bits, blob)
+        built.put_stored(i, blob, bits, self.centroids.get((layer, bits)), self.pair_tables.get((layer, bits)),
+                         entry.outliers)
 
     def bytes_by_version(self) -> dict[str, int]:
         """Stored bytes of the whole model's shards at each version."""
@@ -224,9 +229,15 @@ class ShardStore:
 
     def vector(self, layer: int, shard: int, bits: int, blob: bytes | memoryview,
                digest: str = "crc32") -> np.ndarray:
-        """A read shard checked (its crc32 on the serving path; `verify` checks sha256) and decoded to its flat
-        float32 vector, at full precision a view of `blob`; a mismatch is an ArtifactError naming the file, the
-        shard and both checksums."""
+        """A read shard checked (`check`) and decoded to its flat float32 vector, at full precision a view of
+        `blob`."""
+        entry = self.check(layer, shard, bits, blob, digest)
+        return decode_shard(blob, bits, self.geometry.params, self.pair_tables.get((layer, bits)), entry.outliers)
+
+    def check(self, layer: int, shard: int, bits: int, blob: bytes | memoryview, digest: str = "crc32"
+              ) -> ShardEntry:
+        """A read shard's size and checksum (its crc32 on the serving path; `verify` checks sha256) against the
+        manifest; a mismatch is an ArtifactError naming the file, the shard and both checksums."""
         entry = self.entry(layer, shard, bits)
         if len(blob) != entry.length:
             self._refuse(entry, layer, shard, bits, f"{len(blob)} bytes")
@@ -234,7 +245,7 @@ class ShardStore:
             self._refuse(entry, layer, shard, bits, f"crc32 {crc}")
         if digest == "sha256" and (sha := hashlib.sha256(blob).hexdigest()) != entry.sha256:
             self._refuse(entry, layer, shard, bits, f"sha256 {sha}")
-        return decode_shard(blob, bits, self.geometry.params, self.pair_tables.get((layer, bits)), entry.outliers)
+        return entry
 
     def _refuse(self, entry: ShardEntry, layer: int, shard: int, bits: int, got: str) -> None:
         raise ArtifactError(f"{self.directory / entry.file}: shard {shard} of layer {layer} at {bits} bits "

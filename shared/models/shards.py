@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from academus.shared.models.architectures import FAMILIES, family_module
+from academus.shared.models.shard_native import NATIVE, NativePut
 
 BITS = (2, 3, 4, 5, 6)
 FULL = 32
@@ -240,13 +241,28 @@ class LayerBuilder:
     ShardWeights and then concatenating them copied a full-precision shard twice more: the loader took 0.45-0.65x
     the time a shard this way (docs/benchmarks/sti.md)."""
 
-    def __init__(self, shards: Sequence[int], resident: LayerResident, geometry: ShardGeometry) -> None:
+    def __init__(self, shards: Sequence[int], resident: LayerResident, geometry: ShardGeometry,
+                 native: bool = True) -> None:
+        """`native`: stored shards go in through the C loader where it was built (`put_stored`)."""
         w, d, f, h = len(shards), geometry.head_dim, geometry.neurons, geometry.hidden
         self.shards, self.resident, self.geometry = list(shards), resident, geometry
         self.query, self.key, self.value = (np.empty((w * d, h), np.float32) for _ in range(3))
         self.output = np.empty((h, w * d), np.float32)
         self.ffn_in = np.empty((w * f, h), np.float32)
         self.ffn_out = np.empty((h, w * f), np.float32)
+        self._native = NativePut([       # shard_parts' order: Q, K, V rows, O columns, FFN1 rows, FFN2 columns
+            (self.query, d, h, d * h, h), (self.key, d, h, d * h, h), (self.value, d, h, d * h, h),
+            (self.output, h, d, d, w * d), (self.ffn_in, f, h, f * h, h), (self.ffn_out, h, f, f, w * f),
+        ]) if native and NATIVE is not None else None
+
+    def put_stored(self, i: int, blob: bytes | memoryview, bits: int, centroids: np.ndarray | None,
+                   pair_table: np.ndarray | None, outliers: int) -> None:
+        """Shard `shards[i]` from its stored bytes (checked already): in C without the GIL where it was built,
+        else decoded by NumPy and put."""
+        if self._native is not None:
+            self._native(i, blob, bits, centroids, outliers)
+        else:
+            self.put(i, decode_shard(blob, bits, self.geometry.params, pair_table, outliers))
 
     def put(self, i: int, vector: np.ndarray) -> None:
         """Shard `shards[i]`'s flat vector (`shard_parts`), each part copied to its rows or columns."""

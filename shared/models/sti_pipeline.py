@@ -3,9 +3,10 @@ thread runs each layer as soon as its shards are in. The IO source reads the sha
 device up to a layer ahead of the loader, so that it reads while the loader decodes (`FileSource.read_in_order`).
 
 The loader also checks and decodes each shard. The paper decodes on the compute side (C with OpenMP on a
-phone, where decoding is small next to a layer); on a server CPU decoding a MiniLM layer (~1.5 ms) costs
-more than running it on one text (~0.9 ms), so here it overlaps the compute instead of adding to it, and the
-planner counts it in each shard's load time. The deadline is checked between layers.
+phone, where decoding is small next to a layer); on a server CPU decoding a MiniLM layer costs about as much
+as running it on one text, so here it overlaps the compute instead of adding to it, and the planner counts
+it in each shard's load time. It decodes in C (`shard_native.py`), outside the GIL that the compute thread
+needs between its torch ops. The deadline is checked between layers.
 
 Its IO sources (`file`, `cold`, `throttled:<MB/s>`) are in `shard_io.py`.
 """
@@ -34,6 +35,7 @@ from academus.shared.models.shards import (
     relative_bias,
 )
 from academus.shared.models.sti_planner import Plan
+from academus.shared.runtime.heap import keep_freed_pages
 from academus.shared.state.artifacts import ArtifactError
 
 
@@ -156,6 +158,7 @@ class ShardPipeline:
         """`lookahead`: decoded layers the loader may hold ahead of the compute (0: no bound)."""
         self.model, self.store, self.source = model, model.store, source
         self.lookahead = lookahead
+        keep_freed_pages()         # each run's layers in matrices the heap had, not pages mapped anew
         self.preloaded: dict[tuple[int, int, int], bytes] = {}
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sti-loader")
 
@@ -204,7 +207,7 @@ class ShardPipeline:
                         return busy
                     b = plan.bits[(k, s)]
                     blob = held.get((k, s, b))
-                    layer.put(i, self.store.vector(k, s, b, next(reads) if blob is None else blob))
+                    self.store.put(layer, i, k, s, b, next(reads) if blob is None else blob)
                 out[k] = layer.weights()
                 busy += time.perf_counter() - started
                 ready[k].set()

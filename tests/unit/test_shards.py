@@ -11,10 +11,12 @@ import torch
 from academus.shared.models.embedding_rows import BLOCK_ROWS, EmbeddingRows
 from academus.shared.models.model import ClassifierHead, TeacherEncoder, pad_batch
 from academus.shared.models.shard_io import ReadAhead, ThrottledSource, io_source
+from academus.shared.models.shard_native import LIBRARY, NATIVE
 from academus.shared.models.shard_store import ShardStore, add_task, shape_key
 from academus.shared.models.shards import (
     BITS,
     FULL,
+    VERSIONS,
     LayerBuilder,
     LayerQuantization,
     LayerResident,
@@ -60,6 +62,41 @@ def test_codes_pack_and_decode_round_trip(bits: int, n: int) -> None:
     expected[outliers] = values[outliers]
     np.testing.assert_array_equal(decoded, expected)
     assert len(pack_codes(codebook.codes(values), bits)) == -(-n // 8) * bits
+
+
+def test_the_c_loader_is_built() -> None:
+    assert NATIVE is not None, f"make setup builds {LIBRARY} (a C compiler is needed; without it NumPy decodes)"
+
+
+@pytest.mark.parametrize("bits", VERSIONS)
+def test_the_c_loader_puts_a_stored_shard_where_numpy_puts_it(bits: int) -> None:
+    """Odd part sizes (a shard of 260 weights: no whole group of 8 codes a row) and outliers in every part."""
+    geometry = ShardGeometry(layers=1, heads=2, hidden=10, intermediate=6)
+    rng = np.random.default_rng(bits)
+    codebook = None if bits == FULL else fit_codebook(rng.normal(0, 0.05, 4096).astype(np.float32), bits)
+    native, numpy = (LayerBuilder([1, 0], None, geometry, native=flag) for flag in (True, False))
+    for i in range(2):
+        values = rng.normal(0, 0.05, geometry.params).astype(np.float32)
+        outliers = np.zeros(geometry.params, dtype=bool)
+        outliers[rng.choice(geometry.params, size=9, replace=False)] = True
+        blob = encode_shard(values, bits, codebook, outliers)
+        count = 0 if bits == FULL else int(outliers.sum())
+        table = None if codebook is None else codebook.pair_table()
+        native.put_stored(i, blob, bits, None if codebook is None else codebook.centroids, table, count)
+        numpy.put_stored(i, memoryview(blob), bits, None, table, count)
+    for name in ("query", "key", "value", "output", "ffn_in", "ffn_out"):
+        np.testing.assert_array_equal(getattr(native, name), getattr(numpy, name), err_msg=name)
+
+
+def test_the_c_loader_refuses_bytes_that_do_not_fill_a_shard() -> None:
+    geometry = ShardGeometry(layers=1, heads=2, hidden=10, intermediate=6)
+    built = LayerBuilder([0], None, geometry)
+    with pytest.raises(ValueError, match="1036 bytes at 32 bits with 0 outliers does not fill"):
+        built.put_stored(0, bytes(4 * geometry.params - 4), FULL, None, None, 0)
+    codebook = fit_codebook(np.linspace(-1, 1, 64, dtype=np.float32), 4)
+    blob = encode_shard(np.zeros(geometry.params, np.float32), 4, codebook, np.zeros(geometry.params, bool))
+    with pytest.raises(ValueError, match="at 4 bits with 1 outliers"):
+        built.put_stored(0, blob, 4, codebook.centroids, codebook.pair_table(), 1)
 
 
 def test_more_bits_quantize_closer_and_full_precision_is_exact() -> None:
