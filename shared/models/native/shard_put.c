@@ -26,17 +26,26 @@ static float *row_start(const Layout *lay, int p, int64_t r) {
     return lay->base[p] + lay->index * lay->step[p] + r * lay->stride[p];
 }
 
-/* codes [first, first + count) of the packed stream into out */
-static void decode_run(const uint8_t *codes, int bits, const float *centroids, int64_t first, int64_t count,
-                       float *out) {
+/* codes [first, first + count) of the packed stream into out; `bits` a constant where it is inlined, so that a
+ * whole group's eight codes unroll */
+static inline __attribute__((always_inline)) void decode_run_of(const uint8_t *codes, const int bits,
+                                                                const float *centroids, int64_t first,
+                                                                int64_t count, float *out) {
     const uint64_t mask = (UINT64_C(1) << bits) - 1;
     int64_t i = first;
     const int64_t end = first + count;
     while (i < end) {
         const int64_t group = i >> 3;
-        int64_t stop = (group + 1) << 3;
         uint64_t word;
         memcpy(&word, codes + group * bits, sizeof word);   /* unaligned; WORD_PAD covers the last group */
+        if ((i & 7) == 0 && i + 8 <= end) {                 /* a whole group */
+            for (int j = 0; j < 8; j++)
+                out[j] = centroids[(word >> (bits * j)) & mask];
+            out += 8;
+            i += 8;
+            continue;
+        }
+        int64_t stop = (group + 1) << 3;
         if (stop > end)
             stop = end;
         word >>= bits * (i & 7);
@@ -44,6 +53,18 @@ static void decode_run(const uint8_t *codes, int bits, const float *centroids, i
             *out++ = centroids[word & mask];
             word >>= bits;
         }
+    }
+}
+
+static void decode_run(const uint8_t *codes, int bits, const float *centroids, int64_t first, int64_t count,
+                       float *out) {
+    switch (bits) {
+    case 2: decode_run_of(codes, 2, centroids, first, count, out); break;
+    case 3: decode_run_of(codes, 3, centroids, first, count, out); break;
+    case 4: decode_run_of(codes, 4, centroids, first, count, out); break;
+    case 5: decode_run_of(codes, 5, centroids, first, count, out); break;
+    case 6: decode_run_of(codes, 6, centroids, first, count, out); break;
+    default: decode_run_of(codes, bits, centroids, first, count, out);
     }
 }
 
