@@ -23,6 +23,7 @@ ABLATIONS = {
     "drop_doomed": ("ACADEMUS_DROP_DOOMED", ("drop_doomed", "true"), ("keep_doomed", "false")),
     "honour_pushback": ("ACADEMUS_HONOUR_PUSHBACK", ("honour_pushback", "true"), ("ignore_pushback", "false")),
     "gc_freeze": ("ACADEMUS_GC_FREEZE", ("frozen", "true"), ("unfrozen", "false")),
+    "keep_freed_pages": ("ACADEMUS_KEEP_FREED_PAGES", ("pages_kept", "true"), ("pages_returned", "false")),
     "compute_sched": ("ACADEMUS_COMPUTE_SCHED", ("idle", "idle"), ("normal", "normal")),  # idle: opt-in
     "hop_streams": ("ACADEMUS_HOP_STREAMS", ("streams", "true"), ("unary_calls", "false")),
     "send_ahead": ("ACADEMUS_SEND_AHEAD", ("ahead", "true"), ("on_free", "false")),

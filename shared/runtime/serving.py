@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from academus.client.types import RECONNECT_OPTIONS
 from academus.shared.runtime.config import CommonConfig, load
 from academus.shared.runtime.handover import Handover
-from academus.shared.runtime.heap import freeze_start_up_heap, watch_pauses
+from academus.shared.runtime.heap import freeze_start_up_heap, keep_freed_pages, watch_pauses
 from academus.shared.runtime.local_plane import LocalPlane, open_local, socket_dir
 from academus.shared.runtime.logs import log_event, setup_logging
 from academus.shared.runtime.metrics import MetricsInterceptor, start_metrics
@@ -214,7 +214,10 @@ def run(spec_factory: Callable[[], Awaitable[ServiceSpec]], gate: Callable[[], A
     """Process entry point: build the service on uvloop and serve it, once `gate()` returns where given (a
     standby's wait for its turn: shared/cli/standby.py). A short slice (ACADEMUS_HOP_SLICE_US) is asked for
     first, so every thread the service starts inherits it (a worker's compute threads take the kernel's back)."""
-    set_process_slice(load(CommonConfig).hop_slice_us)
+    common = load(CommonConfig)
+    set_process_slice(common.hop_slice_us)
+    if common.keep_freed_pages:   # before the models load: their tensors and every batch's come from the heap
+        keep_freed_pages()
 
     async def main() -> None:
         spec = await spec_factory()
