@@ -75,10 +75,10 @@ TRIM_THRESHOLD = 256 << 20
 @functools.cache
 def keep_freed_pages() -> bool:
     """Blocks up to 32 MiB come from the heap, and up to 256 MiB of freed heap stays mapped, for the process's
-    life. STI's loader builds every layer of every run in fresh matrices: by default glibc maps each one anew,
-    and the kernel zeroes and faults in its pages, then unmaps it (and interrupts the other core for it) when the
-    layer has run. On the 2-core machine that cost a full-precision shard's load 0.14 ms of its 0.34, and the
-    compute beside it 0.4 ms a layer (docs/benchmarks/sti.md). Returns whether glibc took both settings."""
+    life. By default glibc maps a large block anew each time, and the kernel zeroes and faults in its pages, then
+    unmaps it (interrupting the other cores) when it is freed: each run's STI layers and a batch's larger
+    tensors. On the 2-core machine that cost a full-precision shard's load 0.14 ms of its 0.34, and the teacher
+    a tenth of an 8x64 batch (docs/benchmarks/sti.md, scheduling.md). Returns whether glibc took both."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
