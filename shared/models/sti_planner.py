@@ -44,6 +44,14 @@ class HardwareProfile:
     compute_ms: dict[int, dict[int, float]]     # width -> bucket -> ms
     overhead_ms: dict[int, float]               # bucket -> ms
     buckets: tuple[int, ...]
+    load_by_width: dict[int, dict[int, float]] = field(default_factory=dict)     # width -> version -> ms
+    decode_by_width: dict[int, dict[int, float]] = field(default_factory=dict)
+
+    def loads(self, width: int) -> tuple[dict[int, float], dict[int, float]]:
+        """(load, decode) ms a shard per version, measured beside a layer of `width`: the loader shares the GIL
+        with the compute, and a narrow layer takes it back more often (loads 10-25 % dearer beside 3 heads than
+        beside 12). A profile measured beside one width only gives the same at every width."""
+        return self.load_by_width.get(width, self.load_ms), self.decode_by_width.get(width, self.decode_ms)
 
     def bucket(self, length: int) -> int:
         i = bisect.bisect_left(self.buckets, length)
@@ -65,10 +73,14 @@ class HardwareProfile:
     @classmethod
     def from_json(cls, raw: str) -> HardwareProfile:
         d = json.loads(raw)
+
+        def by_width(table: dict[str, dict[str, float]]) -> dict[int, dict[int, float]]:
+            return {int(w): {int(k): v for k, v in by.items()} for w, by in table.items()}
+
         return cls(d["source"], {int(k): v for k, v in d["load_ms"].items()},
-                   {int(k): v for k, v in d["decode_ms"].items()},
-                   {int(w): {int(b): v for b, v in by.items()} for w, by in d["compute_ms"].items()},
-                   {int(k): v for k, v in d["overhead_ms"].items()}, tuple(d["buckets"]))
+                   {int(k): v for k, v in d["decode_ms"].items()}, by_width(d["compute_ms"]),
+                   {int(k): v for k, v in d["overhead_ms"].items()}, tuple(d["buckets"]),
+                   by_width(d.get("load_by_width", {})), by_width(d.get("decode_by_width", {})))
 
 
 @dataclass
@@ -156,10 +168,10 @@ class Planner:
         slack = target_ms - self.profile.rest_ms(length) - depth * layer_ms
         if slack < 0:
             return None
-        load, decode = self.profile.load_ms, self.profile.decode_ms
+        load, decode = self.profile.loads(width)
         budgets = Budgets(slack, layer_ms, depth)
         wanted = {(k, s) for k in range(depth) for s in shards[k]}
-        bits = {x: b for x, b in held.items() if x in wanted and decode[b] < self._cheapest_load(b)}
+        bits = {x: b for x, b in held.items() if x in wanted and decode[b] < _cheapest_load(b, load)}
         for (k, _), b in bits.items():
             budgets.take(k, decode[b])
         free = [x for x in sorted(wanted) if x not in bits]
@@ -186,12 +198,6 @@ class Planner:
                     target_ms=target_ms)
         plan.stall_ms = simulate(plan, self.profile, length)["stall_ms"]
         return plan
-
-    def _cheapest_load(self, bits: int) -> float:
-        """The cheapest load of a version at least as precise. A held shard is worth decoding only below it:
-        through the page cache a full-precision read can cost less than decoding a held 6-bit shard, and
-        counting the dearer decode made the planner pick narrower shapes with a buffer than without one."""
-        return min(ms for b, ms in self.profile.load_ms.items() if b >= bits)
 
     def _preload(self, shards: list[list[int]], preload_bytes: int) -> dict[Shard, int]:
         """The first shards in load order that fit the buffer, at the highest version (up to 6 bits) at
@@ -230,7 +236,7 @@ class Planner:
     def load_and_exec(self, target_ms: float, length: int) -> Plan:
         """Loads the full-precision submodel whole, then runs it: the shape whose load plus compute fits."""
         for depth, width in self.shapes:
-            io = depth * width * self.profile.load_ms[FULL]
+            io = depth * width * self.profile.loads(width)[0][FULL]
             if io + depth * self.profile.layer_ms(width, length) + self.profile.rest_ms(length) <= target_ms:
                 return self._uniform("load&exec", depth, width, FULL, target_ms, length, overlap=False)
         return self._smallest("load&exec", length, target_ms, FULL, overlap=False)
@@ -242,7 +248,8 @@ class Planner:
             layer_ms = self.profile.layer_ms(width, length)
             slack = target_ms - self.profile.rest_ms(length) - depth * layer_ms
             budgets = Budgets(slack, layer_ms, depth)
-            if slack >= 0 and budgets.would_hold(dict.fromkeys(range(depth), width * self.profile.load_ms[bits])):
+            layer_io = width * self.profile.loads(width)[0][bits]
+            if slack >= 0 and budgets.would_hold(dict.fromkeys(range(depth), layer_io)):
                 return self._uniform(f"stdpl-{bits}", depth, width, bits, target_ms, length)
         return self._smallest(f"stdpl-{bits}", length, target_ms, bits)
 
@@ -259,7 +266,7 @@ class Planner:
         shards = [self.layer_order(k)[:width] for k in range(depth)]
         bits_of = {(k, s): bits for k in range(depth) for s in shards[k]}
         plan = Plan(arm, depth, width, shards, bits_of, set(bits_of) if held else set(), feasible, overlap,
-                    io_ms=0.0 if held else len(bits_of) * self.profile.load_ms[bits],
+                    io_ms=0.0 if held else len(bits_of) * self.profile.loads(width)[0][bits],
                     compute_ms=depth * self.profile.layer_ms(width, length), target_ms=target_ms)
         if not held:
             plan.stall_ms = simulate(plan, self.profile, length)["stall_ms"]
@@ -286,6 +293,13 @@ class Budgets:
 
 
 
+def _cheapest_load(bits: int, load: dict[int, float]) -> float:
+    """The cheapest load of a version at least as precise. A held shard is worth decoding only below it:
+    through the page cache a full-precision read can cost less than decoding a held 6-bit shard, and
+    counting the dearer decode made the planner pick narrower shapes with a buffer than without one."""
+    return min(ms for b, ms in load.items() if b >= bits)
+
+
 def _count(shards: Sequence[Shard]) -> dict[int, int]:
     counts: dict[int, int] = {}
     for k, _ in shards:
@@ -297,11 +311,12 @@ def simulate(plan: Plan, profile: HardwareProfile, length: int) -> dict[str, flo
     """The plan's timeline if every load and layer took its profiled time: one loader in load order, the
     compute starting each layer when its shards are in. Returns finish and stall (compute waiting) in ms."""
     layer_ms = profile.layer_ms(plan.width, length)
+    load, decode = profile.loads(plan.width)
     loaded, start, stall = 0.0, 0.0, 0.0
     ready = []
     for k, layer in enumerate(plan.shards):
         for s in layer:
-            loaded += (profile.decode_ms if (k, s) in plan.preload else profile.load_ms)[plan.bits[(k, s)]]
+            loaded += (decode if (k, s) in plan.preload else load)[plan.bits[(k, s)]]
         ready.append(loaded)
     if not plan.overlap:
         ready = [loaded] * len(ready)

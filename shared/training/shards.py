@@ -463,7 +463,8 @@ def measure_profile(store: ShardStore, source_spec: str, repeats: int = 20) -> H
     """§5.2 on this machine: a layer's compute per width and length bucket, and the rest of the model; then
     per version, a shard's load (read through the source, check, decode, its share of putting the layer
     together) and its decoding alone, measured a whole layer at a time *while a layer computes* on the other
-    thread, as in the pipeline (alone, loads measured 10-40 % faster than the pipeline's)."""
+    thread, as in the pipeline (alone, loads measured 10-40 % faster than the pipeline's), beside a layer of
+    each width."""
     geometry = store.geometry
     model = ElasticModel(store, "", heads={})
     weights = [[store.decode(k, s, FULL, store.read_stored(k, s, FULL)) for s in range(geometry.heads)]
@@ -488,10 +489,14 @@ def measure_profile(store: ShardStore, source_spec: str, repeats: int = 20) -> H
             for width in widths_of(geometry.heads):
                 compute.setdefault(width, {})[bucket] = _layer_ms(model, weights, width, hidden, mask, repeats)
     source = io_source(source_spec)
-    load_ms, decode_ms = _load_profile(store, model, source, max(3, repeats // 4),
-                                       model.assemble(0, list(range(geometry.heads)), weights[0]), token)
+    by_width = {width: _load_profile(store, model, source, max(3, repeats // 4),
+                                     model.assemble(0, list(range(width)), weights[0][:width]), token)
+                for width in widths_of(geometry.heads)}
     source.close()
-    return HardwareProfile(source.name, load_ms, decode_ms, compute, overhead, buckets)
+    load_ms, decode_ms = by_width[geometry.heads]
+    return HardwareProfile(source.name, load_ms, decode_ms, compute, overhead, buckets,
+                           {w: loads for w, (loads, _) in by_width.items()},
+                           {w: decodes for w, (_, decodes) in by_width.items()})
 
 
 def _layer_ms(model: ElasticModel, weights: list[list[ShardWeights]], width: int, hidden: torch.Tensor,

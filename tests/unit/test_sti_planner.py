@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import random
 
 import pytest
@@ -154,3 +155,20 @@ def test_the_fidelity_floor_keeps_every_shard_at_or_above_it() -> None:
     assert min(floor.plan(30.0, 32).bits.values()) >= 6
     too_short = floor.plan(1.2, 32)
     assert not too_short.feasible and set(too_short.bits.values()) == {6}
+
+
+def test_loads_are_those_measured_beside_a_layer_of_the_plans_width() -> None:
+    """Beside a narrow layer the loader waits longer for the GIL: a plan is costed at its own width's loads."""
+    narrow_dear = {2: dict.fromkeys(VERSIONS, 0.8), 4: dict.fromkeys(VERSIONS, 0.2)}
+    prof = profile(load=dict.fromkeys(VERSIONS, 0.2), widths=(2, 4))
+    prof = HardwareProfile(prof.source, prof.load_ms, prof.decode_ms, prof.compute_ms, prof.overhead_ms, prof.buckets,
+                           narrow_dear, {w: dict.fromkeys(VERSIONS, 0.0) for w in narrow_dear})
+    p = planner(prof, depths=(1, 2), widths=(4, 2), heads=4)
+    narrow, wide = (p._uniform("x", 2, w, 2, 10.0, 32) for w in (2, 4))
+    assert narrow.io_ms == pytest.approx(4 * 0.8) and wide.io_ms == pytest.approx(8 * 0.2)
+    # each layer's two shards take 1.6 ms, its compute 0.5: the compute waits 1.6, then 3.2 - 2.1
+    assert simulate(narrow, prof, 32)["stall_ms"] == pytest.approx(2.7)
+    assert HardwareProfile.from_json(prof.to_json()) == prof
+    flat = json.loads(prof.to_json())
+    del flat["load_by_width"], flat["decode_by_width"]        # a profile saved before they were measured
+    assert HardwareProfile.from_json(json.dumps(flat)).loads(2) == (prof.load_ms, prof.decode_ms)
