@@ -9,6 +9,7 @@ compute runs on. Where the library was not built (no C compiler), `NATIVE` is No
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -32,25 +33,29 @@ def _load() -> ctypes._NamedFuncPointer | None:
 NATIVE = _load()
 
 
-class NativePut:
-    """Puts stored shards into one layer's matrices. `parts[p]` is (matrix, rows, cols, step, stride): part p of
-    a shard's flat vector, rows x cols, goes to `matrix` from element `index * step`, its rows `stride` apart."""
+@functools.cache
+def _layout(parts: tuple[tuple[int, int, int, int], ...]) -> tuple[ctypes.Array, ...]:
+    """(rows, cols, step, stride) arrays of a layer shape's parts, built once: a layer is built every run, on the
+    loader thread, which holds the GIL while it builds them."""
+    return tuple((_I64 * len(parts))(*(part[k] for part in parts)) for k in range(4))
 
-    def __init__(self, parts: Sequence[tuple[np.ndarray, int, int, int, int]]) -> None:
+
+class NativePut:
+    """Puts stored shards into one layer's matrices. `parts[p]` is (rows, cols, step, stride): part p of a
+    shard's flat vector, rows x cols, goes to `matrices[p]` from element `index * step`, its rows `stride` apart.
+    The matrices are float32 and C-contiguous."""
+
+    def __init__(self, matrices: Sequence[np.ndarray], parts: tuple[tuple[int, int, int, int], ...]) -> None:
         assert NATIVE is not None
-        self._matrices = [p[0] for p in parts]      # the destinations outlive every call
-        for m in self._matrices:
-            assert m.dtype == np.float32 and m.flags.c_contiguous
-        n = len(parts)
-        self._parts = n
-        self._rows, self._cols, self._step, self._stride = ((_I64 * n)(*(p[k] for p in parts)) for k in range(1, 5))
-        self._base = (_P * n)(*(m.ctypes.data for m in self._matrices))
+        self._matrices = matrices      # the destinations outlive every call
+        self._parts = len(parts)
+        self._rows, self._cols, self._step, self._stride = _layout(parts)
+        self._base = (_P * len(parts))(*(m.ctypes.data for m in matrices))
 
     def __call__(self, index: int, blob: bytes | memoryview, bits: int, centroids: np.ndarray | None,
                  outliers: int) -> None:
         data = np.frombuffer(blob, dtype=np.uint8)      # no copy; held for the call
         table = 0 if centroids is None else centroids.ctypes.data
-        assert NATIVE is not None
         if NATIVE(data.ctypes.data, len(data), bits, table, outliers, self._parts, self._rows, self._cols,
                   self._base, self._step, self._stride, index):
             raise ValueError(f"a stored shard of {len(data)} bytes at {bits} bits with {outliers} outliers does "

@@ -250,10 +250,10 @@ class LayerBuilder:
         self.output = np.empty((h, w * d), np.float32)
         self.ffn_in = np.empty((w * f, h), np.float32)
         self.ffn_out = np.empty((h, w * f), np.float32)
-        self._native = NativePut([       # shard_parts' order: Q, K, V rows, O columns, FFN1 rows, FFN2 columns
-            (self.query, d, h, d * h, h), (self.key, d, h, d * h, h), (self.value, d, h, d * h, h),
-            (self.output, h, d, d, w * d), (self.ffn_in, f, h, f * h, h), (self.ffn_out, h, f, f, w * f),
-        ]) if native and NATIVE is not None else None
+        self._native = NativePut(   # shard_parts' order: Q, K, V rows, O columns, FFN1 rows, FFN2 columns
+            (self.query, self.key, self.value, self.output, self.ffn_in, self.ffn_out),
+            ((d, h, d * h, h),) * 3 + ((h, d, d, w * d), (f, h, f * h, h), (h, f, f, w * f)),
+        ) if native and NATIVE is not None else None
 
     def put_stored(self, i: int, blob: bytes | memoryview, bits: int, centroids: np.ndarray | None,
                    pair_table: np.ndarray | None, outliers: int) -> None:
