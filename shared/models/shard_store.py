@@ -25,7 +25,7 @@ from torch import nn
 
 from academus.shared.models.embedding_rows import EmbeddingRows, write_rows
 from academus.shared.models.model import ClassifierHead, SequenceClassifierHead
-from academus.shared.models.shard_io import FileSource, Reader, Reads, Span
+from academus.shared.models.shard_io import FileSource, Reads, Span
 from academus.shared.models.shards import (
     FULL,
     VERSIONS,
@@ -175,14 +175,20 @@ class ShardStore:
         with FileSource() as source:
             return source.read(*self.span(layer, shard, bits))
 
-    def read_through(self, source: Reader, layer: int, shard: int, bits: int) -> bytes:
-        """A shard's stored bytes read through an IO source (unchecked: `decode` checks them)."""
-        return source.read(*self.span(layer, shard, bits))
-
     def read_in_order(self, source: FileSource, shards: Iterable[tuple[int, int, int]], depth: int) -> Reads:
         """The stored bytes of `shards` ((layer, shard, version) each) through an IO source, in order, read up to
-        `depth` ahead where the source reads ahead (unchecked: `vector` checks them)."""
+        `depth` ahead where the source reads ahead (unchecked: `put` and `decode` check them)."""
         return source.read_in_order((self.span(*x) for x in shards), depth)
+
+    def load_layer(self, source: FileSource, layer: int, shards: Sequence[int], bits: int,
+                   resident: LayerResident) -> LayerWeights:
+        """A layer's shards at one version read through an IO source (a layer ahead where it reads ahead), each
+        checked and put into the layer as it comes."""
+        reads = self.read_in_order(source, [(layer, s, bits) for s in shards], len(shards))
+        try:
+            return self.build_layer(layer, shards, bits, reads, resident)
+        finally:
+            reads.close()
 
     def build_layer(self, layer: int, shards: Sequence[int], bits: int, blobs: Iterable[bytes],
                     resident: LayerResident) -> LayerWeights:
@@ -223,16 +229,10 @@ class ShardStore:
 
     def decode(self, layer: int, shard: int, bits: int, blob: bytes | memoryview,
                digest: str = "crc32") -> ShardWeights:
-        """A read shard checked and decoded into weights of its own (`vector`)."""
-        values = self.vector(layer, shard, bits, blob, digest)
-        return ShardWeights.from_vector(values if values.flags.writeable else values.copy(), self.geometry)
-
-    def vector(self, layer: int, shard: int, bits: int, blob: bytes | memoryview,
-               digest: str = "crc32") -> np.ndarray:
-        """A read shard checked (`check`) and decoded to its flat float32 vector, at full precision a view of
-        `blob`."""
+        """A read shard checked (`check`) and decoded into weights of its own."""
         entry = self.check(layer, shard, bits, blob, digest)
-        return decode_shard(blob, bits, self.geometry.params, self.pair_tables.get((layer, bits)), entry.outliers)
+        values = decode_shard(blob, bits, self.geometry.params, self.pair_tables.get((layer, bits)), entry.outliers)
+        return ShardWeights.from_vector(values if values.flags.writeable else values.copy(), self.geometry)
 
     def check(self, layer: int, shard: int, bits: int, blob: bytes | memoryview, digest: str = "crc32"
               ) -> ShardEntry:

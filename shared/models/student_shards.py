@@ -92,11 +92,7 @@ class StudentShards:
         shards = range(self.store.geometry.heads)
         for k in self._layers(student):
             resident = self.store.layer_resident(k)
-            reads = self.store.read_in_order(source, [(k, s, bits) for s in shards], len(shards))
-            try:
-                layers.append(_on(self.store.build_layer(k, shards, bits, reads, resident), device))
-            finally:
-                reads.close()
+            layers.append(_on(self.store.load_layer(source, k, shards, bits, resident), device))
             residents.append(_on(resident, device))
         return ElasticStudent(student, bits, residents, layers, self.store, self._relative(student, device))
 

@@ -540,11 +540,7 @@ def _load_profile(store: ShardStore, model: ElasticModel, source: FileSource, re
                 blobs = [store.read_stored(k, s, bits) for s in shards]
                 source.before_run(store.paths())
                 t0 = time.perf_counter()
-                reads = store.read_in_order(source, [(k, s, bits) for s in shards], len(shards))   # as the loader
-                try:
-                    store.build_layer(k, shards, bits, reads, model.residents[k])
-                finally:
-                    reads.close()
+                store.load_layer(source, k, shards, bits, model.residents[k])    # as the loader reads
                 t1 = time.perf_counter()
                 store.build_layer(k, shards, bits, blobs, model.residents[k])
                 t2 = time.perf_counter()
