@@ -45,6 +45,7 @@ from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.models.user_models import open_model
 from academus.shared.runtime.config import artifacts_dir, offline_hub
+from academus.shared.runtime.heap import keep_freed_pages
 from academus.shared.state.artifacts import ArtifactError
 from academus.shared.training.data import TASKS, TaskData, fetch, load_task
 from academus.shared.training.prepare import subsample
@@ -388,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                    help="torch threads of the compute (default: the cores but one, which the loader takes)")
     args = p.parse_args(argv)
+    keep_freed_pages()    # as a worker does: each run's layers in pages the heap kept
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     artifacts = (args.artifacts or artifacts_dir()).resolve()

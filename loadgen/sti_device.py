@@ -28,6 +28,7 @@ from academus.shared.models.shard_store import ShardStore, shards_dir
 from academus.shared.models.shards import FULL, WORD_PAD, LayerWeights, ShardGeometry, ShardWeights, groups
 from academus.shared.models.sti_pipeline import ElasticModel
 from academus.shared.runtime.config import artifacts_dir, offline_hub
+from academus.shared.runtime.heap import keep_freed_pages
 from academus.shared.training.shards import median_ms
 
 
@@ -142,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    keep_freed_pages()    # as a worker does
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     store = ShardStore(shards_dir(args.artifacts or artifacts_dir(), args.model))
     model = ElasticModel(store, args.task).to(device)

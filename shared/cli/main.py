@@ -21,10 +21,12 @@ from academus.shared.runtime.config import (
 )
 from academus.shared.runtime.config_docs import add_arguments as add_config_docs_arguments
 from academus.shared.runtime.config_docs import write_or_check
+from academus.shared.runtime.heap import keep_freed_pages
 
 
 def main(argv: list[str] | None = None) -> int:
     offline_hub()
+    keep_freed_pages()    # as a service does: a command's models and batches (prepare, distill, shard profile)
     p = parser()
     args, extra = p.parse_known_args(argv)
     if args.command in PASS_THROUGH:  # their own parsers own their options (and --help)

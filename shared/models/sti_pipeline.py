@@ -35,7 +35,6 @@ from academus.shared.models.shards import (
     relative_bias,
 )
 from academus.shared.models.sti_planner import Plan
-from academus.shared.runtime.heap import keep_freed_pages
 from academus.shared.state.artifacts import ArtifactError
 
 
@@ -158,7 +157,6 @@ class ShardPipeline:
         """`lookahead`: decoded layers the loader may hold ahead of the compute (0: no bound)."""
         self.model, self.store, self.source = model, model.store, source
         self.lookahead = lookahead
-        keep_freed_pages()         # each run's layers in matrices the heap had, not pages mapped anew
         self.preloaded: dict[tuple[int, int, int], bytes] = {}
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sti-loader")
 

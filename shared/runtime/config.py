@@ -272,8 +272,7 @@ class CommonConfig:
     gc_freeze: bool = setting(True, "start-up's objects leave the cyclic GC once serving (off: the ablation)")
     keep_freed_pages: bool = setting(True, "glibc serves blocks up to 32 MiB from the heap and keeps 256 MiB of freed "
                                            "heap (runtime/heap.py): a batch's tensors and STI's layers reuse pages "
-                                           "instead of mapping and faulting in new ones (off: the ablation; STI's "
-                                           "loader sets it all the same)")
+                                           "instead of mapping and faulting in new ones (off: the ablation)")
     hop_streams: bool = setting(True, "calls to the next hop ride one multiplexed stream a peer (off: a call each)")
     frame_batches: bool = setting(True, "frames waiting for a stream together ride one message (off: one each)")
     max_stream_calls: int = setting(4096, "calls one multiplexed stream (or local-plane connection) may have running "

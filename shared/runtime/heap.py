@@ -1,5 +1,5 @@
 """The heap of a serving process: the cyclic garbage collector's pauses measured and start-up's objects frozen;
-and glibc's freed pages kept for reuse where STI's loader runs (`keep_freed_pages`).
+and glibc's freed pages kept for reuse (`keep_freed_pages`, set at a process's start).
 
 A worker holds ~400k long-lived objects once torch, transformers and the models are loaded; a full
 (generation 2) collection walks every one of them, which took 130-270 ms on this project's 2-core box,

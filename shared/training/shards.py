@@ -67,7 +67,6 @@ from academus.shared.models.students import config_keys
 from academus.shared.models.teacher_files import TEACHER_NAME
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.models.user_models import EncoderBase, open_model
-from academus.shared.runtime.heap import keep_freed_pages
 from academus.shared.state.catalogue import CLASSIFICATION, read_catalogue, write_entry
 from academus.shared.state.uploads import parse_texts_jsonl
 from academus.shared.training.data import TASKS, Example, TaskData, fetch, file_task, load_task
@@ -516,7 +515,6 @@ def _layer_ms(model: ElasticModel, weights: list[list[ShardWeights]], width: int
 def _load_profile(store: ShardStore, model: ElasticModel, source: FileSource, repeats: int, busy: LayerWeights,
                   token: int) -> tuple[dict[int, float], dict[int, float]]:
     """Per version: (load, decode) ms a shard, medians over whole layers loaded while `busy` computes."""
-    keep_freed_pages()         # as the pipeline does
     geometry = store.geometry
     stop = threading.Event()
     ids, mask, _ = pad_batch([[token] * 32])

@@ -30,6 +30,12 @@ def profile_loads(shards: str, repeats: int, io: str) -> dict:
     from academus.shared.models.sti_pipeline import ElasticModel
     from academus.shared.training.shards import _load_profile
 
+    try:   # as sti_bench's process does, from the commit that has it (a75caec set it inside the load profile)
+        from academus.shared.runtime.heap import keep_freed_pages
+    except ImportError:
+        pass
+    else:
+        keep_freed_pages()
     torch.set_num_threads(1)   # sti_bench's default on 2 cores: the loader takes the other
     store = ShardStore(Path(shards))
     model = ElasticModel(store, "", heads={})
