@@ -10,7 +10,8 @@ The worker's ModelRunner serves the task with its ramps. Their controller first 
 - early: the forward with ramps, each text's first result when its ramp released it.
 
 Figures: per text, the first result's time from the batch's start; per batch, the compute time (the ramps'
-cost). Ratios are early over vanilla, medians over rounds. The summary is the last line printed.
+cost); the share of texts released early. Ratios are early over vanilla, medians over rounds. The summary (with the
+controller's status: active ramps, their measured costs, its last events) is the last line printed.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ from academus.shared.runtime.config import artifacts_dir, offline_hub
 from academus.shared.training.data import fetch, load_task
 
 
-def run_batches(runner: ModelRunner, task: str, batches: list[list[list[int]]], early: bool) -> tuple[list, list]:
-    """Per text, seconds to its first result; per batch, seconds of compute."""
-    firsts, totals = [], []
+def run_batches(runner: ModelRunner, task: str, batches: list[list[list[int]]], early: bool
+                ) -> tuple[list, list, int]:
+    """Per text, seconds to its first result; per batch, seconds of compute; texts released early."""
+    firsts, totals, early_texts = [], [], 0
     for seqs in batches:
         released: dict[int, float] = {}
         start = time.perf_counter()
@@ -53,7 +55,8 @@ def run_batches(runner: ModelRunner, task: str, batches: list[list[list[int]]], 
         total = time.perf_counter() - start
         totals.append(total)
         firsts.extend(released.get(row, total) for row in range(len(seqs)))
-    return firsts, totals
+        early_texts += len(released)
+    return firsts, totals, early_texts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,16 +92,19 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         arms = {}
         for arm in (("vanilla", "early") if r % 2 == 0 else ("early", "vanilla")):
-            firsts, totals = run_batches(runner, args.task, measured, arm == "early")
+            firsts, totals, early_texts = run_batches(runner, args.task, measured, arm == "early")
             arms[arm] = {"first_p25_ms": float(np.percentile(firsts, 25)) * 1e3,
-                         "first_p50_ms": float(np.median(firsts)) * 1e3, "batch_ms": statistics.median(totals) * 1e3}
+                         "first_p50_ms": float(np.median(firsts)) * 1e3, "batch_ms": statistics.median(totals) * 1e3,
+                         "released_early": round(early_texts / len(firsts), 4)}
         rounds.append(arms)
         print(json.dumps({"round": r, **arms}), flush=True)
     summary = {"device": str(runner.device), "task": args.task, "batch": args.batch,
                "active_ramps": list(exits.controller.active.layers), **{
                    name: round(statistics.median(x["early"][key] / x["vanilla"][key] for x in rounds), 4)
                    for name, key in (("first_p50_ratio", "first_p50_ms"), ("first_p25_ratio", "first_p25_ms"),
-                                     ("batch_time_ratio", "batch_ms"))}}
+                                     ("batch_time_ratio", "batch_ms"))},
+               "released_early": statistics.median(x["early"]["released_early"] for x in rounds),
+               "controller": exits.controller.status()}
     print(json.dumps(summary))
     return 0
 

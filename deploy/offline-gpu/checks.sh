@@ -6,7 +6,7 @@
 # batches of 32 and 8), builds a quick shard artifact for sentiment and runs `sti_device` (compute against width,
 # shards streamed from pinned memory). After each check $OUT holds checks.log, summary.jsonl (each check's
 # last line) and logs.tgz (every check's output): the tool brings back at most 8 files, even on a timeout.
-# LOCAL=1 LOCAL_TEACHER=DIR runs B here on the CPU, without the installs, as a dry run.
+# CHECKS="exits" or "sti" runs one kind (default both). LOCAL=1 LOCAL_TEACHER=DIR runs B here on the CPU, without the installs, as a dry run.
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/checks-out}; mkdir -p "$OUT"
@@ -47,10 +47,11 @@ exits() {   # TASK BATCH
   check "exits-$1-b$2" 120 $PY -m academus.loadgen.exits_device --device $DEVICE --task "$1" --batch "$2" \
     --batches "$BATCHES" --warm "$WARM" --rounds "$ROUNDS"
 }
-exits spam 32
-exits sentiment 32
-check shard-build 150 $PY -m academus.shared.cli.main shard build --model minilm --tasks sentiment --quick
-check sti-device 120 $PY -m academus.loadgen.sti_device --repeats "${REPEATS:-50}" --out $LOGS
-exits spam 8
-exits sentiment 8
+CHECKS=" ${CHECKS:-exits sti} "   # which to run
+if [[ $CHECKS == *" exits "* ]]; then exits spam 32; exits sentiment 32; fi
+if [[ $CHECKS == *" sti "* ]]; then
+  check shard-build 150 $PY -m academus.shared.cli.main shard build --model minilm --tasks sentiment --quick
+  check sti-device 120 $PY -m academus.loadgen.sti_device --repeats "${REPEATS:-50}" --out $LOGS
+fi
+if [[ $CHECKS == *" exits "* ]]; then exits spam 8; exits sentiment 8; fi
 date -u

@@ -95,6 +95,13 @@ def resolve_device(wanted: str) -> torch.device:
     return torch.device("cpu")
 
 
+def device_drain(device: torch.device) -> Callable[[], None] | None:
+    """Waits for the work queued on the calling thread's stream of a GPU; None on a CPU, which runs in order."""
+    if device.type != "cuda":
+        return None
+    return lambda: torch.cuda.current_stream(device).synchronize()
+
+
 def device_label(device: torch.device) -> str:
     """The device as placement sees it: a GPU by its physical index (CUDA_VISIBLE_DEVICES pins a
     worker to one GPU, which it then calls cuda:0), else "cpu"."""
@@ -596,7 +603,7 @@ class ModelRunner:
         types = split_lengths(batch.token_type_ids, lengths, "token_type_ids") if batch.token_type_ids else None
         exits = None
         if release is not None and served.exits is not None and output == OUTPUT_PROBS and tenants is None:
-            exits = ExitRun(served.exits, len(lengths), release)
+            exits = ExitRun(served.exits, len(lengths), release, drain=device_drain(self.device))
         self._local.exits = exits   # the layer hooks' (padded) and after_layer's (packed) ramps
         indices, plan = batch.student_indices, batch.plan
         try:

@@ -62,8 +62,10 @@ def load_exits(artifacts: Path, task: str, hidden_size: int, labels: Sequence[st
 class ExitRun:
     """One batch's pass through the active ramps: each text's signals so far, where it was released."""
 
-    def __init__(self, exits: ModelExits, texts: int, release: Release) -> None:
+    def __init__(self, exits: ModelExits, texts: int, release: Release,
+                 drain: Callable[[], None] | None = None) -> None:
         self.exits = exits
+        self.drain = drain   # waits for the device's queued layers: a ramp's cost is its own time, not theirs
         self.active = exits.controller.active        # one snapshot for the whole batch
         self.index = {layer: j for j, layer in enumerate(self.active.layers)}
         ramps = len(self.active.layers)
@@ -86,6 +88,8 @@ class ExitRun:
         j = self.index.get(layer)
         if j is None:
             return
+        if self.drain is not None:   # the ramp's read of its logits would wait for the layers queued before it
+            self.drain()
         start = time.perf_counter()
         logits = self.exits.ramps.host_logits(layer, pooled())
         centred = logits - logits.max(axis=1, keepdims=True)

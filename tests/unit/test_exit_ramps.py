@@ -9,6 +9,7 @@ import asyncio
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ import torch
 
 from academus.services.scheduler.core import Job
 from academus.services.scheduler.sender import deliver_partial
+from academus.services.worker import exits as exit_run
 from academus.services.worker.core import OUTPUT_PROBS, ModelRunner
 from academus.services.worker.exits import ExitRun, ModelExits, load_exits
 from academus.shared.models.exits import (
@@ -226,3 +228,28 @@ def test_the_served_ramp_decides_on_what_the_trained_head_computes(normalize: bo
             for released_rows, k, probs in released:
                 np.testing.assert_allclose(probs, reference[k][released_rows], atol=1e-5)
                 assert (run.exit_at[released_rows] == ramps.layers.index(k)).all()
+
+
+def test_a_ramp_is_charged_its_own_time_not_the_queued_layers_it_waits_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the layers before a ramp are still queued when it reads its logits. The run drains the device
+    before the ramp's clock starts, so the controller's ramp cost (what the budget drops ramps by) is the ramp's
+    own time, not the layers'. The clock here moves only in the drain, by 20 ms of queued layers."""
+    now = [0.0]
+    monkeypatch.setattr(exit_run, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    ramps = ExitRamps([1, 2], HIDDEN_SIZE, LABELS)
+    controller = controller_for(ramps.layers, {"cost": {"1": 0.001, "2": 0.001}, "saving": {"1": 0.5, "2": 0.3},
+                                               "tuned_once": {"deebert_entropy": 0.3}}, ControllerSettings())
+    drained: list[int] = []
+
+    def drain() -> None:
+        drained.append(len(drained))
+        now[0] += 0.02
+
+    run = ExitRun(ModelExits(ramps, controller), 4, lambda *_: None, drain=drain)
+    pooled = torch.randn(4, HIDDEN_SIZE)
+    with torch.inference_mode():
+        for k in (1, 2, 3):   # no ramp after layer 3: nothing to wait for there
+            run.at_layer(k, lambda: pooled)
+    assert drained == [0, 1]
+    assert run.spent.tolist() == [0.0, 0.0], "the ramps were charged the queued layers' time"
+    assert not np.isnan(run.conf).any(), "both ramps ran on every text"
