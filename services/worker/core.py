@@ -95,13 +95,6 @@ def resolve_device(wanted: str) -> torch.device:
     return torch.device("cpu")
 
 
-def device_drain(device: torch.device) -> Callable[[], None] | None:
-    """Waits for the work queued on the calling thread's stream of a GPU; None on a CPU, which runs in order."""
-    if device.type != "cuda":
-        return None
-    return lambda: torch.cuda.current_stream(device).synchronize()
-
-
 def device_label(device: torch.device) -> str:
     """The device as placement sees it: a GPU by its physical index (CUDA_VISIBLE_DEVICES pins a
     worker to one GPU, which it then calls cuda:0), else "cpu"."""
@@ -603,7 +596,7 @@ class ModelRunner:
         types = split_lengths(batch.token_type_ids, lengths, "token_type_ids") if batch.token_type_ids else None
         exits = None
         if release is not None and served.exits is not None and output == OUTPUT_PROBS and tenants is None:
-            exits = ExitRun(served.exits, len(lengths), release, drain=device_drain(self.device))
+            exits = ExitRun(served.exits, len(lengths), release, deferred=self.device.type == "cuda")
         self._local.exits = exits   # the layer hooks' (padded) and after_layer's (packed) ramps
         indices, plan = batch.student_indices, batch.plan
         try:
@@ -640,6 +633,8 @@ class ModelRunner:
             else:
                 pooled = served.pool(ids, mask, type_ids, students, plot_states)
                 values = torch.softmax(served.head(pooled), dim=-1) if output == OUTPUT_PROBS else pooled
+            if exits is not None:   # a GPU's ramps release while the device runs the layers after them
+                exits.settle()
             values_np = values.float().cpu().numpy()
         return BatchResult(
             values=values_np,
@@ -733,6 +728,8 @@ class ModelRunner:
                 values, finish = served.finish_share(pooled, student_indices, wants_probs)
             else:
                 values = torch.softmax(served.head(pooled), dim=-1) if wants_probs else pooled
+            if exits is not None:
+                exits.settle()
             values_np = values.float().cpu().numpy()
         return BatchResult(values=values_np, labels=served.spec.labels if wants_probs else [],
                            compute_ms=(time.perf_counter() - start) * 1e3, padded_tokens=batch.computed_tokens,

@@ -59,13 +59,26 @@ def load_exits(artifacts: Path, task: str, hidden_size: int, labels: Sequence[st
     return ModelExits(ramps, controller)
 
 
+@dataclass
+class PendingRamp:
+    """A deferred ramp's step: its logits (a pinned host tensor the device is filling, or a host array) and
+    its cost (the device events around its kernels, or the seconds it took on the host)."""
+
+    layer: int
+    j: int
+    rows: np.ndarray | None
+    logits: torch.Tensor | np.ndarray
+    cost: tuple[torch.cuda.Event, torch.cuda.Event] | float
+
+
 class ExitRun:
     """One batch's pass through the active ramps: each text's signals so far, where it was released."""
 
-    def __init__(self, exits: ModelExits, texts: int, release: Release,
-                 drain: Callable[[], None] | None = None) -> None:
+    def __init__(self, exits: ModelExits, texts: int, release: Release, deferred: bool = False) -> None:
         self.exits = exits
-        self.drain = drain   # waits for the device's queued layers: a ramp's cost is its own time, not theirs
+        self.deferred = deferred   # a GPU's ramps: queued with the layers, read back by `settle`
+        self.pending: list[PendingRamp] = []
+        self.on_gpu = any(p.device.type == "cuda" for p in exits.ramps.parameters())
         self.active = exits.controller.active        # one snapshot for the whole batch
         self.index = {layer: j for j, layer in enumerate(self.active.layers)}
         ramps = len(self.active.layers)
@@ -88,10 +101,19 @@ class ExitRun:
         j = self.index.get(layer)
         if j is None:
             return
-        if self.drain is not None:   # the ramp's read of its logits would wait for the layers queued before it
-            self.drain()
+        if self.deferred:
+            self.pending.append(self._queue(layer, j, pooled, rows))
+            return
         start = time.perf_counter()
-        logits = self.exits.ramps.host_logits(layer, pooled())
+        released = self._signals(j, self.exits.ramps.host_logits(layer, pooled()), rows)
+        self.spent[j] += time.perf_counter() - start   # the release's sending is the caller's, not the ramp's
+        if released is not None:
+            self.release(released[0].tolist(), layer, released[1])
+
+    def _signals(self, j: int, logits: np.ndarray, rows: np.ndarray | None
+                 ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Ramp j's confidences (and entropy) for `rows` from its logits; the texts it releases and their
+        probabilities, None when it releases none."""
         centred = logits - logits.max(axis=1, keepdims=True)
         shifted = np.exp(centred)
         total = shifted.sum(axis=1)
@@ -102,11 +124,45 @@ class ExitRun:
             self.entropy[at, j] = np.log(total) - (shifted * centred).sum(axis=1) / total
         exits = (self.exit_at[at] == len(self.active.layers)) & \
             self.active.rule.exits_at(j, self.conf[at], self.preds[at], self.entropy[at])
-        self.spent[j] += time.perf_counter() - start   # the release's sending is the caller's, not the ramp's
-        if exits.any():
-            released = np.flatnonzero(exits) if rows is None else rows[exits]
-            self.exit_at[released] = j
-            self.release(released.tolist(), layer, shifted[exits] / total[exits, None])
+        if not exits.any():
+            return None
+        released = np.flatnonzero(exits) if rows is None else rows[exits]
+        self.exit_at[released] = j
+        return released, shifted[exits] / total[exits, None]
+
+    def _queue(self, layer: int, j: int, pooled: Callable[[], torch.Tensor | np.ndarray],
+               rows: np.ndarray | None) -> PendingRamp:
+        """A deferred ramp's work: on a GPU queued behind its layer, its logits copied to pinned host memory,
+        timed by events on the device (a ramp costs the GPU its own kernels, never a wait for the layers)."""
+        if not self.on_gpu:   # deferred on a CPU: decided later on what it computes now
+            start = time.perf_counter()
+            logits = self.exits.ramps.host_logits(layer, pooled())
+            return PendingRamp(layer, j, rows, logits, time.perf_counter() - start)
+        begin, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        on_device = self.exits.ramps.device_logits(layer, pooled())
+        host = torch.empty(on_device.shape, dtype=torch.float32, pin_memory=True)
+        host.copy_(on_device, non_blocking=True)
+        done.record()
+        return PendingRamp(layer, j, rows, host, (begin, done))
+
+    def settle(self) -> None:
+        """The deferred ramps in turn, once the forward is queued: each decides when its logits reach the
+        host, and its texts are released then, while the device runs the layers after it."""
+        for ramp in self.pending:
+            seconds = ramp.cost
+            logits = ramp.logits
+            if isinstance(seconds, tuple):
+                begin, done = seconds
+                done.synchronize()
+                seconds = begin.elapsed_time(done) / 1e3
+                logits = ramp.logits.numpy()
+            start = time.perf_counter()
+            released = self._signals(ramp.j, logits, ramp.rows)
+            self.spent[ramp.j] += seconds + time.perf_counter() - start
+            if released is not None:
+                self.release(released[0].tolist(), ramp.layer, released[1])
+        self.pending.clear()
 
     def hidden(self, layer: int, hidden: torch.Tensor) -> None:
         """A padded batch's layer output [B, T, H] (the layer hook)."""
@@ -132,6 +188,7 @@ class ExitRun:
     def finish(self, final_probs: np.ndarray, batch_s: float) -> None:
         """The full model's answers (`batch_s`: the batch's compute time): the controller's feedback, with what
         each ramp cost on it."""
+        self.settle()   # a path that read its answers without settling: the ramps decide now
         signals = ExitSignals(self.conf, self.preds, self.entropy)
         self.exits.controller.feed(self.active.layers, signals, final_probs.argmax(-1), self.exit_at,
                                    ramp_seconds=self.spent, batch_s=batch_s)

@@ -61,13 +61,17 @@ class ExitRamps(nn.Module):
         ramp waits for them: there the head runs in NumPy, its L2 normalisation folded into the logits. On a
         GPU it stays on the device; only the logits travel."""
         if isinstance(pooled, torch.Tensor) and pooled.device.type != "cpu":
-            return self.heads[str(layer)](self.finish(pooled)).float().cpu().numpy()
+            return self.device_logits(layer, pooled).cpu().numpy()
         weight, bias = self._host_head(layer)
         x = pooled if isinstance(pooled, np.ndarray) else pooled.float().numpy()
         logits = x @ weight
         if self.normalize:   # (x / |x|) @ W = (x @ W) / |x|, with F.normalize's floor on |x|
             logits /= np.maximum(np.sqrt(np.einsum("ij,ij->i", x, x)), 1e-12)[:, None]
         return logits + bias
+
+    def device_logits(self, layer: int, pooled: torch.Tensor) -> torch.Tensor:
+        """[n, C] float32 logits of the ramp at `layer`, where the pooled states are."""
+        return self.heads[str(layer)](self.finish(pooled)).float()
 
     def _host_head(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """The head at `layer` as NumPy arrays ([H, C] weight, [C] bias), made once: serving never trains."""

@@ -9,7 +9,6 @@ import asyncio
 import json
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,7 +16,6 @@ import torch
 
 from academus.services.scheduler.core import Job
 from academus.services.scheduler.sender import deliver_partial
-from academus.services.worker import exits as exit_run
 from academus.services.worker.core import OUTPUT_PROBS, ModelRunner
 from academus.services.worker.exits import ExitRun, ModelExits, load_exits
 from academus.shared.models.exits import (
@@ -230,26 +228,35 @@ def test_the_served_ramp_decides_on_what_the_trained_head_computes(normalize: bo
                 assert (run.exit_at[released_rows] == ramps.layers.index(k)).all()
 
 
-def test_a_ramp_is_charged_its_own_time_not_the_queued_layers_it_waits_for(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a GPU the layers before a ramp are still queued when it reads its logits. The run drains the device
-    before the ramp's clock starts, so the controller's ramp cost (what the budget drops ramps by) is the ramp's
-    own time, not the layers'. The clock here moves only in the drain, by 20 ms of queued layers."""
-    now = [0.0]
-    monkeypatch.setattr(exit_run, "time", SimpleNamespace(perf_counter=lambda: now[0]))
-    ramps = ExitRamps([1, 2], HIDDEN_SIZE, LABELS)
-    controller = controller_for(ramps.layers, {"cost": {"1": 0.001, "2": 0.001}, "saving": {"1": 0.5, "2": 0.3},
-                                               "tuned_once": {"deebert_entropy": 0.3}}, ControllerSettings())
-    drained: list[int] = []
-
-    def drain() -> None:
-        drained.append(len(drained))
-        now[0] += 0.02
-
-    run = ExitRun(ModelExits(ramps, controller), 4, lambda *_: None, drain=drain)
-    pooled = torch.randn(4, HIDDEN_SIZE)
-    with torch.inference_mode():
-        for k in (1, 2, 3):   # no ramp after layer 3: nothing to wait for there
-            run.at_layer(k, lambda: pooled)
-    assert drained == [0, 1]
-    assert run.spent.tolist() == [0.0, 0.0], "the ramps were charged the queued layers' time"
-    assert not np.isnan(run.conf).any(), "both ramps ran on every text"
+def test_deferred_ramps_release_in_turn_when_settled_as_they_would_at_once() -> None:
+    """On a GPU a ramp's step is queued behind its layer and decided after the forward is queued (`settle`),
+    so the device never waits for the host. Deferred, nothing is released before `settle`; then the ramps decide
+    in their order, with the confidences and releases of a run that decides at once, and each ramp's cost is
+    charged to it."""
+    torch.manual_seed(2)
+    ramps = ExitRamps([1, 2, 4], HIDDEN_SIZE, LABELS)
+    for head in ramps.heads.values():
+        torch.nn.init.normal_(head.weight, std=3.0)
+    extra = {"cost": {str(k): 0.001 for k in ramps.layers}, "saving": {str(k): 0.5 for k in ramps.layers},
+             "tuned_once": {"deebert_entropy": 0.3}}
+    controller = controller_for(ramps.layers, extra, ControllerSettings(policy=DEEBERT))
+    states = {k: torch.randn(8, HIDDEN_SIZE) * torch.linspace(0.5, 16, 8)[:, None] for k in ramps.layers}
+    runs, released = {}, {}
+    for deferred in (False, True):
+        out: list[tuple[list[int], int, np.ndarray]] = released.setdefault(deferred, [])
+        run = runs[deferred] = ExitRun(ModelExits(ramps, controller), 8, lambda r, k, p, out=out: out.append((r, k, p)),
+                                       deferred=deferred)
+        with torch.inference_mode():
+            for k in (1, 2, 3, 4):
+                run.at_layer(k, lambda k=k: states[k])
+        if deferred:
+            assert not out and len(run.pending) == 3, "a deferred ramp released before the forward was queued"
+            run.settle()
+            assert not run.pending
+    assert released[False], "no ramp was confident: nothing to compare"
+    assert [(r, k) for r, k, _ in released[True]] == [(r, k) for r, k, _ in released[False]]
+    for (_, _, a), (_, _, b) in zip(released[True], released[False], strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    np.testing.assert_array_equal(runs[True].exit_at, runs[False].exit_at)
+    np.testing.assert_allclose(runs[True].conf, runs[False].conf, atol=1e-6)
+    assert (runs[True].spent > 0).all()
