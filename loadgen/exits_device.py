@@ -79,14 +79,20 @@ def main(argv: list[str] | None = None) -> int:
     encoded = TeacherTokenizer(teacher_dir()).encode([e.text for e in test], truncate=True)
     order = [encoded[i].input_ids for i in drifting_order(args.task, test, seed=0)]
     cut = [order[i:i + args.batch] for i in range(0, len(order), args.batch)]
-    seen = 0
+    seen, warming = 0, []
     while seen < args.warm:   # the controller's feedback, tuned as it comes
         seqs = cut[(seen // args.batch) % len(cut)]
+        start = time.perf_counter()
         runner.run(Batch(args.task, OUTPUT_PROBS, [i for s in seqs for i in s], [len(s) for s in seqs]),
                    release=lambda *_: None)
+        batch_ms = (time.perf_counter() - start) * 1e3
         seen += args.batch
         if reason := exits.controller.due():
             exits.controller.tune(reason)
+        if len(warming) < 12:   # how the ramps' measured cost settles on this device
+            controller = exits.controller
+            warming.append({"texts": seen, "batch_ms": round(batch_ms, 3), "active": list(controller.active.layers),
+                            "cost": round(max(controller.cost.values()), 5)})
     measured = cut[: args.batches]
     rounds = []
     for r in range(args.rounds):
@@ -104,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                    for name, key in (("first_p50_ratio", "first_p50_ms"), ("first_p25_ratio", "first_p25_ms"),
                                      ("batch_time_ratio", "batch_ms"))},
                "released_early": statistics.median(x["early"]["released_early"] for x in rounds),
-               "controller": exits.controller.status()}
+               "warming": warming, "controller": exits.controller.status()}
     print(json.dumps(summary))
     return 0
 

@@ -35,6 +35,10 @@ MIN_FEEDBACK = 16   # texts of feedback before their agreement may trigger a tun
 AGREEMENT_SPAN = 256   # the latest texts whose released results' agreement is watched
 MIN_MARGIN = 0.05      # the least share of the allowed disagreement a tuning may spend
 COST_SMOOTHING = 0.1   # weight of a batch's measured times in the running ones (a ramp's, the model's)
+# A worker's first batches pay the device's one-time set-up (a GPU loads each kernel at its first launch, and
+# allocates pinned host memory): their times are neither a ramp's cost nor the model's, and as the first samples
+# they would stand for both until the first tuning, which drops ramps by them.
+WARM_UP_BATCHES = 2
 PENDING_BATCHES = 4096  # batches' feedback held for `drain`; the oldest go first when nothing drains
 APPARATE, NONE, DEEBERT, STATIC, PABEE2, PABEE3 = "apparate", "none", "deebert", "static", "pabee2", "pabee3"
 POLICIES = (APPARATE, NONE, DEEBERT, STATIC, PABEE2, PABEE3)
@@ -314,6 +318,7 @@ class ExitController:
         self.cost = {c.layer: c.cost for c in candidates}   # shares of the model's time, as `observe` measures
         self._ramp_s: float | None = None        # one ramp's seconds on a batch, smoothed (see `observe`)
         self._batch_s: float | None = None       # a batch's compute seconds, smoothed
+        self._samples = {"ramp": 0, "batch": 0}  # times seen, the first WARM_UP_BATCHES of each left out
         self.clock = clock
         self.margin = 1.0                        # the share of the allowance the next tuning may spend
         self._errors_since = 0                   # released results that disagreed since the last tuning
@@ -413,12 +418,17 @@ class ExitController:
         shape (a pooling and one small head), so the running ones' time is also the estimate for those not
         running; and a ramp's time on a few texts is mostly fixed, so their share follows the batches' time
         as the load changes, even while no ramp runs."""
-        if batch_s:
+        if batch_s and self._warm("batch"):
             self._batch_s = _smoothed(self._batch_s, batch_s)
-        if len(ramp_seconds):
+        if len(ramp_seconds) and self._warm("ramp"):
             self._ramp_s = _smoothed(self._ramp_s, float(np.mean(ramp_seconds)))
         if self._ramp_s is not None and self._batch_s:
             self.cost = dict.fromkeys(self.candidates, self._ramp_s / self._batch_s)
+
+    def _warm(self, kind: str) -> bool:
+        """Whether this sample of `kind` comes after the device's set-up (see WARM_UP_BATCHES)."""
+        self._samples[kind] += 1
+        return self._samples[kind] > WARM_UP_BATCHES
 
     def window_agreement(self) -> float:
         with self._lock:

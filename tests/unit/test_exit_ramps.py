@@ -21,6 +21,7 @@ from academus.services.worker.exits import ExitRun, ModelExits, load_exits
 from academus.shared.models.exits import (
     DEEBERT,
     STATIC,
+    WARM_UP_BATCHES,
     ControllerSettings,
     Evidence,
     controller_for,
@@ -113,12 +114,14 @@ def test_each_text_is_released_once_at_its_first_confident_ramp(runner: ModelRun
 def test_the_controller_gets_feedback_and_measured_costs(artifacts: Path) -> None:
     runner = ModelRunner(artifacts, ["spam"], exit_settings=ControllerSettings(), traced=False)
     controller = runner.models["spam"].exits.controller
-    released_by(runner)
-    assert controller.seen == 0    # the compute thread only queued the batch's feedback
-    assert controller.drain() == 1
-    assert controller.seen == len(TEXTS)
-    assert len(controller.window.conf) == len(TEXTS)
-    assert all(cost != 0.002 for layer, cost in controller.cost.items() if layer in controller.active.layers)
+    for batch in range(WARM_UP_BATCHES + 1):   # the first batches' times are the device's set-up, left out
+        released_by(runner)
+        assert controller.seen == batch * len(TEXTS)    # the compute thread only queued the batch's feedback
+        assert controller.drain() == 1
+        assert controller.seen == (batch + 1) * len(TEXTS)
+        assert len(controller.window.conf) == (batch + 1) * len(TEXTS)
+        measured = [cost != 0.002 for layer, cost in controller.cost.items() if layer in controller.active.layers]
+        assert measured and (all(measured) if batch == WARM_UP_BATCHES else not any(measured))
 
 
 def test_an_embedding_output_or_no_release_runs_no_ramp(runner: ModelRunner) -> None:
