@@ -48,10 +48,11 @@ exits() {   # TASK BATCH
     --batches "$BATCHES" --warm "$WARM" --rounds "$ROUNDS"
 }
 CHECKS=" ${CHECKS:-exits sti} "   # which to run
-if [[ $CHECKS == *" exits "* ]]; then exits spam 32; exits sentiment 32; fi
+FIRST=${FIRST:-spam:32 sentiment:32}; THEN=${THEN:-spam:8 sentiment:8}   # exits' task:batch runs, before STI and after
+if [[ $CHECKS == *" exits "* ]]; then for run in $FIRST; do exits "${run%:*}" "${run#*:}"; done; fi
 if [[ $CHECKS == *" sti "* ]]; then
   check shard-build 150 $PY -m academus.shared.cli.main shard build --model minilm --tasks sentiment --quick
   check sti-device 120 $PY -m academus.loadgen.sti_device --repeats "${REPEATS:-50}" --out $LOGS
 fi
-if [[ $CHECKS == *" exits "* ]]; then exits spam 8; exits sentiment 8; fi
+if [[ $CHECKS == *" exits "* ]]; then for run in $THEN; do exits "${run%:*}" "${run#*:}"; done; fi
 date -u
