@@ -48,7 +48,7 @@ exits() {   # TASK BATCH
     --batches "$BATCHES" --warm "$WARM" --rounds "$ROUNDS"
 }
 CHECKS=" ${CHECKS:-exits sti} "   # which to run
-FIRST=${FIRST:-spam:32 sentiment:32}; THEN=${THEN:-spam:8 sentiment:8}   # exits' task:batch runs, before STI and after
+FIRST=${FIRST-spam:32 sentiment:32}; THEN=${THEN-spam:8 sentiment:8}   # exits' task:batch runs, before STI and after
 if [[ $CHECKS == *" exits "* ]]; then for run in $FIRST; do exits "${run%:*}" "${run#*:}"; done; fi
 if [[ $CHECKS == *" sti "* ]]; then
   check shard-build 150 $PY -m academus.shared.cli.main shard build --model minilm --tasks sentiment --quick
