@@ -10,14 +10,9 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 HERE=deploy/offline-gpu
+source $HERE/wheels.sh
 rm -rf .whl .gpuA .gpuB && mkdir -p .whl .gpuA .gpuB
-pins=$($PY -m pip freeze | grep -i -E '^(grpcio|grpcio-health-checking|grpcio-reflection|protobuf|redis|hdrhistogram|pbr|isal|opentelemetry-[a-z-]+|googleapis-common-protos)==')
-platforms=""
-for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do
-  platforms+=" --platform $p"
-done
-# shellcheck disable=SC2086
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $platforms -d .whl $pins
+download_wheels .whl
 teacher=$($PY -c "from academus.shared.models.model import teacher_dir; print(teacher_dir())")
 $PY $HERE/pack.py teacher "$teacher" .gpuA
 $PY $HERE/pack.py sentiment-data "${ACADEMUS_DATA_DIR:-.academus/data}" .gpuB
