@@ -70,6 +70,14 @@ class PendingRamp:
     logits: torch.Tensor | np.ndarray
     cost: tuple[torch.cuda.Event, torch.cuda.Event] | float
 
+    def read(self) -> tuple[np.ndarray, float]:
+        """Its logits on the host and the seconds it cost; on a device, once its copy has landed."""
+        if isinstance(self.cost, float):
+            return np.asarray(self.logits), self.cost
+        begin, done = self.cost
+        done.synchronize()
+        return self.logits.numpy(), begin.elapsed_time(done) / 1e3
+
 
 class ExitRun:
     """One batch's pass through the active ramps: each text's signals so far, where it was released."""
@@ -150,13 +158,7 @@ class ExitRun:
         """The deferred ramps in turn, once the forward is queued: each decides when its logits reach the
         host, and its texts are released then, while the device runs the layers after it."""
         for ramp in self.pending:
-            seconds = ramp.cost
-            logits = ramp.logits
-            if isinstance(seconds, tuple):
-                begin, done = seconds
-                done.synchronize()
-                seconds = begin.elapsed_time(done) / 1e3
-                logits = ramp.logits.numpy()
+            logits, seconds = ramp.read()
             start = time.perf_counter()
             released = self._signals(ramp.j, logits, ramp.rows)
             self.spent[ramp.j] += seconds + time.perf_counter() - start
