@@ -263,3 +263,32 @@ def test_deferred_ramps_release_in_turn_when_settled_as_they_would_at_once() -> 
     np.testing.assert_array_equal(runs[True].exit_at, runs[False].exit_at)
     np.testing.assert_allclose(runs[True].conf, runs[False].conf, atol=1e-6)
     assert (runs[True].spent > 0).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_ramps_deferred_on_a_gpu_release_what_they_release_on_the_host() -> None:
+    """On a GPU the ramps' logits come back through pinned memory, timed by device events: the same releases as
+    a run on the host, and a positive device time charged to each ramp."""
+    torch.manual_seed(3)
+    ramps = ExitRamps([1, 2], HIDDEN_SIZE, LABELS)
+    for head in ramps.heads.values():
+        torch.nn.init.normal_(head.weight, std=3.0)
+    extra = {"cost": {"1": 0.001, "2": 0.001}, "saving": {"1": 0.5, "2": 0.3}, "tuned_once": {"deebert_entropy": 0.3}}
+    states = {k: torch.randn(8, HIDDEN_SIZE) * torch.linspace(0.5, 16, 8)[:, None] for k in ramps.layers}
+    runs, released = {}, {}
+    for device in ("cpu", "cuda"):
+        placed = ExitRamps([1, 2], HIDDEN_SIZE, LABELS)
+        placed.load_state_dict(ramps.state_dict())
+        placed.to(device)
+        controller = controller_for(placed.layers, extra, ControllerSettings(policy=DEEBERT))
+        out: list[tuple[list[int], int, np.ndarray]] = released.setdefault(device, [])
+        run = runs[device] = ExitRun(ModelExits(placed, controller), 8,
+                                     lambda r, k, p, out=out: out.append((r, k, p)), deferred=device == "cuda")
+        with torch.inference_mode():
+            for k in placed.layers:
+                run.at_layer(k, lambda k=k, device=device: states[k].to(device))
+            run.settle()
+    assert released["cpu"], "no ramp was confident: nothing to compare"
+    assert [(r, k) for r, k, _ in released["cuda"]] == [(r, k) for r, k, _ in released["cpu"]]
+    np.testing.assert_allclose(runs["cuda"].conf, runs["cpu"].conf, atol=1e-4)
+    assert (runs["cuda"].spent > 0).all()
