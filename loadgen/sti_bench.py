@@ -10,7 +10,9 @@ Arms (§7.1), planned from one profile of this machine taken at the start of the
 - load&exec: the full-precision submodel loaded whole, then run; stdpl-2/6/32: a layer pipeline with every
   shard at one bit width; preload-6/32: the whole model held in memory at that width (compute only);
 - sti (each preload size), sti-0 (no preload), sti-random (the upgrades of §5.4's second pass in a random order
-  instead of importance order; each layer still runs its most important shards, which the heads were fitted on).
+  instead of importance order; each layer still runs its most important shards, which the heads were fitted on);
+- sti-<size>-paced: the sti plan run with a pace (`Planner.pace`): a run behind its target answers from the layers
+  it has. Its accuracy is what its runs computed: each run's plan truncated to the layers it ran, weighted by runs.
 
 Targets T are multiples of the whole model's compute on one text of the task's length bucket (its test
 split's median, padded). Accuracy per plan is exact, over the whole test split, with the plan's weights as
@@ -40,7 +42,7 @@ from academus.shared.models.shard_io import io_source
 from academus.shared.models.shard_store import ShardStore, shards_dir
 from academus.shared.models.shards import FULL
 from academus.shared.models.sti_pipeline import ElasticModel, ShardPipeline
-from academus.shared.models.sti_planner import HardwareProfile, Plan, Planner
+from academus.shared.models.sti_planner import HardwareProfile, Pace, Plan, Planner
 from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.models.user_models import open_model
@@ -101,9 +103,9 @@ def request_batch(tokenizer: TeacherTokenizer, text: str, length: int
 
 
 def latency_runs(pipeline: ShardPipeline, model: ElasticModel, bank: dict, plans: dict[str, Plan],
-                 batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], runs: int, rounds: int
-                 ) -> dict[str, list[dict[str, float]]]:
-    """`runs` timed runs a plan, split over `rounds` whose arm order alternates."""
+                 batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], runs: int, rounds: int,
+                 paces: dict[str, Pace] | None = None) -> dict[str, list[dict[str, float]]]:
+    """`runs` timed runs a plan, split over `rounds` whose arm order alternates; `paces`: the arms run paced."""
     out: dict[str, list[dict[str, float]]] = {name: [] for name in plans}
     names = list(plans)
     per_round = max(1, runs // rounds)
@@ -117,14 +119,15 @@ def latency_runs(pipeline: ShardPipeline, model: ElasticModel, bank: dict, plans
                     started = time.perf_counter()
                     model.run(ids, mask, layers, types)
                     total = (time.perf_counter() - started) * 1e3
-                    out[name].append({"total_ms": total, "io_ms": 0.0, "stall_ms": 0.0, "compute_ms": total})
+                    out[name].append({"total_ms": total, "io_ms": 0.0, "stall_ms": 0.0, "compute_ms": total,
+                                      "depth": plan.depth})
                 continue
             pipeline.preload(plan)
             for i in range(per_round):
                 ids, mask, types = batches[(r * per_round + i) % len(batches)]
-                result = pipeline.run(plan, ids, mask, types)
+                result = pipeline.run(plan, ids, mask, types, pace=(paces or {}).get(name))
                 out[name].append({"total_ms": result.total_ms, "io_ms": result.io_ms, "stall_ms": result.stall_ms,
-                                  "compute_ms": result.compute_ms})
+                                  "compute_ms": result.compute_ms, "depth": result.depth})
     return out
 
 
@@ -187,11 +190,21 @@ def bench_task(task: str, data: TaskData, store: ShardStore, profile: HardwarePr
         for multiple in targets:
             target = multiple * full_ms
             plans = arm_plans(planner, target, length, preload_sizes, seed=len(rows))
-            scores = {name: cache.get(task, plan, lambda p: accuracy(evaluator.probs(p), gold)[0])
-                      for name, plan in plans.items()}
-            timings = latency_runs(pipeline, model, bank, plans, batches, runs, rounds)
+            paces = {f"{name}-paced": planner.pace(plans[name], length) for name in list(plans)
+                     if name.startswith("sti-") and not name.startswith(("sti-0", "sti-random"))}
+            plans |= {name: plans[name.removesuffix("-paced")] for name in paces}
+
+            def score(plan: Plan) -> float:
+                return cache.get(task, plan, lambda p: accuracy(evaluator.probs(p), gold)[0])
+
+            scores = {name: score(plan) for name, plan in plans.items()}
+            timings = latency_runs(pipeline, model, bank, plans, batches, runs, rounds, paces)
+            for name in paces:   # what the paced runs computed: each run's plan cut to the layers it ran
+                depths = [t["depth"] for t in timings[name]]
+                scores[name] = statistics.mean(score(plans[name].truncated(d)) for d in depths)
             for name, plan in plans.items():
                 totals = [t["total_ms"] for t in timings[name]]
+                depths = [t["depth"] for t in timings[name]]
                 held, peak = held_and_peak(plan, store)
                 rows.append({"task": task, "target_x": multiple, "target_ms": round(target, 3), **plan.summary(),
                              "arm": name, "accuracy": round(scores[name], 4),
@@ -199,7 +212,9 @@ def bench_task(task: str, data: TaskData, store: ShardStore, profile: HardwarePr
                              "p95_over_target": round(_quantile(totals, 0.95) / target, 3),
                              "stall_share": round(sum(t["stall_ms"] for t in timings[name]) / sum(totals), 4),
                              "io_ms": round(statistics.median(t["io_ms"] for t in timings[name]), 3),
-                             "held_bytes": held, "peak_bytes": peak, "runs": len(totals)})
+                             "held_bytes": held, "peak_bytes": peak, "runs": len(totals),
+                             "cut_short": round(sum(d < plan.depth for d in depths) / len(depths), 4),
+                             "mean_depth": round(statistics.mean(depths), 3)})
     finally:
         pipeline.close()
     return {"task": task, "length": length, "full_model_ms": round(full_ms, 3), "test_texts": len(test),
@@ -233,6 +248,11 @@ def figures(results: list[dict[str, Any]], preload_sizes: list[int]) -> dict[str
         "sti_p95_over_target_max": max(by[(t, x, main)]["p95_over_target"] for t, x in keys),
         "sti_stall_share_max": max(by[(t, x, main)]["stall_share"] for t, x in keys),
         "stdpl32_stall_share_mean": round(statistics.mean(by[(t, x, "stdpl-32")]["stall_share"] for t, x in keys), 4),
+        **({"paced_minus_sti_pp": mean_gain(f"{main}-paced", main),
+            "paced_p95_over_target_max": max(by[(t, x, f"{main}-paced")]["p95_over_target"] for t, x in keys),
+            "paced_cut_short_mean": round(statistics.mean(by[(t, x, f"{main}-paced")]["cut_short"]
+                                                          for t, x in keys), 4)}
+           if main != "sti-0" else {}),
     }
 
 

@@ -34,7 +34,7 @@ from academus.shared.models.shards import (
     key_mask,
     relative_bias,
 )
-from academus.shared.models.sti_planner import Plan
+from academus.shared.models.sti_planner import Pace, Plan
 from academus.shared.state.artifacts import ArtifactError
 
 
@@ -147,6 +147,7 @@ class RunResult:
     io_ms: float          # the loader's busy time (reads, checks, decoding) and the embedding rows' reads
     stall_ms: float       # the compute waiting for shards and embedding rows
     compute_ms: float
+    depth: int = 0        # the layers that ran: the plan's, or fewer where a pace cut it short
 
 
 class ShardPipeline:
@@ -219,8 +220,9 @@ class ShardPipeline:
 
     @torch.inference_mode()
     def run(self, plan: Plan, ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor | None = None,
-            deadline: float | None = None) -> RunResult:
-        """One request through the pipeline. `deadline`: a time.perf_counter() instant, checked between layers."""
+            deadline: float | None = None, pace: Pace | None = None) -> RunResult:
+        """One request through the pipeline. `deadline`: a time.perf_counter() instant, checked between layers.
+        `pace`: when a run behind its target answers from fewer layers."""
         self.source.before_run(self.store.paths())
         started = time.perf_counter()
         ready = [threading.Event() for _ in plan.shards]
@@ -229,7 +231,7 @@ class ShardPipeline:
         stop = threading.Event()
         room = threading.Semaphore(self.lookahead) if self.lookahead and plan.overlap else None
         loading: Future[float] = self._loader.submit(self._load, plan, ready, out, failed, stop, room)
-        compute = 0.0
+        compute, depth = 0.0, plan.depth
         try:
             began = time.perf_counter()
             rows = self.model.rows.read(ids, self.source)   # the compute waits for them: IO and stall alike
@@ -241,6 +243,9 @@ class ShardPipeline:
                 ready[-1].wait()
                 stall += time.perf_counter() - waited
             for k in range(plan.depth):
+                if pace is not None and pace.stops_before(k, (time.perf_counter() - started) * 1e3):
+                    depth = k
+                    break
                 waited = time.perf_counter()
                 ready[k].wait()
                 stall += time.perf_counter() - waited
@@ -253,9 +258,9 @@ class ShardPipeline:
                 compute += time.perf_counter() - began
                 if room is not None:
                     room.release()
-            probs = self.model.finish(hidden, mask, plan.depth, plan.width)
+            probs = self.model.finish(hidden, mask, depth, plan.width)
         finally:
             stop.set()
             io = loading.result()
         total = time.perf_counter() - started
-        return RunResult(probs, total * 1e3, (io + rows_s) * 1e3, stall * 1e3, compute * 1e3)
+        return RunResult(probs, total * 1e3, (io + rows_s) * 1e3, stall * 1e3, compute * 1e3, depth)

@@ -24,7 +24,7 @@ import bisect
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from academus.shared.models.shards import FULL, VERSIONS
@@ -110,6 +110,12 @@ class Plan:
         """What fixes the submodel's weights, hence its accuracy."""
         return self.depth, self.width, tuple(sorted(self.bits.items()))
 
+    def truncated(self, depth: int) -> Plan:
+        """Its first `depth` layers, at the same versions: what a run that stopped early computed."""
+        kept = {x: b for x, b in self.bits.items() if x[0] < depth}
+        return replace(self, depth=depth, shards=self.shards[:depth], bits=kept,
+                       preload={x for x in self.preload if x[0] < depth})
+
     def summary(self) -> dict[str, Any]:
         hist: dict[str, int] = {}
         for b in self.bits.values():
@@ -119,6 +125,25 @@ class Plan:
                 "planned_io_ms": round(self.io_ms, 3), "planned_compute_ms": round(self.compute_ms, 3),
                 "planned_stall_ms": round(self.stall_ms, 3), "target_ms": round(self.target_ms, 3),
                 "plan_ms": round(self.plan_ms, 4)}
+
+
+# A run may end this share past its target before the pace cuts it short: the bound issue 36 sets on STI's p95.
+PACE_TOLERANCE = 0.10
+
+
+@dataclass(frozen=True)
+class Pace:
+    """Where a run behind its plan stops early: before a layer that would end past the bound (the target and
+    its tolerance) by the profile, the run answers from the layers it has, with that shape's head, rather than
+    overrun. Only at depths that have a head for the plan's width; a run on time is never cut."""
+
+    bound_ms: float
+    layer_ms: float       # one layer of the plan's shape, as profiled
+    rest_ms: float        # pooling and head
+    depths: frozenset[int]
+
+    def stops_before(self, layer: int, elapsed_ms: float) -> bool:
+        return layer in self.depths and elapsed_ms + self.layer_ms + self.rest_ms > self.bound_ms
 
 
 class Planner:
@@ -230,6 +255,11 @@ class Planner:
                   held: bool = False) -> Plan:
         """The smallest shape, for an arm no shape fits: it overruns the target (`feasible` False)."""
         return self._uniform(arm, *self.shapes[-1], bits, target_ms, length, overlap, held, feasible=False)
+
+    def pace(self, plan: Plan, length: int) -> Pace:
+        """When a run of `plan` behind its target stops early (`Pace`): at the depths with a head for its width."""
+        return Pace(plan.target_ms * (1 + PACE_TOLERANCE), self.profile.layer_ms(plan.width, length),
+                    self.profile.rest_ms(length), frozenset(d for d, w in self.shapes if w == plan.width))
 
     # -- baselines (§7.1) ------------------------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ from academus.shared.models.shards import (
     shard_vector,
 )
 from academus.shared.models.sti_pipeline import DeadlineMissed, ElasticModel, ShardPipeline
-from academus.shared.models.sti_planner import Plan
+from academus.shared.models.sti_planner import Pace, Plan
 from academus.shared.state.artifacts import ArtifactError
 from academus.shared.training.shards import _layer_ms, profile_fidelity, write_encoder_shards
 
@@ -431,6 +431,37 @@ def test_deadline_is_checked_between_layers(store_dir) -> None:
             pipeline.run(_plan(FULL), ids, mask, types, deadline=time.perf_counter() + 0.001)
     finally:
         pipeline.close()
+
+
+def test_a_run_behind_its_pace_answers_from_the_layers_it_has(store_dir) -> None:
+    """A pace whose bound is already spent stops the run before layer 1, the shallowest depth with a head: the
+    answer is the 1-layer shape's, as the plan truncated to it computes it. A pace it keeps changes nothing; no
+    run stops before its first layer."""
+    directory, _ = store_dir
+    store = ShardStore(directory)
+    model = ElasticModel(store, "toy")
+    ids, mask, types = pad_batch([[1, 5, 9, 7, 2]])
+    plan = _plan(4)
+    bank = {(k, s, b): store.decode(k, s, b, store.read_stored(k, s, b)) for (k, s), b in plan.bits.items()}
+    pipeline = ShardPipeline(model, io_source("file"))
+    try:
+        behind = pipeline.run(plan, ids, mask, types, pace=Pace(0.0, 1.0, 0.0, frozenset({1, 2})))
+        kept = pipeline.run(plan, ids, mask, types, pace=Pace(1e9, 1.0, 0.0, frozenset({1, 2})))
+        no_head = pipeline.run(plan, ids, mask, types, pace=Pace(0.0, 1.0, 0.0, frozenset({2})))
+    finally:
+        pipeline.close()
+    short = plan.truncated(1)
+    assert behind.depth == 1 and short.depth == 1 and set(short.bits) == {(0, s) for s in plan.shards[0]}
+    torch.testing.assert_close(behind.probs, model.run(ids, mask, model.assemble_plan(short, bank), types))
+    torch.testing.assert_close(kept.probs, model.run(ids, mask, model.assemble_plan(plan, bank), types))
+    assert kept.depth == no_head.depth == 2
+
+
+def test_a_pace_stops_before_a_layer_that_would_end_past_its_bound() -> None:
+    pace = Pace(bound_ms=10.0, layer_ms=2.0, rest_ms=1.0, depths=frozenset({2, 3, 4}))
+    assert not pace.stops_before(2, 7.0)      # 7 + 2 + 1 = 10: within the bound
+    assert pace.stops_before(2, 7.5)          # 10.5
+    assert not pace.stops_before(1, 9.0)      # past it, but no head at depth 1
 
 
 def copy_of(store_dir, tmp_path: Path) -> Path:

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from academus.shared.models.shards import FULL, VERSIONS
-from academus.shared.models.sti_planner import Budgets, HardwareProfile, Plan, Planner, simulate
+from academus.shared.models.sti_planner import PACE_TOLERANCE, Budgets, HardwareProfile, Plan, Planner, simulate
 
 # Fig. 6's shape of example: a 2 x 3 submodel, one second a layer, the first layer's three shards preloaded
 LOAD = {2: 0.2, 3: 0.3, 4: 0.35, 5: 0.4, 6: 0.5, FULL: 1.0}     # seconds, written as ms: the units do not matter
@@ -172,3 +172,15 @@ def test_loads_are_those_measured_beside_a_layer_of_the_plans_width() -> None:
     flat = json.loads(prof.to_json())
     del flat["load_by_width"], flat["decode_by_width"]        # a profile saved before they were measured
     assert HardwareProfile.from_json(json.dumps(flat)).loads(2) == (prof.load_ms, prof.decode_ms)
+
+
+def test_a_plans_pace_is_its_target_with_the_tolerance_at_the_depths_of_its_width() -> None:
+    p = planner(profile(widths=(2, 3)), depths=(1, 2, 3), widths=(2, 3))
+    plan = p.plan(4.0, 32)
+    pace = p.pace(plan, 32)
+    assert pace.bound_ms == pytest.approx(4.0 * (1 + PACE_TOLERANCE))
+    assert pace.layer_ms == p.profile.layer_ms(plan.width, 32) and pace.rest_ms == p.profile.rest_ms(32)
+    assert pace.depths == frozenset({1, 2, 3})
+    short = plan.truncated(1)
+    assert (short.depth, short.width, short.shards) == (1, plan.width, plan.shards[:1])
+    assert set(short.bits) == {x for x in plan.bits if x[0] == 0} and short.preload <= plan.preload
