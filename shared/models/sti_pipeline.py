@@ -218,6 +218,14 @@ class ShardPipeline:
             reads.close()
         return busy
 
+    @staticmethod
+    def _cut(pace: Pace | None, layer: int, started: float, compute_s: float) -> bool:
+        """Whether the pace stops the run before `layer` (`compute_s`: its layers' time so far)."""
+        if pace is None:
+            return False
+        seen_ms = compute_s * 1e3 / layer if layer else 0.0
+        return pace.stops_before(layer, (time.perf_counter() - started) * 1e3, seen_ms)
+
     @torch.inference_mode()
     def run(self, plan: Plan, ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor | None = None,
             deadline: float | None = None, pace: Pace | None = None) -> RunResult:
@@ -243,12 +251,15 @@ class ShardPipeline:
                 ready[-1].wait()
                 stall += time.perf_counter() - waited
             for k in range(plan.depth):
-                if pace is not None and pace.stops_before(k, (time.perf_counter() - started) * 1e3):
+                if self._cut(pace, k, started, compute):
                     depth = k
                     break
                 waited = time.perf_counter()
                 ready[k].wait()
                 stall += time.perf_counter() - waited
+                if self._cut(pace, k, started, compute):   # the wait for its shards may have put it behind
+                    depth = k
+                    break
                 if failed:
                     raise failed[0]
                 if deadline is not None and time.perf_counter() > deadline:

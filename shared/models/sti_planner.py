@@ -134,16 +134,20 @@ PACE_TOLERANCE = 0.10
 @dataclass(frozen=True)
 class Pace:
     """Where a run behind its plan stops early: before a layer that would end past the bound (the target and
-    its tolerance) by the profile, the run answers from the layers it has, with that shape's head, rather than
-    overrun. Only at depths that have a head for the plan's width; a run on time is never cut."""
+    its tolerance), the run answers from the layers it has, with that shape's head, rather than overrun. A layer
+    is expected to take the profile's time, or what this run's layers took so far where that is longer (beside
+    the loader they run slower than profiled alone). Only at depths that have a head for the plan's width; a run
+    on time is never cut."""
 
     bound_ms: float
     layer_ms: float       # one layer of the plan's shape, as profiled
     rest_ms: float        # pooling and head
     depths: frozenset[int]
 
-    def stops_before(self, layer: int, elapsed_ms: float) -> bool:
-        return layer in self.depths and elapsed_ms + self.layer_ms + self.rest_ms > self.bound_ms
+    def stops_before(self, layer: int, elapsed_ms: float, layer_seen_ms: float = 0.0) -> bool:
+        """`layer_seen_ms`: this run's mean layer so far (0: none yet)."""
+        next_ms = max(self.layer_ms, layer_seen_ms)
+        return layer in self.depths and elapsed_ms + next_ms + self.rest_ms > self.bound_ms
 
 
 class Planner:

@@ -462,6 +462,7 @@ def test_a_pace_stops_before_a_layer_that_would_end_past_its_bound() -> None:
     assert not pace.stops_before(2, 7.0)      # 7 + 2 + 1 = 10: within the bound
     assert pace.stops_before(2, 7.5)          # 10.5
     assert not pace.stops_before(1, 9.0)      # past it, but no head at depth 1
+    assert pace.stops_before(2, 6.0, layer_seen_ms=3.5)   # this run's layers took 3.5 ms: 6 + 3.5 + 1 > 10
 
 
 def copy_of(store_dir, tmp_path: Path) -> Path:
