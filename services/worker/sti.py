@@ -133,17 +133,19 @@ class StiModel:
             plan = self.plan_for(ids.shape[0], ids.shape[1], deadline)
             until = None if deadline is None else time.perf_counter() + (deadline - self.clock())
             try:
-                result = self.pipeline.run(plan, ids, mask, types, deadline=until)
+                result = self.pipeline.run(plan, ids, mask, types, deadline=until,
+                                           pace=self.planner.pace(plan, ids.shape[0] * ids.shape[1]))
             except DeadlineMissed as e:
                 raise DeadlineExceeded(f"{self.name}: {e}; the rest was not computed") from e
             except ArtifactError as e:   # a shard corrupted since the store opened: refused, never served
                 raise InvalidArgument(f"{self.name} cannot be served: {e}") from e
         resident = self.resident_bytes()
+        ran = plan.truncated(result.depth)   # a run behind its pace answered from fewer layers
         STI_RUNS.labels(self.name).inc()
         STI_STALL.labels(self.name).observe(result.stall_ms)
-        STI_MEAN_BITS.labels(self.name).observe(plan.mean_bits)
+        STI_MEAN_BITS.labels(self.name).observe(ran.mean_bits)
         STI_RESIDENT.labels(self.name).set(resident)
-        info = ShardRun(plan.depth, plan.width, round(plan.mean_bits, 3), result.io_ms, result.stall_ms, resident,
+        info = ShardRun(ran.depth, ran.width, round(ran.mean_bits, 3), result.io_ms, result.stall_ms, resident,
                         self.pipeline.source.name)
         return result.probs, info, result.total_ms
 

@@ -12,6 +12,7 @@ import torch
 from academus.services.worker.core import OUTPUT_EMBEDDING, OUTPUT_PROBS, ModelRunner
 from academus.services.worker.sti import StiSettings
 from academus.shared.models.model import mean_pool, pad_batch
+from academus.shared.models.sti_planner import Pace
 from academus.shared.models.work import Batch
 from academus.shared.runtime.errors import DeadlineExceeded, InvalidArgument, NotFound
 from academus.shared.state.catalogue import write_entry
@@ -70,6 +71,22 @@ def test_a_set_target_overrides_the_deadline(artifacts: Path) -> None:
     runner = ModelRunner(artifacts, [], sti_settings=StiSettings(target_ms=0.001))
     with pytest.raises(DeadlineExceeded, match="fits no submodel"):
         run(runner)
+
+
+def test_a_run_behind_its_pace_is_answered_from_fewer_layers_and_says_so(artifacts: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A served batch the pace cuts short (here a pace whose bound is already spent) is answered, not failed: by
+    the shallower shape's head, and its metadata gives the layers that ran."""
+    runner = ModelRunner(artifacts, [], sti_settings=StiSettings(io="file"))
+    sti = runner.models["toy-sti"].sti
+    monkeypatch.setattr(sti.planner, "pace", lambda plan, length: Pace(0.0, 1.0, 0.0, frozenset({1, 2})))
+    result = run(runner)
+    assert (result.shards.layers, result.shards.width) == (1, 4)
+    plan = sti.plan_for(2, 5, None)
+    bank = {(k, s, b): sti.store.decode(k, s, b, sti.store.read_stored(k, s, b)) for (k, s), b in plan.bits.items()}
+    ids, mask, types = pad_batch(IDS)
+    expected = sti.model.run(ids, mask, sti.model.assemble_plan(plan.truncated(1), bank), types)
+    torch.testing.assert_close(torch.from_numpy(result.values), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_budgets(artifacts: Path) -> None:
