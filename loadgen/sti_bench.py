@@ -32,6 +32,7 @@ import os
 import random
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -197,11 +198,11 @@ def bench_task(task: str, data: TaskData, store: ShardStore, profile: HardwarePr
             def score(plan: Plan) -> float:
                 return cache.get(task, plan, lambda p: accuracy(evaluator.probs(p), gold)[0])
 
-            scores = {name: score(plan) for name, plan in plans.items()}
+            scores = {name: score(plan) for name, plan in plans.items() if name not in paces}
             timings = latency_runs(pipeline, model, bank, plans, batches, runs, rounds, paces)
             for name in paces:   # what the paced runs computed: each run's plan cut to the layers it ran
-                depths = [t["depth"] for t in timings[name]]
-                scores[name] = statistics.mean(score(plans[name].truncated(d)) for d in depths)
+                ran = Counter(t["depth"] for t in timings[name])
+                scores[name] = sum(n * score(plans[name].truncated(d)) for d, n in ran.items()) / ran.total()
             for name, plan in plans.items():
                 totals = [t["total_ms"] for t in timings[name]]
                 depths = [t["depth"] for t in timings[name]]

@@ -86,7 +86,7 @@ class ExitRun:
         self.exits = exits
         self.deferred = deferred   # a GPU's ramps: queued with the layers, read back by `settle`
         self.pending: list[PendingRamp] = []
-        self.on_gpu = any(p.device.type == "cuda" for p in exits.ramps.parameters())
+        self.on_gpu = deferred and next(exits.ramps.parameters()).is_cuda   # read only when deferred
         self.active = exits.controller.active        # one snapshot for the whole batch
         self.index = {layer: j for j, layer in enumerate(self.active.layers)}
         ramps = len(self.active.layers)
