@@ -2,7 +2,7 @@
 student shards and `shard verify` read them.
 
 Every arm of a comparison reads through the same source, and each result names it:
-- `file`: plain reads (the page cache may hold the files);
+- `file`: the files mapped once; a shard's bytes are a view of the page cache, put into its layer with no copy before;
 - `cold`: the shard files' pages are dropped from the page cache (posix_fadvise DONTNEED) before each run;
 - `throttled:<MB/s>`: reads complete no sooner than a device of that bandwidth would deliver them, one
   read at a time: flash storage, or the paper's load/compute skew on this machine's compute.
@@ -10,6 +10,7 @@ Every arm of a comparison reads through the same source, and each result names i
 
 from __future__ import annotations
 
+import mmap
 import os
 import queue
 import threading
@@ -25,7 +26,7 @@ Span = tuple[Path, int, int]   # a read's file, offset and length
 class Reads(Protocol):
     """Reads of spans in order, taken with `next`; `close` when done, or when leaving early."""
 
-    def __next__(self) -> bytes: ...
+    def __next__(self) -> bytes | memoryview: ...
 
     def close(self) -> None: ...
 
@@ -37,12 +38,14 @@ class Reader(Protocol):
 
 
 class FileSource:
-    """Plain positional reads; descriptors kept open."""
+    """Positional reads, descriptors kept open; the plan's shards as views of the files, mapped once."""
 
     name = "file"
+    mapped = True     # a cold source reads: the kernel drops no page of a file that a process maps
 
     def __init__(self) -> None:
         self._fds: dict[Path, int] = {}
+        self._maps: dict[Path, memoryview] = {}
         self._lock = threading.Lock()
 
     def _fd(self, path: Path) -> int:
@@ -54,20 +57,36 @@ class FileSource:
     def read(self, path: Path, offset: int, length: int) -> bytes:
         return os.pread(self._fd(path), length, offset)   # a short read fails the shard's checksum check
 
+    def view(self, path: Path, offset: int, length: int) -> memoryview:
+        """The span's bytes in the file's mapping, not copied. A read through the page cache is a copy, as costly as
+        decoding a 6-bit shard and half a full-precision shard's load (docs/benchmarks/sti.md). A span past the
+        file's end is short, and fails its checksum as a short read does. Shard files are written whole and never
+        rewritten in place (a file cut short while mapped would fault, as with any mapped weights)."""
+        fd = self._fd(path)
+        with self._lock:
+            if path not in self._maps:
+                size = os.fstat(fd).st_size
+                self._maps[path] = memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else b"")
+            return self._maps[path][offset:offset + length]
+
     def read_in_order(self, spans: Iterable[Span], depth: int) -> Reads:
-        """Each span's bytes in turn, read as the consumer takes them. A page-cache read is a copy, CPU work that a
-        thread reading ahead would only contend for, and a cold file has the kernel's readahead (a reader thread
-        made cold full-precision loads slower: docs/benchmarks/sti.md). `depth` is for a device that reads ahead."""
-        return (self.read(*span) for span in spans)
+        """Each span's bytes in turn, as the consumer takes them: views of the mapped files, or reads where the source
+        is cold. A thread reading ahead would only contend for the CPU here, and a cold file has the kernel's
+        readahead (a reader thread made cold full-precision loads slower: docs/benchmarks/sti.md). `depth` is for a
+        device that reads ahead."""
+        fetch = self.view if self.mapped else self.read
+        return (fetch(*span) for span in spans)
 
     def before_run(self, paths: Sequence[Path]) -> None:
         """Nothing: the page cache keeps what it keeps."""
 
     def close(self) -> None:
+        """Closes the descriptors; a mapping goes when its last view does (the pipeline may still hold one)."""
         with self._lock:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+            self._maps.clear()
 
     def __enter__(self) -> FileSource:
         return self
@@ -80,6 +99,7 @@ class ColdSource(FileSource):
     """Reads after the files' pages are dropped from the page cache, as on a first start."""
 
     name = "cold"
+    mapped = False
 
     def before_run(self, paths: Sequence[Path]) -> None:
         for path in paths:

@@ -2,8 +2,8 @@
 
 A loader thread that decodes with NumPy takes and gives back the GIL at every small step, and the compute thread
 needs it between its torch ops: on the 2-core machine each slowed the other by a third or more
-(docs/design/sti.md). A ctypes call runs without the GIL, so one call a shard puts it into its layer while the
-compute runs on. Where the library was not built (no C compiler), `NATIVE` is None and the NumPy path serves.
+(docs/design/sti.md). A ctypes call runs without the GIL, so one call a layer puts its shards in while the compute
+runs on. Where the library was not built (no C compiler), `NATIVE` is None and the NumPy path serves.
 """
 
 from __future__ import annotations
@@ -14,23 +14,36 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+from isal import isal_zlib
 
 LIBRARY = Path(__file__).with_name("native") / "libshard_put.so"
 _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
+_I64P = ctypes.POINTER(_I64)
 
 
 def _load() -> ctypes._NamedFuncPointer | None:
     if not LIBRARY.is_file():
         return None
-    put = ctypes.CDLL(str(LIBRARY)).academus_put_shard
-    put.argtypes = [_P, _I64, ctypes.c_int, _P, _I64, ctypes.c_int, ctypes.POINTER(_I64), ctypes.POINTER(_I64),
-                    ctypes.POINTER(_P), ctypes.POINTER(_I64), ctypes.POINTER(_I64), _I64]
+    put = ctypes.CDLL(str(LIBRARY)).academus_put_layer
+    put.argtypes = [_I64, ctypes.POINTER(_P), _I64P, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(_P), _I64P,
+                    ctypes.POINTER(ctypes.c_uint32), _P, _I64P, ctypes.c_int, _I64P, _I64P, ctypes.POINTER(_P), _I64P,
+                    _I64P]
     put.restype = ctypes.c_int
     return put
 
 
 NATIVE = _load()
+# ISA-L's CRC-32 (zlib's, as `artifacts.crc32` computes it), which the C loader calls on each shard
+CRC32 = ctypes.cast(ctypes.CDLL(isal_zlib.__file__).crc32_gzip_refl, _P).value
+
+
+class BadShard(ValueError):
+    """Stored bytes refused before any shard of the call was put: `i` is the shard's place in the call."""
+
+    def __init__(self, i: int, message: str) -> None:
+        super().__init__(message)
+        self.i = i
 
 
 @functools.cache
@@ -38,6 +51,11 @@ def _layout(parts: tuple[tuple[int, int, int, int], ...]) -> tuple[ctypes.Array,
     """(rows, cols, step, stride) arrays of a layer shape's parts, built once: a layer is built every run, on the
     loader thread, which holds the GIL while it builds them."""
     return tuple((_I64 * len(parts))(*(part[k] for part in parts)) for k in range(4))
+
+
+def address(blob: bytes | memoryview) -> int:
+    """Where a buffer's bytes start (read-only ones too: a mapped file's view); the caller keeps `blob` alive."""
+    return np.frombuffer(blob, dtype=np.uint8).ctypes.data
 
 
 class NativePut:
@@ -52,11 +70,19 @@ class NativePut:
         self._rows, self._cols, self._step, self._stride = _layout(parts)
         self._base = (_P * len(parts))(*(m.ctypes.data for m in matrices))
 
-    def __call__(self, index: int, blob: bytes | memoryview, bits: int, centroids: np.ndarray | None,
-                 outliers: int) -> None:
-        data = np.frombuffer(blob, dtype=np.uint8)      # no copy; held for the call
-        table = 0 if centroids is None else centroids.ctypes.data
-        if NATIVE(data.ctypes.data, len(data), bits, table, outliers, self._parts, self._rows, self._cols,
-                  self._base, self._step, self._stride, index):
-            raise ValueError(f"a stored shard of {len(data)} bytes at {bits} bits with {outliers} outliers does "
-                             f"not fill this layer's shard")
+    def __call__(self, index: Sequence[int], blobs: Sequence[bytes | memoryview], bits: Sequence[int],
+                 pair_tables: Sequence[np.ndarray | None], outliers: Sequence[int],
+                 crcs: Sequence[int] | None = None) -> None:
+        """Shards `blobs[i]` at places `index[i]`, in one call. Every size, and each CRC-32 against `crcs` where
+        given, is checked before any shard is put; a mismatch raises BadShard."""
+        n = len(blobs)
+        failed = NATIVE(n, (_P * n)(*map(address, blobs)), (_I64 * n)(*map(len, blobs)), (ctypes.c_int * n)(*bits),
+                        (_P * n)(*(0 if t is None else t.ctypes.data for t in pair_tables)), (_I64 * n)(*outliers),
+                        (ctypes.c_uint32 * n)(*(crcs or [0] * n)), CRC32 if crcs is not None else None,
+                        (_I64 * n)(*index), self._parts, self._rows, self._cols, self._base, self._step,
+                        self._stride)
+        if failed:
+            i = abs(failed) - 1
+            what = "does not fill this layer's shard" if failed > 0 else "does not match its CRC-32"
+            raise BadShard(i, f"a stored shard of {len(blobs[i])} bytes at {bits[i]} bits with {outliers[i]} "
+                              f"outliers {what}")

@@ -26,6 +26,7 @@ from torch import nn
 from academus.shared.models.embedding_rows import EmbeddingRows, write_rows
 from academus.shared.models.model import ClassifierHead, SequenceClassifierHead
 from academus.shared.models.shard_io import FileSource, Reads, Span
+from academus.shared.models.shard_native import BadShard
 from academus.shared.models.shards import (
     FULL,
     VERSIONS,
@@ -192,18 +193,25 @@ class ShardStore:
 
     def build_layer(self, layer: int, shards: Sequence[int], bits: int, blobs: Iterable[bytes],
                     resident: LayerResident) -> LayerWeights:
-        """A layer from its shards' stored bytes at one version, each checked and copied once into it as `blobs`
-        gives it (STI's loader puts plans of mixed versions together the same way)."""
+        """A layer from its shards' stored bytes at one version, each checked, then put into it in one call (STI's
+        loader puts plans of mixed versions together the same way)."""
         built = LayerBuilder(shards, resident, self.geometry)
-        for i, (s, blob) in enumerate(zip(shards, blobs, strict=True)):
-            self.put(built, i, layer, s, bits, blob)
+        self.put(built, layer, [(s, bits) for s in shards], list(blobs))
         return built.weights()
 
-    def put(self, built: LayerBuilder, i: int, layer: int, shard: int, bits: int, blob: bytes | memoryview) -> None:
-        """A read shard checked (`check`) and put in as `built`'s shard i."""
-        entry = self.check(layer, shard, bits, blob)
-        built.put_stored(i, blob, bits, self.centroids.get((layer, bits)), self.pair_tables.get((layer, bits)),
-                         entry.outliers)
+    def put(self, built: LayerBuilder, layer: int, shards: Sequence[tuple[int, int]],
+            blobs: Sequence[bytes | memoryview]) -> None:
+        """Read shards of one layer ((shard, version) each, `built`'s shards in order) put in together, each
+        checked against its size and CRC-32 in the same call (the C loader's, without the GIL). A mismatch is
+        refused before any shard is put, as `check` words it: naming the file, the shard and both checksums."""
+        entries = [self.entry(layer, s, b) for s, b in shards]
+        versions = [b for _, b in shards]
+        try:
+            built.put_stored(range(len(blobs)), blobs, versions, [self.pair_tables.get((layer, b)) for b in versions],
+                             [e.outliers for e in entries], [e.crc32 for e in entries])
+        except BadShard as e:
+            self.check(layer, *shards[e.i], blobs[e.i])   # raises for a size or checksum the manifest does not give
+            raise
 
     def bytes_by_version(self) -> dict[str, int]:
         """Stored bytes of the whole model's shards at each version."""

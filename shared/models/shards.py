@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from academus.shared.models.architectures import FAMILIES, family_module
-from academus.shared.models.shard_native import NATIVE, NativePut
+from academus.shared.models.shard_native import NATIVE, BadShard, NativePut
+from academus.shared.state.artifacts import crc32
 
 BITS = (2, 3, 4, 5, 6)
 FULL = 32
@@ -168,6 +169,7 @@ class LayerResident:
     ffn_in_bias: torch.Tensor
     ffn_out_bias: torch.Tensor
     output_norm: nn.LayerNorm
+    _picked: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, layer: nn.Module) -> LayerResident:
@@ -182,6 +184,20 @@ class LayerResident:
             ("attention_norm.bias", self.attention_norm.bias), ("ffn_in_bias", self.ffn_in_bias),
             ("ffn_out_bias", self.ffn_out_bias), ("output_norm.weight", self.output_norm.weight),
             ("output_norm.bias", self.output_norm.bias))}
+
+    def picked(self, shards: Sequence[int], geometry: ShardGeometry) -> tuple[torch.Tensor, ...]:
+        """The shards' indices and their query, key, value and ffn_in biases, picked once a set of shards. A plan's
+        layers use the same few sets, and picking is a dozen small torch ops: 0.14 ms a layer on the loader thread,
+        0.25 ms beside the compute (docs/benchmarks/sti.md)."""
+        key = tuple(shards)
+        if (hit := self._picked.get(key)) is None:
+            d, f = geometry.head_dim, geometry.neurons
+            index = torch.as_tensor(key)
+            heads = (index[:, None] * d + torch.arange(d)).reshape(-1)
+            neurons = (index[:, None] * f + torch.arange(f)).reshape(-1)
+            hit = self._picked[key] = (index, self.query_bias[heads], self.key_bias[heads], self.value_bias[heads],
+                                       self.ffn_in_bias[neurons])
+        return hit
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str, eps: float) -> LayerResident:
@@ -227,12 +243,8 @@ class LayerWeights:
     def of(cls, shards: Sequence[int], resident: LayerResident, geometry: ShardGeometry,
            *matrices: torch.Tensor) -> LayerWeights:
         """The shards' matrices put side by side (query, key, value, output, ffn_in, ffn_out), with their biases."""
-        d, f = geometry.head_dim, geometry.neurons
-        index = torch.as_tensor(list(shards))
-        heads = (index[:, None] * d + torch.arange(d)).reshape(-1)
-        neurons = (index[:, None] * f + torch.arange(f)).reshape(-1)
-        return cls(*matrices, resident.query_bias[heads], resident.key_bias[heads], resident.value_bias[heads],
-                   resident.ffn_in_bias[neurons], len(shards), index)
+        index, query_bias, key_bias, value_bias, ffn_in_bias = resident.picked(shards, geometry)
+        return cls(*matrices, query_bias, key_bias, value_bias, ffn_in_bias, len(shards), index)
 
 
 class LayerBuilder:
@@ -255,14 +267,20 @@ class LayerBuilder:
             ((d, h, d * h, h),) * 3 + ((h, d, d, w * d), (f, h, f * h, h), (h, f, f, w * f)),
         ) if native and NATIVE is not None else None
 
-    def put_stored(self, i: int, blob: bytes | memoryview, bits: int, centroids: np.ndarray | None,
-                   pair_table: np.ndarray | None, outliers: int) -> None:
-        """Shard `shards[i]` from its stored bytes (checked already): in C without the GIL where it was built,
-        else decoded by NumPy and put."""
+    def put_stored(self, places: Sequence[int], blobs: Sequence[bytes | memoryview], bits: Sequence[int],
+                   pair_tables: Sequence[np.ndarray | None], outliers: Sequence[int],
+                   crcs: Sequence[int] | None = None) -> None:
+        """Shards `shards[places[j]]` from their stored bytes, each at its own version, checked against `crcs`
+        where given: in one C call without the GIL where it was built, else decoded by NumPy and put one by one.
+        A shard refused (its size, or its checksum) raises BadShard before any is put."""
         if self._native is not None:
-            self._native(i, blob, bits, centroids, outliers)
-        else:
-            self.put(i, decode_shard(blob, bits, self.geometry.params, pair_table, outliers))
+            self._native(places, blobs, bits, pair_tables, outliers, crcs)
+            return
+        for j, blob in enumerate(blobs if crcs is not None else ()):
+            if crc32(blob) != crcs[j]:
+                raise BadShard(j, f"a stored shard of {len(blob)} bytes at {bits[j]} bits does not match its CRC-32")
+        for i, blob, b, table, count in zip(places, blobs, bits, pair_tables, outliers, strict=True):
+            self.put(i, decode_shard(blob, b, self.geometry.params, table, count))
 
     def put(self, i: int, vector: np.ndarray) -> None:
         """Shard `shards[i]`'s flat vector (`shard_parts`), each part copied to its rows or columns."""

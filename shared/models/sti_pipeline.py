@@ -201,12 +201,11 @@ class ShardPipeline:
                         return busy
                 started = time.perf_counter()
                 layer = LayerBuilder(shards, self.model.residents[k], self.store.geometry)
-                for i, s in enumerate(shards):
-                    if stop.is_set():
-                        return busy
-                    b = plan.bits[(k, s)]
-                    blob = held.get((k, s, b))
-                    self.store.put(layer, i, k, s, b, next(reads) if blob is None else blob)
+                versions = [(s, plan.bits[(k, s)]) for s in shards]
+                blobs = [held.get((k, s, b)) or next(reads) for s, b in versions]
+                if stop.is_set():
+                    return busy
+                self.store.put(layer, k, versions, blobs)     # one call a layer, without the GIL
                 out[k] = layer.weights()
                 busy += time.perf_counter() - started
                 ready[k].set()

@@ -11,7 +11,7 @@ import torch
 from academus.shared.models.embedding_rows import BLOCK_ROWS, EmbeddingRows
 from academus.shared.models.model import ClassifierHead, TeacherEncoder, pad_batch
 from academus.shared.models.shard_io import ReadAhead, ThrottledSource, io_source
-from academus.shared.models.shard_native import LIBRARY, NATIVE
+from academus.shared.models.shard_native import LIBRARY, NATIVE, BadShard
 from academus.shared.models.shard_store import ShardStore, add_task, shape_key
 from academus.shared.models.shards import (
     BITS,
@@ -34,7 +34,7 @@ from academus.shared.models.shards import (
 )
 from academus.shared.models.sti_pipeline import DeadlineMissed, ElasticModel, ShardPipeline
 from academus.shared.models.sti_planner import Pace, Plan
-from academus.shared.state.artifacts import ArtifactError
+from academus.shared.state.artifacts import ArtifactError, crc32
 from academus.shared.training.shards import _layer_ms, profile_fidelity, write_encoder_shards
 
 
@@ -68,22 +68,45 @@ def test_the_c_loader_is_built() -> None:
     assert NATIVE is not None, f"make setup builds {LIBRARY} (a C compiler is needed; without it NumPy decodes)"
 
 
-@pytest.mark.parametrize("bits", VERSIONS)
-def test_the_c_loader_puts_a_stored_shard_where_numpy_puts_it(bits: int) -> None:
-    """Odd part sizes (a shard of 260 weights: no whole group of 8 codes a row) and outliers in every part."""
-    geometry = ShardGeometry(layers=1, heads=2, hidden=10, intermediate=6)
-    rng = np.random.default_rng(bits)
+def _stored(geometry: ShardGeometry, bits: int, rng: np.random.Generator) -> tuple[bytes, np.ndarray | None, int]:
+    """A random shard stored at `bits`, with outliers in every part: its bytes, pair table and outlier count."""
     codebook = None if bits == FULL else fit_codebook(rng.normal(0, 0.05, 4096).astype(np.float32), bits)
+    values = rng.normal(0, 0.05, geometry.params).astype(np.float32)
+    outliers = np.zeros(geometry.params, dtype=bool)
+    outliers[rng.choice(geometry.params, size=9, replace=False)] = True
+    blob = encode_shard(values, bits, codebook, outliers)
+    return blob, None if codebook is None else codebook.pair_table(), 0 if bits == FULL else int(outliers.sum())
+
+
+# rows of 10 and 6 weights hold no whole group of 8 codes; rows of 16 and 8 hold only whole groups (the pair table)
+GEOMETRIES = {"part groups": ShardGeometry(layers=1, heads=2, hidden=10, intermediate=6),
+              "whole groups": ShardGeometry(layers=1, heads=2, hidden=16, intermediate=16)}
+
+
+@pytest.mark.parametrize("shape", GEOMETRIES)
+@pytest.mark.parametrize("bits", VERSIONS)
+def test_the_c_loader_puts_a_stored_shard_where_numpy_puts_it(bits: int, shape: str) -> None:
+    geometry = GEOMETRIES[shape]
+    rng = np.random.default_rng(bits)
     native, numpy = (LayerBuilder([1, 0], None, geometry, native=flag) for flag in (True, False))
     for i in range(2):
-        values = rng.normal(0, 0.05, geometry.params).astype(np.float32)
-        outliers = np.zeros(geometry.params, dtype=bool)
-        outliers[rng.choice(geometry.params, size=9, replace=False)] = True
-        blob = encode_shard(values, bits, codebook, outliers)
-        count = 0 if bits == FULL else int(outliers.sum())
-        table = None if codebook is None else codebook.pair_table()
-        native.put_stored(i, blob, bits, None if codebook is None else codebook.centroids, table, count)
-        numpy.put_stored(i, memoryview(blob), bits, None, table, count)
+        blob, table, count = _stored(geometry, bits, rng)
+        native.put_stored([i], [blob], [bits], [table], [count])
+        numpy.put_stored([i], [memoryview(blob)], [bits], [table], [count])
+    for name in ("query", "key", "value", "output", "ffn_in", "ffn_out"):
+        np.testing.assert_array_equal(getattr(native, name), getattr(numpy, name), err_msg=name)
+
+
+def test_the_c_loader_puts_a_layer_of_mixed_versions_in_one_call_where_numpy_puts_it() -> None:
+    """A plan's layer mixes versions: one call puts them all, each with its own table and outliers."""
+    geometry = ShardGeometry(layers=1, heads=len(VERSIONS), hidden=24, intermediate=12)
+    rng = np.random.default_rng(7)
+    stored = [_stored(geometry, bits, rng) for bits in VERSIONS]
+    places = list(range(len(VERSIONS)))[::-1]
+    native, numpy = (LayerBuilder(places, None, geometry, native=flag) for flag in (True, False))
+    for built in (native, numpy):
+        built.put_stored(places, [s[0] for s in stored], list(VERSIONS), [s[1] for s in stored],
+                         [s[2] for s in stored])
     for name in ("query", "key", "value", "output", "ffn_in", "ffn_out"):
         np.testing.assert_array_equal(getattr(native, name), getattr(numpy, name), err_msg=name)
 
@@ -92,11 +115,43 @@ def test_the_c_loader_refuses_bytes_that_do_not_fill_a_shard() -> None:
     geometry = ShardGeometry(layers=1, heads=2, hidden=10, intermediate=6)
     built = LayerBuilder([0], None, geometry)
     with pytest.raises(ValueError, match="1036 bytes at 32 bits with 0 outliers does not fill"):
-        built.put_stored(0, bytes(4 * geometry.params - 4), FULL, None, None, 0)
+        built.put_stored([0], [bytes(4 * geometry.params - 4)], [FULL], [None], [0])
     codebook = fit_codebook(np.linspace(-1, 1, 64, dtype=np.float32), 4)
     blob = encode_shard(np.zeros(geometry.params, np.float32), 4, codebook, np.zeros(geometry.params, bool))
     with pytest.raises(ValueError, match="at 4 bits with 1 outliers"):
-        built.put_stored(0, blob, 4, codebook.centroids, codebook.pair_table(), 1)
+        built.put_stored([0], [blob], [4], [codebook.pair_table()], [1])
+    with pytest.raises(ValueError, match="at 4 bits with 0 outliers"):   # a quantized shard needs its table
+        built.put_stored([0], [blob], [4], [None], [0])
+
+
+def test_a_layer_with_one_bad_shard_is_refused_before_any_shard_is_put() -> None:
+    geometry = ShardGeometry(layers=1, heads=2, hidden=10, intermediate=6)
+    built = LayerBuilder([0, 1], None, geometry)
+    built.query[:] = 7.0
+    good = np.ones(geometry.params, np.float32).tobytes()
+    with pytest.raises(ValueError, match="1036 bytes at 32 bits"):
+        built.put_stored([0, 1], [good, good[:-4]], [FULL, FULL], [None, None], [0, 0])
+    assert (built.query == 7.0).all()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_layers_shards_are_checked_against_their_crc32_before_any_is_put(native: bool) -> None:
+    """The loader checks a layer's checksums in its one call (ISA-L's CRC-32, zlib's as `crc32` computes it)."""
+    geometry = ShardGeometry(layers=1, heads=2, hidden=16, intermediate=16)
+    rng = np.random.default_rng(3)
+    stored = [_stored(geometry, bits, rng) for bits in (6, FULL)]
+    blobs, tables, counts = [s[0] for s in stored], [s[1] for s in stored], [s[2] for s in stored]
+    crcs = [crc32(b) for b in blobs]
+    built = LayerBuilder([0, 1], None, geometry, native=native)
+    built.query[:] = 7.0
+    with pytest.raises(BadShard, match="does not match its CRC-32") as refused:
+        built.put_stored([0, 1], blobs, [6, FULL], tables, counts, [crcs[0], crcs[1] ^ 1])
+    assert refused.value.i == 1 and (built.query == 7.0).all()
+    built.put_stored([0, 1], blobs, [6, FULL], tables, counts, crcs)
+    unchecked = LayerBuilder([0, 1], None, geometry, native=native)
+    unchecked.put_stored([0, 1], blobs, [6, FULL], tables, counts)
+    np.testing.assert_array_equal(built.query, unchecked.query)
+    assert not (built.query == 7.0).any()
 
 
 def test_more_bits_quantize_closer_and_full_precision_is_exact() -> None:
@@ -196,6 +251,8 @@ def test_a_layer_built_shard_by_shard_as_read_is_the_assembled_layer() -> None:
                  "ffn_in_bias", "heads"):
         assert torch.equal(getattr(built, name), getattr(expected, name)), name
     assert built.width == expected.width == 3
+    again = LayerBuilder(shards, resident, geometry).weights()    # the biases are picked once a set of shards
+    assert again.query_bias is built.query_bias and again.heads is built.heads
 
 # --- the artifact and the pipeline -------------------------------------------------------------------------------
 
@@ -401,6 +458,21 @@ def test_reads_run_ahead_only_where_nothing_else_reads_ahead(tmp_path: Path) -> 
             assert [next(reads), next(reads)] == [b"a", b"b"]
             assert next(reads, None) is None, spec    # the end comes, rather than a wait (zip(..., strict=True))
             reads.close()
+
+
+def test_a_plain_file_gives_views_of_its_mapping_and_a_cold_one_reads(tmp_path: Path) -> None:
+    """Through the page cache a read is a copy as dear as a 6-bit shard's decoding: `file` maps each file once and
+    hands out views. A cold source must read, since the kernel drops no page a process maps."""
+    path = tmp_path / "shards"
+    path.write_bytes(bytes(range(256)) * 64)
+    with io_source("file") as source:
+        first, second = source.read_in_order([(path, 10, 5), (path, 16_380, 100)], depth=2)
+        assert isinstance(first, memoryview) and first.readonly and first == bytes(range(10, 15))
+        assert len(second) == 4                  # past the end: short, as a short read is, and its checksum fails
+        assert source.view(path, 0, 1).obj is first.obj      # mapped once
+    assert first == bytes(range(10, 15))         # a view outlives the source's close
+    with io_source("cold") as source:
+        assert type(next(source.read_in_order([(path, 10, 5)], depth=1))) is bytes
 
 
 def test_a_failed_read_is_raised_where_its_bytes_were_due() -> None:
