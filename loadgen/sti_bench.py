@@ -234,15 +234,20 @@ def figures(results: list[dict[str, Any]], preload_sizes: list[int]) -> dict[str
 
     random_arm = main.replace("sti-", "sti-random-") if main != "sti-0" else main
     high = [(t, x) for t, x in keys if x >= 0.75]
+
+    def held_ratio(whole: str, arm: str) -> float | None:
+        return round(statistics.mean(by[(t, x, whole)]["held_bytes"] / max(1, by[(t, x, arm)]["held_bytes"])
+                                     for t, x in high), 1) if high else None
+
     return {
         "sti_arm": main,
         "sti_minus_whole_model_pp_at_T>=0.75": mean_gain(main, "preload-32", lambda x: x >= 0.75),
-        "held_bytes_whole_over_sti": round(statistics.mean(
-            by[(t, x, "preload-32")]["held_bytes"] / max(1, by[(t, x, main)]["held_bytes"]) for t, x in high), 1)
-        if high else None,
-        "held_bytes_6bit_over_sti": round(statistics.mean(
-            by[(t, x, "preload-6")]["held_bytes"] / max(1, by[(t, x, main)]["held_bytes"]) for t, x in high), 1)
-        if high else None,
+        "held_bytes_whole_over_sti": held_ratio("preload-32", main),
+        "held_bytes_6bit_over_sti": held_ratio("preload-6", main),
+        "by_preload": {f"sti-{size >> 10}k": {   # the memory target is met by the buffer that keeps the accuracy
+            "minus_whole_model_pp_at_T>=0.75": mean_gain(f"sti-{size >> 10}k", "preload-32", lambda x: x >= 0.75),
+            "held_bytes_whole_over_sti": held_ratio("preload-32", f"sti-{size >> 10}k"),
+            "held_bytes_6bit_over_sti": held_ratio("preload-6", f"sti-{size >> 10}k")} for size in preload_sizes},
         **{f"sti_over_{b}_pp": mean_gain(main, b) for b in ("load&exec", "stdpl-32", "stdpl-2", "stdpl-6")},
         "preload_over_none_pp": mean_gain(main, "sti-0"),
         "importance_over_random_pp": mean_gain(main, random_arm),

@@ -119,7 +119,8 @@ class StiModel:
         else:
             target = math.inf
         tokens = rows * longest
-        plan = self.planner.plan(1e9 if math.isinf(target) else target, tokens, held=self.held)
+        plan = self.planner.plan(1e9 if math.isinf(target) else target, tokens, held=self.held,
+                                 stall_share=1.0 if math.isinf(target) else None)   # no deadline: the most precise
         if not plan.feasible:
             smallest = plan.compute_ms + self.planner.profile.rest_ms(tokens)
             raise DeadlineExceeded(f"{self.name}: {target:.1f} ms left for {rows} text(s) of {longest} tokens fits no "

@@ -63,7 +63,10 @@ def test_info_verify_profile_and_plan(built: Path) -> None:
         "ok": True}
     profile = last_json(academus("shard", "profile", "--io", "cold", "--repeats", "3", "--artifacts", built))
     assert profile["source"] == "cold" and set(profile["load_ms"]) == {"2", "3", "4", "5", "6", "32"}
-    assert set(profile["compute_ms"]) == set(profile["load_by_width"]) == {"3", "6", "9", "12"}
+    assert set(profile["compute_ms"]) == set(profile["load_by_width"]) == set(profile["beside_loads_ms"]) == {
+        "3", "6", "9", "12"}
+    assert all(set(by) == set(profile["compute_ms"]["12"]) and min(by.values()) > 0
+               for by in profile["beside_loads_ms"].values())                  # every bucket, timed beside loads
     assert profile["load_by_width"]["12"] == profile["load_ms"]      # the widest's, for what reads one table
     full = 6 * profile["compute_ms"]["12"]["32"] + profile["overhead_ms"]["32"]
     plan = last_json(academus("shard", "plan", "--task", "sentiment", "--io", "cold", "--target-ms", str(20 * full),

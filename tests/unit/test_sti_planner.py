@@ -9,7 +9,16 @@ import random
 import pytest
 
 from academus.shared.models.shards import FULL, VERSIONS
-from academus.shared.models.sti_planner import PACE_TOLERANCE, Budgets, HardwareProfile, Plan, Planner, simulate
+from academus.shared.models.sti_planner import (
+    PACE_TOLERANCE,
+    STALL_SHARE,
+    Budgets,
+    HardwareProfile,
+    Plan,
+    Planner,
+    simulate,
+    stall_budget,
+)
 
 # Fig. 6's shape of example: a 2 x 3 submodel, one second a layer, the first layer's three shards preloaded
 LOAD = {2: 0.2, 3: 0.3, 4: 0.35, 5: 0.4, 6: 0.5, FULL: 1.0}     # seconds, written as ms: the units do not matter
@@ -21,11 +30,12 @@ def profile(load: dict[int, float] | None = None, layer: float = 1.0, overhead: 
                            {w: {32: layer * w / max(widths)} for w in widths}, {32: overhead}, (32,))
 
 
-def planner(prof: HardwareProfile, depths=(1, 2), widths=(3,), heads: int = 3, clock=None) -> Planner:
+def planner(prof: HardwareProfile, depths=(1, 2), widths=(3,), heads: int = 3, clock=None,
+            stall_share: float = STALL_SHARE) -> Planner:
     importance = [(k, s) for s in range(heads) for k in range(max(depths))]
     kwargs = {"clock": clock} if clock else {}
     return Planner(prof, depths, widths, lambda k: list(range(heads)), importance,
-                   lambda k, s, b: 100 * b, **kwargs)
+                   lambda k, s, b: 100 * b, stall_share=stall_share, **kwargs)
 
 
 def test_figure_6_valid_and_invalid_candidates() -> None:
@@ -118,9 +128,12 @@ def test_the_preload_fills_the_first_layers_in_load_order() -> None:
     tight = p.plan(2.5, 32, preload_bytes=buffer)
     assert tight.preload == {(0, 0), (0, 1), (0, 2)} and {tight.bits[x] for x in tight.preload} == {6}
     assert p.preload_bytes_of(tight) == 3 * 600
-    # with time to spare the most important held shard is loaded at full precision instead of decoded at 6 bits
-    ample = p.plan(5.0, 32, held=p.held_for(buffer))
+    # with time to spare, and a stall budget that lets it wait, the most important held shard is loaded at full
+    # precision instead of decoded at 6 bits
+    waiting = planner(profile(), heads=3, stall_share=1.0)
+    ample = waiting.plan(5.0, 32, held=p.held_for(buffer))
     assert ample.bits[(0, 0)] == FULL and (0, 0) not in ample.preload and ample.preload == {(0, 1), (0, 2)}
+    assert p.plan(5.0, 32, held=p.held_for(buffer)).preload == {(0, 0), (0, 1), (0, 2)}   # a second's wait: 1/3
 
 
 
@@ -184,3 +197,37 @@ def test_a_plans_pace_is_its_target_with_the_tolerance_at_the_depths_of_its_widt
     short = plan.truncated(1)
     assert (short.depth, short.width, short.shards) == (1, plan.width, plan.shards[:1])
     assert set(short.bits) == {x for x in plan.bits if x[0] == 0} and short.preload <= plan.preload
+
+
+@pytest.mark.parametrize("preload", [0, 3 * 200])
+def test_upgrades_wait_at_most_the_stall_share_of_a_plans_time(preload: int) -> None:
+    """Two 1 s layers and 8 s of slack: the whole slack would buy full precision everywhere, waiting 3 s before the
+    first layer. A plan waits at most a tenth of its time, or what its cheapest version must (2-bit first layer
+    unheld: 0.6 s)."""
+    capped, waiting = (planner(profile(), stall_share=share) for share in (STALL_SHARE, 1.0))
+    everything = waiting.plan(10.0, 32, preload)
+    assert set(everything.bits.values()) == {FULL} and simulate(everything, waiting.profile, 32)["stall_ms"] >= 2.9
+    plan = capped.plan(10.0, 32, preload)
+    must = 0.0 if preload else 3 * LOAD[2]
+    stall = simulate(plan, capped.profile, 32)["stall_ms"]
+    assert (plan.depth, plan.width) == (2, 3) and stall <= max(must, 2.0 * STALL_SHARE / (1 - STALL_SHARE)) + 1e-9
+    assert max(plan.bits.values()) > 2          # the budgets still buy upgrades for the second layer
+    assert stall_budget(9.0, STALL_SHARE) == pytest.approx(1.0) and stall_budget(9.0, 1.0) == float("inf")
+    assert capped.plan(10.0, 32, preload, stall_share=1.0).bits == everything.bits    # one plan's own share
+
+
+def test_a_pipelined_layer_is_planned_at_its_time_beside_the_loads() -> None:
+    """The pipeline's layers run slower than alone (the loader shares the GIL and the memory bus): STI and StdPL fit
+    their shapes at that time; the whole model held in memory and Load&Exec's compute run alone."""
+    alone = profile(load=dict.fromkeys(VERSIONS, 0.0))
+    slower = HardwareProfile(alone.source, alone.load_ms, alone.decode_ms, alone.compute_ms, alone.overhead_ms,
+                             alone.buckets, beside_loads_ms={3: {32: 1.5}})
+    assert slower.layer_ms(3, 32) == 1.0 and slower.layer_ms(3, 32, pipelined=True) == 1.5
+    assert alone.layer_ms(3, 32, pipelined=True) == 1.0           # a profile without it: as alone
+    p, q = planner(alone), planner(slower)
+    assert p.plan(2.5, 32).depth == 2 and q.plan(2.5, 32).depth == 1
+    assert q.plan(3.0, 32).compute_ms == pytest.approx(3.0) and q.standard_pipeline(2.5, 32, 6).depth == 1
+    assert q.preload_model(2.5, 32, FULL).depth == 2 and q.load_and_exec(2.5, 32).depth == 2
+    assert q.pace(q.plan(3.0, 32), 32).layer_ms == 1.5
+    assert simulate(q.plan(3.0, 32), slower, 32)["finish_ms"] == pytest.approx(3.0)
+    assert HardwareProfile.from_json(slower.to_json()) == slower

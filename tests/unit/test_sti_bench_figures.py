@@ -1,0 +1,34 @@
+"""sti_bench's figures from hand-made rows: each arm against the whole model, per preload buffer too."""
+
+from __future__ import annotations
+
+import pytest
+
+from academus.loadgen.sti_bench import figures
+
+ARMS = {  # arm: (accuracy, held bytes)
+    "preload-32": (0.80, 90_000_000), "preload-6": (0.79, 17_000_000), "sti-1024k": (0.795, 1_000_000),
+    "sti-4096k": (0.798, 4_000_000), "sti-0": (0.78, 0), "sti-random-4096k": (0.79, 4_000_000),
+    "load&exec": (0.70, 0), "stdpl-32": (0.72, 0), "stdpl-2": (0.50, 0), "stdpl-6": (0.77, 0),
+    "sti-4096k-paced": (0.797, 4_000_000),
+}
+
+
+def rows(target: float) -> list[dict]:
+    return [{"task": "t", "target_x": target, "arm": arm, "accuracy": acc, "held_bytes": held,
+             "p95_over_target": 1.0 + target / 10, "stall_share": 0.1, "cut_short": 0.5}
+            for arm, (acc, held) in ARMS.items()]
+
+
+def test_figures_compare_each_buffer_with_the_whole_model() -> None:
+    fig = figures([{"rows": rows(0.5) + rows(1.0)}], [1 << 20, 4 << 20])
+    assert fig["sti_arm"] == "sti-4096k"
+    assert fig["sti_minus_whole_model_pp_at_T>=0.75"] == pytest.approx(-0.2)      # T = 1 only
+    assert fig["held_bytes_whole_over_sti"] == pytest.approx(22.5)
+    small = fig["by_preload"]["sti-1024k"]
+    assert small == {"minus_whole_model_pp_at_T>=0.75": pytest.approx(-0.5), "held_bytes_whole_over_sti": 90.0,
+                     "held_bytes_6bit_over_sti": 17.0}
+    assert fig["by_preload"]["sti-4096k"]["held_bytes_6bit_over_sti"] == pytest.approx(4.2)
+    assert fig["preload_over_none_pp"] == pytest.approx(1.8) and fig["importance_over_random_pp"] == pytest.approx(0.8)
+    assert fig["sti_over_stdpl-2_pp"] == pytest.approx(29.8) and fig["sti_p95_over_target_max"] == pytest.approx(1.1)
+    assert fig["paced_minus_sti_pp"] == pytest.approx(-0.1) and fig["paced_cut_short_mean"] == 0.5
