@@ -119,8 +119,7 @@ class StiModel:
         else:
             target = math.inf
         tokens = rows * longest
-        plan = self.planner.plan(1e9 if math.isinf(target) else target, tokens, held=self.held,
-                                 stall_share=1.0 if math.isinf(target) else None)   # no deadline: the most precise
+        plan = self.planner.plan(1e9 if math.isinf(target) else target, tokens, held=self.held)
         if not plan.feasible:
             smallest = plan.compute_ms + self.planner.profile.rest_ms(tokens)
             raise DeadlineExceeded(f"{self.name}: {target:.1f} ms left for {rows} text(s) of {longest} tokens fits no "

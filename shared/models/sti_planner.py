@@ -2,14 +2,14 @@
 loading never stalls the compute.
 
 *Compute planning* (§5.3) picks the shape (depth n, width m) with the most shards whose compute fits the
-target, the deeper on a tie, its layers timed as they run beside the loader. *IO planning* (§5.4) gives each
-layer an accumulated IO budget (AIB): the IO time available before that layer must start. Here the first layer's
-budget is the target's slack (what the compute leaves of T), so a plan whose budgets stay non-negative finishes
-within T; each next layer's budget adds one layer's compute. Loading a shard of layer k takes its IO time from the
-budgets of layer k and every later one. A shard held in the preload buffer costs only its decoding. The first pass
-gives every other shard one uniform bit width, the highest whose budgets hold; the second upgrades shards one at a
-time, most important first, to the highest version the budgets still allow, waiting at most a tenth of the plan's
-time (`STALL_SHARE`) beyond what the first pass must.
+target, its layers timed as they run beside the loader; on a tie, the shape whose head scored best on the
+validation split, then the deeper. *IO planning* (§5.4) gives each layer an accumulated IO budget (AIB): the IO
+time available before that layer must start. Here the first layer's budget is the target's slack (what the
+compute leaves of T), so a plan whose budgets stay non-negative finishes within T; each next layer's budget adds
+one layer's compute. Loading a shard of layer k takes its IO time from the budgets of layer k and every later one.
+A shard held in the preload buffer costs only its decoding. The first pass gives every other shard one uniform
+bit width, the highest whose budgets hold; the second upgrades shards one at a time, most important first, to the
+highest version the budgets still allow.
 
 A shape whose cheapest uniform version would stall is not proposed: the paper still runs it and overruns T;
 a server answers within the deadline instead, with a smaller submodel, or refuses at once.
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import bisect
 import json
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -138,9 +137,6 @@ class Plan:
 
 # A run may end this share past its target before the pace cuts it short: the bound issue 36 sets on STI's p95.
 PACE_TOLERANCE = 0.10
-# The most of its time a plan may spend waiting for loads (issue 36 bounds the stall share at 0.15; run-time
-# variance adds to what is planned).
-STALL_SHARE = 0.10
 
 
 @dataclass(frozen=True)
@@ -169,15 +165,16 @@ class Planner:
     def __init__(self, profile: HardwareProfile, depths: Sequence[int], widths: Sequence[int],
                  layer_order: Callable[[int], list[int]], importance: Sequence[Shard],
                  shard_bytes: Callable[[int, int, int], int], clock: Callable[[], float] = time.perf_counter,
-                 min_bits: int = VERSIONS[0], stall_share: float = STALL_SHARE) -> None:
+                 min_bits: int = VERSIONS[0], scores: dict[tuple[int, int], float] | None = None) -> None:
         """`min_bits`: the lowest version a plan gives a shard (the task's fidelity floor: its whole model at
         fewer bits lost too much accuracy on the dev set); a shape that cannot afford it is not proposed.
-        `stall_share`: the most of a plan's time it may wait for loads (`stall_budget`)."""
+        `scores`: each shape's (depth, width) validation accuracy, which breaks a tie in shards (else the deeper)."""
         self.profile = profile
         self.min_bits = min_bits
-        self.stall_share = stall_share
         self.versions = tuple(v for v in VERSIONS if v >= min_bits)
-        self.shapes = sorted(((d, w) for d in depths for w in widths), key=lambda s: (-s[0] * s[1], -s[0]))
+        scores = scores or {}
+        self.shapes = sorted(((d, w) for d in depths for w in widths),
+                             key=lambda s: (-s[0] * s[1], -scores.get(s, 0.0), -s[0]))
         self.layer_order, self.importance, self.shard_bytes = layer_order, list(importance), shard_bytes
         self.clock = clock
 
@@ -185,20 +182,18 @@ class Planner:
 
     def plan(self, target_ms: float, length: int, preload_bytes: int = 0,
              importance: Sequence[Shard] | None = None, arm: str = "sti",
-             held: dict[Shard, int] | None = None, stall_share: float | None = None) -> Plan:
+             held: dict[Shard, int] | None = None) -> Plan:
         """The STI plan for a target; `feasible` False when no shape fits (the smallest is returned).
         `importance`: the order of the second pass's upgrades (default: the profiled ranking; a width-m layer
         always runs its m most important shards, which its shape's head was fitted on). The preload buffer:
         `held` (shard -> the version a server holds), else the first shards of each candidate
-        shape that fit `preload_bytes` (a buffer filled for this plan, as one cold run has it). `stall_share`: this
-        plan's, instead of the planner's (1 for a request without a deadline: nothing is gained by ending sooner)."""
+        shape that fit `preload_bytes` (a buffer filled for this plan, as one cold run has it)."""
         started = self.clock()
         order = importance or self.importance
         for depth, width in self.shapes:
             shards = [self.layer_order(k)[:width] for k in range(depth)]
             buffer = self._preload(shards, preload_bytes) if held is None else held
-            plan = self._io_plan(depth, width, shards, target_ms, length, buffer, order, arm,
-                                 self.stall_share if stall_share is None else stall_share)
+            plan = self._io_plan(depth, width, shards, target_ms, length, buffer, order, arm)
             if plan is not None:
                 plan.buffer_bytes = sum(self.shard_bytes(k, s, b) for (k, s), b in buffer.items())
                 break
@@ -208,33 +203,28 @@ class Planner:
         return plan
 
     def _io_plan(self, depth: int, width: int, shards: list[list[int]], target_ms: float, length: int,
-                 held: dict[Shard, int], importance: Sequence[Shard], arm: str, stall_share: float) -> Plan | None:
-        """The shape's versions, waiting for loads at most the stall budget, or what its cheapest plan must where
-        that is more; None where even that overruns the target."""
+                 held: dict[Shard, int], importance: Sequence[Shard], arm: str) -> Plan | None:
         layer_ms = self.profile.layer_ms(width, length, pipelined=True)
         slack = target_ms - self.profile.rest_ms(length) - depth * layer_ms
         if slack < 0:
             return None
         load, decode = self.profile.loads(width)
+        budgets = Budgets(slack, layer_ms, depth)
         wanted = {(k, s) for k in range(depth) for s in shards[k]}
-        held = {x: b for x, b in held.items() if x in wanted and decode[b] < _cheapest_load(b, load)}
-        free = [x for x in sorted(wanted) if x not in held]
-        cheapest = min(load[b] for b in self.versions)     # not always the fewest bits: decoding costs too
-        costs = {k: n * cheapest for k, n in _count(free).items()}
-        for (k, _), b in held.items():
-            costs[k] = costs.get(k, 0.0) + decode[b]
-        must_wait = Budgets(0.0, layer_ms, depth).shortfall(costs)
-        wait = max(must_wait, min(slack, stall_budget(depth * layer_ms + self.profile.rest_ms(length), stall_share)))
-        if must_wait > slack:
-            return None
-        budgets = Budgets(wait, layer_ms, depth)
-        for (k, _), b in held.items():
+        bits = {x: b for x, b in held.items() if x in wanted and decode[b] < _cheapest_load(b, load)}
+        for (k, _), b in bits.items():
             budgets.take(k, decode[b])
-        uniform = max(b for b in self.versions if budgets.would_hold({k: n * load[b] for k, n in _count(free).items()}))
+        free = [x for x in sorted(wanted) if x not in bits]
+        uniform = None
+        for b in self.versions:
+            if budgets.would_hold({k: n * load[b] for k, n in _count(free).items()}):
+                uniform = b
+        if uniform is None:
+            return None
         for k, n in _count(free).items():
             budgets.take(k, n * load[uniform])
-        cost = {x: decode[b] for x, b in held.items()} | dict.fromkeys(free, load[uniform])
-        bits = held | dict.fromkeys(free, uniform)
+        cost = {x: decode[b] for x, b in bits.items()} | dict.fromkeys(free, load[uniform])
+        bits |= dict.fromkeys(free, uniform)
         for x in importance:                       # the second pass: upgrades, most important first
             if x not in wanted:
                 continue
@@ -243,7 +233,7 @@ class Planner:
                     budgets.take(x[0], load[b] - cost[x])
                     bits[x], cost[x] = b, load[b]
                     break
-        preload = {x for x, b in held.items() if bits[x] == b}
+        preload = {x for x, b in held.items() if x in wanted and bits[x] == b}
         plan = Plan(arm, depth, width, shards, bits, preload, io_ms=sum(cost.values()), compute_ms=depth * layer_ms,
                     target_ms=target_ms)
         plan.stall_ms = simulate(plan, self.profile, length)["stall_ms"]
@@ -355,16 +345,6 @@ class Budgets:
         for k in range(layer, len(self.budget)):
             self.budget[k] -= cost_ms
 
-
-
-def stall_budget(busy_ms: float, share: float) -> float:
-    """The most a plan whose compute takes `busy_ms` may wait for its upgrades: `share` of its whole time (1: the
-    target's whole slack). The paper's first budget is only the preload buffer (§5.4), so that a valid plan never
-    stalls. Giving upgrades all of the target's slack made runs wait for precision that bought little: at 2-3 T a
-    quarter to two fifths of each run (docs/benchmarks/sti.md). A run that ends sooner frees the worker."""
-    if share >= 1:
-        return math.inf
-    return busy_ms * share / (1 - share)
 
 
 def _cheapest_load(bits: int, load: dict[int, float]) -> float:
