@@ -2,14 +2,13 @@
 loading never stalls the compute.
 
 *Compute planning* (§5.3) picks the shape (depth n, width m) with the most shards whose compute fits the
-target, its layers timed as they run beside the loader; on a tie, the shape whose head scored best on the
-validation split, then the deeper. *IO planning* (§5.4) gives each layer an accumulated IO budget (AIB): the IO
+target, the deeper on a tie. *IO planning* (§5.4) gives each layer an accumulated IO budget (AIB): the IO
 time available before that layer must start. Here the first layer's budget is the target's slack (what the
-compute leaves of T), so a plan whose budgets stay non-negative finishes within T; each next layer's budget adds
-one layer's compute. Loading a shard of layer k takes its IO time from the budgets of layer k and every later one.
-A shard held in the preload buffer costs only its decoding. The first pass gives every other shard one uniform
-bit width, the highest whose budgets hold; the second upgrades shards one at a time, most important first, to the
-highest version the budgets still allow.
+compute leaves of T), so a plan whose budgets stay non-negative finishes within T; each next layer's budget
+adds one layer's compute. Loading a shard of layer k takes its IO time from the budgets of layer k and every
+later one. A shard held in the preload buffer costs only its decoding. The first pass gives every other
+shard one uniform bit width, the highest whose budgets hold; the second upgrades shards one at a time, most
+important first, to the highest version the budgets still allow.
 
 A shape whose cheapest uniform version would stall is not proposed: the paper still runs it and overruns T;
 a server answers within the deadline instead, with a smaller submodel, or refuses at once.
@@ -37,8 +36,7 @@ Shard = tuple[int, int]    # (layer, shard)
 class HardwareProfile:
     """What planning needs measured (§5.2): per shard and version, its load time through the IO source
     (read, checksum, decode) and its decoding alone (a preloaded shard); per width and length bucket, one
-    layer's compute, alone and while the loader loads; per bucket, the rest of the model (embeddings, pooling,
-    head)."""
+    layer's compute; per bucket, the rest of the model (embeddings, pooling, head)."""
 
     source: str
     load_ms: dict[int, float]
@@ -48,7 +46,6 @@ class HardwareProfile:
     buckets: tuple[int, ...]
     load_by_width: dict[int, dict[int, float]] = field(default_factory=dict)     # width -> version -> ms
     decode_by_width: dict[int, dict[int, float]] = field(default_factory=dict)
-    beside_loads_ms: dict[int, dict[int, float]] = field(default_factory=dict)   # width -> bucket -> ms
 
     def loads(self, width: int) -> tuple[dict[int, float], dict[int, float]]:
         """(load, decode) ms a shard per version, measured beside a layer of `width`: the loader shares the GIL
@@ -60,13 +57,9 @@ class HardwareProfile:
         i = bisect.bisect_left(self.buckets, length)
         return self.buckets[min(i, len(self.buckets) - 1)]
 
-    def layer_ms(self, width: int, length: int, pipelined: bool = False) -> float:
-        """One layer on `length` tokens (a batch's rows x longest): beyond the last bucket, in proportion.
-        `pipelined`: while the loader loads the next layers, as in STI's pipeline. The two threads share the GIL and
-        the memory bus, and a layer ran 1.2-1.8 times its time alone on the 2-core machine (docs/design/sti.md). A
-        profile taken without it gives the time alone."""
-        table = self.beside_loads_ms.get(width) if pipelined else None
-        return (table or self.compute_ms[width])[self.bucket(length)] * self._beyond(length)
+    def layer_ms(self, width: int, length: int) -> float:
+        """One layer on `length` tokens (a batch's rows x longest): beyond the last bucket, in proportion."""
+        return self.compute_ms[width][self.bucket(length)] * self._beyond(length)
 
     def rest_ms(self, length: int) -> float:
         return self.overhead_ms[self.bucket(length)] * self._beyond(length)
@@ -87,8 +80,7 @@ class HardwareProfile:
         return cls(d["source"], {int(k): v for k, v in d["load_ms"].items()},
                    {int(k): v for k, v in d["decode_ms"].items()}, by_width(d["compute_ms"]),
                    {int(k): v for k, v in d["overhead_ms"].items()}, tuple(d["buckets"]),
-                   by_width(d.get("load_by_width", {})), by_width(d.get("decode_by_width", {})),
-                   by_width(d.get("beside_loads_ms", {})))
+                   by_width(d.get("load_by_width", {})), by_width(d.get("decode_by_width", {})))
 
 
 @dataclass
@@ -165,16 +157,13 @@ class Planner:
     def __init__(self, profile: HardwareProfile, depths: Sequence[int], widths: Sequence[int],
                  layer_order: Callable[[int], list[int]], importance: Sequence[Shard],
                  shard_bytes: Callable[[int, int, int], int], clock: Callable[[], float] = time.perf_counter,
-                 min_bits: int = VERSIONS[0], scores: dict[tuple[int, int], float] | None = None) -> None:
+                 min_bits: int = VERSIONS[0]) -> None:
         """`min_bits`: the lowest version a plan gives a shard (the task's fidelity floor: its whole model at
-        fewer bits lost too much accuracy on the dev set); a shape that cannot afford it is not proposed.
-        `scores`: each shape's (depth, width) validation accuracy, which breaks a tie in shards (else the deeper)."""
+        fewer bits lost too much accuracy on the dev set); a shape that cannot afford it is not proposed."""
         self.profile = profile
         self.min_bits = min_bits
         self.versions = tuple(v for v in VERSIONS if v >= min_bits)
-        scores = scores or {}
-        self.shapes = sorted(((d, w) for d in depths for w in widths),
-                             key=lambda s: (-s[0] * s[1], -scores.get(s, 0.0), -s[0]))
+        self.shapes = sorted(((d, w) for d in depths for w in widths), key=lambda s: (-s[0] * s[1], -s[0]))
         self.layer_order, self.importance, self.shard_bytes = layer_order, list(importance), shard_bytes
         self.clock = clock
 
@@ -204,7 +193,7 @@ class Planner:
 
     def _io_plan(self, depth: int, width: int, shards: list[list[int]], target_ms: float, length: int,
                  held: dict[Shard, int], importance: Sequence[Shard], arm: str) -> Plan | None:
-        layer_ms = self.profile.layer_ms(width, length, pipelined=True)
+        layer_ms = self.profile.layer_ms(width, length)
         slack = target_ms - self.profile.rest_ms(length) - depth * layer_ms
         if slack < 0:
             return None
@@ -273,7 +262,7 @@ class Planner:
 
     def pace(self, plan: Plan, length: int) -> Pace:
         """When a run of `plan` behind its target stops early (`Pace`): at the depths with a head for its width."""
-        return Pace(plan.target_ms * (1 + PACE_TOLERANCE), self.profile.layer_ms(plan.width, length, plan.overlap),
+        return Pace(plan.target_ms * (1 + PACE_TOLERANCE), self.profile.layer_ms(plan.width, length),
                     self.profile.rest_ms(length), frozenset(d for d, w in self.shapes if w == plan.width))
 
     # -- baselines (§7.1) ------------------------------------------------------------------------------------
@@ -290,7 +279,7 @@ class Planner:
         """StdPL-X: every shard at X bits, layer by layer, IO overlapping compute: the largest shape that
         does not stall past the target."""
         for depth, width in self.shapes:
-            layer_ms = self.profile.layer_ms(width, length, pipelined=True)
+            layer_ms = self.profile.layer_ms(width, length)
             slack = target_ms - self.profile.rest_ms(length) - depth * layer_ms
             budgets = Budgets(slack, layer_ms, depth)
             layer_io = width * self.profile.loads(width)[0][bits]
@@ -312,8 +301,7 @@ class Planner:
         bits_of = {(k, s): bits for k in range(depth) for s in shards[k]}
         plan = Plan(arm, depth, width, shards, bits_of, set(bits_of) if held else set(), feasible, overlap,
                     io_ms=0.0 if held else len(bits_of) * self.profile.loads(width)[0][bits],
-                    compute_ms=depth * self.profile.layer_ms(width, length, overlap and not held),
-                    target_ms=target_ms)
+                    compute_ms=depth * self.profile.layer_ms(width, length), target_ms=target_ms)
         if not held:
             plan.stall_ms = simulate(plan, self.profile, length)["stall_ms"]
         return plan
@@ -332,14 +320,6 @@ class Budgets:
             if self.budget[k] - spent < -1e-9:
                 return False
         return True
-
-    def shortfall(self, cost_by_layer: dict[int, float]) -> float:
-        """How much more the first budget (hence every budget) would need for these costs to hold."""
-        spent, short = 0.0, 0.0
-        for k in range(len(self.budget)):
-            spent += cost_by_layer.get(k, 0.0)
-            short = max(short, spent - self.budget[k])
-        return short
 
     def take(self, layer: int, cost_ms: float) -> None:
         for k in range(layer, len(self.budget)):
@@ -364,7 +344,7 @@ def _count(shards: Sequence[Shard]) -> dict[int, int]:
 def simulate(plan: Plan, profile: HardwareProfile, length: int) -> dict[str, float]:
     """The plan's timeline if every load and layer took its profiled time: one loader in load order, the
     compute starting each layer when its shards are in. Returns finish and stall (compute waiting) in ms."""
-    layer_ms = profile.layer_ms(plan.width, length, plan.overlap)
+    layer_ms = profile.layer_ms(plan.width, length)
     load, decode = profile.loads(plan.width)
     loaded, start, stall = 0.0, 0.0, 0.0
     ready = []

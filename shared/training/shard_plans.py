@@ -39,10 +39,8 @@ def planner_for(store: ShardStore, task: str, profile: HardwareProfile) -> Plann
         raise ArtifactError(f"{store.directory}: no shards profiled for task {task!r} "
                             f"(run `academus shard build --tasks {task}`)")
     info = store.tasks[task]
-    scores = info.metrics.get("validation_accuracy", {})     # "d<depth>w<width>": the shape's head
     return Planner(profile, info.depths, info.widths, info.layer_order, info.importance, store.shard_bytes,
-                   min_bits=info.min_bits, scores={(d, w): scores[f"d{d}w{w}"] for d in info.depths
-                                                   for w in info.widths if f"d{d}w{w}" in scores})
+                   min_bits=info.min_bits)
 
 
 def save_profile(artifacts: Path, model: str, profile: HardwareProfile) -> Path | None:

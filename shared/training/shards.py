@@ -26,8 +26,6 @@ alone, and one layer's compute per width and length bucket (§5.2). JSON summari
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import json
 import statistics
 import sys
@@ -461,8 +459,7 @@ def _gold(examples: Sequence[Example]) -> torch.Tensor:
 # --- profiling and planning -----------------------------------------------------------------------------------
 
 def measure_profile(store: ShardStore, source_spec: str, repeats: int = 20) -> HardwareProfile:
-    """§5.2 on this machine: a layer's compute per width and length bucket, alone and *while the loader loads*
-    through the source (as in the pipeline, where it ran 1.2-1.8 times slower), and the rest of the model; then
+    """§5.2 on this machine: a layer's compute per width and length bucket, and the rest of the model; then
     per version, a shard's load (read through the source, check, decode, its share of putting the layer
     together) and its decoding alone, measured a whole layer at a time *while a layer computes* on the other
     thread, as in the pipeline (alone, loads measured 10-40 % faster than the pipeline's), beside a layer of
@@ -472,9 +469,7 @@ def measure_profile(store: ShardStore, source_spec: str, repeats: int = 20) -> H
     weights = [[store.decode(k, s, FULL, store.read_stored(k, s, FULL)) for s in range(geometry.heads)]
                for k in range(geometry.layers)]
     compute: dict[int, dict[int, float]] = {}
-    beside: dict[int, dict[int, float]] = {}
     overhead: dict[int, float] = {}
-    source = io_source(source_spec)
     config = store.manifest.extra["config"]
     token = min(1996, int(config["vocab_size"]) - 1)   # any id: timing needs no meaning
     buckets = tuple(b for b in BUCKETS if b <= int(config["max_position_embeddings"]))
@@ -492,8 +487,7 @@ def measure_profile(store: ShardStore, source_spec: str, repeats: int = 20) -> H
             overhead[bucket] = median_ms(rest, repeats)
             for width in widths_of(geometry.heads):
                 compute.setdefault(width, {})[bucket] = _layer_ms(model, weights, width, hidden, mask, repeats)
-                with _loads_running(store, model, source):
-                    beside.setdefault(width, {})[bucket] = _layer_ms(model, weights, width, hidden, mask, repeats)
+    source = io_source(source_spec)
     by_width = {width: _load_profile(store, model, source, max(3, repeats // 4),
                                      model.assemble(0, list(range(width)), weights[0][:width]), token)
                 for width in widths_of(geometry.heads)}
@@ -501,7 +495,7 @@ def measure_profile(store: ShardStore, source_spec: str, repeats: int = 20) -> H
     load_ms, decode_ms = by_width[geometry.heads]
     return HardwareProfile(source.name, load_ms, decode_ms, compute, overhead, buckets,
                            {w: loads for w, (loads, _) in by_width.items()},
-                           {w: decodes for w, (_, decodes) in by_width.items()}, beside)
+                           {w: decodes for w, (_, decodes) in by_width.items()})
 
 
 def _layer_ms(model: ElasticModel, weights: list[list[ShardWeights]], width: int, hidden: torch.Tensor,
@@ -516,29 +510,6 @@ def _layer_ms(model: ElasticModel, weights: list[list[ShardWeights]], width: int
             states = model.layer(states, mask, k, layer)
 
     return median_ms(sweep, repeats) / len(layers)
-
-
-@contextlib.contextmanager
-def _loads_running(store: ShardStore, model: ElasticModel, source: FileSource) -> Iterator[None]:
-    """A loader thread loading whole layers through `source`, at full precision and at the highest quantized
-    version in turn, while the body runs: what a pipelined layer computes beside."""
-    stop = threading.Event()
-
-    def load() -> None:
-        shards, versions = list(range(store.geometry.heads)), (FULL, max(v for v in store.versions if v != FULL))
-        for n in itertools.count():
-            if stop.is_set():
-                return
-            k = n % store.geometry.layers
-            store.load_layer(source, k, shards, versions[n % 2], model.residents[k])
-
-    loader = threading.Thread(target=load, daemon=True)
-    loader.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        loader.join()
 
 
 def _load_profile(store: ShardStore, model: ElasticModel, source: FileSource, repeats: int, busy: LayerWeights,

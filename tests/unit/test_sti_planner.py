@@ -184,37 +184,3 @@ def test_a_plans_pace_is_its_target_with_the_tolerance_at_the_depths_of_its_widt
     short = plan.truncated(1)
     assert (short.depth, short.width, short.shards) == (1, plan.width, plan.shards[:1])
     assert set(short.bits) == {x for x in plan.bits if x[0] == 0} and short.preload <= plan.preload
-
-
-def test_a_pipelined_layer_is_planned_at_its_time_beside_the_loads() -> None:
-    """The pipeline's layers run slower than alone (the loader shares the GIL and the memory bus): STI and StdPL fit
-    their shapes at that time; the whole model held in memory and Load&Exec's compute run alone."""
-    alone = profile(load=dict.fromkeys(VERSIONS, 0.0))
-    slower = HardwareProfile(alone.source, alone.load_ms, alone.decode_ms, alone.compute_ms, alone.overhead_ms,
-                             alone.buckets, beside_loads_ms={3: {32: 1.5}})
-    assert slower.layer_ms(3, 32) == 1.0 and slower.layer_ms(3, 32, pipelined=True) == 1.5
-    assert alone.layer_ms(3, 32, pipelined=True) == 1.0           # a profile without it: as alone
-    p, q = planner(alone), planner(slower)
-    assert p.plan(2.5, 32).depth == 2 and q.plan(2.5, 32).depth == 1
-    assert q.plan(3.0, 32).compute_ms == pytest.approx(3.0) and q.standard_pipeline(2.5, 32, 6).depth == 1
-    assert q.preload_model(2.5, 32, FULL).depth == 2 and q.load_and_exec(2.5, 32).depth == 2
-    assert q.pace(q.plan(3.0, 32), 32).layer_ms == 1.5
-    assert simulate(q.plan(3.0, 32), slower, 32)["finish_ms"] == pytest.approx(3.0)
-    assert HardwareProfile.from_json(slower.to_json()) == slower
-
-
-def test_a_tie_in_shards_goes_to_the_shape_whose_head_scored_best() -> None:
-    """6x2, 4x3 and 3x4 all run 12 shards: the paper's rule (most shards) cannot choose, and depth alone chose
-    shapes whose heads were weaker on MiniLM (6x6 at 0.746 against 3x12 at 0.789 on sentiment's validation)."""
-    prof = profile(load=dict.fromkeys(VERSIONS, 0.0), widths=(2, 3, 4))
-    importance = [(k, s) for s in range(4) for k in range(6)]
-
-    def planner_with(scores: dict[tuple[int, int], float] | None) -> Planner:
-        return Planner(prof, range(1, 7), (2, 3, 4), lambda k: list(range(4)), importance, lambda k, s, b: 100 * b,
-                       scores=scores)
-
-    target = 6 * 0.5 + 0.01                       # fits 6x2 (0.5 a layer), 4x3 (0.75) and 3x4 (1.0): 12 shards each
-    assert (planner_with(None).plan(target, 32).depth, planner_with(None).plan(target, 32).width) == (6, 2)
-    scored = planner_with({(6, 2): 0.74, (4, 3): 0.76, (3, 4): 0.79})
-    assert (scored.plan(target, 32).depth, scored.plan(target, 32).width) == (3, 4)
-    assert (scored.plan(4 * 1.0 + 0.01, 32).depth, scored.plan(4 * 1.0 + 0.01, 32).width) == (4, 4)   # more shards
