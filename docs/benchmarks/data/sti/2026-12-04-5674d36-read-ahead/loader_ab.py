@@ -8,7 +8,7 @@
 
 OLD_PATH holds an `academus` package of the commit before (its `shared`, `services`, `loadgen` and
 `shared/client` linked from a git worktree, `v1` from this checkout's protos): put first on PYTHONPATH, it wins
-over the editable install. The accuracy cache of the first sweep is copied to the later ones.
+over the editable install. The accuracy cache of the first sweep (or $SEED_CACHE) is copied to the later ones.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def main() -> None:
     io = bench_args[bench_args.index("--io") + 1] if "--io" in bench_args else "file"
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    runs, cache = [], None
+    runs, cache = [], (Path(os.environ["SEED_CACHE"]) if os.environ.get("SEED_CACHE") else None)
     for r in range(int(rounds)):
         for arm in (("old", "new") if r % 2 == 0 else ("new", "old")):
             env = env_of(arm, old_path)
