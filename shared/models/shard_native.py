@@ -25,7 +25,9 @@ _I64P = ctypes.POINTER(_I64)
 def _load() -> ctypes._NamedFuncPointer | None:
     if not LIBRARY.is_file():
         return None
-    put = ctypes.CDLL(str(LIBRARY)).academus_put_layer
+    put = getattr(ctypes.CDLL(str(LIBRARY)), "academus_put_layer", None)
+    if put is None:      # built from an older source: NumPy serves until `make setup` rebuilds it
+        return None
     put.argtypes = [_I64, ctypes.POINTER(_P), _I64P, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(_P), _I64P,
                     ctypes.POINTER(ctypes.c_uint32), _P, _I64P, ctypes.c_int, _I64P, _I64P, ctypes.POINTER(_P), _I64P,
                     _I64P]

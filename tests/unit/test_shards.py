@@ -83,6 +83,15 @@ GEOMETRIES = {"part groups": ShardGeometry(layers=1, heads=2, hidden=10, interme
               "whole groups": ShardGeometry(layers=1, heads=2, hidden=16, intermediate=16)}
 
 
+def test_a_library_built_from_an_older_source_leaves_the_numpy_path_serving(monkeypatch) -> None:
+    from isal import isal_zlib
+
+    from academus.shared.models import shard_native
+
+    monkeypatch.setattr(shard_native, "LIBRARY", Path(isal_zlib.__file__))    # a library without the call
+    assert shard_native._load() is None
+
+
 @pytest.mark.parametrize("shape", GEOMETRIES)
 @pytest.mark.parametrize("bits", VERSIONS)
 def test_the_c_loader_puts_a_stored_shard_where_numpy_puts_it(bits: int, shape: str) -> None:
