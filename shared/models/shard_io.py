@@ -62,12 +62,15 @@ class FileSource:
         decoding a 6-bit shard and half a full-precision shard's load (docs/benchmarks/sti.md). A span past the
         file's end is short, and fails its checksum as a short read does. Shard files are written whole and never
         rewritten in place (a file cut short while mapped would fault, as with any mapped weights)."""
-        fd = self._fd(path)
-        with self._lock:
-            if path not in self._maps:
-                size = os.fstat(fd).st_size
-                self._maps[path] = memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else b"")
-            return self._maps[path][offset:offset + length]
+        whole = self._maps.get(path)    # mapped once: a shard's view takes no lock, as its read takes none
+        if whole is None:
+            fd = self._fd(path)
+            with self._lock:
+                if (whole := self._maps.get(path)) is None:
+                    size = os.fstat(fd).st_size
+                    whole = memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else b"")
+                    self._maps[path] = whole
+        return whole[offset:offset + length]
 
     def read_in_order(self, spans: Iterable[Span], depth: int) -> Reads:
         """Each span's bytes in turn, as the consumer takes them: views of the mapped files, or reads where the source

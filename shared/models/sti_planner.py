@@ -111,7 +111,10 @@ class Plan:
         return self.depth, self.width, tuple(sorted(self.bits.items()))
 
     def truncated(self, depth: int) -> Plan:
-        """Its first `depth` layers, at the same versions: what a run that stopped early computed."""
+        """Its first `depth` layers, at the same versions: what a run that stopped early computed (itself, for a run
+        that was not cut: a worker asks on every batch)."""
+        if depth == self.depth:
+            return self
         kept = {x: b for x, b in self.bits.items() if x[0] < depth}
         return replace(self, depth=depth, shards=self.shards[:depth], bits=kept,
                        preload={x for x in self.preload if x[0] < depth})

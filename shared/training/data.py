@@ -248,12 +248,16 @@ def mail_to_text(raw: str) -> str:
     return f"Subject: {normalise(subject)}\n\n{normalise(body)}"
 
 
+def spam_members(tar: tarfile.TarFile) -> list[tarfile.TarInfo]:
+    """The package's mails of the groups the task reads (`SPAM_GROUPS`), one JSON each, in name order."""
+    return sorted((m for m in tar.getmembers() if m.isfile() and m.name.endswith(".json")
+                   and m.name.split("/")[-2] in SPAM_GROUPS), key=lambda m: m.name)
+
+
 def read_spam(tgz: Path) -> list[Example]:
     examples = []
     with tarfile.open(tgz, "r:gz") as tar:
-        members = sorted((m for m in tar.getmembers() if m.isfile() and m.name.endswith(".json")
-                          and m.name.split("/")[-2] in SPAM_GROUPS), key=lambda m: m.name)
-        for member in members:
+        for member in spam_members(tar):
             handle = tar.extractfile(member)
             if handle is None:
                 continue
