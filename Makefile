@@ -18,7 +18,7 @@ setup: $(VENV)/.installed $(NATIVE) redis data
 
 # STI's shard loader in C (shared/models/shard_native.py loads it with ctypes; without it NumPy decodes).
 $(NATIVE): shared/models/native/shard_put.c
-	$(CC) -O3 -fPIC -shared -Wall -Werror -o $@ $<
+	$(CC) -O3 -fPIC -shared -pthread -Wall -Werror -o $@ $<
 
 # torch first and pinned: the CPU wheel on this machine; any looser spec pulls GBs of CUDA packages.
 $(VENV)/.installed: pyproject.toml

@@ -30,7 +30,7 @@ else
   python3 deploy/offline-gpu/pack.py unpack /tmp/gpuA || exit 7; DEVICE=cuda; PY=python3
 fi
 export ACADEMUS_LAUNCHER=off
-[ -n "${LOCAL:-}" ] || (cc -O3 -fPIC -shared -Wall -o shared/models/native/libshard_put.so \
+[ -n "${LOCAL:-}" ] || (cc -O3 -fPIC -shared -pthread -Wall -o shared/models/native/libshard_put.so \
   shared/models/native/shard_put.c && echo "C loader built") || echo "no C loader: NumPy decodes"
 $PY -c "import torch, grpc; print('torch', torch.__version__, 'grpc', grpc.__version__, 'cuda', torch.cuda.is_available())"
 LOGS=/tmp/gpu/checks; rm -rf $LOGS; mkdir -p $LOGS

@@ -20,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+
 Span = tuple[Path, int, int]   # a read's file, offset and length
 
 
@@ -45,7 +47,7 @@ class FileSource:
 
     def __init__(self) -> None:
         self._fds: dict[Path, int] = {}
-        self._maps: dict[Path, memoryview] = {}
+        self._maps: dict[Path, tuple[memoryview, int]] = {}
         self._lock = threading.Lock()
 
     def _fd(self, path: Path) -> int:
@@ -62,15 +64,22 @@ class FileSource:
         decoding a 6-bit shard and half a full-precision shard's load (docs/benchmarks/sti.md). A span past the
         file's end is short, and fails its checksum as a short read does. Shard files are written whole and never
         rewritten in place (a file cut short while mapped would fault, as with any mapped weights)."""
-        whole = self._maps.get(path)    # mapped once: a shard's view takes no lock, as its read takes none
-        if whole is None:
+        whole, _ = self.mapping(path)
+        return whole[offset:offset + length]
+
+    def mapping(self, path: Path) -> tuple[memoryview, int]:
+        """The whole file's mapping and the address it starts at, mapped once: a shard's view takes no lock, as its
+        read takes none. The C loader reads a shard at the address plus its offset; whoever holds the view keeps
+        the mapping."""
+        mapped = self._maps.get(path)
+        if mapped is None:
             fd = self._fd(path)
             with self._lock:
-                if (whole := self._maps.get(path)) is None:
+                if (mapped := self._maps.get(path)) is None:
                     size = os.fstat(fd).st_size
                     whole = memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else b"")
-                    self._maps[path] = whole
-        return whole[offset:offset + length]
+                    mapped = self._maps[path] = whole, address(whole)
+        return mapped
 
     def read_in_order(self, spans: Iterable[Span], depth: int) -> Reads:
         """Each span's bytes in turn, as the consumer takes them: views of the mapped files, or reads where the source
@@ -199,6 +208,11 @@ class ReadAhead:
                 self._queue.get_nowait()
             except queue.Empty:
                 return
+
+
+def address(blob: bytes | memoryview) -> int:
+    """Where a buffer's bytes start (read-only ones too: a mapped file's view); the caller keeps `blob` alive."""
+    return np.frombuffer(blob, dtype=np.uint8).ctypes.data if len(blob) else 0
 
 
 def io_source(spec: str) -> FileSource:

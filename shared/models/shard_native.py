@@ -2,19 +2,23 @@
 
 A loader thread that decodes with NumPy takes and gives back the GIL at every small step, and the compute thread
 needs it between its torch ops: on the 2-core machine each slowed the other by a third or more
-(docs/design/sti.md). A ctypes call runs without the GIL, so one call a layer puts its shards in while the compute
-runs on. Where the library was not built (no C compiler), `NATIVE` is None and the NumPy path serves.
+(docs/design/sti.md). A ctypes call runs without the GIL, so one call puts a layer's shards in while the compute
+runs on (`NativePut`), and in the pipeline a C thread of the library's own puts a whole plan's layers, never taking
+the GIL at all (`PlanLoads`). Where the library was not built (no C compiler), `NATIVE` is None and NumPy decodes.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from isal import isal_zlib
+
+from academus.shared.models.shard_io import address
 
 LIBRARY = Path(__file__).with_name("native") / "libshard_put.so"
 _I64 = ctypes.c_int64
@@ -22,17 +26,43 @@ _P = ctypes.c_void_p
 _I64P = ctypes.POINTER(_I64)
 
 
-def _load() -> ctypes._NamedFuncPointer | None:
+class LayerLoad(ctypes.Structure):
+    """One layer's stored shards and where they go: `LayerLoad` in shard_put.c."""
+
+    _fields_ = [("shards", _I64), ("blobs", ctypes.POINTER(_P)), ("lengths", _I64P),
+                ("bits", ctypes.POINTER(ctypes.c_int)), ("pairs", ctypes.POINTER(_P)), ("outliers", _I64P),
+                ("crcs", ctypes.POINTER(ctypes.c_uint32)), ("index", _I64P), ("parts", _I64), ("rows", _I64P),
+                ("cols", _I64P), ("base", ctypes.POINTER(_P)), ("step", _I64P), ("stride", _I64P)]
+
+
+@dataclass(frozen=True)
+class Native:
+    """The library's calls (shard_put.c)."""
+
+    put_layer: Callable[..., int]
+    start: Callable[..., int | None]
+    publish: Callable[..., None]
+    wait: Callable[..., int]
+    done: Callable[..., None]
+    finish: Callable[..., int]
+
+
+def _load() -> Native | None:
     if not LIBRARY.is_file():
         return None
-    put = getattr(ctypes.CDLL(str(LIBRARY)), "academus_put_layer", None)
-    if put is None:      # built from an older source: NumPy serves until `make setup` rebuilds it
-        return None
-    put.argtypes = [_I64, ctypes.POINTER(_P), _I64P, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(_P), _I64P,
-                    ctypes.POINTER(ctypes.c_uint32), _P, _I64P, ctypes.c_int, _I64P, _I64P, ctypes.POINTER(_P), _I64P,
-                    _I64P]
-    put.restype = ctypes.c_int
-    return put
+    library = ctypes.CDLL(str(LIBRARY))
+    if getattr(library, "academus_loads_start", None) is None:   # built from an older source: NumPy serves
+        return None                                               # until `make setup` rebuilds it
+    load = ctypes.POINTER(LayerLoad)
+    signatures = {"put_layer": ([load, _P], ctypes.c_int), "start": ([load, _I64, _I64, _P], _P),
+                  "publish": ([_P, _I64], None), "wait": ([_P, _I64], ctypes.c_int), "done": ([_P], None),
+                  "finish": ([_P], _I64)}
+    calls = {}
+    for name, (argtypes, restype) in signatures.items():
+        call = getattr(library, "academus_put_layer" if name == "put_layer" else f"academus_loads_{name}")
+        call.argtypes, call.restype = argtypes, restype
+        calls[name] = call
+    return Native(**calls)
 
 
 NATIVE = _load()
@@ -55,11 +85,6 @@ def _layout(parts: tuple[tuple[int, int, int, int], ...]) -> tuple[ctypes.Array,
     return tuple((_I64 * len(parts))(*(part[k] for part in parts)) for k in range(4))
 
 
-def address(blob: bytes | memoryview) -> int:
-    """Where a buffer's bytes start (read-only ones too: a mapped file's view); the caller keeps `blob` alive."""
-    return np.frombuffer(blob, dtype=np.uint8).ctypes.data
-
-
 class NativePut:
     """Puts stored shards into one layer's matrices. `parts[p]` is (rows, cols, step, stride): part p of a
     shard's flat vector, rows x cols, goes to `matrices[p]` from element `index * step`, its rows `stride` apart.
@@ -72,19 +97,83 @@ class NativePut:
         self._rows, self._cols, self._step, self._stride = _layout(parts)
         self._base = (_P * len(parts))(*(m.ctypes.data for m in matrices))
 
+    def load(self, index: Sequence[int], addresses: Sequence[int], lengths: Sequence[int], bits: Sequence[int],
+             pair_tables: Sequence[int], outliers: Sequence[int], crcs: Sequence[int] | None = None) -> LayerLoad:
+        """Stored shards bound for places `index[i]`, as the C loader takes them: shard i's `lengths[i]` bytes at
+        `addresses[i]`, its pair table's address (0 at full precision). The load keeps its arrays alive; the caller
+        keeps the shards' and tables' memory."""
+        n = len(addresses)
+        return LayerLoad(n, (_P * n)(*addresses), (_I64 * n)(*lengths), (ctypes.c_int * n)(*bits),
+                         (_P * n)(*pair_tables), (_I64 * n)(*outliers), (ctypes.c_uint32 * n)(*(crcs or [0] * n)),
+                         (_I64 * n)(*index), self._parts, self._rows, self._cols, self._base, self._step,
+                         self._stride)
+
     def __call__(self, index: Sequence[int], blobs: Sequence[bytes | memoryview], bits: Sequence[int],
                  pair_tables: Sequence[np.ndarray | None], outliers: Sequence[int],
                  crcs: Sequence[int] | None = None) -> None:
         """Shards `blobs[i]` at places `index[i]`, in one call. Every size, and each CRC-32 against `crcs` where
         given, is checked before any shard is put; a mismatch raises BadShard."""
-        n = len(blobs)
-        failed = NATIVE(n, (_P * n)(*map(address, blobs)), (_I64 * n)(*map(len, blobs)), (ctypes.c_int * n)(*bits),
-                        (_P * n)(*(0 if t is None else t.ctypes.data for t in pair_tables)), (_I64 * n)(*outliers),
-                        (ctypes.c_uint32 * n)(*(crcs or [0] * n)), CRC32 if crcs is not None else None,
-                        (_I64 * n)(*index), self._parts, self._rows, self._cols, self._base, self._step,
-                        self._stride)
-        if failed:
-            i = abs(failed) - 1
-            what = "does not fill this layer's shard" if failed > 0 else "does not match its CRC-32"
-            raise BadShard(i, f"a stored shard of {len(blobs[i])} bytes at {bits[i]} bits with {outliers[i]} "
-                              f"outliers {what}")
+        assert NATIVE is not None
+        load = self.load(index, [address(b) for b in blobs], [len(b) for b in blobs], bits,
+                         [0 if t is None else t.ctypes.data for t in pair_tables], outliers, crcs)
+        if failed := NATIVE.put_layer(ctypes.byref(load), CRC32 if crcs is not None else None):
+            raise refused(failed, [len(b) for b in blobs], bits, outliers)
+
+
+def refused(failed: int, lengths: Sequence[int], bits: Sequence[int], outliers: Sequence[int]) -> BadShard:
+    """The C loader's answer for a refused layer (shard i + 1: its size; -(i + 1): its CRC-32), worded."""
+    i = abs(failed) - 1
+    what = "does not fill this layer's shard" if failed > 0 else "does not match its CRC-32"
+    return BadShard(i, f"a stored shard of {lengths[i]} bytes at {bits[i]} bits with {outliers[i]} outliers {what}")
+
+
+LOADS_STOPPED = 0x40000000    # shard_put.c: the loads ended before the layer, no shard of it refused
+
+
+class PlanLoads:
+    """A plan's layers put in order by a C thread of its own, which never takes the GIL (shard_put.c): a Python
+    loader thread, each time it took the GIL back, made the compute thread wait for it after its next torch op
+    (docs/design/sti.md). The caller publishes each layer's shards in order, waits for a layer before running it,
+    and says when it is done with one: the thread puts at most `window` layers ahead of that (0: no bound), as
+    their buffers are reused in turn."""
+
+    def __init__(self, layers: int, window: int, checked: bool = True) -> None:
+        """`checked`: each shard's CRC-32 is checked against the one published with it."""
+        assert NATIVE is not None
+        self._loads = (LayerLoad * max(1, layers))()
+        self._published: list[tuple[LayerLoad, Sequence[int], Sequence[int], Sequence[int]]] = []
+        self._handle = NATIVE.start(self._loads, layers, window, CRC32 if checked else None)
+        if not self._handle:
+            raise OSError("the C shard loader could not start its thread")
+
+    def publish(self, put: NativePut, index: Sequence[int], addresses: Sequence[int], lengths: Sequence[int],
+                bits: Sequence[int], pair_tables: Sequence[int], outliers: Sequence[int],
+                crcs: Sequence[int] | None = None) -> None:
+        """The next layer's shards, into `put`'s matrices (as `NativePut.load` takes them). The caller keeps the
+        shards' memory until `finish`."""
+        assert NATIVE is not None and self._handle
+        load = put.load(index, addresses, lengths, bits, pair_tables, outliers, crcs)
+        self._loads[len(self._published)] = load
+        self._published.append((load, lengths, bits, outliers))
+        NATIVE.publish(self._handle, len(self._published))
+
+    def wait(self, layer: int) -> None:
+        """Until `layer` is put. A layer refused raises BadShard; loads ended before it (stopped, or an earlier
+        layer refused) raise RuntimeError."""
+        assert NATIVE is not None and self._handle
+        if not (failed := NATIVE.wait(self._handle, layer)):
+            return
+        if failed == LOADS_STOPPED:
+            raise RuntimeError(f"the shard loads ended before layer {layer}")
+        raise refused(failed, *self._published[layer][1:])
+
+    def done(self) -> None:
+        """The caller is done with one more layer (in order): its buffers may take a later one."""
+        assert NATIVE is not None and self._handle
+        NATIVE.done(self._handle)
+
+    def finish(self) -> float:
+        """Stops the loads after the layer being put and ends the thread: its busy seconds. Once only."""
+        assert NATIVE is not None and self._handle
+        busy, self._handle = NATIVE.finish(self._handle), None
+        return busy / 1e9

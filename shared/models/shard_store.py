@@ -15,7 +15,7 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -132,12 +132,14 @@ class ShardStore:
         self.rows = EmbeddingRows(self.directory, rows) if rows is not None else None
         self._check_sizes()
         names = {e.file for entries in self.index.values() for e in entries}   # a few dozen files, 432+ shards
-        self._paths = sorted({self.directory / name for name in names} | ({self.rows.path} if self.rows else set()))
+        self.files = {name: self.directory / name for name in names}
+        self._paths = sorted(set(self.files.values()) | ({self.rows.path} if self.rows else set()))
         self.resident = self._load_checked(RESIDENT)
         self.centroids = {(layer, k): np.ascontiguousarray(self.resident[f"layer{layer}.centroids{k}"].numpy(),
                                                           dtype=np.float32)
                           for layer in range(self.geometry.layers) for k in self.versions if k != FULL}
         self.pair_tables = {(layer, k): pair_table(c, k) for (layer, k), c in self.centroids.items()}
+        self.pair_addresses = {key: table.ctypes.data for key, table in self.pair_tables.items()}   # the C loader's
 
     def _check_sizes(self) -> None:
         """A truncated or missing layer file is refused when the store opens, not when a request reaches it."""
@@ -169,7 +171,7 @@ class ShardStore:
     def span(self, layer: int, shard: int, bits: int) -> Span:
         """Where a shard's stored bytes lie: file, offset, length."""
         e = self.entry(layer, shard, bits)
-        return self.directory / e.file, e.offset, e.length
+        return self.files[e.file], e.offset, e.length
 
     def read_stored(self, layer: int, shard: int, bits: int) -> bytes:
         """A shard's stored bytes, read whole from its file (unchecked: `decode` checks them)."""
@@ -204,14 +206,26 @@ class ShardStore:
         """Read shards of one layer ((shard, version) each, `built`'s shards in order) put in together, each
         checked against its size and CRC-32 in the same call (the C loader's, without the GIL). A mismatch is
         refused before any shard is put, as `check` words it: naming the file, the shard and both checksums."""
+        try:
+            built.put_stored(range(len(blobs)), blobs, *self.stored_layout(layer, shards))
+        except BadShard as e:
+            self.refuse(layer, shards, blobs, e)
+
+    def stored_layout(self, layer: int, shards: Sequence[tuple[int, int]]
+                      ) -> tuple[list[int], list[np.ndarray | None], list[int], list[int]]:
+        """What the C loader takes of stored shards ((shard, version) each) besides their bytes: their versions,
+        pair tables, outlier counts and CRC-32s."""
         entries = [self.entry(layer, s, b) for s, b in shards]
         versions = [b for _, b in shards]
-        try:
-            built.put_stored(range(len(blobs)), blobs, versions, [self.pair_tables.get((layer, b)) for b in versions],
-                             [e.outliers for e in entries], [e.crc32 for e in entries])
-        except BadShard as e:
-            self.check(layer, *shards[e.i], blobs[e.i])   # raises for a size or checksum the manifest does not give
-            raise
+        return (versions, [self.pair_tables.get((layer, b)) for b in versions], [e.outliers for e in entries],
+                [e.crc32 for e in entries])
+
+    def refuse(self, layer: int, shards: Sequence[tuple[int, int]], blobs: Sequence[bytes | memoryview],
+               refused: BadShard) -> NoReturn:
+        """Raises the C loader's refusal of a layer's shards as `check` words it: an ArtifactError naming the file,
+        the shard and both checksums."""
+        self.check(layer, *shards[refused.i], blobs[refused.i])   # raises for a size or checksum not the manifest's
+        raise refused
 
     def bytes_by_version(self) -> dict[str, int]:
         """Stored bytes of the whole model's shards at each version."""

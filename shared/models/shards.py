@@ -266,6 +266,7 @@ class LayerBuilder:
             (self.query, self.key, self.value, self.output, self.ffn_in, self.ffn_out),
             ((d, h, d * h, h),) * 3 + ((h, d, d, w * d), (f, h, f * h, h), (h, f, f, w * f)),
         ) if native and NATIVE is not None else None
+        self._tensors: tuple[torch.Tensor, ...] | None = None
 
     def put_stored(self, places: Sequence[int], blobs: Sequence[bytes | memoryview], bits: Sequence[int],
                    pair_tables: Sequence[np.ndarray | None], outliers: Sequence[int],
@@ -294,9 +295,19 @@ class LayerBuilder:
         self.ffn_in[neurons] = f1
         self.ffn_out[:, neurons] = f2
 
-    def weights(self) -> LayerWeights:
-        return LayerWeights.of(self.shards, self.resident, self.geometry, *(torch.from_numpy(m) for m in (
-            self.query, self.key, self.value, self.output, self.ffn_in, self.ffn_out)))
+    @property
+    def native(self) -> NativePut | None:
+        """The C loader's view of the matrices (None: NumPy puts the shards)."""
+        return self._native
+
+    def weights(self, shards: Sequence[int] | None = None, resident: LayerResident | None = None) -> LayerWeights:
+        """The matrices as the layer's weights; or, given them, as another layer's of the same width (its buffers
+        reused in turn)."""
+        if self._tensors is None:    # views of the matrices, made once: a reused buffer serves many layers
+            self._tensors = tuple(torch.from_numpy(m) for m in (self.query, self.key, self.value, self.output,
+                                                                 self.ffn_in, self.ffn_out))
+        return LayerWeights.of(self.shards if shards is None else shards, resident or self.resident, self.geometry,
+                               *self._tensors)
 
 
 def elastic_layer(hidden: torch.Tensor, key_mask: torch.Tensor, resident: LayerResident, layer: LayerWeights,

@@ -24,7 +24,8 @@ from torch import nn
 
 from academus.shared.models.architectures import family_module, read_architecture
 from academus.shared.models.model import MEAN, ClassifierHead, body_inputs, padded_positions, pool
-from academus.shared.models.shard_io import FileSource
+from academus.shared.models.shard_io import FileSource, address
+from academus.shared.models.shard_native import NATIVE, BadShard, PlanLoads
 from academus.shared.models.shard_store import RELATIVE_BIAS, ShardStore
 from academus.shared.models.shards import (
     LayerBuilder,
@@ -160,6 +161,8 @@ class ShardPipeline:
         self.lookahead = lookahead
         self.preloaded: dict[tuple[int, int, int], bytes] = {}
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sti-loader")
+        self._running = threading.Lock()          # one run at a time: the C loader's buffers serve run after run
+        self._buffers: list[LayerBuilder] = []    # the C loader's, of the last width it loaded
 
     def preload(self, plan: Plan) -> int:
         """Holds the plan's preload set (a buffer filled for it); returns the buffer's bytes."""
@@ -186,36 +189,13 @@ class ShardPipeline:
         self.source.close()
         self.model.close()
 
-    def _load(self, plan: Plan, ready: list[threading.Event], out: dict[int, LayerWeights],
-              failed: list[BaseException], stop: threading.Event, room: threading.Semaphore | None) -> float:
-        busy = 0.0
-        held = self.preloaded        # this run's buffer, though `hold` may replace it meanwhile
-        # the shards not held, read ahead (where the source does) by at most a layer, besides the working buffer
-        reads = self.store.read_in_order(self.source, [(k, s, plan.bits[(k, s)]) for k, shards in enumerate(plan.shards)
-                                                       for s in shards if (k, s, plan.bits[(k, s)]) not in held],
-                                         depth=len(plan.shards[0]) if plan.shards else 1)
-        try:
-            for k, shards in enumerate(plan.shards):
-                while room is not None and not room.acquire(timeout=0.05):   # the working buffer is full
-                    if stop.is_set():
-                        return busy
-                started = time.perf_counter()
-                layer = LayerBuilder(shards, self.model.residents[k], self.store.geometry)
-                versions = [(s, plan.bits[(k, s)]) for s in shards]
-                blobs = [held.get((k, s, b)) or next(reads) for s, b in versions]
-                if stop.is_set():
-                    return busy
-                self.store.put(layer, k, versions, blobs)     # one call a layer, without the GIL
-                out[k] = layer.weights()
-                busy += time.perf_counter() - started
-                ready[k].set()
-        except BaseException as e:   # the compute thread re-raises it
-            failed.append(e)
-            for event in ready:
-                event.set()
-        finally:
-            reads.close()
-        return busy
+    def _start(self, plan: Plan) -> ThreadLoads | NativeLoads:
+        """The plan's loads, begun: by the C loader's own thread where the source maps its files and the library was
+        built, else by a Python loader thread (reads that block, or NumPy decoding)."""
+        window = self.lookahead if plan.overlap else 0   # Load&Exec loads the whole submodel first
+        if self.source.mapped and NATIVE is not None:
+            return NativeLoads(self.model, plan, self.preloaded, self.source, window, self._buffers)
+        return ThreadLoads(self._loader, self.model, plan, self.preloaded, self.source, window)
 
     @staticmethod
     def _cut(pace: Pace | None, layer: int, started: float, compute_s: float) -> bool:
@@ -230,14 +210,14 @@ class ShardPipeline:
             deadline: float | None = None, pace: Pace | None = None) -> RunResult:
         """One request through the pipeline. `deadline`: a time.perf_counter() instant, checked between layers.
         `pace`: when a run behind its target answers from fewer layers."""
+        with self._running:
+            return self._run(plan, ids, mask, types, deadline, pace)
+
+    def _run(self, plan: Plan, ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor | None,
+             deadline: float | None, pace: Pace | None) -> RunResult:
         self.source.before_run(self.store.paths())
         started = time.perf_counter()
-        ready = [threading.Event() for _ in plan.shards]
-        out: dict[int, LayerWeights] = {}
-        failed: list[BaseException] = []
-        stop = threading.Event()
-        room = threading.Semaphore(self.lookahead) if self.lookahead and plan.overlap else None
-        loading: Future[float] = self._loader.submit(self._load, plan, ready, out, failed, stop, room)
+        loads = self._start(plan)
         compute, depth = 0.0, plan.depth
         try:
             began = time.perf_counter()
@@ -247,30 +227,174 @@ class ShardPipeline:
             bias = self.model.position_bias(hidden)
             if not plan.overlap:               # Load&Exec: the whole submodel first (no lookahead bound)
                 waited = time.perf_counter()
-                ready[-1].wait()
+                loads.wait(plan.depth - 1)
                 stall += time.perf_counter() - waited
             for k in range(plan.depth):
                 if self._cut(pace, k, started, compute):
                     depth = k
                     break
                 waited = time.perf_counter()
-                ready[k].wait()
+                weights = loads.wait(k)
                 stall += time.perf_counter() - waited
                 if self._cut(pace, k, started, compute):   # the wait for its shards may have put it behind
                     depth = k
                     break
-                if failed:
-                    raise failed[0]
                 if deadline is not None and time.perf_counter() > deadline:
                     raise DeadlineMissed(f"the deadline passed before layer {k} of {plan.depth}")
                 began = time.perf_counter()
-                hidden = self.model.layer(hidden, mask, k, out.pop(k), bias)
+                hidden = self.model.layer(hidden, mask, k, weights, bias)
                 compute += time.perf_counter() - began
-                if room is not None:
-                    room.release()
+                loads.done(k)
             probs = self.model.finish(hidden, mask, depth, plan.width)
         finally:
-            stop.set()
-            io = loading.result()
+            io = loads.finish()
         total = time.perf_counter() - started
         return RunResult(probs, total * 1e3, (io + rows_s) * 1e3, stall * 1e3, compute * 1e3, depth)
+
+
+def _versions(plan: Plan, layer: int) -> list[tuple[int, int]]:
+    return [(s, plan.bits[(layer, s)]) for s in plan.shards[layer]]
+
+
+def _unheld(plan: Plan, held: dict[tuple[int, int, int], bytes]) -> list[tuple[int, int, int]]:
+    """The plan's shards ((layer, shard, version) each, in load order) not in the preload buffer."""
+    return [(k, s, b) for k in range(plan.depth) for s, b in _versions(plan, k) if (k, s, b) not in held]
+
+
+class ThreadLoads:
+    """A plan's layers built in order by a Python loader thread, at most `window` layers ahead of the compute's
+    (0: no bound): for sources whose reads block (cold, throttled) and where the C loader was not built."""
+
+    def __init__(self, loader: ThreadPoolExecutor, model: ElasticModel, plan: Plan,
+                 held: dict[tuple[int, int, int], bytes], source: FileSource, window: int) -> None:
+        self.model, self.store = model, model.store
+        self._ready = [threading.Event() for _ in range(plan.depth)]
+        self._out: dict[int, LayerWeights] = {}
+        self._failed: list[BaseException] = []
+        self._stop = threading.Event()
+        self._room = threading.Semaphore(window) if window else None
+        self._busy: Future[float] = loader.submit(self._load, plan, held, source)
+
+    def _load(self, plan: Plan, held: dict[tuple[int, int, int], bytes], source: FileSource) -> float:
+        """Runs on the loader thread: `held` is this run's buffer, though `hold` may replace the pipeline's meanwhile.
+        The shards not held are read ahead (where the source does) by at most a layer, besides the working buffer."""
+        busy = 0.0
+        reads = self.store.read_in_order(source, _unheld(plan, held), depth=len(plan.shards[0]) if plan.shards else 1)
+        try:
+            for k in range(plan.depth):
+                while self._room is not None and not self._room.acquire(timeout=0.05):   # the working buffer is full
+                    if self._stop.is_set():
+                        return busy
+                started = time.perf_counter()
+                layer = LayerBuilder(plan.shards[k], self.model.residents[k], self.store.geometry)
+                versions = _versions(plan, k)
+                blobs = [held.get((k, s, b)) or next(reads) for s, b in versions]
+                if self._stop.is_set():
+                    return busy
+                self.store.put(layer, k, versions, blobs)     # one call a layer, without the GIL
+                self._out[k] = layer.weights()
+                busy += time.perf_counter() - started
+                self._ready[k].set()
+        except BaseException as e:   # the compute thread re-raises it
+            self._failed.append(e)
+            for event in self._ready:
+                event.set()
+        finally:
+            reads.close()
+        return busy
+
+    def wait(self, layer: int) -> LayerWeights:
+        self._ready[layer].wait()
+        if self._failed:
+            raise self._failed[0]
+        return self._out[layer]
+
+    def done(self, layer: int) -> None:
+        del self._out[layer]
+        if self._room is not None:
+            self._room.release()
+
+    def finish(self) -> float:
+        """Stops the loads after the layer being built: the loader's busy seconds."""
+        self._stop.set()
+        return self._busy.result()
+
+
+class NativeLoads:
+    """A plan's layers put in order by the C loader's own thread, which never takes the GIL (`PlanLoads`), from a
+    source whose shards are views of mapped files. Publishing them here takes the compute thread a few tens of
+    microseconds a layer, while the thread already puts the first; a Python loader thread, each time it took the GIL
+    back, cost the compute about 0.2 ms (docs/design/sti.md). At most `window` layers are put ahead of the compute's
+    (0: no bound), into as many buffers reused in turn."""
+
+    def __init__(self, model: ElasticModel, plan: Plan, held: dict[tuple[int, int, int], bytes],
+                 source: FileSource, window: int, buffers: list[LayerBuilder]) -> None:
+        """`buffers`: the layer buffers of earlier runs, reused where their width is the plan's, and kept for
+        later ones (making them anew took a run 80 us, and more beside the loads)."""
+        started = time.perf_counter()
+        self.model, self.store, self.plan = model, model.store, plan
+        self._held, self._source = held, source
+        self._loads = PlanLoads(plan.depth, window)
+        self._weights: list[LayerWeights] = []
+        self._kept: list[bytes | memoryview] = []    # what the loads read from, alive until they finish
+        try:
+            self._publish(held, source, buffers, window or plan.depth)
+        except BaseException:
+            self._loads.finish()
+            raise
+        self._publish_s = time.perf_counter() - started
+
+    def _publish(self, held: dict[tuple[int, int, int], bytes], source: FileSource, buffers: list[LayerBuilder],
+                 slots: int) -> None:
+        del buffers[slots:]
+        for k, shards in enumerate(self.plan.shards):
+            resident = self.model.residents[k]
+            slot = k % slots
+            if slot == len(buffers):
+                buffers.append(LayerBuilder(shards, resident, self.store.geometry))
+            elif len(buffers[slot].shards) != len(shards):
+                buffers[slot] = LayerBuilder(shards, resident, self.store.geometry)
+            buffer = buffers[slot]
+            assert buffer.native is not None
+            self._loads.publish(buffer.native, range(len(shards)), *self._stored(k, held, source))
+            self._weights.append(buffer.weights(shards, resident))
+
+    def _stored(self, layer: int, held: dict[tuple[int, int, int], bytes], source: FileSource
+                ) -> tuple[list[int], ...]:
+        """Where the layer's stored shards are (held, or in their file's mapping), their lengths, versions, pair
+        tables, outlier counts and CRC-32s: addresses, not views, which took 4 us a shard to make."""
+        store, bits = self.store, self.plan.bits
+        addresses, lengths, versions, tables, outliers, crcs = [], [], [], [], [], []
+        for s in self.plan.shards[layer]:
+            b = bits[(layer, s)]
+            e = store.entry(layer, s, b)
+            if (blob := held.get((layer, s, b))) is not None:
+                self._kept.append(blob)
+                addresses.append(address(blob))
+            else:
+                whole, start = source.mapping(store.files[e.file])
+                self._kept.append(whole)
+                addresses.append(start + e.offset)
+            lengths.append(e.length)
+            versions.append(b)
+            tables.append(store.pair_addresses.get((layer, b), 0))
+            outliers.append(e.outliers)
+            crcs.append(e.crc32)
+        return addresses, lengths, versions, tables, outliers, crcs
+
+    def wait(self, layer: int) -> LayerWeights:
+        try:
+            self._loads.wait(layer)
+        except BadShard as e:
+            versions = _versions(self.plan, layer)
+            blobs = [self._held.get((layer, s, b)) or self._source.view(*self.store.span(layer, s, b))
+                     for s, b in versions]
+            self.store.refuse(layer, versions, blobs, e)
+        return self._weights[layer]
+
+    def done(self, layer: int) -> None:
+        self._loads.done()
+
+    def finish(self) -> float:
+        """Stops the loads after the layer being put: the C thread's busy seconds and the publishing's."""
+        return self._loads.finish() + self._publish_s

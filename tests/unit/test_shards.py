@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -10,8 +11,8 @@ import torch
 
 from academus.shared.models.embedding_rows import BLOCK_ROWS, EmbeddingRows
 from academus.shared.models.model import ClassifierHead, TeacherEncoder, pad_batch
-from academus.shared.models.shard_io import ReadAhead, ThrottledSource, io_source
-from academus.shared.models.shard_native import LIBRARY, NATIVE, BadShard
+from academus.shared.models.shard_io import ReadAhead, ThrottledSource, address, io_source
+from academus.shared.models.shard_native import LIBRARY, NATIVE, BadShard, PlanLoads
 from academus.shared.models.shard_store import ShardStore, add_task, shape_key
 from academus.shared.models.shards import (
     BITS,
@@ -163,6 +164,84 @@ def test_a_layers_shards_are_checked_against_their_crc32_before_any_is_put(nativ
     assert not (built.query == 7.0).any()
 
 
+def _plan_loads_layers(geometry: ShardGeometry, layers: int, bits: int = 6
+                       ) -> tuple[list[LayerBuilder], list[tuple[list[bytes], list, list[int], list[int]]]]:
+    """A buffer a layer, zeroed, and each layer's stored shards (blobs, tables, outliers, CRC-32s)."""
+    rng = np.random.default_rng(layers)
+    buffers, stored = [], []
+    for _ in range(layers):
+        built = LayerBuilder([0, 1], None, geometry)
+        built.query[:] = 0.0
+        shards = [_stored(geometry, bits, rng) for _ in range(2)]
+        buffers.append(built)
+        stored.append(([s[0] for s in shards], [s[1] for s in shards], [s[2] for s in shards],
+                       [crc32(s[0]) for s in shards]))
+    return buffers, stored
+
+
+def _publish(loads: PlanLoads, built: LayerBuilder, blobs: list[bytes], tables: list, counts: list[int],
+             crcs: list[int]) -> None:
+    """A layer of two 6-bit shards, the blobs and tables kept alive by the caller."""
+    loads.publish(built.native, [0, 1], [address(b) for b in blobs], [len(b) for b in blobs], [6, 6],
+                  [t.ctypes.data for t in tables], counts, crcs)
+
+
+def test_the_c_loaders_thread_puts_a_plan_in_order_within_its_window() -> None:
+    """At most `window` layers are put ahead of the caller's: the next waits until the caller is done with one."""
+    geometry = ShardGeometry(layers=3, heads=2, hidden=16, intermediate=16)
+    buffers, stored = _plan_loads_layers(geometry, 3)
+    loads = PlanLoads(3, window=1)
+    try:
+        for built, (blobs, tables, counts, crcs) in zip(buffers, stored, strict=True):
+            _publish(loads, built, blobs, tables, counts, crcs)
+        loads.wait(0)
+        time.sleep(0.05)                                   # room for a thread that ignored its window to run on
+        assert (buffers[1].query == 0.0).all()
+        loads.done()
+        loads.wait(1)
+        loads.done()
+        loads.wait(2)
+    finally:
+        assert loads.finish() > 0
+    for built, (blobs, tables, counts, _) in zip(buffers, stored, strict=True):
+        expected = LayerBuilder([0, 1], None, geometry, native=False)
+        expected.put_stored([0, 1], blobs, [6, 6], tables, counts)
+        np.testing.assert_array_equal(built.query, expected.query)
+        np.testing.assert_array_equal(built.ffn_out, expected.ffn_out)
+
+
+def test_the_c_loaders_thread_refuses_a_bad_shard_and_puts_nothing_after_it() -> None:
+    geometry = ShardGeometry(layers=3, heads=2, hidden=16, intermediate=16)
+    buffers, stored = _plan_loads_layers(geometry, 3)
+    loads = PlanLoads(3, window=0)
+    try:
+        for k, (built, (blobs, tables, counts, crcs)) in enumerate(zip(buffers, stored, strict=True)):
+            _publish(loads, built, blobs, tables, counts, [crcs[0], crcs[1] ^ (k == 1)])
+        loads.wait(0)
+        with pytest.raises(BadShard, match="does not match its CRC-32") as refused:
+            loads.wait(1)
+        assert refused.value.i == 1
+        with pytest.raises(RuntimeError, match="ended before layer 2"):
+            loads.wait(2)
+    finally:
+        loads.finish()
+    assert (buffers[1].query == 0.0).all() and (buffers[2].query == 0.0).all()
+
+
+@pytest.mark.parametrize("published", [0, 1, 3])
+def test_the_c_loaders_thread_stops_when_asked_whatever_it_waits_for(published: int) -> None:
+    """Stopped waiting for a layer not yet published, or for room in its window, it ends at once."""
+    geometry = ShardGeometry(layers=3, heads=2, hidden=16, intermediate=16)
+    buffers, stored = _plan_loads_layers(geometry, 3)
+    loads = PlanLoads(3, window=1)
+    for built, (blobs, tables, counts, crcs) in list(zip(buffers, stored, strict=True))[:published]:
+        _publish(loads, built, blobs, tables, counts, crcs)
+    if published:
+        loads.wait(0)
+    assert loads.finish() >= 0
+    assert (buffers[-1].query == 0.0).all()
+
+
 def test_more_bits_quantize_closer_and_full_precision_is_exact() -> None:
     rng = np.random.default_rng(0)
     values = rng.normal(0, 0.05, 4096).astype(np.float32)
@@ -296,7 +375,15 @@ def _plan(bits: int = 4, depth: int = 2, width: int = 4, overlap: bool = True) -
                 overlap=overlap)
 
 
-def test_store_verifies_and_the_pipeline_equals_the_in_memory_submodel(store_dir) -> None:
+@pytest.mark.parametrize("io,lookahead", [("cold", 0), ("file", 0), ("file", 1), ("cold", 1)])
+def test_store_verifies_and_the_pipeline_equals_the_in_memory_submodel(store_dir, io: str, lookahead: int,
+                                                                       monkeypatch) -> None:
+    """Through a mapped source the C loader's thread puts the plan (a window of one layer reuses one buffer); a
+    cold source's reads block, and a Python loader thread builds it."""
+    from academus.shared.models import sti_pipeline
+
+    if io == "file":      # no Python loader thread for a mapped source
+        monkeypatch.setattr(sti_pipeline, "ThreadLoads", None)
     directory, _ = store_dir
     store = ShardStore(directory)
     assert store.verify()["shards"] == 2 * 4 * 6
@@ -307,7 +394,7 @@ def test_store_verifies_and_the_pipeline_equals_the_in_memory_submodel(store_dir
         bank = {(k, s, b): store.decode(k, s, b, store.read_stored(k, s, b))
                 for (k, s), b in plan.bits.items()}
         expected = model.run(ids, mask, model.assemble_plan(plan, bank), types)
-        pipeline = ShardPipeline(model, io_source("cold"))
+        pipeline = ShardPipeline(model, io_source(io), lookahead=lookahead)
         try:
             result = pipeline.run(plan, ids, mask, types)
         finally:

@@ -1,6 +1,7 @@
 /* STI's loader in C: a layer's stored shards (full precision, or k-bit codes and their outliers) put straight into
- * their rows and columns of the layer's matrices. Called through ctypes, which lets go of the GIL for the call: the
- * loader thread then never holds the interpreter while the compute thread's layer needs it (docs/design/sti.md).
+ * their rows and columns of the layer's matrices, by a call through ctypes (which lets go of the GIL for it) or, for
+ * a whole plan, by a thread of its own that never takes the GIL: the compute thread needs the interpreter between
+ * its torch ops, and waits after each one where a loader thread took it back (docs/design/sti.md).
  *
  * A quantized shard is stored as `pack_codes` and `encode_shard` write it (shared/models/shards.py): eight k-bit
  * codes to k bytes, little-endian within a 64-bit word, zero bytes after the last group (WORD_PAD), then the
@@ -9,8 +10,11 @@
  * The flat vector is cut into parts, part p being rows[p] x cols[p] row-major; element (r, c) of part p goes to
  * base[p] + index * step[p] + r * stride[p] + c, `index` being the shard's place in the layer.
  */
+#include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define FULL 32
 #define WORD_PAD 8
@@ -21,6 +25,27 @@ typedef struct {
     float *const *base;
     int64_t index;
 } Layout;
+
+/* zlib's CRC-32 of a buffer, continuing from `crc` (ISA-L's crc32_gzip_refl, found in the process by the caller) */
+typedef uint32_t (*Crc32)(uint32_t crc, const uint8_t *buffer, uint64_t length);
+
+/* One layer's stored shards and where they go (`LayerLoad` in shard_native.py mirrors it): shard i from blobs[i]
+ * (lengths[i] bytes, bits[i], pair table pairs[i], outliers[i] outliers, checksum crcs[i]) at place index[i] of
+ * the layer whose parts the last six fields lay out (Layout). */
+typedef struct {
+    int64_t shards;
+    const uint8_t *const *blobs;
+    const int64_t *lengths;
+    const int *bits;
+    const float *const *pairs;
+    const int64_t *outliers;
+    const uint32_t *crcs;
+    const int64_t *index;
+    int64_t parts;
+    const int64_t *rows, *cols;
+    float *const *base;
+    const int64_t *step, *stride;
+} LayerLoad;
 
 static float *row_start(const Layout *lay, int p, int64_t r) {
     return lay->base[p] + lay->index * lay->step[p] + r * lay->stride[p];
@@ -123,32 +148,140 @@ static void put_one(const uint8_t *blob, int bits, const float *pairs, int64_t o
     put_outliers(blob + coded, blob + coded + 4 * outliers, outliers, lay);
 }
 
-/* zlib's CRC-32 of a buffer, continuing from `crc` (ISA-L's crc32_gzip_refl, found in the process by the caller) */
-typedef uint32_t (*Crc32)(uint32_t crc, const uint8_t *buffer, uint64_t length);
-
-/* Puts `shards` stored shards into their places of one layer: shard i from blobs[i] (lengths[i] bytes, bits[i],
- * pair table pairs[i], outliers[i] outliers, checksum crcs[i]) at place index[i]. One call a layer, checks
- * included: the loader thread lets go of the GIL once a layer, not several times a shard, and every time it takes
- * the GIL back the compute thread waits to take it back after its next op (docs/design/sti.md).
- * Returns 0; i + 1 for the first shard i whose length is not the size the layout and its outliers make; -(i + 1)
- * for the first whose CRC-32 is not crcs[i] (none checked where crc32 is NULL). Every shard is checked before
- * anything is written. */
-int academus_put_layer(int64_t shards, const uint8_t *const *blobs, const int64_t *lengths, const int *bits,
-                       const float *const *pairs, const int64_t *outliers, const uint32_t *crcs, Crc32 crc32,
-                       const int64_t *index, int parts, const int64_t *rows, const int64_t *cols, float *const *base,
-                       const int64_t *step, const int64_t *stride) {
-    Layout lay = {parts, rows, cols, step, stride, base, 0};
+/* Puts one layer's stored shards into their places, checks included: one call a layer, so that the loader lets go
+ * of the GIL once a layer, not several times a shard (docs/design/sti.md). Returns 0; i + 1 for the first shard i
+ * whose length is not the size the layout and its outliers make; -(i + 1) for the first whose CRC-32 is not
+ * crcs[i] (none checked where crc32 is NULL). Every shard is checked before anything is written. */
+int academus_put_layer(const LayerLoad *load, Crc32 crc32) {
+    Layout lay = {(int)load->parts, load->rows, load->cols, load->step, load->stride, load->base, 0};
     const int64_t n = total(&lay);
-    for (int64_t i = 0; i < shards; i++) {
-        const int64_t expected = stored_length(n, bits[i], outliers[i]);
-        if (expected < 0 || lengths[i] != expected || (bits[i] != FULL && pairs[i] == NULL))
+    for (int64_t i = 0; i < load->shards; i++) {
+        const int bits = load->bits[i];
+        const int64_t expected = stored_length(n, bits, load->outliers[i]);
+        if (expected < 0 || load->lengths[i] != expected || (bits != FULL && load->pairs[i] == NULL))
             return (int)(i + 1);
-        if (crc32 != NULL && crc32(0, blobs[i], (uint64_t)lengths[i]) != crcs[i])
+        if (crc32 != NULL && crc32(0, load->blobs[i], (uint64_t)load->lengths[i]) != load->crcs[i])
             return -(int)(i + 1);
     }
-    for (int64_t i = 0; i < shards; i++) {
-        lay.index = index[i];
-        put_one(blobs[i], bits[i], pairs[i], outliers[i], &lay);
+    for (int64_t i = 0; i < load->shards; i++) {
+        lay.index = load->index[i];
+        put_one(load->blobs[i], load->bits[i], load->pairs[i], load->outliers[i], &lay);
     }
     return 0;
+}
+
+/* A plan's layers put in order by a thread of its own, which never takes the GIL: each time a Python loader thread
+ * took it back, the compute thread waited for it after its next torch op, and a pass through the model ran 1.2-1.8
+ * times its time alone (docs/design/sti.md). The caller publishes each layer's LayerLoad as it fills it, waits for
+ * a layer before running it, and says when it is done with one: at most `window` layers are put and not yet done
+ * with (0: no bound), as the buffers they are put into are reused in turn. */
+typedef struct {
+    pthread_t thread;
+    pthread_mutex_t lock;
+    pthread_cond_t changed;
+    const LayerLoad *layers;
+    Crc32 crc32;
+    int64_t count, window;
+    int64_t published, put, done;   /* layers published by the caller, put by the thread, done with by the caller */
+    int failed;                     /* academus_put_layer's code for layer `put`, which was refused */
+    int stopped, ended;
+    int64_t busy_ns;                /* the thread's time in academus_put_layer */
+} PlanLoads;
+
+#define LOADS_STOPPED 0x40000000    /* a wait's answer where the loads stopped before the layer: no shard refused */
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void *run_loads(void *arg) {
+    PlanLoads *loads = arg;
+    pthread_mutex_lock(&loads->lock);
+    for (int64_t k = 0; k < loads->count; k++) {
+        while (!loads->stopped &&
+               (loads->published <= k || (loads->window > 0 && k - loads->done >= loads->window)))
+            pthread_cond_wait(&loads->changed, &loads->lock);
+        if (loads->stopped)
+            break;
+        pthread_mutex_unlock(&loads->lock);
+        const int64_t started = now_ns();
+        const int failed = academus_put_layer(&loads->layers[k], loads->crc32);
+        const int64_t busy = now_ns() - started;
+        pthread_mutex_lock(&loads->lock);
+        loads->busy_ns += busy;
+        if (failed) {
+            loads->failed = failed;
+            break;
+        }
+        loads->put = k + 1;
+        pthread_cond_broadcast(&loads->changed);
+    }
+    loads->ended = 1;
+    pthread_cond_broadcast(&loads->changed);
+    pthread_mutex_unlock(&loads->lock);
+    return NULL;
+}
+
+/* Starts the thread for a plan of `count` layers, whose LayerLoads the caller fills in `layers` and publishes; NULL
+ * where no thread could be started. */
+PlanLoads *academus_loads_start(const LayerLoad *layers, int64_t count, int64_t window, Crc32 crc32) {
+    PlanLoads *loads = calloc(1, sizeof *loads);
+    if (loads == NULL)
+        return NULL;
+    loads->layers = layers;
+    loads->count = count;
+    loads->window = window;
+    loads->crc32 = crc32;
+    pthread_mutex_init(&loads->lock, NULL);
+    pthread_cond_init(&loads->changed, NULL);
+    if (pthread_create(&loads->thread, NULL, run_loads, loads) != 0) {
+        pthread_cond_destroy(&loads->changed);
+        pthread_mutex_destroy(&loads->lock);
+        free(loads);
+        return NULL;
+    }
+    return loads;
+}
+
+/* The first `count` LayerLoads are filled: the thread may put them. */
+void academus_loads_publish(PlanLoads *loads, int64_t count) {
+    pthread_mutex_lock(&loads->lock);
+    loads->published = count;
+    pthread_cond_broadcast(&loads->changed);
+    pthread_mutex_unlock(&loads->lock);
+}
+
+/* Waits until layer k is put: 0; academus_put_layer's code where layer k was refused; LOADS_STOPPED where the
+ * loads ended before it otherwise (stopped, or an earlier layer refused). */
+int academus_loads_wait(PlanLoads *loads, int64_t k) {
+    pthread_mutex_lock(&loads->lock);
+    while (loads->put <= k && !loads->ended)
+        pthread_cond_wait(&loads->changed, &loads->lock);
+    const int answer = loads->put > k ? 0 : (loads->failed && loads->put == k ? loads->failed : LOADS_STOPPED);
+    pthread_mutex_unlock(&loads->lock);
+    return answer;
+}
+
+/* The caller is done with one more layer: its buffers may take the next. */
+void academus_loads_done(PlanLoads *loads) {
+    pthread_mutex_lock(&loads->lock);
+    loads->done++;
+    pthread_cond_broadcast(&loads->changed);
+    pthread_mutex_unlock(&loads->lock);
+}
+
+/* Stops the loads after the layer being put, joins the thread and frees it: the thread's busy time in ns. */
+int64_t academus_loads_finish(PlanLoads *loads) {
+    pthread_mutex_lock(&loads->lock);
+    loads->stopped = 1;
+    pthread_cond_broadcast(&loads->changed);
+    pthread_mutex_unlock(&loads->lock);
+    pthread_join(loads->thread, NULL);
+    const int64_t busy = loads->busy_ns;
+    pthread_cond_destroy(&loads->changed);
+    pthread_mutex_destroy(&loads->lock);
+    free(loads);
+    return busy;
 }
