@@ -24,7 +24,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from academus.shared.models.model import weight_bytes
 from academus.shared.models.shard_io import io_source
 from academus.shared.models.shard_store import ShardStore
-from academus.shared.models.sti_pipeline import DeadlineMissed, ElasticModel, ShardPipeline
+from academus.shared.models.sti_pipeline import LOOKAHEAD_LAYERS, DeadlineMissed, ElasticModel, ShardPipeline
 from academus.shared.models.sti_planner import Plan
 from academus.shared.models.work import ShardRun
 from academus.shared.runtime.errors import DeadlineExceeded, InvalidArgument
@@ -41,7 +41,6 @@ STI_RESIDENT = Gauge("academus_worker_sti_resident_bytes", "Parameter bytes a sh
                      "(resident part and preload buffer)", ["model"])
 STI_BUDGET = Gauge("academus_worker_sti_budget_bytes", "The parameter-memory budget of a shard-served model",
                    ["model"])
-LOOKAHEAD_LAYERS = 2
 
 
 @dataclass(frozen=True)

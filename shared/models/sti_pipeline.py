@@ -1,15 +1,14 @@
-"""Submodel execution (STI §5.5): a loader thread reads the plan's shards layer by layer while the compute
-thread runs each layer as soon as its shards are in. The IO source reads the shards in order: the `throttled`
-device up to a layer ahead of the loader, so that it reads while the loader decodes (`FileSource.read_in_order`).
+"""Submodel execution (STI §5.5): a loader reads the plan's shards layer by layer while the compute thread runs
+each layer as soon as its shards are in. The deadline is checked between layers.
 
 The loader also checks and decodes each shard. The paper decodes on the compute side (C with OpenMP on a
 phone, where decoding is small next to a layer); on a server CPU decoding a MiniLM layer costs about as much
 as running it on one text, so here it overlaps the compute instead of adding to it, and the planner counts
-it in each shard's load time. It decodes in C (`shard_native.py`), outside the GIL that the compute thread
-needs between its torch ops. The deadline is checked between layers.
-
-Its IO sources (`file`, `cold`, `throttled:<MB/s>`) are in `shard_io.py`.
-"""
+it in each shard's load time. It decodes in C (`shard_native.py`). From a mapped source (`file`) a C thread of the
+library's own puts the whole plan and never takes the GIL that the compute thread needs between its torch ops
+(`NativeLoads`); where reads block (`cold`, `throttled:<MB/s>`, in `shard_io.py`) or no library was built, a Python
+loader thread reads each layer and puts it in one C call (`ThreadLoads`), the `throttled` device reading up to a
+layer ahead (`FileSource.read_in_order`)."""
 
 from __future__ import annotations
 
@@ -37,6 +36,11 @@ from academus.shared.models.shards import (
 )
 from academus.shared.models.sti_planner import Pace, Plan
 from academus.shared.state.artifacts import ArtifactError
+
+# The working buffer: the layer computing and the one loading. Two buffers reused in turn stay in the cores' caches;
+# a whole 6x12 plan decoded ahead into fresh ones (42 MB) ran 1.04-1.09x slower beside the C loader
+# (docs/benchmarks/sti.md).
+LOOKAHEAD_LAYERS = 2
 
 
 class DeadlineMissed(Exception):
@@ -155,7 +159,7 @@ class ShardPipeline:
     """Runs plans through one IO source: a loader thread and the calling (compute) thread. The preload buffer
     holds stored shard bytes, counted at their stored size."""
 
-    def __init__(self, model: ElasticModel, source: FileSource, lookahead: int = 0) -> None:
+    def __init__(self, model: ElasticModel, source: FileSource, lookahead: int = LOOKAHEAD_LAYERS) -> None:
         """`lookahead`: decoded layers the loader may hold ahead of the compute (0: no bound)."""
         self.model, self.store, self.source = model, model.store, source
         self.lookahead = lookahead
@@ -254,6 +258,52 @@ class ShardPipeline:
 
 def _versions(plan: Plan, layer: int) -> list[tuple[int, int]]:
     return [(s, plan.bits[(layer, s)]) for s in plan.shards[layer]]
+
+
+def _stored(store: ShardStore, layer: int, versions: Sequence[tuple[int, int]],
+            held: dict[tuple[int, int, int], bytes], source: FileSource, kept: list[bytes | memoryview]
+            ) -> tuple[list[int], ...]:
+    """What the C loader takes of a layer's stored shards ((shard, version) each): where they are (held, or in their
+    file's mapping, which `kept` keeps), their lengths, versions, pair tables, outlier counts and CRC-32s.
+    Addresses, not views: a view and its address took 4 us a shard to make."""
+    addresses, lengths, bits, tables, outliers, crcs = [], [], [], [], [], []
+    for s, b in versions:
+        e = store.entry(layer, s, b)
+        if (blob := held.get((layer, s, b))) is not None:
+            kept.append(blob)
+            addresses.append(address(blob))
+        else:
+            whole, start = source.mapping(store.files[e.file])
+            kept.append(whole)
+            addresses.append(start + e.offset)
+        lengths.append(e.length)
+        bits.append(b)
+        tables.append(store.pair_addresses.get((layer, b), 0))
+        outliers.append(e.outliers)
+        crcs.append(e.crc32)
+    return addresses, lengths, bits, tables, outliers, crcs
+
+
+def load_layer_s(model: ElasticModel, source: FileSource, layer: int, shards: Sequence[int], bits: int) -> float:
+    """A layer's shards at one version loaded as a plan's are, in seconds: from a mapped source, published and put
+    by the C loader's thread (its start not counted: a run starts it once); else read and put by this thread."""
+    store = model.store
+    built = LayerBuilder(shards, model.residents[layer], store.geometry)
+    if not (source.mapped and NATIVE is not None and built.native is not None):
+        started = time.perf_counter()
+        store.load_layer(source, layer, shards, bits, model.residents[layer])
+        return time.perf_counter() - started
+    loads, kept, versions = PlanLoads(1, 0), [], [(s, bits) for s in shards]
+    try:
+        started = time.perf_counter()
+        loads.publish(built.native, range(len(shards)), *_stored(store, layer, versions, {}, source, kept))
+        published = time.perf_counter() - started
+        loads.wait(0)
+    except BadShard as e:
+        store.refuse(layer, versions, [source.view(*store.span(layer, s, b)) for s, b in versions], e)
+    finally:
+        busy = loads.finish()
+    return published + busy
 
 
 def _unheld(plan: Plan, held: dict[tuple[int, int, int], bytes]) -> list[tuple[int, int, int]]:
@@ -356,31 +406,9 @@ class NativeLoads:
                 buffers[slot] = LayerBuilder(shards, resident, self.store.geometry)
             buffer = buffers[slot]
             assert buffer.native is not None
-            self._loads.publish(buffer.native, range(len(shards)), *self._stored(k, held, source))
+            self._loads.publish(buffer.native, range(len(shards)),
+                                *_stored(self.store, k, _versions(self.plan, k), held, source, self._kept))
             self._weights.append(buffer.weights(shards, resident))
-
-    def _stored(self, layer: int, held: dict[tuple[int, int, int], bytes], source: FileSource
-                ) -> tuple[list[int], ...]:
-        """Where the layer's stored shards are (held, or in their file's mapping), their lengths, versions, pair
-        tables, outlier counts and CRC-32s: addresses, not views, which took 4 us a shard to make."""
-        store, bits = self.store, self.plan.bits
-        addresses, lengths, versions, tables, outliers, crcs = [], [], [], [], [], []
-        for s in self.plan.shards[layer]:
-            b = bits[(layer, s)]
-            e = store.entry(layer, s, b)
-            if (blob := held.get((layer, s, b))) is not None:
-                self._kept.append(blob)
-                addresses.append(address(blob))
-            else:
-                whole, start = source.mapping(store.files[e.file])
-                self._kept.append(whole)
-                addresses.append(start + e.offset)
-            lengths.append(e.length)
-            versions.append(b)
-            tables.append(store.pair_addresses.get((layer, b), 0))
-            outliers.append(e.outliers)
-            crcs.append(e.crc32)
-        return addresses, lengths, versions, tables, outliers, crcs
 
     def wait(self, layer: int) -> LayerWeights:
         try:

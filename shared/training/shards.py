@@ -61,7 +61,7 @@ from academus.shared.models.shards import (
     ShardWeights,
     quantize_layers,
 )
-from academus.shared.models.sti_pipeline import ElasticModel
+from academus.shared.models.sti_pipeline import ElasticModel, load_layer_s
 from academus.shared.models.sti_planner import HardwareProfile, Plan
 from academus.shared.models.students import config_keys
 from academus.shared.models.teacher_files import TEACHER_NAME
@@ -537,13 +537,10 @@ def _load_profile(store: ShardStore, model: ElasticModel, source: FileSource, re
                 shards = list(range(geometry.heads))
                 blobs = [store.read_stored(k, s, bits) for s in shards]
                 source.before_run(store.paths())
-                t0 = time.perf_counter()
-                store.load_layer(source, k, shards, bits, model.residents[k])    # as the loader reads
+                loads.append(load_layer_s(model, source, k, shards, bits) / len(shards))   # as a plan loads
                 t1 = time.perf_counter()
                 store.build_layer(k, shards, bits, blobs, model.residents[k])
-                t2 = time.perf_counter()
-                loads.append((t1 - t0) / len(shards))
-                decodes.append((t2 - t1) / len(shards))
+                decodes.append((time.perf_counter() - t1) / len(shards))
             load_ms[bits], decode_ms[bits] = statistics.median(loads) * 1e3, statistics.median(decodes) * 1e3
     finally:
         stop.set()

@@ -33,7 +33,7 @@ from academus.shared.models.shards import (
     pack_codes,
     shard_vector,
 )
-from academus.shared.models.sti_pipeline import DeadlineMissed, ElasticModel, ShardPipeline
+from academus.shared.models.sti_pipeline import DeadlineMissed, ElasticModel, ShardPipeline, load_layer_s
 from academus.shared.models.sti_planner import Pace, Plan
 from academus.shared.state.artifacts import ArtifactError, crc32
 from academus.shared.training.shards import _layer_ms, profile_fidelity, write_encoder_shards
@@ -655,6 +655,9 @@ def test_a_corrupted_shard_is_refused_naming_file_shard_and_checksums(store_dir,
         store.decode(1, 3, 4, store.read_stored(1, 3, 4))
     with pytest.raises(ArtifactError, match=r"layer1\.q4: sha256 .* does not match"):
         store.verify()
+    for io in ("file", "cold"):     # the profile's loads: the C loader's thread, and the Python loader's call
+        with io_source(io) as source, pytest.raises(ArtifactError, match="shard 3 of layer 1 at 4 bits"):
+            load_layer_s(ElasticModel(store, "toy"), source, 1, [0, 3], 4)
     pipeline = ShardPipeline(ElasticModel(store, "toy"), io_source("file"))
     ids, mask, types = pad_batch([[1, 5, 2]])
     try:
