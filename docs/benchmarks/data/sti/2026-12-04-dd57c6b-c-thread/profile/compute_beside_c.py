@@ -3,15 +3,16 @@ thread, and beside a loader process, loading 6-bit or full-precision layers with
 time alone in ms a layer. `python compute_beside_c.py ROUNDS` from the repository root."""
 from __future__ import annotations
 
-import multiprocessing as mp
+import functools
 import sys
 import threading
-import time
+from collections.abc import Callable
 
 import torch
 
 sys.path.insert(0, "docs/benchmarks/data/sti/2026-12-04-74e6f08-layer-put/profile")
-from compute_beside import loader, setup
+import compute_beside
+from compute_beside import setup
 
 from academus.shared.models.model import pad_batch
 from academus.shared.models.shard_io import io_source
@@ -42,46 +43,32 @@ def c_loader(stop: threading.Event, bits: int) -> None:
         loads.finish()
 
 
-def beside(arm: str, measure) -> float:
-    bits = FULL if arm.endswith("32") else 6
-    if arm.startswith("proc"):
-        context = mp.get_context("fork")
-        stop, started = context.Event(), context.Event()
-        worker = context.Process(target=loader, args=(stop, bits, started))
-        worker.start()
-        started.wait(30)
-        time.sleep(0.3)
-    else:
-        stop = threading.Event()
-        worker = threading.Thread(target=c_loader if arm.startswith("cthread") else loader, args=(stop, bits))
-        worker.start()
-        time.sleep(0.5)
+def beside(arm: str, measure: Callable[[], float]) -> float:
+    """compute_beside.py's arms; `cthread*` is its thread arm with the C loader's thread for the loader."""
+    python_loader = compute_beside.loader
+    if arm.startswith("cthread"):
+        compute_beside.loader = c_loader
     try:
-        return measure()
+        return compute_beside.beside(arm.removeprefix("c"), measure)
     finally:
-        stop.set()
-        worker.join()
+        compute_beside.loader = python_loader
 
 
 def main() -> None:
     store, model = setup()
-    geometry = store.geometry
-    weights = [[store.decode(k, s, FULL, store.read_stored(k, s, FULL)) for s in range(geometry.heads)]
-               for k in range(geometry.layers)]
+    weights = [[store.decode(k, s, FULL, store.read_stored(k, s, FULL)) for s in range(store.geometry.heads)]
+               for k in range(store.geometry.layers)]
     ids, mask, _ = pad_batch([[1996] * 32])
     arms = ["thread6", "cthread6", "proc6", "thread32", "cthread32", "proc32"]
-    for round_ in range(int(sys.argv[1]) if len(sys.argv) > 1 else 2):
-        with torch.inference_mode():
-            hidden = model.embed(ids, mask)
+    with torch.inference_mode():
+        hidden = model.embed(ids, mask)
+        for round_ in range(int(sys.argv[1]) if len(sys.argv) > 1 else 2):
             for width in (3, 12):
-                def measure(width: int = width, hidden: torch.Tensor = hidden) -> float:
-                    return _layer_ms(model, weights, width, hidden, mask, 40)
-
-                out = {"alone": measure()}
-                for arm in (arms if round_ % 2 == 0 else arms[::-1]):
-                    out[arm] = beside(arm, measure)
-                print(round_, 32, width, {k: round(v / out["alone"], 2) for k, v in out.items()},
-                      round(out["alone"], 3), flush=True)
+                measure = functools.partial(_layer_ms, model, weights, width, hidden, mask, 40)
+                alone = measure()
+                ratios = {arm: round(beside(arm, measure) / alone, 2)
+                          for arm in (arms if round_ % 2 == 0 else arms[::-1])}
+                print(round_, 32, width, {"alone": 1.0, **ratios}, round(alone, 3), flush=True)
 
 
 if __name__ == "__main__":
