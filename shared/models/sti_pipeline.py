@@ -306,9 +306,14 @@ def load_layer_s(model: ElasticModel, source: FileSource, layer: int, shards: Se
     return published + busy
 
 
-def _unheld(plan: Plan, held: dict[tuple[int, int, int], bytes]) -> list[tuple[int, int, int]]:
-    """The plan's shards ((layer, shard, version) each, in load order) not in the preload buffer."""
-    return [(k, s, b) for k in range(plan.depth) for s, b in _versions(plan, k) if (k, s, b) not in held]
+def _unheld(store: ShardStore, plan: Plan, held: dict[tuple[int, int, int], bytes]) -> list[tuple[int, int, int]]:
+    """The plan's shards ((layer, shard, version) each) not in the preload buffer, as they are read: layer by
+    layer, each layer's in file order."""
+    reads = []
+    for k in range(plan.depth):
+        versions = _versions(plan, k)
+        reads += [(k, s, b) for s, b in (versions[i] for i in store.file_order(k, versions)) if (k, s, b) not in held]
+    return reads
 
 
 class ThreadLoads:
@@ -329,7 +334,8 @@ class ThreadLoads:
         """Runs on the loader thread: `held` is this run's buffer, though `hold` may replace the pipeline's meanwhile.
         The shards not held are read ahead (where the source does) by at most a layer, besides the working buffer."""
         busy = 0.0
-        reads = self.store.read_in_order(source, _unheld(plan, held), depth=len(plan.shards[0]) if plan.shards else 1)
+        reads = self.store.read_in_order(source, _unheld(self.store, plan, held),
+                                         depth=len(plan.shards[0]) if plan.shards else 1)
         try:
             for k in range(plan.depth):
                 while self._room is not None and not self._room.acquire(timeout=0.05):   # the working buffer is full
@@ -338,10 +344,12 @@ class ThreadLoads:
                 started = time.perf_counter()
                 layer = LayerBuilder(plan.shards[k], self.model.residents[k], self.store.geometry)
                 versions = _versions(plan, k)
-                blobs = [held.get((k, s, b)) or next(reads) for s, b in versions]
+                order = self.store.file_order(k, versions)           # as `_unheld` lists the reads
+                in_order = [versions[i] for i in order]
+                blobs = [held.get((k, s, b)) or next(reads) for s, b in in_order]
                 if self._stop.is_set():
                     return busy
-                self.store.put(layer, k, versions, blobs)     # one call a layer, without the GIL
+                self.store.put(layer, k, in_order, blobs, order)     # one call a layer, without the GIL
                 self._out[k] = layer.weights()
                 busy += time.perf_counter() - started
                 self._ready[k].set()

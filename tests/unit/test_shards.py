@@ -11,7 +11,7 @@ import torch
 
 from academus.shared.models.embedding_rows import BLOCK_ROWS, EmbeddingRows
 from academus.shared.models.model import ClassifierHead, TeacherEncoder, pad_batch
-from academus.shared.models.shard_io import ReadAhead, ThrottledSource, address, io_source
+from academus.shared.models.shard_io import ColdSource, ReadAhead, ThrottledSource, address, io_source
 from academus.shared.models.shard_native import LIBRARY, NATIVE, BadShard, PlanLoads
 from academus.shared.models.shard_store import ShardStore, add_task, shape_key
 from academus.shared.models.shards import (
@@ -478,6 +478,37 @@ def test_a_layers_compute_is_timed_over_every_layer_on_its_own_weights(store_dir
         torch.testing.assert_close(w.ffn_in, expected.ffn_in)
         torch.testing.assert_close(w.query, expected.query)
     assert len({w.query.data_ptr() for _, w in ran}) == geometry.layers
+
+
+def test_a_layers_shards_are_read_in_file_order_and_put_in_their_places(store_dir) -> None:
+    """A layer runs once all its shards are in, so a cold file is read in its own order (the kernel's readahead),
+    whatever the plan's order, two versions a layer included; each shard still goes to its own place."""
+    directory, _ = store_dir
+    store = ShardStore(directory)
+    model = ElasticModel(store, "toy")
+    plan = _plan(4)
+    plan.bits[(0, 3)], plan.bits[(1, 0)] = FULL, 2
+    spans: list[tuple[str, int]] = []
+
+    class Recording(ColdSource):
+        def read(self, path: Path, offset: int, length: int) -> bytes:
+            if path.name.startswith("layer"):
+                spans.append((path.name, offset))
+            return super().read(path, offset, length)
+
+    pipeline = ShardPipeline(model, Recording())
+    ids, mask, types = pad_batch([[1, 5, 9, 7, 2]])
+    try:
+        result = pipeline.run(plan, ids, mask, types)
+    finally:
+        pipeline.close()
+    expected = [sorted((store.entry(k, s, plan.bits[(k, s)]).file, store.entry(k, s, plan.bits[(k, s)]).offset)
+                       for s in shards) for k, shards in enumerate(plan.shards)]
+    assert spans == expected[0] + expected[1] and spans != [
+        (store.entry(k, s, plan.bits[(k, s)]).file, store.entry(k, s, plan.bits[(k, s)]).offset)
+        for k, shards in enumerate(plan.shards) for s in shards]      # the plan's own order differs
+    bank = {(k, s, b): store.decode(k, s, b, store.read_stored(k, s, b)) for (k, s), b in plan.bits.items()}
+    torch.testing.assert_close(result.probs, model.run(ids, mask, model.assemble_plan(plan, bank), types))
 
 
 def test_preloaded_shards_are_not_read(store_dir) -> None:
