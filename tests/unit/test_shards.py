@@ -511,6 +511,32 @@ def test_a_layers_shards_are_read_in_file_order_and_put_in_their_places(store_di
     torch.testing.assert_close(result.probs, model.run(ids, mask, model.assemble_plan(plan, bank), types))
 
 
+def test_a_cold_source_asks_the_disk_for_every_span_first_and_turns_its_readahead_off(store_dir, monkeypatch) -> None:
+    """The disk reads the next shards while the loader decodes this one, and only the plan's shards."""
+    import os
+
+    directory, _ = store_dir
+    store = ShardStore(directory)
+    calls: list[tuple[str, int, int, int]] = []
+    advise = os.posix_fadvise
+
+    def recorded(fd: int, offset: int, length: int, advice: int) -> None:
+        calls.append((Path(os.readlink(f"/proc/self/fd/{fd}")).name, offset, length, advice))
+        advise(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", recorded)
+    wanted = [(0, 2, 4), (0, 0, 4), (1, 3, FULL)]
+    with ColdSource() as source:
+        reads = store.read_in_order(source, wanted, depth=1)
+        asked = list(calls)
+        assert [next(reads) for _ in wanted] == [store.read_stored(*x) for x in wanted]
+        reads.close()
+    spans = [store.span(*x) for x in wanted]
+    assert [(name, o, n) for name, o, n, a in asked if a == os.POSIX_FADV_WILLNEED] == [
+        (path.name, offset, length) for path, offset, length in spans]
+    assert sorted(name for name, *_, a in asked if a == os.POSIX_FADV_RANDOM) == ["layer0.q4", "layer1.q32"]
+
+
 def test_preloaded_shards_are_not_read(store_dir) -> None:
     directory, _ = store_dir
     store = ShardStore(directory)
