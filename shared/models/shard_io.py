@@ -16,7 +16,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
@@ -122,19 +122,27 @@ class ColdSource(FileSource):
             os.posix_fadvise(self._fd(path), 0, 0, os.POSIX_FADV_DONTNEED)
 
     def read_in_order(self, spans: Iterable[Span], depth: int) -> Reads:
-        """Each span's bytes in turn, every span asked of the disk first (POSIX_FADV_WILLNEED), in order: the
-        disk reads the next shards while the loader decodes this one, and reads no more than the plan's shards.
-        The kernel's own readahead is off for these files (POSIX_FADV_RANDOM): on a layer read at 6 of its 12
-        shards it read the skipped ones too, and a full-precision shard loaded 1.5 times slower than in a whole
-        layer (docs/benchmarks/sti.md)."""
-        spans = list(spans)
-        for path, offset, length in spans:
-            fd = self._fd(path)
-            if path not in self._random:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-                self._random.add(path)
-            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
-        return (self.read(*span) for span in spans)
+        """Each span's bytes in turn, the disk asked for the spans up to `2 * depth` ahead of the reads
+        (POSIX_FADV_WILLNEED): it reads the next shards while the loader decodes this one, and reads no more than
+        the plan's shards. The horizon bounds what a run stopped early leaves queued for the next: asked for a
+        whole plan at once, paced runs waited behind the reads of the runs cut short before them. The kernel's own
+        readahead is off for these files (POSIX_FADV_RANDOM): on a layer read at 6 of its 12 shards it read the
+        skipped ones too, and a full-precision shard loaded 1.5 times slower than in a whole layer
+        (docs/benchmarks/sti.md)."""
+        return self._prefetched(list(spans), max(1, 2 * depth))
+
+    def _prefetched(self, spans: list[Span], ahead: int) -> Iterator[bytes]:
+        asked = 0
+        for i, span in enumerate(spans):
+            while asked < min(len(spans), i + ahead):
+                path, offset, length = spans[asked]
+                fd = self._fd(path)
+                if path not in self._random:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                    self._random.add(path)
+                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+                asked += 1
+            yield self.read(*span)
 
 
 class ThrottledSource(FileSource):

@@ -511,8 +511,9 @@ def test_a_layers_shards_are_read_in_file_order_and_put_in_their_places(store_di
     torch.testing.assert_close(result.probs, model.run(ids, mask, model.assemble_plan(plan, bank), types))
 
 
-def test_a_cold_source_asks_the_disk_for_every_span_first_and_turns_its_readahead_off(store_dir, monkeypatch) -> None:
-    """The disk reads the next shards while the loader decodes this one, and only the plan's shards."""
+def test_a_cold_source_asks_the_disk_for_spans_ahead_and_turns_its_readahead_off(store_dir, monkeypatch) -> None:
+    """The disk reads the next shards while the loader decodes this one, and only the plan's shards; at most two
+    layers (`2 * depth` spans) ahead, so that a run stopped early leaves little queued for the next."""
     import os
 
     directory, _ = store_dir
@@ -525,16 +526,20 @@ def test_a_cold_source_asks_the_disk_for_every_span_first_and_turns_its_readahea
         advise(fd, offset, length, advice)
 
     monkeypatch.setattr(os, "posix_fadvise", recorded)
-    wanted = [(0, 2, 4), (0, 0, 4), (1, 3, FULL)]
+    wanted = [(0, 2, 4), (0, 0, 4), (1, 3, FULL), (1, 1, FULL)]
+    spans = [(path.name, offset, length) for path, offset, length in (store.span(*x) for x in wanted)]
+
+    def willneed() -> list[tuple[str, int, int]]:
+        return [(name, o, n) for name, o, n, a in calls if a == os.POSIX_FADV_WILLNEED]
+
     with ColdSource() as source:
         reads = store.read_in_order(source, wanted, depth=1)
-        asked = list(calls)
-        assert [next(reads) for _ in wanted] == [store.read_stored(*x) for x in wanted]
+        assert next(reads) == store.read_stored(*wanted[0]) and willneed() == spans[:2]   # two ahead, no more
+        assert next(reads) == store.read_stored(*wanted[1]) and willneed() == spans[:3]
+        assert [next(reads) for _ in wanted[2:]] == [store.read_stored(*x) for x in wanted[2:]]
         reads.close()
-    spans = [store.span(*x) for x in wanted]
-    assert [(name, o, n) for name, o, n, a in asked if a == os.POSIX_FADV_WILLNEED] == [
-        (path.name, offset, length) for path, offset, length in spans]
-    assert sorted(name for name, *_, a in asked if a == os.POSIX_FADV_RANDOM) == ["layer0.q4", "layer1.q32"]
+    assert willneed() == spans
+    assert sorted(name for name, *_, a in calls if a == os.POSIX_FADV_RANDOM) == ["layer0.q4", "layer1.q32"]
 
 
 def test_preloaded_shards_are_not_read(store_dir) -> None:
