@@ -124,11 +124,10 @@ class ColdSource(FileSource):
     def read_in_order(self, spans: Iterable[Span], depth: int) -> Reads:
         """Each span's bytes in turn, the disk asked for the spans up to `2 * depth` ahead of the reads
         (POSIX_FADV_WILLNEED): it reads the next shards while the loader decodes this one, and reads no more than
-        the plan's shards. The horizon bounds what a run stopped early leaves queued for the next: asked for a
-        whole plan at once, paced runs waited behind the reads of the runs cut short before them. The kernel's own
-        readahead is off for these files (POSIX_FADV_RANDOM): on a layer read at 6 of its 12 shards it read the
-        skipped ones too, and a full-precision shard loaded 1.5 times slower than in a whole layer
-        (docs/benchmarks/sti.md)."""
+        the plan's shards. The horizon bounds what a run stopped early (its pace, its deadline) leaves queued for
+        the next. The kernel's own readahead is off for these files (POSIX_FADV_RANDOM): on a layer read at 6 of
+        its 12 shards it read the skipped ones too, and a full-precision shard loaded 1.5 times slower than in a
+        whole layer (docs/benchmarks/sti.md)."""
         return self._prefetched(list(spans), max(1, 2 * depth))
 
     def _prefetched(self, spans: list[Span], ahead: int) -> Iterator[bytes]:
