@@ -54,8 +54,12 @@ class FileSource:
     def _fd(self, path: Path) -> int:
         with self._lock:
             if path not in self._fds:
-                self._fds[path] = os.open(path, os.O_RDONLY)
+                self._fds[path] = fd = os.open(path, os.O_RDONLY)
+                self._opened(fd)
             return self._fds[path]
+
+    def _opened(self, fd: int) -> None:
+        """A file just opened, for a source to advise the kernel how it will be read."""
 
     def read(self, path: Path, offset: int, length: int) -> bytes:
         return os.pread(self._fd(path), length, offset)   # a short read fails the shard's checksum check
@@ -83,11 +87,9 @@ class FileSource:
         return mapped
 
     def read_in_order(self, spans: Iterable[Span], depth: int) -> Reads:
-        """Each span's bytes in turn, as the consumer takes them: views of the mapped files. A thread reading ahead
-        would only contend for the CPU here (a reader thread made cold full-precision loads slower:
-        docs/benchmarks/sti.md). `depth` is for a device that reads ahead."""
-        fetch = self.view if self.mapped else self.read
-        return (fetch(*span) for span in spans)
+        """Each span's bytes in turn, as the consumer takes them: views of the mapped files, which no thread needs
+        to read ahead. `depth` is for a source that reads ahead."""
+        return (self.view(*span) for span in spans)
 
     def before_run(self, paths: Sequence[Path]) -> None:
         """Nothing: the page cache keeps what it keeps."""
@@ -113,9 +115,11 @@ class ColdSource(FileSource):
     name = "cold"
     mapped = False
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._random: set[Path] = set()
+    def _opened(self, fd: int) -> None:
+        """The kernel's own readahead off (POSIX_FADV_RANDOM): on a layer read at 6 of its 12 shards it read the
+        skipped ones too, and a full-precision shard loaded 1.5 times slower than in a whole layer
+        (docs/benchmarks/sti.md). `read_in_order` asks for exactly the plan's shards instead."""
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
 
     def before_run(self, paths: Sequence[Path]) -> None:
         for path in paths:
@@ -125,9 +129,7 @@ class ColdSource(FileSource):
         """Each span's bytes in turn, the disk asked for the spans up to `2 * depth` ahead of the reads
         (POSIX_FADV_WILLNEED): it reads the next shards while the loader decodes this one, and reads no more than
         the plan's shards. The horizon bounds what a run stopped early (its pace, its deadline) leaves queued for
-        the next. The kernel's own readahead is off for these files (POSIX_FADV_RANDOM): on a layer read at 6 of
-        its 12 shards it read the skipped ones too, and a full-precision shard loaded 1.5 times slower than in a
-        whole layer (docs/benchmarks/sti.md)."""
+        the next. A thread reading ahead made full-precision loads slower (docs/benchmarks/sti.md)."""
         return self._prefetched(list(spans), max(1, 2 * depth))
 
     def _prefetched(self, spans: list[Span], ahead: int) -> Iterator[bytes]:
@@ -135,11 +137,7 @@ class ColdSource(FileSource):
         for i, span in enumerate(spans):
             while asked < min(len(spans), i + ahead):
                 path, offset, length = spans[asked]
-                fd = self._fd(path)
-                if path not in self._random:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-                    self._random.add(path)
-                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+                os.posix_fadvise(self._fd(path), offset, length, os.POSIX_FADV_WILLNEED)
                 asked += 1
             yield self.read(*span)
 

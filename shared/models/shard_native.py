@@ -54,15 +54,13 @@ def _load() -> Native | None:
     if getattr(library, "academus_loads_start", None) is None:   # built from an older source: NumPy serves
         return None                                               # until `make setup` rebuilds it
     load = ctypes.POINTER(LayerLoad)
-    signatures = {"put_layer": ([load, _P], ctypes.c_int), "start": ([load, _I64, _I64, _P], _P),
-                  "publish": ([_P, _I64], None), "wait": ([_P, _I64], ctypes.c_int), "done": ([_P], None),
-                  "finish": ([_P], _I64)}
-    calls = {}
+    signatures = {"academus_put_layer": ([load, _P], ctypes.c_int),
+                  "academus_loads_start": ([load, _I64, _I64, _P], _P),
+                  "academus_loads_publish": ([_P, _I64], None), "academus_loads_wait": ([_P, _I64], ctypes.c_int),
+                  "academus_loads_done": ([_P], None), "academus_loads_finish": ([_P], _I64)}
     for name, (argtypes, restype) in signatures.items():
-        call = getattr(library, "academus_put_layer" if name == "put_layer" else f"academus_loads_{name}")
-        call.argtypes, call.restype = argtypes, restype
-        calls[name] = call
-    return Native(**calls)
+        getattr(library, name).argtypes, getattr(library, name).restype = argtypes, restype
+    return Native(*(getattr(library, name) for name in signatures))     # in the fields' order
 
 
 NATIVE = _load()
@@ -137,12 +135,12 @@ class PlanLoads:
     and says when it is done with one: the thread puts at most `window` layers ahead of that (0: no bound), as
     their buffers are reused in turn."""
 
-    def __init__(self, layers: int, window: int, checked: bool = True) -> None:
-        """`checked`: each shard's CRC-32 is checked against the one published with it."""
+    def __init__(self, layers: int, window: int) -> None:
+        """Each shard's CRC-32 is checked against the one published with it."""
         assert NATIVE is not None
         self._loads = (LayerLoad * max(1, layers))()
         self._published: list[tuple[LayerLoad, Sequence[int], Sequence[int], Sequence[int]]] = []
-        self._handle = NATIVE.start(self._loads, layers, window, CRC32 if checked else None)
+        self._handle = NATIVE.start(self._loads, layers, window, CRC32)
         if not self._handle:
             raise OSError("the C shard loader could not start its thread")
 

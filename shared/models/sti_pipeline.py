@@ -266,7 +266,7 @@ def _stored(store: ShardStore, layer: int, versions: Sequence[tuple[int, int]],
     """What the C loader takes of a layer's stored shards ((shard, version) each): where they are (held, or in their
     file's mapping, which `kept` keeps), their lengths, versions, pair tables, outlier counts and CRC-32s.
     Addresses, not views: a view and its address took 4 us a shard to make."""
-    addresses, lengths, bits, tables, outliers, crcs = [], [], [], [], [], []
+    addresses, lengths = [], []
     for s, b in versions:
         e = store.entry(layer, s, b)
         if (blob := held.get((layer, s, b))) is not None:
@@ -277,22 +277,20 @@ def _stored(store: ShardStore, layer: int, versions: Sequence[tuple[int, int]],
             kept.append(whole)
             addresses.append(start + e.offset)
         lengths.append(e.length)
-        bits.append(b)
-        tables.append(store.pair_addresses.get((layer, b), 0))
-        outliers.append(e.outliers)
-        crcs.append(e.crc32)
-    return addresses, lengths, bits, tables, outliers, crcs
+    bits, _, outliers, crcs = store.stored_layout(layer, versions)
+    return addresses, lengths, bits, [store.pair_addresses.get((layer, b), 0) for b in bits], outliers, crcs
 
 
 def load_layer_s(model: ElasticModel, source: FileSource, layer: int, shards: Sequence[int], bits: int) -> float:
     """A layer's shards at one version loaded as a plan's are, in seconds: from a mapped source, published and put
     by the C loader's thread (its start not counted: a run starts it once); else read and put by this thread."""
     store = model.store
-    built = LayerBuilder(shards, model.residents[layer], store.geometry)
-    if not (source.mapped and NATIVE is not None and built.native is not None):
+    if not (source.mapped and NATIVE is not None):
         started = time.perf_counter()
         store.load_layer(source, layer, shards, bits, model.residents[layer])
         return time.perf_counter() - started
+    built = LayerBuilder(shards, model.residents[layer], store.geometry)
+    assert built.native is not None
     loads, kept, versions = PlanLoads(1, 0), [], [(s, bits) for s in shards]
     try:
         started = time.perf_counter()
@@ -306,14 +304,12 @@ def load_layer_s(model: ElasticModel, source: FileSource, layer: int, shards: Se
     return published + busy
 
 
-def _unheld(store: ShardStore, plan: Plan, held: dict[tuple[int, int, int], bytes]) -> list[tuple[int, int, int]]:
-    """The plan's shards ((layer, shard, version) each) not in the preload buffer, as they are read: layer by
-    layer, each layer's in file order."""
-    reads = []
-    for k in range(plan.depth):
-        versions = _versions(plan, k)
-        reads += [(k, s, b) for s, b in (versions[i] for i in store.file_order(k, versions)) if (k, s, b) not in held]
-    return reads
+def _in_file_order(store: ShardStore, plan: Plan, layer: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """A layer's shards as they are read, in the order they lie in their files: their places in the layer, and
+    (shard, version) each."""
+    versions = _versions(plan, layer)
+    places = store.file_order(layer, versions)
+    return places, [versions[i] for i in places]
 
 
 class ThreadLoads:
@@ -334,7 +330,9 @@ class ThreadLoads:
         """Runs on the loader thread: `held` is this run's buffer, though `hold` may replace the pipeline's meanwhile.
         The shards not held are read ahead (where the source does) by at most a layer, besides the working buffer."""
         busy = 0.0
-        reads = self.store.read_in_order(source, _unheld(self.store, plan, held),
+        layers = [_in_file_order(self.store, plan, k) for k in range(plan.depth)]
+        reads = self.store.read_in_order(source, [(k, s, b) for k, (_, versions) in enumerate(layers)
+                                                  for s, b in versions if (k, s, b) not in held],
                                          depth=len(plan.shards[0]) if plan.shards else 1)
         try:
             for k in range(plan.depth):
@@ -343,13 +341,11 @@ class ThreadLoads:
                         return busy
                 started = time.perf_counter()
                 layer = LayerBuilder(plan.shards[k], self.model.residents[k], self.store.geometry)
-                versions = _versions(plan, k)
-                order = self.store.file_order(k, versions)           # as `_unheld` lists the reads
-                in_order = [versions[i] for i in order]
-                blobs = [held.get((k, s, b)) or next(reads) for s, b in in_order]
+                places, versions = layers[k]
+                blobs = [held.get((k, s, b)) or next(reads) for s, b in versions]
                 if self._stop.is_set():
                     return busy
-                self.store.put(layer, k, in_order, blobs, order)     # one call a layer, without the GIL
+                self.store.put(layer, k, versions, blobs, places)     # one call a layer, without the GIL
                 self._out[k] = layer.weights()
                 busy += time.perf_counter() - started
                 self._ready[k].set()
@@ -396,14 +392,13 @@ class NativeLoads:
         self._weights: list[LayerWeights] = []
         self._kept: list[bytes | memoryview] = []    # what the loads read from, alive until they finish
         try:
-            self._publish(held, source, buffers, window or plan.depth)
+            self._publish(buffers, window or plan.depth)
         except BaseException:
             self._loads.finish()
             raise
         self._publish_s = time.perf_counter() - started
 
-    def _publish(self, held: dict[tuple[int, int, int], bytes], source: FileSource, buffers: list[LayerBuilder],
-                 slots: int) -> None:
+    def _publish(self, buffers: list[LayerBuilder], slots: int) -> None:
         del buffers[slots:]
         for k, shards in enumerate(self.plan.shards):
             resident = self.model.residents[k]
@@ -415,7 +410,7 @@ class NativeLoads:
             buffer = buffers[slot]
             assert buffer.native is not None
             self._loads.publish(buffer.native, range(len(shards)),
-                                *_stored(self.store, k, _versions(self.plan, k), held, source, self._kept))
+                                *_stored(self.store, k, _versions(self.plan, k), self._held, self._source, self._kept))
             self._weights.append(buffer.weights(shards, resident))
 
     def wait(self, layer: int) -> LayerWeights:
