@@ -99,6 +99,17 @@ class EmbeddingRows:
             self._keep([rows[i] for i in missing], fetched, set(rows))
         return local[inverse].reshape(*ids.shape, self.width).to(ids.device)
 
+    def prefetch(self, ids: torch.Tensor, source: Reader) -> None:
+        """Asks the source now for the blocks of the ids' rows not cached, which `read` then takes: the compute waits
+        for the rows, and through a cold page cache they queued behind the shards the loader had asked for, taking
+        3-6 times as long (docs/benchmarks/sti.md). Ids out of range are left to `read` to refuse."""
+        wanted = torch.unique(ids.reshape(-1).to("cpu", torch.long)).tolist()
+        with self._lock:
+            blocks = sorted({row // self.block_rows for row in wanted
+                             if 0 <= row < self.rows and row not in self._slots})
+        for block in blocks:
+            source.prefetch(self.path, *self.block_span(block))
+
     def check_all(self, source: Reader) -> int:
         """Every block against its crc32 (`shard verify`); returns the blocks checked."""
         for block in range(len(self.crcs)):

@@ -35,9 +35,11 @@ class Reads(Protocol):
 
 
 class Reader(Protocol):
-    """An IO source: positional reads of a file."""
+    """An IO source: positional reads of a file, and a span asked for ahead of its read."""
 
     def read(self, path: Path, offset: int, length: int) -> bytes: ...
+
+    def prefetch(self, path: Path, offset: int, length: int) -> None: ...
 
 
 class FileSource:
@@ -63,6 +65,9 @@ class FileSource:
 
     def read(self, path: Path, offset: int, length: int) -> bytes:
         return os.pread(self._fd(path), length, offset)   # a short read fails the shard's checksum check
+
+    def prefetch(self, path: Path, offset: int, length: int) -> None:
+        """Nothing: what the page cache holds is read at once, and the rest as the reads come."""
 
     def view(self, path: Path, offset: int, length: int) -> memoryview:
         """The span's bytes in the file's mapping, not copied. A read through the page cache is a copy, as costly as
@@ -125,6 +130,10 @@ class ColdSource(FileSource):
         for path in paths:
             os.posix_fadvise(self._fd(path), 0, 0, os.POSIX_FADV_DONTNEED)
 
+    def prefetch(self, path: Path, offset: int, length: int) -> None:
+        """The disk asked for the span now (POSIX_FADV_WILLNEED), so that it is read before what is asked later."""
+        os.posix_fadvise(self._fd(path), offset, length, os.POSIX_FADV_WILLNEED)
+
     def read_in_order(self, spans: Iterable[Span], depth: int) -> Reads:
         """Each span's bytes in turn, the disk asked for the spans up to `2 * depth` ahead of the reads
         (POSIX_FADV_WILLNEED): it reads the next shards while the loader decodes this one, and reads no more than
@@ -136,14 +145,15 @@ class ColdSource(FileSource):
         asked = 0
         for i, span in enumerate(spans):
             while asked < min(len(spans), i + ahead):
-                path, offset, length = spans[asked]
-                os.posix_fadvise(self._fd(path), offset, length, os.POSIX_FADV_WILLNEED)
+                self.prefetch(*spans[asked])
                 asked += 1
             yield self.read(*span)
 
 
 class ThrottledSource(FileSource):
     """Reads that take at least length / bandwidth each, one after another, as one storage device serves them."""
+
+    mapped = False    # every shard goes through `read`, which the bandwidth paces
 
     def __init__(self, megabytes_per_s: float) -> None:
         super().__init__()

@@ -542,26 +542,95 @@ def test_a_cold_source_asks_the_disk_for_spans_ahead_and_turns_its_readahead_off
     assert sorted(name for name, *_, a in calls if a == os.POSIX_FADV_RANDOM) == ["layer0.q4", "layer1.q32"]
 
 
-def test_preloaded_shards_are_not_read(store_dir) -> None:
+def test_a_run_asks_for_its_uncached_embedding_rows_before_any_shard(store_dir, monkeypatch) -> None:
+    """The compute waits for the rows: through a cold page cache the disk is asked for them first, not behind the
+    loader's shards; rows in the cache, and ids out of range (which `read` refuses), are not asked for."""
+    import os
+
+    directory, _ = store_dir
+    store = ShardStore(directory)
+    model = ElasticModel(store, "toy")
+    asked: list[tuple[str, int, int]] = []
+    advise = os.posix_fadvise
+
+    def recorded(fd: int, offset: int, length: int, advice: int) -> None:
+        if advice == os.POSIX_FADV_WILLNEED:
+            asked.append((Path(os.readlink(f"/proc/self/fd/{fd}")).name, offset, length))
+        advise(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", recorded)
+    ids, mask, types = pad_batch([[1, 5, 2 * BLOCK_ROWS + 3, 7]])
+    blocks = [(store.rows.path.name, *store.rows.block_span(b)) for b in (0, 2)]
+    pipeline = ShardPipeline(model, ColdSource())
+    try:
+        first = pipeline.run(_plan(6), ids, mask, types)
+        assert asked[:2] == blocks and all(name != store.rows.path.name for name, *_ in asked[2:])
+        assert len(asked) > 2                                    # then the plan's shards
+        asked.clear()
+        torch.testing.assert_close(pipeline.run(_plan(6), ids, mask, types).probs, first.probs)
+        assert asked and all(name != store.rows.path.name for name, *_ in asked)   # cached: only shards
+        asked.clear()
+        store.rows.prefetch(torch.tensor([[-1, store.rows.rows, 3 * BLOCK_ROWS]]), pipeline.source)
+        assert asked == [(store.rows.path.name, *store.rows.block_span(3))]
+    finally:
+        pipeline.close()
+    with io_source("file") as source:                           # a mapped source is asked nothing
+        asked.clear()
+        store.rows.prefetch(torch.tensor([[4 * BLOCK_ROWS]]), source)
+        assert asked == []
+
+
+@pytest.mark.parametrize("io", ["cold", "throttled:1000"])
+def test_finishing_a_run_cut_short_wakes_a_python_loader_waiting_for_room(store_dir, io: str) -> None:
+    """A run cut short (by its pace, by its deadline) no longer frees the working buffer: its end must wake the
+    loader, which waits for room without a timeout, and the loader builds nothing more."""
+    import threading
+
+    directory, _ = store_dir
+    store = ShardStore(directory)
+    pipeline = ShardPipeline(ElasticModel(store, "toy"), io_source(io), lookahead=1)
+    try:
+        loads = pipeline._start(_plan(6))
+        loads.wait(0)                                  # the loader's window (one layer) is full: it waits
+        finished: list[float] = []
+        ending = threading.Thread(target=lambda: finished.append(loads.finish()))
+        ending.start()
+        ending.join(timeout=30)                        # a hang, not a speed: a loader never woken never ends
+        assert finished and finished[0] > 0 and not ending.is_alive()
+        assert 1 not in loads._out and not loads._ready[1].is_set()
+    finally:
+        pipeline.close()
+
+
+@pytest.mark.parametrize("io", ["throttled:1", "cold"])
+def test_sources_that_read_read_every_shard_but_the_preloaded(store_dir, io: str) -> None:
+    """A throttled or cold source is read, never mapped (a mapping would bypass its bandwidth or its cold pages):
+    each shard of the plan not preloaded once, through `read`."""
     directory, _ = store_dir
     store = ShardStore(directory)
     model = ElasticModel(store, "toy")
     plan = _plan(6)
-    plan.preload = set(plan.bits)
+    plan.preload = {x for x in plan.bits if x[0] == 0}
+    source = io_source(io)
+    read = source.read
+    spans: list[tuple[Path, int, int]] = []
 
-    class Refusing(ThrottledSource):
-        def read(self, path: Path, offset: int, length: int) -> bytes:
-            assert path == store.rows.path, "a preloaded shard was read"
-            return super().read(path, offset, length)
+    def recorded(path: Path, offset: int, length: int) -> bytes:
+        if path != store.rows.path:
+            spans.append((path, offset, length))
+        return read(path, offset, length)
 
-    pipeline = ShardPipeline(model, Refusing(1.0))
+    source.read = recorded       # type: ignore[method-assign]
+    pipeline = ShardPipeline(model, source)
     try:
         held = pipeline.preload(plan)
+        spans.clear()                                   # the preload's own reads
         ids, mask, types = pad_batch([[1, 5, 2]])
         pipeline.run(plan, ids, mask, types)
     finally:
         pipeline.close()
     assert held == sum(store.shard_bytes(k, s, 6) for k, s in plan.preload)
+    assert sorted(spans) == sorted(store.span(1, s, 6) for s in plan.shards[1])
 
 
 def test_throttled_source_takes_its_bandwidth(store_dir) -> None:
