@@ -4,7 +4,7 @@ student shards and `shard verify` read them.
 Every arm of a comparison reads through the same source, and each result names it:
 - `file`: the files mapped once; a shard's bytes are a view of the page cache, put into its layer with no copy before;
 - `cold`: the shard files' pages are dropped from the page cache (posix_fadvise DONTNEED) before each run, then
-  the plan's shards are asked of the disk in order (WILLNEED);
+  the plan's shards are asked of the disk in order (WILLNEED) and read (by the C loader's thread where it is built);
 - `throttled:<MB/s>`: reads complete no sooner than a device of that bandwidth would deliver them, one
   read at a time: flash storage, or the paper's load/compute skew on this machine's compute.
 """
@@ -47,13 +47,16 @@ class FileSource:
 
     name = "file"
     mapped = True     # a cold source reads: the kernel drops no page of a file that a process maps
+    c_reads = False   # whether the C loader's thread may read the files itself (pread), as `read` does
+    ahead_layers = 0  # layers of a plan whose shards the disk is asked for ahead of their reads
 
     def __init__(self) -> None:
         self._fds: dict[Path, int] = {}
         self._maps: dict[Path, tuple[memoryview, int]] = {}
         self._lock = threading.Lock()
 
-    def _fd(self, path: Path) -> int:
+    def descriptor(self, path: Path) -> int:
+        """The file's descriptor, open until `close` (the C loader's thread reads it as this source does)."""
         with self._lock:
             if path not in self._fds:
                 self._fds[path] = fd = os.open(path, os.O_RDONLY)
@@ -64,7 +67,7 @@ class FileSource:
         """A file just opened, for a source to advise the kernel how it will be read."""
 
     def read(self, path: Path, offset: int, length: int) -> bytes:
-        return os.pread(self._fd(path), length, offset)   # a short read fails the shard's checksum check
+        return os.pread(self.descriptor(path), length, offset)   # a short read fails the shard's checksum check
 
     def prefetch(self, path: Path, offset: int, length: int) -> None:
         """Nothing: what the page cache holds is read at once, and the rest as the reads come."""
@@ -83,7 +86,7 @@ class FileSource:
         the mapping."""
         mapped = self._maps.get(path)
         if mapped is None:
-            fd = self._fd(path)
+            fd = self.descriptor(path)
             with self._lock:
                 if (mapped := self._maps.get(path)) is None:
                     size = os.fstat(fd).st_size
@@ -119,6 +122,8 @@ class ColdSource(FileSource):
 
     name = "cold"
     mapped = False
+    c_reads = True
+    ahead_layers = 2  # what a run stopped early (its pace, its deadline) leaves queued for the next stays small
 
     def _opened(self, fd: int) -> None:
         """The kernel's own readahead off (POSIX_FADV_RANDOM): on a layer read at 6 of its 12 shards it read the
@@ -128,18 +133,17 @@ class ColdSource(FileSource):
 
     def before_run(self, paths: Sequence[Path]) -> None:
         for path in paths:
-            os.posix_fadvise(self._fd(path), 0, 0, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(self.descriptor(path), 0, 0, os.POSIX_FADV_DONTNEED)
 
     def prefetch(self, path: Path, offset: int, length: int) -> None:
         """The disk asked for the span now (POSIX_FADV_WILLNEED), so that it is read before what is asked later."""
-        os.posix_fadvise(self._fd(path), offset, length, os.POSIX_FADV_WILLNEED)
+        os.posix_fadvise(self.descriptor(path), offset, length, os.POSIX_FADV_WILLNEED)
 
     def read_in_order(self, spans: Iterable[Span], depth: int) -> Reads:
-        """Each span's bytes in turn, the disk asked for the spans up to `2 * depth` ahead of the reads
+        """Each span's bytes in turn, the disk asked for the spans up to `ahead_layers * depth` ahead of the reads
         (POSIX_FADV_WILLNEED): it reads the next shards while the loader decodes this one, and reads no more than
-        the plan's shards. The horizon bounds what a run stopped early (its pace, its deadline) leaves queued for
-        the next. A thread reading ahead made full-precision loads slower (docs/benchmarks/sti.md)."""
-        return self._prefetched(list(spans), max(1, 2 * depth))
+        the plan's shards. A thread reading ahead made full-precision loads slower (docs/benchmarks/sti.md)."""
+        return self._prefetched(list(spans), max(1, self.ahead_layers * depth))
 
     def _prefetched(self, spans: list[Span], ahead: int) -> Iterator[bytes]:
         asked = 0

@@ -4,7 +4,8 @@ A loader thread that decodes with NumPy takes and gives back the GIL at every sm
 needs it between its torch ops: on the 2-core machine each slowed the other by a third or more
 (docs/design/sti.md). A ctypes call runs without the GIL, so one call puts a layer's shards in while the compute
 runs on (`NativePut`), and in the pipeline a C thread of the library's own puts a whole plan's layers, never taking
-the GIL at all (`PlanLoads`). Where the library was not built (no C compiler), `NATIVE` is None and NumPy decodes.
+the GIL at all (`PlanLoads`), reading their shards from the files itself where they are not in memory. Where the
+library was not built (no C compiler), `NATIVE` is None and NumPy decodes.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class LayerLoad(ctypes.Structure):
     _fields_ = [("shards", _I64), ("blobs", ctypes.POINTER(_P)), ("lengths", _I64P),
                 ("bits", ctypes.POINTER(ctypes.c_int)), ("pairs", ctypes.POINTER(_P)), ("outliers", _I64P),
                 ("crcs", ctypes.POINTER(ctypes.c_uint32)), ("index", _I64P), ("parts", _I64), ("rows", _I64P),
-                ("cols", _I64P), ("base", ctypes.POINTER(_P)), ("step", _I64P), ("stride", _I64P)]
+                ("cols", _I64P), ("base", ctypes.POINTER(_P)), ("step", _I64P), ("stride", _I64P),
+                ("fds", ctypes.POINTER(ctypes.c_int)), ("offsets", _I64P)]
 
 
 @dataclass(frozen=True)
@@ -47,15 +49,19 @@ class Native:
     finish: Callable[..., int]
 
 
+LOADER_VERSION = 2    # shard_put.c's academus_loader_version: the layout of LayerLoad and of the calls
+
+
 def _load() -> Native | None:
     if not LIBRARY.is_file():
         return None
     library = ctypes.CDLL(str(LIBRARY))
-    if getattr(library, "academus_loads_start", None) is None:   # built from an older source: NumPy serves
-        return None                                               # until `make setup` rebuilds it
+    version = getattr(library, "academus_loader_version", None)
+    if version is None or version() != LOADER_VERSION:   # built from another source: its structs differ, and NumPy
+        return None                                       # serves until `make setup` rebuilds it
     load = ctypes.POINTER(LayerLoad)
     signatures = {"academus_put_layer": ([load, _P], ctypes.c_int),
-                  "academus_loads_start": ([load, _I64, _I64, _P], _P),
+                  "academus_loads_start": ([load, _I64, _I64, _P, _P, _I64, _I64], _P),
                   "academus_loads_publish": ([_P, _I64], None), "academus_loads_wait": ([_P, _I64], ctypes.c_int),
                   "academus_loads_done": ([_P], None), "academus_loads_finish": ([_P], _I64)}
     for name, (argtypes, restype) in signatures.items():
@@ -96,15 +102,19 @@ class NativePut:
         self._base = (_P * len(parts))(*(m.ctypes.data for m in matrices))
 
     def load(self, index: Sequence[int], addresses: Sequence[int], lengths: Sequence[int], bits: Sequence[int],
-             pair_tables: Sequence[int], outliers: Sequence[int], crcs: Sequence[int] | None = None) -> LayerLoad:
+             pair_tables: Sequence[int], outliers: Sequence[int], crcs: Sequence[int] | None = None,
+             reads: Sequence[tuple[int, int]] | None = None) -> LayerLoad:
         """Stored shards bound for places `index[i]`, as the C loader takes them: shard i's `lengths[i]` bytes at
-        `addresses[i]`, its pair table's address (0 at full precision). The load keeps its arrays alive; the caller
-        keeps the shards' and tables' memory."""
+        `addresses[i]`, its pair table's address (0 at full precision). `reads[i]`: (descriptor, offset) of a shard
+        a plan's thread reads from its file, (-1, 0) for one at its address. The load keeps its arrays alive; the
+        caller keeps the shards' and tables' memory, and the files open."""
         n = len(addresses)
+        fds, offsets = zip(*reads, strict=True) if reads else ((), ())
         return LayerLoad(n, (_P * n)(*addresses), (_I64 * n)(*lengths), (ctypes.c_int * n)(*bits),
                          (_P * n)(*pair_tables), (_I64 * n)(*outliers), (ctypes.c_uint32 * n)(*(crcs or [0] * n)),
                          (_I64 * n)(*index), self._parts, self._rows, self._cols, self._base, self._step,
-                         self._stride)
+                         self._stride, (ctypes.c_int * n)(*fds) if reads else None,
+                         (_I64 * n)(*offsets) if reads else None)
 
     def __call__(self, index: Sequence[int], blobs: Sequence[bytes | memoryview], bits: Sequence[int],
                  pair_tables: Sequence[np.ndarray | None], outliers: Sequence[int],
@@ -126,6 +136,7 @@ def refused(failed: int, lengths: Sequence[int], bits: Sequence[int], outliers: 
 
 
 LOADS_STOPPED = 0x40000000    # shard_put.c: the loads ended before the layer, no shard of it refused
+LOADS_UNREAD = 0x40000001     # shard_put.c: a shard of the layer could not be read into the staging buffer
 
 
 class PlanLoads:
@@ -135,22 +146,26 @@ class PlanLoads:
     and says when it is done with one: the thread puts at most `window` layers ahead of that (0: no bound), as
     their buffers are reused in turn."""
 
-    def __init__(self, layers: int, window: int) -> None:
-        """Each shard's CRC-32 is checked against the one published with it."""
+    def __init__(self, layers: int, window: int, staging: np.ndarray | None = None, ahead: int = 0) -> None:
+        """Each shard's CRC-32 is checked against the one published with it. Shards published to be read from their
+        files go through `staging` (uint8, a layer's reads at most), the disk asked for them `ahead` layers ahead of
+        the layer read."""
         assert NATIVE is not None
         self._loads = (LayerLoad * max(1, layers))()
         self._published: list[tuple[LayerLoad, Sequence[int], Sequence[int], Sequence[int]]] = []
-        self._handle = NATIVE.start(self._loads, layers, window, CRC32)
+        self._staging = staging                   # the thread writes into it until `finish`
+        self._handle = NATIVE.start(self._loads, layers, window, CRC32, 0 if staging is None else staging.ctypes.data,
+                                    0 if staging is None else staging.nbytes, ahead)
         if not self._handle:
             raise OSError("the C shard loader could not start its thread")
 
     def publish(self, put: NativePut, index: Sequence[int], addresses: Sequence[int], lengths: Sequence[int],
                 bits: Sequence[int], pair_tables: Sequence[int], outliers: Sequence[int],
-                crcs: Sequence[int] | None = None) -> None:
+                crcs: Sequence[int] | None = None, reads: Sequence[tuple[int, int]] | None = None) -> None:
         """The next layer's shards, into `put`'s matrices (as `NativePut.load` takes them). The caller keeps the
-        shards' memory until `finish`."""
+        shards' memory, and their files open, until `finish`."""
         assert NATIVE is not None and self._handle
-        load = put.load(index, addresses, lengths, bits, pair_tables, outliers, crcs)
+        load = put.load(index, addresses, lengths, bits, pair_tables, outliers, crcs, reads)
         self._loads[len(self._published)] = load
         self._published.append((load, lengths, bits, outliers))
         NATIVE.publish(self._handle, len(self._published))
@@ -163,6 +178,8 @@ class PlanLoads:
             return
         if failed == LOADS_STOPPED:
             raise RuntimeError(f"the shard loads ended before layer {layer}")
+        if failed == LOADS_UNREAD:
+            raise OSError(f"the shards of layer {layer} could not be read whole from their files")
         raise refused(failed, *self._published[layer][1:])
 
     def done(self) -> None:

@@ -4,11 +4,12 @@ each layer as soon as its shards are in. The deadline is checked between layers.
 The loader also checks and decodes each shard. The paper decodes on the compute side (C with OpenMP on a
 phone, where decoding is small next to a layer); on a server CPU decoding a MiniLM layer costs about as much
 as running it on one text, so here it overlaps the compute instead of adding to it, and the planner counts
-it in each shard's load time. It decodes in C (`shard_native.py`). From a mapped source (`file`) a C thread of the
-library's own puts the whole plan and never takes the GIL that the compute thread needs between its torch ops
-(`NativeLoads`); where reads block (`cold`, `throttled:<MB/s>`, in `shard_io.py`) or no library was built, a Python
-loader thread reads each layer and puts it in one C call (`ThreadLoads`), the `throttled` device reading up to a
-layer ahead (`FileSource.read_in_order`)."""
+it in each shard's load time. It decodes in C (`shard_native.py`). A C thread of the library's own puts the whole
+plan and never takes the GIL that the compute thread needs between its torch ops (`NativeLoads`): from a mapped
+source (`file`) it takes the shards where they lie; through a cold page cache (`cold`, in `shard_io.py`) it reads
+them itself, asking the disk ahead. For `throttled:<MB/s>`, whose reads the bandwidth paces in Python, or where no
+library was built, a Python loader thread reads each layer and puts it in one C call (`ThreadLoads`), the
+`throttled` device reading up to a layer ahead (`FileSource.read_in_order`)."""
 
 from __future__ import annotations
 
@@ -16,14 +17,15 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
 from academus.shared.models.architectures import family_module, read_architecture
 from academus.shared.models.model import MEAN, ClassifierHead, body_inputs, padded_positions, pool
-from academus.shared.models.shard_io import FileSource, address
+from academus.shared.models.shard_io import FileSource, Span, address
 from academus.shared.models.shard_native import NATIVE, BadShard, PlanLoads
 from academus.shared.models.shard_store import RELATIVE_BIAS, ShardStore
 from academus.shared.models.shards import (
@@ -155,6 +157,20 @@ class RunResult:
     depth: int = 0        # the layers that ran: the plan's, or fewer where a pace cut it short
 
 
+@dataclass
+class LoaderBuffers:
+    """What the C loader's thread writes into, kept from run to run (making them anew took a run 80 us, and more
+    beside the loads): the layer buffers of the last width it loaded, and the bytes of the layer it reads."""
+
+    layers: list[LayerBuilder] = field(default_factory=list)
+    staging: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8))
+
+    def staging_for(self, size: int) -> np.ndarray:
+        if self.staging.nbytes < size:
+            self.staging = np.empty(size, np.uint8)
+        return self.staging
+
+
 class ShardPipeline:
     """Runs plans through one IO source: a loader thread and the calling (compute) thread. The preload buffer
     holds stored shard bytes, counted at their stored size."""
@@ -166,7 +182,7 @@ class ShardPipeline:
         self.preloaded: dict[tuple[int, int, int], bytes] = {}
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sti-loader")
         self._running = threading.Lock()          # one run at a time: the C loader's buffers serve run after run
-        self._buffers: list[LayerBuilder] = []    # the C loader's, of the last width it loaded
+        self._buffers = LoaderBuffers()
 
     def preload(self, plan: Plan) -> int:
         """Holds the plan's preload set (a buffer filled for it); returns the buffer's bytes."""
@@ -194,10 +210,10 @@ class ShardPipeline:
         self.model.close()
 
     def _start(self, plan: Plan) -> ThreadLoads | NativeLoads:
-        """The plan's loads, begun: by the C loader's own thread where the source maps its files and the library was
-        built, else by a Python loader thread (reads that block, or NumPy decoding)."""
+        """The plan's loads, begun: by the C loader's own thread where the library was built and the source maps its
+        files or lets the thread read them, else by a Python loader thread (a throttled device, or NumPy decoding)."""
         window = self.lookahead if plan.overlap else 0   # Load&Exec loads the whole submodel first
-        if self.source.mapped and NATIVE is not None:
+        if NATIVE is not None and (self.source.mapped or self.source.c_reads):
             return NativeLoads(self.model, plan, self.preloaded, self.source, window, self._buffers)
         return ThreadLoads(self._loader, self.model, plan, self.preloaded, self.source, window)
 
@@ -263,52 +279,71 @@ def _versions(plan: Plan, layer: int) -> list[tuple[int, int]]:
 
 def _stored(store: ShardStore, layer: int, versions: Sequence[tuple[int, int]],
             held: dict[tuple[int, int, int], bytes], source: FileSource, kept: list[bytes | memoryview]
-            ) -> tuple[list[int], ...]:
+            ) -> tuple[list[int], list[int], list[int], list[int], list[int], list[int], list[tuple[int, int]] | None]:
     """What the C loader takes of a layer's stored shards ((shard, version) each): where they are (held, or in their
-    file's mapping, which `kept` keeps), their lengths, versions, pair tables, outlier counts and CRC-32s.
-    Addresses, not views: a view and its address took 4 us a shard to make."""
-    addresses, lengths = [], []
+    file's mapping, which `kept` keeps), their lengths, versions, pair tables, outlier counts and CRC-32s; and from a
+    source the loader reads, each shard's (descriptor, offset) to read it from ((-1, 0): held). Addresses, not views:
+    a view and its address took 4 us a shard to make."""
+    addresses, lengths, reads = [], [], []
     for s, b in versions:
         e = store.entry(layer, s, b)
         if (blob := held.get((layer, s, b))) is not None:
             kept.append(blob)
             addresses.append(address(blob))
-        else:
+            reads.append((-1, 0))
+        elif source.mapped:
             whole, start = source.mapping(store.files[e.file])
             kept.append(whole)
             addresses.append(start + e.offset)
+        else:
+            addresses.append(0)
+            reads.append((source.descriptor(store.files[e.file]), e.offset))
         lengths.append(e.length)
     bits, _, outliers, crcs = store.stored_layout(layer, versions)
-    return addresses, lengths, bits, [store.pair_addresses.get((layer, b), 0) for b in bits], outliers, crcs
+    return (addresses, lengths, bits, [store.pair_addresses.get((layer, b), 0) for b in bits], outliers, crcs,
+            None if source.mapped else reads)
+
+
+def _unread(reads: list[tuple[int, int]] | None, lengths: Sequence[int]) -> int:
+    """The bytes of a layer the C loader's thread reads from files."""
+    return sum(n for (fd, _), n in zip(reads, lengths, strict=True) if fd >= 0) if reads else 0
+
+
+def _stored_bytes(source: FileSource, span: Span) -> bytes | memoryview:
+    return source.view(*span) if source.mapped else source.read(*span)
 
 
 def load_layer_s(model: ElasticModel, source: FileSource, layer: int, shards: Sequence[int], bits: int) -> float:
-    """A layer's shards at one version loaded as a plan's are, in seconds: from a mapped source, published and put
-    by the C loader's thread (its start not counted: a run starts it once); else read and put by this thread."""
+    """A layer's shards at one version loaded as a plan's are, in seconds: published, then read where the source
+    lets it and put by the C loader's thread (its start not counted: a run starts it once); else read and put by this
+    thread."""
     store = model.store
-    if not (source.mapped and NATIVE is not None):
+    if not (NATIVE is not None and (source.mapped or source.c_reads)):
         started = time.perf_counter()
         store.load_layer(source, layer, shards, bits, model.residents[layer])
         return time.perf_counter() - started
     built = LayerBuilder(shards, model.residents[layer], store.geometry)
     assert built.native is not None
-    loads, kept, versions = PlanLoads(1, 0), [], [(s, bits) for s in shards]
+    kept: list[bytes | memoryview] = []
+    places, versions = _in_file_order(store, layer, [(s, bits) for s in shards])
+    stored = _stored(store, layer, versions, {}, source, kept)
+    loads = PlanLoads(1, 0, np.empty(_unread(stored[-1], stored[1]), np.uint8), source.ahead_layers)
     try:
         started = time.perf_counter()
-        loads.publish(built.native, range(len(shards)), *_stored(store, layer, versions, {}, source, kept))
+        loads.publish(built.native, places, *stored)
         published = time.perf_counter() - started
         loads.wait(0)
     except BadShard as e:
-        store.refuse(layer, versions, [source.view(*store.span(layer, s, b)) for s, b in versions], e)
+        store.refuse(layer, versions, [_stored_bytes(source, store.span(layer, s, b)) for s, b in versions], e)
     finally:
         busy = loads.finish()
     return published + busy
 
 
-def _in_file_order(store: ShardStore, plan: Plan, layer: int) -> tuple[list[int], list[tuple[int, int]]]:
-    """A layer's shards as they are read, in the order they lie in their files: their places in the layer, and
-    (shard, version) each."""
-    versions = _versions(plan, layer)
+def _in_file_order(store: ShardStore, layer: int, versions: Sequence[tuple[int, int]]
+                   ) -> tuple[list[int], list[tuple[int, int]]]:
+    """A layer's shards ((shard, version) each) as they are read, in the order they lie in their files: their places
+    in the layer, and (shard, version) each."""
     places = store.file_order(layer, versions)
     return places, [versions[i] for i in places]
 
@@ -331,7 +366,7 @@ class ThreadLoads:
         """Runs on the loader thread: `held` is this run's buffer, though `hold` may replace the pipeline's meanwhile.
         The shards not held are read ahead (where the source does) by at most a layer, besides the working buffer."""
         busy = 0.0
-        layers = [_in_file_order(self.store, plan, k) for k in range(plan.depth)]
+        layers = [_in_file_order(self.store, k, _versions(plan, k)) for k in range(plan.depth)]
         reads = self.store.read_in_order(source, [(k, s, b) for k, (_, versions) in enumerate(layers)
                                                   for s, b in versions if (k, s, b) not in held],
                                          depth=len(plan.shards[0]) if plan.shards else 1)
@@ -381,28 +416,36 @@ class ThreadLoads:
 
 
 class NativeLoads:
-    """A plan's layers put in order by the C loader's own thread, which never takes the GIL (`PlanLoads`), from a
-    source whose shards are views of mapped files. Publishing them here takes the compute thread a few tens of
-    microseconds a layer, while the thread already puts the first; a Python loader thread, each time it took the GIL
-    back, cost the compute about 0.2 ms (docs/design/sti.md). At most `window` layers are put ahead of the compute's
-    (0: no bound), into as many buffers reused in turn."""
+    """A plan's layers put in order by the C loader's own thread, which never takes the GIL (`PlanLoads`): shards
+    where they lie in mapped files, or read by the thread from their files where the source lets it. Publishing them
+    here takes the compute thread a few tens of microseconds a layer, while the thread already puts the first; a
+    Python loader thread, each time it took the GIL back, cost the compute about 0.2 ms (docs/design/sti.md). At
+    most `window` layers are put ahead of the compute's (0: no bound), into as many buffers reused in turn. A layer's
+    shards are taken in the order they lie in their files."""
 
     def __init__(self, model: ElasticModel, plan: Plan, held: dict[tuple[int, int, int], bytes],
-                 source: FileSource, window: int, buffers: list[LayerBuilder]) -> None:
-        """`buffers`: the layer buffers of earlier runs, reused where their width is the plan's, and kept for
-        later ones (making them anew took a run 80 us, and more beside the loads)."""
+                 source: FileSource, window: int, buffers: LoaderBuffers) -> None:
+        """`buffers`: those of earlier runs, the layers' reused where their width is the plan's; kept for later
+        ones."""
         started = time.perf_counter()
         self.model, self.store, self.plan = model, model.store, plan
         self._held, self._source = held, source
-        self._loads = PlanLoads(plan.depth, window)
+        self._order = [_in_file_order(self.store, k, _versions(plan, k)) for k in range(plan.depth)]
+        staging = None if source.mapped else buffers.staging_for(self._largest_read())
+        self._loads = PlanLoads(plan.depth, window, staging, source.ahead_layers)
         self._weights: list[LayerWeights] = []
         self._kept: list[bytes | memoryview] = []    # what the loads read from, alive until they finish
         try:
-            self._publish(buffers, window or plan.depth)
+            self._publish(buffers.layers, window or plan.depth)
         except BaseException:
             self._loads.finish()
             raise
         self._publish_s = time.perf_counter() - started
+
+    def _largest_read(self) -> int:
+        """The most bytes a layer of the plan reads from files: the staging buffer's size."""
+        return max((sum(self.store.entry(k, s, b).length for s, b in versions if (k, s, b) not in self._held)
+                    for k, (_, versions) in enumerate(self._order)), default=0)
 
     def _publish(self, buffers: list[LayerBuilder], slots: int) -> None:
         del buffers[slots:]
@@ -415,16 +458,17 @@ class NativeLoads:
                 buffers[slot] = LayerBuilder(shards, resident, self.store.geometry)
             buffer = buffers[slot]
             assert buffer.native is not None
-            self._loads.publish(buffer.native, range(len(shards)),
-                                *_stored(self.store, k, _versions(self.plan, k), self._held, self._source, self._kept))
+            places, versions = self._order[k]
+            self._loads.publish(buffer.native, places,
+                                *_stored(self.store, k, versions, self._held, self._source, self._kept))
             self._weights.append(buffer.weights(shards, resident))
 
     def wait(self, layer: int) -> LayerWeights:
         try:
             self._loads.wait(layer)
         except BadShard as e:
-            versions = _versions(self.plan, layer)
-            blobs = [self._held.get((layer, s, b)) or self._source.view(*self.store.span(layer, s, b))
+            _, versions = self._order[layer]
+            blobs = [self._held.get((layer, s, b)) or _stored_bytes(self._source, self.store.span(layer, s, b))
                      for s, b in versions]
             self.store.refuse(layer, versions, blobs, e)
         return self._weights[layer]

@@ -11,7 +11,14 @@ import torch
 
 from academus.shared.models.embedding_rows import BLOCK_ROWS, EmbeddingRows
 from academus.shared.models.model import ClassifierHead, TeacherEncoder, pad_batch
-from academus.shared.models.shard_io import ColdSource, ReadAhead, ThrottledSource, address, io_source
+from academus.shared.models.shard_io import (
+    ColdSource,
+    FileSource,
+    ReadAhead,
+    ThrottledSource,
+    address,
+    io_source,
+)
 from academus.shared.models.shard_native import LIBRARY, NATIVE, BadShard, PlanLoads
 from academus.shared.models.shard_store import ShardStore, add_task, shape_key
 from academus.shared.models.shards import (
@@ -242,6 +249,52 @@ def test_the_c_loaders_thread_stops_when_asked_whatever_it_waits_for(published: 
     assert (buffers[-1].query == 0.0).all()
 
 
+def test_the_c_loaders_thread_reads_shards_from_their_files_through_its_staging_buffer(tmp_path: Path) -> None:
+    """Shards published as (descriptor, offset) are read by the thread itself, a held one taken where it lies; reads
+    that outgrow the staging buffer, or stop short at the file's end, are refused with nothing put."""
+    import os
+
+    geometry = ShardGeometry(layers=3, heads=2, hidden=16, intermediate=16)
+    buffers, stored = _plan_loads_layers(geometry, 3)
+    path = tmp_path / "shards"
+    path.write_bytes(b"x" * 5 + b"".join(b for blobs, *_ in stored for b in blobs))
+    fd = os.open(path, os.O_RDONLY)
+    offsets, at = [], 5
+    for blobs, *_ in stored:
+        offsets.append([at, at + len(blobs[0])])
+        at += sum(len(b) for b in blobs)
+    largest = max(sum(len(b) for b in blobs) for blobs, *_ in stored)
+    try:
+        loads = PlanLoads(3, window=0, staging=np.empty(largest, np.uint8), ahead=1)
+        try:
+            for k, (built, (blobs, tables, counts, crcs)) in enumerate(zip(buffers, stored, strict=True)):
+                reads = [(-1, 0), (fd, offsets[k][1])] if k == 0 else [(fd, o) for o in offsets[k]]
+                loads.publish(built.native, [0, 1], [address(blobs[0]), 0], [len(b) for b in blobs], [6, 6],
+                              [t.ctypes.data for t in tables], counts, crcs, reads)
+            for k in range(3):
+                loads.wait(k)
+        finally:
+            assert loads.finish() > 0
+        for built, (blobs, tables, counts, _) in zip(buffers, stored, strict=True):
+            expected = LayerBuilder([0, 1], None, geometry, native=False)
+            expected.put_stored([0, 1], blobs, [6, 6], tables, counts)
+            np.testing.assert_array_equal(built.query, expected.query)
+        blobs, tables, counts, crcs = stored[1]
+        lengths = [len(b) for b in blobs]
+        for staging, offset, why in ((sum(lengths) - 1, offsets[1][1], "outgrows"), (sum(lengths), at - 3, "short")):
+            built = LayerBuilder([0, 1], None, geometry)
+            built.query[:] = 0.0
+            loads = PlanLoads(1, window=0, staging=np.empty(staging, np.uint8))
+            loads.publish(built.native, [0, 1], [0, 0], lengths, [6, 6], [t.ctypes.data for t in tables], counts,
+                          crcs, [(fd, offsets[1][0]), (fd, offset)])
+            with pytest.raises(OSError, match="shards of layer 0 could not be read whole"):
+                loads.wait(0)
+            loads.finish()
+            assert (built.query == 0.0).all(), why
+    finally:
+        os.close(fd)
+
+
 def test_more_bits_quantize_closer_and_full_precision_is_exact() -> None:
     rng = np.random.default_rng(0)
     values = rng.normal(0, 0.05, 4096).astype(np.float32)
@@ -375,15 +428,15 @@ def _plan(bits: int = 4, depth: int = 2, width: int = 4, overlap: bool = True) -
                 overlap=overlap)
 
 
-@pytest.mark.parametrize("io,lookahead", [("cold", 0), ("file", 0), ("file", 1), ("cold", 1)])
+@pytest.mark.parametrize("io,lookahead", [("cold", 0), ("file", 0), ("file", 1), ("cold", 1), ("throttled:1000", 1)])
 def test_store_verifies_and_the_pipeline_equals_the_in_memory_submodel(store_dir, io: str, lookahead: int,
                                                                        monkeypatch) -> None:
-    """Through a mapped source the C loader's thread puts the plan (a window of one layer reuses one buffer); a
-    cold source's reads block, and a Python loader thread builds it."""
+    """Through a mapped source the C loader's thread puts the plan where it lies, through a cold one it reads the
+    files itself (a window of one layer reuses one buffer); a throttled device is read by a Python loader thread."""
     from academus.shared.models import sti_pipeline
 
-    if io == "file":      # no Python loader thread for a mapped source
-        monkeypatch.setattr(sti_pipeline, "ThreadLoads", None)
+    python_thread = io.startswith("throttled")
+    monkeypatch.setattr(sti_pipeline, "NativeLoads" if python_thread else "ThreadLoads", None)
     directory, _ = store_dir
     store = ShardStore(directory)
     assert store.verify()["shards"] == 2 * 4 * 6
@@ -480,23 +533,44 @@ def test_a_layers_compute_is_timed_over_every_layer_on_its_own_weights(store_dir
     assert len({w.query.data_ptr() for _, w in ran}) == geometry.layers
 
 
-def test_a_layers_shards_are_read_in_file_order_and_put_in_their_places(store_dir) -> None:
+def _recording_shard_reads(monkeypatch, source: FileSource) -> list[tuple[str, int]]:
+    """(file, offset) of each shard a run reads, in order: the Python loader's reads through `source.read`, or the
+    reads published to the C loader's thread (which it makes in that order; a wrong one fails its CRC-32)."""
+    import os
+
+    from academus.shared.models import sti_pipeline
+
+    spans: list[tuple[str, int]] = []
+    read, stored = source.read, sti_pipeline._stored
+
+    def reading(path: Path, offset: int, length: int) -> bytes:
+        if path.name.startswith("layer"):
+            spans.append((path.name, offset))
+        return read(path, offset, length)
+
+    def published(*args: object) -> tuple:
+        layout = stored(*args)
+        spans.extend((Path(os.readlink(f"/proc/self/fd/{fd}")).name, at) for fd, at in layout[-1] or () if fd >= 0)
+        return layout
+
+    monkeypatch.setattr(source, "read", reading)
+    monkeypatch.setattr(sti_pipeline, "_stored", published)
+    return spans
+
+
+@pytest.mark.parametrize("io", ["cold", "throttled:1000"])
+def test_a_layers_shards_are_read_in_file_order_and_put_in_their_places(store_dir, io: str, monkeypatch) -> None:
     """A layer runs once all its shards are in, so a cold file is read in its own order (the kernel's readahead),
-    whatever the plan's order, two versions a layer included; each shard still goes to its own place."""
+    whatever the plan's order, two versions a layer included; each shard still goes to its own place. The C
+    loader's thread reads `cold`; a Python loader thread reads `throttled`."""
     directory, _ = store_dir
     store = ShardStore(directory)
     model = ElasticModel(store, "toy")
     plan = _plan(4)
     plan.bits[(0, 3)], plan.bits[(1, 0)] = FULL, 2
-    spans: list[tuple[str, int]] = []
-
-    class Recording(ColdSource):
-        def read(self, path: Path, offset: int, length: int) -> bytes:
-            if path.name.startswith("layer"):
-                spans.append((path.name, offset))
-            return super().read(path, offset, length)
-
-    pipeline = ShardPipeline(model, Recording())
+    source = io_source(io)
+    spans = _recording_shard_reads(monkeypatch, source)
+    pipeline = ShardPipeline(model, source)
     ids, mask, types = pad_batch([[1, 5, 9, 7, 2]])
     try:
         result = pipeline.run(plan, ids, mask, types)
@@ -559,16 +633,24 @@ def test_a_run_asks_for_its_uncached_embedding_rows_before_any_shard(store_dir, 
         advise(fd, offset, length, advice)
 
     monkeypatch.setattr(os, "posix_fadvise", recorded)
+    start = ShardPipeline._start
+
+    def starting(self: ShardPipeline, plan: Plan) -> object:
+        asked.append(("loads", 0, 0))
+        return start(self, plan)
+
+    monkeypatch.setattr(ShardPipeline, "_start", starting)
     ids, mask, types = pad_batch([[1, 5, 2 * BLOCK_ROWS + 3, 7]])
     blocks = [(store.rows.path.name, *store.rows.block_span(b)) for b in (0, 2)]
     pipeline = ShardPipeline(model, ColdSource())
     try:
         first = pipeline.run(_plan(6), ids, mask, types)
-        assert asked[:2] == blocks and all(name != store.rows.path.name for name, *_ in asked[2:])
-        assert len(asked) > 2                                    # then the plan's shards
+        assert asked[:3] == [*blocks, ("loads", 0, 0)]         # then the loads start, and ask for the shards
+        assert all(name != store.rows.path.name for name, *_ in asked[3:])
         asked.clear()
         torch.testing.assert_close(pipeline.run(_plan(6), ids, mask, types).probs, first.probs)
-        assert asked and all(name != store.rows.path.name for name, *_ in asked)   # cached: only shards
+        assert asked[:1] == [("loads", 0, 0)]                    # cached: none asked for
+        assert all(name != store.rows.path.name for name, *_ in asked)
         asked.clear()
         store.rows.prefetch(torch.tensor([[-1, store.rows.rows, 3 * BLOCK_ROWS]]), pipeline.source)
         assert asked == [(store.rows.path.name, *store.rows.block_span(3))]
@@ -581,11 +663,15 @@ def test_a_run_asks_for_its_uncached_embedding_rows_before_any_shard(store_dir, 
 
 
 @pytest.mark.parametrize("io", ["cold", "throttled:1000"])
-def test_finishing_a_run_cut_short_wakes_a_python_loader_waiting_for_room(store_dir, io: str) -> None:
+def test_finishing_a_run_cut_short_wakes_a_python_loader_waiting_for_room(store_dir, io: str, monkeypatch) -> None:
     """A run cut short (by its pace, by its deadline) no longer frees the working buffer: its end must wake the
-    loader, which waits for room without a timeout, and the loader builds nothing more."""
+    loader, which waits for room without a timeout, and the loader builds nothing more. (`cold` as where the C
+    loader was not built.)"""
     import threading
 
+    from academus.shared.models import sti_pipeline
+
+    monkeypatch.setattr(sti_pipeline, "NATIVE", None)
     directory, _ = store_dir
     store = ShardStore(directory)
     pipeline = ShardPipeline(ElasticModel(store, "toy"), io_source(io), lookahead=1)
@@ -603,24 +689,16 @@ def test_finishing_a_run_cut_short_wakes_a_python_loader_waiting_for_room(store_
 
 
 @pytest.mark.parametrize("io", ["throttled:1", "cold"])
-def test_sources_that_read_read_every_shard_but_the_preloaded(store_dir, io: str) -> None:
+def test_sources_that_read_read_every_shard_but_the_preloaded(store_dir, io: str, monkeypatch) -> None:
     """A throttled or cold source is read, never mapped (a mapping would bypass its bandwidth or its cold pages):
-    each shard of the plan not preloaded once, through `read`."""
+    each shard of the plan not preloaded once, by the Python loader's `read` or by the C loader's thread."""
     directory, _ = store_dir
     store = ShardStore(directory)
     model = ElasticModel(store, "toy")
     plan = _plan(6)
     plan.preload = {x for x in plan.bits if x[0] == 0}
     source = io_source(io)
-    read = source.read
-    spans: list[tuple[Path, int, int]] = []
-
-    def recorded(path: Path, offset: int, length: int) -> bytes:
-        if path != store.rows.path:
-            spans.append((path, offset, length))
-        return read(path, offset, length)
-
-    source.read = recorded       # type: ignore[method-assign]
+    spans = _recording_shard_reads(monkeypatch, source)
     pipeline = ShardPipeline(model, source)
     try:
         held = pipeline.preload(plan)
@@ -630,7 +708,8 @@ def test_sources_that_read_read_every_shard_but_the_preloaded(store_dir, io: str
     finally:
         pipeline.close()
     assert held == sum(store.shard_bytes(k, s, 6) for k, s in plan.preload)
-    assert sorted(spans) == sorted(store.span(1, s, 6) for s in plan.shards[1])
+    assert sorted(spans) == sorted((path.name, offset) for path, offset, _ in (store.span(1, s, 6)
+                                                                              for s in plan.shards[1]))
 
 
 def test_throttled_source_takes_its_bandwidth(store_dir) -> None:
@@ -786,16 +865,16 @@ def test_a_corrupted_shard_is_refused_naming_file_shard_and_checksums(store_dir,
         store.decode(1, 3, 4, store.read_stored(1, 3, 4))
     with pytest.raises(ArtifactError, match=r"layer1\.q4: sha256 .* does not match"):
         store.verify()
-    for io in ("file", "cold"):     # the profile's loads: the C loader's thread, and the Python loader's call
+    for io in ("file", "cold", "throttled:1000"):   # the profile's loads: the C loader's thread (mapped, reading),
         with io_source(io) as source, pytest.raises(ArtifactError, match="shard 3 of layer 1 at 4 bits"):
-            load_layer_s(ElasticModel(store, "toy"), source, 1, [0, 3], 4)
-    pipeline = ShardPipeline(ElasticModel(store, "toy"), io_source("file"))
-    ids, mask, types = pad_batch([[1, 5, 2]])
-    try:
-        with pytest.raises(ArtifactError, match="shard 3 of layer 1"):
-            pipeline.run(_plan(4), ids, mask, types)
-    finally:
-        pipeline.close()
+            load_layer_s(ElasticModel(store, "toy"), source, 1, [0, 3], 4)       # and the Python loader's call
+        pipeline = ShardPipeline(ElasticModel(store, "toy"), io_source(io))
+        ids, mask, types = pad_batch([[1, 5, 2]])
+        try:
+            with pytest.raises(ArtifactError, match="shard 3 of layer 1"):
+                pipeline.run(_plan(4), ids, mask, types)
+        finally:
+            pipeline.close()
 
 
 def test_a_truncated_shard_file_is_refused_when_the_store_opens(store_dir, tmp_path) -> None:

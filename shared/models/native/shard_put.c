@@ -1,7 +1,8 @@
 /* STI's loader in C: a layer's stored shards (full precision, or k-bit codes and their outliers) put straight into
  * their rows and columns of the layer's matrices, by a call through ctypes (which lets go of the GIL for it) or, for
  * a whole plan, by a thread of its own that never takes the GIL: the compute thread needs the interpreter between
- * its torch ops, and waits after each one where a loader thread took it back (docs/design/sti.md).
+ * its torch ops, and waits after each one where a loader thread took it back (docs/design/sti.md). The thread takes
+ * shards in memory (a mapped file, the preload buffer) or reads them from their files itself (a cold page cache).
  *
  * A quantized shard is stored as `pack_codes` and `encode_shard` write it (shared/models/shards.py): eight k-bit
  * codes to k bytes, little-endian within a 64-bit word, zero bytes after the last group (WORD_PAD), then the
@@ -10,11 +11,14 @@
  * The flat vector is cut into parts, part p being rows[p] x cols[p] row-major; element (r, c) of part p goes to
  * base[p] + index * step[p] + r * stride[p] + c, `index` being the shard's place in the layer.
  */
+#define _GNU_SOURCE
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #define FULL 32
 #define WORD_PAD 8
@@ -31,7 +35,8 @@ typedef uint32_t (*Crc32)(uint32_t crc, const uint8_t *buffer, uint64_t length);
 
 /* One layer's stored shards and where they go (`LayerLoad` in shard_native.py mirrors it): shard i from blobs[i]
  * (lengths[i] bytes, bits[i], pair table pairs[i], outliers[i] outliers, checksum crcs[i]) at place index[i] of
- * the layer whose parts the last six fields lay out (Layout). */
+ * the layer whose parts the next six fields lay out (Layout). Where `fds` is set and fds[i] >= 0, the plan's thread
+ * reads shard i from file fds[i] at offsets[i] instead (blobs[i] unused). */
 typedef struct {
     int64_t shards;
     const uint8_t *const *blobs;
@@ -45,6 +50,8 @@ typedef struct {
     const int64_t *rows, *cols;
     float *const *base;
     const int64_t *step, *stride;
+    const int *fds;
+    const int64_t *offsets;
 } LayerLoad;
 
 static float *row_start(const Layout *lay, int p, int64_t r) {
@@ -177,6 +184,9 @@ int academus_put_layer(const LayerLoad *load, Crc32 crc32) {
  * with (0: no bound), as the buffers they are put into are reused in turn. */
 typedef struct {
     pthread_t thread;
+    uint8_t *staging;               /* the layer being read: the caller's, of staging_size bytes */
+    int64_t staging_size;
+    int64_t ahead, advised;         /* layers asked of the disk ahead of the one read; layers asked so far */
     pthread_mutex_t lock;
     pthread_cond_t changed;
     const LayerLoad *layers;
@@ -189,11 +199,72 @@ typedef struct {
 } PlanLoads;
 
 #define LOADS_STOPPED 0x40000000    /* a wait's answer where the loads stopped before the layer: no shard refused */
+#define LOADS_UNREAD 0x40000001     /* its shards outgrew the staging buffer, or a read failed: nothing put */
+
+/* The layout of LayerLoad and PlanLoads' calls: shard_native.py refuses a library built from another. */
+int academus_loader_version(void) { return 2; }
 
 static int64_t now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* Asks the disk for the shards to read of layers up to k + ahead not yet asked for (POSIX_FADV_WILLNEED), as far as
+ * they are published, so that it reads them while the thread decodes. */
+static void advise(PlanLoads *loads, int64_t k) {
+    pthread_mutex_lock(&loads->lock);
+    const int64_t published = loads->published;
+    pthread_mutex_unlock(&loads->lock);
+    const int64_t upto = k + 1 + loads->ahead < published ? k + 1 + loads->ahead : published;
+    for (; loads->advised < upto; loads->advised++) {
+        const LayerLoad *load = &loads->layers[loads->advised];
+        for (int64_t i = 0; load->fds != NULL && i < load->shards; i++)
+            if (load->fds[i] >= 0)
+                posix_fadvise(load->fds[i], load->offsets[i], load->lengths[i], POSIX_FADV_WILLNEED);
+    }
+}
+
+static int read_whole(int fd, uint8_t *into, int64_t length, int64_t offset) {
+    while (length > 0) {
+        const ssize_t got = pread(fd, into, (size_t)length, offset);
+        if (got <= 0)
+            return -1;
+        into += got, length -= got, offset += got;
+    }
+    return 0;
+}
+
+/* Layer k put, its shards read first where it has files to read: as academus_put_layer answers, or LOADS_UNREAD.
+ * The disk is asked ahead before the reads and again before the decoding, which the later layers' reads overlap. */
+static int load_layer(PlanLoads *loads, int64_t k) {
+    const LayerLoad *load = &loads->layers[k];
+    if (load->fds == NULL)
+        return academus_put_layer(load, loads->crc32);
+    advise(loads, k);
+    const uint8_t **blobs = malloc(sizeof *blobs * (size_t)(load->shards ? load->shards : 1));
+    if (blobs == NULL)
+        return LOADS_UNREAD;
+    int64_t used = 0;
+    int failed = 0;
+    for (int64_t i = 0; i < load->shards && !failed; i++) {
+        blobs[i] = load->blobs[i];
+        if (load->fds[i] < 0)
+            continue;
+        if (load->lengths[i] > loads->staging_size - used ||
+            read_whole(load->fds[i], loads->staging + used, load->lengths[i], load->offsets[i]) != 0)
+            failed = LOADS_UNREAD;
+        blobs[i] = loads->staging + used;
+        used += load->lengths[i];
+    }
+    advise(loads, k);
+    if (!failed) {
+        LayerLoad read = *load;
+        read.blobs = blobs;
+        failed = academus_put_layer(&read, loads->crc32);
+    }
+    free(blobs);
+    return failed;
 }
 
 static void *run_loads(void *arg) {
@@ -207,7 +278,7 @@ static void *run_loads(void *arg) {
             break;
         pthread_mutex_unlock(&loads->lock);
         const int64_t started = now_ns();
-        const int failed = academus_put_layer(&loads->layers[k], loads->crc32);
+        const int failed = load_layer(loads, k);
         const int64_t busy = now_ns() - started;
         pthread_mutex_lock(&loads->lock);
         loads->busy_ns += busy;
@@ -225,11 +296,16 @@ static void *run_loads(void *arg) {
 }
 
 /* Starts the thread for a plan of `count` layers, whose LayerLoads the caller fills in `layers` and publishes; NULL
- * where no thread could be started. */
-PlanLoads *academus_loads_start(const LayerLoad *layers, int64_t count, int64_t window, Crc32 crc32) {
+ * where no thread could be started. Shards read from files go through `staging` (the caller's, `staging_size`
+ * bytes: a layer's reads at most), the disk asked for them `ahead` layers ahead of the one read. */
+PlanLoads *academus_loads_start(const LayerLoad *layers, int64_t count, int64_t window, Crc32 crc32,
+                                uint8_t *staging, int64_t staging_size, int64_t ahead) {
     PlanLoads *loads = calloc(1, sizeof *loads);
     if (loads == NULL)
         return NULL;
+    loads->staging = staging;
+    loads->staging_size = staging_size;
+    loads->ahead = ahead;
     loads->layers = layers;
     loads->count = count;
     loads->window = window;
