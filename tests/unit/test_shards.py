@@ -193,6 +193,15 @@ def _publish(loads: PlanLoads, built: LayerBuilder, blobs: list[bytes], tables: 
                   [t.ctypes.data for t in tables], counts, crcs)
 
 
+def _assert_put_as_numpy_puts(geometry: ShardGeometry, buffers: list[LayerBuilder], stored: list) -> None:
+    """Each buffer holds its layer's two 6-bit shards as the NumPy loader puts them."""
+    for built, (blobs, tables, counts, _) in zip(buffers, stored, strict=True):
+        expected = LayerBuilder([0, 1], None, geometry, native=False)
+        expected.put_stored([0, 1], blobs, [6, 6], tables, counts)
+        np.testing.assert_array_equal(built.query, expected.query)
+        np.testing.assert_array_equal(built.ffn_out, expected.ffn_out)
+
+
 def test_the_c_loaders_thread_puts_a_plan_in_order_within_its_window() -> None:
     """At most `window` layers are put ahead of the caller's: the next waits until the caller is done with one."""
     geometry = ShardGeometry(layers=3, heads=2, hidden=16, intermediate=16)
@@ -210,11 +219,7 @@ def test_the_c_loaders_thread_puts_a_plan_in_order_within_its_window() -> None:
         loads.wait(2)
     finally:
         assert loads.finish() > 0
-    for built, (blobs, tables, counts, _) in zip(buffers, stored, strict=True):
-        expected = LayerBuilder([0, 1], None, geometry, native=False)
-        expected.put_stored([0, 1], blobs, [6, 6], tables, counts)
-        np.testing.assert_array_equal(built.query, expected.query)
-        np.testing.assert_array_equal(built.ffn_out, expected.ffn_out)
+    _assert_put_as_numpy_puts(geometry, buffers, stored)
 
 
 def test_the_c_loaders_thread_refuses_a_bad_shard_and_puts_nothing_after_it() -> None:
@@ -275,10 +280,7 @@ def test_the_c_loaders_thread_reads_shards_from_their_files_through_its_staging_
                 loads.wait(k)
         finally:
             assert loads.finish() > 0
-        for built, (blobs, tables, counts, _) in zip(buffers, stored, strict=True):
-            expected = LayerBuilder([0, 1], None, geometry, native=False)
-            expected.put_stored([0, 1], blobs, [6, 6], tables, counts)
-            np.testing.assert_array_equal(built.query, expected.query)
+        _assert_put_as_numpy_puts(geometry, buffers, stored)
         blobs, tables, counts, crcs = stored[1]
         lengths = [len(b) for b in blobs]
         for staging, offset, why in ((sum(lengths) - 1, offsets[1][1], "outgrows"), (sum(lengths), at - 3, "short")):
