@@ -94,6 +94,10 @@ class FileSource:
                     mapped = self._maps[path] = whole, address(whole)
         return mapped
 
+    def bytes_at(self, path: Path, offset: int, length: int) -> bytes | memoryview:
+        """The span's bytes as this source gives them: a view of the mapping, or a read where the source reads."""
+        return self.view(path, offset, length) if self.mapped else self.read(path, offset, length)
+
     def read_in_order(self, spans: Iterable[Span], depth: int) -> Reads:
         """Each span's bytes in turn, as the consumer takes them: views of the mapped files, which no thread needs
         to read ahead. `depth` is for a source that reads ahead."""

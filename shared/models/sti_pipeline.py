@@ -25,7 +25,7 @@ from torch import nn
 
 from academus.shared.models.architectures import family_module, read_architecture
 from academus.shared.models.model import MEAN, ClassifierHead, body_inputs, padded_positions, pool
-from academus.shared.models.shard_io import FileSource, Span, address
+from academus.shared.models.shard_io import FileSource, address
 from academus.shared.models.shard_native import NATIVE, BadShard, PlanLoads
 from academus.shared.models.shard_store import RELATIVE_BIAS, ShardStore
 from academus.shared.models.shards import (
@@ -213,7 +213,7 @@ class ShardPipeline:
         """The plan's loads, begun: by the C loader's own thread where the library was built and the source maps its
         files or lets the thread read them, else by a Python loader thread (a throttled device, or NumPy decoding)."""
         window = self.lookahead if plan.overlap else 0   # Load&Exec loads the whole submodel first
-        if NATIVE is not None and (self.source.mapped or self.source.c_reads):
+        if _c_thread_loads(self.source):
             return NativeLoads(self.model, plan, self.preloaded, self.source, window, self._buffers)
         return ThreadLoads(self._loader, self.model, plan, self.preloaded, self.source, window)
 
@@ -237,7 +237,8 @@ class ShardPipeline:
              deadline: float | None, pace: Pace | None) -> RunResult:
         self.source.before_run(self.store.paths())
         started = time.perf_counter()
-        self.model.rows.prefetch(ids, self.source)   # first: the layers' shards are asked for behind them
+        if self.source.ahead_layers:     # a source that asks the disk ahead: the rows first, the shards behind them
+            self.model.rows.prefetch(ids, self.source)
         loads = self._start(plan)
         compute, depth = 0.0, plan.depth
         try:
@@ -309,8 +310,10 @@ def _unread(reads: list[tuple[int, int]] | None, lengths: Sequence[int]) -> int:
     return sum(n for (fd, _), n in zip(reads, lengths, strict=True) if fd >= 0) if reads else 0
 
 
-def _stored_bytes(source: FileSource, span: Span) -> bytes | memoryview:
-    return source.view(*span) if source.mapped else source.read(*span)
+def _c_thread_loads(source: FileSource) -> bool:
+    """Whether the C loader's thread loads from this source: where the library was built and the source maps its
+    files or lets the thread read them."""
+    return NATIVE is not None and (source.mapped or source.c_reads)
 
 
 def load_layer_s(model: ElasticModel, source: FileSource, layer: int, shards: Sequence[int], bits: int) -> float:
@@ -318,7 +321,7 @@ def load_layer_s(model: ElasticModel, source: FileSource, layer: int, shards: Se
     lets it and put by the C loader's thread (its start not counted: a run starts it once); else read and put by this
     thread."""
     store = model.store
-    if not (NATIVE is not None and (source.mapped or source.c_reads)):
+    if not _c_thread_loads(source):
         started = time.perf_counter()
         store.load_layer(source, layer, shards, bits, model.residents[layer])
         return time.perf_counter() - started
@@ -334,7 +337,7 @@ def load_layer_s(model: ElasticModel, source: FileSource, layer: int, shards: Se
         published = time.perf_counter() - started
         loads.wait(0)
     except BadShard as e:
-        store.refuse(layer, versions, [_stored_bytes(source, store.span(layer, s, b)) for s, b in versions], e)
+        store.refuse(layer, versions, [source.bytes_at(*store.span(layer, s, b)) for s, b in versions], e)
     finally:
         busy = loads.finish()
     return published + busy
@@ -468,7 +471,7 @@ class NativeLoads:
             self._loads.wait(layer)
         except BadShard as e:
             _, versions = self._order[layer]
-            blobs = [self._held.get((layer, s, b)) or _stored_bytes(self._source, self.store.span(layer, s, b))
+            blobs = [self._held.get((layer, s, b)) or self._source.bytes_at(*self.store.span(layer, s, b))
                      for s, b in versions]
             self.store.refuse(layer, versions, blobs, e)
         return self._weights[layer]

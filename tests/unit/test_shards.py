@@ -587,13 +587,10 @@ def test_a_layers_shards_are_read_in_file_order_and_put_in_their_places(store_di
     torch.testing.assert_close(result.probs, model.run(ids, mask, model.assemble_plan(plan, bank), types))
 
 
-def test_a_cold_source_asks_the_disk_for_spans_ahead_and_turns_its_readahead_off(store_dir, monkeypatch) -> None:
-    """The disk reads the next shards while the loader decodes this one, and only the plan's shards; at most two
-    layers (`2 * depth` spans) ahead, so that a run stopped early leaves little queued for the next."""
+def _recording_advice(monkeypatch) -> list[tuple[str, int, int, int]]:
+    """(file, offset, length, advice) of each `posix_fadvise` from Python, in order; each still advised."""
     import os
 
-    directory, _ = store_dir
-    store = ShardStore(directory)
     calls: list[tuple[str, int, int, int]] = []
     advise = os.posix_fadvise
 
@@ -602,6 +599,17 @@ def test_a_cold_source_asks_the_disk_for_spans_ahead_and_turns_its_readahead_off
         advise(fd, offset, length, advice)
 
     monkeypatch.setattr(os, "posix_fadvise", recorded)
+    return calls
+
+
+def test_a_cold_source_asks_the_disk_for_spans_ahead_and_turns_its_readahead_off(store_dir, monkeypatch) -> None:
+    """The disk reads the next shards while the loader decodes this one, and only the plan's shards; at most two
+    layers (`2 * depth` spans) ahead, so that a run stopped early leaves little queued for the next."""
+    import os
+
+    directory, _ = store_dir
+    store = ShardStore(directory)
+    calls = _recording_advice(monkeypatch)
     wanted = [(0, 2, 4), (0, 0, 4), (1, 3, FULL), (1, 1, FULL)]
     spans = [(path.name, offset, length) for path, offset, length in (store.span(*x) for x in wanted)]
 
@@ -626,20 +634,15 @@ def test_a_run_asks_for_its_uncached_embedding_rows_before_any_shard(store_dir, 
     directory, _ = store_dir
     store = ShardStore(directory)
     model = ElasticModel(store, "toy")
-    asked: list[tuple[str, int, int]] = []
-    advise = os.posix_fadvise
-
-    def recorded(fd: int, offset: int, length: int, advice: int) -> None:
-        if advice == os.POSIX_FADV_WILLNEED:
-            asked.append((Path(os.readlink(f"/proc/self/fd/{fd}")).name, offset, length))
-        advise(fd, offset, length, advice)
-
-    monkeypatch.setattr(os, "posix_fadvise", recorded)
+    calls = _recording_advice(monkeypatch)       # the loads' start marked among them as ("loads", 0, 0, WILLNEED)
     start = ShardPipeline._start
 
     def starting(self: ShardPipeline, plan: Plan) -> object:
-        asked.append(("loads", 0, 0))
+        calls.append(("loads", 0, 0, os.POSIX_FADV_WILLNEED))
         return start(self, plan)
+
+    def asked() -> list[tuple[str, int, int]]:
+        return [(name, o, n) for name, o, n, a in calls if a == os.POSIX_FADV_WILLNEED]
 
     monkeypatch.setattr(ShardPipeline, "_start", starting)
     ids, mask, types = pad_batch([[1, 5, 2 * BLOCK_ROWS + 3, 7]])
@@ -647,21 +650,21 @@ def test_a_run_asks_for_its_uncached_embedding_rows_before_any_shard(store_dir, 
     pipeline = ShardPipeline(model, ColdSource())
     try:
         first = pipeline.run(_plan(6), ids, mask, types)
-        assert asked[:3] == [*blocks, ("loads", 0, 0)]         # then the loads start, and ask for the shards
-        assert all(name != store.rows.path.name for name, *_ in asked[3:])
-        asked.clear()
+        assert asked()[:3] == [*blocks, ("loads", 0, 0)]       # then the loads start, and ask for the shards
+        assert all(name != store.rows.path.name for name, *_ in asked()[3:])
+        calls.clear()
         torch.testing.assert_close(pipeline.run(_plan(6), ids, mask, types).probs, first.probs)
-        assert asked[:1] == [("loads", 0, 0)]                    # cached: none asked for
-        assert all(name != store.rows.path.name for name, *_ in asked)
-        asked.clear()
+        assert asked()[:1] == [("loads", 0, 0)]                  # cached: none asked for
+        assert all(name != store.rows.path.name for name, *_ in asked())
+        calls.clear()
         store.rows.prefetch(torch.tensor([[-1, store.rows.rows, 3 * BLOCK_ROWS]]), pipeline.source)
-        assert asked == [(store.rows.path.name, *store.rows.block_span(3))]
+        assert asked() == [(store.rows.path.name, *store.rows.block_span(3))]
     finally:
         pipeline.close()
     with io_source("file") as source:                           # a mapped source is asked nothing
-        asked.clear()
+        calls.clear()
         store.rows.prefetch(torch.tensor([[4 * BLOCK_ROWS]]), source)
-        assert asked == []
+        assert asked() == []
 
 
 @pytest.mark.parametrize("io", ["cold", "throttled:1000"])
