@@ -300,7 +300,8 @@ class Tokenizers:
             if raw is None:
                 raise Unavailable(f"model {spec.name!r}: its tokenizer is not in Redis (a worker puts it there as "
                                   "it registers the model)")
-            found = self._own[(spec.tokenizer, spec.max_tokens)] = TeacherTokenizer.from_json(raw, spec.max_tokens)
+            found = TeacherTokenizer.from_json(raw, spec.max_tokens, self.teacher.ascii_path)   # as the operator set it
+            self._own[(spec.tokenizer, spec.max_tokens)] = found
         return found
 
 

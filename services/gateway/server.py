@@ -390,7 +390,7 @@ async def build() -> ServiceSpec:
     schedulers = SchedulerDirectory(redis, keys, config.honour_pushback)
     registry = TenantRegistry(redis, keys, rate=config.tenant_rate, burst=config.tenant_burst)
     absence = RedisAbsence()   # one for the keys and the quotas: a failure either meets spares the other the wait
-    gateway = Gateway(config, TeacherTokenizer(teacher_dir(), config.max_tokens),
+    gateway = Gateway(config, TeacherTokenizer(teacher_dir(), config.max_tokens, ascii_path=config.ascii_tokenizer),
                       Authenticator(redis, keys, config.auth_cache_s,
                                     failures=FailedKeyLimit(config.auth_failure_limit, config.auth_failure_window_s),
                                     absence=absence),

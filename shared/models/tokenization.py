@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -26,11 +29,109 @@ class Encoded:
     truncated: bool = False   # tokens were cut at the limit (a text exactly at it is whole)
 
 
-class TeacherTokenizer:
-    """The model's own fast tokenizer; the file's fixed padding is switched off (workers pad)."""
+# BERT's pre-tokenizer on ASCII: runs of letters and digits, and each punctuation mark alone (whitespace splits).
+_ASCII_WORDS = re.compile(r"[A-Za-z0-9]+|[!-/:-@\[-`{-~]")
+# BertNormalizer's clean_text drops control characters; tab, newline and return count as whitespace.
+_ASCII_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
-    def __init__(self, model_dir: Path | None, max_tokens: int = 256, raw: str = "") -> None:
-        self.max_tokens = max_tokens
+
+class AsciiWordPiece:
+    """A BERT tokenizer's ids for one ASCII text, computed in Python: BertNormalizer (clean_text, lowercase),
+    BertPreTokenizer, greedy WordPiece and the [CLS] A [SEP] template, exactly as the tokenizers library gives
+    them. The library takes about 25 us of CPU for a 14-word text and this path about 4: the library builds
+    every token's string, offsets and masks, and its normalizer tracks each character's alignment. The gateway
+    tokenizes every request's texts, and the library was the largest part of its CPU at capacity
+    (docs/benchmarks/stack.md). Other characters, and the added tokens' text ([MASK]), go to the library."""
+
+    def __init__(self, vocab: dict[str, int], unk: int, first: int, last: int, prefix: str, max_word_chars: int,
+                 lowercase: bool, added: Sequence[str]) -> None:
+        self.vocab, self.unk, self.first, self.last = vocab, unk, first, last
+        self.prefix, self.max_word_chars, self.lowercase = prefix, max_word_chars, lowercase
+        self.added = tuple(added)
+
+    @classmethod
+    def of(cls, spec: dict[str, Any]) -> AsciiWordPiece | None:
+        """From tokenizer.json's content; None unless its pipeline is BERT's, the one this class reproduces."""
+        normalizer, model = spec.get("normalizer") or {}, spec.get("model") or {}
+        if (normalizer.get("type") != "BertNormalizer" or not normalizer.get("clean_text")
+                or (spec.get("pre_tokenizer") or {}).get("type") != "BertPreTokenizer"
+                or model.get("type") != "WordPiece" or model.get("unk_token") not in model.get("vocab", {})):
+            return None
+        frame = _single_frame(spec.get("post_processor") or {})
+        if frame is None:
+            return None
+        vocab = model["vocab"]
+        added = [t["content"] for t in spec.get("added_tokens", [])]
+        # an added token the normalizer sees is matched lowercased: look for both spellings
+        added += [t["content"].lower() for t in spec.get("added_tokens", []) if t.get("normalized")]
+        return cls(vocab, vocab[model["unk_token"]], *frame, model.get("continuing_subword_prefix", "##"),
+                   int(model.get("max_input_chars_per_word", 100)), bool(normalizer.get("lowercase", True)), added)
+
+    def encode(self, text: str, limit: int | None) -> tuple[list[int], bool] | None:
+        """(ids, truncated) with at most `limit` ids (None: all of them); None for a text the library must take."""
+        if not text.isascii() or any(a in text for a in self.added):
+            return None
+        if not text.isprintable():
+            text = _ASCII_CONTROL.sub("", text)
+        ids, get = [self.first], self.vocab.get
+        room = limit - 1 if limit is not None else len(text) + 1   # a word gives at least one id
+        for word in _ASCII_WORDS.findall(text.lower() if self.lowercase else text):
+            found = get(word)
+            if found is None:
+                self._pieces(word, ids)
+            else:
+                ids.append(found)
+            if len(ids) > room:   # cut: the words after it need not be looked up
+                break
+        truncated = len(ids) > room
+        if truncated:
+            del ids[limit - 1:]
+        ids.append(self.last)
+        return ids, truncated
+
+    def _pieces(self, word: str, ids: list[int]) -> None:
+        """WordPiece: the longest known prefix, then the longest known continuation, and so on; a word with an
+        unknown remainder, or longer than max_word_chars, is one [UNK]."""
+        if len(word) > self.max_word_chars:
+            ids.append(self.unk)
+            return
+        pieces, start = [], 0
+        while start < len(word):
+            for end in range(len(word), start, -1):
+                found = self.vocab.get(word[start:end] if start == 0 else self.prefix + word[start:end])
+                if found is not None:
+                    pieces.append(found)
+                    start = end
+                    break
+            else:
+                ids.append(self.unk)
+                return
+        ids.extend(pieces)
+
+
+def _single_frame(processor: dict[str, Any]) -> tuple[int, int] | None:
+    """The ids a single text is framed with ([CLS], [SEP]) by BERT's post-processor; None for another frame."""
+    if processor.get("type") == "BertProcessing":
+        return processor["cls"][1], processor["sep"][1]
+    if processor.get("type") != "TemplateProcessing":
+        return None
+    single = processor.get("single", [])
+    shape = [next(iter(piece)) for piece in single]
+    if shape != ["SpecialToken", "Sequence", "SpecialToken"] or single[1]["Sequence"]["id"] != "A":
+        return None
+    specials = processor.get("special_tokens", {})
+    framed = [specials.get(single[k]["SpecialToken"]["id"], {}).get("ids", []) for k in (0, 2)]
+    if any(len(ids) != 1 for ids in framed) or any(single[k]["SpecialToken"].get("type_id", 0) for k in (0, 2)):
+        return None
+    return framed[0][0], framed[1][0]
+
+
+class TeacherTokenizer:
+    """The model's own fast tokenizer; the file's fixed padding is switched off (workers pad). A single ASCII
+    text of a BERT tokenizer takes the Python path (`AsciiWordPiece`, the same ids) unless `ascii_path` is off."""
+
+    def __init__(self, model_dir: Path | None, max_tokens: int = 256, raw: str = "", ascii_path: bool = True) -> None:
+        self.max_tokens, self.ascii_path = max_tokens, ascii_path
         raw = raw or (Path(model_dir) / "tokenizer.json").read_text()
         self._full = Tokenizer.from_str(raw)
         self._full.no_padding()
@@ -38,24 +139,35 @@ class TeacherTokenizer:
         self._cut = Tokenizer.from_str(raw)
         self._cut.no_padding()
         self._cut.enable_truncation(max_length=max_tokens)
+        # the frame needs two places: below that the library decides
+        self.ascii = AsciiWordPiece.of(json.loads(raw)) if ascii_path and max_tokens >= 2 else None
 
     @classmethod
-    def from_json(cls, raw: str, max_tokens: int) -> TeacherTokenizer:
+    def from_json(cls, raw: str, max_tokens: int, ascii_path: bool = True) -> TeacherTokenizer:
         """From tokenizer.json's text (a user's model's, as the gateway reads it from Redis)."""
-        return cls(None, max_tokens, raw)
+        return cls(None, max_tokens, raw, ascii_path)
 
     def encode(
         self, texts: Sequence[str], pairs: Sequence[str] | None = None, truncate: bool = True
     ) -> list[Encoded]:
         """Encodes texts (or text pairs); raises TextTooLong when truncation is off."""
-        inputs = list(zip(texts, pairs, strict=True)) if pairs else list(texts)
-        if truncate:
-            return [_encoded(e) for e in self._cut.encode_batch(inputs)]
-        out = [_encoded(e) for e in self._full.encode_batch(inputs)]
-        for i, e in enumerate(out):
-            if len(e.input_ids) > self.max_tokens:
-                raise TextTooLong(i, len(e.input_ids), self.max_tokens)
+        out = self._encode(texts, pairs, truncate)
+        if not truncate:
+            for i, e in enumerate(out):
+                if len(e.input_ids) > self.max_tokens:
+                    raise TextTooLong(i, len(e.input_ids), self.max_tokens)
         return out
+
+    def _encode(self, texts: Sequence[str], pairs: Sequence[str] | None, truncate: bool) -> list[Encoded]:
+        library = self._cut if truncate else self._full
+        if pairs or self.ascii is None:
+            inputs = list(zip(texts, pairs, strict=True)) if pairs else list(texts)
+            return [_encoded(e) for e in library.encode_batch(inputs)]
+        limit = self.max_tokens if truncate else None
+        fast = [self.ascii.encode(text, limit) for text in texts]
+        rest = [text for text, f in zip(texts, fast, strict=True) if f is None]
+        taken = iter([_encoded(e) for e in library.encode_batch(rest)] if rest else [])
+        return [Encoded(f[0], [0] * len(f[0]), f[1]) if f is not None else next(taken) for f in fast]
 
 
 def _encoded(encoding) -> Encoded:

@@ -17,6 +17,7 @@ from academus.services.gateway.core import (
     Catalogue,
     Gateway,
     InferCall,
+    Tokenizers,
     resolve_output,
 )
 from academus.shared.models.teacher_files import teacher_dir
@@ -763,4 +764,17 @@ async def test_a_request_no_known_scheduler_serves_rereads_the_registry_at_most_
         await directory.pick(model="ss")                          # read a moment ago: not again yet
     now[0] += MISS_REFRESH_S
     assert await directory.pick(model="ss") == "n:1"
+    await redis.aclose()
+
+
+@pytest.mark.parametrize("ascii_path", [True, False])
+async def test_a_users_tokenizer_follows_the_setting_of_the_teachers(redis_url, ascii_path: bool):
+    """ACADEMUS_ASCII_TOKENIZER reaches every model's tokenizer, a user's read from Redis as well."""
+    redis = connect(redis_url)
+    raw = (teacher_dir() / "tokenizer.json").read_text()
+    await redis.set(KEYS.tokenizer("d1"), raw)
+    tokenizers = Tokenizers(TeacherTokenizer(teacher_dir(), 32, ascii_path=ascii_path), redis, KEYS)
+    own = await tokenizers.get(ModelSpec("mine", EMBEDDING, tokenizer="d1", max_tokens=16))
+    assert own.max_tokens == 16 and (own.ascii is not None) is ascii_path
+    assert own.encode(["a fine film"])[0].input_ids == [101, 1037, 2986, 2143, 102]
     await redis.aclose()

@@ -1,0 +1,102 @@
+"""The Python path for ASCII texts (AsciiWordPiece) gives the tokenizers library's ids, on real and generated texts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from academus.shared.models.teacher_files import teacher_dir
+from academus.shared.models.tokenization import Encoded, TeacherTokenizer, TextTooLong
+from academus.shared.training.data import load_task
+from tests.models import permute_vocabulary, roberta_specials
+
+# Words that reach each branch: known whole, split into pieces, unknown pieces, over 100 characters, added
+# tokens in both cases, control characters the normalizer drops, whitespace it keeps, punctuation alone.
+AWKWARD = ["[CLS]", "[mask]", "[MASK]", "unbelievably", "x" * 101, "a" * 100, "##ing", "Hello", "WORLD", "\t", "\n",
+           "\x0b", "\x1f", "\x7f", "\x00", "don't", "3.14", "e-mail", "[", "]", "~", "", "qzxjv", "naïve", "日本"]
+
+
+def both(directory: Path, limit: int) -> tuple[TeacherTokenizer, TeacherTokenizer]:
+    raw = (directory / "tokenizer.json").read_text()
+    return TeacherTokenizer.from_json(raw, limit), TeacherTokenizer.from_json(raw, limit, ascii_path=False)
+
+
+def outcome(tokenizer: TeacherTokenizer, texts: list[str], truncate: bool) -> list[Encoded] | tuple[int, int]:
+    try:
+        return tokenizer.encode(texts, truncate=truncate)
+    except TextTooLong as e:
+        return e.index, e.num_tokens
+
+
+@pytest.fixture(scope="module")
+def task_texts() -> list[str]:
+    texts = []
+    for task in ("sentiment", "spam"):
+        data = load_task(task)
+        texts += [e.text for split in (data.train, data.validation, data.test) for e in split]
+    return texts
+
+
+def test_the_teachers_tokenizer_takes_the_ascii_path() -> None:
+    fast, library = both(teacher_dir(), 256)
+    assert fast.ascii is not None and library.ascii is None
+    assert fast.encode(["a fine film"])[0].input_ids == [101, 1037, 2986, 2143, 102]
+
+
+@pytest.mark.parametrize("limit", [16, 256, 100_000])
+def test_every_text_of_both_tasks_gets_the_librarys_ids(task_texts: list[str], limit: int) -> None:
+    """Cut at 16 tokens and at the serving limit; whole, untruncated, where no text reaches the limit."""
+    fast, library = both(teacher_dir(), limit)
+    assert sum(t.isascii() for t in task_texts) > 0.9 * len(task_texts)   # the path is really taken
+    for start in range(0, len(task_texts), 512):
+        chunk = task_texts[start:start + 512]
+        assert fast.encode(chunk, truncate=limit < 100_000) == library.encode(chunk, truncate=limit < 100_000)
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.lists(st.one_of(st.sampled_from(AWKWARD), st.text(st.characters(max_codepoint=127), max_size=30)),
+                max_size=40),
+       st.sampled_from([2, 3, 8, 256]), st.booleans())
+def test_generated_texts_get_the_librarys_ids(words: list[str], limit: int, truncate: bool) -> None:
+    fast, library = _teachers[limit]
+    texts = [" ".join(words), "".join(words)]
+    assert outcome(fast, texts, truncate) == outcome(library, texts, truncate)
+
+
+_teachers = {limit: both(teacher_dir(), limit) for limit in (2, 3, 8, 256)}
+
+
+def test_added_tokens_and_other_characters_go_to_the_library() -> None:
+    fast, _ = both(teacher_dir(), 256)
+    assert fast.ascii.encode("a [MASK] here", 256) is None
+    assert fast.ascii.encode("naïve", 256) is None
+    texts = ["a [MASK] here", "naïve", "plain"]
+    assert [e.input_ids for e in fast.encode(texts)] == [[101, 1037, 103, 2182, 102], [101, 15743, 102],
+                                                         [101, 5810, 102]]
+
+
+@pytest.mark.parametrize("renumber", [permute_vocabulary, roberta_specials])
+def test_a_users_bert_tokenizer_keeps_its_own_ids(tmp_path: Path, renumber, task_texts: list[str]) -> None:
+    (tmp_path / "tokenizer.json").write_text((teacher_dir() / "tokenizer.json").read_text())
+    renumber(tmp_path)
+    fast, library = both(tmp_path, 64)
+    assert fast.ascii is not None
+    chunk = task_texts[:300] + AWKWARD
+    assert fast.encode(chunk) == library.encode(chunk)
+
+
+@pytest.mark.parametrize("change", [
+    lambda raw: raw.update(normalizer={"type": "Lowercase"}),
+    lambda raw: raw.update(pre_tokenizer={"type": "Whitespace"}),
+    lambda raw: raw.update(model={"type": "WordLevel", "vocab": raw["model"]["vocab"], "unk_token": "[UNK]"}),
+    lambda raw: raw.update(post_processor={"type": "RobertaProcessing", "sep": ["[SEP]", 102], "cls": ["[CLS]", 101]}),
+    lambda raw: raw["post_processor"]["single"].pop(),
+])
+def test_another_pipeline_stays_with_the_library(change) -> None:
+    raw = json.loads((teacher_dir() / "tokenizer.json").read_text())
+    change(raw)
+    assert TeacherTokenizer.from_json(json.dumps(raw), 256).ascii is None
