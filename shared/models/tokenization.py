@@ -38,8 +38,8 @@ _ASCII_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 class AsciiWordPiece:
     """A BERT tokenizer's ids for one ASCII text, computed in Python: BertNormalizer (clean_text, lowercase),
     BertPreTokenizer, greedy WordPiece and the [CLS] A [SEP] template, exactly as the tokenizers library gives
-    them. The library takes about 25 us of CPU for a 14-word text and this path about 4: the library builds
-    every token's string, offsets and masks, and its normalizer tracks each character's alignment. The gateway
+    them. A call on a 14-word text takes the library about 28 us of CPU and this path about 5.4: the library
+    builds every token's string, offsets and masks, and its normalizer tracks each character's alignment. The gateway
     tokenizes every request's texts, and the library was the largest part of its CPU at capacity
     (docs/benchmarks/stack.md). Other characters, and the added tokens' text ([MASK]), go to the library."""
 

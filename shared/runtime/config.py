@@ -328,8 +328,8 @@ class GatewayConfig(CommonConfig):
     max_text_chars: int = setting(100_000, "a longer text is refused before tokenizing, truncation or not",
                                   at_least(1))
     ascii_tokenizer: bool = setting(True, "a single ASCII text of a BERT tokenizer is tokenized in Python, the same "
-                                          "ids at a sixth of the tokenizers library's CPU; false: every text "
-                                          "through the library")
+                                          "ids at about a fifth of the tokenizers library's CPU; false: every "
+                                          "text through the library")
     default_deadline_s: float = setting(30.0, "applied when the client set none (gRPC has no default)")
     auth_cache_s: float = setting(5.0, "how long a verified key is trusted without asking Redis")
     auth_failure_limit: int = setting(30, "invalid API keys one client address may present within "
