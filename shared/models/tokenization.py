@@ -48,6 +48,8 @@ class AsciiWordPiece:
         self.vocab, self.unk, self.first, self.last = vocab, unk, first, last
         self.prefix, self.max_word_chars, self.lowercase = prefix, max_word_chars, lowercase
         self.added = tuple(added)
+        # no piece is longer than the vocabulary's longest entry: longer candidates need no lookup
+        self.longest = max(len(t[len(prefix):] if t.startswith(prefix) else t) for t in vocab)
 
     @classmethod
     def of(cls, spec: dict[str, Any]) -> AsciiWordPiece | None:
@@ -97,7 +99,7 @@ class AsciiWordPiece:
             return
         pieces, start = [], 0
         while start < len(word):
-            for end in range(len(word), start, -1):
+            for end in range(min(len(word), start + self.longest), start, -1):
                 found = self.vocab.get(word[start:end] if start == 0 else self.prefix + word[start:end])
                 if found is not None:
                     pieces.append(found)

@@ -15,9 +15,11 @@ from academus.shared.training.data import load_task
 from tests.models import permute_vocabulary, roberta_specials
 
 # Words that reach each branch: known whole, split into pieces, unknown pieces, over 100 characters, added
-# tokens in both cases, control characters the normalizer drops, whitespace it keeps, punctuation alone.
+# tokens in both cases, control characters the normalizer drops, whitespace it keeps, punctuation alone, and a word of
+# 100 letters that falls into single-letter pieces (the longest pieces the vocabulary holds bound the search).
 AWKWARD = ["[CLS]", "[mask]", "[MASK]", "unbelievably", "x" * 101, "a" * 100, "##ing", "Hello", "WORLD", "\t", "\n",
-           "\x0b", "\x1f", "\x7f", "\x00", "don't", "3.14", "e-mail", "[", "]", "~", "", "qzxjv", "naïve", "日本"]
+           "\x0b", "\x1f", "\x7f", "\x00", "don't", "3.14", "e-mail", "[", "]", "~", "", "qzxjv", "naïve", "日本",
+           "qzxjvwkpfb" * 10]
 
 
 def both(directory: Path, limit: int) -> tuple[TeacherTokenizer, TeacherTokenizer]:
