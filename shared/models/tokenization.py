@@ -44,10 +44,12 @@ class AsciiWordPiece:
     (docs/benchmarks/stack.md). Other characters, and the added tokens' text ([MASK]), go to the library."""
 
     def __init__(self, vocab: dict[str, int], unk: int, first: int, last: int, prefix: str, max_word_chars: int,
-                 lowercase: bool, added: Sequence[str]) -> None:
+                 lowercase: bool, added: Sequence[str], normalized: Sequence[str] = ()) -> None:
+        """`added`: the added tokens' text, found in the raw text; `normalized`: those found in the normalized
+        text (their text normalized too)."""
         self.vocab, self.unk, self.first, self.last = vocab, unk, first, last
         self.prefix, self.max_word_chars, self.lowercase = prefix, max_word_chars, lowercase
-        self.added = tuple(added)
+        self.added, self.normalized = tuple(added), tuple(normalized)
         # no piece is longer than the vocabulary's longest entry: longer candidates need no lookup
         self.longest = max(len(t[len(prefix):] if t.startswith(prefix) else t) for t in vocab)
 
@@ -62,12 +64,12 @@ class AsciiWordPiece:
         frame = _single_frame(spec.get("post_processor") or {})
         if frame is None:
             return None
-        vocab = model["vocab"]
-        added = [t["content"] for t in spec.get("added_tokens", [])]
-        # an added token the normalizer sees is matched lowercased: look for both spellings
-        added += [t["content"].lower() for t in spec.get("added_tokens", []) if t.get("normalized")]
+        vocab, lowercase = model["vocab"], bool(normalizer.get("lowercase", True))
+        tokens = spec.get("added_tokens", [])
+        normalized = [t["content"].lower() if lowercase else t["content"] for t in tokens if t.get("normalized")]
         return cls(vocab, vocab[model["unk_token"]], *frame, model.get("continuing_subword_prefix", "##"),
-                   int(model.get("max_input_chars_per_word", 100)), bool(normalizer.get("lowercase", True)), added)
+                   int(model.get("max_input_chars_per_word", 100)), lowercase,
+                   [t["content"] for t in tokens if not t.get("normalized")], normalized)
 
     def encode(self, text: str, limit: int | None) -> tuple[list[int], bool] | None:
         """(ids, truncated) with at most `limit` ids (None: all of them); None for a text the library must take."""
@@ -75,9 +77,13 @@ class AsciiWordPiece:
             return None
         if not text.isprintable():
             text = _ASCII_CONTROL.sub("", text)
+        if self.lowercase:
+            text = text.lower()
+        if any(a in text for a in self.normalized):
+            return None
         ids, get = [self.first], self.vocab.get
-        room = limit - 1 if limit is not None else len(text) + 1   # a word gives at least one id
-        for word in _ASCII_WORDS.findall(text.lower() if self.lowercase else text):
+        room = limit - 1 if limit is not None else float("inf")
+        for word in _ASCII_WORDS.findall(text):
             found = get(word)
             if found is None:
                 self._pieces(word, ids)
@@ -87,7 +93,7 @@ class AsciiWordPiece:
                 break
         truncated = len(ids) > room
         if truncated:
-            del ids[limit - 1:]
+            del ids[int(room):]
         ids.append(self.last)
         return ids, truncated
 

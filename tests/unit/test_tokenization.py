@@ -102,3 +102,15 @@ def test_another_pipeline_stays_with_the_library(change) -> None:
     raw = json.loads((teacher_dir() / "tokenizer.json").read_text())
     change(raw)
     assert TeacherTokenizer.from_json(json.dumps(raw), 256).ascii is None
+
+
+def test_an_added_token_the_normalizer_sees_is_found_in_any_case() -> None:
+    """An added token marked `normalized` is matched on the lowercased text: "[mAsK]" is it, and goes to the library."""
+    raw = json.loads((teacher_dir() / "tokenizer.json").read_text())
+    for token in raw["added_tokens"]:
+        token["normalized"] = token["content"] == "[MASK]"
+    fast = TeacherTokenizer.from_json(json.dumps(raw), 64)
+    library = TeacherTokenizer.from_json(json.dumps(raw), 64, ascii_path=False)
+    texts = ["a [mAsK] here", "a [MASK] here", "a [mask] here", "a [CLS] here", "a [cls] here", "plain words"]
+    assert fast.ascii is not None and fast.ascii.encode("a [mAsK] here", 64) is None
+    assert fast.encode(texts) == library.encode(texts)
