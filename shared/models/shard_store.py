@@ -140,6 +140,19 @@ class ShardStore:
                           for layer in range(self.geometry.layers) for k in self.versions if k != FULL}
         self.pair_tables = {(layer, k): pair_table(c, k) for (layer, k), c in self.centroids.items()}
         self.pair_addresses = {key: table.ctypes.data for key, table in self.pair_tables.items()}   # the C loader's
+        self.largest_layer_bytes = self._largest_layer_bytes()
+
+    def _largest_layer_bytes(self) -> int:
+        """The most bytes one layer's shards take, each at its largest stored version: what a reader that stages a
+        layer's reads needs at most, whatever the plan."""
+        longest: dict[tuple[int, int], int] = {}
+        for (layer, _), entries in self.index.items():
+            for shard, e in enumerate(entries):
+                longest[(layer, shard)] = max(longest.get((layer, shard), 0), e.length)
+        per_layer: dict[int, int] = {}
+        for (layer, _), length in longest.items():
+            per_layer[layer] = per_layer.get(layer, 0) + length
+        return max(per_layer.values(), default=0)
 
     def _check_sizes(self) -> None:
         """A truncated or missing layer file is refused when the store opens, not when a request reaches it."""

@@ -160,7 +160,8 @@ class RunResult:
 @dataclass
 class LoaderBuffers:
     """What the C loader's thread writes into, kept from run to run (making them anew took a run 80 us, and more
-    beside the loads): the layer buffers of the last width it loaded, and the bytes of the layer it reads."""
+    beside the loads): the layer buffers of the last width it loaded, and the bytes of the layer it reads (sized for
+    the store's largest layer once; only the pages a read touches are resident)."""
 
     layers: list[LayerBuilder] = field(default_factory=list)
     staging: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8))
@@ -305,11 +306,6 @@ def _stored(store: ShardStore, layer: int, versions: Sequence[tuple[int, int]],
             None if source.mapped else reads)
 
 
-def _unread(reads: list[tuple[int, int]] | None, lengths: Sequence[int]) -> int:
-    """The bytes of a layer the C loader's thread reads from files."""
-    return sum(n for (fd, _), n in zip(reads, lengths, strict=True) if fd >= 0) if reads else 0
-
-
 def _c_thread_loads(source: FileSource) -> bool:
     """Whether the C loader's thread loads from this source: where the library was built and the source maps its
     files or lets the thread read them."""
@@ -330,7 +326,7 @@ def load_layer_s(model: ElasticModel, source: FileSource, layer: int, shards: Se
     kept: list[bytes | memoryview] = []
     places, versions = _in_file_order(store, layer, [(s, bits) for s in shards])
     stored = _stored(store, layer, versions, {}, source, kept)
-    loads = PlanLoads(1, 0, np.empty(_unread(stored[-1], stored[1]), np.uint8), source.ahead_layers)
+    loads = PlanLoads(1, 0, np.empty(store.largest_layer_bytes, np.uint8), source.ahead_layers)
     try:
         started = time.perf_counter()
         loads.publish(built.native, places, *stored)
@@ -434,7 +430,7 @@ class NativeLoads:
         self.model, self.store, self.plan = model, model.store, plan
         self._held, self._source = held, source
         self._order = [_in_file_order(self.store, k, _versions(plan, k)) for k in range(plan.depth)]
-        staging = None if source.mapped else buffers.staging_for(self._largest_read())
+        staging = None if source.mapped else buffers.staging_for(self.store.largest_layer_bytes)
         self._loads = PlanLoads(plan.depth, window, staging, source.ahead_layers)
         self._weights: list[LayerWeights] = []
         self._kept: list[bytes | memoryview] = []    # what the loads read from, alive until they finish
@@ -444,11 +440,6 @@ class NativeLoads:
             self._loads.finish()
             raise
         self._publish_s = time.perf_counter() - started
-
-    def _largest_read(self) -> int:
-        """The most bytes a layer of the plan reads from files: the staging buffer's size."""
-        return max((sum(self.store.entry(k, s, b).length for s, b in versions if (k, s, b) not in self._held)
-                    for k, (_, versions) in enumerate(self._order)), default=0)
 
     def _publish(self, buffers: list[LayerBuilder], slots: int) -> None:
         del buffers[slots:]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -20,6 +21,12 @@ from tests.models import permute_vocabulary, roberta_specials
 AWKWARD = ["[CLS]", "[mask]", "[MASK]", "unbelievably", "x" * 101, "a" * 100, "##ing", "Hello", "WORLD", "\t", "\n",
            "\x0b", "\x1f", "\x7f", "\x00", "don't", "3.14", "e-mail", "[", "]", "~", "", "qzxjv", "naïve", "日本",
            "qzxjvwkpfb" * 10]
+
+
+@functools.cache
+def teachers(limit: int) -> tuple[TeacherTokenizer, TeacherTokenizer]:
+    """The teacher's tokenizer at `limit`, with and without the Python path, made once a limit."""
+    return both(teacher_dir(), limit)
 
 
 def both(directory: Path, limit: int) -> tuple[TeacherTokenizer, TeacherTokenizer]:
@@ -64,12 +71,9 @@ def test_every_text_of_both_tasks_gets_the_librarys_ids(task_texts: list[str], l
                 max_size=40),
        st.sampled_from([2, 3, 8, 256]), st.booleans())
 def test_generated_texts_get_the_librarys_ids(words: list[str], limit: int, truncate: bool) -> None:
-    fast, library = _teachers[limit]
+    fast, library = teachers(limit)
     texts = [" ".join(words), "".join(words)]
     assert outcome(fast, texts, truncate) == outcome(library, texts, truncate)
-
-
-_teachers = {limit: both(teacher_dir(), limit) for limit in (2, 3, 8, 256)}
 
 
 def test_added_tokens_and_other_characters_go_to_the_library() -> None:

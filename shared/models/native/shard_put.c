@@ -242,9 +242,7 @@ static int load_layer(PlanLoads *loads, int64_t k) {
     if (load->fds == NULL)
         return academus_put_layer(load, loads->crc32);
     advise(loads, k);
-    const uint8_t **blobs = malloc(sizeof *blobs * (size_t)(load->shards ? load->shards : 1));
-    if (blobs == NULL)
-        return LOADS_UNREAD;
+    const uint8_t *blobs[load->shards > 0 ? load->shards : 1];   /* a layer's shards: a few dozen at most */
     int64_t used = 0;
     int failed = 0;
     for (int64_t i = 0; i < load->shards && !failed; i++) {
@@ -263,7 +261,6 @@ static int load_layer(PlanLoads *loads, int64_t k) {
         read.blobs = blobs;
         failed = academus_put_layer(&read, loads->crc32);
     }
-    free(blobs);
     return failed;
 }
 
