@@ -1,4 +1,4 @@
-"""The asyncio client (grpc.aio); traced when OpenTelemetry is set up in the process."""
+"""The asyncio client (grpc.aio); traced when OpenTelemetry is set up in the process before the client is made."""
 
 from __future__ import annotations
 

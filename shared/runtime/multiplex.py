@@ -307,7 +307,7 @@ class MultiplexChannel:
         self.local = local
         self._going_local: asyncio.Task | None = None
         self._unreachable: set[str] = set()   # endpoints that could not be reached: their calls stay on gRPC
-        self.tracer = client_tracer(tracer_provider)  # None: tracing off; no provider: the process's
+        self.tracer = client_tracer(tracer_provider)  # None: tracing off, or no provider given or set
         self._calls = channel.stream_stream(CALLS_METHOD, request_serializer=multiplex_pb2.CallFrame.SerializeToString,
                                             response_deserializer=multiplex_pb2.ReplyFrame.FromString)
         self._stream: _Stream | None = None
