@@ -9,7 +9,6 @@ import functools
 import json
 import logging
 import time
-from collections import deque
 
 import grpc
 import numpy as np
@@ -191,27 +190,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             await abort_with(context, e)
         except RedisError as e:
             await abort_with(context, Unavailable(f"credential and model store unreachable: {e}"))
-        early: deque[tensors_pb2.ModelOutput] = deque()
-        arrived = asyncio.Event()
-
-        def released(output: tensors_pb2.ModelOutput) -> None:
-            early.append(output)
-            arrived.set()
-
+        # early answers in release order, then None once the final one is in: none can follow it
+        answers: asyncio.Queue[tensors_pb2.ModelOutput | None] = asyncio.Queue()
         final = asyncio.ensure_future(self._schedule(admitted, schedule_request(admitted, request.request_id, True),
-                                                     deadline, request.policy, released))
+                                                     deadline, request.policy, answers.put_nowait))
+        final.add_done_callback(lambda _: answers.put_nowait(None))
         try:
-            while True:
-                while early:
-                    yield to_pb(admitted, early.popleft(), request.request_id)
-                if final.done():   # early answers come before the final one: none can follow it
-                    break
-                arrived.clear()
-                waiter = asyncio.ensure_future(arrived.wait())
-                try:
-                    await asyncio.wait({final, waiter}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    waiter.cancel()
+            while (early := await answers.get()) is not None:
+                yield to_pb(admitted, early, request.request_id)
             try:
                 result = final.result()
             except ServingError as e:
