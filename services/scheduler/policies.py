@@ -13,7 +13,7 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections import Counter, deque
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -442,6 +442,29 @@ class _BatchingPolicy(DispatchPolicy):
         self.latency = latency or LatencyModel()
         self._dropped: list[tuple[Job, ServingError]] = []
         self.counters = {"batches": 0, "select_ms": 0.0, "batch_ms": 0.0, "dropped_expired": 0}
+        # per model, the waiting jobs' `_weight`s, kept as jobs come and go: `depth` runs on every admission
+        # behind busy groups, and summing a full queue there took 0.1 ms a request
+        self._weights: Counter[str] = Counter()
+
+    def _weight(self, job: Job) -> int:
+        """What one waiting job adds to `depth`'s count."""
+        return 1
+
+    def _waiting_weight(self, model: str | None) -> int:
+        return self._weights.total() if model is None else self._weights[model]
+
+    def _forget(self, jobs: Iterable[Job]) -> None:
+        for job in jobs:
+            self._weights[job.model] -= self._weight(job)
+
+    def push(self, job: Job, now: float, front: bool = False) -> None:
+        super().push(job, now, front)
+        self._weights[job.model] += self._weight(job)
+
+    def remove(self, predicate: Callable[[Job], bool]) -> list[Job]:
+        removed = super().remove(predicate)
+        self._forget(removed)
+        return removed
 
     def next_batch(self, accepts: Accepts, now: float) -> list[Job]:
         head = next((j for j in self._jobs if accepts(j)), None)
@@ -452,6 +475,8 @@ class _BatchingPolicy(DispatchPolicy):
         chosen, expired = self._select(mates, now)
         gone = {id(j) for j in chosen} | {id(j) for j in expired}
         self._jobs = deque(j for j in self._jobs if id(j) not in gone)
+        self._forget(chosen)
+        self._forget(expired)
         for job in expired:
             self._dropped.append((job, DeadlineExceeded(
                 "the deadline cannot be met even in the next batch (DAS); not computed")))
@@ -557,10 +582,12 @@ class ConcatPolicy(_BatchingPolicy):
     def full_batch_tokens(self) -> int:
         return self.rows * self.row_length
 
+    def _weight(self, job: Job) -> int:
+        return min(job.num_tokens, self.row_length)
+
     def depth(self, model: str | None = None) -> int:
         """Waiting batches: the queue's tokens over one batch's R·L (what the admission estimate needs)."""
-        tokens = sum(min(j.num_tokens, self.row_length) for j in self.waiting_of(model))
-        return math.ceil(tokens / (self.rows * self.row_length))
+        return math.ceil(self._waiting_weight(model) / (self.rows * self.row_length))
 
 
 class BucketedPolicy(_BatchingPolicy):
@@ -587,7 +614,7 @@ class BucketedPolicy(_BatchingPolicy):
         return sum(j.num_texts for j in batch) * max((j.max_length for j in batch), default=0)
 
     def depth(self, model: str | None = None) -> int:
-        return math.ceil(len(self.waiting_of(model)) / self.max_batch)
+        return math.ceil(self._waiting_weight(model) / self.max_batch)
 
 
 POLICIES: dict[str, Callable[..., DispatchPolicy]] = {

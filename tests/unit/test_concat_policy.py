@@ -4,6 +4,8 @@ the batch a freed group gets, the plan that goes with it to the worker, expiry, 
 from __future__ import annotations
 
 import asyncio
+import math
+import random
 
 import pytest
 
@@ -264,6 +266,33 @@ def test_depth_counts_waiting_batches_not_requests():
     for _ in range(16):
         policy.push(job(clock, (8,)), clock())
     assert len(policy) == 16 and policy.depth() == 2               # 128 tokens = two batches of 2 x 32
+
+
+@pytest.mark.parametrize("make", [lambda: ConcatPolicy(row_length=32, rows=2), lambda: BucketedPolicy(max_batch=4)])
+def test_depth_follows_the_queue_through_pushes_batches_and_removals(make):
+    """`depth` keeps a tally as jobs come and go (it runs on every admission): it always equals the count over the
+    waiting jobs, whole and per model, expired jobs dropped by DAS and texts longer than a row included."""
+    clock, policy, draw = Clock(), make(), random.Random(7)
+
+    def counted(model: str | None) -> int:
+        waiting = policy.waiting_of(model)
+        if isinstance(policy, ConcatPolicy):
+            return math.ceil(sum(min(j.num_tokens, 32) for j in waiting) / 64)
+        return math.ceil(len(waiting) / 4)
+
+    for step in range(400):
+        action = draw.random()
+        if action < 0.6:
+            lengths = tuple(draw.choice((3, 8, 20, 40)) for _ in range(draw.randint(1, 2)))
+            policy.push(job(clock, lengths, deadline_in=draw.choice((0.001, 5.0)), model=draw.choice("ab")),
+                        clock(), front=draw.random() < 0.1)
+        elif action < 0.85:
+            policy.next_batch(lambda j: j.model == "a" or draw.random() < 0.5, clock())
+        else:
+            policy.remove(lambda j: draw.random() < 0.2)
+        clock.now += 0.0005
+        assert [policy.depth(m) for m in (None, "a", "b")] == [counted(m) for m in (None, "a", "b")], step
+    assert len(policy) and policy.take_dropped()   # the run queued and dropped jobs along the way
 
 
 def test_a_concat_batch_computes_its_rows_tokens_and_a_full_one_r_times_l():
