@@ -69,13 +69,20 @@ class Scenario:
     load: float = 2.0
     duration_s: float = 120.0
     jitter: float = 0.0            # σ of a log-normal factor of mean 1 on each batch's time
+    stall_share: float = 0.0       # the share of batches that stall (a pause, a core taken away) ...
+    stall_factor: float = 1.0      # ... and take this many times their time
 
     def batch_s(self, tokens: int) -> float:
         return self.overhead_s + self.full_batch_s * tokens / (self.rows * self.row_length)
 
     def jittered(self, seconds: float, rng: random.Random) -> float:
-        """A batch's time on a machine that varies: the model's time times a factor of mean 1."""
-        return seconds * math.exp(rng.gauss(-self.jitter ** 2 / 2, self.jitter)) if self.jitter else seconds
+        """A batch's time on a machine that varies: the model's time times a factor of mean 1, and now and then
+        a stall."""
+        if self.jitter:
+            seconds *= math.exp(rng.gauss(-self.jitter ** 2 / 2, self.jitter))
+        if self.stall_share and rng.random() < self.stall_share:
+            seconds *= self.stall_factor
+        return seconds
 
     @property
     def capacity_rps(self) -> float:
@@ -164,7 +171,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     lengths = task_lengths(args.task, args.max_tokens)
     scenario = Scenario(lengths, args.row_length, args.rows, args.groups, args.full_batch_ms / 1e3,
                         args.overhead_ms / 1e3, args.bound_ms / 1e3, args.deadline, args.load, args.duration,
-                        args.jitter)
+                        args.jitter, *args.stalls)
     arms: dict[str, list[dict[str, Any]]] = {"due_first": [], "das_alone": []}
     for seed in range(args.seeds):
         for arm, due_first in (("due_first", True), ("das_alone", False)):
@@ -176,6 +183,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "scenario": {k: v for k, v in vars(scenario).items() if k != "lengths"},
             "answered_ratio_due_first_over_das_alone": round(math.exp(statistics.fmean(map(math.log, ratio))), 3),
             "arms": arms}
+
+
+def _stalls(text: str) -> tuple[float, float]:
+    share, factor = (float(x) for x in text.split(":"))
+    if not 0 <= share <= 1 or factor < 1:
+        raise argparse.ArgumentTypeError(f"--stalls {text!r}: a share in [0, 1] and a factor of at least 1")
+    return share, factor
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--jitter", type=float, default=0.0,
                    help="σ of a log-normal factor (mean 1) on each batch's time: a machine that varies")
+    p.add_argument("--stalls", type=_stalls, default=(0.0, 1.0), metavar="SHARE:FACTOR",
+                   help="that share of the batches take FACTOR times their time (e.g. 0.01:10)")
     print(json.dumps(run(p.parse_args(argv))))
     return 0
 

@@ -53,3 +53,11 @@ def test_batch_times_that_vary_keep_the_bound_with_admissions_margin() -> None:
     outcome = figures(jittery, simulate(jittery, due_first=True, seed=1))
     assert outcome["refused"] > 0 and outcome["answered_rps"] > 0.9 * jittery.capacity_rps
     assert outcome["over_bound"] < 0.05
+
+
+def test_stalls_lengthen_their_share_of_the_batches_by_their_factor() -> None:
+    stalling = dataclasses.replace(SCENARIO, stall_share=0.25, stall_factor=10.0)
+    rng = random.Random(0)
+    times = [stalling.jittered(1.0, rng) for _ in range(4000)]
+    assert set(times) == {1.0, 10.0} and abs(times.count(10.0) / len(times) - 0.25) < 0.03
+    assert [SCENARIO.jittered(1.0, rng) for _ in range(10)] == [1.0] * 10   # none by default
