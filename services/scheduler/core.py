@@ -151,10 +151,11 @@ class Job:
 SLOWDOWN_BATCHES = 10
 
 
-def smooth(values: dict[str, float], key: str, sample: float) -> None:
-    """An exponentially smoothed value (a fifth of each new sample): the first sample as it is."""
+def smooth(values: dict[str, float], key: str, sample: float, weight: float = 1.0) -> None:
+    """An exponentially smoothed value (a fifth of each new sample, times its `weight` in 0..1): the first sample
+    as it is."""
     previous = values.get(key)
-    values[key] = sample if previous is None else 0.8 * previous + 0.2 * sample
+    values[key] = sample if previous is None else previous + 0.2 * weight * (sample - previous)
 
 
 class WorkerLost(Exception):
@@ -549,9 +550,14 @@ class Dispatcher:
         smooth(self.batch_texts, model, texts)
         if tokens:
             per_token = seconds / tokens
+            # A batch weighs by its share of a full one, whose time admission counts: a row's batch of a fast
+            # model is mostly fixed costs, and one held up 10-25 ms by a busy core lifted a full batch's estimate
+            # several-fold, refusing requests that would have waited a fifth of the bound (stack.md, 2026-12-05).
+            full = self.policy.full_batch_tokens()
+            weight = min(1.0, tokens / full) if full else 1.0
             if model in self.token_s:   # how far a sample strays from the smoothed time, as TCP's RTT variance
-                smooth(self.token_dev, model, abs(per_token - self.token_s[model]))
-            smooth(self.token_s, model, per_token)
+                smooth(self.token_dev, model, abs(per_token - self.token_s[model]), weight)
+            smooth(self.token_s, model, per_token, weight)
 
     def _running_estimate(self, batch: list[Job]) -> float:
         """What a batch about to start will take, for what is left of it once it runs (admission, the doom

@@ -734,10 +734,10 @@ async def test_a_concat_deployment_counts_its_batches_by_their_shape_not_the_smo
 
 
 async def test_a_concat_deployment_counts_a_deviation_of_its_batch_times_as_margin():
-    """One-row batches took 0.1 s, then 0.2 s: the smoothed time a row is 0.12 s, and its smoothed deviation
-    0.1 s. A full batch of eight rows then counts 8 x (0.12 + 0.1) = 1.76 s. Behind one just begun, a request
-    is refused at the 1 s bound; at the mean alone (0.96 s) it was let in, and where batch times vary a share
-    of such requests started past the bound."""
+    """One-row batches took 0.1 s, then 0.2 s. Each weighs an eighth of a full batch: the smoothed time a row is
+    0.1 + 0.2 / 8 x 0.1 = 0.1025 s, and its deviation 0.1 s (the first, as it is). A full batch of eight rows then
+    counts 8 x (0.1025 + 0.1) = 1.62 s. Behind one just begun, a request is refused at the 1 s bound; at the mean
+    alone (0.82 s) it was let in, and where batch times vary a share of such requests started past the bound."""
     d, clock, fake = make_dispatcher({"w0": {"spam"}}, capacity=64, policy=ConcatPolicy(row_length=128, rows=8))
     d.max_queue_wait_s = 1.0
     first = asyncio.create_task(d.submit(row_job(clock, "first")))
@@ -752,11 +752,34 @@ async def test_a_concat_deployment_counts_a_deviation_of_its_batch_times_as_marg
     fake.calls[1][2].set_result("second")          # the eight rows start as it ends
     await settle()
     assert [len(b) for b in fake.batches] == [1, 1, 8]
-    assert d.token_s["spam"] * 128 == pytest.approx(0.12) and d.token_dev["spam"] * 128 == pytest.approx(0.1)
-    with pytest.raises(ResourceExhausted, match="about 1760 ms of work ahead"):
+    assert d.token_s["spam"] * 128 == pytest.approx(0.1025) and d.token_dev["spam"] * 128 == pytest.approx(0.1)
+    with pytest.raises(ResourceExhausted, match="about 1620 ms of work ahead"):
         await asyncio.wait_for(d.submit(row_job(clock)), 1)
     fake.calls[2][2].set_result("row")
     assert await first == "first" and await second == "second" and await asyncio.gather(*rows) == ["row"] * 8
+
+
+def test_a_batch_weighs_in_the_time_a_token_by_its_share_of_a_full_one():
+    """A fast model's full batches take 8 ms (1,024 tokens). A one-row batch held up 20 ms by a busy core moves the
+    smoothed time a token, and its deviation, an eighth as far as a full batch would: a full batch is then counted
+    at 15.6 ms, where a full batch as slow (160 ms) lifts it to 68.8 ms."""
+    def batch(rows: int) -> list[Job]:   # formed by the policy, so that it carries its plan's tokens
+        policy = ConcatPolicy(row_length=128, rows=8)
+        for _ in range(rows):
+            policy.push(row_job(clock), clock())
+        return policy.next_batch(lambda _: True, clock())
+
+    clock = Clock()
+    held, slow = (make_dispatcher({"w0": {"spam"}}, capacity=64, policy=ConcatPolicy(row_length=128, rows=8))[0]
+                  for _ in range(2))
+    for d in (held, slow):
+        for _ in range(30):
+            d._observe(batch(8), 0.008)
+        assert d._batch_time("spam") == pytest.approx(0.008)
+    held._observe(batch(1), 0.020)   # 156 us a token against 7.8: 0.025 of the way, and as much deviation
+    slow._observe(batch(8), 0.160)   # the same a token over a full batch: 0.2 of the way
+    assert held._batch_time("spam") == pytest.approx(0.008 + 2 * 0.025 * (0.160 - 0.008), rel=1e-6)   # 15.6 ms
+    assert slow._batch_time("spam") == pytest.approx(0.008 + 2 * 0.2 * (0.160 - 0.008), rel=1e-6)     # 68.8 ms
 
 
 def test_queued_samples_count_as_elements_of_the_merge_bound_in_the_admission_estimate():
