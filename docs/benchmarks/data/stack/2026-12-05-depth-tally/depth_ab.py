@@ -1,12 +1,13 @@
 """`concat`'s queue depth summed at each admission against kept as a tally: closed loops deep enough to fill the
 scheduler's queue, on fresh meshes serving `null`, the order alternating.
 
-    python depth_ab.py ROUNDS CALLERS OUT.json NAME=PATH NAME=PATH
+    python depth_ab.py ROUNDS CALLERS OUT.json NAME=PATH NAME=PATH [--file=services/scheduler/policies.py]
 
-Each NAME=PATH is a copy of services/scheduler/policies.py, put in place before its mesh starts (the services
-import the checkout); the checkout's own file is put back at the end. A round runs each arm's mesh: one 5 s
-warm-up, then CALLERS closed loops for 10 s over two load-generator processes (stack_bench's runner). Per arm:
-requests a second, the p50 and p99, the errors, and each service's CPU ms a request (/proc)."""
+Each NAME=PATH is a copy of the checkout's file given by --file (default services/scheduler/policies.py), put in
+place before its mesh starts (the services import the checkout); the checkout's own file is put back at the end.
+A round runs each arm's mesh: one 5 s warm-up, then CALLERS closed loops for 10 s over two load-generator
+processes (stack_bench's runner). Per arm: requests a second, the p50 and p99, the errors, and each service's CPU
+ms a request (/proc)."""
 
 from __future__ import annotations
 
@@ -20,11 +21,11 @@ from pathlib import Path
 from academus.loadgen import stack_bench
 from academus.shared.cli.mesh import Deployment, MeshOptions, down, up
 
-POLICIES = Path(__file__).resolve().parents[5] / "services" / "scheduler" / "policies.py"
+CHECKOUT = Path(__file__).resolve().parents[5]
 
 
-def one_mesh(source: Path, callers: int) -> dict:
-    shutil.copyfile(source, POLICIES)
+def one_mesh(source: Path, target: Path, callers: int) -> dict:
+    shutil.copyfile(source, target)
     run = Path(tempfile.mkdtemp(prefix="academus-depth-"))
     state = up(MeshOptions(run_dir=run, gateway_port=0, deployments=[Deployment("concat")],
                            env={"ACADEMUS_MODELS": "null"}))
@@ -40,17 +41,19 @@ def one_mesh(source: Path, callers: int) -> dict:
 
 def main() -> None:
     rounds, callers, out = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
-    arms = dict(a.split("=", 1) for a in sys.argv[4:])
-    own = POLICIES.read_bytes()
+    target = CHECKOUT / next((a.split("=", 1)[1] for a in sys.argv[4:] if a.startswith("--file=")),
+                             "services/scheduler/policies.py")
+    arms = dict(a.split("=", 1) for a in sys.argv[4:] if not a.startswith("--file="))
+    own = target.read_bytes()
     results = []
     try:
         for r in range(rounds):
             order = list(arms) if r % 2 == 0 else list(reversed(arms))
-            row = {"order": order} | {name: one_mesh(Path(arms[name]), callers) for name in order}
+            row = {"order": order} | {name: one_mesh(Path(arms[name]), target, callers) for name in order}
             results.append(row)
             print(json.dumps(row), flush=True)
     finally:
-        POLICIES.write_bytes(own)
+        target.write_bytes(own)
     out.write_text(json.dumps({"rounds": results, "callers": callers}, indent=1))
 
 
