@@ -475,8 +475,7 @@ class _BatchingPolicy(DispatchPolicy):
         chosen, expired = self._select(mates, now)
         gone = {id(j) for j in chosen} | {id(j) for j in expired}
         self._jobs = deque(j for j in self._jobs if id(j) not in gone)
-        self._forget(chosen)
-        self._forget(expired)
+        self._forget([*chosen, *expired])
         for job in expired:
             self._dropped.append((job, DeadlineExceeded(
                 "the deadline cannot be met even in the next batch (DAS); not computed")))

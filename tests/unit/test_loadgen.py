@@ -914,3 +914,24 @@ def test_the_live_exit_bench_says_each_processs_cpu_a_request_at_capacity():
                                                                  "early": {"worker-0": 13.6, "gateway": 1.1}}
     del rounds[1]["early"]["capacity_cpu_ms"]
     assert "capacity_cpu_ms" not in summarize("spam", 5.0, rounds)
+
+
+def test_code_arms_alternate_with_each_arms_copy_in_place_and_the_file_put_back(tmp_path):
+    from academus.loadgen.code_arms import alternating
+
+    target, old, new = tmp_path / "core.py", tmp_path / "old.py", tmp_path / "new.py"
+    target.write_text("checkout")
+    old.write_text("old code")
+    new.write_text("new code")
+    seen = []
+    rows = alternating(3, {"old": old, "new": new}, target, lambda name: seen.append((name, target.read_text())) or {})
+    assert [row["order"] for row in rows] == [["old", "new"], ["new", "old"], ["old", "new"]]
+    assert seen[:4] == [("old", "old code"), ("new", "new code"), ("new", "new code"), ("old", "old code")]
+    assert target.read_text() == "checkout"
+
+    def fails(name: str) -> dict:
+        raise RuntimeError("a mesh failed")
+
+    with pytest.raises(RuntimeError):
+        alternating(1, {"new": new}, target, fails)
+    assert target.read_text() == "checkout"   # put back whatever happened

@@ -13,19 +13,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 from academus.loadgen import stack_bench
+from academus.loadgen.code_arms import alternating
 from academus.shared.cli.mesh import Deployment, MeshOptions, down, up
 
 CHECKOUT = Path(__file__).resolve().parents[5]
 
 
-def one_mesh(source: Path, target: Path, callers: int) -> dict:
-    shutil.copyfile(source, target)
+def one_mesh(callers: int) -> dict:
     run = Path(tempfile.mkdtemp(prefix="academus-depth-"))
     state = up(MeshOptions(run_dir=run, gateway_port=0, deployments=[Deployment("concat")],
                            env={"ACADEMUS_MODELS": "null"}))
@@ -43,17 +42,8 @@ def main() -> None:
     rounds, callers, out = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
     target = CHECKOUT / next((a.split("=", 1)[1] for a in sys.argv[4:] if a.startswith("--file=")),
                              "services/scheduler/policies.py")
-    arms = dict(a.split("=", 1) for a in sys.argv[4:] if not a.startswith("--file="))
-    own = target.read_bytes()
-    results = []
-    try:
-        for r in range(rounds):
-            order = list(arms) if r % 2 == 0 else list(reversed(arms))
-            row = {"order": order} | {name: one_mesh(Path(arms[name]), target, callers) for name in order}
-            results.append(row)
-            print(json.dumps(row), flush=True)
-    finally:
-        target.write_bytes(own)
+    arms = {name: Path(path) for name, path in (a.split("=", 1) for a in sys.argv[4:] if not a.startswith("--file="))}
+    results = alternating(rounds, arms, target, lambda _: one_mesh(callers))
     out.write_text(json.dumps({"rounds": results, "callers": callers}, indent=1))
 
 

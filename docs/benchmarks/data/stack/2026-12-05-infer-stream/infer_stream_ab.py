@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -21,6 +20,7 @@ import time
 from pathlib import Path
 
 from academus.client import AsyncClient
+from academus.loadgen.code_arms import alternating
 from academus.loadgen.overhead import text_of
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, down, up
 
@@ -63,8 +63,8 @@ async def measure(target: str, key: str, gateway_pid: int, requests: int) -> dic
     return {"sequential": sequential, "callers_64": loops}
 
 
-def one_mesh(source: Path, run: Path, requests: int) -> dict:
-    shutil.copyfile(source, GATEWAY)
+def one_mesh(requests: int) -> dict:
+    run = Path(tempfile.mkdtemp(prefix="academus-"))
     state = up(MeshOptions(run_dir=run, gateway_port=0, deployments=[Deployment("concat")],
                            env={"ACADEMUS_MODELS": "null"}))
     try:
@@ -77,19 +77,8 @@ def one_mesh(source: Path, run: Path, requests: int) -> dict:
 
 def main() -> None:
     rounds, requests, out = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
-    arms = dict(a.split("=", 1) for a in sys.argv[4:])
-    own = GATEWAY.read_bytes()
-    results = []
-    try:
-        for r in range(rounds):
-            order = list(arms) if r % 2 == 0 else list(reversed(arms))
-            row = {"order": order}
-            for name in order:
-                row[name] = one_mesh(Path(arms[name]), Path(tempfile.mkdtemp(prefix="academus-")), requests)
-            results.append(row)
-            print(json.dumps(row), flush=True)
-    finally:
-        GATEWAY.write_bytes(own)
+    arms = {name: Path(path) for name, path in (a.split("=", 1) for a in sys.argv[4:])}
+    results = alternating(rounds, arms, GATEWAY, lambda _: one_mesh(requests))
     out.write_text(json.dumps({"rounds": results, "requests": requests}, indent=1))
 
 
