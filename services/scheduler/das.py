@@ -19,9 +19,10 @@ allows or its deadline makes it the deadline-aware choice for an empty row.
 already past their deadline expire). It is the same for every batch of a shape (TCB §5.1: fixed B, L).
 
 The queue's wait bound (ours, not TCB's): an item whose `due` (its arrival plus the bound admission
-promised it) falls before the next batch could start goes first, earliest due first, before Alg. 1 fills
-what room is left. DAS alone prefers short items: under load it passes a long one over until its deadline,
-though admission counted on it starting within the bound (docs/design/admission.md).
+promised it) would pass if it missed this batch goes first, earliest due first, before Alg. 1 fills what
+room is left; an item counts the batches that the items due before it fill (`_urgent`). DAS alone prefers
+short items: under load it passes a long one over until its deadline, though admission counted on it
+starting within the bound (docs/design/admission.md).
 """
 
 from __future__ import annotations
@@ -165,13 +166,33 @@ def _prefix_fitting(ranked: Sequence[WaitingItem], row_length: int, space: int) 
     return len(ranked)
 
 
+def _urgent(live: list[WaitingItem], row_length: int, rows: int, start_by: float,
+            start_every: float) -> list[WaitingItem]:
+    """The items that go first, earliest due first: every one up to the last that would start past its due if
+    it missed this batch. The next batch can start at `start_by`, and one more every `start_every` seconds
+    after it (groups side by side). Alone, an item goes first when it is due before `start_by`. Behind others
+    due before it, it counts the batches their rows fill too, so a crowd coming due together starts within
+    the bound rather than queueing past it among itself (passed over while the queue grew, then all due).
+    Rows are counted filling one at a time (next fit): never fewer than the batches' first fit fills."""
+    by_due = sorted((n for n in live if n.due < math.inf), key=lambda n: (n.due, n.arrival))
+    filled, free, last = 0, 0, 0
+    for k, item in enumerate(by_due, 1):
+        need = _fit(item, row_length)
+        if need > free:
+            filled, free = filled + 1, row_length
+        free -= need
+        if item.due < start_by + (filled - 1) // rows * start_every:
+            last = k
+    return by_due[:last]
+
+
 def _das(live: list[WaitingItem], row_length: int, rows: int, eta: float, q: float,
-         start_by: float = math.inf) -> tuple[list[list[WaitingItem]], list[int]]:
-    """Alg. 1 over every row: rows of items and each row's p. Items due before `start_by` (when the batch
-    after this one could start) are placed first, earliest due first, first fit over the rows."""
+         start_by: float = math.inf, start_every: float = 0.0) -> tuple[list[list[WaitingItem]], list[int]]:
+    """Alg. 1 over every row: rows of items and each row's p. The urgent items (`_urgent`) are placed first,
+    earliest due first, first fit over the rows."""
     if not (0 < eta < 1 and 0 < q < 1 and math.isclose(eta + q, 1.0)):
         raise ValueError(f"DAS needs η, q in (0, 1) with η + q = 1 (TCB §5.2), got eta={eta}, q={q}")
-    overdue = sorted((n for n in live if n.due < start_by), key=lambda n: (n.due, n.arrival))
+    overdue = _urgent(live, row_length, rows, start_by, start_every)
     taken: set[ItemId] = set()
     pending, filled, prefixes = list(live), [], []
     for _ in range(rows):
@@ -196,7 +217,8 @@ def _batch(triage: _Triage, rows: list[list[WaitingItem]], row_length: int) -> B
 
 
 def das_rows(items: Iterable[WaitingItem], now: float, row_length: int, rows: int, eta: float = 0.5,
-             q: float = 0.5, batch_latency: BatchLatency | None = None, oversize: Oversize = "alone") -> Batch:
+             q: float = 0.5, batch_latency: BatchLatency | None = None, oversize: Oversize = "alone",
+             lanes: int = 1) -> Batch:
     """TCB Alg. 1 (DAS) for pure ConcatBatching: each row takes, among the items still waiting, the
     utility-dominant prefix (first ⌊η·s⌋ by utility, s = how many shortest fit a row), then the
     deadline-aware set (utility ≥ q·mean utility of that prefix) by earliest deadline, then the rest
@@ -204,7 +226,7 @@ def das_rows(items: Iterable[WaitingItem], now: float, row_length: int, rows: in
     _check(row_length, rows)
     estimate = _estimate(batch_latency, rows, row_length)
     triage = _triage(items, now, row_length, estimate, oversize)
-    filled, _ = _das(triage.live, row_length, rows, eta, q, now + estimate)
+    filled, _ = _das(triage.live, row_length, rows, eta, q, now + estimate, estimate / max(1, lanes))
     return _batch(triage, filled, row_length)
 
 
@@ -232,7 +254,7 @@ def first_fit_slots(items: Sequence[WaitingItem], slots: int, size: int) -> tupl
 
 def slotted_das_rows(items: Iterable[WaitingItem], now: float, row_length: int, rows: int, eta: float = 0.5,
                      q: float = 0.5, batch_latency: BatchLatency | None = None,
-                     oversize: Oversize = "alone") -> Batch:
+                     oversize: Oversize = "alone", lanes: int = 1) -> Batch:
     """TCB Alg. 2: DAS chooses each row's candidates; z comes from the union of the rows'
     utility-dominant prefixes (`slot_size`); each row's candidates go first-fit into its L // z slots.
     Candidates that fit no slot (longer than z, or no room) go back to waiting; a lone oversize item
@@ -240,7 +262,7 @@ def slotted_das_rows(items: Iterable[WaitingItem], now: float, row_length: int, 
     _check(row_length, rows)
     estimate = _estimate(batch_latency, rows, row_length)
     triage = _triage(items, now, row_length, estimate, oversize)
-    filled, prefixes = _das(triage.live, row_length, rows, eta, q, now + estimate)
+    filled, prefixes = _das(triage.live, row_length, rows, eta, q, now + estimate, estimate / max(1, lanes))
     dominant = [n.length for row, p in zip(filled, prefixes, strict=True) for n in row[:p] if n.length <= row_length]
     z = slot_size(dominant, row_length)
     row_slots = [_slot_row(row, row_length, z) for row in filled]

@@ -534,6 +534,10 @@ class ConcatPolicy(_BatchingPolicy):
             raise ValueError(f"concat oversize {oversize!r} must be alone|reject")
         self.row_length, self.rows, self.eta = row_length, rows, eta
         self.selection, self.slotted, self.oversize = selection, slotted, oversize
+        self.lanes = 1    # groups running batches side by side: how soon the batches after this one start
+
+    def resize(self, groups: int) -> None:
+        self.lanes = max(1, groups)
 
     def push(self, job: Job, now: float, front: bool = False) -> None:
         job.plan = None   # a retried job is placed afresh
@@ -559,7 +563,7 @@ class ConcatPolicy(_BatchingPolicy):
         if self.selection != "das":
             return SELECTIONS[self.selection](items, **common)
         select = das.slotted_das_rows if self.slotted else das.das_rows
-        return select(items, eta=self.eta, q=1 - self.eta, **common)
+        return select(items, eta=self.eta, q=1 - self.eta, lanes=self.lanes, **common)
 
     def _plan(self, decision: das.Batch, mates: list[Job]) -> BatchPlan:
         z = decision.slot_size or self.row_length

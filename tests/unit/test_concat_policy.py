@@ -329,3 +329,16 @@ def test_settings_are_checked():
     ablation = cfg.load(cfg.SchedulerConfig, env={"ACADEMUS_POLICY": "concat", "ACADEMUS_CONCAT_DUE_FIRST": "false"})
     default = cfg.load(cfg.SchedulerConfig, env={"ACADEMUS_POLICY": "concat"})
     assert not policy_from(ablation).due_first and policy_from(default).due_first
+
+
+def test_the_policy_counts_the_groups_that_run_its_batches_side_by_side():
+    """DAS counts how soon the batches after this one start (`das._urgent`): a batch every batch time over the
+    live groups. The dispatcher tells the policy its groups as workers come and go."""
+    policy = ConcatPolicy(row_length=32, rows=1, latency=fixed())
+    d, _, _ = dispatcher(policy)
+    assert policy.lanes == 1
+    live = {f"w{k}": (f"127.0.0.1:{k + 1}", frozenset({"minilm"})) for k in range(3)}
+    d.update_workers(live)
+    assert policy.lanes == 3
+    d.update_workers({k: v for k, v in live.items() if k != "w2"})
+    assert policy.lanes == 2

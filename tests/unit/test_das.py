@@ -80,6 +80,25 @@ def test_a_long_item_due_under_the_wait_bound_goes_before_shorter_ones(fill: Cal
     assert 0 in fill(unbounded, now=0.96, row_length=32, rows=1, batch_latency=fifty_ms_a_batch).waiting
 
 
+@pytest.mark.parametrize("fill", [das_rows, slotted_das_rows])
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_long_items_coming_due_together_each_start_by_their_due(fill: Callable[..., Batch], lanes: int) -> None:
+    """Long items passed over while the queue grew come due 10 ms apart, and a row holds one of them. Each
+    went first only when due before the next batch: the third then waited behind the first two, past its due.
+    Counting the batches that the items due before it fill, each starts by its due. A batch starts every
+    50 ms on each of `lanes` groups."""
+    longs = [WaitingItem(k, 30, 100.0, k / 100, due=1.0 + k / 100) for k in range(4)]
+    shorts = [WaitingItem(10 + k, 6, 100.0, 0.5 + k / 100, due=1.5 + k / 100) for k in range(20)]
+    waiting, now, started = longs + shorts, 0.8, {}
+    while any(n.id < 10 for n in waiting):
+        batch = fill(waiting, now=now, row_length=32, rows=1, batch_latency=fifty_ms_a_batch, lanes=lanes)
+        started |= dict.fromkeys(batch.scheduled(), now)
+        waiting = [n for n in waiting if n.id not in started]
+        now = round(now + 0.05 / lanes, 6)
+    assert all(started[n.id] <= n.due for n in longs), {n.id: started[n.id] for n in longs}
+    assert started[0] > 0.8        # not before it had to: shorts ran first
+
+
 def test_due_items_go_earliest_due_first_as_far_as_the_rows_hold() -> None:
     dues = [5.0, 1.0, 4.0, 2.0, 3.0, 0.0]        # equal lengths: without dues, arrival order (ids 0-3)
     items = [WaitingItem(k, 16, 100.0, float(k), due=due) for k, due in enumerate(dues)]
