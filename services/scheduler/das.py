@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import islice, takewhile
 from typing import Literal
 
 ItemId = Hashable
@@ -128,9 +129,20 @@ class _Row:
         return True
 
     def fill(self, candidates: Iterable[WaitingItem], taken: set[ItemId]) -> None:
-        """First fit: every candidate not yet taken goes in when it still fits."""
+        """First fit: every candidate not yet taken goes in when it still fits (none does in a full row)."""
         for item in candidates:
+            if not self.free:
+                return
             if item.id not in taken and self.offer(item):
+                taken.add(item.id)
+
+    def fill_shortest(self, ranked: Iterable[WaitingItem], taken: set[ItemId]) -> None:
+        """`fill` over candidates shortest first (`_by_utility`): past the first that does not fit, none does.
+        A queue of a thousand waiting items is scanned once a batch, not once a row."""
+        for item in ranked:
+            if item.id not in taken:
+                if not self.offer(item):
+                    return
                 taken.add(item.id)
 
 
@@ -139,20 +151,23 @@ def _by_utility(items: Iterable[WaitingItem]) -> list[WaitingItem]:
     return sorted(items, key=lambda n: (n.length, n.deadline, n.arrival))
 
 
-def _das_row(pending: list[WaitingItem], row: _Row, eta: float, q: float) -> tuple[list[WaitingItem], int]:
-    """One row of Alg. 1 in what `row` has left: the row's items and p (its utility-dominant prefix size,
-    counting the items it already held: they were placed first, as the most urgent)."""
-    ranked, taken, held = _by_utility(pending), set(), len(row.items)
-    if sum(_fit(n, row.row_length) for n in ranked) <= row.free:     # line 4: everything fits
-        row.fill(ranked, taken)
-        return row.items, len(row.items)     # no selection: the whole row counts as utility-dominant
+def _das_row(ranked: list[WaitingItem], row: _Row, eta: float, q: float) -> tuple[list[WaitingItem], int]:
+    """One row of Alg. 1 in what `row` has left, among `ranked` (`_by_utility`): the row's items and p (its
+    utility-dominant prefix size, counting the items it already held: they were placed first, as the most
+    urgent)."""
+    taken: set[ItemId] = set()
+    held = len(row.items)
     s = _prefix_fitting(ranked, row.row_length, row.free)            # line 8
+    if s == len(ranked):                                             # line 4: everything fits
+        row.fill_shortest(ranked, taken)
+        return row.items, len(row.items)     # no selection: the whole row counts as utility-dominant
     p = max(1, math.floor(eta * s))                                  # line 9: p = η·s, at least one
     row.fill(ranked[:p], taken)                                      # line 10: utility-dominant set
-    mean_utility = sum(n.utility for n in ranked[:p]) / p
-    deadline_aware = [n for n in ranked[p:] if n.utility >= q * mean_utility]   # line 11
+    least = q * (sum(n.utility for n in ranked[:p]) / p)   # q times the prefix's mean utility
+    # line 11: utility at least q·mean; utility falls along `ranked`, so these are a prefix of the rest
+    deadline_aware = list(takewhile(lambda n: n.utility >= least, islice(ranked, p, None)))
     row.fill(sorted(deadline_aware, key=lambda n: (n.deadline, n.length, n.arrival)), taken)   # line 12
-    row.fill(ranked, taken)                                          # line 14: the rest, utility order
+    row.fill_shortest(ranked, taken)                                 # line 14: the rest, utility order
     return row.items, held + p
 
 
@@ -194,17 +209,17 @@ def _das(live: list[WaitingItem], row_length: int, rows: int, eta: float, q: flo
         raise ValueError(f"DAS needs η, q in (0, 1) with η + q = 1 (TCB §5.2), got eta={eta}, q={q}")
     overdue = _urgent(live, row_length, rows, start_by, start_every)
     taken: set[ItemId] = set()
-    pending, filled, prefixes = list(live), [], []
+    ranked, filled, prefixes = _by_utility(live), [], []    # sorted once: filtering keeps the order
     for _ in range(rows):
         row = _Row(row_length)
         row.fill(overdue, taken)
         if row.items:
-            pending = [n for n in pending if n.id not in taken]
-        elif not pending:
+            ranked = [n for n in ranked if n.id not in taken]
+        elif not ranked:
             break
-        items, p = _das_row(pending, row, eta, q)
+        items, p = _das_row(ranked, row, eta, q)
         taken |= {n.id for n in items}
-        pending = [n for n in pending if n.id not in taken]
+        ranked = [n for n in ranked if n.id not in taken]
         filled.append(items)
         prefixes.append(p)
     return filled, prefixes
