@@ -59,7 +59,8 @@ class DispatchPolicy(ABC):
         return None
 
     def resize(self, groups: int) -> None:
-        """The dispatcher's group count changed (the student buffer's capacity follows it)."""
+        """The dispatcher's live group count changed: the student buffer's capacity follows it, and `concat`
+        counts how soon the batches after this one start."""
         return None
 
     def ahead_of_merge(self, job: Job) -> int | None:
