@@ -414,17 +414,22 @@ def probe_client(argv: list[str]) -> int:
 
     async def probe() -> dict:
         records: list[tuple[str, float]] = []
+        refusals: dict[str, list[float]] = {}     # by origin
         arrivals = iter(schedule.poisson(rate, 3600, seed=7))
         async with AsyncClient(gateway, api_key=key, timeout=timeout, own_connection=True) as client:
 
             async def one() -> None:
-                sent = time.perf_counter()
+                sent, origin = time.perf_counter(), None
                 try:
                     await client.infer(model, ["a light client beside the overload"])
                     code = "OK"
                 except AcademusError as e:
                     code = e.code
-                records.append((code, (time.perf_counter() - sent) * 1e3))
+                    origin = refusal_origin(e.details) if code == "RESOURCE_EXHAUSTED" else None
+                ms = (time.perf_counter() - sent) * 1e3
+                records.append((code, ms))
+                if origin is not None:
+                    refusals.setdefault(origin, []).append(ms)
 
             start, calls = time.perf_counter(), []
             stopped = asyncio.ensure_future(asyncio.to_thread(sys.stdin.readline))
@@ -432,8 +437,9 @@ def probe_client(argv: list[str]) -> int:
                 await asyncio.wait([stopped], timeout=max(0.0, next(arrivals) - (time.perf_counter() - start)))
                 calls.append(asyncio.ensure_future(one()))
             await asyncio.gather(*calls)
-        return {code: {"count": len(ms), "p50_ms": round(percentile(ms, 50), 2), "p99_ms": round(percentile(ms, 99), 2)}
-                for code in sorted({c for c, _ in records}) for ms in [[m for c, m in records if c == code]]}
+        by_code = {code: [m for c, m in records if c == code] for code in sorted({c for c, _ in records})}
+        return {code: latencies(ms) for code, ms in by_code.items()} | {
+            "refusals_by_origin": {origin: latencies(ms) for origin, ms in sorted(refusals.items())}}
 
     print(json.dumps(asyncio.run(probe())), flush=True)
     return 0
@@ -600,16 +606,22 @@ def refusal_p99(records: list) -> float | None:
 REFUSAL_ORIGINS = (("every scheduler serving", "gateway"), ("scheduler queue", "scheduler"), ("rate limit", "quota"))
 
 
+def refusal_origin(details: str) -> str:
+    return next((name for text, name in REFUSAL_ORIGINS if text in details), "other")
+
+
+def latencies(ms: list[float]) -> dict[str, float]:
+    return {"count": len(ms), "p50_ms": round(percentile(ms, 50), 2), "p99_ms": round(percentile(ms, 99), 2)}
+
+
 def refusals_by_origin(records: list) -> dict[str, dict[str, float]]:
     """Each origin's RESOURCE_EXHAUSTED count and time to come back (p50, p99 ms): a refusal at the gateway's edge
     costs no hop; one a scheduler gives, a hop to a loop that may be busy."""
     by_origin: dict[str, list[float]] = {}
     for r in records:
         if r.code == "RESOURCE_EXHAUSTED":
-            origin = next((name for text, name in REFUSAL_ORIGINS if text in r.details), "other")
-            by_origin.setdefault(origin, []).append(r.latency_ms)
-    return {origin: {"count": len(ms), "p50_ms": round(percentile(ms, 50), 2), "p99_ms": round(percentile(ms, 99), 2)}
-            for origin, ms in sorted(by_origin.items())}
+            by_origin.setdefault(refusal_origin(r.details), []).append(r.latency_ms)
+    return {origin: latencies(ms) for origin, ms in sorted(by_origin.items())}
 
 
 def probe_refusal_p99(figures: dict) -> float | None:

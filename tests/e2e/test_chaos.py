@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -234,3 +235,21 @@ def test_down_stops_the_supervisor_first_and_nothing_comes_back(mesh):
         assert [e["handed_over"] for e in last] == [False], proc.name
     # the supervisor withdrew its offers first: a service that found one would have left its ask behind
     assert not any((Path(mesh.run_dir) / "handover").iterdir())
+
+
+def test_the_refusal_probe_tells_its_refusals_apart_by_where_they_were_given(mesh):
+    """The light client of chaos_bench's overload row, as a tenant at 20 times its quota of 1 request a second:
+    every refusal it meets is the gateway's quota's, and it says so."""
+    from academus.loadgen.chaos_bench import make_tenant
+
+    key = asyncio.run(make_tenant(mesh, "probe-over-quota", 1.0))
+    probe = subprocess.Popen([sys.executable, "-m", "academus.loadgen.chaos_bench", "refusal-probe", mesh.gateway, key,
+                              MODEL, "20", "5"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        time.sleep(2.0)     # about 40 requests
+        out, _ = probe.communicate("stop\n", timeout=60)
+    finally:
+        probe.kill()
+    figures = json.loads(out.strip().splitlines()[-1])
+    refused = figures["RESOURCE_EXHAUSTED"]["count"]
+    assert refused >= 10 and figures["refusals_by_origin"] == {"quota": figures["RESOURCE_EXHAUSTED"]}
