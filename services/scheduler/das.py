@@ -137,8 +137,8 @@ class _Row:
                 taken.add(item.id)
 
     def fill_shortest(self, ranked: Iterable[WaitingItem], taken: set[ItemId]) -> None:
-        """`fill` over candidates shortest first (`_by_utility`): past the first that does not fit, none does.
-        A queue of a thousand waiting items is scanned once a batch, not once a row."""
+        """`fill` over candidates shortest first (`_by_utility`): past the first that does not fit, none does,
+        so a row stops there rather than offering itself to the rest of a long queue."""
         for item in ranked:
             if item.id not in taken:
                 if not self.offer(item):
@@ -237,7 +237,8 @@ def das_rows(items: Iterable[WaitingItem], now: float, row_length: int, rows: in
     """TCB Alg. 1 (DAS) for pure ConcatBatching: each row takes, among the items still waiting, the
     utility-dominant prefix (first ⌊η·s⌋ by utility, s = how many shortest fit a row), then the
     deadline-aware set (utility ≥ q·mean utility of that prefix) by earliest deadline, then the rest
-    by utility, each first-fit. η + q = 1; η = q = 1/2 gives the 1/5-competitive bound (Thm. 5.1)."""
+    by utility, each first-fit. η + q = 1; η = q = 1/2 gives the 1/5-competitive bound (Thm. 5.1). Items due
+    under the wait bound go first (`_urgent`); `lanes` groups run batches side by side."""
     _check(row_length, rows)
     estimate = _estimate(batch_latency, rows, row_length)
     triage = _triage(items, now, row_length, estimate, oversize)
