@@ -219,24 +219,6 @@ def test_clients_killed_mid_call_leave_the_mesh_serving_and_its_gauges_at_zero(m
     assert settled_s is not None, left
 
 
-def test_down_stops_the_supervisor_first_and_nothing_comes_back(mesh):
-    state = MeshState.load(Path(mesh.run_dir))
-    stopped = down(Path(mesh.run_dir))
-    assert stopped[0] == "supervisor" and stopped[-1] == "redis"
-    assert wait_exit(state.supervisor_pid, 10)
-    assert all(wait_exit(s.pid, 10) for s in state.services)
-    assert not any(pid_alive(s.pid) for s in state.services)   # stopped, and none started again
-    standbys = [s.standby_pid for s in state.services if s.standby_pid]
-    assert len(standbys) == WORKERS + 3 and not any(pid_alive(pid) for pid in standbys)   # and the two gateways' and
-    # the scheduler's: the supervisor stopped them
-    logs = Path(mesh.run_dir) / "logs"
-    for proc in (s for s in state.services if s.handover):
-        last = [e for e in logged_events(logs / f"{proc.name}.log", "stopped") if e.get("pid") == proc.pid]
-        assert [e["handed_over"] for e in last] == [False], proc.name
-    # the supervisor withdrew its offers first: a service that found one would have left its ask behind
-    assert not any((Path(mesh.run_dir) / "handover").iterdir())
-
-
 def test_the_refusal_probe_tells_its_refusals_apart_by_where_they_were_given(mesh):
     """The light client of chaos_bench's overload row, as a tenant at 20 times its quota of 1 request a second:
     every refusal it meets is the gateway's quota's, and it says so."""
@@ -253,3 +235,21 @@ def test_the_refusal_probe_tells_its_refusals_apart_by_where_they_were_given(mes
     figures = json.loads(out.strip().splitlines()[-1])
     refused = figures["RESOURCE_EXHAUSTED"]["count"]
     assert refused >= 10 and figures["refusals_by_origin"] == {"quota": figures["RESOURCE_EXHAUSTED"]}
+
+
+def test_down_stops_the_supervisor_first_and_nothing_comes_back(mesh):
+    state = MeshState.load(Path(mesh.run_dir))
+    stopped = down(Path(mesh.run_dir))
+    assert stopped[0] == "supervisor" and stopped[-1] == "redis"
+    assert wait_exit(state.supervisor_pid, 10)
+    assert all(wait_exit(s.pid, 10) for s in state.services)
+    assert not any(pid_alive(s.pid) for s in state.services)   # stopped, and none started again
+    standbys = [s.standby_pid for s in state.services if s.standby_pid]
+    assert len(standbys) == WORKERS + 3 and not any(pid_alive(pid) for pid in standbys)   # and the two gateways' and
+    # the scheduler's: the supervisor stopped them
+    logs = Path(mesh.run_dir) / "logs"
+    for proc in (s for s in state.services if s.handover):
+        last = [e for e in logged_events(logs / f"{proc.name}.log", "stopped") if e.get("pid") == proc.pid]
+        assert [e["handed_over"] for e in last] == [False], proc.name
+    # the supervisor withdrew its offers first: a service that found one would have left its ask behind
+    assert not any((Path(mesh.run_dir) / "handover").iterdir())
