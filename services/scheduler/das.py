@@ -128,10 +128,12 @@ class _Row:
         self.free -= need
         return True
 
-    def fill(self, candidates: Iterable[WaitingItem], taken: set[ItemId]) -> None:
-        """First fit: every candidate not yet taken goes in when it still fits (none does in a full row)."""
+    def fill(self, candidates: Iterable[WaitingItem], taken: set[ItemId], shortest: int = 1) -> None:
+        """First fit: every candidate not yet taken goes in when it still fits. None needs fewer than `shortest`
+        tokens, so a row with less room left stops there rather than offering itself to the rest of a long list
+        (under overload nearly the whole queue is due)."""
         for item in candidates:
-            if not self.free:
+            if self.free < shortest:
                 return
             if item.id not in taken and self.offer(item):
                 taken.add(item.id)
@@ -166,7 +168,9 @@ def _das_row(ranked: list[WaitingItem], row: _Row, eta: float, q: float) -> tupl
     least = q * (sum(n.utility for n in ranked[:p]) / p)   # q times the prefix's mean utility
     # line 11: utility at least q·mean; utility falls along `ranked`, so these are a prefix of the rest
     deadline_aware = list(takewhile(lambda n: n.utility >= least, islice(ranked, p, None)))
-    row.fill(sorted(deadline_aware, key=lambda n: (n.deadline, n.length, n.arrival)), taken)   # line 12
+    if deadline_aware:                                               # line 12; the shortest is the first
+        row.fill(sorted(deadline_aware, key=lambda n: (n.deadline, n.length, n.arrival)), taken,
+                 _fit(deadline_aware[0], row.row_length))
     row.fill_shortest(ranked, taken)                                 # line 14: the rest, utility order
     return row.items, held + p
 
@@ -208,11 +212,12 @@ def _das(live: list[WaitingItem], row_length: int, rows: int, eta: float, q: flo
     if not (0 < eta < 1 and 0 < q < 1 and math.isclose(eta + q, 1.0)):
         raise ValueError(f"DAS needs η, q in (0, 1) with η + q = 1 (TCB §5.2), got eta={eta}, q={q}")
     overdue = _urgent(live, row_length, rows, start_by, start_every)
+    shortest = min((_fit(n, row_length) for n in overdue), default=1)
     taken: set[ItemId] = set()
     ranked, filled, prefixes = _by_utility(live), [], []    # sorted once: filtering keeps the order
     for _ in range(rows):
         row = _Row(row_length)
-        row.fill(overdue, taken)
+        row.fill(overdue, taken, shortest)
         if row.items:
             ranked = [n for n in ranked if n.id not in taken]
         elif not ranked:
