@@ -286,6 +286,9 @@ class CommonConfig:
     handover: str = setting("", "where a SIGTERM'd service asks for its standby before it drains (files "
                                 "`<path>.ready|wanted|going`: runtime/handover.py); `academus up --standby` sets it "
                                 "for schedulers and gateways; empty: it drains, exits, and is replaced after")
+    loop_stall_ms: int = setting(0, "the event loop held up longer than this is logged (`loop_stall`: how long, and "
+                                    "the loop thread's stacks sampled meanwhile; runtime/loop_watch.py); 0: off",
+                                 between(0, 60_000))
     hop_slice_us: int = setting(0, "the serving threads' EEVDF slice (runtime/slices.py); 0: the kernel's",
                                 HOP_SLICE)
     node: str = setting("", "the machine it runs on: a worker's groups stay within its node, and a scheduler given "

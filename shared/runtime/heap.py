@@ -42,6 +42,24 @@ class PauseWatch:
             self._pauses[info["generation"]].observe(self.clock() - self._started)
 
 
+class PauseTotal:
+    """The process's collections summed (one `gc.callbacks` entry a process, however many services it runs):
+    the loop's stall tracer tells a hold-up's share that was the collector's (runtime/loop_watch.py)."""
+
+    def __init__(self) -> None:
+        self.paused_s = 0.0
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.paused_s += time.perf_counter() - self._started
+
+
+PAUSE_TOTAL = PauseTotal()
+
+
 _watches: dict[str, PauseWatch] = {}
 
 
@@ -51,6 +69,8 @@ def watch_pauses(service: str) -> PauseWatch:
     if watch is None:
         watch = _watches[service] = PauseWatch(service)
         gc.callbacks.append(watch)
+    if PAUSE_TOTAL not in gc.callbacks:
+        gc.callbacks.append(PAUSE_TOTAL)
     return watch
 
 

@@ -23,6 +23,7 @@ from academus.shared.runtime.handover import Handover
 from academus.shared.runtime.heap import freeze_start_up_heap, keep_freed_pages, watch_pauses
 from academus.shared.runtime.local_plane import LocalPlane, open_local, socket_dir
 from academus.shared.runtime.logs import log_event, setup_logging
+from academus.shared.runtime.loop_watch import StallTracer, watch_lag
 from academus.shared.runtime.metrics import MetricsInterceptor, start_metrics
 from academus.shared.runtime.multiplex import SERVICE_NAME as MULTIPLEX_SERVICE
 from academus.shared.runtime.multiplex import MultiplexServicer, over_streams, serve_multiplexed
@@ -82,6 +83,7 @@ class RunningService:
         self.health = HealthServicer()
         self.multiplex: MultiplexServicer | None = None
         self.local_plane: LocalPlane | None = None
+        self.stall_tracer: StallTracer | None = None
 
     @property
     def is_public(self) -> bool:
@@ -110,6 +112,10 @@ class RunningService:
         if spec.on_started:
             await spec.on_started(self.address)
         self._tasks = [asyncio.create_task(t()) for t in spec.extra_tasks]
+        self._tasks.append(asyncio.create_task(watch_lag(spec.name)))
+        if cfg.loop_stall_ms:
+            self.stall_tracer = StallTracer(spec.name, cfg.loop_stall_ms / 1e3)
+            self.stall_tracer.start(asyncio.get_running_loop())
         for name in ["", *spec.service_names]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if cfg.handover:   # a standby that took a stopping process's place: that process may drain now
@@ -140,6 +146,8 @@ class RunningService:
         took: dict[str, float] = {}
         await self.health.enter_graceful_shutdown()
         await _timed(took, "tasks", self._cancel_tasks())
+        if self.stall_tracer is not None:
+            self.stall_tracer.stop()
         if self.spec.on_stopping:
             await _timed(took, "on_stopping", self.spec.on_stopping())
         handed = await _timed(took, "handover", self._hand_over()) if self.spec.config.handover else None

@@ -288,6 +288,15 @@ def test_every_service_froze_its_start_up_heap_and_times_its_collections(mesh, a
     assert collections > 0, "serving 20 requests allocates enough for the collector to run, and be timed"
 
 
+def test_every_service_times_its_event_loop(mesh, admin_key):
+    """A hold-up of a service's loop delays every call it holds; each service's timer lateness is on /metrics."""
+    with Client(mesh.gateway, api_key=admin_key) as client:
+        client.infer("sentiment", TEXTS[:1])
+    late = {s.name: metric(s.metrics_port, "academus_event_loop_lag_seconds_count", service=s.name.split("-")[0])
+            for s in mesh.services if s.metrics_port > 0}
+    assert late and all(count > 0 for count in late.values()), late
+
+
 def test_the_design_metrics_are_on_the_scheduler_and_worker_endpoints(mesh, admin_key):
     """DESIGN §6 after requests: queue wait, batch size and padding ratio, cache hits (the student number:
     test_default_deployments.py, whose mesh has a student group)."""
