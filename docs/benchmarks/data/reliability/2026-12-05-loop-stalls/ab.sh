@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Twice the capacity for 40 s with every service's stall tracer at 30 ms, the workers at nice 10 against equal
+# shares, order alternating. Usage: bash ab.sh ROUNDS OUTDIR  (from the repository root, real students distilled)
+set -u
+rounds=$1; out=$2; here=$(dirname "$0")
+for r in $(seq 0 $((rounds - 1))); do
+  if (( r % 2 == 0 )); then arms="10 0"; else arms="0 10"; fi
+  for nice in $arms; do
+    d=$out/nice$nice-r$r; mkdir -p "$d"
+    python3 "$here/steal.py" 230 "$d/steal.jsonl" &
+    ACADEMUS_LOOP_STALL_MS=30 ACADEMUS_COMPUTE_NICE=$nice timeout 900 python -m academus.loadgen.chaos_bench \
+      --faults none --duration 40 --out "$d" > "$d/out.txt" 2>&1
+    wait
+  done
+done
