@@ -29,6 +29,7 @@ ABLATIONS = {
     "send_ahead": ("ACADEMUS_SEND_AHEAD", ("ahead", "true"), ("on_free", "false")),
     "hop_slice": ("ACADEMUS_HOP_SLICE_US", ("short_slice", "100"), ("kernel_slice", "0")),  # short: opt-in
     "compute_nice": ("ACADEMUS_COMPUTE_NICE", ("workers_nice_10", "10"), ("equal_shares", "0")),  # 10: opt-in
+    "saturated_nice": ("ACADEMUS_SATURATED_NICE", ("yield_when_saturated", "10"), ("equal_shares", "0")),
     "max_merge": ("ACADEMUS_MAX_MERGE", ("one_a_element", "1"), ("merge_4", "4")),   # 4: the default
     "merge_8": ("ACADEMUS_MAX_MERGE", ("merge_8", "8"), ("merge_4", "4")),   # elements twice the default's
     "overload_merge": ("ACADEMUS_OVERLOAD_MERGE", ("overload_merge", "0"), ("paper_buffer", "1")),  # 1: max_merge

@@ -25,13 +25,16 @@ import contextlib
 import os
 import queue
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
 import torch
+from prometheus_client import Gauge
 
-from academus.shared.runtime.slices import reset_slice, set_autogroup_nice, thread_ids
+from academus.shared.runtime.logs import log_event
+from academus.shared.runtime.slices import autogroup_nice, reset_slice, set_autogroup_nice, thread_ids
 
 T = TypeVar("T")
 POLICIES = {"idle": "SCHED_IDLE", "batch": "SCHED_BATCH", "normal": "SCHED_OTHER"}
@@ -92,14 +95,27 @@ class ComputePool:
     """`instances` compute threads fed from one queue. A batch's hand-off is one `put` and, back, one
     `call_soon_threadsafe`: `run_in_executor` adds a concurrent Future, its lock and condition and a chained
     callback each way, about 25 µs of the worker's CPU a batch (docs/design/hops.md). The threads are daemons:
-    a batch still running when the process exits is the caller's to retry (the scheduler does)."""
+    a batch still running when the process exits is the caller's to retry (the scheduler does). Each thread
+    counts the seconds it spent on batches (`busy_s`)."""
 
     def __init__(self, instances: int, sched: str, device: torch.device) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.threads = [threading.Thread(target=self._work, args=(sched, device), name=f"compute-{k}", daemon=True)
-                        for k in range(max(1, instances))]
+        lanes = max(1, instances)
+        self._busy = [0.0] * lanes      # a thread's finished batches' seconds
+        self._since = [0.0] * lanes     # when its running batch began; 0: none runs
+        self.threads = [threading.Thread(target=self._work, args=(k, sched, device), name=f"compute-{k}",
+                                         daemon=True) for k in range(lanes)]
         for thread in self.threads:
             thread.start()
+
+    @property
+    def lanes(self) -> int:
+        return len(self.threads)
+
+    def busy_s(self, now: float | None = None) -> float:
+        """Seconds the threads have spent on batches, the running ones' so far included."""
+        now = time.monotonic() if now is None else now
+        return sum(self._busy) + sum(now - since for since in self._since if since)
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         """`fn(*args)` on a compute thread, awaited on the calling event loop."""
@@ -113,14 +129,17 @@ class ComputePool:
         for _ in self.threads:
             self._queue.put(None)
 
-    def _work(self, sched: str, device: torch.device) -> None:
+    def _work(self, lane: int, sched: str, device: torch.device) -> None:
         start_compute_thread(sched, device)
         while (task := self._queue.get()) is not None:
             fn, args, loop, future = task
+            self._since[lane] = began = time.monotonic()
             try:
                 outcome = (fn(*args), None)
             except BaseException as e:   # the caller's to see, whatever it is
                 outcome = (None, e)
+            self._busy[lane] += time.monotonic() - began
+            self._since[lane] = 0.0
             with contextlib.suppress(RuntimeError):   # the loop closed: nobody waits any more
                 loop.call_soon_threadsafe(_settle, future, *outcome)
 
@@ -132,3 +151,68 @@ def _settle(future: asyncio.Future, result: object, error: BaseException | None)
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+SATURATED = 0.9     # a pool busy this share of its lanes' time or more: the worker takes every core it gets
+RELIEVED = 0.7      # every pool below this: it no longer does
+SATURATION_PERIOD_S = 1.0
+YIELDING = Gauge("academus_worker_saturation_yield", "The nice value the worker's autogroup holds because its compute "
+                 "is saturated (saturated_nice); 0 while it is not")
+
+
+class YieldWhenSaturated:
+    """The worker's autogroup at `nice` while one of its compute pools is saturated, back at `floor` (the fixed
+    `compute_nice`, 0 by default) once none is (WorkerConfig.saturated_nice). A saturated worker's compute threads
+    are always runnable, and its autogroup takes its equal share of the cores whatever the control plane waits
+    for: at twice the capacity the gateway's loop waited for a core up to 0.13 s at a time, and refused late
+    (docs/benchmarks/reliability.md). Below saturation the compute threads sleep between batches and the shares
+    stay equal, so a half-loaded node's forward passes are not preempted more (the cost that keeps a fixed
+    `compute_nice` an opt-in). Only the autogroup moves: a thread's nice value, once raised, would need a
+    privilege to come back down."""
+
+    def __init__(self, nice: int, pools: Callable[[], Iterable[ComputePool]], floor: int = 0,
+                 set_nice: Callable[[int], int | None] = set_autogroup_nice,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.nice = nice
+        self.floor = floor   # the fixed `compute_nice`: what it comes back to
+        self.pools = pools
+        self.set_nice = set_nice
+        self.clock = clock
+        self.yielding = False
+        self.switches = 0
+        self._last: dict[int, tuple[float, float]] = {}   # id(pool) -> (when, its busy seconds then)
+
+    def busiest_share(self) -> float | None:
+        """The busiest pool's share of its lanes' time since the last look (None: no pool seen twice)."""
+        now, shares, last = self.clock(), [], {}
+        for pool in self.pools():
+            busy = pool.busy_s(now)
+            seen = self._last.get(id(pool))
+            if seen is not None and now > seen[0]:
+                shares.append((busy - seen[1]) / ((now - seen[0]) * pool.lanes))
+            last[id(pool)] = (now, busy)
+        self._last = last
+        return max(shares, default=None)
+
+    def tick(self) -> bool:
+        """One look: yields once the busiest pool is saturated, stops once every pool is relieved; whether it
+        yields now. A write the kernel refuses (it takes one a tenth of a second, machine-wide) is tried again
+        next look."""
+        share = self.busiest_share()
+        if share is not None:
+            want = share >= SATURATED or (self.yielding and share >= RELIEVED)
+            target = self.nice if want else self.floor
+            if want != self.yielding and self.set_nice(target) == target:
+                self.yielding, self.switches = want, self.switches + 1
+                YIELDING.set(target if want else 0)
+                log_event("saturation_yield", yielding=want, busiest_share=round(share, 3))
+        return self.yielding
+
+    async def run(self, period_s: float = SATURATION_PERIOD_S) -> None:
+        """Looks every `period_s`, for ever; returns at once where the process has no autogroup of its own to move
+        (not Linux, autogroups off, or not a session leader)."""
+        if self.nice <= self.floor or autogroup_nice() is None or os.getsid(0) != os.getpid():
+            return
+        while True:
+            self.tick()
+            await asyncio.sleep(period_s)

@@ -18,7 +18,7 @@ import torch
 from prometheus_client import Counter, Gauge
 
 from academus.services.worker.adapters import AdapterCache, StoreFetcher, TenantBatch
-from academus.services.worker.compute_threads import ComputePool, yield_cpu_to_serving
+from academus.services.worker.compute_threads import ComputePool, YieldWhenSaturated, yield_cpu_to_serving
 from academus.services.worker.core import CallerLeft, ModelRunner, device_label
 from academus.services.worker.exits import Release
 from academus.services.worker.host_tier import HostAdapters, HostWarmer
@@ -85,6 +85,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                 if self.student_lane else self.compute)
         for pool in previous:
             pool.shutdown()
+
+    def pools(self) -> set[ComputePool]:
+        """The compute pools batches run on now (one where student groups share the whole models')."""
+        return {self.compute, self.student_compute}
 
     def _lane(self, batch: Batch) -> ComputePool:
         """The student lane for a student group's batch, the whole models' for any other."""
@@ -358,6 +362,7 @@ async def build() -> ServiceSpec:
     warmer = HostWarmer(host, TenantRegistry(registration.redis, keys), list(runner.models),
                         config.adapter_warm_s) if host else None
     tuning = ExitTuning(runner, registration.redis, keys, worker_id, config.heartbeat_ttl_s)
+    saturation = YieldWhenSaturated(config.saturated_nice, servicer.pools, floor=config.compute_nice)
     return ServiceSpec(
         name="worker",
         config=config,
@@ -368,7 +373,7 @@ async def build() -> ServiceSpec:
         on_stopping=registration.deregister,
         on_stopped=lambda: asyncio.to_thread(close_adapters, adapters, fetcher),
         extra_tasks=[registration.heartbeat, registration.follow_catalogue, registration.follow_placements, tuning.run,
-                     *([warmer.run] if warmer else [])],
+                     *([warmer.run] if warmer else []), saturation.run],
     )
 
 

@@ -470,6 +470,11 @@ class WorkerConfig(CommonConfig):
     compute_nice: int = setting(0, "nice value of the worker's process and its session's autogroup: its CPU share "
                                    "below the gateway's and schedulers' on a shared node; 0: equal shares",
                                 between(0, 19, "Linux nice values a process may raise itself to"))
+    saturated_nice: int = setting(10, "nice value of the worker's session's autogroup while one of its compute pools "
+                                      "is busy 90 % of the time or more, back to `compute_nice` once each is under "
+                                      "70 %: a saturated worker yields the cores to the gateway and schedulers "
+                                      "(services/worker/compute_threads.py); 0: never",
+                                  between(0, 19, "Linux nice values a process may raise itself to"))
     student_lane: bool = setting(True, "student groups' batches get compute threads of their own, beside the whole "
                                        "models' (off: one queue for every batch, the ablation)")
     adapter_store: str = setting("", "host:port; empty: looked up in Redis")

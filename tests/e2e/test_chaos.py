@@ -23,6 +23,7 @@ from academus.loadgen.chaos_bench import current_pid, gauges_back_to_zero, resta
 from academus.loadgen.runner import GatewaySpread, RunResult
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, MeshState, create_key, down, pid_alive, wait_exit, wait_placed
 from academus.shared.runtime.logs import logged_events
+from academus.shared.runtime.slices import autogroup_nice
 from academus.shared.state.keys import Keys
 from tests.conftest import SuiteLauncher, parent_pid
 from tests.e2e.conftest import start_mesh, wait_for
@@ -235,6 +236,34 @@ def test_the_refusal_probe_tells_its_refusals_apart_by_where_they_were_given(mes
     figures = json.loads(out.strip().splitlines()[-1])
     refused = figures["RESOURCE_EXHAUSTED"]["count"]
     assert refused >= 10 and figures["refusals_by_origin"] == {"quota": figures["RESOURCE_EXHAUSTED"]}
+
+
+@pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="the kernel has no autogroups")
+def test_saturated_workers_yield_the_cores_and_take_them_back(mesh):
+    """Poisson load past what the workers compute keeps their compute pools busy: each worker's autogroup goes to
+    the default saturated_nice (10) while it lasts, so the gateways and schedulers get the cores, and back to 0
+    within seconds of its end."""
+    workers = [f"worker-{k}" for k in range(WORKERS)]
+    seen: dict[str, set[int | None]] = {name: set() for name in workers}
+    samples = texts.from_task("spam", limit=64)
+    arrivals = schedule.poisson(300, 8.0, seed=5)
+
+    async def load_and_watch() -> RunResult:
+        async with GatewaySpread([mesh.gateway] * 2, key_of(mesh), TIMEOUT_S, own_connections=True) as spread:
+            load = asyncio.create_task(runner.run(spread, MODEL, arrivals, samples, TIMEOUT_S, 8.0))
+            while not load.done():
+                for name in workers:
+                    seen[name].add(autogroup_nice(pid_of(mesh, name)))
+                await asyncio.sleep(0.2)
+            return await load
+
+    result = asyncio.run(load_and_watch())
+    assert sum(r.code == "OK" for r in result.records) > 0
+    assert all(10 in values for values in seen.values()), seen
+    wait_for(lambda: all(autogroup_nice(pid_of(mesh, name)) == 0 for name in workers), timeout_s=15,
+             what="every worker's autogroup back at 0")
+    events = logged_events(Path(mesh.run_dir) / "logs" / "worker-0.log", "saturation_yield")
+    assert [e["yielding"] for e in events[-2:]] == [True, False]
 
 
 def test_down_stops_the_supervisor_first_and_nothing_comes_back(mesh):

@@ -14,7 +14,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from academus.services.worker.compute_threads import ComputePool, apply_compute_policy, policy_of_this_thread
+from academus.services.worker.compute_threads import (
+    ComputePool,
+    YieldWhenSaturated,
+    apply_compute_policy,
+    policy_of_this_thread,
+)
 from academus.services.worker.server import WorkerServicer
 from academus.shared.runtime import config as cfg
 from academus.shared.runtime.slices import autogroup_nice
@@ -163,3 +168,101 @@ async def test_a_student_groups_batch_does_not_wait_behind_a_whole_models_on_its
     servicer.resize(2)   # the resource manager's answer: both lanes take the new count
     assert len(servicer.compute.threads) == len(servicer.student_compute.threads) == 2
     assert (servicer.student_compute is servicer.compute) is not own_lane
+
+
+def test_a_pool_counts_its_threads_busy_seconds_the_running_batch_included() -> None:
+    pool = ComputePool(2, "normal", torch.device("cpu"))
+    started, release = threading.Event(), threading.Event()
+
+    async def main() -> None:
+        running = asyncio.ensure_future(pool.run(lambda: started.set() or release.wait(10)))
+        await asyncio.to_thread(started.wait, 10)
+        since = max(pool._since)
+        assert pool.lanes == 2 and pool.busy_s(since + 0.5) == pytest.approx(0.5)   # one lane, half a second in
+        release.set()
+        await running
+
+    asyncio.run(main())
+    assert pool.busy_s() == pytest.approx(sum(pool._busy)) and pool.busy_s() > 0   # finished: its own seconds
+    pool.shutdown()
+
+
+class FakePool:
+    """A pool whose busy seconds the test sets."""
+
+    def __init__(self, lanes: int) -> None:
+        self.lanes, self.busy = lanes, 0.0
+
+    def busy_s(self, now: float) -> float:
+        return self.busy
+
+
+def test_a_saturated_worker_yields_and_comes_back_once_relieved() -> None:
+    clock, writes, pool, other = [0.0], [], FakePool(2), FakePool(1)
+    yielding = YieldWhenSaturated(10, lambda: [pool, other], floor=2, clock=lambda: clock[0],
+                                  set_nice=lambda n: writes.append(n) or n)
+
+    def look(seconds: float, busy: float) -> bool:   # `busy` of the 2-lane pool's lane-seconds in `seconds`
+        clock[0] += seconds
+        pool.busy += busy
+        return yielding.tick()
+
+    assert not yielding.tick()              # the first look only notes where the pools stand
+    assert not look(1.0, 1.6)               # 80 % of its lanes: not saturated
+    assert look(1.0, 1.9)                   # 95 %: yields
+    assert look(1.0, 1.5)                   # 75 %: still over the relief mark
+    assert not look(1.0, 1.2)               # 60 %: back at the floor, the fixed compute_nice
+    assert writes == [10, 2] and yielding.switches == 2
+
+
+def test_a_refused_write_is_tried_again_at_the_next_look() -> None:
+    clock, answers, pool = [0.0], [None, 10], FakePool(1)
+    yielding = YieldWhenSaturated(10, lambda: [pool], clock=lambda: clock[0], set_nice=lambda n: answers.pop(0))
+    yielding.tick()
+    for expected in (False, True):          # the kernel takes one write a tenth of a second, machine-wide
+        clock[0] += 1.0
+        pool.busy += 1.0
+        assert yielding.tick() is expected
+
+
+SATURATION_PROBE = """
+import asyncio, json, time, torch
+from academus.services.worker.compute_threads import ComputePool, YieldWhenSaturated
+from academus.shared.runtime.slices import autogroup_nice
+
+def spin(seconds):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+async def main():
+    pool = ComputePool(1, "normal", torch.device("cpu"))
+    yielding = YieldWhenSaturated(10, lambda: [pool])
+    seen = [autogroup_nice()]
+    yielding.tick()
+    running = asyncio.ensure_future(pool.run(spin, 0.8))
+    await asyncio.sleep(0.3)
+    yielding.tick()
+    seen.append(autogroup_nice())
+    await running
+    await asyncio.sleep(0.5)
+    yielding.tick()
+    seen.append(autogroup_nice())
+    print(json.dumps(seen))
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="the kernel has no autogroups")
+def test_a_worker_yields_its_autogroup_while_its_compute_is_saturated_and_takes_it_back() -> None:
+    """In a session of its own, as `academus up` starts it: the kernel's autogroup moves to 10 and back to 0."""
+    done = subprocess.run([sys.executable, "-c", SATURATION_PROBE], capture_output=True, text=True, check=True,
+                          start_new_session=True)
+    assert json.loads(done.stdout) == [0, 10, 0]
+
+
+def test_a_saturated_worker_yields_by_default_and_the_value_is_checked() -> None:
+    assert cfg.load(cfg.WorkerConfig, env={}).saturated_nice == 10
+    with pytest.raises(cfg.ConfigError, match=re.escape("ACADEMUS_SATURATED_NICE=20 must be in 0..19")):
+        cfg.load(cfg.WorkerConfig, env={"ACADEMUS_SATURATED_NICE": "20"})
