@@ -31,8 +31,22 @@ def stalls(run: str) -> dict[str, list[dict]]:
         out = {"gateway": [], "scheduler": []}
         for line in read_lines(f"{run}/loop_stalls.jsonl"):   # each with its process, as logs/ names it
             event = json.loads(line)
-            out.setdefault(event["process"], []).append(event)
+            if event["event"] == "loop_stall":
+                out.setdefault(event["process"], []).append(event)
     return {k: v for k, v in out.items() if v or k in ("gateway", "scheduler")}
+
+
+def yields(run: str) -> dict[str, list[bool]]:
+    """Each worker's `saturation_yield` events in turn: yielding or not (from 2026-12-05's saturation yield)."""
+    out: dict[str, list[bool]] = {}
+    logs = glob.glob(f"{run}/run/logs/worker-*.log")
+    lines = [(os.path.basename(log)[:-4], line) for log in logs for line in Path(log).read_text().splitlines()]
+    if not logs and Path(f"{run}/loop_stalls.jsonl").is_file():
+        lines = [(json.loads(line)["process"], line) for line in read_lines(f"{run}/loop_stalls.jsonl")]
+    for process, line in lines:
+        if '"saturation_yield"' in line:
+            out.setdefault(process, []).append(json.loads(line)["yielding"])
+    return out
 
 
 def stolen(run: str, stall: dict, steal: list[dict]) -> int:
@@ -55,6 +69,7 @@ def summarize(run: str) -> dict:
         "probe_refused": probe["RESOURCE_EXHAUSTED"]["count"], "probe_refusal_p99_ms": ref["probe_refusal_p99_ms"],
         "probe_by_origin": probe.get("refusals_by_origin"),
         "load_edge_refusal_p99_ms": ref["refusals_by_origin"].get("gateway", {}).get("p99_ms"),
+        "workers_yielding": yields(run),
         "stalls": {k: {"count": len(v), "sum_ms": round(sum(s["ms"] for s in v)),
                        "max_ms": max((s["ms"] for s in v), default=0)} for k, v in sorted(by_service.items())},
         "gateway": {"sum_ms": round(total), "loop_cpu_ms": round(cpu), "collector_ms": round(collector),
