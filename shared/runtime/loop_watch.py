@@ -22,6 +22,7 @@ import time
 from collections import Counter as Tally
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import NamedTuple
 
 from prometheus_client import Counter, Histogram
@@ -50,7 +51,7 @@ async def watch_lag(service: str, period_s: float = LAG_PERIOD_S,
         lag.observe(max(clock() - due, 0.0))
 
 
-def stack_of(frame) -> tuple[str, ...]:
+def stack_of(frame: FrameType | None) -> tuple[str, ...]:
     """A frame's innermost STACK_FRAMES as `file:line function`, innermost first."""
     out: list[str] = []
     while frame is not None and len(out) < STACK_FRAMES:
