@@ -28,9 +28,10 @@ starting within the bound (docs/design/admission.md).
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from itertools import islice, takewhile
+from operator import attrgetter
 from typing import Literal
 
 ItemId = Hashable
@@ -153,10 +154,48 @@ def _by_utility(items: Iterable[WaitingItem]) -> list[WaitingItem]:
     return sorted(items, key=lambda n: (n.length, n.deadline, n.arrival))
 
 
-def _das_row(ranked: list[WaitingItem], row: _Row, eta: float, q: float) -> tuple[list[WaitingItem], int]:
+def _by_deadline(items: Iterable[WaitingItem]) -> list[WaitingItem]:
+    """Line 12's order: the earlier deadline first, then the shorter, then the earlier arrival."""
+    return sorted(items, key=lambda n: (n.deadline, n.length, n.arrival))
+
+
+DEADLINE_ORDER_AFTER = 64   # a deadline-aware set this large is read from the decision's one deadline order
+
+
+class _DeadlineOrder:
+    """The decision's live items in line 12's order, sorted once, when a row first needs it. Under overload
+    nearly the whole queue is deadline-aware in every row, and sorting it again for each row took most of a
+    decision (about 3.4 ms with 1,024 waiting). A row reads the order until it is full. A small set is still
+    sorted on its own: that costs less than the whole queue's sort when little is deadline-aware."""
+
+    def __init__(self, ranked: list[WaitingItem], taken: set[ItemId]) -> None:
+        self.ranked = ranked          # the decision's queue in `_by_utility`'s order
+        self.taken = taken            # the decision's: what earlier rows hold
+        self._order: list[WaitingItem] | None = None
+
+    def of(self, ranked: list[WaitingItem], p: int, end: int, least: float) -> Iterable[WaitingItem]:
+        """The deadline-aware set, `ranked[p:end]`, in line 12's order. It is every item the decision has not
+        placed, outside the row's utility-dominant `ranked[:p]`, whose utility is at least `least`: so a large
+        one is read off the whole order."""
+        if end - p < DEADLINE_ORDER_AFTER:
+            return _by_deadline(ranked[p:end])
+        if self._order is None:   # a stable sort of the ranked queue by deadline alone: ties stay shortest first,
+            # then earliest arrival; with one deadline for all it is already in order, and the sort costs O(n)
+            self._order = sorted(self.ranked, key=attrgetter("deadline"))
+        taken, dominant = self.taken, {n.id for n in ranked[:p]}
+        return (n for n in self._order if n.utility >= least and n.id not in taken and n.id not in dominant)
+
+
+def _less_useful(item: WaitingItem) -> float:
+    """The ranked queue's bisection key: rising along it (utility falls)."""
+    return -item.utility
+
+
+def _das_row(ranked: list[WaitingItem], row: _Row, eta: float, q: float,
+             order: _DeadlineOrder | None = None) -> tuple[list[WaitingItem], int]:
     """One row of Alg. 1 in what `row` has left, among `ranked` (`_by_utility`): the row's items and p (its
     utility-dominant prefix size, counting the items it already held: they were placed first, as the most
-    urgent)."""
+    urgent). `order`: the decision's deadline order, where the caller keeps one."""
     taken: set[ItemId] = set()
     held = len(row.items)
     s = _prefix_fitting(ranked, row.row_length, row.free)            # line 8
@@ -166,11 +205,11 @@ def _das_row(ranked: list[WaitingItem], row: _Row, eta: float, q: float) -> tupl
     p = max(1, math.floor(eta * s))                                  # line 9: p = η·s, at least one
     row.fill(ranked[:p], taken)                                      # line 10: utility-dominant set
     least = q * (sum(n.utility for n in ranked[:p]) / p)   # q times the prefix's mean utility
-    # line 11: utility at least q·mean; utility falls along `ranked`, so these are a prefix of the rest
-    deadline_aware = list(takewhile(lambda n: n.utility >= least, islice(ranked, p, None)))
-    if deadline_aware:                                               # line 12; the shortest is the first
-        row.fill(sorted(deadline_aware, key=lambda n: (n.deadline, n.length, n.arrival)), taken,
-                 _fit(deadline_aware[0], row.row_length))
+    # line 11: utility at least q·mean; utility falls along `ranked`, so these are ranked[p:end]
+    end = bisect_right(ranked, -least, lo=p, key=_less_useful)
+    if end > p:                                                      # line 12; the shortest is the first
+        in_order = order.of(ranked, p, end, least) if order else _by_deadline(ranked[p:end])
+        row.fill(in_order, taken, _fit(ranked[p], row.row_length))
     row.fill_shortest(ranked, taken)                                 # line 14: the rest, utility order
     return row.items, held + p
 
@@ -215,6 +254,7 @@ def _das(live: list[WaitingItem], row_length: int, rows: int, eta: float, q: flo
     shortest = min((_fit(n, row_length) for n in overdue), default=1)
     taken: set[ItemId] = set()
     ranked, filled, prefixes = _by_utility(live), [], []    # sorted once: filtering keeps the order
+    order = _DeadlineOrder(ranked, taken)
     for _ in range(rows):
         row = _Row(row_length)
         row.fill(overdue, taken, shortest)
@@ -222,8 +262,8 @@ def _das(live: list[WaitingItem], row_length: int, rows: int, eta: float, q: flo
             ranked = [n for n in ranked if n.id not in taken]
         elif not ranked:
             break
-        items, p = _das_row(ranked, row, eta, q)
-        taken |= {n.id for n in items}
+        items, p = _das_row(ranked, row, eta, q, order)
+        taken.update(n.id for n in items)   # in place: the deadline order reads the same set
         ranked = [n for n in ranked if n.id not in taken]
         filled.append(items)
         prefixes.append(p)

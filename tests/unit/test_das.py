@@ -10,6 +10,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from academus.services.scheduler import das
 from academus.services.scheduler.das import (
     Batch,
     WaitingItem,
@@ -260,6 +261,31 @@ def test_due_items_that_fit_one_row_all_run(raw, rows: int, row_length: int, now
     due = [n for n in items if n.due < now <= n.deadline]    # no latency: the next batch could start now
     assume(sum(min(n.length, row_length) for n in due) <= row_length)
     assert {n.id for n in due} <= set(das_rows(items, now, row_length, rows).scheduled())
+
+
+@settings(max_examples=50, deadline=None)
+@given(raw=item_lists, rows=st.integers(1, 6), row_length=st.sampled_from([16, 64, 128]), now=st.floats(0.0, 4.0),
+       fill=st.sampled_from([das_rows, slotted_das_rows]))
+def test_the_deadline_aware_set_read_off_the_decisions_order_decides_as_sorted_per_row(
+        raw, rows: int, row_length: int, now: float, fill: Callable[..., Batch]) -> None:
+    """Line 12 reads a large deadline-aware set off one deadline order of the decision's queue (from
+    DEADLINE_ORDER_AFTER items): the rows are those of sorting each row's set on its own."""
+    items, decided, kept = build(raw), {}, das.DEADLINE_ORDER_AFTER
+    try:
+        for after in (1, 10**9):     # every set read off the order; every set sorted on its own
+            das.DEADLINE_ORDER_AFTER = after
+            decided[after] = fill(items, now, row_length, rows, batch_latency=lambda r, length: 0.01)
+    finally:
+        das.DEADLINE_ORDER_AFTER = kept
+    assert decided[1] == decided[10**9]
+
+
+def test_a_crowd_of_deadline_aware_items_fills_rows_in_deadline_order() -> None:
+    """100 items of one length, the last to arrive the first due, nothing near its wait bound: every one is
+    deadline-aware, far past DEADLINE_ORDER_AFTER, and the rows take them earliest deadline first."""
+    deadlines = [5.0 - 0.01 * i for i in range(100)]
+    batch = das_rows(make_items([16] * 100, deadlines), 0.0, 64, 3)
+    assert batch.rows == [[99, 98, 97, 96], [95, 94, 93, 92], [91, 90, 89, 88]]
 
 
 @settings(max_examples=25, deadline=None)
