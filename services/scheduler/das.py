@@ -168,8 +168,8 @@ class _DeadlineOrder:
     decision (about 3.4 ms with 1,024 waiting). A row reads the order until it is full. A small set is still
     sorted on its own: that costs less than the whole queue's sort when little is deadline-aware."""
 
-    def __init__(self, ranked: list[WaitingItem], taken: set[ItemId]) -> None:
-        self.ranked = ranked          # the decision's queue in `_by_utility`'s order
+    def __init__(self, queue: list[WaitingItem], taken: set[ItemId]) -> None:
+        self.queue = queue            # the decision's whole queue in `_by_utility`'s order
         self.taken = taken            # the decision's: what earlier rows hold
         self._order: list[WaitingItem] | None = None
 
@@ -181,7 +181,7 @@ class _DeadlineOrder:
             return _by_deadline(ranked[p:end])
         if self._order is None:   # a stable sort of the ranked queue by deadline alone: ties stay shortest first,
             # then earliest arrival; with one deadline for all it is already in order, and the sort costs O(n)
-            self._order = sorted(self.ranked, key=attrgetter("deadline"))
+            self._order = sorted(self.queue, key=attrgetter("deadline"))
         taken, dominant = self.taken, {n.id for n in ranked[:p]}
         return (n for n in self._order if n.utility >= least and n.id not in taken and n.id not in dominant)
 
@@ -192,10 +192,10 @@ def _less_useful(item: WaitingItem) -> float:
 
 
 def _das_row(ranked: list[WaitingItem], row: _Row, eta: float, q: float,
-             order: _DeadlineOrder | None = None) -> tuple[list[WaitingItem], int]:
+             order: _DeadlineOrder) -> tuple[list[WaitingItem], int]:
     """One row of Alg. 1 in what `row` has left, among `ranked` (`_by_utility`): the row's items and p (its
     utility-dominant prefix size, counting the items it already held: they were placed first, as the most
-    urgent). `order`: the decision's deadline order, where the caller keeps one."""
+    urgent). `order` gives line 12's order."""
     taken: set[ItemId] = set()
     held = len(row.items)
     s = _prefix_fitting(ranked, row.row_length, row.free)            # line 8
@@ -208,8 +208,7 @@ def _das_row(ranked: list[WaitingItem], row: _Row, eta: float, q: float,
     # line 11: utility at least q·mean; utility falls along `ranked`, so these are ranked[p:end]
     end = bisect_right(ranked, -least, lo=p, key=_less_useful)
     if end > p:                                                      # line 12; the shortest is the first
-        in_order = order.of(ranked, p, end, least) if order else _by_deadline(ranked[p:end])
-        row.fill(in_order, taken, _fit(ranked[p], row.row_length))
+        row.fill(order.of(ranked, p, end, least), taken, _fit(ranked[p], row.row_length))
     row.fill_shortest(ranked, taken)                                 # line 14: the rest, utility order
     return row.items, held + p
 

@@ -34,7 +34,7 @@ import torch
 from prometheus_client import Gauge
 
 from academus.shared.runtime.logs import log_event
-from academus.shared.runtime.slices import autogroup_nice, reset_slice, set_autogroup_nice, thread_ids
+from academus.shared.runtime.slices import owns_autogroup, reset_slice, set_autogroup_nice, thread_ids
 
 T = TypeVar("T")
 POLICIES = {"idle": "SCHED_IDLE", "batch": "SCHED_BATCH", "normal": "SCHED_OTHER"}
@@ -211,7 +211,7 @@ class YieldWhenSaturated:
     async def run(self, period_s: float = SATURATION_PERIOD_S) -> None:
         """Looks every `period_s`, for ever; returns at once where the process has no autogroup of its own to move
         (not Linux, autogroups off, or not a session leader)."""
-        if self.nice <= self.floor or autogroup_nice() is None or os.getsid(0) != os.getpid():
+        if self.nice <= self.floor or not owns_autogroup():
             return
         while True:
             self.tick()

@@ -28,10 +28,12 @@ GC_FROZEN = Counter("academus_gc_frozen_objects_total", "Objects moved out of th
 
 
 class PauseWatch:
-    """A `gc.callbacks` entry timing each collection into GC_PAUSE (one per process and service)."""
+    """A `gc.callbacks` entry timing each collection into GC_PAUSE (one per process and service), and into
+    `paused_s`, the running total the loop's stall tracer reads (runtime/loop_watch.py)."""
 
     def __init__(self, service: str, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
+        self.paused_s = 0.0
         self._started = 0.0
         self._pauses = [GC_PAUSE.labels(service, str(g)) for g in range(3)]
 
@@ -39,28 +41,18 @@ class PauseWatch:
         if phase == "start":
             self._started = self.clock()
         else:
-            self._pauses[info["generation"]].observe(self.clock() - self._started)
-
-
-class PauseTotal:
-    """The process's collections summed (one `gc.callbacks` entry a process, however many services it runs):
-    the loop's stall tracer tells a hold-up's share that was the collector's (runtime/loop_watch.py)."""
-
-    def __init__(self) -> None:
-        self.paused_s = 0.0
-        self._started = 0.0
-
-    def __call__(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-        else:
-            self.paused_s += time.perf_counter() - self._started
-
-
-PAUSE_TOTAL = PauseTotal()
+            took = self.clock() - self._started
+            self.paused_s += took
+            self._pauses[info["generation"]].observe(took)
 
 
 _watches: dict[str, PauseWatch] = {}
+
+
+def paused_s(service: str) -> float:
+    """Seconds the collector has stopped the process since `watch_pauses(service)`; 0 before."""
+    watch = _watches.get(service)
+    return watch.paused_s if watch is not None else 0.0
 
 
 def watch_pauses(service: str) -> PauseWatch:
@@ -69,8 +61,6 @@ def watch_pauses(service: str) -> PauseWatch:
     if watch is None:
         watch = _watches[service] = PauseWatch(service)
         gc.callbacks.append(watch)
-    if PAUSE_TOTAL not in gc.callbacks:
-        gc.callbacks.append(PAUSE_TOTAL)
     return watch
 
 

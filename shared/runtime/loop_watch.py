@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 from prometheus_client import Counter, Histogram
 
-from academus.shared.runtime.heap import PAUSE_TOTAL
+from academus.shared.runtime.heap import paused_s
 from academus.shared.runtime.logs import log_event
 
 LAG_PERIOD_S = 0.1
@@ -94,17 +94,17 @@ class StallTracer:
 
     def __init__(self, service: str, threshold_s: float, sample_s: float = 0.002,
                  clock: Callable[[], float] = time.perf_counter,
-                 paused: Callable[[], float] = lambda: PAUSE_TOTAL.paused_s,
+                 paused: Callable[[], float] | None = None,
                  cpu: Callable[[], float] = time.thread_time,
                  report: Callable[[dict], None] | None = None) -> None:
         self.service = service
         self.threshold_s = threshold_s
         self.sample_s = sample_s
         self.clock = clock
-        self.paused = paused
+        self.paused = paused or (lambda: paused_s(service))   # the service's own watch: each collection timed once
         self.cpu = cpu
         self.report = report or self._log
-        self.beat = Beat(clock(), paused(), cpu())   # one tuple: the thread reads one beat's figures together
+        self.beat = Beat(clock(), self.paused(), cpu())   # one tuple: the thread reads one beat's figures together
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
         self._stop = threading.Event()

@@ -129,10 +129,20 @@ def release_autogroup() -> int | None:
         return autogroup_nice() if nice is None else _write_autogroup(nice)
 
 
+def owns_autogroup() -> bool:
+    """Whether this process may move its autogroup: it has one, and leads its session. The autogroup is the whole
+    session's, and in a terminal's session it would change the terminal's share too. `academus up` starts each
+    service in a session of its own."""
+    return _leads_session() and autogroup_nice() is not None
+
+
+def _leads_session() -> bool:
+    return os.getsid(0) == os.getpid()
+
+
 def _write_autogroup(nice: int) -> int | None:
-    """Written by a session leader only: the autogroup is the whole session's, and in a terminal's session
-    it would change the terminal's share too. `academus up` starts each service in a session of its own."""
-    if os.getsid(0) != os.getpid():
+    """Written by a session leader only (`owns_autogroup`)."""
+    if not _leads_session():
         return None
     try:
         Path("/proc/self/autogroup").write_text(str(nice))
