@@ -178,7 +178,7 @@ def bench_task(task: str, data: TaskData, store: ShardStore, profile: HardwarePr
     lengths = sorted(len(e.input_ids) for e in tokenizer.encode([e.text for e in test], truncate=True))
     length = profile.bucket(lengths[len(lengths) // 2])
     planner = planner_for(store, task, profile)
-    full_ms = store.geometry.layers * profile.layer_ms(store.geometry.heads, length) + profile.overhead_ms[length]
+    full_ms = store.geometry.layers * profile.layer_ms(store.geometry.heads, length) + profile.rest_ms(length)
     model = ElasticModel(store, task)
     bank = decoded_bank(store)
     evaluator = Evaluator(model, bank, tokenizer, [e.text for e in test])

@@ -155,6 +155,8 @@ class RunResult:
     stall_ms: float       # the compute waiting for shards and embedding rows
     compute_ms: float
     depth: int = 0        # the layers that ran: the plan's, or fewer where a pace cut it short
+    rest_ms: float = 0.0  # outside its layers and the waits for their shards: rows, embedding, the loads' set-up
+    finish_ms: float = 0.0   # of which after the last layer: pooling, head, the loads' end
 
 
 @dataclass
@@ -245,20 +247,21 @@ class ShardPipeline:
         try:
             began = time.perf_counter()
             rows = self.model.rows.read(ids, self.source)   # the compute waits for them: IO and stall alike
-            stall = rows_s = time.perf_counter() - began
+            rows_s = time.perf_counter() - began
+            waits = 0.0                        # for the layers' shards
             hidden = self.model.embed_rows(rows, types)
             bias = self.model.position_bias(hidden)
             if not plan.overlap:               # Load&Exec: the whole submodel first (no lookahead bound)
                 waited = time.perf_counter()
                 loads.wait(plan.depth - 1)
-                stall += time.perf_counter() - waited
+                waits += time.perf_counter() - waited
             for k in range(plan.depth):
                 if self._cut(pace, k, started, compute):
                     depth = k
                     break
                 waited = time.perf_counter()
                 weights = loads.wait(k)
-                stall += time.perf_counter() - waited
+                waits += time.perf_counter() - waited
                 if self._cut(pace, k, started, compute):   # the wait for its shards may have put it behind
                     depth = k
                     break
@@ -268,11 +271,14 @@ class ShardPipeline:
                 hidden = self.model.layer(hidden, mask, k, weights, bias)
                 compute += time.perf_counter() - began
                 loads.done(k)
+            layers_end = time.perf_counter()
             probs = self.model.finish(hidden, mask, depth, plan.width)
         finally:
             io = loads.finish()
-        total = time.perf_counter() - started
-        return RunResult(probs, total * 1e3, (io + rows_s) * 1e3, stall * 1e3, compute * 1e3, depth)
+        ended = time.perf_counter()
+        total = ended - started
+        return RunResult(probs, total * 1e3, (io + rows_s) * 1e3, (rows_s + waits) * 1e3, compute * 1e3, depth,
+                         (total - compute - waits) * 1e3, (ended - layers_end) * 1e3)
 
 
 def _versions(plan: Plan, layer: int) -> list[tuple[int, int]]:

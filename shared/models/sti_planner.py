@@ -36,16 +36,19 @@ Shard = tuple[int, int]    # (layer, shard)
 class HardwareProfile:
     """What planning needs measured (§5.2): per shard and version, its load time through the IO source
     (read, checksum, decode) and its decoding alone (a preloaded shard); per width and length bucket, one
-    layer's compute; per bucket, the rest of the model (embeddings, pooling, head)."""
+    layer's compute; per bucket, the rest of a run (its embedding rows, embeddings, pooling, head), and what
+    setting up its loads costs the compute a layer, both timed inside runs through the IO source."""
 
     source: str
     load_ms: dict[int, float]
     decode_ms: dict[int, float]
     compute_ms: dict[int, dict[int, float]]     # width -> bucket -> ms
-    overhead_ms: dict[int, float]               # bucket -> ms
+    overhead_ms: dict[int, float]               # bucket -> ms a run spends outside its layers and their loads
     buckets: tuple[int, ...]
     load_by_width: dict[int, dict[int, float]] = field(default_factory=dict)     # width -> version -> ms
     decode_by_width: dict[int, dict[int, float]] = field(default_factory=dict)
+    finish_ms: dict[int, float] = field(default_factory=dict)   # bucket -> ms of it after the last layer
+    layer_setup_ms: float = 0.0                 # a plan's loads set up before its first layer, ms a layer
 
     def loads(self, width: int) -> tuple[dict[int, float], dict[int, float]]:
         """(load, decode) ms a shard per version, measured beside a layer of `width`: the loader shares the GIL
@@ -61,8 +64,13 @@ class HardwareProfile:
         """One layer on `length` tokens (a batch's rows x longest): beyond the last bucket, in proportion."""
         return self.compute_ms[width][self.bucket(length)] * self._beyond(length)
 
-    def rest_ms(self, length: int) -> float:
-        return self.overhead_ms[self.bucket(length)] * self._beyond(length)
+    def rest_ms(self, length: int, depth: int = 0) -> float:
+        """A run's time outside its layers and their loads, for a plan of `depth` layers (0: its layers held)."""
+        return self.overhead_ms[self.bucket(length)] * self._beyond(length) + depth * self.layer_setup_ms
+
+    def tail_ms(self, length: int) -> float:
+        """What a run spends after its last layer (pooling, head)."""
+        return self.finish_ms.get(self.bucket(length), self.overhead_ms[self.bucket(length)]) * self._beyond(length)
 
     def _beyond(self, length: int) -> float:
         return max(1.0, length / self.buckets[-1])
@@ -80,7 +88,8 @@ class HardwareProfile:
         return cls(d["source"], {int(k): v for k, v in d["load_ms"].items()},
                    {int(k): v for k, v in d["decode_ms"].items()}, by_width(d["compute_ms"]),
                    {int(k): v for k, v in d["overhead_ms"].items()}, tuple(d["buckets"]),
-                   by_width(d.get("load_by_width", {})), by_width(d.get("decode_by_width", {})))
+                   by_width(d.get("load_by_width", {})), by_width(d.get("decode_by_width", {})),
+                   {int(k): v for k, v in d.get("finish_ms", {}).items()}, float(d.get("layer_setup_ms", 0.0)))
 
 
 @dataclass
@@ -197,7 +206,7 @@ class Planner:
     def _io_plan(self, depth: int, width: int, shards: list[list[int]], target_ms: float, length: int,
                  held: dict[Shard, int], importance: Sequence[Shard], arm: str) -> Plan | None:
         layer_ms = self.profile.layer_ms(width, length)
-        slack = target_ms - self.profile.rest_ms(length) - depth * layer_ms
+        slack = target_ms - self.profile.rest_ms(length, depth) - depth * layer_ms
         if slack < 0:
             return None
         load, decode = self.profile.loads(width)
@@ -266,7 +275,7 @@ class Planner:
     def pace(self, plan: Plan, length: int) -> Pace:
         """When a run of `plan` behind its target stops early (`Pace`): at the depths with a head for its width."""
         return Pace(plan.target_ms * (1 + PACE_TOLERANCE), self.profile.layer_ms(plan.width, length),
-                    self.profile.rest_ms(length), frozenset(d for d, w in self.shapes if w == plan.width))
+                    self.profile.tail_ms(length), frozenset(d for d, w in self.shapes if w == plan.width))
 
     # -- baselines (§7.1) ------------------------------------------------------------------------------------
 
@@ -274,7 +283,7 @@ class Planner:
         """Loads the full-precision submodel whole, then runs it: the shape whose load plus compute fits."""
         for depth, width in self.shapes:
             io = depth * width * self.profile.loads(width)[0][FULL]
-            if io + depth * self.profile.layer_ms(width, length) + self.profile.rest_ms(length) <= target_ms:
+            if io + depth * self.profile.layer_ms(width, length) + self.profile.rest_ms(length, depth) <= target_ms:
                 return self._uniform("load&exec", depth, width, FULL, target_ms, length, overlap=False)
         return self._smallest("load&exec", length, target_ms, FULL, overlap=False)
 
@@ -283,7 +292,7 @@ class Planner:
         does not stall past the target."""
         for depth, width in self.shapes:
             layer_ms = self.profile.layer_ms(width, length)
-            slack = target_ms - self.profile.rest_ms(length) - depth * layer_ms
+            slack = target_ms - self.profile.rest_ms(length, depth) - depth * layer_ms
             budgets = Budgets(slack, layer_ms, depth)
             layer_io = width * self.profile.loads(width)[0][bits]
             if slack >= 0 and budgets.would_hold(dict.fromkeys(range(depth), layer_io)):
@@ -361,5 +370,5 @@ def simulate(plan: Plan, profile: HardwareProfile, length: int) -> dict[str, flo
         begin = max(start, ready[k])
         stall += begin - start
         start = begin + layer_ms
-    finish = start + profile.rest_ms(length)
+    finish = start + profile.rest_ms(length, plan.depth)
     return {"finish_ms": finish, "stall_ms": stall}

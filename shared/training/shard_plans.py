@@ -57,7 +57,11 @@ def load_profile(artifacts: Path, model: str, source: str) -> HardwareProfile:
     path = profile_path(artifacts, model, source)
     if not path.is_file():
         raise ArtifactError(f"no profile {path} (run `academus shard profile --io {source}`)")
-    return HardwareProfile.from_json(path.read_text())
+    raw = path.read_text()
+    if "finish_ms" not in json.loads(raw):   # its rest was timed in a loop, a third of what runs pay
+        raise ArtifactError(f"{path} was measured before runs timed their rest (run `academus shard profile --io "
+                            f"{source}` again)")
+    return HardwareProfile.from_json(raw)
 
 
 # --- command line ---------------------------------------------------------------------------------------------
@@ -129,7 +133,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     planner = planner_for(store, args.task, load_profile(artifacts, args.model, args.io))
     plan = planner.plan(args.target_ms, args.length, args.preload_bytes)
     if not plan.feasible:
-        smallest = plan.compute_ms + planner.profile.rest_ms(args.length)
+        smallest = plan.compute_ms + planner.profile.rest_ms(args.length, plan.depth)
         raise PlanError(f"--target-ms {args.target_ms:g}: no submodel fits; the smallest needs "
                         f"{math.ceil(smallest * 100) / 100:g} ms of compute alone")
     return {**plan.summary(), "io": planner.profile.source, "length": args.length,

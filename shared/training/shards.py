@@ -61,7 +61,7 @@ from academus.shared.models.shards import (
     ShardWeights,
     quantize_layers,
 )
-from academus.shared.models.sti_pipeline import ElasticModel, load_layer_s
+from academus.shared.models.sti_pipeline import ElasticModel, ShardPipeline, load_layer_s
 from academus.shared.models.sti_planner import HardwareProfile, Plan
 from academus.shared.models.students import config_keys
 from academus.shared.models.teacher_files import TEACHER_NAME
@@ -459,43 +459,66 @@ def _gold(examples: Sequence[Example]) -> torch.Tensor:
 # --- profiling and planning -----------------------------------------------------------------------------------
 
 def measure_profile(store: ShardStore, source_spec: str, repeats: int = 20) -> HardwareProfile:
-    """§5.2 on this machine: a layer's compute per width and length bucket, and the rest of the model; then
-    per version, a shard's load (read through the source, check, decode, its share of putting the layer
-    together) and its decoding alone, measured a whole layer at a time *while a layer computes* on the other
-    thread, as in the pipeline (alone, loads measured 10-40 % faster than the pipeline's), beside a layer of
-    each width."""
+    """§5.2 on this machine: a layer's compute per width and length bucket; per version, a shard's load (read
+    through the source, check, decode, its share of putting the layer together) and its decoding alone, measured a
+    whole layer at a time *while a layer computes* on the other thread, as in the pipeline (alone, loads measured
+    10-40 % faster than the pipeline's), beside a layer of each width; then the rest of a run, timed inside runs
+    (`_rest_in_runs`)."""
     geometry = store.geometry
     model = ElasticModel(store, "", heads={})
     weights = [[store.decode(k, s, FULL, store.read_stored(k, s, FULL)) for s in range(geometry.heads)]
                for k in range(geometry.layers)]
     compute: dict[int, dict[int, float]] = {}
-    overhead: dict[int, float] = {}
     config = store.manifest.extra["config"]
     token = min(1996, int(config["vocab_size"]) - 1)   # any id: timing needs no meaning
     buckets = tuple(b for b in BUCKETS if b <= int(config["max_position_embeddings"]))
     with torch.inference_mode():
         for bucket in buckets:
             ids, mask, _ = pad_batch([[token] * bucket])
-            head = ClassifierHead(["a", "b"], geometry.hidden)
             hidden = model.embed(ids, mask)
-
-            def rest(hidden: torch.Tensor = hidden, ids: torch.Tensor = ids, mask: torch.Tensor = mask,
-                     head: ClassifierHead = head) -> None:
-                model.embed(ids, mask)
-                head(model.pool(hidden, mask))
-
-            overhead[bucket] = median_ms(rest, repeats)
             for width in widths_of(geometry.heads):
                 compute.setdefault(width, {})[bucket] = _layer_ms(model, weights, width, hidden, mask, repeats)
     source = io_source(source_spec)
     by_width = {width: _load_profile(store, model, source, max(3, repeats // 4),
                                      model.assemble(0, list(range(width)), weights[0][:width]), token)
                 for width in widths_of(geometry.heads)}
-    source.close()
+    overhead, finish, setup = _rest_in_runs(store, source, buckets, repeats)   # closes the source
     load_ms, decode_ms = by_width[geometry.heads]
     return HardwareProfile(source.name, load_ms, decode_ms, compute, overhead, buckets,
                            {w: loads for w, (loads, _) in by_width.items()},
-                           {w: decodes for w, (_, decodes) in by_width.items()})
+                           {w: decodes for w, (_, decodes) in by_width.items()}, finish, setup)
+
+
+def _rest_in_runs(store: ShardStore, source: FileSource, buckets: Sequence[int], repeats: int
+                  ) -> tuple[dict[int, float], dict[int, float], float]:
+    """What a pipeline run spends outside its layers and the waits for their shards, per bucket: (the fixed part,
+    the part after the last layer, the part a layer of the plan adds). Runs of the whole width at the lowest version,
+    one layer deep and the whole depth, on ids whose rows the first run caches, as traffic's frequent tokens are.
+    Timed in a loop, the same parts (the rows, the embedding, pooling and head) took a third of what runs pay them,
+    their caches cold after the layers; and setting up a plan's loads costs the compute tens of microseconds a layer
+    (docs/benchmarks/sti.md)."""
+    geometry = store.geometry
+    config = store.manifest.extra["config"]
+    bits = min(store.versions)
+    deep, shallow = full_plan(geometry, bits), full_plan(geometry, bits, [list(range(geometry.heads))])
+    head = ClassifierHead(["a", "b"], geometry.hidden)
+    model = ElasticModel(store, "", heads={(deep.depth, deep.width): head, (1, deep.width): head})
+    pipeline = ShardPipeline(model, source)
+    vocab = int(config["vocab_size"])
+    overhead, finish, per_layer = {}, {}, []
+    try:
+        for bucket in buckets:
+            ids, mask, _ = pad_batch([[(1000 + i) % vocab for i in range(bucket)]])
+            runs = {plan.depth: [pipeline.run(plan, ids, mask) for _ in range(repeats + 1)][1:]
+                    for plan in (deep, shallow)}
+            rests = {depth: statistics.median(r.rest_ms for r in done) for depth, done in runs.items()}
+            layer = max(0.0, (rests[deep.depth] - rests[1]) / max(1, deep.depth - 1))
+            per_layer.append(layer)
+            overhead[bucket] = max(0.0, rests[1] - layer)
+            finish[bucket] = statistics.median(r.finish_ms for done in runs.values() for r in done)
+    finally:
+        pipeline.close()
+    return overhead, finish, statistics.median(per_layer)
 
 
 def _layer_ms(model: ElasticModel, weights: list[list[ShardWeights]], width: int, hidden: torch.Tensor,

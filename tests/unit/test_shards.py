@@ -840,6 +840,62 @@ def test_a_run_behind_its_pace_answers_from_the_layers_it_has(store_dir) -> None
     assert kept.depth == no_head.depth == 2
 
 
+def test_a_runs_rest_is_its_time_outside_its_layers_and_the_waits_for_their_shards(store_dir, monkeypatch) -> None:
+    """What the profile times a run's rest by: a slow head counts in its rest and in its tail; a slow device's waits
+    for the shards count in neither."""
+    directory, _ = store_dir
+    store = ShardStore(directory)
+    model = ElasticModel(store, "toy")
+    ids, mask, types = pad_batch([[1, 5, 9, 7, 2]])
+    plan = _plan(4)
+    layer_bytes = sum(store.entry(0, s, 4).length for s in plan.shards[0])
+    results = {}
+    for io in ("file", "file", f"throttled:{layer_bytes / 0.25 / 1e6:.6f}"):   # warmed up; then 0.25 s a layer
+        pipeline = ShardPipeline(model, io_source(io))
+        try:
+            results[io.split(":")[0]] = pipeline.run(plan, ids, mask, types)
+        finally:
+            pipeline.close()
+    slow = results["throttled"]
+    assert slow.stall_ms >= 200 and 0 < slow.rest_ms < slow.stall_ms / 3
+    finish = model.finish
+
+    def slow_head(*args: object) -> torch.Tensor:
+        time.sleep(0.02)
+        return finish(*args)
+
+    monkeypatch.setattr(model, "finish", slow_head)
+    pipeline = ShardPipeline(model, io_source("file"))
+    try:
+        held_up = pipeline.run(plan, ids, mask, types)
+    finally:
+        pipeline.close()
+    assert held_up.finish_ms >= 20 and held_up.rest_ms >= held_up.finish_ms
+    assert results["file"].finish_ms <= results["file"].rest_ms <= results["file"].total_ms - results["file"].compute_ms
+
+
+def test_the_profile_times_a_runs_rest_inside_runs_and_an_older_profile_is_measured_again(store_dir, tmp_path
+                                                                                          ) -> None:
+    import json
+
+    from academus.shared.training.shard_plans import load_profile, profile_path, save_profile
+    from academus.shared.training.shards import measure_profile
+
+    directory, _ = store_dir
+    profile = measure_profile(ShardStore(directory), "file", repeats=2)
+    assert set(profile.finish_ms) == set(profile.overhead_ms) == set(profile.buckets) == {16, 32, 64}
+    assert all(v > 0 for v in profile.finish_ms.values()) and all(v >= 0 for v in profile.overhead_ms.values())
+    assert profile.layer_setup_ms >= 0
+    assert profile.rest_ms(32, 2) == pytest.approx(profile.overhead_ms[32] + 2 * profile.layer_setup_ms)
+    saved = save_profile(tmp_path, "tiny", profile)
+    assert saved is not None and load_profile(tmp_path, "tiny", "file") == profile
+    older = json.loads(saved.read_text())
+    del older["finish_ms"], older["layer_setup_ms"]
+    saved.write_text(json.dumps(older))
+    with pytest.raises(ArtifactError, match=rf"{profile_path(tmp_path, 'tiny', 'file')} was measured before runs"):
+        load_profile(tmp_path, "tiny", "file")
+
+
 def test_a_pace_stops_before_a_layer_that_would_end_past_its_bound() -> None:
     pace = Pace(bound_ms=10.0, layer_ms=2.0, rest_ms=1.0, depths=frozenset({2, 3, 4}))
     assert not pace.stops_before(2, 7.0)      # 7 + 2 + 1 = 10: within the bound

@@ -179,8 +179,25 @@ def test_a_plans_pace_is_its_target_with_the_tolerance_at_the_depths_of_its_widt
     plan = p.plan(4.0, 32)
     pace = p.pace(plan, 32)
     assert pace.bound_ms == pytest.approx(4.0 * (1 + PACE_TOLERANCE))
-    assert pace.layer_ms == p.profile.layer_ms(plan.width, 32) and pace.rest_ms == p.profile.rest_ms(32)
+    assert pace.layer_ms == p.profile.layer_ms(plan.width, 32) and pace.rest_ms == p.profile.tail_ms(32)
     assert pace.depths == frozenset({1, 2, 3})
     short = plan.truncated(1)
     assert (short.depth, short.width, short.shards) == (1, plan.width, plan.shards[:1])
     assert set(short.bits) == {x for x in plan.bits if x[0] == 0} and short.preload <= plan.preload
+
+
+def test_a_plan_reserves_what_its_runs_spend_outside_their_layers_and_the_pace_only_their_tail() -> None:
+    """A run also reads its rows, embeds, sets up its loads (a share a layer) and pools: the profile times them in
+    runs. A 2-layer plan that fits the layers and the fixed part misses once two layers' set-up counts."""
+    loads_free = dict.fromkeys(VERSIONS, 0.0)
+    base = profile(load=loads_free, overhead=0.3)
+    prof = HardwareProfile(base.source, base.load_ms, base.decode_ms, base.compute_ms, base.overhead_ms, base.buckets,
+                           finish_ms={32: 0.1}, layer_setup_ms=0.2)
+    assert prof.rest_ms(32) == pytest.approx(0.3) and prof.rest_ms(32, 2) == pytest.approx(0.7)
+    assert prof.tail_ms(32) == pytest.approx(0.1) and base.tail_ms(32) == pytest.approx(0.3)   # measured before
+    assert planner(base).plan(2.5, 32).depth == 2
+    reserved = planner(prof).plan(2.5, 32)
+    assert reserved.depth == 1 and simulate(reserved, prof, 32)["finish_ms"] <= 2.5
+    assert planner(prof).plan(2.7, 32).depth == 2
+    assert planner(prof).pace(reserved, 32).rest_ms == pytest.approx(0.1)
+    assert HardwareProfile.from_json(prof.to_json()) == prof
