@@ -120,7 +120,7 @@ class StiModel:
         tokens = rows * longest
         plan = self.planner.plan(1e9 if math.isinf(target) else target, tokens, held=self.held)
         if not plan.feasible:
-            smallest = plan.compute_ms + self.planner.profile.rest_ms(tokens, plan.depth)
+            smallest = plan.compute_ms + self.planner.profile.rest_ms(tokens, plan.depth, plan.width)
             raise DeadlineExceeded(f"{self.name}: {target:.1f} ms left for {rows} text(s) of {longest} tokens fits no "
                                    f"submodel: the smallest needs {smallest:.1f} ms of compute; not computed")
         return plan

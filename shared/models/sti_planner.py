@@ -48,7 +48,7 @@ class HardwareProfile:
     load_by_width: dict[int, dict[int, float]] = field(default_factory=dict)     # width -> version -> ms
     decode_by_width: dict[int, dict[int, float]] = field(default_factory=dict)
     finish_ms: dict[int, float] = field(default_factory=dict)   # bucket -> ms of it after the last layer
-    layer_setup_ms: float = 0.0                 # a plan's loads set up before its first layer, ms a layer
+    layer_setup_ms: dict[int, float] = field(default_factory=dict)   # width -> ms a layer of a plan's loads' set-up
 
     def loads(self, width: int) -> tuple[dict[int, float], dict[int, float]]:
         """(load, decode) ms a shard per version, measured beside a layer of `width`: the loader shares the GIL
@@ -64,9 +64,11 @@ class HardwareProfile:
         """One layer on `length` tokens (a batch's rows x longest): beyond the last bucket, in proportion."""
         return self.compute_ms[width][self.bucket(length)] * self._beyond(length)
 
-    def rest_ms(self, length: int, depth: int = 0) -> float:
-        """A run's time outside its layers and their loads, for a plan of `depth` layers (0: its layers held)."""
-        return self.overhead_ms[self.bucket(length)] * self._beyond(length) + depth * self.layer_setup_ms
+    def rest_ms(self, length: int, depth: int = 0, width: int = 0) -> float:
+        """A run's time outside its layers and their loads, for a plan of `depth` layers of `width` shards (0: its
+        layers held)."""
+        setup = self.layer_setup_ms.get(width, max(self.layer_setup_ms.values(), default=0.0))
+        return self.overhead_ms[self.bucket(length)] * self._beyond(length) + depth * setup
 
     def tail_ms(self, length: int) -> float:
         """What a run spends after its last layer (pooling, head)."""
@@ -89,7 +91,8 @@ class HardwareProfile:
                    {int(k): v for k, v in d["decode_ms"].items()}, by_width(d["compute_ms"]),
                    {int(k): v for k, v in d["overhead_ms"].items()}, tuple(d["buckets"]),
                    by_width(d.get("load_by_width", {})), by_width(d.get("decode_by_width", {})),
-                   {int(k): v for k, v in d.get("finish_ms", {}).items()}, float(d.get("layer_setup_ms", 0.0)))
+                   {int(k): v for k, v in d.get("finish_ms", {}).items()},
+                   {int(k): v for k, v in d.get("layer_setup_ms", {}).items()})
 
 
 @dataclass
@@ -206,7 +209,7 @@ class Planner:
     def _io_plan(self, depth: int, width: int, shards: list[list[int]], target_ms: float, length: int,
                  held: dict[Shard, int], importance: Sequence[Shard], arm: str) -> Plan | None:
         layer_ms = self.profile.layer_ms(width, length)
-        slack = target_ms - self.profile.rest_ms(length, depth) - depth * layer_ms
+        slack = target_ms - self.profile.rest_ms(length, depth, width) - depth * layer_ms
         if slack < 0:
             return None
         load, decode = self.profile.loads(width)
@@ -283,7 +286,8 @@ class Planner:
         """Loads the full-precision submodel whole, then runs it: the shape whose load plus compute fits."""
         for depth, width in self.shapes:
             io = depth * width * self.profile.loads(width)[0][FULL]
-            if io + depth * self.profile.layer_ms(width, length) + self.profile.rest_ms(length, depth) <= target_ms:
+            compute = depth * self.profile.layer_ms(width, length)
+            if io + compute + self.profile.rest_ms(length, depth, width) <= target_ms:
                 return self._uniform("load&exec", depth, width, FULL, target_ms, length, overlap=False)
         return self._smallest("load&exec", length, target_ms, FULL, overlap=False)
 
@@ -292,7 +296,7 @@ class Planner:
         does not stall past the target."""
         for depth, width in self.shapes:
             layer_ms = self.profile.layer_ms(width, length)
-            slack = target_ms - self.profile.rest_ms(length, depth) - depth * layer_ms
+            slack = target_ms - self.profile.rest_ms(length, depth, width) - depth * layer_ms
             budgets = Budgets(slack, layer_ms, depth)
             layer_io = width * self.profile.loads(width)[0][bits]
             if slack >= 0 and budgets.would_hold(dict.fromkeys(range(depth), layer_io)):
@@ -370,5 +374,5 @@ def simulate(plan: Plan, profile: HardwareProfile, length: int) -> dict[str, flo
         begin = max(start, ready[k])
         stall += begin - start
         start = begin + layer_ms
-    finish = start + profile.rest_ms(length, plan.depth)
+    finish = start + profile.rest_ms(length, plan.depth, plan.width)
     return {"finish_ms": finish, "stall_ms": stall}

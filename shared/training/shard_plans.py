@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     planner = planner_for(store, args.task, load_profile(artifacts, args.model, args.io))
     plan = planner.plan(args.target_ms, args.length, args.preload_bytes)
     if not plan.feasible:
-        smallest = plan.compute_ms + planner.profile.rest_ms(args.length, plan.depth)
+        smallest = plan.compute_ms + planner.profile.rest_ms(args.length, plan.depth, plan.width)
         raise PlanError(f"--target-ms {args.target_ms:g}: no submodel fits; the smallest needs "
                         f"{math.ceil(smallest * 100) / 100:g} ms of compute alone")
     return {**plan.summary(), "io": planner.profile.source, "length": args.length,

@@ -61,7 +61,7 @@ from academus.shared.models.shards import (
     ShardWeights,
     quantize_layers,
 )
-from academus.shared.models.sti_pipeline import ElasticModel, ShardPipeline, load_layer_s
+from academus.shared.models.sti_pipeline import ElasticModel, RunResult, ShardPipeline, load_layer_s
 from academus.shared.models.sti_planner import HardwareProfile, Plan
 from academus.shared.models.students import config_keys
 from academus.shared.models.teacher_files import TEACHER_NAME
@@ -490,35 +490,36 @@ def measure_profile(store: ShardStore, source_spec: str, repeats: int = 20) -> H
 
 
 def _rest_in_runs(store: ShardStore, source: FileSource, buckets: Sequence[int], repeats: int
-                  ) -> tuple[dict[int, float], dict[int, float], float]:
-    """What a pipeline run spends outside its layers and the waits for their shards, per bucket: (the fixed part,
-    the part after the last layer, the part a layer of the plan adds). Runs of the whole width at the lowest version,
-    one layer deep and the whole depth, on ids whose rows the first run caches, as traffic's frequent tokens are.
-    Timed in a loop, the same parts (the rows, the embedding, pooling and head) took a third of what runs pay them,
-    their caches cold after the layers; and setting up a plan's loads costs the compute tens of microseconds a layer
-    (docs/benchmarks/sti.md)."""
+                  ) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+    """What a pipeline run spends outside its layers and the waits for their shards: (per bucket, the fixed part;
+    per bucket, the part after the last layer; per width, the part a layer of the plan adds). Runs at the lowest
+    version on ids whose rows the first run caches, as traffic's frequent tokens are: one layer deep at the whole
+    width in each bucket, then the whole depth against one layer at each width, in the shortest bucket. Timed in a
+    loop, the rows, the embedding, pooling and head took a third of what runs pay them, their caches cold after the
+    layers; and setting up a plan's loads costs the compute tens of microseconds a layer (docs/benchmarks/sti.md)."""
     geometry = store.geometry
-    config = store.manifest.extra["config"]
-    bits = min(store.versions)
-    deep, shallow = full_plan(geometry, bits), full_plan(geometry, bits, [list(range(geometry.heads))])
-    head = ClassifierHead(["a", "b"], geometry.hidden)
-    model = ElasticModel(store, "", heads={(deep.depth, deep.width): head, (1, deep.width): head})
-    pipeline = ShardPipeline(model, source)
-    vocab = int(config["vocab_size"])
-    overhead, finish, per_layer = {}, {}, []
+    vocab = int(store.manifest.extra["config"]["vocab_size"])
+    bits, depth, widths = min(store.versions), geometry.layers, widths_of(geometry.heads)
+    heads = {(d, w): ClassifierHead(["a", "b"], geometry.hidden) for d in (1, depth) for w in widths}
+    pipeline = ShardPipeline(ElasticModel(store, "", heads=heads), source)
+
+    def runs(d: int, w: int, bucket: int) -> list[RunResult]:
+        ids, mask, _ = pad_batch([[(1000 + i) % vocab for i in range(bucket)]])
+        plan = full_plan(geometry, bits, [list(range(w))] * d)
+        return [pipeline.run(plan, ids, mask) for _ in range(repeats + 1)][1:]   # the first caches the rows
+
+    def rest(done: list[RunResult]) -> float:
+        return statistics.median(r.rest_ms for r in done)
+
     try:
-        for bucket in buckets:
-            ids, mask, _ = pad_batch([[(1000 + i) % vocab for i in range(bucket)]])
-            runs = {plan.depth: [pipeline.run(plan, ids, mask) for _ in range(repeats + 1)][1:]
-                    for plan in (deep, shallow)}
-            rests = {depth: statistics.median(r.rest_ms for r in done) for depth, done in runs.items()}
-            layer = max(0.0, (rests[deep.depth] - rests[1]) / max(1, deep.depth - 1))
-            per_layer.append(layer)
-            overhead[bucket] = max(0.0, rests[1] - layer)
-            finish[bucket] = statistics.median(r.finish_ms for done in runs.values() for r in done)
+        shallow = {bucket: runs(1, geometry.heads, bucket) for bucket in buckets}
+        setup = {w: max(0.0, (rest(runs(depth, w, buckets[0])) - rest(runs(1, w, buckets[0]))) / max(1, depth - 1))
+                 for w in widths}
     finally:
         pipeline.close()
-    return overhead, finish, statistics.median(per_layer)
+    overhead = {b: max(0.0, rest(done) - setup[geometry.heads]) for b, done in shallow.items()}
+    finish = {b: statistics.median(r.finish_ms for r in done) for b, done in shallow.items()}
+    return overhead, finish, setup
 
 
 def _layer_ms(model: ElasticModel, weights: list[list[ShardWeights]], width: int, hidden: torch.Tensor,
