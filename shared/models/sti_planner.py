@@ -48,7 +48,7 @@ class HardwareProfile:
     load_by_width: dict[int, dict[int, float]] = field(default_factory=dict)     # width -> version -> ms
     decode_by_width: dict[int, dict[int, float]] = field(default_factory=dict)
     finish_ms: dict[int, float] = field(default_factory=dict)   # bucket -> ms of it after the last layer
-    layer_setup_ms: dict[int, float] = field(default_factory=dict)   # width -> ms a layer of a plan's loads' set-up
+    layer_setup_ms: dict[int, dict[int, float]] = field(default_factory=dict)   # width -> bucket -> ms a layer
 
     def loads(self, width: int) -> tuple[dict[int, float], dict[int, float]]:
         """(load, decode) ms a shard per version, measured beside a layer of `width`: the loader shares the GIL
@@ -67,8 +67,10 @@ class HardwareProfile:
     def rest_ms(self, length: int, depth: int = 0, width: int = 0) -> float:
         """A run's time outside its layers and their loads, for a plan of `depth` layers of `width` shards (0: its
         layers held)."""
-        setup = self.layer_setup_ms.get(width, max(self.layer_setup_ms.values(), default=0.0))
-        return self.overhead_ms[self.bucket(length)] * self._beyond(length) + depth * setup
+        bucket = self.bucket(length)
+        by_width = [self.layer_setup_ms[width]] if width in self.layer_setup_ms else self.layer_setup_ms.values()
+        setup = max((by_bucket[bucket] for by_bucket in by_width), default=0.0)   # an unknown width: the dearest
+        return (self.overhead_ms[bucket] + depth * setup) * self._beyond(length)
 
     def tail_ms(self, length: int) -> float:
         """What a run spends after its last layer (pooling, head)."""
@@ -92,7 +94,7 @@ class HardwareProfile:
                    {int(k): v for k, v in d["overhead_ms"].items()}, tuple(d["buckets"]),
                    by_width(d.get("load_by_width", {})), by_width(d.get("decode_by_width", {})),
                    {int(k): v for k, v in d.get("finish_ms", {}).items()},
-                   {int(k): v for k, v in d.get("layer_setup_ms", {}).items()})
+                   by_width(d.get("layer_setup_ms", {})))
 
 
 @dataclass

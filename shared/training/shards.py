@@ -490,13 +490,13 @@ def measure_profile(store: ShardStore, source_spec: str, repeats: int = 20) -> H
 
 
 def _rest_in_runs(store: ShardStore, source: FileSource, buckets: Sequence[int], repeats: int
-                  ) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+                  ) -> tuple[dict[int, float], dict[int, float], dict[int, dict[int, float]]]:
     """What a pipeline run spends outside its layers and the waits for their shards: (per bucket, the fixed part;
-    per bucket, the part after the last layer; per width, the part a layer of the plan adds). Runs at the lowest
-    version on ids whose rows the first run caches, as traffic's frequent tokens are: one layer deep at the whole
-    width in each bucket, then the whole depth against one layer at each width, in the shortest bucket. Timed in a
-    loop, the rows, the embedding, pooling and head took a third of what runs pay them, their caches cold after the
-    layers; and setting up a plan's loads costs the compute tens of microseconds a layer (docs/benchmarks/sti.md)."""
+    per bucket, the part after the last layer; per width and bucket, the part a layer of the plan adds). Runs at
+    the lowest version, one layer deep and the whole depth, on ids whose rows the first run caches, as traffic's
+    frequent tokens are. Timed in a loop, the rows, the embedding, pooling and head took a third of what runs pay
+    them, their caches cold after the layers; setting up a plan's loads costs the compute tens of microseconds a
+    layer, more at a wider width and a longer text (docs/benchmarks/sti.md)."""
     geometry = store.geometry
     vocab = int(store.manifest.extra["config"]["vocab_size"])
     bits, depth, widths = min(store.versions), geometry.layers, widths_of(geometry.heads)
@@ -511,14 +511,19 @@ def _rest_in_runs(store: ShardStore, source: FileSource, buckets: Sequence[int],
     def rest(done: list[RunResult]) -> float:
         return statistics.median(r.rest_ms for r in done)
 
+    overhead: dict[int, float] = {}
+    finish: dict[int, float] = {}
+    setup: dict[int, dict[int, float]] = {w: {} for w in widths}
     try:
-        shallow = {bucket: runs(1, geometry.heads, bucket) for bucket in buckets}
-        setup = {w: max(0.0, (rest(runs(depth, w, buckets[0])) - rest(runs(1, w, buckets[0]))) / max(1, depth - 1))
-                 for w in widths}
+        for bucket in buckets:
+            shallow = {w: runs(1, w, bucket) for w in widths}
+            for w in widths:
+                setup[w][bucket] = max(0.0, (rest(runs(depth, w, bucket)) - rest(shallow[w])) / max(1, depth - 1))
+            whole = shallow[geometry.heads]
+            overhead[bucket] = max(0.0, rest(whole) - setup[geometry.heads][bucket])
+            finish[bucket] = statistics.median(r.finish_ms for r in whole)
     finally:
         pipeline.close()
-    overhead = {b: max(0.0, rest(done) - setup[geometry.heads]) for b, done in shallow.items()}
-    finish = {b: statistics.median(r.finish_ms for r in done) for b, done in shallow.items()}
     return overhead, finish, setup
 
 

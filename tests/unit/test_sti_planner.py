@@ -192,7 +192,7 @@ def test_a_plan_reserves_what_its_runs_spend_outside_their_layers_and_the_pace_o
     loads_free = dict.fromkeys(VERSIONS, 0.0)
     base = profile(load=loads_free, overhead=0.3)
     prof = HardwareProfile(base.source, base.load_ms, base.decode_ms, base.compute_ms, base.overhead_ms, base.buckets,
-                           finish_ms={32: 0.1}, layer_setup_ms={3: 0.2, 1: 0.05})
+                           finish_ms={32: 0.1}, layer_setup_ms={3: {32: 0.2}, 1: {32: 0.05}})
     assert prof.rest_ms(32) == pytest.approx(0.3) and prof.rest_ms(32, 2, 3) == pytest.approx(0.7)
     assert prof.rest_ms(32, 2, 1) == pytest.approx(0.4) and prof.rest_ms(32, 2, 2) == pytest.approx(0.7)  # the dearest
     assert prof.tail_ms(32) == pytest.approx(0.1) and base.tail_ms(32) == pytest.approx(0.3)   # measured before

@@ -14,10 +14,14 @@ from pathlib import Path
 STI, PACED = "sti-4096k", "sti-4096k-paced"
 
 
-def setup_ms(profile: dict, width: int) -> float:
-    """The loads' set-up a layer the plan reserved: one figure (66b378a), one a width (after it), or none (before)."""
+def setup_ms(profile: dict, width: int, bucket: str) -> float:
+    """The loads' set-up a layer the plan reserved: one figure (66b378a), one a width (ef0090d), one a width and
+    bucket (after it), or none (before)."""
     setup = profile.get("layer_setup_ms", 0.0)
-    return float(setup.get(str(width), 0.0)) if isinstance(setup, dict) else float(setup)
+    if not isinstance(setup, dict):
+        return float(setup)
+    by = setup.get(str(width), 0.0)
+    return float(by[bucket]) if isinstance(by, dict) else float(by)
 
 
 def main() -> None:
@@ -28,7 +32,7 @@ def main() -> None:
         profile, result = d["profile"], d["results"][0]
         bucket = str(result["length"])
         f = d["figures"]
-        setups = "/".join(f"{setup_ms(profile, w):.3f}" for w in (3, 6, 9, 12))
+        setups = "/".join(f"{setup_ms(profile, w, bucket):.3f}" for w in (3, 6, 9, 12))
         rest = (f"rest {profile['overhead_ms'][bucket]:.3f} + {setups} a layer (widths 3/6/9/12), "
                 f"tail {profile.get('finish_ms', {}).get(bucket, float('nan')):.3f}")
         print(f"{sweep.name} | {rest} | whole model {result['full_model_ms']} ms "
@@ -48,7 +52,7 @@ def main() -> None:
         rows = {(r["target_x"], r["arm"]): r for r in result["rows"]}
         for t in d["targets"]:
             s, p = rows[(t, STI)], rows[(t, PACED)]
-            planned = profile["overhead_ms"][bucket] + s["depth"] * setup_ms(profile, s["width"])
+            planned = profile["overhead_ms"][bucket] + s["depth"] * setup_ms(profile, s["width"], bucket)
             finish = s["planned_compute_ms"] + s["planned_stall_ms"] + planned
             print(f"{sweep.name} | {t} | {s['depth']}x{s['width']}@{s['mean_bits']} | {planned:.2f} | "
                   f"{s['p50_ms'] - finish:+.2f} | {s['accuracy']} | {s['p95_over_target']} | "
