@@ -11,7 +11,6 @@ tasks' test splits 90 % of the tokens fall in about 2,600 rows (3.9 MB at 384 wi
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,10 @@ def write_rows(directory: Path, table: torch.Tensor) -> dict[str, Any]:
 
 
 class EmbeddingRows:
-    """The stored table: rows gathered for a batch's token ids through an IO source; thread-safe."""
+    """The stored table: rows gathered for a batch's token ids through an IO source; thread-safe. The cache is two
+    lookup arrays (row -> slot, slot -> row) and a use stamp a slot: a batch whose rows are all cached is one
+    vectorised lookup and one gather. A dictionary of rows kept in LRU order, row by row, took 3.3-4.8 times as long
+    for such a batch (docs/benchmarks/sti.md)."""
 
     def __init__(self, directory: Path, meta: dict[str, Any], cache_bytes: int = CACHE_BYTES) -> None:
         try:
@@ -56,10 +58,13 @@ class EmbeddingRows:
         self.capacity = max(1, min(cache_bytes, self.stored_bytes) // self.row_bytes)   # rows
         self.cache_bytes = self.capacity * self.row_bytes
         self._slab = torch.empty(self.capacity, self.width)     # pages are touched as rows arrive
-        self._slots: OrderedDict[int, int] = OrderedDict()       # row -> slot, least recently used first
+        self._slot_of = np.full(self.rows, -1, np.int64)          # row -> its slot, -1: not cached
+        self._row_at = np.full(self.capacity, -1, np.int64)       # slot -> its row, -1: free
+        self._used = np.zeros(self.capacity, np.int64)            # slot -> the batch that last used it
+        self._batch = 0
         self._free = list(range(self.capacity - 1, -1, -1))
         self._lock = threading.Lock()
-        self.hits = self.misses = 0       # distinct rows of a batch found cached, or read
+        self.hits = self.misses = 0       # tokens found cached, or read
 
     @property
     def stored_bytes(self) -> int:
@@ -73,41 +78,43 @@ class EmbeddingRows:
 
     def held_bytes(self) -> int:
         with self._lock:
-            return len(self._slots) * self.row_bytes
+            return (self.capacity - len(self._free)) * self.row_bytes
 
     def read(self, ids: torch.Tensor, source: Reader) -> torch.Tensor:
         """[*ids.shape, width] on the ids' device: each id's row, from the cache or read (and checked) with its
         block; the rows read are cached, the least recently used making room."""
-        flat = ids.reshape(-1).to("cpu", torch.long)
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.rows):
+        index = ids.reshape(-1).to("cpu", torch.long).numpy()
+        if index.size and (int(index.min()) < 0 or int(index.max()) >= self.rows):
             raise ArtifactError(f"{self.path}: token ids must lie in [0, {self.rows}); got "
-                                f"{int(flat.min())}..{int(flat.max())}")
-        wanted, inverse = torch.unique(flat, return_inverse=True)
-        rows = wanted.tolist()
-        local = torch.empty(len(rows), self.width)
+                                f"{int(index.min())}..{int(index.max())}")
         with self._lock:   # gathered under the lock: another batch's rows may take an evicted slot
-            cached = {i: self._slots[r] for i, r in enumerate(rows) if r in self._slots}
-            self.hits, self.misses = self.hits + len(cached), self.misses + len(rows) - len(cached)
-            for i in cached:
-                self._slots.move_to_end(rows[i])
-            if cached:
-                local[torch.tensor(list(cached))] = self._slab[torch.tensor(list(cached.values()))]
-        missing = [i for i in range(len(rows)) if i not in cached]
-        if missing:
-            fetched = self._fetch([rows[i] for i in missing], source)
-            local[torch.tensor(missing)] = fetched
-            self._keep([rows[i] for i in missing], fetched, set(rows))
-        return local[inverse].reshape(*ids.shape, self.width).to(ids.device)
+            slots = self._slot_of[index]
+            cached = slots >= 0
+            self._batch += 1
+            self._used[slots[cached]] = self._batch
+            hits = int(cached.sum())
+            self.hits, self.misses = self.hits + hits, self.misses + len(index) - hits
+            if hits == len(index):
+                return self._slab[torch.from_numpy(slots)].reshape(*ids.shape, self.width).to(ids.device)
+            out = torch.empty(len(index), self.width)
+            if hits:
+                out[torch.from_numpy(np.flatnonzero(cached))] = self._slab[torch.from_numpy(slots[cached])]
+        missing = ~cached
+        rows, inverse = np.unique(index[missing], return_inverse=True)
+        fetched = self._fetch(rows.tolist(), source)
+        out[torch.from_numpy(np.flatnonzero(missing))] = fetched[torch.from_numpy(inverse)]
+        self._keep(rows, fetched, index)
+        return out.reshape(*ids.shape, self.width).to(ids.device)
 
     def prefetch(self, ids: torch.Tensor, source: Reader) -> None:
         """Asks the source now for the blocks of the ids' rows not cached, which `read` then takes: the compute waits
         for the rows, and through a cold page cache they queued behind the shards the loader had asked for, taking
         3-6 times as long (docs/benchmarks/sti.md). Ids out of range are left to `read` to refuse."""
-        wanted = torch.unique(ids.reshape(-1).to("cpu", torch.long)).tolist()
+        index = ids.reshape(-1).to("cpu", torch.long).numpy()
+        index = index[(index >= 0) & (index < self.rows)]
         with self._lock:
-            blocks = sorted({row // self.block_rows for row in wanted
-                             if 0 <= row < self.rows and row not in self._slots})
-        for block in blocks:
+            uncached = index[self._slot_of[index] < 0]
+        for block in np.unique(uncached // self.block_rows).tolist():
             source.prefetch(self.path, *self.block_span(block))
 
     def check_all(self, source: Reader) -> int:
@@ -120,31 +127,33 @@ class EmbeddingRows:
         """[len(rows), width]: the rows, each block read once."""
         out = torch.empty(len(rows), self.width)
         block, values = -1, out
-        for i, row in enumerate(rows):            # ascending (torch.unique): a block's rows come together
+        for i, row in enumerate(rows):            # ascending (np.unique): a block's rows come together
             if row // self.block_rows != block:
                 block = row // self.block_rows
                 values = self._read_block(block, source)
             out[i] = values[row - block * self.block_rows]
         return out
 
-    def _keep(self, rows: list[int], values: torch.Tensor, batch: set[int]) -> None:
-        """Caches rows just read, evicting the least recently used rows this batch does not use; those that find
-        no room are not kept."""
+    def _keep(self, rows: np.ndarray, values: torch.Tensor, batch: np.ndarray) -> None:
+        """Caches rows just read (ascending, distinct), evicting the least recently used rows the batch does not
+        use; those that find no room are not kept."""
         with self._lock:
-            new = [i for i, row in enumerate(rows) if row not in self._slots]   # another batch may have kept some
-            victims = []
-            for row in self._slots:                   # least recently used first
-                if len(self._free) + len(victims) >= len(new):
-                    break
-                if row not in batch:
-                    victims.append(row)
-            self._free.extend(self._slots.pop(row) for row in victims)
+            new = np.flatnonzero(self._slot_of[rows] < 0)        # another batch may have kept some
+            short = len(new) - len(self._free)
+            if short > 0:
+                taken = np.flatnonzero(self._row_at >= 0)
+                movable = taken[~np.isin(self._row_at[taken], batch)]
+                victims = movable[np.argsort(self._used[movable], kind="stable")[:short]]
+                self._slot_of[self._row_at[victims]] = -1
+                self._row_at[victims] = -1
+                self._free.extend(victims.tolist())
             kept = new[:len(self._free)]
-            slots = [self._free.pop() for _ in kept]
-            for i, slot in zip(kept, slots, strict=True):
-                self._slots[rows[i]] = slot
-            if kept:
-                self._slab[torch.tensor(slots)] = values[torch.tensor(kept)]
+            slots = np.array([self._free.pop() for _ in kept], np.int64)
+            self._slot_of[rows[kept]] = slots
+            self._row_at[slots] = rows[kept]
+            self._used[slots] = self._batch
+            if len(kept):
+                self._slab[torch.from_numpy(slots)] = values[torch.from_numpy(kept)]
 
     def _read_block(self, block: int, source: Reader) -> torch.Tensor:
         offset, length = self.block_span(block)

@@ -967,6 +967,30 @@ def test_embedding_rows_are_the_encoders_table_read_by_block(store_dir) -> None:
         source.close()
 
 
+def test_embedding_rows_evict_the_least_recently_used_row_the_batch_does_not_use(store_dir) -> None:
+    directory, encoder = store_dir
+    table = encoder.body.embeddings.word_embeddings.weight.detach()
+    meta = ShardStore(directory).manifest.extra["embedding_rows"]
+    rows = EmbeddingRows(directory, meta, cache_bytes=3 * table.shape[1] * 4)   # 3 rows
+    source = io_source("file")
+
+    def misses(*ids: int) -> int:
+        before = rows.misses
+        assert torch.equal(rows.read(torch.tensor(ids), source), table[list(ids)])
+        return rows.misses - before
+
+    try:
+        assert misses(1, 2, 3) == 3 and misses(1) == 0      # 2 is now the least recently used
+        assert misses(4) == 1 and misses(1, 3) == 0          # 4 took 2's slot
+        assert misses(2) == 1                                 # ... and 2 took 4's, the oldest of 1, 3, 4
+        assert misses(4, 5, 6, 4) == 4                        # three new rows (4 read once, counted twice)
+        assert misses(4, 5, 6) == 0 and rows.held_bytes() == rows.cache_bytes
+        assert misses(7, 8, 9, 10) == 4                       # more rows than fit: the first three kept
+        assert misses(7, 8, 9) == 0
+    finally:
+        source.close()
+
+
 def test_embedding_rows_stay_right_under_eviction_from_several_threads(store_dir) -> None:
     """A cache of 10 rows, batches of up to 12 distinct rows from 4 threads at once: every answer is the table's."""
     import threading
