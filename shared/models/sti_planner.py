@@ -84,7 +84,10 @@ class HardwareProfile:
 
     @classmethod
     def from_json(cls, raw: str) -> HardwareProfile:
-        d = json.loads(raw)
+        return cls.from_dict(json.loads(raw))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> HardwareProfile:
 
         def by_width(table: dict[str, dict[str, float]]) -> dict[int, dict[int, float]]:
             return {int(w): {int(k): v for k, v in by.items()} for w, by in table.items()}

@@ -57,11 +57,11 @@ def load_profile(artifacts: Path, model: str, source: str) -> HardwareProfile:
     path = profile_path(artifacts, model, source)
     if not path.is_file():
         raise ArtifactError(f"no profile {path} (run `academus shard profile --io {source}`)")
-    raw = path.read_text()
-    if "finish_ms" not in json.loads(raw):   # its rest was timed in a loop, a third of what runs pay
+    saved = json.loads(path.read_text())
+    if "finish_ms" not in saved:   # its rest was timed in a loop, a third of what runs pay
         raise ArtifactError(f"{path} was measured before runs timed their rest (run `academus shard profile --io "
                             f"{source}` again)")
-    return HardwareProfile.from_json(raw)
+    return HardwareProfile.from_dict(saved)
 
 
 # --- command line ---------------------------------------------------------------------------------------------

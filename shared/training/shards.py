@@ -482,14 +482,14 @@ def measure_profile(store: ShardStore, source_spec: str, repeats: int = 20) -> H
     by_width = {width: _load_profile(store, model, source, max(3, repeats // 4),
                                      model.assemble(0, list(range(width)), weights[0][:width]), token)
                 for width in widths_of(geometry.heads)}
-    overhead, finish, setup = _rest_in_runs(store, source, buckets, repeats)   # closes the source
+    overhead, finish, setup = _rest_in_runs(model, source, buckets, repeats)   # closes the model and the source
     load_ms, decode_ms = by_width[geometry.heads]
     return HardwareProfile(source.name, load_ms, decode_ms, compute, overhead, buckets,
                            {w: loads for w, (loads, _) in by_width.items()},
                            {w: decodes for w, (_, decodes) in by_width.items()}, finish, setup)
 
 
-def _rest_in_runs(store: ShardStore, source: FileSource, buckets: Sequence[int], repeats: int
+def _rest_in_runs(model: ElasticModel, source: FileSource, buckets: Sequence[int], repeats: int
                   ) -> tuple[dict[int, float], dict[int, float], dict[int, dict[int, float]]]:
     """What a pipeline run spends outside its layers and the waits for their shards: (per bucket, the fixed part;
     per bucket, the part after the last layer; per width and bucket, the part a layer of the plan adds). Runs at
@@ -497,11 +497,12 @@ def _rest_in_runs(store: ShardStore, source: FileSource, buckets: Sequence[int],
     frequent tokens are. Timed in a loop, the rows, the embedding, pooling and head took a third of what runs pay
     them, their caches cold after the layers; setting up a plan's loads costs the compute tens of microseconds a
     layer, more at a wider width and a longer text (docs/benchmarks/sti.md)."""
+    store = model.store
     geometry = store.geometry
     vocab = int(store.manifest.extra["config"]["vocab_size"])
     bits, depth, widths = min(store.versions), geometry.layers, widths_of(geometry.heads)
-    heads = {(d, w): ClassifierHead(["a", "b"], geometry.hidden) for d in (1, depth) for w in widths}
-    pipeline = ShardPipeline(ElasticModel(store, "", heads=heads), source)
+    model.heads.update({(d, w): ClassifierHead(["a", "b"], geometry.hidden) for d in (1, depth) for w in widths})
+    pipeline = ShardPipeline(model, source)
 
     def runs(d: int, w: int, bucket: int) -> list[RunResult]:
         ids, mask, _ = pad_batch([[(1000 + i) % vocab for i in range(bucket)]])

@@ -6,6 +6,7 @@ import asyncio
 import gc
 import threading
 import time
+from collections.abc import Callable
 
 from prometheus_client import REGISTRY
 
@@ -82,19 +83,25 @@ def test_a_new_stall_right_after_one_is_reported_apart() -> None:
     assert stall is not None and stall.since == Beat(0.3, 0.0, 0.0)
 
 
-def test_the_tracer_names_the_code_that_held_a_real_loop() -> None:
+def stalls_while(service: str, hold: Callable[[], None]) -> list[dict]:
+    """The stalls a 30 ms tracer on a real loop reports while `hold()` runs on the loop."""
     reports: list[dict] = []
 
     async def main() -> None:
-        tracer = StallTracer("stall-real", threshold_s=0.03, report=reports.append)
+        tracer = StallTracer(service, threshold_s=0.03, report=reports.append)
         tracer.start(asyncio.get_running_loop())
         await asyncio.sleep(0.05)
-        hold_the_loop(0.3)
+        hold()
         await asyncio.sleep(0.1)   # the loop beats again, and the thread reports
         tracer.stop()
 
-    before = sample("academus_event_loop_stalls_total", "stall-real")
     asyncio.run(main())
+    return reports
+
+
+def test_the_tracer_names_the_code_that_held_a_real_loop() -> None:
+    before = sample("academus_event_loop_stalls_total", "stall-real")
+    reports = stalls_while("stall-real", lambda: hold_the_loop(0.3))
     held = [r for r in reports if any("hold_the_loop" in s["frames"][0] for s in r["stacks"])]
     assert held, reports
     longest = max(held, key=lambda r: r["ms"])
@@ -104,22 +111,15 @@ def test_the_tracer_names_the_code_that_held_a_real_loop() -> None:
 
 
 def test_a_collection_during_a_stall_is_its_share() -> None:
-    reports: list[dict] = []
-
-    async def main() -> None:
-        tracer = StallTracer("stall-gc", threshold_s=0.03, report=reports.append)
-        tracer.start(asyncio.get_running_loop())
-        await asyncio.sleep(0.05)
+    def collect() -> None:
         with_garbage = [[object() for _ in range(50)] for _ in range(20_000)]   # a million objects to walk
         started = paused_s("stall-gc")
         while paused_s("stall-gc") - started < 0.05:   # collections until they stopped the loop 50 ms
             gc.collect()
         del with_garbage
-        await asyncio.sleep(0.1)
-        tracer.stop()
 
     watch_pauses("stall-gc")
-    asyncio.run(main())
+    reports = stalls_while("stall-gc", collect)
     assert any(r["collector_ms"] >= 40 for r in reports), reports
 
 

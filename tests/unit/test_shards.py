@@ -816,15 +816,17 @@ def test_deadline_is_checked_between_layers(store_dir) -> None:
         pipeline.close()
 
 
+def _toy_run(store_dir) -> tuple[ShardStore, ElasticModel, tuple[torch.Tensor, ...], Plan]:
+    """The toy store, its model, one text's batch and a 2-layer plan at 4 bits."""
+    store = ShardStore(store_dir[0])
+    return store, ElasticModel(store, "toy"), pad_batch([[1, 5, 9, 7, 2]]), _plan(4)
+
+
 def test_a_run_behind_its_pace_answers_from_the_layers_it_has(store_dir) -> None:
     """A pace whose bound is already spent stops the run before layer 1, the shallowest depth with a head: the
     answer is the 1-layer shape's, as the plan truncated to it computes it. A pace it keeps changes nothing; no
     run stops before its first layer."""
-    directory, _ = store_dir
-    store = ShardStore(directory)
-    model = ElasticModel(store, "toy")
-    ids, mask, types = pad_batch([[1, 5, 9, 7, 2]])
-    plan = _plan(4)
+    store, model, (ids, mask, types), plan = _toy_run(store_dir)
     bank = {(k, s, b): store.decode(k, s, b, store.read_stored(k, s, b)) for (k, s), b in plan.bits.items()}
     pipeline = ShardPipeline(model, io_source("file"))
     try:
@@ -843,11 +845,7 @@ def test_a_run_behind_its_pace_answers_from_the_layers_it_has(store_dir) -> None
 def test_a_runs_rest_is_its_time_outside_its_layers_and_the_waits_for_their_shards(store_dir, monkeypatch) -> None:
     """What the profile times a run's rest by: a slow head counts in its rest and in its tail; a slow device's waits
     for the shards count in neither."""
-    directory, _ = store_dir
-    store = ShardStore(directory)
-    model = ElasticModel(store, "toy")
-    ids, mask, types = pad_batch([[1, 5, 9, 7, 2]])
-    plan = _plan(4)
+    store, model, (ids, mask, types), plan = _toy_run(store_dir)
     layer_bytes = sum(store.entry(0, s, 4).length for s in plan.shards[0])
     results = {}
     for io in ("file", "file", f"throttled:{layer_bytes / 0.25 / 1e6:.6f}"):   # warmed up; then 0.25 s a layer
