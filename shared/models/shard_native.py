@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,14 +43,16 @@ class Native:
     """The library's calls (shard_put.c)."""
 
     put_layer: Callable[..., int]
-    start: Callable[..., int | None]
+    open: Callable[..., int | None]
+    start: Callable[..., int]
     publish: Callable[..., None]
     wait: Callable[..., int]
     done: Callable[..., None]
     finish: Callable[..., int]
+    close: Callable[..., None]
 
 
-LOADER_VERSION = 2    # shard_put.c's academus_loader_version: the layout of LayerLoad and of the calls
+LOADER_VERSION = 3    # shard_put.c's academus_loader_version: the layout of LayerLoad and of the calls
 
 
 def _load() -> Native | None:
@@ -61,9 +64,11 @@ def _load() -> Native | None:
         return None                                       # serves until `make setup` rebuilds it
     load = ctypes.POINTER(LayerLoad)
     signatures = {"academus_put_layer": ([load, _P], ctypes.c_int),
-                  "academus_loads_start": ([load, _I64, _I64, _P, _P, _I64, _I64], _P),
+                  "academus_loader_open": ([_P], _P),
+                  "academus_loads_start": ([_P, load, _I64, _I64, _P, _I64, _I64], ctypes.c_int),
                   "academus_loads_publish": ([_P, _I64], None), "academus_loads_wait": ([_P, _I64], ctypes.c_int),
-                  "academus_loads_done": ([_P], None), "academus_loads_finish": ([_P], _I64)}
+                  "academus_loads_done": ([_P], None), "academus_loads_finish": ([_P], _I64),
+                  "academus_loader_close": ([_P], None)}
     for name, (argtypes, restype) in signatures.items():
         getattr(library, name).argtypes, getattr(library, name).restype = argtypes, restype
     return Native(*(getattr(library, name) for name in signatures))     # in the fields' order
@@ -139,33 +144,60 @@ LOADS_STOPPED = 0x40000000    # shard_put.c: the loads ended before the layer, n
 LOADS_UNREAD = 0x40000001     # shard_put.c: a shard of the layer could not be read into the staging buffer
 
 
+class LoaderThread:
+    """The C loader's thread, kept from plan to plan: it waits for a plan, puts its layers and waits again. Starting
+    and joining one for each run cost the run about 0.08 ms (docs/benchmarks/sti.md). One plan at a time."""
+
+    def __init__(self) -> None:
+        assert NATIVE is not None
+        handle = NATIVE.open(CRC32)
+        if not handle:
+            raise OSError("the C shard loader could not start its thread")
+        self.handle: int = handle
+        self._close = weakref.finalize(self, NATIVE.close, handle)   # a pipeline never closed still ends it
+
+    def close(self) -> None:
+        """Stops a plan still loading and ends the thread. Once is enough; later calls do nothing."""
+        self._close()
+
+
 class PlanLoads:
-    """A plan's layers put in order by a C thread of its own, which never takes the GIL (shard_put.c): a Python
-    loader thread, each time it took the GIL back, made the compute thread wait for it after its next torch op
+    """A plan's layers put in order by a C thread, which never takes the GIL (shard_put.c): a Python loader thread,
+    each time it took the GIL back, made the compute thread wait for it after its next torch op
     (docs/design/sti.md). The caller publishes each layer's shards in order, waits for a layer before running it,
     and says when it is done with one: the thread puts at most `window` layers ahead of that (0: no bound), as
     their buffers are reused in turn."""
 
-    def __init__(self, layers: int, window: int, staging: np.ndarray | None = None, ahead: int = 0) -> None:
+    def __init__(self, layers: int, window: int, staging: np.ndarray | None = None, ahead: int = 0,
+                 thread: LoaderThread | None = None) -> None:
         """Each shard's CRC-32 is checked against the one published with it. Shards published to be read from their
         files go through `staging` (uint8, a layer's reads at most), the disk asked for them `ahead` layers ahead of
-        the layer read."""
+        the layer read. `thread`: a kept loader thread, free (no other plan's loads unfinished); else one of their
+        own, ended by `finish`."""
         assert NATIVE is not None
+        self._own = thread is None
+        self._thread = LoaderThread() if thread is None else thread
         self._loads = (LayerLoad * max(1, layers))()
         self._published: list[tuple[LayerLoad, Sequence[int], Sequence[int], Sequence[int]]] = []
         self._staging = staging                   # the thread writes into it until `finish`
-        self._handle = NATIVE.start(self._loads, layers, window, CRC32, 0 if staging is None else staging.ctypes.data,
-                                    0 if staging is None else staging.nbytes, ahead)
-        if not self._handle:
-            raise OSError("the C shard loader could not start its thread")
+        self._handle: int | None = self._thread.handle
+        if NATIVE.start(self._handle, self._loads, layers, window, 0 if staging is None else staging.ctypes.data,
+                        0 if staging is None else staging.nbytes, ahead):
+            raise RuntimeError("the C shard loader's thread still loads another plan")
 
     def publish(self, put: NativePut, index: Sequence[int], addresses: Sequence[int], lengths: Sequence[int],
                 bits: Sequence[int], pair_tables: Sequence[int], outliers: Sequence[int],
                 crcs: Sequence[int] | None = None, reads: Sequence[tuple[int, int]] | None = None) -> None:
         """The next layer's shards, into `put`'s matrices (as `NativePut.load` takes them). The caller keeps the
         shards' memory, and their files open, until `finish`."""
+        self.publish_load(put.load(index, addresses, lengths, bits, pair_tables, outliers, crcs, reads),
+                          lengths, bits, outliers)
+
+    def publish_load(self, load: LayerLoad, lengths: Sequence[int], bits: Sequence[int],
+                     outliers: Sequence[int]) -> None:
+        """The next layer's load as `NativePut.load` made it, maybe for an earlier plan (its shards' lengths, versions
+        and outlier counts word a refusal)."""
         assert NATIVE is not None and self._handle
-        load = put.load(index, addresses, lengths, bits, pair_tables, outliers, crcs, reads)
         self._loads[len(self._published)] = load
         self._published.append((load, lengths, bits, outliers))
         NATIVE.publish(self._handle, len(self._published))
@@ -188,7 +220,10 @@ class PlanLoads:
         NATIVE.done(self._handle)
 
     def finish(self) -> float:
-        """Stops the loads after the layer being put and ends the thread: its busy seconds. Once only."""
+        """Stops the loads after the layer being put, the thread free for another plan (or ended, where it was this
+        plan's own): its busy seconds. Once only."""
         assert NATIVE is not None and self._handle
         busy, self._handle = NATIVE.finish(self._handle), None
+        if self._own:
+            self._thread.close()
         return busy / 1e9

@@ -26,11 +26,13 @@ from torch import nn
 from academus.shared.models.architectures import family_module, read_architecture
 from academus.shared.models.model import MEAN, ClassifierHead, body_inputs, padded_positions, pool
 from academus.shared.models.shard_io import FileSource, address
-from academus.shared.models.shard_native import NATIVE, BadShard, PlanLoads
+from academus.shared.models.shard_native import NATIVE, BadShard, LayerLoad, LoaderThread, PlanLoads
 from academus.shared.models.shard_store import RELATIVE_BIAS, ShardStore
 from academus.shared.models.shards import (
     LayerBuilder,
+    LayerResident,
     LayerWeights,
+    ShardGeometry,
     ShardWeights,
     elastic_layer,
     key_mask,
@@ -159,19 +161,73 @@ class RunResult:
     finish_ms: float = 0.0   # of which after the last layer: pooling, head, the loads' end
 
 
+@dataclass(frozen=True)
+class PublishedLayer:
+    """A layer's load as the C loader takes it, with what it reads from (`kept`: file mappings, held shards) and the
+    weights it fills: built once for a layer's shards at their versions into one buffer, and published again by
+    later runs of them (building them took a cold 6x9 run 0.19 ms, docs/benchmarks/sti.md)."""
+
+    load: LayerLoad
+    versions: list[tuple[int, int]]     # (shard, version), in the order the thread takes them
+    lengths: list[int]
+    bits: list[int]
+    outliers: list[int]
+    weights: LayerWeights
+    kept: list[bytes | memoryview]
+
+
+# Layers' loads kept at most: a worker's plans, each from its own deadline, use a few dozen (layer, shards) sets
+PUBLISHED_KEPT = 512
+
+
 @dataclass
 class LoaderBuffers:
     """What the C loader's thread writes into, kept from run to run (making them anew took a run 80 us, and more
     beside the loads): the layer buffers of the last width it loaded, and the bytes of the layer it reads (sized for
-    the store's largest layer once; only the pages a read touches are resident)."""
+    the store's largest layer once; only the pages a read touches are resident). With them, the thread itself and
+    the layers' loads already built into these buffers from these held shards."""
 
     layers: list[LayerBuilder] = field(default_factory=list)
     staging: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8))
+    thread: LoaderThread | None = None
+    published: dict[tuple[int, int, tuple[tuple[int, int], ...]], PublishedLayer] = field(default_factory=dict)
+    held: dict[tuple[int, int, int], bytes] | None = None
 
     def staging_for(self, size: int) -> np.ndarray:
         if self.staging.nbytes < size:
             self.staging = np.empty(size, np.uint8)
         return self.staging
+
+    def loader_thread(self) -> LoaderThread:
+        if self.thread is None:
+            self.thread = LoaderThread()
+        return self.thread
+
+    def layer_buffer(self, slot: int, shards: Sequence[int], resident: LayerResident,
+                     geometry: ShardGeometry) -> LayerBuilder:
+        """Buffer `slot` for a layer of these shards: the one there where its width is theirs, else a new one (the
+        loads built into the old one forgotten)."""
+        if slot == len(self.layers):
+            self.layers.append(LayerBuilder(shards, resident, geometry))
+        elif len(self.layers[slot].shards) != len(shards):
+            self.layers[slot] = LayerBuilder(shards, resident, geometry)
+            self.published = {key: layer for key, layer in self.published.items() if key[0] != slot}
+        return self.layers[slot]
+
+    def keep_for(self, held: dict[tuple[int, int, int], bytes], slots: int) -> None:
+        """A run's held shards and its buffers' count: the loads built from other held shards, or into buffers
+        beyond `slots`, forgotten."""
+        if held is not self.held or len(self.published) > PUBLISHED_KEPT:
+            self.published.clear()
+            self.held = held
+        if len(self.layers) > slots:
+            del self.layers[slots:]
+            self.published = {key: layer for key, layer in self.published.items() if key[0] < slots}
+
+    def close(self) -> None:
+        self.published.clear()
+        if self.thread is not None:
+            self.thread.close()
 
 
 class ShardPipeline:
@@ -209,6 +265,7 @@ class ShardPipeline:
 
     def close(self) -> None:
         self._loader.shutdown(wait=True)
+        self._buffers.close()
         self.source.close()
         self.model.close()
 
@@ -423,55 +480,59 @@ class ThreadLoads:
 class NativeLoads:
     """A plan's layers put in order by the C loader's own thread, which never takes the GIL (`PlanLoads`): shards
     where they lie in mapped files, or read by the thread from their files where the source lets it. Publishing them
-    here takes the compute thread a few tens of microseconds a layer, while the thread already puts the first; a
-    Python loader thread, each time it took the GIL back, cost the compute about 0.2 ms (docs/design/sti.md). At
-    most `window` layers are put ahead of the compute's (0: no bound), into as many buffers reused in turn. A layer's
-    shards are taken in the order they lie in their files."""
+    here takes the compute thread a few microseconds a layer whose load an earlier run built, while the thread
+    already puts the first; a Python loader thread, each time it took the GIL back, cost the compute about 0.2 ms
+    (docs/design/sti.md). At most `window` layers are put ahead of the compute's (0: no bound), into as many buffers
+    reused in turn. A layer's shards are taken in the order they lie in their files."""
 
     def __init__(self, model: ElasticModel, plan: Plan, held: dict[tuple[int, int, int], bytes],
                  source: FileSource, window: int, buffers: LoaderBuffers) -> None:
-        """`buffers`: those of earlier runs, the layers' reused where their width is the plan's; kept for later
-        ones."""
+        """`buffers`: those of earlier runs, with their loader thread and the layers' loads they built, reused where
+        the plan's layers are theirs; kept for later ones."""
         started = time.perf_counter()
         self.model, self.store, self.plan = model, model.store, plan
         self._held, self._source = held, source
-        self._order = [_in_file_order(self.store, k, _versions(plan, k)) for k in range(plan.depth)]
         staging = None if source.mapped else buffers.staging_for(self.store.largest_layer_bytes)
-        self._loads = PlanLoads(plan.depth, window, staging, source.ahead_layers)
-        self._weights: list[LayerWeights] = []
-        self._kept: list[bytes | memoryview] = []    # what the loads read from, alive until they finish
+        self._loads = PlanLoads(plan.depth, window, staging, source.ahead_layers, buffers.loader_thread())
+        self._layers: list[PublishedLayer] = []
         try:
-            self._publish(buffers.layers, window or plan.depth)
+            self._publish(buffers, window or plan.depth)
         except BaseException:
             self._loads.finish()
             raise
         self._publish_s = time.perf_counter() - started
 
-    def _publish(self, buffers: list[LayerBuilder], slots: int) -> None:
-        del buffers[slots:]
+    def _publish(self, buffers: LoaderBuffers, slots: int) -> None:
+        buffers.keep_for(self._held, slots)
         for k, shards in enumerate(self.plan.shards):
-            resident = self.model.residents[k]
             slot = k % slots
-            if slot == len(buffers):
-                buffers.append(LayerBuilder(shards, resident, self.store.geometry))
-            elif len(buffers[slot].shards) != len(shards):
-                buffers[slot] = LayerBuilder(shards, resident, self.store.geometry)
-            buffer = buffers[slot]
-            assert buffer.native is not None
-            places, versions = self._order[k]
-            self._loads.publish(buffer.native, places,
-                                *_stored(self.store, k, versions, self._held, self._source, self._kept))
-            self._weights.append(buffer.weights(shards, resident))
+            buffer = buffers.layer_buffer(slot, shards, self.model.residents[k], self.store.geometry)
+            key = (slot, k, tuple(_versions(self.plan, k)))
+            if (layer := buffers.published.get(key)) is None:
+                layer = buffers.published[key] = self._built(k, key[2], buffer)
+            self._loads.publish_load(layer.load, layer.lengths, layer.bits, layer.outliers)
+            self._layers.append(layer)
+
+    def _built(self, k: int, versions: Sequence[tuple[int, int]], buffer: LayerBuilder) -> PublishedLayer:
+        """Layer k's load into `buffer`, its shards ((shard, version) each) taken in file order."""
+        assert buffer.native is not None
+        places, ordered = _in_file_order(self.store, k, versions)
+        kept: list[bytes | memoryview] = []
+        stored = _stored(self.store, k, ordered, self._held, self._source, kept)
+        addresses, lengths, bits, pairs, outliers, crcs, reads = stored
+        load = buffer.native.load(places, addresses, lengths, bits, pairs, outliers, crcs, reads)
+        return PublishedLayer(load, ordered, lengths, bits, outliers,
+                              buffer.weights(self.plan.shards[k], self.model.residents[k]), kept)
 
     def wait(self, layer: int) -> LayerWeights:
         try:
             self._loads.wait(layer)
         except BadShard as e:
-            _, versions = self._order[layer]
+            versions = self._layers[layer].versions
             blobs = [self._held.get((layer, s, b)) or self._source.bytes_at(*self.store.span(layer, s, b))
                      for s, b in versions]
             self.store.refuse(layer, versions, blobs, e)
-        return self._weights[layer]
+        return self._layers[layer].weights
 
     def done(self, layer: int) -> None:
         self._loads.done()

@@ -507,7 +507,8 @@ def _rest_in_runs(model: ElasticModel, source: FileSource, buckets: Sequence[int
     def runs(d: int, w: int, bucket: int) -> list[RunResult]:
         ids, mask, _ = pad_batch([[(1000 + i) % vocab for i in range(bucket)]])
         plan = full_plan(geometry, bits, [list(range(w))] * d)
-        return [pipeline.run(plan, ids, mask) for _ in range(repeats + 1)][1:]   # the first caches the rows
+        return [pipeline.run(plan, ids, mask) for _ in range(repeats + 1)][1:]   # the first caches the rows and
+        # builds the plan's loads, as a worker's first run of a plan does
 
     def rest(done: list[RunResult]) -> float:
         return statistics.median(r.rest_ms for r in done)

@@ -19,7 +19,7 @@ from academus.shared.models.shard_io import (
     address,
     io_source,
 )
-from academus.shared.models.shard_native import LIBRARY, NATIVE, BadShard, PlanLoads
+from academus.shared.models.shard_native import LIBRARY, NATIVE, BadShard, LoaderThread, PlanLoads
 from academus.shared.models.shard_store import ShardStore, add_task, shape_key
 from academus.shared.models.shards import (
     BITS,
@@ -220,6 +220,35 @@ def test_the_c_loaders_thread_puts_a_plan_in_order_within_its_window() -> None:
     finally:
         assert loads.finish() > 0
     _assert_put_as_numpy_puts(geometry, buffers, stored)
+
+
+def test_a_kept_loader_thread_puts_plan_after_plan_and_takes_one_at_a_time() -> None:
+    """One thread serves plans in turn; a plan started while another is unfinished is refused, and closing the thread
+    stops a plan it is waiting on."""
+    geometry = ShardGeometry(layers=2, heads=2, hidden=16, intermediate=16)
+    thread = LoaderThread()
+    try:
+        for seed in range(3):
+            buffers, stored = _plan_loads_layers(geometry, 2 + seed)
+            loads = PlanLoads(len(buffers), window=1, thread=thread)
+            with pytest.raises(RuntimeError, match="still loads another plan"):
+                PlanLoads(1, window=0, thread=thread)
+            try:
+                for k, (built, (blobs, tables, counts, crcs)) in enumerate(zip(buffers, stored, strict=True)):
+                    _publish(loads, built, blobs, tables, counts, crcs)
+                    loads.wait(k)
+                    loads.done()
+            finally:
+                assert loads.finish() > 0
+            _assert_put_as_numpy_puts(geometry, buffers, stored)
+        buffers, stored = _plan_loads_layers(geometry, 2)
+        loads = PlanLoads(2, window=0, thread=thread)
+        _publish(loads, buffers[0], *stored[0])
+        loads.wait(0)
+    finally:
+        thread.close()                  # waiting on layer 1, never published
+    assert (buffers[1].query == 0.0).all()
+    thread.close()
 
 
 def test_the_c_loaders_thread_refuses_a_bad_shard_and_puts_nothing_after_it() -> None:
@@ -456,6 +485,45 @@ def test_store_verifies_and_the_pipeline_equals_the_in_memory_submodel(store_dir
             pipeline.close()
         torch.testing.assert_close(result.probs, expected)
         assert result.io_ms > 0 and result.total_ms >= result.compute_ms
+
+
+@pytest.mark.parametrize("io,lookahead", [("file", 1), ("cold", 0), ("cold", 2)])
+def test_a_pipeline_builds_a_layers_load_once_and_again_after_its_buffer_or_held_shards_change(
+        store_dir, io: str, lookahead: int, monkeypatch) -> None:
+    """Run after run of a plan publishes the loads its first run built (one kept loader thread puts them all); a
+    new width or a new preload builds them anew. Every run equals the in-memory submodel."""
+    from academus.shared.models import sti_pipeline
+
+    built: list[int] = []
+    build = sti_pipeline.NativeLoads._built
+
+    def counting(self: sti_pipeline.NativeLoads, k: int, *args: object) -> object:
+        built.append(k)
+        return build(self, k, *args)
+
+    monkeypatch.setattr(sti_pipeline.NativeLoads, "_built", counting)
+    directory, _ = store_dir
+    store = ShardStore(directory)
+    model = ElasticModel(store, "toy")
+    ids, mask, types = pad_batch([[1, 5, 9, 7, 2]])
+    wide, narrow = _plan(4), _plan(6, width=2)
+    preloaded = _plan(4)
+    preloaded.preload = {(0, 2), (1, 0)}
+    pipeline = ShardPipeline(model, io_source(io), lookahead=lookahead)
+    try:
+        for plan, builds in ((wide, 2), (wide, 0), (narrow, 2), (wide, 2), (preloaded, 0), ("hold", 0),
+                             (preloaded, 2), (wide, 0)):
+            built.clear()
+            if plan == "hold":
+                pipeline.preload(preloaded)
+                continue
+            bank = {(k, s, b): store.decode(k, s, b, store.read_stored(k, s, b)) for (k, s), b in plan.bits.items()}
+            result = pipeline.run(plan, ids, mask, types)
+            torch.testing.assert_close(result.probs, model.run(ids, mask, model.assemble_plan(plan, bank), types))
+            assert len(built) == builds, (plan.width, plan.preload)
+        assert pipeline._buffers.thread is not None
+    finally:
+        pipeline.close()
 
 
 def test_full_precision_full_width_submodel_equals_the_encoder(store_dir) -> None:

@@ -179,9 +179,10 @@ int academus_put_layer(const LayerLoad *load, Crc32 crc32) {
 
 /* A plan's layers put in order by a thread of its own, which never takes the GIL: each time a Python loader thread
  * took it back, the compute thread waited for it after its next torch op, and a pass through the model ran 1.2-1.8
- * times its time alone (docs/design/sti.md). The caller publishes each layer's LayerLoad as it fills it, waits for
- * a layer before running it, and says when it is done with one: at most `window` layers are put and not yet done
- * with (0: no bound), as the buffers they are put into are reused in turn. */
+ * times its time alone (docs/design/sti.md). The thread is kept from plan to plan (starting and joining one cost each
+ * run about 0.08 ms): it waits for a plan, puts its layers, and waits again. The caller publishes each layer's
+ * LayerLoad as it fills it, waits for a layer before running it, and says when it is done with one: at most `window`
+ * layers are put and not yet done with (0: no bound), as the buffers they are put into are reused in turn. */
 typedef struct {
     pthread_t thread;
     uint8_t *staging;               /* the layer being read: the caller's, of staging_size bytes */
@@ -194,15 +195,17 @@ typedef struct {
     int64_t count, window;
     int64_t published, put, done;   /* layers published by the caller, put by the thread, done with by the caller */
     int failed;                     /* academus_put_layer's code for layer `put`, which was refused */
-    int stopped, ended;
-    int64_t busy_ns;                /* the thread's time in academus_put_layer */
-} PlanLoads;
+    int stopped, ended;             /* the plan's loads asked to stop; ended (the thread waits for the next plan) */
+    int64_t plans;                  /* plans started */
+    int closing;
+    int64_t busy_ns;                /* the thread's time in academus_put_layer for the plan */
+} Loader;
 
 #define LOADS_STOPPED 0x40000000    /* a wait's answer where the loads stopped before the layer: no shard refused */
 #define LOADS_UNREAD 0x40000001     /* its shards outgrew the staging buffer, or a read failed: nothing put */
 
-/* The layout of LayerLoad and PlanLoads' calls: shard_native.py refuses a library built from another. */
-int academus_loader_version(void) { return 2; }
+/* The layout of LayerLoad and the loader's calls: shard_native.py refuses a library built from another. */
+int academus_loader_version(void) { return 3; }
 
 static int64_t now_ns(void) {
     struct timespec t;
@@ -212,7 +215,7 @@ static int64_t now_ns(void) {
 
 /* Asks the disk for the shards to read of layers up to k + ahead not yet asked for (POSIX_FADV_WILLNEED), as far as
  * they are published, so that it reads them while the thread decodes. */
-static void advise(PlanLoads *loads, int64_t k) {
+static void advise(Loader *loads, int64_t k) {
     pthread_mutex_lock(&loads->lock);
     const int64_t published = loads->published;
     pthread_mutex_unlock(&loads->lock);
@@ -237,7 +240,7 @@ static int read_whole(int fd, uint8_t *into, int64_t length, int64_t offset) {
 
 /* Layer k put, its shards read first where it has files to read: as academus_put_layer answers, or LOADS_UNREAD.
  * The disk is asked ahead before the reads and again before the decoding, which the later layers' reads overlap. */
-static int load_layer(PlanLoads *loads, int64_t k) {
+static int load_layer(Loader *loads, int64_t k) {
     const LayerLoad *load = &loads->layers[k];
     if (load->fds == NULL)
         return academus_put_layer(load, loads->crc32);
@@ -264,15 +267,15 @@ static int load_layer(PlanLoads *loads, int64_t k) {
     return failed;
 }
 
-static void *run_loads(void *arg) {
-    PlanLoads *loads = arg;
-    pthread_mutex_lock(&loads->lock);
+/* The started plan's layers put in order, the lock held between them, until they are all put, one is refused or the
+ * caller stops the loads. */
+static void put_plan(Loader *loads) {
     for (int64_t k = 0; k < loads->count; k++) {
         while (!loads->stopped &&
                (loads->published <= k || (loads->window > 0 && k - loads->done >= loads->window)))
             pthread_cond_wait(&loads->changed, &loads->lock);
         if (loads->stopped)
-            break;
+            return;
         pthread_mutex_unlock(&loads->lock);
         const int64_t started = now_ns();
         const int failed = load_layer(loads, k);
@@ -281,35 +284,41 @@ static void *run_loads(void *arg) {
         loads->busy_ns += busy;
         if (failed) {
             loads->failed = failed;
-            break;
+            return;
         }
         loads->put = k + 1;
         pthread_cond_broadcast(&loads->changed);
     }
-    loads->ended = 1;
-    pthread_cond_broadcast(&loads->changed);
+}
+
+static void *run_loader(void *arg) {
+    Loader *loads = arg;
+    pthread_mutex_lock(&loads->lock);
+    for (int64_t seen = 0;;) {
+        while (!loads->closing && loads->plans == seen)
+            pthread_cond_wait(&loads->changed, &loads->lock);
+        if (loads->closing)
+            break;
+        seen = loads->plans;
+        put_plan(loads);
+        loads->ended = 1;
+        pthread_cond_broadcast(&loads->changed);
+    }
     pthread_mutex_unlock(&loads->lock);
     return NULL;
 }
 
-/* Starts the thread for a plan of `count` layers, whose LayerLoads the caller fills in `layers` and publishes; NULL
- * where no thread could be started. Shards read from files go through `staging` (the caller's, `staging_size`
- * bytes: a layer's reads at most), the disk asked for them `ahead` layers ahead of the one read. */
-PlanLoads *academus_loads_start(const LayerLoad *layers, int64_t count, int64_t window, Crc32 crc32,
-                                uint8_t *staging, int64_t staging_size, int64_t ahead) {
-    PlanLoads *loads = calloc(1, sizeof *loads);
+/* Starts the loader's thread, waiting for a plan; NULL where no thread could be started. Each shard's CRC-32 is
+ * checked with `crc32`. */
+Loader *academus_loader_open(Crc32 crc32) {
+    Loader *loads = calloc(1, sizeof *loads);
     if (loads == NULL)
         return NULL;
-    loads->staging = staging;
-    loads->staging_size = staging_size;
-    loads->ahead = ahead;
-    loads->layers = layers;
-    loads->count = count;
-    loads->window = window;
     loads->crc32 = crc32;
+    loads->ended = 1;
     pthread_mutex_init(&loads->lock, NULL);
     pthread_cond_init(&loads->changed, NULL);
-    if (pthread_create(&loads->thread, NULL, run_loads, loads) != 0) {
+    if (pthread_create(&loads->thread, NULL, run_loader, loads) != 0) {
         pthread_cond_destroy(&loads->changed);
         pthread_mutex_destroy(&loads->lock);
         free(loads);
@@ -318,8 +327,35 @@ PlanLoads *academus_loads_start(const LayerLoad *layers, int64_t count, int64_t 
     return loads;
 }
 
+/* A plan of `count` layers for the thread, whose LayerLoads the caller fills in `layers` and publishes: 0; -1 where
+ * the thread still loads another (academus_loads_finish ends one). Shards read from files go through `staging` (the
+ * caller's, `staging_size` bytes: a layer's reads at most), the disk asked for them `ahead` layers ahead of the one
+ * read. */
+int academus_loads_start(Loader *loads, const LayerLoad *layers, int64_t count, int64_t window, uint8_t *staging,
+                         int64_t staging_size, int64_t ahead) {
+    pthread_mutex_lock(&loads->lock);
+    if (!loads->ended) {
+        pthread_mutex_unlock(&loads->lock);
+        return -1;
+    }
+    loads->staging = staging;
+    loads->staging_size = staging_size;
+    loads->ahead = ahead;
+    loads->advised = 0;
+    loads->layers = layers;
+    loads->count = count;
+    loads->window = window;
+    loads->published = loads->put = loads->done = 0;
+    loads->failed = loads->stopped = loads->ended = 0;
+    loads->busy_ns = 0;
+    loads->plans++;
+    pthread_cond_broadcast(&loads->changed);
+    pthread_mutex_unlock(&loads->lock);
+    return 0;
+}
+
 /* The first `count` LayerLoads are filled: the thread may put them. */
-void academus_loads_publish(PlanLoads *loads, int64_t count) {
+void academus_loads_publish(Loader *loads, int64_t count) {
     pthread_mutex_lock(&loads->lock);
     loads->published = count;
     pthread_cond_broadcast(&loads->changed);
@@ -328,7 +364,7 @@ void academus_loads_publish(PlanLoads *loads, int64_t count) {
 
 /* Waits until layer k is put: 0; academus_put_layer's code where layer k was refused; LOADS_STOPPED where the
  * loads ended before it otherwise (stopped, or an earlier layer refused). */
-int academus_loads_wait(PlanLoads *loads, int64_t k) {
+int academus_loads_wait(Loader *loads, int64_t k) {
     pthread_mutex_lock(&loads->lock);
     while (loads->put <= k && !loads->ended)
         pthread_cond_wait(&loads->changed, &loads->lock);
@@ -338,23 +374,35 @@ int academus_loads_wait(PlanLoads *loads, int64_t k) {
 }
 
 /* The caller is done with one more layer: its buffers may take the next. */
-void academus_loads_done(PlanLoads *loads) {
+void academus_loads_done(Loader *loads) {
     pthread_mutex_lock(&loads->lock);
     loads->done++;
     pthread_cond_broadcast(&loads->changed);
     pthread_mutex_unlock(&loads->lock);
 }
 
-/* Stops the loads after the layer being put, joins the thread and frees it: the thread's busy time in ns. */
-int64_t academus_loads_finish(PlanLoads *loads) {
+/* Stops the plan's loads after the layer being put and waits until the thread has let go of them (of the LayerLoads,
+ * the shards and the staging buffer): its busy time in ns. The thread waits for the next plan. */
+int64_t academus_loads_finish(Loader *loads) {
     pthread_mutex_lock(&loads->lock);
     loads->stopped = 1;
     pthread_cond_broadcast(&loads->changed);
+    while (!loads->ended)
+        pthread_cond_wait(&loads->changed, &loads->lock);
+    const int64_t busy = loads->busy_ns;
+    pthread_mutex_unlock(&loads->lock);
+    return busy;
+}
+
+/* Ends the thread, its plan's loads stopped first, and frees the loader. */
+void academus_loader_close(Loader *loads) {
+    academus_loads_finish(loads);
+    pthread_mutex_lock(&loads->lock);
+    loads->closing = 1;
+    pthread_cond_broadcast(&loads->changed);
     pthread_mutex_unlock(&loads->lock);
     pthread_join(loads->thread, NULL);
-    const int64_t busy = loads->busy_ns;
     pthread_cond_destroy(&loads->changed);
     pthread_mutex_destroy(&loads->lock);
     free(loads);
-    return busy;
 }
