@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -146,7 +147,7 @@ LOADS_UNREAD = 0x40000001     # shard_put.c: a shard of the layer could not be r
 
 class LoaderThread:
     """The C loader's thread, kept from plan to plan: it waits for a plan, puts its layers and waits again. Starting
-    and joining one for each run cost the run about 0.08 ms (docs/benchmarks/sti.md). One plan at a time."""
+    and joining one for each run cost the run 0.13-0.17 ms (docs/benchmarks/sti.md). One plan at a time."""
 
     def __init__(self) -> None:
         assert NATIVE is not None
@@ -154,11 +155,19 @@ class LoaderThread:
         if not handle:
             raise OSError("the C shard loader could not start its thread")
         self.handle: int = handle
-        self._close = weakref.finalize(self, NATIVE.close, handle)   # a pipeline never closed still ends it
+        self.pid = os.getpid()       # a forked child has the loader's memory but not its thread
+        self._close = weakref.finalize(self, _close_loader, handle, self.pid)   # a pipeline never closed ends it too
 
     def close(self) -> None:
         """Stops a plan still loading and ends the thread. Once is enough; later calls do nothing."""
         self._close()
+
+
+def _close_loader(handle: int, pid: int) -> None:
+    """Ends the loader's thread, in the process that started it: a forked child would join a thread it does not
+    have (it leaves the loader's memory as it is)."""
+    if NATIVE is not None and os.getpid() == pid:
+        NATIVE.close(handle)
 
 
 class PlanLoads:

@@ -13,6 +13,7 @@ library was built, a Python loader thread reads each layer and puts it in one C 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -199,7 +200,8 @@ class LoaderBuffers:
         return self.staging
 
     def loader_thread(self) -> LoaderThread:
-        if self.thread is None:
+        """The kept thread; a new one in a forked child, which has the loader but not its thread."""
+        if self.thread is None or self.thread.pid != os.getpid():
             self.thread = LoaderThread()
         return self.thread
 
@@ -377,7 +379,7 @@ def _c_thread_loads(source: FileSource) -> bool:
 
 def load_layer_s(model: ElasticModel, source: FileSource, layer: int, shards: Sequence[int], bits: int) -> float:
     """A layer's shards at one version loaded as a plan's are, in seconds: published, then read where the source
-    lets it and put by the C loader's thread (its start not counted: a run starts it once); else read and put by this
+    lets it and put by the C loader's thread (its start not counted: a pipeline keeps one); else read and put by this
     thread."""
     store = model.store
     if not _c_thread_loads(source):

@@ -251,6 +251,38 @@ def test_a_kept_loader_thread_puts_plan_after_plan_and_takes_one_at_a_time() -> 
     thread.close()
 
 
+def test_a_forked_child_starts_a_loader_thread_of_its_own() -> None:
+    """A child forked from a process that kept a loader thread has the loader but not its thread: it starts its own,
+    and dropping the parent's neither joins nor hangs."""
+    import os
+
+    from academus.shared.models.sti_pipeline import LoaderBuffers
+
+    geometry = ShardGeometry(layers=2, heads=2, hidden=16, intermediate=16)
+    buffers = LoaderBuffers()
+    parents = buffers.loader_thread()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            thread = buffers.loader_thread()
+            built, stored = _plan_loads_layers(geometry, 1)
+            loads = PlanLoads(1, window=0, thread=thread)
+            _publish(loads, built[0], *stored[0])
+            loads.wait(0)
+            loads.finish()
+            fresh = thread is not parents
+            del parents
+            buffers.close()
+            code = 0 if fresh and (built[0].query != 0.0).any() else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert buffers.loader_thread() is parents
+    buffers.close()
+
+
 def test_the_c_loaders_thread_refuses_a_bad_shard_and_puts_nothing_after_it() -> None:
     geometry = ShardGeometry(layers=3, heads=2, hidden=16, intermediate=16)
     buffers, stored = _plan_loads_layers(geometry, 3)
