@@ -9,13 +9,8 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
-from academus.shared.models import sti_pipeline
-from academus.shared.models.model import ClassifierHead, pad_batch
-from academus.shared.models.shard_io import io_source
-from academus.shared.models.shard_store import ShardStore
-from academus.shared.training.shards import full_plan
+sys.path.insert(0, str(Path(__file__).parent))
+from thread_ab import held_plan
 
 SLOW_IO_MS = 7.0
 
@@ -29,15 +24,7 @@ def last_cpu(tid: str) -> int:
 
 
 def main() -> None:
-    torch.set_num_threads(1)
-    store = ShardStore(Path(sys.argv[1]))
-    depth, width, held = 6, 9, 4
-    plan = full_plan(store.geometry, 6, [list(range(width))] * depth)
-    heads = {(depth, width): ClassifierHead(["a", "b"], store.geometry.hidden)}
-    pipeline = sti_pipeline.ShardPipeline(sti_pipeline.ElasticModel(store, "", heads=heads), io_source(sys.argv[2]))
-    plan.preload = {x for x in plan.bits if x[0] < held}
-    pipeline.preload(plan)
-    ids, mask, _ = pad_batch([[1000 + i for i in range(32)]])
+    pipeline, plan, ids, mask = held_plan(sys.argv[1], 6, 9, 4, sys.argv[2])
     before = set(os.listdir("/proc/self/task"))
     pipeline.run(plan, ids, mask)
     loaders = sorted(set(os.listdir("/proc/self/task")) - before)

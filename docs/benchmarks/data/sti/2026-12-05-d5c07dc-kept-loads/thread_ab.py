@@ -15,20 +15,28 @@ from academus.shared.models import sti_pipeline
 from academus.shared.models.model import ClassifierHead, pad_batch
 from academus.shared.models.shard_io import io_source
 from academus.shared.models.shard_store import ShardStore
+from academus.shared.models.sti_planner import Plan
 from academus.shared.training.shards import full_plan
 
 
-def main() -> None:
+def held_plan(shards: str, depth: int, width: int, held: int, io: str
+              ) -> tuple[sti_pipeline.ShardPipeline, Plan, torch.Tensor, torch.Tensor]:
+    """A pipeline through `io` holding the first `held` layers of a DEPTHxWIDTH plan at 6 bits, the plan, and one
+    text of 32 tokens (ids, mask)."""
     torch.set_num_threads(1)
-    shards = sys.argv[1]
-    depth, width, runs, blocks, held = (int(x) for x in sys.argv[2:7])
     store = ShardStore(Path(shards))
     plan = full_plan(store.geometry, 6, [list(range(width))] * depth)
     heads = {(depth, width): ClassifierHead(["a", "b"], store.geometry.hidden)}
-    pipeline = sti_pipeline.ShardPipeline(sti_pipeline.ElasticModel(store, "", heads=heads), io_source(sys.argv[7]))
+    pipeline = sti_pipeline.ShardPipeline(sti_pipeline.ElasticModel(store, "", heads=heads), io_source(io))
     plan.preload = {x for x in plan.bits if x[0] < held}
     pipeline.preload(plan)
     ids, mask, _ = pad_batch([[1000 + i for i in range(32)]])
+    return pipeline, plan, ids, mask
+
+
+def main() -> None:
+    depth, width, runs, blocks, held = (int(x) for x in sys.argv[2:7])
+    pipeline, plan, ids, mask = held_plan(sys.argv[1], depth, width, held, sys.argv[7])
     kept = sti_pipeline.LoaderBuffers.loader_thread
     results: dict[str, list] = {"kept": [], "own": []}
     try:
