@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-WARM_UP = 80   # a process's first second of runs: in some processes the loads ran 4 times slower then, in both codes
+WARM_UP = 80   # a process's first second of runs: in some processes the loads ran 4 times slower (diag2.py)
 
 CHILD = r"""
 import json, statistics, sys, time

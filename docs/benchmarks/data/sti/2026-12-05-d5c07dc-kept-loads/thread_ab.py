@@ -16,14 +16,17 @@ from academus.shared.models.model import ClassifierHead, pad_batch
 from academus.shared.models.shard_io import io_source
 from academus.shared.models.shard_store import ShardStore
 from academus.shared.models.sti_planner import Plan
+from academus.shared.runtime.heap import keep_freed_pages
 from academus.shared.training.shards import full_plan
 
 
-def held_plan(shards: str, depth: int, width: int, held: int, io: str
+def held_plan(shards: str, depth: int, width: int, held: int, io: str, keep_pages: bool
               ) -> tuple[sti_pipeline.ShardPipeline, Plan, torch.Tensor, torch.Tensor]:
     """A pipeline through `io` holding the first `held` layers of a DEPTHxWIDTH plan at 6 bits, the plan, and one
-    text of 32 tokens (ids, mask)."""
+    text of 32 tokens (ids, mask). `keep_pages`: the process keeps its freed pages, as the services do."""
     torch.set_num_threads(1)
+    if keep_pages:
+        keep_freed_pages()
     store = ShardStore(Path(shards))
     plan = full_plan(store.geometry, 6, [list(range(width))] * depth)
     heads = {(depth, width): ClassifierHead(["a", "b"], store.geometry.hidden)}
@@ -36,7 +39,7 @@ def held_plan(shards: str, depth: int, width: int, held: int, io: str
 
 def main() -> None:
     depth, width, runs, blocks, held = (int(x) for x in sys.argv[2:7])
-    pipeline, plan, ids, mask = held_plan(sys.argv[1], depth, width, held, sys.argv[7])
+    pipeline, plan, ids, mask = held_plan(sys.argv[1], depth, width, held, sys.argv[7], keep_pages=False)
     kept = sti_pipeline.LoaderBuffers.loader_thread
     results: dict[str, list] = {"kept": [], "own": []}
     try:
