@@ -109,18 +109,19 @@ class NativePut:
 
     def load(self, index: Sequence[int], addresses: Sequence[int], lengths: Sequence[int], bits: Sequence[int],
              pair_tables: Sequence[int], outliers: Sequence[int], crcs: Sequence[int] | None = None,
-             reads: Sequence[tuple[int, int]] | None = None) -> LayerLoad:
+             reads: Sequence[tuple[int, int]] | None = None) -> BuiltLoad:
         """Stored shards bound for places `index[i]`, as the C loader takes them: shard i's `lengths[i]` bytes at
         `addresses[i]`, its pair table's address (0 at full precision). `reads[i]`: (descriptor, offset) of a shard
         a plan's thread reads from its file, (-1, 0) for one at its address. The load keeps its arrays alive; the
         caller keeps the shards' and tables' memory, and the files open."""
         n = len(addresses)
         fds, offsets = zip(*reads, strict=True) if reads else ((), ())
-        return LayerLoad(n, (_P * n)(*addresses), (_I64 * n)(*lengths), (ctypes.c_int * n)(*bits),
+        load = LayerLoad(n, (_P * n)(*addresses), (_I64 * n)(*lengths), (ctypes.c_int * n)(*bits),
                          (_P * n)(*pair_tables), (_I64 * n)(*outliers), (ctypes.c_uint32 * n)(*(crcs or [0] * n)),
                          (_I64 * n)(*index), self._parts, self._rows, self._cols, self._base, self._step,
                          self._stride, (ctypes.c_int * n)(*fds) if reads else None,
                          (_I64 * n)(*offsets) if reads else None)
+        return BuiltLoad(load, lengths, bits, outliers)
 
     def __call__(self, index: Sequence[int], blobs: Sequence[bytes | memoryview], bits: Sequence[int],
                  pair_tables: Sequence[np.ndarray | None], outliers: Sequence[int],
@@ -128,17 +129,28 @@ class NativePut:
         """Shards `blobs[i]` at places `index[i]`, in one call. Every size, and each CRC-32 against `crcs` where
         given, is checked before any shard is put; a mismatch raises BadShard."""
         assert NATIVE is not None
-        load = self.load(index, [address(b) for b in blobs], [len(b) for b in blobs], bits,
-                         [0 if t is None else t.ctypes.data for t in pair_tables], outliers, crcs)
-        if failed := NATIVE.put_layer(ctypes.byref(load), CRC32 if crcs is not None else None):
-            raise refused(failed, [len(b) for b in blobs], bits, outliers)
+        built = self.load(index, [address(b) for b in blobs], [len(b) for b in blobs], bits,
+                          [0 if t is None else t.ctypes.data for t in pair_tables], outliers, crcs)
+        if failed := NATIVE.put_layer(ctypes.byref(built.load), CRC32 if crcs is not None else None):
+            raise built.refused(failed)
 
 
-def refused(failed: int, lengths: Sequence[int], bits: Sequence[int], outliers: Sequence[int]) -> BadShard:
-    """The C loader's answer for a refused layer (shard i + 1: its size; -(i + 1): its CRC-32), worded."""
-    i = abs(failed) - 1
-    what = "does not fill this layer's shard" if failed > 0 else "does not match its CRC-32"
-    return BadShard(i, f"a stored shard of {lengths[i]} bytes at {bits[i]} bits with {outliers[i]} outliers {what}")
+@dataclass(frozen=True)
+class BuiltLoad:
+    """A layer's load as the C loader takes it, and its shards' lengths, versions and outlier counts, which word a
+    refusal. Built once, it may be put or published again."""
+
+    load: LayerLoad
+    lengths: Sequence[int]
+    bits: Sequence[int]
+    outliers: Sequence[int]
+
+    def refused(self, failed: int) -> BadShard:
+        """The C loader's answer for this layer refused (shard i + 1: its size; -(i + 1): its CRC-32), worded."""
+        i = abs(failed) - 1
+        what = "does not fill this layer's shard" if failed > 0 else "does not match its CRC-32"
+        return BadShard(i, f"a stored shard of {self.lengths[i]} bytes at {self.bits[i]} bits with "
+                           f"{self.outliers[i]} outliers {what}")
 
 
 LOADS_STOPPED = 0x40000000    # shard_put.c: the loads ended before the layer, no shard of it refused
@@ -187,7 +199,7 @@ class PlanLoads:
         self._own = thread is None
         self._thread = LoaderThread() if thread is None else thread
         self._loads = (LayerLoad * max(1, layers))()
-        self._published: list[tuple[LayerLoad, Sequence[int], Sequence[int], Sequence[int]]] = []
+        self._published: list[BuiltLoad] = []
         self._staging = staging                   # the thread writes into it until `finish`
         self._handle: int | None = self._thread.handle
         if NATIVE.start(self._handle, self._loads, layers, window, 0 if staging is None else staging.ctypes.data,
@@ -199,16 +211,13 @@ class PlanLoads:
                 crcs: Sequence[int] | None = None, reads: Sequence[tuple[int, int]] | None = None) -> None:
         """The next layer's shards, into `put`'s matrices (as `NativePut.load` takes them). The caller keeps the
         shards' memory, and their files open, until `finish`."""
-        self.publish_load(put.load(index, addresses, lengths, bits, pair_tables, outliers, crcs, reads),
-                          lengths, bits, outliers)
+        self.publish_built(put.load(index, addresses, lengths, bits, pair_tables, outliers, crcs, reads))
 
-    def publish_load(self, load: LayerLoad, lengths: Sequence[int], bits: Sequence[int],
-                     outliers: Sequence[int]) -> None:
-        """The next layer's load as `NativePut.load` made it, maybe for an earlier plan (its shards' lengths, versions
-        and outlier counts word a refusal)."""
+    def publish_built(self, built: BuiltLoad) -> None:
+        """The next layer's load as `NativePut.load` built it, maybe for an earlier plan."""
         assert NATIVE is not None and self._handle
-        self._loads[len(self._published)] = load
-        self._published.append((load, lengths, bits, outliers))
+        self._loads[len(self._published)] = built.load
+        self._published.append(built)
         NATIVE.publish(self._handle, len(self._published))
 
     def wait(self, layer: int) -> None:
@@ -221,7 +230,7 @@ class PlanLoads:
             raise RuntimeError(f"the shard loads ended before layer {layer}")
         if failed == LOADS_UNREAD:
             raise OSError(f"the shards of layer {layer} could not be read whole from their files")
-        raise refused(failed, *self._published[layer][1:])
+        raise self._published[layer].refused(failed)
 
     def done(self) -> None:
         """The caller is done with one more layer (in order): its buffers may take a later one."""

@@ -27,7 +27,7 @@ from torch import nn
 from academus.shared.models.architectures import family_module, read_architecture
 from academus.shared.models.model import MEAN, ClassifierHead, body_inputs, padded_positions, pool
 from academus.shared.models.shard_io import FileSource, address
-from academus.shared.models.shard_native import NATIVE, BadShard, LayerLoad, LoaderThread, PlanLoads
+from academus.shared.models.shard_native import NATIVE, BadShard, BuiltLoad, LoaderThread, PlanLoads
 from academus.shared.models.shard_store import RELATIVE_BIAS, ShardStore
 from academus.shared.models.shards import (
     LayerBuilder,
@@ -164,15 +164,13 @@ class RunResult:
 
 @dataclass(frozen=True)
 class PublishedLayer:
-    """A layer's load as the C loader takes it, with what it reads from (`kept`: file mappings, held shards) and the
-    weights it fills: built once for a layer's shards at their versions into one buffer, and published again by
-    later runs of them (building them took a cold 6x9 run 0.19 ms, docs/benchmarks/sti.md)."""
+    """A layer's load built into one buffer (`built`), the shards ((shard, version) each) in the order the thread
+    takes them, the weights it fills, and what it reads from (`kept`: file mappings, held shards). Later runs of the
+    same shards at the same versions publish it again: building it took a cold 6x9 run 0.19 ms
+    (docs/benchmarks/sti.md)."""
 
-    load: LayerLoad
-    versions: list[tuple[int, int]]     # (shard, version), in the order the thread takes them
-    lengths: list[int]
-    bits: list[int]
-    outliers: list[int]
+    built: BuiltLoad
+    versions: list[tuple[int, int]]
     weights: LayerWeights
     kept: list[bytes | memoryview]
 
@@ -180,18 +178,20 @@ class PublishedLayer:
 # Layers' loads kept at most: a worker's plans, each from its own deadline, use a few dozen (layer, shards) sets
 PUBLISHED_KEPT = 512
 
+LayerKey = tuple[int, tuple[tuple[int, int], ...]]   # a layer and its shards at their versions, in the plan's order
+
 
 @dataclass
 class LoaderBuffers:
     """What the C loader's thread writes into, kept from run to run (making them anew took a run 80 us, and more
     beside the loads): the layer buffers of the last width it loaded, and the bytes of the layer it reads (sized for
-    the store's largest layer once; only the pages a read touches are resident). With them, the thread itself and
-    the layers' loads already built into these buffers from these held shards."""
+    the store's largest layer once; only the pages a read touches are resident). With them, the thread itself and,
+    for each buffer, the layers' loads built into it from the held shards `held`."""
 
     layers: list[LayerBuilder] = field(default_factory=list)
+    published: list[dict[LayerKey, PublishedLayer]] = field(default_factory=list)   # one a buffer
     staging: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8))
     thread: LoaderThread | None = None
-    published: dict[tuple[int, int, tuple[tuple[int, int], ...]], PublishedLayer] = field(default_factory=dict)
     held: dict[tuple[int, int, int], bytes] | None = None
 
     def staging_for(self, size: int) -> np.ndarray:
@@ -206,25 +206,21 @@ class LoaderBuffers:
         return self.thread
 
     def layer_buffer(self, slot: int, shards: Sequence[int], resident: LayerResident,
-                     geometry: ShardGeometry) -> LayerBuilder:
-        """Buffer `slot` for a layer of these shards: the one there where its width is theirs, else a new one (the
-        loads built into the old one forgotten)."""
-        if slot == len(self.layers):
-            self.layers.append(LayerBuilder(shards, resident, geometry))
-        elif len(self.layers[slot].shards) != len(shards):
-            self.layers[slot] = LayerBuilder(shards, resident, geometry)
-            self.published = {key: layer for key, layer in self.published.items() if key[0] != slot}
-        return self.layers[slot]
+                     geometry: ShardGeometry) -> tuple[LayerBuilder, dict[LayerKey, PublishedLayer]]:
+        """Buffer `slot` for a layer of these shards, and the loads built into it: the one there where its width is
+        theirs, else a new one with none."""
+        if slot == len(self.layers) or len(self.layers[slot].shards) != len(shards):
+            self.layers[slot:slot + 1] = [LayerBuilder(shards, resident, geometry)]
+            self.published[slot:slot + 1] = [{}]
+        return self.layers[slot], self.published[slot]
 
     def keep_for(self, held: dict[tuple[int, int, int], bytes], slots: int) -> None:
-        """A run's held shards and its buffers' count: the loads built from other held shards, or into buffers
-        beyond `slots`, forgotten."""
-        if held is not self.held or len(self.published) > PUBLISHED_KEPT:
-            self.published.clear()
+        """A run's held shards and its buffers' count: the loads built from other held shards forgotten, and the
+        buffers beyond `slots` with theirs."""
+        if held is not self.held or sum(map(len, self.published)) > PUBLISHED_KEPT:
+            self.published = [{} for _ in self.layers]
             self.held = held
-        if len(self.layers) > slots:
-            del self.layers[slots:]
-            self.published = {key: layer for key, layer in self.published.items() if key[0] < slots}
+        del self.layers[slots:], self.published[slots:]
 
     def close(self) -> None:
         self.published.clear()
@@ -507,12 +503,11 @@ class NativeLoads:
     def _publish(self, buffers: LoaderBuffers, slots: int) -> None:
         buffers.keep_for(self._held, slots)
         for k, shards in enumerate(self.plan.shards):
-            slot = k % slots
-            buffer = buffers.layer_buffer(slot, shards, self.model.residents[k], self.store.geometry)
-            key = (slot, k, tuple(_versions(self.plan, k)))
-            if (layer := buffers.published.get(key)) is None:
-                layer = buffers.published[key] = self._built(k, key[2], buffer)
-            self._loads.publish_load(layer.load, layer.lengths, layer.bits, layer.outliers)
+            buffer, published = buffers.layer_buffer(k % slots, shards, self.model.residents[k], self.store.geometry)
+            key = (k, tuple(_versions(self.plan, k)))
+            if (layer := published.get(key)) is None:
+                layer = published[key] = self._built(k, key[1], buffer)
+            self._loads.publish_built(layer.built)
             self._layers.append(layer)
 
     def _built(self, k: int, versions: Sequence[tuple[int, int]], buffer: LayerBuilder) -> PublishedLayer:
@@ -520,11 +515,8 @@ class NativeLoads:
         assert buffer.native is not None
         places, ordered = _in_file_order(self.store, k, versions)
         kept: list[bytes | memoryview] = []
-        stored = _stored(self.store, k, ordered, self._held, self._source, kept)
-        addresses, lengths, bits, pairs, outliers, crcs, reads = stored
-        load = buffer.native.load(places, addresses, lengths, bits, pairs, outliers, crcs, reads)
-        return PublishedLayer(load, ordered, lengths, bits, outliers,
-                              buffer.weights(self.plan.shards[k], self.model.residents[k]), kept)
+        built = buffer.native.load(places, *_stored(self.store, k, ordered, self._held, self._source, kept))
+        return PublishedLayer(built, ordered, buffer.weights(self.plan.shards[k], self.model.residents[k]), kept)
 
     def wait(self, layer: int) -> LayerWeights:
         try:

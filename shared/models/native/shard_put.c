@@ -180,7 +180,7 @@ int academus_put_layer(const LayerLoad *load, Crc32 crc32) {
 /* A plan's layers put in order by a thread of its own, which never takes the GIL: each time a Python loader thread
  * took it back, the compute thread waited for it after its next torch op, and a pass through the model ran 1.2-1.8
  * times its time alone (docs/design/sti.md). The thread is kept from plan to plan (starting and joining one cost each
- * run about 0.08 ms): it waits for a plan, puts its layers, and waits again. The caller publishes each layer's
+ * run 0.13-0.17 ms): it waits for a plan, puts its layers, and waits again. The caller publishes each layer's
  * LayerLoad as it fills it, waits for a layer before running it, and says when it is done with one: at most `window`
  * layers are put and not yet done with (0: no bound), as the buffers they are put into are reused in turn. */
 typedef struct {
