@@ -2,20 +2,21 @@
 
 `python -m academus.loadgen.exits_live --task spam [--rounds 3] [--duration 30] [--out FILE]`
 
-Each round starts a fresh mesh per arm (one padded deployment, `--exit-policy`, apparate by default), the
-order of the arms alternating between rounds. First each arm's capacity: closed loop, `--clients` callers for
-`--capacity-s` seconds. Then the same Poisson schedule for both arms, at half of vanilla's capacity (of the
-first round; `--rate` sets it), one text a request from the task's test split in the replay bench's drifting
-order. Per request: the time to its first result (the ramp's, or the final one) and to the final result;
-vanilla's are one and the same. Each arm's `final_split_mean_ms` says where the final results' time went on
-average, from their metadata (`analysis.components`: the network, each service's own time, the scheduler's
-queue, the model's compute); `final_tail_split_mean_ms` the same over its slowest 5 %. Every request's times
-are kept (`first_ms`, `final_ms`). The summary's latency ratios are early / vanilla over every round's requests
-pooled, with each round's own ratio beside them (`round_ratios`); capacity is the median of the rounds' ratios;
-agreement is each released result's label against the final one of the same request, over the whole run.
-`capacity_cpu_ms`: each process's CPU ms a request during the capacity loop (the mesh's services and this load
-generator), the median of the rounds'. The summary is the last line printed. `--from FILE` prints the summary
-of a run written with `--out`.
+Each round starts a fresh mesh per arm (one padded deployment, `--exit-policy`, apparate by default), the order of
+the arms alternating between rounds. First each arm's capacity: closed loop, `--clients` callers for `--capacity-s`
+seconds. Then the same Poisson schedule for both arms, at half of vanilla's capacity (of the first round; `--rate`
+sets it), one text a request from the task's test split in the replay bench's drifting order. Per request: the time
+to its first result (the ramp's, or the final one) and to the final result; vanilla's are one and the same. Each
+arm's `final_split_mean_ms` says where the final results' time went on average, from their metadata
+(`analysis.components`: the network, each service's own time, the scheduler's queue, the model's compute);
+`final_tail_split_mean_ms` the same over its slowest 5 %. Every request's times are kept (`first_ms`, `final_ms`).
+The summary's latency ratios are early / vanilla over every round's requests pooled, with each round's own ratio
+beside them (`round_ratios`); capacity is the median of the rounds' ratios; agreement is each released result's
+label against the final one of the same request, over the whole run. `capacity_cpu_ms`: each process's CPU ms a
+request during the capacity loop (the mesh's services and this load generator), the median of the rounds'. Each
+arm's `worker_counts` over its open loop: texts released early, batches run without ramps because the worker's
+compute was saturated, and batches. The summary is the last line printed. `--from FILE` prints the summary of a run
+written with `--out`.
 """
 
 from __future__ import annotations
@@ -42,9 +43,11 @@ from academus.loadgen.runner import Record
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, MeshState, down, up
 from academus.shared.models.exits import APPARATE, POLICIES
 from academus.shared.runtime.config import artifacts_dir, offline_hub
+from academus.shared.runtime.metrics import scrape
 from academus.shared.training.data import fetch, load_task
 
 ARMS = ("vanilla", "early")
+WORKER_COUNTS = ("exits", "exits_stood_down", "batches")   # academus_worker_<name>_total
 
 
 async def one_request(client: AsyncClient, arm: str, model: str, text: str) -> tuple[float, float, bool, Metadata]:
@@ -112,6 +115,18 @@ async def open_loop(client: AsyncClient, arm: str, model: str, texts: list[str],
             "first_ms": [round(float(x), 1) for x in first], "final_ms": [round(float(x), 1) for x in final]}
 
 
+def worker_counts(state: MeshState) -> dict[str, float]:
+    """The mesh's workers' WORKER_COUNTS now, each summed over the workers and its labels."""
+    out = dict.fromkeys(WORKER_COUNTS, 0.0)
+    for service in state.services:
+        if service.service == "worker":
+            for sample in scrape(service.metrics_port):
+                name = sample.name.removeprefix("academus_worker_").removesuffix("_total")
+                if name in out and sample.name.endswith("_total"):
+                    out[name] += sample.value
+    return out
+
+
 @contextlib.contextmanager
 def padded_mesh(task: str, artifacts: Path | None, env: dict[str, str]) -> Iterator[tuple[MeshState, str]]:
     """A fresh mesh of one worker serving `task` in padded batches, `env` over every service's settings (a
@@ -136,8 +151,11 @@ def run_arm(arm: str, task: str, texts: list[str], rate: float | None, args: arg
                 for text in texts[:16]:   # warm-up: traced graphs, channels
                     await one_request(client, arm, task, text)
                 cap, cpu = await capacity(client, arm, task, texts, args.clients, args.capacity_s, state)
+                before = worker_counts(state)
                 run = await open_loop(client, arm, task, texts, rate or cap / 2, args.duration, seed)
-                return run | {"capacity_rps": cap, "capacity_cpu_ms": cpu, "rate": rate or cap / 2}
+                after = worker_counts(state)
+                return run | {"capacity_rps": cap, "capacity_cpu_ms": cpu, "rate": rate or cap / 2,
+                              "worker_counts": {name: after[name] - before[name] for name in WORKER_COUNTS}}
 
         return asyncio.run(measure())
 

@@ -153,32 +153,26 @@ def _settle(future: asyncio.Future, result: object, error: BaseException | None)
         future.set_result(result)
 
 
-SATURATED = 0.9     # a pool busy this share of its lanes' time or more: the worker takes every core it gets
-RELIEVED = 0.7      # every pool below this: it no longer does
+SATURATED = 0.9     # a pool busy this share of its lanes' time or more: the worker's compute is saturated
+RELIEVED = 0.7      # every pool below this: it no longer is
 SATURATION_PERIOD_S = 1.0
+SATURATED_GAUGE = Gauge("academus_worker_compute_saturated", "1 while the worker's busiest compute pool is busy "
+                        "90 % of its lanes' time or more, until every pool is under 70 %; 0 otherwise")
 YIELDING = Gauge("academus_worker_saturation_yield", "The nice value the worker's autogroup holds because its compute "
                  "is saturated (saturated_nice); 0 while it is not")
 
 
-class YieldWhenSaturated:
-    """The worker's autogroup at `nice` while one of its compute pools is saturated, back at `floor` (the fixed
-    `compute_nice`, 0 by default) once none is (WorkerConfig.saturated_nice). A saturated worker's compute threads
-    are always runnable, and its autogroup takes its equal share of the cores whatever the control plane waits
-    for: at twice the capacity the gateway's loop waited for a core up to 0.13 s at a time, and refused late
-    (docs/benchmarks/reliability.md). Below saturation the compute threads sleep between batches and the shares
-    stay equal, so a half-loaded node's forward passes are not preempted more (the cost that keeps a fixed
-    `compute_nice` an opt-in). Only the autogroup moves: a thread's nice value, once raised, would need a
-    privilege to come back down."""
+class ComputeSaturation:
+    """Whether the worker's compute is saturated: its busiest pool busy SATURATED of its lanes' time or more since
+    the last look, until every pool is under RELIEVED. A saturated worker runs batches back to back, so whatever
+    else it spends on a batch comes out of its capacity; what it gives up then follows this (`YieldWhenSaturated`,
+    the exit ramps)."""
 
-    def __init__(self, nice: int, pools: Callable[[], Iterable[ComputePool]], floor: int = 0,
-                 set_nice: Callable[[int], int | None] = set_autogroup_nice,
+    def __init__(self, pools: Callable[[], Iterable[ComputePool]],
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.nice = nice
-        self.floor = floor   # the fixed `compute_nice`: what it comes back to
         self.pools = pools
-        self.set_nice = set_nice
         self.clock = clock
-        self.yielding = False
+        self.saturated = False
         self.switches = 0
         self._last: dict[int, tuple[float, float]] = {}   # id(pool) -> (when, its busy seconds then)
 
@@ -195,24 +189,56 @@ class YieldWhenSaturated:
         return max(shares, default=None)
 
     def tick(self) -> bool:
-        """One look: yields once the busiest pool is saturated, stops once every pool is relieved; whether it
-        yields now. A write the kernel refuses (it takes one a tenth of a second, machine-wide) is tried again
-        next look."""
+        """One look; whether the compute is saturated now."""
         share = self.busiest_share()
         if share is not None:
-            want = share >= SATURATED or (self.yielding and share >= RELIEVED)
-            target = self.nice if want else self.floor
-            if want != self.yielding and self.set_nice(target) == target:
-                self.yielding, self.switches = want, self.switches + 1
-                YIELDING.set(target if want else 0)
-                log_event("saturation_yield", yielding=want, busiest_share=round(share, 3))
-        return self.yielding
+            saturated = share >= SATURATED or (self.saturated and share >= RELIEVED)
+            if saturated != self.saturated:
+                self.saturated, self.switches = saturated, self.switches + 1
+                SATURATED_GAUGE.set(int(saturated))
+                log_event("compute_saturated", saturated=saturated, busiest_share=round(share, 3))
+        return self.saturated
 
-    async def run(self, period_s: float = SATURATION_PERIOD_S) -> None:
-        """Looks every `period_s`, for ever; returns at once where the process has no autogroup of its own to move
-        (not Linux, autogroups off, or not a session leader)."""
-        if self.nice <= self.floor or not owns_autogroup():
-            return
+    async def run(self, yielding: YieldWhenSaturated | None = None,
+                  period_s: float = SATURATION_PERIOD_S) -> None:
+        """Looks every `period_s`, for ever, and has `yielding` follow each look."""
         while True:
-            self.tick()
+            saturated = self.tick()
+            if yielding is not None:
+                yielding.follow(saturated)
             await asyncio.sleep(period_s)
+
+
+class YieldWhenSaturated:
+    """The worker's autogroup at `nice` while its compute is saturated (`ComputeSaturation`), back at `floor` (the
+    fixed `compute_nice`, 0 by default) once it is not (WorkerConfig.saturated_nice). A saturated worker's compute
+    threads are always runnable, and its autogroup takes its equal share of the cores whatever the control plane
+    waits for: at twice the capacity the gateway's loop waited for a core up to 0.13 s at a time, and refused late
+    (docs/benchmarks/reliability.md). Below saturation the compute threads sleep between batches and the shares
+    stay equal, so a half-loaded node's forward passes are not preempted more (the cost that keeps a fixed
+    `compute_nice` an opt-in). Only the autogroup moves: a thread's nice value, once raised, would need a
+    privilege to come back down."""
+
+    def __init__(self, nice: int, floor: int = 0, set_nice: Callable[[int], int | None] = set_autogroup_nice) -> None:
+        self.nice = nice
+        self.floor = floor   # the fixed `compute_nice`: what it comes back to
+        self.set_nice = set_nice
+        self.yielding = False
+        self.switches = 0
+
+    @classmethod
+    def where_possible(cls, nice: int, floor: int = 0) -> YieldWhenSaturated | None:
+        """None where nothing would move: `nice` not above `floor`, or the process has no autogroup of its own (not
+        Linux, autogroups off, or not a session leader)."""
+        return cls(nice, floor) if nice > floor and owns_autogroup() else None
+
+    def follow(self, saturated: bool) -> bool:
+        """The autogroup moved to where `saturated` wants it; whether it yields now. A write the kernel refuses (it
+        takes one a tenth of a second, machine-wide) is tried again at the next look."""
+        if saturated != self.yielding:
+            target = self.nice if saturated else self.floor
+            if self.set_nice(target) == target:
+                self.yielding, self.switches = saturated, self.switches + 1
+                YIELDING.set(target if saturated else 0)
+                log_event("saturation_yield", yielding=saturated)
+        return self.yielding

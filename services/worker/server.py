@@ -18,7 +18,12 @@ import torch
 from prometheus_client import Counter, Gauge
 
 from academus.services.worker.adapters import AdapterCache, StoreFetcher, TenantBatch
-from academus.services.worker.compute_threads import ComputePool, YieldWhenSaturated, yield_cpu_to_serving
+from academus.services.worker.compute_threads import (
+    ComputePool,
+    ComputeSaturation,
+    YieldWhenSaturated,
+    yield_cpu_to_serving,
+)
 from academus.services.worker.core import CallerLeft, ModelRunner, device_label
 from academus.services.worker.exits import Release
 from academus.services.worker.host_tier import HostAdapters, HostWarmer
@@ -52,6 +57,8 @@ EXITS = Counter("academus_worker_exits_total", "Texts whose result a ramp releas
                 ["model", "layer"])
 EXIT_AGREEMENT = Gauge("academus_worker_exit_agreement", "Released early results agreeing with the full model's, "
                        "over the tuning window", ["model"])
+EXITS_STOOD_DOWN = Counter("academus_worker_exits_stood_down_total", "Batches that asked for early exits and ran "
+                            "without ramps, the worker's compute being saturated", ["model"])
 EXIT_TUNINGS = Counter("academus_worker_exit_tunings_total", "Threshold tunings of a model's ramps", ["model"])
 ACTIVE_RAMPS = Gauge("academus_worker_active_ramps", "Exit ramps a model runs now (§3.3 adjusts them)", ["model"])
 
@@ -60,13 +67,15 @@ ACTIVE_RAMPS = Gauge("academus_worker_active_ramps", "Exit ramps a model runs no
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, runner: ModelRunner, worker_id: str, instances: int = 1, adapters: AdapterCache | None = None,
-                 compute_sched: str = "normal", student_lane: bool = True) -> None:
+                 compute_sched: str = "normal", student_lane: bool = True, exits_when_saturated: bool = False) -> None:
         self.runner = runner
         self.worker_id = worker_id
         self.adapters = adapters
         self.compute_sched = compute_sched
         self.student_lane = student_lane
+        self.exits_when_saturated = exits_when_saturated
         self.resize(instances)
+        self.saturation = ComputeSaturation(self.pools)
 
     def resize(self, instances: int) -> None:
         """One compute thread a student instance: that many batches run at once (on a GPU, each in its
@@ -129,9 +138,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def _releaser(self, batch: Batch, context) -> Release | None:
         """Early answers (exit ramps) for a call that asked and can take them: built on the compute thread,
-        sent from the event loop ahead of the call's answer."""
+        sent from the event loop ahead of the call's answer. None while the compute is saturated (unless
+        `exits_when_saturated`): batches then run back to back, and the ramps and the early answers' sends through
+        every hop would come out of the capacity, where the queue's wait dwarfs what an early answer saves."""
         send = getattr(context, "send_partial", None) if batch.early_exit else None
         if send is None:
+            return None
+        if self.saturation.saturated and not self.exits_when_saturated:
+            served = self.runner.models.get(batch.model)
+            if served is not None and served.exits is not None and served.exits.controller.active.layers:
+                EXITS_STOOD_DOWN.labels(batch.model).inc()
             return None
         loop, model = asyncio.get_running_loop(), batch.model
 
@@ -357,12 +373,12 @@ async def build() -> ServiceSpec:
     adapters = AdapterCache(host or fetcher, config.adapter_cache_bytes, runner.device, config.adapter_prefetch,
                             config.adapter_batched, fetch_batch=config.adapter_fetch_batch)
     servicer = WorkerServicer(runner, worker_id, config.instances or 1, adapters, config.compute_sched,
-                              config.student_lane)
+                              config.student_lane, config.exits_when_saturated)
     registration = Registration(config, runner, worker_id, servicer)
     warmer = HostWarmer(host, TenantRegistry(registration.redis, keys), list(runner.models),
                         config.adapter_warm_s) if host else None
     tuning = ExitTuning(runner, registration.redis, keys, worker_id, config.heartbeat_ttl_s)
-    saturation = YieldWhenSaturated(config.saturated_nice, servicer.pools, floor=config.compute_nice)
+    yielding = YieldWhenSaturated.where_possible(config.saturated_nice, floor=config.compute_nice)
     return ServiceSpec(
         name="worker",
         config=config,
@@ -373,7 +389,8 @@ async def build() -> ServiceSpec:
         on_stopping=registration.deregister,
         on_stopped=lambda: asyncio.to_thread(close_adapters, adapters, fetcher),
         extra_tasks=[registration.heartbeat, registration.follow_catalogue, registration.follow_placements, tuning.run,
-                     *([warmer.run] if warmer else []), saturation.run],
+                     *([warmer.run] if warmer else []),
+                     lambda: servicer.saturation.run(yielding)],
     )
 
 

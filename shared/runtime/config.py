@@ -498,6 +498,9 @@ class WorkerConfig(CommonConfig):
     exit_retune_s: float = setting(30.0, "a tuning at least this often while traffic comes", above(0))
     exit_budget: float = setting(0.02, "the active ramps' summed cost, a share of the model's time (§3.3)",
                                  between(0.0, 1.0, "a share"))
+    exits_when_saturated: bool = setting(False, "early exits go on while the worker's compute is saturated (off: a "
+                                                "saturated worker runs batches without ramps and answers them final "
+                                                "only, so exits cost no capacity)")
     sti_io: str = setting("file", "how models served from shards (`<task>-sti`, STI) read them: file, cold (page "
                                   "cache dropped first) or throttled:<MB/s>",
                           Rule("file|cold|throttled:<MB/s>", lambda v, _: v in ("file", "cold") or (

@@ -11,6 +11,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -96,6 +97,38 @@ def test_unary_early_exit_answers_every_text_once(client: Client) -> None:
     assert all(p.label in ("ham", "spam") and abs(sum(p.probs.values()) - 1) < 1e-4 for p in result.predictions)
 
 
+def test_a_saturated_worker_answers_streams_final_only_until_it_is_relieved(exit_mesh: MeshState,
+                                                                          client: Client) -> None:
+    """Closed loops of streams keep the worker's compute busy: once it counts as saturated, batches that ask for
+    early exits run without ramps (final messages only, counted as stood down); once the load ends and the
+    worker is relieved, early answers come again."""
+    worker = service(exit_mesh, "worker-0").metrics_port
+    key = (Path(exit_mesh.run_dir) / ADMIN_KEY_FILE).read_text().strip()
+    stood_down = metric(worker, "academus_worker_exits_stood_down_total", model="spam")
+    streams: list[int] = []   # messages a stream
+
+    async def closed_loops(callers: int = 24, within_s: float = 60) -> None:
+        stop, end = asyncio.Event(), time.monotonic() + within_s
+
+        async def caller(c: AsyncClient) -> None:
+            while not stop.is_set():
+                streams.append(len([r async for r in c.infer_stream("spam", TEXTS, timeout=60)]))
+
+        async with AsyncClient(exit_mesh.gateway, api_key=key, timeout=60) as c:
+            loops = [asyncio.ensure_future(caller(c)) for _ in range(callers)]
+            while time.monotonic() < end and await asyncio.to_thread(
+                    metric, worker, "academus_worker_exits_stood_down_total", model="spam") < stood_down + 5:
+                await asyncio.sleep(0.2)
+            stop.set()
+            await asyncio.gather(*loops)
+
+    asyncio.run(closed_loops())
+    assert metric(worker, "academus_worker_exits_stood_down_total", model="spam") >= stood_down + 5
+    assert 1 in streams and max(streams) > 1   # early answers before saturation, final ones only during it
+    wait_for(lambda: metric(worker, "academus_worker_compute_saturated") == 0, 15, "the worker to be relieved")
+    assert len(list(client.infer_stream("spam", TEXTS))) > 1, "no early answer once the worker was relieved"
+
+
 def test_models_without_ramps_answer_the_final_message_only(exit_mesh: MeshState, client: Client) -> None:
     for model in ("minilm", "sentiment"):   # no ramps; ramps refused as corrupt
         results = list(client.infer_stream(model, TEXTS[:2]))
@@ -148,11 +181,18 @@ def test_the_live_bench_times_both_arms_and_splits_their_final_results(exit_mesh
 
     async def both() -> tuple[dict[str, dict], dict[str, tuple]]:
         async with AsyncClient(exit_mesh.gateway, api_key=key, timeout=60) as c:
-            runs = {arm: await exits_live.open_loop(c, arm, "spam", TEXTS, 4.0, 2.0, seed=0) for arm in exits_live.ARMS}
+            runs = {}
+            for arm in exits_live.ARMS:
+                before = exits_live.worker_counts(exit_mesh)
+                runs[arm] = await exits_live.open_loop(c, arm, "spam", TEXTS, 4.0, 2.0, seed=0)
+                after = exits_live.worker_counts(exit_mesh)
+                runs[arm]["counts"] = {name: after[name] - before[name] for name in after}
             caps = {arm: await exits_live.capacity(c, arm, "spam", TEXTS, 2, 1.0, exit_mesh) for arm in exits_live.ARMS}
             return runs, caps
 
     runs, caps = asyncio.run(both())
+    assert runs["vanilla"]["counts"]["exits"] == 0 < runs["early"]["counts"]["exits"]
+    assert all(run["counts"]["batches"] > 0 for run in runs.values())
     for arm, (rps, cpu) in caps.items():
         assert rps > 0 and {"worker-0", "scheduler", "gateway", "loadgen"} <= set(cpu), (arm, cpu)
         assert cpu["worker-0"] == max(cpu.values()) > 0, (arm, cpu)

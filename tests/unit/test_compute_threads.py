@@ -16,11 +16,12 @@ import torch
 
 from academus.services.worker.compute_threads import (
     ComputePool,
+    ComputeSaturation,
     YieldWhenSaturated,
     apply_compute_policy,
     policy_of_this_thread,
 )
-from academus.services.worker.server import WorkerServicer
+from academus.services.worker.server import EXITS_STOOD_DOWN, WorkerServicer
 from academus.shared.runtime import config as cfg
 from academus.shared.runtime.slices import autogroup_nice
 
@@ -197,37 +198,45 @@ class FakePool:
         return self.busy
 
 
-def test_a_saturated_worker_yields_and_comes_back_once_relieved() -> None:
-    clock, writes, pool, other = [0.0], [], FakePool(2), FakePool(1)
-    yielding = YieldWhenSaturated(10, lambda: [pool, other], floor=2, clock=lambda: clock[0],
-                                  set_nice=lambda n: writes.append(n) or n)
+def test_the_compute_is_saturated_past_its_mark_and_relieved_below_the_lower_one() -> None:
+    clock, pool, other = [0.0], FakePool(2), FakePool(1)
+    saturation = ComputeSaturation(lambda: [pool, other], clock=lambda: clock[0])
 
     def look(seconds: float, busy: float) -> bool:   # `busy` of the 2-lane pool's lane-seconds in `seconds`
         clock[0] += seconds
         pool.busy += busy
-        return yielding.tick()
+        return saturation.tick()
 
-    assert not yielding.tick()              # the first look only notes where the pools stand
+    assert not saturation.tick()            # the first look only notes where the pools stand
     assert not look(1.0, 1.6)               # 80 % of its lanes: not saturated
-    assert look(1.0, 1.9)                   # 95 %: yields
+    assert look(1.0, 1.9)                   # 95 %: saturated
     assert look(1.0, 1.5)                   # 75 %: still over the relief mark
-    assert not look(1.0, 1.2)               # 60 %: back at the floor, the fixed compute_nice
-    assert writes == [10, 2] and yielding.switches == 2
+    assert not look(1.0, 1.2)               # 60 %: relieved
+    assert saturation.switches == 2
+
+
+def test_a_saturated_worker_yields_and_comes_back_to_its_floor() -> None:
+    writes: list[int] = []
+    yielding = YieldWhenSaturated(10, floor=2, set_nice=lambda n: writes.append(n) or n)
+    assert [yielding.follow(s) for s in (False, True, True, False)] == [False, True, True, False]
+    assert writes == [10, 2] and yielding.switches == 2     # back at the floor, the fixed compute_nice
 
 
 def test_a_refused_write_is_tried_again_at_the_next_look() -> None:
-    clock, answers, pool = [0.0], [None, 10], FakePool(1)
-    yielding = YieldWhenSaturated(10, lambda: [pool], clock=lambda: clock[0], set_nice=lambda n: answers.pop(0))
-    yielding.tick()
+    answers = [None, 10]
+    yielding = YieldWhenSaturated(10, set_nice=lambda n: answers.pop(0))
     for expected in (False, True):          # the kernel takes one write a tenth of a second, machine-wide
-        clock[0] += 1.0
-        pool.busy += 1.0
-        assert yielding.tick() is expected
+        assert yielding.follow(True) is expected
+
+
+def test_nothing_yields_where_the_nice_value_would_not_move() -> None:
+    assert YieldWhenSaturated.where_possible(0) is None
+    assert YieldWhenSaturated.where_possible(3, floor=3) is None
 
 
 SATURATION_PROBE = """
 import asyncio, json, time, torch
-from academus.services.worker.compute_threads import ComputePool, YieldWhenSaturated
+from academus.services.worker.compute_threads import ComputePool, ComputeSaturation, YieldWhenSaturated
 from academus.shared.runtime.slices import autogroup_nice
 
 def spin(seconds):
@@ -237,16 +246,16 @@ def spin(seconds):
 
 async def main():
     pool = ComputePool(1, "normal", torch.device("cpu"))
-    yielding = YieldWhenSaturated(10, lambda: [pool])
+    saturation, yielding = ComputeSaturation(lambda: [pool]), YieldWhenSaturated(10)
     seen = [autogroup_nice()]
-    yielding.tick()
+    saturation.tick()
     running = asyncio.ensure_future(pool.run(spin, 0.8))
     await asyncio.sleep(0.3)
-    yielding.tick()
+    yielding.follow(saturation.tick())
     seen.append(autogroup_nice())
     await running
     await asyncio.sleep(0.5)
-    yielding.tick()
+    yielding.follow(saturation.tick())
     seen.append(autogroup_nice())
     print(json.dumps(seen))
 
@@ -266,3 +275,23 @@ def test_a_saturated_worker_yields_by_default_and_the_value_is_checked() -> None
     assert cfg.load(cfg.WorkerConfig, env={}).saturated_nice == 10
     with pytest.raises(cfg.ConfigError, match=re.escape("ACADEMUS_SATURATED_NICE=20 must be in 0..19")):
         cfg.load(cfg.WorkerConfig, env={"ACADEMUS_SATURATED_NICE": "20"})
+
+
+async def test_a_saturated_worker_runs_batches_that_ask_for_early_exits_without_ramps() -> None:
+    """Early answers go to a call that asked for them and can take them, unless the compute is saturated; with
+    `exits_when_saturated` they go on regardless."""
+    sent: list = []
+    call = SimpleNamespace(send_partial=sent.append)
+    batch = SimpleNamespace(early_exit=True, model="spam", output="probs")
+    ramps = SimpleNamespace(controller=SimpleNamespace(active=SimpleNamespace(layers=(1, 2))))
+    runner = SimpleNamespace(device=torch.device("cpu"), models={"spam": SimpleNamespace(exits=ramps)})
+    for exits_when_saturated, gated in ((False, True), (True, False)):
+        servicer = WorkerServicer(runner, "w", exits_when_saturated=exits_when_saturated)
+        assert servicer._releaser(batch, call) is not None
+        assert servicer._releaser(SimpleNamespace(early_exit=False), call) is None
+        servicer.saturation.saturated = True
+        stood_down = EXITS_STOOD_DOWN.labels("spam")._value.get()
+        assert (servicer._releaser(batch, call) is None) is gated
+        assert EXITS_STOOD_DOWN.labels("spam")._value.get() == stood_down + gated
+        servicer.saturation.saturated = False
+        assert servicer._releaser(batch, call) is not None
