@@ -500,7 +500,7 @@ class WorkerConfig(CommonConfig):
                                  between(0.0, 1.0, "a share"))
     exits_when_saturated: bool = setting(False, "early exits go on while the worker's compute is saturated (off: a "
                                                 "saturated worker runs batches without ramps and answers them final "
-                                                "only, so exits cost no capacity)")
+                                                "only, so that the ramps take nothing from its throughput)")
     sti_io: str = setting("file", "how models served from shards (`<task>-sti`, STI) read them: file, cold (page "
                                   "cache dropped first) or throttled:<MB/s>",
                           Rule("file|cold|throttled:<MB/s>", lambda v, _: v in ("file", "cold") or (
