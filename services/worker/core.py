@@ -378,6 +378,11 @@ class ModelRunner:
         served.exits = load_exits(self.artifacts, served.exit_task, served.spec.dim, served.spec.labels, self.device,
                                   self.exit_settings, served.spec.name)
 
+    def runs_ramps(self, model: str) -> bool:
+        """Whether a batch of `model` that asks for early exits runs exit ramps now (some are active)."""
+        served = self.models.get(model)
+        return served is not None and served.exits is not None and bool(served.exits.controller.active.layers)
+
     def refresh_exits(self) -> list[str]:
         """Loads ramps `academus ramps train` wrote or replaced since they were loaded (the running worker
         serves them without a restart); the models whose ramps changed. A batch already running keeps the

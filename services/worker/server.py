@@ -145,8 +145,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if send is None:
             return None
         if self.saturation.saturated and not self.exits_when_saturated:
-            served = self.runner.models.get(batch.model)
-            if served is not None and served.exits is not None and served.exits.controller.active.layers:
+            if self.runner.runs_ramps(batch.model):
                 EXITS_STOOD_DOWN.labels(batch.model).inc()
             return None
         loop, model = asyncio.get_running_loop(), batch.model

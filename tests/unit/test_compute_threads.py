@@ -283,8 +283,7 @@ async def test_a_saturated_worker_runs_batches_that_ask_for_early_exits_without_
     sent: list = []
     call = SimpleNamespace(send_partial=sent.append)
     batch = SimpleNamespace(early_exit=True, model="spam", output="probs")
-    ramps = SimpleNamespace(controller=SimpleNamespace(active=SimpleNamespace(layers=(1, 2))))
-    runner = SimpleNamespace(device=torch.device("cpu"), models={"spam": SimpleNamespace(exits=ramps)})
+    runner = SimpleNamespace(device=torch.device("cpu"), runs_ramps=lambda model: model == "spam")
     for exits_when_saturated, gated in ((False, True), (True, False)):
         servicer = WorkerServicer(runner, "w", exits_when_saturated=exits_when_saturated)
         assert servicer._releaser(batch, call) is not None

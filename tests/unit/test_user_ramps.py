@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from academus.services.worker.core import OUTPUT_PROBS, ModelRunner
-from academus.shared.models.exits import STATIC, ControllerSettings
+from academus.shared.models.exits import NONE, STATIC, ControllerSettings
 from academus.shared.models.model import FIRST, MEAN
 from academus.shared.models.packing import PackingPlan
 from academus.shared.models.ramps import load_ramps, ramps_dir, save_ramps
@@ -94,6 +94,14 @@ def test_the_worker_releases_what_the_ramps_give_in_process(artifacts: Path, mod
         assert sorted(released) == list(range(len(TEXTS))) and {layer for layer, _ in released.values()} == {1}
         np.testing.assert_allclose(np.stack([released[i][1] for i in range(len(TEXTS))]), expected, atol=1e-5)
         np.testing.assert_allclose(result.values, plain, atol=1e-5)
+
+
+def test_a_model_runs_ramps_while_some_are_active(artifacts: Path) -> None:
+    """What a saturated worker counts as stood down: a batch that would have run ramps."""
+    for policy, runs in ((STATIC, True), (NONE, False)):
+        runner = ModelRunner(artifacts, ["tiny-cls"], exit_settings=ControllerSettings(policy=policy), traced=False)
+        assert runner.runs_ramps("tiny-cls") is runs and not runner.runs_ramps("unknown")
+    assert not ModelRunner(artifacts, ["tiny-cls"], traced=False).runs_ramps("tiny-cls")   # no exit settings: none
 
 
 def test_what_has_no_ramps_of_its_own_is_refused_by_name(artifacts: Path, texts_file: Path, capsys) -> None:
