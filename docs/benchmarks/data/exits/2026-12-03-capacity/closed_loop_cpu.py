@@ -2,11 +2,13 @@
 sentiment deployment, ramps on), and the CPU ms a request of each mesh process and of this load generator.
 
 `python closed_loop_cpu.py ARTIFACTS ROUNDS OUT [ARM,ARM,...]`, arms from ARMS: vanilla (Infer), stream-none
-(InferStream with ACADEMUS_EXIT_POLICY=none: a stream, no ramps), early (InferStream, apparate), and each of
-them with `-passive` (OMP_WAIT_POLICY=PASSIVE in the services: torch's OpenMP threads sleep at once instead of
-spinning between parallel regions) or `-t1` (the worker's torch at one intra-op thread). `ARM@DIR` runs the
+(InferStream with ACADEMUS_EXIT_POLICY=none: a stream, no ramps), early (InferStream, apparate),
+early-when-saturated (the same with ACADEMUS_EXITS_WHEN_SATURATED=1: ramps on at any load; from 2026-12-05), and
+each of them with `-passive` (OMP_WAIT_POLICY=PASSIVE in the services: torch's OpenMP threads sleep at once instead
+of spinning between parallel regions) or `-t1` (the worker's torch at one intra-op thread). `ARM@DIR` runs the
 services with PYTHONPATH=DIR (a directory holding an `academus` link to another commit's worktree), to compare
-commits in one run. The order of the arms alternates between rounds."""
+commits in one run. The order of the arms alternates between rounds. From 2026-12-05 each arm also gives the
+worker's counts over its loop (`exits_live.worker_counts`: texts released early, batches stood down, batches)."""
 
 from __future__ import annotations
 
@@ -19,10 +21,11 @@ from pathlib import Path
 from academus.client import AsyncClient
 from academus.loadgen.bench import cpu_ms_per_request, service_and_own_cpu_s
 from academus.loadgen.exits_bench import drifting_order
-from academus.loadgen.exits_live import one_request, padded_mesh
+from academus.loadgen.exits_live import one_request, padded_mesh, worker_counts
 from academus.shared.training.data import fetch, load_task
 
-BASE = {"vanilla": ("vanilla", {}), "stream-none": ("early", {"ACADEMUS_EXIT_POLICY": "none"}), "early": ("early", {})}
+BASE = {"vanilla": ("vanilla", {}), "stream-none": ("early", {"ACADEMUS_EXIT_POLICY": "none"}), "early": ("early", {}),
+        "early-when-saturated": ("early", {"ACADEMUS_EXITS_WHEN_SATURATED": "1"})}
 ARMS = BASE | {f"{name}-passive": (kind, env | {"OMP_WAIT_POLICY": "PASSIVE"}) for name, (kind, env) in BASE.items()} \
     | {f"{name}-t1": (kind, env | {"ACADEMUS_TORCH_THREADS": "1"}) for name, (kind, env) in BASE.items()}
 
@@ -46,11 +49,12 @@ def run(arm: str, texts: list[str], seconds: float, clients: int, artifacts: Pat
                         done += 1
                         i += clients
 
-                before, start = service_and_own_cpu_s(state), time.perf_counter()
+                seen, before, start = worker_counts(state), service_and_own_cpu_s(state), time.perf_counter()
                 await asyncio.gather(*(caller(k) for k in range(clients)))
                 took = time.perf_counter() - start
-                return {"arm": arm, "rps": round(done / took, 1),
-                        "cpu_ms": cpu_ms_per_request(before, service_and_own_cpu_s(state), done)}
+                cpu, counts = cpu_ms_per_request(before, service_and_own_cpu_s(state), done), worker_counts(state)
+                return {"arm": arm, "rps": round(done / took, 1), "requests": done, "cpu_ms": cpu,
+                        **{name: counts[name] - seen[name] for name in counts}}
 
         return asyncio.run(measure())
 

@@ -3,10 +3,10 @@ ramps on), every request's outcome, and the worker's exit counters over the run.
 
 `python overload.py ARTIFACTS ROUNDS RATE SECONDS OUT [ARM,ARM,...] [FIRST]`, FIRST the first round's number (0 by
 default: a later run goes on with the next schedules and the order where an earlier one stopped), arms as in
-closed_loops.py: vanilla, early (ramps stood down while the worker's compute is saturated, the default),
-early-when-saturated (ACADEMUS_EXITS_WHEN_SATURATED=1). Each request has a 5 s deadline. Per arm: answered a second
-(goodput), the refusals by code, the answered requests' first and final result p50 and p99. The order of the arms
-alternates between rounds."""
+2026-12-03's closed_loop_cpu.py: vanilla, early (ramps stood down while the worker's compute is saturated, the
+default), early-when-saturated (ACADEMUS_EXITS_WHEN_SATURATED=1). Each request has a 5 s deadline. Per arm: answered
+a second (goodput), the refusals by code, the answered requests' first and final result p50 and p99. The order of
+the arms alternates between rounds."""
 
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ import numpy as np
 
 from academus.client import AcademusError, AsyncClient
 from academus.loadgen.exits_bench import drifting_order
-from academus.loadgen.exits_live import one_request, padded_mesh
+from academus.loadgen.exits_live import one_request, padded_mesh, worker_counts
 from academus.shared.training.data import fetch, load_task
 
-sys.path.insert(0, str(Path(__file__).parent))
-from closed_loops import ARMS, COUNTERS, counters
+sys.path.insert(0, str(Path(__file__).parents[1] / "2026-12-03-capacity"))
+from closed_loop_cpu import ARMS
 
 DEADLINE_S = 5.0
 
@@ -44,14 +44,13 @@ async def timed(client: AsyncClient, kind: str, text: str) -> tuple[str, float, 
 def run(arm: str, texts: list[str], rate: float, seconds: float, artifacts: Path, seed: int) -> dict:
     kind, env = ARMS[arm]
     with padded_mesh("sentiment", artifacts, env) as (state, key):
-        port = state.service("worker-0").metrics_port
 
         async def measure() -> dict:
             async with AsyncClient(state.gateway, api_key=key, timeout=DEADLINE_S) as client:
                 for text in texts[:32]:
                     await one_request(client, kind, "sentiment", text)
                 rng, at, tasks = random.Random(seed), 0.0, []
-                seen, start = counters(port), time.perf_counter()
+                seen, start = worker_counts(state), time.perf_counter()
                 for i in range(len(texts) * 100):
                     at += rng.expovariate(rate)
                     if at >= seconds:
@@ -59,7 +58,7 @@ def run(arm: str, texts: list[str], rate: float, seconds: float, artifacts: Path
                     await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
                     tasks.append(asyncio.ensure_future(timed(client, kind, texts[i % len(texts)])))
                 results = await asyncio.gather(*tasks)
-                after = counters(port)
+                after = worker_counts(state)
             ok = [(first, final) for code, first, final in results if code == "OK"]
             first, final = np.array([o[0] for o in ok]) * 1e3, np.array([o[1] for o in ok]) * 1e3
             codes: dict[str, int] = {}
@@ -69,7 +68,7 @@ def run(arm: str, texts: list[str], rate: float, seconds: float, artifacts: Path
                     "first_p50_ms": round(float(np.median(first)), 1),
                     "final_p50_ms": round(float(np.median(final)), 1),
                     "final_p99_ms": round(float(np.percentile(final, 99)), 1),
-                    **{name.removeprefix("academus_worker_"): after[name] - seen[name] for name in COUNTERS}}
+                    **{name: after[name] - seen[name] for name in after}}
 
         return asyncio.run(measure())
 
