@@ -10,7 +10,7 @@ Arms (§7.1), planned from one profile of this machine taken at the start of the
 - load&exec: the full-precision submodel loaded whole, then run; stdpl-2/6/32: a layer pipeline with every
   shard at one bit width; preload-6/32: the whole model held in memory at that width (compute only);
 - sti (each preload size), sti-0 (no preload), sti-random (the upgrades of §5.4's second pass in a random order
-  instead of importance order; each layer still runs its most important shards, which the heads were fitted on);
+  instead of the upgrade order; each layer still runs its most important shards, which the heads were fitted on);
 - sti-<size>-paced: the sti plan run with a pace (`Planner.pace`): a run behind its target answers from the layers
   it has. Its accuracy is what its runs computed: each run's plan truncated to the layers it ran, weighted by runs.
 
@@ -21,7 +21,13 @@ checksums, decoding, the IO source), in rounds whose arm order alternates. Memor
 between requests (the preload buffer; the whole model for preload-X) and at a request's peak (what it
 loads); the embeddings, biases and norms every arm holds alike are reported once, as `common_bytes`.
 
-Prints one JSON line a task, then the summary as the last line; writes `<out>/<io>.json`, `.md` and `.png`.
+The upgrade study (§7.3's case study, the paper's Table 7; `--study-orders N`, 8 by default, 0 for none): a
+submodel of each of three shapes with every shard at 2 (then 3) bits, a quarter (then half) of its shards raised
+to 6 bits in the planner's upgrade order, in §5.2's importance order and in N random orders, accuracy over the
+whole test split. `--study-only` runs it alone: accuracy only, no timing, so no IO source.
+
+Prints one JSON line a task, then the summary as the last line; writes `<out>/<io>.json`, `.md` and `.png`
+(`--study-only`: `<out>/upgrade_study.json`).
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ import random
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +48,7 @@ import torch
 
 from academus.shared.models.model import pad_batch
 from academus.shared.models.shard_io import io_source
-from academus.shared.models.shard_store import ShardStore, shards_dir
+from academus.shared.models.shard_store import ShardStore, TaskShards, shards_dir
 from academus.shared.models.shards import FULL
 from academus.shared.models.sti_pipeline import ElasticModel, ShardPipeline
 from academus.shared.models.sti_planner import HardwareProfile, Pace, Plan, Planner
@@ -81,6 +89,66 @@ def arm_plans(planner: Planner, target_ms: float, length: int, preload_sizes: li
         plans[f"sti-random-{size >> 10}k"] = planner.plan(target_ms, length, size, importance=shuffled,
                                                           arm=f"sti-random-{size >> 10}k")
     return plans
+
+
+# The upgrade study (§7.3's case study, Table 7): a submodel with every shard at the low version, then a share of its
+# shards raised to the high one, in one order or another, the same number of upgrades in each.
+STUDY_BITS = ((2, 6), (3, 6))
+STUDY_SHARES = (0.25, 0.5)
+
+
+def study_shapes(info: TaskShards) -> list[tuple[int, int]]:
+    """The paper's 5×3 (of 12×12) for a small submodel, then the whole depth at half width and the whole model."""
+    depth, widths = max(info.depths), sorted(info.widths)
+    shapes = [(max(1, depth - 1), widths[0]), (depth, widths[(len(widths) - 1) // 2]), (depth, widths[-1])]
+    return list(dict.fromkeys(shapes))
+
+
+def upgrade_study(info: TaskShards, score: Callable[[Plan], float], orders: int,
+                  shapes: list[tuple[int, int]] | None = None) -> list[dict[str, Any]]:
+    """Accuracy with the same number of shards upgraded in the planner's upgrade order, in §5.2's importance order
+    and in `orders` random orders (seeded), for each shape, version pair and share of STUDY_SHARES. A shape's
+    layers run their most important shards, which its head was fitted on; only which of them are upgraded differs."""
+    rows = []
+    for depth, width in shapes or study_shapes(info):
+        shape = Plan("upgrade-study", depth, width, [info.layer_order(k)[:width] for k in range(depth)])
+        for low, high in STUDY_BITS:
+            rows += study_case(info, score, orders, shape, low, high)
+    return rows
+
+
+def study_case(info: TaskShards, score: Callable[[Plan], float], orders: int, shape: Plan, low: int, high: int
+               ) -> list[dict[str, Any]]:
+    members = [(k, s) for k, layer in enumerate(shape.shards) for s in layer]
+    base = dict.fromkeys(members, low)
+
+    def upgraded(order: list[tuple[int, int]], n: int) -> float:
+        chosen = [x for x in order if x in base][:n]
+        return score(replace(shape, bits=base | dict.fromkeys(chosen, high)))
+
+    rows = []
+    for share in STUDY_SHARES:
+        n = round(share * len(members))
+        randoms = [upgraded(random.Random(seed).sample(members, len(members)), n) for seed in range(orders)]
+        rows.append({"shape": f"{shape.depth}x{shape.width}", "from_bits": low, "to_bits": high, "share": share,
+                     "upgrades": n, "base": round(upgraded([], 0), 4),
+                     "all_upgraded": round(upgraded(members, len(members)), 4),
+                     "upgrade_order": round(upgraded(info.upgrades, n), 4),
+                     "importance": round(upgraded(info.importance, n), 4),
+                     "random_mean": round(statistics.mean(randoms), 4), "random_min": round(min(randoms), 4),
+                     "random_max": round(max(randoms), 4), "random_orders": orders})
+    return rows
+
+
+def study_figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each order's mean gain over the random orders' mean, pp, and in how many cases it was ahead."""
+    def gains(order: str) -> list[float]:
+        return [100 * (r[order] - r["random_mean"]) for r in rows]
+
+    return {f"{order}_over_random_pp": round(statistics.mean(gains(order)), 2) for order in ("upgrade_order",
+                                                                                              "importance")} | {
+        f"{order}_ahead_of_random": f"{sum(g > 0 for g in gains(order))} of {len(rows)}"
+        for order in ("upgrade_order", "importance")} if rows else {}
 
 
 def held_and_peak(plan: Plan, store: ShardStore) -> tuple[int, int]:
@@ -171,6 +239,20 @@ def task_data(artifacts: Path, model: str, task: str, store: ShardStore) -> Task
     return own_task(task, encoder, head, base.tokenizer(), texts)
 
 
+def scorer(task: str, evaluator: Evaluator, gold: torch.Tensor, cache: AccuracyCache) -> Callable[[Plan], float]:
+    """A plan's exact test accuracy, through the cache."""
+    return lambda plan: cache.get(task, plan, lambda p: accuracy(evaluator.probs(p), gold)[0])
+
+
+def study_task(task: str, data: TaskData, store: ShardStore, tokenizer: TeacherTokenizer, quick: bool,
+               cache: AccuracyCache, orders: int) -> list[dict[str, Any]]:
+    """The upgrade study on the task's whole test split (64 texts with `quick`)."""
+    test = subsample(data.test, 64) if quick else data.test
+    evaluator = Evaluator(ElasticModel(store, task), decoded_bank(store), tokenizer, [e.text for e in test])
+    return upgrade_study(store.tasks[task], scorer(task, evaluator, torch.tensor([e.label for e in test]), cache),
+                         orders)
+
+
 def bench_task(task: str, data: TaskData, store: ShardStore, profile: HardwareProfile, tokenizer: TeacherTokenizer,
                targets: list[float], preload_sizes: list[int], runs: int, rounds: int, io: str,
                quick: bool, cache: AccuracyCache) -> dict[str, Any]:
@@ -187,6 +269,7 @@ def bench_task(task: str, data: TaskData, store: ShardStore, profile: HardwarePr
     batches = [request_batch(tokenizer, t, length) for t in texts]
     pipeline = ShardPipeline(model, io_source(io))
     rows = []
+    score = scorer(task, evaluator, gold, cache)
     try:
         for multiple in targets:
             target = multiple * full_ms
@@ -194,10 +277,6 @@ def bench_task(task: str, data: TaskData, store: ShardStore, profile: HardwarePr
             paces = {f"{name}-paced": planner.pace(plans[name], length) for name in list(plans)
                      if name.startswith("sti-") and not name.startswith(("sti-0", "sti-random"))}
             plans |= {name: plans[name.removesuffix("-paced")] for name in paces}
-
-            def score(plan: Plan) -> float:
-                return cache.get(task, plan, lambda p: accuracy(evaluator.probs(p), gold)[0])
-
             scores = {name: score(plan) for name, plan in plans.items() if name not in paces}
             timings = latency_runs(pipeline, model, bank, plans, batches, runs, rounds, paces)
             for name in paces:   # what the paced runs computed: each run's plan cut to the layers it ran
@@ -251,6 +330,7 @@ def figures(results: list[dict[str, Any]], preload_sizes: list[int]) -> dict[str
         **{f"sti_over_{b}_pp": mean_gain(main, b) for b in ("load&exec", "stdpl-32", "stdpl-2", "stdpl-6")},
         "preload_over_none_pp": mean_gain(main, "sti-0"),
         "importance_over_random_pp": mean_gain(main, random_arm),
+        "upgrade_study": study_figures([r for res in results for r in res.get("upgrade_study", [])]),
         "sti_p95_over_target_max": max(by[(t, x, main)]["p95_over_target"] for t, x in keys),
         "sti_stall_share_max": max(by[(t, x, main)]["stall_share"] for t, x in keys),
         "stdpl32_stall_share_mean": round(statistics.mean(by[(t, x, "stdpl-32")]["stall_share"] for t, x in keys), 4),
@@ -271,6 +351,18 @@ def table(results: list[dict[str, Any]]) -> str:
                          f"{'' if r['feasible'] else ' (over T)'} | {r['mean_bits']} | {r['accuracy']:.4f} | "
                          f"{r['p50_ms']} | {r['p95_over_target']} | {r['stall_share']:.2f} | "
                          f"{r['held_bytes'] >> 10} |")
+    return "\n".join(lines)
+
+
+def study_table(results: list[dict[str, Any]]) -> str:
+    lines = ["| task | shape | bits | upgraded | base | all upgraded | upgrade order | importance (§5.2) | "
+             "random: mean (min–max) |", "|---|---|---|---|---|---|---|---|---|"]
+    for res in results:
+        for r in res.get("upgrade_study", []):
+            spread = f"{r['random_mean']:.4f} ({r['random_min']:.4f}–{r['random_max']:.4f})"
+            lines.append(f"| {res['task']} | {r['shape']} | {r['from_bits']} → {r['to_bits']} | {r['upgrades']} "
+                         f"({r['share']:.0%}) | {r['base']:.4f} | {r['all_upgraded']:.4f} | "
+                         f"{r['upgrade_order']:.4f} | {r['importance']:.4f} | {spread} |")
     return "\n".join(lines)
 
 
@@ -412,6 +504,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cold-start", type=int, default=0, metavar="ROUNDS",
                    help="only the cold start: a fresh worker process loading the teacher, or the shards, to its "
                         "first answer, this many rounds")
+    p.add_argument("--study-orders", type=int, default=8, metavar="N",
+                   help="the upgrade study (§7.3, Table 7): N random orders against the planner's (0: no study)")
+    p.add_argument("--study-only", action="store_true",
+                   help="only the upgrade study: accuracy, no timed runs (the same whatever the IO source)")
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                    help="torch threads of the compute (default: the cores but one, which the loader takes)")
     args = p.parse_args(argv)
@@ -429,8 +525,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     store = ShardStore(shards_dir(artifacts, args.model))
     tokenizer = encoder_base(artifacts, args.model).tokenizer()
+    if args.study_only:
+        return study_only(args, artifacts, store, tokenizer)
     profile = measure_profile(store, args.io)
-    targets = [float(x) for x in args.targets.split(",")]
+    targets = [] if args.study_only else [float(x) for x in args.targets.split(",")]
     preload_sizes = [int(float(x) * (1 << 20)) for x in args.preload_mb.split(",") if x]
     results = []
     if args.out:
@@ -439,6 +537,9 @@ def main(argv: list[str] | None = None) -> int:
     for task in args.task or list(store.tasks):
         res = bench_task(task, task_data(artifacts, args.model, task, store), store, profile, tokenizer, targets,
                          preload_sizes, args.runs, args.rounds, args.io, args.quick, cache)
+        if args.study_orders:
+            res["upgrade_study"] = study_task(task, task_data(artifacts, args.model, task, store), store, tokenizer,
+                                              args.quick, cache, args.study_orders)
         print(json.dumps({k: v for k, v in res.items() if k != "rows"}), flush=True)
         results.append(res)
     summary = {"io": profile.source, "threads": args.threads, "profile": json.loads(profile.to_json()),
@@ -449,10 +550,28 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         stem = args.out / profile.source.replace(":", "-")
         stem.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
-        stem.with_suffix(".md").write_text(table(results) + "\n")
+        stem.with_suffix(".md").write_text(table(results) + "\n\n" + study_table(results) + "\n")
         plot(results, stem.with_suffix(".png"))
     print(table(results))
+    print(study_table(results))
     print(json.dumps({k: v for k, v in summary.items() if k != "results"}))
+    return 0
+
+
+def study_only(args: argparse.Namespace, artifacts: Path, store: ShardStore, tokenizer: TeacherTokenizer) -> int:
+    """`--study-only`: the upgrade study of each task, its table and figures; writes `<out>/upgrade_study.json`."""
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+    cache = AccuracyCache(args.out / "accuracy_cache.json" if args.out and not args.quick else None)
+    results = [{"task": task, "upgrade_study": study_task(task, task_data(artifacts, args.model, task, store), store,
+                                                          tokenizer, args.quick, cache, args.study_orders)}
+               for task in args.task or list(store.tasks)]
+    summary = {"random_orders": args.study_orders, "figures": study_figures(
+        [r for res in results for r in res["upgrade_study"]]), "results": results}
+    if args.out:
+        (args.out / "upgrade_study.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(study_table(results))
+    print(json.dumps(summary["figures"]))
     return 0
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -101,6 +101,13 @@ class TaskShards:
     metrics: dict[str, Any]
     min_bits: int = 2                    # the fidelity floor: fewer bits lost more than 1 pp on the dev set
     own_head: bool = False               # the full shape runs a user's classifier's own (nonlinear) head
+    upgrade_order: list[tuple[int, int]] = field(default_factory=list)   # the planner's upgrades, first first
+
+    @property
+    def upgrades(self) -> list[tuple[int, int]]:
+        """The order of the planner's upgrades: the shards by sensitivity (a store built before it was measured: by
+        importance)."""
+        return self.upgrade_order or self.importance
 
     def layer_order(self, layer: int) -> list[int]:
         """The layer's shards, most important first: a width-m layer runs the first m (DynaBERT's rewiring)."""
@@ -124,7 +131,8 @@ class ShardStore:
                           for layer, by_bits in manifest.extra["index"].items() for bits, entries in by_bits.items()}
             self.tasks = {name: TaskShards(name, t["labels"], [tuple(x) for x in t["importance"]], t["widths"],
                                            t["depths"], t.get("metrics", {}), int(t.get("min_bits", 2)),
-                                           bool(t.get("own_head", False)))
+                                           bool(t.get("own_head", False)),
+                                           [tuple(x) for x in t.get("upgrade_order", [])])
                           for name, t in manifest.extra.get("tasks", {}).items()}
         except (KeyError, TypeError) as e:
             raise ArtifactError(f"{self.directory / MANIFEST}: not a shard manifest ({e!r})") from e

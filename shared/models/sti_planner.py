@@ -7,8 +7,9 @@ time available before that layer must start. Here the first layer's budget is th
 compute leaves of T), so a plan whose budgets stay non-negative finishes within T; each next layer's budget
 adds one layer's compute. Loading a shard of layer k takes its IO time from the budgets of layer k and every
 later one. A shard held in the preload buffer costs only its decoding. The first pass gives every other
-shard one uniform bit width, the highest whose budgets hold; the second upgrades shards one at a time, most
-important first, to the highest version the budgets still allow.
+shard one uniform bit width, the highest whose budgets hold; the second upgrades shards one at a time, in the
+upgrade order (the shards by how far lowering each moves the model's output), to the highest version the budgets
+still allow.
 
 A shape whose cheapest uniform version would stall is not proposed: the paper still runs it and overruns T;
 a server answers within the deadline instead, with a smaller submodel, or refuses at once.
@@ -172,7 +173,8 @@ class Pace:
 
 class Planner:
     """Plans for one task's shards on one profiled machine. `shard_bytes(layer, shard, bits)` sizes the preload;
-    `layer_order(layer)` is the layer's shards, most important first; `importance` the global ranking."""
+    `layer_order(layer)` is the layer's shards, most important first; `importance` the order of the second pass's
+    upgrades (a store's upgrade order: `TaskShards.upgrades`)."""
 
     def __init__(self, profile: HardwareProfile, depths: Sequence[int], widths: Sequence[int],
                  layer_order: Callable[[int], list[int]], importance: Sequence[Shard],
@@ -193,7 +195,7 @@ class Planner:
              importance: Sequence[Shard] | None = None, arm: str = "sti",
              held: dict[Shard, int] | None = None) -> Plan:
         """The STI plan for a target; `feasible` False when no shape fits (the smallest is returned).
-        `importance`: the order of the second pass's upgrades (default: the profiled ranking; a width-m layer
+        `importance`: the order of the second pass's upgrades (default: the planner's; a width-m layer
         always runs its m most important shards, which its shape's head was fitted on). The preload buffer:
         `held` (shard -> the version a server holds), else the first shards of each candidate
         shape that fit `preload_bytes` (a buffer filled for this plan, as one cold run has it)."""
@@ -234,7 +236,7 @@ class Planner:
             budgets.take(k, n * load[uniform])
         cost = {x: decode[b] for x, b in bits.items()} | dict.fromkeys(free, load[uniform])
         bits |= dict.fromkeys(free, uniform)
-        for x in importance:                       # the second pass: upgrades, most important first
+        for x in importance:                       # the second pass: upgrades, first in the order first
             if x not in wanted:
                 continue
             for b in sorted((v for v in VERSIONS if v > bits[x]), reverse=True):

@@ -39,7 +39,7 @@ def planner_for(store: ShardStore, task: str, profile: HardwareProfile) -> Plann
         raise ArtifactError(f"{store.directory}: no shards profiled for task {task!r} "
                             f"(run `academus shard build --tasks {task}`)")
     info = store.tasks[task]
-    return Planner(profile, info.depths, info.widths, info.layer_order, info.importance, store.shard_bytes,
+    return Planner(profile, info.depths, info.widths, info.layer_order, info.upgrades, store.shard_bytes,
                    min_bits=info.min_bits)
 
 
@@ -121,7 +121,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "resident_bytes": store.resident_bytes,
                 "embedding_rows_bytes": store.rows.stored_bytes if store.rows else 0,
                 "tasks": {t: {"labels": i.labels, "widths": i.widths, "depths": i.depths,
-                              "importance_top": i.importance[:8]} for t, i in store.tasks.items()},
+                              "importance_top": i.importance[:8],
+                              "upgrade_order_top": i.upgrades[:8]} for t, i in store.tasks.items()},
                 **{k: v for k, v in store.manifest.extra.items() if k in STUDENT_INFO}}
     if args.command == "verify":
         return {"directory": str(store.directory), **store.verify()}

@@ -7,7 +7,9 @@ cut instead: `student_shards.py`):
    full precision (`shared/models/shards.py`, `shared/models/shard_store.py`);
 2. per task, shard importance (§5.2): the whole model at 2 bits, one shard at a time raised to full
    precision, the model's accuracy on a dev share of the validation split. Ties (a dev share is small and
-   many shards move it by no text) are broken by the mean log-probability of the gold label;
+   many shards move it by no text) are broken by the mean log-probability of the gold label; and the planner's
+   upgrade order: the whole model at 6 bits, one shard at a time lowered to 2, ranked by how far that moves its
+   output (`profile_sensitivity`);
 3. per task, a head for every submodel shape (depth 1..N × width in quarters of the heads), fitted on the
    full-precision submodel's pooled output with the backbone frozen; a width-m layer runs its m most
    important shards (DynaBERT's rewiring). The full shape keeps the served head: the teacher's, on the teacher
@@ -244,6 +246,23 @@ def profile_importance(evaluator: Evaluator, geometry: ShardGeometry, gold: torc
     return [(r["layer"], r["shard"]) for r in ranked], table, base_acc
 
 
+def profile_sensitivity(evaluator: Evaluator, geometry: ShardGeometry
+                        ) -> tuple[list[tuple[int, int]], list[dict[str, Any]]]:
+    """The order of the planner's upgrades (§5.4's second pass): every shard at the highest quantized version, each
+    in turn at the lowest, ranked by how far that moves the model's output (mean KL divergence from the base's
+    probabilities). §5.2's ranking (`profile_importance`) raises one shard at a time from a model at 2 bits, which
+    is at chance on MiniLM: its order lost to random orders when upgrading many shards (docs/benchmarks/sti.md,
+    the upgrade study), where this one beat them in every case tried. It needs no labels."""
+    base = full_plan(geometry, BITS[-1])
+    expected = evaluator.probs(base).clamp_min(1e-12)
+    table = []
+    for k, s, probs in evaluator.upgrades(base, BITS[0]):
+        kl = (expected * (expected.log() - probs.clamp_min(1e-12).log())).sum(1).mean().item()
+        table.append({"layer": k, "shard": s, "kl": round(kl, 6)})
+    ranked = sorted(table, key=lambda r: (-r["kl"], r["layer"], r["shard"]))
+    return [(r["layer"], r["shard"]) for r in ranked], table
+
+
 def profile_fidelity(evaluator: Evaluator, geometry: ShardGeometry, gold: torch.Tensor) -> tuple[dict[str, float], int]:
     """The whole model's dev accuracy with every shard at one version, and the fewest bits within
     FIDELITY_TOLERANCE of full precision (full precision itself when none is): the task's floor. MiniLM at 2 bits
@@ -404,6 +423,7 @@ def build_task(store: ShardStore, bank: dict, tokenizer: TeacherTokenizer, task:
                                                      _gold(dev))
     if in_index_order:
         importance = layers_in_index_order(importance)
+    upgrade_order, sensitivity = profile_sensitivity(Evaluator(model, bank, tokenizer, _texts(dev)), geometry)
     uniform, min_bits = profile_fidelity(Evaluator(model, bank, tokenizer, _texts(dev)), geometry, _gold(dev))
     log(f"{task}: the whole model at uniform bits {uniform} on dev: fewest bits within "
         f"{FIDELITY_TOLERANCE:.0%} of full precision: {min_bits}")
@@ -414,12 +434,14 @@ def build_task(store: ShardStore, bank: dict, tokenizer: TeacherTokenizer, task:
     own = not isinstance(served, ClassifierHead)   # a user's classifier's own head: stored whole
     if own:
         tensors |= {f"{OWN_HEAD_PREFIX}{k}": v.detach().clone() for k, v in served.state_dict().items()}
-    meta = {"labels": labels, "importance": [list(x) for x in importance], "widths": widths,
+    meta = {"labels": labels, "importance": [list(x) for x in importance],
+            "upgrade_order": [list(x) for x in upgrade_order], "widths": widths,
             "depths": list(range(1, geometry.layers + 1)), "min_bits": min_bits, "own_head": own,
             "metrics": {"dev_texts": len(dev), "all_low_bits_accuracy": round(base_acc, 4), "uniform_accuracy": uniform,
-                        "importance_table": table, "validation_accuracy": scores}}
+                        "importance_table": table, "sensitivity_table": sensitivity, "validation_accuracy": scores}}
     add_task(store.directory, task, tensors, meta)
-    return {"labels": labels, "importance_top": importance[:8], "all_low_bits_accuracy": round(base_acc, 4),
+    return {"labels": labels, "importance_top": importance[:8], "upgrade_order_top": upgrade_order[:8],
+            "all_low_bits_accuracy": round(base_acc, 4),
             "validation_accuracy_full": scores[shape_key(geometry.layers, geometry.heads)]}
 
 

@@ -58,6 +58,11 @@ def test_info_verify_profile_and_plan(built: Path) -> None:
     assert info["versions"] == [2, 3, 4, 5, 6, 32] and info["tasks"]["sentiment"]["widths"] == [3, 6, 9, 12]
     assert info["shard_bytes"]["32"] == 4 * (4 * 384 * 32 + 2 * 384 * 128)
     assert info["embedding_rows_bytes"] == 30522 * 384 * 4 and info["resident_bytes"] < 2 << 20   # table not held
+    task = ShardStore(built / "shards" / "minilm").tasks["sentiment"]    # every shard in the planner's upgrade order
+    assert sorted(task.upgrade_order) == [(k, s) for k in range(6) for s in range(12)]
+    assert info["tasks"]["sentiment"]["upgrade_order_top"] == [list(x) for x in task.upgrade_order[:8]]
+    table = task.metrics["sensitivity_table"]
+    assert len(table) == 72 and max(r["kl"] for r in table) > 0
     assert last_json(academus("shard", "verify", "--artifacts", built)) == {
         "directory": str(built / "shards" / "minilm"), "files": 39, "shards": 432, "row_blocks": -(-30522 // 16),
         "ok": True}

@@ -1211,3 +1211,63 @@ def test_each_importance_upgrade_equals_its_plan_run_whole(family: str, tmp_path
         seen.append((k, s))
     assert seen == [(k, s) for k in range(geometry.layers) for s in range(geometry.heads)]
     assert not torch.equal(evaluator.probs(full_plan(geometry, BITS[0])), evaluator.probs(full_plan(geometry, FULL)))
+
+
+def test_the_upgrade_order_ranks_shards_by_how_far_lowering_each_moves_the_output(tmp_path: Path) -> None:
+    """The planner's upgrade order: every shard at 6 bits, each in turn at 2; the table's KL divergence is the whole
+    plan's, run on its own, and the order is by it, largest first."""
+    from academus.shared.models.tokenization import TeacherTokenizer
+    from academus.shared.training.shards import Evaluator, decoded_bank, full_plan, profile_sensitivity
+    from tests.models import tiny_model_dir
+
+    body = tiny_model_dir("bert", False, tmp_path / "model", seed=5, intermediate_size=54)
+    write_encoder_shards(tmp_path / "shards", TeacherEncoder(body, pooling="mean", normalize=True), "tiny",
+                         {"model": "tiny"}, log=lambda _: None)
+    store = ShardStore(tmp_path / "shards")
+    geometry = store.geometry
+    torch.manual_seed(2)
+    head = ClassifierHead(["a", "b", "c"], geometry.hidden)
+    model = ElasticModel(store, "", heads={(geometry.layers, geometry.heads): head}, labels=["a", "b", "c"])
+    texts = ["a quiet triumph", "dull, long and loud, and then longer still", "fine", "not the worst", "why"]
+    evaluator = Evaluator(model, decoded_bank(store), TeacherTokenizer(tmp_path / "model"), texts, batch_size=2)
+    order, table = profile_sensitivity(evaluator, geometry)
+    expected = evaluator.probs(full_plan(geometry, 6))
+    kl = {}
+    for k in range(geometry.layers):
+        for s in range(geometry.heads):
+            lowered = full_plan(geometry, 6)
+            lowered.bits[(k, s)] = 2
+            probs = evaluator.probs(lowered)
+            kl[(k, s)] = (expected * (expected.log() - probs.log())).sum(1).mean().item()
+    assert {(r["layer"], r["shard"]): r["kl"] for r in table} == pytest.approx(kl, abs=1e-6)
+    assert sorted(order) == sorted(kl) and len(set(kl.values())) > 1
+    assert [round(kl[x], 6) for x in order] == sorted((round(v, 6) for v in kl.values()), reverse=True)
+
+
+def test_the_planner_upgrades_in_the_stores_upgrade_order_and_older_stores_in_importance_order(
+        store_dir, tmp_path: Path) -> None:
+    """A store's `upgrade_order` orders the planner's second pass; a width-m layer still runs its m most important
+    shards. A store built before the order was measured upgrades by importance, as it did."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from academus.shared.models.shard_store import heads_file
+    from academus.shared.models.sti_planner import HardwareProfile
+    from academus.shared.training.shard_plans import planner_for
+
+    directory, _ = store_dir
+    profile = HardwareProfile("file", dict.fromkeys(VERSIONS, 0.1), dict.fromkeys(VERSIONS, 0.05),
+                              {2: {32: 0.2}, 4: {32: 0.3}}, {32: 0.1}, (32,))
+    older = ShardStore(directory)
+    assert older.tasks["toy"].upgrades == older.tasks["toy"].importance
+    assert planner_for(older, "toy", profile).importance == older.tasks["toy"].importance
+    copy = tmp_path / "tiny"
+    shutil.copytree(directory, copy)
+    order = [[0, 1], [1, 3], [0, 0], [1, 2], [0, 2], [1, 0], [0, 3], [1, 1]]
+    meta = older.manifest.extra["tasks"]["toy"] | {"upgrade_order": order}
+    add_task(copy, "toy", load_file(copy / heads_file("toy")), meta)
+    store = ShardStore(copy)
+    planner = planner_for(store, "toy", profile)
+    assert planner.importance == [tuple(x) for x in order]
+    assert [planner.layer_order(k) for k in (0, 1)] == [[2, 0, 3, 1]] * 2

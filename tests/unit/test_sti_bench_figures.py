@@ -32,3 +32,35 @@ def test_figures_compare_each_buffer_with_the_whole_model() -> None:
     assert fig["preload_over_none_pp"] == pytest.approx(1.8) and fig["importance_over_random_pp"] == pytest.approx(0.8)
     assert fig["sti_over_stdpl-2_pp"] == pytest.approx(29.8) and fig["sti_p95_over_target_max"] == pytest.approx(1.1)
     assert fig["paced_minus_sti_pp"] == pytest.approx(-0.1) and fig["paced_cut_short_mean"] == 0.5
+
+
+def test_the_upgrade_study_compares_the_orders_on_the_same_number_of_upgrades() -> None:
+    """Table 7's case study with a scorer whose accuracy counts the upgraded shards of one layer: an upgrade order
+    that names them first gains over every random order, an importance order that names them last loses."""
+    from academus.loadgen.sti_bench import STUDY_BITS, STUDY_SHARES, study_figures, study_shapes, upgrade_study
+    from academus.shared.models.shard_store import TaskShards
+
+    layers, heads = 2, 4
+    importance = [(k, s) for k in (0, 1) for s in range(heads)]              # layer 0 first
+    upgrade_order = importance[::-1]                                         # layer 1 first
+    info = TaskShards("t", ["no", "yes"], importance, [2, 4], [1, 2], {}, upgrade_order=upgrade_order)
+    assert study_shapes(info) == [(1, 2), (2, 2), (2, 4)]
+    seen = []
+
+    def score(plan) -> float:       # layer 1's shards at the high version are what counts
+        seen.append(plan)
+        assert plan.shards == [info.layer_order(k)[:plan.width] for k in range(plan.depth)]
+        return 0.5 + sum(b > 3 for (k, _), b in plan.bits.items() if k == 1) / 10
+
+    rows = upgrade_study(info, score, orders=4, shapes=[(layers, heads)])
+    assert len(rows) == len(STUDY_BITS) * len(STUDY_SHARES)
+    quarter = next(r for r in rows if r["share"] == 0.25 and r["from_bits"] == 2)
+    assert quarter["upgrades"] == 2 and quarter["base"] == 0.5 and quarter["all_upgraded"] == 0.9
+    assert quarter["upgrade_order"] == 0.7 and quarter["importance"] == 0.5
+    assert quarter["random_min"] <= quarter["random_mean"] <= quarter["random_max"] <= 0.7
+    half = next(r for r in rows if r["share"] == 0.5 and r["from_bits"] == 3)
+    assert half["upgrade_order"] == 0.9 and half["importance"] == 0.5
+    assert all(set(p.bits.values()) <= {2, 3, 6} and len(p.bits) == 8 for p in seen)
+    fig = study_figures(rows)
+    assert fig["upgrade_order_over_random_pp"] > 0 > fig["importance_over_random_pp"]
+    assert fig["upgrade_order_ahead_of_random"] == "4 of 4"
