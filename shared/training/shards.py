@@ -251,8 +251,8 @@ def profile_sensitivity(evaluator: Evaluator, geometry: ShardGeometry
     """The order of the planner's upgrades (§5.4's second pass): every shard at the highest quantized version, each
     in turn at the lowest, ranked by how far that moves the model's output (mean KL divergence from the base's
     probabilities). §5.2's ranking (`profile_importance`) raises one shard at a time from a model at 2 bits, which
-    is at chance on MiniLM: its order lost to random orders when upgrading many shards (docs/benchmarks/sti.md,
-    the upgrade study), where this one beat them in every case tried. It needs no labels."""
+    is at chance on MiniLM: its order lost to random orders when upgrading the whole model's shards, where this one
+    was ahead of them (docs/benchmarks/sti.md, the upgrade study). It needs no labels."""
     base = full_plan(geometry, BITS[-1])
     expected = evaluator.probs(base).clamp_min(1e-12)
     table = []
