@@ -142,13 +142,12 @@ def study_case(info: TaskShards, score: Callable[[Plan], float], orders: int, sh
 
 def study_figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Each order's mean gain over the random orders' mean, pp, and in how many cases it was ahead."""
-    def gains(order: str) -> list[float]:
-        return [100 * (r[order] - r["random_mean"]) for r in rows]
-
-    return {f"{order}_over_random_pp": round(statistics.mean(gains(order)), 2) for order in ("upgrade_order",
-                                                                                              "importance")} | {
-        f"{order}_ahead_of_random": f"{sum(g > 0 for g in gains(order))} of {len(rows)}"
-        for order in ("upgrade_order", "importance")} if rows else {}
+    figures: dict[str, Any] = {}
+    for order in ("upgrade_order", "importance") if rows else ():
+        gains = [100 * (r[order] - r["random_mean"]) for r in rows]
+        figures[f"{order}_over_random_pp"] = round(statistics.mean(gains), 2)
+        figures[f"{order}_ahead_of_random"] = f"{sum(g > 0 for g in gains)} of {len(rows)}"
+    return figures
 
 
 def held_and_peak(plan: Plan, store: ShardStore) -> tuple[int, int]:
@@ -528,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.study_only:
         return study_only(args, artifacts, store, tokenizer)
     profile = measure_profile(store, args.io)
-    targets = [] if args.study_only else [float(x) for x in args.targets.split(",")]
+    targets = [float(x) for x in args.targets.split(",")]
     preload_sizes = [int(float(x) * (1 << 20)) for x in args.preload_mb.split(",") if x]
     results = []
     if args.out:

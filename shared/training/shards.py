@@ -251,8 +251,9 @@ def profile_sensitivity(evaluator: Evaluator, geometry: ShardGeometry
     """The order of the planner's upgrades (§5.4's second pass): every shard at the highest quantized version, each
     in turn at the lowest, ranked by how far that moves the model's output (mean KL divergence from the base's
     probabilities). §5.2's ranking (`profile_importance`) raises one shard at a time from a model at 2 bits, which
-    is at chance on MiniLM: its order lost to random orders when upgrading the whole model's shards, where this one
-    was ahead of them (docs/benchmarks/sti.md, the upgrade study). It needs no labels."""
+    is at chance on MiniLM: on sentiment its order lost to random orders when upgrading the whole model's shards,
+    where this one was ahead of them; on spam neither was reliably ahead (docs/benchmarks/sti.md, the upgrade
+    study). It needs no labels."""
     base = full_plan(geometry, BITS[-1])
     expected = evaluator.probs(base).clamp_min(1e-12)
     table = []
@@ -419,12 +420,12 @@ def build_task(store: ShardStore, bank: dict, tokenizer: TeacherTokenizer, task:
         served = fit_head(fitting[0].pooled_states(whole)[:, -1], _gold(train),
                           fitting[1].pooled_states(whole)[:, -1], _gold(validation), labels, decays)
     model.heads[(geometry.layers, geometry.heads)] = served
-    importance, table, base_acc = profile_importance(Evaluator(model, bank, tokenizer, _texts(dev)), geometry,
-                                                     _gold(dev))
+    on_dev = Evaluator(model, bank, tokenizer, _texts(dev))
+    importance, table, base_acc = profile_importance(on_dev, geometry, _gold(dev))
     if in_index_order:
         importance = layers_in_index_order(importance)
-    upgrade_order, sensitivity = profile_sensitivity(Evaluator(model, bank, tokenizer, _texts(dev)), geometry)
-    uniform, min_bits = profile_fidelity(Evaluator(model, bank, tokenizer, _texts(dev)), geometry, _gold(dev))
+    upgrade_order, sensitivity = profile_sensitivity(on_dev, geometry)
+    uniform, min_bits = profile_fidelity(on_dev, geometry, _gold(dev))
     log(f"{task}: the whole model at uniform bits {uniform} on dev: fewest bits within "
         f"{FIDELITY_TOLERANCE:.0%} of full precision: {min_bits}")
     order = [[s for (k, s) in importance if k == layer] for layer in range(geometry.layers)]
