@@ -245,7 +245,8 @@ def scorer(task: str, evaluator: Evaluator, gold: torch.Tensor, cache: AccuracyC
 
 def study_task(task: str, data: TaskData, store: ShardStore, tokenizer: TeacherTokenizer, quick: bool,
                cache: AccuracyCache, orders: int) -> list[dict[str, Any]]:
-    """The upgrade study on the task's whole test split (64 texts with `quick`)."""
+    """The upgrade study alone (`--study-only`), on the task's whole test split (64 texts with `quick`); a full run
+    studies in `bench_task`, with the evaluator it has."""
     test = subsample(data.test, 64) if quick else data.test
     evaluator = Evaluator(ElasticModel(store, task), decoded_bank(store), tokenizer, [e.text for e in test])
     return upgrade_study(store.tasks[task], scorer(task, evaluator, torch.tensor([e.label for e in test]), cache),
@@ -254,7 +255,7 @@ def study_task(task: str, data: TaskData, store: ShardStore, tokenizer: TeacherT
 
 def bench_task(task: str, data: TaskData, store: ShardStore, profile: HardwareProfile, tokenizer: TeacherTokenizer,
                targets: list[float], preload_sizes: list[int], runs: int, rounds: int, io: str,
-               quick: bool, cache: AccuracyCache) -> dict[str, Any]:
+               quick: bool, cache: AccuracyCache, study_orders: int = 0) -> dict[str, Any]:
     test = subsample(data.test, 64) if quick else data.test
     lengths = sorted(len(e.input_ids) for e in tokenizer.encode([e.text for e in test], truncate=True))
     length = profile.bucket(lengths[len(lengths) // 2])
@@ -296,8 +297,9 @@ def bench_task(task: str, data: TaskData, store: ShardStore, profile: HardwarePr
                              "mean_depth": round(statistics.mean(depths), 3)})
     finally:
         pipeline.close()
+    study = upgrade_study(store.tasks[task], score, study_orders) if study_orders else []
     return {"task": task, "length": length, "full_model_ms": round(full_ms, 3), "test_texts": len(test),
-            "rows": rows}
+            "rows": rows, "upgrade_study": study}
 
 
 def figures(results: list[dict[str, Any]], preload_sizes: list[int]) -> dict[str, Any]:
@@ -524,21 +526,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     store = ShardStore(shards_dir(artifacts, args.model))
     tokenizer = encoder_base(artifacts, args.model).tokenizer()
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+    cache = AccuracyCache(args.out / "accuracy_cache.json" if args.out and not args.quick else None)
     if args.study_only:
-        return study_only(args, artifacts, store, tokenizer)
+        return study_only(args, artifacts, store, tokenizer, cache)
     profile = measure_profile(store, args.io)
     targets = [float(x) for x in args.targets.split(",")]
     preload_sizes = [int(float(x) * (1 << 20)) for x in args.preload_mb.split(",") if x]
     results = []
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-    cache = AccuracyCache(args.out / "accuracy_cache.json" if args.out and not args.quick else None)
     for task in args.task or list(store.tasks):
         res = bench_task(task, task_data(artifacts, args.model, task, store), store, profile, tokenizer, targets,
-                         preload_sizes, args.runs, args.rounds, args.io, args.quick, cache)
-        if args.study_orders:
-            res["upgrade_study"] = study_task(task, task_data(artifacts, args.model, task, store), store, tokenizer,
-                                              args.quick, cache, args.study_orders)
+                         preload_sizes, args.runs, args.rounds, args.io, args.quick, cache, args.study_orders)
         print(json.dumps({k: v for k, v in res.items() if k != "rows"}), flush=True)
         results.append(res)
     summary = {"io": profile.source, "threads": args.threads, "profile": json.loads(profile.to_json()),
@@ -557,11 +556,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def study_only(args: argparse.Namespace, artifacts: Path, store: ShardStore, tokenizer: TeacherTokenizer) -> int:
+def study_only(args: argparse.Namespace, artifacts: Path, store: ShardStore, tokenizer: TeacherTokenizer,
+               cache: AccuracyCache) -> int:
     """`--study-only`: the upgrade study of each task, its table and figures; writes `<out>/upgrade_study.json`."""
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-    cache = AccuracyCache(args.out / "accuracy_cache.json" if args.out and not args.quick else None)
     results = [{"task": task, "upgrade_study": study_task(task, task_data(artifacts, args.model, task, store), store,
                                                           tokenizer, args.quick, cache, args.study_orders)}
                for task in args.task or list(store.tasks)]

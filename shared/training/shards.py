@@ -255,10 +255,10 @@ def profile_sensitivity(evaluator: Evaluator, geometry: ShardGeometry
     where this one was ahead of them; on spam neither was reliably ahead (docs/benchmarks/sti.md, the upgrade
     study). It needs no labels."""
     base = full_plan(geometry, BITS[-1])
-    expected = evaluator.probs(base).clamp_min(1e-12)
+    expected = evaluator.probs(base)
     table = []
     for k, s, probs in evaluator.upgrades(base, BITS[0]):
-        kl = (expected * (expected.log() - probs.clamp_min(1e-12).log())).sum(1).mean().item()
+        kl = torch.nn.functional.kl_div(probs.clamp_min(1e-12).log(), expected, reduction="batchmean").item()
         table.append({"layer": k, "shard": s, "kl": round(kl, 6)})
     ranked = sorted(table, key=lambda r: (-r["kl"], r["layer"], r["shard"]))
     return [(r["layer"], r["shard"]) for r in ranked], table
