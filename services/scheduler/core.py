@@ -125,7 +125,7 @@ class GroupTable:
     groups: tuple[tuple[Member, ...], ...]
 
 
-@dataclass
+@dataclass(eq=False)   # a job is itself, never equal to another: DAS's decisions name jobs by identity
 class Job:
     model: str
     payload: Any                   # opaque to the core: what `send` needs (token batch, output kind)
@@ -143,6 +143,7 @@ class Job:
     prefetch: asyncio.Task | None = field(repr=False, default=None)  # work done while it waits (PLOT states)
     on_partial: Callable[[Any], None] | None = field(repr=False, default=None)  # its early answers (exit ramps)
     trace: Any = field(repr=False, default=None)   # opaque to the core: the request's trace, which its batch joins
+    waiting: Any = field(repr=False, default=None)  # the policy's view of it while it waits (concat: its DAS item)
 
 
 # A batch running long stands for the batches that start before the smoothed batch time (a fifth a sample) could

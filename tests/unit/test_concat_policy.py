@@ -342,3 +342,34 @@ def test_the_policy_counts_the_groups_that_run_its_batches_side_by_side():
     assert policy.lanes == 3
     d.update_workers({k: v for k, v in live.items() if k != "w2"})
     assert policy.lanes == 2
+
+
+def test_a_job_queued_before_the_wait_bound_is_set_is_due_by_it():
+    """The policy makes each job's DAS item as it queues. A bound set later (a deployment's setting read after
+    jobs arrived) reaches the jobs already waiting: the long one, passed over by utility, goes first once due."""
+    clock, policy = Clock(), ConcatPolicy(row_length=32, rows=1)
+    policy.push(job(clock, (30,), "long"), clock())
+    for k in range(4):
+        policy.push(job(clock, (8,), f"s{k}"), clock())
+    clock.now += 0.1
+    unbound = policy.next_batch(lambda j: True, clock())
+    assert [j.payload.request_id for j in unbound] == ["s0", "s1", "s2", "s3"]   # the shorts, by utility
+    for k in range(4):
+        policy.push(job(clock, (8,), f"t{k}"), clock())
+    policy.bound_wait(0.05)   # the long job has waited 0.1 s: past due
+    assert [j.payload.request_id for j in policy.next_batch(lambda j: True, clock())] == ["long"]
+
+
+def test_jobs_alike_in_every_field_are_batched_each_as_itself():
+    """A decision names jobs by identity: two equal-looking jobs (a client sending the same text twice at once)
+    each get a place in the rows and the plan."""
+    clock, policy = Clock(), ConcatPolicy(row_length=32, rows=1)
+    first = job(clock, (8,), "same")
+    second = Job(**{name: getattr(first, name) for name in first.__dataclass_fields__})
+    policy.push(first, clock())
+    policy.push(second, clock())
+    batch = policy.next_batch(lambda j: True, clock())
+    assert len(batch) == 2 and batch[0] is not batch[1] and {id(j) for j in batch} == {id(first), id(second)}
+    pieces = [piece.job for row in batch[0].plan.rows for slot in row for piece in slot]
+    assert len(pieces) == 2 and {id(j) for j in pieces} == {id(first), id(second)}
+    assert len(policy) == 0

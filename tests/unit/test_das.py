@@ -319,3 +319,16 @@ def test_bucketed_batches_properties(raw, max_batch: int, latency: float, now: f
     spans = sorted((min(by_id[i].length for i in b), max(by_id[i].length for i in b)) for b in buckets.batches)
     assert all(a[1] <= b[0] for a, b in pairwise(spans))
     assert all(now + latency > by_id[i].deadline for i in buckets.expired)
+
+
+@pytest.mark.parametrize("fill", [das_rows, slotted_das_rows])
+def test_items_alike_but_for_their_id_are_each_placed_once(fill: Callable[..., Batch]) -> None:
+    """A placed item leaves the ranked queue by bisection on its order's key, then by identity among its equals:
+    in a queue of equals every row must still take items no other row took."""
+    items = [WaitingItem(k, 8, 10.0, 0.0, 0.5) for k in range(60)] + [WaitingItem(60 + k, 8, 10.0, 0.0)
+                                                                       for k in range(60)]
+    batch = fill(items, 1.0, 32, 6)
+    scheduled = batch.scheduled()
+    assert len(scheduled) == 24 and len(set(scheduled)) == 24
+    assert set(scheduled) == set(range(24)), "the due ones first, in arrival order among equals"
+    assert sorted(scheduled + batch.waiting) == list(range(120))
