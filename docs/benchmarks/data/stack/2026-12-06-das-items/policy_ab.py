@@ -108,13 +108,16 @@ def main() -> None:
     rows = []
     for r in range(rounds):
         order = list(arms) if r % 2 == 0 else list(reversed(arms))
-        row = {"round": r, "order": order} | {f"{name}_{setting}_us": round(decision_us(arms[name], lengths, setting), 1)
-                                              for setting in SETTINGS for name in order}
+        row = {"round": r, "order": order}
+        for setting in SETTINGS:
+            for name in order:
+                row[f"{name}_{setting}_us"] = round(decision_us(arms[name], lengths, setting), 1)
         print(json.dumps(row), flush=True)
         rows.append(row)
     ratios = {s: [round(row[f"new_{s}_us"] / row[f"reference_{s}_us"], 3) for row in rows] for s in SETTINGS}
     medians = {s: statistics.median(v) for s, v in ratios.items()}
-    out.write_text(json.dumps({"command": " ".join(sys.argv), "same_decisions": {"runs": seeds, "placed": placed, "expired": expired}, "rounds": rows,
+    same = {"runs": seeds, "placed": placed, "expired": expired}
+    out.write_text(json.dumps({"command": " ".join(sys.argv), "same_decisions": same, "rounds": rows,
                                "new_over_reference": ratios, "median": medians}, indent=1) + "\n")
     print("new over reference:", ratios, "medians", medians)
 
