@@ -1,10 +1,11 @@
-"""The scheduler's `concat` decision code against an older copy, on fresh meshes serving `null`: closed loops deep
-enough to fill its queue, the order alternating (depth_ab.py's mesh and figures, with two files swapped at once).
+"""The scheduler's code against an older copy, on fresh meshes serving `null`: closed loops deep enough to fill its
+queue, the order alternating (depth_ab.py's mesh and figures, with several files swapped at once).
 
     python mesh_ab.py ROUNDS CALLERS OUT.json REFERENCE_DIR
 
-REFERENCE_DIR holds the older services/scheduler/policies.py and das.py; the arm `reference` puts both in place
-before its mesh starts, the arm `new` runs the checkout's own. The checkout's files are put back at the end.
+REFERENCE_DIR holds older copies of files of services/scheduler/ (each *.py in it, by name); the arm `reference`
+puts them in place before its mesh starts, the arm `new` runs the checkout's own. The checkout's files are put
+back at the end.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "2026-12-05-depth-tally"))
@@ -19,15 +21,15 @@ from depth_ab import CHECKOUT, one_mesh
 
 from academus.loadgen.code_arms import checkout_file
 
-FILES = ("policies.py", "das.py")
-
 
 def main() -> None:
     rounds, callers, out, reference = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4])
-    targets = [CHECKOUT / "services/scheduler" / name for name in FILES]
+    targets = [CHECKOUT / "services/scheduler" / path.name for path in sorted(reference.glob("*.py"))]
     own = {t: t.read_bytes() for t in targets}
     rows = []
-    with checkout_file(targets[0]), checkout_file(targets[1]):
+    with ExitStack() as stack:
+        for t in targets:
+            stack.enter_context(checkout_file(t))
         for r in range(rounds):
             order = ["reference", "new"] if r % 2 == 0 else ["new", "reference"]
             row: dict = {"order": order}
@@ -40,7 +42,8 @@ def main() -> None:
                 row[name] = one_mesh(callers)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    out.write_text(json.dumps({"command": " ".join(sys.argv), "callers": callers, "rounds": rows}, indent=1) + "\n")
+    out.write_text(json.dumps({"command": " ".join(sys.argv), "files": [t.name for t in targets], "callers": callers,
+                               "rounds": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
