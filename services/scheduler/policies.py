@@ -16,7 +16,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import filterfalse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from academus.services.scheduler import das
 from academus.services.scheduler.buffer import LengthAwareBuffer
@@ -562,12 +562,12 @@ class ConcatPolicy(_BatchingPolicy):
         return das.WaitingItem(job, job.num_tokens, job.deadline, job.enqueued_at, job.enqueued_at + bound)
 
     def _select(self, mates: list[Job], now: float) -> tuple[list[Job], list[Job]]:
-        decision = self._decide([j.waiting for j in mates], now)
+        decision = self._decide([j.waiting for j in mates], now)   # type: ignore[misc]  # `push` sets each one
         plan = self._plan(decision)
-        chosen: list[Job] = decision.scheduled()
+        chosen = cast("list[Job]", decision.scheduled())   # the items are named by their jobs
         for job in chosen:
             job.plan = plan
-        return chosen, list(decision.expired)
+        return chosen, cast("list[Job]", decision.expired)
 
     def _decide(self, items: list[das.WaitingItem], now: float) -> das.Batch:
         common = dict(now=now, row_length=self.row_length, rows=self.rows, batch_latency=self.latency)
