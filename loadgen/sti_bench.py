@@ -356,15 +356,18 @@ def table(results: list[dict[str, Any]]) -> str:
 
 
 def study_table(results: list[dict[str, Any]]) -> str:
-    lines = ["| task | shape | bits | upgraded | base | all upgraded | upgrade order | importance (§5.2) | "
-             "random: mean (min–max) |", "|---|---|---|---|---|---|---|---|---|"]
+    """The upgrade study's rows; empty when no task was studied (`--study-orders 0`)."""
+    lines = []
     for res in results:
         for r in res.get("upgrade_study", []):
             spread = f"{r['random_mean']:.4f} ({r['random_min']:.4f}–{r['random_max']:.4f})"
             lines.append(f"| {res['task']} | {r['shape']} | {r['from_bits']} → {r['to_bits']} | {r['upgrades']} "
                          f"({r['share']:.0%}) | {r['base']:.4f} | {r['all_upgraded']:.4f} | "
                          f"{r['upgrade_order']:.4f} | {r['importance']:.4f} | {spread} |")
-    return "\n".join(lines)
+    if not lines:
+        return ""
+    return "\n".join(["| task | shape | bits | upgraded | base | all upgraded | upgrade order | importance (§5.2) | "
+                      "random: mean (min–max) |", "|---|---|---|---|---|---|---|---|---|", *lines])
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> None:
@@ -548,10 +551,11 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         stem = args.out / profile.source.replace(":", "-")
         stem.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
-        stem.with_suffix(".md").write_text(table(results) + "\n\n" + study_table(results) + "\n")
+        stem.with_suffix(".md").write_text("\n\n".join(filter(None, (table(results), study_table(results)))) + "\n")
         plot(results, stem.with_suffix(".png"))
     print(table(results))
-    print(study_table(results))
+    if study := study_table(results):
+        print(study)
     print(json.dumps({k: v for k, v in summary.items() if k != "results"}))
     return 0
 

@@ -37,7 +37,14 @@ def test_figures_compare_each_buffer_with_the_whole_model() -> None:
 def test_the_upgrade_study_compares_the_orders_on_the_same_number_of_upgrades() -> None:
     """Table 7's case study with a scorer whose accuracy counts the upgraded shards of one layer: an upgrade order
     that names them first gains over every random order, an importance order that names them last loses."""
-    from academus.loadgen.sti_bench import STUDY_BITS, STUDY_SHARES, study_figures, study_shapes, upgrade_study
+    from academus.loadgen.sti_bench import (
+        STUDY_BITS,
+        STUDY_SHARES,
+        study_figures,
+        study_shapes,
+        study_table,
+        upgrade_study,
+    )
     from academus.shared.models.shard_store import TaskShards
 
     layers, heads = 2, 4
@@ -64,3 +71,7 @@ def test_the_upgrade_study_compares_the_orders_on_the_same_number_of_upgrades() 
     fig = study_figures(rows)
     assert fig["upgrade_order_over_random_pp"] > 0 > fig["importance_over_random_pp"]
     assert fig["upgrade_order_ahead_of_random"] == "4 of 4"
+    table = study_table([{"task": "t", "upgrade_study": rows}]).splitlines()
+    assert len(table) == 2 + len(rows)
+    assert table[2].startswith("| t | 2x4 | 2 → 6 | 2 (25%) | 0.5000 | 0.9000 | 0.7000 |")
+    assert study_table([{"task": "t", "upgrade_study": []}]) == ""   # `--study-orders 0`: no table, not its header
