@@ -120,17 +120,8 @@ class _Row:
         self.free = row_length
         self.row_length = row_length
 
-    def offer(self, item: WaitingItem) -> bool:
-        """Adds `item` if it fits in what is left of the row."""
-        need = _fit(item, self.row_length)
-        if need > self.free:
-            return False
-        self.items.append(item)
-        self.free -= need
-        return True
-
-    # `fill` and `fill_shortest` inline `offer`: under overload a decision offers rows a few thousand items, and
-    # the two calls an offer took were most of the rows' time.
+    # `fill` and `fill_shortest` take `_fit` inline: under overload a decision offers its rows up to a few thousand
+    # items, and two calls an offer were most of the rows' time.
     def fill(self, candidates: Iterable[WaitingItem], taken: set[ItemId], shortest: int = 1) -> None:
         """First fit: every candidate not yet taken goes in when it still fits. None needs fewer than `shortest`
         tokens, so a row with less room left stops there rather than offering itself to the rest of a long list
