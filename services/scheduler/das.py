@@ -160,9 +160,16 @@ def _by_utility(items: Iterable[WaitingItem]) -> list[WaitingItem]:
     return sorted(items, key=_UTILITY_ORDER)
 
 
-def _drop(ranked: list[WaitingItem], placed: Iterable[WaitingItem]) -> None:
-    """Takes placed items out of a `_by_utility` queue, in place, by bisection: under overload a row places a few
-    of a thousand, and filtering the whole queue for each row took a sixth of the decision."""
+BISECT_UNDER = 1 / 32   # a row that placed fewer than this share of the queue takes them out by bisection
+
+
+def _drop(ranked: list[WaitingItem], placed: list[WaitingItem], taken: set[ItemId]) -> None:
+    """Takes placed items (in `taken`) out of a `_by_utility` queue, in place. Under overload a row places a few of
+    a thousand, and filtering the whole queue for each row took a sixth of the decision: those go by bisection. A
+    row that places a good share of a short queue costs less as one filter pass."""
+    if len(placed) >= BISECT_UNDER * len(ranked):
+        ranked[:] = [n for n in ranked if n.id not in taken]
+        return
     for item in placed:
         at = bisect_left(ranked, _UTILITY_ORDER(item), key=_UTILITY_ORDER)
         while ranked[at] is not item:   # past the items equal to it in the order
@@ -273,13 +280,13 @@ def _das(live: list[WaitingItem], row_length: int, rows: int, eta: float, q: flo
     for _ in range(rows):
         row = _Row(row_length)
         row.fill(overdue, taken, shortest)
-        _drop(ranked, row.items)     # a new row holds only the urgent items just placed
+        _drop(ranked, row.items, taken)     # a new row holds only the urgent items just placed
         if not row.items and not ranked:
             break
         held = len(row.items)
         items, p = _das_row(ranked, row, eta, q, order)
         taken.update(n.id for n in items)   # in place: the deadline order reads the same set
-        _drop(ranked, items[held:])
+        _drop(ranked, items[held:], taken)
         filled.append(items)
         prefixes.append(p)
     return filled, prefixes

@@ -555,6 +555,11 @@ class ConcatPolicy(_BatchingPolicy):
         for job in self._jobs:
             job.waiting = self._waiting_item(job)
 
+    def _forget(self, jobs: Iterable[Job]) -> None:
+        super()._forget(jobs)
+        for job in jobs:   # the item names its job: left in place, the pair would wait for the cycle collector
+            job.waiting = None
+
     def _waiting_item(self, job: Job) -> das.WaitingItem:
         """The job as DAS sees it, named by the job itself. It is made once, as the job queues: under overload a
         decision reads every job waiting, and making 1,024 items took a quarter of it."""
