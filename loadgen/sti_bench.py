@@ -548,7 +548,6 @@ def main(argv: list[str] | None = None) -> int:
                "preload_bytes": preload_sizes, "runs": args.runs, "rounds": args.rounds,
                "figures": figures(results, preload_sizes), "results": results}
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
         stem = args.out / profile.source.replace(":", "-")
         stem.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
         stem.with_suffix(".md").write_text("\n\n".join(filter(None, (table(results), study_table(results)))) + "\n")

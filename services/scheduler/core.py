@@ -19,7 +19,6 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from academus.services.scheduler.das import WaitingItem
 from academus.services.scheduler.policies import BatchPlan, DispatchPolicy
 from academus.shared.runtime.errors import DeadlineExceeded, ResourceExhausted, ServingError, Unavailable
 from academus.shared.runtime.metrics import LATENCY_BUCKETS, children
@@ -126,7 +125,7 @@ class GroupTable:
     groups: tuple[tuple[Member, ...], ...]
 
 
-@dataclass(eq=False)   # a job is itself, never equal to another: DAS's decisions name jobs by identity
+@dataclass(eq=False)   # a job is itself, never equal to another: DAS's items name their jobs
 class Job:
     model: str
     payload: Any                   # opaque to the core: what `send` needs (token batch, output kind)
@@ -144,7 +143,6 @@ class Job:
     prefetch: asyncio.Task | None = field(repr=False, default=None)  # work done while it waits (PLOT states)
     on_partial: Callable[[Any], None] | None = field(repr=False, default=None)  # its early answers (exit ramps)
     trace: Any = field(repr=False, default=None)   # opaque to the core: the request's trace, which its batch joins
-    waiting: WaitingItem | None = field(repr=False, default=None)  # concat's view of it while it waits: its DAS item
 
 
 # A batch running long stands for the batches that start before the smoothed batch time (a fifth a sample) could

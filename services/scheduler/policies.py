@@ -475,9 +475,9 @@ class _BatchingPolicy(DispatchPolicy):
         started = time.perf_counter()
         mates = [j for j in self._jobs if j.batch_key == head.batch_key and accepts(j)]
         chosen, expired = self._select(mates, now)
-        gone = {*chosen, *expired}   # jobs hash as themselves
-        self._jobs = deque(filterfalse(gone.__contains__, self._jobs))
-        self._forget([*chosen, *expired])
+        done = [*chosen, *expired]
+        self._jobs = deque(filterfalse(set(done).__contains__, self._jobs))   # jobs hash as themselves
+        self._forget(done)
         for job in expired:
             self._dropped.append((job, DeadlineExceeded(
                 "the deadline cannot be met even in the next batch (DAS); not computed")))
@@ -537,6 +537,9 @@ class ConcatPolicy(_BatchingPolicy):
         self.row_length, self.rows, self.eta = row_length, rows, eta
         self.selection, self.slotted, self.oversize = selection, slotted, oversize
         self.lanes = 1    # groups running batches side by side: how soon the batches after this one start
+        # each waiting job's DAS item, made once as it queues: under overload a decision reads every job waiting,
+        # and making 1,024 items took a quarter of it
+        self._items: dict[Job, das.WaitingItem] = {}
 
     def resize(self, groups: int) -> None:
         self.lanes = max(1, groups)
@@ -547,27 +550,26 @@ class ConcatPolicy(_BatchingPolicy):
             raise InvalidArgument(f"a text of {job.max_length} tokens is longer than the row length "
                                   f"L={self.row_length} (ACADEMUS_CONCAT_ROW_LENGTH); ACADEMUS_CONCAT_OVERSIZE=reject "
                                   f"refuses it rather than truncate it")
-        job.waiting = self._waiting_item(job)
+        self._items[job] = self._waiting_item(job)
         super().push(job, now, front)
 
     def bound_wait(self, seconds: float) -> None:
         super().bound_wait(seconds)
-        for job in self._jobs:
-            job.waiting = self._waiting_item(job)
+        self._items = {job: self._waiting_item(job) for job in self._jobs}
 
     def _forget(self, jobs: Iterable[Job]) -> None:
         super()._forget(jobs)
-        for job in jobs:   # the item names its job: left in place, the pair would wait for the cycle collector
-            job.waiting = None
+        for job in jobs:
+            del self._items[job]
 
     def _waiting_item(self, job: Job) -> das.WaitingItem:
-        """The job as DAS sees it, named by the job itself. It is made once, as the job queues: under overload a
-        decision reads every job waiting, and making 1,024 items took a quarter of it."""
+        """The job as DAS sees it, named by the job itself."""
         bound = self.max_wait_s if self.due_first and self.max_wait_s else math.inf
         return das.WaitingItem(job, job.num_tokens, job.deadline, job.enqueued_at, job.enqueued_at + bound)
 
     def _select(self, mates: list[Job], now: float) -> tuple[list[Job], list[Job]]:
-        decision = self._decide([j.waiting for j in mates], now)   # type: ignore[misc]  # `push` sets each one
+        items = self._items
+        decision = self._decide([items[j] for j in mates], now)
         plan = self._plan(decision)
         chosen = cast("list[Job]", decision.scheduled())   # the items are named by their jobs
         for job in chosen:
