@@ -239,6 +239,107 @@ def policy_from(config: cfg.SchedulerConfig) -> DispatchPolicy:
                        bin_width=config.bin_width)
 
 
+class Registration:
+    """The scheduler in Redis: its registration (address, policy, models and, for a node's scheduler, the models
+    it has live groups for), kept alive by a heartbeat, and the load signals the resource manager adapts the
+    student number on, reported on their own period."""
+
+    def __init__(self, redis, keys: Keys, config: cfg.SchedulerConfig, dispatcher: Dispatcher,
+                 policy: DispatchPolicy, watcher: PlacementWatcher, prefetcher: PlotPrefetcher | None) -> None:
+        self.redis, self.keys, self.config = redis, keys, config
+        self.dispatcher, self.policy, self.watcher, self.prefetcher = dispatcher, policy, watcher, prefetcher
+        self.scheduler_id, self.address = config.scheduler_id, ""
+        self.ttl = max(1, round(config.heartbeat_ttl_s))
+        # the load signals outlive a dead scheduler by at most ten reports (>= 1 s), not a heartbeat TTL: a stale
+        # report holding an old student number would pause the resource manager's adaptation until it expired
+        self.load_ttl_ms = max(1000, round(10_000 * config.load_report_s))
+        self._sought: set[str] = set()   # looked up once: a model its deployment had not timed starts from its own
+
+    def bind(self, address: str) -> str:
+        """The server's bound address; the scheduler's id (the address unless configured)."""
+        self.address = address
+        self.scheduler_id = self.scheduler_id or address
+        return self.scheduler_id
+
+    async def announce(self) -> None:
+        await self.watcher.refresh()
+        await self.beat()
+
+    async def reregister(self) -> None:
+        """What this node's scheduler serves changed: rewritten now, and announced on the events channel,
+        which wakes the gateways' registry reads (else a newly serving node waited for their next period)."""
+        if self.address and self.config.node:
+            await self.beat()
+            await self.redis.publish(self.keys.events(), f"serving {self.scheduler_id}")
+
+    async def beat(self) -> None:
+        config, key = self.config, self.keys.scheduler(self.scheduler_id)
+        registration = {"address": self.address, "policy": config.policy, "models": config.models}
+        if config.node:   # it serves its node's groups only: gateways send it what it has groups for
+            registration |= {"node": config.node, "serving": ",".join(sorted(self.watcher.serving))}
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(key, mapping=registration)
+        pipe.expire(key, self.ttl)
+        pipe.sadd(self.keys.schedulers(), self.scheduler_id)
+        await pipe.execute()
+        await self.report_load()
+
+    async def report_load(self) -> None:
+        """The signals the resource manager adapts the student number on (buffer depth, idle groups)."""
+        policy, dispatcher = self.policy, self.dispatcher
+        if self.watcher.max_merge and not self.config.max_merge and isinstance(policy, StudentPolicy):
+            policy.set_max_merge(self.watcher.max_merge)
+        load = dispatcher.load() | policy.stats() | {"merged": getattr(policy, "merged", 0),
+                                                     "policy": self.config.policy,
+                                                     "models": json.dumps(dispatcher.model_load())}
+        if self.prefetcher is not None:
+            load |= self.prefetcher.stats
+        await self.seed_timings()
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(self.keys.load(self.scheduler_id), mapping=load)
+        pipe.pexpire(self.keys.load(self.scheduler_id), self.load_ttl_ms)
+        for model, timings in dispatcher.timings().items():
+            pipe.hset(self.keys.timing(self.config.policy, model), mapping=timings)
+            pipe.expire(self.keys.timing(self.config.policy, model), TIMING_TTL_S)
+        await pipe.execute()
+        QUEUE_DEPTH.set(load["queued"])
+        BUFFER_DEPTH.set(load["buffer"])
+
+    async def seed_timings(self) -> None:
+        """The models this scheduler runs and has not timed yet start from what its deployment reported."""
+        dispatcher = self.dispatcher
+        new = sorted({m for g in dispatcher.groups for m in g.models} - dispatcher.service_s.keys() - self._sought)
+        if not new:
+            return
+        self._sought.update(new)
+        pipe = self.redis.pipeline(transaction=False)
+        for model in new:
+            pipe.hgetall(self.keys.timing(self.config.policy, model))
+        for model, reported in zip(new, await pipe.execute(), strict=True):
+            timings = {name: float(value) for name, value in reported.items()}
+            if timings and dispatcher.seed(model, timings):
+                log_event("timings_seeded", model=model, **timings)
+
+    async def load_reporter(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.load_report_s)
+            if self.address:
+                with contextlib.suppress(Exception):  # Redis away: the heartbeat logs it
+                    await self.report_load()
+
+    async def heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl / 3)
+            try:
+                await self.beat()
+            except Exception as e:
+                log_event("heartbeat_failed", logging.WARNING, error=repr(e))
+
+    async def deregister(self) -> None:
+        await self.redis.srem(self.keys.schedulers(), self.scheduler_id)
+        await self.redis.delete(self.keys.scheduler(self.scheduler_id), self.keys.load(self.scheduler_id))
+
+
 async def build() -> ServiceSpec:
     config = cfg.load(cfg.SchedulerConfig)
     redis = connect(config.redis_url, config.redis_password)
@@ -256,101 +357,21 @@ async def build() -> ServiceSpec:
                             shard=Shard(config.shard, config.shards), policy_name=config.policy,
                             max_queue_wait_s=config.max_queue_wait_ms / 1e3)
     dispatcher.workers = workers  # the sender resolves member addresses from the same live table
-    models = cfg.ModelSelection.parse(config.models)
-    state = {"id": config.scheduler_id, "address": ""}
-
-    async def reregister() -> None:
-        """What this node's scheduler serves changed: rewritten now, and announced on the events channel,
-        which wakes the gateways' registry reads (else a newly serving node waited for their next period)."""
-        if state["address"] and config.node:
-            await beat()
-            await redis.publish(keys.events(), f"serving {state['id']}")
-
-    watcher = PlacementWatcher(redis, keys, dispatcher, config.refresh_s, models, prefetcher, config.node,
-                               on_serving=reregister)
-    ttl = max(1, round(config.heartbeat_ttl_s))
-    # the load signals outlive a dead scheduler by at most ten reports (>= 1 s), not a heartbeat TTL: a stale
-    # report holding an old student number would pause the resource manager's adaptation until it expired
-    load_ttl_ms = max(1000, round(10_000 * config.load_report_s))
-
+    watcher = PlacementWatcher(redis, keys, dispatcher, config.refresh_s, cfg.ModelSelection.parse(config.models),
+                               prefetcher, config.node)
+    registration = Registration(redis, keys, config, dispatcher, policy, watcher, prefetcher)
+    watcher.on_serving = registration.reregister
     servicer = SchedulerServicer(dispatcher, config.policy, watcher.student_numbers)
 
     async def announce(address: str) -> None:
-        state["address"] = address
-        state["id"] = servicer.scheduler_id = state["id"] or address
-        await watcher.refresh()
-        await beat()
-
-    async def beat() -> None:
-        pipe = redis.pipeline(transaction=True)
-        registration = {"address": state["address"], "policy": config.policy, "models": config.models}
-        if config.node:   # it serves its node's groups only: gateways send it what it has groups for
-            registration |= {"node": config.node, "serving": ",".join(sorted(watcher.serving))}
-        pipe.hset(keys.scheduler(state["id"]), mapping=registration)
-        pipe.expire(keys.scheduler(state["id"]), ttl)
-        pipe.sadd(keys.schedulers(), state["id"])
-        await pipe.execute()
-        await report_load()
-
-    async def report_load() -> None:
-        """The signals the resource manager adapts the student number on (buffer depth, idle groups)."""
-        if watcher.max_merge and not config.max_merge and isinstance(policy, StudentPolicy):
-            policy.set_max_merge(watcher.max_merge)
-        load = dispatcher.load() | policy.stats() | {"merged": getattr(policy, "merged", 0), "policy": config.policy,
-                                                     "models": json.dumps(dispatcher.model_load())}
-        if prefetcher is not None:
-            load |= prefetcher.stats
-        await seed_timings()
-        pipe = redis.pipeline(transaction=True)
-        pipe.hset(keys.load(state["id"]), mapping=load)
-        pipe.pexpire(keys.load(state["id"]), load_ttl_ms)
-        for model, timings in dispatcher.timings().items():
-            pipe.hset(keys.timing(config.policy, model), mapping=timings)
-            pipe.expire(keys.timing(config.policy, model), TIMING_TTL_S)
-        await pipe.execute()
-        QUEUE_DEPTH.set(load["queued"])
-        BUFFER_DEPTH.set(load["buffer"])
-
-    sought: set[str] = set()   # looked up once: a model its deployment had not timed then starts from its own
-
-    async def seed_timings() -> None:
-        """The models this scheduler runs and has not timed yet start from what its deployment reported."""
-        new = sorted({m for g in dispatcher.groups for m in g.models} - dispatcher.service_s.keys() - sought)
-        if not new:
-            return
-        sought.update(new)
-        pipe = redis.pipeline(transaction=False)
-        for model in new:
-            pipe.hgetall(keys.timing(config.policy, model))
-        for model, reported in zip(new, await pipe.execute(), strict=True):
-            timings = {name: float(value) for name, value in reported.items()}
-            if timings and dispatcher.seed(model, timings):
-                log_event("timings_seeded", model=model, **timings)
-
-    async def load_reporter() -> None:
-        while True:
-            await asyncio.sleep(config.load_report_s)
-            if state["address"]:
-                with contextlib.suppress(Exception):  # Redis away: the heartbeat logs it
-                    await report_load()
+        servicer.scheduler_id = registration.bind(address)   # its replies name it from the first
+        await registration.announce()
 
     async def expire() -> None:
         """Answers waiting jobs whose deadline passed and frees their queue slots promptly."""
         while True:
             await asyncio.sleep(config.expire_interval_s)
             dispatcher.expire_waiting()
-
-    async def heartbeat() -> None:
-        while True:
-            await asyncio.sleep(ttl / 3)
-            try:
-                await beat()
-            except Exception as e:
-                log_event("heartbeat_failed", logging.WARNING, error=repr(e))
-
-    async def deregister() -> None:
-        await redis.srem(keys.schedulers(), state["id"])
-        await redis.delete(keys.scheduler(state["id"]), keys.load(state["id"]))
 
     return ServiceSpec(
         name="scheduler",
@@ -359,9 +380,9 @@ async def build() -> ServiceSpec:
         service_names=["academus.v1.Scheduler"],
         hop_target=True,
         on_started=announce,
-        on_stopping=deregister,
+        on_stopping=registration.deregister,
         on_stopped=redis.aclose,
-        extra_tasks=[watcher.loop, watcher.watch_events, heartbeat, expire, load_reporter],
+        extra_tasks=[watcher.loop, watcher.watch_events, registration.heartbeat, expire, registration.load_reporter],
     )
 
 

@@ -1205,3 +1205,47 @@ async def test_a_worker_registered_again_on_its_address_is_called_on_a_fresh_cha
         assert not isinstance(answered.value, WorkerLost)
     finally:
         await server.stop(None)
+
+
+async def test_the_registration_names_what_a_node_serves_and_leaves_no_key_behind(redis_url):
+    """A node's scheduler registers its address, policy, node and the models it has groups for, under its TTL,
+    with its load report; a change of what it serves is rewritten and announced on the events channel; once
+    deregistered, no key of it is left for a gateway to send to."""
+    import json
+
+    from academus.services.scheduler.server import PlacementWatcher, Registration
+    from academus.shared.runtime import config as cfg
+    from academus.shared.runtime.redis_conn import connect
+    from academus.shared.state.keys import Keys
+
+    redis, keys = connect(redis_url), Keys("acd-registration")
+    await redis.sadd(keys.placement("ss"), "w0")   # placed, not yet live
+    await redis.sadd(keys.placements(), "ss")
+    config = cfg.SchedulerConfig(key_prefix="acd-registration", node="a", policy="student", heartbeat_ttl_s=7.0)
+    d = make_dispatcher({}, policy=StudentPolicy())[0]
+    watcher = PlacementWatcher(redis, keys, d, 1.0, node="a")
+    registration = Registration(redis, keys, config, d, d.policy, watcher, None)
+    watcher.on_serving = registration.reregister
+    assert registration.bind("127.0.0.1:5005") == "127.0.0.1:5005"   # no configured id: the address
+    await registration.announce()
+    sid = "127.0.0.1:5005"
+    assert await redis.hgetall(keys.scheduler(sid)) == {"address": sid, "policy": "student", "models": "",
+                                                        "node": "a", "serving": ""}   # no live worker yet
+    assert 0 < await redis.ttl(keys.scheduler(sid)) <= 7 and await redis.smembers(keys.schedulers()) == {sid}
+    assert "queued" in await redis.hgetall(keys.load(sid)) and 0 < await redis.pttl(keys.load(sid)) <= 1000
+
+    events = redis.pubsub()
+    await events.subscribe(keys.events())
+    await events.get_message(timeout=1.0)   # the subscription's own confirmation
+    await redis.hset(keys.worker("w0"), mapping={"address": "127.0.0.1:1", "capacity": 1, "node": "a"})
+    await redis.set(keys.groups("ss"), json.dumps({"students": 1, "groups": [[["w0", [0]]]]}))
+    await watcher.refresh()   # its group formed: the node now serves ss
+    assert (await redis.hgetall(keys.scheduler(sid)))["serving"] == "ss"
+    message = await events.get_message(ignore_subscribe_messages=True, timeout=1.0)
+    assert message is not None and message["data"] == f"serving {sid}"
+    await events.aclose()
+
+    await registration.deregister()
+    assert not await redis.exists(keys.scheduler(sid), keys.load(sid))
+    assert await redis.smembers(keys.schedulers()) == set()
+    await redis.aclose()
