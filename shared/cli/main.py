@@ -119,7 +119,8 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("prepare", help="train the teacher's task heads and write the artifacts", add_help=False)
     s.set_defaults(func=cmd_prepare)
 
-    s = sub.add_parser("distill", help="distil the teacher into a student group (run | report)", add_help=False)
+    s = sub.add_parser("distill", help="distil the teacher into a student group (run | report | ablations)",
+                       add_help=False)
     s.set_defaults(func=cmd_distill)
 
     s = sub.add_parser("heads", help="heads train: a linear head on an embedding model you added", add_help=False)
@@ -129,7 +130,8 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_ramps)
     s = sub.add_parser("plot", help="PLOT tables of lower-layer states (build | info | head)", add_help=False)
     s.set_defaults(func=cmd_plot)
-    s = sub.add_parser("shard", help="elastic shards (STI): build | info | verify | profile | plan", add_help=False)
+    s = sub.add_parser("shard", help="elastic shards (STI): build | adapt | info | verify | profile | plan | budget",
+                       add_help=False)
     s.set_defaults(func=cmd_shard)
 
     s = sub.add_parser("loadgen", help="open-loop load: Poisson, bursts or trace replay; report.json + plots",
