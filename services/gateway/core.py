@@ -460,6 +460,9 @@ class SchedulerDirectory:
         self._full_until: dict[tuple[str, str], float] = {}   # (address, model) -> when its pushback hint ends
         self._down_until: dict[str, float] = {}   # address -> until when it is tried last (it said UNAVAILABLE)
         self._served_at: dict[str, float] = {}    # model -> when a scheduler last answered one of its requests
+        # (model, policy) -> the deployments' addresses serving it, until the next registry read: asked twice a
+        # request (the edge refusal, then the pick); keyed by catalogue models and known policies only
+        self._serving: dict[tuple[str, str], tuple[str, ...]] = {}
         self._refreshed_at = float("-inf")
         self._reading: asyncio.Future[None] | None = None   # the registry read under way, shared by its callers
 
@@ -491,6 +494,7 @@ class SchedulerDirectory:
         self.deployments = [Deployment(f["address"], f.get("policy", ""), ModelSelection.parse(f.get("models", "")),
                                        frozenset(split_names(f["serving"])) if "serving" in f else None)
                             for f in found if f.get("address")]
+        self._serving = {}
         live = set(self.addresses)   # a scheduler gone with nothing in flight is forgotten
         self._in_flight = Counter({a: n for a, n in self._in_flight.items() if n or a in live})
         self._down_until = {a: t for a, t in self._down_until.items() if a in live}
@@ -511,9 +515,14 @@ class SchedulerDirectory:
         start = next(self._next) % len(up)
         return min(up[start:] + up[:start], key=self._in_flight.__getitem__)
 
-    def serving(self, model: str, policy: str = "", exclude: frozenset[str] | set[str] = frozenset()) -> list[str]:
+    def serving(self, model: str, policy: str = "",
+                exclude: frozenset[str] | set[str] = frozenset()) -> Sequence[str]:
         """Addresses of the live deployments that serve the model (and policy), less `exclude`."""
-        return [d.address for d in self.deployments if d.address not in exclude and d.serves(model, policy)]
+        found = self._serving.get((model, policy))
+        if found is None:
+            found = self._serving[model, policy] = tuple(d.address for d in self.deployments
+                                                         if d.serves(model, policy))
+        return [a for a in found if a not in exclude] if exclude else found
 
     def refuse_if_full(self, model: str, policy: str = "") -> None:
         """The edge refusal, before anything is spent on the request (its quota token included): every
@@ -521,7 +530,7 @@ class SchedulerDirectory:
         if candidates := self.serving(model, policy):
             self._open(candidates, model)
 
-    def _open(self, candidates: list[str], model: str) -> list[str]:
+    def _open(self, candidates: Sequence[str], model: str) -> list[str]:
         """The candidates whose pushback hint has passed; none: ResourceExhausted with the soonest end."""
         now = self.clock()
         open_ = [a for a in candidates if self._full_until.get((a, model), now) <= now]

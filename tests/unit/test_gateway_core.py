@@ -285,6 +285,24 @@ async def test_directory_routes_by_model_and_policy(redis_url):
     await redis.aclose()
 
 
+async def test_what_serves_a_model_is_read_again_with_the_registry(redis_url):
+    """The directory answers which deployments serve a model from its last registry read, kept between reads
+    (two questions a request): a scheduler registered since is served from the next read, one gone is not,
+    and `exclude` leaves out the ones a request already tried."""
+    redis = connect(redis_url)
+    directory = await two_schedulers(redis, "padded", "spam", "m")
+    assert list(directory.serving("spam")) == ["m:0", "m:1"] and list(directory.serving("ham")) == []
+    assert directory.serving("spam", exclude={"m:0"}) == ["m:1"] and list(directory.serving("spam")) == ["m:0", "m:1"]
+    await redis.sadd(KEYS.schedulers(), "m.2")
+    await redis.hset(KEYS.scheduler("m.2"), mapping={"address": "m:2", "policy": "student", "models": "ham"})
+    await redis.delete(KEYS.scheduler("m.0"))
+    assert list(directory.serving("ham")) == []                               # not read yet
+    await directory.refresh()
+    assert list(directory.serving("ham")) == ["m:2"] and list(directory.serving("spam")) == ["m:1"]
+    assert list(directory.serving("ham", "padded")) == [] and list(directory.serving("ham", "student")) == ["m:2"]
+    await redis.aclose()
+
+
 async def two_schedulers(redis, policy: str, models: str, prefix: str = "a", clock=None):
     """Two live schedulers of one deployment (two shards) at PREFIX:0 and PREFIX:1, and a refreshed
     directory over them."""
