@@ -29,6 +29,7 @@ from academus.services.gateway.core import (
     for_want_of_room,
     pair_scores,
 )
+from academus.services.gateway.http import HttpApi, HttpServer
 from academus.services.gateway.manage import Manage
 from academus.shared.models.plot.domains import Domain
 from academus.shared.models.teacher_files import teacher_dir
@@ -168,9 +169,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             if request.early_exit:
                 response = await self._first_results(admitted, request, deadline)
             else:
-                result = await self._schedule(admitted, schedule_request(admitted, request.request_id), deadline,
-                                              request.policy)
-                response = to_pb(admitted, result, request.request_id)
+                response = await self.answer(admitted, request.request_id, deadline, request.policy)
         except ServingError as e:
             await abort_with(context, e)
         except RedisError as e:  # keys and catalogue unreachable: nothing ran, a retry may succeed
@@ -208,6 +207,29 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             yield response
         finally:
             final.cancel()   # the client left (or the stream failed): its work stops downstream
+
+    async def answer(self, admitted: Admitted, request_id: str, deadline: float, policy: str = "") -> pb.InferResponse:
+        """Every text's full-model prediction (no early exits)."""
+        result = await self._schedule(admitted, schedule_request(admitted, request_id), deadline, policy)
+        return to_pb(admitted, result, request_id)
+
+    async def answer_call(self, api_key: str | None, call: InferCall, request_id: str, timeout_s: float,
+                          peer: str) -> pb.InferResponse:
+        """A call another edge of this gateway took (HTTP/JSON): admitted and answered as `Infer` answers it."""
+        entered = time.perf_counter()
+        deadline = time.monotonic() + timeout_s
+        admitted = await self.gateway.admit(api_key, call, "", peer)
+        response = await self.answer(admitted, request_id, deadline)
+        response.metadata.tokenize_ms = admitted.tokenize_ms
+        response.metadata.gateway_ms = (time.perf_counter() - entered) * 1e3
+        return response
+
+    async def model_owners(self, api_key: str | None, peer: str) -> list[dict[str, str]]:
+        """The models the key may name, as ListModels gives them: the served ones ("academus"), then the
+        caller's own tenant models ("tenant")."""
+        served, own = await self.gateway.list_models(api_key, peer)
+        return [*({"name": spec.name, "owner": "academus"} for spec in served),
+                *({"name": m.name, "owner": "tenant"} for m in own)]
 
     async def _admit(self, request: pb.InferRequest, context: grpc.aio.ServicerContext) -> tuple[Admitted, float]:
         """The admitted call (credentials, quota, limits, tokens) and its deadline on this clock."""
@@ -402,17 +424,28 @@ async def build() -> ServiceSpec:
 
     manage = ManageServicer(Manage(config, redis, keys, gateway.auth, quotas=gateway.quotas))   # one set of leases
 
+    inference = InferenceServicer(gateway, schedulers, config.default_deadline_s,
+                                  Stubs.for_hops(scheduler_pb2_grpc.SchedulerStub, config))
+    http = HttpServer(HttpApi(config, inference.answer_call, inference.model_owners,
+                              lambda: bool(schedulers.deployments)), config) if config.http_port >= 0 else None
+
     def add_servicers(server: grpc.aio.Server) -> None:
-        inference_pb2_grpc.add_InferenceServicer_to_server(
-            InferenceServicer(gateway, schedulers, config.default_deadline_s,
-                              Stubs.for_hops(scheduler_pb2_grpc.SchedulerStub, config)), server)
+        inference_pb2_grpc.add_InferenceServicer_to_server(inference, server)
         manage_pb2_grpc.add_ManageServicer_to_server(manage, server)
+
+    async def start_http(_address: str) -> None:
+        await http.start()
+
+    async def stopping() -> None:
+        await http.stop()
 
     return ServiceSpec(
         name="gateway",
         config=config,
         add_servicers=add_servicers,
         service_names=["academus.v1.Inference", "academus.v1.Manage"],
+        on_started=start_http if http is not None else None,
+        on_stopping=stopping if http is not None else None,
         on_stopped=redis.aclose,
         extra_tasks=[refresher, functools.partial(wake_on, redis, keys.events(), changed)],
         own_port=config.own_port,

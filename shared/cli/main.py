@@ -55,6 +55,9 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("up", help="start Redis (unless REDIS_URL is set) and every service")
     s.add_argument("--detach", action="store_true", help="return once the mesh is ready")
     s.add_argument("--port", type=int, default=50051, help="gateway port (0: any free port)")
+    s.add_argument("--http-port", type=int, default=None,
+                   help="serve the HTTP/JSON API (TEI's /embed and /predict, OpenAI's /v1/embeddings) on this port "
+                        "too (0: any free port; default: gRPC only)")
     s.add_argument("--workers", type=int, default=1)
     s.add_argument("--gateways", type=int, default=1,
                    help="gateway processes sharing the port (the kernel spreads client connections over them)")
@@ -250,7 +253,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(str(e), file=sys.stderr)
         return 2
     options = MeshOptions(run_dir=_run_dir(args), artifacts=args.artifacts or artifacts_dir(),
-                          gateway_port=args.port, workers=args.workers, worker_threads=args.worker_threads,
+                          gateway_port=args.port, http_port=args.http_port, workers=args.workers,
+                          worker_threads=args.worker_threads,
                           instances=args.instances, deployments=deployments, gpus=args.gpus,
                           gateways=args.gateways, nodes=args.nodes, tls=args.tls, mutual_tls=args.mtls,
                           standby=args.standby, launcher=args.launcher,
@@ -293,6 +297,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         redis = report["redis"]
         print(f"{'redis':<16} {redis['url']:<28} {redis['health']:<12} restarts {redis['restarts']}")
+        if report["http"]:
+            print(f"{'http':<16} {report['http']}")
         for s in report["services"]:
             print(f"{s['name']:<16} {s['address']:<28} {s['health']:<12} restarts {s['restarts']}")
         launcher = report["launcher"]

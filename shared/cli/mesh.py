@@ -99,6 +99,7 @@ class MeshState:
     gateway: str
     key_prefix: str
     services: list[ServiceProcess] = field(default_factory=list)
+    http: str = ""   # the gateways' HTTP/JSON API (`up --http-port`); "": off
     deployments: list[dict[str, object]] = field(default_factory=list)   # each scheduler's policy and models
     supervisor_pid: int | None = None   # once up() handed the processes over; from then on only it saves
     redis_restarts: int = 0
@@ -193,6 +194,8 @@ class MeshOptions:
     artifacts: Path = field(default_factory=artifacts_dir)
     gateway_port: int = DEFAULT_GATEWAY_PORT    # 0: any free port
     gateways: int = 1                           # gateway processes sharing that port (SO_REUSEPORT)
+    http_port: int | None = None                # the gateways' HTTP/JSON API, shared the same way; 0: any free
+                                                # port; None: off
     workers: int = 1
     worker_threads: int = 0
     instances: int = 0                          # student instances per worker (0: its default / profile)
@@ -226,6 +229,7 @@ def up(options: MeshOptions) -> MeshState:
         if getattr(options, setting) < 1:
             raise MeshError(f"{setting} must be >= 1, not {getattr(options, setting)}")
     options = replace(options, gateway_port=options.gateway_port or free_port(),  # one port for every gateway
+                      http_port=None if options.http_port is None else options.http_port or free_port(),
                       deployments=options.deployments or default_deployments(options),
                       tls=options.tls or options.mutual_tls)
     tls = _certificates(options)
@@ -255,6 +259,7 @@ def up(options: MeshOptions) -> MeshState:
                     last = state.services[-1]
                     wait_healthy(last.address, options.ready_timeout_s, last, state.credentials(last))
         state.gateway = f"127.0.0.1:{options.gateway_port}"
+        state.http = f"127.0.0.1:{options.http_port}" if options.http_port is not None else ""
         state.save()
         for s in state.services:
             wait_healthy(s.address, options.ready_timeout_s, s, state.credentials(s))
@@ -421,7 +426,8 @@ def unused_port(taken: set[int]) -> int:
 
 
 def _taken_ports(options: MeshOptions, state: MeshState) -> set[int]:
-    return {options.gateway_port, *(int(s.address.rsplit(":", 1)[1]) for s in state.services),
+    return {options.gateway_port, *([options.http_port] if options.http_port else []),
+            *(int(s.address.rsplit(":", 1)[1]) for s in state.services),
             *(s.metrics_port for s in state.services)}
 
 
@@ -441,6 +447,8 @@ def _spawn(name: str, index: int, options: MeshOptions, state: MeshState,
                 MESH_TOKEN.name: state.mesh_token}
     if own_port:
         settings["ACADEMUS_OWN_PORT"] = str(own_port)
+    if name == "gateway" and options.http_port is not None:
+        settings["ACADEMUS_HTTP_PORT"] = str(options.http_port)
     if name == "worker":
         settings["ACADEMUS_WORKER_ID"] = f"worker-{index}"
         if options.worker_threads:
@@ -620,6 +628,7 @@ def status(run_dir: Path) -> dict:
     return {
         "run_dir": state.run_dir,
         "gateway": state.gateway,
+        "http": state.http,
         "redis": {"url": redacted(state.redis_url), "owned": state.redis_pid is not None,
                   "health": "SERVING" if redis_ok else "UNREACHABLE", "restarts": state.redis_restarts},
         "services": [{"name": s.name, "address": s.address, "pid": s.pid, "metrics_port": s.metrics_port,

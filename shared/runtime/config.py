@@ -363,6 +363,10 @@ class GatewayConfig(CommonConfig):
     max_corpus_lines: int = setting(1_000_000, "Manage API: lines a domain corpus may have", at_least(1))
     uploads_dir: str = setting("", "where accepted uploads wait for the trainer; empty: `<artifacts>/uploads`")
     plot_dir: str = setting("", "the root PLOT table domains extend; empty: the one the mesh serves")
+    http_port: int = setting(-1, "the HTTP/JSON API's port (TEI's /embed and /predict, OpenAI's /v1/embeddings; "
+                                 "docs/design/http_api.md): -1 off, 0 any free port", between(-1, 65535))
+    http_model: str = setting("", "the model an HTTP /embed or /predict request that names none is for; empty: the "
+                                  "request must name one")
     own_port: int = setting(0, "a port only this process binds besides the shared one (`up --gateways G`: health "
                                "checks and a load generator reach each gateway); 0: none", PORT)
     tls_cert: str = setting("", "the public port's certificate (chain): set, the gateway serves TLS only, on "

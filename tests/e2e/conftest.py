@@ -20,7 +20,8 @@ from tests.conftest import NO_WAIT_BOUND
 
 def start_mesh(run_dir: Path, workers: int = 1, env: dict[str, str] | None = None, gateways: int = 1,
                deployments: list[Deployment] | None = None, supervise: bool = False,
-               artifacts: Path | None = None, standby: bool = False, launcher: bool = True) -> MeshState:
+               artifacts: Path | None = None, standby: bool = False, launcher: bool = True,
+               http_port: int | None = None) -> MeshState:
     """`deployments`: one fifo scheduler for every model unless given (the serving tests are written against
     fifo's one-request batches); [] for `academus up`'s defaults. Unsupervised unless asked: the tests that
     kill a process look at what its loss leaves (test_chaos.py looks at the restart). `artifacts`: a test's
@@ -28,7 +29,7 @@ def start_mesh(run_dir: Path, workers: int = 1, env: dict[str, str] | None = Non
     if not (artifacts_dir() / "models.json").exists():
         pytest.fail(f"no artifacts in {artifacts_dir()}: `make test` runs `academus prepare` first")
     return up(MeshOptions(run_dir=run_dir, artifacts=artifacts or artifacts_dir(), gateway_port=0, workers=workers,
-                          worker_threads=1, gateways=gateways,
+                          worker_threads=1, gateways=gateways, http_port=http_port,
                           deployments=[Deployment("fifo")] if deployments is None else deployments, supervise=supervise,
                           standby=standby, launcher=launcher,
                           env={"OTEL_BSP_SCHEDULE_DELAY": "100", "ACADEMUS_GRACE_S": "20", "ACADEMUS_TRACE_RATIO": "1",

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import ssl
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,8 +36,8 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshState]:
     run_dir = tmp_path_factory.mktemp("tls-run")
     placeholder = MeshState(str(run_dir), "", None, "", "acd")   # `cli` needs only the run directory
     with env(ACADEMUS_MODELS="null", ACADEMUS_GRACE_S="5"):
-        started = cli(placeholder, "up", "--mtls", "--detach", "--port", "0", "--deployment", "fifo",
-                      "--worker-threads", "1", timeout=120)
+        started = cli(placeholder, "up", "--mtls", "--detach", "--port", "0", "--http-port", "0", "--deployment",
+                      "fifo", "--worker-threads", "1", timeout=120)
     assert started.returncode == 0, started.stderr[-3000:]
     state = MeshState.load(run_dir)
     yield state
@@ -54,6 +56,18 @@ def test_an_insecure_client_is_refused_and_one_trusting_the_mesh_ca_is_answered(
     with Client(mesh.gateway, api_key=admin_key(mesh), timeout=10, root_certificates=ca) as client:
         result = client.infer("null", ["hello", "over TLS"])   # gateway -> scheduler -> worker, mutual TLS
     assert [len(p.embedding) for p in result.predictions] == [384, 384]
+
+
+def test_the_http_api_serves_tls_with_the_gateways_certificate(mesh):
+    """`up --http-port` beside `--mtls`: the HTTP/JSON API answers over TLS with the public port's certificate, and a
+    plaintext request gets no answer."""
+    body = json.dumps({"inputs": ["hello"], "model": "null"}).encode()
+    request = urllib.request.Request(f"https://{mesh.http}/embed", data=body, method="POST",
+                                     headers={"Authorization": f"Bearer {admin_key(mesh)}"})
+    with urllib.request.urlopen(request, context=ssl.create_default_context(cafile=mesh.tls_ca), timeout=30) as got:
+        assert got.status == 200 and json.loads(got.read()) == [[0.0] * 384]   # null's zeros stay zeros
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://{mesh.http}/health", timeout=10)
 
 
 def test_the_cli_connects_with_the_mesh_ca_and_its_own_certificate(mesh):

@@ -1,0 +1,302 @@
+"""HTTP/JSON edge of the gateway: the routes a user of text-embeddings-inference or of OpenAI's embeddings API
+already calls (`POST /embed`, `/predict`, `/v1/embeddings`; `GET /v1/models`, `/health`), over the same admission,
+quotas and routing as the gRPC `Infer` (InferenceServicer.answer). JSON becomes an `InferCall` here and the
+answer's protobuf becomes JSON here; nothing past this module knows HTTP. Routes and errors:
+docs/design/http_api.md."""
+
+from __future__ import annotations
+
+import json
+import math
+import ssl
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+from prometheus_client import Counter, Histogram
+from redis.exceptions import RedisError
+
+from academus.services.gateway.core import EMBED, LABEL, InferCall
+from academus.shared.runtime.config import GatewayConfig
+from academus.shared.runtime.errors import InvalidArgument, ResourceExhausted, ServingError, Unavailable
+from academus.shared.runtime.logs import log_event
+from academus.v1 import inference_pb2 as pb
+
+# gRPC's codes as HTTP statuses (Google's API design guide's mapping)
+HTTP_STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400, "UNAUTHENTICATED": 401,
+               "PERMISSION_DENIED": 403, "NOT_FOUND": 404, "ALREADY_EXISTS": 409, "RESOURCE_EXHAUSTED": 429,
+               "CANCELLED": 499, "UNIMPLEMENTED": 501, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
+HTTP_REQUESTS = Counter("academus_http_requests_total", "HTTP/JSON requests by route and status", ["route", "status"])
+HTTP_SECONDS = Histogram("academus_http_request_seconds", "HTTP/JSON requests' time in the gateway", ["route"],
+                         buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30))
+
+REQUEST_LIMIT = web.AppKey("request_limit", int)   # bytes: the body a request may have
+Answer = Callable[[str | None, InferCall, str, float, str], Awaitable[pb.InferResponse]]   # key, call, id, s, peer
+ListModels = Callable[[str | None, str], Awaitable[list[dict[str, Any]]]]
+
+
+@dataclass(frozen=True)
+class HttpCall:
+    """One JSON request as the gateway's core takes it: the call, and what the route does with the answer."""
+
+    call: InferCall
+    normalize: bool = False      # /embed: scale each embedding to unit length (TEI's default)
+    single: bool = False         # /predict: one input, not a list: the answer is not a list of lists
+
+
+def field(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
+    """A body field of one of `kinds`, or INVALID_ARGUMENT naming it."""
+    value = body.get(name, default)
+    if value is not default and (not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)):
+        wanted = " or ".join(k.__name__ for k in kinds)
+        raise InvalidArgument(f"field {name!r} must be {wanted}, not {type(value).__name__}")
+    return value
+
+
+def texts_of(value: Any, name: str) -> list[str]:
+    """`inputs` / `input`: a string or a non-empty list of strings."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(t, str) for t in value):
+        return value
+    raise InvalidArgument(f"field {name!r} must be a string or a non-empty list of strings")
+
+
+def model_of(body: dict[str, Any], default_model: str) -> str:
+    model = field(body, "model", (str,), "") or default_model
+    if not model:
+        raise InvalidArgument("field 'model' is required: name a served model (or set ACADEMUS_HTTP_MODEL, the "
+                              "model a request that names none is for)")
+    return model
+
+
+def embed_call(body: dict[str, Any], default_model: str) -> HttpCall:
+    """TEI's `/embed`: {"inputs": str | [str], "truncate": false, "normalize": true, "model"?}."""
+    texts = texts_of(body.get("inputs"), "inputs")
+    return HttpCall(InferCall(model_of(body, default_model), texts, [""] * len(texts), EMBED,
+                              field(body, "truncate", (bool,), False)),
+                    normalize=field(body, "normalize", (bool,), True))
+
+
+def predict_call(body: dict[str, Any], default_model: str) -> HttpCall:
+    """TEI's `/predict`: {"inputs": str | [str, str] | [str | [str] | [str, str], ...], "truncate": false, "model"?}.
+    As in TEI, a list of two strings is one pair; `[["a"], ["b"]]` is two single texts. Scores are the served head's
+    probabilities: `raw_scores` (logits) is refused."""
+    if field(body, "raw_scores", (bool,), False):
+        raise InvalidArgument("field 'raw_scores' cannot be true: the served heads give probabilities, not logits")
+    inputs = body.get("inputs")
+    single = isinstance(inputs, str) or is_pair(inputs)
+    items = [inputs] if single else inputs
+    if not isinstance(items, list) or not items or not all(isinstance(i, str) or is_sequence(i) for i in items):
+        raise InvalidArgument("field 'inputs' must be a string, a pair [text, text_pair], or a non-empty list of "
+                              "them (a single text in that list may also be [text])")
+    texts = [i if isinstance(i, str) else i[0] for i in items]
+    pairs = [i[1] if is_pair(i) else "" for i in items]
+    output = "" if any(pairs) else LABEL   # single texts: a classifier's labels (an embedding model is refused)
+    return HttpCall(InferCall(model_of(body, default_model), texts, pairs, output,
+                              field(body, "truncate", (bool,), False)), single=single)
+
+
+def is_pair(value: Any) -> bool:
+    return isinstance(value, list) and len(value) == 2 and all(isinstance(t, str) for t in value)
+
+
+def is_sequence(value: Any) -> bool:
+    """[text] or [text, text_pair]."""
+    return isinstance(value, list) and len(value) in (1, 2) and all(isinstance(t, str) for t in value)
+
+
+def openai_call(body: dict[str, Any], _default_model: str) -> HttpCall:
+    """OpenAI's `/v1/embeddings`: {"input": str | [str], "model", "encoding_format": "float"}; token-id inputs and
+    base64 are refused, and `dimensions` unless it is the model's own (checked against the answer)."""
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise InvalidArgument("field 'model' is required: name a served embedding model")
+    if field(body, "encoding_format", (str,), "float") != "float":
+        raise InvalidArgument("field 'encoding_format' must be 'float': base64 is not served")
+    field(body, "dimensions", (int,))
+    texts = texts_of(body.get("input"), "input")
+    return HttpCall(InferCall(body["model"], texts, [""] * len(texts), EMBED, False))
+
+
+def embeddings(response: pb.InferResponse, normalize: bool) -> list[list[float]]:
+    rows = [np.asarray(p.embedding, dtype=np.float32) for p in response.predictions]
+    if normalize:
+        rows = [r / n if (n := float(np.linalg.norm(r))) > 0 else r for r in rows]
+    return [r.tolist() for r in rows]
+
+
+def predictions(response: pb.InferResponse, single: bool) -> list[Any]:
+    """TEI's shape: each input's labels with their scores, the likeliest first; a pair scored by an embedding model
+    (no labels): its cosine similarity as one score."""
+    def one(p: pb.Prediction) -> list[dict[str, Any]]:
+        if not p.probs:
+            return [{"label": "similarity", "score": p.score}]
+        ranked = sorted(zip(response.labels, p.probs, strict=False), key=lambda lp: -lp[1])
+        return [{"label": label, "score": score} for label, score in ranked]
+    answers = [one(p) for p in response.predictions]
+    return answers[0] if single else answers
+
+
+def openai_answer(response: pb.InferResponse, body: dict[str, Any]) -> dict[str, Any]:
+    data = embeddings(response, normalize=False)
+    if (wanted := body.get("dimensions")) is not None and data and wanted != len(data[0]):
+        raise InvalidArgument(f"field 'dimensions' is {wanted}; model {response.model!r} gives {len(data[0])}")
+    tokens = sum(p.num_tokens for p in response.predictions)
+    return {"object": "list", "model": response.model,
+            "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def api_key(request: web.Request) -> str | None:
+    """`Authorization: Bearer KEY` (what OpenAI's clients send) or `x-api-key: KEY`, as on the gRPC port."""
+    if key := request.headers.get("x-api-key"):
+        return key
+    scheme, _, value = request.headers.get("authorization", "").partition(" ")
+    return value.strip() or None if scheme.lower() == "bearer" else None
+
+
+def peer_of(request: web.Request) -> str:
+    """The client in grpc's peer form, which the failed-key limit counts by host."""
+    host = request.remote or ""
+    return f"ipv6:[{host}]:0" if ":" in host else f"ipv4:{host}:0"
+
+
+def error_response(e: ServingError, openai: bool) -> web.Response:
+    """The status as HTTP's, with the same details; a pushback hint as Retry-After (whole seconds, at least 1)."""
+    code = e.code.name
+    status = getattr(e, "http_status", None) or HTTP_STATUS.get(code, 500)
+    body = {"error": {"message": e.message, "type": code, "code": status}} if openai else \
+        {"error": e.message, "error_type": code}
+    headers = {"Retry-After": str(max(1, math.ceil(e.pushback_ms / 1e3)))} if e.pushback_ms else None
+    return web.json_response(body, status=status, headers=headers)
+
+
+class HttpApi:
+    """The routes over two calls of the gRPC edge: `answer` (key, call, request id, seconds left, peer → the
+    InferResponse) and `list_models` (key, peer → the models the key may name, as {"name", "owner"})."""
+
+    def __init__(self, config: GatewayConfig, answer: Answer, list_models: ListModels,
+                 serving: Callable[[], bool]) -> None:
+        self.config, self.answer, self.list_models, self.serving = config, answer, list_models, serving
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.request_limit)
+        app[REQUEST_LIMIT] = self.config.request_limit
+        app.router.add_post("/embed", self.embed)
+        app.router.add_post("/predict", self.predict)
+        app.router.add_post("/v1/embeddings", self.openai_embeddings)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        return app
+
+    async def embed(self, request: web.Request) -> web.Response:
+        return await self._infer(request, "/embed", embed_call, lambda r, b, c: embeddings(r, c.normalize))
+
+    async def predict(self, request: web.Request) -> web.Response:
+        return await self._infer(request, "/predict", predict_call, lambda r, b, c: predictions(r, c.single))
+
+    async def openai_embeddings(self, request: web.Request) -> web.Response:
+        return await self._infer(request, "/v1/embeddings", openai_call, lambda r, b, c: openai_answer(r, b),
+                                 openai=True)
+
+    async def models(self, request: web.Request) -> web.Response:
+        async def listed() -> dict[str, Any]:
+            found = await self.list_models(api_key(request), peer_of(request))
+            return {"object": "list", "data": [{"id": m["name"], "object": "model", "owned_by": m["owner"]}
+                                               for m in found]}
+        return await self._answer("/v1/models", listed, openai=True)
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 while a scheduler serves (a request can be answered), else 503: TEI's contract for load balancers."""
+        serving = self.serving()
+        return web.json_response({"status": "serving" if serving else "no scheduler serves yet"},
+                                 status=200 if serving else 503)
+
+    async def _infer(self, request: web.Request, route: str, parse: Callable[[dict[str, Any], str], HttpCall],
+                     shape: Callable[[pb.InferResponse, dict[str, Any], HttpCall], Any],
+                     openai: bool = False) -> web.Response:
+        async def answered() -> Any:
+            body = await json_body(request)
+            call = parse(body, self.config.http_model)
+            request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+            response = await self.answer(api_key(request), call.call, request_id, self.config.default_deadline_s,
+                                         peer_of(request))
+            return shape(response, body, call)
+        return await self._answer(route, answered, openai)
+
+    async def _answer(self, route: str, work: Callable[[], Awaitable[Any]], openai: bool) -> web.Response:
+        start = time.perf_counter()
+        try:
+            response = web.json_response(await work())
+        except ServingError as e:
+            response = error_response(e, openai)
+        except RedisError as e:   # keys and catalogue unreachable: nothing ran, a retry may succeed
+            response = error_response(Unavailable(f"credential and model store unreachable: {e}"), openai)
+        except Exception as e:
+            log_event("http_handler_failed", route=route, error=repr(e))
+            raise
+        HTTP_REQUESTS.labels(route, str(response.status)).inc()
+        HTTP_SECONDS.labels(route).observe(time.perf_counter() - start)
+        return response
+
+
+class BodyTooLarge(ResourceExhausted):
+    """A body past the public port's request limit, refused unread: 413 rather than 429 (a retry cannot help)."""
+
+    http_status = 413
+
+
+async def json_body(request: web.Request) -> dict[str, Any]:
+    """The body as a JSON object, or INVALID_ARGUMENT saying what it is instead."""
+    try:
+        body = json.loads(await request.read())
+    except web.HTTPRequestEntityTooLarge as e:
+        raise BodyTooLarge(f"the body exceeds the request limit of {request.app[REQUEST_LIMIT]} bytes "
+                           "(ACADEMUS_MAX_REQUEST_BYTES); nothing was read past it") from e
+    except ValueError as e:   # JSONDecodeError and bad UTF-8 both
+        raise InvalidArgument(f"the body is not JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise InvalidArgument(f"the body must be a JSON object, not {type(body).__name__}")
+    return body
+
+
+class HttpServer:
+    """The API on its own port, beside the gRPC one, in the gateway's event loop: TLS with the public port's
+    certificate when it has one. Several gateways share the port (SO_REUSEPORT), as they share the gRPC one."""
+
+    def __init__(self, api: HttpApi, config: GatewayConfig) -> None:
+        self.api, self.config = api, config
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def start(self) -> int:
+        self.runner = web.AppRunner(self.api.app(), access_log=None, shutdown_timeout=self.config.grace_s)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.config.host, self.config.http_port, reuse_port=True,
+                           ssl_context=server_ssl(self.config))
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]   # type: ignore[union-attr]   # port 0: the OS's
+        log_event("http_serving", port=self.port, tls=bool(self.config.tls_cert))
+        return self.port
+
+    async def stop(self) -> None:
+        """Stops accepting, then lets the requests in flight finish within the grace period."""
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+
+def server_ssl(config: GatewayConfig) -> ssl.SSLContext | None:
+    """The gRPC port's TLS for HTTP: `tls_cert` and `tls_key`, client certificates from `tls_client_ca` required."""
+    if not config.tls_cert:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(config.tls_cert, config.tls_key)
+    if config.tls_client_ca:
+        context.load_verify_locations(config.tls_client_ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+

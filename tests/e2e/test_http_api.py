@@ -1,0 +1,159 @@
+"""The HTTP/JSON API (`academus up --http-port`): TEI's /embed and /predict and OpenAI's /v1/embeddings answer what
+the gRPC `Infer` answers, through the same mesh, keys and limits; bad input gets the status and the field."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from academus.client import Client
+from academus.shared.cli.mesh import MeshState, down
+from tests.e2e.conftest import metric, service, start_mesh
+
+pytestmark = pytest.mark.e2e
+
+TEXTS = ["Congratulations! You have won a free cruise, click here to claim your prize now!!!",
+         "Hi Tom, the meeting moved to 3pm tomorrow, see you in room 204."]
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshState]:
+    run_dir = tmp_path_factory.mktemp("run")
+    # a request limit of 8 · 2 · 4,000 · 4 bytes + 64 KiB (ACADEMUS_MAX_REQUEST_BYTES's default), uploads below it
+    state = start_mesh(run_dir, http_port=0, env={"ACADEMUS_MODELS": "spam,minilm", "ACADEMUS_MAX_INPUTS": "8",
+                                                   "ACADEMUS_MAX_TEXT_CHARS": "4000",
+                                                   "ACADEMUS_MAX_UPLOAD_BYTES": "65536"})
+    yield state
+    down(run_dir)
+
+
+@pytest.fixture(scope="module")
+def key(mesh: MeshState) -> str:
+    from academus.shared.cli.mesh import ADMIN_KEY_FILE
+
+    return (Path(mesh.run_dir) / ADMIN_KEY_FILE).read_text().strip()
+
+
+def call(mesh: MeshState, path: str, body: Any = None, key: str | None = None, raw: bytes | None = None,
+         headers: dict[str, str] | None = None, method: str | None = None) -> tuple[int, Any, dict[str, str]]:
+    """Status, JSON answer (None when the body is not JSON) and headers of one HTTP request."""
+    data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"http://{mesh.http}{path}", data=data, method=method,
+                                     headers={"Content-Type": "application/json", **(headers or {}),
+                                              **({"Authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            status, payload, got = answer.status, answer.read(), dict(answer.headers)
+    except urllib.error.HTTPError as e:
+        status, payload, got = e.code, e.read(), dict(e.headers)
+    try:
+        return status, json.loads(payload), got
+    except ValueError:
+        return status, None, got
+
+
+def test_embed_answers_the_grpc_embeddings_at_unit_length(mesh, key):
+    status, rows, _ = call(mesh, "/embed", {"inputs": TEXTS, "model": "minilm"}, key)
+    assert status == 200 and len(rows) == 2 and all(len(r) == 384 for r in rows)
+    with Client(mesh.gateway, api_key=key) as client:
+        served = [np.asarray(p.embedding) for p in client.infer("minilm", TEXTS).predictions]
+    for row, grpc_row in zip(rows, served, strict=True):
+        assert np.linalg.norm(row) == pytest.approx(1.0, abs=1e-5)
+        np.testing.assert_allclose(row, grpc_row / np.linalg.norm(grpc_row), atol=1e-5)
+    status, raw_rows, _ = call(mesh, "/embed", {"inputs": TEXTS[0], "model": "minilm", "normalize": False}, key)
+    assert status == 200 and len(raw_rows) == 1
+    np.testing.assert_allclose(raw_rows[0], served[0], atol=1e-5)   # as served
+
+
+def test_predict_ranks_a_classifiers_labels_as_infer_does(mesh, key):
+    status, one, _ = call(mesh, "/predict", {"inputs": TEXTS[0], "model": "spam"}, key)
+    assert status == 200 and one[0]["label"] in ("ham", "spam")
+    assert sorted(r["label"] for r in one) == ["ham", "spam"] and one[0]["score"] >= one[1]["score"]
+    assert sum(r["score"] for r in one) == pytest.approx(1.0, abs=1e-4)
+    status, both, _ = call(mesh, "/predict", {"inputs": [[t] for t in TEXTS], "model": "spam"}, key)
+    assert status == 200 and len(both) == 2 and [r["label"] for r in both[0]] == [r["label"] for r in one]
+    assert [r["score"] for r in both[0]] == pytest.approx([r["score"] for r in one], abs=1e-5)
+    status, refused, _ = call(mesh, "/predict", {"inputs": TEXTS, "model": "spam"}, key)   # as in TEI: one pair
+    assert status == 400 and "classifies single texts" in refused["error"]
+    with Client(mesh.gateway, api_key=key) as client:
+        labels = [p.label for p in client.infer("spam", TEXTS).predictions]
+    assert [answer[0]["label"] for answer in both] == labels
+
+
+def test_predict_scores_a_pair_on_an_embedding_model_as_infer_does(mesh, key):
+    pair = ["A man is playing a guitar.", "Someone strums an acoustic guitar."]
+    status, scored, _ = call(mesh, "/predict", {"inputs": [pair, [pair[0], "The market fell."]], "model": "minilm"},
+                             key)
+    with Client(mesh.gateway, api_key=key) as client:
+        served = client.infer("minilm", [pair[0], pair[0]], pairs=[pair[1], "The market fell."]).predictions
+    assert status == 200 and [s[0]["label"] for s in scored] == ["similarity", "similarity"]
+    assert [s[0]["score"] for s in scored] == pytest.approx([p.score for p in served], abs=1e-5)
+    assert scored[0][0]["score"] > scored[1][0]["score"]
+
+
+def test_openai_embeddings_and_models(mesh, key):
+    status, answer, _ = call(mesh, "/v1/embeddings", {"input": TEXTS, "model": "minilm"}, key)
+    assert status == 200 and answer["object"] == "list" and answer["model"] == "minilm"
+    assert [d["index"] for d in answer["data"]] == [0, 1] and len(answer["data"][1]["embedding"]) == 384
+    with Client(mesh.gateway, api_key=key) as client:
+        served = client.infer("minilm", TEXTS).predictions
+    assert answer["usage"]["prompt_tokens"] == sum(p.num_tokens for p in served) == answer["usage"]["total_tokens"]
+    np.testing.assert_allclose(answer["data"][0]["embedding"], served[0].embedding, atol=1e-5)
+    status, listed, _ = call(mesh, "/v1/models", key=key)
+    assert status == 200 and {"minilm", "spam"} <= {m["id"] for m in listed["data"]}
+    status, refused, _ = call(mesh, "/v1/embeddings", {"input": "x", "model": "minilm", "dimensions": 64}, key)
+    assert status == 400 and "'dimensions' is 64; model 'minilm' gives 384" in refused["error"]["message"]
+    assert refused["error"]["type"] == "INVALID_ARGUMENT"
+
+
+def test_health_and_the_requests_counted(mesh, key):
+    assert call(mesh, "/health")[0] == 200
+    before = metric(service(mesh, "gateway").metrics_port, "academus_http_requests_total", route="/embed",
+                    status="200")
+    call(mesh, "/embed", {"inputs": "counted", "model": "minilm"}, key)
+    after = metric(service(mesh, "gateway").metrics_port, "academus_http_requests_total", route="/embed",
+                   status="200")
+    assert after == before + 1
+
+
+@pytest.mark.parametrize(("path", "body", "key_as", "status", "code", "says"), [
+    ("/embed", {"inputs": "x", "model": "minilm"}, None, 401, "UNAUTHENTICATED", "API key"),
+    ("/embed", {"inputs": "x", "model": "minilm"}, "wrong", 401, "UNAUTHENTICATED", "API key"),
+    ("/embed", {"inputs": "x"}, "admin", 400, "INVALID_ARGUMENT", "field 'model' is required"),
+    ("/embed", {"inputs": [], "model": "minilm"}, "admin", 400, "INVALID_ARGUMENT", "field 'inputs' must be"),
+    ("/embed", {"inputs": ["a", 3], "model": "minilm"}, "admin", 400, "INVALID_ARGUMENT", "field 'inputs' must be"),
+    ("/embed", {"inputs": "x", "model": "minilm", "truncate": "yes"}, "admin", 400, "INVALID_ARGUMENT",
+     "field 'truncate' must be bool, not str"),
+    ("/embed", {"inputs": "x", "model": "nope"}, "admin", 404, "NOT_FOUND", "nope"),
+    ("/embed", {"inputs": ["x"] * 9, "model": "minilm"}, "admin", 400, "INVALID_ARGUMENT", "8"),
+    ("/embed", {"inputs": "word " * 600, "model": "minilm"}, "admin", 400, "INVALID_ARGUMENT", "token"),
+    ("/embed", ["x"], "admin", 400, "INVALID_ARGUMENT", "the body must be a JSON object, not list"),
+    ("/predict", {"inputs": "x", "model": "minilm"}, "admin", 400, "INVALID_ARGUMENT", "embedding model"),
+    ("/predict", {"inputs": "x", "model": "spam", "raw_scores": True}, "admin", 400, "INVALID_ARGUMENT",
+     "'raw_scores'"),
+    ("/v1/embeddings", {"input": "x", "model": "minilm", "encoding_format": "base64"}, "admin", 400,
+     "INVALID_ARGUMENT", "'encoding_format' must be 'float'"),
+])
+def test_bad_input_gets_the_status_and_names_the_field(mesh, key, path, body, key_as, status, code, says):
+    got, answer, _ = call(mesh, path, body, {"admin": key, "wrong": "not-a-key"}.get(key_as))
+    message = answer["error"]["message"] if path.startswith("/v1") else answer["error"]
+    kind = answer["error"]["type"] if path.startswith("/v1") else answer["error_type"]
+    assert (got, kind) == (status, code) and says in message, answer
+
+
+def test_what_is_not_json_or_too_large_is_refused_unread(mesh, key):
+    status, answer, _ = call(mesh, "/embed", raw=b'{"inputs": ', key=key)
+    assert status == 400 and answer["error"].startswith("the body is not JSON")
+    status, answer, _ = call(mesh, "/embed", raw=b"x" * (4000 * 8 * 2 * 4 + 65 * 1024), key=key)
+    assert status == 413 and answer["error_type"] == "RESOURCE_EXHAUSTED"   # the gRPC port's limit and code
+    assert f"the request limit of {4000 * 8 * 2 * 4 + 64 * 1024} bytes" in answer["error"]
+    status, answer, _ = call(mesh, "/embed", {"inputs": "x", "model": "minilm"}, headers={"x-api-key": key})
+    assert status == 200
+    assert call(mesh, "/embed", method="GET")[0] == 405

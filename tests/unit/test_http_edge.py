@@ -1,0 +1,87 @@
+"""The HTTP/JSON edge's parts without a mesh: JSON to the core's call, and the core's errors to HTTP statuses.
+The routes end to end: tests/e2e/test_http_api.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from academus.services.gateway.core import EMBED, LABEL
+from academus.services.gateway.http import HttpApi, embed_call, error_response, predict_call
+from academus.shared.runtime.config import GatewayConfig
+from academus.shared.runtime.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+    Unavailable,
+)
+
+
+def test_embed_takes_teis_defaults():
+    call = embed_call({"inputs": "a"}, "minilm")
+    assert (call.call.texts, call.call.model, call.call.output, call.call.truncate, call.normalize) == (
+        ["a"], "minilm", EMBED, False, True)
+    named = embed_call({"inputs": ["a", "b"], "model": "other", "truncate": True, "normalize": False}, "minilm")
+    assert (named.call.model, named.call.truncate, named.normalize) == ("other", True, False)
+
+
+@pytest.mark.parametrize(("inputs", "texts", "pairs", "single", "output"), [
+    ("a", ["a"], [""], True, LABEL),
+    (["a", "b"], ["a"], ["b"], True, ""),                           # TEI: two strings are one pair
+    ([["a"], ["b"]], ["a", "b"], ["", ""], False, LABEL),
+    (["a", "b", "c"], ["a", "b", "c"], ["", "", ""], False, LABEL),
+    ([["a", "b"], "c"], ["a", "c"], ["b", ""], False, ""),
+])
+def test_predict_reads_teis_inputs(inputs, texts, pairs, single, output):
+    call = predict_call({"inputs": inputs, "model": "m"}, "")
+    assert (list(call.call.texts), list(call.call.pairs), call.single, call.call.output) == (texts, pairs, single,
+                                                                                              output)
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    ({"inputs": "a"}, "field 'model' is required"),
+    ({"inputs": [], "model": "m"}, "field 'inputs' must be"),
+    ({"inputs": [["a", "b", "c"]], "model": "m"}, "field 'inputs' must be"),
+    ({"inputs": "a", "model": "m", "raw_scores": True}, "'raw_scores' cannot be true"),
+    ({"inputs": "a", "model": "m", "truncate": 1}, "field 'truncate' must be bool, not int"),
+])
+def test_predict_names_the_field_it_refuses(body, says):
+    with pytest.raises(InvalidArgument, match=says):
+        predict_call(body, "")
+
+
+@pytest.mark.parametrize(("error", "status", "retry_after"), [
+    (ResourceExhausted("tenant 'a' is over its quota", pushback_ms=1500), 429, "2"),
+    (ResourceExhausted("full", pushback_ms=20), 429, "1"),            # at least a second
+    (InvalidArgument("bad"), 400, None),
+    (PermissionDenied("no"), 403, None),
+    (Unavailable("gone"), 503, None),
+    (DeadlineExceeded("late"), 504, None),
+])
+def test_an_error_keeps_its_meaning_and_its_retry_hint(error, status, retry_after):
+    tei, openai = error_response(error, openai=False), error_response(error, openai=True)
+    assert tei.status == openai.status == status
+    assert tei.headers.get("Retry-After") == retry_after
+    assert json.loads(tei.body) == {"error": error.message, "error_type": error.code.name}
+    assert json.loads(openai.body) == {"error": {"message": error.message, "type": error.code.name, "code": status}}
+
+
+async def test_a_refusal_downstream_reaches_the_client_as_429_with_retry_after():
+    """Over a real loopback socket: an answer the core refuses for want of room."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    async def refuse(*_args):
+        raise ResourceExhausted("every scheduler serving model 'm' has a full queue; retry in 250 ms", pushback_ms=250)
+
+    async def no_models(*_args):
+        return []
+
+    api = HttpApi(GatewayConfig(), refuse, no_models, lambda: False)
+    async with TestClient(TestServer(api.app())) as client:
+        answer = await client.post("/embed", json={"inputs": "a", "model": "m"})
+        assert answer.status == 429 and answer.headers["Retry-After"] == "1"
+        assert (await answer.json())["error_type"] == "RESOURCE_EXHAUSTED"
+        health = await client.get("/health")
+        assert health.status == 503   # no scheduler serves: a load balancer should look elsewhere
