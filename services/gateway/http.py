@@ -182,6 +182,7 @@ class HttpApi:
     def __init__(self, config: GatewayConfig, answer: Answer, list_models: ListModels,
                  serving: Callable[[], bool]) -> None:
         self.config, self.answer, self.list_models, self.serving = config, answer, list_models, serving
+        self.stopping = False   # the gateway is stopping: load balancers should send elsewhere
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.request_limit)
@@ -211,10 +212,10 @@ class HttpApi:
         return await self._answer("/v1/models", listed, openai=True)
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 while a scheduler serves (a request can be answered), else 503: TEI's contract for load balancers."""
-        serving = self.serving()
-        return web.json_response({"status": "serving" if serving else "no scheduler serves yet"},
-                                 status=200 if serving else 503)
+        """200 while a scheduler serves (a request can be answered) and the gateway is not stopping, else 503: TEI's
+        contract for load balancers."""
+        status = "stopping" if self.stopping else "serving" if self.serving() else "no scheduler serves"
+        return web.json_response({"status": status}, status=200 if status == "serving" else 503)
 
     async def _infer(self, request: web.Request, route: str, parse: Callable[[dict[str, Any], str], HttpCall],
                      shape: Callable[[pb.InferResponse, dict[str, Any], HttpCall], Any],

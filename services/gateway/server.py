@@ -437,7 +437,12 @@ async def build() -> ServiceSpec:
         await http.start()
 
     async def stopping() -> None:
-        await http.stop()
+        http.api.stopping = True   # /health says 503 from now on; its port takes requests until the gRPC side drained
+
+    async def stopped() -> None:
+        if http is not None:   # the requests in flight finish before the Redis client they need closes
+            await http.stop()
+        await redis.aclose()
 
     return ServiceSpec(
         name="gateway",
@@ -446,7 +451,7 @@ async def build() -> ServiceSpec:
         service_names=["academus.v1.Inference", "academus.v1.Manage"],
         on_started=start_http if http is not None else None,
         on_stopping=stopping if http is not None else None,
-        on_stopped=redis.aclose,
+        on_stopped=stopped,
         extra_tasks=[refresher, functools.partial(wake_on, redis, keys.events(), changed)],
         own_port=config.own_port,
         public_credentials=functools.partial(public_credentials, config),

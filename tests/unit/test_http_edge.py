@@ -85,3 +85,9 @@ async def test_a_refusal_downstream_reaches_the_client_as_429_with_retry_after()
         assert (await answer.json())["error_type"] == "RESOURCE_EXHAUSTED"
         health = await client.get("/health")
         assert health.status == 503   # no scheduler serves: a load balancer should look elsewhere
+    serving = HttpApi(GatewayConfig(), refuse, no_models, lambda: True)
+    async with TestClient(TestServer(serving.app())) as client:
+        assert (await client.get("/health")).status == 200
+        serving.stopping = True   # SIGTERM: the gateway drains
+        stopping = await client.get("/health")
+        assert stopping.status == 503 and (await stopping.json()) == {"status": "stopping"}
