@@ -49,6 +49,7 @@ PORTS = {
     "adapter_store": (50056, 9105),
     "trainer": (50057, 9106),
 }
+HTTP_PORT = 8080   # the gateway's HTTP/JSON API, beside its gRPC port
 # Deployed ahead of its code (being written): only a missing services/<name>/ folder is tolerated; once
 # the folder exists it is checked like every other. Empty this when the code lands.
 PENDING: set[str] = set()
@@ -238,7 +239,9 @@ def test_dockerfile_targets() -> None:
         assert stage.env.get("ACADEMUS_PORT") == str(port), f"target {name}: ACADEMUS_PORT"
         assert stage.env.get("ACADEMUS_METRICS_PORT") == str(metrics), f"target {name}: ACADEMUS_METRICS_PORT"
         assert stage.env.get("ACADEMUS_HOST") == "0.0.0.0", f"target {name}: must bind all interfaces"
-        assert stage.expose == {port, metrics}, f"target {name}: EXPOSE {stage.expose}"
+        http = {HTTP_PORT} if name == "gateway" else set()
+        assert stage.expose == {port, metrics} | http, f"target {name}: EXPOSE {stage.expose}"
+        assert stage.env.get("ACADEMUS_HTTP_PORT") == (str(HTTP_PORT) if http else None), f"target {name}: HTTP"
         assert "academus-healthcheck" in (stage.healthcheck or ""), f"target {name}: HEALTHCHECK"
         assert stage.user and stage.user.split(":")[0] not in ("root", "0"), f"target {name}: runs as root"
         assert stage.entrypoint == ["/usr/local/bin/academus-entrypoint"], f"target {name}: ENTRYPOINT"
@@ -338,7 +341,8 @@ def test_compose_services() -> None:
             assert services[dep].get("healthcheck"), f"{name} waits for {dep}, which has no healthcheck"
         for mapping in svc.get("ports", []):
             container_port = int(str(mapping).rsplit(":", 1)[-1].split("/")[0])
-            assert container_port in (port, metrics), f"{name}: publishes {mapping}"
+            http = (HTTP_PORT,) if module == "gateway" else ()
+            assert container_port in (port, metrics, *http), f"{name}: publishes {mapping}"
         if module == "worker":
             mounts = {str(v).split(":")[1] for v in svc["volumes"]}
             assert env["ACADEMUS_ARTIFACTS"] in mounts, "worker artifacts must be a volume"
@@ -509,7 +513,10 @@ def test_k8s_services_cross_reference() -> None:
             assert env["ACADEMUS_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
             assert {"configMapRef": {"name": "academus-config"}} in c.get("envFrom", []), where
             named = {p["name"]: p["containerPort"] for p in c["ports"]}
-            assert named == {"grpc": port, "metrics": metrics}, f"{where}: container ports {named}"
+            http = {"http": HTTP_PORT} if module == "gateway" else {}
+            assert named == {"grpc": port, "metrics": metrics} | http, f"{where}: container ports {named}"
+            if http:
+                assert env["ACADEMUS_HTTP_PORT"]["value"] == str(HTTP_PORT), f"{where}: ACADEMUS_HTTP_PORT"
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 assert _probes_health(c[probe], port, env, config["data"]), (
                     f"{where}: {probe} must be a gRPC probe on {port} (the image's academus-healthcheck where "
@@ -523,7 +530,8 @@ def test_k8s_services_cross_reference() -> None:
                 p["name"]: (p["port"], named.get(p["targetPort"], p["targetPort"]))
                 for p in fronting[0]["spec"]["ports"]
             }
-            assert service_ports == {"grpc": (port, port), "metrics": (metrics, metrics)}, (
+            assert service_ports == {"grpc": (port, port), "metrics": (metrics, metrics)} | {
+                name: (number, number) for name, number in http.items()}, (
                 f"Service {fronting[0]['metadata']['name']}: {service_ports}"
             )
             if o["kind"] == "StatefulSet":
@@ -664,7 +672,8 @@ def test_k8s_network_policies_admit_only_the_gateways_api_from_outside_the_names
             name = policy["metadata"]["name"]
             if within or ports == {"metrics"}:
                 continue
-            assert _matches(policy["spec"]["podSelector"]["matchLabels"], gateway_labels) and ports == {"grpc"}, (
+            assert _matches(policy["spec"]["podSelector"]["matchLabels"], gateway_labels) and ports <= {"grpc",
+                                                                                                      "http"}, (
                 f"NetworkPolicy {name} admits {peers or 'anyone'} to {ports or 'every port'} of pods that are "
                 "not the gateway's API")
 
