@@ -280,7 +280,7 @@ class HttpServer:
         site = web.TCPSite(self.runner, self.config.host, self.config.http_port, reuse_port=True,
                            ssl_context=server_ssl(self.config))
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]   # type: ignore[union-attr]   # port 0: the OS's
+        self.port = self.runner.addresses[0][1]   # the bound port: the OS's choice where ACADEMUS_HTTP_PORT is 0
         log_event("http_serving", port=self.port, tls=bool(self.config.tls_cert))
         return self.port
 

@@ -91,3 +91,24 @@ async def test_a_refusal_downstream_reaches_the_client_as_429_with_retry_after()
         serving.stopping = True   # SIGTERM: the gateway drains
         stopping = await client.get("/health")
         assert stopping.status == 503 and (await stopping.json()) == {"status": "stopping"}
+
+
+async def test_the_server_binds_the_port_the_os_chose_and_stops():
+    """ACADEMUS_HTTP_PORT=0: the port is the OS's choice, which the server reports; stopped, it takes nothing more."""
+    import aiohttp
+
+    from academus.services.gateway.http import HttpServer
+
+    async def unused(*_args):
+        raise AssertionError("no request reaches the core")
+
+    config = GatewayConfig(http_port=0, grace_s=1.0)
+    server = HttpServer(HttpApi(config, unused, unused, lambda: True), config)
+    port = await server.start()
+    assert port > 0
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"http://127.0.0.1:{port}/health") as answer:
+            assert answer.status == 200
+        await server.stop()
+        with pytest.raises(aiohttp.ClientConnectionError):
+            await session.get(f"http://127.0.0.1:{port}/health")
