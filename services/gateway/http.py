@@ -24,6 +24,7 @@ from academus.services.gateway.core import EMBED, LABEL, InferCall
 from academus.shared.runtime.config import GatewayConfig
 from academus.shared.runtime.errors import InvalidArgument, ResourceExhausted, ServingError, Unavailable
 from academus.shared.runtime.logs import log_event
+from academus.shared.runtime.tracing import end_http_span, http_server_span
 from academus.v1 import inference_pb2 as pb
 
 # gRPC's codes as HTTP statuses (Google's API design guide's mapping)
@@ -218,7 +219,7 @@ class HttpApi:
             found = await self.list_models(api_key(request), peer_of(request))
             return {"object": "list", "data": [{"id": m["name"], "object": "model", "owned_by": m["owner"]}
                                                for m in found]}
-        return await self._answer("/v1/models", listed, openai=True)
+        return await self._answer(request, "/v1/models", listed, openai=True)
 
     async def health(self, request: web.Request) -> web.Response:
         """200 while a scheduler serves (a request can be answered) and the gateway is not stopping, else 503: TEI's
@@ -236,19 +237,24 @@ class HttpApi:
             response = await self.answer(api_key(request), call.call, request_id, self.config.default_deadline_s,
                                          peer_of(request))
             return shape(response, body, call)
-        return await self._answer(route, answered, openai)
+        return await self._answer(request, route, answered, openai)
 
-    async def _answer(self, route: str, work: Callable[[], Awaitable[Any]], openai: bool) -> web.Response:
+    async def _answer(self, request: web.Request, route: str, work: Callable[[], Awaitable[Any]],
+                      openai: bool) -> web.Response:
+        """The answer to one request, in a SERVER span of its own (as a gRPC call's), counted by route and status."""
         start = time.perf_counter()
-        try:
-            response = json_response(await work())
-        except ServingError as e:
-            response = error_response(e, openai)
-        except RedisError as e:   # keys and catalogue unreachable: nothing ran, a retry may succeed
-            response = error_response(Unavailable(f"credential and model store unreachable: {e}"), openai)
-        except Exception as e:
-            log_event("http_handler_failed", route=route, error=repr(e))
-            raise
+        with http_server_span(request.method, route, request.headers, self.config.trace_ratio) as span:
+            try:
+                response = json_response(await work())
+            except ServingError as e:
+                response = error_response(e, openai)
+            except RedisError as e:   # keys and catalogue unreachable: nothing ran, a retry may succeed
+                response = error_response(Unavailable(f"credential and model store unreachable: {e}"), openai)
+            except Exception as e:
+                log_event("http_handler_failed", route=route, error=repr(e))
+                end_http_span(span, 500)
+                raise
+            end_http_span(span, response.status)
         HTTP_REQUESTS.labels(route, str(response.status)).inc()
         HTTP_SECONDS.labels(route).observe(time.perf_counter() - start)
         return response

@@ -162,6 +162,37 @@ class ServerSpans(UnaryServerInterceptor):
         return wrapped
 
 
+@contextlib.contextmanager
+def http_server_span(method: str, route: str, headers, ratio: float = 1.0) -> Iterator[trace.Span | None]:
+    """One SERVER span an HTTP request, as ServerSpans makes one a gRPC call: the child of its `traceparent` header,
+    drawn against `ratio` where it has none. A request not drawn makes no span and carries an unsampled context
+    downstream (None is yielded). `headers`: any mapping whose `get` finds `traceparent` (aiohttp's ignores case).
+    With ACADEMUS_TRACING=off, nothing: as the gRPC interceptors, it is not there."""
+    if not tracing_enabled():
+        yield None
+        return
+    if (untraced := untraced_context(headers.get(TRACEPARENT), root_ratio(ratio))) is not None:
+        token = _untraced.set(untraced)
+        try:
+            yield None
+        finally:
+            _untraced.reset(token)
+        return
+    tracer = trace.get_tracer("academus.http")   # the process's provider (setup_tracing)
+    with tracer.start_as_current_span(f"{method} {route}", context=propagate.extract(headers), kind=SpanKind.SERVER,
+                                      attributes={"http.request.method": method, "http.route": route},
+                                      record_exception=False, set_status_on_exception=False) as span:
+        yield span
+
+
+def end_http_span(span: trace.Span | None, status: int) -> None:
+    """The answer's status on the span; a 5xx marks it failed (OTel's HTTP conventions for SERVER spans)."""
+    if span is not None:
+        span.set_attribute("http.response.status_code", status)
+        if status >= 500:
+            span.set_status(Status(StatusCode.ERROR))
+
+
 class ClientSpans(grpc.aio.UnaryUnaryClientInterceptor):
     """One CLIENT span a unary call, its context injected into the call's metadata. The call is returned
     unawaited, so cancelling the caller's task cancels the call and, through it, the work downstream.

@@ -124,6 +124,32 @@ def test_health_and_the_requests_counted(mesh, key):
     assert after == before + 1
 
 
+def test_an_http_request_is_one_trace_across_the_hops(mesh, key):
+    """A request carrying a sampled W3C `traceparent` gets the gateway's SERVER span as the child of the caller's, and
+    the scheduler's and the worker's spans in the same trace; one carrying an unsampled context makes no span."""
+    from academus.shared.runtime.tracing import read_traces
+
+    sampled, unsampled = "4bf92f3577b34da6a3ce929d0e0e4736", "5bf92f3577b34da6a3ce929d0e0e4737"
+    caller = "00f067aa0ba902b7"
+    for trace_id, flags in ((sampled, "01"), (unsampled, "00")):
+        status, _, _ = call(mesh, "/embed", {"inputs": "traced", "model": "minilm"}, key,
+                            headers={"traceparent": f"00-{trace_id}-{caller}-{flags}"})
+        assert status == 200
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        traces = read_traces([Path(mesh.run_dir) / "traces.jsonl"])
+        spans = traces.get(sampled, [])
+        if {"academus-gateway", "academus-scheduler", "academus-worker"} <= {s["service"] for s in spans}:
+            break
+        time.sleep(0.3)
+    else:
+        raise AssertionError(f"no complete trace for the HTTP request: {[(s['service'], s['name']) for s in spans]}")
+    edge = next(s for s in spans if s["name"] == "POST /embed")
+    assert (edge["kind"], edge["service"], edge["parent_id"]) == ("SERVER", "academus-gateway", caller)
+    assert edge["attributes"]["http.response.status_code"] == 200 and edge["attributes"]["http.route"] == "/embed"
+    assert not traces.get(unsampled)
+
+
 @pytest.mark.parametrize(("path", "body", "key_as", "status", "code", "says"), [
     ("/embed", {"inputs": "x", "model": "minilm"}, None, 401, "UNAUTHENTICATED", "API key"),
     ("/embed", {"inputs": "x", "model": "minilm"}, "wrong", 401, "UNAUTHENTICATED", "API key"),
