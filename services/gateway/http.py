@@ -1,6 +1,6 @@
 """HTTP/JSON edge of the gateway: the routes a user of text-embeddings-inference or of OpenAI's embeddings API
-already calls (`POST /embed`, `/predict`, `/v1/embeddings`; `GET /v1/models`, `/health`), over the same admission,
-quotas and routing as the gRPC `Infer` (InferenceServicer.answer). JSON becomes an `InferCall` here and the
+already calls (`POST /embed`, `/predict`, `/rerank`, `/v1/embeddings`; `GET /v1/models`, `/health`), over the same
+admission, quotas and routing as the gRPC `Infer` (InferenceServicer.answer). JSON becomes an `InferCall` here and the
 answer's protobuf becomes JSON here; nothing past this module knows HTTP. Routes and errors:
 docs/design/http_api.md."""
 
@@ -111,6 +111,29 @@ def is_sequence(value: Any) -> bool:
     return isinstance(value, list) and len(value) in (1, 2) and all(isinstance(t, str) for t in value)
 
 
+def rerank_call(body: dict[str, Any], default_model: str) -> HttpCall:
+    """TEI's `/rerank`: {"query": str, "texts": [str], "truncate": false, "return_text": false, "model"?}: each text
+    scored against the query as a pair (an embedding model's cosine similarity; the query is embedded once)."""
+    if field(body, "raw_scores", (bool,), False):
+        raise InvalidArgument("field 'raw_scores' cannot be true: a score here is a cosine similarity, not a logit")
+    query = field(body, "query", (str,))
+    if query is None:
+        raise InvalidArgument("field 'query' is required: the text the others are ranked against")
+    texts = texts_of(body.get("texts"), "texts")
+    field(body, "return_text", (bool,), False)
+    return HttpCall(InferCall(model_of(body, default_model), [query] * len(texts), texts, "",
+                              field(body, "truncate", (bool,), False)))
+
+
+def ranked(response: pb.InferResponse, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """TEI's shape: every text's index and score, the best first; its text too with `return_text`."""
+    texts = body["texts"] if isinstance(body["texts"], list) else [body["texts"]]
+    scored = sorted(((p.input_index, p.score) for p in response.predictions), key=lambda pair: -pair[1])
+    if body.get("return_text"):
+        return [{"index": i, "score": score, "text": texts[i]} for i, score in scored]
+    return [{"index": i, "score": score} for i, score in scored]
+
+
 def openai_call(body: dict[str, Any], _default_model: str) -> HttpCall:
     """OpenAI's `/v1/embeddings`: {"input": str | [str], "model", "encoding_format": "float"}; token-id inputs and
     base64 are refused, and `dimensions` unless it is the model's own (checked against the answer)."""
@@ -199,6 +222,7 @@ class HttpApi:
         app[REQUEST_LIMIT] = self.config.request_limit
         app.router.add_post("/embed", self.embed)
         app.router.add_post("/predict", self.predict)
+        app.router.add_post("/rerank", self.rerank)
         app.router.add_post("/v1/embeddings", self.openai_embeddings)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
@@ -209,6 +233,9 @@ class HttpApi:
 
     async def predict(self, request: web.Request) -> web.Response:
         return await self._infer(request, "/predict", predict_call, lambda r, b, c: predictions(r, c.single))
+
+    async def rerank(self, request: web.Request) -> web.Response:
+        return await self._infer(request, "/rerank", rerank_call, lambda r, b, c: ranked(r, b))
 
     async def openai_embeddings(self, request: web.Request) -> web.Response:
         return await self._infer(request, "/v1/embeddings", openai_call, lambda r, b, c: openai_answer(r, b),

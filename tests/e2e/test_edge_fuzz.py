@@ -178,7 +178,7 @@ HTTP_CONTRACT = {200, 400, 401, 403, 404, 413, 429, 504}
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=200),
                     lambda inner: st.lists(inner, max_size=10) | st.dictionaries(st.text(max_size=12), inner,
                                                                                   max_size=6), max_leaves=30)
-HTTP_ROUTES = ("/embed", "/predict", "/v1/embeddings")
+HTTP_ROUTES = ("/embed", "/predict", "/rerank", "/v1/embeddings")
 
 
 def http_call(mesh: MeshState, edge: tuple[grpc.Channel, str], route: str, body: bytes,
@@ -220,8 +220,9 @@ def test_json_of_any_shape_over_http(mesh, edge, route, body):
        extra=st.dictionaries(st.sampled_from(["truncate", "normalize", "raw_scores", "encoding_format", "dimensions"]),
                              st.booleans() | st.integers() | st.text(max_size=8), max_size=3))
 def test_requests_of_any_shape_over_http(mesh, edge, route, model, inputs, extra):
-    field = "input" if route.startswith("/v1") else "inputs"
-    answered_over_http(mesh, edge, route, json.dumps({field: inputs, "model": model, **extra}).encode())
+    fields = {"input": inputs} if route.startswith("/v1") else {"query": "q", "texts": inputs} \
+        if route == "/rerank" else {"inputs": inputs}
+    answered_over_http(mesh, edge, route, json.dumps({**fields, "model": model, **extra}).encode())
 
 
 @FUZZ

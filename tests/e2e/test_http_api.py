@@ -99,6 +99,20 @@ def test_predict_scores_a_pair_on_an_embedding_model_as_infer_does(mesh, key):
     assert scored[0][0]["score"] > scored[1][0]["score"]
 
 
+def test_rerank_orders_texts_by_their_pair_score_as_infer_gives_it(mesh, key):
+    query, texts = "A man is playing a guitar.", ["The market fell sharply.", "Someone strums an acoustic guitar.",
+                                                  "A cat sleeps on the sofa."]
+    status, order, _ = call(mesh, "/rerank", {"query": query, "texts": texts, "model": "minilm", "return_text": True},
+                            key)
+    with Client(mesh.gateway, api_key=key) as client:
+        scores = [p.score for p in client.infer("minilm", [query] * 3, pairs=texts).predictions]
+    assert status == 200 and order[0]["index"] == 1 and order[0]["text"] == texts[1]
+    assert [o["index"] for o in order] == sorted(range(3), key=lambda i: -scores[i])
+    assert [o["score"] for o in order] == pytest.approx(sorted(scores, reverse=True), abs=1e-5)
+    status, refused, _ = call(mesh, "/rerank", {"query": query, "texts": texts, "model": "spam"}, key)
+    assert status == 400 and "classifies single texts" in refused["error"]
+
+
 def test_openai_embeddings_and_models(mesh, key):
     status, answer, _ = call(mesh, "/v1/embeddings", {"input": TEXTS, "model": "minilm"}, key)
     assert status == 200 and answer["object"] == "list" and answer["model"] == "minilm"
@@ -165,6 +179,9 @@ def test_an_http_request_is_one_trace_across_the_hops(mesh, key):
     ("/predict", {"inputs": "x", "model": "minilm"}, "admin", 400, "INVALID_ARGUMENT", "embedding model"),
     ("/predict", {"inputs": "x", "model": "spam", "raw_scores": True}, "admin", 400, "INVALID_ARGUMENT",
      "'raw_scores'"),
+    ("/rerank", {"texts": ["a"], "model": "minilm"}, "admin", 400, "INVALID_ARGUMENT", "field 'query' is required"),
+    ("/rerank", {"query": "q", "texts": [], "model": "minilm"}, "admin", 400, "INVALID_ARGUMENT",
+     "field 'texts' must be"),
     ("/v1/embeddings", {"input": "x", "model": "minilm", "encoding_format": "base64"}, "admin", 400,
      "INVALID_ARGUMENT", "'encoding_format' must be 'float'"),
 ])

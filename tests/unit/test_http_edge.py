@@ -52,6 +52,16 @@ def test_predict_names_the_field_it_refuses(body, says):
         predict_call(body, "")
 
 
+def test_rerank_pairs_the_query_with_every_text():
+    from academus.services.gateway.http import rerank_call
+
+    call = rerank_call({"query": "q", "texts": ["a", "b"]}, "minilm")
+    assert (list(call.call.texts), list(call.call.pairs), call.call.model, call.call.truncate) == (
+        ["q", "q"], ["a", "b"], "minilm", False)
+    with pytest.raises(InvalidArgument, match="field 'query' must be str, not int"):
+        rerank_call({"query": 3, "texts": ["a"]}, "m")
+
+
 @pytest.mark.parametrize(("error", "status", "retry_after"), [
     (ResourceExhausted("tenant 'a' is over its quota", pushback_ms=1500), 429, "2"),
     (ResourceExhausted("full", pushback_ms=20), 429, "1"),            # at least a second
