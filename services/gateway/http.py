@@ -317,7 +317,9 @@ class HttpServer:
         self.port = 0
 
     async def start(self) -> int:
-        self.runner = web.AppRunner(self.api.app(), access_log=None, shutdown_timeout=self.config.grace_s)
+        # a client that leaves cancels its handler, and so its work downstream, as a gRPC caller's cancel does
+        self.runner = web.AppRunner(self.api.app(), access_log=None, shutdown_timeout=self.config.grace_s,
+                                    handler_cancellation=True)
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.config.host, self.config.http_port, reuse_port=True,
                            ssl_context=server_ssl(self.config))

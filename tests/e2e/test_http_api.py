@@ -27,8 +27,8 @@ TEXTS = ["Congratulations! You have won a free cruise, click here to claim your 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshState]:
     run_dir = tmp_path_factory.mktemp("run")
-    # a request limit of 8 · 2 · 4,000 · 4 bytes + 64 KiB (ACADEMUS_MAX_REQUEST_BYTES's default), uploads below it
-    state = start_mesh(run_dir, http_port=0, env={"ACADEMUS_MODELS": "spam,minilm", "ACADEMUS_MAX_INPUTS": "8",
+    # a request limit of 64 · 2 · 4,000 · 4 bytes + 64 KiB (ACADEMUS_MAX_REQUEST_BYTES's default), uploads below it
+    state = start_mesh(run_dir, http_port=0, env={"ACADEMUS_MODELS": "spam,minilm", "ACADEMUS_MAX_INPUTS": "64",
                                                    "ACADEMUS_MAX_TEXT_CHARS": "4000",
                                                    "ACADEMUS_MAX_UPLOAD_BYTES": "65536"})
     yield state
@@ -173,7 +173,7 @@ def test_an_http_request_is_one_trace_across_the_hops(mesh, key):
     ("/embed", {"inputs": "x", "model": "minilm", "truncate": "yes"}, "admin", 400, "INVALID_ARGUMENT",
      "field 'truncate' must be bool, not str"),
     ("/embed", {"inputs": "x", "model": "nope"}, "admin", 404, "NOT_FOUND", "nope"),
-    ("/embed", {"inputs": ["x"] * 9, "model": "minilm"}, "admin", 400, "INVALID_ARGUMENT", "8"),
+    ("/embed", {"inputs": ["x"] * 65, "model": "minilm"}, "admin", 400, "INVALID_ARGUMENT", "64"),
     ("/embed", {"inputs": "word " * 600, "model": "minilm"}, "admin", 400, "INVALID_ARGUMENT", "token"),
     ("/embed", ["x"], "admin", 400, "INVALID_ARGUMENT", "the body must be a JSON object, not list"),
     ("/predict", {"inputs": "x", "model": "minilm"}, "admin", 400, "INVALID_ARGUMENT", "embedding model"),
@@ -195,12 +195,37 @@ def test_bad_input_gets_the_status_and_names_the_field(mesh, key, path, body, ke
 def test_what_is_not_json_or_too_large_is_refused_unread(mesh, key):
     status, answer, _ = call(mesh, "/embed", raw=b'{"inputs": ', key=key)
     assert status == 400 and answer["error"].startswith("the body is not JSON")
-    status, answer, _ = call(mesh, "/embed", raw=b"x" * (4000 * 8 * 2 * 4 + 65 * 1024), key=key)
+    status, answer, _ = call(mesh, "/embed", raw=b"x" * (4000 * 64 * 2 * 4 + 65 * 1024), key=key)
     assert status == 413 and answer["error_type"] == "RESOURCE_EXHAUSTED"   # the gRPC port's limit and code
-    assert f"the request limit of {4000 * 8 * 2 * 4 + 64 * 1024} bytes" in answer["error"]
+    assert f"the request limit of {4000 * 64 * 2 * 4 + 64 * 1024} bytes" in answer["error"]
     status, answer, _ = call(mesh, "/embed", {"inputs": "x", "model": "minilm"}, headers={"x-api-key": key})
     assert status == 200
     assert call(mesh, "/embed", method="GET")[0] == 405
+
+
+def test_a_client_that_leaves_stops_the_forward_pass_downstream(mesh, key):
+    """The HTTP connection closed while the worker computes: the handler is cancelled, and with it the scheduler's
+    and the worker's calls; the worker stops the batch between layers rather than finishing it for nobody."""
+    import socket
+
+    worker = service(mesh, "worker-0")
+    texts = [f"{i} " + "every layer of this batch takes a while on a small CPU " * 40 for i in range(64)]
+    batches = metric(worker.metrics_port, "academus_worker_batches_total", model="minilm")
+    abandoned = metric(worker.metrics_port, "academus_worker_abandoned_total")
+    body = json.dumps({"inputs": texts, "model": "minilm", "truncate": True}).encode()
+    host, port = mesh.http.rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as client:
+        client.sendall(f"POST /embed HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
+                       f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        end = time.monotonic() + 30
+        while metric(worker.metrics_port, "academus_rpc_in_flight", service="worker", method="Run") < 1:
+            assert time.monotonic() < end, "the batch never reached the worker"
+            time.sleep(0.02)
+    end = time.monotonic() + 20
+    while metric(worker.metrics_port, "academus_worker_abandoned_total") == abandoned and time.monotonic() < end:
+        time.sleep(0.1)
+    assert metric(worker.metrics_port, "academus_worker_abandoned_total") == abandoned + 1
+    assert metric(worker.metrics_port, "academus_worker_batches_total", model="minilm") == batches
 
 
 def test_requests_in_flight_when_the_gateway_is_told_to_stop_are_answered(mesh, key):
