@@ -185,6 +185,24 @@ def api_key(request: web.Request) -> str | None:
     return value.strip() or None if scheme.lower() == "bearer" else None
 
 
+TIMEOUT_HEADER = "x-timeout-ms"
+
+
+def timeout_s(request: web.Request, default_s: float) -> float:
+    """The request's deadline, as gRPC's: `x-timeout-ms` (milliseconds, more than 0), else `default_s`. The queue
+    refuses at once what it cannot start in time (DEADLINE_EXCEEDED, 504), as it does a gRPC call's."""
+    raw = request.headers.get(TIMEOUT_HEADER)
+    if raw is None:
+        return default_s
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = math.nan
+    if not 0 < ms < math.inf:
+        raise InvalidArgument(f"header {TIMEOUT_HEADER!r} is {raw!r}: milliseconds, a number more than 0")
+    return ms / 1e3
+
+
 def peer_of(request: web.Request) -> str:
     """The client in grpc's peer form, which the failed-key limit counts by host."""
     host = request.remote or ""
@@ -261,8 +279,8 @@ class HttpApi:
             body = await json_body(request)
             call = parse(body, self.config.http_model)
             request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-            response = await self.answer(api_key(request), call.call, request_id, self.config.default_deadline_s,
-                                         peer_of(request))
+            response = await self.answer(api_key(request), call.call, request_id,
+                                         timeout_s(request, self.config.default_deadline_s), peer_of(request))
             return shape(response, body, call)
         return await self._answer(request, route, answered, openai)
 

@@ -192,6 +192,20 @@ def test_bad_input_gets_the_status_and_names_the_field(mesh, key, path, body, ke
     assert (got, kind) == (status, code) and says in message, answer
 
 
+def test_a_timeout_header_is_the_requests_deadline(mesh, key):
+    """`x-timeout-ms` is the deadline gRPC callers set: a batch that cannot finish within 50 ms is answered 504
+    DEADLINE_EXCEEDED at once, not after the default 30 s; a bad value is 400 naming the header."""
+    texts = [f"{i} " + "every layer of this batch takes a while on a small CPU " * 40 for i in range(64)]
+    start = time.monotonic()
+    status, answer, _ = call(mesh, "/embed", {"inputs": texts, "model": "minilm", "truncate": True}, key,
+                             headers={"x-timeout-ms": "50"})
+    assert (status, answer["error_type"]) == (504, "DEADLINE_EXCEEDED") and time.monotonic() - start < 5
+    status, answer, _ = call(mesh, "/embed", {"inputs": "x", "model": "minilm"}, key, headers={"x-timeout-ms": "-1"})
+    assert status == 400 and "'x-timeout-ms'" in answer["error"]
+    status, _, _ = call(mesh, "/embed", {"inputs": "x", "model": "minilm"}, key, headers={"x-timeout-ms": "5000"})
+    assert status == 200
+
+
 def test_what_is_not_json_or_too_large_is_refused_unread(mesh, key):
     status, answer, _ = call(mesh, "/embed", raw=b'{"inputs": ', key=key)
     assert status == 400 and answer["error"].startswith("the body is not JSON")

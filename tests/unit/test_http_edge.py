@@ -122,3 +122,23 @@ async def test_the_server_binds_the_port_the_os_chose_and_stops():
         await server.stop()
         with pytest.raises(aiohttp.ClientConnectionError):
             await session.get(f"http://127.0.0.1:{port}/health")
+
+
+@pytest.mark.parametrize(("value", "seconds"), [(None, 30.0), ("250", 0.25), ("1.5", 0.0015)])
+def test_the_timeout_header_gives_the_deadline(value, seconds):
+    from aiohttp.test_utils import make_mocked_request
+
+    from academus.services.gateway.http import timeout_s
+
+    request = make_mocked_request("POST", "/embed", headers={"x-timeout-ms": value} if value else {})
+    assert timeout_s(request, 30.0) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "soon", "nan", "inf"])
+def test_a_timeout_header_that_is_no_time_is_refused_naming_it(value):
+    from aiohttp.test_utils import make_mocked_request
+
+    from academus.services.gateway.http import timeout_s
+
+    with pytest.raises(InvalidArgument, match="header 'x-timeout-ms'"):
+        timeout_s(make_mocked_request("POST", "/embed", headers={"x-timeout-ms": value}), 30.0)
