@@ -8,7 +8,7 @@ import contextlib
 import itertools
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -82,6 +82,17 @@ class Admitted:
     def model_output(self) -> str:
         """What the model computes: a pair's score is folded from its two texts' embeddings (pair_scores)."""
         return EMBED if self.paired else self.output
+
+
+def api_key_from(metadata: Iterable[tuple[str, str]] | None) -> str | None:
+    """The caller's API key: `x-api-key: KEY`, or `authorization: Bearer KEY` (what OpenAI's clients send), from
+    gRPC metadata or HTTP headers (names in lower case)."""
+    for key, value in metadata or ():
+        if key == "x-api-key":
+            return value
+        if key == "authorization" and value.lower().startswith("bearer "):
+            return value[7:].strip()
+    return None
 
 
 def peer_host(peer: str) -> str:

@@ -20,11 +20,11 @@ from aiohttp import web
 from prometheus_client import Counter, Histogram
 from redis.exceptions import RedisError
 
-from academus.services.gateway.core import EMBED, LABEL, InferCall
+from academus.services.gateway.core import EMBED, LABEL, InferCall, api_key_from
 from academus.shared.runtime.config import GatewayConfig
 from academus.shared.runtime.errors import InvalidArgument, ResourceExhausted, ServingError, Unavailable
 from academus.shared.runtime.logs import log_event
-from academus.shared.runtime.tracing import end_http_span, http_server_span
+from academus.shared.runtime.tracing import end_http_span, http_server_span, http_tracer, root_ratio
 from academus.v1 import inference_pb2 as pb
 
 # gRPC's codes as HTTP statuses (Google's API design guide's mapping)
@@ -178,11 +178,8 @@ def openai_answer(response: pb.InferResponse, body: dict[str, Any]) -> dict[str,
 
 
 def api_key(request: web.Request) -> str | None:
-    """`Authorization: Bearer KEY` (what OpenAI's clients send) or `x-api-key: KEY`, as on the gRPC port."""
-    if key := request.headers.get("x-api-key"):
-        return key
-    scheme, _, value = request.headers.get("authorization", "").partition(" ")
-    return value.strip() or None if scheme.lower() == "bearer" else None
+    """The key as the gRPC port reads it from metadata, from the headers."""
+    return api_key_from((name.lower(), value) for name, value in request.headers.items())
 
 
 TIMEOUT_HEADER = "x-timeout-ms"
@@ -234,6 +231,7 @@ class HttpApi:
                  serving: Callable[[], bool]) -> None:
         self.config, self.answer, self.list_models, self.serving = config, answer, list_models, serving
         self.stopping = False   # the gateway is stopping: load balancers should send elsewhere
+        self.tracer, self.trace_ratio = http_tracer(), root_ratio(config.trace_ratio)   # read once, not a request
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.request_limit)
@@ -288,7 +286,7 @@ class HttpApi:
                       openai: bool) -> web.Response:
         """The answer to one request, in a SERVER span of its own (as a gRPC call's), counted by route and status."""
         start = time.perf_counter()
-        with http_server_span(request.method, route, request.headers, self.config.trace_ratio) as span:
+        with http_server_span(self.tracer, request.method, route, request.headers, self.trace_ratio) as span:
             try:
                 response = json_response(await work())
             except ServingError as e:

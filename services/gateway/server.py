@@ -26,6 +26,7 @@ from academus.services.gateway.core import (
     InferCall,
     SchedulerDirectory,
     TenantModels,
+    api_key_from,
     for_want_of_room,
     pair_scores,
 )
@@ -52,15 +53,6 @@ from academus.v1 import inference_pb2_grpc, manage_pb2, manage_pb2_grpc, schedul
 
 OUTPUT_NAMES = {pb.OUTPUT_UNSPECIFIED: "", pb.OUTPUT_LABEL: LABEL, pb.OUTPUT_SCORE: SCORE, pb.OUTPUT_EMBEDDING: EMBED}
 OUTPUT_ENUMS = {LABEL: pb.OUTPUT_LABEL, SCORE: pb.OUTPUT_SCORE, EMBED: pb.OUTPUT_EMBEDDING}
-
-
-def api_key_from(metadata) -> str | None:
-    for key, value in metadata or ():
-        if key == "x-api-key":
-            return value
-        if key == "authorization" and value.lower().startswith("bearer "):
-            return value[7:].strip()
-    return None
 
 
 def from_pb(request: pb.InferRequest) -> InferCall:

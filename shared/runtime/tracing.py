@@ -162,23 +162,29 @@ class ServerSpans(UnaryServerInterceptor):
         return wrapped
 
 
+def http_tracer() -> trace.Tracer | None:
+    """The HTTP edge's tracer (the process's provider, once setup_tracing has set it); None with
+    ACADEMUS_TRACING=off: as the gRPC interceptors, its spans are not there."""
+    return trace.get_tracer("academus.http") if tracing_enabled() else None
+
+
 @contextlib.contextmanager
-def http_server_span(method: str, route: str, headers, ratio: float = 1.0) -> Iterator[trace.Span | None]:
+def http_server_span(tracer: trace.Tracer | None, method: str, route: str, headers,
+                     ratio: float) -> Iterator[trace.Span | None]:
     """One SERVER span an HTTP request, as ServerSpans makes one a gRPC call: the child of its `traceparent` header,
-    drawn against `ratio` where it has none. A request not drawn makes no span and carries an unsampled context
-    downstream (None is yielded). `headers`: any mapping whose `get` finds `traceparent` (aiohttp's ignores case).
-    With ACADEMUS_TRACING=off, nothing: as the gRPC interceptors, it is not there."""
-    if not tracing_enabled():
+    drawn against `ratio` (root_ratio's) where it has none. A request not drawn makes no span and carries an
+    unsampled context downstream (None is yielded). `headers`: any mapping whose `get` finds `traceparent`
+    (aiohttp's ignores case)."""
+    if tracer is None:
         yield None
         return
-    if (untraced := untraced_context(headers.get(TRACEPARENT), root_ratio(ratio))) is not None:
+    if (untraced := untraced_context(headers.get(TRACEPARENT), ratio)) is not None:
         token = _untraced.set(untraced)
         try:
             yield None
         finally:
             _untraced.reset(token)
         return
-    tracer = trace.get_tracer("academus.http")   # the process's provider (setup_tracing)
     with tracer.start_as_current_span(f"{method} {route}", context=propagate.extract(headers), kind=SpanKind.SERVER,
                                       attributes={"http.request.method": method, "http.route": route},
                                       record_exception=False, set_status_on_exception=False) as span:
