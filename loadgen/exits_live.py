@@ -147,7 +147,7 @@ def run_arm(arm: str, task: str, texts: list[str], rate: float | None, args: arg
     with padded_mesh(task, args.artifacts, {"ACADEMUS_EXIT_POLICY": args.exit_policy}) as (state, key):
 
         async def measure() -> dict[str, Any]:
-            async with AsyncClient(state.gateway, api_key=key, timeout=60) as client:
+            async with AsyncClient(state.gateway, api_key=key, timeout=60, streams=args.streams) as client:
                 for text in texts[:16]:   # warm-up: traced graphs, channels
                     await one_request(client, arm, task, text)
                 cap, cpu = await capacity(client, arm, task, texts, args.clients, args.capacity_s, state)
@@ -216,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--exit-policy", default=APPARATE, choices=POLICIES,
                    help="the workers' exit policy; `none` makes the early arm a stream without ramps: what the "
                         "streaming path alone costs")
+    p.add_argument("--streams", action="store_true",
+                   help="both arms' calls ride the client's one multiplexed stream (`AsyncClient(streams=True)`), "
+                        "InferStream's too; default: a gRPC call each")
     p.add_argument("--from", dest="saved", type=Path, default=None, help="summarize a run written with --out")
     args = p.parse_args(argv)
     if args.saved is not None:
@@ -232,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             rate = rate or arms[arm]["rate"]
         rounds.append(arms)
         print(json.dumps({"round": r, **arms}), flush=True)
-    summary = summarize(args.task, rate, rounds) | {"exit_policy": args.exit_policy}
+    summary = summarize(args.task, rate, rounds) | {"exit_policy": args.exit_policy, "streams": args.streams}
     if args.out:
         args.out.write_text(rounds_json(summary, rounds))
     print(json.dumps(summary))

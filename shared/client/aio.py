@@ -56,8 +56,8 @@ class AsyncClient:
         options = [*CHANNEL_OPTIONS, *([("grpc.use_local_subchannel_pool", 1)] if own_connection else [])]
         credentials = channel_credentials(tls, root_certificates, private_key, certificate_chain)
         interceptors = client_interceptors()
-        self._channel = open_channel(target, credentials, options, interceptors)
-        self._stub = inference_pb2_grpc.InferenceStub(over_streams(self._channel, streams))
+        self._channel = over_streams(open_channel(target, credentials, options, interceptors), streams)
+        self._stub = inference_pb2_grpc.InferenceStub(self._channel)
 
     async def infer(self, model: str, texts: Sequence[str], output: str = "", *,
                     pairs: Sequence[str] | None = None, truncate: bool | None = None,

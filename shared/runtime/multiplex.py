@@ -1,4 +1,4 @@
-"""Unary calls multiplexed over one bidirectional stream a peer (`academus.v1.Multiplex/Calls`).
+"""Unary calls, and server streams, multiplexed over one bidirectional stream a peer (`academus.v1.Multiplex/Calls`).
 
 A grpc.aio unary call opens and closes an HTTP/2 stream, and each end pays gRPC core's thread hand-offs
 for it; a message on a stream that is already open costs about half of that, in latency and in CPU
@@ -36,6 +36,10 @@ the stream (the server answers a frame with frames), so one past the caller's `m
 caller sends in the stream's metadata, comes in pieces of that size (`ReplyFrame.more`), and replies that
 wait go between them (`frame_hol --replies`). A caller that sends no size gets every reply whole.
 
+A server stream (the public InferStream) is a frame too: each message it writes goes as a partial reply, and its
+status as the final reply, with no payload (`MultiplexedStreamCall`). Its messages go whole, never in pieces, so
+that its status cannot pass a message's pieces.
+
 A message costs gRPC about the same CPU whatever it holds: a frame and its reply took 189 us of CPU at
 both ends on loopback here, 35 us a frame when eight shared each message (`python -m
 academus.loadgen.probes.frame_batches`, docs/benchmarks/hops.md). So frames that wait for the
@@ -52,14 +56,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from academus.shared.runtime.errors import NOTHING_RAN, PUSHBACK
-from academus.shared.runtime.interceptors import UnaryBehavior, UnaryServerInterceptor
+from academus.shared.runtime.interceptors import UnaryBehavior, UnaryServerInterceptor, streamed_as_unary
 from academus.v1 import multiplex_pb2, multiplex_pb2_grpc
 
 if TYPE_CHECKING:
@@ -321,9 +325,13 @@ class MultiplexChannel:
         alone = self.channel.unary_unary(method, response_deserializer=deserialize)
         return MultiplexedMethod(self, method, serialize, deserialize, alone)
 
-    def unary_stream(self, method: str, *args: Any, **kwargs: Any) -> grpc.aio.UnaryStreamMultiCallable:
-        """A server-streaming method (InferStream) is a call of its own on the channel."""
-        return self.channel.unary_stream(method, *args, **kwargs)
+    def unary_stream(self, method: str, request_serializer: Callable | None = None,
+                     response_deserializer: Callable | None = None,
+                     _registered_method: bool = False) -> MultiplexedStreamMethod:
+        """A server-streaming method (InferStream): its messages ride the stream as partial replies."""
+        serialize, deserialize = request_serializer or _same, response_deserializer or _same
+        alone = self.channel.unary_stream(method, response_deserializer=deserialize)
+        return MultiplexedStreamMethod(self, method, serialize, deserialize, alone)
 
     def stream(self) -> _Stream:
         """The stream new calls take: the node-local one once connected, else (again after it broke) gRPC's."""
@@ -432,6 +440,109 @@ class MultiplexedMethod:
         return self.deserialize(reply.payload)
 
 
+@dataclass(frozen=True)
+class MultiplexedStreamMethod:
+    """A server-streaming method of a stub, called as a generated stub's: `stub.InferStream(request, timeout=...)`
+    gives a call to iterate (`async for`) and `cancel()`. Each message comes as a partial reply, and the call's
+    status as its final reply, whose payload is empty. A request too large for a frame, and a server that does
+    not multiplex the method (an earlier version's), get a server-streaming call of their own."""
+
+    channel: MultiplexChannel
+    method: str
+    serialize: Callable[[object], bytes]
+    deserialize: Callable[[bytes], object]
+    alone: grpc.aio.UnaryStreamMultiCallable   # the same method as a call of its own (bytes in)
+
+    def __call__(self, request, timeout: float | None = None,
+                 metadata: Sequence[tuple[str, str]] | None = None) -> MultiplexedStreamCall:
+        return MultiplexedStreamCall(self, self.serialize(request), timeout, tuple(metadata or ()))
+
+
+class MultiplexedStreamCall:
+    """One server stream's call: the frame goes out on the first iteration; `cancel()` (or leaving the
+    iteration) tells the server's handler to stop, as gRPC cancels a stream whose client went away."""
+
+    def __init__(self, method: MultiplexedStreamMethod, payload: bytes, timeout: float | None,
+                 metadata: tuple[tuple[str, str], ...]) -> None:
+        self.method = method
+        self.payload = payload
+        self.timeout = timeout
+        self.metadata = metadata
+        self._forget: Callable[[], None] | None = None
+        self._alone: grpc.aio.UnaryStreamCall | None = None
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._messages()
+
+    def cancel(self) -> bool:
+        if self._alone is not None:
+            return self._alone.cancel()
+        if self._forget is not None:
+            self._forget()
+        return True
+
+    async def _messages(self) -> AsyncIterator[Any]:
+        if len(self.payload) > self.method.channel.max_frame_bytes:
+            async for message in self._call_alone():
+                yield message
+            return
+        span, carrier = start_client_span(self.method.channel.tracer, self.method.method)
+        code, details, received = grpc.StatusCode.OK, None, 0
+        try:
+            async for message in self._framed([*self.metadata, (PARTIALS_KEY, "1"), *carrier.items()]):
+                received += 1
+                yield message
+        except grpc.aio.AioRpcError as e:
+            code, details = e.code(), e.details()
+            if code != grpc.StatusCode.UNIMPLEMENTED or received or "multiplexed" not in (details or ""):
+                raise
+            # the server serves this method, but not over the stream: an earlier version's
+            code, details = grpc.StatusCode.OK, None
+            async for message in self._call_alone():
+                yield message
+        except (asyncio.CancelledError, GeneratorExit):
+            code, details = grpc.StatusCode.CANCELLED, "cancelled by the caller"
+            raise
+        finally:
+            end_client_span(span, code, details)
+
+    async def _call_alone(self) -> AsyncIterator[Any]:
+        self._alone = self.method.alone(self.payload, timeout=self.timeout, metadata=self.metadata or None)
+        async for message in self._alone:
+            yield message
+
+    async def _framed(self, metadata: list[tuple[str, str]]) -> AsyncIterator[Any]:
+        channel = self.method.channel
+        stream = channel.stream()
+        call_id = next(channel._ids)
+        loop = asyncio.get_running_loop()
+        messages: asyncio.Queue[bytes | None] = asyncio.Queue()
+        end = loop.create_future()   # the final reply: the call's status
+        end.add_done_callback(lambda _: messages.put_nowait(None))   # after the messages before it
+        stream.partials[call_id] = messages.put_nowait
+        stream.send(multiplex_pb2.CallFrame(
+            id=call_id, method=self.method.method, payload=self.payload, timeout_s=self.timeout or 0.0,
+            sent_s=loop.time(), metadata=[multiplex_pb2.MetadataEntry(key=k, value=v) for k, v in metadata]), end)
+        self._forget = lambda: stream.forget(call_id)
+        deadline = loop.time() + self.timeout if self.timeout else None
+        try:
+            while True:
+                try:   # the deadline's scope holds no yield: it cancels this wait, never the caller's code
+                    async with asyncio.timeout_at(deadline):
+                        payload = await messages.get()
+                except TimeoutError:
+                    raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+                if payload is None:
+                    break
+                yield self.method.deserialize(payload)
+        finally:
+            stream.forget(call_id)   # the caller left or the deadline passed; nothing once the call has ended
+        reply = end.result()   # the stream broke: its UNAVAILABLE
+        if reply.code:
+            raise rpc_error(CODES.get(reply.code, grpc.StatusCode.UNKNOWN), reply.details,
+                            [(t.key, t.value) for t in reply.trailers])
+
+
 # ---------------------------------------------------------------- server side
 
 
@@ -470,6 +581,11 @@ class FrameContext:
     def set_trailing_metadata(self, trailing_metadata) -> None:
         self.trailers = tuple(trailing_metadata)
 
+    async def write(self, message: object) -> None:
+        """A server stream's message (`streamed_as_unary` writes each), sent as a partial reply."""
+        if self.send_partial is not None:
+            self.send_partial(message)
+
     def code(self) -> grpc.StatusCode | None:
         return self._code
 
@@ -485,6 +601,7 @@ class UnaryMethod:
     deserialize: Callable[[bytes], object]
     serialize: Callable[[object], bytes]
     served: Counter | None = None   # its academus_multiplexed_calls_total child, resolved once
+    streams: bool = False   # a server stream's, in unary form: its messages go as partial replies, then its status
 
 
 class MultiplexServicer(multiplex_pb2_grpc.MultiplexServicer):
@@ -494,7 +611,7 @@ class MultiplexServicer(multiplex_pb2_grpc.MultiplexServicer):
     def __init__(self, methods: dict[str, UnaryMethod], interceptors: Sequence[UnaryServerInterceptor] = (),
                  batches: bool = True, max_calls: int = MAX_STREAM_CALLS) -> None:
         self.methods = {name: UnaryMethod(wrapped(m.behavior, name, interceptors), m.deserialize, m.serialize,
-                                          MULTIPLEXED.labels(name)) for name, m in methods.items()}
+                                          MULTIPLEXED.labels(name), m.streams) for name, m in methods.items()}
         self.batches = batches   # reads batched frames, and batches replies for a caller that reads them
         self.max_calls = max_calls   # running at once on one stream: a peer cannot pile up tasks without bound
         self.draining = False
@@ -716,7 +833,7 @@ class _ServedStream:
             return reply_status(frame.id, grpc.StatusCode.UNIMPLEMENTED,
                                 f"method {frame.method!r} is not multiplexed here")
         partial = None
-        if any(m.key == PARTIALS_KEY and m.value == "1" for m in frame.metadata):
+        if method.streams or any(m.key == PARTIALS_KEY and m.value == "1" for m in frame.metadata):
             def partial(message: object) -> None:
                 if frame.id in self.running:   # not after the call ended (or its caller left)
                     self.emit(multiplex_pb2.ReplyFrame(id=frame.id, payload=method.serialize(message), partial=True))
@@ -732,6 +849,8 @@ class _ServedStream:
         method.served.inc()
         try:
             response = await method.behavior(request, context)
+            if method.streams:   # its messages went as partial replies: this is its status
+                return multiplex_pb2.ReplyFrame(id=frame.id)
             # inside: a response that cannot be sent is answered as a handler's error, never dropped
             return multiplex_pb2.ReplyFrame(id=frame.id, payload=method.serialize(response))
         except grpc.aio.AbortError:
@@ -753,7 +872,8 @@ class _ServedStream:
 
 class MethodCapture:
     """Stands in for the server to a service's `add_servicers`: registers everything with `server` as
-    before, and keeps the unary handlers by full method name, for the Multiplex service to serve."""
+    before, and keeps the unary and server-streaming handlers by full method name, for the Multiplex service
+    to serve."""
 
     def __init__(self, server: grpc.aio.Server) -> None:
         self.server = server
@@ -762,9 +882,12 @@ class MethodCapture:
     def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
         self.server.add_registered_method_handlers(service, {name: parsed_inside(h) for name, h in handlers.items()})
         for name, handler in handlers.items():
+            parse, serialize = handler.request_deserializer or _same, handler.response_serializer or _same
             if handler.unary_unary is not None:  # no (de)serializer: bytes as they are, as grpc takes it
+                self.methods[f"/{service}/{name}"] = UnaryMethod(handler.unary_unary, parse, serialize)
+            elif handler.unary_stream is not None:
                 self.methods[f"/{service}/{name}"] = UnaryMethod(
-                    handler.unary_unary, handler.request_deserializer or _same, handler.response_serializer or _same)
+                    streamed_as_unary(handler.unary_stream), parse, serialize, streams=True)
 
     def __getattr__(self, name: str):  # add_generic_rpc_handlers and the rest go to the server
         return getattr(self.server, name)

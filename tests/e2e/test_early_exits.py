@@ -219,6 +219,35 @@ def test_a_client_leaving_the_stream_stops_the_batch(exit_mesh: MeshState, clien
              "the worker to stop the abandoned batch between layers")
 
 
+def test_a_stream_over_the_sdks_multiplexed_stream_is_the_same_stream(exit_mesh: MeshState, client: Client) -> None:
+    """`AsyncClient(streams=True)`: InferStream's messages ride the client's one multiplexed stream (partial replies,
+    then the status); early results first, the same final answer as a call of its own; leaving stops the batch."""
+    key = (Path(exit_mesh.run_dir) / ADMIN_KEY_FILE).read_text().strip()
+    worker = service(exit_mesh, "worker-0").metrics_port
+    long_texts = [e.text for e in load_task("spam").test if len(e.text) > 2000][:48]
+    wait_for(lambda: metric(worker, "academus_worker_compute_saturated") == 0, 15, "the worker to be relieved")
+
+    async def stream() -> tuple[list, float, float]:
+        async with AsyncClient(exit_mesh.gateway, api_key=key, timeout=60, streams=True) as multiplexed:
+            results = [r async for r in multiplexed.infer_stream("spam", TEXTS)]
+            framed = metric(service(exit_mesh, "gateway").metrics_port, "academus_multiplexed_calls_total",
+                            method="/academus.v1.Inference/InferStream")
+            abandoned = metric(worker, "academus_worker_abandoned_total")
+            async for _ in multiplexed.infer_stream("spam", long_texts):
+                break   # the first early answer is enough: the rest of the batch is nobody's
+            return results, framed, abandoned
+
+    (*early, final), framed, abandoned = asyncio.run(stream())
+    assert framed >= 1, "the stream was a call of its own, not frames of the client's stream"
+    assert early and all(not p.final and 1 <= p.exit_layer <= 5 for r in early for p in r.predictions)
+    alone = list(client.infer_stream("spam", TEXTS))[-1]
+    assert [p.label for p in final.predictions] == [p.label for p in alone.predictions]
+    for multiplexed, own in zip(final.predictions, alone.predictions, strict=True):
+        np.testing.assert_allclose(list(multiplexed.probs.values()), list(own.probs.values()), atol=1e-5)
+    wait_for(lambda: metric(worker, "academus_worker_abandoned_total") > abandoned, 30,
+             "the worker to stop the batch its multiplexed stream left")
+
+
 def test_a_users_classifier_gets_ramps_on_a_running_mesh(exit_mesh: MeshState, client: Client,
                                                          tmp_path: Path) -> None:
     """A user's sequence classifier (a tiny BERT, its own nonlinear head) added to the running mesh; `ramps train

@@ -26,6 +26,7 @@ from tests.e2e.conftest import start_mesh
 pytestmark = pytest.mark.e2e
 
 INFER = "/academus.v1.Inference/Infer"
+INFER_STREAM = "/academus.v1.Inference/InferStream"   # a server stream: its messages come as partial replies
 # what the contract answers bad input with (DESIGN's error table); OK where the bytes happened to be a valid call
 CONTRACT = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
             grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -123,9 +124,10 @@ def call_frames(key: str) -> st.SearchStrategy[list[bytes]]:
     """Frames of any id, method, payload and timeout, carrying the key as the SDK's do, mixed with bytes that are
     not frames at all."""
     auth = [multiplex_pb2.MetadataEntry(key="x-api-key", value=key)]
+    methods = [INFER, INFER_STREAM, "/academus.v1.Inference/ListModels", "/x/Y"]
     frame = st.builds(lambda i, m, p, t: multiplex_pb2.CallFrame(id=i, method=m, payload=p, timeout_s=t,
                                                                  metadata=auth).SerializeToString(),
-                      st.integers(0, 2**63 - 1), st.sampled_from([INFER, "/academus.v1.Inference/ListModels", "/x/Y"]),
+                      st.integers(0, 2**63 - 1), st.sampled_from(methods),
                       st.one_of(st.binary(max_size=512), st.just(GOOD)), st.floats(-1, 30, allow_nan=False))
     return st.lists(st.one_of(frame, frame, st.binary(max_size=256)), min_size=1, max_size=8)
 
