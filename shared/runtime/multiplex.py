@@ -470,11 +470,13 @@ class MultiplexedStreamCall:
         self.metadata = metadata
         self._forget: Callable[[], None] | None = None
         self._alone: grpc.aio.UnaryStreamCall | None = None
+        self._cancelled = False
 
     def __aiter__(self) -> AsyncIterator[Any]:
         return self._messages()
 
     def cancel(self) -> bool:
+        self._cancelled = True
         if self._alone is not None:
             return self._alone.cancel()
         if self._forget is not None:
@@ -482,6 +484,8 @@ class MultiplexedStreamCall:
         return True
 
     async def _messages(self) -> AsyncIterator[Any]:
+        if self._cancelled:
+            raise rpc_error(grpc.StatusCode.CANCELLED, "cancelled by the caller")
         if len(self.payload) > self.method.channel.max_frame_bytes:
             async for message in self._call_alone():
                 yield message
@@ -500,8 +504,9 @@ class MultiplexedStreamCall:
             code, details = grpc.StatusCode.OK, None
             async for message in self._call_alone():
                 yield message
-        except (asyncio.CancelledError, GeneratorExit):
+        except (asyncio.CancelledError, GeneratorExit):   # the caller left: its handler stops now, not at collection
             code, details = grpc.StatusCode.CANCELLED, "cancelled by the caller"
+            self.cancel()
             raise
         finally:
             end_client_span(span, code, details)

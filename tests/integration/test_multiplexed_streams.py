@@ -1,8 +1,9 @@
 """Server streams (`InferStream`'s shape) over the multiplexed stream (shared/runtime/multiplex.py), on a real grpc.aio
 server on loopback and on the node-local data plane's Unix socket: each message comes as it is written, before the
-handler ends; a status after messages fails the call with its code, details and trailers; a caller that leaves or
-whose deadline passes cancels the handler; a request too large for a frame, and a server that does not multiplex
-the method, get a server-streaming call of their own; a peer that dies fails the call UNAVAILABLE."""
+handler ends; a status after messages fails the call with its code, details and trailers; a caller that leaves (with
+`cancel()` or by closing the iteration) or whose deadline passes cancels the handler; a request too large for a
+frame, and a server that does not multiplex the method, get a server-streaming call of their own; a peer that dies
+fails the call UNAVAILABLE."""
 
 from __future__ import annotations
 
@@ -141,6 +142,23 @@ async def test_a_caller_that_leaves_cancels_the_handler_and_the_stream_serves_on
     await asyncio.wait_for(streamed.teller.cleaned_up.wait(), WAIT_S)
     assert await messages(streamed.tell(b"again", timeout=WAIT_S)) == [b"first", b"second:again"]
     assert streamed.teller.framed == [True, True]
+
+
+@BOTH
+async def test_leaving_the_iteration_without_cancel_stops_the_handler(streamed: Streamed) -> None:
+    messages_of = streamed.tell(b"hold", timeout=WAIT_S).__aiter__()
+    assert await messages_of.__anext__() == b"first"
+    await asyncio.wait_for(streamed.teller.entered.wait(), WAIT_S)
+    await messages_of.aclose()   # what leaving an `async for` comes to once the iterator is let go
+    await asyncio.wait_for(streamed.teller.cleaned_up.wait(), WAIT_S)
+
+
+async def test_a_call_cancelled_before_its_iteration_sends_nothing(streamed: Streamed) -> None:
+    call = streamed.tell(b"never", timeout=WAIT_S)
+    call.cancel()
+    with pytest.raises(grpc.aio.AioRpcError) as cancelled:
+        await messages(call)
+    assert cancelled.value.code() == grpc.StatusCode.CANCELLED and streamed.teller.framed == []
 
 
 @BOTH
