@@ -84,6 +84,19 @@ class Admitted:
         return EMBED if self.paired else self.output
 
 
+@dataclass(frozen=True)
+class Answer:
+    """A call's full-model answer for an edge other than gRPC's (the HTTP/JSON one) to shape: the model, its labels,
+    one float32 row a text (its embedding, or its probabilities over `labels`) and each text's tokens. Text pairs
+    scored by an embedding model have one cosine similarity a pair instead of rows, and both texts' tokens."""
+
+    model: str
+    labels: list[str]
+    rows: np.ndarray
+    num_tokens: list[int]
+    pair_scores: list[float] | None = None
+
+
 def api_key_from(metadata: Iterable[tuple[str, str]] | None) -> str | None:
     """The caller's API key: `x-api-key: KEY`, or `authorization: Bearer KEY` (what OpenAI's clients send), from
     gRPC metadata or HTTP headers (names in lower case)."""

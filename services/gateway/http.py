@@ -1,7 +1,7 @@
 """HTTP/JSON edge of the gateway: the routes a user of text-embeddings-inference or of OpenAI's embeddings API
 already calls (`POST /embed`, `/predict`, `/rerank`, `/v1/embeddings`; `GET /v1/models`, `/health`), over the same
 admission, quotas and routing as the gRPC `Infer` (InferenceServicer.answer). JSON becomes an `InferCall` here and the
-answer's protobuf becomes JSON here; nothing past this module knows HTTP. Routes and errors:
+core's `Answer` becomes JSON here; nothing past this module knows HTTP. Routes and errors:
 docs/design/http_api.md."""
 
 from __future__ import annotations
@@ -20,12 +20,11 @@ from aiohttp import web
 from prometheus_client import Counter, Histogram
 from redis.exceptions import RedisError
 
-from academus.services.gateway.core import EMBED, LABEL, InferCall, api_key_from
+from academus.services.gateway.core import EMBED, LABEL, Answer, InferCall, api_key_from
 from academus.shared.runtime.config import GatewayConfig
 from academus.shared.runtime.errors import InvalidArgument, ResourceExhausted, ServingError, Unavailable
 from academus.shared.runtime.logs import log_event
 from academus.shared.runtime.tracing import end_http_span, http_server_span, http_tracer, root_ratio
-from academus.v1 import inference_pb2 as pb
 
 # gRPC's codes as HTTP statuses (Google's API design guide's mapping)
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400, "UNAUTHENTICATED": 401,
@@ -36,7 +35,7 @@ HTTP_SECONDS = Histogram("academus_http_request_seconds", "HTTP/JSON requests' t
                          buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30))
 
 REQUEST_LIMIT = web.AppKey("request_limit", int)   # bytes: the body a request may have
-Answer = Callable[[str | None, InferCall, str, float, str], Awaitable[pb.InferResponse]]   # key, call, id, s, peer
+AnswerCall = Callable[[str | None, InferCall, str, float, str], Awaitable[Answer]]   # key, call, id, s, peer
 ListModels = Callable[[str | None, str], Awaitable[list[dict[str, Any]]]]
 
 
@@ -125,10 +124,10 @@ def rerank_call(body: dict[str, Any], default_model: str) -> HttpCall:
                               field(body, "truncate", (bool,), False)))
 
 
-def ranked(response: pb.InferResponse, body: dict[str, Any]) -> list[dict[str, Any]]:
+def ranked(answer: Answer, body: dict[str, Any]) -> list[dict[str, Any]]:
     """TEI's shape: every text's index and score, the best first; its text too with `return_text`."""
     texts = body["texts"] if isinstance(body["texts"], list) else [body["texts"]]
-    scored = sorted(((p.input_index, p.score) for p in response.predictions), key=lambda pair: -pair[1])
+    scored = sorted(enumerate(answer.pair_scores or ()), key=lambda pair: -pair[1])
     if body.get("return_text"):
         return [{"index": i, "score": score, "text": texts[i]} for i, score in scored]
     return [{"index": i, "score": score} for i, score in scored]
@@ -146,33 +145,33 @@ def openai_call(body: dict[str, Any], _default_model: str) -> HttpCall:
     return HttpCall(InferCall(body["model"], texts, [""] * len(texts), EMBED, False))
 
 
-def embeddings(response: pb.InferResponse, normalize: bool) -> np.ndarray:
+def embeddings(answer: Answer, normalize: bool) -> np.ndarray:
     """texts x dim float32, each row at unit length where `normalize` (a zero row stays zero)."""
-    rows = np.array([p.embedding for p in response.predictions], dtype=np.float32)
+    rows = np.ascontiguousarray(answer.rows)   # orjson writes C-ordered arrays only
     if normalize and rows.size:
         norms = np.linalg.norm(rows, axis=1, keepdims=True)
         rows = np.divide(rows, norms, out=np.zeros_like(rows), where=norms > 0)
     return rows
 
 
-def predictions(response: pb.InferResponse, single: bool) -> list[Any]:
+def predictions(answer: Answer, single: bool) -> list[Any]:
     """TEI's shape: each input's labels with their scores, the likeliest first; a pair scored by an embedding model
     (no labels): its cosine similarity as one score."""
-    def one(p: pb.Prediction) -> list[dict[str, Any]]:
-        if not p.probs:
-            return [{"label": "similarity", "score": p.score}]
-        ranked = sorted(zip(response.labels, p.probs, strict=False), key=lambda lp: -lp[1])
-        return [{"label": label, "score": score} for label, score in ranked]
-    answers = [one(p) for p in response.predictions]
+    if answer.pair_scores is not None:
+        answers = [[{"label": "similarity", "score": score}] for score in answer.pair_scores]
+    else:
+        answers = [[{"label": label, "score": score}
+                    for label, score in sorted(zip(answer.labels, row, strict=False), key=lambda lp: -lp[1])]
+                   for row in answer.rows.tolist()]
     return answers[0] if single else answers
 
 
-def openai_answer(response: pb.InferResponse, body: dict[str, Any]) -> dict[str, Any]:
-    data = embeddings(response, normalize=False)
+def openai_answer(answer: Answer, body: dict[str, Any]) -> dict[str, Any]:
+    data = embeddings(answer, normalize=False)
     if (wanted := body.get("dimensions")) is not None and wanted != data.shape[1]:
-        raise InvalidArgument(f"field 'dimensions' is {wanted}; model {response.model!r} gives {data.shape[1]}")
-    tokens = sum(p.num_tokens for p in response.predictions)
-    return {"object": "list", "model": response.model,
+        raise InvalidArgument(f"field 'dimensions' is {wanted}; model {answer.model!r} gives {data.shape[1]}")
+    tokens = sum(answer.num_tokens)
+    return {"object": "list", "model": answer.model,
             "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)],
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
@@ -224,10 +223,10 @@ def json_response(answer: Any, status: int = 200, headers: dict[str, str] | None
 
 
 class HttpApi:
-    """The routes over two calls of the gRPC edge: `answer` (key, call, request id, seconds left, peer → the
-    InferResponse) and `list_models` (key, peer → the models the key may name, as {"name", "owner"})."""
+    """The routes over two calls of the gRPC edge: `answer` (key, call, request id, seconds left, peer → the core's
+    Answer) and `list_models` (key, peer → the models the key may name, as {"name", "owner"})."""
 
-    def __init__(self, config: GatewayConfig, answer: Answer, list_models: ListModels,
+    def __init__(self, config: GatewayConfig, answer: AnswerCall, list_models: ListModels,
                  serving: Callable[[], bool]) -> None:
         self.config, self.answer, self.list_models, self.serving = config, answer, list_models, serving
         self.stopping = False   # the gateway is stopping: load balancers should send elsewhere
@@ -271,15 +270,15 @@ class HttpApi:
         return json_response({"status": status}, 200 if status == "serving" else 503)
 
     async def _infer(self, request: web.Request, route: str, parse: Callable[[dict[str, Any], str], HttpCall],
-                     shape: Callable[[pb.InferResponse, dict[str, Any], HttpCall], Any],
+                     shape: Callable[[Answer, dict[str, Any], HttpCall], Any],
                      openai: bool = False) -> web.Response:
         async def answered() -> Any:
             body = await json_body(request)
             call = parse(body, self.config.http_model)
             request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-            response = await self.answer(api_key(request), call.call, request_id,
-                                         timeout_s(request, self.config.default_deadline_s), peer_of(request))
-            return shape(response, body, call)
+            answer = await self.answer(api_key(request), call.call, request_id,
+                                       timeout_s(request, self.config.default_deadline_s), peer_of(request))
+            return shape(answer, body, call)
         return await self._answer(request, route, answered, openai)
 
     async def _answer(self, request: web.Request, route: str, work: Callable[[], Awaitable[Any]],

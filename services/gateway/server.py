@@ -19,6 +19,7 @@ from academus.services.gateway.core import (
     LABEL,
     SCORE,
     Admitted,
+    Answer,
     Authenticator,
     Catalogue,
     FailedKeyLimit,
@@ -87,10 +88,7 @@ def to_pb(admitted: Admitted, result: tensors_pb2.ModelOutput, request_id: str) 
     """The response for the full model's answer: every text's final prediction. An early answer (exit ramps,
     `result.rows` set) gives those texts' predictions, released at `result.exit_layer`."""
     values = matrix_from_pb(result.values)
-    dim = values.shape[1]
-    labels = admitted.spec.labels if admitted.tenant_model is not None else list(result.labels)
-    # A tenant head's probs are zero-padded to the widest head in the worker's batch: keep its own classes.
-    width = min(len(labels), dim) if admitted.tenant_model is not None and admitted.output != EMBED else dim
+    labels, width = served_labels(admitted, result, values.shape[1])
     response = pb.InferResponse(model=admitted.spec.name, request_id=request_id, labels=labels)
     response.metadata.CopyFrom(result.metadata)
     if admitted.paired:
@@ -108,6 +106,25 @@ def to_pb(admitted: Admitted, result: tensors_pb2.ModelOutput, request_id: str) 
             p.label = labels[max(range(width), key=row.__getitem__)]
             p.score = row[-1]
     return response
+
+
+def served_labels(admitted: Admitted, result: tensors_pb2.ModelOutput, dim: int) -> tuple[list[str], int]:
+    """The answer's labels, and how many of each row's `dim` values are the text's own."""
+    labels = admitted.spec.labels if admitted.tenant_model is not None else list(result.labels)
+    # A tenant head's probs are zero-padded to the widest head in the worker's batch: keep its own classes.
+    width = min(len(labels), dim) if admitted.tenant_model is not None and admitted.output != EMBED else dim
+    return labels, width
+
+
+def answer_of(admitted: Admitted, result: tensors_pb2.ModelOutput) -> Answer:
+    """The full model's answer as the core's `Answer`: the model's float32 rows as they came, never a float each."""
+    values = matrix_from_pb(result.values)
+    labels, width = served_labels(admitted, result, values.shape[1])
+    tokens = [len(e.input_ids) for e in admitted.encoded]
+    if admitted.paired:
+        return Answer(admitted.spec.name, labels, values[:0], [tokens[a] + tokens[b] for a, b in admitted.pair_rows],
+                      pair_scores(values[: len(admitted.encoded)], admitted.pair_rows))
+    return Answer(admitted.spec.name, labels, values[:, :width], tokens)
 
 
 def first_results(admitted: Admitted, early: list[tensors_pb2.ModelOutput], final: tensors_pb2.ModelOutput | None,
@@ -206,15 +223,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         return to_pb(admitted, result, request_id)
 
     async def answer_call(self, api_key: str | None, call: InferCall, request_id: str, timeout_s: float,
-                          peer: str) -> pb.InferResponse:
+                          peer: str) -> Answer:
         """A call another edge of this gateway took (HTTP/JSON): admitted and answered as `Infer` answers it."""
-        entered = time.perf_counter()
         deadline = time.monotonic() + timeout_s
         admitted = await self.gateway.admit(api_key, call, "", peer)
-        response = await self.answer(admitted, request_id, deadline)
-        response.metadata.tokenize_ms = admitted.tokenize_ms
-        response.metadata.gateway_ms = (time.perf_counter() - entered) * 1e3
-        return response
+        result = await self._schedule(admitted, schedule_request(admitted, request_id), deadline)
+        return answer_of(admitted, result)
 
     async def model_owners(self, api_key: str | None, peer: str) -> list[dict[str, str]]:
         """The models the key may name, as ListModels gives them: the served ones ("academus"), then the

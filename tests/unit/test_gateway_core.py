@@ -229,6 +229,18 @@ async def test_to_pb_answers_each_pair_with_its_score_and_both_texts_tokens(gate
     assert all(not p.embedding and not p.probs and not p.label for p in response.predictions)
 
 
+async def test_answer_of_scores_each_pair_with_both_texts_tokens(gateway):
+    """The core's Answer (what the HTTP edge shapes) agrees with to_pb's predictions."""
+    from academus.services.gateway.server import answer_of
+    from academus.v1 import tensors_pb2
+
+    admitted = await gateway.admit("good-key", paired_call(["one", "two words"], ["uno", "dos"]))
+    values = [1.0, 0.0, 0.6, 0.8, 1.0, 0.0, 0.0, 1.0]      # one, two words, uno, dos
+    answer = answer_of(admitted, tensors_pb2.ModelOutput(values=tensors_pb2.Matrix(rows=4, dim=2, values=values)))
+    assert answer.pair_scores == pytest.approx([1.0, 0.8]) and answer.num_tokens == [3 + 3, 4 + 3]
+    assert answer.rows.size == 0
+
+
 async def test_auth_cache_expires_with_the_clock(redis_url):
     redis = connect(redis_url)
     now = [0.0]
@@ -580,6 +592,19 @@ async def test_to_pb_keeps_the_tenant_heads_labels_and_slices_padded_probs(tenan
     assert [x for p in response.predictions for x in p.probs] == pytest.approx([0.1, 0.2, 0.7, 0.6, 0.3, 0.1])
     assert [len(p.probs) for p in response.predictions] == [3, 3]
     assert [p.score for p in response.predictions] == pytest.approx([0.7, 0.1])
+
+
+async def test_answer_of_keeps_the_tenant_heads_labels_and_slices_padded_probs(tenants):
+    from academus.services.gateway.server import answer_of
+    from academus.v1 import tensors_pb2
+
+    gateway, _, keys = tenants
+    admitted = await gateway.admit(keys["a"], call(["good", "bad"], model="reviews"))
+    values = [0.1, 0.2, 0.7, 0.0, 0.0, 0.6, 0.3, 0.1, 0.0, 0.0]   # 3 probs zero-padded to the batch's 5
+    answer = answer_of(admitted, tensors_pb2.ModelOutput(labels=["w0", "w1", "w2", "w3", "w4"],
+                                                         values=tensors_pb2.Matrix(rows=2, dim=5, values=values)))
+    assert (answer.model, answer.labels, answer.pair_scores) == ("reviews", ["neg", "neu", "pos"], None)
+    np.testing.assert_allclose(answer.rows, [[0.1, 0.2, 0.7], [0.6, 0.3, 0.1]], rtol=1e-6)
 
 
 async def test_to_pb_gives_a_tenant_embedding_model_its_whole_row(tenants):

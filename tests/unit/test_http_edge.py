@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+import orjson
 import pytest
 
 from academus.services.gateway.core import EMBED, LABEL
@@ -60,6 +62,26 @@ def test_rerank_pairs_the_query_with_every_text():
         ["q", "q"], ["a", "b"], "minilm", False)
     with pytest.raises(InvalidArgument, match="field 'query' must be str, not int"):
         rerank_call({"query": 3, "texts": ["a"]}, "m")
+
+
+def test_the_routes_shape_the_cores_answer_as_tei_and_openai_do():
+    from academus.services.gateway.core import Answer
+    from academus.services.gateway.http import embeddings, openai_answer, predictions, ranked
+
+    probs = Answer("spam", ["ham", "spam"], np.array([[0.75, 0.25], [0.125, 0.875]], np.float32), [3, 4])
+    assert predictions(probs, single=False) == [[{"label": "ham", "score": 0.75}, {"label": "spam", "score": 0.25}],
+                                                [{"label": "spam", "score": 0.875}, {"label": "ham", "score": 0.125}]]
+    pairs = Answer("minilm", [], np.zeros((0, 2), np.float32), [5, 6], [0.25, 0.75])
+    assert predictions(pairs, single=True) == [{"label": "similarity", "score": 0.25}]
+    assert ranked(pairs, {"texts": ["a", "b"], "return_text": True}) == [{"index": 1, "score": 0.75, "text": "b"},
+                                                                         {"index": 0, "score": 0.25, "text": "a"}]
+    rows = Answer("minilm", [], np.array([[3.0, 4.0], [0.0, 0.0]], np.float32), [2, 3])
+    np.testing.assert_allclose(embeddings(rows, normalize=True), [[0.6, 0.8], [0.0, 0.0]])   # a zero row stays zero
+    openai = json.loads(orjson.dumps(openai_answer(rows, {"dimensions": 2}), option=orjson.OPT_SERIALIZE_NUMPY))
+    assert [d["embedding"] for d in openai["data"]] == [[3.0, 4.0], [0.0, 0.0]]
+    assert openai["usage"] == {"prompt_tokens": 5, "total_tokens": 5}
+    with pytest.raises(InvalidArgument, match="'dimensions' is 3; model 'minilm' gives 2"):
+        openai_answer(rows, {"dimensions": 3})
 
 
 @pytest.mark.parametrize(("error", "status", "retry_after"), [
