@@ -491,25 +491,34 @@ class MultiplexedStreamCall:
                 yield message
             return
         span, carrier = start_client_span(self.method.channel.tracer, self.method.method)
-        code, details, received = grpc.StatusCode.OK, None, 0
+        code, details = grpc.StatusCode.OK, None
         try:
-            async for message in self._framed([*self.metadata, (PARTIALS_KEY, "1"), *carrier.items()]):
-                received += 1
+            async for message in self._framed_else_alone([*self.metadata, (PARTIALS_KEY, "1"), *carrier.items()]):
                 yield message
         except grpc.aio.AioRpcError as e:
             code, details = e.code(), e.details()
-            if code != grpc.StatusCode.UNIMPLEMENTED or received or "multiplexed" not in (details or ""):
-                raise
-            # the server serves this method, but not over the stream: an earlier version's
-            code, details = grpc.StatusCode.OK, None
-            async for message in self._call_alone():
-                yield message
+            raise
         except (asyncio.CancelledError, GeneratorExit):   # the caller left: its handler stops now, not at collection
             code, details = grpc.StatusCode.CANCELLED, "cancelled by the caller"
             self.cancel()
             raise
         finally:
             end_client_span(span, code, details)
+
+    async def _framed_else_alone(self, metadata: list[tuple[str, str]]) -> AsyncIterator[Any]:
+        """The call as a frame; as a call of its own where the server answers, before any message, that it does not
+        multiplex the method (an earlier version's)."""
+        received = 0
+        try:
+            async for message in self._framed(metadata):
+                received += 1
+                yield message
+            return
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNIMPLEMENTED or received or "multiplexed" not in (e.details() or ""):
+                raise
+        async for message in self._call_alone():
+            yield message
 
     async def _call_alone(self) -> AsyncIterator[Any]:
         self._alone = self.method.alone(self.payload, timeout=self.timeout, metadata=self.metadata or None)
