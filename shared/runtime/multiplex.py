@@ -333,6 +333,21 @@ class MultiplexChannel:
         alone = self.channel.unary_stream(method, response_deserializer=deserialize)
         return MultiplexedStreamMethod(self, method, serialize, deserialize, alone)
 
+    def send_frame(self, method: str, payload: bytes, timeout: float | None, metadata: Sequence[tuple[str, str]],
+                   on_partial: Callable[[bytes], None] | None = None) -> tuple[_Stream, int, asyncio.Future]:
+        """One call's frame, sent on the stream new calls take: that stream, the call's id and the future its final
+        reply settles; `on_partial` takes the payload of each partial reply before it."""
+        stream = self.stream()
+        call_id = next(self._ids)
+        loop = asyncio.get_running_loop()
+        reply = loop.create_future()
+        if on_partial is not None:
+            stream.partials[call_id] = on_partial
+        stream.send(multiplex_pb2.CallFrame(
+            id=call_id, method=method, payload=payload, timeout_s=timeout or 0.0, sent_s=loop.time(),
+            metadata=[multiplex_pb2.MetadataEntry(key=k, value=v) for k, v in metadata]), reply)
+        return stream, call_id, reply
+
     def stream(self) -> _Stream:
         """The stream new calls take: the node-local one once connected, else (again after it broke) gRPC's."""
         if self._stream is None or self._stream.broken is not None:
@@ -416,15 +431,9 @@ class MultiplexedMethod:
 
     async def _call(self, payload: bytes, timeout: float | None, metadata: list[tuple[str, str]],
                     on_partial: Callable[[Any], None] | None = None):
-        stream = self.channel.stream()
-        call_id = next(self.channel._ids)
-        future = asyncio.get_running_loop().create_future()
-        if on_partial is not None:
-            stream.partials[call_id] = lambda payload: on_partial(self.deserialize(payload))
-        stream.send(multiplex_pb2.CallFrame(
-            id=call_id, method=self.method, payload=payload, timeout_s=timeout or 0.0,
-            sent_s=asyncio.get_running_loop().time(),
-            metadata=[multiplex_pb2.MetadataEntry(key=k, value=v) for k, v in metadata]), future)
+        stream, call_id, future = self.channel.send_frame(
+            self.method, payload, timeout, metadata,
+            None if on_partial is None else lambda payload: on_partial(self.deserialize(payload)))
         try:
             async with asyncio.timeout(timeout):
                 reply = await future
@@ -434,10 +443,7 @@ class MultiplexedMethod:
         except asyncio.CancelledError:
             stream.forget(call_id)
             raise
-        if reply.code:
-            raise rpc_error(CODES.get(reply.code, grpc.StatusCode.UNKNOWN), reply.details,
-                            [(t.key, t.value) for t in reply.trailers])
-        return self.deserialize(reply.payload)
+        return self.deserialize(reply_payload(reply))
 
 
 @dataclass(frozen=True)
@@ -493,7 +499,7 @@ class MultiplexedStreamCall:
         span, carrier = start_client_span(self.method.channel.tracer, self.method.method)
         code, details = grpc.StatusCode.OK, None
         try:
-            async for message in self._framed_else_alone([*self.metadata, (PARTIALS_KEY, "1"), *carrier.items()]):
+            async for message in self._framed_else_alone([*self.metadata, *carrier.items()]):
                 yield message
         except grpc.aio.AioRpcError as e:
             code, details = e.code(), e.details()
@@ -526,19 +532,14 @@ class MultiplexedStreamCall:
             yield message
 
     async def _framed(self, metadata: list[tuple[str, str]]) -> AsyncIterator[Any]:
-        channel = self.method.channel
-        stream = channel.stream()
-        call_id = next(channel._ids)
-        loop = asyncio.get_running_loop()
+        """Its messages come as partial replies (the server sends a stream's whatever the metadata says), its status
+        as the final reply (`end`)."""
         messages: asyncio.Queue[bytes | None] = asyncio.Queue()
-        end = loop.create_future()   # the final reply: the call's status
+        stream, call_id, end = self.method.channel.send_frame(self.method.method, self.payload, self.timeout,
+                                                              metadata, messages.put_nowait)
         end.add_done_callback(lambda _: messages.put_nowait(None))   # after the messages before it
-        stream.partials[call_id] = messages.put_nowait
-        stream.send(multiplex_pb2.CallFrame(
-            id=call_id, method=self.method.method, payload=self.payload, timeout_s=self.timeout or 0.0,
-            sent_s=loop.time(), metadata=[multiplex_pb2.MetadataEntry(key=k, value=v) for k, v in metadata]), end)
         self._forget = lambda: stream.forget(call_id)
-        deadline = loop.time() + self.timeout if self.timeout else None
+        deadline = asyncio.get_running_loop().time() + self.timeout if self.timeout else None
         try:
             while True:
                 try:   # the deadline's scope holds no yield: it cancels this wait, never the caller's code
@@ -551,10 +552,7 @@ class MultiplexedStreamCall:
                 yield self.method.deserialize(payload)
         finally:
             stream.forget(call_id)   # the caller left or the deadline passed; nothing once the call has ended
-        reply = end.result()   # the stream broke: its UNAVAILABLE
-        if reply.code:
-            raise rpc_error(CODES.get(reply.code, grpc.StatusCode.UNKNOWN), reply.details,
-                            [(t.key, t.value) for t in reply.trailers])
+        reply_payload(end.result())   # the status; a broken stream's UNAVAILABLE
 
 
 # ---------------------------------------------------------------- server side
@@ -938,6 +936,14 @@ def piece_bytes(metadata: Sequence[tuple[str, str | bytes]] | None) -> int:
     if not (isinstance(value, str) and value.isdigit() and int(value)):
         return 0
     return max(int(value), MIN_PIECE_BYTES)
+
+
+def reply_payload(reply: multiplex_pb2.ReplyFrame) -> bytes:
+    """A final reply's payload, or the AioRpcError its status raises (code, details, trailers), as a unary call's."""
+    if reply.code:
+        raise rpc_error(CODES.get(reply.code, grpc.StatusCode.UNKNOWN), reply.details,
+                        [(t.key, t.value) for t in reply.trailers])
+    return reply.payload
 
 
 def reply_status(call_id: int, code: grpc.StatusCode, details: str,
