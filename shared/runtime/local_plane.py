@@ -47,6 +47,7 @@ from academus.shared.runtime.multiplex import (
     FRAME_BATCHES_KEY,
     MultiplexServicer,
     _ServedStream,
+    joins_message_pieces,
     piece_bytes,
     reply_status,
     rpc_error,
@@ -230,7 +231,7 @@ class _ServedConnection(asyncio.Protocol):
         servicer = self.plane.servicer
         batches = servicer.batches and metadata.get(FRAME_BATCHES_KEY) == "1"
         self.served = _ServedStream(servicer, piece_bytes(tuple(metadata.items())), batches, self.send_now,
-                                    peer="unix:local-plane")
+                                    peer="unix:local-plane", message_pieces=joins_message_pieces(metadata.items()))
         servicer._streams.add(self.served)
         LOCAL_PLANE_CONNECTIONS.inc()
         if servicer.draining:

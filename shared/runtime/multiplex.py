@@ -37,8 +37,10 @@ caller sends in the stream's metadata, comes in pieces of that size (`ReplyFrame
 wait go between them (`frame_hol --replies`). A caller that sends no size gets every reply whole.
 
 A server stream (the public InferStream) is a frame too: each message it writes goes as a partial reply, and its
-status as the final reply, with no payload (`MultiplexedStreamCall`). Its messages go whole, never in pieces, so
-that its status cannot pass a message's pieces.
+status as the final reply, with no payload (`MultiplexedStreamCall`). A message past the piece size comes in pieces
+too (`more` and `partial` both set) to a caller that joins them (MESSAGE_PIECES_KEY; one that does not gets them
+whole). A call's replies keep their order whatever their sizes: one that comes behind a reply still going in pieces
+waits for its last piece, so a stream's status never passes its last message.
 
 A message costs gRPC about the same CPU whatever it holds: a frame and its reply took 189 us of CPU at
 both ends on loopback here, 35 us a frame when eight shared each message (`python -m
@@ -117,6 +119,8 @@ MAX_STREAM_CALLS = 4096
 MIN_BACKLOG_S = 0.05
 # Calls metadata (the caller) and initial metadata (the server): "1", this end reads batched frames.
 FRAME_BATCHES_KEY = "academus-frame-batches"
+# Calls metadata (the caller): "1", this end joins a partial reply (a server stream's message) sent in pieces.
+MESSAGE_PIECES_KEY = "academus-message-pieces"
 # Frame metadata (the caller): "1", send this call's early answers as partial replies (ReplyFrame.partial), which
 # its handler sends with `FrameContext.send_partial` (exit ramps' results, Apparate). A plain unary call has no
 # such channel: its caller gets the final answer only.
@@ -259,6 +263,11 @@ class _Stream:
             raise
 
     def _receive(self, reply: multiplex_pb2.ReplyFrame) -> None:
+        if reply.more:   # a call's replies come in order, so its pieces so far are of this one reply
+            self.pieces.setdefault(reply.id, []).append(reply.payload)
+            return
+        if reply.id in self.pieces:
+            reply.payload = b"".join([*self.pieces.pop(reply.id), reply.payload])
         if reply.partial:
             take = self.partials.get(reply.id)
             if take is not None:
@@ -268,11 +277,6 @@ class _Stream:
                     log_event("partial_reply_failed", error=repr(e))
             return
         self.partials.pop(reply.id, None)
-        if reply.more:
-            self.pieces.setdefault(reply.id, []).append(reply.payload)
-            return
-        if reply.id in self.pieces:
-            reply.payload = b"".join([*self.pieces.pop(reply.id), reply.payload])
         future = self.pending.pop(reply.id, None)
         if future is not None and not future.done():
             future.set_result(reply)
@@ -363,7 +367,7 @@ class MultiplexChannel:
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         return ((FRAME_BYTES_KEY, str(self.max_frame_bytes)), (FRAME_BATCHES_KEY, "1" if self.batches else "0"),
-                *self.metadata)
+                (MESSAGE_PIECES_KEY, "1"), *self.metadata)
 
     def _batch_bytes(self) -> int:
         return min(self.max_frame_bytes, MAX_FRAME_BYTES)
@@ -633,7 +637,8 @@ class MultiplexServicer(multiplex_pb2_grpc.MultiplexServicer):
     async def Calls(self, request_iterator, context: grpc.aio.ServicerContext):
         metadata = context.invocation_metadata()
         batches = self.batches and dict(metadata or ()).get(FRAME_BATCHES_KEY) == "1"
-        served = _ServedStream(self, piece_bytes(metadata), batches, peer=context.peer())
+        served = _ServedStream(self, piece_bytes(metadata), batches, peer=context.peer(),
+                               message_pieces=joins_message_pieces(metadata))
         self._streams.add(served)   # before any await: a drain meanwhile must reach it
         reader: asyncio.Future | None = None
         try:
@@ -706,9 +711,11 @@ class _ServedStream:
     """One client's Calls stream on the server: its running calls by id and the replies to send."""
 
     def __init__(self, servicer: MultiplexServicer, piece: int = 0, batches: bool = False,
-                 send_now: Callable[[multiplex_pb2.ReplyFrame], bool] | None = None, peer: str = "") -> None:
+                 send_now: Callable[[multiplex_pb2.ReplyFrame], bool] | None = None, peer: str = "",
+                 message_pieces: bool = False) -> None:
         """`send_now`: sends a whole reply on the spot if it can (the node-local plane), else the reply
-        waits for `next_message`. `peer`: the client, for its frames' handlers (grpc's form, `ipv4:host:port`)."""
+        waits for `next_message`. `peer`: the client, for its frames' handlers (grpc's form, `ipv4:host:port`).
+        `message_pieces`: the client joins partial replies sent in pieces."""
         self.servicer = servicer
         self.peer = peer
         self.send_now = send_now
@@ -717,7 +724,11 @@ class _ServedStream:
         self.replies: asyncio.Queue[multiplex_pb2.ReplyFrame | None] = asyncio.Queue()
         self.held: deque[multiplex_pb2.ReplyFrame | None] = deque()  # taken from `replies`, not batched
         self.piece = piece     # 0: replies go whole
-        self.rest: deque[tuple[int, bytes, int]] = deque()   # large replies still to send: id, payload, offset
+        # large replies still to send: the reply, its payload (read once: each read of a bytes field copies it), offset
+        self.rest: deque[tuple[multiplex_pb2.ReplyFrame, bytes, int]] = deque()
+        # the calls whose reply goes in pieces now, and their replies that came behind it, in order
+        self.behind: dict[int, deque[multiplex_pb2.ReplyFrame]] = {}
+        self.message_pieces = message_pieces
         self.transit = TransitFloor()
         self.batches = batches  # the caller reads batched replies
         self.batch_bytes = min(piece, MAX_FRAME_BYTES) if piece else MAX_FRAME_BYTES   # payload bytes a message
@@ -731,8 +742,9 @@ class _ServedStream:
         batch, size = [reply], len(reply.payload)
         while not self.held and self.replies.qsize() and len(batch) < MAX_BATCH_FRAMES:
             ready = self.replies.get_nowait()
-            if ready is None or self.in_pieces(ready) or size + len(ready.payload) > self.batch_bytes:
-                self.held.append(ready)   # the end, a reply in pieces, or the next message's first
+            if (ready is None or self.in_pieces(ready) or ready.id in self.behind
+                    or size + len(ready.payload) > self.batch_bytes):
+                self.held.append(ready)   # the end, a reply in pieces or behind one, or the next message's first
                 break
             batch.append(ready)
             size += len(ready.payload)
@@ -743,27 +755,40 @@ class _ServedStream:
 
     async def next_reply(self) -> multiplex_pb2.ReplyFrame | None:
         """The next frame to send, None to end: a waiting reply before the next piece of a large one, and
-        the large ones' pieces in turn, so no reply waits behind more than one piece."""
-        if self.rest and not self.held and self.replies.empty():
-            return self._next_piece()
-        reply = self.held.popleft() if self.held else await self.replies.get()
-        if reply is None and self.rest:
-            self.replies.put_nowait(None)   # the end goes behind the pieces left
-            return self._next_piece()
-        if reply is not None and self.in_pieces(reply):
-            self.rest.append((reply.id, reply.payload, 0))
-            return self._next_piece()
-        return reply
+        the large ones' pieces in turn, so no reply waits behind more than one piece of another call's. A reply
+        of a call whose earlier reply is in pieces waits for its last piece."""
+        while True:
+            if self.rest and not self.held and self.replies.empty():
+                return self._next_piece()
+            reply = self.held.popleft() if self.held else await self.replies.get()
+            if reply is None:
+                if not self.rest:
+                    return None
+                self.replies.put_nowait(None)   # the end goes behind the pieces left
+                return self._next_piece()
+            if reply.id in self.behind:
+                self.behind[reply.id].append(reply)
+            elif self.in_pieces(reply):
+                self.behind[reply.id] = deque()
+                self.rest.append((reply, reply.payload, 0))
+                return self._next_piece()
+            else:
+                return reply
 
     def in_pieces(self, reply: multiplex_pb2.ReplyFrame) -> bool:
-        return 0 < self.piece < len(reply.payload) and not reply.partial   # early answers are small; go whole
+        """Past the piece size; a partial reply (a stream's message, an early answer) only to a caller that
+        joins its pieces."""
+        return 0 < self.piece < len(reply.payload) and (self.message_pieces or not reply.partial)
 
     def _next_piece(self) -> multiplex_pb2.ReplyFrame:
-        call_id, payload, offset = self.rest.popleft()
+        reply, payload, offset = self.rest.popleft()
         end = offset + self.piece
-        if end < len(payload):
-            self.rest.append((call_id, payload, end))
-        return multiplex_pb2.ReplyFrame(id=call_id, payload=payload[offset:end], more=end < len(payload))
+        more = end < len(payload)
+        if more:
+            self.rest.append((reply, payload, end))
+        else:   # the call's replies that waited for this one go next, in order
+            self.held.extendleft(reversed(self.behind.pop(reply.id)))
+        return multiplex_pb2.ReplyFrame(id=reply.id, payload=payload[offset:end], more=more, partial=reply.partial)
 
     async def read(self, request_iterator) -> None:
         try:
@@ -819,19 +844,21 @@ class _ServedStream:
 
     async def serve(self, frame: multiplex_pb2.CallFrame, started: float) -> None:
         try:
-            reply = await self.answer(frame, started)
-            pieces = self.in_pieces(reply)
-            if pieces:
-                REPLIES_IN_PIECES.labels(frame.method).inc()
-                self.replies.put_nowait(reply)
-            else:
-                self.emit(reply)
+            self.send(await self.answer(frame, started), frame.method)
         except asyncio.CancelledError:
             pass  # the caller left: nobody waits for an answer
         finally:
             self.running.pop(frame.id, None)
             if self.closing and not self.running:
                 self.replies.put_nowait(None)
+
+    def send(self, reply: multiplex_pb2.ReplyFrame, method: str) -> None:
+        """A reply of a call of `method`: queued for its pieces where it goes in pieces, else emitted."""
+        if self.in_pieces(reply):
+            REPLIES_IN_PIECES.labels(method).inc()
+            self.replies.put_nowait(reply)
+        else:
+            self.emit(reply)
 
     def emit(self, reply: multiplex_pb2.ReplyFrame) -> None:
         """A whole reply, written on the spot where it can be and nothing waits ahead of it (replies of one call
@@ -848,7 +875,8 @@ class _ServedStream:
         if method.streams or any(m.key == PARTIALS_KEY and m.value == "1" for m in frame.metadata):
             def partial(message: object) -> None:
                 if frame.id in self.running:   # not after the call ended (or its caller left)
-                    self.emit(multiplex_pb2.ReplyFrame(id=frame.id, payload=method.serialize(message), partial=True))
+                    self.send(multiplex_pb2.ReplyFrame(id=frame.id, payload=method.serialize(message), partial=True),
+                              frame.method)
         context = FrameContext(frame, started, partial, self.peer)
         unrun = unrun_reply(frame, context)
         if unrun is not None:
@@ -936,6 +964,11 @@ def piece_bytes(metadata: Sequence[tuple[str, str | bytes]] | None) -> int:
     if not (isinstance(value, str) and value.isdigit() and int(value)):
         return 0
     return max(int(value), MIN_PIECE_BYTES)
+
+
+def joins_message_pieces(metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
+    """The caller's Calls metadata says it joins a partial reply sent in pieces (an earlier version's does not)."""
+    return dict(metadata or ()).get(MESSAGE_PIECES_KEY) == "1"
 
 
 def reply_payload(reply: multiplex_pb2.ReplyFrame) -> bytes:

@@ -18,11 +18,15 @@ from prometheus_client import REGISTRY
 from academus.shared.runtime.errors import ResourceExhausted, abort_with
 from academus.shared.runtime.local_plane import LocalPlane, open_local, socket_dir
 from academus.shared.runtime.multiplex import (
+    CALLS_METHOD,
+    FRAME_BYTES_KEY,
+    MAX_FRAME_BYTES,
     FrameContext,
     MultiplexChannel,
     MultiplexedStreamMethod,
     serve_multiplexed,
 )
+from academus.v1 import multiplex_pb2
 
 METHOD = "/t.Streams/Tell"
 PLAIN = "/t.Plain/Tell"       # served as a call of its own only, as by a server of an earlier version
@@ -49,6 +53,8 @@ class Teller:
                 await self.gate.wait()
             if behaviour == b"refuse":
                 await abort_with(context, ResourceExhausted("queue full (capacity 4)", pushback_ms=25))
+            if behaviour == b"big":   # a message of the size its second word says, past a frame's
+                yield big_message(int(payload.split(b" ")[1]))
             if behaviour == b"hold":
                 self.entered.set()
                 await asyncio.sleep(3600)
@@ -101,12 +107,20 @@ async def went_local(streamed: Streamed) -> None:
     streamed.teller.__init__()   # what the warm-up left
 
 
+def big_message(size: int) -> bytes:
+    return bytes(range(256)) * (size // 256)
+
+
 async def messages(call) -> list[bytes]:
     return [m async for m in call]
 
 
 def served_as_frames(method: str) -> float:
     return REGISTRY.get_sample_value("academus_multiplexed_calls_total", {"method": method}) or 0.0
+
+
+def sent_in_pieces(method: str) -> float:
+    return REGISTRY.get_sample_value("academus_multiplexed_replies_in_pieces_total", {"method": method}) or 0.0
 
 
 @BOTH
@@ -190,3 +204,28 @@ async def test_a_peer_that_dies_fails_the_call_unavailable(streamed: Streamed) -
             await asyncio.wait_for(streamed.teller.entered.wait(), WAIT_S)
             await streamed.server.stop(None)
     assert gone.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+@BOTH
+async def test_a_message_past_a_frame_comes_in_pieces_joined_in_order(streamed: Streamed) -> None:
+    """A message of 1 MiB goes as pieces of the caller's frame size (not whole, holding up the stream's other
+    replies), and comes out whole, between the stream's messages before and after it."""
+    size = 1 << 20
+    before = sent_in_pieces(METHOD)
+    got = await messages(streamed.tell(b"big %d" % size, timeout=WAIT_S))
+    assert got == [b"first", big_message(size), b"second:big %d" % size]
+    assert sent_in_pieces(METHOD) == before + 1 and streamed.teller.framed == [True]
+
+
+async def test_a_caller_that_does_not_join_message_pieces_gets_each_message_whole(streamed: Streamed) -> None:
+    """A caller of an earlier version (a frame size in its metadata, no MESSAGE_PIECES_KEY): every message whole."""
+    size = 4 * MAX_FRAME_BYTES
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{streamed.port}") as channel:
+        calls = channel.stream_stream(CALLS_METHOD, request_serializer=multiplex_pb2.CallFrame.SerializeToString,
+                                      response_deserializer=multiplex_pb2.ReplyFrame.FromString)(
+            metadata=((FRAME_BYTES_KEY, str(MAX_FRAME_BYTES)),))
+        await calls.write(multiplex_pb2.CallFrame(id=3, method=METHOD, payload=b"big %d" % size))
+        replies = [await asyncio.wait_for(calls.read(), WAIT_S) for _ in range(4)]
+        calls.cancel()
+    assert [(r.id, r.partial, r.more, r.code) for r in replies] == [(3, True, False, 0)] * 3 + [(3, False, False, 0)]
+    assert [r.payload for r in replies] == [b"first", big_message(size), b"second:big %d" % size, b""]

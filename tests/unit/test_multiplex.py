@@ -321,6 +321,33 @@ async def test_the_end_of_a_stream_waits_for_the_pieces_left_and_a_small_reply_c
     assert sent == [(1, b"abcd", True), (2, b"s", False), (1, b"efgh", True), (1, b"ij", False)]
 
 
+async def test_a_calls_replies_behind_its_message_in_pieces_wait_for_its_last_piece(mux):
+    """A stream's message in pieces: another call's reply cuts in between them, but the same call's next message
+    and its status (the final reply) wait for its last piece, in order, whether queued or batched."""
+    for batches in (False, True):
+        served = _ServedStream(mux.servicer, piece=4, batches=batches, message_pieces=True)
+        for reply in (multiplex_pb2.ReplyFrame(id=1, payload=b"abcdefghij", partial=True),
+                      multiplex_pb2.ReplyFrame(id=1, payload=b"m", partial=True),
+                      multiplex_pb2.ReplyFrame(id=2, payload=b"s"), multiplex_pb2.ReplyFrame(id=1), None):
+            served.replies.put_nowait(reply)
+        sent = []
+        while (message := await served.next_message()) is not None:
+            sent.extend((r.id, r.payload, r.more, r.partial) for r in message.batch or (message,))
+        assert sent == [(1, b"abcd", True, True), (2, b"s", False, False), (1, b"efgh", True, True),
+                        (1, b"ij", False, True), (1, b"m", False, True), (1, b"", False, False)], batches
+
+
+async def test_a_message_goes_whole_to_a_caller_that_does_not_join_its_pieces(mux):
+    served = _ServedStream(mux.servicer, piece=4)
+    for reply in (multiplex_pb2.ReplyFrame(id=1, payload=b"abcdefghij", partial=True), multiplex_pb2.ReplyFrame(id=1),
+                  None):
+        served.replies.put_nowait(reply)
+    sent = []
+    while (frame := await served.next_reply()) is not None:
+        sent.append((frame.id, frame.payload, frame.more, frame.partial))
+    assert sent == [(1, b"abcdefghij", False, True), (1, b"", False, False)]
+
+
 async def test_a_caller_that_sends_no_frame_size_gets_every_reply_whole(mux):
     async with grpc.aio.insecure_channel(f"127.0.0.1:{mux.port}") as channel:
         calls = channel.stream_stream(CALLS_METHOD, request_serializer=multiplex_pb2.CallFrame.SerializeToString,
