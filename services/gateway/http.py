@@ -37,6 +37,7 @@ HTTP_SECONDS = Histogram("academus_http_request_seconds", "HTTP/JSON requests' t
 REQUEST_LIMIT = web.AppKey("request_limit", int)   # bytes: the body a request may have
 AnswerCall = Callable[[str | None, InferCall, str, float, str], Awaitable[Answer]]   # key, call, id, s, peer
 ListModels = Callable[[str | None, str], Awaitable[list[dict[str, Any]]]]
+Authenticate = Callable[[str | None, str], Awaitable[object]]   # key, peer: raises Unauthenticated
 
 
 @dataclass(frozen=True)
@@ -223,12 +224,15 @@ def json_response(answer: Any, status: int = 200, headers: dict[str, str] | None
 
 
 class HttpApi:
-    """The routes over two calls of the gRPC edge: `answer` (key, call, request id, seconds left, peer → the core's
-    Answer) and `list_models` (key, peer → the models the key may name, as {"name", "owner"})."""
+    """The routes over three calls of the gRPC edge: `answer` (key, call, request id, seconds left, peer → the core's
+    Answer), `list_models` (key, peer → the models the key may name, as {"name", "owner"}) and `authenticate` (key,
+    peer), which a request passes before its body is read, as a gRPC call's credentials are checked before its
+    fields."""
 
     def __init__(self, config: GatewayConfig, answer: AnswerCall, list_models: ListModels,
-                 serving: Callable[[], bool]) -> None:
+                 serving: Callable[[], bool], authenticate: Authenticate) -> None:
         self.config, self.answer, self.list_models, self.serving = config, answer, list_models, serving
+        self.authenticate = authenticate
         self.stopping = False   # the gateway is stopping: load balancers should send elsewhere
         self.tracer, self.trace_ratio = http_tracer(), root_ratio(config.trace_ratio)   # read once, not a request
 
@@ -273,6 +277,7 @@ class HttpApi:
                      shape: Callable[[Answer, dict[str, Any], HttpCall], Any],
                      openai: bool = False) -> web.Response:
         async def answered() -> Any:
+            await self.authenticate(api_key(request), peer_of(request))   # a caller without a key learns nothing more
             body = await json_body(request)
             call = parse(body, self.config.http_model)
             request_id = request.headers.get("x-request-id") or uuid.uuid4().hex

@@ -167,6 +167,8 @@ def test_an_http_request_is_one_trace_across_the_hops(mesh, key):
 @pytest.mark.parametrize(("path", "body", "key_as", "status", "code", "says"), [
     ("/embed", {"inputs": "x", "model": "minilm"}, None, 401, "UNAUTHENTICATED", "API key"),
     ("/embed", {"inputs": "x", "model": "minilm"}, "wrong", 401, "UNAUTHENTICATED", "API key"),
+    ("/embed", {"inputs": []}, None, 401, "UNAUTHENTICATED", "API key"),   # credentials first, as gRPC checks them
+    ("/v1/embeddings", {"input": "x", "encoding_format": "base64"}, "wrong", 401, "UNAUTHENTICATED", "API key"),
     ("/embed", {"inputs": "x"}, "admin", 400, "INVALID_ARGUMENT", "field 'model' is required"),
     ("/embed", {"inputs": [], "model": "minilm"}, "admin", 400, "INVALID_ARGUMENT", "field 'inputs' must be"),
     ("/embed", {"inputs": ["a", 3], "model": "minilm"}, "admin", 400, "INVALID_ARGUMENT", "field 'inputs' must be"),

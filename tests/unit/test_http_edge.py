@@ -17,6 +17,7 @@ from academus.shared.runtime.errors import (
     InvalidArgument,
     PermissionDenied,
     ResourceExhausted,
+    Unauthenticated,
     Unavailable,
 )
 
@@ -100,6 +101,37 @@ def test_an_error_keeps_its_meaning_and_its_retry_hint(error, status, retry_afte
     assert json.loads(openai.body) == {"error": {"message": error.message, "type": error.code.name, "code": status}}
 
 
+async def any_key(*_args) -> None:
+    return None
+
+
+async def test_a_caller_without_a_valid_key_is_refused_before_its_body_is_read():
+    """Over a real loopback socket: 401 whatever the body (not JSON, no model, too large), as gRPC checks a call's
+    credentials before its fields; the key and the peer reach the check, and nothing reaches the core."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    checked: list[tuple[str | None, str]] = []
+
+    async def refuse_keys(api_key, peer):
+        checked.append((api_key, peer))
+        raise Unauthenticated("invalid API key")
+
+    async def unused(*_args):
+        raise AssertionError("no request reaches the core")
+
+    config = GatewayConfig()
+    api = HttpApi(config, unused, unused, lambda: True, refuse_keys)
+    async with TestClient(TestServer(api.app())) as client:
+        for body in (b'{"inputs": ', b'{"inputs": "x"}', b"x" * (config.request_limit + 1)):
+            answer = await client.post("/embed", data=body, headers={"x-api-key": "k"})
+            assert answer.status == 401, await answer.text()
+            assert await answer.json() == {"error": "invalid API key", "error_type": "UNAUTHENTICATED"}
+        openai = await client.post("/v1/embeddings", data=b"[]")
+        assert openai.status == 401 and (await openai.json())["error"]["type"] == "UNAUTHENTICATED"
+    assert [k for k, _ in checked] == ["k", "k", "k", None]
+    assert all(peer == "ipv4:127.0.0.1:0" for _, peer in checked), checked
+
+
 async def test_a_refusal_downstream_reaches_the_client_as_429_with_retry_after():
     """Over a real loopback socket: an answer the core refuses for want of room."""
     from aiohttp.test_utils import TestClient, TestServer
@@ -110,14 +142,14 @@ async def test_a_refusal_downstream_reaches_the_client_as_429_with_retry_after()
     async def no_models(*_args):
         return []
 
-    api = HttpApi(GatewayConfig(), refuse, no_models, lambda: False)
+    api = HttpApi(GatewayConfig(), refuse, no_models, lambda: False, any_key)
     async with TestClient(TestServer(api.app())) as client:
         answer = await client.post("/embed", json={"inputs": "a", "model": "m"})
         assert answer.status == 429 and answer.headers["Retry-After"] == "1"
         assert (await answer.json())["error_type"] == "RESOURCE_EXHAUSTED"
         health = await client.get("/health")
         assert health.status == 503   # no scheduler serves: a load balancer should look elsewhere
-    serving = HttpApi(GatewayConfig(), refuse, no_models, lambda: True)
+    serving = HttpApi(GatewayConfig(), refuse, no_models, lambda: True, any_key)
     async with TestClient(TestServer(serving.app())) as client:
         assert (await client.get("/health")).status == 200
         serving.stopping = True   # SIGTERM: the gateway drains
@@ -135,7 +167,7 @@ async def test_the_server_binds_the_port_the_os_chose_and_stops():
         raise AssertionError("no request reaches the core")
 
     config = GatewayConfig(http_port=0, grace_s=1.0)
-    server = HttpServer(HttpApi(config, unused, unused, lambda: True), config)
+    server = HttpServer(HttpApi(config, unused, unused, lambda: True, unused), config)
     port = await server.start()
     assert port > 0
     async with aiohttp.ClientSession() as session:
