@@ -383,6 +383,11 @@ class Gateway:
         served = [self.catalogue.models[name] for name in sorted(self.catalogue.models)]
         return served, await self.tenant_models.registry.models(principal.tenant)
 
+    async def describe(self, api_key: str | None, name: str, peer: str = "") -> ModelSpec:
+        """The spec of a model the key may name (a tenant model's on its base): what it answers, before a call."""
+        spec, _ = await self.resolve(await self.auth.authenticate(api_key, peer), name)
+        return spec
+
     async def resolve(self, principal: Principal, name: str) -> tuple[ModelSpec, TenantModel | None]:
         """A served model by that name, else the caller's own tenant model (never another tenant's)."""
         missed_at = self.catalogue.clock()

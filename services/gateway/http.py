@@ -25,6 +25,7 @@ from academus.shared.runtime.config import GatewayConfig
 from academus.shared.runtime.errors import InvalidArgument, ResourceExhausted, ServingError, Unavailable
 from academus.shared.runtime.logs import log_event
 from academus.shared.runtime.tracing import end_http_span, http_server_span, http_tracer, root_ratio
+from academus.shared.state.catalogue import EMBEDDING, ModelSpec
 
 # gRPC's codes as HTTP statuses (Google's API design guide's mapping)
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400, "UNAUTHENTICATED": 401,
@@ -38,6 +39,7 @@ REQUEST_LIMIT = web.AppKey("request_limit", int)   # bytes: the body a request m
 AnswerCall = Callable[[str | None, InferCall, str, float, str], Awaitable[Answer]]   # key, call, id, s, peer
 ListModels = Callable[[str | None, str], Awaitable[list[dict[str, Any]]]]
 Authenticate = Callable[[str | None, str], Awaitable[object]]   # key, peer: raises Unauthenticated
+Describe = Callable[[str | None, str, str], Awaitable[ModelSpec]]   # key, model, peer: the spec the key may name
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,14 @@ def predict_call(body: dict[str, Any], default_model: str) -> HttpCall:
     output = "" if any(pairs) else LABEL   # single texts: a classifier's labels (an embedding model is refused)
     return HttpCall(InferCall(model_of(body, default_model), texts, pairs, output,
                               field(body, "truncate", (bool,), False)), single=single)
+
+
+def embedded(answer: Answer, body: dict[str, Any], call: HttpCall) -> np.ndarray:
+    return embeddings(answer, call.normalize)
+
+
+def predicted(answer: Answer, body: dict[str, Any], call: HttpCall) -> list[Any]:
+    return predictions(answer, call.single)
 
 
 def is_pair(value: Any) -> bool:
@@ -224,15 +234,15 @@ def json_response(answer: Any, status: int = 200, headers: dict[str, str] | None
 
 
 class HttpApi:
-    """The routes over three calls of the gRPC edge: `answer` (key, call, request id, seconds left, peer → the core's
-    Answer), `list_models` (key, peer → the models the key may name, as {"name", "owner"}) and `authenticate` (key,
+    """The routes over calls of the gRPC edge: `answer` (key, call, request id, seconds left, peer → the core's
+    Answer), `list_models` (key, peer → the models the key may name, as {"name", "owner"}), `authenticate` (key,
     peer), which a request passes before its body is read, as a gRPC call's credentials are checked before its
-    fields."""
+    fields, and `describe` (key, model, peer → its ModelSpec), for the route that serves a model's own task."""
 
     def __init__(self, config: GatewayConfig, answer: AnswerCall, list_models: ListModels,
-                 serving: Callable[[], bool], authenticate: Authenticate) -> None:
+                 serving: Callable[[], bool], authenticate: Authenticate, describe: Describe) -> None:
         self.config, self.answer, self.list_models, self.serving = config, answer, list_models, serving
-        self.authenticate = authenticate
+        self.authenticate, self.describe = authenticate, describe
         self.stopping = False   # the gateway is stopping: load balancers should send elsewhere
         self.tracer, self.trace_ratio = http_tracer(), root_ratio(config.trace_ratio)   # read once, not a request
 
@@ -245,13 +255,31 @@ class HttpApi:
         app.router.add_post("/v1/embeddings", self.openai_embeddings)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        # TEI's other names: its root and SageMaker's route serve the model's own task (Hugging Face's
+        # InferenceClient posts to the root), `/embeddings` is OpenAI's route, and the root and `/ping` its health
+        for path in ("/", "/invocations"):
+            app.router.add_post(path, self.task)
+        app.router.add_post("/embeddings", self.openai_embeddings)
+        for path in ("/", "/ping"):
+            app.router.add_get(path, self.health)
         return app
 
     async def embed(self, request: web.Request) -> web.Response:
-        return await self._infer(request, "/embed", embed_call, lambda r, b, c: embeddings(r, c.normalize))
+        return await self._infer(request, "/embed", embed_call, embedded)
 
     async def predict(self, request: web.Request) -> web.Response:
-        return await self._infer(request, "/predict", predict_call, lambda r, b, c: predictions(r, c.single))
+        return await self._infer(request, "/predict", predict_call, predicted)
+
+    async def task(self, request: web.Request) -> web.Response:
+        """TEI's root: `/embed` for an embedding model, `/predict` for a classifier, the body read as that route's."""
+        async def answered() -> Any:
+            key, peer = api_key(request), peer_of(request)
+            await self.authenticate(key, peer)
+            body = await json_body(request)
+            spec = await self.describe(key, model_of(body, self.config.http_model), peer)
+            parse, shape = (embed_call, embedded) if spec.kind == EMBEDDING else (predict_call, predicted)
+            return await self._call(request, body, parse, shape)
+        return await self._answer(request, request.path, answered, openai=False)
 
     async def rerank(self, request: web.Request) -> web.Response:
         return await self._infer(request, "/rerank", rerank_call, lambda r, b, c: ranked(r, b))
@@ -278,13 +306,17 @@ class HttpApi:
                      openai: bool = False) -> web.Response:
         async def answered() -> Any:
             await self.authenticate(api_key(request), peer_of(request))   # a caller without a key learns nothing more
-            body = await json_body(request)
-            call = parse(body, self.config.http_model)
-            request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-            answer = await self.answer(api_key(request), call.call, request_id,
-                                       timeout_s(request, self.config.default_deadline_s), peer_of(request))
-            return shape(answer, body, call)
+            return await self._call(request, await json_body(request), parse, shape)
         return await self._answer(request, route, answered, openai)
+
+    async def _call(self, request: web.Request, body: dict[str, Any], parse: Callable[[dict[str, Any], str], HttpCall],
+                    shape: Callable[[Answer, dict[str, Any], HttpCall], Any]) -> Any:
+        """The body as `parse` reads it, answered by the core and shaped by `shape`."""
+        call = parse(body, self.config.http_model)
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        answer = await self.answer(api_key(request), call.call, request_id,
+                                   timeout_s(request, self.config.default_deadline_s), peer_of(request))
+        return shape(answer, body, call)
 
     async def _answer(self, request: web.Request, route: str, work: Callable[[], Awaitable[Any]],
                       openai: bool) -> web.Response:

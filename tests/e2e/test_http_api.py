@@ -28,7 +28,8 @@ TEXTS = ["Congratulations! You have won a free cruise, click here to claim your 
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshState]:
     run_dir = tmp_path_factory.mktemp("run")
     # a request limit of 64 · 2 · 4,000 · 4 bytes + 64 KiB (ACADEMUS_MAX_REQUEST_BYTES's default), uploads below it
-    state = start_mesh(run_dir, http_port=0, env={"ACADEMUS_MODELS": "spam,minilm", "ACADEMUS_MAX_INPUTS": "64",
+    state = start_mesh(run_dir, http_port=0, env={"ACADEMUS_MODELS": "spam,minilm", "ACADEMUS_HTTP_MODEL": "minilm",
+                                                   "ACADEMUS_MAX_INPUTS": "64",
                                                    "ACADEMUS_MAX_TEXT_CHARS": "4000",
                                                    "ACADEMUS_MAX_UPLOAD_BYTES": "65536"})
     yield state
@@ -71,6 +72,33 @@ def test_embed_answers_the_grpc_embeddings_at_unit_length(mesh, key):
     status, raw_rows, _ = call(mesh, "/embed", {"inputs": TEXTS[0], "model": "minilm", "normalize": False}, key)
     assert status == 200 and len(raw_rows) == 1
     np.testing.assert_allclose(raw_rows[0], served[0], atol=1e-5)   # as served
+
+
+def test_the_root_serves_the_models_own_task_as_teis_does(mesh, key):
+    """`POST /` (and SageMaker's `/invocations`) is /embed for an embedding model, /predict for a classifier; the
+    model is the body's, else ACADEMUS_HTTP_MODEL's. `GET /` and `/ping` are the health check."""
+    for path in ("/", "/invocations"):
+        assert call(mesh, path, {"inputs": TEXTS}, key)[1] == call(mesh, "/embed", {"inputs": TEXTS}, key)[1]
+        spam = {"inputs": TEXTS, "model": "spam"}
+        assert call(mesh, path, spam, key)[1] == call(mesh, "/predict", spam, key)[1]
+    status, answer, _ = call(mesh, "/", {"inputs": "x", "model": "nope"}, key)
+    assert (status, answer["error_type"]) == (404, "NOT_FOUND") and "nope" in answer["error"]
+    assert call(mesh, "/", {"inputs": "x"})[0] == 401
+    assert call(mesh, "/", method="GET")[0] == call(mesh, "/ping", method="GET")[0] == 200
+
+
+def test_hugging_faces_inference_client_embeds_through_the_root(mesh, key, monkeypatch):
+    """The client TEI's users call it with (`InferenceClient(URL).feature_extraction`) posts to the root."""
+    import huggingface_hub
+    from huggingface_hub import InferenceClient
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)   # offline, it refuses every URL
+    client = InferenceClient(model=f"http://{mesh.http}", token=key)
+    got = client.feature_extraction(TEXTS[0])
+    assert got.shape == (1, 384)
+    np.testing.assert_allclose(got[0], call(mesh, "/embed", {"inputs": TEXTS[0]}, key)[1][0], atol=1e-6)
+    raw = client.feature_extraction(TEXTS, normalize=False, truncate=True)
+    np.testing.assert_allclose(raw, call(mesh, "/embed", {"inputs": TEXTS, "normalize": False}, key)[1], atol=1e-6)
 
 
 def test_predict_ranks_a_classifiers_labels_as_infer_does(mesh, key):
@@ -169,7 +197,7 @@ def test_an_http_request_is_one_trace_across_the_hops(mesh, key):
     ("/embed", {"inputs": "x", "model": "minilm"}, "wrong", 401, "UNAUTHENTICATED", "API key"),
     ("/embed", {"inputs": []}, None, 401, "UNAUTHENTICATED", "API key"),   # credentials first, as gRPC checks them
     ("/v1/embeddings", {"input": "x", "encoding_format": "base64"}, "wrong", 401, "UNAUTHENTICATED", "API key"),
-    ("/embed", {"inputs": "x"}, "admin", 400, "INVALID_ARGUMENT", "field 'model' is required"),
+    ("/predict", {"inputs": "x"}, "admin", 400, "INVALID_ARGUMENT", "embedding model"),   # the default, minilm
     ("/embed", {"inputs": [], "model": "minilm"}, "admin", 400, "INVALID_ARGUMENT", "field 'inputs' must be"),
     ("/embed", {"inputs": ["a", 3], "model": "minilm"}, "admin", 400, "INVALID_ARGUMENT", "field 'inputs' must be"),
     ("/embed", {"inputs": "x", "model": "minilm", "truncate": "yes"}, "admin", 400, "INVALID_ARGUMENT",

@@ -9,7 +9,7 @@ import numpy as np
 import orjson
 import pytest
 
-from academus.services.gateway.core import EMBED, LABEL
+from academus.services.gateway.core import EMBED, LABEL, Answer, InferCall
 from academus.services.gateway.http import HttpApi, embed_call, error_response, predict_call
 from academus.shared.runtime.config import GatewayConfig
 from academus.shared.runtime.errors import (
@@ -20,6 +20,7 @@ from academus.shared.runtime.errors import (
     Unauthenticated,
     Unavailable,
 )
+from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
 
 
 def test_embed_takes_teis_defaults():
@@ -105,6 +106,10 @@ async def any_key(*_args) -> None:
     return None
 
 
+async def unknown_models(*_args):
+    raise AssertionError("no route here asks for a model's spec")
+
+
 async def test_a_caller_without_a_valid_key_is_refused_before_its_body_is_read():
     """Over a real loopback socket: 401 whatever the body (not JSON, no model, too large), as gRPC checks a call's
     credentials before its fields; the key and the peer reach the check, and nothing reaches the core."""
@@ -120,7 +125,7 @@ async def test_a_caller_without_a_valid_key_is_refused_before_its_body_is_read()
         raise AssertionError("no request reaches the core")
 
     config = GatewayConfig()
-    api = HttpApi(config, unused, unused, lambda: True, refuse_keys)
+    api = HttpApi(config, unused, unused, lambda: True, refuse_keys, unused)
     async with TestClient(TestServer(api.app())) as client:
         for body in (b'{"inputs": ', b'{"inputs": "x"}', b"x" * (config.request_limit + 1)):
             answer = await client.post("/embed", data=body, headers={"x-api-key": "k"})
@@ -130,6 +135,41 @@ async def test_a_caller_without_a_valid_key_is_refused_before_its_body_is_read()
         assert openai.status == 401 and (await openai.json())["error"]["type"] == "UNAUTHENTICATED"
     assert [k for k, _ in checked] == ["k", "k", "k", None]
     assert all(peer == "ipv4:127.0.0.1:0" for _, peer in checked), checked
+
+
+async def test_the_root_serves_the_models_own_task_as_tei_does():
+    """`POST /` and SageMaker's `/invocations`: /embed's request and answer for an embedding model, /predict's for a
+    classifier (Hugging Face's InferenceClient posts to the root); `GET /` and `/ping` are the health check."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    specs = {"emb": ModelSpec("emb", EMBEDDING, dim=2), "cls": ModelSpec("cls", CLASSIFICATION, ["no", "yes"])}
+    calls: list[InferCall] = []
+
+    async def answer(_key, call: InferCall, *_rest) -> Answer:
+        calls.append(call)
+        if call.model == "emb":
+            return Answer("emb", [], np.array([[3.0, 4.0]] * len(call.texts), np.float32), [2] * len(call.texts))
+        return Answer("cls", ["no", "yes"], np.array([[0.25, 0.75]] * len(call.texts), np.float32), [2])
+
+    async def describe(_key, name: str, _peer) -> ModelSpec:
+        return specs[name]
+
+    api = HttpApi(GatewayConfig(http_model="emb"), answer, unused_models, lambda: True, any_key, describe)
+    async with TestClient(TestServer(api.app())) as client:
+        embedded = await client.post("/", json={"inputs": ["a", "b"]})
+        assert embedded.status == 200 and await embedded.json() == [[0.6, 0.8], [0.6, 0.8]]   # TEI normalizes
+        raw = await client.post("/invocations", json={"inputs": "a", "normalize": False})
+        assert await raw.json() == [[3.0, 4.0]]
+        predicted = await client.post("/", json={"inputs": "a", "model": "cls", "parameters": {}})
+        assert await predicted.json() == [{"label": "yes", "score": 0.75}, {"label": "no", "score": 0.25}]
+        for path in ("/", "/ping"):
+            assert (await client.get(path)).status == 200
+    assert [(c.model, c.output, c.truncate) for c in calls] == [("emb", EMBED, False), ("emb", EMBED, False),
+                                                                  ("cls", LABEL, False)]
+
+
+async def unused_models(*_args):
+    raise AssertionError("no route here lists the models")
 
 
 async def test_a_refusal_downstream_reaches_the_client_as_429_with_retry_after():
@@ -142,14 +182,14 @@ async def test_a_refusal_downstream_reaches_the_client_as_429_with_retry_after()
     async def no_models(*_args):
         return []
 
-    api = HttpApi(GatewayConfig(), refuse, no_models, lambda: False, any_key)
+    api = HttpApi(GatewayConfig(), refuse, no_models, lambda: False, any_key, unknown_models)
     async with TestClient(TestServer(api.app())) as client:
         answer = await client.post("/embed", json={"inputs": "a", "model": "m"})
         assert answer.status == 429 and answer.headers["Retry-After"] == "1"
         assert (await answer.json())["error_type"] == "RESOURCE_EXHAUSTED"
         health = await client.get("/health")
         assert health.status == 503   # no scheduler serves: a load balancer should look elsewhere
-    serving = HttpApi(GatewayConfig(), refuse, no_models, lambda: True, any_key)
+    serving = HttpApi(GatewayConfig(), refuse, no_models, lambda: True, any_key, unknown_models)
     async with TestClient(TestServer(serving.app())) as client:
         assert (await client.get("/health")).status == 200
         serving.stopping = True   # SIGTERM: the gateway drains
@@ -167,7 +207,7 @@ async def test_the_server_binds_the_port_the_os_chose_and_stops():
         raise AssertionError("no request reaches the core")
 
     config = GatewayConfig(http_port=0, grace_s=1.0)
-    server = HttpServer(HttpApi(config, unused, unused, lambda: True, unused), config)
+    server = HttpServer(HttpApi(config, unused, unused, lambda: True, unused, unused), config)
     port = await server.start()
     assert port > 0
     async with aiohttp.ClientSession() as session:
