@@ -117,6 +117,15 @@ async def test_unknown_model_is_not_found_and_lists_served(gateway):
         await gateway.admit("good-key", call(["hi"], model="nope"))
 
 
+async def test_describe_gives_the_spec_of_a_model_the_key_may_name(gateway):
+    assert await gateway.describe("good-key", "spam") == ModelSpec("spam", CLASSIFICATION, ["ham", "spam"])
+    assert (await gateway.describe("good-key", "minilm")).kind == EMBEDDING
+    with pytest.raises(NotFound, match="'nope' not found"):
+        await gateway.describe("good-key", "nope")
+    with pytest.raises(Unauthenticated):
+        await gateway.describe("wrong-key", "spam")
+
+
 async def test_a_model_registered_just_after_a_catalogue_read_is_served_not_refused(gateway, redis_url, tokenizer):
     """A worker registers a model within MISS_READ_S of the gateway's last read (`academus up` returns then):
     the request waits for the next read instead of answering NOT_FOUND, and misses share that read."""
