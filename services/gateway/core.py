@@ -95,6 +95,9 @@ class Answer:
     rows: np.ndarray
     num_tokens: list[int]
     pair_scores: list[float] | None = None
+    tokenize_ms: float = 0.0   # where its time went: the gateway's tokenizing, the scheduler's queue, the forward pass
+    queue_ms: float = 0.0
+    compute_ms: float = 0.0
 
 
 def api_key_from(metadata: Iterable[tuple[str, str]] | None) -> str | None:

@@ -226,6 +226,16 @@ def error_response(e: ServingError, openai: bool) -> web.Response:
     return json_response(body, status, headers)
 
 
+def answer_headers(answer: Answer, call: InferCall, request_id: str, total_ms: float) -> dict[str, str]:
+    """TEI's headers on an answer (whole milliseconds, as TEI gives them; characters and tokens of every text, a pair's
+    both), and the request's id."""
+    characters = sum(map(len, call.texts)) + sum(map(len, call.pairs))
+    return {"x-request-id": request_id, "x-compute-time": str(int(total_ms)), "x-total-time": str(int(total_ms)),
+            "x-compute-characters": str(characters), "x-compute-tokens": str(sum(answer.num_tokens)),
+            "x-tokenization-time": str(int(answer.tokenize_ms)), "x-queue-time": str(int(answer.queue_ms)),
+            "x-inference-time": str(int(answer.compute_ms))}
+
+
 def json_response(answer: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     """orjson, NumPy arrays as they are: a float32 embedding of 384 written about 30 times as fast as by `json`
     from Python floats, and in fewer digits (each float32's shortest form)."""
@@ -272,7 +282,7 @@ class HttpApi:
 
     async def task(self, request: web.Request) -> web.Response:
         """TEI's root: `/embed` for an embedding model, `/predict` for a classifier, the body read as that route's."""
-        async def answered() -> Any:
+        async def answered() -> tuple[Any, dict[str, str]]:
             key, peer = api_key(request), peer_of(request)
             await self.authenticate(key, peer)
             body = await json_body(request)
@@ -289,10 +299,10 @@ class HttpApi:
                                  openai=True)
 
     async def models(self, request: web.Request) -> web.Response:
-        async def listed() -> dict[str, Any]:
+        async def listed() -> tuple[dict[str, Any], dict[str, str]]:
             found = await self.list_models(api_key(request), peer_of(request))
             return {"object": "list", "data": [{"id": m["name"], "object": "model", "owned_by": m["owner"]}
-                                               for m in found]}
+                                               for m in found]}, {}
         return await self._answer(request, "/v1/models", listed, openai=True)
 
     async def health(self, request: web.Request) -> web.Response:
@@ -304,27 +314,30 @@ class HttpApi:
     async def _infer(self, request: web.Request, route: str, parse: Callable[[dict[str, Any], str], HttpCall],
                      shape: Callable[[Answer, dict[str, Any], HttpCall], Any],
                      openai: bool = False) -> web.Response:
-        async def answered() -> Any:
+        async def answered() -> tuple[Any, dict[str, str]]:
             await self.authenticate(api_key(request), peer_of(request))   # a caller without a key learns nothing more
             return await self._call(request, await json_body(request), parse, shape)
         return await self._answer(request, route, answered, openai)
 
     async def _call(self, request: web.Request, body: dict[str, Any], parse: Callable[[dict[str, Any], str], HttpCall],
-                    shape: Callable[[Answer, dict[str, Any], HttpCall], Any]) -> Any:
-        """The body as `parse` reads it, answered by the core and shaped by `shape`."""
+                    shape: Callable[[Answer, dict[str, Any], HttpCall], Any]) -> tuple[Any, dict[str, str]]:
+        """The body as `parse` reads it, answered by the core and shaped by `shape`; the answer's headers."""
+        start = time.perf_counter()
         call = parse(body, self.config.http_model)
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         answer = await self.answer(api_key(request), call.call, request_id,
                                    timeout_s(request, self.config.default_deadline_s), peer_of(request))
-        return shape(answer, body, call)
+        shaped = shape(answer, body, call)
+        return shaped, answer_headers(answer, call.call, request_id, (time.perf_counter() - start) * 1e3)
 
-    async def _answer(self, request: web.Request, route: str, work: Callable[[], Awaitable[Any]],
-                      openai: bool) -> web.Response:
+    async def _answer(self, request: web.Request, route: str,
+                      work: Callable[[], Awaitable[tuple[Any, dict[str, str]]]], openai: bool) -> web.Response:
         """The answer to one request, in a SERVER span of its own (as a gRPC call's), counted by route and status."""
         start = time.perf_counter()
         with http_server_span(self.tracer, request.method, route, request.headers, self.trace_ratio) as span:
             try:
-                response = json_response(await work())
+                answer, headers = await work()
+                response = json_response(answer, headers=headers)
             except ServingError as e:
                 response = error_response(e, openai)
             except RedisError as e:   # keys and catalogue unreachable: nothing ran, a retry may succeed

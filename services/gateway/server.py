@@ -121,10 +121,12 @@ def answer_of(admitted: Admitted, result: tensors_pb2.ModelOutput) -> Answer:
     values = matrix_from_pb(result.values)
     labels, width = served_labels(admitted, result, values.shape[1])
     tokens = [len(e.input_ids) for e in admitted.encoded]
+    timings = {"tokenize_ms": admitted.tokenize_ms, "queue_ms": result.metadata.queue_ms,
+               "compute_ms": result.metadata.compute_ms}
     if admitted.paired:
         return Answer(admitted.spec.name, labels, values[:0], [tokens[a] + tokens[b] for a, b in admitted.pair_rows],
-                      pair_scores(values[: len(admitted.encoded)], admitted.pair_rows))
-    return Answer(admitted.spec.name, labels, values[:, :width], tokens)
+                      pair_scores(values[: len(admitted.encoded)], admitted.pair_rows), **timings)
+    return Answer(admitted.spec.name, labels, values[:, :width], tokens, **timings)
 
 
 def first_results(admitted: Admitted, early: list[tensors_pb2.ModelOutput], final: tensors_pb2.ModelOutput | None,

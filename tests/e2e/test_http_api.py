@@ -62,10 +62,17 @@ def call(mesh: MeshState, path: str, body: Any = None, key: str | None = None, r
 
 
 def test_embed_answers_the_grpc_embeddings_at_unit_length(mesh, key):
-    status, rows, _ = call(mesh, "/embed", {"inputs": TEXTS, "model": "minilm"}, key)
+    status, rows, headers = call(mesh, "/embed", {"inputs": TEXTS, "model": "minilm"}, key,
+                                 headers={"x-request-id": "tei-1"})
     assert status == 200 and len(rows) == 2 and all(len(r) == 384 for r in rows)
     with Client(mesh.gateway, api_key=key) as client:
-        served = [np.asarray(p.embedding) for p in client.infer("minilm", TEXTS).predictions]
+        predictions = client.infer("minilm", TEXTS).predictions
+    served = [np.asarray(p.embedding) for p in predictions]
+    told = {k.lower(): v for k, v in headers.items()}   # TEI's headers, in whole milliseconds
+    assert told["x-request-id"] == "tei-1"
+    assert int(told["x-compute-tokens"]) == sum(p.num_tokens for p in predictions)
+    assert int(told["x-compute-characters"]) == sum(map(len, TEXTS))
+    assert int(told["x-inference-time"]) <= int(told["x-total-time"]) == int(told["x-compute-time"])
     for row, grpc_row in zip(rows, served, strict=True):
         assert np.linalg.norm(row) == pytest.approx(1.0, abs=1e-5)
         np.testing.assert_allclose(row, grpc_row / np.linalg.norm(grpc_row), atol=1e-5)
