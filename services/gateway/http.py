@@ -6,6 +6,7 @@ docs/design/http_api.md."""
 
 from __future__ import annotations
 
+import base64
 import math
 import ssl
 import time
@@ -145,12 +146,13 @@ def ranked(answer: Answer, body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def openai_call(body: dict[str, Any], _default_model: str) -> HttpCall:
-    """OpenAI's `/v1/embeddings`: {"input": str | [str], "model", "encoding_format": "float"}; token-id inputs and
-    base64 are refused, and `dimensions` unless it is the model's own (checked against the answer)."""
+    """OpenAI's `/v1/embeddings`: {"input": str | [str], "model", "encoding_format": "float" | "base64"} (OpenAI's
+    Python client asks for base64 unless told otherwise); token-id inputs are refused, and `dimensions` unless it is the
+    model's own (checked against the answer)."""
     if not isinstance(body.get("model"), str) or not body["model"]:
         raise InvalidArgument("field 'model' is required: name a served embedding model")
-    if field(body, "encoding_format", (str,), "float") != "float":
-        raise InvalidArgument("field 'encoding_format' must be 'float': base64 is not served")
+    if field(body, "encoding_format", (str,), "float") not in ("float", "base64"):
+        raise InvalidArgument("field 'encoding_format' must be 'float' or 'base64'")
     field(body, "dimensions", (int,))
     texts = texts_of(body.get("input"), "input")
     return HttpCall(InferCall(body["model"], texts, [""] * len(texts), EMBED, False))
@@ -178,9 +180,12 @@ def predictions(answer: Answer, single: bool) -> list[Any]:
 
 
 def openai_answer(answer: Answer, body: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's shape; with base64, each embedding's little-endian float32 bytes in base64, as OpenAI sends them."""
     data = embeddings(answer, normalize=False)
     if (wanted := body.get("dimensions")) is not None and wanted != data.shape[1]:
         raise InvalidArgument(f"field 'dimensions' is {wanted}; model {answer.model!r} gives {data.shape[1]}")
+    if body.get("encoding_format") == "base64":
+        data = [base64.b64encode(row.tobytes()).decode() for row in data.astype("<f4", copy=False)]
     tokens = sum(answer.num_tokens)
     return {"object": "list", "model": answer.model,
             "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)],

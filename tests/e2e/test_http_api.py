@@ -163,6 +163,23 @@ def test_openai_embeddings_and_models(mesh, key):
     assert refused["error"]["type"] == "INVALID_ARGUMENT"
 
 
+def test_openais_own_client_embeds_and_lists_the_models(mesh, key):
+    """`openai.OpenAI(base_url=...)`, as its users call it: it asks for base64 unless told `float`."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://{mesh.http}/v1", api_key=key, max_retries=0)
+    with Client(mesh.gateway, api_key=key) as grpc_client:
+        served = [p.embedding for p in grpc_client.infer("minilm", TEXTS).predictions]
+    for asked in ({}, {"encoding_format": "float"}):
+        answer = client.embeddings.create(model="minilm", input=TEXTS, **asked)
+        np.testing.assert_allclose([d.embedding for d in answer.data], served, atol=1e-5)
+        assert answer.usage.prompt_tokens > 0 and answer.model == "minilm"
+    assert {"minilm", "spam"} <= {m.id for m in client.models.list()}
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"http://{mesh.http}/v1", api_key="not-a-key", max_retries=0).embeddings.create(
+            model="minilm", input="x")
+
+
 def test_health_and_the_requests_counted(mesh, key):
     assert call(mesh, "/health")[0] == 200
     before = metric(service(mesh, "gateway").metrics_port, "academus_http_requests_total", route="/embed",
@@ -219,8 +236,8 @@ def test_an_http_request_is_one_trace_across_the_hops(mesh, key):
     ("/rerank", {"texts": ["a"], "model": "minilm"}, "admin", 400, "INVALID_ARGUMENT", "field 'query' is required"),
     ("/rerank", {"query": "q", "texts": [], "model": "minilm"}, "admin", 400, "INVALID_ARGUMENT",
      "field 'texts' must be"),
-    ("/v1/embeddings", {"input": "x", "model": "minilm", "encoding_format": "base64"}, "admin", 400,
-     "INVALID_ARGUMENT", "'encoding_format' must be 'float'"),
+    ("/v1/embeddings", {"input": "x", "model": "minilm", "encoding_format": "binary"}, "admin", 400,
+     "INVALID_ARGUMENT", "'encoding_format' must be 'float' or 'base64'"),
 ])
 def test_bad_input_gets_the_status_and_names_the_field(mesh, key, path, body, key_as, status, code, says):
     got, answer, _ = call(mesh, path, body, {"admin": key, "wrong": "not-a-key"}.get(key_as))

@@ -102,6 +102,22 @@ def test_an_error_keeps_its_meaning_and_its_retry_hint(error, status, retry_afte
     assert json.loads(openai.body) == {"error": {"message": error.message, "type": error.code.name, "code": status}}
 
 
+def test_openai_base64_is_each_embeddings_little_endian_float32_bytes():
+    import base64
+
+    from academus.services.gateway.http import openai_answer, openai_call
+
+    answer = Answer("m", [], np.array([[1.5, -2.0, 0.1], [0.0, 3.25, 7.0]], np.float32), [3, 4])
+    body = {"input": ["a", "b"], "model": "m", "encoding_format": "base64"}
+    assert openai_call(body, "").call.output == EMBED
+    encoded = openai_answer(answer, body)
+    decoded = [np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in encoded["data"]]
+    np.testing.assert_array_equal(decoded, answer.rows)
+    assert encoded["usage"] == {"prompt_tokens": 7, "total_tokens": 7}
+    with pytest.raises(InvalidArgument, match="'encoding_format' must be 'float' or 'base64'"):
+        openai_call({**body, "encoding_format": "binary"}, "")
+
+
 async def any_key(*_args) -> None:
     return None
 
