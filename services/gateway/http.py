@@ -79,7 +79,12 @@ def model_of(body: dict[str, Any], default_model: str) -> str:
 
 
 def embed_call(body: dict[str, Any], default_model: str) -> HttpCall:
-    """TEI's `/embed`: {"inputs": str | [str], "truncate": false, "normalize": true, "model"?}."""
+    """TEI's `/embed`: {"inputs": str | [str], "truncate": false, "normalize": true, "model"?}. TEI's options that would
+    change the embeddings and are not served (a prompt prepended, truncation from the left) are refused, not ignored."""
+    if field(body, "prompt_name", (str,)) is not None:
+        raise InvalidArgument("field 'prompt_name' is not served: prepend the prompt to each input yourself")
+    if str(field(body, "truncation_direction", (str,), "right")).lower() != "right":
+        raise InvalidArgument("field 'truncation_direction' must be 'right': a text is truncated at its end")
     texts = texts_of(body.get("inputs"), "inputs")
     return HttpCall(InferCall(model_of(body, default_model), texts, [""] * len(texts), EMBED,
                               field(body, "truncate", (bool,), False)),

@@ -23,6 +23,17 @@ from academus.shared.runtime.errors import (
 from academus.shared.state.catalogue import CLASSIFICATION, EMBEDDING, ModelSpec
 
 
+@pytest.mark.parametrize(("extra", "says"), [
+    ({"prompt_name": "query"}, "'prompt_name' is not served"),
+    ({"truncation_direction": "left"}, "'truncation_direction' must be 'right'"),
+    ({"truncation_direction": 3}, "'truncation_direction' must be str, not int"),
+])
+def test_embed_refuses_teis_options_that_would_change_the_embeddings(extra, says):
+    with pytest.raises(InvalidArgument, match=says):
+        embed_call({"inputs": "a", **extra}, "minilm")
+    assert embed_call({"inputs": "a", "truncation_direction": "Right", "prompt_name": None}, "minilm").normalize
+
+
 def test_embed_takes_teis_defaults():
     call = embed_call({"inputs": "a"}, "minilm")
     assert (call.call.texts, call.call.model, call.call.output, call.call.truncate, call.normalize) == (
