@@ -277,6 +277,9 @@ class CommonConfig:
     frame_batches: bool = setting(True, "frames waiting for a stream together ride one message (off: one each)")
     max_stream_calls: int = setting(4096, "calls one multiplexed stream (or local-plane connection) may have running "
                                           "at once; a frame beyond is refused RESOURCE_EXHAUSTED, unrun", at_least(1))
+    max_stream_backlog_bytes: int = setting(64 << 20, "reply bytes one multiplexed stream (or local-plane connection) "
+                                                      "may hold unsent; past it its frames wait unread until the peer "
+                                                      "reads its replies", at_least(1))
     local_plane: bool = setting(True, "hops to a peer on this node ride a Unix socket (runtime/local_plane.py); off: "
                                       "gRPC streams for every hop (the ablation); needs `hop_streams`")
     trace_ratio: float = setting(0.01, "share of requests traced, drawn where a request enters without a trace "

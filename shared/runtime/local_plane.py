@@ -195,6 +195,7 @@ class _ServedConnection(asyncio.Protocol):
         self.buffer = MessageBuffer()
         self.served: _ServedStream | None = None
         self.replier: asyncio.Task | None = None
+        self.resumer: asyncio.Task | None = None   # reading paused while the replies' backlog is past its bound
         self.closing = False   # refused: frames from now on are answered UNAVAILABLE
         self.closed = asyncio.get_running_loop().create_future()
 
@@ -220,6 +221,15 @@ class _ServedConnection(asyncio.Protocol):
                     return
             else:
                 self.receive(frame)
+        if self.served is not None and not self.served.room.is_set() and self.resumer is None:
+            self.transport.pause_reading()   # a caller that does not read its replies is not read either
+            self.resumer = asyncio.ensure_future(self.resume_when_room())
+
+    async def resume_when_room(self) -> None:
+        await self.served.room.wait()
+        self.resumer = None
+        if not self.transport.is_closing():
+            self.transport.resume_reading()
 
     def hello(self, frame: multiplex_pb2.CallFrame) -> bool:
         metadata = {m.key: m.value for m in frame.metadata}
@@ -246,10 +256,10 @@ class _ServedConnection(asyncio.Protocol):
             BATCHED_CALLS.inc(len(frame.batch))
         for one in frame.batch or (frame,):
             if self.closing and not one.cancel:
-                self.served.replies.put_nowait(reply_status(one.id, grpc.StatusCode.UNAVAILABLE,
+                self.served.queue(reply_status(one.id, grpc.StatusCode.UNAVAILABLE,
                                                             "this connection is closing; nothing ran"))
             elif not one.cancel and one.method not in self.plane.servicer.methods:
-                self.served.replies.put_nowait(reply_status(
+                self.served.queue(reply_status(
                     one.id, grpc.StatusCode.UNIMPLEMENTED,
                     f"method {one.method!r} is not served here; the connection is closed once its calls answer"))
                 self.closing = True
@@ -306,8 +316,9 @@ class _ServedConnection(asyncio.Protocol):
             self.served.cancel_all()
             self.plane.servicer._streams.discard(self.served)
             LOCAL_PLANE_CONNECTIONS.dec()
-        if self.replier is not None:
-            self.replier.cancel()
+        for task in (self.replier, self.resumer):
+            if task is not None:
+                task.cancel()
         self.plane.connections.discard(self)
         if not self.closed.done():
             self.closed.set_result(None)

@@ -94,7 +94,7 @@ class RunningService:
         spec, cfg = self.spec, self.spec.config
         # every unary method is also served as frames of one stream a caller (shared/runtime/multiplex.py)
         self.multiplex = serve_multiplexed(self.server, spec.add_servicers, self.interceptors, cfg.frame_batches,
-                                           cfg.max_stream_calls)
+                                           cfg.max_stream_calls, cfg.max_stream_backlog_bytes)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
         names = [*spec.service_names, MULTIPLEX_SERVICE, health_name, reflection.SERVICE_NAME]

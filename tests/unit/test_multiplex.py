@@ -774,6 +774,75 @@ def call_frame(call_id: int, payload: bytes) -> multiplex_pb2.CallFrame:
     return multiplex_pb2.CallFrame(id=call_id, method=METHOD, payload=payload, timeout_s=5)
 
 
+class SilentPeer:
+    """A peer that writes frames on the mux's transport (a gRPC Calls stream, or a local-plane connection after its
+    hello) and reads replies only when asked."""
+
+    def __init__(self, mux: Mux) -> None:
+        self.mux, self.channel, self.call, self.reader, self.writer = mux, None, None, None, None
+        self.buffer, self.got = MessageBuffer(), []
+
+    async def send(self, frames: list[multiplex_pb2.CallFrame]) -> None:
+        if self.mux.plane is None:
+            self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.mux.port}")
+            self.call = self.channel.stream_stream(CALLS_METHOD,
+                                                   request_serializer=multiplex_pb2.CallFrame.SerializeToString,
+                                                   response_deserializer=multiplex_pb2.ReplyFrame.FromString)()
+            for f in frames:
+                await self.call.write(f)
+            return
+        self.reader, self.writer = await asyncio.open_unix_connection(self.mux.plane.endpoint.path)
+        self.writer.write(hello(self.mux.plane.endpoint.token))
+        for f in frames:   # one at a time, as a gRPC stream's messages come: the plane reads what came together
+            self.writer.write(pack(f.SerializeToString()))
+            await asyncio.sleep(0.005)
+
+    async def read(self, replies: int) -> list[multiplex_pb2.ReplyFrame]:
+        while len(self.got) < replies:
+            if self.call is not None:
+                message = await asyncio.wait_for(self.call.read(), 10)
+                self.got.extend(message.batch or (message,))
+                continue
+            for data in self.buffer.feed(await asyncio.wait_for(self.reader.read(1 << 20), 10)):
+                message = multiplex_pb2.ReplyFrame.FromString(data)
+                self.got.extend(r for r in (*message.batch, message) if r.id)
+        return self.got
+
+    async def close(self) -> None:
+        if self.channel is not None:
+            self.call.cancel()
+            await self.channel.close()
+        else:
+            self.writer.close()
+
+
+@BOTH
+async def test_a_peer_that_does_not_read_its_replies_is_not_read_either(mux):
+    """Past the stream's bound on unsent reply bytes the server stops reading its frames, so a peer that sends and
+    never reads holds a bounded share of the server's memory; once it reads, every frame it sent is answered."""
+    bound, size, calls = 1 << 20, 256 << 10, 64
+    mux.servicer.max_backlog_bytes = bound
+    before = len(mux.probe.framed)
+    peer = SilentPeer(mux)
+    try:
+        await peer.send([call_frame(i, b"reply:%d" % size) for i in range(1, calls + 1)])
+        served = None
+        for _ in range(500):
+            served = next((s for s in mux.servicer._streams if not s.room.is_set()), None)
+            if served is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert served is not None, "no stream's backlog passed its bound"
+        await asyncio.sleep(0.3)   # what it would read meanwhile, it does not
+        assert len(mux.probe.framed) - before < calls and not served.room.is_set()
+        replies = await peer.read(calls)
+    finally:
+        await peer.close()
+    assert sorted(r.id for r in replies) == list(range(1, calls + 1))
+    assert all(r.code == 0 and len(r.payload) == size for r in replies)
+    assert served.backlog == 0 and served.room.is_set()
+
+
 @BOTH
 async def test_a_second_frame_with_a_running_calls_id_is_refused_and_the_first_runs_on(mux):
     replies = await raw_calls(mux, [call_frame(1, b"hold"), call_frame(1, b"again"), call_frame(2, b"x")], 3)
