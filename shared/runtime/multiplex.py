@@ -805,7 +805,7 @@ class _ServedStream:
 
     def queue(self, reply: multiplex_pb2.ReplyFrame) -> None:
         """A reply to send once those ahead of it have gone, counted in the backlog by its payload (ByteSize
-        would serialize it: 0.19 ms for 200 KB here, against 4 us to read the payload)."""
+        would serialize it, which costs as much as sending it)."""
         size = self.sizes[id(reply)] = len(reply.payload)
         self.backlog += size
         if self.backlog > self.servicer.max_backlog_bytes:
