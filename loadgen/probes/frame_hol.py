@@ -3,9 +3,9 @@
 
     python -m academus.loadgen.probes.frame_hol [--sizes-mib 0.25 1 4 16] [--repeats 5] [--replies | --streams]
 
-A loopback server in a process of its own answers every call with two bytes, served both ways (unary,
-and as frames of `academus.v1.Multiplex/Calls`, as every Academus server is). For each size, a large request
-is sent and, while it travels, small calls one after another; the arms are:
+A loopback server in a process of its own (its freed pages kept, as the services keep theirs) answers every call
+with two bytes, served both ways (unary, and as frames of `academus.v1.Multiplex/Calls`, as every Academus server
+is). For each size, a large request is sent and, while it travels, small calls one after another; the arms are:
 
 - `unary`: every call its own HTTP/2 stream (ACADEMUS_HOP_STREAMS=false);
 - `frames`: every call a frame of the one stream, however large (the stream before MAX_FRAME_BYTES);
@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 import uvloop
 
+from academus.shared.runtime.heap import keep_freed_pages
 from academus.shared.runtime.multiplex import MAX_FRAME_BYTES, MultiplexChannel, serve_multiplexed
 
 SERVICE, NAME, STREAM = "t.Probe", "Answer", "Tell"
@@ -61,6 +62,7 @@ async def serve(ports: multiprocessing.Queue) -> None:
 
 
 def run_server(ports: multiprocessing.Queue) -> None:
+    keep_freed_pages()   # as every service does (ACADEMUS_KEEP_FREED_PAGES): a large reply's buffers are reused
     uvloop.run(serve(ports))
 
 
