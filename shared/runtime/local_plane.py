@@ -257,7 +257,7 @@ class _ServedConnection(asyncio.Protocol):
         for one in frame.batch or (frame,):
             if self.closing and not one.cancel:
                 self.served.queue(reply_status(one.id, grpc.StatusCode.UNAVAILABLE,
-                                                            "this connection is closing; nothing ran"))
+                                               "this connection is closing; nothing ran"))
             elif not one.cancel and one.method not in self.plane.servicer.methods:
                 self.served.queue(reply_status(
                     one.id, grpc.StatusCode.UNIMPLEMENTED,
