@@ -736,7 +736,7 @@ class _ServedStream:
         self.behind: dict[int, deque[multiplex_pb2.ReplyFrame]] = {}
         self.message_pieces = message_pieces
         self.backlog = 0   # payload bytes of the replies queued and not yet handed to the transport
-        self.sizes: dict[int, int] = {}   # each queued reply's share of it, by the reply's id()
+        self.sizes: dict[int, int] = {}   # each queued reply's payload length, read once, by the reply's id()
         self.room = asyncio.Event()   # clear while the backlog is past the servicer's bound: frames wait unread
         self.room.set()
         self.transit = TransitFloor()
@@ -747,18 +747,20 @@ class _ServedStream:
         """The next message to send, None to end: the next reply (or piece), and when the caller reads
         batches the whole replies ready behind it that fit one message of `batch_bytes`."""
         reply = await self.next_reply()
-        if reply is None or reply.more or not self.batches:
+        if reply is None or reply.more:
             return reply
-        batch, size = [reply], len(reply.payload)
+        size = self.handed(reply)
+        if not self.batches:
+            return reply
+        batch = [reply]
         while not self.held and self.replies.qsize() and len(batch) < MAX_BATCH_FRAMES:
             ready = self.replies.get_nowait()
             if (ready is None or self.in_pieces(ready) or ready.id in self.behind
-                    or size + len(ready.payload) > self.batch_bytes):
+                    or size + self.payload_size(ready) > self.batch_bytes):
                 self.held.append(ready)   # the end, a reply in pieces or behind one, or the next message's first
                 break
             batch.append(ready)
-            self.handed(ready)
-            size += len(ready.payload)
+            size += self.handed(ready)
         if len(batch) == 1:
             return reply
         BATCHED_REPLIES.inc(len(batch))
@@ -784,13 +786,19 @@ class _ServedStream:
                 self.rest.append((reply, reply.payload, 0))
                 return self._next_piece()
             else:
-                self.handed(reply)
                 return reply
 
-    def in_pieces(self, reply: multiplex_pb2.ReplyFrame) -> bool:
+    def in_pieces(self, reply: multiplex_pb2.ReplyFrame, size: int | None = None) -> bool:
         """Past the piece size; a partial reply (a stream's message, an early answer) only to a caller that
-        joins its pieces."""
-        return 0 < self.piece < len(reply.payload) and (self.message_pieces or not reply.partial)
+        joins its pieces. `size`: its payload's length, where the caller has read it."""
+        return 0 < self.piece < (self.payload_size(reply) if size is None else size) and (
+            self.message_pieces or not reply.partial)
+
+    def payload_size(self, reply: multiplex_pb2.ReplyFrame) -> int:
+        """Its payload's length as read where it was queued (each read of a bytes field copies it); read now for a
+        piece, or for a reply put in the queue by hand."""
+        size = self.sizes.get(id(reply))
+        return len(reply.payload) if size is None else size
 
     def _next_piece(self) -> multiplex_pb2.ReplyFrame:
         reply, payload, offset = self.rest.popleft()
@@ -803,20 +811,24 @@ class _ServedStream:
             self.handed(reply)
         return multiplex_pb2.ReplyFrame(id=reply.id, payload=payload[offset:end], more=more, partial=reply.partial)
 
-    def queue(self, reply: multiplex_pb2.ReplyFrame) -> None:
-        """A reply to send once those ahead of it have gone, counted in the backlog by its payload (ByteSize
-        would serialize it, which costs as much as sending it)."""
-        size = self.sizes[id(reply)] = len(reply.payload)
+    def queue(self, reply: multiplex_pb2.ReplyFrame, size: int | None = None) -> None:
+        """A reply to send once those ahead of it have gone, counted in the backlog by its payload's length `size`
+        (read here where the caller has not; ByteSize would serialize it, which costs as much as sending it)."""
+        size = self.sizes[id(reply)] = len(reply.payload) if size is None else size
         self.backlog += size
         if self.backlog > self.servicer.max_backlog_bytes:
             self.room.clear()
         self.replies.put_nowait(reply)
 
-    def handed(self, reply: multiplex_pb2.ReplyFrame) -> None:
-        """A queued reply went to the transport, whole or its last piece."""
-        self.backlog -= self.sizes.pop(id(reply), 0)
+    def handed(self, reply: multiplex_pb2.ReplyFrame) -> int:
+        """A queued reply went to the transport, whole or its last piece: out of the backlog. Its payload's length."""
+        size = self.sizes.pop(id(reply), None)
+        if size is None:   # a piece, or a reply put in the queue by hand
+            return len(reply.payload)
+        self.backlog -= size
         if self.backlog <= self.servicer.max_backlog_bytes:
             self.room.set()
+        return size
 
     async def read(self, request_iterator) -> None:
         try:
@@ -882,18 +894,20 @@ class _ServedStream:
                 self.replies.put_nowait(None)
 
     def send(self, reply: multiplex_pb2.ReplyFrame, method: str) -> None:
-        """A reply of a call of `method`: queued for its pieces where it goes in pieces, else emitted."""
-        if self.in_pieces(reply):
+        """A reply of a call of `method`: queued for its pieces where it goes in pieces, else emitted. Its payload is
+        read once, here."""
+        size = len(reply.payload)
+        if self.in_pieces(reply, size):
             REPLIES_IN_PIECES.labels(method).inc()
-            self.queue(reply)
+            self.queue(reply, size)
         else:
-            self.emit(reply)
+            self.emit(reply, size)
 
-    def emit(self, reply: multiplex_pb2.ReplyFrame) -> None:
+    def emit(self, reply: multiplex_pb2.ReplyFrame, size: int | None = None) -> None:
         """A whole reply, written on the spot where it can be and nothing waits ahead of it (replies of one call
         keep their order: early answers before the final one), else queued."""
         if self.send_now is None or self.held or self.rest or not self.replies.empty() or not self.send_now(reply):
-            self.queue(reply)
+            self.queue(reply, size)
 
     async def answer(self, frame: multiplex_pb2.CallFrame, started: float) -> multiplex_pb2.ReplyFrame:
         method = self.servicer.methods.get(frame.method)
