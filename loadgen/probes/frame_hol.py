@@ -12,7 +12,8 @@ is). For each size, a large request is sent and, while it travels, small calls o
 - `mixed`: MultiplexChannel as the services use it: frames, and a request past MAX_FRAME_BYTES alone.
 
 With `--replies` the large call is a small request answered with that many bytes: `frames` then gets every
-reply whole, and `mixed` a reply past MAX_FRAME_BYTES in pieces of that size, the small replies between them.
+reply whole, and `mixed` a reply past WHOLE_PIECES × MAX_FRAME_BYTES in pieces of MAX_FRAME_BYTES, the small
+replies between them.
 With `--streams` the large call is a server stream (InferStream's shape) of one large message then a small one:
 `unary` gets it as a call of its own, `frames` as a frame whose message goes whole, and `mixed` as a frame whose
 message comes in pieces.

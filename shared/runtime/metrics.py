@@ -36,7 +36,7 @@ MULTIPLEXED_BATCHED = Counter("academus_multiplexed_batched_frames_total",
                               "Frames that shared a Multiplex stream message with others: calls read, replies "
                               "sent", ["direction"])
 REPLIES_IN_PIECES = Counter("academus_multiplexed_replies_in_pieces_total",
-                            "Replies on a Multiplex stream larger than the caller's frame size, sent in pieces",
+                            "Replies on a Multiplex stream larger than four of the caller's frames, sent in pieces",
                             ["method"])
 LOCAL_PLANE_CONNECTIONS = Gauge("academus_local_plane_connections",
                                 "Callers connected over the node-local data plane (shared/runtime/local_plane.py)")

@@ -34,11 +34,13 @@ hold up every small call behind it: a request past `max_frame_bytes` goes as a u
 which HTTP/2 interleaves with the stream (`python -m academus.loadgen.probes.frame_hol`). A reply cannot leave
 the stream (the server answers a frame with frames), so one past the caller's `max_frame_bytes`, which the
 caller sends in the stream's metadata, comes in pieces of that size (`ReplyFrame.more`), and replies that
-wait go between them (`frame_hol --replies`). A caller that sends no size gets every reply whole.
+wait go between them (`frame_hol --replies`). A reply of up to WHOLE_PIECES pieces' bytes still goes whole: each
+piece is a message, and a message's cost would outweigh what so few pieces spare the replies behind it. A caller
+that sends no size gets every reply whole.
 
 A server stream (the public InferStream) is a frame too: each message it writes goes as a partial reply, and its
-status as the final reply, with no payload (`MultiplexedStreamCall`). A message past the piece size comes in pieces
-too (`more` and `partial` both set) to a caller that joins them (MESSAGE_PIECES_KEY; one that does not gets them
+status as the final reply, with no payload (`MultiplexedStreamCall`). A message past the bytes that go whole comes in
+pieces too (`more` and `partial` both set) to a caller that joins them (MESSAGE_PIECES_KEY; one that does not gets them
 whole). A call's replies keep their order whatever their sizes: one that comes behind a reply still going in pieces
 waits for its last piece, so a stream's status never passes its last message.
 
@@ -106,6 +108,11 @@ FRAME_BYTES_KEY = "academus-frame-bytes"   # Calls metadata: the caller's max_fr
 # The smallest piece a caller may ask for (HTTP/2's default frame): the gateway serves Calls to the public, and
 # a 1-byte piece would turn one reply into as many frames as it has bytes.
 MIN_PIECE_BYTES = 16 * 1024
+# A reply goes in pieces only past this many pieces' bytes. A piece costs the stream a message (~0.13 ms on loopback
+# here), and behind a reply of a few pieces the calls waiting gain less than that: at 64 KiB pieces, a 0.19 MiB
+# stream message (64 texts' 768-float embeddings) took 1.5-1.7x as long in three pieces as whole, and the small
+# calls behind it waited no less (docs/benchmarks/hops.md).
+WHOLE_PIECES = 4
 # An overloaded server's refusal asks callers to hold off for its wait, at most this long. Short: the frames
 # behind the refused one are as stale and are refused as fast as they are read, so there is room again long
 # before that wait has passed. Up to 1 s, a caller honouring it (the gateway, a scheduler's) left the server
@@ -718,10 +725,11 @@ class _ServedStream:
 
     def __init__(self, servicer: MultiplexServicer, piece: int = 0, batches: bool = False,
                  send_now: Callable[[multiplex_pb2.ReplyFrame], bool] | None = None, peer: str = "",
-                 message_pieces: bool = False) -> None:
-        """`send_now`: sends a whole reply on the spot if it can (the node-local plane), else the reply
-        waits for `next_message`. `peer`: the client, for its frames' handlers (grpc's form, `ipv4:host:port`).
-        `message_pieces`: the client joins partial replies sent in pieces."""
+                 message_pieces: bool = False, whole: int | None = None) -> None:
+        """`piece`: the caller's frame size, 0 for replies whole; `whole`: the largest payload that still goes
+        whole (WHOLE_PIECES pieces unless given). `send_now`: sends a whole reply on the spot if it can (the
+        node-local plane), else the reply waits for `next_message`. `peer`: the client, for its frames' handlers
+        (grpc's form, `ipv4:host:port`). `message_pieces`: the client joins partial replies sent in pieces."""
         self.servicer = servicer
         self.peer = peer
         self.send_now = send_now
@@ -730,6 +738,7 @@ class _ServedStream:
         self.replies: asyncio.Queue[multiplex_pb2.ReplyFrame | None] = asyncio.Queue()
         self.held: deque[multiplex_pb2.ReplyFrame | None] = deque()  # taken from `replies`, not batched
         self.piece = piece     # 0: replies go whole
+        self.whole = piece * WHOLE_PIECES if whole is None else whole
         # large replies still to send: the reply, its payload (read once: each read of a bytes field copies it), offset
         self.rest: deque[tuple[multiplex_pb2.ReplyFrame, bytes, int]] = deque()
         # the calls whose reply goes in pieces now, and their replies that came behind it, in order
@@ -789,9 +798,9 @@ class _ServedStream:
                 return reply
 
     def in_pieces(self, reply: multiplex_pb2.ReplyFrame, size: int | None = None) -> bool:
-        """Past the piece size; a partial reply (a stream's message, an early answer) only to a caller that
-        joins its pieces. `size`: its payload's length, where the caller has read it."""
-        return 0 < self.piece < (self.payload_size(reply) if size is None else size) and (
+        """Past the bytes that go whole; a partial reply (a stream's message, an early answer) only to a caller
+        that joins its pieces. `size`: its payload's length, where the caller has read it."""
+        return self.piece > 0 and self.whole < (self.payload_size(reply) if size is None else size) and (
             self.message_pieces or not reply.partial)
 
     def payload_size(self, reply: multiplex_pb2.ReplyFrame) -> int:

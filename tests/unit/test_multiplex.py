@@ -39,6 +39,7 @@ from academus.shared.runtime.multiplex import (
     MAX_FRAME_BYTES,
     MAX_PUSHBACK_MS,
     MIN_PIECE_BYTES,
+    WHOLE_PIECES,
     FrameContext,
     MultiplexChannel,
     MultiplexedMethod,
@@ -243,7 +244,7 @@ async def test_replies_are_batched_only_for_a_caller_that_asks_in_its_calls_meta
 async def test_batched_replies_keep_the_pieces_and_the_end_in_order(mux):
     """Small replies ready together share a message; one in pieces goes alone and the small ones behind it
     go between its pieces; the end waits for the last piece."""
-    served = _ServedStream(mux.servicer, piece=4, batches=True)   # (a caller asks for 16 KiB at least)
+    served = _ServedStream(mux.servicer, piece=4, batches=True, whole=4)   # (a caller asks for 16 KiB at least)
     for reply in (multiplex_pb2.ReplyFrame(id=1, payload=b"a"), multiplex_pb2.ReplyFrame(id=2, payload=b"b"),
                   multiplex_pb2.ReplyFrame(id=3, payload=b"abcdefghij"), multiplex_pb2.ReplyFrame(id=4, payload=b"c"),
                   None):
@@ -311,7 +312,7 @@ async def test_a_large_reply_comes_in_pieces_and_a_reply_behind_it_goes_between_
 
 
 async def test_the_end_of_a_stream_waits_for_the_pieces_left_and_a_small_reply_cuts_in(mux):
-    served = _ServedStream(mux.servicer, piece=4)
+    served = _ServedStream(mux.servicer, piece=4, whole=4)
     for reply in (multiplex_pb2.ReplyFrame(id=1, payload=b"abcdefghij"), multiplex_pb2.ReplyFrame(id=2, payload=b"s"),
                   None):
         served.replies.put_nowait(reply)
@@ -325,7 +326,7 @@ async def test_a_calls_replies_behind_its_message_in_pieces_wait_for_its_last_pi
     """A stream's message in pieces: another call's reply cuts in between them, but the same call's next message
     and its status (the final reply) wait for its last piece, in order, whether queued or batched."""
     for batches in (False, True):
-        served = _ServedStream(mux.servicer, piece=4, batches=batches, message_pieces=True)
+        served = _ServedStream(mux.servicer, piece=4, batches=batches, message_pieces=True, whole=4)
         for reply in (multiplex_pb2.ReplyFrame(id=1, payload=b"abcdefghij", partial=True),
                       multiplex_pb2.ReplyFrame(id=1, payload=b"m", partial=True),
                       multiplex_pb2.ReplyFrame(id=2, payload=b"s"), multiplex_pb2.ReplyFrame(id=1), None):
@@ -338,7 +339,7 @@ async def test_a_calls_replies_behind_its_message_in_pieces_wait_for_its_last_pi
 
 
 async def test_a_message_goes_whole_to_a_caller_that_does_not_join_its_pieces(mux):
-    served = _ServedStream(mux.servicer, piece=4)
+    served = _ServedStream(mux.servicer, piece=4, whole=4)
     for reply in (multiplex_pb2.ReplyFrame(id=1, payload=b"abcdefghij", partial=True), multiplex_pb2.ReplyFrame(id=1),
                   None):
         served.replies.put_nowait(reply)
@@ -346,6 +347,24 @@ async def test_a_message_goes_whole_to_a_caller_that_does_not_join_its_pieces(mu
     while (frame := await served.next_reply()) is not None:
         sent.append((frame.id, frame.payload, frame.more, frame.partial))
     assert sent == [(1, b"abcdefghij", False, True), (1, b"", False, False)]
+
+
+async def test_a_reply_of_a_few_pieces_goes_whole_and_a_larger_one_in_pieces(mux):
+    """A piece costs the stream a message: up to WHOLE_PIECES pieces' bytes, a reply goes whole; past them, it
+    comes in pieces of the caller's frame size."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{mux.port}") as channel:
+        calls = channel.stream_stream(CALLS_METHOD, request_serializer=multiplex_pb2.CallFrame.SerializeToString,
+                                      response_deserializer=multiplex_pb2.ReplyFrame.FromString)(
+            metadata=((FRAME_BYTES_KEY, str(MAX_FRAME_BYTES)),))
+        whole = WHOLE_PIECES * MAX_FRAME_BYTES
+        await calls.write(multiplex_pb2.CallFrame(id=1, method=METHOD, payload=b"reply:%d" % whole))
+        reply = await asyncio.wait_for(calls.read(), 5)
+        assert (reply.id, reply.code, reply.more, len(reply.payload)) == (1, 0, False, whole)
+        await calls.write(multiplex_pb2.CallFrame(id=2, method=METHOD, payload=b"reply:%d" % (whole + 256)))
+        pieces = [await asyncio.wait_for(calls.read(), 5) for _ in range(WHOLE_PIECES + 1)]
+        assert [(r.id, r.more, len(r.payload)) for r in pieces] == [
+            (2, True, MAX_FRAME_BYTES)] * WHOLE_PIECES + [(2, False, 256)]
+        calls.cancel()
 
 
 async def test_a_caller_that_sends_no_frame_size_gets_every_reply_whole(mux):
