@@ -16,7 +16,7 @@ import numpy as np
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from academus.shared.models.tokenization import Encoded, TeacherTokenizer, TextTooLong
+from academus.shared.models.tokenization import Encoded, TeacherTokenizer, TextTooLong, Token
 from academus.shared.runtime.config import EVERY_MODEL, POLICY_NAMES, GatewayConfig, ModelSelection, split_names
 from academus.shared.runtime.errors import (
     FailedPrecondition,
@@ -390,6 +390,38 @@ class Gateway:
         """The spec of a model the key may name (a tenant model's on its base): what it answers, before a call."""
         spec, _ = await self.resolve(await self.auth.authenticate(api_key, peer), name)
         return spec
+
+    async def tokens(self, api_key: str | None, model: str, texts: Sequence[str], add_special_tokens: bool = True,
+                     peer: str = "") -> list[list[Token]]:
+        """Each text's tokens by the model's own tokenizer, untruncated (TEI's /tokenize). The input limits hold, and
+        it costs a quota token, as a request does."""
+        principal = await self.auth.authenticate(api_key, peer)
+        self.check_inputs(InferCall(model, texts, [""] * len(texts), ""))
+        spec, _ = await self.resolve(principal, model)
+        tokenizer = await self.tokenizers.get(spec)
+        await self.quotas.take(principal.tenant)
+        return tokenizer.tokens(texts, add_special_tokens)
+
+    async def decode(self, api_key: str | None, model: str, ids: Sequence[Sequence[int]],
+                     skip_special_tokens: bool = True, peer: str = "") -> list[str]:
+        """The text of each list of token ids by the model's own tokenizer (TEI's /decode); ids it does not have are
+        refused, naming the first. It costs a quota token, as a request does."""
+        principal = await self.auth.authenticate(api_key, peer)
+        if not ids:
+            raise InvalidArgument("ids is empty: send at least one list of token ids")
+        if len(ids) > self.config.max_inputs:
+            raise InvalidArgument(f"ids has {len(ids)} lists; the limit is {self.config.max_inputs} per request")
+        spec, _ = await self.resolve(principal, model)
+        tokenizer = await self.tokenizers.get(spec)
+        for i, sequence in enumerate(ids):
+            if len(sequence) > self.config.max_text_chars:
+                raise InvalidArgument(f"ids[{i}] has {len(sequence)} ids; the limit is {self.config.max_text_chars}")
+            for j, token in enumerate(sequence):
+                if not 0 <= token < tokenizer.vocab_size:
+                    raise InvalidArgument(f"ids[{i}][{j}] is {token}: model {spec.name!r}'s tokenizer has ids 0 to "
+                                          f"{tokenizer.vocab_size - 1}")
+        await self.quotas.take(principal.tenant)
+        return tokenizer.decode(ids, skip_special_tokens)
 
     async def resolve(self, principal: Principal, name: str) -> tuple[ModelSpec, TenantModel | None]:
         """A served model by that name, else the caller's own tenant model (never another tenant's)."""

@@ -1,5 +1,6 @@
 """HTTP/JSON edge of the gateway: the routes a user of text-embeddings-inference or of OpenAI's embeddings API
-already calls (`POST /embed`, `/predict`, `/rerank`, `/v1/embeddings`; `GET /v1/models`, `/health`), over the same
+already calls (`POST /embed`, `/predict`, `/rerank`, `/tokenize`, `/decode`, `/v1/embeddings`; `GET /info`,
+`/v1/models`, `/health`), over the same
 admission, quotas and routing as the gRPC `Infer` (InferenceServicer.answer). JSON becomes an `InferCall` here and the
 core's `Answer` becomes JSON here; nothing past this module knows HTTP. Routes and errors:
 docs/design/http_api.md."""
@@ -7,6 +8,7 @@ docs/design/http_api.md."""
 from __future__ import annotations
 
 import base64
+import importlib.metadata
 import math
 import ssl
 import time
@@ -22,6 +24,7 @@ from prometheus_client import Counter, Histogram
 from redis.exceptions import RedisError
 
 from academus.services.gateway.core import EMBED, LABEL, Answer, InferCall, api_key_from
+from academus.shared.models.tokenization import Token
 from academus.shared.runtime.config import GatewayConfig
 from academus.shared.runtime.errors import InvalidArgument, ResourceExhausted, ServingError, Unavailable
 from academus.shared.runtime.logs import log_event
@@ -36,11 +39,16 @@ HTTP_REQUESTS = Counter("academus_http_requests_total", "HTTP/JSON requests by r
 HTTP_SECONDS = Histogram("academus_http_request_seconds", "HTTP/JSON requests' time in the gateway", ["route"],
                          buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30))
 
+VERSION = importlib.metadata.version("academus")
 REQUEST_LIMIT = web.AppKey("request_limit", int)   # bytes: the body a request may have
 AnswerCall = Callable[[str | None, InferCall, str, float, str], Awaitable[Answer]]   # key, call, id, s, peer
 ListModels = Callable[[str | None, str], Awaitable[list[dict[str, Any]]]]
 Authenticate = Callable[[str | None, str], Awaitable[object]]   # key, peer: raises Unauthenticated
 Describe = Callable[[str | None, str, str], Awaitable[ModelSpec]]   # key, model, peer: the spec the key may name
+# key, model, texts, add special tokens, peer: each text's tokens
+Tokenize = Callable[[str | None, str, list[str], bool, str], Awaitable[list[list[Token]]]]
+# key, model, lists of ids, skip special tokens, peer: each list's text
+Decode = Callable[[str | None, str, list[list[int]], bool, str], Awaitable[list[str]]]
 
 
 @dataclass(frozen=True)
@@ -197,6 +205,46 @@ def openai_answer(answer: Answer, body: dict[str, Any]) -> dict[str, Any]:
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
+def tokenize_args(body: dict[str, Any], default_model: str) -> tuple[str, list[str], bool]:
+    """TEI's `/tokenize`: {"inputs": str | [str], "add_special_tokens": true, "model"?}."""
+    if field(body, "prompt_name", (str,)) is not None:
+        raise InvalidArgument("field 'prompt_name' is not served: prepend the prompt to each input yourself")
+    return (model_of(body, default_model), texts_of(body.get("inputs"), "inputs"),
+            field(body, "add_special_tokens", (bool,), True))
+
+
+def decode_args(body: dict[str, Any], default_model: str) -> tuple[str, list[list[int]], bool]:
+    """TEI's `/decode`: {"ids": [int] | [[int]], "skip_special_tokens": true, "model"?}."""
+    ids = body.get("ids")
+    if is_ids(ids):
+        ids = [ids]
+    elif not (isinstance(ids, list) and ids and all(is_ids(i) for i in ids)):
+        raise InvalidArgument("field 'ids' must be a non-empty list of token ids, or a non-empty list of such lists")
+    return model_of(body, default_model), ids, field(body, "skip_special_tokens", (bool,), True)
+
+
+def is_ids(value: Any) -> bool:
+    """A non-empty list of ints (JSON's true and false are not ids)."""
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(i, int) and not isinstance(i, bool) for i in value)
+
+
+def token_json(tokens: list[list[Token]]) -> list[list[dict[str, Any]]]:
+    """TEI's shape: each text's tokens as {"id", "text", "special", "start", "stop"} (offsets in characters)."""
+    return [[{"id": t.id, "text": t.text, "special": t.special, "start": t.start, "stop": t.stop} for t in text]
+            for text in tokens]
+
+
+def model_info(spec: ModelSpec, config: GatewayConfig) -> dict[str, Any]:
+    """TEI's `/info`, for the model a request names: what it is and the limits a request to it meets."""
+    kind = ({"embedding": {"dim": spec.dim}} if spec.kind == EMBEDDING else
+            {"classifier": {"id2label": {str(i): label for i, label in enumerate(spec.labels)},
+                            "label2id": {label: i for i, label in enumerate(spec.labels)}}})
+    return {"model_id": spec.name, "model_type": kind, "max_input_length": spec.max_tokens,
+            "max_client_batch_size": config.max_inputs, "max_input_characters": config.max_text_chars,
+            "version": VERSION}
+
+
 def api_key(request: web.Request) -> str | None:
     """The key as the gRPC port reads it from metadata, from the headers."""
     return api_key_from((name.lower(), value) for name, value in request.headers.items())
@@ -257,12 +305,15 @@ class HttpApi:
     """The routes over calls of the gRPC edge: `answer` (key, call, request id, seconds left, peer → the core's
     Answer), `list_models` (key, peer → the models the key may name, as {"name", "owner"}), `authenticate` (key,
     peer), which a request passes before its body is read, as a gRPC call's credentials are checked before its
-    fields, and `describe` (key, model, peer → its ModelSpec), for the route that serves a model's own task."""
+    fields, `describe` (key, model, peer → its ModelSpec), for the routes that serve a model's own task and describe
+    it, and `tokenize` and `decode`, the model's own tokenizer both ways."""
 
     def __init__(self, config: GatewayConfig, answer: AnswerCall, list_models: ListModels,
-                 serving: Callable[[], bool], authenticate: Authenticate, describe: Describe) -> None:
+                 serving: Callable[[], bool], authenticate: Authenticate, describe: Describe,
+                 tokenize: Tokenize, decode: Decode) -> None:
         self.config, self.answer, self.list_models, self.serving = config, answer, list_models, serving
         self.authenticate, self.describe = authenticate, describe
+        self.tokenize_call, self.decode_call = tokenize, decode
         self.stopping = False   # the gateway is stopping: load balancers should send elsewhere
         self.tracer, self.trace_ratio = http_tracer(), root_ratio(config.trace_ratio)   # read once, not a request
 
@@ -272,6 +323,9 @@ class HttpApi:
         app.router.add_post("/embed", self.embed)
         app.router.add_post("/predict", self.predict)
         app.router.add_post("/rerank", self.rerank)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/decode", self.decode)
+        app.router.add_get("/info", self.info)
         app.router.add_post("/v1/embeddings", self.openai_embeddings)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
@@ -303,6 +357,30 @@ class HttpApi:
 
     async def rerank(self, request: web.Request) -> web.Response:
         return await self._infer(request, "/rerank", rerank_call, lambda r, b, c: ranked(r, b))
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        async def answered() -> tuple[Any, dict[str, str]]:
+            key, peer = api_key(request), peer_of(request)
+            await self.authenticate(key, peer)
+            model, texts, specials = tokenize_args(await json_body(request), self.config.http_model)
+            return token_json(await self.tokenize_call(key, model, texts, specials, peer)), {}
+        return await self._answer(request, "/tokenize", answered, openai=False)
+
+    async def decode(self, request: web.Request) -> web.Response:
+        async def answered() -> tuple[Any, dict[str, str]]:
+            key, peer = api_key(request), peer_of(request)
+            await self.authenticate(key, peer)
+            model, ids, skip = decode_args(await json_body(request), self.config.http_model)
+            return await self.decode_call(key, model, ids, skip, peer), {}
+        return await self._answer(request, "/decode", answered, openai=False)
+
+    async def info(self, request: web.Request) -> web.Response:
+        """The model named by `?model=`, else ACADEMUS_HTTP_MODEL's."""
+        async def answered() -> tuple[Any, dict[str, str]]:
+            key, peer = api_key(request), peer_of(request)
+            spec = await self.describe(key, model_of(dict(request.query), self.config.http_model), peer)
+            return model_info(spec, self.config), {}
+        return await self._answer(request, "/info", answered, openai=False)
 
     async def openai_embeddings(self, request: web.Request) -> web.Response:
         return await self._infer(request, "/v1/embeddings", openai_call, lambda r, b, c: openai_answer(r, b),

@@ -435,7 +435,8 @@ async def build() -> ServiceSpec:
     inference = InferenceServicer(gateway, schedulers, config.default_deadline_s,
                                   Stubs.for_hops(scheduler_pb2_grpc.SchedulerStub, config))
     http = HttpServer(HttpApi(config, inference.answer_call, inference.model_owners,
-                              lambda: bool(schedulers.deployments), gateway.auth.authenticate, gateway.describe),
+                              lambda: bool(schedulers.deployments), gateway.auth.authenticate, gateway.describe,
+                              gateway.tokens, gateway.decode),
                       config) if config.http_port >= 0 else None
 
     def add_servicers(server: grpc.aio.Server) -> None:

@@ -21,6 +21,18 @@ class TextTooLong(ValueError):
 
 
 @dataclass(frozen=True)
+class Token:
+    """One token of a text as its tokenizer cut it: the id, the text it covers, and its character offsets in the
+    text (None for a special token the template added, whose text is the token's own)."""
+
+    id: int
+    text: str
+    special: bool
+    start: int | None
+    stop: int | None
+
+
+@dataclass(frozen=True)
 class Encoded:
     """Token ids of one text (or text pair), [CLS] ... [SEP] framed, unpadded."""
 
@@ -165,6 +177,25 @@ class TeacherTokenizer:
                 if len(e.input_ids) > self.max_tokens:
                     raise TextTooLong(i, len(e.input_ids), self.max_tokens)
         return out
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids below this are the tokenizer's (its added tokens counted)."""
+        return self._full.get_vocab_size(with_added_tokens=True)
+
+    def tokens(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[Token]]:
+        """Each text's tokens, untruncated, with the text each covers: what a caller checks before it sends."""
+        out = []
+        for text, e in zip(texts, self._full.encode_batch(list(texts), add_special_tokens=add_special_tokens),
+                           strict=True):
+            out.append([Token(i, token, True, None, None) if special else Token(i, text[a:b], False, a, b)
+                        for i, token, special, (a, b) in zip(e.ids, e.tokens, e.special_tokens_mask, e.offsets,
+                                                             strict=True)])
+        return out
+
+    def decode(self, ids: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
+        """The text of each list of ids (below `vocab_size`)."""
+        return self._full.decode_batch([list(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def _encode(self, texts: Sequence[str], pairs: Sequence[str] | None, truncate: bool) -> list[Encoded]:
         library = self._cut if truncate else self._full

@@ -180,7 +180,7 @@ HTTP_CONTRACT = {200, 400, 401, 403, 404, 413, 429, 504}
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=200),
                     lambda inner: st.lists(inner, max_size=10) | st.dictionaries(st.text(max_size=12), inner,
                                                                                   max_size=6), max_leaves=30)
-HTTP_ROUTES = ("/embed", "/predict", "/rerank", "/v1/embeddings", "/")   # "/": the model's own task
+HTTP_ROUTES = ("/embed", "/predict", "/rerank", "/v1/embeddings", "/", "/tokenize", "/decode")   # "/": the model's task
 
 
 def http_call(mesh: MeshState, edge: tuple[grpc.Channel, str], route: str, body: bytes,
@@ -219,11 +219,14 @@ def test_json_of_any_shape_over_http(mesh, edge, route, body):
 @given(route=st.sampled_from(HTTP_ROUTES), model=st.sampled_from(["null", "", "nope"]) | st.text(max_size=20),
        inputs=st.one_of(st.text(max_size=300), st.lists(st.text(max_size=300), max_size=80),
                         st.lists(st.lists(st.text(max_size=50), max_size=3), max_size=10)),
-       extra=st.dictionaries(st.sampled_from(["truncate", "normalize", "raw_scores", "encoding_format", "dimensions"]),
+       ids=st.lists(st.integers(-5, 40_000), max_size=20) | st.lists(st.lists(st.integers(-5, 40_000), max_size=5),
+                                                                     max_size=70),
+       extra=st.dictionaries(st.sampled_from(["truncate", "normalize", "raw_scores", "encoding_format", "dimensions",
+                                              "add_special_tokens", "skip_special_tokens"]),
                              st.booleans() | st.integers() | st.text(max_size=8), max_size=3))
-def test_requests_of_any_shape_over_http(mesh, edge, route, model, inputs, extra):
+def test_requests_of_any_shape_over_http(mesh, edge, route, model, inputs, ids, extra):
     fields = {"input": inputs} if route.startswith("/v1") else {"query": "q", "texts": inputs} \
-        if route == "/rerank" else {"inputs": inputs}
+        if route == "/rerank" else {"ids": ids} if route == "/decode" else {"inputs": inputs}
     answered_over_http(mesh, edge, route, json.dumps({**fields, "model": model, **extra}).encode())
 
 

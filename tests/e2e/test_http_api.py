@@ -180,6 +180,44 @@ def test_openais_own_client_embeds_and_lists_the_models(mesh, key):
             model="minilm", input="x")
 
 
+def test_tokenize_and_decode_use_the_models_own_tokenizer(mesh, key):
+    """TEI's /tokenize and /decode: the ids, texts and offsets the model's tokenizer gives (the bundled teacher's for
+    minilm and spam), untruncated; /info describes the model a request names, else ACADEMUS_HTTP_MODEL's."""
+    from tokenizers import Tokenizer
+
+    from academus.shared.models.teacher_files import teacher_dir
+
+    library = Tokenizer.from_file(str(teacher_dir() / "tokenizer.json"))
+    library.no_truncation()
+    library.no_padding()
+    long_text = "word " * 600   # past the model's 256 tokens: /embed refuses it untruncated, /tokenize counts it
+    status, told, _ = call(mesh, "/tokenize", {"inputs": [TEXTS[0], long_text]}, key)
+    assert status == 200 and len(told) == 2
+    for text, tokens in zip([TEXTS[0], long_text], told, strict=True):
+        expected = library.encode(text)
+        assert [t["id"] for t in tokens] == expected.ids
+        assert [t["special"] for t in tokens] == [bool(m) for m in expected.special_tokens_mask]
+        for token in tokens:
+            if not token["special"]:
+                assert token["text"] == text[token["start"]:token["stop"]]
+    assert len(told[1]) == 602 and told[0][0] == {"id": 101, "text": "[CLS]", "special": True, "start": None,
+                                                   "stop": None}
+    status, bare, _ = call(mesh, "/tokenize", {"inputs": "Hi there", "add_special_tokens": False, "model": "spam"},
+                           key)
+    assert status == 200 and [t["text"] for t in bare[0]] == ["Hi", "there"]
+    status, texts, _ = call(mesh, "/decode", {"ids": [[t["id"] for t in told[0]], [7632]]}, key)
+    assert status == 200 and texts == [library.decode(library.encode(TEXTS[0]).ids), "hi"]
+    status, framed, _ = call(mesh, "/decode", {"ids": [101, 7632, 102], "skip_special_tokens": False}, key)
+    assert status == 200 and framed == ["[CLS] hi [SEP]"]
+    status, info, _ = call(mesh, "/info", key=key)
+    assert status == 200 and (info["model_id"], info["model_type"], info["max_input_length"]) == (
+        "minilm", {"embedding": {"dim": 384}}, 256)
+    assert info["max_client_batch_size"] == 64 and info["max_input_characters"] == 4000
+    status, spam, _ = call(mesh, "/info?model=spam", key=key)
+    assert status == 200 and set(spam["model_type"]["classifier"]["label2id"]) == {"ham", "spam"}
+    assert call(mesh, "/info")[0] == 401
+
+
 def test_health_and_the_requests_counted(mesh, key):
     assert call(mesh, "/health")[0] == 200
     before = metric(service(mesh, "gateway").metrics_port, "academus_http_requests_total", route="/embed",
@@ -238,6 +276,14 @@ def test_an_http_request_is_one_trace_across_the_hops(mesh, key):
      "field 'texts' must be"),
     ("/v1/embeddings", {"input": "x", "model": "minilm", "encoding_format": "binary"}, "admin", 400,
      "INVALID_ARGUMENT", "'encoding_format' must be 'float' or 'base64'"),
+    ("/tokenize", {"inputs": "x"}, "wrong", 401, "UNAUTHENTICATED", "API key"),
+    ("/tokenize", {"inputs": ["x"] * 65}, "admin", 400, "INVALID_ARGUMENT", "64"),
+    ("/tokenize", {"inputs": "x" * 4001}, "admin", 400, "INVALID_ARGUMENT", "inputs[0].text has 4001 characters"),
+    ("/tokenize", {"inputs": "x", "model": "nope"}, "admin", 404, "NOT_FOUND", "nope"),
+    ("/decode", {"ids": [101, 30522]}, "admin", 400, "INVALID_ARGUMENT", "ids[0][1] is 30522"),
+    ("/decode", {"ids": [[-1]]}, "admin", 400, "INVALID_ARGUMENT", "ids[0][0] is -1"),
+    ("/decode", {"ids": [[1]] * 65}, "admin", 400, "INVALID_ARGUMENT", "the limit is 64"),
+    ("/decode", {"ids": "101"}, "admin", 400, "INVALID_ARGUMENT", "field 'ids' must be"),
 ])
 def test_bad_input_gets_the_status_and_names_the_field(mesh, key, path, body, key_as, status, code, says):
     got, answer, _ = call(mesh, path, body, {"admin": key, "wrong": "not-a-key"}.get(key_as))

@@ -152,7 +152,7 @@ async def test_a_caller_without_a_valid_key_is_refused_before_its_body_is_read()
         raise AssertionError("no request reaches the core")
 
     config = GatewayConfig()
-    api = HttpApi(config, unused, unused, lambda: True, refuse_keys, unused)
+    api = HttpApi(config, unused, unused, lambda: True, refuse_keys, unused, unused, unused)
     async with TestClient(TestServer(api.app())) as client:
         for body in (b'{"inputs": ', b'{"inputs": "x"}', b"x" * (config.request_limit + 1)):
             answer = await client.post("/embed", data=body, headers={"x-api-key": "k"})
@@ -182,7 +182,8 @@ async def test_the_root_serves_the_models_own_task_as_tei_does():
     async def describe(_key, name: str, _peer) -> ModelSpec:
         return specs[name]
 
-    api = HttpApi(GatewayConfig(http_model="emb"), answer, unused_models, lambda: True, any_key, describe)
+    api = HttpApi(GatewayConfig(http_model="emb"), answer, unused_models, lambda: True, any_key, describe,
+                  no_tokenizer, no_tokenizer)
     async with TestClient(TestServer(api.app())) as client:
         embedded = await client.post("/", json={"inputs": ["a", "bc"]}, headers={"x-request-id": "r-1"})
         assert embedded.status == 200 and await embedded.json() == [[0.6, 0.8], [0.6, 0.8]]   # TEI normalizes
@@ -204,6 +205,10 @@ async def unused_models(*_args):
     raise AssertionError("no route here lists the models")
 
 
+async def no_tokenizer(*_args):
+    raise AssertionError("no route here tokenizes")
+
+
 async def test_a_refusal_downstream_reaches_the_client_as_429_with_retry_after():
     """Over a real loopback socket: an answer the core refuses for want of room."""
     from aiohttp.test_utils import TestClient, TestServer
@@ -214,14 +219,16 @@ async def test_a_refusal_downstream_reaches_the_client_as_429_with_retry_after()
     async def no_models(*_args):
         return []
 
-    api = HttpApi(GatewayConfig(), refuse, no_models, lambda: False, any_key, unknown_models)
+    api = HttpApi(GatewayConfig(), refuse, no_models, lambda: False, any_key, unknown_models,
+                  no_tokenizer, no_tokenizer)
     async with TestClient(TestServer(api.app())) as client:
         answer = await client.post("/embed", json={"inputs": "a", "model": "m"})
         assert answer.status == 429 and answer.headers["Retry-After"] == "1"
         assert (await answer.json())["error_type"] == "RESOURCE_EXHAUSTED"
         health = await client.get("/health")
         assert health.status == 503   # no scheduler serves: a load balancer should look elsewhere
-    serving = HttpApi(GatewayConfig(), refuse, no_models, lambda: True, any_key, unknown_models)
+    serving = HttpApi(GatewayConfig(), refuse, no_models, lambda: True, any_key, unknown_models,
+                      no_tokenizer, no_tokenizer)
     async with TestClient(TestServer(serving.app())) as client:
         assert (await client.get("/health")).status == 200
         serving.stopping = True   # SIGTERM: the gateway drains
@@ -239,7 +246,7 @@ async def test_the_server_binds_the_port_the_os_chose_and_stops():
         raise AssertionError("no request reaches the core")
 
     config = GatewayConfig(http_port=0, grace_s=1.0)
-    server = HttpServer(HttpApi(config, unused, unused, lambda: True, unused, unused), config)
+    server = HttpServer(HttpApi(config, unused, unused, lambda: True, unused, unused, unused, unused), config)
     port = await server.start()
     assert port > 0
     async with aiohttp.ClientSession() as session:
@@ -268,3 +275,76 @@ def test_a_timeout_header_that_is_no_time_is_refused_naming_it(value):
 
     with pytest.raises(InvalidArgument, match="header 'x-timeout-ms'"):
         timeout_s(make_mocked_request("POST", "/embed", headers={"x-timeout-ms": value}), 30.0)
+
+
+def test_tokenize_and_decode_take_teis_bodies():
+    from academus.services.gateway.http import decode_args, tokenize_args
+
+    assert tokenize_args({"inputs": "a b"}, "minilm") == ("minilm", ["a b"], True)
+    assert tokenize_args({"inputs": ["a", "b"], "add_special_tokens": False, "model": "m"}, "") == (
+        "m", ["a", "b"], False)
+    assert decode_args({"ids": [101, 7]}, "minilm") == ("minilm", [[101, 7]], True)
+    assert decode_args({"ids": [[1], [2, 3]], "skip_special_tokens": False}, "minilm") == (
+        "minilm", [[1], [2, 3]], False)
+
+
+@pytest.mark.parametrize(("parse", "body", "says"), [
+    ("tokenize", {"inputs": []}, "'inputs' must be a string or a non-empty list of strings"),
+    ("tokenize", {"inputs": "a", "add_special_tokens": "yes"}, "'add_special_tokens' must be bool, not str"),
+    ("tokenize", {"inputs": "a", "prompt_name": "query"}, "'prompt_name' is not served"),
+    ("tokenize", {"inputs": "a", "model": ""}, "'model' is required"),
+    ("decode", {"ids": []}, "'ids' must be a non-empty list of token ids"),
+    ("decode", {"ids": [[1], []]}, "'ids' must be a non-empty list of token ids"),
+    ("decode", {"ids": [1, "2"]}, "'ids' must be a non-empty list of token ids"),
+    ("decode", {"ids": [True]}, "'ids' must be a non-empty list of token ids"),
+    ("decode", {"ids": [1], "skip_special_tokens": 0}, "'skip_special_tokens' must be bool, not int"),
+])
+def test_tokenize_and_decode_refuse_bad_bodies_naming_the_field(parse, body, says):
+    from academus.services.gateway.http import decode_args, tokenize_args
+
+    with pytest.raises(InvalidArgument, match=says):
+        (tokenize_args if parse == "tokenize" else decode_args)(body, "minilm" if "model" not in body else "")
+
+
+async def test_tokenize_decode_and_info_answer_in_teis_shapes():
+    """Over a real loopback socket: the routes' answers as TEI gives them, the key, model and options passed to the
+    core; /info names the model the query names, else ACADEMUS_HTTP_MODEL's."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from academus.shared.models.tokenization import Token
+
+    seen: list[tuple] = []
+    specs = {"emb": ModelSpec("emb", EMBEDDING, dim=384, max_tokens=256),
+             "cls": ModelSpec("cls", CLASSIFICATION, ["neg", "pos"], max_tokens=128)}
+
+    async def tokens(key, model, texts, specials, peer):
+        seen.append(("tokenize", key, model, texts, specials))
+        return [[Token(101, "[CLS]", True, None, None), Token(7592, t, False, 0, len(t))] for t in texts]
+
+    async def decode(key, model, ids, skip, peer):
+        seen.append(("decode", key, model, ids, skip))
+        return ["hello"] * len(ids)
+
+    async def describe(_key, name, _peer):
+        return specs[name]
+
+    config = GatewayConfig(http_model="emb")
+    api = HttpApi(config, unused_models, unused_models, lambda: True, any_key, describe, tokens, decode)
+    async with TestClient(TestServer(api.app())) as client:
+        told = await client.post("/tokenize", json={"inputs": "Hi", "add_special_tokens": False},
+                                 headers={"x-api-key": "k"})
+        assert told.status == 200 and await told.json() == [[
+            {"id": 101, "text": "[CLS]", "special": True, "start": None, "stop": None},
+            {"id": 7592, "text": "Hi", "special": False, "start": 0, "stop": 2}]]
+        decoded = await client.post("/decode", json={"ids": [[101, 7592, 102], [7592]], "model": "cls"})
+        assert decoded.status == 200 and await decoded.json() == ["hello", "hello"]
+        info = await (await client.get("/info")).json()
+        assert (info["model_id"], info["model_type"], info["max_input_length"]) == ("emb", {"embedding": {"dim": 384}},
+                                                                                    256)
+        assert info["max_client_batch_size"] == config.max_inputs and info["version"]
+        classifier = await (await client.get("/info", params={"model": "cls"})).json()
+        assert classifier["model_type"] == {"classifier": {"id2label": {"0": "neg", "1": "pos"},
+                                                           "label2id": {"neg": 0, "pos": 1}}}
+        bad = await client.post("/decode", json={"ids": "1"})
+        assert bad.status == 400 and (await bad.json())["error_type"] == "INVALID_ARGUMENT"
+    assert seen == [("tokenize", "k", "emb", ["Hi"], False), ("decode", None, "cls", [[101, 7592, 102], [7592]], True)]
