@@ -392,36 +392,46 @@ class Gateway:
         return spec
 
     async def tokens(self, api_key: str | None, model: str, texts: Sequence[str], add_special_tokens: bool = True,
-                     peer: str = "") -> list[list[Token]]:
-        """Each text's tokens by the model's own tokenizer, untruncated (TEI's /tokenize). The input limits hold, and
-        it costs a quota token, as a request does."""
+                     peer: str = "", field: str = "texts") -> list[list[Token]]:
+        """Each text's tokens by the model's own tokenizer, untruncated (TEI's /tokenize). A request's limits on texts
+        and characters hold, named as the caller's `field`, and it costs a quota token, as a request does."""
         principal = await self.auth.authenticate(api_key, peer)
-        self.check_inputs(InferCall(model, texts, [""] * len(texts), ""))
+        self.check_count(len(texts), field, "texts")
+        for i, text in enumerate(texts):
+            if len(text) > self.config.max_text_chars:
+                raise InvalidArgument(f"{field}[{i}] has {len(text)} characters; the limit is "
+                                      f"{self.config.max_text_chars}")
         spec, _ = await self.resolve(principal, model)
         tokenizer = await self.tokenizers.get(spec)
         await self.quotas.take(principal.tenant)
         return tokenizer.tokens(texts, add_special_tokens)
 
     async def decode(self, api_key: str | None, model: str, ids: Sequence[Sequence[int]],
-                     skip_special_tokens: bool = True, peer: str = "") -> list[str]:
-        """The text of each list of token ids by the model's own tokenizer (TEI's /decode); ids it does not have are
-        refused, naming the first. It costs a quota token, as a request does."""
+                     skip_special_tokens: bool = True, peer: str = "", field: str = "texts[{i}].ids") -> list[str]:
+        """The text of each list of token ids by the model's own tokenizer (TEI's /decode). Ids it does not have are
+        refused, naming the first as the caller's `field` does (a template of the list's index `i`); a list holds at
+        most as many ids as a text has characters. It costs a quota token, as a request does."""
         principal = await self.auth.authenticate(api_key, peer)
-        if not ids:
-            raise InvalidArgument("ids is empty: send at least one list of token ids")
-        if len(ids) > self.config.max_inputs:
-            raise InvalidArgument(f"ids has {len(ids)} lists; the limit is {self.config.max_inputs} per request")
+        self.check_count(len(ids), field.split("[{i}]")[0], "lists of ids")
         spec, _ = await self.resolve(principal, model)
         tokenizer = await self.tokenizers.get(spec)
         for i, sequence in enumerate(ids):
+            name = field.format(i=i)
             if len(sequence) > self.config.max_text_chars:
-                raise InvalidArgument(f"ids[{i}] has {len(sequence)} ids; the limit is {self.config.max_text_chars}")
+                raise InvalidArgument(f"{name} has {len(sequence)} ids; the limit is {self.config.max_text_chars}")
             for j, token in enumerate(sequence):
                 if not 0 <= token < tokenizer.vocab_size:
-                    raise InvalidArgument(f"ids[{i}][{j}] is {token}: model {spec.name!r}'s tokenizer has ids 0 to "
+                    raise InvalidArgument(f"{name}[{j}] is {token}: model {spec.name!r}'s tokenizer has ids 0 to "
                                           f"{tokenizer.vocab_size - 1}")
         await self.quotas.take(principal.tenant)
         return tokenizer.decode(ids, skip_special_tokens)
+
+    def check_count(self, count: int, field: str, what: str) -> None:
+        """At least one entry, and at most a request's (ACADEMUS_MAX_INPUTS)."""
+        if not count:
+            raise InvalidArgument(f"{field} is empty: send at least one of its {what}")
+        if count > self.config.max_inputs:
+            raise InvalidArgument(f"{field} has {count} entries; the limit is {self.config.max_inputs} per request")
 
     async def resolve(self, principal: Principal, name: str) -> tuple[ModelSpec, TenantModel | None]:
         """A served model by that name, else the caller's own tenant model (never another tenant's)."""

@@ -287,6 +287,29 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         return pb.ListModelsResponse(models=[*(model_info_pb(spec) for spec in served),
                                              *(tenant_model_info_pb(m, bases.get(m.base)) for m in own)])
 
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext):
+        try:
+            tokens = await self.gateway.tokens(api_key_from(context.invocation_metadata()), request.model,
+                                               list(request.texts), not request.without_special_tokens, context.peer())
+        except ServingError as e:
+            await abort_with(context, e)
+        except RedisError as e:
+            await abort_with(context, Unavailable(f"credential and model store unreachable: {e}"))
+        return pb.TokenizeResponse(texts=[pb.TokenizedText(tokens=[
+            pb.Token(id=t.id, text=t.text, special=t.special, start=-1 if t.start is None else t.start,
+                     stop=-1 if t.stop is None else t.stop) for t in text]) for text in tokens])
+
+    async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
+        try:
+            texts = await self.gateway.decode(api_key_from(context.invocation_metadata()), request.model,
+                                              [list(t.ids) for t in request.texts], not request.keep_special_tokens,
+                                              context.peer())
+        except ServingError as e:
+            await abort_with(context, e)
+        except RedisError as e:
+            await abort_with(context, Unavailable(f"credential and model store unreachable: {e}"))
+        return pb.DecodeResponse(texts=texts)
+
     async def _schedule(self, admitted: Admitted, request: scheduler_pb2.ScheduleRequest, deadline: float,
                         policy: str = "", on_partial=None) -> tensors_pb2.ModelOutput:
         """Routes to the deployments serving the model (SchedulerDirectory.route). A refusal for want of
@@ -436,7 +459,8 @@ async def build() -> ServiceSpec:
                                   Stubs.for_hops(scheduler_pb2_grpc.SchedulerStub, config))
     http = HttpServer(HttpApi(config, inference.answer_call, inference.model_owners,
                               lambda: bool(schedulers.deployments), gateway.auth.authenticate, gateway.describe,
-                              gateway.tokens, gateway.decode),
+                              functools.partial(gateway.tokens, field="inputs"),
+                              functools.partial(gateway.decode, field="ids[{i}]")),
                       config) if config.http_port >= 0 else None
 
     def add_servicers(server: grpc.aio.Server) -> None:

@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import asdict
 from pathlib import Path
 
 from academus.shared.runtime.config import (
@@ -100,14 +101,7 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("infer", help="classify or embed texts through the gateway")
     s.add_argument("--model", required=True)
     s.add_argument("--output", choices=["label", "score", "embedding"], default="")
-    s.add_argument("--key", default=None, help="API key (default: the local admin key)")
-    s.add_argument("--gateway", default=None, help="host:port (default: the local mesh's gateway)")
-    s.add_argument("--tls", action="store_true",
-                   help="connect over TLS (the local mesh's gateway: on when it was started with --tls)")
-    s.add_argument("--ca", type=Path, default=None,
-                   help="PEM file of the CA the gateway's certificate is signed by (implies --tls; default: the "
-                        "local mesh's CA, else the system's roots)")
-    s.add_argument("--timeout", type=positive_seconds, default=10.0, help="seconds (> 0)")
+    gateway_options(s)
     s.add_argument("--no-truncate", action="store_true", help="refuse texts over the token limit")
     s.add_argument("--pair", action="append", default=None, metavar="TEXT",
                    help="the second text of a pair, once for each text, in order (an embedding model scores each pair)")
@@ -118,6 +112,14 @@ def parser() -> argparse.ArgumentParser:
                    help="answer as soon as every text has a result, from the first confident exit ramp")
     s.add_argument("texts", nargs="+")
     s.set_defaults(func=cmd_infer)
+
+    s = sub.add_parser("tokenize", help="each text's tokens by a model's own tokenizer, untruncated: one JSON line "
+                                        "a text")
+    s.add_argument("--model", required=True)
+    s.add_argument("--no-special-tokens", action="store_true", help="leave the template's [CLS] and [SEP] out")
+    gateway_options(s)
+    s.add_argument("texts", nargs="+")
+    s.set_defaults(func=cmd_tokenize)
 
     s = sub.add_parser("prepare", help="train the teacher's task heads and write the artifacts", add_help=False)
     s.set_defaults(func=cmd_prepare)
@@ -327,14 +329,12 @@ def positive_seconds(value: str) -> float:
     return seconds
 
 
-def cmd_infer(args: argparse.Namespace) -> int:
-    from academus.client import AcademusError, Client
+def _gateway_of(args: argparse.Namespace) -> tuple[str, str | None, bytes | None] | None:
+    """--gateway, --key and --ca's certificate, each defaulting to the local mesh's; None (said on stderr) when they
+    cannot be found."""
     from academus.shared.cli.mesh import ADMIN_KEY_FILE, MeshError, MeshState
 
     key, gateway, ca = args.key, args.gateway, args.ca
-    if args.pair is not None and len(args.pair) != len(args.texts):
-        print(f"--pair: {len(args.pair)} given for {len(args.texts)} texts; give one for each text", file=sys.stderr)
-        return 2
     try:
         if gateway is None:
             state = MeshState.load(_run_dir(args))
@@ -343,12 +343,55 @@ def cmd_infer(args: argparse.Namespace) -> int:
             key = (_run_dir(args) / ADMIN_KEY_FILE).read_text().strip()
     except MeshError as e:
         print(str(e), file=sys.stderr)
-        return 2
+        return None
     try:
-        root = ca.read_bytes() if ca else None
+        return gateway, key, ca.read_bytes() if ca else None
     except OSError as e:
         print(f"--ca {ca}: cannot read it ({e.strerror})", file=sys.stderr)
+        return None
+
+
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    from academus.client import AcademusError, Client
+
+    found = _gateway_of(args)
+    if found is None:
         return 2
+    gateway, key, root = found
+    try:
+        with Client(gateway, api_key=key, timeout=args.timeout, tls=args.tls, root_certificates=root) as client:
+            tokens = client.tokenize(args.model, args.texts, add_special_tokens=not args.no_special_tokens)
+    except AcademusError as e:
+        print(e.code, file=sys.stdout)
+        print(f"{e.code}: {e.details}", file=sys.stderr)
+        return 1
+    for text, cut in zip(args.texts, tokens, strict=True):
+        print(json.dumps({"text": text, "count": len(cut), "tokens": [asdict(t) for t in cut]}))
+    return 0
+
+
+def gateway_options(s: argparse.ArgumentParser) -> None:
+    """How a command reaches the gateway: --key, --gateway, --tls, --ca, --timeout."""
+    s.add_argument("--key", default=None, help="API key (default: the local admin key)")
+    s.add_argument("--gateway", default=None, help="host:port (default: the local mesh's gateway)")
+    s.add_argument("--tls", action="store_true",
+                   help="connect over TLS (the local mesh's gateway: on when it was started with --tls)")
+    s.add_argument("--ca", type=Path, default=None,
+                   help="PEM file of the CA the gateway's certificate is signed by (implies --tls; default: the "
+                        "local mesh's CA, else the system's roots)")
+    s.add_argument("--timeout", type=positive_seconds, default=10.0, help="seconds (> 0)")
+
+
+def cmd_infer(args: argparse.Namespace) -> int:
+    from academus.client import AcademusError, Client
+
+    if args.pair is not None and len(args.pair) != len(args.texts):
+        print(f"--pair: {len(args.pair)} given for {len(args.texts)} texts; give one for each text", file=sys.stderr)
+        return 2
+    found = _gateway_of(args)
+    if found is None:
+        return 2
+    gateway, key, root = found
     if args.stream and args.pair is not None:
         print("--stream: text pairs are scored from embeddings, which have no early results", file=sys.stderr)
         return 2

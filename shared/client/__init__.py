@@ -5,6 +5,7 @@
         print([m.name for m in c.list_models()])
         result = c.infer("spam", ["win a free prize now"], timeout=2.0)
         print(result.predictions[0].label, result.predictions[0].probs)
+        print([t.text for t in c.tokenize("spam", ["win a free prize now"])[0]])
 
 It needs grpcio and protobuf only (`pip install 'academus[client]'`); with the server packages installed
 its calls are traced. Every call has a deadline (`timeout`, default 10 s). Inference has no side effects,
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 from academus.client.aio import AsyncClient
 from academus.client.sync import Client
-from academus.client.types import AcademusError, InferResult, Metadata, ModelInfo, Prediction, ShardRun
+from academus.client.types import AcademusError, InferResult, Metadata, ModelInfo, Prediction, ShardRun, Token
 
-__all__ = ["AcademusError", "AsyncClient", "Client", "InferResult", "Metadata", "ModelInfo", "Prediction", "ShardRun"]
+__all__ = ["AcademusError", "AsyncClient", "Client", "InferResult", "Metadata", "ModelInfo", "Prediction", "ShardRun",
+           "Token"]

@@ -14,11 +14,15 @@ from academus.client.types import (
     AcademusError,
     InferResult,
     ModelInfo,
+    Token,
     build_request,
     call_metadata,
+    decode_request,
     from_response,
     models_from,
     next_wait,
+    tokenize_request,
+    tokens_from,
 )
 from academus.shared.runtime.multiplex import over_streams
 from academus.shared.runtime.tls import channel_credentials, open_channel
@@ -86,6 +90,18 @@ class AsyncClient:
     async def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
         """The served models and the caller's own tenant models, by name."""
         return models_from(await self._call(self._stub.ListModels, inference_pb2.ListModelsRequest(), timeout))
+
+    async def tokenize(self, model: str, texts: Sequence[str], *, add_special_tokens: bool = True,
+                       timeout: float | None = None) -> list[list[Token]]:
+        """Each text's tokens by the model's own tokenizer, untruncated: what a request is counted and cut by."""
+        return tokens_from(await self._call(self._stub.Tokenize, tokenize_request(model, texts, add_special_tokens),
+                                             timeout))
+
+    async def decode(self, model: str, ids: Sequence[Sequence[int]], *, skip_special_tokens: bool = True,
+                     timeout: float | None = None) -> list[str]:
+        """The text of each list of token ids, by the model's own tokenizer."""
+        decoded = await self._call(self._stub.Decode, decode_request(model, ids, skip_special_tokens), timeout)
+        return list(decoded.texts)
 
     async def _call(self, method: Callable[..., Awaitable[R]], request: object, timeout: float | None) -> R:
         """One call within the deadline, tried again as `next_wait` says."""

@@ -15,11 +15,15 @@ from academus.client.types import (
     AcademusError,
     InferResult,
     ModelInfo,
+    Token,
     build_request,
     call_metadata,
+    decode_request,
     from_response,
     models_from,
     next_wait,
+    tokenize_request,
+    tokens_from,
 )
 from academus.shared.runtime.tls import channel_credentials, open_channel_sync
 from academus.v1 import inference_pb2, inference_pb2_grpc
@@ -85,6 +89,17 @@ class Client:
     def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
         """The served models and the caller's own tenant models, by name."""
         return models_from(self._call(self._stub.ListModels, inference_pb2.ListModelsRequest(), timeout))
+
+    def tokenize(self, model: str, texts: Sequence[str], *, add_special_tokens: bool = True,
+                 timeout: float | None = None) -> list[list[Token]]:
+        """Each text's tokens by the model's own tokenizer, untruncated: what a request is counted and cut by."""
+        return tokens_from(self._call(self._stub.Tokenize, tokenize_request(model, texts, add_special_tokens),
+                                       timeout))
+
+    def decode(self, model: str, ids: Sequence[Sequence[int]], *, skip_special_tokens: bool = True,
+               timeout: float | None = None) -> list[str]:
+        """The text of each list of token ids, by the model's own tokenizer."""
+        return list((self._call(self._stub.Decode, decode_request(model, ids, skip_special_tokens), timeout)).texts)
 
     def _call(self, method: Callable[..., R], request: object, timeout: float | None) -> R:
         """One call within the deadline; the channel retries UNAVAILABLE, this an overload when asked."""

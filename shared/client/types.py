@@ -157,6 +157,34 @@ class ModelInfo:
     layers: int = 0            # transformer layers computed for one text (0: not reported)
 
 
+@dataclass(frozen=True)
+class Token:
+    """One token of a text as the model's tokenizer cut it: its id, the text it covers, and that text's character
+    offsets in the input (None for a special token the template added, whose text is the token's own)."""
+
+    id: int
+    text: str
+    special: bool
+    start: int | None
+    stop: int | None
+
+
+def tokenize_request(model: str, texts: Sequence[str], add_special_tokens: bool) -> pb.TokenizeRequest:
+    if isinstance(texts, str):
+        raise TypeError("texts must be a sequence of strings, not one string")
+    return pb.TokenizeRequest(model=model, texts=list(texts), without_special_tokens=not add_special_tokens)
+
+
+def tokens_from(response: pb.TokenizeResponse) -> list[list[Token]]:
+    return [[Token(t.id, t.text, t.special, None if t.special else t.start, None if t.special else t.stop)
+             for t in text.tokens] for text in response.texts]
+
+
+def decode_request(model: str, ids: Sequence[Sequence[int]], skip_special_tokens: bool) -> pb.DecodeRequest:
+    return pb.DecodeRequest(model=model, texts=[pb.TokenIds(ids=list(i)) for i in ids],
+                            keep_special_tokens=not skip_special_tokens)
+
+
 def models_from(response: pb.ListModelsResponse) -> list[ModelInfo]:
     return [ModelInfo(m.name, m.kind, list(m.labels), m.dim, m.max_tokens, m.base, m.status, m.architecture,
                       m.layers) for m in response.models]

@@ -278,7 +278,7 @@ def test_an_http_request_is_one_trace_across_the_hops(mesh, key):
      "INVALID_ARGUMENT", "'encoding_format' must be 'float' or 'base64'"),
     ("/tokenize", {"inputs": "x"}, "wrong", 401, "UNAUTHENTICATED", "API key"),
     ("/tokenize", {"inputs": ["x"] * 65}, "admin", 400, "INVALID_ARGUMENT", "64"),
-    ("/tokenize", {"inputs": "x" * 4001}, "admin", 400, "INVALID_ARGUMENT", "inputs[0].text has 4001 characters"),
+    ("/tokenize", {"inputs": "x" * 4001}, "admin", 400, "INVALID_ARGUMENT", "inputs[0] has 4001 characters"),
     ("/tokenize", {"inputs": "x", "model": "nope"}, "admin", 404, "NOT_FOUND", "nope"),
     ("/decode", {"ids": [101, 30522]}, "admin", 400, "INVALID_ARGUMENT", "ids[0][1] is 30522"),
     ("/decode", {"ids": [[-1]]}, "admin", 400, "INVALID_ARGUMENT", "ids[0][0] is -1"),

@@ -18,7 +18,7 @@ from academus.shared.models.plot.table import plot_tables
 from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.runtime.config import artifacts_dir
 from academus.shared.runtime.metrics import scrape
-from academus.shared.runtime.multiplex import MAX_FRAME_BYTES
+from academus.shared.runtime.multiplex import MAX_FRAME_BYTES, WHOLE_PIECES
 from academus.shared.runtime.tracing import read_traces
 from academus.v1.inference_pb2 import InferRequest, TextInput
 from tests.e2e.conftest import metric, service
@@ -142,6 +142,51 @@ def test_a_text_pair_to_a_classifier_is_invalid_and_names_the_field(mesh, admin_
     assert out.returncode == 2 and "--pair: 1 given for 2 texts" in out.stderr
 
 
+async def test_tokenize_and_decode_give_the_models_own_tokens_both_ways(mesh, admin_key):
+    """The gRPC API's Tokenize and Decode, sync and over the SDK's stream, and `academus tokenize`: the ids the model's
+    tokenizer gives (the teacher's, for spam), with each token's text and offsets, untruncated; decoded back."""
+    from tokenizers import Tokenizer
+
+    library = Tokenizer.from_file(str(teacher_dir() / "tokenizer.json"))
+    library.no_truncation()
+    library.no_padding()
+    long_text = "word " * 300   # past the model's 256 tokens: Infer refuses it untruncated, Tokenize counts it
+    with Client(mesh.gateway, api_key=admin_key) as client:
+        tokens = client.tokenize("spam", [TEXTS[0], long_text])
+        bare = client.tokenize("spam", ["Hi there"], add_special_tokens=False)[0]
+        decoded = client.decode("spam", [[t.id for t in tokens[0]], [7632]])
+        framed = client.decode("spam", [[101, 7632, 102]], skip_special_tokens=False)
+    assert [[t.id for t in text] for text in tokens] == [library.encode(TEXTS[0]).ids, library.encode(long_text).ids]
+    assert len(tokens[1]) == 302 and (tokens[0][0].text, tokens[0][0].special, tokens[0][0].start) == ("[CLS]", True,
+                                                                                                     None)
+    assert all(t.text == TEXTS[0][t.start:t.stop] for t in tokens[0] if not t.special)
+    assert [(t.text, t.start, t.stop) for t in bare] == [("Hi", 0, 2), ("there", 3, 8)]
+    assert decoded == [library.decode(library.encode(TEXTS[0]).ids), "hi"] and framed == ["[CLS] hi [SEP]"]
+    async with AsyncClient(mesh.gateway, api_key=admin_key, streams=True) as streamed:
+        assert await streamed.tokenize("spam", [TEXTS[0]]) == tokens[:1]
+        assert await streamed.decode("spam", [[7632]]) == ["hi"]
+    out = cli(mesh, "tokenize", "--model", "spam", "Hi there", "--no-special-tokens")
+    assert out.returncode == 0, out.stderr
+    line = json.loads(out.stdout)
+    assert (line["text"], line["count"], [t["text"] for t in line["tokens"]]) == ("Hi there", 2, ["Hi", "there"])
+
+
+@pytest.mark.parametrize(("key", "call", "code", "detail"), [
+    (None, ("tokenize", ["hi"]), "UNAUTHENTICATED", "missing API key"),
+    ("admin", ("tokenize", []), "INVALID_ARGUMENT", "texts is empty"),
+    ("admin", ("tokenize", ["hi"] * 65), "INVALID_ARGUMENT", "texts has 65 entries; the limit is 64"),
+    ("admin", ("decode", [[101, 30522]]), "INVALID_ARGUMENT", "texts[0].ids[1] is 30522: model 'spam'"),
+    ("admin", ("decode", [[1]] * 65), "INVALID_ARGUMENT", "texts has 65 entries; the limit is 64"),
+    ("admin", ("decode", []), "INVALID_ARGUMENT", "texts is empty"),
+])
+def test_tokenize_and_decode_refuse_bad_input_naming_the_field(mesh, admin_key, key, call, code, detail):
+    method, arg = call
+    with Client(mesh.gateway, api_key=admin_key if key == "admin" else key) as client, \
+            pytest.raises(AcademusError) as info:
+        getattr(client, method)("spam", arg)
+    assert info.value.code == code and detail in info.value.details, info.value.details
+
+
 def test_cli_refuses_a_timeout_that_is_not_positive(mesh):
     out = cli(mesh, "infer", "--model", "spam", "--timeout", "0", "hi")
     assert out.returncode == 2 and "--timeout: must be more than 0 seconds, got 0" in out.stderr
@@ -205,16 +250,17 @@ async def test_a_streams_client_gets_the_same_answers_and_refusals_as_unary_call
         # 27 long mails on the teacher: past the client's default 10 s when other work shares the two cores
         long_unary = await unary.infer("spam", long_texts, timeout=60)
         long_streams = await streams.infer("spam", long_texts, timeout=60)
-        many = [f"{t} {i}" for i, t in enumerate(TEXTS * 16)][:64]   # 64 embeddings: a reply past MAX_FRAME_BYTES
+        many = [f"{t} {i}" for i, t in enumerate(TEXTS * 16)][:64]   # 64 embeddings: past one frame, under four
         embedded_unary, embedded_streams = await unary.infer("minilm", many), await streams.infer("minilm", many)
     assert [p.label for p in long_streams.predictions] == [p.label for p in long_unary.predictions]
     assert [r.predictions[0].label for r in served] == [r.predictions[0].label for r in expected]
-    assert 4 * sum(len(p.embedding) for p in embedded_streams.predictions) > MAX_FRAME_BYTES  # float32 each
+    assert MAX_FRAME_BYTES < 4 * sum(len(p.embedding) for p in embedded_streams.predictions) \
+        < WHOLE_PIECES * MAX_FRAME_BYTES   # float32 each
     assert len(embedded_streams.predictions) == 64 and all(
         np.allclose(a.embedding, b.embedding, atol=1e-5)
         for a, b in zip(embedded_streams.predictions, embedded_unary.predictions, strict=True))
     gateway_pieces, scheduler_pieces = (a - b for a, b in zip(in_pieces(), pieces_before, strict=True))
-    assert gateway_pieces == 1 and scheduler_pieces >= 1   # the streams client's reply; one or both of the two
+    assert gateway_pieces == scheduler_pieces == 0   # a reply of a few pieces goes whole (pieces: test_multiplex)
     assert too_many.value.code == "INVALID_ARGUMENT" and "the limit is 64" in too_many.value.details
     async with AsyncClient(mesh.gateway, api_key="wrong", streams=True) as stranger:
         with pytest.raises(AcademusError) as refused:

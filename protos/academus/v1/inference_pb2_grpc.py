@@ -49,6 +49,16 @@ class InferenceStub:
                 request_serializer=academus_dot_v1_dot_inference__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=academus_dot_v1_dot_inference__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/academus.v1.Inference/Tokenize',
+                request_serializer=academus_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=academus_dot_v1_dot_inference__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Decode = channel.unary_unary(
+                '/academus.v1.Inference/Decode',
+                request_serializer=academus_dot_v1_dot_inference__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=academus_dot_v1_dot_inference__pb2.DecodeResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -76,6 +86,19 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """Each text's tokens by the model's own tokenizer, and token ids back to text (TEI's /tokenize and /decode).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Decode(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +116,16 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=academus_dot_v1_dot_inference__pb2.ListModelsRequest.FromString,
                     response_serializer=academus_dot_v1_dot_inference__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=academus_dot_v1_dot_inference__pb2.TokenizeRequest.FromString,
+                    response_serializer=academus_dot_v1_dot_inference__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Decode': grpc.unary_unary_rpc_method_handler(
+                    servicer.Decode,
+                    request_deserializer=academus_dot_v1_dot_inference__pb2.DecodeRequest.FromString,
+                    response_serializer=academus_dot_v1_dot_inference__pb2.DecodeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +209,60 @@ class Inference:
             '/academus.v1.Inference/ListModels',
             academus_dot_v1_dot_inference__pb2.ListModelsRequest.SerializeToString,
             academus_dot_v1_dot_inference__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/academus.v1.Inference/Tokenize',
+            academus_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
+            academus_dot_v1_dot_inference__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Decode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/academus.v1.Inference/Decode',
+            academus_dot_v1_dot_inference__pb2.DecodeRequest.SerializeToString,
+            academus_dot_v1_dot_inference__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,
