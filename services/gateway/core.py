@@ -16,7 +16,13 @@ import numpy as np
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from academus.shared.models.tokenization import Encoded, TeacherTokenizer, TextTooLong, Token
+from academus.shared.models.tokenization import (
+    Encoded,
+    TeacherTokenizer,
+    TextTooLong,
+    Token,
+    TooManyTokens,
+)
 from academus.shared.runtime.config import EVERY_MODEL, POLICY_NAMES, GatewayConfig, ModelSelection, split_names
 from academus.shared.runtime.errors import (
     FailedPrecondition,
@@ -39,6 +45,10 @@ LABEL, SCORE, EMBED = "label", "score", "embedding"
 T = TypeVar("T")
 DOWN_S = 1.0   # a scheduler that answered UNAVAILABLE is tried after the others this long (a placement refresh)
 MISS_REFRESH_S = 0.1   # a request no known scheduler serves re-reads the registry, at most this often
+# Tokens a Tokenize answer, and ids a Decode request, hold at most: 64 texts of 2,048 tokens. Far past what a request
+# to a model takes (512 tokens a text at most), and it bounds what one call costs: a Token object a token, and about
+# 60 bytes of JSON a token over HTTP (8 MB).
+MAX_TOKENS_ANSWERED = 1 << 17
 HOLD_S, HOLD_WAIT_S = 5.0, 0.05   # a model served this recently waits for a scheduler, trying this often
 STALE_KEY_S = 3600.0   # while Redis is unreachable, a key verified within this long before is still trusted
 
@@ -393,8 +403,9 @@ class Gateway:
 
     async def tokens(self, api_key: str | None, model: str, texts: Sequence[str], add_special_tokens: bool = True,
                      peer: str = "", field: str = "texts") -> list[list[Token]]:
-        """Each text's tokens by the model's own tokenizer, untruncated (TEI's /tokenize). A request's limits on texts
-        and characters hold, named as the caller's `field`, and it costs a quota token, as a request does."""
+        """Each text's tokens by the model's own tokenizer, untruncated (TEI's /tokenize), at most MAX_TOKENS_ANSWERED
+        in all. A request's limits on texts and characters hold, named as the caller's `field`, and it costs a quota
+        token, as a request does."""
         principal = await self.auth.authenticate(api_key, peer)
         self.check_count(len(texts), field, "texts")
         for i, text in enumerate(texts):
@@ -404,25 +415,29 @@ class Gateway:
         spec, _ = await self.resolve(principal, model)
         tokenizer = await self.tokenizers.get(spec)
         await self.quotas.take(principal.tenant)
-        return tokenizer.tokens(texts, add_special_tokens)
+        try:
+            return tokenizer.tokens(texts, add_special_tokens, MAX_TOKENS_ANSWERED)
+        except TooManyTokens as e:
+            raise InvalidArgument(f"{field}: {e}; send fewer or shorter texts") from e
 
     async def decode(self, api_key: str | None, model: str, ids: Sequence[Sequence[int]],
                      skip_special_tokens: bool = True, peer: str = "", field: str = "texts[{i}].ids") -> list[str]:
-        """The text of each list of token ids by the model's own tokenizer (TEI's /decode). Ids it does not have are
-        refused, naming the first as the caller's `field` does (a template of the list's index `i`); a list holds at
-        most as many ids as a text has characters. It costs a quota token, as a request does."""
+        """The text of each list of token ids by the model's own tokenizer (TEI's /decode), at most
+        MAX_TOKENS_ANSWERED ids in all. Ids it does not have are refused, naming the first as the caller's `field`
+        does (a template of the list's index `i`). It costs a quota token, as a request does."""
         principal = await self.auth.authenticate(api_key, peer)
-        self.check_count(len(ids), field.split("[{i}]")[0], "lists of ids")
+        lists = field.split("[{i}]")[0]
+        self.check_count(len(ids), lists, "lists of ids")
+        if (total := sum(len(sequence) for sequence in ids)) > MAX_TOKENS_ANSWERED:
+            raise InvalidArgument(f"{lists} hold {total} ids; a request holds at most {MAX_TOKENS_ANSWERED}")
         spec, _ = await self.resolve(principal, model)
         tokenizer = await self.tokenizers.get(spec)
+        vocab = tokenizer.vocab_size
         for i, sequence in enumerate(ids):
-            name = field.format(i=i)
-            if len(sequence) > self.config.max_text_chars:
-                raise InvalidArgument(f"{name} has {len(sequence)} ids; the limit is {self.config.max_text_chars}")
             for j, token in enumerate(sequence):
-                if not 0 <= token < tokenizer.vocab_size:
-                    raise InvalidArgument(f"{name}[{j}] is {token}: model {spec.name!r}'s tokenizer has ids 0 to "
-                                          f"{tokenizer.vocab_size - 1}")
+                if not 0 <= token < vocab:
+                    raise InvalidArgument(f"{field.format(i=i)}[{j}] is {token}: model {spec.name!r}'s tokenizer "
+                                          f"has ids 0 to {vocab - 1}")
         await self.quotas.take(principal.tenant)
         return tokenizer.decode(ids, skip_special_tokens)
 

@@ -1,9 +1,8 @@
 """HTTP/JSON edge of the gateway: the routes a user of text-embeddings-inference or of OpenAI's embeddings API
-already calls (`POST /embed`, `/predict`, `/rerank`, `/tokenize`, `/decode`, `/v1/embeddings`; `GET /info`,
-`/v1/models`, `/health`), over the same
-admission, quotas and routing as the gRPC `Infer` (InferenceServicer.answer). JSON becomes an `InferCall` here and the
-core's `Answer` becomes JSON here; nothing past this module knows HTTP. Routes and errors:
-docs/design/http_api.md."""
+already calls (`POST /embed`, `/predict`, `/rerank`, `/similarity`, `/tokenize`, `/decode`, `/v1/embeddings`;
+`GET /info`, `/v1/models`, `/health`), over the same admission, quotas and routing as the gRPC `Infer`
+(InferenceServicer.answer). JSON becomes an `InferCall` here and the core's `Answer` becomes JSON here; nothing past
+this module knows HTTP. Routes and errors: docs/design/http_api.md."""
 
 from __future__ import annotations
 
@@ -147,6 +146,31 @@ def rerank_call(body: dict[str, Any], default_model: str) -> HttpCall:
     field(body, "return_text", (bool,), False)
     return HttpCall(InferCall(model_of(body, default_model), [query] * len(texts), texts, "",
                               field(body, "truncate", (bool,), False)))
+
+
+def similarity_call(body: dict[str, Any], default_model: str) -> HttpCall:
+    """TEI's `/similarity` (sentence-transformers' sentence similarity): {"inputs": {"source_sentence": str,
+    "sentences": [str]}, "truncate": false, "model"?}: each sentence scored against the source as a pair (an embedding
+    model's cosine similarity; the source is embedded once)."""
+    inputs = field(body, "inputs", (dict,))
+    if inputs is None:
+        raise InvalidArgument("field 'inputs' is required: {\"source_sentence\": text, \"sentences\": [text, ...]}")
+    source = field(inputs, "source_sentence", (str,))
+    if source is None:
+        raise InvalidArgument("field 'source_sentence' is required: the text the sentences are compared with")
+    sentences = texts_of(inputs.get("sentences"), "sentences")
+    return HttpCall(InferCall(model_of(body, default_model), [source] * len(sentences), sentences, "",
+                              field(body, "truncate", (bool,), False)))
+
+
+def similarities(answer: Answer, body: dict[str, Any], call: HttpCall) -> list[float]:
+    """Each sentence's score, in the order sent."""
+    return list(answer.pair_scores or ())
+
+
+def is_similarity(body: dict[str, Any]) -> bool:
+    """A sentence-similarity body (Hugging Face's `InferenceClient.sentence_similarity` posts it to the root)."""
+    return isinstance(body.get("inputs"), dict)
 
 
 def ranked(answer: Answer, body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -323,6 +347,7 @@ class HttpApi:
         app.router.add_post("/embed", self.embed)
         app.router.add_post("/predict", self.predict)
         app.router.add_post("/rerank", self.rerank)
+        app.router.add_post("/similarity", self.similarity)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/decode", self.decode)
         app.router.add_get("/info", self.info)
@@ -345,15 +370,20 @@ class HttpApi:
         return await self._infer(request, "/predict", predict_call, predicted)
 
     async def task(self, request: web.Request) -> web.Response:
-        """TEI's root: `/embed` for an embedding model, `/predict` for a classifier, the body read as that route's."""
+        """TEI's root: `/embed` for an embedding model, `/predict` for a classifier, the body read as that route's;
+        `/similarity` for a body of its shape."""
         async def answered() -> tuple[Any, dict[str, str]]:
             key, peer = api_key(request), peer_of(request)
             await self.authenticate(key, peer)
             body = await json_body(request)
             spec = await self.describe(key, model_of(body, self.config.http_model), peer)
-            parse, shape = (embed_call, embedded) if spec.kind == EMBEDDING else (predict_call, predicted)
+            parse, shape = ((similarity_call, similarities) if is_similarity(body) else
+                            (embed_call, embedded) if spec.kind == EMBEDDING else (predict_call, predicted))
             return await self._call(request, body, parse, shape)
         return await self._answer(request, request.path, answered, openai=False)
+
+    async def similarity(self, request: web.Request) -> web.Response:
+        return await self._infer(request, "/similarity", similarity_call, similarities)
 
     async def rerank(self, request: web.Request) -> web.Response:
         return await self._infer(request, "/rerank", rerank_call, lambda r, b, c: ranked(r, b))

@@ -20,6 +20,14 @@ class TextTooLong(ValueError):
         self.index, self.num_tokens, self.limit = index, num_tokens, limit
 
 
+class TooManyTokens(ValueError):
+    """Texts whose tokens, in all, are more than one answer may hold."""
+
+    def __init__(self, total: int, limit: int) -> None:
+        super().__init__(f"the texts hold {total} tokens; an answer holds at most {limit}")
+        self.total, self.limit = total, limit
+
+
 @dataclass(frozen=True)
 class Token:
     """One token of a text as its tokenizer cut it: the id, the text it covers, and its character offsets in the
@@ -183,15 +191,17 @@ class TeacherTokenizer:
         """Ids below this are the tokenizer's (its added tokens counted)."""
         return self._full.get_vocab_size(with_added_tokens=True)
 
-    def tokens(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[Token]]:
-        """Each text's tokens, untruncated, with the text each covers: what a caller checks before it sends."""
-        out = []
-        for text, e in zip(texts, self._full.encode_batch(list(texts), add_special_tokens=add_special_tokens),
-                           strict=True):
-            out.append([Token(i, token, True, None, None) if special else Token(i, text[a:b], False, a, b)
-                        for i, token, special, (a, b) in zip(e.ids, e.tokens, e.special_tokens_mask, e.offsets,
-                                                             strict=True)])
-        return out
+    def tokens(self, texts: Sequence[str], add_special_tokens: bool = True, limit: int | None = None
+               ) -> list[list[Token]]:
+        """Each text's tokens, untruncated, with the text each covers: what a caller checks before it sends. Raises
+        TooManyTokens past `limit` tokens in all, before a Token is made."""
+        encodings = self._full.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        total = sum(len(e.ids) for e in encodings)
+        if limit is not None and total > limit:
+            raise TooManyTokens(total, limit)
+        return [[Token(i, token, True, None, None) if special else Token(i, text[a:b], False, a, b)
+                 for i, token, special, (a, b) in zip(e.ids, e.tokens, e.special_tokens_mask, e.offsets, strict=True)]
+                for text, e in zip(texts, encodings, strict=True)]
 
     def decode(self, ids: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
         """The text of each list of ids (below `vocab_size`)."""

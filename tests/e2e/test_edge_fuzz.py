@@ -180,7 +180,7 @@ HTTP_CONTRACT = {200, 400, 401, 403, 404, 413, 429, 504}
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=200),
                     lambda inner: st.lists(inner, max_size=10) | st.dictionaries(st.text(max_size=12), inner,
                                                                                   max_size=6), max_leaves=30)
-HTTP_ROUTES = ("/embed", "/predict", "/rerank", "/v1/embeddings", "/", "/tokenize", "/decode")   # "/": the model's task
+HTTP_ROUTES = ("/embed", "/predict", "/rerank", "/similarity", "/v1/embeddings", "/", "/tokenize", "/decode")
 
 
 def http_call(mesh: MeshState, edge: tuple[grpc.Channel, str], route: str, body: bytes,

@@ -148,6 +148,25 @@ def test_rerank_orders_texts_by_their_pair_score_as_infer_gives_it(mesh, key):
     assert status == 400 and "classifies single texts" in refused["error"]
 
 
+def test_similarity_scores_each_sentence_against_the_source_as_infer_gives_it(mesh, key, monkeypatch):
+    """TEI's /similarity, in the order sent; Hugging Face's `InferenceClient.sentence_similarity` posts the same body
+    to the root."""
+    import huggingface_hub
+    from huggingface_hub import InferenceClient
+
+    source, sentences = "A man is playing a guitar.", ["The market fell sharply.", "Someone strums an acoustic guitar."]
+    body = {"inputs": {"source_sentence": source, "sentences": sentences}}
+    status, scores, _ = call(mesh, "/similarity", body, key)
+    with Client(mesh.gateway, api_key=key) as client:
+        served = [p.score for p in client.infer("minilm", [source] * 2, pairs=sentences).predictions]
+    assert status == 200 and scores == pytest.approx(served, abs=1e-5) and scores[1] > scores[0]
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)   # offline, it refuses every URL
+    hugging = InferenceClient(model=f"http://{mesh.http}", token=key).sentence_similarity(source, sentences)
+    assert hugging == pytest.approx(served, abs=1e-5)
+    status, refused, _ = call(mesh, "/similarity", {**body, "model": "spam"}, key)
+    assert status == 400 and "classifies single texts" in refused["error"]
+
+
 def test_openai_embeddings_and_models(mesh, key):
     status, answer, _ = call(mesh, "/v1/embeddings", {"input": TEXTS, "model": "minilm"}, key)
     assert status == 200 and answer["object"] == "list" and answer["model"] == "minilm"
@@ -276,12 +295,21 @@ def test_an_http_request_is_one_trace_across_the_hops(mesh, key):
      "field 'texts' must be"),
     ("/v1/embeddings", {"input": "x", "model": "minilm", "encoding_format": "binary"}, "admin", 400,
      "INVALID_ARGUMENT", "'encoding_format' must be 'float' or 'base64'"),
+    ("/similarity", {"inputs": "x"}, "admin", 400, "INVALID_ARGUMENT", "field 'inputs' must be dict, not str"),
+    ("/similarity", {"inputs": {"sentences": ["a"]}}, "admin", 400, "INVALID_ARGUMENT",
+     "field 'source_sentence' is required"),
+    ("/similarity", {"inputs": {"source_sentence": "a", "sentences": []}}, "admin", 400, "INVALID_ARGUMENT",
+     "field 'sentences' must be"),
     ("/tokenize", {"inputs": "x"}, "wrong", 401, "UNAUTHENTICATED", "API key"),
     ("/tokenize", {"inputs": ["x"] * 65}, "admin", 400, "INVALID_ARGUMENT", "64"),
     ("/tokenize", {"inputs": "x" * 4001}, "admin", 400, "INVALID_ARGUMENT", "inputs[0] has 4001 characters"),
     ("/tokenize", {"inputs": "x", "model": "nope"}, "admin", 404, "NOT_FOUND", "nope"),
     ("/decode", {"ids": [101, 30522]}, "admin", 400, "INVALID_ARGUMENT", "ids[0][1] is 30522"),
     ("/decode", {"ids": [[-1]]}, "admin", 400, "INVALID_ARGUMENT", "ids[0][0] is -1"),
+    ("/decode", {"ids": [[1] * 4097] * 32}, "admin", 400, "INVALID_ARGUMENT",
+     "ids hold 131104 ids; a request holds at most 131072"),
+    ("/tokenize", {"inputs": ["a." * 2000] * 64}, "admin", 400, "INVALID_ARGUMENT",
+     "inputs: the texts hold 256128 tokens; an answer holds at most 131072"),
     ("/decode", {"ids": [[1]] * 65}, "admin", 400, "INVALID_ARGUMENT", "the limit is 64"),
     ("/decode", {"ids": "101"}, "admin", 400, "INVALID_ARGUMENT", "field 'ids' must be"),
 ])

@@ -178,6 +178,8 @@ async def test_tokenize_and_decode_give_the_models_own_tokens_both_ways(mesh, ad
     ("admin", ("decode", [[101, 30522]]), "INVALID_ARGUMENT", "texts[0].ids[1] is 30522: model 'spam'"),
     ("admin", ("decode", [[1]] * 65), "INVALID_ARGUMENT", "texts has 65 entries; the limit is 64"),
     ("admin", ("decode", []), "INVALID_ARGUMENT", "texts is empty"),
+    ("admin", ("decode", [[1] * 4097] * 32), "INVALID_ARGUMENT", "texts hold 131104 ids; a request holds at most"),
+    ("admin", ("tokenize", ["a." * 2000] * 40), "INVALID_ARGUMENT", "texts: the texts hold 160080 tokens"),
 ])
 def test_tokenize_and_decode_refuse_bad_input_naming_the_field(mesh, admin_key, key, call, code, detail):
     method, arg = call

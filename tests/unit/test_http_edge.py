@@ -348,3 +348,15 @@ async def test_tokenize_decode_and_info_answer_in_teis_shapes():
         bad = await client.post("/decode", json={"ids": "1"})
         assert bad.status == 400 and (await bad.json())["error_type"] == "INVALID_ARGUMENT"
     assert seen == [("tokenize", "k", "emb", ["Hi"], False), ("decode", None, "cls", [[101, 7592, 102], [7592]], True)]
+
+
+def test_similarity_pairs_the_source_with_each_sentence():
+    from academus.services.gateway.http import similarity_call
+
+    call = similarity_call({"inputs": {"source_sentence": "q", "sentences": ["a", "b"]}}, "minilm")
+    assert (call.call.model, call.call.texts, call.call.pairs, call.call.truncate) == ("minilm", ["q", "q"],
+                                                                                       ["a", "b"], False)
+    with pytest.raises(InvalidArgument, match="field 'inputs' is required"):
+        similarity_call({}, "minilm")
+    with pytest.raises(InvalidArgument, match="field 'source_sentence' must be str, not int"):
+        similarity_call({"inputs": {"source_sentence": 3, "sentences": ["a"]}}, "minilm")

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from academus.shared.models.teacher_files import teacher_dir
-from academus.shared.models.tokenization import Encoded, TeacherTokenizer, TextTooLong
+from academus.shared.models.tokenization import Encoded, TeacherTokenizer, TextTooLong, Token, TooManyTokens
 from academus.shared.training.data import load_task
 from tests.models import permute_vocabulary, roberta_specials
 
@@ -118,3 +118,19 @@ def test_an_added_token_the_normalizer_sees_is_found_in_any_case() -> None:
     texts = ["a [mAsK] here", "a [MASK] here", "a [mask] here", "a [CLS] here", "a [cls] here", "plain words"]
     assert fast.ascii is not None and fast.ascii.encode("a [mAsK] here", 64) is None
     assert fast.encode(texts) == library.encode(texts)
+
+
+def test_tokens_give_each_tokens_text_and_offsets_and_decode_gives_the_text_back() -> None:
+    tokenizer = TeacherTokenizer(teacher_dir(), max_tokens=8)
+    text = "Héllo, worlds tokenizing!"
+    tokens = tokenizer.tokens([text, "a " * 20])
+    assert [t.id for t in tokens[0]] == tokenizer.encode([text], truncate=False)[0].input_ids
+    assert (tokens[0][0], tokens[0][-1]) == (Token(101, "[CLS]", True, None, None),
+                                             Token(102, "[SEP]", True, None, None))
+    assert [(t.text, t.start, t.stop) for t in tokens[0][1:4]] == [("Héllo", 0, 5), (",", 5, 6), ("worlds", 7, 13)]
+    assert len(tokens[1]) == 22   # untruncated: past max_tokens
+    assert [t.text for t in tokenizer.tokens(["Hi there"], add_special_tokens=False)[0]] == ["Hi", "there"]
+    assert tokenizer.decode([[t.id for t in tokens[0]]]) == ["hello, worlds tokenizing!"]
+    assert tokenizer.decode([[101, 7632, 102]], skip_special_tokens=False) == ["[CLS] hi [SEP]"]
+    with pytest.raises(TooManyTokens, match="the texts hold 25 tokens; an answer holds at most 23"):
+        tokenizer.tokens(["a " * 20, "b"], limit=23)   # 22 and 3
