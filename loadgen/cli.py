@@ -9,7 +9,9 @@
 `send_late_ms` says how far behind its schedule the open loop sent; past 10 ms at p99 a warning says the
 run measured the generator too.
 `--streams` sends every request of a process as a frame of one multiplexed stream (`AsyncClient(streams=True)`)
-instead of a gRPC call each. Against a mesh of several gateways (`academus up --gateways G`) each process
+instead of a gRPC call each. `--gateway http://HOST:PORT[/ROUTE]` sends HTTP/JSON instead: to the HTTP port of
+Academus (`academus up --http-port`), or of text-embeddings-inference or infinity to compare with
+(loadgen/http_target.py). Against a mesh of several gateways (`academus up --gateways G`) each process
 sends its requests to them in turn, each on its own connection (`by_gateway` in the report).
 
 `run` and `compare` write report.json (one entry a run) and PNG plots to --out; the last line printed
@@ -30,6 +32,7 @@ from pathlib import Path
 
 from academus.loadgen import analysis, plots, schedule, texts
 from academus.loadgen.analysis import parse_runs, ratios, run_label
+from academus.loadgen.http_target import is_http
 from academus.loadgen.runner import GatewaySpread, RunResult, send_load
 from academus.loadgen.shares import run_in_processes
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, MeshState
@@ -58,7 +61,8 @@ def add_load_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--streams", action="store_true", help="requests ride one multiplexed stream a process")
     s.add_argument("--out", type=Path, default=Path(".academus/results/loadgen"))
     s.add_argument("--gateway", help="host:port[,host:port...]: requests go to each in turn (default: the local "
-                                     "mesh's gateways)")
+                                     "mesh's gateways); http://HOST:PORT[/ROUTE]: HTTP/JSON, to TEI's root or that "
+                                     "route (/embed, /predict, /v1/embeddings), of Academus or of another server")
     s.add_argument("--key", help="API key (default: the local admin key)")
     s.add_argument("--run-dir", type=Path, default=None)
 
@@ -102,6 +106,9 @@ def cmd_load(args: argparse.Namespace) -> int:
     text_spec = args.length_dist or args.texts
     samples = texts.parse(text_spec, CLOSED_LOOP_TEXTS if concurrency else max(1, len(arrivals)), args.seed)
     gateways, key = target(args)
+    if any(map(is_http, gateways)) and any(policy for _, policy in runs):
+        print("a run's policy picks a deployment through the gRPC API; an HTTP gateway serves any", file=sys.stderr)
+        return 2
     freeze_start_up_heap("loadgen")   # the client's own GC pauses would count as server latency
     set_process_slice(hop_slice_us())   # ... and so would its threads' waits behind a forward pass
     if args.procs > 1:

@@ -14,6 +14,7 @@ from hdrh.histogram import HdrHistogram
 
 from academus.client import AcademusError, AsyncClient, InferResult, Metadata
 from academus.loadgen import analysis
+from academus.loadgen.http_target import HttpTarget, is_http
 from academus.loadgen.stats import percentile
 from academus.loadgen.texts import Sample
 
@@ -134,7 +135,8 @@ def by_gateway(records: list[Record]) -> dict[str, dict]:
 class GatewaySpread:
     """A client a gateway; request i goes to gateway (offset + i) % G. The mesh's G gateways share its port
     and the kernel spreads connections, not requests, over them, so a load generator process on one
-    connection would load one gateway only; this spreads requests evenly, as a balancer in front would."""
+    connection would load one gateway only; this spreads requests evenly, as a balancer in front would. A gateway
+    given as a URL (http://HOST:PORT[/ROUTE]) is sent HTTP/JSON (`HttpTarget`)."""
 
     def __init__(self, gateways: Sequence[str], api_key: str | None, timeout: float, streams: bool = False,
                  offset: int = 0, own_connections: bool = False, root_certificates: bytes | None = None) -> None:
@@ -142,12 +144,13 @@ class GatewaySpread:
         `root_certificates`: TLS, trusting that CA (PEM; the mesh's `tls_ca` after `academus up --tls`)."""
         if not gateways:
             raise ValueError("no gateway to send to")
-        self.clients = [(g, AsyncClient(g, api_key=api_key, timeout=timeout, streams=streams,
-                                        own_connection=own_connections, root_certificates=root_certificates))
+        self.clients = [(g, HttpTarget(g, api_key, timeout) if is_http(g) else
+                         AsyncClient(g, api_key=api_key, timeout=timeout, streams=streams,
+                                     own_connection=own_connections, root_certificates=root_certificates))
                         for g in gateways]
         self._turn = itertools.count(offset)
 
-    def next(self) -> tuple[str, AsyncClient]:
+    def next(self) -> tuple[str, AsyncClient | HttpTarget]:
         return self.clients[next(self._turn) % len(self.clients)]
 
     async def __aenter__(self) -> GatewaySpread:

@@ -237,6 +237,32 @@ def test_tokenize_and_decode_use_the_models_own_tokenizer(mesh, key):
     assert call(mesh, "/info")[0] == 401
 
 
+def test_loadgen_drives_the_http_port_as_it_drives_grpc(mesh, key, tmp_path):
+    """`academus loadgen --gateway http://...`: TEI's root (the model's own task) and OpenAI's route, every request
+    answered, a classifier's answers scored; refusals recorded under their gRPC code; a policy refused at once."""
+    import subprocess
+    import sys
+
+    def loadgen(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "academus.shared.cli", "--run-dir", mesh.run_dir, "loadgen", "run",
+                               "--schedule", "poisson:10", "--duration", "2", "--texts", "task:spam",
+                               "--out", str(tmp_path), *args], capture_output=True, text=True, timeout=120)
+
+    short = ("--length-dist", "normal,mean=20,var=16,min=4,max=60")   # OpenAI's route truncates nothing
+    for gateway, model, extra in ((f"http://{mesh.http}", "spam", ()),
+                                  (f"http://{mesh.http}/v1/embeddings", "minilm", short)):
+        done = loadgen("--gateway", gateway, "--key", key, "--model", model, *extra)
+        assert done.returncode == 0, done.stderr
+        run = json.loads(done.stdout.splitlines()[-1])["runs"][0]
+        assert run["completed"] == run["sent"] > 5 and not run["errors"], run
+        assert (run["accuracy"] is not None and run["accuracy"] > 0.5) if model == "spam" else run["accuracy"] is None
+    refused = loadgen("--gateway", f"http://{mesh.http}", "--key", "not-a-key", "--model", "spam")
+    run = json.loads(refused.stdout.splitlines()[-1])["runs"][0]
+    assert run["completed"] == 0 and run["errors"] == {"UNAUTHENTICATED": run["sent"]}, run
+    with_policy = loadgen("--gateway", f"http://{mesh.http}", "--key", key, "--model", "spam", "--policy", "fifo")
+    assert with_policy.returncode == 2 and "gRPC API" in with_policy.stderr
+
+
 def test_health_and_the_requests_counted(mesh, key):
     assert call(mesh, "/health")[0] == 200
     before = metric(service(mesh, "gateway").metrics_port, "academus_http_requests_total", route="/embed",

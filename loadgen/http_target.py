@@ -1,0 +1,108 @@
+"""A load generator's HTTP/JSON target: the same calls as the SDK's `AsyncClient.infer`, sent to an HTTP port, so
+`academus loadgen` measures Academus's HTTP edge, and text-embeddings-inference or infinity beside it, with the same
+schedules and report.
+
+A target is a URL. Without a path, requests go to TEI's root (`POST /`: the model's own task, as Academus and TEI
+serve it); with one, to that route: `/embed`, `/predict` (TEI's body, `{"inputs": [...], "model": M, "truncate":
+true}`, truncated as gRPC's `Infer` is), or `/v1/embeddings` and `/embeddings` (OpenAI's, `{"input": [...], "model":
+M}`, which truncates nothing). The answer's TEI headers give the
+tokens, the queue's and the forward pass's time where the server sends them; an error keeps its status as the gRPC
+code the error contract maps it from (`error_type` where the body names it)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+import grpc
+
+from academus.client import AcademusError, InferResult, Metadata, Prediction
+
+OPENAI_ROUTES = ("/v1/embeddings", "/embeddings")
+# An HTTP status as the gRPC code it stands for (Google's API design guide, as the gateway's edge maps them)
+CODE_OF_STATUS = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
+                  409: "ALREADY_EXISTS", 413: "RESOURCE_EXHAUSTED", 422: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED",
+                  499: "CANCELLED", 501: "UNIMPLEMENTED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+
+
+def is_http(target: str) -> bool:
+    return target.startswith(("http://", "https://"))
+
+
+class HttpTarget:
+    """`infer` over one aiohttp session (a kept-alive connection a request in flight)."""
+
+    def __init__(self, url: str, api_key: str | None, timeout: float) -> None:
+        parts = urlsplit(url)
+        self.url = url if parts.path not in ("", "/") else f"{parts.scheme}://{parts.netloc}/"
+        self.openai = parts.path.rstrip("/").endswith(OPENAI_ROUTES)
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout = timeout
+        self.session: aiohttp.ClientSession | None = None
+
+    async def infer(self, model: str, texts: list[str], *, timeout: float | None = None,
+                    policy: str = "") -> InferResult:
+        if policy:
+            raise ValueError(f"an HTTP target serves any deployment: policy {policy!r} needs the gRPC API")
+        if self.session is None:
+            self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        seconds = timeout or self.timeout
+        # TEI's routes refuse a text past the token limit unless told to truncate; gRPC's Infer truncates
+        body = {"input": texts, "model": model} if self.openai else {"inputs": texts, "model": model,
+                                                                       "truncate": True}
+        headers = {**self.headers, "x-timeout-ms": str(int(seconds * 1e3))}
+        try:
+            async with self.session.post(self.url, json=body, headers=headers,
+                                         timeout=aiohttp.ClientTimeout(total=seconds)) as answer:
+                text = await answer.text()
+                try:
+                    payload = json.loads(text)
+                except ValueError:   # not JSON: a proxy's page, a server's plain text
+                    payload = text
+                if answer.status != 200:
+                    raise refusal(answer.status, payload)
+                return result_of(model, payload, answer.headers)
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+            raise AcademusError(grpc.StatusCode.UNAVAILABLE, f"{self.url}: {e}") from None
+        except TimeoutError:
+            raise AcademusError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.url}: no answer in {seconds} s") from None
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+
+def refusal(status: int, payload: Any) -> AcademusError:
+    """The gRPC code an error answer stands for, and its message (Academus's, TEI's or OpenAI's shape)."""
+    error = payload.get("error") if isinstance(payload, dict) else None
+    named = payload.get("error_type") if isinstance(payload, dict) else None
+    if isinstance(error, dict):   # OpenAI's shape
+        named, error = error.get("type"), error.get("message")
+    code = getattr(grpc.StatusCode, str(named), None) or getattr(grpc.StatusCode, CODE_OF_STATUS.get(status, "UNKNOWN"))
+    return AcademusError(code, f"HTTP {status}: {error if error is not None else payload}")
+
+
+def result_of(model: str, payload: Any, headers) -> InferResult:
+    """The answer as the SDK's result: a classifier's likeliest label and its probabilities; an embedding's length
+    only. Times and tokens from TEI's headers, where sent."""
+    rows = payload.get("data", []) if isinstance(payload, dict) else payload
+    predictions = [prediction(row) for row in rows]
+    if predictions:   # the request's tokens (a single text's, as the load generator sends)
+        predictions[0] = replace(predictions[0], num_tokens=int(headers.get("x-compute-tokens", 0)))
+    queue_ms, compute_ms = float(headers.get("x-queue-time", 0)), float(headers.get("x-inference-time", 0))
+    # whole milliseconds; what is neither queue nor forward pass counts as the gateway's (the hops between included)
+    metadata = Metadata(policy="", batch_size=0, student_count=0, worker_id="",
+                        gateway_ms=float(headers.get("x-total-time", 0)),
+                        tokenize_ms=float(headers.get("x-tokenization-time", 0)), scheduler_ms=queue_ms + compute_ms,
+                        queue_ms=queue_ms, worker_ms=compute_ms, compute_ms=compute_ms, attempts=1)
+    return InferResult(model, headers.get("x-request-id", ""), predictions, metadata)
+
+
+def prediction(row: Any) -> Prediction:
+    if isinstance(row, list) and row and isinstance(row[0], dict):   # a classifier's labels, likeliest first
+        return Prediction(label=row[0].get("label", ""), probs={r["label"]: r["score"] for r in row})
+    return Prediction()   # an embedding: not kept
+

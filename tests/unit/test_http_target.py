@@ -1,0 +1,40 @@
+"""The load generator's HTTP target without a server: answers as the SDK's results, errors as their gRPC codes.
+Against a real mesh: tests/e2e/test_http_api.py (`academus loadgen --gateway http://...`)."""
+
+from __future__ import annotations
+
+import grpc
+
+from academus.loadgen.http_target import HttpTarget, is_http, refusal, result_of
+
+
+def test_a_url_names_the_route_and_its_body():
+    assert is_http("http://h:8080") and is_http("https://h/v1/embeddings") and not is_http("h:50051")
+    assert (HttpTarget("http://h:8080", "k", 5.0).url, HttpTarget("http://h:8080", "k", 5.0).openai) == (
+        "http://h:8080/", False)
+    assert HttpTarget("http://h:8080/v1/embeddings", None, 5.0).openai
+    assert HttpTarget("http://h:8080/predict", None, 5.0).url == "http://h:8080/predict"
+
+
+def test_errors_keep_the_code_their_body_names_else_their_statuss():
+    academus = refusal(429, {"error": "every scheduler is full", "error_type": "RESOURCE_EXHAUSTED"})
+    openai = refusal(400, {"error": {"message": "bad input", "type": "INVALID_ARGUMENT", "code": 400}})
+    tei = refusal(413, {"error": "payload too large", "error_type": "Validation"})   # TEI names its own types
+    plain = refusal(502, "<html>bad gateway</html>")
+    assert (academus.status, openai.status, tei.status, plain.status) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.UNKNOWN)
+    assert openai.details == "HTTP 400: bad input" and "bad gateway" in plain.details
+
+
+def test_an_answer_becomes_the_sdks_result_with_teis_timings():
+    headers = {"x-compute-tokens": "7", "x-queue-time": "3", "x-inference-time": "11", "x-total-time": "15",
+               "x-request-id": "r"}
+    result = result_of("spam", [[{"label": "spam", "score": 0.9}, {"label": "ham", "score": 0.1}]], headers)
+    first = result.predictions[0]
+    assert (first.label, first.probs, first.num_tokens, result.request_id) == ("spam", {"spam": 0.9, "ham": 0.1}, 7,
+                                                                                "r")
+    assert (result.metadata.queue_ms, result.metadata.compute_ms, result.metadata.gateway_ms,
+            result.metadata.scheduler_ms) == (3.0, 11.0, 15.0, 14.0)
+    embedded = result_of("minilm", {"data": [{"embedding": [0.1]}], "model": "minilm"}, {})
+    assert embedded.predictions[0].label == "" and embedded.metadata.gateway_ms == 0.0
