@@ -20,12 +20,13 @@ import aiohttp
 import grpc
 
 from academus.client import AcademusError, InferResult, Metadata, Prediction
+from academus.services.gateway.http import HTTP_STATUS
 
 OPENAI_ROUTES = ("/v1/embeddings", "/embeddings")
-# An HTTP status as the gRPC code it stands for (Google's API design guide, as the gateway's edge maps them)
-CODE_OF_STATUS = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
-                  409: "ALREADY_EXISTS", 413: "RESOURCE_EXHAUSTED", 422: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED",
-                  499: "CANCELLED", 501: "UNIMPLEMENTED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+# An HTTP status as the gRPC code it stands for: the gateway's own mapping read backwards (400 is INVALID_ARGUMENT,
+# its first), with the body past its limit (413) and TEI's validation errors (422)
+CODE_OF_STATUS = {**{status: code for code, status in reversed(HTTP_STATUS.items())},
+                  413: "RESOURCE_EXHAUSTED", 422: "INVALID_ARGUMENT"}
 
 
 def is_http(target: str) -> bool:

@@ -407,11 +407,9 @@ class Gateway:
         in all. A request's limits on texts and characters hold, named as the caller's `field`, and it costs a quota
         token, as a request does."""
         principal = await self.auth.authenticate(api_key, peer)
-        self.check_count(len(texts), field, "texts")
+        self.check_count(len(texts), field, "text")
         for i, text in enumerate(texts):
-            if len(text) > self.config.max_text_chars:
-                raise InvalidArgument(f"{field}[{i}] has {len(text)} characters; the limit is "
-                                      f"{self.config.max_text_chars}")
+            self.check_length(f"{field}[{i}]", text)
         spec, _ = await self.resolve(principal, model)
         tokenizer = await self.tokenizers.get(spec)
         await self.quotas.take(principal.tenant)
@@ -427,26 +425,19 @@ class Gateway:
         does (a template of the list's index `i`). It costs a quota token, as a request does."""
         principal = await self.auth.authenticate(api_key, peer)
         lists = field.split("[{i}]")[0]
-        self.check_count(len(ids), lists, "lists of ids")
+        self.check_count(len(ids), lists, "list of ids")
         if (total := sum(len(sequence) for sequence in ids)) > MAX_TOKENS_ANSWERED:
             raise InvalidArgument(f"{lists} hold {total} ids; a request holds at most {MAX_TOKENS_ANSWERED}")
         spec, _ = await self.resolve(principal, model)
         tokenizer = await self.tokenizers.get(spec)
         vocab = tokenizer.vocab_size
         for i, sequence in enumerate(ids):
-            for j, token in enumerate(sequence):
-                if not 0 <= token < vocab:
-                    raise InvalidArgument(f"{field.format(i=i)}[{j}] is {token}: model {spec.name!r}'s tokenizer "
-                                          f"has ids 0 to {vocab - 1}")
+            if sequence and (min(sequence) < 0 or max(sequence) >= vocab):   # then find which, to name it
+                j = next(j for j, token in enumerate(sequence) if not 0 <= token < vocab)
+                raise InvalidArgument(f"{field.format(i=i)}[{j}] is {sequence[j]}: model {spec.name!r}'s tokenizer "
+                                      f"has ids 0 to {vocab - 1}")
         await self.quotas.take(principal.tenant)
         return tokenizer.decode(ids, skip_special_tokens)
-
-    def check_count(self, count: int, field: str, what: str) -> None:
-        """At least one entry, and at most a request's (ACADEMUS_MAX_INPUTS)."""
-        if not count:
-            raise InvalidArgument(f"{field} is empty: send at least one of its {what}")
-        if count > self.config.max_inputs:
-            raise InvalidArgument(f"{field} has {count} entries; the limit is {self.config.max_inputs} per request")
 
     async def resolve(self, principal: Principal, name: str) -> tuple[ModelSpec, TenantModel | None]:
         """A served model by that name, else the caller's own tenant model (never another tenant's)."""
@@ -468,20 +459,26 @@ class Gateway:
         return model.spec(base), model
 
     def check_inputs(self, call: InferCall) -> None:
-        limit = self.config.max_inputs
-        if not call.texts:
-            raise InvalidArgument("inputs is empty: send at least one text")
-        if len(call.texts) > limit:
-            raise InvalidArgument(f"inputs has {len(call.texts)} entries; the limit is {limit} per request")
+        self.check_count(len(call.texts), "inputs", "text")
         for i, (text, pair) in enumerate(itertools.zip_longest(call.texts, call.pairs, fillvalue="")):
             if not text.strip():
                 raise InvalidArgument(f"inputs[{i}].text is empty")
             if pair and not pair.strip():   # no pair is "", a blank one is a mistake
                 raise InvalidArgument(f"inputs[{i}].text_pair is blank")
-            for field, value in (("text", text), ("text_pair", pair)):
-                if len(value) > self.config.max_text_chars:
-                    raise InvalidArgument(f"inputs[{i}].{field} has {len(value)} characters; "
-                                          f"the limit is {self.config.max_text_chars}")
+            self.check_length(f"inputs[{i}].text", text)
+            self.check_length(f"inputs[{i}].text_pair", pair)
+
+    def check_count(self, count: int, field: str, what: str) -> None:
+        """At least one entry, and at most a request's (ACADEMUS_MAX_INPUTS)."""
+        if not count:
+            raise InvalidArgument(f"{field} is empty: send at least one {what}")
+        if count > self.config.max_inputs:
+            raise InvalidArgument(f"{field} has {count} entries; the limit is {self.config.max_inputs} per request")
+
+    def check_length(self, field: str, text: str) -> None:
+        """At most ACADEMUS_MAX_TEXT_CHARS characters, checked before anything tokenizes it."""
+        if len(text) > self.config.max_text_chars:
+            raise InvalidArgument(f"{field} has {len(text)} characters; the limit is {self.config.max_text_chars}")
 
     def tokenize(self, call: InferCall, plan: PairPlan | None = None,
                  tokenizer: TeacherTokenizer | None = None) -> list[Encoded]:

@@ -85,11 +85,17 @@ def model_of(body: dict[str, Any], default_model: str) -> str:
     return model
 
 
+def refuse_prompt_name(body: dict[str, Any]) -> None:
+    """TEI's `prompt_name` prepends a prompt the model was saved with; none is served, and ignoring it would change
+    what the caller gets without saying so."""
+    if field(body, "prompt_name", (str,)) is not None:
+        raise InvalidArgument("field 'prompt_name' is not served: prepend the prompt to each input yourself")
+
+
 def embed_call(body: dict[str, Any], default_model: str) -> HttpCall:
     """TEI's `/embed`: {"inputs": str | [str], "truncate": false, "normalize": true, "model"?}. TEI's options that would
     change the embeddings and are not served (a prompt prepended, truncation from the left) are refused, not ignored."""
-    if field(body, "prompt_name", (str,)) is not None:
-        raise InvalidArgument("field 'prompt_name' is not served: prepend the prompt to each input yourself")
+    refuse_prompt_name(body)
     if str(field(body, "truncation_direction", (str,), "right")).lower() != "right":
         raise InvalidArgument("field 'truncation_direction' must be 'right': a text is truncated at its end")
     texts = texts_of(body.get("inputs"), "inputs")
@@ -231,8 +237,7 @@ def openai_answer(answer: Answer, body: dict[str, Any]) -> dict[str, Any]:
 
 def tokenize_args(body: dict[str, Any], default_model: str) -> tuple[str, list[str], bool]:
     """TEI's `/tokenize`: {"inputs": str | [str], "add_special_tokens": true, "model"?}."""
-    if field(body, "prompt_name", (str,)) is not None:
-        raise InvalidArgument("field 'prompt_name' is not served: prepend the prompt to each input yourself")
+    refuse_prompt_name(body)
     return (model_of(body, default_model), texts_of(body.get("inputs"), "inputs"),
             field(body, "add_special_tokens", (bool,), True))
 
@@ -372,15 +377,12 @@ class HttpApi:
     async def task(self, request: web.Request) -> web.Response:
         """TEI's root: `/embed` for an embedding model, `/predict` for a classifier, the body read as that route's;
         `/similarity` for a body of its shape."""
-        async def answered() -> tuple[Any, dict[str, str]]:
-            key, peer = api_key(request), peer_of(request)
-            await self.authenticate(key, peer)
-            body = await json_body(request)
+        async def answered(key: str | None, peer: str, body: dict[str, Any]) -> tuple[Any, dict[str, str]]:
             spec = await self.describe(key, model_of(body, self.config.http_model), peer)
             parse, shape = ((similarity_call, similarities) if is_similarity(body) else
                             (embed_call, embedded) if spec.kind == EMBEDDING else (predict_call, predicted))
             return await self._call(request, body, parse, shape)
-        return await self._answer(request, request.path, answered, openai=False)
+        return await self._with_body(request, request.path, answered)
 
     async def similarity(self, request: web.Request) -> web.Response:
         return await self._infer(request, "/similarity", similarity_call, similarities)
@@ -389,20 +391,16 @@ class HttpApi:
         return await self._infer(request, "/rerank", rerank_call, lambda r, b, c: ranked(r, b))
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        async def answered() -> tuple[Any, dict[str, str]]:
-            key, peer = api_key(request), peer_of(request)
-            await self.authenticate(key, peer)
-            model, texts, specials = tokenize_args(await json_body(request), self.config.http_model)
+        async def answered(key: str | None, peer: str, body: dict[str, Any]) -> tuple[Any, dict[str, str]]:
+            model, texts, specials = tokenize_args(body, self.config.http_model)
             return token_json(await self.tokenize_call(key, model, texts, specials, peer)), {}
-        return await self._answer(request, "/tokenize", answered, openai=False)
+        return await self._with_body(request, "/tokenize", answered)
 
     async def decode(self, request: web.Request) -> web.Response:
-        async def answered() -> tuple[Any, dict[str, str]]:
-            key, peer = api_key(request), peer_of(request)
-            await self.authenticate(key, peer)
-            model, ids, skip = decode_args(await json_body(request), self.config.http_model)
+        async def answered(key: str | None, peer: str, body: dict[str, Any]) -> tuple[Any, dict[str, str]]:
+            model, ids, skip = decode_args(body, self.config.http_model)
             return await self.decode_call(key, model, ids, skip, peer), {}
-        return await self._answer(request, "/decode", answered, openai=False)
+        return await self._with_body(request, "/decode", answered)
 
     async def info(self, request: web.Request) -> web.Response:
         """The model named by `?model=`, else ACADEMUS_HTTP_MODEL's."""
@@ -432,9 +430,19 @@ class HttpApi:
     async def _infer(self, request: web.Request, route: str, parse: Callable[[dict[str, Any], str], HttpCall],
                      shape: Callable[[Answer, dict[str, Any], HttpCall], Any],
                      openai: bool = False) -> web.Response:
+        async def answered(_key: str | None, _peer: str, body: dict[str, Any]) -> tuple[Any, dict[str, str]]:
+            return await self._call(request, body, parse, shape)
+        return await self._with_body(request, route, answered, openai)
+
+    async def _with_body(self, request: web.Request, route: str,
+                         work: Callable[[str | None, str, dict[str, Any]], Awaitable[tuple[Any, dict[str, str]]]],
+                         openai: bool = False) -> web.Response:
+        """`work` (key, peer, body) once the key is checked, then the body read: a caller without a key learns nothing
+        more, as gRPC checks a call's credentials before its fields."""
         async def answered() -> tuple[Any, dict[str, str]]:
-            await self.authenticate(api_key(request), peer_of(request))   # a caller without a key learns nothing more
-            return await self._call(request, await json_body(request), parse, shape)
+            key, peer = api_key(request), peer_of(request)
+            await self.authenticate(key, peer)
+            return await work(key, peer, await json_body(request))
         return await self._answer(request, route, answered, openai)
 
     async def _call(self, request: web.Request, body: dict[str, Any], parse: Callable[[dict[str, Any], str], HttpCall],

@@ -9,6 +9,8 @@ import functools
 import json
 import logging
 import time
+from collections.abc import Awaitable
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -52,6 +54,7 @@ from academus.shared.state.tenants import READY, TenantModel, TenantRegistry, ga
 from academus.v1 import inference_pb2 as pb
 from academus.v1 import inference_pb2_grpc, manage_pb2, manage_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, tensors_pb2
 
+T = TypeVar("T")
 OUTPUT_NAMES = {pb.OUTPUT_UNSPECIFIED: "", pb.OUTPUT_LABEL: LABEL, pb.OUTPUT_SCORE: SCORE, pb.OUTPUT_EMBEDDING: EMBED}
 OUTPUT_ENUMS = {LABEL: pb.OUTPUT_LABEL, SCORE: pb.OUTPUT_SCORE, EMBED: pb.OUTPUT_EMBEDDING}
 
@@ -154,6 +157,17 @@ def pair_response(response: pb.InferResponse, admitted: Admitted, embeddings: np
     return response
 
 
+async def core_answer(context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
+    """What the core answers, or the call aborted with the status of its error; Redis unreachable (keys and catalogue)
+    is UNAVAILABLE: nothing ran, and a retry may succeed."""
+    try:
+        return await work
+    except ServingError as e:
+        await abort_with(context, e)
+    except RedisError as e:
+        await abort_with(context, Unavailable(f"credential and model store unreachable: {e}"))
+
+
 def model_info_pb(spec: ModelSpec) -> pb.ModelInfo:
     return pb.ModelInfo(name=spec.name, kind=spec.kind, labels=spec.labels, dim=spec.dim, max_tokens=spec.max_tokens,
                         status=READY, architecture=spec.architecture, layers=spec.layers)
@@ -194,12 +208,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         (final = true). A client that leaves cancels the call: the scheduler drops its job, and the worker
         stops the batch between layers once no caller of it is left."""
         entered = time.perf_counter()
-        try:
-            admitted, deadline = await self._admit(request, context)
-        except ServingError as e:
-            await abort_with(context, e)
-        except RedisError as e:
-            await abort_with(context, Unavailable(f"credential and model store unreachable: {e}"))
+        admitted, deadline = await core_answer(context, self._admit(request, context))
         # early answers in release order, then None once the final one is in: none can follow it
         answers: asyncio.Queue[tensors_pb2.ModelOutput | None] = asyncio.Queue()
         final = asyncio.ensure_future(self._schedule(admitted, schedule_request(admitted, request.request_id, True),
@@ -277,37 +286,24 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         return first_results(admitted, early, final.result(), request.request_id)
 
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):
-        try:
-            served, own = await self.gateway.list_models(api_key_from(context.invocation_metadata()), context.peer())
-        except ServingError as e:
-            await abort_with(context, e)
-        except RedisError as e:
-            await abort_with(context, Unavailable(f"credential and model store unreachable: {e}"))
+        served, own = await core_answer(context, self.gateway.list_models(
+            api_key_from(context.invocation_metadata()), context.peer()))
         bases = {spec.name: spec for spec in served}
         return pb.ListModelsResponse(models=[*(model_info_pb(spec) for spec in served),
                                              *(tenant_model_info_pb(m, bases.get(m.base)) for m in own)])
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext):
-        try:
-            tokens = await self.gateway.tokens(api_key_from(context.invocation_metadata()), request.model,
-                                               list(request.texts), not request.without_special_tokens, context.peer())
-        except ServingError as e:
-            await abort_with(context, e)
-        except RedisError as e:
-            await abort_with(context, Unavailable(f"credential and model store unreachable: {e}"))
+        tokens = await core_answer(context, self.gateway.tokens(
+            api_key_from(context.invocation_metadata()), request.model, list(request.texts),
+            not request.without_special_tokens, context.peer()))
         return pb.TokenizeResponse(texts=[pb.TokenizedText(tokens=[
             pb.Token(id=t.id, text=t.text, special=t.special, start=-1 if t.start is None else t.start,
                      stop=-1 if t.stop is None else t.stop) for t in text]) for text in tokens])
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
-        try:
-            texts = await self.gateway.decode(api_key_from(context.invocation_metadata()), request.model,
-                                              [list(t.ids) for t in request.texts], not request.keep_special_tokens,
-                                              context.peer())
-        except ServingError as e:
-            await abort_with(context, e)
-        except RedisError as e:
-            await abort_with(context, Unavailable(f"credential and model store unreachable: {e}"))
+        texts = await core_answer(context, self.gateway.decode(
+            api_key_from(context.invocation_metadata()), request.model, [list(t.ids) for t in request.texts],
+            not request.keep_special_tokens, context.peer()))
         return pb.DecodeResponse(texts=texts)
 
     async def _schedule(self, admitted: Admitted, request: scheduler_pb2.ScheduleRequest, deadline: float,
