@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
 
 import numpy as np
@@ -98,6 +99,54 @@ async def test_a_text_exactly_at_the_token_limit_is_whole_not_truncated(gateway)
     admitted = await gateway.admit("good-key", call([exact, over]))
     assert [len(e.input_ids) for e in admitted.encoded] == [32, 32] and admitted.truncated == [False, True]
     assert (await gateway.admit("good-key", call([exact], truncate=False))).truncated == [False]
+
+
+@pytest.fixture
+async def wide_gateway(redis_url):
+    """A gateway that takes the serving limits: 64 texts of 100,000 characters, cut at 256 tokens."""
+    redis = connect(redis_url)
+    await redis.hset(KEYS.api_key("good-key"), mapping={"tenant": "acme", "role": "tenant"})
+    await redis.hset(KEYS.models(), "minilm", ModelSpec("minilm", EMBEDDING).to_json())
+    config = GatewayConfig(max_inputs=64, max_tokens=256, max_text_chars=100_000)
+    yield Gateway(config, TeacherTokenizer(teacher_dir(), 256), Authenticator(redis, KEYS, 5.0), Catalogue(redis, KEYS))
+    await redis.aclose()
+
+
+def on_thread(gateway: Gateway, method: str) -> list[str]:
+    """Wraps the gateway's `method` (a tokenizer's call) to note the thread each call runs on."""
+    threads, inner = [], getattr(gateway, method)
+
+    def noted(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return inner(*args, **kwargs)
+    setattr(gateway, method, noted)
+    return threads
+
+
+async def test_a_large_request_is_tokenized_off_the_event_loop_and_a_small_one_on_it(wide_gateway):
+    """Past 16,384 characters the tokenizing thread takes the work, so other calls go on meanwhile; the answer is
+    the same as a tokenizer's that tokenizes every text whole."""
+    threads = on_thread(wide_gateway, "tokenize")
+    texts = [f"review {i}: " + "a fine film, well made and long " * 3000 for i in range(64)]   # 96,000 characters
+    admitted = await wide_gateway.admit("good-key", call(texts, model="minilm"))
+    small = await wide_gateway.admit("good-key", call(["a fine film"], model="minilm"))
+    assert threads == ["tokenize_0", threading.current_thread().name]
+    whole = TeacherTokenizer(teacher_dir(), 256, cut_long=False).encode(texts)
+    assert admitted.encoded == whole and admitted.truncated == [True] * 64 and small.truncated == [False]
+    with pytest.raises(InvalidArgument, match=r"inputs\[3\]\.text has at least \d+ tokens; the limit is 256 tokens"):
+        await wide_gateway.admit("good-key", call(["fine"] * 3 + ["word " * 20_000], model="minilm", truncate=False))
+    assert threads[2:] == ["tokenize_0"]
+
+
+async def test_tokenize_and_decode_of_many_characters_run_off_the_event_loop(wide_gateway):
+    tokenizer = wide_gateway.tokenizers.teacher
+    threads = on_thread(tokenizer, "tokens")
+    told = await wide_gateway.tokens("good-key", "minilm", ["word " * 4000])
+    assert threads == ["tokenize_0"] and len(told[0]) == 4002
+    threads = on_thread(tokenizer, "decode")
+    assert await wide_gateway.decode("good-key", "minilm", [[2773] * 20_000]) == ["word" + " word" * 19_999]
+    assert await wide_gateway.decode("good-key", "minilm", [[2773]]) == ["word"]
+    assert threads == ["tokenize_0", threading.current_thread().name]
 
 
 async def test_a_blank_text_pair_is_invalid_and_named(gateway):

@@ -11,7 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from academus.shared.models.teacher_files import teacher_dir
-from academus.shared.models.tokenization import Encoded, TeacherTokenizer, TextTooLong, Token, TooManyTokens
+from academus.shared.models.tokenization import (
+    CHARS_A_TOKEN_CUT,
+    Encoded,
+    TeacherTokenizer,
+    TextTooLong,
+    Token,
+    TooManyTokens,
+)
 from academus.shared.training.data import load_task
 from tests.models import permute_vocabulary, roberta_specials
 
@@ -134,3 +141,131 @@ def test_tokens_give_each_tokens_text_and_offsets_and_decode_gives_the_text_back
     assert tokenizer.decode([[101, 7632, 102]], skip_special_tokens=False) == ["[CLS] hi [SEP]"]
     with pytest.raises(TooManyTokens, match="the texts hold 25 tokens; an answer holds at most 23"):
         tokenizer.tokens(["a " * 20, "b"], limit=23)   # 22 and 3
+
+
+def test_tokens_stop_once_the_texts_so_far_pass_the_limit() -> None:
+    """Texts go to the library 65,536 characters at a time: the third is never tokenized."""
+    tokenizer = TeacherTokenizer(teacher_dir())
+    with pytest.raises(TooManyTokens, match="the first 2 texts hold 80004 tokens; an answer holds at most 50000"):
+        tokenizer.tokens(["a " * 40_000, "b " * 40_000, "c " * 40_000], limit=50_000)
+
+
+# -- a long text tokenized from its start -------------------------------------------------------------------------
+
+
+@functools.cache
+def trained(kind: str) -> str:
+    """tokenizer.json of a byte-level BPE (RoBERTa's pipeline) or a Metaspace Unigram (SentencePiece's, as XLM-R's
+    without its Precompiled normalizer), trained on the tasks' training texts: user models' other pipelines."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+
+    texts = [e.text for task in ("sentiment", "spam") for e in load_task(task).train[:1500]]
+    if kind == "byte-level-bpe":
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+        trainer = trainers.BpeTrainer(vocab_size=2000, special_tokens=["<s>", "<pad>", "</s>", "<unk>"])
+    else:
+        tokenizer = Tokenizer(models.Unigram())
+        tokenizer.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+        trainer = trainers.UnigramTrainer(vocab_size=2000, special_tokens=["<s>", "<pad>", "</s>", "<unk>"],
+                                          unk_token="<unk>")
+    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>",
+                                                             special_tokens=[("<s>", 0), ("</s>", 2)])
+    return tokenizer.to_str()
+
+
+def pipeline(kind: str) -> tuple[str, bool]:
+    """(tokenizer.json, whether the teacher's Python path is on) for each pipeline a long text is cut in."""
+    if kind.startswith("teacher"):
+        return (teacher_dir() / "tokenizer.json").read_text(), kind == "teacher"
+    return trained(kind), False
+
+
+@functools.cache
+def cut_and_whole(kind: str, limit: int) -> tuple[TeacherTokenizer, TeacherTokenizer]:
+    raw, ascii_path = pipeline(kind)
+    return (TeacherTokenizer.from_json(raw, limit, ascii_path),
+            TeacherTokenizer.from_json(raw, limit, ascii_path, cut_long=False))
+
+
+def each_refused(tokenizer: TeacherTokenizer, texts: list[str]) -> list[bool]:
+    """Whether each text alone is refused untruncated."""
+    refused = []
+    for text in texts:
+        try:
+            tokenizer.encode([text], truncate=False)
+            refused.append(False)
+        except TextTooLong:
+            refused.append(True)
+    return refused
+
+
+PIPELINES = ["teacher", "teacher-library", "byte-level-bpe", "metaspace-unigram"]
+
+
+@pytest.mark.parametrize("kind", PIPELINES)
+@pytest.mark.parametrize("limit", [8, 64])
+def test_a_long_texts_start_gives_the_whole_texts_first_tokens(task_texts: list[str], kind: str, limit: int) -> None:
+    """Every task text past the cut: the same ids truncated, and refused untruncated exactly when the whole is."""
+    cut, whole = cut_and_whole(kind, limit)
+    assert cut.cut_chars == limit * CHARS_A_TOKEN_CUT and whole.cut_chars == 0
+    long = [t for t in task_texts if len(t) > cut.cut_chars]
+    assert len(long) > 300   # the cut is really taken
+    for start in range(0, len(long), 512):
+        chunk = long[start:start + 512]
+        assert cut.encode(chunk) == whole.encode(chunk)
+    assert each_refused(cut, long[:200]) == each_refused(whole, long[:200])
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.one_of(st.sampled_from([*AWKWARD, " ", "  ", " \t", "\n ", "\xa0", "\u3000", "'s", "é"]),
+                          st.text(max_size=12)), min_size=1, max_size=80),
+       st.sampled_from(PIPELINES[:3]), st.sampled_from([2, 3, 4]), st.booleans())
+def test_generated_long_texts_get_the_whole_texts_ids(words: list[str], kind: str, limit: int, truncate: bool) -> None:
+    """Texts of any characters and spaces, cut at 32-64 characters: the same ids, or the same text refused."""
+    cut, whole = cut_and_whole(kind, limit)
+    texts = [" ".join(words), "".join(words), "  ".join(words)]
+    assert outcome(cut, texts, truncate) == outcome(whole, texts, truncate) or (
+        not truncate and outcome(cut, texts, truncate)[0] == outcome(whole, texts, truncate)[0])
+
+
+def test_a_refusal_counts_a_long_texts_start_and_says_so() -> None:
+    """Refused untruncated: "at least" the tokens its start holds. A start of few tokens (words past 100 characters
+    are one [UNK] each) is no evidence: the whole text is counted."""
+    tokenizer = TeacherTokenizer(teacher_dir(), max_tokens=32)
+    with pytest.raises(TextTooLong, match=r"texts\[1\] has at least \d+ tokens; the limit is 32") as refused:
+        tokenizer.encode(["fine", "word " * 2000], truncate=False)
+    assert not refused.value.counted and 32 < refused.value.num_tokens < 2002
+    unknown = ("x" * 101 + " ") * 40   # 4,080 characters, 40 tokens; its first 512 hold 5
+    with pytest.raises(TextTooLong, match=r"texts\[0\] has 42 tokens; the limit is 32"):
+        tokenizer.encode([unknown], truncate=False)
+    assert tokenizer.encode([unknown])[0] == Encoded([101] + [100] * 30 + [102], [0] * 32, True)
+
+
+@pytest.mark.parametrize("kind", PIPELINES)
+def test_a_word_across_the_cut_is_tokenized_whole(kind: str) -> None:
+    """The cut falls before a space, never inside a word: at a limit of 8, five words and a word of 120 letters
+    that crosses the 128th character. Its start alone would be letters; whole, it is one [UNK] past 100 letters."""
+    cut, whole = cut_and_whole(kind, 8)
+    texts = ["because " * 5 + "y" * 120 + " b" * 50, "because " * 4 + "ab" * 60 + " b" * 50]
+    assert cut.encode(texts) == whole.encode(texts)
+    if kind.startswith("teacher"):
+        assert cut.encode(texts[:1])[0].input_ids == [101] + [2138] * 5 + [100, 102]
+
+
+@pytest.mark.parametrize("change", [
+    lambda raw: raw.update(normalizer={"type": "Replace", "pattern": {"String": "a b"}, "content": "ab"}),
+    lambda raw: raw.update(pre_tokenizer=None),
+    lambda raw: raw.update(pre_tokenizer={"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always",
+                                          "split": False}),
+    lambda raw: raw.update(pre_tokenizer={"type": "Split", "pattern": {"String": "x"}, "behavior": "Removed",
+                                          "invert": False}),
+    lambda raw: raw["added_tokens"].append({**raw["added_tokens"][0], "id": 30522, "content": "new york"}),
+])
+def test_a_pipeline_that_may_join_across_a_space_tokenizes_long_texts_whole(change) -> None:
+    raw = json.loads((teacher_dir() / "tokenizer.json").read_text())
+    assert TeacherTokenizer.from_json(json.dumps(raw), 256).cut_chars == 256 * CHARS_A_TOKEN_CUT
+    change(raw)
+    assert TeacherTokenizer.from_json(json.dumps(raw), 256, ascii_path=False).cut_chars == 0
