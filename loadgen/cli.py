@@ -32,7 +32,6 @@ from pathlib import Path
 
 from academus.loadgen import analysis, plots, schedule, texts
 from academus.loadgen.analysis import parse_runs, ratios, run_label
-from academus.loadgen.http_target import is_http
 from academus.loadgen.runner import GatewaySpread, RunResult, send_load
 from academus.loadgen.shares import run_in_processes
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, MeshState
@@ -106,9 +105,6 @@ def cmd_load(args: argparse.Namespace) -> int:
     text_spec = args.length_dist or args.texts
     samples = texts.parse(text_spec, CLOSED_LOOP_TEXTS if concurrency else max(1, len(arrivals)), args.seed)
     gateways, key = target(args)
-    if any(map(is_http, gateways)) and any(policy for _, policy in runs):
-        print("a run's policy picks a deployment through the gRPC API; an HTTP gateway serves any", file=sys.stderr)
-        return 2
     freeze_start_up_heap("loadgen")   # the client's own GC pauses would count as server latency
     set_process_slice(hop_slice_us())   # ... and so would its threads' waits behind a forward pass
     if args.procs > 1:

@@ -5,9 +5,10 @@ schedules and report.
 A target is a URL. Without a path, requests go to TEI's root (`POST /`: the model's own task, as Academus and TEI
 serve it); with one, to that route: `/embed`, `/predict` (TEI's body, `{"inputs": [...], "model": M, "truncate":
 true}`, truncated as gRPC's `Infer` is), or `/v1/embeddings` and `/embeddings` (OpenAI's, `{"input": [...], "model":
-M}`, which truncates nothing). The answer's TEI headers give the
-tokens, the queue's and the forward pass's time where the server sends them; an error keeps its status as the gRPC
-code the error contract maps it from (`error_type` where the body names it)."""
+M}`, which truncates nothing). A policy goes in the body as `"policy"` (Academus's field, as gRPC's
+`InferRequest.policy`). The answer's TEI headers give the tokens, the queue's and the forward pass's time where the
+server sends them, and Academus's the policy that served it; an error keeps its status as the gRPC code the error
+contract maps it from (`error_type` where the body names it)."""
 
 from __future__ import annotations
 
@@ -46,14 +47,14 @@ class HttpTarget:
 
     async def infer(self, model: str, texts: list[str], *, timeout: float | None = None,
                     policy: str = "") -> InferResult:
-        if policy:
-            raise ValueError(f"an HTTP target serves any deployment: policy {policy!r} needs the gRPC API")
         if self.session is None:
             self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         seconds = timeout or self.timeout
         # TEI's routes refuse a text past the token limit unless told to truncate; gRPC's Infer truncates
         body = {"input": texts, "model": model} if self.openai else {"inputs": texts, "model": model,
                                                                        "truncate": True}
+        if policy:
+            body["policy"] = policy
         headers = {**self.headers, "x-timeout-ms": str(int(seconds * 1e3))}
         try:
             async with self.session.post(self.url, json=body, headers=headers,
@@ -95,7 +96,7 @@ def result_of(model: str, payload: Any, headers) -> InferResult:
         predictions[0] = replace(predictions[0], num_tokens=int(headers.get("x-compute-tokens", 0)))
     queue_ms, compute_ms = float(headers.get("x-queue-time", 0)), float(headers.get("x-inference-time", 0))
     # whole milliseconds; what is neither queue nor forward pass counts as the gateway's (the hops between included)
-    metadata = Metadata(policy="", batch_size=0, student_count=0, worker_id="",
+    metadata = Metadata(policy=headers.get("x-academus-policy", ""), batch_size=0, student_count=0, worker_id="",
                         gateway_ms=float(headers.get("x-total-time", 0)),
                         tokenize_ms=float(headers.get("x-tokenization-time", 0)), scheduler_ms=queue_ms + compute_ms,
                         queue_ms=queue_ms, worker_ms=compute_ms, compute_ms=compute_ms, attempts=1)

@@ -119,6 +119,7 @@ class Answer:
     tokenize_ms: float = 0.0   # where its time went: the gateway's tokenizing, the scheduler's queue, the forward pass
     queue_ms: float = 0.0
     compute_ms: float = 0.0
+    policy: str = ""           # the policy of the deployment that served it
 
 
 def api_key_from(metadata: Iterable[tuple[str, str]] | None) -> str | None:

@@ -40,7 +40,8 @@ HTTP_SECONDS = Histogram("academus_http_request_seconds", "HTTP/JSON requests' t
 
 VERSION = importlib.metadata.version("academus")
 REQUEST_LIMIT = web.AppKey("request_limit", int)   # bytes: the body a request may have
-AnswerCall = Callable[[str | None, InferCall, str, float, str], Awaitable[Answer]]   # key, call, id, s, peer
+# key, call, id, seconds, peer, policy (the deployment's to serve it; "": any)
+AnswerCall = Callable[[str | None, InferCall, str, float, str, str], Awaitable[Answer]]
 ListModels = Callable[[str | None, str], Awaitable[list[dict[str, Any]]]]
 Authenticate = Callable[[str | None, str], Awaitable[object]]   # key, peer: raises Unauthenticated
 Describe = Callable[[str | None, str, str], Awaitable[ModelSpec]]   # key, model, peer: the spec the key may name
@@ -315,12 +316,12 @@ def error_response(e: ServingError, openai: bool) -> web.Response:
 
 def answer_headers(answer: Answer, call: InferCall, request_id: str, total_ms: float) -> dict[str, str]:
     """TEI's headers on an answer (whole milliseconds, as TEI gives them; characters and tokens of every text, a pair's
-    both), and the request's id."""
-    characters = sum(map(len, call.texts)) + sum(map(len, call.pairs))
-    return {"x-request-id": request_id, "x-compute-time": str(int(total_ms)), "x-total-time": str(int(total_ms)),
-            "x-compute-characters": str(characters), "x-compute-tokens": str(sum(answer.num_tokens)),
-            "x-tokenization-time": str(int(answer.tokenize_ms)), "x-queue-time": str(int(answer.queue_ms)),
-            "x-inference-time": str(int(answer.compute_ms))}
+    both), the request's id, and the policy of the deployment that served it (gRPC's `metadata.policy`)."""
+    policy = {"x-academus-policy": answer.policy} if answer.policy else {}
+    return {"x-request-id": request_id, **policy, "x-compute-time": str(int(total_ms)),
+            "x-total-time": str(int(total_ms)), "x-compute-characters": str(call.chars),
+            "x-compute-tokens": str(sum(answer.num_tokens)), "x-tokenization-time": str(int(answer.tokenize_ms)),
+            "x-queue-time": str(int(answer.queue_ms)), "x-inference-time": str(int(answer.compute_ms))}
 
 
 def json_response(answer: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -450,9 +451,10 @@ class HttpApi:
         """The body as `parse` reads it, answered by the core and shaped by `shape`; the answer's headers."""
         start = time.perf_counter()
         call = parse(body, self.config.http_model)
+        policy = field(body, "policy", (str,), "")   # gRPC's InferRequest.policy, for every inference route
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         answer = await self.answer(api_key(request), call.call, request_id,
-                                   timeout_s(request, self.config.default_deadline_s), peer_of(request))
+                                   timeout_s(request, self.config.default_deadline_s), peer_of(request), policy)
         shaped = shape(answer, body, call)
         return shaped, answer_headers(answer, call.call, request_id, (time.perf_counter() - start) * 1e3)
 

@@ -125,7 +125,7 @@ def answer_of(admitted: Admitted, result: tensors_pb2.ModelOutput) -> Answer:
     labels, width = served_labels(admitted, result, values.shape[1])
     tokens = [len(e.input_ids) for e in admitted.encoded]
     timings = {"tokenize_ms": admitted.tokenize_ms, "queue_ms": result.metadata.queue_ms,
-               "compute_ms": result.metadata.compute_ms}
+               "compute_ms": result.metadata.compute_ms, "policy": result.metadata.policy}
     if admitted.paired:
         return Answer(admitted.spec.name, labels, values[:0], [tokens[a] + tokens[b] for a, b in admitted.pair_rows],
                       pair_scores(values[: len(admitted.encoded)], admitted.pair_rows), **timings)
@@ -234,11 +234,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         return to_pb(admitted, result, request_id)
 
     async def answer_call(self, api_key: str | None, call: InferCall, request_id: str, timeout_s: float,
-                          peer: str) -> Answer:
+                          peer: str, policy: str = "") -> Answer:
         """A call another edge of this gateway took (HTTP/JSON): admitted and answered as `Infer` answers it."""
         deadline = time.monotonic() + timeout_s
-        admitted = await self.gateway.admit(api_key, call, "", peer)
-        result = await self._schedule(admitted, schedule_request(admitted, request_id), deadline)
+        admitted = await self.gateway.admit(api_key, call, policy, peer)
+        result = await self._schedule(admitted, schedule_request(admitted, request_id), deadline, policy)
         return answer_of(admitted, result)
 
     async def model_owners(self, api_key: str | None, peer: str) -> list[dict[str, str]]:

@@ -73,12 +73,24 @@ def test_embed_answers_the_grpc_embeddings_at_unit_length(mesh, key):
     assert int(told["x-compute-tokens"]) == sum(p.num_tokens for p in predictions)
     assert int(told["x-compute-characters"]) == sum(map(len, TEXTS))
     assert int(told["x-inference-time"]) <= int(told["x-total-time"]) == int(told["x-compute-time"])
+    assert told["x-academus-policy"] == "fifo"   # the one deployment's, as gRPC's metadata.policy
     for row, grpc_row in zip(rows, served, strict=True):
         assert np.linalg.norm(row) == pytest.approx(1.0, abs=1e-5)
         np.testing.assert_allclose(row, grpc_row / np.linalg.norm(grpc_row), atol=1e-5)
     status, raw_rows, _ = call(mesh, "/embed", {"inputs": TEXTS[0], "model": "minilm", "normalize": False}, key)
     assert status == 200 and len(raw_rows) == 1
     np.testing.assert_allclose(raw_rows[0], served[0], atol=1e-5)   # as served
+
+
+def test_a_request_names_the_policy_it_is_served_with_as_over_grpc(mesh, key):
+    """`policy` in any inference route's body picks the deployment, as InferRequest.policy does."""
+    status, rows, headers = call(mesh, "/embed", {"inputs": TEXTS, "model": "minilm", "policy": "fifo"}, key)
+    assert status == 200 and len(rows) == 2 and headers["x-academus-policy"] == "fifo"
+    status, answer, _ = call(mesh, "/v1/embeddings", {"input": TEXTS, "model": "minilm", "policy": "fifo"}, key)
+    assert status == 200 and len(answer["data"]) == 2
+    status, answer, _ = call(mesh, "/predict", {"inputs": TEXTS[0], "model": "spam", "policy": "batchy"}, key)
+    assert (status, answer["error_type"]) == (400, "INVALID_ARGUMENT")
+    assert "policy 'batchy' is not a policy; known: " in answer["error"]
 
 
 def test_the_root_serves_the_models_own_task_as_teis_does(mesh, key):
@@ -239,7 +251,7 @@ def test_tokenize_and_decode_use_the_models_own_tokenizer(mesh, key):
 
 def test_loadgen_drives_the_http_port_as_it_drives_grpc(mesh, key, tmp_path):
     """`academus loadgen --gateway http://...`: TEI's root (the model's own task) and OpenAI's route, every request
-    answered, a classifier's answers scored; refusals recorded under their gRPC code; a policy refused at once."""
+    answered, a classifier's answers scored; refusals recorded under their gRPC code; a policy asked for, served."""
     import subprocess
     import sys
 
@@ -260,7 +272,9 @@ def test_loadgen_drives_the_http_port_as_it_drives_grpc(mesh, key, tmp_path):
     run = json.loads(refused.stdout.splitlines()[-1])["runs"][0]
     assert run["completed"] == 0 and run["errors"] == {"UNAUTHENTICATED": run["sent"]}, run
     with_policy = loadgen("--gateway", f"http://{mesh.http}", "--key", key, "--model", "spam", "--policy", "fifo")
-    assert with_policy.returncode == 2 and "gRPC API" in with_policy.stderr
+    assert with_policy.returncode == 0, with_policy.stderr
+    run = json.loads(with_policy.stdout.splitlines()[-1])["runs"][0]
+    assert run["completed"] == run["sent"] > 5 and run["served_by"] == {"fifo": run["sent"]}, run
 
 
 def test_health_and_the_requests_counted(mesh, key):

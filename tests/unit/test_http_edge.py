@@ -171,12 +171,14 @@ async def test_the_root_serves_the_models_own_task_as_tei_does():
 
     specs = {"emb": ModelSpec("emb", EMBEDDING, dim=2), "cls": ModelSpec("cls", CLASSIFICATION, ["no", "yes"])}
     calls: list[InferCall] = []
+    policies: list[str] = []
 
-    async def answer(_key, call: InferCall, *_rest) -> Answer:
+    async def answer(_key, call: InferCall, _id, _s, _peer, policy: str) -> Answer:
         calls.append(call)
+        policies.append(policy)
         if call.model == "emb":
             return Answer("emb", [], np.array([[3.0, 4.0]] * len(call.texts), np.float32), [2] * len(call.texts),
-                          tokenize_ms=0.4, queue_ms=2.7, compute_ms=11.9)
+                          tokenize_ms=0.4, queue_ms=2.7, compute_ms=11.9, policy=policy or "concat")
         return Answer("cls", ["no", "yes"], np.array([[0.25, 0.75]] * len(call.texts), np.float32), [2])
 
     async def describe(_key, name: str, _peer) -> ModelSpec:
@@ -185,12 +187,16 @@ async def test_the_root_serves_the_models_own_task_as_tei_does():
     api = HttpApi(GatewayConfig(http_model="emb"), answer, unused_models, lambda: True, any_key, describe,
                   no_tokenizer, no_tokenizer)
     async with TestClient(TestServer(api.app())) as client:
-        embedded = await client.post("/", json={"inputs": ["a", "bc"]}, headers={"x-request-id": "r-1"})
+        embedded = await client.post("/", json={"inputs": ["a", "bc"], "policy": "student"},
+                                     headers={"x-request-id": "r-1"})
         assert embedded.status == 200 and await embedded.json() == [[0.6, 0.8], [0.6, 0.8]]   # TEI normalizes
         told = {k.lower(): v for k, v in embedded.headers.items() if k.lower().startswith("x-")}   # TEI's, whole ms
         assert int(told.pop("x-compute-time")) >= 0 and int(told.pop("x-total-time")) >= 0
         assert told == {"x-request-id": "r-1", "x-compute-characters": "3", "x-compute-tokens": "4",
-                        "x-tokenization-time": "0", "x-queue-time": "2", "x-inference-time": "11"}
+                        "x-tokenization-time": "0", "x-queue-time": "2", "x-inference-time": "11",
+                        "x-academus-policy": "student"}
+        refused = await client.post("/embed", json={"inputs": "a", "policy": 3})
+        assert refused.status == 400 and "field 'policy' must be str, not int" in (await refused.json())["error"]
         raw = await client.post("/invocations", json={"inputs": "a", "normalize": False})
         assert await raw.json() == [[3.0, 4.0]]
         predicted = await client.post("/", json={"inputs": "a", "model": "cls", "parameters": {}})
@@ -199,6 +205,7 @@ async def test_the_root_serves_the_models_own_task_as_tei_does():
             assert (await client.get(path)).status == 200
     assert [(c.model, c.output, c.truncate) for c in calls] == [("emb", EMBED, False), ("emb", EMBED, False),
                                                                   ("cls", LABEL, False)]
+    assert policies == ["student", "", ""]
 
 
 async def unused_models(*_args):

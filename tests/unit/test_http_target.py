@@ -29,12 +29,13 @@ def test_errors_keep_the_code_their_body_names_else_their_statuss():
 
 def test_an_answer_becomes_the_sdks_result_with_teis_timings():
     headers = {"x-compute-tokens": "7", "x-queue-time": "3", "x-inference-time": "11", "x-total-time": "15",
-               "x-request-id": "r"}
+               "x-request-id": "r", "x-academus-policy": "student"}
     result = result_of("spam", [[{"label": "spam", "score": 0.9}, {"label": "ham", "score": 0.1}]], headers)
     first = result.predictions[0]
     assert (first.label, first.probs, first.num_tokens, result.request_id) == ("spam", {"spam": 0.9, "ham": 0.1}, 7,
                                                                                 "r")
     assert (result.metadata.queue_ms, result.metadata.compute_ms, result.metadata.gateway_ms,
-            result.metadata.scheduler_ms) == (3.0, 11.0, 15.0, 14.0)
+            result.metadata.scheduler_ms, result.metadata.policy) == (3.0, 11.0, 15.0, 14.0, "student")
     embedded = result_of("minilm", {"data": [{"embedding": [0.1]}], "model": "minilm"}, {})
     assert embedded.predictions[0].label == "" and embedded.metadata.gateway_ms == 0.0
+    assert embedded.metadata.policy == ""   # a server that does not say (TEI)
