@@ -916,6 +916,22 @@ def test_the_live_exit_bench_says_each_processs_cpu_a_request_at_capacity():
     assert "capacity_cpu_ms" not in summarize("spam", 5.0, rounds)
 
 
+def test_tree_arms_run_each_arm_in_a_process_with_its_tree_on_the_path(tmp_path):
+    from academus.loadgen.code_arms import trees_alternating
+
+    for name in ("old", "new"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "which_tree.py").write_text(f"NAME = {name!r}\n")
+    script = tmp_path / "arm.py"
+    script.write_text("import json, sys\nimport which_tree\nassert sys.argv[1:] == ['--one']\n"
+                      "print('a mesh says things first')\nprint(json.dumps({'tree': which_tree.NAME}))\n")
+    out = tmp_path / "out.json"
+    rows = trees_alternating(3, {"old": str(tmp_path / "old"), "new": str(tmp_path / "new")}, str(script), out)
+    assert [row["order"] for row in rows] == [["old", "new"], ["new", "old"], ["old", "new"]]
+    assert all(row[name] == {"tree": name} for row in rows for name in ("old", "new"))
+    assert json.loads(out.read_text())["rounds"] == rows
+
+
 def test_code_arms_alternate_with_each_arms_copy_in_place_and_the_file_put_back(tmp_path):
     from academus.loadgen.code_arms import alternating
 

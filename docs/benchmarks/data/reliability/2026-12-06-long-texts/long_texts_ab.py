@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -93,20 +91,9 @@ def beside_large(client, gateway: str, key: str, phrase: str, gateway_pid: int) 
 
 
 def main() -> None:
-    rounds, out = int(sys.argv[1]), Path(sys.argv[2])
-    arms = dict(a.split("=", 1) for a in sys.argv[3:])
-    results = []
-    for r in range(rounds):
-        order = list(arms) if r % 2 == 0 else list(reversed(arms))
-        row: dict = {"order": order}
-        for name in order:
-            env = {**os.environ, "PYTHONPATH": arms[name]}
-            done = subprocess.run([sys.executable, __file__, "--one"], env=env, capture_output=True, text=True,
-                                  check=True)
-            row[name] = json.loads(done.stdout.splitlines()[-1])
-        print(json.dumps(row), flush=True)
-        results.append(row)
-    out.write_text(json.dumps({"command": sys.argv, "rounds": results}, indent=1))
+    from academus.loadgen.code_arms import trees_alternating
+
+    trees_alternating(int(sys.argv[1]), dict(a.split("=", 1) for a in sys.argv[3:]), __file__, Path(sys.argv[2]))
 
 
 if __name__ == "__main__":
