@@ -408,8 +408,9 @@ async def refusal_probe(bench: Bench, stop: asyncio.Event) -> dict:
 
 
 def probe_client(argv: list[str]) -> int:
-    """`refusal-probe GATEWAY KEY MODEL RATE TIMEOUT`: Poisson RATE req/s of one short text each until a line on
-    stdin; prints the answers' and the refusals' counts and latencies (p50, p99 ms) as one JSON line."""
+    """`refusal-probe GATEWAY KEY MODEL RATE TIMEOUT`: says "ready" once its client is made, then Poisson RATE req/s
+    of one short text each until a line on stdin; prints the answers' and the refusals' counts and latencies (p50,
+    p99 ms) as one JSON line."""
     gateway, key, model, rate, timeout = argv[0], argv[1], argv[2], float(argv[3]), float(argv[4])
 
     async def probe() -> dict:
@@ -417,6 +418,7 @@ def probe_client(argv: list[str]) -> int:
         refusals: dict[str, list[float]] = {}     # by origin
         arrivals = iter(schedule.poisson(rate, 3600, seed=7))
         async with AsyncClient(gateway, api_key=key, timeout=timeout, own_connection=True) as client:
+            print("ready", flush=True)   # the caller times its run from here, after the imports
 
             async def one() -> None:
                 sent, origin = time.perf_counter(), None

@@ -229,6 +229,7 @@ def test_the_refusal_probe_tells_its_refusals_apart_by_where_they_were_given(mes
     probe = subprocess.Popen([sys.executable, "-m", "academus.loadgen.chaos_bench", "refusal-probe", mesh.gateway, key,
                               MODEL, "20", "5"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
+        assert probe.stdout.readline().strip() == "ready"   # its start-up is not part of the 2 s
         time.sleep(2.0)     # about 40 requests
         out, _ = probe.communicate("stop\n", timeout=60)
     finally:
