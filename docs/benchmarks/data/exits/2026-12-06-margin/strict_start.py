@@ -1,6 +1,6 @@
 """Spam's replay, the adaptive arm started from stricter thresholds: tuned on the ramps' evidence at a stricter
 constraint than 99 %, in place of the thresholds tuned once (the manifest's static ones, the code's start). Released
-share, agreement, share of 256-text windows at >= 99 %, the first result's p50 over vanilla's, 3 rounds.
+share, agreement, share of 256-text windows at >= 99 %, the first result's p50 and p25 over vanilla's, 3 rounds.
 
     python strict_start.py ARTIFACTS"""
 
@@ -12,15 +12,17 @@ from pathlib import Path
 import numpy as np
 
 import academus.loadgen.exits_bench as exits_bench
-from academus.loadgen.exits_bench import drifting_order, load_replay, run_arm
+from academus.loadgen.exits_bench import load_replay
 from academus.shared.models.exits import (
     APPARATE,
-    ControllerSettings,
     ExitController,
     RampCandidate,
     ThresholdTuner,
     controller_for,
 )
+
+sys.path.insert(0, str(Path(__file__).parent))
+from margin_floor import adaptive_rounds
 
 
 def started_at(constraint: float | None):
@@ -40,15 +42,8 @@ def main() -> None:
     data, test = load_replay(Path(sys.argv[1]), "spam", None)
     for constraint in (None, 0.995, 0.998, 1.0):
         exits_bench.controller_for = started_at(constraint)
-        rows = []
-        for seed in range(3):
-            order = drifting_order("spam", test, seed)
-            adaptive = run_arm("apparate", data, order, 8, ControllerSettings())
-            vanilla = run_arm("vanilla", data, order, 8, ControllerSettings())
-            rows.append({"released": adaptive["exit_rate"], "agreeing": adaptive["agreement"],
-                         "windows_at_99": adaptive["windows_at_99"],
-                         "first_p50_ratio": round(adaptive["first_p50"] / vanilla["first_p50"], 3)})
-        print(f"start tuned at {constraint or 'the code: thresholds tuned once'}: {rows}", flush=True)
+        print(f"start tuned at {constraint or 'the code: thresholds tuned once'}: {adaptive_rounds(data, test)}",
+              flush=True)
 
 
 if __name__ == "__main__":
