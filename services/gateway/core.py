@@ -72,8 +72,9 @@ class InferCall:
     pairs: Sequence[str]           # empty strings where there is no pair
     output: str                    # "" (the model's natural output), LABEL, SCORE or EMBED
     truncate: bool = True
+    early_exit: bool = False       # each text's first result, from an exit ramp where one is confident (Apparate)
 
-    @property
+    @functools.cached_property
     def chars(self) -> int:
         """Characters to tokenize: what decides where (Gateway.off_loop)."""
         return sum(map(len, self.texts)) + sum(map(len, self.pairs))
@@ -107,7 +108,7 @@ class Admitted:
 
 @dataclass(frozen=True)
 class Answer:
-    """A call's full-model answer for an edge other than gRPC's (the HTTP/JSON one) to shape: the model, its labels,
+    """A call's answer for an edge other than gRPC's (the HTTP/JSON one) to shape: the model, its labels,
     one float32 row a text (its embedding, or its probabilities over `labels`) and each text's tokens. Text pairs
     scored by an embedding model have one cosine similarity a pair instead of rows, and both texts' tokens."""
 
@@ -120,6 +121,8 @@ class Answer:
     queue_ms: float = 0.0
     compute_ms: float = 0.0
     policy: str = ""           # the policy of the deployment that served it
+    exit_layers: list[int] | None = None   # early_exit: each text's releasing layer (0: the full model)
+    indices: list[int] | None = None       # an exit event's texts, which `rows` hold (None: every text, in order)
 
 
 def api_key_from(metadata: Iterable[tuple[str, str]] | None) -> str | None:

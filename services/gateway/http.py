@@ -7,12 +7,13 @@ this module knows HTTP. Routes and errors: docs/design/http_api.md."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import importlib.metadata
 import math
 import ssl
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,8 @@ VERSION = importlib.metadata.version("academus")
 REQUEST_LIMIT = web.AppKey("request_limit", int)   # bytes: the body a request may have
 # key, call, id, seconds, peer, policy (the deployment's to serve it; "": any)
 AnswerCall = Callable[[str | None, InferCall, str, float, str, str], Awaitable[Answer]]
+# the same arguments: each exit event's answer, then the final one (the gRPC edge's InferStream)
+StreamCall = Callable[[str | None, InferCall, str, float, str, str], AsyncIterator[Answer]]
 ListModels = Callable[[str | None, str], Awaitable[list[dict[str, Any]]]]
 Authenticate = Callable[[str | None, str], Awaitable[object]]   # key, peer: raises Unauthenticated
 Describe = Callable[[str | None, str, str], Awaitable[ModelSpec]]   # key, model, peer: the spec the key may name
@@ -223,6 +226,24 @@ def predictions(answer: Answer, single: bool) -> list[Any]:
     return answers[0] if single else answers
 
 
+def stream_event(answer: Answer) -> bytes:
+    """One server-sent event of a streamed `/predict`: the inputs an exit ramp released (`"final": false`, the layer),
+    or every input's full-model result (`"final": true`, layer 0); each input by its index, its scores as `/predict`
+    gives them."""
+    scores = predictions(answer, single=False)
+    final = answer.indices is None
+    layer = answer.exit_layers[0] if not final and answer.exit_layers else 0
+    indices = range(len(scores)) if final else answer.indices
+    event = {"final": final, "exit_layer": layer,
+             "predictions": [{"index": i, "scores": s} for i, s in zip(indices, scores, strict=True)]}
+    return b"data: " + orjson.dumps(event) + b"\n\n"
+
+
+def error_event(e: ServingError) -> bytes:
+    """A refusal after the stream started (the full model's answer failed): the last event, named `error`."""
+    return b"event: error\ndata: " + orjson.dumps({"error": e.message, "error_type": e.code.name}) + b"\n\n"
+
+
 def openai_answer(answer: Answer, body: dict[str, Any]) -> dict[str, Any]:
     """OpenAI's shape; with base64, each embedding's little-endian float32 bytes in base64, as OpenAI sends them."""
     data = embeddings(answer, normalize=False)
@@ -281,6 +302,7 @@ def api_key(request: web.Request) -> str | None:
 
 
 TIMEOUT_HEADER = "x-timeout-ms"
+EXIT_LAYERS_HEADER = "x-academus-exit-layers"
 
 
 def timeout_s(request: web.Request, default_s: float) -> float:
@@ -316,9 +338,12 @@ def error_response(e: ServingError, openai: bool) -> web.Response:
 
 def answer_headers(answer: Answer, call: InferCall, request_id: str, total_ms: float) -> dict[str, str]:
     """TEI's headers on an answer (whole milliseconds, as TEI gives them; characters and tokens of every text, a pair's
-    both), the request's id, and the policy of the deployment that served it (gRPC's `metadata.policy`)."""
-    policy = {"x-academus-policy": answer.policy} if answer.policy else {}
-    return {"x-request-id": request_id, **policy, "x-compute-time": str(int(total_ms)),
+    both), the request's id, the policy of the deployment that served it (gRPC's `metadata.policy`) and, with
+    `early_exit`, the layer that released each input's result, in order (0: the full model; gRPC's `exit_layer`)."""
+    own = {"x-academus-policy": answer.policy} if answer.policy else {}
+    if answer.exit_layers is not None:
+        own[EXIT_LAYERS_HEADER] = ",".join(map(str, answer.exit_layers))
+    return {"x-request-id": request_id, **own, "x-compute-time": str(int(total_ms)),
             "x-total-time": str(int(total_ms)), "x-compute-characters": str(call.chars),
             "x-compute-tokens": str(sum(answer.num_tokens)), "x-tokenization-time": str(int(answer.tokenize_ms)),
             "x-queue-time": str(int(answer.queue_ms)), "x-inference-time": str(int(answer.compute_ms))}
@@ -340,8 +365,9 @@ class HttpApi:
 
     def __init__(self, config: GatewayConfig, answer: AnswerCall, list_models: ListModels,
                  serving: Callable[[], bool], authenticate: Authenticate, describe: Describe,
-                 tokenize: Tokenize, decode: Decode) -> None:
+                 tokenize: Tokenize, decode: Decode, stream: StreamCall | None = None) -> None:
         self.config, self.answer, self.list_models, self.serving = config, answer, list_models, serving
+        self.stream = stream
         self.authenticate, self.describe = authenticate, describe
         self.tokenize_call, self.decode_call = tokenize, decode
         self.stopping = False   # the gateway is stopping: load balancers should send elsewhere
@@ -450,13 +476,43 @@ class HttpApi:
                     shape: Callable[[Answer, dict[str, Any], HttpCall], Any]) -> tuple[Any, dict[str, str]]:
         """The body as `parse` reads it, answered by the core and shaped by `shape`; the answer's headers."""
         start = time.perf_counter()
-        call = parse(body, self.config.http_model)
-        policy = field(body, "policy", (str,), "")   # gRPC's InferRequest.policy, for every inference route
+        parsed = parse(body, self.config.http_model)
+        # gRPC's InferRequest.policy and .early_exit, for every inference route
+        policy = field(body, "policy", (str,), "")
+        call = dataclasses.replace(parsed.call, early_exit=field(body, "early_exit", (bool,), False))
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        answer = await self.answer(api_key(request), call.call, request_id,
+        if field(body, "stream", (bool,), False):
+            if parse is not predict_call or self.stream is None:
+                raise InvalidArgument("field 'stream' is served by /predict only (a classifier's exit ramps "
+                                      "release its inputs' results early)")
+            return await self._stream(request, call, request_id, policy), {}
+        answer = await self.answer(api_key(request), call, request_id,
                                    timeout_s(request, self.config.default_deadline_s), peer_of(request), policy)
-        shaped = shape(answer, body, call)
-        return shaped, answer_headers(answer, call.call, request_id, (time.perf_counter() - start) * 1e3)
+        shaped = shape(answer, body, parsed)
+        return shaped, answer_headers(answer, call, request_id, (time.perf_counter() - start) * 1e3)
+
+    async def _stream(self, request: web.Request, call: InferCall, request_id: str, policy: str) -> web.StreamResponse:
+        """gRPC's `InferStream` as server-sent events: one a released set of inputs, then the final one. A refusal at
+        admission comes before the response starts, as a status of its own; one after it, as an `error` event."""
+        assert self.stream is not None
+        events = self.stream(api_key(request), call, request_id, timeout_s(request, self.config.default_deadline_s),
+                             peer_of(request), policy)
+        first = await anext(events)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "x-request-id": request_id})
+        await response.prepare(request)
+        try:
+            await response.write(stream_event(first))
+            async for answer in events:
+                await response.write(stream_event(answer))
+        except ServingError as e:
+            await response.write(error_event(e))
+        except ConnectionResetError:   # the client left: nothing more to send
+            return response
+        finally:
+            await events.aclose()   # before the final answer: the work stops downstream
+        await response.write_eof()
+        return response
 
     async def _answer(self, request: web.Request, route: str,
                       work: Callable[[], Awaitable[tuple[Any, dict[str, str]]]], openai: bool) -> web.Response:
@@ -465,7 +521,8 @@ class HttpApi:
         with http_server_span(self.tracer, request.method, route, request.headers, self.trace_ratio) as span:
             try:
                 answer, headers = await work()
-                response = json_response(answer, headers=headers)
+                streamed = isinstance(answer, web.StreamResponse)   # sent already, event by event
+                response = answer if streamed else json_response(answer, headers=headers)
             except ServingError as e:
                 response = error_response(e, openai)
             except RedisError as e:   # keys and catalogue unreachable: nothing ran, a retry may succeed

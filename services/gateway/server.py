@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
 import time
-from collections.abc import Awaitable
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -66,6 +67,7 @@ def from_pb(request: pb.InferRequest) -> InferCall:
         pairs=[i.text_pair for i in request.inputs],
         output=OUTPUT_NAMES.get(request.output, ""),
         truncate=request.truncate if request.HasField("truncate") else True,
+        early_exit=request.early_exit,
     )
 
 
@@ -124,12 +126,40 @@ def answer_of(admitted: Admitted, result: tensors_pb2.ModelOutput) -> Answer:
     values = matrix_from_pb(result.values)
     labels, width = served_labels(admitted, result, values.shape[1])
     tokens = [len(e.input_ids) for e in admitted.encoded]
-    timings = {"tokenize_ms": admitted.tokenize_ms, "queue_ms": result.metadata.queue_ms,
-               "compute_ms": result.metadata.compute_ms, "policy": result.metadata.policy}
     if admitted.paired:
         return Answer(admitted.spec.name, labels, values[:0], [tokens[a] + tokens[b] for a, b in admitted.pair_rows],
-                      pair_scores(values[: len(admitted.encoded)], admitted.pair_rows), **timings)
-    return Answer(admitted.spec.name, labels, values[:, :width], tokens, **timings)
+                      pair_scores(values[: len(admitted.encoded)], admitted.pair_rows), **timings_of(admitted, result))
+    return Answer(admitted.spec.name, labels, values[:, :width], tokens, **timings_of(admitted, result))
+
+
+def timings_of(admitted: Admitted, result: tensors_pb2.ModelOutput) -> dict[str, Any]:
+    return {"tokenize_ms": admitted.tokenize_ms, "queue_ms": result.metadata.queue_ms,
+            "compute_ms": result.metadata.compute_ms, "policy": result.metadata.policy}
+
+
+def released_answer(admitted: Admitted, early: tensors_pb2.ModelOutput) -> Answer:
+    """One exit event as the core's `Answer`: the texts a ramp released (`indices`), their rows and the layer."""
+    values = matrix_from_pb(early.values)
+    labels, width = served_labels(admitted, early, values.shape[1])
+    tokens = [len(admitted.encoded[i].input_ids) for i in early.rows]
+    return Answer(admitted.spec.name, labels, values[:, :width], tokens, **timings_of(admitted, early),
+                  exit_layers=[early.exit_layer] * len(early.rows), indices=list(early.rows))
+
+
+def first_answer(admitted: Admitted, early: list[tensors_pb2.ModelOutput],
+                 final: tensors_pb2.ModelOutput | None) -> Answer:
+    """`early_exit` for the core's `Answer`: each text's first result, as `first_results` gives it, and the layer that
+    released it (0: the full model). Without the final answer, every text was released early."""
+    events = [released_answer(admitted, output) for output in early]
+    answer = answer_of(admitted, final) if final is not None else dataclasses.replace(
+        events[-1], rows=np.empty((len(admitted.encoded), events[-1].rows.shape[1]), np.float32),
+        num_tokens=[len(e.input_ids) for e in admitted.encoded], indices=None)
+    rows, layers = answer.rows.copy(), [0] * len(answer.num_tokens)
+    for event in events:
+        rows[event.indices] = event.rows
+        for i, layer in zip(event.indices, event.exit_layers, strict=True):
+            layers[i] = layer
+    return dataclasses.replace(answer, rows=rows, exit_layers=layers)
 
 
 def first_results(admitted: Admitted, early: list[tensors_pb2.ModelOutput], final: tensors_pb2.ModelOutput | None,
@@ -192,7 +222,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         try:
             admitted, deadline = await self._admit(request, context)
             if request.early_exit:
-                response = await self._first_results(admitted, request, deadline)
+                response = first_results(admitted, *await self._released(admitted, request.request_id, deadline,
+                                                                         request.policy), request.request_id)
             else:
                 response = await self.answer(admitted, request.request_id, deadline, request.policy)
         except ServingError as e:
@@ -209,24 +240,35 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         stops the batch between layers once no caller of it is left."""
         entered = time.perf_counter()
         admitted, deadline = await core_answer(context, self._admit(request, context))
+        events = self._exit_events(admitted, request.request_id, deadline, request.policy)
+        try:
+            async for output in events:
+                response = to_pb(admitted, output, request.request_id)
+                if not output.rows:   # the final answer
+                    response.metadata.tokenize_ms = admitted.tokenize_ms
+                    response.metadata.gateway_ms = (time.perf_counter() - entered) * 1e3
+                yield response
+        except ServingError as e:
+            await abort_with(context, e)
+        finally:
+            await events.aclose()   # the client left (or the stream failed): its work stops downstream
+
+    async def _exit_events(self, admitted: Admitted, request_id: str, deadline: float, policy: str
+                           ) -> AsyncIterator[tensors_pb2.ModelOutput]:
+        """The early answers as the ramps release them (`rows` set), then the full model's (raises its refusal).
+        Closed early, the call is cancelled: the scheduler drops the job, and the worker stops the batch between
+        layers once no caller of it is left."""
         # early answers in release order, then None once the final one is in: none can follow it
         answers: asyncio.Queue[tensors_pb2.ModelOutput | None] = asyncio.Queue()
-        final = asyncio.ensure_future(self._schedule(admitted, schedule_request(admitted, request.request_id, True),
-                                                     deadline, request.policy, answers.put_nowait))
+        final = asyncio.ensure_future(self._schedule(admitted, schedule_request(admitted, request_id, True),
+                                                     deadline, policy, answers.put_nowait))
         final.add_done_callback(lambda _: answers.put_nowait(None))
         try:
             while (early := await answers.get()) is not None:
-                yield to_pb(admitted, early, request.request_id)
-            try:
-                result = final.result()
-            except ServingError as e:
-                await abort_with(context, e)
-            response = to_pb(admitted, result, request.request_id)
-            response.metadata.tokenize_ms = admitted.tokenize_ms
-            response.metadata.gateway_ms = (time.perf_counter() - entered) * 1e3
-            yield response
+                yield early
+            yield final.result()
         finally:
-            final.cancel()   # the client left (or the stream failed): its work stops downstream
+            final.cancel()
 
     async def answer(self, admitted: Admitted, request_id: str, deadline: float, policy: str = "") -> pb.InferResponse:
         """Every text's full-model prediction (no early exits)."""
@@ -238,8 +280,23 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         """A call another edge of this gateway took (HTTP/JSON): admitted and answered as `Infer` answers it."""
         deadline = time.monotonic() + timeout_s
         admitted = await self.gateway.admit(api_key, call, policy, peer)
+        if call.early_exit:
+            return first_answer(admitted, *await self._released(admitted, request_id, deadline, policy))
         result = await self._schedule(admitted, schedule_request(admitted, request_id), deadline, policy)
         return answer_of(admitted, result)
+
+    async def stream_call(self, api_key: str | None, call: InferCall, request_id: str, timeout_s: float,
+                          peer: str, policy: str = "") -> AsyncIterator[Answer]:
+        """`InferStream` for another edge of this gateway (HTTP/JSON): each exit event's texts (`Answer.indices`),
+        then every text's full-model answer. A refusal at admission comes before the first."""
+        deadline = time.monotonic() + timeout_s
+        admitted = await self.gateway.admit(api_key, call, policy, peer)
+        events = self._exit_events(admitted, request_id, deadline, policy)
+        try:
+            async for output in events:
+                yield released_answer(admitted, output) if output.rows else answer_of(admitted, output)
+        finally:
+            await events.aclose()
 
     async def model_owners(self, api_key: str | None, peer: str) -> list[dict[str, str]]:
         """The models the key may name, as ListModels gives them: the served ones ("academus"), then the
@@ -257,9 +314,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         annotate(model=admitted.spec.name, tenant=admitted.principal.tenant, texts=len(admitted.encoded))
         return admitted, deadline
 
-    async def _first_results(self, admitted: Admitted, request: pb.InferRequest, deadline: float) -> pb.InferResponse:
-        """Unary early exits: answered once every text has a result. The full model's answer is still awaited,
-        in the background: its batch runs on, and it is the feedback that keeps the ramps accurate."""
+    async def _released(self, admitted: Admitted, request_id: str, deadline: float, policy: str
+                        ) -> tuple[list[tensors_pb2.ModelOutput], tensors_pb2.ModelOutput | None]:
+        """Unary early exits: the early answers once every text has one, or with the full model's answer if it came
+        first. The full model's answer is still awaited, in the background: its batch runs on, and it is the
+        feedback that keeps the ramps accurate."""
         early: list[tensors_pb2.ModelOutput] = []
         every_text = asyncio.Event()
         answered: set[int] = set()
@@ -270,8 +329,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             if len(answered) == len(admitted.encoded):
                 every_text.set()
 
-        final = asyncio.ensure_future(self._schedule(admitted, schedule_request(admitted, request.request_id, True),
-                                                     deadline, request.policy, released))
+        final = asyncio.ensure_future(self._schedule(admitted, schedule_request(admitted, request_id, True),
+                                                     deadline, policy, released))
         waiter = asyncio.ensure_future(every_text.wait())
         try:
             await asyncio.wait({final, waiter}, return_when=asyncio.FIRST_COMPLETED)
@@ -282,8 +341,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             waiter.cancel()
         if not final.done():
             final.add_done_callback(_settled)
-            return first_results(admitted, early, None, request.request_id)
-        return first_results(admitted, early, final.result(), request.request_id)
+            return early, None
+        return early, final.result()
 
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):
         served, own = await core_answer(context, self.gateway.list_models(
@@ -456,7 +515,7 @@ async def build() -> ServiceSpec:
     http = HttpServer(HttpApi(config, inference.answer_call, inference.model_owners,
                               lambda: bool(schedulers.deployments), gateway.auth.authenticate, gateway.describe,
                               functools.partial(gateway.tokens, field="inputs"),
-                              functools.partial(gateway.decode, field="ids[{i}]")),
+                              functools.partial(gateway.decode, field="ids[{i}]"), inference.stream_call),
                       config) if config.http_port >= 0 else None
 
     def add_servicers(server: grpc.aio.Server) -> None:

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from academus.shared.runtime.config import artifacts_dir
 from academus.shared.state.catalogue import read_catalogue, write_entry
 from academus.shared.training.data import load_task
 from tests.e2e.conftest import metric, service, start_mesh, wait_for
+from tests.e2e.test_http_api import call
 from tests.models import tiny_model_dir
 
 pytestmark = pytest.mark.e2e
@@ -61,7 +63,7 @@ def exit_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshState]:
     weights.write_bytes(weights.read_bytes()[:-64] + b"\0" * 64)   # corrupt: its sha256 no longer matches
     run_dir = tmp_path_factory.mktemp("run")
     state = start_mesh(run_dir, deployments=[Deployment("padded")], artifacts=artifacts,
-                       env={"ACADEMUS_EXIT_POLICY": "pabee2"})
+                       env={"ACADEMUS_EXIT_POLICY": "pabee2"}, http_port=0)
     yield state
     down(run_dir)
 
@@ -95,6 +97,47 @@ def test_unary_early_exit_answers_every_text_once(client: Client) -> None:
     early = [p for p in result.predictions if not p.final]
     assert early and all(1 <= p.exit_layer <= 5 for p in early)
     assert all(p.label in ("ham", "spam") and abs(sum(p.probs.values()) - 1) < 1e-4 for p in result.predictions)
+
+
+def test_http_early_exit_answers_every_input_and_names_the_layer_that_released_it(exit_mesh: MeshState) -> None:
+    """TEI's `/predict` with `"early_exit": true`: every input answered, its releasing layer in
+    `x-academus-exit-layers` (0: the full model); without it, the exact answer and no such header."""
+    key = (Path(exit_mesh.run_dir) / ADMIN_KEY_FILE).read_text().strip()
+    inputs = [[text] for text in TEXTS]
+    status, predicted, headers = call(exit_mesh, "/predict", {"inputs": inputs, "model": "spam", "early_exit": True},
+                                      key)
+    assert status == 200 and len(predicted) == len(TEXTS), predicted
+    layers = [int(layer) for layer in {k.lower(): v for k, v in headers.items()}["x-academus-exit-layers"].split(",")]
+    assert len(layers) == len(TEXTS) and all(0 <= layer <= 5 for layer in layers) and max(layers) >= 1, layers
+    for scores in predicted:
+        assert {s["label"] for s in scores} == {"ham", "spam"} and sum(s["score"] for s in scores) == pytest.approx(1)
+    status, exact, headers = call(exit_mesh, "/predict", {"inputs": inputs, "model": "spam"}, key)
+    assert status == 200 and "x-academus-exit-layers" not in {k.lower() for k in headers}
+    with Client(exit_mesh.gateway, api_key=key) as grpc_client:
+        served = grpc_client.infer("spam", TEXTS).predictions
+    assert [scores[0]["label"] for scores in exact] == [p.label for p in served]
+
+
+def test_http_stream_sends_early_events_then_the_exact_final_answer(exit_mesh: MeshState, client: Client) -> None:
+    """`/predict` with `"stream": true`: server-sent events as InferStream's messages, the final one exact."""
+    key = (Path(exit_mesh.run_dir) / ADMIN_KEY_FILE).read_text().strip()
+    request = urllib.request.Request(f"http://{exit_mesh.http}/predict", method="POST", headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {key}"}, data=json.dumps(
+        {"inputs": [[text] for text in TEXTS], "model": "spam", "stream": True}).encode())
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        assert answer.headers["Content-Type"] == "text/event-stream"
+        events = [json.loads(chunk.removeprefix("data: ")) for chunk in answer.read().decode().split("\n\n") if chunk]
+    *early, final = events
+    assert early, "no early event: every input was answered by the full model only"
+    assert all(not e["final"] and 1 <= e["exit_layer"] <= 5 and e["predictions"] for e in early)
+    released = [p["index"] for e in early for p in e["predictions"]]
+    assert len(released) == len(set(released)) and set(released) <= set(range(len(TEXTS)))
+    assert final["final"] and final["exit_layer"] == 0
+    assert [p["index"] for p in final["predictions"]] == list(range(len(TEXTS)))
+    exact = client.infer("spam", TEXTS).predictions
+    for streamed, plain in zip(final["predictions"], exact, strict=True):
+        assert streamed["scores"][0]["label"] == plain.label
+        assert {s["label"]: s["score"] for s in streamed["scores"]} == pytest.approx(dict(plain.probs), abs=1e-5)
 
 
 def test_a_saturated_worker_answers_streams_final_only_until_it_is_relieved(exit_mesh: MeshState,

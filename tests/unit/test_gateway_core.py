@@ -299,6 +299,33 @@ async def test_answer_of_scores_each_pair_with_both_texts_tokens(gateway):
     assert answer.rows.size == 0
 
 
+async def test_first_answer_gives_each_text_its_first_result_as_first_results_does(gateway):
+    """`early_exit` over HTTP: the core's Answer holds each text's row from the ramp that released it, else the full
+    model's, with the releasing layer (0: the full model), as the gRPC response's predictions do."""
+    from academus.services.gateway.server import first_answer, first_results
+    from academus.v1 import tensors_pb2
+
+    admitted = await gateway.admit("good-key", call(["free money now", "see you at noon", "lunch?"]))
+
+    def output(rows: list[int], layer: int, probs: list[list[float]]) -> tensors_pb2.ModelOutput:
+        flat = [p for row in probs for p in row]
+        return tensors_pb2.ModelOutput(labels=["ham", "spam"], rows=rows, exit_layer=layer,
+                                       values=tensors_pb2.Matrix(rows=len(probs), dim=2, values=flat))
+
+    early = [output([2], 1, [[0.9, 0.1]]), output([0], 3, [[0.25, 0.75]])]
+    final = output([], 0, [[0.5, 0.5], [0.75, 0.25], [0.125, 0.875]])
+    answer = first_answer(admitted, early, final)
+    assert answer.exit_layers == [3, 0, 1]
+    np.testing.assert_allclose(answer.rows, [[0.25, 0.75], [0.75, 0.25], [0.9, 0.1]], rtol=1e-6)
+    response = first_results(admitted, early, final, "r1")
+    np.testing.assert_allclose([list(p.probs) for p in response.predictions], answer.rows, rtol=1e-6)
+    assert [p.exit_layer for p in response.predictions] == answer.exit_layers
+    every_text_early = first_answer(admitted, [*early, output([1], 2, [[0.625, 0.375]])], None)
+    assert every_text_early.exit_layers == [3, 2, 1] and every_text_early.labels == ["ham", "spam"]
+    np.testing.assert_allclose(every_text_early.rows[1], [0.625, 0.375])
+    assert every_text_early.num_tokens == answer.num_tokens
+
+
 async def test_auth_cache_expires_with_the_clock(redis_url):
     redis = connect(redis_url)
     now = [0.0]

@@ -208,6 +208,79 @@ async def test_the_root_serves_the_models_own_task_as_tei_does():
     assert policies == ["student", "", ""]
 
 
+async def test_early_exit_reaches_the_core_and_each_inputs_releasing_layer_comes_back_as_a_header():
+    """`"early_exit": true` is gRPC's `InferRequest.early_exit` on every inference route; the layers that released the
+    inputs' results come back in `x-academus-exit-layers`, in order, and only where they were asked for."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    calls: list[InferCall] = []
+
+    async def answer(_key, call: InferCall, *_args) -> Answer:
+        calls.append(call)
+        rows = np.array([[0.25, 0.75], [0.5, 0.5]][: len(call.texts)], np.float32)
+        return Answer("cls", ["no", "yes"], rows, [2] * len(call.texts),
+                      exit_layers=[2, 0][: len(call.texts)] if call.early_exit else None)
+
+    async def describe(_key, _name: str, _peer) -> ModelSpec:
+        return ModelSpec("cls", CLASSIFICATION, ["no", "yes"])
+
+    api = HttpApi(GatewayConfig(http_model="cls"), answer, unused_models, lambda: True, any_key, describe,
+                  no_tokenizer, no_tokenizer)
+    async with TestClient(TestServer(api.app())) as client:
+        early = await client.post("/predict", json={"inputs": [["a"], ["b"]], "early_exit": True})   # two texts
+        assert early.status == 200 and early.headers["x-academus-exit-layers"] == "2,0"
+        assert (await early.json())[0] == [{"label": "yes", "score": 0.75}, {"label": "no", "score": 0.25}]
+        single = await client.post("/", json={"inputs": "a", "early_exit": True})
+        assert single.headers["x-academus-exit-layers"] == "2"
+        exact = await client.post("/predict", json={"inputs": "a"})
+        assert exact.status == 200 and "x-academus-exit-layers" not in exact.headers
+        refused = await client.post("/predict", json={"inputs": "a", "early_exit": "yes"})
+        assert refused.status == 400 and "field 'early_exit' must be bool, not str" in (await refused.json())["error"]
+    assert [c.early_exit for c in calls] == [True, True, False]
+
+
+async def test_a_streamed_predict_sends_each_exit_event_then_the_final_answer_as_server_sent_events():
+    """`"stream": true` on /predict is gRPC's InferStream: an event a released set of inputs, then every input's final
+    result; a refusal at admission is a status of its own, one after the stream started its last event."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    def answer_of(rows: list[list[float]], indices: list[int] | None, layer: int) -> Answer:
+        return Answer("cls", ["no", "yes"], np.array(rows, np.float32), [2] * len(rows),
+                      exit_layers=None if indices is None else [layer] * len(rows), indices=indices)
+
+    async def stream(_key, call: InferCall, *_args):
+        if call.model == "refused":
+            raise ResourceExhausted("tenant 't' is over its quota of 10 requests a second")
+        yield answer_of([[0.25, 0.75]], [1], 2)
+        if call.model == "fails":
+            raise DeadlineExceeded("the deadline passed before the full model answered")
+        yield answer_of([[0.5, 0.5], [0.125, 0.875]], None, 0)
+
+    async def describe(_key, name: str, _peer) -> ModelSpec:
+        return ModelSpec(name, CLASSIFICATION, ["no", "yes"])
+
+    api = HttpApi(GatewayConfig(http_model="cls"), unused_models, unused_models, lambda: True, any_key, describe,
+                  no_tokenizer, no_tokenizer, stream)
+    async with TestClient(TestServer(api.app())) as client:
+        streamed = await client.post("/predict", json={"inputs": [["a"], ["b"]], "stream": True})
+        assert streamed.status == 200 and streamed.headers["Content-Type"] == "text/event-stream"
+        events = [json.loads(chunk.removeprefix("data: ")) for chunk in (await streamed.text()).split("\n\n") if chunk]
+        early = {"index": 1, "scores": [{"label": "yes", "score": 0.75}, {"label": "no", "score": 0.25}]}
+        final = [{"index": 0, "scores": [{"label": "no", "score": 0.5}, {"label": "yes", "score": 0.5}]},
+                 {"index": 1, "scores": [{"label": "yes", "score": 0.875}, {"label": "no", "score": 0.125}]}]
+        assert events == [{"final": False, "exit_layer": 2, "predictions": [early]},
+                          {"final": True, "exit_layer": 0, "predictions": final}]
+        refused = await client.post("/", json={"inputs": "a", "model": "refused", "stream": True})
+        assert refused.status == 429 and "over its quota" in (await refused.json())["error"]
+        failed = await client.post("/predict", json={"inputs": "a", "model": "fails", "stream": True})
+        *_, last = (await failed.text()).strip().split("\n\n")
+        assert failed.status == 200 and last.startswith("event: error\ndata: ")
+        assert json.loads(last.split("data: ", 1)[1]) == {
+            "error": "the deadline passed before the full model answered", "error_type": "DEADLINE_EXCEEDED"}
+        embed = await client.post("/embed", json={"inputs": "a", "stream": True})
+        assert embed.status == 400 and "field 'stream' is served by /predict only" in (await embed.json())["error"]
+
+
 async def unused_models(*_args):
     raise AssertionError("no route here lists the models")
 
