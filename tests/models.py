@@ -26,21 +26,22 @@ CONFIGS = {
 LABELS = ["neg", "neu", "pos"]
 
 
-def tiny_model(family: str, classifier: bool, directory: Path, seed: int = 0, **shape: int) -> nn.Module:
+def tiny_model(family: str, classifier: bool, directory: Path, seed: int = 0, labels: list[str] = LABELS,
+               **shape: int) -> nn.Module:
     """A randomly initialised model of the family, saved as a transformers directory (safetensors); `shape`
-    overrides SHAPE."""
+    overrides SHAPE; a classifier answers `labels`."""
     config = CONFIGS[family]()
     for key, value in shape.items():
         setattr(config, key, value)
-    return _save(family, classifier, config, directory, seed)
+    return _save(family, classifier, config, directory, seed, labels)
 
 
 def _save(family: str, classifier: bool, config: transformers.PretrainedConfig, directory: Path,
-          seed: int) -> nn.Module:
+          seed: int, labels: list[str] = LABELS) -> nn.Module:
     torch.manual_seed(seed)
     if classifier:
-        config.id2label = dict(enumerate(LABELS))
-        config.label2id = {label: i for i, label in enumerate(LABELS)}
+        config.id2label = dict(enumerate(labels))
+        config.label2id = {label: i for i, label in enumerate(labels)}
         config.architectures = [read_architecture(config.to_dict()).family.classifier]
         model = getattr(transformers, config.architectures[0])(config)
     else:
@@ -50,10 +51,11 @@ def _save(family: str, classifier: bool, config: transformers.PretrainedConfig, 
     return model
 
 
-def tiny_model_dir(family: str, classifier: bool, directory: Path, seed: int = 0, **shape: int) -> nn.Module:
+def tiny_model_dir(family: str, classifier: bool, directory: Path, seed: int = 0, labels: list[str] = LABELS,
+                   **shape: int) -> nn.Module:
     """A tiny model with the bundled teacher's tokenizer.json (its vocabulary as the model's), ready for
     `academus models add`; returns the transformers model for reference outputs."""
-    model = tiny_model(family, classifier, directory, seed, **{**shape, "vocab_size": json_vocab_size()})
+    model = tiny_model(family, classifier, directory, seed, labels, **{**shape, "vocab_size": json_vocab_size()})
     shutil.copyfile(teacher_dir() / "tokenizer.json", Path(directory) / "tokenizer.json")
     return model
 

@@ -146,9 +146,11 @@ def is_sequence(value: Any) -> bool:
 
 def rerank_call(body: dict[str, Any], default_model: str) -> HttpCall:
     """TEI's `/rerank`: {"query": str, "texts": [str], "truncate": false, "return_text": false, "model"?}: each text
-    scored against the query as a pair (an embedding model's cosine similarity; the query is embedded once)."""
+    scored against the query as a pair (an embedding model's cosine similarity, the query embedded once; a pair
+    classifier's score, each text read with the query)."""
     if field(body, "raw_scores", (bool,), False):
-        raise InvalidArgument("field 'raw_scores' cannot be true: a score here is a cosine similarity, not a logit")
+        raise InvalidArgument("field 'raw_scores' cannot be true: a score here is a cosine similarity or a "
+                              "probability, not a logit")
     query = field(body, "query", (str,))
     if query is None:
         raise InvalidArgument("field 'query' is required: the text the others are ranked against")
@@ -175,7 +177,13 @@ def similarity_call(body: dict[str, Any], default_model: str) -> HttpCall:
 
 def similarities(answer: Answer, body: dict[str, Any], call: HttpCall) -> list[float]:
     """Each sentence's score, in the order sent."""
-    return list(answer.pair_scores or ())
+    return pair_scores_of(answer)
+
+
+def pair_scores_of(answer: Answer) -> list[float]:
+    """Each pair's one score: an embedding model's cosine similarity; a pair classifier's (a cross-encoder's) last
+    label's probability, as gRPC's `Prediction.score` gives it (a reranker of one label: its relevance)."""
+    return answer.pair_scores if answer.pair_scores is not None else answer.rows[:, -1].tolist()
 
 
 def is_similarity(body: dict[str, Any]) -> bool:
@@ -186,7 +194,7 @@ def is_similarity(body: dict[str, Any]) -> bool:
 def ranked(answer: Answer, body: dict[str, Any]) -> list[dict[str, Any]]:
     """TEI's shape: every text's index and score, the best first; its text too with `return_text`."""
     texts = body["texts"] if isinstance(body["texts"], list) else [body["texts"]]
-    scored = sorted(enumerate(answer.pair_scores or ()), key=lambda pair: -pair[1])
+    scored = sorted(enumerate(pair_scores_of(answer)), key=lambda pair: -pair[1])
     if body.get("return_text"):
         return [{"index": i, "score": score, "text": texts[i]} for i, score in scored]
     return [{"index": i, "score": score} for i, score in scored]
@@ -288,9 +296,11 @@ def token_json(tokens: list[list[Token]]) -> list[list[dict[str, Any]]]:
 
 def model_info(spec: ModelSpec, config: GatewayConfig) -> dict[str, Any]:
     """TEI's `/info`, for the model a request names: what it is and the limits a request to it meets."""
-    kind = ({"embedding": {"dim": spec.dim}} if spec.kind == EMBEDDING else
-            {"classifier": {"id2label": {str(i): label for i, label in enumerate(spec.labels)},
-                            "label2id": {label: i for i, label in enumerate(spec.labels)}}})
+    labels = {"id2label": {str(i): label for i, label in enumerate(spec.labels)},
+              "label2id": {label: i for i, label in enumerate(spec.labels)}}
+    # TEI's kinds: a classifier of text pairs (a cross-encoder) is its "reranker"
+    kind = {"embedding": {"dim": spec.dim}} if spec.kind == EMBEDDING else {
+        "reranker" if spec.pairs else "classifier": labels}
     return {"model_id": spec.name, "model_type": kind, "max_input_length": spec.max_tokens,
             "max_client_batch_size": config.max_inputs, "max_input_characters": config.max_text_chars,
             "version": VERSION}

@@ -31,7 +31,14 @@ from academus.services.worker.student_memory import StudentMemory
 from academus.services.worker.traced import trace_layers
 from academus.shared.models.adapters import encode_with_adapters
 from academus.shared.models.exits import ControllerSettings
-from academus.shared.models.model import HIDDEN_SIZE, ClassifierHead, TeacherEncoder, pad_batch, weight_bytes
+from academus.shared.models.model import (
+    HIDDEN_SIZE,
+    ClassifierHead,
+    TeacherEncoder,
+    pad_batch,
+    probabilities,
+    weight_bytes,
+)
 from academus.shared.models.packing import Attention, PackedBatch, PackingPlan, check_plan, encode_packed, pack
 from academus.shared.models.plot.table import PlotError
 from academus.shared.models.shard_io import io_source
@@ -442,7 +449,7 @@ class ModelRunner:
         return ModelSpec(name, entry["kind"], list(head.labels) if head else [], architecture.hidden_size,
                          int(entry.get("max_tokens", architecture.max_tokens)), tokenizer=tokenizer,
                          architecture=architecture.name, layers=architecture.layers,
-                         memory_bytes=weight_bytes(encoder, head))
+                         memory_bytes=weight_bytes(encoder, head), pairs=bool(entry.get("pairs")))
 
     def _tokenizer_digest(self, model: str) -> str:
         """The sha256 of a user's model's tokenizer.json ("": the teacher's, for the bundled models)."""
@@ -637,7 +644,7 @@ class ModelRunner:
                 values, finish = served.member_share(ids, mask, type_ids, student_indices, output == OUTPUT_PROBS)
             else:
                 pooled = served.pool(ids, mask, type_ids, students, plot_states)
-                values = torch.softmax(served.head(pooled), dim=-1) if output == OUTPUT_PROBS else pooled
+                values = probabilities(served.head(pooled)) if output == OUTPUT_PROBS else pooled
             if exits is not None:   # a GPU's ramps release while the device runs the layers after them
                 exits.settle()
             values_np = values.float().cpu().numpy()
@@ -732,7 +739,7 @@ class ModelRunner:
             if student_indices:
                 values, finish = served.finish_share(pooled, student_indices, wants_probs)
             else:
-                values = torch.softmax(served.head(pooled), dim=-1) if wants_probs else pooled
+                values = probabilities(served.head(pooled)) if wants_probs else pooled
             if exits is not None:
                 exits.settle()
             values_np = values.float().cpu().numpy()

@@ -104,7 +104,8 @@ def parser() -> argparse.ArgumentParser:
     gateway_options(s)
     s.add_argument("--no-truncate", action="store_true", help="refuse texts over the token limit")
     s.add_argument("--pair", action="append", default=None, metavar="TEXT",
-                   help="the second text of a pair, once for each text, in order (an embedding model scores each pair)")
+                   help="the second text of a pair, once for each text, in order (an embedding model scores each pair; "
+                        "a classifier of pairs reads it with its text)")
     s.add_argument("--stream", action="store_true",
                    help="early results (exit ramps) as they are released, then the full model's: one JSON line a "
                         "message of InferStream, with `final`, `exit_layer` and its texts' `predictions`")
@@ -187,6 +188,9 @@ def parser() -> argparse.ArgumentParser:
                    help="default: classify for a …ForSequenceClassification checkpoint, else embed")
     m.add_argument("--pooling", choices=("mean", "cls"), default="",
                    help="embedding models; default: its sentence-transformers config, else mean")
+    m.add_argument("--pairs", action="store_true",
+                   help="a classifier of text pairs (a cross-encoder: a reranker, NLI): each input is a text and its "
+                        "pair, read together as it was trained")
     m.set_defaults(func=cmd_models_add)
     m = ms.add_parser("list", help="the catalogue: each model's kind; a user's model's architecture and size")
     m.set_defaults(func=cmd_models_list)
@@ -393,7 +397,7 @@ def cmd_infer(args: argparse.Namespace) -> int:
         return 2
     gateway, key, root = found
     if args.stream and args.pair is not None:
-        print("--stream: text pairs are scored from embeddings, which have no early results", file=sys.stderr)
+        print("--stream: text pairs have no early results (exit ramps are trained on single texts)", file=sys.stderr)
         return 2
     truncate = False if args.no_truncate else None
     try:
@@ -676,7 +680,8 @@ def _refused(work) -> int:
 def cmd_models_add(args: argparse.Namespace) -> int:
     from academus.shared.models.user_models import add_model
 
-    return _refused(lambda: add_model(_models_artifacts(args), args.name, args.source, args.task, args.pooling))
+    return _refused(lambda: add_model(_models_artifacts(args), args.name, args.source, args.task, args.pooling,
+                                      args.pairs))
 
 
 def cmd_models_list(args: argparse.Namespace) -> int:

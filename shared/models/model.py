@@ -143,6 +143,12 @@ def load_encoder(model_dir: Path, device: str | torch.device = "cpu", pooling: s
     return TeacherEncoder(model, architecture, pooling, normalize).to(device).eval(), None
 
 
+def probabilities(logits: torch.Tensor) -> torch.Tensor:
+    """A head's served answer: softmax over its labels; a head of one label (a reranker's relevance, as
+    transformers' `problem_type` regression or sentence-transformers' CrossEncoder reads it) gives its sigmoid."""
+    return torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, dim=-1)
+
+
 class ClassifierHead(nn.Module):
     """Linear classifier over the pooled embedding; softmax gives the served probabilities."""
 

@@ -69,10 +69,12 @@ class ModelSource:
     shapes: dict[str, list[int]]
     max_tokens: int
     tokenizer_json: str = ""       # tokenizer.json as the copy holds it (read, or built from the vocabulary files)
+    pairs: bool = False            # a classifier of text pairs (a cross-encoder), `models add --pairs`
 
 
-def inspect_model_dir(directory: Path, task: str = "", pooling: str = "") -> ModelSource:
-    """Checks everything `add` needs, reading only headers and small files; ModelRefused otherwise."""
+def inspect_model_dir(directory: Path, task: str = "", pooling: str = "", pairs: bool = False) -> ModelSource:
+    """Checks everything `add` needs, reading only headers and small files; ModelRefused otherwise. `pairs`: the
+    classifier reads a text and its pair together (a cross-encoder), as it was trained."""
     directory = Path(directory)
     if not directory.is_dir():
         raise ModelRefused(f"{directory} is not a directory")
@@ -89,19 +91,23 @@ def inspect_model_dir(directory: Path, task: str = "", pooling: str = "") -> Mod
     if pooling and task == CLASSIFY:
         raise ModelRefused(f"--pooling applies to embedding models; {directory} is served as a classifier, pooled at "
                            "its first token as its head was trained")
+    if pairs and task != CLASSIFY:
+        raise ModelRefused(f"--pairs applies to classifiers; {directory} is served as an embedding model, which scores "
+                           "a pair by its two texts' embeddings")
     pooled, normalize = (FIRST, False) if task == CLASSIFY else _sentence_pooling(directory, pooling)
     return ModelSource(directory, architecture, task, pooled, normalize, labels, weights, shapes,
-                       _max_tokens(directory, architecture), tokenizer_json)
+                       _max_tokens(directory, architecture), tokenizer_json, pairs)
 
 
-def add_model(artifacts: Path, name: str, directory: Path, task: str = "", pooling: str = "") -> dict[str, Any]:
+def add_model(artifacts: Path, name: str, directory: Path, task: str = "", pooling: str = "",
+              pairs: bool = False) -> dict[str, Any]:
     """Copies the checked model under the artifacts, verifies it loads, then registers it; returns its entry."""
     if not MODEL_NAME.match(name):
         raise ModelRefused(f"model name {name!r} must be 1-63 of a-z 0-9 . _ -, starting with a letter or digit")
     if name in read_catalogue(artifacts):
         raise ModelRefused(f"model {name!r} is already in the catalogue: remove it first (academus models remove "
                            f"{name})")
-    source = inspect_model_dir(directory, task, pooling)
+    source = inspect_model_dir(directory, task, pooling, pairs)
     target = Path(artifacts) / MODELS_DIR / name
     staging = target.parent / f".{name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
@@ -126,7 +132,7 @@ def catalogue_entry(source: ModelSource, ref: str) -> dict[str, Any]:
     return {"kind": CLASSIFICATION if source.task == CLASSIFY else EMBEDDING, "source": ref,
             "architecture": a.name, "dim": a.hidden_size, "layers": a.layers, "max_tokens": source.max_tokens,
             "pooling": source.pooling, "normalize": source.normalize, "labels": source.labels,
-            "added": datetime.now(UTC).isoformat(timespec="microseconds")}
+            **({"pairs": True} if source.pairs else {}), "added": datetime.now(UTC).isoformat(timespec="microseconds")}
 
 
 def list_models(artifacts: Path) -> list[dict[str, Any]]:
@@ -139,6 +145,7 @@ def list_models(artifacts: Path) -> list[dict[str, Any]]:
         if "source" in entry:
             directory = Path(artifacts) / entry["source"]
             row |= {k: entry.get(k) for k in ("architecture", "dim", "layers", "max_tokens", "pooling", "labels")}
+            row["pairs"] = bool(entry.get("pairs"))
             row["bytes"] = sum(p.stat().st_size for p in directory.iterdir()) if directory.is_dir() else 0
         rows.append(row)
     return rows
@@ -185,6 +192,14 @@ def open_model(directory: Path, device: str | Any = "cpu") -> tuple[Any, Any, Ma
     encoder, head = load_encoder(directory, device, manifest.extra["pooling"], manifest.extra["normalize"],
                                  classify=manifest.task == CLASSIFY)
     return encoder, head, manifest
+
+
+def refuse_pairs(artifacts: Path, name: str, built: str) -> None:
+    """What is `built` on a model (students, ramps, shards) learns from single texts: refused for a classifier of text
+    pairs, whose answers a single text cannot give."""
+    if read_catalogue(artifacts).get(name, {}).get("pairs"):
+        raise ModelRefused(f"model {name!r} classifies text pairs (a cross-encoder, `models add --pairs`): {built} "
+                           "learn from single texts, and are not built on it")
 
 
 def cache_name(model: str, manifest: Manifest) -> str:

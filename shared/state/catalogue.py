@@ -42,6 +42,8 @@ class ModelSpec:
     memory_bytes: int = 0          # its weights in the worker's memory (shared weights counted once a model)
     whole_groups: bool = False     # student groups whose head does not add over members (a classifier's own,
                                    # nonlinear): each group runs on one worker
+    pairs: bool = False            # a classifier of text pairs (a cross-encoder: a reranker, NLI): each input is a text
+                                   # and its pair, read together
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

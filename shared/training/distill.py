@@ -443,10 +443,11 @@ def user_task(artifacts: Path, model: str, task: str | None, from_file: bool = F
     """The task a user's model is distilled on: a head's own task (trained with --task), `embedding` for an
     embedding model (the general texts), or a sequence classifier's own (its name: only its file's examples carry
     its labels). `from_file`: on a file's examples, a head's task may be any."""
-    from academus.shared.models.user_models import HEAD_ON
+    from academus.shared.models.user_models import HEAD_ON, refuse_pairs
     from academus.shared.state.artifacts import read_manifest
     from academus.shared.state.catalogue import CLASSIFICATION, read_catalogue
 
+    refuse_pairs(artifacts, model, "students")
     entry = read_catalogue(artifacts).get(model, {})
     if "source" in entry and entry.get("kind") == CLASSIFICATION:
         if not from_file:

@@ -147,9 +147,10 @@ class Teacher:
     def user(cls, artifacts: Path, name: str) -> Teacher:
         """`name`: a user's embedding model, a head on one (then the head is the task's teacher head), or a user's
         sequence classifier (its own nonlinear head on its first token is the teacher head)."""
-        from academus.shared.models.user_models import HEAD_ON, cache_name, open_model
+        from academus.shared.models.user_models import HEAD_ON, cache_name, open_model, refuse_pairs
         from academus.shared.state.catalogue import read_catalogue
 
+        refuse_pairs(artifacts, name, "students and exit ramps")
         catalogue = read_catalogue(artifacts)
         entry = catalogue.get(name, {})
         model = entry.get(HEAD_ON, name)

@@ -68,7 +68,7 @@ from academus.shared.models.sti_planner import HardwareProfile, Plan
 from academus.shared.models.students import config_keys
 from academus.shared.models.teacher_files import TEACHER_NAME
 from academus.shared.models.tokenization import TeacherTokenizer
-from academus.shared.models.user_models import EncoderBase, open_model
+from academus.shared.models.user_models import EncoderBase, open_model, refuse_pairs
 from academus.shared.state.catalogue import CLASSIFICATION, read_catalogue, write_entry
 from academus.shared.state.uploads import parse_texts_jsonl
 from academus.shared.training.data import TASKS, Example, TaskData, fetch, file_task, load_task
@@ -321,6 +321,7 @@ def build(artifacts: Path, model: str, tasks: Sequence[str] | None = None, data_
     base = encoder_base(artifacts, model)
     if base is None:
         raise ValueError(f"--model {model!r}: shards are built for minilm or a user's embedding model or classifier")
+    refuse_pairs(artifacts, model, "shards")
     classifier = is_classifier(artifacts, base)
     tasks = checked_tasks(model, classifier, tasks)
     if texts_file is not None and not classifier:

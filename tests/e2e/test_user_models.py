@@ -40,6 +40,7 @@ from academus.shared.training.student_artifacts import load_student_group
 from academus.v1 import manage_pb2, manage_pb2_grpc
 from tests.conftest import env
 from tests.e2e.conftest import start_mesh
+from tests.e2e.test_http_api import call as http_call
 from tests.models import LABELS, permute_vocabulary, roberta_specials, tiny_model_dir
 
 pytestmark = pytest.mark.e2e
@@ -56,7 +57,8 @@ def user_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshState]:
     artifacts = tmp_path_factory.mktemp("artifacts")
     write_entry(artifacts, "minilm", read_catalogue(artifacts_dir())["minilm"])
     run_dir = tmp_path_factory.mktemp("run")
-    state = start_mesh(run_dir, deployments=[Deployment("concat"), Deployment("padded")], artifacts=artifacts)
+    state = start_mesh(run_dir, deployments=[Deployment("concat"), Deployment("padded")], artifacts=artifacts,
+                       http_port=0)
     yield state
     down(run_dir)
 
@@ -140,6 +142,49 @@ def test_a_model_added_to_a_running_mesh_answers_as_transformers_does(user_mesh:
     for policy in ("concat", "padded"):   # packed (ConcatBatching) and padded batches
         got = served(client, name, policy, classifier)
         assert (got - expected).abs().max().item() <= TOLERANCE, policy
+
+
+def pair_reference(model: nn.Module, directory: Path, query: str, texts: list[str]) -> list[float]:
+    """transformers' forward on each pair alone, framed by the model's own tokenizer.json: its one label's sigmoid."""
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tokenizer.no_padding()
+    scores = []
+    with torch.no_grad():
+        for text in texts:
+            encoding = tokenizer.encode(query, text)
+            ids, types = torch.tensor([encoding.ids]), torch.tensor([encoding.type_ids])
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), token_type_ids=types).logits
+            scores.append(torch.sigmoid(logits)[0, 0].item())
+    return scores
+
+
+def test_a_pair_classifier_scores_each_text_with_its_pair_as_transformers_does(user_mesh: MeshState,
+                                                                               client: Client,
+                                                                               tmp_path: Path) -> None:
+    """`models add --pairs`: a cross-encoder (a BERT reranker of one label) reads a query and a text together. gRPC's
+    score and TEI's /rerank give its sigmoid as transformers computes it, packed and padded; a text alone is refused."""
+    model = tiny_model_dir("bert", True, tmp_path / "rr", labels=["relevance"])
+    added = academus(user_mesh, "models", "add", "rr", "--from", tmp_path / "rr", "--pairs")
+    assert added.returncode == 0, added.stderr
+    wait_served(client, "rr")
+    query = "which film is worth the ticket"
+    expected = pair_reference(model, tmp_path / "rr", query, TEXTS)
+    for policy in ("concat", "padded"):
+        result = client.infer("rr", [query] * len(TEXTS), pairs=TEXTS, policy=policy)
+        assert [p.label for p in result.predictions] == ["relevance"] * len(TEXTS)
+        assert [p.score for p in result.predictions] == pytest.approx(expected, abs=TOLERANCE), policy
+    key = (Path(user_mesh.run_dir) / ADMIN_KEY_FILE).read_text().strip()
+    status, ranked, _ = http_call(user_mesh, "/rerank", {"query": query, "texts": TEXTS, "model": "rr"}, key)
+    assert status == 200, ranked
+    assert [r["index"] for r in ranked] == sorted(range(len(TEXTS)), key=lambda i: -expected[i])
+    assert [r["score"] for r in ranked] == pytest.approx(sorted(expected, reverse=True), abs=TOLERANCE)
+    with pytest.raises(AcademusError) as alone:
+        client.infer("rr", ["a text without its pair"])
+    assert alone.value.code == "INVALID_ARGUMENT"
+    assert "inputs[0].text_pair is empty: model 'rr' classifies text pairs" in alone.value.details
+    refused = academus(user_mesh, "distill", "--model", "rr", "--quick")
+    assert refused.returncode != 0 and "(a cross-encoder, `models add --pairs`): students learn from single texts" \
+        in refused.stderr
 
 
 def test_a_text_over_the_models_own_limit_is_refused_naming_it(user_mesh: MeshState, client: Client) -> None:

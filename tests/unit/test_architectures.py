@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from academus.shared.models.architectures import UnsupportedArchitecture, read_architecture
-from academus.shared.models.model import FIRST, MEAN, load_encoder, mean_pool, pad_batch
+from academus.shared.models.model import FIRST, MEAN, load_encoder, mean_pool, pad_batch, probabilities
 from academus.shared.models.packing import PackingPlan, encode_packed, pack
 from academus.shared.models.students import from_teacher
 from tests.models import CONFIGS, LABELS, SHAPE, tiny_model
@@ -75,6 +75,14 @@ def test_positions_are_numbered_as_each_family_numbers_them(family: str, offset:
     architecture = read_architecture(CONFIGS[family]().to_dict())
     assert architecture.position_offset == offset
     assert architecture.max_tokens == SHAPE["max_position_embeddings"] - offset
+
+
+def test_a_head_of_one_label_answers_its_sigmoid_and_wider_ones_their_softmax() -> None:
+    """A reranker's one logit is a relevance: softmax over one label would answer 1.0 for every pair."""
+    logits = torch.tensor([[2.0], [-1.0]])
+    assert torch.allclose(probabilities(logits), torch.sigmoid(logits))
+    wide = torch.tensor([[2.0, 0.5, -1.0]])
+    assert torch.allclose(probabilities(wide), torch.softmax(wide, dim=-1))
 
 
 def test_an_unsupported_architecture_is_named() -> None:

@@ -257,6 +257,31 @@ async def test_pairs_a_model_cannot_score_are_refused_naming_the_field(gateway):
         await gateway.admit("good-key", call(["a"], model="minilm", output=SCORE))
 
 
+async def test_a_pair_classifier_reads_each_text_with_its_pair_and_takes_pairs_only(gateway, redis_url):
+    """A cross-encoder (`models add --pairs`): each pair is one input, its second text marked by its token types, as
+    the teacher's tokenizer frames a pair; a text without its pair is refused, naming it."""
+    from academus.services.gateway.server import schedule_request
+
+    redis = connect(redis_url)
+    await redis.hset(KEYS.models(), "rr", ModelSpec("rr", CLASSIFICATION, ["relevance"], pairs=True).to_json())
+    await redis.aclose()
+    admitted = await gateway.admit("good-key", paired_call(["what is rain", "what is rain"], ["water falling", "a cat"],
+                                                           model="rr"))
+    assert not admitted.paired and admitted.output == LABEL and len(admitted.encoded) == 2
+    expected = gateway.tokenizers.teacher.encode(["what is rain"] * 2, ["water falling", "a cat"])
+    assert [e.input_ids for e in admitted.encoded] == [e.input_ids for e in expected]
+    assert all(set(e.token_type_ids) == {0, 1} for e in admitted.encoded)   # the pair's second text is marked
+    assert list(schedule_request(admitted, "r1").tokens.token_type_ids) == [
+        t for e in admitted.encoded for t in e.token_type_ids]
+    with pytest.raises(InvalidArgument, match=r"inputs\[1\]\.text_pair is empty: model 'rr' classifies text pairs"):
+        await gateway.admit("good-key", paired_call(["a", "b"], ["c", ""], model="rr"))
+    with pytest.raises(InvalidArgument, match=r"inputs\[0\]\.text_pair is empty: model 'rr' classifies text pairs"):
+        await gateway.admit("good-key", call(["a"], model="rr"))
+    with pytest.raises(InvalidArgument, match=r"inputs\[0\] \(its text and text_pair together\) has \d+ tokens; "
+                                              r"the limit is 32"):
+        await gateway.admit("good-key", paired_call(["word " * 20], ["word " * 20], model="rr", truncate=False))
+
+
 def test_a_pairs_score_is_the_cosine_of_its_two_embeddings():
     from academus.services.gateway.core import pair_scores
 

@@ -79,7 +79,7 @@ def test_rerank_pairs_the_query_with_every_text():
 
 def test_the_routes_shape_the_cores_answer_as_tei_and_openai_do():
     from academus.services.gateway.core import Answer
-    from academus.services.gateway.http import embeddings, openai_answer, predictions, ranked
+    from academus.services.gateway.http import embeddings, openai_answer, predictions, ranked, similarities
 
     probs = Answer("spam", ["ham", "spam"], np.array([[0.75, 0.25], [0.125, 0.875]], np.float32), [3, 4])
     assert predictions(probs, single=False) == [[{"label": "ham", "score": 0.75}, {"label": "spam", "score": 0.25}],
@@ -88,6 +88,10 @@ def test_the_routes_shape_the_cores_answer_as_tei_and_openai_do():
     assert predictions(pairs, single=True) == [{"label": "similarity", "score": 0.25}]
     assert ranked(pairs, {"texts": ["a", "b"], "return_text": True}) == [{"index": 1, "score": 0.75, "text": "b"},
                                                                          {"index": 0, "score": 0.25, "text": "a"}]
+    # a classifier of pairs (a reranker of one label): each pair's last label's probability, as gRPC's score
+    relevance = Answer("rr", ["relevance"], np.array([[0.25], [0.875], [0.5]], np.float32), [5, 6, 7])
+    assert [r["index"] for r in ranked(relevance, {"texts": ["a", "b", "c"]})] == [1, 2, 0]
+    assert similarities(relevance, {}, None) == [0.25, 0.875, 0.5]
     rows = Answer("minilm", [], np.array([[3.0, 4.0], [0.0, 0.0]], np.float32), [2, 3])
     np.testing.assert_allclose(embeddings(rows, normalize=True), [[0.6, 0.8], [0.0, 0.0]])   # a zero row stays zero
     openai = json.loads(orjson.dumps(openai_answer(rows, {"dimensions": 2}), option=orjson.OPT_SERIALIZE_NUMPY))
@@ -395,7 +399,8 @@ async def test_tokenize_decode_and_info_answer_in_teis_shapes():
 
     seen: list[tuple] = []
     specs = {"emb": ModelSpec("emb", EMBEDDING, dim=384, max_tokens=256),
-             "cls": ModelSpec("cls", CLASSIFICATION, ["neg", "pos"], max_tokens=128)}
+             "cls": ModelSpec("cls", CLASSIFICATION, ["neg", "pos"], max_tokens=128),
+             "rr": ModelSpec("rr", CLASSIFICATION, ["relevance"], pairs=True)}
 
     async def tokens(key, model, texts, specials, peer):
         seen.append(("tokenize", key, model, texts, specials))
@@ -425,6 +430,8 @@ async def test_tokenize_decode_and_info_answer_in_teis_shapes():
         classifier = await (await client.get("/info", params={"model": "cls"})).json()
         assert classifier["model_type"] == {"classifier": {"id2label": {"0": "neg", "1": "pos"},
                                                            "label2id": {"neg": 0, "pos": 1}}}
+        reranker = await (await client.get("/info", params={"model": "rr"})).json()   # a classifier of text pairs
+        assert reranker["model_type"] == {"reranker": {"id2label": {"0": "relevance"}, "label2id": {"relevance": 0}}}
         bad = await client.post("/decode", json={"ids": "1"})
         assert bad.status == 400 and (await bad.json())["error_type"] == "INVALID_ARGUMENT"
     assert seen == [("tokenize", "k", "emb", ["Hi"], False), ("decode", None, "cls", [[101, 7592, 102], [7592]], True)]

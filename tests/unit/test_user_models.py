@@ -20,6 +20,7 @@ from academus.shared.models.user_models import (
     add_model,
     inspect_model_dir,
     list_models,
+    refuse_pairs,
     remove_model,
     verify_model_files,
 )
@@ -183,6 +184,31 @@ def test_refuses_pooling_for_a_classifier(artifacts: Path, model_dir: Callable[.
                                       r"classifier", pooling="mean")
 
 
+def test_refuses_pairs_for_an_embedding_model(artifacts: Path, model_dir: Callable[..., Path]) -> None:
+    # an embedding model scores a pair by its two texts' embeddings: it reads no text pair
+    assert_refused(artifacts, model_dir(), r"--pairs applies to classifiers; .* is served as an embedding model",
+                   pairs=True)
+
+
+def test_a_pair_classifier_is_registered_as_one_and_refuses_what_learns_from_single_texts(
+        artifacts: Path, model_dir: Callable[..., Path]) -> None:
+    entry = add_model(artifacts, "rr", model_dir("bert", classifier=True), pairs=True)
+    assert entry["pairs"] is True and read_catalogue(artifacts)["rr"]["pairs"] is True
+    assert "pairs" not in add_model(artifacts, "single", model_dir("roberta", classifier=True))
+    for built in ("students and exit ramps", "shards"):
+        with pytest.raises(ModelRefused, match=rf"model 'rr' classifies text pairs \(a cross-encoder, `models add "
+                                               rf"--pairs`\): {built} learn from single texts"):
+            refuse_pairs(artifacts, "rr", built)
+    refuse_pairs(artifacts, "single", "shards")   # a classifier of single texts: built as before
+    from academus.shared.training import shards
+    from academus.shared.training.distill_data import Teacher
+
+    with pytest.raises(ModelRefused, match="students and exit ramps learn from single texts"):
+        Teacher.user(artifacts, "rr")   # distillation's and `ramps train --model`'s teacher
+    with pytest.raises(ModelRefused, match="shards learn from single texts"):
+        shards.build(artifacts, "rr")
+
+
 def test_refuses_a_bad_name(artifacts: Path, model_dir: Callable[..., Path]) -> None:
     before = (artifacts / "models.json").read_text()
     with pytest.raises(ModelRefused, match=r"model name 'Bad Name!' must be 1-63 of a-z 0-9"):
@@ -338,5 +364,5 @@ def test_list_models(artifacts: Path, model_dir: Callable[..., Path]) -> None:
     on_disk = sum(p.stat().st_size for p in (artifacts / "models" / "mine").iterdir())
     assert mine == {"name": "mine", "kind": "classification", "user": True,
                     "architecture": "RobertaForSequenceClassification", "dim": 36, "layers": 3, "max_tokens": 46,
-                    "pooling": "cls", "labels": LABELS, "bytes": on_disk}
+                    "pooling": "cls", "labels": LABELS, "pairs": False, "bytes": on_disk}
     assert on_disk > (artifacts / "models" / "mine" / "model.safetensors").stat().st_size > 0
