@@ -200,7 +200,7 @@ async def core_answer(context: grpc.aio.ServicerContext, work: Awaitable[T]) -> 
 
 def model_info_pb(spec: ModelSpec) -> pb.ModelInfo:
     return pb.ModelInfo(name=spec.name, kind=spec.kind, labels=spec.labels, dim=spec.dim, max_tokens=spec.max_tokens,
-                        status=READY, architecture=spec.architecture, layers=spec.layers)
+                        status=READY, architecture=spec.architecture, layers=spec.layers, pairs=spec.pairs)
 
 
 def tenant_model_info_pb(model: TenantModel, base: ModelSpec | None) -> pb.ModelInfo:

@@ -167,6 +167,8 @@ def test_a_pair_classifier_scores_each_text_with_its_pair_as_transformers_does(u
     added = academus(user_mesh, "models", "add", "rr", "--from", tmp_path / "rr", "--pairs")
     assert added.returncode == 0, added.stderr
     wait_served(client, "rr")
+    info = next(m for m in client.list_models() if m.name == "rr")
+    assert (info.kind, info.labels, info.pairs) == ("classification", ["relevance"], True)
     query = "which film is worth the ticket"
     expected = pair_reference(model, tmp_path / "rr", query, TEXTS)
     for policy in ("concat", "padded"):
