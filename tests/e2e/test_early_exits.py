@@ -7,6 +7,7 @@ a client that leaves a stream stops the batch."""
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import shutil
 import subprocess
@@ -260,6 +261,28 @@ def test_a_client_leaving_the_stream_stops_the_batch(exit_mesh: MeshState, clien
         break   # the first early answer is enough: the rest of the batch is nobody's
     wait_for(lambda: metric(worker, "academus_worker_abandoned_total") > before, 30,
              "the worker to stop the abandoned batch between layers")
+
+
+def test_an_http_client_leaving_the_stream_stops_the_batch(exit_mesh: MeshState) -> None:
+    """A streamed `/predict` whose client closes its connection after the first event: the batch stops, as a gRPC
+    stream's does."""
+    key = (Path(exit_mesh.run_dir) / ADMIN_KEY_FILE).read_text().strip()
+    worker = service(exit_mesh, "worker-0").metrics_port
+    wait_for(lambda: metric(worker, "academus_worker_compute_saturated") == 0, 15, "the worker to be relieved")
+    before = metric(worker, "academus_worker_abandoned_total")
+    long_texts = [e.text for e in load_task("spam").test if len(e.text) > 2000][:48]
+    host, port = exit_mesh.http.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    connection.request("POST", "/predict", json.dumps({"inputs": [[t] for t in long_texts], "model": "spam",
+                                                       "truncate": True, "stream": True}),
+                       {"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    answer = connection.getresponse()
+    assert answer.status == 200
+    first = answer.readline()   # the first event (its chunk decoded)
+    assert first.startswith(b"data: ") and not json.loads(first[6:])["final"]
+    connection.close()   # the first early answer is enough: the rest of the batch is nobody's
+    wait_for(lambda: metric(worker, "academus_worker_abandoned_total") > before, 30,
+             "the worker to stop the batch the HTTP client left")
 
 
 def test_a_stream_over_the_sdks_multiplexed_stream_is_the_same_stream(exit_mesh: MeshState, client: Client) -> None:
