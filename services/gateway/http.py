@@ -371,7 +371,8 @@ class HttpApi:
     Answer), `list_models` (key, peer → the models the key may name, as {"name", "owner"}), `authenticate` (key,
     peer), which a request passes before its body is read, as a gRPC call's credentials are checked before its
     fields, `describe` (key, model, peer → its ModelSpec), for the routes that serve a model's own task and describe
-    it, and `tokenize` and `decode`, the model's own tokenizer both ways."""
+    it, `tokenize` and `decode`, the model's own tokenizer both ways, and `stream` (the same arguments as `answer`
+    → each exit event's Answer, then the final one), for a streamed /predict."""
 
     def __init__(self, config: GatewayConfig, answer: AnswerCall, list_models: ListModels,
                  serving: Callable[[], bool], authenticate: Authenticate, describe: Describe,

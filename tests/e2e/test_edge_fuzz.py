@@ -193,9 +193,11 @@ def http_call(mesh: MeshState, edge: tuple[grpc.Channel, str], route: str, body:
                                      headers=headers if headers is not None else {"x-api-key": edge[1]})
     try:
         with urllib.request.urlopen(request, timeout=30) as answer:
-            status, payload = answer.status, answer.read()
+            status, payload, kind = answer.status, answer.read(), answer.headers.get("Content-Type", "")
     except urllib.error.HTTPError as e:
-        status, payload = e.code, e.read()
+        status, payload, kind = e.code, e.read(), ""
+    if kind.startswith("text/event-stream"):   # a streamed /predict: each event's data is JSON
+        return status, [json.loads(line[6:]) for line in payload.decode().splitlines() if line.startswith("data: ")]
     return status, json.loads(payload)
 
 
@@ -222,7 +224,8 @@ def test_json_of_any_shape_over_http(mesh, edge, route, body):
        ids=st.lists(st.integers(-5, 40_000), max_size=20) | st.lists(st.lists(st.integers(-5, 40_000), max_size=5),
                                                                      max_size=70),
        extra=st.dictionaries(st.sampled_from(["truncate", "normalize", "raw_scores", "encoding_format", "dimensions",
-                                              "add_special_tokens", "skip_special_tokens"]),
+                                              "add_special_tokens", "skip_special_tokens", "policy", "early_exit",
+                                              "stream"]),
                              st.booleans() | st.integers() | st.text(max_size=8), max_size=3))
 def test_requests_of_any_shape_over_http(mesh, edge, route, model, inputs, ids, extra):
     fields = {"input": inputs} if route.startswith("/v1") else {"query": "q", "texts": inputs} \
