@@ -10,7 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,12 @@ def checkout_file(target: Path) -> Iterator[Callable[[Path], None]]:
         target.write_bytes(own)
 
 
+def round_orders(rounds: int, arms: Sequence[str]) -> Iterator[list[str]]:
+    """Each round's order of the arms: as given in even rounds, reversed in odd ones."""
+    for r in range(rounds):
+        yield list(arms) if r % 2 == 0 else list(reversed(arms))
+
+
 def alternating(rounds: int, arms: dict[str, Path], target: Path,
                 one_arm: Callable[[str], dict[str, Any]]) -> list[dict[str, Any]]:
     """`rounds` rounds of `one_arm(name)` for every arm, with that arm's copy of `target` in place; the arms in
@@ -33,8 +39,7 @@ def alternating(rounds: int, arms: dict[str, Path], target: Path,
     is printed as a JSON line as it ends."""
     rows = []
     with checkout_file(target) as use:
-        for r in range(rounds):
-            order = list(arms) if r % 2 == 0 else list(reversed(arms))
+        for order in round_orders(rounds, list(arms)):
             row: dict[str, Any] = {"order": order}
             for name in order:
                 use(arms[name])
@@ -51,8 +56,7 @@ def trees_alternating(rounds: int, arms: dict[str, str], script: str, out: Path)
     order alternates as `alternating`'s. Each round's row is printed as it ends; all of them, and the command, go to
     `out`."""
     rows = []
-    for r in range(rounds):
-        order = list(arms) if r % 2 == 0 else list(reversed(arms))
+    for order in round_orders(rounds, list(arms)):
         row: dict[str, Any] = {"order": order}
         for name in order:
             done = subprocess.run([sys.executable, script, "--one"], env={**os.environ, "PYTHONPATH": arms[name]},

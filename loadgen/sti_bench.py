@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from academus.loadgen.code_arms import round_orders
 from academus.shared.models.model import pad_batch
 from academus.shared.models.shard_io import io_source
 from academus.shared.models.shard_store import ShardStore, TaskShards, shards_dir
@@ -474,8 +475,8 @@ def cold_start(artifacts: Path, model: str, task: str, rounds: int, teacher: str
         arms = {teacher: (teacher, "1", 0.0, teacher_files), f"{teacher} untraced": (teacher, "0", 0.0, teacher_files),
                 sti: (sti, "1", 0.0, shard_files), f"{sti}, T = 1": (sti, "1", whole_ms, shard_files)}
         out: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
-        for r in range(rounds):
-            for name in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
+        for order in round_orders(rounds, list(arms)):
+            for name in order:
                 served, traced, target_ms, files = arms[name]
                 drop_page_cache(files)
                 done = subprocess.run([sys.executable, "-c", COLD_START, str(root), served, traced, str(target_ms),

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from academus.loadgen.code_arms import round_orders
 from academus.shared.models.shard_store import ShardStore, shards_dir
 from academus.shared.models.shards import BITS, FULL
 from academus.shared.models.sti_pipeline import ElasticModel
@@ -56,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
             "upgrades": lambda: [probs for _, _, probs in evaluator.upgrades(full_plan(geometry, BITS[0]), FULL)]}
     seconds: dict[str, list[float]] = {name: [] for name in arms}
     answers: dict[str, list[torch.Tensor]] = {}
-    for r in range(args.rounds):
-        for name in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
+    for r, order in enumerate(round_orders(args.rounds, list(arms))):
+        for name in order:
             started = time.perf_counter()
             answers[name] = arms[name]()
             seconds[name].append(round(time.perf_counter() - started, 2))

@@ -304,25 +304,30 @@ class PairPlan:
                     for i, (a, b) in enumerate(self.rows) if row in (a, b))
 
 
+def first_without_pair(call: InferCall) -> int | None:
+    """The first input whose text_pair is empty (None: every input has one)."""
+    return next((i for i, (_, pair) in enumerate(itertools.zip_longest(call.texts, call.pairs, fillvalue=""))
+                 if not pair), None)
+
+
 def pair_plan(spec: ModelSpec, call: InferCall, max_inputs: int) -> PairPlan | None:
     """The call's pairs, when an embedding model scores them (else None). An embedding model scores pairs as a
     bi-encoder does (each text embedded alone, then their cosine), the way all-MiniLM-L6-v2 is meant to. A classifier
     of pairs (a cross-encoder) reads each text with its pair, as one input, and takes pairs only; any other
     classifier was trained on single texts, so a pair would get an answer its head never learned to give."""
-    pairs = list(itertools.zip_longest(call.texts, call.pairs, fillvalue=""))
-    missing = next((i for i, (_, pair) in enumerate(pairs) if not pair), None)
     if spec.pairs:
-        if missing is not None:
+        if (missing := first_without_pair(call)) is not None:
             raise InvalidArgument(f"inputs[{missing}].text_pair is empty: model {spec.name!r} classifies text pairs "
                                   "(a cross-encoder); send each text with its pair")
         return None
     if not any(call.pairs):
         return None
+    pairs = list(itertools.zip_longest(call.texts, call.pairs, fillvalue=""))
     if spec.kind != EMBEDDING:
         first = next(i for i, (_, pair) in enumerate(pairs) if pair)
         raise InvalidArgument(f"inputs[{first}].text_pair: model {spec.name!r} classifies single texts; it was "
                               "not trained on text pairs")
-    if missing is not None:
+    if (missing := first_without_pair(call)) is not None:
         raise InvalidArgument(f"inputs[{missing}].text_pair is empty: a request scores text pairs or embeds single "
                               "texts, not both")
     row: dict[str, int] = {}
@@ -525,8 +530,12 @@ class Gateway:
             return tokenizer.encode(call.texts, list(call.pairs) if any(call.pairs) else None,
                                     truncate=call.truncate)
         except TextTooLong as e:
-            field = plan.field(e.index) if plan is not None else f"inputs[{e.index}].text" if not any(call.pairs) \
-                else f"inputs[{e.index}] (its text and text_pair together)"
+            if plan is not None:
+                field = plan.field(e.index)
+            elif any(call.pairs):   # a classifier of pairs: the text and its pair are one input
+                field = f"inputs[{e.index}] (its text and text_pair together)"
+            else:
+                field = f"inputs[{e.index}].text"
             raise InvalidArgument(f"{field} has {e.count} tokens; the limit is {e.limit} "
                                   "tokens (truncate=false)") from e
 

@@ -490,7 +490,8 @@ class HttpApi:
         parsed = parse(body, self.config.http_model)
         # gRPC's InferRequest.policy and .early_exit, for every inference route
         policy = field(body, "policy", (str,), "")
-        call = dataclasses.replace(parsed.call, early_exit=field(body, "early_exit", (bool,), False))
+        early_exit = field(body, "early_exit", (bool,), False)
+        call = dataclasses.replace(parsed.call, early_exit=True) if early_exit else parsed.call
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         if field(body, "stream", (bool,), False):
             if parse is not predict_call or self.stream is None:
@@ -505,7 +506,6 @@ class HttpApi:
     async def _stream(self, request: web.Request, call: InferCall, request_id: str, policy: str) -> web.StreamResponse:
         """gRPC's `InferStream` as server-sent events: one a released set of inputs, then the final one. A refusal at
         admission comes before the response starts, as a status of its own; one after it, as an `error` event."""
-        assert self.stream is not None
         events = self.stream(api_key(request), call, request_id, timeout_s(request, self.config.default_deadline_s),
                              peer_of(request), policy)
         first = await anext(events)
@@ -532,8 +532,8 @@ class HttpApi:
         with http_server_span(self.tracer, request.method, route, request.headers, self.trace_ratio) as span:
             try:
                 answer, headers = await work()
-                streamed = isinstance(answer, web.StreamResponse)   # sent already, event by event
-                response = answer if streamed else json_response(answer, headers=headers)
+                # a streamed answer was sent already, event by event
+                response = answer if isinstance(answer, web.StreamResponse) else json_response(answer, headers=headers)
             except ServingError as e:
                 response = error_response(e, openai)
             except RedisError as e:   # keys and catalogue unreachable: nothing ran, a retry may succeed

@@ -11,7 +11,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -122,43 +122,40 @@ def served_labels(admitted: Admitted, result: tensors_pb2.ModelOutput, dim: int)
 
 
 def answer_of(admitted: Admitted, result: tensors_pb2.ModelOutput) -> Answer:
-    """The full model's answer as the core's `Answer`: the model's float32 rows as they came, never a float each."""
+    """The model's answer as the core's `Answer`: the model's float32 rows as they came, never a float each. An exit
+    event (`result.rows` set) holds the texts a ramp released (`indices`) and its layer, as `to_pb` gives them."""
     values = matrix_from_pb(result.values)
     labels, width = served_labels(admitted, result, values.shape[1])
+    timings = {"tokenize_ms": admitted.tokenize_ms, "queue_ms": result.metadata.queue_ms,
+               "compute_ms": result.metadata.compute_ms, "policy": result.metadata.policy}
+    if result.rows:
+        released = list(result.rows)
+        return Answer(admitted.spec.name, labels, values[:, :width],
+                      [len(admitted.encoded[i].input_ids) for i in released], **timings,
+                      exit_layers=[result.exit_layer] * len(released), indices=released)
     tokens = [len(e.input_ids) for e in admitted.encoded]
     if admitted.paired:
         return Answer(admitted.spec.name, labels, values[:0], [tokens[a] + tokens[b] for a, b in admitted.pair_rows],
-                      pair_scores(values[: len(admitted.encoded)], admitted.pair_rows), **timings_of(admitted, result))
-    return Answer(admitted.spec.name, labels, values[:, :width], tokens, **timings_of(admitted, result))
-
-
-def timings_of(admitted: Admitted, result: tensors_pb2.ModelOutput) -> dict[str, Any]:
-    return {"tokenize_ms": admitted.tokenize_ms, "queue_ms": result.metadata.queue_ms,
-            "compute_ms": result.metadata.compute_ms, "policy": result.metadata.policy}
-
-
-def released_answer(admitted: Admitted, early: tensors_pb2.ModelOutput) -> Answer:
-    """One exit event as the core's `Answer`: the texts a ramp released (`indices`), their rows and the layer."""
-    values = matrix_from_pb(early.values)
-    labels, width = served_labels(admitted, early, values.shape[1])
-    tokens = [len(admitted.encoded[i].input_ids) for i in early.rows]
-    return Answer(admitted.spec.name, labels, values[:, :width], tokens, **timings_of(admitted, early),
-                  exit_layers=[early.exit_layer] * len(early.rows), indices=list(early.rows))
+                      pair_scores(values[: len(admitted.encoded)], admitted.pair_rows), **timings)
+    return Answer(admitted.spec.name, labels, values[:, :width], tokens, **timings)
 
 
 def first_answer(admitted: Admitted, early: list[tensors_pb2.ModelOutput],
                  final: tensors_pb2.ModelOutput | None) -> Answer:
     """`early_exit` for the core's `Answer`: each text's first result, as `first_results` gives it, and the layer that
     released it (0: the full model). Without the final answer, every text was released early."""
-    events = [released_answer(admitted, output) for output in early]
-    answer = answer_of(admitted, final) if final is not None else dataclasses.replace(
-        events[-1], rows=np.empty((len(admitted.encoded), events[-1].rows.shape[1]), np.float32),
-        num_tokens=[len(e.input_ids) for e in admitted.encoded], indices=None)
-    rows, layers = answer.rows.copy(), [0] * len(answer.num_tokens)
+    events = [answer_of(admitted, output) for output in early]
+    if final is not None:
+        answer = answer_of(admitted, final)
+        rows = answer.rows.copy() if events else answer.rows
+    else:
+        answer = dataclasses.replace(events[-1], num_tokens=[len(e.input_ids) for e in admitted.encoded], indices=None)
+        rows = np.empty((len(admitted.encoded), answer.rows.shape[1]), np.float32)
+    layers = [0] * len(answer.num_tokens)
     for event in events:
         rows[event.indices] = event.rows
-        for i, layer in zip(event.indices, event.exit_layers, strict=True):
-            layers[i] = layer
+        for i in event.indices:
+            layers[i] = event.exit_layers[0]
     return dataclasses.replace(answer, rows=rows, exit_layers=layers)
 
 
@@ -294,7 +291,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         events = self._exit_events(admitted, request_id, deadline, policy)
         try:
             async for output in events:
-                yield released_answer(admitted, output) if output.rows else answer_of(admitted, output)
+                yield answer_of(admitted, output)
         finally:
             await events.aclose()
 

@@ -234,18 +234,19 @@ class TeacherTokenizer:
         is tokenized from its start, cut before a space: its tokens there are the whole text's first ones, so when
         they pass the limit they are the answer (truncated), or the refusal (not). Else the whole text is
         tokenized. Pairs are tokenized whole: longest-first truncation weighs both texts' full lengths."""
-        cut = [] if pairs or not self.cut_chars else [i for i, t in enumerate(texts) if len(t) > self.cut_chars]
-        starts = list(texts) if cut else texts
-        for i in cut:
+        long = [] if pairs or not self.cut_chars else [i for i, t in enumerate(texts) if len(t) > self.cut_chars]
+        starts = list(texts) if long else texts
+        for i in long:
             starts[i] = _before_space(texts[i], self.cut_chars)
+        cut = [i for i in long if starts[i] is not texts[i]]   # tokenized from their start
         out = self._encode(starts, pairs, truncate)
         # a start that holds fewer tokens than the limit says nothing of the rest: those texts are taken whole
-        short = [i for i in cut if starts[i] is not texts[i] and not self._past_limit(out[i], truncate)]
-        for i, whole in zip(short, self._encode([texts[i] for i in short], None, truncate) if short else (),
-                            strict=True):
-            out[i] = whole
+        short = [i for i in cut if not self._past_limit(out[i], truncate)]
+        if short:
+            for i, whole in zip(short, self._encode([texts[i] for i in short], None, truncate), strict=True):
+                out[i] = whole
         if not truncate:
-            counted_from_start = {i for i in cut if starts[i] is not texts[i]}.difference(short)
+            counted_from_start = set(cut).difference(short)
             for i, e in enumerate(out):
                 if len(e.input_ids) > self.max_tokens:
                     raise TextTooLong(i, len(e.input_ids), self.max_tokens, i not in counted_from_start)
