@@ -1,11 +1,13 @@
 """Pure summaries of a run: per-second timeline, TCB utility, latency breakdown (from response
-metadata or from exported spans), `model:policy` run specs and ratios between runs."""
+metadata or from exported spans), `model:policy[+early-exit]` run specs and ratios between runs."""
 
 from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from academus.loadgen.stats import percentile
@@ -15,19 +17,47 @@ if TYPE_CHECKING:
     from academus.loadgen.runner import Record
 
 
-def parse_runs(spec: str) -> list[tuple[str, str]]:
-    """`spam:student,spam:fifo,spam` -> [(model, policy)]; no policy ("") lets the gateway pick."""
+EARLY_EXIT_SUFFIX = "+early-exit"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What one run asks for: a model, the deployment's policy ("" lets the gateway pick), and whether each request
+    asks for early exits (answered as soon as every text has a result; `InferRequest.early_exit`)."""
+
+    model: str
+    policy: str = ""
+    early_exit: bool = False
+
+    @property
+    def label(self) -> str:
+        return run_label(self.model, self.policy) + (EARLY_EXIT_SUFFIX if self.early_exit else "")
+
+
+def parse_runs(spec: str, early_exit: bool = False) -> list[RunSpec]:
+    """`spam:student,spam:fifo,spam,spam+early-exit` -> RunSpecs; `early_exit` asks it of every run."""
     runs = []
     for part in spec.split(","):
-        model, _, policy = part.strip().partition(":")
+        run, early = part.strip(), early_exit
+        if run.endswith(EARLY_EXIT_SUFFIX):
+            run, early = run.removesuffix(EARLY_EXIT_SUFFIX), True
+        model, _, policy = run.partition(":")
         if not model.strip():
-            raise ValueError(f"bad run {part!r} in {spec!r}: expected MODEL or MODEL:POLICY")
-        runs.append((model.strip(), policy.strip()))
+            raise ValueError(f"bad run {part!r} in {spec!r}: expected MODEL[:POLICY][{EARLY_EXIT_SUFFIX}]")
+        runs.append(RunSpec(model.strip(), policy.strip(), early))
     return runs
 
 
 def run_label(model: str, policy: str) -> str:
     return f"{model}:{policy}" if policy else model
+
+
+def exit_summary(layers: Sequence[int]) -> dict:
+    """Of the answers to requests that asked for early exits (each its text's exit layer, 0: the full model's), the
+    share a ramp released and how many each layer did."""
+    early = [layer for layer in layers if layer]
+    return {"released_early": round(len(early) / len(layers), 4) if layers else None,
+            "exit_layers": {str(layer): n for layer, n in sorted(Counter(layers).items())}}
 
 
 def _rounded(value: float | None, digits: int = 3) -> float | None:
@@ -138,12 +168,17 @@ def span_breakdown(spans: Sequence[dict]) -> dict:
     }
 
 
+def report_label(run: dict) -> str:
+    """A run's report as `model:policy`, `+early-exit` when its requests asked for early exits."""
+    return f"{run['model']}:{run['policy']}" + (EARLY_EXIT_SUFFIX if run.get("early_exit") else "")
+
+
 def ratios(runs: Sequence[dict]) -> list[dict]:
     """Each later run against the first: latency percentiles, throughput and utility as ratios."""
     base = runs[0]
     out = []
     for r in runs[1:]:
-        entry = {"run": f"{r['model']}:{r['policy']}", "vs": f"{base['model']}:{base['policy']}"}
+        entry = {"run": report_label(r), "vs": report_label(base)}
         for q in ("p50", "p95", "p99"):
             if base["latency_ms"].get(q) and r["latency_ms"].get(q):
                 entry[f"{q}_ratio"] = round(r["latency_ms"][q] / base["latency_ms"][q], 3)

@@ -14,6 +14,13 @@ Academus (`academus up --http-port`), or of text-embeddings-inference or infinit
 (loadgen/http_target.py). Against a mesh of several gateways (`academus up --gateways G`) each process
 sends its requests to them in turn, each on its own connection (`by_gateway` in the report).
 
+`--early-exit` (or a run `MODEL+early-exit` of `compare`) asks each request to be answered as soon as its text
+has a result, from the first exit ramp confident of it (Apparate; `academus ramps train`): the latency is the time to
+that answer, and the report's `exits` counts the answers each layer released (0: the full model).
+`academus loadgen compare --runs spam,spam+early-exit` measures what early exits gain on one schedule. Measure them
+with an open loop below capacity: a worker whose compute is saturated (as a closed loop keeps it) stands its ramps
+down, and every answer is the full model's.
+
 `run` and `compare` write report.json (one entry a run) and PNG plots to --out; the last line printed
 is the report JSON. `compare` sends the same arrival schedule and texts to each MODEL[:POLICY] in turn
 (the policy picks the deployment running it) and prints ratios against the first. `trace` writes a
@@ -31,7 +38,7 @@ import sys
 from pathlib import Path
 
 from academus.loadgen import analysis, plots, schedule, texts
-from academus.loadgen.analysis import parse_runs, ratios, run_label
+from academus.loadgen.analysis import RunSpec, parse_runs, ratios, report_label
 from academus.loadgen.runner import GatewaySpread, RunResult, send_load
 from academus.loadgen.shares import run_in_processes
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, MeshState
@@ -58,6 +65,9 @@ def add_load_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--procs", type=int, default=1, help="load-generator processes sharing each run's load "
                                                         "(one sends about 1000 req/s; see loadgen/shares.py)")
     s.add_argument("--streams", action="store_true", help="requests ride one multiplexed stream a process")
+    s.add_argument("--early-exit", action="store_true",
+                   help="each request asks for early exits (answered once its text has a result, from an exit ramp "
+                        "where one is confident); the report counts the texts each layer released")
     s.add_argument("--out", type=Path, default=Path(".academus/results/loadgen"))
     s.add_argument("--gateway", help="host:port[,host:port...]: requests go to each in turn (default: the local "
                                      "mesh's gateways); http://HOST:PORT[/ROUTE]: HTTP/JSON, to TEI's root or that "
@@ -75,7 +85,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--policy", default="", help="route to the deployment running this policy (default: any)")
     add_load_options(s)
     s = sub.add_parser("compare", help="the same load to several MODEL[:POLICY], one after the other")
-    s.add_argument("--runs", required=True, help="comma-separated MODEL[:POLICY], the first is the baseline")
+    s.add_argument("--runs", required=True, help="comma-separated MODEL[:POLICY][+early-exit], the first is the "
+                                                 "baseline (+early-exit: that run asks for early exits)")
     add_load_options(s)
     s = sub.add_parser("trace", help="write a synthetic arrival trace, one timestamp a line")
     s.add_argument("--kind", choices=["tweet"], default="tweet")
@@ -99,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_load(args: argparse.Namespace) -> int:
-    runs = [(args.model, args.policy)] if args.command == "run" else parse_runs(args.runs)
+    runs = ([RunSpec(args.model, args.policy, args.early_exit)] if args.command == "run"
+            else parse_runs(args.runs, args.early_exit))
     concurrency = schedule.closed_concurrency(args.schedule)
     arrivals = [] if concurrency else schedule.parse(args.schedule, args.duration, args.seed)
     text_spec = args.length_dist or args.texts
@@ -108,8 +120,8 @@ def cmd_load(args: argparse.Namespace) -> int:
     freeze_start_up_heap("loadgen")   # the client's own GC pauses would count as server latency
     set_process_slice(hop_slice_us())   # ... and so would its threads' waits behind a forward pass
     if args.procs > 1:
-        results = [run_in_processes(gateways, key, model, policy, arrivals, samples, args.procs, args.timeout,
-                                    args.duration, concurrency, args.streams) for model, policy in runs]
+        results = [run_in_processes(gateways, key, run.model, run.policy, arrivals, samples, args.procs, args.timeout,
+                                    args.duration, concurrency, args.streams, run.early_exit) for run in runs]
     else:
         results = asyncio.run(run_all(gateways, key, runs, arrivals, samples, args, concurrency))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -135,16 +147,20 @@ def hop_slice_us() -> int:
 def write_plots(results: list[RunResult], out: Path) -> None:
     plots.latency_cdf(results, out / "latency_cdf.png")
     for i, r in enumerate(results):
-        plots.timeline(r, out / f"timeline_{i}_{run_label(r.model, r.requested_policy).replace(':', '_')}.png")
+        label = RunSpec(r.model, r.requested_policy, r.early_exit).label
+        plots.timeline(r, out / f"timeline_{i}_{label.replace(':', '_').replace('+', '_')}.png")
 
 
 def summary_lines(report: dict) -> list[str]:
     lines = []
     for r in report["runs"]:
         lat = r["latency_ms"]
-        lines.append(f"{r['model'] + ':' + r['policy']:<24} sent {r['sent']} completed {r['completed']} "
+        lines.append(f"{report_label(r):<24} sent {r['sent']} completed {r['completed']} "
                      f"errors {r['errors'] or 0}  p50 {lat.get('p50')} p95 {lat.get('p95')} p99 {lat.get('p99')} ms  "
                      f"{r['throughput_rps']} req/s  utility {r['utility']} ({r['utility_per_s']}/s)")
+        if exits := r.get("exits"):
+            layers = ", ".join(f"layer {k}: {n}" for k, n in exits["exit_layers"].items() if k != "0")
+            lines.append(f"  released early: {exits['released_early']} of the answers ({layers or 'none'})")
         if (late := r.get("send_late_ms")) and late["p99"] > BEHIND_SCHEDULE_MS:
             lines.append(f"  the load generator fell behind its schedule (sends p99 {late['p99']} ms late): "
                          f"this run measured it too; spread the load with --procs")
@@ -164,16 +180,16 @@ def target(args: argparse.Namespace) -> tuple[list[str], str | None]:
     return gateways, key
 
 
-async def run_all(gateways: list[str], key: str | None, runs: list[tuple[str, str]], arrivals: list[float],
+async def run_all(gateways: list[str], key: str | None, runs: list[RunSpec], arrivals: list[float],
                   samples: list[texts.Sample], args: argparse.Namespace,
                   concurrency: int | None = None) -> list[RunResult]:
     """Each run in turn (runs must not share the machine): open loop on `arrivals`, or a closed loop
     of `concurrency` callers."""
     results = []
     async with GatewaySpread(gateways, key, args.timeout, args.streams) as client:
-        for model, policy in runs:
-            results.append(await send_load(client, model, policy, arrivals, samples, args.timeout, args.duration,
-                                           concurrency))
+        for run in runs:
+            results.append(await send_load(client, run.model, run.policy, arrivals, samples, args.timeout,
+                                           args.duration, concurrency, run.early_exit))
     return results
 
 

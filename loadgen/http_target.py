@@ -6,9 +6,10 @@ A target is a URL. Without a path, requests go to TEI's root (`POST /`: the mode
 serve it); with one, to that route: `/embed`, `/predict` (TEI's body, `{"inputs": [...], "model": M, "truncate":
 true}`, truncated as gRPC's `Infer` is), or `/v1/embeddings` and `/embeddings` (OpenAI's, `{"input": [...], "model":
 M}`, which truncates nothing). A policy goes in the body as `"policy"` (Academus's field, as gRPC's
-`InferRequest.policy`). The answer's TEI headers give the tokens, the queue's and the forward pass's time where the
-server sends them, and Academus's the policy that served it; an error keeps its status as the gRPC code the error
-contract maps it from (`error_type` where the body names it)."""
+`InferRequest.policy`), early exits as `"early_exit": true`. The answer's TEI headers give the tokens, the queue's
+and the forward pass's time where the server sends them, and Academus's the policy that served it and the layer that
+released each input; an error keeps its status as the gRPC code the error contract maps it from (`error_type` where
+the body names it)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import aiohttp
 import grpc
 
 from academus.client import AcademusError, InferResult, Metadata, Prediction
-from academus.services.gateway.http import HTTP_STATUS
+from academus.services.gateway.http import EXIT_LAYERS_HEADER, HTTP_STATUS
 
 OPENAI_ROUTES = ("/v1/embeddings", "/embeddings")
 # An HTTP status as the gRPC code it stands for: the gateway's own mapping read backwards (400 is INVALID_ARGUMENT,
@@ -46,7 +47,7 @@ class HttpTarget:
         self.session: aiohttp.ClientSession | None = None
 
     async def infer(self, model: str, texts: list[str], *, timeout: float | None = None,
-                    policy: str = "") -> InferResult:
+                    policy: str = "", early_exit: bool = False) -> InferResult:
         if self.session is None:
             self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         seconds = timeout or self.timeout
@@ -55,6 +56,8 @@ class HttpTarget:
                                                                        "truncate": True}
         if policy:
             body["policy"] = policy
+        if early_exit:
+            body["early_exit"] = True
         headers = {**self.headers, "x-timeout-ms": str(int(seconds * 1e3))}
         try:
             async with self.session.post(self.url, json=body, headers=headers,
@@ -92,6 +95,9 @@ def result_of(model: str, payload: Any, headers) -> InferResult:
     only. Times and tokens from TEI's headers, where sent."""
     rows = payload.get("data", []) if isinstance(payload, dict) else payload
     predictions = [prediction(row) for row in rows]
+    if layers := headers.get(EXIT_LAYERS_HEADER):   # an early exit's answer: the layer that released each input
+        predictions = [replace(p, exit_layer=int(layer), final=layer == "0")
+                       for p, layer in zip(predictions, layers.split(","), strict=False)]
     if predictions:   # the request's tokens (a single text's, as the load generator sends)
         predictions[0] = replace(predictions[0], num_tokens=int(headers.get("x-compute-tokens", 0)))
     queue_ms, compute_ms = float(headers.get("x-queue-time", 0)), float(headers.get("x-inference-time", 0))

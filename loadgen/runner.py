@@ -33,6 +33,7 @@ class Record:
     details: str = ""        # an error's message: which hop refused, and why
     gateway: str = ""        # the address it was sent to
     late_ms: float = 0.0     # sent this long after its scheduled time: the load generator's own lag
+    exit_layer: int = 0      # the ramp's layer that released the answer (early exits asked); 0: the full model's
 
     @property
     def done_at(self) -> float:
@@ -49,6 +50,7 @@ class RunResult:
     deadline_ms: float | None = None
     requested_policy: str = ""
     concurrency: int | None = None
+    early_exit: bool = False   # each request asked to be answered as soon as its text has a result
 
     def report(self) -> dict:
         ok = [r for r in self.records if r.code == "OK"]
@@ -80,6 +82,8 @@ class RunResult:
             "by_gateway": by_gateway(self.records),
             "send_late_ms": None if self.concurrency else send_lateness(self.records),
             "timeline": analysis.timeline(self.records, self.duration_s),
+            "early_exit": self.early_exit,
+            **({"exits": analysis.exit_summary([r.exit_layer for r in ok])} if self.early_exit else {}),
         }
 
 
@@ -171,7 +175,7 @@ def answered(sample: Sample, sent_at: float, latency_ms: float, answer: InferRes
     prediction = answer.predictions[0]
     correct = (prediction.label == sample.label) if sample.label is not None and prediction.label else None
     return Record(sent_at, latency_ms, "OK", answer.metadata.student_count, correct, prediction.num_tokens,
-                  answer.metadata, gateway=gateway, late_ms=late_ms)
+                  answer.metadata, gateway=gateway, late_ms=late_ms, exit_layer=prediction.exit_layer)
 
 
 async def call(spread: GatewaySpread, result: RunResult, sample: Sample, start: float, timeout_s: float,
@@ -180,7 +184,8 @@ async def call(spread: GatewaySpread, result: RunResult, sample: Sample, start: 
     gateway, client = spread.next()
     sent = time.perf_counter()
     try:
-        answer = await client.infer(result.model, [sample.text], timeout=timeout_s, policy=result.requested_policy)
+        answer = await client.infer(result.model, [sample.text], timeout=timeout_s, policy=result.requested_policy,
+                                    early_exit=result.early_exit)
     except AcademusError as e:
         result.records.append(Record(sent - start, (time.perf_counter() - sent) * 1e3, e.code, details=e.details,
                                      gateway=gateway, late_ms=late_ms))
@@ -191,11 +196,11 @@ async def call(spread: GatewaySpread, result: RunResult, sample: Sample, start: 
 
 
 async def run(client: GatewaySpread, model: str, arrivals: list[float], samples: list[Sample],
-              timeout_s: float, duration_s: float, policy: str = "") -> RunResult:
-    """Sends request i at arrivals[i] with samples[i % n], asking for deployment `policy` ("" = any);
-    waits for every answer."""
+              timeout_s: float, duration_s: float, policy: str = "", early_exit: bool = False) -> RunResult:
+    """Sends request i at arrivals[i] with samples[i % n], asking for deployment `policy` ("" = any) and, with
+    `early_exit`, for early exits; waits for every answer."""
     result = RunResult(model, policy, len(arrivals) / duration_s if duration_s else 0.0, duration_s,
-                       deadline_ms=timeout_s * 1e3, requested_policy=policy)
+                       deadline_ms=timeout_s * 1e3, requested_policy=policy, early_exit=early_exit)
     start = time.perf_counter()
 
     async def one(i: int, at: float) -> None:
@@ -211,21 +216,22 @@ async def run(client: GatewaySpread, model: str, arrivals: list[float], samples:
 
 
 async def send_load(client: GatewaySpread, model: str, policy: str, arrivals: list[float], samples: list[Sample],
-                    timeout_s: float, duration_s: float, concurrency: int | None = None) -> RunResult:
+                    timeout_s: float, duration_s: float, concurrency: int | None = None,
+                    early_exit: bool = False) -> RunResult:
     """One run: a closed loop of `concurrency` callers, else the open loop on `arrivals`."""
     if concurrency:
-        return await run_closed(client, model, concurrency, samples, timeout_s, duration_s, policy)
-    return await run(client, model, arrivals, samples, timeout_s, duration_s, policy)
+        return await run_closed(client, model, concurrency, samples, timeout_s, duration_s, policy, early_exit)
+    return await run(client, model, arrivals, samples, timeout_s, duration_s, policy, early_exit)
 
 
 async def run_closed(client: GatewaySpread, model: str, concurrency: int, samples: list[Sample],
-                     timeout_s: float, duration_s: float, policy: str = "") -> RunResult:
+                     timeout_s: float, duration_s: float, policy: str = "", early_exit: bool = False) -> RunResult:
     """Capacity, as perf_analyzer's concurrency mode measures it: `concurrency` callers, each sending its
     next text when its last is answered, until `duration_s`. The queue stays bounded, so no request
     expires in it and the throughput is what the deployment sustains (an open loop past capacity
     measures its backlog instead)."""
     result = RunResult(model, policy, None, duration_s, deadline_ms=timeout_s * 1e3, requested_policy=policy,
-                       concurrency=concurrency)
+                       concurrency=concurrency, early_exit=early_exit)
     start = time.perf_counter()
     result.duration_s = await closed_callers(
         concurrency, duration_s, lambda i: call(client, result, samples[i % len(samples)], start, timeout_s))

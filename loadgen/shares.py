@@ -52,11 +52,12 @@ def merge(parts: Sequence[RunResult], offered_rps: float | None, concurrency: in
     records = sorted((r for p in parts for r in p.records), key=lambda r: r.sent_at)
     return RunResult(first.model, next((p.policy for p in parts if p.policy), first.policy), offered_rps,
                      max(p.duration_s for p in parts), records, first.deadline_ms, first.requested_policy,
-                     concurrency)
+                     concurrency, first.early_exit)
 
 
 def run_share(gateways: list[str], key: str | None, model: str, policy: str, share: Share, timeout_s: float,
-              duration_s: float, start_at: float, streams: bool = False, first_gateway: int = 0) -> RunResult:
+              duration_s: float, start_at: float, streams: bool = False, first_gateway: int = 0,
+              early_exit: bool = False) -> RunResult:
     """A child process: wait for the common start, then send this share, starting at gateways[first_gateway]."""
     from academus.shared.runtime.heap import freeze_start_up_heap
 
@@ -66,21 +67,21 @@ def run_share(gateways: list[str], key: str | None, model: str, policy: str, sha
         async with GatewaySpread(gateways, key, timeout_s, streams, first_gateway) as client:
             await asyncio.sleep(max(0.0, start_at - time.time()))
             return await send_load(client, model, policy, share.arrivals, share.samples, timeout_s, duration_s,
-                                   share.concurrency)
+                                   share.concurrency, early_exit)
 
     return asyncio.run(go())
 
 
 def run_in_processes(gateways: list[str], key: str | None, model: str, policy: str, arrivals: Sequence[float],
                      samples: Sequence[Sample], procs: int, timeout_s: float, duration_s: float,
-                     concurrency: int | None = None, streams: bool = False) -> RunResult:
+                     concurrency: int | None = None, streams: bool = False, early_exit: bool = False) -> RunResult:
     """One run whose load `procs` processes send together (spawned: no gRPC state is forked)."""
     shares = split(arrivals, samples, procs, concurrency)
     start_at = time.time() + START_MARGIN_S
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(len(shares), mp_context=context) as pool:
-        futures = [pool.submit(run_share, gateways, key, model, policy, s, timeout_s, duration_s, start_at, streams, k)
-                   for k, s in enumerate(shares)]
+        futures = [pool.submit(run_share, gateways, key, model, policy, s, timeout_s, duration_s, start_at, streams, k,
+                               early_exit) for k, s in enumerate(shares)]
         parts = [f.result() for f in futures]
     offered = None if concurrency else (len(arrivals) / duration_s if duration_s else 0.0)
     return merge(parts, offered, concurrency)

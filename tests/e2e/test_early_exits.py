@@ -119,6 +119,33 @@ def test_http_early_exit_answers_every_input_and_names_the_layer_that_released_i
     assert [scores[0]["label"] for scores in exact] == [p.label for p in served]
 
 
+def test_loadgen_asks_for_early_exits_over_grpc_and_http_and_counts_the_layers_that_released(
+        exit_mesh: MeshState, tmp_path: Path) -> None:
+    """`academus loadgen compare --runs spam,spam+early-exit` (gRPC) and `run --early-exit` to the HTTP port: every
+    request answered, the early-exit run's report counting each layer's releases (PABEE 2 releases at layer 2), the
+    plain run's none."""
+    key = (Path(exit_mesh.run_dir) / ADMIN_KEY_FILE).read_text().strip()
+    # an open loop below capacity: a saturated worker (a closed loop's) stands its ramps down
+    load = ("--schedule", "poisson:6", "--duration", "3", "--texts", "task:spam", "--out", tmp_path)
+    compared = academus(exit_mesh.run_dir, "loadgen", "compare", "--runs", "spam:padded,spam:padded+early-exit", *load)
+    assert compared.returncode == 0, compared.stderr[-2000:]
+    report = json.loads(compared.stdout.strip().splitlines()[-1])
+    plain, early = report["runs"]
+    over_http = academus(exit_mesh.run_dir, "loadgen", "run", "--model", "spam", "--early-exit", "--key", key,
+                         "--gateway", f"http://{exit_mesh.http}/predict", *load)
+    assert over_http.returncode == 0, over_http.stderr[-2000:]
+    http_early = json.loads(over_http.stdout.strip().splitlines()[-1])["runs"][0]
+    assert not plain["early_exit"] and "exits" not in plain and plain["completed"] == plain["sent"] > 2, plain
+    for run in (early, http_early):
+        assert run["early_exit"] and run["completed"] == run["sent"] > 2 and not run["errors"], run
+        exits = run["exits"]
+        assert sum(exits["exit_layers"].values()) == run["completed"], exits
+        assert {int(layer) for layer in exits["exit_layers"]} <= {0, 2} and exits["exit_layers"].get("2", 0) > 0
+        assert exits["released_early"] == round(exits["exit_layers"]["2"] / run["completed"], 4)
+    assert report["ratios_vs_first"][0]["run"] == "spam:padded+early-exit"
+    assert "released early:" in compared.stdout
+
+
 def test_http_stream_sends_early_events_then_the_exact_final_answer(exit_mesh: MeshState, client: Client) -> None:
     """`/predict` with `"stream": true`: server-sent events as InferStream's messages, the final one exact."""
     key = (Path(exit_mesh.run_dir) / ADMIN_KEY_FILE).read_text().strip()

@@ -39,3 +39,11 @@ def test_an_answer_becomes_the_sdks_result_with_teis_timings():
     embedded = result_of("minilm", {"data": [{"embedding": [0.1]}], "model": "minilm"}, {})
     assert embedded.predictions[0].label == "" and embedded.metadata.gateway_ms == 0.0
     assert embedded.metadata.policy == ""   # a server that does not say (TEI)
+
+
+def test_an_early_answer_keeps_the_layer_that_released_each_input():
+    """`x-academus-exit-layers`: a ramp's layer (not final) or 0 (the full model's), in the inputs' order."""
+    rows = [[{"label": "spam", "score": 0.9}], [{"label": "ham", "score": 0.8}]]
+    result = result_of("spam", rows, {"x-academus-exit-layers": "2,0"})
+    assert [(p.exit_layer, p.final) for p in result.predictions] == [(2, False), (0, True)]
+    assert [(p.exit_layer, p.final) for p in result_of("spam", rows, {}).predictions] == [(0, True), (0, True)]

@@ -313,11 +313,30 @@ def test_trace_command_writes_a_replayable_file(tmp_path, capsys):
 
 # --- runs, timeline, utility, breakdown --------------------------------------------------------------
 
-def test_runs_parse_model_and_optional_policy():
-    assert analysis.parse_runs("spam:student, spam:fifo,minilm") == [
-        ("spam", "student"), ("spam", "fifo"), ("minilm", "")]
-    with pytest.raises(ValueError, match="bad run"):
-        analysis.parse_runs("spam,:fifo")
+def test_runs_parse_model_and_optional_policy_and_early_exits():
+    RunSpec = analysis.RunSpec
+    assert analysis.parse_runs("spam:student, spam:fifo,minilm,spam+early-exit,spam:fifo+early-exit") == [
+        RunSpec("spam", "student"), RunSpec("spam", "fifo"), RunSpec("minilm", ""), RunSpec("spam", "", True),
+        RunSpec("spam", "fifo", True)]
+    assert [r.early_exit for r in analysis.parse_runs("spam,minilm", early_exit=True)] == [True, True]
+    assert RunSpec("spam", "fifo", True).label == "spam:fifo+early-exit" and RunSpec("spam").label == "spam"
+    for bad in ("spam,:fifo", "+early-exit"):
+        with pytest.raises(ValueError, match=r"bad run .* expected MODEL"):
+            analysis.parse_runs(bad)
+
+
+def test_an_early_exit_run_reports_the_answers_each_layer_released_and_is_told_apart_in_ratios():
+    records = [Record(0.1, 5.0, "OK", exit_layer=2), Record(0.2, 9.0, "OK"), Record(0.3, 4.0, "OK", exit_layer=2),
+               Record(0.4, 3.0, "OK", exit_layer=1), Record(0.5, 50.0, "DEADLINE_EXCEEDED")]
+    early = RunResult("spam", "padded", 5.0, 1.0, records, early_exit=True).report()
+    assert early["early_exit"] and early["exits"] == {"released_early": 0.75,
+                                                      "exit_layers": {"0": 1, "1": 1, "2": 2}}
+    plain = RunResult("spam", "padded", 5.0, 1.0, [Record(0.1, 9.0, "OK")]).report()
+    assert not plain["early_exit"] and "exits" not in plain
+    assert analysis.ratios([plain, early])[0]["run"] == "spam:padded+early-exit"
+    lines = summary_lines({"runs": [plain, early]})
+    assert lines[2] == "  released early: 0.75 of the answers (layer 1: 1, layer 2: 2)"
+    assert lines[1].startswith("spam:padded+early-exit ") and len(lines) == 3
 
 
 def test_timeline_bins_sends_and_answers_by_second():
@@ -693,7 +712,7 @@ class BlockingGateway:
     def __init__(self, block_s: float) -> None:
         self.block_s = block_s
 
-    async def infer(self, model, texts, timeout=None, policy=""):
+    async def infer(self, model, texts, timeout=None, policy="", early_exit=False):
         time.sleep(self.block_s)   # holds the event loop, as a busy generator's handling does
         raise AcademusError(grpc.StatusCode.UNAVAILABLE, "refused by the stand-in")
 
