@@ -144,13 +144,17 @@ def test_a_model_added_to_a_running_mesh_answers_as_transformers_does(user_mesh:
         assert (got - expected).abs().max().item() <= TOLERANCE, policy
 
 
-def pair_reference(model: nn.Module, directory: Path, query: str, texts: list[str]) -> list[float]:
-    """transformers' forward on each pair alone, framed by the model's own tokenizer.json: its one label's sigmoid."""
+def pair_reference(model: nn.Module, directory: Path, queries: list[str], texts: list[str],
+                   limit: int | None = None) -> list[float]:
+    """transformers' forward on each pair alone, framed by the model's own tokenizer.json (truncated longest first
+    to `limit` tokens): its one label's sigmoid."""
     tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
     tokenizer.no_padding()
+    if limit:
+        tokenizer.enable_truncation(max_length=limit)
     scores = []
     with torch.no_grad():
-        for text in texts:
+        for query, text in zip(queries, texts, strict=True):
             encoding = tokenizer.encode(query, text)
             ids, types = torch.tensor([encoding.ids]), torch.tensor([encoding.type_ids])
             logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), token_type_ids=types).logits
@@ -170,11 +174,21 @@ def test_a_pair_classifier_scores_each_text_with_its_pair_as_transformers_does(u
     info = next(m for m in client.list_models() if m.name == "rr")
     assert (info.kind, info.labels, info.pairs) == ("classification", ["relevance"], True)
     query = "which film is worth the ticket"
-    expected = pair_reference(model, tmp_path / "rr", query, TEXTS)
+    expected = pair_reference(model, tmp_path / "rr", [query] * len(TEXTS), TEXTS)
     for policy in ("concat", "padded"):
         result = client.infer("rr", [query] * len(TEXTS), pairs=TEXTS, policy=policy)
         assert [p.label for p in result.predictions] == ["relevance"] * len(TEXTS)
         assert [p.score for p in result.predictions] == pytest.approx(expected, abs=TOLERANCE), policy
+    # documents past the gateway's cut (16 characters a token of the limit): after a short query (cut to their
+    # start) and after a long one (both cut where the pair's budget is even, else both tokenized whole)
+    limit = read_catalogue(user_mesh.artifacts)["rr"]["max_tokens"]
+    documents = [" ".join(TEXTS) * 8, "worth the ticket " * 60, "dull " * 400]
+    queries = [query, query, " ".join(TEXTS) * 9]
+    assert min(map(len, documents + queries[2:])) > 16 * limit
+    truncated = client.infer("rr", queries, pairs=documents)
+    assert all(p.truncated for p in truncated.predictions)
+    assert [p.score for p in truncated.predictions] == pytest.approx(
+        pair_reference(model, tmp_path / "rr", queries, documents, limit), abs=TOLERANCE)
     key = (Path(user_mesh.run_dir) / ADMIN_KEY_FILE).read_text().strip()
     status, ranked, _ = http_call(user_mesh, "/rerank", {"query": query, "texts": TEXTS, "model": "rr"}, key)
     assert status == 200, ranked

@@ -203,6 +203,7 @@ def each_refused(tokenizer: TeacherTokenizer, texts: list[str]) -> list[bool]:
 
 
 PIPELINES = ["teacher", "teacher-library", "byte-level-bpe", "metaspace-unigram"]
+PAIRS = 128   # of the task texts past a pair test's cut, and of those under it
 LONG_TEXTS = 1024   # of the tasks' texts past the cut, the first: every kind of text, in a test's time
 
 
@@ -270,3 +271,122 @@ def test_a_pipeline_that_may_join_across_a_space_tokenizes_long_texts_whole(chan
     assert TeacherTokenizer.from_json(json.dumps(raw), 256).cut_chars == 256 * CHARS_A_TOKEN_CUT
     change(raw)
     assert TeacherTokenizer.from_json(json.dumps(raw), 256, ascii_path=False).cut_chars == 0
+
+
+def pair_outcome(tokenizer: TeacherTokenizer, texts: list[str], pairs: list[str], truncate: bool
+                 ) -> list[Encoded] | int:
+    """The pairs' encodings, or the index of the pair refused untruncated."""
+    try:
+        return tokenizer.encode(texts, pairs, truncate=truncate)
+    except TextTooLong as e:
+        return e.index
+
+
+@pytest.mark.parametrize("kind", PIPELINES)
+@pytest.mark.parametrize("limit", [8, 9])   # a pair's budget of either parity, whatever the frame
+def test_a_pairs_long_texts_start_gives_the_whole_pairs_tokens(task_texts: list[str], kind: str, limit: int) -> None:
+    """Task texts past the cut paired with short and with long ones, each way round: the same ids and type ids,
+    truncated, and refused untruncated exactly when whole; the cut is taken where it is exact."""
+    cut, whole = cut_and_whole(kind, limit)
+    long = [t for t in task_texts if len(t) > cut.cut_chars][:PAIRS]
+    short = [t for t in task_texts if len(t) <= cut.cut_chars][:PAIRS]
+    half = PAIRS // 2
+    firsts, seconds = long[:half] + short[:half] + long[half:], short[half:] + long[:half] + long[::-1][:half]
+    assert cut.encode(firsts, seconds) == whole.encode(firsts, seconds)
+    for i in range(0, 40, 8):   # refused untruncated alike, pair by pair
+        for first, second in ((firsts[i], seconds[i]), (seconds[i], firsts[i])):
+            assert pair_outcome(cut, [first], [second], False) == pair_outcome(whole, [first], [second], False)
+    taken = cut._encode_pairs(firsts, seconds, True)[1]
+    assert len(taken & set(range(PAIRS))) > PAIRS // 2   # one long text a pair: cut
+    both = len(taken & set(range(PAIRS, PAIRS + half)))
+    assert (both > half // 2) == (cut.pair_budget % 2 == 0) and (both == 0 or cut.pair_budget % 2 == 0), both
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.one_of(st.sampled_from([*AWKWARD, " ", "  ", " \t", "\n ", "\xa0", "'s", "é"]),
+                          st.text(max_size=12)), min_size=1, max_size=80),
+       st.lists(st.sampled_from(["word", "x" * 101, "a b c", " ", "é", "[SEP]"]), max_size=60),
+       st.sampled_from(PIPELINES[:3]), st.sampled_from([2, 3, 4, 5]), st.booleans())
+def test_generated_pairs_get_the_whole_pairs_ids(words: list[str], other: list[str], kind: str, limit: int,
+                                                 truncate: bool) -> None:
+    """Pairs of generated texts, short and long, either way round, cut at 32-80 characters: the same ids, or the
+    same pair refused."""
+    cut, whole = cut_and_whole(kind, limit)
+    texts, partner = [" ".join(words), "".join(words), "  ".join(words)], " ".join(other)
+    for firsts, seconds in ((texts, [partner] * 3), ([partner] * 3, texts), (texts, texts[::-1])):
+        assert pair_outcome(cut, firsts, seconds, truncate) == pair_outcome(whole, firsts, seconds, truncate)
+
+
+def test_a_pair_is_cut_only_where_the_budgets_share_is_known() -> None:
+    """BERT's pair frame takes 3 tokens: at a limit of 32 the budget is 29, odd, so two long texts are tokenized
+    whole (the longer one keeps the odd token); at 33 both are cut. A short text holding more tokens than the long
+    text's start keeps the pair whole."""
+    odd, even = (TeacherTokenizer(teacher_dir(), max_tokens=limit) for limit in (32, 33))
+    long_a, long_b, query = "word " * 2000, "other " * 3000, "is it?"
+    assert odd.pair_budget == 29 and even.pair_budget == 30
+    assert odd._encode_pairs([long_a, query], [long_b, long_a], True)[1] == {1}
+    assert even._encode_pairs([long_a, query], [long_b, long_a], True)[1] == {0, 1}
+    dense = "a" * 500 + "?" * 10   # 511 characters, 11 tokens; a long text's first 512 characters hold 102
+    assert odd._encode_pairs(["ab " * 1000, "ab " * 1000], [dense, "?" * 500], True)[1] == {0}
+    for tokenizer in (odd, even):
+        whole = TeacherTokenizer(teacher_dir(), max_tokens=tokenizer.max_tokens, cut_long=False)
+        pairs = ([long_a, query, long_b], [long_b, long_a, "?" * 500])
+        assert tokenizer.encode(*pairs) == whole.encode(*pairs)
+        with pytest.raises(TextTooLong, match=r"texts\[0\] has at least \d+ tokens") as refused:
+            tokenizer.encode([query], [long_a], truncate=False)
+        assert not refused.value.counted
+
+
+def library_pairs(kind: str, limit: int, firsts: list[str], seconds: list[str]) -> list[Encoded]:
+    """The library's own longest-first truncation of each pair (its windows kept: short pairs only)."""
+    from tokenizers import Tokenizer
+
+    library = Tokenizer.from_str(pipeline(kind)[0])
+    library.no_padding()
+    library.enable_truncation(max_length=limit)
+    return [Encoded(list(e.ids), list(e.type_ids), bool(e.overflowing))
+            for e in library.encode_batch(list(zip(firsts, seconds, strict=True)))]
+
+
+@pytest.mark.parametrize("kind", ["teacher", "byte-level-bpe"])   # frames of 3 and 4 special tokens
+def test_a_pairs_lengths_are_the_librarys_longest_first_ones(kind: str) -> None:
+    """Texts of 0-12 tokens each, at limits 2-14 (budgets of either parity, none at all, ties, empty texts): the
+    same ids, type ids and truncation as the library's."""
+    words = [" ".join(["house"] * n) for n in range(13)]
+    others = [" ".join(["tree"] * n) for n in range(13)]
+    firsts, seconds = zip(*[(a, b) for a in words for b in others], strict=True)
+    for limit in range(2, 15):
+        tokenizer = TeacherTokenizer.from_json(pipeline(kind)[0], limit, ascii_path=False)
+        assert tokenizer.encode(firsts, seconds) == library_pairs(kind, limit, firsts, seconds), limit
+
+
+@pytest.mark.parametrize("kind", PIPELINES)
+@pytest.mark.parametrize("limit", [64, 65])
+def test_task_pairs_are_truncated_as_the_library_truncates_them(task_texts: list[str], kind: str, limit: int) -> None:
+    """Task texts of up to 600 characters paired every way: the library's answer, windows and all, in its frame."""
+    texts = [t[:600] for t in task_texts[:400]]
+    firsts, seconds = texts[:200], texts[200:]
+    tokenizer = TeacherTokenizer.from_json(pipeline(kind)[0], limit, ascii_path=False)
+    expected = library_pairs(kind, limit, firsts, seconds)
+    assert sum(e.truncated for e in expected) > 20
+    assert tokenizer.encode(firsts, seconds) == expected
+
+
+def test_two_long_texts_of_a_pair_cost_what_their_tokens_do() -> None:
+    """The library's truncation of a pair keeps every combination of its texts' windows: two texts of 20,000
+    tokens would be 25,000 windows and gigabytes. Tokenized whole and cut here: 126 tokens of the first (a tie
+    gives the second the odd one) and 127 of the second."""
+    tokenizer = TeacherTokenizer(teacher_dir(), max_tokens=256)
+    (encoded,) = tokenizer.encode(["word " * 20_000], ["other " * 20_000])
+    assert encoded.input_ids == [101] + [2773] * 126 + [102] + [2060] * 127 + [102] and encoded.truncated
+    assert encoded.token_type_ids == [0] * 128 + [1] * 128
+
+
+def test_a_frame_that_interleaves_its_texts_keeps_each_texts_first_tokens() -> None:
+    """`_pair_kept`, for a frame whose texts would not lie each in one run, keeps what the runs' cut keeps."""
+    tokenizer = TeacherTokenizer(teacher_dir(), max_tokens=16)
+    (encoding,) = tokenizer._full.encode_batch([("a b c d e f g h i j", "k l m n o p q r s t u v")])
+    kept = TeacherTokenizer._pair_kept(encoding, (6, 7))
+    assert kept == tokenizer._pair_truncated(encoding, 10, 12) == tokenizer.encode(["a b c d e f g h i j"],
+                                                                                   ["k l m n o p q r s t u v"])[0]
+    assert kept.input_ids[1:7] == encoding.ids[1:7] and len(kept.input_ids) == 16
