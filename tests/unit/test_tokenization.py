@@ -372,14 +372,26 @@ def test_task_pairs_are_truncated_as_the_library_truncates_them(task_texts: list
     assert tokenizer.encode(firsts, seconds) == expected
 
 
-def test_two_long_texts_of_a_pair_cost_what_their_tokens_do() -> None:
-    """The library's truncation of a pair keeps every combination of its texts' windows: two texts of 20,000
-    tokens would be 25,000 windows and gigabytes. Tokenized whole and cut here: 126 tokens of the first (a tie
-    gives the second the odd one) and 127 of the second."""
+def test_two_long_texts_of_a_pair_never_reach_the_librarys_truncation() -> None:
+    """The library's truncation of a pair keeps every combination of its texts' windows: two texts of 20,000 tokens
+    would be 25,000 windows and gigabytes. Pairs are tokenized untruncated and cut here: 126 tokens of the first (a
+    tie gives the second the odd one) and 127 of the second."""
     tokenizer = TeacherTokenizer(teacher_dir(), max_tokens=256)
+    truncating = tokenizer._cut
+    asked: list = []
+
+    class Spy:
+        def encode_batch(self, inputs, *args, **kwargs):
+            asked.extend(inputs)
+            return truncating.encode_batch(inputs, *args, **kwargs)
+
+    tokenizer._cut = Spy()
     (encoded,) = tokenizer.encode(["word " * 20_000], ["other " * 20_000])
     assert encoded.input_ids == [101] + [2773] * 126 + [102] + [2060] * 127 + [102] and encoded.truncated
     assert encoded.token_type_ids == [0] * 128 + [1] * 128
+    tokenizer.encode(["a question"], ["its answer " * 3_000])
+    tokenizer.encode(["un café"] * 2)   # accented: past the ASCII path, to the library
+    assert asked == ["un café"] * 2   # single texts only
 
 
 def test_a_frame_that_interleaves_its_texts_keeps_each_texts_first_tokens() -> None:
