@@ -14,6 +14,9 @@ Academus (`academus up --http-port`), or of text-embeddings-inference or infinit
 (loadgen/http_target.py). Against a mesh of several gateways (`academus up --gateways G`) each process
 sends its requests to them in turn, each on its own connection (`by_gateway` in the report).
 
+`--query TEXT` makes each request the pair (TEXT, its text): a reranker's query and passage, for a cross-encoder
+(`academus models add --pairs`) or an embedding model's cosine similarity; over HTTP, to `/rerank` as its query and
+texts, or to `/predict` and TEI's root as `[text, text_pair]`.
 `--early-exit` (or a run `MODEL+early-exit` of `compare`) asks each request to be answered as soon as its text
 has a result, from the first exit ramp confident of it (Apparate; `academus ramps train`): the latency is the time to
 that answer, and the report's `exits` counts the answers each layer released (0: the full model).
@@ -39,6 +42,7 @@ from pathlib import Path
 
 from academus.loadgen import analysis, plots, schedule, texts
 from academus.loadgen.analysis import RunSpec, parse_runs, ratios, report_label
+from academus.loadgen.http_target import is_http, is_openai
 from academus.loadgen.runner import GatewaySpread, RunResult, send_load
 from academus.loadgen.shares import run_in_processes
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, MeshState
@@ -65,6 +69,9 @@ def add_load_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--procs", type=int, default=1, help="load-generator processes sharing each run's load "
                                                         "(one sends about 1000 req/s; see loadgen/shares.py)")
     s.add_argument("--streams", action="store_true", help="requests ride one multiplexed stream a process")
+    s.add_argument("--query", type=query_text,
+                   help="each request is the pair (QUERY, its text): a reranker's query and passage, scored by a "
+                        "cross-encoder or by an embedding model's cosine similarity")
     s.add_argument("--early-exit", action="store_true",
                    help="each request asks for early exits (answered once its text has a result, from an exit ramp "
                         "where one is confident); the report counts the texts each layer released")
@@ -74,6 +81,12 @@ def add_load_options(s: argparse.ArgumentParser) -> None:
                                      "route (/embed, /predict, /v1/embeddings), of Academus or of another server")
     s.add_argument("--key", help="API key (default: the local admin key)")
     s.add_argument("--run-dir", type=Path, default=None)
+
+
+def query_text(value: str) -> str:
+    if not value.strip():
+        raise argparse.ArgumentTypeError("the query is empty: give the text each request's text is paired with")
+    return value
 
 
 def parser() -> argparse.ArgumentParser:
@@ -116,7 +129,13 @@ def cmd_load(args: argparse.Namespace) -> int:
     arrivals = [] if concurrency else schedule.parse(args.schedule, args.duration, args.seed)
     text_spec = args.length_dist or args.texts
     samples = texts.parse(text_spec, CLOSED_LOOP_TEXTS if concurrency else max(1, len(arrivals)), args.seed)
+    if args.query is not None:
+        samples = texts.paired(samples, args.query)
     gateways, key = target(args)
+    if args.query is not None and any(is_http(g) and is_openai(g) for g in gateways):
+        print("--query: OpenAI's embeddings route takes no text pairs; send them to /rerank, /predict or TEI's root",
+              file=sys.stderr)
+        return 2
     freeze_start_up_heap("loadgen")   # the client's own GC pauses would count as server latency
     set_process_slice(hop_slice_us())   # ... and so would its threads' waits behind a forward pass
     if args.procs > 1:
@@ -125,7 +144,7 @@ def cmd_load(args: argparse.Namespace) -> int:
     else:
         results = asyncio.run(run_all(gateways, key, runs, arrivals, samples, args, concurrency))
     args.out.mkdir(parents=True, exist_ok=True)
-    report = {"schedule": args.schedule, "duration_s": args.duration, "texts": text_spec,
+    report = {"schedule": args.schedule, "duration_s": args.duration, "texts": text_spec, "query": args.query,
               "timeout_s": args.timeout, "client_streams": args.streams, "runs": [r.report() for r in results]}
     if len(results) > 1:
         report["ratios_vs_first"] = ratios(report["runs"])

@@ -4,12 +4,12 @@ schedules and report.
 
 A target is a URL. Without a path, requests go to TEI's root (`POST /`: the model's own task, as Academus and TEI
 serve it); with one, to that route: `/embed`, `/predict` (TEI's body, `{"inputs": [...], "model": M, "truncate":
-true}`, truncated as gRPC's `Infer` is), or `/v1/embeddings` and `/embeddings` (OpenAI's, `{"input": [...], "model":
-M}`, which truncates nothing). A policy goes in the body as `"policy"` (Academus's field, as gRPC's
-`InferRequest.policy`), early exits as `"early_exit": true`. The answer's TEI headers give the tokens, the queue's
-and the forward pass's time where the server sends them, and Academus's the policy that served it and the layer that
-released each input; an error keeps its status as the gRPC code the error contract maps it from (`error_type` where
-the body names it)."""
+true}`, truncated as gRPC's `Infer` is), `/rerank`, or `/v1/embeddings` and `/embeddings` (OpenAI's, `{"input":
+[...], "model": M}`, which truncates nothing). A policy goes in the body as `"policy"` (Academus's field, as gRPC's
+`InferRequest.policy`), early exits as `"early_exit": true`, a text pair as TEI's `[text, text_pair]` (to
+`/rerank`: its query and texts). The answer's TEI headers give the tokens, the queue's and the forward pass's time
+where the server sends them, and Academus's the policy that served it and the layer that released each input; an
+error keeps its status as the gRPC code the error contract maps it from (`error_type` where the body names it)."""
 
 from __future__ import annotations
 
@@ -35,25 +35,29 @@ def is_http(target: str) -> bool:
     return target.startswith(("http://", "https://"))
 
 
+def is_openai(url: str) -> bool:
+    """OpenAI's embeddings route: texts alone, no pairs."""
+    return urlsplit(url).path.rstrip("/").endswith(OPENAI_ROUTES)
+
+
 class HttpTarget:
     """`infer` over one aiohttp session (a kept-alive connection a request in flight)."""
 
     def __init__(self, url: str, api_key: str | None, timeout: float) -> None:
         parts = urlsplit(url)
         self.url = url if parts.path not in ("", "/") else f"{parts.scheme}://{parts.netloc}/"
-        self.openai = parts.path.rstrip("/").endswith(OPENAI_ROUTES)
+        self.openai = is_openai(url)
+        self.rerank = parts.path.rstrip("/").endswith("/rerank")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = timeout
         self.session: aiohttp.ClientSession | None = None
 
-    async def infer(self, model: str, texts: list[str], *, timeout: float | None = None,
-                    policy: str = "", early_exit: bool = False) -> InferResult:
+    async def infer(self, model: str, texts: list[str], *, timeout: float | None = None, policy: str = "",
+                    early_exit: bool = False, pairs: list[str] | None = None) -> InferResult:
         if self.session is None:
             self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         seconds = timeout or self.timeout
-        # TEI's routes refuse a text past the token limit unless told to truncate; gRPC's Infer truncates
-        body = {"input": texts, "model": model} if self.openai else {"inputs": texts, "model": model,
-                                                                       "truncate": True}
+        body = self.body(model, texts, pairs)
         if policy:
             body["policy"] = policy
         if early_exit:
@@ -74,6 +78,19 @@ class HttpTarget:
             raise AcademusError(grpc.StatusCode.UNAVAILABLE, f"{self.url}: {e}") from None
         except TimeoutError:
             raise AcademusError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.url}: no answer in {seconds} s") from None
+
+    def body(self, model: str, texts: list[str], pairs: list[str] | None) -> dict[str, Any]:
+        """The route's body. TEI's routes refuse a text past the token limit unless told to truncate, and gRPC's Infer
+        truncates. Pairs go to `/rerank` as its query and texts (the pairs' first texts are one query), elsewhere as
+        TEI's `[text, text_pair]` inputs; OpenAI's routes have none."""
+        if pairs is not None and self.openai:
+            raise ValueError(f"{self.url}: OpenAI's embeddings route takes no text pairs")
+        if self.openai:
+            return {"input": texts, "model": model}
+        if self.rerank and pairs is not None:
+            return {"query": texts[0], "texts": pairs, "model": model, "truncate": True}
+        inputs = [[t, p] for t, p in zip(texts, pairs, strict=True)] if pairs is not None else texts
+        return {"inputs": inputs, "model": model, "truncate": True}
 
     async def close(self) -> None:
         if self.session is not None:
@@ -112,5 +129,7 @@ def result_of(model: str, payload: Any, headers) -> InferResult:
 def prediction(row: Any) -> Prediction:
     if isinstance(row, list) and row and isinstance(row[0], dict):   # a classifier's labels, likeliest first
         return Prediction(label=row[0].get("label", ""), probs={r["label"]: r["score"] for r in row})
+    if isinstance(row, dict) and "score" in row:   # /rerank's: a text's index and score
+        return Prediction(score=float(row["score"]), input_index=int(row.get("index", 0)))
     return Prediction()   # an embedding: not kept
 

@@ -184,8 +184,9 @@ async def call(spread: GatewaySpread, result: RunResult, sample: Sample, start: 
     gateway, client = spread.next()
     sent = time.perf_counter()
     try:
-        answer = await client.infer(result.model, [sample.text], timeout=timeout_s, policy=result.requested_policy,
-                                    early_exit=result.early_exit)
+        texts, pairs = ([sample.query], [sample.text]) if sample.query else ([sample.text], None)
+        answer = await client.infer(result.model, texts, timeout=timeout_s, policy=result.requested_policy,
+                                    early_exit=result.early_exit, pairs=pairs)
     except AcademusError as e:
         result.records.append(Record(sent - start, (time.perf_counter() - sent) * 1e3, e.code, details=e.details,
                                      gateway=gateway, late_ms=late_ms))

@@ -11,6 +11,13 @@ from dataclasses import dataclass
 class Sample:
     text: str
     label: str | None = None
+    query: str = ""   # a pair's first text (a reranker's query), read with `text`; "": the text alone
+
+
+def paired(samples: list[Sample], query: str) -> list[Sample]:
+    """Each text as the second of a pair after `query` (a cross-encoder's or a bi-encoder's reranking): the texts'
+    labels are not the pairs' answers, so none is kept."""
+    return [Sample(s.text, None, query) for s in samples]
 
 
 def from_task(task: str, limit: int | None = None) -> list[Sample]:

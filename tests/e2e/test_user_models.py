@@ -201,6 +201,13 @@ def test_a_pair_classifier_scores_each_text_with_its_pair_as_transformers_does(u
     refused = academus(user_mesh, "distill", "--model", "rr", "--quick")
     assert refused.returncode != 0 and "(a cross-encoder, `models add --pairs`): students learn from single texts" \
         in refused.stderr
+    # the load generator's pairs: the query before each review, over gRPC and to TEI's /rerank
+    for gateway in ((), ("--gateway", f"http://{user_mesh.http}/rerank")):
+        load = academus(user_mesh, "loadgen", "run", "--model", "rr", "--query", query, "--schedule", "poisson:8",
+                        "--duration", "2", "--texts", "task:sentiment", "--out", tmp_path / "load", *gateway)
+        assert load.returncode == 0, load.stderr[-2000:]
+        run = json.loads(load.stdout.strip().splitlines()[-1])["runs"][0]
+        assert run["completed"] == run["sent"] > 5 and not run["errors"] and run["accuracy"] is None, run
 
 
 def test_a_text_over_the_models_own_limit_is_refused_naming_it(user_mesh: MeshState, client: Client) -> None:

@@ -4,8 +4,9 @@ Against a real mesh: tests/e2e/test_http_api.py (`academus loadgen --gateway htt
 from __future__ import annotations
 
 import grpc
+import pytest
 
-from academus.loadgen.http_target import HttpTarget, is_http, refusal, result_of
+from academus.loadgen.http_target import HttpTarget, is_http, is_openai, refusal, result_of
 
 
 def test_a_url_names_the_route_and_its_body():
@@ -47,3 +48,18 @@ def test_an_early_answer_keeps_the_layer_that_released_each_input():
     result = result_of("spam", rows, {"x-academus-exit-layers": "2,0"})
     assert [(p.exit_layer, p.final) for p in result.predictions] == [(2, False), (0, True)]
     assert [(p.exit_layer, p.final) for p in result_of("spam", rows, {}).predictions] == [(0, True), (0, True)]
+
+
+def test_a_pair_goes_as_teis_pair_or_as_reranks_query_and_texts():
+    """`loadgen --query`: [text, text_pair] inputs on TEI's root and /predict, the query and texts on /rerank, whose
+    answer (index and score, the best first) becomes each text's score; OpenAI's route refuses pairs."""
+    root, rerank = HttpTarget("http://h:8080", None, 5.0), HttpTarget("http://h:8080/rerank", None, 5.0)
+    assert root.body("rr", ["q"], ["a passage"]) == {"inputs": [["q", "a passage"]], "model": "rr", "truncate": True}
+    assert root.body("spam", ["a text"], None) == {"inputs": ["a text"], "model": "spam", "truncate": True}
+    assert rerank.body("rr", ["q", "q"], ["a", "b"]) == {"query": "q", "texts": ["a", "b"], "model": "rr",
+                                                          "truncate": True}
+    assert is_openai("http://h/v1/embeddings/") and not is_openai("http://h/rerank")
+    with pytest.raises(ValueError, match="takes no text pairs"):
+        HttpTarget("http://h:8080/v1/embeddings", None, 5.0).body("minilm", ["q"], ["a"])
+    ranked = result_of("rr", [{"index": 1, "score": 0.9}, {"index": 0, "score": 0.2}], {})
+    assert [(p.input_index, p.score) for p in ranked.predictions] == [(1, 0.9), (0, 0.2)]

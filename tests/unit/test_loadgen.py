@@ -712,7 +712,7 @@ class BlockingGateway:
     def __init__(self, block_s: float) -> None:
         self.block_s = block_s
 
-    async def infer(self, model, texts, timeout=None, policy="", early_exit=False):
+    async def infer(self, model, texts, timeout=None, policy="", early_exit=False, pairs=None):
         time.sleep(self.block_s)   # holds the event loop, as a busy generator's handling does
         raise AcademusError(grpc.StatusCode.UNAVAILABLE, "refused by the stand-in")
 
@@ -970,3 +970,34 @@ def test_code_arms_alternate_with_each_arms_copy_in_place_and_the_file_put_back(
     with pytest.raises(RuntimeError):
         alternating(1, {"new": new}, target, fails)
     assert target.read_text() == "checkout"   # put back whatever happened
+
+
+class RecordingGateway:
+    """Stands in for a gateway's client: answers each call with one prediction and keeps what it was asked."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[list[str], list[str] | None]] = []
+
+    async def infer(self, model, texts, timeout=None, policy="", early_exit=False, pairs=None):
+        from academus.client import InferResult, Metadata, Prediction
+
+        self.asked.append((texts, pairs))
+        return InferResult(model, "r", [Prediction(label="relevance", score=0.7)],
+                           Metadata("concat", 1, 0, "w", 1.0, 0.1, 0.5, 0.1, 0.3, 0.3, 1, False))
+
+
+def test_a_query_pairs_every_text_after_it_and_drops_the_texts_labels():
+    samples = texts.paired([texts.Sample("a passage", "pos"), texts.Sample("another", "neg")], "the query")
+    assert samples == [texts.Sample("a passage", None, "the query"), texts.Sample("another", None, "the query")]
+    gateway = RecordingGateway()
+    result = asyncio.run(runner.run(OneGateway(gateway), "rr", [0.0, 0.001], samples, 5.0, 0.01))
+    assert gateway.asked == [(["the query"], ["a passage"]), (["the query"], ["another"])]
+    report = result.report()
+    assert report["completed"] == 2 and report["accuracy"] is None
+    alone = asyncio.run(runner.run(OneGateway(gateway), "spam", [0.0], [texts.Sample("a text", "spam")], 5.0, 0.01))
+    assert gateway.asked[-1] == (["a text"], None) and alone.report()["completed"] == 1
+
+
+def test_an_empty_query_is_refused_by_the_command_line():
+    with pytest.raises(SystemExit):
+        main(["run", "--model", "rr", "--query", "  "])
