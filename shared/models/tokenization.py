@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenizers import Tokenizer
+from tokenizers import Encoding, Tokenizer
 
 
 class TextTooLong(ValueError):
@@ -255,7 +255,7 @@ class TeacherTokenizer:
                       ) -> tuple[list[Encoded], set[int]]:
         """Each pair's encoding, and which pairs were tokenized from a text's start. The library's truncation is not
         used: for a pair it keeps every combination of the two texts' overflowing windows, quadratic in their
-        lengths (two texts of 10,000 tokens: 6,319 windows, 1.3 GB). Each pair is tokenized whole, then its texts
+        lengths (two texts of 10,000 tokens: 6,319 windows, 1.2 GiB). Each pair is tokenized whole, then its texts
         cut to the lengths the library would keep (`_longest_first`)."""
         firsts, seconds, sides = self._pair_starts(texts, pairs)
         encodings = self._full.encode_batch(list(zip(firsts, seconds, strict=True)))
@@ -294,7 +294,7 @@ class TeacherTokenizer:
         return (not a_cut or na > max(self.max_tokens, 0 if b_cut else nb)) and (
             not b_cut or nb > max(self.max_tokens, 0 if a_cut else na))
 
-    def _pair_truncated(self, encoding, na: int, nb: int) -> Encoded:
+    def _pair_truncated(self, encoding: Encoding, na: int, nb: int) -> Encoded:
         """The untruncated pair's encoding with each text's tokens past what `_longest_first` keeps taken out."""
         ids, types = list(encoding.ids), list(encoding.type_ids)
         if self.pair_budget < 0 or na + nb <= self.pair_budget:   # below none: the library leaves it whole
@@ -311,7 +311,7 @@ class TeacherTokenizer:
         return Encoded(ids, types, True)
 
     @staticmethod
-    def _pair_kept(encoding, kept: tuple[int, int]) -> Encoded:
+    def _pair_kept(encoding: Encoding, kept: tuple[int, int]) -> Encoded:
         """Each text's first `kept` tokens and the frame's, in a frame that interleaves them."""
         seen, keep = [0, 0], []
         for i, side in enumerate(encoding.sequence_ids):
@@ -381,7 +381,7 @@ def _longest_first(na: int, nb: int, budget: int) -> tuple[int, int]:
     return (longer, shorter) if swap else (shorter, longer)
 
 
-def _sequence_counts(encoding) -> tuple[int, int]:
+def _sequence_counts(encoding: Encoding) -> tuple[int, int]:
     """A pair's encoding: the tokens of its first text and of its second (the frame's not counted)."""
     sequences = encoding.sequence_ids
     return sequences.count(0), sequences.count(1)

@@ -998,6 +998,10 @@ def test_a_query_pairs_every_text_after_it_and_drops_the_texts_labels():
     assert gateway.asked[-1] == (["a text"], None) and alone.report()["completed"] == 1
 
 
-def test_an_empty_query_is_refused_by_the_command_line():
+def test_an_empty_query_or_pairs_to_openais_route_are_refused_by_the_command_line(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["run", "--model", "rr", "--query", "  "])
+    assert "the query is empty" in capsys.readouterr().err
+    assert main(["run", "--model", "minilm", "--query", "q", "--gateway", "http://127.0.0.1:9/v1/embeddings",
+                 "--run-dir", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    assert "OpenAI's embeddings route takes no text pairs" in capsys.readouterr().err
