@@ -169,8 +169,8 @@ def span_breakdown(spans: Sequence[dict]) -> dict:
 
 
 def report_label(run: dict) -> str:
-    """A run's report as `model:policy`, `+early-exit` when its requests asked for early exits."""
-    return f"{run['model']}:{run['policy']}" + (EARLY_EXIT_SUFFIX if run.get("early_exit") else "")
+    """A run's report labelled as its RunSpec is."""
+    return RunSpec(run["model"], run["policy"], bool(run.get("early_exit"))).label
 
 
 def ratios(runs: Sequence[dict]) -> list[dict]:

@@ -259,12 +259,14 @@ class TeacherTokenizer:
         cut to the lengths the library would keep (`_longest_first`)."""
         firsts, seconds, sides = self._pair_starts(texts, pairs)
         encodings = self._full.encode_batch(list(zip(firsts, seconds, strict=True)))
-        counts = [_sequence_counts(e) for e in encodings]
-        whole = [i for i, (a_cut, b_cut) in sides.items() if not self._start_stands(a_cut, b_cut, *counts[i])]
+        sequences = [e.sequence_ids for e in encodings]   # built anew at each read: read once
+        whole = [i for i, (a_cut, b_cut) in sides.items()
+                 if not self._start_stands(a_cut, b_cut, sequences[i].count(0), sequences[i].count(1))]
         if whole:
             for i, e in zip(whole, self._full.encode_batch([(texts[i], pairs[i]) for i in whole]), strict=True):
-                encodings[i], counts[i] = e, _sequence_counts(e)
-        out = [self._pair_truncated(e, *n) if truncate else _encoded(e) for e, n in zip(encodings, counts, strict=True)]
+                encodings[i], sequences[i] = e, e.sequence_ids
+        out = [self._pair_truncated(e, s) if truncate else _encoded(e)
+               for e, s in zip(encodings, sequences, strict=True)]
         return out, set(sides).difference(whole)
 
     def _pair_starts(self, texts: Sequence[str], pairs: Sequence[str]
@@ -294,13 +296,14 @@ class TeacherTokenizer:
         return (not a_cut or na > max(self.max_tokens, 0 if b_cut else nb)) and (
             not b_cut or nb > max(self.max_tokens, 0 if a_cut else na))
 
-    def _pair_truncated(self, encoding: Encoding, na: int, nb: int) -> Encoded:
-        """The untruncated pair's encoding with each text's tokens past what `_longest_first` keeps taken out."""
-        ids, types = list(encoding.ids), list(encoding.type_ids)
+    def _pair_truncated(self, encoding: Encoding, sequences: list[int | None]) -> Encoded:
+        """The untruncated pair's encoding (`sequences`: its sequence ids) with each text's tokens past what
+        `_longest_first` keeps taken out."""
+        ids, types = encoding.ids, encoding.type_ids   # fresh lists, the binding's copies
+        na, nb = sequences.count(0), sequences.count(1)
         if self.pair_budget < 0 or na + nb <= self.pair_budget:   # below none: the library leaves it whole
             return Encoded(ids, types, False)
         kept = _longest_first(na, nb, self.pair_budget)
-        sequences = encoding.sequence_ids
         cuts = [(sequences.index(side), side, keep, n)
                 for side, keep, n in ((0, kept[0], na), (1, kept[1], nb)) if keep < n]
         for first, side, keep, n in sorted(cuts, reverse=True):   # the later text first: indices stay put
@@ -379,12 +382,6 @@ def _longest_first(na: int, nb: int, budget: int) -> tuple[int, int]:
     if shorter + longer > budget:
         shorter, longer = budget // 2, budget // 2 + budget % 2
     return (longer, shorter) if swap else (shorter, longer)
-
-
-def _sequence_counts(encoding: Encoding) -> tuple[int, int]:
-    """A pair's encoding: the tokens of its first text and of its second (the frame's not counted)."""
-    sequences = encoding.sequence_ids
-    return sequences.count(0), sequences.count(1)
 
 
 def _chunks(texts: Sequence[str], chars: int) -> list[list[str]]:

@@ -399,6 +399,6 @@ def test_a_frame_that_interleaves_its_texts_keeps_each_texts_first_tokens() -> N
     tokenizer = TeacherTokenizer(teacher_dir(), max_tokens=16)
     (encoding,) = tokenizer._full.encode_batch([("a b c d e f g h i j", "k l m n o p q r s t u v")])
     kept = TeacherTokenizer._pair_kept(encoding, (6, 7))
-    assert kept == tokenizer._pair_truncated(encoding, 10, 12) == tokenizer.encode(["a b c d e f g h i j"],
-                                                                                   ["k l m n o p q r s t u v"])[0]
+    assert kept == tokenizer._pair_truncated(encoding, encoding.sequence_ids) == tokenizer.encode(
+        ["a b c d e f g h i j"], ["k l m n o p q r s t u v"])[0]
     assert kept.input_ids[1:7] == encoding.ids[1:7] and len(kept.input_ids) == 16
