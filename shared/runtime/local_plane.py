@@ -32,6 +32,7 @@ import secrets
 import socket
 import struct
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,9 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024   # gRPC's limit on the mesh's channels (sh
 HELLO_METHOD = "academus.local/hello"
 TOKEN_KEY = "academus-local-token"
 HELLO_TIMEOUT_S = 2.0
+LISTEN_BACKLOG = 100          # asyncio's own default for a server
+STAGING_SUFFIX = ".binding"   # a socket being bound, before it listens (`listening_socket`)
+STAGING_GRACE_S = 60.0        # a staging socket older than this was left by a service killed while binding
 
 
 class FramingError(ValueError):
@@ -87,11 +91,13 @@ def socket_dir(configured: str = "") -> Path:
     return Path(configured) if configured else Path(tempfile.gettempdir()) / f"academus-{os.getuid()}"
 
 
-def remove_stale_sockets(folder: Path) -> list[Path]:
+def remove_stale_sockets(folder: Path, now: float | None = None) -> list[Path]:
     """Unlinks the sockets in `folder` that no process listens on: what a killed service left (its `stop`
     never ran). A socket is judged by connecting, not by the pid in its name: the folder may be shared by
-    containers whose pids this process cannot see."""
-    removed = []
+    containers whose pids this process cannot see. A socket still being bound (`listening_socket`) is not
+    judged until it is older than STAGING_GRACE_S: only a service killed while binding leaves one that old."""
+    now = time.time() if now is None else now
+    removed = [path for path in folder.glob(f"*.sock{STAGING_SUFFIX}") if _unlink_older(path, now - STAGING_GRACE_S)]
     for path in folder.glob("*.sock"):
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -105,6 +111,35 @@ def remove_stale_sockets(folder: Path) -> list[Path]:
         finally:
             probe.close()
     return removed
+
+
+def _unlink_older(path: Path, before: float) -> bool:
+    with contextlib.suppress(FileNotFoundError):
+        if path.lstat().st_mtime < before:
+            path.unlink()
+            return True
+    return False
+
+
+def listening_socket(path: str) -> socket.socket:
+    """A Unix socket listening at `path`, where it appears only once it listens and only its user may connect.
+    Bound at `path` itself, it would lie there bound but not yet listening for a moment, and a service starting
+    beside this one would judge it stale (`remove_stale_sockets`) and unlink it: so it is bound under a staging
+    name the sweep leaves alone, then renamed (atomic within the folder)."""
+    staging = path + STAGING_SUFFIX
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(staging)
+        os.chmod(staging, 0o600)   # before it listens: the node's other users cannot call in
+        listener.listen(LISTEN_BACKLOG)
+        os.rename(staging, path)
+    except BaseException:
+        listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(staging)
+        raise
+    listener.setblocking(False)
+    return listener
 
 
 def pack(message: bytes) -> bytes:
@@ -161,8 +196,7 @@ class LocalPlane:
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         remove_stale_sockets(folder)
         self._server = await asyncio.get_running_loop().create_unix_server(
-            lambda: _ServedConnection(self), self.endpoint.path)
-        os.chmod(self.endpoint.path, 0o600)   # the node's other users cannot call in
+            lambda: _ServedConnection(self), sock=listening_socket(self.endpoint.path), backlog=LISTEN_BACKLOG)
         self.servicer.local_endpoint = self.endpoint.announce()
         return self.endpoint
 

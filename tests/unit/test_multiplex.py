@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import pytest
@@ -22,6 +23,8 @@ from prometheus_client import REGISTRY
 from academus.shared.runtime.errors import NOTHING_RAN, ResourceExhausted, abort_with, from_rpc_error
 from academus.shared.runtime.local_plane import (
     HELLO_METHOD,
+    STAGING_GRACE_S,
+    STAGING_SUFFIX,
     TOKEN_KEY,
     FramingError,
     LocalEndpoint,
@@ -756,6 +759,50 @@ def test_a_socket_no_process_listens_on_is_removed_and_one_listened_on_stays(tmp
         assert remove_stale_sockets(tmp_path) == []
     finally:
         listening.close()
+
+
+async def test_a_plane_starting_beside_a_sweep_is_listening_whenever_its_socket_can_be_seen(tmp_path, monkeypatch):
+    """Two services of a node start at once: one sweeps the folder (`remove_stale_sockets`) at the worst moment of
+    the other's start, bound and about to listen. The starting plane's socket survives, answers, and only its user
+    may connect."""
+    import socket
+    import stat
+
+    real_listen = socket.socket.listen
+
+    def swept_then_listen(sock: socket.socket, *args: int) -> None:
+        if sock.family == socket.AF_UNIX:
+            remove_stale_sockets(tmp_path)   # the service starting beside this one
+        real_listen(sock, *args)
+
+    monkeypatch.setattr(socket.socket, "listen", swept_then_listen)
+    plane = LocalPlane(serve_multiplexed(grpc.aio.server(), lambda s: None, []), tmp_path, "worker")
+    endpoint = await plane.start()
+    try:
+        path = Path(endpoint.path)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600 and list(tmp_path.iterdir()) == [path]
+        _, writer = await asyncio.open_unix_connection(endpoint.path)
+        writer.close()
+        await writer.wait_closed()
+    finally:
+        await plane.stop(0)
+    assert not path.exists()
+
+
+def test_a_staging_socket_is_removed_only_once_older_than_a_bind_can_take(tmp_path):
+    """A socket still being bound is left to its service; one as old as STAGING_GRACE_S was left by a service
+    killed while binding."""
+    import os
+    import time
+
+    fresh, left = tmp_path / f"worker-1-a.sock{STAGING_SUFFIX}", tmp_path / f"worker-2-b.sock{STAGING_SUFFIX}"
+    fresh.touch()
+    left.touch()
+    old = time.time() - STAGING_GRACE_S - 1
+    os.utime(left, (old, old))
+    assert remove_stale_sockets(tmp_path) == [left]
+    assert fresh.exists() and not left.exists()
+    assert remove_stale_sockets(tmp_path, now=time.time() + STAGING_GRACE_S + 1) == [fresh]
 
 
 async def raw_calls(mux: Mux, frames: list[multiplex_pb2.CallFrame], replies: int) -> list[multiplex_pb2.ReplyFrame]:
