@@ -26,7 +26,7 @@ from academus.shared.state.catalogue import read_catalogue
 from academus.shared.training.data import fetch, file_task, load_task
 from academus.shared.training.prepare import load_head
 from academus.shared.training.shard_plans import main
-from academus.shared.training.shards import build
+from academus.shared.training.shards import QUICK, build
 from tests.conftest import artifacts_path
 from tests.e2e.test_user_models import each_text
 from tests.models import LABELS, roberta_specials, tiny_model_dir
@@ -213,8 +213,9 @@ def test_a_classifiers_shards_learn_its_own_task_from_its_users_texts(artifacts:
     summary = build(artifacts, name, quick=True, texts_file=own)
     store = ShardStore(shards_dir(artifacts, name))
     assert store.manifest.extra["own_texts"] == str(own) and summary["tasks"][name]["served_as"] == served
-    validation = file_task(str(own), texts).validation           # the file's own split: fewer than --quick's 48
-    assert store.tasks[name].metrics["dev_texts"] == len(validation) < 48
+    validation = file_task(str(own), texts).validation           # the file's own split: fewer than --quick's 64
+    metrics = store.tasks[name].metrics
+    assert metrics["validation_texts"] == len(validation) < QUICK[1] and metrics["dev_texts"] == QUICK[2]
     assert set(store.tasks[name].metrics["validation_accuracy"]) and store.tasks[name].own_head
     remove_model(artifacts, served)
     remove_model(artifacts, name)
