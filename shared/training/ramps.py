@@ -54,6 +54,7 @@ from academus.shared.training.data import TASKS, DataMissing, Example, fetch, fi
 from academus.shared.training.prepare import (
     EITHER,
     MAX_TOKENS,
+    QUICK_WEIGHT_DECAYS,
     WEIGHT_DECAYS,
     fit_head,
     length_batches,
@@ -63,7 +64,7 @@ from academus.shared.training.prepare import (
 )
 
 BOOTSTRAP_SHARE = 0.10     # of the training split, a fixed pseudo-random share (the files are ordered by class)
-QUICK_TEXTS = 160          # --quick: texts a split at most
+QUICK_TEXTS = 96           # --quick: texts a split at most
 CONSTRAINT = 0.99
 
 
@@ -91,12 +92,12 @@ def layer_states(encoder: TeacherEncoder, tokenizer: TeacherTokenizer, texts: Se
 
 
 def fit_ramp(x: torch.Tensor, target: torch.Tensor, vx: torch.Tensor, vtarget: torch.Tensor,
-             labels: Sequence[str]) -> tuple[ClassifierHead, float]:
+             labels: Sequence[str], weight_decays: Sequence[float] = WEIGHT_DECAYS) -> tuple[ClassifierHead, float]:
     """The ramp head fitted to the model's probabilities (soft targets: its confidence then follows the model's,
     which is what a threshold on it needs; hard labels make a head over-confident where the model is unsure),
     its weight decay the one with the least cross-entropy to the model on validation; and its agreement there."""
     best: tuple[float, ClassifierHead] | None = None
-    for standardize, wd in itertools.product(EITHER, WEIGHT_DECAYS):
+    for standardize, wd in itertools.product(EITHER, weight_decays):
         head = fit_head(x, target, labels, wd, standardize=standardize)   # cross-entropy takes probabilities
         with torch.no_grad():
             loss = nn.functional.cross_entropy(head(vx), vtarget).item()
@@ -231,7 +232,8 @@ def train_ramps(artifacts: Path, task: str = "", data_dir: Path | None = None, q
         target, vtarget = (torch.softmax(head(x[:, depth]), dim=-1) for x in (states, vstates))
     agreement: dict[str, float] = {}
     for k in ramps.layers:
-        fitted, agreement[str(k)] = fit_ramp(states[:, k], target, vstates[:, k], vtarget, head.labels)
+        fitted, agreement[str(k)] = fit_ramp(states[:, k], target, vstates[:, k], vtarget, head.labels,
+                                             QUICK_WEIGHT_DECAYS if quick else WEIGHT_DECAYS)
         ramps.heads[str(k)].load_state_dict(fitted.linear.state_dict())
         log(f"{subject.name}: ramp after layer {k}: agreement {agreement[str(k)]:.4f} on validation")
     costs, savings, model_ms = measure_costs(encoder, ramps, tokenizer, [e.text for e in validation])

@@ -74,6 +74,7 @@ from academus.shared.state.uploads import parse_texts_jsonl
 from academus.shared.training.data import TASKS, Example, TaskData, fetch, file_task, load_task
 from academus.shared.training.prepare import (
     EITHER,
+    QUICK_WEIGHT_DECAYS,
     WEIGHT_DECAYS,
     bundled_texts,
     in_text_order,
@@ -92,9 +93,6 @@ SIZES = {"sentiment": (None, None, 500), "spam": (1500, None, 250)}
 # --quick: texts a split (train for heads, validation, dev share for importance); 16 dev texts make the two
 # rankings' 2 × 72 runs of the upgraded models a third of what 48 did, and a quick ranking is only a plumbing check
 QUICK = (96, 64, 16)
-# --quick: one weight decay a head (the served heads' usual pick), not five: 23 shapes × 2 scalings × 5 decays of
-# L-BFGS were a third of a quick build, and 64 validation texts cannot tell the decays apart
-QUICK_WEIGHT_DECAYS = (1e-3,)
 OWN_TASK_SIZES = (3000, 1000, 500)   # a user's classifier's own task: its file's texts, or the bundled tasks'
 
 

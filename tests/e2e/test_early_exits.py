@@ -122,7 +122,7 @@ def test_http_early_exit_answers_every_input_and_names_the_layer_that_released_i
 def test_loadgen_asks_for_early_exits_over_grpc_and_http_and_counts_the_layers_that_released(
         exit_mesh: MeshState, tmp_path: Path) -> None:
     """`academus loadgen compare --runs spam,spam+early-exit` (gRPC) and `run --early-exit` to the HTTP port: every
-    request answered, the early-exit run's report counting each layer's releases (PABEE 2 releases at layer 2), the
+    request answered, the early-exit run's report counting each layer's releases (PABEE 2 from layer 2 on), the
     plain run's none."""
     key = (Path(exit_mesh.run_dir) / ADMIN_KEY_FILE).read_text().strip()
     # an open loop below capacity: a saturated worker (a closed loop's) stands its ramps down
@@ -140,8 +140,11 @@ def test_loadgen_asks_for_early_exits_over_grpc_and_http_and_counts_the_layers_t
         assert run["early_exit"] and run["completed"] == run["sent"] > 2 and not run["errors"], run
         exits = run["exits"]
         assert sum(exits["exit_layers"].values()) == run["completed"], exits
-        assert {int(layer) for layer in exits["exit_layers"]} <= {0, 2} and exits["exit_layers"].get("2", 0) > 0
-        assert exits["released_early"] == round(exits["exit_layers"]["2"] / run["completed"], 4)
+        # PABEE 2 releases where two ramps in a row agree: at layer 2 most often, never at layer 1
+        layers = {int(layer) for layer in exits["exit_layers"]}
+        assert layers <= {0, 2, 3, 4, 5} and exits["exit_layers"].get("2", 0) > 0
+        released = sum(n for layer, n in exits["exit_layers"].items() if layer != "0")
+        assert exits["released_early"] == round(released / run["completed"], 4)
     assert report["ratios_vs_first"][0]["run"] == "spam:padded+early-exit"
     assert "released early:" in compared.stdout
 
