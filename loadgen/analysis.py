@@ -60,6 +60,19 @@ def exit_summary(layers: Sequence[int]) -> dict:
             "exit_layers": {str(layer): n for layer, n in sorted(Counter(layers).items())}}
 
 
+def agreement(base: Sequence[Record], other: Sequence[Record]) -> dict | None:
+    """How often `other`'s answers name the label `base` answered for the same text (its most frequent, if it
+    answered a text twice): for a run that asked for early exits against one that did not, the released results'
+    agreement with the unmodified model (Apparate's accuracy constraint). None when no answered text is in both."""
+    answers: dict[str, Counter] = {}
+    for r in base:
+        if r.code == "OK" and r.answer:
+            answers.setdefault(r.text, Counter())[r.answer] += 1
+    usual = {text: counts.most_common(1)[0][0] for text, counts in answers.items()}
+    same = [r.answer == usual[r.text] for r in other if r.code == "OK" and r.answer and r.text in usual]
+    return {"agreement": round(sum(same) / len(same), 4), "compared": len(same)} if same else None
+
+
 def _rounded(value: float | None, digits: int = 3) -> float | None:
     return None if value is None else round(value, digits)
 

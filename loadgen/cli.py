@@ -41,7 +41,7 @@ import sys
 from pathlib import Path
 
 from academus.loadgen import analysis, plots, schedule, texts
-from academus.loadgen.analysis import RunSpec, parse_runs, ratios, report_label
+from academus.loadgen.analysis import RunSpec, agreement, parse_runs, ratios, report_label
 from academus.loadgen.http_target import is_http, is_openai
 from academus.loadgen.runner import GatewaySpread, RunResult, send_load
 from academus.loadgen.shares import run_in_processes
@@ -148,6 +148,9 @@ def cmd_load(args: argparse.Namespace) -> int:
               "timeout_s": args.timeout, "client_streams": args.streams, "runs": [r.report() for r in results]}
     if len(results) > 1:
         report["ratios_vs_first"] = ratios(report["runs"])
+        for entry, result in zip(report["ratios_vs_first"], results[1:], strict=True):
+            if (agreed := agreement(results[0].records, result.records)) is not None:
+                entry["answers"] = agreed
     write_plots(results, args.out)
     (args.out / "report.json").write_text(json.dumps(report, indent=2))
     for line in summary_lines(report):
@@ -186,6 +189,9 @@ def summary_lines(report: dict) -> list[str]:
     for ratio in report.get("ratios_vs_first", []):
         parts = "  ".join(f"{k.removesuffix('_ratio')} x{v}" for k, v in ratio.items() if k.endswith("_ratio"))
         lines.append(f"{ratio['run']} vs {ratio['vs']}: {parts}")
+        if answers := ratio.get("answers"):
+            lines.append(f"  answers agreeing with {ratio['vs']}'s for the same texts: {answers['agreement']} "
+                         f"of {answers['compared']}")
     return lines
 
 

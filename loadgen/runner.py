@@ -34,6 +34,8 @@ class Record:
     gateway: str = ""        # the address it was sent to
     late_ms: float = 0.0     # sent this long after its scheduled time: the load generator's own lag
     exit_layer: int = 0      # the ramp's layer that released the answer (early exits asked); 0: the full model's
+    text: str = ""           # what was sent (a pair: its query, then its text), to compare runs' answers text by text
+    answer: str = ""         # the label answered ("" for an embedding)
 
     @property
     def done_at(self) -> float:
@@ -175,7 +177,8 @@ def answered(sample: Sample, sent_at: float, latency_ms: float, answer: InferRes
     prediction = answer.predictions[0]
     correct = (prediction.label == sample.label) if sample.label is not None and prediction.label else None
     return Record(sent_at, latency_ms, "OK", answer.metadata.student_count, correct, prediction.num_tokens,
-                  answer.metadata, gateway=gateway, late_ms=late_ms, exit_layer=prediction.exit_layer)
+                  answer.metadata, gateway=gateway, late_ms=late_ms, exit_layer=prediction.exit_layer,
+                  text=sample.key, answer=prediction.label)
 
 
 async def call(spread: GatewaySpread, result: RunResult, sample: Sample, start: float, timeout_s: float,

@@ -13,6 +13,11 @@ class Sample:
     label: str | None = None
     query: str = ""   # a pair's first text (a reranker's query), read with `text`; "": the text alone
 
+    @property
+    def key(self) -> str:
+        """What was sent, as one string: runs' answers to the same texts are compared by it."""
+        return f"{self.query}\x00{self.text}" if self.query else self.text
+
 
 def paired(samples: list[Sample], query: str) -> list[Sample]:
     """Each text as the second of a pair after `query` (a cross-encoder's or a bi-encoder's reranking): the texts'

@@ -146,7 +146,9 @@ def test_loadgen_asks_for_early_exits_over_grpc_and_http_and_counts_the_layers_t
         released = sum(n for layer, n in exits["exit_layers"].items() if layer != "0")
         assert exits["released_early"] == round(released / run["completed"], 4)
     assert report["ratios_vs_first"][0]["run"] == "spam:padded+early-exit"
-    assert "released early:" in compared.stdout
+    answers = report["ratios_vs_first"][0]["answers"]   # the same texts in both runs: every early answer compared
+    assert answers["compared"] == early["completed"] and 0.5 < answers["agreement"] <= 1.0, answers
+    assert "released early:" in compared.stdout and "answers agreeing with spam:padded's" in compared.stdout
 
 
 def test_http_stream_sends_early_events_then_the_exact_final_answer(exit_mesh: MeshState, client: Client) -> None:

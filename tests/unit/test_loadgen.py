@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import SpanKind, set_span_in_context
 
-from academus.client import AcademusError, Metadata
+from academus.client import AcademusError, InferResult, Metadata, Prediction
 from academus.loadgen import analysis, plots, runner, schedule, texts
 from academus.loadgen.analysis import ratios
 from academus.loadgen.cli import main, summary_lines
@@ -337,6 +337,36 @@ def test_an_early_exit_run_reports_the_answers_each_layer_released_and_is_told_a
     lines = summary_lines({"runs": [plain, early]})
     assert lines[2] == "  released early: 0.75 of the answers (layer 1: 1, layer 2: 2)"
     assert lines[1].startswith("spam:padded+early-exit ") and len(lines) == 3
+
+
+def test_an_early_exit_runs_answers_are_compared_with_the_first_runs_text_by_text():
+    """A run's answers against the baseline's for the same texts: early releases that name another label than the
+    full model count against the agreement; texts the baseline did not answer, errors and embeddings are left out."""
+    base = [Record(0.1, 9.0, "OK", text="win cash", answer="spam"), Record(0.2, 9.0, "OK", text="lunch?", answer="ham"),
+            Record(0.3, 9.0, "OK", text="win cash", answer="spam"), Record(0.4, 9.0, "OK", text="hi", answer="ham"),
+            Record(0.5, 50.0, "DEADLINE_EXCEEDED", text="lost")]
+    early = [Record(0.1, 4.0, "OK", text="win cash", answer="spam", exit_layer=2),
+             Record(0.2, 4.0, "OK", text="lunch?", answer="spam", exit_layer=1),
+             Record(0.3, 9.0, "OK", text="hi", answer="ham"), Record(0.4, 9.0, "OK", text="win cash", answer="spam"),
+             Record(0.5, 4.0, "OK", text="lost", answer="ham", exit_layer=2),
+             Record(0.6, 50.0, "UNAVAILABLE", text="hi")]
+    assert analysis.agreement(base, early) == {"agreement": 0.75, "compared": 4}
+    assert analysis.agreement(base, []) is None
+    assert analysis.agreement([Record(0.1, 9.0, "OK", text="t")], [Record(0.1, 9.0, "OK", text="t")]) is None
+    report = {"runs": [RunResult("spam", "padded", 5.0, 1.0, base).report(),
+                       RunResult("spam", "padded", 5.0, 1.0, early, early_exit=True).report()]}
+    report["ratios_vs_first"] = analysis.ratios(report["runs"])
+    report["ratios_vs_first"][0]["answers"] = analysis.agreement(base, early)
+    assert summary_lines(report)[-1] == "  answers agreeing with spam:padded's for the same texts: 0.75 of 4"
+
+
+def test_an_answer_is_recorded_with_what_was_sent():
+    meta = Metadata("padded", 1, 0, "w", 1.0, 0.1, 0.5, 0.1, 0.3, 0.3, 1, False)
+    answer = InferResult("spam", "r", [Prediction(label="ham", exit_layer=3)], meta)
+    alone = runner.answered(texts.Sample("hello", "ham"), 0.0, 1.0, answer, "g")
+    pair = runner.answered(texts.Sample("a passage", None, "the query"), 0.0, 1.0, answer, "g")
+    assert (alone.text, alone.answer, alone.exit_layer, alone.correct) == ("hello", "ham", 3, True)
+    assert pair.text == "the query\x00a passage" and pair.correct is None
 
 
 def test_timeline_bins_sends_and_answers_by_second():
