@@ -4,7 +4,6 @@ over the Manage core (services/gateway/manage.py)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import json
@@ -44,7 +43,7 @@ from academus.shared.runtime import config as cfg
 from academus.shared.runtime.errors import ServingError, Unavailable, abort_with, from_rpc_error
 from academus.shared.runtime.logs import log_event
 from academus.shared.runtime.multiplex import call_with_partials
-from academus.shared.runtime.redis_conn import RedisAbsence, connect, wake_on
+from academus.shared.runtime.redis_conn import RedisAbsence, connect, wake_on, woken
 from academus.shared.runtime.serving import ServiceSpec, Stubs, run
 from academus.shared.runtime.tls import public_credentials
 from academus.shared.runtime.tracing import annotate
@@ -500,10 +499,8 @@ async def build() -> ServiceSpec:
                 await schedulers.refresh()
             except Exception as e:
                 log_event("refresh_failed", logging.WARNING, error=repr(e))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), config.catalogue_refresh_s)
+            if await woken(changed, config.catalogue_refresh_s):
                 gateway.auth.forget()   # an event (or Redis back): it may be a key's revocation (state/api_keys.py)
-            changed.clear()
 
     manage = ManageServicer(Manage(config, redis, keys, gateway.auth, quotas=gateway.quotas))   # one set of leases
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -12,7 +13,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from academus.shared.cli.redis_server import RedisServer
-from academus.shared.runtime.redis_conn import connect, wake_on
+from academus.shared.runtime.redis_conn import connect, wake_on, woken
 from academus.shared.state.keys import Keys
 
 
@@ -34,6 +35,21 @@ async def test_an_event_on_the_channel_wakes_the_waiter_and_cancel_stops_the_wat
         await asyncio.wait_for(asyncio.gather(watch, return_exceptions=True), 5.0)   # it does stop
         await redis.aclose()
     assert watch.cancelled()
+
+
+async def test_an_event_due_in_the_same_stalled_turn_as_the_periods_end_is_not_lost():
+    """A stalled loop (a loaded machine) lets the period's end and an event come due in one turn: `wait_for`'s
+    timeout may win, with the event set. The waiter is still told of it, once: a gateway that missed it would trust
+    a revoked key until its cache ran out."""
+    changed = asyncio.Event()
+    waiting = asyncio.ensure_future(woken(changed, 0.05))
+    await asyncio.sleep(0)                                     # the period's timeout is armed
+    asyncio.get_running_loop().call_later(0.05, changed.set)   # the event comes due just after it
+    time.sleep(0.2)                                            # the stall: both come due in one turn
+    assert await waiting and not changed.is_set()
+    assert not await woken(changed, 0.01)
+    changed.set()
+    assert await woken(changed, 5.0)                           # set before the wait: told at once
 
 
 async def test_a_command_on_a_connection_a_restarted_redis_closed_is_retried(tmp_path):
