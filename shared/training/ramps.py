@@ -299,7 +299,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="a bundled task: its classifier on the teacher; with --model, the texts to fit on")
     t.add_argument("--model", default="", help="a head trained on a user's model, or a user's sequence classifier")
     t.add_argument("--data", type=Path, default=None, help='with --model: its texts, JSON lines {"text": ...}')
-    t.add_argument("--quick", action="store_true", help=f"at most {QUICK_TEXTS} texts a split")
+    t.add_argument("--quick", action="store_true", help=f"at most {QUICK_TEXTS} texts a split, one weight decay a ramp")
     t.add_argument("--artifacts", type=Path, default=None)
     t.add_argument("--data-dir", type=Path, default=None, help="dataset packages (ACADEMUS_DATA_DIR)")
     return p
