@@ -41,7 +41,7 @@ from academus.shared.runtime import config as cfg
 from academus.shared.runtime.errors import ServingError, abort_with, answered, from_rpc_error
 from academus.shared.runtime.logs import log_event
 from academus.shared.runtime.multiplex import call_with_partials
-from academus.shared.runtime.redis_conn import connect, wake_on
+from academus.shared.runtime.redis_conn import connect, wake_on, woken
 from academus.shared.runtime.serving import ServiceSpec, Stubs, run
 from academus.shared.runtime.tracing import annotate, batch_trace, request_trace
 from academus.shared.state.catalogue import ModelSpec
@@ -216,9 +216,7 @@ class PlacementWatcher:
                 await self.refresh()
             except Exception as e:  # Redis away: keep the last known workers
                 log_event("placement_refresh_failed", logging.WARNING, error=repr(e))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.changed.wait(), self.refresh_s)
-            self.changed.clear()
+            await woken(self.changed, self.refresh_s)
 
 
 def parse_table(model: str, raw: str) -> GroupTable:

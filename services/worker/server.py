@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -36,7 +35,7 @@ from academus.shared.models.work_wire import batch_from_pb, output_to_pb
 from academus.shared.runtime import config as cfg
 from academus.shared.runtime.errors import DeadlineExceeded, InvalidArgument, ServingError, abort_with
 from academus.shared.runtime.logs import log_event
-from academus.shared.runtime.redis_conn import connect, wake_on
+from academus.shared.runtime.redis_conn import connect, wake_on, woken
 from academus.shared.runtime.serving import ServiceSpec, Stubs, run
 from academus.shared.runtime.tracing import annotate
 from academus.shared.state.catalogue import catalogue_stamp, spec_to_pb
@@ -298,9 +297,7 @@ class Registration:
         seen: dict[str, str] = {}
         try:
             while True:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), period_s)
-                changed.clear()
+                await woken(changed, period_s)
                 try:
                     await self._place(seen)
                 except Exception as e:  # Redis away: the students held stay; batches still load what they need

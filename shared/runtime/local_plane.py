@@ -60,7 +60,6 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024   # gRPC's limit on the mesh's channels (sh
 HELLO_METHOD = "academus.local/hello"
 TOKEN_KEY = "academus-local-token"
 HELLO_TIMEOUT_S = 2.0
-LISTEN_BACKLOG = 100          # asyncio's own default for a server
 STAGING_SUFFIX = ".binding"   # a socket being bound, before it listens (`listening_socket`)
 STAGING_GRACE_S = 60.0        # a staging socket older than this was left by a service killed while binding
 
@@ -131,7 +130,7 @@ def listening_socket(path: str) -> socket.socket:
     try:
         listener.bind(staging)
         os.chmod(staging, 0o600)   # before it listens: the node's other users cannot call in
-        listener.listen(LISTEN_BACKLOG)
+        listener.listen()   # the server's own backlog is set when it starts serving
         os.rename(staging, path)
     except BaseException:
         listener.close()
@@ -196,7 +195,7 @@ class LocalPlane:
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         remove_stale_sockets(folder)
         self._server = await asyncio.get_running_loop().create_unix_server(
-            lambda: _ServedConnection(self), sock=listening_socket(self.endpoint.path), backlog=LISTEN_BACKLOG)
+            lambda: _ServedConnection(self), sock=listening_socket(self.endpoint.path))
         self.servicer.local_endpoint = self.endpoint.announce()
         return self.endpoint
 

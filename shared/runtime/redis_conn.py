@@ -101,9 +101,9 @@ async def wake_on(redis: aioredis.Redis, channel: str, changed: asyncio.Event) -
 
 
 async def woken(changed: asyncio.Event, period_s: float) -> bool:
-    """Waits up to `period_s` for `changed` (set by `wake_on`); whether it was set, which it clears. The flag is
-    read, not `wait_for`'s outcome: when the timeout and the event come due in one turn of a stalled loop,
-    `wait_for` may raise TimeoutError with the event set, and clearing it then loses the event."""
+    """A refresh loop's wait: up to `period_s` for `changed` (set by `wake_on`); whether it was set, which it
+    clears. The flag is read, not `wait_for`'s outcome: when the timeout and the event come due in one turn of a
+    stalled loop, `wait_for` may raise TimeoutError with the event set, and clearing it then loses the event."""
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(changed.wait(), period_s)
     if not changed.is_set():
