@@ -74,6 +74,7 @@ DEFAULT_ARMS = ("grpc=ACADEMUS_LOCAL_PLANE=0", "local=ACADEMUS_LOCAL_PLANE=1")
 SETTINGS = ("model", "policy", "rounds", "requests", "warmup", "callers", "duration", "procs", "floor_callers",
             "floor_duration", "connections", "open_load")
 TIMEOUT_S = 10.0     # a closed loop's request: generous, the queue stays bounded by the callers
+CONNECTIONS_POLL_S = 0.25   # how often the many-connections run counts the gateway's connections (`ss`)
 
 
 @dataclass(frozen=True)
@@ -176,16 +177,18 @@ def capacity(state: MeshState, args: argparse.Namespace, callers: int, out: Path
 
 
 def many_connections(state: MeshState, args: argparse.Namespace, rate: float, out: Path) -> dict:
-    """--connections open at once offering `rate` req/s; the gateway's established connections counted
-    halfway through, so the figure says how many were really open."""
+    """--connections open at once offering `rate` req/s; the gateway's established connections counted while
+    the run lasts (the most at once), so the figure says how many were really open."""
     shares = [s.concurrency for s in split([], [], args.procs, args.connections)]
     start_at = time.time() + START_MARGIN_S + args.connections / 100   # each share opens its connections first
     results = [out / f"open-{k}.json" for k in range(len(shares))]
     children = [subprocess.Popen(share_command(Path(state.run_dir), args, n, start_at, path, "--rate",
                                                str(rate / len(shares))))
                 for n, path in zip(shares, results, strict=True)]
-    time.sleep(max(0.0, start_at - time.time()) + args.duration / 2)
-    established = gateway_connections(state.gateway)
+    established = 0   # the most seen at once: the spawned processes open theirs late on a loaded machine
+    while any(child.poll() is None for child in children):
+        established = max(established, gateway_connections(state.gateway))
+        time.sleep(CONNECTIONS_POLL_S)
     if any([child.wait() for child in children]):
         raise RuntimeError("a load generator of the many-connections run failed: see its output above")
     parts = [json.loads(p.read_text()) for p in results]
