@@ -20,11 +20,18 @@ setup: $(VENV)/.installed $(NATIVE) redis data
 $(NATIVE): shared/models/native/shard_put.c
 	$(CC) -O3 -fPIC -shared -pthread -Wall -Werror -o $@ $<
 
-# torch first and pinned: the CPU wheel on this machine; any looser spec pulls GBs of CUDA packages.
+# pip would compile every module it installs, torch's thousands included, most never imported: about a minute.
+# Installed without, Python writes the bytecode of what a process imports at its first import, which
+# PYTHONDONTWRITEBYTECODE (set in some environments) forbids: every process would compile torch again.
+unexport PYTHONDONTWRITEBYTECODE
+
+# torch first and pinned: the CPU wheel on this machine; any looser spec pulls GBs of CUDA packages. Then the
+# services' imports once, so their bytecode is there for a shell that forbids writing it.
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[server,dev]'
+	$(PIP) install -q --no-compile torch==2.13.0
+	$(PIP) install -q --no-compile -e '.[server,dev]'
+	$(PY) -c "import importlib; from academus.shared.cli.launcher import PRELOAD; [importlib.import_module(m) for m in PRELOAD]"
 	touch $@
 
 redis:
