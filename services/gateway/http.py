@@ -299,8 +299,8 @@ def model_info(spec: ModelSpec, config: GatewayConfig) -> dict[str, Any]:
     labels = {"id2label": {str(i): label for i, label in enumerate(spec.labels)},
               "label2id": {label: i for i, label in enumerate(spec.labels)}}
     # TEI's kinds: a classifier of text pairs (a cross-encoder) is its "reranker"
-    kind = {"embedding": {"dim": spec.dim}} if spec.kind == EMBEDDING else {
-        "reranker" if spec.pairs else "classifier": labels}
+    embedding = {"dim": spec.dim, "pooling": spec.pooling, "normalized": spec.normalized}
+    kind = {"embedding": embedding} if spec.kind == EMBEDDING else {"reranker" if spec.pairs else "classifier": labels}
     return {"model_id": spec.name, "model_type": kind, "max_input_length": spec.max_tokens,
             "max_client_batch_size": config.max_inputs, "max_input_characters": config.max_text_chars,
             "version": VERSION}

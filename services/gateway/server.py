@@ -47,7 +47,7 @@ from academus.shared.runtime.redis_conn import RedisAbsence, connect, wake_on, w
 from academus.shared.runtime.serving import ServiceSpec, Stubs, run
 from academus.shared.runtime.tls import public_credentials
 from academus.shared.runtime.tracing import annotate
-from academus.shared.state.catalogue import ModelSpec
+from academus.shared.state.catalogue import EMBEDDING, ModelSpec
 from academus.shared.state.jobs import FAILED, QUEUED, RUNNING, SUCCEEDED, Job
 from academus.shared.state.keys import Keys
 from academus.shared.state.tenants import READY, TenantModel, TenantRegistry, gateway_quotas
@@ -196,13 +196,17 @@ async def core_answer(context: grpc.aio.ServicerContext, work: Awaitable[T]) -> 
 
 def model_info_pb(spec: ModelSpec) -> pb.ModelInfo:
     return pb.ModelInfo(name=spec.name, kind=spec.kind, labels=spec.labels, dim=spec.dim, max_tokens=spec.max_tokens,
-                        status=READY, architecture=spec.architecture, layers=spec.layers, pairs=spec.pairs)
+                        status=READY, architecture=spec.architecture, layers=spec.layers, pairs=spec.pairs,
+                        pooling=spec.pooling, normalized=spec.normalized)
 
 
 def tenant_model_info_pb(model: TenantModel, base: ModelSpec | None) -> pb.ModelInfo:
-    """A tenant model with its base's limits (0 while the base is not served)."""
+    """A tenant model with its base's limits (0 while the base is not served); an embedding adapter's vectors are
+    pooled as its base's."""
+    pooled = base is not None and model.kind == base.kind == EMBEDDING
     return pb.ModelInfo(name=model.name, kind=model.kind, labels=model.labels, dim=base.dim if base else 0,
-                        max_tokens=base.max_tokens if base else 0, base=model.base, status=model.status)
+                        max_tokens=base.max_tokens if base else 0, base=model.base, status=model.status,
+                        pooling=base.pooling if pooled else "", normalized=pooled and base.normalized)
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):

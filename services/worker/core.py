@@ -271,6 +271,8 @@ class ModelRunner:
         served = self._load_entry(name, entry)
         if not served.spec.memory_bytes:
             served.spec = replace(served.spec, memory_bytes=weight_bytes(served.encoder, served.head))
+        if served.spec.kind == EMBEDDING and not served.null:   # what a client compares vectors by
+            served.spec = replace(served.spec, pooling=served.encoder.pooling, normalized=served.encoder.normalize)
         MODEL_BYTES.labels(name).set(served.spec.memory_bytes)
         return served
 

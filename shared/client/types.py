@@ -156,6 +156,8 @@ class ModelInfo:
     architecture: str = ""     # a served model's transformers class (BertModel, MPNetForSequenceClassification...)
     layers: int = 0            # transformer layers computed for one text (0: not reported)
     pairs: bool = False        # a classifier of text pairs (a cross-encoder): every text needs its pair
+    pooling: str = ""          # an embedding model's: "mean" (over its real tokens) or "cls" (the first token's)
+    normalized: bool = False   # an embedding model's vectors have unit length (cosine = dot product)
 
 
 @dataclass(frozen=True)
@@ -188,7 +190,7 @@ def decode_request(model: str, ids: Sequence[Sequence[int]], skip_special_tokens
 
 def models_from(response: pb.ListModelsResponse) -> list[ModelInfo]:
     return [ModelInfo(m.name, m.kind, list(m.labels), m.dim, m.max_tokens, m.base, m.status, m.architecture,
-                      m.layers, m.pairs) for m in response.models]
+                      m.layers, m.pairs, m.pooling, m.normalized) for m in response.models]
 
 
 def build_request(model: str, texts: Sequence[str], output: str = "", pairs: Sequence[str] | None = None,

@@ -20,7 +20,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 from transformers.masking_utils import create_bidirectional_mask
 
-from academus.shared.models.architectures import family_module, read_architecture
+from academus.shared.models.architectures import MEAN, family_module, read_architecture
 from academus.shared.models.model import (
     ClassifierHead,
     SequenceClassifierHead,
@@ -112,6 +112,7 @@ class StudentGroup(nn.Module):
             self.head = ClassifierHead(self.labels, config.hidden_size) if head == LINEAR else \
                 SequenceClassifierHead.for_config(config, self.labels)
         self.normalize = normalize            # the embedding task serves unit vectors, like the teacher
+        self.pooling = MEAN                   # each student's S_N, whatever the teacher's pooling
         self.best_k = best_k or num_students
 
     def take_head(self, head: nn.Module) -> None:

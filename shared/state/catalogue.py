@@ -44,6 +44,8 @@ class ModelSpec:
                                    # nonlinear): each group runs on one worker
     pairs: bool = False            # a classifier of text pairs (a cross-encoder: a reranker, NLI): each input is a text
                                    # and its pair, read together
+    pooling: str = ""              # an embedding model's: "mean" or "cls", as its encoder pools ("": a classifier)
+    normalized: bool = False       # an embedding model's vectors have unit length
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

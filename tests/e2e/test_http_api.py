@@ -242,7 +242,7 @@ def test_tokenize_and_decode_use_the_models_own_tokenizer(mesh, key):
     assert status == 200 and framed == ["[CLS] hi [SEP]"]
     status, info, _ = call(mesh, "/info", key=key)
     assert status == 200 and (info["model_id"], info["model_type"], info["max_input_length"]) == (
-        "minilm", {"embedding": {"dim": 384}}, 256)
+        "minilm", {"embedding": {"dim": 384, "pooling": "mean", "normalized": True}}, 256)
     assert info["max_client_batch_size"] == 64 and info["max_input_characters"] == 4000
     status, spam, _ = call(mesh, "/info?model=spam", key=key)
     assert status == 200 and set(spam["model_type"]["classifier"]["label2id"]) == {"ham", "spam"}

@@ -133,6 +133,7 @@ def test_a_model_added_to_a_running_mesh_answers_as_transformers_does(user_mesh:
     info = next(m for m in client.list_models() if m.name == name)
     assert (info.kind, info.dim, info.layers, info.labels) == (
         "classification" if classifier else "embedding", 36, 3, LABELS if classifier else [])
+    assert (info.pooling, info.normalized) == (("", False) if classifier else ("mean", True))   # as `reference`
     status = json.loads(academus(user_mesh, "status", "--json").stdout)
     row = next(m for m in status["models"] if m["name"] == name)
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())

@@ -80,6 +80,8 @@ def test_the_commands_register_both_models(artifacts):
 
 def test_worker_serves_the_hierarchical_model_in_process(artifacts, encoder):
     runner = ModelRunner(artifacts, ["minilm-plot", "spam-plot", "minilm"])
+    assert {name: (s.pooling, s.normalized) for name, s in runner.specs.items()} == {
+        "minilm-plot": ("mean", True), "spam-plot": ("", False), "minilm": ("mean", True)}   # pooled as its encoder
     ids, lengths = flat(TEXTS)
     served = runner.run(Batch("minilm-plot", OUTPUT_EMBEDDING, ids, lengths))
     expected = encoder.pool(token_lists(TEXTS))

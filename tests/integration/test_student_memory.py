@@ -262,6 +262,8 @@ def test_an_embedding_groups_floor_is_its_cosines_and_a_worker_serves_it_from_it
     assert entry[STUDENT_SHARDS] == "shards/minilm-students" and entry["kind"] == "embedding"
     runner = ModelRunner(tmp_path, ["minilm-students"], student_budget_bytes=1 << 30)
     memory = runner.models["minilm-students"].memory
+    spec = runner.specs["minilm-students"]
+    assert (spec.pooling, spec.normalized) == ("mean", False)   # each student's mean; this group's sum left as it is
     ids, lengths = tokens(TEXTS)
     batch = Batch("minilm-students", OUTPUT_EMBEDDING, ids, lengths, num_students=2)
     loads = LOADS.labels("minilm-students", str(floor), "shards")._value.get()
@@ -269,6 +271,7 @@ def test_an_embedding_groups_floor_is_its_cosines_and_a_worker_serves_it_from_it
     assert LOADS.labels("minilm-students", str(floor), "shards")._value.get() == loads + 2
     wait_until(lambda: held_whole(memory, 0, 1))
     held = ModelRunner(tmp_path, ["minilm-students"]).run(batch).values
+    assert not np.allclose(np.linalg.norm(held, axis=1), 1, atol=1e-3)   # not unit length, as the spec says
     np.testing.assert_allclose(runner.run(batch).values, held, atol=1e-5)
     cosines = torch.nn.functional.cosine_similarity(torch.from_numpy(from_shards), torch.from_numpy(held))
     assert cosines.min() > 0.9

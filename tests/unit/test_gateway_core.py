@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -741,6 +742,10 @@ async def test_a_listing_shows_the_served_models_and_the_callers_own_only(tenant
     reviews = tenant_model_info_pb(own[0], served[0])
     assert (reviews.base, reviews.kind, list(reviews.labels), reviews.dim) == ("minilm", CLASSIFICATION,
                                                                                ["neg", "neu", "pos"], 384)
+    base = replace(served[0], pooling="mean", normalized=True)   # as the worker that serves it registered it
+    vec = tenant_model_info_pb(own[1], base)                       # an adapter's vectors: pooled as its base's
+    assert (vec.kind, vec.pooling, vec.normalized) == (EMBEDDING, "mean", True)
+    assert (tenant_model_info_pb(own[0], base).pooling, model_info_pb(base).pooling) == ("", "mean")
     _, theirs = await gateway.list_models(keys["b"])
     draft = tenant_model_info_pb(theirs[0], None)   # its base is not served: no limits to give
     assert [m.name for m in theirs] == ["draft"] and (draft.status, draft.dim, draft.max_tokens) == ("training", 0, 0)

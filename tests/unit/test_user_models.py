@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import transformers
 from tokenizers import Tokenizer
 
@@ -325,6 +326,30 @@ def test_normalize_follows_modules_json(model_dir: Callable[..., Path]) -> None:
     assert inspect_model_dir(source).normalize is False
     shutil.copyfile(teacher_dir() / "modules.json", source / "modules.json")   # ends with Normalize
     assert inspect_model_dir(source).normalize is True
+
+
+def test_a_worker_serves_each_model_pooled_and_normalised_as_added(artifacts: Path,
+                                                                     model_dir: Callable[..., Path]) -> None:
+    """What ListModels and /info tell a client: the first token's state, not unit length, as the files ask."""
+    from academus.services.worker.core import OUTPUT_EMBEDDING, ModelRunner
+    from academus.shared.models.work import Batch
+
+    source = model_dir()
+    write_pooling(source, pooling_mode_cls_token=True)
+    (source / "modules.json").write_text(json.dumps(ST_MODULES))   # no Normalize module
+    add_model(artifacts, "mine", source)
+    add_model(artifacts, "clf", model_dir("roberta", True))
+    runner = ModelRunner(artifacts, ["mine", "clf"])
+    assert {name: (s.pooling, s.normalized) for name, s in runner.specs.items()} == {
+        "mine": ("cls", False), "clf": ("", False)}
+    tokenizer = Tokenizer.from_file(str(source / "tokenizer.json"))
+    tokenizer.no_padding()
+    ids = tokenizer.encode("a fine film").ids
+    served = runner.run(Batch("mine", OUTPUT_EMBEDDING, ids, [len(ids)])).values[0]
+    body = transformers.BertModel.from_pretrained(source, add_pooling_layer=False).eval()
+    with torch.no_grad():
+        first = body(input_ids=torch.tensor([ids])).last_hidden_state[0, 0]
+    torch.testing.assert_close(torch.from_numpy(served), first, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize(("text", "problem"), [("[{", "is not valid JSON"), ("{}", "is not a JSON list")])

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x61\x63\x61\x64\x65mus/v1/inference.proto\x12\x0b\x61\x63\x61\x64\x65mus.v1\",\n\tTextInput\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttext_pair\x18\x02 \x01(\t\"\xc6\x01\n\x0cInferRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12&\n\x06inputs\x18\x02 \x03(\x0b\x32\x16.academus.v1.TextInput\x12#\n\x06output\x18\x03 \x01(\x0e\x32\x13.academus.v1.Output\x12\x15\n\x08truncate\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x0e\n\x06policy\x18\x06 \x01(\t\x12\x12\n\nearly_exit\x18\x07 \x01(\x08\x42\x0b\n\t_truncate\"\xab\x01\n\nPrediction\x12\r\n\x05label\x18\x01 \x01(\t\x12\r\n\x05probs\x18\x02 \x03(\x02\x12\r\n\x05score\x18\x03 \x01(\x02\x12\x11\n\tembedding\x18\x04 \x03(\x02\x12\x12\n\nnum_tokens\x18\x05 \x01(\x05\x12\x11\n\ttruncated\x18\x06 \x01(\x08\x12\x13\n\x0binput_index\x18\x07 \x01(\x05\x12\x12\n\nexit_layer\x18\x08 \x01(\x05\x12\r\n\x05\x66inal\x18\t \x01(\x08\"\xe9\x02\n\rInferMetadata\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x12\n\nbatch_size\x18\x02 \x01(\x05\x12\x15\n\rstudent_count\x18\x03 \x01(\x05\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12\x12\n\ngateway_ms\x18\x05 \x01(\x01\x12\x13\n\x0btokenize_ms\x18\x06 \x01(\x01\x12\x14\n\x0cscheduler_ms\x18\x07 \x01(\x01\x12\x10\n\x08queue_ms\x18\x08 \x01(\x01\x12\x11\n\tworker_ms\x18\t \x01(\x01\x12\x12\n\ncompute_ms\x18\n \x01(\x01\x12\x15\n\rpadded_tokens\x18\x0b \x01(\x05\x12\x13\n\x0breal_tokens\x18\x0c \x01(\x05\x12\x10\n\x08\x61ttempts\x18\r \x01(\x05\x12\x17\n\x0fplot_prefetched\x18\x0e \x01(\x08\x12\x14\n\x0cscheduler_id\x18\x0f \x01(\t\x12%\n\x06shards\x18\x10 \x01(\x0b\x32\x15.academus.v1.ShardRun\"\x88\x01\n\x08ShardRun\x12\x0e\n\x06layers\x18\x01 \x01(\x05\x12\r\n\x05width\x18\x02 \x01(\x05\x12\x11\n\tmean_bits\x18\x03 \x01(\x01\x12\r\n\x05io_ms\x18\x04 \x01(\x01\x12\x10\n\x08stall_ms\x18\x05 \x01(\x01\x12\x16\n\x0eresident_bytes\x18\x06 \x01(\x03\x12\x11\n\tio_source\x18\x07 \x01(\t\"\x9e\x01\n\rInferResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06labels\x18\x03 \x03(\t\x12,\n\x0bpredictions\x18\x04 \x03(\x0b\x32\x17.academus.v1.Prediction\x12,\n\x08metadata\x18\x05 \x01(\x0b\x32\x1a.academus.v1.InferMetadata\"\x13\n\x11ListModelsRequest\"\xab\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0e\n\x06labels\x18\x03 \x03(\t\x12\x0b\n\x03\x64im\x18\x04 \x01(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04\x62\x61se\x18\x06 \x01(\t\x12\x0e\n\x06status\x18\x07 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x08 \x01(\t\x12\x0e\n\x06layers\x18\t \x01(\x05\x12\r\n\x05pairs\x18\n \x01(\x08\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.academus.v1.ModelInfo\"O\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05texts\x18\x02 \x03(\t\x12\x1e\n\x16without_special_tokens\x18\x03 \x01(\x08\"O\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07special\x18\x03 \x01(\x08\x12\r\n\x05start\x18\x04 \x01(\x05\x12\x0c\n\x04stop\x18\x05 \x01(\x05\"3\n\rTokenizedText\x12\"\n\x06tokens\x18\x01 \x03(\x0b\x32\x12.academus.v1.Token\"=\n\x10TokenizeResponse\x12)\n\x05texts\x18\x01 \x03(\x0b\x32\x1a.academus.v1.TokenizedText\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"a\n\rDecodeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12$\n\x05texts\x18\x02 \x03(\x0b\x32\x15.academus.v1.TokenIds\x12\x1b\n\x13keep_special_tokens\x18\x03 \x01(\x08\"\x1f\n\x0e\x44\x65\x63odeResponse\x12\r\n\x05texts\x18\x01 \x03(\t*Z\n\x06Output\x12\x16\n\x12OUTPUT_UNSPECIFIED\x10\x00\x12\x10\n\x0cOUTPUT_LABEL\x10\x01\x12\x10\n\x0cOUTPUT_SCORE\x10\x02\x12\x14\n\x10OUTPUT_EMBEDDING\x10\x03\x32\xee\x02\n\tInference\x12>\n\x05Infer\x12\x19.academus.v1.InferRequest\x1a\x1a.academus.v1.InferResponse\x12\x46\n\x0bInferStream\x12\x19.academus.v1.InferRequest\x1a\x1a.academus.v1.InferResponse0\x01\x12M\n\nListModels\x12\x1e.academus.v1.ListModelsRequest\x1a\x1f.academus.v1.ListModelsResponse\x12G\n\x08Tokenize\x12\x1c.academus.v1.TokenizeRequest\x1a\x1d.academus.v1.TokenizeResponse\x12\x41\n\x06\x44\x65\x63ode\x12\x1a.academus.v1.DecodeRequest\x1a\x1b.academus.v1.DecodeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x61\x63\x61\x64\x65mus/v1/inference.proto\x12\x0b\x61\x63\x61\x64\x65mus.v1\",\n\tTextInput\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttext_pair\x18\x02 \x01(\t\"\xc6\x01\n\x0cInferRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12&\n\x06inputs\x18\x02 \x03(\x0b\x32\x16.academus.v1.TextInput\x12#\n\x06output\x18\x03 \x01(\x0e\x32\x13.academus.v1.Output\x12\x15\n\x08truncate\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x0e\n\x06policy\x18\x06 \x01(\t\x12\x12\n\nearly_exit\x18\x07 \x01(\x08\x42\x0b\n\t_truncate\"\xab\x01\n\nPrediction\x12\r\n\x05label\x18\x01 \x01(\t\x12\r\n\x05probs\x18\x02 \x03(\x02\x12\r\n\x05score\x18\x03 \x01(\x02\x12\x11\n\tembedding\x18\x04 \x03(\x02\x12\x12\n\nnum_tokens\x18\x05 \x01(\x05\x12\x11\n\ttruncated\x18\x06 \x01(\x08\x12\x13\n\x0binput_index\x18\x07 \x01(\x05\x12\x12\n\nexit_layer\x18\x08 \x01(\x05\x12\r\n\x05\x66inal\x18\t \x01(\x08\"\xe9\x02\n\rInferMetadata\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x12\n\nbatch_size\x18\x02 \x01(\x05\x12\x15\n\rstudent_count\x18\x03 \x01(\x05\x12\x11\n\tworker_id\x18\x04 \x01(\t\x12\x12\n\ngateway_ms\x18\x05 \x01(\x01\x12\x13\n\x0btokenize_ms\x18\x06 \x01(\x01\x12\x14\n\x0cscheduler_ms\x18\x07 \x01(\x01\x12\x10\n\x08queue_ms\x18\x08 \x01(\x01\x12\x11\n\tworker_ms\x18\t \x01(\x01\x12\x12\n\ncompute_ms\x18\n \x01(\x01\x12\x15\n\rpadded_tokens\x18\x0b \x01(\x05\x12\x13\n\x0breal_tokens\x18\x0c \x01(\x05\x12\x10\n\x08\x61ttempts\x18\r \x01(\x05\x12\x17\n\x0fplot_prefetched\x18\x0e \x01(\x08\x12\x14\n\x0cscheduler_id\x18\x0f \x01(\t\x12%\n\x06shards\x18\x10 \x01(\x0b\x32\x15.academus.v1.ShardRun\"\x88\x01\n\x08ShardRun\x12\x0e\n\x06layers\x18\x01 \x01(\x05\x12\r\n\x05width\x18\x02 \x01(\x05\x12\x11\n\tmean_bits\x18\x03 \x01(\x01\x12\r\n\x05io_ms\x18\x04 \x01(\x01\x12\x10\n\x08stall_ms\x18\x05 \x01(\x01\x12\x16\n\x0eresident_bytes\x18\x06 \x01(\x03\x12\x11\n\tio_source\x18\x07 \x01(\t\"\x9e\x01\n\rInferResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06labels\x18\x03 \x03(\t\x12,\n\x0bpredictions\x18\x04 \x03(\x0b\x32\x17.academus.v1.Prediction\x12,\n\x08metadata\x18\x05 \x01(\x0b\x32\x1a.academus.v1.InferMetadata\"\x13\n\x11ListModelsRequest\"\xd0\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0e\n\x06labels\x18\x03 \x03(\t\x12\x0b\n\x03\x64im\x18\x04 \x01(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04\x62\x61se\x18\x06 \x01(\t\x12\x0e\n\x06status\x18\x07 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x08 \x01(\t\x12\x0e\n\x06layers\x18\t \x01(\x05\x12\r\n\x05pairs\x18\n \x01(\x08\x12\x0f\n\x07pooling\x18\x0b \x01(\t\x12\x12\n\nnormalized\x18\x0c \x01(\x08\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.academus.v1.ModelInfo\"O\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05texts\x18\x02 \x03(\t\x12\x1e\n\x16without_special_tokens\x18\x03 \x01(\x08\"O\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07special\x18\x03 \x01(\x08\x12\r\n\x05start\x18\x04 \x01(\x05\x12\x0c\n\x04stop\x18\x05 \x01(\x05\"3\n\rTokenizedText\x12\"\n\x06tokens\x18\x01 \x03(\x0b\x32\x12.academus.v1.Token\"=\n\x10TokenizeResponse\x12)\n\x05texts\x18\x01 \x03(\x0b\x32\x1a.academus.v1.TokenizedText\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"a\n\rDecodeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12$\n\x05texts\x18\x02 \x03(\x0b\x32\x15.academus.v1.TokenIds\x12\x1b\n\x13keep_special_tokens\x18\x03 \x01(\x08\"\x1f\n\x0e\x44\x65\x63odeResponse\x12\r\n\x05texts\x18\x01 \x03(\t*Z\n\x06Output\x12\x16\n\x12OUTPUT_UNSPECIFIED\x10\x00\x12\x10\n\x0cOUTPUT_LABEL\x10\x01\x12\x10\n\x0cOUTPUT_SCORE\x10\x02\x12\x14\n\x10OUTPUT_EMBEDDING\x10\x03\x32\xee\x02\n\tInference\x12>\n\x05Infer\x12\x19.academus.v1.InferRequest\x1a\x1a.academus.v1.InferResponse\x12\x46\n\x0bInferStream\x12\x19.academus.v1.InferRequest\x1a\x1a.academus.v1.InferResponse0\x01\x12M\n\nListModels\x12\x1e.academus.v1.ListModelsRequest\x1a\x1f.academus.v1.ListModelsResponse\x12G\n\x08Tokenize\x12\x1c.academus.v1.TokenizeRequest\x1a\x1d.academus.v1.TokenizeResponse\x12\x41\n\x06\x44\x65\x63ode\x12\x1a.academus.v1.DecodeRequest\x1a\x1b.academus.v1.DecodeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'academus.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OUTPUT']._serialized_start=1821
-  _globals['_OUTPUT']._serialized_end=1911
+  _globals['_OUTPUT']._serialized_start=1858
+  _globals['_OUTPUT']._serialized_end=1948
   _globals['_TEXTINPUT']._serialized_start=44
   _globals['_TEXTINPUT']._serialized_end=88
   _globals['_INFERREQUEST']._serialized_start=91
@@ -48,23 +48,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTMODELSREQUEST']._serialized_start=1129
   _globals['_LISTMODELSREQUEST']._serialized_end=1148
   _globals['_MODELINFO']._serialized_start=1151
-  _globals['_MODELINFO']._serialized_end=1322
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1324
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1384
-  _globals['_TOKENIZEREQUEST']._serialized_start=1386
-  _globals['_TOKENIZEREQUEST']._serialized_end=1465
-  _globals['_TOKEN']._serialized_start=1467
-  _globals['_TOKEN']._serialized_end=1546
-  _globals['_TOKENIZEDTEXT']._serialized_start=1548
-  _globals['_TOKENIZEDTEXT']._serialized_end=1599
-  _globals['_TOKENIZERESPONSE']._serialized_start=1601
-  _globals['_TOKENIZERESPONSE']._serialized_end=1662
-  _globals['_TOKENIDS']._serialized_start=1664
-  _globals['_TOKENIDS']._serialized_end=1687
-  _globals['_DECODEREQUEST']._serialized_start=1689
-  _globals['_DECODEREQUEST']._serialized_end=1786
-  _globals['_DECODERESPONSE']._serialized_start=1788
-  _globals['_DECODERESPONSE']._serialized_end=1819
-  _globals['_INFERENCE']._serialized_start=1914
-  _globals['_INFERENCE']._serialized_end=2280
+  _globals['_MODELINFO']._serialized_end=1359
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1361
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1421
+  _globals['_TOKENIZEREQUEST']._serialized_start=1423
+  _globals['_TOKENIZEREQUEST']._serialized_end=1502
+  _globals['_TOKEN']._serialized_start=1504
+  _globals['_TOKEN']._serialized_end=1583
+  _globals['_TOKENIZEDTEXT']._serialized_start=1585
+  _globals['_TOKENIZEDTEXT']._serialized_end=1636
+  _globals['_TOKENIZERESPONSE']._serialized_start=1638
+  _globals['_TOKENIZERESPONSE']._serialized_end=1699
+  _globals['_TOKENIDS']._serialized_start=1701
+  _globals['_TOKENIDS']._serialized_end=1724
+  _globals['_DECODEREQUEST']._serialized_start=1726
+  _globals['_DECODEREQUEST']._serialized_end=1823
+  _globals['_DECODERESPONSE']._serialized_start=1825
+  _globals['_DECODERESPONSE']._serialized_end=1856
+  _globals['_INFERENCE']._serialized_start=1951
+  _globals['_INFERENCE']._serialized_end=2317
 # @@protoc_insertion_point(module_scope)

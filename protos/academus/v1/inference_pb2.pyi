@@ -139,7 +139,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "kind", "labels", "dim", "max_tokens", "base", "status", "architecture", "layers", "pairs")
+    __slots__ = ("name", "kind", "labels", "dim", "max_tokens", "base", "status", "architecture", "layers", "pairs", "pooling", "normalized")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,8 @@ class ModelInfo(_message.Message):
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     PAIRS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZED_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     labels: _containers.RepeatedScalarFieldContainer[str]
@@ -160,7 +162,9 @@ class ModelInfo(_message.Message):
     architecture: str
     layers: int
     pairs: bool
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., dim: _Optional[int] = ..., max_tokens: _Optional[int] = ..., base: _Optional[str] = ..., status: _Optional[str] = ..., architecture: _Optional[str] = ..., layers: _Optional[int] = ..., pairs: _Optional[bool] = ...) -> None: ...
+    pooling: str
+    normalized: bool
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., dim: _Optional[int] = ..., max_tokens: _Optional[int] = ..., base: _Optional[str] = ..., status: _Optional[str] = ..., architecture: _Optional[str] = ..., layers: _Optional[int] = ..., pairs: _Optional[bool] = ..., pooling: _Optional[str] = ..., normalized: _Optional[bool] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)

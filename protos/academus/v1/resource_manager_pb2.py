@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"academus/v1/resource_manager.proto\x12\x0b\x61\x63\x61\x64\x65mus.v1\"\xb0\x02\n\tModelSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0e\n\x06labels\x18\x03 \x03(\t\x12\x0b\n\x03\x64im\x18\x04 \x01(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x14\n\x0cmax_students\x18\x06 \x01(\x05\x12\x18\n\x10\x64\x65\x66\x61ult_students\x18\x07 \x01(\x05\x12\x0c\n\x04plot\x18\x08 \x01(\t\x12\x14\n\x0clower_layers\x18\t \x01(\x05\x12\x0e\n\x06\x64omain\x18\n \x01(\t\x12\x11\n\ttokenizer\x18\x0b \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x0c \x01(\t\x12\x0e\n\x06layers\x18\r \x01(\x05\x12\x14\n\x0cmemory_bytes\x18\x0e \x01(\x03\x12\x14\n\x0cwhole_groups\x18\x0f \x01(\x08\x12\r\n\x05pairs\x18\x10 \x01(\x08\"g\n\x0cProfilePoint\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\tinstances\x18\x02 \x01(\x05\x12\r\n\x05merge\x18\x03 \x01(\x05\x12\x12\n\nthroughput\x18\x04 \x01(\x01\x12\x12\n\nlatency_ms\x18\x05 \x01(\x01\"\xbf\x01\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12&\n\x06models\x18\x03 \x03(\x0b\x32\x16.academus.v1.ModelSpec\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x05 \x01(\x05\x12*\n\x07profile\x18\x06 \x03(\x0b\x32\x19.academus.v1.ProfilePoint\x12\x0c\n\x04node\x18\x07 \x01(\t\"C\n\x16RegisterWorkerResponse\x12\x17\n\x0fheartbeat_ttl_s\x18\x01 \x01(\x05\x12\x10\n\x08\x63\x61pacity\x18\x02 \x01(\x05\",\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"+\n\x18\x44\x65registerWorkerResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08\"&\n\x15ListPlacementsRequest\x12\r\n\x05model\x18\x01 \x01(\t\".\n\tPlacement\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nworker_ids\x18\x02 \x03(\t\"D\n\x16ListPlacementsResponse\x12*\n\nplacements\x18\x01 \x03(\x0b\x32\x16.academus.v1.Placement2\xa8\x02\n\x0fResourceManager\x12Y\n\x0eRegisterWorker\x12\".academus.v1.RegisterWorkerRequest\x1a#.academus.v1.RegisterWorkerResponse\x12_\n\x10\x44\x65registerWorker\x12$.academus.v1.DeregisterWorkerRequest\x1a%.academus.v1.DeregisterWorkerResponse\x12Y\n\x0eListPlacements\x12\".academus.v1.ListPlacementsRequest\x1a#.academus.v1.ListPlacementsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"academus/v1/resource_manager.proto\x12\x0b\x61\x63\x61\x64\x65mus.v1\"\xd5\x02\n\tModelSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0e\n\x06labels\x18\x03 \x03(\t\x12\x0b\n\x03\x64im\x18\x04 \x01(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x14\n\x0cmax_students\x18\x06 \x01(\x05\x12\x18\n\x10\x64\x65\x66\x61ult_students\x18\x07 \x01(\x05\x12\x0c\n\x04plot\x18\x08 \x01(\t\x12\x14\n\x0clower_layers\x18\t \x01(\x05\x12\x0e\n\x06\x64omain\x18\n \x01(\t\x12\x11\n\ttokenizer\x18\x0b \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x0c \x01(\t\x12\x0e\n\x06layers\x18\r \x01(\x05\x12\x14\n\x0cmemory_bytes\x18\x0e \x01(\x03\x12\x14\n\x0cwhole_groups\x18\x0f \x01(\x08\x12\r\n\x05pairs\x18\x10 \x01(\x08\x12\x0f\n\x07pooling\x18\x11 \x01(\t\x12\x12\n\nnormalized\x18\x12 \x01(\x08\"g\n\x0cProfilePoint\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\tinstances\x18\x02 \x01(\x05\x12\r\n\x05merge\x18\x03 \x01(\x05\x12\x12\n\nthroughput\x18\x04 \x01(\x01\x12\x12\n\nlatency_ms\x18\x05 \x01(\x01\"\xbf\x01\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12&\n\x06models\x18\x03 \x03(\x0b\x32\x16.academus.v1.ModelSpec\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x05 \x01(\x05\x12*\n\x07profile\x18\x06 \x03(\x0b\x32\x19.academus.v1.ProfilePoint\x12\x0c\n\x04node\x18\x07 \x01(\t\"C\n\x16RegisterWorkerResponse\x12\x17\n\x0fheartbeat_ttl_s\x18\x01 \x01(\x05\x12\x10\n\x08\x63\x61pacity\x18\x02 \x01(\x05\",\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"+\n\x18\x44\x65registerWorkerResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08\"&\n\x15ListPlacementsRequest\x12\r\n\x05model\x18\x01 \x01(\t\".\n\tPlacement\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nworker_ids\x18\x02 \x03(\t\"D\n\x16ListPlacementsResponse\x12*\n\nplacements\x18\x01 \x03(\x0b\x32\x16.academus.v1.Placement2\xa8\x02\n\x0fResourceManager\x12Y\n\x0eRegisterWorker\x12\".academus.v1.RegisterWorkerRequest\x1a#.academus.v1.RegisterWorkerResponse\x12_\n\x10\x44\x65registerWorker\x12$.academus.v1.DeregisterWorkerRequest\x1a%.academus.v1.DeregisterWorkerResponse\x12Y\n\x0eListPlacements\x12\".academus.v1.ListPlacementsRequest\x1a#.academus.v1.ListPlacementsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,23 +32,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'academus.v1.resource_manage
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MODELSPEC']._serialized_start=52
-  _globals['_MODELSPEC']._serialized_end=356
-  _globals['_PROFILEPOINT']._serialized_start=358
-  _globals['_PROFILEPOINT']._serialized_end=461
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=464
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=655
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=657
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=724
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=726
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=770
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=772
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=815
-  _globals['_LISTPLACEMENTSREQUEST']._serialized_start=817
-  _globals['_LISTPLACEMENTSREQUEST']._serialized_end=855
-  _globals['_PLACEMENT']._serialized_start=857
-  _globals['_PLACEMENT']._serialized_end=903
-  _globals['_LISTPLACEMENTSRESPONSE']._serialized_start=905
-  _globals['_LISTPLACEMENTSRESPONSE']._serialized_end=973
-  _globals['_RESOURCEMANAGER']._serialized_start=976
-  _globals['_RESOURCEMANAGER']._serialized_end=1272
+  _globals['_MODELSPEC']._serialized_end=393
+  _globals['_PROFILEPOINT']._serialized_start=395
+  _globals['_PROFILEPOINT']._serialized_end=498
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=501
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=692
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=694
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=761
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=763
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=807
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=809
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=852
+  _globals['_LISTPLACEMENTSREQUEST']._serialized_start=854
+  _globals['_LISTPLACEMENTSREQUEST']._serialized_end=892
+  _globals['_PLACEMENT']._serialized_start=894
+  _globals['_PLACEMENT']._serialized_end=940
+  _globals['_LISTPLACEMENTSRESPONSE']._serialized_start=942
+  _globals['_LISTPLACEMENTSRESPONSE']._serialized_end=1010
+  _globals['_RESOURCEMANAGER']._serialized_start=1013
+  _globals['_RESOURCEMANAGER']._serialized_end=1309
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ModelSpec(_message.Message):
-    __slots__ = ("name", "kind", "labels", "dim", "max_tokens", "max_students", "default_students", "plot", "lower_layers", "domain", "tokenizer", "architecture", "layers", "memory_bytes", "whole_groups", "pairs")
+    __slots__ = ("name", "kind", "labels", "dim", "max_tokens", "max_students", "default_students", "plot", "lower_layers", "domain", "tokenizer", "architecture", "layers", "memory_bytes", "whole_groups", "pairs", "pooling", "normalized")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,8 @@ class ModelSpec(_message.Message):
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     WHOLE_GROUPS_FIELD_NUMBER: _ClassVar[int]
     PAIRS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZED_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     labels: _containers.RepeatedScalarFieldContainer[str]
@@ -40,7 +42,9 @@ class ModelSpec(_message.Message):
     memory_bytes: int
     whole_groups: bool
     pairs: bool
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., dim: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_students: _Optional[int] = ..., default_students: _Optional[int] = ..., plot: _Optional[str] = ..., lower_layers: _Optional[int] = ..., domain: _Optional[str] = ..., tokenizer: _Optional[str] = ..., architecture: _Optional[str] = ..., layers: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., whole_groups: _Optional[bool] = ..., pairs: _Optional[bool] = ...) -> None: ...
+    pooling: str
+    normalized: bool
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., dim: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_students: _Optional[int] = ..., default_students: _Optional[int] = ..., plot: _Optional[str] = ..., lower_layers: _Optional[int] = ..., domain: _Optional[str] = ..., tokenizer: _Optional[str] = ..., architecture: _Optional[str] = ..., layers: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., whole_groups: _Optional[bool] = ..., pairs: _Optional[bool] = ..., pooling: _Optional[str] = ..., normalized: _Optional[bool] = ...) -> None: ...
 
 class ProfilePoint(_message.Message):
     __slots__ = ("model", "instances", "merge", "throughput", "latency_ms")

@@ -114,6 +114,7 @@ class PlotEncoder(nn.Module):
         super().__init__()
         self.body = encoder.body
         self.normalize = encoder.normalize   # as the encoder it runs: its output is L2-normalised or not
+        self.pooling = encoder.pooling
         self.hierarchical = hierarchical
         self.domain = domain
 
