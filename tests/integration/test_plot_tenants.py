@@ -77,7 +77,7 @@ def store(artifacts) -> PlotStore:
 @pytest.fixture(scope="module")
 def trained(teacher, store, reviews):
     with torch_threads(all_cores()):
-        return train_adapter(reviews["texts"], reviews["labels"], base="minilm-plot", epochs=10,
+        return train_adapter(reviews["texts"], reviews["labels"], base="minilm-plot", epochs=5,
                              validation_fraction=0.3, encoder=teacher, plot_store=store, progress=False)
 
 
