@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 from prometheus_client import REGISTRY
@@ -48,6 +49,39 @@ def teacher() -> Iterator:
 
     with torch_threads(1):
         yield TeacherEncoder.load()
+
+
+def write_reviews(path: Path, examples: list[tuple[str, str]]) -> Path:
+    """A user's labelled file: a {"text", "label"} line an example."""
+    path.write_text("".join(json.dumps({"text": text, "label": label}) + "\n" for text, label in examples))
+    return path
+
+
+class CriticStudents(NamedTuple):
+    artifacts: Path            # read only: a test that serves or writes it copies it first
+    summary: dict[str, Any]    # what `distill` returned
+
+
+@pytest.fixture(scope="session")
+def critic_students(tmp_path_factory: pytest.TempPathFactory) -> CriticStudents:
+    """A user's fine-tuned classifier `critic` (MiniLM fitted on reviews 300-899 of the sentiment training split) and
+    its students distilled --quick on a file of reviews 0-299: built once for the tests of both."""
+    from dataclasses import replace
+
+    from academus.loadgen.probes.user_classifier import sentiment_classifier
+    from academus.shared.models.user_models import add_model
+    from academus.shared.training.data import data_dir, fetch, load_task
+    from academus.shared.training.distill import distill
+    from academus.shared.training.distill_data import QUICK
+
+    root = tmp_path_factory.mktemp("critic")
+    task = load_task("sentiment", fetch(data_dir()))
+    examples = [(e.text, task.labels[e.label]) for e in task.train[:900]]
+    artifacts = root / "artifacts"
+    add_model(artifacts, "critic", sentiment_classifier(root / "critic", examples[300:]))
+    summary = distill(None, artifacts, root / "data", replace(QUICK, max_students=2), quick=True, model="critic",
+                      data_file=write_reviews(root / "reviews.jsonl", examples[:300]))
+    return CriticStudents(artifacts, summary)
 
 
 class SuiteLauncher(NamedTuple):

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,14 +20,10 @@ from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, Me
 from academus.shared.models.model import pad_batch
 from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
-from academus.shared.models.user_models import add_model
 from academus.shared.state.keys import Keys
-from academus.shared.training.data import data_dir, fetch, load_task
-from academus.shared.training.distill import distill
-from academus.shared.training.distill_data import QUICK
 from academus.shared.training.student_artifacts import load_student_group
+from tests.conftest import CriticStudents
 from tests.e2e.conftest import wait_for
-from tests.unit.test_distill_file import reviews, sentiment_classifier
 
 pytestmark = pytest.mark.e2e
 MODEL = "critic-students"
@@ -35,16 +31,9 @@ TEXTS = ["a quietly devastating film", "dull, long and loud", "worth the ticket"
 
 
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def artifacts(tmp_path_factory: pytest.TempPathFactory, critic_students: CriticStudents) -> Path:
     """A classifier fitted on 600 reviews, added as `critic`, and its students distilled --quick on 300 others."""
-    root = tmp_path_factory.mktemp("critic")
-    task = load_task("sentiment", fetch(data_dir()))
-    examples = [(e.text, task.labels[e.label]) for e in task.train[:900]]
-    artifacts = root / "artifacts"
-    add_model(artifacts, "critic", sentiment_classifier(root / "critic", examples[300:]))
-    distill(None, artifacts, root / "data", replace(QUICK, max_students=2), quick=True, model="critic",
-            data_file=reviews(root / "reviews.jsonl", examples[:300]))
-    return artifacts
+    return Path(shutil.copytree(critic_students.artifacts, tmp_path_factory.mktemp("critic") / "artifacts"))
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 
-from academus.loadgen.probes.user_classifier import sentiment_classifier
 from academus.services.worker.core import OUTPUT_PROBS, ModelRunner
 from academus.shared.models.model import SequenceClassifierHead, pad_batch
 from academus.shared.models.students import SEQUENCE
@@ -31,15 +30,11 @@ from academus.shared.training.distill_cli import main
 from academus.shared.training.distill_data import QUICK
 from academus.shared.training.student_artifacts import load_student_group, students_dir
 from academus.shared.training.user_heads import train_user_head
+from tests.conftest import CriticStudents, write_reviews
 from tests.models import tiny_model_dir
 
 REVIEWS = 300
 CONFIG = replace(QUICK, max_students=2)
-
-
-def reviews(path: Path, examples: list[tuple[str, str]]) -> Path:
-    path.write_text("".join(json.dumps({"text": text, "label": label}) + "\n" for text, label in examples))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +51,13 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory, examples: list[tuple[str
     root = tmp_path_factory.mktemp("distill-file")
     artifacts = root / "artifacts"
     add_model(artifacts, "mini", teacher_dir())
-    train_user_head(artifacts, "mini", "reviews", data=reviews(root / "reviews.jsonl", examples),
+    train_user_head(artifacts, "mini", "reviews", data=write_reviews(root / "reviews.jsonl", examples),
                     data_dir=root / "data")
     return artifacts
 
 
 def test_a_heads_students_learn_from_the_users_file(artifacts: Path, examples: list, tmp_path: Path) -> None:
-    data = reviews(tmp_path / "reviews.jsonl", examples)
+    data = write_reviews(tmp_path / "reviews.jsonl", examples)
     summary = distill(None, artifacts, tmp_path / "data", CONFIG, quick=True, model="reviews", data_file=data)
     assert summary["served"] == ["reviews-2l", "reviews-students"]
     manifest = read_manifest(students_dir(artifacts, "reviews"))
@@ -98,9 +93,10 @@ def test_an_embedding_models_students_learn_from_a_file_of_texts(artifacts: Path
 def test_a_bad_file_or_combination_is_refused_by_name_and_writes_nothing(artifacts: Path, examples: list,
                                                                          tmp_path: Path, case: str,
                                                                          message: str) -> None:
-    files = {"labels": reviews(tmp_path / "meh.jsonl", [(t, "meh" if lab == "rotten" else lab) for t, lab in examples]),
-             "few": reviews(tmp_path / "few.jsonl", [e for e in examples if e[1] == "fresh"][:2]
-                            + [e for e in examples if e[1] == "rotten"][:2]), "bad": tmp_path / "bad.jsonl"}
+    meh = [(t, "meh" if lab == "rotten" else lab) for t, lab in examples]
+    files = {"labels": write_reviews(tmp_path / "meh.jsonl", meh),
+             "few": write_reviews(tmp_path / "few.jsonl", [e for e in examples if e[1] == "fresh"][:2]
+                                  + [e for e in examples if e[1] == "rotten"][:2]), "bad": tmp_path / "bad.jsonl"}
     files["bad"].write_text('{"text": "fine", "label": "fresh"}\n{"text": oops}\n')
     model, task, data = {"labels": ("reviews", None, files["labels"]), "no model": ("", "sentiment", files["few"]),
                          "task too": ("reviews", "sentiment", files["few"]), "few": ("reviews", None, files["few"]),
@@ -122,17 +118,12 @@ def test_a_head_trained_on_a_file_is_distilled_only_on_a_file(artifacts: Path, t
         in capsys.readouterr().err
 
 
-def test_a_sequence_classifiers_students_carry_its_own_nonlinear_head(examples: list, dataset_dir: Path,
-                                                                      tmp_path: Path) -> None:
+def test_a_sequence_classifiers_students_carry_its_own_nonlinear_head(examples: list,
+                                                                      critic_students: CriticStudents) -> None:
     """Students of a user's fine-tuned classifier (its pooler's dense + tanh, then its classifier; fitted on other
-    reviews than the file's), distilled on its labelled file, keep a copy of that head and move towards its
-    representation; the worker serves them through it, whole on one worker."""
-    task = load_task("sentiment", dataset_dir)
-    fitted_on = [(e.text, task.labels[e.label]) for e in task.train[REVIEWS:REVIEWS + 600]]
-    artifacts = tmp_path / "artifacts"
-    add_model(artifacts, "critic", sentiment_classifier(tmp_path / "critic", fitted_on))
-    data = reviews(tmp_path / "reviews.jsonl", examples)
-    summary = distill(None, artifacts, tmp_path / "data", CONFIG, quick=True, model="critic", data_file=data)
+    reviews than the file's), distilled on its labelled file (`examples`), keep a copy of that head and move towards
+    its representation; the worker serves them through it, whole on one worker."""
+    artifacts, summary = critic_students
     assert summary["served"] == ["critic-2l", "critic-students"] and summary["task"] == "critic"
     manifest = read_manifest(students_dir(artifacts, "critic"))
     assert manifest.extra["head"] == SEQUENCE and manifest.labels == ["fresh", "rotten"]
