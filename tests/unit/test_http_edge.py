@@ -398,7 +398,7 @@ async def test_tokenize_decode_and_info_answer_in_teis_shapes():
     from academus.shared.models.tokenization import Token
 
     seen: list[tuple] = []
-    specs = {"emb": ModelSpec("emb", EMBEDDING, dim=384, max_tokens=256),
+    specs = {"emb": ModelSpec("emb", EMBEDDING, dim=384, max_tokens=256, pooling="cls", normalized=False),
              "cls": ModelSpec("cls", CLASSIFICATION, ["neg", "pos"], max_tokens=128),
              "rr": ModelSpec("rr", CLASSIFICATION, ["relevance"], pairs=True)}
 
@@ -424,8 +424,8 @@ async def test_tokenize_decode_and_info_answer_in_teis_shapes():
         decoded = await client.post("/decode", json={"ids": [[101, 7592, 102], [7592]], "model": "cls"})
         assert decoded.status == 200 and await decoded.json() == ["hello", "hello"]
         info = await (await client.get("/info")).json()
-        assert (info["model_id"], info["model_type"], info["max_input_length"]) == ("emb", {"embedding": {"dim": 384}},
-                                                                                    256)
+        assert (info["model_id"], info["model_type"], info["max_input_length"]) == (
+            "emb", {"embedding": {"dim": 384, "pooling": "cls", "normalized": False}}, 256)
         assert info["max_client_batch_size"] == config.max_inputs and info["version"]
         classifier = await (await client.get("/info", params={"model": "cls"})).json()
         assert classifier["model_type"] == {"classifier": {"id2label": {"0": "neg", "1": "pos"},
