@@ -177,8 +177,9 @@ def capacity(state: MeshState, args: argparse.Namespace, callers: int, out: Path
 
 
 def many_connections(state: MeshState, args: argparse.Namespace, rate: float, out: Path) -> dict:
-    """--connections open at once offering `rate` req/s; the gateway's established connections counted while
-    the run lasts (the most at once), so the figure says how many were really open."""
+    """--connections open at once offering `rate` req/s; the gateway's established connections counted until all
+    are seen open (the most at once), so the figure says how many were really open. Each count runs `ss`, which
+    would otherwise take a share of the cores the run measures."""
     shares = [s.concurrency for s in split([], [], args.procs, args.connections)]
     start_at = time.time() + START_MARGIN_S + args.connections / 100   # each share opens its connections first
     results = [out / f"open-{k}.json" for k in range(len(shares))]
@@ -186,7 +187,7 @@ def many_connections(state: MeshState, args: argparse.Namespace, rate: float, ou
                                                str(rate / len(shares))))
                 for n, path in zip(shares, results, strict=True)]
     established = 0   # the most seen at once: the spawned processes open theirs late on a loaded machine
-    while any(child.poll() is None for child in children):
+    while established < args.connections and any(child.poll() is None for child in children):
         established = max(established, gateway_connections(state.gateway))
         time.sleep(CONNECTIONS_POLL_S)
     if any([child.wait() for child in children]):

@@ -53,7 +53,8 @@ def teacher() -> Iterator:
 
 def write_reviews(path: Path, examples: list[tuple[str, str]]) -> Path:
     """A user's labelled file: a {"text", "label"} line an example."""
-    path.write_text("".join(json.dumps({"text": text, "label": label}) + "\n" for text, label in examples))
+    path.write_text("".join(json.dumps({"text": text, "label": label}) + "\n" for text, label in examples),
+                    encoding="utf-8")
     return path
 
 

@@ -10,6 +10,7 @@ import json
 import pytest
 
 from academus.shared.training.data import load_task
+from tests.conftest import write_reviews
 from tests.e2e.test_serving import cli
 
 pytestmark = pytest.mark.e2e
@@ -18,10 +19,8 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     task = load_task("sentiment")
-    path = tmp_path_factory.mktemp("tenant") / "reviews.jsonl"
-    lines = [json.dumps({"text": e.text, "label": task.labels[e.label]}) for e in task.train[:160]]
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_reviews(tmp_path_factory.mktemp("tenant") / "reviews.jsonl",
+                         [(e.text, task.labels[e.label]) for e in task.train[:160]])
 
 
 def created(mesh, name: str, data) -> dict:

@@ -6,7 +6,6 @@ the worker's runner, and the whole path over loopback gRPC with a real Redis and
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 
 import grpc
@@ -35,7 +34,7 @@ from academus.shared.training.onboarding import AdapterStoreClient, create_tenan
 from academus.shared.training.plot_build import BuildOptions, build
 from academus.shared.training.plot_models import register_embedding
 from academus.shared.training.prepare import subsample
-from tests.conftest import all_cores, env, torch_threads
+from tests.conftest import all_cores, env, torch_threads, write_reviews
 from tests.integration.test_tenant_serving import start
 
 pytestmark = pytest.mark.integration
@@ -181,9 +180,8 @@ async def test_tenants_on_minilm_plot_share_batches_each_with_its_domain(mesh, t
 
 async def test_tenants_create_trains_on_minilm_plot_and_the_key_serves_it(mesh, artifacts, reviews, tmp_path):
     gateway, redis, registry = mesh
-    data = tmp_path / "reviews.jsonl"
-    data.write_text("".join(json.dumps({"text": t, "label": label}) + "\n"
-                            for t, label in zip(reviews["texts"][:80], reviews["labels"][:80], strict=True)))
+    data = write_reviews(tmp_path / "reviews.jsonl", list(zip(reviews["texts"][:80], reviews["labels"][:80],
+                                                                strict=True)))
     with env(ACADEMUS_ARTIFACTS=str(artifacts)):   # the catalogue the CLI's training reads the table from
         with pytest.raises(InvalidArgument, match="no PLOT overlay for domain 'nope'"):
             await create_tenant_model(redis, registry.keys, "initech", "minilm-plot", data, epochs=1,

@@ -3,7 +3,6 @@ input and a quick real training run (adapter-hub style: optimized path vs refere
 
 from __future__ import annotations
 
-import json
 import threading
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from academus.shared.training.adapters import (
     train_adapter,
     upper_pooled,
 )
+from tests.conftest import write_reviews
 
 TEXTS = [
     "a quietly devastating film that earns every one of its tears",
@@ -283,9 +283,8 @@ def test_training_beats_the_untrained_adapter(tmp_path, dataset_dir, encoder, to
     from academus.shared.training.prepare import subsample
 
     task = load_task("sentiment", dataset_dir)
-    path = tmp_path / "sentiment.jsonl"
-    path.write_text("".join(json.dumps({"text": e.text, "label": task.labels[e.label]}) + "\n"
-                            for e in subsample(task.train, 300)), encoding="utf-8")
+    path = write_reviews(tmp_path / "sentiment.jsonl", [(e.text, task.labels[e.label])
+                                                         for e in subsample(task.train, 300)])
     texts, labels = read_labelled_jsonl(path)
     flags = [p.requires_grad for p in encoder.parameters()]
     adapter, summary = train_adapter(texts, labels, epochs=6, validation_fraction=0.3, encoder=encoder,

@@ -23,6 +23,7 @@ from academus.shared.state.artifacts import read_manifest
 from academus.shared.training.data import load_task
 from academus.shared.training.ramps import Subject, layer_states, main, train_ramps
 from academus.shared.training.user_heads import train_user_head
+from tests.conftest import write_reviews
 from tests.models import LABELS, SHAPE, tiny_model_dir
 
 TEXTS = ["the film was a quiet triumph", "dull, long and loud", "a cast that never once finds its footing",
@@ -32,10 +33,8 @@ TEXTS = ["the film was a quiet triumph", "dull, long and loud", "a cast that nev
 @pytest.fixture(scope="module")
 def texts_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     task = load_task("sentiment")
-    path = tmp_path_factory.mktemp("texts") / "reviews.jsonl"
-    path.write_text("".join(json.dumps({"text": e.text, "label": task.labels[e.label]}) + "\n"
-                            for e in task.train[:240]))
-    return path
+    return write_reviews(tmp_path_factory.mktemp("texts") / "reviews.jsonl",
+                         [(e.text, task.labels[e.label]) for e in task.train[:240]])
 
 
 @pytest.fixture(scope="module")
