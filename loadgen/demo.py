@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     started = time.monotonic()
     notes = prepare_quick(args.artifacts)
-    run_dir = Path(tempfile.mkdtemp(prefix="academus-demo-"))
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="academus-demo-"))
     print(f"\nstarting the mesh in {run_dir} ...", flush=True)
     # every request traced (the default is 1 in 100): the demo prints one request's trace
     state = up(MeshOptions(run_dir=run_dir, artifacts=args.artifacts, gateway_port=0, tls=args.tls,
@@ -66,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, default=8.0, help="each run's length")
     p.add_argument("--rounds", type=int, default=2, help="teacher and students, in alternating order")
     p.add_argument("--out", type=Path, default=None, help="folder for the PNG (default: the run folder)")
+    p.add_argument("--run-dir", type=Path, default=None,
+                   help="the mesh's folder: its logs, Redis and traces, kept after the demo (default: a new "
+                        "temporary folder)")
     p.add_argument("--tls", action="store_true", help="the gateway serves TLS from a local CA (`academus up --tls`)")
     return p
 

@@ -647,14 +647,16 @@ def status(run_dir: Path) -> dict:
 
 def served_models(client: redis.Redis, keys: Keys) -> list[dict[str, object]]:
     """Each registered model: its kind, architecture, layers, the memory its weights take in a worker, how many
-    workers serve it, and for a group held within a student budget, the students each worker holds (index: bits,
-    32 for full precision)."""
+    workers serve it, an embedding model's pooling and whether its vectors are normalized, and for a group held
+    within a student budget, the students each worker holds (index: bits, 32 for full precision)."""
     rows = []
     for name, raw in sorted(client.hgetall(keys.models()).items()):
         spec = ModelSpec.from_json(raw)
         workers = sorted(client.smembers(keys.placement(name)))
         row = {"name": name, "kind": spec.kind, "architecture": spec.architecture, "layers": spec.layers,
                "memory_bytes": spec.memory_bytes, "workers": len(workers)}
+        if spec.pooling:   # an embedding model: how its vectors are made, as ListModels gives it
+            row |= {"pooling": spec.pooling, "normalized": spec.normalized}
         held = {w: json.loads(h).get(name) for w in workers if (h := client.hget(keys.worker(w), "students"))}
         if held := {w: students for w, students in held.items() if students is not None}:
             row["held_students"] = held

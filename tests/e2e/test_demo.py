@@ -17,7 +17,8 @@ def test_the_demo_compares_the_teacher_and_its_students_under_the_same_load(tmp_
     (tmp_path / "artifacts").mkdir()
     artifacts = small_student_artifacts(tmp_path / "artifacts", best_k=1)
     out = subprocess.run([sys.executable, "-m", "academus.loadgen.demo", "--artifacts", str(artifacts),
-                          "--callers", "2", "--seconds", "1", "--rounds", "2", "--out", str(tmp_path / "out")],
+                          "--callers", "2", "--seconds", "1", "--rounds", "2", "--out", str(tmp_path / "out"),
+                          "--run-dir", str(tmp_path / "mesh")],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "deployment: policy student  models sentiment-2l,sentiment-students" in out.stdout
@@ -30,3 +31,4 @@ def test_the_demo_compares_the_teacher_and_its_students_under_the_same_load(tmp_
     assert report["teacher"]["served_by"] == {"concat": report["teacher"]["completed"]}
     assert report["students"]["served_by"] == {"student": report["students"]["completed"]}
     assert (tmp_path / "out" / "demo-latency.png").stat().st_size > 0
+    assert f"starting the mesh in {tmp_path / 'mesh'}" in out.stdout and (tmp_path / "mesh" / "logs").is_dir()

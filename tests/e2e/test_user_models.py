@@ -139,6 +139,10 @@ def test_a_model_added_to_a_running_mesh_answers_as_transformers_does(user_mesh:
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     assert (row["architecture"], row["layers"], row["workers"]) == (model.config.architectures[0], 3, 1)
     assert weights * 0.9 <= row["memory_bytes"] <= weights * 1.1   # as loaded: a BERT head's pooler, buffers
+    assert (row.get("pooling"), row.get("normalized")) == ((None, None) if classifier else ("mean", True))
+    if not classifier:   # the table an operator reads says it too
+        line = next(r for r in academus(user_mesh, "status").stdout.splitlines() if r.startswith(f"model {name} "))
+        assert line.endswith("pooling mean, normalized"), line
     expected = reference(model, tmp_path / name, classifier)
     for policy in ("concat", "padded"):   # packed (ConcatBatching) and padded batches
         got = served(client, name, policy, classifier)
