@@ -65,6 +65,8 @@ from academus.shared.training.prepare import (
 
 BOOTSTRAP_SHARE = 0.10     # of the training split, a fixed pseudo-random share (the files are ordered by class)
 QUICK_TEXTS = 96           # --quick: texts a split at most
+COST_REPEATS = 15          # timed runs of the model that measure the ramps' costs and savings
+QUICK_REPEATS = 5          # --quick's: a quick run checks the path, not the figures
 CONSTRAINT = 0.99
 
 
@@ -109,7 +111,7 @@ def fit_ramp(x: torch.Tensor, target: torch.Tensor, vx: torch.Tensor, vtarget: t
 
 
 def measure_costs(encoder: TeacherEncoder, ramps: ExitRamps, tokenizer: TeacherTokenizer, texts: Sequence[str],
-                  batch: int = 8, repeats: int = 15) -> tuple[dict[int, float], dict[int, float], float]:
+                  batch: int = 8, repeats: int = COST_REPEATS) -> tuple[dict[int, float], dict[int, float], float]:
     """Per ramp layer: its cost and the saving of a release there, as shares of the model's forward on `batch`
     texts of median length; and that forward's time in ms. Medians of `repeats` timed runs."""
     encoded = sorted(tokenizer.encode(list(texts), truncate=True), key=lambda e: len(e.input_ids))
@@ -236,7 +238,8 @@ def train_ramps(artifacts: Path, task: str = "", data_dir: Path | None = None, q
                                              QUICK_WEIGHT_DECAYS if quick else WEIGHT_DECAYS)
         ramps.heads[str(k)].load_state_dict(fitted.linear.state_dict())
         log(f"{subject.name}: ramp after layer {k}: agreement {agreement[str(k)]:.4f} on validation")
-    costs, savings, model_ms = measure_costs(encoder, ramps, tokenizer, [e.text for e in validation])
+    costs, savings, model_ms = measure_costs(encoder, ramps, tokenizer, [e.text for e in validation],
+                                             repeats=QUICK_REPEATS if quick else COST_REPEATS)
     tuned_once, evidence = tune_once(ramps, vstates, vtarget.argmax(1).numpy(), savings)
     summary = {"task": subject.name, "layers": list(ramps.layers), "bootstrap_texts": len(bootstrap),
                "validation_texts": len(validation), "agreement": agreement,
