@@ -26,9 +26,9 @@ $(NATIVE): shared/models/native/shard_put.c
 unexport PYTHONDONTWRITEBYTECODE
 
 # torch first and pinned, by pip: the CPU wheel on this machine (pip's configuration finds it); any looser spec
-# pulls GBs of CUDA packages. The rest by uv, which installs the same versions from the same index as pip does in a
-# tenth of the time (it fetches and unpacks in parallel); pip if uv cannot. Then the services' imports once, so
-# their bytecode is there for a shell that forbids writing it.
+# pulls GBs of CUDA packages. The rest by uv from PyPI: the versions pip picks here, in a tenth of pip's time (it
+# fetches and unpacks in parallel); pip if uv cannot. Then the services' imports once, so their bytecode is there
+# for a shell that forbids writing it.
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --no-compile torch==2.13.0
