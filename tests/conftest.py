@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -51,10 +51,18 @@ def teacher() -> Iterator:
         yield TeacherEncoder.load()
 
 
-def write_reviews(path: Path, examples: list[tuple[str, str]]) -> Path:
+def write_reviews(path: Path, examples: Iterable[tuple[str, str]]) -> Path:
     """A user's labelled file: a {"text", "label"} line an example."""
-    path.write_text("".join(json.dumps({"text": text, "label": label}) + "\n" for text, label in examples),
-                    encoding="utf-8")
+    return _write_jsonl(path, ({"text": text, "label": label} for text, label in examples))
+
+
+def write_texts(path: Path, texts: Iterable[str]) -> Path:
+    """A user's file of texts: a {"text"} line a text."""
+    return _write_jsonl(path, ({"text": text} for text in texts))
+
+
+def _write_jsonl(path: Path, rows: Iterable[dict[str, str]]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     return path
 
 

@@ -316,9 +316,10 @@ def cmd_status(args: argparse.Namespace) -> int:
             models = ModelSelection.parse(d["models"] or "").describe()
             print(f"scheduler-{i:<6} policy {d['policy'] or 'fifo':<8} models {models}")
         for m in report["models"]:
+            pooling = f"  pooling {m['pooling']}{', normalized' if m['normalized'] else ''}" if "pooling" in m else ""
             print(f"model {m['name']:<22} {m['kind']:<15} {m['architecture'] or 'bundled':<32} "
-                  f"layers {m['layers'] or '-':<3} {m['memory_bytes'] / 2**20:8.1f} MiB  workers {m['workers']}"
-                  + (f"  pooling {m['pooling']}{', normalized' if m['normalized'] else ''}" if "pooling" in m else ""))
+                  f"layers {m['layers'] or '-':<3} {m['memory_bytes'] / 2**20:8.1f} MiB  "
+                  f"workers {m['workers']}{pooling}")
             for worker, students in m.get("held_students", {}).items():
                 held = " ".join(f"{i}:{'full' if bits == 32 else f'{bits} bits'}" for i, bits in students.items())
                 print(f"  {worker:<28} holds students {held or 'none'}")

@@ -27,6 +27,7 @@ from academus.shared.models.user_models import add_model
 from academus.shared.runtime.config import artifacts_dir
 from academus.shared.state.catalogue import read_catalogue, write_entry
 from academus.shared.training.data import load_task
+from tests.conftest import write_texts
 from tests.e2e.conftest import metric, service, start_mesh, wait_for
 from tests.e2e.test_http_api import call
 from tests.models import tiny_model_dir
@@ -355,8 +356,7 @@ def test_a_users_classifier_gets_ramps_on_a_running_mesh(exit_mesh: MeshState, c
     add_model(Path(exit_mesh.artifacts), "user-cls", tmp_path / "cls")   # what `models add` runs, in process
     wait_for(lambda: "user-cls" in {m.name for m in client.list_models()}, 60, "the user's classifier served")
     task = load_task("sentiment")
-    texts = tmp_path / "texts.jsonl"
-    texts.write_text("".join(json.dumps({"text": e.text}) + "\n" for e in task.train[:240]))
+    texts = write_texts(tmp_path / "texts.jsonl", (e.text for e in task.train[:240]))
     trained = academus(exit_mesh.run_dir, "ramps", "train", "--model", "user-cls", "--data", texts, "--quick")
     assert trained.returncode == 0, trained.stderr[-2000:]
     assert json.loads(trained.stdout.strip().splitlines()[-1])["layers"] == [1, 2]

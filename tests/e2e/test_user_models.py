@@ -38,7 +38,7 @@ from academus.shared.training.plot_models import register_embedding
 from academus.shared.training.prepare import load_head_at
 from academus.shared.training.student_artifacts import load_student_group
 from academus.v1 import manage_pb2, manage_pb2_grpc
-from tests.conftest import env
+from tests.conftest import env, write_reviews
 from tests.e2e.conftest import start_mesh
 from tests.e2e.test_http_api import call as http_call
 from tests.models import LABELS, permute_vocabulary, roberta_specials, tiny_model_dir
@@ -108,10 +108,8 @@ def reference(model: nn.Module, directory: Path, classifier: bool) -> torch.Tens
 def word_reviews(path: Path) -> Path:
     """80 labelled lines a tiny random model can learn: the label is in the words."""
     words = {"pos": ["great", "lovely", "superb"], "neg": ["awful", "dull", "boring"]}
-    path.write_text("".join(json.dumps({"text": f"{a} film, {b} cast {i}", "label": label}) + "\n"
-                            for i in range(40) for label, (a, b) in ((k, (v[i % 3], v[(i + 1) % 3]))
-                                                                     for k, v in words.items())))
-    return path
+    return write_reviews(path, ((f"{a} film, {b} cast {i}", label) for i in range(40)
+                                for label, (a, b) in ((k, (v[i % 3], v[(i + 1) % 3])) for k, v in words.items())))
 
 
 def served(client: Client, name: str, policy: str, classifier: bool) -> torch.Tensor:

@@ -27,7 +27,7 @@ from academus.shared.training.data import fetch, file_task, load_task
 from academus.shared.training.prepare import load_head
 from academus.shared.training.shard_plans import main
 from academus.shared.training.shards import QUICK, build
-from tests.conftest import artifacts_path
+from tests.conftest import artifacts_path, write_texts
 from tests.e2e.test_user_models import each_text
 from tests.models import LABELS, roberta_specials, tiny_model_dir
 
@@ -194,8 +194,7 @@ def test_a_classifiers_shards_learn_its_own_task_from_its_users_texts(artifacts:
     tiny_model_dir("bert", True, tmp_path / name, seed=7, intermediate_size=54)
     add_model(artifacts, name, tmp_path / name)
     texts = [e.text for e in load_task("spam", fetch(None)).train[:250]]   # real emails as the user's own texts
-    own = tmp_path / "own.jsonl"
-    own.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    own = write_texts(tmp_path / "own.jsonl", texts)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"txt": "no text"}\n')
     for model, data, message in ((name, bad, "bad.jsonl:2: missing field 'text'"),

@@ -5,7 +5,6 @@ and each bad combination refused by name."""
 from __future__ import annotations
 
 import io
-import json
 from collections import Counter
 from contextlib import redirect_stdout
 from dataclasses import replace
@@ -30,7 +29,7 @@ from academus.shared.training.distill_cli import main
 from academus.shared.training.distill_data import QUICK
 from academus.shared.training.student_artifacts import load_student_group, students_dir
 from academus.shared.training.user_heads import train_user_head
-from tests.conftest import CriticStudents, write_reviews
+from tests.conftest import CriticStudents, write_reviews, write_texts
 from tests.models import tiny_model_dir
 
 REVIEWS = 300
@@ -74,8 +73,7 @@ def test_a_heads_students_learn_from_the_users_file(artifacts: Path, examples: l
 
 def test_an_embedding_models_students_learn_from_a_file_of_texts(artifacts: Path, examples: list,
                                                                  tmp_path: Path) -> None:
-    texts = tmp_path / "texts.jsonl"
-    texts.write_text("".join(json.dumps({"text": text}) + "\n" for text, _ in examples))
+    texts = write_texts(tmp_path / "texts.jsonl", (text for text, _ in examples))
     summary = distill(None, artifacts, tmp_path / "data", CONFIG, quick=True, model="mini", data_file=texts)
     assert summary["served"] == ["mini-2l", "mini-students"] and summary["task"] == "embedding"
     assert read_manifest(students_dir(artifacts, "mini")).labels == []
