@@ -146,7 +146,8 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("keys", help="API keys")
     ks = s.add_subparsers(dest="keys_command", required=True)
-    k = ks.add_parser("create", help="create a key for a tenant; prints it once")
+    k = ks.add_parser("create", help="create a key for a tenant; prints it once (`admin`: an administrator's key). "
+                      "Without a local mesh, in a deployed mesh's container: its Redis from ACADEMUS_REDIS_URL")
     k.add_argument("tenant")
     k.set_defaults(func=cmd_keys_create)
     k = ks.add_parser("list", help="every key's id, tenant and role (never the key)")
@@ -544,9 +545,11 @@ def cmd_loadgen(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
-    from academus.shared.cli.mesh import MeshState, create_key
+    from academus.shared.cli.mesh import administered, create_key
+    from academus.shared.state.api_keys import ADMIN
 
-    key = create_key(MeshState.load(_run_dir(args)), args.tenant)
+    role = ADMIN if args.tenant == ADMIN else "tenant"   # a deployed mesh's administrator has no admin.key
+    key = create_key(administered(_run_dir(args)), args.tenant, role)
     print(json.dumps({"tenant": args.tenant, "key": key}))
     return 0
 
@@ -576,10 +579,12 @@ def cmd_keys_rotate(args: argparse.Namespace) -> int:
     from academus.shared.state.api_keys import ADMIN, ApiKeys
     from academus.shared.state.artifacts import write_atomic
 
+    kept = _run_dir(args) / ADMIN_KEY_FILE   # the command line's own key, where `up` put it
+
     async def rotated(redis, keys) -> dict:
         key, old = await ApiKeys(redis, keys).rotate(args.tenant)
-        if args.tenant == ADMIN:   # the command line's own key: kept where `up` put it
-            write_atomic(_run_dir(args) / ADMIN_KEY_FILE, key, mode=0o600)
+        if args.tenant == ADMIN and kept.exists():   # a deployed mesh's administrator keeps the printed key
+            write_atomic(kept, key, mode=0o600)
         return {"tenant": args.tenant, "key": key, "revoked": [r.key_id for r in old]}
 
     return _with_mesh_redis(args, rotated)
@@ -601,13 +606,13 @@ def _training_args(p: argparse.ArgumentParser, positional: bool = True) -> None:
 
 
 def _with_mesh_redis(args: argparse.Namespace, work) -> int:
-    """Runs `work(redis, keys)` against the local mesh's Redis; prints its JSON result last."""
-    from academus.shared.cli.mesh import MeshState
+    """Runs `work(redis, keys)` against the administered mesh's Redis; prints its JSON result last."""
+    from academus.shared.cli.mesh import administered
     from academus.shared.runtime.errors import ServingError
     from academus.shared.runtime.redis_conn import connect
     from academus.shared.state.keys import Keys
 
-    state = MeshState.load(_run_dir(args))
+    state = administered(_run_dir(args))
     state.use_as_mesh()   # the adapter store and the workers take only the mesh's calls
     if state.artifacts:   # what trains here (tenants create|train) reads the catalogue the mesh's workers serve
         use_artifacts(state.artifacts)

@@ -33,6 +33,7 @@ from academus.shared.runtime.config import (
     LAUNCHER_OFF,
     MESH_TOKEN,
     POLICY_NAMES,
+    CommonConfig,
     ModelSelection,
     artifacts_dir,
     child_env,
@@ -42,6 +43,7 @@ from academus.shared.runtime.config import (
     redis_url_from_env,
     trace_file,
 )
+from academus.shared.runtime.config import load as load_config
 from academus.shared.runtime.gpu import MPS_SETTING, gpu_count, mps_plan
 from academus.shared.runtime.handover import Handover
 from academus.shared.runtime.local_plane import socket_dir
@@ -113,6 +115,7 @@ class MeshState:
     launcher: str = ""   # the warm launcher's socket its services are forked from (shared/cli/launcher.py); "": none
     launcher_pid: int | None = None   # set when the mesh owns that launcher (the supervisor restarts it)
     launcher_restarts: int = 0
+    tls_server_name: str = ""   # what the mesh's certificate names, checked in place of the address dialled
 
     def save(self) -> None:
         """Written whole, then renamed: a reader (status, down) never sees half of it. Mode 0600: the Redis
@@ -121,7 +124,8 @@ class MeshState:
 
     def mesh_tls(self) -> MeshTls | None:
         """The command line's identity in a mesh with mutual TLS; None: plaintext."""
-        return MeshTls.from_files(self.tls_ca, self.tls_key, self.tls_cert) if self.tls_cert else None
+        return MeshTls.from_files(self.tls_ca, self.tls_key, self.tls_cert, self.tls_server_name) \
+            if self.tls_cert else None
 
     def use_as_mesh(self) -> None:
         """The command line's internal channels (to the adapter store, the workers) carry the mesh's identity."""
@@ -152,6 +156,27 @@ class MeshState:
         raw = json.loads(path.read_text())
         raw["services"] = [ServiceProcess(**s) for s in raw["services"]]
         return cls(**raw)
+
+    @classmethod
+    def from_settings(cls, run_dir: Path, config: CommonConfig) -> MeshState:
+        """A deployed mesh as its services' settings describe it: its Redis, key prefix, token and TLS identity."""
+        tls = config.mesh_tls
+        return cls(run_dir=str(run_dir), redis_url=with_password(config.redis_url, config.redis_password),
+                   redis_pid=None, gateway="", key_prefix=config.key_prefix, mesh_token=config.mesh_token,
+                   tls_ca=config.mesh_ca if tls else "", tls_cert=config.mesh_cert if tls else "",
+                   tls_key=config.mesh_key if tls else "", tls_server_name=config.mesh_server_name)
+
+
+def administered(run_dir: Path) -> MeshState:
+    """The mesh the command line administers (keys, tenants, ramps, shard budgets): the one `academus up` runs
+    from `run_dir`; without one, a mesh deployed elsewhere (compose, Kubernetes) whose Redis the environment
+    names, read with its services' own settings, as any of its containers has them."""
+    if (Path(run_dir) / STATE_FILE).exists() or not redis_url_from_env():
+        try:
+            return MeshState.load(run_dir)
+        except MeshError as e:
+            raise MeshError(f"{e}, or set ACADEMUS_REDIS_URL to a deployed mesh's Redis") from None
+    return MeshState.from_settings(run_dir, load_config(CommonConfig))
 
 
 @dataclass(frozen=True)

@@ -72,8 +72,8 @@ class MeshTls:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 
     @classmethod
-    def from_files(cls, ca: str, key: str, cert: str) -> MeshTls:
-        return cls(Path(ca).read_bytes(), Path(key).read_bytes(), Path(cert).read_bytes())
+    def from_files(cls, ca: str, key: str, cert: str, server_name: str = "") -> MeshTls:
+        return cls(Path(ca).read_bytes(), Path(key).read_bytes(), Path(cert).read_bytes(), server_name)
 
     def server_credentials(self) -> grpc.ServerCredentials:
         return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,

@@ -5,6 +5,9 @@ event reaching the gateway, not its cache running out."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -77,6 +80,33 @@ def test_the_admin_key_rotates_into_its_file_and_cannot_be_revoked(mesh):
     wait_for(lambda: answered(mesh, before) == "UNAUTHENTICATED", timeout_s=30, what="the old admin key refused")
     short = cli(mesh, "keys", "revoke", "abc")
     assert short.returncode == 2 and "INVALID_ARGUMENT" in short.stderr and "8 hex digits" in short.stderr
+
+
+def administer(run_dir: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    """The command line beside no `up`: its settings in the environment, as inside a deployed mesh's container."""
+    plain = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "ACADEMUS_REDIS_URL")}
+    return subprocess.run([sys.executable, "-m", "academus.shared.cli", "--run-dir", str(run_dir), *args],
+                          capture_output=True, text=True, timeout=60, env={**plain, **env})
+
+
+def test_a_mesh_up_did_not_start_is_administered_through_its_redis(mesh, tmp_path):
+    """Compose and Kubernetes meshes have no mesh.json: `docker compose exec gateway academus keys create T`."""
+    env = {"ACADEMUS_REDIS_URL": mesh.redis_url, "ACADEMUS_KEY_PREFIX": mesh.key_prefix}
+    made = administer(tmp_path, env, "keys", "create", "umbrella")
+    assert made.returncode == 0, made.stderr
+    key = json.loads(made.stdout)["key"]
+    assert answered(mesh, key).startswith("{")
+    admin = administer(tmp_path, env, "keys", "create", "admin")     # the administrator's, for a mesh without admin.key
+    assert admin.returncode == 0, admin.stderr
+    assert [k["role"] for k in listed(mesh, "--tenant", "admin")] == ["admin", "admin"]
+    rotated = administer(tmp_path, env, "keys", "rotate", "umbrella")
+    assert rotated.returncode == 0, rotated.stderr
+    assert answered(mesh, json.loads(rotated.stdout)["key"]).startswith("{")
+    assert [k["tenant"] for k in json.loads(administer(tmp_path, env, "keys", "list").stdout.splitlines()[-1])
+            if k["tenant"] == "umbrella"] == ["umbrella"]
+    nowhere = administer(tmp_path, {}, "keys", "create", "umbrella")
+    assert nowhere.returncode != 0 and "academus up" in nowhere.stderr and "ACADEMUS_REDIS_URL" in nowhere.stderr
+    assert list(tmp_path.iterdir()) == [], "nothing of a local mesh is written beside a deployed one"
 
 
 def test_an_address_guessing_keys_is_refused_even_a_good_key_until_its_window_ends(mesh):

@@ -40,12 +40,33 @@ def test_status_without_a_mesh_says_how_to_start_one(tmp_path):
 @pytest.mark.parametrize("command", [["down"], ["keys", "list"], ["keys", "create", "acme"], ["tenants", "list"],
                                      ["ramps", "status"],
                                      ["shard", "budget", "--model", "sentiment-sti", "--bytes", "1"]])
-def test_a_mesh_command_without_a_mesh_says_how_to_start_one(tmp_path, command, capsys):
+def test_a_mesh_command_without_a_mesh_says_how_to_start_one(tmp_path, command, capsys, monkeypatch):
     from academus.shared.cli.main import main
+
+    monkeypatch.delenv("REDIS_URL", raising=False)   # either names a deployed mesh to administer
+    monkeypatch.delenv("ACADEMUS_REDIS_URL", raising=False)
 
     assert main(["--run-dir", str(tmp_path), *command]) == 1
     err = capsys.readouterr().err
     assert "no mesh is running" in err and "academus up" in err
+
+
+def test_a_deployed_mesh_is_read_from_its_services_settings(tmp_path, monkeypatch):
+    """No mesh.json: the Redis, password, key prefix and mesh identity a compose or Kubernetes container has."""
+    from academus.shared.cli.pki import make_pki
+
+    pki = make_pki(tmp_path, ["mesh"])
+    for name, value in {"ACADEMUS_REDIS_URL": "redis://redis:6379/0", "ACADEMUS_REDIS_PASSWORD": "s3cret",
+                        "ACADEMUS_KEY_PREFIX": "prod", "ACADEMUS_MESH_TOKEN": "t0ken", "ACADEMUS_MESH_TLS": "true",
+                        "ACADEMUS_MESH_CA": str(pki.ca), "ACADEMUS_MESH_CERT": str(pki.cert("mesh")),
+                        "ACADEMUS_MESH_KEY": str(pki.key("mesh")),
+                        "ACADEMUS_MESH_SERVER_NAME": "mesh.academus.svc"}.items():
+        monkeypatch.setenv(name, value)
+    state = mesh.administered(tmp_path / "run")
+    assert (state.redis_url, state.key_prefix, state.mesh_token) == ("redis://:s3cret@redis:6379/0", "prod", "t0ken")
+    identity = state.mesh_tls()
+    assert identity.server_name == "mesh.academus.svc" and identity.ca == pki.ca.read_bytes()
+    assert not (tmp_path / "run").exists()
 
 
 def test_admin_key_is_stable_private_and_stored_hashed(tmp_path, redis_url):
