@@ -9,6 +9,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -105,8 +106,7 @@ class RunningService:
             self._bind(spec.own_port, credentials)
         self.metrics_port = start_metrics(cfg.metrics_port)
         if spec.hop_target and cfg.hop_streams and cfg.local_plane:
-            self.local_plane = LocalPlane(self.multiplex, socket_dir(cfg.socket_dir), spec.name)
-            await self.local_plane.start()
+            self.local_plane = await self._start_local_plane(socket_dir(cfg.socket_dir))
         await self.server.start()
         self.address = f"{cfg.advertised}:{port}"
         if spec.on_started:
@@ -122,6 +122,18 @@ class RunningService:
             Handover(cfg.handover).served()
         log_event("serving", service=spec.name, address=self.address, metrics_port=self.metrics_port, pid=os.getpid())
         return self.address
+
+    async def _start_local_plane(self, folder: Path) -> LocalPlane | None:
+        """The plane only saves time: a folder this user cannot make or write (a host folder mounted root's
+        own) leaves the peers of this node on gRPC, with a warning that names the folder and its setting."""
+        plane = LocalPlane(self.multiplex, folder, self.spec.name)
+        try:
+            await plane.start()
+        except OSError as e:
+            log_event("local_plane_off", logging.WARNING, service=self.spec.name, folder=str(folder), error=repr(e),
+                      uid=os.getuid(), fix="make ACADEMUS_SOCKET_DIR a folder this uid may write")
+            return None
+        return plane
 
     def _credentials(self) -> grpc.ServerCredentials | None:
         """Its ports' TLS; the process's internal channels take its mesh identity (a file that cannot be read

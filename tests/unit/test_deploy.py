@@ -710,7 +710,8 @@ def test_k8s_redis_and_mps() -> None:
 
 def test_k8s_scheduler_and_workers_of_a_node_share_the_local_plane_folder() -> None:
     """The node-local data plane's sockets (shared/runtime/local_plane.py) are files: the node's scheduler and its
-    workers reach each other only through one host folder that both mount where ACADEMUS_SOCKET_DIR says."""
+    workers reach each other only through one host folder that both mount where ACADEMUS_SOCKET_DIR says. The
+    kubelet makes that folder root's own, so an init container hands it to the pods' user before they bind there."""
     objects = _k8s_objects()
     folders = set()
     for kind, name in (("DaemonSet", "scheduler"), ("Deployment", "worker")):
@@ -720,7 +721,29 @@ def test_k8s_scheduler_and_workers_of_a_node_share_the_local_plane_folder() -> N
         (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == socket_dir]
         (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
         folders.add(volume["hostPath"]["path"])
+        (chown,) = [c for c in pod.get("initContainers", []) if socket_dir in c.get("command", [])]
+        user = pod["securityContext"]["runAsUser"]
+        assert chown["command"] == ["chown", f"{user}:{user}", socket_dir], f"{name}: {chown['command']}"
+        assert {m["mountPath"]: m["name"] for m in chown["volumeMounts"]} == {socket_dir: mount["name"]}
+        assert chown["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}, name
     assert len(folders) == 1, folders
+
+
+def test_compose_hops_share_the_local_plane_folder_as_the_services_own() -> None:
+    """In compose the gateway, the scheduler and the worker mount one named volume where ACADEMUS_SOCKET_DIR says;
+    the image makes that folder the services' user's, and a new named volume takes the folder's owner."""
+    services = _compose()["services"]
+    mounted = set()
+    for name in ("gateway", "scheduler", "worker"):
+        socket_dir = services[name]["environment"]["ACADEMUS_SOCKET_DIR"]
+        (source,) = [str(v).split(":")[0] for v in services[name]["volumes"] if str(v).split(":")[1] == socket_dir]
+        mounted.add((source, socket_dir))
+    assert len(mounted) == 1, mounted
+    ((volume, folder),) = mounted
+    assert volume in _compose()["volumes"]
+    joined = DOCKERFILE.read_text().replace("\\\n", " ")   # a RUN's continued lines as one
+    made = re.search(r"install -d -o academus -g academus -m 0755 ([^\n]*)", joined)
+    assert made and folder in made.group(1).split(), "the image must make the plane's folder the services' own"
 
 
 def test_healthcheck_script_speaks_grpc_health() -> None:
