@@ -94,7 +94,8 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("down", help="stop the mesh started from this run directory")
     s.set_defaults(func=cmd_down)
 
-    s = sub.add_parser("status", help="every service, its address and health, and Redis")
+    s = sub.add_parser("status", help="every service, its address and health, and Redis (a deployed mesh: what its "
+                       "Redis has registered, from ACADEMUS_REDIS_URL)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_status)
 
@@ -302,31 +303,39 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
     else:
-        redis = report["redis"]
-        print(f"{'redis':<16} {redis['url']:<28} {redis['health']:<12} restarts {redis['restarts']}")
-        if report["http"]:
-            print(f"{'http':<16} {report['http']}")
-        for s in report["services"]:
-            print(f"{s['name']:<16} {s['address']:<28} {s['health']:<12} restarts {s['restarts']}")
+        _print_status(report)
+    healthy = (report["redis"]["health"] == "SERVING" and all(s["health"] == "SERVING" for s in report["services"])
+               and report["supervisor"]["health"] != "EXITED")
+    return 0 if healthy else 1
+
+
+def _print_status(report: dict) -> None:
+    deployed = report.get("deployed", False)   # its processes are its orchestrator's to restart and count
+    redis = report["redis"]
+    print(f"{'redis':<16} {redis['url']:<28} {redis['health']:<12}"
+          f"{'' if deployed else ' restarts ' + str(redis['restarts'])}")
+    if report["http"]:
+        print(f"{'http':<16} {report['http']}")
+    for s in report["services"]:
+        print(f"{s['name']:<16} {s['address']:<28} {s['health']:<12}"
+              f"{'' if deployed else ' restarts ' + str(s['restarts'])}")
+    if not deployed:
         launcher = report["launcher"]
         print(f"{'launcher':<16} {'pid ' + str(launcher['pid'] or '-'):<28} {launcher['health']:<12} "
               f"restarts {launcher['restarts']}")
         print(f"{'supervisor':<16} {'pid ' + str(report['supervisor']['pid'] or '-'):<28} "
               f"{report['supervisor']['health']}")
-        for i, d in enumerate(report["deployments"]):
-            models = ModelSelection.parse(d["models"] or "").describe()
-            print(f"scheduler-{i:<6} policy {d['policy'] or 'fifo':<8} models {models}")
-        for m in report["models"]:
-            pooling = f"  pooling {m['pooling']}{', normalized' if m['normalized'] else ''}" if "pooling" in m else ""
-            print(f"model {m['name']:<22} {m['kind']:<15} {m['architecture'] or 'bundled':<32} "
-                  f"layers {m['layers'] or '-':<3} {m['memory_bytes'] / 2**20:8.1f} MiB  "
-                  f"workers {m['workers']}{pooling}")
-            for worker, students in m.get("held_students", {}).items():
-                held = " ".join(f"{i}:{'full' if bits == 32 else f'{bits} bits'}" for i, bits in students.items())
-                print(f"  {worker:<28} holds students {held or 'none'}")
-    healthy = (report["redis"]["health"] == "SERVING" and all(s["health"] == "SERVING" for s in report["services"])
-               and report["supervisor"]["health"] != "EXITED")
-    return 0 if healthy else 1
+    for i, d in enumerate(report["deployments"]):
+        models = ModelSelection.parse(d["models"] or "").describe()
+        print(f"scheduler-{i:<6} policy {d['policy'] or 'fifo':<8} models {models}")
+    for m in report["models"]:
+        pooling = f"  pooling {m['pooling']}{', normalized' if m['normalized'] else ''}" if "pooling" in m else ""
+        print(f"model {m['name']:<22} {m['kind']:<15} {m['architecture'] or 'bundled':<32} "
+              f"layers {m['layers'] or '-':<3} {m['memory_bytes'] / 2**20:8.1f} MiB  "
+              f"workers {m['workers']}{pooling}")
+        for worker, students in m.get("held_students", {}).items():
+            held = " ".join(f"{i}:{'full' if bits == 32 else f'{bits} bits'}" for i, bits in students.items())
+            print(f"  {worker:<28} holds students {held or 'none'}")
 
 
 def positive_seconds(value: str) -> float:

@@ -564,10 +564,11 @@ def _popen(proc: ServiceProcess, module: str, *args: str, **kwargs: object) -> s
                                 stderr=out, start_new_session=True, **kwargs)
 
 
-def health(address: str, timeout_s: float = 1.0, credentials: grpc.ChannelCredentials | None = None) -> str:
+def health(address: str, timeout_s: float = 1.0, credentials: grpc.ChannelCredentials | None = None,
+           options: tuple[tuple[str, str], ...] = ()) -> str:
     """SERVING / NOT_SERVING / UNREACHABLE for the server's overall health; over TLS with `credentials`."""
     try:
-        with open_channel_sync(address, credentials) as ch:
+        with open_channel_sync(address, credentials, options) as ch:
             reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
             return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     except grpc.RpcError:
@@ -642,7 +643,9 @@ def down(run_dir: Path, timeout_s: float = 30.0) -> list[str]:
 
 
 def status(run_dir: Path) -> dict:
-    state = MeshState.load(run_dir)
+    state = administered(run_dir)
+    if not (Path(run_dir) / STATE_FILE).exists():
+        return deployed_status(state)
     client = redis.Redis.from_url(state.redis_url, socket_connect_timeout=1, decode_responses=True)
     try:
         redis_ok = bool(client.ping())
@@ -668,6 +671,42 @@ def status(run_dir: Path) -> dict:
         "deployments": state.deployments,
         "models": models,
     }
+
+
+def deployed_status(state: MeshState) -> dict:
+    """A mesh `up` did not start, as its Redis has it: the services registered there (a gateway registers
+    nothing), each one's health over the mesh's identity, and the models. No pids: they are in other containers."""
+    client, keys = redis.Redis.from_url(state.redis_url, socket_connect_timeout=1, decode_responses=True), \
+        Keys(state.key_prefix)
+    try:
+        registered, models, redis_ok = registered_services(client, keys), served_models(client, keys), True
+    except redis.exceptions.RedisError:
+        registered, models, redis_ok = [], [], False
+    mesh = state.mesh_tls()
+    credentials, options = (mesh.channel_credentials(), tuple(mesh.channel_options())) if mesh else (None, ())
+    return {
+        "deployed": True, "run_dir": "", "gateway": "", "http": "", "deployments": [], "models": models,
+        "redis": {"url": redacted(state.redis_url), "owned": False,
+                  "health": "SERVING" if redis_ok else "UNREACHABLE", "restarts": 0},
+        "services": [{"name": name, "address": address, "pid": None, "metrics_port": None, "restarts": 0,
+                      "standby_pid": None, "health": health(address, credentials=credentials, options=options)}
+                     for name, address in registered],
+        "launcher": {"socket": "", "pid": None, "restarts": 0, "health": "OFF"},
+        "supervisor": {"pid": None, "health": "OFF"},
+    }
+
+
+def registered_services(client: redis.Redis, keys: Keys) -> list[tuple[str, str]]:
+    """(name, address) of each service registered in Redis and not expired: the resource manager, the adapter
+    store, the schedulers, the workers serving a model and the PLOT services."""
+    found = [(name, address) for name, address in (("resource_manager", client.get(keys.resource_manager())),
+                                                  ("adapter_store", client.get(keys.adapter_store()))) if address]
+    for kind, ids, key in (("scheduler", client.smembers(keys.schedulers()), keys.scheduler),
+                           ("worker", set().union(*(client.smembers(keys.placement(m))
+                                                    for m in client.smembers(keys.placements()))), keys.worker),
+                           ("plot", client.smembers(keys.plots()), keys.plot)):
+        found += [(f"{kind} {i}", address) for i in sorted(ids) if (address := client.hget(key(i), "address"))]
+    return found
 
 
 def served_models(client: redis.Redis, keys: Keys) -> list[dict[str, object]]:

@@ -109,6 +109,22 @@ def test_a_mesh_up_did_not_start_is_administered_through_its_redis(mesh, tmp_pat
     assert list(tmp_path.iterdir()) == [], "nothing of a local mesh is written beside a deployed one"
 
 
+def test_a_mesh_up_did_not_start_reports_its_registered_services_and_models(mesh, tmp_path):
+    """`academus status` in a deployed mesh's container: what Redis has registered, each one's health."""
+    env = {"ACADEMUS_REDIS_URL": mesh.redis_url, "ACADEMUS_KEY_PREFIX": mesh.key_prefix}
+    out = administer(tmp_path, env, "status", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads(out.stdout)
+    assert report["deployed"] and report["redis"]["health"] == "SERVING"
+    own = {s.address for s in mesh.services if s.service in ("resource_manager", "adapter_store", "scheduler",
+                                                            "worker")}
+    assert {s["address"] for s in report["services"]} == own
+    assert all(s["health"] == "SERVING" for s in report["services"])
+    assert {m["name"] for m in report["models"]} == {"null"}
+    plain = administer(tmp_path, env, "status")
+    assert plain.returncode == 0 and "supervisor" not in plain.stdout and "worker " in plain.stdout
+
+
 def test_an_address_guessing_keys_is_refused_even_a_good_key_until_its_window_ends(mesh):
     """Last in this module: it spends the address's allowance of invalid keys (every call here comes from
     127.0.0.1, over a connection of its own)."""
