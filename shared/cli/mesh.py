@@ -49,7 +49,7 @@ from academus.shared.runtime.handover import Handover
 from academus.shared.runtime.local_plane import socket_dir
 from academus.shared.runtime.logs import logged_events
 from academus.shared.runtime.redis_conn import redacted, with_password
-from academus.shared.runtime.tls import MeshTls, channel_credentials, open_channel_sync, use_mesh
+from academus.shared.runtime.tls import MeshTls, Options, channel_credentials, open_channel_sync, use_mesh
 from academus.shared.state.artifacts import write_atomic
 from academus.shared.state.catalogue import ModelSpec
 from academus.shared.state.keys import Keys, new_api_key
@@ -565,7 +565,7 @@ def _popen(proc: ServiceProcess, module: str, *args: str, **kwargs: object) -> s
 
 
 def health(address: str, timeout_s: float = 1.0, credentials: grpc.ChannelCredentials | None = None,
-           options: tuple[tuple[str, str], ...] = ()) -> str:
+           options: Options = ()) -> str:
     """SERVING / NOT_SERVING / UNREACHABLE for the server's overall health; over TLS with `credentials`."""
     try:
         with open_channel_sync(address, credentials, options) as ch:
@@ -683,7 +683,7 @@ def deployed_status(state: MeshState) -> dict:
     except redis.exceptions.RedisError:
         registered, models, redis_ok = [], [], False
     mesh = state.mesh_tls()
-    credentials, options = (mesh.channel_credentials(), tuple(mesh.channel_options())) if mesh else (None, ())
+    credentials, options = (mesh.channel_credentials(), mesh.channel_options()) if mesh else (None, [])
     return {
         "deployed": True, "run_dir": "", "gateway": "", "http": "", "deployments": [], "models": models,
         "redis": {"url": redacted(state.redis_url), "owned": False,

@@ -3,8 +3,10 @@ gateway) with the real teacher and the prepared artifacts."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -16,6 +18,13 @@ from academus.shared.cli.mesh import ADMIN_KEY_FILE, Deployment, MeshOptions, Me
 from academus.shared.runtime.config import artifacts_dir
 from academus.shared.runtime.metrics import scrape
 from tests.conftest import NO_WAIT_BOUND
+
+
+def academus(run_dir: Path | str, *args: str | Path, timeout: float = 300,
+             env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The command line as a process of its own on the mesh of `run_dir`; `env`: its whole environment."""
+    return subprocess.run([sys.executable, "-m", "academus.shared.cli", "--run-dir", str(run_dir), *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def start_mesh(run_dir: Path, workers: int = 1, env: dict[str, str] | None = None, gateways: int = 1,

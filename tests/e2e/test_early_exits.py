@@ -10,8 +10,6 @@ import asyncio
 import http.client
 import json
 import shutil
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -28,7 +26,7 @@ from academus.shared.runtime.config import artifacts_dir
 from academus.shared.state.catalogue import read_catalogue, write_entry
 from academus.shared.training.data import load_task
 from tests.conftest import write_texts
-from tests.e2e.conftest import metric, service, start_mesh, wait_for
+from tests.e2e.conftest import academus, metric, service, start_mesh, wait_for
 from tests.e2e.test_http_api import call
 from tests.models import tiny_model_dir
 
@@ -37,11 +35,6 @@ pytestmark = pytest.mark.e2e
 TEXTS = ["Congratulations! You have won a free cruise, click here to claim your prize now",
          "Hi Bob, the meeting moved to 3pm; the agenda is attached", "cheap meds online, no prescription needed",
          "Can you send me the slides from yesterday?"]
-
-
-def academus(run_dir: Path | str, *args: str | Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "academus.shared.cli", "--run-dir", str(run_dir), *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, MeshState, down
-from tests.e2e.conftest import start_mesh, wait_for
+from tests.e2e.conftest import academus, start_mesh, wait_for
 from tests.e2e.test_serving import cli
 
 pytestmark = pytest.mark.e2e
@@ -85,8 +84,7 @@ def test_the_admin_key_rotates_into_its_file_and_cannot_be_revoked(mesh):
 def administer(run_dir: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     """The command line beside no `up`: its settings in the environment, as inside a deployed mesh's container."""
     plain = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "ACADEMUS_REDIS_URL")}
-    return subprocess.run([sys.executable, "-m", "academus.shared.cli", "--run-dir", str(run_dir), *args],
-                          capture_output=True, text=True, timeout=60, env={**plain, **env})
+    return academus(run_dir, *args, timeout=60, env={**plain, **env})
 
 
 def test_a_mesh_up_did_not_start_is_administered_through_its_redis(mesh, tmp_path):

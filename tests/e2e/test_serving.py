@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +21,7 @@ from academus.shared.runtime.metrics import scrape
 from academus.shared.runtime.multiplex import MAX_FRAME_BYTES, WHOLE_PIECES
 from academus.shared.runtime.tracing import read_traces
 from academus.v1.inference_pb2 import InferRequest, TextInput
-from tests.e2e.conftest import metric, service
+from tests.e2e.conftest import academus, metric, service
 
 pytestmark = pytest.mark.e2e
 
@@ -33,8 +32,7 @@ TEXTS = ["Congratulations! You have won a free cruise, click here to claim your 
 
 
 def cli(mesh, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "academus.shared.cli", "--run-dir", mesh.run_dir, *args],
-                          capture_output=True, text=True, timeout=timeout)
+    return academus(mesh.run_dir, *args, timeout=timeout)
 
 
 def test_status_json_lists_every_service_healthy(mesh):
