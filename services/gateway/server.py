@@ -14,6 +14,7 @@ from typing import TypeVar
 
 import grpc
 import numpy as np
+import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from academus.services.gateway.core import (
@@ -50,6 +51,7 @@ from academus.shared.runtime.tracing import annotate
 from academus.shared.state.catalogue import EMBEDDING, ModelSpec
 from academus.shared.state.jobs import FAILED, QUEUED, RUNNING, SUCCEEDED, Job
 from academus.shared.state.keys import Keys
+from academus.shared.state.registration import GIVE_UP_S, Registration
 from academus.shared.state.tenants import READY, TenantModel, TenantRegistry, gateway_quotas
 from academus.v1 import inference_pb2 as pb
 from academus.v1 import inference_pb2_grpc, manage_pb2, manage_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, tensors_pb2
@@ -476,6 +478,34 @@ class ManageServicer(manage_pb2_grpc.ManageServicer):
             await abort_with(context, Unavailable(f"the upload could not be stored: {e.strerror or e}"))
 
 
+class GatewayRegistration(Registration):
+    """The gateway in Redis, for `academus status` in a deployed mesh: the address its health is checked on (its
+    own port where it has one, since gateways share the mesh's), its HTTP API's, whether both serve TLS and the
+    name to check their certificate by."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, config: cfg.GatewayConfig, http: HttpServer | None) -> None:
+        super().__init__(redis, keys.gateway, keys.gateways(), config.heartbeat_ttl_s)
+        self.config, self.http = config, http
+
+    async def fields(self) -> dict[str, str]:
+        http = f"{self.config.advertised}:{self.http.port}" if self.http is not None and self.http.port else ""
+        tls = {"tls": "1", "server_name": self.config.tls_server_name} if self.config.tls_cert else {"tls": "0"}
+        return {"http": http, **tls}
+
+    async def serving(self, address: str) -> None:
+        """on_started: the HTTP port opens, then the gateway registers (Redis away: its heartbeat does it later)."""
+        if self.http is not None:
+            await self.http.start()
+        if self.config.own_port:
+            address = f"{self.config.advertised}:{self.config.own_port}"
+        try:
+            async with asyncio.timeout(GIVE_UP_S):
+                await self.register(address)
+        except Exception as e:
+            self.address = address
+            log_event("register_failed", logging.WARNING, error=repr(e))
+
+
 async def build() -> ServiceSpec:
     config = cfg.load(cfg.GatewayConfig)
     redis = connect(config.redis_url, config.redis_password)
@@ -520,11 +550,12 @@ async def build() -> ServiceSpec:
         inference_pb2_grpc.add_InferenceServicer_to_server(inference, server)
         manage_pb2_grpc.add_ManageServicer_to_server(manage, server)
 
-    async def start_http(_address: str) -> None:
-        await http.start()
+    registration = GatewayRegistration(redis, keys, config, http)
 
     async def stopping() -> None:
-        http.api.stopping = True   # /health says 503 from now on; its port takes requests until the gRPC side drained
+        await registration.deregister()
+        if http is not None:
+            http.api.stopping = True   # /health says 503 from now on; its port takes requests until gRPC drained
 
     async def stopped() -> None:
         if http is not None:   # the requests in flight finish before the Redis client they need closes
@@ -536,10 +567,10 @@ async def build() -> ServiceSpec:
         config=config,
         add_servicers=add_servicers,
         service_names=["academus.v1.Inference", "academus.v1.Manage"],
-        on_started=start_http if http is not None else None,
-        on_stopping=stopping if http is not None else None,
+        on_started=registration.serving,
+        on_stopping=stopping,
         on_stopped=stopped,
-        extra_tasks=[refresher, functools.partial(wake_on, redis, keys.events(), changed)],
+        extra_tasks=[refresher, functools.partial(wake_on, redis, keys.events(), changed), registration.heartbeat],
         own_port=config.own_port,
         public_credentials=functools.partial(public_credentials, config),
         max_receive_bytes=config.request_limit,

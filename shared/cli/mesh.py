@@ -674,26 +674,52 @@ def status(run_dir: Path) -> dict:
 
 
 def deployed_status(state: MeshState) -> dict:
-    """A mesh `up` did not start, as its Redis has it: the services registered there (a gateway registers
-    nothing), each one's health over the mesh's identity, and the models. No pids: they are in other containers."""
+    """A mesh `up` did not start, as its Redis has it: the services and gateways registered there, each one's
+    health (the services' over the mesh's identity, a gateway's as its clients dial it), and the models. No pids:
+    they are in other containers."""
     client, keys = redis.Redis.from_url(state.redis_url, socket_connect_timeout=1, decode_responses=True), \
         Keys(state.key_prefix)
     try:
-        registered, models, redis_ok = registered_services(client, keys), served_models(client, keys), True
+        registered, gateways = registered_services(client, keys), registered_gateways(client, keys)
+        models, redis_ok = served_models(client, keys), True
     except redis.exceptions.RedisError:
-        registered, models, redis_ok = [], [], False
+        registered, gateways, models, redis_ok = [], [], [], False
     mesh = state.mesh_tls()
     credentials, options = (mesh.channel_credentials(), mesh.channel_options()) if mesh else (None, [])
+    checked = [(name, address, health(address, credentials=credentials, options=options))
+               for name, address in registered]
+    checked += [(f"gateway {address}", address, gateway_health(state, address, entry))
+                for address, entry in gateways]
     return {
-        "deployed": True, "run_dir": "", "gateway": "", "http": "", "deployments": [], "models": models,
+        "deployed": True, "run_dir": "", "gateway": "", "deployments": [], "models": models,
+        "http": ", ".join(entry["http"] for _, entry in gateways if entry.get("http")),
         "redis": {"url": redacted(state.redis_url), "owned": False,
                   "health": "SERVING" if redis_ok else "UNREACHABLE", "restarts": 0},
         "services": [{"name": name, "address": address, "pid": None, "metrics_port": None, "restarts": 0,
-                      "standby_pid": None, "health": health(address, credentials=credentials, options=options)}
-                     for name, address in registered],
+                      "standby_pid": None, "health": checked_health} for name, address, checked_health in checked],
         "launcher": {"socket": "", "pid": None, "restarts": 0, "health": "OFF"},
         "supervisor": {"pid": None, "health": "OFF"},
     }
+
+
+def gateway_health(state: MeshState, address: str, entry: dict[str, str]) -> str:
+    """A registered gateway's health as a client reaches it: over TLS where it serves TLS, trusting the mesh's CA
+    (`academus certs` signs both) or, without one, the system's roots, for the name its registration gives."""
+    if entry.get("tls") != "1":
+        return health(address)
+    roots = Path(state.tls_ca).read_bytes() if state.tls_ca else None
+    name = entry.get("server_name", "")
+    return health(address, credentials=grpc.ssl_channel_credentials(roots),
+                  options=[("grpc.ssl_target_name_override", name)] if name else [])
+
+
+def registered_gateways(client: redis.Redis, keys: Keys) -> list[tuple[str, dict[str, str]]]:
+    """(address, entry) of each gateway registered in Redis (Keys.gateway); the ids whose entry expired, gateways
+    gone or moved (a container's new address), are pruned from the set."""
+    found = [(i, client.hgetall(keys.gateway(i))) for i in sorted(client.smembers(keys.gateways()))]
+    if gone := [i for i, entry in found if not entry.get("address")]:
+        client.srem(keys.gateways(), *gone)
+    return [(entry["address"], entry) for _, entry in found if entry.get("address")]
 
 
 def registered_services(client: redis.Redis, keys: Keys) -> list[tuple[str, str]]:

@@ -243,6 +243,7 @@ HOP_SLICE = Rule(f"0, or {MIN_SLICE_US}..{MAX_SLICE_US}", lambda v, _: v == 0 or
                  f"0 (the kernel's default) or in {MIN_SLICE_US}..{MAX_SLICE_US}")
 DEVICE = Rule("cpu|cuda|cuda:N", lambda v, _: v == "cpu" or v.startswith("cuda"))
 PORT = between(0, 65535)
+REDIS_TTL = at_least(1, "Redis TTLs are seconds")
 MESH_FILE = Rule("a PEM file's path; needed with `ACADEMUS_MESH_TLS`", lambda v, c: bool(v) or not c.mesh_tls,
                  "a PEM file's path when ACADEMUS_MESH_TLS is on")
 
@@ -343,6 +344,8 @@ class GatewayConfig(CommonConfig):
                                           "until the window ends (0: no limit)", at_least(0))
     auth_failure_window_s: float = setting(60.0, "... the window", above(0))
     catalogue_refresh_s: float = setting(1.0, "the model catalogue's re-read interval (pub/sub makes it quicker)")
+    heartbeat_ttl_s: float = setting(5.0, "TTL of its registration in Redis (`academus status` lists it), renewed "
+                                          "within it", REDIS_TTL)
     honour_pushback: bool = setting(True, "a scheduler that refused for a full queue is sent nothing until its hint "
                                           "passes")
     tenant_rate: float = setting(100.0, "a new tenant's quota: requests per second (token bucket refill)", above(0))
@@ -377,6 +380,8 @@ class GatewayConfig(CommonConfig):
     tls_key: str = setting("", "... and its private key", Rule(
         "a PEM file's path, set with `ACADEMUS_TLS_CERT`", lambda v, c: bool(v) == bool(c.tls_cert),
         "set together with ACADEMUS_TLS_CERT (both or neither)"))
+    tls_server_name: str = setting("", "a name the certificate holds, which `academus status` checks the gateway's "
+                                       "TLS by where it dials its address; empty: the address's host")
     tls_client_ca: str = setting("", "clients must present a certificate this CA signed; empty: any client", Rule(
         "a PEM file's path; needs `ACADEMUS_TLS_CERT`", lambda v, c: not v or bool(c.tls_cert),
         "empty unless ACADEMUS_TLS_CERT is set (client certificates need TLS)"))
@@ -541,8 +546,6 @@ class ResourceManagerConfig(CommonConfig):
     mps: str = setting("auto", "auto: start the MPS control daemon when GPUs exist; off: never",
                        one_of("auto", "off"))
 
-
-REDIS_TTL = at_least(1, "Redis TTLs are seconds")
 
 
 def _positive_float(text: str) -> bool:

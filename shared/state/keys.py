@@ -127,6 +127,16 @@ class Keys:
         """Set of scheduler ids (members whose heartbeat expired are skipped and pruned)."""
         return f"{self.prefix}:schedulers"
 
+    def gateway(self, gateway_id: str) -> str:
+        """Hash: address, http (its HTTP/JSON API's address, empty without one), tls ("1": its ports serve TLS, whose
+        certificate holds server_name).
+        Its TTL is the gateway's heartbeat. Nothing reads it on the request path: `academus status` lists them."""
+        return f"{self.prefix}:gateways:{gateway_id}"
+
+    def gateways(self) -> str:
+        """Set of gateway ids (members whose heartbeat expired are skipped)."""
+        return f"{self.prefix}:gateways"
+
     def timing(self, policy: str, model: str) -> str:
         """Hash: a deployment's smoothed batch times for `model` (service_s, batch_texts, token_s, token_dev), which
         its schedulers report; a scheduler that starts (or restarts) admits on them until it has timed its own."""

@@ -3,6 +3,7 @@ gateway) with the real teacher and the prepared artifacts."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -25,6 +26,12 @@ def academus(run_dir: Path | str, *args: str | Path, timeout: float = 300,
     """The command line as a process of its own on the mesh of `run_dir`; `env`: its whole environment."""
     return subprocess.run([sys.executable, "-m", "academus.shared.cli", "--run-dir", str(run_dir), *map(str, args)],
                           capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def administer(run_dir: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    """The command line beside no `up`: its settings in the environment, as inside a deployed mesh's container."""
+    plain = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "ACADEMUS_REDIS_URL")}
+    return academus(run_dir, *args, timeout=60, env={**plain, **env})
 
 
 def start_mesh(run_dir: Path, workers: int = 1, env: dict[str, str] | None = None, gateways: int = 1,

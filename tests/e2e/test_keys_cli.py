@@ -5,15 +5,13 @@ event reaching the gateway, not its cache running out."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, MeshState, down
-from tests.e2e.conftest import academus, start_mesh, wait_for
+from tests.e2e.conftest import administer, start_mesh, wait_for
 from tests.e2e.test_serving import cli
 
 pytestmark = pytest.mark.e2e
@@ -81,12 +79,6 @@ def test_the_admin_key_rotates_into_its_file_and_cannot_be_revoked(mesh):
     assert short.returncode == 2 and "INVALID_ARGUMENT" in short.stderr and "8 hex digits" in short.stderr
 
 
-def administer(run_dir: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    """The command line beside no `up`: its settings in the environment, as inside a deployed mesh's container."""
-    plain = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "ACADEMUS_REDIS_URL")}
-    return academus(run_dir, *args, timeout=60, env={**plain, **env})
-
-
 def test_a_mesh_up_did_not_start_is_administered_through_its_redis(mesh, tmp_path):
     """Compose and Kubernetes meshes have no mesh.json: `docker compose exec gateway academus keys create T`."""
     env = {"ACADEMUS_REDIS_URL": mesh.redis_url, "ACADEMUS_KEY_PREFIX": mesh.key_prefix}
@@ -116,8 +108,9 @@ def test_a_mesh_up_did_not_start_reports_its_registered_services_and_models(mesh
     assert report["deployed"] and report["redis"]["health"] == "SERVING"
     own = {s.address for s in mesh.services if s.service in ("resource_manager", "adapter_store", "scheduler",
                                                             "worker")}
-    assert {s["address"] for s in report["services"]} == own
+    assert {s["address"] for s in report["services"]} == own | {mesh.gateway}   # the gateway, on the mesh's port
     assert all(s["health"] == "SERVING" for s in report["services"])
+    assert report["http"] == mesh.http
     assert {m["name"] for m in report["models"]} == {"null"}
     plain = administer(tmp_path, env, "status")
     assert plain.returncode == 0 and "supervisor" not in plain.stdout and "worker " in plain.stdout

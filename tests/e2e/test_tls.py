@@ -25,6 +25,7 @@ from academus.shared.runtime.redis_conn import connect
 from academus.shared.state.keys import Keys
 from academus.shared.state.tenants import TenantRegistry
 from tests.conftest import env
+from tests.e2e.conftest import administer
 from tests.e2e.test_serving import cli
 
 pytestmark = [pytest.mark.e2e,
@@ -83,6 +84,25 @@ def test_the_cli_connects_with_the_mesh_ca_and_its_own_certificate(mesh):
     deleted = cli(mesh, "tenants", "delete", "acme")   # asks the adapter store, presenting the CLI's certificate
     assert deleted.returncode == 0, deleted.stderr
     assert json.loads(deleted.stdout.splitlines()[-1])["adapter_versions_deleted"] == 0
+
+
+def test_status_beside_no_up_checks_the_gateways_tls_and_the_services_mutual_tls(mesh, tmp_path):
+    """`academus status` in a deployed mesh's container: the services' settings in its environment, the CLI's
+    certificate its identity; the gateway, registered in Redis, checked as a client reaches it (the mesh's CA)."""
+    pki = Path(mesh.tls_ca).parent
+    env = {"ACADEMUS_REDIS_URL": mesh.redis_url, "ACADEMUS_KEY_PREFIX": mesh.key_prefix, "ACADEMUS_MESH_TLS": "true",
+           "ACADEMUS_MESH_CA": mesh.tls_ca, "ACADEMUS_MESH_CERT": str(pki / f"{CLI}.crt"),
+           "ACADEMUS_MESH_KEY": str(pki / f"{CLI}.key")}
+    out = administer(tmp_path, env, "status", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads(out.stdout)
+    assert report["deployed"] and {s["health"] for s in report["services"]} == {"SERVING"}
+    gateways = [s["address"] for s in report["services"] if s["name"].startswith("gateway")]
+    assert gateways == [mesh.gateway] and report["http"] == mesh.http
+    without = {k: v for k, v in env.items() if not k.startswith("ACADEMUS_MESH")}
+    plain = administer(tmp_path, without, "status", "--json")
+    assert plain.returncode == 1   # no mesh identity: the services refuse its plaintext, the gateway its trust
+    assert {s["health"] for s in json.loads(plain.stdout)["services"]} == {"UNREACHABLE"}
 
 
 async def add_tenant(mesh: MeshState, name: str) -> None:

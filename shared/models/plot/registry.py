@@ -4,14 +4,13 @@ joins the acd:plots set; clients (the scheduler's prefetch, plot_bench) list the
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from academus.shared.runtime.logs import log_event
 from academus.shared.state.keys import Keys
+from academus.shared.state.registration import Registration
 
 
 @dataclass(frozen=True)
@@ -27,44 +26,19 @@ class PlotEndpoint:
                 and (not domain or domain in self.domains))
 
 
-class PlotRegistration:
-    """One plot service's entry: written at start, refreshed by the heartbeat, removed on stop.
-    Every write is a SET/HSET/SADD of the same values, so a retried command cannot apply twice."""
+class PlotRegistration(Registration):
+    """One plot service's entry: its table (model, lower layers, domains) beside its address."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, plot_id: str, model: str, lower_layers: int,
                  domains: list[str], ttl_s: float, refresh_domains: Callable[[], list[str]] | None = None) -> None:
-        self.redis, self.keys = redis, keys
-        self.plot_id = plot_id
-        self.fields = {"model": model, "lower_layers": str(lower_layers), "domains": ",".join(sorted(domains))}
-        self.ttl = max(1, round(ttl_s))
-        self.address = ""
+        super().__init__(redis, keys.plot, keys.plots(), ttl_s, plot_id)
+        self.table = {"model": model, "lower_layers": str(lower_layers), "domains": ",".join(sorted(domains))}
         self.refresh_domains = refresh_domains   # each beat: the overlays loaded now (new ones announced)
 
-    async def register(self, address: str) -> None:
-        self.address = address
-        self.plot_id = self.plot_id or address
+    async def fields(self) -> dict[str, str]:
         if self.refresh_domains is not None:
-            self.fields["domains"] = ",".join(sorted(await asyncio.to_thread(self.refresh_domains)))
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(self.keys.plot(self.plot_id), mapping={"address": address, **self.fields})
-        pipe.expire(self.keys.plot(self.plot_id), self.ttl)
-        pipe.sadd(self.keys.plots(), self.plot_id)
-        await pipe.execute()
-
-    async def heartbeat(self) -> None:
-        while True:
-            await asyncio.sleep(self.ttl / 3)
-            try:
-                await self.register(self.address)
-            except Exception as e:  # Redis away: keep serving, the next beat re-registers
-                log_event("heartbeat_failed", logging.WARNING, error=repr(e))
-
-    async def deregister(self) -> None:
-        try:
-            await self.redis.srem(self.keys.plots(), self.plot_id)
-            await self.redis.delete(self.keys.plot(self.plot_id))
-        except Exception as e:  # the TTL removes the entry anyway
-            log_event("deregister_failed", logging.WARNING, error=repr(e))
+            self.table["domains"] = ",".join(sorted(await asyncio.to_thread(self.refresh_domains)))
+        return self.table
 
 
 async def live_plot_services(redis: aioredis.Redis, keys: Keys, model: str = "", lower_layers: int = 0,
