@@ -688,7 +688,7 @@ def deployed_status(state: MeshState) -> dict:
     credentials, options = (mesh.channel_credentials(), mesh.channel_options()) if mesh else (None, [])
     checked = [(name, address, health(address, credentials=credentials, options=options))
                for name, address in registered]
-    checked += [(f"gateway {address}", address, gateway_health(state, address, entry))
+    checked += [("gateway", address, gateway_health(state, address, entry))
                 for address, entry in gateways]
     return {
         "deployed": True, "run_dir": "", "gateway": "", "deployments": [], "models": models,
