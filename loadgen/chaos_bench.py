@@ -30,9 +30,10 @@ the time to a refusal (RESOURCE_EXHAUSTED) at the load generator, at a light cli
 an overload (10 req/s to the students: its loop is not saturated, as the load generator's is) and at the gateways
 (the p99's histogram bucket, academus_rpc_error_seconds: their handlers' own share), each model's waits in its
 schedulers' queues (the p99's bucket and the shares past 1 s and 2 s, against the queue's wait bound), the
-scheduler queue and in-flight gauges back to zero after the load, every process's RSS over time (/proc), and
-the restarts the supervisor made. summary.json, a table on stdout, and PNGs a fault (timeline, RSS) go under
---out; the mesh's logs under --out/run/logs. Measurements: docs/benchmarks/reliability.md.
+scheduler queue and in-flight gauges back to zero after the load, every process's RSS over time (/proc), the
+restarts the supervisor made, and the host's steal (/proc/stat: a pause of the host's stalls every process at
+once). summary.json, a table on stdout, and PNGs a fault (timeline, RSS) go under --out; the mesh's logs under
+--out/run/logs. Measurements: docs/benchmarks/reliability.md.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import itertools
 import json
 import os
 import signal
@@ -303,7 +305,8 @@ def gauges_back_to_zero(run_dir: Path, limit_s: float = 30.0) -> tuple[float | N
 
 
 class RssSampler(threading.Thread):
-    """Every mesh process's RSS (MiB, /proc/<pid>/status) every `period_s`, from `t0` (perf_counter)."""
+    """Every mesh process's RSS (MiB, /proc/<pid>/status) every `period_s`, from `t0` (perf_counter), and the
+    machine's steal so far (`host_steal_s`)."""
 
     def __init__(self, run_dir: Path, t0: float, period_s: float = 0.5) -> None:
         super().__init__(daemon=True)
@@ -317,11 +320,31 @@ class RssSampler(threading.Thread):
             pids = {s.name: s.pid for s in state.services} | {"redis": state.redis_pid,
                                                                 "supervisor": state.supervisor_pid}
             self.samples.append({"t": round(time.perf_counter() - self.t0, 2),
-                                 "rss_mib": {n: rss_mib(p) for n, p in pids.items() if p}})
+                                 "rss_mib": {n: rss_mib(p) for n, p in pids.items() if p},
+                                 "steal_s": host_steal_s()})
 
 
 def rss_mib(pid: int) -> float | None:
     return None if (kib := process_memory_kib(pid)) is None else round(kib / 1024, 1)   # None: gone, or a zombie
+
+
+def host_steal_s(stat: Path = Path("/proc/stat")) -> float | None:
+    """CPU seconds the hypervisor has kept from this machine's virtual CPUs since boot (steal, all CPUs summed);
+    None where the kernel does not count it."""
+    try:
+        return int(stat.read_text().split("\n", 1)[0].split()[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def steal_figures(samples: list[dict]) -> dict[str, float] | None:
+    """The host's steal over a run, and the most of it between two samples: a pause of the host's stalls every
+    process at once, so a run's slowest requests (a refusal's p99 of a few dozen) may be the host's, not the mesh's."""
+    values = [v for sample in samples if (v := sample.get("steal_s")) is not None]
+    if len(values) < 2:
+        return None
+    return {"total_s": round(values[-1] - values[0], 2),
+            "most_between_samples_s": round(max(b - a for a, b in itertools.pairwise(values)), 2)}
 
 
 # -- load and faults -----------------------------------------------------------------------------------------
@@ -753,6 +776,7 @@ async def one_run(bench: Bench, fault: Fault | None, beside: Beside | None = Non
     if not figures["restarts"]:   # a restarted process counts from 0 again
         figures |= metric_figures(start, await asyncio.to_thread(mesh_metrics, bench.run_dir))
     figures["rss_mib"] = rss_summary(extra["rss"])
+    figures["host_steal"] = steal_figures(extra["rss"])
     figures["pngs"] = write_pngs(bench, name, runs, extra)
     if fault is None:
         figures["p99_by_models"] = {"+".join(m.model for m in subset): p99(subset) for subset in ([r] for r in runs)}
@@ -763,24 +787,30 @@ async def one_run(bench: Bench, fault: Fault | None, beside: Beside | None = Non
     else:
         figures |= against_reference(figures, bench.reference)
         figures["targets"] = verdicts(fault, figures)
-    print(f"{name}: {json.dumps({k: figures.get(k) for k in TABLE_KEYS})}", file=sys.stderr)
+    print(f"{name}: {json.dumps(dict(zip(TABLE_KEYS, table_cells(figures), strict=True)))}", file=sys.stderr)
     return figures
 
 
 TABLE_KEYS = ("sent", "failed_pct", "excess_failed", "excess_near_fault", "lost", "recover_s", "victim_back_s",
               "p99_ms", "reference_p99_ms", "refusal_p99_ms", "probe_refusal_p99_ms", "gateway_refusal_p99_ms",
-              "goodput_rps", "gauges_zero_after_s", "errors")
+              "goodput_rps", "gauges_zero_after_s", "steal_most_s", "errors")
+
+
+def table_cells(figures: dict) -> list:
+    """A run's figures in TABLE_KEYS' order; steal_most_s, the most the host took between two samples (its pauses)."""
+    steal = figures.get("host_steal") or {}
+    return [steal.get("most_between_samples_s") if k == "steal_most_s" else figures.get(k) for k in TABLE_KEYS]
 
 
 def table(summary: dict) -> str:
     head = f"{'fault':<15} {'sent':>5} {'failed%':>7} {'excess':>6} {'near':>5} {'lost':>4} {'recover_s':>9} " \
            f"{'back_s':>6} {'p99_ms':>8} {'ref_p99':>8} {'refuse99':>8} {'probe99':>8} {'gw_ref99':>8} " \
-           f"{'goodput':>7} {'gauges0_s':>9}  errors"
+           f"{'goodput':>7} {'gauges0_s':>9} {'steal_s':>7}  errors"
     lines = [head]
     for name, f in summary["runs"].items():
-        cells = [f.get(k) for k in TABLE_KEYS]
+        cells = table_cells(f)
         fmt = ["{:>5}", "{:>7}", "{:>6}", "{:>5}", "{:>4}", "{:>9}", "{:>6}", *["{:>8}"] * 5, "{:>7}", "{:>9}",
-               "  {}"]
+               "{:>7}", "  {}"]
         lines.append(f"{name:<15} " + " ".join(spec.format("-" if v is None else _short(v))
                                                for spec, v in zip(fmt, cells, strict=True)))
     return "\n".join(lines)

@@ -191,6 +191,25 @@ def test_the_refusal_probe_reports_its_own_p99_beside_the_load():
     assert probe_refusal_p99({"beside": {"made": 3}}) is None and probe_refusal_p99({}) is None
 
 
+def test_the_hosts_steal_is_read_from_proc_stat_and_its_largest_step_is_a_runs_pause(tmp_path):
+    """A pause of the host's (steal) stalls every process at once: the bench reports the most of it between two
+    samples, beside the slowest requests it may explain."""
+    import os
+
+    from academus.loadgen.chaos_bench import host_steal_s, steal_figures, table
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  258545 599 27712 365102 870 0 936 270 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n")
+    assert host_steal_s(stat) == pytest.approx(270 / os.sysconf("SC_CLK_TCK"))
+    assert host_steal_s(tmp_path / "absent") is None
+    assert host_steal_s() is None or host_steal_s() >= 0   # this machine's own, where its kernel counts it
+    samples = [{"steal_s": 2.70}, {"steal_s": 2.71}, {"steal_s": None}, {"steal_s": 2.81}, {"steal_s": 2.88}]
+    assert steal_figures(samples) == {"total_s": pytest.approx(0.18), "most_between_samples_s": pytest.approx(0.1)}
+    assert steal_figures([{"steal_s": 1.0}]) is None and steal_figures([{}, {}]) is None
+    row = table({"runs": {"reference": {"sent": 10, "host_steal": steal_figures(samples)}}}).splitlines()[1]
+    assert row.split()[-2:] == ["0.10", "-"]   # the steal column, then no errors
+
+
 def test_the_gateways_share_of_a_refusal_is_the_bucket_holding_its_p99():
     from academus.loadgen.chaos_bench import bucket_p99_ms
 
