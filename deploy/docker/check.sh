@@ -75,8 +75,10 @@ case "$answer" in '{"text"'*'"label"'*) ok "a key made in the gateway's containe
 
 compose exec -T gateway academus status > "$WORK/status.txt" \
     || fail "academus status in the gateway's container: $(cat "$WORK/status.txt")"
-ok "academus status in the gateway's container: Redis and $(($(grep -c SERVING "$WORK/status.txt") - 1)) registered \
-services SERVING over the mesh's mutual TLS"
+grep -q '^gateway .*SERVING' "$WORK/status.txt" \
+    || fail "academus status lists no gateway SERVING: $(cat "$WORK/status.txt")"
+ok "academus status in the gateway's container: Redis, the gateway (over its TLS, as a client reaches it) and \
+$(($(grep -c SERVING "$WORK/status.txt") - 2)) registered services SERVING over the mesh's mutual TLS"
 
 plane_connections() {   # a service's academus_local_plane_connections, read from its own metrics port
     compose exec -T "$1" python -c "import os, urllib.request as u; print(u.urlopen('http://127.0.0.1:%s/metrics' \
