@@ -553,9 +553,9 @@ async def build() -> ServiceSpec:
     registration = GatewayRegistration(redis, keys, config, http)
 
     async def stopping() -> None:
-        await registration.deregister()
         if http is not None:
             http.api.stopping = True   # /health says 503 from now on; its port takes requests until gRPC drained
+        await registration.deregister()   # after: it may wait on Redis, and the balancers should know at once
 
     async def stopped() -> None:
         if http is not None:   # the requests in flight finish before the Redis client they need closes
