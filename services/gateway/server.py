@@ -51,7 +51,7 @@ from academus.shared.runtime.tracing import annotate
 from academus.shared.state.catalogue import EMBEDDING, ModelSpec
 from academus.shared.state.jobs import FAILED, QUEUED, RUNNING, SUCCEEDED, Job
 from academus.shared.state.keys import Keys
-from academus.shared.state.registration import GIVE_UP_S, Registration
+from academus.shared.state.registration import Registration
 from academus.shared.state.tenants import READY, TenantModel, TenantRegistry, gateway_quotas
 from academus.v1 import inference_pb2 as pb
 from academus.v1 import inference_pb2_grpc, manage_pb2, manage_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, tensors_pb2
@@ -496,14 +496,7 @@ class GatewayRegistration(Registration):
         """on_started: the HTTP port opens, then the gateway registers (Redis away: its heartbeat does it later)."""
         if self.http is not None:
             await self.http.start()
-        if self.config.own_port:
-            address = f"{self.config.advertised}:{self.config.own_port}"
-        try:
-            async with asyncio.timeout(GIVE_UP_S):
-                await self.register(address)
-        except Exception as e:
-            self.address = address
-            log_event("register_failed", logging.WARNING, error=repr(e))
+        await self.start(f"{self.config.advertised}:{self.config.own_port}" if self.config.own_port else address)
 
 
 async def build() -> ServiceSpec:

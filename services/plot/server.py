@@ -53,7 +53,7 @@ async def build() -> ServiceSpec:
         config=config,
         add_servicers=lambda s: plot_pb2_grpc.add_PlotServicer_to_server(PlotServicer(core), s),
         service_names=["academus.v1.Plot"],
-        on_started=registration.register,
+        on_started=registration.start,
         on_stopping=registration.deregister,
         on_stopped=redis.aclose,
         extra_tasks=[registration.heartbeat],

@@ -47,6 +47,7 @@ from academus.shared.runtime.tracing import annotate, batch_trace, request_trace
 from academus.shared.state.catalogue import ModelSpec
 from academus.shared.state.groups import groups_from_json
 from academus.shared.state.keys import Keys
+from academus.shared.state.registration import Registration
 from academus.v1 import plot_pb2_grpc, scheduler_pb2_grpc, worker_pb2_grpc
 
 TIMING_TTL_S = 600   # a deployment's reported batch times outlive its schedulers this long: restarts start from them
@@ -237,49 +238,54 @@ def policy_from(config: cfg.SchedulerConfig) -> DispatchPolicy:
                        bin_width=config.bin_width)
 
 
-class Registration:
+class SchedulerRegistration(Registration):
     """The scheduler in Redis: its registration (address, policy, models and, for a node's scheduler, the models
-    it has live groups for), kept alive by a heartbeat, and the load signals the resource manager adapts the
-    student number on, reported on their own period."""
+    it has live groups for), kept alive by the heartbeat, and the load signals the resource manager adapts the
+    student number on, reported with each beat and on their own period."""
 
     def __init__(self, redis, keys: Keys, config: cfg.SchedulerConfig, dispatcher: Dispatcher,
                  policy: DispatchPolicy, watcher: PlacementWatcher, prefetcher: PlotPrefetcher | None) -> None:
-        self.redis, self.keys, self.config = redis, keys, config
+        super().__init__(redis, keys.scheduler, keys.schedulers(), config.heartbeat_ttl_s, config.scheduler_id)
+        self.keys, self.config = keys, config
         self.dispatcher, self.policy, self.watcher, self.prefetcher = dispatcher, policy, watcher, prefetcher
-        self.scheduler_id, self.address = config.scheduler_id, ""
-        self.ttl = max(1, round(config.heartbeat_ttl_s))
         # the load signals outlive a dead scheduler by at most ten reports (>= 1 s), not a heartbeat TTL: a stale
         # report holding an old student number would pause the resource manager's adaptation until it expired
         self.load_ttl_ms = max(1000, round(10_000 * config.load_report_s))
         self._sought: set[str] = set()   # looked up once: a model its deployment had not timed starts from its own
 
+    @property
+    def scheduler_id(self) -> str:
+        return self.member_id
+
     def bind(self, address: str) -> str:
         """The server's bound address; the scheduler's id (the address unless configured)."""
         self.address = address
-        self.scheduler_id = self.scheduler_id or address
-        return self.scheduler_id
+        self.member_id = self.member_id or address
+        return self.member_id
 
     async def announce(self) -> None:
         await self.watcher.refresh()
-        await self.beat()
+        await self.register(self.address)
 
     async def reregister(self) -> None:
         """What this node's scheduler serves changed: rewritten now, and announced on the events channel,
         which wakes the gateways' registry reads (else a newly serving node waited for their next period)."""
         if self.address and self.config.node:
-            await self.beat()
+            await self.register(self.address)
             await self.redis.publish(self.keys.events(), f"serving {self.scheduler_id}")
 
-    async def beat(self) -> None:
-        config, key = self.config, self.keys.scheduler(self.scheduler_id)
-        registration = {"address": self.address, "policy": config.policy, "models": config.models}
+    async def fields(self) -> dict[str, str]:
+        config = self.config
+        fields = {"policy": config.policy, "models": config.models}
         if config.node:   # it serves its node's groups only: gateways send it what it has groups for
-            registration |= {"node": config.node, "serving": ",".join(sorted(self.watcher.serving))}
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(key, mapping=registration)
-        pipe.expire(key, self.ttl)
-        pipe.sadd(self.keys.schedulers(), self.scheduler_id)
-        await pipe.execute()
+            fields |= {"node": config.node, "serving": ",".join(sorted(self.watcher.serving))}
+        return fields
+
+    def owned(self) -> list[str]:
+        return [*super().owned(), self.keys.load(self.scheduler_id)]
+
+    async def register(self, address: str) -> None:
+        await super().register(address)
         await self.report_load()
 
     async def report_load(self) -> None:
@@ -325,17 +331,6 @@ class Registration:
                 with contextlib.suppress(Exception):  # Redis away: the heartbeat logs it
                     await self.report_load()
 
-    async def heartbeat(self) -> None:
-        while True:
-            await asyncio.sleep(self.ttl / 3)
-            try:
-                await self.beat()
-            except Exception as e:
-                log_event("heartbeat_failed", logging.WARNING, error=repr(e))
-
-    async def deregister(self) -> None:
-        await self.redis.srem(self.keys.schedulers(), self.scheduler_id)
-        await self.redis.delete(self.keys.scheduler(self.scheduler_id), self.keys.load(self.scheduler_id))
 
 
 async def build() -> ServiceSpec:
@@ -357,7 +352,7 @@ async def build() -> ServiceSpec:
     dispatcher.workers = workers  # the sender resolves member addresses from the same live table
     watcher = PlacementWatcher(redis, keys, dispatcher, config.refresh_s, cfg.ModelSelection.parse(config.models),
                                prefetcher, config.node)
-    registration = Registration(redis, keys, config, dispatcher, policy, watcher, prefetcher)
+    registration = SchedulerRegistration(redis, keys, config, dispatcher, policy, watcher, prefetcher)
     watcher.on_serving = registration.reregister
     servicer = SchedulerServicer(dispatcher, config.policy, watcher.student_numbers)
 

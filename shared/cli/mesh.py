@@ -709,7 +709,7 @@ def gateway_health(state: MeshState, address: str, entry: dict[str, str]) -> str
         return health(address)
     roots = Path(state.tls_ca).read_bytes() if state.tls_ca else None
     name = entry.get("server_name", "")
-    return health(address, credentials=grpc.ssl_channel_credentials(roots),
+    return health(address, credentials=channel_credentials(True, roots, None, None),
                   options=[("grpc.ssl_target_name_override", name)] if name else [])
 
 

@@ -1,5 +1,6 @@
 """A service's entry in Redis: a hash of its address and fields under its id, with the heartbeat's TTL, and the
-id in a set that lists its kind (the plot services, the gateways). Readers skip, or prune, ids whose hash expired.
+id in a set that lists its kind (the schedulers, the plot services, the gateways). Readers skip, or prune, ids whose
+hash expired.
 Every write is an HSET/EXPIRE/SADD of the same values, so a retried command cannot apply twice."""
 
 from __future__ import annotations
@@ -29,6 +30,19 @@ class Registration:
     async def fields(self) -> dict[str, str]:
         return {}
 
+    def owned(self) -> list[str]:
+        """The keys deregistering deletes: the entry, and what a subclass writes beside it."""
+        return [self.entry(self.member_id)]
+
+    async def start(self, address: str) -> None:
+        """on_started: registered, waiting on Redis at most GIVE_UP_S (Redis away: the heartbeat registers it later,
+        and the service serves meanwhile)."""
+        try:
+            async with asyncio.timeout(GIVE_UP_S):
+                await self.register(address)
+        except Exception as e:
+            log_event("register_failed", logging.WARNING, error=repr(e))
+
     async def register(self, address: str) -> None:
         self.address = address
         self.member_id = self.member_id or address
@@ -53,6 +67,6 @@ class Registration:
         try:
             async with asyncio.timeout(GIVE_UP_S):
                 await self.redis.srem(self.members, self.member_id)
-                await self.redis.delete(self.entry(self.member_id))
+                await self.redis.delete(*self.owned())
         except Exception as e:  # the TTL removes the entry anyway
             log_event("deregister_failed", logging.WARNING, error=repr(e))

@@ -1213,7 +1213,7 @@ async def test_the_registration_names_what_a_node_serves_and_leaves_no_key_behin
     deregistered, no key of it is left for a gateway to send to."""
     import json
 
-    from academus.services.scheduler.server import PlacementWatcher, Registration
+    from academus.services.scheduler.server import PlacementWatcher, SchedulerRegistration
     from academus.shared.runtime import config as cfg
     from academus.shared.runtime.redis_conn import connect
     from academus.shared.state.keys import Keys
@@ -1224,7 +1224,7 @@ async def test_the_registration_names_what_a_node_serves_and_leaves_no_key_behin
     config = cfg.SchedulerConfig(key_prefix="acd-registration", node="a", policy="student", heartbeat_ttl_s=7.0)
     d = make_dispatcher({}, policy=StudentPolicy())[0]
     watcher = PlacementWatcher(redis, keys, d, 1.0, node="a")
-    registration = Registration(redis, keys, config, d, d.policy, watcher, None)
+    registration = SchedulerRegistration(redis, keys, config, d, d.policy, watcher, None)
     watcher.on_serving = registration.reregister
     assert registration.bind("127.0.0.1:5005") == "127.0.0.1:5005"   # no configured id: the address
     await registration.announce()
