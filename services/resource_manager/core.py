@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.exceptions import WatchError
 
 from academus.services.resource_manager.allocation import (
     Device,
@@ -47,18 +48,20 @@ class PlacementTable:
         self.keys = keys
         self.ttl = max(1, round(heartbeat_ttl_s))
 
-    async def register(self, info: WorkerInfo, specs: Sequence[ModelSpec]) -> None:
+    async def register(self, info: WorkerInfo, specs: Sequence[ModelSpec]) -> str:
         """Records the worker and the models it serves now; a model it served before and no longer does (removed
-        from the catalogue) loses it, and leaves the catalogue once no worker serves it."""
+        from the catalogue) loses it, and leaves the catalogue once no worker serves it. Returns the
+        registration's token."""
         key = self.keys.worker(info.worker_id)
         dropped = set(split_names(await self.redis.hget(key, "models") or "")) - {spec.name for spec in specs}
         pipe = self.redis.pipeline(transaction=True)
         pipe.delete(key)
         # a new token each registration: only a live process registers, so a scheduler that lost this worker
         # mid-call takes it back at once when the token changes (a restart on the same address)
+        registration = secrets.token_hex(8)
         pipe.hset(key, mapping={"address": info.address, "device": info.device,
                                 "capacity": info.capacity, "models": ",".join(info.models), "node": info.node,
-                                "registration": secrets.token_hex(8)})
+                                "registration": registration})
         pipe.expire(key, self.ttl)
         for spec in specs:
             pipe.sadd(self.keys.placement(spec.name), info.worker_id)
@@ -70,6 +73,7 @@ class PlacementTable:
         for model in dropped:
             await self.forget_if_unplaced(model)
         await self.redis.publish(self.keys.events(), f"register {info.worker_id}")
+        return registration
 
     async def forget_if_unplaced(self, model: str) -> None:
         """Drops a model no worker serves from the catalogue the gateways read."""
@@ -88,6 +92,36 @@ class PlacementTable:
         removed = any(await pipe.execute())  # SREM / DEL counts: anything there to remove
         await self.redis.publish(self.keys.events(), f"deregister {worker_id}")
         return removed
+
+    async def drop(self, worker_id: str, registration: str) -> bool:
+        """Deregisters a worker found dead, if its key still holds `registration`: never the process that
+        registered on its id since (a restart), whose key a concurrent write would have changed."""
+        key = self.keys.worker(worker_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            try:
+                await pipe.watch(key)
+                if await pipe.hget(key, "registration") != registration:
+                    return False
+                models = await pipe.smembers(self.keys.placements())
+                pipe.multi()
+                for model in models:
+                    pipe.srem(self.keys.placement(model), worker_id)
+                pipe.delete(key)
+                await pipe.execute()
+            except WatchError:
+                return False
+        await self.redis.publish(self.keys.events(), f"lost {worker_id}")
+        return True
+
+    async def registrations(self) -> dict[str, tuple[str, str]]:
+        """Each registered worker serving a model: its address and registration token."""
+        ids = sorted({w for workers in (await self.placements()).values() for w in workers})
+        pipe = self.redis.pipeline(transaction=False)
+        for worker_id in ids:
+            pipe.hmget(self.keys.worker(worker_id), ["address", "registration"])
+        return {worker_id: (address, registration)
+                for worker_id, (address, registration) in zip(ids, await pipe.execute(), strict=True)
+                if address and registration}
 
     async def placements(self, model: str = "") -> dict[str, list[str]]:
         models = [model] if model else sorted(await self.redis.smembers(self.keys.placements()))

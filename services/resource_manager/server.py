@@ -5,23 +5,55 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from academus.services.resource_manager.allocation import ProfilePoint, choose_profile
 from academus.services.resource_manager.core import GroupPlanner, PlacementTable, WorkerInfo
+from academus.services.resource_manager.liveness import LivenessWatch
 from academus.shared.runtime import config as cfg
 from academus.shared.runtime.gpu import start_mps
 from academus.shared.runtime.logs import log_event
 from academus.shared.runtime.redis_conn import connect
-from academus.shared.runtime.serving import ServiceSpec, run
+from academus.shared.runtime.serving import ServiceSpec, Stubs, run
 from academus.shared.state.catalogue import spec_from_pb
 from academus.shared.state.keys import Keys
 from academus.v1 import resource_manager_pb2 as pb
 from academus.v1 import resource_manager_pb2_grpc
 
+PROBE_S = 1.0   # a worker whose health stream broke answers a check within this, or it is lost
+UNREACHED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class WorkerHealth:
+    """The liveness watch's calls: each worker's standard health service (it passes the mesh's token gate), on
+    a channel a worker process (a restart on the same address gets a fresh one, not one backing off)."""
+
+    def __init__(self) -> None:
+        self.stubs = Stubs(health_pb2_grpc.HealthStub)
+
+    async def watch(self, address: str, registration: str) -> bool:
+        reached = False
+        try:
+            async for _ in self.stubs(address, registration).Watch(health_pb2.HealthCheckRequest()):
+                reached = True
+        except grpc.aio.AioRpcError:
+            pass
+        return reached
+
+    async def probe(self, address: str, registration: str) -> bool:
+        try:
+            await self.stubs(address, registration).Check(health_pb2.HealthCheckRequest(), timeout=PROBE_S)
+        except grpc.aio.AioRpcError as e:
+            return e.code() not in UNREACHED
+        return True
+
 
 class ResourceManagerServicer(resource_manager_pb2_grpc.ResourceManagerServicer):
-    def __init__(self, table: PlacementTable, planner: GroupPlanner) -> None:
+    def __init__(self, table: PlacementTable, planner: GroupPlanner, liveness: LivenessWatch | None = None) -> None:
         self.table = table
         self.planner = planner
+        self.liveness = liveness
 
     async def RegisterWorker(self, request, context):
         specs = [spec_from_pb(m) for m in request.models]
@@ -30,7 +62,9 @@ class ResourceManagerServicer(resource_manager_pb2_grpc.ResourceManagerServicer)
             capacity = await self.choose(request.profile, request.capacity)
         info = WorkerInfo(request.worker_id, request.address, request.device, capacity, [s.name for s in specs],
                           request.node)
-        await self.table.register(info, specs)
+        registration = await self.table.register(info, specs)
+        if self.liveness is not None:
+            self.liveness.follow(info.worker_id, info.address, registration)
         groups = await self.planner.replan()
         log_event("worker_registered", worker_id=info.worker_id, address=info.address, models=info.models,
                   capacity=capacity, groups=groups)
@@ -70,10 +104,25 @@ async def build() -> ServiceSpec:
     table = PlacementTable(redis, keys, config.heartbeat_ttl_s)
     planner = GroupPlanner(redis, keys, config.student_ceiling, config.adapt_window_s, config.adapt_cooldown_s)
 
+    async def drop_lost(worker_id: str, registration: str) -> None:
+        if await table.drop(worker_id, registration):
+            groups = await planner.replan()
+            log_event("worker_dropped", worker_id=worker_id, groups=groups)
+
+    health = WorkerHealth()
+    liveness = LivenessWatch(health.watch, health.probe, drop_lost) if config.watch_workers else None
+
     async def announce(address: str) -> None:
         log_event("mps", action=start_mps(config.mps))
         await redis.set(keys.resource_manager(), address)
         await planner.replan()
+        if liveness is not None:   # the workers that registered with a resource manager before this one
+            liveness.sync(await table.registrations())
+
+    async def stopped() -> None:
+        if liveness is not None:
+            await liveness.close()
+        await redis.aclose()
 
     async def adapter() -> None:
         """Student number adaptation (App. B.4.1) on the schedulers' buffer and group signals."""
@@ -94,6 +143,8 @@ async def build() -> ServiceSpec:
                 if dead:
                     await planner.replan()
                     log_event("workers_reaped", workers=dead)
+                if liveness is not None:
+                    liveness.sync(await table.registrations())
             except Exception as e:  # Redis restarting: try again next round
                 log_event("reap_failed", logging.WARNING, error=repr(e))
 
@@ -101,10 +152,10 @@ async def build() -> ServiceSpec:
         name="resource_manager",
         config=config,
         add_servicers=lambda s: resource_manager_pb2_grpc.add_ResourceManagerServicer_to_server(
-            ResourceManagerServicer(table, planner), s),
+            ResourceManagerServicer(table, planner, liveness), s),
         service_names=["academus.v1.ResourceManager"],
         on_started=announce,
-        on_stopped=redis.aclose,
+        on_stopped=stopped,
         extra_tasks=[reaper, adapter],
     )
 

@@ -185,7 +185,7 @@ class Dispatcher:
                  retry_pushback_ms: int = 50, clock: Callable[[], float] = time.monotonic,
                  on_wait: Callable[[Job], None] | None = None, drop_doomed: bool = True,
                  send_ahead: bool = False, lost_quarantine_s: float = 5.0, shard: Shard = Shard(),
-                 policy_name: str = "", max_queue_wait_s: float = 0.0) -> None:
+                 policy_name: str = "", max_queue_wait_s: float = 0.0, regroup_wait_s: float = 0.0) -> None:
         self.policy = policy
         self.max_queue_wait_s = max_queue_wait_s
         self._queue_wait = children(QUEUE_WAIT, policy_name or policy.name)  # the deployment's name (a variant's)
@@ -194,6 +194,10 @@ class Dispatcher:
         # a worker lost mid-call stays out this long while Redis still lists it: a heartbeat TTL, after
         # which a dead worker's key has expired, so one still listed is alive (its heartbeat renewed)
         self.lost_quarantine_s = lost_quarantine_s
+        # a student model whose every group lost a member while a live worker here still serves it waits this
+        # long for the resource manager's re-plan onto the workers left, its jobs held (each to its deadline)
+        self.regroup_wait_s = regroup_wait_s
+        self._regrouping: dict[str, float] = {}   # model -> when its wait for a re-plan ends (the clock's)
         # a busy group is sent its next batch while it runs one, where the policy never holds a batch back
         # to grow: it starts when the first ends, without the reply's and the dispatch's hops in between
         self.send_ahead = send_ahead and policy.sends_ahead
@@ -286,15 +290,44 @@ class Dispatcher:
         self._students = set(students)
 
     def serves(self, model: str) -> bool:
-        return model in self._served
+        """A live group runs the model, or one will once the groups are re-planned (`_regroup`)."""
+        return model in self._served or model in self._regrouping
 
     def _resize(self) -> None:
         """The buffer holds an element a live group: a lost worker's groups are out until it is back. Every
         change of the groups or of a worker's state comes here; the models served are kept with the count, since
         `serves` runs on every request (scanning the groups took 4 % of a busy scheduler)."""
         live = [g for g in self.groups if self._live(g)]
-        self._served = frozenset(m for g in live for m in g.models)
+        served = frozenset(m for g in live for m in g.models)
+        if self._regrouping or self._served - served:
+            self._regroup(served)
+        self._served = served
         self.policy.resize(len(live))
+
+    def _regroup(self, served: frozenset[str]) -> None:
+        """Models that lost their last live group while a live worker here still serves them wait for a re-plan
+        (eq. 6 spreads a group's students over the workers, so one lost worker can break every group, and the
+        resource manager re-forms them on the others within a round trip): their jobs are held, not failed,
+        for at most `regroup_wait_s`. A model no live worker serves fails its jobs at once, as before."""
+        now = self.clock()
+        survivors = {m for w in self.workers.values() if not w.lost for m in w.models}
+        waiting = {}
+        for model in (self._served | self._regrouping.keys()) - served:
+            until = self._regrouping.get(model, now + self.regroup_wait_s)
+            if model in survivors and now < until:
+                waiting[model] = until
+        if _loop_running():   # the wait's end fails what is still held
+            for model in waiting.keys() - self._regrouping.keys():
+                asyncio.get_running_loop().call_later(self.regroup_wait_s, self._regroup_over, model)
+        self._regrouping = waiting
+
+    def _regroup_over(self, model: str) -> None:
+        left = self._regrouping.get(model, 0.0) - self.clock()
+        if left > 0:   # a timer a moment early: the wait ends by the dispatcher's clock
+            asyncio.get_running_loop().call_later(left, self._regroup_over, model)
+            return
+        self._resize()
+        self._fail_orphans()
 
     def _live(self, group: Group) -> bool:
         return all(m.worker_id in self.workers and not self.workers[m.worker_id].lost for m in group.members)
@@ -364,6 +397,8 @@ class Dispatcher:
         if any(self._free(g) for g in mine):
             return 0.0, 0.0   # it starts at once: what waits is another model's (a deployment may serve several)
         lanes = [g for g in mine if self._live(g)]
+        if not lanes:
+            return 0.0, 0.0   # waiting for a re-plan (`_regroup`), which bounds the wait
         now = self.clock()
         measured, running = self._batch_time(job.model), self._running_long(lanes, now)
         if not (measured or running):

@@ -348,7 +348,7 @@ async def build() -> ServiceSpec:
                             drop_doomed=config.drop_doomed, send_ahead=config.send_ahead,
                             lost_quarantine_s=max(1, round(config.heartbeat_ttl_s)),   # the key's TTL
                             shard=Shard(config.shard, config.shards), policy_name=config.policy,
-                            max_queue_wait_s=config.max_queue_wait_ms / 1e3)
+                            max_queue_wait_s=config.max_queue_wait_ms / 1e3, regroup_wait_s=config.regroup_wait_s)
     dispatcher.workers = workers  # the sender resolves member addresses from the same live table
     watcher = PlacementWatcher(redis, keys, dispatcher, config.refresh_s, cfg.ModelSelection.parse(config.models),
                                prefetcher, config.node)

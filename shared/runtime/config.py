@@ -446,6 +446,9 @@ class SchedulerConfig(CommonConfig):
                                               "of the excess (0: only its deadline bounds its wait)", at_least(0))
     heartbeat_ttl_s: float = setting(5.0, "TTL of its registration in Redis, renewed within it")
     refresh_s: float = setting(1.0, "placement re-read interval (pub/sub makes it quicker)")
+    regroup_wait_s: float = setting(1.0, "a student model whose every group lost a member, a live worker here still "
+                                         "serving it, holds its requests this long (each to its deadline) for the "
+                                         "resource manager's re-plan; 0: UNAVAILABLE at once", at_least(0))
     expire_interval_s: float = setting(0.05, "how often waiting jobs are checked against their deadlines")
     plot_prefetch: bool = setting(True, "PLOT models: look waiting requests up in a plot service (HMI §6.1)")
     drop_doomed: bool = setting(True, "a job that waited is not started when its batch cannot finish in time")
@@ -536,6 +539,8 @@ class WorkerConfig(CommonConfig):
 class ResourceManagerConfig(CommonConfig):
     reap_interval_s: float = setting(1.0, "how often dead workers are dropped from placements")
     heartbeat_ttl_s: float = setting(5.0, "TTL of a worker's registration, which it renews")
+    watch_workers: bool = setting(True, "hold a health stream to each worker: one that dies is dropped and its "
+                                        "groups re-planned within a round trip, not after the heartbeat's TTL")
     adapt_interval_s: float = setting(0.2, "how often the schedulers' load signals are read", above(0))
     adapt_window_s: float = setting(120.0, "quiet time before one student is added back (App. B.4.1: 2 minutes)",
                                     at_least(0))

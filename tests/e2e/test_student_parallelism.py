@@ -192,20 +192,60 @@ def test_a_killed_worker_loses_no_request(mesh):
     assert {a.metadata.worker_id for a in answers if a.metadata.attempts > 1} == {survivor}
 
 
-async def kill_under_load(mesh) -> tuple[object, list]:
-    """Kills whichever worker is first seen computing during a burst, and returns it with the burst's
-    answers: the scheduler may keep one worker's groups idle for a whole burst, so waiting on a fixed
-    victim could let the burst end unkilled."""
+async def kill_under_load(mesh, count: int = 60, rate: float = 40, frozen_s: float = 0.0) -> tuple[object, list]:
+    """Kills whichever worker is first seen computing during a burst (`count` requests at `rate`), and returns it
+    with the burst's answers: the scheduler may keep one worker's groups idle for a whole burst, so waiting on a
+    fixed victim could let the burst end unkilled. `frozen_s`: the victim is stopped (SIGSTOP) that long first,
+    so that the batches sent to it meanwhile are in flight when it dies, however fast a batch runs."""
     workers = [s for s in mesh.services if s.name.startswith("worker-")]
 
     def busy() -> object | None:
         return next((w for w in workers if metric(w.metrics_port, "academus_rpc_in_flight", service="worker",
                                                   method="Run") >= 1), None)
 
-    pending = asyncio.create_task(burst(mesh, 60, " ".join([TEXT] * 4), timeout=60, rate=40))
+    pending = asyncio.create_task(burst(mesh, count, " ".join([TEXT] * 4), timeout=60, rate=rate))
     end, victim = time.monotonic() + 30, None
     while time.monotonic() < end and (victim := await asyncio.to_thread(busy)) is None:  # off the loop
         await asyncio.sleep(0.005)
     assert victim is not None, "no worker became busy"
+    if frozen_s:
+        os.kill(victim.pid, signal.SIGSTOP)
+        await asyncio.sleep(frozen_s)
     os.kill(victim.pid, signal.SIGKILL)  # while it computes a request
     return victim, await pending
+
+
+@pytest.fixture
+def spanning_mesh(tmp_path_factory):
+    """Two groups of S = 2, each with a student on both workers, the student number held (no adaptation), and
+    a heartbeat TTL no test outlasts: only the resource manager's liveness watch can re-plan after a kill."""
+    yield from two_worker_mesh(tmp_path_factory, "span", env={"ACADEMUS_ADAPT_INTERVAL_S": "3600",
+                                                              "ACADEMUS_HEARTBEAT_TTL_S": "60"})
+
+
+def test_a_killed_workers_groups_move_to_the_survivor_and_no_request_fails(spanning_mesh):
+    """eq. 6 put a student of every group on each worker, so a kill leaves no group whole: the resource manager
+    sees the worker's health stream break and re-plans the groups onto the survivor, the scheduler holding the
+    requests meanwhile (never an UNAVAILABLE for the SDK to retry), and the batches in flight on the dead worker
+    run again there, all before the supervisor's restart of the victim serves."""
+    mesh = spanning_mesh
+    wait_for(lambda: table(mesh).get("students") == 2 and len(table(mesh)["groups"]) == 2, what="two groups")
+    assert [[w for w, _ in g] for g in table(mesh)["groups"]] == [["worker-0", "worker-1"]] * 2
+    r = redis.Redis.from_url(mesh.redis_url, decode_responses=True)
+    events = r.pubsub(ignore_subscribe_messages=True)
+    events.subscribe(Keys(mesh.key_prefix).events())
+    victim, answers = asyncio.run(kill_under_load(mesh, frozen_s=0.3))
+    errors = [a for a in answers if isinstance(a, AcademusError)]
+    assert not errors, [(e.code, e.details) for e in errors]
+    survivor = next(s.name for s in mesh.services if s.name.startswith("worker-") and s is not victim)
+    retried = [a.metadata for a in answers if a.metadata.attempts > 1]
+    assert retried and {m.worker_id for m in retried} == {survivor}
+    scheduler = next(s for s in mesh.services if s.name.startswith("scheduler"))
+    assert metric(scheduler.metrics_port, "academus_rpc_errors_total", service="scheduler", method="Schedule",
+                  code="UNAVAILABLE") == 0
+    published, end = [], time.monotonic() + 2
+    while time.monotonic() < end:   # None for the subscription's own confirmation too: read on to the end
+        if (message := events.get_message(timeout=0.1)) is not None:
+            published.append(message["data"])
+    assert f"lost {victim.name}" in published, published
+    events.close()

@@ -161,3 +161,22 @@ async def test_a_replan_overlapping_an_adaptation_writes_groups_of_the_number_it
     assert written["students"] == 3 == int(await redis.get(keys.students("s")))
     assert {sum(len(students) for _, students in group) for group in written["groups"]} == {3}
     await redis.aclose()
+
+
+async def test_drop_removes_the_process_found_dead_and_never_its_restart(redis_url):
+    """The liveness watch drops a worker by the registration it watched: a restart on the same id registered a
+    new token, and stays."""
+    redis = connect(redis_url)
+    table = PlacementTable(redis, KEYS, heartbeat_ttl_s=5)
+    dead = await table.register(info("w1"), SPECS)
+    await table.register(info("w2"), SPECS[:1])
+    assert await table.registrations() == {"w1": ("127.0.0.1:2", dead), "w2": ("127.0.0.1:2", await redis.hget(
+        KEYS.worker("w2"), "registration"))}
+    restarted = await table.register(info("w1"), SPECS)
+    assert await table.drop("w1", dead) is False
+    assert await table.placements() == {"minilm": ["w1", "w2"], "spam": ["w1"]}
+    assert await table.drop("w1", restarted) is True
+    assert await table.placements() == {"minilm": ["w2"], "spam": []}
+    assert await redis.exists(KEYS.worker("w1")) == 0
+    assert await table.drop("w1", restarted) is False   # once
+    await redis.aclose()

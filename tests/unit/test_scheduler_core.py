@@ -527,6 +527,70 @@ async def test_a_lost_student_instance_retries_the_request_on_another_group():
     assert await asyncio.gather(busy, retried) == ["first", "second"]
 
 
+def spanning(d: Dispatcher, workers: list[str]) -> None:
+    """The resource manager's re-plan onto `workers`: one group of both students on the first."""
+    from academus.services.scheduler.core import GroupTable, Member
+
+    table = GroupTable("ss", 2, ((Member(workers[0], (0, 1)),),))
+    d.update_workers({w: (f"127.0.0.1:{i}", frozenset({"ss"}), 2) for i, w in enumerate(workers)}, {"ss": table})
+
+
+async def test_a_lost_worker_that_broke_every_group_holds_its_jobs_for_the_re_plan():
+    """eq. 6 put a student of the one group on each worker: w1's loss leaves no group, but w0 still serves the
+    model, so the batch in flight and a new request wait for the resource manager's re-plan onto w0."""
+    d, clock, fake = student_dispatcher([[("w0", (0,)), ("w1", (1,))]], capacity=2)
+    d.regroup_wait_s = 1.0
+    lost = asyncio.create_task(d.submit(ss_job(clock)))
+    await settle()
+    fake.calls[0][2].set_exception(WorkerLost("gone", "w1"))
+    await settle()
+    assert d.workers["w1"].lost and d.serves("ss") and not lost.done()
+    arriving_job = ss_job(clock)
+    arriving = asyncio.create_task(d.submit(arriving_job))   # admitted, held: no group runs it yet
+    await settle()
+    assert len(fake.calls) == 1 and len(d.policy) == 2
+    spanning(d, ["w0"])   # the re-plan: w1 left the placement, the group is whole on w0
+    await settle()
+    assert fake.calls[1][0] == "w0" and fake.batches[1] == fake.batches[0]   # the retry, at the head
+    fake.calls[1][2].set_result("retried")
+    await settle()
+    assert fake.batches[2] == [arriving_job]
+    fake.calls[2][2].set_result("held")
+    assert await asyncio.gather(lost, arriving) == ["retried", "held"]
+    assert d.stats.retried == 1
+
+
+async def test_the_wait_for_a_re_plan_ends_in_unavailable():
+    d, clock, fake = student_dispatcher([[("w0", (0,)), ("w1", (1,))]], capacity=2)
+    d.regroup_wait_s = 0.05
+    lost = asyncio.create_task(d.submit(ss_job(clock)))
+    await settle()
+    fake.calls[0][2].set_exception(WorkerLost("gone", "w1"))
+    await settle()
+    assert not lost.done()
+    clock.now += 0.05   # the dispatcher's clock; the timer is the loop's
+    await asyncio.sleep(0.1)
+    with pytest.raises(Unavailable, match="no live worker serves model 'ss'"):
+        await lost
+    assert not d.serves("ss")
+    with pytest.raises(Unavailable):
+        await d.submit(ss_job(clock))
+
+
+async def test_a_model_no_live_worker_serves_fails_at_once_despite_the_wait():
+    """Nothing to re-plan onto (the lost worker was the model's only one): UNAVAILABLE at once, so that the
+    gateway sends the model's requests to a scheduler that has workers for it."""
+    d, clock, fake = student_dispatcher([[("w0", (0, 1))]], capacity=2)
+    d.regroup_wait_s = 1.0
+    lost = asyncio.create_task(d.submit(ss_job(clock)))
+    await settle()
+    fake.calls[0][2].set_exception(WorkerLost("gone", "w0"))
+    await settle()
+    with pytest.raises(Unavailable):
+        await lost
+    assert not d.serves("ss")
+
+
 async def test_a_sample_that_joins_a_buffered_element_counts_only_the_elements_before_it():
     """One busy group, a buffered element of length bin 1 (9-16 tokens) and four queued samples of other
     bins, 0.2 s a batch: a sample of bin 1 with 0.3 s left joins that element at the head and is admitted

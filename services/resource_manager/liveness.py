@@ -1,0 +1,76 @@
+"""Worker liveness by stream: the resource manager holds a health stream open to each registered worker, so a
+worker process that dies is dropped from the placements and its groups re-planned onto the workers left within a
+round trip, not after its heartbeat's TTL (seconds in which every group with a student on it was lost to its
+scheduler: eq. 6 spreads a group's students over the devices, so one lost device can take a model's every group).
+
+A broken stream alone proves nothing (a connection can break under a live process), so a worker is declared lost
+only when a fresh health check then fails to reach it. One the resource manager never reached (a network that
+keeps it out) is left to the heartbeat's TTL, which the reaper enforces: dropping it would only make it register
+again and flap its groups."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from academus.shared.runtime.logs import log_event
+
+# (address, registration) -> whether the stream was open before it ended (it returns only when it ends)
+Watch = Callable[[str, str], Awaitable[bool]]
+Probe = Callable[[str, str], Awaitable[bool]]      # (address, registration) -> the worker answered
+OnLost = Callable[[str, str], Awaitable[None]]     # (worker_id, registration)
+
+
+class LivenessWatch:
+    """One watching task per registered worker process (its id and registration token): `follow` starts it,
+    `sync` makes the tasks match the registrations in Redis (the resource manager's restart, a registration seen
+    by another path), and a stream that ends on a worker that no longer answers calls `on_lost` once."""
+
+    def __init__(self, watch: Watch, probe: Probe, on_lost: OnLost, retry_s: float = 1.0) -> None:
+        self.watch, self.probe, self.on_lost, self.retry_s = watch, probe, on_lost, retry_s
+        self._followed: dict[str, tuple[str, asyncio.Task]] = {}   # worker_id -> (registration, its task)
+        self.lost = 0   # workers declared lost since start
+
+    def follow(self, worker_id: str, address: str, registration: str) -> None:
+        """Watches the worker's process registered as `registration`; one it already watches goes on unchanged."""
+        current = self._followed.get(worker_id)
+        if current is not None and current[0] == registration:
+            return
+        if current is not None:
+            current[1].cancel()
+        task = asyncio.get_running_loop().create_task(self._follow(worker_id, address, registration))
+        self._followed[worker_id] = (registration, task)
+
+    def sync(self, registered: dict[str, tuple[str, str]]) -> None:
+        """Follows exactly the registered workers (worker_id -> (address, registration))."""
+        for worker_id in self._followed.keys() - registered.keys():
+            self._followed.pop(worker_id)[1].cancel()
+        for worker_id, (address, registration) in registered.items():
+            self.follow(worker_id, address, registration)
+
+    def followed(self) -> dict[str, str]:
+        """worker_id -> the registration watched."""
+        return {worker_id: registration for worker_id, (registration, _) in self._followed.items()}
+
+    async def close(self) -> None:
+        tasks = [task for _, task in self._followed.values()]
+        self._followed.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _follow(self, worker_id: str, address: str, registration: str) -> None:
+        while True:
+            reached = await self.watch(address, registration)
+            if reached and not await self.probe(address, registration):
+                self.lost += 1
+                log_event("worker_lost", logging.WARNING, worker_id=worker_id, address=address)
+                try:
+                    await self.on_lost(worker_id, registration)
+                except Exception as e:  # Redis away: the reaper drops it once its key expires
+                    log_event("worker_lost_drop_failed", logging.WARNING, worker_id=worker_id, error=repr(e))
+                return
+            # alive (a stream ended under a live process), or never reached: watch again after a pause, not in a
+            # loop that would spin on a peer refusing at once
+            await asyncio.sleep(self.retry_s)

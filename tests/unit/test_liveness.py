@@ -1,0 +1,102 @@
+"""The resource manager's liveness watch as a core: when a worker's stream ending makes it lost, and when not."""
+
+from __future__ import annotations
+
+import asyncio
+
+from academus.services.resource_manager.liveness import LivenessWatch
+
+
+class Worker:
+    """A worker as the watch sees it: its stream (open until `die`, or never reached), its health check."""
+
+    def __init__(self, reached: bool = True) -> None:
+        self.reached, self.alive = reached, True
+        self.streams = 0
+        self._ended = asyncio.Event()
+
+    async def watch(self, address: str, registration: str) -> bool:
+        self.streams += 1
+        if self.reached:
+            await self._ended.wait()
+            self._ended.clear()
+        return self.reached
+
+    async def probe(self, address: str, registration: str) -> bool:
+        return self.alive
+
+    def end_stream(self, alive: bool) -> None:
+        self.alive = alive
+        self._ended.set()
+
+
+def watching(worker: Worker, lost: list) -> LivenessWatch:
+    async def on_lost(worker_id: str, registration: str) -> None:
+        lost.append((worker_id, registration))
+
+    return LivenessWatch(worker.watch, worker.probe, on_lost, retry_s=0.01)
+
+
+async def settle() -> None:
+    await asyncio.sleep(0.05)
+
+
+async def test_a_broken_stream_to_a_dead_worker_declares_it_lost_once():
+    worker, lost = Worker(), []
+    liveness = watching(worker, lost)
+    liveness.follow("w1", "127.0.0.1:1", "r1")
+    await settle()
+    worker.end_stream(alive=False)
+    await settle()
+    assert lost == [("w1", "r1")] and liveness.lost == 1
+    assert worker.streams == 1   # not watched again
+    await liveness.close()
+
+
+async def test_a_broken_stream_under_a_live_worker_is_watched_again():
+    worker, lost = Worker(), []
+    liveness = watching(worker, lost)
+    liveness.follow("w1", "127.0.0.1:1", "r1")
+    await settle()
+    worker.end_stream(alive=True)
+    await settle()
+    assert lost == [] and worker.streams == 2
+    await liveness.close()
+
+
+async def test_a_worker_never_reached_is_left_to_its_heartbeat():
+    """Dropping a worker the resource manager cannot reach would only make it register again, and flap."""
+    worker, lost = Worker(reached=False), []
+    worker.alive = False
+    liveness = watching(worker, lost)
+    liveness.follow("w1", "127.0.0.1:1", "r1")
+    await settle()
+    assert lost == [] and worker.streams > 1
+    await liveness.close()
+
+
+async def test_sync_follows_the_registrations_and_a_restart_replaces_its_watch():
+    first, second, lost = Worker(), Worker(), []
+    calls = {"r1": first, "r2": second, "r3": Worker()}
+
+    async def watch(address: str, registration: str) -> bool:
+        return await calls[registration].watch(address, registration)
+
+    async def probe(address: str, registration: str) -> bool:
+        return await calls[registration].probe(address, registration)
+
+    async def on_lost(worker_id: str, registration: str) -> None:
+        lost.append((worker_id, registration))
+
+    liveness = LivenessWatch(watch, probe, on_lost, retry_s=0.01)
+    liveness.sync({"w1": ("a:1", "r1"), "w2": ("a:2", "r3")})
+    liveness.follow("w1", "a:1", "r1")   # the same process: one watch goes on
+    await settle()
+    assert liveness.followed() == {"w1": "r1", "w2": "r3"} and first.streams == 1
+    liveness.sync({"w1": ("a:1", "r2")})   # w1 restarted, w2 gone
+    await settle()
+    assert liveness.followed() == {"w1": "r2"} and second.streams == 1
+    first.end_stream(alive=False)   # the old process's watch was cancelled: nothing declares w1 lost
+    await settle()
+    assert lost == []
+    await liveness.close()
