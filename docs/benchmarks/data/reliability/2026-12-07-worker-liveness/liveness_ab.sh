@@ -3,7 +3,9 @@
 # for the re-plan, the defaults) against the heartbeat's TTL alone (off: ACADEMUS_WATCH_WORKERS=false,
 # ACADEMUS_REGROUP_WAIT_S=0): `chaos_bench --faults worker-kill` on a fresh mesh an arm, ROUNDS rounds, the order
 # alternating. Each run's summary.json goes under OUT/<round>-<arm>.
-#   liveness_ab.sh ROUNDS OUT [chaos_bench options...]
+#   [ACADEMUS_ADAPT_INTERVAL_S=3600] liveness_ab.sh ROUNDS OUT [chaos_bench options...]
+# With the adaptation held off the student number stays at its start, every group spanning both workers; with it
+# on, whether the groups span both at the kill depends on where the load left the number.
 set -euo pipefail
 rounds=$1 out=$2
 shift 2
