@@ -6,11 +6,11 @@ this module knows HTTP. Routes and errors: docs/design/http_api.md."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import dataclasses
 import importlib.metadata
 import math
-import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -25,6 +25,7 @@ from redis.exceptions import RedisError
 
 from academus.services.gateway.core import EMBED, LABEL, Answer, InferCall, api_key_from
 from academus.shared.models.tokenization import Token
+from academus.shared.runtime.certificates import public_certificates
 from academus.shared.runtime.config import GatewayConfig
 from academus.shared.runtime.errors import InvalidArgument, ResourceExhausted, ServingError, Unavailable
 from academus.shared.runtime.logs import log_event
@@ -576,33 +577,29 @@ class HttpServer:
         self.api, self.config = api, config
         self.runner: web.AppRunner | None = None
         self.port = 0
+        self._certificates: asyncio.Task | None = None   # follows the TLS files: a rotation served without a restart
 
     async def start(self) -> int:
         # a client that leaves cancels its handler, and so its work downstream, as a gRPC caller's cancel does
         self.runner = web.AppRunner(self.api.app(), access_log=None, shutdown_timeout=self.config.grace_s,
                                     handler_cancellation=True)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, self.config.host, self.config.http_port, reuse_port=True,
-                           ssl_context=server_ssl(self.config))
+        certificates = public_certificates(self.config)
+        context = certificates.ssl_context() if certificates is not None else None
+        site = web.TCPSite(self.runner, self.config.host, self.config.http_port, reuse_port=True, ssl_context=context)
         await site.start()
         self.port = self.runner.addresses[0][1]   # the bound port: the OS's choice where ACADEMUS_HTTP_PORT is 0
+        if certificates is not None and context is not None:
+            self._certificates = asyncio.get_running_loop().create_task(certificates.follow(context))
         log_event("http_serving", port=self.port, tls=bool(self.config.tls_cert))
         return self.port
 
     async def stop(self) -> None:
         """Stops accepting, then lets the requests in flight finish within the grace period."""
+        if self._certificates is not None:
+            self._certificates.cancel()
         if self.runner is not None:
             await self.runner.cleanup()
 
 
-def server_ssl(config: GatewayConfig) -> ssl.SSLContext | None:
-    """The gRPC port's TLS for HTTP: `tls_cert` and `tls_key`, client certificates from `tls_client_ca` required."""
-    if not config.tls_cert:
-        return None
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(config.tls_cert, config.tls_key)
-    if config.tls_client_ca:
-        context.load_verify_locations(config.tls_client_ca)
-        context.verify_mode = ssl.CERT_REQUIRED
-    return context
 

@@ -41,12 +41,12 @@ from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
 from academus.shared.models.work_wire import matrix_from_pb, merge_floats
 from academus.shared.runtime import config as cfg
+from academus.shared.runtime.certificates import public_credentials
 from academus.shared.runtime.errors import ServingError, Unavailable, abort_with, from_rpc_error
 from academus.shared.runtime.logs import log_event
 from academus.shared.runtime.multiplex import call_with_partials
 from academus.shared.runtime.redis_conn import RedisAbsence, connect, wake_on, woken
 from academus.shared.runtime.serving import ServiceSpec, Stubs, run
-from academus.shared.runtime.tls import public_credentials
 from academus.shared.runtime.tracing import annotate
 from academus.shared.state.catalogue import EMBEDDING, ModelSpec
 from academus.shared.state.jobs import FAILED, QUEUED, RUNNING, SUCCEEDED, Job

@@ -19,6 +19,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from academus.client.types import RECONNECT_OPTIONS
+from academus.shared.runtime.certificates import mesh_credentials
 from academus.shared.runtime.config import CommonConfig, load
 from academus.shared.runtime.handover import Handover
 from academus.shared.runtime.heap import freeze_start_up_heap, keep_freed_pages, watch_pauses
@@ -101,9 +102,9 @@ class RunningService:
         names = [*spec.service_names, MULTIPLEX_SERVICE, health_name, reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, self.server)
         credentials = self._credentials()
-        port = self._bind(cfg.port, credentials)
+        port = self._bind(cfg.port, credentials())
         if spec.own_port:
-            self._bind(spec.own_port, credentials)
+            self._bind(spec.own_port, credentials())
         self.metrics_port = start_metrics(cfg.metrics_port)
         if spec.hop_target and cfg.hop_streams and cfg.local_plane:
             self.local_plane = await self._start_local_plane(socket_dir(cfg.socket_dir))
@@ -135,14 +136,15 @@ class RunningService:
             return None
         return plane
 
-    def _credentials(self) -> grpc.ServerCredentials | None:
-        """Its ports' TLS; the process's internal channels take its mesh identity (a file that cannot be read
-        stops the start, naming its setting)."""
+    def _credentials(self) -> Callable[[], grpc.ServerCredentials | None]:
+        """What makes its ports' TLS, one a port (each follows its files: gRPC takes a reloading credential on one
+        port only); the process's internal channels take its mesh identity (a file that cannot be read stops the
+        start, naming its setting)."""
         mesh = MeshTls.from_config(self.spec.config)
         use_mesh(mesh, self.spec.config.mesh_token)
         if self.is_public:
-            return self.spec.public_credentials()
-        return mesh.server_credentials() if mesh else None
+            return self.spec.public_credentials
+        return (lambda: mesh_credentials(self.spec.config, mesh)) if mesh else (lambda: None)
 
     def _bind(self, port: int, credentials: grpc.ServerCredentials | None) -> int:
         address = f"{self.spec.config.host}:{port}"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import grpc
 
-from academus.shared.runtime.config import CommonConfig, ConfigError, GatewayConfig, env_name
+from academus.shared.runtime.config import CommonConfig, ConfigError, env_name
 from academus.shared.runtime.interceptors import is_plumbing
 
 PEM_MARK = b"-----BEGIN "
@@ -75,22 +75,8 @@ class MeshTls:
     def from_files(cls, ca: str, key: str, cert: str, server_name: str = "") -> MeshTls:
         return cls(Path(ca).read_bytes(), Path(key).read_bytes(), Path(cert).read_bytes(), server_name)
 
-    def server_credentials(self) -> grpc.ServerCredentials:
-        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
-                                           require_client_auth=True)
-
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(self.ca, self.key, self.cert)
-
-
-def public_credentials(config: GatewayConfig) -> grpc.ServerCredentials | None:
-    """The gateway's public port: TLS with `tls_cert` when it is set, requiring a client certificate that
-    `tls_client_ca` signed when that is set too; None: plaintext."""
-    if not config.tls_cert:
-        return None
-    client_ca = read_pem("tls_client_ca", config.tls_client_ca) if config.tls_client_ca else None
-    pair = (read_pem("tls_key", config.tls_key), read_pem("tls_cert", config.tls_cert))
-    return grpc.ssl_server_credentials([pair], root_certificates=client_ca, require_client_auth=client_ca is not None)
 
 
 _mesh: MeshTls | None = None   # the identity of this process's internal channels

@@ -15,12 +15,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from safetensors.torch import save as st_save
 
+from academus.shared.runtime.certificates import public_credentials
 from academus.shared.runtime.config import GatewayConfig, load
 from academus.shared.runtime.errors import Unauthenticated
 from academus.shared.runtime.multiplex import MultiplexChannel
 from academus.shared.runtime.redis_conn import connect
 from academus.shared.runtime.serving import RunningService, ServiceSpec
-from academus.shared.runtime.tls import MESH_TOKEN_KEY, mesh_channel_sync, mesh_metadata, public_credentials, use_mesh
+from academus.shared.runtime.tls import MESH_TOKEN_KEY, mesh_channel_sync, mesh_metadata, use_mesh
 from academus.shared.state.keys import Keys
 from academus.shared.training.onboarding import AdapterStoreClient
 from academus.v1 import adapter_store_pb2, adapter_store_pb2_grpc

@@ -10,6 +10,7 @@ import asyncio
 import functools
 import re
 import shutil
+import ssl
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,11 +22,12 @@ from safetensors.torch import save as st_save
 
 from academus.shared.cli.pki import CLI, Pki, make_pki
 from academus.shared.cli.redis_server import free_port
+from academus.shared.runtime.certificates import LOOK_S, public_certificates, public_credentials
 from academus.shared.runtime.config import CommonConfig, ConfigError, GatewayConfig, load
 from academus.shared.runtime.errors import Unavailable
 from academus.shared.runtime.redis_conn import connect
 from academus.shared.runtime.serving import RunningService, ServiceSpec
-from academus.shared.runtime.tls import MeshTls, mesh_channel_sync, public_credentials, use_mesh
+from academus.shared.runtime.tls import MeshTls, mesh, mesh_channel_sync, use_mesh
 from academus.shared.state.keys import Keys
 from academus.shared.training.onboarding import AdapterStoreClient
 from tests.conftest import env
@@ -200,5 +202,83 @@ async def test_one_mesh_certificate_for_every_service_is_checked_by_its_shared_n
         use_mesh(MeshTls(outsider.ca, outsider.key, outsider.cert, "mesh.test"))
         with pytest.raises(grpc.RpcError):
             await asyncio.to_thread(health_over, mesh_channel_sync, service.address)
+    finally:
+        await service.stop()
+
+
+@pytest.fixture(scope="module")
+def successor(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    """The certificates a rotation installs: another CA's, so that which set a handshake used shows."""
+    return make_pki(tmp_path_factory.mktemp("rotated"), ["gateway", "mesh", CLI])
+
+
+def install(pki: Pki, live: Path, files: dict[str, str]) -> None:
+    """Copies `pki`'s files to `live` under the names the server reads (a Secret updated in place)."""
+    for source, name in files.items():
+        shutil.copy(pki.directory / source, live / name)
+
+
+async def test_a_rotated_certificate_is_presented_on_the_gateways_ports_without_a_restart(pki, successor, tmp_path):
+    public = {"gateway.crt": "tls.crt", "gateway.key": "tls.key"}
+    install(pki, tmp_path, public)
+    tls = {"ACADEMUS_TLS_CERT": str(tmp_path / "tls.crt"), "ACADEMUS_TLS_KEY": str(tmp_path / "tls.key")}
+    own_port = free_port()
+    service = await gateway_like(tls, own_port)
+    try:
+        for target in (service.address, f"127.0.0.1:{own_port}"):
+            assert await check(target, grpc.ssl_channel_credentials(pki.ca.read_bytes())) == "SERVING"
+        install(successor, tmp_path, public)
+        await asyncio.sleep(LOOK_S)
+        for target in (service.address, f"127.0.0.1:{own_port}"):   # new connections: the new certificate
+            assert await check(target, grpc.ssl_channel_credentials(successor.ca.read_bytes())) == "SERVING"
+            assert await check(target, grpc.ssl_channel_credentials(pki.ca.read_bytes())) == "UNAVAILABLE"
+    finally:
+        await service.stop()
+
+
+async def test_the_http_ports_context_follows_its_files(pki, successor, tmp_path):
+    """The gateway's HTTP port serves from an asyncio server given `ssl_context()` and `follow`ed, as here."""
+    install(pki, tmp_path, {"gateway.crt": "tls.crt", "gateway.key": "tls.key"})
+    config = load(GatewayConfig, {**QUIET, "ACADEMUS_TLS_CERT": str(tmp_path / "tls.crt"),
+                                  "ACADEMUS_TLS_KEY": str(tmp_path / "tls.key")})
+    certificates = public_certificates(config)
+    context = certificates.ssl_context()
+    server = await asyncio.start_server(lambda reader, writer: writer.close(), "127.0.0.1", 0, ssl=context)
+    following = asyncio.create_task(certificates.follow(context))
+    port = server.sockets[0].getsockname()[1]
+
+    async def presented() -> bytes:
+        client = ssl.create_default_context(cafile=None)
+        client.check_hostname, client.verify_mode = False, ssl.CERT_NONE   # read what is presented, trust aside
+        _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client)
+        der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+        writer.close()
+        return der
+
+    try:
+        assert await presented() == ssl.PEM_cert_to_DER_cert(pki.cert("gateway").read_text())
+        install(successor, tmp_path, {"gateway.crt": "tls.crt", "gateway.key": "tls.key"})
+        await asyncio.sleep(LOOK_S * 2.5)   # the follower looks once a LOOK_S
+        assert await presented() == ssl.PEM_cert_to_DER_cert(successor.cert("gateway").read_text())
+    finally:
+        following.cancel()
+        server.close()
+
+
+async def test_a_rotated_mesh_identity_is_presented_and_becomes_the_process_channels(pki, successor, tmp_path):
+    files = {"ca.crt": "ca.crt", "adapter_store.crt": "mesh.crt", "adapter_store.key": "mesh.key"}
+    install(pki, tmp_path, files)
+    config = load(CommonConfig, {**QUIET, "ACADEMUS_MESH_TLS": "true", "ACADEMUS_MESH_CA": str(tmp_path / "ca.crt"),
+                                 "ACADEMUS_MESH_CERT": str(tmp_path / "mesh.crt"),
+                                 "ACADEMUS_MESH_KEY": str(tmp_path / "mesh.key")})
+    service = RunningService(ServiceSpec("rotating-mesh", config, lambda server: None, []))
+    await service.start()
+    try:
+        assert await check(service.address, identity(pki, pki).channel_credentials()) == "SERVING"
+        install(successor, tmp_path, {"ca.crt": "ca.crt", "mesh.crt": "mesh.crt", "mesh.key": "mesh.key"})
+        await asyncio.sleep(LOOK_S)
+        assert await check(service.address, identity(successor, successor).channel_credentials()) == "SERVING"
+        assert await check(service.address, identity(pki, pki).channel_credentials()) == "UNAVAILABLE"
+        assert mesh().cert == successor.cert("mesh").read_bytes()   # channels opened from now on present it
     finally:
         await service.stop()

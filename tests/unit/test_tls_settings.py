@@ -10,9 +10,10 @@ import subprocess
 import pytest
 
 from academus.shared.cli.pki import CLI, make_pki
+from academus.shared.runtime.certificates import public_credentials
 from academus.shared.runtime.config import CommonConfig, ConfigError, GatewayConfig, load
 from academus.shared.runtime.redis_conn import redacted, with_password
-from academus.shared.runtime.tls import MeshTls, public_credentials, read_pem
+from academus.shared.runtime.tls import MeshTls, read_pem
 
 needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None, reason="no `openssl` command")
 
