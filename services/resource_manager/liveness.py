@@ -71,6 +71,8 @@ class LivenessWatch:
                 except Exception as e:  # Redis away: the reaper drops it once its key expires
                     log_event("worker_lost_drop_failed", logging.WARNING, worker_id=worker_id, error=repr(e))
                 return
+            if reached:
+                log_event("worker_stream_ended", worker_id=worker_id, address=address)   # it answered: kept
             # alive (a stream ended under a live process), or never reached: watch again after a pause, not in a
             # loop that would spin on a peer refusing at once
             await asyncio.sleep(self.retry_s)
