@@ -4,7 +4,7 @@ round trip, not after its heartbeat's TTL (seconds in which every group with a s
 scheduler: eq. 6 spreads a group's students over the devices, so one lost device can take a model's every group).
 
 A broken stream alone proves nothing (a connection can break under a live process), so a worker is declared lost
-only when a fresh health check then fails to reach it. One the resource manager never reached (a network that
+only when its port then refuses health checks (`probe`). One the resource manager never reached (a network that
 keeps it out) is left to the heartbeat's TTL, which the reaper enforces: dropping it would only make it register
 again and flap its groups."""
 

@@ -21,8 +21,8 @@ from academus.shared.state.keys import Keys
 from academus.v1 import resource_manager_pb2 as pb
 from academus.v1 import resource_manager_pb2_grpc
 
-PROBE_S = 1.0   # a worker whose health stream broke answers a check within this, or it is lost
-UNREACHED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+PROBE_S = 1.0          # a check's time limit
+PROBE_AGAIN_S = 0.1    # a worker refuses a second check this long after the first before it is lost
 
 
 class WorkerHealth:
@@ -42,11 +42,19 @@ class WorkerHealth:
         return reached
 
     async def probe(self, address: str, registration: str) -> bool:
-        try:
-            await self.stubs(address, registration).Check(health_pb2.HealthCheckRequest(), timeout=PROBE_S)
-        except grpc.aio.AioRpcError as e:
-            return e.code() not in UNREACHED
-        return True
+        """False only when two checks PROBE_AGAIN_S apart are both refused (UNAVAILABLE: nothing listens, or the
+        connection was reset), as a dead process's port refuses; a check that is slow (a loaded host, a remote
+        one gone silent) proves nothing, and the heartbeat's TTL decides."""
+        for attempt in range(2):
+            if attempt:
+                await asyncio.sleep(PROBE_AGAIN_S)
+            try:
+                await self.stubs(address, registration).Check(health_pb2.HealthCheckRequest(), timeout=PROBE_S)
+                return True
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    return True
+        return False
 
 
 class ResourceManagerServicer(resource_manager_pb2_grpc.ResourceManagerServicer):
