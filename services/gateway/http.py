@@ -589,8 +589,8 @@ class HttpServer:
         site = web.TCPSite(self.runner, self.config.host, self.config.http_port, reuse_port=True, ssl_context=context)
         await site.start()
         self.port = self.runner.addresses[0][1]   # the bound port: the OS's choice where ACADEMUS_HTTP_PORT is 0
-        if certificates is not None and context is not None:
-            self._certificates = asyncio.get_running_loop().create_task(certificates.follow(context))
+        if certificates is not None:
+            self._certificates = asyncio.get_running_loop().create_task(certificates.follow())
         log_event("http_serving", port=self.port, tls=bool(self.config.tls_cert))
         return self.port
 

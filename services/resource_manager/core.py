@@ -11,10 +11,11 @@ import json
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
 from redis.exceptions import WatchError
 
 from academus.services.resource_manager.allocation import (
@@ -86,9 +87,7 @@ class PlacementTable:
     async def deregister(self, worker_id: str) -> bool:
         models = await self.redis.smembers(self.keys.placements())
         pipe = self.redis.pipeline(transaction=True)
-        for model in models:
-            pipe.srem(self.keys.placement(model), worker_id)
-        pipe.delete(self.keys.worker(worker_id))
+        self._remove(pipe, worker_id, models)
         removed = any(await pipe.execute())  # SREM / DEL counts: anything there to remove
         await self.redis.publish(self.keys.events(), f"deregister {worker_id}")
         return removed
@@ -104,14 +103,18 @@ class PlacementTable:
                     return False
                 models = await pipe.smembers(self.keys.placements())
                 pipe.multi()
-                for model in models:
-                    pipe.srem(self.keys.placement(model), worker_id)
-                pipe.delete(key)
+                self._remove(pipe, worker_id, models)
                 await pipe.execute()
             except WatchError:
                 return False
         await self.redis.publish(self.keys.events(), f"lost {worker_id}")
         return True
+
+    def _remove(self, pipe: Pipeline, worker_id: str, models: Iterable[str]) -> None:
+        """Queues the worker's removal from every placement and its key's deletion."""
+        for model in models:
+            pipe.srem(self.keys.placement(model), worker_id)
+        pipe.delete(self.keys.worker(worker_id))
 
     async def registrations(self) -> dict[str, tuple[str, str]]:
         """Each registered worker serving a model: its address and registration token."""

@@ -23,9 +23,9 @@ OnLost = Callable[[str, str], Awaitable[None]]     # (worker_id, registration)
 
 
 class LivenessWatch:
-    """One watching task per registered worker process (its id and registration token): `follow` starts it,
-    `sync` makes the tasks match the registrations in Redis (the resource manager's restart, a registration seen
-    by another path), and a stream that ends on a worker that no longer answers calls `on_lost` once."""
+    """One watching task per registered worker process (its id and registration token): `follow` starts it at
+    each registration, `forget` ends it when the worker leaves, `sync` takes over the registrations already in
+    Redis at start, and a stream that ends on a worker that no longer answers calls `on_lost` once."""
 
     def __init__(self, watch: Watch, probe: Probe, on_lost: OnLost, retry_s: float = 1.0) -> None:
         self.watch, self.probe, self.on_lost, self.retry_s = watch, probe, on_lost, retry_s
@@ -43,11 +43,18 @@ class LivenessWatch:
         self._followed[worker_id] = (registration, task)
 
     def sync(self, registered: dict[str, tuple[str, str]]) -> None:
-        """Follows exactly the registered workers (worker_id -> (address, registration))."""
+        """Follows exactly the registered workers (worker_id -> (address, registration)): at the resource manager's
+        start, when the workers that registered with its predecessor are not yet followed."""
         for worker_id in self._followed.keys() - registered.keys():
-            self._followed.pop(worker_id)[1].cancel()
+            self.forget(worker_id)
         for worker_id, (address, registration) in registered.items():
             self.follow(worker_id, address, registration)
+
+    def forget(self, worker_id: str) -> None:
+        """Stops watching a worker that left (deregistered, or reaped): its stream's end is no loss."""
+        followed = self._followed.pop(worker_id, None)
+        if followed is not None:
+            followed[1].cancel()
 
     def followed(self) -> dict[str, str]:
         """worker_id -> the registration watched."""

@@ -94,6 +94,8 @@ class ResourceManagerServicer(resource_manager_pb2_grpc.ResourceManagerServicer)
 
     async def DeregisterWorker(self, request, context):
         removed = await self.table.deregister(request.worker_id)
+        if self.liveness is not None:   # a stopping worker's stream ends: no loss
+            self.liveness.forget(request.worker_id)
         await self.planner.replan()
         log_event("worker_deregistered", worker_id=request.worker_id, removed=removed)
         return pb.DeregisterWorkerResponse(removed=removed)
@@ -152,7 +154,8 @@ async def build() -> ServiceSpec:
                     await planner.replan()
                     log_event("workers_reaped", workers=dead)
                 if liveness is not None:
-                    liveness.sync(await table.registrations())
+                    for worker_id in dead:
+                        liveness.forget(worker_id)
             except Exception as e:  # Redis restarting: try again next round
                 log_event("reap_failed", logging.WARNING, error=repr(e))
 

@@ -39,6 +39,7 @@ class ServerCertificates:
         self.key, self.cert, self.client_ca = self._read()   # at start, an error stops the service naming it
         self._looked = clock()
         self.reloads = 0
+        self._contexts: list[ssl.SSLContext] = []   # the HTTP contexts made here, which `follow` loads again
 
     @property
     def paths(self) -> list[str]:
@@ -71,7 +72,7 @@ class ServerCertificates:
         key, cert = read_pem(key_setting, key_path), read_pem(cert_setting, cert_path)
         client_ca = read_pem(*self.files[2]) if len(self.files) > 2 else None
         try:   # what a handshake would find: a key that signs for the certificate
-            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert_path, key_path)
+            self._load(ssl.create_default_context(ssl.Purpose.CLIENT_AUTH), client_ca)
         except (ssl.SSLError, OSError) as e:
             raise ConfigError(f"{env_name(key_setting)}={key_path!r} is not the key of "
                               f"{env_name(cert_setting)}={cert_path!r} ({e})") from e
@@ -95,26 +96,29 @@ class ServerCertificates:
 
     # -- the HTTP port ---------------------------------------------------------------------
     def ssl_context(self) -> ssl.SSLContext:
+        """An asyncio server's context, loaded again by `follow` when the files change."""
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        self._load(context)
+        self._load(context, self.client_ca)
         if self.client_ca is not None:
             context.verify_mode = ssl.CERT_REQUIRED
+        self._contexts.append(context)
         return context
 
-    def _load(self, context: ssl.SSLContext) -> None:
+    def _load(self, context: ssl.SSLContext, client_ca: bytes | None) -> None:
         (_, key_path), (_, cert_path) = self.files[:2]
         context.load_cert_chain(cert_path, key_path)
-        if self.client_ca is not None:   # added to the CAs trusted: through a CA's rotation both are
-            context.load_verify_locations(cadata=self.client_ca.decode())
+        if client_ca is not None:   # added to the CAs trusted: through a CA's rotation both are
+            context.load_verify_locations(cadata=client_ca.decode())
 
-    async def follow(self, context: ssl.SSLContext) -> None:
-        """Loads the files into `context` again whenever they change (an asyncio server's handshakes run on the
-        loop, so none is half-way through meanwhile)."""
+    async def follow(self) -> None:
+        """Loads the files into the contexts made here whenever they change (an asyncio server's handshakes run on
+        the loop, so none is half-way through meanwhile)."""
         while True:
             await asyncio.sleep(LOOK_S)
             if self.reload():
                 try:
-                    self._load(context)
+                    for context in self._contexts:
+                        self._load(context, self.client_ca)
                 except (ssl.SSLError, OSError) as e:   # rewritten again since they were read
                     log_event("certificate_reload_skipped", logging.WARNING, error=repr(e))
 

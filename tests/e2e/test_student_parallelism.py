@@ -218,9 +218,12 @@ async def kill_under_load(mesh, count: int = 60, rate: float = 40, frozen_s: flo
 @pytest.fixture
 def spanning_mesh(tmp_path_factory):
     """Two groups of S = 2, each with a student on both workers, the student number held (no adaptation), and
-    a heartbeat TTL no test outlasts: only the resource manager's liveness watch can re-plan after a kill."""
+    a heartbeat TTL no test outlasts: only the resource manager's liveness watch can re-plan after a kill. No
+    queue wait bound: the victim's frozen batches run long, and admission would refuse for them (over 1 s of work
+    ahead) what the kill itself loses nothing of."""
     yield from two_worker_mesh(tmp_path_factory, "span", env={"ACADEMUS_ADAPT_INTERVAL_S": "3600",
-                                                              "ACADEMUS_HEARTBEAT_TTL_S": "60"})
+                                                              "ACADEMUS_HEARTBEAT_TTL_S": "60",
+                                                              "ACADEMUS_MAX_QUEUE_WAIT_MS": "0"})
 
 
 def test_a_killed_workers_groups_move_to_the_survivor_and_no_request_fails(spanning_mesh):

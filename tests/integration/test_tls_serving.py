@@ -244,7 +244,7 @@ async def test_the_http_ports_context_follows_its_files(pki, successor, tmp_path
     certificates = public_certificates(config)
     context = certificates.ssl_context()
     server = await asyncio.start_server(lambda reader, writer: writer.close(), "127.0.0.1", 0, ssl=context)
-    following = asyncio.create_task(certificates.follow(context))
+    following = asyncio.create_task(certificates.follow())
     port = server.sockets[0].getsockname()[1]
 
     async def presented() -> bytes:
