@@ -35,7 +35,7 @@ from academus.shared.models.adapters import BUNDLED_BASES, AdapterWeights, upper
 from academus.shared.runtime.errors import DeadlineExceeded, ServingError, Unavailable, from_rpc_error, from_status
 from academus.shared.runtime.metrics import CACHE_HITS, CACHE_MISSES
 from academus.shared.runtime.serving import CHANNEL_OPTIONS
-from academus.shared.runtime.tls import mesh_channel_sync
+from academus.shared.runtime.tls import mesh_channel_sync, mesh_generation
 from academus.shared.state.keys import Keys
 from academus.v1 import adapter_store_pb2, adapter_store_pb2_grpc, tensors_pb2
 
@@ -357,7 +357,8 @@ class StoreFetcher:
                  redis_password: str = "") -> None:
         self.redis = redis.Redis.from_url(redis_url, password=redis_password or None)
         self.keys, self.fixed, self.timeout_s = keys, address, timeout_s
-        self._stubs: dict[str, adapter_store_pb2_grpc.AdapterStoreStub] = {}
+        # (address, the process's mesh identity) -> stub: a rotated identity opens a new channel
+        self._stubs: dict[tuple[str, int], adapter_store_pb2_grpc.AdapterStoreStub] = {}
         self._address = address   # the store's address as last read from Redis: one read, not one a fetch
 
     def _stub(self) -> adapter_store_pb2_grpc.AdapterStoreStub:
@@ -365,10 +366,12 @@ class StoreFetcher:
             self._address = (self.redis.get(self.keys.adapter_store()) or b"").decode()
         if not self._address:
             raise Unavailable("no adapter store is running (its address is not in Redis)")
-        if self._address not in self._stubs:
-            self._stubs[self._address] = adapter_store_pb2_grpc.AdapterStoreStub(
-                mesh_channel_sync(self._address, CHANNEL_OPTIONS))
-        return self._stubs[self._address]
+        key = (self._address, mesh_generation())
+        if key not in self._stubs:   # channels of an identity the process no longer has are let go
+            self._stubs = {known: stub for known, stub in self._stubs.items() if known[1] == key[1]}
+            channel = mesh_channel_sync(self._address, CHANNEL_OPTIONS)
+            self._stubs[key] = adapter_store_pb2_grpc.AdapterStoreStub(channel)
+        return self._stubs[key]
 
     def __call__(self, key: AdapterKey, layers: Sequence[int], head: bool) -> bytes:
         return self._rpc("Get", get_request(key, layers, head)).weights

@@ -1,7 +1,8 @@
 """A server's TLS files read again when they change, so that a rotated certificate (cert-manager renewing a
 Secret mounted in place, a new `academus certs`) is presented without a restart: gRPC asks for it at each new
-connection's handshake (`grpc.dynamic_ssl_server_credentials`), the HTTP port's context is loaded again by
-`follow`. Connections already open keep the certificate they were made with.
+connection's handshake (`grpc.dynamic_ssl_server_credentials`), the HTTP port's handshakes take the context that
+`follow` makes anew. Either way the new set replaces the old whole: a client CA rotated out is no longer trusted.
+Connections already open keep the certificate they were made with.
 
 A change is taken only whole: the files must read as PEM and the key must match the certificate. A rotation
 caught half-written (a key replaced before its certificate) is logged and skipped, and taken at the first look
@@ -39,7 +40,7 @@ class ServerCertificates:
         self.key, self.cert, self.client_ca = self._read()   # at start, an error stops the service naming it
         self._looked = clock()
         self.reloads = 0
-        self._contexts: list[ssl.SSLContext] = []   # the HTTP contexts made here, which `follow` loads again
+        self._newest: ssl.SSLContext | None = None   # the HTTP port's handshakes' context (`ssl_context`)
 
     @property
     def paths(self) -> list[str]:
@@ -96,29 +97,37 @@ class ServerCertificates:
 
     # -- the HTTP port ---------------------------------------------------------------------
     def ssl_context(self) -> ssl.SSLContext:
-        """An asyncio server's context, loaded again by `follow` when the files change."""
+        """An asyncio server's context. Each handshake switches to the newest set's context (the server-name
+        callback runs for every ClientHello, a name sent or not), which `follow` makes whenever the files change:
+        a context cannot forget a CA it trusted, so a client CA rotated out must not stay in the one in use."""
+        self._newest = listening = self._http_context()
+        listening.sni_callback = self._to_newest
+        return listening
+
+    def _http_context(self) -> ssl.SSLContext:
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         self._load(context, self.client_ca)
         if self.client_ca is not None:
             context.verify_mode = ssl.CERT_REQUIRED
-        self._contexts.append(context)
         return context
+
+    def _to_newest(self, connection: ssl.SSLObject, server_name: str | None, context: ssl.SSLContext) -> None:
+        connection.context = self._newest
 
     def _load(self, context: ssl.SSLContext, client_ca: bytes | None) -> None:
         (_, key_path), (_, cert_path) = self.files[:2]
         context.load_cert_chain(cert_path, key_path)
-        if client_ca is not None:   # added to the CAs trusted: through a CA's rotation both are
+        if client_ca is not None:
             context.load_verify_locations(cadata=client_ca.decode())
 
     async def follow(self) -> None:
-        """Loads the files into the contexts made here whenever they change (an asyncio server's handshakes run on
-        the loop, so none is half-way through meanwhile)."""
+        """Makes the newest context again whenever the files change (an asyncio server's handshakes run on the
+        loop, so none is half-way through meanwhile)."""
         while True:
             await asyncio.sleep(LOOK_S)
             if self.reload():
                 try:
-                    for context in self._contexts:
-                        self._load(context, self.client_ca)
+                    self._newest = self._http_context()
                 except (ssl.SSLError, OSError) as e:   # rewritten again since they were read
                     log_event("certificate_reload_skipped", logging.WARNING, error=repr(e))
 

@@ -30,7 +30,7 @@ from academus.shared.runtime.metrics import MetricsInterceptor, start_metrics
 from academus.shared.runtime.multiplex import SERVICE_NAME as MULTIPLEX_SERVICE
 from academus.shared.runtime.multiplex import MultiplexServicer, over_streams, serve_multiplexed
 from academus.shared.runtime.slices import set_process_slice
-from academus.shared.runtime.tls import MeshTls, MeshTokenCheck, mesh_channel, mesh_metadata, use_mesh
+from academus.shared.runtime.tls import MeshTls, MeshTokenCheck, mesh_channel, mesh_generation, mesh_metadata, use_mesh
 from academus.shared.runtime.tracing import server_interceptors, setup_tracing, shutdown_tracing
 
 T = TypeVar("T")
@@ -287,6 +287,7 @@ class Stubs:
         self._channels: dict[str, Any] = {}   # what each stub calls through (a channel or its multiplexed stand-in)
         self._incarnations: dict[str, str] = {}   # address -> the process its channel was opened for
         self._renewed: set[str] = set()       # addresses whose channels connect on their own (see _renew)
+        self._generation = mesh_generation()  # the process's mesh identity the open channels present
 
     @classmethod
     def for_hops(cls, stub_class: type, config: CommonConfig) -> Stubs:
@@ -296,7 +297,12 @@ class Stubs:
 
     def __call__(self, address: str, incarnation: str = ""):
         """The stub for `address`. `incarnation` names the process serving there (a worker's registration): a new
-        one, a restart on the same ports, gets a new channel."""
+        one, a restart on the same ports, gets a new channel, as does every address once the process's mesh identity
+        changed (a rotated certificate: its peers may trust only the new one's CA)."""
+        if self._generation != mesh_generation():
+            self._generation = mesh_generation()
+            for opened in list(self._channels):
+                self._renew(opened)
         if self._incarnations.setdefault(address, incarnation) != incarnation:
             self._incarnations[address] = incarnation
             self._renew(address)

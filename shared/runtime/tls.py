@@ -81,12 +81,19 @@ class MeshTls:
 
 _mesh: MeshTls | None = None   # the identity of this process's internal channels
 _token = ""                    # ... and the mesh's token they carry
+_generation = 0                # how many times they changed: a channel cache renews what it opened before
 
 
 def use_mesh(tls: MeshTls | None, token: str = "") -> None:
     """Internal channels opened from now on present `tls` (None: plaintext) and carry `token` (empty: none)."""
-    global _mesh, _token
-    _mesh, _token = tls, token
+    global _mesh, _token, _generation
+    _mesh, _token, _generation = tls, token, _generation + 1
+
+
+def mesh_generation() -> int:
+    """Changes with every `use_mesh`: a cached channel opened under another generation presents an identity the
+    process no longer has (a rotated certificate), and gRPC cannot change an open channel's credentials."""
+    return _generation
 
 
 def mesh() -> MeshTls | None:

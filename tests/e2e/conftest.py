@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -101,10 +101,11 @@ def service(mesh: MeshState, name: str):
     return mesh.service(name)
 
 
-def wait_for(predicate, timeout_s: float = 20.0, what: str = "") -> None:
+def wait_for(predicate, timeout_s: float = 20.0, what: str = "", explain: Callable[[], str] | None = None) -> None:
+    """Polls `predicate` until it holds; `explain` says, on a timeout, what the mesh held instead."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         if predicate():
             return
         time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what}" + (f"; {explain()}" if explain else ""))

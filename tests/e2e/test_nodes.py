@@ -34,18 +34,24 @@ def serving(state) -> dict[str, str]:
     return {s: r.hget(Keys(state.key_prefix).scheduler(s), "serving") for s in NODE_OF}
 
 
+def placing(state) -> str:
+    """The groups and the resource manager's log, for a wait that timed out."""
+    log = Path(state.run_dir) / "logs" / "resource_manager.log"
+    return f"groups {table(state)}; the resource manager's log:\n{log.read_text()[-6000:] if log.is_file() else ''}"
+
+
 def test_groups_stay_within_a_node_and_each_nodes_scheduler_runs_its_own(mesh):
     r = redis.Redis.from_url(mesh.redis_url, decode_responses=True)
     students = Keys(mesh.key_prefix).students(MODEL)
     # An operator's number starts the burst rule's cooldown only when it differs from the current one, and
     # two may be the current one: through one first, so that two holds through the burst below.
     r.set(students, 1)
-    wait_for(lambda: len(table(mesh).get("groups", [])) == 4, what="a group a student")
+    wait_for(lambda: len(table(mesh).get("groups", [])) == 4, what="a group a student", explain=lambda: placing(mesh))
     r.set(students, 2)
     # two slots a worker, a worker a node: a group of two students on each node (one pool of both workers
     # would have put each group's two students on the two nodes)
     wait_for(lambda: table(mesh).get("groups") == [[["worker-0", [0, 1]]], [["worker-1", [0, 1]]]],
-             what="a group a node")
+             what="a group a node", explain=lambda: placing(mesh))
     wait_for(lambda: serving(mesh) == dict.fromkeys(NODE_OF, MODEL), what="both schedulers serving")
     answers = asyncio.run(burst(mesh, 30, rate=60))
     assert all(not isinstance(a, AcademusError) for a in answers), answers
@@ -58,7 +64,7 @@ def test_groups_stay_within_a_node_and_each_nodes_scheduler_runs_its_own(mesh):
 def test_a_killed_worker_loses_no_request_and_its_node_stops_serving(mesh):
     r = redis.Redis.from_url(mesh.redis_url, decode_responses=True)
     r.set(Keys(mesh.key_prefix).students(MODEL), 1)
-    wait_for(lambda: len(table(mesh).get("groups", [])) == 4, what="two groups a node")
+    wait_for(lambda: len(table(mesh).get("groups", [])) == 4, what="two groups a node", explain=lambda: placing(mesh))
     events = r.pubsub(ignore_subscribe_messages=True)
     events.subscribe(Keys(mesh.key_prefix).events())
     victim, answers = asyncio.run(kill_under_load(mesh))

@@ -20,13 +20,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import save as st_save
 
+from academus.services.worker.adapters import StoreFetcher
 from academus.shared.cli.pki import CLI, Pki, make_pki
 from academus.shared.cli.redis_server import free_port
 from academus.shared.runtime.certificates import LOOK_S, public_certificates, public_credentials
 from academus.shared.runtime.config import CommonConfig, ConfigError, GatewayConfig, load
 from academus.shared.runtime.errors import Unavailable
 from academus.shared.runtime.redis_conn import connect
-from academus.shared.runtime.serving import RunningService, ServiceSpec
+from academus.shared.runtime.serving import RunningService, ServiceSpec, Stubs
 from academus.shared.runtime.tls import MeshTls, mesh, mesh_channel_sync, use_mesh
 from academus.shared.state.keys import Keys
 from academus.shared.training.onboarding import AdapterStoreClient
@@ -148,12 +149,17 @@ async def test_internal_channels_present_the_mesh_identity_and_a_stranger_is_ref
         store_with_mtls, pki, stranger, redis_server):
     redis = connect(redis_server.url)
     client = AdapterStoreClient(redis, Keys("tls-store"))
+    fetcher = StoreFetcher(redis_server.url, Keys("tls-store"))   # the worker's, whose channel is kept
+    fetch = functools.partial(fetcher, ("acme", "support", 0), [0], True)
     try:
         use_mesh(identity(pki, pki))   # the command line's certificate (`academus tenants` does this)
         assert await client.put("acme", "support", st_save(tensors()), {}) == 1
         assert await asyncio.to_thread(health_over, mesh_channel_sync, store_with_mtls.address) == "SERVING"
+        assert await asyncio.to_thread(fetch)
         for other in (identity(pki, stranger), None):   # another CA's certificate; none
-            use_mesh(other)
+            use_mesh(other)   # the kept channel is not reused under another identity
+            with pytest.raises(Unavailable):
+                await asyncio.to_thread(fetch)
             with pytest.raises(Unavailable):
                 await client.put("acme", "support", st_save(tensors()), {})
             assert await check(store_with_mtls.address, other and other.channel_credentials()) == "UNAVAILABLE"
@@ -265,6 +271,50 @@ async def test_the_http_ports_context_follows_its_files(pki, successor, tmp_path
         server.close()
 
 
+async def test_the_http_port_trusts_only_the_rotated_client_ca(pki, successor, tmp_path):
+    """A context can only add CAs: the port's handshakes move to a context made from the new files, so clients
+    the old CA signed are refused once it is rotated out."""
+    files = {"gateway.crt": "tls.crt", "gateway.key": "tls.key", "ca.crt": "client-ca.crt"}
+    install(pki, tmp_path, files)
+    config = load(GatewayConfig, {**QUIET, "ACADEMUS_TLS_CERT": str(tmp_path / "tls.crt"),
+                                  "ACADEMUS_TLS_KEY": str(tmp_path / "tls.key"),
+                                  "ACADEMUS_TLS_CLIENT_CA": str(tmp_path / "client-ca.crt")})
+    certificates = public_certificates(config)
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"ok")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0, ssl=certificates.ssl_context())
+    following = asyncio.create_task(certificates.follow())
+    port = server.sockets[0].getsockname()[1]
+
+    async def answered(holder: Pki) -> bool:
+        """Whether a client presenting `holder`'s certificate is answered (TLS 1.3 refuses it after the client's
+        handshake: its first read fails or finds the connection closed)."""
+        client = ssl.create_default_context()
+        client.check_hostname, client.verify_mode = False, ssl.CERT_NONE
+        client.load_cert_chain(holder.cert(CLI), holder.key(CLI))
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client)
+            answer = await asyncio.wait_for(reader.read(2), 5)
+            writer.close()
+        except (ssl.SSLError, ConnectionError):
+            return False
+        return answer == b"ok"
+
+    try:
+        assert await answered(pki) and not await answered(successor)
+        install(successor, tmp_path, files)
+        await asyncio.sleep(LOOK_S * 2.5)   # the follower looks once a LOOK_S
+        assert await answered(successor)
+        assert not await answered(pki)      # the old CA is no longer trusted
+    finally:
+        following.cancel()
+        server.close()
+
+
 async def test_a_rotated_mesh_identity_is_presented_and_becomes_the_process_channels(pki, successor, tmp_path):
     files = {"ca.crt": "ca.crt", "adapter_store.crt": "mesh.crt", "adapter_store.key": "mesh.key"}
     install(pki, tmp_path, files)
@@ -273,12 +323,19 @@ async def test_a_rotated_mesh_identity_is_presented_and_becomes_the_process_chan
                                  "ACADEMUS_MESH_KEY": str(tmp_path / "mesh.key")})
     service = RunningService(ServiceSpec("rotating-mesh", config, lambda server: None, []))
     await service.start()
+    peers = Stubs(health_pb2_grpc.HealthStub)   # the process's cached channels to its peers
     try:
         assert await check(service.address, identity(pki, pki).channel_credentials()) == "SERVING"
+        before = peers(service.address)
+        await before.Check(health_pb2.HealthCheckRequest(), timeout=5)
         install(successor, tmp_path, {"ca.crt": "ca.crt", "mesh.crt": "mesh.crt", "mesh.key": "mesh.key"})
         await asyncio.sleep(LOOK_S)
         assert await check(service.address, identity(successor, successor).channel_credentials()) == "SERVING"
         assert await check(service.address, identity(pki, pki).channel_credentials()) == "UNAVAILABLE"
         assert mesh().cert == successor.cert("mesh").read_bytes()   # channels opened from now on present it
+        after = peers(service.address)   # a new channel, on a new connection: accepted only with the new identity
+        assert after is not before
+        reply = await after.Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         await service.stop()
