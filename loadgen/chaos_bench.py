@@ -195,7 +195,8 @@ def serving(run_dir: Path, name: str) -> bool:
             return bool(redis.Redis.from_url(state.redis_url, socket_connect_timeout=0.5).ping())
         except redis.exceptions.RedisError:
             return False
-    return health(next(s.address for s in state.services if s.name == name), 0.5) == "SERVING"
+    process = next(s for s in state.services if s.name == name)
+    return health(process.address, 0.5, state.credentials(process)) == "SERVING"   # over the mesh's TLS if any
 
 
 def replaced_after(run_dir: Path, victim: Victim, limit_s: float) -> float | None:

@@ -148,12 +148,24 @@ def public_credentials(config: GatewayConfig) -> grpc.ServerCredentials | None:
     return None if certificates is None else certificates.credentials()
 
 
-def mesh_credentials(config: CommonConfig, mesh: MeshTls) -> grpc.ServerCredentials:
-    """An internal server's mutual TLS, its files followed; a new set also becomes the identity of the internal
-    channels the process opens afterwards (those open keep theirs until they close)."""
-    def identity(certificates: ServerCertificates) -> None:
-        use_mesh(MeshTls(certificates.client_ca or mesh.ca, certificates.key, certificates.cert, mesh.server_name),
-                 config.mesh_token)
-
+def mesh_certificates(config: CommonConfig) -> ServerCertificates:
+    """The mesh's files: the process's key and certificate, and the CA its peers' certificates must have."""
     return ServerCertificates(("mesh_key", config.mesh_key), ("mesh_cert", config.mesh_cert),
-                              ("mesh_ca", config.mesh_ca), on_reload=identity).credentials()
+                              ("mesh_ca", config.mesh_ca))
+
+
+def mesh_credentials(config: CommonConfig) -> grpc.ServerCredentials:
+    """An internal server's mutual TLS, its files followed."""
+    return mesh_certificates(config).credentials()
+
+
+async def follow_mesh_identity(config: CommonConfig, mesh: MeshTls) -> None:
+    """The process's identity in the mesh follows its files too, on its own clock: a port's credentials reload
+    only at an incoming handshake, and a process may get none for days. Channels opened afterwards present the
+    new identity, and the channel caches renew theirs (`mesh_generation`)."""
+    certificates = mesh_certificates(config)
+    while True:
+        await asyncio.sleep(LOOK_S)
+        if certificates.reload():
+            use_mesh(MeshTls(certificates.client_ca or mesh.ca, certificates.key, certificates.cert, mesh.server_name),
+                     config.mesh_token)

@@ -19,7 +19,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from academus.client.types import RECONNECT_OPTIONS
-from academus.shared.runtime.certificates import mesh_credentials
+from academus.shared.runtime.certificates import follow_mesh_identity, mesh_credentials
 from academus.shared.runtime.config import CommonConfig, load
 from academus.shared.runtime.handover import Handover
 from academus.shared.runtime.heap import freeze_start_up_heap, keep_freed_pages, watch_pauses
@@ -101,7 +101,9 @@ class RunningService:
         health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
         names = [*spec.service_names, MULTIPLEX_SERVICE, health_name, reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, self.server)
-        credentials = self._credentials()
+        mesh = MeshTls.from_config(cfg)   # the process's identity on the internal channels it opens
+        use_mesh(mesh, cfg.mesh_token)
+        credentials = self._credentials(mesh)
         port = self._bind(cfg.port, credentials())
         if spec.own_port:
             self._bind(spec.own_port, credentials())
@@ -114,6 +116,8 @@ class RunningService:
             await spec.on_started(self.address)
         self._tasks = [asyncio.create_task(t()) for t in spec.extra_tasks]
         self._tasks.append(asyncio.create_task(watch_lag(spec.name)))
+        if mesh is not None:
+            self._tasks.append(asyncio.create_task(follow_mesh_identity(cfg, mesh)))
         if cfg.loop_stall_ms:
             self.stall_tracer = StallTracer(spec.name, cfg.loop_stall_ms / 1e3)
             self.stall_tracer.start(asyncio.get_running_loop())
@@ -136,15 +140,12 @@ class RunningService:
             return None
         return plane
 
-    def _credentials(self) -> Callable[[], grpc.ServerCredentials | None]:
+    def _credentials(self, mesh: MeshTls | None) -> Callable[[], grpc.ServerCredentials | None]:
         """What makes its ports' TLS, one a port (each follows its files: gRPC takes a reloading credential on one
-        port only); the process's internal channels take its mesh identity (a file that cannot be read stops the
-        start, naming its setting)."""
-        mesh = MeshTls.from_config(self.spec.config)
-        use_mesh(mesh, self.spec.config.mesh_token)
+        port only; a file that cannot be read stops the start, naming its setting)."""
         if self.is_public:
             return self.spec.public_credentials
-        return (lambda: mesh_credentials(self.spec.config, mesh)) if mesh else (lambda: None)
+        return (lambda: mesh_credentials(self.spec.config)) if mesh else (lambda: None)
 
     def _bind(self, port: int, credentials: grpc.ServerCredentials | None) -> int:
         address = f"{self.spec.config.host}:{port}"

@@ -2,14 +2,17 @@
 gateway's and every service's certificate; the gateway serves TLS only, the services mutual TLS among
 themselves, the mesh's Redis asks for a password. An insecure client is refused and one trusting the CA
 answered; the CLI (infer, status, tenants) connects with the CA and its own certificate; an internal service
-refuses a certificate another CA signed."""
+refuses a certificate another CA signed; a CA rotated in place, without a restart, keeps the mesh serving."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import signal
 import ssl
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,13 +22,15 @@ import pytest
 import redis
 
 from academus.client import AcademusError, Client
+from academus.loadgen.chaos_bench import current_pid, serving
 from academus.shared.cli.mesh import ADMIN_KEY_FILE, STATE_FILE, MeshState, health
-from academus.shared.cli.pki import CLI, make_pki
+from academus.shared.cli.pki import CLI, Pki, make_pki
+from academus.shared.runtime.certificates import LOOK_S
 from academus.shared.runtime.redis_conn import connect
 from academus.shared.state.keys import Keys
 from academus.shared.state.tenants import TenantRegistry
 from tests.conftest import env
-from tests.e2e.conftest import administer
+from tests.e2e.conftest import administer, wait_for
 from tests.e2e.test_serving import cli
 
 pytestmark = [pytest.mark.e2e,
@@ -129,3 +134,41 @@ def test_the_mesh_redis_refuses_a_client_without_its_password(mesh):
         redis.Redis.from_url(f"redis://{mesh.redis_url.rsplit('@', 1)[1]}").ping()
     assert redis.Redis.from_url(mesh.redis_url).ping()
     assert (Path(mesh.run_dir) / STATE_FILE).stat().st_mode & 0o077 == 0   # it holds the password
+
+
+def test_a_ca_rotated_in_place_keeps_the_mesh_serving_and_its_channels_reopen(mesh, tmp_path):
+    """A CA's rotation as cert-manager does it, in three writes of the files the services read: both CAs trusted,
+    then every certificate the new CA's, then the old CA gone; no service restarted. Then a scheduler killed and
+    restarted trusts only the new CA, and the gateway reaches it again: its channel to the scheduler reopened
+    under the new certificate (gRPC cannot change an open channel's credentials)."""
+    ca = Path(mesh.tls_ca)
+    live = Pki(ca.parent)
+    leaves = sorted(p.stem for p in ca.parent.glob("*.crt") if p != ca)
+    successor = make_pki(tmp_path, leaves)
+    old, new = ca.read_bytes(), successor.ca.read_bytes()
+
+    def answers(trusted: bytes) -> bool:
+        try:
+            with Client(mesh.gateway, api_key=admin_key(mesh), timeout=10, root_certificates=trusted) as client:
+                return len(client.infer("null", ["rotated"]).predictions[0].embedding) == 384
+        except AcademusError:
+            return False
+
+    ca.write_bytes(old + new)
+    time.sleep(LOOK_S * 2.5)   # each service looks once a LOOK_S
+    assert answers(old + new)
+    for leaf in leaves:        # a key and its certificate: a set caught half-written is taken once whole
+        shutil.copy(successor.key(leaf), live.key(leaf))
+        shutil.copy(successor.cert(leaf), live.cert(leaf))
+    time.sleep(LOOK_S * 2.5)
+    assert answers(old + new)
+    ca.write_bytes(new)
+    time.sleep(LOOK_S * 2.5)
+    assert answers(new) and not answers(old)   # the gateway presents the new CA's certificate
+    run_dir = Path(mesh.run_dir)
+    scheduler = next(s.name for s in mesh.services if s.service == "scheduler")
+    before = current_pid(run_dir, scheduler)
+    os.kill(before, signal.SIGKILL)
+    wait_for(lambda: current_pid(run_dir, scheduler) != before and serving(run_dir, scheduler), timeout_s=60,
+             what="the scheduler restarted")
+    wait_for(lambda: answers(new), timeout_s=10, what="the gateway to reach the restarted scheduler")
