@@ -14,6 +14,8 @@ reference), then a run a fault on the same schedule, the mesh back to health bet
   worker-kill, scheduler-kill, gateway-kill   kill -9 of worker-0, of the scheduler serving sentiment-students,
                                               of the gateway
   worker-term, scheduler-term, gateway-term   SIGTERM of the same
+  worker-freeze, scheduler-freeze             SIGSTOP of the same, a hung process that holds its connections open,
+                                              continued (SIGCONT) --thaw-at seconds later
   redis-kill                                  kill -9 of the mesh's Redis; an API key made before must still work
   clients-kill                                --clients clients (each its own connection, spread over
                                               --client-processes processes) killed -9 while their requests run
@@ -100,13 +102,14 @@ LONG_TEXT = "a long review of a film that goes on and on about the plot, the act
 class Fault:
     name: str
     target: str                    # worker, scheduler, gateway, redis, clients or tenant
-    signal: int = signal.SIGKILL
+    signal: int = signal.SIGKILL   # SIGSTOP: the victim hangs (alive, silent) until --thaw-at seconds later
 
 
 FAULTS = {f.name: f for f in (
     Fault("worker-kill", "worker"), Fault("scheduler-kill", "scheduler"), Fault("gateway-kill", "gateway"),
     Fault("worker-term", "worker", signal.SIGTERM), Fault("scheduler-term", "scheduler", signal.SIGTERM),
-    Fault("gateway-term", "gateway", signal.SIGTERM), Fault("redis-kill", "redis"),
+    Fault("gateway-term", "gateway", signal.SIGTERM), Fault("worker-freeze", "worker", signal.SIGSTOP),
+    Fault("scheduler-freeze", "scheduler", signal.SIGSTOP), Fault("redis-kill", "redis"),
     Fault("clients-kill", "clients"), Fault("tenant-flood", "tenant"))}
 # the issue's targets: (what, limit) checked on each fault's figures
 TARGETS = {"kill": (("lost", 0), ("excess_near_fault_pct", 5.0), ("recover_s", 5.0)),
@@ -197,6 +200,27 @@ def serving(run_dir: Path, name: str) -> bool:
             return False
     process = next(s for s in state.services if s.name == name)
     return health(process.address, 0.5, state.credentials(process)) == "SERVING"   # over the mesh's TLS if any
+
+
+def serves_again(run_dir: Path, victim: Victim, limit_s: float) -> float | None:
+    """Seconds from now until the victim serves and is registered again (its heartbeat's key, which lapsed while
+    it was frozen); None past `limit_s`."""
+    began = time.monotonic()
+    while time.monotonic() - began < limit_s:
+        if serving(run_dir, victim.name) and registered(run_dir, victim.name):
+            return time.monotonic() - began
+        time.sleep(0.05)
+    return None
+
+
+def registered(run_dir: Path, name: str) -> bool:
+    """A worker's heartbeat key, or a scheduler's registration, is in Redis."""
+    state = MeshState.load(run_dir)
+    client, keys = redis.Redis.from_url(state.redis_url, decode_responses=True), Keys(state.key_prefix)
+    if name.startswith("worker"):
+        return bool(client.exists(keys.worker(name)))
+    address = next(s.address for s in state.services if s.name == name)
+    return any(client.hget(keys.scheduler(s), "address") == address for s in client.smembers(keys.schedulers()))
 
 
 def replaced_after(run_dir: Path, victim: Victim, limit_s: float) -> float | None:
@@ -383,10 +407,19 @@ async def inject(bench: Bench, fault: Fault, t0: float) -> tuple[float, Victim |
     return time.perf_counter() - t0, victim
 
 
-async def back_after(bench: Bench, injected: asyncio.Task) -> float | None:
-    """Seconds from the fault until the victim's replacement serves (None: no victim, or not within 120 s)."""
+async def back_after(bench: Bench, fault: Fault, injected: asyncio.Task) -> float | None:
+    """Seconds from the fault until the victim's replacement serves, or a frozen victim, continued --thaw-at
+    seconds after, serves again (None: no victim, or not within 120 s)."""
     _, victim = await injected
-    return None if victim is None else await asyncio.to_thread(replaced_after, bench.run_dir, victim, 120.0)
+    if victim is None:
+        return None
+    if fault.signal != signal.SIGSTOP:
+        return await asyncio.to_thread(replaced_after, bench.run_dir, victim, 120.0)
+    began = time.monotonic()
+    await asyncio.sleep(bench.args.thaw_at)
+    os.kill(victim.pid, signal.SIGCONT)
+    again = await asyncio.to_thread(serves_again, bench.run_dir, victim, 120.0)
+    return None if again is None else time.monotonic() - began
 
 
 async def start_clients(bench: Bench) -> list[asyncio.subprocess.Process]:
@@ -536,7 +569,7 @@ async def loaded_run(bench: Bench, fault: Fault | None, beside: Beside | None = 
                  for i, m in enumerate(MODELS)]
         flood = [tenant_load(bench, gateways, tenant_key)] if tenant_key else []
         injected = asyncio.create_task(inject(bench, fault, t0)) if fault is not None else None
-        back = asyncio.create_task(back_after(bench, injected)) if injected is not None else None
+        back = asyncio.create_task(back_after(bench, fault, injected)) if injected is not None else None
         stop = asyncio.Event()
         besides = asyncio.create_task(beside(stop)) if beside is not None else None
         results = await asyncio.wait_for(asyncio.gather(*loads, *flood), bench.args.duration + 120)
@@ -949,6 +982,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load a run")
     p.add_argument("--fault-at", type=float, default=10.0, help="seconds into a run")
     p.add_argument("--timeout", type=float, default=5.0, help="each request's deadline (s)")
+    p.add_argument("--thaw-at", type=float, default=10.0, help="a frozen victim (SIGSTOP) is continued this many "
+                   "seconds after the fault")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--gateways", type=int, default=1, help="gateway processes sharing the mesh's port")
     p.add_argument("--shards", type=int, default=1, help="scheduler processes a deployment")
