@@ -136,6 +136,28 @@ def test_a_killed_worker_loses_no_request_and_its_standby_takes_its_place(mesh, 
     assert behind not in (None, standby) and pid_alive(behind)   # and a new one waits behind it
 
 
+def test_a_frozen_worker_is_routed_around_and_the_same_process_rejoins_once_continued(mesh):
+    """A hung worker (SIGSTOP) keeps its connections open, so nothing refuses: only its heartbeat's lapse takes it
+    out of the placements. The other worker answers meanwhile, and every request gets an answer or a status, none
+    past its deadline. Continued, the same process registers again and serves: the supervisor restarts nothing."""
+    run_dir = Path(mesh.run_dir)
+    victim, restarted = pid_of(mesh, "worker-0"), restarts(run_dir)["worker-0"]
+    try:
+        result = under_load(mesh, lambda: os.kill(victim, signal.SIGSTOP), seconds=8.0, at=1.0)
+    finally:
+        os.kill(victim, signal.SIGCONT)
+    failed = [r for r in result.records if r.code != "OK"]
+    # only the batches on the worker when it froze wait out their deadline: they have no other way to end
+    assert {r.code for r in failed} <= {"DEADLINE_EXCEEDED"} and len(failed) <= 0.1 * len(result.records), \
+        result.report()["error_examples"]
+    assert any(r.code == "OK" and r.sent_at > 1.0 + 6.0 for r in result.records)   # after its key's 5 s TTL
+    keys, client = Keys(mesh.key_prefix), redis.Redis.from_url(mesh.redis_url)
+    wait_for(lambda: client.exists(keys.worker("worker-0")) and serving(run_dir, "worker-0"), timeout_s=30,
+             what="the continued worker registered again")
+    wait_placed(MeshState.load(run_dir), WORKERS, 60)
+    assert pid_of(mesh, "worker-0") == victim and restarts(run_dir)["worker-0"] == restarted
+
+
 def test_sigterm_of_one_of_two_gateways_fails_no_request(mesh):
     old, standby = pid_of(mesh, "gateway"), standby_of(mesh, "gateway")
     result = under_load(mesh, kill(mesh, "gateway", signal.SIGTERM))
