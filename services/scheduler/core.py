@@ -168,6 +168,20 @@ class WorkerLost(Exception):
 
 Send = Callable[[Group, Sequence[Job]], Awaitable[Sequence[Any]]]
 
+# A batch in flight on a worker that left the placements (its heartbeat's key lapsed: a hung process, whose open
+# connection neither answers nor refuses) is given up once it has run this many times what it should take, and
+# this long at least, and its jobs run again elsewhere. A worker that left by stopping drains its batches within
+# their time; a hung one would hold them to their deadlines.
+ABANDON_FACTOR, ABANDON_MIN_S = 4.0, 1.0
+
+
+@dataclass
+class Flight:
+    """A batch on its way: the workers it runs on, when it started, what it should take."""
+    refs: list[WorkerRef]
+    started_at: float
+    expected_s: float
+
 
 @dataclass
 class DispatchStats:
@@ -178,6 +192,7 @@ class DispatchStats:
     rejected: int = 0
     doomed: int = 0                # not started: the batch could not finish before the job's deadline
     sent_ahead: int = 0            # batches sent to a group still running one (send_ahead)
+    abandoned: int = 0             # batches given up on a worker that left the placements (abandon_departed)
 
 
 class Dispatcher:
@@ -218,6 +233,8 @@ class Dispatcher:
         self.token_dev: dict[str, float] = {}  # model -> smoothed deviation of token_s's samples from it
         self._timer: asyncio.TimerHandle | None = None
         self._arriving: Job | None = None  # a job that finds a free group on arrival is left to the worker
+        self._flights: dict[asyncio.Task, Flight] = {}   # the batches in flight, by the task that sends each
+        self._abandoned: set[asyncio.Task] = set()       # flights given up on a departed worker (`abandon_departed`)
 
     @property
     def max_queue_wait_s(self) -> float:
@@ -256,6 +273,7 @@ class Dispatcher:
         self.groups = self._form_groups()
         self._report_students()
         self._resize()
+        self.abandon_departed()
         self._drain()
         self._fail_orphans()
 
@@ -530,6 +548,7 @@ class Dispatcher:
                 self._queue_wait(job.model).observe(now - job.enqueued_at)
         self.stats.dispatched += 1
         task = asyncio.get_running_loop().create_task(self._run(group, refs, batch))
+        self._flights[task] = Flight(refs, now, self._running_estimate(batch))
         cancel_when_every_caller_left(batch, task)
 
     async def _run(self, group: Group, refs: list[WorkerRef], batch: list[Job]) -> None:
@@ -546,8 +565,14 @@ class Dispatcher:
                 self._retry_or_fail(job, e)
             self._fail_orphans()
         except asyncio.CancelledError:
-            for job in batch:
-                self._settle(job, exc=Unavailable("dispatch cancelled"))
+            if asyncio.current_task() in self._abandoned:   # its worker left, hung: the jobs run elsewhere
+                lost = WorkerLost("the worker left the placements with this batch unanswered")
+                for job in batch:
+                    self._retry_or_fail(job, lost)
+                self._fail_orphans()
+            else:
+                for job in batch:
+                    self._settle(job, exc=Unavailable("dispatch cancelled"))
         except Exception as e:  # a ServingError, or a bug: every caller gets an answer
             for job in batch:
                 self._settle(job, exc=e)
@@ -556,6 +581,9 @@ class Dispatcher:
             self._observe(batch, took)
             self.policy.observe(batch, took)
         finally:
+            task = asyncio.current_task()
+            self._flights.pop(task, None)
+            self._abandoned.discard(task)
             # The freed group takes the next element before the answers go back: their callers' code runs
             # on this loop, and the element waiting for the group should not wait for it too.
             try:
@@ -672,8 +700,26 @@ class Dispatcher:
         for job in self.policy.remove(lambda j: not self.serves(j.model)):
             self._settle(job, exc=Unavailable(f"no live worker serves model {job.model!r}"))
 
+    def abandon_departed(self) -> int:
+        """Gives up the batches in flight on a worker no longer listed (or listed as another registration) that ran
+        past ABANDON_FACTOR times their estimate: their jobs are retried, their deadlines permitting. Returns how
+        many it gave up."""
+        now = self.clock()
+        given_up = 0
+        for task, flight in self._flights.items():
+            departed = any(self.workers.get(ref.worker_id) is not ref for ref in flight.refs)
+            overdue = now - flight.started_at >= max(ABANDON_FACTOR * flight.expected_s, ABANDON_MIN_S)
+            if departed and overdue and task not in self._abandoned:
+                self._abandoned.add(task)
+                task.cancel()
+                given_up += 1
+        self.stats.abandoned += given_up
+        return given_up
+
     def expire_waiting(self) -> int:
-        """Answers queued jobs whose deadline passed or whose caller left (called periodically)."""
+        """Answers queued jobs whose deadline passed or whose caller left, and gives up the batches a departed
+        worker holds (called periodically)."""
+        self.abandon_departed()
         now = self.clock()
         dead = self.policy.remove(lambda j: now >= j.deadline or j.future.done())
         for job in dead:

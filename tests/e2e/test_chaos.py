@@ -138,18 +138,17 @@ def test_a_killed_worker_loses_no_request_and_its_standby_takes_its_place(mesh, 
 
 def test_a_frozen_worker_is_routed_around_and_the_same_process_rejoins_once_continued(mesh):
     """A hung worker (SIGSTOP) keeps its connections open, so nothing refuses: only its heartbeat's lapse takes it
-    out of the placements. The other worker answers meanwhile, and every request gets an answer or a status, none
-    past its deadline. Continued, the same process registers again and serves: the supervisor restarts nothing."""
+    out of the placements. The other worker answers meanwhile, and the batches the hung one held run there once its
+    key lapsed: no request fails. Continued, the same process registers again and serves: the supervisor restarts
+    nothing."""
     run_dir = Path(mesh.run_dir)
     victim, restarted = pid_of(mesh, "worker-0"), restarts(run_dir)["worker-0"]
     try:
         result = under_load(mesh, lambda: os.kill(victim, signal.SIGSTOP), seconds=8.0, at=1.0)
     finally:
         os.kill(victim, signal.SIGCONT)
-    failed = [r for r in result.records if r.code != "OK"]
-    # only the batches on the worker when it froze wait out their deadline: they have no other way to end
-    assert {r.code for r in failed} <= {"DEADLINE_EXCEEDED"} and len(failed) <= 0.1 * len(result.records), \
-        result.report()["error_examples"]
+    # the batches on the worker when it froze are given up once its key lapsed, and run on the other worker
+    assert [r.code for r in result.records if r.code != "OK"] == [], result.report()["error_examples"]
     assert any(r.code == "OK" and r.sent_at > 1.0 + 6.0 for r in result.records)   # after its key's 5 s TTL
     keys, client = Keys(mesh.key_prefix), redis.Redis.from_url(mesh.redis_url)
     wait_for(lambda: client.exists(keys.worker("worker-0")) and serving(run_dir, "worker-0"), timeout_s=30,

@@ -9,7 +9,16 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY
 
-from academus.services.scheduler.core import Dispatcher, Group, Job, Member, WorkerLost, WorkerRef
+from academus.services.scheduler.core import (
+    ABANDON_FACTOR,
+    ABANDON_MIN_S,
+    Dispatcher,
+    Group,
+    Job,
+    Member,
+    WorkerLost,
+    WorkerRef,
+)
 from academus.services.scheduler.policies import ConcatPolicy, FifoPolicy, PaddedPolicy, StudentPolicy, make_policy
 from academus.shared.models.work import WorkItem
 from academus.shared.runtime.errors import DeadlineExceeded, ResourceExhausted, Unavailable, abort_with
@@ -208,6 +217,50 @@ async def test_lost_worker_is_retried_on_another_group():
     fake.calls[1][2].set_result("second")
     assert await task == "second"
     assert d.stats.retried == 1
+
+
+async def test_a_batch_a_departed_worker_holds_is_given_up_once_overdue_and_runs_elsewhere():
+    """A hung worker's open connection neither answers nor refuses: once its heartbeat's key lapsed, its batch is
+    retried on a live worker instead of waiting out the deadline."""
+    d, clock, fake = make_dispatcher({"w0": {"spam"}, "w1": {"spam"}})
+    job = asyncio.create_task(d.submit(make_job(clock, deadline_in=10.0)))
+    await settle()
+    hung = fake.calls[0][0]
+    other = "w1" if hung == "w0" else "w0"
+    d.update_workers({other: (f"127.0.0.1:{int(other[1])}", frozenset({"spam"}))})
+    await settle()
+    assert len(fake.calls) == 1 and d.stats.abandoned == 0   # a worker that stopped drains within the batch's time
+    clock.now += ABANDON_MIN_S
+    assert d.expire_waiting() == 0   # nothing queued expired; the flight is given up
+    await settle()
+    assert d.stats.abandoned == 1 and [c[0] for c in fake.calls] == [hung, other]
+    fake.calls[1][2].set_result("elsewhere")
+    assert await job == "elsewhere"
+    assert d.stats.retried == 1 and not d._flights
+
+
+async def test_a_slow_batch_on_a_listed_worker_is_never_given_up():
+    d, clock, fake = make_dispatcher({"w0": {"spam"}, "w1": {"spam"}})
+    job = asyncio.create_task(d.submit(make_job(clock, deadline_in=1000.0)))
+    await settle()
+    clock.now += 100 * ABANDON_MIN_S   # slow is not hung: the heartbeat's TTL decides
+    assert d.abandon_departed() == 0
+    fake.calls[0][2].set_result("slow")
+    assert await job == "slow" and len(fake.calls) == 1
+
+
+async def test_a_departed_workers_batch_within_its_time_is_left_to_finish():
+    """A worker that deregistered drains what it runs: its batch is given up only past ABANDON_FACTOR times its
+    measured time."""
+    d, clock, fake = make_dispatcher({"w0": {"spam"}})
+    d.service_s["spam"], d.batch_texts["spam"] = 2.0, 1.0
+    job = asyncio.create_task(d.submit(make_job(clock, deadline_in=100.0)))
+    await settle()
+    d.update_workers({})
+    clock.now += ABANDON_FACTOR * 2.0 - 0.1
+    assert d.abandon_departed() == 0
+    fake.calls[0][2].set_result("drained")
+    assert await job == "drained"
 
 
 @pytest.mark.parametrize(("deadline_in", "lost_after", "service_s", "why"), [
