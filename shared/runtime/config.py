@@ -449,7 +449,8 @@ class SchedulerConfig(CommonConfig):
     regroup_wait_s: float = setting(1.0, "a student model whose every group lost a member, a live worker here still "
                                          "serving it, holds its requests this long (each to its deadline) for the "
                                          "resource manager's re-plan; 0: UNAVAILABLE at once", at_least(0))
-    expire_interval_s: float = setting(0.05, "how often waiting jobs are checked against their deadlines")
+    expire_interval_s: float = setting(0.05, "how often waiting jobs are checked against their deadlines, and the "
+                                       "batches a departed worker holds for being given up")
     plot_prefetch: bool = setting(True, "PLOT models: look waiting requests up in a plot service (HMI §6.1)")
     drop_doomed: bool = setting(True, "a job that waited is not started when its batch cannot finish in time")
     send_ahead: bool = setting(False, "student: a busy group is sent its next element while it runs one")
