@@ -531,14 +531,14 @@ class Dispatcher:
 
     def _start(self, group: Group, batch: list[Job]) -> None:
         refs = [self.workers[m.worker_id] for m in group.members]
-        now = self.clock()
+        now, expected = self.clock(), self._running_estimate(batch)
         group.in_flight += 1
         if group.in_flight == 1:
-            group.started_at, group.running_s = now, self._running_estimate(batch)
+            group.started_at, group.running_s = now, expected
             for ref, member in zip(refs, group.members, strict=True):
                 ref.running += member.slots
         else:  # sent ahead: it runs on the slots its predecessor holds
-            group.ahead_s = self._running_estimate(batch)
+            group.ahead_s = expected
             self.stats.sent_ahead += 1
             SENT_AHEAD.inc()
         for job in batch:
@@ -548,7 +548,7 @@ class Dispatcher:
                 self._queue_wait(job.model).observe(now - job.enqueued_at)
         self.stats.dispatched += 1
         task = asyncio.get_running_loop().create_task(self._run(group, refs, batch))
-        self._flights[task] = Flight(refs, now, self._running_estimate(batch))
+        self._flights[task] = Flight(refs, now, expected)
         cancel_when_every_caller_left(batch, task)
 
     async def _run(self, group: Group, refs: list[WorkerRef], batch: list[Job]) -> None:

@@ -32,10 +32,9 @@ class ServerCertificates:
     """A server's key and certificate and, where clients must present one, the CA that signs theirs."""
 
     def __init__(self, key: Named, cert: Named, client_ca: Named | None = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 on_reload: Callable[[ServerCertificates], None] | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.files = (key, cert, *((client_ca,) if client_ca else ()))
-        self.clock, self.on_reload = clock, on_reload
+        self.clock = clock
         self._stamp = self._stamps()
         self.key, self.cert, self.client_ca = self._read()   # at start, an error stops the service naming it
         self._looked = clock()
@@ -64,8 +63,6 @@ class ServerCertificates:
             return False
         self.reloads += 1
         log_event("certificate_reloaded", files=self.paths)
-        if self.on_reload is not None:
-            self.on_reload(self)
         return True
 
     def _read(self) -> tuple[bytes, bytes, bytes | None]:
