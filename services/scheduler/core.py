@@ -12,6 +12,7 @@ and splits the answer back, one result a job.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from academus.services.scheduler.policies import BatchPlan, DispatchPolicy
 from academus.shared.runtime.errors import DeadlineExceeded, ResourceExhausted, ServingError, Unavailable
+from academus.shared.runtime.logs import log_event
 from academus.shared.runtime.metrics import LATENCY_BUCKETS, children
 
 QUEUE_WAIT = Histogram("academus_scheduler_queue_wait_seconds",
@@ -168,11 +170,12 @@ class WorkerLost(Exception):
 
 Send = Callable[[Group, Sequence[Job]], Awaitable[Sequence[Any]]]
 
-# A batch in flight on a worker that left the placements (its heartbeat's key lapsed: a hung process, whose open
-# connection neither answers nor refuses) is given up once it has run this many times what it should take, and
-# this long at least, and its jobs run again elsewhere. A worker that left by stopping drains its batches within
-# their time; a hung one would hold them to their deadlines.
-ABANDON_FACTOR, ABANDON_MIN_S = 4.0, 1.0
+# A batch in flight on a worker that left the placements, run this many times what it should take and this long at
+# least, has its worker probed: a hung process (its heartbeat's key lapsed; its open connection neither answers nor
+# refuses) does not answer, and its batches are given up and run elsewhere. One that answers is draining (it
+# deregistered to stop) and keeps them; it is probed again PROBE_AGAIN_S later.
+ABANDON_FACTOR, ABANDON_MIN_S, PROBE_AGAIN_S = 4.0, 1.0, 1.0
+Probe = Callable[["WorkerRef"], Awaitable[bool]]   # whether the worker answered
 
 
 @dataclass
@@ -200,7 +203,8 @@ class Dispatcher:
                  retry_pushback_ms: int = 50, clock: Callable[[], float] = time.monotonic,
                  on_wait: Callable[[Job], None] | None = None, drop_doomed: bool = True,
                  send_ahead: bool = False, lost_quarantine_s: float = 5.0, shard: Shard = Shard(),
-                 policy_name: str = "", max_queue_wait_s: float = 0.0, regroup_wait_s: float = 0.0) -> None:
+                 policy_name: str = "", max_queue_wait_s: float = 0.0, regroup_wait_s: float = 0.0,
+                 probe: Probe | None = None) -> None:
         self.policy = policy
         self.max_queue_wait_s = max_queue_wait_s
         self._queue_wait = children(QUEUE_WAIT, policy_name or policy.name)  # the deployment's name (a variant's)
@@ -235,6 +239,8 @@ class Dispatcher:
         self._arriving: Job | None = None  # a job that finds a free group on arrival is left to the worker
         self._flights: dict[asyncio.Task, Flight] = {}   # the batches in flight, by the task that sends each
         self._abandoned: set[asyncio.Task] = set()       # flights given up on a departed worker (`abandon_departed`)
+        self.probe = probe   # asks a departed worker whether it still answers; None: none does (given up at once)
+        self._probed_at: dict[str, float] = {}   # worker_id -> when its last probe began (one at a time)
 
     @property
     def max_queue_wait_s(self) -> float:
@@ -700,25 +706,36 @@ class Dispatcher:
         for job in self.policy.remove(lambda j: not self.serves(j.model)):
             self._settle(job, exc=Unavailable(f"no live worker serves model {job.model!r}"))
 
-    def abandon_departed(self) -> int:
-        """Gives up the batches in flight on a worker no longer listed (or listed as another registration) that ran
-        past ABANDON_FACTOR times their estimate: their jobs are retried, their deadlines permitting. Returns how
-        many it gave up."""
+    def abandon_departed(self) -> None:
+        """Probes each worker that left the placements (or is listed as another registration) while a batch on it
+        ran past ABANDON_FACTOR times its estimate; one that does not answer has its batches given up, their jobs
+        retried, deadlines permitting."""
         now = self.clock()
-        given_up = 0
-        for task, flight in self._flights.items():
-            departed = any(self.workers.get(ref.worker_id) is not ref for ref in flight.refs)
-            overdue = now - flight.started_at >= max(ABANDON_FACTOR * flight.expected_s, ABANDON_MIN_S)
-            if departed and overdue and task not in self._abandoned:
-                self._abandoned.add(task)
-                task.cancel()
-                given_up += 1
-        self.stats.abandoned += given_up
-        return given_up
+        for ref in {ref.worker_id: ref for flight in self._overdue(now) for ref in flight.refs
+                    if self.workers.get(ref.worker_id) is not ref}.values():
+            if now - self._probed_at.get(ref.worker_id, float("-inf")) >= PROBE_AGAIN_S:
+                self._probed_at[ref.worker_id] = now
+                asyncio.get_running_loop().create_task(self._probe_departed(ref))
+
+    def _overdue(self, now: float) -> list[Flight]:
+        return [f for task, f in self._flights.items() if task not in self._abandoned
+                and now - f.started_at >= max(ABANDON_FACTOR * f.expected_s, ABANDON_MIN_S)]
+
+    async def _probe_departed(self, ref: WorkerRef) -> None:
+        if self.probe is not None and await self.probe(ref):
+            return   # draining: its batches end within the grace it stops in
+        given_up = [task for task, flight in self._flights.items()
+                    if any(r is ref for r in flight.refs) and task not in self._abandoned]
+        for task in given_up:
+            self._abandoned.add(task)
+            task.cancel()
+        self.stats.abandoned += len(given_up)
+        log_event("batches_given_up", logging.WARNING, worker_id=ref.worker_id, address=ref.address,
+                  batches=len(given_up))
 
     def expire_waiting(self) -> int:
-        """Answers queued jobs whose deadline passed or whose caller left, and gives up the batches a departed
-        worker holds (called periodically)."""
+        """Answers queued jobs whose deadline passed or whose caller left, and probes the departed workers that
+        hold overdue batches (called periodically)."""
         self.abandon_departed()
         now = self.clock()
         dead = self.policy.remove(lambda j: now >= j.deadline or j.future.done())

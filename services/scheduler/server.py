@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.trace import Tracer, get_tracer
 from prometheus_client import Gauge
 
@@ -54,6 +55,7 @@ TIMING_TTL_S = 600   # a deployment's reported batch times outlive its scheduler
 QUEUE_DEPTH = Gauge("academus_scheduler_queue_depth", "Jobs waiting for a worker")
 BUFFER_DEPTH = Gauge("academus_scheduler_buffer_depth", "Waiting dispatch units (length-aware buffer elements)")
 LOST_CODES = (grpc.StatusCode.UNAVAILABLE,)
+PROBE_S = 1.0   # a departed worker silent this long to its health check is hung
 
 
 class WorkerCalls:
@@ -78,6 +80,23 @@ class WorkerCalls:
                 raise WorkerLost(f"{worker_id} at {worker.address}: {e.details()}", worker_id) from e
             raise from_rpc_error(e, f"worker {worker_id}") from e
         return output_from_pb(reply)
+
+
+class WorkerProbe:
+    """Whether a worker that left the placements still answers (the dispatcher's `probe`): only silence for PROBE_S
+    is a hung process. One draining after it deregistered answers NOT_SERVING, or refuses the call once its server
+    stops taking new ones while its own calls finish; a dead one refuses, and its calls have failed already."""
+
+    def __init__(self) -> None:
+        self.stubs = Stubs(health_pb2_grpc.HealthStub)
+
+    async def __call__(self, worker: WorkerRef) -> bool:
+        try:
+            await self.stubs(worker.address, worker.registration).Check(health_pb2.HealthCheckRequest(),
+                                                                        timeout=PROBE_S)
+        except grpc.aio.AioRpcError as e:
+            return e.code() != grpc.StatusCode.DEADLINE_EXCEEDED
+        return True
 
 
 def traced(send: Send, tracer: Tracer | None = None) -> Send:
@@ -348,7 +367,8 @@ async def build() -> ServiceSpec:
                             drop_doomed=config.drop_doomed, send_ahead=config.send_ahead,
                             lost_quarantine_s=max(1, round(config.heartbeat_ttl_s)),   # the key's TTL
                             shard=Shard(config.shard, config.shards), policy_name=config.policy,
-                            max_queue_wait_s=config.max_queue_wait_ms / 1e3, regroup_wait_s=config.regroup_wait_s)
+                            max_queue_wait_s=config.max_queue_wait_ms / 1e3, regroup_wait_s=config.regroup_wait_s,
+                            probe=WorkerProbe())
     dispatcher.workers = workers  # the sender resolves member addresses from the same live table
     watcher = PlacementWatcher(redis, keys, dispatcher, config.refresh_s, cfg.ModelSelection.parse(config.models),
                                prefetcher, config.node)

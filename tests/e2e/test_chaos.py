@@ -136,27 +136,6 @@ def test_a_killed_worker_loses_no_request_and_its_standby_takes_its_place(mesh, 
     assert behind not in (None, standby) and pid_alive(behind)   # and a new one waits behind it
 
 
-def test_a_frozen_worker_is_routed_around_and_the_same_process_rejoins_once_continued(mesh):
-    """A hung worker (SIGSTOP) keeps its connections open, so nothing refuses: only its heartbeat's lapse takes it
-    out of the placements. The other worker answers meanwhile, and the batches the hung one held run there once its
-    key lapsed: no request fails. Continued, the same process registers again and serves: the supervisor restarts
-    nothing."""
-    run_dir = Path(mesh.run_dir)
-    victim, restarted = pid_of(mesh, "worker-0"), restarts(run_dir)["worker-0"]
-    try:
-        result = under_load(mesh, lambda: os.kill(victim, signal.SIGSTOP), seconds=8.0, at=1.0)
-    finally:
-        os.kill(victim, signal.SIGCONT)
-    # the batches on the worker when it froze are given up once its key lapsed, and run on the other worker
-    assert [r.code for r in result.records if r.code != "OK"] == [], result.report()["error_examples"]
-    assert any(r.code == "OK" and r.sent_at > 1.0 + 6.0 for r in result.records)   # after its key's 5 s TTL
-    keys, client = Keys(mesh.key_prefix), redis.Redis.from_url(mesh.redis_url)
-    wait_for(lambda: client.exists(keys.worker("worker-0")) and serving(run_dir, "worker-0"), timeout_s=30,
-             what="the continued worker registered again")
-    wait_placed(MeshState.load(run_dir), WORKERS, 60)
-    assert pid_of(mesh, "worker-0") == victim and restarts(run_dir)["worker-0"] == restarted
-
-
 def test_sigterm_of_one_of_two_gateways_fails_no_request(mesh):
     old, standby = pid_of(mesh, "gateway"), standby_of(mesh, "gateway")
     result = under_load(mesh, kill(mesh, "gateway", signal.SIGTERM))
@@ -286,6 +265,27 @@ def test_saturated_workers_yield_the_cores_and_take_them_back(mesh):
              what="every worker's autogroup back at 0")
     events = logged_events(Path(mesh.run_dir) / "logs" / "worker-0.log", "saturation_yield")
     assert [e["yielding"] for e in events[-2:]] == [True, False]
+
+
+def test_a_frozen_worker_is_routed_around_and_the_same_process_rejoins_once_continued(mesh):
+    """A hung worker (SIGSTOP) keeps its connections open, so nothing refuses: only its heartbeat's lapse takes it
+    out of the placements. The other worker answers meanwhile, and the batches the hung one held run there once its
+    key lapsed: no request fails. Continued, the same process registers again and serves: the supervisor restarts
+    nothing."""
+    run_dir = Path(mesh.run_dir)
+    victim, restarted = pid_of(mesh, "worker-0"), restarts(run_dir)["worker-0"]
+    try:
+        result = under_load(mesh, lambda: os.kill(victim, signal.SIGSTOP), seconds=8.0, at=1.0)
+    finally:
+        os.kill(victim, signal.SIGCONT)
+    # the batches on the worker when it froze are given up once its key lapsed, and run on the other worker
+    assert [r.code for r in result.records if r.code != "OK"] == [], result.report()["error_examples"]
+    assert any(r.code == "OK" and r.sent_at > 1.0 + 6.0 for r in result.records)   # after its key's 5 s TTL
+    keys, client = Keys(mesh.key_prefix), redis.Redis.from_url(mesh.redis_url)
+    wait_for(lambda: client.exists(keys.worker("worker-0")) and serving(run_dir, "worker-0"), timeout_s=30,
+             what="the continued worker registered again")
+    wait_placed(MeshState.load(run_dir), WORKERS, 60)
+    assert pid_of(mesh, "worker-0") == victim and restarts(run_dir)["worker-0"] == restarted
 
 
 def test_down_stops_the_supervisor_first_and_nothing_comes_back(mesh):

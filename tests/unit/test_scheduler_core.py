@@ -12,6 +12,7 @@ from prometheus_client import REGISTRY
 from academus.services.scheduler.core import (
     ABANDON_FACTOR,
     ABANDON_MIN_S,
+    PROBE_AGAIN_S,
     Dispatcher,
     Group,
     Job,
@@ -220,8 +221,8 @@ async def test_lost_worker_is_retried_on_another_group():
 
 
 async def test_a_batch_a_departed_worker_holds_is_given_up_once_overdue_and_runs_elsewhere():
-    """A hung worker's open connection neither answers nor refuses: once its heartbeat's key lapsed, its batch is
-    retried on a live worker instead of waiting out the deadline."""
+    """A hung worker's open connection neither answers nor refuses: once its heartbeat's key lapsed (and its probe
+    went unanswered: none here), its batch is retried on a live worker instead of waiting out the deadline."""
     d, clock, fake = make_dispatcher({"w0": {"spam"}, "w1": {"spam"}})
     job = asyncio.create_task(d.submit(make_job(clock, deadline_in=10.0)))
     await settle()
@@ -239,12 +240,46 @@ async def test_a_batch_a_departed_worker_holds_is_given_up_once_overdue_and_runs
     assert d.stats.retried == 1 and not d._flights
 
 
+async def test_a_departed_worker_that_answers_its_probe_keeps_its_batch_and_one_that_does_not_loses_it():
+    """Past its estimate, a departed worker is asked whether it still answers: one draining after it deregistered
+    does and keeps its batch (asked again PROBE_AGAIN_S later); a hung one does not."""
+    d, clock, fake = make_dispatcher({"w0": {"spam"}, "w1": {"spam"}})
+    answers, asked = [True, False], []
+
+    async def probe(worker: WorkerRef) -> bool:
+        asked.append(worker.worker_id)
+        return answers.pop(0)
+
+    d.probe = probe
+    job = asyncio.create_task(d.submit(make_job(clock, deadline_in=10.0)))
+    await settle()
+    held = fake.calls[0][0]
+    other = "w1" if held == "w0" else "w0"
+    d.update_workers({other: (f"127.0.0.1:{int(other[1])}", frozenset({"spam"}))})
+    clock.now += ABANDON_MIN_S
+    d.expire_waiting()
+    await settle()
+    assert asked == [held] and d.stats.abandoned == 0 and len(fake.calls) == 1   # draining: left to finish
+    d.expire_waiting()
+    await settle()
+    assert asked == [held]   # not asked again within PROBE_AGAIN_S
+    clock.now += PROBE_AGAIN_S
+    d.expire_waiting()
+    await settle()
+    assert asked == [held, held] and d.stats.abandoned == 1   # no answer now: hung
+    assert [c[0] for c in fake.calls] == [held, other]
+    fake.calls[1][2].set_result("elsewhere")
+    assert await job == "elsewhere"
+
+
 async def test_a_slow_batch_on_a_listed_worker_is_never_given_up():
     d, clock, fake = make_dispatcher({"w0": {"spam"}, "w1": {"spam"}})
     job = asyncio.create_task(d.submit(make_job(clock, deadline_in=1000.0)))
     await settle()
     clock.now += 100 * ABANDON_MIN_S   # slow is not hung: the heartbeat's TTL decides
-    assert d.abandon_departed() == 0
+    d.abandon_departed()
+    await settle()
+    assert d.stats.abandoned == 0
     fake.calls[0][2].set_result("slow")
     assert await job == "slow" and len(fake.calls) == 1
 
@@ -258,7 +293,9 @@ async def test_a_departed_workers_batch_within_its_time_is_left_to_finish():
     await settle()
     d.update_workers({})
     clock.now += ABANDON_FACTOR * 2.0 - 0.1
-    assert d.abandon_departed() == 0
+    d.abandon_departed()
+    await settle()
+    assert d.stats.abandoned == 0
     fake.calls[0][2].set_result("drained")
     assert await job == "drained"
 
