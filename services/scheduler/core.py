@@ -178,12 +178,15 @@ ABANDON_FACTOR, ABANDON_MIN_S, PROBE_AGAIN_S = 4.0, 1.0, 1.0
 Probe = Callable[["WorkerRef"], Awaitable[bool]]   # whether the worker answered
 
 
-@dataclass
+@dataclass(eq=False)
 class Flight:
-    """A batch on its way: the workers it runs on, when it started, what it should take."""
+    """A batch on its way: the workers it runs on, when it started, what it should take, the task that sends it,
+    and whether it was given up (its worker departed and silent)."""
     refs: list[WorkerRef]
     started_at: float
     expected_s: float
+    task: asyncio.Task | None = None
+    given_up: bool = False
 
 
 @dataclass
@@ -237,10 +240,10 @@ class Dispatcher:
         self.token_dev: dict[str, float] = {}  # model -> smoothed deviation of token_s's samples from it
         self._timer: asyncio.TimerHandle | None = None
         self._arriving: Job | None = None  # a job that finds a free group on arrival is left to the worker
-        self._flights: dict[asyncio.Task, Flight] = {}   # the batches in flight, by the task that sends each
-        self._abandoned: set[asyncio.Task] = set()       # flights given up on a departed worker (`abandon_departed`)
+        self._flights: set[Flight] = set()   # the batches in flight
         self.probe = probe   # asks a departed worker whether it still answers; None: none does (given up at once)
         self._probed_at: dict[str, float] = {}   # worker_id -> when its last probe began (one at a time)
+        self._probes: set[asyncio.Task] = set()   # the probes under way (the loop keeps only weak references)
 
     @property
     def max_queue_wait_s(self) -> float:
@@ -553,11 +556,12 @@ class Dispatcher:
             if job.attempts == 1:   # a retried job waited once: counted at its first dispatch only
                 self._queue_wait(job.model).observe(now - job.enqueued_at)
         self.stats.dispatched += 1
-        task = asyncio.get_running_loop().create_task(self._run(group, refs, batch))
-        self._flights[task] = Flight(refs, now, expected)
+        flight = Flight(refs, now, expected)
+        task = flight.task = asyncio.get_running_loop().create_task(self._run(group, refs, batch, flight))
+        self._flights.add(flight)
         cancel_when_every_caller_left(batch, task)
 
-    async def _run(self, group: Group, refs: list[WorkerRef], batch: list[Job]) -> None:
+    async def _run(self, group: Group, refs: list[WorkerRef], batch: list[Job], flight: Flight) -> None:
         started = self.clock()
         results: Sequence[Any] | None = None
         try:
@@ -571,7 +575,7 @@ class Dispatcher:
                 self._retry_or_fail(job, e)
             self._fail_orphans()
         except asyncio.CancelledError:
-            if asyncio.current_task() in self._abandoned:   # its worker left, hung: the jobs run elsewhere
+            if flight.given_up:   # its worker left, hung: the jobs run elsewhere
                 lost = WorkerLost("the worker left the placements with this batch unanswered")
                 for job in batch:
                     self._retry_or_fail(job, lost)
@@ -587,9 +591,7 @@ class Dispatcher:
             self._observe(batch, took)
             self.policy.observe(batch, took)
         finally:
-            task = asyncio.current_task()
-            self._flights.pop(task, None)
-            self._abandoned.discard(task)
+            self._flights.discard(flight)
             # The freed group takes the next element before the answers go back: their callers' code runs
             # on this loop, and the element waiting for the group should not wait for it too.
             try:
@@ -715,20 +717,21 @@ class Dispatcher:
                     if self.workers.get(ref.worker_id) is not ref}.values():
             if now - self._probed_at.get(ref.worker_id, float("-inf")) >= PROBE_AGAIN_S:
                 self._probed_at[ref.worker_id] = now
-                asyncio.get_running_loop().create_task(self._probe_departed(ref))
+                probe = asyncio.get_running_loop().create_task(self._probe_departed(ref))
+                self._probes.add(probe)
+                probe.add_done_callback(self._probes.discard)
 
     def _overdue(self, now: float) -> list[Flight]:
-        return [f for task, f in self._flights.items() if task not in self._abandoned
+        return [f for f in self._flights if not f.given_up
                 and now - f.started_at >= max(ABANDON_FACTOR * f.expected_s, ABANDON_MIN_S)]
 
     async def _probe_departed(self, ref: WorkerRef) -> None:
         if self.probe is not None and await self.probe(ref):
             return   # draining: its batches end within the grace it stops in
-        given_up = [task for task, flight in self._flights.items()
-                    if any(r is ref for r in flight.refs) and task not in self._abandoned]
-        for task in given_up:
-            self._abandoned.add(task)
-            task.cancel()
+        given_up = [f for f in self._flights if any(r is ref for r in f.refs) and not f.given_up]
+        for flight in given_up:
+            flight.given_up = True
+            flight.task.cancel()
         self.stats.abandoned += len(given_up)
         log_event("batches_given_up", logging.WARNING, worker_id=ref.worker_id, address=ref.address,
                   batches=len(given_up))
