@@ -733,8 +733,9 @@ class Dispatcher:
             flight.given_up = True
             flight.task.cancel()
         self.stats.abandoned += len(given_up)
-        log_event("batches_given_up", logging.WARNING, worker_id=ref.worker_id, address=ref.address,
-                  batches=len(given_up))
+        if given_up:   # none left: they ended while the worker was asked
+            log_event("batches_given_up", logging.WARNING, worker_id=ref.worker_id, address=ref.address,
+                      batches=len(given_up))
 
     def expire_waiting(self) -> int:
         """Answers queued jobs whose deadline passed or whose caller left, and probes the departed workers that
