@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from academus.services.resource_manager.allocation import ProfilePoint, choose_profile
 from academus.services.resource_manager.core import GroupPlanner, PlacementTable, WorkerInfo
@@ -15,7 +15,7 @@ from academus.shared.runtime import config as cfg
 from academus.shared.runtime.gpu import start_mps
 from academus.shared.runtime.logs import log_event
 from academus.shared.runtime.redis_conn import connect
-from academus.shared.runtime.serving import ServiceSpec, Stubs, run
+from academus.shared.runtime.serving import PeerHealth, ServiceSpec, run
 from academus.shared.state.catalogue import spec_from_pb
 from academus.shared.state.keys import Keys
 from academus.v1 import resource_manager_pb2 as pb
@@ -25,36 +25,16 @@ PROBE_S = 1.0          # a check's time limit
 PROBE_AGAIN_S = 0.1    # a worker refuses a second check this long after the first before it is lost
 
 
-class WorkerHealth:
-    """The liveness watch's calls: each worker's standard health service (it passes the mesh's token gate), on
-    a channel a worker process (a restart on the same address gets a fresh one, not one backing off)."""
-
-    def __init__(self) -> None:
-        self.stubs = Stubs(health_pb2_grpc.HealthStub)
-
-    async def watch(self, address: str, registration: str) -> bool:
-        reached = False
-        try:
-            async for _ in self.stubs(address, registration).Watch(health_pb2.HealthCheckRequest()):
-                reached = True
-        except grpc.aio.AioRpcError:
-            pass
-        return reached
-
-    async def probe(self, address: str, registration: str) -> bool:
-        """False only when two checks PROBE_AGAIN_S apart are both refused (UNAVAILABLE: nothing listens, or the
-        connection was reset), as a dead process's port refuses; a check that is slow (a loaded host, a remote
-        one gone silent) proves nothing, and the heartbeat's TTL decides."""
-        for attempt in range(2):
-            if attempt:
-                await asyncio.sleep(PROBE_AGAIN_S)
-            try:
-                await self.stubs(address, registration).Check(health_pb2.HealthCheckRequest(), timeout=PROBE_S)
-                return True
-            except grpc.aio.AioRpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE:
-                    return True
-        return False
+async def worker_probe(health: PeerHealth, address: str, registration: str) -> bool:
+    """The liveness watch's probe: False only when two checks PROBE_AGAIN_S apart are both refused (UNAVAILABLE:
+    nothing listens, or the connection was reset), as a dead process's port refuses; a check that is slow (a loaded
+    host, a remote one gone silent) proves nothing, and the heartbeat's TTL decides."""
+    for attempt in range(2):
+        if attempt:
+            await asyncio.sleep(PROBE_AGAIN_S)
+        if await health.check(address, registration, PROBE_S) != grpc.StatusCode.UNAVAILABLE:
+            return True
+    return False
 
 
 class ResourceManagerServicer(resource_manager_pb2_grpc.ResourceManagerServicer):
@@ -119,8 +99,9 @@ async def build() -> ServiceSpec:
             groups = await planner.replan()
             log_event("worker_dropped", worker_id=worker_id, groups=groups)
 
-    health = WorkerHealth()
-    liveness = LivenessWatch(health.watch, health.probe, drop_lost) if config.watch_workers else None
+    health = PeerHealth()
+    liveness = (LivenessWatch(health.watch, functools.partial(worker_probe, health), drop_lost)
+                if config.watch_workers else None)
 
     async def announce(address: str) -> None:
         log_event("mps", action=start_mps(config.mps))

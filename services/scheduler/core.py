@@ -713,17 +713,16 @@ class Dispatcher:
         ran past ABANDON_FACTOR times its estimate; one that does not answer has its batches given up, their jobs
         retried, deadlines permitting."""
         now = self.clock()
-        for ref in {ref.worker_id: ref for flight in self._overdue(now) for ref in flight.refs
-                    if self.workers.get(ref.worker_id) is not ref}.values():
-            if now - self._probed_at.get(ref.worker_id, float("-inf")) >= PROBE_AGAIN_S:
-                self._probed_at[ref.worker_id] = now
-                probe = asyncio.get_running_loop().create_task(self._probe_departed(ref))
-                self._probes.add(probe)
-                probe.add_done_callback(self._probes.discard)
-
-    def _overdue(self, now: float) -> list[Flight]:
-        return [f for f in self._flights if not f.given_up
-                and now - f.started_at >= max(ABANDON_FACTOR * f.expected_s, ABANDON_MIN_S)]
+        for flight in self._flights:
+            if flight.given_up or now - flight.started_at < max(ABANDON_FACTOR * flight.expected_s, ABANDON_MIN_S):
+                continue
+            for ref in flight.refs:
+                departed = self.workers.get(ref.worker_id) is not ref
+                if departed and now - self._probed_at.get(ref.worker_id, float("-inf")) >= PROBE_AGAIN_S:
+                    self._probed_at[ref.worker_id] = now
+                    probe = asyncio.get_running_loop().create_task(self._probe_departed(ref))
+                    self._probes.add(probe)
+                    probe.add_done_callback(self._probes.discard)
 
     async def _probe_departed(self, ref: WorkerRef) -> None:
         if self.probe is not None and await self.probe(ref):

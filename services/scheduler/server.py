@@ -11,7 +11,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.trace import Tracer, get_tracer
 from prometheus_client import Gauge
 
@@ -21,6 +20,7 @@ from academus.services.scheduler.core import (
     GroupTable,
     Job,
     Member,
+    Probe,
     Send,
     Shard,
     WorkerLost,
@@ -43,7 +43,7 @@ from academus.shared.runtime.errors import ServingError, abort_with, answered, f
 from academus.shared.runtime.logs import log_event
 from academus.shared.runtime.multiplex import call_with_partials
 from academus.shared.runtime.redis_conn import connect, wake_on, woken
-from academus.shared.runtime.serving import ServiceSpec, Stubs, run
+from academus.shared.runtime.serving import PeerHealth, ServiceSpec, Stubs, run
 from academus.shared.runtime.tracing import annotate, batch_trace, request_trace
 from academus.shared.state.catalogue import ModelSpec
 from academus.shared.state.groups import groups_from_json
@@ -82,21 +82,14 @@ class WorkerCalls:
         return output_from_pb(reply)
 
 
-class WorkerProbe:
+def worker_probe(health: PeerHealth) -> Probe:
     """Whether a worker that left the placements still answers (the dispatcher's `probe`): only silence for PROBE_S
     is a hung process. One draining after it deregistered answers NOT_SERVING, or refuses the call once its server
     stops taking new ones while its own calls finish; a dead one refuses, and its calls have failed already."""
+    async def answers(worker: WorkerRef) -> bool:
+        return await health.check(worker.address, worker.registration, PROBE_S) != grpc.StatusCode.DEADLINE_EXCEEDED
 
-    def __init__(self) -> None:
-        self.stubs = Stubs(health_pb2_grpc.HealthStub)
-
-    async def __call__(self, worker: WorkerRef) -> bool:
-        try:
-            await self.stubs(worker.address, worker.registration).Check(health_pb2.HealthCheckRequest(),
-                                                                        timeout=PROBE_S)
-        except grpc.aio.AioRpcError as e:
-            return e.code() != grpc.StatusCode.DEADLINE_EXCEEDED
-        return True
+    return answers
 
 
 def traced(send: Send, tracer: Tracer | None = None) -> Send:
@@ -368,7 +361,7 @@ async def build() -> ServiceSpec:
                             lost_quarantine_s=max(1, round(config.heartbeat_ttl_s)),   # the key's TTL
                             shard=Shard(config.shard, config.shards), policy_name=config.policy,
                             max_queue_wait_s=config.max_queue_wait_ms / 1e3, regroup_wait_s=config.regroup_wait_s,
-                            probe=WorkerProbe())
+                            probe=worker_probe(PeerHealth()))
     dispatcher.workers = workers  # the sender resolves member addresses from the same live table
     watcher = PlacementWatcher(redis, keys, dispatcher, config.refresh_s, cfg.ModelSelection.parse(config.models),
                                prefetcher, config.node)

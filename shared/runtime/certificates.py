@@ -1,8 +1,8 @@
 """A server's TLS files read again when they change, so that a rotated certificate (cert-manager renewing a
 Secret mounted in place, a new `academus certs`) is presented without a restart: gRPC asks for it at each new
-connection's handshake (`grpc.dynamic_ssl_server_credentials`), the HTTP port's handshakes take the context that
-`follow` makes anew. Either way the new set replaces the old whole: a client CA rotated out is no longer trusted.
-Connections already open keep the certificate they were made with.
+connection's handshake (`grpc.dynamic_ssl_server_credentials`), the HTTP port's handshakes take the context each
+new set comes with (`follow`). Either way the new set replaces the old whole: a client CA rotated out is no
+longer trusted. Connections already open keep the certificate they were made with.
 
 A change is taken only whole: the files must read as PEM and the key must match the certificate. A rotation
 caught half-written (a key replaced before its certificate) is logged and skipped, and taken at the first look
@@ -36,10 +36,11 @@ class ServerCertificates:
         self.files = (key, cert, *((client_ca,) if client_ca else ()))
         self.clock = clock
         self._stamp = self._stamps()
-        self.key, self.cert, self.client_ca = self._read()   # at start, an error stops the service naming it
+        # at start, an error stops the service naming it; `_checked`: the set's context, which proved the key is the
+        # certificate's and which the HTTP port's handshakes take (`ssl_context`)
+        self.key, self.cert, self.client_ca, self._checked = self._read()
         self._looked = clock()
         self.reloads = 0
-        self._newest: ssl.SSLContext | None = None   # the HTTP port's handshakes' context (`ssl_context`)
 
     @property
     def paths(self) -> list[str]:
@@ -57,7 +58,7 @@ class ServerCertificates:
             return False
         self._stamp = stamp   # a set that fails is reported once; the rotation's next write makes a new stamp
         try:
-            self.key, self.cert, self.client_ca = self._read()
+            self.key, self.cert, self.client_ca, self._checked = self._read()
         except ConfigError as e:
             log_event("certificate_reload_skipped", logging.WARNING, error=str(e))
             return False
@@ -65,16 +66,20 @@ class ServerCertificates:
         log_event("certificate_reloaded", files=self.paths)
         return True
 
-    def _read(self) -> tuple[bytes, bytes, bytes | None]:
+    def _read(self) -> tuple[bytes, bytes, bytes | None, ssl.SSLContext]:
         (key_setting, key_path), (cert_setting, cert_path) = self.files[:2]
         key, cert = read_pem(key_setting, key_path), read_pem(cert_setting, cert_path)
         client_ca = read_pem(*self.files[2]) if len(self.files) > 2 else None
         try:   # what a handshake would find: a key that signs for the certificate
-            self._load(ssl.create_default_context(ssl.Purpose.CLIENT_AUTH), client_ca)
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(cert_path, key_path)
+            if client_ca is not None:
+                context.load_verify_locations(cadata=client_ca.decode())
+                context.verify_mode = ssl.CERT_REQUIRED
         except (ssl.SSLError, OSError) as e:
             raise ConfigError(f"{env_name(key_setting)}={key_path!r} is not the key of "
                               f"{env_name(cert_setting)}={cert_path!r} ({e})") from e
-        return key, cert, client_ca
+        return key, cert, client_ca, context
 
     def _stamps(self) -> tuple | None:
         try:
@@ -95,38 +100,21 @@ class ServerCertificates:
     # -- the HTTP port ---------------------------------------------------------------------
     def ssl_context(self) -> ssl.SSLContext:
         """An asyncio server's context. Each handshake switches to the newest set's context (the server-name
-        callback runs for every ClientHello, a name sent or not), which `follow` makes whenever the files change:
-        a context cannot forget a CA it trusted, so a client CA rotated out must not stay in the one in use."""
-        self._newest = listening = self._http_context()
+        callback runs for every ClientHello, a name sent or not), which `follow` keeps current: a context cannot
+        forget a CA it trusted, so a client CA rotated out must not stay in the one in use."""
+        listening = self._checked
         listening.sni_callback = self._to_newest
         return listening
 
-    def _http_context(self) -> ssl.SSLContext:
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        self._load(context, self.client_ca)
-        if self.client_ca is not None:
-            context.verify_mode = ssl.CERT_REQUIRED
-        return context
-
     def _to_newest(self, connection: ssl.SSLObject, server_name: str | None, context: ssl.SSLContext) -> None:
-        connection.context = self._newest
-
-    def _load(self, context: ssl.SSLContext, client_ca: bytes | None) -> None:
-        (_, key_path), (_, cert_path) = self.files[:2]
-        context.load_cert_chain(cert_path, key_path)
-        if client_ca is not None:
-            context.load_verify_locations(cadata=client_ca.decode())
+        connection.context = self._checked
 
     async def follow(self) -> None:
-        """Makes the newest context again whenever the files change (an asyncio server's handshakes run on the
-        loop, so none is half-way through meanwhile)."""
+        """Looks at the files once a LOOK_S, so that the HTTP port's next handshakes take a new set (an asyncio
+        server's handshakes run on the loop, so none is half-way through meanwhile)."""
         while True:
             await asyncio.sleep(LOOK_S)
-            if self.reload():
-                try:
-                    self._newest = self._http_context()
-                except (ssl.SSLError, OSError) as e:   # rewritten again since they were read
-                    log_event("certificate_reload_skipped", logging.WARNING, error=repr(e))
+            self.reload()
 
 
 def public_certificates(config: GatewayConfig) -> ServerCertificates | None:

@@ -324,3 +324,30 @@ class Stubs:
         if old is not None:
             loop = asyncio.get_running_loop()
             loop.call_later(RENEWED_CLOSE_S, lambda: loop.create_task(old.close()))
+
+
+class PeerHealth:
+    """A peer's standard health service (it passes the mesh's token gate), on a channel a peer process: a restart on
+    the same address (another `incarnation`) gets a fresh channel, not one backing off. Callers read the outcome:
+    the resource manager's liveness watch takes refusals for death, the scheduler silence for a hung worker."""
+
+    def __init__(self) -> None:
+        self.stubs = Stubs(health_pb2_grpc.HealthStub)
+
+    async def check(self, address: str, incarnation: str, timeout_s: float) -> grpc.StatusCode:
+        """How one check ended: OK when it was answered (serving or not), else its status code."""
+        try:
+            await self.stubs(address, incarnation).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as e:
+            return e.code()
+        return grpc.StatusCode.OK
+
+    async def watch(self, address: str, incarnation: str) -> bool:
+        """Follows the peer's health stream until it ends; whether it was ever open."""
+        reached = False
+        try:
+            async for _ in self.stubs(address, incarnation).Watch(health_pb2.HealthCheckRequest()):
+                reached = True
+        except grpc.aio.AioRpcError:
+            pass
+        return reached
