@@ -23,6 +23,7 @@ from academus.v1 import resource_manager_pb2_grpc
 
 PROBE_S = 1.0          # a check's time limit
 PROBE_AGAIN_S = 0.1    # a worker refuses a second check this long after the first before it is lost
+HANG_CONFIRM_S = 0.5   # a check left unanswered is followed by one more this long before the worker is hung
 
 
 async def worker_probe(health: PeerHealth, address: str, registration: str) -> bool:
@@ -35,6 +36,18 @@ async def worker_probe(health: PeerHealth, address: str, registration: str) -> b
         if await health.check(address, registration, PROBE_S) != grpc.StatusCode.UNAVAILABLE:
             return True
     return False
+
+
+async def worker_silent(health: PeerHealth, hang_s: float, address: str, registration: str) -> bool | None:
+    """The liveness watch's hang check: True when the worker answers (serving or not); False when a check stays
+    unanswered for hang_s and the next for HANG_CONFIRM_S (a pause of this process's own, which can delay an answer
+    past the first deadline, does not also swallow the second); None when it refuses (the stream's watch decides)."""
+    code = await health.check(address, registration, hang_s)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        code = await health.check(address, registration, HANG_CONFIRM_S)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return False
+    return True if code == grpc.StatusCode.OK else None
 
 
 class ResourceManagerServicer(resource_manager_pb2_grpc.ResourceManagerServicer):
@@ -100,7 +113,8 @@ async def build() -> ServiceSpec:
             log_event("worker_dropped", worker_id=worker_id, groups=groups)
 
     health = PeerHealth()
-    liveness = (LivenessWatch(health.watch, functools.partial(worker_probe, health), drop_lost)
+    silent = functools.partial(worker_silent, health, config.worker_hang_s) if config.worker_hang_s else None
+    liveness = (LivenessWatch(health.watch, functools.partial(worker_probe, health), drop_lost, silent=silent)
                 if config.watch_workers else None)
 
     async def announce(address: str) -> None:

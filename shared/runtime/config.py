@@ -542,6 +542,10 @@ class ResourceManagerConfig(CommonConfig):
     heartbeat_ttl_s: float = setting(5.0, "TTL of a worker's registration, which it renews")
     watch_workers: bool = setting(True, "hold a health stream to each worker: one that dies is dropped and its "
                                         "groups re-planned within a round trip, not after the heartbeat's TTL")
+    worker_hang_s: float = setting(1.5, "with watch_workers: a worker that answered health checks and then leaves "
+                                        "one unanswered this long (and the next 0.5 s) is hung, dropped and its "
+                                        "groups re-planned as a dead one's; 0: left to the heartbeat's TTL",
+                                   at_least(0))
     adapt_interval_s: float = setting(0.2, "how often the schedulers' load signals are read", above(0))
     adapt_window_s: float = setting(120.0, "quiet time before one student is added back (App. B.4.1: 2 minutes)",
                                     at_least(0))

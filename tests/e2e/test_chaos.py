@@ -268,19 +268,24 @@ def test_saturated_workers_yield_the_cores_and_take_them_back(mesh):
 
 
 def test_a_frozen_worker_is_routed_around_and_the_same_process_rejoins_once_continued(mesh):
-    """A hung worker (SIGSTOP) keeps its connections open, so nothing refuses: only its heartbeat's lapse takes it
-    out of the placements. The other worker answers meanwhile, and the batches the hung one held run there once its
-    key lapsed: no request fails. Continued, the same process registers again and serves: the supervisor restarts
-    nothing."""
+    """A hung worker (SIGSTOP) keeps its connections open, so nothing refuses: the resource manager finds it silent
+    to its health checks and drops it, well before its heartbeat's key lapses. The other worker answers meanwhile,
+    and the batches the hung one held run there once it was dropped: no request fails. Continued, the same process
+    registers again and serves: the supervisor restarts nothing."""
     run_dir = Path(mesh.run_dir)
     victim, restarted = pid_of(mesh, "worker-0"), restarts(run_dir)["worker-0"]
+    manager_log = run_dir / "logs" / "resource_manager.log"
+    lost_before = len(logged_events(manager_log, "worker_lost"))
     try:
         result = under_load(mesh, lambda: os.kill(victim, signal.SIGSTOP), seconds=8.0, at=1.0)
     finally:
         os.kill(victim, signal.SIGCONT)
-    # the batches on the worker when it froze are given up once its key lapsed, and run on the other worker
+    # the batches on the worker when it froze are given up once it was dropped, and run on the other worker
     assert [r.code for r in result.records if r.code != "OK"] == [], result.report()["error_examples"]
     assert any(r.code == "OK" and r.sent_at > 1.0 + 6.0 for r in result.records)   # after its key's 5 s TTL
+    lost = logged_events(manager_log, "worker_lost")[lost_before:]
+    assert [(e["worker_id"], e["how"]) for e in lost] == [("worker-0", "silent")]   # dropped by its silence,
+    # not reaped when its key lapsed
     keys, client = Keys(mesh.key_prefix), redis.Redis.from_url(mesh.redis_url)
     wait_for(lambda: client.exists(keys.worker("worker-0")) and serving(run_dir, "worker-0"), timeout_s=30,
              what="the continued worker registered again")

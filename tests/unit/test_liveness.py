@@ -31,10 +31,12 @@ class Worker:
 
 
 def watching(worker: Worker, lost: list) -> LivenessWatch:
+    """The watch over `worker`, with its hang checks when it has them."""
     async def on_lost(worker_id: str, registration: str) -> None:
         lost.append((worker_id, registration))
 
-    return LivenessWatch(worker.watch, worker.probe, on_lost, retry_s=0.01)
+    return LivenessWatch(worker.watch, worker.probe, on_lost, retry_s=0.01, silent=getattr(worker, "silent", None),
+                         check_every_s=0.01)
 
 
 async def settle() -> None:
@@ -99,4 +101,72 @@ async def test_sync_follows_the_registrations_and_a_restart_replaces_its_watch()
     first.end_stream(alive=False)   # the old process's watch was cancelled: nothing declares w1 lost
     await settle()
     assert lost == []
+    await liveness.close()
+
+
+class Hanging(Worker):
+    """A worker whose health checks are answered (True) until `hang`, then unanswered (False), or refused (None):
+    its stream stays open throughout, as a stopped process's does."""
+
+    def __init__(self, answers: bool | None = True) -> None:
+        super().__init__()
+        self.answers: bool | None = answers
+        self.checks = 0
+
+    async def silent(self, address: str, registration: str) -> bool | None:
+        self.checks += 1
+        return self.answers
+
+
+async def test_a_worker_that_answered_and_then_goes_silent_is_lost_with_its_stream_open():
+    worker, lost = Hanging(), []
+    liveness = watching(worker, lost)
+    liveness.follow("w1", "127.0.0.1:1", "r1")
+    await settle()
+    assert lost == [] and worker.checks > 1   # answering: checked on, kept
+    worker.answers = False
+    await settle()
+    assert lost == [("w1", "r1")] and liveness.lost == 1
+    checks = worker.checks
+    await settle()
+    assert worker.checks == checks and worker.streams == 1   # both watches ended with the loss
+    await liveness.close()
+
+
+async def test_silence_from_a_worker_that_never_answered_is_left_to_its_heartbeat():
+    """Never reached: the resource manager's network, not the worker, may be what is silent."""
+    worker, lost = Hanging(answers=False), []
+    liveness = watching(worker, lost)
+    liveness.follow("w1", "127.0.0.1:1", "r1")
+    await settle()
+    assert lost == [] and worker.checks > 1
+    await liveness.close()
+
+
+async def test_a_refused_check_is_not_silence():
+    """A refusal is the stream's watch to judge (two refusals, a dead port), not the hang check's."""
+    worker, lost = Hanging(), []
+    liveness = watching(worker, lost)
+    liveness.follow("w1", "127.0.0.1:1", "r1")
+    await settle()
+    worker.answers = None
+    await settle()
+    assert lost == []
+    worker.end_stream(alive=False)
+    await settle()
+    assert lost == [("w1", "r1")]
+    await liveness.close()
+
+
+async def test_forgetting_a_worker_ends_its_hang_checks():
+    worker, lost = Hanging(), []
+    liveness = watching(worker, lost)
+    liveness.follow("w1", "127.0.0.1:1", "r1")
+    await settle()
+    liveness.forget("w1")
+    await settle()
+    checks = worker.checks
+    worker.answers = False
+    await settle()
+    assert worker.checks == checks and lost == []
     await liveness.close()
