@@ -56,6 +56,7 @@ MAX_TOKENS_ANSWERED = 1 << 17
 # the GIL as it works. One thread: large requests queue behind each other, not the small ones behind them.
 OFF_LOOP_CHARS = 1 << 14
 HOLD_S, HOLD_WAIT_S = 5.0, 0.05   # a model served this recently waits for a scheduler, trying this often
+Answers = Callable[[str], Awaitable[bool]]   # whether the scheduler at an address answered its health check
 STALE_KEY_S = 3600.0   # while Redis is unreachable, a key verified within this long before is still trusted
 
 
@@ -555,6 +556,15 @@ def check_policy(policy: str) -> str:
 
 
 @dataclass(frozen=True)
+class SentCall:
+    """A request in flight to a scheduler: when it was sent, and what another deployment would need to serve."""
+
+    sent_at: float
+    model: str
+    policy: str
+
+
+@dataclass(frozen=True)
 class Deployment:
     """A live scheduler: its address, dispatch policy and models (empty: every model). A node's scheduler
     also registers the models its node has live groups for (`serving`; None: it serves the whole mesh)."""
@@ -578,11 +588,17 @@ class SchedulerDirectory:
     queue (in requests, or in time: its wait bound) is sent nothing more of that model until its pushback
     hint has passed (when `honour_pushback`): the queue holds more work than it should wait for, and
     refusing here spares the hop and the scheduler's loop. Per model: one deployment's student groups
-    may each serve a model of their own, with its own queue ahead."""
+    may each serve a model of their own, with its own queue ahead. A scheduler that leaves its health check
+    unanswered (`give_up_hung`) is hung: its calls go to another deployment and it is picked last until it answers."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, honour_pushback: bool = True,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, answers: Answers | None = None,
+                 hang_s: float = 1.0) -> None:
         self.redis, self.keys, self.honour_pushback, self.clock = redis, keys, honour_pushback, clock
+        self.answers, self.hang_s = answers, hang_s
+        self._calls: dict[str, dict[asyncio.Task, SentCall]] = {}   # address -> its calls in flight, oldest first
+        self._hung: set[str] = set()   # addresses that left a health check unanswered, until one answers
+        self._given_up: set[asyncio.Task] = set()   # calls cancelled as their scheduler's, to be sent elsewhere
         self.deployments: list[Deployment] = []
         self._next = itertools.count()
         self._in_flight: Counter[str] = Counter()  # address -> this gateway's requests sent and not answered
@@ -627,6 +643,8 @@ class SchedulerDirectory:
         live = set(self.addresses)   # a scheduler gone with nothing in flight is forgotten
         self._in_flight = Counter({a: n for a, n in self._in_flight.items() if n or a in live})
         self._down_until = {a: t for a, t in self._down_until.items() if a in live}
+        self._hung &= live
+        self._calls = {a: calls for a, calls in self._calls.items() if calls or a in live}
 
     async def pick(self, exclude: frozenset[str] = frozenset(), model: str = "", policy: str = "") -> str:
         candidates = self.serving(model, policy, exclude)
@@ -640,7 +658,7 @@ class SchedulerDirectory:
         now = self.clock()
         # one that answered UNAVAILABLE (e.g. a shard whose only group was lost) answers at once, so it
         # would look the emptiest and draw every request: it is tried last for a while
-        up = [a for a in open_ if self._down_until.get(a, now) <= now] or open_
+        up = [a for a in open_ if self._down_until.get(a, now) <= now and a not in self._hung] or open_
         start = next(self._next) % len(up)
         return min(up[start:] + up[:start], key=self._in_flight.__getitem__)
 
@@ -692,6 +710,9 @@ class SchedulerDirectory:
                 tried, holds = set(), holds + 1
                 continue
             self._in_flight[address] += 1
+            task = asyncio.current_task()
+            calls = self._calls.setdefault(address, {})
+            calls[task] = SentCall(self.clock(), model, policy)
             try:
                 answer = await send(address)
                 self._served_at[model] = self.clock()
@@ -700,8 +721,14 @@ class SchedulerDirectory:
                 if not for_want_of_room(e):   # e.g. it ran out of time there: so would a second try
                     raise
                 error = e
+            except asyncio.CancelledError:
+                if task not in self._given_up or task.uncancel():   # its caller's cancel too: the caller's
+                    raise
+                error = Unreachable(f"scheduler {address} left its health check unanswered")
             finally:
                 self._in_flight[address] -= 1
+                calls.pop(task, None)
+                self._given_up.discard(task)
             if isinstance(error, ResourceExhausted):
                 self.push_back(address, model, error.pushback_ms)
             elif isinstance(error, Unavailable):
@@ -715,6 +742,32 @@ class SchedulerDirectory:
                 if not (isinstance(error, Unreachable) and await self._hold(model, deadline, holds)):
                     raise error
                 tried, holds = set(), holds + 1
+
+    async def give_up_hung(self) -> dict[str, int]:
+        """One round of the hang check: each scheduler holding a call hang_s old, or found hung before, is asked
+        for its health. One silent for hang_s is hung: it is picked last, and its calls that another deployment
+        could serve are cancelled and sent there (`route`), as a dead one's would be. A call is safe to send again:
+        a scheduler that resumes finds it cancelled. Each hung address -> the calls given up this round."""
+        if self.answers is None:
+            return {}
+        now = self.clock()
+        suspects = sorted(self._hung | {a for a, calls in self._calls.items()
+                                        if calls and now - next(iter(calls.values())).sent_at >= self.hang_s})
+        answered = await asyncio.gather(*(self.answers(a) for a in suspects))
+        self._hung = {a for a, ok in zip(suspects, answered, strict=True) if not ok}
+        return {address: self._give_up(address) for address in sorted(self._hung)}
+
+    def _give_up(self, address: str) -> int:
+        """Cancels the calls in flight to `address`, those sent while it was being checked too (silent throughout
+        the check, it held them as well); those only it serves stay."""
+        given_up = 0
+        for task, call in list(self._calls.get(address, {}).items()):
+            if (task not in self._given_up and not task.done()
+                    and self.serving(call.model, call.policy, {address})):
+                self._given_up.add(task)
+                task.cancel()
+                given_up += 1
+        return given_up
 
     async def _hold(self, model: str, deadline: float, holds: int) -> bool:
         """No scheduler can take a request of `model` now. If one served it within HOLD_S, one is likely

@@ -46,7 +46,7 @@ from academus.shared.runtime.errors import ServingError, Unavailable, abort_with
 from academus.shared.runtime.logs import log_event
 from academus.shared.runtime.multiplex import call_with_partials
 from academus.shared.runtime.redis_conn import RedisAbsence, connect, wake_on, woken
-from academus.shared.runtime.serving import ServiceSpec, Stubs, run
+from academus.shared.runtime.serving import PeerHealth, ServiceSpec, Stubs, run
 from academus.shared.runtime.tracing import annotate
 from academus.shared.state.catalogue import EMBEDDING, ModelSpec
 from academus.shared.state.jobs import FAILED, QUEUED, RUNNING, SUCCEEDED, Job
@@ -57,6 +57,7 @@ from academus.v1 import inference_pb2 as pb
 from academus.v1 import inference_pb2_grpc, manage_pb2, manage_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, tensors_pb2
 
 T = TypeVar("T")
+HANG_CHECK_EVERY_S = 0.5   # how often the schedulers holding old calls are asked for their health
 OUTPUT_NAMES = {pb.OUTPUT_UNSPECIFIED: "", pb.OUTPUT_LABEL: LABEL, pb.OUTPUT_SCORE: SCORE, pb.OUTPUT_EMBEDDING: EMBED}
 OUTPUT_ENUMS = {LABEL: pb.OUTPUT_LABEL, SCORE: pb.OUTPUT_SCORE, EMBED: pb.OUTPUT_EMBEDDING}
 
@@ -504,7 +505,10 @@ async def build() -> ServiceSpec:
     redis = connect(config.redis_url, config.redis_password)
     keys = Keys(config.key_prefix)
     catalogue = Catalogue(redis, keys)
-    schedulers = SchedulerDirectory(redis, keys, config.honour_pushback)
+    health = PeerHealth()
+    schedulers = SchedulerDirectory(redis, keys, config.honour_pushback,
+                                    answers=functools.partial(health.answers, timeout_s=config.scheduler_hang_s)
+                                    if config.scheduler_hang_s else None, hang_s=config.scheduler_hang_s)
     registry = TenantRegistry(redis, keys, rate=config.tenant_rate, burst=config.tenant_burst)
     absence = RedisAbsence()   # one for the keys and the quotas: a failure either meets spares the other the wait
     gateway = Gateway(config, TeacherTokenizer(teacher_dir(), config.max_tokens, ascii_path=config.ascii_tokenizer),
@@ -528,6 +532,14 @@ async def build() -> ServiceSpec:
                 log_event("refresh_failed", logging.WARNING, error=repr(e))
             if await woken(changed, config.catalogue_refresh_s):
                 gateway.auth.forget()   # an event (or Redis back): it may be a key's revocation (state/api_keys.py)
+
+    async def hang_checks() -> None:
+        """Schedulers that hold calls long are asked for their health; a hung one's calls go elsewhere."""
+        while True:
+            await asyncio.sleep(HANG_CHECK_EVERY_S)
+            for address, given_up in (await schedulers.give_up_hung()).items():
+                if given_up:
+                    log_event("scheduler_calls_given_up", logging.WARNING, address=address, calls=given_up)
 
     manage = ManageServicer(Manage(config, redis, keys, gateway.auth, quotas=gateway.quotas))   # one set of leases
 
@@ -563,7 +575,8 @@ async def build() -> ServiceSpec:
         on_started=registration.serving,
         on_stopping=stopping,
         on_stopped=stopped,
-        extra_tasks=[refresher, functools.partial(wake_on, redis, keys.events(), changed), registration.heartbeat],
+        extra_tasks=[refresher, functools.partial(wake_on, redis, keys.events(), changed), registration.heartbeat,
+                     *([hang_checks] if config.scheduler_hang_s else [])],
         own_port=config.own_port,
         public_credentials=functools.partial(public_credentials, config),
         max_receive_bytes=config.request_limit,

@@ -175,6 +175,10 @@ Send = Callable[[Group, Sequence[Job]], Awaitable[Sequence[Any]]]
 # refuses) does not answer, and its batches are given up and run elsewhere. One that answers is draining (it
 # deregistered to stop) and keeps them; it is probed again PROBE_AGAIN_S later.
 ABANDON_FACTOR, ABANDON_MIN_S, PROBE_AGAIN_S = 4.0, 1.0, 1.0
+# A batch's time is learnt as at most this many times what it was expected to take: one answered after its worker
+# stood still for seconds (stopped, a host's stall) would lift the estimate many-fold, and the queue's bound refused
+# every request for seconds after (reliability.md). A lasting slowdown is still learnt, 1 + 0.2 x 3 fold a batch.
+LEARNT_FACTOR = 4.0
 Probe = Callable[["WorkerRef"], Awaitable[bool]]   # whether the worker answered
 
 
@@ -588,6 +592,8 @@ class Dispatcher:
                 self._settle(job, exc=e)
         else:
             took = self.clock() - max(started, group.started_at)  # one sent ahead began when its predecessor ended
+            if flight.expected_s:
+                took = min(took, LEARNT_FACTOR * flight.expected_s)
             self._observe(batch, took)
             self.policy.observe(batch, took)
         finally:

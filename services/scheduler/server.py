@@ -87,7 +87,7 @@ def worker_probe(health: PeerHealth) -> Probe:
     is a hung process. One draining after it deregistered answers NOT_SERVING, or refuses the call once its server
     stops taking new ones while its own calls finish; a dead one refuses, and its calls have failed already."""
     async def answers(worker: WorkerRef) -> bool:
-        return await health.check(worker.address, worker.registration, PROBE_S) != grpc.StatusCode.DEADLINE_EXCEEDED
+        return await health.answers(worker.address, PROBE_S, worker.registration)
 
     return answers
 

@@ -348,6 +348,10 @@ class GatewayConfig(CommonConfig):
                                           "within it", REDIS_TTL)
     honour_pushback: bool = setting(True, "a scheduler that refused for a full queue is sent nothing until its hint "
                                           "passes")
+    scheduler_hang_s: float = setting(1.0, "a scheduler holding a call this long is asked for its health; silent "
+                                           "this long, it is hung: the calls another deployment serves are sent "
+                                           "there, and it is picked last until it answers (0: calls wait for their "
+                                           "deadlines)", at_least(0))
     tenant_rate: float = setting(100.0, "a new tenant's quota: requests per second (token bucket refill)", above(0))
     tenant_burst: int = setting(200, "... and bucket size: requests allowed at once after a quiet spell",
                                 at_least(1))

@@ -342,6 +342,11 @@ class PeerHealth:
             return e.code()
         return grpc.StatusCode.OK
 
+    async def answers(self, address: str, timeout_s: float, incarnation: str = "") -> bool:
+        """Whether the peer answers a check within `timeout_s` or refuses it: False only for silence, a hung
+        process's (a dead one refuses, one stopping answers NOT_SERVING)."""
+        return await self.check(address, incarnation, timeout_s) != grpc.StatusCode.DEADLINE_EXCEEDED
+
     async def watch(self, address: str, incarnation: str) -> bool:
         """Follows the peer's health stream until it ends; whether it was ever open."""
         reached = False

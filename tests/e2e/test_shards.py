@@ -1,17 +1,22 @@
 """A student deployment split over three scheduler processes (shards) on the real mesh: each runs its
 share of the groups (sharing one where there are fewer groups than shards), the gateway spreads requests
-over all, and a killed worker loses no request, even where it held a shard's only group."""
+over all, a frozen shard's calls go to the others, and a killed worker loses no request, even where it held a
+shard's only group."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+from pathlib import Path
 
 import pytest
 import redis
 
 from academus.client import AcademusError
 from academus.shared.cli.mesh import Deployment, wait_exit
+from academus.shared.runtime.logs import logged_events
 from academus.shared.state.keys import Keys
 from tests.e2e.conftest import metric
 from tests.e2e.test_student_parallelism import MODEL, burst, kill_under_load, table, two_worker_mesh, wait_for
@@ -64,6 +69,35 @@ def test_a_shard_beyond_the_group_count_shares_a_group(mesh):
     assert all(not isinstance(a, AcademusError) for a in answers), answers
     assert {a.metadata.scheduler_id for a in answers} == set(SHARDS)
     assert {a.metadata.student_count for a in answers} == {2}
+
+
+def test_a_frozen_shards_calls_go_to_the_other_shards(mesh):
+    """A hung scheduler (SIGSTOP) neither answers nor refuses: the calls the gateway sent it would wait out their
+    deadlines (4 s here, the freeze 5 s). The gateway finds it silent to its health check, gives its calls up and
+    sends them to the other shards, and sends it nothing more while it stays silent: no request fails."""
+    r = redis.Redis.from_url(mesh.redis_url, decode_responses=True)
+    r.set(Keys(mesh.key_prefix).students(MODEL), 1)
+    wait_for(lambda: shard_groups(mesh) == dict(zip(SHARDS, (1, 1, 2), strict=True)), what="the split 1, 1, 2")
+    victim = next(s for s in mesh.services if s.name == SHARDS[1])
+    gateway_log = Path(mesh.run_dir) / "logs" / "gateway.log"
+    before = len(logged_events(gateway_log, "scheduler_calls_given_up"))
+
+    async def frozen_under_load() -> list:
+        pending = asyncio.create_task(burst(mesh, 200, timeout=4.0, rate=40))
+        await asyncio.sleep(0.5)
+        os.kill(victim.pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(5.0)
+        finally:
+            os.kill(victim.pid, signal.SIGCONT)
+        return await pending
+
+    answers = asyncio.run(frozen_under_load())
+    errors = [a for a in answers if isinstance(a, AcademusError)]
+    assert not errors, [e.code for e in errors]
+    given_up = logged_events(gateway_log, "scheduler_calls_given_up")[before:]
+    assert {e["address"] for e in given_up} == {victim.address} and sum(e["calls"] for e in given_up) >= 1
+    wait_for(lambda: shard_groups(mesh)[SHARDS[1]] == 1, what="the continued shard reporting again")
 
 
 def test_a_killed_worker_loses_no_request_in_any_shard(mesh):

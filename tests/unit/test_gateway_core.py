@@ -936,3 +936,77 @@ async def test_a_users_tokenizer_follows_the_setting_of_the_teachers(redis_url, 
     assert own.max_tokens == 16 and (own.ascii is not None) is ascii_path
     assert own.encode(["a fine film"])[0].input_ids == [101, 1037, 2986, 2143, 102]
     await redis.aclose()
+
+
+async def hang_directory(redis_url, silent: set[str], now: list[float]):
+    """Two schedulers of spam, b:0 also serving ham alone, behind a directory whose health checks find the
+    addresses in `silent` hung."""
+    from academus.services.gateway.core import SchedulerDirectory
+
+    redis = connect(redis_url)
+    await redis.sadd(KEYS.schedulers(), "p0", "p1")
+    for name, address, models in (("p0", "b:0", "spam,ham"), ("p1", "b:1", "spam")):
+        await redis.hset(KEYS.scheduler(name), mapping={"address": address, "policy": "padded", "models": models})
+    asked: list[str] = []
+
+    async def answers(address: str) -> bool:
+        asked.append(address)
+        return address not in silent
+
+    directory = SchedulerDirectory(redis, KEYS, clock=lambda: now[0], answers=answers, hang_s=1.0)
+    await directory.refresh()
+    return redis, directory, asked
+
+
+@pytest.mark.timeout(30)
+async def test_a_silent_schedulers_calls_are_given_up_and_sent_to_another(redis_url):
+    """A hung scheduler neither answers nor refuses: its calls would wait out their deadlines. Found silent, its
+    calls another deployment serves go there, and it is picked last until it answers again."""
+    now, silent = [10.0], {"b:0"}
+    redis, directory, asked = await hang_directory(redis_url, silent, now)
+    sent: list[str] = []
+    hang = asyncio.Event()
+
+    async def send(address: str) -> str:
+        sent.append(address)
+        if address == "b:0":
+            await hang.wait()   # never set: the scheduler froze with the call
+        return f"answer from {address}"
+
+    held = asyncio.ensure_future(directory.route("spam", "", deadline=20.0, send=send))   # one to each: the
+    other = asyncio.ensure_future(directory.route("spam", "", deadline=20.0, send=send))  # fewest in flight
+    held_ham = asyncio.ensure_future(directory.route("ham", "", deadline=20.0, send=send))
+    await asyncio.sleep(0.01)
+    assert sorted(sent) == ["b:0", "b:0", "b:1"] and not held_ham.done()
+    assert await directory.give_up_hung() == {} and asked == []   # no call old enough: nobody asked
+    now[0] += 1.0
+    assert await directory.give_up_hung() == {"b:0": 1}            # ham's call stays: only b:0 serves ham
+    assert [await held, await other] == ["answer from b:1"] * 2 and not held_ham.done()
+    hang.set()
+    assert await held_ham == "answer from b:0"   # nothing in flight now: the picks would alternate
+    assert {await directory.pick(model="spam") for _ in range(4)} == {"b:1"}   # picked last while silent
+    assert await directory.give_up_hung() == {"b:0": 0}   # asked again: still silent
+    silent.clear()
+    assert await directory.give_up_hung() == {}
+    now[0] += 1.0   # and past the DOWN_S that its given-up call's Unreachable set
+    assert {await directory.pick(model="spam") for _ in range(4)} == {"b:0", "b:1"}
+    await redis.aclose()
+
+
+@pytest.mark.timeout(30)
+async def test_a_callers_own_cancel_is_not_taken_for_a_hung_scheduler(redis_url):
+    now = [10.0]
+    redis, directory, _ = await hang_directory(redis_url, set(), now)
+
+    async def send(address: str) -> str:
+        await asyncio.Event().wait()
+        return address
+
+    call = asyncio.ensure_future(directory.route("ham", "", deadline=20.0, send=send))
+    await asyncio.sleep(0.01)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    now[0] += 5.0
+    assert await directory.give_up_hung() == {}   # the cancelled call left nothing to check
+    await redis.aclose()

@@ -1403,3 +1403,22 @@ async def test_the_registration_names_what_a_node_serves_and_leaves_no_key_behin
     assert not await redis.exists(keys.scheduler(sid), keys.load(sid))
     assert await redis.smembers(keys.schedulers()) == set()
     await redis.aclose()
+
+
+async def test_a_batch_answered_long_past_its_estimate_is_learnt_as_four_times_it():
+    """A worker that stood still for seconds (stopped, a host's stall) answers a full batch expected in 0.8 s after
+    20 s. Learnt as it came, that one sample put the time a row at 0.58 s and its deviation at 0.48 s: 8.5 s for a
+    full batch, which refused every request at the queue's bound for seconds after. It counts as 3.2 s, four times
+    its estimate: 0.16 and 0.06 s a row."""
+    d, clock, fake = make_dispatcher({"w0": {"spam"}}, capacity=64, policy=ConcatPolicy(row_length=128, rows=8))
+    first = asyncio.create_task(d.submit(row_job(clock, "first")))
+    await settle()
+    rows = [asyncio.create_task(d.submit(row_job(clock, i))) for i in range(16)]
+    await settle()
+    for k, took in enumerate((0.1, 0.8, 20.0)):   # a row in 0.1 s, a full batch as expected, then one held up
+        clock.now += took
+        fake.calls[k][2].set_result("row")
+        await settle()
+    assert [len(b) for b in fake.batches] == [1, 8, 8]
+    assert d.token_s["spam"] * 128 == pytest.approx(0.16) and d.token_dev["spam"] * 128 == pytest.approx(0.06)
+    assert await first == "row" and await asyncio.gather(*rows) == ["row"] * 16
