@@ -394,8 +394,8 @@ class Dispatcher:
     def _admit(self, job: Job) -> None:
         """Refuses at once what the queue cannot start in time: DEADLINE_EXCEEDED when the work ahead at the
         measured batch times outlasts the job's deadline, RESOURCE_EXHAUSTED when the work ahead, a batch running
-        long counted in, exceeds the queue's wait bound, with a pushback hint of the excess (the gateway then
-        sends this scheduler nothing while the queue drains to the bound).
+        long counted in, exceeds the queue's wait bound, with a pushback hint of the excess, the bound at most (the
+        gateway then sends this scheduler nothing while the queue drains to the bound).
 
         The deadline's refusal is final, so it does not count a batch running long: one batch running for
         seconds, taken as the time of every batch queued behind it, promised a standby scheduler at 10 requests
@@ -411,7 +411,10 @@ class Dispatcher:
                                    f"(running and queued), {max(0.0, left) * 1e3:.0f} ms left", nothing_ran=True)
         if self.max_queue_wait_s and slowed > self.max_queue_wait_s:
             self.stats.rejected += 1
-            excess_ms = max(1, round((slowed - self.max_queue_wait_s) * 1e3))
+            # the hint is the excess, the bound at most: past it the excess is a running batch's stall taken as
+            # the time of the batches behind it, which can end at any moment (a hung worker's batch given up)
+            # while the gateway would still send the model nothing for seconds
+            excess_ms = max(1, round(min(slowed - self.max_queue_wait_s, self.max_queue_wait_s) * 1e3))
             raise ResourceExhausted(f"scheduler queue holds about {slowed * 1e3:.0f} ms of work ahead; the limit "
                                     f"is ACADEMUS_MAX_QUEUE_WAIT_MS={self.max_queue_wait_s * 1e3:.0f}; retry in "
                                     f"{excess_ms} ms", pushback_ms=excess_ms)

@@ -1422,3 +1422,17 @@ async def test_a_batch_answered_long_past_its_estimate_is_learnt_as_four_times_i
     assert [len(b) for b in fake.batches] == [1, 8, 8]
     assert d.token_s["spam"] * 128 == pytest.approx(0.16) and d.token_dev["spam"] * 128 == pytest.approx(0.06)
     assert await first == "row" and await asyncio.gather(*rows) == ["row"] * 16
+
+
+async def test_a_stalled_batchs_pushback_hint_is_the_bound_at_most():
+    """Batches measured at 50 ms; one has run 4 s (its worker stopped), three queued behind it: 12 s of work ahead
+    at the stalled batch's time, 11 s past a 1 s bound. A hint of 11 s kept the gateway refusing the model for
+    seconds after the stall ended (its batch given up, reliability.md); the hint is 1 s, and the next request
+    after it asks again."""
+    d, clock, fake, jobs = await behind_a_running_batch(3, 0.05, 4.0)
+    d.max_queue_wait_s = 1.0
+    with pytest.raises(ResourceExhausted, match=r"about 12000 ms of work ahead.*retry in 1000 ms") as refused:
+        await asyncio.wait_for(d.submit(make_job(clock)), 1)
+    assert refused.value.pushback_ms == 1000
+    await answer_in_turn(fake, 4)
+    assert await asyncio.gather(*jobs) == [0, 1, 2, 3]
