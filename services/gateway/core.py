@@ -555,7 +555,7 @@ def check_policy(policy: str) -> str:
     return policy
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SentCall:
     """A request in flight to a scheduler: when it was sent, and what another deployment would need to serve."""
 

@@ -537,7 +537,12 @@ async def build() -> ServiceSpec:
         """Schedulers that hold calls long are asked for their health; a hung one's calls go elsewhere."""
         while True:
             await asyncio.sleep(HANG_CHECK_EVERY_S)
-            for address, given_up in (await schedulers.give_up_hung()).items():
+            try:
+                hung = await schedulers.give_up_hung()
+            except Exception as e:  # a check that failed oddly: the next round asks again
+                log_event("hang_check_failed", logging.WARNING, error=repr(e))
+                continue
+            for address, given_up in hung.items():
                 if given_up:
                     log_event("scheduler_calls_given_up", logging.WARNING, address=address, calls=given_up)
 

@@ -107,7 +107,7 @@ class PlacementTable:
                 await pipe.execute()
             except WatchError:
                 return False
-        await self.redis.publish(self.keys.events(), f"lost {worker_id}")
+        await self.redis.publish(self.keys.events(), f"lost {worker_id} {registration}")
         return True
 
     def _remove(self, pipe: Pipeline, worker_id: str, models: Iterable[str]) -> None:

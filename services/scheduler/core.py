@@ -176,8 +176,9 @@ Send = Callable[[Group, Sequence[Job]], Awaitable[Sequence[Any]]]
 # deregistered to stop) and keeps them; it is probed again PROBE_AGAIN_S later.
 ABANDON_FACTOR, ABANDON_MIN_S, PROBE_AGAIN_S = 4.0, 1.0, 1.0
 # A batch's time is learnt as at most this many times what it was expected to take: one answered after its worker
-# stood still for seconds (stopped, a host's stall) would lift the estimate many-fold, and the queue's bound refused
-# every request for seconds after (reliability.md). A lasting slowdown is still learnt, 1 + 0.2 x 3 fold a batch.
+# stood still for seconds (stopped, a host's stall) would lift the estimate many-fold, and the queue's bound would
+# refuse what the workers have room for until later batches brought it down. A lasting slowdown is still learnt,
+# 1 + 0.2 x 3 fold a full batch.
 LEARNT_FACTOR = 4.0
 Probe = Callable[["WorkerRef"], Awaitable[bool]]   # whether the worker answered
 

@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -82,11 +83,35 @@ class WorkerCalls:
         return output_from_pb(reply)
 
 
-def worker_probe(health: PeerHealth) -> Probe:
+class LostRegistrations:
+    """The worker registrations the resource manager announced lost (`lost <worker id> <registration>` on the
+    events channel: it found the process dead, or silent to its checks), the latest `kept` of them."""
+
+    def __init__(self, kept: int = 1024) -> None:
+        self.kept = kept
+        self._order: deque[str] = deque()
+        self._lost: set[str] = set()
+
+    def hear(self, message: str) -> None:
+        kind, *rest = message.split()
+        if kind == "lost" and len(rest) == 2 and rest[1] not in self._lost:
+            self._order.append(rest[1])
+            self._lost.add(rest[1])
+            if len(self._order) > self.kept:
+                self._lost.discard(self._order.popleft())
+
+    def __contains__(self, registration: str) -> bool:
+        return registration in self._lost
+
+
+def worker_probe(health: PeerHealth, lost: LostRegistrations | None = None) -> Probe:
     """Whether a worker that left the placements still answers (the dispatcher's `probe`): only silence for PROBE_S
     is a hung process. One draining after it deregistered answers NOT_SERVING, or refuses the call once its server
-    stops taking new ones while its own calls finish; a dead one refuses, and its calls have failed already."""
+    stops taking new ones while its own calls finish; a dead one refuses, and its calls have failed already. One the
+    resource manager announced lost was found dead or silent there already: it is not asked again."""
     async def answers(worker: WorkerRef) -> bool:
+        if lost is not None and worker.registration in lost:
+            return False
         return await health.answers(worker.address, PROBE_S, worker.registration)
 
     return answers
@@ -147,8 +172,10 @@ class PlacementWatcher:
 
     def __init__(self, redis, keys: Keys, dispatcher: Dispatcher, refresh_s: float,
                  models: cfg.ModelSelection = cfg.EVERY_MODEL, prefetcher: PlotPrefetcher | None = None,
-                 node: str = "", on_serving: Callable[[], Awaitable[None]] | None = None) -> None:
+                 node: str = "", on_serving: Callable[[], Awaitable[None]] | None = None,
+                 heard: Callable[[str], None] | None = None) -> None:
         self.redis, self.keys, self.dispatcher, self.refresh_s = redis, keys, dispatcher, refresh_s
+        self.heard = heard   # takes each event's text
         self.prefetcher = prefetcher
         self.models = models  # this deployment's models
         self.node = node
@@ -220,8 +247,8 @@ class PlacementWatcher:
         self.max_merge = max(known) if known else None
 
     async def watch_events(self) -> None:
-        """Wakes the refresh loop on placement events."""
-        await wake_on(self.redis, self.keys.events(), self.changed)
+        """Wakes the refresh loop on placement events (each one's text to `heard` first)."""
+        await wake_on(self.redis, self.keys.events(), self.changed, self.heard)
 
     async def loop(self) -> None:
         while True:
@@ -354,6 +381,7 @@ async def build() -> ServiceSpec:
     policy = policy_from(config)
     workers: dict[str, WorkerRef] = {}
     prefetcher = PlotPrefetcher(Stubs(plot_pb2_grpc.PlotStub), clock) if config.plot_prefetch else None
+    lost = LostRegistrations()
     dispatcher = Dispatcher(policy, traced(GroupSender(WorkerCalls(worker_stubs, workers), clock, prefetcher)),
                             config.queue_capacity, config.retry_pushback_ms, clock,
                             on_wait=prefetcher.on_wait if prefetcher is not None else None,
@@ -361,10 +389,10 @@ async def build() -> ServiceSpec:
                             lost_quarantine_s=max(1, round(config.heartbeat_ttl_s)),   # the key's TTL
                             shard=Shard(config.shard, config.shards), policy_name=config.policy,
                             max_queue_wait_s=config.max_queue_wait_ms / 1e3, regroup_wait_s=config.regroup_wait_s,
-                            probe=worker_probe(PeerHealth()))
+                            probe=worker_probe(PeerHealth(), lost))
     dispatcher.workers = workers  # the sender resolves member addresses from the same live table
     watcher = PlacementWatcher(redis, keys, dispatcher, config.refresh_s, cfg.ModelSelection.parse(config.models),
-                               prefetcher, config.node)
+                               prefetcher, config.node, heard=lost.hear)
     registration = SchedulerRegistration(redis, keys, config, dispatcher, policy, watcher, prefetcher)
     watcher.on_serving = registration.reregister
     servicer = SchedulerServicer(dispatcher, config.policy, watcher.student_numbers)

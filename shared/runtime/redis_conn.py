@@ -77,13 +77,14 @@ def redacted(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{parts.netloc.rpartition('@')[2]}"))
 
 
-async def wake_on(redis: aioredis.Redis, channel: str, changed: asyncio.Event) -> None:
+async def wake_on(redis: aioredis.Redis, channel: str, changed: asyncio.Event,
+                  heard: Callable[[str], None] | None = None) -> None:
     """Sets `changed` on every message published to `channel`, until cancelled: a refresh loop waiting on
     it with its period as the timeout reads a change at once instead of at its next period. `changed` is set
     each time the subscription starts, the first time too: what was published before it was missed (a worker
     registering while its scheduler starts). A lost connection (Redis restarted) is subscribed again, tries
     RESUBSCRIBE_S apart doubling up to 2 s; unguarded, the first restart ended the task and left the loop on
-    its period for good."""
+    its period for good. `heard` takes each message's text first, for a listener that reads what changed."""
     wait = RESUBSCRIBE_S
 
     def subscribed() -> None:
@@ -93,7 +94,7 @@ async def wake_on(redis: aioredis.Redis, channel: str, changed: asyncio.Event) -
 
     while True:
         try:
-            await _wake_while_subscribed(redis, channel, changed, subscribed)
+            await _wake_while_subscribed(redis, channel, changed, subscribed, heard)
             raise asyncio.CancelledError
         except (RedisConnectionError, RedisTimeoutError):
             await asyncio.sleep(wait)
@@ -113,7 +114,7 @@ async def woken(changed: asyncio.Event, period_s: float) -> bool:
 
 
 async def _wake_while_subscribed(redis: aioredis.Redis, channel: str, changed: asyncio.Event,
-                                 subscribed: Callable[[], None]) -> None:
+                                 subscribed: Callable[[], None], heard: Callable[[str], None] | None) -> None:
     """Returns once the task is being cancelled. Polls with a timeout and checks for a pending cancel
     itself: redis-py's blocking pub/sub read can swallow the task's cancellation, which left a service's
     stop waiting on this task forever."""
@@ -122,7 +123,11 @@ async def _wake_while_subscribed(redis: aioredis.Redis, channel: str, changed: a
         await pubsub.subscribe(channel)
         subscribed()
         while not asyncio.current_task().cancelling():
-            if await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0):
+            message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+            if message:
+                if heard is not None:
+                    data = message["data"]
+                    heard(data.decode(errors="replace") if isinstance(data, bytes) else str(data))
                 changed.set()
     finally:
         with contextlib.suppress(RedisConnectionError, RedisTimeoutError):

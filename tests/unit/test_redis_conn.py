@@ -1,5 +1,5 @@
 """The services' Redis clients against the real Redis: retried commands, and `wake_on` (a published event wakes
-a refresh loop, cancelling stops it, a restart of Redis does not end it)."""
+a refresh loop and hands its text on, cancelling stops it, a restart of Redis does not end it)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from academus.shared.state.keys import Keys
 async def test_an_event_on_the_channel_wakes_the_waiter_and_cancel_stops_the_watch(redis_url):
     redis, channel = connect(redis_url), Keys("t").events()
     changed = asyncio.Event()
-    watch = asyncio.create_task(wake_on(redis, channel, changed))
+    heard: list[str] = []
+    watch = asyncio.create_task(wake_on(redis, channel, changed, heard.append))
     try:
         await subscribed(redis, channel)
         await asyncio.wait_for(changed.wait(), 5.0)   # once subscribed: what was published before was missed
@@ -30,6 +31,7 @@ async def test_an_event_on_the_channel_wakes_the_waiter_and_cancel_stops_the_wat
         assert not changed.is_set()
         await redis.publish(channel, "serving scheduler-0@node-1")
         await asyncio.wait_for(changed.wait(), 5.0)
+        assert heard == ["serving scheduler-0@node-1"]   # its text, to a listener that reads what changed
     finally:
         watch.cancel()
         await asyncio.wait_for(asyncio.gather(watch, return_exceptions=True), 5.0)   # it does stop

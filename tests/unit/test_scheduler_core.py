@@ -1408,8 +1408,8 @@ async def test_the_registration_names_what_a_node_serves_and_leaves_no_key_behin
 async def test_a_batch_answered_long_past_its_estimate_is_learnt_as_four_times_it():
     """A worker that stood still for seconds (stopped, a host's stall) answers a full batch expected in 0.8 s after
     20 s. Learnt as it came, that one sample put the time a row at 0.58 s and its deviation at 0.48 s: 8.5 s for a
-    full batch, which refused every request at the queue's bound for seconds after. It counts as 3.2 s, four times
-    its estimate: 0.16 and 0.06 s a row."""
+    full batch, and the queue's bound would refuse what the workers have room for until later batches brought it
+    down. It counts as 3.2 s, four times its estimate: 0.16 and 0.06 s a row."""
     d, clock, fake = make_dispatcher({"w0": {"spam"}}, capacity=64, policy=ConcatPolicy(row_length=128, rows=8))
     first = asyncio.create_task(d.submit(row_job(clock, "first")))
     await settle()
