@@ -8,7 +8,6 @@ import contextlib
 import functools
 import itertools
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -56,7 +55,6 @@ MAX_TOKENS_ANSWERED = 1 << 17
 # the GIL as it works. One thread: large requests queue behind each other, not the small ones behind them.
 OFF_LOOP_CHARS = 1 << 14
 HOLD_S, HOLD_WAIT_S = 5.0, 0.05   # a model served this recently waits for a scheduler, trying this often
-Answers = Callable[[str], Awaitable[bool]]   # whether the scheduler at an address answered its health check
 STALE_KEY_S = 3600.0   # while Redis is unreachable, a key verified within this long before is still trusted
 
 
@@ -555,6 +553,9 @@ def check_policy(policy: str) -> str:
     return policy
 
 
+Answers = Callable[[str], Awaitable[bool]]   # whether the scheduler at an address answered its health check
+
+
 @dataclass(slots=True)
 class SentCall:
     """A request in flight to a scheduler: when it was sent, and what another deployment would need to serve."""
@@ -596,12 +597,12 @@ class SchedulerDirectory:
                  hang_s: float = 1.0) -> None:
         self.redis, self.keys, self.honour_pushback, self.clock = redis, keys, honour_pushback, clock
         self.answers, self.hang_s = answers, hang_s
-        self._calls: dict[str, dict[asyncio.Task, SentCall]] = {}   # address -> its calls in flight, oldest first
+        # address -> this gateway's calls sent and not answered, oldest first: how full it is, and what to give up
+        self._calls: dict[str, dict[asyncio.Task, SentCall]] = {}
         self._hung: set[str] = set()   # addresses that left a health check unanswered, until one answers
         self._given_up: set[asyncio.Task] = set()   # calls cancelled as their scheduler's, to be sent elsewhere
         self.deployments: list[Deployment] = []
         self._next = itertools.count()
-        self._in_flight: Counter[str] = Counter()  # address -> this gateway's requests sent and not answered
         self._full_until: dict[tuple[str, str], float] = {}   # (address, model) -> when its pushback hint ends
         self._down_until: dict[str, float] = {}   # address -> until when it is tried last (it said UNAVAILABLE)
         self._served_at: dict[str, float] = {}    # model -> when a scheduler last answered one of its requests
@@ -641,7 +642,6 @@ class SchedulerDirectory:
                             for f in found if f.get("address")]
         self._serving = {}
         live = set(self.addresses)   # a scheduler gone with nothing in flight is forgotten
-        self._in_flight = Counter({a: n for a, n in self._in_flight.items() if n or a in live})
         self._down_until = {a: t for a, t in self._down_until.items() if a in live}
         self._hung &= live
         self._calls = {a: calls for a, calls in self._calls.items() if calls or a in live}
@@ -660,7 +660,11 @@ class SchedulerDirectory:
         # would look the emptiest and draw every request: it is tried last for a while
         up = [a for a in open_ if self._down_until.get(a, now) <= now and a not in self._hung] or open_
         start = next(self._next) % len(up)
-        return min(up[start:] + up[:start], key=self._in_flight.__getitem__)
+        return min(up[start:] + up[:start], key=self._in_flight)
+
+    def _in_flight(self, address: str) -> int:
+        calls = self._calls.get(address)
+        return len(calls) if calls else 0
 
     def serving(self, model: str, policy: str = "",
                 exclude: frozenset[str] | set[str] = frozenset()) -> Sequence[str]:
@@ -709,7 +713,6 @@ class SchedulerDirectory:
                     raise
                 tried, holds = set(), holds + 1
                 continue
-            self._in_flight[address] += 1
             task = asyncio.current_task()
             calls = self._calls.setdefault(address, {})
             calls[task] = SentCall(self.clock(), model, policy)
@@ -726,7 +729,6 @@ class SchedulerDirectory:
                     raise
                 error = Unreachable(f"scheduler {address} left its health check unanswered")
             finally:
-                self._in_flight[address] -= 1
                 calls.pop(task, None)
                 self._given_up.discard(task)
             if isinstance(error, ResourceExhausted):

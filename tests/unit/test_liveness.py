@@ -43,11 +43,18 @@ async def settle() -> None:
     await asyncio.sleep(0.05)
 
 
-async def test_a_broken_stream_to_a_dead_worker_declares_it_lost_once():
-    worker, lost = Worker(), []
+async def following(worker: Worker) -> tuple[LivenessWatch, list]:
+    """The watch following `worker` as w1 (registration r1), settled, and the losses it declares."""
+    lost: list = []
     liveness = watching(worker, lost)
     liveness.follow("w1", "127.0.0.1:1", "r1")
     await settle()
+    return liveness, lost
+
+
+async def test_a_broken_stream_to_a_dead_worker_declares_it_lost_once():
+    worker = Worker()
+    liveness, lost = await following(worker)
     worker.end_stream(alive=False)
     await settle()
     assert lost == [("w1", "r1")] and liveness.lost == 1
@@ -56,10 +63,8 @@ async def test_a_broken_stream_to_a_dead_worker_declares_it_lost_once():
 
 
 async def test_a_broken_stream_under_a_live_worker_is_watched_again():
-    worker, lost = Worker(), []
-    liveness = watching(worker, lost)
-    liveness.follow("w1", "127.0.0.1:1", "r1")
-    await settle()
+    worker = Worker()
+    liveness, lost = await following(worker)
     worker.end_stream(alive=True)
     await settle()
     assert lost == [] and worker.streams == 2
@@ -68,11 +73,9 @@ async def test_a_broken_stream_under_a_live_worker_is_watched_again():
 
 async def test_a_worker_never_reached_is_left_to_its_heartbeat():
     """Dropping a worker the resource manager cannot reach would only make it register again, and flap."""
-    worker, lost = Worker(reached=False), []
+    worker = Worker(reached=False)
     worker.alive = False
-    liveness = watching(worker, lost)
-    liveness.follow("w1", "127.0.0.1:1", "r1")
-    await settle()
+    liveness, lost = await following(worker)
     assert lost == [] and worker.streams > 1
     await liveness.close()
 
@@ -119,10 +122,8 @@ class Hanging(Worker):
 
 
 async def test_a_worker_that_answered_and_then_goes_silent_is_lost_with_its_stream_open():
-    worker, lost = Hanging(), []
-    liveness = watching(worker, lost)
-    liveness.follow("w1", "127.0.0.1:1", "r1")
-    await settle()
+    worker = Hanging()
+    liveness, lost = await following(worker)
     assert lost == [] and worker.checks > 1   # answering: checked on, kept
     worker.answers = False
     await settle()
@@ -135,20 +136,16 @@ async def test_a_worker_that_answered_and_then_goes_silent_is_lost_with_its_stre
 
 async def test_silence_from_a_worker_that_never_answered_is_left_to_its_heartbeat():
     """Never reached: the resource manager's network, not the worker, may be what is silent."""
-    worker, lost = Hanging(answers=False), []
-    liveness = watching(worker, lost)
-    liveness.follow("w1", "127.0.0.1:1", "r1")
-    await settle()
+    worker = Hanging(answers=False)
+    liveness, lost = await following(worker)
     assert lost == [] and worker.checks > 1
     await liveness.close()
 
 
 async def test_a_refused_check_is_not_silence():
     """A refusal is the stream's watch to judge (two refusals, a dead port), not the hang check's."""
-    worker, lost = Hanging(), []
-    liveness = watching(worker, lost)
-    liveness.follow("w1", "127.0.0.1:1", "r1")
-    await settle()
+    worker = Hanging()
+    liveness, lost = await following(worker)
     worker.answers = None
     await settle()
     assert lost == []
@@ -159,10 +156,8 @@ async def test_a_refused_check_is_not_silence():
 
 
 async def test_forgetting_a_worker_ends_its_hang_checks():
-    worker, lost = Hanging(), []
-    liveness = watching(worker, lost)
-    liveness.follow("w1", "127.0.0.1:1", "r1")
-    await settle()
+    worker = Hanging()
+    liveness, lost = await following(worker)
     liveness.forget("w1")
     await settle()
     checks = worker.checks
