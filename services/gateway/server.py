@@ -9,7 +9,7 @@ import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import grpc
@@ -39,7 +39,7 @@ from academus.services.gateway.manage import Manage
 from academus.shared.models.plot.domains import Domain
 from academus.shared.models.teacher_files import teacher_dir
 from academus.shared.models.tokenization import TeacherTokenizer
-from academus.shared.models.work_wire import matrix_from_pb, merge_floats
+from academus.shared.models.work_wire import matrix_from_pb, matrix_to_pb, merge_floats
 from academus.shared.runtime import config as cfg
 from academus.shared.runtime.certificates import public_credentials
 from academus.shared.runtime.errors import ServingError, Unavailable, abort_with, from_rpc_error
@@ -173,6 +173,35 @@ def first_results(admitted: Admitted, early: list[tensors_pb2.ModelOutput], fina
     del response.predictions[:]
     response.predictions.extend(by_text[i] for i in sorted(by_text))
     return response
+
+
+def released_once(on_partial: Callable[[tensors_pb2.ModelOutput], None]
+                  ) -> Callable[[tensors_pb2.ModelOutput], None]:
+    """`on_partial` given each text's first early answer only. A call sent again (its scheduler gone or hung, or a
+    worker lost mid-batch) runs its texts anew, and a ramp may release a text a second time: the client was
+    promised one early result a text, then the final one."""
+    released: set[int] = set()
+
+    def forward(output: tensors_pb2.ModelOutput) -> None:
+        fresh = [k for k, row in enumerate(output.rows) if row not in released]
+        if len(fresh) < len(output.rows):
+            if not fresh:
+                return
+            output = only_rows(output, fresh)
+        released.update(output.rows)
+        on_partial(output)
+
+    return forward
+
+
+def only_rows(output: tensors_pb2.ModelOutput, keep: list[int]) -> tensors_pb2.ModelOutput:
+    """An early answer cut to its rows at positions `keep`."""
+    cut = tensors_pb2.ModelOutput()
+    cut.CopyFrom(output)
+    del cut.rows[:]
+    cut.rows.extend(output.rows[k] for k in keep)
+    cut.values.CopyFrom(matrix_to_pb(matrix_from_pb(output.values)[keep]))
+    return cut
 
 
 def pair_response(response: pb.InferResponse, admitted: Admitted, embeddings: np.ndarray) -> pb.InferResponse:
@@ -369,10 +398,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         return pb.DecodeResponse(texts=texts)
 
     async def _schedule(self, admitted: Admitted, request: scheduler_pb2.ScheduleRequest, deadline: float,
-                        policy: str = "", on_partial=None) -> tensors_pb2.ModelOutput:
+                        policy: str = "", on_partial: Callable[[tensors_pb2.ModelOutput], None] | None = None
+                        ) -> tensors_pb2.ModelOutput:
         """Routes to the deployments serving the model (SchedulerDirectory.route). A refusal for want of
         room anywhere gives the request's quota token back: nothing ran, and the caller will retry.
-        `on_partial`: takes the early answers (exit ramps) that come before the answer."""
+        `on_partial`: takes each text's first early answer (exit ramps) before the answer, a retry's again not."""
+        on_partial = None if on_partial is None else released_once(on_partial)
+
         async def send(address: str) -> tensors_pb2.ModelOutput:
             try:
                 return await call_with_partials(self._stub(address).Schedule, request,
