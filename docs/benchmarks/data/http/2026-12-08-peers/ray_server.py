@@ -1,6 +1,6 @@
 """Ray Serve serving peer_model on OpenAI's embeddings route: one replica behind a FastAPI ingress, `serve.batch`
-(up to 32 requests, 10 ms), up to 128 requests in flight on the replica (the default, 5, would cap a batch at 5), and
-both cores for the replica (Ray sets a replica of one CPU to one torch thread).
+(up to 32 requests, 10 ms; PEER_BATCH=1: none), up to 128 requests in flight on the replica (the default, 5, would
+cap a batch at 5), and both cores for the replica (Ray sets a replica of one CPU to one torch thread).
 `PEER_MODEL_DIR=DIR python ray_server.py PORT` (its own virtual environment); SIGTERM shuts Ray down."""
 
 import os
@@ -20,7 +20,7 @@ app = FastAPI()
 class Embeddings:
     def __init__(self) -> None:
         import peer_model
-        self.embed = peer_model.embed
+        self.embed, self.batched = peer_model.embed, peer_model.BATCH > 1
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.01)
     async def batch(self, texts: list[str]) -> list[list[float]]:
@@ -28,7 +28,8 @@ class Embeddings:
 
     @app.post("/v1/embeddings")
     async def embeddings(self, body: dict) -> dict:
-        vector = await self.batch(body["input"][0])
+        text = body["input"][0]
+        vector = await self.batch(text) if self.batched else self.embed([text])[0]
         return {"object": "list", "model": body.get("model", ""),
                 "data": [{"object": "embedding", "index": 0, "embedding": vector}]}
 
@@ -37,7 +38,7 @@ if __name__ == "__main__":
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     ray.init(include_dashboard=False, runtime_env={"env_vars": {
-        "PYTHONPATH": sys.path[0], "PEER_MODEL_DIR": os.environ["PEER_MODEL_DIR"]}})
+        "PYTHONPATH": sys.path[0], **{k: v for k, v in os.environ.items() if k.startswith("PEER_")}}})
     serve.start(http_options={"host": "127.0.0.1", "port": int(sys.argv[1])})
     serve.run(Embeddings.bind(), route_prefix="/")
     stop.wait()
