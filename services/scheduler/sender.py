@@ -107,12 +107,15 @@ def combine(outputs: Sequence[BatchOutput], group: Group) -> BatchOutput:
 
 def deliver_partial(output: BatchOutput, jobs: Sequence[Job]) -> None:
     """A worker's early answer for rows of the merged batch, split to the jobs those rows belong to (each its
-    own rows, numbered within the job), for those that want early answers."""
+    own rows, numbered within the job), for those that want early answers. A text released before, by a run of its
+    batch that a lost worker cut short, is not sent again."""
     start, by_row = 0, {row: i for i, row in enumerate(output.rows)}
     for job in jobs:
-        mine = [(row - start, by_row[row]) for row in range(start, start + job.num_texts) if row in by_row]
+        mine = [(row - start, by_row[row]) for row in range(start, start + job.num_texts)
+                if row in by_row and row - start not in job.released]
         start += job.num_texts
         if not mine or job.on_partial is None or job.future.done():
             continue
+        job.released.update(local for local, _ in mine)
         job.on_partial(replace(output, values=output.values[[i for _, i in mine]],
                                rows=tuple(local for local, _ in mine)))

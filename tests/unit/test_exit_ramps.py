@@ -166,6 +166,21 @@ def test_the_scheduler_splits_an_early_answer_to_its_requests() -> None:
     loop.close()
 
 
+def test_a_batch_run_again_sends_no_text_early_twice() -> None:
+    """A worker lost mid-batch: the job runs again elsewhere, and that run's ramps release its texts again. Each
+    text goes to the gateway once, its first release; a text not released before still goes."""
+    loop = asyncio.new_event_loop()
+    got: list = []
+    job = Job("spam", None, 3, 0, 0.0, 0.0, future=loop.create_future(), on_partial=got.append)
+    deliver_partial(BatchOutput(np.array([[0.1, 0.9]], np.float32), LABELS, rows=(0,), exit_layer=2), [job])
+    again = np.array([[0.6, 0.4], [0.7, 0.3], [0.8, 0.2]], np.float32)
+    deliver_partial(BatchOutput(again, LABELS, rows=(0, 1, 2), exit_layer=4), [job])
+    deliver_partial(BatchOutput(again[:2], LABELS, rows=(1, 2), exit_layer=5), [job])
+    assert [(o.rows, o.exit_layer) for o in got] == [((0,), 2), ((1, 2), 4)]
+    np.testing.assert_array_equal(got[1].values, again[1:])
+    loop.close()
+
+
 def test_the_ramps_evidence_starts_an_adaptive_workers_window(tmp_path: Path) -> None:
     """`save_ramps` stores the evidence with the heads; a worker's adaptive controller starts its window with it
     (a baseline's stays empty); evidence of another width is refused naming the weights file."""
