@@ -144,7 +144,7 @@ class Job:
     plan: BatchPlan | None = None  # set by the concat policy: where this batch's texts sit (ConcatBatching)
     prefetch: asyncio.Task | None = field(repr=False, default=None)  # work done while it waits (PLOT states)
     on_partial: Callable[[Any], None] | None = field(repr=False, default=None)  # its early answers (exit ramps)
-    released: set[int] = field(repr=False, default_factory=set)   # its texts answered early: a retry's again not
+    released: set[int] | None = field(repr=False, default=None)   # its texts answered early (none: not asked)
     trace: Any = field(repr=False, default=None)   # opaque to the core: the request's trace, which its batch joins
 
 

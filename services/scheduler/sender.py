@@ -111,11 +111,12 @@ def deliver_partial(output: BatchOutput, jobs: Sequence[Job]) -> None:
     batch that a lost worker cut short, is not sent again."""
     start, by_row = 0, {row: i for i, row in enumerate(output.rows)}
     for job in jobs:
+        released = job.released or ()
         mine = [(row - start, by_row[row]) for row in range(start, start + job.num_texts)
-                if row in by_row and row - start not in job.released]
+                if row in by_row and row - start not in released]
         start += job.num_texts
         if not mine or job.on_partial is None or job.future.done():
             continue
-        job.released.update(local for local, _ in mine)
+        job.released = {*released, *(local for local, _ in mine)}
         job.on_partial(replace(output, values=output.values[[i for _, i in mine]],
                                rows=tuple(local for local, _ in mine)))
