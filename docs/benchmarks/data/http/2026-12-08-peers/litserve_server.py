@@ -21,4 +21,4 @@ class Embeddings(ls.LitAPI):
 if __name__ == "__main__":
     batch = int(os.environ.get("PEER_BATCH", "32"))
     api = Embeddings(max_batch_size=batch, batch_timeout=0.01 if batch > 1 else 0.0, spec=OpenAIEmbeddingSpec())
-    ls.LitServer(api, accelerator="cpu").run(port=int(sys.argv[1]))
+    ls.LitServer(api, accelerator="cpu").run(port=int(sys.argv[1]), generate_client_file=False)

@@ -1,18 +1,16 @@
 """Academus's OpenAI embeddings route against LitServe's and Ray Serve's, each serving all-MiniLM-L6-v2 on one
-machine, over HTTP/JSON.
+machine, measured by Academus's own load generator over HTTP/JSON.
 
 `python peers.py ROUNDS PEER_PYTHON OUT.json [null]`: PEER_PYTHON is a virtual environment's python with the peers
 (`pip install torch==2.13.0`, then `pip install litserve 'ray[serve]' transformers`). Each round starts each server
 afresh, the arms' order rotating: `academus up` (its defaults: `concat` for the embedding model, one worker) with
 `--http-port`; LitServe (litserve_server.py) and Ray Serve (ray_server.py) with the model as their users would write
 it (peer_model.py), each batching up to 32 requests for 10 ms. On each: the cosine of its embeddings against
-Academus's for 32 texts; 300 sequential requests from one caller (p50, p99); closed loops of 16 and 64 callers for
-10 s each (req/s, p50, p99). One Rotten Tomatoes test snippet a request, `POST /v1/embeddings`, one kept-alive
-connection a caller, from this process (on the same cores).
+Academus's for 32 texts; then `academus loadgen run --gateway http://HOST:PORT/v1/embeddings --schedule closed:N
+--duration 10` (Rotten Tomatoes test snippets, one a request) with 1 caller after a 5 s warm-up, then 16 and 64.
 
 `null`: the servers alone. Academus serves its `null` model; the peers tokenize each text and answer zeros
-(PEER_NULL), without batching (a batch's 10 ms wait would be all they measured). 1,000 sequential requests after
-200, and closed loops of 64 and 256 callers."""
+(PEER_NULL), without batching (a batch's 10 ms wait would be all they measured). Closed loops of 1, 64 and 256."""
 
 import asyncio
 import contextlib
@@ -20,7 +18,6 @@ import json
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,11 +32,9 @@ from academus.shared.cli.mesh import ADMIN_KEY_FILE, MeshOptions, down, up
 from academus.shared.models.teacher_files import teacher_dir
 
 HERE = Path(__file__).resolve().parent
-TEXTS = [s.text for s in from_task("sentiment")]
-DURATION_S = 10.0
-MODE = {"model": {"served": "minilm", "callers": (16, 64), "warm": 50, "sequential": 300, "peer_env": {}},
-        "null": {"served": "null", "callers": (64, 256), "warm": 200, "sequential": 1000,
-                 "peer_env": {"PEER_NULL": "1", "PEER_BATCH": "1"}}}
+DURATION_S, WARM_S = 10, 5
+MODE = {"model": {"served": "minilm", "callers": (1, 16, 64), "peer_env": {}},
+        "null": {"served": "null", "callers": (1, 64, 256), "peer_env": {"PEER_NULL": "1", "PEER_BATCH": "1"}}}
 
 
 class Academus:
@@ -52,8 +47,8 @@ class Academus:
         self.run = Path(tempfile.mkdtemp(prefix="peers-academus-"))
         state = up(MeshOptions(run_dir=self.run, gateway_port=0, http_port=0, env={"ACADEMUS_MODELS": self.served}))
         self.url = f"http://{state.http}/v1/embeddings"
-        self.headers = {"Authorization": f"Bearer {(self.run / ADMIN_KEY_FILE).read_text().strip()}"}
-        asyncio.run(wait_ready(self.url, self.headers, self.served))
+        self.key = (self.run / ADMIN_KEY_FILE).read_text().strip()
+        asyncio.run(wait_ready(self))
         return self
 
     def __exit__(self, *_):
@@ -65,7 +60,7 @@ class Peer:
 
     def __init__(self, name: str, script: str, python: str, port: int, env: dict[str, str]) -> None:
         self.name, self.script, self.python, self.port, self.env = name, script, python, port, env
-        self.served = "minilm"
+        self.served, self.key = "minilm", "none"   # the peers take any key
 
     def __enter__(self):
         with socket.socket() as probe:   # a server left from before would answer in this one's place
@@ -76,8 +71,8 @@ class Peer:
             env={**os.environ, "PEER_MODEL_DIR": str(teacher_dir()), "HF_HUB_OFFLINE": "1",
                  "RAY_USAGE_STATS_ENABLED": "0", **self.env},
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        self.url, self.headers = f"http://127.0.0.1:{self.port}/v1/embeddings", {}
-        asyncio.run(wait_ready(self.url, {}))
+        self.url = f"http://127.0.0.1:{self.port}/v1/embeddings"
+        asyncio.run(wait_ready(self))
         return self
 
     def __exit__(self, *_):
@@ -90,65 +85,49 @@ class Peer:
         time.sleep(2)
 
 
-async def post(session: aiohttp.ClientSession, server, texts: list[str]) -> list[list[float]]:
-    async with session.post(server.url, json={"input": texts, "model": server.served},
-                            headers=server.headers) as answer:
-        body = await answer.json()
-        assert answer.status == 200, body
-        return [d["embedding"] for d in body["data"]]
-
-
-async def wait_ready(url: str, headers: dict, served: str = "minilm", timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
+async def embeddings(server, texts: list[str]) -> list[list[float]]:
+    """Each text's embedding, one request a text (the peers batch requests, not a request's inputs)."""
+    found = []
     async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline:
-            try:
-                async with session.post(url, json={"input": ["ready?"], "model": served}, headers=headers) as answer:
-                    if answer.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.5)
-    raise TimeoutError(f"{url} did not answer within {timeout_s} s")
-
-
-def percentiles(took: list[float]) -> dict[str, float]:
-    took = sorted(took)
-    return {"p50_ms": 1e3 * statistics.median(took), "p99_ms": 1e3 * took[min(len(took) - 1, int(0.99 * len(took)))]}
-
-
-async def measure(server, mode: dict) -> dict:
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        sample = [(await post(session, server, [text]))[0] for text in TEXTS[:32]]   # one text a request: the
-        for text in TEXTS[32:32 + mode["warm"]]:                                    # peers batch requests
-            await post(session, server, [text])
-        took = []
-        first = 32 + mode["warm"]
-        for text in TEXTS[first:first + mode["sequential"]]:
-            start = time.perf_counter()
-            await post(session, server, [text])
-            took.append(time.perf_counter() - start)
-        found = {"sample": sample, "sequential": percentiles(took)}
-        for callers in mode["callers"]:
-            found[f"closed_{callers}"] = await closed_loop(session, server, callers)
+        for text in texts:
+            async with session.post(server.url, json={"input": [text], "model": server.served},
+                                    headers={"Authorization": f"Bearer {server.key}"}) as answer:
+                body = await answer.json()
+                assert answer.status == 200, body
+                found.append(body["data"][0]["embedding"])
     return found
 
 
-async def closed_loop(session: aiohttp.ClientSession, server, callers: int) -> dict[str, float]:
-    took: list[float] = []
-    end = time.perf_counter() + DURATION_S
+async def wait_ready(server, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(aiohttp.ClientError, AssertionError):
+            await embeddings(server, ["ready?"])
+            return
+        await asyncio.sleep(0.5)
+    raise TimeoutError(f"{server.url} did not answer within {timeout_s} s")
 
-    async def caller(k: int) -> None:
-        i = k
-        while time.perf_counter() < end:
-            start = time.perf_counter()
-            await post(session, server, [TEXTS[i % len(TEXTS)]])
-            took.append(time.perf_counter() - start)
-            i += callers
 
-    started = time.perf_counter()
-    await asyncio.gather(*(caller(k) for k in range(callers)))
-    return {"rps": len(took) / (time.perf_counter() - started), **percentiles(took)}
+def loadgen(server, callers: int, seconds: float) -> dict:
+    """One closed loop of `callers` from Academus's load generator: requests a second, p50 and p99 of those
+    answered, and the failures by code."""
+    with tempfile.TemporaryDirectory() as out:
+        done = subprocess.run(
+            [sys.executable, "-m", "academus.loadgen", "run", "--gateway", server.url, "--key", server.key,
+             "--model", server.served, "--schedule", f"closed:{callers}", "--duration", str(seconds),
+             "--texts", "task:sentiment", "--timeout", "60", "--out", out],
+            capture_output=True, text=True, check=True)
+    run = json.loads(done.stdout.strip().splitlines()[-1])["runs"][0]
+    return {"rps": run["throughput_rps"], "p50_ms": run["latency_ms"]["p50"], "p99_ms": run["latency_ms"]["p99"],
+            "errors": run["errors"]}
+
+
+def measure(server, mode: dict) -> dict:
+    found = {"sample": asyncio.run(embeddings(server, [s.text for s in from_task("sentiment")[:32]]))}
+    loadgen(server, 1, WARM_S)
+    for callers in mode["callers"]:
+        found[f"closed_{callers}"] = loadgen(server, callers, DURATION_S)
+    return found
 
 
 def cosines(a: list[list[float]], b: list[list[float]]) -> list[float]:
@@ -165,7 +144,7 @@ def main(rounds: int, python: str, out: Path, mode_name: str = "model") -> None:
         found = {"order": [s.name for s in servers]}
         for server in servers:
             with server as running:
-                found[server.name] = asyncio.run(measure(running, mode))
+                found[server.name] = measure(running, mode)
         ours = found["academus"]
         found["ratios"] = {}
         for peer in ("litserve", "ray-serve"):
@@ -175,7 +154,7 @@ def main(rounds: int, python: str, out: Path, mode_name: str = "model") -> None:
                 found[f"cosine_min_{peer}"] = float(min(cosines(ours["sample"], sample)))
             found["ratios"][peer] = {f"closed_{c}_rps": ours[f"closed_{c}"]["rps"] / theirs[f"closed_{c}"]["rps"]
                                      for c in mode["callers"]}
-            found["ratios"][peer]["sequential_p50"] = ours["sequential"]["p50_ms"] / theirs["sequential"]["p50_ms"]
+            found["ratios"][peer]["closed_1_p50"] = ours["closed_1"]["p50_ms"] / theirs["closed_1"]["p50_ms"]
         ours.pop("sample")
         print(r, json.dumps(found), flush=True)
         results.append(found)
